@@ -1,0 +1,155 @@
+"""What a routing policy sees and returns (contract 3): narrow, typed, read-only.
+
+A policy never touches the prefix index or the worker pool. The router (live) and
+the simulator (virtual time) each build, per request::
+
+    RouteRequest  -- the request's prefix key, reduced to what a policy needs
+    MatchResult   -- per worker, how many leading blocks it holds (from the index)
+    WorkerView[]  -- per routable worker, its load as of pick time
+
+and call ``policy.choose(request, match, views, now) -> Decision``. ``views`` holds
+only routable workers (healthy, breaker closed, not draining) and is never empty:
+the caller answers "no worker" itself. Policies draw randomness only from the
+``random.Random`` they were constructed with, so a seed reproduces every decision.
+
+After the choice the caller inserts the request's hashes for the chosen worker into
+its index (an optimistic hint) and counts the request's load on that worker *at
+pick time*, before the next request is routed.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Sequence
+
+from router.prefix_keys import WorkerId
+
+
+class Reason(str, enum.Enum):
+    """Why a worker was chosen; a label of the router's request metrics."""
+
+    AFFINITY = "affinity"  # the best-matching worker, load allowing
+    SPILL_LOAD = "spill_load"  # a match existed but its holder was too loaded
+    REPLICA = "replica"  # a hot prefix's extra holder
+    MISS = "miss"  # no useful match: least-loaded worker
+    BALANCE = "balance"  # fleet imbalanced: least-loaded worker (cache_aware)
+    HASH = "hash"  # consistent hashing
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOAD = "least_load"
+    FALLBACK = "fallback"  # a retry after the first choice failed
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """The request as a policy sees it."""
+
+    #: chained block hashes of the routing text (router.prefix_keys)
+    hashes: Sequence[int]
+    #: estimated prompt tokens
+    prompt_tokens: int
+    #: tokens per routing block
+    block_tokens: int
+    #: a session affinity key (header or ``user`` field), if the client gave one
+    session: str | None = None
+    model: str = ""
+    #: characters of routing text, for SGLang's char-based cache_aware match rate
+    text_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The index's answer for one request.
+
+    ``blocks[w]`` is the number of leading blocks of the request that worker ``w``
+    holds (absent means 0). ``depth`` is the deepest block of the request present
+    in the index for any worker; ``rate`` is the decayed request rate (requests/s)
+    through that node — the hot-root signal (workers with ``blocks[w] >= depth``
+    are that prefix's holders).
+    """
+
+    blocks: Mapping[WorkerId, int]
+    depth: int = 0
+    rate: float = 0.0
+
+    @property
+    def best(self) -> int:
+        return max(self.blocks.values(), default=0)
+
+
+EMPTY_MATCH = MatchResult({})
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One routable worker's load as of pick time. Read-only to policies."""
+
+    id: WorkerId
+    #: requests the router has sent and not yet seen finish (counted at pick time)
+    in_flight: int = 0
+    #: prompt tokens of those requests not yet known to be prefilled
+    in_flight_tokens: int = 0
+    #: the agent's last report, zeroed once stale
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    running_requests: int = 0
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    #: measured (or configured) prefill throughput, tokens/s
+    prefill_tokens_per_s: float = 10_000.0
+    #: relative capacity weight (consistent hashing, weighted policies)
+    weight: float = 1.0
+
+    @property
+    def load_tokens(self) -> int:
+        """Prefill work ahead of a new request: in-flight plus reported queue."""
+        return self.in_flight_tokens + self.queued_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's choice and why."""
+
+    worker: WorkerId
+    reason: Reason
+    #: leading blocks the chosen worker was believed to hold
+    matched_blocks: int = 0
+    #: the policy's estimate of time to first token, seconds (prefix_load), else None
+    expected_ttft_s: float | None = None
+    #: workers that a prefill-only warm-up should be sent to (hot-root replication)
+    warm: tuple[WorkerId, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    """Base of each policy's parameter dataclass (validated from YAML)."""
+
+
+class Policy:
+    """Base of routing strategies. Subclasses set ``name`` and ``Params``.
+
+    ``choose`` must be pure but for ``self.rng`` and the policy's own small state
+    (a round-robin cursor, a ring): no I/O, no clocks (``now`` is passed in).
+    """
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+
+    def __init__(self, params: PolicyParams | None = None, rng: random.Random | None = None):
+        self.params = params if params is not None else self.Params()
+        self.rng = rng if rng is not None else random.Random(0)
+
+    def choose(
+        self,
+        request: RouteRequest,
+        match: MatchResult,
+        views: Sequence[WorkerView],
+        now: float,
+    ) -> Decision:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Policy-specific state for ``/admin/index`` (hot prefixes, replica sets)."""
+        return {}

@@ -1,0 +1,77 @@
+"""The one command line, ``radixfleet`` (contract 5).
+
+Each subcommand lives in the module that owns the work; this file only knows the
+table below. A subcommand module exposes::
+
+    configure(parser: argparse.ArgumentParser) -> None   # adds its arguments
+    run(args: argparse.Namespace) -> int                  # the exit status
+
+Modules are imported only when their subcommand is chosen, so ``radixfleet --help``
+stays fast. Bad input exits 2 with one line on stderr; ``RadixfleetError`` raised by
+a subcommand is reported the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from router.errors import RadixfleetError
+
+#: name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "router": ("router.main", "run the cache-aware router (reverse proxy)"),
+    "agent": ("worker_agent.main", "run a worker agent (simulated GPU engine or sidecar)"),
+    "up": ("loadtest.fleet", "run a local fleet: N simulated agents and a router"),
+    "demo": ("loadtest.demo", "start a local fleet, load-test three policies, compare"),
+    "loadtest": ("loadtest.main", "drive a workload against one or more routers (A/B)"),
+    "simulate": ("loadtest.simulator.main", "simulate a fleet and its policies in virtual time"),
+    "bench": ("router.benchmarks", "run a benchmark (index, proxy, agent, policy, sim, fidelity)"),
+    "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``radixfleet X: error: ...`` and exit 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's signature
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="radixfleet",
+        description="A fleet-level, cache-aware router for LLM inference.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            # nested dispatchers (``bench``) read the arguments after their name
+            p.radixfleet_argv = argv[argv.index(name) + 1 :]
+            mod = importlib.import_module(module)
+            mod.configure(p)
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0 if not argv else 2
+    try:
+        return int(args._run(args) or 0)
+    except RadixfleetError as exc:
+        print(f"radixfleet {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The project's exception tree, drawn once.
+
+Expected outcomes are values (no capacity -> ``None``, no match -> empty), not
+exceptions. What remains is caller misuse and bad input::
+
+    RadixfleetError                 base of everything raised on purpose
+     +-- RequestError               a client's request is unusable -> HTTP 4xx
+     |    +-- MalformedRequest      body not an object, missing/ill-typed field -> 400
+     |    +-- PayloadTooLarge       body over the configured limit -> 413
+     |    +-- PromptTooLarge        prompt can never fit the worker's KV pool -> 400
+     |    +-- Unauthorized          missing/wrong bearer token or API key -> 401
+     |    +-- NotFound              unknown path, model or worker -> 404
+     |    +-- Overloaded            concurrency queue full -> 429 (Retry-After)
+     |    +-- NoWorkerAvailable     no healthy, undrained worker -> 503
+     +-- ConfigError                a YAML/CLI setting is invalid; names the field path
+     +-- WorkloadError              a load-test workload or trace is invalid (line number)
+
+Broken invariants are ``AssertionError`` raised by ``check()`` methods, never
+members of this tree.
+"""
+
+from __future__ import annotations
+
+
+class RadixfleetError(Exception):
+    """Base class of every error radixfleet raises on purpose."""
+
+
+class RequestError(RadixfleetError):
+    """A client's request cannot be served as sent.
+
+    ``status`` is the HTTP status the servers answer with, ``code`` the
+    OpenAI-style machine-readable code, ``param`` the offending field if any.
+    """
+
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_json(self) -> dict:
+        """The OpenAI-style error body: ``{"error": {message, type, code, param}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
+
+
+class MalformedRequest(RequestError):
+    status = 400
+    code = "malformed_request"
+
+
+class PayloadTooLarge(RequestError):
+    status = 413
+    code = "payload_too_large"
+
+
+class PromptTooLarge(RequestError):
+    status = 400
+    code = "context_length_exceeded"
+
+
+class Unauthorized(RequestError):
+    status = 401
+    error_type = "authentication_error"
+    code = "unauthorized"
+
+
+class NotFound(RequestError):
+    status = 404
+    error_type = "not_found_error"
+    code = "not_found"
+
+
+class Overloaded(RequestError):
+    status = 429
+    error_type = "rate_limit_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NoWorkerAvailable(RequestError):
+    status = 503
+    error_type = "service_unavailable"
+    code = "no_worker_available"
+
+
+class ConfigError(RadixfleetError):
+    """An invalid setting. ``path`` is the dotted field path (``policy.name``)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+        self.message = message
+
+
+class WorkloadError(RadixfleetError):
+    """An invalid workload parameter or trace line (the message names it)."""

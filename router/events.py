@@ -1,0 +1,213 @@
+"""Agent -> router feedback: the wire format of contract 2, shared by both sides.
+
+One HTTP request carries one batch::
+
+    POST /internal/v1/events            Authorization: Bearer $RADIXFLEET_AGENT_TOKEN
+    {
+      "worker_id": "w0",                # the agent's id (its --worker-id)
+      "url": "http://127.0.0.1:9001",   # where the router reaches it
+      "epoch": "5f2c...",               # random per agent process start
+      "seq": 17,                        # batch number within the epoch, from 0
+      "events": [
+        {"type": "snapshot", "blocks": [[hash, parent_or_null], ...]},  # parent first
+        {"type": "stored",   "parent": hash_or_null, "hashes": [h1, h2, ...]},
+        {"type": "removed",  "hashes": [h, ...]},
+        {"type": "cleared"}
+      ],
+      "load": {"queued_requests": 0, "queued_tokens": 0, "running_requests": 0,
+               "kv_used_tokens": 0, "kv_capacity_tokens": 0,
+               "prefill_tokens_per_s": 0.0}
+    }
+
+``stored`` is a chain: ``hashes[0]``'s parent is ``parent`` (null: the root),
+``hashes[i]``'s parent is ``hashes[i-1]``. A ``snapshot`` replaces everything the
+router believes the worker holds.
+
+Answers (JSON ``{"status": ...}``):
+
+    200 ok                   applied
+    409 snapshot_required    sequence gap or unknown epoch: next batch must start
+                             with a snapshot (the agent collapses its backlog)
+    404 unknown_worker       not registered: the agent re-registers, then snapshots
+    400 / 401                malformed / bad token
+
+Registration: ``POST /internal/v1/register`` with ``{"worker_id", "url", "epoch",
+"models": [...]}``, answered ``200 {"status": "ok"}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.errors import MalformedRequest
+
+STATUS_OK = "ok"
+STATUS_SNAPSHOT_REQUIRED = "snapshot_required"
+STATUS_UNKNOWN_WORKER = "unknown_worker"
+
+EVENTS_PATH = "/internal/v1/events"
+REGISTER_PATH = "/internal/v1/register"
+
+_U64 = 2**64
+
+
+@dataclass(slots=True)
+class Stored:
+    parent: int | None
+    hashes: list[int]
+    type: str = "stored"
+
+
+@dataclass(slots=True)
+class Removed:
+    hashes: list[int]
+    type: str = "removed"
+
+
+@dataclass(slots=True)
+class Cleared:
+    type: str = "cleared"
+
+
+@dataclass(slots=True)
+class Snapshot:
+    #: (hash, parent) pairs, every parent listed before its children
+    blocks: list[tuple[int, int | None]]
+    type: str = "snapshot"
+
+
+Event = Stored | Removed | Cleared | Snapshot
+
+
+@dataclass(slots=True)
+class Load:
+    """An agent's load report; the router ignores it once stale."""
+
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    running_requests: int = 0
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+
+
+_LOAD_FIELDS = {f: (float if f == "prefill_tokens_per_s" else int) for f in Load.__slots__}
+
+
+@dataclass(slots=True)
+class EventBatch:
+    worker_id: str
+    url: str
+    epoch: str
+    seq: int
+    events: list = field(default_factory=list)
+    load: Load | None = None
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {
+            "worker_id": self.worker_id,
+            "url": self.url,
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "events": [_event_json(e) for e in self.events],
+        }
+        if self.load is not None:
+            out["load"] = {f: getattr(self.load, f) for f in _LOAD_FIELDS}
+        return out
+
+
+def _event_json(e: Event) -> dict:
+    if isinstance(e, Stored):
+        return {"type": "stored", "parent": e.parent, "hashes": e.hashes}
+    if isinstance(e, Removed):
+        return {"type": "removed", "hashes": e.hashes}
+    if isinstance(e, Snapshot):
+        return {"type": "snapshot", "blocks": [list(b) for b in e.blocks]}
+    return {"type": "cleared"}
+
+
+def _hash(v: Any, where: str) -> int:
+    if type(v) is not int or not 0 <= v < _U64:
+        raise MalformedRequest(f"'{where}' must be an unsigned 64-bit block hash")
+    return v
+
+
+def _hashes(v: Any, where: str) -> list[int]:
+    if not isinstance(v, list):
+        raise MalformedRequest(f"'{where}' must be a list of block hashes")
+    for i, h in enumerate(v):
+        _hash(h, f"{where}[{i}]")
+    return v
+
+
+def _str(body: dict, key: str) -> str:
+    v = body.get(key)
+    if not isinstance(v, str) or not v:
+        raise MalformedRequest(f"'{key}' must be a non-empty string", param=key)
+    return v
+
+
+def parse_batch(body: Any) -> EventBatch:
+    """Validates and parses an events batch. Raises ``MalformedRequest`` naming the field."""
+    if not isinstance(body, dict):
+        raise MalformedRequest("events batch must be a JSON object")
+    seq = body.get("seq")
+    if type(seq) is not int or seq < 0:
+        raise MalformedRequest("'seq' must be a non-negative integer", param="seq")
+    raw_events = body.get("events", [])
+    if not isinstance(raw_events, list):
+        raise MalformedRequest("'events' must be a list", param="events")
+    events: list[Event] = []
+    for i, ev in enumerate(raw_events):
+        where = f"events[{i}]"
+        if not isinstance(ev, dict):
+            raise MalformedRequest(f"'{where}' must be an object", param="events")
+        kind = ev.get("type")
+        if kind == "stored":
+            parent = ev.get("parent")
+            events.append(
+                Stored(
+                    None if parent is None else _hash(parent, f"{where}.parent"),
+                    _hashes(ev.get("hashes"), f"{where}.hashes"),
+                )
+            )
+        elif kind == "removed":
+            events.append(Removed(_hashes(ev.get("hashes"), f"{where}.hashes")))
+        elif kind == "cleared":
+            events.append(Cleared())
+        elif kind == "snapshot":
+            blocks = ev.get("blocks")
+            if not isinstance(blocks, list):
+                raise MalformedRequest(f"'{where}.blocks' must be a list", param="events")
+            pairs = []
+            for j, b in enumerate(blocks):
+                if not isinstance(b, list) or len(b) != 2:
+                    raise MalformedRequest(
+                        f"'{where}.blocks[{j}]' must be [hash, parent]", param="events"
+                    )
+                pairs.append(
+                    (
+                        _hash(b[0], f"{where}.blocks[{j}][0]"),
+                        None if b[1] is None else _hash(b[1], f"{where}.blocks[{j}][1]"),
+                    )
+                )
+            events.append(Snapshot(pairs))
+        else:
+            raise MalformedRequest(
+                f"'{where}.type' {kind!r} is not one of stored, removed, cleared, snapshot",
+                param="events",
+            )
+    load = None
+    raw_load = body.get("load")
+    if raw_load is not None:
+        if not isinstance(raw_load, dict):
+            raise MalformedRequest("'load' must be an object", param="load")
+        vals = {}
+        for f, typ in _LOAD_FIELDS.items():
+            v = raw_load.get(f, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise MalformedRequest(f"'load.{f}' must be a non-negative number", param="load")
+            vals[f] = typ(v)
+        load = Load(**vals)
+    return EventBatch(_str(body, "worker_id"), _str(body, "url"), _str(body, "epoch"), seq, events, load)

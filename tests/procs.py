@@ -1,0 +1,88 @@
+"""Starting and stopping real processes on loopback for integration tests.
+
+``Proc`` runs ``python -m router.cli ...`` (or any argv) in its own process group,
+waits until an HTTP endpoint answers, and kills the group on exit, whatever
+happened. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def radixfleet_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+class Proc:
+    """A child process; ``with Proc(argv, ready_url=...) as p:`` waits for readiness."""
+
+    def __init__(self, argv: list[str], *, ready_url: str | None = None,
+                 env: dict | None = None, timeout_s: float = 20.0) -> None:
+        self.argv = argv
+        self.ready_url = ready_url
+        self.env = {**os.environ, **(env or {})}
+        self.timeout_s = timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Proc":
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if self.ready_url:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                out = self.proc.stdout.read().decode(errors="replace")
+                raise RuntimeError(f"{self.argv} exited with {self.proc.returncode}:\n{out}")
+            try:
+                if httpx.get(self.ready_url, timeout=0.5).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"{self.ready_url} not ready after {self.timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash, for failure tests)."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self, timeout_s: float = 10.0) -> str:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the captured output."""
+        if self.proc is None:
+            return ""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout_s)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                self.kill()
+        try:
+            return self.proc.stdout.read().decode(errors="replace")
+        except ValueError:
+            return ""
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

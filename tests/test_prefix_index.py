@@ -1,0 +1,202 @@
+"""The approximate prefix index: exact match lengths, closure, budget eviction order,
+hot counters, and check() after seeded random operation sequences."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.prefix_index import EXTRA_HOLDER_BYTES, HEAP_RECORD_BYTES, NODE_BYTES, PrefixIndex
+
+
+def chain(tag: int, n: int) -> list[int]:
+    """n distinct fake hashes; chains with the same tag share their prefix."""
+    return [tag * 1_000_000 + i for i in range(n)]
+
+
+def test_match_lengths_per_worker_are_exact():
+    idx = PrefixIndex()
+    a = chain(1, 10)
+    idx.insert("w0", a, 1.0)
+    idx.insert("w1", a[:4], 2.0)
+    idx.insert("w2", a[:7], 3.0)
+    m = idx.match(a, 4.0)
+    assert dict(m.blocks) == {"w0": 10, "w1": 4, "w2": 7}
+    assert m.depth == 10
+    idx.check()
+    # a request that diverges after 5 blocks
+    b = a[:5] + chain(2, 3)
+    m = idx.match(b, 5.0)
+    assert dict(m.blocks) == {"w0": 5, "w1": 4, "w2": 5}
+    assert m.depth == 5
+    assert idx.match(chain(3, 3), 5.0).blocks == {}
+    assert idx.match([], 5.0).blocks == {}
+
+
+def test_insert_with_parent_extends_a_chain_and_unknown_parents_are_dropped():
+    idx = PrefixIndex()
+    a = chain(1, 6)
+    idx.insert("w0", a[:3], 1.0)
+    assert idx.insert("w0", a[3:], 2.0, parent=a[2]) == 3
+    assert idx.match(a, 3.0).blocks == {"w0": 6}
+    assert idx.insert("w1", a[3:], 2.0, parent=a[2]) == 0  # w1 does not hold the parent
+    assert idx.insert("w0", [99], 2.0, parent=12345) == 0
+    idx.check()
+
+
+def test_remove_takes_descendants_so_sets_stay_prefix_closed():
+    idx = PrefixIndex()
+    a = chain(1, 8)
+    idx.insert("w0", a, 1.0)
+    idx.insert("w1", a, 1.0)
+    assert idx.remove("w0", [a[3]]) == 5
+    assert dict(idx.match(a, 2.0).blocks) == {"w0": 3, "w1": 8}
+    idx.check()
+    assert idx.clear("w1") == 8
+    assert dict(idx.match(a, 2.0).blocks) == {"w0": 3}
+    assert idx.stats().nodes == 3
+    assert idx.workers() == {"w0", "w1"}  # clear keeps the worker known
+    idx.drop_worker("w0")
+    idx.drop_worker("w1")
+    assert idx.stats().nodes == 0 and idx.workers() == set()
+    idx.check()
+
+
+def test_snapshot_replaces_a_workers_set():
+    idx = PrefixIndex()
+    a, b = chain(1, 4), chain(2, 3)
+    idx.insert("w0", a, 1.0)
+    blocks = [(b[0], None), (b[1], b[0]), (b[2], b[1]), (77, 5555)]  # last: unknown parent
+    idx.apply_snapshot("w0", blocks, 2.0)
+    assert idx.match(a, 3.0).blocks == {}
+    assert idx.match(b, 3.0).blocks == {"w0": 3}
+    assert idx.stats().nodes == 3
+    idx.check()
+
+
+def budget_for(nodes: int, heap: int) -> int:
+    return nodes * NODE_BYTES + heap * HEAP_RECORD_BYTES
+
+
+def test_budget_evicts_least_recently_touched_leaf_entries_first():
+    a, b, c = chain(1, 4), chain(2, 4), chain(3, 4)
+    idx = PrefixIndex(max_bytes=budget_for(8, 2))
+    idx.insert("w0", a, 1.0)
+    idx.insert("w1", b, 2.0)
+    idx.insert("w0", a, 3.0)  # a re-touched: b is now the oldest
+    idx.check()
+    idx.insert("w2", c, 4.0)  # over budget: b's chain (w1) leaves, deepest first
+    idx.check()
+    assert idx.match(b, 5.0).blocks == {}
+    assert idx.match(a, 5.0).blocks == {"w0": 4}
+    assert idx.match(c, 5.0).blocks == {"w2": 4}
+    assert idx.stats().evicted_entries == 4
+
+
+def test_eviction_trims_tails_before_shared_roots():
+    shared = chain(1, 2)
+    x, y = shared + chain(2, 2), shared + chain(3, 2)
+    idx = PrefixIndex(max_bytes=budget_for(6, 2))
+    idx.insert("w0", x, 1.0)
+    idx.insert("w0", y, 2.0)
+    idx.check()
+    idx.insert("w0", chain(4, 2), 3.0)  # needs room for 2 nodes: x's tail goes
+    idx.check()
+    m = idx.match(x, 4.0)
+    assert m.blocks == {"w0": 2}  # the shared root survives, x's own tail is gone
+    assert idx.match(y, 4.0).blocks == {"w0": 4}
+
+
+def test_global_budget_not_per_worker_memory_flat_under_unique_stream():
+    idx = PrefixIndex(max_bytes=200_000)
+    rng = random.Random(7)
+    sizes = []
+    for i in range(3000):
+        idx.insert(f"w{rng.randrange(16)}", chain(i + 10, rng.randrange(1, 12)), float(i))
+        sizes.append(idx.stats().est_bytes)
+    assert max(sizes) <= 200_000
+    assert min(sizes[-1000:]) > 150_000  # full and flat, not shrinking
+    idx.check()
+
+
+def test_multi_holder_entries_are_counted_in_the_budget():
+    idx = PrefixIndex()
+    a = chain(1, 5)
+    for w in ("w0", "w1", "w2"):
+        idx.insert(w, a, 1.0)
+    st = idx.stats()
+    assert st.nodes == 5 and st.holder_entries == 15
+    assert st.est_bytes == 5 * NODE_BYTES + 15 * EXTRA_HOLDER_BYTES + 3 * HEAP_RECORD_BYTES
+
+
+def test_hot_counters_decay_with_the_half_life():
+    idx = PrefixIndex(half_life_s=10.0)
+    sys_prompt = chain(1, 4)
+    idx.insert("w0", sys_prompt, 0.0)
+    for i in range(100):  # 10 requests/s for 10 s
+        m = idx.match(sys_prompt + chain(100 + i, 2), i / 10)
+    assert 3.0 < m.rate < 12.0
+    assert m.depth == 4
+    later = idx.rate(sys_prompt[-1], 10.0 + 50.0)  # five half-lives later
+    assert later < m.rate / 20
+    hot = idx.hot_prefixes(10.0, k=3)
+    assert hot[0].hash == sys_prompt[-1] and hot[0].depth == 4 and hot[0].holders == ("w0",)
+
+
+def test_hot_counters_survive_renormalisation():
+    idx = PrefixIndex(half_life_s=0.01)
+    p = chain(1, 2)
+    idx.insert("w0", p, 0.0)
+    for i in range(50):
+        m = idx.match(p, float(i))  # exponent passes the renormalisation bound
+    assert m.rate > 0 and m.rate < 1e6
+
+
+OPS = ("insert", "insert", "insert", "remove", "clear", "snapshot", "match", "extend")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_check_after_seeded_random_sequences(seed):
+    rng = random.Random(seed)
+    idx = PrefixIndex(max_bytes=rng.choice([3_000, 20_000, 10**9]))
+    workers = [f"w{i}" for i in range(rng.randrange(1, 6))]
+    bases = [chain(t, 12) for t in range(1, 6)]
+    now = 0.0
+    for _ in range(400):
+        now += rng.random()
+        op = rng.choice(OPS)
+        w = rng.choice(workers)
+        base = rng.choice(bases)
+        if op == "insert":
+            cut = rng.randrange(1, len(base) + 1)
+            # a tail's hashes depend on its whole prefix, as chained hashes do
+            t = rng.randrange(3)
+            tail = [hash((base[0], cut, t, i)) % 2**60 for i in range(rng.randrange(0, 3))]
+            idx.insert(w, base[:cut] + tail, now)
+        elif op == "extend":
+            cut = rng.randrange(1, len(base))
+            idx.insert(w, base[cut:cut + 3], now, parent=base[cut - 1])
+        elif op == "remove":
+            idx.remove(w, rng.sample(base, 2))
+        elif op == "clear":
+            (idx.drop_worker if rng.random() < 0.3 else idx.clear)(w)
+        elif op == "snapshot":
+            cut = rng.randrange(1, len(base))
+            idx.apply_snapshot(w, [(h, base[i - 1] if i else None) for i, h in enumerate(base[:cut])], now)
+        else:
+            m = idx.match(base, now)
+            for wid, n in m.blocks.items():
+                assert 0 < n <= len(base)
+        idx.check()
+
+
+def test_a_hash_seen_under_another_parent_stops_the_insert():
+    idx = PrefixIndex()
+    idx.insert("w0", [1, 2, 3], 1.0)
+    idx.insert("w1", [9, 2, 7], 1.0)  # 2 already lives under 1: stop after 9
+    idx.insert("w1", [8, 10, 3], 1.0)  # 3 collides inside a new tail: stop before it
+    assert idx.match([9, 2, 7], 2.0).blocks == {"w1": 1}
+    assert idx.match([8, 10, 3], 2.0).blocks == {"w1": 2}
+    assert idx.match([1, 2, 3], 2.0).blocks == {"w0": 3}
+    idx.check()
