@@ -89,7 +89,9 @@ class WorkerView:
     id: WorkerId
     #: requests the router has sent and not yet seen finish (counted at pick time)
     in_flight: int = 0
-    #: prompt tokens of those requests not yet known to be prefilled
+    #: prompt tokens of those requests not yet known to be prefilled — their
+    #: uncached part, ``prompt_tokens - Decision.matched_blocks * block_tokens``, is
+    #: the prefill work prefix_load's queue model assumes (policies/prefix_load.py)
     in_flight_tokens: int = 0
     #: the agent's last report, zeroed once stale
     queued_requests: int = 0

@@ -1,0 +1,270 @@
+"""prefix_load — the recommended default: least expected time to first token, with
+bounded affinity and hot-root replication.
+
+For each routable worker w (rate_w = its prefill tokens/s)::
+
+    queue_s(w)  = (queued_tokens + in_flight_tokens) / rate_w     queueing delay
+    matched(w)  = blocks[w] * block_tokens, or 0 when < min_match_tokens (a miss)
+                  or when w is over the affinity bound (below) or a retired replica
+    ttft(w)     = queue_s(w) + (prompt_tokens - matched(w)) / rate_w
+    score(w)    = queue_s(w) + prefill_weight * (prompt_tokens - matched(w)) / rate_w
+
+The pick is the minimum score; ties prefer the longer match, then break at random.
+``prefill_weight`` > 1 because a worker's uncached prefill delays not only this
+request but every request queued behind it there: it is what makes prefix reuse
+worth more than an equal amount of queue. ``Decision.expected_ttft_s`` is ttft(w).
+
+Bounded affinity: a matching worker keeps its match only while it is *not*
+overloaded relative to the least-loaded worker L::
+
+    overloaded(w) = queue_s(w) - queue_s(L) > affinity_abs_s
+                    and queue_s(w) > queue_s(L) * affinity_rel
+
+so no amount of cached prefix herds requests onto a worker past those margins.
+When nobody routable holds ``min_match_tokens`` of the request it is a miss and goes
+to the least-loaded worker (least queue_s, ties at random) — never to "the smallest
+tree" (sglang #14305).
+
+Reasons: AFFINITY (the chosen worker has the best match), REPLICA (it is a hot
+prefix's replica, or was just made one), SPILL_LOAD (a better match existed but
+its holder lost on load), MISS.
+
+Load accounting the caller owes (``policies.base``): after each decision, add the
+request to the chosen view's ``in_flight`` and its *uncached* prompt tokens
+(``prompt_tokens - matched_blocks * block_tokens``) to ``in_flight_tokens`` before
+the next pick; remove them when the prefill is known done. Counting full prompt
+tokens instead still works but overstates a warm worker's queue, so affinity
+yields sooner.
+
+Hot-root replication (``policies.replication``): when the request's deepest
+indexed node is hot (``match.rate >= hot_min_rate``), its holders are compared with
+what the rate needs; a missing holder is added — the least-loaded non-holder takes
+this request (reason REPLICA), or with ``warm_ahead`` it is named in
+``Decision.warm`` for a prefill-only warm-up and the request is scored as usual —
+and surplus replicas are retired as the rate decays.
+
+Cost: O(workers) with no allocation beyond one list of queue delays and the
+Decision; a hot prefix adds one dict lookup and O(workers) bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
+from policies.params import param
+from policies.replication import RETIRE_FRACTION, HotRoots, holders_needed
+
+_INF = math.inf
+#: seconds a new replica may take to appear in the index as a holder
+REPLICA_GRACE_S = 5.0
+
+
+class PrefixLoad(Policy):
+    name = "prefix_load"
+
+    @dataclass(frozen=True, slots=True)
+    class Params(PolicyParams):
+        min_match_tokens: int = param(
+            64, "a match shorter than this many tokens counts as a miss", lo=0)
+        prefill_weight: float = param(
+            2.0, "weight of uncached prefill against queueing delay in the score "
+            "(1 = pure expected TTFT; >1 values reuse, which also spares later requests)",
+            lo=0.0, hi=100.0)
+        affinity_abs_s: float = param(
+            1.0, "a holder loses its match once its queue exceeds the least-loaded "
+            "worker's by more than this many seconds of prefill ...", lo=0.0)
+        affinity_rel: float = param(
+            2.0, "... and by more than this factor", lo=1.0)
+        replicate: bool = param(True, "replicate hot prefixes over more holders")
+        hot_min_rate: float = param(
+            2.0, "a prefix below this many requests/s is never replicated", lo=0.0,
+            lo_open=True)
+        holder_max_rate: float = param(
+            10.0, "requests/s of one hot prefix a single holder is expected to absorb",
+            lo=0.0, lo_open=True)
+        hot_utilization: float = param(
+            0.5, "share of a holder's prefill rate a hot prefix may use", lo=0.0, hi=1.0,
+            lo_open=True)
+        max_replicas: int = param(4, "extra holders per hot prefix, at most", lo=0)
+        warm_ahead: bool = param(
+            False, "warm a new replica with a prefill-only request (Decision.warm) "
+            "instead of sending it the request that triggered it")
+        hot_records: int = param(64, "hot prefixes remembered (LRU)", lo=1, hi=100_000)
+
+    def __init__(self, params=None, rng=None):
+        super().__init__(params, rng)
+        p = self.params
+        self.hot = HotRoots(p.hot_records, p.max_replicas)
+
+    def choose(self, request: RouteRequest, match: MatchResult,
+               views: Sequence[WorkerView], now: float) -> Decision:
+        p = self.params
+        rnd = self.rng.random
+        blocks = match.blocks
+        bt = request.block_tokens
+        prompt = request.prompt_tokens
+
+        # Pass 1: queue delays, the least-loaded worker, the best routable match.
+        qs = []
+        lo_i, lo_q, lo_ties = 0, _INF, 0
+        best_b = 0
+        for i, v in enumerate(views):
+            q = (v.in_flight_tokens + v.queued_tokens) / v.prefill_tokens_per_s
+            qs.append(q)
+            if q < lo_q:
+                lo_i, lo_q, lo_ties = i, q, 1
+            elif q == lo_q:
+                lo_ties += 1
+                if rnd() * lo_ties < 1.0:
+                    lo_i = i
+            if blocks:
+                b = blocks.get(v.id, 0)
+                if b > best_b:
+                    best_b = b
+        min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
+        if best_b == 0 or best_b < min_b:
+            v = views[lo_i]
+            return Decision(v.id, Reason.MISS, blocks.get(v.id, 0) if blocks else 0,
+                            lo_q + prompt / v.prefill_tokens_per_s)
+
+        masked: dict | None = None
+        replicas: dict | None = None
+        warm: tuple = ()
+        depth = match.depth
+        if depth and p.replicate and depth <= len(request.hashes) and (
+            match.rate >= p.hot_min_rate or request.hashes[depth - 1] in self.hot
+        ):
+            out = self._replicate(request, match, views, qs, now)
+            if out.__class__ is Decision:
+                return out
+            masked, replicas, warm = out
+
+        # Pass 2: the minimum score, bounded affinity.
+        w = p.prefill_weight
+        abs_s, rel = p.affinity_abs_s, p.affinity_rel
+        bound_q = lo_q + abs_s
+        bound_r = lo_q * rel
+        pick_i, pick_s, pick_b, ties = 0, _INF, -1, 0
+        for i, v in enumerate(views):
+            q = qs[i]
+            b = blocks.get(v.id, 0)
+            if b < min_b or (q > bound_q and q > bound_r) or (masked and v.id in masked):
+                b = 0
+            unc = prompt - b * bt
+            if unc < 0:
+                unc = 0
+            s = q + w * unc / v.prefill_tokens_per_s
+            if s < pick_s or (s == pick_s and b > pick_b):
+                pick_i, pick_s, pick_b, ties = i, s, b, 1
+            elif s == pick_s and b == pick_b:
+                ties += 1
+                if rnd() * ties < 1.0:
+                    pick_i = i
+        v = views[pick_i]
+        if replicas and v.id in replicas and pick_b > 0:
+            reason = Reason.REPLICA
+        elif pick_b >= best_b:
+            reason = Reason.AFFINITY
+        else:
+            reason = Reason.SPILL_LOAD
+        unc = prompt - pick_b * bt
+        ttft = qs[pick_i] + (unc if unc > 0 else 0) / v.prefill_tokens_per_s
+        return Decision(v.id, reason, blocks.get(v.id, 0), ttft, warm)
+
+    def _replicate(self, request: RouteRequest, match: MatchResult,
+                   views: Sequence[WorkerView], qs: list, now: float):
+        """Hot-root bookkeeping for a request through a hot (or recorded) node.
+
+        Returns a REPLICA ``Decision`` when this request goes to a new replica, else
+        ``(masked, replicas, warm)`` for the scoring pass.
+        """
+        p = self.params
+        hot = self.hot
+        depth, rate = match.depth, match.rate
+        key = request.hashes[depth - 1]
+        blocks = match.blocks
+        holders = [v for v in views if blocks.get(v.id, 0) >= depth]
+        held = {v.id for v in holders}
+        if rate < p.hot_min_rate:
+            rec = hot.get(key)
+            if rec is None:
+                return None, None, ()
+            rec.rate, rec.needed = rate, 1
+            hot.retire_all(rec, now)
+            self._forget_departed(rec, held, now)
+            if not rec.replicas and not rec.retired:
+                hot.drop(key)
+                return None, None, ()
+            return rec.retired, None, ()
+        rec = hot.see(key, depth, rate, now)
+        self._forget_departed(rec, held, now)
+        bt = request.block_tokens
+        uncached = max(request.prompt_tokens - depth * bt, bt, 1)
+        src = holders or views
+        mean_tps = sum(v.prefill_tokens_per_s for v in src) / len(src)
+        cap = min(1 + p.max_replicas, len(views))
+        needed, per_holder = holders_needed(rate, uncached, mean_tps, p.holder_max_rate,
+                                            p.hot_utilization, cap)
+        rec.needed = needed
+        # holders not retired, plus replicas still on their way into the index
+        active = held.difference(rec.retired)
+        if len(rec.replicas):
+            routable = {v.id for v in views}
+            active.update(w for w in rec.replicas if w in routable)
+        warm: tuple = ()
+        if len(active) < needed:
+            back = [w for w in rec.retired if w in held]
+            if back:
+                # still holds the prefix: cheaper than a cold replica
+                hot.reinstate(rec, back[-1], now)
+            elif len(rec.replicas) < p.max_replicas:
+                i = self._least_loaded_non_holder(views, qs, held, rec.replicas)
+                if i >= 0:
+                    new = views[i]
+                    hot.add_replica(rec, new.id, now)
+                    if not p.warm_ahead:
+                        return Decision(new.id, Reason.REPLICA, blocks.get(new.id, 0),
+                                        qs[i] + request.prompt_tokens / new.prefill_tokens_per_s)
+                    warm = (new.id,)
+        elif len(active) > 1 and rate < RETIRE_FRACTION * per_holder * (len(active) - 1):
+            hot.retire_newest(rec, active, now)
+        return (rec.retired or None), rec.replicas, warm
+
+    def _least_loaded_non_holder(self, views, qs, held, pending) -> int:
+        """Index of the least-loaded view that neither holds the prefix nor is a
+        replica still warming up; ties at random; -1 if none."""
+        rnd = self.rng.random
+        best, best_q, ties = -1, _INF, 0
+        for i, v in enumerate(views):
+            if v.id in held or v.id in pending:
+                continue
+            q = qs[i]
+            if q < best_q:
+                best, best_q, ties = i, q, 1
+            elif q == best_q:
+                ties += 1
+                if rnd() * ties < 1.0:
+                    best = i
+        return best
+
+    @staticmethod
+    def _forget_departed(rec, held: set, now: float) -> None:
+        """Retired workers the index no longer credits with the prefix have aged out;
+        so have replicas that lost it (or never got it) ``REPLICA_GRACE_S`` after they
+        were added — the grace covers a warm-up's round trip before agent events."""
+        for w in [w for w in rec.retired if w not in held]:
+            del rec.retired[w]
+        for w in [w for w, t in rec.replicas.items()
+                  if w not in held and now - t > REPLICA_GRACE_S]:
+            del rec.replicas[w]
+
+    def describe(self) -> dict:
+        d = self.hot.describe()
+        d["params"] = asdict(self.params)
+        return d
+
+    def check(self) -> None:
+        self.hot.check()

@@ -1,0 +1,319 @@
+"""prefix_load: seeded scenarios with exact expected choices, against a real PrefixIndex."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.base import MatchResult, Reason, RouteRequest, WorkerView
+from policies.harness import PickLoop, counts
+from policies.prefix_load import PrefixLoad
+from policies.registry import build_policy
+from policies.replication import HotRoots
+from router.prefix_index import PrefixIndex
+from router.prefix_keys import Endpoint, request_key
+
+W4 = [f"w{i}" for i in range(4)]
+W8 = [f"w{i}" for i in range(8)]
+SYSTEM = "S" * 4096  # 1024 tokens = 32 blocks of 32 tokens
+
+
+def completion(prompt: str, tenant: str = ""):
+    return request_key(Endpoint.COMPLETIONS, {"model": "m", "prompt": prompt}, tenant=tenant)
+
+
+def chat(messages, tenant: str = ""):
+    return request_key(Endpoint.CHAT, {"model": "m", "messages": messages}, tenant=tenant)
+
+
+def policy(seed=0, **params) -> PrefixLoad:
+    return build_policy("prefix_load", params, random.Random(seed))
+
+
+# ------------------------------------------------------------------ hand-built matches
+
+def hand_req(prompt=3232, blocks=101):
+    return RouteRequest(list(range(1, blocks + 1)), prompt, 32)
+
+
+def test_miss_goes_to_the_least_loaded_worker():
+    pol = policy()
+    vs = [WorkerView("w0", in_flight_tokens=300), WorkerView("w1", in_flight_tokens=100),
+          WorkerView("w2", in_flight_tokens=0, queued_tokens=200)]
+    d = pol.choose(hand_req(), MatchResult({}), vs, 0.0)
+    assert (d.worker, d.reason, d.matched_blocks) == ("w1", Reason.MISS, 0)
+    assert d.expected_ttft_s == pytest.approx((100 + 3232) / 10_000)
+    # a match shorter than min_match_tokens (64) is a miss: 1 block = 32 tokens
+    d = pol.choose(hand_req(), MatchResult({"w2": 1}, depth=1), vs, 0.0)
+    assert (d.worker, d.reason) == ("w1", Reason.MISS)
+    # 2 blocks = 64 tokens is a match (and w2 wins on score)
+    d = pol.choose(hand_req(), MatchResult({"w2": 2, "w0": 2}, depth=2), vs, 0.0)
+    assert d.reason is Reason.AFFINITY and d.matched_blocks == 2
+    # equally least-loaded workers tie at random
+    eq = [WorkerView("a", in_flight_tokens=50), WorkerView("b"), WorkerView("c")]
+    assert {pol.choose(hand_req(), MatchResult({}), eq, 0.0).worker for _ in range(60)} == {"b", "c"}
+
+
+def test_queue_delay_is_in_seconds_of_each_workers_prefill_rate():
+    pol = policy()
+    # w0 has fewer queued tokens but prefills 4x slower: w1 is less loaded in time
+    vs = [WorkerView("w0", in_flight_tokens=1000, prefill_tokens_per_s=2_500.0),
+          WorkerView("w1", in_flight_tokens=3000, prefill_tokens_per_s=10_000.0)]
+    assert pol.choose(hand_req(), MatchResult({}), vs, 0.0).worker == "w1"
+
+
+def test_affinity_bound_exact_edges():
+    pol = policy()  # affinity_abs_s 1.0, affinity_rel 2.0, prefill_weight 2.0
+    assert (pol.params.affinity_abs_s, pol.params.affinity_rel) == (1.0, 2.0)
+    r = hand_req(prompt=6432, blocks=201)
+    m = MatchResult({"w0": 200}, depth=200)  # 6400 of 6432 tokens cached on w0
+    lo = WorkerView("w1", in_flight_tokens=1000)  # 0.1 s
+    at = WorkerView("w0", in_flight_tokens=11000)  # 1.1 s: exceeds by exactly 1.0: allowed
+    d = pol.choose(r, m, [at, lo], 0.0)
+    assert (d.worker, d.reason, d.matched_blocks) == ("w0", Reason.AFFINITY, 200)
+    assert d.expected_ttft_s == pytest.approx(1.1 + 32 / 10_000)
+    over = WorkerView("w0", in_flight_tokens=11001)
+    d = pol.choose(r, m, [over, lo], 0.0)
+    assert (d.worker, d.reason, d.matched_blocks) == ("w1", Reason.SPILL_LOAD, 0)
+    assert d.expected_ttft_s == pytest.approx(0.1 + 6432 / 10_000)
+    # both margins must be exceeded: 3.5 s vs 2.0 s is 1.5 s more but < 2x -> affinity
+    r = hand_req(prompt=12832, blocks=401)
+    m = MatchResult({"w0": 400}, depth=400)
+    busy = WorkerView("w1", in_flight_tokens=20000)
+    d = pol.choose(r, m, [WorkerView("w0", in_flight_tokens=35000), busy], 0.0)
+    assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
+    # 4.1 s > 2 x 2.0 s: the bound overrides the score (4.1064 s < 4.5664 s)
+    d = pol.choose(r, m, [WorkerView("w0", in_flight_tokens=41000), busy], 0.0)
+    assert (d.worker, d.reason) == ("w1", Reason.SPILL_LOAD)
+
+
+def test_scoring_trades_reuse_against_queueing():
+    pol = policy()
+    m = MatchResult({"w0": 10}, depth=10)  # 320 of 3232 tokens cached on w0
+    # w0 0.1 s busier: saves 2 x 320 / 10k = 0.064 s of weighted prefill -> not worth it
+    d = pol.choose(hand_req(), m, [WorkerView("w0", in_flight_tokens=1000), WorkerView("w1")], 0.0)
+    assert (d.worker, d.reason) == ("w1", Reason.SPILL_LOAD)
+    # 0.05 s busier: worth it
+    d = pol.choose(hand_req(), m, [WorkerView("w0", in_flight_tokens=500), WorkerView("w1")], 0.0)
+    assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
+
+
+def test_unroutable_holders_do_not_count():
+    d = policy().choose(hand_req(), MatchResult({"gone": 100}, depth=100),
+                        [WorkerView("w0", in_flight_tokens=5), WorkerView("w1")], 0.0)
+    assert (d.worker, d.reason) == ("w1", Reason.MISS)
+
+
+# ------------------------------------------------------------------ scenarios (real index)
+
+def test_conversation_follow_ups_stay_while_load_allows():
+    loop = PickLoop(policy(seed=1), W4, check=True)
+    for w, bg in zip(W4, (0, 1000, 2000, 3000)):  # background prefill tokens (persistent)
+        loop.load[w].in_flight_tokens = bg
+    messages = [{"role": "system", "content": "You are terse. " + "R" * 8000},
+                {"role": "user", "content": "question 0"}]
+    t = 0.0
+    for turn in range(7):
+        if turn == 5:
+            loop.load["w0"].in_flight_tokens = 4000  # busier, but reuse still wins
+        if turn == 6:
+            loop.load["w0"].in_flight_tokens = 9000  # 0.9 s vs 0.1 s: queue outweighs reuse
+        k = chat(messages)
+        loop.route(k.hashes, k.prompt_tokens, t)
+        messages += [{"role": "assistant", "content": f"answer {turn} " * 20},
+                     {"role": "user", "content": f"question {turn + 1}"}]
+        t += 5.0  # earlier prefills have finished
+    got = [(d.worker, d.reason) for d in loop.decisions]
+    assert got == [("w0", Reason.MISS)] + [("w0", Reason.AFFINITY)] * 5 + [
+        ("w1", Reason.SPILL_LOAD)]
+    assert all(d.matched_blocks > 0 for d in loop.decisions[1:6])
+
+
+def test_burst_of_64_spreads_as_the_affinity_bound_dictates():
+    # prefill_weight 3 so that the bound (0.2 s), not the score, is what binds:
+    # a holder takes requests while its queue is <= 0.2 s: the first costs 1088
+    # tokens (0.1088 s), each later one its 64 uncached tokens (0.0064 s), so
+    # 0.1088 + 15 x 0.0064 = 0.2048 > 0.2 stops it after 16; then the next idle worker.
+    loop = PickLoop(policy(seed=4, affinity_abs_s=0.2, prefill_weight=3.0), W8, check=True)
+    for i in range(64):
+        k = completion(SYSTEM + f"question {i:03d} ".ljust(256, "q"))
+        assert k.prompt_tokens == 1088
+        loop.route(k.hashes, k.prompt_tokens, 0.0)  # simultaneous: nothing finishes
+    chosen = loop.chosen()
+    runs = [chosen[i * 16:(i + 1) * 16] for i in range(4)]
+    assert all(len(set(r)) == 1 for r in runs), chosen
+    assert len({r[0] for r in runs}) == 4
+    reasons = [d.reason for d in loop.decisions]
+    expected = []
+    for r in range(4):
+        expected += [Reason.MISS if r == 0 else Reason.SPILL_LOAD] + [Reason.AFFINITY] * 15
+    assert reasons == expected
+    assert [d.matched_blocks for d in loop.decisions[:3]] == [0, 32, 32]
+    assert sorted(l.in_flight_tokens for l in loop.load.values()) == [0] * 4 + [2048] * 4
+
+
+def test_burst_with_defaults_never_herds():
+    loop = PickLoop(policy(seed=9), W8, check=True)
+    pol = loop.policy
+    for i in range(64):
+        k = completion(SYSTEM + f"question {i:03d} ".ljust(256, "q"))
+        vs = loop.views()
+        qs = {v.id: v.in_flight_tokens / v.prefill_tokens_per_s for v in vs}
+        d = loop.route(k.hashes, k.prompt_tokens, 0.0, views=vs)
+        lo = min(qs.values())
+        if d.reason is Reason.AFFINITY:  # never past the bound at pick time
+            assert not (qs[d.worker] - lo > pol.params.affinity_abs_s
+                        and qs[d.worker] > lo * pol.params.affinity_rel)
+    c = counts(loop.chosen())
+    assert max(c.values()) <= 16 and len(c) >= 4, c
+
+
+def test_tenants_never_match_each_others_prefixes():
+    loop = PickLoop(policy(seed=2), W4, check=True)
+    body = SYSTEM + "the same question"
+    a, b = completion(body, tenant="acme"), completion(body, tenant="globex")
+    assert a.data == b.data and not set(a.hashes) & set(b.hashes)
+    d1 = loop.route(a.hashes, a.prompt_tokens, 0.0)
+    d2 = loop.route(a.hashes, a.prompt_tokens, 1.0)
+    assert d1.worker == d2.worker and d2.reason is Reason.AFFINITY
+    assert loop.index.match(b.hashes, 1.5, count=False).blocks == {}
+    d3 = loop.route(b.hashes, b.prompt_tokens, 2.0)
+    assert d3.reason is Reason.MISS and d3.matched_blocks == 0
+    assert d3.worker != d1.worker  # acme's holder still has acme's work queued
+    d4 = loop.route(b.hashes, b.prompt_tokens, 9.0)
+    assert (d4.worker, d4.reason) == (d3.worker, Reason.AFFINITY)
+
+
+def _mixed_run(seed: int):
+    loop = PickLoop(policy(seed=seed), W8, index=PrefixIndex(half_life_s=2.0), decode_s=0.2)
+    wl = random.Random(1234)  # the workload is fixed; only the policy's seed varies
+    t = 0.0
+    for i in range(400):
+        t += wl.expovariate(30.0)
+        kind = wl.random()
+        if kind < 0.5:
+            k = completion(SYSTEM + f"q{i} ".ljust(300, "x"))
+        elif kind < 0.8:
+            s = wl.randrange(10)
+            k = chat([{"role": "system", "content": f"session {s} " + "c" * 1500},
+                      {"role": "user", "content": "turn " * wl.randrange(1, 40)}])
+        else:
+            k = completion(f"unique {i} " * 50)
+        loop.route(k.hashes, k.prompt_tokens, t)
+    return [(d.worker, d.reason, d.matched_blocks, d.expected_ttft_s, d.warm)
+            for d in loop.decisions], loop.policy.describe()
+
+
+def test_same_seed_same_decisions():
+    a, da = _mixed_run(7)
+    b, db = _mixed_run(7)
+    assert a == b and da == db
+    c, _ = _mixed_run(8)
+    assert c != a
+    reasons = {r for _, r, _, _, _ in a}
+    assert {Reason.MISS, Reason.AFFINITY, Reason.REPLICA} <= reasons
+
+
+def _hot_phase(loop, rate, seconds, t, n):
+    out = []
+    end = t + seconds
+    while t < end:
+        k = completion(SYSTEM + f"question {n:05d} ".ljust(1000, "q"))
+        out.append(loop.route(k.hashes, k.prompt_tokens, t))
+        t += 1.0 / rate
+        n += 1
+    return out, t, n
+
+
+def test_hot_prefix_gains_replicas_and_loses_them_after_its_rate_decays():
+    loop = PickLoop(policy(seed=5), W8, index=PrefixIndex(half_life_s=2.0), decode_s=0.5,
+                    check=True)
+    pol = loop.policy
+    cold, t, n = _hot_phase(loop, 5, 4.0, 0.0, 0)
+    origin = cold[0].worker
+    assert [d.reason for d in cold] == [Reason.MISS] + [Reason.AFFINITY] * 19
+    assert {d.worker for d in cold} == {origin}
+    assert [r["replicas"] for r in pol.describe()["hot_prefixes"]] == [[]]
+
+    hot, t, n = _hot_phase(loop, 40, 6.0, t, n)
+    (rec,) = pol.describe()["hot_prefixes"]
+    # 40 req/s, one holder absorbs holder_max_rate = 10 req/s: 4 holders
+    assert rec["needed"] == 4 and len(rec["replicas"]) == 3 and origin not in rec["replicas"]
+    first_use = [d for d in hot if d.reason is Reason.REPLICA and d.matched_blocks == 0]
+    assert [d.worker for d in first_use] == [w for w in dict.fromkeys(
+        d.worker for d in first_use)]  # each replica made once
+    assert sorted(d.worker for d in first_use) == rec["replicas"]
+    spread = counts(d.worker for d in hot[-80:])
+    assert set(spread) == {origin, *rec["replicas"]}
+    assert all(c >= 10 for c in spread.values()), spread  # spread over its holders
+    assert pol.hot.replicas_added == 3
+
+    cool, t, n = _hot_phase(loop, 1, 20.0, t, n)
+    (rec,) = pol.describe()["hot_prefixes"]
+    assert rec["replicas"] == [] and len(rec["retired"]) == 3
+    # once retired, the replicas are no longer preferred: back on the original holder
+    assert [(d.worker, d.reason) for d in cool[-10:]] == [(origin, Reason.AFFINITY)] * 10
+    # the engines evict the cold copies: the record ages out with them
+    first = completion(SYSTEM).hashes[0]
+    for w in rec["retired"]:
+        loop.index.remove(w, [first])
+    _hot_phase(loop, 1, 1.0, t, n)
+    assert pol.describe()["hot_prefixes"] == []
+    assert pol.hot.replicas_retired == 3
+
+
+def test_warm_ahead_names_the_new_replica_instead_of_sending_it_the_request():
+    loop = PickLoop(policy(seed=5, warm_ahead=True), W8, index=PrefixIndex(half_life_s=2.0),
+                    decode_s=0.5, check=True)
+    _, t, n = _hot_phase(loop, 5, 4.0, 0.0, 0)
+    hot, t, n = _hot_phase(loop, 40, 6.0, t, n)
+    warmed = [d for d in hot if d.warm]
+    assert len(warmed) == 3
+    for d in warmed:
+        assert d.warm[0] != d.worker  # the request itself went to a current holder
+        assert d.matched_blocks >= 32
+    assert [w for w, _ in loop.warmups] == [d.warm[0] for d in warmed]
+    # the warmed replicas then take traffic, as replicas, with the prefix cached
+    later = [d for d in hot if d.reason is Reason.REPLICA]
+    assert later and all(d.matched_blocks >= 32 for d in later)
+    assert {d.worker for d in later} <= {d.warm[0] for d in warmed}
+
+
+def test_replication_off_keeps_one_holder_until_the_bound():
+    loop = PickLoop(policy(seed=5, replicate=False), W8, index=PrefixIndex(half_life_s=2.0),
+                    decode_s=0.5, check=True)
+    _, t, n = _hot_phase(loop, 5, 4.0, 0.0, 0)
+    hot, t, n = _hot_phase(loop, 40, 6.0, t, n)
+    assert Reason.REPLICA not in {d.reason for d in hot}
+    assert loop.policy.describe()["hot_prefixes"] == []
+
+
+def test_hot_record_is_bounded_lru():
+    hot = HotRoots(capacity=2, max_replicas=1)
+    a = hot.see(1, 3, 5.0, 0.0)
+    hot.see(2, 3, 5.0, 1.0)
+    hot.see(1, 3, 6.0, 2.0)  # refreshes 1
+    hot.see(3, 4, 7.0, 3.0)  # evicts 2, the least recently seen
+    hot.check()
+    assert [r.key for r in hot.records()] == [3, 1] and hot.get(2) is None
+    hot.add_replica(a, "w1", 2.0)
+    hot.check()
+    assert hot.retire_newest(a, {"w1"}, 4.0) == "w1"
+    assert a.replicas == {} and a.retired == {"w1": 4.0}
+    hot.check()
+    with pytest.raises(AssertionError):
+        a.replicas["w1"] = 0.0  # replica and retired at once
+        hot.check()
+
+
+def test_burst_with_full_prompt_accounting_still_spreads():
+    # A router that counts every request's full prompt tokens (not just the uncached
+    # part) overstates a warm worker's queue: affinity yields sooner, never herds.
+    loop = PickLoop(policy(seed=9), W8, count_cached=True, check=True)
+    for i in range(64):
+        k = completion(SYSTEM + f"question {i:03d} ".ljust(256, "q"))
+        loop.route(k.hashes, k.prompt_tokens, 0.0)
+    c = counts(loop.chosen())
+    assert sorted(c.values()) == [8] * 8, c
+    assert sum(d.reason is Reason.MISS for d in loop.decisions) == 1
