@@ -1,0 +1,18 @@
+"""The worker agent: what the router routes to.
+
+::
+
+    server.py  (aiohttp: OpenAI API, SGLang probes, /metrics)
+       |  routing_bytes -> tokenizer.encode -> SchedRequest
+       v
+    engine.py  (real-time driver: step, sleep the simulated duration, deliver)
+       v
+    scheduler.py  (synchronous continuous batching; also driven in virtual time
+       |           by the offline simulator)
+       +-- radix_cache.py  token radix tree: locks, LRU leaf eviction, admission,
+       |                   router-space block hashes -> stored/removed events
+       +-- kv_pool.py      one token budget shared by the tree and running requests
+       '-- cost_model.py   every GPU/model constant, with its source
+    reporter.py  (events + load -> every router, snapshots on (re)connect)
+    main.py      (``radixfleet agent``)
+"""

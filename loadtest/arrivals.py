@@ -1,0 +1,224 @@
+"""Arrival processes and the driver that feeds a workload's sessions to a sender.
+
+Three ways requests arrive, all bounded by a request count and a duration::
+
+    Poisson(rate)        open loop: the k-th request is due at the k-th event of a
+                         Poisson process (exponential gaps, seeded)
+    TraceTimes()         open loop: each request at its spec's ``arrival_s``
+    Closed(concurrency)  closed loop: a new request as soon as one of C finishes
+
+The driver keeps a *ready queue* of turns that may be sent now: the first turn of
+every active session, and each next turn once the previous answer is back (a
+session's turns never overlap). At most ``workload.max_active_sessions`` sessions
+are in progress; when one ends, the next one starts. An open-loop arrival that
+finds the ready queue empty waits for a turn to become ready (the client is
+"typing"), so the offered rate is an upper bound for multi-turn workloads.
+
+After the duration (or the count) no new request is dispatched; requests in flight
+get ``drain_s`` to finish, then are cancelled (the sender records them as errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from router.errors import WorkloadError
+from loadtest.workloads import RequestSpec, Session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Poisson:
+    """Open loop at ``rate`` requests/s (exponential inter-arrival gaps)."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise WorkloadError(f"--rate must be > 0, got {self.rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceTimes:
+    """Open loop at the specs' own ``arrival_s`` offsets (trace replay)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """Closed loop: ``concurrency`` requests in flight."""
+
+    concurrency: int
+
+    def __post_init__(self) -> None:
+        if self.concurrency <= 0:
+            raise WorkloadError(f"--concurrency must be > 0, got {self.concurrency}")
+
+
+Arrivals = Poisson | TraceTimes | Closed
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """Every run stops at ``max_requests`` dispatched or ``duration_s`` elapsed."""
+
+    max_requests: int = 1000
+    duration_s: float = 60.0
+    #: grace for requests in flight at the end, then they are cancelled
+    drain_s: float = 30.0
+    #: open loop only: a safety cap on requests in flight (arrivals wait beyond it)
+    max_in_flight: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_requests <= 0:
+            raise WorkloadError(f"--requests must be > 0, got {self.max_requests}")
+        if not self.duration_s > 0:
+            raise WorkloadError(f"--duration must be > 0, got {self.duration_s}")
+        if self.drain_s < 0 or self.max_in_flight <= 0:
+            raise WorkloadError("drain_s must be >= 0 and max_in_flight > 0")
+
+
+#: sends one spec; returns the answer text, or None if the request failed
+Sender = Callable[[RequestSpec], Awaitable[str | None]]
+
+
+@dataclass(slots=True)
+class DriveStats:
+    dispatched: int = 0
+    completed: int = 0  # answered (successfully or not) before the end
+    cancelled: int = 0  # still in flight when the drain grace ran out
+    sessions_started: int = 0
+    sessions_finished: int = 0
+    #: why dispatching stopped: 'requests', 'duration' or 'exhausted'
+    stopped_by: str = ""
+    elapsed_s: float = 0.0
+
+
+async def drive(
+    sessions: Sequence[Session],
+    arrivals: Arrivals,
+    bounds: Bounds,
+    send: Sender,
+    *,
+    max_active_sessions: int | None = None,
+    seed: int = 0,
+    on_dispatch: Callable[[RequestSpec], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> DriveStats:
+    """Runs the sessions through ``send`` under ``arrivals`` within ``bounds``.
+
+    ``on_dispatch(spec)`` is called synchronously just before each send, in
+    dispatch order (the report's oracle and pooled caches see that order).
+    Never raises for a failed request; cancels whatever is still running on exit.
+    """
+    rng = random.Random(seed ^ 0x5EED)
+    stats = DriveStats()
+    pending = iter(sessions)
+    active_limit = max_active_sessions or len(sessions) or 1
+    ready: collections.deque[tuple[Session, RequestSpec]] = collections.deque()
+    active = 0
+    in_flight: set[asyncio.Task] = set()
+    changed = asyncio.Event()  # set whenever a turn becomes ready or a request ends
+    start = clock()
+    deadline = start + bounds.duration_s
+
+    def activate() -> None:
+        nonlocal active
+        while active < active_limit:
+            s = next(pending, None)
+            if s is None:
+                return
+            active += 1
+            stats.sessions_started += 1
+            ready.append((s, s.first()))
+
+    def finish_session() -> None:
+        nonlocal active
+        active -= 1
+        stats.sessions_finished += 1
+        activate()
+
+    async def run_one(session: Session, spec: RequestSpec) -> None:
+        answer = None
+        try:
+            answer = await send(spec)
+        except Exception:  # a sender bug must not stop the run; it is a failed request
+            log.exception("sender failed on %s", spec.id)
+        finally:
+            nxt = session.follow(answer) if answer is not None else None
+            if nxt is None:
+                finish_session()  # done, or failed: a conversation cannot go on without its answer
+            else:
+                ready.append((session, nxt))
+            changed.set()
+
+    def exhausted() -> bool:
+        return not ready and not in_flight
+
+    async def wait_change(until: float | None) -> None:
+        changed.clear()
+        timeout = None if until is None else max(0.0, until - clock())
+        try:
+            await asyncio.wait_for(changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    activate()
+    next_due = start
+    cap = arrivals.concurrency if isinstance(arrivals, Closed) else bounds.max_in_flight
+    try:
+        while True:
+            if stats.dispatched >= bounds.max_requests:
+                stats.stopped_by = "requests"
+                break
+            now = clock()
+            if now >= deadline:
+                stats.stopped_by = "duration"
+                break
+            if exhausted():
+                stats.stopped_by = "exhausted"
+                break
+            if not ready or len(in_flight) >= cap:
+                await wait_change(deadline)
+                continue
+            session, spec = ready[0]
+            if isinstance(arrivals, TraceTimes):
+                due = start + (spec.arrival_s or 0.0)
+            elif isinstance(arrivals, Poisson):
+                due = next_due
+            else:
+                due = now
+            if due > now:
+                # sleep until due, but wake early if the deadline comes first
+                await asyncio.sleep(min(due, deadline) - now)
+                continue
+            ready.popleft()
+            if isinstance(arrivals, Poisson):
+                next_due = max(next_due, now - 1.0) + rng.expovariate(arrivals.rate)
+            stats.dispatched += 1
+            if on_dispatch is not None:
+                on_dispatch(spec)
+            task = asyncio.create_task(run_one(session, spec))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+        if in_flight:
+            done, not_done = await asyncio.wait(set(in_flight), timeout=bounds.drain_s)
+            for t in not_done:
+                t.cancel()
+            stats.cancelled = len(not_done)
+            if not_done:
+                await asyncio.gather(*not_done, return_exceptions=True)
+    finally:
+        for t in list(in_flight):
+            t.cancel()
+        if in_flight:
+            await asyncio.gather(*in_flight, return_exceptions=True)
+        stats.elapsed_s = clock() - start
+        stats.completed = stats.dispatched - stats.cancelled
+    return stats

@@ -1,0 +1,260 @@
+"""An async streaming client for OpenAI-compatible targets, measuring what users feel.
+
+One ``Target`` per router (ours, SGLang's ``smg``, or an agent directly). Per request
+it records a ``Result``: time to first token, the gaps between later tokens, end to
+end, prompt / cached / output tokens from the final usage chunk (it always sends
+``stream_options.include_usage``), the worker that served it (response header
+``x-radixfleet-worker``) and, on failure, an error kind::
+
+    connect     the target refused or dropped the connection before answering
+    timeout     no complete answer within the request timeout
+    http_<NNN>  the target answered with an HTTP error status
+    stream      the stream broke off or carried an error event
+    protocol    the answer was not the OpenAI streaming shape
+    cancelled   still running when the run's drain grace ran out
+
+Lifecycle: ``async with Target(...) as t`` (or ``await t.start()`` / ``await
+t.aclose()``, idempotent); ``await t.probe()`` raises ``ConfigError`` up front when
+the target is unreachable or is not an OpenAI-compatible server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from router.errors import ConfigError
+from loadtest.workloads import API_CHAT, RequestSpec
+
+log = logging.getLogger(__name__)
+
+WORKER_HEADER = "x-radixfleet-worker"
+
+
+@dataclass(slots=True)
+class Result:
+    """What one request did. Times are seconds; ``start`` is on the run's clock."""
+
+    id: str
+    session: str
+    turn: int
+    start: float = 0.0
+    ok: bool = False
+    error_kind: str | None = None
+    error: str | None = None
+    ttft_s: float | None = None
+    #: gaps between consecutive streamed tokens after the first
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    worker: str | None = None
+    #: the prompt's tokens as the load generator counts them (oracle / pooled basis)
+    est_prompt_tokens: int = 0
+    #: leading tokens an unbounded single cache held when it was sent
+    oracle_cached: int = 0
+    #: leading tokens one LRU cache of the fleet's capacity held when it was sent
+    pooled_cached: int = 0
+
+
+class _State(enum.Enum):
+    NEW = "new"  # constructed; start() opens the session
+    OPEN = "open"  # session open: send() allowed
+    CLOSED = "closed"  # aclose() ran; final
+
+
+class Target:
+    """An OpenAI-compatible endpoint (``base_url`` without ``/v1``)."""
+
+    def __init__(self, name: str, base_url: str, *, model: str | None = None,
+                 timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
+                 ignore_eos: bool = True, send_session: bool = False,
+                 max_connections: int = 2048) -> None:
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        self.model = model  # None: the first of GET /v1/models (probe())
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.ignore_eos = ignore_eos  # ask for exactly max_tokens (SGLang/vLLM extension)
+        self.send_session = send_session  # put the session id in the 'user' field
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._state = _State.NEW
+
+    async def start(self) -> "Target":
+        if self._state is _State.CLOSED:
+            raise RuntimeError("Target is closed; create a new one")
+        if self._state is _State.NEW:
+            self._session = aiohttp.ClientSession(
+                timeout=self.timeout,
+                connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
+            )
+            self._state = _State.OPEN
+        return self
+
+    async def aclose(self) -> None:
+        if self._state is _State.OPEN and self._session is not None:
+            await self._session.close()
+        self._state = _State.CLOSED
+
+    async def __aenter__(self) -> "Target":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def _need_open(self) -> aiohttp.ClientSession:
+        if self._state is not _State.OPEN:
+            raise RuntimeError("call start() (or use 'async with') before sending")
+        return self._session
+
+    async def probe(self) -> str:
+        """Checks the target answers ``GET /v1/models``; returns the model to use.
+
+        Raises ``ConfigError`` (path ``--target NAME``) with the reason otherwise.
+        """
+        session = self._need_open()
+        where = f"--target {self.name}"
+        try:
+            async with session.get(f"{self.base_url}/v1/models",
+                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                if resp.status != 200:
+                    raise ConfigError(where, f"{self.base_url}/v1/models answered HTTP {resp.status}")
+                body = await resp.json(content_type=None)
+        except aiohttp.ClientError as exc:
+            raise ConfigError(where, f"{self.base_url} is unreachable ({exc.__class__.__name__}: {exc})") from None
+        except asyncio.TimeoutError:
+            raise ConfigError(where, f"{self.base_url} did not answer within 10 s") from None
+        except ValueError:
+            raise ConfigError(where, f"{self.base_url}/v1/models did not answer JSON") from None
+        if self.model is None:
+            try:
+                self.model = body["data"][0]["id"]
+            except (KeyError, IndexError, TypeError):
+                raise ConfigError(where, f"{self.base_url}/v1/models lists no model; pass --model") from None
+        return self.model
+
+    def _request(self, spec: RequestSpec) -> tuple[str, dict]:
+        body = dict(spec.body)
+        body.update(model=self.model or "default", max_tokens=spec.max_tokens, stream=True,
+                    stream_options={"include_usage": True}, temperature=0.0)
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.send_session:
+            body["user"] = spec.session
+        path = "/v1/chat/completions" if spec.api == API_CHAT else "/v1/completions"
+        return self.base_url + path, body
+
+    async def send(self, spec: RequestSpec, result: Result, clock=time.monotonic) -> str | None:
+        """Sends one streaming request, filling ``result``; returns the answer text.
+
+        Never raises for a failed request (the kind goes in ``result.error_kind``);
+        re-raises ``CancelledError`` after marking the result cancelled.
+        """
+        session = self._need_open()
+        url, body = self._request(spec)
+        t0 = clock()
+        result.start = t0
+        parts: list[str] = []
+        last_tok: float | None = None
+        chunks = 0
+        try:
+            async with session.post(url, json=body) as resp:
+                result.worker = resp.headers.get(WORKER_HEADER)
+                if resp.status != 200:
+                    text = (await resp.text())[:300]
+                    return _fail(result, f"http_{resp.status}", _error_message(text))
+                buf = b""
+                done = False
+                async for raw in resp.content:
+                    buf += raw
+                    if not buf.endswith(b"\n"):
+                        continue
+                    for line in buf.splitlines():
+                        line = line.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            done = True
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            return _fail(result, "protocol", f"bad SSE data: {data[:80]!r}")
+                        if "error" in chunk:
+                            return _fail(result, "stream", _error_message(json.dumps(chunk)))
+                        text = _chunk_text(chunk, spec.api)
+                        if text:
+                            now = clock()
+                            if last_tok is None:
+                                result.ttft_s = now - t0
+                            else:
+                                result.itl_s.append(now - last_tok)
+                            last_tok = now
+                            chunks += 1
+                            parts.append(text)
+                        usage = chunk.get("usage")
+                        if usage:
+                            _read_usage(result, usage)
+                    buf = b""
+                    if done:
+                        break
+                if not done:
+                    return _fail(result, "stream", "stream ended without [DONE]")
+        except asyncio.CancelledError:
+            _fail(result, "cancelled", "still in flight at the end of the drain grace")
+            raise
+        except asyncio.TimeoutError:
+            return _fail(result, "timeout", f"no complete answer within {self.timeout.total} s")
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            kind = "connect" if last_tok is None else "stream"
+            return _fail(result, kind, f"{exc.__class__.__name__}: {exc}")
+        except aiohttp.ClientError as exc:
+            return _fail(result, "stream", f"{exc.__class__.__name__}: {exc}")
+        if result.ttft_s is None:
+            return _fail(result, "protocol", "the stream carried no tokens")
+        result.e2e_s = clock() - t0
+        if not result.output_tokens:
+            result.output_tokens = chunks
+        result.ok = True
+        return "".join(parts)
+
+
+def _chunk_text(chunk: dict, api: str) -> str:
+    choices = chunk.get("choices") or ()
+    if not choices:
+        return ""
+    c = choices[0]
+    if api == API_CHAT:
+        return (c.get("delta") or {}).get("content") or ""
+    return c.get("text") or ""
+
+
+def _read_usage(result: Result, usage: dict) -> None:
+    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    result.output_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+def _error_message(text: str) -> str:
+    try:
+        return str(json.loads(text)["error"]["message"])[:200]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
+def _fail(result: Result, kind: str, message: str) -> None:
+    result.ok = False
+    result.error_kind = kind
+    result.error = message
+    return None

@@ -1,0 +1,147 @@
+"""``radixfleet demo``: one fleet, three policies, the same traffic, one comparison.
+
+::
+
+    radixfleet demo                      # ~4 minutes: writes ./radixfleet-demo/
+    radixfleet demo --duration 20        # shorter runs
+
+Starts 4 simulated agents (Llama-3-8B on H100, a KV capacity small enough that
+eviction matters), then for each policy in turn (``round_robin``, ``cache_aware``,
+``prefix_load``): starts the router with that policy, flushes every agent's cache,
+and drives the same ``mixed`` workload with the same seed — concurrent chat sessions
+of a few turns, each behind one of a few shared system prompts. Prints the
+comparison table and how ``prefix_load`` fares against the targets, writes
+``report.json`` (one run per policy, ``name`` = the policy) and the plots to
+``--out``, stops everything it started and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+
+import httpx
+
+from router.errors import ConfigError
+from loadtest.fleet import Fleet, FleetConfig
+from loadtest.main import add_load_arguments, build_load, run_ab
+from loadtest.report import render_table, write_json, write_plots
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLICIES = ("round_robin", "cache_aware", "prefix_load")
+
+#: per-agent KV tokens: the fleet (4 x this) holds the hot system prompts and the
+#: active sessions, one agent alone does not — so where a request lands matters
+DEFAULT_KV_TOKENS = 16_384
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="radixfleet-demo", help="output directory")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help="comma-separated router policies, run in this order")
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--model", dest="fleet_model", default="llama-3-8b", help="the agents' model")
+    parser.add_argument("--gpu", default="h100")
+    parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
+                        help="per-agent KV capacity in tokens")
+    add_load_arguments(parser, default_workload="mixed", model_flag=False)
+    parser.set_defaults(rate=None, requests=600, duration=60.0, drain=20.0)
+
+
+def _wait_workers(router_url: str, n: int, timeout_s: float = 15.0) -> None:
+    """Waits until the router lists ``n`` routable workers whose agents registered
+    (so feedback flows before load does). Returns early without /admin/workers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(router_url + "/admin/workers", timeout=1.0)
+        except httpx.HTTPError:
+            r = None
+        if r is not None and r.status_code in (401, 403, 404):
+            return
+        if r is not None and r.status_code == 200:
+            body = r.json()
+            items = body.get("workers", []) if isinstance(body, dict) else body
+            ready = [w for w in items if isinstance(w, dict) and w.get("routable", True)
+                     and w.get("epoch", "") is not None]
+            if len(ready) >= n:
+                return
+        time.sleep(0.2)
+    log.warning("router lists fewer than %d registered, routable workers after %.0f s", n, timeout_s)
+
+
+def targets_line(runs: dict[str, dict]) -> list[str]:
+    """How prefix_load fares against the issue's targets (lines to print)."""
+    pl, rr = runs.get("prefix_load"), runs.get("round_robin")
+    if pl is None:
+        return []
+    out = []
+
+    def line(ok: bool, text: str) -> None:
+        out.append(f"  [{'met' if ok else 'MISSED'}] {text}")
+
+    if pl["pooled_hit_rate"]:
+        ratio = pl["hit_rate"] / pl["pooled_hit_rate"]
+        line(ratio >= 0.9, f"prefix_load hit rate {pl['hit_rate']:.3f} = {ratio:.0%} of pooled "
+                           f"{pl['pooled_hit_rate']:.3f} (target >= 90%)")
+    if rr is not None:
+        if rr["hit_rate"]:
+            x = pl["hit_rate"] / rr["hit_rate"]
+            line(x >= 1.5, f"hit rate {x:.2f}x round_robin's {rr['hit_rate']:.3f} (target >= 1.5x)")
+        a, b = pl["ttft_ms"]["p50"], rr["ttft_ms"]["p50"]
+        if a is not None and b:
+            line(a <= 0.5 * b, f"TTFT p50 {a:.1f} ms = {a / b:.2f}x round_robin's {b:.1f} ms "
+                               f"(target <= 0.5x)")
+    if pl["load_imbalance"] is not None:
+        line(pl["load_imbalance"] <= 1.3, f"load imbalance {pl['load_imbalance']:.2f} (target <= 1.3)")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies or len(set(policies)) != len(policies):
+        raise ConfigError("--policies", "give distinct policy names, comma-separated")
+    from policies.registry import policy_class
+
+    for p in policies:
+        policy_class(p, path="--policies")
+    if args.kv_tokens <= 0:
+        raise ConfigError("--kv-tokens", "must be > 0")
+    if args.concurrency is None and args.rate is None:
+        args.rate = 12.0  # open loop: the same offered load for every policy
+    workload, arrivals, bounds = build_load(args)
+    cfg = FleetConfig(agents=args.agents, model=args.fleet_model, gpu=args.gpu,
+                      kv_tokens=args.kv_tokens, router_port=0, policy=policies[0]).validate()
+    os.makedirs(args.out, exist_ok=True)
+    fleet = Fleet(cfg, log_dir=os.path.join(args.out, "logs"), start_router=False)
+    print(f"demo: {cfg.agents} agents ({cfg.model} on {cfg.gpu}, {cfg.kv_tokens} KV tokens each), "
+          f"workload {workload.name} seed {workload.seed}, policies {', '.join(policies)}", flush=True)
+    with fleet:
+        async def between(policy: str) -> None:
+            await asyncio.to_thread(fleet.start_router, policy)
+            await asyncio.to_thread(_wait_workers, fleet.router_url, cfg.agents)
+            print(f"demo: running {policy} ...", flush=True)
+
+        outcomes = asyncio.run(run_ab(
+            [(p, fleet.router_url) for p in policies], workload, arrivals, bounds,
+            flush_urls=fleet.agent_urls, kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
+            model=None, timeout_s=args.timeout, send_session=args.send_session,
+            progress=False if args.no_progress else None, settle_s=0.5, between=between))
+    runs = [o.report for o in outcomes]
+    for r in runs:
+        r["target"] = f"radixfleet router --policy {r['name']}"
+    render_table(runs)
+    lines = targets_line({r["name"]: r for r in runs})
+    if lines:
+        print("prefix_load against the targets:")
+        print("\n".join(lines))
+    report = os.path.join(args.out, "report.json")
+    write_json(args.json or report, runs)
+    paths = write_plots(runs, args.plots or args.out, {o.report["name"]: o.ttft_ms for o in outcomes})
+    print(f"report: {args.json or report}\nplots: {', '.join(paths)}", flush=True)
+    return 0

@@ -1,0 +1,326 @@
+"""``radixfleet up``: a local fleet — N simulated agents and one router — until Ctrl-C.
+
+::
+
+    radixfleet up --agents 4 --model llama-3-8b --gpu h100 --kv-tokens 20000 --port 8000
+    radixfleet up --config fleet.yaml
+
+Fleet YAML (every key optional; flags given on the command line win)::
+
+    agents: 4                 # how many simulated agents
+    model: llama-3-8b
+    gpu: h100
+    kv_tokens: 20000          # per agent; omit for the GPU's natural capacity
+    agent_base_port: 9101     # agents listen on consecutive ports from here (0: free ports)
+    agent_args: []            # extra `radixfleet agent` arguments
+    router:
+      port: 8000
+      policy: prefix_load
+      config: router.yaml     # optional: `radixfleet router --config FILE` instead of flags
+      args: []                # extra `radixfleet router` arguments
+
+The children are ``python -m router.cli agent|router ...`` processes in their own
+process groups, logging to ``--log-dir``; ``Fleet`` stops every one it started on
+every exit path (``stop()`` is idempotent). The demo reuses ``Fleet`` and restarts
+only the router between policies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import yaml
+
+from router.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    agents: int = 4
+    model: str = "llama-3-8b"
+    gpu: str = "h100"
+    #: per-agent KV capacity in tokens; 0 = the agent's default for the GPU
+    kv_tokens: int = 0
+    agent_base_port: int = 0
+    agent_args: list[str] = field(default_factory=list)
+    router_port: int = 8000
+    policy: str = "prefix_load"
+    router_config: str | None = None
+    router_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+
+    def validate(self) -> "FleetConfig":
+        if type(self.agents) is not int or not 1 <= self.agents <= 64:
+            raise ConfigError("agents", f"must be an integer in [1, 64], got {self.agents!r}")
+        if type(self.kv_tokens) is not int or self.kv_tokens < 0:
+            raise ConfigError("kv_tokens", f"must be a non-negative integer, got {self.kv_tokens!r}")
+        for name in ("agent_base_port", "router_port"):
+            v = getattr(self, name)
+            if type(v) is not int or not 0 <= v < 65536:
+                raise ConfigError(name, f"must be a port number, got {v!r}")
+        for name in ("model", "gpu", "policy"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(name, "must be a non-empty string")
+        for name in ("agent_args", "router_args"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+                raise ConfigError(name, "must be a list of strings")
+        return self
+
+
+_TOP_KEYS = {"agents", "model", "gpu", "kv_tokens", "agent_base_port", "agent_args", "router", "host"}
+_ROUTER_KEYS = {"port": "router_port", "policy": "policy", "config": "router_config",
+                "args": "router_args"}
+
+
+def load_config(path: str) -> FleetConfig:
+    """Reads a fleet YAML file; raises ``ConfigError`` naming the bad field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError("--config", f"{path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{path}: the top level must be a mapping")
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(sorted(unknown)[0], f"unknown key; valid: {', '.join(sorted(_TOP_KEYS))}")
+    kwargs = {k: v for k, v in raw.items() if k != "router"}
+    router = raw.get("router") or {}
+    if not isinstance(router, dict):
+        raise ConfigError("router", "must be a mapping")
+    for k, v in router.items():
+        if k not in _ROUTER_KEYS:
+            raise ConfigError(f"router.{k}", f"unknown key; valid: {', '.join(_ROUTER_KEYS)}")
+        kwargs[_ROUTER_KEYS[k]] = v
+    cfg = FleetConfig(**kwargs)
+    if cfg.router_config is not None:
+        cfg.router_config = os.path.join(os.path.dirname(os.path.abspath(path)), cfg.router_config)
+    return cfg.validate()
+
+
+def cli_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+class Child:
+    """One child process in its own process group, logging to a file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: str, ready_url: str) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.ready_url = ready_url
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ConfigError(self.name, f"exited with status {self.proc.returncode} at start; "
+                                  f"last log lines:\n{self.tail()}")
+            try:
+                if httpx.get(self.ready_url, timeout=1.0).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise ConfigError(self.name, f"{self.ready_url} not ready after {timeout_s:.0f} s; "
+                          f"log: {self.log_path}")
+
+    def tail(self, n: int = 8) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the group, SIGKILL after ``timeout_s``. Idempotent."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+        except ProcessLookupError:
+            pass
+
+
+class Fleet:
+    """N agents and (optionally) a router, started and stopped together.
+
+    ``with Fleet(cfg) as fleet:`` starts the agents and the router and waits until
+    each answers; leaving the block stops them all (also on errors and Ctrl-C).
+    """
+
+    def __init__(self, cfg: FleetConfig, *, log_dir: str | None = None,
+                 start_router: bool = True, ready_timeout_s: float = 60.0) -> None:
+        self.cfg = cfg.validate()
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="radixfleet-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.start_router_on_enter = start_router
+        self.ready_timeout_s = ready_timeout_s
+        self.agents: list[Child] = []
+        self.router: Child | None = None
+        self.router_port = cfg.router_port or free_port()
+        self.agent_ports = [cfg.agent_base_port + i if cfg.agent_base_port else free_port()
+                            for i in range(cfg.agents)]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.router_port}"
+
+    @property
+    def agent_urls(self) -> list[str]:
+        return [f"http://{self.cfg.host}:{p}" for p in self.agent_ports]
+
+    def worker_id(self, i: int) -> str:
+        return f"w{i}"
+
+    def start_agents(self) -> None:
+        c = self.cfg
+        for i, (port, url) in enumerate(zip(self.agent_ports, self.agent_urls)):
+            argv = cli_argv("agent", "--engine", "sim", "--model", c.model, "--gpu", c.gpu,
+                            "--host", c.host, "--port", str(port), "--worker-id", self.worker_id(i),
+                            "--router", self.router_url, *c.agent_args)
+            if c.kv_tokens:
+                argv += ["--kv-tokens", str(c.kv_tokens)]
+            child = Child(f"agent {self.worker_id(i)}", argv,
+                          os.path.join(self.log_dir, f"agent-{i}.log"), url + "/health")
+            child.start()
+            self.agents.append(child)
+        for child in self.agents:
+            child.wait_ready(self.ready_timeout_s)
+
+    def start_router(self, policy: str | None = None) -> None:
+        """(Re)starts the router with ``policy`` (default: the config's)."""
+        self.stop_router()
+        c = self.cfg
+        if c.router_config:
+            argv = cli_argv("router", "--config", c.router_config, "--port", str(self.router_port),
+                            *c.router_args)
+        else:
+            argv = cli_argv("router", "--host", c.host, "--port", str(self.router_port),
+                            "--policy", policy or c.policy, *c.router_args)
+            for url in self.agent_urls:
+                argv += ["--worker", url]
+        self.router = Child(f"router ({policy or c.policy})", argv,
+                            os.path.join(self.log_dir, f"router-{policy or c.policy}.log"),
+                            self.router_url + "/v1/models")
+        self.router.start()
+        self.router.wait_ready(self.ready_timeout_s)
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+
+    def __enter__(self) -> "Fleet":
+        try:
+            self.start_agents()
+            if self.start_router_on_enter:
+                self.start_router()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stops the router, then every agent. Idempotent."""
+        self.stop_router()
+        for child in self.agents:
+            child.stop()
+
+    def dead(self) -> list[str]:
+        return [c.name for c in [*self.agents, *([self.router] if self.router else [])] if not c.alive()]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="fleet YAML (see `radixfleet up --help`)")
+    parser.add_argument("--agents", type=int, help="number of simulated agents (default 4)")
+    parser.add_argument("--model", help="model of every agent (default llama-3-8b)")
+    parser.add_argument("--gpu", help="GPU of every agent (default h100)")
+    parser.add_argument("--kv-tokens", type=int, help="per-agent KV capacity in tokens")
+    parser.add_argument("--policy", help="router policy (default prefix_load)")
+    parser.add_argument("--port", type=int, help="router port (default 8000)")
+    parser.add_argument("--agent-base-port", type=int, help="first agent port (default: free ports)")
+    parser.add_argument("--log-dir", help="where the children log (default: a temp dir)")
+
+
+def config_from_args(args: argparse.Namespace) -> FleetConfig:
+    cfg = load_config(args.config) if args.config else FleetConfig()
+    for flag, attr in (("agents", "agents"), ("model", "model"), ("gpu", "gpu"),
+                       ("kv_tokens", "kv_tokens"), ("policy", "policy"), ("port", "router_port"),
+                       ("agent_base_port", "agent_base_port")):
+        v = getattr(args, flag, None)
+        if v is not None:
+            setattr(cfg, attr, v)
+    return cfg.validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per readiness poll
+    cfg = config_from_args(args)
+    stopping = False
+
+    def on_term(signum, frame):  # SIGTERM: leave like Ctrl-C, stopping the children
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    fleet = Fleet(cfg, log_dir=args.log_dir)
+    try:
+        with fleet:
+            print(f"router  {fleet.router_url}  (policy {cfg.policy})", flush=True)
+            for i, url in enumerate(fleet.agent_urls):
+                print(f"agent   {fleet.worker_id(i)}  {url}  ({cfg.model} on {cfg.gpu}"
+                      f"{f', {cfg.kv_tokens} KV tokens' if cfg.kv_tokens else ''})", flush=True)
+            print(f"logs    {fleet.log_dir}\nserving until Ctrl-C", flush=True)
+            while True:
+                dead = fleet.dead()
+                if dead:
+                    print(f"radixfleet up: error: {', '.join(dead)} exited; stopping the fleet",
+                          file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping the fleet", flush=True)
+        return 0

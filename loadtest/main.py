@@ -1,0 +1,301 @@
+"""``radixfleet loadtest``: one workload and seed against each target in turn (A/B).
+
+::
+
+    radixfleet loadtest --target ours=http://127.0.0.1:8000 --target smg=http://127.0.0.1:30000 \\
+        --workload mixed -o sessions=64 --rate 8 --requests 400 --duration 120 \\
+        --json report.json --plots plots/
+
+Before each target's run every agent's cache is flushed (``POST /flush_cache`` on the
+``--flush`` URLs, or on the workers a radixfleet router lists at ``GET
+/admin/workers``) so every run starts cold. The pooled reference needs the fleet's
+KV capacity: ``--kv-capacity-tokens``, or the sum the agents report.
+
+Every target is probed first; an unreachable one is an error before any load is
+sent. A target failing mid-run is counted per error kind and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from router.errors import ConfigError, WorkloadError
+from loadtest.arrivals import Bounds, Closed, DriveStats, Poisson, TraceTimes, drive
+from loadtest.client import Result, Target
+from loadtest.report import CacheReference, Progress, render_table, summarize, write_json, write_plots
+from loadtest.workloads import WORKLOADS, Trace, Workload, make_workload, parse_options
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    """One target's run: its report entry and the raw material for plots."""
+
+    report: dict
+    results: list[Result]
+    stats: DriveStats
+    ttft_ms: list[float] = field(default_factory=list)
+
+
+def parse_target(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise ConfigError("--target", f"{text!r} must be NAME=http://HOST:PORT")
+    return name, url
+
+
+async def _json_get(session: aiohttp.ClientSession, url: str) -> object | None:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+
+
+async def discover_workers(session: aiohttp.ClientSession, router_url: str) -> list[str]:
+    """Agent URLs a radixfleet router lists at ``GET /admin/workers`` ([] otherwise)."""
+    body = await _json_get(session, router_url.rstrip("/") + "/admin/workers")
+    items = body.get("workers", []) if isinstance(body, dict) else body
+    urls = []
+    if isinstance(items, dict):
+        items = list(items.values())
+    for item in items or []:
+        if isinstance(item, dict) and isinstance(item.get("url"), str):
+            urls.append(item["url"].rstrip("/"))
+        elif isinstance(item, str) and item.startswith("http"):
+            urls.append(item.rstrip("/"))
+    return urls
+
+
+#: fields an agent may report its KV capacity (tokens) under: ours, then SGLang's
+_CAPACITY_KEYS = ("kv_capacity_tokens", "max_total_num_tokens", "kv_tokens")
+
+
+def _find_capacity(body: object) -> int | None:
+    if isinstance(body, dict):
+        for k in _CAPACITY_KEYS:
+            v = body.get(k)
+            if type(v) is int and v > 0:
+                return v
+        for v in body.values():
+            found = _find_capacity(v) if isinstance(v, (dict, list)) else None
+            if found:
+                return found
+    elif isinstance(body, list) and body:
+        return _find_capacity(body[0])
+    return None
+
+
+async def fleet_capacity(session: aiohttp.ClientSession, agent_urls: list[str]) -> int | None:
+    """Sum of the agents' KV capacities (``/get_load`` or ``/get_server_info``)."""
+    total = 0
+    for url in agent_urls:
+        cap = None
+        for path in ("/get_load", "/get_server_info", "/server_info"):
+            cap = _find_capacity(await _json_get(session, url + path))
+            if cap:
+                break
+        if not cap:
+            return None
+        total += cap
+    return total or None
+
+
+async def flush(session: aiohttp.ClientSession, agent_urls: list[str]) -> list[str]:
+    """POSTs ``/flush_cache`` to every agent; returns the URLs that failed."""
+    failed = []
+    for url in agent_urls:
+        try:
+            async with session.post(url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status >= 300:
+                    failed.append(f"{url} (HTTP {r.status})")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            failed.append(f"{url} ({exc.__class__.__name__})")
+    return failed
+
+
+async def run_target(target: Target, workload: Workload, arrivals, bounds: Bounds, *,
+                     kv_capacity_tokens: int | None, progress: bool | None = None,
+                     check_reference: bool = False) -> RunOutcome:
+    """Drives ``workload`` against one started, probed target; returns its outcome."""
+    ref = CacheReference(kv_capacity_tokens)
+    results: dict[str, Result] = {}
+    errors = 0
+    t0 = time.monotonic()
+
+    def on_dispatch(spec) -> None:
+        r = Result(spec.id, spec.session, spec.turn)
+        r.est_prompt_tokens, r.oracle_cached, r.pooled_cached = ref.observe(spec)
+        results[spec.id] = r
+
+    with Progress(f"{target.name}", bounds.max_requests, enabled=progress) as bar:
+        async def send(spec):
+            nonlocal errors
+            r = results[spec.id]
+            try:
+                answer = await target.send(spec, r)
+                if answer is not None:
+                    ref.observe_answer(spec, answer)
+            finally:
+                if not r.ok:
+                    errors += 1
+                bar.advance(errors)
+            return answer
+
+        stats = await drive(workload.sessions(), arrivals, bounds, send,
+                            max_active_sessions=workload.max_active_sessions,
+                            seed=workload.seed, on_dispatch=on_dispatch)
+    if check_reference:
+        ref.check()
+    rs = list(results.values())
+    for r in rs:
+        r.start -= t0
+    report = summarize(target.name, target.base_url, workload.describe(), rs,
+                       kv_capacity_tokens=kv_capacity_tokens)
+    return RunOutcome(report, rs, stats, [r.ttft_s * 1000 for r in rs if r.ok and r.ttft_s])
+
+
+async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, bounds: Bounds, *,
+                 flush_urls: list[str] | None = None, kv_capacity_tokens: int | None = None,
+                 model: str | None = None, timeout_s: float = 120.0, send_session: bool = False,
+                 progress: bool | None = None, settle_s: float = 0.5,
+                 between=None) -> list[RunOutcome]:
+    """Probes every target, then runs the workload against each in turn, cold.
+
+    ``between(name)`` (async, optional) runs before each target's run (the demo
+    restarts its router there). Raises ``ConfigError`` for an unreachable target.
+    """
+    outcomes = []
+    async with aiohttp.ClientSession() as admin:
+        if between is None:
+            for name, url in targets:  # all unreachable targets fail before any load
+                async with Target(name, url, model=model) as t:
+                    await t.probe()
+        for name, url in targets:
+            if between is not None:
+                await between(name)
+            async with Target(name, url, model=model, timeout_s=timeout_s,
+                              send_session=send_session) as target:
+                await target.probe()
+                agents = list(flush_urls or []) or await discover_workers(admin, url)
+                if agents:
+                    failed = await flush(admin, agents)
+                    if failed:
+                        log.warning("flush failed on %s", ", ".join(failed))
+                    await asyncio.sleep(settle_s)  # let 'cleared' events reach the router
+                else:
+                    log.warning("target %s: no agents to flush (pass --flush URL); "
+                                "this run may start warm", name)
+                cap = kv_capacity_tokens or (await fleet_capacity(admin, agents) if agents else None)
+                outcome = await run_target(target, workload, arrivals, bounds,
+                                           kv_capacity_tokens=cap, progress=progress)
+                outcomes.append(outcome)
+                r = outcome.report
+                log.info("target %s: %d/%d ok, hit %.3f", name, r["ok"], r["requests"], r["hit_rate"])
+    return outcomes
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str | None,
+                       model_flag: bool = True) -> None:
+    """Workload, arrival and bound flags shared by ``loadtest`` and ``demo``."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", default=default_workload, required=default_workload is None,
+                   help=f"one of {', '.join(WORKLOADS)}")
+    g.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a workload parameter (repeatable), e.g. -o groups=8")
+    g.add_argument("--trace", metavar="FILE", help="trace workload: the JSONL file")
+    g.add_argument("--time-scale", type=float, help="trace workload: timestamp multiplier")
+    g.add_argument("--skip-bad-lines", action="store_true", help="trace workload: skip malformed lines")
+    g.add_argument("--seed", type=int, default=0)
+    a = parser.add_argument_group("arrivals and bounds")
+    m = a.add_mutually_exclusive_group()
+    m.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    m.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    a.add_argument("--requests", type=int, default=1000, help="stop after N requests")
+    a.add_argument("--duration", type=float, default=120.0, help="stop dispatching after S seconds")
+    a.add_argument("--drain", type=float, default=30.0, help="grace for in-flight requests at the end")
+    a.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
+    if model_flag:
+        a.add_argument("--model", help="model name (default: the target's first /v1/models entry)")
+    a.add_argument("--send-session", action="store_true",
+                   help="send the session id as the OpenAI 'user' field")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write the report {'runs': [...]} here")
+    o.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", action="append", required=True, metavar="NAME=URL",
+                        help="an OpenAI-compatible router (repeatable; run in the order given)")
+    parser.add_argument("--flush", action="append", default=[], metavar="URL",
+                        help="an agent to POST /flush_cache before each run (repeatable; "
+                             "default: the workers the router lists at /admin/workers)")
+    parser.add_argument("--kv-capacity-tokens", type=int,
+                        help="the fleet's KV capacity for pooled_hit_rate (default: from the agents)")
+    add_load_arguments(parser, default_workload=None)
+
+
+def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
+    """Workload, arrivals and bounds from parsed flags; raises ``WorkloadError``."""
+    options: dict = parse_options(args.option)
+    if args.trace is not None:
+        options["path"] = args.trace
+    if args.time_scale is not None:
+        options["time_scale"] = args.time_scale
+    if args.skip_bad_lines:
+        options["skip_bad_lines"] = True
+    if args.workload != "trace" and (args.trace is not None or args.time_scale is not None
+                                     or args.skip_bad_lines):
+        raise WorkloadError("--trace, --time-scale and --skip-bad-lines apply to --workload trace only")
+    workload = make_workload(args.workload, options, args.seed)
+    if args.rate is not None:
+        arrivals = Poisson(args.rate)
+    elif args.concurrency is not None:
+        arrivals = Closed(args.concurrency)
+    elif isinstance(workload, Trace):
+        arrivals = TraceTimes()
+    else:
+        arrivals = Closed(8)
+    if isinstance(workload, Trace) and getattr(workload, "skipped", None):
+        log.warning("trace: skipped %d bad lines (first: line %d)", len(workload.skipped),
+                    workload.skipped[0])
+    return workload, arrivals, Bounds(args.requests, args.duration, args.drain)
+
+
+def emit(outcomes: list[RunOutcome], args: argparse.Namespace) -> None:
+    runs = [o.report for o in outcomes]
+    render_table(runs)
+    if args.json:
+        write_json(args.json, runs)
+        print(f"report: {args.json}")
+    if args.plots:
+        paths = write_plots(runs, args.plots, {o.report["name"]: o.ttft_ms for o in outcomes})
+        print("plots: " + ", ".join(paths))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    targets = [parse_target(t) for t in args.target]
+    names = [n for n, _ in targets]
+    if len(set(names)) != len(names):
+        raise ConfigError("--target", "target names must be unique")
+    workload, arrivals, bounds = build_load(args)
+    if args.kv_capacity_tokens is not None and args.kv_capacity_tokens <= 0:
+        raise ConfigError("--kv-capacity-tokens", "must be > 0")
+    outcomes = asyncio.run(run_ab(
+        targets, workload, arrivals, bounds, flush_urls=[u.rstrip("/") for u in args.flush],
+        kv_capacity_tokens=args.kv_capacity_tokens, model=args.model, timeout_s=args.timeout,
+        send_session=args.send_session, progress=False if args.no_progress else None))
+    emit(outcomes, args)
+    return 0

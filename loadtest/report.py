@@ -1,0 +1,409 @@
+"""Run reports: one schema for the live load generator and the offline simulator.
+
+``--json FILE`` writes ``{"schema": "radixfleet.report/1", "runs": [run, ...]}``;
+each run is a flat JSON object (``RUN_FIELDS`` lists every key, ``validate()``
+checks a document)::
+
+    name             str    the target's / policy's name
+    target           str    URL (or "simulated")
+    workload         dict   {"name", "seed", "params"}
+    requests         int    dispatched
+    ok               int    answered successfully
+    errors           int    failed (requests - ok)
+    errors_by_kind   dict   kind -> count (loadtest.client's kinds)
+    prompt_tokens    int    sum over ok requests (the server's usage)
+    cached_tokens    int    sum over ok requests (usage.prompt_tokens_details)
+    output_tokens    int
+    hit_rate         float  cached_tokens / prompt_tokens
+    oracle_hit_rate  float  share of prompt tokens an unbounded single cache serves
+    pooled_hit_rate  float|null  one LRU radix cache of the fleet's whole KV capacity
+    kv_capacity_tokens int|null  that capacity
+    ttft_ms, itl_ms, e2e_ms   {"p50", "p90", "p99", "mean"} (null when no samples)
+    throughput       {"requests_per_s", "output_tokens_per_s"}
+    duration_s       float  first dispatch to last answer
+    workers          {worker: {"requests", "prompt_tokens", "cached_tokens",
+                               "output_tokens"}}   (ok requests; "unknown" when the
+                                                    target names no worker)
+    load_imbalance   float|null  max / mean of per-worker prompt tokens
+
+Oracle and pooled rates are computed on the prompts *as sent*, in dispatch order,
+over the load generator's own token count (``BYTES_PER_TOKEN``-byte chunks of the
+canonical routing bytes, ``router.prefix_keys``), restricted to ok requests so all
+three rates share a denominator's population. ``CacheReference`` does it per
+request at dispatch time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections import Counter
+from typing import Any, Iterable, Sequence
+
+from router.prefix_keys import Endpoint, routing_bytes
+from loadtest.client import Result
+from loadtest.prefix_trie import PrefixTrie, as_tokens
+from loadtest.workloads import API_CHAT, RequestSpec
+
+SCHEMA = "radixfleet.report/1"
+
+_STATS = ("p50", "p90", "p99", "mean")
+
+RUN_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "target": (str,),
+    "workload": (dict,),
+    "requests": (int,),
+    "ok": (int,),
+    "errors": (int,),
+    "errors_by_kind": (dict,),
+    "prompt_tokens": (int,),
+    "cached_tokens": (int,),
+    "output_tokens": (int,),
+    "hit_rate": (float, int),
+    "oracle_hit_rate": (float, int),
+    "pooled_hit_rate": (float, int, type(None)),
+    "kv_capacity_tokens": (int, type(None)),
+    "ttft_ms": (dict,),
+    "itl_ms": (dict,),
+    "e2e_ms": (dict,),
+    "throughput": (dict,),
+    "duration_s": (float, int),
+    "workers": (dict,),
+    "load_imbalance": (float, int, type(None)),
+}
+
+
+class AgentLRU:
+    """One LRU radix cache of ``capacity_tokens``: the agent's own ``RadixCache``.
+
+    ``serve(data)`` has ``PrefixTrie.serve``'s contract (cached leading tokens, then
+    cache it all and evict LRU leaves down to the capacity) on the agent's tokens
+    (``worker_agent.tokenizer.encode``), so the pooled reference evicts exactly as
+    one agent with the whole fleet's KV pool would (admission ``always``).
+    """
+
+    def __init__(self, capacity_tokens: int) -> None:
+        from worker_agent.radix_cache import RadixCache
+        from worker_agent.tokenizer import encode
+
+        self._encode = encode
+        self.capacity_tokens = capacity_tokens
+        self.cache = RadixCache(capacity_tokens=capacity_tokens, record_events=False)
+
+    def serve(self, data: bytes) -> int:
+        tokens = self._encode(data)
+        cached, _ = self.cache.match_prefix(None, tokens)
+        self.cache.insert(None, tokens)
+        over = self.cache.total_tokens - self.capacity_tokens
+        if over > 0:
+            self.cache.evict(over)
+        return cached
+
+    @property
+    def tokens(self) -> int:
+        return self.cache.total_tokens
+
+    def check(self) -> None:
+        self.cache.check()
+        assert self.cache.total_tokens <= self.capacity_tokens, f"{self.cache.total_tokens=}"
+
+
+class CacheReference:
+    """The oracle (unbounded) and pooled (LRU, fleet capacity) caches of one run.
+
+    ``observe(spec)`` returns ``(est_prompt_tokens, oracle_cached, pooled_cached)``
+    for a prompt and then caches it in both; call it in dispatch order.
+    ``observe_answer(spec, answer)`` caches prompt + answer when the answer is back,
+    as an engine keeps the KV of the tokens it generated (so a conversation's next
+    turn finds its last answer cached — in the fleet and in the references alike).
+    """
+
+    def __init__(self, kv_capacity_tokens: int | None, *, cache_outputs: bool = True) -> None:
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.cache_outputs = cache_outputs
+        self.oracle = PrefixTrie()
+        self.pooled = AgentLRU(kv_capacity_tokens) if kv_capacity_tokens else None
+
+    def observe(self, spec: RequestSpec) -> tuple[int, int, int]:
+        data = prompt_bytes(spec)
+        pooled = self.pooled.serve(data) if self.pooled is not None else 0
+        data = as_tokens(data)
+        oracle = self.oracle.serve(data)
+        return len(data) // 4, oracle, pooled
+
+    def observe_answer(self, spec: RequestSpec, answer: str) -> None:
+        data = prompt_bytes(spec)
+        if not self.cache_outputs or not answer or len(data) % 4:
+            return  # an unaligned prompt does not tokenize prefix-stably with its answer
+        data += answer.encode("utf-8", "surrogatepass")
+        self.oracle.serve(as_tokens(data))
+        if self.pooled is not None:
+            self.pooled.serve(data)
+
+    def check(self) -> None:
+        self.oracle.check()
+        if self.pooled is not None:
+            self.pooled.check()
+
+
+def prompt_bytes(spec: RequestSpec) -> bytes:
+    """The canonical bytes the fleet tokenizes for this spec (contract 1)."""
+    endpoint = Endpoint.CHAT if spec.api == API_CHAT else Endpoint.COMPLETIONS
+    return routing_bytes(endpoint, spec.body)
+
+
+def percentiles(xs: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """p50/p90/p99 (nearest rank) and mean, times ``scale``; nulls when empty."""
+    if not xs:
+        return {k: None for k in _STATS}
+    s = sorted(xs)
+    n = len(s)
+
+    def rank(q: float) -> float:
+        return s[min(n - 1, max(0, math.ceil(q * n) - 1))] * scale
+
+    return {"p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99),
+            "mean": sum(s) / n * scale}
+
+
+def summarize(name: str, target: str, workload: dict, results: Iterable[Result], *,
+              kv_capacity_tokens: int | None, duration_s: float | None = None) -> dict:
+    """One run's report entry from its per-request results."""
+    results = list(results)
+    ok = [r for r in results if r.ok]
+    errors = Counter(r.error_kind or "unknown" for r in results if not r.ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    out_tok = sum(r.output_tokens for r in ok)
+    est = sum(r.est_prompt_tokens for r in ok)
+    workers: dict[str, dict[str, int]] = {}
+    for r in ok:
+        w = workers.setdefault(r.worker or "unknown", {"requests": 0, "prompt_tokens": 0,
+                                                       "cached_tokens": 0, "output_tokens": 0})
+        w["requests"] += 1
+        w["prompt_tokens"] += r.prompt_tokens
+        w["cached_tokens"] += r.cached_tokens
+        w["output_tokens"] += r.output_tokens
+    imbalance = None
+    if workers and "unknown" not in workers:
+        loads = [w["prompt_tokens"] for w in workers.values()]
+        mean = sum(loads) / len(loads)
+        imbalance = max(loads) / mean if mean else None
+    if duration_s is None:
+        if ok:
+            t0 = min(r.start for r in results)
+            t1 = max(r.start + (r.e2e_s or 0.0) for r in ok)
+            duration_s = max(t1 - t0, 1e-9)
+        else:
+            duration_s = 0.0
+    itl = [x for r in ok for x in r.itl_s]
+    return {
+        "name": name,
+        "target": target,
+        "workload": workload,
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
+        "errors_by_kind": dict(sorted(errors.items())),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "output_tokens": out_tok,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "oracle_hit_rate": sum(r.oracle_cached for r in ok) / est if est else 0.0,
+        "pooled_hit_rate": (sum(r.pooled_cached for r in ok) / est if est else 0.0)
+        if kv_capacity_tokens else None,
+        "kv_capacity_tokens": kv_capacity_tokens,
+        "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_ms": percentiles(itl),
+        "e2e_ms": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "throughput": {
+            "requests_per_s": len(ok) / duration_s if duration_s else 0.0,
+            "output_tokens_per_s": out_tok / duration_s if duration_s else 0.0,
+        },
+        "duration_s": duration_s,
+        "workers": dict(sorted(workers.items())),
+        "load_imbalance": imbalance,
+    }
+
+
+def validate(doc: Any) -> None:
+    """Raises ``ValueError`` naming the first field that breaks the schema."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+        raise ValueError("report must be an object with a 'runs' list")
+    for i, run in enumerate(doc["runs"]):
+        where = f"runs[{i}]"
+        if not isinstance(run, dict):
+            raise ValueError(f"{where} must be an object")
+        for key, types in RUN_FIELDS.items():
+            if key not in run:
+                raise ValueError(f"{where}.{key} is missing")
+            v = run[key]
+            if isinstance(v, bool) or not isinstance(v, types):
+                raise ValueError(f"{where}.{key} has type {type(v).__name__}")
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            for s in _STATS:
+                v = run[key].get(s, "missing")
+                if v is not None and not isinstance(v, (int, float)):
+                    raise ValueError(f"{where}.{key}.{s} must be a number or null")
+        for s in ("requests_per_s", "output_tokens_per_s"):
+            if not isinstance(run["throughput"].get(s), (int, float)):
+                raise ValueError(f"{where}.throughput.{s} must be a number")
+        for w, v in run["workers"].items():
+            for s in ("requests", "prompt_tokens", "cached_tokens", "output_tokens"):
+                if not isinstance(v.get(s), int):
+                    raise ValueError(f"{where}.workers.{w}.{s} must be an integer")
+        for key in ("hit_rate", "oracle_hit_rate", "pooled_hit_rate"):
+            v = run[key]
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ValueError(f"{where}.{key} must be in [0, 1], got {v}")
+        if run["ok"] + run["errors"] != run["requests"]:
+            raise ValueError(f"{where}: ok + errors != requests")
+
+
+def write_json(path: str, runs: list[dict]) -> None:
+    doc = {"schema": SCHEMA, "runs": runs}
+    validate(doc)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
+def load_json(path: str) -> list[dict]:
+    """Reads and validates a report file; returns its runs. Raises ``ValueError``."""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    validate(doc)
+    return doc["runs"]
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render_table(runs: list[dict], file=None) -> None:
+    """The comparison table (rich; plain text when not a terminal)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file or sys.stdout, width=140)
+    table = Table(title="radixfleet load test", show_lines=False)
+    for col in ("run", "ok/req", "errors", "hit", "oracle", "pooled", "TTFT p50 ms",
+                "TTFT p99 ms", "ITL p50 ms", "E2E p50 ms", "req/s", "out tok/s", "imbalance"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in runs:
+        table.add_row(
+            r["name"], f"{r['ok']}/{r['requests']}",
+            ", ".join(f"{k}:{v}" for k, v in r["errors_by_kind"].items()) or "0",
+            _fmt(r["hit_rate"], ".3f"), _fmt(r["oracle_hit_rate"], ".3f"),
+            _fmt(r["pooled_hit_rate"], ".3f"),
+            _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p99"]), _fmt(r["itl_ms"]["p50"]),
+            _fmt(r["e2e_ms"]["p50"]), _fmt(r["throughput"]["requests_per_s"], ".2f"),
+            _fmt(r["throughput"]["output_tokens_per_s"], ".0f"),
+            _fmt(r["load_imbalance"], ".2f"),
+        )
+    console.print(table)
+    for r in runs:
+        if r["errors"]:
+            console.print(f"[bold]{r['name']}[/]: {r['errors']} of {r['requests']} requests failed "
+                          f"({', '.join(f'{k}: {v}' for k, v in r['errors_by_kind'].items())}); "
+                          "the run went on and the figures above cover the ok requests.")
+
+
+def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[float]]) -> list[str]:
+    """PNG plots: TTFT distribution per run, hit rate vs oracle/pooled, per-worker load.
+
+    ``ttft_samples[name]`` holds that run's TTFTs in ms. Returns the paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        xs = sorted(ttft_samples.get(r["name"], []))
+        if xs:
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["name"])
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT distribution (CDF)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    paths.append(os.path.join(out_dir, "ttft_cdf.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r["name"] for r in runs]
+    width = 0.27
+    xs = range(len(runs))
+    ax.bar([x - width for x in xs], [r["hit_rate"] for r in runs], width, label="hit rate")
+    ax.bar(list(xs), [r["pooled_hit_rate"] or 0 for r in runs], width, label="pooled (one LRU cache)")
+    ax.bar([x + width for x in xs], [r["oracle_hit_rate"] for r in runs], width, label="oracle (unbounded)")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("share of prompt tokens served from cache")
+    ax.set_title("Cache hit rate vs references")
+    ax.legend()
+    paths.append(os.path.join(out_dir, "hit_rate.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    workers = sorted({w for r in runs for w in r["workers"]})
+    width = 0.8 / max(1, len(runs))
+    for i, r in enumerate(runs):
+        ax.bar([j + i * width for j in range(len(workers))],
+               [r["workers"].get(w, {}).get("prompt_tokens", 0) for w in workers], width,
+               label=f"{r['name']} (imbalance {_fmt(r['load_imbalance'], '.2f')})")
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(workers))], workers)
+    ax.set_ylabel("prompt tokens")
+    ax.set_title("Per-worker load")
+    ax.legend()
+    paths.append(os.path.join(out_dir, "worker_load.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+class Progress:
+    """A live progress bar on stderr while a run goes; silent when not a TTY."""
+
+    def __init__(self, label: str, total: int, *, enabled: bool | None = None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._p = None
+        self.label = label
+        self.total = total
+
+    def __enter__(self) -> "Progress":
+        if self.enabled:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
+                                       TextColumn, TimeElapsedColumn)
+
+            self._p = RichProgress(TextColumn("{task.description}"), BarColumn(),
+                                   MofNCompleteColumn(), TextColumn("{task.fields[errors]} errors"),
+                                   TimeElapsedColumn(), transient=True)
+            self._p.__enter__()
+            self._task = self._p.add_task(self.label, total=self.total, errors=0)
+        return self
+
+    def advance(self, errors: int) -> None:
+        if self._p is not None:
+            self._p.update(self._task, advance=1, errors=errors)
+
+    def __exit__(self, *exc) -> None:
+        if self._p is not None:
+            self._p.__exit__(*exc)
+            self._p = None

@@ -1,0 +1,364 @@
+"""One simulated worker: the agent's own scheduler, radix cache, KV pool and cost model.
+
+Nothing here models the GPU or the cache: ``worker_agent.scheduler.Scheduler`` over
+``worker_agent.radix_cache.RadixCache`` + ``KVPool``, priced by
+``worker_agent.cost_model.CostModel``, built exactly as the agent builds them, is
+driven on the simulation's virtual clock. This adapter only translates::
+
+    Job (fleet.py) --submit--> SchedRequest(rid=job, ns, prompt=units, max_new,
+                                            output, hashes=router block hashes)
+    Scheduler.step(now) -> StepResult --> StepOut(duration, first, finished, ITL tokens)
+    RadixCache.drain_events()         --> the agent reporter's stored/removed events
+    Scheduler.load()                  --> the agent's load report (a tuple)
+
+Generated tokens (text level): the agent's own deterministic answer,
+``tokenizer.generate(request_seed(prompt bytes, agent seed), max_tokens)``, so a
+conversation's next prompt re-tokenizes to exactly what the cache grew by, as live.
+Block level has no text: a request's output is a run of token ids no prompt can
+contain (the cache grows by the same number of tokens).
+
+Block level: the prompt's units are ``id * block_tokens + j`` token ids per block
+(prompts.py), so the same cache and scheduler run with ``hash_stride`` equal to the
+trace's block size and a partial block is a prefix of the full one, as in text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.errors import ConfigError
+from router.prefix_keys import block_hashes
+from worker_agent import tokenizer
+from worker_agent.cost_model import GPUS, MODELS, CostModel
+from worker_agent.kv_pool import KVPool
+from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig, RadixCache
+from worker_agent.scheduler import ORDERS, Scheduler, SchedulerConfig, SchedRequest
+
+#: token ids above every tokenizer and block-level id: outputs nobody can match
+_PRIVATE_BASE = 2**48
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """How each simulated worker is built (the agent's flags of the same names)."""
+
+    model: str = "llama-3-8b"
+    gpu: str = "h100"
+    tp: int = 1
+    #: KV capacity per worker in tokens; None: the preset's (HBM - weights - reserve)
+    kv_tokens: int | None = None
+    #: scheduler settings; None: the agent's defaults
+    chunk_tokens: int | None = None
+    max_running: int | None = None
+    order: str | None = None
+    #: radix cache admission mode; None: the agent's default
+    admission: str | None = None
+    #: the agent's generation seed (its --seed)
+    agent_seed: int = 0
+
+    def validate(self) -> None:
+        cost = self.cost_model()
+        if self.kv_tokens is None:
+            cost.kv_capacity_tokens()  # raises ConfigError when the weights do not fit
+        elif type(self.kv_tokens) is not int or self.kv_tokens <= 0:
+            raise ConfigError("--kv-tokens", f"must be a positive integer, got {self.kv_tokens!r}")
+        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
+            raise ConfigError("--chunk-tokens", f"must be > 0, got {self.chunk_tokens}")
+        if self.max_running is not None and self.max_running <= 0:
+            raise ConfigError("--max-running", f"must be > 0, got {self.max_running}")
+        if self.order is not None and self.order not in ORDERS:
+            raise ConfigError("--order", f"{self.order!r} is not one of {', '.join(ORDERS)}")
+        if self.admission is not None and self.admission not in ADMISSION_MODES:
+            raise ConfigError("--admission",
+                              f"{self.admission!r} is not one of {', '.join(ADMISSION_MODES)}")
+
+    def cost_model(self) -> CostModel:
+        for flag, name, table in (("--model", self.model, MODELS), ("--gpu", self.gpu, GPUS)):
+            if name not in table:
+                raise ConfigError(flag, f"unknown preset {name!r}; choose one of {', '.join(table)}")
+        return CostModel(self.model, self.gpu, tp=self.tp)
+
+    def capacity_tokens(self) -> int:
+        return self.kv_tokens if self.kv_tokens is not None else self.cost_model().kv_capacity_tokens()
+
+    def scheduler_config(self) -> SchedulerConfig:
+        kw = {}
+        if self.chunk_tokens is not None:
+            kw["chunk_tokens"] = self.chunk_tokens
+        if self.max_running is not None:
+            kw["max_running"] = self.max_running
+        if self.order is not None:
+            kw["order"] = self.order
+        return SchedulerConfig(**kw)
+
+
+def engine_help() -> str:
+    """The presets, for ``--help``."""
+    return ("model presets: " + ", ".join(MODELS) + "\n"
+            "gpu presets: " + ", ".join(GPUS) + "\n"
+            "admission modes: " + ", ".join(ADMISSION_MODES))
+
+
+class StepOut:
+    """What one step (or one fast-forwarded run of decode steps) did."""
+
+    __slots__ = ("duration_s", "first", "finished", "itl")
+
+    def __init__(self, duration_s: float, first: list, finished: list, itl: list) -> None:
+        self.duration_s = duration_s
+        self.first = first  # jobs whose first token this step produced
+        self.finished = finished  # jobs this step completed (cached/output set)
+        #: (step duration, tokens after a first token) per step: ITL samples
+        self.itl = itl
+
+
+class _Run:
+    """A planned run of ``k`` pure decode steps (see ``SimWorker.start_step``).
+
+    Step i (0-based) lasts ``f(i) = cost.forward_s(cost.decode_flops(b, c_i), c_i)``
+    with ``c_i = c_0 + i*b``. The run keeps ``f`` as linear pieces
+    ``(i0, n, f(i0), slope)`` so that the time to the end of any step is O(pieces),
+    not O(steps): a run's cost does not grow with the tokens it decodes.
+    """
+
+    __slots__ = ("start", "batch", "k", "pieces")
+
+    def __init__(self, start: float, batch: list, k: int, pieces: list) -> None:
+        self.start = start
+        self.batch = batch  # the running requests, in the scheduler's order
+        self.k = k  # steps planned (cut() may shorten it)
+        self.pieces = pieces
+
+    def elapsed(self, j: int) -> float:
+        """Duration of the first ``j`` steps."""
+        total = 0.0
+        for i0, n, f0, slope in self.pieces:
+            if j <= i0:
+                break
+            m = min(n, j - i0)
+            total += m * f0 + slope * (m * (m - 1) / 2.0)
+        return total
+
+    def samples(self, j: int) -> list[tuple[float, int]]:
+        """ITL samples of the first ``j`` steps: per piece, its mean step duration
+        weighted by its tokens (steps within a piece differ by ``slope`` each —
+        microseconds on a multi-millisecond step)."""
+        b = len(self.batch)
+        out = []
+        for i0, n, f0, slope in self.pieces:
+            if j <= i0:
+                break
+            m = min(n, j - i0)
+            out.append((f0 + slope * (m - 1) / 2.0, m * b))
+        return out
+
+
+def _linear_pieces(f, lo: int, hi: int, out: list, depth: int = 0) -> None:
+    """Splits ``f`` on [lo, hi] into linear pieces. ``f`` (a decode step's roofline
+    time against its context) is convex — a max of linear terms — so a piece whose
+    midpoint lies on the chord is linear throughout; others are halved."""
+    flo = f(lo)
+    if hi == lo:
+        out.append((lo, 1, flo, 0.0))
+        return
+    fhi = f(hi)
+    slope = (fhi - flo) / (hi - lo)
+    if hi - lo >= 2 and depth < 40:
+        mid = (lo + hi) // 2
+        fm = f(mid)
+        if abs(fm - (flo + slope * (mid - lo))) > 1e-12 * max(abs(fm), 1e-30):
+            _linear_pieces(f, lo, mid, out, depth + 1)
+            _linear_pieces(f, mid + 1, hi, out, depth + 1)
+            return
+    out.append((lo, hi - lo + 1, flo, slope))
+
+
+class SimWorker:
+    """The agent's engine for one simulated worker. Synchronous; virtual time only.
+
+    The driver calls ``start_step(now)`` when the worker is idle or a step ended,
+    and ``end_step(end)`` at the time ``start_step`` returned; ``cut(now)`` when a
+    request arrives while a step runs. Steps are the scheduler's own
+    (``Scheduler.step``), with one exception that changes no result:
+
+    **Fast-forward of pure decode.** When nothing waits and nothing is prefilling,
+    the scheduler's next steps are decode steps of a fixed batch until its first
+    request finishes, and their effects are known in closed form: each request
+    gains one token per step, the pool commits one slot per request per step, and
+    step i lasts ``cost.forward_s(cost.decode_flops(b, ctx_i), ctx_i)`` with
+    ``ctx_i = ctx_0 + i*b``. So up to (steps to the first finish - 1) such steps are
+    planned as one run, applied at its end — or at the end of the step in progress
+    when a new request arrives (``cut``), exactly where the scheduler would have
+    admitted it. The step that finishes a request is always a real ``step()``.
+    ``tests/test_sim_engine.py`` pins that both ways give identical timings.
+    """
+
+    __slots__ = ("id", "spec", "cost", "cache", "pool", "sched", "ns", "capacity_tokens",
+                 "_next_private", "block_level", "fast_forward", "_res", "_run",
+                 "ff_steps", "real_steps")
+
+    def __init__(self, wid: str, spec: EngineSpec, *, block_level: bool, hash_stride: int,
+                 fast_forward: bool = True) -> None:
+        self.id = wid
+        self.spec = spec
+        self.block_level = block_level
+        self.fast_forward = fast_forward
+        self.cost = spec.cost_model()
+        self.capacity_tokens = spec.capacity_tokens()
+        admission = AdmissionConfig(spec.admission) if spec.admission else None
+        self.cache = RadixCache(page_size=1, hash_stride=hash_stride,
+                                capacity_tokens=self.capacity_tokens, admission=admission)
+        self.pool = KVPool(self.capacity_tokens, self.cache)
+        self.sched = Scheduler(self.cost, self.cache, self.pool, spec.scheduler_config())
+        # the agent's namespace for an untenanted request without adapter
+        self.ns = (spec.model, "", None)
+        self._next_private = _PRIVATE_BASE
+        self._res = None  # the scheduler's StepResult of the step in progress
+        self._run: _Run | None = None  # or the fast-forwarded run in progress
+        self.ff_steps = 0  # decode steps applied by fast-forward
+        self.real_steps = 0  # Scheduler.step() calls
+
+    @staticmethod
+    def tokenize(data: bytes) -> list[int]:
+        return tokenizer.encode(data)
+
+    def submit(self, job, now: float, *, ns_seed: int = 0, block_bytes: int = 0) -> None:
+        """Queues ``job``; raises ``PromptTooLarge`` (a ``RequestError``) as the agent
+        does. Text level: the output is the agent's own answer and the request's
+        router hashes run on through it (``worker_agent.server`` does the same, so a
+        next turn's blocks are reported as it will key them)."""
+        p = job.prompt
+        n = job.max_tokens
+        hashes = p.hashes
+        if p.data is not None:
+            output = tokenizer.generate(tokenizer.request_seed(p.data, self.spec.agent_seed), n)
+            if block_bytes and tokenizer.is_aligned(p.units):
+                hashes = block_hashes(p.data + tokenizer.decode(output), ns_seed, block_bytes)
+        else:
+            base = self._next_private
+            self._next_private = base + n
+            output = range(base, base + n)
+        req = SchedRequest(job, self.ns, p.units, n, output, hashes)
+        self.sched.submit(req, now)
+        job.handle = req
+
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    @property
+    def stepping(self) -> bool:
+        """A step or a fast-forwarded run is in progress."""
+        return self._res is not None or self._run is not None
+
+    def start_step(self, now: float) -> float | None:
+        """Starts the next step at ``now``; returns when it ends (None: no work)."""
+        assert not self.stepping, f"{self.id}: start_step() while a step is in progress"
+        sched = self.sched
+        if not sched.has_work():
+            return None
+        if self.fast_forward and not sched.waiting and not sched.prefilling and sched.running:
+            run = self._plan(now)
+            if run is not None:
+                self._run = run
+                return now + run.elapsed(run.k)
+        self._res = res = sched.step(now)
+        self.real_steps += 1
+        return now + res.duration_s
+
+    def _plan(self, now: float) -> _Run | None:
+        batch = self.sched.running
+        k = min(r.max_new - r.generated for r in batch) - 1
+        if k < 1:
+            return None
+        b = len(batch)
+        c0 = 0
+        for r in batch:
+            c0 += len(r.prompt) + r.generated
+        fwd, flops = self.cost.forward_s, self.cost.decode_flops
+
+        def f(i: int) -> float:
+            c = c0 + i * b
+            return fwd(flops(b, c), c)
+
+        pieces: list = []
+        _linear_pieces(f, 0, k - 1, pieces)
+        return _Run(now, list(batch), k, pieces)
+
+    def cut(self, now: float) -> float | None:
+        """A request arrived at ``now`` during a fast-forwarded run: the run stops at
+        the end of the step in progress (a step ending exactly at ``now`` counts as
+        in progress: the request joins the next step, as if it had been submitted
+        just before that step ended). Returns the new end time, or None if the end
+        did not change (a real step, or the run's last step). O(pieces x log k)."""
+        run = self._run
+        if run is None:
+            return None
+        # the smallest j with start + elapsed(j) >= now: the step in progress is step j
+        lo, hi = 1, run.k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if run.start + run.elapsed(mid) >= now:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo >= run.k:
+            return None
+        run.k = lo
+        return run.start + run.elapsed(lo)
+
+    def end_step(self, now: float) -> StepOut:
+        """Applies the step that ends at ``now``; returns what it did."""
+        run = self._run
+        if run is not None:
+            self._run = None
+            return self._apply_run(run)
+        res = self._res
+        assert res is not None, f"{self.id}: end_step() without a step"
+        self._res = None
+        first = [r.rid for r in res.started]
+        finished = []
+        for r in res.finished:
+            job = r.rid
+            job.cached = r.cached
+            job.output = r.generated
+            finished.append(job)
+        n = len(res.decoded) - len(res.started)
+        return StepOut(res.duration_s, first, finished, [(res.duration_s, n)] if n else [])
+
+    def _apply_run(self, run: _Run) -> StepOut:
+        """k decode steps' effects, as ``Scheduler.step`` would have made them."""
+        k, batch = run.k, run.batch
+        b = len(batch)
+        for r in batch:
+            r.generated += k
+            r.reserved -= k
+            r.private += k
+        self.pool.commit(k * b)
+        st = self.sched.stats
+        st.decode_tokens += k * b
+        st.steps += k
+        d = run.elapsed(k)
+        st.busy_s += d
+        self.ff_steps += k
+        return StepOut(d, [], [], run.samples(k))
+
+    def answer_text(self, job) -> str | None:
+        """The text the agent streamed for a finished job (None at block level)."""
+        r = job.handle
+        if job.prompt.data is None:
+            return None
+        return tokenizer.decode(r.output[: r.generated]).decode("ascii", "replace")
+
+    def take_events(self) -> list:
+        return self.cache.drain_events()
+
+    def load_state(self) -> tuple:
+        """The agent's load report as a tuple (queued requests, queued tokens,
+        running, KV used, KV capacity, prefill tokens/s)."""
+        ld = self.sched.load()
+        return (ld.queued_requests, ld.queued_tokens, ld.running_requests, ld.kv_used_tokens,
+                ld.kv_capacity_tokens, ld.prefill_tokens_per_s)
+
+    def check(self) -> None:
+        if self._run is None:  # mid-run the scheduler's counters lag by design
+            self.sched.check()

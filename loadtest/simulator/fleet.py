@@ -1,0 +1,634 @@
+"""The discrete-event fleet simulation: one router, N workers, feedback, virtual time.
+
+Per run: one policy, one workload, one seed. Everything happens on one event heap
+of ``(time, seq, kind, arg)``; ``seq`` breaks ties in push order, so a seed
+reproduces a run exactly::
+
+    driver (loadtest's session rules) --dispatch--> router side
+        prompt   = SimPrompt (text or block level, prompts.py)
+        match    = index.match(hashes, now)                 router.prefix_index
+        views    = WorkerView per worker: in-flight counted at pick time + the
+                   last agent load report the router has received
+        decision = policy.choose(request, match, views, now)  (the real policy)
+        index.insert(worker, hashes, now)                   optimistic hint
+        pick: in_flight += 1, in_flight_tokens += uncached estimate
+        worker.submit(job, now)  ->  STEP events: step(now) -> duration, outcomes
+    first token: in_flight_tokens -= counted; finish: in_flight -= 1, driver.complete
+    agent events (stored/removed) --batch every B, deliver after D--> index
+
+Feedback (``feedback``):
+
+- ``events``: the radix caches' stored/removed events reach the index in batches
+  cut every ``feedback_batch_s`` per worker (each worker's ticks at its own phase)
+  and applied ``feedback_delay_s`` after the cut — the agent reporter's cadence.
+- ``none``: cache events are dropped; the index holds the router's optimistic
+  inserts only (and forgets by its own memory budget). The ablation's difference
+  is the value of eviction feedback.
+
+Load reports travel with every batch in both modes (they are not cache feedback):
+the view of worker w at ``now`` carries w's state at its last tick at or before
+``now - feedback_delay_s``. The simulator keeps each worker's state changes in a
+short history and reads the report lazily, so there is no event per tick.
+
+Invariants (``check()``): per worker, ``in_flight`` equals its jobs dispatched and
+not finished, and ``in_flight_tokens`` the sum of their counted tokens not yet
+prefilled; the driver's own invariants; the index's; every job is in exactly one
+of: in flight, finished ok, rejected.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from loadtest.arrivals import Bounds
+from loadtest.client import Result
+from loadtest.report import percentiles, summarize
+from loadtest.workloads import Trace, Workload
+from loadtest.simulator import blocktrace
+from loadtest.simulator.driver import VirtualDriver
+from loadtest.simulator.engine import EngineSpec, SimWorker
+from loadtest.simulator.prompts import SimPrompt, block_prompt, text_prompt, truncate
+from loadtest.simulator.reference import BlockReference, CacheReference
+from policies.base import RouteRequest, WorkerView
+from policies.registry import build_policy
+from router.errors import ConfigError, RequestError
+from router.prefix_index import DEFAULT_MAX_BYTES, PrefixIndex
+from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
+from router.events import Cleared, Removed, Snapshot, Stored
+
+log = logging.getLogger(__name__)
+
+FEEDBACK_MODES = ("none", "events")
+LEVELS = ("auto", "text", "block")
+
+# event kinds, in the order same-time events of different kinds were pushed
+_WAKE, _STEP, _FLUSH, _DELIVER, _END = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated fleet. Validated by ``validate()`` (raises ``ConfigError``)."""
+
+    workers: int = 8
+    policy: str = "prefix_load"
+    policy_params: Mapping[str, Any] | None = None
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    #: router block size (text level); block level uses the trace's block
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    feedback: str = "events"
+    feedback_delay_s: float = 0.005
+    feedback_batch_s: float = 0.1
+    index_max_bytes: int = DEFAULT_MAX_BYTES
+    #: 'auto' = block level for traces, text level otherwise
+    level: str = "auto"
+    #: send the session id as the request's session key (loadtest --send-session)
+    send_session: bool = False
+    #: fast-forward runs of pure decode steps (engine.py); False: every step is a
+    #: Scheduler.step() call (same results, slower; the equivalence tests use it)
+    fast_forward: bool = True
+    #: call every check() after every event (tests; slow)
+    check: bool = False
+
+    def validate(self) -> None:
+        if type(self.workers) is not int or self.workers < 1:
+            raise ConfigError("--workers", f"must be an integer >= 1, got {self.workers!r}")
+        if self.feedback not in FEEDBACK_MODES:
+            raise ConfigError("--feedback", f"{self.feedback!r} is not one of {', '.join(FEEDBACK_MODES)}")
+        if not (self.feedback_delay_s >= 0 and self.feedback_batch_s >= 0):
+            raise ConfigError("--feedback-delay-ms", "delay and batch must be >= 0")
+        if self.level not in LEVELS:
+            raise ConfigError("--level", f"{self.level!r} is not one of {', '.join(LEVELS)}")
+        try:
+            check_block_bytes(self.block_bytes)
+        except ValueError as exc:
+            raise ConfigError("--block-bytes", str(exc)) from None
+        self.engine.validate()
+
+
+class Job:
+    """One request (or hot-root warm-up) in the simulation. Only ``Simulation`` and
+    the worker adapter write it."""
+
+    __slots__ = ("idx", "session", "spec", "prompt", "worker", "arrival", "max_tokens",
+                 "counted", "prefilled", "first_t", "done_t", "cached", "output", "ok",
+                 "error_kind", "warm", "oracle", "pooled", "answer_seed", "handle")
+
+    def __init__(self, idx: int, session, spec, prompt: SimPrompt, arrival: float,
+                 max_tokens: int, warm: bool = False) -> None:
+        self.idx = idx
+        self.session = session
+        self.spec = spec
+        self.prompt = prompt
+        self.worker = -1
+        self.arrival = arrival
+        self.max_tokens = max_tokens
+        self.counted = 0  # in_flight_tokens counted on the worker at pick time
+        self.prefilled = False  # counted tokens released (first token seen)
+        self.first_t: float | None = None
+        self.done_t: float | None = None
+        self.cached = 0  # prompt tokens served from cache (set by the worker)
+        self.output = 0  # tokens generated (set by the worker)
+        self.ok: bool | None = None  # None: in flight
+        self.error_kind: str | None = None
+        self.warm = warm  # a prefill-only warm-up: not a client request, not reported
+        self.oracle = 0
+        self.pooled = 0
+        self.answer_seed: int | None = None  # set by the worker when it finishes
+        self.handle = None  # the worker adapter's own request object
+
+
+@dataclass(slots=True)
+class SimOutcome:
+    """One run: the report entry (loadtest schema + wall_s, sim_requests_per_s, sim)
+    and the raw TTFT samples for plots."""
+
+    report: dict
+    ttft_ms: list[float]
+    jobs: list[Job]
+
+
+class _Ref:
+    """Per-worker router-side state (the live pool's in-flight counters)."""
+
+    __slots__ = ("id", "in_flight", "in_flight_tokens", "view", "view_until", "dirty",
+                 "hist", "phase", "pending", "flush_at", "busy", "gen", "zero_steps")
+
+    def __init__(self, wid: str, phase: float) -> None:
+        self.id = wid
+        self.in_flight = 0
+        self.in_flight_tokens = 0
+        self.view: WorkerView | None = None
+        self.view_until = -math.inf
+        self.dirty = True
+        #: (time, load tuple) state changes not yet superseded for the router
+        self.hist: collections.deque = collections.deque()
+        self.phase = phase  # offset of this worker's report ticks in [0, batch)
+        self.pending: list = []  # cache events since the last cut
+        self.flush_at: float | None = None  # the next cut, if scheduled
+        self.busy = False  # a step is running or about to start
+        self.gen = 0  # generation of the worker's live _STEP event (older ones are stale)
+        self.zero_steps = 0  # consecutive zero-duration steps (a stall guard)
+
+
+class Simulation:
+    """A fleet under one policy, fed by one workload. ``run()`` once."""
+
+    def __init__(self, cfg: SimConfig, workload: Workload, arrivals, bounds: Bounds, *,
+                 seed: int = 0, name: str | None = None, sessions=None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.workload = workload
+        self.arrivals = arrivals
+        self.bounds = bounds
+        self.seed = seed
+        self.name = name or cfg.policy
+        self.block_level = cfg.level == "block" or (cfg.level == "auto" and isinstance(workload, Trace))
+        if self.block_level and not isinstance(workload, Trace):
+            raise ConfigError("--level", "block level needs a trace workload (hash ids)")
+        self.model = cfg.engine.model
+        self.ns_seed = namespace_seed(self.model)
+        if self.block_level:
+            self.block_tokens = workload.params.block_tokens
+        else:
+            self.block_tokens = cfg.block_bytes // BYTES_PER_TOKEN
+        self._sessions = sessions
+        rng = random.Random(seed)
+        self.policy = build_policy(cfg.policy, dict(cfg.policy_params or {}),
+                                   random.Random(rng.getrandbits(64)), path="policy")
+        self.index = PrefixIndex(cfg.index_max_bytes)
+        ids = [f"w{i}" for i in range(cfg.workers)]
+        batch = cfg.feedback_batch_s
+        self.refs = [_Ref(w, batch * i / cfg.workers) for i, w in enumerate(ids)]
+        self.by_id = {w: i for i, w in enumerate(ids)}
+        self.workers = [SimWorker(w, cfg.engine, block_level=self.block_level,
+                                  hash_stride=self.block_tokens,
+                                  fast_forward=cfg.fast_forward)
+                        for w in ids]
+        self.kv_capacity_tokens = sum(w.capacity_tokens for w in self.workers)
+        if self.block_level:
+            self.ref_cache = BlockReference(self.kv_capacity_tokens, self.block_tokens)
+        else:
+            self.ref_cache = CacheReference(self.kv_capacity_tokens)
+        self.jobs: list[Job] = []
+        self._heap: list = []
+        self._seq = 0
+        self.now = 0.0
+        self._wake_at: float | None = None
+        #: (duration_s, tokens) per decode step: the ITL distribution, per step not per token
+        self._itl: list[tuple[float, int]] = []
+        self.events_applied = 0
+        self.events_dropped = 0
+        self.rejected = 0
+        self.cancelled = 0
+        self.steps = 0
+        self._ran = False
+
+    # ------------------------------------------------------------------ heap
+
+    def _push(self, t: float, kind: int, arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, arg))
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> SimOutcome:
+        """Runs the simulation to the end; returns its outcome. Call once."""
+        if self._ran:
+            raise RuntimeError("Simulation.run() was already called; build a new Simulation")
+        self._ran = True
+        sessions = self._sessions if self._sessions is not None else self._build_sessions()
+        t_wall = time.perf_counter()
+        self.driver = VirtualDriver(sessions, self.arrivals, self.bounds, self._dispatch,
+                                    max_active_sessions=self.workload.max_active_sessions,
+                                    seed=self.workload.seed)
+        self._pump()
+        heap = self._heap
+        pop = heapq.heappop
+        check = self.cfg.check
+        end_pushed = False
+        while heap:
+            t, _, kind, arg = pop(heap)
+            self.now = t
+            if kind == _STEP:
+                w, gen = arg
+                if gen == self.refs[w].gen:  # else superseded by a cut run
+                    self._step(w, t)
+            elif kind == _WAKE:
+                if t == self._wake_at:
+                    self._wake_at = None
+                    self._pump()
+            elif kind == _FLUSH:
+                self._cut(arg, t)
+            elif kind == _DELIVER:
+                self._deliver(arg[0], arg[1], t)
+            else:  # _END: the drain grace ran out
+                self._cancel_in_flight(t)
+                break
+            d = self.driver
+            if d.stopped_at is not None:
+                if d.in_flight == 0:
+                    break
+                if not end_pushed:
+                    end_pushed = True
+                    self._push(d.stopped_at + self.bounds.drain_s, _END)
+            if check:
+                self.check()
+        wall = time.perf_counter() - t_wall
+        return self._outcome(wall)
+
+    def _build_sessions(self):
+        if self.block_level:
+            return blocktrace.sessions(self.workload)
+        return self.workload.sessions()
+
+    # ----------------------------------------------------------- driver side
+
+    def _pump(self) -> None:
+        wake = self.driver.pump(self.now)
+        if wake is not None and wake != self._wake_at:
+            self._wake_at = wake
+            self._push(wake, _WAKE)
+
+    def _prompt(self, spec) -> SimPrompt:
+        if self.block_level:
+            b = spec.body
+            return block_prompt(b["hash_ids"], b["input_length"], self.block_tokens, self.ns_seed)
+        return text_prompt(spec, self.ns_seed, self.cfg.block_bytes, self.workers[0].tokenize)
+
+    def _dispatch(self, session, spec) -> None:
+        """The router's request path, at pick time (the driver calls it)."""
+        now = self.now
+        prompt = self._prompt(spec)
+        job = Job(len(self.jobs), session, spec, prompt, now, spec.max_tokens)
+        self.jobs.append(job)
+        if self.block_level:
+            _, job.oracle, job.pooled = self.ref_cache.observe(
+                prompt.block_ids, prompt.prompt_tokens, prompt.last_tokens)
+        else:
+            _, job.oracle, job.pooled = self.ref_cache.observe(spec)
+        hashes = prompt.hashes
+        index = self.index
+        match = index.match(hashes, now)
+        req = RouteRequest(hashes, prompt.prompt_tokens, self.block_tokens,
+                           spec.session if self.cfg.send_session else None, self.model,
+                           prompt.text_len)
+        d = self.policy.choose(req, match, self._views(now), now)
+        w = self.by_id[d.worker]
+        if hashes:
+            index.insert(d.worker, hashes, now)
+        for wid in d.warm:
+            if match.depth and wid in self.by_id:
+                index.insert(wid, hashes[: match.depth], now)
+                self._warm(self.by_id[wid], prompt, match.depth, now)
+        uncached = max(0, prompt.prompt_tokens - d.matched_blocks * self.block_tokens)
+        self._submit(w, job, uncached, now)
+
+    def _warm(self, w: int, prompt: SimPrompt, depth: int, now: float) -> None:
+        p = truncate(prompt, depth, self.block_tokens)
+        job = Job(len(self.jobs), None, None, p, now, 1, warm=True)
+        self.jobs.append(job)
+        self._submit(w, job, p.prompt_tokens, now)
+
+    def _submit(self, w: int, job: Job, counted: int, now: float) -> None:
+        ref = self.refs[w]
+        job.worker = w
+        try:
+            self.workers[w].submit(job, now, ns_seed=self.ns_seed,
+                                   block_bytes=0 if self.block_level else self.cfg.block_bytes)
+        except RequestError as exc:  # e.g. PromptTooLarge: the agent's 400
+            job.ok = False
+            job.error_kind = f"http_{exc.status}"
+            job.done_t = now
+            self.rejected += 1
+            log.debug("%s rejected by %s: %s", job.idx, ref.id, exc)
+            if not job.warm:
+                self.driver.complete(job.session, None)
+                # the driver is mid-pump; it goes on dispatching by itself
+            return
+        ref.in_flight += 1
+        ref.in_flight_tokens += counted
+        job.counted = counted
+        ref.dirty = True
+        self._record_state(w, now)
+        self._collect_events(w, now)
+        if not ref.busy:
+            ref.busy = True
+            ref.gen += 1
+            self._push(now, _STEP, (w, ref.gen))
+        else:
+            end = self.workers[w].cut(now)
+            if end is not None:  # a fast-forwarded decode run stops early for this job
+                ref.gen += 1
+                self._push(end, _STEP, (w, ref.gen))
+
+    # ----------------------------------------------------------- worker side
+
+    def _step(self, w: int, now: float) -> None:
+        """The step that worker ``w`` started ends at ``now`` (or ``w`` was idle):
+        deliver its effects, then start the next one."""
+        ref = self.refs[w]
+        worker = self.workers[w]
+        if worker.stepping:
+            self._apply_outcome(w, worker.end_step(now), now)
+        end = worker.start_step(now)
+        self._record_state(w, now)
+        self._collect_events(w, now)
+        if end is None:
+            ref.busy = False
+            return
+        self.steps += 1
+        if end <= now:
+            ref.zero_steps += 1
+            assert ref.zero_steps < 10_000, f"worker {ref.id} stalls: zero-duration steps"
+        else:
+            ref.zero_steps = 0
+        ref.gen += 1
+        self._push(end, _STEP, (w, ref.gen))
+
+    def _apply_outcome(self, w: int, out, now: float) -> None:
+        ref = self.refs[w]
+        if out.itl:
+            self._itl.extend(out.itl)
+        for job in out.first:
+            job.first_t = now
+            if not job.prefilled:
+                job.prefilled = True
+                ref.in_flight_tokens -= job.counted
+                ref.dirty = True
+        completed = False
+        for job in out.finished:
+            if not job.prefilled:
+                job.prefilled = True
+                ref.in_flight_tokens -= job.counted
+            if job.first_t is None:
+                job.first_t = now
+            job.done_t = now
+            job.ok = True
+            ref.in_flight -= 1
+            ref.dirty = True
+            if not job.warm:
+                answer = self.workers[w].answer_text(job)
+                if answer is not None:
+                    # the load generator caches prompt + answer in its references
+                    self.ref_cache.observe_answer(job.spec, answer)
+                self.driver.complete(job.session, answer if answer is not None else "")
+                completed = True
+        if completed:
+            self._pump()
+
+    def _cancel_in_flight(self, now: float) -> None:
+        for job in self.jobs:
+            if job.ok is None:
+                job.ok = False
+                job.error_kind = "cancelled"
+                if not job.warm:
+                    self.cancelled += 1
+
+    # ----------------------------------------------------------- load reports
+
+    def _record_state(self, w: int, now: float) -> None:
+        st = self.workers[w].load_state()
+        h = self.refs[w].hist
+        if h and h[-1][1] == st:
+            return
+        if h and h[-1][0] == now:
+            h[-1] = (now, st)
+        else:
+            h.append((now, st))
+
+    def _report(self, ref: _Ref, now: float) -> tuple[tuple | None, float]:
+        """The load report the router holds at ``now`` and until when it holds."""
+        cfg = self.cfg
+        t = now - cfg.feedback_delay_s
+        b = cfg.feedback_batch_s
+        if b > 0:
+            k = math.floor((t - ref.phase) / b)
+            tick = ref.phase + k * b
+            until = tick + b + cfg.feedback_delay_s
+        else:
+            tick = t
+            until = now  # changes with every state change; rebuild each time
+        h = ref.hist
+        while len(h) > 1 and h[1][0] <= tick:
+            h.popleft()
+        if h and h[0][0] <= tick:
+            return h[0][1], until
+        return None, until
+
+    def _views(self, now: float) -> list[WorkerView]:
+        out = []
+        append = out.append
+        for ref in self.refs:
+            v = ref.view
+            if v is None or ref.dirty or now >= ref.view_until:
+                st, until = self._report(ref, now)
+                if st is None:
+                    v = WorkerView(ref.id, ref.in_flight, ref.in_flight_tokens)
+                else:
+                    qr, qt, rr, used, cap, rate = st
+                    v = WorkerView(ref.id, ref.in_flight, ref.in_flight_tokens, qr, qt, rr,
+                                   used, cap, rate or 10_000.0)
+                ref.view = v
+                ref.view_until = until if until > now else now + 1e-9
+                ref.dirty = False
+            append(v)
+        return out
+
+    # ----------------------------------------------------------- cache feedback
+
+    def _collect_events(self, w: int, now: float) -> None:
+        evs = self.workers[w].take_events()
+        if not evs:
+            return
+        cfg = self.cfg
+        if cfg.feedback == "none":
+            self.events_dropped += len(evs)
+            return
+        ref = self.refs[w]
+        if cfg.feedback_batch_s <= 0 and cfg.feedback_delay_s <= 0:
+            self._apply_events(ref.id, evs, now)
+            return
+        ref.pending.extend(evs)
+        if ref.flush_at is None:
+            b = cfg.feedback_batch_s
+            if b > 0:
+                k = math.floor((now - ref.phase) / b) + 1
+                at = ref.phase + k * b
+            else:
+                at = now
+            ref.flush_at = at
+            self._push(at, _FLUSH, w)
+
+    def _cut(self, w: int, now: float) -> None:
+        ref = self.refs[w]
+        ref.flush_at = None
+        batch, ref.pending = ref.pending, []
+        if batch:
+            self._push(now + self.cfg.feedback_delay_s, _DELIVER, (w, batch))
+
+    def _deliver(self, w: int, batch: list, now: float) -> None:
+        self._apply_events(self.refs[w].id, batch, now)
+
+    def _apply_events(self, wid: str, evs: Sequence, now: float) -> None:
+        index = self.index
+        for e in evs:
+            cls = e.__class__
+            if cls is Stored:
+                index.insert(wid, e.hashes, now, e.parent)
+            elif cls is Removed:
+                index.remove(wid, e.hashes)
+            elif cls is Cleared:
+                index.clear(wid)
+            elif cls is Snapshot:
+                index.apply_snapshot(wid, e.blocks, now)
+        self.events_applied += len(evs)
+
+    # ----------------------------------------------------------- report
+
+    def _outcome(self, wall_s: float) -> SimOutcome:
+        results = []
+        ttft = []
+        for job in self.jobs:
+            if job.warm:
+                continue
+            spec = job.spec
+            r = Result(spec.id, spec.session, spec.turn, start=job.arrival)
+            r.ok = bool(job.ok)
+            r.error_kind = job.error_kind
+            r.worker = self.refs[job.worker].id if job.worker >= 0 else None
+            r.est_prompt_tokens = job.prompt.prompt_tokens
+            r.oracle_cached = job.oracle
+            r.pooled_cached = job.pooled
+            if r.ok:
+                r.ttft_s = job.first_t - job.arrival
+                r.e2e_s = job.done_t - job.arrival
+                r.prompt_tokens = job.prompt.prompt_tokens
+                r.cached_tokens = job.cached
+                r.output_tokens = job.output
+                ttft.append(r.ttft_s * 1000.0)
+            results.append(r)
+        report = summarize(self.name, "simulated", self.workload.describe(), results,
+                           kv_capacity_tokens=self.kv_capacity_tokens)
+        report["itl_ms"] = weighted_percentiles(self._itl)
+        n = len(results)
+        report["wall_s"] = wall_s
+        report["sim_requests_per_s"] = n / wall_s if wall_s > 0 else 0.0
+        st = self.index.stats()
+        report["sim"] = {
+            "level": "block" if self.block_level else "text",
+            "policy": self.cfg.policy,
+            "workers_n": self.cfg.workers,
+            "model": self.cfg.engine.model,
+            "gpu": self.cfg.engine.gpu,
+            "kv_tokens_per_worker": self.workers[0].capacity_tokens,
+            "block_tokens": self.block_tokens,
+            "feedback": self.cfg.feedback,
+            "feedback_delay_ms": self.cfg.feedback_delay_s * 1000.0,
+            "feedback_batch_ms": self.cfg.feedback_batch_s * 1000.0,
+            "seed": self.seed,
+            "rejected": self.rejected,
+            "cancelled": self.cancelled,
+            "warmups": sum(1 for j in self.jobs if j.warm),
+            "steps": self.steps,
+            "engine_steps": sum(w.real_steps for w in self.workers),
+            "fast_forwarded_steps": sum(w.ff_steps for w in self.workers),
+            "events_applied": self.events_applied,
+            "events_dropped": self.events_dropped,
+            "index_nodes": st.nodes,
+            "index_evicted_entries": st.evicted_entries,
+            "stopped_by": self.driver.stopped_by,
+            "sim_duration_s": self.now,
+        }
+        return SimOutcome(report, ttft, self.jobs)
+
+    # ----------------------------------------------------------- invariants
+
+    def check(self) -> None:
+        """Asserts the invariants in the module docstring (O(jobs + index))."""
+        self.driver.check()
+        per = [[0, 0] for _ in self.refs]
+        states = collections.Counter()
+        for job in self.jobs:
+            if job.ok is None:
+                per[job.worker][0] += 1
+                if not job.prefilled:
+                    per[job.worker][1] += job.counted
+                states["in_flight"] += 1
+            elif job.ok:
+                states["ok"] += 1
+            else:
+                states["failed"] += 1
+        for ref, (n, tok) in zip(self.refs, per):
+            assert ref.in_flight == n, f"{ref.id}: {ref.in_flight=} != {n} jobs in flight"
+            assert ref.in_flight_tokens == tok, f"{ref.id}: {ref.in_flight_tokens=} != {tok}"
+        assert sum(states.values()) == len(self.jobs), f"{states=} {len(self.jobs)=}"
+        self.index.check()
+        for w in self.workers:
+            w.check()
+
+
+def weighted_percentiles(samples: Sequence[tuple[float, int]], scale: float = 1000.0) -> dict:
+    """``loadtest.report.percentiles`` over (value, count) pairs: the same nearest-rank
+    p50/p90/p99 and mean as if each value were listed ``count`` times."""
+    total = sum(c for _, c in samples)
+    if not total:
+        return percentiles([], scale)
+    s = sorted(samples)
+    out = {}
+    for name, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99)):
+        rank = min(total, max(1, math.ceil(q * total)))
+        acc = 0
+        for v, c in s:
+            acc += c
+            if acc >= rank:
+                out[name] = v * scale
+                break
+    out["mean"] = sum(v * c for v, c in samples) / total * scale
+    return out

@@ -1,0 +1,206 @@
+"""``radixfleet simulate``: policies on a simulated fleet, in virtual time.
+
+::
+
+    radixfleet simulate --workload gsp -o groups=16 --workers 8 \\
+        --policies round_robin,cache_aware,prefix_load --json sim.json
+    radixfleet simulate --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
+        --workers 16 --policies prefix_load --kv-tokens 200000 --requests 4000
+    radixfleet simulate --workload zipf --policies least_load,prefix_load \\
+        --sweep kv_tokens=20000,50000,100000,400000 --plots plots/
+    radixfleet simulate --workload mixed --feedback none,events --policies prefix_load
+
+Workload, arrival and bound flags are the load generator's (``radixfleet loadtest``):
+the same workload, seed and arrivals produce the same requests here and live.
+``--trace FILE`` alone means ``--workload trace``; a trace runs at block level
+(``--level auto``) unless ``--level text`` asks for synthesized text.
+
+The report (``--json``) is the load generator's schema, one run per policy named
+after it, latencies in simulated time, plus ``wall_s``, ``sim_requests_per_s`` and
+a ``sim`` object (level, fleet, feedback settings, counters). Bad flags exit 2 with
+one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+
+import yaml
+
+from loadtest.arrivals import Bounds
+from loadtest.main import add_load_arguments, build_load
+from loadtest.report import render_table, write_json, write_plots
+from loadtest.simulator.engine import EngineSpec, engine_help
+from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, Simulation
+from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
+from loadtest.simulator import blocktrace
+from loadtest.workloads import Trace
+from policies.registry import policy_names
+from router.errors import ConfigError, WorkloadError
+from router.prefix_index import tune_gc
+from router.prefix_keys import DEFAULT_BLOCK_BYTES
+
+log = logging.getLogger(__name__)
+
+_AUTO = "auto"  # --workload's default: 'trace' with --trace, else an error
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    f = parser.add_argument_group("fleet")
+    f.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
+    f.add_argument("--policies", default="prefix_load",
+                   help=f"comma-separated policies, one run each; of {', '.join(policy_names())}")
+    f.add_argument("-P", "--policy-param", action="append", default=[], metavar="POLICY.NAME=VALUE",
+                   help="a policy parameter (repeatable), e.g. -P prefix_load.min_match_tokens=128")
+    f.add_argument("--kv-tokens", type=int, help="KV capacity per worker (default: the preset's)")
+    f.add_argument("--gpu", default="h100", help="GPU preset (default h100)")
+    f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per worker")
+    f.add_argument("--chunk-tokens", type=int, help="chunked-prefill token budget per step")
+    f.add_argument("--admission", help="agent cache admission mode (always, second_hit, ...)")
+    f.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES,
+                   help=f"router block size, bytes (default {DEFAULT_BLOCK_BYTES})")
+    f.add_argument("--level", choices=LEVELS, default="auto",
+                   help="prompt level: text (tokens) or block (trace hash ids); auto = block for traces")
+    f.add_argument("--repeat", type=int, default=1,
+                   help="trace: replay N time- and id-shifted copies back to back")
+    fb = parser.add_argument_group("feedback")
+    fb.add_argument("--feedback", default="events",
+                    help="none (router inserts only) | events (agent events); "
+                         "a comma list runs each (the ablation)")
+    fb.add_argument("--feedback-delay-ms", type=float, default=5.0,
+                    help="agent -> router delivery delay (default 5)")
+    fb.add_argument("--feedback-batch-ms", type=float, default=100.0,
+                    help="agent reporter batch interval (default 100)")
+    s = parser.add_argument_group("sweep")
+    s.add_argument("--sweep", metavar="PARAM=V1,V2,...",
+                   help="kv_tokens=..., workers=... or rate=...: every policy at every value")
+    add_load_arguments(parser, default_workload=_AUTO)
+    parser.epilog = engine_help()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def _policy_params(pairs: list[str], policies: list[str]) -> dict[str, dict]:
+    out: dict[str, dict] = {p: {} for p in policies}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        pol, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError("--policy-param", f"{pair!r} must be POLICY.NAME=VALUE")
+        if pol not in out:
+            raise ConfigError("--policy-param", f"{pol!r} is not one of the --policies ({', '.join(policies)})")
+        try:
+            out[pol][name] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            out[pol][name] = value
+    return out
+
+
+def build(args: argparse.Namespace):
+    """(plans, workload, bounds, policy params) from flags; raises Config/WorkloadError."""
+    if args.workload == _AUTO:
+        if args.trace is None:
+            raise ConfigError("--workload", "give --workload NAME or --trace FILE")
+        args.workload = "trace"
+    workload, arrivals, bounds = build_load(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError("--policies", "name at least one policy")
+    unknown = [p for p in policies if p not in policy_names()]
+    if unknown:
+        raise ConfigError("--policies", f"{unknown[0]!r} is not one of {', '.join(policy_names())}")
+    if len(set(policies)) != len(policies):
+        raise ConfigError("--policies", "each policy at most once")
+    modes = [m.strip() for m in args.feedback.split(",") if m.strip()]
+    if not modes or any(m not in FEEDBACK_MODES for m in modes):
+        raise ConfigError("--feedback", f"{args.feedback!r}: use {' or '.join(FEEDBACK_MODES)} "
+                                        "(or a comma list of them)")
+    if args.repeat < 1:
+        raise ConfigError("--repeat", f"must be >= 1, got {args.repeat}")
+    if args.repeat > 1 and not isinstance(workload, Trace):
+        raise ConfigError("--repeat", "applies to trace workloads only")
+    if args.repeat > 1 and args.level == "text":
+        raise ConfigError("--repeat", "repeated traces run at block level only (drop --level text)")
+    engine = EngineSpec(model=args.model or "llama-3-8b", gpu=args.gpu, tp=args.tp,
+                        kv_tokens=args.kv_tokens, chunk_tokens=args.chunk_tokens,
+                        admission=args.admission)
+    base = SimConfig(workers=args.workers, engine=engine, block_bytes=args.block_bytes,
+                     feedback=modes[0], feedback_delay_s=args.feedback_delay_ms / 1000.0,
+                     feedback_batch_s=args.feedback_batch_ms / 1000.0, level=args.level,
+                     send_session=args.send_session)
+    base.validate()
+    sweep = parse_sweep(args.sweep) if args.sweep else None
+    plans = plan_runs(base, policies, modes, arrivals, sweep)
+    params = _policy_params(args.policy_param, policies)
+    return plans, workload, bounds, params
+
+
+def simulate(plans, workload, bounds: Bounds, params: dict, *, seed: int, repeat: int = 1,
+             progress=None) -> list:
+    """Runs every plan in order; returns their ``SimOutcome``s."""
+    records = None
+    if isinstance(workload, Trace) and repeat > 1:
+        records = blocktrace.repeat(workload.records, repeat)
+    outcomes = []
+    for plan in plans:
+        cfg = dataclasses.replace(plan.cfg, policy_params=params.get(plan.cfg.policy) or None)
+        sessions = blocktrace.sessions(workload, records) if records is not None else None
+        sim = Simulation(cfg, workload, plan.arrivals, bounds, seed=seed, name=plan.name,
+                         sessions=sessions)
+        out = sim.run()
+        if plan.sweep is not None:
+            out.report["sweep"] = plan.sweep
+        outcomes.append(out)
+        if progress is not None:
+            progress(out.report)
+    return outcomes
+
+
+def _print_table(runs: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, width=160)
+    t = Table(title="radixfleet simulate (simulated time)")
+    cols = ("run", "sweep", "ok/req", "hit", "oracle", "pooled", "TTFT p50 ms", "TTFT p99 ms",
+            "ITL p50 ms", "req/s", "imbalance", "wall s", "sim req/s")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("run", "sweep") else "right")
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for r in runs:
+        sw = r.get("sweep")
+        t.add_row(r["name"], f"{sw['param']}={sw['value']:g}" if sw else "",
+                  f"{r['ok']}/{r['requests']}", f(r["hit_rate"], ".3f"), f(r["oracle_hit_rate"], ".3f"),
+                  f(r["pooled_hit_rate"], ".3f"), f(r["ttft_ms"]["p50"], ".1f"),
+                  f(r["ttft_ms"]["p99"], ".1f"), f(r["itl_ms"]["p50"], ".2f"),
+                  f(r["throughput"]["requests_per_s"], ".2f"), f(r["load_imbalance"], ".2f"),
+                  f(r["wall_s"], ".2f"), f(r["sim_requests_per_s"], ".0f"))
+    console.print(t)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    tune_gc()
+    try:
+        plans, workload, bounds, params = build(args)
+    except ValueError as exc:  # a dataclass validator's message
+        raise ConfigError("", str(exc)) from None
+    outcomes = simulate(plans, workload, bounds, params, seed=args.seed, repeat=args.repeat)
+    runs = [o.report for o in outcomes]
+    _print_table(runs)
+    if args.json:
+        write_json(args.json, runs)
+        print(f"report: {args.json}")
+    if args.plots:
+        if any(r.get("sweep") for r in runs):
+            paths = write_sweep_plots(runs, args.plots)
+        else:
+            paths = write_plots(runs, args.plots, {o.report["name"]: o.ttft_ms for o in outcomes})
+        print("plots: " + ", ".join(paths))
+    return 0

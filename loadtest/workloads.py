@@ -1,0 +1,790 @@
+"""Workloads: deterministic request streams whose prefixes repeat the way real traffic's do.
+
+A workload is a list of *sessions*; a session is a sequence of turns, each turn a
+``RequestSpec``. Single-shot workloads (gsp, zipf, rag, trace) are sessions of one
+turn. A multi-turn session hands out its next turn only after the previous one's
+answer is known, because the next prompt contains that answer::
+
+    session = workload.sessions()[i]
+    spec = session.first()            # turn 0
+    spec = session.follow(answer)     # turn 1: history + answer + a new question
+    ...                               # None: the session is over
+
+Everything is a pure function of ``(params, seed)``: the same seed yields the same
+sessions, the same texts and the same arrival offsets, so A/B runs and the offline
+simulator see identical traffic (answers aside, which the fleet writes).
+
+Text of ``n`` tokens is ``n * BYTES_PER_TOKEN`` ASCII bytes (the byte-chunk tokenizer
+of ``router.prefix_keys``), derived from a *text key*: equal keys give equal text,
+different keys give unrelated text (a shared prefix longer than a token or two is
+astronomically unlikely). Prefix sharing is therefore exactly what each workload
+says it is — shared system prompts, shared trace hash ids, growing histories.
+
+Registry: ``WORKLOADS[name]`` is the class; ``make_workload(name, options, seed)``
+validates options (strings from the CLI or typed values) against the class's
+``Params`` dataclass and raises ``WorkloadError`` naming the bad one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Mapping
+
+import xxhash
+
+from router.errors import WorkloadError
+from router.prefix_keys import BYTES_PER_TOKEN
+
+API_CHAT = "chat"
+API_COMPLETIONS = "completions"
+APIS = (API_CHAT, API_COMPLETIONS)
+
+# 32 symbols: every random byte maps onto one (b % 32), so a run of random bytes
+# becomes printable, JSON-safe text in one C-level translate() call. No '<' or '|',
+# so generated text can never look like the chat template's markers.
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz ,. e "
+_TABLE = bytes(_ALPHABET[b % 32] for b in range(256))
+
+
+def text_of(tokens: int, key: str, seed: int = 0) -> str:
+    """Deterministic text of exactly ``tokens`` tokens (``tokens * 4`` ASCII bytes).
+
+    O(tokens). Equal ``(key, seed)`` give equal text; a longer run with the same key
+    extends a shorter one (so a partial trace block is a prefix of the full block).
+    """
+    if tokens <= 0:
+        return ""
+    rng = random.Random(xxhash.xxh3_64_intdigest(key.encode(), seed=seed & (2**64 - 1)))
+    return rng.randbytes(tokens * BYTES_PER_TOKEN).translate(_TABLE).decode("ascii")
+
+
+def token_count(text: str) -> int:
+    """Tokens of a text under the byte-chunk tokenizer: ceil(utf-8 bytes / 4)."""
+    return -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One request to send. Built by a ``Session``; read-only to senders.
+
+    ``body`` holds the prompt part only (``messages`` [+ ``tools``] for chat,
+    ``prompt`` for completions); the client adds model, max_tokens and streaming.
+    """
+
+    #: unique within a workload: "<session>.<turn>"
+    id: str
+    #: 'chat' | 'completions'
+    api: str
+    body: dict
+    max_tokens: int
+    session: str
+    turn: int
+    #: seconds from the start of the run (trace replay), else None (the arrival
+    #: process decides)
+    arrival_s: float | None = None
+    #: tokens the workload meant the prompt to have (template overhead aside)
+    nominal_prompt_tokens: int = 0
+
+
+class Session:
+    """A sequence of turns. ``first()`` once, then ``follow(answer)`` until None."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id: str) -> None:
+        self.id = id
+
+    def first(self) -> RequestSpec:
+        raise NotImplementedError
+
+    def follow(self, answer: str) -> RequestSpec | None:
+        """The next turn, given the previous turn's actual answer; None when over."""
+        return None
+
+
+class SingleShot(Session):
+    """A session of one request."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: RequestSpec) -> None:
+        super().__init__(spec.session)
+        self.spec = spec
+
+    def first(self) -> RequestSpec:
+        return self.spec
+
+
+class ChatSession(Session):
+    """A conversation whose history grows by each answer and the next question.
+
+    Turn t sends ``prefix + history + [user: questions[t]]`` where history holds every
+    earlier question and the actual answer to it, in order — so turn t's prompt
+    extends turn t-1's prompt plus its answer exactly (the chat template is
+    prefix-stable: ``router.prefix_keys.render_chat``).
+
+    ``followups[t]`` (optional, per turn after the first) is the role and content
+    appended after the answer instead of a plain user question — the agent
+    workload's tool results.
+    """
+
+    __slots__ = ("prefix", "tools", "turns", "max_tokens", "history", "turn", "api", "nominal")
+
+    def __init__(self, id: str, *, prefix: list[dict], turns: list[dict],
+                 max_tokens: list[int], api: str = API_CHAT, tools: list | None = None,
+                 nominal: list[int] | None = None) -> None:
+        super().__init__(id)
+        assert len(turns) == len(max_tokens) and turns, f"{id=} {len(turns)=}"
+        self.prefix = prefix          # messages every turn starts with (system prompt)
+        self.tools = tools            # chat 'tools' (a schema prefix), or None
+        self.turns = turns            # the message that opens each turn
+        self.max_tokens = max_tokens
+        self.history: list[dict] = []  # messages of completed turns (only follow() grows it)
+        self.turn = 0                 # index of the turn handed out last
+        self.api = api
+        self.nominal = nominal or [0] * len(turns)
+
+    def _spec(self) -> RequestSpec:
+        t = self.turn
+        messages = [*self.prefix, *self.history, self.turns[t]]
+        if self.api == API_CHAT:
+            body: dict = {"messages": messages}
+            if self.tools is not None:
+                body["tools"] = self.tools
+        else:
+            # completions: the conversation flattened, still prefix-stable
+            body = {"prompt": "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+                    + "assistant: "}
+        return RequestSpec(f"{self.id}.{t}", self.api, body, self.max_tokens[t],
+                           self.id, t, None, self.nominal[t])
+
+    def first(self) -> RequestSpec:
+        self.turn = 0
+        self.history = []
+        return self._spec()
+
+    def follow(self, answer: str) -> RequestSpec | None:
+        if self.turn + 1 >= len(self.turns):
+            return None
+        self.history.append(self.turns[self.turn])
+        self.history.append({"role": "assistant", "content": answer})
+        self.turn += 1
+        return self._spec()
+
+
+def synthetic_answer(spec: RequestSpec, tokens: int | None = None) -> str:
+    """A deterministic stand-in answer (for the simulator, which has no engine text)."""
+    return text_of(spec.max_tokens if tokens is None else tokens, f"answer/{spec.id}")
+
+
+# ---------------------------------------------------------------- parameters ----
+
+
+def _convert(name: str, typ: Any, value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        if typ in (int, "int"):
+            return int(value)
+        if typ in (float, "float"):
+            return float(value)
+        if typ in (bool, "bool"):
+            low = value.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+    except ValueError:
+        raise WorkloadError(f"option {name}={value!r}: expected {getattr(typ, '__name__', typ)}")
+    return value
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise WorkloadError(message)
+
+
+class Workload:
+    """Base of workloads. Subclasses set ``name``, ``Params`` and ``_build``."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type] = object
+    #: how many sessions may be in progress at once (None: all of them)
+    max_active_sessions: int | None = None
+
+    def __init__(self, params: Any, seed: int = 0) -> None:
+        self.params = params
+        self.seed = seed
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ``WorkloadError`` naming a bad parameter."""
+
+    def sessions(self) -> list[Session]:
+        """A fresh list of sessions, in the order they should start."""
+        return self._build(random.Random(self.seed))
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Name, seed and every parameter (the report's ``workload`` field)."""
+        return {"name": self.name, "seed": self.seed, "params": dataclasses.asdict(self.params)}
+
+    def text(self, tokens: int, key: str) -> str:
+        return text_of(tokens, f"{self.name}/{key}", self.seed)
+
+
+def _ranged(rng: random.Random, length: int, ratio: float) -> int:
+    """A length drawn uniformly from [ratio * length, length] (SGLang's range ratio)."""
+    if ratio >= 1.0 or length <= 1:
+        return length
+    return rng.randint(max(1, int(length * ratio)), length)
+
+
+def _zipf_weights(n: int, alpha: float) -> list[float]:
+    return list(_accumulate(1.0 / (k ** alpha) for k in range(1, n + 1)))
+
+
+def _accumulate(xs: Iterable[float]) -> Iterable[float]:
+    total = 0.0
+    for x in xs:
+        total += x
+        yield total
+
+
+# ---------------------------------------------------------------- workloads -----
+
+
+@dataclass(slots=True)
+class GspParams:
+    groups: int = 64
+    prompts_per_group: int = 16
+    system_tokens: int = 2048
+    question_tokens: int = 128
+    output_tokens: int = 256
+    #: lengths drawn from [ratio * L, L]; 1.0 = fixed lengths (SGLang's --gsp-range-ratio)
+    range_ratio: float = 1.0
+    #: 'shuffled' (SGLang's default) or 'ordered' (group after group)
+    order: str = "shuffled"
+    api: str = API_COMPLETIONS
+
+
+class Gsp(Workload):
+    """SGLang bench_serving's generated-shared-prefix: groups x prompts, one system
+    prompt per group, a unique question per prompt: ``system + "\\n\\n" + question``."""
+
+    name = "gsp"
+    Params = GspParams
+
+    def validate(self) -> None:
+        p = self.params
+        _check(p.groups > 0 and p.prompts_per_group > 0, "gsp: groups and prompts_per_group must be > 0")
+        _check(p.system_tokens >= 0 and p.question_tokens > 0 and p.output_tokens > 0,
+               "gsp: token lengths must be positive")
+        _check(0.0 < p.range_ratio <= 1.0, "gsp: range_ratio must be in (0, 1]")
+        _check(p.order in ("shuffled", "ordered"), f"gsp: order must be shuffled or ordered, got {p.order!r}")
+        _check(p.api in APIS, f"gsp: api must be one of {', '.join(APIS)}")
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        p = self.params
+        out: list[Session] = []
+        for g in range(p.groups):
+            sys_len = _ranged(rng, p.system_tokens, p.range_ratio)
+            system = self.text(sys_len, f"system/{g}")
+            for i in range(p.prompts_per_group):
+                q_len = _ranged(rng, p.question_tokens, p.range_ratio)
+                out_len = _ranged(rng, p.output_tokens, p.range_ratio)
+                question = self.text(q_len, f"question/{g}/{i}")
+                sid = f"g{g}p{i}"
+                if p.api == API_CHAT:
+                    body = {"messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": question}]}
+                else:
+                    body = {"prompt": system + "\n\n" + question}
+                out.append(SingleShot(RequestSpec(f"{sid}.0", p.api, body, out_len, sid, 0,
+                                                  None, sys_len + q_len)))
+        if p.order == "shuffled":
+            rng.shuffle(out)
+        return out
+
+
+@dataclass(slots=True)
+class MultiturnParams:
+    clients: int = 64
+    rounds: int = 5
+    #: tokens of each round's new question (SGLang bench_multiturn --request-length)
+    question_tokens: int = 512
+    output_tokens: int = 64
+    #: sessions in progress at once (SGLang's --max-parallel); 0 = all clients
+    max_parallel: int = 0
+    api: str = API_CHAT
+
+
+class Multiturn(Workload):
+    """SGLang bench_multiturn: each client's round r sends its whole history (every
+    earlier question and answer) plus a new question."""
+
+    name = "multiturn"
+    Params = MultiturnParams
+
+    def validate(self) -> None:
+        p = self.params
+        _check(p.clients > 0 and p.rounds > 0, "multiturn: clients and rounds must be > 0")
+        _check(p.question_tokens > 0 and p.output_tokens > 0, "multiturn: token lengths must be > 0")
+        _check(p.max_parallel >= 0, "multiturn: max_parallel must be >= 0")
+        _check(p.api in APIS, f"multiturn: api must be one of {', '.join(APIS)}")
+        self.max_active_sessions = p.max_parallel or None
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        p = self.params
+        out: list[Session] = []
+        for c in range(p.clients):
+            turns = [{"role": "user", "content": self.text(p.question_tokens, f"q/{c}/{r}")}
+                     for r in range(p.rounds)]
+            out.append(ChatSession(f"c{c}", prefix=[], turns=turns,
+                                   max_tokens=[p.output_tokens] * p.rounds, api=p.api,
+                                   nominal=[p.question_tokens * (r + 1) + p.output_tokens * r
+                                            for r in range(p.rounds)]))
+        return out
+
+
+@dataclass(slots=True)
+class ZipfParams:
+    #: distinct system prompts
+    prompts: int = 32
+    #: Zipf exponent of their popularity (rank k drawn with weight 1 / k^alpha)
+    alpha: float = 1.1
+    system_tokens: int = 1024
+    suffix_tokens: int = 64
+    output_tokens: int = 64
+    requests: int = 2000
+    api: str = API_CHAT
+
+
+class Zipf(Workload):
+    """N system prompts with Zipf(alpha) popularity, each request a short unique suffix."""
+
+    name = "zipf"
+    Params = ZipfParams
+
+    def validate(self) -> None:
+        p = self.params
+        _check(p.prompts > 0 and p.requests > 0, "zipf: prompts and requests must be > 0")
+        _check(p.alpha >= 0, "zipf: alpha must be >= 0")
+        _check(p.system_tokens >= 0 and p.suffix_tokens > 0 and p.output_tokens > 0,
+               "zipf: token lengths must be positive")
+        _check(p.api in APIS, f"zipf: api must be one of {', '.join(APIS)}")
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        p = self.params
+        cum = _zipf_weights(p.prompts, p.alpha)
+        systems = [self.text(p.system_tokens, f"system/{k}") for k in range(p.prompts)]
+        ranks = rng.choices(range(p.prompts), cum_weights=cum, k=p.requests)
+        out: list[Session] = []
+        for i, k in enumerate(ranks):
+            suffix = self.text(p.suffix_tokens, f"suffix/{i}")
+            sid = f"z{i}"
+            if p.api == API_CHAT:
+                body = {"messages": [{"role": "system", "content": systems[k]},
+                                     {"role": "user", "content": suffix}]}
+            else:
+                body = {"prompt": systems[k] + "\n" + suffix}
+            out.append(SingleShot(RequestSpec(f"{sid}.0", p.api, body, p.output_tokens, sid, 0,
+                                              None, p.system_tokens + p.suffix_tokens)))
+        return out
+
+
+@dataclass(slots=True)
+class RagParams:
+    header_tokens: int = 256
+    #: M: document chunks in the corpus
+    documents: int = 200
+    #: k: chunks retrieved per request
+    k: int = 4
+    chunk_tokens: int = 512
+    #: Zipf exponent of chunk popularity (0 = uniform)
+    alpha: float = 0.8
+    question_tokens: int = 64
+    output_tokens: int = 128
+    requests: int = 1000
+    api: str = API_CHAT
+
+
+class Rag(Workload):
+    """A shared instruction header, then k of M document chunks (popular chunks are
+    retrieved more often, in retrieval order), then a unique question."""
+
+    name = "rag"
+    Params = RagParams
+
+    def validate(self) -> None:
+        p = self.params
+        _check(p.documents > 0 and 0 < p.k <= p.documents, "rag: need 0 < k <= documents")
+        _check(p.requests > 0, "rag: requests must be > 0")
+        _check(p.alpha >= 0, "rag: alpha must be >= 0")
+        _check(p.header_tokens >= 0 and p.chunk_tokens > 0 and p.question_tokens > 0
+               and p.output_tokens > 0, "rag: token lengths must be positive")
+        _check(p.api in APIS, f"rag: api must be one of {', '.join(APIS)}")
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        p = self.params
+        header = self.text(p.header_tokens, "header")
+        chunks = [self.text(p.chunk_tokens, f"doc/{d}") for d in range(p.documents)]
+        cum = _zipf_weights(p.documents, p.alpha)
+        out: list[Session] = []
+        for i in range(p.requests):
+            picked: list[int] = []
+            while len(picked) < p.k:  # k distinct, popularity-weighted, in draw order
+                d = rng.choices(range(p.documents), cum_weights=cum, k=1)[0]
+                if d not in picked:
+                    picked.append(d)
+            context = "".join(f"[doc {d}] {chunks[d]}\n" for d in picked)
+            question = self.text(p.question_tokens, f"question/{i}")
+            sid = f"r{i}"
+            if p.api == API_CHAT:
+                body = {"messages": [{"role": "system", "content": header},
+                                     {"role": "user", "content": context + question}]}
+            else:
+                body = {"prompt": header + "\n" + context + question}
+            out.append(SingleShot(RequestSpec(f"{sid}.0", p.api, body, p.output_tokens, sid, 0,
+                                              None, p.header_tokens + p.k * p.chunk_tokens
+                                              + p.question_tokens)))
+        return out
+
+
+@dataclass(slots=True)
+class AgentParams:
+    sessions: int = 16
+    steps: int = 8
+    #: tokens of the tool-schema prefix every session shares
+    tools_tokens: int = 2048
+    #: tool functions the schema text is split into
+    tools: int = 8
+    task_tokens: int = 256
+    #: tokens of each tool result appended to the trajectory
+    step_tokens: int = 256
+    output_tokens: int = 64
+    max_parallel: int = 0
+
+
+class Agent(Workload):
+    """An agent loop: a shared tool-schema prefix (chat ``tools``), a task, then per
+    step the model's action (its actual answer) and a tool result appended."""
+
+    name = "agent"
+    Params = AgentParams
+
+    def validate(self) -> None:
+        p = self.params
+        _check(p.sessions > 0 and p.steps > 0 and p.tools > 0, "agent: sessions, steps, tools must be > 0")
+        _check(p.tools_tokens >= p.tools and p.task_tokens > 0 and p.step_tokens > 0
+               and p.output_tokens > 0, "agent: token lengths must be positive")
+        _check(p.max_parallel >= 0, "agent: max_parallel must be >= 0")
+        self.max_active_sessions = p.max_parallel or None
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        p = self.params
+        per_tool = p.tools_tokens // p.tools
+        tools = [{"type": "function",
+                  "function": {"name": f"tool_{t}", "description": self.text(per_tool, f"tool/{t}"),
+                               "parameters": {"type": "object",
+                                              "properties": {"arg": {"type": "string"}}}}}
+                 for t in range(p.tools)]
+        out: list[Session] = []
+        for s in range(p.sessions):
+            turns = [{"role": "user", "content": self.text(p.task_tokens, f"task/{s}")}]
+            turns += [{"role": "tool", "content": self.text(p.step_tokens, f"result/{s}/{k}")}
+                      for k in range(1, p.steps)]
+            nominal = [p.tools_tokens + p.task_tokens + k * (p.step_tokens + p.output_tokens)
+                       for k in range(p.steps)]
+            out.append(ChatSession(f"a{s}", prefix=[], turns=turns, tools=tools,
+                                   max_tokens=[p.output_tokens] * p.steps, nominal=nominal))
+        return out
+
+
+@dataclass(slots=True)
+class MixedParams:
+    """The demo's traffic: chat sessions of a few turns, each behind one of a few
+    shared system prompts (Zipf popularity) — an assistant product's traffic."""
+
+    system_prompts: int = 8
+    alpha: float = 1.0
+    system_tokens: int = 1024
+    sessions: int = 96
+    #: turns per session drawn uniformly from [min_turns, max_turns]
+    min_turns: int = 2
+    max_turns: int = 8
+    #: ShareGPT-like turns: a short question, an answer about twice as long
+    question_tokens: int = 128
+    output_tokens: int = 256
+    #: sessions in progress at once (users chatting concurrently); 0 = all
+    max_parallel: int = 24
+
+
+class Mixed(Workload):
+    name = "mixed"
+    Params = MixedParams
+
+    def validate(self) -> None:
+        p = self.params
+        _check(p.system_prompts > 0 and p.sessions > 0, "mixed: system_prompts and sessions must be > 0")
+        _check(0 < p.min_turns <= p.max_turns, "mixed: need 0 < min_turns <= max_turns")
+        _check(p.alpha >= 0, "mixed: alpha must be >= 0")
+        _check(p.system_tokens >= 0 and p.question_tokens > 0 and p.output_tokens > 0,
+               "mixed: token lengths must be positive")
+        _check(p.max_parallel >= 0, "mixed: max_parallel must be >= 0")
+        self.max_active_sessions = p.max_parallel or None
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        p = self.params
+        systems = [self.text(p.system_tokens, f"system/{k}") for k in range(p.system_prompts)]
+        cum = _zipf_weights(p.system_prompts, p.alpha)
+        out: list[Session] = []
+        for s in range(p.sessions):
+            k = rng.choices(range(p.system_prompts), cum_weights=cum, k=1)[0]
+            n = rng.randint(p.min_turns, p.max_turns)
+            turns = [{"role": "user", "content": self.text(p.question_tokens, f"q/{s}/{t}")}
+                     for t in range(n)]
+            nominal = [p.system_tokens + p.question_tokens * (t + 1) + p.output_tokens * t
+                       for t in range(n)]
+            out.append(ChatSession(f"m{s}", prefix=[{"role": "system", "content": systems[k]}],
+                                   turns=turns, max_tokens=[p.output_tokens] * n, nominal=nominal))
+        return out
+
+
+@dataclass(slots=True)
+class PollutionParams:
+    #: the workload polluted; options this class does not know go to it
+    base: str = "zipf"
+    #: share of sessions that are one-off long documents
+    fraction: float = 0.1
+    doc_tokens: int = 8192
+    output_tokens: int = 32
+    #: base workload options (filled from unknown options by make_workload)
+    base_options: dict = field(default_factory=dict)
+
+
+class Pollution(Workload):
+    """Another workload with one-off long documents mixed in: cache pollution that an
+    LRU cache admits and a good router should keep from flushing the hot prefixes."""
+
+    name = "pollution"
+    Params = PollutionParams
+
+    def validate(self) -> None:
+        p = self.params
+        _check(p.base in WORKLOADS and p.base not in ("pollution", "trace"),
+               f"pollution: base must be one of "
+               f"{', '.join(n for n in WORKLOADS if n not in ('pollution', 'trace'))}, got {p.base!r}")
+        _check(0.0 <= p.fraction < 1.0, "pollution: fraction must be in [0, 1)")
+        _check(p.doc_tokens > 0 and p.output_tokens > 0, "pollution: token lengths must be > 0")
+        self.base = make_workload(p.base, p.base_options, self.seed)
+        self.max_active_sessions = self.base.max_active_sessions
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["params"]["base_options"] = self.base.describe()["params"]
+        return d
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        p = self.params
+        base = self.base.sessions()
+        # n docs so that docs / (docs + base) == fraction
+        n_docs = round(len(base) * p.fraction / (1.0 - p.fraction))
+        slots = sorted(rng.sample(range(len(base) + n_docs), n_docs))
+        out: list[Session] = []
+        it = iter(base)
+        di = 0
+        for i in range(len(base) + n_docs):
+            if di < len(slots) and slots[di] == i:
+                sid = f"doc{di}"
+                body = {"messages": [{"role": "user", "content": self.text(p.doc_tokens, f"doc/{di}")}]}
+                out.append(SingleShot(RequestSpec(f"{sid}.0", API_CHAT, body, p.output_tokens,
+                                                  sid, 0, None, p.doc_tokens)))
+                di += 1
+            else:
+                out.append(next(it))
+        return out
+
+
+@dataclass(slots=True)
+class TraceParams:
+    path: str = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+    #: arrival offsets are timestamp * time_scale (0.5 = twice as fast)
+    time_scale: float = 1.0
+    #: first N requests only (0 = all)
+    max_requests: int = 0
+    skip_bad_lines: bool = False
+    #: tokens per hash id (Mooncake: 512)
+    block_tokens: int = 512
+    #: cap on output tokens per request (0 = as in the trace)
+    max_output_tokens: int = 0
+    api: str = API_COMPLETIONS
+
+
+class Trace(Workload):
+    """Mooncake-format JSONL replay. Each hash id becomes a deterministic text run of
+    ``block_tokens`` tokens (the last block cut to the request's input length), so
+    requests sharing their first k ids share their first k blocks of text."""
+
+    name = "trace"
+    Params = TraceParams
+
+    #: generated block texts kept (LRU), so popular ids are not regenerated
+    _CACHE_BLOCKS = 4096
+
+    def validate(self) -> None:
+        p = self.params
+        _check(p.time_scale >= 0, "trace: time_scale must be >= 0")
+        _check(p.max_requests >= 0 and p.block_tokens > 0 and p.max_output_tokens >= 0,
+               "trace: max_requests, block_tokens, max_output_tokens must be >= 0")
+        _check(p.api in APIS, f"trace: api must be one of {', '.join(APIS)}")
+        self.records = self.load()
+        _check(bool(self.records), f"trace {p.path}: no requests")
+
+    def load(self) -> list[tuple[float, int, int, list[int]]]:
+        """Parses the trace: (timestamp_ms, input_length, output_length, hash_ids).
+
+        Raises ``WorkloadError`` naming the first bad line (1-based), unless
+        ``skip_bad_lines`` is set, in which case bad lines are skipped and counted
+        in ``self.skipped``.
+        """
+        p = self.params
+        out = []
+        self.skipped: list[int] = []
+        try:
+            f = open(p.path, encoding="utf-8")
+        except OSError as exc:
+            raise WorkloadError(f"trace {p.path}: {exc.strerror}") from None
+        with f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append(self._parse(line, p.block_tokens))
+                except ValueError as exc:
+                    if not p.skip_bad_lines:
+                        raise WorkloadError(
+                            f"trace {p.path} line {lineno}: {exc} (--skip-bad-lines to go on)"
+                        ) from None
+                    self.skipped.append(lineno)
+                if p.max_requests and len(out) >= p.max_requests:
+                    break
+        return out
+
+    @staticmethod
+    def _parse(line: str, block_tokens: int) -> tuple[float, int, int, list[int]]:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON ({exc.msg})")
+        if not isinstance(rec, dict):
+            raise ValueError("not a JSON object")
+        ts, n_in, n_out, ids = (rec.get(k) for k in ("timestamp", "input_length",
+                                                      "output_length", "hash_ids"))
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+            raise ValueError("'timestamp' must be a non-negative number (ms)")
+        for k, v in (("input_length", n_in), ("output_length", n_out)):
+            if type(v) is not int or v <= 0:
+                raise ValueError(f"'{k}' must be a positive integer")
+        if not isinstance(ids, list) or not ids or any(type(h) is not int for h in ids):
+            raise ValueError("'hash_ids' must be a non-empty list of integers")
+        if len(ids) != math.ceil(n_in / block_tokens):
+            raise ValueError(f"'hash_ids' has {len(ids)} ids, input_length {n_in} needs "
+                             f"{math.ceil(n_in / block_tokens)} blocks of {block_tokens}")
+        return float(ts), n_in, n_out, ids
+
+    def _build(self, rng: random.Random) -> list[Session]:
+        p = self.params
+        cache: OrderedDict[int, str] = OrderedDict()
+
+        def block(h: int) -> str:
+            s = cache.get(h)
+            if s is None:
+                s = self.text(p.block_tokens, f"block/{h}")
+                cache[h] = s
+                if len(cache) > self._CACHE_BLOCKS:
+                    cache.popitem(last=False)
+            else:
+                cache.move_to_end(h)
+            return s
+
+        t0 = self.records[0][0]
+        return [_TraceSession(f"t{i}", rec, t0, p, block) for i, rec in enumerate(self.records)]
+
+
+class _TraceSession(Session):
+    """One trace request; its text is built when first sent (long traces stay small)."""
+
+    __slots__ = ("rec", "t0", "params", "block")
+
+    def __init__(self, id: str, rec, t0: float, params: TraceParams, block) -> None:
+        super().__init__(id)
+        self.rec, self.t0, self.params, self.block = rec, t0, params, block
+
+    def first(self) -> RequestSpec:
+        p = self.params
+        ts, n_in, n_out, ids = self.rec
+        last = n_in - p.block_tokens * (len(ids) - 1)
+        block = self.block
+        # a partial last block is a prefix of the full block's text: same id, same start
+        text = "".join(block(h) for h in ids[:-1]) + block(ids[-1])[: last * BYTES_PER_TOKEN]
+        if p.max_output_tokens:
+            n_out = min(n_out, p.max_output_tokens)
+        body = ({"prompt": text} if p.api == API_COMPLETIONS
+                else {"messages": [{"role": "user", "content": text}]})
+        return RequestSpec(f"{self.id}.0", p.api, body, n_out, self.id, 0,
+                           (ts - self.t0) / 1000.0 * p.time_scale, n_in)
+
+    def arrival_s(self) -> float:
+        return (self.rec[0] - self.t0) / 1000.0 * self.params.time_scale
+
+
+WORKLOADS: dict[str, type[Workload]] = {
+    w.name: w for w in (Gsp, Multiturn, Zipf, Rag, Agent, Mixed, Pollution, Trace)
+}
+
+
+def make_workload(name: str, options: Mapping[str, Any] | None = None, seed: int = 0) -> Workload:
+    """Builds a workload by name from options (CLI strings or typed values).
+
+    Raises ``WorkloadError`` for an unknown workload (listing the valid ones), an
+    unknown option (listing that workload's options) or a value of the wrong type.
+    """
+    cls = WORKLOADS.get(name)
+    if cls is None:
+        raise WorkloadError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    options = dict(options or {})
+    fields = {f.name: f for f in dataclasses.fields(cls.Params)}
+    kwargs: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in options.items():
+        f = fields.get(key)
+        if f is None or key == "base_options":
+            if cls is Pollution:
+                rest[key] = value  # the base workload validates these
+                continue
+            valid = ", ".join(k for k in fields if k != "base_options")
+            raise WorkloadError(f"workload {name}: unknown option {key!r}; valid: {valid}")
+        kwargs[key] = _convert(key, f.type, value)
+    if cls is Pollution:
+        kwargs["base_options"] = rest
+    return cls(cls.Params(**kwargs), seed)
+
+
+def parse_options(pairs: Iterable[str]) -> dict[str, str]:
+    """``["a=1", "b=x"]`` -> ``{"a": "1", "b": "x"}``; raises ``WorkloadError``."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise WorkloadError(f"option {pair!r} must be NAME=VALUE")
+        out[key.strip().replace("-", "_")] = value.strip()
+    return out

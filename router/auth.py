@@ -1,0 +1,109 @@
+"""Identities: bearer tokens for the admin and agent APIs, tenants for the data plane.
+
+The tenant is the prefix-key salt (router.prefix_keys), so it must come from an
+authenticated identity — an API key the YAML maps to a tenant, or a header only
+when the config says a trusted gateway sets it — never from the request body, so
+no client can claim another tenant's salt and probe its cache by timing.
+
+Secrets are compared in constant time: bearer tokens with ``hmac.compare_digest``;
+API keys by looking up the SHA-256 digest of the presented key (the lookup's
+timing depends on the digest, which reveals nothing about stored keys).
+
+Admin and agent APIs without a token are open on a loopback address (local
+development) and refused on any other address (``check_exposure``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+
+from router.config import Config, TenantConfig
+from router.errors import ConfigError, Unauthorized
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class BearerAuth:
+    """One API's bearer token ("" = open: only allowed on loopback)."""
+
+    __slots__ = ("token", "env", "what")
+
+    def __init__(self, env: str, what: str) -> None:
+        self.env = env
+        self.what = what
+        self.token = (os.environ.get(env, "") if env else "").encode()
+
+    def check(self, header: str | None) -> None:
+        """Raises ``Unauthorized`` unless ``header`` is ``Bearer <token>``."""
+        if not self.token:
+            return
+        if not header or not header.startswith("Bearer "):
+            raise Unauthorized(f"{self.what} API requires 'Authorization: Bearer <token>'")
+        if not hmac.compare_digest(header[7:].strip().encode(), self.token):
+            raise Unauthorized(f"invalid {self.what} token")
+
+
+def check_exposure(cfg: Config, admin: BearerAuth, agent: BearerAuth) -> None:
+    """Refuses to expose tokenless admin/agent APIs on a non-loopback address."""
+    if is_loopback(cfg.listen.host):
+        return
+    for a, key in ((admin, "auth.admin_token_env"), (agent, "auth.agent_token_env")):
+        if not a.token:
+            raise ConfigError(
+                key, f"listening on {cfg.listen.host} (not loopback) needs the {a.what} "
+                f"token: set ${a.env} (or listen on 127.0.0.1)")
+
+
+class TenantResolver:
+    """Maps a request's headers to its tenant. Raises ``Unauthorized`` (api_key source
+    with ``require_key``) when no valid key is presented."""
+
+    __slots__ = ("source", "default", "header", "require", "_digests")
+
+    def __init__(self, t: TenantConfig, path: str = "keys.tenant") -> None:
+        self.source = t.source
+        self.default = t.default
+        self.header = t.header.lower()  # exchanges use lower-case names
+        self.require = t.require_key
+        self._digests: dict[bytes, str] = {}
+        for i, spec in enumerate(t.api_keys):
+            key = spec.key
+            if spec.key_env:
+                key = os.environ.get(spec.key_env, "")
+                if not key:
+                    raise ConfigError(f"{path}.api_keys[{i}].key_env",
+                                      f"environment variable {spec.key_env} is not set")
+            self._digests[hashlib.sha256(key.encode()).digest()] = spec.tenant
+
+    def tenant(self, headers) -> str:
+        """``headers``: a mapping with lower-case names (or case-insensitive)."""
+        src = self.source
+        if src == "none":
+            return self.default
+        if src == "header":
+            return headers.get(self.header) or self.default
+        auth = headers.get("authorization")
+        key = None
+        if auth and auth.startswith("Bearer "):
+            key = auth[7:].strip()
+        else:
+            key = headers.get("x-api-key")
+        if key:
+            t = self._digests.get(hashlib.sha256(key.encode()).digest())
+            if t is not None:
+                return t
+            if self.require:
+                raise Unauthorized("invalid API key")
+        elif self.require:
+            raise Unauthorized("an API key is required ('Authorization: Bearer <key>')")
+        return self.default

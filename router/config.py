@@ -1,0 +1,507 @@
+"""The router's YAML configuration: one schema, validated into frozen dataclasses.
+
+Also the ``radixfleet check-config FILE`` subcommand (exit 0 with a one-line OK
+summary, or 2 with the first error).
+
+Schema (every section and key optional; defaults shown; ``deploy/README.md``
+documents each key)::
+
+    listen:   {host: 127.0.0.1, port: 8000}
+    workers:  [{url: http://10.0.0.1:30000 (plain http), id: <host:port>, weight: 1.0,
+                prefill_tokens_per_s: 10000.0}, ...]
+    keys:     {block_bytes: 128,
+               tenant: {source: none|api_key|header, default: "", header: x-tenant-id,
+                        require_key: true,
+                        api_keys: [{tenant: a, key_env: TENANT_A_KEY} | {tenant: b, key: sk-..}]}}
+    policy:   {name: prefix_load, seed: 0, params: {...}}   # params: see policies
+    index:    {max_bytes: 268435456, half_life_s: 30.0, hot_k: 10}
+    health:   {path: /health, interval_s: 2.0, timeout_s: 1.0,
+               failure_threshold: 2, success_threshold: 1}
+    breaker:  {failure_threshold: 3, open_s: 5.0}
+    load:     {report_stale_s: 2.0}
+    retries:  {max_attempts: 3, backoff_s: 0.005, backoff_max_s: 0.1}
+    timeouts: {connect_s: 2.0, first_byte_s: 120.0, total_s: 600.0}
+    limits:   {max_body_bytes: 8388608, max_concurrency: 1024, max_queue: 4096,
+               queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0}
+    warmup:   {enabled: true, min_interval_s: 10.0, timeout_s: 30.0}
+    auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
+    reload:   {watch: true, poll_interval_s: 1.0}
+
+Validation errors name the dotted path, what was expected and, for names, the
+valid ones::
+
+    policy.name: 'cache-aware' is not one of cache_aware, consistent_hash, ...
+    limits.max_queue: expected an integer >= 0, got -1
+    health.intervall_s: unknown key; valid: failure_threshold, interval_s, ...
+
+Absent keys keep their defaults; a key present with ``null`` is an error (``null``
+never means "the default"). Command-line overrides are merged with ``MISSING``
+(``with_overrides``), never with ``None``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+import yaml
+
+from router.errors import ConfigError
+from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
+
+
+class _Missing:
+    """The sentinel for "not given" when merging settings (never ``None``)."""
+
+    __slots__ = ()
+    _inst = None
+
+    def __new__(cls):
+        if cls._inst is None:
+            cls._inst = super().__new__(cls)
+        return cls._inst
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+MISSING: Any = _Missing()
+
+
+def _opt(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
+         lo_open: bool = False, choices: tuple[str, ...] | None = None) -> Any:
+    """A documented, bounded scalar setting."""
+    return field(default=default, metadata={
+        "doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices})
+
+
+def _section(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc, "section": cls})
+
+
+# ---------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "TCP port", lo=0, hi=65535)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    url: str = _opt("", "base URL of the worker, http://host:port")
+    id: str = _opt("", "worker id (default: host:port of url)")
+    weight: float = _opt(1.0, "relative capacity weight", lo=0, lo_open=True)
+    prefill_tokens_per_s: float = _opt(
+        10_000.0, "prefill throughput used until the agent reports its own", lo=0, lo_open=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeySpec:
+    tenant: str = _opt("", "tenant this key authenticates as")
+    key: str = _opt("", "the key itself (prefer key_env)")
+    key_env: str = _opt("", "environment variable holding the key")
+
+
+TENANT_SOURCES = ("none", "api_key", "header")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    source: str = _opt("none", "where the tenant comes from", choices=TENANT_SOURCES)
+    default: str = _opt("", "tenant of requests without an identity")
+    header: str = _opt("x-tenant-id", "source=header: the header a trusted gateway sets")
+    require_key: bool = _opt(True, "source=api_key: reject requests without a valid key (401)")
+    api_keys: tuple[ApiKeySpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KeysConfig:
+    block_bytes: int = _opt(DEFAULT_BLOCK_BYTES, "routing block size in bytes", lo=BYTES_PER_TOKEN)
+    tenant: TenantConfig = _section(TenantConfig, "tenant identity")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    name: str = _opt("prefix_load", "policy name")
+    seed: int = _opt(0, "seed of the policy's random source", lo=0)
+    #: raw parameters, validated by policies.registry.build_policy
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    max_bytes: int = _opt(256 * 2**20, "global memory budget of the prefix index", lo=1)
+    half_life_s: float = _opt(30.0, "half-life of the hot-prefix request counters", lo=0,
+                              lo_open=True)
+    hot_k: int = _opt(10, "hot prefixes shown in /admin/index and metrics", lo=0)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    path: str = _opt("/health", "health-check path on each worker")
+    interval_s: float = _opt(2.0, "seconds between checks", lo=0, lo_open=True)
+    timeout_s: float = _opt(1.0, "timeout of one check", lo=0, lo_open=True)
+    failure_threshold: int = _opt(2, "failed checks in a row before unhealthy", lo=1)
+    success_threshold: int = _opt(1, "passed checks in a row before healthy again", lo=1)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failure_threshold: int = _opt(3, "request failures in a row that open the breaker", lo=1)
+    open_s: float = _opt(5.0, "seconds open before one trial request", lo=0, lo_open=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    report_stale_s: float = _opt(2.0, "an agent's load report is ignored after this", lo=0,
+                                 lo_open=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RetriesConfig:
+    max_attempts: int = _opt(3, "tries per request, first included", lo=1, hi=16)
+    backoff_s: float = _opt(0.005, "first retry delay, doubled per retry", lo=0)
+    backoff_max_s: float = _opt(0.1, "largest retry delay", lo=0)
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutsConfig:
+    connect_s: float = _opt(2.0, "connecting to a worker", lo=0, lo_open=True)
+    first_byte_s: float = _opt(120.0, "until the worker's first response byte", lo=0,
+                               lo_open=True)
+    total_s: float = _opt(600.0, "whole request", lo=0, lo_open=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_body_bytes: int = _opt(8 * 2**20, "largest request body (413 above)", lo=1)
+    max_concurrency: int = _opt(1024, "requests proxied at once", lo=1)
+    max_queue: int = _opt(4096, "requests waiting for a slot (429 when full)", lo=0)
+    queue_timeout_s: float = _opt(30.0, "longest wait for a slot (then 429)", lo=0,
+                                  lo_open=True)
+    retry_after_s: int = _opt(1, "Retry-After of a 429", lo=0)
+    shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may "
+                                     "finish", lo=0)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupConfig:
+    enabled: bool = _opt(True, "send prefill-only warm-ups for hot-root replicas")
+    min_interval_s: float = _opt(10.0, "at most one warm-up per (worker, prefix) this often",
+                                 lo=0)
+    timeout_s: float = _opt(30.0, "timeout of one warm-up request", lo=0, lo_open=True)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    admin_token_env: str = _opt("RADIXFLEET_ADMIN_TOKEN", "env var with the admin bearer token")
+    agent_token_env: str = _opt("RADIXFLEET_AGENT_TOKEN", "env var with the agent bearer token")
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadConfig:
+    watch: bool = _opt(True, "reload when the file's mtime changes")
+    poll_interval_s: float = _opt(1.0, "mtime poll interval", lo=0, lo_open=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole validated configuration. ``path`` is the file it came from, if any."""
+
+    listen: ListenConfig = _section(ListenConfig, "listen address")
+    workers: tuple[WorkerSpec, ...] = ()
+    keys: KeysConfig = _section(KeysConfig, "prefix keys and tenants")
+    policy: PolicyConfig = _section(PolicyConfig, "routing policy")
+    index: IndexConfig = _section(IndexConfig, "prefix index")
+    health: HealthConfig = _section(HealthConfig, "health checks")
+    breaker: BreakerConfig = _section(BreakerConfig, "circuit breaker")
+    load: LoadConfig = _section(LoadConfig, "reported load")
+    retries: RetriesConfig = _section(RetriesConfig, "retries")
+    timeouts: TimeoutsConfig = _section(TimeoutsConfig, "upstream timeouts")
+    limits: LimitsConfig = _section(LimitsConfig, "request limits")
+    warmup: WarmupConfig = _section(WarmupConfig, "hot-root warm-up")
+    auth: AuthConfig = _section(AuthConfig, "bearer tokens")
+    reload: ReloadConfig = _section(ReloadConfig, "hot reload")
+    path: str = ""
+
+    def summary(self) -> str:
+        t = self.keys.tenant
+        return (f"policy {self.policy.name}, {len(self.workers)} worker(s), "
+                f"listen {self.listen.host}:{self.listen.port}, "
+                f"block_bytes {self.keys.block_bytes}, tenant source {t.source}")
+
+
+# ---------------------------------------------------------------------- parsing
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _kind(f: dataclasses.Field) -> str:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return t
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _expected(kind: str, meta: Mapping[str, Any]) -> str:
+    if kind == "bool":
+        return "true or false"
+    if kind == "str":
+        return "a string"
+    noun = "an integer" if kind == "int" else "a number"
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and hi is not None:
+        left = "(" if meta.get("lo_open") else "["
+        return f"{noun} in {left}{_fmt(lo)}, {_fmt(hi)}]"
+    if lo is not None:
+        return f"{noun} {'>' if meta.get('lo_open') else '>='} {_fmt(lo)}"
+    return noun
+
+
+def _scalar(kind: str, meta: Mapping[str, Any], value: Any, path: str) -> Any:
+    choices = meta.get("choices")
+    if choices is not None:
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(path, f"{value!r} is not one of {', '.join(choices)}")
+        return value
+    bad = ConfigError(path, f"expected {_expected(kind, meta)}, got {value!r}")
+    if kind == "bool":
+        if type(value) is not bool:
+            raise bad
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if type(value) is bool or not isinstance(value, (int, float)):
+        raise bad
+    if kind == "int" and type(value) is not int:
+        raise bad
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and (value <= lo if meta.get("lo_open") else value < lo):
+        raise bad
+    if hi is not None and value > hi:
+        raise bad
+    return float(value) if kind == "float" else value
+
+
+def _mapping(raw: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(path, f"expected a mapping, got {_typename(raw)}")
+    for k in raw:
+        if not isinstance(k, str):
+            raise ConfigError(path, f"keys must be strings, got {k!r}")
+    return raw
+
+
+def _typename(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _parse(cls: type, raw: Any, path: str, special: Mapping[str, Any] | None = None) -> Any:
+    """Builds dataclass ``cls`` from a YAML mapping. ``special`` maps field names to
+    parsers ``(raw, path) -> value`` for fields that are not scalars or sections."""
+    raw = _mapping(raw, path)
+    fields = {f.name: f for f in dataclasses.fields(cls)
+              if not (cls is Config and f.name == "path")}  # Config.path: not a YAML key
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        f = fields.get(key)
+        p = _join(path, key)
+        if f is None:
+            raise ConfigError(p, f"unknown key; valid: {', '.join(sorted(fields))}")
+        if special and key in special:
+            values[key] = special[key](value, p)
+        elif "section" in f.metadata:
+            values[key] = _SECTION_PARSERS.get(f.metadata["section"], _plain)(
+                f.metadata["section"], value, p)
+        else:
+            values[key] = _scalar(_kind(f), f.metadata, value, p)
+    return cls(**values)
+
+
+def _plain(cls: type, raw: Any, path: str) -> Any:
+    return _parse(cls, raw, path)
+
+
+def _list(raw: Any, path: str) -> list:
+    if not isinstance(raw, list):
+        raise ConfigError(path, f"expected a list, got {_typename(raw)}")
+    return raw
+
+
+def parse_worker_url(url: str, path: str) -> str:
+    """Validates a worker base URL; returns it without a trailing slash."""
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        raise ConfigError(path, f"https workers are not supported (the data plane speaks plain "
+                          f"HTTP/1.1 on a private network), got {url!r}")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ConfigError(path, f"expected an http:// URL with a host, got {url!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(path, f"invalid port in {url!r}") from None
+    if parts.query or parts.fragment:
+        raise ConfigError(path, f"a worker URL takes no query or fragment, got {url!r}")
+    return url.rstrip("/")
+
+
+def default_worker_id(url: str) -> str:
+    return urlsplit(url).netloc
+
+
+def _workers(raw: Any, path: str) -> tuple[WorkerSpec, ...]:
+    out: list[WorkerSpec] = []
+    ids: dict[str, int] = {}
+    urls: dict[str, int] = {}
+    for i, item in enumerate(_list(raw, path)):
+        p = f"{path}[{i}]"
+        if isinstance(item, str):
+            item = {"url": item}
+        spec = _parse(WorkerSpec, item, p)
+        if not spec.url:
+            raise ConfigError(f"{p}.url", "required: the worker's base URL")
+        url = parse_worker_url(spec.url, f"{p}.url")
+        wid = spec.id or default_worker_id(url)
+        if wid in ids:
+            raise ConfigError(f"{p}.id", f"duplicate worker id {wid!r} (also workers[{ids[wid]}])")
+        if url in urls:
+            raise ConfigError(f"{p}.url", f"duplicate worker url {url!r} (also workers[{urls[url]}])")
+        ids[wid] = urls[url] = i
+        out.append(dataclasses.replace(spec, url=url, id=wid))
+    return tuple(out)
+
+
+def _api_keys(raw: Any, path: str) -> tuple[ApiKeySpec, ...]:
+    out = []
+    for i, item in enumerate(_list(raw, path)):
+        p = f"{path}[{i}]"
+        spec = _parse(ApiKeySpec, item, p)
+        if bool(spec.key) == bool(spec.key_env):
+            raise ConfigError(p, "expected exactly one of key, key_env")
+        if not spec.tenant:
+            raise ConfigError(f"{p}.tenant", "required: a non-empty tenant name")
+        out.append(spec)
+    return tuple(out)
+
+
+def _tenant(cls: type, raw: Any, path: str) -> TenantConfig:
+    t = _parse(TenantConfig, raw, path, {"api_keys": _api_keys})
+    if t.source == "api_key" and not t.api_keys:
+        raise ConfigError(f"{path}.api_keys", "source api_key needs at least one key")
+    if t.source == "header" and not t.header:
+        raise ConfigError(f"{path}.header", "source header needs a header name")
+    return t
+
+
+def _keys(cls: type, raw: Any, path: str) -> KeysConfig:
+    k = _parse(KeysConfig, raw, path)
+    if k.block_bytes % BYTES_PER_TOKEN:
+        raise ConfigError(f"{path}.block_bytes",
+                          f"expected a multiple of {BYTES_PER_TOKEN}, got {k.block_bytes}")
+    return k
+
+
+def _policy(cls: type, raw: Any, path: str) -> PolicyConfig:
+    def params(v: Any, p: str) -> Mapping[str, Any]:
+        if v is None:
+            return {}
+        return dict(_mapping(v, p))
+
+    pc = _parse(PolicyConfig, raw, path, {"params": params})
+    build_policy_from(pc, path)  # validates the name and the params
+    return pc
+
+
+_SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _policy}
+
+
+def build_policy_from(pc: PolicyConfig, path: str = "policy"):
+    """The policy object a ``PolicyConfig`` names. Raises ``ConfigError``."""
+    from policies.registry import build_policy
+
+    return build_policy(pc.name, dict(pc.params), random.Random(pc.seed), path=path)
+
+
+def parse_config(raw: Any, path: str = "") -> Config:
+    """Validates a parsed YAML document. Raises ``ConfigError`` naming the field."""
+    if raw is None:
+        raw = {}
+    cfg = _parse(Config, raw, "", {"workers": _workers})
+    if cfg.retries.backoff_max_s < cfg.retries.backoff_s:
+        raise ConfigError("retries.backoff_max_s",
+                          f"expected a number >= retries.backoff_s ({cfg.retries.backoff_s})")
+    return dataclasses.replace(cfg, path=path)
+
+
+def load_config(path: str) -> Config:
+    """Reads and validates a YAML file. Raises ``ConfigError``."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("", f"{path}: invalid YAML{where}: {problem}") from None
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError("", f"{path}: expected a mapping at the top level, got {_typename(raw)}")
+    return parse_config(raw, path)
+
+
+def with_overrides(cfg: Config, **overrides: Any) -> Config:
+    """``cfg`` with dotted-path overrides (``listen.port=8001``); ``MISSING`` values
+    are skipped, so absent command-line options never clobber the file."""
+    for dotted, value in overrides.items():
+        if value is MISSING:
+            continue
+        parts = dotted.split("__")
+        cfg = _replace_path(cfg, parts, value)
+    return cfg
+
+
+def _replace_path(obj: Any, parts: list[str], value: Any) -> Any:
+    if len(parts) == 1:
+        return dataclasses.replace(obj, **{parts[0]: value})
+    inner = getattr(obj, parts[0])
+    return dataclasses.replace(obj, **{parts[0]: _replace_path(inner, parts[1:], value)})
+
+
+def resolve_token(env_name: str) -> str:
+    """The bearer token an env var holds ("" when unset or empty)."""
+    return os.environ.get(env_name, "") if env_name else ""
+
+
+# ------------------------------------------------------------- check-config CLI
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="router YAML file to validate")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.file)  # ConfigError -> the CLI prints one line, exit 2
+    print(f"OK: {args.file}: {cfg.summary()}")
+    return 0

@@ -1,0 +1,115 @@
+"""``radixfleet router``: run the cache-aware router.
+
+    radixfleet router --config FILE [--host H] [--port P]
+    radixfleet router --worker URL [--worker URL ...] [--policy NAME] [--port P] [--host H]
+
+The quick start without a file builds the same validated ``Config`` (errors name
+the field: ``workers[0].url: ...``). ``--host``/``--port`` override the file and
+keep overriding it across reloads. Signals: SIGTERM/SIGINT stop accepting, let
+in-flight requests finish (``limits.shutdown_timeout_s``) and exit 0; SIGHUP
+reloads the file. Uses uvloop when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from router.config import MISSING, Config, load_config, parse_config, with_overrides
+from router.errors import ConfigError
+
+log = logging.getLogger("radixfleet.router")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="router YAML file (deploy/README.md)")
+    parser.add_argument("--worker", metavar="URL", action="append", default=[],
+                        help="a worker base URL (repeatable; quick start without --config)")
+    parser.add_argument("--policy", metavar="NAME", default=MISSING,
+                        help="routing policy (quick start; default prefix_load)")
+    parser.add_argument("--host", default=MISSING, help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=MISSING, help="listen port (default 8000)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
+    """The validated config and the overrides to reapply on reload. Raises ConfigError."""
+    overrides = {}
+    if args.host is not MISSING:
+        overrides["listen__host"] = args.host
+    if args.port is not MISSING:
+        if not 0 <= args.port <= 65535:
+            raise ConfigError("--port", f"expected an integer in [0, 65535], got {args.port}")
+        overrides["listen__port"] = args.port
+    if args.config:
+        if args.worker or args.policy is not MISSING:
+            raise ConfigError("", "--worker and --policy are for the quick start without "
+                              "--config; list workers and the policy in the file")
+        cfg = load_config(args.config)
+    else:
+        raw: dict = {"workers": [{"url": u} for u in args.worker]}
+        if args.policy is not MISSING:
+            raw["policy"] = {"name": args.policy}
+        cfg = parse_config(raw)
+    return with_overrides(cfg, **overrides), overrides
+
+
+async def serve(cfg: Config, overrides: dict, *, ready=None) -> int:
+    """Runs the router until SIGTERM/SIGINT. ``ready(port)`` is called once listening."""
+    from router.app import Router, RouterServer
+
+    router = Router(cfg, overrides=overrides)
+    server = RouterServer(router)
+    port = await server.start()
+    if ready is not None:
+        ready(port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    reloads: set[asyncio.Task] = set()
+
+    def on_hup() -> None:
+        if router.cfg.path:
+            t = loop.create_task(router.reload())
+            reloads.add(t)
+            t.add_done_callback(reloads.discard)
+        else:
+            log.warning("SIGHUP ignored: started without --config")
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    try:
+        await stop.wait()
+        log.info("shutting down: finishing in-flight requests (up to %.0fs)",
+                 cfg.limits.shutdown_timeout_s)
+    finally:
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(s)
+        await server.aclose()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, overrides = build_config(args)
+    if not cfg.workers:
+        log.info("no workers configured: waiting for agents to register")
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def ready(port: int) -> None:
+        print(f"radixfleet router: listening on http://{cfg.listen.host}:{port} "
+              f"({cfg.summary()})", flush=True)
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.run(serve(cfg, overrides, ready=ready))
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+            return r.run(serve(cfg, overrides, ready=ready))
+    uvloop.install()  # pragma: no cover
+    return asyncio.run(serve(cfg, overrides, ready=ready))

@@ -1,0 +1,116 @@
+"""The router's Prometheus metrics, in a registry of its own (one per app, so two
+routers in one process — tests — never share counters).
+
+Request-path metrics are incremented inline through cached label children (a
+dict lookup, not ``labels()``, per request). State metrics — in-flight per worker,
+breaker state, health, index size, hot prefixes — are read from the pool and the
+index when ``/metrics`` is scraped (``refresh``), costing the request path nothing.
+
+    radixfleet_requests_total{worker,status,reason}   proxied requests by outcome
+    radixfleet_rejected_total{status,code}            answered by the router itself (4xx/5xx)
+    radixfleet_ttfb_seconds / radixfleet_request_seconds   histograms
+    radixfleet_retries_total{cause}                   connect | status | timeout
+    radixfleet_in_flight{worker}, radixfleet_worker_breaker_state{worker} (0 closed,
+      1 half-open, 2 open), radixfleet_worker_healthy{worker}
+    radixfleet_index_nodes, _index_holder_entries, _index_bytes, _index_evicted_entries
+    radixfleet_events_applied_total{type}, radixfleet_event_batches_total{status}
+    radixfleet_hot_prefix_rate{prefix,depth}, radixfleet_hot_prefix_replicas{prefix}
+    radixfleet_warmups_total{status}
+    radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from router.pool import BREAKER_GAUGE, HealthState
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """All router metrics. Only the app and the feedback handler increment them."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("radixfleet_requests", "Proxied requests by worker, status and "
+                                "decision reason", ["worker", "status", "reason"], registry=r)
+        self.rejected = Counter("radixfleet_rejected", "Requests the router answered itself",
+                                ["status", "code"], registry=r)
+        self.ttfb = Histogram("radixfleet_ttfb_seconds", "Time to the worker's first byte",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("radixfleet_request_seconds", "Total request latency",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("radixfleet_retries", "Requests retried on another worker",
+                               ["cause"], registry=r)
+        self.in_flight = Gauge("radixfleet_in_flight", "Requests in flight per worker",
+                               ["worker"], registry=r)
+        self.breaker = Gauge("radixfleet_worker_breaker_state",
+                             "Circuit breaker: 0 closed, 1 half-open, 2 open", ["worker"],
+                             registry=r)
+        self.healthy = Gauge("radixfleet_worker_healthy", "1 if the worker passes health checks",
+                             ["worker"], registry=r)
+        self.index_nodes = Gauge("radixfleet_index_nodes", "Prefix index nodes", registry=r)
+        self.index_entries = Gauge("radixfleet_index_holder_entries",
+                                   "Prefix index (node, worker) entries", registry=r)
+        self.index_bytes = Gauge("radixfleet_index_bytes", "Prefix index estimated bytes",
+                                 registry=r)
+        self.index_evicted = Gauge("radixfleet_index_evicted_entries",
+                                   "Entries evicted to stay within the budget", registry=r)
+        self.events = Counter("radixfleet_events_applied", "Agent events applied", ["type"],
+                              registry=r)
+        self.batches = Counter("radixfleet_event_batches", "Agent event batches by answer",
+                               ["status"], registry=r)
+        self.hot_rate = Gauge("radixfleet_hot_prefix_rate", "Decayed requests/s of hot prefixes",
+                              ["prefix", "depth"], registry=r)
+        self.hot_replicas = Gauge("radixfleet_hot_prefix_replicas", "Holders of hot prefixes",
+                                  ["prefix"], registry=r)
+        self.warmups = Counter("radixfleet_warmups", "Hot-root warm-up requests", ["status"],
+                               registry=r)
+        self.reloads = Counter("radixfleet_config_reloads", "Configuration reloads applied",
+                               registry=r)
+        self.reload_failures = Counter("radixfleet_config_reload_failures",
+                                       "Configuration reloads refused (invalid file)",
+                                       registry=r)
+        self._req_children: dict[tuple, object] = {}
+        self._event_children = {t: self.events.labels(t)
+                                for t in ("stored", "removed", "cleared", "snapshot", "load")}
+        self.observe_ttfb = self.ttfb.observe
+        self.observe_latency = self.latency.observe
+
+    def request_done(self, worker: str, status: int, reason: str) -> None:
+        key = (worker, status, reason)
+        c = self._req_children.get(key)
+        if c is None:
+            c = self._req_children[key] = self.requests.labels(worker, str(status), reason)
+        c.inc()
+
+    def event_applied(self, kind: str, n: int = 1) -> None:
+        self._event_children[kind].inc(n)
+
+    def refresh(self, pool, index, now: float, hot_k: int) -> None:
+        """Copies pool and index state into the gauges (at scrape time)."""
+        for g in (self.in_flight, self.breaker, self.healthy):
+            g.clear()
+        for w in pool:
+            self.in_flight.labels(w.id).set(w.in_flight)
+            self.breaker.labels(w.id).set(BREAKER_GAUGE[w.breaker])
+            self.healthy.labels(w.id).set(1 if w.health is HealthState.HEALTHY else 0)
+        st = index.stats()
+        self.index_nodes.set(st.nodes)
+        self.index_entries.set(st.holder_entries)
+        self.index_bytes.set(st.est_bytes)
+        self.index_evicted.set(st.evicted_entries)
+        self.hot_rate.clear()
+        self.hot_replicas.clear()
+        for hp in index.hot_prefixes(now, k=hot_k):
+            name = f"{hp.hash:016x}"
+            self.hot_rate.labels(name, str(hp.depth)).set(hp.rate)
+            self.hot_replicas.labels(name).set(len(hp.holders))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

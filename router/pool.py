@@ -1,0 +1,472 @@
+"""The worker pool: who can be routed to, and how loaded each worker is right now.
+
+Workers come from three sources (``Source``): the YAML file, the admin API and
+agents that register themselves. Per worker the pool keeps::
+
+    health      HealthState: UNKNOWN -> HEALTHY <-> UNHEALTHY, from GET <url><path>
+    breaker     Breaker: CLOSED -> OPEN (after N request failures in a row)
+                -> HALF_OPEN (after open_s: one trial request) -> CLOSED | OPEN
+    draining    no new requests; in-flight ones finish
+    load        in_flight / in_flight_tokens counted by the router AT PICK TIME
+                (before anything is awaited) + the agent's last Load report,
+                ignored once older than report_stale_s
+
+A worker is *routable* when it is HEALTHY, not draining, and its breaker is CLOSED
+or HALF_OPEN with no trial in flight. ``views()`` returns routable workers only, as
+the read-only ``WorkerView`` objects policies see.
+
+Invariants (``check()`` asserts each):
+
+- ``_by_id`` and ``_by_url`` index the same workers, by id and by url.
+- Every worker's ``in_flight >= 0`` and ``in_flight_tokens >= 0``.
+- A cached view (``Worker._view``) equals the view its worker would build now.
+- A worker that is not HEALTHY, or was removed, holds nothing in the index: the
+  pool calls ``index.drop_worker`` on the transition, at once.
+
+Removing a worker with requests in flight is safe: they hold the ``Worker`` object
+and release their load on it; it is simply no longer in the pool.
+
+Views are cached per worker and rebuilt only when that worker changes (a pick, a
+finish, a load report, a state change, a stale report), so a request costs two
+view rebuilds rather than one per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import Callable, Iterable, Sequence
+
+import aiohttp
+
+from policies.base import WorkerView
+from router.config import Config, WorkerSpec
+from router.events import Load
+
+log = logging.getLogger("radixfleet.pool")
+
+
+class Source(str, enum.Enum):
+    CONFIG = "config"  # listed in the YAML file (a reload may remove it)
+    ADMIN = "admin"  # added with POST /admin/workers
+    AGENT = "agent"  # registered itself (POST /internal/v1/register)
+
+
+class HealthState(str, enum.Enum):
+    UNKNOWN = "unknown"  # not checked yet: not routable
+    HEALTHY = "healthy"  # passed success_threshold checks in a row (or registered)
+    UNHEALTHY = "unhealthy"  # failed failure_threshold checks in a row
+
+
+class Breaker(str, enum.Enum):
+    CLOSED = "closed"  # requests flow
+    OPEN = "open"  # too many failures in a row: not routable until open_until
+    HALF_OPEN = "half_open"  # one trial request allowed; its outcome decides
+
+
+BREAKER_GAUGE = {Breaker.CLOSED: 0, Breaker.HALF_OPEN: 1, Breaker.OPEN: 2}
+
+
+class Worker:
+    """One worker's state. Only the ``Pool`` mutates it (request paths through the
+    pool's methods), all on the router's event loop."""
+
+    __slots__ = (
+        "id", "url", "source", "weight", "base_prefill", "models",
+        "health", "check_fails", "check_oks",
+        "breaker", "breaker_fails", "open_until", "trial",
+        "draining", "in_flight", "in_flight_tokens",
+        "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
+    )
+
+    def __init__(self, wid: str, url: str, source: Source, weight: float = 1.0,
+                 prefill_tokens_per_s: float = 10_000.0) -> None:
+        self.id = wid
+        self.url = url  # base URL without trailing slash
+        self.source = source
+        self.weight = weight
+        self.base_prefill = prefill_tokens_per_s  # until the agent reports its rate
+        self.models: tuple[str, ...] = ()  # from registration, if the agent said
+        self.health = HealthState.UNKNOWN
+        self.check_fails = 0  # failed health checks in a row
+        self.check_oks = 0  # passed health checks in a row
+        self.breaker = Breaker.CLOSED
+        self.breaker_fails = 0  # request failures in a row
+        self.open_until = 0.0  # monotonic time the OPEN breaker goes HALF_OPEN
+        self.trial = False  # a HALF_OPEN trial request is in flight
+        self.draining = False
+        self.in_flight = 0  # requests picked for this worker and not finished
+        self.in_flight_tokens = 0  # their prompt tokens not yet known prefilled
+        self.load: Load | None = None  # the agent's last report
+        self.load_until = 0.0  # monotonic time that report goes stale
+        self.epoch: str | None = None  # agent epoch the event stream is in
+        self.next_seq = 0  # next event batch sequence number expected
+        self.removed = False  # no longer in the pool (requests may still hold it)
+        self._view: WorkerView | None = None  # cache; None = rebuild
+        self._view_until = 0.0  # the cached view includes a report stale at this time
+
+    def routable(self, now: float) -> bool:
+        if self.health is not HealthState.HEALTHY or self.draining:
+            return False
+        b = self.breaker
+        if b is Breaker.CLOSED:
+            return True
+        if b is Breaker.OPEN and now >= self.open_until:
+            self.breaker = b = Breaker.HALF_OPEN
+        return b is Breaker.HALF_OPEN and not self.trial
+
+    def build_view(self, now: float) -> WorkerView:
+        ld = self.load
+        if ld is not None and now < self.load_until:
+            rate = ld.prefill_tokens_per_s or self.base_prefill
+            return WorkerView(
+                self.id, self.in_flight, self.in_flight_tokens, ld.queued_requests,
+                ld.queued_tokens, ld.running_requests, ld.kv_used_tokens,
+                ld.kv_capacity_tokens, rate, self.weight)
+        return WorkerView(self.id, self.in_flight, self.in_flight_tokens,
+                          prefill_tokens_per_s=self.base_prefill, weight=self.weight)
+
+    def describe(self, now: float) -> dict:
+        ld = self.load
+        fresh = ld is not None and now < self.load_until
+        return {
+            "id": self.id, "url": self.url, "source": self.source.value,
+            "health": self.health.value, "breaker": self.breaker.value,
+            "draining": self.draining, "routable": self.routable(now),
+            "in_flight": self.in_flight, "in_flight_tokens": self.in_flight_tokens,
+            "weight": self.weight, "models": list(self.models),
+            "reported_load": ({f: getattr(ld, f) for f in Load.__slots__} if fresh else None),
+            "epoch": self.epoch, "next_seq": self.next_seq,
+        }
+
+
+class Pool:
+    """The routable set and its load. One event loop owns it.
+
+    Lifecycle: ``await start()`` begins health checking; ``await aclose()``
+    (idempotent) stops it. Everything else is synchronous.
+    """
+
+    def __init__(self, cfg: Config, index, *, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.cfg = cfg
+        self.index = index  # router.prefix_index.PrefixIndex: dropped workers leave it
+        self.clock = clock
+        self._by_id: dict[str, Worker] = {}
+        self._by_url: dict[str, Worker] = {}
+        self._routable: list[Worker] | None = None  # cache of routable workers, in order
+        self._routable_until = float("inf")  # a breaker or a report changes at this time
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._checks: set[asyncio.Task] = set()
+        self._closed = False
+        self._on_change = on_change
+        for spec in cfg.workers:
+            self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s)
+
+    # ------------------------------------------------------------- membership
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self):
+        return iter(list(self._by_id.values()))
+
+    def get(self, wid: str) -> Worker | None:
+        return self._by_id.get(wid)
+
+    def by_url(self, url: str) -> Worker | None:
+        return self._by_url.get(url)
+
+    def add(self, wid: str, url: str, source: Source, weight: float = 1.0,
+            prefill_tokens_per_s: float = 10_000.0) -> Worker:
+        """Adds a worker (UNKNOWN health: routable after its first passed check).
+        Raises ``ValueError`` if the id or url is taken."""
+        if wid in self._by_id:
+            raise ValueError(f"worker id {wid!r} already exists")
+        if url in self._by_url:
+            raise ValueError(f"worker url {url!r} already exists (id {self._by_url[url].id!r})")
+        w = Worker(wid, url, source, weight, prefill_tokens_per_s)
+        self._by_id[wid] = w
+        self._by_url[url] = w
+        self._changed()
+        log.info("worker %s added (%s, %s)", wid, url, source.value)
+        if self._session is not None:
+            self.check_soon(w)
+        return w
+
+    def remove(self, wid: str) -> Worker | None:
+        """Removes a worker and drops its index entries at once."""
+        w = self._by_id.pop(wid, None)
+        if w is None:
+            return None
+        del self._by_url[w.url]
+        w.removed = True
+        self.index.drop_worker(wid)
+        self._changed()
+        log.info("worker %s removed (%d in flight finish)", wid, w.in_flight)
+        return w
+
+    def drain(self, wid: str, draining: bool = True) -> Worker | None:
+        w = self._by_id.get(wid)
+        if w is not None and w.draining != draining:
+            w.draining = draining
+            self._changed()
+            log.info("worker %s %s", wid, "draining" if draining else "undrained")
+        return w
+
+    def register(self, wid: str, url: str, epoch: str, models: Sequence[str] = ()) -> Worker:
+        """An agent announced itself. A new epoch means a fresh process with an empty
+        cache: its index entries are dropped and its event stream starts at seq 0.
+        A worker already known by url under another id takes the agent's id."""
+        w = self._by_id.get(wid)
+        if w is not None and w.url != url:
+            # the same id now lives elsewhere: a new process; start over
+            self.remove(wid)
+            w = None
+        if w is None:
+            old = self._by_url.get(url)
+            source, weight, rate = Source.AGENT, 1.0, 10_000.0
+            if old is not None:
+                source, weight, rate = old.source, old.weight, old.base_prefill
+                self.remove(old.id)
+            w = self.add(wid, url, source, weight, rate)
+        if w.epoch != epoch:
+            if w.epoch is not None:
+                self.index.drop_worker(wid)
+            w.epoch = epoch
+            w.next_seq = 0
+        w.models = tuple(models)
+        # It just talked to us: healthy now; health checks keep it honest.
+        self._set_health(w, HealthState.HEALTHY)
+        return w
+
+    def sync_config(self, specs: Iterable[WorkerSpec]) -> tuple[list[str], list[str]]:
+        """Applies a reloaded worker list: config workers not listed any more are
+        removed, new ones added (matched by url). Returns (added, removed) ids."""
+        want = {s.url: s for s in specs}
+        removed = [w.id for w in list(self._by_id.values())
+                   if w.source is Source.CONFIG and w.url not in want]
+        for wid in removed:
+            self.remove(wid)
+        added = []
+        for url, s in want.items():
+            w = self._by_url.get(url)
+            if w is None:
+                if s.id in self._by_id:
+                    self.remove(s.id)  # the id moved to a new url
+                self.add(s.id, url, Source.CONFIG, s.weight, s.prefill_tokens_per_s)
+                added.append(s.id)
+            else:
+                w.source = Source.CONFIG
+                if w.weight != s.weight or w.base_prefill != s.prefill_tokens_per_s:
+                    w.weight, w.base_prefill = s.weight, s.prefill_tokens_per_s
+                    self._changed(w)
+        return added, removed
+
+    # ------------------------------------------------------------ routing path
+
+    def views(self, now: float) -> list[WorkerView]:
+        """Views of the routable workers, in a stable order. O(workers) list, views
+        rebuilt only for workers that changed."""
+        ws = self._routable
+        if ws is None or now >= self._routable_until:
+            ws = self._rebuild_routable(now)
+        out = []
+        append = out.append
+        for w in ws:
+            v = w._view
+            if v is None or now >= w._view_until:
+                v = w._view = w.build_view(now)
+                w._view_until = w.load_until if now < w.load_until else float("inf")
+            append(v)
+        return out
+
+    def routable_workers(self, now: float) -> list[Worker]:
+        ws = self._routable
+        if ws is None or now >= self._routable_until:
+            ws = self._rebuild_routable(now)
+        return ws
+
+    def pick(self, w: Worker, tokens: int) -> None:
+        """Counts a request on ``w`` at pick time (call before awaiting anything)."""
+        w.in_flight += 1
+        w.in_flight_tokens += tokens
+        w._view = None
+        if w.breaker is Breaker.HALF_OPEN:
+            w.trial = True
+            self._routable = None
+
+    def prefilled(self, w: Worker, tokens: int) -> None:
+        """The request's first byte arrived: its prompt is no longer queued prefill."""
+        w.in_flight_tokens -= tokens
+        w._view = None
+
+    def finish(self, w: Worker, tokens_left: int, ok: bool | None) -> None:
+        """The request ended; ``tokens_left`` are its tokens still counted. ``ok``:
+        True success, False a worker failure (breaker), None neither (client left,
+        bad request)."""
+        w.in_flight -= 1
+        w.in_flight_tokens -= tokens_left
+        w._view = None
+        if ok is True:
+            self.record_success(w)
+        elif ok is False:
+            self.record_failure(w)
+        elif w.trial:
+            w.trial = False
+            self._routable = None
+
+    def record_success(self, w: Worker) -> None:
+        w.breaker_fails = 0
+        if w.breaker is not Breaker.CLOSED or w.trial:
+            w.trial = False
+            if w.breaker is not Breaker.CLOSED:
+                log.info("worker %s breaker closed", w.id)
+            w.breaker = Breaker.CLOSED
+            self._changed()
+
+    def record_failure(self, w: Worker) -> None:
+        w.breaker_fails += 1
+        if w.breaker is Breaker.HALF_OPEN or w.breaker_fails >= self.cfg.breaker.failure_threshold:
+            if w.breaker is not Breaker.OPEN:
+                log.warning("worker %s breaker open after %d failures", w.id, w.breaker_fails)
+            w.breaker = Breaker.OPEN
+            w.open_until = self.clock() + self.cfg.breaker.open_s
+            w.trial = False
+            self._changed()
+
+    def report_load(self, w: Worker, load: Load, now: float) -> None:
+        w.load = load
+        w.load_until = now + self.cfg.load.report_stale_s
+        w._view = None
+
+    def ready(self) -> bool:
+        return any(w.health is HealthState.HEALTHY for w in self._by_id.values())
+
+    # ------------------------------------------------------------ health checks
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Begins health checking with ``session`` (the app's client session); the
+        first round runs at once."""
+        if self._closed:
+            raise RuntimeError("Pool.start() after aclose()")
+        if self._task is not None:
+            return
+        self._session = session
+        self._task = asyncio.create_task(self._health_loop(), name="radixfleet-health")
+
+    async def aclose(self) -> None:
+        """Stops health checking. Idempotent."""
+        self._closed = True
+        tasks = [t for t in (self._task, *self._checks) if t is not None]
+        self._task = None
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                if not t.cancelled():
+                    raise
+            except Exception:  # noqa: BLE001 - a check failing at shutdown is moot
+                pass
+        self._checks.clear()
+
+    def check_soon(self, w: Worker) -> None:
+        """Runs a health check of ``w`` now (a connect error made it suspect)."""
+        if self._session is None or self._closed:
+            return
+        t = asyncio.create_task(self._check(w))
+        self._checks.add(t)
+        t.add_done_callback(self._checks.discard)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in list(self._by_id.values())))
+
+    async def _health_loop(self) -> None:
+        while True:
+            started = self.clock()
+            await self.check_all()
+            delay = self.cfg.health.interval_s - (self.clock() - started)
+            await asyncio.sleep(max(delay, 0.01))
+
+    async def _check(self, w: Worker) -> None:
+        h = self.cfg.health
+        ok = False
+        try:
+            async with self._session.get(
+                w.url + h.path, timeout=aiohttp.ClientTimeout(total=h.timeout_s)
+            ) as resp:
+                await resp.read()
+                ok = resp.status < 500
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok = False
+        if w.removed:
+            return
+        if ok:
+            w.check_fails = 0
+            w.check_oks += 1
+            if w.health is HealthState.UNKNOWN or (
+                w.health is HealthState.UNHEALTHY and w.check_oks >= h.success_threshold
+            ):
+                self._set_health(w, HealthState.HEALTHY)
+        else:
+            w.check_oks = 0
+            w.check_fails += 1
+            if w.health is not HealthState.UNHEALTHY and (
+                w.check_fails >= h.failure_threshold or w.health is HealthState.UNKNOWN
+            ):
+                self._set_health(w, HealthState.UNHEALTHY)
+
+    def _set_health(self, w: Worker, state: HealthState) -> None:
+        if w.health is state:
+            return
+        old, w.health = w.health, state
+        if state is HealthState.UNHEALTHY:
+            # A dead worker's cache is gone (or unknowable): its entries leave now.
+            self.index.drop_worker(w.id)
+            w.epoch = None  # its stream restarts with a snapshot
+            log.warning("worker %s unhealthy (was %s)", w.id, old.value)
+        elif state is HealthState.HEALTHY:
+            w.breaker, w.breaker_fails, w.trial = Breaker.CLOSED, 0, False
+            log.info("worker %s healthy (was %s)", w.id, old.value)
+        self._changed()
+
+    # ---------------------------------------------------------------- internals
+
+    def _changed(self, w: Worker | None = None) -> None:
+        self._routable = None
+        if w is not None:
+            w._view = None
+        if self._on_change is not None:
+            self._on_change()
+
+    def _rebuild_routable(self, now: float) -> list[Worker]:
+        ws = [w for w in self._by_id.values() if w.routable(now)]
+        until = float("inf")
+        for w in self._by_id.values():
+            if w.breaker is Breaker.OPEN and w.open_until < until:
+                until = w.open_until
+        self._routable = ws
+        self._routable_until = until
+        return ws
+
+    def check(self) -> None:
+        """Asserts every invariant in the module docstring."""
+        assert len(self._by_id) == len(self._by_url), f"{self._by_id=} {self._by_url=}"
+        for wid, w in self._by_id.items():
+            assert w.id == wid and self._by_url.get(w.url) is w, f"{w.id=} {w.url=}"
+            assert w.in_flight >= 0 and w.in_flight_tokens >= 0, f"{w.id=} {w.in_flight=}"
+            assert not w.removed, f"{w.id=} removed but in the pool"
+            if w._view is not None and w.load is None:
+                assert w._view == w.build_view(self.clock()), f"{w.id=} stale view"
+        held = self.index.workers()
+        for wid in held:
+            w = self._by_id.get(wid)
+            assert w is not None, f"removed worker {wid!r} still in the index"
+            assert w.health is not HealthState.UNHEALTHY, f"unhealthy {wid!r} in the index"

@@ -1,0 +1,228 @@
+"""The streaming client and `radixfleet loadtest` against an in-process fake OpenAI server.
+
+The fake is deliberately small: one LRU prefix cache (loadtest.prefix_trie) decides
+``cached_tokens``, tokens stream as SSE chunks, and chosen requests fail (HTTP 500,
+or the connection dropped mid-stream) so the error accounting can be checked
+exactly. The real agent + router path is tested in test_loadtest_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+from aiohttp import web
+
+from router.prefix_keys import Endpoint, routing_bytes
+from loadtest.arrivals import Bounds, Closed
+from loadtest.client import Result, Target
+from loadtest.main import run_ab
+from loadtest.prefix_trie import PrefixTrie, as_tokens
+from loadtest.report import validate
+from loadtest.workloads import make_workload
+
+
+class FakeServer:
+    """An OpenAI-compatible streaming server; ``fail(n)`` makes every n-th request fail."""
+
+    def __init__(self, worker="fake0", capacity=100_000, fail_every=0, drop_every=0):
+        self.worker = worker
+        self.cache = PrefixTrie(capacity)
+        self.capacity = capacity
+        self.fail_every = fail_every
+        self.drop_every = drop_every
+        self.count = 0
+        self.flushes = 0
+        self.bodies: list[dict] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_post("/flush_cache", self.flush)
+        app.router.add_get("/get_load", self.load)
+        return app
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def load(self, request):
+        return web.json_response({"kv_capacity_tokens": self.capacity})
+
+    async def flush(self, request):
+        self.cache = PrefixTrie(self.capacity)
+        self.flushes += 1
+        return web.json_response({"status": "ok"})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.count += 1
+        self.bodies.append(body)
+        if self.fail_every and self.count % self.fail_every == 0:
+            return web.json_response({"error": {"message": "boom", "type": "server_error",
+                                                "code": "x", "param": None}}, status=500)
+        chat = request.path.endswith("chat/completions")
+        data = as_tokens(routing_bytes(Endpoint.CHAT if chat else Endpoint.COMPLETIONS, body))
+        cached = self.cache.serve(data)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "x-radixfleet-worker": self.worker})
+        await resp.prepare(request)
+        n = body["max_tokens"]
+        for i in range(n):
+            if self.drop_every and self.count % self.drop_every == 0 and i == 1:
+                request.transport.close()
+                return resp
+            delta = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
+            await resp.write(f"data: {json.dumps({'choices': [{'index': 0, **delta}]})}\n\n".encode())
+            await asyncio.sleep(0.001)
+        usage = {"prompt_tokens": len(data) // 4, "completion_tokens": n,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+async def _serve(fake: FakeServer, port: int) -> web.AppRunner:
+    runner = web.AppRunner(fake.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def test_client_measures_a_streaming_chat_request(port):
+    fake = FakeServer()
+    runner = await _serve(fake, port)
+    try:
+        async with Target("f", f"http://127.0.0.1:{port}/v1") as t:
+            assert await t.probe() == "fake-model"
+            session = make_workload("multiturn", {"clients": 1, "rounds": 2,
+                                                  "output_tokens": 5}).sessions()[0]
+            spec = session.first()
+            r0 = Result(spec.id, spec.session, spec.turn)
+            answer = await t.send(spec, r0)
+            assert r0.ok and answer == "t0 t1 t2 t3 t4 "
+            assert r0.output_tokens == 5 and len(r0.itl_s) == 4
+            assert r0.ttft_s > 0 and r0.e2e_s >= r0.ttft_s
+            assert r0.worker == "fake0" and r0.cached_tokens == 0 and r0.prompt_tokens > 128
+            spec1 = session.follow(answer)
+            r1 = Result(spec1.id, spec1.session, spec1.turn)
+            await t.send(spec1, r1)
+            assert r1.ok and 0 < r1.cached_tokens < r1.prompt_tokens
+            sent = fake.bodies[-1]
+            assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+            assert sent["model"] == "fake-model" and sent["max_tokens"] == 5
+            assert sent["messages"][1] == {"role": "assistant", "content": answer}
+    finally:
+        await runner.cleanup()
+
+
+async def test_errors_mid_run_are_counted_and_the_run_goes_on(port):
+    fake = FakeServer(fail_every=5, drop_every=7)
+    runner = await _serve(fake, port)
+    try:
+        w = make_workload("zipf", {"requests": 40, "output_tokens": 4})
+        url = f"http://127.0.0.1:{port}"
+        (out,) = await run_ab([("f", url)], w, Closed(4), Bounds(40, 20), flush_urls=[url],
+                              progress=False, settle_s=0)
+    finally:
+        await runner.cleanup()
+    r = out.report
+    assert r["requests"] == 40
+    fails = [i for i in range(1, 41) if i % 5 == 0]
+    drops = [i for i in range(1, 41) if i % 7 == 0 and i % 5 != 0]
+    assert r["errors_by_kind"] == {"http_500": len(fails), "stream": len(drops)}
+    assert r["ok"] == 40 - len(fails) - len(drops)
+    assert fake.flushes == 1
+    assert r["kv_capacity_tokens"] == 100_000  # discovered from /get_load
+    assert r["pooled_hit_rate"] == pytest.approx(r["oracle_hit_rate"])  # capacity never binds
+    assert 0 < r["hit_rate"] <= r["oracle_hit_rate"] + 1e-9
+    validate({"runs": [r]})
+
+
+async def test_unreachable_target_is_an_error_up_front(port):
+    from router.errors import ConfigError
+
+    w = make_workload("zipf", {"requests": 5})
+    with pytest.raises(ConfigError, match=r"--target down: http://127.0.0.1:\d+ is unreachable"):
+        await run_ab([("down", f"http://127.0.0.1:{port}")], w, Closed(1), Bounds(5, 5),
+                     progress=False)
+
+
+def test_cli_ab_run_writes_report_and_plots(tmp_path, port):
+    """Two targets through the real CLI (a subprocess), one fake server in a thread."""
+    fakes = [FakeServer(worker="a"), FakeServer(worker="b", fail_every=10)]
+    loop = asyncio.new_event_loop()
+    ports = [port, port + 1 if port < 65000 else port - 1]
+    runners = []
+    started = threading.Event()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        for f, p in zip(fakes, ports):
+            runners.append(loop.run_until_complete(_serve(f, p)))
+        started.set()
+        loop.run_forever()
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    assert started.wait(5)
+    try:
+        out = tmp_path / "report.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "router.cli", "loadtest",
+             "--target", f"one=http://127.0.0.1:{ports[0]}",
+             "--target", f"two=http://127.0.0.1:{ports[1]}",
+             "--flush", f"http://127.0.0.1:{ports[0]}", "--flush", f"http://127.0.0.1:{ports[1]}",
+             "--workload", "gsp", "-o", "groups=4", "-o", "prompts_per_group=5",
+             "-o", "system_tokens=256", "-o", "output_tokens=4", "-o", "order=ordered",
+             "--concurrency", "2", "--requests", "20", "--duration", "20",
+             "--json", str(out), "--plots", str(tmp_path / "plots")],
+            capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(out.read_text())
+        validate(doc)
+        one, two = doc["runs"]
+        assert (one["name"], two["name"]) == ("one", "two")
+        assert one["workload"]["params"]["groups"] == 4
+        assert one["requests"] == two["requests"] == 20
+        assert one["errors"] == 0 and two["errors_by_kind"] == {"http_500": 2}
+        assert "2 of 20 requests failed" in proc.stdout
+        # ordered gsp: 4 groups x 5 prompts, each group's system prompt cached after its first
+        assert one["oracle_hit_rate"] == pytest.approx(one["hit_rate"], abs=0.01)
+        # prompts are 1024 + 2 + 512 bytes = 385 tokens; 16 of 20 share 256 of them
+        assert one["oracle_hit_rate"] == pytest.approx(16 * 256 / (20 * 385))
+        assert fakes[0].flushes == 2 and fakes[1].flushes == 2  # cold before each run
+        assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+            "hit_rate.png", "ttft_cdf.png", "worker_load.png"]
+    finally:
+        for r in runners:
+            asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(5)
+
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path):
+    bad_trace = tmp_path / "bad.jsonl"
+    bad_trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{oops\n')
+    cases = [
+        (["--workload", "nope"], "unknown workload 'nope'"),
+        (["--workload", "gsp", "-o", "grups=3"], "unknown option 'grups'"),
+        (["--workload", "trace", "--trace", str(bad_trace)], "line 2: not JSON"),
+        (["--workload", "zipf", "--trace", str(bad_trace)], "apply to --workload trace only"),
+        (["--workload", "zipf", "--rate", "0"], "--rate must be > 0"),
+        (["--workload", "zipf", "--rate", "1", "--concurrency", "2"], "not allowed with"),
+    ]
+    for extra, msg in cases:
+        p = subprocess.run([sys.executable, "-m", "router.cli", "loadtest",
+                            "--target", "x=http://127.0.0.1:9", *extra],
+                           capture_output=True, text=True, timeout=30)
+        assert p.returncode == 2, (extra, p.stderr)
+        assert msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    p = subprocess.run([sys.executable, "-m", "router.cli", "loadtest", "--target", "bad",
+                        "--workload", "zipf"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "NAME=http://HOST:PORT" in p.stderr

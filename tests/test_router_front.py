@@ -1,0 +1,190 @@
+"""The raw HTTP/1.1 front (router.proxy.FrontServer) on the wire: keep-alive,
+pipelining, chunked request bodies, Expect: 100-continue, HTTP/1.0, malformed
+requests, and hand-over of non-data-plane requests to the aiohttp app on the same
+connection. Plus warm-ups and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from aiohttp import web
+
+from router.app import Router, RouterServer
+from router.benchmarks.proxy import upstream_app
+from router.config import parse_config
+from router.prefix_keys import Endpoint, request_key
+from tests.procs import free_port
+
+HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
+
+
+@pytest.fixture
+async def fleet():
+    up = web.AppRunner(upstream_app("u", chunks=3), access_log=None)
+    await up.setup()
+    up_port = free_port()
+    await web.TCPSite(up, "127.0.0.1", up_port).start()
+    url = f"http://127.0.0.1:{up_port}"
+    router = Router(parse_config({"workers": [{"url": url, "id": "u"}], "health": HEALTH,
+                                  "limits": {"max_body_bytes": 4096},
+                                  "policy": {"name": "round_robin"}}))
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    deadline = time.monotonic() + 5
+    while not router.pool.views(time.monotonic()):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    yield router, port, url
+    await server.aclose()
+    await up.cleanup()
+
+
+async def raw(port: int, data: bytes, *, until: bytes = b"", read_s: float = 1.0) -> bytes:
+    """Sends ``data`` on one connection; reads until ``until`` is seen (or EOF/timeout)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(data)
+    await w.drain()
+    out = b""
+    deadline = time.monotonic() + read_s
+    try:
+        while time.monotonic() < deadline and not (until and out.count(until) and until in out):
+            try:
+                chunk = await asyncio.wait_for(r.read(65536), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        w.close()
+    return out
+
+
+def post(path: str, body: bytes, extra: bytes = b"", version: bytes = b"HTTP/1.1") -> bytes:
+    return (b"POST %s %s\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n%s\r\n%s" % (path, version, len(body), extra, body))
+
+
+BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
+
+
+async def test_keepalive_pipelining_and_handover(fleet):
+    router, port, _ = fleet
+    data = (post(b"/v1/completions", BODY) + post(b"/generate", b'{"text": "hi"}')
+            + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    out = await raw(port, data, until=b'{"status": "ok"}')
+    assert out.count(b"HTTP/1.1 200 OK") == 3, out
+    assert out.count(b"x-radixfleet-worker: u") == 2
+    assert out.endswith(b'{"status": "ok"}')
+
+
+async def test_chunked_body_and_expect_continue(fleet):
+    router, port, _ = fleet
+    half = len(BODY) // 2
+    chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+               b"Expect: 100-continue\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+               % (half, BODY[:half], len(BODY) - half, BODY[half:]))
+    out = await raw(port, chunked, until=b'"total_tokens": 2}}')
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK"), out
+    big = b'{"model": "m", "prompt": "' + b"y" * 5000 + b'"}'
+    out = await raw(port, post(b"/v1/completions", big))
+    assert out.startswith(b"HTTP/1.1 413"), out
+    assert b"Connection: close" in out and b"exceeds the limit of 4096" in out
+    chunked_big = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                   b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+    out = await raw(port, chunked_big)
+    assert out.startswith(b"HTTP/1.1 413"), out
+
+
+async def test_http10_and_malformed_requests(fleet):
+    router, port, _ = fleet
+    out = await raw(port, post(b"/v1/completions", BODY, version=b"HTTP/1.0"))
+    assert out.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" in out
+    stream = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    out = await raw(port, post(b"/v1/completions", stream, version=b"HTTP/1.0"))
+    assert b"Transfer-Encoding" not in out and out.endswith(b"data: [DONE]\n\n"), out
+    for bad, status in (
+        (b"POST /v1/completions\r\n\r\n", b"400"),
+        (b"POST /v1/completions HTTP/1.1\r\nBad Header Line\r\n\r\n", b"400"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n", b"400"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: "
+         b"chunked\r\n\r\n{}", b"400"),
+        (b"POST /v1/completions HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", b"431"),
+    ):
+        out = await raw(port, bad)
+        assert out.startswith(b"HTTP/1.1 " + status), (bad[:60], out[:200])
+        assert b'"error"' in out
+    # unknown paths and methods go to the aiohttp app: JSON 404 / 405
+    out = await raw(port, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", until=b"}}")
+    assert out.startswith(b"HTTP/1.1 404") and b"unknown path /nope" in out
+    out = await raw(port, b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", until=b"}}")
+    assert out.startswith(b"HTTP/1.1 405")
+    # and the router still serves
+    async with httpx.AsyncClient() as c:
+        r = await c.post(f"http://127.0.0.1:{port}/v1/completions", content=BODY)
+        assert r.status_code == 200
+
+
+async def test_metrics_exposes_the_documented_series(fleet):
+    router, port, _ = fleet
+    async with httpx.AsyncClient() as c:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(3):
+            await c.post(base + "/v1/completions", content=BODY)
+        await c.post(base + "/v1/completions", content=b"{")
+        text = (await c.get(base + "/metrics")).text
+    for name in ('radixfleet_requests_total{reason="round_robin",status="200",worker="u"} 3.0',
+                 'radixfleet_rejected_total{code="malformed_request",status="400"} 1.0',
+                 "radixfleet_request_seconds_count 3.0", 'radixfleet_in_flight{worker="u"} 0.0',
+                 'radixfleet_worker_breaker_state{worker="u"} 0.0',
+                 'radixfleet_worker_healthy{worker="u"} 1.0', "radixfleet_index_nodes",
+                 "radixfleet_index_bytes", "radixfleet_events_applied_total",
+                 "radixfleet_retries_total", "radixfleet_config_reload_failures_total",
+                 "radixfleet_ttfb_seconds_bucket"):
+        assert name in text, name
+
+
+async def test_warmup_sends_prefill_only_request(fleet):
+    router, port, url = fleet
+    body = {"model": "m", "prompt": "The shared system prompt. " * 20}
+    key = request_key(Endpoint.COMPLETIONS, body, tenant="t")
+    router._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    router._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    async with httpx.AsyncClient() as c:
+        deadline = time.monotonic() + 3
+        while True:
+            stats = (await c.get(url + "/stats")).json()
+            if stats["requests"] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+    assert stats["requests"] == 1  # the second one was within min_interval_s
+    assert stats["tenants"] == ["t"] and stats["paths"] == ["/v1/completions"]
+    assert router.metrics.warmups.labels("ok")._value.get() == 1
+
+
+async def test_graceful_close_finishes_in_flight(fleet):
+    _, _, url = fleet
+    router = Router(parse_config({"workers": [{"url": url}], "health": HEALTH}))
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 5
+    while not router.pool.views(time.monotonic()):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    async with httpx.AsyncClient(timeout=10) as c:
+        slow = asyncio.create_task(c.post(base + "/v1/completions",
+                                          json={"model": "m", "prompt": "x", "delay_s": 0.5}))
+        await asyncio.sleep(0.2)
+        closing = asyncio.create_task(server.aclose())
+        await asyncio.sleep(0.05)
+        with pytest.raises(httpx.ConnectError):
+            await c.post(base + "/v1/completions", content=BODY)  # no longer accepting
+        r = await slow
+        await closing
+    assert r.status_code == 200
+    await server.aclose()  # idempotent

@@ -1,0 +1,638 @@
+"""Router service integration tests on loopback: a real router (in-process, on a free
+port) in front of real aiohttp upstreams (router.benchmarks.proxy.upstream_app,
+in-process or as killable processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from router.app import Router, RouterServer
+from router.config import parse_config
+from router.errors import ConfigError
+from router.benchmarks.proxy import upstream_app
+from router.prefix_keys import Endpoint, request_key
+from tests.procs import Proc, free_port, radixfleet_argv
+
+FAST_HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1,
+               "success_threshold": 1}
+
+
+async def start_app(app: web.Application, *, cancel: bool = True) -> tuple[web.AppRunner, str]:
+    port = free_port()
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel,
+                           shutdown_timeout=2.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def start_router(raw: dict, *, front: bool = True):
+    """A router on a free port: through the raw front (what ``radixfleet router``
+    runs) or, with ``front=False``, the aiohttp app alone."""
+    raw = {"health": FAST_HEALTH, **raw}
+    router = Router(parse_config(raw))
+    if front:
+        server = RouterServer(router, port=free_port())
+        port = await server.start()
+        base = f"http://127.0.0.1:{port}"
+    else:
+        server, base = await start_app(router.app)
+    await wait_ready(base)
+    return router, server, base
+
+
+async def wait_ready(base: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as c:
+        while time.monotonic() < deadline:
+            try:
+                if (await c.get(base + "/readiness")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{base} not ready")
+
+
+def upstream_proc(name: str, **flags) -> tuple[Proc, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "router.benchmarks.proxy", "upstream", "--port", str(port),
+            "--name", name]
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    url = f"http://127.0.0.1:{port}"
+    return Proc(argv, ready_url=url + "/health"), url
+
+
+LONG_PROMPT = "You are a helpful assistant. " * 20  # several 128-byte blocks
+
+
+@pytest.fixture
+async def two_upstreams():
+    runners, urls = [], []
+    for i in range(2):
+        r, u = await start_app(upstream_app(f"u{i}", chunks=5, model=f"m{i}"))
+        runners.append(r)
+        urls.append(u)
+    yield urls
+    for r in runners:
+        await r.cleanup()
+
+
+# ------------------------------------------------------------------ data plane
+
+
+@pytest.mark.parametrize("front", [True, False], ids=["raw_front", "aiohttp_app"])
+async def test_openai_sdk_streams_and_non_streams(two_upstreams, front):
+    router, runner, base = await start_router(
+        {"workers": [{"url": u} for u in two_upstreams], "policy": {"name": "round_robin"}},
+        front=front)
+    try:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        comp = await client.completions.create(model="m0", prompt=LONG_PROMPT, max_tokens=4)
+        assert comp.choices[0].text == "ok"
+        chat = await client.chat.completions.create(
+            model="m0", messages=[{"role": "user", "content": "hello"}])
+        assert chat.choices[0].message.content == "ok"
+        stream = await client.completions.create(model="m0", prompt=LONG_PROMPT, stream=True)
+        texts = [c.choices[0].text async for c in stream]
+        assert texts == ["x"] * 5
+        stream = await client.chat.completions.create(
+            model="m0", messages=[{"role": "user", "content": "hi"}], stream=True)
+        deltas = [c.choices[0].delta.content async for c in stream]
+        assert deltas == ["x"] * 5
+        models = await client.models.list()
+        assert sorted(m.id for m in models.data) == ["m0", "m1"]
+        await client.close()
+        router.pool.check()
+        assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router.pool)
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_headers_tenant_and_request_id_reach_worker(two_upstreams):
+    router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"},
+                             headers={"x-request-id": "req-123"})
+            assert r.status_code == 200
+            assert r.headers["x-request-id"] == "req-123"
+            assert r.headers["x-radixfleet-worker"] == "127.0.0.1:" + two_upstreams[0].rsplit(":", 1)[1]
+            r2 = await c.post(base + "/generate", json={"text": "hello"})
+            assert r2.status_code == 200 and r2.headers["x-request-id"]
+            assert r2.headers["x-request-id"] != "req-123"
+            stats = (await c.get(two_upstreams[0] + "/stats")).json()
+            assert stats["paths"][-2:] == ["/v1/completions", "/generate"]
+            assert stats["tenants"][-1] == ""  # the default tenant, always sent
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_bad_inputs_get_their_statuses_and_never_500(two_upstreams):
+    router, runner, base = await start_router(
+        {"workers": [{"url": two_upstreams[0]}], "limits": {"max_body_bytes": 1000}})
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "m", "prompt": "\xff\xfe"}', 400, "UTF-8"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+        (b'{"model": "m"}', 400, "'prompt' is required"),
+        (b'{"model": 3, "prompt": "x"}', 400, "'model' must be a string"),
+        (b'{"model": "m", "prompt": 5}', 400, "'prompt' must be"),
+        (b'{"model": "m", "prompt": "x", "stream": "yes"}', 400, "'stream'"),
+        (json.dumps({"model": "m", "prompt": "x" * 2000}).encode(), 413, "exceeds the limit"),
+    ]
+    try:
+        async with httpx.AsyncClient() as c:
+            for body, status, needle in cases:
+                r = await c.post(base + "/v1/completions", content=body,
+                                 headers={"Content-Type": "application/json"})
+                assert r.status_code == status, (body, r.text)
+                err = r.json()["error"]
+                assert needle in err["message"] and err["type"] and err["code"], err
+            r = await c.post(base + "/v1/chat/completions", json={"model": "m"})
+            assert r.status_code == 400 and "'messages' is required" in r.text
+            r = await c.post(base + "/v1/chat/completions",
+                             json={"model": "m", "messages": [{"content": "x"}]})
+            assert r.status_code == 400 and "role" in r.text
+
+            async def chunked():
+                yield b'{"model": "m", "prompt": "'
+                yield b"y" * 2000
+                yield b'"}'
+            r = await c.post(base + "/v1/completions", content=chunked())
+            assert r.status_code == 413
+            r = await c.get(base + "/no/such/path")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+            r = await c.get(base + "/v1/completions")
+            assert r.status_code == 405
+            # nothing accepted was lost: a good request still works
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "ok"})
+            assert r.status_code == 200
+        rejected = router.metrics.rejected
+        assert rejected.labels("400", "malformed_request")._value.get() >= 8
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_no_healthy_worker_is_503():
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = Router(parse_config({"workers": [{"url": dead}], "health": FAST_HEALTH}))
+    runner = RouterServer(router, port=free_port())
+    base = f"http://127.0.0.1:{await runner.start()}"
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.get(base + "/readiness")
+            assert r.status_code == 503
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "no_worker_available"
+            assert (await c.get(base + "/health")).status_code == 200
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_concurrency_limit_queue_full_is_429(two_upstreams):
+    router, runner, base = await start_router({
+        "workers": [{"url": two_upstreams[0]}],
+        "limits": {"max_concurrency": 1, "max_queue": 1, "retry_after_s": 3}})
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            slow = {"model": "m", "prompt": "x", "delay_s": 0.6}
+            first = asyncio.create_task(c.post(base + "/v1/completions", json=slow))
+            await asyncio.sleep(0.15)
+            queued = asyncio.create_task(c.post(base + "/v1/completions", json=slow))
+            await asyncio.sleep(0.15)
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 429
+            assert r.headers["Retry-After"] == "3"
+            assert r.json()["error"]["code"] == "overloaded"
+            assert (await first).status_code == 200
+            assert (await queued).status_code == 200  # the queued one was served
+        router.admission.check()
+        assert router.admission.active == 0
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_5xx_is_retried_on_another_worker(two_upstreams):
+    async def fail(request):
+        await request.read()
+        return web.json_response({"error": {"message": "boom"}}, status=503)
+
+    async def health(request):
+        return web.Response(text="ok")
+    bad = web.Application()
+    bad.router.add_post("/v1/completions", fail)
+    bad.router.add_get("/health", health)
+    bad_runner, bad_url = await start_app(bad)
+    router, runner, base = await start_router({
+        "workers": [{"url": bad_url, "id": "bad"}, {"url": two_upstreams[0], "id": "good"}],
+        "policy": {"name": "round_robin"}, "breaker": {"failure_threshold": 100}})
+    try:
+        async with httpx.AsyncClient() as c:
+            for _ in range(6):
+                r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+                assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "good"
+        assert router.metrics.retries.labels("status")._value.get() >= 3
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+        await bad_runner.cleanup()
+
+
+async def test_killed_worker_costs_no_request_and_leaves_the_index():
+    pa, ua = upstream_proc("a", chunks=40, chunk_delay=0.05)
+    pb, ub = upstream_proc("b", chunks=40, chunk_delay=0.05)
+    with pa, pb:
+        router, runner, base = await start_router({
+            "workers": [{"url": ua, "id": "a"}, {"url": ub, "id": "b"}],
+            "policy": {"name": "round_robin"}})
+        try:
+            async with httpx.AsyncClient(timeout=10) as c:
+                # a stream on each worker; kill a's process while they run
+                async def stream():
+                    async with c.stream("POST", base + "/v1/completions", json={
+                            "model": "m", "prompt": LONG_PROMPT, "stream": True}) as r:
+                        body = b"".join([chunk async for chunk in r.aiter_bytes()])
+                        return r.headers["x-radixfleet-worker"], body
+                streams = [asyncio.create_task(stream()) for _ in range(2)]
+                statuses = []
+
+                async def load(stop_at):
+                    while time.monotonic() < stop_at:
+                        r = await c.post(base + "/v1/completions",
+                                         json={"model": "m", "prompt": LONG_PROMPT})
+                        statuses.append(r.status_code)
+                loop_end = time.monotonic() + 1.5
+                loaders = [asyncio.create_task(load(loop_end)) for _ in range(4)]
+                await asyncio.sleep(0.5)
+                assert "a" in router.index.workers()
+                pa.kill()
+                await asyncio.gather(*loaders)
+                results = await asyncio.gather(*streams)
+            assert statuses and set(statuses) == {200}, statuses
+            by_worker = dict(results)
+            a_body = by_worker["a"]
+            assert b'"code": "upstream_failed"' in a_body and a_body.endswith(b"data: [DONE]\n\n")
+            assert by_worker["b"].count(b"data: ") == 41 and b"upstream_failed" not in by_worker["b"]
+            # the dead worker is out of the index and not routable
+            assert "a" not in router.index.workers()
+            assert [v.id for v in router.pool.views(time.monotonic())] == ["b"]
+            router.pool.check()
+            router.index.check()
+        finally:
+            await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_client_disconnect_frees_load():
+    p, u = upstream_proc("slow", chunks=100, chunk_delay=0.05)
+    with p:
+        router, runner, base = await start_router({"workers": [{"url": u, "id": "s"}]})
+        try:
+            async with httpx.AsyncClient(timeout=10) as c:
+                async with c.stream("POST", base + "/v1/completions", json={
+                        "model": "m", "prompt": LONG_PROMPT, "stream": True}) as r:
+                    async for _ in r.aiter_bytes():
+                        break
+                    assert router.pool.get("s").in_flight == 1
+            deadline = time.monotonic() + 3
+            while router.pool.get("s").in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert router.pool.get("s").in_flight == 0
+            assert router.pool.get("s").in_flight_tokens == 0
+        finally:
+            await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_tenants_never_match_each_other(two_upstreams, monkeypatch):
+    monkeypatch.setenv("T_A_KEY", "key-a")
+    router, runner, base = await start_router({
+        "workers": [{"url": u} for u in two_upstreams],
+        "keys": {"tenant": {"source": "api_key", "api_keys": [
+            {"tenant": "A", "key_env": "T_A_KEY"}, {"tenant": "B", "key": "key-b"}]}},
+        "policy": {"name": "prefix_load", "params": {"min_match_tokens": 0}}})
+    body = {"model": "m", "prompt": LONG_PROMPT}
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.status_code == 401
+            r = await c.post(base + "/v1/completions", json=body,
+                             headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            ra = await c.post(base + "/v1/completions", json=body,
+                              headers={"Authorization": "Bearer key-a"})
+            assert ra.status_code == 200
+            assert ra.headers["x-radixfleet-worker"]
+        ka = request_key(Endpoint.COMPLETIONS, body, tenant="A")
+        kb = request_key(Endpoint.COMPLETIONS, body, tenant="B")
+        now = time.monotonic()
+        assert router.index.match(ka.hashes, now, count=False).best == len(ka.hashes) > 0
+        assert router.index.match(kb.hashes, now, count=False).blocks == {}
+        async with httpx.AsyncClient() as c:
+            rb = await c.post(base + "/v1/completions", json=body,
+                              headers={"Authorization": "Bearer key-b"})
+            assert rb.status_code == 200
+            stats = (await c.get(two_upstreams[0] + "/stats")).json()["tenants"] + \
+                (await c.get(two_upstreams[1] + "/stats")).json()["tenants"]
+        assert sorted(stats) == ["A", "B"]
+        # B's request was a miss although A's identical prompt is indexed
+        req = router.metrics.requests
+        misses = sum(s.value for m in req.collect() for s in m.samples
+                     if s.name.endswith("_total") and s.labels["reason"] == "miss")
+        assert misses == 2
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+# --------------------------------------------------------- admin, agents, auth
+
+
+async def test_admin_and_agent_apis_require_their_tokens(two_upstreams, monkeypatch):
+    monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "adm")
+    monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "agt")
+    router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
+    try:
+        async with httpx.AsyncClient() as c:
+            for method, path in (("GET", "/admin/workers"), ("GET", "/admin/index"),
+                                 ("POST", "/admin/reload"), ("POST", "/admin/workers")):
+                for hdr in ({}, {"Authorization": "Bearer nope"},
+                            {"Authorization": "Bearer agt"}):
+                    r = await c.request(method, base + path, headers=hdr)
+                    assert r.status_code == 401, (path, hdr, r.text)
+            for path in ("/internal/v1/events", "/internal/v1/register"):
+                for hdr in ({}, {"Authorization": "Bearer adm"}):
+                    r = await c.post(base + path, json={}, headers=hdr)
+                    assert r.status_code == 401
+            ok = {"Authorization": "Bearer adm"}
+            r = await c.get(base + "/admin/workers", headers=ok)
+            assert r.status_code == 200 and len(r.json()["workers"]) == 1
+            r = await c.get(base + "/admin/index", headers=ok)
+            assert r.status_code == 200 and r.json()["policy"]["name"] == "prefix_load"
+            assert "hot_prefixes" in r.json() and "nodes" in r.json()["stats"]
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+def test_refuses_non_loopback_without_tokens(monkeypatch):
+    monkeypatch.delenv("RADIXFLEET_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("RADIXFLEET_AGENT_TOKEN", raising=False)
+    cfg = parse_config({"listen": {"host": "0.0.0.0"}})
+    with pytest.raises(ConfigError, match="auth.admin_token_env.*RADIXFLEET_ADMIN_TOKEN"):
+        Router(cfg)
+    monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "a")
+    with pytest.raises(ConfigError, match="auth.agent_token_env"):
+        Router(cfg)
+    monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "b")
+    Router(cfg)  # both set: allowed
+
+
+async def test_admin_add_drain_remove_worker(two_upstreams):
+    router, runner, base = await start_router({"workers": [{"url": two_upstreams[0], "id": "w0"}],
+                                               "policy": {"name": "round_robin"}})
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/admin/workers", json={"url": "ftp://x"})
+            assert r.status_code == 400 and "worker.url" in r.text
+            r = await c.post(base + "/admin/workers", json={"url": two_upstreams[1], "idd": 1})
+            assert r.status_code == 400 and "unknown key" in r.text
+            r = await c.post(base + "/admin/workers", json={"url": two_upstreams[1], "id": "w1"})
+            assert r.status_code == 201
+            r = await c.post(base + "/admin/workers", json={"url": two_upstreams[1], "id": "w1"})
+            assert r.status_code == 409
+            deadline = time.monotonic() + 3
+            while len(router.pool.views(time.monotonic())) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            seen = set()
+            for _ in range(4):
+                r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": LONG_PROMPT})
+                seen.add(r.headers["x-radixfleet-worker"])
+            assert seen == {"w0", "w1"}
+            assert "w1" in router.index.workers()
+            r = await c.post(base + "/admin/workers/w1/drain")
+            assert r.status_code == 200 and r.json()["worker"]["draining"] is True
+            for _ in range(3):
+                r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+                assert r.headers["x-radixfleet-worker"] == "w0"
+            r = await c.delete(base + "/admin/workers/w1")
+            assert r.status_code == 200
+            assert "w1" not in router.index.workers()  # entries gone at once
+            r = await c.delete(base + "/admin/workers/w1")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+            router.pool.check()
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_agent_registration_and_events(two_upstreams):
+    router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
+    ev_url = base + "/internal/v1/events"
+    reg = {"worker_id": "ag", "url": two_upstreams[1], "epoch": "e1", "models": ["m1"]}
+    key = request_key(Endpoint.COMPLETIONS, {"model": "m", "prompt": LONG_PROMPT})
+    h = key.hashes
+    now = time.monotonic
+
+    def batch(seq, events, epoch="e1", load=None):
+        b = {"worker_id": "ag", "url": two_upstreams[1], "epoch": epoch, "seq": seq,
+             "events": events}
+        if load is not None:
+            b["load"] = load
+        return b
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(ev_url, json=batch(0, []))
+            assert r.status_code == 404 and r.json()["status"] == "unknown_worker"
+            r = await c.post(base + "/internal/v1/register", json={"worker_id": "ag"})
+            assert r.status_code == 400
+            r = await c.post(base + "/internal/v1/register", json=reg)
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+            r = await c.post(ev_url, json=batch(0, [
+                {"type": "stored", "parent": None, "hashes": h[:3]}],
+                load={"queued_requests": 2, "queued_tokens": 500, "prefill_tokens_per_s": 5000}))
+            assert r.status_code == 200, r.text
+            assert router.index.match(h, now(), count=False).blocks.get("ag") == 3
+            view = next(v for v in router.pool.views(now()) if v.id == "ag")
+            assert view.queued_tokens == 500 and view.prefill_tokens_per_s == 5000
+            r = await c.post(ev_url, json=batch(1, [{"type": "removed", "hashes": [h[1]]}]))
+            assert r.status_code == 200
+            assert router.index.match(h, now(), count=False).blocks.get("ag") == 1
+            # a sequence gap -> snapshot required, nothing applied
+            r = await c.post(ev_url, json=batch(5, [{"type": "stored", "parent": h[0],
+                                                     "hashes": h[1:4]}]))
+            assert r.status_code == 409 and r.json()["status"] == "snapshot_required"
+            assert router.index.match(h, now(), count=False).blocks.get("ag") == 1
+            # unknown epoch -> snapshot required
+            r = await c.post(ev_url, json=batch(2, [], epoch="e0"))
+            assert r.status_code == 409
+            # the snapshot resynchronises whatever the gap
+            blocks = [[h[0], None], [h[1], h[0]]]
+            r = await c.post(ev_url, json=batch(9, [{"type": "snapshot", "blocks": blocks}]))
+            assert r.status_code == 200
+            assert router.index.match(h, now(), count=False).blocks.get("ag") == 2
+            r = await c.post(ev_url, json=batch(10, [{"type": "cleared"}]))
+            assert r.status_code == 200
+            assert "ag" not in router.index.match(h, now(), count=False).blocks
+            # malformed batches
+            for bad in ({"worker_id": "ag"}, batch(11, [{"type": "nope"}]),
+                        batch(11, [{"type": "stored", "parent": None, "hashes": [-1]}])):
+                r = await c.post(ev_url, json=bad)
+                assert r.status_code == 400, bad
+            r = await c.post(ev_url, content=b"{oops")
+            assert r.status_code == 400
+            # re-registering with a new epoch (agent restarted): its stream restarts
+            r = await c.post(base + "/internal/v1/register", json={**reg, "epoch": "e2"})
+            assert r.status_code == 200
+            r = await c.post(ev_url, json=batch(0, [], epoch="e2"))
+            assert r.status_code == 200
+        router.pool.check()
+        router.index.check()
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+# ------------------------------------------------------------------- reload
+
+
+async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tmp_path):
+    path = tmp_path / "router.yaml"
+    a, b = two_upstreams
+
+    def write(text):
+        path.write_text(text)
+        # make sure the mtime changes even on coarse clocks
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+    health = ("health: {interval_s: 0.1, timeout_s: 0.5, failure_threshold: 1, "
+              "success_threshold: 1}\n")
+    write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{health}"
+          "reload: {poll_interval_s: 0.1}\n")
+    router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
+    runner = RouterServer(router, port=free_port())
+    base = f"http://127.0.0.1:{await runner.start()}"
+    try:
+        await wait_ready(base)
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": LONG_PROMPT})
+            assert r.headers["x-radixfleet-worker"] == "wa"
+            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: cache-aware}}\n{health}")
+            r = await c.post(base + "/admin/reload")
+            assert r.status_code == 400
+            assert "policy.name: 'cache-aware' is not one of" in r.json()["error"]["message"]
+            assert [w.id for w in router.pool] == ["wa"]
+            assert router.policy.name == "round_robin"
+            assert router.metrics.reload_failures._value.get() >= 1
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "wa"
+            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}")
+            r = await c.post(base + "/admin/reload")
+            assert r.status_code == 200, r.text
+            assert r.json()["added"] == ["wb"] and r.json()["removed"] == ["wa"]
+            assert router.policy.name == "least_load"
+            assert "wa" not in router.index.workers()
+            deadline = time.monotonic() + 3
+            while not router.pool.views(time.monotonic()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.headers["x-radixfleet-worker"] == "wb"
+            # the file watcher picks up a change on its own
+            write(f"workers: [{{url: '{a}', id: wa}}, {{url: '{b}', id: wb}}]\n"
+                  f"policy: {{name: least_load}}\n{health}reload: {{poll_interval_s: 0.1}}\n")
+            deadline = time.monotonic() + 5
+            while len(router.pool) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert sorted(w.id for w in router.pool) == ["wa", "wb"]
+        router.pool.check()
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+async def test_reload_without_config_file_is_409(two_upstreams):
+    router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/admin/reload")
+            assert r.status_code == 409 and r.json()["error"]["code"] == "no_config_file"
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+# ------------------------------------------------------------ the process
+
+
+def test_cli_router_process_graceful_shutdown_and_sighup(tmp_path):
+    pu, uu = upstream_proc("u")
+    port = free_port()
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(f"listen: {{port: {port}}}\nworkers: [{{url: '{uu}', id: u}}]\n"
+                   "policy: {name: round_robin}\nreload: {watch: false}\n")
+    base = f"http://127.0.0.1:{port}"
+    with pu, Proc(radixfleet_argv("router", "--config", str(cfg)),
+                  ready_url=base + "/health") as pr:
+        deadline = time.monotonic() + 10
+        while httpx.get(base + "/readiness").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # SIGHUP reloads the file: a bad one is refused (metric), the router lives on
+        cfg.write_text("policy: {name: nope}\n")
+        os.kill(pr.proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while "radixfleet_config_reload_failures_total 1.0" not in httpx.get(base + "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # a slow request in flight survives SIGTERM
+        with httpx.Client(timeout=10) as c:
+            import threading
+            out = {}
+
+            def slow():
+                out["r"] = c.post(base + "/v1/completions",
+                                  json={"model": "m", "prompt": "x", "delay_s": 0.8})
+            t = threading.Thread(target=slow)
+            t.start()
+            time.sleep(0.3)
+            os.kill(pr.proc.pid, signal.SIGTERM)
+            t.join(10)
+        assert out["r"].status_code == 200
+        assert pr.proc.wait(10) == 0
+
+
+def test_cli_bad_input_exits_2(tmp_path):
+    import subprocess
+    for argv in (["router", "--worker", "ftp://x"], ["router", "--policy", "nope"],
+                 ["router", "--config", str(tmp_path / "missing.yaml")],
+                 ["router", "--config", "x.yaml", "--worker", "http://a:1"]):
+        p = subprocess.run(radixfleet_argv(*argv), capture_output=True, text=True, timeout=20)
+        assert p.returncode == 2, (argv, p.stdout, p.stderr)
+        assert p.stderr.count("\n") == 1 and "error" in p.stderr, p.stderr
+
+
+async def test_first_byte_timeout_retries_then_504(two_upstreams):
+    router, runner, base = await start_router({
+        "workers": [{"url": u} for u in two_upstreams], "policy": {"name": "round_robin"},
+        "timeouts": {"first_byte_s": 0.2}, "retries": {"max_attempts": 2},
+        "breaker": {"failure_threshold": 100}})
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            t0 = time.monotonic()
+            r = await c.post(base + "/v1/completions",
+                             json={"model": "m", "prompt": "x", "delay_s": 1.0})
+            assert r.status_code == 504, r.text
+            err = r.json()["error"]
+            assert err["code"] == "upstream_timeout" and "2 attempt(s) failed" in err["message"]
+            assert time.monotonic() - t0 < 0.9
+            assert router.metrics.retries.labels("timeout")._value.get() == 1
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 200
+        assert all(w.in_flight == 0 for w in router.pool)
+    finally:
+        await runner.aclose()

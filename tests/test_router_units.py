@@ -1,0 +1,342 @@
+"""Unit tests of the router's parts: pool (breaker, health, views, load), feedback,
+admission, tenants, and the upstream client's response parser."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from router.app import Admission
+from router.auth import BearerAuth, TenantResolver, is_loopback
+from router.config import parse_config
+from router.errors import Overloaded, Unauthorized
+from router.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
+from router.feedback import Feedback
+from router.pool import Breaker, HealthState, Pool, Source
+from router.prefix_index import PrefixIndex
+from router.proxy import ConnectFailed, Response, UpstreamBroken, _DONE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_pool(**raw):
+    clock = Clock()
+    idx = PrefixIndex()
+    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1", "id": "a"},
+                                    {"url": "http://127.0.0.1:2", "id": "b"}], **raw})
+    pool = Pool(cfg, idx, clock=clock)
+    for w in pool:
+        pool._set_health(w, HealthState.HEALTHY)
+    return pool, idx, clock
+
+
+# -------------------------------------------------------------------- pool
+
+
+def test_pool_views_count_load_at_pick_time_and_cache():
+    pool, idx, clock = make_pool()
+    views = pool.views(clock())
+    assert [v.id for v in views] == ["a", "b"]
+    assert all(v.in_flight == 0 for v in views)
+    a = pool.get("a")
+    pool.pick(a, 300)
+    v2 = pool.views(clock())
+    assert v2[0].in_flight == 1 and v2[0].in_flight_tokens == 300
+    assert v2[1] is views[1]  # untouched worker: the cached view is reused
+    pool.prefilled(a, 300)
+    assert pool.views(clock())[0].in_flight_tokens == 0
+    pool.finish(a, 0, True)
+    assert pool.views(clock())[0].in_flight == 0
+    pool.check()
+
+
+def test_reported_load_combines_and_goes_stale():
+    pool, idx, clock = make_pool(load={"report_stale_s": 2.0})
+    a = pool.get("a")
+    pool.report_load(a, Load(queued_requests=3, queued_tokens=900, prefill_tokens_per_s=5e3),
+                     clock())
+    pool.pick(a, 100)
+    v = pool.views(clock())[0]
+    assert (v.queued_tokens, v.in_flight_tokens, v.load_tokens) == (900, 100, 1000)
+    assert v.prefill_tokens_per_s == 5e3
+    clock.t += 2.5
+    v = pool.views(clock())[0]
+    assert (v.queued_tokens, v.queued_requests, v.in_flight_tokens) == (0, 0, 100)
+    assert v.prefill_tokens_per_s == 10_000.0
+    pool.finish(a, 100, None)
+    pool.check()
+
+
+def test_breaker_opens_half_opens_and_closes():
+    pool, idx, clock = make_pool(breaker={"failure_threshold": 2, "open_s": 5.0})
+    a = pool.get("a")
+    for _ in range(2):
+        pool.pick(a, 10)
+        pool.finish(a, 10, False)
+    assert a.breaker is Breaker.OPEN
+    assert [v.id for v in pool.views(clock())] == ["b"]
+    clock.t += 5.1
+    assert [v.id for v in pool.views(clock())] == ["a", "b"]
+    assert a.breaker is Breaker.HALF_OPEN
+    pool.pick(a, 10)  # the one trial request
+    assert [v.id for v in pool.views(clock())] == ["b"]
+    pool.finish(a, 10, False)  # trial failed: open again
+    assert a.breaker is Breaker.OPEN
+    clock.t += 5.1
+    pool.views(clock())
+    pool.pick(a, 10)
+    pool.finish(a, 10, True)
+    assert a.breaker is Breaker.CLOSED
+    assert [v.id for v in pool.views(clock())] == ["a", "b"]
+    pool.check()
+
+
+def test_unhealthy_or_removed_worker_leaves_index_at_once():
+    pool, idx, clock = make_pool(health={"failure_threshold": 2})
+    idx.insert("a", [1, 2, 3], clock())
+    idx.insert("b", [1, 2], clock())
+    pool._set_health(pool.get("a"), HealthState.UNHEALTHY)
+    assert idx.workers() == {"b"}
+    assert idx.match([1, 2, 3], clock(), count=False).blocks == {"b": 2}
+    pool.check()
+    idx.check()
+    pool.remove("b")
+    assert idx.workers() == set() and idx.stats().nodes == 0
+    assert pool.get("b") is None and len(pool) == 1
+    pool.check()
+
+
+def test_drain_and_sync_config():
+    pool, idx, clock = make_pool()
+    pool.drain("a")
+    assert [v.id for v in pool.views(clock())] == ["b"]
+    pool.drain("a", False)
+    assert [v.id for v in pool.views(clock())] == ["a", "b"]
+    new = parse_config({"workers": [{"url": "http://127.0.0.1:2", "id": "b"},
+                                    {"url": "http://127.0.0.1:3", "id": "c"}]})
+    idx.insert("a", [7], clock())
+    added, removed = pool.sync_config(new.workers)
+    assert (added, removed) == (["c"], ["a"])
+    assert "a" not in idx.workers()
+    assert pool.get("c").health is HealthState.UNKNOWN  # routable after its first check
+    pool.check()
+
+
+def test_register_new_epoch_drops_entries_and_adopts_config_worker():
+    pool, idx, clock = make_pool()
+    w = pool.register("agent-a", "http://127.0.0.1:1", "e1", ["m"])
+    assert pool.get("a") is None and w.id == "agent-a" and w.source is Source.CONFIG
+    idx.insert("agent-a", [5, 6], clock())
+    pool.register("agent-a", "http://127.0.0.1:1", "e1")
+    assert idx.workers() == {"agent-a"}  # same epoch: entries stay
+    pool.register("agent-a", "http://127.0.0.1:1", "e2")
+    assert idx.workers() == set() and w.next_seq == 0
+    pool.check()
+
+
+# ----------------------------------------------------------------- feedback
+
+
+def test_feedback_rules():
+    pool, idx, clock = make_pool()
+    fb = Feedback(pool, idx)
+    now = clock()
+    b = lambda seq, evs, epoch="e": EventBatch("a", "u", epoch, seq, evs)  # noqa: E731
+    assert fb.apply(EventBatch("zz", "u", "e", 0, []), now) == (404, "unknown_worker")
+    assert fb.apply(b(0, [Stored(None, [1, 2, 3])]), now) == (409, "snapshot_required")
+    assert fb.apply(b(0, [Snapshot([(1, None), (2, 1)])]), now) == (200, "ok")
+    assert idx.match([1, 2, 3], now, count=False).blocks == {"a": 2}
+    assert fb.apply(b(1, [Stored(2, [3, 4])]), now) == (200, "ok")
+    assert idx.match([1, 2, 3, 4], now, count=False).blocks == {"a": 4}
+    assert fb.apply(b(3, [Removed([3])]), now) == (409, "snapshot_required")
+    assert fb.apply(b(2, [Removed([3])]), now) == (200, "ok")
+    assert idx.match([1, 2, 3, 4], now, count=False).blocks == {"a": 2}
+    assert fb.apply(b(3, [Cleared()]), now) == (200, "ok")
+    assert idx.workers() == set() or idx.match([1], now, count=False).blocks == {}
+    idx.check()
+    # an unhealthy worker's events are dropped; once healthy it must snapshot
+    pool._set_health(pool.get("a"), HealthState.UNHEALTHY)
+    assert fb.apply(b(4, [Stored(None, [9])]), now) == (200, "ok")
+    assert "a" not in idx.workers()
+    pool._set_health(pool.get("a"), HealthState.HEALTHY)
+    assert fb.apply(b(5, [Stored(None, [9])]), now) == (409, "snapshot_required")
+    assert fb.apply(b(6, [Snapshot([(9, None)])]), now) == (200, "ok")
+    assert idx.match([9], now, count=False).blocks == {"a": 1}
+    pool.check()
+    idx.check()
+
+
+# ---------------------------------------------------------------- admission
+
+
+async def test_admission_queue_hands_slots_over_in_order():
+    adm = Admission(limit=1, max_queue=2, timeout_s=1.0, retry_after_s=2)
+    assert adm.try_enter()
+    order = []
+
+    async def waiter(i):
+        await adm.enter()
+        order.append(i)
+        await asyncio.sleep(0.01)
+        adm.leave()
+    tasks = [asyncio.create_task(waiter(i)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded) as e:
+        await adm.enter()
+    assert e.value.retry_after_s == 2
+    adm.leave()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1] and adm.active == 0
+    adm.check()
+
+
+async def test_admission_timeout_and_cancel_hold_nothing():
+    adm = Admission(limit=1, max_queue=4, timeout_s=0.05, retry_after_s=1)
+    assert adm.try_enter()
+    with pytest.raises(Overloaded, match="no slot within"):
+        await adm.enter()
+    t = asyncio.create_task(adm.enter())
+    await asyncio.sleep(0.01)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert not adm._waiters
+    adm.leave()
+    assert adm.active == 0 and adm.try_enter()
+
+
+# ------------------------------------------------------------------ auth
+
+
+def test_tenant_resolver_sources(monkeypatch):
+    none = TenantResolver(parse_config({"keys": {"tenant": {"default": "d"}}}).keys.tenant)
+    assert none.tenant({"x-tenant-id": "evil"}) == "d"
+    hdr = TenantResolver(parse_config({"keys": {"tenant": {"source": "header"}}}).keys.tenant)
+    assert hdr.tenant({"x-tenant-id": "t1"}) == "t1" and hdr.tenant({}) == ""
+    monkeypatch.setenv("KA", "secret-a")
+    cfg = parse_config({"keys": {"tenant": {"source": "api_key", "api_keys": [
+        {"tenant": "A", "key_env": "KA"}, {"tenant": "B", "key": "secret-b"}]}}})
+    r = TenantResolver(cfg.keys.tenant)
+    assert r.tenant({"authorization": "Bearer secret-a"}) == "A"
+    assert r.tenant({"x-api-key": "secret-b"}) == "B"
+    with pytest.raises(Unauthorized, match="invalid API key"):
+        r.tenant({"authorization": "Bearer nope"})
+    with pytest.raises(Unauthorized, match="required"):
+        r.tenant({})
+    monkeypatch.delenv("KA")
+    with pytest.raises(Exception, match=r"api_keys\[0\].key_env: environment variable KA"):
+        TenantResolver(cfg.keys.tenant)
+
+
+def test_bearer_auth(monkeypatch):
+    monkeypatch.setenv("TOK", "s3cret")
+    a = BearerAuth("TOK", "admin")
+    a.check("Bearer s3cret")
+    for bad in (None, "", "s3cret", "Bearer wrong", "Basic s3cret"):
+        with pytest.raises(Unauthorized):
+            a.check(bad)
+    monkeypatch.delenv("TOK")
+    BearerAuth("TOK", "admin").check(None)  # no token configured: open (loopback only)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("10.1.2.3")
+
+
+# --------------------------------------------------- upstream response parser
+
+
+class FakeConn:
+    def __init__(self):
+        self.closed = False
+        self.resp = None
+        self.pool = self
+        self.put = []
+
+    def close(self):
+        self.closed = True
+
+    def _put(self, c):
+        self.put.append(c)
+
+
+def feed_all(data: bytes, sizes) -> tuple[Response, FakeConn]:
+    loop = asyncio.get_running_loop()
+    conn = FakeConn()
+    r = Response(conn, loop, 5.0, loop.time() + 5)
+    conn.resp = r
+    i = 0
+    for n in sizes:
+        if i >= len(data):
+            break
+        r._feed(data[i:i + n])
+        i += n
+    if i < len(data):
+        r._feed(data[i:])
+    return r, conn
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_parser_chunked_and_length_any_split(seed):
+    rng = random.Random(seed)
+    payload = b"data: {\"x\": 1}\n\n" * 7 + b"data: [DONE]\n\n"
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in
+                       (payload[:10], payload[10:57], payload[57:])) + b"0\r\n\r\n"
+    head = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n" \
+           b"Content-Type: text/event-stream\r\n\r\n"
+    sizes = [rng.randint(1, 9) for _ in range(200)]
+    r, conn = feed_all(head + chunked, sizes)
+    await r.wait_head()
+    assert r.status == 200 and r.headers["content-type"] == "text/event-stream"
+    assert await r.read() == payload
+    r.release()
+    assert conn.put == [conn] and not conn.closed
+    body = b'{"ok": true}'
+    r, conn = feed_all(b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+                       sizes)
+    await r.wait_head()
+    assert r.status == 201 and await r.read() == body and r._state == _DONE
+    r.release()
+    assert conn.put == [conn]
+
+
+async def test_parser_close_framed_and_errors():
+    r, conn = feed_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nabc", [100])
+    await r.wait_head()
+    assert await r.readany() == b"abc"
+    r._lost(None)
+    assert await r.readany() == b""
+    r.release()
+    assert conn.closed and conn.put == []  # close-framed: never reused
+    r, conn = feed_all(b"garbage\r\n\r\n", [100])
+    with pytest.raises(UpstreamBroken, match="not an HTTP response"):
+        await r.wait_head()
+    r, conn = feed_all(b"", [])
+    r._lost(None)
+    with pytest.raises(ConnectFailed):
+        await r.wait_head()
+    r, conn = feed_all(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", [100])
+    await r.wait_head()
+    r._lost(ConnectionResetError())
+    with pytest.raises(UpstreamBroken, match="mid-response"):
+        await r.read()
+    r, conn = feed_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", [100])
+    await r.wait_head()
+    with pytest.raises(UpstreamBroken, match="bad chunk size"):
+        await r.read()
+
+
+async def test_parser_first_byte_timeout():
+    loop = asyncio.get_running_loop()
+    conn = FakeConn()
+    r = Response(conn, loop, 0.05, loop.time() + 5)
+    from router.proxy import UpstreamTimeout
+    with pytest.raises(UpstreamTimeout, match="no first byte within 0.05s"):
+        await r.wait_head()
+    assert conn.closed

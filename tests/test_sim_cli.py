@@ -1,0 +1,104 @@
+"""``radixfleet simulate`` end to end: report document, sweeps and plots, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from loadtest.report import validate
+from router.cli import main
+
+GSP = ["--workload", "gsp", "-o", "groups=4", "-o", "prompts_per_group=4", "-o", "system_tokens=256",
+       "-o", "question_tokens=32", "-o", "output_tokens=8"]
+
+
+def test_simulate_json_one_run_per_policy(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", *GSP, "--workers", "3", "--policies", "round_robin,prefix_load",
+               "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert [r["name"] for r in doc["runs"]] == ["round_robin", "prefix_load"]
+    for r in doc["runs"]:
+        assert r["target"] == "simulated" and r["ok"] == 16
+        assert r["wall_s"] > 0 and r["sim_requests_per_s"] > 0
+        assert set(r["workers"]) <= {"w0", "w1", "w2"}
+    assert "prefix_load" in capsys.readouterr().out
+
+
+def test_sweep_kv_tokens_shape_and_plots(tmp_path):
+    out, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    rc = main(["simulate", *GSP, "--workers", "2", "--policies", "round_robin,cache_aware",
+               "--sweep", "kv_tokens=400,1200,5000", "--json", str(out), "--plots", str(plots)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 6
+    assert [(r["sweep"]["value"], r["name"]) for r in runs] == [
+        (v, p) for v in (400, 1200, 5000) for p in ("round_robin", "cache_aware")]
+    assert all(r["sweep"]["param"] == "kv_tokens" for r in runs)
+    assert [r["kv_capacity_tokens"] for r in runs[::2]] == [800, 2400, 10000]
+    assert [r["sim"]["kv_tokens_per_worker"] for r in runs[::2]] == [400, 1200, 5000]
+    # more cache never hurts much in this workload; the largest holds every prefix
+    rr = [r["hit_rate"] for r in runs if r["name"] == "round_robin"]
+    assert rr[-1] >= rr[0]
+    files = sorted(os.listdir(plots))
+    assert files == ["sweep_kv_tokens_hit_rate.png", "sweep_kv_tokens_ttft.png"]
+    assert all((plots / f).stat().st_size > 1000 for f in files)
+
+
+def test_sweep_workers_and_rate(tmp_path):
+    out = tmp_path / "w.json"
+    assert main(["simulate", *GSP, "--policies", "least_load", "--sweep", "workers=1,4",
+                 "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [len(r["workers"]) for r in runs] == [1, 4]
+    out2 = tmp_path / "r.json"
+    assert main(["simulate", *GSP, "--policies", "least_load", "--sweep", "rate=5,50",
+                 "--json", str(out2)]) == 0
+    runs = json.loads(out2.read_text())["runs"]
+    assert [r["sweep"]["value"] for r in runs] == [5.0, 50.0]
+    assert runs[0]["duration_s"] > runs[1]["duration_s"]
+
+
+def test_feedback_ablation_in_one_call(tmp_path):
+    out = tmp_path / "fb.json"
+    assert main(["simulate", *GSP, "--policies", "prefix_load", "--kv-tokens", "600",
+                 "--feedback", "none,events", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["name"] for r in runs] == ["prefix_load+none", "prefix_load+events"]
+    assert [r["sim"]["feedback"] for r in runs] == ["none", "events"]
+
+
+def test_plain_plots(tmp_path):
+    plots = tmp_path / "p"
+    assert main(["simulate", *GSP, "--policies", "round_robin", "--plots", str(plots)]) == 0
+    assert "hit_rate.png" in os.listdir(plots)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--policies", "nope"], "'nope' is not one of"),
+    (["--sweep", "cache=1,2"], "--sweep"),
+    (["--sweep", "kv_tokens=1,x"], "not a whole number"),
+    (["--feedback", "sometimes"], "--feedback"),
+    (["--workers", "0"], "--workers"),
+    (["--kv-tokens", "-5"], "--kv-tokens"),
+    (["--gpu", "tpu9"], "unknown preset 'tpu9'"),
+    (["-o", "groups=abc"], "groups"),
+    (["-P", "prefix_load.nosuch=1"], "nosuch"),
+    (["--repeat", "3"], "--repeat"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
+    rc = main(["simulate", *GSP, *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_missing_trace_and_workload(tmp_path, capsys):
+    assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl")]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert main(["simulate", "--workers", "2"]) == 2
+    assert "--workload" in capsys.readouterr().err

@@ -1,0 +1,166 @@
+"""``radixfleet agent``: run a worker agent with the simulated GPU engine.
+
+    radixfleet agent --engine sim --model llama-3-8b --gpu h100 [--tp N] [--kv-tokens N]
+                     [--host 127.0.0.1] --port P [--router URL ...] [--worker-id ID]
+                     [--block-bytes N] [--admission MODE] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from router.errors import ConfigError
+from router.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
+from worker_agent.cost_model import GPUS, MODELS, CostModel
+from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
+from worker_agent.scheduler import ORDERS, SchedulerConfig
+from worker_agent.server import AgentConfig, create_app
+
+log = logging.getLogger(__name__)
+
+
+def _presets_epilog() -> str:
+    lines = ["GPU presets:"]
+    for g in GPUS.values():
+        lines.append(f"  {g.name:<10} {g.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+                     f"{g.hbm_bytes / 1e9:.0f} GB, {g.hbm_bw / 1e12:.2f} TB/s")
+    lines.append("model presets:")
+    for m in MODELS.values():
+        lines.append(f"  {m.name:<17} {m.params_total / 1e9:.1f}B params, "
+                     f"{m.kv_bytes_per_token:,} KV bytes/token{' (MLA)' if m.is_mla else ''}")
+    return "\n".join(lines)
+
+
+def _positive(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {v!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {n}")
+    return n
+
+
+def _fraction(v: str) -> float:
+    try:
+        f = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {v!r}") from None
+    if not 0.0 < f <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {f}")
+    return f
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _presets_epilog()
+    parser.add_argument("--engine", choices=["sim"], default="sim",
+                        help="engine: the simulated GPU (the only one built in)")
+    parser.add_argument("--model", choices=list(MODELS), default="llama-3-8b")
+    parser.add_argument("--gpu", choices=list(GPUS), default="h100")
+    parser.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
+    parser.add_argument("--mfu", type=_fraction, default=0.6, help="model FLOPs utilisation")
+    parser.add_argument("--kv-tokens", type=_positive, default=None,
+                        help="KV pool size in tokens (default: from the GPU and model presets)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: the preset name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=_positive, required=True)
+    parser.add_argument("--router", action="append", default=[], metavar="URL",
+                        help="a router to register with and push events to (repeatable)")
+    parser.add_argument("--worker-id", default=None, help="default: host:port")
+    parser.add_argument("--advertise-url", default=None,
+                        help="URL routers reach this agent at (default: http://HOST:PORT)")
+    parser.add_argument("--block-bytes", type=_positive, default=DEFAULT_BLOCK_BYTES,
+                        help="router block size in bytes (a multiple of 4)")
+    parser.add_argument("--admission", choices=ADMISSION_MODES, default="always")
+    parser.add_argument("--min-prefix-tokens", type=int, default=64,
+                        help="--admission min_prefix: shortest sequence kept")
+    parser.add_argument("--protected-fraction", type=_fraction, default=0.5,
+                        help="--admission protected: share of the pool for proven prefixes")
+    parser.add_argument("--schedule", choices=ORDERS, default="fcfs",
+                        help="waiting order: fcfs or lpm (longest cached prefix first)")
+    parser.add_argument("--chunk-tokens", type=_positive, default=8192,
+                        help="prefill token budget per step (chunked prefill)")
+    parser.add_argument("--max-running", type=_positive, default=256)
+    parser.add_argument("--rope-scaling", default=None,
+                        help="engine RoPE scaling setting; part of the cache fingerprint")
+    parser.add_argument("--seed", type=int, default=0, help="generation seed")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
+
+
+def build_config(args: argparse.Namespace) -> AgentConfig:
+    try:
+        check_block_bytes(args.block_bytes)
+    except ValueError as exc:
+        raise ConfigError("--block-bytes", str(exc)) from None
+    if args.kv_tokens is None:
+        CostModel(args.model, args.gpu, tp=args.tp, mfu=args.mfu).kv_capacity_tokens()
+    return AgentConfig(
+        model=args.model, gpu=args.gpu, tp=args.tp, mfu=args.mfu, kv_tokens=args.kv_tokens,
+        served_model_name=args.served_model_name, block_bytes=args.block_bytes,
+        admission=AdmissionConfig(args.admission, min_prefix_tokens=args.min_prefix_tokens,
+                                  protected_fraction=args.protected_fraction,
+                                  ghost_block_tokens=args.block_bytes // 4),
+        scheduler=SchedulerConfig(chunk_tokens=args.chunk_tokens, max_running=args.max_running,
+                                  order=args.schedule),
+        seed=args.seed, worker_id=args.worker_id or f"{args.host}:{args.port}",
+        rope_scaling=args.rope_scaling,
+    )
+
+
+async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
+                advertise_url: str) -> None:
+    app = create_app(cfg, routers=routers, advertise_url=advertise_url)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        from worker_agent.server import AGENT_KEY
+        print(f"radixfleet agent {cfg.worker_id}: {cfg.name} on {cfg.tp}x{cfg.gpu}, "
+              f"KV pool {app[AGENT_KEY].capacity:,} tokens, listening on http://{host}:{port}",
+              file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+class _QuietGrpcProbe(logging.Filter):
+    """SGLang's router probes each worker with an HTTP/2 preface (gRPC detection);
+    aiohttp logs the refused preface as an error with a traceback. It is expected."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "PRI/Upgrade" in str(exc))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
+    cfg = build_config(args)
+    advertise = args.advertise_url or f"http://{args.host}:{args.port}"
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        asyncio.run(serve(cfg, args.host, args.port, args.router, advertise))
+    except OSError as exc:
+        print(f"radixfleet agent: error: cannot listen on {args.host}:{args.port}: {exc}",
+              file=sys.stderr)
+        return 2
+    return 0

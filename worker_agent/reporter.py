@@ -1,0 +1,202 @@
+"""Pushes the agent's cache events and load to every router it is registered with.
+
+One stream per router URL (``--router``, repeatable: every replica gets the same
+truth), each with its own sequence numbers within this process's epoch::
+
+          cache.drain_events() every interval
+                     |  (fanned out to each router's pending list)
+          +----------+-----------+
+          v                      v
+    RouterLink(r1)         RouterLink(r2)      register -> snapshot -> deltas ...
+      pending, seq           pending, seq      POST /internal/v1/events (Bearer token)
+
+Per-link states: ``UNREGISTERED`` (register next), ``SNAPSHOT`` (next batch starts
+with a full snapshot), ``STREAMING`` (deltas). A link snapshots after (re)registering,
+after any failed POST (the router may or may not have applied it), on ``409
+snapshot_required``, and on ``404 unknown_worker`` (it re-registers first). While a
+router is unreachable its pending deltas are dropped, not kept: a snapshot on
+reconnect carries everything they would have, so memory stays bounded by the tree.
+
+Lifecycle: ``start()`` then ``aclose()`` (idempotent; ``async with`` works).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import secrets
+from typing import Callable
+
+import aiohttp
+
+from router.events import (EVENTS_PATH, REGISTER_PATH, STATUS_SNAPSHOT_REQUIRED,
+                           STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
+from worker_agent.radix_cache import RadixCache
+
+log = logging.getLogger(__name__)
+
+
+class LinkState(enum.Enum):
+    UNREGISTERED = "unregistered"  # must POST /internal/v1/register first
+    SNAPSHOT = "snapshot"          # registered; next batch starts with a snapshot
+    STREAMING = "streaming"        # router in sync; send deltas
+
+
+class RouterLink:
+    """One router's stream. Only the reporter task mutates it."""
+
+    __slots__ = ("base", "state", "seq", "pending", "sent_batches", "failures", "snapshots")
+
+    def __init__(self, base: str) -> None:
+        self.base = base.rstrip("/")
+        self.state = LinkState.UNREGISTERED
+        #: next batch number in this epoch
+        self.seq = 0
+        #: deltas not yet acknowledged (bounded: see module docstring)
+        self.pending: list = []
+        self.sent_batches = 0
+        self.failures = 0
+        self.snapshots = 0
+
+
+class Reporter:
+    def __init__(self, routers: list[str], *, worker_id: str, url: str, models: list[str],
+                 cache: RadixCache, load: Callable[[], Load], token: str | None = None,
+                 interval_s: float = 0.1, max_batch_events: int = 256,
+                 max_pending_events: int = 10_000, timeout_s: float = 2.0) -> None:
+        if not routers:
+            raise ValueError("a reporter needs at least one router URL")
+        self.links = [RouterLink(u) for u in routers]
+        self.worker_id = worker_id
+        self.url = url
+        self.models = models
+        self.cache = cache
+        self.load = load
+        self.epoch = secrets.token_hex(8)
+        self.interval_s = interval_s
+        self.max_batch_events = max_batch_events
+        self.max_pending_events = max_pending_events
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._kick = asyncio.Event()
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("reporter already started")
+        self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        self._task = asyncio.create_task(self._run(), name="reporter")
+
+    def kick(self) -> None:
+        """Sends the next batch now instead of at the next interval."""
+        self._kick.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._distribute()
+            await asyncio.gather(*(self._push(link) for link in self.links))
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._kick.clear()
+
+    def _distribute(self) -> None:
+        events = self.cache.drain_events()
+        if not events:
+            return
+        for link in self.links:
+            if link.state is not LinkState.STREAMING:
+                continue  # its snapshot will carry these
+            link.pending.extend(events)
+            if len(link.pending) > self.max_pending_events:
+                link.pending.clear()
+                link.state = LinkState.SNAPSHOT
+
+    async def _post(self, link: RouterLink, path: str, body: dict) -> tuple[int, str]:
+        async with self._session.post(link.base + path, json=body) as resp:
+            try:
+                data = await resp.json(content_type=None)
+                status = data.get("status", "") if isinstance(data, dict) else ""
+            except (ValueError, aiohttp.ContentTypeError):
+                status = ""
+            return resp.status, status
+
+    async def _push(self, link: RouterLink) -> None:
+        try:
+            if link.state is LinkState.UNREGISTERED:
+                code, _ = await self._post(link, REGISTER_PATH, {
+                    "worker_id": self.worker_id, "url": self.url, "epoch": self.epoch,
+                    "models": self.models})
+                if code != 200:
+                    link.failures += 1
+                    if link.failures == 1 or link.failures % 50 == 0:
+                        log.warning("router %s refused registration: HTTP %d", link.base, code)
+                    return
+                link.state = LinkState.SNAPSHOT
+            # at most a few batches per tick, so a backlog drains quickly
+            for _ in range(8):
+                if link.state is LinkState.SNAPSHOT:
+                    # hand undelivered events to the streaming links first, so this
+                    # snapshot and the deltas that follow it meet exactly
+                    self._distribute()
+                    link.pending.clear()
+                    events: list = [Snapshot(self.cache.snapshot_blocks())]
+                    n_taken = 0
+                else:
+                    events = link.pending[: self.max_batch_events]
+                    n_taken = len(events)
+                batch = EventBatch(self.worker_id, self.url, self.epoch, link.seq, events, self.load())
+                link.seq += 1  # never reused: a lost batch shows as a gap, then a snapshot
+                code, status = await self._post(link, EVENTS_PATH, batch.to_json())
+                if code == 200:
+                    link.sent_batches += 1
+                    if link.state is LinkState.SNAPSHOT:
+                        link.snapshots += 1
+                        link.state = LinkState.STREAMING
+                    del link.pending[:n_taken]
+                    if not link.pending:
+                        return
+                    continue
+                link.failures += 1
+                if code == 404 or status == STATUS_UNKNOWN_WORKER:
+                    log.info("router %s does not know worker %s: re-registering", link.base, self.worker_id)
+                    link.state = LinkState.UNREGISTERED
+                elif code == 409 or status == STATUS_SNAPSHOT_REQUIRED:
+                    link.state = LinkState.SNAPSHOT
+                else:
+                    log.warning("router %s answered HTTP %d to events; will snapshot", link.base, code)
+                    link.state = LinkState.SNAPSHOT
+                link.pending.clear()
+                return
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            link.failures += 1
+            if link.failures == 1 or link.failures % 50 == 0:
+                log.warning("router %s unreachable (%s); will snapshot on reconnect", link.base, exc)
+            if link.state is LinkState.STREAMING:
+                link.state = LinkState.SNAPSHOT
+            link.pending.clear()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise
+        if self._session is not None:
+            await self._session.close()
+
+    async def __aenter__(self) -> "Reporter":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -1,0 +1,445 @@
+"""A clock-agnostic continuous-batching scheduler (contract 4): a synchronous state machine.
+
+The scheduler never reads a clock. Whoever drives it passes ``now`` and advances
+its own clock by the returned duration, so the HTTP agent (real time) and the
+offline simulator (virtual time) run the same code::
+
+    sched.submit(req, now)                  # may raise PromptTooLarge
+    while sched.has_work():
+        res = sched.step(clock.now())       # what ran and how long it takes
+        await clock.sleep(res.duration_s)   # or: t += res.duration_s
+        deliver(res.decoded, res.finished)  # first/new tokens, completions
+
+One step = a chunked-prefill slice (at most ``chunk_tokens`` new prompt tokens,
+continuing the request whose prefill is in progress first, then admitting waiting
+requests in FCFS or longest-prefix-first order) + one decode step for every request
+whose prefill finished in an earlier step. Its duration is
+one forward pass on the roofline, ``cost.forward_s(FLOPs, KV tokens read)``
+(compute-bound for long prefills, weight/KV-read-bound for decode and for short
+cached prefills); everything the step produces happens at ``now + duration``.
+
+Request lifecycle (only the scheduler changes ``state``)::
+
+    WAITING --admit: match prefix, lock it, reserve KV--> PREFILL --last chunk-->
+    RUNNING --max_new tokens--> FINISHED            (any state --cancel--> CANCELLED)
+
+Memory: admission reserves the uncached prompt plus ``max_new`` tokens in the
+``KVPool`` (evicting cold leaves first); if that cannot fit the request waits at the
+head of the queue. When the prompt's prefill completes it is inserted into the radix
+tree (admission control may refuse part of it) and the request's lock moves to the
+new node; when the request finishes, prompt + generated tokens are inserted (growth
+during decode: the next turn of a conversation finds its whole history).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+from router.errors import PromptTooLarge
+from router.events import Load
+from worker_agent.cost_model import CostModel
+from worker_agent.kv_pool import KVPool
+from worker_agent.radix_cache import Node, RadixCache
+
+ORDERS = ("fcfs", "lpm")
+#: prefill steps smaller than this do not update the measured prefill rate
+RATE_MIN_TOKENS = 512
+
+
+class State(enum.Enum):
+    WAITING = "waiting"      # queued, holds nothing
+    PREFILL = "prefill"      # admitted: prefix locked, KV reserved, prompt chunks running
+    RUNNING = "running"      # prompt done, in the decode batch
+    FINISHED = "finished"    # all tokens produced; KV returned to the pool / the tree
+    CANCELLED = "cancelled"  # dropped by the caller; KV returned
+
+
+class SchedRequest:
+    """One request as the scheduler sees it.
+
+    ``prompt``: token ids. ``output``: the tokens decoding produces, in order (at
+    least ``max_new`` of them; empty: generated tokens are counted but not inserted).
+    ``hashes``: router block hashes of ``prompt + output`` (may stop early).
+    ``waiter`` is the driver's slot (e.g. an ``asyncio.Event``); never touched here.
+    """
+
+    __slots__ = ("rid", "ns", "prompt", "max_new", "output", "hashes", "arrival", "state",
+                 "cached", "prefilled", "generated", "private", "reserved", "node",
+                 "prompt_held", "first_token_at", "finished_at", "waiter")
+
+    def __init__(self, rid: Any, ns: Hashable, prompt: Sequence[int], max_new: int,
+                 output: Sequence[int] = (), hashes: Sequence[int] | None = None) -> None:
+        self.rid = rid
+        self.ns = ns
+        self.prompt = prompt
+        self.max_new = max_new
+        self.output = output
+        self.hashes = hashes
+        self.arrival = 0.0
+        self.state = State.WAITING
+        #: prompt tokens reused from the tree at admission
+        self.cached = 0
+        #: prompt tokens with KV so far (cached + computed)
+        self.prefilled = 0
+        self.generated = 0
+        #: this request's KV outside the tree, and its unused reservation
+        self.private = 0
+        self.reserved = 0
+        #: the tree node this request holds a lock on
+        self.node: Node | None = None
+        #: prompt tokens the tree held after the prompt insert
+        self.prompt_held = 0
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.waiter: Any = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    def __repr__(self) -> str:
+        return (f"SchedRequest({self.rid!r}, {self.state.value}, prompt={len(self.prompt)}, "
+                f"cached={self.cached}, gen={self.generated}/{self.max_new})")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    #: prefill token budget of one step (SGLang's chunked_prefill_size)
+    chunk_tokens: int = 8192
+    #: most requests admitted at once (prefilling + decoding)
+    max_running: int = 256
+    #: waiting order: "fcfs" or "lpm" (longest cached prefix first)
+    order: str = "fcfs"
+    #: above this queue length lpm falls back to fcfs (SGLang does the same: cost)
+    lpm_max_queue: int = 128
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order {self.order!r} is not one of {', '.join(ORDERS)}")
+        if self.chunk_tokens <= 0 or self.max_running <= 0:
+            raise ValueError("chunk_tokens and max_running must be positive")
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step did. Times are the step's start; effects land at start + duration."""
+
+    duration_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_batch: int = 0
+    #: requests whose first token this step produced (also in ``decoded``)
+    started: list = field(default_factory=list)
+    #: requests that got at least one new token
+    decoded: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedStats:
+    submitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    #: prompt tokens of admitted requests, and those served from the tree
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+    prefill_busy_s: float = 0.0
+    #: admissions that had to wait for KV
+    kv_waits: int = 0
+
+
+class Scheduler:
+    """Continuous batching over a ``RadixCache`` + ``KVPool`` priced by a ``CostModel``."""
+
+    def __init__(self, cost: CostModel, cache: RadixCache, pool: KVPool,
+                 config: SchedulerConfig | None = None) -> None:
+        if pool.cache is not cache:
+            raise ValueError("the pool must account for the same cache")
+        self.cost = cost
+        self.cache = cache
+        self.pool = pool
+        self.config = config or SchedulerConfig()
+        self.stats = SchedStats()
+        #: only the scheduler moves requests between these
+        self.waiting: deque[SchedRequest] = deque()
+        self.prefilling: deque[SchedRequest] = deque()
+        self.running: list[SchedRequest] = []
+        self._queued_tokens = 0
+        self._rate_tokens = 0.0
+        self._rate_time = 0.0
+
+    # ------------------------------------------------------------ intake
+
+    def submit(self, req: SchedRequest, now: float) -> None:
+        """Queues ``req``. Raises ``PromptTooLarge`` when it can never fit the pool."""
+        need = len(req.prompt) + req.max_new
+        if not req.prompt:
+            raise ValueError("a request needs at least one prompt token")
+        if need > self.pool.capacity:
+            raise PromptTooLarge(
+                f"prompt of {len(req.prompt)} tokens plus max_tokens {req.max_new} needs "
+                f"{need} KV tokens; this worker's KV pool holds {self.pool.capacity}",
+                param="prompt",
+            )
+        if req.output and len(req.output) < req.max_new:
+            raise ValueError("output must hold at least max_new tokens")
+        req.arrival = now
+        req.state = State.WAITING
+        self.waiting.append(req)
+        self._queued_tokens += len(req.prompt)
+        self.stats.submitted += 1
+
+    def cancel(self, req: SchedRequest) -> None:
+        """Drops ``req`` wherever it is and returns its KV; idempotent."""
+        st = req.state
+        if st is State.WAITING:
+            try:
+                self.waiting.remove(req)
+                self._queued_tokens -= len(req.prompt)
+            except ValueError:
+                pass
+        elif st is State.PREFILL:
+            self.prefilling.remove(req)
+            self._release(req)
+        elif st is State.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            return
+        if st is not State.RUNNING and req.hashes:
+            # the router may have inserted the prompt optimistically; it is not here
+            self.cache.report_unheld(req.ns, req.prompt, req.hashes[: len(req.prompt) // self._stride()])
+        req.state = State.CANCELLED
+        self.stats.cancelled += 1
+
+    def _stride(self) -> int:
+        return self.cache.hash_stride or 1
+
+    def _release(self, req: SchedRequest) -> None:
+        self.cache.dec_lock_ref(req.node)
+        req.node = None
+        self.pool.release(req.private, req.reserved)
+        req.private = req.reserved = 0
+
+    # ------------------------------------------------------------ the step
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def _waiting_order(self):
+        cfg = self.config
+        if cfg.order == "lpm" and 1 < len(self.waiting) <= cfg.lpm_max_queue:
+            peek = self.cache.peek
+            return sorted(self.waiting, key=lambda r: -peek(r.ns, r.prompt))
+        return list(self.waiting)
+
+    def _admit(self, req: SchedRequest) -> bool:
+        prompt = req.prompt
+        # at least one prompt token is computed: its logits give the first token
+        cached, node = self.cache.match_prefix(req.ns, prompt[: len(prompt) - 1])
+        self.cache.inc_lock_ref(node)
+        need = len(prompt) - cached + req.max_new
+        if not self.pool.reserve(need):
+            self.cache.dec_lock_ref(node)
+            self.stats.kv_waits += 1
+            return False
+        req.node = node
+        req.cached = req.prefilled = cached
+        req.reserved = need
+        req.state = State.PREFILL
+        self._queued_tokens -= len(prompt)
+        self.stats.prompt_tokens += len(prompt)
+        self.stats.cached_tokens += cached
+        return True
+
+    def step(self, now: float) -> StepResult:
+        """Runs one step starting at ``now``; see the module docstring."""
+        res = StepResult()
+        batch = self.running
+        self.running = []
+        cost, pool = self.cost, self.pool
+        budget = self.config.chunk_tokens
+        flops = 0.0
+        kv_read = 0
+        # 1. prefill slice: the request in progress first, then new admissions
+        admitted_any = True
+        while budget > 0:
+            if self.prefilling:
+                req = self.prefilling[0]
+            elif self.waiting and admitted_any and (
+                len(batch) + len(self.prefilling) + len(res.started) < self.config.max_running
+            ):
+                admitted_any = False
+                for cand in self._waiting_order():
+                    if self._admit(cand):
+                        self.waiting.remove(cand)
+                        self.prefilling.append(cand)
+                        admitted_any = True
+                    break  # one at a time: the budget decides how many fit
+                if not admitted_any:
+                    break
+                continue
+            else:
+                break
+            chunk = min(len(req.prompt) - req.prefilled, budget)
+            flops += cost.prefill_flops(chunk, req.prefilled)
+            kv_read += req.prefilled + chunk
+            pool.commit(chunk)
+            req.reserved -= chunk
+            req.private += chunk
+            req.prefilled += chunk
+            budget -= chunk
+            res.prefill_tokens += chunk
+            if req.prefilled == len(req.prompt):
+                self.prefilling.popleft()
+                self._prompt_done(req, res)
+        # 2. one decode step for the batch that was running at the start
+        ctx = 0
+        if batch:
+            for req in batch:
+                ctx += len(req.prompt) + req.generated
+                req.generated += 1
+                req.reserved -= 1
+                req.private += 1
+            pool.commit(len(batch))
+            res.decode_batch = len(batch)
+            res.decoded.extend(batch)
+            self.stats.decode_tokens += len(batch)
+            flops += cost.decode_flops(len(batch), ctx)
+            kv_read += ctx
+        duration = cost.forward_s(flops, kv_read) if (res.prefill_tokens or batch) else 0.0
+        res.duration_s = duration
+        prefill_s = duration if res.prefill_tokens else 0.0
+        res.prefill_s = prefill_s
+        end = now + duration
+        for req in batch:
+            if req.generated >= req.max_new:
+                self._finish(req, res)
+            else:
+                self.running.append(req)
+        # requests that finished prefill this step join the next decode step
+        for req in res.started:
+            req.first_token_at = end
+            if req.state is State.RUNNING:
+                self.running.append(req)
+        for req in res.finished:
+            req.finished_at = end
+        st = self.stats
+        st.steps += 1
+        st.busy_s += duration
+        if res.prefill_tokens:
+            st.prefill_tokens += res.prefill_tokens
+            st.prefill_busy_s += prefill_s
+            if res.prefill_tokens >= RATE_MIN_TOKENS and prefill_s > 0:
+                # token-weighted decayed sums: big prefills say what a prompt costs
+                self._rate_tokens = 0.9 * self._rate_tokens + res.prefill_tokens
+                self._rate_time = 0.9 * self._rate_time + prefill_s
+        return res
+
+    def _prompt_done(self, req: SchedRequest, res: StepResult) -> None:
+        held, node = self.cache.insert(req.ns, req.prompt, req.hashes, admit_from=0)
+        self._move_lock(req, node, held)
+        req.prompt_held = held
+        res.started.append(req)
+        if req.max_new >= 1:
+            req.generated = 1
+            req.reserved -= 1
+            req.private += 1
+            self.pool.commit(1)
+            res.decoded.append(req)
+            self.stats.decode_tokens += 1
+        if req.generated >= req.max_new:
+            self._finish(req, res)
+        else:
+            req.state = State.RUNNING
+
+    def _move_lock(self, req: SchedRequest, node: Node | None, held: int) -> None:
+        self.cache.inc_lock_ref(node)
+        self.cache.dec_lock_ref(req.node)
+        req.node = node
+        own = req.prefilled + req.generated - held
+        self.pool.private -= req.private - own
+        req.private = own
+
+    def _finish(self, req: SchedRequest, res: StepResult) -> None:
+        # growth during decode: keep the answer, except the last sampled token
+        # (its KV is computed only by the next forward pass)
+        n_out = req.generated - 1
+        whole = len(req.prompt) - len(req.prompt) % self.cache.page_size
+        if n_out > 0 and req.output and req.prompt_held >= whole:
+            key = list(req.prompt) + list(req.output[:n_out])
+            held, node = self.cache.insert(req.ns, key, req.hashes, admit_from=len(req.prompt))
+            self._move_lock(req, node, held)
+        self._release(req)
+        req.state = State.FINISHED
+        res.finished.append(req)
+        self.stats.finished += 1
+
+    # ------------------------------------------------------------ reporting
+
+    def prefill_tokens_per_s(self) -> float:
+        """Measured prefill throughput: decayed, token-weighted tokens/s over steps that
+        prefilled at least ``RATE_MIN_TOKENS`` (short prefills are bound by the weight
+        read and would make every prompt look slow to a router that divides uncached
+        tokens by this rate). Before any such step: the model's rate for one chunk."""
+        if self._rate_time > 0:
+            return self._rate_tokens / self._rate_time
+        n = self.config.chunk_tokens
+        return n / self.cost.forward_s(self.cost.prefill_flops(n), n)
+
+    def load(self) -> Load:
+        pool = self.pool
+        queued = self._queued_tokens + sum(len(r.prompt) - r.prefilled for r in self.prefilling)
+        return Load(
+            queued_requests=len(self.waiting),
+            queued_tokens=queued,
+            running_requests=len(self.running) + len(self.prefilling),
+            kv_used_tokens=pool.used,
+            kv_capacity_tokens=pool.capacity,
+            prefill_tokens_per_s=float(self.prefill_tokens_per_s()),
+        )
+
+    def check(self) -> None:
+        """Asserts the scheduler's, the pool's and the cache's invariants."""
+        self.cache.check()
+        self.pool.check()
+        private = reserved = 0
+        for r in self.waiting:
+            assert r.state is State.WAITING and r.node is None and not r.private, f"{r=}"
+        for r in self.prefilling:
+            assert r.state is State.PREFILL, f"{r=}"
+        for r in self.running:
+            assert r.state is State.RUNNING and r.generated < r.max_new, f"{r=}"
+        for r in (*self.prefilling, *self.running):
+            assert r.node is None or r.node.lock_ref > 0, f"{r=}"
+            private += r.private
+            reserved += r.reserved
+        assert private == self.pool.private, (private, self.pool.private)
+        assert reserved == self.pool.reserved, (reserved, self.pool.reserved)
+        assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
+
+
+def build_scheduler(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
+                    mfu: float = 0.6, kv_tokens: int | None = None, page_size: int = 1,
+                    hash_stride: int | None = None, admission=None,
+                    config: SchedulerConfig | None = None, fingerprint=None,
+                    record_events: bool = True) -> Scheduler:
+    """One simulated worker: cost model, radix cache, KV pool and scheduler wired together.
+
+    ``kv_tokens`` None sizes the pool from the presets (``CostModel.kv_capacity_tokens``,
+    which raises ``ConfigError`` if the weights do not fit). ``hash_stride`` is tokens
+    per router block (None: no router hashes, no events). The offline simulator calls
+    this with ``record_events=False`` and its own page size.
+    """
+    cost = CostModel(model, gpu, tp=tp, mfu=mfu)
+    capacity = kv_tokens if kv_tokens is not None else cost.kv_capacity_tokens()
+    cache = RadixCache(page_size=page_size, hash_stride=hash_stride, capacity_tokens=capacity,
+                       admission=admission, fingerprint=fingerprint, record_events=record_events)
+    return Scheduler(cost, cache, KVPool(capacity, cache), config)

@@ -1,0 +1,513 @@
+"""The agent's HTTP surface (aiohttp): OpenAI API, SGLang's worker probes, /metrics.
+
+::
+
+    POST /v1/completions, /v1/chat/completions, /generate   (SSE when "stream": true)
+    GET  /v1/models
+    GET  /health /health_generate /get_server_info /server_info /get_model_info
+         /model_info /get_load                            (what SGLang's router probes)
+    GET|POST /flush_cache
+    GET  /metrics         sglang:* gauges beside radixfleet_agent_* counters
+
+A request's prompt is ``router.prefix_keys.routing_bytes`` of its body (the chat
+template), tokenized by ``worker_agent.tokenizer``; its cache namespace and router
+hashes come from ``request_key(..., tenant=<x-radixfleet-tenant header>)``, exactly
+as the router computes them. Bad input answers an OpenAI-style JSON error with a 4xx
+status and touches nothing already accepted; a client that goes away cancels its
+request and frees its KV. Extra fields (SGLang's ``no_stop_trim``,
+``skip_special_tokens``, ``return_hidden_states``, sampling knobs) are accepted and
+ignored: the simulated engine generates ``max_tokens`` deterministic tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from router.errors import MalformedRequest, NotFound, PromptTooLarge, RequestError
+from router.prefix_keys import (BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, Endpoint, block_hashes,
+                                check_block_bytes, namespace_seed, request_key)
+from worker_agent import tokenizer as tk
+from worker_agent.engine import Engine
+from worker_agent.radix_cache import AdmissionConfig
+from worker_agent.scheduler import SchedulerConfig, SchedRequest, State, build_scheduler
+
+log = logging.getLogger(__name__)
+
+TENANT_HEADER = "x-radixfleet-tenant"
+#: max_tokens when a request names none (OpenAI's completions default)
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    model: str = "llama-3-8b"
+    gpu: str = "h100"
+    tp: int = 1
+    mfu: float = 0.6
+    #: explicit KV pool size; None: from the presets
+    kv_tokens: int | None = None
+    #: the name clients use in "model"; default: the model preset's name
+    served_model_name: str | None = None
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    worker_id: str = ""
+    #: engine settings that change what KV means (RoPE scaling, ...): part of the fingerprint
+    rope_scaling: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class Agent:
+    """The simulated engine behind the HTTP API: cache, pool, scheduler, real-time loop."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        check_block_bytes(cfg.block_bytes)
+        self.cfg = cfg
+        self.block_tokens = cfg.block_bytes // BYTES_PER_TOKEN
+        self.fingerprint = (cfg.model, cfg.tp, cfg.rope_scaling)
+        self.sched = build_scheduler(cfg.model, cfg.gpu, tp=cfg.tp, mfu=cfg.mfu,
+                                     kv_tokens=cfg.kv_tokens, hash_stride=self.block_tokens,
+                                     admission=cfg.admission, config=cfg.scheduler,
+                                     fingerprint=self.fingerprint)
+        self.cost = self.sched.cost
+        self.cache = self.sched.cache
+        self.pool = self.sched.pool
+        self.engine = Engine(self.sched)
+        self.started_at = time.time()
+        self._ids = itertools.count(1)
+        self.bad_requests = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+
+# ----------------------------------------------------------------- request parsing
+
+def _int_field(body: dict, name: str, default: int, limit: int, where: str | None = None) -> int:
+    v = body.get(name)
+    if v is None:
+        return default
+    label = where or name
+    if type(v) is not int:
+        raise MalformedRequest(f"'{label}' must be an integer, got {type(v).__name__}", param=label)
+    if v < 0:
+        raise MalformedRequest(f"'{label}' must be >= 0, got {v}", param=label)
+    if v > limit:
+        raise PromptTooLarge(
+            f"'{label}' is {v}, above this worker's KV pool of {limit} tokens", param=label)
+    return v
+
+
+def _bool_field(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise MalformedRequest(f"'{name}' must be a boolean", param=name)
+    return v
+
+
+@dataclass(slots=True)
+class Parsed:
+    endpoint: Endpoint
+    body: dict
+    model: str
+    max_new: int
+    stream: bool
+    include_usage: bool
+    req: SchedRequest
+
+
+def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
+    if not isinstance(body, dict):
+        raise MalformedRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    cap = agent.capacity
+    name = agent.cfg.name
+    if endpoint is Endpoint.GENERATE:
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise MalformedRequest("'sampling_params' must be an object", param="sampling_params")
+        max_new = _int_field(sp, "max_new_tokens", DEFAULT_MAX_TOKENS, cap, "sampling_params.max_new_tokens")
+        for f in ("text", "input_ids"):
+            v = body.get(f)
+            if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) > 1:
+                raise MalformedRequest(f"batched '{f}' is not supported; send one prompt per request", param=f)
+    else:
+        field_name = "max_tokens"
+        if endpoint is Endpoint.CHAT and body.get("max_completion_tokens") is not None:
+            field_name = "max_completion_tokens"
+        max_new = _int_field(body, field_name, DEFAULT_MAX_TOKENS, cap)
+        n = body.get("n", 1)
+        if n is not None and n != 1:
+            raise MalformedRequest("only 'n': 1 is supported", param="n")
+        prompt = body.get("prompt")
+        if endpoint is Endpoint.COMPLETIONS and isinstance(prompt, list) and len(prompt) > 1 \
+                and isinstance(prompt[0], (str, list)):
+            raise MalformedRequest("batched 'prompt' is not supported; send one prompt per request",
+                                   param="prompt")
+    stream = _bool_field(body, "stream")
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise MalformedRequest("'stream_options' must be an object", param="stream_options")
+        include_usage = _bool_field(so, "include_usage")
+    seed = body.get("seed")
+    if seed is not None and type(seed) is not int:
+        raise MalformedRequest("'seed' must be an integer", param="seed")
+    key = request_key(endpoint, body, tenant=tenant, block_bytes=agent.cfg.block_bytes)
+    if endpoint is not Endpoint.GENERATE or key.model:
+        if key.model != name:
+            raise NotFound(f"model {key.model!r} is not served here; this agent serves {name!r}",
+                           param="model")
+    prompt_tokens = tk.encode(key.data)
+    if not prompt_tokens:
+        raise MalformedRequest("the prompt is empty", param="prompt")
+    gseed = seed if seed is not None else tk.request_seed(key.data, agent.cfg.seed)
+    output = tk.generate(gseed, max_new)
+    if tk.is_aligned(prompt_tokens):
+        # the answer's blocks are keyed exactly as the next turn's prompt will key them
+        hashes = block_hashes(key.data + tk.decode(output),
+                              namespace_seed(key.model, tenant, key.adapter), key.block_bytes)
+    else:
+        hashes = key.hashes  # a partial tail token: nothing after it matches a re-tokenization
+    ns = (key.model, tenant, key.adapter)
+    req = SchedRequest(agent.next_id(), ns, prompt_tokens, max_new, output, hashes)
+    return Parsed(endpoint, body, key.model or name, max_new, stream, include_usage, req)
+
+
+# ----------------------------------------------------------------- responses
+
+def _usage(r: SchedRequest, generated: int) -> dict:
+    n = len(r.prompt)
+    return {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated,
+            "prompt_tokens_details": {"cached_tokens": r.cached}}
+
+
+def _text(r: SchedRequest, a: int, b: int) -> str:
+    return tk.decode(r.output[a:b]).decode("ascii")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _wait_done(w) -> None:
+    while not w.done:
+        await w.event.wait()
+        w.event.clear()
+
+
+async def _serve(agent: Agent, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
+    p = _parse(agent, endpoint, body, request.headers.get(TENANT_HEADER, ""))
+    r = p.req
+    try:
+        w = agent.engine.submit(r)
+    except PromptTooLarge:
+        if r.hashes:  # the router may have hinted these blocks here
+            agent.cache.report_unheld(r.ns, r.prompt, r.hashes[: len(r.prompt) // agent.block_tokens])
+        raise
+    created = int(time.time())
+    try:
+        if not p.stream:
+            await _wait_done(w)
+            if r.state is not State.FINISHED:
+                raise web.HTTPServiceUnavailable(text="engine stopped")
+            return web.json_response(_final(p, r, created))
+        return await _stream(p, r, w, request, created)
+    finally:
+        if r.state not in (State.FINISHED, State.CANCELLED):
+            agent.engine.cancel(r)  # the client went away: free its KV now
+
+
+def _final(p: Parsed, r: SchedRequest, created: int) -> dict:
+    g = r.generated
+    text = _text(r, 0, g)
+    if p.endpoint is Endpoint.GENERATE:
+        return {"text": text, "output_ids": list(r.output[:g]),
+                "meta_info": {"id": str(r.rid), "prompt_tokens": len(r.prompt),
+                              "completion_tokens": g, "cached_tokens": r.cached,
+                              "finish_reason": {"type": "length", "length": g},
+                              "e2e_latency": (r.finished_at or 0) - r.arrival}}
+    if p.endpoint is Endpoint.CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": "length"}
+        obj = "chat.completion"
+        rid = f"chatcmpl-{r.rid}"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        obj = "text_completion"
+        rid = f"cmpl-{r.rid}"
+    return {"id": rid, "object": obj, "created": created, "model": p.model,
+            "choices": [choice], "usage": _usage(r, g)}
+
+
+async def _stream(p: Parsed, r: SchedRequest, w, request: web.Request, created: int):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    chat = p.endpoint is Endpoint.CHAT
+    gen = p.endpoint is Endpoint.GENERATE
+    rid = f"chatcmpl-{r.rid}" if chat else f"cmpl-{r.rid}"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    usage_null = {"usage": None} if p.include_usage else {}
+
+    def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            d: dict = {"role": "assistant"} if role else {}
+            if delta is not None:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": obj, "created": created, "model": p.model,
+                "choices": [choice], **usage_null}
+
+    sent = 0
+    if chat:
+        await resp.write(_sse(chunk("", None, role=True)))
+    while True:
+        await w.event.wait()
+        w.event.clear()
+        if w.visible > sent:
+            if gen:
+                await resp.write(_sse({"text": _text(r, 0, w.visible),
+                                       "meta_info": {"id": str(r.rid), "prompt_tokens": len(r.prompt),
+                                                     "completion_tokens": w.visible,
+                                                     "cached_tokens": r.cached}}))
+            else:
+                await resp.write(_sse(chunk(_text(r, sent, w.visible), None)))
+            sent = w.visible
+        if w.done:
+            break
+    if r.state is not State.FINISHED:
+        raise ConnectionResetError("engine stopped")
+    if gen:
+        if sent == 0:
+            await resp.write(_sse(_final(p, r, created)))
+    else:
+        await resp.write(_sse(chunk(None if chat else "", "length")))
+        if p.include_usage:
+            await resp.write(_sse({"id": rid, "object": obj, "created": created, "model": p.model,
+                                   "choices": [], "usage": _usage(r, r.generated)}))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+# ----------------------------------------------------------------- app
+
+AGENT_KEY = web.AppKey("agent", Agent)
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+#: the running Reporter, or None without --router
+REPORTER_KEY = web.AppKey("reporter", object)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        agent = request.app[AGENT_KEY]
+        agent.bad_requests += 1
+        log.debug("bad request %s: %s", request.path, exc.message)
+        return web.json_response(exc.to_json(), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err = RequestError(exc.reason or "error")
+        body = err.to_json()
+        body["error"]["code"] = exc.reason.lower().replace(" ", "_") if exc.reason else "error"
+        if exc.status == 404:
+            body["error"]["message"] = f"no route for {request.method} {request.path}"
+            body["error"]["type"] = "not_found_error"
+        return web.json_response(body, status=exc.status)
+
+
+def _handler(endpoint: Endpoint):
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _serve(request.app[AGENT_KEY], request, endpoint)
+    return handle
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+def _server_info(agent: Agent) -> dict:
+    cfg = agent.cfg
+    return {
+        "model_path": cfg.name, "served_model_name": cfg.name, "tokenizer_path": None,
+        "engine": "sim", "version": "radixfleet-sim-0.1", "gpu": cfg.gpu, "model_preset": cfg.model,
+        "tp_size": cfg.tp, "dp_size": 1, "page_size": 1,
+        "max_total_num_tokens": agent.capacity,
+        "chunked_prefill_size": cfg.scheduler.chunk_tokens,
+        "max_running_requests": cfg.scheduler.max_running,
+        "schedule_policy": cfg.scheduler.order, "admission": cfg.admission.mode,
+        "block_bytes": cfg.block_bytes, "worker_id": cfg.worker_id,
+        "disable_radix_cache": False, "fingerprint": list(agent.fingerprint),
+        "internal_states": [{"last_gen_throughput": 0.0}],
+    }
+
+
+async def _get_server_info(request: web.Request) -> web.Response:
+    return web.json_response(_server_info(request.app[AGENT_KEY]))
+
+
+async def _get_model_info(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    return web.json_response({"model_path": agent.cfg.name, "tokenizer_path": None,
+                              "is_generation": True})
+
+
+async def _get_load(request: web.Request) -> web.Response:
+    load = request.app[AGENT_KEY].sched.load()
+    return web.json_response([{"dp_rank": 0, "num_reqs": load.running_requests + load.queued_requests,
+                               "num_waiting_reqs": load.queued_requests,
+                               "num_tokens": load.kv_used_tokens}])
+
+
+async def _flush_cache(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    if agent.cache.flush():
+        return web.Response(text="Cache flushed.\n")
+    raise RequestError(f"cache not flushed: {agent.cache.locked_tokens} tokens are in use by "
+                       f"running requests; retry when idle")
+
+
+async def _models(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    return web.json_response({"object": "list", "data": [{
+        "id": agent.cfg.name, "object": "model", "created": int(agent.started_at),
+        "owned_by": "radixfleet", "root": agent.cfg.name, "max_model_len": agent.capacity}]})
+
+
+class _Collector:
+    """Reads the agent's state at scrape time (no per-request metric updates)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        a = self.agent
+        s, cs, pool = a.sched.stats, a.cache.stats, a.pool
+        lbl = ["model_name"]
+        val = [a.cfg.name]
+
+        def gauge(name, doc, v):
+            g = GaugeMetricFamily(name, doc, labels=lbl)
+            g.add_metric(val, v)
+            return g
+
+        def counter(name, doc, v):
+            c = CounterMetricFamily(name, doc, labels=lbl)
+            c.add_metric(val, v)
+            return c
+
+        load = a.sched.load()
+        yield gauge("sglang:num_queue_reqs", "Requests waiting in the queue.", load.queued_requests)
+        yield gauge("sglang:num_running_reqs", "Requests admitted (prefilling or decoding).",
+                    load.running_requests)
+        yield gauge("sglang:token_usage", "Share of the KV pool in use.", pool.used / pool.capacity)
+        yield gauge("sglang:cache_hit_rate", "Cached prompt tokens / prompt tokens.",
+                    s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+        yield counter("sglang:prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
+        yield counter("sglang:generation_tokens", "Generated tokens.", s.decode_tokens)
+        yield counter("sglang:cached_tokens", "Prompt tokens served from the radix cache.", s.cached_tokens)
+        yield counter("radixfleet_agent_prompt_tokens", "Prompt tokens of admitted requests.",
+                      s.prompt_tokens)
+        yield counter("radixfleet_agent_cached_tokens", "Prompt tokens served from the radix cache.",
+                      s.cached_tokens)
+        yield counter("radixfleet_agent_prefill_tokens", "Prompt tokens computed.", s.prefill_tokens)
+        yield counter("radixfleet_agent_evicted_tokens", "Tokens evicted from the radix cache.",
+                      cs.evicted_tokens)
+        yield counter("radixfleet_agent_admission_refusals",
+                      "Insertions cut short by admission control.", cs.refusals)
+        yield counter("radixfleet_agent_admission_refused_tokens",
+                      "Tokens admission control kept out of the cache.", cs.refused_tokens)
+        yield counter("radixfleet_agent_requests_finished", "Requests finished.", s.finished)
+        yield counter("radixfleet_agent_requests_cancelled", "Requests cancelled.", s.cancelled)
+        yield counter("radixfleet_agent_bad_requests", "Requests answered with a 4xx.", a.bad_requests)
+        yield gauge("radixfleet_agent_kv_capacity_tokens", "KV pool size.", pool.capacity)
+        yield gauge("radixfleet_agent_kv_used_tokens", "KV tokens in use (tree + running).", pool.used)
+        yield gauge("radixfleet_agent_kv_cached_tokens", "Tokens in the radix tree.", a.cache.total_tokens)
+        yield gauge("radixfleet_agent_prefill_tokens_per_second", "Measured prefill rate.",
+                    a.sched.prefill_tokens_per_s())
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
+               advertise_url: str | None = None) -> web.Application:
+    """The agent's aiohttp app; the engine (and reporter, given routers) live in its
+    cleanup context, so they start and stop with the app."""
+    agent = Agent(cfg)
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+    app[AGENT_KEY] = agent
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(agent))
+    app[REGISTRY_KEY] = registry
+
+    async def lifecycle(app: web.Application):
+        await agent.engine.start()
+        reporter = None
+        if routers:
+            from worker_agent.reporter import Reporter
+            reporter = Reporter(routers, worker_id=cfg.worker_id or advertise_url or "agent",
+                                url=advertise_url or "", models=[cfg.name], cache=agent.cache,
+                                load=agent.sched.load, token=os.environ.get("RADIXFLEET_AGENT_TOKEN"))
+            await reporter.start()
+        app[REPORTER_KEY] = reporter
+        try:
+            yield
+        finally:
+            if reporter is not None:
+                await reporter.aclose()
+            await agent.engine.aclose()
+
+    app.cleanup_ctx.append(lifecycle)
+    r = app.router
+    r.add_post("/v1/completions", _handler(Endpoint.COMPLETIONS))
+    r.add_post("/v1/chat/completions", _handler(Endpoint.CHAT))
+    r.add_post("/generate", _handler(Endpoint.GENERATE))
+    r.add_get("/v1/models", _models)
+    for path in ("/health", "/health_generate"):
+        r.add_get(path, _health)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, _get_server_info)
+    for path in ("/get_model_info", "/model_info"):
+        r.add_get(path, _get_model_info)
+    r.add_get("/get_load", _get_load)
+    r.add_route("*", "/flush_cache", _flush_cache)
+    r.add_get("/metrics", _metrics)
+    return app
