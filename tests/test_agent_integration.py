@@ -79,10 +79,10 @@ def test_sglang_router_fronts_two_agents():
     a, b, p, q = free_port(), free_port(), free_port(), free_port()
     smg = ["smg", "launch", "--host", "127.0.0.1", "--port", str(p), "--worker-urls",
            f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}", "--policy", "cache_aware",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(q), "--log-level", "error"]
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(q), "--log-level", "warn"]
     with Proc(agent_argv(a), ready_url=f"http://127.0.0.1:{a}/health"), \
          Proc(agent_argv(b), ready_url=f"http://127.0.0.1:{b}/health"), \
-         Proc(smg, ready_url=f"http://127.0.0.1:{p}/health", timeout_s=30):
+         Proc(smg, ready_url=f"http://127.0.0.1:{p}/health", timeout_s=30) as router:
         with httpx.Client(timeout=10) as c:
             for _ in range(100):  # smg adds workers asynchronously after /health answers
                 if len(c.get(f"http://127.0.0.1:{p}/workers").json().get("workers", [])) == 2:
@@ -107,3 +107,6 @@ def test_sglang_router_fronts_two_agents():
                                  if l.startswith("radixfleet_agent_requests_finished_total")))
                       for port in (a, b)]
             assert sum(served) == 3 * len(prompts) + 1
+        # the probes name no model_path, so smg never tries to fetch a tokenizer off loopback
+        log = router.stop()
+        assert "huggingface" not in log.lower(), log[-2000:]

@@ -133,3 +133,17 @@ async def test_every_router_replica_gets_the_same_truth():
         await srv.close()
         await f1.stop()
         await f2.stop()
+
+
+async def test_a_full_batch_goes_out_before_the_interval(setup):
+    fake, app, client, _ = setup
+    reporter = app[REPORTER_KEY]
+    await until(lambda: fake.batches)
+    await asyncio.sleep(0.15)  # let the link settle into its interval wait
+    reporter.interval_s = 30.0  # from the next wait on, only a full batch triggers a send
+    reporter.max_batch_events = 1
+    await asyncio.sleep(0.15)
+    n = len(fake.batches)
+    await client.post("/v1/completions", json=body("trigger a stored event " * 10))
+    await until(lambda: len(fake.batches) > n, timeout=3.0)
+    assert any(isinstance(e, Stored) for b in fake.batches[n:] for e in b.events)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from router.errors import PromptTooLarge
-from router.events import Removed, Stored
+from router.events import Removed
 from router.prefix_keys import Endpoint, request_key
 from worker_agent import tokenizer as tk
 from worker_agent.cost_model import CostModel

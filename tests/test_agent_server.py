@@ -10,7 +10,6 @@ from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
 from worker_agent.server import AGENT_KEY, AgentConfig, create_app
-from worker_agent.scheduler import SchedulerConfig
 
 
 @pytest.fixture
@@ -57,6 +56,8 @@ async def test_completion_reports_cached_tokens(agent):
     assert r1["choices"][0]["text"] == r2["choices"][0]["text"] and len(r1["choices"][0]["text"]) == 16
     assert r1["usage"]["completion_tokens"] == 4 and r1["choices"][0]["finish_reason"] == "length"
     a.sched.check()
+    # no router to drain the event log: it is not kept at all (bounded memory)
+    assert a.cache.pending_events == 0 and not a.cache.record_events
 
 
 async def test_chat_stream_with_usage_and_sglang_fields(agent):
@@ -160,11 +161,12 @@ async def test_bad_input_gets_json_4xx_and_agent_keeps_serving(agent):
 async def test_probes_and_metrics(agent):
     c, a = await agent(kv_tokens=20_000)
     assert (await c.get("/health")).status == 200
-    for path in ("/get_server_info", "/server_info"):
+    for path in ("/get_server_info", "/server_info", "/get_model_info", "/model_info"):
         info = await (await c.get(path)).json()
-        assert info["max_total_num_tokens"] == 20_000 and info["model_path"] == "llama-3-8b"
-    for path in ("/get_model_info", "/model_info"):
-        assert (await (await c.get(path)).json())["model_path"] == "llama-3-8b"
+        assert info["served_model_name"] == "llama-3-8b"
+        # a model_path would make SGLang's router try to download a tokenizer off loopback
+        assert "model_path" not in info and "tokenizer_path" not in info
+    assert (await (await c.get("/server_info")).json())["max_total_num_tokens"] == 20_000
     assert (await (await c.get("/get_load")).json())[0]["num_reqs"] == 0
     models = await (await c.get("/v1/models")).json()
     assert models["data"][0]["id"] == "llama-3-8b"
@@ -227,3 +229,79 @@ async def test_openai_sdk_drop_in(agent):
         assert parts[-1].usage.completion_tokens == 2
     finally:
         await client.close()
+
+
+async def test_engine_bug_fails_requests_instead_of_hanging(agent, monkeypatch):
+    c, a = await agent(kv_tokens=10_000)
+    real = a.sched.step
+    calls = {"n": 0}
+
+    def flaky(now):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(now)
+
+    monkeypatch.setattr(a.sched, "step", flaky)
+    r = await c.post("/v1/completions", json=completion("boom", max_tokens=2))
+    assert r.status == 503 and "error" in await r.json()
+    ok = await c.post("/v1/completions", json=completion("fine", max_tokens=2))
+    assert ok.status == 200
+
+
+async def test_tenant_header_must_be_utf8(agent):
+    from router.errors import MalformedRequest
+    from router.prefix_keys import Endpoint
+    from worker_agent.server import _parse
+    c, a = await agent(kv_tokens=10_000)
+    with pytest.raises(MalformedRequest, match="x-radixfleet-tenant"):
+        _parse(a, Endpoint.COMPLETIONS, completion("x"), "caf\udcc3")
+    r = await c.post("/v1/completions", json=completion("x"), headers={"x-radixfleet-tenant": "café"})
+    assert r.status == 200
+
+
+async def test_engine_config_change_flushes_the_tree(agent):
+    c, a = await agent(kv_tokens=10_000)
+    p = completion("rope sensitive context " * 10, max_tokens=1)
+    await c.post("/v1/completions", json=p)
+    assert a.cache.total_tokens > 0
+    same = await (await c.post("/internal/v1/engine_config", json={"rope_scaling": None})).json()
+    assert same["flushed"] is False and a.cache.total_tokens > 0
+    yarn = {"rope_scaling": {"type": "yarn", "factor": 4.0}}
+    r = await (await c.post("/internal/v1/engine_config", json=yarn)).json()
+    assert r["flushed"] is True and a.cache.total_tokens == 0
+    again = await (await c.post("/v1/completions", json=p)).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    bad = await c.post("/internal/v1/engine_config", json={"nope": 1})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "rope_scaling"
+    info = await (await c.get("/server_info")).json()
+    assert info["fingerprint"][2] == '{"factor":4.0,"type":"yarn"}'
+
+
+async def test_concurrent_burst_with_cancellations_leaves_no_leak(agent):
+    c, a = await agent(kv_tokens=6_000)
+    systems = ["system prompt A " * 30, "system prompt B " * 30]
+
+    async def one(i):
+        body = completion(systems[i % 2] + f"user {i} " * (i % 7 + 1), max_tokens=1 + i % 9,
+                          stream=bool(i % 2))
+        if i % 5 == 0:  # some clients give up early
+            try:
+                await c.post("/v1/completions", json=body, timeout=ClientTimeout(total=0.002))
+            except asyncio.TimeoutError:
+                pass
+            return None
+        r = await c.post("/v1/completions", json=body)
+        assert r.status == 200
+        return await (r.json() if not body["stream"] else sse(r))
+
+    results = await asyncio.gather(*(one(i) for i in range(120)))
+    for _ in range(100):
+        if not a.sched.has_work():
+            break
+        await asyncio.sleep(0.02)
+    a.sched.check()
+    assert a.pool.private == a.pool.reserved == 0 and a.cache.locked_tokens == 0
+    st = a.sched.stats
+    assert st.finished + st.cancelled == st.submitted and st.finished >= 96
+    assert st.cached_tokens > 0 and sum(r is not None for r in results) == 96

@@ -85,7 +85,19 @@ class Engine:
                 await self._wake.wait()
                 continue
             start = loop.time()
-            res = sched.step(start)
+            try:
+                res = sched.step(start)
+            except Exception:  # a bug: fail what is in flight rather than hang it
+                log.exception("scheduler step failed; cancelling in-flight requests")
+                for r in (*sched.waiting, *sched.prefilling, *sched.running):
+                    try:
+                        self.cancel(r)
+                    except Exception:  # pragma: no cover - state already broken
+                        log.exception("cancel failed for %r", r)
+                sched.waiting.clear()
+                sched.prefilling.clear()
+                sched.running.clear()
+                continue
             delay = start + res.duration_s - loop.time()
             # even a zero-length step yields, so handlers and the reporter run
             await asyncio.sleep(delay if delay > 0 else 0)

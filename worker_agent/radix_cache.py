@@ -480,6 +480,11 @@ class RadixCache:
         self.flush()
         return True
 
+    @property
+    def pending_events(self) -> int:
+        """Events logged since the last drain."""
+        return len(self._events)
+
     def drain_events(self) -> list:
         """The events since the last drain, oldest first."""
         ev, self._events = self._events, []
@@ -497,9 +502,6 @@ class RadixCache:
                     parent = h
                 stack.extend((c, parent) for c in node.children.values())
         return out
-
-    def held_block_count(self) -> int:
-        return len(self.snapshot_blocks())
 
     # ------------------------------------------------------------- admission
 

@@ -10,6 +10,9 @@ truth), each with its own sequence numbers within this process's epoch::
     RouterLink(r1)         RouterLink(r2)      register -> snapshot -> deltas ...
       pending, seq           pending, seq      POST /internal/v1/events (Bearer token)
 
+A batch goes out every ``interval_s`` (~100 ms, with the load report even when
+there are no events) or as soon as ``max_batch_events`` events are waiting.
+
 Per-link states: ``UNREGISTERED`` (register next), ``SNAPSHOT`` (next batch starts
 with a full snapshot), ``STREAMING`` (deltas). A link snapshots after (re)registering,
 after any failed POST (the router may or may not have applied it), on ``409
@@ -95,13 +98,20 @@ class Reporter:
         self._kick.set()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        poll = min(self.interval_s, 0.01)
         while True:
             self._distribute()
             await asyncio.gather(*(self._push(link) for link in self.links))
-            try:
-                await asyncio.wait_for(self._kick.wait(), self.interval_s)
-            except asyncio.TimeoutError:
-                pass
+            # next batch after interval_s, or as soon as max_batch_events are waiting
+            due = loop.time() + self.interval_s
+            while not self._kick.is_set() and loop.time() < due:
+                if self.cache.pending_events >= self.max_batch_events:
+                    break
+                try:
+                    await asyncio.wait_for(self._kick.wait(), poll)
+                except asyncio.TimeoutError:
+                    pass
             self._kick.clear()
 
     def _distribute(self) -> None:

@@ -233,12 +233,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
-    def _waiting_order(self):
+    def _next_waiting(self) -> SchedRequest:
+        """The next request to admit: the head (fcfs) or the longest cached prefix
+        (lpm; ties by arrival). O(1) for fcfs, O(queue x prompt) for lpm."""
         cfg = self.config
         if cfg.order == "lpm" and 1 < len(self.waiting) <= cfg.lpm_max_queue:
             peek = self.cache.peek
-            return sorted(self.waiting, key=lambda r: -peek(r.ns, r.prompt))
-        return list(self.waiting)
+            best, best_len = self.waiting[0], -1
+            for r in self.waiting:
+                n = peek(r.ns, r.prompt)
+                if n > best_len:
+                    best, best_len = r, n
+            return best
+        return self.waiting[0]
 
     def _admit(self, req: SchedRequest) -> bool:
         prompt = req.prompt
@@ -276,15 +283,16 @@ class Scheduler:
             elif self.waiting and admitted_any and (
                 len(batch) + len(self.prefilling) + len(res.started) < self.config.max_running
             ):
-                admitted_any = False
-                for cand in self._waiting_order():
-                    if self._admit(cand):
-                        self.waiting.remove(cand)
-                        self.prefilling.append(cand)
-                        admitted_any = True
-                    break  # one at a time: the budget decides how many fit
+                # one at a time: the remaining budget decides how many fit this step
+                cand = self._next_waiting()
+                admitted_any = self._admit(cand)
                 if not admitted_any:
-                    break
+                    break  # no KV for it: it waits at the head (no overtaking)
+                if cand is self.waiting[0]:
+                    self.waiting.popleft()
+                else:
+                    self.waiting.remove(cand)
+                self.prefilling.append(cand)
                 continue
             else:
                 break

@@ -7,6 +7,7 @@
     GET  /health /health_generate /get_server_info /server_info /get_model_info
          /model_info /get_load                            (what SGLang's router probes)
     GET|POST /flush_cache
+    POST /internal/v1/engine_config   new RoPE scaling -> fingerprint change -> flush
     GET  /metrics         sglang:* gauges beside radixfleet_agent_* counters
 
 A request's prompt is ``router.prefix_keys.routing_bytes`` of its body (the chat
@@ -21,7 +22,6 @@ ignored: the simulated engine generates ``max_tokens`` deterministic tokens.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -75,7 +75,9 @@ class AgentConfig:
 class Agent:
     """The simulated engine behind the HTTP API: cache, pool, scheduler, real-time loop."""
 
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentConfig, *, record_events: bool = True) -> None:
+        """``record_events``: keep the cache's event log (only a reporter drains it,
+        so an agent without routers must not record, or the log would grow forever)."""
         check_block_bytes(cfg.block_bytes)
         self.cfg = cfg
         self.block_tokens = cfg.block_bytes // BYTES_PER_TOKEN
@@ -83,7 +85,7 @@ class Agent:
         self.sched = build_scheduler(cfg.model, cfg.gpu, tp=cfg.tp, mfu=cfg.mfu,
                                      kv_tokens=cfg.kv_tokens, hash_stride=self.block_tokens,
                                      admission=cfg.admission, config=cfg.scheduler,
-                                     fingerprint=self.fingerprint)
+                                     fingerprint=self.fingerprint, record_events=record_events)
         self.cost = self.sched.cost
         self.cache = self.sched.cache
         self.pool = self.sched.pool
@@ -140,6 +142,10 @@ class Parsed:
 def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
     if not isinstance(body, dict):
         raise MalformedRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    try:
+        tenant.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MalformedRequest(f"the {TENANT_HEADER} header must be valid UTF-8") from None
     cap = agent.capacity
     name = agent.cfg.name
     if endpoint is Endpoint.GENERATE:
@@ -361,7 +367,9 @@ async def _health(request: web.Request) -> web.Response:
 def _server_info(agent: Agent) -> dict:
     cfg = agent.cfg
     return {
-        "model_path": cfg.name, "served_model_name": cfg.name, "tokenizer_path": None,
+        # no model_path / tokenizer_path: SGLang's router would try to fetch a tokenizer
+        # named by them (from HuggingFace, off loopback); the sim has no such files
+        "served_model_name": cfg.name,
         "engine": "sim", "version": "radixfleet-sim-0.1", "gpu": cfg.gpu, "model_preset": cfg.model,
         "tp_size": cfg.tp, "dp_size": 1, "page_size": 1,
         "max_total_num_tokens": agent.capacity,
@@ -380,8 +388,9 @@ async def _get_server_info(request: web.Request) -> web.Response:
 
 async def _get_model_info(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
-    return web.json_response({"model_path": agent.cfg.name, "tokenizer_path": None,
-                              "is_generation": True})
+    # see _server_info for why there is no model_path
+    return web.json_response({"served_model_name": agent.cfg.name, "model_name": agent.cfg.name,
+                              "is_generation": True, "engine": "sim"})
 
 
 async def _get_load(request: web.Request) -> web.Response:
@@ -397,6 +406,30 @@ async def _flush_cache(request: web.Request) -> web.Response:
         return web.Response(text="Cache flushed.\n")
     raise RequestError(f"cache not flushed: {agent.cache.locked_tokens} tokens are in use by "
                        f"running requests; retry when idle")
+
+
+async def _engine_config(request: web.Request) -> web.Response:
+    """``POST /internal/v1/engine_config {"rope_scaling": ...}``: adopt new engine
+    settings. A different configuration fingerprint makes every cached KV wrong, so
+    the tree is flushed (routers get ``cleared``); refused while requests run."""
+    agent = request.app[AGENT_KEY]
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict) or "rope_scaling" not in body:
+        raise MalformedRequest("body must be an object with 'rope_scaling' (null for none)",
+                               param="rope_scaling")
+    rope = body["rope_scaling"]
+    rope = None if rope is None else json.dumps(rope, sort_keys=True, separators=(",", ":"))
+    fp = (agent.cfg.model, agent.cfg.tp, rope)
+    try:
+        flushed = agent.cache.set_fingerprint(fp)
+    except RuntimeError as exc:
+        raise RequestError(str(exc)) from None
+    agent.fingerprint = fp
+    agent.cfg.rope_scaling = rope
+    return web.json_response({"flushed": flushed, "fingerprint": list(fp)})
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -471,7 +504,7 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
                advertise_url: str | None = None) -> web.Application:
     """The agent's aiohttp app; the engine (and reporter, given routers) live in its
     cleanup context, so they start and stop with the app."""
-    agent = Agent(cfg)
+    agent = Agent(cfg, record_events=bool(routers))
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[AGENT_KEY] = agent
     registry = CollectorRegistry(auto_describe=False)
@@ -510,4 +543,5 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
     r.add_get("/get_load", _get_load)
     r.add_route("*", "/flush_cache", _flush_cache)
     r.add_get("/metrics", _metrics)
+    r.add_post("/internal/v1/engine_config", _engine_config)
     return app

@@ -35,6 +35,8 @@ from router.prefix_keys import BYTES_PER_TOKEN
 PARTIAL = 2**32
 
 _LITTLE = sys.byteorder == "little"
+#: an array typecode of exactly 4 bytes ("I" on every mainstream platform)
+_U32 = next(t for t in ("I", "L") if array(t).itemsize == 4)
 _xxh3 = xxhash.xxh3_64_intdigest
 
 # 4096 generated "words": b" " + three lowercase letters, all distinct.
@@ -54,7 +56,7 @@ def encode(data: bytes) -> list[int]:
     """Tokens of ``data``: O(len(data)), one list allocation."""
     n_full = len(data) // BYTES_PER_TOKEN
     cut = n_full * BYTES_PER_TOKEN
-    words = array("I")
+    words = array(_U32)
     words.frombytes(data[:cut])
     if not _LITTLE:  # pragma: no cover - big-endian hosts
         words.byteswap()
