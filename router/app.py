@@ -31,6 +31,13 @@ Endpoints::
     POST /admin/reload         re-read the config file (400 with the message if invalid)
     POST /internal/v1/register, /internal/v1/events            agents (router.events)
 
+Listening (``RouterServer``): the raw HTTP/1.1 front of ``router.proxy`` parses the
+three data-plane POST paths itself and hands any other request, with its
+connection, to this aiohttp app on the same port — aiohttp's request machinery
+cost about as much as the whole rest of a proxied request. The same
+``Router.serve`` also runs behind the aiohttp app's own data-plane routes
+(``AiohttpExchange``), for embedding and tests.
+
 Every error is an OpenAI-style JSON body (``router.errors``); bad input is never a
 500. Lifecycle: the client session, health checks, the reload watcher and warm-up
 tasks live in ``cleanup_ctx``; ``aclose()`` of the pool runs there.
@@ -56,7 +63,7 @@ from router import events as ev
 from router.auth import BearerAuth, TenantResolver, check_exposure
 from router.config import (
     MISSING, Config, WorkerSpec, build_policy_from, default_worker_id, load_config,
-    parse_worker_url, with_overrides, _parse,
+    parse_worker_url, with_overrides, parse_section,
 )
 from router.errors import (
     ConfigError, MalformedRequest, NoWorkerAvailable, NotFound, Overloaded, PayloadTooLarge,
@@ -216,14 +223,16 @@ class AiohttpExchange:
         await self.result.write_eof()
 
 
-_ENDPOINT_BY_PATH = {e.value: e for e in Endpoint}
 
 
 class Router:
-    """The router service. ``Router(cfg).app`` is the aiohttp application.
+    """The router service: index, pool, policy, metrics, and the request logic.
 
-    ``cfg_overrides`` (dotted ``section__key`` names, ``MISSING`` = absent) are
-    reapplied on every reload so command-line options keep winning over the file.
+    ``Router(cfg).app`` is the aiohttp application (admin, agents, probes, and the
+    data plane through ``AiohttpExchange``); ``RouterServer(router)`` listens with
+    the raw front for the data plane. ``overrides`` (``section__key`` names,
+    ``MISSING`` = absent) are reapplied on every reload so command-line options keep
+    winning over the file.
     """
 
     def __init__(self, cfg: Config, *, overrides: dict[str, Any] | None = None) -> None:
@@ -251,18 +260,12 @@ class Router:
         self._models_cache: tuple[float, dict] | None = None
         self._mtime = self._file_mtime()
         self._reload_lock = asyncio.Lock()
-        self._apply_timeouts(cfg)
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ setup
 
-    def _apply_timeouts(self, cfg: Config) -> None:
-        t = cfg.timeouts
-        self._timeout = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s,
-                                              sock_read=t.first_byte_s)
-
     def _build_app(self) -> web.Application:
-        # Body size is enforced in _read_body (a reload may change it).
+        # Body size is enforced by the exchanges (a reload may change it).
         app = web.Application(client_max_size=2**62)
         r = app.router
         for e in Endpoint:
@@ -291,8 +294,7 @@ class Router:
     async def _lifecycle(self, app: web.Application):
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
-            connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",),
-            timeout=self._timeout)
+            connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",))
         self.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
         try:
             await self.pool.start(self.session)
@@ -697,7 +699,7 @@ class Router:
     async def _add_worker(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
         try:
-            spec = _parse(WorkerSpec, body, "worker")
+            spec = parse_section(WorkerSpec, body, "worker")
             if not spec.url:
                 raise ConfigError("worker.url", "required: the worker's base URL")
             url = parse_worker_url(spec.url, "worker.url")
@@ -840,7 +842,6 @@ class Router:
             a = self.admission
             a.limit, a.max_queue = lim.max_concurrency, lim.max_queue
             a.timeout_s, a.retry_after_s = lim.queue_timeout_s, lim.retry_after_s
-            self._apply_timeouts(new)
             if self.upstream is not None:
                 self.upstream.connect_timeout_s = new.timeouts.connect_s
             added, removed = self.pool.sync_config(new.workers)

@@ -25,8 +25,9 @@ from router.errors import ConfigError, Unauthorized
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
+    """True for 127.0.0.0/8, ::1 and ``localhost``; "" and 0.0.0.0 mean every interface."""
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

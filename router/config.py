@@ -337,6 +337,12 @@ def _parse(cls: type, raw: Any, path: str, special: Mapping[str, Any] | None = N
     return cls(**values)
 
 
+def parse_section(cls: type, raw: Any, path: str) -> Any:
+    """Validates one mapping against section dataclass ``cls`` (the admin API reuses
+    it for ``POST /admin/workers``). Raises ``ConfigError`` naming ``path.key``."""
+    return _parse(cls, raw, path)
+
+
 def _plain(cls: type, raw: Any, path: str) -> Any:
     return _parse(cls, raw, path)
 

@@ -1,4 +1,7 @@
-"""Upstream forwarding: a lean HTTP/1.1 client with keep-alive connection pools.
+"""The data plane's wire, both ends: a lean HTTP/1.1 upstream client with keep-alive
+connection pools (``UpstreamPool``), and a raw HTTP/1.1 front for clients
+(``FrontServer``, at the end of this module) that hands every non-data-plane
+request to the aiohttp app on the same port.
 
 Why not aiohttp's client: profiled behind the router it cost about two thirds of
 each proxied request (request/response objects, header multidicts, payload
@@ -364,6 +367,8 @@ class UpstreamPool:
         q = self._idle.get(conn.key)
         if q is None:
             q = self._idle[conn.key] = collections.deque()
+        while q and q[0].closed:  # the oldest idle ones die first (upstream keep-alive)
+            q.popleft()
         if len(q) >= self.max_idle:
             conn.close()
         else:

@@ -179,7 +179,10 @@ async def test_graceful_close_finishes_in_flight(fleet):
     async with httpx.AsyncClient(timeout=10) as c:
         slow = asyncio.create_task(c.post(base + "/v1/completions",
                                           json={"model": "m", "prompt": "x", "delay_s": 0.5}))
-        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 5
+        while server._front.in_flight() != 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         closing = asyncio.create_task(server.aclose())
         await asyncio.sleep(0.05)
         with pytest.raises(httpx.ConnectError):
@@ -188,3 +191,30 @@ async def test_graceful_close_finishes_in_flight(fleet):
         await closing
     assert r.status_code == 200
     await server.aclose()  # idempotent
+
+
+async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
+    # an upstream that closes idle keep-alive connections after 0.1 s
+    up = web.AppRunner(upstream_app("k"), access_log=None, keepalive_timeout=0.1)
+    await up.setup()
+    up_port = free_port()
+    await web.TCPSite(up, "127.0.0.1", up_port).start()
+    router = Router(parse_config({"workers": [{"url": f"http://127.0.0.1:{up_port}"}],
+                                  "health": HEALTH, "retries": {"max_attempts": 1}}))
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not router.pool.views(time.monotonic()):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        async with httpx.AsyncClient() as c:
+            for _ in range(3):
+                r = await c.post(f"http://127.0.0.1:{port}/v1/completions", content=BODY)
+                assert r.status_code == 200, r.text
+                await asyncio.sleep(0.3)  # the upstream drops the idle connection
+        router.upstream.check()
+        assert router.metrics.retries.labels("connect")._value.get() == 0
+    finally:
+        await server.aclose()
+        await up.cleanup()

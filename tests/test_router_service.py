@@ -209,10 +209,17 @@ async def test_concurrency_limit_queue_full_is_429(two_upstreams):
     try:
         async with httpx.AsyncClient(timeout=10) as c:
             slow = {"model": "m", "prompt": "x", "delay_s": 0.6}
+            adm = router.admission
+
+            async def until(pred):
+                deadline = time.monotonic() + 5
+                while not pred():
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
             first = asyncio.create_task(c.post(base + "/v1/completions", json=slow))
-            await asyncio.sleep(0.15)
+            await until(lambda: adm.active == 1)
             queued = asyncio.create_task(c.post(base + "/v1/completions", json=slow))
-            await asyncio.sleep(0.15)
+            await until(lambda: len(adm._waiters) == 1)
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 429
             assert r.headers["Retry-After"] == "3"
@@ -634,5 +641,32 @@ async def test_first_byte_timeout_retries_then_504(two_upstreams):
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 200
         assert all(w.in_flight == 0 for w in router.pool)
+    finally:
+        await runner.aclose()
+
+
+async def test_hot_prefix_gets_warmed_replica(two_upstreams):
+    router, runner, base = await start_router({
+        "workers": [{"url": u, "id": f"w{i}"} for i, u in enumerate(two_upstreams)],
+        "policy": {"name": "prefix_load", "params": {
+            "warm_ahead": True, "hot_min_rate": 0.5, "holder_max_rate": 0.5,
+            "min_match_tokens": 0}},
+        "warmup": {"min_interval_s": 60}})
+    body = {"model": "m", "prompt": LONG_PROMPT}
+    try:
+        async with httpx.AsyncClient() as c:
+            for _ in range(40):
+                r = await c.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200
+            deadline = time.monotonic() + 3
+            while router.metrics.warmups.labels("ok")._value.get() < 1:
+                assert time.monotonic() < deadline, "no warm-up was sent"
+                await asyncio.sleep(0.02)
+            stats = [(await c.get(u + "/stats")).json() for u in two_upstreams]
+            info = (await c.get(base + "/admin/index")).json()
+        # one warm-up per (worker, prefix) within min_interval_s, at most one per worker
+        assert 1 <= router.metrics.warmups.labels("ok")._value.get() <= 2
+        assert info["hot_prefixes"] and info["hot_prefixes"][0]["rate"] > 0.5
+        assert sum(s["requests"] for s in stats) >= 41
     finally:
         await runner.aclose()

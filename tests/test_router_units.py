@@ -340,3 +340,60 @@ async def test_parser_first_byte_timeout():
     with pytest.raises(UpstreamTimeout, match="no first byte within 0.05s"):
         await r.wait_head()
     assert conn.closed
+
+
+# ------------------------------------------------------- randomized pool stress
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pool_random_operations_keep_invariants(seed):
+    rng = random.Random(seed)
+    pool, idx, clock = make_pool(breaker={"failure_threshold": 2, "open_s": 1.0})
+    held: list = []  # (worker, tokens still counted, prefilled?)
+    next_port = 10
+    for step in range(600):
+        clock.t += rng.random() * 0.1
+        op = rng.random()
+        views = pool.views(clock())
+        if op < 0.35 and views:
+            w = pool.get(views[rng.randrange(len(views))].id)
+            toks = rng.randrange(0, 500)
+            pool.pick(w, toks)
+            idx.insert(w.id, [rng.randrange(1, 50) for _ in range(1)], clock())
+            held.append([w, toks])
+        elif op < 0.45 and held:
+            h = held[rng.randrange(len(held))]
+            pool.prefilled(h[0], h[1])
+            h[1] = 0
+        elif op < 0.7 and held:
+            w, toks = held.pop(rng.randrange(len(held)))
+            pool.finish(w, toks, rng.choice([True, False, None]))
+        elif op < 0.8:
+            ws = list(pool)
+            if ws:
+                w = rng.choice(ws)
+                pool._set_health(w, rng.choice([HealthState.HEALTHY, HealthState.UNHEALTHY]))
+        elif op < 0.85 and len(pool) > 1:
+            pool.remove(rng.choice(list(pool)).id)
+        elif op < 0.9:
+            next_port += 1
+            w = pool.add(f"n{next_port}", f"http://127.0.0.1:{next_port}", Source.ADMIN)
+            pool._set_health(w, HealthState.HEALTHY)
+        elif op < 0.95:
+            ws = list(pool)
+            if ws:
+                pool.drain(rng.choice(ws).id, rng.random() < 0.5)
+        else:
+            ws = list(pool)
+            if ws:
+                pool.report_load(rng.choice(ws), Load(queued_tokens=rng.randrange(100)),
+                                 clock())
+        pool.check()
+        idx.check()
+        for v in pool.views(clock()):
+            w = pool.get(v.id)
+            assert w.routable(clock()) and v.in_flight == w.in_flight
+            assert v.in_flight_tokens == w.in_flight_tokens
+    for w, toks in held:
+        pool.finish(w, toks, None)
+    assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in pool)

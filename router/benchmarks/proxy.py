@@ -10,8 +10,9 @@ same load generator (wrk, installed from Debian's packages if absent):
 
 Figures: non-streaming requests/s of each and the ratio radixfleet/smg; added
 latency p50/p99 (proxied minus direct) at half of the direct maximum rate
-(wrk2-style fixed rate is not available, so "half load" = half the connections
-of the saturating run, measured with a closed loop at that concurrency); streamed
+(wrk has no fixed-rate mode, so "half load" is a concurrency, not a rate
+of the saturating run: the largest closed-loop concurrency at which radixfleet
+runs at no more than about half its maximum rate, the same for every target); streamed
 chunks/s of each and the ratio.
 
 The upstream also serves the router tests (``python -m router.benchmarks.proxy
@@ -258,18 +259,32 @@ def run(args: argparse.Namespace) -> int:
         plain = {"model": "tiny", "prompt": "hello world, a short benchmark prompt",
                  "max_tokens": 1}
         streamed = dict(plain, stream=True)
-        half = max(1, args.connections // 8)
         for name, base in targets.items():  # warm-up, all targets
             _wrk(wrk, base + "/v1/completions", plain, 1.0, 8, 1)
         for name, base in targets.items():
             url = base + "/v1/completions"
-            r = {"max": _wrk(wrk, url, plain, args.duration, args.connections, args.threads)}
+            results[name] = {"max": _wrk(wrk, url, plain, args.duration, args.connections,
+                                         args.threads)}
+        # Half load: the largest concurrency at which radixfleet runs at <= ~half its
+        # maximum rate (closed loop); every target is measured at that concurrency.
+        half_rps = results["radixfleet"]["max"]["rps"] / 2
+        half = 1
+        for c in (2, 4, 8, 16, 32):
+            if c >= args.connections:
+                break
+            probe = _wrk(wrk, rf + "/v1/completions", plain, 2.0, c, 1)
+            if probe["rps"] > half_rps * 1.1:
+                break
+            half = c
+        for name, base in targets.items():
+            url = base + "/v1/completions"
+            r = results[name]
             r["light"] = _wrk(wrk, url, plain, args.duration / 2, half, 1)
             s = _wrk(wrk, url, streamed, args.duration / 2, max(1, args.connections // 4),
                      args.threads)
             s["chunks_per_s"] = s["rps"] * args.chunks
             r["stream"] = s
-            results[name] = r
+        results["config"]["half_load_connections"] = half
         d = results["direct"]
         summary = {}
         for name in targets:
@@ -280,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
                 "rps": r["max"]["rps"],
                 "added_p50_ms": r["light"]["p50_ms"] - d["light"]["p50_ms"],
                 "added_p99_ms": r["light"]["p99_ms"] - d["light"]["p99_ms"],
+                "light_rps": r["light"]["rps"],
                 "chunks_per_s": r["stream"]["chunks_per_s"],
             }
         if "smg" in summary:
@@ -312,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
         if name in s:
             r = s[name]
             print(f"  {name:11s} {r['rps']:9.0f} req/s  added p50 {r['added_p50_ms']:.3f} ms "
-                  f"p99 {r['added_p99_ms']:.3f} ms  stream {r['chunks_per_s']:.0f} chunks/s")
+                  f"p99 {r['added_p99_ms']:.3f} ms (at {r['light_rps']:.0f} req/s)  "
+                  f"stream {r['chunks_per_s']:.0f} chunks/s")
     if "ratio_rps_radixfleet_over_smg" in s:
         print(f"  radixfleet/smg: throughput {s['ratio_rps_radixfleet_over_smg']:.2f}x, "
               f"streaming {s['ratio_chunks_radixfleet_over_smg']:.2f}x")
