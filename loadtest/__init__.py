@@ -1,0 +1,15 @@
+"""Load generation and reports: what the fleet does to traffic whose prefixes repeat.
+
+Modules (each imports only what it needs; the simulator reuses the first four)::
+
+    workloads    deterministic sessions of RequestSpecs (gsp, multiturn, zipf, rag,
+                 agent, mixed, pollution, trace) -- make_workload(name, options, seed)
+    arrivals     Poisson / TraceTimes / Closed arrivals within Bounds; drive()
+    report       summarize() -> one run of the shared {"runs": [...]} schema,
+                 CacheReference (oracle + pooled), validate(), tables, plots
+    prefix_trie  the token radix tree behind the oracle
+    client       Target: the async streaming OpenAI client, one Result per request
+    main         `radixfleet loadtest` (A/B over --target NAME=URL)
+    fleet        `radixfleet up` (agents + router as child processes)
+    demo         `radixfleet demo` (one fleet, three policies, one comparison)
+"""

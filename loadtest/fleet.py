@@ -28,7 +28,6 @@ only the router between policies.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -122,6 +121,28 @@ def load_config(path: str) -> FleetConfig:
 
 def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "router.cli", *args]
+
+
+def wait_registered(router_url: str, n: int, timeout_s: float = 15.0) -> None:
+    """Waits until the router lists ``n`` routable workers whose agents registered
+    (so feedback flows before load does). Returns early without /admin/workers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(router_url + "/admin/workers", timeout=1.0)
+        except httpx.HTTPError:
+            r = None
+        if r is not None and r.status_code in (401, 403, 404):
+            return
+        if r is not None and r.status_code == 200:
+            body = r.json()
+            items = body.get("workers", []) if isinstance(body, dict) else body
+            ready = [w for w in items if isinstance(w, dict) and w.get("routable", True)
+                     and w.get("epoch", "") is not None]
+            if len(ready) >= n:
+                return
+        time.sleep(0.2)
+    log.warning("router lists fewer than %d registered, routable workers after %.0f s", n, timeout_s)
 
 
 class Child:
@@ -242,6 +263,7 @@ class Fleet:
                             self.router_url + "/v1/models")
         self.router.start()
         self.router.wait_ready(self.ready_timeout_s)
+        wait_registered(self.router_url, len(self.agents))
 
     def stop_router(self) -> None:
         if self.router is not None:

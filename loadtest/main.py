@@ -11,6 +11,10 @@ Before each target's run every agent's cache is flushed (``POST /flush_cache`` o
 /admin/workers``) so every run starts cold. The pooled reference needs the fleet's
 KV capacity: ``--kv-capacity-tokens``, or the sum the agents report.
 
+Per-worker figures come from the router's ``x-radixfleet-worker`` header; a target
+that names no worker (``smg``) gets them from the agents' ``/metrics`` counters,
+read before and after its run.
+
 Every target is probed first; an unreachable one is an error before any load is
 sent. A target failing mid-run is counted per error kind and the run goes on.
 """
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +114,47 @@ async def fleet_capacity(session: aiohttp.ClientSession, agent_urls: list[str]) 
     return total or None
 
 
+#: agent counters (Prometheus text at /metrics): report field -> metric family
+_COUNTERS = {"requests": "radixfleet_agent_requests_finished", "prompt_tokens": "sglang:prompt_tokens",
+             "cached_tokens": "sglang:cached_tokens", "output_tokens": "sglang:generation_tokens"}
+
+
+async def agent_counters(session: aiohttp.ClientSession, agent_urls: list[str]) -> dict[str, dict[str, int]]:
+    """Each agent's cumulative request/token counters from ``GET /metrics``.
+
+    Keyed by ``host:port``; agents without a readable /metrics are left out.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, int]] = {}
+    for url in agent_urls:
+        try:
+            async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status != 200:
+                    continue
+                text = await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            continue
+        values: dict[str, int] = {}
+        try:
+            wanted = {n + "_total": k for k, n in _COUNTERS.items()}
+            for fam in text_string_to_metric_families(text):
+                for sample in fam.samples:  # family naming of '_total' differs by parser
+                    key = wanted.get(sample.name)
+                    if key is not None:
+                        values[key] = values.get(key, 0) + int(sample.value)
+        except ValueError:
+            continue
+        if set(values) == set(_COUNTERS):
+            out[url.split("://", 1)[-1]] = values
+    return out
+
+
+def counter_deltas(before: dict, after: dict) -> dict[str, dict[str, int]]:
+    return {w: {k: after[w][k] - before[w].get(k, 0) for k in _COUNTERS}
+            for w in after if w in before}
+
+
 async def flush(session: aiohttp.ClientSession, agent_urls: list[str]) -> list[str]:
     """POSTs ``/flush_cache`` to every agent; returns the URLs that failed."""
     failed = []
@@ -197,8 +241,17 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                     log.warning("target %s: no agents to flush (pass --flush URL); "
                                 "this run may start warm", name)
                 cap = kv_capacity_tokens or (await fleet_capacity(admin, agents) if agents else None)
+                before = await agent_counters(admin, agents)
                 outcome = await run_target(target, workload, arrivals, bounds,
                                            kv_capacity_tokens=cap, progress=progress)
+                if "unknown" in outcome.report["workers"] and before:
+                    # the target does not name workers (e.g. smg): use the agents' counters
+                    per_agent = counter_deltas(before, await agent_counters(admin, agents))
+                    if per_agent:
+                        outcome.report = summarize(
+                            name, target.base_url, workload.describe(), outcome.results,
+                            kv_capacity_tokens=cap, workers=per_agent)
+                        outcome.report["workers_source"] = "agent /metrics"
                 outcomes.append(outcome)
                 r = outcome.report
                 log.info("target %s: %d/%d ok, hit %.3f", name, r["ok"], r["requests"], r["hit_rate"])
@@ -220,7 +273,8 @@ def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str
     a = parser.add_argument_group("arrivals and bounds")
     m = a.add_mutually_exclusive_group()
     m.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
-    m.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    m.add_argument("--concurrency", type=int,
+                   help="closed loop: requests in flight (default: 8; trace: its own timestamps)")
     a.add_argument("--requests", type=int, default=1000, help="stop after N requests")
     a.add_argument("--duration", type=float, default=120.0, help="stop dispatching after S seconds")
     a.add_argument("--drain", type=float, default=30.0, help="grace for in-flight requests at the end")

@@ -25,12 +25,16 @@ checks a document)::
                                "output_tokens"}}   (ok requests; "unknown" when the
                                                     target names no worker)
     load_imbalance   float|null  max / mean of per-worker prompt tokens
+    workers_source   str    optional: "agent /metrics" when the target named no
+                            worker and the table came from the agents' counters
 
 Oracle and pooled rates are computed on the prompts *as sent*, in dispatch order,
 over the load generator's own token count (``BYTES_PER_TOKEN``-byte chunks of the
 canonical routing bytes, ``router.prefix_keys``), restricted to ok requests so all
 three rates share a denominator's population. ``CacheReference`` does it per
-request at dispatch time.
+request at dispatch time; like an engine, both references also cache each answer
+(prompt + generated text) when it comes back, so "any earlier request" includes
+the earlier turns' answers that a conversation's next prompt repeats.
 """
 
 from __future__ import annotations
@@ -170,8 +174,14 @@ def percentiles(xs: Sequence[float], scale: float = 1000.0) -> dict[str, float |
 
 
 def summarize(name: str, target: str, workload: dict, results: Iterable[Result], *,
-              kv_capacity_tokens: int | None, duration_s: float | None = None) -> dict:
-    """One run's report entry from its per-request results."""
+              kv_capacity_tokens: int | None, duration_s: float | None = None,
+              workers: dict[str, dict[str, int]] | None = None) -> dict:
+    """One run's report entry from its per-request results.
+
+    ``workers`` replaces the per-worker table built from the results' worker
+    names — for targets that do not name the worker (the agents' own counters).
+    """
+    override = workers
     results = list(results)
     ok = [r for r in results if r.ok]
     errors = Counter(r.error_kind or "unknown" for r in results if not r.ok)
@@ -187,6 +197,8 @@ def summarize(name: str, target: str, workload: dict, results: Iterable[Result],
         w["prompt_tokens"] += r.prompt_tokens
         w["cached_tokens"] += r.cached_tokens
         w["output_tokens"] += r.output_tokens
+    if override:
+        workers = override
     imbalance = None
     if workers and "unknown" not in workers:
         loads = [w["prompt_tokens"] for w in workers.values()]
@@ -337,7 +349,8 @@ def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[flo
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT distribution (CDF)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    if ax.get_lines():
+        ax.legend()
     paths.append(os.path.join(out_dir, "ttft_cdf.png"))
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=110)
@@ -351,10 +364,10 @@ def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[flo
     ax.bar(list(xs), [r["pooled_hit_rate"] or 0 for r in runs], width, label="pooled (one LRU cache)")
     ax.bar([x + width for x in xs], [r["oracle_hit_rate"] for r in runs], width, label="oracle (unbounded)")
     ax.set_xticks(list(xs), names)
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.15)  # headroom for the legend above the bars
     ax.set_ylabel("share of prompt tokens served from cache")
     ax.set_title("Cache hit rate vs references")
-    ax.legend()
+    ax.legend(loc="upper center", ncol=3, fontsize="small")
     paths.append(os.path.join(out_dir, "hit_rate.png"))
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=110)
@@ -368,9 +381,11 @@ def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[flo
                [r["workers"].get(w, {}).get("prompt_tokens", 0) for w in workers], width,
                label=f"{r['name']} (imbalance {_fmt(r['load_imbalance'], '.2f')})")
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(workers))], workers)
+    top = max((v.get("prompt_tokens", 0) for r in runs for v in r["workers"].values()), default=0)
+    ax.set_ylim(0, max(1, top) * (1.15 + 0.1 * len(runs)))  # room for the legend
     ax.set_ylabel("prompt tokens")
     ax.set_title("Per-worker load")
-    ax.legend()
+    ax.legend(loc="upper right", fontsize="small")
     paths.append(os.path.join(out_dir, "worker_load.png"))
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=110)
@@ -389,12 +404,14 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         if self.enabled:
+            from rich.console import Console
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
                                        TextColumn, TimeElapsedColumn)
 
             self._p = RichProgress(TextColumn("{task.description}"), BarColumn(),
                                    MofNCompleteColumn(), TextColumn("{task.fields[errors]} errors"),
-                                   TimeElapsedColumn(), transient=True)
+                                   TimeElapsedColumn(), transient=True,
+                                   console=Console(stderr=True))
             self._p.__enter__()
             self._task = self._p.add_task(self.label, total=self.total, errors=0)
         return self

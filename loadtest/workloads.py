@@ -743,9 +743,6 @@ class _TraceSession(Session):
         return RequestSpec(f"{self.id}.0", p.api, body, n_out, self.id, 0,
                            (ts - self.t0) / 1000.0 * p.time_scale, n_in)
 
-    def arrival_s(self) -> float:
-        return (self.rec[0] - self.t0) / 1000.0 * self.params.time_scale
-
 
 WORKLOADS: dict[str, type[Workload]] = {
     w.name: w for w in (Gsp, Multiturn, Zipf, Rag, Agent, Mixed, Pollution, Trace)

@@ -30,7 +30,8 @@ class FakeServer:
     """An OpenAI-compatible streaming server; ``fail(n)`` makes every n-th request fail."""
 
     def __init__(self, worker="fake0", capacity=100_000, fail_every=0, drop_every=0):
-        self.worker = worker
+        self.worker = worker  # the x-radixfleet-worker header, or None (like smg)
+        self.totals = {"requests": 0, "prompt": 0, "cached": 0, "output": 0}
         self.cache = PrefixTrie(capacity)
         self.capacity = capacity
         self.fail_every = fail_every
@@ -46,7 +47,17 @@ class FakeServer:
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_post("/flush_cache", self.flush)
         app.router.add_get("/get_load", self.load)
+        app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def metrics(self, request):
+        t = self.totals
+        lines = []
+        for name, v in (("radixfleet_agent_requests_finished", t["requests"]),
+                        ("sglang:prompt_tokens", t["prompt"]), ("sglang:cached_tokens", t["cached"]),
+                        ("sglang:generation_tokens", t["output"])):
+            lines += [f"# TYPE {name} counter", f'{name}_total{{model_name="m"}} {v}.0']
+        return web.Response(text="\n".join(lines) + "\n")
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
@@ -62,19 +73,22 @@ class FakeServer:
     async def generate(self, request):
         body = await request.json()
         self.count += 1
+        nth = self.count  # this request's number (self.count moves on while it streams)
         self.bodies.append(body)
-        if self.fail_every and self.count % self.fail_every == 0:
+        if self.fail_every and nth % self.fail_every == 0:
             return web.json_response({"error": {"message": "boom", "type": "server_error",
                                                 "code": "x", "param": None}}, status=500)
         chat = request.path.endswith("chat/completions")
         data = as_tokens(routing_bytes(Endpoint.CHAT if chat else Endpoint.COMPLETIONS, body))
         cached = self.cache.serve(data)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "x-radixfleet-worker": self.worker})
+        headers = {"Content-Type": "text/event-stream"}
+        if self.worker:
+            headers["x-radixfleet-worker"] = self.worker
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         n = body["max_tokens"]
         for i in range(n):
-            if self.drop_every and self.count % self.drop_every == 0 and i == 1:
+            if self.drop_every and nth % self.drop_every == 0 and i == 1:
                 request.transport.close()
                 return resp
             delta = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
@@ -84,6 +98,11 @@ class FakeServer:
                  "prompt_tokens_details": {"cached_tokens": cached}}
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
+        t = self.totals
+        t["requests"] += 1
+        t["prompt"] += len(data) // 4
+        t["cached"] += cached
+        t["output"] += n
         return resp
 
 
@@ -141,6 +160,28 @@ async def test_errors_mid_run_are_counted_and_the_run_goes_on(port):
     assert r["kv_capacity_tokens"] == 100_000  # discovered from /get_load
     assert r["pooled_hit_rate"] == pytest.approx(r["oracle_hit_rate"])  # capacity never binds
     assert 0 < r["hit_rate"] <= r["oracle_hit_rate"] + 1e-9
+    validate({"runs": [r]})
+
+
+async def test_unnamed_workers_are_counted_from_agent_metrics(port):
+    fakes = [FakeServer(worker=None), FakeServer(worker=None)]
+    ports = [port, port + 1 if port < 65000 else port - 1]
+    runners = [await _serve(f, p) for f, p in zip(fakes, ports)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        # the "router" is the first fake itself; the second agent gets no traffic
+        w = make_workload("zipf", {"requests": 12, "output_tokens": 3})
+        (out,) = await run_ab([("direct", urls[0])], w, Closed(2), Bounds(12, 20),
+                              flush_urls=urls, progress=False, settle_s=0)
+    finally:
+        for r in runners:
+            await r.cleanup()
+    r = out.report
+    assert r["workers_source"] == "agent /metrics"
+    a, b = (r["workers"][u.split("//")[1]] for u in urls)
+    assert a["requests"] == 12 and a["output_tokens"] == 36 and b["requests"] == 0
+    assert a["prompt_tokens"] == r["prompt_tokens"] and a["cached_tokens"] == r["cached_tokens"]
+    assert r["load_imbalance"] == pytest.approx(2.0)
     validate({"runs": [r]})
 
 

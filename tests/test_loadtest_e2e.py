@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from loadtest.fleet import wait_registered
 from loadtest.report import validate
 from tests.procs import Proc, free_port, radixfleet_argv
 
@@ -40,6 +41,7 @@ def test_loadtest_against_two_agents_and_the_router(tmp_path):
     router_port, ports = free_port(), [free_port(), free_port()]
     router_url, agents, router = _fleet(router_port, ports, "prefix_load")
     with agents[0], agents[1], router:
+        wait_registered(router_url, 2)  # so the router names workers by their agent ids
         out = tmp_path / "report.json"
         p = subprocess.run(
             [sys.executable, "-m", "router.cli", "loadtest", "--target", f"ours={router_url}",

@@ -215,3 +215,15 @@ def test_references_cache_answers_like_an_engine():
     head = prompt_bytes(first) + b" abc def"
     assert oracle == pooled == len(head) // 4
     ref.check()
+
+
+def test_progress_bar_quiet_off_a_tty_and_live_on_one(capsys):
+    from loadtest.report import Progress
+
+    with Progress("x", 3) as bar:  # pytest's stderr is not a TTY
+        assert not bar.enabled
+        bar.advance(0)
+    assert capsys.readouterr().err == ""
+    with Progress("run", 3, enabled=True) as bar:
+        for i in range(3):
+            bar.advance(i)
