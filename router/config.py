@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from policies.params import check_value
 from router.errors import ConfigError
 from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 
@@ -254,52 +254,19 @@ def _kind(f: dataclasses.Field) -> str:
     return t
 
 
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else repr(float(x))
-
-
-def _expected(kind: str, meta: Mapping[str, Any]) -> str:
-    if kind == "bool":
-        return "true or false"
-    if kind == "str":
-        return "a string"
-    noun = "an integer" if kind == "int" else "a number"
-    lo, hi = meta.get("lo"), meta.get("hi")
-    if lo is not None and hi is not None:
-        left = "(" if meta.get("lo_open") else "["
-        return f"{noun} in {left}{_fmt(lo)}, {_fmt(hi)}]"
-    if lo is not None:
-        return f"{noun} {'>' if meta.get('lo_open') else '>='} {_fmt(lo)}"
-    return noun
-
-
 def _scalar(kind: str, meta: Mapping[str, Any], value: Any, path: str) -> Any:
+    """One scalar field: strings and choices here, numbers and bools by the same
+    rules (and messages) as policy parameters (``policies.params.check_value``)."""
     choices = meta.get("choices")
     if choices is not None:
         if not isinstance(value, str) or value not in choices:
             raise ConfigError(path, f"{value!r} is not one of {', '.join(choices)}")
         return value
-    bad = ConfigError(path, f"expected {_expected(kind, meta)}, got {value!r}")
-    if kind == "bool":
-        if type(value) is not bool:
-            raise bad
-        return value
     if kind == "str":
         if not isinstance(value, str):
-            raise bad
+            raise ConfigError(path, f"expected a string, got {value!r}")
         return value
-    if type(value) is bool or not isinstance(value, (int, float)):
-        raise bad
-    if kind == "int" and type(value) is not int:
-        raise bad
-    if isinstance(value, float) and not math.isfinite(value):
-        raise bad
-    lo, hi = meta.get("lo"), meta.get("hi")
-    if lo is not None and (value <= lo if meta.get("lo_open") else value < lo):
-        raise bad
-    if hi is not None and value > hi:
-        raise bad
-    return float(value) if kind == "float" else value
+    return check_value(kind, meta, value, path)
 
 
 def _mapping(raw: Any, path: str) -> Mapping[str, Any]:
