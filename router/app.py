@@ -31,11 +31,11 @@ Endpoints::
     POST /admin/reload         re-read the config file (400 with the message if invalid)
     POST /internal/v1/register, /internal/v1/events            agents (router.events)
 
-Listening (``RouterServer``): the raw HTTP/1.1 front of ``router.proxy`` parses the
-three data-plane POST paths itself and hands any other request, with its
-connection, to this aiohttp app on the same port — aiohttp's request machinery
-cost about as much as the whole rest of a proxied request. The same
-``Router.serve`` also runs behind the aiohttp app's own data-plane routes
+Listening (``RouterServer``): the raw HTTP/1.1 front of ``router.proxy`` serves the
+three data-plane POST paths itself (parsed by httptools) and hands any other
+request, with its connection, to this aiohttp app on the same port — aiohttp's
+request machinery cost about as much as the whole rest of a proxied request. The
+same ``Router.serve`` also runs behind the aiohttp app's own data-plane routes
 (``AiohttpExchange``), for embedding and tests.
 
 Every error is an OpenAI-style JSON body (``router.errors``); bad input is never a

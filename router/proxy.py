@@ -3,11 +3,20 @@ connection pools (``UpstreamPool``), and a raw HTTP/1.1 front for clients
 (``FrontServer``, at the end of this module) that hands every non-data-plane
 request to the aiohttp app on the same port.
 
-Why not aiohttp's client: profiled behind the router it cost about two thirds of
-each proxied request (request/response objects, header multidicts, payload
-wrappers, timers). The router needs far less — POST a byte body with a handful
-of fixed headers, get a status, a few headers and the body bytes (whole, or as
-they arrive for SSE) — so this module does only that, on ``asyncio.Protocol``.
+Why not aiohttp's client (or server) here: profiled behind the router, aiohttp's
+client cost about two thirds of each proxied request (request/response objects,
+header multidicts, payload wrappers, timers), and plain aiohttp client + server
+reached only ~0.65-0.8x the throughput of SGLang's router. The router needs far
+less — POST a byte body with a handful of fixed headers, get a status, a few
+headers and the body bytes (whole, or as they arrive for SSE) — so this module
+does only that, on ``asyncio.Protocol``.
+
+Why httptools: the bytes on both ends are parsed by ``httptools`` (llhttp, Node's
+HTTP/1.1 parser, the one uvicorn uses), not by code of ours: request and status
+lines, header syntax, ``Content-Length`` / ``Transfer-Encoding`` validation and
+chunked decoding, keep-alive rules per version. This module only reacts to its
+callbacks. A parser lives as long as what it parses: one per front connection
+(llhttp resets itself between keep-alive requests), one per upstream response.
 
 ::
 
@@ -17,9 +26,11 @@ they arrive for SSE) — so this module does only that, on ``asyncio.Protocol``.
         Response.release()   back to the idle list if complete and keep-alive,
                              else the connection is closed (also on cancellation)
 
-Response framing: ``Content-Length``, ``Transfer-Encoding: chunked`` (decoded: the
-payload bytes pass through unchanged, the transfer coding is hop-by-hop), or
-until close. 1xx interim responses are skipped.
+Response framing is llhttp's: ``Content-Length``, ``Transfer-Encoding: chunked``
+(decoded: the payload bytes pass through unchanged, the transfer coding is
+hop-by-hop; trailers are dropped), or until close (httptools cannot be told of
+the EOF, so ``Response`` ends such a body itself when the connection closes).
+1xx interim responses are skipped; a 101 (protocol switch) is a broken upstream.
 
 Failures raise ``UpstreamError`` subclasses with a ``cause`` label:
 ``ConnectFailed`` (cannot connect, or a reused idle connection died before any
@@ -29,7 +40,8 @@ byte — retried once on a fresh connection inside ``request``), ``UpstreamTimeo
 
 Invariants: a connection is in at most one place — an idle list, or serving one
 ``Response``; an idle connection has no response and an open transport; a
-``Response`` in state DONE holds no waiter.
+``Response`` in state DONE holds no waiter; a ``Response`` whose connection is
+reused was complete, keep-alive and got no byte past its end.
 """
 
 from __future__ import annotations
@@ -37,14 +49,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import http
+import json
 import logging
 import socket
 import time as _time
 
+import httptools
+
 from router.errors import PayloadTooLarge
 
-_HEAD, _LEN, _CSIZE, _CDATA, _CCRLF, _TRAILER, _EOF, _DONE = range(8)
-_MAX_HEAD = 64 * 1024
+# Response states: waiting for the (final) head / receiving the body / complete.
+_HEAD, _BODY, _DONE = range(3)
+_MAX_HEAD = 64 * 1024  # bytes of request or response head we accept
 
 
 class UpstreamError(Exception):
@@ -64,25 +80,30 @@ class UpstreamBroken(UpstreamError):
 
 
 class Response:
-    """One upstream response, parsed incrementally as bytes arrive."""
+    """One upstream response, parsed incrementally (by its own
+    ``httptools.HttpResponseParser``) as ``_Conn`` feeds it bytes.
 
-    __slots__ = ("status", "headers", "_conn", "_buf", "_state", "_remaining", "_chunks",
-                 "_waiter", "_err", "_keepalive", "_head", "_got", "_timer", "_loop",
-                 "_read_timeout", "_deadline")
+    The ``on_*`` methods are the parser's callbacks, called only from inside
+    ``_feed``; consumers use ``wait_head``, ``read``, ``readany``, ``release``."""
+
+    __slots__ = ("status", "headers", "_conn", "_parser", "_state", "_chunks", "_waiter",
+                 "_err", "_keepalive", "_eof_framed", "_head", "_got", "_head_bytes",
+                 "_timer", "_loop", "_read_timeout", "_deadline")
 
     def __init__(self, conn: "_Conn", loop, read_timeout: float, deadline: float) -> None:
         self.status = 0
-        self.headers: dict[str, str] = {}
-        self._conn = conn
-        self._buf = bytearray()
-        self._state = _HEAD
-        self._remaining = 0
+        self.headers: dict[str, str] = {}  # lower-case names; the final head's only
+        self._conn = conn  # None once released
+        self._parser = httptools.HttpResponseParser(self)
+        self._state = _HEAD  # only the parser callbacks and _lost move it forward
         self._chunks: list[bytes] = []  # body bytes not yet handed out
         self._waiter: asyncio.Future | None = None  # someone awaits head or bytes
         self._err: UpstreamError | None = None
-        self._keepalive = True
+        self._keepalive = True  # llhttp's verdict, cleared by anything unexpected
+        self._eof_framed = False  # no length, not chunked: the body ends at close
         self._head = loop.create_future()
         self._got = False  # any response byte received
+        self._head_bytes = 0  # bytes fed while the head was incomplete
         self._timer = None
         self._loop = loop
         self._read_timeout = read_timeout
@@ -148,7 +169,7 @@ class Response:
             return
         self._conn = None
         conn.resp = None
-        if self._state == _DONE and self._err is None and self._keepalive and not self._buf:
+        if self._state == _DONE and self._err is None and self._keepalive:
             conn.pool._put(conn)
         else:
             conn.close()
@@ -167,8 +188,8 @@ class Response:
             self._conn.close()
 
     def _lost(self, exc: BaseException | None) -> None:
-        if self._state == _EOF:
-            self._state = _DONE
+        if self._state == _BODY and self._eof_framed:
+            self._state = _DONE  # the close is the end of this body
             self._keepalive = False
             self._wake()
             return
@@ -187,124 +208,69 @@ class Response:
 
     def _feed(self, data: bytes) -> None:
         self._got = True
-        buf = self._buf
-        buf += data
-        if self._state == _HEAD:
-            if not self._parse_head():
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamBroken("upstream switched protocols (101)"))
+            return
+        except httptools.HttpParserError as exc:
+            if isinstance(exc, httptools.HttpParserCallbackError) and \
+                    not isinstance(exc.__context__, UpstreamBroken):
+                raise exc.__context__ or exc  # a bug in a callback, not the upstream's
+            st = self._state
+            if st == _DONE:  # bytes past the end of the response: not reusable
+                self._keepalive = False
+            elif st == _HEAD:
+                self._fail(UpstreamBroken(f"not an HTTP response: {exc}"))
                 return
-        self._parse_body()
+            elif "chunked" in self.headers.get("transfer-encoding", "").lower():
+                self._fail(UpstreamBroken(f"bad chunk size or chunk framing: {exc}"))
+                return
+            else:
+                self._fail(UpstreamBroken(f"malformed response body: {exc}"))
+                return
+        if self._state == _HEAD:
+            self._head_bytes += len(data)
+            if self._head_bytes > _MAX_HEAD:
+                self._fail(UpstreamBroken("response head too large"))
+                return
         if self._chunks or self._state == _DONE:
             self._wake()
 
-    def _parse_head(self) -> bool:
-        buf = self._buf
-        while True:
-            i = buf.find(b"\r\n\r\n")
-            if i < 0:
-                if len(buf) > _MAX_HEAD:
-                    self._fail(UpstreamBroken("response head too large"))
-                return False
-            lines = bytes(buf[:i]).split(b"\r\n")
-            del buf[: i + 4]
-            parts = lines[0].split(b" ", 2)
-            try:
-                status = int(parts[1])
-                if not parts[0].startswith(b"HTTP/1."):
-                    raise ValueError(parts[0])
-            except (ValueError, IndexError):
-                self._fail(UpstreamBroken(f"not an HTTP response: {lines[0][:80]!r}"))
-                return False
-            if 100 <= status < 200:
-                continue  # interim response
-            headers = {}
-            for line in lines[1:]:
-                k, sep, v = line.partition(b":")
-                if sep:
-                    headers[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
-            self.status = status
-            self.headers = headers
-            if parts[0] == b"HTTP/1.0":
-                self._keepalive = headers.get("connection", "").lower() == "keep-alive"
-            elif headers.get("connection", "").lower() == "close":
-                self._keepalive = False
-            te = headers.get("transfer-encoding")
-            cl = headers.get("content-length")
-            if status in (204, 304):
-                self._state = _DONE
-            elif te is not None and "chunked" in te.lower():
-                self._state = _CSIZE
-            elif cl is not None:
-                try:
-                    self._remaining = int(cl)
-                except ValueError:
-                    self._fail(UpstreamBroken(f"bad Content-Length {cl!r}"))
-                    return False
-                self._state = _LEN if self._remaining else _DONE
-            else:
-                self._state = _EOF
-                self._keepalive = False
-            if not self._head.done():
-                self._head.set_result(None)
-            return True
+    # httptools callbacks (from inside _feed only)
 
-    def _parse_body(self) -> None:
-        buf = self._buf
-        chunks = self._chunks
-        while buf:
-            st = self._state
-            if st == _LEN or st == _CDATA:
-                n = self._remaining
-                if len(buf) <= n:
-                    chunks.append(bytes(buf))
-                    self._remaining = n - len(buf)
-                    buf.clear()
-                else:
-                    chunks.append(bytes(buf[:n]))
-                    del buf[:n]
-                    self._remaining = 0
-                if self._remaining == 0:
-                    self._state = _DONE if st == _LEN else _CCRLF
-            elif st == _CSIZE:
-                i = buf.find(b"\r\n")
-                if i < 0:
-                    return
-                line = bytes(buf[:i]).split(b";", 1)[0].strip()
-                del buf[: i + 2]
-                try:
-                    size = int(line, 16)
-                except ValueError:
-                    self._fail(UpstreamBroken(f"bad chunk size {line[:20]!r}"))
-                    return
-                if size == 0:
-                    self._state = _TRAILER
-                else:
-                    self._remaining = size
-                    self._state = _CDATA
-            elif st == _CCRLF:
-                if len(buf) < 2:
-                    return
-                if buf[:2] != b"\r\n":
-                    self._fail(UpstreamBroken("chunk not followed by CRLF"))
-                    return
-                del buf[:2]
-                self._state = _CSIZE
-            elif st == _TRAILER:
-                if buf[:2] == b"\r\n":
-                    del buf[:2]
-                    self._state = _DONE
-                else:
-                    i = buf.find(b"\r\n\r\n")
-                    if i < 0:
-                        return
-                    del buf[: i + 4]
-                    self._state = _DONE
-            elif st == _EOF:
-                chunks.append(bytes(buf))
-                buf.clear()
-            else:  # _DONE with bytes left: the upstream sent more than it framed
-                self._keepalive = False
-                buf.clear()
-                return
+    def on_message_begin(self) -> None:
+        if self._state == _DONE:
+            self._keepalive = False
+            raise UpstreamBroken("bytes after the end of the response")  # stops the parser
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._state == _HEAD:  # not trailers
+            self.headers[name.lower().decode("latin-1")] = value.strip().decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        p = self._parser
+        status = p.get_status_code()
+        if status < 200:
+            self.headers = {}  # an interim response: its message completes at once
+            return
+        self.status = status
+        self._keepalive = p.should_keep_alive()
+        self._state = _BODY
+        h = self.headers
+        if status != 204 and status != 304 and "content-length" not in h and \
+                "chunked" not in h.get("transfer-encoding", "").lower():
+            self._eof_framed = True
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._state == _BODY:  # not an interim response
+            self._state = _DONE
+            self._keepalive = self._keepalive and self._parser.should_keep_alive()
 
 
 class _Conn(asyncio.Protocol):
@@ -461,37 +427,88 @@ def build_head(path: str, hostport: str, body_len: int, extra: bytes) -> bytes:
 # ======================================================================= front
 #
 # The client-facing side of the data plane: a raw HTTP/1.1 server for the proxied
-# POST paths. Everything else (admin, agents, metrics, probes, 404/405) is handed,
-# at a request boundary, to the aiohttp application by swapping the transport's
-# protocol — so one port serves both and the hot path skips aiohttp's request
-# machinery.
+# POST paths, its bytes parsed by one httptools.HttpRequestParser per connection.
+# Everything else (admin, agents, metrics, probes, 404/405) is handed, at a request
+# boundary, to the aiohttp application by swapping the transport's protocol — so
+# one port serves both and the hot path skips aiohttp's request machinery.
 #
-#   _FrontConn states:  idle (no task) --head+body parsed--> busy (task running)
-#                       --reply / stream end--> idle (keep-alive) | closed
-#                       any state --non-data-plane request--> handed to aiohttp
+#   _FrontConn states:  idle (no task) --request complete--> busy (task running)
+#                       --reply / stream end--> next queued request | idle | closed
+#                       a non-data-plane request --> (once idle) handed to aiohttp
+#                       a malformed request --> (once idle) 400/431 JSON, closed
+#
+# The parser runs ahead of the handler: requests a client pipelines behind the one
+# being served are parsed into ``queue`` and served in order; reading pauses while
+# the backlog is large. A hand-over must give aiohttp the raw bytes of the handed
+# request onwards, and httptools reports no byte offsets, so the connection keeps
+# the chunks received since the last point at which the parser stood between
+# requests (``fed``, ``fed_done``); finding a boundary inside them (pipelining
+# only) re-parses them with a throw-away parser (``_message_end``).
 
 log = logging.getLogger("radixfleet.front")
 
 _PHRASES = {s.value: s.phrase.encode() for s in http.HTTPStatus}
-_MAX_PIPELINE = 1 << 20  # bytes buffered while a request is being served
+_MAX_PIPELINE = 1 << 20  # bytes received while busy before reading pauses
+
+
+class _Stop(Exception):
+    """Raised in a parser callback to stop parsing this connection; what to do next
+    is in ``_FrontConn.stop``. Raised as a class (a fresh instance each time: a
+    shared one would keep its last traceback, and the connection, alive)."""
+
+
+class _Counter:
+    """Parser callbacks that only count complete messages (``_message_end``)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def on_message_complete(self) -> None:
+        self.n += 1
+
+
+def _message_end(data: bytes, n: int) -> int:
+    """The offset in ``data`` (which starts between requests) at which its ``n``-th
+    request ends: the shortest prefix in which a fresh parser completes ``n``
+    messages. O(len(data) log len(data)); only a pipelined hand-over needs it."""
+    view = memoryview(data)
+    lo, hi = 0, len(data)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        c = _Counter()
+        try:
+            httptools.HttpRequestParser(c).feed_data(view[:mid])
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            pass  # past the n-th request: what follows is not ours to judge
+        if c.n >= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class _PendingRequest:
-    """A request whose head is parsed and whose body is still arriving."""
+    """A request being parsed (head, then body), or parsed and waiting its turn."""
 
-    __slots__ = ("handler", "headers", "keepalive", "http10", "need", "chunked", "body",
-                 "cstate", "too_large")
+    __slots__ = ("url", "headers", "in_head", "head_size", "head_raw", "handler", "keepalive",
+                 "http10", "body", "size", "limit", "too_large", "expect_continue")
 
-    def __init__(self, handler, headers, keepalive, http10) -> None:
-        self.handler = handler
-        self.headers = headers
-        self.keepalive = keepalive
-        self.http10 = http10
-        self.need = 0  # Content-Length still to read (or current chunk's remainder)
-        self.chunked = False
-        self.body = bytearray()
-        self.cstate = _CSIZE  # chunked decoding state
-        self.too_large = False
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: dict[str, str] = {}  # lower-case names, repeats joined by ", "
+        self.in_head = True  # headers still arriving (later on_header calls are trailers)
+        self.head_size = 0  # bytes of target and complete headers seen
+        self.head_raw = 0  # bytes received while the head was unfinished (an upper bound)
+        self.handler = None
+        self.keepalive = False
+        self.http10 = False
+        self.body: list[bytes] = []
+        self.size = 0  # len of the body so far
+        self.limit = 0  # the body limit when the head arrived
+        self.too_large = False  # the body exceeds the limit: parsing stopped
+        self.expect_continue = False  # a 100 Continue is owed once it is this one's turn
 
 
 class FrontExchange:
@@ -503,7 +520,8 @@ class FrontExchange:
     def __init__(self, conn: "_FrontConn", req: _PendingRequest) -> None:
         self.conn = conn
         self.headers = req.headers  # lower-case names
-        self._body = bytes(req.body)
+        b = req.body
+        self._body = b[0] if len(b) == 1 else b"".join(b)
         self.keepalive = req.keepalive
         self.http10 = req.http10
         self.state = 0  # 0 nothing sent, 1 replied, 2 streaming, 3 stream ended
@@ -570,21 +588,35 @@ class FrontExchange:
 
 
 class _FrontConn(asyncio.Protocol):
-    __slots__ = ("server", "transport", "buf", "task", "req", "closed", "paused", "_drain",
-                 "last_active", "reading_paused", "handed")
+    """One client connection. The ``on_*`` methods are its parser's callbacks.
+
+    Invariants: ``queue`` is non-empty only while ``task`` runs (an idle connection
+    starts a complete request at once); once ``parser`` is None no byte is parsed
+    again and ``stop`` says what happens when idle; ``fed`` starts between requests
+    and ``fed_done`` requests end within it."""
+
+    __slots__ = ("server", "transport", "parser", "req", "queue", "task", "stop", "fed",
+                 "fed_done", "backlog", "closed", "paused", "_drain", "last_active",
+                 "reading_paused")
 
     def __init__(self, server: "FrontServer") -> None:
         self.server = server
         self.transport = None
-        self.buf = bytearray()
+        self.parser = httptools.HttpRequestParser(self)  # None once parsing stopped
+        self.req: _PendingRequest | None = None  # the request being parsed
+        self.queue: collections.deque[_PendingRequest] = collections.deque()  # parsed, waiting
         self.task: asyncio.Task | None = None  # the request being served
-        self.req: _PendingRequest | None = None  # head parsed, body arriving
+        # Why parsing stopped, acted on once idle: None, ("bad", status, message),
+        # ("handover", [bytes...]) or ("served",) (a request that ends the connection).
+        self.stop: tuple | None = None
+        self.fed: list[bytes] = []  # chunks since the parser last stood between requests
+        self.fed_done = 0  # requests completed within ``fed``
+        self.backlog = 0  # bytes received while busy (reading pauses past _MAX_PIPELINE)
         self.closed = False
         self.paused = False  # the transport asked us to stop writing
         self._drain: asyncio.Future | None = None
         self.last_active = _time.monotonic()
         self.reading_paused = False
-        self.handed = False  # given to aiohttp
 
     # ---------------------------------------------------------- asyncio hooks
 
@@ -599,17 +631,47 @@ class _FrontConn(asyncio.Protocol):
                 pass
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
         self.last_active = _time.monotonic()
-        if self.task is None:
-            self._advance()
-        elif len(self.buf) > _MAX_PIPELINE and not self.reading_paused:
-            self.reading_paused = True
-            self.transport.pause_reading()
+        if self.task is not None:
+            self.backlog += len(data)
+            if self.backlog > _MAX_PIPELINE and not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()
+        parser = self.parser
+        if parser is None:
+            stop = self.stop
+            if stop is not None and stop[0] == "handover":
+                stop[1].append(data)  # aiohttp's, once the requests before are served
+            return  # else: the connection ends after what is queued; ignore the rest
+        fed = self.fed
+        fed.append(data)
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if self.stop is None:  # not our _Stop: a bug in a callback
+                raise exc.__context__ or exc
+        except httptools.HttpParserUpgrade:  # on_headers_complete lets no upgrade through
+            self._stop_bad(400, "protocol upgrade is not supported")
+        except httptools.HttpParserError as exc:
+            self._stop_bad(400, f"malformed request: {exc}")
+        else:
+            req = self.req
+            if req is None:  # between requests: nothing to keep for a hand-over
+                fed.clear()
+                self.fed_done = 0
+            elif req.in_head:
+                req.head_raw += len(data)
+                if req.head_raw > _MAX_HEAD:
+                    self._stop_bad(431, "request head too large")
+        if self.parser is None:
+            self.fed = []  # parsing stopped: no boundary will be looked for again
+        if self.task is None and self.stop is not None:
+            self._next()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.server._conns.discard(self)
+        self.queue.clear()
         d = self._drain
         if d is not None and not d.done():
             d.set_exception(ConnectionResetError("client disconnected"))
@@ -638,157 +700,165 @@ class _FrontConn(asyncio.Protocol):
             self.closed = True
             self.transport.close()
 
-    # ---------------------------------------------------------------- parsing
+    # ------------------------------------------------------- parser callbacks
 
-    def _advance(self) -> None:
-        """Parses and dispatches buffered requests while idle."""
-        while self.task is None and not self.closed and not self.handed:
-            if self.req is None:
-                if not self._parse_head():
-                    return
-            if not self._read_body():
-                return
-            req, self.req = self.req, None
-            ex = FrontExchange(self, req)
-            self.task = asyncio.get_running_loop().create_task(self._run(req.handler, ex))
+    def on_message_begin(self) -> None:
+        self.req = _PendingRequest()
+
+    def on_url(self, url: bytes) -> None:
+        req = self.req
+        req.url += url  # may come in pieces
+        req.head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        req = self.req
+        if not req.in_head:
+            return  # a chunked body's trailer: dropped
+        req.head_size += len(name) + len(value)
+        if req.head_size > _MAX_HEAD:
+            self._stop_bad(431, "request head too large")
+            raise _Stop
+        h = req.headers
+        k = name.lower().decode("latin-1")
+        v = value.strip().decode("utf-8", "surrogateescape")
+        old = h.get(k)
+        h[k] = v if old is None else f"{old}, {v}"
+
+    def on_headers_complete(self) -> None:
+        req = self.req
+        req.in_head = False
+        p = self.parser
+        version = p.get_http_version()
+        if version != "1.1" and version != "1.0":
+            self._stop_bad(400, f"unsupported HTTP version {version}")
+            raise _Stop
+        routes = self.server.routes
+        url = req.url
+        handler = routes.get(url)
+        if handler is None and (b"?" in url or url[:1] != b"/"):
+            try:
+                handler = routes.get(httptools.parse_url(url).path)
+            except httptools.HttpParserInvalidURLError:
+                pass
+        if handler is None or p.get_method() != b"POST":
+            self._stop_handover()
+            raise _Stop
+        if p.should_upgrade():
+            self._stop_bad(400, "protocol upgrade is not supported on the data plane")
+            raise _Stop
+        req.handler = handler
+        req.keepalive = p.should_keep_alive() and not self.server.closing
+        req.http10 = version == "1.0"
+        req.limit = limit = self.server.max_body()
+        h = req.headers
+        cl = h.get("content-length")  # llhttp checked it: digits, no conflict with TE
+        if cl is not None and int(cl) > limit:
+            self._too_large(req)
+            raise _Stop
+        if (cl != "0" if cl is not None else "transfer-encoding" in h) and \
+                h.get("expect", "").lower() == "100-continue":
+            if self.task is None and not self.queue:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:
+                req.expect_continue = True  # sent when the requests before are served
+
+    def on_body(self, body: bytes) -> None:
+        req = self.req
+        req.size += len(body)
+        if req.size > req.limit:
+            self._too_large(req)
+            raise _Stop
+        req.body.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self.req
+        self.req = None
+        self.fed_done += 1
+        self._enqueue(req)
+        if not req.keepalive:
+            self.parser = None  # anything after a closing request is ignored
+            self.stop = ("served",)
+            raise _Stop
+
+    # ---------------------------------------------------------------- control
+
+    def _enqueue(self, req: _PendingRequest) -> None:
+        if self.task is None and not self.queue:
+            self._start(req)
+        else:
+            self.queue.append(req)
+
+    def _start(self, req: _PendingRequest) -> None:
+        ex = FrontExchange(self, req)
+        self.task = asyncio.get_running_loop().create_task(self._run(req.handler, ex))
+
+    def _too_large(self, req: _PendingRequest) -> None:
+        """Dispatches ``req`` now (its handler answers 413; the rest of the body is
+        never read) and stops parsing."""
+        req.too_large = True
+        req.keepalive = False
+        req.body.clear()
+        self.req = None
+        self.parser = None
+        self.stop = ("served",)
+        self._enqueue(req)
+
+    def _stop_bad(self, status: int, message: str) -> None:
+        self.parser = None
+        self.req = None
+        if self.stop is None:
+            self.stop = ("bad", status, message)
+
+    def _stop_handover(self) -> None:
+        """Stops parsing at the current request; its raw bytes onwards are aiohttp's."""
+        data = b"".join(self.fed)
+        if self.fed_done:  # requests before it in ``fed``: skip their bytes
+            data = data[_message_end(data, self.fed_done):]
+        self.fed = []
+        self.parser = None
+        self.req = None
+        self.stop = ("handover", [data])
+
+    def _next(self) -> None:
+        """Called when idle: serves the next queued request, or acts on ``stop``."""
+        if self.closed:
+            return
+        if self.queue:
+            self._start(self.queue.popleft())
+            return
+        self.backlog = 0
+        stop = self.stop
+        if stop is not None:
+            if stop[0] == "bad":
+                self._bad(stop[1], stop[2])
+            elif stop[0] == "handover":
+                self._handover(b"".join(stop[1]))
+            else:
+                self.close()
+            return
+        req = self.req
+        if req is not None and req.expect_continue:
+            req.expect_continue = False
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self.reading_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()
 
     def _bad(self, status: int, message: str) -> None:
-        body = (b'{"error": {"message": "%s", "type": "invalid_request_error", '
-                b'"code": "bad_http", "param": null}}' % message.encode())
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                     "code": "bad_http", "param": None}}).encode()
         self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (
                                  status, _PHRASES[status], len(body), body))
         self.close()
 
-    def _parse_head(self) -> bool:
-        buf = self.buf
-        while buf[:2] == b"\r\n":  # tolerated between requests
-            del buf[:2]
-        i = buf.find(b"\r\n\r\n", 0, _MAX_HEAD + 4)
-        if i < 0 or i > _MAX_HEAD:
-            if len(buf) > _MAX_HEAD:
-                self._bad(431, "request head too large")
-            return False
-        line_end = buf.find(b"\r\n")
-        parts = bytes(buf[:line_end]).split(b" ")
-        if len(parts) != 3:
-            self._bad(400, "malformed request line")
-            return False
-        method, target, version = parts
-        path = target.split(b"?", 1)[0]
-        handler = self.server.routes.get(path) if method == b"POST" else None
-        if handler is None or version not in (b"HTTP/1.1", b"HTTP/1.0"):
-            self._handover()
-            return False
-        headers: dict[str, str] = {}
-        for line in bytes(buf[line_end + 2:i]).split(b"\r\n"):
-            k, sep, v = line.partition(b":")
-            if not sep or not k or k[-1:] in (b" ", b"\t"):
-                self._bad(400, "malformed header line")
-                return False
-            name = k.lower().decode("latin-1")
-            value = v.strip().decode("utf-8", "surrogateescape")
-            old = headers.get(name)
-            headers[name] = value if old is None else f"{old}, {value}"
-        del buf[: i + 4]
-        http10 = version == b"HTTP/1.0"
-        conn_hdr = headers.get("connection", "").lower()
-        keepalive = "keep-alive" in conn_hdr if http10 else "close" not in conn_hdr
-        req = _PendingRequest(handler, headers, keepalive and not self.server.closing, http10)
-        te = headers.get("transfer-encoding")
-        cl = headers.get("content-length")
-        limit = self.server.max_body()
-        if te is not None:
-            if cl is not None or te.lower() != "chunked":
-                self._bad(400, "unsupported Transfer-Encoding / Content-Length combination")
-                return False
-            req.chunked = True
-        elif cl is not None:
-            if not cl.isdigit():
-                self._bad(400, "invalid Content-Length")
-                return False
-            req.need = int(cl)
-            if req.need > limit:
-                req.too_large = True
-                req.need = 0
-                req.keepalive = False
-        if (req.chunked or req.need > len(buf)) and not req.too_large and \
-                headers.get("expect", "").lower() == "100-continue":
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        self.req = req
-        return True
-
-    def _read_body(self) -> bool:
-        req = self.req
-        buf = self.buf
-        if not req.chunked:
-            n = req.need
-            if len(buf) < n:
-                return False
-            req.body = buf[:n]
-            del buf[:n]
-            return True
-        limit = self.server.max_body()
-        body = req.body
-        while True:
-            st = req.cstate
-            if st == _CSIZE:
-                j = buf.find(b"\r\n")
-                if j < 0:
-                    return False
-                try:
-                    size = int(bytes(buf[:j]).split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    self._bad(400, "bad chunk size")
-                    return False
-                del buf[: j + 2]
-                if size == 0:
-                    req.cstate = _TRAILER
-                else:
-                    req.need = size
-                    req.cstate = _CDATA
-            elif st == _CDATA:
-                if not buf:
-                    return False
-                n = min(req.need, len(buf))
-                if len(body) + n > limit:
-                    req.too_large = True
-                    req.keepalive = False
-                    body.clear()
-                    return True  # dispatch now: the handler answers 413 and we close
-                body += buf[:n]
-                del buf[:n]
-                req.need -= n
-                if req.need == 0:
-                    req.cstate = _CCRLF
-            elif st == _CCRLF:
-                if len(buf) < 2:
-                    return False
-                if buf[:2] != b"\r\n":
-                    self._bad(400, "chunk not followed by CRLF")
-                    return False
-                del buf[:2]
-                req.cstate = _CSIZE
-            else:  # trailer
-                if buf[:2] == b"\r\n":
-                    del buf[:2]
-                    return True
-                j = buf.find(b"\r\n\r\n")
-                if j < 0:
-                    return False
-                del buf[: j + 4]
-                return True
-
-    def _handover(self) -> None:
+    def _handover(self, data: bytes) -> None:
         """Gives this connection, from the current request on, to aiohttp."""
-        self.handed = True
         self.server._conns.discard(self)
         t = self.transport
         proto = self.server.fallback()
         t.set_protocol(proto)
         proto.connection_made(t)
-        data = bytes(self.buf)
-        self.buf.clear()
         if self.reading_paused:
             self.reading_paused = False
             t.resume_reading()
@@ -818,11 +888,10 @@ class _FrontConn(asyncio.Protocol):
                 log.error("data-plane handler returned without a reply")
             self.close()
             return
-        if self.reading_paused and not self.closed:
-            self.reading_paused = False
-            self.transport.resume_reading()
-        if self.buf and not self.closed:
-            self._advance()
+        if self.server.closing:
+            self.close()  # pipelined requests not yet served are the client's to retry
+            return
+        self._next()
 
 
 class FrontServer:
