@@ -102,3 +102,36 @@ def test_missing_trace_and_workload(tmp_path, capsys):
     assert "nope.jsonl" in capsys.readouterr().err
     assert main(["simulate", "--workers", "2"]) == 2
     assert "--workload" in capsys.readouterr().err
+
+
+def test_same_seed_same_document_across_processes(tmp_path):
+    """String hashing is randomized per process; no decision may depend on it."""
+    import subprocess
+    import sys
+
+    docs = []
+    for hs in ("1", "2"):
+        out = tmp_path / f"d{hs}.json"
+        subprocess.run([sys.executable, "-m", "router.cli", "simulate", *GSP, "--workers", "3",
+                        "--policies", "cache_aware,prefix_load,power_of_two", "--kv-tokens", "600",
+                        "--seed", "4", "--json", str(out)],
+                       check=True, capture_output=True, timeout=60,
+                       env={**os.environ, "PYTHONHASHSEED": hs})
+        doc = json.loads(out.read_text())
+        for r in doc["runs"]:
+            del r["wall_s"], r["sim_requests_per_s"]
+        docs.append(doc)
+    assert docs[0] == docs[1]
+
+
+def test_trace_repeat_block_level(tmp_path):
+    from tests.test_sim_trace import _trace
+
+    path = _trace(tmp_path, n=20)
+    out = tmp_path / "t.json"
+    assert main(["simulate", "--trace", path, "-o", "block_tokens=16", "--repeat", "3",
+                 "--requests", "1000", "--duration", "1e6", "--policies", "prefix_load",
+                 "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["requests"] == r["ok"] == 60 and r["sim"]["level"] == "block"
+    assert r["workload"]["name"] == "trace"

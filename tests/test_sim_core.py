@@ -189,3 +189,54 @@ def test_delayed_feedback_and_load_reports():
                 wl, Poisson(50.0))
     assert slow.outcome.report["ok"] == 72
     assert slow.outcome.report["sim"]["events_applied"] > 0
+
+
+def test_hot_root_warmups_are_sent_once_and_not_reported():
+    wl = make_workload("gsp", dict(SMALL_GSP, groups=1, prompts_per_group=200), seed=0)
+    cfg = SimConfig(workers=4, policy="prefix_load", check=True,
+                    policy_params={"warm_ahead": True, "hot_min_rate": 0.5, "holder_max_rate": 0.5})
+    sim = _run(cfg, wl, Poisson(200.0))
+    r = sim.outcome.report
+    warm = [j for j in sim.jobs if j.warm]
+    assert warm and r["sim"]["warmups"] == len(warm)
+    assert r["requests"] == 200 and r["ok"] == 200  # warm-ups are not client requests
+    assert all(j.ok and j.max_tokens == 1 for j in warm)
+    # at most one warm-up per (worker, prefix) per interval
+    keys = [(j.worker, j.prompt.hashes[-1]) for j in warm]
+    assert len(keys) == len(set(keys))
+
+
+def test_path_latency_adds_both_ways():
+    prompts = ["k" * 400, "m" * 800, "k" * 400 + "n" * 40]
+    base = SimConfig(workers=1, policy="round_robin")
+    a = _run(base, make_workload("gsp", SMALL_GSP), Closed(1), sessions=_specs(prompts))
+    b = _run(dataclasses.replace(base, path_latency_s=0.003, check=True),
+             make_workload("gsp", SMALL_GSP), Closed(1), sessions=_specs(prompts))
+    ta, tb = a.outcome.report["ttft_ms"], b.outcome.report["ttft_ms"]
+    ea, eb = a.outcome.report["e2e_ms"], b.outcome.report["e2e_ms"]
+    for k in ("p50", "p90", "p99", "mean"):
+        assert tb[k] == pytest.approx(ta[k] + 6.0)
+        assert eb[k] == pytest.approx(ea[k] + 6.0)
+    assert [j.cached for j in a.jobs] == [j.cached for j in b.jobs]
+
+
+def test_text_reference_matches_the_load_generators():
+    from loadtest.report import CacheReference, prompt_bytes
+    from loadtest.simulator.reference import TextReference
+    from worker_agent.tokenizer import encode
+
+    wl = make_workload("multiturn", {"clients": 4, "rounds": 3, "question_tokens": 40,
+                                     "output_tokens": 6}, seed=1)
+    theirs, ours = CacheReference(500), TextReference(500)
+    for s in wl.sessions():
+        spec = s.first()
+        while spec is not None:
+            data = prompt_bytes(spec)
+            assert ours.observe_prompt(data, encode(data)) == theirs.observe(spec)
+            answer = " abc" * 6
+            theirs.observe_answer(spec, answer)
+            ours.observe_answer_bytes(data, encode(data), answer.encode(), encode(answer.encode()))
+            spec = s.follow(answer)
+    theirs.check()
+    ours.check()
+    assert ours.pooled.tokens == theirs.pooled.tokens

@@ -2,8 +2,9 @@
 
 Nothing here models the GPU or the cache: ``worker_agent.scheduler.Scheduler`` over
 ``worker_agent.radix_cache.RadixCache`` + ``KVPool``, priced by
-``worker_agent.cost_model.CostModel``, built exactly as the agent builds them, is
-driven on the simulation's virtual clock. This adapter only translates::
+``worker_agent.cost_model.CostModel``, built by the agent's own
+``build_scheduler`` with its CLI defaults, is driven on the simulation's virtual
+clock. This adapter only translates::
 
     Job (fleet.py) --submit--> SchedRequest(rid=job, ns, prompt=units, max_new,
                                             output, hashes=router block hashes)
@@ -11,28 +12,32 @@ driven on the simulation's virtual clock. This adapter only translates::
     RadixCache.drain_events()         --> the agent reporter's stored/removed events
     Scheduler.load()                  --> the agent's load report (a tuple)
 
-Generated tokens (text level): the agent's own deterministic answer,
-``tokenizer.generate(request_seed(prompt bytes, agent seed), max_tokens)``, so a
-conversation's next prompt re-tokenizes to exactly what the cache grew by, as live.
-Block level has no text: a request's output is a run of token ids no prompt can
-contain (the cache grows by the same number of tokens).
+Generated tokens: a conversation's turn (text level) decodes the agent's own
+deterministic answer, ``tokenizer.generate(request_seed(prompt bytes, agent
+seed), max_tokens)``, so the next prompt re-tokenizes to exactly what the cache
+grew by, as live. Any other request's output is a run of token ids no prompt can
+contain: the cache grows by the same number of tokens and nobody ever matches an
+answer nobody sends back, so only its size matters — and generating 256 answer
+tokens costs more than the rest of a request's simulation. (The one difference:
+two identical single-shot prompts get identical answers live, distinct ones here.)
 
-Block level: the prompt's units are ``id * block_tokens + j`` token ids per block
-(prompts.py), so the same cache and scheduler run with ``hash_stride`` equal to the
-trace's block size and a partial block is a prefix of the full one, as in text.
+Block level: a prompt's tokens are its blocks' ids, each repeated for the block's
+length (prompts.py), so the same cache and scheduler run with ``hash_stride`` equal
+to the trace's block size and a partial block is a prefix of the full one, as in
+text. Decode stays one token per step for every request at both levels.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from router.errors import ConfigError
 from router.prefix_keys import block_hashes
 from worker_agent import tokenizer
 from worker_agent.cost_model import GPUS, MODELS, CostModel
-from worker_agent.kv_pool import KVPool
-from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig, RadixCache
-from worker_agent.scheduler import ORDERS, Scheduler, SchedulerConfig, SchedRequest
+from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
+from worker_agent.scheduler import ORDERS, SchedulerConfig, SchedRequest, build_scheduler
 
 #: token ids above every tokenizer and block-level id: outputs nobody can match
 _PRIVATE_BASE = 2**48
@@ -51,8 +56,10 @@ class EngineSpec:
     chunk_tokens: int | None = None
     max_running: int | None = None
     order: str | None = None
-    #: radix cache admission mode; None: the agent's default
+    #: radix cache admission mode and its settings; defaults: the agent CLI's
     admission: str | None = None
+    min_prefix_tokens: int = 64
+    protected_fraction: float = 0.5
     #: the agent's generation seed (its --seed)
     agent_seed: int = 0
 
@@ -97,6 +104,14 @@ def engine_help() -> str:
     return ("model presets: " + ", ".join(MODELS) + "\n"
             "gpu presets: " + ", ".join(GPUS) + "\n"
             "admission modes: " + ", ".join(ADMISSION_MODES))
+
+
+def _pack(tokens) -> bytes:
+    """``tokenizer.decode`` of generated tokens (whole 4-byte words), in C."""
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:  # not whole words: the tokenizer's own general path
+        return tokenizer.decode(tokens)
 
 
 class StepOut:
@@ -179,7 +194,7 @@ class SimWorker:
     The driver calls ``start_step(now)`` when the worker is idle or a step ended,
     and ``end_step(end)`` at the time ``start_step`` returned; ``cut(now)`` when a
     request arrives while a step runs. Steps are the scheduler's own
-    (``Scheduler.step``), with one exception that changes no result:
+    (``Scheduler.step``), with one exception that changes no decision:
 
     **Fast-forward of pure decode.** When nothing waits and nothing is prefilling,
     the scheduler's next steps are decode steps of a fixed batch until its first
@@ -190,7 +205,9 @@ class SimWorker:
     planned as one run, applied at its end — or at the end of the step in progress
     when a new request arrives (``cut``), exactly where the scheduler would have
     admitted it. The step that finishes a request is always a real ``step()``.
-    ``tests/test_sim_engine.py`` pins that both ways give identical timings.
+    ``tests/test_sim_core.py::test_fast_forward_is_exact`` pins that both ways make
+    the same decisions and timings (equal up to float rounding: a run sums its
+    steps in closed form).
     """
 
     __slots__ = ("id", "spec", "cost", "cache", "pool", "sched", "ns", "capacity_tokens",
@@ -203,13 +220,18 @@ class SimWorker:
         self.spec = spec
         self.block_level = block_level
         self.fast_forward = fast_forward
-        self.cost = spec.cost_model()
         self.capacity_tokens = spec.capacity_tokens()
-        admission = AdmissionConfig(spec.admission) if spec.admission else None
-        self.cache = RadixCache(page_size=1, hash_stride=hash_stride,
-                                capacity_tokens=self.capacity_tokens, admission=admission)
-        self.pool = KVPool(self.capacity_tokens, self.cache)
-        self.sched = Scheduler(self.cost, self.cache, self.pool, spec.scheduler_config())
+        # the agent's own wiring (worker_agent.server), with its CLI's admission defaults
+        self.sched = build_scheduler(
+            spec.model, spec.gpu, tp=spec.tp, kv_tokens=self.capacity_tokens, page_size=1,
+            hash_stride=hash_stride, config=spec.scheduler_config(),
+            admission=AdmissionConfig(spec.admission or "always",
+                                      min_prefix_tokens=spec.min_prefix_tokens,
+                                      protected_fraction=spec.protected_fraction,
+                                      ghost_block_tokens=hash_stride))
+        self.cost = self.sched.cost
+        self.cache = self.sched.cache
+        self.pool = self.sched.pool
         # the agent's namespace for an untenanted request without adapter
         self.ns = (spec.model, "", None)
         self._next_private = _PRIVATE_BASE
@@ -222,18 +244,21 @@ class SimWorker:
     def tokenize(data: bytes) -> list[int]:
         return tokenizer.encode(data)
 
-    def submit(self, job, now: float, *, ns_seed: int = 0, block_bytes: int = 0) -> None:
+    def submit(self, job, now: float, *, answer: bool, ns_seed: int = 0,
+               block_bytes: int = 0) -> None:
         """Queues ``job``; raises ``PromptTooLarge`` (a ``RequestError``) as the agent
-        does. Text level: the output is the agent's own answer and the request's
-        router hashes run on through it (``worker_agent.server`` does the same, so a
-        next turn's blocks are reported as it will key them)."""
+        does. ``answer`` (text level, a conversation goes on): the output is the
+        agent's own answer and the request's router hashes run on through it
+        (``worker_agent.server`` does the same, so the next turn's blocks are
+        reported as it will key them). Otherwise the output is private token ids:
+        the same KV, and nobody reads it back."""
         p = job.prompt
         n = job.max_tokens
         hashes = p.hashes
-        if p.data is not None:
+        if answer and p.data is not None:
             output = tokenizer.generate(tokenizer.request_seed(p.data, self.spec.agent_seed), n)
             if block_bytes and tokenizer.is_aligned(p.units):
-                hashes = block_hashes(p.data + tokenizer.decode(output), ns_seed, block_bytes)
+                hashes = block_hashes(p.data + _pack(output), ns_seed, block_bytes)
         else:
             base = self._next_private
             self._next_private = base + n
@@ -342,12 +367,13 @@ class SimWorker:
         self.ff_steps += k
         return StepOut(d, [], [], run.samples(k))
 
-    def answer_text(self, job) -> str | None:
-        """The text the agent streamed for a finished job (None at block level)."""
+    @staticmethod
+    def answer(job) -> tuple[bytes, list[int]]:
+        """The bytes and tokens the agent streamed for a finished job whose answer was
+        generated (``submit(answer=True)``)."""
         r = job.handle
-        if job.prompt.data is None:
-            return None
-        return tokenizer.decode(r.output[: r.generated]).decode("ascii", "replace")
+        toks = list(r.output[: r.generated])
+        return _pack(toks), toks
 
     def take_events(self) -> list:
         return self.cache.drain_events()

@@ -11,10 +11,15 @@ reproduces a run exactly::
                    last agent load report the router has received
         decision = policy.choose(request, match, views, now)  (the real policy)
         index.insert(worker, hashes, now)                   optimistic hint
-        pick: in_flight += 1, in_flight_tokens += uncached estimate
-        worker.submit(job, now)  ->  STEP events: step(now) -> duration, outcomes
-    first token: in_flight_tokens -= counted; finish: in_flight -= 1, driver.complete
+        pick: in_flight += 1, in_flight_tokens += uncached estimate (router.app)
+        hot-root warm-ups (Decision.warm): max_tokens=1 prefixes, not counted
+    --path latency--> worker.submit(job)  ->  STEP events (engine.py)
+    first token: in_flight_tokens -= counted; finish: in_flight -= 1
+    --path latency--> driver.complete(answer): the session's next turn
     agent events (stored/removed) --batch every B, deliver after D--> index
+
+Latencies are measured as the client would: TTFT from dispatch to the first token
+plus the way back (``path_latency_s``, 0 by default: GPU time only).
 
 Feedback (``feedback``):
 
@@ -30,10 +35,11 @@ the view of worker w at ``now`` carries w's state at its last tick at or before
 ``now - feedback_delay_s``. The simulator keeps each worker's state changes in a
 short history and reads the report lazily, so there is no event per tick.
 
-Invariants (``check()``): per worker, ``in_flight`` equals its jobs dispatched and
-not finished, and ``in_flight_tokens`` the sum of their counted tokens not yet
-prefilled; the driver's own invariants; the index's; every job is in exactly one
-of: in flight, finished ok, rejected.
+Invariants (``check()``): per worker, ``in_flight`` equals its client jobs
+dispatched and not finished, and ``in_flight_tokens`` the sum of their counted
+tokens not yet prefilled; the driver's, the index's and every engine's own
+invariants; every job is in exactly one of: in flight, finished ok, failed
+(rejected with the agent's 4xx, or cancelled when the drain grace ran out).
 """
 
 from __future__ import annotations
@@ -50,12 +56,12 @@ from typing import Any, Mapping, Sequence
 from loadtest.arrivals import Bounds
 from loadtest.client import Result
 from loadtest.report import percentiles, summarize
-from loadtest.workloads import Trace, Workload
+from loadtest.workloads import SingleShot, Trace, Workload, text_of
 from loadtest.simulator import blocktrace
 from loadtest.simulator.driver import VirtualDriver
 from loadtest.simulator.engine import EngineSpec, SimWorker
 from loadtest.simulator.prompts import SimPrompt, block_prompt, text_prompt, truncate
-from loadtest.simulator.reference import BlockReference, CacheReference
+from loadtest.simulator.reference import BlockReference, TextReference
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
 from router.errors import ConfigError, RequestError
@@ -66,10 +72,12 @@ from router.events import Cleared, Removed, Snapshot, Stored
 log = logging.getLogger(__name__)
 
 FEEDBACK_MODES = ("none", "events")
+#: the live router's warmup.min_interval_s default (router.config)
+WARMUP_MIN_INTERVAL_S = 10.0
 LEVELS = ("auto", "text", "block")
 
 # event kinds, in the order same-time events of different kinds were pushed
-_WAKE, _STEP, _FLUSH, _DELIVER, _END = range(5)
+_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE = range(7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +98,11 @@ class SimConfig:
     level: str = "auto"
     #: send the session id as the request's session key (loadtest --send-session)
     send_session: bool = False
+    #: one-way latency of the request path (client -> router -> agent, and the
+    #: answer's way back): a request reaches its worker this much after the pick,
+    #: and the client sees every token this much after the worker made it. 0: none
+    #: (a GPU-only view). ``bench fidelity`` measures it on the live fleet.
+    path_latency_s: float = 0.0
     #: fast-forward runs of pure decode steps (engine.py); False: every step is a
     #: Scheduler.step() call (same results, slower; the equivalence tests use it)
     fast_forward: bool = True
@@ -103,6 +116,8 @@ class SimConfig:
             raise ConfigError("--feedback", f"{self.feedback!r} is not one of {', '.join(FEEDBACK_MODES)}")
         if not (self.feedback_delay_s >= 0 and self.feedback_batch_s >= 0):
             raise ConfigError("--feedback-delay-ms", "delay and batch must be >= 0")
+        if not self.path_latency_s >= 0:
+            raise ConfigError("--path-latency-ms", f"must be >= 0, got {self.path_latency_s * 1000}")
         if self.level not in LEVELS:
             raise ConfigError("--level", f"{self.level!r} is not one of {', '.join(LEVELS)}")
         try:
@@ -215,16 +230,19 @@ class Simulation:
         if self.block_level:
             self.ref_cache = BlockReference(self.kv_capacity_tokens, self.block_tokens)
         else:
-            self.ref_cache = CacheReference(self.kv_capacity_tokens)
+            self.ref_cache = TextReference(self.kv_capacity_tokens)
         self.jobs: list[Job] = []
         self._heap: list = []
         self._seq = 0
         self.now = 0.0
         self._wake_at: float | None = None
+        self._pumping = False  # inside driver.pump (a rejection completes synchronously)
+        self._warmed: dict[tuple[str, int], float] = {}  # (worker, prefix hash) -> last warm-up
         #: (duration_s, tokens) per decode step: the ITL distribution, per step not per token
         self._itl: list[tuple[float, int]] = []
         self.events_applied = 0
         self.events_dropped = 0
+        self.reasons: collections.Counter = collections.Counter()  # Decision.reason counts
         self.rejected = 0
         self.cancelled = 0
         self.steps = 0
@@ -268,6 +286,10 @@ class Simulation:
                 self._cut(arg, t)
             elif kind == _DELIVER:
                 self._deliver(arg[0], arg[1], t)
+            elif kind == _ARRIVE:
+                self._hand(arg[0], arg[1], t)
+            elif kind == _DONE:
+                self._client_done(arg, t)
             else:  # _END: the drain grace ran out
                 self._cancel_in_flight(t)
                 break
@@ -291,7 +313,11 @@ class Simulation:
     # ----------------------------------------------------------- driver side
 
     def _pump(self) -> None:
-        wake = self.driver.pump(self.now)
+        self._pumping = True
+        try:
+            wake = self.driver.pump(self.now)
+        finally:
+            self._pumping = False
         if wake is not None and wake != self._wake_at:
             self._wake_at = wake
             self._push(wake, _WAKE)
@@ -312,7 +338,7 @@ class Simulation:
             _, job.oracle, job.pooled = self.ref_cache.observe(
                 prompt.block_ids, prompt.prompt_tokens, prompt.last_tokens)
         else:
-            _, job.oracle, job.pooled = self.ref_cache.observe(spec)
+            _, job.oracle, job.pooled = self.ref_cache.observe_prompt(prompt.data, prompt.units)
         hashes = prompt.hashes
         index = self.index
         match = index.match(hashes, now)
@@ -321,26 +347,58 @@ class Simulation:
                            prompt.text_len)
         d = self.policy.choose(req, match, self._views(now), now)
         w = self.by_id[d.worker]
+        self.reasons[d.reason.value] += 1
         if hashes:
             index.insert(d.worker, hashes, now)
-        for wid in d.warm:
-            if match.depth and wid in self.by_id:
-                index.insert(wid, hashes[: match.depth], now)
-                self._warm(self.by_id[wid], prompt, match.depth, now)
+        if d.warm:
+            self._warm(d.warm, prompt, match.depth, now)
         uncached = max(0, prompt.prompt_tokens - d.matched_blocks * self.block_tokens)
         self._submit(w, job, uncached, now)
 
-    def _warm(self, w: int, prompt: SimPrompt, depth: int, now: float) -> None:
-        p = truncate(prompt, depth, self.block_tokens)
-        job = Job(len(self.jobs), None, None, p, now, 1, warm=True)
-        self.jobs.append(job)
-        self._submit(w, job, p.prompt_tokens, now)
+    def _warm(self, workers, prompt: SimPrompt, depth: int, now: float) -> None:
+        """Prefill-only warm-ups of a hot prefix, as the live router sends them: a
+        max_tokens=1 completion of the prefix's first ``depth`` blocks, at most one per
+        (worker, prefix) per ``WARMUP_MIN_INTERVAL_S``, not counted as load, not
+        hinted in the index (the agent's events report what it caches)."""
+        blocks = min(depth, len(prompt.hashes))
+        if blocks <= 0:
+            return
+        h = prompt.hashes[blocks - 1]
+        p = None
+        for wid in workers:
+            w = self.by_id.get(wid)
+            last = self._warmed.get((wid, h))
+            if w is None or (last is not None and now - last < WARMUP_MIN_INTERVAL_S):
+                continue
+            self._warmed[(wid, h)] = now
+            if p is None:
+                p = truncate(prompt, blocks, self.block_tokens)
+            job = Job(len(self.jobs), None, None, p, now, 1, warm=True)
+            self.jobs.append(job)
+            self._submit(w, job, 0, now, count=False)
 
-    def _submit(self, w: int, job: Job, counted: int, now: float) -> None:
+    def _submit(self, w: int, job: Job, counted: int, now: float, count: bool = True) -> None:
+        """Counts ``job`` on worker ``w`` at pick time and sends it there (it arrives
+        ``path_latency_s`` later)."""
         ref = self.refs[w]
         job.worker = w
+        if count:
+            ref.in_flight += 1
+            ref.in_flight_tokens += counted
+            job.counted = counted
+            ref.dirty = True
+        lat = self.cfg.path_latency_s
+        if lat > 0:
+            self._push(now + lat, _ARRIVE, (w, job))
+        else:
+            self._hand(w, job, now)
+
+    def _hand(self, w: int, job: Job, now: float) -> None:
+        """``job`` reaches worker ``w`` at ``now``."""
+        ref = self.refs[w]
         try:
-            self.workers[w].submit(job, now, ns_seed=self.ns_seed,
+            self.workers[w].submit(job, now, answer=_reads_answer(job),
+                                   ns_seed=self.ns_seed,
                                    block_bytes=0 if self.block_level else self.cfg.block_bytes)
         except RequestError as exc:  # e.g. PromptTooLarge: the agent's 400
             job.ok = False
@@ -349,13 +407,12 @@ class Simulation:
             self.rejected += 1
             log.debug("%s rejected by %s: %s", job.idx, ref.id, exc)
             if not job.warm:
-                self.driver.complete(job.session, None)
-                # the driver is mid-pump; it goes on dispatching by itself
+                ref.in_flight -= 1
+                ref.in_flight_tokens -= job.counted
+                job.prefilled = True
+                ref.dirty = True
+                self._finish_client(job, None, now)
             return
-        ref.in_flight += 1
-        ref.in_flight_tokens += counted
-        job.counted = counted
-        ref.dirty = True
         self._record_state(w, now)
         self._collect_events(w, now)
         if not ref.busy:
@@ -367,6 +424,21 @@ class Simulation:
             if end is not None:  # a fast-forwarded decode run stops early for this job
                 ref.gen += 1
                 self._push(end, _STEP, (w, ref.gen))
+
+    def _finish_client(self, job: Job, answer: str | None, now: float) -> None:
+        """The job's end reaches the client ``path_latency_s`` after ``now``."""
+        lat = self.cfg.path_latency_s
+        if lat > 0:
+            self._push(now + lat, _DONE, (job, answer))
+        else:
+            self.driver.complete(job.session, answer)
+            if not self._pumping:
+                self._pump()
+
+    def _client_done(self, arg, now: float) -> None:
+        job, answer = arg
+        self.driver.complete(job.session, answer)
+        self._pump()
 
     # ----------------------------------------------------------- worker side
 
@@ -398,30 +470,37 @@ class Simulation:
             self._itl.extend(out.itl)
         for job in out.first:
             job.first_t = now
-            if not job.prefilled:
+            if not job.prefilled and not job.warm:
                 job.prefilled = True
                 ref.in_flight_tokens -= job.counted
                 ref.dirty = True
-        completed = False
         for job in out.finished:
-            if not job.prefilled:
+            if not job.prefilled and not job.warm:
                 job.prefilled = True
                 ref.in_flight_tokens -= job.counted
             if job.first_t is None:
                 job.first_t = now
             job.done_t = now
             job.ok = True
-            ref.in_flight -= 1
-            ref.dirty = True
             if not job.warm:
-                answer = self.workers[w].answer_text(job)
-                if answer is not None:
-                    # the load generator caches prompt + answer in its references
-                    self.ref_cache.observe_answer(job.spec, answer)
-                self.driver.complete(job.session, answer if answer is not None else "")
-                completed = True
-        if completed:
-            self._pump()
+                ref.in_flight -= 1
+                ref.dirty = True
+                self._finish_client(job, self._answer(job), now)
+
+    def _answer(self, job: Job) -> str:
+        """The answer text a finished job's client receives; the load generator's
+        references cache prompt + answer (text level)."""
+        p = job.prompt
+        if p.data is None:
+            return ""  # block level: no text; single-turn sessions never read it
+        if _reads_answer(job):
+            data, toks = SimWorker.answer(job)
+        else:
+            # never read back: any unique text of the answer's length does (engine.py)
+            data = text_of(job.output, f"sim-answer/{job.idx}", self.seed).encode("ascii")
+            toks = SimWorker.tokenize(data)
+        self.ref_cache.observe_answer_bytes(p.data, p.units, data, toks)
+        return data.decode("ascii", "replace")
 
     def _cancel_in_flight(self, now: float) -> None:
         for job in self.jobs:
@@ -547,8 +626,9 @@ class Simulation:
             r.oracle_cached = job.oracle
             r.pooled_cached = job.pooled
             if r.ok:
-                r.ttft_s = job.first_t - job.arrival
-                r.e2e_s = job.done_t - job.arrival
+                lat = self.cfg.path_latency_s  # the way back to the client
+                r.ttft_s = job.first_t + lat - job.arrival
+                r.e2e_s = job.done_t + lat - job.arrival
                 r.prompt_tokens = job.prompt.prompt_tokens
                 r.cached_tokens = job.cached
                 r.output_tokens = job.output
@@ -572,10 +652,12 @@ class Simulation:
             "feedback": self.cfg.feedback,
             "feedback_delay_ms": self.cfg.feedback_delay_s * 1000.0,
             "feedback_batch_ms": self.cfg.feedback_batch_s * 1000.0,
+            "path_latency_ms": self.cfg.path_latency_s * 1000.0,
             "seed": self.seed,
             "rejected": self.rejected,
             "cancelled": self.cancelled,
             "warmups": sum(1 for j in self.jobs if j.warm),
+            "reasons": dict(sorted(self.reasons.items())),
             "steps": self.steps,
             "engine_steps": sum(w.real_steps for w in self.workers),
             "fast_forwarded_steps": sum(w.ff_steps for w in self.workers),
@@ -597,9 +679,10 @@ class Simulation:
         states = collections.Counter()
         for job in self.jobs:
             if job.ok is None:
-                per[job.worker][0] += 1
-                if not job.prefilled:
-                    per[job.worker][1] += job.counted
+                if not job.warm:
+                    per[job.worker][0] += 1
+                    if not job.prefilled:
+                        per[job.worker][1] += job.counted
                 states["in_flight"] += 1
             elif job.ok:
                 states["ok"] += 1
@@ -612,6 +695,11 @@ class Simulation:
         self.index.check()
         for w in self.workers:
             w.check()
+
+
+def _reads_answer(job: Job) -> bool:
+    """A session with turns after this one sends the answer back in its next prompt."""
+    return job.session is not None and not isinstance(job.session, SingleShot)
 
 
 def weighted_percentiles(samples: Sequence[tuple[float, int]], scale: float = 1000.0) -> dict:

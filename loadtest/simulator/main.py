@@ -17,15 +17,17 @@ the same workload, seed and arrivals produce the same requests here and live.
 
 The report (``--json``) is the load generator's schema, one run per policy named
 after it, latencies in simulated time, plus ``wall_s``, ``sim_requests_per_s`` and
-a ``sim`` object (level, fleet, feedback settings, counters). Bad flags exit 2 with
-one line on stderr.
+a ``sim`` object (level, fleet, feedback settings, decision reasons, counters).
+Sweeps add ``sweep: {param, value}`` to each run and ``--plots`` draws them (the
+knee: hit rate against KV tokens per policy, with the pooled and oracle lines).
+Not simulated: ``--timeout`` (no request times out) and ``--no-progress`` (there
+is no progress bar). Bad flags exit 2 with one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 
@@ -33,14 +35,14 @@ import yaml
 
 from loadtest.arrivals import Bounds
 from loadtest.main import add_load_arguments, build_load
-from loadtest.report import render_table, write_json, write_plots
+from loadtest.report import write_json, write_plots
 from loadtest.simulator.engine import EngineSpec, engine_help
 from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, Simulation
 from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
 from loadtest.simulator import blocktrace
 from loadtest.workloads import Trace
 from policies.registry import policy_names
-from router.errors import ConfigError, WorkloadError
+from router.errors import ConfigError
 from router.prefix_index import tune_gc
 from router.prefix_keys import DEFAULT_BLOCK_BYTES
 
@@ -57,6 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     f.add_argument("-P", "--policy-param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter (repeatable), e.g. -P prefix_load.min_match_tokens=128")
     f.add_argument("--kv-tokens", type=int, help="KV capacity per worker (default: the preset's)")
+    f.add_argument("--model", default="llama-3-8b", help="model preset (default llama-3-8b)")
     f.add_argument("--gpu", default="h100", help="GPU preset (default h100)")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per worker")
     f.add_argument("--chunk-tokens", type=int, help="chunked-prefill token budget per step")
@@ -75,10 +78,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                     help="agent -> router delivery delay (default 5)")
     fb.add_argument("--feedback-batch-ms", type=float, default=100.0,
                     help="agent reporter batch interval (default 100)")
+    f.add_argument("--path-latency-ms", type=float, default=0.0,
+                   help="one-way client->router->agent latency added to every request (default 0)")
     s = parser.add_argument_group("sweep")
     s.add_argument("--sweep", metavar="PARAM=V1,V2,...",
                    help="kv_tokens=..., workers=... or rate=...: every policy at every value")
-    add_load_arguments(parser, default_workload=_AUTO)
+    add_load_arguments(parser, default_workload=_AUTO, model_flag=False)
     parser.epilog = engine_help()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -124,12 +129,13 @@ def build(args: argparse.Namespace):
         raise ConfigError("--repeat", "applies to trace workloads only")
     if args.repeat > 1 and args.level == "text":
         raise ConfigError("--repeat", "repeated traces run at block level only (drop --level text)")
-    engine = EngineSpec(model=args.model or "llama-3-8b", gpu=args.gpu, tp=args.tp,
+    engine = EngineSpec(model=args.model, gpu=args.gpu, tp=args.tp,
                         kv_tokens=args.kv_tokens, chunk_tokens=args.chunk_tokens,
                         admission=args.admission)
     base = SimConfig(workers=args.workers, engine=engine, block_bytes=args.block_bytes,
                      feedback=modes[0], feedback_delay_s=args.feedback_delay_ms / 1000.0,
                      feedback_batch_s=args.feedback_batch_ms / 1000.0, level=args.level,
+                     path_latency_s=args.path_latency_ms / 1000.0,
                      send_session=args.send_session)
     base.validate()
     sweep = parse_sweep(args.sweep) if args.sweep else None

@@ -4,11 +4,13 @@
 prompt tokens an unbounded single cache, and one LRU cache of the fleet's whole KV
 capacity, would have served, over the requests in dispatch order. Text-level runs
 use the load generator's own ``CacheReference`` unchanged (a token trie over the
-canonical bytes). Block-level runs keep the same two tries over *block ids*: each
-id is packed as one 4-byte trie "token", so the tries count blocks, and a matched
-block counts its own token length (``block_tokens``, or less for a partial last
-block, which is keyed apart from the full block of the same id so that it can only
-match an identical partial block).
+canonical bytes, and the agent's RadixCache for the pooled LRU). Block-level runs
+count *blocks*: the oracle is the same trie over block ids (each packed as one
+4-byte trie "token"), the pooled cache the agent's RadixCache over block ids with
+the fleet's capacity in whole blocks. A matched block counts its own token length
+(``block_tokens``, or less for a partial last block, which is keyed apart from the
+full block of the same id so that it can only match an identical partial block).
+Answers are not cached at block level (a trace's prompts never contain them).
 """
 
 from __future__ import annotations
@@ -18,14 +20,50 @@ from typing import Sequence
 
 import xxhash
 
-from loadtest.prefix_trie import PrefixTrie
+from loadtest.prefix_trie import PrefixTrie, as_tokens
 from loadtest.report import CacheReference
 from worker_agent.radix_cache import RadixCache
 
-__all__ = ["CacheReference", "BlockReference"]
+__all__ = ["CacheReference", "TextReference", "BlockReference"]
 
 _MASK32 = 2**32 - 1
 _PARTIAL_TAG = 2**31
+
+
+class TextReference(CacheReference):
+    """``CacheReference`` fed with what the simulator already computed.
+
+    The live load generator derives each prompt's canonical bytes and tokens itself;
+    the simulator has them in hand (the engine needs them too), so these two methods
+    do exactly what ``observe`` / ``observe_answer`` do — the same trie, the same
+    agent ``RadixCache`` (``AgentLRU``), the same operations in the same order —
+    without rendering and tokenizing every prompt twice more.
+    ``tests/test_sim_core.py`` pins that both give the same numbers.
+    """
+
+    def _pooled(self, tokens) -> int:
+        lru = self.pooled
+        cached, _ = lru.cache.match_prefix(None, tokens)
+        lru.cache.insert(None, tokens)
+        over = lru.cache.total_tokens - lru.capacity_tokens
+        if over > 0:
+            lru.cache.evict(over)
+        return cached
+
+    def observe_prompt(self, data: bytes, tokens) -> tuple[int, int, int]:
+        """``observe(spec)`` for a prompt of canonical ``data`` and agent ``tokens``."""
+        pooled = self._pooled(tokens) if self.pooled is not None else 0
+        padded = as_tokens(data)
+        return len(padded) // 4, self.oracle.serve(padded), pooled
+
+    def observe_answer_bytes(self, data: bytes, tokens, answer: bytes, answer_tokens) -> None:
+        """``observe_answer(spec, answer)`` given the prompt's and the answer's bytes
+        and tokens (the answer is whole 4-byte tokens, as the agent generates)."""
+        if not self.cache_outputs or not answer or len(data) % 4:
+            return
+        self.oracle.serve(data + answer)
+        if self.pooled is not None:
+            self._pooled(list(tokens) + list(answer_tokens))
 
 
 def partial_unit(block_id: int, tokens: int) -> int:

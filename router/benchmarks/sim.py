@@ -38,6 +38,7 @@ from loadtest.simulator import blocktrace
 from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
 from loadtest.workloads import make_workload
+from router.errors import ConfigError
 from router.prefix_index import tune_gc
 
 TARGET_GSP_REQ_PER_S = 20_000
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [x.strip() for x in args.rows.split(",") if x.strip()]
     bad = [x for x in rows if x not in ROWS]
     if bad:
-        raise SystemExit(f"radixfleet bench sim: error: unknown row {bad[0]!r}; rows: {', '.join(ROWS)}")
+        raise ConfigError("--rows", f"unknown row {bad[0]!r}; rows: {', '.join(ROWS)}")
     engine = EngineSpec()
     out = []
     tmp = tempfile.mkdtemp(prefix="radixfleet-bench-sim-")
