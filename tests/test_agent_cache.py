@@ -252,3 +252,62 @@ def test_random_ops_keep_invariants_and_events_exact(mode, page):
     c.check()
     _apply(router, c.drain_events())
     assert c.total_tokens == 0 and router == {}
+
+
+def _shape(c):
+    """Everything observable about a tree: nodes (depth order), ticks, LRU, counters."""
+    out = []
+    for ns, root in sorted(c.roots.items()):
+        stack = [root]
+        while stack:
+            n = stack.pop()
+            out.append((ns, n.id, n.start, n.key, n.tick, n.lock_ref, n.hits, list(n.hashes),
+                        n.in_lru, n.protected))
+            stack.extend(n.children[k] for k in sorted(n.children))
+    return (out, list(c._lru), list(c._lru_protected), c.total_tokens, c.evictable_tokens,
+            c.locked_tokens, c.protected_tokens, c.stats)
+
+
+@pytest.mark.parametrize("mode", ["always", "second_hit", "protected"])
+def test_insert_below_and_locked_equals_a_walk_from_the_root_then_a_lock(mode):
+    rng = random.Random(7)
+    a, b = (RadixCache(hash_stride=4, capacity_tokens=400, admission=AdmissionConfig(mode))
+            for _ in range(2))
+    stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    for _ in range(300):
+        key = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+        hashes = chain(key, 4)
+        limit = rng.randrange(0, len(key) + 1)
+        na, node_a = a.match_prefix("n", key, limit)
+        nb, node_b = b.match_prefix("n", key[:limit])
+        assert na == nb
+        a.inc_lock_ref(node_a); b.inc_lock_ref(node_b)
+        ha, ia = a.insert("n", key, hashes, admit_from=0, below=node_a, lock=True)
+        hb, ib = b.insert("n", key, hashes, admit_from=0)
+        b.inc_lock_ref(ib)
+        assert ha == hb and (ia is None) == (ib is None) and (ia is None or ia.id == ib.id)
+        a.check(); b.check()
+        assert _shape(a) == _shape(b)
+        a.dec_lock_ref(node_a); b.dec_lock_ref(node_b)
+        a.dec_lock_ref(ia); b.dec_lock_ref(ib)
+        a.check(); b.check()
+        assert _shape(a) == _shape(b) and a.drain_events() == b.drain_events()
+        if a.total_tokens > 300:
+            assert a.evict(60) == b.evict(60)
+            assert _shape(a) == _shape(b) and a.drain_events() == b.drain_events()
+
+
+def test_insert_below_rejects_a_node_outside_the_tree():
+    from worker_agent.radix_cache import as_key
+    c = RadixCache()
+    _, node = c.insert("n", [1, 2, 3])
+    with pytest.raises(ValueError, match="not in the tree"):
+        c.insert("other", [1, 2, 3, 4], below=node)
+    with pytest.raises(ValueError, match="ends past the key"):
+        c.insert("n", [1, 2], below=node)
+    c.evict(10)
+    with pytest.raises(ValueError, match="not in the tree"):
+        c.insert("n", [1, 2, 3, 4], below=node)
+    # keys: any int sequence converts once; an array('Q') key is used as is
+    k = as_key([5, 6])
+    assert as_key(k) is k and as_key((5, 6)) == k and as_key(range(5, 7)) == k

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from router.errors import ConfigError
@@ -86,3 +88,13 @@ def test_generated_text_is_deterministic_and_aligned():
                           {"role": "user", "content": "more"}]}
     t2 = tk.encode(routing_bytes(Endpoint.CHAT, turn2))
     assert t2[: len(tk.encode(p1)) + 20] == tk.encode(p1) + g
+
+
+def test_encode_key_is_encode_as_a_cache_key():
+    from array import array
+    rng = random.Random(3)
+    for n in list(range(0, 13)) + [4097]:
+        data = bytes(rng.randrange(256) for _ in range(n))
+        key = tk.encode_key(data)
+        assert type(key) is array and key.typecode == "Q"
+        assert key.tolist() == tk.encode(data)

@@ -260,3 +260,53 @@ def test_measured_prefill_rate_ignores_tiny_prefills():
     assert s.prefill_tokens_per_s() == pytest.approx(measured)
     assert 0.5 * model_rate < measured < 2 * model_rate
     assert s.load().prefill_tokens_per_s == pytest.approx(measured)
+
+
+def _snapshot(s):
+    return ([(r.rid, r.generated, r.reserved, r.private, r.state) for r in s.running],
+            s.pool.private, s.pool.reserved, s.stats.decode_tokens, s.stats.steps)
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_decode_many_equals_k_decode_steps(queued):
+    # two schedulers in the same state; one steps k times, the other calls decode_many(k)
+    def build():
+        s = make(max_running=3 if queued else 256)
+        for i in range(3):
+            s.submit(req(i, list(range(100 * i, 100 * i + 64)), max_new=10 + 5 * i), 0.0)
+        t = 0.0
+        while s.prefilling or len(s.running) < 3:
+            t += s.step(t).duration_s
+        if queued:  # the batch is full: a queued request cannot be admitted before a finish
+            s.submit(req(9, list(range(900, 964)), max_new=4), t)
+        return s, t
+
+    a, t = build()
+    b, _ = build()
+    k, ctx = a.decode_window()
+    assert k == min(r.max_new - r.generated for r in a.running) - 1 > 0
+    assert ctx == sum(len(r.prompt) + r.generated for r in a.running)
+    total = 0.0
+    for _ in range(k):
+        res = a.step(t + total)
+        assert res.prefill_tokens == 0 and not res.finished and res.decode_batch == 3
+        total += res.duration_s
+    b.decode_many(k, total)
+    a.check(); b.check()
+    assert _snapshot(a) == _snapshot(b)
+    assert a.stats.busy_s == pytest.approx(b.stats.busy_s)
+    assert b.decode_window() == (0, 0)  # the next step finishes a request: a real step()
+    with pytest.raises(ValueError, match="finishing step"):
+        b.decode_many(1, 0.01)
+
+
+def test_decode_window_is_zero_while_anything_can_be_admitted_or_prefills():
+    s = make()
+    assert s.decode_window() == (0, 0)  # nothing running
+    s.submit(req(1, list(range(64)), max_new=8), 0.0)
+    s.step(0.0)
+    assert s.decode_window()[0] > 0
+    s.submit(req(2, list(range(64, 128)), max_new=8), 0.0)
+    assert s.decode_window() == (0, 0)  # the queued request is admitted by the next step
+    s.step(0.0)
+    s.check()

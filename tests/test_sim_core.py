@@ -118,13 +118,16 @@ def test_prefix_load_beats_round_robin_and_reaches_oracle():
     assert res["prefix_load"]["hit_rate"] > res["prefix_load"]["oracle_hit_rate"] - 0.05
 
 
-@pytest.mark.parametrize("workload,options", [
-    ("gsp", SMALL_GSP),
-    ("multiturn", {"clients": 6, "rounds": 3, "question_tokens": 64, "output_tokens": 8}),
+@pytest.mark.parametrize("workload,options,engine", [
+    ("gsp", SMALL_GSP, EngineSpec(kv_tokens=4000)),
+    ("multiturn", {"clients": 6, "rounds": 3, "question_tokens": 64, "output_tokens": 8},
+     EngineSpec(kv_tokens=4000)),
+    # a full batch (max_running) fast-forwards with requests queued behind it
+    ("gsp", dict(SMALL_GSP, output_tokens=40), EngineSpec(kv_tokens=8000, max_running=2)),
 ])
-def test_fast_forward_is_exact(workload, options):
+def test_fast_forward_is_exact(workload, options, engine):
     wl = make_workload(workload, options, seed=2)
-    cfg = SimConfig(workers=3, policy="prefix_load", engine=EngineSpec(kv_tokens=4000))
+    cfg = SimConfig(workers=3, policy="prefix_load", engine=engine)
     fast = _run(cfg, wl, Poisson(30.0), seed=4)
     slow = _run(dataclasses.replace(cfg, fast_forward=False), make_workload(workload, options, seed=2),
                 Poisson(30.0), seed=4)

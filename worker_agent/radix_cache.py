@@ -8,14 +8,21 @@ Layout (one tree per namespace; a namespace is any hashable, the agent uses
                 |        '-- [t9]
                 '-- [u0 u1]
 
-Keys are sequences of ints; the agent uses byte-chunk tokens, the offline simulator
-can use block ids with ``page_size`` = its block size. Only KV *sizes* are modelled,
-so a node's value is the length of its edge.
+Keys are sequences of ints in ``[0, 2**64)``; the agent uses byte-chunk tokens, the
+offline simulator block ids repeated per token. Only KV *sizes* are modelled, so a
+node's value is the length of its edge.
+
+Representation: every key is held as an ``array('Q')`` (``as_key``), so slicing an
+edge is one memcpy and comparing two runs is one memcmp: a walk costs O(depth)
+Python operations plus C work linear in the tokens compared, never a Python
+operation (or an int object) per token. Callers that pass ``array('Q')`` keys are
+never copied on entry; any other sequence is converted once per call.
 
 Invariants (``check()`` asserts every one):
 
-- every edge is non-empty, a multiple of ``page_size`` long, and keyed in its
-  parent's ``children`` by its first page; siblings differ in their first page;
+- every edge is an ``array('Q')`` owned by its node, non-empty, a multiple of
+  ``page_size`` long, and keyed in its parent's ``children`` by its first page;
+  siblings differ in their first page;
 - ``node.start`` is the token depth of the node's first token;
 - a locked node's ancestors are locked: ``parent.lock_ref >= child.lock_ref``;
 - ``total_tokens`` = sum of edge lengths; ``evictable_tokens`` = sum over unlocked
@@ -55,6 +62,7 @@ scheme) makes every cached KV wrong: ``set_fingerprint`` flushes the whole tree.
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
@@ -64,6 +72,17 @@ from sortedcontainers import SortedDict
 from router.events import Cleared, Removed, Stored
 
 ADMISSION_MODES = ("always", "second_hit", "min_prefix", "protected")
+#: the typecode of cache keys: unsigned 64-bit tokens
+KEY_TYPECODE = "Q"
+
+
+def as_key(tokens: Sequence[int]) -> array:
+    """``tokens`` as a cache key (``array('Q')``): the object itself when it already is
+    one (no copy; the cache never mutates a caller's key), else a converted copy.
+    O(1) or O(n); raises ``OverflowError`` for a token outside ``[0, 2**64)``."""
+    if type(tokens) is array and tokens.typecode == KEY_TYPECODE:
+        return tokens
+    return array(KEY_TYPECODE, tokens)
 
 
 @dataclass(slots=True)
@@ -95,13 +114,13 @@ class AdmissionConfig:
 class Node:
     """One edge of the tree. Only ``RadixCache`` mutates nodes."""
 
-    __slots__ = ("id", "key", "children", "parent", "start", "lock_ref", "tick",
+    __slots__ = ("id", "tokens", "children", "parent", "start", "lock_ref", "tick",
                  "hashes", "protected", "hits", "in_lru", "ns")
 
-    def __init__(self, key: list, parent: "Node | None", start: int, nid: int) -> None:
+    def __init__(self, tokens: array, parent: "Node | None", start: int, nid: int) -> None:
         self.id = nid
-        #: the edge's tokens
-        self.key = key
+        #: the edge's tokens (an ``array('Q')`` owned by this node)
+        self.tokens = tokens
         #: first page (page_size 1: first token) -> child
         self.children: dict = {}
         self.parent = parent
@@ -122,8 +141,13 @@ class Node:
         #: the namespace (set on roots only)
         self.ns: Hashable = None
 
+    @property
+    def key(self) -> list[int]:
+        """The edge's tokens as a list (for tests and debugging). O(len)."""
+        return self.tokens.tolist()
+
     def __repr__(self) -> str:
-        return (f"Node(id={self.id}, start={self.start}, len={len(self.key)}, "
+        return (f"Node(id={self.id}, start={self.start}, len={len(self.tokens)}, "
                 f"lock={self.lock_ref}, tick={self.tick}, children={len(self.children)})")
 
 
@@ -194,11 +218,12 @@ class RadixCache:
 
     # ------------------------------------------------------------------ helpers
 
-    def _page_key(self, key: Sequence[int], pos: int):
+    def _page_key(self, key: array, pos: int):
         return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
 
-    def _common(self, a: Sequence[int], b: Sequence[int]) -> int:
-        """Length of the common prefix of a and b, rounded down to a page. O(n) in C."""
+    def _common(self, a: array, b: array) -> int:
+        """Length of the common prefix of a and b, rounded down to a page.
+        O(n log n) bytes compared in C, O(log n) Python steps."""
         lo, hi = 0, min(len(a), len(b))
         # invariant: a[:lo] == b[:lo]; the answer is < hi+1
         while lo < hi:
@@ -233,23 +258,48 @@ class RadixCache:
         else:
             node.tick = self._next_tick()
 
-    def _walk(self, ns: Hashable, key: Sequence[int], split: bool):
-        """Longest match of ``key``: (length, deepest node, path). May split a node."""
+    def _walk(self, ns: Hashable, key: array, split: bool, n: int | None = None,
+              below: Node | None = None):
+        """Longest match of ``key[:n]``: (length, deepest node, path). May split a node.
+        O(depth) Python steps; each edge is compared with one slice equality.
+        ``below`` (see ``insert``): the walk resumes there; the path still lists
+        every node from the root's child down, as a walk from the root would."""
         root = self.roots.get(ns)
         if root is None:
             return 0, None, []
-        node, pos, n, path = root, 0, len(key), []
+        if n is None or n > len(key):
+            n = len(key)
+        if below is None:
+            node, pos, path = root, 0, []
+        else:
+            path = []
+            p = below
+            while p.parent is not None:
+                path.append(p)
+                p = p.parent
+            if p is not root or below is root:
+                raise ValueError(f"insert(below=...): {below!r} is not in the tree of {ns!r}; "
+                                 "pass a node this namespace holds (a locked one stays)")
+            path.reverse()
+            node, pos = below, below.start + len(below.tokens)
+            if pos > n:
+                raise ValueError(f"insert(below=...): {below!r} ends past the key ({n} tokens)")
+        get_page = self._page_key if self.page_size > 1 else None
         while pos < n:
-            child = node.children.get(self._page_key(key, pos))
+            child = node.children.get(key[pos] if get_page is None else get_page(key, pos))
             if child is None:
                 break
-            ckey = child.key
-            seg = key[pos:pos + len(ckey)]
-            if seg == ckey:
-                pos += len(ckey)
-                node = child
-                path.append(child)
-                continue
+            ckey = child.tokens
+            end = pos + len(ckey)
+            if end <= n:
+                seg = key[pos:end]
+                if seg == ckey:
+                    pos = end
+                    node = child
+                    path.append(child)
+                    continue
+            else:
+                seg = key[pos:n]
             m = self._common(seg, ckey)
             if m == 0:
                 break
@@ -265,7 +315,8 @@ class RadixCache:
     def _split(self, child: Node, k: int) -> Node:
         """Cuts ``child`` after ``k`` tokens; returns the new upper node. Emits nothing."""
         parent = child.parent
-        upper = Node(child.key[:k], parent, child.start, next(self._ids))
+        ckey = child.tokens
+        upper = Node(ckey[:k], parent, child.start, next(self._ids))
         upper.lock_ref = child.lock_ref
         upper.tick = child.tick
         upper.protected = child.protected
@@ -275,11 +326,11 @@ class RadixCache:
             n_up = min(len(child.hashes), (child.start + k) // s - child.start // s)
             upper.hashes = child.hashes[:n_up]
             child.hashes = child.hashes[n_up:]
-        parent.children[self._page_key(child.key, 0)] = upper
-        child.key = child.key[k:]
+        parent.children[self._page_key(ckey, 0)] = upper
+        child.tokens = ckey = ckey[k:]
         child.start += k
         child.parent = upper
-        upper.children[self._page_key(child.key, 0)] = child
+        upper.children[self._page_key(ckey, 0)] = child
         return upper
 
     def _parent_hash(self, node: Node) -> int | None:
@@ -292,8 +343,10 @@ class RadixCache:
 
     # --------------------------------------------------------------- public API
 
-    def match_prefix(self, ns: Hashable, key: Sequence[int]) -> tuple[int, Node | None]:
-        """Longest cached prefix of ``key``: ``(tokens, last node)``. O(len(key)).
+    def match_prefix(self, ns: Hashable, key: Sequence[int],
+                     limit: int | None = None) -> tuple[int, Node | None]:
+        """Longest cached prefix of ``key[:limit]``: ``(tokens, last node)``.
+        O(depth) Python steps + O(tokens compared) in C (see ``as_key``).
 
         Side effects: may split a node so that the returned node ends exactly at
         the match; touches the path (LRU); counts a hit on every matched node and,
@@ -301,7 +354,7 @@ class RadixCache:
         The node is None when the namespace holds nothing; lock it with
         ``inc_lock_ref`` to keep the prefix resident.
         """
-        n, node, path = self._walk(ns, key, split=True)
+        n, node, path = self._walk(ns, as_key(key), True, limit)
         if not path:
             return 0, None
         first_tick = self._tick + 1
@@ -315,8 +368,8 @@ class RadixCache:
         return n, node
 
     def peek(self, ns: Hashable, key: Sequence[int]) -> int:
-        """Length of the longest cached prefix; no side effects. O(len(key))."""
-        return self._walk(ns, key, split=False)[0]
+        """Length of the longest cached prefix; no side effects. O(depth) + C."""
+        return self._walk(ns, as_key(key), False)[0]
 
     def unheld_hashes(self, ns: Hashable, key: Sequence[int], hashes: Sequence[int]) -> list[int]:
         """The router block hashes of ``key`` that the tree does not hold."""
@@ -333,7 +386,8 @@ class RadixCache:
                 self._append_removed(gone)
 
     def insert(self, ns: Hashable, key: Sequence[int], hashes: Sequence[int] | None = None,
-               *, admit_from: int | None = None) -> tuple[int, Node | None]:
+               *, admit_from: int | None = None, below: Node | None = None,
+               lock: bool = False) -> tuple[int, Node | None]:
         """Makes ``key`` resident (as admission allows): ``(held tokens, node)``.
 
         ``hashes`` are the router block hashes of ``key`` (block j ends at token
@@ -344,7 +398,18 @@ class RadixCache:
         Returns the length now held and the node ending exactly there (lock it to
         pin it). Side effects: may split one node, adds at most one leaf, emits
         ``Stored`` for the new leaf's blocks and ``Removed`` for refused blocks.
+        O(depth) Python steps + O(len(key)) in C.
+
+        ``below``: a node of this tree whose path from the root spells ``key[:d]``
+        for its end depth ``d`` -- the node a request holds a lock on after matching
+        or inserting a prefix of ``key`` (a locked node stays in the tree, and a
+        split keeps its end depth). The walk resumes there, so only ``key[d:]`` is
+        compared; the result and every side effect are those of a walk from the
+        root. Raises ``ValueError`` for a node not in the tree or past the key.
+        ``lock``: also ``inc_lock_ref`` the returned node (a new leaf then never
+        passes through the LRU set: the same state, two sorted-set updates fewer).
         """
+        key = as_key(key)
         page = self.page_size
         if page > 1 and len(key) % page:
             key = key[:len(key) - len(key) % page]
@@ -352,26 +417,27 @@ class RadixCache:
         if root is None:
             if not key:
                 return 0, None
-            root = self.roots[ns] = Node([], None, 0, next(self._ids))
+            root = self.roots[ns] = Node(array(KEY_TYPECODE), None, 0, next(self._ids))
             root.ns = ns
-        m, node, path = self._walk(ns, key, split=True)
+        m, node, path = self._walk(ns, key, True, None, below)
         for p in path:
             self._touch(p)
         limit = len(key) if admit_from is None else max(m, self._admit(ns, key, admit_from))
         limit -= limit % page
         if limit > m:
-            new = Node(list(key[m:limit]), node, m, next(self._ids))
+            new = Node(key[m:limit], node, m, next(self._ids))
             new.tick = self._next_tick()
             if hashes and self.hash_stride is not None:
                 s = self.hash_stride
                 new.hashes = list(hashes[m // s:min(limit // s, len(hashes))])
             self._lru_discard(node)  # no longer a leaf
-            node.children[self._page_key(new.key, 0)] = new
+            node.children[self._page_key(new.tokens, 0)] = new
             size = limit - m
             self.total_tokens += size
             self.evictable_tokens += size
             self.stats.inserted_tokens += size
-            self._lru_add(new)
+            if not lock:  # else locked below, before anyone can see it in the LRU
+                self._lru_add(new)
             if new.hashes and self.record_events:
                 self._events.append(Stored(self._parent_hash(new), list(new.hashes)))
             node = new
@@ -385,13 +451,16 @@ class RadixCache:
         if not root.children:
             del self.roots[ns]
             return 0, None
-        return limit, (node if limit else None)
+        node = node if limit else None
+        if lock:
+            self.inc_lock_ref(node)
+        return limit, node
 
     def inc_lock_ref(self, node: Node | None) -> None:
         """Locks ``node`` and its ancestors against eviction. O(depth)."""
         while node is not None and node.parent is not None:
             if node.lock_ref == 0:
-                size = len(node.key)
+                size = len(node.tokens)
                 self.evictable_tokens -= size
                 self.locked_tokens += size
                 self._lru_discard(node)
@@ -403,7 +472,7 @@ class RadixCache:
         while node is not None and node.parent is not None:
             assert node.lock_ref > 0, f"dec_lock_ref on an unlocked node: {node=}"
             if node.lock_ref == 1:
-                size = len(node.key)
+                size = len(node.tokens)
                 self.evictable_tokens += size
                 self.locked_tokens -= size
                 if not node.children:
@@ -430,9 +499,9 @@ class RadixCache:
         return freed
 
     def _delete_leaf(self, node: Node) -> int:
-        size = len(node.key)
+        size = len(node.tokens)
         parent = node.parent
-        del parent.children[self._page_key(node.key, 0)]
+        del parent.children[self._page_key(node.tokens, 0)]
         self.total_tokens -= size
         self.evictable_tokens -= size
         if node.protected:
@@ -505,7 +574,7 @@ class RadixCache:
 
     # ------------------------------------------------------------- admission
 
-    def _admit(self, ns: Hashable, key: Sequence[int], start: int) -> int:
+    def _admit(self, ns: Hashable, key: array, start: int) -> int:
         """How far into ``key`` admission lets the tree grow (>= start)."""
         mode = self._mode
         if mode == "always" or mode == "protected":
@@ -519,7 +588,7 @@ class RadixCache:
         admitted, ok = start, True
         for i in range(0, len(key), g):
             end = min(i + g, len(key))
-            h = hash((h, tuple(key[i:end])))
+            h = hash((h, key[i:end].tobytes()))
             if end <= start:
                 continue
             if h in ghost:
@@ -537,7 +606,7 @@ class RadixCache:
         """Moves a reused node into the protected segment, demoting the segment's
         least recently used unlocked leaves to make room; never demotes the path
         being promoted (ticks >= path_tick). No room: the node stays probationary."""
-        size = len(node.key)
+        size = len(node.tokens)
         cap = self.protected_capacity
         while self.protected_tokens + size > cap and self._lru_protected:
             (tick, _), victim = self._lru_protected.peekitem(0)
@@ -545,7 +614,7 @@ class RadixCache:
                 break
             self._lru_discard(victim)
             victim.protected = False
-            self.protected_tokens -= len(victim.key)
+            self.protected_tokens -= len(victim.tokens)
             self._lru_add(victim)
         if self.protected_tokens + size > cap:
             return
@@ -563,7 +632,7 @@ class RadixCache:
         total = evictable = locked = protected = leaves = pleaves = 0
         page, s = self.page_size, self.hash_stride
         for ns, root in self.roots.items():
-            assert root.parent is None and not root.key and root.lock_ref == 0, f"{ns=} {root=}"
+            assert root.parent is None and not root.tokens and root.lock_ref == 0, f"{ns=} {root=}"
             assert root.ns == ns, f"{ns=} {root.ns=}"
             assert root.children, f"empty root kept for {ns=}"
             # (node, next expected block number, keyed frontier still open)
@@ -572,13 +641,15 @@ class RadixCache:
                 assert c.parent is root, f"{c=}"
             while stack:
                 node, next_block, open_ = stack.pop()
-                n = len(node.key)
+                n = len(node.tokens)
+                assert type(node.tokens) is array and node.tokens.typecode == KEY_TYPECODE, (
+                    f"edge not a cache key {node=}")
                 assert n > 0 and n % page == 0, f"bad edge length {node=}"
-                assert node.parent.children.get(self._page_key(node.key, 0)) is node, f"{node=}"
+                assert node.parent.children.get(self._page_key(node.tokens, 0)) is node, f"{node=}"
                 assert node.lock_ref >= 0, f"{node=}"
                 if node.parent.parent is not None:
                     assert node.parent.lock_ref >= node.lock_ref, f"lock below unlocked {node=}"
-                    assert node.start == node.parent.start + len(node.parent.key), f"{node=}"
+                    assert node.start == node.parent.start + len(node.parent.tokens), f"{node=}"
                 else:
                     assert node.start == 0, f"{node=}"
                 total += n

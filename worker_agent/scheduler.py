@@ -23,6 +23,14 @@ Request lifecycle (only the scheduler changes ``state``)::
     WAITING --admit: match prefix, lock it, reserve KV--> PREFILL --last chunk-->
     RUNNING --max_new tokens--> FINISHED            (any state --cancel--> CANCELLED)
 
+Bulk decode: when nothing is prefilling and nothing can be admitted (the queue is
+empty, or the batch is at ``max_running``), the next steps are decode steps of a
+fixed batch until its first request finishes. ``decode_window()`` says how many
+of them end with no request finishing and what context they start from;
+``decode_many(k, duration_s)`` applies ``k`` of them at once -- exactly the state
+``k`` calls of ``step()`` would leave -- in O(batch), not O(k x batch). The offline
+simulator prices the run itself (``cost.forward_s`` per step, in closed form).
+
 Memory: admission reserves the uncached prompt plus ``max_new`` tokens in the
 ``KVPool`` (evicting cold leaves first); if that cannot fit the request waits at the
 head of the queue. When the prompt's prefill completes it is inserted into the radix
@@ -42,7 +50,7 @@ from router.errors import PromptTooLarge
 from router.events import Load
 from worker_agent.cost_model import CostModel
 from worker_agent.kv_pool import KVPool
-from worker_agent.radix_cache import Node, RadixCache
+from worker_agent.radix_cache import Node, RadixCache, as_key
 
 ORDERS = ("fcfs", "lpm")
 #: prefill steps smaller than this do not update the measured prefill rate
@@ -60,8 +68,10 @@ class State(enum.Enum):
 class SchedRequest:
     """One request as the scheduler sees it.
 
-    ``prompt``: token ids. ``output``: the tokens decoding produces, in order (at
-    least ``max_new`` of them; empty: generated tokens are counted but not inserted).
+    ``prompt``: token ids (``submit`` replaces them by the same ids as a cache key,
+    ``radix_cache.as_key``: no copy when they already are one). ``output``: the
+    tokens decoding produces, in order (at least ``max_new`` of them; empty:
+    generated tokens are counted but not inserted).
     ``hashes``: router block hashes of ``prompt + output`` (may stop early).
     ``waiter`` is the driver's slot (e.g. an ``asyncio.Event``); never touched here.
     """
@@ -190,6 +200,8 @@ class Scheduler:
             )
         if req.output and len(req.output) < req.max_new:
             raise ValueError("output must hold at least max_new tokens")
+        # one conversion per request: every cache call then compares in C
+        req.prompt = as_key(req.prompt)
         req.arrival = now
         req.state = State.WAITING
         self.waiting.append(req)
@@ -250,7 +262,7 @@ class Scheduler:
     def _admit(self, req: SchedRequest) -> bool:
         prompt = req.prompt
         # at least one prompt token is computed: its logits give the first token
-        cached, node = self.cache.match_prefix(req.ns, prompt[: len(prompt) - 1])
+        cached, node = self.cache.match_prefix(req.ns, prompt, len(prompt) - 1)
         self.cache.inc_lock_ref(node)
         need = len(prompt) - cached + req.max_new
         if not self.pool.reserve(need):
@@ -352,7 +364,9 @@ class Scheduler:
         return res
 
     def _prompt_done(self, req: SchedRequest, res: StepResult) -> None:
-        held, node = self.cache.insert(req.ns, req.prompt, req.hashes, admit_from=0)
+        # the walk resumes at the locked match: only the uncached part is compared
+        held, node = self.cache.insert(req.ns, req.prompt, req.hashes, admit_from=0,
+                                       below=req.node, lock=True)
         self._move_lock(req, node, held)
         req.prompt_held = held
         res.started.append(req)
@@ -369,7 +383,7 @@ class Scheduler:
             req.state = State.RUNNING
 
     def _move_lock(self, req: SchedRequest, node: Node | None, held: int) -> None:
-        self.cache.inc_lock_ref(node)
+        """Moves the request's lock to ``node`` (already locked by ``insert(lock=True)``)."""
         self.cache.dec_lock_ref(req.node)
         req.node = node
         own = req.prefilled + req.generated - held
@@ -382,13 +396,61 @@ class Scheduler:
         n_out = req.generated - 1
         whole = len(req.prompt) - len(req.prompt) % self.cache.page_size
         if n_out > 0 and req.output and req.prompt_held >= whole:
-            key = list(req.prompt) + list(req.output[:n_out])
-            held, node = self.cache.insert(req.ns, key, req.hashes, admit_from=len(req.prompt))
+            key = req.prompt + as_key(req.output[:n_out])
+            held, node = self.cache.insert(req.ns, key, req.hashes, admit_from=len(req.prompt),
+                                           below=req.node, lock=True)
             self._move_lock(req, node, held)
         self._release(req)
         req.state = State.FINISHED
         res.finished.append(req)
         self.stats.finished += 1
+
+    # ------------------------------------------------------------ bulk decode
+
+    def decode_window(self) -> tuple[int, int]:
+        """``(k, context)``: the next ``k`` steps are certain to be pure decode steps
+        of the running batch in which no request finishes, the first of them reading
+        ``context`` KV tokens (each later one reads ``len(running)`` more). ``k`` is 0
+        unless nothing is prefilling and nothing can be admitted -- the queue is
+        empty, or the batch is at ``max_running`` -- and is then (steps to the first
+        finish) - 1: the finishing step is always a real ``step()``. O(batch)."""
+        batch = self.running
+        if not batch or self.prefilling or (
+                self.waiting and len(batch) < self.config.max_running):
+            return 0, 0
+        left = batch[0].max_new
+        ctx = 0
+        for r in batch:  # one pass: the run's length and its first context
+            g = r.generated
+            ctx += len(r.prompt) + g
+            if r.max_new - g < left:
+                left = r.max_new - g
+        left -= 1
+        return (left, ctx) if left >= 1 else (0, 0)
+
+    def decode_many(self, k: int, duration_s: float) -> None:
+        """Applies ``k`` pure decode steps of the running batch at once, lasting
+        ``duration_s`` in all: the state ``k`` calls of ``step()`` would leave, given
+        that ``k <= decode_window()[0]`` when the first of them started (requests
+        submitted since wait for the next ``step()``, as they would have). Every
+        running request gains ``k`` tokens and the pool commits ``k`` slots each.
+        O(batch). Raises ``ValueError`` when ``k`` steps would finish a request."""
+        batch = self.running
+        if k <= 0:
+            return
+        if not batch or self.prefilling or min(r.max_new - r.generated for r in batch) <= k:
+            raise ValueError(f"decode_many({k}): only decode_window()'s steps can be "
+                             "applied in bulk; the finishing step must be a step() call")
+        for r in batch:
+            r.generated += k
+            r.reserved -= k
+            r.private += k
+        n = k * len(batch)
+        self.pool.commit(n)
+        st = self.stats
+        st.decode_tokens += n
+        st.steps += k
+        st.busy_s += duration_s
 
     # ------------------------------------------------------------ reporting
 
@@ -403,16 +465,19 @@ class Scheduler:
         return n / self.cost.forward_s(self.cost.prefill_flops(n), n)
 
     def load(self) -> Load:
+        return Load(*self.load_values())
+
+    def load_values(self) -> tuple[int, int, int, int, int, float]:
+        """``load()`` as a plain tuple in ``Load``'s field order (queued requests,
+        queued tokens, running, KV used, KV capacity, prefill tokens/s): the
+        simulator records one after every step and compares it with the last."""
         pool = self.pool
-        queued = self._queued_tokens + sum(len(r.prompt) - r.prefilled for r in self.prefilling)
-        return Load(
-            queued_requests=len(self.waiting),
-            queued_tokens=queued,
-            running_requests=len(self.running) + len(self.prefilling),
-            kv_used_tokens=pool.used,
-            kv_capacity_tokens=pool.capacity,
-            prefill_tokens_per_s=float(self.prefill_tokens_per_s()),
-        )
+        queued = self._queued_tokens
+        for r in self.prefilling:
+            queued += len(r.prompt) - r.prefilled
+        return (len(self.waiting), queued, len(self.running) + len(self.prefilling),
+                pool.used, pool.capacity,
+                float(self.prefill_tokens_per_s()))
 
     def check(self) -> None:
         """Asserts the scheduler's, the pool's and the cache's invariants."""

@@ -67,6 +67,26 @@ def encode(data: bytes) -> list[int]:
     return out
 
 
+def encode_key(data: bytes) -> array:
+    """``encode(data)`` as a radix-cache key (``array('Q')``, ``radix_cache.as_key``):
+    the same token ids, widened from 4 to 8 bytes in C, with no int object per
+    token. O(len(data))."""
+    n_full = len(data) // BYTES_PER_TOKEN
+    cut = n_full * BYTES_PER_TOKEN
+    buf = bytearray(8 * n_full)
+    # each token's 4 bytes go to the low half of its 8-byte word
+    lo = 0 if _LITTLE else 4
+    for k in range(BYTES_PER_TOKEN):
+        src = k if _LITTLE else BYTES_PER_TOKEN - 1 - k
+        buf[lo + k::8] = data[src:cut:BYTES_PER_TOKEN]
+    out = array("Q")
+    out.frombytes(buf)
+    tail = data[cut:]
+    if tail:
+        out.append(PARTIAL * len(tail) + int.from_bytes(tail, "little"))
+    return out
+
+
 def decode(tokens) -> bytes:
     """The bytes ``tokens`` stand for (inverse of ``encode``)."""
     out = bytearray()

@@ -15,11 +15,18 @@ clock. This adapter only translates::
 Generated tokens: a conversation's turn (text level) decodes the agent's own
 deterministic answer, ``tokenizer.generate(request_seed(prompt bytes, agent
 seed), max_tokens)``, so the next prompt re-tokenizes to exactly what the cache
-grew by, as live. Any other request's output is a run of token ids no prompt can
-contain: the cache grows by the same number of tokens and nobody ever matches an
-answer nobody sends back, so only its size matters — and generating 256 answer
-tokens costs more than the rest of a request's simulation. (The one difference:
-two identical single-shot prompts get identical answers live, distinct ones here.)
+grew by, as live; its router hashes continue the prompt's chain (the prompt's whole
+blocks are not hashed again). Any other request's output is one private token id,
+unique to the request and above every id a prompt can hold, repeated ``max_tokens``
+times (an ``array('Q')`` built in C): the cache grows by the same number of tokens
+and nobody ever matches an answer nobody sends back, so only its size matters — and
+generating 256 answer tokens costs more than the rest of a request's simulation.
+(The one difference: two identical single-shot prompts get identical answers live,
+distinct ones here.)
+
+Keys: prompts and outputs reach the scheduler as ``array('Q')`` cache keys
+(``radix_cache.as_key``; text: ``tokenizer.encode_key``, blocks: prompts.py), so
+the agent's cache compares and copies them in C and no int object is made per token.
 
 Block level: a prompt's tokens are its blocks' ids, each repeated for the block's
 length (prompts.py), so the same cache and scheduler run with ``hash_stride`` equal
@@ -30,13 +37,14 @@ text. Decode stays one token per step for every request at both levels.
 from __future__ import annotations
 
 import struct
+from array import array
 from dataclasses import dataclass
 
 from router.errors import ConfigError
 from router.prefix_keys import block_hashes
 from worker_agent import tokenizer
 from worker_agent.cost_model import GPUS, MODELS, CostModel
-from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
+from worker_agent.radix_cache import ADMISSION_MODES, KEY_TYPECODE, AdmissionConfig
 from worker_agent.scheduler import ORDERS, SchedulerConfig, SchedRequest, build_scheduler
 
 #: token ids above every tokenizer and block-level id: outputs nobody can match
@@ -114,6 +122,18 @@ def _pack(tokens) -> bytes:
         return tokenizer.decode(tokens)
 
 
+def _continue_hashes(data: bytes, hashes: list[int], more: bytes, seed: int,
+                     block_bytes: int) -> list[int]:
+    """``block_hashes(data + more, seed, block_bytes)`` given ``hashes`` =
+    ``block_hashes(data, seed, block_bytes)``: only the blocks from the last whole
+    block of ``data`` on are hashed (the chain resumes from its last hash)."""
+    whole = len(hashes) * block_bytes
+    tail = data[whole:] + more
+    if len(tail) < block_bytes:
+        return hashes
+    return hashes + block_hashes(tail, hashes[-1] if hashes else seed, block_bytes)
+
+
 class StepOut:
     """What one step (or one fast-forwarded run of decode steps) did."""
 
@@ -136,13 +156,15 @@ class _Run:
     not O(steps): a run's cost does not grow with the tokens it decodes.
     """
 
-    __slots__ = ("start", "batch", "k", "pieces")
+    __slots__ = ("start", "b", "k", "pieces", "full")
 
-    def __init__(self, start: float, batch: list, k: int, pieces: list) -> None:
+    def __init__(self, start: float, b: int, k: int, pieces: list, full: bool) -> None:
         self.start = start
-        self.batch = batch  # the running requests, in the scheduler's order
+        self.b = b  # the running batch's size (fixed for the run)
         self.k = k  # steps planned (cut() may shorten it)
         self.pieces = pieces
+        #: the batch is at max_running: an arrival cannot join before the run ends
+        self.full = full
 
     def elapsed(self, j: int) -> float:
         """Duration of the first ``j`` steps."""
@@ -158,7 +180,7 @@ class _Run:
         """ITL samples of the first ``j`` steps: per piece, its mean step duration
         weighted by its tokens (steps within a piece differ by ``slope`` each —
         microseconds on a multi-millisecond step)."""
-        b = len(self.batch)
+        b = self.b
         out = []
         for i0, n, f0, slope in self.pieces:
             if j <= i0:
@@ -196,15 +218,18 @@ class SimWorker:
     request arrives while a step runs. Steps are the scheduler's own
     (``Scheduler.step``), with one exception that changes no decision:
 
-    **Fast-forward of pure decode.** When nothing waits and nothing is prefilling,
-    the scheduler's next steps are decode steps of a fixed batch until its first
-    request finishes, and their effects are known in closed form: each request
-    gains one token per step, the pool commits one slot per request per step, and
-    step i lasts ``cost.forward_s(cost.decode_flops(b, ctx_i), ctx_i)`` with
-    ``ctx_i = ctx_0 + i*b``. So up to (steps to the first finish - 1) such steps are
-    planned as one run, applied at its end — or at the end of the step in progress
-    when a new request arrives (``cut``), exactly where the scheduler would have
-    admitted it. The step that finishes a request is always a real ``step()``.
+    **Fast-forward of pure decode.** When nothing is prefilling and nothing can be
+    admitted (nothing waits, or the batch is at ``max_running``), the scheduler's
+    next steps are decode steps of a fixed batch until its first request finishes,
+    and their effects are known in closed form: each request gains one token per
+    step, the pool commits one slot per request per step, and step i lasts
+    ``cost.forward_s(cost.decode_flops(b, ctx_i), ctx_i)`` with ``ctx_i = ctx_0 +
+    i*b``. So the scheduler's ``decode_window()`` steps (up to the first finish - 1)
+    are planned as one run and applied with ``Scheduler.decode_many`` at its end —
+    or at the end of the step in progress when a new request arrives (``cut``),
+    exactly where the scheduler would have admitted it (a full batch admits nothing
+    before its first finish, so then an arrival does not cut the run). The step
+    that finishes a request is always a real ``step()``.
     ``tests/test_sim_core.py::test_fast_forward_is_exact`` pins that both ways make
     the same decisions and timings (equal up to float rounding: a run sums its
     steps in closed form).
@@ -241,8 +266,9 @@ class SimWorker:
         self.real_steps = 0  # Scheduler.step() calls
 
     @staticmethod
-    def tokenize(data: bytes) -> list[int]:
-        return tokenizer.encode(data)
+    def tokenize(data: bytes) -> array:
+        """The agent tokenizer's tokens of ``data``, as a cache key."""
+        return tokenizer.encode_key(data)
 
     def submit(self, job, now: float, *, answer: bool, ns_seed: int = 0,
                block_bytes: int = 0) -> None:
@@ -258,11 +284,11 @@ class SimWorker:
         if answer and p.data is not None:
             output = tokenizer.generate(tokenizer.request_seed(p.data, self.spec.agent_seed), n)
             if block_bytes and tokenizer.is_aligned(p.units):
-                hashes = block_hashes(p.data + _pack(output), ns_seed, block_bytes)
+                hashes = _continue_hashes(p.data, p.hashes, _pack(output), ns_seed, block_bytes)
         else:
-            base = self._next_private
-            self._next_private = base + n
-            output = range(base, base + n)
+            private = self._next_private
+            self._next_private = private + 1
+            output = array(KEY_TYPECODE, (private,)) * n
         req = SchedRequest(job, self.ns, p.units, n, output, hashes)
         self.sched.submit(req, now)
         job.handle = req
@@ -281,7 +307,7 @@ class SimWorker:
         sched = self.sched
         if not sched.has_work():
             return None
-        if self.fast_forward and not sched.waiting and not sched.prefilling and sched.running:
+        if self.fast_forward:
             run = self._plan(now)
             if run is not None:
                 self._run = run
@@ -291,14 +317,11 @@ class SimWorker:
         return now + res.duration_s
 
     def _plan(self, now: float) -> _Run | None:
-        batch = self.sched.running
-        k = min(r.max_new - r.generated for r in batch) - 1
+        sched = self.sched
+        k, c0 = sched.decode_window()
         if k < 1:
             return None
-        b = len(batch)
-        c0 = 0
-        for r in batch:
-            c0 += len(r.prompt) + r.generated
+        b = len(sched.running)
         fwd, flops = self.cost.forward_s, self.cost.decode_flops
 
         def f(i: int) -> float:
@@ -307,7 +330,7 @@ class SimWorker:
 
         pieces: list = []
         _linear_pieces(f, 0, k - 1, pieces)
-        return _Run(now, list(batch), k, pieces)
+        return _Run(now, b, k, pieces, b >= sched.config.max_running)
 
     def cut(self, now: float) -> float | None:
         """A request arrived at ``now`` during a fast-forwarded run: the run stops at
@@ -316,7 +339,7 @@ class SimWorker:
         just before that step ended). Returns the new end time, or None if the end
         did not change (a real step, or the run's last step). O(pieces x log k)."""
         run = self._run
-        if run is None:
+        if run is None or run.full:
             return None
         # the smallest j with start + elapsed(j) >= now: the step in progress is step j
         lo, hi = 1, run.k
@@ -352,18 +375,9 @@ class SimWorker:
 
     def _apply_run(self, run: _Run) -> StepOut:
         """k decode steps' effects, as ``Scheduler.step`` would have made them."""
-        k, batch = run.k, run.batch
-        b = len(batch)
-        for r in batch:
-            r.generated += k
-            r.reserved -= k
-            r.private += k
-        self.pool.commit(k * b)
-        st = self.sched.stats
-        st.decode_tokens += k * b
-        st.steps += k
+        k = run.k
         d = run.elapsed(k)
-        st.busy_s += d
+        self.sched.decode_many(k, d)
         self.ff_steps += k
         return StepOut(d, [], [], run.samples(k))
 
@@ -375,15 +389,14 @@ class SimWorker:
         toks = list(r.output[: r.generated])
         return _pack(toks), toks
 
-    def take_events(self) -> list:
-        return self.cache.drain_events()
+    def take_events(self) -> list | tuple:
+        """The cache's events since the last call (an empty tuple when none)."""
+        return self.cache.drain_events() if self.cache.pending_events else ()
 
     def load_state(self) -> tuple:
         """The agent's load report as a tuple (queued requests, queued tokens,
         running, KV used, KV capacity, prefill tokens/s)."""
-        ld = self.sched.load()
-        return (ld.queued_requests, ld.queued_tokens, ld.running_requests, ld.kv_used_tokens,
-                ld.kv_capacity_tokens, ld.prefill_tokens_per_s)
+        return self.sched.load_values()
 
     def check(self) -> None:
         if self._run is None:  # mid-run the scheduler's counters lag by design

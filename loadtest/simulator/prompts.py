@@ -4,10 +4,12 @@ Two levels, one shape (``SimPrompt``)::
 
     text level   spec.body --routing_bytes--> canonical bytes (contract 1)
                    units  = the agent tokenizer's tokens of those bytes
+                            (``tokenizer.encode_key``: an ``array('Q')``, built in C)
                    hashes = router.prefix_keys.block_hashes(bytes, ns, block_bytes)
     block level  a trace record (timestamp, input_length, output_length, hash_ids)
                    units  = the block's id, repeated for each of its tokens
-                            (built in C: no text is synthesized or tokenized)
+                            (an ``array('Q')`` built in C: no text is synthesized
+                            or tokenized)
                    hashes = chained xxh3 over the ids of the whole blocks:
                             h_k = xxh3_64(id_k as 8 LE bytes, seed=h_{k-1}), h_0 = ns
 
@@ -15,8 +17,10 @@ Block-level units have exactly the sharing structure of the text the load
 generator's ``Trace`` workload would synthesize: two prompts share their first n
 tokens iff they share the blocks those tokens fall in (ids are prefix-chained, so
 one id never sits at two positions of a prompt), and a partial last block is a
-prefix of the full block of the same id. One int object per block id keeps a
-prompt at pointer copies: no int is created per token. So the agent's cache, at page size 1,
+prefix of the full block of the same id. Units are ``array('Q')`` cache keys
+(``worker_agent.radix_cache.as_key``): a prompt is built by repeating each id in C,
+and the cache copies and compares it with memcpy/memcmp, never an int object per
+token. So the agent's cache, at page size 1,
 serves the same tokens at both levels; only the router's block size differs (the
 trace's block, not ``block_bytes``), which is what makes a 125k-token prompt cost
 ~250 hashes instead of ~4,000. The router keys only whole blocks (contract 1).
@@ -25,6 +29,8 @@ trace's block, not ``block_bytes``), which is what makes a 125k-token prompt cos
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -34,6 +40,7 @@ from loadtest.report import prompt_bytes
 from loadtest.workloads import API_CHAT, RequestSpec
 from router.errors import WorkloadError
 from router.prefix_keys import BYTES_PER_TOKEN, block_hashes
+from worker_agent.radix_cache import KEY_TYPECODE
 
 _xxh3 = xxhash.xxh3_64_intdigest
 #: block ids the reference caches can pack (4 bytes each, top bit kept for partials)
@@ -42,10 +49,11 @@ MAX_BLOCK_ID = 2**31 - 1
 
 @dataclass(slots=True)
 class SimPrompt:
-    """One prompt as the simulated fleet sees it. Built once per request."""
+    """One prompt as the simulated fleet sees it. Built once per request; the
+    simulation drops ``units`` and ``data`` (None) once its request is done."""
 
-    #: radix-cache key: tokens (text level) or block units (block level)
-    units: Sequence[int]
+    #: radix-cache key (``array('Q')``): tokens (text level) or block units (block level)
+    units: Sequence[int] | None
     #: router-space chained block hashes (whole blocks only)
     hashes: list[int]
     #: prompt tokens (the engine's count)
@@ -83,12 +91,15 @@ def block_prompt(ids: Sequence[int], input_length: int, block_tokens: int, seed:
     for i in ids:
         if not 0 <= i <= MAX_BLOCK_ID:
             raise WorkloadError(f"hash id {i} out of range [0, {MAX_BLOCK_ID}]")
-    units: list[int] = []
-    extend = units.extend
-    for i in ids:
-        extend((i,) * block_tokens)  # one shared int per block: pointer copies, in C
+    # each id's 8 bytes repeated per token, joined once: one exact-size buffer (an
+    # array grown block by block reallocates, and copies, about once per block)
+    order = sys.byteorder
+    parts = [i.to_bytes(8, order) * block_tokens for i in ids]
     if last:
-        del units[len(units) - block_tokens + last:]
+        parts[-1] = parts[-1][:8 * last]
+    units = array(KEY_TYPECODE)
+    units.frombytes(b"".join(parts))
+    if last:
         hashes = chain_block_ids(ids[:-1], seed)
     else:
         hashes = chain_block_ids(ids, seed)

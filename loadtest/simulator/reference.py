@@ -22,7 +22,7 @@ import xxhash
 
 from loadtest.prefix_trie import PrefixTrie, as_tokens
 from loadtest.report import CacheReference
-from worker_agent.radix_cache import RadixCache
+from worker_agent.radix_cache import RadixCache, as_key
 
 __all__ = ["CacheReference", "TextReference", "BlockReference"]
 
@@ -43,8 +43,9 @@ class TextReference(CacheReference):
 
     def _pooled(self, tokens) -> int:
         lru = self.pooled
-        cached, _ = lru.cache.match_prefix(None, tokens)
-        lru.cache.insert(None, tokens)
+        tokens = as_key(tokens)  # converted once for both calls (the simulator's already are)
+        cached, node = lru.cache.match_prefix(None, tokens)
+        lru.cache.insert(None, tokens, below=node)  # resumes at the match: same tree
         over = lru.cache.total_tokens - lru.capacity_tokens
         if over > 0:
             lru.cache.evict(over)
@@ -63,7 +64,7 @@ class TextReference(CacheReference):
             return
         self.oracle.serve(data + answer)
         if self.pooled is not None:
-            self._pooled(list(tokens) + list(answer_tokens))
+            self._pooled(as_key(tokens) + as_key(answer_tokens))
 
 
 def partial_unit(block_id: int, tokens: int) -> int:
@@ -108,8 +109,9 @@ class BlockReference:
         pooled = 0
         if self.pooled is not None:
             cache = self.pooled
-            got, _ = cache.match_prefix(None, units)
-            cache.insert(None, units)
+            key = as_key(units)
+            got, node = cache.match_prefix(None, key)
+            cache.insert(None, key, below=node)
             over = cache.total_tokens - self.pooled_blocks
             if over > 0:
                 cache.evict(over)
