@@ -3,27 +3,54 @@ bounded affinity and hot-root replication.
 
 For each routable worker w (rate_w = its prefill tokens/s)::
 
-    queue_s(w)  = (queued_tokens + in_flight_tokens) / rate_w     queueing delay
+    queue_s(w)  = max(in_flight_tokens, queued_tokens) / rate_w   queueing delay
     matched(w)  = blocks[w] * block_tokens, or 0 when < min_match_tokens (a miss)
                   or when w is over the affinity bound (below) or a retired replica
+    saved_s(w)  = matched(w) / rate_w                             prefill the match saves
     ttft(w)     = queue_s(w) + (prompt_tokens - matched(w)) / rate_w
     score(w)    = queue_s(w) + prefill_weight * (prompt_tokens - matched(w)) / rate_w
+                  - prefill_weight * saved_s(w)**2 / long_match_s
 
-The pick is the minimum score; ties prefer the longer match, then break at random.
+``in_flight_tokens`` (the router's count, fresh, uncached parts) and
+``queued_tokens`` (the agent's report, up to a batch old, whole prompts) are two
+estimates of mostly the same work — a request waiting at the agent is in both —
+so their sum would count it twice and make every warm worker look busy; the
+larger of the two still covers work that other routers sent.
+
+The pick is the minimum score. Scores within ``tie_s`` of it are ties: measured
+prefill rates differ by a few percent between identical GPUs, and without the
+tolerance the uncached-prefill term alone would send every tie to the worker
+that happens to measure fastest (it herded the demo's sessions onto one or two
+workers). Ties prefer the longer match, then the worker with the fewest
+in-flight requests, then break at random. In-flight requests are what holds KV:
+``queue_s`` forgets a request at its first token, but while it decodes it still
+locks its KV, so balancing the tied choice by request count (as SGLang's
+cache_aware balances all its choices) spreads the KV held and lets caches keep
+their prefixes.
+
 ``prefill_weight`` > 1 because a worker's uncached prefill delays not only this
 request but every request queued behind it there: it is what makes prefix reuse
-worth more than an equal amount of queue. ``Decision.expected_ttft_s`` is ttft(w).
+worth more than an equal amount of queue. The last term makes that credit grow
+faster than the match (``prefill_weight * saved_s * (1 + saved_s / long_match_s)``
+in all): a long cached context is not only long to rebuild, a second copy of it
+also takes that much KV from every other prefix on the new worker, and long
+contexts are the ones that come back (agentic sessions). The affinity bound below
+caps the credit, so this cannot herd. ``Decision.expected_ttft_s`` is ttft(w).
 
 Bounded affinity: a matching worker keeps its match only while it is *not*
 overloaded relative to the least-loaded worker L::
 
-    overloaded(w) = queue_s(w) - queue_s(L) > affinity_abs_s
+    overloaded(w) = queue_s(w) - queue_s(L) > affinity_abs_s + prefill_weight * saved_s(w)
                     and queue_s(w) > queue_s(L) * affinity_rel
 
-so no amount of cached prefix herds requests onto a worker past those margins.
+so no amount of cached prefix herds requests onto a worker past those margins —
+a holder waits at most ``affinity_abs_s`` more than the least-loaded worker beyond
+the (weighted) prefill it saves — while a long match (a 40k-token context) is not
+given up for a queue excess of a second or two: the score weighs that trade, the
+bound only caps it.
 When nobody routable holds ``min_match_tokens`` of the request it is a miss and goes
-to the least-loaded worker (least queue_s, ties at random) — never to "the smallest
-tree" (sglang #14305).
+to the least-loaded worker (least queue_s, ties to the fewest in-flight requests,
+then at random) — never to "the smallest tree" (sglang #14305).
 
 Reasons: AFFINITY (the chosen worker has the best match), REPLICA (it is a hot
 prefix's replica, or was just made one), SPILL_LOAD (a better match existed but
@@ -43,8 +70,8 @@ this request (reason REPLICA), or with ``warm_ahead`` it is named in
 ``Decision.warm`` for a prefill-only warm-up and the request is scored as usual —
 and surplus replicas are retired as the rate decays.
 
-Cost: O(workers) with no allocation beyond one list of queue delays and the
-Decision; a hot prefix adds one dict lookup and O(workers) bookkeeping.
+Cost: O(workers) with no allocation beyond two lists (queue delays, scores) and
+the Decision; a hot prefix adds one dict lookup and O(workers) bookkeeping.
 """
 
 from __future__ import annotations
@@ -93,6 +120,12 @@ class PrefixLoad(Policy):
             False, "warm a new replica with a prefill-only request (Decision.warm) "
             "instead of sending it the request that triggered it")
         hot_records: int = param(64, "hot prefixes remembered (LRU)", lo=1, hi=100_000)
+        long_match_s: float = param(
+            0.25, "the reuse credit of a match doubles when it saves this many seconds "
+            "of prefill (grows with the saved prefill; 0 = linear)", lo=0.0)
+        tie_s: float = param(
+            0.005, "scores within this many seconds of the best are ties (then: longer "
+            "match, fewer in-flight requests, random)", lo=0.0)
 
     def __init__(self, params=None, rng=None):
         super().__init__(params, rng)
@@ -109,14 +142,16 @@ class PrefixLoad(Policy):
 
         # Pass 1: queue delays, the least-loaded worker, the best routable match.
         qs = []
-        lo_i, lo_q, lo_ties = 0, _INF, 0
+        lo_i, lo_q, lo_f, lo_ties = 0, _INF, 0, 0
         best_b = 0
         for i, v in enumerate(views):
-            q = (v.in_flight_tokens + v.queued_tokens) / v.prefill_tokens_per_s
+            a, c = v.in_flight_tokens, v.queued_tokens
+            q = (a if a > c else c) / v.prefill_tokens_per_s
             qs.append(q)
-            if q < lo_q:
-                lo_i, lo_q, lo_ties = i, q, 1
-            elif q == lo_q:
+            f = v.in_flight
+            if q < lo_q or (q == lo_q and f < lo_f):
+                lo_i, lo_q, lo_f, lo_ties = i, q, f, 1
+            elif q == lo_q and f == lo_f:
                 lo_ties += 1
                 if rnd() * lo_ties < 1.0:
                     lo_i = i
@@ -142,24 +177,42 @@ class PrefixLoad(Policy):
                 return out
             masked, replicas, warm = out
 
-        # Pass 2: the minimum score, bounded affinity.
+        # Pass 2: scores, bounded affinity.
         w = p.prefill_weight
-        abs_s, rel = p.affinity_abs_s, p.affinity_rel
-        bound_q = lo_q + abs_s
-        bound_r = lo_q * rel
-        pick_i, pick_s, pick_b, ties = 0, _INF, -1, 0
+        bound_q = lo_q + p.affinity_abs_s
+        bound_r = lo_q * p.affinity_rel
+        grow = w / p.long_match_s if p.long_match_s > 0 else 0.0
+        ss = []
+        min_s = _INF
         for i, v in enumerate(views):
             q = qs[i]
             b = blocks.get(v.id, 0)
-            if b < min_b or (q > bound_q and q > bound_r) or (masked and v.id in masked):
+            tps = v.prefill_tokens_per_s
+            if b < min_b or (masked and v.id in masked):
+                b = 0
+            elif q > bound_r and q > bound_q + w * b * bt / tps:
                 b = 0
             unc = prompt - b * bt
             if unc < 0:
                 unc = 0
-            s = q + w * unc / v.prefill_tokens_per_s
-            if s < pick_s or (s == pick_s and b > pick_b):
-                pick_i, pick_s, pick_b, ties = i, s, b, 1
-            elif s == pick_s and b == pick_b:
+            s = q + w * unc / tps
+            if b:
+                sv = b * bt / tps
+                s -= grow * sv * sv
+            ss.append((s, b))
+            if s < min_s:
+                min_s = s
+        # Pass 3: among the ties (within tie_s of the best), the longest match, then
+        # the fewest in-flight requests, then at random.
+        cut = min_s + p.tie_s
+        pick_i, pick_b, pick_f, ties = 0, -1, 0, 0
+        for i, (s, b) in enumerate(ss):
+            if s > cut:
+                continue
+            f = views[i].in_flight
+            if b > pick_b or (b == pick_b and f < pick_f):
+                pick_i, pick_b, pick_f, ties = i, b, f, 1
+            elif b == pick_b and f == pick_f:
                 ties += 1
                 if rnd() * ties < 1.0:
                     pick_i = i

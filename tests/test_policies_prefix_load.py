@@ -64,27 +64,48 @@ def test_queue_delay_is_in_seconds_of_each_workers_prefill_rate():
 
 
 def test_affinity_bound_exact_edges():
+    # the bound: queue excess over the least-loaded > affinity_abs_s + prefill_weight x
+    # the prefill the match saves, and queue > affinity_rel x the least-loaded's
     pol = policy()  # affinity_abs_s 1.0, affinity_rel 2.0, prefill_weight 2.0
     assert (pol.params.affinity_abs_s, pol.params.affinity_rel) == (1.0, 2.0)
     r = hand_req(prompt=6432, blocks=201)
-    m = MatchResult({"w0": 200}, depth=200)  # 6400 of 6432 tokens cached on w0
+    m = MatchResult({"w0": 200}, depth=200)  # 6400 of 6432 tokens cached on w0: saves 0.64 s
     lo = WorkerView("w1", in_flight_tokens=1000)  # 0.1 s
-    at = WorkerView("w0", in_flight_tokens=11000)  # 1.1 s: exceeds by exactly 1.0: allowed
+    at = WorkerView("w0", in_flight_tokens=23800)  # 2.38 s: exceeds by exactly 1.0 + 2 x 0.64
     d = pol.choose(r, m, [at, lo], 0.0)
     assert (d.worker, d.reason, d.matched_blocks) == ("w0", Reason.AFFINITY, 200)
-    assert d.expected_ttft_s == pytest.approx(1.1 + 32 / 10_000)
-    over = WorkerView("w0", in_flight_tokens=11001)
+    assert d.expected_ttft_s == pytest.approx(2.38 + 32 / 10_000)
+    over = WorkerView("w0", in_flight_tokens=23801)
     d = pol.choose(r, m, [over, lo], 0.0)
     assert (d.worker, d.reason, d.matched_blocks) == ("w1", Reason.SPILL_LOAD, 0)
     assert d.expected_ttft_s == pytest.approx(0.1 + 6432 / 10_000)
     # both margins must be exceeded: 3.5 s vs 2.0 s is 1.5 s more but < 2x -> affinity
     r = hand_req(prompt=12832, blocks=401)
-    m = MatchResult({"w0": 400}, depth=400)
+    m = MatchResult({"w0": 400}, depth=400)  # saves 1.28 s
     busy = WorkerView("w1", in_flight_tokens=20000)
     d = pol.choose(r, m, [WorkerView("w0", in_flight_tokens=35000), busy], 0.0)
     assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
-    # 4.1 s > 2 x 2.0 s: the bound overrides the score (4.1064 s < 4.5664 s)
-    d = pol.choose(r, m, [WorkerView("w0", in_flight_tokens=41000), busy], 0.0)
+    # 5.56 s: > 2x, and exactly 1.0 + 2 x 1.28 more: still affinity
+    d = pol.choose(r, m, [WorkerView("w0", in_flight_tokens=55600), busy], 0.0)
+    assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
+    # 5.5601 s: past both margins, the bound overrides the score, whose reuse credit
+    # 2 x 1.28 x (1 + 1.28 / 0.25) = 15.6 s would have kept w0
+    d = pol.choose(r, m, [WorkerView("w0", in_flight_tokens=55601), busy], 0.0)
+    assert (d.worker, d.reason) == ("w1", Reason.SPILL_LOAD)
+
+
+def test_reuse_credit_grows_with_the_saved_prefill():
+    # 1600 of 3232 tokens cached on w0 saves 0.16 s: credit 2 x 0.16 x (1 + 0.16 / 0.25)
+    # = 0.5248 s; linear (long_match_s 0) it is 0.32 s
+    r = hand_req()
+    m = MatchResult({"w0": 50}, depth=50)
+    vs = [WorkerView("w0", in_flight_tokens=5000), WorkerView("w1")]  # 0.5 s busier
+    d = policy().choose(r, m, vs, 0.0)
+    assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
+    d = policy(long_match_s=0.0).choose(r, m, vs, 0.0)
+    assert (d.worker, d.reason) == ("w1", Reason.SPILL_LOAD)
+    vs = [WorkerView("w0", in_flight_tokens=5300), WorkerView("w1")]  # 0.53 s: not worth it
+    d = policy().choose(r, m, vs, 0.0)
     assert (d.worker, d.reason) == ("w1", Reason.SPILL_LOAD)
 
 
@@ -118,7 +139,9 @@ def test_conversation_follow_ups_stay_while_load_allows():
         if turn == 5:
             loop.load["w0"].in_flight_tokens = 4000  # busier, but reuse still wins
         if turn == 6:
-            loop.load["w0"].in_flight_tokens = 9000  # 0.9 s vs 0.1 s: queue outweighs reuse
+            # 1.1 s vs 0.1 s: queue outweighs reuse (2304 cached tokens: credit
+            # 2 x 0.2304 x (1 + 0.2304 / 0.25) = 0.885 s); at 0.9 s reuse still won
+            loop.load["w0"].in_flight_tokens = 11000
         k = chat(messages)
         loop.route(k.hashes, k.prompt_tokens, t)
         messages += [{"role": "assistant", "content": f"answer {turn} " * 20},
@@ -131,11 +154,13 @@ def test_conversation_follow_ups_stay_while_load_allows():
 
 
 def test_burst_of_64_spreads_as_the_affinity_bound_dictates():
-    # prefill_weight 3 so that the bound (0.2 s), not the score, is what binds:
-    # a holder takes requests while its queue is <= 0.2 s: the first costs 1088
-    # tokens (0.1088 s), each later one its 64 uncached tokens (0.0064 s), so
-    # 0.1088 + 15 x 0.0064 = 0.2048 > 0.2 stops it after 16; then the next idle worker.
-    loop = PickLoop(policy(seed=4, affinity_abs_s=0.2, prefill_weight=3.0), W8, check=True)
+    # the bound, not the score, is what binds: a holder takes requests while its
+    # queue is <= affinity_abs_s + prefill_weight x the prefill its 1024 cached
+    # tokens save = 0.048 + 1.5 x 0.1024 = 0.2016 s: the first costs 1088 tokens
+    # (0.1088 s), each later one its 64 uncached tokens (0.0064 s), so
+    # 0.1088 + 15 x 0.0064 = 0.2048 > 0.2016 stops it after 16; then the next idle
+    # worker. (The score alone would keep it up to 1.5 x 0.1024 + 6 x 0.1024^2 = 0.2165 s.)
+    loop = PickLoop(policy(seed=4, affinity_abs_s=0.048, prefill_weight=1.5), W8, check=True)
     for i in range(64):
         k = completion(SYSTEM + f"question {i:03d} ".ljust(256, "q"))
         assert k.prompt_tokens == 1088
@@ -166,7 +191,11 @@ def test_burst_with_defaults_never_herds():
             assert not (qs[d.worker] - lo > pol.params.affinity_abs_s
                         and qs[d.worker] > lo * pol.params.affinity_rel)
     c = counts(loop.chosen())
-    assert max(c.values()) <= 16 and len(c) >= 4, c
+    # the score binds: the shared 1024 tokens earn a holder a reuse credit of
+    # 2 x 0.1024 x (1 + 0.1024 / 0.25) = 0.2887 s, so its 30th request (queue
+    # 0.1088 + 28 x 0.0064 = 0.288 s) still ties (within tie_s) with an idle
+    # worker's 2 x 1088 / 10k and its 31st (0.2944 s) spills: runs of 30, 30, 4
+    assert sorted(c.values()) == [4, 30, 30], c
 
 
 def test_tenants_never_match_each_others_prefixes():
