@@ -69,7 +69,7 @@ def test_defaults_are_a_valid_config():
      "keys.tenant.api_keys[0].tenant: required: a non-empty tenant name"),
     ("keys: {tenant: {api_keys: {a: b}}}", "keys.tenant.api_keys: expected a list, got dict"),
     ("policy: {name: cache-aware}", f"policy.name: 'cache-aware' is not one of {POLICY_NAMES}"),
-    ("policy: {name: 3}", f"policy.name: expected a string, got 3"),
+    ("policy: {name: 3}", "policy.name: expected a string, got 3"),
     ("policy: {name: prefix_load, params: {min_match_tokens: -3}}",
      "policy.params.min_match_tokens: expected an integer >= 0, got -3"),
     ("policy: {name: round_robin, params: {foo: 1}}",
