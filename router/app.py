@@ -246,7 +246,7 @@ class Router:
         check_exposure(cfg, self.admin_auth, self.agent_auth)
         self.tenants = TenantResolver(cfg.keys.tenant)
         self.pool = Pool(cfg, self.index)
-        self.feedback = Feedback(self.pool, self.index, self.metrics)
+        self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
         lim = cfg.limits
         self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s,
                                    lim.retry_after_s)
@@ -772,7 +772,23 @@ class Router:
             url = parse_worker_url(body["url"], "url")
         except ConfigError as exc:
             raise MalformedRequest(str(exc), param="url") from None
-        w = self.pool.register(body["worker_id"], url, body["epoch"], models)
+        bb = body.get("block_bytes")
+        if bb is not None and (type(bb) is not int or bb <= 0):
+            raise MalformedRequest("'block_bytes' must be a positive integer", param="block_bytes")
+        ours = self.cfg.keys.block_bytes
+        if bb is not None and bb != ours:
+            # every hash it would report is one we never look up: refuse loudly
+            self.metrics.registrations_refused.labels(reason=ev.STATUS_BLOCK_BYTES_MISMATCH).inc()
+            log.warning("refused registration of %s (%s): it hashes %d-byte blocks, this "
+                        "router keys.block_bytes=%d", body["worker_id"], url, bb, ours)
+            return web.json_response({
+                "status": ev.STATUS_BLOCK_BYTES_MISMATCH, "block_bytes": ours,
+                "error": {"message": f"agent block_bytes {bb} != router keys.block_bytes "
+                                     f"{ours}: start the agent with --block-bytes {ours} "
+                                     "(or change the router's keys.block_bytes)",
+                          "type": "invalid_request_error", "param": "block_bytes",
+                          "code": ev.STATUS_BLOCK_BYTES_MISMATCH}}, status=409)
+        w = self.pool.register(body["worker_id"], url, body["epoch"], models, bb)
         self._models_cache = None
         return web.json_response({"status": ev.STATUS_OK, "worker_id": w.id})
 
@@ -832,6 +848,8 @@ class Router:
                 log.warning("keys.block_bytes changed: the index restarts cold")
                 for wid in list(self.index.workers()):
                     self.index.clear(wid)
+                # agents that registered with the old size are refused from now on
+                self.feedback.block_bytes = new.keys.block_bytes
             self.cfg = new
             self.pool.cfg = new
             self.policy = policy

@@ -32,7 +32,15 @@ Answers (JSON ``{"status": ...}``):
     400 / 401                malformed / bad token
 
 Registration: ``POST /internal/v1/register`` with ``{"worker_id", "url", "epoch",
-"models": [...]}``, answered ``200 {"status": "ok"}``.
+"models": [...], "block_bytes": 128}``, answered ``200 {"status": "ok"}``.
+``block_bytes`` is the block size the agent hashes with (its ``--block-bytes``);
+when it differs from the router's ``keys.block_bytes`` every hash the agent
+reports is one the router never looks up, so the router refuses it with
+``409 {"status": "block_bytes_mismatch", "block_bytes": <the router's>}``
+(an agent that omits the field is accepted as before; the agent keeps retrying,
+so fixing either side's setting heals the link). A registered agent whose
+``block_bytes`` no longer matches (the router's was reloaded) gets
+``404 unknown_worker`` for its batches, re-registers, and is refused.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from router.errors import MalformedRequest
 STATUS_OK = "ok"
 STATUS_SNAPSHOT_REQUIRED = "snapshot_required"
 STATUS_UNKNOWN_WORKER = "unknown_worker"
+STATUS_BLOCK_BYTES_MISMATCH = "block_bytes_mismatch"
 
 EVENTS_PATH = "/internal/v1/events"
 REGISTER_PATH = "/internal/v1/register"

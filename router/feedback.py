@@ -6,6 +6,9 @@ Per worker the pool keeps the agent ``epoch`` the router's view follows and the
 replaces the worker's entries wholesale, so any gap before it is harmless)::
 
     unknown worker id                       -> 404 unknown_worker (agent re-registers)
+    registered with another block_bytes     -> 404 unknown_worker (the router's
+      than the router's (after a reload)       keys.block_bytes was reloaded; the
+                                               re-registration is refused with 409)
     epoch differs or seq gap, no snapshot   -> 409 snapshot_required (load still applied)
     worker UNHEALTHY                        -> 200, events discarded and the stream
                                                forgotten: once healthy again, its next
@@ -33,18 +36,21 @@ log = logging.getLogger("radixfleet.feedback")
 class Feedback:
     """Stateless but for the pool's per-worker stream positions."""
 
-    __slots__ = ("pool", "index", "metrics")
+    __slots__ = ("pool", "index", "metrics", "block_bytes")
 
-    def __init__(self, pool: Pool, index, metrics=None) -> None:
+    def __init__(self, pool: Pool, index, metrics=None, block_bytes: int | None = None) -> None:
         self.pool = pool
         self.index = index
         self.metrics = metrics
+        #: the router's keys.block_bytes (the router updates it on reload); None: unchecked
+        self.block_bytes = block_bytes
 
     def apply(self, batch: EventBatch, now: float) -> tuple[int, str]:
         """Applies one batch. Returns (HTTP status, ``status`` string)."""
         w = self.pool.get(batch.worker_id)
         m = self.metrics
-        if w is None:
+        if w is None or (w.block_bytes is not None and self.block_bytes is not None
+                         and w.block_bytes != self.block_bytes):
             self._count(STATUS_UNKNOWN_WORKER)
             return 404, STATUS_UNKNOWN_WORKER
         if batch.load is not None:

@@ -14,6 +14,7 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
       1 half-open, 2 open), radixfleet_worker_healthy{worker}
     radixfleet_index_nodes, _index_holder_entries, _index_bytes, _index_evicted_entries
     radixfleet_events_applied_total{type}, radixfleet_event_batches_total{status}
+    radixfleet_registrations_refused_total{reason}    block_bytes_mismatch
     radixfleet_hot_prefix_rate{prefix,depth}, radixfleet_hot_prefix_replicas{prefix}
     radixfleet_warmups_total{status}
     radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
@@ -65,6 +66,9 @@ class Metrics:
                               registry=r)
         self.batches = Counter("radixfleet_event_batches", "Agent event batches by answer",
                                ["status"], registry=r)
+        self.registrations_refused = Counter(
+            "radixfleet_registrations_refused", "Agent registrations refused", ["reason"],
+            registry=r)
         self.hot_rate = Gauge("radixfleet_hot_prefix_rate", "Decayed requests/s of hot prefixes",
                               ["prefix", "depth"], registry=r)
         self.hot_replicas = Gauge("radixfleet_hot_prefix_replicas", "Holders of hot prefixes",

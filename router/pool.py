@@ -79,6 +79,7 @@ class Worker:
         "breaker", "breaker_fails", "open_until", "trial",
         "draining", "in_flight", "in_flight_tokens",
         "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
+        "block_bytes",
     )
 
     def __init__(self, wid: str, url: str, source: Source, weight: float = 1.0,
@@ -89,6 +90,7 @@ class Worker:
         self.weight = weight
         self.base_prefill = prefill_tokens_per_s  # until the agent reports its rate
         self.models: tuple[str, ...] = ()  # from registration, if the agent said
+        self.block_bytes: int | None = None  # the agent's hashing block size, if it said
         self.health = HealthState.UNKNOWN
         self.check_fails = 0  # failed health checks in a row
         self.check_oks = 0  # passed health checks in a row
@@ -217,10 +219,13 @@ class Pool:
             log.info("worker %s %s", wid, "draining" if draining else "undrained")
         return w
 
-    def register(self, wid: str, url: str, epoch: str, models: Sequence[str] = ()) -> Worker:
+    def register(self, wid: str, url: str, epoch: str, models: Sequence[str] = (),
+                 block_bytes: int | None = None) -> Worker:
         """An agent announced itself. A new epoch means a fresh process with an empty
         cache: its index entries are dropped and its event stream starts at seq 0.
-        A worker already known by url under another id takes the agent's id."""
+        A worker already known by url under another id takes the agent's id.
+        ``block_bytes`` (the agent's hashing block size) is recorded as said; the
+        caller has checked it against the router's."""
         w = self._by_id.get(wid)
         if w is not None and w.url != url:
             # the same id now lives elsewhere: a new process; start over
@@ -239,6 +244,7 @@ class Pool:
             w.epoch = epoch
             w.next_seq = 0
         w.models = tuple(models)
+        w.block_bytes = block_bytes
         # It just talked to us: healthy now; health checks keep it honest.
         self._set_health(w, HealthState.HEALTHY)
         return w

@@ -80,3 +80,47 @@ async def test_agents_register_push_events_and_keep_affinity():
         for p in agents:
             p.stop()
         await server.aclose()
+
+
+async def test_agent_with_other_block_bytes_is_refused_and_says_why():
+    """An agent hashing 64-byte blocks behind a router keyed on 128: every hash it
+    would report is one the router never looks up, so registration is refused with
+    409 block_bytes_mismatch, nothing of it reaches the index, the agent's
+    /server_info names the reason, and requests are still served (load-only)."""
+    router = Router(parse_config({"keys": {"block_bytes": 128},
+                                  "workers": [{"url": "http://127.0.0.1:1", "id": "static"}]}))
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    ap = free_port()
+    agent = Proc(radixfleet_argv("agent", "--port", str(ap), "--worker-id", "odd",
+                                 "--router", base, "--block-bytes", "64"),
+                 ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30).__enter__()
+    try:
+        refused = router.metrics.registrations_refused.labels("block_bytes_mismatch")
+        await wait_for(lambda: refused._value.get() >= 1, what="refused registration")
+        assert router.pool.get("odd") is None
+        assert "odd" not in router.index.workers()
+        async with httpx.AsyncClient(timeout=10) as c:
+            info = (await c.get(f"http://127.0.0.1:{ap}/server_info")).json()
+            assert info["block_bytes"] == 64
+            assert info["routers"] == [{"url": base, "state": "unregistered",
+                                        "refused": "block_bytes_mismatch",
+                                        "sent_batches": 0}]
+            # the refusal itself, as the agent sees it: the router's size to use instead
+            r = await c.post(base + "/internal/v1/register", json={
+                "worker_id": "odd", "url": f"http://127.0.0.1:{ap}", "epoch": "x",
+                "block_bytes": 64})
+            assert r.status_code == 409
+            body = r.json()
+            assert body["status"] == "block_bytes_mismatch" and body["block_bytes"] == 128
+            assert "--block-bytes 128" in body["error"]["message"]
+            for bad in (0, -1, "128", 1.5, True):
+                r = await c.post(base + "/internal/v1/register", json={
+                    "worker_id": "odd", "url": f"http://127.0.0.1:{ap}", "epoch": "x",
+                    "block_bytes": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "block_bytes", bad
+        router.pool.check()
+    finally:
+        agent.stop()
+        await server.aclose()

@@ -670,3 +670,39 @@ async def test_hot_prefix_gets_warmed_replica(two_upstreams):
         assert sum(s["requests"] for s in stats) >= 41
     finally:
         await runner.aclose()
+
+
+async def test_registration_block_bytes_checked_and_reload_refuses_old_size(two_upstreams,
+                                                                            tmp_path):
+    """An agent that says its block_bytes is registered only when it matches the
+    router's keys.block_bytes; after a reload changes the router's, the agent's
+    batches get 404 unknown_worker (it re-registers, and is refused with 409)."""
+    path = tmp_path / "router.yaml"
+    path.write_text(f"workers:\n  - url: {two_upstreams[0]}\nkeys:\n  block_bytes: 128\n")
+    router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
+    server, base = await start_app(router.app)
+    reg = {"worker_id": "ag", "url": two_upstreams[1], "epoch": "e1", "block_bytes": 128}
+    batch = {"worker_id": "ag", "url": two_upstreams[1], "epoch": "e1", "seq": 0, "events": []}
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/internal/v1/register", json={**reg, "block_bytes": 256})
+            assert r.status_code == 409 and r.json()["status"] == "block_bytes_mismatch"
+            assert router.pool.get("ag") is None
+            r = await c.post(base + "/internal/v1/register", json=reg)
+            assert r.status_code == 200
+            assert router.pool.get("ag").block_bytes == 128
+            r = await c.post(base + "/internal/v1/events", json=batch)
+            assert r.status_code == 200
+            path.write_text(f"workers:\n  - url: {two_upstreams[0]}\nkeys:\n  block_bytes: 256\n")
+            ok, msg, _, _ = await router.reload()
+            assert ok, msg
+            r = await c.post(base + "/internal/v1/events", json={**batch, "seq": 1})
+            assert r.status_code == 404 and r.json()["status"] == "unknown_worker"
+            r = await c.post(base + "/internal/v1/register", json={**reg, "epoch": "e2"})
+            assert r.status_code == 409 and r.json()["block_bytes"] == 256
+            # an agent that does not say its size is taken at its word, as before
+            r = await c.post(base + "/internal/v1/register",
+                             json={k: v for k, v in reg.items() if k != "block_bytes"})
+            assert r.status_code == 200
+    finally:
+        await server.cleanup()

@@ -33,7 +33,8 @@ from typing import Callable
 
 import aiohttp
 
-from router.events import (EVENTS_PATH, REGISTER_PATH, STATUS_SNAPSHOT_REQUIRED,
+from router.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISMATCH,
+                           STATUS_SNAPSHOT_REQUIRED,
                            STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
 from worker_agent.radix_cache import RadixCache
 
@@ -49,7 +50,8 @@ class LinkState(enum.Enum):
 class RouterLink:
     """One router's stream. Only the reporter task mutates it."""
 
-    __slots__ = ("base", "state", "seq", "pending", "sent_batches", "failures", "snapshots")
+    __slots__ = ("base", "state", "seq", "pending", "sent_batches", "failures", "snapshots",
+                 "refused")
 
     def __init__(self, base: str) -> None:
         self.base = base.rstrip("/")
@@ -61,19 +63,24 @@ class RouterLink:
         self.sent_batches = 0
         self.failures = 0
         self.snapshots = 0
+        #: why the router last refused registration (its status word), None once accepted
+        self.refused: str | None = None
 
 
 class Reporter:
     def __init__(self, routers: list[str], *, worker_id: str, url: str, models: list[str],
                  cache: RadixCache, load: Callable[[], Load], token: str | None = None,
                  interval_s: float = 0.1, max_batch_events: int = 256,
-                 max_pending_events: int = 10_000, timeout_s: float = 2.0) -> None:
+                 max_pending_events: int = 10_000, timeout_s: float = 2.0,
+                 block_bytes: int | None = None) -> None:
         if not routers:
             raise ValueError("a reporter needs at least one router URL")
         self.links = [RouterLink(u) for u in routers]
         self.worker_id = worker_id
         self.url = url
         self.models = models
+        #: the block size this agent hashes with, sent at registration (None: not sent)
+        self.block_bytes = block_bytes
         self.cache = cache
         self.load = load
         self.epoch = secrets.token_hex(8)
@@ -126,26 +133,39 @@ class Reporter:
                 link.pending.clear()
                 link.state = LinkState.SNAPSHOT
 
-    async def _post(self, link: RouterLink, path: str, body: dict) -> tuple[int, str]:
+    async def _post(self, link: RouterLink, path: str, body: dict) -> tuple[int, str, dict]:
+        """(HTTP status, the answer's ``status`` word, the answer object or {})."""
         async with self._session.post(link.base + path, json=body) as resp:
             try:
                 data = await resp.json(content_type=None)
-                status = data.get("status", "") if isinstance(data, dict) else ""
+                if not isinstance(data, dict):
+                    data = {}
             except (ValueError, aiohttp.ContentTypeError):
-                status = ""
-            return resp.status, status
+                data = {}
+            return resp.status, str(data.get("status", "")), data
 
     async def _push(self, link: RouterLink) -> None:
         try:
             if link.state is LinkState.UNREGISTERED:
-                code, _ = await self._post(link, REGISTER_PATH, {
-                    "worker_id": self.worker_id, "url": self.url, "epoch": self.epoch,
-                    "models": self.models})
+                body = {"worker_id": self.worker_id, "url": self.url, "epoch": self.epoch,
+                        "models": self.models}
+                if self.block_bytes is not None:
+                    body["block_bytes"] = self.block_bytes
+                code, status, data = await self._post(link, REGISTER_PATH, body)
                 if code != 200:
                     link.failures += 1
+                    link.refused = status or f"http_{code}"
                     if link.failures == 1 or link.failures % 50 == 0:
-                        log.warning("router %s refused registration: HTTP %d", link.base, code)
+                        if status == STATUS_BLOCK_BYTES_MISMATCH:
+                            # a configuration error, not a transient one: say what to fix
+                            log.error("router %s refused registration: this agent hashes "
+                                      "%s-byte blocks, the router keys.block_bytes=%s; its "
+                                      "cache events would never match (will keep retrying)",
+                                      link.base, self.block_bytes, data.get("block_bytes"))
+                        else:
+                            log.warning("router %s refused registration: HTTP %d", link.base, code)
                     return
+                link.refused = None
                 link.state = LinkState.SNAPSHOT
             # at most a few batches per tick, so a backlog drains quickly
             for _ in range(8):
@@ -161,7 +181,7 @@ class Reporter:
                     n_taken = len(events)
                 batch = EventBatch(self.worker_id, self.url, self.epoch, link.seq, events, self.load())
                 link.seq += 1  # never reused: a lost batch shows as a gap, then a snapshot
-                code, status = await self._post(link, EVENTS_PATH, batch.to_json())
+                code, status, _ = await self._post(link, EVENTS_PATH, batch.to_json())
                 if code == 200:
                     link.sent_batches += 1
                     if link.state is LinkState.SNAPSHOT:

@@ -383,7 +383,15 @@ def _server_info(agent: Agent) -> dict:
 
 
 async def _get_server_info(request: web.Request) -> web.Response:
-    return web.json_response(_server_info(request.app[AGENT_KEY]))
+    info = _server_info(request.app[AGENT_KEY])
+    reporter = request.app.get(REPORTER_KEY)
+    if reporter is not None:
+        # each router link's state; "refused" says why a router turned registration
+        # down (e.g. block_bytes_mismatch), so a silent misconfiguration shows here
+        info["routers"] = [{"url": link.base, "state": link.state.value,
+                            "refused": link.refused, "sent_batches": link.sent_batches}
+                           for link in reporter.links]
+    return web.json_response(info)
 
 
 async def _get_model_info(request: web.Request) -> web.Response:
@@ -518,7 +526,8 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
             from worker_agent.reporter import Reporter
             reporter = Reporter(routers, worker_id=cfg.worker_id or advertise_url or "agent",
                                 url=advertise_url or "", models=[cfg.name], cache=agent.cache,
-                                load=agent.sched.load, token=os.environ.get("RADIXFLEET_AGENT_TOKEN"))
+                                load=agent.sched.load, token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
+                                block_bytes=cfg.block_bytes)
             await reporter.start()
         app[REPORTER_KEY] = reporter
         try:
