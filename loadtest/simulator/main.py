@@ -9,6 +9,8 @@
     radixfleet simulate --workload zipf --policies least_load,prefix_load \\
         --sweep kv_tokens=20000,50000,100000,400000 --plots plots/
     radixfleet simulate --workload mixed --feedback none,events --policies prefix_load
+    radixfleet simulate --workload zipf --policies round_robin,prefix_load \\
+        --sweep kv_tokens=4000,8000,16000,32000 --jobs 0     # one process per CPU
 
 Workload, arrival and bound flags are the load generator's (``radixfleet loadtest``):
 the same workload, seed and arrivals produce the same requests here and live.
@@ -20,6 +22,8 @@ after it, latencies in simulated time, plus ``wall_s``, ``sim_requests_per_s`` a
 a ``sim`` object (level, fleet, feedback settings, decision reasons, counters).
 Sweeps add ``sweep: {param, value}`` to each run and ``--plots`` draws them (the
 knee: hit rate against KV tokens per policy, with the pooled and oracle lines).
+Runs are independent and seeded: ``--jobs N`` runs them in N processes with the
+same reports (but for the wall-clock figures).
 Not simulated: ``--timeout`` (no request times out) and ``--no-progress`` (there
 is no progress bar). Bad flags exit 2 with one line on stderr.
 """
@@ -27,8 +31,11 @@ is no progress bar). Bad flags exit 2 with one line on stderr.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import logging
+import multiprocessing
+import os
 import sys
 
 import yaml
@@ -37,7 +44,7 @@ from loadtest.arrivals import Bounds
 from loadtest.main import add_load_arguments, build_load
 from loadtest.report import write_json, write_plots
 from loadtest.simulator.engine import EngineSpec, engine_help
-from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, Simulation
+from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
 from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
 from loadtest.simulator import blocktrace
 from loadtest.workloads import Trace
@@ -83,6 +90,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("sweep")
     s.add_argument("--sweep", metavar="PARAM=V1,V2,...",
                    help="kv_tokens=..., workers=... or rate=...: every policy at every value")
+    s.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run the independent runs (policies x feedback x sweep values) in N "
+                        "processes; 0 = one per CPU (default 1). Reports are identical but "
+                        "for wall_s and sim_requests_per_s; memory grows with N")
     add_load_arguments(parser, default_workload=_AUTO, model_flag=False)
     parser.epilog = engine_help()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -145,24 +156,66 @@ def build(args: argparse.Namespace):
 
 
 def simulate(plans, workload, bounds: Bounds, params: dict, *, seed: int, repeat: int = 1,
-             progress=None) -> list:
-    """Runs every plan in order; returns their ``SimOutcome``s."""
+             progress=None, jobs: int = 1) -> list:
+    """Runs every plan; returns their ``SimOutcome``s in plan order.
+
+    Each plan is an independent, seeded simulation, so with ``jobs > 1`` they run in
+    that many worker processes (forked: the workload is shared, not pickled) and the
+    reports are identical to a serial run but for ``wall_s`` and
+    ``sim_requests_per_s``, which each process measures for its own run (on a
+    machine with fewer free cores than ``jobs`` they measure the contention too).
+    Outcomes from worker processes carry no ``jobs`` list (the per-request objects
+    stay in the worker). ``progress`` is called with each report as it completes.
+    """
     records = None
     if isinstance(workload, Trace) and repeat > 1:
         records = blocktrace.repeat(workload.records, repeat)
-    outcomes = []
-    for plan in plans:
-        cfg = dataclasses.replace(plan.cfg, policy_params=params.get(plan.cfg.policy) or None)
-        sessions = blocktrace.sessions(workload, records) if records is not None else None
-        sim = Simulation(cfg, workload, plan.arrivals, bounds, seed=seed, name=plan.name,
-                         sessions=sessions)
-        out = sim.run()
-        if plan.sweep is not None:
-            out.report["sweep"] = plan.sweep
-        outcomes.append(out)
-        if progress is not None:
-            progress(out.report)
-    return outcomes
+    jobs = min(jobs, len(plans))
+    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        outcomes = []
+        for i in range(len(plans)):
+            out = _run_plan(plans, workload, bounds, params, seed, records, i)
+            outcomes.append(out)
+            if progress is not None:
+                progress(out.report)
+        return outcomes
+    global _SHARED
+    _SHARED = (plans, workload, bounds, params, seed, records)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            futs = {pool.submit(_run_shared, i): i for i in range(len(plans))}
+            done: dict[int, SimOutcome] = {}
+            for fut in concurrent.futures.as_completed(futs):
+                report, ttft = fut.result()
+                done[futs[fut]] = SimOutcome(report, ttft, [])
+                if progress is not None:
+                    progress(report)
+    finally:
+        _SHARED = None
+    return [done[i] for i in range(len(plans))]
+
+
+#: what forked worker processes read (set only while a parallel simulate() runs)
+_SHARED: tuple | None = None
+
+
+def _run_shared(i: int) -> tuple[dict, list[float]]:
+    assert _SHARED is not None, "_run_shared runs in a process forked by simulate()"
+    out = _run_plan(*_SHARED, i)
+    return out.report, out.ttft_ms
+
+
+def _run_plan(plans, workload, bounds: Bounds, params: dict, seed: int, records, i: int):
+    plan = plans[i]
+    cfg = dataclasses.replace(plan.cfg, policy_params=params.get(plan.cfg.policy) or None)
+    sessions = blocktrace.sessions(workload, records) if records is not None else None
+    sim = Simulation(cfg, workload, plan.arrivals, bounds, seed=seed, name=plan.name,
+                     sessions=sessions)
+    out = sim.run()
+    if plan.sweep is not None:
+        out.report["sweep"] = plan.sweep
+    return out
 
 
 def _print_table(runs: list[dict]) -> None:
@@ -197,7 +250,11 @@ def run(args: argparse.Namespace) -> int:
         plans, workload, bounds, params = build(args)
     except ValueError as exc:  # a dataclass validator's message
         raise ConfigError("", str(exc)) from None
-    outcomes = simulate(plans, workload, bounds, params, seed=args.seed, repeat=args.repeat)
+    if args.jobs < 0:
+        raise ConfigError("--jobs", f"must be >= 0 (0: one per CPU), got {args.jobs}")
+    jobs = args.jobs or (os.cpu_count() or 1)
+    outcomes = simulate(plans, workload, bounds, params, seed=args.seed, repeat=args.repeat,
+                        jobs=jobs)
     runs = [o.report for o in outcomes]
     _print_table(runs)
     if args.json:
