@@ -243,3 +243,68 @@ def test_text_reference_matches_the_load_generators():
     theirs.check()
     ours.check()
     assert ours.pooled.tokens == theirs.pooled.tokens
+
+
+def _overload(timeout_s, fast_forward=True, check=False, latency=0.0):
+    """One worker, 20 requests arriving at 40/s, each decoding 200 tokens: the later
+    ones queue behind the batch (max_running 4) for longer and longer."""
+    wl = make_workload("gsp", dict(SMALL_GSP, groups=2, prompts_per_group=10, output_tokens=200),
+                       seed=1)
+    cfg = SimConfig(workers=1, policy="round_robin", timeout_s=timeout_s, check=check,
+                    fast_forward=fast_forward, path_latency_s=latency,
+                    engine=EngineSpec(kv_tokens=20_000, max_running=4))
+    return _run(cfg, wl, Poisson(40.0), Bounds(20, 1e6, 1e6))
+
+
+def test_timeout_fails_late_requests_and_frees_the_worker():
+    base = _overload(None)
+    e2e = sorted(j.done_t - j.arrival for j in base.jobs)
+    cut = (e2e[7] + e2e[8]) / 2  # between the 8th and 9th to finish
+    sim = _overload(cut, check=True)
+    r = sim.outcome.report
+    assert r["requests"] == 20 and r["ok"] + r["errors"] == 20
+    assert r["errors_by_kind"] == {"timeout": r["errors"]}
+    # the first 8 finish before any timeout fires; the rest queue past it (overload:
+    # each later wave starts after its requests' deadline is near, and is cut off)
+    assert r["ok"] == 8 and r["sim"]["timed_out"] == r["errors"] == 12
+    for j in sim.jobs:
+        if j.ok:
+            assert j.done_t - j.arrival <= cut + 1e-9
+        else:
+            assert j.error_kind == "timeout" and j.done_t == pytest.approx(j.arrival + cut)
+    # timed-out requests were cancelled at the worker (KV returned); the run ends with
+    # the last client, so the last cancellations may still wait for their step's end
+    w = sim.workers[0]
+    s = w.sched
+    assert s.stats.cancelled > 0
+    left = list(s.waiting) + list(s.prefilling) + list(s.running)
+    assert all(req.rid.error_kind == "timeout" for req in left)
+    assert {id(req) for req in left} <= {id(req) for req in w._cancels}
+    assert sim.refs[0].in_flight == 0 and sim.refs[0].in_flight_tokens == 0
+    # freed capacity: those that finished did so no later than without the timeout
+    ok_ids = {j.idx for j in sim.jobs if j.ok}
+    before = {j.idx: j.done_t for j in base.jobs}
+    assert all(j.done_t <= before[j.idx] + 1e-9 for j in sim.jobs if j.idx in ok_ids)
+
+
+def test_timeout_same_with_and_without_fast_forward():
+    base = _overload(None)
+    cut = sorted(j.done_t - j.arrival for j in base.jobs)[10]
+    fast, slow = _overload(cut), _overload(cut, fast_forward=False)
+    assert fast.outcome.report["sim"]["fast_forwarded_steps"] > 0
+    for a, b in zip(fast.jobs, slow.jobs):
+        assert (a.ok, a.error_kind, a.output) == (b.ok, b.error_kind, b.output)
+        assert a.done_t == pytest.approx(b.done_t, rel=1e-9)
+
+
+def test_generous_timeout_changes_nothing():
+    a, b = _overload(None).outcome.report, _overload(1e4).outcome.report
+    assert b["sim"].pop("timed_out") == 0 and a["sim"].pop("timed_out") == 0
+    assert _strip(a) == _strip(b)
+
+
+def test_timeout_before_arrival_with_path_latency():
+    sim = _overload(0.0005, latency=0.001, check=True)  # gone before reaching the worker
+    r = sim.outcome.report
+    assert r["ok"] == 0 and r["errors_by_kind"] == {"timeout": 20}
+    assert sim.workers[0].sched.stats.submitted == 0

@@ -237,7 +237,7 @@ class SimWorker:
 
     __slots__ = ("id", "spec", "cost", "cache", "pool", "sched", "ns", "capacity_tokens",
                  "_next_private", "block_level", "fast_forward", "_res", "_run",
-                 "ff_steps", "real_steps")
+                 "ff_steps", "real_steps", "_cancels")
 
     def __init__(self, wid: str, spec: EngineSpec, *, block_level: bool, hash_stride: int,
                  fast_forward: bool = True) -> None:
@@ -262,6 +262,7 @@ class SimWorker:
         self._next_private = _PRIVATE_BASE
         self._res = None  # the scheduler's StepResult of the step in progress
         self._run: _Run | None = None  # or the fast-forwarded run in progress
+        self._cancels: list = []  # SchedRequests to cancel before the next step
         self.ff_steps = 0  # decode steps applied by fast-forward
         self.real_steps = 0  # Scheduler.step() calls
 
@@ -332,14 +333,33 @@ class SimWorker:
         _linear_pieces(f, 0, k - 1, pieces)
         return _Run(now, b, k, pieces, b >= sched.config.max_running)
 
-    def cut(self, now: float) -> float | None:
+    def cancel(self, job) -> None:
+        """The client of ``job`` went away: the agent drops the request before its
+        next step (``apply_cancels``), as a live agent does between forward passes.
+        The caller cuts a fast-forwarded run (``cut(now, force=True)``) so that the
+        next step comes at the end of the step in progress."""
+        if job.handle is not None:
+            self._cancels.append(job.handle)
+
+    def apply_cancels(self) -> None:
+        """Cancels what ``cancel`` queued (``Scheduler.cancel``: its KV returns to the
+        pool; a request that finished meanwhile is left as it is). Between steps only."""
+        if self._cancels:
+            assert not self.stepping, f"{self.id}: apply_cancels() during a step"
+            for req in self._cancels:
+                self.sched.cancel(req)
+            self._cancels.clear()
+
+    def cut(self, now: float, force: bool = False) -> float | None:
         """A request arrived at ``now`` during a fast-forwarded run: the run stops at
         the end of the step in progress (a step ending exactly at ``now`` counts as
         in progress: the request joins the next step, as if it had been submitted
         just before that step ended). Returns the new end time, or None if the end
-        did not change (a real step, or the run's last step). O(pieces x log k)."""
+        did not change (a real step, or the run's last step). A full batch's run is
+        not cut for an arrival (nothing could join it), but is with ``force`` (a
+        request left it). O(pieces x log k)."""
         run = self._run
-        if run is None or run.full:
+        if run is None or (run.full and not force):
             return None
         # the smallest j with start + elapsed(j) >= now: the step in progress is step j
         lo, hi = 1, run.k

@@ -77,7 +77,7 @@ WARMUP_MIN_INTERVAL_S = 10.0
 LEVELS = ("auto", "text", "block")
 
 # event kinds, in the order same-time events of different kinds were pushed
-_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE = range(7)
+_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT = range(8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +103,9 @@ class SimConfig:
     #: and the client sees every token this much after the worker made it. 0: none
     #: (a GPU-only view). ``bench fidelity`` measures it on the live fleet.
     path_latency_s: float = 0.0
+    #: the client's per-request timeout (loadtest --timeout: no complete answer this
+    #: long after dispatch -> error "timeout"); None: requests never time out
+    timeout_s: float | None = None
     #: fast-forward runs of pure decode steps (engine.py); False: every step is a
     #: Scheduler.step() call (same results, slower; the equivalence tests use it)
     fast_forward: bool = True
@@ -116,6 +119,8 @@ class SimConfig:
             raise ConfigError("--feedback", f"{self.feedback!r} is not one of {', '.join(FEEDBACK_MODES)}")
         if not (self.feedback_delay_s >= 0 and self.feedback_batch_s >= 0):
             raise ConfigError("--feedback-delay-ms", "delay and batch must be >= 0")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ConfigError("--timeout", f"must be > 0 seconds, got {self.timeout_s}")
         if not self.path_latency_s >= 0:
             raise ConfigError("--path-latency-ms", f"must be >= 0, got {self.path_latency_s * 1000}")
         if self.level not in LEVELS:
@@ -245,6 +250,7 @@ class Simulation:
         self.reasons: collections.Counter = collections.Counter()  # Decision.reason counts
         self.rejected = 0
         self.cancelled = 0
+        self.timed_out = 0
         self.steps = 0
         self._ran = False
 
@@ -290,6 +296,8 @@ class Simulation:
                 self._hand(arg[0], arg[1], t)
             elif kind == _DONE:
                 self._client_done(arg, t)
+            elif kind == _TIMEOUT:
+                self._timeout(arg, t)
             else:  # _END: the drain grace ran out
                 self._cancel_in_flight(t)
                 break
@@ -353,6 +361,8 @@ class Simulation:
         if d.warm:
             self._warm(d.warm, prompt, match.depth, now)
         uncached = max(0, prompt.prompt_tokens - d.matched_blocks * self.block_tokens)
+        if self.cfg.timeout_s is not None:
+            self._push(now + self.cfg.timeout_s, _TIMEOUT, job)
         self._submit(w, job, uncached, now)
 
     def _warm(self, workers, prompt: SimPrompt, depth: int, now: float) -> None:
@@ -395,6 +405,8 @@ class Simulation:
 
     def _hand(self, w: int, job: Job, now: float) -> None:
         """``job`` reaches worker ``w`` at ``now``."""
+        if job.ok is not None:
+            return  # timed out on its way: the client's disconnect got there first
         ref = self.refs[w]
         try:
             self.workers[w].submit(job, now, answer=_reads_answer(job),
@@ -436,6 +448,44 @@ class Simulation:
             if not self._pumping:
                 self._pump()
 
+    def _timeout(self, job: Job, now: float) -> None:
+        """The client gives up on ``job`` (``timeout_s`` after dispatch, if it has no
+        complete answer): it fails with "timeout", the router releases its load at
+        once (as its client-disconnect path does) and the agent cancels it at the end
+        of the step in progress (a fast-forwarded run is cut there), returning its
+        KV. The session ends, as a failed turn ends it live. A job that finished at
+        the worker before ``now`` is not timed out (its answer is on its way back;
+        the path latency is not counted against the timeout)."""
+        if job.ok is not None:
+            return
+        job.ok = False
+        job.error_kind = "timeout"
+        job.done_t = now
+        self.timed_out += 1
+        w = job.worker
+        ref = self.refs[w]
+        ref.in_flight -= 1
+        if not job.prefilled:
+            job.prefilled = True
+            ref.in_flight_tokens -= job.counted
+        ref.dirty = True
+        if job.handle is not None:
+            worker = self.workers[w]
+            worker.cancel(job)
+            if worker.stepping:
+                end = worker.cut(now, force=True)
+                if end is not None:
+                    ref.gen += 1
+                    self._push(end, _STEP, (w, ref.gen))
+            else:  # between steps: at once
+                worker.apply_cancels()
+                self._record_state(w, now)
+                self._collect_events(w, now)
+        _retire(job)
+        self.driver.complete(job.session, None)
+        if not self._pumping:
+            self._pump()
+
     def _client_done(self, arg, now: float) -> None:
         job, answer = arg
         self.driver.complete(job.session, answer)
@@ -450,6 +500,7 @@ class Simulation:
         worker = self.workers[w]
         if worker.stepping:
             self._apply_outcome(w, worker.end_step(now), now)
+        worker.apply_cancels()  # timed-out requests leave between steps
         end = worker.start_step(now)
         self._record_state(w, now)
         self._collect_events(w, now)
@@ -470,12 +521,16 @@ class Simulation:
         if out.itl:
             self._itl.extend(out.itl)
         for job in out.first:
+            if job.ok is False:
+                continue  # timed out while this step ran
             job.first_t = now
             if not job.prefilled and not job.warm:
                 job.prefilled = True
                 ref.in_flight_tokens -= job.counted
                 ref.dirty = True
         for job in out.finished:
+            if job.ok is False:
+                continue  # timed out while this step ran: the client has gone
             if not job.prefilled and not job.warm:
                 job.prefilled = True
                 ref.in_flight_tokens -= job.counted
@@ -658,6 +713,7 @@ class Simulation:
             "seed": self.seed,
             "rejected": self.rejected,
             "cancelled": self.cancelled,
+            "timed_out": self.timed_out,
             "warmups": sum(1 for j in self.jobs if j.warm),
             "reasons": dict(sorted(self.reasons.items())),
             "steps": self.steps,

@@ -24,8 +24,10 @@ Sweeps add ``sweep: {param, value}`` to each run and ``--plots`` draws them (the
 knee: hit rate against KV tokens per policy, with the pooled and oracle lines).
 Runs are independent and seeded: ``--jobs N`` runs them in N processes with the
 same reports (but for the wall-clock figures).
-Not simulated: ``--timeout`` (no request times out) and ``--no-progress`` (there
-is no progress bar). Bad flags exit 2 with one line on stderr.
+``--timeout`` (default 120 s, as live) fails a request with no complete answer
+that long after dispatch (error kind ``timeout``) and cancels it at its worker.
+``--no-progress`` does nothing (there is no progress bar). Bad flags exit 2 with
+one line on stderr.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def build(args: argparse.Namespace):
                      feedback=modes[0], feedback_delay_s=args.feedback_delay_ms / 1000.0,
                      feedback_batch_s=args.feedback_batch_ms / 1000.0, level=args.level,
                      path_latency_s=args.path_latency_ms / 1000.0,
-                     send_session=args.send_session)
+                     send_session=args.send_session, timeout_s=args.timeout)
     base.validate()
     sweep = parse_sweep(args.sweep) if args.sweep else None
     plans = plan_runs(base, policies, modes, arrivals, sweep)
