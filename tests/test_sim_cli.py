@@ -155,3 +155,23 @@ def test_jobs_run_in_processes_with_identical_reports(tmp_path):
         docs.append(doc)
     assert len(docs[0]["runs"]) == 6
     assert docs[0] == docs[1]
+
+
+def test_bench_sim_floor_row_splits_a_request_into_its_library_calls(capsys):
+    assert main(["bench", "sim", "--rows", "gsp_floor", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (row,) = doc["rows"]
+    assert row["row"] == "gsp_floor" and row["requests"] == 1024 and row["workers"] == 8
+    parts = row["parts_us"]
+    assert set(parts) == {"keying", "references", "router_pick", "agent_cache", "feedback"}
+    assert all(v > 0 for v in parts.values())
+    assert row["floor_us_per_request"] == pytest.approx(sum(parts.values()), abs=0.1)
+    ceiling = row["ceiling_sim_requests_per_s"] * row["floor_us_per_request"] / 1e6
+    assert ceiling == pytest.approx(1.0, rel=0.01)
+
+
+def test_bench_sim_rejects_an_unknown_row(capsys):
+    assert main(["bench", "sim", "--rows", "gsp_9w"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["radixfleet bench: error: --rows: unknown row 'gsp_9w'; rows: gsp_8w, "
+                   "gsp_light_8w, trace_100k, long_5k, gsp_500w, gsp_floor"]

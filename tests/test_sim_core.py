@@ -245,6 +245,34 @@ def test_text_reference_matches_the_load_generators():
     assert ours.pooled.tokens == theirs.pooled.tokens
 
 
+def test_unread_answers_weigh_on_the_pooled_cache_as_real_text_does():
+    """Single-shot answers: the simulator stands each for unique ids of its length
+    (``observe_unread_answer``); the load generator caches the real text. Every
+    prompt's (oracle, pooled) counts and the pooled cache's occupancy agree, with a
+    capacity small enough that answers push prompts out."""
+    from loadtest.report import CacheReference, prompt_bytes
+    from loadtest.simulator.reference import TextReference
+    from worker_agent.tokenizer import encode
+    from loadtest.workloads import text_of
+
+    wl = make_workload("gsp", {"groups": 3, "prompts_per_group": 6, "system_tokens": 64,
+                               "question_tokens": 12, "output_tokens": 30}, seed=2)
+    theirs, ours = CacheReference(400), TextReference(400)
+    evicted_before = None
+    for k, s in enumerate(wl.sessions()):
+        spec = s.first()
+        data = prompt_bytes(spec)
+        assert ours.observe_prompt(data, encode(data)) == theirs.observe(spec), k
+        answer = text_of(spec.max_tokens, f"answer/{k}")
+        theirs.observe_answer(spec, answer)
+        ours.observe_unread_answer(data, encode(data), spec.max_tokens, 2**56 + k)
+        assert ours.pooled.tokens == theirs.pooled.tokens, k
+        evicted_before = theirs.pooled.cache.stats.evicted_nodes
+    assert evicted_before > 0  # the answers did push entries out
+    theirs.check()
+    ours.check()
+
+
 def _overload(timeout_s, fast_forward=True, check=False, latency=0.0):
     """One worker, 20 requests arriving at 40/s, each decoding 200 tokens: the later
     ones queue behind the batch (max_running 4) for longer and longer."""

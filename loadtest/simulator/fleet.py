@@ -56,7 +56,7 @@ from typing import Any, Mapping, Sequence
 from loadtest.arrivals import Bounds
 from loadtest.client import Result
 from loadtest.report import percentiles, summarize
-from loadtest.workloads import SingleShot, Trace, Workload, text_of
+from loadtest.workloads import SingleShot, Trace, Workload
 from loadtest.simulator import blocktrace
 from loadtest.simulator.driver import VirtualDriver
 from loadtest.simulator.engine import EngineSpec, SimWorker
@@ -75,6 +75,9 @@ FEEDBACK_MODES = ("none", "events")
 #: the live router's warmup.min_interval_s default (router.config)
 WARMUP_MIN_INTERVAL_S = 10.0
 LEVELS = ("auto", "text", "block")
+#: token ids standing for single-shot answers in the references (one per job): above
+#: the tokenizer's range (< 2**34) and the engine's private ids (2**48 + n)
+_UNREAD_ANSWER_BASE = 2**56
 
 # event kinds, in the order same-time events of different kinds were pushed
 _WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT = range(8)
@@ -550,12 +553,12 @@ class Simulation:
         p = job.prompt
         if p.data is None:
             return ""  # block level: no text; single-turn sessions never read it
-        if _reads_answer(job):
-            data, toks = SimWorker.answer(job)
-        else:
-            # never read back: any unique text of the answer's length does (engine.py)
-            data = text_of(job.output, f"sim-answer/{job.idx}", self.seed).encode("ascii")
-            toks = SimWorker.tokenize(data)
+        if not _reads_answer(job):
+            # never read back: only its length matters to the references
+            self.ref_cache.observe_unread_answer(p.data, p.units, job.output,
+                                                 _UNREAD_ANSWER_BASE + job.idx)
+            return ""
+        data, toks = SimWorker.answer(job)
         self.ref_cache.observe_answer_bytes(p.data, p.units, data, toks)
         return data.decode("ascii", "replace")
 

@@ -16,13 +16,14 @@ Answers are not cached at block level (a trace's prompts never contain them).
 from __future__ import annotations
 
 import struct
+from array import array
 from typing import Sequence
 
 import xxhash
 
 from loadtest.prefix_trie import PrefixTrie, as_tokens
 from loadtest.report import CacheReference
-from worker_agent.radix_cache import RadixCache, as_key
+from worker_agent.radix_cache import KEY_TYPECODE, RadixCache, as_key
 
 __all__ = ["CacheReference", "TextReference", "BlockReference"]
 
@@ -65,6 +66,21 @@ class TextReference(CacheReference):
         self.oracle.serve(data + answer)
         if self.pooled is not None:
             self._pooled(as_key(tokens) + as_key(answer_tokens))
+
+    def observe_unread_answer(self, data: bytes, tokens, n_tokens: int, uid: int) -> None:
+        """``observe_answer_bytes`` for an answer nobody sends back (a single-shot
+        request): ``n_tokens`` tokens that occur in no prompt, standing for its text.
+
+        Such an answer can only ever be a cache's unmatched tail, so what it changes
+        is the pooled LRU's occupancy and order — kept exactly with ``n_tokens`` copies
+        of ``uid`` (an id outside the tokenizer's range, unique per answer) in place of
+        text. The unbounded oracle is left alone: a branch no prompt can match changes
+        none of its counts. Generating and tokenizing the text cost more than the
+        rest of a short request's simulation."""
+        if not self.cache_outputs or n_tokens <= 0 or len(data) % 4:
+            return
+        if self.pooled is not None:
+            self._pooled(as_key(tokens) + array(KEY_TYPECODE, (uid,)) * n_tokens)
 
 
 def partial_unit(block_id: int, tokens: int) -> int:

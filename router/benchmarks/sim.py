@@ -12,6 +12,14 @@ Rows (one simulation each, ``prefix_load``, Llama-3-8B on H100 workers, seed 0):
     long_5k        5,000 requests of ~125k-token prompts (50 shared 100k-token
                    roots + 25k unique tokens each), block level, 8 workers
     gsp_500w       gsp light, 8,192 requests, 500 workers, Poisson 2,000 req/s
+    gsp_floor      not a simulation: gsp_8w's 1,024 requests through only the library
+                   calls every simulated request makes -- keying, the two reference
+                   caches, the router's match / policy / optimistic insert, the
+                   agent's radix-cache match, lock and two inserts, and its stored
+                   events applied to the index -- back to back, with no event loop,
+                   scheduler step or load report. The sum bounds what any simulator
+                   that runs these same objects can reach: if it exceeds 50 us, 20,000
+                   sim req/s is out of reach without compiling them.
 
 ``sim_requests_per_s`` = requests / wall seconds of the simulation itself (workload
 generation excluded, reported apart as ``build_s``). With ``--profile`` (on for
@@ -36,15 +44,26 @@ import time
 from loadtest.arrivals import Bounds, Poisson, TraceTimes
 from loadtest.simulator import blocktrace
 from loadtest.simulator.engine import EngineSpec
+from loadtest.simulator.engine import SimWorker
 from loadtest.simulator.fleet import SimConfig, Simulation
+from loadtest.simulator.prompts import text_prompt
+from loadtest.simulator.reference import TextReference
+from policies.base import RouteRequest, WorkerView
+from policies.registry import build_policy
+from router.events import Removed, Stored
+from router.prefix_index import PrefixIndex
+from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, namespace_seed
+from worker_agent.radix_cache import KEY_TYPECODE
 from loadtest.workloads import make_workload
 from router.errors import ConfigError
 from router.prefix_index import tune_gc
+from array import array
 
 TARGET_GSP_REQ_PER_S = 20_000
 TARGET_TRACE_100K_S = 60.0
 SHARED_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
-ROWS = ("gsp_8w", "gsp_light_8w", "trace_100k", "long_5k", "gsp_500w")
+ROWS = ("gsp_8w", "gsp_light_8w", "trace_100k", "long_5k", "gsp_500w", "gsp_floor")
+FLOOR_PARTS = ("keying", "references", "router_pick", "agent_cache", "feedback")
 LIGHT = {"system_tokens": 256, "question_tokens": 32, "output_tokens": 16}
 
 
@@ -98,6 +117,75 @@ def _breakdown(sim_factory) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in by.most_common()}
 
 
+def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int = 1024) -> dict:
+    """The ``gsp_floor`` row (module docstring): per-request microseconds of each
+    part, timed around the same calls, in the same order, as the simulation makes
+    them for a single-shot gsp request."""
+    wl = make_workload("gsp", {}, seed=0)
+    specs = [s.first() for s in wl.sessions()][:requests]
+    block_bytes = DEFAULT_BLOCK_BYTES
+    block_tokens = block_bytes // BYTES_PER_TOKEN
+    ns_seed = namespace_seed(engine.model)
+    sims = [SimWorker(f"w{i}", engine, block_level=False, hash_stride=block_tokens)
+            for i in range(workers)]
+    caches = [w.cache for w in sims]
+    by_id = {w.id: i for i, w in enumerate(sims)}
+    ns = sims[0].ns
+    ref = TextReference(sum(w.capacity_tokens for w in sims))
+    index = PrefixIndex()
+    policy = build_policy(policy, {}, random.Random(0), path="policy")
+    views = [WorkerView(w.id, kv_capacity_tokens=w.capacity_tokens) for w in sims]
+    tokenize = SimWorker.tokenize
+    spent = dict.fromkeys(FLOOR_PARTS, 0.0)
+    clock = time.perf_counter
+    for k, spec in enumerate(specs):
+        now = k * 0.01
+        n_out = spec.max_tokens
+        t0 = clock()
+        p = text_prompt(spec, ns_seed, block_bytes, tokenize)
+        t1 = clock()
+        ref.observe_prompt(p.data, p.units)
+        ref.observe_unread_answer(p.data, p.units, n_out, 2**56 + k)
+        t2 = clock()
+        match = index.match(p.hashes, now)
+        d = policy.choose(RouteRequest(p.hashes, p.prompt_tokens, block_tokens, None,
+                                       engine.model, p.text_len), match, views, now)
+        index.insert(d.worker, p.hashes, now)
+        t3 = clock()
+        cache = caches[by_id[d.worker]]
+        units = p.units
+        _, node = cache.match_prefix(ns, units, len(units) - 1)
+        cache.inc_lock_ref(node)
+        _, prompt_node = cache.insert(ns, units, p.hashes, admit_from=0, below=node, lock=True)
+        cache.dec_lock_ref(node)
+        # the scheduler's finish: prompt + private output ids, all but the last token
+        key = units + array(KEY_TYPECODE, (2**48 + k,)) * (n_out - 1)
+        _, done = cache.insert(ns, key, p.hashes, admit_from=len(units), below=prompt_node,
+                               lock=True)
+        cache.dec_lock_ref(prompt_node)
+        cache.dec_lock_ref(done)
+        over = cache.total_tokens - sims[0].capacity_tokens
+        if over > 0:
+            cache.evict(over)
+        t4 = clock()
+        wid = d.worker
+        for e in cache.drain_events():
+            if e.__class__ is Stored:
+                index.insert(wid, e.hashes, now, e.parent)
+            elif e.__class__ is Removed:
+                index.remove(wid, e.hashes)
+        t5 = clock()
+        for part, dt in zip(FLOOR_PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            spent[part] += dt
+    n = len(specs)
+    parts = {k: round(v / n * 1e6, 2) for k, v in spent.items()}
+    total = sum(spent.values()) / n * 1e6
+    return {"row": "gsp_floor", "requests": n, "workers": workers,
+            "floor_us_per_request": round(total, 1),
+            "ceiling_sim_requests_per_s": round(1e6 / total) if total else None,
+            "parts_us": parts}
+
+
 def _row(name: str, factory, profile: bool) -> dict:
     t0 = time.perf_counter()
     sim = factory()
@@ -134,6 +222,11 @@ def run(args: argparse.Namespace) -> int:
         return args.profile == "all" or (args.profile == "gsp" and name.startswith("gsp"))
 
     for name in rows:
+        if name == "gsp_floor":
+            out.append(_floor_row(args.policy, engine))
+            if not args.json:
+                _print_floor(out[-1])
+            continue
         if name == "gsp_8w":
             wl = make_workload("gsp", {}, seed=0)
 
@@ -185,6 +278,13 @@ def run(args: argparse.Namespace) -> int:
         for k, v in verdict.items():
             print(f"target {k}: {'yes' if v else 'NO'}")
     return 0
+
+
+def _print_floor(r: dict) -> None:
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in r["parts_us"].items())
+    print(f"{'gsp_floor':13s} {r['requests']:>7d} req  {r['workers']:>3d} workers  library calls only: "
+          f"{r['floor_us_per_request']:.1f} us/req (ceiling {r['ceiling_sim_requests_per_s']} "
+          f"sim req/s)  [{parts}]")
 
 
 def _print_row(r: dict) -> None:
