@@ -32,7 +32,8 @@ import aiohttp
 from router.errors import ConfigError, WorkloadError
 from loadtest.arrivals import Bounds, Closed, DriveStats, Poisson, TraceTimes, drive
 from loadtest.client import Result, Target
-from loadtest.report import CacheReference, Progress, render_table, summarize, write_json, write_plots
+from loadtest.report import (CacheReference, Progress, check_outputs, render_table, summarize,
+                             write_json, write_plots)
 from loadtest.workloads import WORKLOADS, Trace, Workload, make_workload, parse_options
 
 log = logging.getLogger(__name__)
@@ -347,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
     workload, arrivals, bounds = build_load(args)
     if args.kv_capacity_tokens is not None and args.kv_capacity_tokens <= 0:
         raise ConfigError("--kv-capacity-tokens", "must be > 0")
+    check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
     outcomes = asyncio.run(run_ab(
         targets, workload, arrivals, bounds, flush_urls=[u.rstrip("/") for u in args.flush],
         kv_capacity_tokens=args.kv_capacity_tokens, model=args.model, timeout_s=args.timeout,

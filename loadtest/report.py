@@ -43,9 +43,11 @@ import json
 import math
 import os
 import sys
+import tempfile
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
+from router.errors import ConfigError
 from router.prefix_keys import Endpoint, routing_bytes
 from loadtest.client import Result
 from loadtest.prefix_trie import PrefixTrie, as_tokens
@@ -283,6 +285,40 @@ def write_json(path: str, runs: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
+
+
+def check_outputs(*, files: Sequence[tuple[str, str | None]] = (),
+                  dirs: Sequence[tuple[str, str | None]] = ()) -> None:
+    """Raises ``ConfigError`` (naming the flag) unless every ``(flag, path)`` in
+    ``files`` can be written as a file and every one in ``dirs`` can hold new files.
+    None paths are skipped. Missing folders are created (as the writers do).
+
+    Called before a run starts, so that a bad ``--json`` or ``--plots`` fails at once
+    with exit 2 instead of with a traceback after minutes of results. Writes nothing
+    that stays: a probe file is removed, an existing report is not truncated."""
+    for flag, path in files:
+        if path is None:
+            continue
+        if os.path.isdir(path):
+            raise ConfigError(flag, f"{path} is a directory; give a file name")
+        existed = os.path.exists(path)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise ConfigError(flag, f"cannot write {path}: {exc.strerror or exc}") from None
+        if not existed:
+            os.unlink(path)
+    for flag, path in dirs:
+        if path is None:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            raise ConfigError(flag, f"cannot write into {path}: {exc.strerror or exc}") from None
 
 
 def load_json(path: str) -> list[dict]:

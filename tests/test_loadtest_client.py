@@ -267,3 +267,18 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "router.cli", "loadtest", "--target", "bad",
                         "--workload", "zipf"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "NAME=http://HOST:PORT" in p.stderr
+
+
+def test_loadtest_and_demo_refuse_unwritable_outputs_before_sending(tmp_path, capsys):
+    from router.cli import main as cli
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    # port 1 on loopback: were anything sent, the run would fail differently
+    argv = ["loadtest", "--target", "a=http://127.0.0.1:1", "--workload", "gsp", "--requests", "1"]
+    assert cli([*argv, "--json", str(blocker / "r.json")]) == 2
+    assert "--json: cannot write" in capsys.readouterr().err
+    assert cli([*argv, "--plots", str(blocker / "plots")]) == 2
+    assert "--plots: cannot write into" in capsys.readouterr().err
+    assert cli(["demo", "--out", str(blocker / "demo")]) == 2
+    assert "--out: cannot write into" in capsys.readouterr().err

@@ -175,3 +175,27 @@ def test_bench_sim_rejects_an_unknown_row(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["radixfleet bench: error: --rows: unknown row 'gsp_9w'; rows: gsp_8w, "
                    "gsp_light_8w, trace_100k, long_5k, gsp_500w, gsp_floor"]
+
+
+def test_unwritable_outputs_fail_before_the_run(tmp_path, capsys):
+    """A bad --json or --plots is refused up front (exit 2, one line), not with a
+    traceback once the results exist; an existing report is left as it was."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep")
+    cases = [
+        (["--json", str(blocker / "sim.json")], "--json: cannot write"),
+        (["--plots", str(blocker / "plots")], "--plots: cannot write into"),
+        (["--json", str(tmp_path)], "is a directory"),
+    ]
+    for argv, needle in cases:
+        assert main(["simulate", *GSP, "--workers", "2", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+        assert "radixfleet simulate" not in out  # no table: nothing ran
+    assert blocker.read_text() == "keep"
+    existing = tmp_path / "old.json"
+    existing.write_text("{}")
+    from loadtest.report import check_outputs
+    check_outputs(files=[("--json", str(existing))], dirs=[("--plots", str(tmp_path / "p"))])
+    assert existing.read_text() == "{}" and (tmp_path / "p").is_dir()
+    assert sorted(x.name for x in (tmp_path / "p").iterdir()) == []

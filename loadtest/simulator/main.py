@@ -44,7 +44,7 @@ import yaml
 
 from loadtest.arrivals import Bounds
 from loadtest.main import add_load_arguments, build_load
-from loadtest.report import write_json, write_plots
+from loadtest.report import check_outputs, write_json, write_plots
 from loadtest.simulator.engine import EngineSpec, engine_help
 from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
 from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
@@ -255,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 0:
         raise ConfigError("--jobs", f"must be >= 0 (0: one per CPU), got {args.jobs}")
     jobs = args.jobs or (os.cpu_count() or 1)
+    check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
     outcomes = simulate(plans, workload, bounds, params, seed=args.seed, repeat=args.repeat,
                         jobs=jobs)
     runs = [o.report for o in outcomes]
