@@ -48,7 +48,7 @@ from worker_agent.radix_cache import ADMISSION_MODES, KEY_TYPECODE, AdmissionCon
 from worker_agent.scheduler import ORDERS, SchedulerConfig, SchedRequest, build_scheduler
 
 #: token ids above every tokenizer and block-level id: outputs nobody can match
-_PRIVATE_BASE = 2**48
+PRIVATE_BASE = 2**48
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +259,7 @@ class SimWorker:
         self.pool = self.sched.pool
         # the agent's namespace for an untenanted request without adapter
         self.ns = (spec.model, "", None)
-        self._next_private = _PRIVATE_BASE
+        self._next_private = PRIVATE_BASE
         self._res = None  # the scheduler's StepResult of the step in progress
         self._run: _Run | None = None  # or the fast-forwarded run in progress
         self._cancels: list = []  # SchedRequests to cancel before the next step

@@ -77,7 +77,7 @@ WARMUP_MIN_INTERVAL_S = 10.0
 LEVELS = ("auto", "text", "block")
 #: token ids standing for single-shot answers in the references (one per job): above
 #: the tokenizer's range (< 2**34) and the engine's private ids (2**48 + n)
-_UNREAD_ANSWER_BASE = 2**56
+UNREAD_ANSWER_BASE = 2**56
 
 # event kinds, in the order same-time events of different kinds were pushed
 _WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT = range(8)
@@ -556,7 +556,7 @@ class Simulation:
         if not _reads_answer(job):
             # never read back: only its length matters to the references
             self.ref_cache.observe_unread_answer(p.data, p.units, job.output,
-                                                 _UNREAD_ANSWER_BASE + job.idx)
+                                                 UNREAD_ANSWER_BASE + job.idx)
             return ""
         data, toks = SimWorker.answer(job)
         self.ref_cache.observe_answer_bytes(p.data, p.units, data, toks)

@@ -40,24 +40,22 @@ import pstats
 import random
 import tempfile
 import time
+from array import array
 
 from loadtest.arrivals import Bounds, Poisson, TraceTimes
 from loadtest.simulator import blocktrace
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.engine import SimWorker
-from loadtest.simulator.fleet import SimConfig, Simulation
+from loadtest.simulator.engine import PRIVATE_BASE, EngineSpec, SimWorker
+from loadtest.simulator.fleet import UNREAD_ANSWER_BASE, SimConfig, Simulation
 from loadtest.simulator.prompts import text_prompt
 from loadtest.simulator.reference import TextReference
+from loadtest.workloads import make_workload
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
+from router.errors import ConfigError
 from router.events import Removed, Stored
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, tune_gc
 from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, namespace_seed
 from worker_agent.radix_cache import KEY_TYPECODE
-from loadtest.workloads import make_workload
-from router.errors import ConfigError
-from router.prefix_index import tune_gc
-from array import array
 
 TARGET_GSP_REQ_PER_S = 20_000
 TARGET_TRACE_100K_S = 60.0
@@ -145,7 +143,7 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
         p = text_prompt(spec, ns_seed, block_bytes, tokenize)
         t1 = clock()
         ref.observe_prompt(p.data, p.units)
-        ref.observe_unread_answer(p.data, p.units, n_out, 2**56 + k)
+        ref.observe_unread_answer(p.data, p.units, n_out, UNREAD_ANSWER_BASE + k)
         t2 = clock()
         match = index.match(p.hashes, now)
         d = policy.choose(RouteRequest(p.hashes, p.prompt_tokens, block_tokens, None,
@@ -159,7 +157,7 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
         _, prompt_node = cache.insert(ns, units, p.hashes, admit_from=0, below=node, lock=True)
         cache.dec_lock_ref(node)
         # the scheduler's finish: prompt + private output ids, all but the last token
-        key = units + array(KEY_TYPECODE, (2**48 + k,)) * (n_out - 1)
+        key = units + array(KEY_TYPECODE, (PRIVATE_BASE + k,)) * (n_out - 1)
         _, done = cache.insert(ns, key, p.hashes, admit_from=len(units), below=prompt_node,
                                lock=True)
         cache.dec_lock_ref(prompt_node)
