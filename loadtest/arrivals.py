@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -66,22 +67,49 @@ Arrivals = Poisson | TraceTimes | Closed
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """Every run stops at ``max_requests`` dispatched or ``duration_s`` elapsed."""
+    """A run stops at ``max_requests`` dispatched or ``duration_s`` elapsed, or when
+    the workload is exhausted. None: no such bound (the command line's default, so a
+    workload or trace runs whole unless the user bounds it)."""
 
-    max_requests: int = 1000
-    duration_s: float = 60.0
+    max_requests: int | None = 1000
+    duration_s: float | None = 60.0
     #: grace for requests in flight at the end, then they are cancelled
     drain_s: float = 30.0
     #: open loop only: a safety cap on requests in flight (arrivals wait beyond it)
     max_in_flight: int = 1024
 
     def __post_init__(self) -> None:
-        if self.max_requests <= 0:
+        if self.max_requests is not None and self.max_requests <= 0:
             raise WorkloadError(f"--requests must be > 0, got {self.max_requests}")
-        if not self.duration_s > 0:
+        if self.duration_s is not None and not self.duration_s > 0:
             raise WorkloadError(f"--duration must be > 0, got {self.duration_s}")
         if self.drain_s < 0 or self.max_in_flight <= 0:
             raise WorkloadError("drain_s must be >= 0 and max_in_flight > 0")
+
+    @property
+    def request_cap(self) -> float:
+        """``max_requests``, or infinity when unbounded."""
+        return math.inf if self.max_requests is None else self.max_requests
+
+    @property
+    def duration_cap(self) -> float:
+        """``duration_s``, or infinity when unbounded."""
+        return math.inf if self.duration_s is None else self.duration_s
+
+    def cut_note(self, stopped_by: str, dispatched: int, total: int | None) -> str | None:
+        """What a run's report and table say when something other than the end of the
+        workload stopped it (None when the workload ran whole). ``stopped_by`` is
+        ``DriveStats.stopped_by``; ``total`` the workload's request count, if known."""
+        of = f" of the workload's {total:,}" if total else ""
+        if stopped_by == "requests":
+            return f"cut by --requests {self.max_requests:,}: {dispatched:,}{of} requests sent"
+        if stopped_by == "duration":
+            return (f"cut by --duration {self.duration_s:g} s: {dispatched:,}{of} "
+                    "requests sent")
+        if stopped_by == "exhausted" and total and dispatched < total:
+            return (f"{dispatched:,}{of} requests sent: a failed turn ends its session, "
+                    "so its later turns were never sent")
+        return None
 
 
 #: sends one spec; returns the answer text, or None if the request failed
@@ -126,7 +154,8 @@ async def drive(
     in_flight: set[asyncio.Task] = set()
     changed = asyncio.Event()  # set whenever a turn becomes ready or a request ends
     start = clock()
-    deadline = start + bounds.duration_s
+    deadline = start + bounds.duration_cap
+    max_requests = bounds.request_cap
 
     def activate() -> None:
         nonlocal active
@@ -163,7 +192,7 @@ async def drive(
 
     async def wait_change(until: float | None) -> None:
         changed.clear()
-        timeout = None if until is None else max(0.0, until - clock())
+        timeout = None if until is None or until == math.inf else max(0.0, until - clock())
         try:
             await asyncio.wait_for(changed.wait(), timeout)
         except asyncio.TimeoutError:
@@ -174,7 +203,7 @@ async def drive(
     cap = arrivals.concurrency if isinstance(arrivals, Closed) else bounds.max_in_flight
     try:
         while True:
-            if stats.dispatched >= bounds.max_requests:
+            if stats.dispatched >= max_requests:
                 stats.stopped_by = "requests"
                 break
             now = clock()

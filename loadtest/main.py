@@ -32,8 +32,8 @@ import aiohttp
 from router.errors import ConfigError, WorkloadError
 from loadtest.arrivals import Bounds, Closed, DriveStats, Poisson, TraceTimes, drive
 from loadtest.client import Result, Target
-from loadtest.report import (CacheReference, Progress, check_outputs, render_table, summarize,
-                             write_json, write_plots)
+from loadtest.report import (CacheReference, Progress, check_outputs, mark_bounds, render_table,
+                             summarize, write_json, write_plots)
 from loadtest.workloads import WORKLOADS, Trace, Workload, make_workload, parse_options
 
 log = logging.getLogger(__name__)
@@ -176,6 +176,8 @@ async def run_target(target: Target, workload: Workload, arrivals, bounds: Bound
     ref = CacheReference(kv_capacity_tokens)
     results: dict[str, Result] = {}
     errors = 0
+    sessions = workload.sessions()
+    total = sum(s.planned_requests for s in sessions)
     t0 = time.monotonic()
 
     def on_dispatch(spec) -> None:
@@ -183,7 +185,9 @@ async def run_target(target: Target, workload: Workload, arrivals, bounds: Bound
         r.est_prompt_tokens, r.oracle_cached, r.pooled_cached = ref.observe(spec)
         results[spec.id] = r
 
-    with Progress(f"{target.name}", bounds.max_requests, enabled=progress) as bar:
+    # the bar counts to what this run will send: the bound, or the whole workload
+    planned = min(total, bounds.request_cap)
+    with Progress(f"{target.name}", int(planned), enabled=progress) as bar:
         async def send(spec):
             nonlocal errors
             r = results[spec.id]
@@ -197,7 +201,7 @@ async def run_target(target: Target, workload: Workload, arrivals, bounds: Bound
                 bar.advance(errors)
             return answer
 
-        stats = await drive(workload.sessions(), arrivals, bounds, send,
+        stats = await drive(sessions, arrivals, bounds, send,
                             max_active_sessions=workload.max_active_sessions,
                             seed=workload.seed, on_dispatch=on_dispatch)
     if check_reference:
@@ -207,7 +211,9 @@ async def run_target(target: Target, workload: Workload, arrivals, bounds: Bound
         r.start -= t0
     report = summarize(target.name, target.base_url, workload.describe(), rs,
                        kv_capacity_tokens=kv_capacity_tokens)
+    mark_bounds(report, bounds, stats.stopped_by, stats.dispatched, total)
     return RunOutcome(report, rs, stats, [r.ttft_s * 1000 for r in rs if r.ok and r.ttft_s])
+
 
 
 async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, bounds: Bounds, *,
@@ -249,9 +255,11 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                     # the target does not name workers (e.g. smg): use the agents' counters
                     per_agent = counter_deltas(before, await agent_counters(admin, agents))
                     if per_agent:
+                        kept = {k: outcome.report[k] for k in ("stopped_by", "workload_requests", "cut")}
                         outcome.report = summarize(
                             name, target.base_url, workload.describe(), outcome.results,
                             kv_capacity_tokens=cap, workers=per_agent)
+                        outcome.report.update(kept)
                         outcome.report["workers_source"] = "agent /metrics"
                 outcomes.append(outcome)
                 r = outcome.report
@@ -276,8 +284,10 @@ def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str
     m.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
     m.add_argument("--concurrency", type=int,
                    help="closed loop: requests in flight (default: 8; trace: its own timestamps)")
-    a.add_argument("--requests", type=int, default=1000, help="stop after N requests")
-    a.add_argument("--duration", type=float, default=120.0, help="stop dispatching after S seconds")
+    a.add_argument("--requests", type=int, default=None,
+                   help="stop after N requests (default: the whole workload or trace)")
+    a.add_argument("--duration", type=float, default=None,
+                   help="stop dispatching after S seconds (default: no limit)")
     a.add_argument("--drain", type=float, default=30.0, help="grace for in-flight requests at the end")
     a.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
     if model_flag:

@@ -27,6 +27,12 @@ checks a document)::
     load_imbalance   float|null  max / mean of per-worker prompt tokens
     workers_source   str    optional: "agent /metrics" when the target named no
                             worker and the table came from the agents' counters
+    stopped_by       str    optional: what ended dispatching: "exhausted" (the
+                            workload ran out), "requests" or "duration" (a bound)
+    workload_requests int|null  optional: requests the workload holds if every turn
+                            succeeds
+    cut              str|null  optional: a sentence when a bound (or failed turns)
+                            cut the run short of the whole workload; null otherwise
 
 Oracle and pooled rates are computed on the prompts *as sent*, in dispatch order,
 over the load generator's own token count (``BYTES_PER_TOKEN``-byte chunks of the
@@ -243,6 +249,15 @@ def summarize(name: str, target: str, workload: dict, results: Iterable[Result],
     }
 
 
+def mark_bounds(report: dict, bounds, stopped_by: str, dispatched: int,
+                total: int | None) -> None:
+    """Adds ``stopped_by``, ``workload_requests`` and ``cut`` (a sentence, or None when
+    the workload ran whole) to a run's report. ``bounds``: ``loadtest.arrivals.Bounds``."""
+    report["stopped_by"] = stopped_by
+    report["workload_requests"] = total
+    report["cut"] = bounds.cut_note(stopped_by, dispatched, total)
+
+
 def validate(doc: Any) -> None:
     """Raises ``ValueError`` naming the first field that breaks the schema."""
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
@@ -333,19 +348,59 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def render_table(runs: list[dict], file=None) -> None:
-    """The comparison table (rich; plain text when not a terminal)."""
+#: what the table's reference columns mean, printed under every comparison table
+LEGEND = (
+    "hit: share of prompt tokens the workers served from cache.  "
+    "oracle: the share one unbounded cache would serve (every earlier prompt kept).  "
+    "pooled: the share one LRU cache of the whole fleet's KV capacity would serve "
+    "(no routing, no copies).  "
+    "imbalance: the busiest worker's prompt tokens over the mean (1.00 = even)."
+)
+
+
+def print_table(table, file=None, notes: Sequence[str] = ()) -> None:
+    """Prints a rich table as wide as its content needs (never cutting a cell to a
+    fixed terminal width), then ``notes`` and the legend, wrapped to the table."""
     from rich.console import Console
+
+    out = file or sys.stdout
+    probe = Console(file=out, width=100_000)
+    width = max(100, probe.measure(table).maximum)
+    console = Console(file=out, width=width)
+    console.print(table)
+    for n in notes:
+        console.print(n, highlight=False, markup=False)
+    console.print(LEGEND, highlight=False, markup=False)
+    if any(n.startswith("* ") for n in notes):
+        console.print("*: the run did not send the whole workload (the note above says why).",
+                      highlight=False, markup=False)
+
+
+def ok_cell(r: dict) -> str:
+    """``ok/requests``, starred when a bound or failed turns cut the run short."""
+    return f"{r['ok']}/{r['requests']}{'*' if r.get('cut') else ''}"
+
+
+def cut_notes(runs: Sequence[dict]) -> list[str]:
+    """One line per run that did not send its whole workload."""
+    return [f"* {r['name']}: {r['cut']}" for r in runs if r.get("cut")]
+
+
+def render_table(runs: list[dict], file=None) -> None:
+    """The comparison table (rich; plain text when not a terminal), the runs a bound
+    cut short, and what the columns mean."""
     from rich.table import Table
 
-    console = Console(file=file or sys.stdout, width=140)
     table = Table(title="radixfleet load test", show_lines=False)
     for col in ("run", "ok/req", "errors", "hit", "oracle", "pooled", "TTFT p50 ms",
                 "TTFT p99 ms", "ITL p50 ms", "E2E p50 ms", "req/s", "out tok/s", "imbalance"):
-        table.add_column(col, justify="left" if col == "run" else "right")
+        if col == "run":
+            table.add_column(col, justify="left", no_wrap=True)
+        else:
+            table.add_column(col, justify="right")
     for r in runs:
         table.add_row(
-            r["name"], f"{r['ok']}/{r['requests']}",
+            r["name"], ok_cell(r),
             ", ".join(f"{k}:{v}" for k, v in r["errors_by_kind"].items()) or "0",
             _fmt(r["hit_rate"], ".3f"), _fmt(r["oracle_hit_rate"], ".3f"),
             _fmt(r["pooled_hit_rate"], ".3f"),
@@ -354,12 +409,13 @@ def render_table(runs: list[dict], file=None) -> None:
             _fmt(r["throughput"]["output_tokens_per_s"], ".0f"),
             _fmt(r["load_imbalance"], ".2f"),
         )
-    console.print(table)
+    notes = cut_notes(runs)
     for r in runs:
         if r["errors"]:
-            console.print(f"[bold]{r['name']}[/]: {r['errors']} of {r['requests']} requests failed "
-                          f"({', '.join(f'{k}: {v}' for k, v in r['errors_by_kind'].items())}); "
-                          "the run went on and the figures above cover the ok requests.")
+            notes.append(f"{r['name']}: {r['errors']} of {r['requests']} requests failed "
+                         f"({', '.join(f'{k}: {v}' for k, v in r['errors_by_kind'].items())}); "
+                         "the run went on and the figures above cover the ok requests.")
+    print_table(table, file, notes)
 
 
 def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[float]]) -> list[str]:

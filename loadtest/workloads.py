@@ -106,6 +106,11 @@ class Session:
         """The next turn, given the previous turn's actual answer; None when over."""
         return None
 
+    @property
+    def planned_requests(self) -> int:
+        """Turns this session sends if every one succeeds (a failed turn ends it)."""
+        return 1
+
 
 class SingleShot(Session):
     """A session of one request."""
@@ -167,6 +172,10 @@ class ChatSession(Session):
         self.turn = 0
         self.history = []
         return self._spec()
+
+    @property
+    def planned_requests(self) -> int:
+        return len(self.turns)
 
     def follow(self, answer: str) -> RequestSpec | None:
         if self.turn + 1 >= len(self.turns):

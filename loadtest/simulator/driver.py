@@ -27,6 +27,7 @@ flight.
 from __future__ import annotations
 
 import collections
+import math
 import random
 from typing import Callable, Sequence
 
@@ -66,7 +67,7 @@ class VirtualDriver:
         self.sessions_started = 0
         self.sessions_finished = 0
         self.start = start
-        self.deadline = start + bounds.duration_s
+        self.deadline = start + bounds.duration_cap  # inf: no duration bound
         self.next_due = start
         #: when dispatching stopped (None: still dispatching) and why
         self.stopped_at: float | None = None
@@ -119,7 +120,7 @@ class VirtualDriver:
         arrivals = self.arrivals
         poisson = arrivals.__class__ is Poisson
         trace = arrivals.__class__ is TraceTimes
-        max_requests = self.bounds.max_requests
+        max_requests = self.bounds.request_cap
         ready = self.ready
         while True:
             if self.dispatched >= max_requests:
@@ -132,7 +133,8 @@ class VirtualDriver:
                 self._stop(now, "exhausted")
                 return None
             if not ready or self.in_flight >= self.cap:
-                return self.deadline  # a completion (or the deadline) unblocks us
+                # a completion (or the deadline) unblocks us; no deadline: only a completion
+                return self.deadline if self.deadline != math.inf else None
             session, spec = ready[0]
             if trace:
                 due = self.start + (spec.arrival_s or 0.0)

@@ -55,7 +55,7 @@ from typing import Any, Mapping, Sequence
 
 from loadtest.arrivals import Bounds
 from loadtest.client import Result
-from loadtest.report import percentiles, summarize
+from loadtest.report import mark_bounds, percentiles, summarize
 from loadtest.workloads import SingleShot, Trace, Workload
 from loadtest.simulator import blocktrace
 from loadtest.simulator.driver import VirtualDriver
@@ -271,6 +271,7 @@ class Simulation:
             raise RuntimeError("Simulation.run() was already called; build a new Simulation")
         self._ran = True
         sessions = self._sessions if self._sessions is not None else self._build_sessions()
+        self._planned = sum(s.planned_requests for s in sessions)
         t_wall = time.perf_counter()
         self.driver = VirtualDriver(sessions, self.arrivals, self.bounds, self._dispatch,
                                     max_active_sessions=self.workload.max_active_sessions,
@@ -697,6 +698,8 @@ class Simulation:
         report = summarize(self.name, "simulated", self.workload.describe(), results,
                            kv_capacity_tokens=self.kv_capacity_tokens)
         report["itl_ms"] = weighted_percentiles(self._itl)
+        mark_bounds(report, self.bounds, self.driver.stopped_by, self.driver.dispatched,
+                    self._planned)
         n = len(results)
         report["wall_s"] = wall_s
         report["sim_requests_per_s"] = n / wall_s if wall_s > 0 else 0.0

@@ -24,6 +24,9 @@ Sweeps add ``sweep: {param, value}`` to each run and ``--plots`` draws them (the
 knee: hit rate against KV tokens per policy, with the pooled and oracle lines).
 Runs are independent and seeded: ``--jobs N`` runs them in N processes with the
 same reports (but for the wall-clock figures).
+A workload or trace runs whole unless ``--requests`` or ``--duration`` bounds it; a
+run a bound cuts short is starred in the table, with a note saying which bound, and
+its report says so (``stopped_by``, ``workload_requests``, ``cut``).
 ``--timeout`` (default 120 s, as live) fails a request with no complete answer
 that long after dispatch (error kind ``timeout``) and cancels it at its worker.
 ``--no-progress`` does nothing (there is no progress bar). Bad flags exit 2 with
@@ -44,7 +47,7 @@ import yaml
 
 from loadtest.arrivals import Bounds
 from loadtest.main import add_load_arguments, build_load
-from loadtest.report import check_outputs, write_json, write_plots
+from loadtest.report import check_outputs, cut_notes, ok_cell, print_table, write_json, write_plots
 from loadtest.simulator.engine import EngineSpec, engine_help
 from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
 from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
@@ -221,15 +224,14 @@ def _run_plan(plans, workload, bounds: Bounds, params: dict, seed: int, records,
 
 
 def _print_table(runs: list[dict]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=sys.stdout, width=160)
     t = Table(title="radixfleet simulate (simulated time)")
     cols = ("run", "sweep", "ok/req", "hit", "oracle", "pooled", "TTFT p50 ms", "TTFT p99 ms",
             "ITL p50 ms", "req/s", "imbalance", "wall s", "sim req/s")
     for c in cols:
-        t.add_column(c, justify="left" if c in ("run", "sweep") else "right")
+        t.add_column(c, justify="left" if c in ("run", "sweep") else "right",
+                      no_wrap=c in ("run", "sweep"))
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
@@ -237,12 +239,12 @@ def _print_table(runs: list[dict]) -> None:
     for r in runs:
         sw = r.get("sweep")
         t.add_row(r["name"], f"{sw['param']}={sw['value']:g}" if sw else "",
-                  f"{r['ok']}/{r['requests']}", f(r["hit_rate"], ".3f"), f(r["oracle_hit_rate"], ".3f"),
+                  ok_cell(r), f(r["hit_rate"], ".3f"), f(r["oracle_hit_rate"], ".3f"),
                   f(r["pooled_hit_rate"], ".3f"), f(r["ttft_ms"]["p50"], ".1f"),
                   f(r["ttft_ms"]["p99"], ".1f"), f(r["itl_ms"]["p50"], ".2f"),
                   f(r["throughput"]["requests_per_s"], ".2f"), f(r["load_imbalance"], ".2f"),
                   f(r["wall_s"], ".2f"), f(r["sim_requests_per_s"], ".0f"))
-    console.print(t)
+    print_table(t, sys.stdout, cut_notes(runs))
 
 
 def run(args: argparse.Namespace) -> int:
