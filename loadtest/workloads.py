@@ -631,7 +631,7 @@ class TraceParams:
     #: first N requests only (0 = all)
     max_requests: int = 0
     skip_bad_lines: bool = False
-    #: tokens per hash id (Mooncake: 512)
+    #: tokens per hash id (Mooncake: 512; a traffic log sets its own)
     block_tokens: int = 512
     #: cap on output tokens per request (0 = as in the trace)
     max_output_tokens: int = 0
@@ -639,7 +639,8 @@ class TraceParams:
 
 
 class Trace(Workload):
-    """Mooncake-format JSONL replay. Each hash id becomes a deterministic text run of
+    """JSONL trace replay: Mooncake's format, or a radixfleet traffic log
+    (``router.traffic_log``). Each hash id becomes a deterministic text run of
     ``block_tokens`` tokens (the last block cut to the request's input length), so
     requests sharing their first k ids share their first k blocks of text."""
 
@@ -661,54 +662,20 @@ class Trace(Workload):
     def load(self) -> list[tuple[float, int, int, list[int]]]:
         """Parses the trace: (timestamp_ms, input_length, output_length, hash_ids).
 
-        Raises ``WorkloadError`` naming the first bad line (1-based), unless
-        ``skip_bad_lines`` is set, in which case bad lines are skipped and counted
-        in ``self.skipped``.
+        Reads Mooncake traces and radixfleet traffic logs (``loadtest.trace_format``;
+        a traffic log sets ``block_tokens`` to its own). Raises ``WorkloadError``
+        naming the first bad line (1-based), unless ``skip_bad_lines`` is set, in
+        which case bad lines are skipped and their numbers kept in ``self.skipped``.
         """
-        p = self.params
-        out = []
-        self.skipped: list[int] = []
-        try:
-            f = open(p.path, encoding="utf-8")
-        except OSError as exc:
-            raise WorkloadError(f"trace {p.path}: {exc.strerror}") from None
-        with f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append(self._parse(line, p.block_tokens))
-                except ValueError as exc:
-                    if not p.skip_bad_lines:
-                        raise WorkloadError(
-                            f"trace {p.path} line {lineno}: {exc} (--skip-bad-lines to go on)"
-                        ) from None
-                    self.skipped.append(lineno)
-                if p.max_requests and len(out) >= p.max_requests:
-                    break
-        return out
+        from loadtest.trace_format import read_trace
 
-    @staticmethod
-    def _parse(line: str, block_tokens: int) -> tuple[float, int, int, list[int]]:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not JSON ({exc.msg})")
-        if not isinstance(rec, dict):
-            raise ValueError("not a JSON object")
-        ts, n_in, n_out, ids = (rec.get(k) for k in ("timestamp", "input_length",
-                                                      "output_length", "hash_ids"))
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
-            raise ValueError("'timestamp' must be a non-negative number (ms)")
-        for k, v in (("input_length", n_in), ("output_length", n_out)):
-            if type(v) is not int or v <= 0:
-                raise ValueError(f"'{k}' must be a positive integer")
-        if not isinstance(ids, list) or not ids or any(type(h) is not int for h in ids):
-            raise ValueError("'hash_ids' must be a non-empty list of integers")
-        if len(ids) != math.ceil(n_in / block_tokens):
-            raise ValueError(f"'hash_ids' has {len(ids)} ids, input_length {n_in} needs "
-                             f"{math.ceil(n_in / block_tokens)} blocks of {block_tokens}")
-        return float(ts), n_in, n_out, ids
+        p = self.params
+        data = read_trace([p.path], p.block_tokens, skip_bad=p.skip_bad_lines,
+                          max_requests=p.max_requests)
+        self.skipped: list[int] = [line for _, line in data.skipped]
+        self.kind = data.kind
+        p.block_tokens = data.block_tokens
+        return data.records
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params

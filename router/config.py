@@ -26,6 +26,9 @@ documents each key)::
     warmup:   {enabled: true, min_interval_s: 10.0, timeout_s: 30.0}
     auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
     reload:   {watch: true, poll_interval_s: 1.0}
+    traffic_log: {enabled: false, dir: traffic, prefix: traffic, sample_rate: 1.0,
+                  max_file_bytes: 67108864, max_files: 16, queue_size: 65536,
+                  flush_interval_s: 1.0, tenant_key_env: RADIXFLEET_TRAFFIC_LOG_KEY}
 
 Validation errors name the dotted path, what was expected and, for names, the
 valid ones::
@@ -216,6 +219,24 @@ class ReloadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TrafficLogConfig:
+    enabled: bool = _opt(False, "write one JSON line per routed request (router.traffic_log)")
+    dir: str = _opt("traffic", "directory of the log files (created if missing)")
+    prefix: str = _opt("traffic", "file names: PREFIX-<UTC time>-<pid>-<seq>.jsonl")
+    sample_rate: float = _opt(1.0, "share of sessions (requests without one: of requests) "
+                              "logged", lo=0, hi=1, lo_open=True)
+    max_file_bytes: int = _opt(64 * 2**20, "a file is closed and the next begun past this size",
+                               lo=4096)
+    max_files: int = _opt(16, "files kept; the oldest are deleted beyond this", lo=1)
+    queue_size: int = _opt(65536, "records waiting for the writer; beyond it records are "
+                           "dropped and counted, never waited for", lo=1)
+    flush_interval_s: float = _opt(1.0, "the writer writes what is queued this often", lo=0,
+                                   lo_open=True)
+    tenant_key_env: str = _opt("RADIXFLEET_TRAFFIC_LOG_KEY", "env var with the secret key of "
+                               "the tenant hash (unset: a random key per process)")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
 
@@ -233,6 +254,7 @@ class Config:
     warmup: WarmupConfig = _section(WarmupConfig, "hot-root warm-up")
     auth: AuthConfig = _section(AuthConfig, "bearer tokens")
     reload: ReloadConfig = _section(ReloadConfig, "hot reload")
+    traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     path: str = ""
 
     def summary(self) -> str:
@@ -404,7 +426,18 @@ def _policy(cls: type, raw: Any, path: str) -> PolicyConfig:
     return pc
 
 
-_SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _policy}
+def _traffic_log(cls: type, raw: Any, path: str) -> TrafficLogConfig:
+    t = _parse(TrafficLogConfig, raw, path)
+    if not t.dir:
+        raise ConfigError(f"{path}.dir", "expected a directory path, got ''")
+    if not t.prefix or "/" in t.prefix or os.sep in t.prefix:
+        raise ConfigError(f"{path}.prefix", f"expected a file name prefix without '/', "
+                          f"got {t.prefix!r}")
+    return t
+
+
+_SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _policy,
+                    TrafficLogConfig: _traffic_log}
 
 
 def build_policy_from(pc: PolicyConfig, path: str = "policy"):

@@ -35,7 +35,7 @@ def test_defaults_are_a_valid_config():
 
 @pytest.mark.parametrize("raw, message", [
     ("polcy: {name: x}", "polcy: unknown key; valid: auth, breaker, health, index, keys, "
-                         "limits, listen, load, policy, reload, retries, timeouts, warmup, workers"),
+                         "limits, listen, load, policy, reload, retries, timeouts, traffic_log, warmup, workers"),
     ("health: {intervall_s: 1}", "health.intervall_s: unknown key; valid: failure_threshold, "
                                  "interval_s, path, success_threshold, timeout_s"),
     ("health: [1]", "health: expected a mapping, got list"),
