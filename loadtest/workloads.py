@@ -28,8 +28,6 @@ validates options (strings from the CLI or typed values) against the class's
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
