@@ -358,9 +358,10 @@ LEGEND = (
 )
 
 
-def print_table(table, file=None, notes: Sequence[str] = ()) -> None:
+def print_table(table, file=None, notes: Sequence[str] = (), legend: str | None = LEGEND) -> None:
     """Prints a rich table as wide as its content needs (never cutting a cell to a
-    fixed terminal width), then ``notes`` and the legend, wrapped to the table."""
+    fixed terminal width), then ``notes`` and ``legend`` (None: none), wrapped to
+    the table."""
     from rich.console import Console
 
     out = file or sys.stdout
@@ -370,7 +371,8 @@ def print_table(table, file=None, notes: Sequence[str] = ()) -> None:
     console.print(table)
     for n in notes:
         console.print(n, highlight=False, markup=False)
-    console.print(LEGEND, highlight=False, markup=False)
+    if legend:
+        console.print(legend, highlight=False, markup=False)
     if any(n.startswith("* ") for n in notes):
         console.print("*: the run did not send the whole workload (the note above says why).",
                       highlight=False, markup=False)

@@ -657,6 +657,19 @@ class Trace(Workload):
         self.records = self.load()
         _check(bool(self.records), f"trace {p.path}: no requests")
 
+    @classmethod
+    def from_records(cls, records: list, *, block_tokens: int, path: str = "",
+                     time_scale: float = 1.0, seed: int = 0) -> "Trace":
+        """A trace of records already read (``loadtest.trace_format``), e.g. from
+        several traffic-log files: the same object ``Trace(params)`` builds from one."""
+        self = cls.__new__(cls)
+        self.params = TraceParams(path=path, time_scale=time_scale, block_tokens=block_tokens)
+        self.seed = seed
+        self.records = list(records)
+        self.skipped = []
+        _check(bool(self.records), f"trace {path}: no requests")
+        return self
+
     def load(self) -> list[tuple[float, int, int, list[int]]]:
         """Parses the trace: (timestamp_ms, input_length, output_length, hash_ids).
 

@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("loadtest.demo", "start a local fleet, load-test three policies, compare"),
     "loadtest": ("loadtest.main", "drive a workload against one or more routers (A/B)"),
     "simulate": ("loadtest.simulator.main", "simulate a fleet and its policies in virtual time"),
+    "analyze": ("loadtest.analyze", "the cache-size knee, Zipf head and policy replay of a traffic log"),
     "bench": ("router.benchmarks", "run a benchmark (index, proxy, agent, policy, sim, fidelity)"),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
 }

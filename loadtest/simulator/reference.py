@@ -95,13 +95,15 @@ class BlockReference:
 
     ``observe(block_ids, prompt_tokens, last_tokens)`` returns ``(prompt_tokens,
     oracle_cached, pooled_cached)`` for one prompt, then caches it in both tries.
-    Call in dispatch order.
+    Call in dispatch order. ``oracle=False`` keeps no oracle (its figure is then 0):
+    ``radixfleet analyze`` runs the pooled cache alone at many capacities.
     """
 
-    def __init__(self, kv_capacity_tokens: int | None, block_tokens: int) -> None:
+    def __init__(self, kv_capacity_tokens: int | None, block_tokens: int, *,
+                 oracle: bool = True) -> None:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.block_tokens = block_tokens
-        self.oracle = PrefixTrie()
+        self.oracle = PrefixTrie() if oracle else None
         # the pooled cache counts blocks: the fleet's capacity in whole blocks. It is
         # the agent's own RadixCache (as loadtest.report.AgentLRU), whose LRU eviction
         # is O(log n) per leaf where PrefixTrie rescans its leaves.
@@ -119,9 +121,11 @@ class BlockReference:
         units = list(block_ids)
         if last_tokens < self.block_tokens and units:
             units[-1] = partial_unit(units[-1], last_tokens)
-        data = self.pack(units)
         n = len(units)
-        oracle = self._tokens(self.oracle.serve(data), n, prompt_tokens, last_tokens)
+        oracle = 0
+        if self.oracle is not None:
+            oracle = self._tokens(self.oracle.serve(self.pack(units)), n, prompt_tokens,
+                                  last_tokens)
         pooled = 0
         if self.pooled is not None:
             cache = self.pooled
@@ -140,7 +144,8 @@ class BlockReference:
         return blocks * self.block_tokens
 
     def check(self) -> None:
-        self.oracle.check()
+        if self.oracle is not None:
+            self.oracle.check()
         if self.pooled is not None:
             self.pooled.check()
             assert self.pooled.total_tokens <= self.pooled_blocks

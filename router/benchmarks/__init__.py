@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sim": ("router.benchmarks.sim", "simulator: simulated requests per wall second"),
     "fidelity": ("router.benchmarks.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
     "traffic_log": ("router.benchmarks.traffic_log", "routing p99 with the traffic log on vs off"),
+    "analyze": ("router.benchmarks.analyze", "radixfleet analyze on a 100,000-request traffic log"),
 }
 
 
