@@ -15,7 +15,6 @@ from loadtest.trace_format import read_trace
 from loadtest.workloads import Trace
 from router.benchmarks.analyze import synthetic_log
 from router.cli import main
-from router.traffic_log import log_files
 from worker_agent.cost_model import CostModel
 
 MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
