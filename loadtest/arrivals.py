@@ -185,6 +185,10 @@ async def drive(
                 finish_session()  # done, or failed: a conversation cannot go on without its answer
             else:
                 ready.append((session, nxt))
+            # out of in_flight before the wake-up: the done callback runs after the
+            # dispatcher resumes, which would then wait for a change that never comes
+            # (with no duration bound, forever)
+            in_flight.discard(asyncio.current_task())
             changed.set()
 
     def exhausted() -> bool:

@@ -5,6 +5,12 @@
     radixfleet loadtest --target ours=http://127.0.0.1:8000 --target smg=http://127.0.0.1:30000 \\
         --workload mixed -o sessions=64 --rate 8 --requests 400 --duration 120 \\
         --json report.json --plots plots/
+    radixfleet loadtest --ab radix --workload multiturn     # radix cache on vs off
+    radixfleet loadtest --ab policy --workload mixed        # prefix_load vs round_robin
+
+``--ab`` starts a local fleet for the run (``loadtest.ab``). A workload or trace runs
+whole unless ``--requests`` / ``--duration`` bound it; a bound that cuts a run short
+is starred in the table and said in the report (``cut``).
 
 Before each target's run every agent's cache is flushed (``POST /flush_cache`` on the
 ``--flush`` URLs, or on the workers a radixfleet router lists at ``GET
@@ -301,14 +307,18 @@ def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", action="append", required=True, metavar="NAME=URL",
-                        help="an OpenAI-compatible router (repeatable; run in the order given)")
+    from loadtest import ab
+
+    parser.add_argument("--target", action="append", default=[], metavar="NAME=URL",
+                        help="an OpenAI-compatible router (repeatable; run in the order given); "
+                             "or --ab for a local fleet")
     parser.add_argument("--flush", action="append", default=[], metavar="URL",
                         help="an agent to POST /flush_cache before each run (repeatable; "
                              "default: the workers the router lists at /admin/workers)")
     parser.add_argument("--kv-capacity-tokens", type=int,
                         help="the fleet's KV capacity for pooled_hit_rate (default: from the agents)")
     add_load_arguments(parser, default_workload=None)
+    ab.add_arguments(parser)
 
 
 def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
@@ -351,6 +361,11 @@ def emit(outcomes: list[RunOutcome], args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.ab:
+        return _run_local_ab(args)
+    if not args.target:
+        raise ConfigError("--target", "give at least one --target NAME=URL, or --ab radix|policy "
+                                      "for a local fleet")
     targets = [parse_target(t) for t in args.target]
     names = [n for n, _ in targets]
     if len(set(names)) != len(names):
@@ -365,3 +380,19 @@ def run(args: argparse.Namespace) -> int:
         send_session=args.send_session, progress=False if args.no_progress else None))
     emit(outcomes, args)
     return 0
+
+
+def _run_local_ab(args: argparse.Namespace) -> int:
+    from loadtest import ab
+
+    if args.target or args.flush:
+        raise ConfigError("--ab", "starts its own fleet: drop --target and --flush")
+    ab.arms(args)  # flag errors before anything starts
+    workload, arrivals, bounds = build_load(args)
+    check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
+    outcomes = ab.run_local(args, workload, arrivals, bounds)
+    emit(outcomes, args)
+    for line in ab.worth([o.report for o in outcomes], args.ab):
+        print(line)
+    return 0
+

@@ -66,3 +66,21 @@ def test_table_keeps_long_run_names_and_explains_columns():
     assert name in text  # not cut to a fixed width
     for word in ("oracle:", "pooled:", "imbalance:"):
         assert word in text
+
+
+async def test_unbounded_drive_ends_when_the_workload_does():
+    """With no duration bound nothing times out a wait: the dispatcher must see the
+    last request leave (it once waited forever for a change that had happened)."""
+    import asyncio
+
+    from loadtest.arrivals import Closed, drive
+
+    w = make_workload("multiturn", {"clients": 5, "rounds": 3, "question_tokens": 4,
+                                    "output_tokens": 2}, 0)
+
+    async def send(spec):
+        await asyncio.sleep(0.001)
+        return "ok"
+
+    stats = await asyncio.wait_for(drive(w.sessions(), Closed(2), Bounds(None, None), send), 10)
+    assert stats.dispatched == 15 and stats.stopped_by == "exhausted"

@@ -3,6 +3,7 @@
     radixfleet agent --engine sim --model llama-3-8b --gpu h100 [--tp N] [--kv-tokens N]
                      [--host 127.0.0.1] --port P [--router URL ...] [--worker-id ID]
                      [--block-bytes N] [--admission MODE] [--seed S]
+                     [--page-size N] [--disable-radix-cache]
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=_positive, default=8192,
                         help="prefill token budget per step (chunked prefill)")
     parser.add_argument("--max-running", type=_positive, default=256)
+    parser.add_argument("--page-size", type=_positive, default=1,
+                        help="KV page size in tokens: prefixes are matched and kept in whole "
+                             "pages (SGLang's --page-size; default 1)")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="no prefix cache: every prompt is computed whole (the A/B "
+                             "baseline for the value of prefix caching)")
     parser.add_argument("--rope-scaling", default=None,
                         help="engine RoPE scaling setting; part of the cache fingerprint")
     parser.add_argument("--seed", type=int, default=0, help="generation seed")
@@ -103,6 +110,9 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         raise ConfigError("--block-bytes", str(exc)) from None
     if args.kv_tokens is None:
         CostModel(args.model, args.gpu, tp=args.tp, mfu=args.mfu).kv_capacity_tokens()
+    if args.page_size > args.chunk_tokens:
+        raise ConfigError("--page-size", f"{args.page_size} is larger than --chunk-tokens "
+                                         f"{args.chunk_tokens}")
     return AgentConfig(
         model=args.model, gpu=args.gpu, tp=args.tp, mfu=args.mfu, kv_tokens=args.kv_tokens,
         served_model_name=args.served_model_name, block_bytes=args.block_bytes,
@@ -112,7 +122,8 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         scheduler=SchedulerConfig(chunk_tokens=args.chunk_tokens, max_running=args.max_running,
                                   order=args.schedule),
         seed=args.seed, worker_id=args.worker_id or f"{args.host}:{args.port}",
-        rope_scaling=args.rope_scaling,
+        rope_scaling=args.rope_scaling, page_size=args.page_size,
+        disable_radix_cache=args.disable_radix_cache,
     )
 
 

@@ -175,16 +175,23 @@ class RadixCache:
         admission: the admission policy; default ``always``.
         fingerprint: the engine configuration the cached KV was computed under.
         record_events: keep the event log (the simulator may turn it off).
+        disabled: keep nothing (SGLang's ``--disable-radix-cache``): every
+            admission-controlled insert is refused, so the tree stays empty, every
+            match is 0, and the refused blocks go out as ``Removed`` (the router's
+            optimistic hints are corrected). Inserts with ``admit_from=None`` (the
+            reference caches' use) are not admission-controlled and still insert.
     """
 
     def __init__(self, *, page_size: int = 1, hash_stride: int | None = None,
                  capacity_tokens: int = 0, admission: AdmissionConfig | None = None,
-                 fingerprint: Hashable = None, record_events: bool = True) -> None:
+                 fingerprint: Hashable = None, record_events: bool = True,
+                 disabled: bool = False) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         if hash_stride is not None and hash_stride <= 0:
             raise ValueError("hash_stride must be positive or None")
         self.page_size = page_size
+        self.disabled = disabled
         self.hash_stride = hash_stride
         self.capacity_tokens = capacity_tokens
         self.admission = admission or AdmissionConfig()
@@ -576,6 +583,8 @@ class RadixCache:
 
     def _admit(self, ns: Hashable, key: array, start: int) -> int:
         """How far into ``key`` admission lets the tree grow (>= start)."""
+        if self.disabled:
+            return start
         mode = self._mode
         if mode == "always" or mode == "protected":
             return len(key)

@@ -503,16 +503,19 @@ def build_scheduler(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1
                     mfu: float = 0.6, kv_tokens: int | None = None, page_size: int = 1,
                     hash_stride: int | None = None, admission=None,
                     config: SchedulerConfig | None = None, fingerprint=None,
-                    record_events: bool = True) -> Scheduler:
+                    record_events: bool = True, disable_radix_cache: bool = False) -> Scheduler:
     """One simulated worker: cost model, radix cache, KV pool and scheduler wired together.
 
     ``kv_tokens`` None sizes the pool from the presets (``CostModel.kv_capacity_tokens``,
     which raises ``ConfigError`` if the weights do not fit). ``hash_stride`` is tokens
     per router block (None: no router hashes, no events). The offline simulator calls
-    this with ``record_events=False`` and its own page size.
+    this with ``record_events=False`` and its own page size. ``disable_radix_cache``:
+    no prefix reuse at all (``RadixCache(disabled=True)``): every prompt is computed
+    whole and its KV freed when the request ends.
     """
     cost = CostModel(model, gpu, tp=tp, mfu=mfu)
     capacity = kv_tokens if kv_tokens is not None else cost.kv_capacity_tokens()
     cache = RadixCache(page_size=page_size, hash_stride=hash_stride, capacity_tokens=capacity,
-                       admission=admission, fingerprint=fingerprint, record_events=record_events)
+                       admission=admission, fingerprint=fingerprint, record_events=record_events,
+                       disabled=disable_radix_cache)
     return Scheduler(cost, cache, KVPool(capacity, cache), config)

@@ -66,6 +66,11 @@ class AgentConfig:
     worker_id: str = ""
     #: engine settings that change what KV means (RoPE scaling, ...): part of the fingerprint
     rope_scaling: str | None = None
+    #: KV page size in tokens: prefixes match and are kept in whole pages (SGLang's
+    #: --page-size); 1 = a match may end at any token
+    page_size: int = 1
+    #: no prefix cache at all (SGLang's --disable-radix-cache): the A/B baseline
+    disable_radix_cache: bool = False
 
     @property
     def name(self) -> str:
@@ -85,7 +90,9 @@ class Agent:
         self.sched = build_scheduler(cfg.model, cfg.gpu, tp=cfg.tp, mfu=cfg.mfu,
                                      kv_tokens=cfg.kv_tokens, hash_stride=self.block_tokens,
                                      admission=cfg.admission, config=cfg.scheduler,
-                                     fingerprint=self.fingerprint, record_events=record_events)
+                                     fingerprint=self.fingerprint, record_events=record_events,
+                                     page_size=cfg.page_size,
+                                     disable_radix_cache=cfg.disable_radix_cache)
         self.cost = self.sched.cost
         self.cache = self.sched.cache
         self.pool = self.sched.pool
@@ -371,13 +378,13 @@ def _server_info(agent: Agent) -> dict:
         # named by them (from HuggingFace, off loopback); the sim has no such files
         "served_model_name": cfg.name,
         "engine": "sim", "version": "radixfleet-sim-0.1", "gpu": cfg.gpu, "model_preset": cfg.model,
-        "tp_size": cfg.tp, "dp_size": 1, "page_size": 1,
+        "tp_size": cfg.tp, "dp_size": 1, "page_size": cfg.page_size,
         "max_total_num_tokens": agent.capacity,
         "chunked_prefill_size": cfg.scheduler.chunk_tokens,
         "max_running_requests": cfg.scheduler.max_running,
         "schedule_policy": cfg.scheduler.order, "admission": cfg.admission.mode,
         "block_bytes": cfg.block_bytes, "worker_id": cfg.worker_id,
-        "disable_radix_cache": False, "fingerprint": list(agent.fingerprint),
+        "disable_radix_cache": cfg.disable_radix_cache, "fingerprint": list(agent.fingerprint),
         "internal_states": [{"last_gen_throughput": 0.0}],
     }
 

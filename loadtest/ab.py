@@ -1,0 +1,143 @@
+"""``radixfleet loadtest --ab radix|policy``: the seed's two A/Bs, one command each.
+
+::
+
+    radixfleet loadtest --ab radix  --workload multiturn -o clients=32 --requests 300
+    radixfleet loadtest --ab policy --workload mixed --rate 12 --duration 60
+
+Each starts a local fleet (``loadtest.fleet.Fleet``: ``--agents`` simulated agents
+behind one router, on free loopback ports, logs under ``--out``), drives the same
+workload and seed through two configurations, one after the other, cold (every
+agent flushed first), prints the comparison table and what the difference is
+worth, writes ``--json`` / ``--plots`` as ``loadtest`` does, and stops everything
+it started:
+
+``radix``   the value of prefix caching, routing aside: the same router policy
+            (``--policy``, default ``round_robin``, which ignores caches) in front of
+            agents with their radix cache (``radix on``) and restarted with
+            ``--disable-radix-cache`` (``radix off``: every prompt computed whole).
+``policy``  the value of cache-aware routing, caching held fixed: agents with their
+            radix cache behind the router with each of ``--policies`` (default
+            ``prefix_load,round_robin``), restarted between runs.
+
+Agents run with ``--page-size`` (default 1) in both arms; ``--kv-tokens`` sizes
+each agent's KV pool (default 12,000: eviction matters, as in the demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from loadtest.fleet import Fleet, FleetConfig
+from loadtest.report import check_outputs
+from router.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+AB_KINDS = ("radix", "policy")
+DEFAULT_KV_TOKENS = 12_000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("local A/B (--ab): a fleet started for the run")
+    g.add_argument("--ab", choices=AB_KINDS,
+                   help="radix: radix cache on vs off; policy: --policies compared (no --target)")
+    g.add_argument("--agents", type=int, default=4, help="simulated agents (default 4)")
+    g.add_argument("--agent-model", default="llama-3-8b", help="the agents' model preset")
+    g.add_argument("--gpu", default="h100", help="the agents' GPU preset")
+    g.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
+                   help=f"KV tokens per agent (default {DEFAULT_KV_TOKENS:,})")
+    g.add_argument("--page-size", type=int, default=1, help="the agents' --page-size")
+    g.add_argument("--policy", default="round_robin",
+                   help="--ab radix: the router policy of both arms (default round_robin)")
+    g.add_argument("--policies", default="prefix_load,round_robin",
+                   help="--ab policy: the two (or more) policies compared")
+    g.add_argument("--out", default="radixfleet-ab", help="--ab: where the fleet logs")
+
+
+def arms(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """``(run name, router policy, extra agent args)`` per arm, in run order.
+    Raises ``ConfigError`` for a bad flag."""
+    from policies.registry import policy_class
+
+    if args.page_size < 1:
+        raise ConfigError("--page-size", f"must be >= 1, got {args.page_size}")
+    page = ["--page-size", str(args.page_size)] if args.page_size != 1 else []
+    if args.ab == "radix":
+        policy_class(args.policy, path="--policy")
+        return [(f"radix on ({args.policy})", args.policy, page),
+                (f"radix off ({args.policy})", args.policy, [*page, "--disable-radix-cache"])]
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise ConfigError("--policies", "name two or more distinct policies, comma-separated")
+    for p in names:
+        policy_class(p, path="--policies")
+    return [(p, p, page) for p in names]
+
+
+def worth(runs: list[dict], kind: str) -> list[str]:
+    """What the difference is worth, first arm against each other arm (lines)."""
+    a = runs[0]
+    out = []
+    for b in runs[1:]:
+        parts = [f"hit rate {a['hit_rate']:.3f} vs {b['hit_rate']:.3f}"]
+        for k in ("p50", "p99"):
+            x, y = a["ttft_ms"][k], b["ttft_ms"][k]
+            if x is not None and y:
+                parts.append(f"TTFT {k} {x:,.0f} vs {y:,.0f} ms ({x / y:.2f}x)")
+        x, y = a["throughput"]["requests_per_s"], b["throughput"]["requests_per_s"]
+        if y:
+            parts.append(f"{x:.2f} vs {y:.2f} req/s")
+        what = "prefix caching" if kind == "radix" else f"{a['name']} over {b['name']}"
+        out.append(f"{what}: " + "; ".join(parts))
+    return out
+
+
+def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
+    """Starts the fleet, runs every arm, stops the fleet; returns the outcomes."""
+    from loadtest.main import run_ab
+
+    plan = arms(args)
+    if not 1 <= args.agents <= 64:
+        raise ConfigError("--agents", f"must be in [1, 64], got {args.agents}")
+    if args.kv_tokens <= 0:
+        raise ConfigError("--kv-tokens", "must be > 0")
+    cfg = FleetConfig(agents=args.agents, model=args.agent_model, gpu=args.gpu,
+                      kv_tokens=args.kv_tokens, router_port=0, policy=plan[0][1]).validate()
+    check_outputs(dirs=[("--out", args.out)])
+    fleet = Fleet(cfg, log_dir=os.path.join(args.out, "logs"), start_router=False)
+    by_name = {name: (policy, extra) for name, policy, extra in plan}
+    current: list = [None]  # the agents' extra args now running
+
+    def switch(name: str) -> None:
+        policy, extra = by_name[name]
+        if current[0] != extra:
+            fleet.stop()
+            fleet.cfg.agent_args = list(extra)
+            fleet.agents = []
+            fleet.start_agents()
+            current[0] = extra
+        fleet.start_router(policy)
+
+    async def between(name: str) -> None:
+        await asyncio.to_thread(switch, name)
+        print(f"ab: running {name} ...", flush=True)
+
+    print(f"ab {args.ab}: {cfg.agents} agents ({cfg.model} on {cfg.gpu}, {cfg.kv_tokens:,} KV "
+          f"tokens each), workload {workload.name} seed {workload.seed}; logs {fleet.log_dir}",
+          flush=True)
+    try:
+        outcomes = asyncio.run(run_ab(
+            [(name, fleet.router_url) for name, _, _ in plan], workload, arrivals, bounds,
+            flush_urls=fleet.agent_urls, kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
+            model=None, timeout_s=args.timeout, send_session=args.send_session,
+            progress=False if args.no_progress else None, settle_s=0.5, between=between))
+    finally:
+        fleet.stop()
+    for o, (name, policy, extra) in zip(outcomes, plan):
+        o.report["target"] = (f"radixfleet router --policy {policy}; agents "
+                              f"{' '.join(extra) or '(defaults)'}")
+    return outcomes

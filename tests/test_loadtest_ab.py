@@ -1,0 +1,94 @@
+"""The agent's --disable-radix-cache and --page-size, and `loadtest --ab radix|policy`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from aiohttp import ClientSession, ClientTimeout
+from aiohttp.test_utils import TestServer
+
+from loadtest.report import validate
+from router.events import Removed, Stored
+from worker_agent.server import AGENT_KEY, AgentConfig, create_app
+
+
+async def _twice(**kw) -> tuple[list[int], object]:
+    """Sends one prompt twice; returns both cached_tokens and the agent."""
+    app = create_app(AgentConfig(kv_tokens=50_000, **kw))
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    try:
+        async with ClientSession(base_url=str(srv.make_url("")),
+                                 timeout=ClientTimeout(total=20)) as c:
+            prompt = "x" * 4 * 203  # 203 tokens
+            got = []
+            for _ in range(2):
+                r = await c.post("/v1/completions", json={"model": "llama-3-8b", "prompt": prompt,
+                                                          "max_tokens": 3})
+                body = await r.json()
+                assert r.status == 200, body
+                got.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+            info = await (await c.get("/get_server_info")).json()
+        agent = app[AGENT_KEY]
+        agent.sched.check()
+        return got, agent, info
+    finally:
+        await srv.close()
+
+
+async def test_page_size_matches_whole_pages():
+    got, agent, info = await _twice(page_size=16)
+    # the second request reuses all but its last token, in whole pages: 202 -> 192
+    assert got == [0, 192] and info["page_size"] == 16 and not info["disable_radix_cache"]
+    got, _, info = await _twice()
+    assert got == [0, 202] and info["page_size"] == 1
+
+
+async def test_disable_radix_cache_keeps_nothing_and_says_so():
+    got, agent, info = await _twice(disable_radix_cache=True)
+    assert got == [0, 0] and info["disable_radix_cache"] is True
+    assert agent.cache.total_tokens == 0 and agent.cache.stats.refusals >= 2
+
+
+def test_disabled_cache_reports_refused_blocks_as_removed():
+    from worker_agent.radix_cache import RadixCache
+
+    c = RadixCache(hash_stride=4, capacity_tokens=100, disabled=True)
+    held, node = c.insert("ns", list(range(12)), [11, 22, 33], admit_from=0)
+    assert (held, node) == (0, None) and c.total_tokens == 0
+    evs = c.drain_events()
+    assert not any(isinstance(e, Stored) for e in evs)
+    assert [h for e in evs if isinstance(e, Removed) for h in e.hashes] == [11, 22, 33]
+    assert c.match_prefix("ns", list(range(12)))[0] == 0
+    c.check()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind, names", [
+    ("radix", ["radix on (round_robin)", "radix off (round_robin)"]),
+    ("policy", ["prefix_load", "round_robin"]),
+])
+def test_loadtest_ab_is_one_command(tmp_path, kind, names):
+    out = tmp_path / "ab.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "router.cli", "loadtest", "--ab", kind, "--agents", "2",
+         "--kv-tokens", "8000", "--out", str(tmp_path / "fleet"), "--workload", "multiturn",
+         "-o", "clients=6", "-o", "rounds=3", "-o", "question_tokens=128",
+         "-o", "output_tokens=8", "--concurrency", "4", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr + p.stdout
+    doc = json.loads(out.read_text())
+    validate(doc)
+    runs = doc["runs"]
+    assert [r["name"] for r in runs] == names
+    for r in runs:
+        assert r["requests"] == r["ok"] == 18 and r["cut"] is None
+    if kind == "radix":
+        assert runs[1]["hit_rate"] == 0.0 < runs[0]["hit_rate"]
+        assert "--disable-radix-cache" in runs[1]["target"]
+        assert "prefix caching: hit rate" in p.stdout
+    else:
+        assert "prefix_load over round_robin: hit rate" in p.stdout
