@@ -35,11 +35,23 @@ the view of worker w at ``now`` carries w's state at its last tick at or before
 ``now - feedback_delay_s``. The simulator keeps each worker's state changes in a
 short history and reads the report lazily, so there is no event per tick.
 
+Autoscaling (``scaler``, ``loadtest.simulator.autoscale``): every ``interval_s`` the
+scaler names the fleet size it wants (at most its ``max_workers``); the controller
+adds workers at once, as Kubernetes' HPA does by default at most max(4, 100% of the
+current size) per 15 s (each routable ``startup_s`` after it is requested:
+``STARTING`` -> ``ACTIVE``), and removes them only down to the largest size wanted
+over the last ``stabilization_s`` — a
+pending join is cancelled first, else the active worker with the fewest requests in
+flight is ``DRAINING`` (no longer routable) until its last request is done, then
+``GONE`` (the index forgets it). The report gains ``autoscale``: worker-seconds
+(from each request to its leaving), peak size, joins, leaves and the timeline.
+
 Invariants (``check()``): per worker, ``in_flight`` equals its client jobs
 dispatched and not finished, and ``in_flight_tokens`` the sum of their counted
 tokens not yet prefilled; the driver's, the index's and every engine's own
 invariants; every job is in exactly one of: in flight, finished ok, failed
-(rejected with the agent's 4xx, or cancelled when the drain grace ran out).
+(rejected with the agent's 4xx, or cancelled when the drain grace ran out); a
+``GONE`` worker has nothing in flight and nothing in the index.
 """
 
 from __future__ import annotations
@@ -80,7 +92,13 @@ LEVELS = ("auto", "text", "block")
 UNREAD_ANSWER_BASE = 2**56
 
 # event kinds, in the order same-time events of different kinds were pushed
-_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT = range(8)
+_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT, _SCALE, _JOIN = range(10)
+
+# a worker's life in an autoscaled run (only Simulation changes it)
+STARTING = "starting"  # requested, not yet routable (the start-up delay)
+ACTIVE = "active"      # routable
+DRAINING = "draining"  # not routable; finishing what it has
+GONE = "gone"          # left the fleet (the index forgot it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,10 +199,15 @@ class _Ref:
     """Per-worker router-side state (the live pool's in-flight counters)."""
 
     __slots__ = ("id", "in_flight", "in_flight_tokens", "view", "view_until", "dirty",
-                 "hist", "phase", "pending", "flush_at", "busy", "gen", "zero_steps")
+                 "hist", "phase", "pending", "flush_at", "busy", "gen", "zero_steps",
+                 "state", "requested_at", "left_at")
 
-    def __init__(self, wid: str, phase: float) -> None:
+    def __init__(self, wid: str, phase: float, state: str = ACTIVE,
+                 requested_at: float = 0.0) -> None:
         self.id = wid
+        self.state = state  # STARTING / ACTIVE / DRAINING / GONE (module docstring)
+        self.requested_at = requested_at  # worker-seconds count from here
+        self.left_at: float | None = None
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.view: WorkerView | None = None
@@ -204,7 +227,9 @@ class Simulation:
     """A fleet under one policy, fed by one workload. ``run()`` once."""
 
     def __init__(self, cfg: SimConfig, workload: Workload, arrivals, bounds: Bounds, *,
-                 seed: int = 0, name: str | None = None, sessions=None) -> None:
+                 seed: int = 0, name: str | None = None, sessions=None, scaler=None) -> None:
+        """``scaler``: an autoscaler (``loadtest.simulator.autoscale``) that resizes
+        the fleet while the run goes; None: a fixed fleet of ``cfg.workers``."""
         cfg.validate()
         self.cfg = cfg
         self.workload = workload
@@ -256,6 +281,13 @@ class Simulation:
         self.timed_out = 0
         self.steps = 0
         self._ran = False
+        self.scaler = scaler
+        #: (time, active, starting, draining, desired) at each autoscaler tick
+        self.timeline: list[tuple[float, int, int, int, int]] = []
+        self._desired_hist: collections.deque = collections.deque()  # (time, desired)
+        self._added: collections.deque = collections.deque()  # (time, workers added)
+        self.joins = 0
+        self.leaves = 0
 
     # ------------------------------------------------------------------ heap
 
@@ -276,6 +308,8 @@ class Simulation:
         self.driver = VirtualDriver(sessions, self.arrivals, self.bounds, self._dispatch,
                                     max_active_sessions=self.workload.max_active_sessions,
                                     seed=self.workload.seed)
+        if self.scaler is not None:
+            self._push(self.scaler.interval_s, _SCALE)
         self._pump()
         heap = self._heap
         pop = heapq.heappop
@@ -302,6 +336,11 @@ class Simulation:
                 self._client_done(arg, t)
             elif kind == _TIMEOUT:
                 self._timeout(arg, t)
+            elif kind == _SCALE:
+                self._autoscale(t)
+                self._push(t + self.scaler.interval_s, _SCALE)
+            elif kind == _JOIN:
+                self._join(arg, t)
             else:  # _END: the drain grace ran out
                 self._cancel_in_flight(t)
                 break
@@ -365,6 +404,8 @@ class Simulation:
         if d.warm:
             self._warm(d.warm, prompt, match.depth, now)
         uncached = max(0, prompt.prompt_tokens - d.matched_blocks * self.block_tokens)
+        if self.scaler is not None:
+            self.scaler.on_dispatch(now, uncached, prompt.prompt_tokens)
         if self.cfg.timeout_s is not None:
             self._push(now + self.cfg.timeout_s, _TIMEOUT, job)
         self._submit(w, job, uncached, now)
@@ -510,6 +551,8 @@ class Simulation:
         self._collect_events(w, now)
         if end is None:
             ref.busy = False
+            if ref.state is DRAINING and ref.in_flight == 0:
+                self._leave(w, now)
             return
         self.steps += 1
         if end <= now:
@@ -606,6 +649,8 @@ class Simulation:
         out = []
         append = out.append
         for ref in self.refs:
+            if ref.state is not ACTIVE:
+                continue
             v = ref.view
             if v is None or ref.dirty or now >= ref.view_until:
                 st, until = self._report(ref, now)
@@ -654,6 +699,8 @@ class Simulation:
             self._push(now + self.cfg.feedback_delay_s, _DELIVER, (w, batch))
 
     def _deliver(self, w: int, batch: list, now: float) -> None:
+        if self.refs[w].state is GONE:
+            return  # the router has forgotten it; late events must not bring it back
         self._apply_events(self.refs[w].id, batch, now)
 
     def _apply_events(self, wid: str, evs: Sequence, now: float) -> None:
@@ -669,6 +716,93 @@ class Simulation:
             elif cls is Snapshot:
                 index.apply_snapshot(wid, e.blocks, now)
         self.events_applied += len(evs)
+
+    # ----------------------------------------------------------- autoscaling
+
+    def _autoscale(self, now: float) -> None:
+        """One controller tick: the scaler's desired size, scaled up at once and down
+        only to the largest desired size of the last ``stabilization_s`` (HPA's
+        scale-down stabilization window); joins take ``startup_s``, leaves drain."""
+        sc = self.scaler
+        for w, ref in enumerate(self.refs):  # drained while idle between steps
+            if ref.state is DRAINING and ref.in_flight == 0 and not ref.busy:
+                self._leave(w, now)
+        desired = max(1, int(sc.desired(self, now)))
+        hist = self._desired_hist
+        hist.append((now, desired))
+        while hist and hist[0][0] < now - sc.stabilization_s:
+            hist.popleft()
+        target = min(max(d for _, d in hist), sc.max_workers)
+        live = [w for w, r in enumerate(self.refs) if r.state in (ACTIVE, STARTING)]
+        if target > len(live):
+            # HPA's default scale-up limit: the larger of 4 workers and 100% of the
+            # current size per 15 s
+            added = self._added
+            while added and added[0][0] <= now - 15.0:
+                added.popleft()
+            room = max(4, len(live)) - sum(n for _, n in added)
+            n = min(target - len(live), max(0, room))
+            if n:
+                added.append((now, n))
+            for _ in range(n):
+                self._add_worker(now, sc.startup_s)
+        elif target < len(live):
+            for _ in range(len(live) - target):
+                self._remove_worker(now)
+        counts = collections.Counter(r.state for r in self.refs)
+        self.timeline.append((now, counts[ACTIVE], counts[STARTING], counts[DRAINING], desired))
+
+    def _add_worker(self, now: float, startup_s: float) -> None:
+        i = len(self.refs)
+        wid = f"w{i}"
+        batch = self.cfg.feedback_batch_s
+        ref = _Ref(wid, (batch * i / self.cfg.workers) % batch if batch else 0.0, STARTING, now)
+        self.refs.append(ref)
+        self.by_id[wid] = i
+        self.workers.append(SimWorker(wid, self.cfg.engine, block_level=self.block_level,
+                                      hash_stride=self.block_tokens,
+                                      fast_forward=self.cfg.fast_forward))
+        self.joins += 1
+        self._push(now + startup_s, _JOIN, i)
+
+    def _join(self, w: int, now: float) -> None:
+        ref = self.refs[w]
+        if ref.state is STARTING:
+            ref.state = ACTIVE
+            ref.dirty = True
+
+    def _remove_worker(self, now: float) -> None:
+        """Cancels the newest pending join, else drains the active worker with the
+        fewest requests in flight (ties: the newest)."""
+        refs = self.refs
+        starting = [w for w, r in enumerate(refs) if r.state is STARTING]
+        if starting:
+            w = starting[-1]
+            refs[w].state = GONE
+            refs[w].left_at = now
+            self.leaves += 1
+            return
+        active = [w for w, r in enumerate(refs) if r.state is ACTIVE]
+        if len(active) <= 1:
+            return
+        w = min(active, key=lambda i: (refs[i].in_flight, -i))
+        refs[w].state = DRAINING
+        if refs[w].in_flight == 0 and not refs[w].busy:
+            self._leave(w, now)
+
+    def _leave(self, w: int, now: float) -> None:
+        ref = self.refs[w]
+        ref.state = GONE
+        ref.left_at = now
+        ref.pending = []
+        self.index.clear(ref.id)
+        self.leaves += 1
+
+    def worker_seconds(self, end: float) -> float:
+        """Seconds each worker was requested and not gone, summed (billing starts at
+        the request: a starting worker costs as much as a running one)."""
+        return sum((r.left_at if r.left_at is not None else end) - r.requested_at
+                   for r in self.refs)
 
     # ----------------------------------------------------------- report
 
@@ -732,6 +866,18 @@ class Simulation:
             "stopped_by": self.driver.stopped_by,
             "sim_duration_s": self.now,
         }
+        if self.scaler is not None:
+            report["autoscale"] = {
+                "rule": self.scaler.name,
+                "worker_seconds": self.worker_seconds(self.now),
+                "peak_workers": max((a + s + d for _, a, s, d, _ in self.timeline), default=0),
+                "joins": self.joins,
+                "leaves": self.leaves,
+                "startup_s": self.scaler.startup_s,
+                "interval_s": self.scaler.interval_s,
+                "stabilization_s": self.scaler.stabilization_s,
+                "timeline": [list(x) for x in self.timeline],
+            }
         return SimOutcome(report, ttft, self.jobs)
 
     # ----------------------------------------------------------- invariants
@@ -755,6 +901,9 @@ class Simulation:
         for ref, (n, tok) in zip(self.refs, per):
             assert ref.in_flight == n, f"{ref.id}: {ref.in_flight=} != {n} jobs in flight"
             assert ref.in_flight_tokens == tok, f"{ref.id}: {ref.in_flight_tokens=} != {tok}"
+            if ref.state is GONE:
+                assert n == 0 and ref.left_at is not None, f"{ref.id} left with {n} in flight"
+                assert ref.id not in self.index.workers(), f"{ref.id} left, still indexed"
         assert sum(states.values()) == len(self.jobs), f"{states=} {len(self.jobs)=}"
         self.index.check()
         for w in self.workers:

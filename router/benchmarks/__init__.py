@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fidelity": ("router.benchmarks.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
     "traffic_log": ("router.benchmarks.traffic_log", "routing p99 with the traffic log on vs off"),
     "analyze": ("router.benchmarks.analyze", "radixfleet analyze on a 100,000-request traffic log"),
+    "autoscale": ("router.benchmarks.autoscale", "prefix-aware vs queue-depth autoscaling, flash crowd"),
 }
 
 
