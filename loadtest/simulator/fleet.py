@@ -795,7 +795,7 @@ class Simulation:
         ref.state = GONE
         ref.left_at = now
         ref.pending = []
-        self.index.clear(ref.id)
+        self.index.drop_worker(ref.id)
         self.leaves += 1
 
     def worker_seconds(self, end: float) -> float:
