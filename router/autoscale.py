@@ -86,6 +86,15 @@ class AutoscaleParams:
         return self
 
 
+def params_from(cfg) -> AutoscaleParams:
+    """The signal's parameters from a ``router.config.AutoscaleConfig``."""
+    return AutoscaleParams(
+        target_utilization=cfg.target_utilization, holder_max_rate=cfg.holder_max_rate,
+        hot_min_rate=cfg.hot_min_rate, queue_drain_s=cfg.queue_drain_s,
+        kv_target=cfg.kv_target, output_tokens=cfg.output_tokens,
+        min_workers=cfg.min_workers, max_workers=cfg.max_workers).validate()
+
+
 @dataclass(frozen=True, slots=True)
 class Demand:
     """What the traffic asks for (``DemandMeter.demand``)."""
@@ -206,6 +215,24 @@ def workers_needed(demand: Demand, hot: Sequence[HotDemand], load: Sequence[Work
     needs.sort(key=lambda n: -n.rate)
     return ScaleSignal(desired, len(load), compute, holders, kv, queue, reason, tps,
                        tuple(needs))
+
+
+def fleet_signal(now: float, meter: "DemandMeter", index, views, params: AutoscaleParams, *,
+                 lead_s: float = 0.0, hot_k: int = 16, block_tokens: int = 32) -> ScaleSignal:
+    """``workers_needed`` from the router's own objects: the ``DemandMeter``, the
+    ``PrefixIndex`` (its ``hot_prefixes(now, hot_k)``, depth in blocks of
+    ``block_tokens``) and the routable ``WorkerView``s (a worker whose agent has not
+    reported, ``kv_capacity_tokens == 0``, counts as unmeasured). ``lead_s``: the
+    workers' start-up delay (the demand is projected that far while it rises).
+    O(index nodes) for the hot prefixes: call it at scrape time, not per request."""
+    live = {v.id for v in views}
+    hot = [HotDemand(h.hash, h.depth * block_tokens, h.rate,
+                     sum(1 for w in h.holders if w in live))
+           for h in index.hot_prefixes(now, k=hot_k)]
+    load = [WorkerLoad(v.prefill_tokens_per_s if v.kv_capacity_tokens else None,
+                       v.in_flight_tokens, v.running_requests, v.kv_capacity_tokens,
+                       v.queued_requests) for v in views]
+    return workers_needed(meter.demand(now, lead_s), hot, load, params)
 
 
 def queue_rule(queued_requests: int, current: int, target_per_worker: float,

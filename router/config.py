@@ -29,6 +29,9 @@ documents each key)::
     traffic_log: {enabled: false, dir: traffic, prefix: traffic, sample_rate: 1.0,
                   max_file_bytes: 67108864, max_files: 16, queue_size: 65536,
                   flush_interval_s: 1.0, tenant_key_env: RADIXFLEET_TRAFFIC_LOG_KEY}
+    autoscale: {target_utilization: 0.6, holder_max_rate: 50.0, hot_min_rate: 1.0,
+                queue_drain_s: 10.0, kv_target: 0.85, output_tokens: 256, startup_s: 30.0,
+                half_life_s: 10.0, hot_k: 16, min_workers: 1, max_workers: 1024}
 
 Validation errors name the dotted path, what was expected and, for names, the
 valid ones::
@@ -237,6 +240,27 @@ class TrafficLogConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AutoscaleConfig:
+    target_utilization: float = _opt(0.6, "share of a worker's prefill rate the plan may use",
+                                     lo=0, hi=1, lo_open=True)
+    holder_max_rate: float = _opt(50.0, "req/s of one prefix a single holder absorbs at most",
+                                  lo=0, lo_open=True)
+    hot_min_rate: float = _opt(1.0, "prefixes below this many req/s are not counted as hot",
+                               lo=0)
+    queue_drain_s: float = _opt(10.0, "the backlog should drain within this many seconds",
+                                lo=0, lo_open=True)
+    kv_target: float = _opt(0.85, "KV utilization the plan aims at", lo=0, hi=1, lo_open=True)
+    output_tokens: int = _opt(256, "output tokens per request assumed for running requests' KV",
+                              lo=0)
+    startup_s: float = _opt(30.0, "a new worker's start-up delay: rising demand is projected "
+                            "this far ahead", lo=0)
+    half_life_s: float = _opt(10.0, "half-life of the demand meter's rates", lo=0, lo_open=True)
+    hot_k: int = _opt(16, "hot prefixes considered (and shown per prefix)", lo=1)
+    min_workers: int = _opt(1, "the signal never asks for fewer", lo=1)
+    max_workers: int = _opt(1024, "the signal never asks for more", lo=1)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
 
@@ -255,6 +279,7 @@ class Config:
     auth: AuthConfig = _section(AuthConfig, "bearer tokens")
     reload: ReloadConfig = _section(ReloadConfig, "hot reload")
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
+    autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
     path: str = ""
 
     def summary(self) -> str:
@@ -436,8 +461,17 @@ def _traffic_log(cls: type, raw: Any, path: str) -> TrafficLogConfig:
     return t
 
 
+def _autoscale(cls: type, raw: Any, path: str) -> AutoscaleConfig:
+    a = _parse(AutoscaleConfig, raw, path)
+    if a.max_workers < a.min_workers:
+        raise ConfigError(f"{path}.max_workers",
+                          f"expected an integer >= min_workers ({a.min_workers}), got "
+                          f"{a.max_workers}")
+    return a
+
+
 _SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _policy,
-                    TrafficLogConfig: _traffic_log}
+                    TrafficLogConfig: _traffic_log, AutoscaleConfig: _autoscale}
 
 
 def build_policy_from(pc: PolicyConfig, path: str = "policy"):

@@ -18,12 +18,19 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_hot_prefix_rate{prefix,depth}, radixfleet_hot_prefix_replicas{prefix}
     radixfleet_warmups_total{status}
     radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
+    radixfleet_autoscale_desired_workers              router.autoscale's signal (set at scrape)
+    radixfleet_autoscale_workers{part}                its parts: compute, holders, kv, queue,
+                                                      current
+    radixfleet_traffic_log_records_total{outcome}     written, dropped_full, dropped_error,
+                                                      sampled_out (read from the log at scrape)
+    radixfleet_traffic_log_write_errors_total, radixfleet_traffic_log_queued
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.pool import BREAKER_GAUGE, HealthState
 
@@ -80,6 +87,12 @@ class Metrics:
         self.reload_failures = Counter("radixfleet_config_reload_failures",
                                        "Configuration reloads refused (invalid file)",
                                        registry=r)
+        self.autoscale_desired = Gauge(
+            "radixfleet_autoscale_desired_workers", "Workers the fleet needs now "
+            "(router.autoscale: hot-prefix rates and holders, KV, backlog)", registry=r)
+        self.autoscale_parts = Gauge("radixfleet_autoscale_workers",
+                                     "Parts of the autoscaling signal, in workers", ["part"],
+                                     registry=r)
         self._req_children: dict[tuple, object] = {}
         self._event_children = {t: self.events.labels(t)
                                 for t in ("stored", "removed", "cleared", "snapshot", "load")}
@@ -116,5 +129,34 @@ class Metrics:
             self.hot_rate.labels(name, str(hp.depth)).set(hp.rate)
             self.hot_replicas.labels(name).set(len(hp.holders))
 
+    def set_autoscale(self, signal) -> None:
+        """Copies a ``router.autoscale.ScaleSignal`` into the gauges (at scrape time)."""
+        self.autoscale_desired.set(signal.desired)
+        for part in ("compute", "holders", "kv", "queue", "current"):
+            self.autoscale_parts.labels(part).set(getattr(signal, part))
+
+    def watch_traffic_log(self, traffic_log) -> None:
+        """Exports a ``router.traffic_log.TrafficLog``'s counters, read at each scrape."""
+        self.registry.register(_TrafficLogCollector(traffic_log))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _TrafficLogCollector:
+    """Reads ``TrafficLog.stats()`` when scraped (the log keeps its own counters)."""
+
+    def __init__(self, traffic_log) -> None:
+        self._log = traffic_log
+
+    def collect(self):
+        st = self._log.stats()
+        c = CounterMetricFamily("radixfleet_traffic_log_records",
+                                "Traffic log records by outcome", labels=["outcome"])
+        for outcome in ("written", "dropped_full", "dropped_error", "sampled_out"):
+            c.add_metric([outcome], getattr(st, outcome))
+        yield c
+        yield CounterMetricFamily("radixfleet_traffic_log_write_errors",
+                                  "Traffic log write errors", value=st.write_errors)
+        yield GaugeMetricFamily("radixfleet_traffic_log_queued",
+                                "Traffic log records waiting for the writer", value=st.queued)

@@ -172,3 +172,40 @@ def test_flash_crowd_prefix_aware_meets_the_slo_with_fewer_worker_seconds():
     assert max(n for t, n in sizes if 90 <= t <= 250) > 2
     assert sizes[-1][1] < max(n for _, n in sizes)
     assert not math.isnan(pa["worker_seconds"])
+
+
+def test_fleet_signal_from_the_routers_own_objects_and_the_gauges():
+    """What the integrator wires: meter + PrefixIndex + WorkerViews -> signal -> gauges."""
+    from policies.base import WorkerView
+    from router.autoscale import fleet_signal
+    from router.metrics import Metrics
+    from router.prefix_index import PrefixIndex
+
+    index = PrefixIndex(half_life_s=10.0)
+    hot = [11, 22, 33, 44]  # a 4-block prefix
+    index.insert("w0", hot, 0.0)
+    index.insert("w1", hot, 0.0)
+    meter = DemandMeter(half_life_s=10.0)
+    t = 0.0
+    while t < 60.0:  # 40 req/s through the prefix, each leaving 256 tokens to prefill
+        index.match(hot + [1000 + int(t * 100)], t)
+        meter.observe(t, 256, 4 * 32 + 256)
+        t += 0.025
+    views = [WorkerView("w0", 3, 5000, 1, 200, 4, 10_000, 200_000, 20_000.0),
+             WorkerView("w1", 2, 1000, 0, 0, 3, 10_000, 200_000, 20_000.0),
+             WorkerView("w2", 0, 0, 0, 0, 0, 0, 0, 10_000.0)]  # not reported yet
+    p = AutoscaleParams(target_utilization=0.5, holder_max_rate=10.0, queue_drain_s=1.0)
+    sig = fleet_signal(t, meter, index, views, p, block_tokens=32)
+    # compute: 40 x 256 = 10,240 tokens/s over 0.5 x 20,000 -> 2; the prefix at ~40 req/s
+    # needs ceil(40 / min(10, 10,000 / 256)) = 4 holders and has 2; backlog 6,000 over
+    # 1 s x 20,000 -> 1
+    assert sig.compute == 2 and sig.holders == 4 and sig.queue == 1
+    assert sig.desired == 5 and sig.reason == "holders+queue"
+    (need,) = [n for n in sig.prefixes if n.key == 44]
+    assert need.holders == 2 and need.needed == 4 and need.depth_tokens == 128
+    m = Metrics()
+    m.set_autoscale(sig)
+    text = m.render().decode()
+    assert "radixfleet_autoscale_desired_workers 5.0" in text
+    assert 'radixfleet_autoscale_workers{part="holders"} 4.0' in text
+    assert sig.to_json()["prefixes"][0]["hash"] == f"{44:016x}"

@@ -241,3 +241,19 @@ def test_simulate_reads_a_traffic_log_directly(tmp_path):
         assert r["oracle_hit_rate"] > 0.3  # turns repeat their history
     assert runs[1]["hit_rate"] > runs[0]["hit_rate"]
 
+
+
+async def test_counters_are_exported_at_scrape(tmp_path):
+    from router.metrics import Metrics
+
+    (_, key), = _keys(1, 1)
+    m = Metrics()
+    async with TrafficLog(_cfg(tmp_path, queue_size=2, flush_interval_s=60.0)) as tl:
+        m.watch_traffic_log(tl)
+        for i in range(5):
+            tl.record(key, arrival_s=float(i), worker="w", matched_tokens=0)
+        text = m.render().decode()
+        assert 'radixfleet_traffic_log_records_total{outcome="dropped_full"} 3.0' in text
+        assert "radixfleet_traffic_log_queued 2.0" in text
+    text = m.render().decode()
+    assert 'radixfleet_traffic_log_records_total{outcome="written"} 2.0' in text

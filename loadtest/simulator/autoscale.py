@@ -4,9 +4,10 @@ Two rules drive the same controller (``Simulation(scaler=...)``: every
 ``interval_s`` a desired size; joins routable after ``startup_s``; scale-down only to
 the largest size wanted over ``stabilization_s``; leaves drain first)::
 
-    PrefixAwareScaler   router.autoscale.workers_needed: the DemandMeter's uncached
-                        prefill rate, the index's hot prefixes and their holders, KV and
-                        backlog from the workers' load reports
+    PrefixAwareScaler   router.autoscale.fleet_signal (the router's own call): the
+                        DemandMeter's uncached prefill rate projected a start-up delay
+                        ahead, the index's hot prefixes and their holders, KV and
+                        backlog from the workers' views
     QueueDepthScaler    router.autoscale.queue_rule: an HPA on the agents' waiting
                         requests per replica (vLLM's num_requests_waiting)
 
@@ -28,8 +29,7 @@ from loadtest.arrivals import Bounds, TraceTimes
 from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import ACTIVE, STARTING, SimConfig, Simulation
 from loadtest.workloads import Trace
-from router.autoscale import (AutoscaleParams, DemandMeter, HotDemand, WorkerLoad,
-                              queue_rule, workers_needed)
+from router.autoscale import AutoscaleParams, DemandMeter, fleet_signal, queue_rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,15 +123,9 @@ class PrefixAwareScaler:
         self.meter.observe(now, uncached_tokens, prompt_tokens)
 
     def desired(self, sim: Simulation, now: float) -> int:
-        views = sim._views(now)
-        live = {v.id for v in views}
-        hot = [HotDemand(h.hash, h.depth * sim.block_tokens, h.rate,
-                         sum(1 for w in h.holders if w in live))
-               for h in sim.index.hot_prefixes(now, k=self.hot_k)]
-        load = [WorkerLoad(v.prefill_tokens_per_s if v.kv_capacity_tokens else None,
-                           v.in_flight_tokens, v.running_requests, v.kv_capacity_tokens,
-                           v.queued_requests) for v in views]
-        sig = workers_needed(self.meter.demand(now, self.startup_s), hot, load, self.params)
+        sig = fleet_signal(now, self.meter, sim.index, sim._views(now), self.params,
+                           lead_s=self.startup_s, hot_k=self.hot_k,
+                           block_tokens=sim.block_tokens)
         self.history.append((now, sig))
         return sig.desired
 
