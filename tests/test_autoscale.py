@@ -209,3 +209,21 @@ def test_fleet_signal_from_the_routers_own_objects_and_the_gauges():
     assert "radixfleet_autoscale_desired_workers 5.0" in text
     assert 'radixfleet_autoscale_workers{part="holders"} 4.0' in text
     assert sig.to_json()["prefixes"][0]["hash"] == f"{44:016x}"
+
+
+def test_deploy_examples_name_the_exported_gauge():
+    import glob
+
+    import yaml
+
+    from router.metrics import Metrics
+
+    names = Metrics().render().decode()
+    files = sorted(glob.glob("deploy/autoscaling/*.yaml"))
+    assert len(files) == 2
+    for path in files:
+        docs = [d for d in yaml.safe_load_all(open(path)) if d]
+        assert docs and all("apiVersion" in d and "kind" in d for d in docs)
+        text = open(path).read()
+        assert "radixfleet_autoscale_desired_workers" in text
+    assert "radixfleet_autoscale_desired_workers" in names
