@@ -115,6 +115,11 @@ _TENANT_CACHE = 4096
 #: the writer's pause after each record: long enough for a thread waiting on the GIL
 #: to wake and take it (a bare sleep(0) releases it, but the writer wins it back)
 _YIELD_S = 5e-5
+#: one line of ``FORMAT``, in the module docstring's field order
+_LINE = ('{"timestamp":%s,"input_length":%d,"output_length":%d,"hash_ids":[%s],'
+         '"format":"' + FORMAT + '","block_tokens":%d,"routed_tokens":%d,"tenant":"%s",'
+         '"model":%s,"adapter":%s,"worker":%s,"matched_tokens":%d,"cached_tokens":%s,'
+         '"ttft_ms":%s,"status":%d,"sample_rate":%s}')
 _FILE_RE_TEMPLATE = r"^{prefix}-\d{{8}}T\d{{6}}Z-\d+-\d{{4}}\.jsonl$"
 
 
@@ -190,6 +195,7 @@ class TrafficLog:
         self._file_bytes = 0
         self._seq = 0
         self._tenants: dict[str, str] = {}
+        self._strings: dict = {}  # name -> its JSON text
         self._errors_logged: set = set()
         self._file_re = re.compile(_FILE_RE_TEMPLATE.format(prefix=re.escape(cfg.prefix)))
 
@@ -310,9 +316,8 @@ class TrafficLog:
         lines = []
         n = 0
         pop = q.popleft
-        dumps = json.dumps
         sleep = time.sleep
-        rate = self._rate
+        rate_s = repr(float(self._rate))
         while q:
             try:
                 rec = pop()
@@ -326,24 +331,16 @@ class TrafficLog:
                 self._close_file()
             self._file_block_tokens = bt
             routed = max(1, -(-len(key.data) // BYTES_PER_TOKEN))
-            line = dumps({
-                "timestamp": round(arrival_s * 1000.0, 3),
-                "input_length": prompt if prompt else routed,
-                "output_length": output or 0,
-                "hash_ids": key.hashes,
-                "format": FORMAT,
-                "block_tokens": bt,
-                "routed_tokens": routed,
-                "tenant": self._tenant(key.tenant),
-                "model": key.model,
-                "adapter": key.adapter,
-                "worker": worker,
-                "matched_tokens": matched,
-                "cached_tokens": cached,
-                "ttft_ms": None if ttft_s is None else round(ttft_s * 1000.0, 3),
-                "status": status,
-                "sample_rate": rate,
-            }, separators=(",", ":"))
+            # formatted by hand: twice as fast as json.dumps of a dict (the 64-bit
+            # hashes dominate); strings go through json (escaping), cached
+            js = self._json
+            line = _LINE % (
+                repr(round(arrival_s * 1000.0, 3)), prompt if prompt else routed, output or 0,
+                ",".join(map(str, key.hashes)), bt, routed, self._tenant(key.tenant),
+                js(key.model), js(key.adapter), js(worker), matched,
+                "null" if cached is None else int(cached),
+                "null" if ttft_s is None else repr(round(ttft_s * 1000.0, 3)),
+                status, rate_s)
             lines.append(line)
             n += 1
             # give the GIL back: a request waiting for it waits for one record's
@@ -353,6 +350,16 @@ class TrafficLog:
                 self._flush(lines, n)
                 lines, n = [], 0
         self._flush(lines, n)
+
+    def _json(self, v) -> str:
+        """A JSON string (or null) for a model, adapter or worker name, cached."""
+        out = self._strings.get(v)
+        if out is None:
+            out = json.dumps(v)
+            if len(self._strings) >= _TENANT_CACHE:
+                self._strings.clear()
+            self._strings[v] = out
+        return out
 
     def _tenant(self, tenant: str) -> str:
         if not tenant:
