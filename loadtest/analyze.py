@@ -567,6 +567,13 @@ def print_report(res: dict, file=None) -> None:
         from loadtest.simulator.main import _print_table
 
         _print_table(res["policies"])
+        for r in res["policies"]:
+            if r["errors"]:
+                kinds = ", ".join(f"{k}: {v}" for k, v in r["errors_by_kind"].items())
+                print(f"replay {r['name']}: {r['errors']} of {r['requests']} requests failed "
+                      f"({kinds}; http_400: prompt + output exceed a worker's "
+                      f"{r['sim']['kv_tokens_per_worker']:,} KV tokens); the replay's figures, "
+                      "oracle and pooled too, cover the ok requests", file=out)
 
 
 def write_plots(res: dict, out_dir: str) -> list[str]:
@@ -635,7 +642,7 @@ def write_plots(res: dict, out_dir: str) -> list[str]:
     ax.set_ylim(0, 1.05)
     ax.grid(True, which="both", alpha=0.25)
     ax.set_xlabel("KV of the most-requested blocks kept, GB (log scale)")
-    ax.set_ylabel("share")
+    ax.set_ylabel("share of requests (green) / of prompt tokens (purple, blue)")
     ax.set_title(f"Zipf head: {z['prefixes']:,} shared prefixes, most requested first")
     ax.legend(loc="upper left", fontsize="small")
     paths.append(os.path.join(out_dir, "zipf_head.png"))
