@@ -356,6 +356,13 @@ def render_table(runs: list[dict], file=None) -> None:
         )
     console.print(table)
     for r in runs:
+        pred = r.get("prediction")
+        if pred:
+            console.print(f"[bold]{r['name']}[/] index prediction (predicted matched vs "
+                          "reported cached tokens, mean |error| per response): " + ", ".join(
+                              f"{w} {p['mean_abs_tokens']:.1f} ({p['samples']})"
+                              for w, p in sorted(pred.items())))
+    for r in runs:
         if r["errors"]:
             console.print(f"[bold]{r['name']}[/]: {r['errors']} of {r['requests']} requests failed "
                           f"({', '.join(f'{k}: {v}' for k, v in r['errors_by_kind'].items())}); "

@@ -43,13 +43,15 @@ from aiohttp import web
 from router import events as ev
 from router.auth import BearerAuth, TenantResolver, check_exposure
 from router.config import (
-    MISSING, Config, WorkerSpec, build_policy_from, default_worker_id, load_config,
+    MISSING, Config, WorkerSpec, build_policy_from, check_engine_fields, default_worker_id,
+    load_config,
     parse_worker_url, with_overrides, parse_section,
 )
 from router.dataplane import (
     REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
 )
 from router.errors import ConfigError, MalformedRequest, NotFound, Overloaded, RequestError
+from router.engines.manager import Engines
 from router.feedback import Feedback
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from router.pool import Pool, Source
@@ -100,11 +102,12 @@ class Router:
         check_exposure(cfg, self.admin_auth, self.agent_auth)
         self.tenants = TenantResolver(cfg.keys.tenant)
         self.pool = Pool(cfg, self.index)
+        self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
         self.session: aiohttp.ClientSession | None = None  # health checks, models, warm-ups
         self._tasks: set[asyncio.Task] = set()
         self.dataplane = DataPlane(cfg, self.policy, self.tenants, self.pool, self.index,
-                                   self.metrics, self._spawn)
+                                   self.metrics, self.engines, self._spawn)
         self._models_cache: tuple[float, dict] | None = None
         self._mtime = self._file_mtime()
         self._reload_lock = asyncio.Lock()
@@ -148,10 +151,12 @@ class Router:
         dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
         try:
             await self.pool.start(self.session)
+            await self.engines.start(self.session)
             if self.cfg.path and self.cfg.reload.watch:
                 self._spawn(self._watch_config())
             yield
         finally:
+            await self.engines.aclose()
             await self.pool.aclose()
             tasks = list(self._tasks)
             for t in tasks:
@@ -194,7 +199,9 @@ class Router:
         return web.json_response(body, status=200 if healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        self.metrics.refresh(self.pool, self.index, time.monotonic(), self.cfg.index.hot_k)
+        now = time.monotonic()
+        self.metrics.refresh(self.pool, self.index, now, self.cfg.index.hot_k)
+        self.engines.refresh(now)
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
 
@@ -278,11 +285,13 @@ class Router:
             if not spec.url:
                 raise ConfigError("worker.url", "required: the worker's base URL")
             url = parse_worker_url(spec.url, "worker.url")
+            check_engine_fields(spec, "worker")
         except ConfigError as exc:
             raise MalformedRequest(str(exc)) from None
         wid = spec.id or default_worker_id(url)
         try:
-            w = self.pool.add(wid, url, Source.ADMIN, spec.weight, spec.prefill_tokens_per_s)
+            w = self.pool.add(wid, url, Source.ADMIN, spec.weight, spec.prefill_tokens_per_s,
+                              spec)
         except ValueError as exc:
             return json_error(409, str(exc), "invalid_request_error", "conflict")
         return web.json_response({"status": "ok", "worker": w.describe(time.monotonic())},
@@ -432,6 +441,7 @@ class Router:
             self.admin_auth, self.agent_auth = admin, agent
             self.index.max_bytes = new.index.max_bytes
             self.dataplane.configure(new, policy, tenants)
+            self.engines.configure(new)
             added, removed = self.pool.sync_config(new.workers)
             self.metrics.reloads.inc()
             log.info("config reloaded from %s: %s (added %s, removed %s)", path,

@@ -8,7 +8,12 @@ documents each key)::
 
     listen:   {host: 127.0.0.1, port: 8000}
     workers:  [{url: http://10.0.0.1:30000 (plain http), id: <host:port>, weight: 1.0,
-                prefill_tokens_per_s: 10000.0}, ...]
+                prefill_tokens_per_s: 10000.0, kind: auto|agent|vllm|sglang|openai,
+                model: "", tokenizer: <folder or cached repo id>, block_size: 0,
+                kv_capacity_tokens: 0,
+                events: {endpoint: "", mode: auto|bind|connect, replay_endpoint: "",
+                         topic: kv-events},
+                metrics: {path: /metrics, interval_s: 1.0, timeout_s: 1.0}}, ...]
     keys:     {block_bytes: 128,
                tenant: {source: none|api_key|header, default: "", header: x-tenant-id,
                         require_key: true,
@@ -97,13 +102,51 @@ class ListenConfig:
     port: int = _opt(8000, "TCP port", lo=0, hi=65535)
 
 
+#: What a worker is (contract 7). ``auto``: probe it (router.engines.kinds).
+WORKER_KINDS = ("auto", "agent", "vllm", "sglang", "openai")
+#: How the router's ZMQ SUB socket meets the engine's PUB socket.
+EVENT_MODES = ("auto", "bind", "connect")
+
+
+@dataclass(frozen=True, slots=True)
+class EventsSpec:
+    endpoint: str = _opt("", "the engine's own KV-events endpoint, as given to it "
+                         "(vLLM --kv-events-config endpoint: tcp://*:5557, tcp://HOST:PORT "
+                         "or ipc://PATH); empty: the engine sends none")
+    mode: str = _opt("auto", "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
+                     "endpoint (the router connects, to the worker's host for a wildcard) and "
+                     "connects to a concrete tcp://HOST:PORT (the router binds it); bind or "
+                     "connect force the router's side", choices=EVENT_MODES)
+    replay_endpoint: str = _opt("", "the engine's replay endpoint (missed batches by "
+                                "sequence number); empty: none")
+    topic: str = _opt("kv-events", "ZMQ topic the engine publishes under")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineScrapeSpec:
+    path: str = _opt("/metrics", "Prometheus page of the engine; empty: do not scrape")
+    interval_s: float = _opt(1.0, "seconds between scrapes", lo=0.05)
+    timeout_s: float = _opt(1.0, "scrape timeout", lo=0, lo_open=True)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     url: str = _opt("", "base URL of the worker, http://host:port")
     id: str = _opt("", "worker id (default: host:port of url)")
     weight: float = _opt(1.0, "relative capacity weight", lo=0, lo_open=True)
     prefill_tokens_per_s: float = _opt(
-        10_000.0, "prefill throughput used until the agent reports its own", lo=0, lo_open=True)
+        10_000.0, "prefill throughput assumed until measured or reported", lo=0, lo_open=True)
+    kind: str = _opt("auto", "agent, vllm, sglang or openai; auto: probe the worker",
+                     choices=WORKER_KINDS)
+    model: str = _opt("", "the model it serves (default: from its /v1/models)")
+    tokenizer: str = _opt("", "the engine's tokenizer and chat template: a local folder or "
+                          "a repo id in the local Hugging Face cache (exact token keys)")
+    block_size: int = _opt(0, "the engine's KV block size in tokens (0: from its metrics or "
+                           "events)", lo=0)
+    kv_capacity_tokens: int = _opt(0, "the engine's KV capacity in tokens for the approximate "
+                                   "index (0: from its metrics)", lo=0)
+    events: EventsSpec = _section(EventsSpec, "the engine's KV-cache events")
+    metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engine's load")
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +380,75 @@ def parse_worker_url(url: str, path: str) -> str:
     return url.rstrip("/")
 
 
+def check_events_endpoint(endpoint: str, path: str) -> str:
+    """Validates a ZMQ endpoint: ``tcp://HOST:PORT`` (HOST may be ``*``) or ``ipc://PATH``."""
+    if endpoint.startswith("ipc://"):
+        if len(endpoint) <= len("ipc://"):
+            raise ConfigError(path, f"expected ipc://PATH, got {endpoint!r}")
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if sep and host and port.isdigit() and 0 < int(port) < 65536:
+            return endpoint
+    raise ConfigError(path, f"expected tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+
+
+def check_tokenizer_source(source: str, path: str) -> None:
+    """A tokenizer must be loadable without a download: a folder holding one, or a
+    repo id already in the local Hugging Face cache. Raises ``ConfigError``."""
+    folder = os.path.expanduser(source)
+    if os.path.isdir(folder):
+        try:
+            names = set(os.listdir(folder))
+        except OSError as exc:
+            raise ConfigError(path, f"tokenizer folder {source!r} is not readable: "
+                              f"{exc.strerror or exc}") from None
+        if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}:
+            raise ConfigError(path, f"{source!r} holds no tokenizer (tokenizer.json or "
+                              "tokenizer_config.json)")
+        return
+    if os.path.exists(folder):
+        raise ConfigError(path, f"tokenizer {source!r} is not a folder")
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise ConfigError(path, f"tokenizer folder {source!r} does not exist")
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        try:
+            hit = try_to_load_from_cache(source, name)
+        except ValueError:  # not a valid repo id
+            hit = None
+        if isinstance(hit, str):
+            return
+    raise ConfigError(path, f"{source!r} is neither a folder nor a repo in the local Hugging "
+                      "Face cache (nothing is downloaded at run time)")
+
+
+def check_engine_fields(spec: "WorkerSpec", path: str) -> None:
+    """Cross-field rules of a worker's engine settings. Raises ``ConfigError``."""
+    ev = spec.events
+    if ev.endpoint:
+        if spec.kind == "agent":
+            raise ConfigError(f"{path}.events.endpoint", "agents push their events to the "
+                              "router over HTTP; events.endpoint is for vllm/sglang engines")
+        check_events_endpoint(ev.endpoint, f"{path}.events.endpoint")
+        if not spec.tokenizer:
+            raise ConfigError(f"{path}.tokenizer", "required with events.endpoint: the "
+                              "events name token blocks, so requests must be keyed with the "
+                              "engine's own tokenizer")
+    if ev.replay_endpoint:
+        if not ev.endpoint:
+            raise ConfigError(f"{path}.events.replay_endpoint", "needs events.endpoint")
+        check_events_endpoint(ev.replay_endpoint, f"{path}.events.replay_endpoint")
+    if spec.tokenizer:
+        if spec.kind == "agent":
+            raise ConfigError(f"{path}.tokenizer", "agents are keyed on routing bytes "
+                              "(keys.block_bytes); a tokenizer is for vllm/sglang engines")
+        check_tokenizer_source(spec.tokenizer, f"{path}.tokenizer")
+    if spec.block_size and spec.tokenizer == "":
+        raise ConfigError(f"{path}.block_size", "only used with a tokenizer (token keys)")
+
+
 def default_worker_id(url: str) -> str:
     return urlsplit(url).netloc
 
@@ -353,6 +465,7 @@ def _workers(raw: Any, path: str) -> tuple[WorkerSpec, ...]:
         if not spec.url:
             raise ConfigError(f"{p}.url", "required: the worker's base URL")
         url = parse_worker_url(spec.url, f"{p}.url")
+        check_engine_fields(spec, p)
         wid = spec.id or default_worker_id(url)
         if wid in ids:
             raise ConfigError(f"{p}.id", f"duplicate worker id {wid!r} (also workers[{ids[wid]}])")

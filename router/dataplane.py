@@ -40,13 +40,13 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
-from policies.base import Reason, RouteRequest
+from policies.base import Reason
 from router.auth import TenantResolver
 from router.config import Config
 from router.errors import (
@@ -57,6 +57,7 @@ from router.pool import Pool
 from router.prefix_index import PrefixIndex
 from router.prefix_keys import Endpoint, request_key
 from router.proxy import UpstreamError, UpstreamPool, build_head
+from router.sse import StreamWatch, usage_of
 
 log = logging.getLogger("radixfleet.router")
 
@@ -147,6 +148,26 @@ class _UpstreamFailed(Exception):
         self.headers = headers
 
 
+class _Pick(NamedTuple):
+    """What the pick counted on a worker, for the response's bookkeeping."""
+
+    key: Any  # router.engines.keyspace.SpaceKey: the request in the worker's space
+    blocks: int  # leading blocks the worker held at pick time (its space)
+    own: int  # the request's uncached prompt tokens, counted as queued prefill
+    ahead: int  # uncached prompt tokens already queued on the worker at pick time
+    touches: tuple | None  # approximate mode: the matched blocks' last-use times
+
+
+def _usage_of_body(data: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, cached_tokens) of a non-streamed answer, if it reports them."""
+    if b'"cached_tokens"' not in data:
+        return None
+    try:
+        return usage_of(json.loads(data))
+    except ValueError:
+        return None
+
+
 class AiohttpExchange:
     """The data plane's exchange over an aiohttp request (see ``Router.serve``)."""
 
@@ -200,9 +221,10 @@ class DataPlane:
     """
 
     def __init__(self, cfg: Config, policy, tenants: TenantResolver, pool: Pool,
-                 index: PrefixIndex, metrics: Metrics,
+                 index: PrefixIndex, metrics: Metrics, engines,
                  spawn: Callable[[Any], asyncio.Task]) -> None:
         self.pool = pool
+        self.engines = engines  # router.engines.manager.Engines: keys, links, usage
         self.index = index
         self.metrics = metrics
         self._spawn = spawn  # the owner's task set: warm-ups are cancelled at shutdown
@@ -298,34 +320,32 @@ class DataPlane:
             self._reject(ex, NoWorkerAvailable(
                 f"no healthy worker available ({len(pool)} known)"), rid)
             return
-        index = self.index
-        match = index.match(key.hashes, now)
-        req = RouteRequest(key.hashes, key.prompt_tokens, key.block_tokens, session,
-                           key.model, len(key.data))
-        d = self.policy.choose(req, match, views, now)
-        w = pool.get(d.worker)
-        if w is None:  # a policy bug: never route into the void
-            raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
-        if key.hashes:
-            index.insert(w.id, key.hashes, now)
-        # Uncached prompt tokens are the prefill work this request adds (policies.base).
-        prompt_tokens = key.prompt_tokens
-        tokens = max(0, prompt_tokens - d.matched_blocks * key.block_tokens)
-        pool.pick(w, tokens)
-        if d.warm and self.cfg.warmup.enabled:
-            self._schedule_warmups(d.warm, endpoint, body, key, match.depth, now)
-        fwd = (b"x-radixfleet-tenant: " + key.tenant.encode("utf-8", "surrogateescape")
-               + b"\r\nx-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
-        reason = d.reason.value
+        engines = self.engines
+        try:
+            kr = engines.key(endpoint, body, key, session, views, now)
+        except RequestError as exc:  # a token space refused the body
+            self._reject(ex, exc, rid)
+            return
+        req = kr.route_request
+        d = self.policy.choose(req, kr.match, views, now)
         tried: list[str] = []
         retries = self.cfg.retries
         attempt = 0
         last: _UpstreamFailed | None = None
+        reason = d.reason.value
         while True:
+            w = pool.get(d.worker)
+            if w is None:  # a policy bug: never route into the void
+                raise AssertionError(f"policy {self.policy.name} chose unknown worker "
+                                     f"{d.worker!r}")
+            pick = self._pick(w, kr, now)
+            if attempt == 0 and d.warm and self.cfg.warmup.enabled:
+                self._schedule_warmups(d.warm, endpoint, body, key, kr.match.depth, now)
             attempt += 1
             tried.append(w.id)
             try:
-                await self._attempt(ex, w, endpoint, raw, fwd, stream, tokens, rid, reason, t0)
+                await self._attempt(ex, w, endpoint, raw, body, stream, pick, key.tenant,
+                                    rid, reason, t0)
                 return
             except _UpstreamFailed as exc:
                 last = exc
@@ -342,14 +362,13 @@ class DataPlane:
             views = [v for v in pool.views(now) if v.id not in tried]
             if not views:
                 break
-            d = self.policy.choose(req, index.match(key.hashes, now, count=False), views, now)
-            w = pool.get(d.worker)
-            if w is None:
+            try:
+                kr = engines.key(endpoint, body, key, session, views, now)
+            except RequestError:
                 break
-            if key.hashes:
-                index.insert(w.id, key.hashes, now)
-            tokens = max(0, prompt_tokens - d.matched_blocks * key.block_tokens)
-            pool.pick(w, tokens)
+            d = self.policy.choose(kr.route_request, kr.match, views, now)
+            if pool.get(d.worker) is None:
+                break
             reason = Reason.FALLBACK.value
             self.metrics.retries.labels(last.cause).inc()
         # Every attempt failed before the client saw anything.
@@ -366,50 +385,88 @@ class DataPlane:
                          "code": code, "param": None}}
         ex.reply(status, json.dumps(err).encode(), _JSON, [(REQUEST_ID_HEADER, rid)])
 
-    async def _attempt(self, ex, w, endpoint, raw, fwd, stream, tokens, rid, reason,
-                       t0) -> None:
+    def _pick(self, w, kr, now: float) -> "_Pick":
+        """The optimistic hint and the load count for ``w``, in its own key space,
+        before anything is awaited (``policies.base``)."""
+        sk = kr.key_for(w.id)
+        blocks = kr.blocks_for(w.id)
+        touches = None
+        link = w.engine
+        if blocks and link is not None and link.corrects:
+            # when each matched block was last used, before this hint re-touches them:
+            # what a correction needs if the worker reports fewer cached tokens
+            tt = self.index.touch_time
+            touches = tuple(tt(w.id, h) for h in sk.hashes[:blocks])
+        if sk.hashes:
+            self.index.insert(w.id, sk.hashes, now)
+        # Uncached prompt tokens are the prefill work this request adds (policies.base).
+        own = max(0, sk.prompt_tokens - blocks * sk.block_tokens)
+        ahead = w.in_flight_tokens
+        self.pool.pick(w, own)
+        return _Pick(sk, blocks, own, ahead, touches)
+
+    async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", tenant,
+                       rid, reason, t0) -> None:
         """One try on worker ``w`` (its load already counted). Releases the load on
-        every path. Raises ``_UpstreamFailed`` if it failed before the client saw a
-        byte; after that, failures end the stream with an SSE error event."""
+        every path: a streaming request's prompt stops counting as queued prefill at
+        its first *content* token (router.sse), never at the headers or a role chunk.
+        Raises ``_UpstreamFailed`` if it failed before the client saw a byte; after
+        that, failures end the stream with an SSE error event."""
         pool = self.pool
         m = self.metrics
-        left = tokens  # tokens still counted on w
+        link = w.engine
+        left = pick.own  # tokens still counted on w
         ok: bool | None = None
+        usage = None
+        ttft = None
         host, port, hostport = self._addr(w.url)
         t = self.cfg.timeouts
-        head = build_head(endpoint.value, hostport, len(raw), fwd)
+        payload, strip = self.engines.forward_body(link, endpoint, body, raw, stream)
+        fwd = (b"x-radixfleet-tenant: " + tenant.encode("utf-8", "surrogateescape")
+               + b"\r\nx-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
+        head = build_head(endpoint.value, hostport, len(payload), fwd)
         resp = None
+        sent = time.monotonic()
         try:
             try:
                 resp = await self.upstream.request(
-                    host, port, head, raw, read_timeout_s=t.first_byte_s,
+                    host, port, head, payload, read_timeout_s=t.first_byte_s,
                     total_timeout_s=t.total_s - (time.monotonic() - t0))
                 status = resp.status
                 if status >= 500:
-                    body = await resp.read()
+                    data = await resp.read()
                     ok = False
                     raise _UpstreamFailed("status", f"worker {w.id} answered {status}",
-                                          status, body, resp.headers)
+                                          status, data, resp.headers)
                 if not stream or status != 200:
                     data = await resp.read()
                     ok = True
+                    if status == 200 and link is not None:
+                        usage = _usage_of_body(data)
                     ex.reply(status, data, resp.headers.get("content-type", _JSON),
                              [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, rid)])
                     m.request_done(w.id, status, reason)
                     m.observe_latency(time.monotonic() - t0)
                     return
+                watch = StreamWatch(strip)
                 first = await resp.readany()
-                pool.prefilled(w, left)
-                left = 0
                 m.observe_ttfb(time.monotonic() - t0)
                 await ex.stream_start(resp.headers.get("content-type", "text/event-stream"),
                                       [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id),
                                        (REQUEST_ID_HEADER, rid)])
                 # From here on the client has bytes: never retry.
                 try:
-                    if first:
-                        await ex.stream_write(first)
+                    chunk = first
                     while True:
+                        if chunk:
+                            out = watch.feed(chunk)
+                            if left and watch.first_token:
+                                # the prompt is prefilled: no longer queued work on w
+                                ttft = time.monotonic() - sent
+                                pool.prefilled(w, left)
+                                left = 0
+                            if out:
+                                await ex.stream_write(out)
                         try:
                             chunk = await resp.readany()
                         except UpstreamError as exc:
@@ -420,14 +477,17 @@ class DataPlane:
                             err = {"error": {"message": f"worker {w.id} failed mid-stream: "
                                              f"{exc}", "type": "upstream_error",
                                              "code": "upstream_failed", "param": None}}
-                            await ex.stream_write(b"data: " + json.dumps(err).encode()
-                                                  + b"\n\n" + _DONE)
+                            await ex.stream_write(watch.flush() + b"data: "
+                                                  + json.dumps(err).encode() + b"\n\n" + _DONE)
                             await ex.stream_end()
                             return
                         if not chunk:
                             break
-                        await ex.stream_write(chunk)
+                    tail = watch.flush()
+                    if tail:
+                        await ex.stream_write(tail)
                     await ex.stream_end()
+                    usage = watch.usage
                 except (ConnectionResetError, aiohttp.ClientConnectionError):
                     return  # the client went away (ok stays None: not the worker's fault)
                 ok = True
@@ -442,6 +502,13 @@ class DataPlane:
             if resp is not None:
                 resp.release()
             pool.finish(w, left, ok)
+            if ok and link is not None:
+                try:
+                    link.observe(pick.key, pick.blocks, usage, ttft, pick.ahead, pick.own,
+                                 time.monotonic(), pick.touches)
+                except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
+                    log.exception("request %s: bookkeeping for worker %s failed", rid, w.id)
+                w._view = None  # its prefill rate may have moved
 
     def _addr(self, url: str) -> tuple[str, int, str]:
         a = self._addrs.get(url)

@@ -87,7 +87,8 @@ def test_defaults_are_a_valid_config():
     ("workers: [{url: 'http://h:1', weight: 0}]",
      "workers[0].weight: expected a number > 0, got 0"),
     ("workers: [{url: 'http://h:1', colour: red}]",
-     "workers[0].colour: unknown key; valid: id, prefill_tokens_per_s, url, weight"),
+     "workers[0].colour: unknown key; valid: block_size, events, id, kind, kv_capacity_tokens, "
+     "metrics, model, prefill_tokens_per_s, tokenizer, url, weight"),
     ("workers: ['http://h:1', {url: 'http://h:2', id: 'h:1'}]",
      "workers[1].id: duplicate worker id 'h:1' (also workers[0])"),
     ("workers: ['http://h:1', {url: 'http://h:1/', id: b}]",
