@@ -49,6 +49,7 @@ from router.config import (
 from router.dataplane import (
     REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
 )
+from router.discovery import Discovery
 from router.errors import ConfigError, MalformedRequest, NotFound, Overloaded, RequestError
 from router.feedback import Feedback
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
@@ -146,12 +147,15 @@ class Router:
         dp = self.dataplane
         dp.session = self.session
         dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
+        self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
         try:
             await self.pool.start(self.session)
+            await self.discovery.start()
             if self.cfg.path and self.cfg.reload.watch:
                 self._spawn(self._watch_config())
             yield
         finally:
+            await self.discovery.aclose()
             await self.pool.aclose()
             tasks = list(self._tasks)
             for t in tasks:
