@@ -80,6 +80,20 @@ def error_response(exc: RequestError, headers: dict | None = None) -> web.Respon
                         content_type=_JSON, headers=h)
 
 
+def config_file_version(path: str) -> tuple[int, int, int, int] | None:
+    """What the reload watcher compares: (device, inode, mtime ns, size) of the file
+    ``path`` resolves to, or None if it cannot be read. ``os.stat`` follows the
+    ConfigMap volume's symlinks (``router.yaml -> ..data/router.yaml``, ``..data ->
+    ..<timestamp>``), so the kubelet's atomic swap shows as a new inode even when
+    the new file's mtime equals the old one's (coarse timestamps, copies that keep
+    mtimes)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 class Router:
     """The router service: index, pool, policy, metrics, and the request logic.
 
@@ -379,13 +393,10 @@ class Router:
 
     # ---------------------------------------------------------------- reload
 
-    def _file_mtime(self) -> float | None:
+    def _file_mtime(self) -> tuple[int, int, int, int] | None:
         if not self.cfg.path:
             return None
-        try:
-            return os.stat(self.cfg.path).st_mtime_ns
-        except OSError:
-            return None
+        return config_file_version(self.cfg.path)
 
     async def _watch_config(self) -> None:
         while True:
