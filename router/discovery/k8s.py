@@ -168,11 +168,17 @@ class SliceWatch:
     async def run(self, changed: asyncio.Queue) -> None:
         """Lists, then watches forever, putting ``None`` on ``changed`` after every
         change of ``slices``. Raises ``SourceError`` when it cannot go on."""
+        loop = asyncio.get_running_loop()
+        listed_at = float("-inf")
         while True:
+            if loop.time() - listed_at < 1.0:
+                # relisting again at once (a 410 right after a list) must not spin us
+                await asyncio.sleep(self.backoff_s)
+            listed_at = loop.time()
             await self._list()
             changed.put_nowait(None)
             while True:
-                t0 = asyncio.get_running_loop().time()
+                t0 = loop.time()
                 try:
                     events, reason = await self._watch(changed)
                 except _Relist:
@@ -181,7 +187,7 @@ class SliceWatch:
                              "relisting %s", self.rv, self.sel.label_selector)
                     break
                 self.metrics.watch_restarts.labels("kubernetes", reason).inc()
-                if not events and asyncio.get_running_loop().time() - t0 < 1.0:
+                if not events and loop.time() - t0 < 1.0:
                     # a server that closes every watch at once must not spin us
                     await asyncio.sleep(self.backoff_s)
 
