@@ -50,6 +50,7 @@ from router.config import (
 from router.dataplane import (
     REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
 )
+from router.discovery import Discovery
 from router.errors import ConfigError, MalformedRequest, NotFound, Overloaded, RequestError
 from router.engines.manager import Engines
 from router.feedback import Feedback
@@ -79,6 +80,20 @@ def error_response(exc: RequestError, headers: dict | None = None) -> web.Respon
         h["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     return web.Response(body=json.dumps(exc.to_json()).encode(), status=exc.status,
                         content_type=_JSON, headers=h)
+
+
+def config_file_version(path: str) -> tuple[int, int, int, int] | None:
+    """What the reload watcher compares: (device, inode, mtime ns, size) of the file
+    ``path`` resolves to, or None if it cannot be read. ``os.stat`` follows the
+    ConfigMap volume's symlinks (``router.yaml -> ..data/router.yaml``, ``..data ->
+    ..<timestamp>``), so the kubelet's atomic swap shows as a new inode even when
+    the new file's mtime equals the old one's (coarse timestamps, copies that keep
+    mtimes)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class Router:
@@ -149,13 +164,16 @@ class Router:
         dp = self.dataplane
         dp.session = self.session
         dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
+        self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
         try:
             await self.pool.start(self.session)
             await self.engines.start(self.session)
+            await self.discovery.start()
             if self.cfg.path and self.cfg.reload.watch:
                 self._spawn(self._watch_config())
             yield
         finally:
+            await self.discovery.aclose()
             await self.engines.aclose()
             await self.pool.aclose()
             tasks = list(self._tasks)
@@ -384,13 +402,10 @@ class Router:
 
     # ---------------------------------------------------------------- reload
 
-    def _file_mtime(self) -> float | None:
+    def _file_mtime(self) -> tuple[int, int, int, int] | None:
         if not self.cfg.path:
             return None
-        try:
-            return os.stat(self.cfg.path).st_mtime_ns
-        except OSError:
-            return None
+        return config_file_version(self.cfg.path)
 
     async def _watch_config(self) -> None:
         while True:

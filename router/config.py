@@ -32,6 +32,19 @@ documents each key)::
     auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
     reload:   {watch: true, poll_interval_s: 1.0}
 
+``workers`` may also be a mapping, ``{static: [<the list above>], discovery: {...}}``;
+``workers.discovery`` finds workers in Kubernetes (EndpointSlices) or DNS
+(``router.discovery``)::
+
+    discovery: {max_workers: 4096, backoff_s: 1.0, backoff_max_s: 30.0,
+                kubernetes: {api_server: "", token_file: <service account token>,
+                             namespace: "", watch_timeout_s: 300, page_size: 500,
+                             selectors: [{label_selector: app=vllm, port_name: http,
+                                          kind: vllm, namespace: ""}, ...]},
+                dns: {nameserver: "", interval_s: 5.0, timeout_s: 2.0,
+                      services: [{name: vllm.ns.svc.cluster.local, port: 8000,
+                                  kind: vllm}, ...]}}
+
 Validation errors name the dotted path, what was expected and, for names, the
 valid ones::
 
@@ -258,6 +271,62 @@ class ReloadConfig:
     poll_interval_s: float = _opt(1.0, "mtime poll interval", lo=0, lo_open=True)
 
 
+#: engine kinds a discovered worker may have (DESIGN.md contract 7)
+WORKER_KINDS = ("agent", "vllm", "sglang", "openai")
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+@dataclass(frozen=True, slots=True)
+class K8sSelectorSpec:
+    label_selector: str = _opt("", "EndpointSlice label selector (slices carry their "
+                               "Service's labels and kubernetes.io/service-name)")
+    port_name: str = _opt("", "the slice port workers listen on, by name (\"\": the only port)")
+    kind: str = _opt("agent", "engine kind of these workers", choices=WORKER_KINDS)
+    namespace: str = _opt("", "namespace (\"\": kubernetes.namespace)")
+
+
+@dataclass(frozen=True, slots=True)
+class K8sDiscoveryConfig:
+    api_server: str = _opt("", "API server URL (\"\": in-cluster, from KUBERNETES_SERVICE_HOST "
+                           "and the service account)")
+    token_file: str = _opt(f"{SERVICE_ACCOUNT_DIR}/token", "bearer token file, with api_server")
+    namespace: str = _opt("", "namespace of the selectors (\"\": the router pod's own)")
+    watch_timeout_s: float = _opt(300.0, "server-side timeout of one watch (it then resumes "
+                                  "from its resourceVersion)", lo=1)
+    page_size: int = _opt(500, "list page size (limit/continue)", lo=1)
+    selectors: tuple[K8sSelectorSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DnsServiceSpec:
+    name: str = _opt("", "DNS name of a headless Service: its A/AAAA records are the workers")
+    port: int = _opt(0, "the workers' port", lo=0, hi=65535)
+    kind: str = _opt("agent", "engine kind of these workers", choices=WORKER_KINDS)
+
+
+@dataclass(frozen=True, slots=True)
+class DnsDiscoveryConfig:
+    nameserver: str = _opt("", "resolver host or host:port (\"\": /etc/resolv.conf)")
+    interval_s: float = _opt(5.0, "re-resolve interval", lo=0, lo_open=True)
+    timeout_s: float = _opt(2.0, "timeout of one resolution", lo=0, lo_open=True)
+    services: tuple[DnsServiceSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    max_workers: int = _opt(4096, "most discovered workers kept (more: logged, counted, cut)",
+                            lo=1)
+    backoff_s: float = _opt(1.0, "first retry delay of a failing source, doubled per failure",
+                            lo=0, lo_open=True)
+    backoff_max_s: float = _opt(30.0, "largest retry delay of a failing source", lo=0,
+                                lo_open=True)
+    kubernetes: K8sDiscoveryConfig = _section(K8sDiscoveryConfig, "Kubernetes EndpointSlices")
+    dns: DnsDiscoveryConfig = _section(DnsDiscoveryConfig, "DNS A/AAAA records")
+
+    def enabled(self) -> bool:
+        return bool(self.kubernetes.selectors or self.dns.services)
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
@@ -277,6 +346,8 @@ class Config:
     auth: AuthConfig = _section(AuthConfig, "bearer tokens")
     reload: ReloadConfig = _section(ReloadConfig, "hot reload")
     path: str = ""
+    #: ``workers.discovery`` in the YAML (not a top-level key); read at start
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def summary(self) -> str:
         t = self.keys.tenant
@@ -330,7 +401,7 @@ def _parse(cls: type, raw: Any, path: str, special: Mapping[str, Any] | None = N
     parsers ``(raw, path) -> value`` for fields that are not scalars or sections."""
     raw = _mapping(raw, path)
     fields = {f.name: f for f in dataclasses.fields(cls)
-              if not (cls is Config and f.name == "path")}  # Config.path: not a YAML key
+              if not (cls is Config and f.name in ("path", "discovery"))}  # not YAML keys
     values: dict[str, Any] = {}
     for key, value in raw.items():
         f = fields.get(key)
@@ -517,7 +588,70 @@ def _policy(cls: type, raw: Any, path: str) -> PolicyConfig:
     return pc
 
 
-_SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _policy}
+def _selectors(raw: Any, path: str) -> tuple[K8sSelectorSpec, ...]:
+    out = []
+    for i, item in enumerate(_list(raw, path)):
+        p = f"{path}[{i}]"
+        spec = _parse(K8sSelectorSpec, item, p)
+        if not spec.label_selector:
+            # an empty selector would take every slice, the router's own Service's too
+            raise ConfigError(f"{p}.label_selector", "required: a non-empty label selector")
+        out.append(spec)
+    return tuple(out)
+
+
+def _kubernetes(cls: type, raw: Any, path: str) -> K8sDiscoveryConfig:
+    k = _parse(K8sDiscoveryConfig, raw, path, {"selectors": _selectors})
+    if k.api_server:
+        parts = urlsplit(k.api_server)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{path}.api_server",
+                              f"expected an http(s):// URL with a host, got {k.api_server!r}")
+    return k
+
+
+def _dns_services(raw: Any, path: str) -> tuple[DnsServiceSpec, ...]:
+    out = []
+    for i, item in enumerate(_list(raw, path)):
+        p = f"{path}[{i}]"
+        spec = _parse(DnsServiceSpec, item, p)
+        if not spec.name:
+            raise ConfigError(f"{p}.name", "required: the headless Service's DNS name")
+        if not spec.port:
+            raise ConfigError(f"{p}.port", "required: the workers' port (1-65535)")
+        out.append(spec)
+    return tuple(out)
+
+
+def _dns(cls: type, raw: Any, path: str) -> DnsDiscoveryConfig:
+    return _parse(DnsDiscoveryConfig, raw, path, {"services": _dns_services})
+
+
+def _discovery(cls: type, raw: Any, path: str) -> DiscoveryConfig:
+    d = _parse(DiscoveryConfig, raw, path)
+    if d.backoff_max_s < d.backoff_s:
+        raise ConfigError(f"{path}.backoff_max_s",
+                          f"expected a number >= {path}.backoff_s ({d.backoff_s})")
+    return d
+
+
+def _workers_section(raw: Any, path: str) -> tuple[tuple[WorkerSpec, ...], DiscoveryConfig]:
+    """``workers``: the list of static workers, or ``{static: [...], discovery: {...}}``."""
+    if not isinstance(raw, Mapping):
+        return _workers(raw, path), DiscoveryConfig()
+    raw = _mapping(raw, path)
+    for k in raw:
+        if k not in ("static", "discovery"):
+            raise ConfigError(_join(path, k), "unknown key; valid: discovery, static "
+                              "(or give workers as a list)")
+    static = _workers(raw["static"], f"{path}.static") if "static" in raw else ()
+    disc = (_discovery(DiscoveryConfig, raw["discovery"], f"{path}.discovery")
+            if "discovery" in raw else DiscoveryConfig())
+    return static, disc
+
+
+_SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _policy,
+                    K8sDiscoveryConfig: _kubernetes, DnsDiscoveryConfig: _dns}
 
 
 def build_policy_from(pc: PolicyConfig, path: str = "policy"):
@@ -531,11 +665,17 @@ def parse_config(raw: Any, path: str = "") -> Config:
     """Validates a parsed YAML document. Raises ``ConfigError`` naming the field."""
     if raw is None:
         raw = {}
-    cfg = _parse(Config, raw, "", {"workers": _workers})
+    discovery = [DiscoveryConfig()]
+
+    def workers(value: Any, p: str) -> tuple[WorkerSpec, ...]:
+        static, discovery[0] = _workers_section(value, p)
+        return static
+
+    cfg = _parse(Config, raw, "", {"workers": workers})
     if cfg.retries.backoff_max_s < cfg.retries.backoff_s:
         raise ConfigError("retries.backoff_max_s",
                           f"expected a number >= retries.backoff_s ({cfg.retries.backoff_s})")
-    return dataclasses.replace(cfg, path=path)
+    return dataclasses.replace(cfg, path=path, discovery=discovery[0])
 
 
 def load_config(path: str) -> Config:

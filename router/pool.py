@@ -1,7 +1,7 @@
 """The worker pool: who can be routed to, and how loaded each worker is right now.
 
-Workers come from three sources (``Source``): the YAML file, the admin API and
-agents that register themselves. Per worker the pool keeps::
+Workers come from four sources (``Source``): the YAML file, the admin API,
+agents that register themselves and discovery (``router.discovery``). Per worker the pool keeps::
 
     health      HealthState: UNKNOWN -> HEALTHY <-> UNHEALTHY, from GET <url><path>
     breaker     Breaker: CLOSED -> OPEN (after N request failures in a row)
@@ -52,6 +52,7 @@ class Source(str, enum.Enum):
     CONFIG = "config"  # listed in the YAML file (a reload may remove it)
     ADMIN = "admin"  # added with POST /admin/workers
     AGENT = "agent"  # registered itself (POST /internal/v1/register)
+    DISCOVERY = "discovery"  # found by router.discovery (Kubernetes, DNS); it removes it
 
 
 class HealthState(str, enum.Enum):

@@ -76,7 +76,9 @@ def test_defaults_are_a_valid_config():
      "policy.params.foo: unknown parameter of round_robin; valid: (none)"),
     ("policy: {params: [1]}", "policy.params: expected a mapping, got list"),
     ("policy: {seed: -1}", "policy.seed: expected an integer >= 0, got -1"),
-    ("workers: {url: x}", "workers: expected a list, got dict"),
+    ("workers: {url: x}", "workers.url: unknown key; valid: discovery, static (or give "
+                          "workers as a list)"),
+    ("workers: 7", "workers: expected a list, got int"),
     ("workers: null", "workers: expected a list, got null"),
     ("workers: [{id: a}]", "workers[0].url: required: the worker's base URL"),
     ("workers: [{url: 'ftp://h:1'}]",
