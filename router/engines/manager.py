@@ -131,6 +131,9 @@ class Engines:
         #: every engine worker's samples together: the rate a worker with little
         #: evidence of its own is assumed to have
         self.pooled_rate = self.new_rate_estimator(10_000.0)
+        #: decayed mean uncached prompt tokens per request, fleet-wide: what one
+        #: waiting request an engine reports is assumed to weigh
+        self.mean_request_tokens = 0.0
         self._keyers: dict[str, Any] = {}  # tokenizer source -> TokenKeyer (shared)
         self._spaces_key: tuple | None = None
         self._spaces: list = []
