@@ -30,7 +30,6 @@ import time
 import httpx
 import pytest
 
-from tests.engines.vllm_env import VllmServer, tiny_model, vllm_python
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
@@ -46,26 +45,8 @@ def text(seed: int, words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    vllm_python()
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def vllm_pair(model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    servers = [VllmServer(free_port(), model=model_dir, events_port=free_port(),
-                          replay_port=free_port(), log_path=logs / f"vllm-{i}.log")
-               for i in range(2)]
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready()
-        yield servers
-    finally:
-        for s in servers:
-            s.stop()
+def model_dir(vllm_model_dir):
+    return vllm_model_dir
 
 
 def router_yaml(path, port: int, servers, model_dir, *, policy: str = "prefix_load",
