@@ -154,6 +154,15 @@ class EngineLink:
         return t
 
     async def _run(self) -> None:
+        try:
+            await self._bring_up()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a worker's engine side never takes the router down
+            log.exception("worker %s: engine link failed; approximate mode, router counts",
+                          self.worker.id)
+
+    async def _bring_up(self) -> None:
         eng = self.engines
         delay = 0.5
         while self.kind is None and self.state is LinkState.RUNNING:
@@ -183,7 +192,7 @@ class EngineLink:
                       "bytes, its events ignored (approximate mode)", self.worker.id,
                       ", ".join(self.models), self.spec.model)
         elif self.spec.tokenizer:
-            self.keyer = eng.load_keyer(self.spec.tokenizer, self.worker.id)
+            self.keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id)
         if self.kind in ENGINE_KINDS and self.spec.metrics.path:
             self.scraper = eng.new_scraper(self)
             await self.scraper.start()

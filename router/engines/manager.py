@@ -201,14 +201,16 @@ class Engines:
         prior = min(max(prior_tokens_per_s, DEFAULT_MIN_TOKENS_PER_S), DEFAULT_MAX_TOKENS_PER_S)
         return PrefillRateEstimator(prior)
 
-    def load_keyer(self, source: str, worker: str):
-        """The shared tokenizer of ``source``; None (logged, counted) if it cannot load."""
+    async def load_keyer(self, source: str, worker: str):
+        """The shared tokenizer of ``source``, loaded off the event loop (a second or
+        two for a real one); None (logged, counted) if it cannot load."""
         k = self._keyers.get(source)
         if k is not None:
             return k
         from router.engines.token_keys import TokenizerLoadError, TokenKeyer
         try:
-            k = self._keyers[source] = TokenKeyer.load(source)
+            k = await asyncio.to_thread(TokenKeyer.load, source)
+            k = self._keyers.setdefault(source, k)
         except TokenizerLoadError as exc:
             self.prom.tokenizer_errors.labels(worker).inc()
             log.error("worker %s: tokenizer %s cannot be loaded (%s): keyed on routing bytes "
