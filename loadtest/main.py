@@ -162,16 +162,59 @@ def counter_deltas(before: dict, after: dict) -> dict[str, dict[str, int]]:
             for w in after if w in before}
 
 
+#: cache flush endpoints, tried in order: ours and SGLang's, then vLLM's (served when
+#: the server runs with VLLM_SERVER_DEV_MODE=1)
+FLUSH_PATHS = ("/flush_cache", "/reset_prefix_cache")
+
+
+async def router_predictions(session: aiohttp.ClientSession, router_url: str) -> dict:
+    """Per worker, a radixfleet router's cumulative index prediction accuracy
+    (``GET /admin/workers``: ``engine.prediction``); {} for other targets."""
+    body = await _json_get(session, router_url.rstrip("/") + "/admin/workers")
+    out = {}
+    for item in (body.get("workers", []) if isinstance(body, dict) else []):
+        p = item.get("engine", {}).get("prediction") if isinstance(item, dict) else None
+        if isinstance(p, dict) and isinstance(p.get("samples"), int):
+            out[str(item.get("id"))] = p
+    return out
+
+
+def prediction_deltas(before: dict, after: dict) -> dict:
+    """The run's own prediction figures per worker: predicted matched tokens against
+    the cached tokens the worker reported, over the responses of this run."""
+    out = {}
+    for w, a in after.items():
+        b = before.get(w, {})
+        n = a["samples"] - b.get("samples", 0)
+        if n <= 0:
+            continue
+        s_abs = a.get("sum_abs_tokens", 0) - b.get("sum_abs_tokens", 0)
+        s_sig = a.get("sum_signed_tokens", 0) - b.get("sum_signed_tokens", 0)
+        out[w] = {"samples": n, "mean_abs_tokens": s_abs / n, "mean_signed_tokens": s_sig / n}
+    return out
+
+
 async def flush(session: aiohttp.ClientSession, agent_urls: list[str]) -> list[str]:
-    """POSTs ``/flush_cache`` to every agent; returns the URLs that failed."""
+    """Flushes every worker's prefix cache (``FLUSH_PATHS``, the first one it serves);
+    returns the URLs that failed."""
     failed = []
     for url in agent_urls:
-        try:
-            async with session.post(url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                if r.status >= 300:
-                    failed.append(f"{url} (HTTP {r.status})")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            failed.append(f"{url} ({exc.__class__.__name__})")
+        why = None
+        for path in FLUSH_PATHS:
+            try:
+                async with session.post(url + path,
+                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    if r.status < 300:
+                        why = None
+                        break
+                    why = f"HTTP {r.status}"
+                    if r.status not in (404, 405):
+                        break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                why = exc.__class__.__name__
+                break
+        if why is not None:
+            failed.append(f"{url} ({why})")
     return failed
 
 
@@ -255,8 +298,12 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                                 "this run may start warm", name)
                 cap = kv_capacity_tokens or (await fleet_capacity(admin, agents) if agents else None)
                 before = await agent_counters(admin, agents)
+                pred_before = await router_predictions(admin, url)
                 outcome = await run_target(target, workload, arrivals, bounds,
                                            kv_capacity_tokens=cap, progress=progress)
+                pred = prediction_deltas(pred_before, await router_predictions(admin, url))
+                if pred:
+                    outcome.report["prediction"] = pred
                 if "unknown" in outcome.report["workers"] and before:
                     # the target does not name workers (e.g. smg): use the agents' counters
                     per_agent = counter_deltas(before, await agent_counters(admin, agents))

@@ -413,6 +413,13 @@ def render_table(runs: list[dict], file=None) -> None:
         )
     notes = cut_notes(runs)
     for r in runs:
+        pred = r.get("prediction")
+        if pred:
+            notes.append(f"{r['name']} index prediction (predicted matched vs reported cached "
+                         "tokens, mean |error| per response): " + ", ".join(
+                             f"{w} {p['mean_abs_tokens']:.1f} ({p['samples']})"
+                             for w, p in sorted(pred.items())))
+    for r in runs:
         if r["errors"]:
             notes.append(f"{r['name']}: {r['errors']} of {r['requests']} requests failed "
                          f"({', '.join(f'{k}: {v}' for k, v in r['errors_by_kind'].items())}); "

@@ -1,23 +1,8 @@
-"""The router's aiohttp application: data plane, admin API, agent API, metrics.
+"""The router's aiohttp application: admin API, agent API, probes, metrics, reload.
 
-Per data-plane request (``Router._proxy``), in this order and with nothing awaited
-between the pick and the load count::
-
-    admission (concurrency slot or bounded queue, else 429 + Retry-After)
-    read body (<= limits.max_body_bytes, else 413) -> json (else 400)
-    tenant = TenantResolver(headers)                 (auth.py; 401 if a key is required)
-    key    = request_key(endpoint, body, tenant, block_bytes)   (400 naming the field)
-    match  = index.match(key.hashes, now)
-    views  = pool.views(now)                         (routable only; none -> 503)
-    d      = policy.choose(RouteRequest, match, views, now)
-    index.insert(d.worker, key.hashes, now)           optimistic hint
-    pool.pick(worker, prompt_tokens)                  load counted at pick time
-    forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
-        connect error / 5xx / timeout before the client saw a byte: retry on another
-        worker (retries.max_attempts, exponential backoff)
-        streaming: SSE bytes pass through as they arrive; a failure after the first
-        byte ends the stream with an SSE error event and ``data: [DONE]``
-    pool.finish(worker)                               on every path (client gone too)
+The data plane (one client request from admission to its last byte) lives in
+``router.dataplane``; the ``Router`` owns one ``DataPlane`` and reconfigures it on
+reload.
 
 Endpoints::
 
@@ -46,44 +31,40 @@ tasks live in ``cleanup_ctx``; ``aclose()`` of the pool runs there.
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import json
 import logging
 import os
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
-from policies.base import Reason, RouteRequest
 from router import events as ev
 from router.auth import BearerAuth, TenantResolver, check_exposure
 from router.config import (
-    MISSING, Config, WorkerSpec, build_policy_from, default_worker_id, load_config,
+    MISSING, Config, WorkerSpec, build_policy_from, check_engine_fields, default_worker_id,
+    load_config,
     parse_worker_url, with_overrides, parse_section,
 )
-from router.errors import (
-    ConfigError, MalformedRequest, NoWorkerAvailable, NotFound, Overloaded, PayloadTooLarge,
-    RequestError,
+from router.dataplane import (
+    REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
 )
+from router.discovery import Discovery
+from router.errors import ConfigError, MalformedRequest, NotFound, Overloaded, RequestError
+from router.engines.manager import Engines
 from router.feedback import Feedback
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import Endpoint, request_key
-from router.proxy import UpstreamError, UpstreamPool, build_head
+from router.prefix_keys import Endpoint
+from router.proxy import UpstreamPool
 
 log = logging.getLogger("radixfleet.router")
 
-TENANT_HEADER = "x-radixfleet-tenant"
-WORKER_HEADER = "x-radixfleet-worker"
-REQUEST_ID_HEADER = "x-request-id"
+__all__ = ["Router", "RouterServer", "TENANT_HEADER", "WORKER_HEADER", "REQUEST_ID_HEADER"]
 
 _JSON = "application/json"
-_DONE = b"data: [DONE]\n\n"
 
 
 def json_error(status: int, message: str, etype: str, code: str,
@@ -101,128 +82,18 @@ def error_response(exc: RequestError, headers: dict | None = None) -> web.Respon
                         content_type=_JSON, headers=h)
 
 
-class Admission:
-    """A concurrency limit with a bounded FIFO queue.
-
-    ``active`` counts requests holding a slot (<= limit, except briefly after a
-    reload lowers the limit); ``_waiters`` holds futures of queued requests. A
-    released slot passes directly to the oldest live waiter, so ``active`` is
-    unchanged by the hand-over.
-    """
-
-    __slots__ = ("limit", "max_queue", "timeout_s", "retry_after_s", "active", "_waiters")
-
-    def __init__(self, limit: int, max_queue: int, timeout_s: float, retry_after_s: int) -> None:
-        self.limit = limit
-        self.max_queue = max_queue
-        self.timeout_s = timeout_s
-        self.retry_after_s = retry_after_s
-        self.active = 0
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
-
-    def try_enter(self) -> bool:
-        if self.active < self.limit and not self._waiters:
-            self.active += 1
-            return True
-        return False
-
-    async def enter(self) -> None:
-        """Waits for a slot. Raises ``Overloaded`` if the queue is full or the wait
-        times out; on cancellation nothing is held."""
-        if self.try_enter():
-            return
-        if len(self._waiters) >= self.max_queue:
-            raise Overloaded(f"router at capacity ({self.limit} in flight, "
-                             f"{len(self._waiters)} queued)", retry_after_s=self.retry_after_s)
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-            if fut.done() and not fut.cancelled():
-                self.leave()  # the slot arrived as we gave up: pass it on
-            else:
-                fut.cancel()
-                try:
-                    self._waiters.remove(fut)
-                except ValueError:
-                    pass
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise Overloaded(f"no slot within {self.timeout_s:g}s",
-                             retry_after_s=self.retry_after_s) from None
-
-    def leave(self) -> None:
-        w = self._waiters
-        while w:
-            f = w.popleft()
-            if not f.done():
-                if self.active <= self.limit:
-                    f.set_result(None)
-                    return
-                w.appendleft(f)
-                break
-        self.active -= 1
-
-    def check(self) -> None:
-        assert self.active >= 0, f"{self.active=}"
-
-
-class _UpstreamFailed(Exception):
-    """One attempt failed before the client saw a byte (retryable)."""
-
-    def __init__(self, cause: str, detail: str, status: int | None = None,
-                 body: bytes | None = None, headers: Any = None) -> None:
-        super().__init__(detail)
-        self.cause = cause  # connect | status | timeout | payload
-        self.status = status
-        self.body = body
-        self.headers = headers
-
-
-class AiohttpExchange:
-    """The data plane's exchange over an aiohttp request (see ``Router.serve``)."""
-
-    __slots__ = ("request", "headers", "result")
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.headers = request.headers  # case-insensitive
-        self.result: web.StreamResponse | None = None
-
-    async def body(self, limit: int) -> bytes:
-        request = self.request
-        cl = request.content_length
-        if cl is not None:
-            if cl > limit:
-                raise PayloadTooLarge(f"request body of {cl} bytes exceeds the limit of "
-                                      f"{limit} bytes")
-            return await request.read()
-        buf = bytearray()
-        async for chunk in request.content.iter_any():
-            buf += chunk
-            if len(buf) > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return bytes(buf)
-
-    def reply(self, status: int, body: bytes, content_type: str, extra) -> None:
-        h = {"Content-Type": content_type}
-        h.update(extra)
-        self.result = web.Response(body=body, status=status, headers=h)
-
-    async def stream_start(self, content_type: str, extra) -> None:
-        h = {"Content-Type": content_type}
-        h.update(extra)
-        sr = self.result = web.StreamResponse(status=200, headers=h)
-        await sr.prepare(self.request)
-
-    async def stream_write(self, data: bytes) -> None:
-        await self.result.write(data)
-
-    async def stream_end(self) -> None:
-        await self.result.write_eof()
-
-
+def config_file_version(path: str) -> tuple[int, int, int, int] | None:
+    """What the reload watcher compares: (device, inode, mtime ns, size) of the file
+    ``path`` resolves to, or None if it cannot be read. ``os.stat`` follows the
+    ConfigMap volume's symlinks (``router.yaml -> ..data/router.yaml``, ``..data ->
+    ..<timestamp>``), so the kubelet's atomic swap shows as a new inode even when
+    the new file's mtime equals the old one's (coarse timestamps, copies that keep
+    mtimes)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class Router:
@@ -246,17 +117,12 @@ class Router:
         check_exposure(cfg, self.admin_auth, self.agent_auth)
         self.tenants = TenantResolver(cfg.keys.tenant)
         self.pool = Pool(cfg, self.index)
+        self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
-        lim = cfg.limits
-        self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s,
-                                   lim.retry_after_s)
         self.session: aiohttp.ClientSession | None = None  # health checks, models, warm-ups
-        self.upstream: UpstreamPool | None = None  # the data plane's connections
-        self._addrs: dict[str, tuple[str, int, str]] = {}
-        self._rid_prefix = os.urandom(4).hex()
-        self._rid = itertools.count(1)
-        self._warmed: dict[tuple[str, int], float] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.dataplane = DataPlane(cfg, self.policy, self.tenants, self.pool, self.index,
+                                   self.metrics, self.engines, self._spawn)
         self._models_cache: tuple[float, dict] | None = None
         self._mtime = self._file_mtime()
         self._reload_lock = asyncio.Lock()
@@ -269,7 +135,7 @@ class Router:
         app = web.Application(client_max_size=2**62)
         r = app.router
         for e in Endpoint:
-            r.add_post(e.value, self._make_handler(e))
+            r.add_post(e.value, self.dataplane.aiohttp_handler(e))
         r.add_get("/v1/models", self._models)
         r.add_get("/health", self._health)
         r.add_get("/readiness", self._readiness)
@@ -295,19 +161,26 @@ class Router:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
             connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",))
-        self.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
+        dp = self.dataplane
+        dp.session = self.session
+        dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
+        self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
         try:
             await self.pool.start(self.session)
+            await self.engines.start(self.session)
+            await self.discovery.start()
             if self.cfg.path and self.cfg.reload.watch:
                 self._spawn(self._watch_config())
             yield
         finally:
+            await self.discovery.aclose()
+            await self.engines.aclose()
             await self.pool.aclose()
             tasks = list(self._tasks)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.upstream.aclose()
+            await dp.upstream.aclose()
             await self.session.close()
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -320,294 +193,19 @@ class Router:
         """Stops background work (the app's cleanup does this too). Idempotent."""
         await self.pool.aclose()
 
-    # ------------------------------------------------------------- data plane
-    #
-    # The data plane is written against an *exchange* (one request/response): the
-    # raw HTTP/1.1 front (router.proxy.FrontServer, what ``radixfleet router``
-    # listens with) and the aiohttp app (``AiohttpExchange``; tests and embedding)
-    # both provide one. An exchange has ``headers`` (lower-case names),
-    # ``await body(limit)``, ``reply(status, body, content_type, extra)``,
-    # ``await stream_start(content_type, extra)``, ``await stream_write(data)``,
-    # ``await stream_end()`` and ``result`` (what an aiohttp handler returns).
+    @property
+    def admission(self):
+        """The data plane's admission control (``router.dataplane.Admission``)."""
+        return self.dataplane.admission
 
-    def _make_handler(self, endpoint: Endpoint):
-        async def handler(request: web.Request) -> web.StreamResponse:
-            ex = AiohttpExchange(request)
-            await self.serve(ex, endpoint)
-            return ex.result
-        handler.__name__ = f"proxy_{endpoint.name.lower()}"
-        return handler
-
-    def _reject(self, ex, exc: RequestError, rid: str) -> None:
-        self.metrics.rejected.labels(str(exc.status), exc.code).inc()
-        extra = [(REQUEST_ID_HEADER, rid)]
-        if isinstance(exc, Overloaded):
-            extra.append(("Retry-After", str(max(1, round(exc.retry_after_s)))))
-        ex.reply(exc.status, json.dumps(exc.to_json()).encode(), _JSON, extra)
+    @property
+    def upstream(self) -> UpstreamPool | None:
+        """The data plane's upstream connection pool (set while the app runs)."""
+        return self.dataplane.upstream
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body of an aiohttp request, within ``limits.max_body_bytes``."""
         return await AiohttpExchange(request).body(self.cfg.limits.max_body_bytes)
-
-    async def serve(self, ex, endpoint: Endpoint) -> None:
-        """Serves one data-plane request on exchange ``ex``. Never raises for bad
-        input (it becomes a JSON error reply); cancellation (client gone) propagates
-        after every resource is released."""
-        t0 = time.monotonic()
-        headers = ex.headers
-        rid = headers.get(REQUEST_ID_HEADER) or f"{self._rid_prefix}-{next(self._rid)}"
-        adm = self.admission
-        if not adm.try_enter():
-            try:
-                await adm.enter()
-            except Overloaded as exc:
-                self._reject(ex, exc, rid)
-                return
-        try:
-            try:
-                raw = await ex.body(self.cfg.limits.max_body_bytes)
-                try:
-                    body = json.loads(raw)
-                except UnicodeDecodeError as exc:
-                    raise MalformedRequest(f"request body is not valid UTF-8: {exc.reason} "
-                                           f"at byte {exc.start}") from None
-                except ValueError as exc:
-                    raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
-                tenant = self.tenants.tenant(headers)
-                key = request_key(endpoint, body, tenant=tenant,
-                                  block_bytes=self.cfg.keys.block_bytes)
-                stream = body.get("stream", False)
-                if stream is not True and stream is not False:
-                    raise MalformedRequest("'stream' must be a boolean", param="stream")
-                session = headers.get("x-session-id")
-                if session is None:
-                    user = body.get("user")
-                    session = user if isinstance(user, str) else None
-            except RequestError as exc:
-                self._reject(ex, exc, rid)
-                return
-            await self._route_and_forward(ex, endpoint, raw, body, key, stream, session,
-                                          rid, t0)
-        finally:
-            adm.leave()
-
-    async def _route_and_forward(self, ex, endpoint, raw, body, key, stream, session,
-                                 rid, t0) -> None:
-        pool = self.pool
-        now = time.monotonic()
-        views = pool.views(now)
-        if not views:
-            self._reject(ex, NoWorkerAvailable(
-                f"no healthy worker available ({len(pool)} known)"), rid)
-            return
-        index = self.index
-        match = index.match(key.hashes, now)
-        req = RouteRequest(key.hashes, key.prompt_tokens, key.block_tokens, session,
-                           key.model, len(key.data))
-        d = self.policy.choose(req, match, views, now)
-        w = pool.get(d.worker)
-        if w is None:  # a policy bug: never route into the void
-            raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
-        if key.hashes:
-            index.insert(w.id, key.hashes, now)
-        # Uncached prompt tokens are the prefill work this request adds (policies.base).
-        prompt_tokens = key.prompt_tokens
-        tokens = max(0, prompt_tokens - d.matched_blocks * key.block_tokens)
-        pool.pick(w, tokens)
-        if d.warm and self.cfg.warmup.enabled:
-            self._schedule_warmups(d.warm, endpoint, body, key, match.depth, now)
-        fwd = (b"x-radixfleet-tenant: " + key.tenant.encode("utf-8", "surrogateescape")
-               + b"\r\nx-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
-        reason = d.reason.value
-        tried: list[str] = []
-        retries = self.cfg.retries
-        attempt = 0
-        last: _UpstreamFailed | None = None
-        while True:
-            attempt += 1
-            tried.append(w.id)
-            try:
-                await self._attempt(ex, w, endpoint, raw, fwd, stream, tokens, rid, reason, t0)
-                return
-            except _UpstreamFailed as exc:
-                last = exc
-                self.metrics.request_done(w.id, exc.status or 502, reason)
-                log.info("request %s: worker %s failed (%s: %s), attempt %d/%d", rid, w.id,
-                         exc.cause, exc, attempt, retries.max_attempts)
-            if attempt >= retries.max_attempts or \
-                    time.monotonic() - t0 >= self.cfg.timeouts.total_s:
-                break
-            delay = min(retries.backoff_s * (2 ** (attempt - 1)), retries.backoff_max_s)
-            if delay:
-                await asyncio.sleep(delay)
-            now = time.monotonic()
-            views = [v for v in pool.views(now) if v.id not in tried]
-            if not views:
-                break
-            d = self.policy.choose(req, index.match(key.hashes, now, count=False), views, now)
-            w = pool.get(d.worker)
-            if w is None:
-                break
-            if key.hashes:
-                index.insert(w.id, key.hashes, now)
-            tokens = max(0, prompt_tokens - d.matched_blocks * key.block_tokens)
-            pool.pick(w, tokens)
-            reason = Reason.FALLBACK.value
-            self.metrics.retries.labels(last.cause).inc()
-        # Every attempt failed before the client saw anything.
-        if last.status is not None and last.body is not None:
-            # the last worker's own error answer, passed through
-            ex.reply(last.status, last.body, last.headers.get("content-type", _JSON),
-                     [(WORKER_HEADER, tried[-1]), (REQUEST_ID_HEADER, rid)])
-            return
-        status, code = ((504, "upstream_timeout") if last.cause == "timeout"
-                        else (502, "bad_gateway"))
-        self.metrics.rejected.labels(str(status), code).inc()
-        err = {"error": {"message": f"{len(tried)} attempt(s) failed (workers "
-                         f"{', '.join(tried)}); last: {last}", "type": "upstream_error",
-                         "code": code, "param": None}}
-        ex.reply(status, json.dumps(err).encode(), _JSON, [(REQUEST_ID_HEADER, rid)])
-
-    async def _attempt(self, ex, w, endpoint, raw, fwd, stream, tokens, rid, reason,
-                       t0) -> None:
-        """One try on worker ``w`` (its load already counted). Releases the load on
-        every path. Raises ``_UpstreamFailed`` if it failed before the client saw a
-        byte; after that, failures end the stream with an SSE error event."""
-        pool = self.pool
-        m = self.metrics
-        left = tokens  # tokens still counted on w
-        ok: bool | None = None
-        host, port, hostport = self._addr(w.url)
-        t = self.cfg.timeouts
-        head = build_head(endpoint.value, hostport, len(raw), fwd)
-        resp = None
-        try:
-            try:
-                resp = await self.upstream.request(
-                    host, port, head, raw, read_timeout_s=t.first_byte_s,
-                    total_timeout_s=t.total_s - (time.monotonic() - t0))
-                status = resp.status
-                if status >= 500:
-                    body = await resp.read()
-                    ok = False
-                    raise _UpstreamFailed("status", f"worker {w.id} answered {status}",
-                                          status, body, resp.headers)
-                if not stream or status != 200:
-                    data = await resp.read()
-                    ok = True
-                    ex.reply(status, data, resp.headers.get("content-type", _JSON),
-                             [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, rid)])
-                    m.request_done(w.id, status, reason)
-                    m.observe_latency(time.monotonic() - t0)
-                    return
-                first = await resp.readany()
-                pool.prefilled(w, left)
-                left = 0
-                m.observe_ttfb(time.monotonic() - t0)
-                await ex.stream_start(resp.headers.get("content-type", "text/event-stream"),
-                                      [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id),
-                                       (REQUEST_ID_HEADER, rid)])
-                # From here on the client has bytes: never retry.
-                try:
-                    if first:
-                        await ex.stream_write(first)
-                    while True:
-                        try:
-                            chunk = await resp.readany()
-                        except UpstreamError as exc:
-                            ok = False
-                            log.warning("request %s: worker %s failed mid-stream: %s", rid,
-                                        w.id, exc)
-                            m.request_done(w.id, 502, reason)
-                            err = {"error": {"message": f"worker {w.id} failed mid-stream: "
-                                             f"{exc}", "type": "upstream_error",
-                                             "code": "upstream_failed", "param": None}}
-                            await ex.stream_write(b"data: " + json.dumps(err).encode()
-                                                  + b"\n\n" + _DONE)
-                            await ex.stream_end()
-                            return
-                        if not chunk:
-                            break
-                        await ex.stream_write(chunk)
-                    await ex.stream_end()
-                except (ConnectionResetError, aiohttp.ClientConnectionError):
-                    return  # the client went away (ok stays None: not the worker's fault)
-                ok = True
-                m.request_done(w.id, 200, reason)
-                m.observe_latency(time.monotonic() - t0)
-            except UpstreamError as exc:
-                ok = False
-                if exc.cause == "connect":
-                    pool.check_soon(w)
-                raise _UpstreamFailed(exc.cause, f"worker {w.id}: {exc}") from None
-        finally:
-            if resp is not None:
-                resp.release()
-            pool.finish(w, left, ok)
-
-    def _addr(self, url: str) -> tuple[str, int, str]:
-        a = self._addrs.get(url)
-        if a is None:
-            parts = urlsplit(url)
-            port = parts.port or 80
-            a = self._addrs[url] = (parts.hostname, port, parts.netloc)
-        return a
-
-    # -------------------------------------------------------------- warm-ups
-
-    def _schedule_warmups(self, workers, endpoint, body, key, depth, now) -> None:
-        bb = key.block_bytes
-        blocks = min(depth, len(key.hashes))
-        if blocks <= 0:
-            return
-        h = key.hashes[blocks - 1]
-        prompt: Any
-        p = body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None
-        if isinstance(p, list) and p and type(p[0]) is int:
-            prompt = p[: blocks * key.block_tokens]
-        else:
-            try:
-                prompt = key.data[: blocks * bb].decode("utf-8")
-            except UnicodeDecodeError:
-                log.debug("warm-up skipped: prefix cut inside a UTF-8 sequence")
-                return
-        interval = self.cfg.warmup.min_interval_s
-        payload = None
-        for wid in workers:
-            last = self._warmed.get((wid, h))
-            if last is not None and now - last < interval:
-                continue
-            w = self.pool.get(wid)
-            if w is None:
-                continue
-            self._warmed[(wid, h)] = now
-            if payload is None:
-                payload = json.dumps({"model": key.model, "prompt": prompt, "max_tokens": 1,
-                                      "stream": False}).encode()
-            self._spawn(self._warmup(w, payload, key.tenant))
-        if len(self._warmed) > 4096:
-            cutoff = now - interval
-            self._warmed = {k: t for k, t in self._warmed.items() if t >= cutoff}
-
-    async def _warmup(self, w, payload: bytes, tenant: str) -> None:
-        headers = {"Content-Type": _JSON, TENANT_HEADER: tenant,
-                   REQUEST_ID_HEADER: f"{self._rid_prefix}-warm-{next(self._rid)}"}
-        status = "error"
-        try:
-            async with self.session.post(
-                w.url + Endpoint.COMPLETIONS.value, data=payload, headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.cfg.warmup.timeout_s),
-            ) as resp:
-                await resp.read()
-                status = "ok" if resp.status < 400 else "error"
-        except asyncio.CancelledError:
-            raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            log.debug("warm-up of %s failed: %r", w.id, exc)
-        self.metrics.warmups.labels(status).inc()
-
-    # ------------------------------------------------------------ small GETs
-
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -619,7 +217,9 @@ class Router:
         return web.json_response(body, status=200 if healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        self.metrics.refresh(self.pool, self.index, time.monotonic(), self.cfg.index.hot_k)
+        now = time.monotonic()
+        self.metrics.refresh(self.pool, self.index, now, self.cfg.index.hot_k)
+        self.engines.refresh(now)
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
 
@@ -703,11 +303,13 @@ class Router:
             if not spec.url:
                 raise ConfigError("worker.url", "required: the worker's base URL")
             url = parse_worker_url(spec.url, "worker.url")
+            check_engine_fields(spec, "worker")
         except ConfigError as exc:
             raise MalformedRequest(str(exc)) from None
         wid = spec.id or default_worker_id(url)
         try:
-            w = self.pool.add(wid, url, Source.ADMIN, spec.weight, spec.prefill_tokens_per_s)
+            w = self.pool.add(wid, url, Source.ADMIN, spec.weight, spec.prefill_tokens_per_s,
+                              spec)
         except ValueError as exc:
             return json_error(409, str(exc), "invalid_request_error", "conflict")
         return web.json_response({"status": "ok", "worker": w.describe(time.monotonic())},
@@ -800,13 +402,10 @@ class Router:
 
     # ---------------------------------------------------------------- reload
 
-    def _file_mtime(self) -> float | None:
+    def _file_mtime(self) -> tuple[int, int, int, int] | None:
         if not self.cfg.path:
             return None
-        try:
-            return os.stat(self.cfg.path).st_mtime_ns
-        except OSError:
-            return None
+        return config_file_version(self.cfg.path)
 
     async def _watch_config(self) -> None:
         while True:
@@ -856,12 +455,8 @@ class Router:
             self.tenants = tenants
             self.admin_auth, self.agent_auth = admin, agent
             self.index.max_bytes = new.index.max_bytes
-            lim = new.limits
-            a = self.admission
-            a.limit, a.max_queue = lim.max_concurrency, lim.max_queue
-            a.timeout_s, a.retry_after_s = lim.queue_timeout_s, lim.retry_after_s
-            if self.upstream is not None:
-                self.upstream.connect_timeout_s = new.timeouts.connect_s
+            self.dataplane.configure(new, policy, tenants)
+            self.engines.configure(new)
             added, removed = self.pool.sync_config(new.workers)
             self.metrics.reloads.inc()
             log.info("config reloaded from %s: %s (added %s, removed %s)", path,
@@ -906,7 +501,7 @@ class RouterServer:
         return self.port
 
     def _route(self, endpoint: Endpoint):
-        serve = self.router.serve
+        serve = self.router.dataplane.serve
 
         async def handler(ex) -> None:
             await serve(ex, endpoint)

@@ -8,7 +8,12 @@ documents each key)::
 
     listen:   {host: 127.0.0.1, port: 8000}
     workers:  [{url: http://10.0.0.1:30000 (plain http), id: <host:port>, weight: 1.0,
-                prefill_tokens_per_s: 10000.0}, ...]
+                prefill_tokens_per_s: 10000.0, kind: auto|agent|vllm|sglang|openai,
+                model: "", tokenizer: <folder or cached repo id>, block_size: 0,
+                kv_capacity_tokens: 0,
+                events: {endpoint: "", mode: auto|bind|connect, replay_endpoint: "",
+                         topic: kv-events},
+                metrics: {path: /metrics, interval_s: 1.0, timeout_s: 1.0}}, ...]
     keys:     {block_bytes: 128,
                tenant: {source: none|api_key|header, default: "", header: x-tenant-id,
                         require_key: true,
@@ -32,6 +37,19 @@ documents each key)::
     autoscale: {target_utilization: 0.6, holder_max_rate: 50.0, hot_min_rate: 1.0,
                 queue_drain_s: 10.0, kv_target: 0.85, output_tokens: 256, startup_s: 30.0,
                 half_life_s: 10.0, hot_k: 16, min_workers: 1, max_workers: 1024}
+
+``workers`` may also be a mapping, ``{static: [<the list above>], discovery: {...}}``;
+``workers.discovery`` finds workers in Kubernetes (EndpointSlices) or DNS
+(``router.discovery``)::
+
+    discovery: {max_workers: 4096, backoff_s: 1.0, backoff_max_s: 30.0,
+                kubernetes: {api_server: "", token_file: <service account token>,
+                             namespace: "", watch_timeout_s: 300, page_size: 500,
+                             selectors: [{label_selector: app=vllm, port_name: http,
+                                          kind: vllm, namespace: ""}, ...]},
+                dns: {nameserver: "", interval_s: 5.0, timeout_s: 2.0,
+                      services: [{name: vllm.ns.svc.cluster.local, port: 8000,
+                                  kind: vllm}, ...]}}
 
 Validation errors name the dotted path, what was expected and, for names, the
 valid ones::
@@ -103,13 +121,51 @@ class ListenConfig:
     port: int = _opt(8000, "TCP port", lo=0, hi=65535)
 
 
+#: What a worker is (contract 7). ``auto``: probe it (router.engines.kinds).
+WORKER_KINDS = ("auto", "agent", "vllm", "sglang", "openai")
+#: How the router's ZMQ SUB socket meets the engine's PUB socket.
+EVENT_MODES = ("auto", "bind", "connect")
+
+
+@dataclass(frozen=True, slots=True)
+class EventsSpec:
+    endpoint: str = _opt("", "the engine's own KV-events endpoint, as given to it "
+                         "(vLLM --kv-events-config endpoint: tcp://*:5557, tcp://HOST:PORT "
+                         "or ipc://PATH); empty: the engine sends none")
+    mode: str = _opt("auto", "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
+                     "endpoint (the router connects, to the worker's host for a wildcard) and "
+                     "connects to a concrete tcp://HOST:PORT (the router binds it); bind or "
+                     "connect force the router's side", choices=EVENT_MODES)
+    replay_endpoint: str = _opt("", "the engine's replay endpoint (missed batches by "
+                                "sequence number); empty: none")
+    topic: str = _opt("kv-events", "ZMQ topic the engine publishes under")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineScrapeSpec:
+    path: str = _opt("/metrics", "Prometheus page of the engine; empty: do not scrape")
+    interval_s: float = _opt(1.0, "seconds between scrapes", lo=0.05)
+    timeout_s: float = _opt(1.0, "scrape timeout", lo=0, lo_open=True)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     url: str = _opt("", "base URL of the worker, http://host:port")
     id: str = _opt("", "worker id (default: host:port of url)")
     weight: float = _opt(1.0, "relative capacity weight", lo=0, lo_open=True)
     prefill_tokens_per_s: float = _opt(
-        10_000.0, "prefill throughput used until the agent reports its own", lo=0, lo_open=True)
+        10_000.0, "prefill throughput assumed until measured or reported", lo=0, lo_open=True)
+    kind: str = _opt("auto", "agent, vllm, sglang or openai; auto: probe the worker",
+                     choices=WORKER_KINDS)
+    model: str = _opt("", "the model it serves (default: from its /v1/models)")
+    tokenizer: str = _opt("", "the engine's tokenizer and chat template: a local folder or "
+                          "a repo id in the local Hugging Face cache (exact token keys)")
+    block_size: int = _opt(0, "the engine's KV block size in tokens (0: from its metrics or "
+                           "events)", lo=0)
+    kv_capacity_tokens: int = _opt(0, "the engine's KV capacity in tokens for the approximate "
+                                   "index (0: from its metrics)", lo=0)
+    events: EventsSpec = _section(EventsSpec, "the engine's KV-cache events")
+    metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engine's load")
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +277,62 @@ class ReloadConfig:
     poll_interval_s: float = _opt(1.0, "mtime poll interval", lo=0, lo_open=True)
 
 
+#: engine kinds a discovered worker may have (DESIGN.md contract 7)
+WORKER_KINDS = ("agent", "vllm", "sglang", "openai")
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+@dataclass(frozen=True, slots=True)
+class K8sSelectorSpec:
+    label_selector: str = _opt("", "EndpointSlice label selector (slices carry their "
+                               "Service's labels and kubernetes.io/service-name)")
+    port_name: str = _opt("", "the slice port workers listen on, by name (\"\": the only port)")
+    kind: str = _opt("agent", "engine kind of these workers", choices=WORKER_KINDS)
+    namespace: str = _opt("", "namespace (\"\": kubernetes.namespace)")
+
+
+@dataclass(frozen=True, slots=True)
+class K8sDiscoveryConfig:
+    api_server: str = _opt("", "API server URL (\"\": in-cluster, from KUBERNETES_SERVICE_HOST "
+                           "and the service account)")
+    token_file: str = _opt(f"{SERVICE_ACCOUNT_DIR}/token", "bearer token file, with api_server")
+    namespace: str = _opt("", "namespace of the selectors (\"\": the router pod's own)")
+    watch_timeout_s: float = _opt(300.0, "server-side timeout of one watch (it then resumes "
+                                  "from its resourceVersion)", lo=1)
+    page_size: int = _opt(500, "list page size (limit/continue)", lo=1)
+    selectors: tuple[K8sSelectorSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DnsServiceSpec:
+    name: str = _opt("", "DNS name of a headless Service: its A/AAAA records are the workers")
+    port: int = _opt(0, "the workers' port", lo=0, hi=65535)
+    kind: str = _opt("agent", "engine kind of these workers", choices=WORKER_KINDS)
+
+
+@dataclass(frozen=True, slots=True)
+class DnsDiscoveryConfig:
+    nameserver: str = _opt("", "resolver host or host:port (\"\": /etc/resolv.conf)")
+    interval_s: float = _opt(5.0, "re-resolve interval", lo=0, lo_open=True)
+    timeout_s: float = _opt(2.0, "timeout of one resolution", lo=0, lo_open=True)
+    services: tuple[DnsServiceSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    max_workers: int = _opt(4096, "most discovered workers kept (more: logged, counted, cut)",
+                            lo=1)
+    backoff_s: float = _opt(1.0, "first retry delay of a failing source, doubled per failure",
+                            lo=0, lo_open=True)
+    backoff_max_s: float = _opt(30.0, "largest retry delay of a failing source", lo=0,
+                                lo_open=True)
+    kubernetes: K8sDiscoveryConfig = _section(K8sDiscoveryConfig, "Kubernetes EndpointSlices")
+    dns: DnsDiscoveryConfig = _section(DnsDiscoveryConfig, "DNS A/AAAA records")
+
+    def enabled(self) -> bool:
+        return bool(self.kubernetes.selectors or self.dns.services)
+
+
 @dataclass(frozen=True, slots=True)
 class TrafficLogConfig:
     enabled: bool = _opt(False, "write one JSON line per routed request (router.traffic_log)")
@@ -281,6 +393,8 @@ class Config:
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
     path: str = ""
+    #: ``workers.discovery`` in the YAML (not a top-level key); read at start
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def summary(self) -> str:
         t = self.keys.tenant
@@ -334,7 +448,7 @@ def _parse(cls: type, raw: Any, path: str, special: Mapping[str, Any] | None = N
     parsers ``(raw, path) -> value`` for fields that are not scalars or sections."""
     raw = _mapping(raw, path)
     fields = {f.name: f for f in dataclasses.fields(cls)
-              if not (cls is Config and f.name == "path")}  # Config.path: not a YAML key
+              if not (cls is Config and f.name in ("path", "discovery"))}  # not YAML keys
     values: dict[str, Any] = {}
     for key, value in raw.items():
         f = fields.get(key)
@@ -384,6 +498,75 @@ def parse_worker_url(url: str, path: str) -> str:
     return url.rstrip("/")
 
 
+def check_events_endpoint(endpoint: str, path: str) -> str:
+    """Validates a ZMQ endpoint: ``tcp://HOST:PORT`` (HOST may be ``*``) or ``ipc://PATH``."""
+    if endpoint.startswith("ipc://"):
+        if len(endpoint) <= len("ipc://"):
+            raise ConfigError(path, f"expected ipc://PATH, got {endpoint!r}")
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if sep and host and port.isdigit() and 0 < int(port) < 65536:
+            return endpoint
+    raise ConfigError(path, f"expected tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+
+
+def check_tokenizer_source(source: str, path: str) -> None:
+    """A tokenizer must be loadable without a download: a folder holding one, or a
+    repo id already in the local Hugging Face cache. Raises ``ConfigError``."""
+    folder = os.path.expanduser(source)
+    if os.path.isdir(folder):
+        try:
+            names = set(os.listdir(folder))
+        except OSError as exc:
+            raise ConfigError(path, f"tokenizer folder {source!r} is not readable: "
+                              f"{exc.strerror or exc}") from None
+        if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}:
+            raise ConfigError(path, f"{source!r} holds no tokenizer (tokenizer.json or "
+                              "tokenizer_config.json)")
+        return
+    if os.path.exists(folder):
+        raise ConfigError(path, f"tokenizer {source!r} is not a folder")
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise ConfigError(path, f"tokenizer folder {source!r} does not exist")
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        try:
+            hit = try_to_load_from_cache(source, name)
+        except ValueError:  # not a valid repo id
+            hit = None
+        if isinstance(hit, str):
+            return
+    raise ConfigError(path, f"{source!r} is neither a folder nor a repo in the local Hugging "
+                      "Face cache (nothing is downloaded at run time)")
+
+
+def check_engine_fields(spec: "WorkerSpec", path: str) -> None:
+    """Cross-field rules of a worker's engine settings. Raises ``ConfigError``."""
+    ev = spec.events
+    if ev.endpoint:
+        if spec.kind == "agent":
+            raise ConfigError(f"{path}.events.endpoint", "agents push their events to the "
+                              "router over HTTP; events.endpoint is for vllm/sglang engines")
+        check_events_endpoint(ev.endpoint, f"{path}.events.endpoint")
+        if not spec.tokenizer:
+            raise ConfigError(f"{path}.tokenizer", "required with events.endpoint: the "
+                              "events name token blocks, so requests must be keyed with the "
+                              "engine's own tokenizer")
+    if ev.replay_endpoint:
+        if not ev.endpoint:
+            raise ConfigError(f"{path}.events.replay_endpoint", "needs events.endpoint")
+        check_events_endpoint(ev.replay_endpoint, f"{path}.events.replay_endpoint")
+    if spec.tokenizer:
+        if spec.kind == "agent":
+            raise ConfigError(f"{path}.tokenizer", "agents are keyed on routing bytes "
+                              "(keys.block_bytes); a tokenizer is for vllm/sglang engines")
+        check_tokenizer_source(spec.tokenizer, f"{path}.tokenizer")
+    if spec.block_size and spec.tokenizer == "":
+        raise ConfigError(f"{path}.block_size", "only used with a tokenizer (token keys)")
+
+
 def default_worker_id(url: str) -> str:
     return urlsplit(url).netloc
 
@@ -400,6 +583,7 @@ def _workers(raw: Any, path: str) -> tuple[WorkerSpec, ...]:
         if not spec.url:
             raise ConfigError(f"{p}.url", "required: the worker's base URL")
         url = parse_worker_url(spec.url, f"{p}.url")
+        check_engine_fields(spec, p)
         wid = spec.id or default_worker_id(url)
         if wid in ids:
             raise ConfigError(f"{p}.id", f"duplicate worker id {wid!r} (also workers[{ids[wid]}])")
@@ -451,6 +635,70 @@ def _policy(cls: type, raw: Any, path: str) -> PolicyConfig:
     return pc
 
 
+def _selectors(raw: Any, path: str) -> tuple[K8sSelectorSpec, ...]:
+    out = []
+    for i, item in enumerate(_list(raw, path)):
+        p = f"{path}[{i}]"
+        spec = _parse(K8sSelectorSpec, item, p)
+        if not spec.label_selector:
+            # an empty selector would take every slice, the router's own Service's too
+            raise ConfigError(f"{p}.label_selector", "required: a non-empty label selector")
+        out.append(spec)
+    return tuple(out)
+
+
+def _kubernetes(cls: type, raw: Any, path: str) -> K8sDiscoveryConfig:
+    k = _parse(K8sDiscoveryConfig, raw, path, {"selectors": _selectors})
+    if k.api_server:
+        parts = urlsplit(k.api_server)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{path}.api_server",
+                              f"expected an http(s):// URL with a host, got {k.api_server!r}")
+    return k
+
+
+def _dns_services(raw: Any, path: str) -> tuple[DnsServiceSpec, ...]:
+    out = []
+    for i, item in enumerate(_list(raw, path)):
+        p = f"{path}[{i}]"
+        spec = _parse(DnsServiceSpec, item, p)
+        if not spec.name:
+            raise ConfigError(f"{p}.name", "required: the headless Service's DNS name")
+        if not spec.port:
+            raise ConfigError(f"{p}.port", "required: the workers' port (1-65535)")
+        out.append(spec)
+    return tuple(out)
+
+
+def _dns(cls: type, raw: Any, path: str) -> DnsDiscoveryConfig:
+    return _parse(DnsDiscoveryConfig, raw, path, {"services": _dns_services})
+
+
+def _discovery(cls: type, raw: Any, path: str) -> DiscoveryConfig:
+    d = _parse(DiscoveryConfig, raw, path)
+    if d.backoff_max_s < d.backoff_s:
+        raise ConfigError(f"{path}.backoff_max_s",
+                          f"expected a number >= {path}.backoff_s ({d.backoff_s})")
+    return d
+
+
+def _workers_section(raw: Any, path: str) -> tuple[tuple[WorkerSpec, ...], DiscoveryConfig]:
+    """``workers``: the list of static workers, or ``{static: [...], discovery: {...}}``."""
+    if not isinstance(raw, Mapping):
+        return _workers(raw, path), DiscoveryConfig()
+    raw = _mapping(raw, path)
+    for k in raw:
+        if k not in ("static", "discovery"):
+            raise ConfigError(_join(path, k), "unknown key; valid: discovery, static "
+                              "(or give workers as a list)")
+    static = _workers(raw["static"], f"{path}.static") if "static" in raw else ()
+    disc = (_discovery(DiscoveryConfig, raw["discovery"], f"{path}.discovery")
+            if "discovery" in raw else DiscoveryConfig())
+    return static, disc
+
+
+
+
 def _traffic_log(cls: type, raw: Any, path: str) -> TrafficLogConfig:
     t = _parse(TrafficLogConfig, raw, path)
     if not t.dir:
@@ -471,6 +719,7 @@ def _autoscale(cls: type, raw: Any, path: str) -> AutoscaleConfig:
 
 
 _SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _policy,
+                    K8sDiscoveryConfig: _kubernetes, DnsDiscoveryConfig: _dns,
                     TrafficLogConfig: _traffic_log, AutoscaleConfig: _autoscale}
 
 
@@ -485,11 +734,17 @@ def parse_config(raw: Any, path: str = "") -> Config:
     """Validates a parsed YAML document. Raises ``ConfigError`` naming the field."""
     if raw is None:
         raw = {}
-    cfg = _parse(Config, raw, "", {"workers": _workers})
+    discovery = [DiscoveryConfig()]
+
+    def workers(value: Any, p: str) -> tuple[WorkerSpec, ...]:
+        static, discovery[0] = _workers_section(value, p)
+        return static
+
+    cfg = _parse(Config, raw, "", {"workers": workers})
     if cfg.retries.backoff_max_s < cfg.retries.backoff_s:
         raise ConfigError("retries.backoff_max_s",
                           f"expected a number >= retries.backoff_s ({cfg.retries.backoff_s})")
-    return dataclasses.replace(cfg, path=path)
+    return dataclasses.replace(cfg, path=path, discovery=discovery[0])
 
 
 def load_config(path: str) -> Config:

@@ -3,6 +3,14 @@
     radixfleet router --config FILE [--host H] [--port P]
     radixfleet router --worker URL [--worker URL ...] [--policy NAME] [--port P] [--host H]
 
+A ``--worker`` is a base URL, ``KIND=URL`` (``vllm=http://10.0.0.5:8000``), or
+comma-separated ``key=value`` settings of a YAML worker entry::
+
+    --worker url=http://10.0.0.5:8000,kind=vllm,tokenizer=/models/llama,events=tcp://10.0.0.5:5557
+
+(keys: url, id, kind, model, tokenizer, block_size, kv_capacity_tokens, events,
+replay_endpoint, events_mode, weight).
+
 The quick start without a file builds the same validated ``Config`` (errors name
 the field: ``workers[0].url: ...``). ``--host``/``--port`` override the file and
 keep overriding it across reloads. Signals: SIGTERM/SIGINT stop accepting, let
@@ -26,14 +34,55 @@ log = logging.getLogger("radixfleet.router")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="router YAML file (deploy/README.md)")
-    parser.add_argument("--worker", metavar="URL", action="append", default=[],
-                        help="a worker base URL (repeatable; quick start without --config)")
+    parser.add_argument("--worker", metavar="[KIND=]URL|k=v,...", action="append", default=[],
+                        help="a worker: URL, KIND=URL (agent, vllm, sglang, openai) or "
+                             "url=..,kind=..,tokenizer=..,events=tcp://.. (repeatable; "
+                             "quick start without --config)")
     parser.add_argument("--policy", metavar="NAME", default=MISSING,
                         help="routing policy (quick start; default prefix_load)")
     parser.add_argument("--host", default=MISSING, help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=MISSING, help="listen port (default 8000)")
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+_INT_KEYS = ("block_size", "kv_capacity_tokens")
+_EVENT_KEYS = {"events": "endpoint", "replay_endpoint": "replay_endpoint",
+               "events_mode": "mode", "topic": "topic"}
+_PLAIN_KEYS = ("url", "id", "kind", "model", "tokenizer")
+
+
+def worker_entry(text: str, where: str) -> dict:
+    """A YAML worker entry from one ``--worker`` value (module docstring)."""
+    if "," not in text and not text.startswith("url="):
+        kind, sep, url = text.partition("=")
+        if sep and "://" not in kind:
+            return {"url": url, "kind": kind}
+        return {"url": text}
+    entry: dict = {}
+    for item in text.split(","):
+        k, sep, v = item.partition("=")
+        k = k.strip()
+        if not sep or not k:
+            raise ConfigError(where, f"expected key=value, got {item!r}")
+        if k in _INT_KEYS:
+            try:
+                entry[k] = int(v)
+            except ValueError:
+                raise ConfigError(f"{where}.{k}", f"expected an integer, got {v!r}") from None
+        elif k == "weight":
+            try:
+                entry[k] = float(v)
+            except ValueError:
+                raise ConfigError(f"{where}.{k}", f"expected a number, got {v!r}") from None
+        elif k in _EVENT_KEYS:
+            entry.setdefault("events", {})[_EVENT_KEYS[k]] = v
+        elif k in _PLAIN_KEYS:
+            entry[k] = v
+        else:
+            valid = ", ".join(sorted((*_PLAIN_KEYS, *_INT_KEYS, *_EVENT_KEYS, "weight")))
+            raise ConfigError(f"{where}.{k}", f"unknown key; valid: {valid}")
+    return entry
 
 
 def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
@@ -51,7 +100,8 @@ def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
                               "--config; list workers and the policy in the file")
         cfg = load_config(args.config)
     else:
-        raw: dict = {"workers": [{"url": u} for u in args.worker]}
+        raw: dict = {"workers": [worker_entry(w, f"--worker[{i}]")
+                                 for i, w in enumerate(args.worker)]}
         if args.policy is not MISSING:
             raw["policy"] = {"name": args.policy}
         cfg = parse_config(raw)

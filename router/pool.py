@@ -1,7 +1,7 @@
 """The worker pool: who can be routed to, and how loaded each worker is right now.
 
-Workers come from three sources (``Source``): the YAML file, the admin API and
-agents that register themselves. Per worker the pool keeps::
+Workers come from four sources (``Source``): the YAML file, the admin API,
+agents that register themselves and discovery (``router.discovery``). Per worker the pool keeps::
 
     health      HealthState: UNKNOWN -> HEALTHY <-> UNHEALTHY, from GET <url><path>
     breaker     Breaker: CLOSED -> OPEN (after N request failures in a row)
@@ -52,6 +52,7 @@ class Source(str, enum.Enum):
     CONFIG = "config"  # listed in the YAML file (a reload may remove it)
     ADMIN = "admin"  # added with POST /admin/workers
     AGENT = "agent"  # registered itself (POST /internal/v1/register)
+    DISCOVERY = "discovery"  # found by router.discovery (Kubernetes, DNS); it removes it
 
 
 class HealthState(str, enum.Enum):
@@ -79,11 +80,11 @@ class Worker:
         "breaker", "breaker_fails", "open_until", "trial",
         "draining", "in_flight", "in_flight_tokens",
         "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
-        "block_bytes",
+        "block_bytes", "spec", "engine",
     )
 
     def __init__(self, wid: str, url: str, source: Source, weight: float = 1.0,
-                 prefill_tokens_per_s: float = 10_000.0) -> None:
+                 prefill_tokens_per_s: float = 10_000.0, spec: WorkerSpec | None = None) -> None:
         self.id = wid
         self.url = url  # base URL without trailing slash
         self.source = source
@@ -108,6 +109,8 @@ class Worker:
         self.removed = False  # no longer in the pool (requests may still hold it)
         self._view: WorkerView | None = None  # cache; None = rebuild
         self._view_until = 0.0  # the cached view includes a report stale at this time
+        self.spec = spec  # the YAML/admin entry it came from (kind, events, tokenizer...)
+        self.engine = None  # router.engines.link.EngineLink, set by router.engines
 
     def routable(self, now: float) -> bool:
         if self.health is not HealthState.HEALTHY or self.draining:
@@ -119,16 +122,22 @@ class Worker:
             self.breaker = b = Breaker.HALF_OPEN
         return b is Breaker.HALF_OPEN and not self.trial
 
+    def prefill_rate(self, now: float) -> float:
+        """Prefill tokens/s: learned from this worker's responses, shrunk toward the
+        fleet's (router.engines.link), else the configured value."""
+        e = self.engine
+        return e.prefill_rate(now) if e is not None else self.base_prefill
+
     def build_view(self, now: float) -> WorkerView:
         ld = self.load
         if ld is not None and now < self.load_until:
-            rate = ld.prefill_tokens_per_s or self.base_prefill
+            rate = ld.prefill_tokens_per_s or self.prefill_rate(now)
             return WorkerView(
                 self.id, self.in_flight, self.in_flight_tokens, ld.queued_requests,
                 ld.queued_tokens, ld.running_requests, ld.kv_used_tokens,
                 ld.kv_capacity_tokens, rate, self.weight)
         return WorkerView(self.id, self.in_flight, self.in_flight_tokens,
-                          prefill_tokens_per_s=self.base_prefill, weight=self.weight)
+                          prefill_tokens_per_s=self.prefill_rate(now), weight=self.weight)
 
     def describe(self, now: float) -> dict:
         ld = self.load
@@ -141,7 +150,13 @@ class Worker:
             "weight": self.weight, "models": list(self.models),
             "reported_load": ({f: getattr(ld, f) for f in Load.__slots__} if fresh else None),
             "epoch": self.epoch, "next_seq": self.next_seq,
+            **({"engine": self.engine.describe()} if self.engine is not None else {}),
         }
+
+
+def _engine_fields(s: WorkerSpec) -> tuple:
+    return (s.kind, s.model, s.tokenizer, s.block_size, s.kv_capacity_tokens, s.events,
+            s.metrics)
 
 
 class Pool:
@@ -165,8 +180,11 @@ class Pool:
         self._checks: set[asyncio.Task] = set()
         self._closed = False
         self._on_change = on_change
+        #: told of every worker added and removed (router.engines.Engines)
+        self.listeners: list = []
         for spec in cfg.workers:
-            self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s)
+            self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s,
+                     spec)
 
     # ------------------------------------------------------------- membership
 
@@ -183,18 +201,20 @@ class Pool:
         return self._by_url.get(url)
 
     def add(self, wid: str, url: str, source: Source, weight: float = 1.0,
-            prefill_tokens_per_s: float = 10_000.0) -> Worker:
+            prefill_tokens_per_s: float = 10_000.0, spec: WorkerSpec | None = None) -> Worker:
         """Adds a worker (UNKNOWN health: routable after its first passed check).
         Raises ``ValueError`` if the id or url is taken."""
         if wid in self._by_id:
             raise ValueError(f"worker id {wid!r} already exists")
         if url in self._by_url:
             raise ValueError(f"worker url {url!r} already exists (id {self._by_url[url].id!r})")
-        w = Worker(wid, url, source, weight, prefill_tokens_per_s)
+        w = Worker(wid, url, source, weight, prefill_tokens_per_s, spec)
         self._by_id[wid] = w
         self._by_url[url] = w
         self._changed()
         log.info("worker %s added (%s, %s)", wid, url, source.value)
+        for lis in self.listeners:
+            lis.worker_added(w)
         if self._session is not None:
             self.check_soon(w)
         return w
@@ -208,6 +228,8 @@ class Pool:
         w.removed = True
         self.index.drop_worker(wid)
         self._changed()
+        for lis in self.listeners:
+            lis.worker_removed(w)
         log.info("worker %s removed (%d in flight finish)", wid, w.in_flight)
         return w
 
@@ -237,7 +259,8 @@ class Pool:
             if old is not None:
                 source, weight, rate = old.source, old.weight, old.base_prefill
                 self.remove(old.id)
-            w = self.add(wid, url, source, weight, rate)
+            w = self.add(wid, url, source, weight, rate,
+                         WorkerSpec(url=url, id=wid, kind="agent"))
         if w.epoch != epoch:
             if w.epoch is not None:
                 self.index.drop_worker(wid)
@@ -263,7 +286,12 @@ class Pool:
             if w is None:
                 if s.id in self._by_id:
                     self.remove(s.id)  # the id moved to a new url
-                self.add(s.id, url, Source.CONFIG, s.weight, s.prefill_tokens_per_s)
+                self.add(s.id, url, Source.CONFIG, s.weight, s.prefill_tokens_per_s, s)
+                added.append(s.id)
+            elif w.spec is not None and _engine_fields(w.spec) != _engine_fields(s):
+                # a different engine setup: a new link (subscriber, tokenizer, scraper)
+                self.remove(w.id)
+                self.add(s.id, url, Source.CONFIG, s.weight, s.prefill_tokens_per_s, s)
                 added.append(s.id)
             else:
                 w.source = Source.CONFIG
@@ -344,9 +372,12 @@ class Pool:
             w.trial = False
             self._changed()
 
-    def report_load(self, w: Worker, load: Load, now: float) -> None:
+    def report_load(self, w: Worker, load: Load, now: float,
+                    stale_s: float | None = None) -> None:
+        """A load report (agent push or engine scrape), trusted for ``stale_s``
+        (default ``load.report_stale_s``)."""
         w.load = load
-        w.load_until = now + self.cfg.load.report_stale_s
+        w.load_until = now + (self.cfg.load.report_stale_s if stale_s is None else stale_s)
         w._view = None
 
     def ready(self) -> bool:

@@ -24,6 +24,11 @@ Invariants (``check()`` asserts each):
   LRU order over holder entries evicts deepest-first and never breaks closure.
 - ``_entries`` equals the number of (node, worker) holder entries; ``_multi`` the
   number of those in nodes with more than one holder.
+- Per-worker counts: ``_counts[w]`` equals the number of entries w holds, for every
+  known worker (``workers()`` is its key set).
+- Capped workers (``set_capacity``) hold at most their cap after every mutation;
+  each capped worker has its own LRU heap, every record in it is that worker's, and
+  every leaf entry of that worker has a live record there (so its LRU order is exact).
 
 Memory: one global budget (``max_bytes``) for the whole index, never one per
 worker (smg #2137). The estimate counts nodes and extra holder entries at sizes
@@ -33,6 +38,24 @@ records, one pushed per inserted chain end; stale records (re-touched or removed
 entries) are skipped when popped and compacted away when the heap outgrows the
 entries. Evicting an entry walks up and evicts ancestors that became leaves with
 the same touch time, so one insert's chain leaves together, deepest first.
+
+Per-worker capacity. A worker whose entries are only the router's own guesses (an
+engine that sends no cache events) must not look warmer than its engine can be:
+``set_capacity(w, n)`` caps w at n entries (the engine's KV capacity in blocks), and
+over the cap w's least recently touched *leaf* entries go first, by the same rules
+as the global budget (deepest first, whole chains of one touch time together, closure
+and touch monotonicity kept), independent of other workers. A capped worker's chain
+ends are pushed on its own heap as well as the global one (which still enforces
+``max_bytes`` over everything); an uncapped worker's insert pays only its count
+update and one truthiness test.
+A cap is a setting, not state: ``clear`` and ``drop_worker`` keep it (a worker that
+comes back healthy is still capped); ``set_capacity(w, None)`` removes it.
+
+Corrections. ``keep(w, hashes, k)`` truncates w's holding of one chain to its first
+k blocks (a response reported only k cached blocks: w's entries for ``hashes[k:]``
+and everything below them go, other workers' stay). The opposite, "w holds
+``hashes[:k]``", is ``insert(w, hashes[:k], now)``: insert already adds what is
+missing and touches what is there.
 
 Hot roots: each node's ``hits`` is an exponentially decayed request count kept in
 "inflated" units (each request adds ``exp(lambda * (now - t0))``), so an increment
@@ -135,6 +158,7 @@ class IndexStats:
     max_bytes: int
     evicted_entries: int
     workers: int
+    capped_evicted_entries: int = 0  # entries evicted by per-worker caps, not the budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +194,12 @@ class PrefixIndex:
         self._multi = 0  # entries living in nodes with several holders
         self._heap: list[tuple[float, int, _Node, str]] = []  # LRU candidate records
         self._seq = _counter()
-        self._evicted = 0
-        self._workers: set[str] = set()
+        self._evicted = 0  # entries evicted by the global budget
+        self._capped_evicted = 0  # entries evicted by per-worker caps
+        self._counts: dict[str, int] = {}  # known worker -> entries it holds
+        self._caps: dict[str, int] = {}  # capped worker -> max entries (set_capacity)
+        self._wheaps: dict[str, list] = {}  # capped worker -> its LRU candidate records
+        self._wheap_records = 0  # records in all of _wheaps (counted in the budget)
 
     # ------------------------------------------------------------------ queries
 
@@ -280,7 +308,15 @@ class PrefixIndex:
         return out
 
     def workers(self) -> set[str]:
-        return set(self._workers)
+        return set(self._counts)
+
+    def entries(self, worker: str) -> int:
+        """Entries (blocks) ``worker`` holds. O(1)."""
+        return self._counts.get(worker, 0)
+
+    def capacity(self, worker: str) -> int | None:
+        """``worker``'s cap in entries, None if uncapped."""
+        return self._caps.get(worker)
 
     def stats(self) -> IndexStats:
         return IndexStats(
@@ -289,7 +325,8 @@ class PrefixIndex:
             est_bytes=self._est_bytes(),
             max_bytes=self.max_bytes,
             evicted_entries=self._evicted,
-            workers=len(self._workers),
+            workers=len(self._counts),
+            capped_evicted_entries=self._capped_evicted,
         )
 
     # ---------------------------------------------------------------- mutations
@@ -302,7 +339,9 @@ class PrefixIndex:
 
         Returns the number of blocks newly held. A chain whose parent is unknown
         (or not held by ``worker``) is dropped: closure forbids attaching it.
-        May evict least recently touched leaf entries to stay within budget.
+        May evict least recently touched leaf entries to stay within budget, and a
+        capped worker's own least recently touched leaf entries to stay within its
+        cap (a chain longer than the cap keeps its first cap blocks).
         """
         if not hashes:
             return 0
@@ -314,7 +353,9 @@ class PrefixIndex:
             if p is None or not p.held_by(worker):
                 return 0
             self._touch_up(p, worker, now)
-        self._workers.add(worker)
+        counts = self._counts
+        if worker not in counts:
+            counts[worker] = 0
         added = 0
         get = nodes.get
         for i, key in enumerate(hashes):
@@ -362,8 +403,15 @@ class PrefixIndex:
                     elif now > old:
                         h[worker] = now
             p = n
+        if added:
+            counts[worker] += added
         if p is not self._root:
-            heapq.heappush(self._heap, (p.touch_of(worker), next(self._seq), p, worker))
+            rec = (p.touch_of(worker), next(self._seq), p, worker)
+            heapq.heappush(self._heap, rec)
+            if self._caps:
+                cap = self._caps.get(worker)
+                if cap is not None:
+                    self._capped_push(worker, cap, rec)
         if self._est_bytes() > self.max_bytes:
             self._evict_to_budget()
         elif len(self._heap) > 2 * self._entries + 1024:
@@ -383,8 +431,80 @@ class PrefixIndex:
             # The parent may have become a leaf entry with no valid heap record.
             t = parent.touch_of(worker) if parent is not self._root else None
             if t is not None:
-                heapq.heappush(self._heap, (t, next(self._seq), parent, worker))
+                self._push(parent, worker, t)
+        if self._est_bytes() > self.max_bytes:  # the records pushed may outweigh the entries
+            self._evict_to_budget()
         return removed
+
+    def keep(self, worker: str, hashes: Sequence[int], k: int) -> int:
+        """Truncates ``worker``'s holding of the chain ``hashes`` to at most its first
+        ``k`` blocks: removes its entries for ``hashes[k:]`` and every descendant of
+        them it holds (other branches below ``hashes[k]`` included: the engine's prefix
+        match stops where the chain stops). Other workers are untouched. Returns the
+        number of entries removed. O(len(hashes) - k + entries removed).
+
+        A correction from a response's ``cached_tokens`` (k = cached blocks): it says
+        what the worker held *before* that request; the request's own prefill then
+        stores the whole prompt, so a caller re-inserts the chain after keeping.
+        """
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        if k >= len(hashes):
+            return 0
+        return self.remove(worker, hashes[k:])
+
+    def touch_time(self, worker: str, key: int) -> float | None:
+        """When ``worker``'s entry for ``key`` was last touched (None: not held)."""
+        n = self._nodes.get(key)
+        return None if n is None else n.touch_of(worker)
+
+    def evict_older(self, worker: str, before: float) -> int:
+        """Removes ``worker``'s entries last touched before ``before``. Returns the
+        number removed.
+
+        Touch monotonicity makes the removed set closed under descendants (a child
+        is touched no later than its parent), so whole subtrees go and closure
+        holds. A correction for an engine that evicts least recently used blocks
+        first: once it is seen to have lost a block touched at ``before``, it has
+        lost everything older too. O(entries of ``worker`` touched since + removed).
+        """
+        removed = 0
+        stack = [c for c in self._root.kid_list() if c.held_by(worker)]
+        while stack:
+            n = stack.pop()
+            t = n.touch_of(worker)
+            if t < before:
+                parent = n.parent
+                removed += self._remove_subtree(n, worker)
+                pt = parent.touch_of(worker) if parent is not self._root else None
+                if pt is not None and not any(c.held_by(worker) for c in parent.kid_list()):
+                    self._push(parent, worker, pt)  # a leaf now: give it an LRU record
+                continue
+            stack.extend(c for c in n.kid_list() if c.held_by(worker))
+        if self._est_bytes() > self.max_bytes:
+            self._evict_to_budget()
+        return removed
+
+    def set_capacity(self, worker: str, max_entries: int | None) -> int:
+        """Caps ``worker`` at ``max_entries`` entries (None: uncapped). Evicts its
+        least recently touched leaf entries at once if it holds more. Returns the
+        number evicted. O(worker's entries) to build its LRU heap when first capped.
+        """
+        if max_entries is None:
+            if self._caps.pop(worker, None) is not None:
+                self._wheap_records -= len(self._wheaps.pop(worker))
+            return 0
+        if max_entries.__class__ is not int or max_entries < 0:
+            raise ValueError(f"max_entries must be an int >= 0 or None, got {max_entries!r}")
+        self._caps[worker] = max_entries
+        if worker not in self._wheaps:
+            self._rebuild_worker_heap(worker)
+        before = self._capped_evicted
+        if self._counts.get(worker, 0) > max_entries:
+            self._evict_worker(worker, max_entries)
+        if self._est_bytes() > self.max_bytes:  # the new heap's records count too
+            self._evict_to_budget()
+        return self._capped_evicted - before
 
     def clear(self, worker: str) -> int:
         """Removes every entry of ``worker``. O(worker's entries + their children)."""
@@ -392,12 +512,16 @@ class PrefixIndex:
         for n in self._root.kid_list():
             if n.held_by(worker):
                 removed += self._remove_subtree(n, worker)
+        heap = self._wheaps.get(worker)
+        if heap:  # every record in it is stale now
+            self._wheap_records -= len(heap)
+            heap.clear()
         return removed
 
     def drop_worker(self, worker: str) -> int:
-        """``clear`` and forget the worker."""
+        """``clear`` and forget the worker (its cap, a setting, is kept)."""
         removed = self.clear(worker)
-        self._workers.discard(worker)
+        self._counts.pop(worker, None)
         return removed
 
     def apply_snapshot(
@@ -406,7 +530,7 @@ class PrefixIndex:
         """Replaces everything ``worker`` holds with ``blocks`` ((hash, parent)
         pairs, parents first). Blocks whose parent is missing are dropped."""
         self.clear(worker)
-        self._workers.add(worker)
+        self._counts.setdefault(worker, 0)
         for key, parent in blocks:
             self.insert(worker, (key,), now, parent)
 
@@ -433,7 +557,7 @@ class PrefixIndex:
         return (
             len(self._nodes) * NODE_BYTES
             + self._multi * EXTRA_HOLDER_BYTES
-            + len(self._heap) * HEAP_RECORD_BYTES
+            + (len(self._heap) + self._wheap_records) * HEAP_RECORD_BYTES
         )
 
     def _touch_up(self, n: _Node, w: str, now: float) -> None:
@@ -456,6 +580,7 @@ class PrefixIndex:
         The caller guarantees no child of n is held by w."""
         h = n.holders
         self._entries -= 1
+        self._counts[w] -= 1
         if h.__class__ is str:
             del self._nodes[n.key]
             n.parent.drop_kid(n)
@@ -493,6 +618,8 @@ class PrefixIndex:
                 # Every record went stale without a leaf behind it: rebuild once.
                 self._compact_heap()
                 if not self._heap:
+                    for w in self._wheaps:  # what is left may be stale capped records
+                        self._rebuild_worker_heap(w)
                     break
                 heap = self._heap
             t, _, n, w = heapq.heappop(heap)
@@ -505,13 +632,99 @@ class PrefixIndex:
                 parent = n.parent
                 self._drop_entry(n, w)
                 self._evicted += 1
-                if parent is root or parent.touch_of(w) != t:
+                if parent is root:
+                    break
+                pt = parent.touch_of(w)
+                if pt != t:
+                    heap_w = self._wheaps.get(w)
+                    if heap_w is not None and not any(c.held_by(w) for c in parent.kid_list()):
+                        # a capped worker's new leaf may have no record in its own heap
+                        # (it was no leaf when the heap was built): keep its LRU exact
+                        heapq.heappush(heap_w, (pt, next(self._seq), parent, w))
+                        self._wheap_records += 1
                     break
                 if any(c.held_by(w) for c in parent.kid_list()):
                     break
                 n = parent
         if len(self._heap) > 2 * self._entries + 1024:
             self._compact_heap()
+
+    def _push(self, n: _Node, w: str, t: float) -> None:
+        """Records (n, w) touched at t as an LRU candidate, in w's heap too if capped."""
+        rec = (t, next(self._seq), n, w)
+        heapq.heappush(self._heap, rec)
+        heap = self._wheaps.get(w)
+        if heap is not None:
+            heapq.heappush(heap, rec)
+            self._wheap_records += 1
+
+    def _capped_push(self, w: str, cap: int, rec: tuple) -> None:
+        """The capped part of ``insert``: w's own record, then its cap or compaction."""
+        heap = self._wheaps[w]
+        heapq.heappush(heap, rec)
+        self._wheap_records += 1
+        c = self._counts[w]
+        if c > cap:
+            self._evict_worker(w, cap)
+        elif len(heap) > 2 * c + 1024:
+            self._rebuild_worker_heap(w)
+
+    def _evict_worker(self, w: str, cap: int) -> None:
+        """Evicts w's least recently touched leaf entries until it holds ``cap``."""
+        root = self._root
+        counts = self._counts
+        heap = self._wheaps[w]
+        rebuilt = False
+        while counts.get(w, 0) > cap:
+            if not heap:
+                # A leaf lost its record (cannot happen while check() holds): rebuild once.
+                assert not rebuilt, f"{w=} over its cap with no leaf entries"
+                self._rebuild_worker_heap(w)
+                heap = self._wheaps[w]
+                rebuilt = True
+                continue
+            t, _, n, _w = heapq.heappop(heap)
+            self._wheap_records -= 1
+            if n.parent is None or n.touch_of(w) != t:
+                continue  # stale: node gone or entry re-touched since
+            if any(c.held_by(w) for c in n.kid_list()):
+                continue  # not a leaf for w; its children's records come first
+            while True:
+                parent = n.parent
+                self._drop_entry(n, w)
+                self._capped_evicted += 1
+                if parent is root:
+                    break
+                pt = parent.touch_of(w)
+                if any(c.held_by(w) for c in parent.kid_list()):
+                    break
+                if pt != t or counts[w] <= cap:
+                    # parent is a leaf now; give it a record (it may have none: it
+                    # was never a chain end) so the LRU order stays exact
+                    self._push(parent, w, pt)
+                    break
+                n = parent
+        if len(heap) > 2 * counts.get(w, 0) + 1024:
+            self._rebuild_worker_heap(w)
+
+    def _rebuild_worker_heap(self, w: str) -> None:
+        """Rebuilds w's heap from its leaf entries. O(w's entries + their children)."""
+        recs = []
+        seq = self._seq
+        stack = [c for c in self._root.kid_list() if c.held_by(w)]
+        while stack:
+            n = stack.pop()
+            leaf = True
+            for c in n.kid_list():
+                if c.held_by(w):
+                    stack.append(c)
+                    leaf = False
+            if leaf:
+                recs.append((n.touch_of(w), next(seq), n, w))
+        heapq.heapify(recs)
+        old = self._wheaps.get(w)
+        self._wheap_records += len(recs) - (len(old) if old is not None else 0)
+        self._wheaps[w] = recs
 
     def _compact_heap(self) -> None:
         """Rebuilds the heap from the current leaf entries. O(entries)."""
@@ -539,6 +752,9 @@ class PrefixIndex:
         seen = 0
         entries = 0
         multi = 0
+        per_worker: dict[str, int] = {}
+        capped_leaves: set[tuple[int, str]] = set()  # (id(node), w) leaf entries of capped w
+        caps = self._caps
         stack = list(root.kid_list())
         while stack:
             n = stack.pop()
@@ -556,6 +772,9 @@ class PrefixIndex:
             p = n.parent
             assert p is not None, f"{n=} live node without parent"
             for w, t in held.items():
+                per_worker[w] = per_worker.get(w, 0) + 1
+                if w in caps and not any(c.held_by(w) for c in n.kid_list()):
+                    capped_leaves.add((id(n), w))
                 if p is not root:
                     pt = p.touch_of(w)
                     assert pt is not None, f"closure broken: {w=} holds {n=} not parent {p=}"
@@ -568,4 +787,19 @@ class PrefixIndex:
         assert seen == len(self._nodes), f"{seen=} reachable vs {len(self._nodes)=} indexed"
         assert entries == self._entries, f"{entries=} vs counter {self._entries}"
         assert multi == self._multi, f"{multi=} vs counter {self._multi}"
+        for w, c in self._counts.items():
+            assert per_worker.get(w, 0) == c, f"{w=} holds {per_worker.get(w, 0)} entries, counted {c}"
+        unknown = set(per_worker) - set(self._counts)
+        assert not unknown, f"workers {unknown} hold entries but are not known"
+        assert set(self._wheaps) == set(caps), f"heaps for {set(self._wheaps)} vs caps {set(caps)}"
+        assert self._wheap_records == sum(map(len, self._wheaps.values())), "worker heap count"
+        live: set[tuple[int, str]] = set()
+        for w, cap in caps.items():
+            assert self._counts.get(w, 0) <= cap, f"{w=} holds {self._counts.get(w, 0)} > cap {cap}"
+            for t, _, n, rw in self._wheaps[w]:
+                assert rw == w, f"record of {rw=} in {w=}'s heap"
+                if n.parent is not None and n.touch_of(w) == t:
+                    live.add((id(n), w))
+        missing = capped_leaves - live
+        assert not missing, f"{len(missing)} capped leaf entries without a live heap record"
         assert self._est_bytes() <= self.max_bytes or not self._heap, "over budget"

@@ -76,7 +76,9 @@ def test_defaults_are_a_valid_config():
      "policy.params.foo: unknown parameter of round_robin; valid: (none)"),
     ("policy: {params: [1]}", "policy.params: expected a mapping, got list"),
     ("policy: {seed: -1}", "policy.seed: expected an integer >= 0, got -1"),
-    ("workers: {url: x}", "workers: expected a list, got dict"),
+    ("workers: {url: x}", "workers.url: unknown key; valid: discovery, static (or give "
+                          "workers as a list)"),
+    ("workers: 7", "workers: expected a list, got int"),
     ("workers: null", "workers: expected a list, got null"),
     ("workers: [{id: a}]", "workers[0].url: required: the worker's base URL"),
     ("workers: [{url: 'ftp://h:1'}]",
@@ -87,7 +89,8 @@ def test_defaults_are_a_valid_config():
     ("workers: [{url: 'http://h:1', weight: 0}]",
      "workers[0].weight: expected a number > 0, got 0"),
     ("workers: [{url: 'http://h:1', colour: red}]",
-     "workers[0].colour: unknown key; valid: id, prefill_tokens_per_s, url, weight"),
+     "workers[0].colour: unknown key; valid: block_size, events, id, kind, kv_capacity_tokens, "
+     "metrics, model, prefill_tokens_per_s, tokenizer, url, weight"),
     ("workers: ['http://h:1', {url: 'http://h:2', id: 'h:1'}]",
      "workers[1].id: duplicate worker id 'h:1' (also workers[0])"),
     ("workers: ['http://h:1', {url: 'http://h:1/', id: b}]",

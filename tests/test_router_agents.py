@@ -124,3 +124,40 @@ async def test_agent_with_other_block_bytes_is_refused_and_says_why():
     finally:
         agent.stop()
         await server.aclose()
+
+
+async def test_agent_stream_counts_prompt_until_first_content_token():
+    """Our agent writes the chat role chunk before prefill: the router must keep the
+    prompt counted as queued prefill until the first content token (contract 10)."""
+    router = Router(parse_config({"health": {"interval_s": 0.2}}))
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    ap = free_port()
+    # 8B at 5% MFU of an H100: a 4,000-token prefill takes about 1.3 s
+    agent = Proc(radixfleet_argv("agent", "--port", str(ap), "--worker-id", "slow",
+                                 "--router", base, "--mfu", "0.05"),
+                 ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30)
+    agent.__enter__()
+    try:
+        await wait_for(lambda: len(router.pool.views(time.monotonic())) == 1, what="agent")
+        w = router.pool.get("slow")
+        body = {"model": "llama-3-8b", "stream": True, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "word " * 3200}]}
+        during = []
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", base + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                it = r.aiter_lines()
+                first = await it.__anext__()
+                assert '"role"' in first and '"content": ""' in first.replace('":""', '": ""')
+                for _ in range(10):  # the role chunk is through; prefill is not
+                    during.append((w.in_flight, w.in_flight_tokens))
+                    await asyncio.sleep(0.05)
+                rest = [line async for line in it]
+        assert all(f == 1 and t > 3000 for f, t in during), during
+        assert any('"content"' in x and '"content": ""' not in x for x in rest)
+        assert (w.in_flight, w.in_flight_tokens) == (0, 0)
+    finally:
+        agent.__exit__(None, None, None)
+        await server.aclose()

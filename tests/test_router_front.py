@@ -152,8 +152,8 @@ async def test_warmup_sends_prefill_only_request(fleet):
     router, port, url = fleet
     body = {"model": "m", "prompt": "The shared system prompt. " * 20}
     key = request_key(Endpoint.COMPLETIONS, body, tenant="t")
-    router._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
-    router._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
     async with httpx.AsyncClient() as c:
         deadline = time.monotonic() + 3
         while True:

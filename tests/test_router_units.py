@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.app import Admission
+from router.dataplane import Admission
 from router.auth import BearerAuth, TenantResolver, is_loopback
 from router.config import parse_config
 from router.errors import Overloaded, Unauthorized

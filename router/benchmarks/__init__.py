@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "agent": ("router.benchmarks.agent", "agent: cached TTFT, cost model, bookkeeping req/s"),
     "sim": ("router.benchmarks.sim", "simulator: simulated requests per wall second"),
     "fidelity": ("router.benchmarks.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
+    "events": ("router.benchmarks.events", "KV events: decode + map + index blocks/s, bytes per block"),
     "traffic_log": ("router.benchmarks.traffic_log", "routing p99 with the traffic log on vs off"),
     "analyze": ("router.benchmarks.analyze", "radixfleet analyze on a 100,000-request traffic log"),
     "autoscale": ("router.benchmarks.autoscale", "prefix-aware vs queue-depth autoscaling, flash crowd"),

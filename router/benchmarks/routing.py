@@ -13,6 +13,27 @@ for an 8 KiB prompt (64 blocks of 128 bytes) over 16 workers, with sessions that
 share a system prompt and grow turn by turn (so matches are deep and hot). Target:
 <= 50 us per request for keys + match + policy; the optimistic insert and the
 load count after the decision are timed separately. Figures: mean, p50, p99.
+
+Token rows (precise mode, issue 12): the same routing work with the request keyed in
+an engine's own token blocks (router.engines.token_keys: vLLM's chat rendering, the
+engine's tokenizer, 32-token blocks), for an ~8 KiB chat prompt over 16 workers.
+Target: p50 <= 1 ms, p99 <= 3 ms. Two workloads:
+
+    cold        every request a conversation never seen (nothing cached: the
+                tokenizer's full price)
+    shared      every request a new conversation: a 7 KiB system prompt all share
+                (an agent's instructions and tools) and a new 1 KiB question
+    multiturn   64 live conversations, each request the next turn of one: a new
+                512 B question on its history (pieces cached); a conversation grows
+                from its 1 KiB system prompt to twice the prompt size and starts
+                over (so prompts average about the prompt size)
+
+Besides the full routing work, each row shows the keyer alone (render + tokenize +
+hash) and, for comparison, the plain transformers path it replaces
+(``apply_chat_template`` + ``tokenizer(text)``) on the same bodies. Rows run per
+tokenizing backend of the keyer's piece encoder (fastokens when installed, and
+tokenizers). The tokenizer is ``--tokenizer DIR`` (a folder or a cached repo id), by
+default the tiny test model's, built on the spot (router.benchmarks.tiny_tokenizer).
 """
 
 from __future__ import annotations
@@ -29,12 +50,37 @@ from router.prefix_index import PrefixIndex
 from router.prefix_keys import Endpoint, request_key
 
 
+def _count(lo: int):
+    """An argparse type: an integer >= lo."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {n}")
+        return n
+    return parse
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--prompt-bytes", type=int, default=8192)
-    parser.add_argument("--policies", default="round_robin,least_load,cache_aware,prefix_load")
+    parser.add_argument("--policies",
+                        default="round_robin,least_load,cache_aware,prefix_load")
+    parser.add_argument("--tokenizer", default="",
+                        help="tokenizer folder or cached repo id for the token rows "
+                             "(default: the tiny test tokenizer, built in a temp dir)")
+    parser.add_argument("--token-requests", type=_count(0), default=2_000,
+                        help="requests per token row (0: no token rows)")
+    parser.add_argument("--token-policy", default="prefix_load")
+    parser.add_argument("--tokenizer-backends", default="",
+                        help="comma-separated: fastokens, tokenizers (default: both when "
+                             "fastokens is installed, else tokenizers)")
+    parser.add_argument("--block-size", type=_count(1), default=32,
+                        help="engine KV block size in tokens for the token rows")
 
 
 def _bodies(n: int, prompt_bytes: int, rng: random.Random) -> list[dict]:
@@ -102,14 +148,171 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
             "blocks_per_request": len(key.hashes), "index_nodes": index.stats().nodes}
 
 
+# ------------------------------------------------------------------ token rows
+
+
+def _words(rng: random.Random, nbytes: int) -> str:
+    """Text like the tiny tokenizer's training text (its words, 20% random ones)."""
+    from router.benchmarks.tiny_tokenizer import WORDS
+
+    out: list[str] = []
+    size = 0
+    while size < nbytes:
+        w = rng.choice(WORDS) if rng.random() < 0.8 else "".join(
+            rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(rng.randint(2, 8)))
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+def _size(msgs: list[dict]) -> int:
+    return sum(len(m["content"]) for m in msgs)
+
+
+def _token_bodies(n: int, prompt_bytes: int, rng: random.Random, workload: str) -> list[dict]:
+    """Chat bodies of about ``prompt_bytes`` (module docstring: cold, shared, multiturn)."""
+    if workload == "shared":
+        system = {"role": "system", "content": _words(rng, prompt_bytes - 1024)}
+        return [{"model": "m", "messages": [system, {"role": "user",
+                                                     "content": _words(rng, 1024)}]}
+                for _ in range(n)]
+    system = {"role": "system", "content": "You are a careful assistant. " + _words(rng, 1024)}
+
+    def fresh() -> list[dict]:
+        msgs = [system]
+        while _size(msgs) < prompt_bytes - 512:
+            msgs.append({"role": "user", "content": _words(rng, 400)})
+            msgs.append({"role": "assistant", "content": _words(rng, 400)})
+        return msgs
+
+    out = []
+    if workload == "cold":
+        for _ in range(n):
+            msgs = fresh() + [{"role": "user", "content": _words(rng, 512)}]
+            out.append({"model": "m", "messages": msgs})
+        return out
+    sessions = [[system] for _ in range(64)]
+    for _ in range(n):
+        i = rng.randrange(len(sessions))
+        s = sessions[i]
+        if _size(s) > 2 * prompt_bytes:
+            s = sessions[i] = [system]
+        s.append({"role": "user", "content": _words(rng, 512)})
+        out.append({"model": "m", "messages": list(s)})
+        s.append({"role": "assistant", "content": _words(rng, 256)})
+    return out
+
+
+def _pct(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    n = len(xs)
+    return {"mean_us": sum(xs) / n * 1e6, "p50_us": xs[n // 2] * 1e6,
+            "p99_us": xs[min(n - 1, int(n * 0.99))] * 1e6}
+
+
+def bench_tokens(workload: str, bodies: list[dict], workers: int, source: str,
+                 policy_name: str, block_size: int, backend: str) -> dict:
+    """One token row: full routing work with exact token keys, the keyer alone, and
+    the plain transformers path, over the same bodies."""
+    from router.config import build_policy_from
+    from router.engines.token_keys import TokenKeyer
+
+    keyer = TokenKeyer.load(source, tokenizer_backend=backend)
+    plain = keyer.tokenizer
+    cfg = parse_config({"workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"}
+                                    for i in range(workers)],
+                        "policy": {"name": policy_name}})
+    policy = build_policy_from(cfg.policy)
+    index = PrefixIndex()
+    pool = Pool(cfg, index)
+    for w in pool:
+        pool._set_health(w, HealthState.HEALTHY)
+    perf = time.perf_counter
+    full, keys, ref = [], [], []
+    tokens = blocks = 0
+    now0 = time.monotonic()
+    in_flight: list = []
+    for i, body in enumerate(bodies):
+        now = now0 + i * 1e-3
+        t0 = perf()
+        key = keyer.key(Endpoint.CHAT, body, block_size=block_size)
+        t1 = perf()
+        match = index.match(key.hashes, now)
+        views = pool.views(now)
+        d = policy.choose(RouteRequest(key.hashes, key.prompt_tokens, block_size, None,
+                                       key.model, _size(body["messages"])), match, views, now)
+        t2 = perf()
+        w = pool.get(d.worker)
+        index.insert(w.id, key.hashes, now)
+        uncached = max(0, key.prompt_tokens - d.matched_blocks * block_size)
+        pool.pick(w, uncached)
+        in_flight.append((w, uncached))
+        if len(in_flight) > 32:
+            fw, ft = in_flight.pop(0)
+            pool.finish(fw, ft, True)
+        full.append(t2 - t0)
+        keys.append(t1 - t0)
+        tokens += key.prompt_tokens
+        blocks += len(key.hashes)
+    for body in bodies[: min(len(bodies), 500)]:
+        t0 = perf()
+        text = plain.apply_chat_template(body["messages"], add_generation_prompt=True,
+                                         tokenize=False)
+        plain(text, add_special_tokens=False)["input_ids"]
+        ref.append(perf() - t0)
+    n = len(bodies)
+    enc = keyer.encoder
+    return {"workload": workload, "backend": enc.backend, "policy": policy_name,
+            "requests": n, "workers": workers,
+            "prompt_bytes_mean": sum(_size(b["messages"]) for b in bodies) / n,
+            "prompt_tokens_mean": tokens / n, "blocks_mean": blocks / n,
+            "routing": _pct(full), "keyer": _pct(keys), "transformers": _pct(ref),
+            "piece_cache": {"piecewise": enc.piecewise is None, "hits": enc.hits,
+                            "misses": enc.misses, "bytes": enc.cost}}
+
+
+def _token_rows(args: argparse.Namespace) -> list[dict]:
+    import tempfile
+
+    if args.token_requests <= 0:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        source = args.tokenizer
+        if not source:
+            from router.benchmarks.tiny_tokenizer import build
+
+            source = build(tmp)
+        from router.errors import ConfigError
+        from router.engines.piece_encoder import BACKENDS
+
+        backends = [b.strip() for b in args.tokenizer_backends.split(",") if b.strip()]
+        for b in backends:
+            if b not in BACKENDS[1:]:
+                raise ConfigError("--tokenizer-backends", f"unknown backend {b!r} (expected "
+                                  f"{', '.join(BACKENDS[1:])})")
+        if not backends:
+            from importlib.util import find_spec
+
+            backends = ["fastokens", "tokenizers"] if find_spec("fastokens") else ["tokenizers"]
+        rows = []
+        for backend in backends:
+            for workload in ("cold", "shared", "multiturn"):
+                rng = random.Random(1)
+                bodies = _token_bodies(args.token_requests, args.prompt_bytes, rng, workload)
+                rows.append(bench_tokens(workload, bodies, args.workers, source,
+                                         args.token_policy, args.block_size, backend))
+        return rows
+
+
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     bodies = _bodies(args.requests, args.prompt_bytes, rng)
     results = [bench_policy(p.strip(), bodies, args.workers)
                for p in args.policies.split(",") if p.strip()]
+    token_rows = _token_rows(args)
     if args.json:
         print(json.dumps({"workers": args.workers, "prompt_bytes": args.prompt_bytes,
-                          "results": results}, indent=2))
+                          "results": results, "token_results": token_rows}, indent=2))
         return 0
     print(f"routing work per request: {args.prompt_bytes} B chat prompt, {args.workers} "
           f"workers, {args.requests} requests (target <= 50 us)")
@@ -117,4 +320,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r['policy']:14s} keys+match+policy mean {r['mean_us']:6.1f} us  "
               f"p50 {r['p50_us']:6.1f} us  p99 {r['p99_us']:6.1f} us | insert+pick mean "
               f"{r['insert_pick_mean_us']:5.1f} us  ({r['blocks_per_request']} blocks)")
+    if token_rows:
+        tok = args.tokenizer or "the tiny test tokenizer"
+        print(f"with exact token keys ({tok}, {args.block_size}-token blocks, "
+              f"{args.token_policy}; target p50 <= 1 ms, p99 <= 3 ms):")
+        for r in token_rows:
+            ro, ke, tr = r["routing"], r["keyer"], r["transformers"]
+            print(f"  {r['backend']:10s} {r['workload']:9s} {r['prompt_bytes_mean']:6.0f} B "
+                  f"{r['prompt_tokens_mean']:5.0f} tok | routing p50 {ro['p50_us']:6.0f} us "
+                  f"p99 {ro['p99_us']:6.0f} us | keyer p50 {ke['p50_us']:6.0f} us "
+                  f"p99 {ke['p99_us']:6.0f} us | transformers p50 {tr['p50_us']:6.0f} us "
+                  f"p99 {tr['p99_us']:6.0f} us")
     return 0

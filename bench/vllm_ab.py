@@ -1,0 +1,173 @@
+"""The multiturn A/B in front of two real vLLM servers, every router mode side by side.
+
+    python3 bench/vllm_ab.py [--json FILE] [--api chat|completions] [--kv 16M]
+                             [--clients 32] [--rounds 5] [--concurrency 8]
+
+Provisions vLLM and the tiny model as the engine tests do (tests/engines/vllm_env.py,
+cached under .cache/engines), starts two vLLM servers on loopback (prefix caching,
+prompt-token details, KV events with replay; --kv of KV cache each: 16M = 32k
+tokens), one radixfleet router per mode below, SGLang's smg (cache_aware) when its
+binary is installed, and runs ``radixfleet loadtest`` over all of them in one run
+(each target cold: vLLM's /reset_prefix_cache between runs). Hit rate is vLLM's own
+``cached_tokens``; prediction error is the routers' predicted matched tokens against
+it. Figures go to stdout (the load generator's table) and --json.
+
+    round_robin           cache-blind baseline
+    prefix_load           precise: KV events + the engine's tokenizer
+    prefix_load_approx    the engine's tokenizer, no events (hints aged + corrected)
+    prefix_load_bytes     no tokenizer, no events (routing-byte blocks)
+    least_load            load only, from /metrics + pick-time counts
+    smg_cache_aware       SGLang's gateway 0.3.2, if `smg` is on PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.engines.vllm_env import VllmServer, tiny_model, vllm_python  # noqa: E402
+from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+
+MODES = {
+    "round_robin": dict(policy="round_robin", tokenizer=True, events=True),
+    "prefix_load": dict(policy="prefix_load", tokenizer=True, events=True),
+    "prefix_load_approx": dict(policy="prefix_load", tokenizer=True, events=False),
+    "prefix_load_bytes": dict(policy="prefix_load", tokenizer=False, events=False),
+    "least_load": dict(policy="least_load", tokenizer=True, events=True),
+}
+
+
+def router_config(port: int, servers, model_dir: Path, *, policy: str, tokenizer: bool,
+                  events: bool) -> dict:
+    workers = []
+    for i, s in enumerate(servers):
+        w = {"url": s.url, "id": f"vllm-{'ab'[i]}", "kind": "vllm",
+             "metrics": {"interval_s": 0.25}}
+        if tokenizer:
+            w["tokenizer"] = str(model_dir)
+        if events:
+            w["events"] = {"endpoint": f"tcp://*:{s.events_port}",
+                           "replay_endpoint": f"tcp://*:{s.replay_port}"}
+        workers.append(w)
+    return {"listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": policy},
+            "health": {"interval_s": 0.5}, "workers": workers}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--api", default="chat", choices=("chat", "completions"))
+    ap.add_argument("--kv", default="16M", help="vLLM --kv-cache-memory-bytes per server")
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="vLLM --max-num-seqs per server")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--question-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated subset of {', '.join(MODES)}")
+    ap.add_argument("--no-smg", action="store_true")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"vllm_ab: error: unknown mode(s) {', '.join(bad)}", file=sys.stderr)
+        return 2
+    vllm_python()
+    model_dir = tiny_model()
+    tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
+    servers = [VllmServer(free_port(), model=model_dir, kv_bytes=args.kv,
+                          max_num_seqs=args.max_num_seqs,
+                          events_port=free_port(), replay_port=free_port(),
+                          log_path=tmp / f"vllm-{i}.log") for i in range(2)]
+    procs = []
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        targets = []
+        for m in modes:
+            port = free_port()
+            cfg = tmp / f"{m}.yaml"
+            cfg.write_text(json.dumps(router_config(port, servers, model_dir, **MODES[m])))
+            procs.append(Proc(radixfleet_argv("router", "--config", str(cfg)),
+                              ready_url=f"http://127.0.0.1:{port}/health",
+                              timeout_s=60).__enter__())
+            targets.append((m, f"http://127.0.0.1:{port}"))
+        smg = shutil.which("smg")
+        if smg and not args.no_smg:
+            port, mport = free_port(), free_port()
+            procs.append(Proc([smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+                               "--worker-urls", *[s.url for s in servers],
+                               "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+                               "--prometheus-port", str(mport), "--log-level", "error"],
+                              ready_url=f"http://127.0.0.1:{port}/health",
+                              timeout_s=60).__enter__())
+            targets.append(("smg_cache_aware", f"http://127.0.0.1:{port}"))
+        elif not args.no_smg:
+            print("vllm_ab: smg (SGLang's router, the test extra's sglang-router) is not on "
+                  "PATH: its row is missing", file=sys.stderr)
+        time.sleep(3)  # routers probe, scrape and subscribe
+        out = tmp / "ab.json"
+        cmd = radixfleet_argv(
+            "loadtest", *[a for n, u in targets for a in ("--target", f"{n}={u}")],
+            "--workload", "multiturn", "-o", f"clients={args.clients}",
+            "-o", f"rounds={args.rounds}", "-o", f"question_tokens={args.question_tokens}",
+            "-o", f"output_tokens={args.output_tokens}", "-o", f"api={args.api}",
+            "--concurrency", str(args.concurrency),
+            "--requests", str(args.clients * args.rounds), "--duration", "900",
+            "--model", "tiny", "--no-progress", "--json", str(out),
+            *[a for s in servers for a in ("--flush", s.url)])
+        res = subprocess.run(cmd, timeout=3600)
+        if res.returncode != 0:
+            print(f"vllm_ab: the load generator failed (exit {res.returncode})",
+                  file=sys.stderr)
+            return 1
+        doc = json.loads(out.read_text())
+        import httpx
+        for name, url in targets:  # why each router routed as it did
+            if name.startswith("smg"):
+                continue
+            try:
+                text = httpx.get(url + "/metrics", timeout=10).text
+                admin = httpx.get(url + "/admin/workers", timeout=10).json()
+            except httpx.HTTPError:
+                continue
+            reasons = {}
+            for line in text.splitlines():
+                if line.startswith("radixfleet_requests_total{"):
+                    labels, value = line.rsplit(" ", 1)
+                    reasons[labels[len("radixfleet_requests_total"):]] = float(value)
+            for run in doc["runs"]:
+                if run["name"] == name:
+                    run["router"] = {"decisions": reasons, "workers": [
+                        {"id": w["id"], **{k: w["engine"].get(k) for k in
+                                           ("truth", "key_space", "prefill_tokens_per_s",
+                                            "prediction")}}
+                        for w in admin.get("workers", []) if "engine" in w]}
+        doc["bench"] = {"kv": args.kv, "max_num_seqs": args.max_num_seqs, "api": args.api,
+                        "clients": args.clients,
+                        "rounds": args.rounds, "concurrency": args.concurrency}
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+        return 0
+    finally:
+        for p in procs:
+            p.__exit__(None, None, None)
+        for s in servers:
+            s.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

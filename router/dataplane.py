@@ -1,0 +1,574 @@
+"""The data plane: one client request from admission to its last byte.
+
+Per data-plane request (``DataPlane.serve``), in this order and with nothing awaited
+between the pick and the load count::
+
+    admission (concurrency slot or bounded queue, else 429 + Retry-After)
+    read body (<= limits.max_body_bytes, else 413) -> json (else 400)
+    tenant = TenantResolver(headers)                 (auth.py; 401 if a key is required)
+    key    = request_key(endpoint, body, tenant, block_bytes)   (400 naming the field)
+    match  = index.match(key.hashes, now)
+    views  = pool.views(now)                         (routable only; none -> 503)
+    d      = policy.choose(RouteRequest, match, views, now)
+    index.insert(d.worker, key.hashes, now)           optimistic hint
+    pool.pick(worker, prompt_tokens)                  load counted at pick time
+    forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
+        connect error / 5xx / timeout before the client saw a byte: retry on another
+        worker (retries.max_attempts, exponential backoff)
+        streaming: SSE bytes pass through as they arrive; a failure after the first
+        byte ends the stream with an SSE error event and ``data: [DONE]``
+    pool.finish(worker)                               on every path (client gone too)
+
+The data plane is written against an *exchange* (one request/response): the raw
+HTTP/1.1 front (``router.proxy.FrontServer``, what ``radixfleet router`` listens
+with) and the aiohttp app (``AiohttpExchange``; tests and embedding) both provide
+one. An exchange has ``headers`` (lower-case names), ``await body(limit)``,
+``reply(status, body, content_type, extra)``, ``await stream_start(content_type,
+extra)``, ``await stream_write(data)``, ``await stream_end()`` and ``result`` (what an
+aiohttp handler returns).
+
+The ``Router`` (router.app) owns one ``DataPlane`` and hands it, on every reload,
+the config, policy and tenant resolver it must use from then on (``configure``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, NamedTuple
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from policies.base import Reason
+from router.auth import TenantResolver
+from router.config import Config
+from router.errors import (
+    MalformedRequest, NoWorkerAvailable, Overloaded, PayloadTooLarge, RequestError,
+)
+from router.metrics import Metrics
+from router.pool import Pool
+from router.prefix_index import PrefixIndex
+from router.prefix_keys import Endpoint, request_key
+from router.proxy import UpstreamError, UpstreamPool, build_head
+from router.sse import StreamWatch, usage_of
+
+log = logging.getLogger("radixfleet.router")
+
+TENANT_HEADER = "x-radixfleet-tenant"
+WORKER_HEADER = "x-radixfleet-worker"
+REQUEST_ID_HEADER = "x-request-id"
+
+_JSON = "application/json"
+_DONE = b"data: [DONE]\n\n"
+
+
+class Admission:
+    """A concurrency limit with a bounded FIFO queue.
+
+    ``active`` counts requests holding a slot (<= limit, except briefly after a
+    reload lowers the limit); ``_waiters`` holds futures of queued requests. A
+    released slot passes directly to the oldest live waiter, so ``active`` is
+    unchanged by the hand-over.
+    """
+
+    __slots__ = ("limit", "max_queue", "timeout_s", "retry_after_s", "active", "_waiters")
+
+    def __init__(self, limit: int, max_queue: int, timeout_s: float, retry_after_s: int) -> None:
+        self.limit = limit
+        self.max_queue = max_queue
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.active = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    def try_enter(self) -> bool:
+        if self.active < self.limit and not self._waiters:
+            self.active += 1
+            return True
+        return False
+
+    async def enter(self) -> None:
+        """Waits for a slot. Raises ``Overloaded`` if the queue is full or the wait
+        times out; on cancellation nothing is held."""
+        if self.try_enter():
+            return
+        if len(self._waiters) >= self.max_queue:
+            raise Overloaded(f"router at capacity ({self.limit} in flight, "
+                             f"{len(self._waiters)} queued)", retry_after_s=self.retry_after_s)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            if fut.done() and not fut.cancelled():
+                self.leave()  # the slot arrived as we gave up: pass it on
+            else:
+                fut.cancel()
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise Overloaded(f"no slot within {self.timeout_s:g}s",
+                             retry_after_s=self.retry_after_s) from None
+
+    def leave(self) -> None:
+        w = self._waiters
+        while w:
+            f = w.popleft()
+            if not f.done():
+                if self.active <= self.limit:
+                    f.set_result(None)
+                    return
+                w.appendleft(f)
+                break
+        self.active -= 1
+
+    def check(self) -> None:
+        assert self.active >= 0, f"{self.active=}"
+
+
+class _UpstreamFailed(Exception):
+    """One attempt failed before the client saw a byte (retryable)."""
+
+    def __init__(self, cause: str, detail: str, status: int | None = None,
+                 body: bytes | None = None, headers: Any = None) -> None:
+        super().__init__(detail)
+        self.cause = cause  # connect | status | timeout | payload
+        self.status = status
+        self.body = body
+        self.headers = headers
+
+
+class _Pick(NamedTuple):
+    """What the pick counted on a worker, for the response's bookkeeping."""
+
+    key: Any  # router.engines.keyspace.SpaceKey: the request in the worker's space
+    blocks: int  # leading blocks the worker held at pick time (its space)
+    own: int  # the request's uncached prompt tokens, counted as queued prefill
+    ahead: int  # uncached prompt tokens already queued on the worker at pick time
+    touches: tuple | None  # approximate mode: the matched blocks' last-use times
+
+
+def _usage_of_body(data: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, cached_tokens) of a non-streamed answer, if it reports them."""
+    if b'"cached_tokens"' not in data:
+        return None
+    try:
+        return usage_of(json.loads(data))
+    except ValueError:
+        return None
+
+
+class AiohttpExchange:
+    """The data plane's exchange over an aiohttp request (see ``Router.serve``)."""
+
+    __slots__ = ("request", "headers", "result")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.headers = request.headers  # case-insensitive
+        self.result: web.StreamResponse | None = None
+
+    async def body(self, limit: int) -> bytes:
+        request = self.request
+        cl = request.content_length
+        if cl is not None:
+            if cl > limit:
+                raise PayloadTooLarge(f"request body of {cl} bytes exceeds the limit of "
+                                      f"{limit} bytes")
+            return await request.read()
+        buf = bytearray()
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        return bytes(buf)
+
+    def reply(self, status: int, body: bytes, content_type: str, extra) -> None:
+        h = {"Content-Type": content_type}
+        h.update(extra)
+        self.result = web.Response(body=body, status=status, headers=h)
+
+    async def stream_start(self, content_type: str, extra) -> None:
+        h = {"Content-Type": content_type}
+        h.update(extra)
+        sr = self.result = web.StreamResponse(status=200, headers=h)
+        await sr.prepare(self.request)
+
+    async def stream_write(self, data: bytes) -> None:
+        await self.result.write(data)
+
+    async def stream_end(self) -> None:
+        await self.result.write_eof()
+
+
+
+class DataPlane:
+    """Admission, keying, the policy's pick, load at pick time, forwarding, retries
+    and warm-ups. One event loop owns it; nothing here blocks.
+
+    ``session`` (warm-ups) and ``upstream`` (the data plane's connections) are set by
+    the owner's lifecycle before the first request and closed by it.
+    """
+
+    def __init__(self, cfg: Config, policy, tenants: TenantResolver, pool: Pool,
+                 index: PrefixIndex, metrics: Metrics, engines,
+                 spawn: Callable[[Any], asyncio.Task]) -> None:
+        self.pool = pool
+        self.engines = engines  # router.engines.manager.Engines: keys, links, usage
+        self.index = index
+        self.metrics = metrics
+        self._spawn = spawn  # the owner's task set: warm-ups are cancelled at shutdown
+        lim = cfg.limits
+        self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s,
+                                   lim.retry_after_s)
+        self.cfg = cfg
+        self.policy = policy
+        self.tenants = tenants
+        self.session: aiohttp.ClientSession | None = None  # warm-ups
+        self.upstream: UpstreamPool | None = None  # the data plane's connections
+        self._addrs: dict[str, tuple[str, int, str]] = {}
+        self._rid_prefix = os.urandom(4).hex()
+        self._rid = itertools.count(1)
+        self._warmed: dict[tuple[str, int], float] = {}
+
+    def configure(self, cfg: Config, policy, tenants: TenantResolver) -> None:
+        """Takes a reloaded config: in-flight requests finish under the old one."""
+        self.cfg = cfg
+        self.policy = policy
+        self.tenants = tenants
+        lim = cfg.limits
+        a = self.admission
+        a.limit, a.max_queue = lim.max_concurrency, lim.max_queue
+        a.timeout_s, a.retry_after_s = lim.queue_timeout_s, lim.retry_after_s
+        if self.upstream is not None:
+            self.upstream.connect_timeout_s = cfg.timeouts.connect_s
+
+    def aiohttp_handler(self, endpoint: Endpoint):
+        """An aiohttp handler serving ``endpoint`` through ``AiohttpExchange``."""
+        async def handler(request: web.Request) -> web.StreamResponse:
+            ex = AiohttpExchange(request)
+            await self.serve(ex, endpoint)
+            return ex.result
+        handler.__name__ = f"proxy_{endpoint.name.lower()}"
+        return handler
+
+    def _reject(self, ex, exc: RequestError, rid: str) -> None:
+        self.metrics.rejected.labels(str(exc.status), exc.code).inc()
+        extra = [(REQUEST_ID_HEADER, rid)]
+        if isinstance(exc, Overloaded):
+            extra.append(("Retry-After", str(max(1, round(exc.retry_after_s)))))
+        ex.reply(exc.status, json.dumps(exc.to_json()).encode(), _JSON, extra)
+
+    async def serve(self, ex, endpoint: Endpoint) -> None:
+        """Serves one data-plane request on exchange ``ex``. Never raises for bad
+        input (it becomes a JSON error reply); cancellation (client gone) propagates
+        after every resource is released."""
+        t0 = time.monotonic()
+        headers = ex.headers
+        rid = headers.get(REQUEST_ID_HEADER) or f"{self._rid_prefix}-{next(self._rid)}"
+        adm = self.admission
+        if not adm.try_enter():
+            try:
+                await adm.enter()
+            except Overloaded as exc:
+                self._reject(ex, exc, rid)
+                return
+        try:
+            try:
+                raw = await ex.body(self.cfg.limits.max_body_bytes)
+                try:
+                    body = json.loads(raw)
+                except UnicodeDecodeError as exc:
+                    raise MalformedRequest(f"request body is not valid UTF-8: {exc.reason} "
+                                           f"at byte {exc.start}") from None
+                except ValueError as exc:
+                    raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
+                tenant = self.tenants.tenant(headers)
+                key = request_key(endpoint, body, tenant=tenant,
+                                  block_bytes=self.cfg.keys.block_bytes)
+                stream = body.get("stream", False)
+                if stream is not True and stream is not False:
+                    raise MalformedRequest("'stream' must be a boolean", param="stream")
+                session = headers.get("x-session-id")
+                if session is None:
+                    user = body.get("user")
+                    session = user if isinstance(user, str) else None
+            except RequestError as exc:
+                self._reject(ex, exc, rid)
+                return
+            await self._route_and_forward(ex, endpoint, raw, body, key, stream, session,
+                                          rid, t0)
+        finally:
+            adm.leave()
+
+    async def _route_and_forward(self, ex, endpoint, raw, body, key, stream, session,
+                                 rid, t0) -> None:
+        pool = self.pool
+        now = time.monotonic()
+        views = pool.views(now)
+        if not views:
+            self._reject(ex, NoWorkerAvailable(
+                f"no healthy worker available ({len(pool)} known)"), rid)
+            return
+        engines = self.engines
+        try:
+            kr = engines.key(endpoint, body, key, session, views, now)
+        except RequestError as exc:  # a token space refused the body
+            self._reject(ex, exc, rid)
+            return
+        req = kr.route_request
+        d = self.policy.choose(req, kr.match, views, now)
+        tried: list[str] = []
+        retries = self.cfg.retries
+        attempt = 0
+        last: _UpstreamFailed | None = None
+        reason = d.reason.value
+        while True:
+            w = pool.get(d.worker)
+            if w is None:  # a policy bug: never route into the void
+                raise AssertionError(f"policy {self.policy.name} chose unknown worker "
+                                     f"{d.worker!r}")
+            pick = self._pick(w, kr, now)
+            if attempt == 0 and d.warm and self.cfg.warmup.enabled:
+                self._schedule_warmups(d.warm, endpoint, body, key, kr.match.depth, now)
+            attempt += 1
+            tried.append(w.id)
+            try:
+                await self._attempt(ex, w, endpoint, raw, body, stream, pick, key.tenant,
+                                    rid, reason, t0)
+                return
+            except _UpstreamFailed as exc:
+                last = exc
+                self.metrics.request_done(w.id, exc.status or 502, reason)
+                log.info("request %s: worker %s failed (%s: %s), attempt %d/%d", rid, w.id,
+                         exc.cause, exc, attempt, retries.max_attempts)
+            if attempt >= retries.max_attempts or \
+                    time.monotonic() - t0 >= self.cfg.timeouts.total_s:
+                break
+            delay = min(retries.backoff_s * (2 ** (attempt - 1)), retries.backoff_max_s)
+            if delay:
+                await asyncio.sleep(delay)
+            now = time.monotonic()
+            views = [v for v in pool.views(now) if v.id not in tried]
+            if not views:
+                break
+            try:
+                kr = engines.key(endpoint, body, key, session, views, now)
+            except RequestError:
+                break
+            d = self.policy.choose(kr.route_request, kr.match, views, now)
+            if pool.get(d.worker) is None:
+                break
+            reason = Reason.FALLBACK.value
+            self.metrics.retries.labels(last.cause).inc()
+        # Every attempt failed before the client saw anything.
+        if last.status is not None and last.body is not None:
+            # the last worker's own error answer, passed through
+            ex.reply(last.status, last.body, last.headers.get("content-type", _JSON),
+                     [(WORKER_HEADER, tried[-1]), (REQUEST_ID_HEADER, rid)])
+            return
+        status, code = ((504, "upstream_timeout") if last.cause == "timeout"
+                        else (502, "bad_gateway"))
+        self.metrics.rejected.labels(str(status), code).inc()
+        err = {"error": {"message": f"{len(tried)} attempt(s) failed (workers "
+                         f"{', '.join(tried)}); last: {last}", "type": "upstream_error",
+                         "code": code, "param": None}}
+        ex.reply(status, json.dumps(err).encode(), _JSON, [(REQUEST_ID_HEADER, rid)])
+
+    def _pick(self, w, kr, now: float) -> "_Pick":
+        """The optimistic hint and the load count for ``w``, in its own key space,
+        before anything is awaited (``policies.base``)."""
+        sk = kr.key_for(w.id)
+        blocks = kr.blocks_for(w.id)
+        touches = None
+        link = w.engine
+        if blocks and link is not None and link.corrects:
+            # when each matched block was last used, before this hint re-touches them:
+            # what a correction needs if the worker reports fewer cached tokens
+            tt = self.index.touch_time
+            touches = tuple(tt(w.id, h) for h in sk.hashes[:blocks])
+        if sk.hashes:
+            self.index.insert(w.id, sk.hashes, now)
+        # Uncached prompt tokens are the prefill work this request adds (policies.base).
+        own = max(0, sk.prompt_tokens - blocks * sk.block_tokens)
+        ahead = w.in_flight_tokens
+        self.pool.pick(w, own)
+        return _Pick(sk, blocks, own, ahead, touches)
+
+    async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", tenant,
+                       rid, reason, t0) -> None:
+        """One try on worker ``w`` (its load already counted). Releases the load on
+        every path: a streaming request's prompt stops counting as queued prefill at
+        its first *content* token (router.sse), never at the headers or a role chunk.
+        Raises ``_UpstreamFailed`` if it failed before the client saw a byte; after
+        that, failures end the stream with an SSE error event."""
+        pool = self.pool
+        m = self.metrics
+        link = w.engine
+        left = pick.own  # tokens still counted on w
+        ok: bool | None = None
+        usage = None
+        ttft = None
+        host, port, hostport = self._addr(w.url)
+        t = self.cfg.timeouts
+        payload, strip = self.engines.forward_body(link, endpoint, body, raw, stream)
+        fwd = (b"x-radixfleet-tenant: " + tenant.encode("utf-8", "surrogateescape")
+               + b"\r\nx-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
+        head = build_head(endpoint.value, hostport, len(payload), fwd)
+        resp = None
+        sent = time.monotonic()
+        try:
+            try:
+                resp = await self.upstream.request(
+                    host, port, head, payload, read_timeout_s=t.first_byte_s,
+                    total_timeout_s=t.total_s - (time.monotonic() - t0))
+                status = resp.status
+                if status >= 500:
+                    data = await resp.read()
+                    ok = False
+                    raise _UpstreamFailed("status", f"worker {w.id} answered {status}",
+                                          status, data, resp.headers)
+                if not stream or status != 200:
+                    data = await resp.read()
+                    ok = True
+                    if status == 200 and link is not None:
+                        usage = _usage_of_body(data)
+                    ex.reply(status, data, resp.headers.get("content-type", _JSON),
+                             [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, rid)])
+                    m.request_done(w.id, status, reason)
+                    m.observe_latency(time.monotonic() - t0)
+                    return
+                watch = StreamWatch(strip)
+                first = await resp.readany()
+                m.observe_ttfb(time.monotonic() - t0)
+                await ex.stream_start(resp.headers.get("content-type", "text/event-stream"),
+                                      [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id),
+                                       (REQUEST_ID_HEADER, rid)])
+                # From here on the client has bytes: never retry.
+                try:
+                    chunk = first
+                    while True:
+                        if chunk:
+                            out = watch.feed(chunk)
+                            if left and watch.first_token:
+                                # the prompt is prefilled: no longer queued work on w
+                                ttft = time.monotonic() - sent
+                                pool.prefilled(w, left)
+                                left = 0
+                            if out:
+                                await ex.stream_write(out)
+                        try:
+                            chunk = await resp.readany()
+                        except UpstreamError as exc:
+                            ok = False
+                            log.warning("request %s: worker %s failed mid-stream: %s", rid,
+                                        w.id, exc)
+                            m.request_done(w.id, 502, reason)
+                            err = {"error": {"message": f"worker {w.id} failed mid-stream: "
+                                             f"{exc}", "type": "upstream_error",
+                                             "code": "upstream_failed", "param": None}}
+                            await ex.stream_write(watch.flush() + b"data: "
+                                                  + json.dumps(err).encode() + b"\n\n" + _DONE)
+                            await ex.stream_end()
+                            return
+                        if not chunk:
+                            break
+                    tail = watch.flush()
+                    if tail:
+                        await ex.stream_write(tail)
+                    await ex.stream_end()
+                    usage = watch.usage
+                except (ConnectionResetError, aiohttp.ClientConnectionError):
+                    return  # the client went away (ok stays None: not the worker's fault)
+                ok = True
+                m.request_done(w.id, 200, reason)
+                m.observe_latency(time.monotonic() - t0)
+            except UpstreamError as exc:
+                ok = False
+                if exc.cause == "connect":
+                    pool.check_soon(w)
+                raise _UpstreamFailed(exc.cause, f"worker {w.id}: {exc}") from None
+        finally:
+            if resp is not None:
+                resp.release()
+            pool.finish(w, left, ok)
+            if ok and link is not None:
+                try:
+                    link.observe(pick.key, pick.blocks, usage, ttft, pick.ahead, pick.own,
+                                 time.monotonic(), pick.touches)
+                except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
+                    log.exception("request %s: bookkeeping for worker %s failed", rid, w.id)
+                w._view = None  # its prefill rate may have moved
+
+    def _addr(self, url: str) -> tuple[str, int, str]:
+        a = self._addrs.get(url)
+        if a is None:
+            parts = urlsplit(url)
+            port = parts.port or 80
+            a = self._addrs[url] = (parts.hostname, port, parts.netloc)
+        return a
+
+    # -------------------------------------------------------------- warm-ups
+
+    def _schedule_warmups(self, workers, endpoint, body, key, depth, now) -> None:
+        bb = key.block_bytes
+        blocks = min(depth, len(key.hashes))
+        if blocks <= 0:
+            return
+        h = key.hashes[blocks - 1]
+        prompt: Any
+        p = body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None
+        if isinstance(p, list) and p and type(p[0]) is int:
+            prompt = p[: blocks * key.block_tokens]
+        else:
+            try:
+                prompt = key.data[: blocks * bb].decode("utf-8")
+            except UnicodeDecodeError:
+                log.debug("warm-up skipped: prefix cut inside a UTF-8 sequence")
+                return
+        interval = self.cfg.warmup.min_interval_s
+        payload = None
+        for wid in workers:
+            last = self._warmed.get((wid, h))
+            if last is not None and now - last < interval:
+                continue
+            w = self.pool.get(wid)
+            if w is None:
+                continue
+            self._warmed[(wid, h)] = now
+            if payload is None:
+                payload = json.dumps({"model": key.model, "prompt": prompt, "max_tokens": 1,
+                                      "stream": False}).encode()
+            self._spawn(self._warmup(w, payload, key.tenant))
+        if len(self._warmed) > 4096:
+            cutoff = now - interval
+            self._warmed = {k: t for k, t in self._warmed.items() if t >= cutoff}
+
+    async def _warmup(self, w, payload: bytes, tenant: str) -> None:
+        headers = {"Content-Type": _JSON, TENANT_HEADER: tenant,
+                   REQUEST_ID_HEADER: f"{self._rid_prefix}-warm-{next(self._rid)}"}
+        status = "error"
+        try:
+            async with self.session.post(
+                w.url + Endpoint.COMPLETIONS.value, data=payload, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.cfg.warmup.timeout_s),
+            ) as resp:
+                await resp.read()
+                status = "ok" if resp.status < 400 else "error"
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.debug("warm-up of %s failed: %r", w.id, exc)
+        self.metrics.warmups.labels(status).inc()
+
+    # ------------------------------------------------------------ small GETs

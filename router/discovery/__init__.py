@@ -1,0 +1,9 @@
+"""Worker discovery (``workers.discovery``): Kubernetes EndpointSlices (``k8s``) and
+DNS A/AAAA records of a headless Service (``dns``), applied to the pool as diffs
+(``reconcile``) by ``Discovery`` (``manager``). ``base`` holds the narrow source
+interface: a source yields the desired set of ``Endpoint(id, url, kind)``."""
+
+from router.discovery.base import Endpoint, SourceError
+from router.discovery.manager import Discovery
+
+__all__ = ["Discovery", "Endpoint", "SourceError"]

@@ -1,0 +1,128 @@
+"""Key spaces (contract 8): how a request becomes index keys for a given worker.
+
+Two kinds of space share one index, which stores chained 64-bit keys and does not
+care how they were made::
+
+    ByteSpace(block_bytes)                  routing bytes cut into block_bytes blocks
+                                            (router.prefix_keys, contract 1): agents,
+                                            and engines keyed without a tokenizer
+    TokenSpace(model, tokenizer, block)     the engine's own tokens (its tokenizer and
+                                            chat template) in its own KV blocks: the
+                                            keys its KV events produce too
+
+A worker's space is fixed by its kind and config (``router.engines.link``). A
+request is keyed once per space in use among the routable workers, not once per
+worker (``KeyedRequest``). Keys of different spaces never meet in the index (their
+seeds differ), so each worker's match is read from its own space's keys.
+
+Policies see one ``RouteRequest`` and one ``MatchResult``. With one space in use
+(the usual fleet) they are that space's. With several, the *primary* space is the
+one most routable workers use; another space's match is converted to primary
+blocks through tokens (``floor(matched_tokens / primary.block_tokens)``), which is
+exact when both count real tokens and an estimate against the byte space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Mapping, Sequence
+
+from policies.base import MatchResult, RouteRequest
+from router.prefix_keys import BYTES_PER_TOKEN, Endpoint, PrefixKey
+
+
+@dataclass(frozen=True, slots=True)
+class SpaceKey:
+    """One request keyed in one space."""
+
+    hashes: Sequence[int]
+    #: prompt tokens: exact in a token space, estimated (bytes / 4) in the byte space
+    prompt_tokens: int
+    #: tokens per block (estimated in the byte space)
+    block_tokens: int
+    #: True when prompt_tokens and blocks count the engine's real tokens
+    exact: bool
+
+
+class ByteSpace:
+    """Routing-byte keys (contract 1). The key is the one ``serve`` already computed."""
+
+    __slots__ = ("block_bytes", "id")
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.id: Hashable = ("bytes", block_bytes)
+
+    def key(self, endpoint: Endpoint, body: dict, pk: PrefixKey) -> SpaceKey:
+        return SpaceKey(pk.hashes, pk.prompt_tokens, self.block_bytes // BYTES_PER_TOKEN, False)
+
+    def __repr__(self) -> str:
+        return f"ByteSpace({self.block_bytes})"
+
+
+class TokenSpace:
+    """An engine's token blocks, keyed with its own tokenizer (router.engines.token_keys):
+    the namespace is the served model, the request's ``cache_salt`` (vLLM puts it in a
+    sequence's first block key), its LoRA adapter and the block size."""
+
+    __slots__ = ("model", "keyer", "block_size", "id")
+
+    def __init__(self, model: str, keyer, block_size: int) -> None:
+        self.model = model  # the served model name: part of every seed
+        self.keyer = keyer  # router.engines.token_keys.TokenKeyer
+        self.block_size = block_size
+        self.id: Hashable = ("tokens", model, keyer.source, block_size)
+
+    def key(self, endpoint: Endpoint, body: dict, pk: PrefixKey) -> SpaceKey:
+        """Raises ``MalformedRequest`` naming the field."""
+        tk = self.keyer.key(endpoint, body, model=self.model, block_size=self.block_size,
+                            adapter=pk.adapter)
+        return SpaceKey(tk.hashes, tk.prompt_tokens, self.block_size, tk.exact)
+
+    def __repr__(self) -> str:
+        return f"TokenSpace({self.model!r}, {self.keyer.source!r}, {self.block_size})"
+
+
+class KeyedRequest:
+    """A request keyed in every space in use, and its merged match.
+
+    ``route_request`` and ``match`` are what the policy sees (module docstring);
+    ``key_for(space)`` and ``blocks_for(worker)`` are what the data plane needs
+    after the pick (the hint insert, load in uncached tokens, accuracy)."""
+
+    __slots__ = ("keys", "matches", "primary", "route_request", "match", "_space_of")
+
+    def __init__(self, keys: dict, matches: dict, primary, route_request: RouteRequest,
+                 match: MatchResult, space_of: Mapping[str, Any]) -> None:
+        self.keys = keys  # space id -> SpaceKey
+        self.matches = matches  # space id -> MatchResult of that space's keys
+        self.primary = primary  # the space id the policy's view is in
+        self.route_request = route_request
+        self.match = match
+        self._space_of = space_of  # worker id -> space
+
+    def space(self, worker: str):
+        return self._space_of[worker]
+
+    def key_for(self, worker: str) -> SpaceKey:
+        return self.keys[self._space_of[worker].id]
+
+    def blocks_for(self, worker: str) -> int:
+        """Leading blocks ``worker`` holds in its own space."""
+        return self.matches[self._space_of[worker].id].blocks.get(worker, 0)
+
+
+def merge_matches(primary: SpaceKey, primary_match: MatchResult,
+                  others: Sequence[tuple[SpaceKey, MatchResult, Sequence[str]]]) -> MatchResult:
+    """The primary space's match plus the other spaces' workers, converted to primary
+    blocks through tokens (module docstring)."""
+    if not others:
+        return primary_match
+    blocks = dict(primary_match.blocks)
+    pbt = max(1, primary.block_tokens)
+    for sk, m, workers in others:
+        for w in workers:
+            b = m.blocks.get(w, 0)
+            if b:
+                blocks[w] = (b * sk.block_tokens) // pbt
+    return MatchResult(blocks, primary_match.depth, primary_match.rate)

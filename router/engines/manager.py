@@ -1,0 +1,306 @@
+"""The router's engine side: one ``EngineLink`` per worker, key spaces, engine metrics.
+
+``Engines`` follows the pool (``worker_added`` / ``worker_removed``), so every
+worker — from the YAML, the admin API, self-registration or discovery — gets a
+link, and a removed worker's subscriber and scraper stop with it. The data plane
+asks it two things per request::
+
+    keyed = engines.key(endpoint, body, pk, views, now)    a KeyedRequest: the request
+            in every key space the routable workers use, their matches merged for
+            the policy (router.engines.keyspace)
+    engines.observe(worker, keyed, usage, ttft, ...)        after the response:
+            prediction accuracy, approximate-mode correction, prefill-rate sample
+
+and ``forward_body`` (whether to ask the worker for usage in a stream the client
+did not ask it for). ``spaces_for(views)`` is cached and rebuilt only when a link's
+space changes or the routable set does.
+
+Lifecycle: ``start(session)`` starts the links of the workers present;
+``aclose()`` (idempotent) stops them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Sequence
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from policies.base import EMPTY_MATCH, RouteRequest, WorkerView
+from router.config import WorkerSpec
+from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
+from router.engines.kinds import WorkerKind
+from router.engines.link import EngineLink, LinkState
+from router.prefix_keys import Endpoint, PrefixKey
+
+log = logging.getLogger("radixfleet.engines")
+
+#: absolute prediction errors, tokens
+_ERR_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536)
+
+
+class EnginePrometheus:
+    """The engine side's metrics, in the router's registry."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.pred_err = Histogram(
+            "radixfleet_prediction_error_tokens", "|predicted matched - reported cached| "
+            "prompt tokens of the chosen worker, per response that reports cached tokens",
+            ["worker"], buckets=_ERR_BUCKETS, registry=r)
+        self.pred_over = Counter(
+            "radixfleet_prediction_over", "Responses whose cached tokens were fewer than "
+            "the index predicted", ["worker"], registry=r)
+        self.corrected = Counter(
+            "radixfleet_index_corrected_entries", "Index entries removed because a worker "
+            "reported fewer cached tokens than predicted (approximate mode)", ["worker"],
+            registry=r)
+        self.scrape_fail = Counter(
+            "radixfleet_engine_scrape_failures", "Failed scrapes of an engine's /metrics",
+            ["worker", "cause"], registry=r)
+        self.load_source = Gauge(
+            "radixfleet_engine_load_fresh", "1 while the engine's own load (its /metrics) "
+            "is fresh; 0: the router's own counts only", ["worker"], registry=r)
+        self.event_errors = Counter(
+            "radixfleet_engine_event_errors", "Malformed or unusable KV event frames",
+            ["worker", "cause"], registry=r)
+        self.event_blocks = Counter(
+            "radixfleet_engine_event_blocks", "Engine KV event blocks applied to the index",
+            ["type"], registry=r)
+        self.resyncs = Counter(
+            "radixfleet_engine_resyncs", "Times a worker's index entries were dropped and "
+            "rebuilt (gap, late join, restart)", ["worker", "reason"], registry=r)
+        self.model_mismatch = Counter(
+            "radixfleet_engine_model_mismatch", "Workers found serving another model than "
+            "their configured one (approximate mode)", ["worker"], registry=r)
+        self.tokenizer_errors = Counter(
+            "radixfleet_tokenizer_errors", "Tokenizers that could not be loaded",
+            ["worker"], registry=r)
+        self.prefill_rate = Gauge(
+            "radixfleet_worker_prefill_tokens_per_second", "Learned prefill speed",
+            ["worker"], registry=r)
+        self.truth = Gauge(
+            "radixfleet_worker_index_exact", "1: the worker's index entries follow its "
+            "engine's (or agent's) events; 0: approximate", ["worker"], registry=r)
+
+    def prediction(self, worker: str, err: int) -> None:
+        self.pred_err.labels(worker).observe(abs(err))
+        if err > 0:
+            self.pred_over.labels(worker).inc()
+
+    def scrape_ok(self, worker: str) -> None:
+        pass  # freshness is read at /metrics time (refresh)
+
+    def scrape_failed(self, worker: str, cause: str) -> None:
+        self.scrape_fail.labels(worker, cause).inc()
+
+    def event_error(self, worker: str, cause: str) -> None:
+        self.event_errors.labels(worker, cause).inc()
+
+    def resync(self, worker: str, reason: str) -> None:
+        self.resyncs.labels(worker, reason).inc()
+
+    def forget(self, worker: str) -> None:
+        for g in (self.load_source, self.prefill_rate, self.truth):
+            try:
+                g.remove(worker)
+            except KeyError:
+                pass
+
+
+class Engines:
+    """Per-worker engine links and the key spaces in use (module docstring)."""
+
+    #: pseudo-evidence (tokens) of the fleet's pooled prefill rate in each worker's
+    #: own (router.engines.prefill_rate.PrefillRateEstimator.blended). Large: measured
+    #: here, two identical vLLM servers' own estimates differed up to 3x after 30
+    #: requests each, and every such difference herds new sessions onto the one that
+    #: happens to measure faster; a worker must earn a rate of its own (~50 requests)
+    POOL_WEIGHT_TOKENS = 65536.0
+
+    def __init__(self, cfg, pool, index, registry: CollectorRegistry) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.index = index
+        self.prom = EnginePrometheus(registry)
+        self.byte_space = ByteSpace(cfg.keys.block_bytes)
+        self.session: aiohttp.ClientSession | None = None
+        self.links: dict[str, EngineLink] = {}
+        #: every engine worker's samples together: the rate a worker with little
+        #: evidence of its own is assumed to have
+        self.pooled_rate = self.new_rate_estimator(10_000.0)
+        #: decayed mean uncached prompt tokens per request, fleet-wide: what one
+        #: waiting request an engine reports is assumed to weigh
+        self.mean_request_tokens = 0.0
+        self._keyers: dict[str, Any] = {}  # tokenizer source -> TokenKeyer (shared)
+        self._spaces_key: tuple | None = None
+        self._spaces: list = []
+        self._started = False
+        self._closed = False
+        pool.listeners.append(self)
+
+    # --------------------------------------------------------------- lifecycle
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+        self._started = True
+        for w in list(self.pool):
+            self.worker_added(w)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        links = list(self.links.values())
+        self.links.clear()
+        await asyncio.gather(*(l.aclose() for l in links), return_exceptions=True)
+
+    def configure(self, cfg) -> None:
+        """A reloaded config (block_bytes changes restart the byte space)."""
+        self.cfg = cfg
+        if cfg.keys.block_bytes != self.byte_space.block_bytes:
+            self.byte_space = ByteSpace(cfg.keys.block_bytes)
+            for link in self.links.values():
+                if isinstance(link.space, ByteSpace):
+                    link.space = self.byte_space
+            self.spaces_changed()
+
+    # ------------------------------------------------------------ pool events
+
+    def worker_added(self, w) -> None:
+        if not self._started or self._closed or w.id in self.links:
+            return
+        spec = w.spec if w.spec is not None else WorkerSpec(
+            url=w.url, id=w.id, kind="agent" if w.source.value == "agent" else "auto")
+        link = self.links[w.id] = EngineLink(w, spec, self)
+        w.engine = link
+        self.spaces_changed()
+        asyncio.get_running_loop().create_task(link.start())
+
+    def worker_removed(self, w) -> None:
+        link = self.links.pop(w.id, None)
+        if link is None:
+            return
+        self.prom.forget(w.id)
+        self.spaces_changed()
+        if link.state is not LinkState.CLOSED:
+            asyncio.get_running_loop().create_task(link.aclose())
+
+    def spaces_changed(self) -> None:
+        self._spaces_key = None
+
+    # ---------------------------------------------------------- parts factory
+
+    def new_rate_estimator(self, prior_tokens_per_s: float):
+        from router.engines.prefill_rate import (
+            DEFAULT_MAX_TOKENS_PER_S, DEFAULT_MIN_TOKENS_PER_S, PrefillRateEstimator,
+        )
+        # the configured rate is only a prior: held within the estimator's clamps
+        prior = min(max(prior_tokens_per_s, DEFAULT_MIN_TOKENS_PER_S), DEFAULT_MAX_TOKENS_PER_S)
+        return PrefillRateEstimator(prior)
+
+    async def load_keyer(self, source: str, worker: str):
+        """The shared tokenizer of ``source``, loaded off the event loop (a second or
+        two for a real one); None (logged, counted) if it cannot load."""
+        k = self._keyers.get(source)
+        if k is not None:
+            return k
+        from router.engines.token_keys import TokenizerLoadError, TokenKeyer
+        try:
+            k = await asyncio.to_thread(TokenKeyer.load, source)
+            k = self._keyers.setdefault(source, k)
+        except TokenizerLoadError as exc:
+            self.prom.tokenizer_errors.labels(worker).inc()
+            log.error("worker %s: tokenizer %s cannot be loaded (%s): keyed on routing bytes "
+                      "instead, events ignored", worker, source, exc)
+            return None
+        return k
+
+    def new_scraper(self, link: EngineLink):
+        from router.engines.engine_metrics import MetricsKind, MetricsScraper
+        ms = link.spec.metrics
+        kind = MetricsKind.VLLM if link.kind is WorkerKind.VLLM else MetricsKind.SGLANG
+        return MetricsScraper(link.worker.url + ms.path, kind, self.session, link,
+                              interval_s=ms.interval_s, timeout_s=ms.timeout_s,
+                              model=link.spec.model or None, name=link.worker.id)
+
+    def new_subscriber(self, link: EngineLink):
+        from router.engines.wiring import subscribe
+        return subscribe(link, self)
+
+    # ------------------------------------------------------------- data plane
+
+    def spaces_for(self, views: Sequence[WorkerView]) -> list:
+        """[(space, [worker ids])], the most used space first. Cached."""
+        ids = tuple(v.id for v in views)
+        if self._spaces_key == ids:
+            return self._spaces
+        groups: dict = {}
+        links = self.links
+        for wid in ids:
+            link = links.get(wid)
+            sp = link.space if link is not None else self.byte_space
+            g = groups.get(sp.id)
+            if g is None:
+                groups[sp.id] = (sp, [wid])
+            else:
+                g[1].append(wid)
+        self._spaces = sorted(groups.values(), key=lambda g: -len(g[1]))
+        self._spaces_key = ids
+        return self._spaces
+
+    def key(self, endpoint: Endpoint, body: dict, pk: PrefixKey, session: str | None,
+            views: Sequence[WorkerView], now: float) -> KeyedRequest:
+        """The request in every space in use, and the policy's view of it.
+        Raises ``MalformedRequest`` (a token space refusing the body)."""
+        groups = self.spaces_for(views)
+        index = self.index
+        keys: dict = {}
+        matches: dict = {}
+        space_of: dict = {}
+        others = []
+        for i, (sp, wids) in enumerate(groups):
+            sk = sp.key(endpoint, body, pk)
+            keys[sp.id] = sk
+            m = index.match(sk.hashes, now, count=(i == 0)) if sk.hashes else EMPTY_MATCH
+            matches[sp.id] = m
+            for wid in wids:
+                space_of[wid] = sp
+            if i:
+                others.append((sk, m, wids))
+        psp = groups[0][0]
+        psk = keys[psp.id]
+        match = merge_matches(psk, matches[psp.id], others)
+        req = RouteRequest(psk.hashes, psk.prompt_tokens, psk.block_tokens, session,
+                           pk.model, len(pk.data))
+        return KeyedRequest(keys, matches, psp.id, req, match, space_of)
+
+    def link(self, worker: str) -> EngineLink | None:
+        return self.links.get(worker)
+
+    def forward_body(self, link: EngineLink | None, endpoint: Endpoint, body: dict,
+                     raw: bytes, stream: bool) -> tuple[bytes, bool]:
+        """The bytes to send and whether the usage event must be hidden: a stream
+        whose client did not ask for usage gets ``stream_options.include_usage`` so
+        the router learns the cached tokens (OpenAI endpoints; SGLang's /generate
+        reports them in every event's meta_info)."""
+        if not stream or endpoint is Endpoint.GENERATE:
+            return raw, False
+        so = body.get("stream_options")
+        if isinstance(so, dict) and so.get("include_usage") is True:
+            return raw, False
+        if so is not None and not isinstance(so, dict):
+            return raw, False  # the worker answers the client's own mistake
+        b = dict(body)
+        b["stream_options"] = {**(so or {}), "include_usage": True}
+        return json.dumps(b, ensure_ascii=False, separators=(",", ":")).encode(
+            "utf-8", "surrogatepass"), True
+
+    def refresh(self, now: float) -> None:
+        """Copies link state into gauges (at /metrics time)."""
+        for wid, link in self.links.items():
+            self.prom.load_source.labels(wid).set(1 if link.engine_load_fresh(now) else 0)
+            self.prom.prefill_rate.labels(wid).set(link.prefill_rate(now))
+            self.prom.truth.labels(wid).set(0 if link.truth.value == "approximate" else 1)

