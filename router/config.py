@@ -104,7 +104,7 @@ class ListenConfig:
 class WorkerSpec:
     url: str = _opt("", "base URL of the worker, http://host:port")
     id: str = _opt("", "worker id (default: host:port of url)")
-    weight: float = _opt(1.0, "relative capacity weight", lo=0.001, hi=1000.0)
+    weight: float = _opt(1.0, "relative capacity weight", lo=0.01, hi=100.0)
     prefill_tokens_per_s: float = _opt(
         10_000.0, "prefill throughput used until the agent reports its own", lo=1.0, hi=1e12)
 

@@ -81,7 +81,7 @@ _WORKER_ID = {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS,
 _URL = {"type": "string", "maxLength": MAX_URL_CHARS, "description": "http://host:port"}
 WORKER_SPEC = {"type": "object", "required": ["url"], "additionalProperties": False,
                "properties": {"url": _URL, "id": _WORKER_ID,
-                              "weight": {"type": "number", "minimum": 0.001, "maximum": 1000},
+                              "weight": {"type": "number", "minimum": 0.01, "maximum": 100},
                               "prefill_tokens_per_s": {"type": "number", "minimum": 1,
                                                        "maximum": MAX_RATE}}}
 REGISTRATION = {"type": "object", "required": ["worker_id", "url", "epoch"], "properties": {
