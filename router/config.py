@@ -1,7 +1,7 @@
 """The router's YAML configuration: one schema, validated into frozen dataclasses.
 
 Also the ``radixfleet check-config FILE`` subcommand (exit 0 with a one-line OK
-summary, or 2 with the first error).
+summary and any warnings on stderr, or 2 with every error, each with its path).
 
 Schema (every section and key optional; defaults shown; ``deploy/README.md``
 documents each key)::
@@ -9,7 +9,7 @@ documents each key)::
     listen:   {host: 127.0.0.1, port: 8000}
     workers:  [{url: http://10.0.0.1:30000 (plain http), id: <host:port>, weight: 1.0,
                 prefill_tokens_per_s: 10000.0}, ...]
-    keys:     {block_bytes: 128,
+    keys:     {block_bytes: 128, tenant_salt_env: RADIXFLEET_TENANT_SALT,
                tenant: {source: none|api_key|header, default: "", header: x-tenant-id,
                         require_key: true,
                         api_keys: [{tenant: a, key_env: TENANT_A_KEY} | {tenant: b, key: sk-..}]}}
@@ -22,7 +22,9 @@ documents each key)::
     retries:  {max_attempts: 3, backoff_s: 0.005, backoff_max_s: 0.1}
     timeouts: {connect_s: 2.0, first_byte_s: 120.0, total_s: 600.0}
     limits:   {max_body_bytes: 8388608, max_concurrency: 1024, max_queue: 4096,
-               queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0}
+               queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0,
+               worker_queue_requests: 0.5, worker_queue_min_s: 0.05,
+               header_timeout_s: 10.0, body_timeout_s: 30.0}
     warmup:   {enabled: true, min_interval_s: 10.0, timeout_s: 30.0}
     auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
     reload:   {watch: true, poll_interval_s: 1.0}
@@ -34,9 +36,10 @@ valid ones::
     limits.max_queue: expected an integer >= 0, got -1
     health.intervall_s: unknown key; valid: failure_threshold, interval_s, ...
 
-Absent keys keep their defaults; a key present with ``null`` is an error (``null``
-never means "the default"). Command-line overrides are merged with ``MISSING``
-(``with_overrides``), never with ``None``.
+A key written twice in one mapping is an error. Every error is reported in one
+run (``ConfigError.errors``). Absent keys keep their defaults; a key present with
+``null`` is an error (``null`` never means "the default"). Command-line overrides
+are merged with ``MISSING`` (``with_overrides``), never with ``None``.
 """
 
 from __future__ import annotations
@@ -200,7 +203,7 @@ class LimitsConfig:
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may "
                                      "finish", lo=0)
     worker_queue_requests: float = _opt(
-        2.0, "shed (429 + Retry-After) when every eligible worker has more than this many "
+        0.5, "shed (429 + Retry-After) when every eligible worker has more than this many "
         "typical requests' worth of prefill queued (router.shedding); 0 = never shed", lo=0)
     worker_queue_min_s: float = _opt(
         0.05, "the shedding bound is at least this many seconds of queued prefill", lo=0)

@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "agent": ("router.benchmarks.agent", "agent: cached TTFT, cost model, bookkeeping req/s"),
     "sim": ("router.benchmarks.sim", "simulator: simulated requests per wall second"),
     "fidelity": ("router.benchmarks.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
+    "overload": ("router.benchmarks.overload", "shedding at 4x capacity with default settings"),
 }
 
 
