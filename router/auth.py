@@ -1,9 +1,10 @@
 """Identities: bearer tokens for the admin and agent APIs, tenants for the data plane.
 
 The tenant selects the prefix-key namespace (router.prefix_keys; its salt is a
-secret per deployment, router.tenancy), so it must come from an authenticated identity — an API key the YAML maps to a tenant, or a header only
-when the config says a trusted gateway sets it — never from the request body, so
-no client can claim another tenant's salt and probe its cache by timing.
+secret per deployment, router.tenancy), so it must come from an authenticated
+identity — an API key the YAML maps to a tenant, or a header only when the config
+says a trusted gateway sets it — never from the request body, so no client can
+claim another tenant's namespace and probe its cache by timing.
 
 Secrets are compared in constant time: bearer tokens with ``hmac.compare_digest``;
 API keys by looking up the SHA-256 digest of the presented key (the lookup's

@@ -268,7 +268,8 @@ class DataPlane:
         after every resource is released."""
         t0 = time.monotonic()
         headers = ex.headers
-        rid = request_id(headers.get(REQUEST_ID_HEADER)) or f"{self._rid_prefix}-{next(self._rid)}"
+        rid = (request_id(headers.get(REQUEST_ID_HEADER))  # the client's, if short and plain
+               or f"{self._rid_prefix}-{next(self._rid)}")
         adm = self.admission
         if not adm.try_enter():
             try:

@@ -259,8 +259,8 @@ def corpus() -> list[tuple[str, bytes]]:
         "role": '{"model":"fz-a","messages":[{"role":"%s","content":"hi"}]}' % _LONE,
         "tools": '{"model":"fz-a","messages":[{"role":"user","content":"x"}],"tools":[{"n":"%s"}]}'
                  % _LONE,
-        "tool_calls": '{"model":"fz-a","messages":[{"role":"assistant","tool_calls":[{"id":"%s"}]}]}'
-                      % _LONE,
+        "tool_calls": ('{"model":"fz-a","messages":[{"role":"assistant",'
+                       '"tool_calls":[{"id":"%s"}]}]}' % _LONE),
         "media": '{"model":"fz-a","messages":[{"role":"user","content":[{"type":"image_url",'
                  '"image_url":{"url":"%s"}}]}]}' % _LONE,
         "prompt": '{"model":"fz-a","prompt":"a%sb"}' % _LONE,
