@@ -493,9 +493,12 @@ class _PendingRequest:
     """A request being parsed (head, then body), or parsed and waiting its turn."""
 
     __slots__ = ("url", "headers", "in_head", "head_size", "head_raw", "handler", "keepalive",
-                 "http10", "body", "size", "limit", "too_large", "expect_continue")
+                 "http10", "body", "size", "limit", "too_large", "expect_continue", "since")
 
     def __init__(self) -> None:
+        #: monotonic time its first byte arrived, then the time its head was complete:
+        #: the start of the head deadline, then of the body deadline (FrontServer._sweep)
+        self.since = _time.monotonic()
         self.url = b""
         self.headers: dict[str, str] = {}  # lower-case names, repeats joined by ", "
         self.in_head = True  # headers still arriving (later on_header calls are trailers)
@@ -727,6 +730,7 @@ class _FrontConn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         req = self.req
         req.in_head = False
+        req.since = _time.monotonic()
         p = self.parser
         version = p.get_http_version()
         if version != "1.1" and version != "1.0":
@@ -903,11 +907,17 @@ class FrontServer:
     stops accepting, closes idle connections, lets in-flight requests finish for
     up to ``timeout`` seconds, then cancels the rest. Idempotent."""
 
-    def __init__(self, routes: dict, fallback, max_body, *, idle_timeout_s: float = 75.0) -> None:
+    def __init__(self, routes: dict, fallback, max_body, *, idle_timeout_s: float = 75.0,
+                 head_timeout_s=lambda: 10.0, body_timeout_s=lambda: 30.0) -> None:
         self.routes = routes
         self.fallback = fallback
         self.max_body = max_body
         self.idle_timeout_s = idle_timeout_s
+        #: callables -> seconds: a request's head must arrive within head_timeout_s()
+        #: of its first byte, its body within body_timeout_s() of its head, else 408
+        #: (one byte every few seconds must not hold a connection forever)
+        self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
         self.closing = False
         self._conns: set[_FrontConn] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -922,11 +932,26 @@ class FrontServer:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(min(10.0, self.idle_timeout_s))
-            cutoff = _time.monotonic() - self.idle_timeout_s
-            for c in list(self._conns):
-                if c.task is None and c.last_active < cutoff:
-                    c.close()
+            await asyncio.sleep(min(1.0, self.idle_timeout_s))
+            self.sweep(_time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        """Closes idle connections and answers 408 to requests past their head or
+        body deadline. O(connections); runs every second."""
+        cutoff = now - self.idle_timeout_s
+        head_s, body_s = self.head_timeout_s(), self.body_timeout_s()
+        for c in list(self._conns):
+            req = c.req
+            if req is not None and c.parser is not None:
+                limit = head_s if req.in_head else body_s
+                if now - req.since > limit:
+                    part = "head" if req.in_head else "body"
+                    log.info("request %s not received within %gs: 408", part, limit)
+                    c._stop_bad(408, f"request {part} not received within {limit:g}s")
+                    if c.task is None:
+                        c._next()
+            elif c.task is None and c.last_active < cutoff:
+                c.close()
 
     def in_flight(self) -> int:
         return sum(1 for c in self._conns if c.task is not None)

@@ -24,7 +24,7 @@ HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_
 
 @pytest.fixture
 async def fleet():
-    up = web.AppRunner(upstream_app("u", chunks=3), access_log=None)
+    up = web.AppRunner(upstream_app("u", chunks=3, model="m"), access_log=None)
     await up.setup()
     up_port = free_port()
     await web.TCPSite(up, "127.0.0.1", up_port).start()
@@ -151,7 +151,7 @@ async def test_metrics_exposes_the_documented_series(fleet):
 async def test_warmup_sends_prefill_only_request(fleet):
     router, port, url = fleet
     body = {"model": "m", "prompt": "The shared system prompt. " * 20}
-    key = request_key(Endpoint.COMPLETIONS, body, tenant="t")
+    key = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("t"))
     router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
     router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
     async with httpx.AsyncClient() as c:
@@ -162,7 +162,7 @@ async def test_warmup_sends_prefill_only_request(fleet):
                 break
             await asyncio.sleep(0.02)
     assert stats["requests"] == 1  # the second one was within min_interval_s
-    assert stats["tenants"] == ["t"] and stats["paths"] == ["/v1/completions"]
+    assert stats["tenants"] == [router.salts.salt("t")] and stats["paths"] == ["/v1/completions"]
     assert router.metrics.warmups.labels("ok")._value.get() == 1
 
 
@@ -195,7 +195,7 @@ async def test_graceful_close_finishes_in_flight(fleet):
 
 async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
     # an upstream that closes idle keep-alive connections after 0.1 s
-    up = web.AppRunner(upstream_app("k"), access_log=None, keepalive_timeout=0.1)
+    up = web.AppRunner(upstream_app("k", model="m"), access_log=None, keepalive_timeout=0.1)
     await up.setup()
     up_port = free_port()
     await web.TCPSite(up, "127.0.0.1", up_port).start()

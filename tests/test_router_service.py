@@ -65,6 +65,7 @@ async def wait_ready(base: str, timeout_s: float = 10.0) -> None:
 
 
 def upstream_proc(name: str, **flags) -> tuple[Proc, str]:
+    flags.setdefault("model", "m")
     port = free_port()
     argv = [sys.executable, "-m", "router.benchmarks.proxy", "upstream", "--port", str(port),
             "--name", name]
@@ -81,7 +82,7 @@ LONG_PROMPT = "You are a helpful assistant. " * 20  # several 128-byte blocks
 async def two_upstreams():
     runners, urls = [], []
     for i in range(2):
-        r, u = await start_app(upstream_app(f"u{i}", chunks=5, model=f"m{i}"))
+        r, u = await start_app(upstream_app(f"u{i}", chunks=5, model="m"))
         runners.append(r)
         urls.append(u)
     yield urls
@@ -99,20 +100,20 @@ async def test_openai_sdk_streams_and_non_streams(two_upstreams, front):
         front=front)
     try:
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        comp = await client.completions.create(model="m0", prompt=LONG_PROMPT, max_tokens=4)
+        comp = await client.completions.create(model="m", prompt=LONG_PROMPT, max_tokens=4)
         assert comp.choices[0].text == "ok"
         chat = await client.chat.completions.create(
-            model="m0", messages=[{"role": "user", "content": "hello"}])
+            model="m", messages=[{"role": "user", "content": "hello"}])
         assert chat.choices[0].message.content == "ok"
-        stream = await client.completions.create(model="m0", prompt=LONG_PROMPT, stream=True)
+        stream = await client.completions.create(model="m", prompt=LONG_PROMPT, stream=True)
         texts = [c.choices[0].text async for c in stream]
         assert texts == ["x"] * 5
         stream = await client.chat.completions.create(
-            model="m0", messages=[{"role": "user", "content": "hi"}], stream=True)
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
         deltas = [c.choices[0].delta.content async for c in stream]
         assert deltas == ["x"] * 5
         models = await client.models.list()
-        assert sorted(m.id for m in models.data) == ["m0", "m1"]
+        assert [m.id for m in models.data] == ["m"]
         await client.close()
         router.pool.check()
         assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router.pool)
@@ -134,7 +135,8 @@ async def test_headers_tenant_and_request_id_reach_worker(two_upstreams):
             assert r2.headers["x-request-id"] != "req-123"
             stats = (await c.get(two_upstreams[0] + "/stats")).json()
             assert stats["paths"][-2:] == ["/v1/completions", "/generate"]
-            assert stats["tenants"][-1] == ""  # the default tenant, always sent
+            # the default tenant's secret salt, always sent
+            assert stats["tenants"][-1] == router.salts.salt("") != ""
     finally:
         await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
 
@@ -340,8 +342,8 @@ async def test_tenants_never_match_each_other(two_upstreams, monkeypatch):
                               headers={"Authorization": "Bearer key-a"})
             assert ra.status_code == 200
             assert ra.headers["x-radixfleet-worker"]
-        ka = request_key(Endpoint.COMPLETIONS, body, tenant="A")
-        kb = request_key(Endpoint.COMPLETIONS, body, tenant="B")
+        ka = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("A"))
+        kb = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("B"))
         now = time.monotonic()
         assert router.index.match(ka.hashes, now, count=False).best == len(ka.hashes) > 0
         assert router.index.match(kb.hashes, now, count=False).blocks == {}
@@ -351,7 +353,8 @@ async def test_tenants_never_match_each_other(two_upstreams, monkeypatch):
             assert rb.status_code == 200
             stats = (await c.get(two_upstreams[0] + "/stats")).json()["tenants"] + \
                 (await c.get(two_upstreams[1] + "/stats")).json()["tenants"]
-        assert sorted(stats) == ["A", "B"]
+        # workers see each tenant's secret salt, never its name
+        assert sorted(stats) == sorted([router.salts.salt("A"), router.salts.salt("B")])
         # B's request was a miss although A's identical prompt is indexed
         req = router.metrics.requests
         misses = sum(s.value for m in req.collect() for s in m.samples
@@ -443,7 +446,7 @@ async def test_admin_add_drain_remove_worker(two_upstreams):
 async def test_agent_registration_and_events(two_upstreams):
     router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
     ev_url = base + "/internal/v1/events"
-    reg = {"worker_id": "ag", "url": two_upstreams[1], "epoch": "e1", "models": ["m1"]}
+    reg = {"worker_id": "ag", "url": two_upstreams[1], "epoch": "e1", "models": ["m"]}
     key = request_key(Endpoint.COMPLETIONS, {"model": "m", "prompt": LONG_PROMPT})
     h = key.hashes
     now = time.monotonic
