@@ -7,11 +7,13 @@ between the pick and the load count::
     read body (<= limits.max_body_bytes, else 413) -> json (else 400)
     tenant = TenantResolver(headers)                 (auth.py; 401 if a key is required)
     key    = request_key(endpoint, body, tenant, block_bytes)   (400 naming the field)
-    match  = index.match(key.hashes, now)
     views  = pool.views(now)                         (routable only; none -> 503)
-    d      = policy.choose(RouteRequest, match, views, now)
-    index.insert(d.worker, key.hashes, now)           optimistic hint
-    pool.pick(worker, prompt_tokens)                  load counted at pick time
+    router.pick.pick_worker (the simulator calls it too):
+      match  = index.match(key.hashes, now)
+      d      = policy.choose(RouteRequest, match, views, now)
+      index.insert(d.worker, key.hashes, now)         optimistic hint
+      pool.pick(worker, uncached prompt tokens)       load counted at pick time
+    warm-ups of a hot root's new replica (router.warmup.WarmupGate)
     forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
         connect error / 5xx / timeout before the client saw a byte: retry on another
         worker (retries.max_attempts, exponential backoff)
@@ -71,10 +73,12 @@ from router.errors import (
 )
 from router.feedback import Feedback
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from router.pick import pick_worker
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
 from router.prefix_keys import Endpoint, request_key
 from router.proxy import UpstreamError, UpstreamPool, build_head
+from router.warmup import WarmupGate, warmup_prefix
 
 log = logging.getLogger("radixfleet.router")
 
@@ -255,7 +259,7 @@ class Router:
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
-        self._warmed: dict[tuple[str, int], float] = {}
+        self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
         self._tasks: set[asyncio.Task] = set()
         self._models_cache: tuple[float, dict] | None = None
         self._mtime = self._file_mtime()
@@ -401,21 +405,12 @@ class Router:
                 f"no healthy worker available ({len(pool)} known)"), rid)
             return
         index = self.index
-        match = index.match(key.hashes, now)
         req = RouteRequest(key.hashes, key.prompt_tokens, key.block_tokens, session,
                            key.model, len(key.data))
-        d = self.policy.choose(req, match, views, now)
-        w = pool.get(d.worker)
-        if w is None:  # a policy bug: never route into the void
-            raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
-        if key.hashes:
-            index.insert(w.id, key.hashes, now)
-        # Uncached prompt tokens are the prefill work this request adds (policies.base).
-        prompt_tokens = key.prompt_tokens
-        tokens = max(0, prompt_tokens - d.matched_blocks * key.block_tokens)
-        pool.pick(w, tokens)
+        # match, choose, hint, count the uncached tokens: router.pick (the simulator's too)
+        d, w, tokens, depth = pick_worker(self.policy, index, pool, req, views, now)
         if d.warm and self.cfg.warmup.enabled:
-            self._schedule_warmups(d.warm, endpoint, body, key, match.depth, now)
+            self._schedule_warmups(d.warm, endpoint, body, key, depth, now)
         fwd = (b"x-radixfleet-tenant: " + key.tenant.encode("utf-8", "surrogateescape")
                + b"\r\nx-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
         reason = d.reason.value
@@ -444,14 +439,7 @@ class Router:
             views = [v for v in pool.views(now) if v.id not in tried]
             if not views:
                 break
-            d = self.policy.choose(req, index.match(key.hashes, now, count=False), views, now)
-            w = pool.get(d.worker)
-            if w is None:
-                break
-            if key.hashes:
-                index.insert(w.id, key.hashes, now)
-            tokens = max(0, prompt_tokens - d.matched_blocks * key.block_tokens)
-            pool.pick(w, tokens)
+            d, w, tokens, _ = pick_worker(self.policy, index, pool, req, views, now, count=False)
             reason = Reason.FALLBACK.value
             self.metrics.retries.labels(last.cause).inc()
         # Every attempt failed before the client saw anything.
@@ -557,10 +545,10 @@ class Router:
 
     def _schedule_warmups(self, workers, endpoint, body, key, depth, now) -> None:
         bb = key.block_bytes
-        blocks = min(depth, len(key.hashes))
-        if blocks <= 0:
+        prefix = warmup_prefix(key.hashes, depth)
+        if prefix is None:
             return
-        h = key.hashes[blocks - 1]
+        blocks, h = prefix
         prompt: Any
         p = body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None
         if isinstance(p, list) and p and type(p[0]) is int:
@@ -574,20 +562,13 @@ class Router:
         interval = self.cfg.warmup.min_interval_s
         payload = None
         for wid in workers:
-            last = self._warmed.get((wid, h))
-            if last is not None and now - last < interval:
-                continue
             w = self.pool.get(wid)
-            if w is None:
+            if w is None or not self._warmed.admit(wid, h, now, interval):
                 continue
-            self._warmed[(wid, h)] = now
             if payload is None:
                 payload = json.dumps({"model": key.model, "prompt": prompt, "max_tokens": 1,
                                       "stream": False}).encode()
             self._spawn(self._warmup(w, payload, key.tenant))
-        if len(self._warmed) > 4096:
-            cutoff = now - interval
-            self._warmed = {k: t for k, t in self._warmed.items() if t >= cutoff}
 
     async def _warmup(self, w, payload: bytes, tenant: str) -> None:
         headers = {"Content-Type": _JSON, TENANT_HEADER: tenant,

@@ -231,12 +231,7 @@ async def _serve(agent: Agent, request: web.Request, endpoint: Endpoint) -> web.
         raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
     p = _parse(agent, endpoint, body, request.headers.get(TENANT_HEADER, ""))
     r = p.req
-    try:
-        w = agent.engine.submit(r)
-    except PromptTooLarge:
-        if r.hashes:  # the router may have hinted these blocks here
-            agent.cache.report_unheld(r.ns, r.prompt, r.hashes[: len(r.prompt) // agent.block_tokens])
-        raise
+    w = agent.engine.submit(r)  # PromptTooLarge: the scheduler withdrew the router's hint
     created = int(time.time())
     try:
         if not p.stream:

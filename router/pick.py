@@ -1,0 +1,58 @@
+"""The router's pick step: match, choose, hint, count — one function, two callers.
+
+The live router (``router.app``, per request and per retry) and the offline
+simulator (``loadtest.simulator.fleet``, on its virtual clock) both route through
+``pick_worker``, so the simulator runs exactly the bookkeeping the router does::
+
+    match = index.match(request.hashes, now, count)     hot-root counters (count)
+    d     = policy.choose(request, match, views, now)
+    index.insert(d.worker, request.hashes, now)          optimistic hint
+    pool.pick(worker, uncached_tokens(...))              load counted at pick time
+
+Nothing here awaits: the load is counted before the caller awaits anything, so a
+burst cannot herd onto one worker (DESIGN.md's lessons). ``views`` come from the
+caller (``pool.views(now)``, minus workers already tried on a retry) and must not
+be empty: the caller answers "no worker" itself.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from policies.base import Decision, Policy, RouteRequest, WorkerView
+
+
+class Picked(NamedTuple):
+    """What ``pick_worker`` did: the policy's decision, the pool's worker it named,
+    the tokens counted on it (release them with ``pool.prefilled`` / ``finish``) and
+    the depth the index matched (hot-root warm-ups cover that prefix)."""
+
+    decision: Decision
+    worker: object  # router.pool.Worker
+    tokens: int
+    depth: int
+
+
+def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int) -> int:
+    """The prefill work a request adds to its worker: the prompt tokens its matched
+    blocks do not cover (policies.base: load is counted in uncached tokens)."""
+    return max(0, prompt_tokens - matched_blocks * block_tokens)
+
+
+def pick_worker(policy: Policy, index, pool, request: RouteRequest,
+                views: Sequence[WorkerView], now: float, *, count: bool = True) -> Picked:
+    """Routes ``request`` among ``views`` and does the router's pick-time bookkeeping
+    (module docstring). ``count``: record the request in the index's hot-root
+    counters (False for a retry: the request was counted once). Raises
+    ``AssertionError`` if the policy names a worker the pool does not know (a
+    policy bug: never route into the void)."""
+    match = index.match(request.hashes, now, count)
+    d = policy.choose(request, match, views, now)
+    w = pool.get(d.worker)
+    if w is None:
+        raise AssertionError(f"policy {policy.name} chose unknown worker {d.worker!r}")
+    if request.hashes:
+        index.insert(w.id, request.hashes, now)
+    tokens = uncached_tokens(request.prompt_tokens, d.matched_blocks, request.block_tokens)
+    pool.pick(w, tokens)
+    return Picked(d, w, tokens, match.depth)
