@@ -19,6 +19,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "agent": ("router.benchmarks.agent", "agent: cached TTFT, cost model, bookkeeping req/s"),
     "sim": ("router.benchmarks.sim", "simulator: simulated requests per wall second"),
     "fidelity": ("router.benchmarks.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
+    "reproduce": ("router.benchmarks.reproduce",
+                  "re-run the seeded figures of bench/RESULTS.md; exit 1 if any differs"),
 }
 
 

@@ -181,10 +181,13 @@ def _workload(n: int, rate: float, seed: int) -> list[tuple]:
     return out
 
 
-def _quality(args: argparse.Namespace) -> list[dict]:
+def _quality(args: argparse.Namespace, labels: list[str] | None = None) -> list[dict]:
+    """The --quality rows (all, or those of ``labels``), in ``QUALITY_ROWS`` order."""
     work = _workload(args.requests, float(args.rate), args.seed + 99)
     rows = []
     for label, name, params, full in QUALITY_ROWS:
+        if labels is not None and label not in labels:
+            continue
         loop = PickLoop(build_policy(name, params, random.Random(args.seed)),
                         [f"w{i}" for i in range(8)],
                         index=PrefixIndex(max_bytes=64 * 2**20, half_life_s=10.0),
