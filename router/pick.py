@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from policies.base import Decision, Policy, RouteRequest, WorkerView
+from router.pool import Pool, Worker
 
 
 class Picked(NamedTuple):
@@ -28,7 +29,7 @@ class Picked(NamedTuple):
     the depth the index matched (hot-root warm-ups cover that prefix)."""
 
     decision: Decision
-    worker: object  # router.pool.Worker
+    worker: Worker
     tokens: int
     depth: int
 
@@ -39,7 +40,7 @@ def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int) 
     return max(0, prompt_tokens - matched_blocks * block_tokens)
 
 
-def pick_worker(policy: Policy, index, pool, request: RouteRequest,
+def pick_worker(policy: Policy, index, pool: Pool, request: RouteRequest,
                 views: Sequence[WorkerView], now: float, *, count: bool = True) -> Picked:
     """Routes ``request`` among ``views`` and does the router's pick-time bookkeeping
     (module docstring). ``count``: record the request in the index's hot-root
