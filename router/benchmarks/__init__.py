@@ -2,7 +2,8 @@
 
 Each benchmark is a module here exposing ``configure(parser)`` and ``run(args)``,
 like a CLI subcommand. Results, with the command that produced them, are written
-down in ``bench/RESULTS.md``. Benchmarks are never part of the test run.
+down in ``bench/RESULTS.md``. Benchmarks are never part of the test run; the seeded
+figures are (``reproduce``, through ``tests/test_results_reproduce.py``).
 """
 
 from __future__ import annotations
