@@ -55,12 +55,14 @@ from router.errors import (
 )
 from router.identifiers import request_id
 from router.metrics import Metrics
+from router.pick import hint_and_count
 from router.pool import Pool
 from router.prefix_index import PrefixIndex
 from router.prefix_keys import Endpoint, request_key
 from router.proxy import UpstreamError, UpstreamPool, build_head
 from router.shedding import Shedder
 from router.sse import StreamWatch, usage_of
+from router.warmup import WarmupGate, warmup_prefix
 
 log = logging.getLogger("radixfleet.router")
 
@@ -253,7 +255,7 @@ class DataPlane:
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
-        self._warmed: dict[tuple[str, int], float] = {}
+        self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
 
     def configure(self, cfg: Config, policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
@@ -415,12 +417,10 @@ class DataPlane:
             # what a correction needs if the worker reports fewer cached tokens
             tt = self.index.touch_time
             touches = tuple(tt(w.id, h) for h in sk.hashes[:blocks])
-        if sk.hashes:
-            self.index.insert(w.id, sk.hashes, now)
-        # Uncached prompt tokens are the prefill work this request adds (policies.base).
-        own = max(0, sk.prompt_tokens - blocks * sk.block_tokens)
         ahead = w.in_flight_tokens
-        self.pool.pick(w, own)
+        # the hint and the load count in uncached tokens (router.pick: the simulator's too)
+        own = hint_and_count(self.index, self.pool, w, sk.hashes, sk.prompt_tokens, blocks,
+                             sk.block_tokens, now)
         return _Pick(sk, blocks, own, ahead, touches)
 
     async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", tenant,
@@ -541,11 +541,14 @@ class DataPlane:
     # -------------------------------------------------------------- warm-ups
 
     def _schedule_warmups(self, workers, endpoint, body, key, depth, now) -> None:
+        """Prefill-only warm-ups of a hot root's new replicas (byte space: the routing
+        bytes of the matched prefix), at most one per (worker, prefix) per
+        ``warmup.min_interval_s`` (router.warmup, the simulator's gate too)."""
         bb = key.block_bytes
-        blocks = min(depth, len(key.hashes))
-        if blocks <= 0:
+        prefix = warmup_prefix(key.hashes, depth)
+        if prefix is None:
             return
-        h = key.hashes[blocks - 1]
+        blocks, h = prefix
         prompt: Any
         p = body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None
         if isinstance(p, list) and p and type(p[0]) is int:
@@ -559,13 +562,9 @@ class DataPlane:
         interval = self.cfg.warmup.min_interval_s
         payload = None
         for wid in workers:
-            last = self._warmed.get((wid, h))
-            if last is not None and now - last < interval:
-                continue
             w = self.pool.get(wid)
-            if w is None:
+            if w is None or not self._warmed.admit(wid, h, now, interval):
                 continue
-            self._warmed[(wid, h)] = now
             if payload is None:
                 warm = {"model": key.model, "prompt": prompt, "max_tokens": 1, "stream": False}
                 for f in ("lora_path", "lora_adapter"):  # the adapter's cache, not the base's
@@ -573,9 +572,6 @@ class DataPlane:
                         warm[f] = body[f]
                 payload = json.dumps(warm).encode()
             self._spawn(self._warmup(w, payload, key.tenant))
-        if len(self._warmed) > 4096:
-            cutoff = now - interval
-            self._warmed = {k: t for k, t in self._warmed.items() if t >= cutoff}
 
     async def _warmup(self, w, payload: bytes, tenant: str) -> None:
         headers = {"Content-Type": _JSON, **self.tenants.forward_headers(tenant),

@@ -16,6 +16,8 @@ exceptions. What remains is caller misuse and bad input::
      |    +-- RequestTimeout        head or body not received in time -> 408
      +-- ConfigError                a YAML/CLI setting is invalid; names the field path
      +-- WorkloadError              a load-test workload or trace is invalid (line number)
+     +-- RunError                   a load-test run cannot be made as asked (e.g. an
+                                    agent's cache flush failed: it would not start cold)
 
 Broken invariants are ``AssertionError`` raised by ``check()`` methods, never
 members of this tree.
@@ -130,3 +132,7 @@ class ConfigError(RadixfleetError):
 
 class WorkloadError(RadixfleetError):
     """An invalid workload parameter or trace line (the message names it)."""
+
+
+class RunError(RadixfleetError):
+    """A load-test run cannot be made as asked (the message says why and how to opt out)."""

@@ -318,13 +318,21 @@ class _Conn(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Keep-alive connections per (host, port); idle ones reused most-recent first."""
+    """Keep-alive connections per (host, port); idle ones reused most-recent first.
+
+    An idle connection the upstream has closed is skipped when its close was seen;
+    one whose close had not arrived yet fails before its response head and the
+    request is sent once more on a fresh connection (``stale_retries``).
+    """
 
     def __init__(self, *, connect_timeout_s: float = 2.0, max_idle_per_host: int = 512) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle_per_host
         self._idle: dict[tuple[str, int], collections.deque[_Conn]] = {}
         self._closed = False
+        #: connections opened, and requests re-sent because a reused one was stale
+        self.connects = 0
+        self.stale_retries = 0
 
     def _put(self, conn: _Conn) -> None:
         if self._closed or conn.closed:
@@ -352,6 +360,7 @@ class UpstreamPool:
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: "
                                 f"{exc.strerror or exc}") from None
+        self.connects += 1
         return conn
 
     async def request(self, host: str, port: int, head: bytes, body: bytes, *,
@@ -380,6 +389,7 @@ class UpstreamPool:
             if conn.closed:  # died between accept and now
                 resp.release()
                 if reused:
+                    self.stale_retries += 1
                     continue
                 raise ConnectFailed(f"connection to {host}:{port} closed at once")
             t = conn.transport
@@ -392,6 +402,7 @@ class UpstreamPool:
             except ConnectFailed:
                 resp.release()
                 if reused:
+                    self.stale_retries += 1
                     continue  # a stale keep-alive connection: once more, fresh
                 raise
             except BaseException:

@@ -512,38 +512,49 @@ async def test_agent_registration_and_events(two_upstreams):
 # ------------------------------------------------------------------- reload
 
 
-async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tmp_path):
-    path = tmp_path / "router.yaml"
-    a, b = two_upstreams
-
+def _writer(path):
     def write(text):
         path.write_text(text)
         # make sure the mtime changes even on coarse clocks
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    return write
 
-    health = ("health: {interval_s: 0.1, timeout_s: 0.5, failure_threshold: 1, "
-              "success_threshold: 1}\n")
-    write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{health}"
-          "reload: {poll_interval_s: 0.1}\n")
+
+_RELOAD_HEALTH = ("health: {interval_s: 0.1, timeout_s: 0.5, failure_threshold: 1, "
+                  "success_threshold: 1}\n")
+
+
+async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tmp_path):
+    # The file watcher is off in every version of the file: only /admin/reload reloads,
+    # so each answer below is the outcome of exactly that reload (no race with a poll).
+    path = tmp_path / "router.yaml"
+    a, b = two_upstreams
+    write = _writer(path)
+    health = _RELOAD_HEALTH
+    nowatch = "reload: {watch: false}\n"
+    write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{health}{nowatch}")
     router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
     runner = RouterServer(router, port=free_port())
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)
+        assert not any(t.get_coro().__name__ == "_watch_config" for t in router._tasks)
         async with httpx.AsyncClient() as c:
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": LONG_PROMPT})
             assert r.headers["x-radixfleet-worker"] == "wa"
-            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: cache-aware}}\n{health}")
+            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: cache-aware}}\n{health}"
+                  f"{nowatch}")
             r = await c.post(base + "/admin/reload")
             assert r.status_code == 400
             assert "policy.name: 'cache-aware' is not one of" in r.json()["error"]["message"]
             assert [w.id for w in router.pool] == ["wa"]
             assert router.policy.name == "round_robin"
-            assert router.metrics.reload_failures._value.get() >= 1
+            assert router.metrics.reload_failures._value.get() == 1
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "wa"
-            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}")
+            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}"
+                  f"{nowatch}")
             r = await c.post(base + "/admin/reload")
             assert r.status_code == 200, r.text
             assert r.json()["added"] == ["wb"] and r.json()["removed"] == ["wa"]
@@ -554,16 +565,42 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
                 await asyncio.sleep(0.05)
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.headers["x-radixfleet-worker"] == "wb"
-            # the file watcher picks up a change on its own
-            write(f"workers: [{{url: '{a}', id: wa}}, {{url: '{b}', id: wb}}]\n"
-                  f"policy: {{name: least_load}}\n{health}reload: {{poll_interval_s: 0.1}}\n")
-            deadline = time.monotonic() + 5
-            while len(router.pool) < 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert sorted(w.id for w in router.pool) == ["wa", "wb"]
         router.pool.check()
     finally:
-        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+        await runner.aclose()
+
+
+async def test_file_watcher_reloads_a_changed_file_on_its_own(two_upstreams, tmp_path):
+    # Nothing else reloads here: the change can only be the watcher's doing.
+    path = tmp_path / "router.yaml"
+    a, b = two_upstreams
+    write = _writer(path)
+    write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{_RELOAD_HEALTH}"
+          "reload: {poll_interval_s: 0.05}\n")
+    router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
+    runner = RouterServer(router, port=free_port())
+    base = f"http://127.0.0.1:{await runner.start()}"
+    try:
+        await wait_ready(base)
+        assert [w.id for w in router.pool] == ["wa"]
+        write(f"workers: [{{url: '{a}', id: wa}}, {{url: '{b}', id: wb}}]\n"
+              f"policy: {{name: least_load}}\n{_RELOAD_HEALTH}reload: {{poll_interval_s: 0.05}}\n")
+        deadline = time.monotonic() + 10
+        while len(router.pool) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert sorted(w.id for w in router.pool) == ["wa", "wb"]
+        assert router.policy.name == "least_load"
+        # an invalid edit is refused by the watcher too, and counted once
+        write(f"workers: []\npolicy: {{name: nope}}\n{_RELOAD_HEALTH}")
+        deadline = time.monotonic() + 10
+        while router.metrics.reload_failures._value.get() < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # several more polls: an unchanged file is not re-read
+        assert router.metrics.reload_failures._value.get() == 1
+        assert sorted(w.id for w in router.pool) == ["wa", "wb"]
+        router.pool.check()
+    finally:
+        await runner.aclose()
 
 
 async def test_reload_without_config_file_is_409(two_upstreams):

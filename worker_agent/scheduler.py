@@ -195,11 +195,18 @@ class Scheduler:
 
     def submit(self, req: SchedRequest, now: float) -> None:
         """Queues ``req``. Raises ``PromptTooLarge`` when it can never fit the pool,
-        ``Overloaded`` when ``max_waiting`` requests already wait."""
+        ``Overloaded`` when ``max_waiting`` requests already wait; before raising
+        either, withdraws the router's hint: the router inserted the request's blocks
+        for this worker at pick time, so ``Removed`` events go out for the prompt's
+        whole blocks the cache does not hold (``RadixCache.report_unheld``). The HTTP
+        agent and the simulator both get this by calling ``submit``."""
         need = len(req.prompt) + req.max_new
         if not req.prompt:
             raise ValueError("a request needs at least one prompt token")
         if need > self.pool.capacity:
+            if req.hashes and self.cache.hash_stride:
+                self.cache.report_unheld(req.ns, req.prompt,
+                                         req.hashes[: len(req.prompt) // self.cache.hash_stride])
             raise PromptTooLarge(
                 f"prompt of {len(req.prompt)} tokens plus max_tokens {req.max_new} needs "
                 f"{need} KV tokens; this worker's KV pool holds {self.pool.capacity}",
@@ -209,6 +216,9 @@ class Scheduler:
             raise ValueError("output must hold at least max_new tokens")
         cap = self.config.max_waiting
         if cap and len(self.waiting) >= cap:
+            if req.hashes and self.cache.hash_stride:
+                self.cache.report_unheld(req.ns, req.prompt,
+                                         req.hashes[: len(req.prompt) // self.cache.hash_stride])
             rate = self.prefill_tokens_per_s() or 1.0
             raise Overloaded(f"{len(self.waiting)} requests already wait on this worker "
                              f"(max_waiting {cap}); retry later",

@@ -259,12 +259,7 @@ async def _serve(agent: Agent, request: web.Request, endpoint: Endpoint) -> web.
     body = jsonbody.loads(await request.read())  # bounded depth, finite numbers, UTF-8
     p = _parse(agent, endpoint, body, tenant)
     r = p.req
-    try:
-        w = agent.engine.submit(r)
-    except (PromptTooLarge, Overloaded):
-        if r.hashes:  # the router may have hinted these blocks here
-            agent.cache.report_unheld(r.ns, r.prompt, r.hashes[: len(r.prompt) // agent.block_tokens])
-        raise
+    w = agent.engine.submit(r)  # PromptTooLarge, Overloaded: the scheduler withdrew the hint
     created = int(time.time())
     try:
         if not p.stream:
