@@ -10,8 +10,8 @@ between the pick and the load count::
     match  = index.match(key.hashes, now)
     views  = pool.views(now)                         (routable only; none -> 503)
     d      = policy.choose(RouteRequest, match, views, now)
-    index.insert(d.worker, key.hashes, now)           optimistic hint
-    pool.pick(worker, prompt_tokens)                  load counted at pick time
+    index.insert(d.worker, key.hashes, now)           optimistic hint (and bus.hint)
+    pool.pick(worker, prompt_tokens)                  load counted at pick time (pool.tap)
     forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
         connect error / 5xx / timeout before the client saw a byte: retry on another
         worker (retries.max_attempts, exponential backoff)
@@ -236,6 +236,8 @@ class DataPlane:
         self.tenants = tenants
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
+        #: router.bus.replica.BusReplica (set by the owner) or None: told of each hint
+        self.bus = None
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
@@ -399,6 +401,8 @@ class DataPlane:
             touches = tuple(tt(w.id, h) for h in sk.hashes[:blocks])
         if sk.hashes:
             self.index.insert(w.id, sk.hashes, now)
+            if self.bus is not None:
+                self.bus.hint(w.id, sk.hashes, now)  # queued; published by its own task
         # Uncached prompt tokens are the prefill work this request adds (policies.base).
         own = max(0, sk.prompt_tokens - blocks * sk.block_tokens)
         ahead = w.in_flight_tokens
