@@ -53,7 +53,7 @@ def worker_token(worker_id: str) -> str:
 class Subjects:
     """The subjects under one prefix."""
 
-    __slots__ = ("prefix", "agents", "routers")
+    __slots__ = ("prefix", "agents", "routers", "loads")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
