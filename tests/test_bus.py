@@ -256,7 +256,16 @@ async def test_bus_outage_degrades_to_direct_push_and_local_counts():
                 await wait_for(lambda r=r: len(r.pool.views(time.monotonic())) == 1, 15,
                                "the agent registered")
             await wait_for(lambda: "rb" in a.bus.remote.replicas, 5, "a hears b")
-            http_before = metric(a, "radixfleet_agent_batches_total", status="ok")
+            agent_info = p.ready_url.replace("/health", "/get_server_info")
+            async with httpx.AsyncClient(timeout=5) as c:
+                info = (await c.get(agent_info)).json()
+            assert info["bus"]["state"] == "up" and info["bus"]["snapshots"] >= 1, info
+            # (before the bus was up, the agent pushed directly: the same fallback)
+            http_before = [r["sent_batches"] for r in info["routers"]]
+            await asyncio.sleep(0.5)
+            async with httpx.AsyncClient(timeout=5) as c:
+                info = (await c.get(agent_info)).json()
+            assert [r["sent_batches"] for r in info["routers"]] == http_before  # bus only now
             async with httpx.AsyncClient(timeout=30) as c:
                 ok = 0
                 t_end = time.monotonic() + 4.0
@@ -278,8 +287,15 @@ async def test_bus_outage_degrades_to_direct_push_and_local_counts():
                     metric(r, "radixfleet_bus_outages_total", cause="connect") >= 1
             # the others' counts expired; the agent pushes directly now
             assert a.bus.remote.replicas == {}
-            await wait_for(lambda: metric(a, "radixfleet_agent_batches_total", status="ok")
-                           > http_before, 5, "direct pushes while the bus is down")
+            async with httpx.AsyncClient(timeout=5) as c:
+                deadline = time.monotonic() + 5
+                while True:
+                    info = (await c.get(agent_info)).json()
+                    if all(r["sent_batches"] > n for r, n in zip(info["routers"], http_before)):
+                        break
+                    assert time.monotonic() < deadline, info
+                    await asyncio.sleep(0.05)
+            assert info["bus"]["state"] in ("down", "connecting"), info
             assert a.pool.get("ag0").remote_in_flight == 0
             # the bus comes back: the replicas reconnect and catch up again
             ns.start()
