@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sim": ("router.benchmarks.sim", "simulator: simulated requests per wall second"),
     "fidelity": ("router.benchmarks.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
     "events": ("router.benchmarks.events", "KV events: decode + map + index blocks/s, bytes per block"),
+    "replicas": ("router.benchmarks.replicas", "N router replicas on the NATS bus vs one router: "
+                 "hit rate and TTFT"),
 }
 
 

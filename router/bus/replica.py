@@ -161,13 +161,14 @@ class BusReplica:
                              "using it as it is", c.stream, exc)
             info = await js.stream_info(c.stream)
         created = info.created
-        start_seq = 1
-        if created == self._stream_created and self.applied_seq:
-            start_seq = self.applied_seq + 1  # same stream: resume where we were
-        else:
-            self.applied_seq = 0
-        self._stream_created = created
         last = info.state.last_seq
+        start_seq = 1
+        if (created is not None and created == self._stream_created and self.applied_seq
+                and self.applied_seq <= last):
+            start_seq = self.applied_seq + 1  # the same stream survived: resume
+        else:
+            self.applied_seq = 0  # a new stream (the server lost it): replay it all
+        self._stream_created = created
         self.target_seq = last
         if last < start_seq:
             self._mark_caught_up()
