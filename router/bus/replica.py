@@ -8,7 +8,7 @@
     this replica --core <prefix>.router.<me>--> the others: its own in-flight counts
       per worker (changed ones within flush_s, all of them every heartbeat_s) and its
       pick-time hints (worker, keys, age); received ones feed RemoteInFlight ->
-      Pool.set_remote, and index.insert for hints
+      Pool.set_remote, and index.match (hit counters) + index.insert for hints
 
 Warm start: on each (re)subscription the stream's last sequence is read; the
 replica is *caught up* once it has applied that message (at once for an empty
@@ -345,10 +345,15 @@ class BusReplica:
                             "%d: its hints are ignored", m.replica, m.block_bytes,
                             self.block_bytes)
             return
+        idx = self.index
         for wid, age, hashes in m.hints:
             w = self.pool.get(wid)
             if w is not None and w.health is HealthState.HEALTHY and hashes:
-                self.index.insert(wid, hashes, now - age)
+                t = now - age
+                # counted as if this replica had routed it: the decayed hit counters
+                # (hot roots, replication) then see the fleet's rate, not 1/N of it
+                idx.match(hashes, t, count=True)
+                idx.insert(wid, hashes, t)
 
     def worker_added(self, w) -> None:
         """Pool listener: a new worker starts with what the others have on it."""
