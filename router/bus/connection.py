@@ -132,7 +132,10 @@ class BusConnection:
             try:
                 await nc.connect(
                     self.url, name=self.name, allow_reconnect=False,
-                    connect_timeout=self.connect_timeout_s, max_reconnect_attempts=0,
+                    # nats-py retries the first connect forever with 0; 1 = give up
+                    # after a second try, our own backoff takes it from there
+                    connect_timeout=self.connect_timeout_s, max_reconnect_attempts=1,
+                    reconnect_time_wait=0.05,
                     closed_cb=self._on_closed, disconnected_cb=self._on_closed,
                     error_cb=self._on_error)
                 self.nc, self.js = nc, nc.jetstream(timeout=max(self.connect_timeout_s, 2.0))

@@ -18,7 +18,6 @@ directly to its ``--router`` URLs, if it has any.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
