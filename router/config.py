@@ -34,7 +34,7 @@ documents each key)::
     bus:      {url: "" (off; nats://host:4222), stream: RADIXFLEET, subject_prefix: radixfleet,
                replica_id: "" (hostname-pid), max_age_s: 600.0, max_bytes: 1073741824,
                storage: memory|file, connect_timeout_s: 1.0, backoff_s: 0.5,
-               backoff_max_s: 5.0, flush_s: 0.005, heartbeat_s: 0.5, replica_ttl_s: 2.0,
+               backoff_max_s: 5.0, flush_s: 0.0, heartbeat_s: 0.5, replica_ttl_s: 2.0,
                share_hints: true, snapshot_request_s: 1.0, ready_timeout_s: 10.0}
 
 ``workers`` may also be a mapping, ``{static: [<the list above>], discovery: {...}}``;
@@ -353,8 +353,9 @@ class BusConfig:
     backoff_s: float = _opt(0.5, "first reconnect delay, doubled per failure", lo=0,
                             lo_open=True)
     backoff_max_s: float = _opt(5.0, "largest reconnect delay", lo=0, lo_open=True)
-    flush_s: float = _opt(0.005, "pick-time hints and in-flight counts are published at "
-                          "most this long after they change", lo=0)
+    flush_s: float = _opt(0.0, "extra wait before publishing pick-time hints and in-flight "
+                          "counts, to batch bursts (0: at the next event-loop turn; what "
+                          "piles up meanwhile goes in one message)", lo=0)
     heartbeat_s: float = _opt(0.5, "this replica republishes all its in-flight counts this "
                               "often", lo=0, lo_open=True)
     replica_ttl_s: float = _opt(2.0, "another replica's counts are dropped after this long "

@@ -368,3 +368,34 @@ async def test_unreachable_bus_at_start_degrades_to_direct_push():
     finally:
         p.__exit__(None, None, None)
         await sa.aclose()
+
+
+async def test_a_sequence_gap_makes_the_agent_snapshot_again():
+    with NatsServer(free_port()) as ns:
+        a = bus_router(ns.url, "ra")
+        sa, ua = await start(a)
+        p = agent(0, ns.url).__enter__()
+        nc = await nats.connect(ns.url)
+        try:
+            await wait_for(lambda: a.pool.get("ag0") is not None
+                           and a.pool.get("ag0").epoch is not None, 15, "registered")
+            info_url = p.ready_url.replace("/health", "/get_server_info")
+            async with httpx.AsyncClient(timeout=5) as c:
+                snaps = (await c.get(info_url)).json()["bus"]["snapshots"]
+                w = a.pool.get("ag0")
+                # a batch from the future: the replica sees a gap and asks for a snapshot
+                await nc.jetstream().publish(Subjects("radixfleet").agent("ag0"), json.dumps({
+                    "v": 1, "kind": "agent", "batch": {
+                        "worker_id": "ag0", "url": w.url, "epoch": w.epoch,
+                        "seq": w.next_seq + 1000, "events": []}}).encode())
+                deadline = time.monotonic() + 5
+                while (await c.get(info_url)).json()["bus"]["snapshots"] <= snaps:
+                    assert time.monotonic() < deadline, "no snapshot after the gap"
+                    await asyncio.sleep(0.05)
+            assert metric(a, "radixfleet_bus_messages_published_total",
+                          kind="snapshot_request") >= 1
+            await wait_for(lambda: a.pool.get("ag0").next_seq < 1000, 5, "back in sync")
+        finally:
+            await nc.close()
+            p.__exit__(None, None, None)
+            await sa.aclose()

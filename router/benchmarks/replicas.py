@@ -45,6 +45,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", default="prefix_load")
+    parser.add_argument("--no-replicate", action="store_true",
+                        help="prefix_load without hot-root replication (its replica records "
+                             "are per router replica, not shared)")
     parser.add_argument("--nats-server", default=None, help="nats-server binary")
     parser.add_argument("--json", metavar="FILE", help="write the report here")
 
@@ -107,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
             port = _free_port()
             path = os.path.join(tmp, f"router{i}.yaml")
             with open(path, "w") as f:
-                json.dump({"listen": {"port": port}, "policy": {"name": args.policy},
+                policy = {"name": args.policy}
+                if args.no_replicate:
+                    policy["params"] = {"replicate": False}
+                json.dump({"listen": {"port": port}, "policy": policy,
                            "bus": {"url": bus, "replica_id": f"r{i}"}}, f)  # JSON is YAML
             spawn(py + ["router", "--config", path, "--log-level", "WARNING"])
             routers.append(f"http://127.0.0.1:{port}")

@@ -90,6 +90,7 @@ class BusReplica:
         self._task: asyncio.Task | None = None
         self._asked: dict[str, float] = {}  # worker -> when we last asked a snapshot
         self._subs: list = []
+        self._pending: set[asyncio.Future] = set()  # snapshot requests being sent
         self._closed = False
 
     # -------------------------------------------------------------- lifecycle
@@ -244,7 +245,13 @@ class BusReplica:
                 url = parse_worker_url(b.url, "url")
             except ConfigError as exc:
                 raise BadMessage("bad_register", str(exc)) from None
-            self.pool.register(b.worker_id, url, b.epoch, m.models, m.block_bytes)
+            w = self.pool.get(b.worker_id)
+            if w is None or w.url != url or (w.epoch is not None and w.epoch != b.epoch):
+                # new to us, moved, or a new agent process: what POST /register does
+                self.pool.register(b.worker_id, url, b.epoch, m.models, m.block_bytes)
+            else:
+                # a periodic snapshot is no proof of health: health checks decide that
+                w.models, w.block_bytes = m.models, m.block_bytes
         code, word = self.feedback.apply(b, now)
         self.metrics.received.labels("agent").inc()
         if word != STATUS_OK:
@@ -258,9 +265,11 @@ class BusReplica:
         if not self.conn.up or nc is None:
             return
         self._asked[wid] = now
-        asyncio.ensure_future(self._publish(self.subjects.snapshot_request(wid),
-                                            build_snapshot_request(wid, self.replica),
-                                            "snapshot_request"))
+        t = asyncio.ensure_future(self._publish(self.subjects.snapshot_request(wid),
+                                                build_snapshot_request(wid, self.replica),
+                                                "snapshot_request"))
+        self._pending.add(t)
+        t.add_done_callback(self._pending.discard)
 
     async def _publish(self, subject: str, data: bytes, kind: str) -> None:
         nc = self.conn.nc
