@@ -32,7 +32,8 @@ log = logging.getLogger("radixfleet.bus")
 
 
 class AgentBus:
-    """Lifecycle: ``await start()``, ``await aclose()`` (idempotent)."""
+    """Lifecycle: ``await start()``, ``await aclose()`` (idempotent); ``async with``.
+    Only the reporter task touches ``link``; ``up`` says whether to use it."""
 
     def __init__(self, url: str, *, worker_id: str, subject_prefix: str = "radixfleet",
                  snapshot_interval_s: float = 30.0, registry: CollectorRegistry | None = None,
@@ -62,6 +63,13 @@ class AgentBus:
 
     async def aclose(self) -> None:
         await self.conn.aclose()
+
+    async def __aenter__(self) -> "AgentBus":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
     async def _on_up(self, nc, js) -> None:
         await nc.subscribe(self.subjects.snapshot_request(self.worker_id), cb=self._on_request)
