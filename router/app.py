@@ -172,7 +172,8 @@ class Router:
         if self.cfg.bus.enabled() and self.bus is None:
             self.bus = BusReplica(self.cfg.bus, pool=self.pool, index=self.index,
                                   feedback=self.feedback, block_bytes=self.cfg.keys.block_bytes,
-                                  registry=self.metrics.registry)
+                                  registry=self.metrics.registry,
+                                  policy=lambda: self.policy)
         try:
             await self.pool.start(self.session)
             await self.engines.start(self.session)

@@ -399,3 +399,26 @@ async def test_a_sequence_gap_makes_the_agent_snapshot_again():
             await nc.close()
             p.__exit__(None, None, None)
             await sa.aclose()
+
+
+def test_replication_decisions_travel_and_apply_as_one_router_would():
+    from policies.replication import HotRoots
+
+    seen = []
+    mine, theirs = HotRoots(8, max_replicas=2), HotRoots(8, max_replicas=2)
+    mine.listener = lambda *a: seen.append(a)
+    rec = mine.see(77, 3, 5.0, 0.0)
+    mine.add_replica(rec, "w1", 0.0)
+    mine.retire_newest(rec, {"w1"}, 1.0)
+    assert seen == [("add", 77, 3, "w1"), ("retire", 77, 3, "w1")]
+    msg = parse_router(RouterMessage("r", 1, 128, False, {}, [], repl=seen).to_bytes())
+    for op, key, depth, w in msg.repl:
+        theirs.apply_remote(op, key, depth, w, 2.0)
+    r = theirs.get(77)
+    assert r is not None and r.replicas == {} and "w1" in r.retired
+    theirs.apply_remote("add", 77, 3, "w2", 3.0)
+    assert list(theirs.get(77).replicas) == ["w2"]
+    theirs.check()
+    with pytest.raises(BadMessage):
+        parse_router(json.dumps({"v": 1, "kind": "router", "replica": "r", "seq": 1,
+                                 "block_bytes": 128, "repl": [["copy", 1, 1, "w"]]}).encode())

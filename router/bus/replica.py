@@ -8,7 +8,9 @@
     this replica --core <prefix>.router.<me>--> the others: its own in-flight counts
       per worker (changed ones within flush_s, all of them every heartbeat_s) and its
       pick-time hints (worker, keys, age); received ones feed RemoteInFlight ->
-      Pool.set_remote, and index.match (hit counters) + index.insert for hints
+      Pool.set_remote, and index.match (hit counters) + index.insert for hints;
+      and its policy's hot-root replication decisions (policies.replication
+      HotRoots.listener -> apply_remote), so N replicas replicate as one router
 
 Warm start: on each (re)subscription the stream's last sequence is read; the
 replica is *caught up* once it has applied that message (at once for an empty
@@ -58,13 +60,18 @@ def default_replica_id() -> str:
 class BusReplica:
     def __init__(self, cfg: BusConfig, *, pool: Pool, index, feedback: Feedback,
                  block_bytes: int, registry: CollectorRegistry,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, policy=lambda: None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.index = index
         self.feedback = feedback
         self.block_bytes = block_bytes
         self.clock = clock
+        #: the router's current policy (a reload may replace it); its hot-root
+        #: replication record (``policy.hot``, prefix_load) is shared too
+        self.policy = policy
+        self._hot = None  # the HotRoots we listen to
+        self._repl: list[tuple[str, int, int, str]] = []
         self.replica = cfg.replica_id or default_replica_id()
         self.subjects = Subjects(cfg.subject_prefix)
         self.metrics = BusMetrics(registry)
@@ -294,9 +301,27 @@ class BusReplica:
             self._hints.append((wid, now, list(hashes)))
             self._wake.set()
 
+    def _replicated(self, op: str, key: int, depth: int, worker: str) -> None:
+        """HotRoots listener: this replica's policy added or retired a replica."""
+        if self.conn.up:
+            self._repl.append((op, key, depth, worker))
+            self._wake.set()
+
+    def _listen_to_policy(self):
+        """The current policy's HotRoots (listened to), or None."""
+        hot = getattr(self.policy(), "hot", None)
+        if hot is not self._hot:
+            if self._hot is not None and self._hot.listener == self._replicated:
+                self._hot.listener = None
+            self._hot = hot
+            if hot is not None and hasattr(hot, "apply_remote"):
+                hot.listener = self._replicated
+        return self._hot
+
     async def _publisher(self) -> None:
         c = self.cfg
         next_full = 0.0
+        self._listen_to_policy()
         while True:
             timeout = max(0.0, next_full - self.clock())
             try:
@@ -308,9 +333,11 @@ class BusReplica:
             self._wake.clear()
             now = self.clock()
             self._expire(now)
+            self._listen_to_policy()
             if not self.conn.up:
                 self._dirty.clear()
                 self._hints.clear()
+                self._repl.clear()
                 next_full = now + c.heartbeat_s
                 continue
             full = now >= next_full
@@ -327,10 +354,12 @@ class BusReplica:
                     inflight[wid] = (max(w.in_flight, 0), max(w.in_flight_tokens, 0))
             hints = [(wid, now - t, hs) for wid, t, hs in self._hints]
             self._hints = []
-            if not (full or inflight or hints):
+            repl, self._repl = self._repl, []
+            if not (full or inflight or hints or repl):
                 continue
             self._seq += 1
-            msg = RouterMessage(self.replica, self._seq, self.block_bytes, full, inflight, hints)
+            msg = RouterMessage(self.replica, self._seq, self.block_bytes, full, inflight, hints,
+                                repl=repl)
             await self._publish(self.subjects.router(self.replica), msg.to_bytes(), "router")
 
     # ------------------------------------------- the others' pick-time state in
@@ -347,12 +376,19 @@ class BusReplica:
         self.metrics.received.labels("router").inc()
         self._set_remote(self.remote.apply(m, now))
         self.metrics.replicas.set(len(self.remote.replicas))
-        if not m.hints or not self.cfg.share_hints:
+        if not (m.hints and self.cfg.share_hints) and not m.repl:
             return
         if m.block_bytes != self.block_bytes:
             self.bad.report("config_mismatch", "replica %s keys with block_bytes=%d, this one "
                             "%d: its hints are ignored", m.replica, m.block_bytes,
                             self.block_bytes)
+            return
+        hot = self._listen_to_policy()
+        if hot is not None:
+            for op, key, depth, wid in m.repl:
+                if self.pool.get(wid) is not None:
+                    hot.apply_remote(op, key, depth, wid, now)
+        if not self.cfg.share_hints:
             return
         idx = self.index
         for wid, age, hashes in m.hints:

@@ -17,6 +17,7 @@ subjects is *foreign* or *malformed* and raises ``BadMessage`` with a short caus
          "full": false,                              # true: heartbeat, every worker
          "inflight": {"w1": [requests, prompt_tokens], ...},     # absolute counts
          "hints": [["w1", age_s, [h1, h2, ...]], ...],
+         "repl": [["add"|"retire", key, depth, "w1"], ...],   # hot-root replication
          "bye": false}                               # true: the replica is leaving
 
 ``wtoken`` is the worker id in hex (ids hold dots and colons, which subjects cannot).
@@ -173,11 +174,11 @@ def parse_snapshot_request(data: bytes) -> str:
 class RouterMessage:
     """One replica's pick-time state (see the module docstring)."""
 
-    __slots__ = ("replica", "seq", "block_bytes", "full", "inflight", "hints", "bye")
+    __slots__ = ("replica", "seq", "block_bytes", "full", "inflight", "hints", "bye", "repl")
 
     def __init__(self, replica: str, seq: int, block_bytes: int, full: bool,
                  inflight: dict[str, tuple[int, int]], hints: list[tuple[str, float, list[int]]],
-                 bye: bool = False) -> None:
+                 bye: bool = False, repl: list | None = None) -> None:
         self.replica = replica
         self.seq = seq
         self.block_bytes = block_bytes
@@ -185,6 +186,8 @@ class RouterMessage:
         self.inflight = inflight
         self.hints = hints
         self.bye = bye
+        #: policies.replication decisions: (op, key, depth, worker)
+        self.repl = repl or []
 
     def to_bytes(self) -> bytes:
         return json.dumps({
@@ -192,6 +195,7 @@ class RouterMessage:
             "block_bytes": self.block_bytes, "full": self.full,
             "inflight": {w: [r, t] for w, (r, t) in self.inflight.items()},
             "hints": [[w, round(age, 4), hs] for w, age, hs in self.hints],
+            "repl": [list(r) for r in self.repl],
             "bye": self.bye}, separators=(",", ":")).encode()
 
 
@@ -228,4 +232,15 @@ def parse_router(data: bytes) -> RouterMessage:
                 and all(type(x) is int and 0 <= x < 1 << 64 for x in h[2])):
             raise BadMessage("bad_router", "a hint must be [worker, age_s, [64-bit keys]]")
         hints.append((h[0], max(0.0, float(h[1])), h[2]))
-    return RouterMessage(replica, seq, bb, full, inflight, hints, bye)
+    raw_r = obj.get("repl", [])
+    if not isinstance(raw_r, list):
+        raise BadMessage("bad_router", "'repl' must be a list")
+    repl = []
+    for r in raw_r:
+        if not (isinstance(r, list) and len(r) == 4 and r[0] in ("add", "retire")
+                and type(r[1]) is int and 0 <= r[1] < 1 << 64 and type(r[2]) is int
+                and r[2] > 0 and isinstance(r[3], str) and r[3]):
+            raise BadMessage("bad_router", "a replication entry must be [add|retire, key, "
+                             "depth, worker]")
+        repl.append((r[0], r[1], r[2], r[3]))
+    return RouterMessage(replica, seq, bb, full, inflight, hints, bye, repl)
