@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -60,7 +59,11 @@ def router_config(port: int, servers, model_dir: Path, *, policy: str, tokenizer
                            "replay_endpoint": f"tcp://*:{s.replay_port}"}
         workers.append(w)
     return {"listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": policy},
-            "health": {"interval_s": 0.5}, "workers": workers}
+            "health": {"interval_s": 0.5}, "workers": workers,
+           # the A/Bs drive a closed loop at the fleet's saturation (the issue's
+           # measurement): default shedding (limits.worker_queue_requests) would answer
+           # part of it 429 and measure shedding, not routing
+           "limits": {"worker_queue_requests": 0}}
 
 
 def main(argv=None) -> int:
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--api", default="chat", choices=("chat", "completions"))
     ap.add_argument("--kv", default="16M", help="vLLM --kv-cache-memory-bytes per server")
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="vLLM --max-num-seqs per server")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--question-tokens", type=int, default=128)
@@ -86,6 +91,7 @@ def main(argv=None) -> int:
     model_dir = tiny_model()
     tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
     servers = [VllmServer(free_port(), model=model_dir, kv_bytes=args.kv,
+                          max_num_seqs=args.max_num_seqs,
                           events_port=free_port(), replay_port=free_port(),
                           log_path=tmp / f"vllm-{i}.log") for i in range(2)]
     procs = []
@@ -154,7 +160,8 @@ def main(argv=None) -> int:
                                            ("truth", "key_space", "prefill_tokens_per_s",
                                             "prediction")}}
                         for w in admin.get("workers", []) if "engine" in w]}
-        doc["bench"] = {"kv": args.kv, "api": args.api, "clients": args.clients,
+        doc["bench"] = {"kv": args.kv, "max_num_seqs": args.max_num_seqs, "api": args.api,
+                        "clients": args.clients,
                         "rounds": args.rounds, "concurrency": args.concurrency}
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1))

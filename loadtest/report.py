@@ -27,6 +27,11 @@ checks a document)::
     load_imbalance   float|null  max / mean of per-worker prompt tokens
     workers_source   str    optional: "agent /metrics" when the target named no
                             worker and the table came from the agents' counters
+    cold_start       bool|null  optional (live runs): True when every agent's cache was
+                            flushed before the run, False when a flush failed and the
+                            user allowed the run anyway (``--allow-warm``), null when
+                            there were no agents to flush (the run may start warm)
+    flush_failed     list   optional: the agents whose flush failed, with the cause
 
 Oracle and pooled rates are computed on the prompts *as sent*, in dispatch order,
 over the load generator's own token count (``BYTES_PER_TOKEN``-byte chunks of the

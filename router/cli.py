@@ -27,7 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("loadtest.demo", "start a local fleet, load-test three policies, compare"),
     "loadtest": ("loadtest.main", "drive a workload against one or more routers (A/B)"),
     "simulate": ("loadtest.simulator.main", "simulate a fleet and its policies in virtual time"),
-    "bench": ("router.benchmarks", "run a benchmark (index, proxy, agent, policy, sim, fidelity)"),
+    "bench": ("router.benchmarks", "run a benchmark (index, proxy, routing, policy, agent, sim, "
+                                   "fidelity, events, overload, reproduce)"),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
 }
 

@@ -10,3 +10,37 @@ from tests.procs import free_port, Proc  # noqa: F401  (re-exported for tests)
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+# --------------------------------------------------------------- real vLLM servers
+# Session-scoped: provisioned once (tests/engines/vllm_env.py: the venv, the tiny model)
+# and shared by every engine test module. If vLLM cannot be provisioned the tests that
+# use these fixtures fail with the reason (EngineUnavailable): they never skip.
+
+@pytest.fixture(scope="session")
+def vllm_model_dir():
+    from tests.engines.vllm_env import tiny_model, vllm_python
+
+    vllm_python()
+    return tiny_model()
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(vllm_model_dir, tmp_path_factory):
+    """Two vLLM servers with prefix caching, prompt-token details and KV events (ZMQ,
+    replay), 16k-token KV caches, at most 8 running sequences each."""
+    from tests.engines.vllm_env import VllmServer
+
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    servers = [VllmServer(free_port(), model=vllm_model_dir, events_port=free_port(),
+                          replay_port=free_port(), log_path=logs / f"vllm-{i}.log")
+               for i in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()

@@ -87,7 +87,7 @@ def test_defaults_are_a_valid_config():
     ("workers: [{url: 'http://h:99999'}]", "workers[0].url: invalid port in 'http://h:99999'"),
     ("workers: [{url: 'http://h:1/?a=b'}]", "workers[0].url: a worker URL takes no query"),
     ("workers: [{url: 'http://h:1', weight: 0}]",
-     "workers[0].weight: expected a number > 0, got 0"),
+     "workers[0].weight: expected a number in [0.01, 100], got 0"),
     ("workers: [{url: 'http://h:1', colour: red}]",
      "workers[0].colour: unknown key; valid: block_size, events, id, kind, kv_capacity_tokens, "
      "metrics, model, prefill_tokens_per_s, tokenizer, url, weight"),

@@ -22,7 +22,6 @@ import asyncio
 import hashlib
 import json
 import random
-import sys
 import time
 from array import array
 from pathlib import Path
@@ -43,9 +42,9 @@ from router.engines.zmq_events import (
 from router.prefix_index import PrefixIndex
 from router.prefix_keys import token_block_hashes, token_namespace_seed
 
+from tests.data.capture_vllm_kv_events import REPLAY, SUB, read_capture
+
 DATA = Path(__file__).parent / "data"
-sys.path.insert(0, str(DATA))
-from capture_vllm_kv_events import REPLAY, SUB, read_capture  # noqa: E402
 
 MODEL = "tiny"
 BS = 4  # tokens per block in the synthetic tests (vLLM's CPU build needs 32; any works)

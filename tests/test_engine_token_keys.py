@@ -17,7 +17,7 @@ from array import array
 
 import pytest
 
-from router.benchmarks.tiny_tokenizer import build, tokenizer_json_sha256
+from router.benchmarks.tiny_tokenizer import TOKENIZER_JSON_SHA256, build, tokenizer_json_sha256
 from router.engines.chat_render import ChatTemplate, detect_content_format
 from router.engines.piece_encoder import PieceEncoder, piecewise_blocker
 from router.engines.token_keys import TokenizerLoadError, TokenKey, TokenKeyer
@@ -33,17 +33,16 @@ with open(FIXTURE, encoding="utf-8") as _f:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     d = build(str(tmp_path_factory.mktemp("tiny-tokenizer")))
-    assert tokenizer_json_sha256(d) == RECORDED["tokenizer_json_sha256"], \
+    assert tokenizer_json_sha256(d) == RECORDED["tokenizer_json_sha256"] \
+        == TOKENIZER_JSON_SHA256, \
         "the rebuilt tokenizer is not the one vLLM served when the fixture was recorded"
     return d
 
 
 def _have_fastokens() -> bool:
-    try:
-        import fastokens  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from importlib.util import find_spec
+
+    return find_spec("fastokens") is not None
 
 
 @pytest.fixture(scope="module", params=["tokenizers", "fastokens"])
@@ -102,7 +101,7 @@ def test_piece_encoder_equals_transformers_on_random_text(keyer):
     tok = keyer.tokenizer
     specials = [t.content for t in tok._tokenizer.get_added_tokens_decoder().values()]
     specials += ["<|end", "|>", "<s", "<|user|", "</s>"]
-    enc = PieceEncoder(tok, max_cache_bytes=50_000)
+    enc = PieceEncoder(tok, max_cache_bytes=50_000, backend=keyer.encoder.backend)
     assert enc.piecewise is None  # the tiny tokenizer is piece-local
     rng = random.Random(1)
     for i in range(600):

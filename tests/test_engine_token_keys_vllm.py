@@ -38,15 +38,11 @@ _WORDS = ("the cache prefix token router worker engine request model block hash 
 
 
 @pytest.fixture(scope="module")
-def vllm_url() -> str:
-    """The vLLM test server (the integrator's managed fixture replaces this one)."""
+def vllm_url(vllm_pair) -> str:
+    """A managed vLLM test server (tests/conftest.py), or the one the environment names
+    (``RADIXFLEET_TEST_VLLM_URL``) when re-recording against another engine."""
     url = os.environ.get("RADIXFLEET_TEST_VLLM_URL", "")
-    if not url:
-        if os.environ.get("RADIXFLEET_ENGINE_TESTS") == "1":
-            pytest.fail("RADIXFLEET_ENGINE_TESTS=1 but RADIXFLEET_TEST_VLLM_URL is unset: "
-                        "no vLLM to test against")
-        pytest.skip("no vLLM test server (set RADIXFLEET_TEST_VLLM_URL)")
-    return url.rstrip("/")
+    return url.rstrip("/") if url else vllm_pair[0].url
 
 
 def _text(n_words: int, seed: int) -> str:

@@ -15,7 +15,9 @@ import sys
 
 from aiohttp import web
 
+from router.auth import is_loopback
 from router.errors import ConfigError
+from router import http_errors
 from router.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
@@ -97,6 +99,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=_positive, default=8192,
                         help="prefill token budget per step (chunked prefill)")
     parser.add_argument("--max-running", type=_positive, default=256)
+    parser.add_argument("--max-waiting", type=_positive, default=None,
+                        help="requests waiting at most; more are refused with 429 + "
+                             "Retry-After (default: 4 x --max-running)")
     parser.add_argument("--rope-scaling", default=None,
                         help="engine RoPE scaling setting; part of the cache fingerprint")
     parser.add_argument("--seed", type=int, default=0, help="generation seed")
@@ -118,9 +123,12 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
                                   protected_fraction=args.protected_fraction,
                                   ghost_block_tokens=args.block_bytes // 4),
         scheduler=SchedulerConfig(chunk_tokens=args.chunk_tokens, max_running=args.max_running,
-                                  order=args.schedule),
+                                  order=args.schedule,
+                                  max_waiting=args.max_waiting or 4 * args.max_running),
         seed=args.seed, worker_id=args.worker_id or f"{args.host}:{args.port}",
         rope_scaling=args.rope_scaling,
+        # an unsigned tenant header is safe only where nothing but the router reaches us
+        trust_unsigned_tenant=is_loopback(args.host),
     )
 
 
@@ -131,9 +139,10 @@ async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
                      bus_prefix=bus_prefix, bus_snapshot_interval_s=bus_snapshot_interval_s)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
+    server = None
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        # aiohttp's TCPSite, but malformed HTTP gets a JSON 4xx and no traceback
+        server = await http_errors.listen(runner, host, port, access_log=None)
         from worker_agent.server import AGENT_KEY
         print(f"radixfleet agent {cfg.worker_id}: {cfg.name} on {cfg.tp}x{cfg.gpu}, "
               f"KV pool {app[AGENT_KEY].capacity:,} tokens, listening on http://{host}:{port}",
@@ -144,6 +153,8 @@ async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
+        if server is not None:
+            server.close()
         await runner.cleanup()
 
 

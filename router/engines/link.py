@@ -83,7 +83,6 @@ class EngineLink:
         self.capacity_tokens: int | None = spec.kv_capacity_tokens or None
         self.stats = PredictionStats()
         self.rate = engines.new_rate_estimator(spec.prefill_tokens_per_s)
-        self.mean_request_tokens = 0.0  # decayed mean uncached prompt tokens per request
         self._last_metrics = None  # the previous /metrics reading (restart detection)
         self._tasks: set[asyncio.Task] = set()
         self._events_logged: set[str] = set()
@@ -155,6 +154,15 @@ class EngineLink:
         return t
 
     async def _run(self) -> None:
+        try:
+            await self._bring_up()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a worker's engine side never takes the router down
+            log.exception("worker %s: engine link failed; approximate mode, router counts",
+                          self.worker.id)
+
+    async def _bring_up(self) -> None:
         eng = self.engines
         delay = 0.5
         while self.kind is None and self.state is LinkState.RUNNING:
@@ -184,7 +192,7 @@ class EngineLink:
                       "bytes, its events ignored (approximate mode)", self.worker.id,
                       ", ".join(self.models), self.spec.model)
         elif self.spec.tokenizer:
-            self.keyer = eng.load_keyer(self.spec.tokenizer, self.worker.id)
+            self.keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id)
         if self.kind in ENGINE_KINDS and self.spec.metrics.path:
             self.scraper = eng.new_scraper(self)
             await self.scraper.start()
@@ -238,7 +246,11 @@ class EngineLink:
             self.capacity_tokens = m.kv_capacity_tokens
             self._apply_capacity()
         cap = self.capacity_tokens or 0
-        per_req = self.mean_request_tokens
+        # The engine counts waiting requests, not their tokens. Priced at the fleet's
+        # mean uncached prompt (never this worker's own mean: a worker that holds many
+        # sessions serves short uncached parts, and pricing its queue at them made it
+        # look idle and drew every new session to it).
+        per_req = eng.mean_request_tokens
         load = Load(queued_requests=m.waiting_requests,
                     queued_tokens=int(m.waiting_requests * per_req),
                     running_requests=m.running_requests,
@@ -300,8 +312,8 @@ class EngineLink:
         ``touches[j]`` is gone too, and leaves the index. The request's own chain
         stays: its prefill has just stored it again.
         """
-        a = 0.05
-        self.mean_request_tokens += a * (own_tokens - self.mean_request_tokens)
+        eng = self.engines
+        eng.mean_request_tokens += 0.05 * (own_tokens - eng.mean_request_tokens)
         if ttft_s is not None and ttft_s > 0:
             self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
             if self.kind is not WorkerKind.AGENT:

@@ -131,6 +131,9 @@ class Engines:
         #: every engine worker's samples together: the rate a worker with little
         #: evidence of its own is assumed to have
         self.pooled_rate = self.new_rate_estimator(10_000.0)
+        #: decayed mean uncached prompt tokens per request, fleet-wide: what one
+        #: waiting request an engine reports is assumed to weigh
+        self.mean_request_tokens = 0.0
         self._keyers: dict[str, Any] = {}  # tokenizer source -> TokenKeyer (shared)
         self._spaces_key: tuple | None = None
         self._spaces: list = []
@@ -198,14 +201,16 @@ class Engines:
         prior = min(max(prior_tokens_per_s, DEFAULT_MIN_TOKENS_PER_S), DEFAULT_MAX_TOKENS_PER_S)
         return PrefillRateEstimator(prior)
 
-    def load_keyer(self, source: str, worker: str):
-        """The shared tokenizer of ``source``; None (logged, counted) if it cannot load."""
+    async def load_keyer(self, source: str, worker: str):
+        """The shared tokenizer of ``source``, loaded off the event loop (a second or
+        two for a real one); None (logged, counted) if it cannot load."""
         k = self._keyers.get(source)
         if k is not None:
             return k
         from router.engines.token_keys import TokenizerLoadError, TokenKeyer
         try:
-            k = self._keyers[source] = TokenKeyer.load(source)
+            k = await asyncio.to_thread(TokenKeyer.load, source)
+            k = self._keyers.setdefault(source, k)
         except TokenizerLoadError as exc:
             self.prom.tokenizer_errors.labels(worker).inc()
             log.error("worker %s: tokenizer %s cannot be loaded (%s): keyed on routing bytes "

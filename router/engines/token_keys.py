@@ -555,7 +555,6 @@ class TokenKeyer:
         kwargs = merge_kwargs(merge_kwargs(self.default_chat_template_kwargs,
                                            {"tools": tools, "tokenize": False}),
                               merge_kwargs(ctk, extra))
-        kwargs["return_dict"] = False
         tools = kwargs.pop("tools", None)
         requested = requested if requested is not None else kwargs.pop("chat_template", None)
         kwargs.pop("chat_template", None)
@@ -584,8 +583,6 @@ class TokenKeyer:
             text = template.render(conversation, tools=tools, documents=documents,
                                    add_generation_prompt=agp, continue_final_message=cfm,
                                    kwargs={**self._special_map, **kw})
-        except MalformedRequest:
-            raise
         except Exception as exc:  # the template's own refusal, or odd input it chokes on
             raise MalformedRequest(f"the chat template rejected the request: "
                                    f"{template_error_reason(exc)}"[:1000],

@@ -290,12 +290,14 @@ class KvEventSubscriber:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Opens the socket (binds or connects) and starts delivering. A bind that
-        fails raises ``zmq.ZMQError`` (address in use, bad endpoint); a connect never
-        fails here (ZMQ retries in the background)."""
+        """Opens the socket (binds or connects) and starts delivering. Raises
+        ``zmq.ZMQError`` for a bind that fails (address in use) or a malformed
+        endpoint; a connect to an engine that is down does not fail (ZMQ retries in the
+        background, ``connected`` tells)."""
         if self.state is not SubscriberState.NEW:
             raise RuntimeError(f"subscriber is {self.state.value}; start() is called once")
         sub = self._ctx.socket(zmq.SUB)
+        mon = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
@@ -310,7 +312,7 @@ class KvEventSubscriber:
                 sub.connect(self.endpoint)
         except BaseException:
             self.state = SubscriberState.CLOSED
-            _close_sub(sub, locals().get("mon"))
+            _close_sub(sub, mon)
             raise
         self._sub, self._mon = sub, mon
         self._task = asyncio.create_task(self._run(), name=f"kv-events {self.name}")

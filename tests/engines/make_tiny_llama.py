@@ -16,62 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
+from pathlib import Path
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if tools %}<|tools|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "<|{{ m['role'] }}|>\n"
-    "{% if m['content'] is string %}{{ m['content'] }}"
-    "{% elif m['content'] %}{% for p in m['content'] %}{% if p['type'] == 'text' %}"
-    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{% if m.get('tool_calls') %}{{ m['tool_calls'] | tojson }}{% endif %}"
-    "<|end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-SPECIALS = ["<s>", "</s>", "<unk>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>",
-            "<|tool|>", "<|tools|>", "<|end|>"]
-
-WORDS = ("the of and to in is was for on that with as by at from this be are an or it "
-         "cache prefix token router worker engine request model block hash session turn "
-         "system user assistant tool answer question document context memory batch queue "
-         "prefill decode latency throughput fleet replica load policy index event").split()
-
-
-def corpus(n: int = 4000) -> list[str]:
-    rng = random.Random(1234)
-    lines = []
-    for _ in range(n):
-        k = rng.randint(5, 30)
-        words = [rng.choice(WORDS) if rng.random() < 0.8 else
-                 "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(rng.randint(2, 8)))
-                 for _ in range(k)]
-        lines.append(" ".join(words) + rng.choice([".", "?", "!", ",", ":"]))
-    return lines
+# The tokenizer recipe is shared with the offline tests and `bench routing`, which
+# rebuild it without torch (byte-identical tokenizer.json, pinned there).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from router.benchmarks.tiny_tokenizer import build as build_tokenizer  # noqa: E402
 
 
 def main(out: str) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    os.makedirs(out, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>", additional_special_tokens=SPECIALS[4:])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = 4096
-    fast.save_pretrained(out)
+    build_tokenizer(out)
+    fast = AutoTokenizer.from_pretrained(out)
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
