@@ -54,9 +54,12 @@ class RunOutcome:
 
 
 def parse_target(text: str) -> tuple[str, str]:
+    """``NAME=URL`` or ``NAME=URL,URL,...`` (router replicas, client-side round robin)."""
     name, sep, url = text.partition("=")
-    if not sep or not name or not url.startswith(("http://", "https://")):
-        raise ConfigError("--target", f"{text!r} must be NAME=http://HOST:PORT")
+    if not sep or not name or not all(u.startswith(("http://", "https://"))
+                                       for u in url.split(",")):
+        raise ConfigError("--target", f"{text!r} must be NAME=http://HOST:PORT"
+                          "[,http://HOST:PORT...]")
     return name, url
 
 
@@ -281,6 +284,7 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
             async with Target(name, url, model=model, timeout_s=timeout_s,
                               send_session=send_session) as target:
                 await target.probe()
+                url = target.base_url  # the first replica answers the admin calls
                 agents = list(flush_urls or []) or await discover_workers(admin, url)
                 failed: list[str] = []
                 if agents:
@@ -354,8 +358,9 @@ def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", action="append", required=True, metavar="NAME=URL",
-                        help="an OpenAI-compatible router (repeatable; run in the order given)")
+    parser.add_argument("--target", action="append", required=True, metavar="NAME=URL[,URL...]",
+                        help="an OpenAI-compatible router (repeatable; run in the order given); "
+                             "several comma-separated URLs: replicas in client-side round robin")
     parser.add_argument("--flush", action="append", default=[], metavar="URL",
                         help="an agent to POST /flush_cache before each run (repeatable; "
                              "default: the workers the router lists at /admin/workers)")

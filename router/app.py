@@ -9,7 +9,8 @@ Endpoints::
     POST /v1/completions, /v1/chat/completions, /generate      data plane
     GET  /v1/models            union of the routable workers' models
     GET  /health               the router process is up
-    GET  /readiness            200 once at least one worker is healthy, else 503
+    GET  /readiness            200 once at least one worker is healthy (and, with a bus,
+                               the stream's history is applied), else 503
     GET  /metrics              Prometheus text (no prefix hashes: router.metrics)
     GET  /openapi.json         the OpenAPI 3 description of all of this (router.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
@@ -52,6 +53,7 @@ from router.config import (
 from router.dataplane import (
     REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
 )
+from router.bus.replica import BusReplica
 from router.discovery import Discovery
 from router.engines.manager import Engines
 from router.errors import (
@@ -131,6 +133,8 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         self.dataplane = DataPlane(cfg, self.policy, self.tenants, self.pool, self.index,
                                    self.metrics, self.engines, self._spawn)
+        #: router.bus.replica.BusReplica while the app runs with ``bus.url`` set
+        self.bus: BusReplica | None = None
         self._models_cache: tuple[float, dict] | None = None
         self._mtime = self._file_mtime()
         self._reload_lock = asyncio.Lock()
@@ -174,14 +178,25 @@ class Router:
         dp.session = self.session
         dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
+        if self.cfg.bus.enabled() and self.bus is None:
+            self.bus = BusReplica(self.cfg.bus, pool=self.pool, index=self.index,
+                                  feedback=self.feedback, block_bytes=self.cfg.keys.block_bytes,
+                                  registry=self.metrics.registry,
+                                  policy=lambda: self.policy)
         try:
             await self.pool.start(self.session)
             await self.engines.start(self.session)
             await self.discovery.start()
+            if self.bus is not None:
+                await self.bus.start()
+                dp.bus = self.bus
             if self.cfg.path and self.cfg.reload.watch:
                 self._spawn(self._watch_config())
             yield
         finally:
+            dp.bus = None
+            if self.bus is not None:
+                await self.bus.aclose()
             await self.discovery.aclose()
             await self.engines.aclose()
             await self.pool.aclose()
@@ -232,8 +247,13 @@ class Router:
         now = time.monotonic()
         healthy = [w.id for w in self.pool if w.health.value == "healthy"]
         routable = [w.id for w in self.pool.routable_workers(now)]
-        body = {"ready": bool(healthy), "healthy": healthy, "routable": routable}
-        if healthy:
+        ready = bool(healthy)
+        body = {"ready": ready, "healthy": healthy, "routable": routable}
+        if self.bus is not None:
+            caught_up = self.bus.ready()
+            body["bus"] = self.bus.describe()
+            body["ready"] = ready = ready and caught_up
+        if ready:
             return web.json_response(body)
         return web.json_response(body, status=503, headers={
             "Retry-After": retry_after_header(self.cfg.health.interval_s)})
@@ -480,6 +500,8 @@ class Router:
                     self.index.clear(wid)
                 # agents that registered with the old size are refused from now on
                 self.feedback.block_bytes = new.keys.block_bytes
+                if self.bus is not None:
+                    self.bus.block_bytes = new.keys.block_bytes
             self.cfg = new
             self.pool.cfg = new
             self.policy = policy

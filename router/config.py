@@ -33,6 +33,11 @@ documents each key)::
     warmup:   {enabled: true, min_interval_s: 10.0, timeout_s: 30.0}
     auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
     reload:   {watch: true, poll_interval_s: 1.0}
+    bus:      {url: "" (off; nats://host:4222), stream: RADIXFLEET, subject_prefix: radixfleet,
+               replica_id: "" (hostname-pid), max_age_s: 600.0, max_bytes: 1073741824,
+               storage: memory|file, connect_timeout_s: 1.0, backoff_s: 0.5,
+               backoff_max_s: 5.0, flush_s: 0.0, heartbeat_s: 0.5, replica_ttl_s: 2.0,
+               share_hints: true, snapshot_request_s: 1.0, ready_timeout_s: 10.0}
 
 ``workers`` may also be a mapping, ``{static: [<the list above>], discovery: {...}}``;
 ``workers.discovery`` finds workers in Kubernetes (EndpointSlices) or DNS
@@ -67,6 +72,7 @@ import contextvars
 import dataclasses
 import os
 import random
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -345,6 +351,43 @@ class DiscoveryConfig:
         return bool(self.kubernetes.selectors or self.dns.services)
 
 
+#: JetStream storage types of the bus stream
+BUS_STORAGE = ("memory", "file")
+
+
+@dataclass(frozen=True, slots=True)
+class BusConfig:
+    url: str = _opt("", "NATS server URL (nats://host:4222); \"\": no bus, agents push "
+                    "directly to each router")
+    stream: str = _opt("RADIXFLEET", "JetStream stream holding the agents' event batches")
+    subject_prefix: str = _opt("radixfleet", "first token of every bus subject")
+    replica_id: str = _opt("", "this router's name on the bus (\"\": hostname-pid)")
+    max_age_s: float = _opt(600.0, "stream limit: messages older than this are dropped", lo=0,
+                            lo_open=True)
+    max_bytes: int = _opt(1 << 30, "stream limit: total bytes kept", lo=1024)
+    storage: str = _opt("memory", "stream storage", choices=BUS_STORAGE)
+    connect_timeout_s: float = _opt(1.0, "timeout of one connection attempt", lo=0,
+                                    lo_open=True)
+    backoff_s: float = _opt(0.5, "first reconnect delay, doubled per failure", lo=0,
+                            lo_open=True)
+    backoff_max_s: float = _opt(5.0, "largest reconnect delay", lo=0, lo_open=True)
+    flush_s: float = _opt(0.0, "extra wait before publishing pick-time hints and in-flight "
+                          "counts, to batch bursts (0: at the next event-loop turn; what "
+                          "piles up meanwhile goes in one message)", lo=0)
+    heartbeat_s: float = _opt(0.5, "this replica republishes all its in-flight counts this "
+                              "often", lo=0, lo_open=True)
+    replica_ttl_s: float = _opt(2.0, "another replica's counts are dropped after this long "
+                                "without a heartbeat", lo=0, lo_open=True)
+    share_hints: bool = _opt(True, "publish pick-time hints and apply other replicas' hints")
+    snapshot_request_s: float = _opt(1.0, "at most one snapshot request per worker this often",
+                                     lo=0)
+    ready_timeout_s: float = _opt(10.0, "report ready after this long even if the stream's "
+                                  "history is not caught up (logged)", lo=0, lo_open=True)
+
+    def enabled(self) -> bool:
+        return bool(self.url)
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
@@ -363,6 +406,7 @@ class Config:
     warmup: WarmupConfig = _section(WarmupConfig, "hot-root warm-up")
     auth: AuthConfig = _section(AuthConfig, "bearer tokens")
     reload: ReloadConfig = _section(ReloadConfig, "hot reload")
+    bus: BusConfig = _section(BusConfig, "event bus shared by router replicas (read at start)")
     path: str = ""
     #: ``workers.discovery`` in the YAML (not a top-level key); read at start
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
@@ -722,6 +766,33 @@ _SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _pol
                     K8sDiscoveryConfig: _kubernetes, DnsDiscoveryConfig: _dns}
 
 
+#: a NATS subject token or stream name: no dots, spaces or wildcards
+_NATS_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _check_bus(b: BusConfig) -> None:
+    if b.url:
+        parts = urlsplit(b.url)
+        if parts.scheme not in ("nats", "tls") or not parts.hostname:
+            raise ConfigError("bus.url", f"expected nats://host:port, got {b.url!r}")
+        try:
+            parts.port
+        except ValueError:
+            raise ConfigError("bus.url", f"invalid port in {b.url!r}") from None
+    for key in ("stream", "subject_prefix"):
+        v = getattr(b, key)
+        if not _NATS_NAME.match(v):
+            raise ConfigError(f"bus.{key}", f"expected letters, digits, '_' or '-', got {v!r}")
+    if b.replica_id and not _NATS_NAME.match(b.replica_id):
+        raise ConfigError("bus.replica_id",
+                          f"expected letters, digits, '_' or '-', got {b.replica_id!r}")
+    if b.backoff_max_s < b.backoff_s:
+        raise ConfigError("bus.backoff_max_s", f"expected a number >= bus.backoff_s ({b.backoff_s})")
+    if b.replica_ttl_s <= b.heartbeat_s:
+        raise ConfigError("bus.replica_ttl_s",
+                          f"expected a number > bus.heartbeat_s ({b.heartbeat_s})")
+
+
 def build_policy_from(pc: PolicyConfig, path: str = "policy"):
     """The policy object a ``PolicyConfig`` names. Raises ``ConfigError``."""
     from policies.registry import build_policy
@@ -749,6 +820,7 @@ def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None =
         if cfg.retries.backoff_max_s < cfg.retries.backoff_s:
             _fail(ConfigError("retries.backoff_max_s", "expected a number >= "
                               f"retries.backoff_s ({cfg.retries.backoff_s})"))
+        _check_bus(cfg.bus)
     except ConfigError as exc:  # the document itself is not a mapping
         found.append(exc)
     finally:

@@ -10,8 +10,8 @@ between the pick and the load count::
     match  = index.match(key.hashes, now)
     views  = pool.views(now)                         (routable only; none -> 503)
     d      = policy.choose(RouteRequest, match, views, now)
-    index.insert(d.worker, key.hashes, now)           optimistic hint
-    pool.pick(worker, prompt_tokens)                  load counted at pick time
+    index.insert(d.worker, key.hashes, now)           optimistic hint (and bus.hint)
+    pool.pick(worker, prompt_tokens)                  load counted at pick time (pool.tap)
     forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
         connect error / 5xx / timeout before the client saw a byte: retry on another
         worker (retries.max_attempts, exponential backoff)
@@ -252,6 +252,8 @@ class DataPlane:
         self.tenants = tenants
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
+        #: router.bus.replica.BusReplica (set by the owner) or None: told of each hint
+        self.bus = None
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
@@ -421,6 +423,8 @@ class DataPlane:
         # the hint and the load count in uncached tokens (router.pick: the simulator's too)
         own = hint_and_count(self.index, self.pool, w, sk.hashes, sk.prompt_tokens, blocks,
                              sk.block_tokens, now)
+        if self.bus is not None and sk.hashes:
+            self.bus.hint(w.id, sk.hashes, now)  # queued; published by its own task
         return _Pick(sk, blocks, own, ahead, touches)
 
     async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", tenant,

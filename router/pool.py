@@ -10,6 +10,11 @@ agents that register themselves and discovery (``router.discovery``). Per worker
     load        in_flight / in_flight_tokens counted by the router AT PICK TIME
                 (before anything is awaited) + the agent's last Load report,
                 ignored once older than report_stale_s
+                + remote_in_flight / remote_tokens: the other router replicas'
+                pick-time counts, from the bus (router.bus; 0 without one)
+
+``Pool.tap`` (the bus, or None) is told of every local pick, prefill and finish,
+so the replica can publish its own counts; the pool never awaits it.
 
 A worker is *routable* when it is HEALTHY, not draining, and its breaker is CLOSED
 or HALF_OPEN with no trial in flight. ``views()`` returns routable workers only, as
@@ -18,7 +23,7 @@ the read-only ``WorkerView`` objects policies see.
 Invariants (``check()`` asserts each):
 
 - ``_by_id`` and ``_by_url`` index the same workers, by id and by url.
-- Every worker's ``in_flight >= 0`` and ``in_flight_tokens >= 0``.
+- Every worker's ``in_flight >= 0`` and ``in_flight_tokens >= 0`` (remote counts too).
 - A cached view (``Worker._view``) equals the view its worker would build now.
 - A worker that is not HEALTHY, or was removed, holds nothing in the index: the
   pool calls ``index.drop_worker`` on the transition, at once.
@@ -83,7 +88,7 @@ class Worker:
         "draining", "in_flight", "in_flight_tokens",
         "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
         "block_bytes", "models_until", "models_bad", "since_report_tokens", "spec",
-        "engine",
+        "engine", "remote_in_flight", "remote_tokens",
     )
 
     def __init__(self, wid: str, url: str, source: Source, weight: float = 1.0,
@@ -121,6 +126,8 @@ class Worker:
         self._view_until = 0.0  # the cached view includes a report stale at this time
         self.spec = spec  # the YAML/admin entry it came from (kind, events, tokenizer...)
         self.engine = None  # router.engines.link.EngineLink, set by router.engines
+        self.remote_in_flight = 0  # other router replicas' requests on it (router.bus)
+        self.remote_tokens = 0  # and their prompt tokens not yet prefilled
 
     def routable(self, now: float) -> bool:
         if self.health is not HealthState.HEALTHY or self.draining:
@@ -139,16 +146,19 @@ class Worker:
         return e.prefill_rate(now) if e is not None else self.base_prefill
 
     def build_view(self, now: float) -> WorkerView:
+        # the fleet's pick-time load: this replica's counts and the others' (router.bus)
+        reqs = self.in_flight + self.remote_in_flight
+        toks = self.in_flight_tokens + self.remote_tokens
         ld = self.load
         if ld is not None and now < self.load_until:
             rate = ld.prefill_tokens_per_s or self.prefill_rate(now)
             # within the bounds every view promises policies (policies.base.WorkerView)
             rate = MIN_RATE if rate < MIN_RATE else MAX_RATE if rate > MAX_RATE else rate
             return WorkerView(
-                self.id, self.in_flight, self.in_flight_tokens, ld.queued_requests,
+                self.id, reqs, toks, ld.queued_requests,
                 ld.queued_tokens, ld.running_requests, ld.kv_used_tokens,
                 ld.kv_capacity_tokens, rate, self.weight)
-        return WorkerView(self.id, self.in_flight, self.in_flight_tokens,
+        return WorkerView(self.id, reqs, toks,
                           prefill_tokens_per_s=self.prefill_rate(now), weight=self.weight)
 
     def describe(self, now: float) -> dict:
@@ -159,6 +169,7 @@ class Worker:
             "health": self.health.value, "breaker": self.breaker.value,
             "draining": self.draining, "routable": self.routable(now),
             "in_flight": self.in_flight, "in_flight_tokens": self.in_flight_tokens,
+            "remote_in_flight": self.remote_in_flight, "remote_tokens": self.remote_tokens,
             "weight": self.weight, "models": list(self.models),
             "reported_load": ({f: getattr(ld, f) for f in Load.__slots__} if fresh else None),
             "epoch": self.epoch, "next_seq": self.next_seq,
@@ -198,6 +209,8 @@ class Pool:
         #: when the pool was made: unknown models get 503 + Retry-After, not 404,
         #: for served.STARTUP_GRACE_S after it (agents re-registering after a restart)
         self.started = clock()
+        #: told ``moved(worker)`` after every local pick, prefilled and finish (router.bus)
+        self.tap = None
         for spec in cfg.workers:
             self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s,
                      spec)
@@ -352,6 +365,8 @@ class Pool:
         w.in_flight_tokens += tokens
         w.since_report_tokens += tokens
         w._view = None
+        if self.tap is not None:
+            self.tap.moved(w)
         if w.breaker is Breaker.HALF_OPEN:
             w.trial = True
             self._routable = None
@@ -360,6 +375,8 @@ class Pool:
         """The request's first byte arrived: its prompt is no longer queued prefill."""
         w.in_flight_tokens -= tokens
         w._view = None
+        if self.tap is not None:
+            self.tap.moved(w)
 
     def finish(self, w: Worker, tokens_left: int, ok: bool | None) -> None:
         """The request ended; ``tokens_left`` are its tokens still counted. ``ok``:
@@ -368,6 +385,8 @@ class Pool:
         w.in_flight -= 1
         w.in_flight_tokens -= tokens_left
         w._view = None
+        if self.tap is not None:
+            self.tap.moved(w)
         if ok is True:
             self.record_success(w)
         elif ok is False:
@@ -403,6 +422,13 @@ class Pool:
         w.since_report_tokens = 0
         w.load_until = now + (self.cfg.load.report_stale_s if stale_s is None else stale_s)
         w._view = None
+
+    def set_remote(self, w: Worker, requests: int, tokens: int) -> None:
+        """The other replicas' pick-time counts on ``w`` now (router.bus)."""
+        if w.remote_in_flight != requests or w.remote_tokens != tokens:
+            w.remote_in_flight = requests
+            w.remote_tokens = tokens
+            w._view = None
 
     def unavailable(self, model: str, adapter: str | None, now: float):
         """The error for a request that ``views(now, model, adapter)`` left no worker
@@ -577,6 +603,7 @@ class Pool:
         for wid, w in self._by_id.items():
             assert w.id == wid and self._by_url.get(w.url) is w, f"{w.id=} {w.url=}"
             assert w.in_flight >= 0 and w.in_flight_tokens >= 0, f"{w.id=} {w.in_flight=}"
+            assert w.remote_in_flight >= 0 and w.remote_tokens >= 0, f"{w.id=} remote"
             assert not w.removed, f"{w.id=} removed but in the pool"
             if w._view is not None and w.load is None:
                 assert w._view == w.build_view(self.clock()), f"{w.id=} stale view"

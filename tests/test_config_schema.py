@@ -34,7 +34,7 @@ def test_defaults_are_a_valid_config():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ("polcy: {name: x}", "polcy: unknown key; valid: auth, breaker, health, index, keys, "
+    ("polcy: {name: x}", "polcy: unknown key; valid: auth, breaker, bus, health, index, keys, "
                          "limits, listen, load, policy, reload, retries, timeouts, warmup, workers"),
     ("health: {intervall_s: 1}", "health.intervall_s: unknown key; valid: failure_threshold, "
                                  "interval_s, path, success_threshold, timeout_s"),

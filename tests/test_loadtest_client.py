@@ -314,3 +314,26 @@ def test_loadtest_and_demo_refuse_unwritable_outputs_before_sending(tmp_path, ca
     assert "--plots: cannot write into" in capsys.readouterr().err
     assert cli(["demo", "--out", str(blocker / "demo")]) == 2
     assert "--out: cannot write into" in capsys.readouterr().err
+
+
+def test_a_target_with_several_urls_round_robins_over_them():
+    from loadtest.main import parse_target
+    from router.errors import ConfigError
+
+    name, url = parse_target("four=http://a:1,http://b:2/v1,http://c:3")
+    t = Target(name, url)
+    assert t.base_url == "http://a:1" and t.base_urls == ["http://a:1", "http://b:2", "http://c:3"]
+    urls = []
+    for _ in range(6):
+        t_url, _ = t._request(_Spec())
+        urls.append(t_url.split("/v1")[0])
+    assert urls == ["http://a:1", "http://b:2", "http://c:3"] * 2
+    with pytest.raises(ConfigError):
+        parse_target("x=http://a:1,ftp://b")
+
+
+class _Spec:
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    max_tokens = 1
+    session = "s"
+    api = "chat"

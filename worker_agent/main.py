@@ -76,6 +76,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_positive, required=True)
     parser.add_argument("--router", action="append", default=[], metavar="URL",
                         help="a router to register with and push events to (repeatable)")
+    parser.add_argument("--bus", default=None, metavar="NATS_URL",
+                        help="publish events and load once to a NATS JetStream bus that every "
+                             "router replica reads (nats://host:4222); --router URLs are then "
+                             "the fallback while the bus is down")
+    parser.add_argument("--bus-prefix", default="radixfleet",
+                        help="subject prefix (the routers' bus.subject_prefix)")
+    parser.add_argument("--bus-snapshot-interval", type=float, default=30.0, metavar="S",
+                        help="a full snapshot this often (bounds the stream's history)")
     parser.add_argument("--worker-id", default=None, help="default: host:port")
     parser.add_argument("--advertise-url", default=None,
                         help="URL routers reach this agent at (default: http://HOST:PORT)")
@@ -125,8 +133,10 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
 
 
 async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
-                advertise_url: str) -> None:
-    app = create_app(cfg, routers=routers, advertise_url=advertise_url)
+                advertise_url: str, bus: str | None = None, bus_prefix: str = "radixfleet",
+                bus_snapshot_interval_s: float = 30.0) -> None:
+    app = create_app(cfg, routers=routers, advertise_url=advertise_url, bus=bus,
+                     bus_prefix=bus_prefix, bus_snapshot_interval_s=bus_snapshot_interval_s)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     server = None
@@ -162,6 +172,12 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
     cfg = build_config(args)
+    if args.bus is not None:
+        from router.config import BusConfig, _check_bus
+
+        _check_bus(BusConfig(url=args.bus, subject_prefix=args.bus_prefix))  # exit 2 if bad
+        if not args.bus_snapshot_interval > 0:
+            raise ConfigError("--bus-snapshot-interval", "expected a number > 0")
     advertise = args.advertise_url or f"http://{args.host}:{args.port}"
     try:
         import uvloop
@@ -169,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover
         pass
     try:
-        asyncio.run(serve(cfg, args.host, args.port, args.router, advertise))
+        asyncio.run(serve(cfg, args.host, args.port, args.router, advertise, args.bus,
+                          args.bus_prefix, args.bus_snapshot_interval))
     except OSError as exc:
         print(f"radixfleet agent: error: cannot listen on {args.host}:{args.port}: {exc}",
               file=sys.stderr)

@@ -421,6 +421,11 @@ async def _get_server_info(request: web.Request) -> web.Response:
         info["routers"] = [{"url": link.base, "state": link.state.value,
                             "refused": link.refused, "sent_batches": link.sent_batches}
                            for link in reporter.links]
+        if reporter.bus is not None:
+            b = reporter.bus
+            info["bus"] = {"url": b.conn.url, "state": b.conn.state.value,
+                           "link": b.link.state.value, "sent_batches": b.link.sent_batches,
+                           "snapshots": b.link.snapshots}
     return web.json_response(info)
 
 
@@ -541,10 +546,12 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
-               advertise_url: str | None = None) -> web.Application:
-    """The agent's aiohttp app; the engine (and reporter, given routers) live in its
-    cleanup context, so they start and stop with the app."""
-    agent = Agent(cfg, record_events=bool(routers))
+               advertise_url: str | None = None, bus: str | None = None,
+               bus_prefix: str = "radixfleet",
+               bus_snapshot_interval_s: float = 30.0) -> web.Application:
+    """The agent's aiohttp app; the engine (and reporter, given routers or a bus URL)
+    live in its cleanup context, so they start and stop with the app."""
+    agent = Agent(cfg, record_events=bool(routers) or bool(bus))
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[AGENT_KEY] = agent
     app[AUTH_KEY] = BearerAuth("RADIXFLEET_AGENT_TOKEN", "agent")
@@ -556,12 +563,19 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
     async def lifecycle(app: web.Application):
         await agent.engine.start()
         reporter = None
-        if routers:
+        if routers or bus:
             from worker_agent.reporter import Reporter
-            reporter = Reporter(routers, worker_id=cfg.worker_id or advertise_url or "agent",
+            wid = cfg.worker_id or advertise_url or "agent"
+            agent_bus = None
+            if bus:
+                from router.bus.publisher import AgentBus
+                agent_bus = AgentBus(bus, worker_id=wid, subject_prefix=bus_prefix,
+                                     snapshot_interval_s=bus_snapshot_interval_s,
+                                     registry=registry)
+            reporter = Reporter(routers or [], worker_id=wid,
                                 url=advertise_url or "", models=[cfg.name], cache=agent.cache,
                                 load=agent.sched.load, token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
-                                block_bytes=cfg.block_bytes)
+                                block_bytes=cfg.block_bytes, bus=agent_bus)
             await reporter.start()
         app[REPORTER_KEY] = reporter
         try:

@@ -24,6 +24,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "overload": ("router.benchmarks.overload", "shedding at 4x capacity with default settings"),
     "reproduce": ("router.benchmarks.reproduce",
                   "re-run the seeded figures of bench/RESULTS.md; exit 1 if any differs"),
+    "replicas": ("router.benchmarks.replicas", "N router replicas on the NATS bus vs one router: "
+                 "hit rate and TTFT"),
 }
 
 
