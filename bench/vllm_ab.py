@@ -59,7 +59,11 @@ def router_config(port: int, servers, model_dir: Path, *, policy: str, tokenizer
                            "replay_endpoint": f"tcp://*:{s.replay_port}"}
         workers.append(w)
     return {"listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": policy},
-            "health": {"interval_s": 0.5}, "workers": workers}
+            "health": {"interval_s": 0.5}, "workers": workers,
+           # the A/Bs drive a closed loop at the fleet's saturation (the issue's
+           # measurement): default shedding (limits.worker_queue_requests) would answer
+           # part of it 429 and measure shedding, not routing
+           "limits": {"worker_queue_requests": 0}}
 
 
 def main(argv=None) -> int:
@@ -118,7 +122,21 @@ def main(argv=None) -> int:
         elif not args.no_smg:
             print("vllm_ab: smg (SGLang's router, the test extra's sglang-router) is not on "
                   "PATH: its row is missing", file=sys.stderr)
-        time.sleep(3)  # routers probe, scrape and subscribe
+        import httpx
+        deadline = time.monotonic() + 180  # routers probe, load tokenizers, subscribe
+        for name, url in targets:
+            if name.startswith("smg"):
+                continue
+            want_tokens = MODES[name]["tokenizer"]
+            while time.monotonic() < deadline:
+                try:
+                    ws = httpx.get(url + "/admin/workers", timeout=5).json()["workers"]
+                    if ws and all(w["routable"] and (not want_tokens or w["engine"][
+                            "key_space"].startswith("TokenSpace")) for w in ws):
+                        break
+                except (httpx.HTTPError, KeyError, ValueError):
+                    pass
+                time.sleep(0.5)
         out = tmp / "ab.json"
         cmd = radixfleet_argv(
             "loadtest", *[a for n, u in targets for a in ("--target", f"{n}={u}")],
@@ -135,7 +153,6 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 1
         doc = json.loads(out.read_text())
-        import httpx
         for name, url in targets:  # why each router routed as it did
             if name.startswith("smg"):
                 continue

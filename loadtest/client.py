@@ -71,16 +71,22 @@ class _State(enum.Enum):
 
 
 class Target:
-    """An OpenAI-compatible endpoint (``base_url`` without ``/v1``)."""
+    """An OpenAI-compatible endpoint (``base_url`` without ``/v1``). ``base_url`` may
+    list several comma-separated URLs (router replicas): requests then go to them in
+    client-side round robin, and ``base_url`` is the first (probes, admin calls)."""
 
     def __init__(self, name: str, base_url: str, *, model: str | None = None,
                  timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
                  ignore_eos: bool = True, send_session: bool = False,
                  max_connections: int = 2048) -> None:
         self.name = name
-        self.base_url = base_url.rstrip("/")
-        if self.base_url.endswith("/v1"):
-            self.base_url = self.base_url[:-3]
+        urls = []
+        for u in base_url.split(","):
+            u = u.strip().rstrip("/")
+            urls.append(u[:-3] if u.endswith("/v1") else u)
+        self.base_urls = urls
+        self.base_url = urls[0]
+        self._rr = 0
         self.model = model  # None: the first of GET /v1/models (probe())
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.ignore_eos = ignore_eos  # ask for exactly max_tokens (SGLang/vLLM extension)
@@ -151,7 +157,10 @@ class Target:
         if self.send_session:
             body["user"] = spec.session
         path = "/v1/chat/completions" if spec.api == API_CHAT else "/v1/completions"
-        return self.base_url + path, body
+        urls = self.base_urls
+        base = urls[self._rr % len(urls)]
+        self._rr += 1
+        return base + path, body
 
     async def send(self, spec: RequestSpec, result: Result, clock=time.monotonic) -> str | None:
         """Sends one streaming request, filling ``result``; returns the answer text.

@@ -14,8 +14,12 @@ is starred in the table and said in the report (``cut``).
 
 Before each target's run every agent's cache is flushed (``POST /flush_cache`` on the
 ``--flush`` URLs, or on the workers a radixfleet router lists at ``GET
-/admin/workers``) so every run starts cold. The pooled reference needs the fleet's
-KV capacity: ``--kv-capacity-tokens``, or the sum the agents report.
+/admin/workers``) so every run starts cold. A failed flush stops the run with an
+error (a warm run must not be reported as a cold one) unless ``--allow-warm`` is
+given; then the run goes on and its report says ``"cold_start": false`` and which
+flush failed. With no agents to flush the report says ``"cold_start": null``.
+The pooled reference needs the fleet's KV capacity: ``--kv-capacity-tokens``, or
+the sum the agents report.
 
 Per-worker figures come from the router's ``x-radixfleet-worker`` header; a target
 that names no worker (``smg``) gets them from the agents' ``/metrics`` counters,
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from router.errors import ConfigError, WorkloadError
+from router.errors import ConfigError, RunError, WorkloadError
 from loadtest.arrivals import Bounds, Closed, DriveStats, Poisson, TraceTimes, drive
 from loadtest.client import Result, Target
 from loadtest.report import (CacheReference, Progress, check_outputs, mark_bounds, render_table,
@@ -56,9 +60,12 @@ class RunOutcome:
 
 
 def parse_target(text: str) -> tuple[str, str]:
+    """``NAME=URL`` or ``NAME=URL,URL,...`` (router replicas, client-side round robin)."""
     name, sep, url = text.partition("=")
-    if not sep or not name or not url.startswith(("http://", "https://")):
-        raise ConfigError("--target", f"{text!r} must be NAME=http://HOST:PORT")
+    if not sep or not name or not all(u.startswith(("http://", "https://"))
+                                       for u in url.split(",")):
+        raise ConfigError("--target", f"{text!r} must be NAME=http://HOST:PORT"
+                          "[,http://HOST:PORT...]")
     return name, url
 
 
@@ -269,11 +276,13 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                  flush_urls: list[str] | None = None, kv_capacity_tokens: int | None = None,
                  model: str | None = None, timeout_s: float = 120.0, send_session: bool = False,
                  progress: bool | None = None, settle_s: float = 0.5,
-                 between=None) -> list[RunOutcome]:
+                 between=None, allow_warm: bool = False) -> list[RunOutcome]:
     """Probes every target, then runs the workload against each in turn, cold.
 
     ``between(name)`` (async, optional) runs before each target's run (the demo
-    restarts its router there). Raises ``ConfigError`` for an unreachable target.
+    restarts its router there). Raises ``ConfigError`` for an unreachable target
+    and ``RunError`` when an agent's cache flush fails before a run, unless
+    ``allow_warm``: then the run goes on, marked ``cold_start: false``.
     """
     outcomes = []
     async with aiohttp.ClientSession() as admin:
@@ -287,11 +296,19 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
             async with Target(name, url, model=model, timeout_s=timeout_s,
                               send_session=send_session) as target:
                 await target.probe()
+                url = target.base_url  # the first replica answers the admin calls
                 agents = list(flush_urls or []) or await discover_workers(admin, url)
+                failed: list[str] = []
                 if agents:
                     failed = await flush(admin, agents)
+                    if failed and not allow_warm:
+                        raise RunError(
+                            f"target {name}: cache flush failed on {', '.join(failed)}; the "
+                            f"run would not start cold (pass --allow-warm to run anyway, "
+                            f"marked cold_start: false)")
                     if failed:
-                        log.warning("flush failed on %s", ", ".join(failed))
+                        log.warning("target %s: flush failed on %s; running warm "
+                                    "(--allow-warm)", name, ", ".join(failed))
                     await asyncio.sleep(settle_s)  # let 'cleared' events reach the router
                 else:
                     log.warning("target %s: no agents to flush (pass --flush URL); "
@@ -314,6 +331,9 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                             kv_capacity_tokens=cap, workers=per_agent)
                         outcome.report.update(kept)
                         outcome.report["workers_source"] = "agent /metrics"
+                outcome.report["cold_start"] = (not failed) if agents else None
+                if failed:
+                    outcome.report["flush_failed"] = failed
                 outcomes.append(outcome)
                 r = outcome.report
                 log.info("target %s: %d/%d ok, hit %.3f", name, r["ok"], r["requests"], r["hit_rate"])
@@ -356,12 +376,16 @@ def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str
 def configure(parser: argparse.ArgumentParser) -> None:
     from loadtest import ab
 
-    parser.add_argument("--target", action="append", default=[], metavar="NAME=URL",
+    parser.add_argument("--target", action="append", default=[], metavar="NAME=URL[,URL...]",
                         help="an OpenAI-compatible router (repeatable; run in the order given); "
-                             "or --ab for a local fleet")
+                             "several comma-separated URLs: replicas in client-side round "
+                             "robin; or --ab for a local fleet")
     parser.add_argument("--flush", action="append", default=[], metavar="URL",
                         help="an agent to POST /flush_cache before each run (repeatable; "
                              "default: the workers the router lists at /admin/workers)")
+    parser.add_argument("--allow-warm", action="store_true",
+                        help="run even when an agent's cache flush fails (the report then "
+                             "says cold_start: false) instead of stopping with an error")
     parser.add_argument("--kv-capacity-tokens", type=int,
                         help="the fleet's KV capacity for pooled_hit_rate (default: from the agents)")
     add_load_arguments(parser, default_workload=None)
@@ -424,7 +448,8 @@ def run(args: argparse.Namespace) -> int:
     outcomes = asyncio.run(run_ab(
         targets, workload, arrivals, bounds, flush_urls=[u.rstrip("/") for u in args.flush],
         kv_capacity_tokens=args.kv_capacity_tokens, model=args.model, timeout_s=args.timeout,
-        send_session=args.send_session, progress=False if args.no_progress else None))
+        send_session=args.send_session, progress=False if args.no_progress else None,
+        allow_warm=args.allow_warm))
     emit(outcomes, args)
     return 0
 

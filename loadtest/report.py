@@ -27,6 +27,11 @@ checks a document)::
     load_imbalance   float|null  max / mean of per-worker prompt tokens
     workers_source   str    optional: "agent /metrics" when the target named no
                             worker and the table came from the agents' counters
+    cold_start       bool|null  optional (live runs): True when every agent's cache was
+                            flushed before the run, False when a flush failed and the
+                            user allowed the run anyway (``--allow-warm``), null when
+                            there were no agents to flush (the run may start warm)
+    flush_failed     list   optional: the agents whose flush failed, with the cause
     stopped_by       str    optional: what ended dispatching: "exhausted" (the
                             workload ran out), "requests" or "duration" (a bound)
     workload_requests int|null  optional: requests the workload holds if every turn

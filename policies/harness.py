@@ -8,12 +8,17 @@ same order, against a real ``router.prefix_index.PrefixIndex``::
     d     = policy.choose(request, match, views, now)
     index.insert(d.worker, hashes, now)           (the optimistic hint)
     load[d.worker] += 1 request, uncached prompt tokens      (counted at pick time)
-    for w in d.warm: index.insert(w, hashes[:depth], now)    (the warm-up's hint)
+    for w in d.warm: a warm-up of hashes[:depth] queued on w (not counted as load)
 
 Each worker is a FIFO prefill server at ``prefill_tokens_per_s``: a request's
 prefill ends at ``max(now, busy_until) + uncached / rate``; ``advance(now)`` retires
 the requests whose prefill has ended (their tokens leave ``in_flight_tokens``; the
 request leaves ``in_flight`` ``decode_s`` later). No clocks: the caller passes ``now``.
+
+Warm-ups are not hinted in the index — neither the live router nor the simulator
+does (``router.warmup``): the warmed worker prefills the prefix like any request
+(it occupies its FIFO) and, as its agent would report the blocks it stored, the
+prefix enters the index for it when that prefill ends, not before.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class PickLoop:
     def __post_init__(self) -> None:
         self.load = {w: _Load(prefill_tokens_per_s=self.prefill_tokens_per_s)
                      for w in self.workers}
-        self._events: list = []  # (time, seq, kind, worker, tokens)
+        self._events: list = []  # (time, seq, kind, worker, tokens | warmed hashes)
         self._seq = 0
         self.decisions: list[Decision] = []
         self.warmups: list[tuple[str, int]] = []  # (worker, blocks) warm-ups sent
@@ -62,12 +67,23 @@ class PickLoop:
                            prefill_tokens_per_s=l.prefill_tokens_per_s)
                 for w, l in self.load.items()]
 
+    def _warm(self, w: str, prefix: list, now: float) -> None:
+        """A warm-up of ``prefix`` on ``w``: prefilled in its FIFO (not counted as
+        load); its blocks enter the index when that prefill ends (the agent's report)."""
+        l = self.load[w]
+        work = len(prefix) * self.block_tokens
+        l.busy_until = max(now, l.busy_until) + work / l.prefill_tokens_per_s
+        self._push(l.busy_until, "warmed", w, prefix)
+
     def advance(self, now: float) -> None:
         """Retires prefills (and decodes) that have ended by ``now``."""
         ev = self._events
         while ev and ev[0][0] <= now:
             t, _, kind, w, tokens = heapq.heappop(ev)
             l = self.load[w]
+            if kind == "warmed":  # tokens: the warmed prefix's hashes
+                self.index.insert(w, tokens, t)
+                continue
             if kind == "prefill":
                 l.in_flight_tokens -= tokens
                 if self.decode_s > 0:
@@ -77,7 +93,7 @@ class PickLoop:
             else:
                 l.in_flight -= 1
 
-    def _push(self, t: float, kind: str, w: str, tokens: int) -> None:
+    def _push(self, t: float, kind: str, w: str, tokens) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, w, tokens))
 
@@ -95,7 +111,7 @@ class PickLoop:
         for w in d.warm:
             self.warmups.append((w, match.depth))
             if match.depth:
-                self.index.insert(w, hashes[: match.depth], now)
+                self._warm(w, list(hashes[: match.depth]), now)
         l = self.load[d.worker]
         # the worker prefills what it does not hold; the router counts either that
         # or (count_cached) the whole prompt

@@ -80,6 +80,9 @@ class HotRoots:
         self._records: dict[int, HotRecord] = {}
         self.replicas_added = 0  # counters for metrics
         self.replicas_retired = 0
+        #: told ``(op, key, depth, worker)`` of each local decision, op "add" or
+        #: "retire" (router.bus shares them so replicas replicate as one router would)
+        self.listener = None
 
     def __len__(self) -> int:
         return len(self._records)
@@ -114,10 +117,14 @@ class HotRoots:
         rec.retired.pop(worker, None)
         rec.replicas[worker] = now
         self.replicas_added += 1
+        if self.listener is not None:
+            self.listener("add", rec.key, rec.depth, worker)
 
     def reinstate(self, rec: HotRecord, worker: str, now: float) -> None:
         rec.retired.pop(worker)
         rec.replicas[worker] = now
+        if self.listener is not None:
+            self.listener("add", rec.key, rec.depth, worker)
 
     def retire_newest(self, rec: HotRecord, active: set[str], now: float) -> str | None:
         """Retires the most recently added replica in ``active``; returns it or None."""
@@ -129,14 +136,32 @@ class HotRoots:
             del rec.replicas[newest]
             rec.retired[newest] = now
             self.replicas_retired += 1
+            if self.listener is not None:
+                self.listener("retire", rec.key, rec.depth, newest)
         return newest
 
     def retire_all(self, rec: HotRecord, now: float) -> None:
         """Retires every replica of ``rec`` (its rate fell below the hot threshold)."""
         for w in rec.replicas:
             rec.retired[w] = now
+            if self.listener is not None:
+                self.listener("retire", rec.key, rec.depth, w)
         self.replicas_retired += len(rec.replicas)
         rec.replicas.clear()
+
+    def apply_remote(self, op: str, key: int, depth: int, worker: str, now: float) -> None:
+        """Another router replica's decision (``listener``'s arguments), applied
+        without telling the listener: its replica set becomes ours too."""
+        rec = self._records.get(key)
+        if op == "add":
+            if rec is None:
+                rec = self.see(key, depth, 0.0, now)
+            if worker not in rec.replicas and len(rec.replicas) < self.max_replicas:
+                rec.retired.pop(worker, None)
+                rec.replicas[worker] = now
+        elif op == "retire" and rec is not None and worker in rec.replicas:
+            del rec.replicas[worker]
+            rec.retired[worker] = now
 
     def records(self) -> list[HotRecord]:
         """Records, most recently seen first."""

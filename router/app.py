@@ -9,8 +9,10 @@ Endpoints::
     POST /v1/completions, /v1/chat/completions, /generate      data plane
     GET  /v1/models            union of the routable workers' models
     GET  /health               the router process is up
-    GET  /readiness            200 once at least one worker is healthy, else 503
-    GET  /metrics              Prometheus text
+    GET  /readiness            200 once at least one worker is healthy (and, with a bus,
+                               the stream's history is applied), else 503
+    GET  /metrics              Prometheus text (no prefix hashes: router.metrics)
+    GET  /openapi.json         the OpenAPI 3 description of all of this (router.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
     GET  /admin/index          index stats, hot prefixes, policy.describe()
     POST /admin/reload         re-read the config file (400 with the message if invalid)
@@ -41,6 +43,7 @@ import aiohttp
 from aiohttp import web
 
 from router import events as ev
+from router import http_errors, jsonbody, openapi
 from router.auth import BearerAuth, TenantResolver, check_exposure
 from router.config import (
     MISSING, Config, WorkerSpec, build_policy_from, check_engine_fields, default_worker_id,
@@ -50,11 +53,17 @@ from router.config import (
 from router.dataplane import (
     REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
 )
+from router.bus.replica import BusReplica
 from router.discovery import Discovery
-from router.errors import ConfigError, MalformedRequest, NotFound, Overloaded, RequestError
 from router.engines.manager import Engines
+from router.errors import (
+    ConfigError, MalformedRequest, NotFound, RequestError, RequestTimeout, retry_after_header,
+)
+from router.identifiers import id_problem, models_problem
+from router.tenancy import TenantSalts
 from router.feedback import Feedback
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from router import served
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
 from router.prefix_keys import Endpoint
@@ -76,8 +85,8 @@ def json_error(status: int, message: str, etype: str, code: str,
 
 def error_response(exc: RequestError, headers: dict | None = None) -> web.Response:
     h = dict(headers or {})
-    if isinstance(exc, Overloaded):
-        h["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if exc.retry_after_s is not None:
+        h["Retry-After"] = retry_after_header(exc.retry_after_s)
     return web.Response(body=json.dumps(exc.to_json()).encode(), status=exc.status,
                         content_type=_JSON, headers=h)
 
@@ -115,7 +124,8 @@ class Router:
         self.admin_auth = BearerAuth(cfg.auth.admin_token_env, "admin")
         self.agent_auth = BearerAuth(cfg.auth.agent_token_env, "agent")
         check_exposure(cfg, self.admin_auth, self.agent_auth)
-        self.tenants = TenantResolver(cfg.keys.tenant)
+        self.salts = TenantSalts.from_env(cfg.keys.tenant_salt_env, self.agent_auth.token)
+        self.tenants = TenantResolver(cfg.keys.tenant, salts=self.salts)
         self.pool = Pool(cfg, self.index)
         self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
@@ -123,6 +133,8 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         self.dataplane = DataPlane(cfg, self.policy, self.tenants, self.pool, self.index,
                                    self.metrics, self.engines, self._spawn)
+        #: router.bus.replica.BusReplica while the app runs with ``bus.url`` set
+        self.bus: BusReplica | None = None
         self._models_cache: tuple[float, dict] | None = None
         self._mtime = self._file_mtime()
         self._reload_lock = asyncio.Lock()
@@ -148,6 +160,7 @@ class Router:
         r.add_post("/admin/reload", self._admin(self._reload_handler))
         r.add_post(ev.REGISTER_PATH, self._agent(self._register))
         r.add_post(ev.EVENTS_PATH, self._agent(self._events))
+        r.add_get("/openapi.json", self._openapi)
         self._known = {}
         for res in r.resources():
             info = res.get_info()
@@ -165,14 +178,25 @@ class Router:
         dp.session = self.session
         dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
+        if self.cfg.bus.enabled() and self.bus is None:
+            self.bus = BusReplica(self.cfg.bus, pool=self.pool, index=self.index,
+                                  feedback=self.feedback, block_bytes=self.cfg.keys.block_bytes,
+                                  registry=self.metrics.registry,
+                                  policy=lambda: self.policy)
         try:
             await self.pool.start(self.session)
             await self.engines.start(self.session)
             await self.discovery.start()
+            if self.bus is not None:
+                await self.bus.start()
+                dp.bus = self.bus
             if self.cfg.path and self.cfg.reload.watch:
                 self._spawn(self._watch_config())
             yield
         finally:
+            dp.bus = None
+            if self.bus is not None:
+                await self.bus.aclose()
             await self.discovery.aclose()
             await self.engines.aclose()
             await self.pool.aclose()
@@ -204,8 +228,18 @@ class Router:
         return self.dataplane.upstream
 
     async def _read_body(self, request: web.Request) -> bytes:
-        """The body of an aiohttp request, within ``limits.max_body_bytes``."""
-        return await AiohttpExchange(request).body(self.cfg.limits.max_body_bytes)
+        """The body of an aiohttp request, within ``limits.max_body_bytes`` and
+        ``limits.body_timeout_s`` (408 after it)."""
+        lim = self.cfg.limits
+        try:
+            return await asyncio.wait_for(AiohttpExchange(request).body(lim.max_body_bytes),
+                                          lim.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"request body not received within "
+                                 f"{lim.body_timeout_s:g}s") from None
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi.router_spec())
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -213,8 +247,16 @@ class Router:
         now = time.monotonic()
         healthy = [w.id for w in self.pool if w.health.value == "healthy"]
         routable = [w.id for w in self.pool.routable_workers(now)]
-        body = {"ready": bool(healthy), "healthy": healthy, "routable": routable}
-        return web.json_response(body, status=200 if healthy else 503)
+        ready = bool(healthy)
+        body = {"ready": ready, "healthy": healthy, "routable": routable}
+        if self.bus is not None:
+            caught_up = self.bus.ready()
+            body["bus"] = self.bus.describe()
+            body["ready"] = ready = ready and caught_up
+        if ready:
+            return web.json_response(body)
+        return web.json_response(body, status=503, headers={
+            "Retry-After": retry_after_header(self.cfg.health.interval_s)})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         now = time.monotonic()
@@ -236,12 +278,13 @@ class Router:
                                             timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                     if r.status != 200:
                         return []
-                    data = json.loads(await r.read())
-                    return [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+                    data = jsonbody.loads(await r.content.read(1 << 20),
+                                          what="the worker's /v1/models answer")
+                    served.parse_models_answer(data)  # well-formed, bounded
+                    return data["data"]
             except asyncio.CancelledError:
                 raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError,
-                    OSError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, MalformedRequest):
                 return [{"id": m, "object": "model", "owned_by": w.id} for m in w.models]
 
         seen: dict[str, dict] = {}
@@ -287,10 +330,7 @@ class Router:
         raw = await self._read_body(request)
         if not raw.strip() and optional:
             return {}
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
+        return jsonbody.loads(raw)  # MalformedRequest for anything but bounded JSON
 
     async def _list_workers(self, request: web.Request) -> web.Response:
         now = time.monotonic()
@@ -307,6 +347,9 @@ class Router:
         except ConfigError as exc:
             raise MalformedRequest(str(exc)) from None
         wid = spec.id or default_worker_id(url)
+        problem = id_problem(wid)
+        if problem:
+            raise MalformedRequest(problem, param="id")
         try:
             w = self.pool.add(wid, url, Source.ADMIN, spec.weight, spec.prefill_tokens_per_s,
                               spec)
@@ -367,9 +410,14 @@ class Router:
         for k in ("worker_id", "url", "epoch"):
             if not isinstance(body.get(k), str) or not body[k]:
                 raise MalformedRequest(f"'{k}' must be a non-empty string", param=k)
+        for k in ("worker_id", "epoch"):
+            problem = id_problem(body[k], f"'{k}'")
+            if problem:
+                raise MalformedRequest(problem, param=k)
         models = body.get("models", [])
-        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-            raise MalformedRequest("'models' must be a list of strings", param="models")
+        problem = models_problem(models)
+        if problem:
+            raise MalformedRequest(problem, param="models")
         try:
             url = parse_worker_url(body["url"], "url")
         except ConfigError as exc:
@@ -426,10 +474,13 @@ class Router:
             self._mtime = self._file_mtime()
             try:
                 new = with_overrides(load_config(path), **self.overrides)
-                tenants = TenantResolver(new.keys.tenant)
                 admin = BearerAuth(new.auth.admin_token_env, "admin")
                 agent = BearerAuth(new.auth.agent_token_env, "agent")
                 check_exposure(new, admin, agent)
+                salts = TenantSalts.from_env(new.keys.tenant_salt_env, agent.token)
+                if salts.same_keys(self.salts):
+                    salts = self.salts  # keep its caches
+                tenants = TenantResolver(new.keys.tenant, salts=salts)
                 policy = self.policy
                 if new.policy != self.cfg.policy:
                     policy = build_policy_from(new.policy)
@@ -449,10 +500,18 @@ class Router:
                     self.index.clear(wid)
                 # agents that registered with the old size are refused from now on
                 self.feedback.block_bytes = new.keys.block_bytes
+                if self.bus is not None:
+                    self.bus.block_bytes = new.keys.block_bytes
             self.cfg = new
             self.pool.cfg = new
             self.policy = policy
             self.tenants = tenants
+            if tenants.salts is not self.salts:
+                log.warning("the tenant salt secret changed: every prefix key changes, the "
+                            "index restarts cold")
+                for wid in list(self.index.workers()):
+                    self.index.clear(wid)
+                self.salts = tenants.salts
             self.admin_auth, self.agent_auth = admin, agent
             self.index.max_bytes = new.index.max_bytes
             self.dataplane.configure(new, policy, tenants)
@@ -490,8 +549,18 @@ class RouterServer:
                                      shutdown_timeout=r.cfg.limits.shutdown_timeout_s)
         await self._runner.setup()
         routes = {e.value.encode(): self._route(e) for e in Endpoint}
-        self._front = FrontServer(routes, self._runner.server,
-                                  lambda: r.cfg.limits.max_body_bytes)
+        lim = lambda: r.cfg.limits  # noqa: E731 - read at use: a reload may change them
+        bad = r.metrics.bad_http
+        fallback = http_errors.factory(
+            self._runner, access_log=None, on_bad_http=lambda st: bad.labels(str(st)).inc(),
+            # an idle handed-over connection (or one trickling its next head) is closed
+            keepalive_timeout=r.cfg.limits.header_timeout_s)
+        self._front = FrontServer(routes, fallback, lambda: lim().max_body_bytes,
+                                  head_timeout_s=lambda: lim().header_timeout_s,
+                                  body_timeout_s=lambda: lim().body_timeout_s)
+        # Routable as soon as it listens: the first health round (bounded by one
+        # check's timeout) runs before the socket opens.
+        await r.pool.first_round(r.cfg.health.timeout_s + 0.5)
         try:
             self.port = await self._front.start(self.host, self.port)
         except OSError as exc:

@@ -1,9 +1,10 @@
 """Identities: bearer tokens for the admin and agent APIs, tenants for the data plane.
 
-The tenant is the prefix-key salt (router.prefix_keys), so it must come from an
-authenticated identity — an API key the YAML maps to a tenant, or a header only
-when the config says a trusted gateway sets it — never from the request body, so
-no client can claim another tenant's salt and probe its cache by timing.
+The tenant selects the prefix-key namespace (router.prefix_keys; its salt is a
+secret per deployment, router.tenancy), so it must come from an authenticated
+identity — an API key the YAML maps to a tenant, or a header only when the config
+says a trusted gateway sets it — never from the request body, so no client can
+claim another tenant's namespace and probe its cache by timing.
 
 Secrets are compared in constant time: bearer tokens with ``hmac.compare_digest``;
 API keys by looking up the SHA-256 digest of the presented key (the lookup's
@@ -21,7 +22,9 @@ import ipaddress
 import os
 
 from router.config import Config, TenantConfig
-from router.errors import ConfigError, Unauthorized
+from router.errors import ConfigError, MalformedRequest, Unauthorized
+from router.identifiers import tenant_problem
+from router.tenancy import TenantSalts
 
 
 def is_loopback(host: str) -> bool:
@@ -50,7 +53,10 @@ class BearerAuth:
             return
         if not header or not header.startswith("Bearer "):
             raise Unauthorized(f"{self.what} API requires 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(header[7:].strip().encode(), self.token):
+        # aiohttp and the raw front decode header bytes as UTF-8 with surrogateescape:
+        # encoding back the same way gives the bytes sent, valid UTF-8 or not
+        if not hmac.compare_digest(header[7:].strip().encode("utf-8", "surrogateescape"),
+                                   self.token):
             raise Unauthorized(f"invalid {self.what} token")
 
 
@@ -67,11 +73,17 @@ def check_exposure(cfg: Config, admin: BearerAuth, agent: BearerAuth) -> None:
 
 class TenantResolver:
     """Maps a request's headers to its tenant. Raises ``Unauthorized`` (api_key source
-    with ``require_key``) when no valid key is presented."""
+    with ``require_key``) when no valid key is presented.
 
-    __slots__ = ("source", "default", "header", "require", "_digests")
+    ``namespace(headers)`` is what the data plane keys with: the tenant's secret salt
+    from ``salts`` (router.tenancy), or — without ``salts``, for tools that key like
+    the simulator — the tenant name itself."""
 
-    def __init__(self, t: TenantConfig, path: str = "keys.tenant") -> None:
+    __slots__ = ("source", "default", "header", "require", "_digests", "salts")
+
+    def __init__(self, t: TenantConfig, path: str = "keys.tenant", *,
+                 salts: TenantSalts | None = None) -> None:
+        self.salts = salts
         self.source = t.source
         self.default = t.default
         self.header = t.header.lower()  # exchanges use lower-case names
@@ -92,7 +104,13 @@ class TenantResolver:
         if src == "none":
             return self.default
         if src == "header":
-            return headers.get(self.header) or self.default
+            name = headers.get(self.header)
+            if not name:
+                return self.default
+            problem = tenant_problem(name)
+            if problem:
+                raise MalformedRequest(problem)
+            return name
         auth = headers.get("authorization")
         key = None
         if auth and auth.startswith("Bearer "):
@@ -100,7 +118,7 @@ class TenantResolver:
         else:
             key = headers.get("x-api-key")
         if key:
-            t = self._digests.get(hashlib.sha256(key.encode()).digest())
+            t = self._digests.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest())
             if t is not None:
                 return t
             if self.require:
@@ -108,3 +126,20 @@ class TenantResolver:
         elif self.require:
             raise Unauthorized("an API key is required ('Authorization: Bearer <key>')")
         return self.default
+
+    def namespace(self, headers) -> str:
+        """The request's key namespace salt (see the class docstring)."""
+        t = self.tenant(headers)
+        return t if self.salts is None else self.salts.salt(t)
+
+    def forward_lines(self, namespace: str) -> bytes:
+        """Header lines (CRLF-terminated) that forward ``namespace`` to a worker."""
+        if self.salts is None:
+            return b"x-radixfleet-tenant: " + namespace.encode("utf-8", "surrogateescape") + b"\r\n"
+        return self.salts.header_lines(namespace)
+
+    def forward_headers(self, namespace: str) -> dict[str, str]:
+        """``forward_lines`` as a header dict (warm-ups)."""
+        if self.salts is None:
+            return {"x-radixfleet-tenant": namespace}
+        return self.salts.headers(namespace)

@@ -29,7 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("loadtest.simulator.main", "simulate a fleet and its policies in virtual time"),
     "analyze": ("loadtest.analyze", "the cache-size knee, Zipf head and policy replay of a traffic log"),
     "bench": ("router.benchmarks", "run a benchmark (index, proxy, routing, policy, agent, sim, "
-                                   "fidelity, events, traffic_log, analyze, autoscale)"),
+                                   "fidelity, events, overload, reproduce, traffic_log, analyze, "
+                                   "autoscale)"),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
 }
 

@@ -1,7 +1,7 @@
 """The router's YAML configuration: one schema, validated into frozen dataclasses.
 
 Also the ``radixfleet check-config FILE`` subcommand (exit 0 with a one-line OK
-summary, or 2 with the first error).
+summary and any warnings on stderr, or 2 with every error, each with its path).
 
 Schema (every section and key optional; defaults shown; ``deploy/README.md``
 documents each key)::
@@ -14,7 +14,7 @@ documents each key)::
                 events: {endpoint: "", mode: auto|bind|connect, replay_endpoint: "",
                          topic: kv-events},
                 metrics: {path: /metrics, interval_s: 1.0, timeout_s: 1.0}}, ...]
-    keys:     {block_bytes: 128,
+    keys:     {block_bytes: 128, tenant_salt_env: RADIXFLEET_TENANT_SALT,
                tenant: {source: none|api_key|header, default: "", header: x-tenant-id,
                         require_key: true,
                         api_keys: [{tenant: a, key_env: TENANT_A_KEY} | {tenant: b, key: sk-..}]}}
@@ -27,10 +27,17 @@ documents each key)::
     retries:  {max_attempts: 3, backoff_s: 0.005, backoff_max_s: 0.1}
     timeouts: {connect_s: 2.0, first_byte_s: 120.0, total_s: 600.0}
     limits:   {max_body_bytes: 8388608, max_concurrency: 1024, max_queue: 4096,
-               queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0}
+               queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0,
+               worker_queue_requests: 0.5, worker_queue_min_s: 0.05,
+               header_timeout_s: 10.0, body_timeout_s: 30.0}
     warmup:   {enabled: true, min_interval_s: 10.0, timeout_s: 30.0}
     auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
     reload:   {watch: true, poll_interval_s: 1.0}
+    bus:      {url: "" (off; nats://host:4222), stream: RADIXFLEET, subject_prefix: radixfleet,
+               replica_id: "" (hostname-pid), max_age_s: 600.0, max_bytes: 1073741824,
+               storage: memory|file, connect_timeout_s: 1.0, backoff_s: 0.5,
+               backoff_max_s: 5.0, flush_s: 0.0, heartbeat_s: 0.5, replica_ttl_s: 2.0,
+               share_hints: true, snapshot_request_s: 1.0, ready_timeout_s: 10.0}
     traffic_log: {enabled: false, dir: traffic, prefix: traffic, sample_rate: 1.0,
                   max_file_bytes: 67108864, max_files: 16, queue_size: 65536,
                   flush_interval_s: 1.0, tenant_key_env: RADIXFLEET_TRAFFIC_LOG_KEY}
@@ -58,17 +65,21 @@ valid ones::
     limits.max_queue: expected an integer >= 0, got -1
     health.intervall_s: unknown key; valid: failure_threshold, interval_s, ...
 
-Absent keys keep their defaults; a key present with ``null`` is an error (``null``
-never means "the default"). Command-line overrides are merged with ``MISSING``
-(``with_overrides``), never with ``None``.
+A key written twice in one mapping is an error. Every error is reported in one
+run (``ConfigError.errors``). Absent keys keep their defaults; a key present with
+``null`` is an error (``null`` never means "the default"). Command-line overrides
+are merged with ``MISSING`` (``with_overrides``), never with ``None``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import os
 import random
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlsplit
@@ -77,6 +88,7 @@ import yaml
 
 from policies.params import check_value
 from router.errors import ConfigError
+from router.identifiers import MAX_URL_CHARS, id_problem
 from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 
 
@@ -152,9 +164,9 @@ class EngineScrapeSpec:
 class WorkerSpec:
     url: str = _opt("", "base URL of the worker, http://host:port")
     id: str = _opt("", "worker id (default: host:port of url)")
-    weight: float = _opt(1.0, "relative capacity weight", lo=0, lo_open=True)
+    weight: float = _opt(1.0, "relative capacity weight", lo=0.01, hi=100.0)
     prefill_tokens_per_s: float = _opt(
-        10_000.0, "prefill throughput assumed until measured or reported", lo=0, lo_open=True)
+        10_000.0, "prefill throughput assumed until measured or reported", lo=1.0, hi=1e12)
     kind: str = _opt("auto", "agent, vllm, sglang or openai; auto: probe the worker",
                      choices=WORKER_KINDS)
     model: str = _opt("", "the model it serves (default: from its /v1/models)")
@@ -191,6 +203,9 @@ class TenantConfig:
 class KeysConfig:
     block_bytes: int = _opt(DEFAULT_BLOCK_BYTES, "routing block size in bytes", lo=BYTES_PER_TOKEN)
     tenant: TenantConfig = _section(TenantConfig, "tenant identity")
+    tenant_salt_env: str = _opt(
+        "RADIXFLEET_TENANT_SALT", "env var with the deployment's secret tenant salt (the "
+        "same on every replica); unset: derived from the agent token (router.tenancy)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +221,7 @@ class IndexConfig:
     max_bytes: int = _opt(256 * 2**20, "global memory budget of the prefix index", lo=1)
     half_life_s: float = _opt(30.0, "half-life of the hot-prefix request counters", lo=0,
                               lo_open=True)
-    hot_k: int = _opt(10, "hot prefixes shown in /admin/index and metrics", lo=0)
+    hot_k: int = _opt(10, "hot prefixes shown in /admin/index and metrics", lo=0, hi=1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +270,15 @@ class LimitsConfig:
     retry_after_s: int = _opt(1, "Retry-After of a 429", lo=0)
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may "
                                      "finish", lo=0)
+    worker_queue_requests: float = _opt(
+        0.5, "shed (429 + Retry-After) when every eligible worker has more than this many "
+        "typical requests' worth of prefill queued (router.shedding); 0 = never shed", lo=0)
+    worker_queue_min_s: float = _opt(
+        0.05, "the shedding bound is at least this many seconds of queued prefill", lo=0)
+    header_timeout_s: float = _opt(10.0, "a request head must arrive within this (408)",
+                                   lo=0, lo_open=True)
+    body_timeout_s: float = _opt(30.0, "a request body must arrive within this after its "
+                                 "head (408)", lo=0, lo_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +357,43 @@ class DiscoveryConfig:
         return bool(self.kubernetes.selectors or self.dns.services)
 
 
+#: JetStream storage types of the bus stream
+BUS_STORAGE = ("memory", "file")
+
+
+@dataclass(frozen=True, slots=True)
+class BusConfig:
+    url: str = _opt("", "NATS server URL (nats://host:4222); \"\": no bus, agents push "
+                    "directly to each router")
+    stream: str = _opt("RADIXFLEET", "JetStream stream holding the agents' event batches")
+    subject_prefix: str = _opt("radixfleet", "first token of every bus subject")
+    replica_id: str = _opt("", "this router's name on the bus (\"\": hostname-pid)")
+    max_age_s: float = _opt(600.0, "stream limit: messages older than this are dropped", lo=0,
+                            lo_open=True)
+    max_bytes: int = _opt(1 << 30, "stream limit: total bytes kept", lo=1024)
+    storage: str = _opt("memory", "stream storage", choices=BUS_STORAGE)
+    connect_timeout_s: float = _opt(1.0, "timeout of one connection attempt", lo=0,
+                                    lo_open=True)
+    backoff_s: float = _opt(0.5, "first reconnect delay, doubled per failure", lo=0,
+                            lo_open=True)
+    backoff_max_s: float = _opt(5.0, "largest reconnect delay", lo=0, lo_open=True)
+    flush_s: float = _opt(0.0, "extra wait before publishing pick-time hints and in-flight "
+                          "counts, to batch bursts (0: at the next event-loop turn; what "
+                          "piles up meanwhile goes in one message)", lo=0)
+    heartbeat_s: float = _opt(0.5, "this replica republishes all its in-flight counts this "
+                              "often", lo=0, lo_open=True)
+    replica_ttl_s: float = _opt(2.0, "another replica's counts are dropped after this long "
+                                "without a heartbeat", lo=0, lo_open=True)
+    share_hints: bool = _opt(True, "publish pick-time hints and apply other replicas' hints")
+    snapshot_request_s: float = _opt(1.0, "at most one snapshot request per worker this often",
+                                     lo=0)
+    ready_timeout_s: float = _opt(10.0, "report ready after this long even if the stream's "
+                                  "history is not caught up (logged)", lo=0, lo_open=True)
+
+    def enabled(self) -> bool:
+        return bool(self.url)
+
+
 @dataclass(frozen=True, slots=True)
 class TrafficLogConfig:
     enabled: bool = _opt(False, "write one JSON line per routed request (router.traffic_log)")
@@ -390,6 +451,7 @@ class Config:
     warmup: WarmupConfig = _section(WarmupConfig, "hot-root warm-up")
     auth: AuthConfig = _section(AuthConfig, "bearer tokens")
     reload: ReloadConfig = _section(ReloadConfig, "hot reload")
+    bus: BusConfig = _section(BusConfig, "event bus shared by router replicas (read at start)")
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
     path: str = ""
@@ -443,6 +505,34 @@ def _typename(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
 
+#: While ``parse_config`` runs: every ConfigError met so far. Parsing goes on past
+#: an invalid value (the key keeps its default) so that one run reports them all.
+_ERRORS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "radixfleet_config_errors", default=None)
+_FAILED = object()
+
+
+def _attempt(fn, *args) -> Any:
+    """``fn(*args)``; while collecting, a ConfigError is recorded and ``_FAILED``
+    returned instead of raised."""
+    errors = _ERRORS.get()
+    if errors is None:
+        return fn(*args)
+    try:
+        return fn(*args)
+    except ConfigError as exc:
+        errors.append(exc)
+        return _FAILED
+
+
+def _fail(exc: ConfigError) -> None:
+    """Records ``exc`` while collecting, else raises it."""
+    errors = _ERRORS.get()
+    if errors is None:
+        raise exc
+    errors.append(exc)
+
+
 def _parse(cls: type, raw: Any, path: str, special: Mapping[str, Any] | None = None) -> Any:
     """Builds dataclass ``cls`` from a YAML mapping. ``special`` maps field names to
     parsers ``(raw, path) -> value`` for fields that are not scalars or sections."""
@@ -454,14 +544,17 @@ def _parse(cls: type, raw: Any, path: str, special: Mapping[str, Any] | None = N
         f = fields.get(key)
         p = _join(path, key)
         if f is None:
-            raise ConfigError(p, f"unknown key; valid: {', '.join(sorted(fields))}")
+            _fail(ConfigError(p, f"unknown key; valid: {', '.join(sorted(fields))}"))
+            continue
         if special and key in special:
-            values[key] = special[key](value, p)
+            v = _attempt(special[key], value, p)
         elif "section" in f.metadata:
-            values[key] = _SECTION_PARSERS.get(f.metadata["section"], _plain)(
-                f.metadata["section"], value, p)
+            v = _attempt(_SECTION_PARSERS.get(f.metadata["section"], _plain),
+                         f.metadata["section"], value, p)
         else:
-            values[key] = _scalar(_kind(f), f.metadata, value, p)
+            v = _attempt(_scalar, _kind(f), f.metadata, value, p)
+        if v is not _FAILED:
+            values[key] = v
     return cls(**values)
 
 
@@ -483,7 +576,18 @@ def _list(raw: Any, path: str) -> list:
 
 def parse_worker_url(url: str, path: str) -> str:
     """Validates a worker base URL; returns it without a trailing slash."""
-    parts = urlsplit(url)
+    if len(url) > MAX_URL_CHARS:
+        raise ConfigError(path, f"a worker URL has at most {MAX_URL_CHARS} characters, got "
+                          f"{len(url)}")
+    if not url.isascii() or any(c <= " " or c == "\x7f" for c in url):
+        # the URL's host:port goes into every upstream request's Host header
+        raise ConfigError(path, f"a worker URL is printable ASCII without spaces (punycode "
+                          f"for international names), got {url[:200]!r}")
+    try:
+        parts = urlsplit(url)
+        parts.hostname  # noqa: B018 - parsed lazily; may raise too
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise ConfigError(path, f"invalid URL {url[:200]!r}: {exc}") from None
     if parts.scheme == "https":
         raise ConfigError(path, f"https workers are not supported (the data plane speaks plain "
                           f"HTTP/1.1 on a private network), got {url!r}")
@@ -575,7 +679,7 @@ def _workers(raw: Any, path: str) -> tuple[WorkerSpec, ...]:
     out: list[WorkerSpec] = []
     ids: dict[str, int] = {}
     urls: dict[str, int] = {}
-    for i, item in enumerate(_list(raw, path)):
+    def one(i: int, item: Any) -> WorkerSpec:
         p = f"{path}[{i}]"
         if isinstance(item, str):
             item = {"url": item}
@@ -585,12 +689,20 @@ def _workers(raw: Any, path: str) -> tuple[WorkerSpec, ...]:
         url = parse_worker_url(spec.url, f"{p}.url")
         check_engine_fields(spec, p)
         wid = spec.id or default_worker_id(url)
+        problem = id_problem(wid)
+        if problem:
+            raise ConfigError(f"{p}.id", problem)
         if wid in ids:
             raise ConfigError(f"{p}.id", f"duplicate worker id {wid!r} (also workers[{ids[wid]}])")
         if url in urls:
             raise ConfigError(f"{p}.url", f"duplicate worker url {url!r} (also workers[{urls[url]}])")
         ids[wid] = urls[url] = i
-        out.append(dataclasses.replace(spec, url=url, id=wid))
+        return dataclasses.replace(spec, url=url, id=wid)
+
+    for i, item in enumerate(_list(raw, path)):
+        spec = _attempt(one, i, item)
+        if spec is not _FAILED:
+            out.append(spec)
     return tuple(out)
 
 
@@ -697,8 +809,6 @@ def _workers_section(raw: Any, path: str) -> tuple[tuple[WorkerSpec, ...], Disco
     return static, disc
 
 
-
-
 def _traffic_log(cls: type, raw: Any, path: str) -> TrafficLogConfig:
     t = _parse(TrafficLogConfig, raw, path)
     if not t.dir:
@@ -723,6 +833,33 @@ _SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _pol
                     TrafficLogConfig: _traffic_log, AutoscaleConfig: _autoscale}
 
 
+#: a NATS subject token or stream name: no dots, spaces or wildcards
+_NATS_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _check_bus(b: BusConfig) -> None:
+    if b.url:
+        parts = urlsplit(b.url)
+        if parts.scheme not in ("nats", "tls") or not parts.hostname:
+            raise ConfigError("bus.url", f"expected nats://host:port, got {b.url!r}")
+        try:
+            parts.port
+        except ValueError:
+            raise ConfigError("bus.url", f"invalid port in {b.url!r}") from None
+    for key in ("stream", "subject_prefix"):
+        v = getattr(b, key)
+        if not _NATS_NAME.match(v):
+            raise ConfigError(f"bus.{key}", f"expected letters, digits, '_' or '-', got {v!r}")
+    if b.replica_id and not _NATS_NAME.match(b.replica_id):
+        raise ConfigError("bus.replica_id",
+                          f"expected letters, digits, '_' or '-', got {b.replica_id!r}")
+    if b.backoff_max_s < b.backoff_s:
+        raise ConfigError("bus.backoff_max_s", f"expected a number >= bus.backoff_s ({b.backoff_s})")
+    if b.replica_ttl_s <= b.heartbeat_s:
+        raise ConfigError("bus.replica_ttl_s",
+                          f"expected a number > bus.heartbeat_s ({b.heartbeat_s})")
+
+
 def build_policy_from(pc: PolicyConfig, path: str = "policy"):
     """The policy object a ``PolicyConfig`` names. Raises ``ConfigError``."""
     from policies.registry import build_policy
@@ -730,8 +867,11 @@ def build_policy_from(pc: PolicyConfig, path: str = "policy"):
     return build_policy(pc.name, dict(pc.params), random.Random(pc.seed), path=path)
 
 
-def parse_config(raw: Any, path: str = "") -> Config:
-    """Validates a parsed YAML document. Raises ``ConfigError`` naming the field."""
+def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None = None
+                 ) -> Config:
+    """Validates a parsed YAML document. Raises ``ConfigError`` naming the field;
+    when several are wrong, one ``ConfigError`` whose ``errors`` lists each (and
+    whose message names them all). ``errors``: found before parsing (duplicate keys)."""
     if raw is None:
         raw = {}
     discovery = [DiscoveryConfig()]
@@ -740,11 +880,59 @@ def parse_config(raw: Any, path: str = "") -> Config:
         static, discovery[0] = _workers_section(value, p)
         return static
 
-    cfg = _parse(Config, raw, "", {"workers": workers})
-    if cfg.retries.backoff_max_s < cfg.retries.backoff_s:
-        raise ConfigError("retries.backoff_max_s",
-                          f"expected a number >= retries.backoff_s ({cfg.retries.backoff_s})")
+    found: list[ConfigError] = list(errors or ())
+    token = _ERRORS.set(found)
+    try:
+        cfg = _parse(Config, raw, "", {"workers": workers})
+        if cfg.retries.backoff_max_s < cfg.retries.backoff_s:
+            _fail(ConfigError("retries.backoff_max_s", "expected a number >= "
+                              f"retries.backoff_s ({cfg.retries.backoff_s})"))
+        _check_bus(cfg.bus)
+    except ConfigError as exc:  # the document itself is not a mapping
+        found.append(exc)
+    finally:
+        _ERRORS.reset(token)
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        exc = ConfigError("", f"{len(found)} errors: " + "; ".join(str(e) for e in found))
+        exc.errors = found
+        raise exc
     return dataclasses.replace(cfg, path=path, discovery=discovery[0])
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What is valid but probably not meant (printed by check-config, logged at start)."""
+    out = []
+    if not cfg.workers:
+        out.append("no workers listed: the router starts with an empty fleet and answers "
+                   "503 until agents register (POST /internal/v1/register) or workers are "
+                   "added (POST /admin/workers)")
+    return out
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader (one class per module: no global state is touched)."""
+
+
+def _duplicate_keys(node: Any, path: str, out: list[ConfigError]) -> None:
+    """Records every key that appears twice in one mapping of the composed YAML
+    (PyYAML would keep the last silently), with its dotted path and lines."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else None
+            p = _join(path, str(key))
+            if key is not None:
+                if key in seen:
+                    out.append(ConfigError(p, f"duplicate key at line {k.start_mark.line + 1} "
+                                              f"(also at line {seen[key]}); remove one"))
+                else:
+                    seen[key] = k.start_mark.line + 1
+            _duplicate_keys(v, p, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _duplicate_keys(v, f"{path}[{i}]", out)
 
 
 def load_config(path: str) -> Config:
@@ -754,8 +942,10 @@ def load_config(path: str) -> Config:
             text = f.read()
     except OSError as exc:
         raise ConfigError("", f"cannot read {path}: {exc.strerror or exc}") from None
+    dups: list[ConfigError] = []
     try:
-        raw = yaml.safe_load(text)
+        _duplicate_keys(yaml.compose(text, Loader=_Loader), "", dups)
+        raw = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -763,7 +953,7 @@ def load_config(path: str) -> Config:
         raise ConfigError("", f"{path}: invalid YAML{where}: {problem}") from None
     if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError("", f"{path}: expected a mapping at the top level, got {_typename(raw)}")
-    return parse_config(raw, path)
+    return parse_config(raw, path, errors=dups)
 
 
 def with_overrides(cfg: Config, **overrides: Any) -> Config:
@@ -798,5 +988,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)  # ConfigError -> the CLI prints one line, exit 2
+    for w in config_warnings(cfg):
+        print(f"warning: {args.file}: {w}", file=sys.stderr)
     print(f"OK: {args.file}: {cfg.summary()}")
     return 0

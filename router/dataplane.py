@@ -10,8 +10,8 @@ between the pick and the load count::
     match  = index.match(key.hashes, now)
     views  = pool.views(now)                         (routable only; none -> 503)
     d      = policy.choose(RouteRequest, match, views, now)
-    index.insert(d.worker, key.hashes, now)           optimistic hint
-    pool.pick(worker, prompt_tokens)                  load counted at pick time
+    index.insert(d.worker, key.hashes, now)           optimistic hint (and bus.hint)
+    pool.pick(worker, prompt_tokens)                  load counted at pick time (pool.tap)
     forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
         connect error / 5xx / timeout before the client saw a byte: retry on another
         worker (retries.max_attempts, exponential backoff)
@@ -47,17 +47,22 @@ import aiohttp
 from aiohttp import web
 
 from policies.base import Reason
+from router import jsonbody
 from router.auth import TenantResolver
 from router.config import Config
 from router.errors import (
-    MalformedRequest, NoWorkerAvailable, Overloaded, PayloadTooLarge, RequestError,
+    MalformedRequest, Overloaded, PayloadTooLarge, RequestError, retry_after_header,
 )
+from router.identifiers import request_id
 from router.metrics import Metrics
+from router.pick import hint_and_count
 from router.pool import Pool
 from router.prefix_index import PrefixIndex
 from router.prefix_keys import Endpoint, request_key
 from router.proxy import UpstreamError, UpstreamPool, build_head
+from router.shedding import Shedder
 from router.sse import StreamWatch, usage_of
+from router.warmup import WarmupGate, warmup_prefix
 
 log = logging.getLogger("radixfleet.router")
 
@@ -134,6 +139,15 @@ class Admission:
 
     def check(self) -> None:
         assert self.active >= 0, f"{self.active=}"
+
+
+def _retry_after(status: int, headers) -> list[tuple[str, str]]:
+    """A worker's ``Retry-After`` for a 429 or 503 it answered (1 s if it gave
+    none): no client sees either without one."""
+    if status != 429 and status != 503:
+        return []
+    v = headers.get("retry-after", "")
+    return [("Retry-After", v if v.isdigit() and len(v) <= 6 else "1")]
 
 
 class _UpstreamFailed(Exception):
@@ -231,15 +245,19 @@ class DataPlane:
         lim = cfg.limits
         self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s,
                                    lim.retry_after_s)
+        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s,
+                               metrics.shed.inc)
         self.cfg = cfg
         self.policy = policy
         self.tenants = tenants
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
+        #: router.bus.replica.BusReplica (set by the owner) or None: told of each hint
+        self.bus = None
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
-        self._warmed: dict[tuple[str, int], float] = {}
+        self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
 
     def configure(self, cfg: Config, policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
@@ -250,6 +268,7 @@ class DataPlane:
         a = self.admission
         a.limit, a.max_queue = lim.max_concurrency, lim.max_queue
         a.timeout_s, a.retry_after_s = lim.queue_timeout_s, lim.retry_after_s
+        self.shedder.configure(lim.worker_queue_requests, lim.worker_queue_min_s)
         if self.upstream is not None:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
 
@@ -265,8 +284,8 @@ class DataPlane:
     def _reject(self, ex, exc: RequestError, rid: str) -> None:
         self.metrics.rejected.labels(str(exc.status), exc.code).inc()
         extra = [(REQUEST_ID_HEADER, rid)]
-        if isinstance(exc, Overloaded):
-            extra.append(("Retry-After", str(max(1, round(exc.retry_after_s)))))
+        if exc.retry_after_s is not None:
+            extra.append(("Retry-After", retry_after_header(exc.retry_after_s)))
         ex.reply(exc.status, json.dumps(exc.to_json()).encode(), _JSON, extra)
 
     async def serve(self, ex, endpoint: Endpoint) -> None:
@@ -275,7 +294,8 @@ class DataPlane:
         after every resource is released."""
         t0 = time.monotonic()
         headers = ex.headers
-        rid = headers.get(REQUEST_ID_HEADER) or f"{self._rid_prefix}-{next(self._rid)}"
+        rid = (request_id(headers.get(REQUEST_ID_HEADER))  # the client's, if short and plain
+               or f"{self._rid_prefix}-{next(self._rid)}")
         adm = self.admission
         if not adm.try_enter():
             try:
@@ -286,14 +306,8 @@ class DataPlane:
         try:
             try:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
-                try:
-                    body = json.loads(raw)
-                except UnicodeDecodeError as exc:
-                    raise MalformedRequest(f"request body is not valid UTF-8: {exc.reason} "
-                                           f"at byte {exc.start}") from None
-                except ValueError as exc:
-                    raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
-                tenant = self.tenants.tenant(headers)
+                body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
+                tenant = self.tenants.namespace(headers)
                 key = request_key(endpoint, body, tenant=tenant,
                                   block_bytes=self.cfg.keys.block_bytes)
                 stream = body.get("stream", False)
@@ -315,10 +329,9 @@ class DataPlane:
                                  rid, t0) -> None:
         pool = self.pool
         now = time.monotonic()
-        views = pool.views(now)
+        views = pool.views(now, key.model, key.adapter)  # only workers serving the model
         if not views:
-            self._reject(ex, NoWorkerAvailable(
-                f"no healthy worker available ({len(pool)} known)"), rid)
+            self._reject(ex, pool.unavailable(key.model, key.adapter, now), rid)  # 404 | 503
             return
         engines = self.engines
         try:
@@ -327,6 +340,11 @@ class DataPlane:
             self._reject(ex, exc, rid)
             return
         req = kr.route_request
+        shed = self.shedder.check(pool.routable_workers(now), key.model, key.adapter,
+                                  req.prompt_tokens - kr.match.best * req.block_tokens, now)
+        if shed is not None:
+            self._reject(ex, shed, rid)
+            return
         d = self.policy.choose(req, kr.match, views, now)
         tried: list[str] = []
         retries = self.cfg.retries
@@ -339,8 +357,10 @@ class DataPlane:
                 raise AssertionError(f"policy {self.policy.name} chose unknown worker "
                                      f"{d.worker!r}")
             pick = self._pick(w, kr, now)
-            if attempt == 0 and d.warm and self.cfg.warmup.enabled:
-                self._schedule_warmups(d.warm, endpoint, body, key, kr.match.depth, now)
+            if attempt == 0:  # per client request, not per try
+                self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
+                if d.warm and self.cfg.warmup.enabled:
+                    self._schedule_warmups(d.warm, endpoint, body, key, kr.match.depth, now)
             attempt += 1
             tried.append(w.id)
             try:
@@ -349,7 +369,7 @@ class DataPlane:
                 return
             except _UpstreamFailed as exc:
                 last = exc
-                self.metrics.request_done(w.id, exc.status or 502, reason)
+                self.metrics.attempt(w.id, exc.status or exc.cause)  # not a client outcome
                 log.info("request %s: worker %s failed (%s: %s), attempt %d/%d", rid, w.id,
                          exc.cause, exc, attempt, retries.max_attempts)
             if attempt >= retries.max_attempts or \
@@ -359,7 +379,7 @@ class DataPlane:
             if delay:
                 await asyncio.sleep(delay)
             now = time.monotonic()
-            views = [v for v in pool.views(now) if v.id not in tried]
+            views = [v for v in pool.views(now, key.model, key.adapter) if v.id not in tried]
             if not views:
                 break
             try:
@@ -374,8 +394,10 @@ class DataPlane:
         # Every attempt failed before the client saw anything.
         if last.status is not None and last.body is not None:
             # the last worker's own error answer, passed through
+            self.metrics.outcome(tried[-1], last.status, reason)
             ex.reply(last.status, last.body, last.headers.get("content-type", _JSON),
-                     [(WORKER_HEADER, tried[-1]), (REQUEST_ID_HEADER, rid)])
+                     [(WORKER_HEADER, tried[-1]), (REQUEST_ID_HEADER, rid),
+                      *_retry_after(last.status, last.headers)])
             return
         status, code = ((504, "upstream_timeout") if last.cause == "timeout"
                         else (502, "bad_gateway"))
@@ -397,12 +419,12 @@ class DataPlane:
             # what a correction needs if the worker reports fewer cached tokens
             tt = self.index.touch_time
             touches = tuple(tt(w.id, h) for h in sk.hashes[:blocks])
-        if sk.hashes:
-            self.index.insert(w.id, sk.hashes, now)
-        # Uncached prompt tokens are the prefill work this request adds (policies.base).
-        own = max(0, sk.prompt_tokens - blocks * sk.block_tokens)
         ahead = w.in_flight_tokens
-        self.pool.pick(w, own)
+        # the hint and the load count in uncached tokens (router.pick: the simulator's too)
+        own = hint_and_count(self.index, self.pool, w, sk.hashes, sk.prompt_tokens, blocks,
+                             sk.block_tokens, now)
+        if self.bus is not None and sk.hashes:
+            self.bus.hint(w.id, sk.hashes, now)  # queued; published by its own task
         return _Pick(sk, blocks, own, ahead, touches)
 
     async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", tenant,
@@ -422,8 +444,8 @@ class DataPlane:
         host, port, hostport = self._addr(w.url)
         t = self.cfg.timeouts
         payload, strip = self.engines.forward_body(link, endpoint, body, raw, stream)
-        fwd = (b"x-radixfleet-tenant: " + tenant.encode("utf-8", "surrogateescape")
-               + b"\r\nx-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
+        fwd = (self.tenants.forward_lines(tenant)
+               + b"x-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
         head = build_head(endpoint.value, hostport, len(payload), fwd)
         resp = None
         sent = time.monotonic()
@@ -438,19 +460,20 @@ class DataPlane:
                     ok = False
                     raise _UpstreamFailed("status", f"worker {w.id} answered {status}",
                                           status, data, resp.headers)
+                m.observe_ttfb(time.monotonic() - t0)
                 if not stream or status != 200:
                     data = await resp.read()
                     ok = True
                     if status == 200 and link is not None:
                         usage = _usage_of_body(data)
                     ex.reply(status, data, resp.headers.get("content-type", _JSON),
-                             [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, rid)])
+                             [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, rid),
+                              *_retry_after(status, resp.headers)])
                     m.request_done(w.id, status, reason)
                     m.observe_latency(time.monotonic() - t0)
                     return
                 watch = StreamWatch(strip)
                 first = await resp.readany()
-                m.observe_ttfb(time.monotonic() - t0)
                 await ex.stream_start(resp.headers.get("content-type", "text/event-stream"),
                                       [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id),
                                        (REQUEST_ID_HEADER, rid)])
@@ -460,9 +483,10 @@ class DataPlane:
                     while True:
                         if chunk:
                             out = watch.feed(chunk)
-                            if left and watch.first_token:
+                            if ttft is None and watch.first_token:
                                 # the prompt is prefilled: no longer queued work on w
                                 ttft = time.monotonic() - sent
+                                m.observe_ttft(time.monotonic() - t0)
                                 pool.prefilled(w, left)
                                 left = 0
                             if out:
@@ -521,11 +545,14 @@ class DataPlane:
     # -------------------------------------------------------------- warm-ups
 
     def _schedule_warmups(self, workers, endpoint, body, key, depth, now) -> None:
+        """Prefill-only warm-ups of a hot root's new replicas (byte space: the routing
+        bytes of the matched prefix), at most one per (worker, prefix) per
+        ``warmup.min_interval_s`` (router.warmup, the simulator's gate too)."""
         bb = key.block_bytes
-        blocks = min(depth, len(key.hashes))
-        if blocks <= 0:
+        prefix = warmup_prefix(key.hashes, depth)
+        if prefix is None:
             return
-        h = key.hashes[blocks - 1]
+        blocks, h = prefix
         prompt: Any
         p = body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None
         if isinstance(p, list) and p and type(p[0]) is int:
@@ -539,23 +566,19 @@ class DataPlane:
         interval = self.cfg.warmup.min_interval_s
         payload = None
         for wid in workers:
-            last = self._warmed.get((wid, h))
-            if last is not None and now - last < interval:
-                continue
             w = self.pool.get(wid)
-            if w is None:
+            if w is None or not self._warmed.admit(wid, h, now, interval):
                 continue
-            self._warmed[(wid, h)] = now
             if payload is None:
-                payload = json.dumps({"model": key.model, "prompt": prompt, "max_tokens": 1,
-                                      "stream": False}).encode()
+                warm = {"model": key.model, "prompt": prompt, "max_tokens": 1, "stream": False}
+                for f in ("lora_path", "lora_adapter"):  # the adapter's cache, not the base's
+                    if body.get(f) is not None:
+                        warm[f] = body[f]
+                payload = json.dumps(warm).encode()
             self._spawn(self._warmup(w, payload, key.tenant))
-        if len(self._warmed) > 4096:
-            cutoff = now - interval
-            self._warmed = {k: t for k, t in self._warmed.items() if t >= cutoff}
 
     async def _warmup(self, w, payload: bytes, tenant: str) -> None:
-        headers = {"Content-Type": _JSON, TENANT_HEADER: tenant,
+        headers = {"Content-Type": _JSON, **self.tenants.forward_headers(tenant),
                    REQUEST_ID_HEADER: f"{self._rid_prefix}-warm-{next(self._rid)}"}
         status = "error"
         try:

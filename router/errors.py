@@ -10,10 +10,14 @@ exceptions. What remains is caller misuse and bad input::
      |    +-- PromptTooLarge        prompt can never fit the worker's KV pool -> 400
      |    +-- Unauthorized          missing/wrong bearer token or API key -> 401
      |    +-- NotFound              unknown path, model or worker -> 404
-     |    +-- Overloaded            concurrency queue full -> 429 (Retry-After)
-     |    +-- NoWorkerAvailable     no healthy, undrained worker -> 503
+     |    +-- Overloaded            concurrency queue full, fleet past its queue
+     |    |                         bound -> 429 (Retry-After)
+     |    +-- NoWorkerAvailable     no healthy, undrained worker -> 503 (Retry-After)
+     |    +-- RequestTimeout        head or body not received in time -> 408
      +-- ConfigError                a YAML/CLI setting is invalid; names the field path
      +-- WorkloadError              a load-test workload or trace is invalid (line number)
+     +-- RunError                   a load-test run cannot be made as asked (e.g. an
+                                    agent's cache flush failed: it would not start cold)
 
 Broken invariants are ``AssertionError`` raised by ``check()`` methods, never
 members of this tree.
@@ -36,6 +40,9 @@ class RequestError(RadixfleetError):
     status = 400
     error_type = "invalid_request_error"
     code = "invalid_request"
+    #: seconds a client should wait before retrying (a ``Retry-After`` header), or
+    #: None: retrying as sent will not help. Every 429 and 503 carries one.
+    retry_after_s: float | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -96,6 +103,21 @@ class NoWorkerAvailable(RequestError):
     error_type = "service_unavailable"
     code = "no_worker_available"
 
+    def __init__(self, message: str, *, retry_after_s: float = 1.0,
+                 param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeout(RequestError):
+    status = 408
+    code = "request_timeout"
+
+
+def retry_after_header(seconds: float) -> str:
+    """The ``Retry-After`` value for ``seconds``: a whole number, at least 1."""
+    return str(max(1, int(-(-seconds // 1))))
+
 
 class ConfigError(RadixfleetError):
     """An invalid setting. ``path`` is the dotted field path (``policy.name``)."""
@@ -104,7 +126,13 @@ class ConfigError(RadixfleetError):
         super().__init__(f"{path}: {message}" if path else message)
         self.path = path
         self.message = message
+        #: every error found, when one run found several (router.config.parse_config)
+        self.errors: list[ConfigError] = [self]
 
 
 class WorkloadError(RadixfleetError):
     """An invalid workload parameter or trace line (the message names it)."""
+
+
+class RunError(RadixfleetError):
+    """A load-test run cannot be made as asked (the message says why and how to opt out)."""

@@ -60,6 +60,16 @@ REGISTER_PATH = "/internal/v1/register"
 
 _U64 = 2**64
 
+#: Bounds of every reported load number. Counts (requests, tokens) are integers in
+#: [0, MAX_LOAD_COUNT] (2^48 tokens is ~3,000x the KV of the largest GPU node);
+#: ``prefill_tokens_per_s`` is a finite number in [0, MAX_RATE] (0: not measured).
+#: A report outside them is refused (400), so no policy ever sees one: a 401-digit
+#: ``queued_tokens`` once made every routing decision raise OverflowError.
+MAX_LOAD_COUNT = 2**48
+MAX_RATE = 1e12
+#: the slowest prefill rate a view may carry (tokens/s); slower reports are raised to it
+MIN_RATE = 1.0
+
 
 @dataclass(slots=True)
 class Stored:
@@ -157,6 +167,26 @@ def _str(body: dict, key: str) -> str:
     return v
 
 
+def parse_load(raw: dict) -> Load:
+    """Validates a load report (see ``MAX_LOAD_COUNT``, ``MAX_RATE``). Raises
+    ``MalformedRequest`` naming the field."""
+    vals = {}
+    for f, typ in _LOAD_FIELDS.items():
+        v = raw.get(f, 0)
+        if typ is int:
+            if type(v) is not int or not 0 <= v <= MAX_LOAD_COUNT:
+                raise MalformedRequest(f"'load.{f}' must be an integer in [0, {MAX_LOAD_COUNT}]",
+                                       param="load")
+        else:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    not 0 <= v <= MAX_RATE:  # False for NaN too
+                raise MalformedRequest(f"'load.{f}' must be a number in [0, {MAX_RATE:g}]",
+                                       param="load")
+            v = float(v)
+        vals[f] = v
+    return Load(**vals)
+
+
 def parse_batch(body: Any) -> EventBatch:
     """Validates and parses an events batch. Raises ``MalformedRequest`` naming the field."""
     if not isinstance(body, dict):
@@ -212,11 +242,5 @@ def parse_batch(body: Any) -> EventBatch:
     if raw_load is not None:
         if not isinstance(raw_load, dict):
             raise MalformedRequest("'load' must be an object", param="load")
-        vals = {}
-        for f, typ in _LOAD_FIELDS.items():
-            v = raw_load.get(f, 0)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise MalformedRequest(f"'load.{f}' must be a non-negative number", param="load")
-            vals[f] = typ(v)
-        load = Load(**vals)
+        load = parse_load(raw_load)
     return EventBatch(_str(body, "worker_id"), _str(body, "url"), _str(body, "epoch"), seq, events, load)

@@ -26,7 +26,8 @@ import logging
 import signal
 import sys
 
-from router.config import MISSING, Config, load_config, parse_config, with_overrides
+from router.config import (MISSING, Config, config_warnings, load_config, parse_config,
+                           with_overrides)
 from router.errors import ConfigError
 
 log = logging.getLogger("radixfleet.router")
@@ -145,10 +146,10 @@ async def serve(cfg: Config, overrides: dict, *, ready=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     cfg, overrides = build_config(args)
-    if not cfg.workers:
-        log.info("no workers configured: waiting for agents to register")
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for warning in config_warnings(cfg):
+        log.warning("%s", warning)
 
     def ready(port: int) -> None:
         print(f"radixfleet router: listening on http://{cfg.listen.host}:{port} "

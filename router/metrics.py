@@ -6,17 +6,29 @@ dict lookup, not ``labels()``, per request). State metrics — in-flight per wor
 breaker state, health, index size, hot prefixes — are read from the pool and the
 index when ``/metrics`` is scraped (``refresh``), costing the request path nothing.
 
-    radixfleet_requests_total{worker,status,reason}   proxied requests by outcome
+    radixfleet_requests_total{worker,status,reason}   client requests a worker answered,
+                                                      once each, by the status the
+                                                      client got (retries not counted)
+    radixfleet_upstream_attempts_total{worker,outcome}  every try on a worker: its
+                                                      status, or connect | timeout | payload
     radixfleet_rejected_total{status,code}            answered by the router itself (4xx/5xx)
-    radixfleet_ttfb_seconds / radixfleet_request_seconds   histograms
+    radixfleet_ttfb_seconds                           arrival -> the worker's response head
+    radixfleet_ttft_seconds                           arrival -> first streamed body bytes
+                                                      (the first token's event), streams only
+    radixfleet_request_seconds                        arrival -> last byte
+    radixfleet_matched_prefix_tokens                  tokens of the chosen worker's match
     radixfleet_retries_total{cause}                   connect | status | timeout
     radixfleet_in_flight{worker}, radixfleet_worker_breaker_state{worker} (0 closed,
       1 half-open, 2 open), radixfleet_worker_healthy{worker}
-    radixfleet_index_nodes, _index_holder_entries, _index_bytes, _index_evicted_entries
+    radixfleet_index_nodes, _index_holder_entries, _index_bytes (gauges),
+      radixfleet_index_evicted_entries_total (counter)
     radixfleet_events_applied_total{type}, radixfleet_event_batches_total{status}
     radixfleet_registrations_refused_total{reason}    block_bytes_mismatch
-    radixfleet_hot_prefix_rate{prefix,depth}, radixfleet_hot_prefix_replicas{prefix}
+    radixfleet_hot_prefixes                           hot prefixes tracked (<= index.hot_k)
+    radixfleet_hot_prefix_rate{rank}, radixfleet_hot_prefix_replicas{rank}  by rank 1..k
     radixfleet_warmups_total{status}
+    radixfleet_shed_total                             429s from the fleet's queue bound
+    radixfleet_bad_http_total{status}                 malformed HTTP answered 4xx
     radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
     radixfleet_autoscale_desired_workers              router.autoscale's signal (set at scrape)
     radixfleet_autoscale_workers{part}                its parts: compute, holders, kv, queue,
@@ -24,12 +36,20 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_traffic_log_records_total{outcome}     written, dropped_full, dropped_error,
                                                       sampled_out (read from the log at scrape)
     radixfleet_traffic_log_write_errors_total, radixfleet_traffic_log_queued
+    process_*, python_gc_*, python_info               the standard process collectors
+
+No series carries a prefix hash: a hash is a tenant's prompt fingerprint, and the
+metrics page is public on the data-plane port. Per-prefix detail (hash, depth,
+holders) is at ``/admin/index``, behind the admin token. ``_created`` series are
+not exported (``prometheus_client.disable_created_metrics``, process-wide).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry,
+    Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.pool import BREAKER_GAUGE, HealthState
@@ -37,22 +57,48 @@ from router.pool import BREAKER_GAUGE, HealthState
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
+#: matched-prefix histogram buckets, in tokens
+_MATCH_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
+                  131072)
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def standard_collectors(registry: CollectorRegistry) -> None:
+    """Adds the process, platform and GC collectors (``process_*``, ``python_*``)
+    that the default registry has and a custom one lacks."""
+    for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(c)
 
 
 class Metrics:
     """All router metrics. Only the app and the feedback handler increment them."""
 
     def __init__(self) -> None:
+        disable_created_metrics()
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("radixfleet_requests", "Proxied requests by worker, status and "
-                                "decision reason", ["worker", "status", "reason"], registry=r)
+        standard_collectors(r)
+        self.requests = Counter("radixfleet_requests", "Client requests a worker answered, by "
+                                "the status the client got and the decision reason",
+                                ["worker", "status", "reason"], registry=r)
+        self.attempts = Counter("radixfleet_upstream_attempts", "Tries on a worker, by its "
+                                "status or the failure cause", ["worker", "outcome"], registry=r)
         self.rejected = Counter("radixfleet_rejected", "Requests the router answered itself",
                                 ["status", "code"], registry=r)
         self.ttfb = Histogram("radixfleet_ttfb_seconds", "Time to the worker's first byte",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("radixfleet_request_seconds", "Total request latency",
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("radixfleet_ttft_seconds", "Streamed requests: arrival at the "
+                              "router to the first body bytes sent on", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.matched = Histogram("radixfleet_matched_prefix_tokens", "Tokens of the request "
+                                 "the chosen worker was believed to hold",
+                                 buckets=_MATCH_BUCKETS, registry=r)
+        self.shed = Counter("radixfleet_shed", "Requests shed with 429 because every eligible "
+                            "worker's queue was past its bound", registry=r)
+        self.bad_http = Counter("radixfleet_bad_http", "Malformed HTTP requests answered 4xx",
+                                ["status"], registry=r)
         self.retries = Counter("radixfleet_retries", "Requests retried on another worker",
                                ["cause"], registry=r)
         self.in_flight = Gauge("radixfleet_in_flight", "Requests in flight per worker",
@@ -67,8 +113,9 @@ class Metrics:
                                    "Prefix index (node, worker) entries", registry=r)
         self.index_bytes = Gauge("radixfleet_index_bytes", "Prefix index estimated bytes",
                                  registry=r)
-        self.index_evicted = Gauge("radixfleet_index_evicted_entries",
-                                   "Entries evicted to stay within the budget", registry=r)
+        self.index_evicted = Counter("radixfleet_index_evicted_entries",
+                                     "Entries evicted to stay within the budget", registry=r)
+        self._evicted_seen = 0  # the index's cumulative count at the last scrape
         self.events = Counter("radixfleet_events_applied", "Agent events applied", ["type"],
                               registry=r)
         self.batches = Counter("radixfleet_event_batches", "Agent event batches by answer",
@@ -76,10 +123,11 @@ class Metrics:
         self.registrations_refused = Counter(
             "radixfleet_registrations_refused", "Agent registrations refused", ["reason"],
             registry=r)
-        self.hot_rate = Gauge("radixfleet_hot_prefix_rate", "Decayed requests/s of hot prefixes",
-                              ["prefix", "depth"], registry=r)
-        self.hot_replicas = Gauge("radixfleet_hot_prefix_replicas", "Holders of hot prefixes",
-                                  ["prefix"], registry=r)
+        self.hot_count = Gauge("radixfleet_hot_prefixes", "Hot prefixes tracked", registry=r)
+        self.hot_rate = Gauge("radixfleet_hot_prefix_rate", "Decayed requests/s of the hot "
+                              "prefixes, by rank (1 = hottest)", ["rank"], registry=r)
+        self.hot_replicas = Gauge("radixfleet_hot_prefix_replicas", "Holders of the hot "
+                                  "prefixes, by rank", ["rank"], registry=r)
         self.warmups = Counter("radixfleet_warmups", "Hot-root warm-up requests", ["status"],
                                registry=r)
         self.reloads = Counter("radixfleet_config_reloads", "Configuration reloads applied",
@@ -94,16 +142,34 @@ class Metrics:
                                      "Parts of the autoscaling signal, in workers", ["part"],
                                      registry=r)
         self._req_children: dict[tuple, object] = {}
+        self._attempt_children: dict[tuple, object] = {}
         self._event_children = {t: self.events.labels(t)
                                 for t in ("stored", "removed", "cleared", "snapshot", "load")}
         self.observe_ttfb = self.ttfb.observe
+        self.observe_ttft = self.ttft.observe
         self.observe_latency = self.latency.observe
+        self.observe_matched = self.matched.observe
 
     def request_done(self, worker: str, status: int, reason: str) -> None:
+        """A client request answered by ``worker``'s last try: one client outcome and
+        one attempt."""
+        self.outcome(worker, status, reason)
+        self.attempt(worker, status)
+
+    def outcome(self, worker: str, status: int, reason: str) -> None:
+        """A client request answered by ``worker`` (without counting a try)."""
         key = (worker, status, reason)
         c = self._req_children.get(key)
         if c is None:
             c = self._req_children[key] = self.requests.labels(worker, str(status), reason)
+        c.inc()
+
+    def attempt(self, worker: str, outcome: int | str) -> None:
+        """One try on ``worker``: its status, or why it failed (connect, timeout, payload)."""
+        key = (worker, outcome)
+        c = self._attempt_children.get(key)
+        if c is None:
+            c = self._attempt_children[key] = self.attempts.labels(worker, str(outcome))
         c.inc()
 
     def event_applied(self, kind: str, n: int = 1) -> None:
@@ -121,13 +187,16 @@ class Metrics:
         self.index_nodes.set(st.nodes)
         self.index_entries.set(st.holder_entries)
         self.index_bytes.set(st.est_bytes)
-        self.index_evicted.set(st.evicted_entries)
+        if st.evicted_entries > self._evicted_seen:
+            self.index_evicted.inc(st.evicted_entries - self._evicted_seen)
+        self._evicted_seen = st.evicted_entries
         self.hot_rate.clear()
         self.hot_replicas.clear()
-        for hp in index.hot_prefixes(now, k=hot_k):
-            name = f"{hp.hash:016x}"
-            self.hot_rate.labels(name, str(hp.depth)).set(hp.rate)
-            self.hot_replicas.labels(name).set(len(hp.holders))
+        hot = index.hot_prefixes(now, k=hot_k)
+        self.hot_count.set(len(hot))
+        for rank, hp in enumerate(hot, 1):
+            self.hot_rate.labels(str(rank)).set(hp.rate)
+            self.hot_replicas.labels(str(rank)).set(len(hp.holders))
 
     def set_autoscale(self, signal) -> None:
         """Copies a ``router.autoscale.ScaleSignal`` into the gauges (at scrape time)."""

@@ -10,6 +10,11 @@ agents that register themselves and discovery (``router.discovery``). Per worker
     load        in_flight / in_flight_tokens counted by the router AT PICK TIME
                 (before anything is awaited) + the agent's last Load report,
                 ignored once older than report_stale_s
+                + remote_in_flight / remote_tokens: the other router replicas'
+                pick-time counts, from the bus (router.bus; 0 without one)
+
+``Pool.tap`` (the bus, or None) is told of every local pick, prefill and finish,
+so the replica can publish its own counts; the pool never awaits it.
 
 A worker is *routable* when it is HEALTHY, not draining, and its breaker is CLOSED
 or HALF_OPEN with no trial in flight. ``views()`` returns routable workers only, as
@@ -18,7 +23,7 @@ the read-only ``WorkerView`` objects policies see.
 Invariants (``check()`` asserts each):
 
 - ``_by_id`` and ``_by_url`` index the same workers, by id and by url.
-- Every worker's ``in_flight >= 0`` and ``in_flight_tokens >= 0``.
+- Every worker's ``in_flight >= 0`` and ``in_flight_tokens >= 0`` (remote counts too).
 - A cached view (``Worker._view``) equals the view its worker would build now.
 - A worker that is not HEALTHY, or was removed, holds nothing in the index: the
   pool calls ``index.drop_worker`` on the transition, at once.
@@ -42,8 +47,10 @@ from typing import Callable, Iterable, Sequence
 import aiohttp
 
 from policies.base import WorkerView
+from router import jsonbody, served
 from router.config import Config, WorkerSpec
-from router.events import Load
+from router.errors import MalformedRequest
+from router.events import MAX_RATE, MIN_RATE, Load
 
 log = logging.getLogger("radixfleet.pool")
 
@@ -80,7 +87,8 @@ class Worker:
         "breaker", "breaker_fails", "open_until", "trial",
         "draining", "in_flight", "in_flight_tokens",
         "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
-        "block_bytes", "spec", "engine",
+        "block_bytes", "models_until", "models_bad", "since_report_tokens", "spec",
+        "engine", "remote_in_flight", "remote_tokens",
     )
 
     def __init__(self, wid: str, url: str, source: Source, weight: float = 1.0,
@@ -90,7 +98,11 @@ class Worker:
         self.source = source
         self.weight = weight
         self.base_prefill = prefill_tokens_per_s  # until the agent reports its rate
-        self.models: tuple[str, ...] = ()  # from registration, if the agent said
+        #: served models: from registration, or the worker's /v1/models (router.served);
+        #: () = not known yet (a candidate for any model)
+        self.models: tuple[str, ...] = ()
+        self.models_until = 0.0  # monotonic time /v1/models is asked again (non-agents)
+        self.models_bad = False  # its last /v1/models answer was unusable (logged once)
         self.block_bytes: int | None = None  # the agent's hashing block size, if it said
         self.health = HealthState.UNKNOWN
         self.check_fails = 0  # failed health checks in a row
@@ -104,6 +116,9 @@ class Worker:
         self.in_flight_tokens = 0  # their prompt tokens not yet known prefilled
         self.load: Load | None = None  # the agent's last report
         self.load_until = 0.0  # monotonic time that report goes stale
+        #: prompt tokens picked for this worker since its last report arrived (a burst
+        #: the report cannot show yet; router.shedding)
+        self.since_report_tokens = 0
         self.epoch: str | None = None  # agent epoch the event stream is in
         self.next_seq = 0  # next event batch sequence number expected
         self.removed = False  # no longer in the pool (requests may still hold it)
@@ -111,6 +126,8 @@ class Worker:
         self._view_until = 0.0  # the cached view includes a report stale at this time
         self.spec = spec  # the YAML/admin entry it came from (kind, events, tokenizer...)
         self.engine = None  # router.engines.link.EngineLink, set by router.engines
+        self.remote_in_flight = 0  # other router replicas' requests on it (router.bus)
+        self.remote_tokens = 0  # and their prompt tokens not yet prefilled
 
     def routable(self, now: float) -> bool:
         if self.health is not HealthState.HEALTHY or self.draining:
@@ -129,14 +146,19 @@ class Worker:
         return e.prefill_rate(now) if e is not None else self.base_prefill
 
     def build_view(self, now: float) -> WorkerView:
+        # the fleet's pick-time load: this replica's counts and the others' (router.bus)
+        reqs = self.in_flight + self.remote_in_flight
+        toks = self.in_flight_tokens + self.remote_tokens
         ld = self.load
         if ld is not None and now < self.load_until:
             rate = ld.prefill_tokens_per_s or self.prefill_rate(now)
+            # within the bounds every view promises policies (policies.base.WorkerView)
+            rate = MIN_RATE if rate < MIN_RATE else MAX_RATE if rate > MAX_RATE else rate
             return WorkerView(
-                self.id, self.in_flight, self.in_flight_tokens, ld.queued_requests,
+                self.id, reqs, toks, ld.queued_requests,
                 ld.queued_tokens, ld.running_requests, ld.kv_used_tokens,
                 ld.kv_capacity_tokens, rate, self.weight)
-        return WorkerView(self.id, self.in_flight, self.in_flight_tokens,
+        return WorkerView(self.id, reqs, toks,
                           prefill_tokens_per_s=self.prefill_rate(now), weight=self.weight)
 
     def describe(self, now: float) -> dict:
@@ -147,6 +169,7 @@ class Worker:
             "health": self.health.value, "breaker": self.breaker.value,
             "draining": self.draining, "routable": self.routable(now),
             "in_flight": self.in_flight, "in_flight_tokens": self.in_flight_tokens,
+            "remote_in_flight": self.remote_in_flight, "remote_tokens": self.remote_tokens,
             "weight": self.weight, "models": list(self.models),
             "reported_load": ({f: getattr(ld, f) for f in Load.__slots__} if fresh else None),
             "epoch": self.epoch, "next_seq": self.next_seq,
@@ -178,10 +201,16 @@ class Pool:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._checks: set[asyncio.Task] = set()
+        self._first_round = asyncio.Event()  # set when the first health round is done
         self._closed = False
         self._on_change = on_change
         #: told of every worker added and removed (router.engines.Engines)
         self.listeners: list = []
+        #: when the pool was made: unknown models get 503 + Retry-After, not 404,
+        #: for served.STARTUP_GRACE_S after it (agents re-registering after a restart)
+        self.started = clock()
+        #: told ``moved(worker)`` after every local pick, prefilled and finish (router.bus)
+        self.tap = None
         for spec in cfg.workers:
             self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s,
                      spec)
@@ -302,15 +331,21 @@ class Pool:
 
     # ------------------------------------------------------------ routing path
 
-    def views(self, now: float) -> list[WorkerView]:
-        """Views of the routable workers, in a stable order. O(workers) list, views
-        rebuilt only for workers that changed."""
+    def views(self, now: float, model: str = "", adapter: str | None = None
+              ) -> list[WorkerView]:
+        """Views of the routable workers, in a stable order; with ``model``, only of
+        those that serve it or ``adapter`` (or whose models are not known:
+        ``router.served``). O(workers) list, views rebuilt only for workers that
+        changed."""
         ws = self._routable
         if ws is None or now >= self._routable_until:
             ws = self._rebuild_routable(now)
         out = []
         append = out.append
+        serves = served.serves
         for w in ws:
+            if model and w.models and not serves(w.models, model, adapter):
+                continue
             v = w._view
             if v is None or now >= w._view_until:
                 v = w._view = w.build_view(now)
@@ -328,7 +363,10 @@ class Pool:
         """Counts a request on ``w`` at pick time (call before awaiting anything)."""
         w.in_flight += 1
         w.in_flight_tokens += tokens
+        w.since_report_tokens += tokens
         w._view = None
+        if self.tap is not None:
+            self.tap.moved(w)
         if w.breaker is Breaker.HALF_OPEN:
             w.trial = True
             self._routable = None
@@ -337,6 +375,8 @@ class Pool:
         """The request's first byte arrived: its prompt is no longer queued prefill."""
         w.in_flight_tokens -= tokens
         w._view = None
+        if self.tap is not None:
+            self.tap.moved(w)
 
     def finish(self, w: Worker, tokens_left: int, ok: bool | None) -> None:
         """The request ended; ``tokens_left`` are its tokens still counted. ``ok``:
@@ -345,6 +385,8 @@ class Pool:
         w.in_flight -= 1
         w.in_flight_tokens -= tokens_left
         w._view = None
+        if self.tap is not None:
+            self.tap.moved(w)
         if ok is True:
             self.record_success(w)
         elif ok is False:
@@ -377,8 +419,25 @@ class Pool:
         """A load report (agent push or engine scrape), trusted for ``stale_s``
         (default ``load.report_stale_s``)."""
         w.load = load
+        w.since_report_tokens = 0
         w.load_until = now + (self.cfg.load.report_stale_s if stale_s is None else stale_s)
         w._view = None
+
+    def set_remote(self, w: Worker, requests: int, tokens: int) -> None:
+        """The other replicas' pick-time counts on ``w`` now (router.bus)."""
+        if w.remote_in_flight != requests or w.remote_tokens != tokens:
+            w.remote_in_flight = requests
+            w.remote_tokens = tokens
+            w._view = None
+
+    def unavailable(self, model: str, adapter: str | None, now: float):
+        """The error for a request that ``views(now, model, adapter)`` left no worker
+        for: 404 naming the served models, or 503 with Retry-After
+        (``router.served.unavailable``)."""
+        return served.unavailable(
+            self.routable_workers(now), model, adapter,
+            in_grace=now - self.started < served.STARTUP_GRACE_S,
+            retry_after_s=self.cfg.health.interval_s)
 
     def ready(self) -> bool:
         return any(w.health is HealthState.HEALTHY for w in self._by_id.values())
@@ -394,6 +453,17 @@ class Pool:
             return
         self._session = session
         self._task = asyncio.create_task(self._health_loop(), name="radixfleet-health")
+
+    async def first_round(self, timeout_s: float) -> None:
+        """Waits (at most ``timeout_s``) until the first round of health checks has
+        finished, so that workers that answered are routable at once."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self._first_round.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("first health checks still running after %.1fs; listening anyway",
+                        timeout_s)
 
     async def aclose(self) -> None:
         """Stops health checking. Idempotent."""
@@ -427,6 +497,7 @@ class Pool:
         while True:
             started = self.clock()
             await self.check_all()
+            self._first_round.set()
             delay = self.cfg.health.interval_s - (self.clock() - started)
             await asyncio.sleep(max(delay, 0.01))
 
@@ -445,6 +516,8 @@ class Pool:
             ok = False
         if w.removed:
             return
+        if ok and w.source is not Source.AGENT and self.clock() >= w.models_until:
+            await self._fetch_models(w)
         if ok:
             w.check_fails = 0
             w.check_oks += 1
@@ -459,6 +532,37 @@ class Pool:
                 w.check_fails >= h.failure_threshold or w.health is HealthState.UNKNOWN
             ):
                 self._set_health(w, HealthState.UNHEALTHY)
+
+    async def _fetch_models(self, w: Worker) -> None:
+        """Learns a non-agent worker's served models from its ``GET /v1/models``
+        (bounded: 1 MB, health timeout). A failed or unusable answer keeps what was
+        known; an unusable one is logged once per worker."""
+        w.models_until = self.clock() + served.MODELS_REFRESH_S
+        try:
+            async with self._session.get(
+                w.url + "/v1/models",
+                timeout=aiohttp.ClientTimeout(total=self.cfg.health.timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    return
+                raw = await resp.content.read(1 << 20)
+                models = served.parse_models_answer(
+                    jsonbody.loads(raw, what="the worker's /v1/models answer"))
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return
+        except MalformedRequest as exc:
+            if not w.models_bad:
+                log.warning("worker %s: unusable /v1/models answer (%s); routing it "
+                            "requests for any model", w.id, exc)
+                w.models_bad = True
+            return
+        w.models_bad = False
+        if models != w.models and not w.removed:
+            log.info("worker %s serves %s", w.id, ", ".join(models) or "(none listed)")
+            w.models = models
+            self._changed(w)
 
     def _set_health(self, w: Worker, state: HealthState) -> None:
         if w.health is state:
@@ -499,6 +603,7 @@ class Pool:
         for wid, w in self._by_id.items():
             assert w.id == wid and self._by_url.get(w.url) is w, f"{w.id=} {w.url=}"
             assert w.in_flight >= 0 and w.in_flight_tokens >= 0, f"{w.id=} {w.in_flight=}"
+            assert w.remote_in_flight >= 0 and w.remote_tokens >= 0, f"{w.id=} remote"
             assert not w.removed, f"{w.id=} removed but in the pool"
             if w._view is not None and w.load is None:
                 assert w._view == w.build_view(self.clock()), f"{w.id=} stale view"

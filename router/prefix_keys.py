@@ -81,8 +81,15 @@ def _pad(segment: bytes) -> bytes:
     return segment if rem == 0 else segment + b" " * (BYTES_PER_TOKEN - rem)
 
 
+def _utf8(text: str) -> bytes:
+    """UTF-8 of any ``str`` a JSON parser can produce: a lone surrogate (``"\\ud800"``
+    is valid JSON) is encoded as itself rather than refused, so keying never fails on
+    it and equal strings always key equally."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _canonical_json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _utf8(json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
 
 
 def _encode_ids(ids: list, field: str) -> bytes:
@@ -104,7 +111,7 @@ def _text(value: Any, field: str) -> bytes:
         raise MalformedRequest(
             f"'{field}' must be a string, got {type(value).__name__}", param=field
         )
-    return value.encode("utf-8", "surrogatepass")
+    return _utf8(value)
 
 
 def _completion_prompt(prompt: Any, field: str = "prompt") -> bytes:
@@ -139,7 +146,7 @@ def _content_bytes(content: Any, field: str) -> bytes:
     if content is None:
         return b""
     if isinstance(content, str):
-        return content.encode("utf-8", "surrogatepass")
+        return _utf8(content)
     if not isinstance(content, list):
         raise MalformedRequest(
             f"'{field}' must be a string or a list of content parts, "
@@ -158,7 +165,7 @@ def _content_bytes(content: Any, field: str) -> bytes:
             payload = part.get(kind)
             if not isinstance(payload, dict):
                 raise MalformedRequest(f"'{pf}.{kind}' must be an object", param=field)
-            out += f"<|{kind}:{_xxh3(_canonical_json(payload)):016x}|>".encode()
+            out += f"<|{kind}:{_xxh3(_canonical_json(payload)):016x}|>".encode("ascii")
         else:
             raise MalformedRequest(
                 f"'{pf}.type' {kind!r} is not one of {', '.join(KNOWN_PART_TYPES)}",
@@ -190,7 +197,7 @@ def render_chat(body: dict) -> bytes:
         seg = _content_bytes(msg.get("content"), f"{field}.content")
         if msg.get("tool_calls") is not None:
             seg += _canonical_json(msg["tool_calls"])
-        out += _pad(f"<|{role}|>\n".encode()) + _pad(seg + b"<|end|>\n")
+        out += _pad(b"<|" + _utf8(role) + b"|>\n") + _pad(seg + b"<|end|>\n")
     out += GENERATION_PROMPT
     return bytes(out)
 
@@ -220,9 +227,18 @@ def routing_bytes(endpoint: Endpoint, body: Any) -> bytes:
 
 
 def namespace_seed(model: str, tenant: str = DEFAULT_TENANT, adapter: str | None = None) -> int:
-    """h_0: the seed of a (model, tenant salt, LoRA adapter) namespace."""
-    ns = b"\x00".join((model.encode(), tenant.encode(), (adapter or "").encode()))
-    return _xxh3(b"radixfleet-ns\x00" + ns)
+    """h_0: the seed of a (model, tenant salt, LoRA adapter) namespace.
+
+    Each field is length-prefixed (4-byte little-endian length, then its UTF-8), so
+    no two different triples share an encoding: model ``ab`` + tenant ``c`` and
+    model ``a`` + tenant ``bc`` are different namespaces, and so are fields that
+    contain the separator a plain join would use. No adapter and ``""`` are the
+    same namespace (both mean the base model)."""
+    parts = [b"radixfleet-ns"]
+    for f in (model, tenant, adapter or ""):
+        b = _utf8(f)
+        parts.append(len(b).to_bytes(4, "little") + b)
+    return _xxh3(b"".join(parts))
 
 
 def block_hashes(data: bytes, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> list[int]:

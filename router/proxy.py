@@ -318,13 +318,21 @@ class _Conn(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Keep-alive connections per (host, port); idle ones reused most-recent first."""
+    """Keep-alive connections per (host, port); idle ones reused most-recent first.
+
+    An idle connection the upstream has closed is skipped when its close was seen;
+    one whose close had not arrived yet fails before its response head and the
+    request is sent once more on a fresh connection (``stale_retries``).
+    """
 
     def __init__(self, *, connect_timeout_s: float = 2.0, max_idle_per_host: int = 512) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle_per_host
         self._idle: dict[tuple[str, int], collections.deque[_Conn]] = {}
         self._closed = False
+        #: connections opened, and requests re-sent because a reused one was stale
+        self.connects = 0
+        self.stale_retries = 0
 
     def _put(self, conn: _Conn) -> None:
         if self._closed or conn.closed:
@@ -352,6 +360,7 @@ class UpstreamPool:
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: "
                                 f"{exc.strerror or exc}") from None
+        self.connects += 1
         return conn
 
     async def request(self, host: str, port: int, head: bytes, body: bytes, *,
@@ -380,6 +389,7 @@ class UpstreamPool:
             if conn.closed:  # died between accept and now
                 resp.release()
                 if reused:
+                    self.stale_retries += 1
                     continue
                 raise ConnectFailed(f"connection to {host}:{port} closed at once")
             t = conn.transport
@@ -392,6 +402,7 @@ class UpstreamPool:
             except ConnectFailed:
                 resp.release()
                 if reused:
+                    self.stale_retries += 1
                     continue  # a stale keep-alive connection: once more, fresh
                 raise
             except BaseException:
@@ -493,9 +504,12 @@ class _PendingRequest:
     """A request being parsed (head, then body), or parsed and waiting its turn."""
 
     __slots__ = ("url", "headers", "in_head", "head_size", "head_raw", "handler", "keepalive",
-                 "http10", "body", "size", "limit", "too_large", "expect_continue")
+                 "http10", "body", "size", "limit", "too_large", "expect_continue", "since")
 
     def __init__(self) -> None:
+        #: monotonic time its first byte arrived, then the time its head was complete:
+        #: the start of the head deadline, then of the body deadline (FrontServer._sweep)
+        self.since = _time.monotonic()
         self.url = b""
         self.headers: dict[str, str] = {}  # lower-case names, repeats joined by ", "
         self.in_head = True  # headers still arriving (later on_header calls are trailers)
@@ -727,6 +741,7 @@ class _FrontConn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         req = self.req
         req.in_head = False
+        req.since = _time.monotonic()
         p = self.parser
         version = p.get_http_version()
         if version != "1.1" and version != "1.0":
@@ -903,11 +918,17 @@ class FrontServer:
     stops accepting, closes idle connections, lets in-flight requests finish for
     up to ``timeout`` seconds, then cancels the rest. Idempotent."""
 
-    def __init__(self, routes: dict, fallback, max_body, *, idle_timeout_s: float = 75.0) -> None:
+    def __init__(self, routes: dict, fallback, max_body, *, idle_timeout_s: float = 75.0,
+                 head_timeout_s=lambda: 10.0, body_timeout_s=lambda: 30.0) -> None:
         self.routes = routes
         self.fallback = fallback
         self.max_body = max_body
         self.idle_timeout_s = idle_timeout_s
+        #: callables -> seconds: a request's head must arrive within head_timeout_s()
+        #: of its first byte, its body within body_timeout_s() of its head, else 408
+        #: (one byte every few seconds must not hold a connection forever)
+        self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
         self.closing = False
         self._conns: set[_FrontConn] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -922,11 +943,26 @@ class FrontServer:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(min(10.0, self.idle_timeout_s))
-            cutoff = _time.monotonic() - self.idle_timeout_s
-            for c in list(self._conns):
-                if c.task is None and c.last_active < cutoff:
-                    c.close()
+            await asyncio.sleep(min(1.0, self.idle_timeout_s))
+            self.sweep(_time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        """Closes idle connections and answers 408 to requests past their head or
+        body deadline. O(connections); runs every second."""
+        cutoff = now - self.idle_timeout_s
+        head_s, body_s = self.head_timeout_s(), self.body_timeout_s()
+        for c in list(self._conns):
+            req = c.req
+            if req is not None and c.parser is not None:
+                limit = head_s if req.in_head else body_s
+                if now - req.since > limit:
+                    part = "head" if req.in_head else "body"
+                    log.info("request %s not received within %gs: 408", part, limit)
+                    c._stop_bad(408, f"request {part} not received within {limit:g}s")
+                    if c.task is None:
+                        c._next()
+            elif c.task is None and c.last_active < cutoff:
+                c.close()
 
     def in_flight(self) -> int:
         return sum(1 for c in self._conns if c.task is not None)

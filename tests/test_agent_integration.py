@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import httpx
 import pytest
 
+from router.benchmarks.smg import find_smg, missing_message
 from router.events import Snapshot
 from router.prefix_keys import Endpoint, request_key
 from tests.test_agent_fakes import FakeRouter
@@ -74,10 +74,18 @@ async def test_two_agents_report_cached_tokens_and_events():
         await fake.stop()
 
 
-@pytest.mark.skipif(shutil.which("smg") is None, reason="sglang-router (smg) not installed")
+def test_smg_is_found_in_the_test_environment():
+    """sglang-router is in the test extra: its binary must be found (next to this
+    interpreter, in its scripts folder, via the wheel's RECORD or on PATH). A
+    missing smg fails here, loudly, instead of skipping the comparison."""
+    assert find_smg() is not None, missing_message()
+
+
 def test_sglang_router_fronts_two_agents():
+    binary = find_smg()
+    assert binary is not None, missing_message()
     a, b, p, q = free_port(), free_port(), free_port(), free_port()
-    smg = ["smg", "launch", "--host", "127.0.0.1", "--port", str(p), "--worker-urls",
+    smg = [binary, "launch", "--host", "127.0.0.1", "--port", str(p), "--worker-urls",
            f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}", "--policy", "cache_aware",
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(q), "--log-level", "warn"]
     with Proc(agent_argv(a), ready_url=f"http://127.0.0.1:{a}/health"), \

@@ -34,8 +34,9 @@ def test_defaults_are_a_valid_config():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ("polcy: {name: x}", "polcy: unknown key; valid: auth, autoscale, breaker, health, index, keys, "
-                         "limits, listen, load, policy, reload, retries, timeouts, traffic_log, warmup, workers"),
+    ("polcy: {name: x}", "polcy: unknown key; valid: auth, autoscale, breaker, bus, health, "
+                         "index, keys, limits, listen, load, policy, reload, retries, timeouts, "
+                         "traffic_log, warmup, workers"),
     ("health: {intervall_s: 1}", "health.intervall_s: unknown key; valid: failure_threshold, "
                                  "interval_s, path, success_threshold, timeout_s"),
     ("health: [1]", "health: expected a mapping, got list"),
@@ -87,7 +88,7 @@ def test_defaults_are_a_valid_config():
     ("workers: [{url: 'http://h:99999'}]", "workers[0].url: invalid port in 'http://h:99999'"),
     ("workers: [{url: 'http://h:1/?a=b'}]", "workers[0].url: a worker URL takes no query"),
     ("workers: [{url: 'http://h:1', weight: 0}]",
-     "workers[0].weight: expected a number > 0, got 0"),
+     "workers[0].weight: expected a number in [0.01, 100], got 0"),
     ("workers: [{url: 'http://h:1', colour: red}]",
      "workers[0].colour: unknown key; valid: block_size, events, id, kind, kv_capacity_tokens, "
      "metrics, model, prefill_tokens_per_s, tokenizer, url, weight"),

@@ -137,7 +137,9 @@ async def test_sglang_events_metrics_and_cached_tokens(tokenizer_dir):
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
+    # shedding off: this test is about events and metrics, and it fakes a queue of 7
     cfg = parse_config({"listen": {"port": 0}, "health": {"interval_s": 0.2},
+                        "limits": {"worker_queue_requests": 0},
                         "workers": [{"url": f"http://127.0.0.1:{port}", "id": "sg",
                                      "kind": "sglang", "tokenizer": tokenizer_dir,
                                      "block_size": PAGE, "metrics": {"interval_s": 0.1},

@@ -1,15 +1,25 @@
-"""Arrival processes: bounded by count and duration, sessions sequential, rates honoured."""
+"""Arrival processes: bounded by count and duration, sessions sequential, rates honoured.
+
+Every test runs ``drive`` on a virtual clock (``tests.vclock``): sleeps take no wall
+time and every timestamp is exact, so the timing assertions are exact too and hold
+on a loaded machine.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import random
 
 import pytest
 
 from router.errors import WorkloadError
 from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes, drive
 from loadtest.workloads import RequestSpec, SingleShot, make_workload
+from tests.vclock import run_virtual
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
 
 
 def _recorder(delay=0.005, fail=()):
@@ -17,7 +27,7 @@ def _recorder(delay=0.005, fail=()):
     in_flight = [0, 0]  # now, max
 
     async def send(spec: RequestSpec):
-        log.append((spec.id, time.monotonic()))
+        log.append((spec.id, _now()))
         in_flight[0] += 1
         in_flight[1] = max(in_flight[1], in_flight[0])
         try:
@@ -29,41 +39,62 @@ def _recorder(delay=0.005, fail=()):
     return send, log, in_flight
 
 
-async def test_closed_loop_bounded_by_count_and_concurrency():
+def test_closed_loop_bounded_by_count_and_concurrency():
     send, log, inf = _recorder()
     w = make_workload("zipf", {"requests": 500})
-    stats = await drive(w.sessions(), Closed(4), Bounds(max_requests=37, duration_s=10), send)
+    stats = run_virtual(drive(w.sessions(), Closed(4), Bounds(max_requests=37, duration_s=10),
+                              send, clock=_now))
     assert stats.dispatched == 37 == len(log) and stats.stopped_by == "requests"
     assert inf[1] == 4
     assert stats.completed == 37 and stats.cancelled == 0
+    # 4 at a time, 5 ms each: request k leaves at (k // 4) x 5 ms
+    assert [round(t, 9) for _, t in log] == [round(k // 4 * 0.005, 9) for k in range(37)]
 
 
-async def test_open_loop_bounded_by_duration_and_rate():
+def test_open_loop_bounded_by_duration_and_rate():
     send, log, _ = _recorder()
     w = make_workload("zipf", {"requests": 5000})
-    t0 = time.monotonic()
-    stats = await drive(w.sessions(), Poisson(100.0), Bounds(max_requests=5000, duration_s=0.6),
-                        send, seed=1)
+
+    async def run():
+        t0 = _now()
+        stats = await drive(w.sessions(), Poisson(100.0), Bounds(max_requests=5000, duration_s=0.6),
+                            send, seed=1, clock=_now)
+        return stats, _now() - t0
+
+    stats, took = run_virtual(run())
     assert stats.stopped_by == "duration"
-    assert time.monotonic() - t0 < 1.5
-    assert 30 <= stats.dispatched <= 100  # ~60 expected at 100/s for 0.6 s
+    # dispatch stops at the deadline; the last request (5 ms) and nothing else follows
+    assert 0.6 <= took <= 0.6 + 0.005 + 1e-9
+    # exactly the Poisson(100/s) arrivals before 0.6 s, with the driver's seed
+    rng = random.Random(1 ^ 0x5EED)
+    due, want = [0.0], []
+    while due[-1] < 0.6:
+        want.append(due[-1])
+        due.append(due[-1] + rng.expovariate(100.0))
+    assert [t for _, t in log] == pytest.approx(want, abs=1e-9)
+    assert stats.dispatched == len(want)
 
 
-async def test_drain_grace_cancels_stragglers():
+def test_drain_grace_cancels_stragglers():
     send, log, _ = _recorder(delay=5.0)
     w = make_workload("zipf", {"requests": 10})
-    t0 = time.monotonic()
-    stats = await drive(w.sessions(), Closed(3), Bounds(max_requests=3, duration_s=5, drain_s=0.1),
-                        send)
-    assert time.monotonic() - t0 < 1.0
+
+    async def run():
+        t0 = _now()
+        stats = await drive(w.sessions(), Closed(3),
+                            Bounds(max_requests=3, duration_s=5, drain_s=0.1), send, clock=_now)
+        return stats, _now() - t0
+
+    stats, took = run_virtual(run())
+    assert took == pytest.approx(0.1)  # the grace, not the 5 s the requests would take
     assert stats.dispatched == 3 and stats.cancelled == 3 and stats.completed == 0
 
 
-async def test_multiturn_turns_are_sequential_and_parallelism_bounded():
+def test_multiturn_turns_are_sequential_and_parallelism_bounded():
     send, log, inf = _recorder()
     w = make_workload("multiturn", {"clients": 6, "rounds": 3, "max_parallel": 2})
-    stats = await drive(w.sessions(), Closed(10), Bounds(max_requests=100, duration_s=10), send,
-                        max_active_sessions=w.max_active_sessions)
+    stats = run_virtual(drive(w.sessions(), Closed(10), Bounds(max_requests=100, duration_s=10),
+                              send, max_active_sessions=w.max_active_sessions, clock=_now))
     assert stats.stopped_by == "exhausted" and stats.dispatched == 18
     assert inf[1] == 2  # only two sessions in progress, one turn each at a time
     order = [i for i, _ in log]
@@ -72,25 +103,22 @@ async def test_multiturn_turns_are_sequential_and_parallelism_bounded():
         assert turns == sorted(turns)
 
 
-async def test_failed_turn_ends_its_session():
+def test_failed_turn_ends_its_session():
     send, log, _ = _recorder(fail={"c0.1"})
     w = make_workload("multiturn", {"clients": 2, "rounds": 3})
-    stats = await drive(w.sessions(), Closed(2), Bounds(100, 10), send)
+    stats = run_virtual(drive(w.sessions(), Closed(2), Bounds(100, 10), send, clock=_now))
     ids = [i for i, _ in log]
     assert "c0.2" not in ids and "c1.2" in ids
     assert stats.dispatched == 5 and stats.sessions_finished == 2
 
 
-async def test_trace_times_are_honoured():
+def test_trace_times_are_honoured():
     send, log, _ = _recorder(delay=0.0)
     specs = [SingleShot(RequestSpec(f"t{i}.0", "completions", {"prompt": "x"}, 1, f"t{i}", 0,
                                     arrival_s=a)) for i, a in enumerate((0.0, 0.2, 0.4))]
-    t0 = time.monotonic()
-    stats = await drive(specs, TraceTimes(), Bounds(10, 5), send)
+    stats = run_virtual(drive(specs, TraceTimes(), Bounds(10, 5), send, clock=_now))
     assert stats.dispatched == 3
-    offsets = [t - t0 for _, t in log]
-    for got, want in zip(offsets, (0.0, 0.2, 0.4)):
-        assert want - 0.01 <= got <= want + 0.15
+    assert [t for _, t in log] == [0.0, 0.2, 0.4]
 
 
 def test_bad_bounds_and_rates():

@@ -29,7 +29,8 @@ from loadtest.workloads import make_workload
 class FakeServer:
     """An OpenAI-compatible streaming server; ``fail(n)`` makes every n-th request fail."""
 
-    def __init__(self, worker="fake0", capacity=100_000, fail_every=0, drop_every=0):
+    def __init__(self, worker="fake0", capacity=100_000, fail_every=0, drop_every=0,
+                 flush_status=200):
         self.worker = worker  # the x-radixfleet-worker header, or None (like smg)
         self.totals = {"requests": 0, "prompt": 0, "cached": 0, "output": 0}
         self.cache = PrefixTrie(capacity)
@@ -38,6 +39,7 @@ class FakeServer:
         self.drop_every = drop_every
         self.count = 0
         self.flushes = 0
+        self.flush_status = flush_status  # what POST /flush_cache answers (>= 300: failed)
         self.bodies: list[dict] = []
 
     def app(self) -> web.Application:
@@ -66,6 +68,8 @@ class FakeServer:
         return web.json_response({"kv_capacity_tokens": self.capacity})
 
     async def flush(self, request):
+        if self.flush_status >= 300:
+            return web.json_response({"error": {"message": "no"}}, status=self.flush_status)
         self.cache = PrefixTrie(self.capacity)
         self.flushes += 1
         return web.json_response({"status": "ok"})
@@ -161,6 +165,34 @@ async def test_errors_mid_run_are_counted_and_the_run_goes_on(port):
     assert r["pooled_hit_rate"] == pytest.approx(r["oracle_hit_rate"])  # capacity never binds
     assert 0 < r["hit_rate"] <= r["oracle_hit_rate"] + 1e-9
     validate({"runs": [r]})
+
+
+async def test_failed_flush_fails_the_run_unless_warm_runs_are_allowed(port):
+    from router.errors import RunError
+
+    fake = FakeServer(flush_status=503)
+    runner = await _serve(fake, port)
+    url = f"http://127.0.0.1:{port}"
+    w = make_workload("zipf", {"requests": 6, "output_tokens": 2})
+    try:
+        with pytest.raises(RunError, match=r"target f: cache flush failed on http://127.0.0.1:\d+ "
+                                           r"\(HTTP 503\); the run would not start cold "
+                                           r"\(pass --allow-warm"):
+            await run_ab([("f", url)], w, Closed(2), Bounds(6, 20), flush_urls=[url],
+                         progress=False, settle_s=0)
+        assert fake.count == 0  # no load was sent
+        (out,) = await run_ab([("f", url)], w, Closed(2), Bounds(6, 20), flush_urls=[url],
+                              progress=False, settle_s=0, allow_warm=True)
+        assert out.report["cold_start"] is False
+        assert out.report["flush_failed"] == [f"{url} (HTTP 503)"]
+        assert out.report["ok"] == 6
+        fake.flush_status = 200
+        (out,) = await run_ab([("f", url)], w, Closed(2), Bounds(6, 20), flush_urls=[url],
+                              progress=False, settle_s=0)
+        assert out.report["cold_start"] is True and "flush_failed" not in out.report
+        validate({"runs": [out.report]})
+    finally:
+        await runner.cleanup()
 
 
 async def test_unnamed_workers_are_counted_from_agent_metrics(port):
@@ -282,3 +314,26 @@ def test_loadtest_and_demo_refuse_unwritable_outputs_before_sending(tmp_path, ca
     assert "--plots: cannot write into" in capsys.readouterr().err
     assert cli(["demo", "--out", str(blocker / "demo")]) == 2
     assert "--out: cannot write into" in capsys.readouterr().err
+
+
+def test_a_target_with_several_urls_round_robins_over_them():
+    from loadtest.main import parse_target
+    from router.errors import ConfigError
+
+    name, url = parse_target("four=http://a:1,http://b:2/v1,http://c:3")
+    t = Target(name, url)
+    assert t.base_url == "http://a:1" and t.base_urls == ["http://a:1", "http://b:2", "http://c:3"]
+    urls = []
+    for _ in range(6):
+        t_url, _ = t._request(_Spec())
+        urls.append(t_url.split("/v1")[0])
+    assert urls == ["http://a:1", "http://b:2", "http://c:3"] * 2
+    with pytest.raises(ConfigError):
+        parse_target("x=http://a:1,ftp://b")
+
+
+class _Spec:
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    max_tokens = 1
+    session = "s"
+    api = "chat"

@@ -296,7 +296,30 @@ def test_warm_ahead_names_the_new_replica_instead_of_sending_it_the_request():
     loop = PickLoop(policy(seed=5, warm_ahead=True), W8, index=PrefixIndex(half_life_s=2.0),
                     decode_s=0.5, check=True)
     _, t, n = _hot_phase(loop, 5, 4.0, 0.0, 0)
-    hot, t, n = _hot_phase(loop, 40, 6.0, t, n)
+    # the hot phase: a warm-up is not an index hint (neither the router nor the
+    # simulator inserts one); the warmed worker enters the index only once its
+    # warm-up prefill has ended, as its agent's report would say
+    root = completion(SYSTEM).hashes[:32]
+    pending: list[tuple[str, float]] = []  # (warmed worker, its warm-up prefill end)
+    seen_before = seen_after = 0
+    hot = []
+    end = t + 6.0
+    while t < end:
+        k = completion(SYSTEM + f"question {n:05d} ".ljust(1000, "q"))
+        d = loop.route(k.hashes, k.prompt_tokens, t)
+        hot.append(d)
+        for w, busy in pending:
+            held = loop.index.match(root, t, count=False).blocks.get(w, 0)
+            if t < busy:
+                assert held == 0, (w, t, busy)
+                seen_before += 1
+            else:
+                assert held == 32, (w, t, busy)
+                seen_after += 1
+        pending += [(w, loop.load[w].busy_until) for w in d.warm]
+        t += 1.0 / 40
+        n += 1
+    assert seen_before and seen_after
     warmed = [d for d in hot if d.warm]
     assert len(warmed) == 3
     for d in warmed:

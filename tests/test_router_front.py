@@ -24,7 +24,7 @@ HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_
 
 @pytest.fixture
 async def fleet():
-    up = web.AppRunner(upstream_app("u", chunks=3), access_log=None)
+    up = web.AppRunner(upstream_app("u", chunks=3, model="m"), access_log=None)
     await up.setup()
     up_port = free_port()
     await web.TCPSite(up, "127.0.0.1", up_port).start()
@@ -151,7 +151,7 @@ async def test_metrics_exposes_the_documented_series(fleet):
 async def test_warmup_sends_prefill_only_request(fleet):
     router, port, url = fleet
     body = {"model": "m", "prompt": "The shared system prompt. " * 20}
-    key = request_key(Endpoint.COMPLETIONS, body, tenant="t")
+    key = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("t"))
     router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
     router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
     async with httpx.AsyncClient() as c:
@@ -162,7 +162,7 @@ async def test_warmup_sends_prefill_only_request(fleet):
                 break
             await asyncio.sleep(0.02)
     assert stats["requests"] == 1  # the second one was within min_interval_s
-    assert stats["tenants"] == ["t"] and stats["paths"] == ["/v1/completions"]
+    assert stats["tenants"] == [router.salts.salt("t")] and stats["paths"] == ["/v1/completions"]
     assert router.metrics.warmups.labels("ok")._value.get() == 1
 
 
@@ -195,7 +195,17 @@ async def test_graceful_close_finishes_in_flight(fleet):
 
 async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
     # an upstream that closes idle keep-alive connections after 0.1 s
-    up = web.AppRunner(upstream_app("k"), access_log=None, keepalive_timeout=0.1)
+    seen: list = []  # the router's (client) port of every completion the upstream served
+
+    @web.middleware
+    async def peer(request, handler):
+        if request.path == "/v1/completions":  # not the health checks
+            seen.append(request.transport.get_extra_info("peername")[1])
+        return await handler(request)
+
+    app = upstream_app("k", model="m")
+    app.middlewares.append(peer)
+    up = web.AppRunner(app, access_log=None, keepalive_timeout=0.1)
     await up.setup()
     up_port = free_port()
     await web.TCPSite(up, "127.0.0.1", up_port).start()
@@ -208,13 +218,73 @@ async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
         while not router.pool.views(time.monotonic()):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
+        pool = router.upstream
         async with httpx.AsyncClient() as c:
-            for _ in range(3):
+            for i in range(3):
                 r = await c.post(f"http://127.0.0.1:{port}/v1/completions", content=BODY)
                 assert r.status_code == 200, r.text
-                await asyncio.sleep(0.3)  # the upstream drops the idle connection
-        router.upstream.check()
+                # wait (bounded) until the upstream has dropped the idle connection
+                deadline = time.monotonic() + 10
+                while not all(conn.closed for q in pool._idle.values() for conn in q):
+                    assert time.monotonic() < deadline, "upstream never closed the idle connection"
+                    await asyncio.sleep(0.02)
+                assert pool.connects == i + 1
+        pool.check()
+        # every request went out on a fresh connection, none on a dead one
+        assert len(seen) == 3 and len(set(seen)) == 3, seen
+        assert pool.connects == 3 and pool.stale_retries == 0
         assert router.metrics.retries.labels("connect")._value.get() == 0
     finally:
         await server.aclose()
         await up.cleanup()
+
+
+async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_one():
+    """The race the idle check cannot see: the upstream closes a keep-alive
+    connection just as the next request goes out on it (no answer, no close seen
+    before). The pool sends the request once more on a new connection."""
+    from router.proxy import UpstreamPool, build_head
+
+    served: list[tuple[int, int]] = []  # (connection number, request number on it)
+    conns = 0
+
+    async def handle(reader, writer):
+        nonlocal conns
+        conns += 1
+        me, n = conns, 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                n += 1
+                if me == 1 and n == 2:  # keep-alive timeout "just now": close, no answer
+                    return
+                served.append((me, n))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    up_port = srv.sockets[0].getsockname()[1]
+    pool = UpstreamPool()
+    head = build_head("/v1/completions", f"127.0.0.1:{up_port}", len(BODY), b"")
+    try:
+        for _ in range(2):
+            resp = await pool.request("127.0.0.1", up_port, head, BODY, read_timeout_s=5,
+                                      total_timeout_s=10)
+            try:
+                assert resp.status == 200 and await resp.read() == b"{}"
+            finally:
+                resp.release()
+        assert served == [(1, 1), (2, 1)]  # the second went out twice: dropped, then fresh
+        assert pool.connects == 2 and pool.stale_retries == 1
+        pool.check()
+    finally:
+        await pool.aclose()
+        srv.close()
+        await srv.wait_closed()

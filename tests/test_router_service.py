@@ -65,6 +65,7 @@ async def wait_ready(base: str, timeout_s: float = 10.0) -> None:
 
 
 def upstream_proc(name: str, **flags) -> tuple[Proc, str]:
+    flags.setdefault("model", "m")
     port = free_port()
     argv = [sys.executable, "-m", "router.benchmarks.proxy", "upstream", "--port", str(port),
             "--name", name]
@@ -81,7 +82,7 @@ LONG_PROMPT = "You are a helpful assistant. " * 20  # several 128-byte blocks
 async def two_upstreams():
     runners, urls = [], []
     for i in range(2):
-        r, u = await start_app(upstream_app(f"u{i}", chunks=5, model=f"m{i}"))
+        r, u = await start_app(upstream_app(f"u{i}", chunks=5, model="m"))
         runners.append(r)
         urls.append(u)
     yield urls
@@ -99,20 +100,20 @@ async def test_openai_sdk_streams_and_non_streams(two_upstreams, front):
         front=front)
     try:
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        comp = await client.completions.create(model="m0", prompt=LONG_PROMPT, max_tokens=4)
+        comp = await client.completions.create(model="m", prompt=LONG_PROMPT, max_tokens=4)
         assert comp.choices[0].text == "ok"
         chat = await client.chat.completions.create(
-            model="m0", messages=[{"role": "user", "content": "hello"}])
+            model="m", messages=[{"role": "user", "content": "hello"}])
         assert chat.choices[0].message.content == "ok"
-        stream = await client.completions.create(model="m0", prompt=LONG_PROMPT, stream=True)
+        stream = await client.completions.create(model="m", prompt=LONG_PROMPT, stream=True)
         texts = [c.choices[0].text async for c in stream]
         assert texts == ["x"] * 5
         stream = await client.chat.completions.create(
-            model="m0", messages=[{"role": "user", "content": "hi"}], stream=True)
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
         deltas = [c.choices[0].delta.content async for c in stream]
         assert deltas == ["x"] * 5
         models = await client.models.list()
-        assert sorted(m.id for m in models.data) == ["m0", "m1"]
+        assert [m.id for m in models.data] == ["m"]
         await client.close()
         router.pool.check()
         assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router.pool)
@@ -134,7 +135,8 @@ async def test_headers_tenant_and_request_id_reach_worker(two_upstreams):
             assert r2.headers["x-request-id"] != "req-123"
             stats = (await c.get(two_upstreams[0] + "/stats")).json()
             assert stats["paths"][-2:] == ["/v1/completions", "/generate"]
-            assert stats["tenants"][-1] == ""  # the default tenant, always sent
+            # the default tenant's secret salt, always sent
+            assert stats["tenants"][-1] == router.salts.salt("") != ""
     finally:
         await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
 
@@ -340,8 +342,8 @@ async def test_tenants_never_match_each_other(two_upstreams, monkeypatch):
                               headers={"Authorization": "Bearer key-a"})
             assert ra.status_code == 200
             assert ra.headers["x-radixfleet-worker"]
-        ka = request_key(Endpoint.COMPLETIONS, body, tenant="A")
-        kb = request_key(Endpoint.COMPLETIONS, body, tenant="B")
+        ka = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("A"))
+        kb = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("B"))
         now = time.monotonic()
         assert router.index.match(ka.hashes, now, count=False).best == len(ka.hashes) > 0
         assert router.index.match(kb.hashes, now, count=False).blocks == {}
@@ -351,7 +353,8 @@ async def test_tenants_never_match_each_other(two_upstreams, monkeypatch):
             assert rb.status_code == 200
             stats = (await c.get(two_upstreams[0] + "/stats")).json()["tenants"] + \
                 (await c.get(two_upstreams[1] + "/stats")).json()["tenants"]
-        assert sorted(stats) == ["A", "B"]
+        # workers see each tenant's secret salt, never its name
+        assert sorted(stats) == sorted([router.salts.salt("A"), router.salts.salt("B")])
         # B's request was a miss although A's identical prompt is indexed
         req = router.metrics.requests
         misses = sum(s.value for m in req.collect() for s in m.samples
@@ -443,7 +446,7 @@ async def test_admin_add_drain_remove_worker(two_upstreams):
 async def test_agent_registration_and_events(two_upstreams):
     router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
     ev_url = base + "/internal/v1/events"
-    reg = {"worker_id": "ag", "url": two_upstreams[1], "epoch": "e1", "models": ["m1"]}
+    reg = {"worker_id": "ag", "url": two_upstreams[1], "epoch": "e1", "models": ["m"]}
     key = request_key(Endpoint.COMPLETIONS, {"model": "m", "prompt": LONG_PROMPT})
     h = key.hashes
     now = time.monotonic
@@ -509,38 +512,49 @@ async def test_agent_registration_and_events(two_upstreams):
 # ------------------------------------------------------------------- reload
 
 
-async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tmp_path):
-    path = tmp_path / "router.yaml"
-    a, b = two_upstreams
-
+def _writer(path):
     def write(text):
         path.write_text(text)
         # make sure the mtime changes even on coarse clocks
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    return write
 
-    health = ("health: {interval_s: 0.1, timeout_s: 0.5, failure_threshold: 1, "
-              "success_threshold: 1}\n")
-    write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{health}"
-          "reload: {poll_interval_s: 0.1}\n")
+
+_RELOAD_HEALTH = ("health: {interval_s: 0.1, timeout_s: 0.5, failure_threshold: 1, "
+                  "success_threshold: 1}\n")
+
+
+async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tmp_path):
+    # The file watcher is off in every version of the file: only /admin/reload reloads,
+    # so each answer below is the outcome of exactly that reload (no race with a poll).
+    path = tmp_path / "router.yaml"
+    a, b = two_upstreams
+    write = _writer(path)
+    health = _RELOAD_HEALTH
+    nowatch = "reload: {watch: false}\n"
+    write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{health}{nowatch}")
     router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
     runner = RouterServer(router, port=free_port())
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)
+        assert not any(t.get_coro().__name__ == "_watch_config" for t in router._tasks)
         async with httpx.AsyncClient() as c:
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": LONG_PROMPT})
             assert r.headers["x-radixfleet-worker"] == "wa"
-            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: cache-aware}}\n{health}")
+            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: cache-aware}}\n{health}"
+                  f"{nowatch}")
             r = await c.post(base + "/admin/reload")
             assert r.status_code == 400
             assert "policy.name: 'cache-aware' is not one of" in r.json()["error"]["message"]
             assert [w.id for w in router.pool] == ["wa"]
             assert router.policy.name == "round_robin"
-            assert router.metrics.reload_failures._value.get() >= 1
+            assert router.metrics.reload_failures._value.get() == 1
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "wa"
-            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}")
+            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}"
+                  f"{nowatch}")
             r = await c.post(base + "/admin/reload")
             assert r.status_code == 200, r.text
             assert r.json()["added"] == ["wb"] and r.json()["removed"] == ["wa"]
@@ -551,16 +565,42 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
                 await asyncio.sleep(0.05)
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.headers["x-radixfleet-worker"] == "wb"
-            # the file watcher picks up a change on its own
-            write(f"workers: [{{url: '{a}', id: wa}}, {{url: '{b}', id: wb}}]\n"
-                  f"policy: {{name: least_load}}\n{health}reload: {{poll_interval_s: 0.1}}\n")
-            deadline = time.monotonic() + 5
-            while len(router.pool) < 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert sorted(w.id for w in router.pool) == ["wa", "wb"]
         router.pool.check()
     finally:
-        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+        await runner.aclose()
+
+
+async def test_file_watcher_reloads_a_changed_file_on_its_own(two_upstreams, tmp_path):
+    # Nothing else reloads here: the change can only be the watcher's doing.
+    path = tmp_path / "router.yaml"
+    a, b = two_upstreams
+    write = _writer(path)
+    write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{_RELOAD_HEALTH}"
+          "reload: {poll_interval_s: 0.05}\n")
+    router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
+    runner = RouterServer(router, port=free_port())
+    base = f"http://127.0.0.1:{await runner.start()}"
+    try:
+        await wait_ready(base)
+        assert [w.id for w in router.pool] == ["wa"]
+        write(f"workers: [{{url: '{a}', id: wa}}, {{url: '{b}', id: wb}}]\n"
+              f"policy: {{name: least_load}}\n{_RELOAD_HEALTH}reload: {{poll_interval_s: 0.05}}\n")
+        deadline = time.monotonic() + 10
+        while len(router.pool) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert sorted(w.id for w in router.pool) == ["wa", "wb"]
+        assert router.policy.name == "least_load"
+        # an invalid edit is refused by the watcher too, and counted once
+        write(f"workers: []\npolicy: {{name: nope}}\n{_RELOAD_HEALTH}")
+        deadline = time.monotonic() + 10
+        while router.metrics.reload_failures._value.get() < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # several more polls: an unchanged file is not re-read
+        assert router.metrics.reload_failures._value.get() == 1
+        assert sorted(w.id for w in router.pool) == ["wa", "wb"]
+        router.pool.check()
+    finally:
+        await runner.aclose()
 
 
 async def test_reload_without_config_file_is_409(two_upstreams):

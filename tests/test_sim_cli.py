@@ -90,12 +90,32 @@ def test_plain_plots(tmp_path):
     (["-P", "prefix_load.nosuch=1"], "nosuch"),
     (["--repeat", "3"], "--repeat"),
     (["--jobs", "-1"], "--jobs"),
+    (["--router-config", "/nonexistent/router.yaml"], "cannot read /nonexistent/router.yaml"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
     rc = main(["simulate", *GSP, *argv])
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_router_config_file_sets_the_simulated_routers_settings(tmp_path, capsys):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("warmup: {enabled: false}\nload: {report_stale_s: 0.5}\n")
+    hot = ["--workload", "gsp", "-o", "groups=1", "-o", "prompts_per_group=100",
+           "-o", "system_tokens=256", "-o", "question_tokens=32", "-o", "output_tokens=8",
+           "--rate", "200", "-P", "prefix_load.warm_ahead=true",
+           "-P", "prefix_load.hot_min_rate=0.5", "-P", "prefix_load.holder_max_rate=0.5"]
+    on, off = tmp_path / "on.json", tmp_path / "off.json"
+    assert main(["simulate", *hot, "--workers", "4", "--json", str(on)]) == 0
+    assert main(["simulate", *hot, "--workers", "4", "--router-config", str(cfg),
+                 "--json", str(off)]) == 0
+    warm = [json.loads(f.read_text())["runs"][0]["sim"]["warmups"] for f in (on, off)]
+    assert warm[0] > 0 and warm[1] == 0
+    cfg.write_text("warmup: {min_interval_s: -1}\n")
+    assert main(["simulate", *GSP, "--router-config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "warmup.min_interval_s" in err and len(err.splitlines()) == 1, err
 
 
 def test_missing_trace_and_workload(tmp_path, capsys):

@@ -306,7 +306,8 @@ def test_timeout_fails_late_requests_and_frees_the_worker():
     left = list(s.waiting) + list(s.prefilling) + list(s.running)
     assert all(req.rid.error_kind == "timeout" for req in left)
     assert {id(req) for req in left} <= {id(req) for req in w._cancels}
-    assert sim.refs[0].in_flight == 0 and sim.refs[0].in_flight_tokens == 0
+    pw = sim.pool.get("w0")  # the live pool the simulated router counts load in
+    assert pw.in_flight == 0 and pw.in_flight_tokens == 0
     # freed capacity: those that finished did so no later than without the timeout
     ok_ids = {j.idx for j in sim.jobs if j.ok}
     before = {j.idx: j.done_t for j in base.jobs}

@@ -16,7 +16,9 @@ import sys
 
 from aiohttp import web
 
+from router.auth import is_loopback
 from router.errors import ConfigError
+from router import http_errors
 from router.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
@@ -75,6 +77,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_positive, required=True)
     parser.add_argument("--router", action="append", default=[], metavar="URL",
                         help="a router to register with and push events to (repeatable)")
+    parser.add_argument("--bus", default=None, metavar="NATS_URL",
+                        help="publish events and load once to a NATS JetStream bus that every "
+                             "router replica reads (nats://host:4222); --router URLs are then "
+                             "the fallback while the bus is down")
+    parser.add_argument("--bus-prefix", default="radixfleet",
+                        help="subject prefix (the routers' bus.subject_prefix)")
+    parser.add_argument("--bus-snapshot-interval", type=float, default=30.0, metavar="S",
+                        help="a full snapshot this often (bounds the stream's history)")
     parser.add_argument("--worker-id", default=None, help="default: host:port")
     parser.add_argument("--advertise-url", default=None,
                         help="URL routers reach this agent at (default: http://HOST:PORT)")
@@ -90,6 +100,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=_positive, default=8192,
                         help="prefill token budget per step (chunked prefill)")
     parser.add_argument("--max-running", type=_positive, default=256)
+    parser.add_argument("--max-waiting", type=_positive, default=None,
+                        help="requests waiting at most; more are refused with 429 + "
+                             "Retry-After (default: 4 x --max-running)")
     parser.add_argument("--page-size", type=_positive, default=1,
                         help="KV page size in tokens: prefixes are matched and kept in whole "
                              "pages (SGLang's --page-size; default 1)")
@@ -120,21 +133,27 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
                                   protected_fraction=args.protected_fraction,
                                   ghost_block_tokens=args.block_bytes // 4),
         scheduler=SchedulerConfig(chunk_tokens=args.chunk_tokens, max_running=args.max_running,
-                                  order=args.schedule),
+                                  order=args.schedule,
+                                  max_waiting=args.max_waiting or 4 * args.max_running),
         seed=args.seed, worker_id=args.worker_id or f"{args.host}:{args.port}",
         rope_scaling=args.rope_scaling, page_size=args.page_size,
         disable_radix_cache=args.disable_radix_cache,
+        # an unsigned tenant header is safe only where nothing but the router reaches us
+        trust_unsigned_tenant=is_loopback(args.host),
     )
 
 
 async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
-                advertise_url: str) -> None:
-    app = create_app(cfg, routers=routers, advertise_url=advertise_url)
+                advertise_url: str, bus: str | None = None, bus_prefix: str = "radixfleet",
+                bus_snapshot_interval_s: float = 30.0) -> None:
+    app = create_app(cfg, routers=routers, advertise_url=advertise_url, bus=bus,
+                     bus_prefix=bus_prefix, bus_snapshot_interval_s=bus_snapshot_interval_s)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
+    server = None
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        # aiohttp's TCPSite, but malformed HTTP gets a JSON 4xx and no traceback
+        server = await http_errors.listen(runner, host, port, access_log=None)
         from worker_agent.server import AGENT_KEY
         print(f"radixfleet agent {cfg.worker_id}: {cfg.name} on {cfg.tp}x{cfg.gpu}, "
               f"KV pool {app[AGENT_KEY].capacity:,} tokens, listening on http://{host}:{port}",
@@ -145,6 +164,8 @@ async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
+        if server is not None:
+            server.close()
         await runner.cleanup()
 
 
@@ -162,6 +183,12 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
     cfg = build_config(args)
+    if args.bus is not None:
+        from router.config import BusConfig, _check_bus
+
+        _check_bus(BusConfig(url=args.bus, subject_prefix=args.bus_prefix))  # exit 2 if bad
+        if not args.bus_snapshot_interval > 0:
+            raise ConfigError("--bus-snapshot-interval", "expected a number > 0")
     advertise = args.advertise_url or f"http://{args.host}:{args.port}"
     try:
         import uvloop
@@ -169,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover
         pass
     try:
-        asyncio.run(serve(cfg, args.host, args.port, args.router, advertise))
+        asyncio.run(serve(cfg, args.host, args.port, args.router, advertise, args.bus,
+                          args.bus_prefix, args.bus_snapshot_interval))
     except OSError as exc:
         print(f"radixfleet agent: error: cannot listen on {args.host}:{args.port}: {exc}",
               file=sys.stderr)

@@ -20,6 +20,12 @@ snapshot_required``, and on ``404 unknown_worker`` (it re-registers first). Whil
 router is unreachable its pending deltas are dropped, not kept: a snapshot on
 reconnect carries everything they would have, so memory stays bounded by the tree.
 
+Bus mode (``bus=AgentBus``, ``--bus nats://...``; router.bus.publisher): batches are
+published once to a JetStream stream that every router replica consumes, the load
+on a core subject. While the bus is up the HTTP links stay idle; while it is down
+(or not yet up) the reporter pushes to its ``--router`` URLs as above, and they
+snapshot again after the next outage.
+
 Lifecycle: ``start()`` then ``aclose()`` (idempotent; ``async with`` works).
 """
 
@@ -72,10 +78,12 @@ class Reporter:
                  cache: RadixCache, load: Callable[[], Load], token: str | None = None,
                  interval_s: float = 0.1, max_batch_events: int = 256,
                  max_pending_events: int = 10_000, timeout_s: float = 2.0,
-                 block_bytes: int | None = None) -> None:
-        if not routers:
-            raise ValueError("a reporter needs at least one router URL")
+                 block_bytes: int | None = None, bus=None) -> None:
+        if not routers and bus is None:
+            raise ValueError("a reporter needs at least one router URL or a bus")
         self.links = [RouterLink(u) for u in routers]
+        #: router.bus.publisher.AgentBus or None
+        self.bus = bus
         self.worker_id = worker_id
         self.url = url
         self.models = models
@@ -98,6 +106,9 @@ class Reporter:
         if self._task is not None:
             raise RuntimeError("reporter already started")
         self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        if self.bus is not None:
+            self.bus.kick = self.kick
+            await self.bus.start()
         self._task = asyncio.create_task(self._run(), name="reporter")
 
     def kick(self) -> None:
@@ -109,7 +120,16 @@ class Reporter:
         poll = min(self.interval_s, 0.01)
         while True:
             self._distribute()
-            await asyncio.gather(*(self._push(link) for link in self.links))
+            bus = self.bus
+            if bus is not None and bus.up:
+                bus.due_snapshot()
+                for link in self.links:  # idle while the bus carries everything
+                    if link.state is LinkState.STREAMING:
+                        link.state = LinkState.SNAPSHOT
+                    link.pending.clear()
+                await self._push_bus(bus)
+            else:
+                await asyncio.gather(*(self._push(link) for link in self.links))
             # next batch after interval_s, or as soon as max_batch_events are waiting
             due = loop.time() + self.interval_s
             while not self._kick.is_set() and loop.time() < due:
@@ -125,13 +145,46 @@ class Reporter:
         events = self.cache.drain_events()
         if not events:
             return
-        for link in self.links:
+        links = self.links if self.bus is None else [*self.links, self.bus.link]
+        for link in links:
             if link.state is not LinkState.STREAMING:
                 continue  # its snapshot will carry these
             link.pending.extend(events)
             if len(link.pending) > self.max_pending_events:
                 link.pending.clear()
                 link.state = LinkState.SNAPSHOT
+
+    async def _push_bus(self, bus) -> None:
+        """Publishes the load, then pending deltas (or a snapshot) to the stream."""
+        from router.bus.publisher import load_batch
+
+        link = bus.link
+        await bus.publish_load(load_batch(self.worker_id, self.url, self.epoch, self.load()))
+        for _ in range(8):
+            if link.state is LinkState.SNAPSHOT:
+                self._distribute()
+                link.pending.clear()
+                events: list = [Snapshot(self.cache.snapshot_blocks())]
+                n_taken = 0
+            else:
+                events = link.pending[: self.max_batch_events]
+                n_taken = len(events)
+                if not events:
+                    return
+            batch = EventBatch(self.worker_id, self.url, self.epoch, link.seq, events, None)
+            link.seq += 1
+            if not await bus.publish_batch(batch, self.models, self.block_bytes):
+                link.failures += 1
+                link.state = LinkState.SNAPSHOT
+                link.pending.clear()
+                return
+            link.sent_batches += 1
+            if link.state is LinkState.SNAPSHOT:
+                link.snapshots += 1
+                link.state = LinkState.STREAMING
+            del link.pending[:n_taken]
+            if not link.pending:
+                return
 
     async def _post(self, link: RouterLink, path: str, body: dict) -> tuple[int, str, dict]:
         """(HTTP status, the answer's ``status`` word, the answer object or {})."""
@@ -221,6 +274,8 @@ class Reporter:
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
                     raise
+        if self.bus is not None:
+            await self.bus.aclose()
         if self._session is not None:
             await self._session.close()
 

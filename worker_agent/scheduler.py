@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
-from router.errors import PromptTooLarge
+from router.errors import Overloaded, PromptTooLarge
 from router.events import Load
 from worker_agent.cost_model import CostModel
 from worker_agent.kv_pool import KVPool
@@ -125,12 +125,18 @@ class SchedulerConfig:
     order: str = "fcfs"
     #: above this queue length lpm falls back to fcfs (SGLang does the same: cost)
     lpm_max_queue: int = 128
+    #: most requests waiting; a submit past it is refused with ``Overloaded`` (429 +
+    #: Retry-After from the agent). 0: unbounded (the offline simulator's default;
+    #: ``radixfleet agent`` sets 4 x max_running)
+    max_waiting: int = 0
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"order {self.order!r} is not one of {', '.join(ORDERS)}")
         if self.chunk_tokens <= 0 or self.max_running <= 0:
             raise ValueError("chunk_tokens and max_running must be positive")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0 (0: unbounded)")
 
 
 @dataclass(slots=True)
@@ -188,11 +194,19 @@ class Scheduler:
     # ------------------------------------------------------------ intake
 
     def submit(self, req: SchedRequest, now: float) -> None:
-        """Queues ``req``. Raises ``PromptTooLarge`` when it can never fit the pool."""
+        """Queues ``req``. Raises ``PromptTooLarge`` when it can never fit the pool,
+        ``Overloaded`` when ``max_waiting`` requests already wait; before raising
+        either, withdraws the router's hint: the router inserted the request's blocks
+        for this worker at pick time, so ``Removed`` events go out for the prompt's
+        whole blocks the cache does not hold (``RadixCache.report_unheld``). The HTTP
+        agent and the simulator both get this by calling ``submit``."""
         need = len(req.prompt) + req.max_new
         if not req.prompt:
             raise ValueError("a request needs at least one prompt token")
         if need > self.pool.capacity:
+            if req.hashes and self.cache.hash_stride:
+                self.cache.report_unheld(req.ns, req.prompt,
+                                         req.hashes[: len(req.prompt) // self.cache.hash_stride])
             raise PromptTooLarge(
                 f"prompt of {len(req.prompt)} tokens plus max_tokens {req.max_new} needs "
                 f"{need} KV tokens; this worker's KV pool holds {self.pool.capacity}",
@@ -200,6 +214,15 @@ class Scheduler:
             )
         if req.output and len(req.output) < req.max_new:
             raise ValueError("output must hold at least max_new tokens")
+        cap = self.config.max_waiting
+        if cap and len(self.waiting) >= cap:
+            if req.hashes and self.cache.hash_stride:
+                self.cache.report_unheld(req.ns, req.prompt,
+                                         req.hashes[: len(req.prompt) // self.cache.hash_stride])
+            rate = self.prefill_tokens_per_s() or 1.0
+            raise Overloaded(f"{len(self.waiting)} requests already wait on this worker "
+                             f"(max_waiting {cap}); retry later",
+                             retry_after_s=self._queued_tokens / rate)
         # one conversion per request: every cache call then compares in C
         req.prompt = as_key(req.prompt)
         req.arrival = now

@@ -8,12 +8,18 @@
          /model_info /get_load                            (what SGLang's router probes)
     GET|POST /flush_cache
     POST /internal/v1/engine_config   new RoPE scaling -> fingerprint change -> flush
+                                      (agent token required when one is set)
     GET  /metrics         sglang:* gauges beside radixfleet_agent_* counters
+    GET  /openapi.json    router.openapi.agent_spec()
 
 A request's prompt is ``router.prefix_keys.routing_bytes`` of its body (the chat
 template), tokenized by ``worker_agent.tokenizer``; its cache namespace and router
 hashes come from ``request_key(..., tenant=<x-radixfleet-tenant header>)``, exactly
-as the router computes them. Bad input answers an OpenAI-style JSON error with a 4xx
+as the router computes them. The header is the router's secret per-tenant salt
+(router.tenancy), taken only from a router: with an agent token set it must come
+with the router's signature (``x-radixfleet-tenant-sig``), else 401; without one,
+only on a loopback listener (``trust_unsigned_tenant``). A full wait queue
+(``SchedulerConfig.max_waiting``) answers 429 with ``Retry-After``. Bad input answers an OpenAI-style JSON error with a 4xx
 status and touches nothing already accepted; a client that goes away cancels its
 request and frees its KV. Extra fields (SGLang's ``no_stop_trim``,
 ``skip_special_tokens``, ``return_hidden_states``, sampling knobs) are accepted and
@@ -34,7 +40,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from router.errors import MalformedRequest, NotFound, PromptTooLarge, RequestError
+from router import jsonbody
+from router.auth import BearerAuth
+from router.errors import (MalformedRequest, NotFound, Overloaded, PromptTooLarge,
+                           RequestError, Unauthorized, retry_after_header)
+from router.metrics import standard_collectors
+from router.openapi import agent_spec
+from router.tenancy import SIGNATURE_HEADER, verify_signature
 from router.prefix_keys import (BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, Endpoint, block_hashes,
                                 check_block_bytes, namespace_seed, request_key)
 from worker_agent import tokenizer as tk
@@ -71,6 +83,9 @@ class AgentConfig:
     page_size: int = 1
     #: no prefix cache at all (SGLang's --disable-radix-cache): the A/B baseline
     disable_radix_cache: bool = False
+    #: without an agent token, honour an unsigned x-radixfleet-tenant header (only
+    #: safe when nobody but the router can reach the agent: a loopback listener)
+    trust_unsigned_tenant: bool = True
 
     @property
     def name(self) -> str:
@@ -230,26 +245,34 @@ async def _wait_done(w) -> None:
         w.event.clear()
 
 
+def _tenant(request: web.Request) -> str:
+    """The namespace salt of a request: the router's, checked (module docstring)."""
+    tenant = request.headers.get(TENANT_HEADER)
+    if tenant is None:
+        return ""
+    auth: BearerAuth = request.app[AUTH_KEY]
+    if auth.token:
+        if not verify_signature(auth.token, tenant, request.headers.get(SIGNATURE_HEADER)):
+            raise Unauthorized(f"{TENANT_HEADER} is accepted only with the router's "
+                               f"{SIGNATURE_HEADER} (same RADIXFLEET_AGENT_TOKEN on both)")
+    elif not request.app[AGENT_KEY].cfg.trust_unsigned_tenant:
+        raise Unauthorized(f"{TENANT_HEADER} is accepted only from a router: set "
+                           "RADIXFLEET_AGENT_TOKEN on the agent and the router")
+    return tenant
+
+
 async def _serve(agent: Agent, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
-    p = _parse(agent, endpoint, body, request.headers.get(TENANT_HEADER, ""))
+    tenant = _tenant(request)
+    body = jsonbody.loads(await request.read())  # bounded depth, finite numbers, UTF-8
+    p = _parse(agent, endpoint, body, tenant)
     r = p.req
-    try:
-        w = agent.engine.submit(r)
-    except PromptTooLarge:
-        if r.hashes:  # the router may have hinted these blocks here
-            agent.cache.report_unheld(r.ns, r.prompt, r.hashes[: len(r.prompt) // agent.block_tokens])
-        raise
+    w = agent.engine.submit(r)  # PromptTooLarge, Overloaded: the scheduler withdrew the hint
     created = int(time.time())
     try:
         if not p.stream:
             await _wait_done(w)
             if r.state is not State.FINISHED:
-                raise web.HTTPServiceUnavailable(text="engine stopped")
+                raise web.HTTPServiceUnavailable(text="engine stopped", headers={"Retry-After": "1"})
             return web.json_response(_final(p, r, created))
         return await _stream(p, r, w, request, created)
     finally:
@@ -335,6 +358,8 @@ async def _stream(p: Parsed, r: SchedRequest, w, request: web.Request, created: 
 # ----------------------------------------------------------------- app
 
 AGENT_KEY = web.AppKey("agent", Agent)
+#: the agent token (RADIXFLEET_AGENT_TOKEN): engine_config, tenant signatures
+AUTH_KEY = web.AppKey("auth", BearerAuth)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 #: the running Reporter, or None without --router
 REPORTER_KEY = web.AppKey("reporter", object)
@@ -348,7 +373,10 @@ async def _errors(request: web.Request, handler):
         agent = request.app[AGENT_KEY]
         agent.bad_requests += 1
         log.debug("bad request %s: %s", request.path, exc.message)
-        return web.json_response(exc.to_json(), status=exc.status)
+        headers = None
+        if exc.retry_after_s is not None:
+            headers = {"Retry-After": retry_after_header(exc.retry_after_s)}
+        return web.json_response(exc.to_json(), status=exc.status, headers=headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -358,7 +386,9 @@ async def _errors(request: web.Request, handler):
         if exc.status == 404:
             body["error"]["message"] = f"no route for {request.method} {request.path}"
             body["error"]["type"] = "not_found_error"
-        return web.json_response(body, status=exc.status)
+        headers = {"Retry-After": exc.headers.get("Retry-After", "1")} \
+            if exc.status in (429, 503) else None
+        return web.json_response(body, status=exc.status, headers=headers)
 
 
 def _handler(endpoint: Endpoint):
@@ -398,6 +428,11 @@ async def _get_server_info(request: web.Request) -> web.Response:
         info["routers"] = [{"url": link.base, "state": link.state.value,
                             "refused": link.refused, "sent_batches": link.sent_batches}
                            for link in reporter.links]
+        if reporter.bus is not None:
+            b = reporter.bus
+            info["bus"] = {"url": b.conn.url, "state": b.conn.state.value,
+                           "link": b.link.state.value, "sent_batches": b.link.sent_batches,
+                           "snapshots": b.link.snapshots}
     return web.json_response(info)
 
 
@@ -428,10 +463,8 @@ async def _engine_config(request: web.Request) -> web.Response:
     settings. A different configuration fingerprint makes every cached KV wrong, so
     the tree is flushed (routers get ``cleared``); refused while requests run."""
     agent = request.app[AGENT_KEY]
-    try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedRequest(f"request body is not valid JSON: {exc}") from None
+    request.app[AUTH_KEY].check(request.headers.get("Authorization"))
+    body = jsonbody.loads(await request.read())
     if not isinstance(body, dict) or "rope_scaling" not in body:
         raise MalformedRequest("body must be an object with 'rope_scaling' (null for none)",
                                param="rope_scaling")
@@ -510,31 +543,46 @@ class _Collector:
                     a.sched.prefill_tokens_per_s())
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(agent_spec())
+
+
 async def _metrics(request: web.Request) -> web.Response:
     data = generate_latest(request.app[REGISTRY_KEY])
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
-               advertise_url: str | None = None) -> web.Application:
-    """The agent's aiohttp app; the engine (and reporter, given routers) live in its
-    cleanup context, so they start and stop with the app."""
-    agent = Agent(cfg, record_events=bool(routers))
+               advertise_url: str | None = None, bus: str | None = None,
+               bus_prefix: str = "radixfleet",
+               bus_snapshot_interval_s: float = 30.0) -> web.Application:
+    """The agent's aiohttp app; the engine (and reporter, given routers or a bus URL)
+    live in its cleanup context, so they start and stop with the app."""
+    agent = Agent(cfg, record_events=bool(routers) or bool(bus))
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[AGENT_KEY] = agent
+    app[AUTH_KEY] = BearerAuth("RADIXFLEET_AGENT_TOKEN", "agent")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(agent))
+    standard_collectors(registry)
     app[REGISTRY_KEY] = registry
 
     async def lifecycle(app: web.Application):
         await agent.engine.start()
         reporter = None
-        if routers:
+        if routers or bus:
             from worker_agent.reporter import Reporter
-            reporter = Reporter(routers, worker_id=cfg.worker_id or advertise_url or "agent",
+            wid = cfg.worker_id or advertise_url or "agent"
+            agent_bus = None
+            if bus:
+                from router.bus.publisher import AgentBus
+                agent_bus = AgentBus(bus, worker_id=wid, subject_prefix=bus_prefix,
+                                     snapshot_interval_s=bus_snapshot_interval_s,
+                                     registry=registry)
+            reporter = Reporter(routers or [], worker_id=wid,
                                 url=advertise_url or "", models=[cfg.name], cache=agent.cache,
                                 load=agent.sched.load, token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
-                                block_bytes=cfg.block_bytes)
+                                block_bytes=cfg.block_bytes, bus=agent_bus)
             await reporter.start()
         app[REPORTER_KEY] = reporter
         try:
@@ -560,4 +608,5 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
     r.add_route("*", "/flush_cache", _flush_cache)
     r.add_get("/metrics", _metrics)
     r.add_post("/internal/v1/engine_config", _engine_config)
+    r.add_get("/openapi.json", _openapi)
     return app

@@ -4,52 +4,60 @@ Per run: one policy, one workload, one seed. Everything happens on one event hea
 of ``(time, seq, kind, arg)``; ``seq`` breaks ties in push order, so a seed
 reproduces a run exactly::
 
-    driver (loadtest's session rules) --dispatch--> router side
+    driver (loadtest's session rules) --dispatch--> router side: the live code
         prompt   = SimPrompt (text or block level, prompts.py)
-        match    = index.match(hashes, now)                 router.prefix_index
-        views    = WorkerView per worker: in-flight counted at pick time + the
-                   last agent load report the router has received
-        decision = policy.choose(request, match, views, now)  (the real policy)
-        index.insert(worker, hashes, now)                   optimistic hint
-        pick: in_flight += 1, in_flight_tokens += uncached estimate (router.app)
-        hot-root warm-ups (Decision.warm): max_tokens=1 prefixes, not counted
+        views    = pool.views(now)                 router.pool.Pool (virtual clock):
+                   in-flight counted at pick time + the last agent load report
+                   the router has received (stale ones ignored, weights)
+        router.pick.pick_worker: index.match, policy.choose (the real policy),
+                   index.insert (optimistic hint), pool.pick (uncached tokens)
+        hot-root warm-ups (Decision.warm): router.warmup.WarmupGate with the
+                   router config's warmup.min_interval_s; max_tokens=1, not counted
     --path latency--> worker.submit(job)  ->  STEP events (engine.py)
-    first token: in_flight_tokens -= counted; finish: in_flight -= 1
+    first token: pool.prefilled(worker, counted); finish: pool.finish(...)
     --path latency--> driver.complete(answer): the session's next turn
-    agent events (stored/removed) --batch every B, deliver after D--> index
+    agent batches (events + load) --every B, after D--> router.feedback.Feedback.apply
 
 Latencies are measured as the client would: TTFT from dispatch to the first token
 plus the way back (``path_latency_s``, 0 by default: GPU time only).
+
+The router side is the live router's own objects: ``router.pool.Pool`` (workers
+registered as agents, ``clock`` = the virtual clock; ``SimConfig.router_config``
+supplies ``load.report_stale_s``, ``index.half_life_s``, ``warmup.*`` and the
+breaker), ``router.feedback.Feedback`` and ``router.pick.pick_worker``. Where the
+simulator must differ because time is virtual, the difference is one named seam:
+``agentlink.py`` (when an agent's batch is built and delivered).
 
 Feedback (``feedback``):
 
 - ``events``: the radix caches' stored/removed events reach the index in batches
   cut every ``feedback_batch_s`` per worker (each worker's ticks at its own phase)
-  and applied ``feedback_delay_s`` after the cut — the agent reporter's cadence.
+  and applied ``feedback_delay_s`` after the cut — the agent reporter's cadence —
+  through ``Feedback.apply`` with the live epoch/sequence checks.
 - ``none``: cache events are dropped; the index holds the router's optimistic
   inserts only (and forgets by its own memory budget). The ablation's difference
   is the value of eviction feedback.
 
 Load reports travel with every batch in both modes (they are not cache feedback):
 the view of worker w at ``now`` carries w's state at its last tick at or before
-``now - feedback_delay_s``. The simulator keeps each worker's state changes in a
-short history and reads the report lazily, so there is no event per tick.
+``now - feedback_delay_s`` (``agentlink.py``: delivered lazily, when read).
 
 Autoscaling (``scaler``, ``loadtest.simulator.autoscale``): every ``interval_s`` the
 scaler names the fleet size it wants (at most its ``max_workers``); the controller
 adds workers at once, as Kubernetes' HPA does by default at most max(4, 100% of the
-current size) per 15 s (each routable ``startup_s`` after it is requested:
-``STARTING`` -> ``ACTIVE``), and removes them only down to the largest size wanted
-over the last ``stabilization_s`` — a
-pending join is cancelled first, else the active worker with the fewest requests in
-flight is ``DRAINING`` (no longer routable) until its last request is done, then
-``GONE`` (the index forgets it). The report gains ``autoscale``: worker-seconds
-(from each request to its leaving), peak size, joins, leaves and the timeline.
+current size) per 15 s (each registers with the pool ``startup_s`` after it is
+requested: ``STARTING`` -> ``ACTIVE``), and removes them only down to the largest
+size wanted over the last ``stabilization_s`` — a pending join is cancelled first,
+else the active worker with the fewest requests in flight is ``DRAINING`` (the
+pool's drain: no longer routable) until its last request is done, then ``GONE``
+(removed from the pool, which drops its index entries). The report gains
+``autoscale``: worker-seconds (from each request to its leaving), peak size,
+joins, leaves and the timeline.
 
-Invariants (``check()``): per worker, ``in_flight`` equals its client jobs
-dispatched and not finished, and ``in_flight_tokens`` the sum of their counted
-tokens not yet prefilled; the driver's, the index's and every engine's own
-invariants; every job is in exactly one of: in flight, finished ok, failed
+Invariants (``check()``): per worker, the pool's ``in_flight`` equals its client
+jobs dispatched and not finished, and ``in_flight_tokens`` the sum of their counted
+tokens not yet prefilled; the driver's, the pool's, the index's and every engine's
+own invariants; every job is in exactly one of: in flight, finished ok, failed
 (rejected with the agent's 4xx, or cancelled when the drain grace ran out); a
 ``GONE`` worker has nothing in flight and nothing in the index.
 """
@@ -57,6 +65,7 @@ invariants; every job is in exactly one of: in flight, finished ok, failed
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import logging
 import math
@@ -70,35 +79,38 @@ from loadtest.client import Result
 from loadtest.report import mark_bounds, percentiles, summarize
 from loadtest.workloads import SingleShot, Trace, Workload
 from loadtest.simulator import blocktrace
+from loadtest.simulator.agentlink import AgentLink, tick_after, tick_at_or_before
 from loadtest.simulator.driver import VirtualDriver
 from loadtest.simulator.engine import EngineSpec, SimWorker
 from loadtest.simulator.prompts import SimPrompt, block_prompt, text_prompt, truncate
 from loadtest.simulator.reference import BlockReference, TextReference
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
+from router.config import Config
 from router.errors import ConfigError, RequestError
+from router.feedback import Feedback
+from router.pick import pick_worker
+from router.pool import Pool
 from router.prefix_index import DEFAULT_MAX_BYTES, PrefixIndex
 from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
-from router.events import Cleared, Removed, Snapshot, Stored
+from router.warmup import WarmupGate, warmup_prefix
 
 log = logging.getLogger(__name__)
 
 FEEDBACK_MODES = ("none", "events")
-#: the live router's warmup.min_interval_s default (router.config)
-WARMUP_MIN_INTERVAL_S = 10.0
 LEVELS = ("auto", "text", "block")
 #: token ids standing for single-shot answers in the references (one per job): above
 #: the tokenizer's range (< 2**34) and the engine's private ids (2**48 + n)
 UNREAD_ANSWER_BASE = 2**56
 
 # event kinds, in the order same-time events of different kinds were pushed
-_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT, _SCALE, _JOIN = range(10)
+_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT, _TICK, _SCALE, _JOIN = range(11)
 
 # a worker's life in an autoscaled run (only Simulation changes it)
-STARTING = "starting"  # requested, not yet routable (the start-up delay)
-ACTIVE = "active"      # routable
-DRAINING = "draining"  # not routable; finishing what it has
-GONE = "gone"          # left the fleet (the index forgot it)
+STARTING = "starting"  # requested, not yet registered with the pool (start-up delay)
+ACTIVE = "active"      # registered, routable
+DRAINING = "draining"  # drained in the pool; finishing what it has
+GONE = "gone"          # removed from the pool (its index entries dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +142,14 @@ class SimConfig:
     #: fast-forward runs of pure decode steps (engine.py); False: every step is a
     #: Scheduler.step() call (same results, slower; the equivalence tests use it)
     fast_forward: bool = True
+    #: the live router's settings the simulated router runs with (router.config):
+    #: load.report_stale_s, index.half_life_s, warmup.enabled / min_interval_s,
+    #: breaker. Its workers, policy and index.max_bytes are not used (the fields
+    #: above set the fleet, the policy and the index budget).
+    router_config: Config = field(default_factory=Config)
+    #: deliver every agent batch at its own tick (an event per worker per tick)
+    #: instead of lazily when read (agentlink.py); same results, slower (tests)
+    report_every_tick: bool = False
     #: call every check() after every event (tests; slow)
     check: bool = False
 
@@ -140,6 +160,10 @@ class SimConfig:
             raise ConfigError("--feedback", f"{self.feedback!r} is not one of {', '.join(FEEDBACK_MODES)}")
         if not (self.feedback_delay_s >= 0 and self.feedback_batch_s >= 0):
             raise ConfigError("--feedback-delay-ms", "delay and batch must be >= 0")
+        if self.report_every_tick and not self.feedback_batch_s > 0:
+            raise ConfigError("report_every_tick", "needs feedback_batch_s > 0")
+        if not isinstance(self.router_config, Config):
+            raise ConfigError("--router-config", "must be a router.config.Config")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ConfigError("--timeout", f"must be > 0 seconds, got {self.timeout_s}")
         if not self.path_latency_s >= 0:
@@ -195,32 +219,26 @@ class SimOutcome:
     jobs: list[Job]
 
 
-class _Ref:
-    """Per-worker router-side state (the live pool's in-flight counters)."""
+class _Ref(AgentLink):
+    """Per-worker state: the agent's report stream (``AgentLink``: the live pool's
+    ``Worker`` holds the router's side) and the stepping bookkeeping."""
 
-    __slots__ = ("id", "in_flight", "in_flight_tokens", "view", "view_until", "dirty",
-                 "hist", "phase", "pending", "flush_at", "busy", "gen", "zero_steps",
-                 "state", "requested_at", "left_at")
+    __slots__ = ("busy", "gen", "zero_steps", "state", "requested_at", "left_at")
 
-    def __init__(self, wid: str, phase: float, state: str = ACTIVE,
+    def __init__(self, wid: str, phase: float, pool_worker, state: str = ACTIVE,
                  requested_at: float = 0.0) -> None:
-        self.id = wid
-        self.state = state  # STARTING / ACTIVE / DRAINING / GONE (module docstring)
-        self.requested_at = requested_at  # worker-seconds count from here
-        self.left_at: float | None = None
-        self.in_flight = 0
-        self.in_flight_tokens = 0
-        self.view: WorkerView | None = None
-        self.view_until = -math.inf
-        self.dirty = True
-        #: (time, load tuple) state changes not yet superseded for the router
-        self.hist: collections.deque = collections.deque()
-        self.phase = phase  # offset of this worker's report ticks in [0, batch)
-        self.pending: list = []  # cache events since the last cut
-        self.flush_at: float | None = None  # the next cut, if scheduled
+        super().__init__(wid, phase, pool_worker)
         self.busy = False  # a step is running or about to start
         self.gen = 0  # generation of the worker's live _STEP event (older ones are stale)
         self.zero_steps = 0  # consecutive zero-duration steps (a stall guard)
+        self.state = state  # STARTING / ACTIVE / DRAINING / GONE (module docstring)
+        self.requested_at = requested_at  # worker-seconds count from here
+        self.left_at: float | None = None
+
+    @property
+    def linked(self) -> bool:
+        """Registered with the pool: its agent batches reach the router."""
+        return self.state is ACTIVE or self.state is DRAINING
 
 
 class Simulation:
@@ -250,10 +268,20 @@ class Simulation:
         rng = random.Random(seed)
         self.policy = build_policy(cfg.policy, dict(cfg.policy_params or {}),
                                    random.Random(rng.getrandbits(64)), path="policy")
-        self.index = PrefixIndex(cfg.index_max_bytes)
+        # the live router's objects on the virtual clock (module docstring)
+        rcfg = self.router_cfg = dataclasses.replace(cfg.router_config, workers=())
+        self.index = PrefixIndex(cfg.index_max_bytes, rcfg.index.half_life_s)
+        self.now = 0.0  # the virtual clock (the pool reads it at once)
+        self.pool = Pool(rcfg, self.index, clock=self._clock)
+        keyed = self._keyed = None if self.block_level else cfg.block_bytes
+        self.feedback = Feedback(self.pool, self.index, None, keyed)
         ids = [f"w{i}" for i in range(cfg.workers)]
         batch = cfg.feedback_batch_s
-        self.refs = [_Ref(w, batch * i / cfg.workers) for i, w in enumerate(ids)]
+        self.refs = []
+        for i, wid in enumerate(ids):
+            ref = _Ref(wid, batch * i / cfg.workers, None)
+            ref.pool_worker = self.pool.register(wid, ref.url, ref.epoch, (self.model,), keyed)
+            self.refs.append(ref)
         self.by_id = {w: i for i, w in enumerate(ids)}
         self.workers = [SimWorker(w, cfg.engine, block_level=self.block_level,
                                   hash_stride=self.block_tokens,
@@ -270,11 +298,17 @@ class Simulation:
         self.now = 0.0
         self._wake_at: float | None = None
         self._pumping = False  # inside driver.pump (a rejection completes synchronously)
-        self._warmed: dict[tuple[str, int], float] = {}  # (worker, prefix hash) -> last warm-up
+        self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
         #: (duration_s, tokens) per decode step: the ITL distribution, per step not per token
         self._itl: list[tuple[float, int]] = []
         self.events_applied = 0
         self.events_dropped = 0
+        self.batches = 0  # agent batches the live feedback applied
+        for w, ref in enumerate(self.refs):  # each agent's first batch: a snapshot
+            self._record_state(w, 0.0)
+            st = ref.hist[-1][1]
+            self._send(ref, ref.hello(st) if cfg.feedback == "events" else ref.batch((), st),
+                       0.0, hello=True)
         self.reasons: collections.Counter = collections.Counter()  # Decision.reason counts
         self.rejected = 0
         self.cancelled = 0
@@ -308,6 +342,9 @@ class Simulation:
         self.driver = VirtualDriver(sessions, self.arrivals, self.bounds, self._dispatch,
                                     max_active_sessions=self.workload.max_active_sessions,
                                     seed=self.workload.seed)
+        if self.cfg.report_every_tick:
+            for w, ref in enumerate(self.refs):
+                self._push(ref.phase + self.cfg.feedback_delay_s, _TICK, (w, ref.phase))
         if self.scaler is not None:
             self._push(self.scaler.interval_s, _SCALE)
         self._pump()
@@ -329,13 +366,15 @@ class Simulation:
             elif kind == _FLUSH:
                 self._cut(arg, t)
             elif kind == _DELIVER:
-                self._deliver(arg[0], arg[1], t)
+                self._deliver(arg[0], arg[1], arg[2], t)
             elif kind == _ARRIVE:
                 self._hand(arg[0], arg[1], t)
             elif kind == _DONE:
                 self._client_done(arg, t)
             elif kind == _TIMEOUT:
                 self._timeout(arg, t)
+            elif kind == _TICK:
+                self._tick(arg[0], arg[1], t)
             elif kind == _SCALE:
                 self._autoscale(t)
                 self._push(t + self.scaler.interval_s, _SCALE)
@@ -390,42 +429,38 @@ class Simulation:
                 prompt.block_ids, prompt.prompt_tokens, prompt.last_tokens)
         else:
             _, job.oracle, job.pooled = self.ref_cache.observe_prompt(prompt.data, prompt.units)
-        hashes = prompt.hashes
-        index = self.index
-        match = index.match(hashes, now)
-        req = RouteRequest(hashes, prompt.prompt_tokens, self.block_tokens,
+        req = RouteRequest(prompt.hashes, prompt.prompt_tokens, self.block_tokens,
                            spec.session if self.cfg.send_session else None, self.model,
                            prompt.text_len)
-        d = self.policy.choose(req, match, self._views(now), now)
+        views = self._views(now)
+        # the live router's pick: match, choose, hint, count the uncached tokens
+        d, _, counted, depth = pick_worker(self.policy, self.index, self.pool, req, views, now)
         w = self.by_id[d.worker]
-        self.reasons[d.reason.value] += 1
-        if hashes:
-            index.insert(d.worker, hashes, now)
-        if d.warm:
-            self._warm(d.warm, prompt, match.depth, now)
-        uncached = max(0, prompt.prompt_tokens - d.matched_blocks * self.block_tokens)
         if self.scaler is not None:
-            self.scaler.on_dispatch(now, uncached, prompt.prompt_tokens)
+            self.scaler.on_dispatch(now, counted, prompt.prompt_tokens)
+        self.reasons[d.reason.value] += 1
+        if d.warm and self.router_cfg.warmup.enabled:
+            self._warm(d.warm, prompt, depth, now)
         if self.cfg.timeout_s is not None:
             self._push(now + self.cfg.timeout_s, _TIMEOUT, job)
-        self._submit(w, job, uncached, now)
+        self._submit(w, job, counted, now)
 
     def _warm(self, workers, prompt: SimPrompt, depth: int, now: float) -> None:
         """Prefill-only warm-ups of a hot prefix, as the live router sends them: a
-        max_tokens=1 completion of the prefix's first ``depth`` blocks, at most one per
-        (worker, prefix) per ``WARMUP_MIN_INTERVAL_S``, not counted as load, not
-        hinted in the index (the agent's events report what it caches)."""
-        blocks = min(depth, len(prompt.hashes))
-        if blocks <= 0:
+        max_tokens=1 completion of the prefix's first ``depth`` blocks, gated by the
+        live ``WarmupGate`` with the router config's ``warmup.min_interval_s``, not
+        counted as load, not hinted in the index (the agent's events report what it
+        caches)."""
+        prefix = warmup_prefix(prompt.hashes, depth)
+        if prefix is None:
             return
-        h = prompt.hashes[blocks - 1]
+        blocks, h = prefix
+        interval = self.router_cfg.warmup.min_interval_s
         p = None
         for wid in workers:
             w = self.by_id.get(wid)
-            last = self._warmed.get((wid, h))
-            if w is None or (last is not None and now - last < WARMUP_MIN_INTERVAL_S):
+            if w is None or not self._warmed.admit(wid, h, now, interval):
                 continue
-            self._warmed[(wid, h)] = now
             if p is None:
                 p = truncate(prompt, blocks, self.block_tokens)
             job = Job(len(self.jobs), None, None, p, now, 1, warm=True)
@@ -433,15 +468,12 @@ class Simulation:
             self._submit(w, job, 0, now, count=False)
 
     def _submit(self, w: int, job: Job, counted: int, now: float, count: bool = True) -> None:
-        """Counts ``job`` on worker ``w`` at pick time and sends it there (it arrives
-        ``path_latency_s`` later)."""
-        ref = self.refs[w]
+        """Sends ``job`` to worker ``w`` (it arrives ``path_latency_s`` later);
+        ``counted``: the tokens ``pick_worker`` counted on it (``count=False``: a
+        warm-up, not counted)."""
         job.worker = w
         if count:
-            ref.in_flight += 1
-            ref.in_flight_tokens += counted
             job.counted = counted
-            ref.dirty = True
         lat = self.cfg.path_latency_s
         if lat > 0:
             self._push(now + lat, _ARRIVE, (w, job))
@@ -464,11 +496,11 @@ class Simulation:
             self.rejected += 1
             log.debug("%s rejected by %s: %s", job.idx, ref.id, exc)
             if not job.warm:
-                ref.in_flight -= 1
-                ref.in_flight_tokens -= job.counted
+                # the agent's 4xx reaches the router as an answer (not a worker failure)
                 job.prefilled = True
-                ref.dirty = True
+                self.pool.finish(ref.pool_worker, job.counted, True)
                 self._finish_client(job, None, now)
+            self._collect_events(w, now)  # the agent withdrew the router's hint
             _retire(job)
             return
         self._record_state(w, now)
@@ -509,11 +541,9 @@ class Simulation:
         self.timed_out += 1
         w = job.worker
         ref = self.refs[w]
-        ref.in_flight -= 1
-        if not job.prefilled:
-            job.prefilled = True
-            ref.in_flight_tokens -= job.counted
-        ref.dirty = True
+        # the client went away: the router releases the load (no breaker verdict)
+        self.pool.finish(ref.pool_worker, 0 if job.prefilled else job.counted, None)
+        job.prefilled = True
         if job.handle is not None:
             worker = self.workers[w]
             worker.cancel(job)
@@ -551,7 +581,7 @@ class Simulation:
         self._collect_events(w, now)
         if end is None:
             ref.busy = False
-            if ref.state is DRAINING and ref.in_flight == 0:
+            if ref.state is DRAINING and ref.pool_worker.in_flight == 0:
                 self._leave(w, now)
             return
         self.steps += 1
@@ -567,27 +597,24 @@ class Simulation:
         ref = self.refs[w]
         if out.itl:
             self._itl.extend(out.itl)
+        pool = self.pool
         for job in out.first:
             if job.ok is False:
                 continue  # timed out while this step ran
             job.first_t = now
             if not job.prefilled and not job.warm:
                 job.prefilled = True
-                ref.in_flight_tokens -= job.counted
-                ref.dirty = True
+                pool.prefilled(ref.pool_worker, job.counted)  # the first byte reached the router
         for job in out.finished:
             if job.ok is False:
                 continue  # timed out while this step ran: the client has gone
-            if not job.prefilled and not job.warm:
-                job.prefilled = True
-                ref.in_flight_tokens -= job.counted
             if job.first_t is None:
                 job.first_t = now
             job.done_t = now
             job.ok = True
             if not job.warm:
-                ref.in_flight -= 1
-                ref.dirty = True
+                pool.finish(ref.pool_worker, 0 if job.prefilled else job.counted, True)
+                job.prefilled = True
                 self._finish_client(job, self._answer(job), now)
             _retire(job)
 
@@ -614,59 +641,68 @@ class Simulation:
                 if not job.warm:
                     self.cancelled += 1
 
-    # ----------------------------------------------------------- load reports
+    # ----------------------------------------------------------- agent batches
+
+    def _clock(self) -> float:
+        return self.now
 
     def _record_state(self, w: int, now: float) -> None:
-        st = self.workers[w].load_state()
-        h = self.refs[w].hist
-        if h and h[-1][1] == st:
-            return
-        if h and h[-1][0] == now:
-            h[-1] = (now, st)
-        else:
-            h.append((now, st))
+        self.refs[w].record(now, self.workers[w].load_state())
 
-    def _report(self, ref: _Ref, now: float) -> tuple[tuple | None, float]:
-        """The load report the router holds at ``now`` and until when it holds."""
-        cfg = self.cfg
-        t = now - cfg.feedback_delay_s
-        b = cfg.feedback_batch_s
-        if b > 0:
-            k = math.floor((t - ref.phase) / b)
-            tick = ref.phase + k * b
-            until = tick + b + cfg.feedback_delay_s
-        else:
-            tick = t
-            until = now  # changes with every state change; rebuild each time
-        h = ref.hist
-        while len(h) > 1 and h[1][0] <= tick:
-            h.popleft()
-        if h and h[0][0] <= tick:
-            return h[0][1], until
-        return None, until
+    def _send(self, ref: _Ref, batch, at: float, hello: bool = False) -> None:
+        """``batch`` reaches the router at ``at``: the live ``Feedback.apply``.
+        (``hello``: the registration snapshot, not counted as cache events.)"""
+        status, word = self.feedback.apply(batch, at)
+        if status != 200:
+            raise AssertionError(f"the live feedback refused {ref.id}'s batch seq {batch.seq} "
+                                 f"(epoch {batch.epoch}): {status} {word}")
+        self.batches += 1
+        if not hello:
+            self.events_applied += len(batch.events)
 
     def _views(self, now: float) -> list[WorkerView]:
-        out = []
-        append = out.append
-        for ref in self.refs:
-            if ref.state is not ACTIVE:
-                continue
-            v = ref.view
-            if v is None or ref.dirty or now >= ref.view_until:
-                st, until = self._report(ref, now)
-                if st is None:
-                    v = WorkerView(ref.id, ref.in_flight, ref.in_flight_tokens)
-                else:
-                    qr, qt, rr, used, cap, rate = st
-                    v = WorkerView(ref.id, ref.in_flight, ref.in_flight_tokens, qr, qt, rr,
-                                   used, cap, rate or 10_000.0)
-                ref.view = v
-                ref.view_until = until if until > now else now + 1e-9
-                ref.dirty = False
-            append(v)
-        return out
+        """The live pool's views at ``now``, after the load-only batches the router
+        would have received by then (agentlink.py: built lazily, when read)."""
+        if not self.cfg.report_every_tick:
+            for ref in self.refs:
+                if now >= ref.next_at and ref.linked:
+                    self._catch_up(ref, now)
+        return self.pool.views(now)
 
-    # ----------------------------------------------------------- cache feedback
+    def _catch_up(self, ref: _Ref, now: float) -> None:
+        """Delivers ``ref``'s newest load report due by ``now``, if newer than the
+        router's (one batch for the load-only ticks since the last one)."""
+        cfg = self.cfg
+        dl, b = cfg.feedback_delay_s, cfg.feedback_batch_s
+        t = now - dl
+        if b > 0:
+            tick = tick_at_or_before(t, ref.phase, b)
+            ref.next_at = tick + b + dl
+            if tick <= ref.last_tick:
+                return
+            got = ref.state_at(tick)
+        else:  # a batch at every state change
+            got = ref.state_at(t)
+            if got is None or got[0] <= ref.last_tick:
+                return
+            tick = got[0]
+        if got is None:
+            return
+        ref.last_tick = tick
+        self._send(ref, ref.batch((), got[1]), tick + dl)
+
+    def _tick(self, w: int, tick: float, now: float) -> None:
+        """``report_every_tick``: worker ``w``'s batch of ``tick`` arrives now."""
+        ref = self.refs[w]
+        if ref.state is GONE:
+            return  # its reporter stopped with it
+        if tick > ref.last_tick and ref.linked:
+            got = ref.state_at(tick)
+            if got is not None:
+                ref.last_tick = tick
+                self._send(ref, ref.batch((), got[1]), now)
+        nxt = tick + self.cfg.feedback_batch_s
+        self._push(nxt + self.cfg.feedback_delay_s, _TICK, (w, nxt))
 
     def _collect_events(self, w: int, now: float) -> None:
         evs = self.workers[w].take_events()
@@ -678,54 +714,44 @@ class Simulation:
             return
         ref = self.refs[w]
         if cfg.feedback_batch_s <= 0 and cfg.feedback_delay_s <= 0:
-            self._apply_events(ref.id, evs, now)
+            ref.last_tick = now
+            self._send(ref, ref.batch(evs, ref.hist[-1][1]), now)
             return
         ref.pending.extend(evs)
         if ref.flush_at is None:
             b = cfg.feedback_batch_s
-            if b > 0:
-                k = math.floor((now - ref.phase) / b) + 1
-                at = ref.phase + k * b
-            else:
-                at = now
+            at = tick_after(now, ref.phase, b) if b > 0 else now
             ref.flush_at = at
             self._push(at, _FLUSH, w)
 
     def _cut(self, w: int, now: float) -> None:
+        """The reporter's tick at ``now`` cuts the pending events into a batch."""
         ref = self.refs[w]
         ref.flush_at = None
         batch, ref.pending = ref.pending, []
         if batch:
-            self._push(now + self.cfg.feedback_delay_s, _DELIVER, (w, batch))
+            self._push(now + self.cfg.feedback_delay_s, _DELIVER, (w, batch, now))
 
-    def _deliver(self, w: int, batch: list, now: float) -> None:
-        if self.refs[w].state is GONE:
+    def _deliver(self, w: int, events: list, tick: float, now: float) -> None:
+        """The batch cut at ``tick`` arrives: its events and the load as of the tick."""
+        ref = self.refs[w]
+        if not ref.linked:
             return  # the router has forgotten it; late events must not bring it back
-        self._apply_events(self.refs[w].id, batch, now)
-
-    def _apply_events(self, wid: str, evs: Sequence, now: float) -> None:
-        index = self.index
-        for e in evs:
-            cls = e.__class__
-            if cls is Stored:
-                index.insert(wid, e.hashes, now, e.parent)
-            elif cls is Removed:
-                index.remove(wid, e.hashes)
-            elif cls is Cleared:
-                index.clear(wid)
-            elif cls is Snapshot:
-                index.apply_snapshot(wid, e.blocks, now)
-        self.events_applied += len(evs)
+        got = ref.state_at(tick)
+        state = got[1] if got is not None else ref.hist[-1][1]
+        ref.last_tick = max(ref.last_tick, tick)
+        self._send(ref, ref.batch(events, state), now)
 
     # ----------------------------------------------------------- autoscaling
 
     def _autoscale(self, now: float) -> None:
-        """One controller tick: the scaler's desired size, scaled up at once and down
-        only to the largest desired size of the last ``stabilization_s`` (HPA's
-        scale-down stabilization window); joins take ``startup_s``, leaves drain."""
+        """One controller tick: the scaler's desired size, scaled up at once (at most
+        max(4, 100%) per 15 s) and down only to the largest desired size of the last
+        ``stabilization_s`` (HPA's scale-down stabilization window); joins take
+        ``startup_s``, leaves drain first."""
         sc = self.scaler
         for w, ref in enumerate(self.refs):  # drained while idle between steps
-            if ref.state is DRAINING and ref.in_flight == 0 and not ref.busy:
+            if ref.state is DRAINING and ref.pool_worker.in_flight == 0 and not ref.busy:
                 self._leave(w, now)
         desired = max(1, int(sc.desired(self, now)))
         hist = self._desired_hist
@@ -733,10 +759,8 @@ class Simulation:
         while hist and hist[0][0] < now - sc.stabilization_s:
             hist.popleft()
         target = min(max(d for _, d in hist), sc.max_workers)
-        live = [w for w, r in enumerate(self.refs) if r.state in (ACTIVE, STARTING)]
+        live = [w for w, r in enumerate(self.refs) if r.state is ACTIVE or r.state is STARTING]
         if target > len(live):
-            # HPA's default scale-up limit: the larger of 4 workers and 100% of the
-            # current size per 15 s
             added = self._added
             while added and added[0][0] <= now - 15.0:
                 added.popleft()
@@ -756,8 +780,8 @@ class Simulation:
         i = len(self.refs)
         wid = f"w{i}"
         batch = self.cfg.feedback_batch_s
-        ref = _Ref(wid, (batch * i / self.cfg.workers) % batch if batch else 0.0, STARTING, now)
-        self.refs.append(ref)
+        phase = (batch * i / self.cfg.workers) % batch if batch else 0.0
+        self.refs.append(_Ref(wid, phase, None, STARTING, now))
         self.by_id[wid] = i
         self.workers.append(SimWorker(wid, self.cfg.engine, block_level=self.block_level,
                                       hash_stride=self.block_tokens,
@@ -766,10 +790,21 @@ class Simulation:
         self._push(now + startup_s, _JOIN, i)
 
     def _join(self, w: int, now: float) -> None:
+        """The worker's agent is up: it registers and sends its first snapshot."""
         ref = self.refs[w]
-        if ref.state is STARTING:
-            ref.state = ACTIVE
-            ref.dirty = True
+        if ref.state is not STARTING:
+            return  # cancelled while starting
+        ref.state = ACTIVE
+        ref.pool_worker = self.pool.register(ref.id, ref.url, ref.epoch, (self.model,),
+                                             self._keyed)
+        self._record_state(w, now)
+        st = ref.hist[-1][1]
+        self._send(ref, ref.hello(st) if self.cfg.feedback == "events" else ref.batch((), st),
+                   now, hello=True)
+        ref.last_tick = now
+        if self.cfg.report_every_tick and self.cfg.feedback_batch_s > 0:
+            tick = tick_after(now, ref.phase, self.cfg.feedback_batch_s)
+            self._push(tick + self.cfg.feedback_delay_s, _TICK, (w, tick))
 
     def _remove_worker(self, now: float) -> None:
         """Cancels the newest pending join, else drains the active worker with the
@@ -785,9 +820,11 @@ class Simulation:
         active = [w for w, r in enumerate(refs) if r.state is ACTIVE]
         if len(active) <= 1:
             return
-        w = min(active, key=lambda i: (refs[i].in_flight, -i))
-        refs[w].state = DRAINING
-        if refs[w].in_flight == 0 and not refs[w].busy:
+        w = min(active, key=lambda i: (refs[i].pool_worker.in_flight, -i))
+        ref = refs[w]
+        ref.state = DRAINING
+        self.pool.drain(ref.id, True)
+        if ref.pool_worker.in_flight == 0 and not ref.busy:
             self._leave(w, now)
 
     def _leave(self, w: int, now: float) -> None:
@@ -795,7 +832,7 @@ class Simulation:
         ref.state = GONE
         ref.left_at = now
         ref.pending = []
-        self.index.drop_worker(ref.id)
+        self.pool.remove(ref.id)  # drops its index entries
         self.leaves += 1
 
     def worker_seconds(self, end: float) -> float:
@@ -861,6 +898,7 @@ class Simulation:
             "fast_forwarded_steps": sum(w.ff_steps for w in self.workers),
             "events_applied": self.events_applied,
             "events_dropped": self.events_dropped,
+            "agent_batches": self.batches,
             "index_nodes": st.nodes,
             "index_evicted_entries": st.evicted_entries,
             "stopped_by": self.driver.stopped_by,
@@ -899,12 +937,19 @@ class Simulation:
             else:
                 states["failed"] += 1
         for ref, (n, tok) in zip(self.refs, per):
-            assert ref.in_flight == n, f"{ref.id}: {ref.in_flight=} != {n} jobs in flight"
-            assert ref.in_flight_tokens == tok, f"{ref.id}: {ref.in_flight_tokens=} != {tok}"
+            pw = ref.pool_worker
+            if pw is None:  # a join cancelled before its agent registered
+                assert ref.state is GONE or ref.state is STARTING, f"{ref.id}: {ref.state}"
+                assert n == 0, f"{ref.id}: {n} jobs in flight before it joined"
+                continue
+            assert pw.in_flight == n, f"{ref.id}: {pw.in_flight=} != {n} jobs in flight"
+            assert pw.in_flight_tokens == tok, f"{ref.id}: {pw.in_flight_tokens=} != {tok}"
             if ref.state is GONE:
                 assert n == 0 and ref.left_at is not None, f"{ref.id} left with {n} in flight"
                 assert ref.id not in self.index.workers(), f"{ref.id} left, still indexed"
+                assert self.pool.get(ref.id) is None, f"{ref.id} left, still in the pool"
         assert sum(states.values()) == len(self.jobs), f"{states=} {len(self.jobs)=}"
+        self.pool.check()
         self.index.check()
         for w in self.workers:
             w.check()

@@ -24,6 +24,9 @@ Sweeps add ``sweep: {param, value}`` to each run and ``--plots`` draws them (the
 knee: hit rate against KV tokens per policy, with the pooled and oracle lines).
 Runs are independent and seeded: ``--jobs N`` runs them in N processes with the
 same reports (but for the wall-clock figures).
+``--router-config FILE`` runs the simulated router (the live ``router.pool``,
+``router.feedback``, ``router.pick`` and ``router.warmup`` objects) with that
+file's settings.
 A workload or trace runs whole unless ``--requests`` or ``--duration`` bounds it; a
 run a bound cuts short is starred in the table, with a note saying which bound, and
 its report says so (``stopped_by``, ``workload_requests``, ``cut``).
@@ -54,6 +57,7 @@ from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
 from loadtest.simulator import blocktrace
 from loadtest.workloads import Trace
 from policies.registry import policy_names
+from router.config import Config, load_config
 from router.errors import ConfigError
 from router.prefix_index import tune_gc
 from router.prefix_keys import DEFAULT_BLOCK_BYTES
@@ -90,6 +94,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                     help="agent -> router delivery delay (default 5)")
     fb.add_argument("--feedback-batch-ms", type=float, default=100.0,
                     help="agent reporter batch interval (default 100)")
+    f.add_argument("--router-config", metavar="FILE",
+                   help="a router YAML file: the simulated router runs with its load, index "
+                        "half-life, warm-up and breaker settings (its workers and policy are "
+                        "not used; default: the router's defaults)")
     f.add_argument("--path-latency-ms", type=float, default=0.0,
                    help="one-way client->router->agent latency added to every request (default 0)")
     s = parser.add_argument_group("sweep")
@@ -152,7 +160,9 @@ def build(args: argparse.Namespace):
                      feedback=modes[0], feedback_delay_s=args.feedback_delay_ms / 1000.0,
                      feedback_batch_s=args.feedback_batch_ms / 1000.0, level=args.level,
                      path_latency_s=args.path_latency_ms / 1000.0,
-                     send_session=args.send_session, timeout_s=args.timeout)
+                     send_session=args.send_session, timeout_s=args.timeout,
+                     router_config=(load_config(args.router_config) if args.router_config
+                                    else Config()))
     base.validate()
     sweep = parse_sweep(args.sweep) if args.sweep else None
     plans = plan_runs(base, policies, modes, arrivals, sweep)

@@ -2,7 +2,8 @@
 
 Each benchmark is a module here exposing ``configure(parser)`` and ``run(args)``,
 like a CLI subcommand. Results, with the command that produced them, are written
-down in ``bench/RESULTS.md``. Benchmarks are never part of the test run.
+down in ``bench/RESULTS.md``. Benchmarks are never part of the test run; the seeded
+figures are (``reproduce``, through ``tests/test_results_reproduce.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sim": ("router.benchmarks.sim", "simulator: simulated requests per wall second"),
     "fidelity": ("router.benchmarks.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
     "events": ("router.benchmarks.events", "KV events: decode + map + index blocks/s, bytes per block"),
+    "overload": ("router.benchmarks.overload", "shedding at 4x capacity with default settings"),
+    "reproduce": ("router.benchmarks.reproduce",
+                  "re-run the seeded figures of bench/RESULTS.md; exit 1 if any differs"),
+    "replicas": ("router.benchmarks.replicas", "N router replicas on the NATS bus vs one router: "
+                 "hit rate and TTFT"),
     "traffic_log": ("router.benchmarks.traffic_log", "routing p99 with the traffic log on vs off"),
     "analyze": ("router.benchmarks.analyze", "radixfleet analyze on a 100,000-request traffic log"),
     "autoscale": ("router.benchmarks.autoscale", "prefix-aware vs queue-depth autoscaling, flash crowd"),

@@ -1,25 +1,40 @@
 """``radixfleet bench proxy``: what the router costs on the wire, against SGLang's.
 
-One fast upstream (``upstream_app``: an OpenAI-shaped aiohttp server answering a
-tiny completion, or an SSE stream of N chunks) is reached, in one run and with the
-same load generator (wrk, installed from Debian's packages if absent):
+One upstream (``wire.LeanUpstream``, its own process: a few µs of CPU per request,
+so it is not what limits a proxy; the run prints each process's CPU per request to
+show it) is reached three ways, **in one run, in short interleaved rounds**::
 
-    direct  ->  upstream
-    radixfleet (round_robin)  ->  upstream
-    smg (SGLang's router, round_robin)  ->  upstream
+    direct                     ->  upstream
+    radixfleet (round_robin)   ->  upstream
+    smg (SGLang's router, round_robin)  ->  upstream   (required; --no-smg to skip)
 
-Figures: non-streaming requests/s of each and the ratio radixfleet/smg; added
-latency p50/p99 (proxied minus direct) at half of the direct maximum rate
-(wrk has no fixed-rate mode, so "half load" is a concurrency, not a rate
-of the saturating run: the largest closed-loop concurrency at which radixfleet
-runs at no more than about half its maximum rate, the same for every target); streamed
-chunks/s of each and the ratio.
+Each of ``--rounds`` rounds measures every target, in an order rotated per round,
+so that machine noise (the host is shared) falls on all of them alike:
 
-The upstream also serves the router tests (``python -m router.benchmarks.proxy
-upstream --port P``): ``/v1/completions``, ``/v1/chat/completions``, ``/generate``,
-``/v1/models``, ``/health``; headers it received are echoed in the response
-(``x-upstream-tenant``), ``"delay_s"`` in a body slows its answer, ``"fail"`` makes
-it answer 500, SSE chunk count and spacing come from its flags.
+1. **added latency**: ``--probes`` non-streaming requests per target, one at a
+   time on one keep-alive connection (concurrency 1, no queueing), the targets
+   interleaved request by request (direct, radixfleet, smg, direct, ...).
+   Latency is timed at the client (``wire.LeanClient``); added latency is a
+   proxied percentile minus the direct one over the same interleaved period.
+2. **throughput**: wrk, ``--connections`` connections, ``--round-s`` seconds per
+   target; requests/s and the CPU seconds each process used.
+3. **streaming**: ``--streams`` concurrent streams for ``--round-s`` / 2 seconds;
+   the upstream sends ``--chunks`` SSE events per stream, each a separate write,
+   and the client **counts the events it receives** (a stream counts only if all
+   of them and ``[DONE]`` arrived).
+
+Figures: per target the median over rounds, and the ratio radixfleet / smg per
+round, reported as its median with the min..max spread over rounds. Added latency
+p50/p99 over all interleaved probes (and its per-round spread); a figure at or
+below zero means the difference is below what the run resolves and is printed as
+such, never as a negative latency. ``--json`` prints every round.
+
+The aiohttp upstream (``upstream_app``, ``python -m router.benchmarks.proxy
+upstream --port P``) also serves the router tests: ``/v1/completions``,
+``/v1/chat/completions``, ``/generate``, ``/v1/models``, ``/health``; headers it
+received are echoed in the response (``x-upstream-tenant``), ``"delay_s"`` in a
+body slows its answer, ``"fail"`` makes it answer 500, SSE chunk count and spacing
+come from its flags.
 """
 
 from __future__ import annotations
@@ -27,16 +42,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 from aiohttp import web
+
+from router.benchmarks.smg import require_smg
+from router.benchmarks.wire import LeanClient, LeanUpstream, post_request
+from router.errors import RunError
 
 # ---------------------------------------------------------------------- upstream
 
@@ -135,6 +156,29 @@ def serve_upstream(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_lean_upstream(port: int, chunks: int) -> int:
+    """Serves ``wire.LeanUpstream`` on 127.0.0.1:``port`` until SIGTERM/SIGINT."""
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover
+        loop_factory = None
+
+    async def serve() -> None:
+        up = LeanUpstream(chunks)
+        await up.start(port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        await stop.wait()
+        await up.close()
+
+    with asyncio.Runner(loop_factory=loop_factory) as r:
+        r.run(serve())
+    return 0
+
+
 async def _serve_app(app: web.Application, port: int) -> None:
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
@@ -149,14 +193,43 @@ async def _serve_app(app: web.Application, port: int) -> None:
 
 # --------------------------------------------------------------------- benchmark
 
-
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--duration", type=float, default=8.0, help="seconds per wrk run")
-    parser.add_argument("--connections", type=int, default=64, help="saturating connections")
-    parser.add_argument("--threads", type=int, default=2, help="wrk threads")
-    parser.add_argument("--chunks", type=int, default=64, help="SSE chunks per stream")
-    parser.add_argument("--no-smg", action="store_true", help="skip SGLang's router")
+    parser.add_argument("--json", action="store_true", help="print JSON (every round)")
+    parser.add_argument("--rounds", type=_positive_int, default=5,
+                        help="interleaved rounds (default 5)")
+    parser.add_argument("--round-s", type=_positive_float, default=2.0,
+                        help="seconds of wrk per target per round (default 2; streaming: half)")
+    parser.add_argument("--probes", type=_positive_int, default=300,
+                        help="latency probes per target per round (default 300)")
+    parser.add_argument("--connections", type=_positive_int, default=64,
+                        help="wrk connections (default 64)")
+    parser.add_argument("--threads", type=_positive_int, default=2, help="wrk threads")
+    parser.add_argument("--streams", type=_positive_int, default=16,
+                        help="concurrent SSE streams (default 16)")
+    parser.add_argument("--chunks", type=_positive_int, default=64,
+                        help="SSE events per stream (default 64)")
+    parser.add_argument("--no-smg", action="store_true",
+                        help="leave SGLang's router out (otherwise a missing smg is an error)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {x}")
+    return x
 
 
 def _free_port() -> int:
@@ -189,7 +262,7 @@ def _ensure_wrk() -> str:
         wrk = shutil.which("wrk")
         if wrk:
             return wrk
-    raise RuntimeError("wrk is not installed and apt-get install wrk failed")
+    raise RunError("wrk is not installed and apt-get install wrk failed")
 
 
 _LUA = """
@@ -197,115 +270,121 @@ wrk.method = "POST"
 wrk.body = '%s'
 wrk.headers["Content-Type"] = "application/json"
 done = function(summary, latency, requests)
-  io.write(string.format("RESULT %%d %%d %%f %%f %%f %%f\\n", summary.requests,
+  io.write(string.format("RESULT %%d %%d %%f\\n", summary.requests,
     summary.errors.status + summary.errors.connect + summary.errors.read +
-    summary.errors.write + summary.errors.timeout, summary.duration / 1e6,
-    latency:percentile(50) / 1e3, latency:percentile(99) / 1e3, latency.mean / 1e3))
+    summary.errors.write + summary.errors.timeout, summary.duration / 1e6))
 end
 """
 
 
 def _wrk(wrk: str, url: str, body: dict, duration: float, conns: int, threads: int) -> dict:
+    """One wrk run: requests, errors and requests/s (wrk's own duration)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(_LUA % json.dumps(body))
         script = f.name
     try:
         out = subprocess.run(
-            [wrk, "-t", str(min(threads, conns)), "-c", str(conns), "-d", f"{max(1, round(duration))}s",
-             "--latency", "-s", script, url],
+            [wrk, "-t", str(min(threads, conns)), "-c", str(conns),
+             "-d", f"{max(1, round(duration))}s", "-s", script, url],
             capture_output=True, text=True, timeout=duration + 30).stdout
     finally:
         os.unlink(script)
-    m = re.search(r"RESULT (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+) ([\d.]+)", out)
+    m = re.search(r"RESULT (\d+) (\d+) ([\d.]+)", out)
     if not m:
-        raise RuntimeError(f"wrk output not understood:\n{out}")
-    n, errors, secs, p50, p99, mean = m.groups()
-    return {"requests": int(n), "errors": int(errors), "rps": int(n) / float(secs),
-            "p50_ms": float(p50), "p99_ms": float(p99), "mean_ms": float(mean)}
+        raise RunError(f"wrk output not understood: {out.strip()[:200]!r}")
+    n, errors, secs = m.groups()
+    return {"requests": int(n), "errors": int(errors), "rps": int(n) / float(secs)}
 
 
-def run(args: argparse.Namespace) -> int:
-    wrk = _ensure_wrk()
-    procs: list[subprocess.Popen] = []
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-    def start(argv, ready_url, env=None):
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True, env={**os.environ, **(env or {})})
-        procs.append(p)
-        _wait_http(ready_url)
-        return p
 
-    results: dict = {"config": {"duration_s": args.duration, "connections": args.connections,
-                                "chunks": args.chunks}}
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
     try:
-        up_port = _free_port()
-        up = f"http://127.0.0.1:{up_port}"
-        start([sys.executable, "-m", "router.benchmarks.proxy", "upstream", "--port",
-               str(up_port), "--chunks", str(args.chunks)], up + "/health")
-        rf_port = _free_port()
-        rf = f"http://127.0.0.1:{rf_port}"
-        start([sys.executable, "-m", "router.cli", "router", "--worker", up, "--policy",
-               "round_robin", "--port", str(rf_port), "--log-level", "WARNING"], rf + "/readiness")
-        _wait_ready(rf)
-        targets = {"direct": up, "radixfleet": rf}
-        if not args.no_smg and shutil.which("smg"):
-            smg_port = _free_port()
-            smg = f"http://127.0.0.1:{smg_port}"
-            start(["smg", "launch", "--host", "127.0.0.1", "--port", str(smg_port),
-                   "--worker-urls", up, "--policy", "round_robin", "--log-level", "error"],
-                  smg + "/health")
-            _wait_smg(smg)
-            targets["smg"] = smg
-        plain = {"model": "tiny", "prompt": "hello world, a short benchmark prompt",
-                 "max_tokens": 1}
-        streamed = dict(plain, stream=True)
-        for name, base in targets.items():  # warm-up, all targets
-            _wrk(wrk, base + "/v1/completions", plain, 1.0, 8, 1)
-        for name, base in targets.items():
-            url = base + "/v1/completions"
-            results[name] = {"max": _wrk(wrk, url, plain, args.duration, args.connections,
-                                         args.threads)}
-        # Half load: the largest concurrency at which radixfleet runs at <= ~half its
-        # maximum rate (closed loop); every target is measured at that concurrency.
-        half_rps = results["radixfleet"]["max"]["rps"] / 2
-        half = 1
-        for c in (2, 4, 8, 16, 32):
-            if c >= args.connections:
-                break
-            probe = _wrk(wrk, rf + "/v1/completions", plain, 2.0, c, 1)
-            if probe["rps"] > half_rps * 1.1:
-                break
-            half = c
-        for name, base in targets.items():
-            url = base + "/v1/completions"
-            r = results[name]
-            r["light"] = _wrk(wrk, url, plain, args.duration / 2, half, 1)
-            s = _wrk(wrk, url, streamed, args.duration / 2, max(1, args.connections // 4),
-                     args.threads)
-            s["chunks_per_s"] = s["rps"] * args.chunks
-            r["stream"] = s
-        results["config"]["half_load_connections"] = half
-        d = results["direct"]
-        summary = {}
-        for name in targets:
-            if name == "direct":
-                continue
-            r = results[name]
-            summary[name] = {
-                "rps": r["max"]["rps"],
-                "added_p50_ms": r["light"]["p50_ms"] - d["light"]["p50_ms"],
-                "added_p99_ms": r["light"]["p99_ms"] - d["light"]["p99_ms"],
-                "light_rps": r["light"]["rps"],
-                "chunks_per_s": r["stream"]["chunks_per_s"],
-            }
-        if "smg" in summary:
-            a, b = summary["radixfleet"], summary["smg"]
-            summary["ratio_rps_radixfleet_over_smg"] = a["rps"] / b["rps"]
-            summary["ratio_chunks_radixfleet_over_smg"] = a["chunks_per_s"] / b["chunks_per_s"]
-        summary["direct_rps"] = d["max"]["rps"]
-        results["summary"] = summary
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    return {name: _cpu_s(pid) for name, pid in pids.items()}
+
+
+def _pct(sorted_xs: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    return sorted_xs[min(len(sorted_xs) - 1, max(0, math.ceil(q * len(sorted_xs)) - 1))]
+
+
+async def _latency_round(ports: dict[str, int], order: list[str], probes: int,
+                         body: dict) -> dict[str, list[float]]:
+    """``probes`` requests per target, one at a time, interleaved target by target."""
+    clients = {n: await LeanClient.connect("127.0.0.1", ports[n]) for n in order}
+    raws = {n: post_request("127.0.0.1", ports[n], "/v1/completions", body) for n in order}
+    out: dict[str, list[float]] = {n: [] for n in order}
+    try:
+        for _ in range(probes):
+            for n in order:
+                a = await clients[n].request(raws[n])
+                if a.status != 200:
+                    raise RunError(f"{n} answered HTTP {a.status} to a latency probe")
+                out[n].append(a.latency_s)
     finally:
-        for p in procs:
+        for c in clients.values():
+            c.close()
+    return out
+
+
+async def _stream_round(port: int, streams: int, seconds: float, chunks: int,
+                        body: dict) -> dict:
+    """``streams`` concurrent SSE streams for ``seconds``; events counted as received."""
+    raw = post_request("127.0.0.1", port, "/v1/completions", body)
+    tally = {"complete": 0, "incomplete": 0, "chunks": 0}
+    end = time.perf_counter() + seconds
+
+    async def one() -> None:
+        c = await LeanClient.connect("127.0.0.1", port)
+        try:
+            while time.perf_counter() < end:
+                a = await c.request(raw)
+                got = a.events - (1 if a.done else 0)  # data events, [DONE] not counted
+                tally["chunks"] += max(0, got)
+                if a.status == 200 and a.done and got == chunks:
+                    tally["complete"] += 1
+                else:
+                    tally["incomplete"] += 1
+        finally:
+            c.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(streams)))
+    dt = time.perf_counter() - t0
+    return {**tally, "seconds": dt, "chunks_per_s": tally["chunks"] / dt,
+            "streams_per_s": tally["complete"] / dt}
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
+
+
+class _Fleet:
+    """The upstream, radixfleet and smg as subprocesses; killed on ``stop()``."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.pids: dict[str, int] = {}
+
+    def start(self, name: str, argv: list[str], ready_url: str) -> None:
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        self.procs.append(p)
+        self.pids[name] = p.pid
+        _wait_http(ready_url)
+
+    def stop(self) -> None:
+        for p in self.procs:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
                 p.wait(10)
@@ -314,26 +393,157 @@ def run(args: argparse.Namespace) -> int:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def run(args: argparse.Namespace) -> int:
+    wrk = _ensure_wrk()
+    smg_bin = None if args.no_smg else require_smg()
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover
+        loop_factory = None
+    plain = {"model": "tiny", "prompt": "hello world, a short benchmark prompt", "max_tokens": 1}
+    streamed = dict(plain, stream=True)
+    fleet = _Fleet()
+    rounds = []
+    try:
+        up_port = _free_port()
+        up = f"http://127.0.0.1:{up_port}"
+        fleet.start("upstream", [sys.executable, "-m", "router.benchmarks.proxy", "lean-upstream",
+                                 "--port", str(up_port), "--chunks", str(args.chunks)],
+                    up + "/health")
+        rf_port = _free_port()
+        rf = f"http://127.0.0.1:{rf_port}"
+        fleet.start("radixfleet", [sys.executable, "-m", "router.cli", "router", "--worker", up,
+                                   "--policy", "round_robin", "--port", str(rf_port),
+                                   "--log-level", "WARNING"], rf + "/readiness")
+        _wait_ready(rf)
+        ports = {"direct": up_port, "radixfleet": rf_port}
+        if smg_bin is not None:
+            smg_port = _free_port()
+            smg = f"http://127.0.0.1:{smg_port}"
+            fleet.start("smg", [smg_bin, "launch", "--host", "127.0.0.1", "--port", str(smg_port),
+                                "--worker-urls", up, "--policy", "round_robin",
+                                "--log-level", "error"], smg + "/health")
+            _wait_smg(smg)
+            ports["smg"] = smg_port
+        names = list(ports)
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            for n in names:  # warm-up: connections, caches, JITs of every target
+                _wrk(wrk, f"http://127.0.0.1:{ports[n]}/v1/completions", plain, 1.0, 8, 1)
+                runner.run(_stream_round(ports[n], 2, 0.3, args.chunks, streamed))
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                rnd: dict = {"order": order, "latency_s": runner.run(
+                    _latency_round(ports, order, args.probes, plain)),
+                    "throughput": {}, "stream": {}}
+                for n in order:
+                    c0 = _cpu(fleet.pids)
+                    res = _wrk(wrk, f"http://127.0.0.1:{ports[n]}/v1/completions", plain,
+                               args.round_s, args.connections, args.threads)
+                    c1 = _cpu(fleet.pids)
+                    res["cpu_s"] = {k: c1[k] - c0[k] for k in c0}
+                    rnd["throughput"][n] = res
+                for n in order:
+                    c0 = _cpu(fleet.pids)
+                    res = runner.run(_stream_round(ports[n], args.streams, args.round_s / 2,
+                                                   args.chunks, streamed))
+                    c1 = _cpu(fleet.pids)
+                    res["cpu_s"] = {k: c1[k] - c0[k] for k in c0}
+                    rnd["stream"][n] = res
+                rounds.append(rnd)
+    finally:
+        fleet.stop()
+    summary = _summarize(names, rounds)
+    doc = {"benchmark": "proxy",
+           "config": {"rounds": args.rounds, "round_s": args.round_s, "probes": args.probes,
+                      "connections": args.connections, "threads": args.threads,
+                      "streams": args.streams, "chunks": args.chunks, "targets": names},
+           "summary": summary, "rounds": rounds}
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps(doc, indent=2))
         return 0
-    s = results["summary"]
-    print(f"proxy benchmark: wrk {args.connections} connections x {args.duration:g}s, "
-          f"light load {half} connections, SSE {args.chunks} chunks")
-    print(f"  direct      {s['direct_rps']:9.0f} req/s  "
-          f"light p50 {results['direct']['light']['p50_ms']:.3f} ms "
-          f"p99 {results['direct']['light']['p99_ms']:.3f} ms  "
-          f"stream {results['direct']['stream']['chunks_per_s']:.0f} chunks/s")
-    for name in ("radixfleet", "smg"):
-        if name in s:
-            r = s[name]
-            print(f"  {name:11s} {r['rps']:9.0f} req/s  added p50 {r['added_p50_ms']:.3f} ms "
-                  f"p99 {r['added_p99_ms']:.3f} ms (at {r['light_rps']:.0f} req/s)  "
-                  f"stream {r['chunks_per_s']:.0f} chunks/s")
-    if "ratio_rps_radixfleet_over_smg" in s:
-        print(f"  radixfleet/smg: throughput {s['ratio_rps_radixfleet_over_smg']:.2f}x, "
-              f"streaming {s['ratio_chunks_radixfleet_over_smg']:.2f}x")
+    _print(doc)
     return 0
+
+
+def _summarize(names: list[str], rounds: list[dict]) -> dict:
+    out: dict = {"throughput": {}, "stream": {}, "latency": {}, "cpu_us_per_request": {}}
+    for n in names:
+        out["throughput"][n] = _spread([r["throughput"][n]["rps"] for r in rounds])
+        out["throughput"][n]["errors"] = sum(r["throughput"][n]["errors"] for r in rounds)
+        out["stream"][n] = _spread([r["stream"][n]["chunks_per_s"] for r in rounds])
+        out["stream"][n]["incomplete"] = sum(r["stream"][n]["incomplete"] for r in rounds)
+        # CPU per request of every process while this target was loaded (median over rounds)
+        out["cpu_us_per_request"][n] = {
+            proc: statistics.median(r["throughput"][n]["cpu_s"][proc] * 1e6
+                                    / max(1, r["throughput"][n]["requests"]) for r in rounds)
+            for proc in rounds[0]["throughput"][n]["cpu_s"]}
+    pooled = {n: sorted(x for r in rounds for x in r["latency_s"][n]) for n in names}
+    d50, d99 = _pct(pooled["direct"], 0.50), _pct(pooled["direct"], 0.99)
+    out["latency"]["direct"] = {"p50_ms": d50 * 1e3, "p99_ms": d99 * 1e3,
+                                "samples": len(pooled["direct"])}
+    for n in names[1:]:
+        per50, per99 = [], []
+        for r in rounds:
+            a, b = sorted(r["latency_s"][n]), sorted(r["latency_s"]["direct"])
+            per50.append((_pct(a, 0.50) - _pct(b, 0.50)) * 1e3)
+            per99.append((_pct(a, 0.99) - _pct(b, 0.99)) * 1e3)
+        p50, p99 = _pct(pooled[n], 0.50), _pct(pooled[n], 0.99)
+        out["latency"][n] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
+                             "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3,
+                             "added_p50_rounds_ms": per50, "added_p99_rounds_ms": per99}
+    if "smg" in names:
+        for key in ("throughput", "stream"):
+            rf = out[key]["radixfleet"]["rounds"]
+            sg = out[key]["smg"]["rounds"]
+            out[key]["ratio_radixfleet_over_smg"] = _spread([a / b for a, b in zip(rf, sg)])
+    # the upstream is not the bottleneck when direct is well above every proxy
+    proxied = max(out["throughput"][n]["median"] for n in names[1:])
+    out["direct_over_best_proxy"] = out["throughput"]["direct"]["median"] / proxied
+    return out
+
+
+def _ms(x: float) -> str:
+    """An added latency for print: never shown negative (below resolution instead)."""
+    return f"{x:.3f} ms" if x > 0 else "<= 0 (below this run's resolution)"
+
+
+def _print(doc: dict) -> None:
+    s, c = doc["summary"], doc["config"]
+    names = c["targets"]
+    print(f"proxy benchmark: {c['rounds']} interleaved rounds; per round and target wrk "
+          f"{c['connections']} connections x {c['round_s']:g} s, {c['streams']} SSE streams x "
+          f"{c['round_s'] / 2:g} s ({c['chunks']} events each, counted at the client), "
+          f"{c['probes']} latency probes at concurrency 1")
+    for n in names:
+        t, st = s["throughput"][n], s["stream"][n]
+        line = (f"  {n:11s} {t['median']:9.0f} req/s ({t['min']:.0f}..{t['max']:.0f})  "
+                f"stream {st['median']:9.0f} chunks/s ({st['min']:.0f}..{st['max']:.0f})")
+        if t["errors"] or st["incomplete"]:
+            line += f"  [{t['errors']} wrk errors, {st['incomplete']} incomplete streams]"
+        print(line)
+    d = s["latency"]["direct"]
+    print(f"  latency at concurrency 1: direct p50 {d['p50_ms']:.3f} ms p99 {d['p99_ms']:.3f} ms "
+          f"({d['samples']} probes)")
+    for n in names[1:]:
+        lt = s["latency"][n]
+        r50, r99 = lt["added_p50_rounds_ms"], lt["added_p99_rounds_ms"]
+        print(f"  {n:11s} added p50 {_ms(lt['added_p50_ms'])} (rounds {min(r50):.3f}..{max(r50):.3f}), "
+              f"p99 {_ms(lt['added_p99_ms'])} (rounds {min(r99):.3f}..{max(r99):.3f})")
+    for key, label in (("throughput", "throughput"), ("stream", "streaming chunks/s")):
+        r = s[key].get("ratio_radixfleet_over_smg")
+        if r:
+            print(f"  radixfleet/smg {label}: median {r['median']:.2f}x per round "
+                  f"(spread {r['min']:.2f}..{r['max']:.2f}x)")
+    cpu = s["cpu_us_per_request"]
+    for n in names:
+        print(f"  CPU µs per request while {n} was loaded: "
+              + ", ".join(f"{p} {v:.1f}" for p, v in cpu[n].items()))
+    print(f"  direct / best proxy throughput: {s['direct_over_best_proxy']:.2f}x "
+          f"(the upstream is {'not ' if s['direct_over_best_proxy'] > 1.2 else ''}"
+          f"the limit)")
 
 
 def _wait_ready(base: str, timeout_s: float = 20.0) -> None:
@@ -374,7 +584,12 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--model", default="tiny")
     u.add_argument("--chunks", type=int, default=8)
     u.add_argument("--chunk-delay", type=float, default=0.0)
+    lean = sub.add_parser("lean-upstream")
+    lean.add_argument("--port", type=int, required=True)
+    lean.add_argument("--chunks", type=int, default=64)
     args = p.parse_args(argv)
+    if args.cmd == "lean-upstream":
+        return serve_lean_upstream(args.port, args.chunks)
     return serve_upstream(args)
 
 

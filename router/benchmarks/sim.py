@@ -184,6 +184,47 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
             "parts_us": parts}
 
 
+def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: bool = False):
+    """A function that builds the row's ``Simulation`` (``tmp``: a folder for the
+    generated long trace). ``bench reproduce`` re-runs rows through it."""
+    if name == "gsp_8w":
+        wl = make_workload("gsp", {}, seed=0)
+
+        def factory(wl=wl):
+            return Simulation(SimConfig(workers=8, policy=policy, engine=engine), wl,
+                              Poisson(100.0), Bounds(1024, 1e9, 1e6), sessions=wl.sessions())
+    elif name == "gsp_light_8w":
+        wl = make_workload("gsp", dict(LIGHT, groups=256), seed=0)
+
+        def factory(wl=wl):
+            return Simulation(SimConfig(workers=8, policy=policy, engine=engine), wl,
+                              Poisson(400.0), Bounds(4096, 1e9, 1e6), sessions=wl.sessions())
+    elif name == "gsp_500w":
+        wl = make_workload("gsp", dict(LIGHT, groups=512), seed=0)
+
+        def factory(wl=wl):
+            return Simulation(SimConfig(workers=500, policy=policy, engine=engine), wl,
+                              Poisson(2000.0), Bounds(8192, 1e9, 1e6), sessions=wl.sessions())
+    elif name == "trace_100k":
+        wl = make_workload("trace", {"path": SHARED_TRACE}, seed=0)
+        recs = blocktrace.repeat(wl.records, 3 if quick else 25)
+
+        def factory(wl=wl, recs=recs):
+            return Simulation(SimConfig(workers=8, policy=policy, engine=engine), wl,
+                              TraceTimes(), Bounds(len(recs), 1e9, 1e6),
+                              sessions=blocktrace.sessions(wl, recs))
+    else:  # long_5k
+        path = os.path.join(tmp, "long.jsonl")
+        n = 500 if quick else 5000
+        _long_trace(path, n)
+        wl = make_workload("trace", {"path": path}, seed=0)
+
+        def factory(wl=wl, n=n):
+            return Simulation(SimConfig(workers=8, policy=policy, engine=engine), wl,
+                              TraceTimes(), Bounds(n, 1e9, 1e6))
+    return factory
+
+
 def _row(name: str, factory, profile: bool) -> dict:
     t0 = time.perf_counter()
     sim = factory()
@@ -225,41 +266,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 _print_floor(out[-1])
             continue
-        if name == "gsp_8w":
-            wl = make_workload("gsp", {}, seed=0)
-
-            def factory(wl=wl):
-                return Simulation(SimConfig(workers=8, policy=args.policy, engine=engine), wl,
-                                  Poisson(100.0), Bounds(1024, 1e9, 1e6), sessions=wl.sessions())
-        elif name == "gsp_light_8w":
-            wl = make_workload("gsp", dict(LIGHT, groups=256), seed=0)
-
-            def factory(wl=wl):
-                return Simulation(SimConfig(workers=8, policy=args.policy, engine=engine), wl,
-                                  Poisson(400.0), Bounds(4096, 1e9, 1e6), sessions=wl.sessions())
-        elif name == "gsp_500w":
-            wl = make_workload("gsp", dict(LIGHT, groups=512), seed=0)
-
-            def factory(wl=wl):
-                return Simulation(SimConfig(workers=500, policy=args.policy, engine=engine), wl,
-                                  Poisson(2000.0), Bounds(8192, 1e9, 1e6), sessions=wl.sessions())
-        elif name == "trace_100k":
-            wl = make_workload("trace", {"path": SHARED_TRACE}, seed=0)
-            recs = blocktrace.repeat(wl.records, 3 if args.quick else 25)
-
-            def factory(wl=wl, recs=recs):
-                return Simulation(SimConfig(workers=8, policy=args.policy, engine=engine), wl,
-                                  TraceTimes(), Bounds(len(recs), 1e9, 1e6),
-                                  sessions=blocktrace.sessions(wl, recs))
-        else:  # long_5k
-            path = os.path.join(tmp, "long.jsonl")
-            n = 500 if args.quick else 5000
-            _long_trace(path, n)
-            wl = make_workload("trace", {"path": path}, seed=0)
-
-            def factory(wl=wl, n=n):
-                return Simulation(SimConfig(workers=8, policy=args.policy, engine=engine), wl,
-                                  TraceTimes(), Bounds(n, 1e9, 1e6))
+        factory = row_factory(name, args.policy, engine, tmp, args.quick)
         out.append(_row(name, factory, prof(name)))
         if not args.json:
             _print_row(out[-1])

@@ -1,0 +1,429 @@
+"""``BusReplica``: one router replica on the bus (DESIGN.md contract 11).
+
+    agents --core <prefix>.load.<w>--> every replica: Pool.report_load (known workers)
+    agents --JetStream <prefix>.agent.<w>--> every replica: ordered consumer from the
+      stream's first retained message -> register (with snapshots) -> router.feedback
+      (epochs, seq checks; a gap or an unknown worker -> a snapshot request to that
+      agent on <prefix>.ctl.snapshot.<w>, at most one per snapshot_request_s)
+    this replica --core <prefix>.router.<me>--> the others: its own in-flight counts
+      per worker (changed ones within flush_s, all of them every heartbeat_s) and its
+      pick-time hints (worker, keys, age); received ones feed RemoteInFlight ->
+      Pool.set_remote, and index.match (hit counters) + index.insert for hints;
+      and its policy's hot-root replication decisions (policies.replication
+      HotRoots.listener -> apply_remote), so N replicas replicate as one router
+
+Warm start: on each (re)subscription the stream's last sequence is read; the
+replica is *caught up* once it has applied that message (at once for an empty
+stream). Agents' snapshots carry the ``Nats-Rollup: sub`` header, so the stream
+keeps per worker only its last snapshot and the deltas since: the replay is bounded
+by the fleet's cache size, not by uptime. ``ready()`` is true once caught up, or
+when the bus cannot be reached (degraded: logged), or after ``ready_timeout_s``.
+
+Degrading: while the bus is not UP nothing is published, other replicas' counts
+expire (``replica_ttl_s``), and agents fall back to direct push; requests never
+wait on the bus. Malformed and foreign messages are counted per cause, logged
+once per cause, ignored. Messages from a replica keyed with another
+``keys.block_bytes`` have their hints ignored (``config_mismatch``).
+
+Lifecycle: ``await start()``, ``await aclose()`` (idempotent; says ``bye`` so the
+others drop this replica's counts at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+from nats.js import api
+from prometheus_client import CollectorRegistry
+
+from router.bus.connection import BusConnection, BusMetrics, BusState, Problems
+from router.bus.remote_load import RemoteInFlight
+from router.bus.wire import (BadMessage, RouterMessage, Subjects, build_snapshot_request,
+                             parse_agent, parse_load, parse_router)
+from router.config import BusConfig, ConfigError, parse_worker_url
+from router.events import STATUS_OK
+from router.feedback import Feedback
+from router.pool import HealthState, Pool
+
+log = logging.getLogger("radixfleet.bus")
+
+
+def default_replica_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())
+    return f"{host or 'router'}-{os.getpid()}"
+
+
+class BusReplica:
+    def __init__(self, cfg: BusConfig, *, pool: Pool, index, feedback: Feedback,
+                 block_bytes: int, registry: CollectorRegistry,
+                 clock=time.monotonic, policy=lambda: None) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.index = index
+        self.feedback = feedback
+        self.block_bytes = block_bytes
+        self.clock = clock
+        #: the router's current policy (a reload may replace it); its hot-root
+        #: replication record (``policy.hot``, prefix_load) is shared too
+        self.policy = policy
+        self._hot = None  # the HotRoots we listen to
+        self._repl: list[tuple[str, int, int, str]] = []
+        self.replica = cfg.replica_id or default_replica_id()
+        self.subjects = Subjects(cfg.subject_prefix)
+        self.metrics = BusMetrics(registry)
+        self.bad = Problems(self.metrics.bad, "bus messages")
+        self.remote = RemoteInFlight()
+        self.conn = BusConnection(
+            cfg.url, name=f"router-{self.replica}", metrics=self.metrics, on_up=self._on_up,
+            on_down=self._on_down, connect_timeout_s=cfg.connect_timeout_s,
+            backoff_s=cfg.backoff_s, backoff_max_s=cfg.backoff_max_s)
+        #: stream sequence applied last, and the stream's identity (its creation time)
+        self.applied_seq = 0
+        self._stream_created = None
+        #: the stream's last sequence when we subscribed; caught up once applied
+        self.target_seq = 0
+        self.caught_up = False
+        self.caught_up_s: float | None = None  # seconds from start() to caught up
+        self._started = 0.0
+        self._ready_logged = False
+        self._seq = 0  # our router messages
+        self._dirty: set[str] = set()
+        self._hints: list[tuple[str, float, list[int]]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._asked: dict[str, float] = {}  # worker -> when we last asked a snapshot
+        self._subs: list = []
+        self._pending: set[asyncio.Future] = set()  # snapshot requests being sent
+        self._closed = False
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._started = self.clock()
+        self.pool.tap = self
+        self.pool.listeners.append(self)
+        await self.conn.start()
+        self._task = asyncio.create_task(self._publisher(), name="radixfleet-bus-publisher")
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.pool.tap is self:
+            self.pool.tap = None
+        if self in self.pool.listeners:
+            self.pool.listeners.remove(self)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        nc = self.conn.nc
+        if self.conn.up and nc is not None:
+            try:
+                self._seq += 1
+                await nc.publish(self.subjects.router(self.replica), RouterMessage(
+                    self.replica, self._seq, self.block_bytes, True, {}, [], bye=True).to_bytes())
+                await asyncio.wait_for(nc.flush(), 1.0)
+            except Exception:  # noqa: BLE001 - leaving; the others expire us anyway
+                pass
+        await self.conn.aclose()
+
+    # ---------------------------------------------------------------- readiness
+
+    def ready(self) -> bool:
+        if self.caught_up:
+            return True
+        why = None
+        if self.conn.state is BusState.DOWN and self.conn.attempts > 0:
+            why = "the bus is unreachable: routing with direct pushes only"
+        elif self.clock() - self._started >= self.cfg.ready_timeout_s:
+            why = f"not caught up with the stream after {self.cfg.ready_timeout_s} s"
+        if why is None:
+            return False
+        if not self._ready_logged:
+            self._ready_logged = True
+            log.warning("reporting ready without the bus's history: %s", why)
+        return True
+
+    def describe(self) -> dict:
+        return {"url": self.cfg.url, "replica": self.replica, "state": self.conn.state.value,
+                "caught_up": self.caught_up, "applied_seq": self.applied_seq,
+                "target_seq": self.target_seq, "caught_up_s": self.caught_up_s,
+                "replicas": sorted(self.remote.replicas)}
+
+    # ------------------------------------------------------------ connection
+
+    async def _on_up(self, nc, js) -> None:
+        c = self.cfg
+        cfg = api.StreamConfig(
+            name=c.stream, subjects=[self.subjects.agents], max_age=c.max_age_s,
+            max_bytes=c.max_bytes, allow_rollup_hdrs=True, discard=api.DiscardPolicy.OLD,
+            storage=api.StorageType.FILE if c.storage == "file" else api.StorageType.MEMORY)
+        try:
+            info = await js.add_stream(cfg)
+        except Exception as exc:  # noqa: BLE001 - another replica made it differently
+            self.conn.report("stream_config", "stream %s exists with other settings (%s); "
+                             "using it as it is", c.stream, exc)
+            info = await js.stream_info(c.stream)
+        created = info.created
+        last = info.state.last_seq
+        start_seq = 1
+        if (created is not None and created == self._stream_created and self.applied_seq
+                and self.applied_seq <= last):
+            start_seq = self.applied_seq + 1  # the same stream survived: resume
+        else:
+            self.applied_seq = 0  # a new stream (the server lost it): replay it all
+        self._stream_created = created
+        self.target_seq = last
+        if last < start_seq:
+            self._mark_caught_up()
+        else:
+            self.metrics.lag.set(last - start_seq + 1)
+        self._subs = [
+            await nc.subscribe(self.subjects.routers, cb=self._on_router),
+            await nc.subscribe(self.subjects.loads, cb=self._on_load),
+            await js.subscribe(
+                self.subjects.agents, cb=self._on_agent, ordered_consumer=True,
+                stream=c.stream, idle_heartbeat=2.0,
+                config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                          opt_start_seq=start_seq)),
+        ]
+        self._wake.set()  # a full heartbeat now: the others learn our counts at once
+
+    def _on_down(self) -> None:
+        self._subs = []
+        # nothing fresh will come: the others' counts age out through replica_ttl_s
+
+    def _mark_caught_up(self) -> None:
+        self.metrics.lag.set(0)
+        if not self.caught_up:
+            self.caught_up = True
+            self.caught_up_s = self.clock() - self._started
+            log.info("bus: caught up with stream %s at seq %d in %.3f s (%d index entries)",
+                     self.cfg.stream, self.target_seq, self.caught_up_s,
+                     self.index.stats().holder_entries)
+
+    # ------------------------------------------------------- agents' batches
+
+    async def _on_agent(self, msg) -> None:
+        now = self.clock()
+        try:
+            seq = msg.metadata.sequence.stream
+        except Exception:  # noqa: BLE001 - not a JetStream delivery
+            seq = None
+        try:
+            token = msg.subject.rsplit(".", 1)[-1]
+            self._apply_agent(parse_agent(msg.data, token), now)
+        except BadMessage as exc:
+            self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
+        except Exception:  # noqa: BLE001 - a peer's message must never stop the consumer
+            self.metrics.bad.labels("error").inc()
+            log.exception("bus: applying a message on %s failed", msg.subject)
+        if seq is not None:
+            self.applied_seq = seq
+            if not self.caught_up:
+                if seq >= self.target_seq:
+                    self._mark_caught_up()
+                else:
+                    self.metrics.lag.set(self.target_seq - seq)
+
+    async def _on_load(self, msg) -> None:
+        try:
+            b = parse_load(msg.data, msg.subject.rsplit(".", 1)[-1])
+        except BadMessage as exc:
+            self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
+            return
+        w = self.pool.get(b.worker_id)
+        if w is not None:
+            self.pool.report_load(w, b.load, self.clock())
+            self.metrics.received.labels("load").inc()
+
+    def _apply_agent(self, m, now: float) -> None:
+        b = m.batch
+        if m.register:
+            if m.block_bytes is not None and m.block_bytes != self.block_bytes:
+                raise BadMessage("block_bytes_mismatch",
+                                 f"agent {b.worker_id} hashes {m.block_bytes}-byte blocks, "
+                                 f"this router keys.block_bytes={self.block_bytes}")
+            try:
+                url = parse_worker_url(b.url, "url")
+            except ConfigError as exc:
+                raise BadMessage("bad_register", str(exc)) from None
+            w = self.pool.get(b.worker_id)
+            if w is None or w.url != url or (w.epoch is not None and w.epoch != b.epoch):
+                # new to us, moved, or a new agent process: what POST /register does
+                self.pool.register(b.worker_id, url, b.epoch, m.models, m.block_bytes)
+            else:
+                # a periodic snapshot is no proof of health: health checks decide that
+                w.models, w.block_bytes = m.models, m.block_bytes
+        code, word = self.feedback.apply(b, now)
+        self.metrics.received.labels("agent").inc()
+        if word != STATUS_OK:
+            self._ask_snapshot(b.worker_id, now)
+
+    def _ask_snapshot(self, wid: str, now: float) -> None:
+        last = self._asked.get(wid)
+        if last is not None and now - last < self.cfg.snapshot_request_s:
+            return
+        nc = self.conn.nc
+        if not self.conn.up or nc is None:
+            return
+        self._asked[wid] = now
+        t = asyncio.ensure_future(self._publish(self.subjects.snapshot_request(wid),
+                                                build_snapshot_request(wid, self.replica),
+                                                "snapshot_request"))
+        self._pending.add(t)
+        t.add_done_callback(self._pending.discard)
+
+    async def _publish(self, subject: str, data: bytes, kind: str) -> None:
+        nc = self.conn.nc
+        if nc is None:
+            return
+        try:
+            await nc.publish(subject, data)
+            self.metrics.published.labels(kind).inc()
+        except Exception as exc:  # noqa: BLE001 - the bus is best effort for routers
+            self.conn.lost("publish", "publish failed (%s: %s)", type(exc).__name__, exc)
+
+    # ------------------------------------------------ our pick-time state out
+
+    def moved(self, w) -> None:
+        """Pool.tap: a local pick, prefill or finish on ``w``."""
+        self._dirty.add(w.id)
+        self._wake.set()
+
+    def hint(self, wid: str, hashes, now: float) -> None:
+        """DataPlane._pick inserted ``hashes`` for ``wid`` at ``now``."""
+        if self.cfg.share_hints and hashes and self.conn.up:
+            self._hints.append((wid, now, list(hashes)))
+            self._wake.set()
+
+    def _replicated(self, op: str, key: int, depth: int, worker: str) -> None:
+        """HotRoots listener: this replica's policy added or retired a replica."""
+        if self.conn.up:
+            self._repl.append((op, key, depth, worker))
+            self._wake.set()
+
+    def _listen_to_policy(self):
+        """The current policy's HotRoots (listened to), or None."""
+        hot = getattr(self.policy(), "hot", None)
+        if hot is not self._hot:
+            if self._hot is not None and self._hot.listener == self._replicated:
+                self._hot.listener = None
+            self._hot = hot
+            if hot is not None and hasattr(hot, "apply_remote"):
+                hot.listener = self._replicated
+        return self._hot
+
+    async def _publisher(self) -> None:
+        c = self.cfg
+        next_full = 0.0
+        self._listen_to_policy()
+        while True:
+            timeout = max(0.0, next_full - self.clock())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            if c.flush_s:
+                await asyncio.sleep(c.flush_s)  # coalesce a burst into one message
+            self._wake.clear()
+            now = self.clock()
+            self._expire(now)
+            self._listen_to_policy()
+            if not self.conn.up:
+                self._dirty.clear()
+                self._hints.clear()
+                self._repl.clear()
+                next_full = now + c.heartbeat_s
+                continue
+            full = now >= next_full
+            if full:
+                names = [w.id for w in self.pool]
+                next_full = now + c.heartbeat_s
+            else:
+                names = list(self._dirty)
+            self._dirty.clear()
+            inflight = {}
+            for wid in names:
+                w = self.pool.get(wid)
+                if w is not None and (w.in_flight or w.in_flight_tokens or not full):
+                    inflight[wid] = (max(w.in_flight, 0), max(w.in_flight_tokens, 0))
+            hints = [(wid, now - t, hs) for wid, t, hs in self._hints]
+            self._hints = []
+            repl, self._repl = self._repl, []
+            if not (full or inflight or hints or repl):
+                continue
+            self._seq += 1
+            msg = RouterMessage(self.replica, self._seq, self.block_bytes, full, inflight, hints,
+                                repl=repl)
+            await self._publish(self.subjects.router(self.replica), msg.to_bytes(), "router")
+
+    # ------------------------------------------- the others' pick-time state in
+
+    async def _on_router(self, msg) -> None:
+        try:
+            m = parse_router(msg.data)
+        except BadMessage as exc:
+            self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
+            return
+        if m.replica == self.replica:
+            return
+        now = self.clock()
+        self.metrics.received.labels("router").inc()
+        self._set_remote(self.remote.apply(m, now))
+        self.metrics.replicas.set(len(self.remote.replicas))
+        if not (m.hints and self.cfg.share_hints) and not m.repl:
+            return
+        if m.block_bytes != self.block_bytes:
+            self.bad.report("config_mismatch", "replica %s keys with block_bytes=%d, this one "
+                            "%d: its hints are ignored", m.replica, m.block_bytes,
+                            self.block_bytes)
+            return
+        hot = self._listen_to_policy()
+        if hot is not None:
+            for op, key, depth, wid in m.repl:
+                if self.pool.get(wid) is not None:
+                    hot.apply_remote(op, key, depth, wid, now)
+        if not self.cfg.share_hints:
+            return
+        idx = self.index
+        for wid, age, hashes in m.hints:
+            w = self.pool.get(wid)
+            if w is not None and w.health is HealthState.HEALTHY and hashes:
+                t = now - age
+                # counted as if this replica had routed it: the decayed hit counters
+                # (hot roots, replication) then see the fleet's rate, not 1/N of it
+                idx.match(hashes, t, count=True)
+                idx.insert(wid, hashes, t)
+
+    def worker_added(self, w) -> None:
+        """Pool listener: a new worker starts with what the others have on it."""
+        r, t = self.remote.total(w.id)
+        self.pool.set_remote(w, r, t)
+
+    def worker_removed(self, w) -> None:
+        pass
+
+    def _expire(self, now: float) -> None:
+        changed = self.remote.expire(now, self.cfg.replica_ttl_s)
+        if changed:
+            log.info("bus: dropped the counts of replicas silent for %.1f s",
+                     self.cfg.replica_ttl_s)
+            self._set_remote(changed)
+            self.metrics.replicas.set(len(self.remote.replicas))
+
+    def _set_remote(self, wids) -> None:
+        for wid in wids:
+            w = self.pool.get(wid)
+            if w is not None:
+                r, t = self.remote.total(wid)
+                self.pool.set_remote(w, r, t)
+
+    def check(self) -> None:
+        self.remote.check()
+        for w in self.pool:
+            assert (w.remote_in_flight, w.remote_tokens) == self.remote.total(w.id), w.id

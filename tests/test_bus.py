@@ -1,0 +1,424 @@
+"""Several router replicas, one truth (issue 14 part 4): the NATS JetStream bus
+against a real nats-server on loopback (tests/nats_server.py installs it).
+
+Two router replicas (in-process) and two ``radixfleet agent`` processes publishing
+to the bus: both indexes equal; a third replica started late is ready within 2 s
+with an entry count within 1% of its peers'; in-flight counts are shared; killing
+the bus mid-run never fails a request (agents fall back to direct push, counts
+to local); malformed and foreign messages are counted and ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import nats
+import pytest
+
+from router.app import Router, RouterServer
+from router.bus.remote_load import RemoteInFlight
+from router.bus.wire import (BadMessage, RouterMessage, Subjects, parse_agent, parse_load,
+                             parse_router, worker_token)
+from router.config import parse_config
+from router.errors import ConfigError
+from tests.nats_server import NatsServer
+from tests.procs import Proc, free_port, radixfleet_argv
+
+SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 8
+
+
+async def wait_for(pred, timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def held(router: Router, wid: str) -> set[int]:
+    """The block keys ``wid`` holds in ``router``'s index."""
+    return {k for k, n in router.index._nodes.items() if n.held_by(wid)}
+
+
+def bus_router(url: str, replica: str, **bus) -> Router:
+    return Router(parse_config({
+        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
+        "policy": {"name": "prefix_load", "params": {"min_match_tokens": 32}},
+        "bus": {"url": url, "replica_id": replica, "heartbeat_s": 0.2, "replica_ttl_s": 1.0,
+                "backoff_s": 0.1, "backoff_max_s": 0.5, **bus}}))
+
+
+async def start(router: Router) -> tuple[RouterServer, str]:
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    return server, f"http://127.0.0.1:{port}"
+
+
+def agent(i: int, bus_url: str, routers: list[str] = ()) -> Proc:
+    ap = free_port()
+    argv = ["agent", "--port", str(ap), "--worker-id", f"ag{i}", "--bus", bus_url,
+            "--kv-tokens", "400000", "--bus-snapshot-interval", "5"]
+    for r in routers:
+        argv += ["--router", r]
+    return Proc(radixfleet_argv(*argv), ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30)
+
+
+def metric(router: Router, name: str, **labels) -> float:
+    v = router.metrics.registry.get_sample_value(name, labels or None)
+    return v or 0.0
+
+
+async def chat(c: httpx.AsyncClient, base: str, text: str, max_tokens: int = 4,
+               system: str = SYSTEM) -> httpx.Response:
+    return await c.post(base + "/v1/chat/completions", json={
+        "model": "llama-3-8b", "max_tokens": max_tokens,
+        "messages": [{"role": "system", "content": system},
+                     {"role": "user", "content": text}]})
+
+
+# ------------------------------------------------------------------ unit parts
+
+
+def test_config_bus_section_validated_with_paths():
+    assert not parse_config({}).bus.enabled()
+    assert parse_config({"bus": {"url": "nats://10.0.0.1:4222"}}).bus.enabled()
+    for raw, path in [({"url": "http://x:1"}, "bus.url"), ({"stream": "a.b"}, "bus.stream"),
+                      ({"subject_prefix": "a b"}, "bus.subject_prefix"),
+                      ({"replica_id": "r.1"}, "bus.replica_id"),
+                      ({"heartbeat_s": 1.0, "replica_ttl_s": 0.5}, "bus.replica_ttl_s"),
+                      ({"storage": "disk"}, "bus.storage"), ({"flush": 1}, "bus.flush"),
+                      ({"max_bytes": 10}, "bus.max_bytes")]:
+        with pytest.raises(ConfigError) as e:
+            parse_config({"bus": raw})
+        assert str(e.value).startswith(path), e.value
+
+
+def test_remote_in_flight_counts_replace_expire_and_bye():
+    r = RemoteInFlight()
+    m = lambda rep, seq, inf, full=False, bye=False: RouterMessage(  # noqa: E731
+        rep, seq, 128, full, inf, [], bye)
+    assert r.apply(m("a", 1, {"w1": (2, 100)}), 0.0) == {"w1"}
+    assert r.apply(m("b", 1, {"w1": (1, 10), "w2": (1, 5)}), 0.0) == {"w1", "w2"}
+    assert r.total("w1") == (3, 110)
+    assert r.apply(m("a", 1, {"w1": (9, 9)}), 0.1) == set()  # repeated seq ignored
+    assert r.apply(m("a", 2, {"w1": (0, 0)}), 0.2) == {"w1"}
+    assert r.total("w1") == (1, 10)
+    r.check()
+    # a heartbeat (full) zeroes the workers it does not name
+    assert r.apply(m("b", 2, {"w2": (1, 5)}, full=True), 0.5) == {"w1"}
+    assert r.total("w1") == (0, 0) and r.total("w2") == (1, 5)
+    assert r.expire(1.0, 0.6) == set()  # b heard at 0.5
+    r.apply(m("a", 3, {"w3": (4, 4)}), 1.0)
+    assert r.expire(1.2, 0.6) == {"w2"}  # b silent since 0.5
+    assert r.apply(m("a", 4, {}, bye=True), 1.3) == {"w3"}
+    assert r.totals == {} and r.replicas == {}
+    r.check()
+
+
+def test_wire_rejects_malformed_and_foreign_messages():
+    s = Subjects("radixfleet")
+    tok = worker_token("10.0.0.1:8000")
+    assert s.agent("10.0.0.1:8000") == f"radixfleet.agent.{tok}" and "." not in tok
+    cases = [(b"\xff\xfe", "not_json"), (b"[1,2]", "foreign"), (b'{"hello": 1}', "foreign"),
+             (b'{"v": 1, "kind": "router"}', "wrong_kind"),
+             (b'{"v": 1, "kind": "agent", "batch": {"seq": -1}}', "bad_batch")]
+    for data, cause in cases:
+        with pytest.raises(BadMessage) as e:
+            parse_agent(data, tok)
+        assert e.value.cause == cause
+    ok = {"v": 1, "kind": "agent", "batch": {"worker_id": "w", "url": "http://h:1",
+                                              "epoch": "e", "seq": 0, "events": []}}
+    with pytest.raises(BadMessage) as e:
+        parse_agent(json.dumps(ok).encode(), tok)  # worker w on another worker's subject
+    assert e.value.cause == "wrong_subject"
+    with pytest.raises(BadMessage) as e:
+        parse_load(json.dumps({**ok, "kind": "load"}).encode(), worker_token("w"))
+    assert e.value.cause == "bad_load"
+    for bad in [{"replica": "", "seq": 1, "block_bytes": 128},
+                {"replica": "r", "seq": 1, "block_bytes": 128, "inflight": {"w": [-1, 0]}},
+                {"replica": "r", "seq": 1, "block_bytes": 128, "hints": [["w", 0, [1 << 64]]]}]:
+        with pytest.raises(BadMessage) as e:
+            parse_router(json.dumps({"v": 1, "kind": "router", **bad}).encode())
+        assert e.value.cause == "bad_router"
+    msg = RouterMessage("r1", 3, 128, False, {"w": (1, 2)}, [("w", 0.5, [1, 2, 3])])
+    back = parse_router(msg.to_bytes())
+    assert (back.replica, back.seq, back.inflight, back.hints) == (
+        "r1", 3, {"w": (1, 2)}, [("w", 0.5, [1, 2, 3])])
+
+
+# ---------------------------------------------------------- against nats-server
+
+
+async def test_replicas_share_one_truth_and_a_late_replica_warm_starts():
+    with NatsServer(free_port()) as ns:
+        a, b = bus_router(ns.url, "ra"), bus_router(ns.url, "rb")
+        (sa, ua), (sb, ub) = await start(a), await start(b)
+        agents = []
+        c_server = None
+        try:
+            for i in range(2):
+                agents.append(agent(i, ns.url).__enter__())
+            for r in (a, b):
+                await wait_for(lambda r=r: len(r.pool.views(time.monotonic())) == 2, 15,
+                               "both agents registered through the bus")
+            async with httpx.AsyncClient(timeout=30) as c:
+                for i in range(80):  # round robin over the two replicas, 16 documents
+                    r = await chat(c, (ua, ub)[i % 2], f"question {i} " * (1 + i % 7),
+                                   system=f"Document {i % 16}: " + SYSTEM * 3)
+                    assert r.status_code == 200, r.text
+            # both indexes converge on the agents' truth
+            def same() -> bool:
+                return all(held(a, w) == held(b, w) for w in ("ag0", "ag1"))
+            try:
+                await wait_for(same, 5, "equal indexes")
+            finally:
+                print({w: (len(held(a, w)), len(held(b, w)), len(held(a, w) - held(b, w)),
+                           len(held(b, w) - held(a, w))) for w in ("ag0", "ag1")})
+            assert a.index.stats().holder_entries > 100
+            for w in ("ag0", "ag1"):
+                assert a.index.entries(w) == b.index.entries(w)
+            assert metric(a, "radixfleet_bus_messages_received_total", kind="agent") > 0
+            assert metric(a, "radixfleet_bus_messages_received_total", kind="router") > 0
+            # a third replica, started late: ready within 2 s, with its peers' entries
+            c_router = bus_router(ns.url, "rc")
+            t0 = time.monotonic()
+            c_server, uc = await start(c_router)
+            async with httpx.AsyncClient(timeout=5) as c:
+                while True:
+                    r = await c.get(uc + "/readiness")
+                    if r.status_code == 200:
+                        break
+                    assert time.monotonic() - t0 < 2.0, r.json()
+                    await asyncio.sleep(0.02)
+            ready_s = time.monotonic() - t0
+            body = r.json()
+            assert body["bus"]["caught_up"], body
+            peers = a.index.stats().holder_entries
+            mine = c_router.index.stats().holder_entries
+            assert abs(mine - peers) <= 0.01 * peers, (mine, peers, ready_s)
+            print(f"late replica ready in {ready_s:.3f} s, entries {mine} vs peers {peers}")
+            a.pool.check(); b.pool.check(); c_router.pool.check()
+            a.index.check(); c_router.index.check()
+            a.bus.check(); c_router.bus.check()
+        finally:
+            if c_server is not None:
+                await c_server.aclose()
+            for p in agents:
+                p.__exit__(None, None, None)
+            await sa.aclose()
+            await sb.aclose()
+
+
+async def test_in_flight_counts_are_shared_between_replicas():
+    with NatsServer(free_port()) as ns:
+        a, b = bus_router(ns.url, "ra"), bus_router(ns.url, "rb")
+        (sa, ua), (sb, _) = await start(a), await start(b)
+        p = agent(0, ns.url).__enter__()
+        try:
+            for r in (a, b):
+                await wait_for(lambda r=r: len(r.pool.views(time.monotonic())) == 1, 15,
+                               "the agent registered")
+            async with httpx.AsyncClient(timeout=60) as c:
+                # long answers held open on replica a: b must count them on ag0
+                tasks = [asyncio.create_task(chat(c, ua, f"long {i}", max_tokens=400))
+                         for i in range(3)]
+                await wait_for(lambda: b.pool.get("ag0").remote_in_flight == 3, 5,
+                               "b sees a's 3 requests")
+                view = next(v for v in b.pool.views(time.monotonic()) if v.id == "ag0")
+                assert view.in_flight >= 3  # the policy's view includes them
+                assert b.pool.get("ag0").in_flight == 0  # b's own count is its own
+                for t in tasks:
+                    assert (await t).status_code == 200
+            await wait_for(lambda: b.pool.get("ag0").remote_in_flight == 0, 5,
+                           "finished requests released on b")
+            # a replica that leaves says bye: the others drop it at once, not after
+            # replica_ttl_s (1 s here)
+            assert "ra" in b.bus.remote.replicas
+            await sa.aclose()
+            t0 = time.monotonic()
+            await wait_for(lambda: "ra" not in b.bus.remote.replicas, 0.5, "bye")
+            assert time.monotonic() - t0 < 0.5
+            b.pool.check()
+            b.bus.check()
+        finally:
+            p.__exit__(None, None, None)
+            await sa.aclose()
+            await sb.aclose()
+
+
+async def test_bus_outage_degrades_to_direct_push_and_local_counts():
+    with NatsServer(free_port()) as ns:
+        a, b = bus_router(ns.url, "ra"), bus_router(ns.url, "rb")
+        (sa, ua), (sb, ub) = await start(a), await start(b)
+        p = agent(0, ns.url, [ua, ub]).__enter__()
+        try:
+            for r in (a, b):
+                await wait_for(lambda r=r: len(r.pool.views(time.monotonic())) == 1, 15,
+                               "the agent registered")
+            await wait_for(lambda: "rb" in a.bus.remote.replicas, 5, "a hears b")
+            agent_info = p.ready_url.replace("/health", "/get_server_info")
+            async with httpx.AsyncClient(timeout=5) as c:
+                info = (await c.get(agent_info)).json()
+            assert info["bus"]["state"] == "up" and info["bus"]["snapshots"] >= 1, info
+            # (before the bus was up, the agent pushed directly: the same fallback)
+            http_before = [r["sent_batches"] for r in info["routers"]]
+            await asyncio.sleep(0.5)
+            async with httpx.AsyncClient(timeout=5) as c:
+                info = (await c.get(agent_info)).json()
+            assert [r["sent_batches"] for r in info["routers"]] == http_before  # bus only now
+            async with httpx.AsyncClient(timeout=30) as c:
+                ok = 0
+                t_end = time.monotonic() + 4.0
+                killed = False
+                i = 0
+                while time.monotonic() < t_end and i < 400:
+                    if not killed and i == 10:
+                        ns.kill()  # mid-run
+                        killed = True
+                    r = await chat(c, (ua, ub)[i % 2], f"outage {i % 5}")
+                    assert r.status_code == 200, r.text
+                    ok += 1
+                    i += 1
+                    await asyncio.sleep(0.01)
+            assert killed and ok > 10
+            for r in (a, b):
+                assert metric(r, "radixfleet_bus_up") == 0
+                assert metric(r, "radixfleet_bus_outages_total", cause="lost") + \
+                    metric(r, "radixfleet_bus_outages_total", cause="connect") >= 1
+            # the others' counts expired; the agent pushes directly now
+            assert a.bus.remote.replicas == {}
+            async with httpx.AsyncClient(timeout=5) as c:
+                deadline = time.monotonic() + 5
+                while True:
+                    info = (await c.get(agent_info)).json()
+                    if all(r["sent_batches"] > n for r, n in zip(info["routers"], http_before)):
+                        break
+                    assert time.monotonic() < deadline, info
+                    await asyncio.sleep(0.05)
+            assert info["bus"]["state"] in ("down", "connecting"), info
+            assert a.pool.get("ag0").remote_in_flight == 0
+            # the bus comes back: the replicas reconnect and catch up again
+            ns.start()
+            for r in (a, b):
+                await wait_for(lambda r=r: r.bus.conn.up, 10, "bus reconnected")
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await chat(c, ua, "after the outage")
+                assert r.status_code == 200
+            await wait_for(lambda: "rb" in a.bus.remote.replicas, 5, "a hears b again")
+            a.pool.check()
+        finally:
+            p.__exit__(None, None, None)
+            await sa.aclose()
+            await sb.aclose()
+
+
+async def test_malformed_and_foreign_bus_messages_are_counted_and_ignored():
+    with NatsServer(free_port()) as ns:
+        a = bus_router(ns.url, "ra")
+        sa, ua = await start(a)
+        nc = await nats.connect(ns.url)
+        try:
+            await wait_for(lambda: a.bus.conn.up, 10, "bus up")
+            js = nc.jetstream()
+            tok = worker_token("ghost:1")
+            await js.publish(f"radixfleet.agent.{tok}", b"not json at all")
+            await js.publish(f"radixfleet.agent.{tok}", b'{"some": "other app"}')
+            await js.publish(f"radixfleet.agent.{tok}", json.dumps({
+                "v": 1, "kind": "agent", "batch": {"worker_id": "other:1", "url": "http://x:1",
+                                                   "epoch": "e", "seq": 0}}).encode())
+            await nc.publish("radixfleet.router.evil", b'{"v": 1, "kind": "router", "seq": "x"}')
+            await nc.publish("radixfleet.load.00", b"\x00\x01")
+            await nc.publish("radixfleet.router.old", RouterMessage(
+                "old", 1, 64, False, {}, [("ag9", 0.0, [1, 2])]).to_bytes())
+            await nc.flush()
+            want = {"not_json": 2, "foreign": 1, "wrong_subject": 1, "bad_router": 1,
+                    "config_mismatch": 1}
+
+            def counted() -> bool:
+                return all(metric(a, "radixfleet_bus_bad_messages_total", cause=k) >= v
+                           for k, v in want.items())
+            await wait_for(counted, 5, "bad messages counted")
+            assert a.bus.conn.up
+            async with httpx.AsyncClient(timeout=5) as c:
+                assert (await c.get(ua + "/readiness")).json()["bus"]["state"] == "up"
+        finally:
+            await nc.close()
+            await sa.aclose()
+
+
+async def test_unreachable_bus_at_start_degrades_to_direct_push():
+    dead = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    a = bus_router(dead, "ra")
+    sa, ua = await start(a)
+    p = agent(0, dead, [ua]).__enter__()
+    try:
+        # the agent falls back to --router; the replica reports ready without history
+        await wait_for(lambda: len(a.pool.views(time.monotonic())) == 1, 15, "direct push")
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.get(ua + "/readiness")
+            assert r.status_code == 200, r.text
+            assert r.json()["bus"]["state"] == "down" and not r.json()["bus"]["caught_up"]
+            r = await chat(c, ua, "no bus here")
+            assert r.status_code == 200, r.text
+        assert metric(a, "radixfleet_bus_up") == 0
+        assert metric(a, "radixfleet_bus_outages_total", cause="connect") >= 1
+        await wait_for(lambda: "ag0" in a.index.workers(), 5, "events pushed directly")
+    finally:
+        p.__exit__(None, None, None)
+        await sa.aclose()
+
+
+async def test_a_sequence_gap_makes_the_agent_snapshot_again():
+    with NatsServer(free_port()) as ns:
+        a = bus_router(ns.url, "ra")
+        sa, ua = await start(a)
+        p = agent(0, ns.url).__enter__()
+        nc = await nats.connect(ns.url)
+        try:
+            await wait_for(lambda: a.pool.get("ag0") is not None
+                           and a.pool.get("ag0").epoch is not None, 15, "registered")
+            info_url = p.ready_url.replace("/health", "/get_server_info")
+            async with httpx.AsyncClient(timeout=5) as c:
+                snaps = (await c.get(info_url)).json()["bus"]["snapshots"]
+                w = a.pool.get("ag0")
+                # a batch from the future: the replica sees a gap and asks for a snapshot
+                await nc.jetstream().publish(Subjects("radixfleet").agent("ag0"), json.dumps({
+                    "v": 1, "kind": "agent", "batch": {
+                        "worker_id": "ag0", "url": w.url, "epoch": w.epoch,
+                        "seq": w.next_seq + 1000, "events": []}}).encode())
+                deadline = time.monotonic() + 5
+                while (await c.get(info_url)).json()["bus"]["snapshots"] <= snaps:
+                    assert time.monotonic() < deadline, "no snapshot after the gap"
+                    await asyncio.sleep(0.05)
+            assert metric(a, "radixfleet_bus_messages_published_total",
+                          kind="snapshot_request") >= 1
+            await wait_for(lambda: a.pool.get("ag0").next_seq < 1000, 5, "back in sync")
+        finally:
+            await nc.close()
+            p.__exit__(None, None, None)
+            await sa.aclose()
+
+
+def test_replication_decisions_travel_and_apply_as_one_router_would():
+    from policies.replication import HotRoots
+
+    seen = []
+    mine, theirs = HotRoots(8, max_replicas=2), HotRoots(8, max_replicas=2)
+    mine.listener = lambda *a: seen.append(a)
+    rec = mine.see(77, 3, 5.0, 0.0)
+    mine.add_replica(rec, "w1", 0.0)
+    mine.retire_newest(rec, {"w1"}, 1.0)
+    assert seen == [("add", 77, 3, "w1"), ("retire", 77, 3, "w1")]
+    msg = parse_router(RouterMessage("r", 1, 128, False, {}, [], repl=seen).to_bytes())
+    for op, key, depth, w in msg.repl:
+        theirs.apply_remote(op, key, depth, w, 2.0)
+    r = theirs.get(77)
+    assert r is not None and r.replicas == {} and "w1" in r.retired
+    theirs.apply_remote("add", 77, 3, "w2", 3.0)
+    assert list(theirs.get(77).replicas) == ["w2"]
+    theirs.check()
+    with pytest.raises(BadMessage):
+        parse_router(json.dumps({"v": 1, "kind": "router", "replica": "r", "seq": 1,
+                                 "block_bytes": 128, "repl": [["copy", 1, 1, "w"]]}).encode())
