@@ -55,7 +55,9 @@ from router.dataplane import (
 )
 from router.bus.replica import BusReplica
 from router.discovery import Discovery
+from router.autoscale import fleet_signal, params_from
 from router.engines.manager import Engines
+from router.traffic_log import TrafficLog
 from router.errors import (
     ConfigError, MalformedRequest, NotFound, RequestError, RequestTimeout, retry_after_header,
 )
@@ -131,8 +133,10 @@ class Router:
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
         self.session: aiohttp.ClientSession | None = None  # health checks, models, warm-ups
         self._tasks: set[asyncio.Task] = set()
+        #: per-request traffic log (router.traffic_log), when traffic_log.enabled
+        self.traffic = TrafficLog(cfg.traffic_log) if cfg.traffic_log.enabled else None
         self.dataplane = DataPlane(cfg, self.policy, self.tenants, self.pool, self.index,
-                                   self.metrics, self.engines, self._spawn)
+                                   self.metrics, self.engines, self._spawn, self.traffic)
         #: router.bus.replica.BusReplica while the app runs with ``bus.url`` set
         self.bus: BusReplica | None = None
         self._models_cache: tuple[float, dict] | None = None
@@ -187,6 +191,8 @@ class Router:
             await self.pool.start(self.session)
             await self.engines.start(self.session)
             await self.discovery.start()
+            if self.traffic is not None:
+                self.traffic.start()  # ConfigError for an unwritable directory: refuse
             if self.bus is not None:
                 await self.bus.start()
                 dp.bus = self.bus
@@ -198,6 +204,8 @@ class Router:
             if self.bus is not None:
                 await self.bus.aclose()
             await self.discovery.aclose()
+            if self.traffic is not None:
+                await self.traffic.aclose()
             await self.engines.aclose()
             await self.pool.aclose()
             tasks = list(self._tasks)
@@ -258,10 +266,19 @@ class Router:
         return web.json_response(body, status=503, headers={
             "Retry-After": retry_after_header(self.cfg.health.interval_s)})
 
+    def _scale_signal(self, now: float):
+        """The prefix-aware autoscaling signal (router.autoscale), from the demand
+        meter the data plane feeds, the index's hot prefixes and the routable views."""
+        a = self.cfg.autoscale
+        return fleet_signal(now, self.dataplane.demand, self.index, self.pool.views(now),
+                            params_from(a), lead_s=a.startup_s, hot_k=a.hot_k,
+                            block_tokens=self.cfg.keys.block_bytes // 4)
+
     async def _metrics(self, request: web.Request) -> web.Response:
         now = time.monotonic()
         self.metrics.refresh(self.pool, self.index, now, self.cfg.index.hot_k)
         self.engines.refresh(now)
+        self.metrics.set_autoscale(self._scale_signal(now))
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
 
@@ -390,6 +407,7 @@ class Router:
         return web.json_response({
             "stats": {f: getattr(st, f) for f in st.__slots__},
             "hot_prefixes": hot,
+            "autoscale": self._scale_signal(now).to_json(),
             "policy": {"name": self.policy.name, **self.policy.describe()},
         }, dumps=lambda o: json.dumps(o, default=str))
 

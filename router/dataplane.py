@@ -50,6 +50,7 @@ from policies.base import Reason
 from router import jsonbody
 from router.auth import TenantResolver
 from router.config import Config
+from router.autoscale import DemandMeter
 from router.errors import (
     MalformedRequest, Overloaded, PayloadTooLarge, RequestError, retry_after_header,
 )
@@ -236,8 +237,11 @@ class DataPlane:
 
     def __init__(self, cfg: Config, policy, tenants: TenantResolver, pool: Pool,
                  index: PrefixIndex, metrics: Metrics, engines,
-                 spawn: Callable[[Any], asyncio.Task]) -> None:
+                 spawn: Callable[[Any], asyncio.Task], traffic=None) -> None:
         self.pool = pool
+        self.traffic = traffic  # router.traffic_log.TrafficLog, or None (off)
+        #: decayed demand (prompt and uncached tokens/s): the autoscaling signal's input
+        self.demand = DemandMeter(cfg.autoscale.half_life_s)
         self.engines = engines  # router.engines.manager.Engines: keys, links, usage
         self.index = index
         self.metrics = metrics
@@ -359,13 +363,14 @@ class DataPlane:
             pick = self._pick(w, kr, now)
             if attempt == 0:  # per client request, not per try
                 self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
+                self.demand.observe(now, pick.own, pick.key.prompt_tokens)
                 if d.warm and self.cfg.warmup.enabled:
                     self._schedule_warmups(d.warm, endpoint, body, key, kr.match.depth, now)
             attempt += 1
             tried.append(w.id)
             try:
-                await self._attempt(ex, w, endpoint, raw, body, stream, pick, key.tenant,
-                                    rid, reason, t0)
+                await self._attempt(ex, w, endpoint, raw, body, stream, pick, key,
+                                    session, rid, reason, t0)
                 return
             except _UpstreamFailed as exc:
                 last = exc
@@ -427,8 +432,8 @@ class DataPlane:
             self.bus.hint(w.id, sk.hashes, now)  # queued; published by its own task
         return _Pick(sk, blocks, own, ahead, touches)
 
-    async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", tenant,
-                       rid, reason, t0) -> None:
+    async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", key,
+                       session, rid, reason, t0) -> None:
         """One try on worker ``w`` (its load already counted). Releases the load on
         every path: a streaming request's prompt stops counting as queued prefill at
         its first *content* token (router.sse), never at the headers or a role chunk.
@@ -444,7 +449,7 @@ class DataPlane:
         host, port, hostport = self._addr(w.url)
         t = self.cfg.timeouts
         payload, strip = self.engines.forward_body(link, endpoint, body, raw, stream)
-        fwd = (self.tenants.forward_lines(tenant)
+        fwd = (self.tenants.forward_lines(key.tenant)
                + b"x-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
         head = build_head(endpoint.value, hostport, len(payload), fwd)
         resp = None
@@ -526,6 +531,12 @@ class DataPlane:
             if resp is not None:
                 resp.release()
             pool.finish(w, left, ok)
+            if ok and self.traffic is not None:
+                self.traffic.record(
+                    key, arrival_s=time.time() - (time.monotonic() - t0), worker=w.id,
+                    matched_tokens=pick.blocks * pick.key.block_tokens,
+                    prompt_tokens=usage[0] if usage else None,
+                    cached_tokens=usage[1] if usage else None, ttft_s=ttft, session=session)
             if ok and link is not None:
                 try:
                     link.observe(pick.key, pick.blocks, usage, ttft, pick.ahead, pick.own,

@@ -256,3 +256,44 @@ async def test_stream_load_held_until_first_content_token_and_usage_hidden():
     finally:
         await server.aclose()
         await runner.cleanup()
+
+
+@pytest.mark.integration
+async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_path):
+    import aiohttp
+
+    from router.app import Router, RouterServer
+
+    fake = FakeEngine(prefill_s=0.0)
+    runner, url = await _serve(fake.app())
+    cfg = parse_config({"workers": [{"url": url, "id": "f", "kind": "openai"}],
+                        "health": {"interval_s": 0.2}, "listen": {"port": 0},
+                        "traffic_log": {"enabled": True, "dir": str(tmp_path / "log")}})
+    router = Router(cfg)
+    server = RouterServer(router, port=0)
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        w = router.pool.get("f")
+        for _ in range(100):
+            if w.routable(__import__("time").monotonic()):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            for i in range(3):
+                async with s.post(base + "/v1/chat/completions", json={
+                        "model": "m", "messages": [{"role": "user", "content": "y" * 600}]}) as r:
+                    assert r.status == 200
+            async with s.get(base + "/metrics") as r:
+                text = await r.text()
+            async with s.get(base + "/admin/index") as r:
+                index = await r.json()
+        assert "radixfleet_autoscale_desired_workers 1.0" in text
+        assert index["autoscale"]["desired"] == 1
+    finally:
+        await server.aclose()  # flushes and closes the log
+        await runner.cleanup()
+    lines = [json.loads(x) for f in sorted((tmp_path / "log").iterdir())
+             for x in f.read_text().splitlines()]
+    assert len(lines) == 3 and all(x["worker"] == "f" and x["hash_ids"] for x in lines)
+    assert lines[0]["cached_tokens"] == 0 and lines[0]["input_length"] == 100
