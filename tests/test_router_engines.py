@@ -297,3 +297,23 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
              for x in f.read_text().splitlines()]
     assert len(lines) == 3 and all(x["worker"] == "f" and x["hash_ids"] for x in lines)
     assert lines[0]["cached_tokens"] == 0 and lines[0]["input_length"] == 100
+
+
+async def test_links_of_one_tokenizer_share_a_single_load(tmp_path):
+    """Two engines served by the same tokenizer folder start together: one load,
+    both links keyed (concurrent loads of one folder left one worker on bytes)."""
+    from prometheus_client import CollectorRegistry
+
+    from router.benchmarks.tiny_tokenizer import build
+    from router.engines.manager import Engines
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+
+    src = build(str(tmp_path / "tok"))
+    cfg = parse_config({})
+    index = PrefixIndex()
+    eng = Engines(cfg, Pool(cfg, index), index, CollectorRegistry())
+    a, b, c = await asyncio.gather(eng.load_keyer(src, "a"), eng.load_keyer(src, "b"),
+                                   eng.load_keyer(src, "c"))
+    assert a is not None and a is b is c
+    assert await eng.load_keyer(str(tmp_path / "missing"), "d") is None

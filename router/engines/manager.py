@@ -135,6 +135,7 @@ class Engines:
         #: waiting request an engine reports is assumed to weigh
         self.mean_request_tokens = 0.0
         self._keyers: dict[str, Any] = {}  # tokenizer source -> TokenKeyer (shared)
+        self._keyer_loads: dict[str, asyncio.Future] = {}  # loads under way, by source
         self._spaces_key: tuple | None = None
         self._spaces: list = []
         self._started = False
@@ -202,21 +203,28 @@ class Engines:
         return PrefillRateEstimator(prior)
 
     async def load_keyer(self, source: str, worker: str):
-        """The shared tokenizer of ``source``, loaded off the event loop (a second or
-        two for a real one); None (logged, counted) if it cannot load."""
+        """The shared tokenizer of ``source``, loaded once, off the event loop (a
+        second or two for a real one; links of the same engine wait for the same
+        load); None (logged, counted) if it cannot load."""
         k = self._keyers.get(source)
         if k is not None:
             return k
-        from router.engines.token_keys import TokenizerLoadError, TokenKeyer
+        fut = self._keyer_loads.get(source)
+        if fut is None:
+            from router.engines.token_keys import TokenKeyer
+            fut = self._keyer_loads[source] = asyncio.ensure_future(
+                asyncio.to_thread(TokenKeyer.load, source))
         try:
-            k = await asyncio.to_thread(TokenKeyer.load, source)
-            k = self._keyers.setdefault(source, k)
-        except TokenizerLoadError as exc:
+            k = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, or a broken folder
             self.prom.tokenizer_errors.labels(worker).inc()
             log.error("worker %s: tokenizer %s cannot be loaded (%s): keyed on routing bytes "
                       "instead, events ignored", worker, source, exc)
             return None
-        return k
+        self._keyers.setdefault(source, k)
+        return self._keyers[source]
 
     def new_scraper(self, link: EngineLink):
         from router.engines.engine_metrics import MetricsKind, MetricsScraper
