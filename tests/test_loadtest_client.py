@@ -197,7 +197,11 @@ async def test_failed_flush_fails_the_run_unless_warm_runs_are_allowed(port):
 
 async def test_unnamed_workers_are_counted_from_agent_metrics(port):
     fakes = [FakeServer(worker=None), FakeServer(worker=None)]
-    ports = [port, port + 1 if port < 65000 else port - 1]
+    from tests.procs import free_port
+
+    ports = [port, free_port()]  # port+1 was sometimes taken: both chosen free
+    while ports[1] == port:
+        ports[1] = free_port()
     runners = [await _serve(f, p) for f, p in zip(fakes, ports)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
@@ -230,7 +234,11 @@ def test_cli_ab_run_writes_report_and_plots(tmp_path, port):
     """Two targets through the real CLI (a subprocess), one fake server in a thread."""
     fakes = [FakeServer(worker="a"), FakeServer(worker="b", fail_every=10)]
     loop = asyncio.new_event_loop()
-    ports = [port, port + 1 if port < 65000 else port - 1]
+    from tests.procs import free_port
+
+    ports = [port, free_port()]  # port+1 was sometimes taken: both chosen free
+    while ports[1] == port:
+        ports[1] = free_port()
     runners = []
     started = threading.Event()
 
