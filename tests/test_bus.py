@@ -11,6 +11,7 @@ to local); malformed and foreign messages are counted and ignored.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 
@@ -28,6 +29,17 @@ from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
 
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 8
+
+
+def bounded(timeout_s: float = 120.0):
+    """Every async test here is bounded: a lost wake-up (a server that never comes
+    back, a close that never returns) fails the test instead of stalling the run."""
+    def deco(fn):
+        @functools.wraps(fn)
+        async def run(*args, **kwargs):
+            await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+        return run
+    return deco
 
 
 async def wait_for(pred, timeout_s: float = 10.0, what: str = "") -> None:
@@ -151,6 +163,7 @@ def test_wire_rejects_malformed_and_foreign_messages():
 # ---------------------------------------------------------- against nats-server
 
 
+@bounded()
 async def test_replicas_share_one_truth_and_a_late_replica_warm_starts():
     with NatsServer(free_port()) as ns:
         a, b = bus_router(ns.url, "ra"), bus_router(ns.url, "rb")
@@ -211,6 +224,7 @@ async def test_replicas_share_one_truth_and_a_late_replica_warm_starts():
             await sb.aclose()
 
 
+@bounded()
 async def test_in_flight_counts_are_shared_between_replicas():
     with NatsServer(free_port()) as ns:
         a, b = bus_router(ns.url, "ra"), bus_router(ns.url, "rb")
@@ -248,6 +262,7 @@ async def test_in_flight_counts_are_shared_between_replicas():
             await sb.aclose()
 
 
+@bounded()
 async def test_bus_outage_degrades_to_direct_push_and_local_counts():
     with NatsServer(free_port()) as ns:
         a, b = bus_router(ns.url, "ra"), bus_router(ns.url, "rb")
@@ -314,6 +329,7 @@ async def test_bus_outage_degrades_to_direct_push_and_local_counts():
             await sb.aclose()
 
 
+@bounded()
 async def test_malformed_and_foreign_bus_messages_are_counted_and_ignored():
     with NatsServer(free_port()) as ns:
         a = bus_router(ns.url, "ra")
@@ -348,6 +364,7 @@ async def test_malformed_and_foreign_bus_messages_are_counted_and_ignored():
             await sa.aclose()
 
 
+@bounded()
 async def test_unreachable_bus_at_start_degrades_to_direct_push():
     dead = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     a = bus_router(dead, "ra")
@@ -370,6 +387,7 @@ async def test_unreachable_bus_at_start_degrades_to_direct_push():
         await sa.aclose()
 
 
+@bounded()
 async def test_a_sequence_gap_makes_the_agent_snapshot_again():
     with NatsServer(free_port()) as ns:
         a = bus_router(ns.url, "ra")
