@@ -101,6 +101,8 @@ class Bounds:
         workload stopped it (None when the workload ran whole). ``stopped_by`` is
         ``DriveStats.stopped_by``; ``total`` the workload's request count, if known."""
         of = f" of the workload's {total:,}" if total else ""
+        if total and dispatched >= total:
+            return None  # a bound reached with the last request cuts nothing
         if stopped_by == "requests":
             return f"cut by --requests {self.max_requests:,}: {dispatched:,}{of} requests sent"
         if stopped_by == "duration":

@@ -54,6 +54,8 @@ def test_multiturn_planned_requests_and_cut_note():
     assert "failed turn ends its session" in b.cut_note("exhausted", 7, 12)
     assert Bounds(120, None).cut_note("requests", 120, 320) == (
         "cut by --requests 120: 120 of the workload's 320 requests sent")
+    # --requests equal to the workload's size: the bound cut nothing
+    assert Bounds(80, None).cut_note("requests", 80, 80) is None
 
 
 def test_table_keeps_long_run_names_and_explains_columns():
