@@ -193,6 +193,7 @@ class Router:
             await self.discovery.start()
             if self.traffic is not None:
                 self.traffic.start()  # ConfigError for an unwritable directory: refuse
+                self.metrics.watch_traffic_log(self.traffic)
             if self.bus is not None:
                 await self.bus.start()
                 dp.bus = self.bus
