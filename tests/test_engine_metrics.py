@@ -71,7 +71,7 @@ def test_the_live_vllm_page_reads_exactly():
         kind=MetricsKind.VLLM, waiting_requests=0, running_requests=0, kv_usage=0.0,
         kv_capacity_tokens=4096 * 32, block_size=32, prefix_caching=True,
         prefix_hash_algo="sha256", prefix_queries_tokens=0.0, prefix_hits_tokens=0.0,
-        start_time_s=1796290557.25, models=("tiny",), instances=1)
+        prefilled_requests=0.0, start_time_s=1796290557.25, models=("tiny",), instances=1)
     assert m.kv_capacity_blocks == 4096
     assert detect_kind(VLLM_PAGE) is MetricsKind.VLLM
 
@@ -84,9 +84,12 @@ def test_vllm_values_are_read_from_their_own_series_not_lookalikes():
     page = _set(page, "vllm:prefix_cache_queries_total", "1000.0")
     page = _set(page, "vllm:prefix_cache_queries_created", "5.0")
     page = _set(page, "vllm:prefix_cache_hits_total", "640.0")
+    page = _set(page, "vllm:time_to_first_token_seconds_count", "12.0")
+    page = _set(page, "vllm:time_to_first_token_seconds_sum", "99.0")
     m = parse_metrics(page, MetricsKind.VLLM)
     assert (m.waiting_requests, m.running_requests, m.kv_usage) == (7, 2, 0.25)
     assert (m.prefix_queries_tokens, m.prefix_hits_tokens) == (1000.0, 640.0)
+    assert m.prefilled_requests == 12.0
 
 
 def test_vllm_data_parallel_engines_are_summed_and_capacity_taken_once():
@@ -207,6 +210,7 @@ async def test_the_agents_own_page_reads(agent_page):
     assert (m.waiting_requests, m.running_requests, m.kv_usage) == (0, 0, 0.0)
     assert m.kv_capacity_tokens == 50_000
     assert (m.prefix_queries_tokens, m.prefix_hits_tokens) == (0.0, 0.0)
+    assert m.prefilled_requests == 0.0
     assert m.models == ("agent-model",)
     # the agent's page is SGLang's names too: read as sglang it has no capacity series
     assert parse_metrics(agent_page, MetricsKind.SGLANG).kv_capacity_tokens is None

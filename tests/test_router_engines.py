@@ -317,3 +317,126 @@ async def test_links_of_one_tokenizer_share_a_single_load(tmp_path):
                                    eng.load_keyer(src, "c"))
     assert a is not None and a is b is c
     assert await eng.load_keyer(str(tmp_path / "missing"), "d") is None
+
+
+class FakeVllm:
+    """A vLLM-shaped worker: /v1/completions with usage, /v1/models, /health, and a
+    /metrics page (vLLM 0.32's, tests/data/vllm_metrics.txt) whose queue and
+    counters the test sets."""
+
+    PAGE = (__import__("pathlib").Path(__file__).parent / "data" / "vllm_metrics.txt") \
+        .read_text()
+
+    def __init__(self) -> None:
+        self.series: dict[str, float] = {}
+        self.drop: set[str] = set()  # series left off the page
+
+    def page(self) -> str:
+        out = []
+        for line in self.PAGE.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in self.drop:
+                continue
+            if name in self.series and not line.startswith("#"):
+                line = line.rsplit(" ", 1)[0] + f" {self.series[name]}"
+            out.append(line)
+        return "\n".join(out) + "\n"
+
+    async def metrics(self, request):
+        return web.Response(text=self.page(), content_type="text/plain")
+
+    async def completions(self, request):
+        body = await request.json()
+        n = len(body["prompt"]) // 4
+        return web.json_response({"choices": [{"text": "ok"}], "usage": {
+            "prompt_tokens": n, "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": 0}}})
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def health(self, request):
+        return web.Response(text="")
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)
+        return app
+
+
+@pytest.mark.integration
+async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
+    """A holder whose vLLM queue holds 40 requests other clients sent: priced from the
+    engine's own counters (1,200 uncached tokens per prefilled request), the next
+    turn spills to the idle worker. Without the counters (the fleet's mean of the
+    router's own requests only) the same queue looked cheap and the holder kept it."""
+    import time
+
+    import aiohttp
+
+    from router.app import Router, RouterServer
+
+    fakes = [FakeVllm(), FakeVllm()]
+    served = [await _serve(f.app()) for f in fakes]
+    cfg = parse_config({
+        "workers": [{"url": u, "id": f"v{i}", "kind": "vllm",
+                     "metrics": {"interval_s": 0.05, "timeout_s": 1.0}}
+                    for i, (_, u) in enumerate(served)],
+        "health": {"interval_s": 0.2}, "listen": {"port": 0},
+        "limits": {"worker_queue_requests": 0}})
+    router = Router(cfg)
+    server = RouterServer(router, port=0)
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    prompt = "the shared context of a long conversation " * 200  # ~8.6 KB
+
+    async def send(s, text: str) -> str:
+        async with s.post(base + "/v1/completions", json={"model": "m", "prompt": text,
+                                                          "max_tokens": 1}) as r:
+            assert r.status == 200, await r.text()
+            return r.headers["x-radixfleet-worker"]
+
+    async def queued(wid: str, at_least: int) -> None:
+        for _ in range(200):
+            ld = router.pool.get(wid).load
+            if ld is not None and ld.queued_requests == 40 and ld.queued_tokens >= at_least:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{wid}: {router.pool.get(wid).load}")
+
+    try:
+        for _ in range(200):
+            if all(w.routable(time.monotonic()) for w in router.pool):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            holder = await send(s, prompt)
+            other = "v1" if holder == "v0" else "v0"
+            fake = fakes[int(holder[1])]
+            # 40 waiting, the page without the prefilled-requests counter
+            fake.drop = {"vllm:time_to_first_token_seconds_count"}
+            fake.series = {"vllm:num_requests_waiting": 40.0,
+                           "vllm:num_requests_running": 8.0}
+            await queued(holder, 1)
+            assert await send(s, prompt + " first question") == holder
+            # the engine's counters: 8 requests prefilled, 9,600 uncached tokens
+            fake.drop = set()
+            fake.series.update({"vllm:time_to_first_token_seconds_count": 0.0,
+                                "vllm:prefix_cache_queries_total": 0.0})
+            await asyncio.sleep(0.2)
+            fake.series.update({"vllm:time_to_first_token_seconds_count": 8.0,
+                                "vllm:prefix_cache_queries_total": 9600.0})
+            await queued(holder, 40 * 1200)
+            before = router.metrics.requests.labels(other, "200", "spill_load")._value.get()
+            assert await send(s, prompt + " second question") == other
+            assert router.metrics.requests.labels(other, "200", "spill_load")._value.get() \
+                == before + 1
+            q = router.pool.get(holder).engine.describe()["engine_queue"]
+            assert q["tokens_per_request"] == 1200.0
+    finally:
+        await server.aclose()
+        for runner, _ in served:
+            await runner.cleanup()

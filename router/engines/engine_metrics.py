@@ -12,6 +12,8 @@
                     num_gpu_blocks x block_size                                capacity_tokens
     prefix queries  vllm:prefix_cache_queries_total sglang:prompt_tokens_total radixfleet_agent_
     prefix hits     vllm:prefix_cache_hits_total   sglang:cached_tokens_total  prompt/cached_tokens_total
+    prefilled       vllm:time_to_first_token_      sglang:time_to_first_token_ radixfleet_agent_
+                    seconds_count                  seconds_count               requests_finished_total
     start time      process_start_time_seconds (where published; restart detection)
 
 The first three are required: a page without them is refused (``MISSING_SERIES``).
@@ -113,6 +115,7 @@ class EngineMetrics:
     prefix_hash_algo: str | None  # vLLM's prefix_caching_hash_algo, where published
     prefix_queries_tokens: float | None  # counter: prompt tokens looked up in the cache
     prefix_hits_tokens: float | None  # counter: of those, tokens found cached
+    prefilled_requests: float | None  # counter: requests past their first token
     start_time_s: float | None  # process start, unix seconds, where published
     models: tuple[str, ...]  # model_name labels seen on the required series, sorted
     instances: int  # engines summed (vLLM DP engines, SGLang DP ranks, x models)
@@ -147,12 +150,13 @@ class _Schema:
     capacity: tuple[str, ...]  # a gauge in tokens (empty: vLLM reads cache_config_info)
     queries: tuple[str, ...]
     hits: tuple[str, ...]
+    prefilled: tuple[str, ...]  # a counter of requests past their first token
     instance_labels: tuple[str, ...]  # besides model_name: what tells engines apart
     config_info: str | None = None  # vLLM's info gauge
 
     def names(self) -> tuple[str, ...]:
         out = [*self.waiting, *self.running, *self.usage, *self.capacity, *self.queries,
-               *self.hits, _START_TIME]
+               *self.hits, *self.prefilled, _START_TIME]
         if self.config_info:
             out.append(self.config_info)
         return tuple(out)
@@ -168,6 +172,7 @@ _SCHEMAS: dict[MetricsKind, _Schema] = {
         capacity=(),
         queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
         hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+        prefilled=("vllm:time_to_first_token_seconds_count",),
         instance_labels=("engine",),
         config_info="vllm:cache_config_info",
     ),
@@ -178,6 +183,7 @@ _SCHEMAS: dict[MetricsKind, _Schema] = {
         capacity=("sglang:max_total_num_tokens",),
         queries=("sglang:prompt_tokens_total",),
         hits=("sglang:cached_tokens_total",),
+        prefilled=("sglang:time_to_first_token_seconds_count",),
         instance_labels=("dp_rank",),
     ),
     MetricsKind.AGENT: _Schema(
@@ -187,6 +193,7 @@ _SCHEMAS: dict[MetricsKind, _Schema] = {
         capacity=("radixfleet_agent_kv_capacity_tokens",),
         queries=("radixfleet_agent_prompt_tokens_total",),
         hits=("radixfleet_agent_cached_tokens_total",),
+        prefilled=("radixfleet_agent_requests_finished_total",),
         instance_labels=(),
     ),
 }
@@ -270,6 +277,9 @@ def parse_metrics(text: str, kind: MetricsKind, model: str | None = None) -> Eng
         _per_instance(samples[q_name], inst, q_name, required=False))
     hits = None if h_name is None else _sum_or_none(
         _per_instance(samples[h_name], inst, h_name, required=False))
+    p_name = _first_present(samples, schema.prefilled)
+    prefilled = None if p_name is None else _sum_or_none(
+        _per_instance(samples[p_name], inst, p_name, required=False))
     starts = [v for _, v in samples.get(_START_TIME, ()) if math.isfinite(v) and v > 0]
     return EngineMetrics(
         kind=kind,
@@ -282,6 +292,7 @@ def parse_metrics(text: str, kind: MetricsKind, model: str | None = None) -> Eng
         prefix_hash_algo=algo,
         prefix_queries_tokens=queries,
         prefix_hits_tokens=hits,
+        prefilled_requests=prefilled,
         start_time_s=max(starts) if starts else None,
         models=tuple(sorted(_models(samples[waiting_name]))),
         instances=len(waiting),
@@ -440,8 +451,12 @@ class MetricsScraper:
     now)`` or ``consumer.on_failure(cause, detail)``. Cycles start every
     ``interval_s`` (a slow scrape delays the next, never overlaps it); the first is
     immediate. Staleness: ``fresh(now)`` returns the last reading only while it is at
-    most ``stale_after_s`` old (default three intervals), so a consumer falls back to
-    its own counts once scrapes have failed for that long. ``now`` values come from
+    most ``stale_after_s`` old, so a consumer falls back to its own counts once
+    scrapes have failed for that long. The default, three intervals plus the
+    timeout, keeps a reading while its successor may still be on its way: a busy
+    engine answers /metrics slowly (seconds, measured on a CPU vLLM whose engine
+    took both cores), and a shorter default dropped its load from the view exactly
+    while it was busy. ``now`` values come from
     ``clock`` (``time.monotonic`` unless injected).
 
     The aiohttp session is the caller's (shared by all scrapers); the scraper never
@@ -476,7 +491,8 @@ class MetricsScraper:
         self.name = name or url  # for log lines
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.stale_after_s = 3 * interval_s if stale_after_s is None else stale_after_s
+        self.stale_after_s = 3 * interval_s + timeout_s if stale_after_s is None \
+            else stale_after_s
         self.model = model
         self.max_bytes = max_bytes
         self.state = ScraperState.NEW

@@ -41,6 +41,7 @@ from router.config import WorkerSpec
 from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
+from router.engines.queue_estimate import QueueEstimate
 from router.events import Load
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class EngineLink:
         self.stats = PredictionStats()
         self.rate = engines.new_rate_estimator(spec.prefill_tokens_per_s)
         self._last_metrics = None  # the previous /metrics reading (restart detection)
+        self.queue = QueueEstimate()  # prices the engine's waiting queue
         self._tasks: set[asyncio.Task] = set()
         self._events_logged: set[str] = set()
 
@@ -113,6 +115,10 @@ class EngineLink:
             "prefill_tokens_per_s_own": round(self.rate.tokens_per_s, 1),
             "load_source": "engine" if self.engine_load_fresh(time.monotonic())
             else "router",
+            "engine_queue": {
+                "tokens_per_request": round(self.queue.tokens_per_request, 1),
+                "departures_per_s": None if self.queue.departures_per_s is None
+                else round(self.queue.departures_per_s, 2)},
             "events": None if self.subscriber is None else {
                 "endpoint": self.spec.events.endpoint, "in_sync": self.in_sync,
                 "connected": self.subscriber.connected,
@@ -246,16 +252,18 @@ class EngineLink:
             self.capacity_tokens = m.kv_capacity_tokens
             self._apply_capacity()
         cap = self.capacity_tokens or 0
-        # The engine counts waiting requests, not their tokens. Priced at the fleet's
-        # mean uncached prompt (never this worker's own mean: a worker that holds many
-        # sessions serves short uncached parts, and pricing its queue at them made it
-        # look idle and drew every new session to it).
-        per_req = eng.mean_request_tokens
+        # The engine counts waiting requests, not their tokens nor their wait:
+        # router.engines.queue_estimate prices them (the fleet's mean uncached
+        # prompt, the engine's own, and its departure rate, whichever is larger).
+        self.queue.observe(now, m.waiting_requests, m.prefilled_requests,
+                           m.prefix_queries_tokens, m.prefix_hits_tokens)
+        rate = self.prefill_rate(now)
         load = Load(queued_requests=m.waiting_requests,
-                    queued_tokens=int(m.waiting_requests * per_req),
+                    queued_tokens=self.queue.queued_tokens(
+                        m.waiting_requests, eng.mean_request_tokens, rate),
                     running_requests=m.running_requests,
                     kv_used_tokens=int(m.kv_usage * cap), kv_capacity_tokens=cap,
-                    prefill_tokens_per_s=self.prefill_rate(now))
+                    prefill_tokens_per_s=rate)
         eng.pool.report_load(self.worker, load, now,
                              stale_s=self.scraper.stale_after_s if self.scraper else None)
         eng.prom.scrape_ok(self.worker.id)
@@ -283,6 +291,7 @@ class EngineLink:
 
     def engine_restarted(self, why: str) -> None:
         """A new engine process: its cache is empty."""
+        self.queue.reset()
         self._drop_entries()
         self.engines.prom.resync(self.worker.id, "restart")
         log.warning("worker %s restarted (%s): its index entries were dropped",

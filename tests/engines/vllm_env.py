@@ -159,8 +159,13 @@ class VllmServer:
                # POST /reset_prefix_cache: the A/B runs start cold
                "VLLM_SERVER_DEV_MODE": "1"}
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([str(py), *self.args], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # niced: on this 2-core machine the CPU engine takes both cores, and the router
+        # and the load generator (which in a deployment have CPUs of their own) went
+        # unscheduled for seconds during a flood. (It helps; it does not cure: a
+        # sleeping probe process still missed its wake-up by up to 10 s then.)
+        self.proc = subprocess.Popen(["nice", "-n", "10", str(py), *self.args], env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
