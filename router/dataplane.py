@@ -62,7 +62,7 @@ from router.prefix_index import PrefixIndex
 from router.prefix_keys import Endpoint, request_key
 from router.proxy import UpstreamError, UpstreamPool, build_head
 from router.shedding import Shedder
-from router.sse import StreamWatch, usage_of
+from router.sse import StreamWatch, completion_tokens_of, usage_of
 from router.warmup import WarmupGate, warmup_prefix
 
 log = logging.getLogger("radixfleet.router")
@@ -173,14 +173,16 @@ class _Pick(NamedTuple):
     touches: tuple | None  # approximate mode: the matched blocks' last-use times
 
 
-def _usage_of_body(data: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, cached_tokens) of a non-streamed answer, if it reports them."""
-    if b'"cached_tokens"' not in data:
-        return None
+def _usage_of_body(data: bytes) -> tuple[tuple[int, int] | None, int | None]:
+    """((prompt_tokens, cached_tokens) or None, completion_tokens or None) of a
+    non-streamed answer, as far as it reports them."""
+    if b'"usage"' not in data and b'"meta_info"' not in data:
+        return None, None
     try:
-        return usage_of(json.loads(data))
+        obj = json.loads(data)
     except ValueError:
-        return None
+        return None, None
+    return usage_of(obj), completion_tokens_of(obj)
 
 
 class AiohttpExchange:
@@ -445,6 +447,7 @@ class DataPlane:
         left = pick.own  # tokens still counted on w
         ok: bool | None = None
         usage = None
+        output: int | None = None  # completion tokens the worker reported
         ttft = None
         host, port, hostport = self._addr(w.url)
         t = self.cfg.timeouts
@@ -469,8 +472,8 @@ class DataPlane:
                 if not stream or status != 200:
                     data = await resp.read()
                     ok = True
-                    if status == 200 and link is not None:
-                        usage = _usage_of_body(data)
+                    if status == 200 and (link is not None or self.traffic is not None):
+                        usage, output = _usage_of_body(data)
                     ex.reply(status, data, resp.headers.get("content-type", _JSON),
                              [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, rid),
                               *_retry_after(status, resp.headers)])
@@ -516,7 +519,7 @@ class DataPlane:
                     if tail:
                         await ex.stream_write(tail)
                     await ex.stream_end()
-                    usage = watch.usage
+                    usage, output = watch.usage, watch.output_tokens
                 except (ConnectionResetError, aiohttp.ClientConnectionError):
                     return  # the client went away (ok stays None: not the worker's fault)
                 ok = True
@@ -535,7 +538,7 @@ class DataPlane:
                 self.traffic.record(
                     key, arrival_s=time.time() - (time.monotonic() - t0), worker=w.id,
                     matched_tokens=pick.blocks * pick.key.block_tokens,
-                    prompt_tokens=usage[0] if usage else None,
+                    prompt_tokens=usage[0] if usage else None, output_tokens=output,
                     cached_tokens=usage[1] if usage else None, ttft_s=ttft, session=session)
             if ok and link is not None:
                 try:

@@ -78,15 +78,29 @@ def usage_of(obj) -> tuple[int, int] | None:
     return None
 
 
+def completion_tokens_of(obj) -> int | None:
+    """Generated tokens a response object reports (OpenAI ``usage.completion_tokens``
+    or SGLang ``meta_info.completion_tokens``), or None."""
+    if not isinstance(obj, dict):
+        return None
+    for part in ("usage", "meta_info"):
+        u = obj.get(part)
+        if isinstance(u, dict):
+            n = u.get("completion_tokens")
+            return n if type(n) is int and n >= 0 else None
+    return None
+
+
 class StreamWatch:
     """Scans one SSE response (see the module docstring). Not reusable."""
 
-    __slots__ = ("strip_usage", "first_token", "usage", "_tail")
+    __slots__ = ("strip_usage", "first_token", "usage", "output_tokens", "_tail")
 
     def __init__(self, strip_usage: bool = False) -> None:
         self.strip_usage = strip_usage  # hide the usage-only event the router asked for
         self.first_token = False  # an event with generated output has passed
         self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
+        self.output_tokens: int | None = None  # completion_tokens, where reported
         self._tail = b""  # an incomplete event held until its end arrives
 
     def feed(self, chunk: bytes) -> bytes:
@@ -134,6 +148,9 @@ class StreamWatch:
             return True
         if not self.first_token and _has_output(obj):
             self.first_token = True
+        n = completion_tokens_of(obj)
+        if n is not None:
+            self.output_tokens = n
         u = usage_of(obj)
         if u is not None:
             self.usage = u

@@ -37,6 +37,18 @@ def test_role_chunk_is_not_the_first_token():
     assert w.feed(TOKEN) == TOKEN and w.first_token
 
 
+def test_completion_tokens_are_read_from_usage_or_meta_info():
+    from router.sse import completion_tokens_of
+    assert completion_tokens_of({"usage": {"completion_tokens": 7}}) == 7
+    assert completion_tokens_of({"meta_info": {"completion_tokens": 3}}) == 3
+    for bad in ({"usage": {"completion_tokens": -1}}, {"usage": {"completion_tokens": "7"}},
+                {"usage": {"completion_tokens": True}}, {"usage": None}, [], None):
+        assert completion_tokens_of(bad) is None
+    w = StreamWatch(strip_usage=True)
+    w.feed(TOKEN + USAGE + DONE)
+    assert w.output_tokens == 2 and w.usage == (100, 64)
+
+
 def test_usage_read_and_hidden_only_when_asked():
     w = StreamWatch(strip_usage=True)
     out = w.feed(ROLE + TOKEN + USAGE + DONE)
@@ -297,6 +309,7 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
              for x in f.read_text().splitlines()]
     assert len(lines) == 3 and all(x["worker"] == "f" and x["hash_ids"] for x in lines)
     assert lines[0]["cached_tokens"] == 0 and lines[0]["input_length"] == 100
+    assert all(x["output_length"] == 1 for x in lines)  # the worker's completion_tokens
 
 
 async def test_links_of_one_tokenizer_share_a_single_load(tmp_path):
