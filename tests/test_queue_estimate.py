@@ -107,3 +107,15 @@ def test_the_estimate_is_capped_at_the_load_bound():
 def test_a_bad_time_constant_is_refused(tau):
     with pytest.raises(ValueError):
         QueueEstimate(tau_s=tau)
+
+
+def test_a_request_waiting_one_step_at_a_scrape_is_not_a_saturated_queue():
+    """A lightly used engine (one arrival a second) caught with one request waiting
+    at a scrape, empty at the next: not a measure of its capacity."""
+    q = QueueEstimate()
+    rows = []
+    for k in range(20):
+        rows.append((float(k), 1 if k % 2 == 0 else 0, k, 100 * k, 0))
+    feed(q, rows)
+    assert q.departures_per_s is None
+    assert q.queued_tokens(1, 100.0, RATE) == 100

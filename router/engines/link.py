@@ -42,7 +42,7 @@ from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
 from router.engines.queue_estimate import QueueEstimate
-from router.events import Load
+from router.events import MAX_LOAD_COUNT, Load
 
 if TYPE_CHECKING:
     from router.engines.manager import Engines
@@ -312,7 +312,9 @@ class EngineLink:
 
         ``usage``: (prompt_tokens, cached_tokens) it reported, if any: records the
         prediction error. ``ttft_s`` with the uncached tokens ahead of it at pick
-        time and its own is one prefill-rate sample (router.engines.prefill_rate).
+        time and its own is one prefill-rate sample (router.engines.prefill_rate);
+        its own are the uncached tokens the worker reported where it did
+        (``own_tokens``, the prediction, otherwise).
 
         Correction (approximate mode): ``touches`` are the matched blocks' last-use
         times before this request. If the worker reports fewer cached tokens than
@@ -322,6 +324,13 @@ class EngineLink:
         stays: its prefill has just stored it again.
         """
         eng = self.engines
+        if usage is not None:
+            # The engine's own count of what it prefilled, not the index's prediction:
+            # in approximate mode a prediction that missed cached blocks priced the
+            # request's prefill too high, its short TTFT read as a fast worker (one of
+            # two equal vLLMs learned 12,400 tokens/s, the other 3,000), and misses
+            # herded onto it.
+            own_tokens = min(usage[0] - usage[1], MAX_LOAD_COUNT)  # usage_of: 0 <= c <= p
         eng.mean_request_tokens += 0.05 * (own_tokens - eng.mean_request_tokens)
         if ttft_s is not None and ttft_s > 0:
             self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)

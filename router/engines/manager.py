@@ -114,11 +114,17 @@ class Engines:
     """Per-worker engine links and the key spaces in use (module docstring)."""
 
     #: pseudo-evidence (tokens) of the fleet's pooled prefill rate in each worker's
-    #: own (router.engines.prefill_rate.PrefillRateEstimator.blended). Large: measured
-    #: here, two identical vLLM servers' own estimates differed up to 3x after 30
-    #: requests each, and every such difference herds new sessions onto the one that
-    #: happens to measure faster; a worker must earn a rate of its own (~50 requests)
-    POOL_WEIGHT_TOKENS = 65536.0
+    #: own (router.engines.prefill_rate.PrefillRateEstimator.blended). Large: the
+    #: rate a worker measures depends on how busy it is (a CPU or GPU engine
+    #: prefilling several prompts in one batch reads faster per token), so the
+    #: busier of two identical vLLM servers measured 9,200-12,400 tokens/s and the
+    #: other 2,700-3,000, and misses herded onto the "faster" one (bench/vllm_ab.py,
+    #: approximate mode: imbalance 1.75, hit below round robin's). At 64k tokens of
+    #: pool weight the busy one's evidence dominated; at 512k the two read 3,800 and
+    #: 4,300. A worker's own rate dominates only under sustained heavy prefill
+    #: (decayed evidence saturates at ~43 s of its work), so a fleet of unequal GPUs
+    #: should say so in ``workers[].prefill_tokens_per_s`` (the prior).
+    POOL_WEIGHT_TOKENS = 524288.0
 
     def __init__(self, cfg, pool, index, registry: CollectorRegistry) -> None:
         self.cfg = cfg

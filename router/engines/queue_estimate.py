@@ -18,8 +18,11 @@ directly — is therefore priced from two estimates, and the larger wins:
   engine's queue as fast as its running slots and KV free up (``max-num-seqs``):
   behind long decodes that is far slower than prefill, and a work estimate would
   call a queue of short prompts cheap. Departures are counted only over intervals
-  that began with a non-empty queue (an idle engine departs at the arrival rate,
-  which says nothing about its capacity), as a ratio of exponentially decayed sums
+  that began and ended with a non-empty queue: an engine that is not saturated
+  departs at its arrival rate, which says nothing about its capacity — counting a
+  request caught waiting one scheduler step at a scrape would price a lightly used
+  worker's queue by its few arrivals, make it look long, and send new sessions to
+  the busy one. As a ratio of exponentially decayed sums
   with time constant ``tau_s`` (bursty departures — a batch of eight finishing
   together — average out). The wait is converted to prefill-token equivalents at
   the worker's prefill rate, the unit the policy divides by.
@@ -83,7 +86,7 @@ class QueueEstimate:
             self._last = (now, waiting, prefilled, queries, hits)
             return
         decay = math.exp(-dt / self.tau_s)
-        if w0 > 0:
+        if w0 > 0 and waiting > 0:
             self._dep_n = self._dep_n * decay + dn
             self._dep_t = self._dep_t * decay + dt
         if dn >= 1 and None not in (queries, q0, hits, h0):
