@@ -47,7 +47,7 @@ MODES = {
 
 
 def router_config(port: int, servers, model_dir: Path, *, policy: str, tokenizer: bool,
-                  events: bool) -> dict:
+                  events: bool, params: dict | None = None) -> dict:
     workers = []
     for i, s in enumerate(servers):
         w = {"url": s.url, "id": f"vllm-{'ab'[i]}", "kind": "vllm",
@@ -58,7 +58,8 @@ def router_config(port: int, servers, model_dir: Path, *, policy: str, tokenizer
             w["events"] = {"endpoint": f"tcp://*:{s.events_port}",
                            "replay_endpoint": f"tcp://*:{s.replay_port}"}
         workers.append(w)
-    return {"listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": policy},
+    pol = {"name": policy, **({"params": params} if params else {})}
+    return {"listen": {"host": "127.0.0.1", "port": port}, "policy": pol,
             "health": {"interval_s": 0.5}, "workers": workers,
            # the A/Bs drive a closed loop at the fleet's saturation (the issue's
            # measurement): default shedding (limits.worker_queue_requests) would answer
@@ -81,7 +82,21 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated subset of {', '.join(MODES)}")
     ap.add_argument("--no-smg", action="store_true")
+    ap.add_argument("-P", "--prefix-load-param", action="append", default=[],
+                    metavar="NAME=VALUE",
+                    help="a prefix_load parameter for the prefix_load modes (repeatable), "
+                    "e.g. -P inflight_s=0.05")
     args = ap.parse_args(argv)
+    params = {}
+    for kv in args.prefix_load_param:
+        name, sep, value = kv.partition("=")
+        try:
+            params[name] = json.loads(value) if sep else None
+        except ValueError:
+            params[name] = value
+        if not sep or not name:
+            print(f"vllm_ab: error: -P {kv!r}: expected NAME=VALUE", file=sys.stderr)
+            return 2
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -104,7 +119,9 @@ def main(argv=None) -> int:
         for m in modes:
             port = free_port()
             cfg = tmp / f"{m}.yaml"
-            cfg.write_text(json.dumps(router_config(port, servers, model_dir, **MODES[m])))
+            cfg.write_text(json.dumps(router_config(
+                port, servers, model_dir, **MODES[m],
+                params=params if MODES[m]["policy"] == "prefix_load" else None)))
             procs.append(Proc(radixfleet_argv("router", "--config", str(cfg)),
                               ready_url=f"http://127.0.0.1:{port}/health",
                               timeout_s=60).__enter__())
@@ -173,7 +190,7 @@ def main(argv=None) -> int:
                                            ("truth", "key_space", "prefill_tokens_per_s",
                                             "prediction")}}
                         for w in admin.get("workers", []) if "engine" in w]}
-        doc["bench"] = {"kv": args.kv, "max_num_seqs": args.max_num_seqs, "api": args.api,
+        doc["bench"] = {"prefix_load_params": params, "kv": args.kv, "max_num_seqs": args.max_num_seqs, "api": args.api,
                         "clients": args.clients,
                         "rounds": args.rounds, "concurrency": args.concurrency}
         if args.json:
