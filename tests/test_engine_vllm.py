@@ -500,8 +500,12 @@ def test_ab_multiturn_prefix_load_beats_round_robin(vllm_pair, model_dir, tmp_pa
         assert pl["load_imbalance"] <= 1.5, pl["load_imbalance"]
         assert pl["ttft_ms"]["p99"] <= 1.25 * rr["ttft_ms"]["p99"], (pl["ttft_ms"], rr["ttft_ms"])
         pred = pl.get("prediction") or {}
-        # <= 1 block per response in bench/vllm_ab.py's runs; 2 here for a short, busy run
-        assert pred and all(p["mean_abs_tokens"] <= 64 for p in pred.values()), pred
+        # <= 1 block per response in bench/vllm_ab.py's runs (16M KV, 64 slots). Here
+        # (8M KV = 16k tokens, 8 slots) requests wait in vLLM's queue while it evicts the
+        # prefixes they were routed for, and a few such responses moved the mean to
+        # 67-85 tokens (over-predictions) in 2 runs of ~10: 4 blocks still tells a
+        # working index from a broken one (byte keys without events: 239-296)
+        assert pred and all(p["mean_abs_tokens"] <= 128 for p in pred.values()), pred
     finally:
         for p in procs:
             p.__exit__(None, None, None)
