@@ -90,13 +90,13 @@ def main(argv=None) -> int:
     params = {}
     for kv in args.prefix_load_param:
         name, sep, value = kv.partition("=")
-        try:
-            params[name] = json.loads(value) if sep else None
-        except ValueError:
-            params[name] = value
         if not sep or not name:
             print(f"vllm_ab: error: -P {kv!r}: expected NAME=VALUE", file=sys.stderr)
             return 2
+        try:
+            params[name] = json.loads(value)  # numbers, booleans
+        except ValueError:
+            params[name] = value
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -190,7 +190,8 @@ def main(argv=None) -> int:
                                            ("truth", "key_space", "prefill_tokens_per_s",
                                             "prediction")}}
                         for w in admin.get("workers", []) if "engine" in w]}
-        doc["bench"] = {"prefix_load_params": params, "kv": args.kv, "max_num_seqs": args.max_num_seqs, "api": args.api,
+        doc["bench"] = {"prefix_load_params": params, "kv": args.kv,
+                        "max_num_seqs": args.max_num_seqs, "api": args.api,
                         "clients": args.clients,
                         "rounds": args.rounds, "concurrency": args.concurrency}
         if args.json:

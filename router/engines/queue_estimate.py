@@ -70,21 +70,19 @@ class QueueEstimate:
         """One reading: waiting requests and the engine's counters (None: not
         published). Out-of-order or repeated ``now`` is ignored."""
         last = self._last
+        if last is not None and not now > last[0]:
+            return
         self._last = (now, waiting, prefilled, queries, hits)
         if last is None:
             return
         t0, w0, p0, q0, h0 = last
-        dt = now - t0
-        if not dt > 0:
-            self._last = last
-            return
         if prefilled is None or p0 is None:
             return
         dn = prefilled - p0
         if dn < 0 or (queries is not None and q0 is not None and queries < q0):
-            self.reset()  # a new engine process
-            self._last = (now, waiting, prefilled, queries, hits)
+            self._dep_n = self._dep_t = self._size = 0.0  # a new engine process
             return
+        dt = now - t0
         decay = math.exp(-dt / self.tau_s)
         if w0 > 0 and waiting > 0:
             self._dep_n = self._dep_n * decay + dn
