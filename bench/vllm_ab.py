@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.engines.vllm_env import VllmServer, tiny_model, vllm_python  # noqa: E402
+from tests.engines.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
 from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
 
 MODES = {
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     servers = [VllmServer(free_port(), model=model_dir, kv_bytes=args.kv,
                           max_num_seqs=args.max_num_seqs,
                           events_port=free_port(), replay_port=free_port(),
-                          log_path=tmp / f"vllm-{i}.log") for i in range(2)]
+                          log_path=tmp / f"vllm-{i}.log", omp_cpus=own_core(i))
+               for i in range(2)]
     procs = []
     try:
         for s in servers:

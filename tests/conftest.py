@@ -29,11 +29,12 @@ def vllm_model_dir():
 def vllm_pair(vllm_model_dir, tmp_path_factory):
     """Two vLLM servers with prefix caching, prompt-token details and KV events (ZMQ,
     replay), 16k-token KV caches, at most 8 running sequences each."""
-    from tests.engines.vllm_env import VllmServer
+    from tests.engines.vllm_env import VllmServer, own_core
 
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [VllmServer(free_port(), model=vllm_model_dir, events_port=free_port(),
-                          replay_port=free_port(), log_path=logs / f"vllm-{i}.log")
+                          replay_port=free_port(), log_path=logs / f"vllm-{i}.log",
+                          omp_cpus=own_core(i))
                for i in range(2)]
     try:
         for s in servers:

@@ -113,14 +113,23 @@ def tiny_model() -> Path:
     return out
 
 
+def own_core(i: int) -> str:
+    """The CPU the i-th of several servers binds its compute threads to
+    (``omp_cpus``): one each, round robin over the CPUs this process may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return str(cpus[i % len(cpus)])
+
+
 class VllmServer:
     """One vLLM OpenAI server on 127.0.0.1 (module docstring)."""
 
     def __init__(self, port: int, *, model: Path, name: str = "tiny", block_size: int = 32,
                  kv_bytes: str = "8M", events_port: int | None = None,
                  replay_port: int | None = None, log_path: Path | None = None,
-                 max_model_len: int = 4096, max_num_seqs: int = 8) -> None:
+                 max_model_len: int = 4096, max_num_seqs: int = 8,
+                 omp_cpus: str | None = None) -> None:
         self.port = port
+        self.omp_cpus = omp_cpus
         self.url = f"http://127.0.0.1:{port}"
         self.name = name
         self.block_size = block_size
@@ -158,6 +167,15 @@ class VllmServer:
                "VLLM_LOGGING_LEVEL": "WARNING",
                # POST /reset_prefix_cache: the A/B runs start cold
                "VLLM_SERVER_DEV_MODE": "1"}
+        if self.omp_cpus is not None:
+            # vLLM's CPU backend binds its compute threads itself ("auto": it keeps
+            # one core for its scheduler and binds to the rest — on 2 cores, every
+            # server binds to the same one). Two servers on one core starve each
+            # other: measured, 4 requests to an idle server took 19-22 s while the
+            # other served a closed loop of 4 (0.45 s alone); one core each: 0.3-0.8 s.
+            # Separate engines are separate GPUs in a deployment; one core each is the
+            # nearest this machine comes.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus
         self._log = open(self.log_path, "wb")
         # niced: on this 2-core machine the CPU engine takes both cores, and the router
         # and the load generator (which in a deployment have CPUs of their own) went
