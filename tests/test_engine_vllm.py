@@ -492,10 +492,16 @@ def test_ab_multiturn_prefix_load_beats_round_robin(vllm_pair, model_dir, tmp_pa
         # bench/RESULTS.md; here, a smaller run on a busy CI machine holds the ordering
         # with margins for its noise
         assert pl["hit_rate"] >= 1.3 * rr["hit_rate"], (pl["hit_rate"], rr["hit_rate"])
-        # the issue's <= 1.3 is measured by bench/vllm_ab.py (bench/RESULTS.md: 1.21-1.41
-        # there); 80 requests of 16 sessions on a busy machine: ordering margins only
+        # the issue's <= 1.3 is measured by bench/vllm_ab.py (bench/RESULTS.md, "Stop
+        # 17": 1.06-1.45 there); 80 requests of 16 sessions here: a margin for noise
         assert pl["load_imbalance"] <= 1.5, pl["load_imbalance"]
-        assert pl["ttft_ms"]["p99"] <= 1.25 * rr["ttft_ms"]["p99"], (pl["ttft_ms"], rr["ttft_ms"])
+        # TTFT: on this shared 2-core machine neither the mean nor p99 of 80 requests
+        # holds an order from run to run (after the engines got a core each, prefix_load
+        # over round robin: mean 0.71-1.22x, p99 0.29-1.47x in 8 runs; bench/RESULTS.md,
+        # "Stop 17"). The bound guards against a herd's tail, the defect of this issue
+        # (p99 4-6x round robin's before it).
+        print("TTFT ms", {"round_robin": rr["ttft_ms"], "prefix_load": pl["ttft_ms"]})
+        assert pl["ttft_ms"]["p99"] <= 2.0 * rr["ttft_ms"]["p99"], (pl["ttft_ms"], rr["ttft_ms"])
         pred = pl.get("prediction") or {}
         # <= 1 block per response in bench/vllm_ab.py's runs (16M KV, 64 slots). Here
         # (8M KV = 16k tokens, 8 slots) requests wait in vLLM's queue while it evicts the

@@ -18,6 +18,8 @@ the reason: the engine tests fail loudly, never skip.
 process group with prefix caching, prompt-token details and (optionally) KV events
 on a ZMQ endpoint, waits for ``/health`` (bounded), and on exit stops the group
 (SIGTERM, then SIGKILL). Servers bind 127.0.0.1 only.
+Several servers on this machine each take a core of their own for their compute
+threads (``omp_cpus=own_core(i)``): vLLM's default binds them all to the same one.
 """
 
 from __future__ import annotations
