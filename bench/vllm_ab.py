@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated subset of {', '.join(MODES)}")
     ap.add_argument("--no-smg", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run the whole A/B N times (fresh servers and routers each) "
+                    "and print each mode's median (range) over the runs")
     ap.add_argument("-P", "--prefix-load-param", action="append", default=[],
                     metavar="NAME=VALUE",
                     help="a prefix_load parameter for the prefix_load modes (repeatable), "
@@ -102,8 +106,32 @@ def main(argv=None) -> int:
     if bad:
         print(f"vllm_ab: error: unknown mode(s) {', '.join(bad)}", file=sys.stderr)
         return 2
+    if args.repeat < 1:
+        print("vllm_ab: error: --repeat must be >= 1", file=sys.stderr)
+        return 2
     vllm_python()
     model_dir = tiny_model()
+    docs = []
+    for i in range(args.repeat):
+        if args.repeat > 1:
+            print(f"vllm_ab: run {i + 1} of {args.repeat}", file=sys.stderr, flush=True)
+        doc = run_once(args, modes, params, model_dir)
+        if doc is None:
+            return 1
+        docs.append(doc)
+    if args.repeat > 1:
+        print(summary_table(docs))
+    if args.json:
+        out = docs[0] if args.repeat == 1 else {"bench": docs[0]["bench"], "repeats": docs,
+                                                "summary": summarize(docs)}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | None:
+    """One A/B: two fresh vLLM servers, a router per mode (and smg), the load
+    generator over all of them. The load generator's report with each router's
+    decision counts, or None if the load generator failed."""
     tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
     servers = [VllmServer(free_port(), model=model_dir, kv_bytes=args.kv,
                           max_num_seqs=args.max_num_seqs,
@@ -169,7 +197,7 @@ def main(argv=None) -> int:
         if res.returncode != 0:
             print(f"vllm_ab: the load generator failed (exit {res.returncode})",
                   file=sys.stderr)
-            return 1
+            return None
         doc = json.loads(out.read_text())
         for name, url in targets:  # why each router routed as it did
             if name.startswith("smg"):
@@ -195,14 +223,58 @@ def main(argv=None) -> int:
                         "max_num_seqs": args.max_num_seqs, "api": args.api,
                         "clients": args.clients,
                         "rounds": args.rounds, "concurrency": args.concurrency}
-        if args.json:
-            Path(args.json).write_text(json.dumps(doc, indent=1))
-        return 0
+        return doc
     finally:
         for p in procs:
             p.__exit__(None, None, None)
         for s in servers:
             s.stop()
+
+
+def summarize(docs: list[dict]) -> dict:
+    """Per mode, over the runs: hit rate, its ratio to round robin's in the same run,
+    TTFT p50 / p99 (and p99 over round robin's), imbalance, the worst worker's mean
+    prediction error — each as {median, min, max} (ratios only where round_robin ran)."""
+    per: dict[str, dict[str, list]] = {}
+    for doc in docs:
+        runs = {r["name"]: r for r in doc["runs"]}
+        rr = runs.get("round_robin")
+        for name, r in runs.items():
+            m = per.setdefault(name, {})
+            pred = [p["mean_abs_tokens"] for p in (r.get("prediction") or {}).values()]
+            vals = {"hit": r["hit_rate"], "ttft_p50_ms": r["ttft_ms"]["p50"],
+                    "ttft_p99_ms": r["ttft_ms"]["p99"],
+                    "imbalance": r.get("load_imbalance"),
+                    "prediction_worst_tokens": max(pred) if pred else None}
+            if rr is not None:
+                vals["hit_over_rr"] = r["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None
+                vals["p99_over_rr"] = (r["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"]
+                                       if rr["ttft_ms"]["p99"] else None)
+            for k, v in vals.items():
+                if v is not None:
+                    m.setdefault(k, []).append(v)
+    return {name: {k: {"median": statistics.median(v), "min": min(v), "max": max(v),
+                       "n": len(v)} for k, v in m.items()} for name, m in per.items()}
+
+
+def summary_table(docs: list[dict]) -> str:
+    """The summary as a Markdown table: median (min–max) per mode."""
+    cols = [("hit", "hit", "{:.3f}"), ("hit_over_rr", "hit / rr", "{:.2f}"),
+            ("ttft_p50_ms", "TTFT p50 ms", "{:,.0f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:,.0f}"),
+            ("p99_over_rr", "p99 / rr", "{:.2f}"), ("imbalance", "imbalance", "{:.2f}"),
+            ("prediction_worst_tokens", "prediction, worst worker (tokens)", "{:.1f}")]
+    lines = [f"{len(docs)} runs, median (min–max)", "",
+             "| mode | " + " | ".join(c[1] for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for name, m in summarize(docs).items():
+        cells = []
+        for key, _, fmt in cols:
+            st = m.get(key)
+            cells.append("–" if st is None else
+                         f"{fmt.format(st['median'])} ({fmt.format(st['min'])}–"
+                         f"{fmt.format(st['max'])})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -201,9 +201,18 @@ def prediction_deltas(before: dict, after: dict) -> dict:
     return out
 
 
-async def flush(session: aiohttp.ClientSession, agent_urls: list[str]) -> list[str]:
+async def flush(session: aiohttp.ClientSession, agent_urls: list[str],
+                model: str | None = None) -> list[str]:
     """Flushes every worker's prefix cache (``FLUSH_PATHS``, the first one it serves);
-    returns the URLs that failed."""
+    returns the URLs that failed.
+
+    vLLM queues its ``AllBlocksCleared`` event at the reset but publishes events only
+    after a scheduler step, which an idle engine does not take: without a nudge the
+    routers following its events learn of the flush only after the next run's first
+    requests were routed on the cleared entries (measured: the first turns of a
+    multiturn run all routed "affinity" to blocks the engine no longer held). With
+    ``model``, a one-token request follows each vLLM reset so the event goes out now;
+    its prompt is shorter than a block, so it stores nothing."""
     failed = []
     for url in agent_urls:
         why = None
@@ -213,6 +222,8 @@ async def flush(session: aiohttp.ClientSession, agent_urls: list[str]) -> list[s
                                         timeout=aiohttp.ClientTimeout(total=10)) as r:
                     if r.status < 300:
                         why = None
+                        if path == "/reset_prefix_cache" and model:
+                            await _nudge(session, url, model)
                         break
                     why = f"HTTP {r.status}"
                     if r.status not in (404, 405):
@@ -223,6 +234,19 @@ async def flush(session: aiohttp.ClientSession, agent_urls: list[str]) -> list[s
         if why is not None:
             failed.append(f"{url} ({why})")
     return failed
+
+
+async def _nudge(session: aiohttp.ClientSession, url: str, model: str) -> None:
+    """One tiny completion, so that an idle vLLM takes a step and publishes its
+    queued events (``flush``). A failure only leaves the events for later."""
+    try:
+        async with session.post(url + "/v1/completions",
+                                json={"model": model, "prompt": "flush", "max_tokens": 1},
+                                timeout=aiohttp.ClientTimeout(total=30)) as r:
+            await r.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        log.info("flush: the step after %s's reset failed (%s): its 'cleared' event "
+                 "goes out with the next request", url, exc.__class__.__name__)
 
 
 async def run_target(target: Target, workload: Workload, arrivals, bounds: Bounds, *,
@@ -300,7 +324,7 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                 agents = list(flush_urls or []) or await discover_workers(admin, url)
                 failed: list[str] = []
                 if agents:
-                    failed = await flush(admin, agents)
+                    failed = await flush(admin, agents, target.model)
                     if failed and not allow_warm:
                         raise RunError(
                             f"target {name}: cache flush failed on {', '.join(failed)}; the "

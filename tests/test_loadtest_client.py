@@ -345,3 +345,40 @@ class _Spec:
     max_tokens = 1
     session = "s"
     api = "chat"
+
+
+async def test_a_vllm_reset_is_followed_by_a_step_that_publishes_its_cleared_event(port):
+    """vLLM publishes AllBlocksCleared only after its next scheduler step: the flush
+    nudges it with a one-token request (sub-block prompt, nothing stored), so routers
+    following its events drop their entries before the run, not after its first turns."""
+    import aiohttp
+    from loadtest.main import flush
+
+    seen = []
+
+    async def reset(request):
+        seen.append(("reset", None))
+        return web.json_response({})
+
+    async def complete(request):
+        body = await request.json()
+        seen.append(("complete", body))
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app = web.Application()
+    app.router.add_post("/reset_prefix_cache", reset)  # no /flush_cache: a 404, as vLLM
+    app.router.add_post("/v1/completions", complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            assert await flush(s, [url], "tiny") == []
+            assert seen == [("reset", None),
+                            ("complete", {"model": "tiny", "prompt": "flush", "max_tokens": 1})]
+            seen.clear()
+            assert await flush(s, [url]) == []  # no model known: the reset alone
+            assert seen == [("reset", None)]
+    finally:
+        await runner.cleanup()
