@@ -1,7 +1,7 @@
 """The multiturn A/B in front of two real vLLM servers, every router mode side by side.
 
     python3 bench/vllm_ab.py [--json FILE] [--api chat|completions] [--kv 16M]
-                             [--clients 32] [--rounds 5] [--concurrency 8]
+                             [--clients 32] [--rounds 5] [--concurrency 8] [--repeat N]
 
 Provisions vLLM and the tiny model as the engine tests do (tests/engines/vllm_env.py,
 cached under .cache/engines), starts two vLLM servers on loopback (prefix caching,
@@ -10,7 +10,9 @@ tokens), one radixfleet router per mode below, SGLang's smg (cache_aware) when i
 binary is installed, and runs ``radixfleet loadtest`` over all of them in one run
 (each target cold: vLLM's /reset_prefix_cache between runs). Hit rate is vLLM's own
 ``cached_tokens``; prediction error is the routers' predicted matched tokens against
-it. Figures go to stdout (the load generator's table) and --json.
+it. Figures go to stdout (the load generator's table) and --json; with --repeat N
+the whole A/B runs N times (fresh servers and routers each) and a table of each mode's
+median (min–max) follows — the form bench/RESULTS.md quotes.
 
     round_robin           cache-blind baseline
     prefix_load           precise: KV events + the engine's tokenizer
