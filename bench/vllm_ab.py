@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("-P", "--prefix-load-param", action="append", default=[],
                     metavar="NAME=VALUE",
                     help="a prefix_load parameter for the prefix_load modes (repeatable), "
-                    "e.g. -P inflight_s=0.05")
+                    "e.g. -P prefill_weight=4")
     args = ap.parse_args(argv)
     params = {}
     for kv in args.prefix_load_param:
