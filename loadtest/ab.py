@@ -18,7 +18,16 @@ it started:
             ``--disable-radix-cache`` (``radix off``: every prompt computed whole).
 ``policy``  the value of cache-aware routing, caching held fixed: agents with their
             radix cache behind the router with each of ``--policies`` (default
-            ``prefix_load,round_robin``), restarted between runs.
+            ``prefix_load,round_robin``), restarted between runs. ``smg`` among
+            them is SGLang's own gateway (cache_aware, its defaults; the test
+            extra's ``sglang-router``) in front of the same agents: the live
+            side-by-side with the peer, one command.
+
+``--plain-workers``: the agents send nothing (no registration, no KV events, no
+load reports) and the router takes them as plain OpenAI servers (``kind: openai``,
+the approximate index aged at ``--kv-tokens``, corrected by ``cached_tokens``) —
+what it sees in front of SGLang, llama.cpp or a vLLM without events. smg reads
+no events either way, so its arm always runs against such agents.
 
 Agents run with ``--page-size`` (default 1) in both arms; ``--kv-tokens`` sizes
 each agent's KV pool (default 12,000: eviction matters, as in the demo).
@@ -38,6 +47,8 @@ from router.errors import ConfigError
 log = logging.getLogger(__name__)
 
 AB_KINDS = ("radix", "policy")
+#: the --policies name of SGLang's gateway (cache_aware) in front of the same agents
+SMG = "smg"
 DEFAULT_KV_TOKENS = 12_000
 
 
@@ -55,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--ab radix: the router policy of both arms (default round_robin)")
     g.add_argument("--policies", default="prefix_load,round_robin",
                    help="--ab policy: the two (or more) policies compared")
+    g.add_argument("--plain-workers", action="store_true",
+                   help="--ab: agents that send no events (the router keys, ages and "
+                   "corrects its index itself, as in front of a plain engine)")
     g.add_argument("--out", default="radixfleet-ab", help="--ab: where the fleet logs")
 
 
@@ -74,7 +88,12 @@ def arms(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     if len(names) < 2 or len(set(names)) != len(names):
         raise ConfigError("--policies", "name two or more distinct policies, comma-separated")
     for p in names:
-        policy_class(p, path="--policies")
+        if p != SMG:
+            try:
+                policy_class(p, path="--policies")
+            except ConfigError as exc:
+                raise ConfigError(exc.path, f"{exc.message}, or {SMG} (SGLang's gateway)") \
+                    from None
     return [(p, p, page) for p in names]
 
 
@@ -105,22 +124,34 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
         raise ConfigError("--agents", f"must be in [1, 64], got {args.agents}")
     if args.kv_tokens <= 0:
         raise ConfigError("--kv-tokens", "must be > 0")
+    if any(p == SMG for _, p, _ in plan):
+        from router.benchmarks.smg import require_smg
+
+        require_smg()  # before any agent starts: missing is said at once
+    plain = bool(getattr(args, "plain_workers", False))
     cfg = FleetConfig(agents=args.agents, model=args.agent_model, gpu=args.gpu,
-                      kv_tokens=args.kv_tokens, router_port=0, policy=plan[0][1]).validate()
+                      kv_tokens=args.kv_tokens, router_port=0,
+                      policy=next((p for _, p, _ in plan if p != SMG), "prefix_load"),
+                      plain_workers=plain).validate()
     check_outputs(dirs=[("--out", args.out)])
     fleet = Fleet(cfg, log_dir=os.path.join(args.out, "logs"), start_router=False)
     by_name = {name: (policy, extra) for name, policy, extra in plan}
-    current: list = [None]  # the agents' extra args now running
+    current: list = [None]  # the agents' (extra args, plain) now running
 
     def switch(name: str) -> None:
         policy, extra = by_name[name]
-        if current[0] != extra:
+        want = (list(extra), plain or policy == SMG)
+        if current[0] != want:
             fleet.stop()
             fleet.cfg.agent_args = list(extra)
+            fleet.cfg.plain_workers = want[1]
             fleet.agents = []
             fleet.start_agents()
-            current[0] = extra
-        fleet.start_router(policy)
+            current[0] = want
+        if policy == SMG:
+            fleet.start_smg()
+        else:
+            fleet.start_router(policy)
 
     async def between(name: str) -> None:
         await asyncio.to_thread(switch, name)
@@ -138,6 +169,8 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
     finally:
         fleet.stop()
     for o, (name, policy, extra) in zip(outcomes, plan):
-        o.report["target"] = (f"radixfleet router --policy {policy}; agents "
-                              f"{' '.join(extra) or '(defaults)'}")
+        front = ("smg launch --policy cache_aware (SGLang's gateway)" if policy == SMG
+                 else f"radixfleet router --policy {policy}")
+        events = "no events" if plain or policy == SMG else "events to the router"
+        o.report["target"] = f"{front}; agents {' '.join(extra) or '(defaults)'}, {events}"
     return outcomes

@@ -66,6 +66,9 @@ class FleetConfig:
     router_config: str | None = None
     router_args: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
+    #: agents that send nothing (no registration, no events): the router takes them
+    #: as plain OpenAI servers (kind openai), as it would a llama.cpp or a TGI
+    plain_workers: bool = False
 
     def validate(self) -> "FleetConfig":
         if type(self.agents) is not int or not 1 <= self.agents <= 64:
@@ -123,9 +126,11 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "router.cli", *args]
 
 
-def wait_registered(router_url: str, n: int, timeout_s: float = 15.0) -> None:
+def wait_registered(router_url: str, n: int, timeout_s: float = 15.0,
+                    registered: bool = True) -> None:
     """Waits until the router lists ``n`` routable workers whose agents registered
-    (so feedback flows before load does). Returns early without /admin/workers."""
+    (so feedback flows before load does; ``registered=False``: routable is enough).
+    Returns early without /admin/workers."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -138,7 +143,7 @@ def wait_registered(router_url: str, n: int, timeout_s: float = 15.0) -> None:
             body = r.json()
             items = body.get("workers", []) if isinstance(body, dict) else body
             ready = [w for w in items if isinstance(w, dict) and w.get("routable", True)
-                     and w.get("epoch", "") is not None]
+                     and (not registered or w.get("epoch", "") is not None)]
             if len(ready) >= n:
                 return
         time.sleep(0.2)
@@ -236,7 +241,8 @@ class Fleet:
         for i, (port, url) in enumerate(zip(self.agent_ports, self.agent_urls)):
             argv = cli_argv("agent", "--engine", "sim", "--model", c.model, "--gpu", c.gpu,
                             "--host", c.host, "--port", str(port), "--worker-id", self.worker_id(i),
-                            "--router", self.router_url, *c.agent_args)
+                            *([] if c.plain_workers else ["--router", self.router_url]),
+                            *c.agent_args)
             if c.kv_tokens:
                 argv += ["--kv-tokens", str(c.kv_tokens)]
             child = Child(f"agent {self.worker_id(i)}", argv,
@@ -256,14 +262,47 @@ class Fleet:
         else:
             argv = cli_argv("router", "--host", c.host, "--port", str(self.router_port),
                             "--policy", policy or c.policy, *c.router_args)
-            for url in self.agent_urls:
-                argv += ["--worker", url]
+            for i, url in enumerate(self.agent_urls):
+                if c.plain_workers:
+                    # what the router knows of an engine that sends nothing: its
+                    # URL and KV capacity (the approximate index ages at it)
+                    argv += ["--worker", f"url={url},id={self.worker_id(i)},kind=openai"
+                             + (f",kv_capacity_tokens={c.kv_tokens}" if c.kv_tokens else "")]
+                else:
+                    argv += ["--worker", url]
         self.router = Child(f"router ({policy or c.policy})", argv,
                             os.path.join(self.log_dir, f"router-{policy or c.policy}.log"),
                             self.router_url + "/v1/models")
         self.router.start()
         self.router.wait_ready(self.ready_timeout_s)
-        wait_registered(self.router_url, len(self.agents))
+        wait_registered(self.router_url, len(self.agents), registered=not c.plain_workers)
+
+    def start_smg(self) -> None:
+        """(Re)starts SGLang's gateway, ``smg`` (cache_aware, its defaults), on the
+        router's port in front of the agents, and waits until it lists them all.
+        Raises ``RunError`` when its binary is missing (``router.benchmarks.smg``)."""
+        from router.benchmarks.smg import require_smg
+
+        self.stop_router()
+        argv = [require_smg(), "launch", "--host", self.cfg.host, "--port",
+                str(self.router_port), "--worker-urls", *self.agent_urls,
+                "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(free_port()), "--log-level", "error"]
+        self.router = Child("smg (cache_aware)", argv, os.path.join(self.log_dir, "smg.log"),
+                            self.router_url + "/health")
+        self.router.start()
+        self.router.wait_ready(self.ready_timeout_s)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:  # smg adds workers after /health answers
+            try:
+                r = httpx.get(self.router_url + "/workers", timeout=1.0)
+                if r.status_code == 200 and len(r.json().get("workers", [])) >= len(self.agents):
+                    return
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+            time.sleep(0.2)
+        raise ConfigError(self.router.name, f"lists fewer than {len(self.agents)} workers "
+                          f"after {self.ready_timeout_s:.0f} s; log: {self.router.log_path}")
 
     def stop_router(self) -> None:
         if self.router is not None:

@@ -67,12 +67,16 @@ class MatchResult:
     holds (absent means 0). ``depth`` is the deepest block of the request present
     in the index for any worker; ``rate`` is the decayed request rate (requests/s)
     through that node — the hot-root signal (workers with ``blocks[w] >= depth``
-    are that prefix's holders).
+    are that prefix's holders). ``private``: no earlier request went through that
+    node lately (its decayed count, this request aside, is under one half) — the
+    match is one session's own context, e.g. a conversation's previous turn, not a
+    prefix that other requests share.
     """
 
     blocks: Mapping[WorkerId, int]
     depth: int = 0
     rate: float = 0.0
+    private: bool = False
 
     @property
     def best(self) -> int:

@@ -8,8 +8,9 @@ For each routable worker w (rate_w = its prefill tokens/s)::
                   or when w is over the affinity bound (below) or a retired replica
     saved_s(w)  = matched(w) / rate_w                             prefill the match saves
     ttft(w)     = queue_s(w) + (prompt_tokens - matched(w)) / rate_w
-    score(w)    = queue_s(w) + prefill_weight * (prompt_tokens - matched(w)) / rate_w
-                  - prefill_weight * saved_s(w)**2 / long_match_s
+    score(w)    = queue_s(w) + pw * (prompt_tokens - matched(w)) / rate_w
+                  - pw * saved_s(w)**2 / long_match_s
+    pw          = private_weight if the match is private, else prefill_weight
 
 ``in_flight_tokens`` (the router's count, fresh, uncached parts) and
 ``queued_tokens`` (the agent's report, up to a batch old, whole prompts) are two
@@ -36,6 +37,19 @@ in all): a long cached context is not only long to rebuild, a second copy of it
 also takes that much KV from every other prefix on the new worker, and long
 contexts are the ones that come back (agentic sessions). The affinity bound below
 caps the credit, so this cannot herd. ``Decision.expected_ttft_s`` is ttft(w).
+
+A match is *private* (``MatchResult.private``) when no other request went through
+its deepest block lately: a conversation's next turn matching its own history, not
+a prefix that requests share. Moving it is worth less than moving a shared prefix
+— a second copy of a shared prefix is a replica that later requests use, a second
+copy of a private history serves this request only, the first copy becomes garbage
+— so its reuse counts ``private_weight`` (4) instead of ``prefill_weight`` (2).
+Measured in front of two real vLLM servers, prefix_load at 2 for every match moved
+5-14 conversations per multiturn run onto the less busy worker to save a fraction
+of a second, each move re-prefilling and duplicating a history (bench/RESULTS.md,
+Stop 17); 4 for every match instead lets a burst onto a shared prefix run ~75
+requests deep on its holder instead of 30 (tests: ``test_burst_with_defaults_never_herds``).
+The affinity bound stays at ``prefill_weight`` for both.
 
 Bounded affinity: a matching worker keeps its match only while it is *not*
 overloaded relative to the least-loaded worker L::
@@ -120,6 +134,11 @@ class PrefixLoad(Policy):
             False, "warm a new replica with a prefill-only request (Decision.warm) "
             "instead of sending it the request that triggered it")
         hot_records: int = param(64, "hot prefixes remembered (LRU)", lo=1, hi=100_000)
+        private_weight: float = param(
+            4.0, "prefill_weight for a request whose match is private (MatchResult."
+            "private: no other request went through its deepest node lately, e.g. a "
+            "conversation's next turn): a second copy of it serves nobody else",
+            lo=0.0, hi=100.0)
         long_match_s: float = param(
             0.25, "the reuse credit of a match doubles when it saves this many seconds "
             "of prefill (grows with the saved prefill; 0 = linear)", lo=0.0)
@@ -177,8 +196,9 @@ class PrefixLoad(Policy):
                 return out
             masked, replicas, warm = out
 
-        # Pass 2: scores, bounded affinity.
-        w = p.prefill_weight
+        # Pass 2: scores, bounded affinity (the bound at prefill_weight for every match).
+        wb = p.prefill_weight
+        w = p.private_weight if match.private else wb
         bound_q = lo_q + p.affinity_abs_s
         bound_r = lo_q * p.affinity_rel
         grow = w / p.long_match_s if p.long_match_s > 0 else 0.0
@@ -190,7 +210,7 @@ class PrefixLoad(Policy):
             tps = v.prefill_tokens_per_s
             if b < min_b or (masked and v.id in masked):
                 b = 0
-            elif q > bound_r and q > bound_q + w * b * bt / tps:
+            elif q > bound_r and q > bound_q + wb * b * bt / tps:
                 b = 0
             unc = prompt - b * bt
             if unc < 0:

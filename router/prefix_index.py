@@ -266,8 +266,11 @@ class PrefixIndex:
         elif alive:
             for w in alive:
                 blocks[w] = depth
-        rate = self._lambda * last.hits / inc if count else self._rate(last, now)
-        return MatchResult(blocks, depth, rate)
+        if count:
+            seen = last.hits / inc  # decayed requests through it, this one included
+            return MatchResult(blocks, depth, self._lambda * seen, seen - 1.0 < 0.5)
+        rate = self._rate(last, now)
+        return MatchResult(blocks, depth, rate, rate / self._lambda < 0.5)
 
     def rate(self, key: int, now: float) -> float:
         """Decayed requests/s through the node of ``key`` (0 if absent)."""

@@ -500,7 +500,9 @@ def test_ab_multiturn_prefix_load_beats_round_robin(vllm_pair, model_dir, tmp_pa
         # with margins for its noise
         assert pl["hit_rate"] >= 1.3 * rr["hit_rate"], (pl["hit_rate"], rr["hit_rate"])
         # the issue's <= 1.3 is measured by bench/vllm_ab.py (bench/RESULTS.md, "Stop
-        # 17": 1.06-1.45 there); 80 requests of 16 sessions here: a margin for noise
+        # 18"); 80 requests of 16 sessions here, where one engine stalling for half a
+        # second sends several new sessions to the other (1.00-1.25 in 4 runs at Stop
+        # 18, 1.50 once before private matches stopped spilling): a margin for noise
         assert pl["load_imbalance"] <= 1.5, pl["load_imbalance"]
         # TTFT: on this shared 2-core machine neither the mean nor p99 of 80 requests
         # holds an order from run to run (after the engines got a core each, prefix_load

@@ -92,3 +92,43 @@ def test_loadtest_ab_is_one_command(tmp_path, kind, names):
         assert "prefix caching: hit rate" in p.stdout
     else:
         assert "prefix_load over round_robin: hit rate" in p.stdout
+
+
+@pytest.mark.integration
+def test_ab_policy_runs_smg_beside_ours_in_front_of_plain_agents(tmp_path):
+    """``--policies prefix_load,smg --plain-workers``: SGLang's gateway and ours in
+    front of the same agents, which send nothing; hit rates from the agents' own
+    counters for smg, from the router for ours."""
+    out = tmp_path / "ab.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "router.cli", "loadtest", "--ab", "policy", "--policies",
+         "prefix_load,smg", "--plain-workers", "--agents", "2", "--kv-tokens", "8000",
+         "--out", str(tmp_path / "fleet"), "--workload", "multiturn", "-o", "clients=6",
+         "-o", "rounds=3", "-o", "question_tokens=128", "-o", "output_tokens=8",
+         "--concurrency", "4", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr + p.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["name"] for r in runs] == ["prefix_load", "smg"]
+    for r in runs:
+        assert r["requests"] == r["ok"] == 18 and r["hit_rate"] > 0.3, r
+        assert "no events" in r["target"]
+    assert "SGLang's gateway" in runs[1]["target"]
+    # ours in front of agents that send nothing: kind openai, the index from cached_tokens
+    log = (tmp_path / "fleet" / "logs" / "router-prefix_load.log").read_text()
+    assert "Traceback" not in log
+    assert "prefix_load over smg: hit rate" in p.stdout
+
+
+def test_ab_policies_accept_smg_and_refuse_unknown_names():
+    from argparse import Namespace
+
+    from loadtest.ab import arms
+    from router.errors import ConfigError
+
+    ns = Namespace(ab="policy", policies="prefix_load,smg", page_size=1)
+    assert [a[1] for a in arms(ns)] == ["prefix_load", "smg"]
+    with pytest.raises(ConfigError) as ei:
+        arms(Namespace(ab="policy", policies="prefix_load,sgl", page_size=1))
+    assert ei.value.path == "--policies.name" and ei.value.message.endswith(
+        "round_robin, or smg (SGLang's gateway)")

@@ -120,6 +120,34 @@ def test_scoring_trades_reuse_against_queueing():
     assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
 
 
+def test_a_private_match_is_worth_private_weight_a_shared_one_prefill_weight():
+    # 1,600 of 2,000 tokens held by w0, which has 0.5 s more queue than w1
+    req = RouteRequest(list(range(1, 64)), 2000, 32)
+    vs = [WorkerView("w0", in_flight_tokens=5000, prefill_tokens_per_s=10_000),
+          WorkerView("w1", prefill_tokens_per_s=10_000)]
+    # shared: 0.5 + 2 x 0.04 - 8 x 0.16^2 = 0.375 s against 2 x 0.2 = 0.4 s: stays;
+    # with 0.6 s of queue (0.475 s) it spills
+    shared = MatchResult({"w0": 50}, 50)
+    private = MatchResult({"w0": 50}, 50, private=True)
+    assert policy().choose(req, shared, vs, 0.0).worker == "w0"
+    vs[0] = WorkerView("w0", in_flight_tokens=6000, prefill_tokens_per_s=10_000)
+    d = policy().choose(req, shared, vs, 0.0)
+    assert (d.worker, d.reason) == ("w1", Reason.SPILL_LOAD)
+    # private: 0.6 + 4 x 0.04 - 16 x 0.16^2 = 0.35 s against 4 x 0.2 = 0.8 s: stays
+    d = policy().choose(req, private, vs, 0.0)
+    assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
+    assert policy(private_weight=2.0).choose(req, private, vs, 0.0).worker == "w1"
+    # the affinity bound stays at prefill_weight: 3,584 of 4,000 tokens held, 2.0 s of
+    # queue; the private score would keep it (2.0 + 4 x 0.0416 - 16 x 0.3584^2 = 0.11 s
+    # against 1.6 s), the bound (1.0 + 2 x 0.3584 = 1.72 s) does not
+    req = RouteRequest(list(range(1, 126)), 4000, 32)
+    private = MatchResult({"w0": 112}, 112, private=True)
+    vs[0] = WorkerView("w0", in_flight_tokens=20_000, prefill_tokens_per_s=10_000)
+    d = policy().choose(req, private, vs, 0.0)
+    assert (d.worker, d.reason) == ("w1", Reason.SPILL_LOAD)
+    assert policy(affinity_abs_s=1.3).choose(req, private, vs, 0.0).worker == "w0"
+
+
 def test_unroutable_holders_do_not_count():
     d = policy().choose(hand_req(), MatchResult({"gone": 100}, depth=100),
                         [WorkerView("w0", in_flight_tokens=5), WorkerView("w1")], 0.0)
@@ -135,22 +163,30 @@ def test_conversation_follow_ups_stay_while_load_allows():
     messages = [{"role": "system", "content": "You are terse. " + "R" * 8000},
                 {"role": "user", "content": "question 0"}]
     t = 0.0
-    for turn in range(7):
+    for turn in range(8):
         if turn == 5:
             loop.load["w0"].in_flight_tokens = 4000  # busier, but reuse still wins
         if turn == 6:
-            # 1.1 s vs 0.1 s: queue outweighs reuse (2304 cached tokens: credit
-            # 2 x 0.2304 x (1 + 0.2304 / 0.25) = 0.885 s); at 0.9 s reuse still won
+            # 1.1 s vs 0.1 s: a turn's match is private (no other request went
+            # through its deepest block), so it earns private_weight: 2304 cached
+            # tokens, credit 4 x 0.2304 x (1 + 0.2304 / 0.25) = 1.77 s; at
+            # prefill_weight (2: 0.885 s) it would have spilled
             loop.load["w0"].in_flight_tokens = 11000
+        if turn == 7:
+            # 2.0 s: past the affinity bound (0.1 + 1.0 + 2 x the 0.2624 s its 2624
+            # cached tokens save = 1.62 s), which holds at prefill_weight for any match
+            loop.load["w0"].in_flight_tokens = 20000
         k = chat(messages)
+        # the previous turn's blocks: matched by no request yet
+        assert loop.index.match(k.hashes, t, count=False).private is (turn > 0)
         loop.route(k.hashes, k.prompt_tokens, t)
         messages += [{"role": "assistant", "content": f"answer {turn} " * 20},
                      {"role": "user", "content": f"question {turn + 1}"}]
         t += 5.0  # earlier prefills have finished
     got = [(d.worker, d.reason) for d in loop.decisions]
-    assert got == [("w0", Reason.MISS)] + [("w0", Reason.AFFINITY)] * 5 + [
+    assert got == [("w0", Reason.MISS)] + [("w0", Reason.AFFINITY)] * 6 + [
         ("w1", Reason.SPILL_LOAD)]
-    assert all(d.matched_blocks > 0 for d in loop.decisions[1:6])
+    assert all(d.matched_blocks > 0 for d in loop.decisions[1:7])
 
 
 def test_burst_of_64_spreads_as_the_affinity_bound_dictates():

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from policies.base import EMPTY_MATCH
 from router.prefix_index import EXTRA_HOLDER_BYTES, HEAP_RECORD_BYTES, NODE_BYTES, PrefixIndex
 
 
@@ -142,6 +143,24 @@ def test_hot_counters_decay_with_the_half_life():
     assert later < m.rate / 20
     hot = idx.hot_prefixes(10.0, k=3)
     assert hot[0].hash == sys_prompt[-1] and hot[0].depth == 4 and hot[0].holders == ("w0",)
+
+
+def test_a_match_is_private_until_a_second_request_goes_through_its_deepest_node():
+    idx = PrefixIndex(half_life_s=10.0)
+    turn1 = chain(1, 6)
+    idx.insert("w0", turn1, 0.0)  # a conversation's first turn, as routed
+    turn2 = turn1 + chain(50, 3)
+    assert idx.match(turn2, 1.0, count=False).private  # a look does not count
+    m = idx.match(turn2, 1.0)
+    assert m.depth == 6 and m.private  # the next turn: its own context
+    assert not idx.match(turn1 + chain(60, 3), 1.5).private  # another request: shared
+    assert not idx.match(turn2, 1.5, count=False).private
+    # two requests decay below one half in two half-lives
+    assert not idx.match(turn2, 20.0, count=False).private
+    assert idx.match(turn2, 23.0, count=False).private
+    idx.insert("w0", turn2, 2.0)  # the turn's own blocks: through nobody yet
+    assert idx.match(turn2 + chain(70, 2), 3.0).private
+    assert idx.match([999], 3.0) is EMPTY_MATCH and not EMPTY_MATCH.private
 
 
 def test_hot_counters_survive_renormalisation():

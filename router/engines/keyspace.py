@@ -125,4 +125,5 @@ def merge_matches(primary: SpaceKey, primary_match: MatchResult,
             b = m.blocks.get(w, 0)
             if b:
                 blocks[w] = (b * sk.block_tokens) // pbt
-    return MatchResult(blocks, primary_match.depth, primary_match.rate)
+    return MatchResult(blocks, primary_match.depth, primary_match.rate,
+                       primary_match.private)
