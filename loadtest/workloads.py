@@ -28,6 +28,7 @@ validates options (strings from the CLI or typed values) against the class's
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -131,16 +132,20 @@ class ChatSession(Session):
     extends turn t-1's prompt plus its answer exactly (the chat template is
     prefix-stable: ``router.prefix_keys.render_chat``).
 
-    ``followups[t]`` (optional, per turn after the first) is the role and content
-    appended after the answer instead of a plain user question — the agent
-    workload's tool results.
+    A turn may open with another role than a user question — the agent workload's
+    tool results. ``calls[t]`` (optional) is then the tool call that the answer
+    before turn t made: the history's assistant message carries it as
+    ``tool_calls`` and turn t's tool message answers it by ``tool_call_id``, as the
+    OpenAI API requires (SGLang's gateway and vLLM refuse a tool message that
+    answers no call).
     """
 
-    __slots__ = ("prefix", "tools", "turns", "max_tokens", "history", "turn", "api", "nominal")
+    __slots__ = ("prefix", "tools", "turns", "max_tokens", "history", "turn", "api", "nominal",
+                 "calls")
 
     def __init__(self, id: str, *, prefix: list[dict], turns: list[dict],
                  max_tokens: list[int], api: str = API_CHAT, tools: list | None = None,
-                 nominal: list[int] | None = None) -> None:
+                 nominal: list[int] | None = None, calls: list[dict | None] | None = None) -> None:
         super().__init__(id)
         assert len(turns) == len(max_tokens) and turns, f"{id=} {len(turns)=}"
         self.prefix = prefix          # messages every turn starts with (system prompt)
@@ -151,6 +156,8 @@ class ChatSession(Session):
         self.turn = 0                 # index of the turn handed out last
         self.api = api
         self.nominal = nominal or [0] * len(turns)
+        assert calls is None or len(calls) == len(turns), f"{id=} {len(calls)=}"
+        self.calls = calls
 
     def _spec(self) -> RequestSpec:
         t = self.turn
@@ -179,7 +186,11 @@ class ChatSession(Session):
         if self.turn + 1 >= len(self.turns):
             return None
         self.history.append(self.turns[self.turn])
-        self.history.append({"role": "assistant", "content": answer})
+        answered = {"role": "assistant", "content": answer}
+        call = self.calls[self.turn + 1] if self.calls else None
+        if call is not None:
+            answered["tool_calls"] = [call]
+        self.history.append(answered)
         self.turn += 1
         return self._spec()
 
@@ -506,13 +517,20 @@ class Agent(Workload):
                  for t in range(p.tools)]
         out: list[Session] = []
         for s in range(p.sessions):
+            calls: list[dict | None] = [None]
+            calls += [{"id": f"call_a{s}_{k}", "type": "function",
+                       "function": {"name": f"tool_{(s + k) % p.tools}",
+                                    "arguments": json.dumps({"arg": f"step {k}"})}}
+                      for k in range(1, p.steps)]
             turns = [{"role": "user", "content": self.text(p.task_tokens, f"task/{s}")}]
-            turns += [{"role": "tool", "content": self.text(p.step_tokens, f"result/{s}/{k}")}
+            turns += [{"role": "tool", "tool_call_id": calls[k]["id"],
+                       "content": self.text(p.step_tokens, f"result/{s}/{k}")}
                       for k in range(1, p.steps)]
             nominal = [p.tools_tokens + p.task_tokens + k * (p.step_tokens + p.output_tokens)
                        for k in range(p.steps)]
             out.append(ChatSession(f"a{s}", prefix=[], turns=turns, tools=tools,
-                                   max_tokens=[p.output_tokens] * p.steps, nominal=nominal))
+                                   max_tokens=[p.output_tokens] * p.steps, nominal=nominal,
+                                   calls=calls))
         return out
 
 

@@ -66,6 +66,22 @@ When nobody routable holds ``min_match_tokens`` of the request it is a miss and 
 to the least-loaded worker (least queue_s, ties to the fewest in-flight requests,
 then at random) — never to "the smallest tree" (sglang #14305).
 
+KV turnover: load is not the only thing a holder can run out of. Its KV cache holds
+the prefix *and* the sessions that branch from it; when one worker holds a shared
+prefix (an agent's tool schema) and nothing else is loaded, every new session goes
+there and the worker rewrites its cache faster than sessions come back — measured on
+the agent workload at 12k KV tokens per worker, prefix_load and cache_aware hit 0.62
+where round robin hit 0.86 (SGLang's gateway, which keys chat on the messages and
+not the tools, never saw the shared prefix and hit 0.81). So the policy
+keeps, per worker, the uncached prompt tokens it routed there (decayed, time constant
+``kv_window_s``): the KV the worker writes, which it evicts as fast once full. A worker
+whose cache turns over in less than ``kv_turnover_s`` (capacity / write rate; the
+capacity from the view, unknown = never judged) *and* that writes more than ``kv_rel``
+times the fleet's mean is *churning*: its shared matches earn nothing and misses
+avoid it (when another worker can take them); its private matches (the sessions it
+already holds) stay. A fleet that churns evenly is left alone: spreading would only
+copy the shared prefixes.
+
 Reasons: AFFINITY (the chosen worker has the best match), REPLICA (it is a hot
 prefix's replica, or was just made one), SPILL_LOAD (a better match existed but
 its holder lost on load), MISS.
@@ -84,8 +100,9 @@ this request (reason REPLICA), or with ``warm_ahead`` it is named in
 ``Decision.warm`` for a prefill-only warm-up and the request is scored as usual —
 and surplus replicas are retired as the rate decays.
 
-Cost: O(workers) with no allocation beyond two lists (queue delays, scores) and
-the Decision; a hot prefix adds one dict lookup and O(workers) bookkeeping.
+Cost: O(workers) with no allocation beyond three lists (write rates, queue delays,
+scores) and the Decision; a hot prefix adds one dict lookup and O(workers)
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -145,19 +162,74 @@ class PrefixLoad(Policy):
         tie_s: float = param(
             0.005, "scores within this many seconds of the best are ties (then: longer "
             "match, fewer in-flight requests, random)", lo=0.0)
+        kv_turnover_s: float = param(
+            30.0, "a worker whose KV cache is rewritten faster than this (its capacity "
+            "over the uncached tokens routed to it per second) ...", lo=0.0)
+        kv_rel: float = param(
+            1.25, "... and more than this many times as fast as the fleet's mean loses "
+            "the credit of its shared (not private) matches", lo=1.0)
+        kv_window_s: float = param(
+            10.0, "time constant of the routed-uncached-tokens rate", lo=0.0, lo_open=True)
 
     def __init__(self, params=None, rng=None):
         super().__init__(params, rng)
         p = self.params
         self.hot = HotRoots(p.hot_records, p.max_replicas)
+        # worker -> [decayed uncached tokens routed to it, time of that value]
+        self._written: dict = {}
 
     def choose(self, request: RouteRequest, match: MatchResult,
                views: Sequence[WorkerView], now: float) -> Decision:
+        d = self._choose(request, match, views, now)
+        unc = request.prompt_tokens - d.matched_blocks * request.block_tokens
+        if unc > 0:
+            w = self._written.get(d.worker)
+            if w is None:
+                self._written[d.worker] = [float(unc), now]
+            else:
+                if now > w[1]:
+                    w[0] *= math.exp((w[1] - now) / self.params.kv_window_s)
+                    w[1] = now
+                w[0] += unc
+        return d
+
+    def _write_rate(self, wid, now: float) -> float:
+        """Uncached prompt tokens routed to ``wid`` per second, decayed: the KV the
+        worker writes, which evicts as much once its cache is full."""
+        w = self._written.get(wid)
+        if w is None:
+            return 0.0
+        tau = self.params.kv_window_s
+        return w[0] * math.exp(min(0.0, (w[1] - now) / tau)) / tau
+
+    def _kv_churning(self, views: Sequence[WorkerView], now: float) -> set | None:
+        """Workers whose caches turn over too fast to keep new sessions (params
+        kv_turnover_s, kv_rel), or None."""
+        p = self.params
+        if p.kv_turnover_s <= 0 or not self._written:
+            return None
+        rates = [self._write_rate(v.id, now) for v in views]
+        mean = sum(rates) / len(rates)
+        out = None
+        for v, r in zip(views, rates):
+            cap = v.kv_capacity_tokens
+            if cap > 0 and r > p.kv_rel * mean and cap < p.kv_turnover_s * r:
+                if out is None:
+                    out = set()
+                out.add(v.id)
+        return out
+
+    def _choose(self, request: RouteRequest, match: MatchResult,
+                views: Sequence[WorkerView], now: float) -> Decision:
         p = self.params
         rnd = self.rng.random
         blocks = match.blocks
         bt = request.block_tokens
         prompt = request.prompt_tokens
+
+        # Workers whose caches churn: their shared matches do not count and misses
+        # avoid them (module docstring, "KV turnover").
+        churn = self._kv_churning(views, now)
 
         # Pass 1: queue delays, the least-loaded worker, the best routable match.
         qs = []
@@ -176,13 +248,18 @@ class PrefixLoad(Policy):
                     lo_i = i
             if blocks:
                 b = blocks.get(v.id, 0)
-                if b > best_b:
+                if b > best_b and not (churn and v.id in churn and not match.private):
                     best_b = b
         min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
         if best_b == 0 or best_b < min_b:
-            v = views[lo_i]
+            i = lo_i
+            if churn and views[i].id in churn:
+                j = self._least_loaded_non_holder(views, qs, churn, ())
+                if j >= 0:
+                    i = j
+            v = views[i]
             return Decision(v.id, Reason.MISS, blocks.get(v.id, 0) if blocks else 0,
-                            lo_q + prompt / v.prefill_tokens_per_s)
+                            qs[i] + prompt / v.prefill_tokens_per_s)
 
         masked: dict | None = None
         replicas: dict | None = None
@@ -202,13 +279,14 @@ class PrefixLoad(Policy):
         bound_q = lo_q + p.affinity_abs_s
         bound_r = lo_q * p.affinity_rel
         grow = w / p.long_match_s if p.long_match_s > 0 else 0.0
+        churning = None if match.private else churn
         ss = []
         min_s = _INF
         for i, v in enumerate(views):
             q = qs[i]
             b = blocks.get(v.id, 0)
             tps = v.prefill_tokens_per_s
-            if b < min_b or (masked and v.id in masked):
+            if b < min_b or (masked and v.id in masked) or (churning and v.id in churning):
                 b = 0
             elif q > bound_r and q > bound_q + wb * b * bt / tps:
                 b = 0

@@ -123,8 +123,19 @@ def test_agent_trajectory_grows_and_tools_prefix_is_shared():
     sa, sb = w.sessions()
     a0 = sa.first()
     a1 = sa.follow("call tool_1")
-    assert a1.body["messages"][-1]["role"] == "tool"
-    assert a1.body["messages"][-2] == {"role": "assistant", "content": "call tool_1"}
+    a2 = sa.follow("call again")
+    # as the OpenAI API requires: each tool message answers the call the assistant
+    # message before it made (SGLang's gateway refused 16 of 32 requests without)
+    for spec in (a1, a2):
+        tool, answered = spec.body["messages"][-1], spec.body["messages"][-2]
+        assert tool["role"] == "tool" and answered["role"] == "assistant"
+        (call,) = answered["tool_calls"]
+        assert tool["tool_call_id"] == call["id"] and call["type"] == "function"
+        assert call["function"]["name"].startswith("tool_")
+        json.loads(call["function"]["arguments"])
+    assert a1.body["messages"][-2]["content"] == "call tool_1"
+    assert a2.body["messages"][:len(a1.body["messages"])] == a1.body["messages"]
+    assert a1.body["messages"][-1]["tool_call_id"] != a2.body["messages"][-1]["tool_call_id"]
     assert prompt_bytes(a1).startswith(prompt_bytes(a0)[:-16])
     assert shared_tokens(a0, sb.first()) >= 256  # the tool schema
 

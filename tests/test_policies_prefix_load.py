@@ -148,6 +148,33 @@ def test_a_private_match_is_worth_private_weight_a_shared_one_prefill_weight():
     assert policy(affinity_abs_s=1.3).choose(req, private, vs, 0.0).worker == "w0"
 
 
+def test_a_holder_whose_cache_churns_keeps_its_private_matches_but_not_new_sessions():
+    # every request shares a 2,304-token prefix (72 blocks) that only w0 holds, and
+    # brings 696 tokens of its own: w0 takes them all, writing 696 tokens each
+    req = RouteRequest(list(range(1, 95)), 3000, 32)
+    shared = MatchResult({"w0": 72}, 72)
+    vs = [WorkerView(f"w{i}", kv_capacity_tokens=12_000, prefill_tokens_per_s=10_000)
+          for i in range(4)]
+    pol = policy()
+    got = [pol.choose(req, shared, vs, i * 0.1).worker for i in range(6)]
+    # w0's cache (12k tokens) is rewritten in under kv_turnover_s (30 s) once it takes
+    # 400 tokens/s over kv_window_s (10 s) — 4,000 tokens: after the 6th request — and
+    # nobody else writes (its rate > kv_rel x the fleet's mean)
+    assert got == ["w0"] * 6
+    assert pol._write_rate("w0", 0.6) == pytest.approx(6 * 696 / 10, rel=0.05)  # decayed
+    d = pol.choose(req, shared, vs, 0.6)
+    assert d.reason is Reason.MISS and d.worker != "w0"
+    # a private match (a session's own history) still stays where it is
+    d = pol.choose(req, MatchResult({"w0": 80}, 80, private=True), vs, 0.7)
+    assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
+    # the churn ends as the rate decays
+    assert pol.choose(req, shared, vs, 60.0).worker == "w0"
+    # a worker whose KV capacity is unknown is never judged
+    pol = policy()
+    vs = [WorkerView(f"w{i}", prefill_tokens_per_s=10_000) for i in range(4)]
+    assert {pol.choose(req, shared, vs, i * 0.1).worker for i in range(20)} == {"w0"}
+
+
 def test_unroutable_holders_do_not_count():
     d = policy().choose(hand_req(), MatchResult({"gone": 100}, depth=100),
                         [WorkerView("w0", in_flight_tokens=5), WorkerView("w1")], 0.0)

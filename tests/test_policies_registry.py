@@ -52,8 +52,9 @@ def test_params_are_applied_and_ints_accepted_for_floats():
 
 ALL = ", ".join(NAMES)
 PL_PARAMS = ("affinity_abs_s, affinity_rel, holder_max_rate, hot_min_rate, hot_records, "
-             "hot_utilization, long_match_s, max_replicas, min_match_tokens, prefill_weight, "
-             "private_weight, replicate, tie_s, warm_ahead")
+             "hot_utilization, kv_rel, kv_turnover_s, kv_window_s, long_match_s, "
+             "max_replicas, min_match_tokens, prefill_weight, private_weight, replicate, "
+             "tie_s, warm_ahead")
 
 
 @pytest.mark.parametrize("name, params, path, message", [
