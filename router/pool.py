@@ -158,7 +158,11 @@ class Worker:
                 self.id, reqs, toks, ld.queued_requests,
                 ld.queued_tokens, ld.running_requests, ld.kv_used_tokens,
                 ld.kv_capacity_tokens, rate, self.weight)
-        return WorkerView(self.id, reqs, toks,
+        # no fresh report: the engine's KV capacity is still known where configured or
+        # scraped (a plain engine's YAML kv_capacity_tokens); policies weigh KV by it
+        e = self.engine
+        cap = (e.capacity_tokens or 0) if e is not None else 0
+        return WorkerView(self.id, reqs, toks, kv_capacity_tokens=cap,
                           prefill_tokens_per_s=self.prefill_rate(now), weight=self.weight)
 
     def describe(self, now: float) -> dict:

@@ -453,3 +453,28 @@ async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
         await server.aclose()
         for runner, _ in served:
             await runner.cleanup()
+
+
+@pytest.mark.integration
+async def test_a_plain_engines_configured_kv_capacity_reaches_the_policy_view():
+    """No load report ever comes from a plain engine, yet its KV capacity is known
+    (YAML): prefix_load's KV-turnover rule reads it from the view."""
+    from router.app import Router, RouterServer
+
+    fake = FakeEngine(prefill_s=0.0)
+    runner, url = await _serve(fake.app())
+    cfg = parse_config({"workers": [{"url": url, "id": "p", "kind": "openai",
+                                     "kv_capacity_tokens": 12_345}],
+                        "health": {"interval_s": 0.2}, "listen": {"port": 0}})
+    router = Router(cfg)
+    server = RouterServer(router, port=0)
+    await server.start()
+    try:
+        w = router.pool.get("p")
+        now = __import__("time").monotonic()
+        assert w.engine is not None and w.load is None
+        v = w.build_view(now)
+        assert v.kv_capacity_tokens == 12_345 and v.kv_used_tokens == 0
+    finally:
+        await server.aclose()
+        await runner.cleanup()
