@@ -80,7 +80,9 @@ capacity from the view, unknown = never judged) *and* that writes more than ``kv
 times the fleet's mean is *churning*: its shared matches earn nothing and misses
 avoid it (when another worker can take them); its private matches (the sessions it
 already holds) stay. A fleet that churns evenly is left alone: spreading would only
-copy the shared prefixes.
+copy the shared prefixes. Each router replica counts what it routed (a replica that
+routes a third of the traffic sees a third of each rate: it judges later, never wrongly
+sooner); workers that left the fleet are forgotten.
 
 Reasons: AFFINITY (the chosen worker has the best match), REPLICA (it is a hot
 prefix's replica, or was just made one), SPILL_LOAD (a better match existed but
@@ -183,9 +185,15 @@ class PrefixLoad(Policy):
         d = self._choose(request, match, views, now)
         unc = request.prompt_tokens - d.matched_blocks * request.block_tokens
         if unc > 0:
-            w = self._written.get(d.worker)
+            written = self._written
+            w = written.get(d.worker)
             if w is None:
-                self._written[d.worker] = [float(unc), now]
+                if len(written) > 2 * len(views) + 16:
+                    # workers that left the fleet (discovery churn): keep it bounded
+                    here = {v.id for v in views}
+                    for k in [k for k in written if k not in here]:
+                        del written[k]
+                written[d.worker] = [float(unc), now]
             else:
                 if now > w[1]:
                     w[0] *= math.exp((w[1] - now) / self.params.kv_window_s)
@@ -206,7 +214,8 @@ class PrefixLoad(Policy):
         """Workers whose caches turn over too fast to keep new sessions (params
         kv_turnover_s, kv_rel), or None."""
         p = self.params
-        if p.kv_turnover_s <= 0 or not self._written:
+        if p.kv_turnover_s <= 0 or not self._written or not any(
+                v.kv_capacity_tokens > 0 for v in views):
             return None
         rates = [self._write_rate(v.id, now) for v in views]
         mean = sum(rates) / len(rates)
@@ -419,3 +428,5 @@ class PrefixLoad(Policy):
 
     def check(self) -> None:
         self.hot.check()
+        for wid, (tokens, t) in self._written.items():
+            assert math.isfinite(tokens) and tokens >= 0 and math.isfinite(t), (wid, tokens, t)

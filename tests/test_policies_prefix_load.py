@@ -169,6 +169,11 @@ def test_a_holder_whose_cache_churns_keeps_its_private_matches_but_not_new_sessi
     assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
     # the churn ends as the rate decays
     assert pol.choose(req, shared, vs, 60.0).worker == "w0"
+    pol.check()
+    # workers that left are forgotten once the record outgrows the fleet
+    for i in range(40):
+        pol.choose(req, MatchResult({}), [WorkerView(f"gone{i}")], 100.0 + i)
+    assert len(pol._written) <= 2 + 16 + 1 and "gone39" in pol._written
     # a worker whose KV capacity is unknown is never judged
     pol = policy()
     vs = [WorkerView(f"w{i}", prefill_tokens_per_s=10_000) for i in range(4)]
