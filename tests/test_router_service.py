@@ -265,7 +265,11 @@ async def test_killed_worker_costs_no_request_and_leaves_the_index():
     with pa, pb:
         router, runner, base = await start_router({
             "workers": [{"url": ua, "id": "a"}, {"url": ub, "id": "b"}],
-            "policy": {"name": "round_robin"}})
+            "policy": {"name": "round_robin"},
+            # a's death is a refused connection, seen at once; b, busy with this
+            # load on a loaded CI machine, once took over FAST_HEALTH's 0.5 s to answer
+            # a probe and was marked unhealthy too (503s)
+            "health": {**FAST_HEALTH, "timeout_s": 3.0}})
         try:
             async with httpx.AsyncClient(timeout=10) as c:
                 # a stream on each worker; kill a's process while they run
