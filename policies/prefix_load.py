@@ -196,19 +196,19 @@ class PrefixLoad(Policy):
                 written[d.worker] = [float(unc), now]
             else:
                 if now > w[1]:
-                    w[0] *= math.exp((w[1] - now) / self.params.kv_window_s)
-                    w[1] = now
+                    w[0], w[1] = self._decayed(w, now), now
                 w[0] += unc
         return d
+
+    def _decayed(self, w: list, now: float) -> float:
+        """A ``_written`` record's tokens as of ``now`` (never grown by going back)."""
+        return w[0] * math.exp(min(0.0, (w[1] - now) / self.params.kv_window_s))
 
     def _write_rate(self, wid, now: float) -> float:
         """Uncached prompt tokens routed to ``wid`` per second, decayed: the KV the
         worker writes, which evicts as much once its cache is full."""
         w = self._written.get(wid)
-        if w is None:
-            return 0.0
-        tau = self.params.kv_window_s
-        return w[0] * math.exp(min(0.0, (w[1] - now) / tau)) / tau
+        return 0.0 if w is None else self._decayed(w, now) / self.params.kv_window_s
 
     def _kv_churning(self, views: Sequence[WorkerView], now: float) -> set | None:
         """Workers whose caches turn over too fast to keep new sessions (params
@@ -239,6 +239,7 @@ class PrefixLoad(Policy):
         # Workers whose caches churn: their shared matches do not count and misses
         # avoid them (module docstring, "KV turnover").
         churn = self._kv_churning(views, now)
+        unmatched = None if match.private else churn  # whose matches count for nothing
 
         # Pass 1: queue delays, the least-loaded worker, the best routable match.
         qs = []
@@ -257,12 +258,13 @@ class PrefixLoad(Policy):
                     lo_i = i
             if blocks:
                 b = blocks.get(v.id, 0)
-                if b > best_b and not (churn and v.id in churn and not match.private):
+                if b > best_b and not (unmatched and v.id in unmatched):
                     best_b = b
         min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
         if best_b == 0 or best_b < min_b:
             i = lo_i
             if churn and views[i].id in churn:
+                # the least-loaded worker that is not churning (all churn: lo_i)
                 j = self._least_loaded_non_holder(views, qs, churn, ())
                 if j >= 0:
                     i = j
@@ -288,14 +290,13 @@ class PrefixLoad(Policy):
         bound_q = lo_q + p.affinity_abs_s
         bound_r = lo_q * p.affinity_rel
         grow = w / p.long_match_s if p.long_match_s > 0 else 0.0
-        churning = None if match.private else churn
         ss = []
         min_s = _INF
         for i, v in enumerate(views):
             q = qs[i]
             b = blocks.get(v.id, 0)
             tps = v.prefill_tokens_per_s
-            if b < min_b or (masked and v.id in masked) or (churning and v.id in churning):
+            if b < min_b or (masked and v.id in masked) or (unmatched and v.id in unmatched):
                 b = 0
             elif q > bound_r and q > bound_q + wb * b * bt / tps:
                 b = 0
