@@ -478,3 +478,48 @@ async def test_a_plain_engines_configured_kv_capacity_reaches_the_policy_view():
     finally:
         await server.aclose()
         await runner.cleanup()
+
+
+@pytest.mark.integration
+async def test_a_byte_keyed_engines_configured_kv_capacity_caps_its_index_entries():
+    """A plain engine keyed on routing bytes (no tokenizer) with its KV capacity in
+    the YAML: the index ages its guesses at that capacity. It was never capped (the
+    cap was applied only on moving to a token space or on a scraped capacity), so on
+    the agent workload its entries grew past what the engine held and the router
+    predicted ~1,000 cached tokens a response too many."""
+    import time
+
+    import aiohttp
+
+    from router.app import Router, RouterServer
+
+    fake = FakeEngine(prefill_s=0.0)
+    runner, url = await _serve(fake.app())
+    cap_tokens = 3_200  # 100 blocks of 128 routing bytes (32 tokens of 4 bytes)
+    cfg = parse_config({"workers": [{"url": url, "id": "p", "kind": "openai",
+                                     "kv_capacity_tokens": cap_tokens}],
+                        "health": {"interval_s": 0.2}, "listen": {"port": 0}})
+    router = Router(cfg)
+    server = RouterServer(router, port=0)
+    port = await server.start()
+    index = router.engines.index
+    try:
+        deadline = time.monotonic() + 5
+        while index.capacity("p") is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert index.capacity("p") == cap_tokens // (cfg.keys.block_bytes // 4) == 100
+        while not router.pool.get("p").routable(time.monotonic()):
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            for i in range(4):  # 4 x ~62 blocks of distinct prompts into 100 blocks
+                body = {"model": "m", "messages": [
+                    {"role": "user", "content": f"{i} " + "abcdefgh"[i] * 8000}]}
+                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                  json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+        assert 0 < index.entries("p") <= 100
+        index.check()
+    finally:
+        await server.aclose()
+        await runner.cleanup()

@@ -203,6 +203,11 @@ class EngineLink:
             self.scraper = eng.new_scraper(self)
             await self.scraper.start()
         self._maybe_token_space()
+        # The index ages this worker at its KV capacity in whatever space it is keyed
+        # in: a worker that stays on routing bytes (no tokenizer, another model) with
+        # its capacity from the YAML was never capped — its guesses grew past what the
+        # engine holds and every correction was undone by the next hint.
+        self._apply_capacity()
         if self.spec.events.endpoint and self.keyer is not None and not self.model_mismatch:
             self.subscriber, self.block_map = eng.new_subscriber(self)
             await self.subscriber.start()
