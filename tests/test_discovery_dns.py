@@ -28,9 +28,22 @@ NAME = "vllm.pool.test"
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free for both UDP and TCP on loopback (dnsmasq listens on both: a port
+    free for UDP alone was once taken for TCP by another test's server)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+            t.bind(("127.0.0.1", 0))
+            port = t.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                try:
+                    u.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+
+
+class _PortTaken(RuntimeError):
+    pass
 
 
 class Dnsmasq:
@@ -44,6 +57,15 @@ class Dnsmasq:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Dnsmasq":
+        for _ in range(5):
+            try:
+                return self._start()
+            except _PortTaken:
+                # taken between our check and dnsmasq's bind: another port
+                self.port = free_udp_port()
+        return self._start()
+
+    def _start(self) -> "Dnsmasq":
         argv = [self.binary, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv",
                 "--no-hosts", "--no-poll", f"--addn-hosts={self.hosts}",
                 "--local=/pool.test/", "--listen-address=127.0.0.1", "--bind-interfaces",
@@ -55,7 +77,10 @@ class Dnsmasq:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"dnsmasq exited: {self.proc.stdout.read().decode()}")
+                out = self.proc.stdout.read().decode()
+                if "Address already in use" in out:
+                    raise _PortTaken(out)
+                raise RuntimeError(f"dnsmasq exited: {out}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return self
