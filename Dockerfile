@@ -25,10 +25,12 @@ RUN python -m venv /opt/radixfleet
 ENV PATH=/opt/radixfleet/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY protocol/ protocol/
 COPY router/ router/
 COPY policies/ policies/
 COPY worker_agent/ worker_agent/
 COPY loadtest/ loadtest/
+COPY radixfleet/ radixfleet/
 RUN pip install --no-cache-dir . \
     && python -m compileall -q /opt/radixfleet
 

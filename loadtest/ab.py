@@ -42,7 +42,7 @@ import os
 
 from loadtest.fleet import Fleet, FleetConfig
 from loadtest.report import check_outputs
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
     if args.kv_tokens <= 0:
         raise ConfigError("--kv-tokens", "must be > 0")
     if any(p == SMG for _, p, _ in plan):
-        from router.benchmarks.smg import require_smg
+        from loadtest.smg import require_smg
 
         require_smg()  # before any agent starts: missing is said at once
     plain = bool(getattr(args, "plain_workers", False))

@@ -75,7 +75,7 @@ import numpy as np
 from loadtest.report import check_outputs
 from loadtest.simulator.reference import BlockReference
 from loadtest.trace_format import TRAFFIC_LOG, TraceData, read_trace
-from router.errors import ConfigError, WorkloadError
+from protocol.errors import ConfigError, WorkloadError
 from router.traffic_log import log_files
 from worker_agent.cost_model import ACTIVATION_RESERVE_FRACTION, GPUS, MODELS, CostModel
 

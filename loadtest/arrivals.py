@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
-from router.errors import WorkloadError
+from protocol.errors import WorkloadError
 from loadtest.workloads import RequestSpec, Session
 
 log = logging.getLogger(__name__)

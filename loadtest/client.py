@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from loadtest.workloads import API_CHAT, RequestSpec
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import os
 
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from loadtest.fleet import Fleet, FleetConfig
 from loadtest.main import add_load_arguments, build_load, run_ab
 from loadtest.report import check_outputs, render_table, write_json, write_plots

@@ -19,7 +19,7 @@ Fleet YAML (every key optional; flags given on the command line win)::
       config: router.yaml     # optional: `radixfleet router --config FILE` instead of flags
       args: []                # extra `radixfleet router` arguments
 
-The children are ``python -m router.cli agent|router ...`` processes in their own
+The children are ``python -m radixfleet.cli agent|router ...`` processes in their own
 process groups, logging to ``--log-dir``; ``Fleet`` stops every one it started on
 every exit path (``stop()`` is idempotent). The demo reuses ``Fleet`` and restarts
 only the router between policies.
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import httpx
 import yaml
 
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def load_config(path: str) -> FleetConfig:
 
 
 def cli_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "radixfleet.cli", *args]
 
 
 def wait_registered(router_url: str, n: int, timeout_s: float = 15.0,
@@ -280,8 +280,8 @@ class Fleet:
     def start_smg(self) -> None:
         """(Re)starts SGLang's gateway, ``smg`` (cache_aware, its defaults), on the
         router's port in front of the agents, and waits until it lists them all.
-        Raises ``RunError`` when its binary is missing (``router.benchmarks.smg``)."""
-        from router.benchmarks.smg import require_smg
+        Raises ``RunError`` when its binary is missing (``loadtest.smg``)."""
+        from loadtest.smg import require_smg
 
         self.stop_router()
         argv = [require_smg(), "launch", "--host", self.cfg.host, "--port",

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from router.errors import ConfigError, RunError, WorkloadError
+from protocol.errors import ConfigError, RunError, WorkloadError
 from loadtest.arrivals import Bounds, Closed, DriveStats, Poisson, TraceTimes, drive
 from loadtest.client import Result, Target
 from loadtest.report import (CacheReference, Progress, check_outputs, mark_bounds, render_table,

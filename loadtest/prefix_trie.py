@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 
-from router.prefix_keys import BYTES_PER_TOKEN
+from protocol.prefix_keys import BYTES_PER_TOKEN
 
 _T = BYTES_PER_TOKEN
 

@@ -41,7 +41,7 @@ checks a document)::
 
 Oracle and pooled rates are computed on the prompts *as sent*, in dispatch order,
 over the load generator's own token count (``BYTES_PER_TOKEN``-byte chunks of the
-canonical routing bytes, ``router.prefix_keys``), restricted to ok requests so all
+canonical routing bytes, ``protocol.prefix_keys``), restricted to ok requests so all
 three rates share a denominator's population. ``CacheReference`` does it per
 request at dispatch time; like an engine, both references also cache each answer
 (prompt + generated text) when it comes back, so "any earlier request" includes
@@ -58,8 +58,8 @@ import tempfile
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
-from router.errors import ConfigError
-from router.prefix_keys import Endpoint, routing_bytes
+from protocol.errors import ConfigError
+from protocol.prefix_keys import Endpoint, routing_bytes
 from loadtest.client import Result
 from loadtest.prefix_trie import PrefixTrie, as_tokens
 from loadtest.workloads import API_CHAT, RequestSpec

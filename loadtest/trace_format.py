@@ -27,7 +27,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from router.errors import WorkloadError
+from protocol.errors import WorkloadError
 from router.traffic_log import FORMAT, FORMAT_FAMILY
 
 Record = tuple[float, int, int, list[int]]  # (timestamp_ms, input_length, output_length, ids)

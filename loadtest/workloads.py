@@ -15,7 +15,7 @@ sessions, the same texts and the same arrival offsets, so A/B runs and the offli
 simulator see identical traffic (answers aside, which the fleet writes).
 
 Text of ``n`` tokens is ``n * BYTES_PER_TOKEN`` ASCII bytes (the byte-chunk tokenizer
-of ``router.prefix_keys``), derived from a *text key*: equal keys give equal text,
+of ``protocol.prefix_keys``), derived from a *text key*: equal keys give equal text,
 different keys give unrelated text (a shared prefix longer than a token or two is
 astronomically unlikely). Prefix sharing is therefore exactly what each workload
 says it is — shared system prompts, shared trace hash ids, growing histories.
@@ -36,8 +36,8 @@ from typing import Any, ClassVar, Iterable, Mapping
 
 import xxhash
 
-from router.errors import WorkloadError
-from router.prefix_keys import BYTES_PER_TOKEN
+from protocol.errors import WorkloadError
+from protocol.prefix_keys import BYTES_PER_TOKEN
 
 API_CHAT = "chat"
 API_COMPLETIONS = "completions"
@@ -130,7 +130,7 @@ class ChatSession(Session):
     Turn t sends ``prefix + history + [user: questions[t]]`` where history holds every
     earlier question and the actual answer to it, in order — so turn t's prompt
     extends turn t-1's prompt plus its answer exactly (the chat template is
-    prefix-stable: ``router.prefix_keys.render_chat``).
+    prefix-stable: ``protocol.prefix_keys.render_chat``).
 
     A turn may open with another role than a user question — the agent workload's
     tool results. ``calls[t]`` (optional) is then the tool call that the answer

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Sequence
 
-from router.prefix_keys import WorkerId
+from protocol.prefix_keys import WorkerId
 
 
 class Reason(str, enum.Enum):
@@ -46,7 +46,7 @@ class Reason(str, enum.Enum):
 class RouteRequest:
     """The request as a policy sees it."""
 
-    #: chained block hashes of the routing text (router.prefix_keys)
+    #: chained block hashes of the routing text (protocol.prefix_keys)
     hashes: Sequence[int]
     #: estimated prompt tokens
     prompt_tokens: int

@@ -33,7 +33,7 @@ from typing import Sequence
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_requests
 from policies.params import param
-from router.prefix_keys import BYTES_PER_TOKEN
+from protocol.prefix_keys import BYTES_PER_TOKEN
 
 
 class CacheAware(Policy):

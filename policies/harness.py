@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 
 from policies.base import Decision, Policy, RouteRequest, WorkerView
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
+from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 
 def param(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,

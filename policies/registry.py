@@ -5,7 +5,7 @@
     POLICIES["prefix_load"] is PrefixLoad
     build_policy("prefix_load", {"min_match_tokens": 64}, random.Random(7))
 
-``build_policy`` raises ``router.errors.ConfigError`` whose path names the bad field:
+``build_policy`` raises ``protocol.errors.ConfigError`` whose path names the bad field:
 
     policy.name: 'cache-aware' is not one of cache_aware, consistent_hash, least_load, ...
     policy.params.min_match_tokens: expected an integer >= 0, got -3
@@ -26,7 +26,7 @@ from policies.cache_aware import CacheAware
 from policies.consistent_hash import ConsistentHash
 from policies.params import param_docs, parse_params
 from policies.prefix_load import PrefixLoad
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 #: the policy the router uses when its config names none
 DEFAULT_POLICY = "prefix_load"

@@ -16,16 +16,16 @@ Endpoints::
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
     GET  /admin/index          index stats, hot prefixes, policy.describe()
     POST /admin/reload         re-read the config file (400 with the message if invalid)
-    POST /internal/v1/register, /internal/v1/events            agents (router.events)
+    POST /internal/v1/register, /internal/v1/events            agents (protocol.events)
 
-Listening (``RouterServer``): the raw HTTP/1.1 front of ``router.proxy`` serves the
+Listening (``RouterServer``): the raw HTTP/1.1 front of ``router.front`` serves the
 three data-plane POST paths itself (parsed by httptools) and hands any other
 request, with its connection, to this aiohttp app on the same port — aiohttp's
 request machinery cost about as much as the whole rest of a proxied request. The
 same ``Router.serve`` also runs behind the aiohttp app's own data-plane routes
 (``AiohttpExchange``), for embedding and tests.
 
-Every error is an OpenAI-style JSON body (``router.errors``); bad input is never a
+Every error is an OpenAI-style JSON body (``protocol.errors``); bad input is never a
 500. Lifecycle: the client session, health checks, the reload watcher and warm-up
 tasks live in ``cleanup_ctx``; ``aclose()`` of the pool runs there.
 """
@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router import events as ev
+from protocol import events as ev
 from router import http_errors, jsonbody, openapi
 from router.auth import BearerAuth, TenantResolver, check_exposure
 from router.config import (
@@ -58,7 +58,7 @@ from router.discovery import Discovery
 from router.autoscale import fleet_signal, params_from
 from router.engines.manager import Engines
 from router.traffic_log import TrafficLog
-from router.errors import (
+from protocol.errors import (
     ConfigError, MalformedRequest, NotFound, RequestError, RequestTimeout, retry_after_header,
 )
 from router.identifiers import id_problem, models_problem
@@ -68,8 +68,8 @@ from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from router import served
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import Endpoint
-from router.proxy import UpstreamPool
+from protocol.prefix_keys import Endpoint
+from router.upstream import UpstreamPool
 
 log = logging.getLogger("radixfleet.router")
 
@@ -543,7 +543,7 @@ class Router:
 
 
 class RouterServer:
-    """A ``Router`` listening: the raw front (router.proxy.FrontServer) for the data
+    """A ``Router`` listening: the raw front (router.front.FrontServer) for the data
     plane, the aiohttp app (same port, handed over per connection) for the rest.
 
     Lifecycle: ``await start()`` (runs the app's startup: client sessions, health
@@ -561,7 +561,7 @@ class RouterServer:
         self._closed = False
 
     async def start(self) -> int:
-        from router.proxy import FrontServer
+        from router.front import FrontServer
 
         r = self.router
         self._runner = web.AppRunner(r.app, handler_cancellation=True, access_log=None,

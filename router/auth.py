@@ -1,6 +1,6 @@
 """Identities: bearer tokens for the admin and agent APIs, tenants for the data plane.
 
-The tenant selects the prefix-key namespace (router.prefix_keys; its salt is a
+The tenant selects the prefix-key namespace (protocol.prefix_keys; its salt is a
 secret per deployment, router.tenancy), so it must come from an authenticated
 identity — an API key the YAML maps to a tenant, or a header only when the config
 says a trusted gateway sets it — never from the request body, so no client can
@@ -22,7 +22,7 @@ import ipaddress
 import os
 
 from router.config import Config, TenantConfig
-from router.errors import ConfigError, MalformedRequest, Unauthorized
+from protocol.errors import ConfigError, MalformedRequest, Unauthorized
 from router.identifiers import tenant_problem
 from router.tenancy import TenantSalts
 

@@ -87,9 +87,9 @@ from urllib.parse import urlsplit
 import yaml
 
 from policies.params import check_value
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from router.identifiers import MAX_URL_CHARS, id_problem
-from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
+from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 
 
 class _Missing:

@@ -20,7 +20,7 @@ between the pick and the load count::
     pool.finish(worker)                               on every path (client gone too)
 
 The data plane is written against an *exchange* (one request/response): the raw
-HTTP/1.1 front (``router.proxy.FrontServer``, what ``radixfleet router`` listens
+HTTP/1.1 front (``router.front.FrontServer``, what ``radixfleet router`` listens
 with) and the aiohttp app (``AiohttpExchange``; tests and embedding) both provide
 one. An exchange has ``headers`` (lower-case names), ``await body(limit)``,
 ``reply(status, body, content_type, extra)``, ``await stream_start(content_type,
@@ -51,7 +51,7 @@ from router import jsonbody
 from router.auth import TenantResolver
 from router.config import Config
 from router.autoscale import DemandMeter
-from router.errors import (
+from protocol.errors import (
     MalformedRequest, Overloaded, PayloadTooLarge, RequestError, retry_after_header,
 )
 from router.identifiers import request_id
@@ -59,8 +59,8 @@ from router.metrics import Metrics
 from router.pick import hint_and_count
 from router.pool import Pool
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import Endpoint, request_key
-from router.proxy import UpstreamError, UpstreamPool, build_head
+from protocol.prefix_keys import Endpoint, request_key
+from router.upstream import UpstreamError, UpstreamPool, build_head
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
 from router.warmup import WarmupGate, warmup_prefix

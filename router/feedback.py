@@ -1,4 +1,4 @@
-"""Applies agents' event batches (router.events, contract 2) to the index and pool.
+"""Applies agents' event batches (protocol.events, contract 2) to the index and pool.
 
 Per worker the pool keeps the agent ``epoch`` the router's view follows and the
 ``next_seq`` it expects. A batch is applied when it continues that stream
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from router.events import (
+from protocol.events import (
     STATUS_OK, STATUS_SNAPSHOT_REQUIRED, STATUS_UNKNOWN_WORKER,
     Cleared, EventBatch, Removed, Snapshot, Stored,
 )

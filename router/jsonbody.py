@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from router.errors import MalformedRequest
+from protocol.errors import MalformedRequest
 
 #: Deepest nesting accepted. Real requests nest a dozen levels (a tool's JSON
 #: schema); Python's json gives up somewhere near 1,000, minus the caller's stack.

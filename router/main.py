@@ -28,7 +28,7 @@ import sys
 
 from router.config import (MISSING, Config, config_warnings, load_config, parse_config,
                            with_overrides)
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 log = logging.getLogger("radixfleet.router")
 

@@ -18,7 +18,7 @@ import copy
 import functools
 from typing import Any
 
-from router.events import MAX_LOAD_COUNT, MAX_RATE
+from protocol.events import MAX_LOAD_COUNT, MAX_RATE
 from router.identifiers import MAX_ID_CHARS, MAX_MODELS, MAX_NAME_CHARS, MAX_URL_CHARS
 
 OPENAPI_VERSION = "3.0.3"

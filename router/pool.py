@@ -49,8 +49,8 @@ import aiohttp
 from policies.base import WorkerView
 from router import jsonbody, served
 from router.config import Config, WorkerSpec
-from router.errors import MalformedRequest
-from router.events import MAX_RATE, MIN_RATE, Load
+from protocol.errors import MalformedRequest
+from protocol.events import MAX_RATE, MIN_RATE, Load
 
 log = logging.getLogger("radixfleet.pool")
 

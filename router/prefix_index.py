@@ -1,6 +1,6 @@
 """The router's approximate prefix index: which worker holds which prompt blocks.
 
-Nodes are keyed by chained block hash (router.prefix_keys): because ``h_k``
+Nodes are keyed by chained block hash (protocol.prefix_keys): because ``h_k``
 fingerprints the whole prefix up to block k, one flat ``dict`` from hash to node
 *is* the tree — a match walks the request's hashes through it, never a child
 table. Each node keeps its parent and children (for subtree removal and leaf

@@ -35,8 +35,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
-from router.errors import Overloaded
-from router.events import MAX_RATE, MIN_RATE
+from protocol.errors import Overloaded
+from protocol.events import MAX_RATE, MIN_RATE
 from router.served import serves
 
 #: weight of the newest request in typical_s (about the last 50 requests count)

@@ -100,8 +100,8 @@ from typing import Sequence
 
 import xxhash
 
-from router.errors import ConfigError
-from router.prefix_keys import BYTES_PER_TOKEN, PrefixKey
+from protocol.errors import ConfigError
+from protocol.prefix_keys import BYTES_PER_TOKEN, PrefixKey
 
 log = logging.getLogger("radixfleet.traffic_log")
 

@@ -1,6 +1,6 @@
 """Starting and stopping real processes on loopback for integration tests.
 
-``Proc`` runs ``python -m router.cli ...`` (or any argv) in its own process group,
+``Proc`` runs ``python -m radixfleet.cli ...`` (or any argv) in its own process group,
 waits until an HTTP endpoint answers, and kills the group on exit, whatever
 happened. Every wait is bounded.
 """
@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 def radixfleet_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "radixfleet.cli", *args]
 
 
 class Proc:

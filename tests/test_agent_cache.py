@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.events import Cleared, Removed, Stored
+from protocol.events import Cleared, Removed, Stored
 from worker_agent.radix_cache import AdmissionConfig, RadixCache
 
 

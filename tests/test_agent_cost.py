@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from router.errors import ConfigError
-from router.prefix_keys import BYTES_PER_TOKEN, Endpoint, routing_bytes
+from protocol.errors import ConfigError
+from protocol.prefix_keys import BYTES_PER_TOKEN, Endpoint, routing_bytes
 from worker_agent import tokenizer as tk
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 

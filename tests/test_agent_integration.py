@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from router.benchmarks.smg import find_smg, missing_message
-from router.events import Snapshot
-from router.prefix_keys import Endpoint, request_key
+from loadtest.smg import find_smg, missing_message
+from protocol.events import Snapshot
+from protocol.prefix_keys import Endpoint, request_key
 from tests.test_agent_fakes import FakeRouter
 from tests.procs import Proc, free_port, radixfleet_argv
 

@@ -8,8 +8,8 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
-from router.events import Snapshot, Stored
-from router.prefix_keys import Endpoint, request_key
+from protocol.events import Snapshot, Stored
+from protocol.prefix_keys import Endpoint, request_key
 from tests.test_agent_fakes import FakeRouter
 from tests.procs import free_port
 from worker_agent.reporter import LinkState

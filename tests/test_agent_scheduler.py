@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from router.errors import PromptTooLarge
-from router.events import Removed
-from router.prefix_keys import Endpoint, request_key
+from protocol.errors import PromptTooLarge
+from protocol.events import Removed
+from protocol.prefix_keys import Endpoint, request_key
 from worker_agent import tokenizer as tk
 from worker_agent.cost_model import CostModel
 from worker_agent.kv_pool import KVPool
@@ -79,7 +79,7 @@ def test_growth_during_decode_next_turn_finds_history():
     p1 = tk.encode(k1.data)
     out = tk.generate(7, 40)
     hashes = request_key(Endpoint.CHAT, turn1, block_bytes=64).hashes
-    from router.prefix_keys import block_hashes, namespace_seed
+    from protocol.prefix_keys import block_hashes, namespace_seed
     seed = namespace_seed("m")
     full_hashes = block_hashes(k1.data + tk.decode(out), seed, 64)
     assert full_hashes[: len(hashes)] == hashes

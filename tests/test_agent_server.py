@@ -250,8 +250,8 @@ async def test_engine_bug_fails_requests_instead_of_hanging(agent, monkeypatch):
 
 
 async def test_tenant_header_must_be_utf8(agent):
-    from router.errors import MalformedRequest
-    from router.prefix_keys import Endpoint
+    from protocol.errors import MalformedRequest
+    from protocol.prefix_keys import Endpoint
     from worker_agent.server import _parse
     c, a = await agent(kv_tokens=10_000)
     with pytest.raises(MalformedRequest, match="x-radixfleet-tenant"):

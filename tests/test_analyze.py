@@ -13,8 +13,8 @@ from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
 from loadtest.trace_format import read_trace
 from loadtest.workloads import Trace
-from router.benchmarks.analyze import synthetic_log
-from router.cli import main
+from radixfleet.bench.analyze import synthetic_log
+from radixfleet.cli import main
 from worker_agent.cost_model import CostModel
 
 MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
@@ -154,7 +154,7 @@ def test_skip_bad_counts_and_goes_on(tmp_path, capsys):
 
 
 def test_options_validate():
-    from router.errors import ConfigError
+    from protocol.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--concurrency"):
         Options(concurrency=0).validate()

@@ -1,4 +1,4 @@
-"""The proxy benchmark's lean ends (router.benchmarks.wire): the upstream writes each
+"""The proxy benchmark's lean ends (radixfleet.bench.wire): the upstream writes each
 SSE event separately and the client counts every event that arrives — through the
 radixfleet proxy too — so the benchmark's chunks/s are counted, not computed."""
 
@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from router.app import Router, RouterServer
-from router.benchmarks.wire import LeanClient, LeanUpstream, post_request
+from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
 from router.config import parse_config
 from tests.procs import free_port
 
@@ -56,7 +56,7 @@ async def test_lean_upstream_streams_every_event_as_its_own_write_and_the_client
 
 
 def test_client_counts_events_split_across_reads():
-    from router.benchmarks.wire import _Answer
+    from radixfleet.bench.wire import _Answer
 
     c = LeanClient()
     stream = b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"

@@ -24,7 +24,7 @@ from router.bus.remote_load import RemoteInFlight
 from router.bus.wire import (BadMessage, RouterMessage, Subjects, parse_agent, parse_load,
                              parse_router, worker_token)
 from router.config import parse_config
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
 

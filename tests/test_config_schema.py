@@ -11,7 +11,7 @@ import yaml
 from router.config import (
     MISSING, Config, load_config, parse_config, with_overrides,
 )
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from tests.procs import radixfleet_argv
 
 POLICY_NAMES = "cache_aware, consistent_hash, least_load, power_of_two, prefix_load, random, round_robin"

@@ -108,7 +108,7 @@ def test_entrypoint_is_the_packaged_console_script(final):
 
     entry = exec_form(dict(final)["ENTRYPOINT"])
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert entry == ["radixfleet"] and scripts["radixfleet"] == "router.cli:main"
+    assert entry == ["radixfleet"] and scripts["radixfleet"] == "radixfleet.cli:main"
 
 
 def container_to_repo(final) -> dict[str, pathlib.Path]:
@@ -122,7 +122,7 @@ def container_to_repo(final) -> dict[str, pathlib.Path]:
 
 
 def test_cmd_and_healthcheck_run_on_loopback(final):
-    """The image's command line (entrypoint radixfleet = ``python -m router.cli``),
+    """The image's command line (entrypoint radixfleet = ``python -m radixfleet.cli``),
     with only the listen address moved to loopback and the config path mapped to the
     file the image copies there; then the HEALTHCHECK's command against it."""
     argv = exec_form(dict(final)["CMD"])

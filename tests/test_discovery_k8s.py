@@ -16,7 +16,7 @@ from router.config import parse_config
 from router.discovery import Discovery
 from router.discovery.base import Endpoint
 from router.discovery.k8s import own_namespace, parse_slice
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
 from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches

@@ -40,7 +40,7 @@ from router.engines.zmq_events import (
     END_SEQ, KvEventSubscriber, replace_wildcard, subscriber_endpoint,
 )
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import token_block_hashes, token_namespace_seed
+from protocol.prefix_keys import token_block_hashes, token_namespace_seed
 
 from tests.data.capture_vllm_kv_events import REPLAY, SUB, read_capture
 

@@ -5,7 +5,7 @@
 No SGLang runs here (ENGINES.md): the worker is an aiohttp server whose prefix cache
 is ``tests.test_engine_events.FakeEngine`` (LRU over leaf pages) in SGLang style,
 publishing each step's events on a ZMQ PUB socket it binds, tokenizing with the tiny
-model's tokenizer (router.benchmarks.tiny_tokenizer, built without torch).
+model's tokenizer (radixfleet.bench.tiny_tokenizer, built without torch).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from router.benchmarks.tiny_tokenizer import build as build_tokenizer
+from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
 from router.config import parse_config
 from router.engines.token_keys import TokenKeyer
-from router.prefix_keys import Endpoint
+from protocol.prefix_keys import Endpoint
 from tests.procs import free_port
 from tests.test_engine_events import FakeEngine
 

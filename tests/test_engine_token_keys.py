@@ -3,7 +3,7 @@
 The token ids are checked against vLLM 0.32's own answers, recorded in
 ``tests/data/vllm_token_ids.json`` by tests/test_engine_token_keys_vllm.py (which
 re-checks them against a live vLLM in the engine tests). The tokenizer is the tiny
-test model's, rebuilt here without torch (router.benchmarks.tiny_tokenizer); its
+test model's, rebuilt here without torch (radixfleet.bench.tiny_tokenizer); its
 tokenizer.json must hash to what the recording engine served.
 """
 
@@ -17,13 +17,13 @@ from array import array
 
 import pytest
 
-from router.benchmarks.tiny_tokenizer import TOKENIZER_JSON_SHA256, build, tokenizer_json_sha256
+from radixfleet.bench.tiny_tokenizer import TOKENIZER_JSON_SHA256, build, tokenizer_json_sha256
 from router.engines.chat_render import ChatTemplate, detect_content_format
 from router.engines.piece_encoder import PieceEncoder, piecewise_blocker
 from router.engines.token_keys import TokenizerLoadError, TokenKey, TokenKeyer
 from router.engines.tokenizer_registry import TokenizerRegistry
-from router.errors import ConfigError, MalformedRequest
-from router.prefix_keys import Endpoint, token_block_hashes, token_namespace_seed
+from protocol.errors import ConfigError, MalformedRequest
+from protocol.prefix_keys import Endpoint, token_block_hashes, token_namespace_seed
 from tests.test_engine_token_keys_vllm import FIXTURE, check_case
 
 with open(FIXTURE, encoding="utf-8") as _f:
@@ -703,7 +703,7 @@ def test_registry_shares_one_keyer_per_tokenizer(tiny_dir, tmp_path):
 
 
 def test_bench_routing_token_rows_json(capsys):
-    from router.cli import main as cli_main
+    from radixfleet.cli import main as cli_main
 
     assert cli_main(["bench", "routing", "--requests", "50", "--token-requests", "30",
                      "--policies", "prefix_load", "--tokenizer-backends", "tokenizers",
@@ -728,7 +728,7 @@ def test_bench_routing_token_rows_json(capsys):
     (["--token-requests", "-1"], "expected an integer >= 0"),
 ])
 def test_bench_routing_bad_input_is_one_line_and_exit_2(capsys, argv, msg):
-    from router.cli import main as cli_main
+    from radixfleet.cli import main as cli_main
 
     try:
         code = cli_main(["bench", "routing", "--requests", "5", "--policies", "prefix_load",

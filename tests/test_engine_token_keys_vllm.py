@@ -28,8 +28,8 @@ import urllib.request
 import pytest
 
 from router.engines.token_keys import TokenKeyer
-from router.errors import MalformedRequest
-from router.prefix_keys import Endpoint
+from protocol.errors import MalformedRequest
+from protocol.prefix_keys import Endpoint
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "vllm_token_ids.json")
 MODEL = "tiny"
@@ -330,7 +330,7 @@ def router_ids(keyer: TokenKeyer, endpoint: str, body: dict):
 
 def record(url: str) -> dict:
     """The engine's answers to every case (the offline fixture's content)."""
-    from router.benchmarks.tiny_tokenizer import tokenizer_json_sha256
+    from radixfleet.bench.tiny_tokenizer import tokenizer_json_sha256
 
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         models = json.loads(r.read())
@@ -369,7 +369,7 @@ def live_cases(vllm_url: str) -> dict:
 def keyer(vllm_url: str, tmp_path_factory) -> TokenKeyer:
     """The keyer of the tokenizer the engine serves (read from its /v1/models root when
     that folder is here, else the deterministic rebuild of the tiny tokenizer)."""
-    from router.benchmarks.tiny_tokenizer import build
+    from radixfleet.bench.tiny_tokenizer import build
 
     with urllib.request.urlopen(vllm_url + "/v1/models", timeout=10) as r:
         root = json.loads(r.read())["data"][0].get("root", "")

@@ -78,8 +78,8 @@ def test_restarted_router_is_routable_as_soon_as_it_listens(tmp_path):
         "listen": {"port": port}, "workers": [{"url": f"http://127.0.0.1:{pa}", "id": "a"}],
         "health": {"interval_s": 1.0, "timeout_s": 0.5}, "reload": {"watch": False}}))
     logs = open(tmp_path / "procs.log", "wb")
-    agent = [sys.executable, "-m", "router.cli", "agent", "--kv-tokens", "50000"]
-    router_argv = [sys.executable, "-m", "router.cli", "router", "--config", str(cfg)]
+    agent = [sys.executable, "-m", "radixfleet.cli", "agent", "--kv-tokens", "50000"]
+    router_argv = [sys.executable, "-m", "radixfleet.cli", "router", "--config", str(cfg)]
     procs = [_spawn([*agent, "--port", str(pa), "--served-model-name", "fz-a"], logs),
              _spawn([*agent, "--port", str(pb), "--served-model-name", "fz-b",
                      "--worker-id", "b", "--router", base], logs)]

@@ -105,11 +105,11 @@ class LiveFleet:
             "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
             "reload": {"watch": False},
         }))
-        self.children = [Child([sys.executable, "-m", "router.cli", "router", "--config",
+        self.children = [Child([sys.executable, "-m", "radixfleet.cli", "router", "--config",
                                 str(cfg)], str(tmp / "router.log"), env)]
         for model, port in zip(MODELS, self.agent_ports):
             self.children.append(Child(
-                [sys.executable, "-m", "router.cli", "agent", "--port", str(port),
+                [sys.executable, "-m", "radixfleet.cli", "agent", "--port", str(port),
                  "--served-model-name", model, "--worker-id", model, "--kv-tokens", "100000",
                  "--router", self.base, "--log-level", "info"],
                 str(tmp / f"agent-{model}.log"), env))

@@ -4,7 +4,7 @@ models, shedding works by default, identifiers and config are bounded and checke
 metrics are hygienic, namespaces never collide.
 
 A real router (the raw front, in-process, on a free port) in front of real
-upstreams (``router.benchmarks.proxy.upstream_app``) or real agents
+upstreams (``radixfleet.bench.proxy.upstream_app``) or real agents
 (``worker_agent.server.create_app``, in-process)."""
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from hypothesis import given, settings, strategies as st
 from policies.base import MatchResult, RouteRequest, WorkerView
 from policies.registry import POLICIES, build_policy
 from router.app import Router, RouterServer
-from router.benchmarks.proxy import upstream_app
+from radixfleet.bench.proxy import upstream_app
 from router.config import ConfigError, load_config, parse_config
-from router.errors import MalformedRequest, Overloaded
-from router.events import MAX_LOAD_COUNT, MAX_RATE, MIN_RATE, Load, parse_batch
+from protocol.errors import MalformedRequest, Overloaded
+from protocol.events import MAX_LOAD_COUNT, MAX_RATE, MIN_RATE, Load, parse_batch
 from router.identifiers import MAX_ID_CHARS
 from router.jsonbody import MAX_DEPTH, loads, nesting_depth
-from router.prefix_keys import Endpoint, namespace_seed, request_key
+from protocol.prefix_keys import Endpoint, namespace_seed, request_key
 from router.shedding import Shedder
 from router.tenancy import SIGNATURE_HEADER, TenantSalts, signature
 from tests.procs import free_port, radixfleet_argv

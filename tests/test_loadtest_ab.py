@@ -11,7 +11,7 @@ from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
 from loadtest.report import validate
-from router.events import Removed, Stored
+from protocol.events import Removed, Stored
 from worker_agent.server import AGENT_KEY, AgentConfig, create_app
 
 
@@ -74,7 +74,7 @@ def test_disabled_cache_reports_refused_blocks_as_removed():
 def test_loadtest_ab_is_one_command(tmp_path, kind, names):
     out = tmp_path / "ab.json"
     p = subprocess.run(
-        [sys.executable, "-m", "router.cli", "loadtest", "--ab", kind, "--agents", "2",
+        [sys.executable, "-m", "radixfleet.cli", "loadtest", "--ab", kind, "--agents", "2",
          "--kv-tokens", "8000", "--out", str(tmp_path / "fleet"), "--workload", "multiturn",
          "-o", "clients=6", "-o", "rounds=3", "-o", "question_tokens=128",
          "-o", "output_tokens=8", "--concurrency", "4", "--no-progress", "--json", str(out)],
@@ -101,7 +101,7 @@ def test_ab_policy_runs_smg_beside_ours_in_front_of_plain_agents(tmp_path):
     counters for smg, from the router for ours."""
     out = tmp_path / "ab.json"
     p = subprocess.run(
-        [sys.executable, "-m", "router.cli", "loadtest", "--ab", "policy", "--policies",
+        [sys.executable, "-m", "radixfleet.cli", "loadtest", "--ab", "policy", "--policies",
          "prefix_load,smg", "--plain-workers", "--agents", "2", "--kv-tokens", "8000",
          "--out", str(tmp_path / "fleet"), "--workload", "multiturn", "-o", "clients=6",
          "-o", "rounds=3", "-o", "question_tokens=128", "-o", "output_tokens=8",
@@ -124,7 +124,7 @@ def test_ab_policies_accept_smg_and_refuse_unknown_names():
     from argparse import Namespace
 
     from loadtest.ab import arms
-    from router.errors import ConfigError
+    from protocol.errors import ConfigError
 
     ns = Namespace(ab="policy", policies="prefix_load,smg", page_size=1)
     assert [a[1] for a in arms(ns)] == ["prefix_load", "smg"]

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from router.errors import WorkloadError
+from protocol.errors import WorkloadError
 from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes, drive
 from loadtest.workloads import RequestSpec, SingleShot, make_workload
 from tests.vclock import run_virtual

@@ -17,7 +17,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from router.prefix_keys import Endpoint, routing_bytes
+from protocol.prefix_keys import Endpoint, routing_bytes
 from loadtest.arrivals import Bounds, Closed
 from loadtest.client import Result, Target
 from loadtest.main import run_ab
@@ -168,7 +168,7 @@ async def test_errors_mid_run_are_counted_and_the_run_goes_on(port):
 
 
 async def test_failed_flush_fails_the_run_unless_warm_runs_are_allowed(port):
-    from router.errors import RunError
+    from protocol.errors import RunError
 
     fake = FakeServer(flush_status=503)
     runner = await _serve(fake, port)
@@ -222,7 +222,7 @@ async def test_unnamed_workers_are_counted_from_agent_metrics(port):
 
 
 async def test_unreachable_target_is_an_error_up_front(port):
-    from router.errors import ConfigError
+    from protocol.errors import ConfigError
 
     w = make_workload("zipf", {"requests": 5})
     with pytest.raises(ConfigError, match=r"--target down: http://127.0.0.1:\d+ is unreachable"):
@@ -255,7 +255,7 @@ def test_cli_ab_run_writes_report_and_plots(tmp_path, port):
     try:
         out = tmp_path / "report.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "router.cli", "loadtest",
+            [sys.executable, "-m", "radixfleet.cli", "loadtest",
              "--target", f"one=http://127.0.0.1:{ports[0]}",
              "--target", f"two=http://127.0.0.1:{ports[1]}",
              "--flush", f"http://127.0.0.1:{ports[0]}", "--flush", f"http://127.0.0.1:{ports[1]}",
@@ -299,18 +299,18 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
         (["--workload", "zipf", "--rate", "1", "--concurrency", "2"], "not allowed with"),
     ]
     for extra, msg in cases:
-        p = subprocess.run([sys.executable, "-m", "router.cli", "loadtest",
+        p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "loadtest",
                             "--target", "x=http://127.0.0.1:9", *extra],
                            capture_output=True, text=True, timeout=30)
         assert p.returncode == 2, (extra, p.stderr)
         assert msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    p = subprocess.run([sys.executable, "-m", "router.cli", "loadtest", "--target", "bad",
+    p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "loadtest", "--target", "bad",
                         "--workload", "zipf"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "NAME=http://HOST:PORT" in p.stderr
 
 
 def test_loadtest_and_demo_refuse_unwritable_outputs_before_sending(tmp_path, capsys):
-    from router.cli import main as cli
+    from radixfleet.cli import main as cli
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -326,7 +326,7 @@ def test_loadtest_and_demo_refuse_unwritable_outputs_before_sending(tmp_path, ca
 
 def test_a_target_with_several_urls_round_robins_over_them():
     from loadtest.main import parse_target
-    from router.errors import ConfigError
+    from protocol.errors import ConfigError
 
     name, url = parse_target("four=http://a:1,http://b:2/v1,http://c:3")
     t = Target(name, url)

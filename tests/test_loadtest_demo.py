@@ -37,7 +37,7 @@ def _closed(url: str) -> bool:
 def test_demo_runs_each_policy_writes_report_and_stops_everything(tmp_path):
     out = tmp_path / "demo"
     p = subprocess.run(
-        [sys.executable, "-m", "router.cli", "demo", "--out", str(out), "--agents", "2",
+        [sys.executable, "-m", "radixfleet.cli", "demo", "--out", str(out), "--agents", "2",
          "--kv-tokens", "6000", "--policies", "round_robin,prefix_load",
          "-o", "sessions=8", "-o", "max_parallel=4", "-o", "system_tokens=256",
          "-o", "output_tokens=16", "--rate", "10", "--duration", "4", "--no-progress"],
@@ -61,7 +61,7 @@ def test_demo_runs_each_policy_writes_report_and_stops_everything(tmp_path):
 
 
 def test_demo_bad_policy_exits_2():
-    p = subprocess.run([sys.executable, "-m", "router.cli", "demo", "--policies", "round_robin,nope"],
+    p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "demo", "--policies", "round_robin,nope"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "'nope' is not one of" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
@@ -70,7 +70,7 @@ def test_demo_bad_policy_exits_2():
 def test_up_serves_until_sigterm_and_stops_its_children(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--agents", "2", "--kv-tokens", "4000",
+        [sys.executable, "-m", "radixfleet.cli", "up", "--agents", "2", "--kv-tokens", "4000",
          "--port", str(port), "--policy", "round_robin", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -44,7 +44,7 @@ def test_loadtest_against_two_agents_and_the_router(tmp_path):
         wait_registered(router_url, 2)  # so the router names workers by their agent ids
         out = tmp_path / "report.json"
         p = subprocess.run(
-            [sys.executable, "-m", "router.cli", "loadtest", "--target", f"ours={router_url}",
+            [sys.executable, "-m", "radixfleet.cli", "loadtest", "--target", f"ours={router_url}",
              "--workload", "mixed", "-o", "sessions=16", "-o", "system_prompts=3",
              "-o", "system_tokens=512", "-o", "output_tokens=16", "-o", "max_parallel=6",
              "--concurrency", "6", "--requests", "50", "--duration", "40", "--seed", "1",

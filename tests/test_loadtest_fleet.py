@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from loadtest.fleet import Fleet, FleetConfig, config_from_args, configure, load_config
 
 
@@ -51,7 +51,7 @@ def test_bad_yaml_names_the_field(tmp_path, text, match):
 def test_missing_file_and_cli_exit_2(tmp_path):
     with pytest.raises(ConfigError, match="No such file"):
         load_config(str(tmp_path / "nope.yaml"))
-    p = subprocess.run([sys.executable, "-m", "router.cli", "up", "--agents", "0"],
+    p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "up", "--agents", "0"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "agents: must be an integer in [1, 64]" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1

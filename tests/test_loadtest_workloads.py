@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from router.errors import WorkloadError
-from router.prefix_keys import BYTES_PER_TOKEN
+from protocol.errors import WorkloadError
+from protocol.prefix_keys import BYTES_PER_TOKEN
 from loadtest.prefix_trie import as_tokens, common_tokens
 from loadtest.report import prompt_bytes
 from loadtest.workloads import (WORKLOADS, ChatSession, SingleShot, make_workload, parse_options,

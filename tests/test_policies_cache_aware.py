@@ -9,7 +9,7 @@ import pytest
 from policies.base import MatchResult, Reason, RouteRequest, WorkerView
 from policies.harness import PickLoop
 from policies.registry import build_policy
-from router.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, request_key
 
 
 def vs(*in_flight):

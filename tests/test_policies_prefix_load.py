@@ -12,7 +12,7 @@ from policies.prefix_load import PrefixLoad
 from policies.registry import build_policy
 from policies.replication import HotRoots
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, request_key
 
 W4 = [f"w{i}" for i in range(4)]
 W8 = [f"w{i}" for i in range(8)]

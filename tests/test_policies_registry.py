@@ -12,7 +12,7 @@ from policies.params import check_defaults
 from policies.registry import (
     DEFAULT_POLICY, POLICIES, build_policy, describe_policies, parse_policy_params, policy_names,
 )
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 NAMES = ["cache_aware", "consistent_hash", "least_load", "power_of_two", "prefix_load",
          "random", "round_robin"]

@@ -10,7 +10,7 @@ import pytest
 
 from policies.base import Decision, MatchResult, Reason, RouteRequest, WorkerView
 from policies.registry import build_policy, policy_names
-from router.cli import main as cli_main
+from radixfleet.cli import main as cli_main
 
 
 def _run(name: str, seed: int, steps: int = 800, workload: int = 11) -> list[Decision]:

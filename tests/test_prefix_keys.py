@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import MalformedRequest
-from router.prefix_keys import (
+from protocol.errors import MalformedRequest
+from protocol.prefix_keys import (
     BYTES_PER_TOKEN,
     GENERATION_PROMPT,
     Endpoint,

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from router.engines.queue_estimate import QueueEstimate
-from router.events import MAX_LOAD_COUNT
+from protocol.events import MAX_LOAD_COUNT
 
 RATE = 4000.0  # prefill tokens/s
 

@@ -8,7 +8,7 @@ import json
 from loadtest.arrivals import Bounds
 from loadtest.report import render_table, summarize, validate
 from loadtest.workloads import make_workload
-from router.cli import main
+from radixfleet.cli import main
 
 
 def _trace(path, n: int) -> str:

@@ -13,7 +13,7 @@ from aiohttp import web
 from router.config import parse_config
 from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.kinds import WorkerKind, kind_from_metrics, models_from
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from router.main import worker_entry
 from router.sse import StreamWatch, usage_of
 
@@ -155,7 +155,7 @@ def test_tokenizer_folder_without_tokenizer_is_refused(tmp_path):
 
 
 def test_check_config_refuses_a_missing_tokenizer_exit_2(tmp_path, capsys):
-    from router.cli import main
+    from radixfleet.cli import main
     p = tmp_path / "r.yaml"
     p.write_text("workers:\n  - url: http://127.0.0.1:9\n    kind: vllm\n"
                  "    tokenizer: ./missing-tokenizer\n")
@@ -317,7 +317,7 @@ async def test_links_of_one_tokenizer_share_a_single_load(tmp_path):
     both links keyed (concurrent loads of one folder left one worker on bytes)."""
     from prometheus_client import CollectorRegistry
 
-    from router.benchmarks.tiny_tokenizer import build
+    from radixfleet.bench.tiny_tokenizer import build
     from router.engines.manager import Engines
     from router.pool import Pool
     from router.prefix_index import PrefixIndex

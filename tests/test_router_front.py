@@ -1,4 +1,4 @@
-"""The raw HTTP/1.1 front (router.proxy.FrontServer) on the wire: keep-alive,
+"""The raw HTTP/1.1 front (router.front.FrontServer) on the wire: keep-alive,
 pipelining, chunked request bodies, Expect: 100-continue, HTTP/1.0, malformed
 requests, and hand-over of non-data-plane requests to the aiohttp app on the same
 connection. Plus warm-ups and /metrics."""
@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 
 from router.app import Router, RouterServer
-from router.benchmarks.proxy import upstream_app
+from radixfleet.bench.proxy import upstream_app
 from router.config import parse_config
-from router.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, request_key
 from tests.procs import free_port
 
 HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
@@ -246,7 +246,7 @@ async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_o
     """The race the idle check cannot see: the upstream closes a keep-alive
     connection just as the next request goes out on it (no answer, no close seen
     before). The pool sends the request once more on a new connection."""
-    from router.proxy import UpstreamPool, build_head
+    from router.upstream import UpstreamPool, build_head
 
     served: list[tuple[int, int]] = []  # (connection number, request number on it)
     conns = 0

@@ -1,5 +1,5 @@
 """Router service integration tests on loopback: a real router (in-process, on a free
-port) in front of real aiohttp upstreams (router.benchmarks.proxy.upstream_app,
+port) in front of real aiohttp upstreams (radixfleet.bench.proxy.upstream_app,
 in-process or as killable processes)."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from aiohttp import web
 
 from router.app import Router, RouterServer
 from router.config import parse_config
-from router.errors import ConfigError
-from router.benchmarks.proxy import upstream_app
-from router.prefix_keys import Endpoint, request_key
+from protocol.errors import ConfigError
+from radixfleet.bench.proxy import upstream_app
+from protocol.prefix_keys import Endpoint, request_key
 from tests.procs import Proc, free_port, radixfleet_argv
 
 FAST_HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1,
@@ -67,7 +67,7 @@ async def wait_ready(base: str, timeout_s: float = 10.0) -> None:
 def upstream_proc(name: str, **flags) -> tuple[Proc, str]:
     flags.setdefault("model", "m")
     port = free_port()
-    argv = [sys.executable, "-m", "router.benchmarks.proxy", "upstream", "--port", str(port),
+    argv = [sys.executable, "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port),
             "--name", name]
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]

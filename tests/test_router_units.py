@@ -11,12 +11,12 @@ import pytest
 from router.dataplane import Admission
 from router.auth import BearerAuth, TenantResolver, is_loopback
 from router.config import parse_config
-from router.errors import Overloaded, Unauthorized
-from router.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
+from protocol.errors import Overloaded, Unauthorized
+from protocol.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
 from router.feedback import Feedback
 from router.pool import Breaker, HealthState, Pool, Source
 from router.prefix_index import PrefixIndex
-from router.proxy import ConnectFailed, Response, UpstreamBroken, _DONE
+from router.upstream import ConnectFailed, Response, UpstreamBroken, _DONE
 
 
 class Clock:
@@ -336,7 +336,7 @@ async def test_parser_first_byte_timeout():
     loop = asyncio.get_running_loop()
     conn = FakeConn()
     r = Response(conn, loop, 0.05, loop.time() + 5)
-    from router.proxy import UpstreamTimeout
+    from router.upstream import UpstreamTimeout
     with pytest.raises(UpstreamTimeout, match="no first byte within 0.05s"):
         await r.wait_head()
     assert conn.closed

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from loadtest.report import validate
-from router.cli import main
+from radixfleet.cli import main
 
 GSP = ["--workload", "gsp", "-o", "groups=4", "-o", "prompts_per_group=4", "-o", "system_tokens=256",
        "-o", "question_tokens=32", "-o", "output_tokens=8"]
@@ -133,7 +133,7 @@ def test_same_seed_same_document_across_processes(tmp_path):
     docs = []
     for hs in ("1", "2"):
         out = tmp_path / f"d{hs}.json"
-        subprocess.run([sys.executable, "-m", "router.cli", "simulate", *GSP, "--workers", "3",
+        subprocess.run([sys.executable, "-m", "radixfleet.cli", "simulate", *GSP, "--workers", "3",
                         "--policies", "cache_aware,prefix_load,power_of_two", "--kv-tokens", "600",
                         "--seed", "4", "--json", str(out)],
                        check=True, capture_output=True, timeout=60,

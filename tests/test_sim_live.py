@@ -24,8 +24,8 @@ from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
 from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
 from router.config import Config, parse_config
-from router.errors import PromptTooLarge
-from router.events import Removed
+from protocol.errors import PromptTooLarge
+from protocol.events import Removed
 
 SMALL_GSP = {"groups": 4, "prompts_per_group": 6, "system_tokens": 256,
              "question_tokens": 32, "output_tokens": 16}

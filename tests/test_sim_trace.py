@@ -13,7 +13,7 @@ from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
 from loadtest.simulator.prompts import block_prompt, chain_block_ids
 from loadtest.workloads import make_workload
-from router.errors import WorkloadError
+from protocol.errors import WorkloadError
 
 BLOCK = 16
 

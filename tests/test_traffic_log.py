@@ -10,10 +10,10 @@ import pytest
 
 from loadtest.trace_format import MAX_BLOCK_ID, TRAFFIC_LOG, read_trace
 from loadtest.workloads import make_workload
-from router.cli import main
+from radixfleet.cli import main
 from router.config import TrafficLogConfig
-from router.errors import WorkloadError
-from router.prefix_keys import Endpoint, request_key
+from protocol.errors import WorkloadError
+from protocol.prefix_keys import Endpoint, request_key
 from router.traffic_log import FORMAT, LogState, TrafficLog, log_files
 
 
@@ -174,7 +174,7 @@ async def test_write_errors_are_counted_not_raised(tmp_path, caplog):
 
 def test_start_refuses_an_unwritable_dir(tmp_path):
     (tmp_path / "file").write_text("x")
-    from router.errors import ConfigError
+    from protocol.errors import ConfigError
 
     with pytest.raises(ConfigError, match="traffic_log.dir: cannot write into"):
         TrafficLog(TrafficLogConfig(enabled=True, dir=str(tmp_path / "file" / "sub"))).start()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 #: Model FLOPs utilisation assumed for prefill (compute-bound) work.
 DEFAULT_MFU = 0.6

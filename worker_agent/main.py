@@ -17,9 +17,9 @@ import sys
 from aiohttp import web
 
 from router.auth import is_loopback
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from router import http_errors
-from router.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
+from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
 from worker_agent.scheduler import ORDERS, SchedulerConfig

@@ -36,7 +36,7 @@ Invariants (``check()`` asserts every one):
   no gap (the keyed region is prefix-closed).
 
 Every mutation that changes which router blocks are held appends an exact event
-(``router.events.Stored`` / ``Removed`` / ``Cleared``) to the event log that the
+(``protocol.events.Stored`` / ``Removed`` / ``Cleared``) to the event log that the
 reporter drains; splits change nothing the router can see and emit nothing.
 
 Admission control (``AdmissionConfig.mode``) decides how much of an ``insert``
@@ -69,7 +69,7 @@ from typing import Hashable, Sequence
 
 from sortedcontainers import SortedDict
 
-from router.events import Cleared, Removed, Stored
+from protocol.events import Cleared, Removed, Stored
 
 ADMISSION_MODES = ("always", "second_hit", "min_prefix", "protected")
 #: the typecode of cache keys: unsigned 64-bit tokens

@@ -20,7 +20,7 @@ snapshot_required``, and on ``404 unknown_worker`` (it re-registers first). Whil
 router is unreachable its pending deltas are dropped, not kept: a snapshot on
 reconnect carries everything they would have, so memory stays bounded by the tree.
 
-Bus mode (``bus=AgentBus``, ``--bus nats://...``; router.bus.publisher): batches are
+Bus mode (``bus=AgentBus``, ``--bus nats://...``; worker_agent.bus): batches are
 published once to a JetStream stream that every router replica consumes, the load
 on a core subject. While the bus is up the HTTP links stay idle; while it is down
 (or not yet up) the reporter pushes to its ``--router`` URLs as above, and they
@@ -39,7 +39,7 @@ from typing import Callable
 
 import aiohttp
 
-from router.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISMATCH,
+from protocol.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISMATCH,
                            STATUS_SNAPSHOT_REQUIRED,
                            STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
 from worker_agent.radix_cache import RadixCache
@@ -82,7 +82,7 @@ class Reporter:
         if not routers and bus is None:
             raise ValueError("a reporter needs at least one router URL or a bus")
         self.links = [RouterLink(u) for u in routers]
-        #: router.bus.publisher.AgentBus or None
+        #: worker_agent.bus.AgentBus or None
         self.bus = bus
         self.worker_id = worker_id
         self.url = url
@@ -156,7 +156,7 @@ class Reporter:
 
     async def _push_bus(self, bus) -> None:
         """Publishes the load, then pending deltas (or a snapshot) to the stream."""
-        from router.bus.publisher import load_batch
+        from worker_agent.bus import load_batch
 
         link = bus.link
         await bus.publish_load(load_batch(self.worker_id, self.url, self.epoch, self.load()))

@@ -46,8 +46,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
-from router.errors import Overloaded, PromptTooLarge
-from router.events import Load
+from protocol.errors import Overloaded, PromptTooLarge
+from protocol.events import Load
 from worker_agent.cost_model import CostModel
 from worker_agent.kv_pool import KVPool
 from worker_agent.radix_cache import Node, RadixCache, as_key

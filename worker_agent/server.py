@@ -12,7 +12,7 @@
     GET  /metrics         sglang:* gauges beside radixfleet_agent_* counters
     GET  /openapi.json    router.openapi.agent_spec()
 
-A request's prompt is ``router.prefix_keys.routing_bytes`` of its body (the chat
+A request's prompt is ``protocol.prefix_keys.routing_bytes`` of its body (the chat
 template), tokenized by ``worker_agent.tokenizer``; its cache namespace and router
 hashes come from ``request_key(..., tenant=<x-radixfleet-tenant header>)``, exactly
 as the router computes them. The header is the router's secret per-tenant salt
@@ -42,12 +42,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router import jsonbody
 from router.auth import BearerAuth
-from router.errors import (MalformedRequest, NotFound, Overloaded, PromptTooLarge,
+from protocol.errors import (MalformedRequest, NotFound, Overloaded, PromptTooLarge,
                            RequestError, Unauthorized, retry_after_header)
 from router.metrics import standard_collectors
 from router.openapi import agent_spec
 from router.tenancy import SIGNATURE_HEADER, verify_signature
-from router.prefix_keys import (BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, Endpoint, block_hashes,
+from protocol.prefix_keys import (BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, Endpoint, block_hashes,
                                 check_block_bytes, namespace_seed, request_key)
 from worker_agent import tokenizer as tk
 from worker_agent.engine import Engine
@@ -575,7 +575,7 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
             wid = cfg.worker_id or advertise_url or "agent"
             agent_bus = None
             if bus:
-                from router.bus.publisher import AgentBus
+                from worker_agent.bus import AgentBus
                 agent_bus = AgentBus(bus, worker_id=wid, subject_prefix=bus_prefix,
                                      snapshot_interval_s=bus_snapshot_interval_s,
                                      registry=registry)

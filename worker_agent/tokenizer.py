@@ -1,7 +1,7 @@
 """The deterministic byte-chunk tokenizer of the simulated engine.
 
 A token is a ``BYTES_PER_TOKEN``-byte (4) chunk of the prompt's canonical bytes
-(``router.prefix_keys.routing_bytes`` -- that function *is* the chat template),
+(``protocol.prefix_keys.routing_bytes`` -- that function *is* the chat template),
 read as a little-endian unsigned integer::
 
     b"abcdefghij"  ->  [LE("abcd"), LE("efgh"), LE("ij") + 2**32 * 2]
@@ -30,7 +30,7 @@ from array import array
 import numpy as _np
 import xxhash
 
-from router.prefix_keys import BYTES_PER_TOKEN
+from protocol.prefix_keys import BYTES_PER_TOKEN
 
 #: Offset that marks a partial (1-3 byte) tail token: ``PARTIAL * len + LE(bytes)``.
 PARTIAL = 2**32

@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import math
 
-from router.events import EventBatch, Load, Snapshot
+from protocol.events import EventBatch, Load, Snapshot
 
 
 class AgentLink:

@@ -40,8 +40,8 @@ import struct
 from array import array
 from dataclasses import dataclass
 
-from router.errors import ConfigError
-from router.prefix_keys import block_hashes
+from protocol.errors import ConfigError
+from protocol.prefix_keys import block_hashes
 from worker_agent import tokenizer
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.radix_cache import ADMISSION_MODES, KEY_TYPECODE, AdmissionConfig

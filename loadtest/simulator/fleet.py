@@ -87,12 +87,12 @@ from loadtest.simulator.reference import BlockReference, TextReference
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
 from router.config import Config
-from router.errors import ConfigError, RequestError
+from protocol.errors import ConfigError, RequestError
 from router.feedback import Feedback
 from router.pick import pick_worker
 from router.pool import Pool
 from router.prefix_index import DEFAULT_MAX_BYTES, PrefixIndex
-from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
+from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
 from router.warmup import WarmupGate, warmup_prefix
 
 log = logging.getLogger(__name__)

@@ -58,9 +58,9 @@ from loadtest.simulator import blocktrace
 from loadtest.workloads import Trace
 from policies.registry import policy_names
 from router.config import Config, load_config
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 from router.prefix_index import tune_gc
-from router.prefix_keys import DEFAULT_BLOCK_BYTES
+from protocol.prefix_keys import DEFAULT_BLOCK_BYTES
 
 log = logging.getLogger(__name__)
 

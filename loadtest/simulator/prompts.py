@@ -5,7 +5,7 @@ Two levels, one shape (``SimPrompt``)::
     text level   spec.body --routing_bytes--> canonical bytes (contract 1)
                    units  = the agent tokenizer's tokens of those bytes
                             (``tokenizer.encode_key``: an ``array('Q')``, built in C)
-                   hashes = router.prefix_keys.block_hashes(bytes, ns, block_bytes)
+                   hashes = protocol.prefix_keys.block_hashes(bytes, ns, block_bytes)
     block level  a trace record (timestamp, input_length, output_length, hash_ids)
                    units  = the block's id, repeated for each of its tokens
                             (an ``array('Q')`` built in C: no text is synthesized
@@ -38,8 +38,8 @@ import xxhash
 
 from loadtest.report import prompt_bytes
 from loadtest.workloads import API_CHAT, RequestSpec
-from router.errors import WorkloadError
-from router.prefix_keys import BYTES_PER_TOKEN, block_hashes
+from protocol.errors import WorkloadError
+from protocol.prefix_keys import BYTES_PER_TOKEN, block_hashes
 from worker_agent.radix_cache import KEY_TYPECODE
 
 _xxh3 = xxhash.xxh3_64_intdigest

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from loadtest.arrivals import Poisson
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 SWEEP_PARAMS = ("kv_tokens", "workers", "rate")
 

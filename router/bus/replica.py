@@ -45,7 +45,7 @@ from router.bus.remote_load import RemoteInFlight
 from router.bus.wire import (BadMessage, RouterMessage, Subjects, build_snapshot_request,
                              parse_agent, parse_load, parse_router)
 from router.config import BusConfig, ConfigError, parse_worker_url
-from router.events import STATUS_OK
+from protocol.events import STATUS_OK
 from router.feedback import Feedback
 from router.pool import HealthState, Pool
 

@@ -5,7 +5,7 @@ subjects is *foreign* or *malformed* and raises ``BadMessage`` with a short caus
 (the receiver counts it per cause, logs it once, ignores it)::
 
     <prefix>.agent.<wtoken>      JetStream (the stream): one agent's event batches
-        {"v":1, "kind":"agent", "batch": <router.events batch JSON>,
+        {"v":1, "kind":"agent", "batch": <protocol.events batch JSON>,
          "register": {"models": [...], "block_bytes": 128}}     # with snapshots only
     <prefix>.load.<wtoken>       core NATS: the agent's load, every interval (not kept:
                                  only the latest matters, and the stream stays events only)
@@ -31,8 +31,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.events import EventBatch, Snapshot, parse_batch
-from router.errors import RequestError
+from protocol.events import EventBatch, Snapshot, parse_batch
+from protocol.errors import RequestError
 
 VERSION = 1
 #: the JetStream header that makes a message replace every earlier one on its subject

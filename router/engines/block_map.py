@@ -4,7 +4,7 @@ An engine names its cached blocks by its own hashes (vLLM: SHA-256 over a pickle
 with a configurable seed; SGLang: another scheme). The router does not reproduce
 them — that would break whenever an operator changes the algorithm or seed — but
 re-keys every stored block from the tokens the event carries, in the same token
-space the router keys requests in (contract 8, ``router.prefix_keys``)::
+space the router keys requests in (contract 8, ``protocol.prefix_keys``)::
 
     event BlockStored(hashes=[e1, e2], parent=e0, tokens=t[0:2B])
                        |            parent e0 -> our key k0 (this map)
@@ -96,7 +96,7 @@ from router.engines.kv_events import (
     KvEventCause,
 )
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import token_block_hashes
+from protocol.prefix_keys import token_block_hashes
 
 #: ``root_seed(adapter, cache_salt, block_size) -> seed``: h_0 of a sequence's chain;
 #: ``lambda a, s, b: token_namespace_seed(model, s, a, b)`` for a worker serving ``model``.

@@ -55,7 +55,7 @@ import jinja2
 import jinja2.meta
 import jinja2.nodes as jn
 
-from router.errors import MalformedRequest
+from protocol.errors import MalformedRequest
 
 #: Text-like content part types and the key holding their text (vLLM MM_PARSER_MAP).
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",

@@ -61,7 +61,7 @@ from typing import Callable, Mapping, Protocol
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.errors import RadixfleetError
+from protocol.errors import RadixfleetError
 
 log = logging.getLogger("radixfleet.engines.metrics")
 

@@ -4,7 +4,7 @@ Two kinds of space share one index, which stores chained 64-bit keys and does no
 care how they were made::
 
     ByteSpace(block_bytes)                  routing bytes cut into block_bytes blocks
-                                            (router.prefix_keys, contract 1): agents,
+                                            (protocol.prefix_keys, contract 1): agents,
                                             and engines keyed without a tokenizer
     TokenSpace(model, tokenizer, block)     the engine's own tokens (its tokenizer and
                                             chat template) in its own KV blocks: the
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Mapping, Sequence
 
 from policies.base import MatchResult, RouteRequest
-from router.prefix_keys import BYTES_PER_TOKEN, Endpoint, PrefixKey
+from protocol.prefix_keys import BYTES_PER_TOKEN, Endpoint, PrefixKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ Validation (strict: a peer's bytes decide nothing we have not checked):
   normalised with vLLM's own rule, the low 64 bits of the big-endian integer. Bools,
   floats and anything else are refused.
 - ``token_ids`` are ints in [0, 2**32) (stored as ``array('I')``, what
-  ``router.prefix_keys.token_block_hashes`` reads without a copy); ``block_size`` an
+  ``protocol.prefix_keys.token_block_hashes`` reads without a copy); ``block_size`` an
   int >= 0. Either ``token_ids`` is empty — vLLM's offloading tiers send
   placeholders with no tokens and ``block_size`` 0 — or ``block_size > 0`` and
   ``len(token_ids)`` is a multiple of it and at least ``len(block_hashes) *
@@ -75,7 +75,7 @@ from typing import Any, NamedTuple, Union
 
 import msgpack
 
-from router.errors import RadixfleetError
+from protocol.errors import RadixfleetError
 
 _U64 = 1 << 64
 _MASK64 = _U64 - 1

@@ -42,7 +42,7 @@ from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
 from router.engines.queue_estimate import QueueEstimate
-from router.events import MAX_LOAD_COUNT, Load
+from protocol.events import MAX_LOAD_COUNT, Load
 
 if TYPE_CHECKING:
     from router.engines.manager import Engines

@@ -34,7 +34,7 @@ from router.config import WorkerSpec
 from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.kinds import WorkerKind
 from router.engines.link import EngineLink, LinkState
-from router.prefix_keys import Endpoint, PrefixKey
+from protocol.prefix_keys import Endpoint, PrefixKey
 
 log = logging.getLogger("radixfleet.engines")
 

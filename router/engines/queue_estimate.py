@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 
-from router.events import MAX_LOAD_COUNT
+from protocol.events import MAX_LOAD_COUNT
 
 #: decayed sums' time constant, seconds: a few engine batches
 DEFAULT_TAU_S = 5.0

@@ -5,7 +5,7 @@ Pipeline (one ``TokenKeyer`` per tokenizer, shared by every worker serving it)::
 
     body ──> prompt token ids, exactly as vLLM 0.32 builds them
              /v1/completions       prompt (str | ids | list of either: the first is
-                                   keyed, as router.prefix_keys does), add_special_tokens
+                                   keyed, as protocol.prefix_keys does), add_special_tokens
                                    (default true), truncate_prompt_tokens
              /v1/chat/completions  messages + tools + flags -> chat_render -> text,
                                    add_special_tokens (default false), or
@@ -14,7 +14,7 @@ Pipeline (one ``TokenKeyer`` per tokenizer, shared by every worker serving it)::
          ──> text encoded by PieceEncoder (== tokenizer(text), pieces cached)
          ──> h_0 = token_namespace_seed(model, cache_salt, adapter, block_size)
              h_k = xxh3_64(uint32-le(block k), seed=h_{k-1})   whole blocks only
-             (router.prefix_keys.token_block_hashes, the same function the events use)
+             (protocol.prefix_keys.token_block_hashes, the same function the events use)
 
 ``key()`` returns a ``TokenKey``; a valid request this module cannot reproduce (media
 parts, prompt embeddings, a fill-in-the-middle suffix, a model vLLM renders with its
@@ -52,8 +52,8 @@ from router.engines.chat_render import (
     HF_NAMED_PARAMS, REASONING_EFFORTS, TOKENIZE_OPTIONS, ChatTemplate, developer_as_system,
     find_surrogate, lax_bool, merge_kwargs, parse_messages, template_error_reason, tool_dicts)
 from router.engines.piece_encoder import PieceEncoder
-from router.errors import ConfigError, MalformedRequest
-from router.prefix_keys import (Endpoint, request_adapter, request_model, token_block_hashes,
+from protocol.errors import ConfigError, MalformedRequest
+from protocol.prefix_keys import (Endpoint, request_adapter, request_model, token_block_hashes,
                                 token_namespace_seed)
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ def _ids(value: list, field: str, where: str) -> array:
 
 
 def _first_prompt(prompt: Any, field: str) -> str | array:
-    """The prompt vLLM serves first among ``prompt``'s forms (router.prefix_keys'
+    """The prompt vLLM serves first among ``prompt``'s forms (protocol.prefix_keys'
     rule: a list of prompts is keyed on its first); every element is validated."""
     if isinstance(prompt, str):
         return prompt

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from router.engines.token_keys import TokenKeyer
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 
 class TokenizerRegistry:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from router.engines.block_map import EngineBlockMap
 from router.engines.zmq_events import KvEventSubscriber, replace_wildcard, subscriber_endpoint
-from router.prefix_keys import token_namespace_seed
+from protocol.prefix_keys import token_namespace_seed
 
 log = logging.getLogger("radixfleet.engines")
 

@@ -38,7 +38,7 @@ import time
 import tracemalloc
 
 from router.prefix_index import PrefixIndex, tune_gc
-from router.prefix_keys import DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed
+from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed
 
 #: SGLang gateway's published tree figures (v0.3.1), 1 KiB prompts.
 SGLANG_INSERT_OPS_PER_S = 216_000

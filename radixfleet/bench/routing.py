@@ -33,7 +33,7 @@ hash) and, for comparison, the plain transformers path it replaces
 (``apply_chat_template`` + ``tokenizer(text)``) on the same bodies. Rows run per
 tokenizing backend of the keyer's piece encoder (fastokens when installed, and
 tokenizers). The tokenizer is ``--tokenizer DIR`` (a folder or a cached repo id), by
-default the tiny test model's, built on the spot (router.benchmarks.tiny_tokenizer).
+default the tiny test model's, built on the spot (radixfleet.bench.tiny_tokenizer).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from policies.base import RouteRequest
 from router.config import parse_config
 from router.pool import HealthState, Pool
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, request_key
 
 
 def _count(lo: int):
@@ -153,7 +153,7 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
 
 def _words(rng: random.Random, nbytes: int) -> str:
     """Text like the tiny tokenizer's training text (its words, 20% random ones)."""
-    from router.benchmarks.tiny_tokenizer import WORDS
+    from radixfleet.bench.tiny_tokenizer import WORDS
 
     out: list[str] = []
     size = 0
@@ -279,10 +279,10 @@ def _token_rows(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         source = args.tokenizer
         if not source:
-            from router.benchmarks.tiny_tokenizer import build
+            from radixfleet.bench.tiny_tokenizer import build
 
             source = build(tmp)
-        from router.errors import ConfigError
+        from protocol.errors import ConfigError
         from router.engines.piece_encoder import BACKENDS
 
         backends = [b.strip() for b in args.tokenizer_backends.split(",") if b.strip()]

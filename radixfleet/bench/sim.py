@@ -51,10 +51,10 @@ from loadtest.simulator.reference import TextReference
 from loadtest.workloads import make_workload
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
-from router.errors import ConfigError
-from router.events import Removed, Stored
+from protocol.errors import ConfigError
+from protocol.events import Removed, Stored
 from router.prefix_index import PrefixIndex, tune_gc
-from router.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, namespace_seed
+from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, namespace_seed
 from worker_agent.radix_cache import KEY_TYPECODE
 
 TARGET_GSP_REQ_PER_S = 20_000

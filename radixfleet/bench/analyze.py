@@ -22,7 +22,7 @@ import time
 
 from loadtest.workloads import text_of
 from router.config import TrafficLogConfig
-from router.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, request_key
 from router.traffic_log import TrafficLog, log_files
 
 

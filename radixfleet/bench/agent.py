@@ -26,7 +26,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from router.prefix_keys import DEFAULT_BLOCK_BYTES, Endpoint, block_hashes, namespace_seed, request_key
+from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, Endpoint, block_hashes, namespace_seed, request_key
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

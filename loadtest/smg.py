@@ -26,7 +26,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from router.errors import RunError
+from protocol.errors import RunError
 
 #: the distribution that ships the binary (pinned in pyproject's test extra)
 DISTRIBUTION = "sglang-router"

@@ -1,47 +1,25 @@
-"""The data plane's wire, both ends: a lean HTTP/1.1 upstream client with keep-alive
-connection pools (``UpstreamPool``), and a raw HTTP/1.1 front for clients
-(``FrontServer``, at the end of this module) that hands every non-data-plane
-request to the aiohttp app on the same port.
+"""The data plane's client-facing wire (``FrontServer``).
 
-Why not aiohttp's client (or server) here: profiled behind the router, aiohttp's
-client cost about two thirds of each proxied request (request/response objects,
-header multidicts, payload wrappers, timers), and plain aiohttp client + server
-reached only ~0.65-0.8x the throughput of SGLang's router. The router needs far
-less — POST a byte body with a handful of fixed headers, get a status, a few
-headers and the body bytes (whole, or as they arrive for SSE) — so this module
-does only that, on ``asyncio.Protocol``.
+The client-facing side of the data plane: a raw HTTP/1.1 server for the proxied
+POST paths, its bytes parsed by one httptools.HttpRequestParser per connection.
+Everything else (admin, agents, metrics, probes, 404/405) is handed, at a request
+boundary, to the aiohttp application by swapping the transport's protocol — so
+one port serves both and the hot path skips aiohttp's request machinery.
 
-Why httptools: the bytes on both ends are parsed by ``httptools`` (llhttp, Node's
-HTTP/1.1 parser, the one uvicorn uses), not by code of ours: request and status
-lines, header syntax, ``Content-Length`` / ``Transfer-Encoding`` validation and
-chunked decoding, keep-alive rules per version. This module only reacts to its
-callbacks. A parser lives as long as what it parses: one per front connection
-(llhttp resets itself between keep-alive requests), one per upstream response.
+  _FrontConn states:  idle (no task) --request complete--> busy (task running)
+                      --reply / stream end--> next queued request | idle | closed
+                      a non-data-plane request --> (once idle) handed to aiohttp
+                      a malformed request --> (once idle) 400/431 JSON, closed
 
-::
+The parser runs ahead of the handler: requests a client pipelines behind the one
+being served are parsed into ``queue`` and served in order; reading pauses while
+the backlog is large. A hand-over must give aiohttp the raw bytes of the handed
+request onwards, and httptools reports no byte offsets, so the connection keeps
+the chunks received since the last point at which the parser stood between
+requests (``fed``, ``fed_done``); finding a boundary inside them (pipelining
+only) re-parses them with a throw-away parser (``_message_end``).
 
-    UpstreamPool --acquire(host, port)--> _Conn (idle LIFO per host, or new)
-        _Conn.request(head + body) --> Response: status, headers  (await head)
-        Response.read()      whole body          Response.readany()  next bytes
-        Response.release()   back to the idle list if complete and keep-alive,
-                             else the connection is closed (also on cancellation)
-
-Response framing is llhttp's: ``Content-Length``, ``Transfer-Encoding: chunked``
-(decoded: the payload bytes pass through unchanged, the transfer coding is
-hop-by-hop; trailers are dropped), or until close (httptools cannot be told of
-the EOF, so ``Response`` ends such a body itself when the connection closes).
-1xx interim responses are skipped; a 101 (protocol switch) is a broken upstream.
-
-Failures raise ``UpstreamError`` subclasses with a ``cause`` label:
-``ConnectFailed`` (cannot connect, or a reused idle connection died before any
-byte — retried once on a fresh connection inside ``request``), ``UpstreamTimeout``
-(connect, first byte, a silence between chunks, or the total deadline) and
-``UpstreamBroken`` (the connection dropped or the bytes were not HTTP).
-
-Invariants: a connection is in at most one place — an idle list, or serving one
-``Response``; an idle connection has no response and an open transport; a
-``Response`` in state DONE holds no waiter; a ``Response`` whose connection is
-reused was complete, keep-alive and got no byte past its end.
+Why httptools and not aiohttp's server: ``router.upstream``'s docstring.
 """
 
 from __future__ import annotations
@@ -56,405 +34,8 @@ import time as _time
 
 import httptools
 
-from router.errors import PayloadTooLarge
-
-# Response states: waiting for the (final) head / receiving the body / complete.
-_HEAD, _BODY, _DONE = range(3)
-_MAX_HEAD = 64 * 1024  # bytes of request or response head we accept
-
-
-class UpstreamError(Exception):
-    cause = "payload"
-
-
-class ConnectFailed(UpstreamError):
-    cause = "connect"
-
-
-class UpstreamTimeout(UpstreamError):
-    cause = "timeout"
-
-
-class UpstreamBroken(UpstreamError):
-    cause = "payload"
-
-
-class Response:
-    """One upstream response, parsed incrementally (by its own
-    ``httptools.HttpResponseParser``) as ``_Conn`` feeds it bytes.
-
-    The ``on_*`` methods are the parser's callbacks, called only from inside
-    ``_feed``; consumers use ``wait_head``, ``read``, ``readany``, ``release``."""
-
-    __slots__ = ("status", "headers", "_conn", "_parser", "_state", "_chunks", "_waiter",
-                 "_err", "_keepalive", "_eof_framed", "_head", "_got", "_head_bytes",
-                 "_timer", "_loop", "_read_timeout", "_deadline")
-
-    def __init__(self, conn: "_Conn", loop, read_timeout: float, deadline: float) -> None:
-        self.status = 0
-        self.headers: dict[str, str] = {}  # lower-case names; the final head's only
-        self._conn = conn  # None once released
-        self._parser = httptools.HttpResponseParser(self)
-        self._state = _HEAD  # only the parser callbacks and _lost move it forward
-        self._chunks: list[bytes] = []  # body bytes not yet handed out
-        self._waiter: asyncio.Future | None = None  # someone awaits head or bytes
-        self._err: UpstreamError | None = None
-        self._keepalive = True  # llhttp's verdict, cleared by anything unexpected
-        self._eof_framed = False  # no length, not chunked: the body ends at close
-        self._head = loop.create_future()
-        self._got = False  # any response byte received
-        self._head_bytes = 0  # bytes fed while the head was incomplete
-        self._timer = None
-        self._loop = loop
-        self._read_timeout = read_timeout
-        self._deadline = deadline  # loop time the whole request must end by
-
-    # ------------------------------------------------------------ consumer side
-
-    async def wait_head(self) -> None:
-        await self._wait(self._head)
-
-    async def _wait(self, fut: asyncio.Future) -> None:
-        loop = self._loop
-        timeout = min(self._read_timeout, self._deadline - loop.time())
-        if timeout <= 0:
-            self._fail(UpstreamTimeout("total request deadline passed"))
-        self._timer = loop.call_later(max(timeout, 0), self._on_timeout, fut)
-        try:
-            await fut
-        finally:
-            self._timer.cancel()
-            self._timer = None
-
-    def _on_timeout(self, fut: asyncio.Future) -> None:
-        if not fut.done():
-            what = "first byte" if fut is self._head else "next bytes"
-            self._fail(UpstreamTimeout(f"no {what} within {self._read_timeout:g}s"
-                                       if self._loop.time() < self._deadline
-                                       else "total request deadline passed"))
-
-    async def readany(self) -> bytes:
-        """The body bytes received since the last call; ``b""`` at the end."""
-        while True:
-            if self._chunks:
-                c = self._chunks
-                out = c[0] if len(c) == 1 else b"".join(c)
-                c.clear()
-                return out
-            if self._err is not None:
-                raise self._err
-            if self._state == _DONE:
-                return b""
-            fut = self._waiter = self._loop.create_future()
-            await self._wait(fut)
-
-    async def read(self) -> bytes:
-        """The whole body."""
-        while self._state != _DONE:
-            if self._err is not None:
-                raise self._err
-            fut = self._waiter = self._loop.create_future()
-            await self._wait(fut)
-        if self._err is not None:
-            raise self._err
-        c = self._chunks
-        out = c[0] if len(c) == 1 else b"".join(c)
-        c.clear()
-        return out
-
-    def release(self) -> None:
-        """Returns the connection to its pool if reusable, else closes it. Idempotent."""
-        conn = self._conn
-        if conn is None:
-            return
-        self._conn = None
-        conn.resp = None
-        if self._state == _DONE and self._err is None and self._keepalive:
-            conn.pool._put(conn)
-        else:
-            conn.close()
-
-    # ------------------------------------------------------------ protocol side
-
-    def _fail(self, err: UpstreamError) -> None:
-        if self._err is None and self._state != _DONE:
-            self._err = err
-        self._keepalive = False
-        for f in (self._head, self._waiter):
-            if f is not None and not f.done():
-                f.set_exception(err)
-        self._waiter = None
-        if self._conn is not None:
-            self._conn.close()
-
-    def _lost(self, exc: BaseException | None) -> None:
-        if self._state == _BODY and self._eof_framed:
-            self._state = _DONE  # the close is the end of this body
-            self._keepalive = False
-            self._wake()
-            return
-        if self._state != _DONE:
-            if not self._got:
-                self._fail(ConnectFailed(f"connection closed before a response ({exc or 'eof'})"))
-            else:
-                self._fail(UpstreamBroken(f"connection closed mid-response ({exc or 'eof'})"))
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    def _feed(self, data: bytes) -> None:
-        self._got = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(UpstreamBroken("upstream switched protocols (101)"))
-            return
-        except httptools.HttpParserError as exc:
-            if isinstance(exc, httptools.HttpParserCallbackError) and \
-                    not isinstance(exc.__context__, UpstreamBroken):
-                raise exc.__context__ or exc  # a bug in a callback, not the upstream's
-            st = self._state
-            if st == _DONE:  # bytes past the end of the response: not reusable
-                self._keepalive = False
-            elif st == _HEAD:
-                self._fail(UpstreamBroken(f"not an HTTP response: {exc}"))
-                return
-            elif "chunked" in self.headers.get("transfer-encoding", "").lower():
-                self._fail(UpstreamBroken(f"bad chunk size or chunk framing: {exc}"))
-                return
-            else:
-                self._fail(UpstreamBroken(f"malformed response body: {exc}"))
-                return
-        if self._state == _HEAD:
-            self._head_bytes += len(data)
-            if self._head_bytes > _MAX_HEAD:
-                self._fail(UpstreamBroken("response head too large"))
-                return
-        if self._chunks or self._state == _DONE:
-            self._wake()
-
-    # httptools callbacks (from inside _feed only)
-
-    def on_message_begin(self) -> None:
-        if self._state == _DONE:
-            self._keepalive = False
-            raise UpstreamBroken("bytes after the end of the response")  # stops the parser
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._state == _HEAD:  # not trailers
-            self.headers[name.lower().decode("latin-1")] = value.strip().decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        p = self._parser
-        status = p.get_status_code()
-        if status < 200:
-            self.headers = {}  # an interim response: its message completes at once
-            return
-        self.status = status
-        self._keepalive = p.should_keep_alive()
-        self._state = _BODY
-        h = self.headers
-        if status != 204 and status != 304 and "content-length" not in h and \
-                "chunked" not in h.get("transfer-encoding", "").lower():
-            self._eof_framed = True
-        if not self._head.done():
-            self._head.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
-
-    def on_message_complete(self) -> None:
-        if self._state == _BODY:  # not an interim response
-            self._state = _DONE
-            self._keepalive = self._keepalive and self._parser.should_keep_alive()
-
-
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection to an upstream."""
-
-    __slots__ = ("pool", "key", "transport", "resp", "closed")
-
-    def __init__(self, pool: "UpstreamPool", key: tuple[str, int]) -> None:
-        self.pool = pool
-        self.key = key
-        self.transport: asyncio.Transport | None = None
-        self.resp: Response | None = None  # the response being received, if any
-        self.closed = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
-
-    def data_received(self, data: bytes) -> None:
-        r = self.resp
-        if r is None:
-            self.close()  # bytes nobody asked for: the connection is unusable
-            return
-        r._feed(data)
-
-    def eof_received(self):
-        return False
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        r = self.resp
-        if r is not None:
-            r._lost(exc)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
-
-
-class UpstreamPool:
-    """Keep-alive connections per (host, port); idle ones reused most-recent first.
-
-    An idle connection the upstream has closed is skipped when its close was seen;
-    one whose close had not arrived yet fails before its response head and the
-    request is sent once more on a fresh connection (``stale_retries``).
-    """
-
-    def __init__(self, *, connect_timeout_s: float = 2.0, max_idle_per_host: int = 512) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self.max_idle = max_idle_per_host
-        self._idle: dict[tuple[str, int], collections.deque[_Conn]] = {}
-        self._closed = False
-        #: connections opened, and requests re-sent because a reused one was stale
-        self.connects = 0
-        self.stale_retries = 0
-
-    def _put(self, conn: _Conn) -> None:
-        if self._closed or conn.closed:
-            conn.close()
-            return
-        q = self._idle.get(conn.key)
-        if q is None:
-            q = self._idle[conn.key] = collections.deque()
-        while q and q[0].closed:  # the oldest idle ones die first (upstream keep-alive)
-            q.popleft()
-        if len(q) >= self.max_idle:
-            conn.close()
-        else:
-            q.append(conn)
-
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
-        loop = asyncio.get_running_loop()
-        try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self, key), key[0], key[1]),
-                self.connect_timeout_s)
-        except asyncio.TimeoutError:
-            raise UpstreamTimeout(f"connect to {key[0]}:{key[1]} timed out after "
-                                  f"{self.connect_timeout_s:g}s") from None
-        except OSError as exc:
-            raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: "
-                                f"{exc.strerror or exc}") from None
-        self.connects += 1
-        return conn
-
-    async def request(self, host: str, port: int, head: bytes, body: bytes, *,
-                      read_timeout_s: float, total_timeout_s: float) -> Response:
-        """Sends ``head`` (request line and headers, ending in a blank line) and
-        ``body``; returns once the response head arrived. The caller must
-        ``release()`` the response on every path."""
-        if self._closed:
-            raise RuntimeError("UpstreamPool.request() after aclose()")
-        loop = asyncio.get_running_loop()
-        key = (host, port)
-        deadline = loop.time() + total_timeout_s
-        q = self._idle.get(key)
-        for _ in range(2):
-            conn = None
-            reused = False
-            while q:
-                c = q.pop()
-                if not c.closed:
-                    conn, reused = c, True
-                    break
-            if conn is None:
-                conn = await self._connect(key)
-            resp = Response(conn, loop, read_timeout_s, deadline)
-            conn.resp = resp
-            if conn.closed:  # died between accept and now
-                resp.release()
-                if reused:
-                    self.stale_retries += 1
-                    continue
-                raise ConnectFailed(f"connection to {host}:{port} closed at once")
-            t = conn.transport
-            if len(body) < 16384:
-                t.write(head + body)
-            else:
-                t.writelines((head, body))
-            try:
-                await resp.wait_head()
-            except ConnectFailed:
-                resp.release()
-                if reused:
-                    self.stale_retries += 1
-                    continue  # a stale keep-alive connection: once more, fresh
-                raise
-            except BaseException:
-                resp.release()
-                raise
-            return resp
-        raise ConnectFailed(f"connection to {host}:{port} failed twice")  # pragma: no cover
-
-    def idle_count(self) -> int:
-        return sum(len(q) for q in self._idle.values())
-
-    async def aclose(self) -> None:
-        """Closes idle connections; busy ones close when released. Idempotent."""
-        self._closed = True
-        for q in self._idle.values():
-            while q:
-                q.pop().close()
-        self._idle.clear()
-
-    def check(self) -> None:
-        for key, q in self._idle.items():
-            for c in q:
-                assert c.key == key and c.resp is None, f"{c.key=} {key=}"
-
-
-def build_head(path: str, hostport: str, body_len: int, extra: bytes) -> bytes:
-    """The request line and headers of a JSON POST (``extra``: more header lines,
-    each ending in CRLF)."""
-    return (f"POST {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {body_len}\r\n").encode("latin-1") + extra + b"\r\n"
-
-
-# ======================================================================= front
-#
-# The client-facing side of the data plane: a raw HTTP/1.1 server for the proxied
-# POST paths, its bytes parsed by one httptools.HttpRequestParser per connection.
-# Everything else (admin, agents, metrics, probes, 404/405) is handed, at a request
-# boundary, to the aiohttp application by swapping the transport's protocol — so
-# one port serves both and the hot path skips aiohttp's request machinery.
-#
-#   _FrontConn states:  idle (no task) --request complete--> busy (task running)
-#                       --reply / stream end--> next queued request | idle | closed
-#                       a non-data-plane request --> (once idle) handed to aiohttp
-#                       a malformed request --> (once idle) 400/431 JSON, closed
-#
-# The parser runs ahead of the handler: requests a client pipelines behind the one
-# being served are parsed into ``queue`` and served in order; reading pauses while
-# the backlog is large. A hand-over must give aiohttp the raw bytes of the handed
-# request onwards, and httptools reports no byte offsets, so the connection keeps
-# the chunks received since the last point at which the parser stood between
-# requests (``fed``, ``fed_done``); finding a boundary inside them (pipelining
-# only) re-parses them with a throw-away parser (``_message_end``).
+from protocol.errors import PayloadTooLarge
+from router.upstream import MAX_HEAD
 
 log = logging.getLogger("radixfleet.front")
 
@@ -675,7 +256,7 @@ class _FrontConn(asyncio.Protocol):
                 self.fed_done = 0
             elif req.in_head:
                 req.head_raw += len(data)
-                if req.head_raw > _MAX_HEAD:
+                if req.head_raw > MAX_HEAD:
                     self._stop_bad(431, "request head too large")
         if self.parser is None:
             self.fed = []  # parsing stopped: no boundary will be looked for again
@@ -729,7 +310,7 @@ class _FrontConn(asyncio.Protocol):
         if not req.in_head:
             return  # a chunked body's trailer: dropped
         req.head_size += len(name) + len(value)
-        if req.head_size > _MAX_HEAD:
+        if req.head_size > MAX_HEAD:
             self._stop_bad(431, "request head too large")
             raise _Stop
         h = req.headers

@@ -20,7 +20,7 @@ be the bottleneck or hide what is measured:
     boundaries, after de-chunking) and whether ``[DONE]`` ended them — chunks per
     second are counted at the client, not computed.
 
-Both run on the caller's event loop; ``python -m router.benchmarks.proxy
+Both run on the caller's event loop; ``python -m radixfleet.bench.proxy
 lean-upstream --port P --chunks N`` serves the upstream in its own process.
 """
 

@@ -17,7 +17,7 @@ import argparse
 import importlib
 import sys
 
-from router.errors import RadixfleetError
+from protocol.errors import RadixfleetError
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "loadtest": ("loadtest.main", "drive a workload against one or more routers (A/B)"),
     "simulate": ("loadtest.simulator.main", "simulate a fleet and its policies in virtual time"),
     "analyze": ("loadtest.analyze", "the cache-size knee, Zipf head and policy replay of a traffic log"),
-    "bench": ("router.benchmarks", "run a benchmark (index, proxy, routing, policy, agent, sim, "
+    "bench": ("radixfleet.bench", "run a benchmark (index, proxy, routing, policy, agent, sim, "
                                    "fidelity, events, overload, reproduce, traffic_log, analyze, "
                                    "autoscale)"),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),

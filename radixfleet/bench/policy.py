@@ -37,7 +37,7 @@ from policies.base import MatchResult, RouteRequest, WorkerView
 from policies.harness import PickLoop
 from policies.registry import build_policy, policy_names
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, request_key
 
 TARGET_US = 20.0
 

@@ -62,7 +62,7 @@ def _f(x, spec: str) -> str:
 # ----------------------------------------------------------------- bench policy --quality
 
 def _policy_quality(keys: list[str]) -> dict[str, str]:
-    from router.benchmarks.policy import _quality
+    from radixfleet.bench.policy import _quality
 
     args = argparse.Namespace(requests=6000, rate=200, seed=0)
     return {r["policy"]: _row(r["policy"], f"{r['hit_rate']:.3f}", f"{r['ttft_mean_s']:.3f}",
@@ -71,7 +71,7 @@ def _policy_quality(keys: list[str]) -> dict[str, str]:
 
 
 def _policy_quality_rows() -> tuple[str, ...]:
-    from router.benchmarks.policy import QUALITY_ROWS
+    from radixfleet.bench.policy import QUALITY_ROWS
 
     return tuple(label for label, *_ in QUALITY_ROWS)
 
@@ -87,7 +87,7 @@ _COST_ROWS = ("llama-3-70b prefill, 2,048 tokens, H100 at 60% MFU (s)",
 
 
 def _agent_cost(keys: list[str]) -> dict[str, str]:
-    from router.benchmarks.agent import _cost_figures
+    from radixfleet.bench.agent import _cost_figures
 
     c = _cost_figures()
     kv = c["kv_bytes_per_token"]
@@ -106,7 +106,7 @@ _SIM_ROWS = ("gsp_8w", "gsp_light_8w", "gsp_500w", "trace_100k", "long_5k")
 
 def _sim_rows(keys: list[str]) -> dict[str, str]:
     from loadtest.simulator.engine import EngineSpec
-    from router.benchmarks.sim import row_factory
+    from radixfleet.bench.sim import row_factory
     from router.prefix_index import tune_gc
 
     tune_gc()
@@ -331,7 +331,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from router.errors import ConfigError
+    from protocol.errors import ConfigError
 
     known = blocks()
     for name in args.block or ():

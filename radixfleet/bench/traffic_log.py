@@ -25,11 +25,11 @@ import tempfile
 import time
 
 from policies.base import RouteRequest
-from router.benchmarks.routing import _bodies
+from radixfleet.bench.routing import _bodies
 from router.config import TrafficLogConfig, build_policy_from, parse_config
 from router.pool import HealthState, Pool
 from router.prefix_index import PrefixIndex
-from router.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, request_key
 from router.traffic_log import TrafficLog
 
 

@@ -13,22 +13,22 @@ import importlib
 
 #: name -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "index": ("router.benchmarks.index", "prefix index: inserts/s, matches/s, bytes per block"),
-    "proxy": ("router.benchmarks.proxy", "proxy throughput and added latency vs direct and smg"),
-    "routing": ("router.benchmarks.routing", "routing work per request: keys + match + policy"),
-    "policy": ("router.benchmarks.policy", "policy decision cost with 16 workers"),
-    "agent": ("router.benchmarks.agent", "agent: cached TTFT, cost model, bookkeeping req/s"),
-    "sim": ("router.benchmarks.sim", "simulator: simulated requests per wall second"),
-    "fidelity": ("router.benchmarks.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
-    "events": ("router.benchmarks.events", "KV events: decode + map + index blocks/s, bytes per block"),
-    "overload": ("router.benchmarks.overload", "shedding at 4x capacity with default settings"),
-    "reproduce": ("router.benchmarks.reproduce",
+    "index": ("radixfleet.bench.index", "prefix index: inserts/s, matches/s, bytes per block"),
+    "proxy": ("radixfleet.bench.proxy", "proxy throughput and added latency vs direct and smg"),
+    "routing": ("radixfleet.bench.routing", "routing work per request: keys + match + policy"),
+    "policy": ("radixfleet.bench.policy", "policy decision cost with 16 workers"),
+    "agent": ("radixfleet.bench.agent", "agent: cached TTFT, cost model, bookkeeping req/s"),
+    "sim": ("radixfleet.bench.sim", "simulator: simulated requests per wall second"),
+    "fidelity": ("radixfleet.bench.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
+    "events": ("radixfleet.bench.events", "KV events: decode + map + index blocks/s, bytes per block"),
+    "overload": ("radixfleet.bench.overload", "shedding at 4x capacity with default settings"),
+    "reproduce": ("radixfleet.bench.reproduce",
                   "re-run the seeded figures of bench/RESULTS.md; exit 1 if any differs"),
-    "replicas": ("router.benchmarks.replicas", "N router replicas on the NATS bus vs one router: "
+    "replicas": ("radixfleet.bench.replicas", "N router replicas on the NATS bus vs one router: "
                  "hit rate and TTFT"),
-    "traffic_log": ("router.benchmarks.traffic_log", "routing p99 with the traffic log on vs off"),
-    "analyze": ("router.benchmarks.analyze", "radixfleet analyze on a 100,000-request traffic log"),
-    "autoscale": ("router.benchmarks.autoscale", "prefix-aware vs queue-depth autoscaling, flash crowd"),
+    "traffic_log": ("radixfleet.bench.traffic_log", "routing p99 with the traffic log on vs off"),
+    "analyze": ("radixfleet.bench.analyze", "radixfleet analyze on a 100,000-request traffic log"),
+    "autoscale": ("radixfleet.bench.autoscale", "prefix-aware vs queue-depth autoscaling, flash crowd"),
 }
 
 

@@ -53,7 +53,7 @@ from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
 from loadtest.workloads import (API_COMPLETIONS, RequestSpec, SingleShot, make_workload,
                                 parse_options, text_of)
-from router.errors import ConfigError
+from protocol.errors import ConfigError
 
 HIT_POINTS = 0.02
 TTFT_REL = 0.15

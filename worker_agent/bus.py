@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from router.bus.connection import BusConnection, BusMetrics
 from router.bus.wire import (ROLLUP_HEADER, BadMessage, Subjects, build_agent, build_load,
                              parse_snapshot_request)
-from router.events import EventBatch, Load
+from protocol.events import EventBatch, Load
 
 log = logging.getLogger("radixfleet.bus")
 

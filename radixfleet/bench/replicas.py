@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="radixfleet-bench-replicas-")
-    py = [sys.executable, "-m", "router.cli"]
+    py = [sys.executable, "-m", "radixfleet.cli"]
 
     def spawn(argv: list[str]) -> subprocess.Popen:
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

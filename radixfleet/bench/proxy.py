@@ -29,7 +29,7 @@ p50/p99 over all interleaved probes (and its per-round spread); a figure at or
 below zero means the difference is below what the run resolves and is printed as
 such, never as a negative latency. ``--json`` prints every round.
 
-The aiohttp upstream (``upstream_app``, ``python -m router.benchmarks.proxy
+The aiohttp upstream (``upstream_app``, ``python -m radixfleet.bench.proxy
 upstream --port P``) also serves the router tests: ``/v1/completions``,
 ``/v1/chat/completions``, ``/generate``, ``/v1/models``, ``/health``; headers it
 received are echoed in the response (``x-upstream-tenant``), ``"delay_s"`` in a
@@ -55,9 +55,9 @@ import time
 
 from aiohttp import web
 
-from router.benchmarks.smg import require_smg
-from router.benchmarks.wire import LeanClient, LeanUpstream, post_request
-from router.errors import RunError
+from loadtest.smg import require_smg
+from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
+from protocol.errors import RunError
 
 # ---------------------------------------------------------------------- upstream
 
@@ -410,12 +410,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         up_port = _free_port()
         up = f"http://127.0.0.1:{up_port}"
-        fleet.start("upstream", [sys.executable, "-m", "router.benchmarks.proxy", "lean-upstream",
+        fleet.start("upstream", [sys.executable, "-m", "radixfleet.bench.proxy", "lean-upstream",
                                  "--port", str(up_port), "--chunks", str(args.chunks)],
                     up + "/health")
         rf_port = _free_port()
         rf = f"http://127.0.0.1:{rf_port}"
-        fleet.start("radixfleet", [sys.executable, "-m", "router.cli", "router", "--worker", up,
+        fleet.start("radixfleet", [sys.executable, "-m", "radixfleet.cli", "router", "--worker", up,
                                    "--policy", "round_robin", "--port", str(rf_port),
                                    "--log-level", "WARNING"], rf + "/readiness")
         _wait_ready(rf)
@@ -575,8 +575,8 @@ def _wait_smg(base: str, timeout_s: float = 30.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m router.benchmarks.proxy upstream --port P`` serves the upstream."""
-    p = argparse.ArgumentParser(prog="router.benchmarks.proxy")
+    """``python -m radixfleet.bench.proxy upstream --port P`` serves the upstream."""
+    p = argparse.ArgumentParser(prog="radixfleet.bench.proxy")
     sub = p.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("upstream")
     u.add_argument("--port", type=int, required=True)

@@ -40,7 +40,7 @@ from typing import Any, NewType, Sequence
 
 import xxhash
 
-from router.errors import MalformedRequest
+from protocol.errors import MalformedRequest
 
 BlockHash = NewType("BlockHash", int)
 WorkerId = NewType("WorkerId", str)

@@ -40,7 +40,7 @@ import xxhash
 from router.engines.block_map import EngineBlockMap
 from router.engines.kv_events import decode_batch
 from router.prefix_index import PrefixIndex, tune_gc
-from router.prefix_keys import (
+from protocol.prefix_keys import (
     DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed, token_block_hashes, token_namespace_seed,
 )
 

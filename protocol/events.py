@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.errors import MalformedRequest
+from protocol.errors import MalformedRequest
 
 STATUS_OK = "ok"
 STATUS_SNAPSHOT_REQUIRED = "snapshot_required"
