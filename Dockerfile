@@ -26,6 +26,7 @@ ENV PATH=/opt/radixfleet/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protocol/ protocol/
+COPY service/ service/
 COPY router/ router/
 COPY policies/ policies/
 COPY worker_agent/ worker_agent/

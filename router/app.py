@@ -12,7 +12,7 @@ Endpoints::
     GET  /readiness            200 once at least one worker is healthy (and, with a bus,
                                the stream's history is applied), else 503
     GET  /metrics              Prometheus text (no prefix hashes: router.metrics)
-    GET  /openapi.json         the OpenAPI 3 description of all of this (router.openapi)
+    GET  /openapi.json         the OpenAPI 3 description of all of this (protocol.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
     GET  /admin/index          index stats, hot prefixes, policy.describe()
     POST /admin/reload         re-read the config file (400 with the message if invalid)
@@ -43,8 +43,10 @@ import aiohttp
 from aiohttp import web
 
 from protocol import events as ev
-from router import http_errors, jsonbody, openapi
-from router.auth import BearerAuth, TenantResolver, check_exposure
+from protocol import openapi
+from service import http_errors, jsonbody
+from router.auth import TenantResolver, check_exposure
+from service.auth import BearerAuth
 from router.config import (
     MISSING, Config, WorkerSpec, build_policy_from, check_engine_fields, default_worker_id,
     load_config,
@@ -61,8 +63,8 @@ from router.traffic_log import TrafficLog
 from protocol.errors import (
     ConfigError, MalformedRequest, NotFound, RequestError, RequestTimeout, retry_after_header,
 )
-from router.identifiers import id_problem, models_problem
-from router.tenancy import TenantSalts
+from protocol.identifiers import id_problem, models_problem
+from service.tenancy import TenantSalts
 from router.feedback import Feedback
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from router import served

@@ -1,7 +1,8 @@
-"""Identities: bearer tokens for the admin and agent APIs, tenants for the data plane.
+"""Identities: the admin and agent APIs' exposure rule, tenants for the data plane
+(bearer tokens themselves: ``service.auth``).
 
 The tenant selects the prefix-key namespace (protocol.prefix_keys; its salt is a
-secret per deployment, router.tenancy), so it must come from an authenticated
+secret per deployment, service.tenancy), so it must come from an authenticated
 identity — an API key the YAML maps to a tenant, or a header only when the config
 says a trusted gateway sets it — never from the request body, so no client can
 claim another tenant's namespace and probe its cache by timing.
@@ -17,47 +18,13 @@ development) and refused on any other address (``check_exposure``).
 from __future__ import annotations
 
 import hashlib
-import hmac
-import ipaddress
 import os
 
 from router.config import Config, TenantConfig
 from protocol.errors import ConfigError, MalformedRequest, Unauthorized
-from router.identifiers import tenant_problem
-from router.tenancy import TenantSalts
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost``; "" and 0.0.0.0 mean every interface."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class BearerAuth:
-    """One API's bearer token ("" = open: only allowed on loopback)."""
-
-    __slots__ = ("token", "env", "what")
-
-    def __init__(self, env: str, what: str) -> None:
-        self.env = env
-        self.what = what
-        self.token = (os.environ.get(env, "") if env else "").encode()
-
-    def check(self, header: str | None) -> None:
-        """Raises ``Unauthorized`` unless ``header`` is ``Bearer <token>``."""
-        if not self.token:
-            return
-        if not header or not header.startswith("Bearer "):
-            raise Unauthorized(f"{self.what} API requires 'Authorization: Bearer <token>'")
-        # aiohttp and the raw front decode header bytes as UTF-8 with surrogateescape:
-        # encoding back the same way gives the bytes sent, valid UTF-8 or not
-        if not hmac.compare_digest(header[7:].strip().encode("utf-8", "surrogateescape"),
-                                   self.token):
-            raise Unauthorized(f"invalid {self.what} token")
+from protocol.identifiers import tenant_problem
+from service.auth import BearerAuth, is_loopback
+from service.tenancy import TenantSalts
 
 
 def check_exposure(cfg: Config, admin: BearerAuth, agent: BearerAuth) -> None:
@@ -76,7 +43,7 @@ class TenantResolver:
     with ``require_key``) when no valid key is presented.
 
     ``namespace(headers)`` is what the data plane keys with: the tenant's secret salt
-    from ``salts`` (router.tenancy), or — without ``salts``, for tools that key like
+    from ``salts`` (service.tenancy), or — without ``salts``, for tools that key like
     the simulator — the tenant name itself."""
 
     __slots__ = ("source", "default", "header", "require", "_digests", "salts")

@@ -78,7 +78,6 @@ import contextvars
 import dataclasses
 import os
 import random
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -87,8 +86,9 @@ from urllib.parse import urlsplit
 import yaml
 
 from policies.params import check_value
+from protocol import bus_wire
 from protocol.errors import ConfigError
-from router.identifiers import MAX_URL_CHARS, id_problem
+from protocol.identifiers import MAX_URL_CHARS, id_problem
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 
 
@@ -205,7 +205,7 @@ class KeysConfig:
     tenant: TenantConfig = _section(TenantConfig, "tenant identity")
     tenant_salt_env: str = _opt(
         "RADIXFLEET_TENANT_SALT", "env var with the deployment's secret tenant salt (the "
-        "same on every replica); unset: derived from the agent token (router.tenancy)")
+        "same on every replica); unset: derived from the agent token (service.tenancy)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -833,26 +833,13 @@ _SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _pol
                     TrafficLogConfig: _traffic_log, AutoscaleConfig: _autoscale}
 
 
-#: a NATS subject token or stream name: no dots, spaces or wildcards
-_NATS_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
 def _check_bus(b: BusConfig) -> None:
     if b.url:
-        parts = urlsplit(b.url)
-        if parts.scheme not in ("nats", "tls") or not parts.hostname:
-            raise ConfigError("bus.url", f"expected nats://host:port, got {b.url!r}")
-        try:
-            parts.port
-        except ValueError:
-            raise ConfigError("bus.url", f"invalid port in {b.url!r}") from None
+        bus_wire.check_url(b.url)
     for key in ("stream", "subject_prefix"):
-        v = getattr(b, key)
-        if not _NATS_NAME.match(v):
-            raise ConfigError(f"bus.{key}", f"expected letters, digits, '_' or '-', got {v!r}")
-    if b.replica_id and not _NATS_NAME.match(b.replica_id):
-        raise ConfigError("bus.replica_id",
-                          f"expected letters, digits, '_' or '-', got {b.replica_id!r}")
+        bus_wire.check_name(getattr(b, key), f"bus.{key}")
+    if b.replica_id:
+        bus_wire.check_name(b.replica_id, "bus.replica_id")
     if b.backoff_max_s < b.backoff_s:
         raise ConfigError("bus.backoff_max_s", f"expected a number >= bus.backoff_s ({b.backoff_s})")
     if b.replica_ttl_s <= b.heartbeat_s:

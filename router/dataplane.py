@@ -47,14 +47,14 @@ import aiohttp
 from aiohttp import web
 
 from policies.base import Reason
-from router import jsonbody
+from service import jsonbody
 from router.auth import TenantResolver
 from router.config import Config
 from router.autoscale import DemandMeter
 from protocol.errors import (
     MalformedRequest, Overloaded, PayloadTooLarge, RequestError, retry_after_header,
 )
-from router.identifiers import request_id
+from protocol.identifiers import request_id
 from router.metrics import Metrics
 from router.pick import hint_and_count
 from router.pool import Pool

@@ -47,12 +47,13 @@ not exported (``prometheus_client.disable_created_metrics``, process-wide).
 from __future__ import annotations
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry,
+    CONTENT_TYPE_LATEST, CollectorRegistry,
     Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.pool import BREAKER_GAUGE, HealthState
+from service.metrics import standard_collectors
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -62,13 +63,6 @@ _MATCH_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768
                   131072)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-
-
-def standard_collectors(registry: CollectorRegistry) -> None:
-    """Adds the process, platform and GC collectors (``process_*``, ``python_*``)
-    that the default registry has and a custom one lacks."""
-    for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-        registry.register(c)
 
 
 class Metrics:

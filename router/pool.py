@@ -47,7 +47,8 @@ from typing import Callable, Iterable, Sequence
 import aiohttp
 
 from policies.base import WorkerView
-from router import jsonbody, served
+from router import served
+from service import jsonbody
 from router.config import Config, WorkerSpec
 from protocol.errors import MalformedRequest
 from protocol.events import MAX_RATE, MIN_RATE, Load

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from protocol.errors import MalformedRequest, NotFound, NoWorkerAvailable, RequestError
-from router.identifiers import MAX_MODELS, name_problem
+from protocol.identifiers import MAX_MODELS, name_problem
 
 #: seconds between two fetches of a (non-agent) worker's /v1/models
 MODELS_REFRESH_S = 30.0

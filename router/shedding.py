@@ -74,7 +74,6 @@ class Shedder:
             return None
         bound = self.bound_s()
         best = math.inf
-        rate_seen = 0.0
         for w in workers:
             if model and w.models and not serves(w.models, model, adapter):
                 continue
@@ -87,7 +86,7 @@ class Shedder:
             if q <= bound:
                 return self._observe(uncached_tokens, rate)
             if q < best:
-                best, rate_seen = q, rate
+                best = q
         if best == math.inf:
             return None  # nobody eligible: the caller's 404 / 503
         if self.on_shed is not None:

@@ -21,7 +21,7 @@ import pytest
 
 from router.app import Router, RouterServer
 from router.bus.remote_load import RemoteInFlight
-from router.bus.wire import (BadMessage, RouterMessage, Subjects, parse_agent, parse_load,
+from protocol.bus_wire import (BadMessage, RouterMessage, Subjects, parse_agent, parse_load,
                              parse_router, worker_token)
 from router.config import parse_config
 from protocol.errors import ConfigError
@@ -105,6 +105,21 @@ def test_config_bus_section_validated_with_paths():
         with pytest.raises(ConfigError) as e:
             parse_config({"bus": raw})
         assert str(e.value).startswith(path), e.value
+
+
+@pytest.mark.parametrize("args, flag", [(["--bus", "http://x:1"], "--bus"),
+                                        (["--bus", "nats://x:99999"], "--bus"),
+                                        (["--bus", "nats://x:1", "--bus-prefix", "a.b"],
+                                         "--bus-prefix")])
+def test_agent_refuses_a_bad_bus_flag_with_one_line_and_exit_2(args, flag):
+    """The agent checks its bus flags by the same rules as the router's YAML
+    (protocol.bus_wire) before it listens."""
+    import subprocess
+    r = subprocess.run(radixfleet_argv("agent", "--port", str(free_port()), *args),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0], r.stderr
 
 
 def test_remote_in_flight_counts_replace_expire_and_bye():

@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from router.app import Router, RouterServer
-from router.auth import BearerAuth, check_exposure
+from router.auth import check_exposure
+from service.auth import BearerAuth
 from router.config import load_config, parse_config
 from router.pool import Source
 from tests.deploy_tools import ROOT, tools_venv

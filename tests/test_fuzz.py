@@ -29,7 +29,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from router.openapi import agent_spec, router_spec
+from protocol.openapi import agent_spec, router_spec
 from tests.procs import free_port
 
 ADMIN, AGENT, KEY = "fz-admin", "fz-agent", "fz-key"

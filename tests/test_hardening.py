@@ -30,11 +30,11 @@ from radixfleet.bench.proxy import upstream_app
 from router.config import ConfigError, load_config, parse_config
 from protocol.errors import MalformedRequest, Overloaded
 from protocol.events import MAX_LOAD_COUNT, MAX_RATE, MIN_RATE, Load, parse_batch
-from router.identifiers import MAX_ID_CHARS
-from router.jsonbody import MAX_DEPTH, loads, nesting_depth
+from protocol.identifiers import MAX_ID_CHARS
+from service.jsonbody import MAX_DEPTH, loads, nesting_depth
 from protocol.prefix_keys import Endpoint, namespace_seed, request_key
 from router.shedding import Shedder
-from router.tenancy import SIGNATURE_HEADER, TenantSalts, signature
+from service.tenancy import SIGNATURE_HEADER, TenantSalts, signature
 from tests.procs import free_port, radixfleet_argv
 from worker_agent.scheduler import SchedulerConfig
 from worker_agent.server import AGENT_KEY, AgentConfig, create_app

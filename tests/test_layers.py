@@ -1,10 +1,13 @@
 """Imports run one way (ARCHITECTURE.md, "Layers").
 
-    protocol                      prefix keys, event wire format, errors: imports none of ours
+    protocol                      prefix keys, event and bus wire formats, identifier
+                                  bounds, OpenAPI documents, errors: imports none of ours
+    service       -> protocol     what both servers are built from (HTTP errors, JSON
+                                  bodies, tokens, tenant salts, metrics, the NATS link)
     policies      -> protocol     pure decisions over views
-    router        -> protocol, policies
-    worker_agent  -> protocol, router (its HTTP helpers, the bus wire)
-    loadtest      -> protocol, router, policies, worker_agent
+    router        -> protocol, service, policies
+    worker_agent  -> protocol, service, policies   (never the router: they are peers)
+    loadtest      -> protocol, service, router, policies, worker_agent
     radixfleet    -> everything   the ``radixfleet`` command and ``radixfleet bench``
 
 An arrow the other way (the router importing the load generator to run a benchmark,
@@ -19,14 +22,15 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LAYERS = ("protocol", "policies", "router", "worker_agent", "loadtest", "radixfleet")
+LAYERS = ("protocol", "service", "policies", "router", "worker_agent", "loadtest", "radixfleet")
 #: what each package may import of ours (besides itself)
 ALLOWED = {
     "protocol": set(),
+    "service": {"protocol"},
     "policies": {"protocol"},
-    "router": {"protocol", "policies"},
-    "worker_agent": {"protocol", "policies", "router"},
-    "loadtest": {"protocol", "policies", "router", "worker_agent"},
+    "router": {"protocol", "service", "policies"},
+    "worker_agent": {"protocol", "service", "policies"},
+    "loadtest": {"protocol", "service", "policies", "router", "worker_agent"},
     "radixfleet": set(LAYERS),
 }
 # policies.harness replays the router's pick-time bookkeeping for scenario tests

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from router.app import Router
 from router.config import parse_config
-from router.openapi import agent_spec, operations, router_spec
+from protocol.openapi import agent_spec, operations, router_spec
 from protocol.prefix_keys import Endpoint
 from worker_agent.server import AgentConfig, create_app
 

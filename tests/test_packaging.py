@@ -22,7 +22,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-OWN = {"protocol", "router", "policies", "worker_agent", "loadtest", "radixfleet", "tests"}
+OWN = {"protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet", "tests"}
 #: scripts that run under another interpreter than the project's, with why
 OTHER_ENV = {
     "tests/engines/make_tiny_llama.py": "runs in the vLLM venv (tests/engines/vllm_env.py), "
@@ -72,7 +72,7 @@ def _project() -> dict:
 
 def test_runtime_imports_are_declared_dependencies():
     runtime = _declared(_project()["dependencies"])
-    missing = _undeclared(["protocol", "router", "policies", "worker_agent", "loadtest", "radixfleet"], runtime)
+    missing = _undeclared(["protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet"], runtime)
     assert not missing, f"imported but not in [project].dependencies: {missing}"
 
 

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from router.dataplane import Admission
-from router.auth import BearerAuth, TenantResolver, is_loopback
+from router.auth import TenantResolver
+from service.auth import BearerAuth, is_loopback
 from router.config import parse_config
 from protocol.errors import Overloaded, Unauthorized
 from protocol.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored

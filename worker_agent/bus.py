@@ -23,8 +23,8 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from router.bus.connection import BusConnection, BusMetrics
-from router.bus.wire import (ROLLUP_HEADER, BadMessage, Subjects, build_agent, build_load,
+from service.bus_connection import BusConnection, BusMetrics
+from protocol.bus_wire import (ROLLUP_HEADER, BadMessage, Subjects, build_agent, build_load,
                              parse_snapshot_request)
 from protocol.events import EventBatch, Load
 

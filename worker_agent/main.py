@@ -16,9 +16,10 @@ import sys
 
 from aiohttp import web
 
-from router.auth import is_loopback
+from service.auth import is_loopback
+from protocol.bus_wire import check_name, check_url
 from protocol.errors import ConfigError
-from router import http_errors
+from service import http_errors
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
@@ -184,9 +185,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
     cfg = build_config(args)
     if args.bus is not None:
-        from router.config import BusConfig, _check_bus
-
-        _check_bus(BusConfig(url=args.bus, subject_prefix=args.bus_prefix))  # exit 2 if bad
+        check_url(args.bus, "--bus")  # exit 2 if bad
+        check_name(args.bus_prefix, "--bus-prefix")
         if not args.bus_snapshot_interval > 0:
             raise ConfigError("--bus-snapshot-interval", "expected a number > 0")
     advertise = args.advertise_url or f"http://{args.host}:{args.port}"

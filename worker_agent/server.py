@@ -10,13 +10,13 @@
     POST /internal/v1/engine_config   new RoPE scaling -> fingerprint change -> flush
                                       (agent token required when one is set)
     GET  /metrics         sglang:* gauges beside radixfleet_agent_* counters
-    GET  /openapi.json    router.openapi.agent_spec()
+    GET  /openapi.json    protocol.openapi.agent_spec()
 
 A request's prompt is ``protocol.prefix_keys.routing_bytes`` of its body (the chat
 template), tokenized by ``worker_agent.tokenizer``; its cache namespace and router
 hashes come from ``request_key(..., tenant=<x-radixfleet-tenant header>)``, exactly
 as the router computes them. The header is the router's secret per-tenant salt
-(router.tenancy), taken only from a router: with an agent token set it must come
+(service.tenancy), taken only from a router: with an agent token set it must come
 with the router's signature (``x-radixfleet-tenant-sig``), else 401; without one,
 only on a loopback listener (``trust_unsigned_tenant``). A full wait queue
 (``SchedulerConfig.max_waiting``) answers 429 with ``Retry-After``. Bad input answers an OpenAI-style JSON error with a 4xx
@@ -40,13 +40,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from router import jsonbody
-from router.auth import BearerAuth
-from protocol.errors import (MalformedRequest, NotFound, Overloaded, PromptTooLarge,
+from service import jsonbody
+from service.auth import BearerAuth
+from protocol.errors import (MalformedRequest, NotFound, PromptTooLarge,
                            RequestError, Unauthorized, retry_after_header)
-from router.metrics import standard_collectors
-from router.openapi import agent_spec
-from router.tenancy import SIGNATURE_HEADER, verify_signature
+from service.metrics import standard_collectors
+from protocol.openapi import agent_spec
+from service.tenancy import SIGNATURE_HEADER, verify_signature
 from protocol.prefix_keys import (BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, Endpoint, block_hashes,
                                 check_block_bytes, namespace_seed, request_key)
 from worker_agent import tokenizer as tk

@@ -1,4 +1,5 @@
-"""The event bus shared by router replicas and agents (DESIGN.md contract 11), on NATS
-JetStream: ``wire`` (subjects, message bodies), ``connection`` (one connection kept
-up, metrics), ``remote_load`` (other replicas' in-flight counts), ``replica`` (the
-router side), ``publisher`` (the agent side)."""
+"""The router's side of the event bus shared by router replicas and agents (DESIGN.md
+contract 11), on NATS JetStream: ``remote_load`` (other replicas' in-flight counts),
+``replica`` (a router replica's consumer and publisher). What travels is
+``protocol.bus_wire``; the connection kept up is ``service.bus_connection``; the
+agent's publisher is ``worker_agent.bus``."""

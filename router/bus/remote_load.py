@@ -20,7 +20,7 @@ Invariants (``check()``):
 
 from __future__ import annotations
 
-from router.bus.wire import RouterMessage
+from protocol.bus_wire import RouterMessage
 
 
 class _Remote:

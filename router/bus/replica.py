@@ -40,9 +40,9 @@ import time
 from nats.js import api
 from prometheus_client import CollectorRegistry
 
-from router.bus.connection import BusConnection, BusMetrics, BusState, Problems
+from service.bus_connection import BusConnection, BusMetrics, BusState, Problems
 from router.bus.remote_load import RemoteInFlight
-from router.bus.wire import (BadMessage, RouterMessage, Subjects, build_snapshot_request,
+from protocol.bus_wire import (BadMessage, RouterMessage, Subjects, build_snapshot_request,
                              parse_agent, parse_load, parse_router)
 from router.config import BusConfig, ConfigError, parse_worker_url
 from protocol.events import STATUS_OK

@@ -29,10 +29,34 @@ A hint's age is seconds since the pick on the sender, so clocks need not agree.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+from urllib.parse import urlsplit
 
+from protocol.errors import ConfigError, RequestError
 from protocol.events import EventBatch, Snapshot, parse_batch
-from protocol.errors import RequestError
+
+#: what a stream name, subject prefix or replica id may hold (NATS tokens: no dots,
+#: spaces or wildcards)
+NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_url(url: str, key: str = "bus.url") -> None:
+    """Raises ``ConfigError`` (at ``key``) unless ``url`` is ``nats://host[:port]``."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("nats", "tls") or not parts.hostname:
+        raise ConfigError(key, f"expected nats://host:port, got {url!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(key, f"invalid port in {url!r}") from None
+
+
+def check_name(value: str, key: str) -> None:
+    """Raises ``ConfigError`` (at ``key``) unless ``value`` is one NATS subject token."""
+    if not NAME.match(value):
+        raise ConfigError(key, f"expected letters, digits, '_' or '-', got {value!r}")
+
 
 VERSION = 1
 #: the JetStream header that makes a message replace every earlier one on its subject

@@ -19,7 +19,7 @@ import functools
 from typing import Any
 
 from protocol.events import MAX_LOAD_COUNT, MAX_RATE
-from router.identifiers import MAX_ID_CHARS, MAX_MODELS, MAX_NAME_CHARS, MAX_URL_CHARS
+from protocol.identifiers import MAX_ID_CHARS, MAX_MODELS, MAX_NAME_CHARS, MAX_URL_CHARS
 
 OPENAPI_VERSION = "3.0.3"
 

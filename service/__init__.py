@@ -1,0 +1,6 @@
+"""What every radixfleet server (the router and the worker agent) is built from, so
+neither imports the other: JSON error answers (``http_errors``), bounded JSON bodies
+(``jsonbody``), bearer tokens and the loopback rule (``auth``), per-deployment tenant
+salts and the signed tenant header (``tenancy``), the standard metrics collectors
+(``metrics``) and the NATS connection the bus runs on (``bus_connection``).
+What travels between them is ``protocol``."""
