@@ -1,8 +1,11 @@
-"""The router's aiohttp application: admin API, agent API, probes, metrics, reload.
+"""The router's composition root and its aiohttp application: builds the index,
+pool, policy, engines, feedback, data plane, bus and discovery from the config, runs
+their lifecycle, serves the probes and metrics, and applies reloads.
 
 The data plane (one client request from admission to its last byte) lives in
-``router.dataplane``; the ``Router`` owns one ``DataPlane`` and reconfigures it on
-reload.
+``router.dataplane``, the admin API in ``router.admin_api``, the agent API in
+``router.agent_api``, the validation half of a reload in ``router.reload``; the
+``Router`` owns one of each and reconfigures them on reload.
 
 Endpoints::
 
@@ -33,80 +36,43 @@ tasks live in ``cleanup_ctx``; ``aclose()`` of the pool runs there.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from protocol import events as ev
 from protocol import openapi
-from service import http_errors, jsonbody
-from router.auth import TenantResolver, check_exposure
-from service.auth import BearerAuth
-from router.config import (
-    MISSING, Config, WorkerSpec, build_policy_from, check_engine_fields, default_worker_id,
-    load_config,
-    parse_worker_url, with_overrides, parse_section,
-)
-from router.dataplane import (
-    REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
-)
-from router.bus.replica import BusReplica
-from router.discovery import Discovery
-from router.autoscale import fleet_signal, params_from
-from router.engines.manager import Engines
-from router.traffic_log import TrafficLog
-from protocol.errors import (
-    ConfigError, MalformedRequest, NotFound, RequestError, RequestTimeout, retry_after_header,
-)
-from protocol.identifiers import id_problem, models_problem
-from service.tenancy import TenantSalts
-from router.feedback import Feedback
-from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
-from router import served
-from router.pool import Pool, Source
-from router.prefix_index import PrefixIndex
+from protocol.errors import ConfigError, MalformedRequest, NotFound, retry_after_header
 from protocol.prefix_keys import Endpoint
+from router import served
+from router.admin_api import AdminAPI
+from router.agent_api import AgentAPI
+from router.auth import TenantResolver, check_exposure
+from router.autoscale import fleet_signal, params_from
+from router.bus.replica import BusReplica
+from router.config import MISSING, Config, build_policy_from, with_overrides
+from router.dataplane import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, DataPlane
+from router.discovery import Discovery
+from router.engines.manager import Engines
+from router.feedback import Feedback
+from router.http_api import error_response, json_error
+from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from router.pool import Pool
+from router.prefix_index import PrefixIndex
+from router.reload import config_file_version, prepare
+from router.traffic_log import TrafficLog
 from router.upstream import UpstreamPool
+from service import http_errors, jsonbody
+from service.auth import BearerAuth
+from service.tenancy import TenantSalts
 
 log = logging.getLogger("radixfleet.router")
 
 __all__ = ["Router", "RouterServer", "TENANT_HEADER", "WORKER_HEADER", "REQUEST_ID_HEADER"]
 
 _JSON = "application/json"
-
-
-def json_error(status: int, message: str, etype: str, code: str,
-               param: str | None = None, headers: dict | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": etype, "code": code, "param": param}}
-    return web.Response(body=json.dumps(body).encode(), status=status, content_type=_JSON,
-                        headers=headers)
-
-
-def error_response(exc: RequestError, headers: dict | None = None) -> web.Response:
-    h = dict(headers or {})
-    if exc.retry_after_s is not None:
-        h["Retry-After"] = retry_after_header(exc.retry_after_s)
-    return web.Response(body=json.dumps(exc.to_json()).encode(), status=exc.status,
-                        content_type=_JSON, headers=h)
-
-
-def config_file_version(path: str) -> tuple[int, int, int, int] | None:
-    """What the reload watcher compares: (device, inode, mtime ns, size) of the file
-    ``path`` resolves to, or None if it cannot be read. ``os.stat`` follows the
-    ConfigMap volume's symlinks (``router.yaml -> ..data/router.yaml``, ``..data ->
-    ..<timestamp>``), so the kubelet's atomic swap shows as a new inode even when
-    the new file's mtime equals the old one's (coarse timestamps, copies that keep
-    mtimes)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class Router:
@@ -158,14 +124,8 @@ class Router:
         r.add_get("/health", self._health)
         r.add_get("/readiness", self._readiness)
         r.add_get("/metrics", self._metrics)
-        r.add_get("/admin/workers", self._admin(self._list_workers))
-        r.add_post("/admin/workers", self._admin(self._add_worker))
-        r.add_delete("/admin/workers/{id}", self._admin(self._remove_worker))
-        r.add_post("/admin/workers/{id}/drain", self._admin(self._drain_worker))
-        r.add_get("/admin/index", self._admin(self._index_info))
-        r.add_post("/admin/reload", self._admin(self._reload_handler))
-        r.add_post(ev.REGISTER_PATH, self._agent(self._register))
-        r.add_post(ev.EVENTS_PATH, self._agent(self._events))
+        AdminAPI(self).add_routes(r)
+        AgentAPI(self).add_routes(r)
         r.add_get("/openapi.json", self._openapi)
         self._known = {}
         for res in r.resources():
@@ -238,19 +198,13 @@ class Router:
         """The data plane's upstream connection pool (set while the app runs)."""
         return self.dataplane.upstream
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The body of an aiohttp request, within ``limits.max_body_bytes`` and
-        ``limits.body_timeout_s`` (408 after it)."""
-        lim = self.cfg.limits
-        try:
-            return await asyncio.wait_for(AiohttpExchange(request).body(lim.max_body_bytes),
-                                          lim.body_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"request body not received within "
-                                 f"{lim.body_timeout_s:g}s") from None
+    def models_changed(self) -> None:
+        """A worker registered: ``/v1/models`` is recomputed at its next request."""
+        self._models_cache = None
 
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.router_spec())
+
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -269,7 +223,7 @@ class Router:
         return web.json_response(body, status=503, headers={
             "Retry-After": retry_after_header(self.cfg.health.interval_s)})
 
-    def _scale_signal(self, now: float):
+    def scale_signal(self, now: float):
         """The prefix-aware autoscaling signal (router.autoscale), from the demand
         meter the data plane feeds, the index's hot prefixes and the routable views."""
         a = self.cfg.autoscale
@@ -281,7 +235,7 @@ class Router:
         now = time.monotonic()
         self.metrics.refresh(self.pool, self.index, now, self.cfg.index.hot_k)
         self.engines.refresh(now)
-        self.metrics.set_autoscale(self._scale_signal(now))
+        self.metrics.set_autoscale(self.scale_signal(now))
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
 
@@ -324,151 +278,6 @@ class Router:
         exc = NotFound(f"unknown path {request.path}")
         return error_response(exc)
 
-    # ----------------------------------------------------- admin and agent APIs
-
-    def _admin(self, fn):
-        async def handler(request: web.Request) -> web.Response:
-            try:
-                self.admin_auth.check(request.headers.get("Authorization"))
-                return await fn(request)
-            except RequestError as exc:
-                return error_response(exc)
-        handler.__name__ = fn.__name__
-        return handler
-
-    def _agent(self, fn):
-        async def handler(request: web.Request) -> web.Response:
-            try:
-                self.agent_auth.check(request.headers.get("Authorization"))
-                return await fn(request)
-            except RequestError as exc:
-                return error_response(exc)
-        handler.__name__ = fn.__name__
-        return handler
-
-    async def _json_body(self, request: web.Request, *, optional: bool = False) -> Any:
-        raw = await self._read_body(request)
-        if not raw.strip() and optional:
-            return {}
-        return jsonbody.loads(raw)  # MalformedRequest for anything but bounded JSON
-
-    async def _list_workers(self, request: web.Request) -> web.Response:
-        now = time.monotonic()
-        return web.json_response({"workers": [w.describe(now) for w in self.pool]})
-
-    async def _add_worker(self, request: web.Request) -> web.Response:
-        body = await self._json_body(request)
-        try:
-            spec = parse_section(WorkerSpec, body, "worker")
-            if not spec.url:
-                raise ConfigError("worker.url", "required: the worker's base URL")
-            url = parse_worker_url(spec.url, "worker.url")
-            check_engine_fields(spec, "worker")
-        except ConfigError as exc:
-            raise MalformedRequest(str(exc)) from None
-        wid = spec.id or default_worker_id(url)
-        problem = id_problem(wid)
-        if problem:
-            raise MalformedRequest(problem, param="id")
-        try:
-            w = self.pool.add(wid, url, Source.ADMIN, spec.weight, spec.prefill_tokens_per_s,
-                              spec)
-        except ValueError as exc:
-            return json_error(409, str(exc), "invalid_request_error", "conflict")
-        return web.json_response({"status": "ok", "worker": w.describe(time.monotonic())},
-                                 status=201)
-
-    def _worker_or_404(self, request: web.Request):
-        wid = request.match_info["id"]
-        w = self.pool.get(wid)
-        if w is None:
-            raise NotFound(f"unknown worker {wid!r}")
-        return w
-
-    async def _remove_worker(self, request: web.Request) -> web.Response:
-        w = self._worker_or_404(request)
-        self.pool.remove(w.id)
-        return web.json_response({"status": "ok", "removed": w.id})
-
-    async def _drain_worker(self, request: web.Request) -> web.Response:
-        w = self._worker_or_404(request)
-        body = await self._json_body(request, optional=True)
-        if not isinstance(body, dict):
-            raise MalformedRequest("drain body must be a JSON object")
-        drain = body.get("drain", True)
-        if type(drain) is not bool:
-            raise MalformedRequest("'drain' must be a boolean", param="drain")
-        self.pool.drain(w.id, drain)
-        return web.json_response({"status": "ok", "worker": w.describe(time.monotonic())})
-
-    async def _index_info(self, request: web.Request) -> web.Response:
-        now = time.monotonic()
-        st = self.index.stats()
-        hot = [{"hash": f"{h.hash:016x}", "depth": h.depth, "rate": h.rate,
-                "holders": list(h.holders)}
-               for h in self.index.hot_prefixes(now, k=self.cfg.index.hot_k)]
-        return web.json_response({
-            "stats": {f: getattr(st, f) for f in st.__slots__},
-            "hot_prefixes": hot,
-            "autoscale": self._scale_signal(now).to_json(),
-            "policy": {"name": self.policy.name, **self.policy.describe()},
-        }, dumps=lambda o: json.dumps(o, default=str))
-
-    async def _reload_handler(self, request: web.Request) -> web.Response:
-        if not self.cfg.path:
-            return json_error(409, "the router was started without --config; nothing to "
-                              "reload", "invalid_request_error", "no_config_file")
-        ok, message, added, removed = await self.reload()
-        if not ok:
-            return json_error(400, message, "invalid_request_error", "invalid_config")
-        return web.json_response({"status": "ok", "added": added, "removed": removed,
-                                  "summary": message})
-
-    async def _register(self, request: web.Request) -> web.Response:
-        body = await self._json_body(request)
-        if not isinstance(body, dict):
-            raise MalformedRequest("registration must be a JSON object")
-        for k in ("worker_id", "url", "epoch"):
-            if not isinstance(body.get(k), str) or not body[k]:
-                raise MalformedRequest(f"'{k}' must be a non-empty string", param=k)
-        for k in ("worker_id", "epoch"):
-            problem = id_problem(body[k], f"'{k}'")
-            if problem:
-                raise MalformedRequest(problem, param=k)
-        models = body.get("models", [])
-        problem = models_problem(models)
-        if problem:
-            raise MalformedRequest(problem, param="models")
-        try:
-            url = parse_worker_url(body["url"], "url")
-        except ConfigError as exc:
-            raise MalformedRequest(str(exc), param="url") from None
-        bb = body.get("block_bytes")
-        if bb is not None and (type(bb) is not int or bb <= 0):
-            raise MalformedRequest("'block_bytes' must be a positive integer", param="block_bytes")
-        ours = self.cfg.keys.block_bytes
-        if bb is not None and bb != ours:
-            # every hash it would report is one we never look up: refuse loudly
-            self.metrics.registrations_refused.labels(reason=ev.STATUS_BLOCK_BYTES_MISMATCH).inc()
-            log.warning("refused registration of %s (%s): it hashes %d-byte blocks, this "
-                        "router keys.block_bytes=%d", body["worker_id"], url, bb, ours)
-            return web.json_response({
-                "status": ev.STATUS_BLOCK_BYTES_MISMATCH, "block_bytes": ours,
-                "error": {"message": f"agent block_bytes {bb} != router keys.block_bytes "
-                                     f"{ours}: start the agent with --block-bytes {ours} "
-                                     "(or change the router's keys.block_bytes)",
-                          "type": "invalid_request_error", "param": "block_bytes",
-                          "code": ev.STATUS_BLOCK_BYTES_MISMATCH}}, status=409)
-        w = self.pool.register(body["worker_id"], url, body["epoch"], models, bb)
-        self._models_cache = None
-        return web.json_response({"status": ev.STATUS_OK, "worker_id": w.id})
-
-    async def _events(self, request: web.Request) -> web.Response:
-        body = await self._json_body(request)
-        batch = ev.parse_batch(body)
-        status, word = self.feedback.apply(batch, time.monotonic())
-        return web.json_response({"status": word}, status=status)
-
     # ---------------------------------------------------------------- reload
 
     def _file_mtime(self) -> tuple[int, int, int, int] | None:
@@ -494,22 +303,14 @@ class Router:
             path = self.cfg.path
             self._mtime = self._file_mtime()
             try:
-                new = with_overrides(load_config(path), **self.overrides)
-                admin = BearerAuth(new.auth.admin_token_env, "admin")
-                agent = BearerAuth(new.auth.agent_token_env, "agent")
-                check_exposure(new, admin, agent)
-                salts = TenantSalts.from_env(new.keys.tenant_salt_env, agent.token)
-                if salts.same_keys(self.salts):
-                    salts = self.salts  # keep its caches
-                tenants = TenantResolver(new.keys.tenant, salts=salts)
-                policy = self.policy
-                if new.policy != self.cfg.policy:
-                    policy = build_policy_from(new.policy)
+                p = prepare(path, self.overrides, salts=self.salts,
+                            policy_cfg=self.cfg.policy, policy=self.policy)
             except ConfigError as exc:
                 self.metrics.reload_failures.inc()
                 log.error("config reload of %s refused, keeping the running config: %s",
                           path, exc)
                 return False, str(exc), [], []
+            new, policy, tenants = p.cfg, p.policy, p.tenants
             old = self.cfg
             if new.listen != old.listen:
                 log.warning("listen address changes need a restart (still on %s:%d)",
@@ -533,7 +334,7 @@ class Router:
                 for wid in list(self.index.workers()):
                     self.index.clear(wid)
                 self.salts = tenants.salts
-            self.admin_auth, self.agent_auth = admin, agent
+            self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
             self.index.max_bytes = new.index.max_bytes
             self.dataplane.configure(new, policy, tenants)
             self.engines.configure(new)

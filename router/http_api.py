@@ -1,0 +1,76 @@
+"""JSON answers and guarded handlers for the router's aiohttp endpoints (admin API,
+agent API, probes). The data plane answers through ``router.dataplane``'s exchanges.
+
+Every error leaves as an OpenAI-style JSON body (``protocol.errors``): ``guarded``
+turns a ``RequestError`` raised anywhere in a handler (a bad token, a malformed
+body, an unknown worker) into its status and body, so a handler states only the
+success path and raises for the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from protocol.errors import RequestError, RequestTimeout, retry_after_header
+from router.config import LimitsConfig
+from router.dataplane import AiohttpExchange
+from service import jsonbody
+from service.auth import BearerAuth
+
+JSON = "application/json"
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def json_error(status: int, message: str, etype: str, code: str,
+               param: str | None = None, headers: dict | None = None) -> web.Response:
+    """An OpenAI-style error body with ``status``."""
+    body = {"error": {"message": message, "type": etype, "code": code, "param": param}}
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON,
+                        headers=headers)
+
+
+def error_response(exc: RequestError, headers: dict | None = None) -> web.Response:
+    """``exc``'s status and body, with ``Retry-After`` when it carries one."""
+    h = dict(headers or {})
+    if exc.retry_after_s is not None:
+        h["Retry-After"] = retry_after_header(exc.retry_after_s)
+    return web.Response(body=json.dumps(exc.to_json()).encode(), status=exc.status,
+                        content_type=JSON, headers=h)
+
+
+def guarded(auth: Callable[[], BearerAuth], fn: Handler) -> Handler:
+    """``fn`` behind the bearer token ``auth()`` returns at each request (a reload may
+    replace it), with every ``RequestError`` answered as JSON."""
+    async def handler(request: web.Request) -> web.Response:
+        try:
+            auth().check(request.headers.get("Authorization"))
+            return await fn(request)
+        except RequestError as exc:
+            return error_response(exc)
+    handler.__name__ = fn.__name__
+    return handler
+
+
+async def read_body(request: web.Request, limits: LimitsConfig) -> bytes:
+    """The body, within ``limits.max_body_bytes`` (413) and ``limits.body_timeout_s``
+    (408 after it)."""
+    try:
+        return await asyncio.wait_for(AiohttpExchange(request).body(limits.max_body_bytes),
+                                      limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestTimeout(f"request body not received within "
+                             f"{limits.body_timeout_s:g}s") from None
+
+
+async def json_body(request: web.Request, limits: LimitsConfig, *,
+                    optional: bool = False) -> Any:
+    """The body as bounded JSON (``service.jsonbody``; ``MalformedRequest`` for anything
+    else); ``{}`` for an empty body when ``optional``."""
+    raw = await read_body(request, limits)
+    if not raw.strip() and optional:
+        return {}
+    return jsonbody.loads(raw)
