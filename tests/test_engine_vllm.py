@@ -191,18 +191,25 @@ def test_precise_completions_prediction_is_exact(router):
     assert all(abs(e) <= 32 for e in errs), errs
 
 
-def test_streamed_chat_load_held_through_prefill_released_at_first_token(router):
-    """The prompt stays counted while vLLM prefills and is released at the first
-    content token (contract 10). (vLLM 0.32 writes its role chunk just before the
-    first token; our agent writes it before prefill — tests/test_router_engines.py
-    holds the router to that case with a fake engine.)"""
+#: the router -> client delivery of a streamed chunk, at most (a loaded 2-core machine)
+LAG_S = 0.05
+
+
+def _streamed_chat_samples(router: str, seed: int):
+    """One streamed chat request of a fresh ~2,500-word prompt, the router's per-worker
+    counts polled meanwhile. Returns (the in_flight_tokens of polls that ended during
+    prefill, those of polls that began after the first content token, seconds to the
+    first content token, the worker).
+
+    A poll counts as "during prefill" if the router had already counted the request
+    (in_flight >= 1: it tokenizes the prompt first, a poll then reads 0 of both) and
+    the whole poll ended ``LAG_S`` before the client saw the first content token: the
+    router releases the count when *it* reads that token and the client sees it a
+    little later (a poll in between read 0 once, 0.40 s into a prefill). vLLM sends
+    the headers, the role chunk and the first token together, so headers mark
+    nothing."""
     body = {"model": "tiny", "max_tokens": 64, "stream": True,
-            "messages": [{"role": "user", "content": text(9001, 2500)}]}
-    # (polled before, polled after, worker, in_flight, in_flight_tokens): a sample
-    # counts as "during prefill" if the router had already counted the request
-    # (in_flight >= 1: it tokenizes the prompt first, a poll then reads 0 of both)
-    # and the whole poll ended before the first content token. vLLM sends the
-    # headers, the role chunk and the first token together, so headers mark nothing.
+            "messages": [{"role": "user", "content": text(seed, 2500)}]}
     samples: list[tuple[float, float, str, int, int]] = []
     first_content = []
     done = []
@@ -235,14 +242,36 @@ def test_streamed_chat_load_held_through_prefill_released_at_first_token(router)
         fut.result()
     assert role_seen is not None and first_content
     mine = [(t0, t1, f, tok) for t0, t1, w, f, tok in samples if w == wid]
-    during = [tok for t0, t1, f, tok in mine if f >= 1 and t1 < first_content[0]]
-    assert during and min(during) > 1000, (
-        f"prompt tokens not counted during prefill: {during[:20]} "
-        f"({first_content[0] - sent:.2f} s to the first token)")
+    during = [tok for t0, t1, f, tok in mine if f >= 1 and t1 < first_content[0] - LAG_S]
     after = [tok for t0, t1, f, tok in mine if first_content[0] + 0.05 < t0]
-    assert all(tok == 0 for tok in after), after[:10]  # released (polls may miss the stream)
-    wait_for(lambda: worker(router, wid)["in_flight_tokens"] == 0
-             and worker(router, wid)["in_flight"] == 0, 5, "release")
+    return during, after, first_content[0] - sent, wid
+
+
+def test_streamed_chat_load_held_through_prefill_released_at_first_token(router):
+    """The prompt stays counted while vLLM prefills and is released at the first
+    content token (contract 10). (vLLM 0.32 writes its role chunk just before the
+    first token; our agent writes it before prefill — tests/test_router_engines.py
+    holds the router to that case with a fake engine.)
+
+    A prefill on a core of its own takes ~0.15 s here; a run in which no poll fit
+    inside it (a loaded machine: CI beside another suite drew one) observed nothing
+    and is repeated with a fresh prompt, up to three times; a poll that did fit and
+    read the prompt uncounted fails at once."""
+    tried = []
+    for attempt in range(3):
+        during, after, ttft, wid = _streamed_chat_samples(router, 9001 + attempt)
+        if not during:
+            tried.append(f"{ttft:.2f} s")
+            continue
+        assert min(during) > 1000, (
+            f"prompt tokens not counted during prefill: {during[:20]} "
+            f"({ttft:.2f} s to the first token)")
+        assert all(tok == 0 for tok in after), after[:10]  # released (polls may miss the stream)
+        wait_for(lambda: worker(router, wid)["in_flight_tokens"] == 0
+                 and worker(router, wid)["in_flight"] == 0, 5, "release")
+        return
+    raise AssertionError(f"no poll fit inside a prefill in 3 tries (first tokens after "
+                         f"{', '.join(tried)})")
 
 
 def drain(url: str, wid: str, on: bool = True) -> None:
