@@ -23,11 +23,17 @@ prefill rates differ by a few percent between identical GPUs, and without the
 tolerance the uncached-prefill term alone would send every tie to the worker
 that happens to measure fastest (it herded the demo's sessions onto one or two
 workers). Ties prefer the longer match, then the worker with the fewest
-in-flight requests, then break at random. In-flight requests are what holds KV:
+in-flight requests, then (``tie_written``) the one that was written the least KV
+lately, then break at random. In-flight requests are what holds KV:
 ``queue_s`` forgets a request at its first token, but while it decodes it still
 locks its KV, so balancing the tied choice by request count (as SGLang's
 cache_aware balances all its choices) spreads the KV held and lets caches keep
-their prefixes.
+their prefixes. Past that, the decayed uncached tokens routed to each worker (the
+KV it wrote, "KV turnover" below) say where new KV evicts the least that is still
+wanted: at light load in-flight counts are mostly 0 and a random tie-break placed
+conversations unevenly — their histories then outgrew the busier caches (simulator,
+multiturn 32 x 8 on 4 x 40k: hit 0.753-0.791 -> 0.797 = the oracle in 4 seeds of 4,
+p99 34-135 -> 20 ms; bench/RESULTS.md, "Stop 20").
 
 ``prefill_weight`` > 1 because a worker's uncached prefill delays not only this
 request but every request queued behind it there: it is what makes prefix reuse
@@ -64,7 +70,8 @@ given up for a queue excess of a second or two: the score weighs that trade, the
 bound only caps it.
 When nobody routable holds ``min_match_tokens`` of the request it is a miss and goes
 to the least-loaded worker (least queue_s, ties to the fewest in-flight requests,
-then at random) — never to "the smallest tree" (sglang #14305).
+then the least KV written lately, then at random) — never to "the smallest tree"
+(sglang #14305).
 
 KV turnover: load is not the only thing a holder can run out of. Its KV cache holds
 the prefix *and* the sessions that branch from it; when one worker holds a shared
@@ -172,6 +179,9 @@ class PrefixLoad(Policy):
             "the credit of its shared (not private) matches", lo=1.0)
         kv_window_s: float = param(
             10.0, "time constant of the routed-uncached-tokens rate", lo=0.0, lo_open=True)
+        tie_written: bool = param(
+            True, "break ties (after the longer match and fewer in-flight requests) toward "
+            "the worker written the least KV lately, before chance")
 
     def __init__(self, params=None, rng=None):
         super().__init__(params, rng)
@@ -245,17 +255,28 @@ class PrefixLoad(Policy):
         qs = []
         lo_i, lo_q, lo_f, lo_ties = 0, _INF, 0, 0
         best_b = 0
+        written = self._write_rate if p.tie_written and self._written else None
+        lo_r = None  # the least-loaded worker's write rate, computed on a tie only
         for i, v in enumerate(views):
             a, c = v.in_flight_tokens, v.queued_tokens
             q = (a if a > c else c) / v.prefill_tokens_per_s
             qs.append(q)
             f = v.in_flight
             if q < lo_q or (q == lo_q and f < lo_f):
-                lo_i, lo_q, lo_f, lo_ties = i, q, f, 1
+                lo_i, lo_q, lo_f, lo_r, lo_ties = i, q, f, None, 1
             elif q == lo_q and f == lo_f:
-                lo_ties += 1
-                if rnd() * lo_ties < 1.0:
-                    lo_i = i
+                if written is None:
+                    r = lo_r = 0.0
+                else:
+                    if lo_r is None:
+                        lo_r = written(views[lo_i].id, now)
+                    r = written(v.id, now)
+                if r < lo_r:
+                    lo_i, lo_r, lo_ties = i, r, 1
+                elif r == lo_r:
+                    lo_ties += 1
+                    if rnd() * lo_ties < 1.0:
+                        lo_i = i
             if blocks:
                 b = blocks.get(v.id, 0)
                 if b > best_b and not (unmatched and v.id in unmatched):
@@ -311,19 +332,28 @@ class PrefixLoad(Policy):
             if s < min_s:
                 min_s = s
         # Pass 3: among the ties (within tie_s of the best), the longest match, then
-        # the fewest in-flight requests, then at random.
+        # the fewest in-flight requests, then the least KV written lately, then at random.
         cut = min_s + p.tie_s
-        pick_i, pick_b, pick_f, ties = 0, -1, 0, 0
+        pick_i, pick_b, pick_f, pick_r, ties = 0, -1, 0, None, 0
         for i, (s, b) in enumerate(ss):
             if s > cut:
                 continue
             f = views[i].in_flight
             if b > pick_b or (b == pick_b and f < pick_f):
-                pick_i, pick_b, pick_f, ties = i, b, f, 1
+                pick_i, pick_b, pick_f, pick_r, ties = i, b, f, None, 1
             elif b == pick_b and f == pick_f:
-                ties += 1
-                if rnd() * ties < 1.0:
-                    pick_i = i
+                if written is None:
+                    r = pick_r = 0.0
+                else:
+                    if pick_r is None:
+                        pick_r = written(views[pick_i].id, now)
+                    r = written(views[i].id, now)
+                if r < pick_r:
+                    pick_i, pick_r, ties = i, r, 1
+                elif r == pick_r:
+                    ties += 1
+                    if rnd() * ties < 1.0:
+                        pick_i = i
         v = views[pick_i]
         if replicas and v.id in replicas and pick_b > 0:
             reason = Reason.REPLICA

@@ -180,6 +180,37 @@ def test_a_holder_whose_cache_churns_keeps_its_private_matches_but_not_new_sessi
     assert {pol.choose(req, shared, vs, i * 0.1).worker for i in range(20)} == {"w0"}
 
 
+def test_ties_go_to_the_worker_written_the_least_kv_lately():
+    """After the longer match and fewer in-flight requests, a tie goes to the worker
+    that took the fewest uncached tokens lately (tie_written), before chance: a
+    conversation placed there evicts the least that is still wanted."""
+    req = RouteRequest(list(range(1, 95)), 3000, 32)
+    vs = [WorkerView(f"w{i}", prefill_tokens_per_s=10_000) for i in range(3)]
+    pol = policy()
+    # w0 took 3,000 uncached tokens, w1 1,000, w2 nothing (one miss each, placed by hand)
+    pol._written = {"w0": [3000.0, 0.0], "w1": [1000.0, 0.0]}
+    # a miss among equally idle workers
+    d = pol.choose(req, MatchResult({}), vs, 1.0)
+    assert (d.worker, d.reason) == ("w2", Reason.MISS)
+    # a shared match every worker holds equally: the scores tie
+    pol._written = {"w0": [3000.0, 0.0], "w1": [1000.0, 0.0], "w2": [5000.0, 0.0]}
+    d = pol.choose(req, MatchResult({"w0": 72, "w1": 72, "w2": 72}, 72), vs, 1.0)
+    assert (d.worker, d.reason) == ("w1", Reason.AFFINITY)
+    # fewer in-flight requests still come first
+    busy = [WorkerView("w0", prefill_tokens_per_s=10_000),
+            WorkerView("w1", in_flight=1, prefill_tokens_per_s=10_000)]
+    pol._written = {"w0": [9000.0, 0.0]}
+    assert pol.choose(req, MatchResult({}), busy, 1.0).worker == "w0"
+    # the placements spread a run of new sessions evenly, where chance did not
+    for flag, expect in ((True, {"w0": 4, "w1": 4, "w2": 4}), (False, None)):
+        pol = policy(seed=3, tie_written=flag)
+        got = [pol.choose(req, MatchResult({}), vs, 0.01 * i).worker for i in range(12)]
+        if expect:
+            assert counts(got) == expect
+        else:
+            assert counts(got) != {"w0": 4, "w1": 4, "w2": 4}  # seed 3 draws unevenly
+
+
 def test_unroutable_holders_do_not_count():
     d = policy().choose(hand_req(), MatchResult({"gone": 100}, depth=100),
                         [WorkerView("w0", in_flight_tokens=5), WorkerView("w1")], 0.0)

@@ -54,7 +54,7 @@ ALL = ", ".join(NAMES)
 PL_PARAMS = ("affinity_abs_s, affinity_rel, holder_max_rate, hot_min_rate, hot_records, "
              "hot_utilization, kv_rel, kv_turnover_s, kv_window_s, long_match_s, "
              "max_replicas, min_match_tokens, prefill_weight, private_weight, replicate, "
-             "tie_s, warm_ahead")
+             "tie_s, tie_written, warm_ahead")
 
 
 @pytest.mark.parametrize("name, params, path, message", [
