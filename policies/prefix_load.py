@@ -129,6 +129,19 @@ _INF = math.inf
 REPLICA_GRACE_S = 5.0
 
 
+def _by_written(written, now: float, cur, cur_r: float | None, new):
+    """The tie-break by KV written lately between the current pick ``cur`` (its rate
+    ``cur_r``, None until needed) and a tied candidate ``new``: (-1 new wrote less,
+    0 equal, 1 more; cur's rate; new's rate). ``written`` None (``tie_written`` off, or
+    nothing routed yet): always 0 — chance decides."""
+    if written is None:
+        return 0, 0.0, 0.0
+    if cur_r is None:
+        cur_r = written(cur, now)
+    r = written(new, now)
+    return (r > cur_r) - (r < cur_r), cur_r, r
+
+
 class PrefixLoad(Policy):
     name = "prefix_load"
 
@@ -265,15 +278,10 @@ class PrefixLoad(Policy):
             if q < lo_q or (q == lo_q and f < lo_f):
                 lo_i, lo_q, lo_f, lo_r, lo_ties = i, q, f, None, 1
             elif q == lo_q and f == lo_f:
-                if written is None:
-                    r = lo_r = 0.0
-                else:
-                    if lo_r is None:
-                        lo_r = written(views[lo_i].id, now)
-                    r = written(v.id, now)
-                if r < lo_r:
+                c, lo_r, r = _by_written(written, now, views[lo_i].id, lo_r, v.id)
+                if c < 0:
                     lo_i, lo_r, lo_ties = i, r, 1
-                elif r == lo_r:
+                elif c == 0:
                     lo_ties += 1
                     if rnd() * lo_ties < 1.0:
                         lo_i = i
@@ -342,15 +350,10 @@ class PrefixLoad(Policy):
             if b > pick_b or (b == pick_b and f < pick_f):
                 pick_i, pick_b, pick_f, pick_r, ties = i, b, f, None, 1
             elif b == pick_b and f == pick_f:
-                if written is None:
-                    r = pick_r = 0.0
-                else:
-                    if pick_r is None:
-                        pick_r = written(views[pick_i].id, now)
-                    r = written(views[i].id, now)
-                if r < pick_r:
+                c, pick_r, r = _by_written(written, now, views[pick_i].id, pick_r, views[i].id)
+                if c < 0:
                     pick_i, pick_r, ties = i, r, 1
-                elif r == pick_r:
+                elif c == 0:
                     ties += 1
                     if rnd() * ties < 1.0:
                         pick_i = i
