@@ -49,10 +49,9 @@ from protocol.prefix_keys import Endpoint
 from router import served
 from router.admin_api import AdminAPI
 from router.agent_api import AgentAPI
-from router.auth import TenantResolver, check_exposure
 from router.autoscale import fleet_signal, params_from
 from router.bus.replica import BusReplica
-from router.config import MISSING, Config, build_policy_from, with_overrides
+from router.config import MISSING, Config, with_overrides
 from router.dataplane import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, DataPlane
 from router.discovery import Discovery
 from router.engines.manager import Engines
@@ -61,12 +60,10 @@ from router.http_api import error_response, json_error
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from router.pool import Pool
 from router.prefix_index import PrefixIndex
-from router.reload import config_file_version, prepare
+from router.reload import build, config_file_version, prepare
 from router.traffic_log import TrafficLog
 from router.upstream import UpstreamPool
 from service import http_errors, jsonbody
-from service.auth import BearerAuth
-from service.tenancy import TenantSalts
 
 log = logging.getLogger("radixfleet.router")
 
@@ -90,12 +87,9 @@ class Router:
         self.cfg = cfg
         self.metrics = Metrics()
         self.index = PrefixIndex(cfg.index.max_bytes, cfg.index.half_life_s)
-        self.policy = build_policy_from(cfg.policy)
-        self.admin_auth = BearerAuth(cfg.auth.admin_token_env, "admin")
-        self.agent_auth = BearerAuth(cfg.auth.agent_token_env, "agent")
-        check_exposure(cfg, self.admin_auth, self.agent_auth)
-        self.salts = TenantSalts.from_env(cfg.keys.tenant_salt_env, self.agent_auth.token)
-        self.tenants = TenantResolver(cfg.keys.tenant, salts=self.salts)
+        p = build(cfg)  # router.reload: what a reload rebuilds, built the same way
+        self.policy, self.tenants, self.salts = p.policy, p.tenants, p.tenants.salts
+        self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
         self.pool = Pool(cfg, self.index)
         self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)

@@ -49,18 +49,28 @@ class Prepared:
     policy: Any
 
 
+def build(cfg: Config, *, salts: TenantSalts | None = None,
+          policy_cfg: PolicyConfig | None = None, policy: Any = None) -> Prepared:
+    """What the router builds from ``cfg``: tokens (``check_exposure`` refuses tokenless
+    APIs off loopback), tenant salts and resolver, the policy. ``salts`` and ``policy``
+    (built from ``policy_cfg``) are reused when ``cfg`` did not change them. Raises
+    ``ConfigError``, having changed nothing."""
+    admin = BearerAuth(cfg.auth.admin_token_env, "admin")
+    agent = BearerAuth(cfg.auth.agent_token_env, "agent")
+    check_exposure(cfg, admin, agent)
+    fresh = TenantSalts.from_env(cfg.keys.tenant_salt_env, agent.token)
+    if salts is not None and fresh.same_keys(salts):
+        fresh = salts  # keep its caches
+    tenants = TenantResolver(cfg.keys.tenant, salts=fresh)
+    if policy is None or cfg.policy != policy_cfg:
+        policy = build_policy_from(cfg.policy)
+    return Prepared(cfg, admin, agent, tenants, policy)
+
+
 def prepare(path: str, overrides: dict[str, Any], *, salts: TenantSalts,
             policy_cfg: PolicyConfig, policy: Any) -> Prepared:
     """Loads ``path`` with ``overrides`` (command-line options keep winning) and builds
-    its pieces. Raises ``ConfigError`` for anything invalid, having changed nothing."""
-    new = with_overrides(load_config(path), **overrides)
-    admin = BearerAuth(new.auth.admin_token_env, "admin")
-    agent = BearerAuth(new.auth.agent_token_env, "agent")
-    check_exposure(new, admin, agent)
-    fresh = TenantSalts.from_env(new.keys.tenant_salt_env, agent.token)
-    if fresh.same_keys(salts):
-        fresh = salts  # keep its caches
-    tenants = TenantResolver(new.keys.tenant, salts=fresh)
-    if new.policy != policy_cfg:
-        policy = build_policy_from(new.policy)
-    return Prepared(new, admin, agent, tenants, policy)
+    its pieces (``build``). Raises ``ConfigError`` for anything invalid, having changed
+    nothing."""
+    return build(with_overrides(load_config(path), **overrides), salts=salts,
+                 policy_cfg=policy_cfg, policy=policy)
