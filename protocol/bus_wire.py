@@ -140,12 +140,7 @@ def is_snapshot(batch: EventBatch) -> bool:
 
 def parse_agent(data: bytes, subject_token: str) -> AgentMessage:
     obj = _load(data, "agent")
-    try:
-        batch = parse_batch(obj.get("batch"))
-    except RequestError as exc:
-        raise BadMessage("bad_batch", str(exc)) from None
-    if worker_token(batch.worker_id) != subject_token:
-        raise BadMessage("wrong_subject", f"worker {batch.worker_id!r} on another worker's subject")
+    batch = _batch(obj, subject_token, load=False)
     reg = obj.get("register")
     if reg is None:
         return AgentMessage(batch, False)
@@ -166,12 +161,17 @@ def build_load(batch: EventBatch) -> bytes:
 
 
 def parse_load(data: bytes, subject_token: str) -> EventBatch:
-    obj = _load(data, "load")
+    return _batch(_load(data, "load"), subject_token, load=True)
+
+
+def _batch(obj: dict, subject_token: str, *, load: bool) -> EventBatch:
+    """The message's ``batch`` — with ``load``, a load and no events — which must come
+    from the worker its subject names."""
     try:
         batch = parse_batch(obj.get("batch"))
     except RequestError as exc:
         raise BadMessage("bad_batch", str(exc)) from None
-    if batch.load is None or batch.events:
+    if load and (batch.load is None or batch.events):
         raise BadMessage("bad_load", "a load message carries a load and no events")
     if worker_token(batch.worker_id) != subject_token:
         raise BadMessage("wrong_subject", f"worker {batch.worker_id!r} on another worker's subject")
