@@ -91,6 +91,32 @@ copy the shared prefixes. Each router replica counts what it routed (a replica t
 routes a third of the traffic sees a third of each rate: it judges later, never wrongly
 sooner); workers that left the fleet are forgotten.
 
+Session footprints: the KV-turnover rate is a flow and sees a crowd only once it writes;
+a burst of new sessions off one shared prefix (an agent's tool schema) writes little
+at first — each first turn is a few hundred uncached tokens — and all of it lands on
+the prefix's holders. As the sessions grow their histories outgrow the holders'
+caches, and under LRU a set of sessions that keep coming back to a cache too small for
+them evicts each one's history just before its next turn (a cyclic pattern is LRU's
+worst case): the holders' private hits fall to nothing while the other workers sit
+empty. So the policy also keeps the stock (``policies.footprint``): per worker, the
+private tokens of the sessions homed there that are still live (continued within
+``session_live_gaps`` of their own gaps between turns). A worker is *crowded* for a
+request when its live sessions (less this request's own session) plus the whole
+prompt pass ``footprint_full`` of its KV capacity *and* its live sessions are over
+``footprint_rel`` times the fleet's mean; while another worker of known capacity
+would stay within ``footprint_room`` of its capacity with the prompt, crowded workers'
+matches earn nothing — the session moves once, re-prefilling its history where it
+fits, instead of evicting its neighbours' every turn — and misses avoid them. Two
+conditions keep it from moving sessions for nothing: the relative one leaves a fleet
+whose sessions are spread evenly alone (as the turnover rule does), and none of it
+acts while the fleet's live sessions together pass ``footprint_room`` of the fleet's
+capacity — then every cache thrashes (the Mooncake trace at 8 x 400k) and a move only
+re-prefills a history somewhere else. Measured in the simulator (bench/RESULTS.md,
+"Stop 21"): agent 15–17 sessions on 4 x 12k +0.008..+0.035 hit with events and
++0.09..+0.13 without (an index that cannot see evictions keeps sending sessions home
+to a thrashing cache); mixed +0.002 over 12 seeds, its TTFT p99 +9% (median of the
+seeds; the moves re-prefill histories); the Mooncake trace within 0.002.
+
 Reasons: AFFINITY (the chosen worker has the best match), REPLICA (it is a hot
 prefix's replica, or was just made one), SPILL_LOAD (a better match existed but
 its holder lost on load), MISS.
@@ -111,7 +137,8 @@ and surplus replicas are retired as the rate decays.
 
 Cost: O(workers) with no allocation beyond three lists (write rates, queue delays,
 scores) and the Decision; a hot prefix adds one dict lookup and O(workers)
-bookkeeping.
+bookkeeping; session footprints add one scan of at most a turn's worth of the request's
+block hashes (a continuation stops a few blocks from its end) and O(workers).
 """
 
 from __future__ import annotations
@@ -121,6 +148,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
+from policies.footprint import Branch, Footprints
 from policies.params import param
 from policies.replication import RETIRE_FRACTION, HotRoots, holders_needed
 
@@ -195,6 +223,18 @@ class PrefixLoad(Policy):
         tie_written: bool = param(
             True, "break ties (after the longer match and fewer in-flight requests) toward "
             "the worker written the least KV lately, before chance")
+        footprint_room: float = param(
+            0.7, "a crowded worker's matches earn nothing and misses avoid it while another "
+            "worker's live sessions, with this prompt, fit in this share of its KV "
+            "capacity (session footprints; 0 = off)", lo=0.0, hi=1.0)
+        footprint_full: float = param(
+            0.8, "a worker is crowded when its live sessions' private tokens, with this "
+            "prompt, pass this share of its KV capacity ...", lo=0.0, lo_open=True)
+        footprint_rel: float = param(
+            1.25, "... and are more than this many times the fleet's mean", lo=1.0)
+        session_live_gaps: float = param(
+            4.0, "a session counts in its worker's footprint until this many of its own "
+            "gaps between turns pass without a turn", lo=0.0, lo_open=True)
 
     def __init__(self, params=None, rng=None):
         super().__init__(params, rng)
@@ -202,10 +242,19 @@ class PrefixLoad(Policy):
         self.hot = HotRoots(p.hot_records, p.max_replicas)
         # worker -> [decayed uncached tokens routed to it, time of that value]
         self._written: dict = {}
+        self.footprints = (Footprints(p.session_live_gaps) if p.footprint_room > 0
+                           else None)
 
     def choose(self, request: RouteRequest, match: MatchResult,
                views: Sequence[WorkerView], now: float) -> Decision:
-        d = self._choose(request, match, views, now)
+        fp = self.footprints
+        branch = None
+        if fp is not None:
+            fp.expire(now)
+            branch = fp.find(request)
+        d = self._choose(request, match, views, now, branch)
+        if fp is not None:
+            fp.record(request, match, branch, d.worker, now)
         unc = request.prompt_tokens - d.matched_blocks * request.block_tokens
         if unc > 0:
             written = self._written
@@ -251,8 +300,48 @@ class PrefixLoad(Policy):
                 out.add(v.id)
         return out
 
+    def _crowded(self, request: RouteRequest, branch: Branch | None,
+                 views: Sequence[WorkerView]) -> set | None:
+        """Workers whose live sessions leave no room for this request's session, if
+        another worker has room for it; else None (module docstring, "Session
+        footprints")."""
+        fp = self.footprints
+        if fp is None or not fp.counted():
+            return None
+        p = self.params
+        tok = fp.tokens
+        total = cap_total = 0.0
+        for v in views:
+            total += tok(v.id)
+            if v.kv_capacity_tokens > 0:
+                cap_total += v.kv_capacity_tokens
+        if total > p.footprint_room * cap_total:
+            # the fleet cannot hold its live sessions: every cache thrashes, and moving
+            # a session would only re-prefill it somewhere else
+            return None
+        over = p.footprint_rel * total / len(views)
+        # the whole prompt: its private part and the shared prefix it needs there too
+        size = request.prompt_tokens
+        own = branch.home if branch is not None and branch.live else None
+        out = None
+        room = False
+        for v in views:
+            cap = v.kv_capacity_tokens
+            if cap <= 0:
+                continue  # unknown capacity: never judged, never a destination
+            f = tok(v.id)
+            t = (f - branch.size if v.id == own else f) + size
+            if t > p.footprint_full * cap and f > over:
+                if out is None:
+                    out = set()
+                out.add(v.id)
+            elif t <= p.footprint_room * cap:
+                room = True
+        return out if room else None
+
     def _choose(self, request: RouteRequest, match: MatchResult,
-                views: Sequence[WorkerView], now: float) -> Decision:
+                views: Sequence[WorkerView], now: float,
+                branch: Branch | None = None) -> Decision:
         p = self.params
         rnd = self.rng.random
         blocks = match.blocks
@@ -263,6 +352,13 @@ class PrefixLoad(Policy):
         # avoid them (module docstring, "KV turnover").
         churn = self._kv_churning(views, now)
         unmatched = None if match.private else churn  # whose matches count for nothing
+        avoid = churn  # where misses do not go
+        # Workers without room for this session: no match of theirs counts, misses
+        # avoid them ("Session footprints").
+        crowded = self._crowded(request, branch, views)
+        if crowded:
+            unmatched = crowded if not unmatched else unmatched | crowded
+            avoid = crowded if not avoid else avoid | crowded
 
         # Pass 1: queue delays, the least-loaded worker, the best routable match.
         qs = []
@@ -292,9 +388,9 @@ class PrefixLoad(Policy):
         min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
         if best_b == 0 or best_b < min_b:
             i = lo_i
-            if churn and views[i].id in churn:
-                # the least-loaded worker that is not churning (all churn: lo_i)
-                j = self._least_loaded_non_holder(views, qs, churn, ())
+            if avoid and views[i].id in avoid:
+                # the least-loaded worker that is not churning or crowded (all are: lo_i)
+                j = self._least_loaded_non_holder(views, qs, avoid, ())
                 if j >= 0:
                     i = j
             v = views[i]
@@ -462,5 +558,7 @@ class PrefixLoad(Policy):
 
     def check(self) -> None:
         self.hot.check()
+        if self.footprints is not None:
+            self.footprints.check()
         for wid, (tokens, t) in self._written.items():
             assert math.isfinite(tokens) and tokens >= 0 and math.isfinite(t), (wid, tokens, t)

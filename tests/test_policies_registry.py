@@ -51,10 +51,11 @@ def test_params_are_applied_and_ints_accepted_for_floats():
 
 
 ALL = ", ".join(NAMES)
-PL_PARAMS = ("affinity_abs_s, affinity_rel, holder_max_rate, hot_min_rate, hot_records, "
+PL_PARAMS = ("affinity_abs_s, affinity_rel, footprint_full, footprint_rel, footprint_room, "
+             "holder_max_rate, hot_min_rate, hot_records, "
              "hot_utilization, kv_rel, kv_turnover_s, kv_window_s, long_match_s, "
              "max_replicas, min_match_tokens, prefill_weight, private_weight, replicate, "
-             "tie_s, tie_written, warm_ahead")
+             "session_live_gaps, tie_s, tie_written, warm_ahead")
 
 
 @pytest.mark.parametrize("name, params, path, message", [
