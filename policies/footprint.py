@@ -14,7 +14,7 @@ request's prompt continues that request's branch, any other request starts one.
 The continuation is found by the earlier request's *tip* — the chained hash of the
 last whole block of its prompt, which a prompt that extends it carries at the same
 position (``protocol.prefix_keys``: hash k fingerprints blocks 0..k) — looked up
-from the end of the new request's hashes back over ``scan_blocks`` blocks (the new
+from the end of the new request's hashes back over ``scan_tokens`` worth of blocks (the new
 content of one turn: the last answer and the next message); or by the client's
 session key (``RouteRequest.session``) when it sent one.
 
@@ -35,9 +35,13 @@ Invariants (``check()`` asserts each):
 - Every record has exactly one current entry in ``_expiry`` (a min-heap of
   (expiry time, serial, key); entries whose serial is stale are skipped).
 
-Cost per decision: one scan of at most ``scan_blocks`` dict lookups (a
-continuation stops at its tip, a few blocks from the end), O(log n) heap work per
-turn, amortised O(1) expiry.
+Cost per decision: one scan of at most ``max(64, scan_tokens / block_tokens)`` dict
+lookups (a continuation stops at its tip, a few blocks from the end), O(log n) heap
+work per turn, amortised O(1) expiry — measured (CPython 3.11, this machine) 2.1 µs to
+find a continuation and 8.9 µs for a 12k-token request that continues nothing (256
+lookups at 16-token blocks). Memory: ~350 bytes a record (tracemalloc, with its
+dict, tip and heap entries), so ~17 MiB at the default bound of 50,000 records; past
+the bound the least recently continued record goes.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class Footprints:
     """Per-worker live private footprint of the sessions routed (module docstring)."""
 
     def __init__(self, live_gaps: float = 4.0, idle_s: float = 300.0,
-                 scan_tokens: int = 4096, max_branches: int = 200_000) -> None:
+                 scan_tokens: int = 4096, max_branches: int = 50_000) -> None:
         self.live_gaps = live_gaps
         self.idle_s = idle_s
         self.scan_tokens = scan_tokens
