@@ -222,6 +222,9 @@ class IndexConfig:
     half_life_s: float = _opt(30.0, "half-life of the hot-prefix request counters", lo=0,
                               lo_open=True)
     hot_k: int = _opt(10, "hot prefixes shown in /admin/index and metrics", lo=0, hi=1000)
+    learn_capacity: bool = _opt(True, "approximate mode: cap each plain engine's entries at a "
+                                "capacity learned from its cached_tokens (router.engines."
+                                "capacity), not only the configured one")
 
 
 @dataclass(frozen=True, slots=True)

@@ -419,7 +419,7 @@ def test_events_off_worker_is_aged_and_corrected(vllm_pair, model_dir, tmp_path)
     from B and believes B's cache 8x larger than it is: the first response that
     reports an evicted prefix corrects the index — every entry older than it goes
     (the engine evicts least recently used first) — so older evicted prefixes are
-    no longer predicted."""
+    no longer predicted, and the capacity the index ages B at shrinks."""
     reset_caches(vllm_pair)
     port = free_port()
     cfg = tmp_path / "approx.yaml"
@@ -447,6 +447,12 @@ def test_events_off_worker_is_aged_and_corrected(vllm_pair, model_dir, tmp_path)
                         {"model": "tiny", "prompt": p, "max_tokens": 2})[2]
                 for p in prompts[:6]]
         assert all(abs(e) <= 32 for e in errs), (err_first, errs)
+        # and the capacity B's entries are aged at was learned down from the 8x one
+        # configured, by at least the blocks that answer showed lost
+        # (router.engines.capacity)
+        cap = worker(url, "vllm-b")["engine"]["index_cap_blocks"]
+        configured = 8 * 16384 // 32
+        assert cap <= configured - err_first // 32 + len(errs), (cap, err_first)
 
 
 def test_engine_restart_drops_and_rebuilds_without_failed_requests(router, vllm_pair):

@@ -38,6 +38,7 @@ import time
 from typing import TYPE_CHECKING
 
 from router.config import WorkerSpec
+from router.engines.capacity import LearnedCapacity, correct
 from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
@@ -82,6 +83,8 @@ class EngineLink:
         self.in_sync = False  # events flowing with no gap since the last reset
         self.model_mismatch = False  # it serves another model than the configured one
         self.capacity_tokens: int | None = spec.kv_capacity_tokens or None
+        #: the index cap learned from answers (approximate mode; router.engines.capacity)
+        self.learned: LearnedCapacity | None = None
         self.stats = PredictionStats()
         self.rate = engines.new_rate_estimator(spec.prefill_tokens_per_s)
         self._last_metrics = None  # the previous /metrics reading (restart detection)
@@ -111,6 +114,7 @@ class EngineLink:
             "models": list(self.models),
             "block_size": self.block_size,
             "kv_capacity_tokens": self.capacity_tokens,
+            "index_cap_blocks": None if self.learned is None else self.learned.blocks,
             "prefill_tokens_per_s": round(self.prefill_rate(time.monotonic()), 1),
             "prefill_tokens_per_s_own": round(self.rate.tokens_per_s, 1),
             "load_source": "engine" if self.engine_load_fresh(time.monotonic())
@@ -240,7 +244,12 @@ class EngineLink:
             return
         bt = self.block_size if isinstance(self.space, TokenSpace) \
             else self.space.block_bytes // 4
-        self.engines.index.set_capacity(self.worker.id, max(1, cap // max(1, bt)))
+        blocks = max(1, cap // max(1, bt))
+        if self.engines.cfg.index.learn_capacity:
+            if self.learned is None or self.learned.configured != blocks:
+                self.learned = LearnedCapacity(blocks)  # a new capacity: learn it afresh
+            blocks = self.learned.blocks
+        self.engines.index.set_capacity(self.worker.id, blocks)
 
     # --------------------------------------------------------- engine metrics
 
@@ -326,7 +335,8 @@ class EngineLink:
         predicted, its first missing block j was evicted; an engine evicts least
         recently used blocks first, so every entry of this worker last used before
         ``touches[j]`` is gone too, and leaves the index. The request's own chain
-        stays: its prefill has just stored it again.
+        stays: its prefill has just stored it again. The learned cap follows each
+        answer with a match (``router.engines.capacity``, ``index.learn_capacity``).
         """
         eng = self.engines
         if usage is not None:
@@ -351,13 +361,11 @@ class EngineLink:
         pred = predicted_tokens(matched_blocks, bt, prompt, self.engine_blocks)
         err = self.stats.record(pred, cached)
         self.engines.prom.prediction(self.worker.id, err)
-        if err > 0 and touches and self.corrects:
-            j = min(cached // bt, len(touches) - 1)
-            t = touches[j]
-            if t is not None:
-                n = self.engines.index.evict_older(self.worker.id, t)
-                if n:
-                    self.engines.prom.corrected.labels(self.worker.id).inc(n)
+        if self.corrects:
+            n = correct(self.engines.index, self.worker.id, self.learned, matched_blocks,
+                        pred, cached, bt, touches)
+            if n:
+                self.engines.prom.corrected.labels(self.worker.id).inc(n)
 
     def prefill_rate(self, now: float) -> float:
         """Prefill tokens/s the policy should assume: this worker's learned rate,
