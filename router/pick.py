@@ -27,13 +27,16 @@ from router.pool import Pool, Worker
 
 class Picked(NamedTuple):
     """What ``pick_worker`` did: the policy's decision, the pool's worker it named,
-    the tokens counted on it (release them with ``pool.prefilled`` / ``finish``) and
-    the depth the index matched (hot-root warm-ups cover that prefix)."""
+    the tokens counted on it (release them with ``pool.prefilled`` / ``finish``), the
+    depth the index matched (hot-root warm-ups cover that prefix) and, when asked,
+    the matched blocks' last-use times on that worker before the hint re-touched them
+    (what an approximate-mode correction needs: ``router.engines.link``)."""
 
     decision: Decision
     worker: Worker
     tokens: int
     depth: int
+    touches: tuple | None = None
 
 
 def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int) -> int:
@@ -43,20 +46,25 @@ def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int) 
 
 
 def pick_worker(policy: Policy, index, pool: Pool, request: RouteRequest,
-                views: Sequence[WorkerView], now: float, *, count: bool = True) -> Picked:
+                views: Sequence[WorkerView], now: float, *, count: bool = True,
+                touches: bool = False) -> Picked:
     """Routes ``request`` among ``views`` and does the router's pick-time bookkeeping
     (module docstring). ``count``: record the request in the index's hot-root
     counters (False for a retry: the request was counted once). Raises
     ``AssertionError`` if the policy names a worker the pool does not know (a
-    policy bug: never route into the void)."""
+    policy bug: never route into the void). ``touches``: return the matched blocks'
+    last-use times (the live data plane's ``_pick`` takes the same)."""
     match = index.match(request.hashes, now, count)
     d = policy.choose(request, match, views, now)
     w = pool.get(d.worker)
     if w is None:
         raise AssertionError(f"policy {policy.name} chose unknown worker {d.worker!r}")
+    tt = None
+    if touches and d.matched_blocks:
+        tt = tuple(index.touch_time(w.id, h) for h in request.hashes[:d.matched_blocks])
     tokens = hint_and_count(index, pool, w, request.hashes, request.prompt_tokens,
                             d.matched_blocks, request.block_tokens, now)
-    return Picked(d, w, tokens, match.depth)
+    return Picked(d, w, tokens, match.depth, tt)
 
 
 def hint_and_count(index, pool: Pool, w: Worker, hashes: Sequence[int], prompt_tokens: int,

@@ -156,18 +156,51 @@ def test_multiturn_answers_are_cached_like_live():
     assert sim.outcome.report["hit_rate"] > 0.5
 
 
-@pytest.mark.parametrize("mode", ["none", "events"])
+@pytest.mark.parametrize("mode", ["none", "events", "plain"])
 def test_feedback_modes_run(mode):
     wl = make_workload("gsp", dict(SMALL_GSP, groups=12), seed=0)
     cfg = SimConfig(workers=2, policy="prefix_load", feedback=mode,
                     engine=EngineSpec(kv_tokens=1500), check=True)
     sim = _run(cfg, wl, Closed(4))
     s = sim.outcome.report["sim"]
-    if mode == "none":
-        assert s["events_applied"] == 0 and s["events_dropped"] > 0
-    else:
+    if mode == "events":
         assert s["events_applied"] > 0 and s["events_dropped"] == 0
+    else:
+        assert s["events_applied"] == 0 and s["events_dropped"] > 0
+    # a plain engine sends nothing at all, not even its load
+    assert (sim.batches == 0) == (mode == "plain")
     assert sim.outcome.report["ok"] == 72
+
+
+def _agent_plain(learn: bool) -> Simulation:
+    from router.config import Config, IndexConfig
+    wl = make_workload("agent", {"sessions": 8, "steps": 6}, seed=0)
+    rc = dataclasses.replace(Config(), index=IndexConfig(learn_capacity=learn))
+    cfg = SimConfig(workers=2, policy="prefix_load", feedback="plain", router_config=rc,
+                    engine=EngineSpec(kv_tokens=6000), check=True)
+    return _run(cfg, wl, Poisson(6.0), Bounds(48, 1e6, 600.0))
+
+
+def test_plain_engines_are_seen_as_the_live_router_sees_them():
+    """``feedback="plain"``: views carry the router's own counts, the engine's KV
+    capacity and prefill rate, no queue or KV use; the index is capped at the
+    capacity, which the answers' cached tokens teach down where the engine holds
+    less (its KV also holds outputs and partial blocks the router never hashed)."""
+    sim = _agent_plain(learn=True)
+    assert sim.outcome.report["ok"] == 48
+    cap_blocks = 6000 // sim.block_tokens
+    views = sim._views(sim.now)
+    for v in views:
+        assert v.kv_capacity_tokens == 6000 and v.queued_tokens == 0 and v.kv_used_tokens == 0
+    for r in sim.refs:
+        lc = sim._learned[r.id]
+        lc.check()
+        assert lc.configured == cap_blocks
+        assert sim.index.capacity(r.id) == lc.blocks, r.id  # the index is aged at it
+    assert min(sim._learned[r.id].blocks for r in sim.refs) < cap_blocks  # it learned
+    off = _agent_plain(learn=False)
+    assert off._learned == {}
+    assert all(off.index.capacity(r.id) == cap_blocks for r in off.refs)
 
 
 def test_events_keep_index_equal_to_caches():

@@ -37,10 +37,18 @@ Feedback (``feedback``):
 - ``none``: cache events are dropped; the index holds the router's optimistic
   inserts only (and forgets by its own memory budget). The ablation's difference
   is the value of eviction feedback.
+- ``plain``: what the live router sees of an engine that sends nothing (``kind:
+  openai``, ``loadtest --ab --plain-workers``): no events and no load reports; the
+  views carry the router's own in-flight counts, the worker's KV capacity (as
+  configured) and its prefill rate (as the live router learns it from TTFTs); the
+  index ages each worker at its KV capacity (``PrefixIndex.set_capacity``) and each
+  answer's cached tokens correct it and the capacity it is aged at, by the live
+  router's rule (``router.engines.capacity.correct``; ``index.learn_capacity`` of
+  ``--router-config`` turns the learned capacity off).
 
-Load reports travel with every batch in both modes (they are not cache feedback):
-the view of worker w at ``now`` carries w's state at its last tick at or before
-``now - feedback_delay_s`` (``agentlink.py``: delivered lazily, when read).
+Load reports travel with every batch in ``none`` and ``events`` (they are not cache
+feedback): the view of worker w at ``now`` carries w's state at its last tick at or
+before ``now - feedback_delay_s`` (``agentlink.py``: delivered lazily, when read).
 
 Autoscaling (``scaler``, ``loadtest.simulator.autoscale``): every ``interval_s`` the
 scaler names the fleet size it wants (at most its ``max_workers``); the controller
@@ -87,6 +95,8 @@ from loadtest.simulator.reference import BlockReference, TextReference
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
 from router.config import Config
+from router.engines.accuracy import predicted_tokens
+from router.engines.capacity import LearnedCapacity, correct
 from protocol.errors import ConfigError, RequestError
 from router.feedback import Feedback
 from router.pick import pick_worker
@@ -97,7 +107,7 @@ from router.warmup import WarmupGate, warmup_prefix
 
 log = logging.getLogger(__name__)
 
-FEEDBACK_MODES = ("none", "events")
+FEEDBACK_MODES = ("none", "events", "plain")
 LEVELS = ("auto", "text", "block")
 #: token ids standing for single-shot answers in the references (one per job): above
 #: the tokenizer's range (< 2**34) and the engine's private ids (2**48 + n)
@@ -183,7 +193,8 @@ class Job:
 
     __slots__ = ("idx", "session", "spec", "prompt", "worker", "arrival", "max_tokens",
                  "counted", "prefilled", "first_t", "done_t", "cached", "output", "ok",
-                 "error_kind", "warm", "oracle", "pooled", "answer_seed", "handle")
+                 "error_kind", "warm", "oracle", "pooled", "answer_seed", "handle",
+                 "matched", "touches")
 
     def __init__(self, idx: int, session, spec, prompt: SimPrompt, arrival: float,
                  max_tokens: int, warm: bool = False) -> None:
@@ -207,6 +218,9 @@ class Job:
         self.pooled = 0
         self.answer_seed: int | None = None  # set by the worker when it finishes
         self.handle = None  # the worker adapter's own request object
+        self.matched = 0  # blocks the index matched on the chosen worker
+        #: plain feedback: those blocks' last-use times before the pick (corrections)
+        self.touches: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -304,11 +318,11 @@ class Simulation:
         self.events_applied = 0
         self.events_dropped = 0
         self.batches = 0  # agent batches the live feedback applied
+        self.plain = cfg.feedback == "plain"
+        self._learned: dict[str, LearnedCapacity] = {}  # plain: each worker's learned cap
         for w, ref in enumerate(self.refs):  # each agent's first batch: a snapshot
             self._record_state(w, 0.0)
-            st = ref.hist[-1][1]
-            self._send(ref, ref.hello(st) if cfg.feedback == "events" else ref.batch((), st),
-                       0.0, hello=True)
+            self._hello(w, 0.0)
         self.reasons: collections.Counter = collections.Counter()  # Decision.reason counts
         self.rejected = 0
         self.cancelled = 0
@@ -434,7 +448,9 @@ class Simulation:
                            prompt.text_len)
         views = self._views(now)
         # the live router's pick: match, choose, hint, count the uncached tokens
-        d, _, counted, depth = pick_worker(self.policy, self.index, self.pool, req, views, now)
+        d, _, counted, depth, job.touches = pick_worker(
+            self.policy, self.index, self.pool, req, views, now, touches=self.plain)
+        job.matched = d.matched_blocks
         w = self.by_id[d.worker]
         if self.scaler is not None:
             self.scaler.on_dispatch(now, counted, prompt.prompt_tokens)
@@ -615,8 +631,20 @@ class Simulation:
             if not job.warm:
                 pool.finish(ref.pool_worker, 0 if job.prefilled else job.counted, True)
                 job.prefilled = True
+                if job.touches:
+                    self._correct(ref, job)
                 self._finish_client(job, self._answer(job), now)
             _retire(job)
+
+    def _correct(self, ref: _Ref, job: Job) -> None:
+        """Plain feedback: the answer's cached tokens correct the index and the
+        worker's learned cap, by the live router's rule (``router.engines.capacity.
+        correct``; the agent caches by token, so no whole-block cap on the
+        prediction)."""
+        bt = self.block_tokens
+        pred = predicted_tokens(job.matched, bt, job.prompt.prompt_tokens, False)
+        correct(self.index, ref.id, self._learned.get(ref.id), job.matched, pred,
+                job.cached, bt, job.touches)
 
     def _answer(self, job: Job) -> str:
         """The answer text a finished job's client receives; the load generator's
@@ -649,6 +677,21 @@ class Simulation:
     def _record_state(self, w: int, now: float) -> None:
         self.refs[w].record(now, self.workers[w].load_state())
 
+    def _hello(self, w: int, now: float) -> None:
+        """Worker ``w`` registers: the agent's first batch (a snapshot of its cache with
+        ``events``, its load only with ``none``); a plain engine sends nothing, and the
+        router ages its index entries at the engine's KV capacity instead."""
+        ref = self.refs[w]
+        if self.plain:
+            blocks = max(1, self.workers[w].capacity_tokens // max(1, self.block_tokens))
+            if self.router_cfg.index.learn_capacity:
+                self._learned[ref.id] = LearnedCapacity(blocks)
+            self.index.set_capacity(ref.id, blocks)
+            return
+        st = ref.hist[-1][1]
+        self._send(ref, ref.hello(st) if self.cfg.feedback == "events" else ref.batch((), st),
+                   now, hello=True)
+
     def _send(self, ref: _Ref, batch, at: float, hello: bool = False) -> None:
         """``batch`` reaches the router at ``at``: the live ``Feedback.apply``.
         (``hello``: the registration snapshot, not counted as cache events.)"""
@@ -663,11 +706,20 @@ class Simulation:
     def _views(self, now: float) -> list[WorkerView]:
         """The live pool's views at ``now``, after the load-only batches the router
         would have received by then (agentlink.py: built lazily, when read)."""
+        if self.plain:
+            return [self._plain_view(v) for v in self.pool.views(now)]
         if not self.cfg.report_every_tick:
             for ref in self.refs:
                 if now >= ref.next_at and ref.linked:
                     self._catch_up(ref, now)
         return self.pool.views(now)
+
+    def _plain_view(self, v: WorkerView) -> WorkerView:
+        """A plain engine's view: the router's own counts, the configured KV capacity
+        and the prefill rate the live router learns from its TTFTs (the engine's own,
+        taken as learned)."""
+        st = self.workers[self.by_id[v.id]].load_state()
+        return dataclasses.replace(v, kv_capacity_tokens=st[4], prefill_tokens_per_s=st[5])
 
     def _catch_up(self, ref: _Ref, now: float) -> None:
         """Delivers ``ref``'s newest load report due by ``now``, if newer than the
@@ -694,8 +746,8 @@ class Simulation:
     def _tick(self, w: int, tick: float, now: float) -> None:
         """``report_every_tick``: worker ``w``'s batch of ``tick`` arrives now."""
         ref = self.refs[w]
-        if ref.state is GONE:
-            return  # its reporter stopped with it
+        if ref.state is GONE or self.plain:
+            return  # its reporter stopped with it; a plain engine has none
         if tick > ref.last_tick and ref.linked:
             got = ref.state_at(tick)
             if got is not None:
@@ -709,7 +761,7 @@ class Simulation:
         if not evs:
             return
         cfg = self.cfg
-        if cfg.feedback == "none":
+        if cfg.feedback != "events":
             self.events_dropped += len(evs)
             return
         ref = self.refs[w]
@@ -798,9 +850,7 @@ class Simulation:
         ref.pool_worker = self.pool.register(ref.id, ref.url, ref.epoch, (self.model,),
                                              self._keyed)
         self._record_state(w, now)
-        st = ref.hist[-1][1]
-        self._send(ref, ref.hello(st) if self.cfg.feedback == "events" else ref.batch((), st),
-                   now, hello=True)
+        self._hello(w, now)
         ref.last_tick = now
         if self.cfg.report_every_tick and self.cfg.feedback_batch_s > 0:
             tick = tick_after(now, ref.phase, self.cfg.feedback_batch_s)
@@ -961,6 +1011,7 @@ def _retire(job: Job) -> None:
     and a 100,000-request trace of 15k-token prompts would otherwise keep ~12 GB
     of keys alive to the end."""
     job.handle = None
+    job.touches = None
     p = job.prompt
     if not job.warm:  # a warm-up's prompt may be shared by its sibling warm-ups
         p.units = None

@@ -88,7 +88,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="trace: replay N time- and id-shifted copies back to back")
     fb = parser.add_argument_group("feedback")
     fb.add_argument("--feedback", default="events",
-                    help="none (router inserts only) | events (agent events); "
+                    help="none (router inserts only) | events (agent events) | plain "
+                         "(an engine that sends nothing: no events, no load reports; the "
+                         "index aged at the KV capacity, corrected by cached tokens); "
                          "a comma list runs each (the ablation)")
     fb.add_argument("--feedback-delay-ms", type=float, default=5.0,
                     help="agent -> router delivery delay (default 5)")
