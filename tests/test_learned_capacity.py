@@ -77,3 +77,55 @@ def test_without_a_learned_cap_only_the_older_entries_go():
     assert correct(idx, "w", None, 10, 160, 0, 16, touches) == 10
     assert idx.capacity("w") == 100
     idx.check()
+
+
+def _plain_link(learn: bool = True):
+    """An approximate-mode link (kind openai, 16,000 KV tokens configured), not started."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from router.config import WorkerSpec, parse_config
+    from router.engines.link import EngineLink
+    from router.engines.manager import Engines
+    from router.pool import Pool
+
+    cfg = parse_config({"index": {"learn_capacity": learn}})
+    idx = PrefixIndex()
+    eng = Engines(cfg, Pool(cfg, idx), idx, CollectorRegistry())
+    spec = WorkerSpec(url="http://127.0.0.1:9", id="p", kind="openai",
+                      kv_capacity_tokens=16_000)
+    link = EngineLink(SimpleNamespace(id="p"), spec, eng)
+    link._apply_capacity()
+    return link, idx
+
+
+def test_the_live_link_learns_its_cap_from_answers_and_forgets_it_in_sync():
+    from router.engines.keyspace import SpaceKey
+
+    link, idx = _plain_link()
+    bt = link.space.block_bytes // 4                     # tokens per byte-space block
+    configured = 16_000 // bt
+    assert idx.capacity("p") == configured and link.learned.blocks == configured
+    hashes = chain(3, 40)
+    idx.insert("p", hashes, 1.0)
+    touches = tuple(idx.touch_time("p", h) for h in hashes)
+    sk = SpaceKey(hashes, 40 * bt, bt, False)
+    # 40 blocks believed, the engine reported 10 blocks' worth cached: 30 lost
+    link.observe(sk, 40, (40 * bt, 10 * bt), None, 0, 0, 2.0, touches)
+    assert link.learned.blocks == configured - 30 == idx.capacity("p")
+    assert link.describe()["index_cap_blocks"] == configured - 30
+    link.events_synced()                                 # exact from here: events say
+    assert idx.capacity("p") == configured == link.learned.blocks
+
+
+def test_learn_capacity_false_keeps_the_configured_cap():
+    from router.engines.keyspace import SpaceKey
+
+    link, idx = _plain_link(learn=False)
+    bt = link.space.block_bytes // 4
+    hashes = chain(4, 40)
+    idx.insert("p", hashes, 1.0)
+    sk = SpaceKey(hashes, 40 * bt, bt, False)
+    link.observe(sk, 40, (40 * bt, 0), None, 0, 0, 2.0, (1.0,) * 40)
+    assert link.learned is None and idx.capacity("p") == 16_000 // bt

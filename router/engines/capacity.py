@@ -25,9 +25,12 @@ while the engine's own use of its KV (longer outputs, a bigger batch) changes.
 
 Invariants (``check()``): ``floor <= blocks <= configured``, ``configured >= 1``.
 
-Measured (bench/RESULTS.md, "Plain engines: a learned capacity"): on the simulated
-agent workload without events prefix_load's hit rate goes from 0.792 to 0.812 (with
-events: 0.813).
+A worker whose KV events come into sync goes back to its configured cap
+(``EngineLink.events_synced``): the events say what it holds.
+
+Measured (bench/RESULTS.md, "Stop 22"): on the simulated agent workload without events
+prefix_load's hit rate goes from 0.792 to 0.812 (with events: 0.813), live from 0.761 to
+0.798 (smg: 0.781-0.785).
 """
 
 from __future__ import annotations

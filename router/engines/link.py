@@ -291,6 +291,11 @@ class EngineLink:
         if not self.in_sync:
             self.in_sync = True
             log.info("worker %s: KV events in sync (exact index)", self.worker.id)
+            if self.learned is not None and self.learned.blocks != self.learned.configured:
+                # the engine's events say what it holds now: a cap learned while the
+                # index guessed must not evict what they report
+                self.learned.blocks = self.learned.configured
+                self.engines.index.set_capacity(self.worker.id, self.learned.blocks)
 
     def events_lost(self, reason: str) -> None:
         """A gap that replay could not fill, a late join or a reset: the worker's
