@@ -21,7 +21,11 @@ it started:
             ``prefix_load,round_robin``), restarted between runs. ``smg`` among
             them is SGLang's own gateway (cache_aware, its defaults; the test
             extra's ``sglang-router``) in front of the same agents: the live
-            side-by-side with the peer, one command.
+            side-by-side with the peer, one command. An arm may set policy
+            parameters in brackets, ``prefix_load[footprint_room=0,replicate=false]``
+            (values read as YAML; the run is named by the whole arm), so two arms
+            of one policy A/B a parameter live:
+            ``--policies 'prefix_load,prefix_load[footprint_room=0]'``.
 
 ``--plain-workers``: the agents send nothing (no registration, no KV events, no
 load reports) and the router takes them as plain OpenAI servers (``kind: openai``,
@@ -40,7 +44,7 @@ import asyncio
 import logging
 import os
 
-from loadtest.fleet import Fleet, FleetConfig
+from loadtest.fleet import Fleet, FleetConfig, param_text
 from loadtest.report import check_outputs
 from protocol.errors import ConfigError
 
@@ -65,36 +69,91 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="round_robin",
                    help="--ab radix: the router policy of both arms (default round_robin)")
     g.add_argument("--policies", default="prefix_load,round_robin",
-                   help="--ab policy: the two (or more) policies compared")
+                   help="--ab policy: the two (or more) arms compared: policies, smg, or "
+                        "a policy with parameters, e.g. 'prefix_load,prefix_load[tie_s=0]'")
     g.add_argument("--plain-workers", action="store_true",
                    help="--ab: agents that send no events (the router keys, ages and "
                    "corrects its index itself, as in front of a plain engine)")
     g.add_argument("--out", default="radixfleet-ab", help="--ab: where the fleet logs")
 
 
-def arms(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
-    """``(run name, router policy, extra agent args)`` per arm, in run order.
-    Raises ``ConfigError`` for a bad flag."""
-    from policies.registry import policy_class
+def split_arms(text: str) -> list[str]:
+    """``"a,b[x=1,y=2],c"`` -> ``["a", "b[x=1,y=2]", "c"]``: commas inside brackets
+    belong to the arm. Raises ``ConfigError`` for unbalanced brackets."""
+    out, cur, depth = [], [], 0
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ConfigError("--policies", f"unbalanced ']' in {text!r}")
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise ConfigError("--policies", f"unclosed '[' in {text!r}")
+    out.append("".join(cur).strip())
+    return [a for a in out if a]
+
+
+def parse_arm(spec: str, where: str) -> tuple[str, dict]:
+    """``"prefix_load[footprint_room=0]"`` -> ``("prefix_load", {"footprint_room": 0})``.
+    The parameters are not validated here (``arms`` does, with the policy)."""
+    from router.main import policy_params
+
+    name, bracket, rest = spec.partition("[")
+    name = name.strip()
+    if not bracket:
+        return name, {}
+    if not rest.endswith("]") or "[" in rest[:-1] or "]" in rest[:-1]:
+        raise ConfigError(where, f"{spec!r}: parameters go in one trailing [NAME=VALUE,...]")
+    body = rest[:-1].strip()
+    if not body:
+        raise ConfigError(where, f"{spec!r}: empty brackets")
+    return name, policy_params([p for p in body.split(",")], where)
+
+
+def arms(args: argparse.Namespace) -> list[tuple[str, str, dict, list[str]]]:
+    """``(run name, router policy, policy params, extra agent args)`` per arm, in run
+    order. Raises ``ConfigError`` for a bad flag (an unknown policy or parameter, a
+    parameter out of range, parameters for smg)."""
+    import random
+
+    from policies.registry import build_policy, policy_class
 
     if args.page_size < 1:
         raise ConfigError("--page-size", f"must be >= 1, got {args.page_size}")
     page = ["--page-size", str(args.page_size)] if args.page_size != 1 else []
     if args.ab == "radix":
         policy_class(args.policy, path="--policy")
-        return [(f"radix on ({args.policy})", args.policy, page),
-                (f"radix off ({args.policy})", args.policy, [*page, "--disable-radix-cache"])]
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if len(names) < 2 or len(set(names)) != len(names):
-        raise ConfigError("--policies", "name two or more distinct policies, comma-separated")
-    for p in names:
-        if p != SMG:
+        return [(f"radix on ({args.policy})", args.policy, {}, page),
+                (f"radix off ({args.policy})", args.policy, {},
+                 [*page, "--disable-radix-cache"])]
+    specs = split_arms(args.policies)
+    if len(specs) < 2 or len(set(specs)) != len(specs):
+        raise ConfigError("--policies", "name two or more distinct arms, comma-separated "
+                          "(a policy, or a policy with [NAME=VALUE,...])")
+    out = []
+    for i, spec in enumerate(specs):
+        where = f"--policies[{i}]"
+        name, params = parse_arm(spec, where)
+        if name == SMG:
+            if params:
+                raise ConfigError(where, f"{SMG} runs with its own defaults; it takes no "
+                                  "parameters here")
+        else:
             try:
-                policy_class(p, path="--policies")
+                build_policy(name, params, random.Random(0), path=where)
             except ConfigError as exc:
-                raise ConfigError(exc.path, f"{exc.message}, or {SMG} (SGLang's gateway)") \
-                    from None
-    return [(p, p, page) for p in names]
+                msg = exc.message
+                if exc.path == f"{where}.name":
+                    msg = f"{msg}, or {SMG} (SGLang's gateway)"
+                raise ConfigError(exc.path, msg) from None
+        out.append((spec, name, params, page))
+    return out
 
 
 def worth(runs: list[dict], kind: str) -> list[str]:
@@ -124,22 +183,22 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
         raise ConfigError("--agents", f"must be in [1, 64], got {args.agents}")
     if args.kv_tokens <= 0:
         raise ConfigError("--kv-tokens", "must be > 0")
-    if any(p == SMG for _, p, _ in plan):
+    if any(p == SMG for _, p, _, _ in plan):
         from loadtest.smg import require_smg
 
         require_smg()  # before any agent starts: missing is said at once
     plain = bool(getattr(args, "plain_workers", False))
     cfg = FleetConfig(agents=args.agents, model=args.agent_model, gpu=args.gpu,
                       kv_tokens=args.kv_tokens, router_port=0,
-                      policy=next((p for _, p, _ in plan if p != SMG), "prefix_load"),
+                      policy=next((p for _, p, _, _ in plan if p != SMG), "prefix_load"),
                       plain_workers=plain).validate()
     check_outputs(dirs=[("--out", args.out)])
     fleet = Fleet(cfg, log_dir=os.path.join(args.out, "logs"), start_router=False)
-    by_name = {name: (policy, extra) for name, policy, extra in plan}
+    by_name = {name: (policy, params, extra) for name, policy, params, extra in plan}
     current: list = [None]  # the agents' (extra args, plain) now running
 
     def switch(name: str) -> None:
-        policy, extra = by_name[name]
+        policy, params, extra = by_name[name]
         want = (list(extra), plain or policy == SMG)
         if current[0] != want:
             fleet.stop()
@@ -151,7 +210,7 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
         if policy == SMG:
             fleet.start_smg()
         else:
-            fleet.start_router(policy)
+            fleet.start_router(policy, params, name=name)
 
     async def between(name: str) -> None:
         await asyncio.to_thread(switch, name)
@@ -162,15 +221,17 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
           flush=True)
     try:
         outcomes = asyncio.run(run_ab(
-            [(name, fleet.router_url) for name, _, _ in plan], workload, arrivals, bounds,
+            [(name, fleet.router_url) for name, _, _, _ in plan], workload, arrivals, bounds,
             flush_urls=fleet.agent_urls, kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
             model=None, timeout_s=args.timeout, send_session=args.send_session,
             progress=False if args.no_progress else None, settle_s=0.5, between=between))
     finally:
         fleet.stop()
-    for o, (name, policy, extra) in zip(outcomes, plan):
+    for o, (name, policy, params, extra) in zip(outcomes, plan):
         front = ("smg launch --policy cache_aware (SGLang's gateway)" if policy == SMG
-                 else f"radixfleet router --policy {policy}")
+                 else f"radixfleet router --policy {policy}"
+                 + "".join(f" --policy-param {k}={param_text(v)}"
+                           for k, v in params.items()))
         events = "no events" if plain or policy == SMG else "events to the router"
         o.report["target"] = f"{front}; agents {' '.join(extra) or '(defaults)'}, {events}"
     return outcomes

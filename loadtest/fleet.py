@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -120,6 +121,18 @@ def load_config(path: str) -> FleetConfig:
     if cfg.router_config is not None:
         cfg.router_config = os.path.join(os.path.dirname(os.path.abspath(path)), cfg.router_config)
     return cfg.validate()
+
+
+def param_text(value) -> str:
+    """A policy parameter's value as ``--policy-param`` reads it back (YAML)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def log_name(name: str) -> str:
+    """A run name as a file name: ``prefix_load[tie_s=0]`` -> ``prefix_load_tie_s_0_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
 def cli_argv(*args: str) -> list[str]:
@@ -252,16 +265,24 @@ class Fleet:
         for child in self.agents:
             child.wait_ready(self.ready_timeout_s)
 
-    def start_router(self, policy: str | None = None) -> None:
-        """(Re)starts the router with ``policy`` (default: the config's)."""
+    def start_router(self, policy: str | None = None, params: dict | None = None,
+                     name: str | None = None) -> None:
+        """(Re)starts the router with ``policy`` (default: the config's) and its
+        ``params`` (quick start ``--policy-param``s; not with a router config file).
+        ``name`` names its log (default: the policy)."""
         self.stop_router()
         c = self.cfg
         if c.router_config:
+            if params:
+                raise ConfigError("--policies", "policy parameters come from the router "
+                                  "config file here, not from the arm")
             argv = cli_argv("router", "--config", c.router_config, "--port", str(self.router_port),
                             *c.router_args)
         else:
             argv = cli_argv("router", "--host", c.host, "--port", str(self.router_port),
                             "--policy", policy or c.policy, *c.router_args)
+            for k, v in (params or {}).items():
+                argv += ["--policy-param", f"{k}={param_text(v)}"]
             for i, url in enumerate(self.agent_urls):
                 if c.plain_workers:
                     # what the router knows of an engine that sends nothing: its
@@ -270,8 +291,9 @@ class Fleet:
                              + (f",kv_capacity_tokens={c.kv_tokens}" if c.kv_tokens else "")]
                 else:
                     argv += ["--worker", url]
-        self.router = Child(f"router ({policy or c.policy})", argv,
-                            os.path.join(self.log_dir, f"router-{policy or c.policy}.log"),
+        name = name or policy or c.policy
+        self.router = Child(f"router ({name})", argv,
+                            os.path.join(self.log_dir, f"router-{log_name(name)}.log"),
                             self.router_url + "/v1/models")
         self.router.start()
         self.router.wait_ready(self.ready_timeout_s)

@@ -1,7 +1,8 @@
 """``radixfleet router``: run the cache-aware router.
 
     radixfleet router --config FILE [--host H] [--port P]
-    radixfleet router --worker URL [--worker URL ...] [--policy NAME] [--port P] [--host H]
+    radixfleet router --worker URL [--worker URL ...] [--policy NAME]
+                      [--policy-param NAME=VALUE ...] [--port P] [--host H]
 
 A ``--worker`` is a base URL, ``KIND=URL`` (``vllm=http://10.0.0.5:8000``), or
 comma-separated ``key=value`` settings of a YAML worker entry::
@@ -9,7 +10,9 @@ comma-separated ``key=value`` settings of a YAML worker entry::
     --worker url=http://10.0.0.5:8000,kind=vllm,tokenizer=/models/llama,events=tcp://10.0.0.5:5557
 
 (keys: url, id, kind, model, tokenizer, block_size, kv_capacity_tokens, events,
-replay_endpoint, events_mode, weight).
+replay_endpoint, events_mode, weight). ``--policy-param NAME=VALUE`` sets one of the
+policy's parameters (``policy.params`` of the YAML; the value is read as YAML:
+``footprint_room=0``, ``replicate=false``).
 
 The quick start without a file builds the same validated ``Config`` (errors name
 the field: ``workers[0].url: ...``). ``--host``/``--port`` override the file and
@@ -26,6 +29,8 @@ import logging
 import signal
 import sys
 
+import yaml
+
 from router.config import (MISSING, Config, config_warnings, load_config, parse_config,
                            with_overrides)
 from protocol.errors import ConfigError
@@ -41,6 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "quick start without --config)")
     parser.add_argument("--policy", metavar="NAME", default=MISSING,
                         help="routing policy (quick start; default prefix_load)")
+    parser.add_argument("--policy-param", metavar="NAME=VALUE", action="append", default=[],
+                        help="a parameter of the policy (quick start; repeatable; the value "
+                             "is read as YAML), e.g. --policy-param footprint_room=0")
     parser.add_argument("--host", default=MISSING, help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=MISSING, help="listen port (default 8000)")
     parser.add_argument("--log-level", default="INFO",
@@ -86,6 +94,23 @@ def worker_entry(text: str, where: str) -> dict:
     return entry
 
 
+def policy_params(pairs: list[str], where: str = "--policy-param") -> dict:
+    """``["NAME=VALUE", ...]`` -> ``{NAME: value}``, each value read as YAML (a plain
+    string where it is not YAML). Raises ``ConfigError`` naming ``where``; the names
+    and values are validated with the policy (``policies.registry``)."""
+    out: dict = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ConfigError(where, f"{pair!r} must be NAME=VALUE")
+        try:
+            out[name] = yaml.safe_load(value) if value.strip() else value
+        except yaml.YAMLError:
+            out[name] = value
+    return out
+
+
 def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
     """The validated config and the overrides to reapply on reload. Raises ConfigError."""
     overrides = {}
@@ -96,15 +121,17 @@ def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
             raise ConfigError("--port", f"expected an integer in [0, 65535], got {args.port}")
         overrides["listen__port"] = args.port
     if args.config:
-        if args.worker or args.policy is not MISSING:
-            raise ConfigError("", "--worker and --policy are for the quick start without "
-                              "--config; list workers and the policy in the file")
+        if args.worker or args.policy is not MISSING or args.policy_param:
+            raise ConfigError("", "--worker, --policy and --policy-param are for the quick "
+                              "start without --config; list workers and the policy in the file")
         cfg = load_config(args.config)
     else:
         raw: dict = {"workers": [worker_entry(w, f"--worker[{i}]")
                                  for i, w in enumerate(args.worker)]}
         if args.policy is not MISSING:
             raw["policy"] = {"name": args.policy}
+        if args.policy_param:
+            raw.setdefault("policy", {})["params"] = policy_params(args.policy_param)
         cfg = parse_config(raw)
     return with_overrides(cfg, **overrides), overrides
 

@@ -67,14 +67,16 @@ def test_disabled_cache_reports_refused_blocks_as_removed():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind, names", [
-    ("radix", ["radix on (round_robin)", "radix off (round_robin)"]),
-    ("policy", ["prefix_load", "round_robin"]),
+@pytest.mark.parametrize("kind, names, extra", [
+    ("radix", ["radix on (round_robin)", "radix off (round_robin)"], []),
+    ("policy", ["prefix_load", "round_robin"], []),
+    ("policy", ["prefix_load[replicate=false]", "round_robin"],
+     ["--policies", "prefix_load[replicate=false],round_robin"]),
 ])
-def test_loadtest_ab_is_one_command(tmp_path, kind, names):
+def test_loadtest_ab_is_one_command(tmp_path, kind, names, extra):
     out = tmp_path / "ab.json"
     p = subprocess.run(
-        [sys.executable, "-m", "radixfleet.cli", "loadtest", "--ab", kind, "--agents", "2",
+        [sys.executable, "-m", "radixfleet.cli", "loadtest", "--ab", kind, *extra, "--agents", "2",
          "--kv-tokens", "8000", "--out", str(tmp_path / "fleet"), "--workload", "multiturn",
          "-o", "clients=6", "-o", "rounds=3", "-o", "question_tokens=128",
          "-o", "output_tokens=8", "--concurrency", "4", "--no-progress", "--json", str(out)],
@@ -91,7 +93,11 @@ def test_loadtest_ab_is_one_command(tmp_path, kind, names):
         assert "--disable-radix-cache" in runs[1]["target"]
         assert "prefix caching: hit rate" in p.stdout
     else:
-        assert "prefix_load over round_robin: hit rate" in p.stdout
+        assert f"{names[0]} over round_robin: hit rate" in p.stdout
+    if extra:  # the arm's parameter reached its router
+        assert "--policy-param replicate=false" in runs[0]["target"]
+        log = (tmp_path / "fleet" / "logs" / "router-prefix_load_replicate_false_.log")
+        assert "Traceback" not in log.read_text()
 
 
 @pytest.mark.integration
@@ -130,5 +136,64 @@ def test_ab_policies_accept_smg_and_refuse_unknown_names():
     assert [a[1] for a in arms(ns)] == ["prefix_load", "smg"]
     with pytest.raises(ConfigError) as ei:
         arms(Namespace(ab="policy", policies="prefix_load,sgl", page_size=1))
-    assert ei.value.path == "--policies.name" and ei.value.message.endswith(
+    assert ei.value.path == "--policies[1].name" and ei.value.message.endswith(
         "round_robin, or smg (SGLang's gateway)")
+
+
+def test_ab_arms_carry_policy_parameters():
+    """``policy[NAME=VALUE,...]``: two arms of one policy A/B a parameter; values are
+    YAML, checked against the policy before anything starts."""
+    from argparse import Namespace
+
+    from loadtest.ab import arms
+    from protocol.errors import ConfigError
+
+    def plan(text):
+        return arms(Namespace(ab="policy", policies=text, page_size=1))
+
+    got = plan("prefix_load, prefix_load[footprint_room=0, replicate=false],smg")
+    assert [(a[0], a[1], a[2]) for a in got] == [
+        ("prefix_load", "prefix_load", {}),
+        ("prefix_load[footprint_room=0, replicate=false]", "prefix_load",
+         {"footprint_room": 0, "replicate": False}),
+        ("smg", "smg", {})]
+    bad = {
+        "prefix_load,prefix_load": ("--policies", "distinct"),
+        "prefix_load,prefix_load[footprint_room=2]": (
+            "--policies[1].params.footprint_room", "[0, 1]"),
+        "prefix_load,prefix_load[nope=1]": ("--policies[1].params.nope", "unknown"),
+        "prefix_load,round_robin[tie_s=0]": ("--policies[1].params.tie_s", "unknown"),
+        "prefix_load,smg[cache_threshold=0.5]": ("--policies[1]", "no parameters"),
+        "prefix_load,prefix_load[tie_s]": ("--policies[1]", "NAME=VALUE"),
+        "prefix_load,prefix_load[]": ("--policies[1]", "empty"),
+        "prefix_load,prefix_load[tie_s=0": ("--policies", "unclosed"),
+        "prefix_load,prefix_load]": ("--policies", "unbalanced"),
+        "prefix_load,prefix_load[a=1][b=2]": ("--policies[1]", "one trailing"),
+    }
+    for text, (path, words) in bad.items():
+        with pytest.raises(ConfigError) as ei:
+            plan(text)
+        assert ei.value.path == path and words in ei.value.message, (text, ei.value)
+
+
+def test_router_quick_start_takes_policy_parameters():
+    from argparse import Namespace
+
+    from router.config import MISSING
+    from router.main import build_config
+    from protocol.errors import ConfigError
+
+    def args(**kw):
+        base = dict(config=None, worker=["http://127.0.0.1:9"], policy=MISSING,
+                    policy_param=[], host=MISSING, port=MISSING)
+        return Namespace(**{**base, **kw})
+
+    cfg, _ = build_config(args(policy_param=["footprint_room=0", "replicate=false"]))
+    assert cfg.policy.name == "prefix_load"
+    assert dict(cfg.policy.params) == {"footprint_room": 0, "replicate": False}
+    with pytest.raises(ConfigError) as ei:
+        build_config(args(policy="round_robin", policy_param=["tie_s=0"]))
+    assert ei.value.path == "policy.params.tie_s"
+    with pytest.raises(ConfigError) as ei:
+        build_config(args(config="x.yaml", worker=[], policy_param=["tie_s=0"]))
+    assert "--policy-param" in ei.value.message
