@@ -397,6 +397,7 @@ def render_table(runs: list[dict], file=None) -> None:
     """The comparison table (rich; plain text when not a terminal), the runs a bound
     cut short, and what the columns mean."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="radixfleet load test", show_lines=False)
     for col in ("run", "ok/req", "errors", "hit", "oracle", "pooled", "TTFT p50 ms",
@@ -407,7 +408,7 @@ def render_table(runs: list[dict], file=None) -> None:
             table.add_column(col, justify="right")
     for r in runs:
         table.add_row(
-            r["name"], ok_cell(r),
+            Text(r["name"]), ok_cell(r),  # a name is text, never markup: prefix_load[tie_s=0]
             ", ".join(f"{k}:{v}" for k, v in r["errors_by_kind"].items()) or "0",
             _fmt(r["hit_rate"], ".3f"), _fmt(r["oracle_hit_rate"], ".3f"),
             _fmt(r["pooled_hit_rate"], ".3f"),
@@ -514,7 +515,8 @@ class Progress:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
                                        TextColumn, TimeElapsedColumn)
 
-            self._p = RichProgress(TextColumn("{task.description}"), BarColumn(),
+            # the label is a run name, never markup (prefix_load[tie_s=0])
+            self._p = RichProgress(TextColumn("{task.description}", markup=False), BarColumn(),
                                    MofNCompleteColumn(), TextColumn("{task.fields[errors]} errors"),
                                    TimeElapsedColumn(), transient=True,
                                    console=Console(stderr=True))

@@ -174,6 +174,11 @@ def test_table_and_plots(tmp_path):
     buf = io.StringIO()
     render_table(runs, file=buf)
     assert "rr" in buf.getvalue() and "pl" in buf.getvalue()
+    # an arm with parameters is named in brackets, which rich would read as markup
+    runs[1]["name"] = "pl[tie_s=0]"
+    buf = io.StringIO()
+    render_table(runs, file=buf)
+    assert "pl[tie_s=0]" in buf.getvalue()
     paths = write_plots(runs, str(tmp_path / "plots"), {"rr": [1.0, 2.0], "pl": [0.5, 3.0]})
     assert len(paths) == 3
     for p in paths:

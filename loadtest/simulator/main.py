@@ -237,6 +237,7 @@ def _run_plan(plans, workload, bounds: Bounds, params: dict, seed: int, records,
 
 def _print_table(runs: list[dict]) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title="radixfleet simulate (simulated time)")
     cols = ("run", "sweep", "ok/req", "hit", "oracle", "pooled", "TTFT p50 ms", "TTFT p99 ms",
@@ -250,7 +251,7 @@ def _print_table(runs: list[dict]) -> None:
 
     for r in runs:
         sw = r.get("sweep")
-        t.add_row(r["name"], f"{sw['param']}={sw['value']:g}" if sw else "",
+        t.add_row(Text(r["name"]), f"{sw['param']}={sw['value']:g}" if sw else "",
                   ok_cell(r), f(r["hit_rate"], ".3f"), f(r["oracle_hit_rate"], ".3f"),
                   f(r["pooled_hit_rate"], ".3f"), f(r["ttft_ms"]["p50"], ".1f"),
                   f(r["ttft_ms"]["p99"], ".1f"), f(r["itl_ms"]["p50"], ".2f"),
