@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import logging
 import os
+from typing import NamedTuple
 
 from loadtest.fleet import Fleet, FleetConfig, param_text
 from loadtest.report import check_outputs
@@ -75,6 +76,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--ab: agents that send no events (the router keys, ages and "
                    "corrects its index itself, as in front of a plain engine)")
     g.add_argument("--out", default="radixfleet-ab", help="--ab: where the fleet logs")
+
+
+class Arm(NamedTuple):
+    """One configuration an A/B runs: its run name, the router policy (or ``smg``),
+    that policy's parameters, and extra agent arguments."""
+
+    name: str
+    policy: str
+    params: dict
+    agent_args: list[str]
 
 
 def split_arms(text: str) -> list[str]:
@@ -116,9 +127,8 @@ def parse_arm(spec: str, where: str) -> tuple[str, dict]:
     return name, policy_params([p for p in body.split(",")], where)
 
 
-def arms(args: argparse.Namespace) -> list[tuple[str, str, dict, list[str]]]:
-    """``(run name, router policy, policy params, extra agent args)`` per arm, in run
-    order. Raises ``ConfigError`` for a bad flag (an unknown policy or parameter, a
+def arms(args: argparse.Namespace) -> list[Arm]:
+    """The arms, in run order. Raises ``ConfigError`` for a bad flag (an unknown policy or parameter, a
     parameter out of range, parameters for smg)."""
     import random
 
@@ -129,9 +139,9 @@ def arms(args: argparse.Namespace) -> list[tuple[str, str, dict, list[str]]]:
     page = ["--page-size", str(args.page_size)] if args.page_size != 1 else []
     if args.ab == "radix":
         policy_class(args.policy, path="--policy")
-        return [(f"radix on ({args.policy})", args.policy, {}, page),
-                (f"radix off ({args.policy})", args.policy, {},
-                 [*page, "--disable-radix-cache"])]
+        return [Arm(f"radix on ({args.policy})", args.policy, {}, page),
+                Arm(f"radix off ({args.policy})", args.policy, {},
+                    [*page, "--disable-radix-cache"])]
     specs = split_arms(args.policies)
     if len(specs) < 2 or len(set(specs)) != len(specs):
         raise ConfigError("--policies", "name two or more distinct arms, comma-separated "
@@ -152,7 +162,7 @@ def arms(args: argparse.Namespace) -> list[tuple[str, str, dict, list[str]]]:
                 if exc.path == f"{where}.name":
                     msg = f"{msg}, or {SMG} (SGLang's gateway)"
                 raise ConfigError(exc.path, msg) from None
-        out.append((spec, name, params, page))
+        out.append(Arm(spec, name, params, page))
     return out
 
 
@@ -183,34 +193,34 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
         raise ConfigError("--agents", f"must be in [1, 64], got {args.agents}")
     if args.kv_tokens <= 0:
         raise ConfigError("--kv-tokens", "must be > 0")
-    if any(p == SMG for _, p, _, _ in plan):
+    if any(a.policy == SMG for a in plan):
         from loadtest.smg import require_smg
 
         require_smg()  # before any agent starts: missing is said at once
     plain = bool(getattr(args, "plain_workers", False))
     cfg = FleetConfig(agents=args.agents, model=args.agent_model, gpu=args.gpu,
                       kv_tokens=args.kv_tokens, router_port=0,
-                      policy=next((p for _, p, _, _ in plan if p != SMG), "prefix_load"),
+                      policy=next((a.policy for a in plan if a.policy != SMG), "prefix_load"),
                       plain_workers=plain).validate()
     check_outputs(dirs=[("--out", args.out)])
     fleet = Fleet(cfg, log_dir=os.path.join(args.out, "logs"), start_router=False)
-    by_name = {name: (policy, params, extra) for name, policy, params, extra in plan}
+    by_name = {a.name: a for a in plan}
     current: list = [None]  # the agents' (extra args, plain) now running
 
     def switch(name: str) -> None:
-        policy, params, extra = by_name[name]
-        want = (list(extra), plain or policy == SMG)
+        arm = by_name[name]
+        want = (list(arm.agent_args), plain or arm.policy == SMG)
         if current[0] != want:
             fleet.stop()
-            fleet.cfg.agent_args = list(extra)
+            fleet.cfg.agent_args = list(arm.agent_args)
             fleet.cfg.plain_workers = want[1]
             fleet.agents = []
             fleet.start_agents()
             current[0] = want
-        if policy == SMG:
+        if arm.policy == SMG:
             fleet.start_smg()
         else:
-            fleet.start_router(policy, params, name=name)
+            fleet.start_router(arm.policy, arm.params, name=arm.name)
 
     async def between(name: str) -> None:
         await asyncio.to_thread(switch, name)
@@ -221,17 +231,18 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
           flush=True)
     try:
         outcomes = asyncio.run(run_ab(
-            [(name, fleet.router_url) for name, _, _, _ in plan], workload, arrivals, bounds,
+            [(a.name, fleet.router_url) for a in plan], workload, arrivals, bounds,
             flush_urls=fleet.agent_urls, kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
             model=None, timeout_s=args.timeout, send_session=args.send_session,
             progress=False if args.no_progress else None, settle_s=0.5, between=between))
     finally:
         fleet.stop()
-    for o, (name, policy, params, extra) in zip(outcomes, plan):
-        front = ("smg launch --policy cache_aware (SGLang's gateway)" if policy == SMG
-                 else f"radixfleet router --policy {policy}"
+    for o, a in zip(outcomes, plan):
+        front = ("smg launch --policy cache_aware (SGLang's gateway)" if a.policy == SMG
+                 else f"radixfleet router --policy {a.policy}"
                  + "".join(f" --policy-param {k}={param_text(v)}"
-                           for k, v in params.items()))
-        events = "no events" if plain or policy == SMG else "events to the router"
-        o.report["target"] = f"{front}; agents {' '.join(extra) or '(defaults)'}, {events}"
+                           for k, v in a.params.items()))
+        events = "no events" if plain or a.policy == SMG else "events to the router"
+        o.report["target"] = (f"{front}; agents {' '.join(a.agent_args) or '(defaults)'}, "
+                              f"{events}")
     return outcomes
