@@ -128,8 +128,8 @@ def parse_arm(spec: str, where: str) -> tuple[str, dict]:
 
 
 def arms(args: argparse.Namespace) -> list[Arm]:
-    """The arms, in run order. Raises ``ConfigError`` for a bad flag (an unknown policy or parameter, a
-    parameter out of range, parameters for smg)."""
+    """The arms, in run order. Raises ``ConfigError`` for a bad flag (an unknown
+    policy or parameter, a parameter out of range, parameters for smg)."""
     import random
 
     from policies.registry import build_policy, policy_class
