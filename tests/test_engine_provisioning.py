@@ -24,9 +24,9 @@ def test_a_full_disk_is_said_before_any_download_and_not_retried(empty_cache, mo
                         lambda p: Usage(10 * 2**30, 10 * 2**30 - 2**28, 2**28))
     ran = []
     monkeypatch.setattr(vllm_env, "_run", lambda argv, t, what: ran.append(what))
-    with pytest.raises(vllm_env.EngineUnavailable, match=r"needs 6 GiB free at .*0\.2 GiB"):
+    with pytest.raises(vllm_env.EngineUnavailable, match=r"needs 5 GiB free at .*0\.2 GiB"):
         vllm_env.vllm_python()
-    with pytest.raises(vllm_env.EngineUnavailable, match="needs 6 GiB free"):
+    with pytest.raises(vllm_env.EngineUnavailable, match="needs 5 GiB free"):
         vllm_env.vllm_python()
     assert ran == []                      # nothing was started, twice
     assert not (empty_cache / f"vllm-{vllm_env.VLLM_VERSION}").exists()
