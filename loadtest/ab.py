@@ -25,7 +25,9 @@ it started:
             parameters in brackets, ``prefix_load[footprint_room=0,replicate=false]``
             (values read as YAML; the run is named by the whole arm), so two arms
             of one policy A/B a parameter live:
-            ``--policies 'prefix_load,prefix_load[footprint_room=0]'``.
+            ``--policies 'prefix_load,prefix_load[footprint_room=0]'``; and smg its
+            launch settings (``loadtest.smg.launch_args``): ``smg[policy=round_robin]``
+            beside ``round_robin`` measures the two routers' paths alone.
 
 ``--plain-workers``: the agents send nothing (no registration, no KV events, no
 load reports) and the router takes them as plain OpenAI servers (``kind: openai``,
@@ -151,9 +153,9 @@ def arms(args: argparse.Namespace) -> list[Arm]:
         where = f"--policies[{i}]"
         name, params = parse_arm(spec, where)
         if name == SMG:
-            if params:
-                raise ConfigError(where, f"{SMG} runs with its own defaults; it takes no "
-                                  "parameters here")
+            from loadtest.smg import launch_args
+
+            launch_args(params, where)  # checked before anything starts
         else:
             try:
                 build_policy(name, params, random.Random(0), path=where)
@@ -218,7 +220,9 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
             fleet.start_agents()
             current[0] = want
         if arm.policy == SMG:
-            fleet.start_smg()
+            from loadtest.smg import launch_args
+
+            fleet.start_smg(launch_args(arm.params), name=arm.name)
         else:
             fleet.start_router(arm.policy, arm.params, name=arm.name)
 
@@ -238,10 +242,13 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
     finally:
         fleet.stop()
     for o, a in zip(outcomes, plan):
-        front = ("smg launch --policy cache_aware (SGLang's gateway)" if a.policy == SMG
-                 else f"radixfleet router --policy {a.policy}"
-                 + "".join(f" --policy-param {k}={param_text(v)}"
-                           for k, v in a.params.items()))
+        if a.policy == SMG:
+            from loadtest.smg import launch_args
+
+            front = f"smg launch {' '.join(launch_args(a.params))} (SGLang's gateway)"
+        else:
+            front = f"radixfleet router --policy {a.policy}" + "".join(
+                f" --policy-param {k}={param_text(v)}" for k, v in a.params.items())
         events = "no events" if plain or a.policy == SMG else "events to the router"
         o.report["target"] = (f"{front}; agents {' '.join(a.agent_args) or '(defaults)'}, "
                               f"{events}")

@@ -299,18 +299,21 @@ class Fleet:
         self.router.wait_ready(self.ready_timeout_s)
         wait_registered(self.router_url, len(self.agents), registered=not c.plain_workers)
 
-    def start_smg(self) -> None:
-        """(Re)starts SGLang's gateway, ``smg`` (cache_aware, its defaults), on the
-        router's port in front of the agents, and waits until it lists them all.
-        Raises ``RunError`` when its binary is missing (``loadtest.smg``)."""
-        from loadtest.smg import require_smg
+    def start_smg(self, launch: list[str] | None = None, name: str = "smg") -> None:
+        """(Re)starts SGLang's gateway, ``smg``, on the router's port in front of the
+        agents, and waits until it lists them all. ``launch``: its policy flags
+        (``loadtest.smg.launch_args``; default cache_aware at its defaults); ``name``
+        names its log. Raises ``RunError`` when its binary is missing."""
+        from loadtest.smg import launch_args, require_smg
 
         self.stop_router()
+        launch = launch if launch is not None else launch_args({})
         argv = [require_smg(), "launch", "--host", self.cfg.host, "--port",
-                str(self.router_port), "--worker-urls", *self.agent_urls,
-                "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+                str(self.router_port), "--worker-urls", *self.agent_urls, *launch,
+                "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(free_port()), "--log-level", "error"]
-        self.router = Child("smg (cache_aware)", argv, os.path.join(self.log_dir, "smg.log"),
+        self.router = Child(f"smg ({' '.join(launch)})", argv,
+                            os.path.join(self.log_dir, f"{log_name(name)}.log"),
                             self.router_url + "/health")
         self.router.start()
         self.router.wait_ready(self.ready_timeout_s)

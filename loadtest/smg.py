@@ -15,6 +15,10 @@ Missing is never silent: ``require_smg()`` raises ``RunError`` with
 ``missing_message()``, which says where it looked and how to install it; the
 benchmark stops with that message (unless ``--no-smg``) and the integration test
 fails with it.
+
+``launch_args(params)``: the ``smg launch`` settings an A/B arm may choose
+(``smg[policy=round_robin]``: the same policy through both routers measures the
+path, not the routing), checked here so a bad one fails before anything starts.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from protocol.errors import RunError
+from protocol.errors import ConfigError, RunError
 
 #: the distribution that ships the binary (pinned in pyproject's test extra)
 DISTRIBUTION = "sglang-router"
@@ -75,3 +79,36 @@ def require_smg() -> str:
     if path is None:
         raise RunError(missing_message())
     return path
+
+
+#: smg's policies an arm may name (its --policy; ``manual`` needs routing keys)
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+#: arm parameter -> (smg flag, the check it must pass, what the check says)
+_SETTINGS = {
+    "cache_threshold": ("--cache-threshold", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "balance_abs_threshold": ("--balance-abs-threshold", lambda v: v >= 0 and v == int(v),
+                              "an integer >= 0"),
+    "balance_rel_threshold": ("--balance-rel-threshold", lambda v: v >= 1.0, "a number >= 1"),
+}
+
+
+def launch_args(params: dict, where: str = "smg") -> list[str]:
+    """``smg launch`` flags for an arm's parameters (default: ``--policy cache_aware``,
+    its other settings at smg's defaults). Raises ``ConfigError`` naming
+    ``{where}.params.<name>`` for an unknown name or a bad value."""
+    policy = params.get("policy", "cache_aware")
+    if policy not in POLICIES:
+        raise ConfigError(f"{where}.params.policy",
+                          f"expected one of {', '.join(POLICIES)}, got {policy!r}")
+    out = ["--policy", policy]
+    for name, value in params.items():
+        if name == "policy":
+            continue
+        if name not in _SETTINGS:
+            valid = ", ".join(["policy", *_SETTINGS])
+            raise ConfigError(f"{where}.params.{name}", f"unknown smg setting; valid: {valid}")
+        flag, ok, expected = _SETTINGS[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ConfigError(f"{where}.params.{name}", f"expected {expected}, got {value!r}")
+        out += [flag, str(int(value) if name == "balance_abs_threshold" else value)]
+    return out

@@ -163,7 +163,12 @@ def test_ab_arms_carry_policy_parameters():
             "--policies[1].params.footprint_room", "[0, 1]"),
         "prefix_load,prefix_load[nope=1]": ("--policies[1].params.nope", "unknown"),
         "prefix_load,round_robin[tie_s=0]": ("--policies[1].params.tie_s", "unknown"),
-        "prefix_load,smg[cache_threshold=0.5]": ("--policies[1]", "no parameters"),
+        "prefix_load,smg[policy=manual]": ("--policies[1].params.policy", "round_robin"),
+        "prefix_load,smg[cache_threshold=2]": ("--policies[1].params.cache_threshold",
+                                               "[0, 1]"),
+        "prefix_load,smg[balance_abs_threshold=1.5]": (
+            "--policies[1].params.balance_abs_threshold", "integer"),
+        "prefix_load,smg[tie_s=0]": ("--policies[1].params.tie_s", "unknown smg setting"),
         "prefix_load,prefix_load[tie_s]": ("--policies[1]", "NAME=VALUE"),
         "prefix_load,prefix_load[]": ("--policies[1]", "empty"),
         "prefix_load,prefix_load[tie_s=0": ("--policies", "unclosed"),
@@ -174,6 +179,19 @@ def test_ab_arms_carry_policy_parameters():
         with pytest.raises(ConfigError) as ei:
             plan(text)
         assert ei.value.path == path and words in ei.value.message, (text, ei.value)
+
+
+def test_smg_arms_choose_its_launch_settings():
+    """``smg[policy=round_robin]`` beside ``round_robin``: the same policy through both
+    routers, the paths compared; other settings map to smg's own flags."""
+    from loadtest.smg import launch_args
+
+    assert launch_args({}) == ["--policy", "cache_aware"]
+    assert launch_args({"policy": "round_robin"}) == ["--policy", "round_robin"]
+    assert launch_args({"cache_threshold": 0.5, "balance_abs_threshold": 32,
+                        "balance_rel_threshold": 1.2}) == [
+        "--policy", "cache_aware", "--cache-threshold", "0.5",
+        "--balance-abs-threshold", "32", "--balance-rel-threshold", "1.2"]
 
 
 def test_router_quick_start_takes_policy_parameters():
