@@ -309,10 +309,10 @@ class PrefixLoad(Policy):
         if fp is None or not fp.counted():
             return None
         p = self.params
-        tok = fp.tokens
-        total = cap_total = 0.0
+        fs = [fp.tokens(v.id) for v in views]  # each worker's live sessions, read once
+        total = sum(fs)
+        cap_total = 0.0
         for v in views:
-            total += tok(v.id)
             if v.kv_capacity_tokens > 0:
                 cap_total += v.kv_capacity_tokens
         if total > p.footprint_room * cap_total:
@@ -325,11 +325,10 @@ class PrefixLoad(Policy):
         own = branch.home if branch is not None and branch.live else None
         out = None
         room = False
-        for v in views:
+        for v, f in zip(views, fs):
             cap = v.kv_capacity_tokens
             if cap <= 0:
                 continue  # unknown capacity: never judged, never a destination
-            f = tok(v.id)
             t = (f - branch.size if v.id == own else f) + size
             if t > p.footprint_full * cap and f > over:
                 if out is None:
