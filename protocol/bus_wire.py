@@ -24,17 +24,55 @@ subjects is *foreign* or *malformed* and raises ``BadMessage`` with a short caus
 In-flight counts travel as absolute values per worker, not as deltas, so a lost
 message is healed by the next one for that worker (at the latest the heartbeat).
 A hint's age is seconds since the pick on the sender, so clocks need not agree.
+
+Everything received is checked here before anything applies it, with the bounds
+the HTTP agent API uses: batches and loads by ``protocol.events`` (load numbers
+within ``MAX_LOAD_COUNT`` / ``MAX_RATE``), registrations by
+``events.parse_registration`` (identifiers by ``protocol.identifiers``), and the
+routers' numbers here: in-flight counts within ``MAX_LOAD_COUNT``, hint ages finite
+in [0, ``MAX_HINT_AGE_S``], keys 64-bit, at most ``MAX_ENTRIES`` entries per list.
+JSON is RFC 8259 only (no NaN or Infinity; a number beyond a float is refused).
+
+Authentication (``BusKey``): the bus is a trust boundary as wide as the agent API,
+so a message counts only when signed with the agent credential. With an agent
+token set, every publication carries the header::
+
+    Radixfleet-Signature: v1 <unix ms> <hex HMAC-SHA256>
+        key  = HMAC-SHA256(agent token, "radixfleet bus v1")
+        MAC  = HMAC-SHA256(key, "radixfleet-bus-v1\n" subject "\n" ms "\n" body)
+
+and a receiver drops (``unsigned``, ``bad_signature``) whatever does not verify,
+and (``stale``) a signed message dated more than ``max_skew_s`` from when it was
+stored (stream messages: the server's store time, so the warm-start replay of old
+history still verifies while a captured message published again does not) or
+received (core messages). The subject is signed, so a message cannot be moved to
+another worker's subject. Why a signature rather than NATS subject permissions
+alone: it is the credential the HTTP API already requires, checked by the code
+that applies the message, on any NATS server, with nothing to get right in the
+server's permission config; NATS accounts and permissions (``deploy/README.md``,
+"Securing the bus") are the second wall that keeps strangers off the bus at all.
+Agents and routers hold the same token, so an agent can sign a router message:
+the signature keeps out whoever lacks the fleet's credential, not one agent from
+another. Without an agent token nothing is signed or checked: as the HTTP agent
+API, that is allowed only on loopback (the router and agent refuse a tokenless
+bus on any other host).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import math
 import re
-from typing import Any
+import time
+from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from protocol.errors import ConfigError, RequestError
-from protocol.events import EventBatch, Snapshot, parse_batch
+from protocol.events import (MAX_LOAD_COUNT, EventBatch, Snapshot, parse_batch,
+                             parse_registration)
+from protocol.identifiers import MAX_ID_CHARS, id_problem
 
 #: what a stream name, subject prefix or replica id may hold (NATS tokens: no dots,
 #: spaces or wildcards)
@@ -42,10 +80,16 @@ NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def check_url(url: str, key: str = "bus.url") -> None:
-    """Raises ``ConfigError`` (at ``key``) unless ``url`` is ``nats://host[:port]``."""
+    """Raises ``ConfigError`` (at ``key``) unless ``url`` is ``nats://host[:port]`` or
+    ``tls://host[:port]``, without credentials (they would be logged and shown: they
+    go in their own settings)."""
     parts = urlsplit(url)
     if parts.scheme not in ("nats", "tls") or not parts.hostname:
-        raise ConfigError(key, f"expected nats://host:port, got {url!r}")
+        raise ConfigError(key, f"expected nats://host:port or tls://host:port, got "
+                          f"{url.rpartition('@')[2]!r}")
+    if "@" in parts.netloc:
+        raise ConfigError(key, "credentials do not go in the URL (it is logged and shown): "
+                          "use the bus's auth settings")
     try:
         parts.port
     except ValueError:
@@ -54,13 +98,22 @@ def check_url(url: str, key: str = "bus.url") -> None:
 
 def check_name(value: str, key: str) -> None:
     """Raises ``ConfigError`` (at ``key``) unless ``value`` is one NATS subject token."""
-    if not NAME.match(value):
-        raise ConfigError(key, f"expected letters, digits, '_' or '-', got {value!r}")
+    if not NAME.match(value) or len(value) > MAX_ID_CHARS:
+        raise ConfigError(key, f"expected 1..{MAX_ID_CHARS} letters, digits, '_' or '-', "
+                          f"got {value[:200]!r}")
 
 
 VERSION = 1
 #: the JetStream header that makes a message replace every earlier one on its subject
 ROLLUP_HEADER = {"Nats-Rollup": "sub"}
+
+#: most entries in one list of a router message (in-flight workers, hints, hint keys,
+#: replication decisions); a real fleet's heartbeat lists each worker once
+MAX_ENTRIES = 65536
+#: oldest pick-time hint accepted (seconds); real ones are a flush old
+MAX_HINT_AGE_S = 3600.0
+#: largest sequence number or replication depth a message may carry
+MAX_SEQ = 2**63 - 1
 
 
 class BadMessage(Exception):
@@ -69,6 +122,68 @@ class BadMessage(Exception):
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(detail)
         self.cause = cause
+
+
+#: the header with a message's signature (module docstring)
+SIGNATURE_HEADER = "Radixfleet-Signature"
+#: how far a signed message's date may be from its store or arrival time (seconds)
+DEFAULT_MAX_SKEW_S = 30.0
+_SIGNATURE = re.compile(r"v1 ([0-9]{1,16}) ([0-9a-f]{64})")
+
+
+class BusKey:
+    """Signs and checks bus messages with the agent credential (module docstring).
+    An empty token signs nothing and accepts everything (loopback only)."""
+
+    __slots__ = ("_key", "max_skew_s")
+
+    def __init__(self, token: bytes | str, max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
+        if isinstance(token, str):
+            token = token.encode()
+        self._key = hmac.new(token, b"radixfleet bus v1", hashlib.sha256).digest() \
+            if token else b""
+        self.max_skew_s = max_skew_s
+
+    @property
+    def signs(self) -> bool:
+        """True when messages are signed and checked."""
+        return bool(self._key)
+
+    def _mac(self, subject: str, ms: str, data: bytes) -> str:
+        m = hmac.new(self._key, b"radixfleet-bus-v1\n", hashlib.sha256)
+        m.update(subject.encode("utf-8", "surrogateescape") + b"\n" + ms.encode() + b"\n")
+        m.update(data)
+        return m.hexdigest()
+
+    def sign(self, subject: str, data: bytes, now_s: float | None = None) -> dict[str, str]:
+        """The headers to publish ``data`` on ``subject`` with ({} without a key)."""
+        if not self._key:
+            return {}
+        ms = str(int((time.time() if now_s is None else now_s) * 1000))
+        return {SIGNATURE_HEADER: f"v1 {ms} {self._mac(subject, ms, data)}"}
+
+    def verify(self, subject: str, data: bytes, headers: Mapping[str, str] | None,
+               ref_s: float | None = None) -> None:
+        """Raises ``BadMessage`` (``unsigned``, ``bad_signature``, ``stale``) unless
+        ``data`` on ``subject`` carries our signature dated within ``max_skew_s`` of
+        ``ref_s`` (when it was stored or received; default: now)."""
+        if not self._key:
+            return
+        raw = headers.get(SIGNATURE_HEADER) if headers else None
+        if raw is None:
+            raise BadMessage("unsigned", f"no {SIGNATURE_HEADER} header: the sender lacks "
+                             "the agent token (or predates signed bus messages)")
+        m = _SIGNATURE.fullmatch(raw)
+        if m is None or not hmac.compare_digest(m.group(2),
+                                                self._mac(subject, m.group(1), data)):
+            raise BadMessage("bad_signature", "the signature does not verify with this "
+                             "side's agent token")
+        ref = time.time() if ref_s is None else ref_s
+        skew = int(m.group(1)) / 1000 - ref
+        if abs(skew) > self.max_skew_s:
+            raise BadMessage("stale", f"signed {skew:+.1f} s from when it was stored or "
+                             f"received (at most {self.max_skew_s:g} s): a replay, or "
+                             "clocks apart")
 
 
 def worker_token(worker_id: str) -> str:
@@ -99,11 +214,24 @@ class Subjects:
         return f"{self.prefix}.router.{replica}"
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"{text[:40]} is not a finite number")
+    return v
+
+
 def _load(data: bytes, kind: str) -> dict:
+    # service.jsonbody's rules (this layer cannot import it): RFC 8259 only, finite
+    # numbers; the nesting is bounded by the NATS payload and caught if too deep
     try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
-        raise BadMessage("not_json", "body is not JSON") from None
+        obj = json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise BadMessage("not_json", "body is not JSON (RFC 8259, finite numbers)") from None
     if not isinstance(obj, dict) or obj.get("v") != VERSION or "kind" not in obj:
         raise BadMessage("foreign", "not a radixfleet bus message (no v=1/kind)")
     if obj["kind"] != kind:
@@ -146,13 +274,12 @@ def parse_agent(data: bytes, subject_token: str) -> AgentMessage:
         return AgentMessage(batch, False)
     if not isinstance(reg, dict):
         raise BadMessage("bad_register", "'register' must be an object")
-    models = reg.get("models", [])
-    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-        raise BadMessage("bad_register", "'register.models' must be a list of strings")
-    bb = reg.get("block_bytes")
-    if bb is not None and (type(bb) is not int or bb <= 0):
-        raise BadMessage("bad_register", "'register.block_bytes' must be a positive integer")
-    return AgentMessage(batch, True, tuple(models), bb)
+    try:
+        r = parse_registration({**reg, "worker_id": batch.worker_id, "url": batch.url,
+                                "epoch": batch.epoch})
+    except RequestError as exc:
+        raise BadMessage("bad_register", str(exc)) from None
+    return AgentMessage(batch, True, r.models, r.block_bytes)
 
 
 def build_load(batch: EventBatch) -> bytes:
@@ -175,6 +302,9 @@ def _batch(obj: dict, subject_token: str, *, load: bool) -> EventBatch:
         raise BadMessage("bad_load", "a load message carries a load and no events")
     if worker_token(batch.worker_id) != subject_token:
         raise BadMessage("wrong_subject", f"worker {batch.worker_id!r} on another worker's subject")
+    problem = id_problem(batch.worker_id, "'worker_id'") or id_problem(batch.epoch, "'epoch'")
+    if problem:
+        raise BadMessage("bad_batch", problem)
     return batch
 
 
@@ -187,8 +317,9 @@ def parse_snapshot_request(data: bytes) -> str:
     """The worker id asked for."""
     obj = _load(data, "snapshot_request")
     wid = obj.get("worker_id")
-    if not isinstance(wid, str) or not wid:
-        raise BadMessage("bad_snapshot_request", "'worker_id' must be a non-empty string")
+    problem = id_problem(wid, "'worker_id'")
+    if problem:
+        raise BadMessage("bad_snapshot_request", problem)
     return wid
 
 
@@ -223,48 +354,66 @@ class RouterMessage:
             "bye": self.bye}, separators=(",", ":")).encode()
 
 
-def _nonneg_int(v: Any) -> bool:
-    return type(v) is int and v >= 0
+def _count(v: Any) -> bool:
+    """An in-flight count: what an agent's load report may say (protocol.events)."""
+    return type(v) is int and 0 <= v <= MAX_LOAD_COUNT
+
+
+def _key(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 1 << 64
+
+
+def _list(obj: dict, name: str) -> list:
+    v = obj.get(name, [])
+    if not isinstance(v, list) or len(v) > MAX_ENTRIES:
+        raise BadMessage("bad_router", f"'{name}' must be a list of at most {MAX_ENTRIES}")
+    return v
+
+
+def _worker(v: Any, where: str) -> str:
+    problem = id_problem(v, where)
+    if problem:
+        raise BadMessage("bad_router", problem)
+    return v
 
 
 def parse_router(data: bytes) -> RouterMessage:
+    """A replica's message, every number within the bounds the agent API applies
+    (module docstring). Raises ``BadMessage`` (``bad_router``)."""
     obj = _load(data, "router")
     replica, seq, bb = obj.get("replica"), obj.get("seq"), obj.get("block_bytes")
-    if not isinstance(replica, str) or not replica:
-        raise BadMessage("bad_router", "'replica' must be a non-empty string")
-    if not _nonneg_int(seq) or not _nonneg_int(bb):
+    if not isinstance(replica, str) or len(replica) > MAX_ID_CHARS or not NAME.match(replica):
+        raise BadMessage("bad_router", f"'replica' must be 1..{MAX_ID_CHARS} letters, digits, "
+                         "'_' or '-'")
+    if not (type(seq) is int and 0 <= seq <= MAX_SEQ) or not _count(bb):
         raise BadMessage("bad_router", "'seq' and 'block_bytes' must be integers >= 0")
     full, bye = obj.get("full", False), obj.get("bye", False)
     if not isinstance(full, bool) or not isinstance(bye, bool):
         raise BadMessage("bad_router", "'full' and 'bye' must be booleans")
     raw_if = obj.get("inflight", {})
-    if not isinstance(raw_if, dict):
-        raise BadMessage("bad_router", "'inflight' must be an object")
+    if not isinstance(raw_if, dict) or len(raw_if) > MAX_ENTRIES:
+        raise BadMessage("bad_router", f"'inflight' must be an object of at most {MAX_ENTRIES}")
     inflight: dict[str, tuple[int, int]] = {}
     for w, v in raw_if.items():
-        if not (isinstance(v, list) and len(v) == 2 and _nonneg_int(v[0]) and _nonneg_int(v[1])):
-            raise BadMessage("bad_router", f"'inflight.{w}' must be [requests, tokens] >= 0")
+        _worker(w, "an 'inflight' worker id")
+        if not (isinstance(v, list) and len(v) == 2 and _count(v[0]) and _count(v[1])):
+            raise BadMessage("bad_router", f"'inflight.{w}' must be [requests, tokens], each "
+                             f"an integer in [0, {MAX_LOAD_COUNT}]")
         inflight[w] = (v[0], v[1])
-    raw_h = obj.get("hints", [])
-    if not isinstance(raw_h, list):
-        raise BadMessage("bad_router", "'hints' must be a list")
     hints = []
-    for h in raw_h:
-        if not (isinstance(h, list) and len(h) == 3 and isinstance(h[0], str)
-                and isinstance(h[1], (int, float)) and not isinstance(h[1], bool)
-                and isinstance(h[2], list)
-                and all(type(x) is int and 0 <= x < 1 << 64 for x in h[2])):
-            raise BadMessage("bad_router", "a hint must be [worker, age_s, [64-bit keys]]")
-        hints.append((h[0], max(0.0, float(h[1])), h[2]))
-    raw_r = obj.get("repl", [])
-    if not isinstance(raw_r, list):
-        raise BadMessage("bad_router", "'repl' must be a list")
+    for h in _list(obj, "hints"):
+        if not (isinstance(h, list) and len(h) == 3 and isinstance(h[1], (int, float))
+                and not isinstance(h[1], bool) and 0 <= h[1] <= MAX_HINT_AGE_S
+                and isinstance(h[2], list) and len(h[2]) <= MAX_ENTRIES
+                and all(_key(x) for x in h[2])):
+            raise BadMessage("bad_router", f"a hint must be [worker, age_s in [0, "
+                             f"{MAX_HINT_AGE_S:g}], [at most {MAX_ENTRIES} 64-bit keys]]")
+        hints.append((_worker(h[0], "a hint's worker id"), float(h[1]), h[2]))
     repl = []
-    for r in raw_r:
+    for r in _list(obj, "repl"):
         if not (isinstance(r, list) and len(r) == 4 and r[0] in ("add", "retire")
-                and type(r[1]) is int and 0 <= r[1] < 1 << 64 and type(r[2]) is int
-                and r[2] > 0 and isinstance(r[3], str) and r[3]):
+                and _key(r[1]) and type(r[2]) is int and 0 < r[2] <= MAX_SEQ):
             raise BadMessage("bad_router", "a replication entry must be [add|retire, key, "
                              "depth, worker]")
-        repl.append((r[0], r[1], r[2], r[3]))
+        repl.append((r[0], r[1], r[2], _worker(r[3], "a replication entry's worker id")))
     return RouterMessage(replica, seq, bb, full, inflight, hints, bye, repl)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.errors import MalformedRequest
+from protocol.identifiers import id_problem, models_problem
 
 STATUS_OK = "ok"
 STATUS_SNAPSHOT_REQUIRED = "snapshot_required"
@@ -185,6 +186,42 @@ def parse_load(raw: dict) -> Load:
             v = float(v)
         vals[f] = v
     return Load(**vals)
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """An agent's registration, over HTTP (``POST /internal/v1/register``) or on the
+    bus (a snapshot's ``register`` section with its batch's worker id, url, epoch).
+    The URL's form is the router's to check (``router.config.parse_worker_url``)."""
+
+    worker_id: str
+    url: str
+    epoch: str
+    models: tuple[str, ...] = ()
+    #: the block size the agent hashes with; None: not said (accepted as before)
+    block_bytes: int | None = None
+
+
+def parse_registration(body: Any) -> Registration:
+    """Validates a registration (the module docstring; identifiers bounded by
+    ``protocol.identifiers``). Raises ``MalformedRequest`` naming the field."""
+    if not isinstance(body, dict):
+        raise MalformedRequest("registration must be a JSON object")
+    for k in ("worker_id", "url", "epoch"):
+        _str(body, k)
+    for k in ("worker_id", "epoch"):
+        problem = id_problem(body[k], f"'{k}'")
+        if problem:
+            raise MalformedRequest(problem, param=k)
+    models = body.get("models", [])
+    problem = models_problem(models)
+    if problem:
+        raise MalformedRequest(problem, param="models")
+    bb = body.get("block_bytes")
+    if bb is not None and (type(bb) is not int or not 0 < bb <= MAX_LOAD_COUNT):
+        raise MalformedRequest(f"'block_bytes' must be an integer in [1, {MAX_LOAD_COUNT}]",
+                               param="block_bytes")
+    return Registration(body["worker_id"], body["url"], body["epoch"], tuple(models), bb)
 
 
 def parse_batch(body: Any) -> EventBatch:

@@ -22,7 +22,6 @@ from aiohttp import web
 
 from protocol import events as ev
 from protocol.errors import ConfigError, MalformedRequest
-from protocol.identifiers import id_problem, models_problem
 from router.config import Config, parse_worker_url
 from router.feedback import Feedback
 from router.http_api import guarded, json_body
@@ -57,33 +56,18 @@ class AgentAPI:
 
     async def register(self, request: web.Request) -> web.Response:
         h = self.host
-        body = await json_body(request, h.cfg.limits)
-        if not isinstance(body, dict):
-            raise MalformedRequest("registration must be a JSON object")
-        for k in ("worker_id", "url", "epoch"):
-            if not isinstance(body.get(k), str) or not body[k]:
-                raise MalformedRequest(f"'{k}' must be a non-empty string", param=k)
-        for k in ("worker_id", "epoch"):
-            problem = id_problem(body[k], f"'{k}'")
-            if problem:
-                raise MalformedRequest(problem, param=k)
-        models = body.get("models", [])
-        problem = models_problem(models)
-        if problem:
-            raise MalformedRequest(problem, param="models")
+        reg = ev.parse_registration(await json_body(request, h.cfg.limits))
         try:
-            url = parse_worker_url(body["url"], "url")
+            url = parse_worker_url(reg.url, "url")
         except ConfigError as exc:
             raise MalformedRequest(str(exc), param="url") from None
-        bb = body.get("block_bytes")
-        if bb is not None and (type(bb) is not int or bb <= 0):
-            raise MalformedRequest("'block_bytes' must be a positive integer", param="block_bytes")
+        bb = reg.block_bytes
         ours = h.cfg.keys.block_bytes
         if bb is not None and bb != ours:
             # every hash it would report is one we never look up: refuse loudly
             h.metrics.registrations_refused.labels(reason=ev.STATUS_BLOCK_BYTES_MISMATCH).inc()
             log.warning("refused registration of %s (%s): it hashes %d-byte blocks, this "
-                        "router keys.block_bytes=%d", body["worker_id"], url, bb, ours)
+                        "router keys.block_bytes=%d", reg.worker_id, url, bb, ours)
             return web.json_response({
                 "status": ev.STATUS_BLOCK_BYTES_MISMATCH, "block_bytes": ours,
                 "error": {"message": f"agent block_bytes {bb} != router keys.block_bytes "
@@ -91,7 +75,7 @@ class AgentAPI:
                                      "(or change the router's keys.block_bytes)",
                           "type": "invalid_request_error", "param": "block_bytes",
                           "code": ev.STATUS_BLOCK_BYTES_MISMATCH}}, status=409)
-        w = h.pool.register(body["worker_id"], url, body["epoch"], models, bb)
+        w = h.pool.register(reg.worker_id, url, reg.epoch, list(reg.models), bb)
         h.models_changed()
         return web.json_response({"status": ev.STATUS_OK, "worker_id": w.id})
 

@@ -142,7 +142,8 @@ class Router:
             self.bus = BusReplica(self.cfg.bus, pool=self.pool, index=self.index,
                                   feedback=self.feedback, block_bytes=self.cfg.keys.block_bytes,
                                   registry=self.metrics.registry,
-                                  policy=lambda: self.policy)
+                                  policy=lambda: self.policy,
+                                  agent_token=self.agent_auth.token)
         try:
             await self.pool.start(self.session)
             await self.engines.start(self.session)

@@ -37,7 +37,11 @@ documents each key)::
                replica_id: "" (hostname-pid), max_age_s: 600.0, max_bytes: 1073741824,
                storage: memory|file, connect_timeout_s: 1.0, backoff_s: 0.5,
                backoff_max_s: 5.0, flush_s: 0.0, heartbeat_s: 0.5, replica_ttl_s: 2.0,
-               share_hints: true, snapshot_request_s: 1.0, ready_timeout_s: 10.0}
+               share_hints: true, snapshot_request_s: 1.0, ready_timeout_s: 10.0,
+               max_skew_s: 30.0,
+               auth: {user: "", password_env: "", password_file: "", token_env: "",
+                      token_file: "", nkey_seed_file: "", creds_file: ""},
+               tls: {ca_file: "", cert_file: "", key_file: ""}}
     traffic_log: {enabled: false, dir: traffic, prefix: traffic, sample_rate: 1.0,
                   max_file_bytes: 67108864, max_files: 16, queue_size: 65536,
                   flush_interval_s: 1.0, tenant_key_env: RADIXFLEET_TRAFFIC_LOG_KEY}
@@ -90,6 +94,7 @@ from protocol import bus_wire
 from protocol.errors import ConfigError
 from protocol.identifiers import MAX_URL_CHARS, id_problem
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
+from service.bus_connection import BusCredentials
 
 
 class _Missing:
@@ -365,6 +370,28 @@ BUS_STORAGE = ("memory", "file")
 
 
 @dataclass(frozen=True, slots=True)
+class BusAuthConfig:
+    """How the router authenticates to the NATS server: at most one method."""
+
+    user: str = _opt("", "user name (with password_env or password_file)")
+    password_env: str = _opt("", "env var holding the user's password")
+    password_file: str = _opt("", "file holding the user's password")
+    token_env: str = _opt("", "env var holding the NATS server's auth token")
+    token_file: str = _opt("", "file holding the NATS server's auth token")
+    nkey_seed_file: str = _opt("", "file holding an NKey seed (SU...)")
+    creds_file: str = _opt("", "a .creds file: user JWT and NKey seed (nsc generate creds)")
+
+
+@dataclass(frozen=True, slots=True)
+class BusTlsConfig:
+    """TLS to the NATS server (a tls:// bus.url; system CAs without ca_file)."""
+
+    ca_file: str = _opt("", "PEM CA bundle that signed the server's certificate")
+    cert_file: str = _opt("", "PEM client certificate (mutual TLS; with key_file)")
+    key_file: str = _opt("", "PEM key of the client certificate")
+
+
+@dataclass(frozen=True, slots=True)
 class BusConfig:
     url: str = _opt("", "NATS server URL (nats://host:4222); \"\": no bus, agents push "
                     "directly to each router")
@@ -392,9 +419,27 @@ class BusConfig:
                                      lo=0)
     ready_timeout_s: float = _opt(10.0, "report ready after this long even if the stream's "
                                   "history is not caught up (logged)", lo=0, lo_open=True)
+    max_skew_s: float = _opt(30.0, "a signed bus message dated further than this from when "
+                             "it was stored or received is dropped as a replay", lo=0,
+                             lo_open=True)
+    auth: BusAuthConfig = _section(BusAuthConfig, "credentials for the NATS server")
+    tls: BusTlsConfig = _section(BusTlsConfig, "TLS to the NATS server")
 
     def enabled(self) -> bool:
         return bool(self.url)
+
+    def credentials(self) -> BusCredentials:
+        a, t = self.auth, self.tls
+        return BusCredentials(
+            user=a.user, password_env=a.password_env, password_file=a.password_file,
+            token_env=a.token_env, token_file=a.token_file, nkey_seed_file=a.nkey_seed_file,
+            creds_file=a.creds_file, tls_ca_file=t.ca_file, tls_cert_file=t.cert_file,
+            tls_key_file=t.key_file)
+
+
+def bus_setting(name: str) -> str:
+    """The YAML path of a ``BusCredentials`` field (for error messages)."""
+    return f"bus.tls.{name[4:]}" if name.startswith("tls_") else f"bus.auth.{name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -848,6 +893,8 @@ def _check_bus(b: BusConfig) -> None:
     if b.replica_ttl_s <= b.heartbeat_s:
         raise ConfigError("bus.replica_ttl_s",
                           f"expected a number > bus.heartbeat_s ({b.heartbeat_s})")
+    if b.url:
+        b.credentials().check(b.url, bus_setting)
 
 
 def build_policy_from(pc: PolicyConfig, path: str = "policy"):

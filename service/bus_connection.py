@@ -11,7 +11,22 @@ subscriptions), so there is exactly one place where "the bus is usable" begins.
 ``on_down()`` runs at each loss; while DOWN the owner degrades (agents push
 directly, routers count locally). Problems are counted per cause
 (``radixfleet_bus_outages_total{cause}``) and logged once per cause until the bus
-is UP again (``Problems``).
+is UP again (``Problems``); a server that refuses our credentials (``auth``) or
+whose TLS handshake fails (``tls``) is said so in one line, and retried like an
+outage (a rotated secret or a fixed server heals it).
+
+``BusCredentials``: how the link authenticates to the NATS server (one of user and
+password, token, NKey seed file, ``.creds`` file) and its TLS (``tls://`` URL, CA,
+client certificate). Secrets are read from environment variables or files when
+the connection options are built (``connect_options``: a missing or empty secret,
+an unreadable file, a CA or certificate that does not load is a ``ConfigError``
+naming the setting, before anything connects), handed to nats-py, never logged or
+shown. ``check`` is the static half (``check-config``): which settings go
+together and that the files exist.
+
+``check_exposure``: a bus on a non-loopback host without the agent token is
+refused (bus messages are signed with it: ``protocol.bus_wire.BusKey``), as the
+HTTP agent API is.
 """
 
 from __future__ import annotations
@@ -19,10 +34,18 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from typing import Awaitable, Callable
+import os
+import ssl
+from dataclasses import dataclass, fields
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
 
 from nats.aio.client import Client as NATS
+from nats.errors import AuthorizationError
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from protocol.errors import ConfigError
+from service.auth import is_loopback
 
 log = logging.getLogger("radixfleet.bus")
 
@@ -32,6 +55,136 @@ class BusState(enum.Enum):
     UP = "up"  # connected and on_up() finished
     DOWN = "down"  # an attempt failed or the connection was lost; retrying
     CLOSED = "closed"  # aclose() called; terminal
+
+
+@dataclass(frozen=True, slots=True)
+class BusCredentials:
+    """The NATS server's credentials and TLS settings (module docstring). Field names
+    are the router's ``bus.auth.*`` keys and, with ``tls_``, ``bus.tls.*``; the
+    agent's flags are ``--bus-`` and the name with dashes."""
+
+    user: str = ""  # with a password
+    password_env: str = ""  # env var holding the password
+    password_file: str = ""  # or a file holding it
+    token_env: str = ""  # env var holding the server's auth token
+    token_file: str = ""
+    nkey_seed_file: str = ""  # an NKey seed (SU...)
+    creds_file: str = ""  # a .creds file (user JWT and NKey seed, `nsc generate creds`)
+    tls_ca_file: str = ""  # PEM CA bundle that signed the server's certificate
+    tls_cert_file: str = ""  # PEM client certificate (mutual TLS), with tls_key_file
+    tls_key_file: str = ""
+
+    def check(self, url: str, where: Callable[[str], str]) -> None:
+        """The static rules: one method, settings that go together, files that exist.
+        ``where(field)`` names a field in errors. Raises ``ConfigError``."""
+        methods = [m for m, on in (
+            ("user", bool(self.user or self.password_env or self.password_file)),
+            ("token_env", bool(self.token_env or self.token_file)),
+            ("nkey_seed_file", bool(self.nkey_seed_file)),
+            ("creds_file", bool(self.creds_file))) if on]
+        if len(methods) > 1:
+            raise ConfigError(where(methods[1]), "one authentication method at a time: "
+                              f"{' and '.join(where(m) for m in methods)} are both set")
+        pairs = (("password_env", "password_file"), ("token_env", "token_file"))
+        for a, b in pairs:
+            if getattr(self, a) and getattr(self, b):
+                raise ConfigError(where(b), f"give the secret once: {where(a)} or {where(b)}")
+        if (self.password_env or self.password_file) and not self.user:
+            raise ConfigError(where("user"), "required with a password")
+        if self.user and not (self.password_env or self.password_file):
+            raise ConfigError(where("password_env"), f"{where('user')} needs a password: "
+                              f"{where('password_env')} or {where('password_file')}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError(where("tls_key_file" if self.tls_cert_file else "tls_cert_file"),
+                              "a client certificate needs its key, and the key its "
+                              "certificate")
+        tls = self.tls_ca_file or self.tls_cert_file
+        if tls and urlsplit(url).scheme != "tls":
+            raise ConfigError(where("tls_ca_file" if self.tls_ca_file else "tls_cert_file"),
+                              f"TLS settings need a tls:// URL, got {url!r}")
+        for f in fields(self):
+            if f.name.endswith("_file") and getattr(self, f.name):
+                path = getattr(self, f.name)
+                if not os.path.isfile(path):
+                    raise ConfigError(where(f.name), f"no such file: {path}")
+                if not os.access(path, os.R_OK):
+                    raise ConfigError(where(f.name), f"file not readable: {path}")
+
+    def connect_options(self, url: str, where: Callable[[str], str]) -> dict[str, Any]:
+        """nats-py ``connect`` keyword arguments, secrets read now. Raises
+        ``ConfigError`` naming the setting (never showing a secret)."""
+        self.check(url, where)
+        opts: dict[str, Any] = {}
+        if self.user:
+            opts["user"] = self.user
+            opts["password"] = _secret(self.password_env, self.password_file,
+                                       where("password_env"), where("password_file"))
+        if self.token_env or self.token_file:
+            opts["token"] = _secret(self.token_env, self.token_file, where("token_env"),
+                                    where("token_file"))
+        if self.nkey_seed_file:
+            _secret("", self.nkey_seed_file, "", where("nkey_seed_file"))  # readable, not empty
+            opts["nkeys_seed"] = self.nkey_seed_file
+        if self.creds_file:
+            _secret("", self.creds_file, "", where("creds_file"))
+            opts["user_credentials"] = self.creds_file
+        if urlsplit(url).scheme == "tls":
+            opts["tls"] = self._tls_context(where)
+            opts["tls_hostname"] = urlsplit(url).hostname
+        return opts
+
+    def _tls_context(self, where: Callable[[str], str]) -> ssl.SSLContext:
+        try:
+            ctx = ssl.create_default_context(cafile=self.tls_ca_file or None)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(where("tls_ca_file"), f"cannot load the CA bundle "
+                              f"{self.tls_ca_file}: {exc}") from None
+        if self.tls_cert_file:
+            try:
+                ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+            except (ssl.SSLError, OSError) as exc:
+                raise ConfigError(where("tls_cert_file"), f"cannot load the client "
+                                  f"certificate {self.tls_cert_file} with its key: "
+                                  f"{exc}") from None
+        return ctx
+
+
+def _secret(env: str, path: str, env_key: str, file_key: str) -> str:
+    """The secret in env var ``env`` or file ``path`` (trailing newline dropped)."""
+    if env:
+        value = os.environ.get(env, "")
+        if not value:
+            raise ConfigError(env_key, f"environment variable {env} is not set or empty")
+        return value
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(file_key, f"cannot read {path}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not value:
+        raise ConfigError(file_key, f"{path} is empty")
+    return value
+
+
+def check_exposure(url: str, agent_token: bytes | str, key: str) -> None:
+    """Refuses an unsigned bus (no agent token) on a non-loopback NATS server: anyone
+    who reaches it could register workers. Raises ``ConfigError`` at ``key``."""
+    host = urlsplit(url).hostname or ""
+    if not agent_token and not is_loopback(host):
+        raise ConfigError(key, f"a bus on {host} (not loopback) needs the agent token, "
+                          "which signs every bus message: set $RADIXFLEET_AGENT_TOKEN "
+                          "(the same on routers and agents)")
+
+
+def failure_cause(exc: BaseException) -> str | None:
+    """``auth`` or ``tls`` when ``exc`` says the server refused us or the TLS
+    handshake failed (retrying the same will not help), else None."""
+    if isinstance(exc, AuthorizationError) or "authorization violation" in str(exc).lower():
+        return "auth"
+    if isinstance(exc, ssl.SSLError):
+        return "tls"
+    return None
 
 
 class BusMetrics:
@@ -65,13 +218,14 @@ class Problems:
         self.what = what
         self._logged: set[str] = set()
 
-    def report(self, cause: str, message: str, *args: object) -> None:
+    def report(self, cause: str, message: str, *args: object,
+               level: int = logging.WARNING) -> None:
         self.counter.labels(cause).inc()
         if cause in self._logged:
             log.debug("%s: " + message, self.what, *args)
             return
         self._logged.add(cause)
-        log.warning("%s: " + message, self.what, *args)
+        log.log(level, "%s: " + message, self.what, *args)
 
     def ok(self) -> None:
         if self._logged:
@@ -87,8 +241,10 @@ class BusConnection:
                  on_up: Callable[[NATS, object], Awaitable[None]],
                  on_down: Callable[[], None] | None = None,
                  connect_timeout_s: float = 1.0, backoff_s: float = 0.5,
-                 backoff_max_s: float = 5.0) -> None:
+                 backoff_max_s: float = 5.0, options: dict[str, Any] | None = None) -> None:
         self.url = url
+        #: BusCredentials.connect_options(): credentials and TLS (secrets: never logged)
+        self._options = dict(options or {})
         self.name = name
         self.metrics = metrics
         self.problems = Problems(metrics.outages, f"bus {url}")
@@ -104,6 +260,9 @@ class BusConnection:
         self.attempts = 0
         self._lost = asyncio.Event()
         self._task: asyncio.Task | None = None
+        #: the last error nats-py reported through error_cb (it may say why a connect
+        #: failed more precisely than what connect() raised)
+        self._last_error: BaseException | None = None
 
     @property
     def up(self) -> bool:
@@ -137,7 +296,7 @@ class BusConnection:
                     connect_timeout=self.connect_timeout_s, max_reconnect_attempts=1,
                     reconnect_time_wait=0.05,
                     closed_cb=self._on_closed, disconnected_cb=self._on_closed,
-                    error_cb=self._on_error)
+                    error_cb=self._on_error, **self._options)
                 self.nc, self.js = nc, nc.jetstream(timeout=max(self.connect_timeout_s, 2.0))
                 await self.on_up(nc, self.js)
             except asyncio.CancelledError:
@@ -145,9 +304,21 @@ class BusConnection:
                 raise
             except Exception as exc:  # noqa: BLE001 - every failure means "retry later"
                 self.attempts += 1
-                cause = ("connect" if not nc.is_connected else "setup")
-                self.problems.report(cause, "%s failed (%s: %s); retrying in %.1f s", cause,
-                                     type(exc).__name__, exc, delay)
+                refused = failure_cause(exc) or failure_cause(self._last_error or exc)
+                cause = refused or ("connect" if not nc.is_connected else "setup")
+                if refused == "auth":
+                    self.problems.report(cause, "the server refused this side's credentials "
+                                         "(%s); check bus.auth / the --bus-* flags; retrying "
+                                         "in %.1f s", str(exc) or type(exc).__name__, delay,
+                                         level=logging.ERROR)
+                elif refused == "tls":
+                    self.problems.report(cause, "TLS handshake failed (%s); check the CA, the "
+                                         "client certificate and the host name; retrying in "
+                                         "%.1f s", exc, delay, level=logging.ERROR)
+                else:
+                    self.problems.report(cause, "%s failed (%s: %s); retrying in %.1f s",
+                                         cause, type(exc).__name__, exc, delay)
+                self._last_error = None
                 await self._went_down(nc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff_max_s)
@@ -185,6 +356,7 @@ class BusConnection:
         self._lost.set()
 
     async def _on_error(self, exc: Exception) -> None:
+        self._last_error = exc
         log.debug("bus %s: client error %s: %s", self.url, type(exc).__name__, exc)
 
     async def aclose(self) -> None:

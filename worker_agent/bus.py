@@ -14,6 +14,12 @@ registration rides on every snapshot). A snapshot also goes out every
 publish (no ack in time, no stream) counts as an outage: the connection is dropped
 and re-made, the link snapshots on its return, and meanwhile the reporter pushes
 directly to its ``--router`` URLs, if it has any.
+
+With the agent token (``RADIXFLEET_AGENT_TOKEN``) every publication is signed and
+every snapshot request checked (``protocol.bus_wire.BusKey``): the routers drop an
+unsigned registration as the HTTP agent API refuses one without the token. The
+NATS server's own credentials and TLS: ``credentials`` (``--bus-user``,
+``--bus-creds-file``, ``--bus-tls-ca-file``, ...; ``service.bus_connection``).
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from service.bus_connection import BusConnection, BusMetrics
-from protocol.bus_wire import (ROLLUP_HEADER, BadMessage, Subjects, build_agent, build_load,
-                             parse_snapshot_request)
+from service.bus_connection import (BusConnection, BusCredentials, BusMetrics, Problems,
+                                    check_exposure)
+from protocol.bus_wire import (ROLLUP_HEADER, BadMessage, BusKey, Subjects, build_agent,
+                             build_load, parse_snapshot_request)
 from protocol.events import EventBatch, Load
 
 log = logging.getLogger("radixfleet.bus")
@@ -37,8 +44,14 @@ class AgentBus:
 
     def __init__(self, url: str, *, worker_id: str, subject_prefix: str = "radixfleet",
                  snapshot_interval_s: float = 30.0, registry: CollectorRegistry | None = None,
-                 publish_timeout_s: float = 2.0) -> None:
+                 publish_timeout_s: float = 2.0, token: str = "",
+                 credentials: BusCredentials = BusCredentials()) -> None:
+        """Raises ``ConfigError`` (naming the ``--bus-*`` flag) for a tokenless bus off
+        loopback or credentials that cannot be read."""
         from worker_agent.reporter import LinkState, RouterLink
+
+        check_exposure(url, token, "--bus")
+        self.key = BusKey(token)
 
         self._states = LinkState
         self.worker_id = worker_id
@@ -49,8 +62,10 @@ class AgentBus:
         self.snapshot_interval_s = snapshot_interval_s
         self.publish_timeout_s = publish_timeout_s
         self.metrics = BusMetrics(registry or CollectorRegistry())
+        self.bad = Problems(self.metrics.bad, "bus messages")
         self.conn = BusConnection(url, name=f"agent-{worker_id}", metrics=self.metrics,
-                                  on_up=self._on_up, on_down=self._on_down)
+                                  on_up=self._on_up, on_down=self._on_down,
+                                  options=credentials.connect_options(url, agent_flag))
         self.kick = None  # set by the reporter: send the next batch now
         self._last_snapshot = 0.0
 
@@ -82,9 +97,10 @@ class AgentBus:
 
     async def _on_request(self, msg) -> None:
         try:
+            self.key.verify(msg.subject, msg.data, msg.headers)
             wid = parse_snapshot_request(msg.data)
         except BadMessage as exc:
-            self.conn.report("bad_" + exc.cause, "ignored a snapshot request: %s", exc)
+            self.bad.report(exc.cause, "ignored a snapshot request: %s", exc)
             return
         if wid == self.worker_id and self.link.state is self._states.STREAMING:
             self.link.state = self._states.SNAPSHOT
@@ -107,10 +123,11 @@ class AgentBus:
         if js is None:
             return False
         snap = batch.events and batch.events[0].__class__.__name__ == "Snapshot"
+        data = build_agent(batch, models, block_bytes)
+        headers = {**(ROLLUP_HEADER if snap else {}), **self.key.sign(self.subject, data)}
         try:
-            await js.publish(self.subject, build_agent(batch, models, block_bytes),
-                             timeout=self.publish_timeout_s,
-                             headers=ROLLUP_HEADER if snap else None)
+            await js.publish(self.subject, data, timeout=self.publish_timeout_s,
+                             headers=headers or None)
         except Exception as exc:  # noqa: BLE001 - any failure: degrade, reconnect
             self.conn.lost("publish", "publishing to %s failed (%s: %s); pushing directly "
                            "until the bus is back", self.subject, type(exc).__name__, exc)
@@ -124,12 +141,18 @@ class AgentBus:
         nc = self.conn.nc
         if nc is None:
             return
+        subject, data = self.subjects.load(self.worker_id), build_load(batch)
         try:
-            await nc.publish(self.subjects.load(self.worker_id), build_load(batch))
+            await nc.publish(subject, data, headers=self.key.sign(subject, data) or None)
             self.metrics.published.labels("load").inc()
         except Exception as exc:  # noqa: BLE001
             self.conn.lost("publish", "publishing load failed (%s: %s)", type(exc).__name__,
                            exc)
+
+
+def agent_flag(name: str) -> str:
+    """The ``radixfleet agent`` flag of a ``BusCredentials`` field."""
+    return "--bus-" + name.replace("_", "-")
 
 
 def load_batch(worker_id: str, url: str, epoch: str, load: Load) -> EventBatch:

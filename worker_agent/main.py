@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -18,6 +19,8 @@ from aiohttp import web
 
 from service.auth import is_loopback
 from protocol.bus_wire import check_name, check_url
+from service.bus_connection import BusCredentials, check_exposure
+from worker_agent.bus import agent_flag
 from protocol.errors import ConfigError
 from service import http_errors
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
@@ -61,6 +64,26 @@ def _fraction(v: str) -> float:
     return f
 
 
+#: the NATS server's credentials and TLS (service.bus_connection.BusCredentials; the
+#: router's bus.auth / bus.tls); secrets only ever from an env var or a file
+_BUS_CREDENTIAL_FLAGS = {
+    "user": "NATS user (with --bus-password-env or --bus-password-file)",
+    "password_env": "env var holding the NATS user's password",
+    "password_file": "file holding the NATS user's password",
+    "token_env": "env var holding the NATS server's auth token",
+    "token_file": "file holding the NATS server's auth token",
+    "nkey_seed_file": "file holding an NKey seed (SU...)",
+    "creds_file": "NATS .creds file (user JWT and NKey seed)",
+    "tls_ca_file": "PEM CA bundle of the NATS server's certificate (tls:// --bus URL)",
+    "tls_cert_file": "PEM client certificate for mutual TLS (with --bus-tls-key-file)",
+    "tls_key_file": "PEM key of --bus-tls-cert-file",
+}
+
+
+def bus_credentials(args: argparse.Namespace) -> BusCredentials:
+    return BusCredentials(**{n: getattr(args, f"bus_{n}") for n in _BUS_CREDENTIAL_FLAGS})
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _presets_epilog()
@@ -86,6 +109,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="subject prefix (the routers' bus.subject_prefix)")
     parser.add_argument("--bus-snapshot-interval", type=float, default=30.0, metavar="S",
                         help="a full snapshot this often (bounds the stream's history)")
+    for name, help_ in _BUS_CREDENTIAL_FLAGS.items():
+        parser.add_argument(agent_flag(name), default="", metavar=name.rsplit("_", 1)[-1].upper(),
+                            help=help_)
     parser.add_argument("--worker-id", default=None, help="default: host:port")
     parser.add_argument("--advertise-url", default=None,
                         help="URL routers reach this agent at (default: http://HOST:PORT)")
@@ -146,9 +172,11 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
 
 async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
                 advertise_url: str, bus: str | None = None, bus_prefix: str = "radixfleet",
-                bus_snapshot_interval_s: float = 30.0) -> None:
+                bus_snapshot_interval_s: float = 30.0,
+                bus_credentials: BusCredentials | None = None) -> None:
     app = create_app(cfg, routers=routers, advertise_url=advertise_url, bus=bus,
-                     bus_prefix=bus_prefix, bus_snapshot_interval_s=bus_snapshot_interval_s)
+                     bus_prefix=bus_prefix, bus_snapshot_interval_s=bus_snapshot_interval_s,
+                     bus_credentials=bus_credentials)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     server = None
@@ -189,6 +217,12 @@ def run(args: argparse.Namespace) -> int:
         check_name(args.bus_prefix, "--bus-prefix")
         if not args.bus_snapshot_interval > 0:
             raise ConfigError("--bus-snapshot-interval", "expected a number > 0")
+        # a tokenless bus off loopback, a missing secret, a CA that does not load:
+        # one line and exit 2 now, not a traceback from the running agent
+        check_exposure(args.bus, os.environ.get("RADIXFLEET_AGENT_TOKEN", ""), "--bus")
+        bus_credentials(args).connect_options(args.bus, agent_flag)
+    elif any(getattr(args, f"bus_{n}") for n in _BUS_CREDENTIAL_FLAGS):
+        raise ConfigError("--bus", "the --bus-* credential flags need --bus NATS_URL")
     advertise = args.advertise_url or f"http://{args.host}:{args.port}"
     try:
         import uvloop
@@ -197,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     try:
         asyncio.run(serve(cfg, args.host, args.port, args.router, advertise, args.bus,
-                          args.bus_prefix, args.bus_snapshot_interval))
+                          args.bus_prefix, args.bus_snapshot_interval, bus_credentials(args)))
     except OSError as exc:
         print(f"radixfleet agent: error: cannot listen on {args.host}:{args.port}: {exc}",
               file=sys.stderr)

@@ -555,9 +555,11 @@ async def _metrics(request: web.Request) -> web.Response:
 def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
                advertise_url: str | None = None, bus: str | None = None,
                bus_prefix: str = "radixfleet",
-               bus_snapshot_interval_s: float = 30.0) -> web.Application:
+               bus_snapshot_interval_s: float = 30.0,
+               bus_credentials=None) -> web.Application:
     """The agent's aiohttp app; the engine (and reporter, given routers or a bus URL)
-    live in its cleanup context, so they start and stop with the app."""
+    live in its cleanup context, so they start and stop with the app.
+    ``bus_credentials``: the NATS server's (``service.bus_connection.BusCredentials``)."""
     agent = Agent(cfg, record_events=bool(routers) or bool(bus))
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[AGENT_KEY] = agent
@@ -578,7 +580,10 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
                 from worker_agent.bus import AgentBus
                 agent_bus = AgentBus(bus, worker_id=wid, subject_prefix=bus_prefix,
                                      snapshot_interval_s=bus_snapshot_interval_s,
-                                     registry=registry)
+                                     registry=registry,
+                                     token=os.environ.get("RADIXFLEET_AGENT_TOKEN", ""),
+                                     **({"credentials": bus_credentials}
+                                        if bus_credentials is not None else {}))
             reporter = Reporter(routers or [], worker_id=wid,
                                 url=advertise_url or "", models=[cfg.name], cache=agent.cache,
                                 load=agent.sched.load, token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),

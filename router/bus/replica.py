@@ -40,11 +40,11 @@ import time
 from nats.js import api
 from prometheus_client import CollectorRegistry
 
-from service.bus_connection import BusConnection, BusMetrics, BusState, Problems
+from service.bus_connection import BusConnection, BusMetrics, BusState, Problems, check_exposure
 from router.bus.remote_load import RemoteInFlight
-from protocol.bus_wire import (BadMessage, RouterMessage, Subjects, build_snapshot_request,
-                             parse_agent, parse_load, parse_router)
-from router.config import BusConfig, ConfigError, parse_worker_url
+from protocol.bus_wire import (BadMessage, BusKey, RouterMessage, Subjects,
+                             build_snapshot_request, parse_agent, parse_load, parse_router)
+from router.config import BusConfig, ConfigError, bus_setting, parse_worker_url
 from protocol.events import STATUS_OK
 from router.feedback import Feedback
 from router.pool import HealthState, Pool
@@ -60,7 +60,10 @@ def default_replica_id() -> str:
 class BusReplica:
     def __init__(self, cfg: BusConfig, *, pool: Pool, index, feedback: Feedback,
                  block_bytes: int, registry: CollectorRegistry,
-                 clock=time.monotonic, policy=lambda: None) -> None:
+                 clock=time.monotonic, policy=lambda: None, agent_token: bytes = b"") -> None:
+        # the agent credential signs and checks every message (protocol.bus_wire.BusKey)
+        check_exposure(cfg.url, agent_token, "bus.url")
+        self.key = BusKey(agent_token, cfg.max_skew_s)
         self.cfg = cfg
         self.pool = pool
         self.index = index
@@ -80,7 +83,8 @@ class BusReplica:
         self.conn = BusConnection(
             cfg.url, name=f"router-{self.replica}", metrics=self.metrics, on_up=self._on_up,
             on_down=self._on_down, connect_timeout_s=cfg.connect_timeout_s,
-            backoff_s=cfg.backoff_s, backoff_max_s=cfg.backoff_max_s)
+            backoff_s=cfg.backoff_s, backoff_max_s=cfg.backoff_max_s,
+            options=cfg.credentials().connect_options(cfg.url, bus_setting))
         #: stream sequence applied last, and the stream's identity (its creation time)
         self.applied_seq = 0
         self._stream_created = None
@@ -124,8 +128,10 @@ class BusReplica:
         if self.conn.up and nc is not None:
             try:
                 self._seq += 1
-                await nc.publish(self.subjects.router(self.replica), RouterMessage(
-                    self.replica, self._seq, self.block_bytes, True, {}, [], bye=True).to_bytes())
+                subject = self.subjects.router(self.replica)
+                data = RouterMessage(self.replica, self._seq, self.block_bytes, True, {}, [],
+                                     bye=True).to_bytes()
+                await nc.publish(subject, data, headers=self.key.sign(subject, data) or None)
                 await asyncio.wait_for(nc.flush(), 1.0)
             except Exception:  # noqa: BLE001 - leaving; the others expire us anyway
                 pass
@@ -212,9 +218,11 @@ class BusReplica:
         now = self.clock()
         try:
             seq = msg.metadata.sequence.stream
+            stored = msg.metadata.timestamp.timestamp()
         except Exception:  # noqa: BLE001 - not a JetStream delivery
-            seq = None
+            seq = stored = None
         try:
+            self.key.verify(msg.subject, msg.data, msg.headers, stored)
             token = msg.subject.rsplit(".", 1)[-1]
             self._apply_agent(parse_agent(msg.data, token), now)
         except BadMessage as exc:
@@ -232,6 +240,7 @@ class BusReplica:
 
     async def _on_load(self, msg) -> None:
         try:
+            self.key.verify(msg.subject, msg.data, msg.headers)
             b = parse_load(msg.data, msg.subject.rsplit(".", 1)[-1])
         except BadMessage as exc:
             self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
@@ -283,7 +292,7 @@ class BusReplica:
         if nc is None:
             return
         try:
-            await nc.publish(subject, data)
+            await nc.publish(subject, data, headers=self.key.sign(subject, data) or None)
             self.metrics.published.labels(kind).inc()
         except Exception as exc:  # noqa: BLE001 - the bus is best effort for routers
             self.conn.lost("publish", "publish failed (%s: %s)", type(exc).__name__, exc)
@@ -366,6 +375,7 @@ class BusReplica:
 
     async def _on_router(self, msg) -> None:
         try:
+            self.key.verify(msg.subject, msg.data, msg.headers)
             m = parse_router(msg.data)
         except BadMessage as exc:
             self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
