@@ -131,6 +131,14 @@ class Router:
         return app
 
     async def _lifecycle(self, app: web.Application):
+        if self.cfg.bus.enabled() and self.bus is None:
+            # first: a bus secret that cannot be read refuses the start (ConfigError)
+            # before anything else is opened
+            self.bus = BusReplica(self.cfg.bus, pool=self.pool, index=self.index,
+                                  feedback=self.feedback, block_bytes=self.cfg.keys.block_bytes,
+                                  registry=self.metrics.registry,
+                                  policy=lambda: self.policy,
+                                  agent_token=self.agent_auth.token)
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
             connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",))
@@ -138,12 +146,6 @@ class Router:
         dp.session = self.session
         dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
-        if self.cfg.bus.enabled() and self.bus is None:
-            self.bus = BusReplica(self.cfg.bus, pool=self.pool, index=self.index,
-                                  feedback=self.feedback, block_bytes=self.cfg.keys.block_bytes,
-                                  registry=self.metrics.registry,
-                                  policy=lambda: self.policy,
-                                  agent_token=self.agent_auth.token)
         try:
             await self.pool.start(self.session)
             await self.engines.start(self.session)

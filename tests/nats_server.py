@@ -8,6 +8,10 @@ neither works the test fails loudly: the bus is never tested against a fake.
 ``NatsServer(port)`` starts it in its own process group with a fresh store folder,
 waits (bounded) until the port accepts, and ``stop()`` / ``kill()`` end it; a killed
 server can be started again on the same port (``start()``), as a restarted pod would.
+``NatsServer(port, config=TEXT)`` adds a nats-server configuration file (an
+``authorization`` block, ``tls``...); ``url`` is then ``tls://`` when it has ``tls``.
+``make_certs(folder)`` writes a CA, a server certificate for 127.0.0.1 and a client
+certificate (PEM, generated at test time with ``cryptography``) for the TLS tests.
 """
 
 from __future__ import annotations
@@ -52,18 +56,24 @@ def nats_server_binary() -> str:
 class NatsServer:
     """One nats-server process with JetStream, listening on 127.0.0.1:``port``."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, config: str | None = None) -> None:
         self.port = port
-        self.url = f"nats://127.0.0.1:{port}"
+        tls = config is not None and "tls" in config
+        self.url = f"{'tls' if tls else 'nats'}://127.0.0.1:{port}"
         self.binary = nats_server_binary()
         self.store = tempfile.mkdtemp(prefix="radixfleet-nats-")
+        self.config = config
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0) -> "NatsServer":
-        self.proc = subprocess.Popen(
-            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store,
-             "--http_port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        argv = [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store,
+                "--http_port", "0"]
+        if self.config is not None:
+            path = Path(self.store) / "server.conf"
+            path.write_text(self.config)
+            argv += ["-c", str(path)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -94,3 +104,63 @@ class NatsServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def make_certs(folder: Path) -> dict[str, str]:
+    """A CA and, signed by it, a server certificate for 127.0.0.1 and a client
+    certificate, as PEM files in ``folder``: {ca, server_cert, server_key, client_cert,
+    client_key, other_ca} (``other_ca``: a CA that signed neither)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    import ipaddress
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out: dict[str, str] = {}
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(label: str, data: bytes) -> None:
+        path = folder / f"{label}.pem"
+        path.write_bytes(data)
+        out[label] = str(path)
+
+    def key_pem(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM,
+                                 serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    def ca(label: str):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(label)).issuer_name(name(label))
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+        write(label, cert.public_bytes(serialization.Encoding.PEM))
+        return key, cert
+
+    ca_key, ca_cert = ca("ca")
+    ca("other_ca")
+    for label, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH),
+                         ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = (x509.CertificateBuilder().subject_name(name(f"radixfleet-test-{label}"))
+             .issuer_name(ca_cert.subject).public_key(key.public_key())
+             .serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if label == "server":
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+                critical=False)
+        cert = b.sign(ca_key, hashes.SHA256())
+        write(f"{label}_cert", cert.public_bytes(serialization.Encoding.PEM))
+        write(f"{label}_key", key_pem(key))
+    return out
