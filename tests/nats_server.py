@@ -9,7 +9,8 @@ neither works the test fails loudly: the bus is never tested against a fake.
 waits (bounded) until the port accepts, and ``stop()`` / ``kill()`` end it; a killed
 server can be started again on the same port (``start()``), as a restarted pod would.
 ``NatsServer(port, config=TEXT)`` adds a nats-server configuration file (an
-``authorization`` block, ``tls``...); ``url`` is then ``tls://`` when it has ``tls``.
+``authorization`` block, ``tls``, its own ``jetstream`` block...); ``url`` is then
+``tls://`` when it has ``tls``; the address and port flags still win.
 ``make_certs(folder)`` writes a CA, a server certificate for 127.0.0.1 and a client
 certificate (PEM, generated at test time with ``cryptography``) for the TLS tests.
 """
@@ -66,8 +67,9 @@ class NatsServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0) -> "NatsServer":
-        argv = [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store,
-                "--http_port", "0"]
+        argv = [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "--http_port", "0"]
+        if self.config is None or "jetstream" not in self.config:
+            argv += ["-js", "-sd", self.store]  # else the file's jetstream block says where
         if self.config is not None:
             path = Path(self.store) / "server.conf"
             path.write_text(self.config)
