@@ -36,6 +36,7 @@ import enum
 import logging
 import os
 import ssl
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
@@ -209,23 +210,33 @@ class BusMetrics:
 
 
 class Problems:
-    """Counts problems per cause; logs each cause once until ``ok()``."""
+    """Counts problems per cause; logs a cause (its word in brackets) when it first
+    occurs, then at most once per ``every_s`` while it recurs, saying how many were
+    not logged, until ``ok()``: a flood of bad messages is one line a minute."""
 
-    __slots__ = ("counter", "_logged", "what")
+    __slots__ = ("counter", "_logged", "what", "every_s", "clock")
 
-    def __init__(self, counter: Counter, what: str) -> None:
+    def __init__(self, counter: Counter, what: str, every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.counter = counter
         self.what = what
-        self._logged: set[str] = set()
+        self.every_s = every_s
+        self.clock = clock
+        #: cause -> [when it was last logged, reports not logged since]
+        self._logged: dict[str, list] = {}
 
     def report(self, cause: str, message: str, *args: object,
                level: int = logging.WARNING) -> None:
         self.counter.labels(cause).inc()
-        if cause in self._logged:
-            log.debug("%s: " + message, self.what, *args)
+        now = self.clock()
+        seen = self._logged.get(cause)
+        if seen is not None and now - seen[0] < self.every_s:
+            seen[1] += 1
+            log.debug("%s: " + message + " [%s]", self.what, *args, cause)
             return
-        self._logged.add(cause)
-        log.log(level, "%s: " + message, self.what, *args)
+        more = f" ({seen[1]} more since the last line)" if seen is not None and seen[1] else ""
+        self._logged[cause] = [now, 0]
+        log.log(level, "%s: " + message + " [%s]%s", self.what, *args, cause, more)
 
     def ok(self) -> None:
         if self._logged:

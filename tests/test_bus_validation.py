@@ -26,7 +26,7 @@ from router.app import Router
 from router.bus.replica import BusReplica
 from router.config import parse_config
 from router.pool import Source
-from service.bus_connection import BusCredentials, check_exposure
+from service.bus_connection import BusCredentials, Problems, check_exposure
 
 TOKEN = b"agent-secret"
 
@@ -262,3 +262,40 @@ def test_bus_credentials_check_statically_and_read_secrets_at_start(tmp_path, mo
     bad_ca.write_text("not a certificate")
     with pytest.raises(ConfigError, match="bus.auth.tls_ca_file: cannot load the CA"):
         BusCredentials(tls_ca_file=str(bad_ca)).connect_options("tls://h:1", where)
+
+
+def test_an_agent_checks_the_snapshot_requests_it_obeys():
+    from worker_agent.bus import AgentBus
+    from worker_agent.reporter import LinkState
+
+    bus = AgentBus("nats://127.0.0.1:4222", worker_id="w1", token=TOKEN.decode())
+    bus.link.state = LinkState.STREAMING
+    subject = bus.subjects.snapshot_request("w1")
+    data = json.dumps({"v": 1, "kind": "snapshot_request", "worker_id": "w1",
+                       "replica": "r1"}).encode()
+    for headers in (None, BusKey(b"guess").sign(subject, data)):
+        asyncio.run(bus._on_request(msg(subject, data, headers)))
+        assert bus.link.state is LinkState.STREAMING  # a stranger cannot make it resend
+    assert bus.metrics.bad.labels("unsigned")._value.get() == 1
+    assert bus.metrics.bad.labels("bad_signature")._value.get() == 1
+    asyncio.run(bus._on_request(msg(subject, data, BusKey(TOKEN).sign(subject, data))))
+    assert bus.link.state is LinkState.SNAPSHOT
+
+
+def test_problems_log_a_cause_once_then_once_a_minute_with_the_count(caplog):
+    from prometheus_client import CollectorRegistry, Counter
+
+    now = [0.0]
+    c = Counter("t_bad", "t", ["cause"], registry=CollectorRegistry())
+    p = Problems(c, "bus messages", every_s=60.0, clock=lambda: now[0])
+    with caplog.at_level("DEBUG", logger="radixfleet.bus"):
+        for t in range(0, 130, 2):  # a bad message every 2 s for 130 s
+            now[0] = float(t)
+            p.report("unsigned", "ignored a message on %s", "s")
+        p.report("stale", "ignored a message on %s", "s")
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert lines == ["bus messages: ignored a message on s [unsigned]",
+                     "bus messages: ignored a message on s [unsigned] (29 more since the last line)",
+                     "bus messages: ignored a message on s [unsigned] (29 more since the last line)",
+                     "bus messages: ignored a message on s [stale]"]
+    assert c.labels("unsigned")._value.get() == 65
