@@ -17,6 +17,8 @@ certificate (PEM, generated at test time with ``cryptography``) for the TLS test
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import shutil
 import signal
@@ -112,13 +114,10 @@ def make_certs(folder: Path) -> dict[str, str]:
     """A CA and, signed by it, a server certificate for 127.0.0.1 and a client
     certificate, as PEM files in ``folder``: {ca, server_cert, server_key, client_cert,
     client_key, other_ca} (``other_ca``: a CA that signed neither)."""
-    import datetime
-
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    import ipaddress
 
     now = datetime.datetime.now(datetime.timezone.utc)
     out: dict[str, str] = {}
