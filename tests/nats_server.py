@@ -13,12 +13,18 @@ server can be started again on the same port (``start()``), as a restarted pod w
 ``tls://`` when it has ``tls``; the address and port flags still win.
 ``make_certs(folder)`` writes a CA, a server certificate for 127.0.0.1 and a client
 certificate (PEM, generated at test time with ``cryptography``) for the TLS tests.
+``operator_mode(folder)`` makes a decentralized-auth setup as ``nsc`` would (an
+operator, a system account and an account with JetStream, as signed JWTs): the
+server configuration and a user's ``.creds`` file.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
+import hashlib
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -165,3 +171,48 @@ def make_certs(folder: Path) -> dict[str, str]:
         write(f"{label}_cert", cert.public_bytes(serialization.Encoding.PEM))
         write(f"{label}_key", key_pem(key))
     return out
+
+
+def operator_mode(folder: Path) -> tuple[str, str]:
+    """(server configuration, path of a user's .creds file) for NATS's JWT
+    authentication: an operator, a system account and a JetStream-enabled account,
+    each claim signed by its issuer's NKey (nats-io/jwt v2 format), as ``nsc`` makes
+    them, kept in the server's memory resolver."""
+    import nkeys
+
+    def b64(b: bytes) -> str:
+        return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+    def keypair(prefix: int):
+        seed = nkeys.encode_seed(os.urandom(32), prefix)
+        kp = nkeys.from_seed(bytearray(seed))
+        return seed.decode(), kp, kp.public_key.decode()
+
+    def jwt(issuer, subject: str, name: str, nats: dict) -> str:
+        claims = {"iat": int(time.time()), "iss": issuer.public_key.decode(), "name": name,
+                  "sub": subject, "nats": {**nats, "version": 2}}
+        claims["jti"] = base64.b32encode(hashlib.sha256(
+            json.dumps(claims, sort_keys=True).encode()).digest()).decode().rstrip("=")
+        signed = (b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode()) + "."
+                  + b64(json.dumps(claims).encode()))
+        return f"{signed}.{b64(issuer.sign(signed.encode()))}"
+
+    limits = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+              "wildcards": True, "conn": -1, "leaf": -1}
+    _, op, op_pub = keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    _, acc, acc_pub = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, _, sys_pub = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    user_seed, _, user_pub = keypair(nkeys.PREFIX_BYTE_USER)
+    js = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+    acc_jwt = jwt(op, acc_pub, "radixfleet", {"type": "account", "limits": {**limits, **js}})
+    sys_jwt = jwt(op, sys_pub, "SYS", {"type": "account", "limits": limits})
+    user_jwt = jwt(acc, user_pub, "fleet", {"type": "user", "pub": {}, "sub": {},
+                                             "subs": -1, "data": -1, "payload": -1})
+    creds = folder / "fleet.creds"
+    creds.write_text(f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------"
+                     f"\n\n-----BEGIN USER NKEY SEED-----\n{user_seed}\n"
+                     "------END USER NKEY SEED------\n")
+    conf = (f"operator: {jwt(op, op_pub, 'op', {'type': 'operator'})}\n"
+            f"system_account: {sys_pub}\nresolver: MEMORY\n"
+            f"resolver_preload: {{\n  {acc_pub}: {acc_jwt}\n  {sys_pub}: {sys_jwt}\n}}\n")
+    return conf, str(creds)

@@ -24,7 +24,7 @@ import pytest
 from protocol.bus_wire import Subjects
 from router.app import Router, RouterServer
 from router.config import parse_config
-from tests.nats_server import NatsServer, make_certs
+from tests.nats_server import NatsServer, make_certs, operator_mode
 from tests.procs import Proc, free_port, radixfleet_argv
 from tests.test_bus import bounded, chat, metric, wait_for
 
@@ -105,6 +105,25 @@ async def test_router_and_agent_authenticate_sign_and_keep_out_who_lacks_the_tok
             assert metric(a, "radixfleet_bus_bad_messages_total", cause="bad_signature") == 0
         finally:
             await nc.close()
+            p.__exit__(None, None, None)
+            await sa.aclose()
+
+
+@bounded()
+async def test_creds_files_in_operator_mode(tmp_path, monkeypatch):
+    """NATS's JWT authentication (what nsc sets up): router and agent with a .creds
+    file, the stream created in a JetStream-enabled account, signed batches applied."""
+    conf, creds = operator_mode(tmp_path)
+    monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", AGENT_TOKEN)
+    with NatsServer(free_port(), config=conf) as ns:
+        a = bus_router(ns.url, auth={"creds_file": creds})
+        sa, _ = await start(a)
+        p = agent_proc(ns.url, "--bus-creds-file", creds).__enter__()
+        try:
+            await wait_for(lambda: a.bus.conn.up and a.bus.caught_up, 10, "router with creds")
+            await wait_for(lambda: a.pool.get("ag0") is not None
+                           and a.pool.get("ag0").epoch is not None, 20, "agent with creds")
+        finally:
             p.__exit__(None, None, None)
             await sa.aclose()
 
