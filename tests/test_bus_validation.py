@@ -299,3 +299,23 @@ def test_problems_log_a_cause_once_then_once_a_minute_with_the_count(caplog):
                      "bus messages: ignored a message on s [unsigned] (29 more since the last line)",
                      "bus messages: ignored a message on s [stale]"]
     assert c.labels("unsigned")._value.get() == 65
+
+
+@pytest.mark.parametrize("bus, where", [
+    ({"url": "nats://router:hunter2@10.0.0.1:4222"}, "bus.url"),
+    ({"url": "nats://h:1", "auth": {"user": "u"}}, "bus.auth.password_env"),
+    ({"url": "nats://h:1", "auth": {"password_env": "P"}}, "bus.auth.user"),
+    ({"url": "nats://h:1", "auth": {"token_env": "T", "nkey_seed_file": "/etc/hostname"}},
+     "bus.auth.nkey_seed_file"),
+    ({"url": "nats://h:1", "auth": {"token_env": "T", "token_file": "/etc/hostname"}},
+     "bus.auth.token_file"),
+    ({"url": "nats://h:1", "tls": {"ca_file": "/etc/hostname"}}, "bus.tls.ca_file"),
+    ({"url": "tls://h:1", "tls": {"cert_file": "/etc/hostname"}}, "bus.tls.key_file"),
+    ({"url": "tls://h:1", "auth": {"creds_file": "/no/such.creds"}}, "bus.auth.creds_file"),
+    ({"url": "nats://h:1", "max_skew_s": 0}, "bus.max_skew_s"),
+])
+def test_config_bus_auth_and_tls_are_checked_with_paths(bus, where):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"bus": bus})
+    assert str(e.value).startswith(where + ":"), str(e.value)
+    assert "hunter2" not in str(e.value)

@@ -4,6 +4,13 @@
                      [--host 127.0.0.1] --port P [--router URL ...] [--worker-id ID]
                      [--block-bytes N] [--admission MODE] [--seed S]
                      [--page-size N] [--disable-radix-cache]
+                     [--bus nats://HOST:4222|tls://HOST:4222 [--bus-prefix P]
+                      [--bus-user U --bus-password-env VAR | --bus-token-file F |
+                       --bus-nkey-seed-file F | --bus-creds-file F]
+                      [--bus-tls-ca-file F] [--bus-tls-cert-file F --bus-tls-key-file F]]
+
+With ``--bus``, every publication is signed with ``RADIXFLEET_AGENT_TOKEN`` (required
+unless the NATS server is on loopback); a missing secret or file is one line, exit 2.
 """
 
 from __future__ import annotations
