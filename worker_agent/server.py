@@ -578,12 +578,13 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
             agent_bus = None
             if bus:
                 from worker_agent.bus import AgentBus
+                from service.bus_connection import BusCredentials
+
                 agent_bus = AgentBus(bus, worker_id=wid, subject_prefix=bus_prefix,
                                      snapshot_interval_s=bus_snapshot_interval_s,
                                      registry=registry,
                                      token=os.environ.get("RADIXFLEET_AGENT_TOKEN", ""),
-                                     **({"credentials": bus_credentials}
-                                        if bus_credentials is not None else {}))
+                                     credentials=bus_credentials or BusCredentials())
             reporter = Reporter(routers or [], worker_id=wid,
                                 url=advertise_url or "", models=[cfg.name], cache=agent.cache,
                                 load=agent.sched.load, token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
