@@ -284,10 +284,10 @@ class LimitsConfig:
                                  "head (408)", lo=0, lo_open=True)
     max_buffered_body_bytes: int = _opt(
         1 << 30, "request body bytes the router holds at once, all connections together "
-        "(received and not yet answered); a body past it is refused (503 + Retry-After)", lo=1)
+        "(received and not yet answered); a body past it is refused (429 + Retry-After)", lo=1)
     max_connections: int = _opt(
         8192, "client connections held open at once; past it the longest-idle one is "
-        "closed, or the new one refused (503) if none is idle. Also capped below the "
+        "closed, or the new one refused (429) if none is idle. Also capped below the "
         "process's open-file limit", lo=1)
 
 

@@ -25,9 +25,9 @@ at the end of each read. So ``fed`` never holds more than the current request's
 head (or chunked body) and one read.
 
 What a client may hold before its request is admitted is bounded here: body bytes
-by the shared ``router.intake.BodyBudget`` (503 past it), a head by ``MAX_HEAD``
+by the shared ``router.intake.BodyBudget`` (429 past it), a head by ``MAX_HEAD``
 (counting only that head's bytes, not its pipelined predecessors'), connections by
-``max_connections()`` (the longest-idle one closed to make room, else 503), and a
+``max_connections()`` (the longest-idle one closed to make room, else 429), and a
 request without valid credentials is refused from its headers (``authorize``),
 before its body is read.
 
@@ -54,6 +54,7 @@ log = logging.getLogger("radixfleet.front")
 
 _PHRASES = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_PIPELINE = 1 << 20  # bytes received while busy before reading pauses
+_LINGER_S = 2.0  # how long a connection closing after an answer drains its client
 
 
 class _Stop(Exception):
@@ -362,6 +363,29 @@ class _FrontConn(asyncio.Protocol):
             self.closed = True
             self.transport.close()
 
+    def linger(self) -> None:
+        """Closes once the client has had the answer: ends our side (FIN), discards
+        whatever it still sends (a refused body), closes at its EOF or after
+        ``_LINGER_S``. Closing with its bytes unread would reset the connection, and
+        the client could lose the answer before reading it."""
+        if self.closed:
+            return
+        self.parser = None
+        self.stop = ("served",)  # data_received discards from now on
+        t = self.transport
+        try:
+            if not t.can_write_eof():
+                self.close()
+                return
+            t.write_eof()
+        except (OSError, RuntimeError):
+            self.close()
+            return
+        if self.reading_paused:
+            self.reading_paused = False
+            t.resume_reading()
+        asyncio.get_running_loop().call_later(_LINGER_S, self.close)
+
     # ------------------------------------------------------- parser callbacks
 
     def on_message_begin(self) -> None:
@@ -539,7 +563,7 @@ class _FrontConn(asyncio.Protocol):
         self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (
                                  status, _PHRASES[status], len(body), body))
-        self.close()
+        self.linger()
 
     def _handover(self, data: bytes) -> None:
         """Gives this connection, from the current request on, to aiohttp."""
@@ -575,11 +599,14 @@ class _FrontConn(asyncio.Protocol):
             if ex.held:
                 self.server.budget.give(ex.held)
                 ex.held = 0
-        if ex.state in (0, 2) or not ex.keepalive:
+        if ex.state in (0, 2):
             # nothing sent or a stream cut short: the connection is in an unknown state
             if ex.state == 0 and not self.closed:
                 log.error("data-plane handler returned without a reply")
             self.close()
+            return
+        if not ex.keepalive:
+            self.linger()  # answered; a refused body may still be arriving
             return
         if self.server.closing:
             self.close()  # pipelined requests not yet served are the client's to retry
@@ -618,7 +645,7 @@ class _Handed(asyncio.Protocol):
         self.proto.connection_lost(exc)
 
 
-_FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+_FULL = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
          b"Retry-After: 1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s")
 
 
@@ -694,7 +721,7 @@ class FrontServer:
 
     def _admit(self, conn: _FrontConn) -> bool:
         """Makes room for a new connection at the cap: closes the longest-idle one
-        (no request in progress or queued), or refuses ``conn`` with a 503 if none
+        (no request in progress or queued), or refuses ``conn`` with a 429 if none
         is. O(connections), only at the cap."""
         cap = self.max_connections()
         if len(self._conns) + self._handed < cap:
@@ -711,10 +738,10 @@ class FrontServer:
         else:
             reason = "at_capacity"
             self._refusals.warning("client connections at the cap of %d, none idle: "
-                                   "refused a new one (503)", cap)
+                                   "refused a new one (429)", cap)
             body = json.dumps({"error": {
                 "message": f"the router holds {cap} client connections; retry shortly",
-                "type": "service_unavailable", "code": "too_many_connections",
+                "type": "rate_limit_error", "code": "too_many_connections",
                 "param": None}}).encode()
             conn.closed = True
             conn.parser = None

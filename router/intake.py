@@ -6,7 +6,7 @@ raw front, ``router.front``, and the aiohttp app it hands other requests to):
 
 - ``BodyBudget``: request body bytes held, all connections together, from the first
   byte received until the request is answered. A body that would take it past its
-  limit is refused (``BodyBudgetFull``: 503 + Retry-After) and its bytes dropped, so
+  limit is refused (``BodyBudgetFull``: 429 + Retry-After) and its bytes dropped, so
   the bodies held never exceed ``limits.max_buffered_body_bytes``.
 - ``raise_fd_limit`` / ``connection_cap``: the soft RLIMIT_NOFILE raised to the hard
   limit at start, and the client-connection cap kept below it (half the descriptors
@@ -37,8 +37,6 @@ except ImportError:  # pragma: no cover - not POSIX
 class BodyBudgetFull(Overloaded):
     """The router holds as many request body bytes as it may: try again shortly."""
 
-    status = 503
-    error_type = "service_unavailable"
     code = "body_budget_exhausted"
 
 

@@ -31,7 +31,7 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_bad_http_total{status}                 malformed HTTP answered 4xx
     radixfleet_connections_refused_total{reason}      client connections at limits.max_connections:
                                                       idle_closed (longest-idle one closed to make
-                                                      room) | at_capacity (the new one refused, 503)
+                                                      room) | at_capacity (the new one refused, 429)
     radixfleet_body_bytes_held                        request body bytes held (router.intake's
                                                       budget, limits.max_buffered_body_bytes)
     radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
