@@ -10,7 +10,8 @@ The data plane (one client request from admission to its last byte) lives in
 Endpoints::
 
     POST /v1/completions, /v1/chat/completions, /generate      data plane
-    GET  /v1/models            union of the routable workers' models
+    GET  /v1/models            union of the routable workers' models (authenticated as
+                               the data plane is: keys.tenant)
     GET  /health               the router process is up
     GET  /readiness            200 once at least one worker is healthy (and, with a bus,
                                the stream's history is applied), else 503

@@ -29,7 +29,8 @@ documents each key)::
     limits:   {max_body_bytes: 8388608, max_concurrency: 1024, max_queue: 4096,
                queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0,
                worker_queue_requests: 0.5, worker_queue_min_s: 0.05,
-               header_timeout_s: 10.0, body_timeout_s: 30.0}
+               header_timeout_s: 10.0, body_timeout_s: 30.0,
+               max_buffered_body_bytes: 1073741824, max_connections: 8192}
     warmup:   {enabled: true, min_interval_s: 10.0, timeout_s: 30.0}
     auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
     reload:   {watch: true, poll_interval_s: 1.0}

@@ -418,19 +418,25 @@ def test_idle_connections_past_the_fd_limit_do_not_lock_clients_out(upstream):
 
 
 def test_large_pipelined_requests_are_judged_by_their_own_head(upstream):
-    """Pipelined 100 KB requests in one write: no false 431 for the requests after
-    the first (only the current head's bytes count), and a burst of them is served
-    in full."""
+    """Pipelined 100 KB requests, read so that a whole request and the start of the
+    next head arrive together: no false 431 for the requests after the first (only
+    the current head's bytes count), and a burst of them is served in full."""
     one = _completion(100_000)
     with RouterProcess(_config(upstream, {})) as r:
         base_res = r.resources()
 
         async def burst(n: int) -> _Responses:
+            # every write but the last ends 50 bytes into the next request's head, so
+            # the router reads a whole request and the start of the next head at once
             reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
             try:
                 answers = asyncio.create_task(_read_responses(reader, n, 60.0))
-                writer.write(one * n)
-                await writer.drain()
+                stream = one * n
+                cuts = [0] + [i * len(one) + 50 for i in range(1, n)] + [len(stream)]
+                for a, b in zip(cuts, cuts[1:]):
+                    writer.write(stream[a:b])
+                    await writer.drain()
+                    await asyncio.sleep(0.002)
                 return await answers
             finally:
                 writer.close()
