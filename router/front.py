@@ -318,7 +318,7 @@ class _FrontConn(asyncio.Protocol):
         """Keeps only ``data`` (``fed`` joined) from offset ``cut``, a point between
         requests; ``cut == 0`` without ``data``: keeps nothing."""
         if data is None or cut >= len(data):
-            self.fed = []
+            self.fed.clear()  # (a hand-over copies what it takes: nothing else holds it)
             self.fed_len = 0
         else:
             self.fed = [memoryview(data)[cut:]]

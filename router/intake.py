@@ -141,17 +141,21 @@ async def read_body(request: web.Request, limit: int, timeout_s: float,
                               f"{limit} bytes")
     chunks: list[bytes] = []
     held = 0
+
+    async def read() -> None:
+        nonlocal held
+        async for chunk in request.content.iter_any():
+            n = len(chunk)
+            if held + n > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            if not budget.take(n):
+                raise budget.full()
+            held += n
+            chunks.append(chunk)
+
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.content.iter_any():
-                n = len(chunk)
-                if held + n > limit:
-                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-                if not budget.take(n):
-                    raise budget.full()
-                held += n
-                chunks.append(chunk)
-    except TimeoutError:
+        await asyncio.wait_for(read(), timeout_s)  # (asyncio.timeout: Python 3.11+)
+    except asyncio.TimeoutError:
         budget.give(held)
         raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
     except BaseException:
