@@ -149,7 +149,8 @@ def _metric(r: RouterProcess, name: str) -> float:
 
 
 def _finish(r: RouterProcess, base, *, rss_slack: int = 64 * MiB, fd_slack: int = 16) -> None:
-    assert _metric(r, "radixfleet_rejected_total") >= 0
+    """Nothing answered >= 500 (the router's own refusals and the workers' answers it
+    passed on), resources back near ``base``, no traceback in the log."""
     text = httpx.get(f"{r.base}/metrics", timeout=5).text
     assert not re.search(r'status="5\d\d"', text), "the router answered >= 500:\n" + "\n".join(
         line for line in text.splitlines() if 'status="5' in line)
@@ -158,7 +159,8 @@ def _finish(r: RouterProcess, base, *, rss_slack: int = 64 * MiB, fd_slack: int 
 
 
 class _Peak:
-    """Samples the router's RSS and fds in a thread-free loop task while a probe runs."""
+    """The router's peak RSS and open fds, sampled every 50 ms by a task on the probe's
+    event loop while the probe runs."""
 
     def __init__(self, r: RouterProcess) -> None:
         self.r = r
