@@ -10,7 +10,8 @@ The data plane (one client request from admission to its last byte) lives in
 Endpoints::
 
     POST /v1/completions, /v1/chat/completions, /generate      data plane
-    GET  /v1/models            union of the routable workers' models
+    GET  /v1/models            union of the routable workers' models (authenticated as
+                               the data plane is: keys.tenant)
     GET  /health               the router process is up
     GET  /readiness            200 once at least one worker is healthy (and, with a bus,
                                the stream's history is applied), else 503
@@ -44,7 +45,9 @@ import aiohttp
 from aiohttp import web
 
 from protocol import openapi
-from protocol.errors import ConfigError, MalformedRequest, NotFound, retry_after_header
+from protocol.errors import (
+    ConfigError, MalformedRequest, NotFound, PayloadTooLarge, RequestError, retry_after_header,
+)
 from protocol.prefix_keys import Endpoint
 from router import served
 from router.admin_api import AdminAPI
@@ -52,7 +55,10 @@ from router.agent_api import AgentAPI
 from router.autoscale import fleet_signal, params_from
 from router.bus.replica import BusReplica
 from router.config import MISSING, Config, with_overrides
-from router.dataplane import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, DataPlane
+from router import intake
+from router.dataplane import (
+    REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
+)
 from router.discovery import Discovery
 from router.engines.manager import Engines
 from router.feedback import Feedback
@@ -102,6 +108,8 @@ class Router:
         #: router.bus.replica.BusReplica while the app runs with ``bus.url`` set
         self.bus: BusReplica | None = None
         self._models_cache: tuple[float, dict] | None = None
+        #: request body bytes held, the raw front's and the app's together (router.intake)
+        self.body_budget = intake.BodyBudget(cfg.limits.max_buffered_body_bytes)
         self._mtime = self._file_mtime()
         self._reload_lock = asyncio.Lock()
         self.app = self._build_app()
@@ -111,9 +119,10 @@ class Router:
     def _build_app(self) -> web.Application:
         # Body size is enforced by the exchanges (a reload may change it).
         app = web.Application(client_max_size=2**62)
+        app[intake.BODY_BUDGET] = self.body_budget
         r = app.router
         for e in Endpoint:
-            r.add_post(e.value, self.dataplane.aiohttp_handler(e))
+            r.add_post(e.value, self._dataplane_route(e))
         r.add_get("/v1/models", self._models)
         r.add_get("/health", self._health)
         r.add_get("/readiness", self._readiness)
@@ -199,6 +208,32 @@ class Router:
         """A worker registered: ``/v1/models`` is recomputed at its next request."""
         self._models_cache = None
 
+    def _dataplane_route(self, endpoint: Endpoint):
+        """The aiohttp handler of a data-plane path (a connection the raw front handed
+        over, or an embedded app): credentials from the headers first, then the body
+        within its deadline and the body budget, and only then ``DataPlane.serve``
+        (which takes the admission slot), so a slow or unauthenticated body never
+        holds a slot."""
+        async def handler(request: web.Request) -> web.StreamResponse:
+            lim = self.cfg.limits
+            try:
+                self.tenants.tenant(request.headers)
+                raw = await intake.read_body(request, lim.max_body_bytes, lim.body_timeout_s,
+                                             self.body_budget)
+            except RequestError as exc:
+                self.metrics.rejected.labels(str(exc.status), exc.code).inc()
+                resp = error_response(exc)
+                resp.force_close()  # the rest of the body is never read
+                return resp
+            try:
+                ex = _ReadExchange(request, raw)
+                await self.dataplane.serve(ex, endpoint)
+                return ex.result
+            finally:
+                self.body_budget.give(len(raw))
+        handler.__name__ = f"proxy_{endpoint.name.lower()}"
+        return handler
+
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.router_spec())
 
@@ -233,10 +268,16 @@ class Router:
         self.metrics.refresh(self.pool, self.index, now, self.cfg.index.hot_k)
         self.engines.refresh(now)
         self.metrics.set_autoscale(self.scale_signal(now))
+        self.metrics.body_bytes_held.set(self.body_budget.held)
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self.tenants.tenant(request.headers)  # the data plane's authentication
+        except RequestError as exc:
+            self.metrics.rejected.labels(str(exc.status), exc.code).inc()
+            return error_response(exc)
         now = time.monotonic()
         cached = self._models_cache
         if cached is not None and now - cached[0] < 2.0:
@@ -333,6 +374,7 @@ class Router:
                 self.salts = tenants.salts
             self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
             self.index.max_bytes = new.index.max_bytes
+            self.body_budget.limit = new.limits.max_buffered_body_bytes
             self.dataplane.configure(new, policy, tenants)
             self.engines.configure(new)
             added, removed = self.pool.sync_config(new.workers)
@@ -340,6 +382,21 @@ class Router:
             log.info("config reloaded from %s: %s (added %s, removed %s)", path,
                      new.summary(), added, removed)
             return True, new.summary(), added, removed
+
+
+class _ReadExchange(AiohttpExchange):
+    """An ``AiohttpExchange`` whose body was read already (``Router._dataplane_route``)."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, request: web.Request, raw: bytes) -> None:
+        super().__init__(request)
+        self._raw = raw
+
+    async def body(self, limit: int) -> bytes:
+        if len(self._raw) > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        return self._raw
 
 
 class RouterServer:
@@ -370,13 +427,24 @@ class RouterServer:
         routes = {e.value.encode(): self._route(e) for e in Endpoint}
         lim = lambda: r.cfg.limits  # noqa: E731 - read at use: a reload may change them
         bad = r.metrics.bad_http
+        fd_limit = intake.raise_fd_limit()
+        cap = intake.connection_cap(r.cfg.limits.max_connections, fd_limit)
+        if cap < r.cfg.limits.max_connections:
+            log.warning("limits.max_connections=%d is more than the open-file limit (%d) "
+                        "allows: client connections capped at %d", r.cfg.limits.max_connections,
+                        fd_limit, cap)
+        refused = r.metrics.connections_refused
         fallback = http_errors.factory(
             self._runner, access_log=None, on_bad_http=lambda st: bad.labels(str(st)).inc(),
             # an idle handed-over connection (or one trickling its next head) is closed
             keepalive_timeout=r.cfg.limits.header_timeout_s)
-        self._front = FrontServer(routes, fallback, lambda: lim().max_body_bytes,
-                                  head_timeout_s=lambda: lim().header_timeout_s,
-                                  body_timeout_s=lambda: lim().body_timeout_s)
+        self._front = FrontServer(
+            routes, fallback, lambda: lim().max_body_bytes,
+            head_timeout_s=lambda: lim().header_timeout_s,
+            body_timeout_s=lambda: lim().body_timeout_s, budget=r.body_budget,
+            authorize=lambda headers: r.tenants.tenant(headers),
+            max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
+            on_refused=lambda reason: refused.labels(reason).inc())
         # Routable as soon as it listens: the first health round (bounded by one
         # check's timeout) runs before the socket opens.
         await r.pool.first_round(r.cfg.health.timeout_s + 0.5)

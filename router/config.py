@@ -29,7 +29,8 @@ documents each key)::
     limits:   {max_body_bytes: 8388608, max_concurrency: 1024, max_queue: 4096,
                queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0,
                worker_queue_requests: 0.5, worker_queue_min_s: 0.05,
-               header_timeout_s: 10.0, body_timeout_s: 30.0}
+               header_timeout_s: 10.0, body_timeout_s: 30.0,
+               max_buffered_body_bytes: 1073741824, max_connections: 8192}
     warmup:   {enabled: true, min_interval_s: 10.0, timeout_s: 30.0}
     auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
     reload:   {watch: true, poll_interval_s: 1.0}
@@ -287,6 +288,13 @@ class LimitsConfig:
                                    lo=0, lo_open=True)
     body_timeout_s: float = _opt(30.0, "a request body must arrive within this after its "
                                  "head (408)", lo=0, lo_open=True)
+    max_buffered_body_bytes: int = _opt(
+        1 << 30, "request body bytes the router holds at once, all connections together "
+        "(received and not yet answered); a body past it is refused (429 + Retry-After)", lo=1)
+    max_connections: int = _opt(
+        8192, "client connections held open at once; past it the longest-idle one is "
+        "closed, or the new one refused (429) if none is idle. Also capped below the "
+        "process's open-file limit", lo=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,19 @@ the backlog is large. A hand-over must give aiohttp the raw bytes of the handed
 request onwards, and httptools reports no byte offsets, so the connection keeps
 the chunks received since the last point at which the parser stood between
 requests (``fed``, ``fed_done``); finding a boundary inside them (pipelining
-only) re-parses them with a throw-away parser (``_message_end``).
+only) re-parses them with a throw-away parser (``_message_end``). ``fed`` is
+trimmed at every request that completes: once a data-plane request's head is in and
+its body is Content-Length framed, its bytes are dropped and the next request starts
+exactly where that body ends; otherwise the completed requests' bytes are cut off
+at the end of each read. So ``fed`` never holds more than the current request's
+head (or chunked body) and one read.
+
+What a client may hold before its request is admitted is bounded here: body bytes
+by the shared ``router.intake.BodyBudget`` (429 past it), a head by ``MAX_HEAD``
+(counting only that head's bytes, not its pipelined predecessors'), connections by
+``max_connections()`` (the longest-idle one closed to make room, else 429), and a
+request without valid credentials is refused from its headers (``authorize``),
+before its body is read.
 
 Why httptools and not aiohttp's server: ``router.upstream``'s docstring.
 """
@@ -34,13 +46,15 @@ import time as _time
 
 import httptools
 
-from protocol.errors import PayloadTooLarge
+from protocol.errors import PayloadTooLarge, RequestError
+from router.intake import BodyBudget, Throttled
 from router.upstream import MAX_HEAD
 
 log = logging.getLogger("radixfleet.front")
 
 _PHRASES = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_PIPELINE = 1 << 20  # bytes received while busy before reading pauses
+_LINGER_S = 2.0  # how long a connection closing after an answer drains its client
 
 
 class _Stop(Exception):
@@ -85,7 +99,8 @@ class _PendingRequest:
     """A request being parsed (head, then body), or parsed and waiting its turn."""
 
     __slots__ = ("url", "headers", "in_head", "head_size", "head_raw", "handler", "keepalive",
-                 "http10", "body", "size", "limit", "too_large", "expect_continue", "since")
+                 "http10", "body", "size", "limit", "too_large", "expect_continue", "since",
+                 "clen", "in_fed", "refusal", "held")
 
     def __init__(self) -> None:
         #: monotonic time its first byte arrived, then the time its head was complete:
@@ -104,13 +119,19 @@ class _PendingRequest:
         self.limit = 0  # the body limit when the head arrived
         self.too_large = False  # the body exceeds the limit: parsing stopped
         self.expect_continue = False  # a 100 Continue is owed once it is this one's turn
+        self.clen = -1  # its Content-Length, -1 if none (chunked, or no body)
+        #: its bytes are in the connection's ``fed`` (False once a Content-Length framed
+        #: data-plane body is being read: its end is known, its bytes are not kept)
+        self.in_fed = True
+        self.refusal: RequestError | None = None  # answered instead of served
+        self.held = 0  # bytes of the server's BodyBudget this request holds
 
 
 class FrontExchange:
     """One data-plane request on a raw front connection (see ``Router.serve``)."""
 
     __slots__ = ("conn", "headers", "_body", "keepalive", "http10", "state", "too_large",
-                 "result")
+                 "result", "refusal", "held")
 
     def __init__(self, conn: "_FrontConn", req: _PendingRequest) -> None:
         self.conn = conn
@@ -120,10 +141,17 @@ class FrontExchange:
         self.keepalive = req.keepalive
         self.http10 = req.http10
         self.state = 0  # 0 nothing sent, 1 replied, 2 streaming, 3 stream ended
+        b.clear()  # the body is ``_body`` now (a join copied the chunks)
         self.too_large = req.too_large
+        self.refusal = req.refusal
+        self.held = req.held  # given back to the budget when the exchange ends
+        req.held = 0
         self.result = None
 
     async def body(self, limit: int) -> bytes:
+        if self.refusal is not None:
+            self.keepalive = False  # the rest of the body is never read
+            raise self.refusal
         if self.too_large or len(self._body) > limit:
             self.keepalive = False  # the rest of the body is never read
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
@@ -187,11 +215,12 @@ class _FrontConn(asyncio.Protocol):
 
     Invariants: ``queue`` is non-empty only while ``task`` runs (an idle connection
     starts a complete request at once); once ``parser`` is None no byte is parsed
-    again and ``stop`` says what happens when idle; ``fed`` starts between requests
-    and ``fed_done`` requests end within it."""
+    again and ``stop`` says what happens when idle; ``fed`` starts between requests,
+    ``fed_len`` is its length and ``fed_done`` requests end within it; a request
+    whose ``in_fed`` is False has none of its bytes in ``fed``."""
 
     __slots__ = ("server", "transport", "parser", "req", "queue", "task", "stop", "fed",
-                 "fed_done", "backlog", "closed", "paused", "_drain", "last_active",
+                 "fed_len", "fed_done", "backlog", "closed", "paused", "_drain", "last_active",
                  "reading_paused")
 
     def __init__(self, server: "FrontServer") -> None:
@@ -205,6 +234,7 @@ class _FrontConn(asyncio.Protocol):
         # ("handover", [bytes...]) or ("served",) (a request that ends the connection).
         self.stop: tuple | None = None
         self.fed: list[bytes] = []  # chunks since the parser last stood between requests
+        self.fed_len = 0  # their total length
         self.fed_done = 0  # requests completed within ``fed``
         self.backlog = 0  # bytes received while busy (reading pauses past _MAX_PIPELINE)
         self.closed = False
@@ -217,6 +247,8 @@ class _FrontConn(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if not self.server._admit(self):
+            return
         self.server._conns.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -239,7 +271,17 @@ class _FrontConn(asyncio.Protocol):
                 stop[1].append(data)  # aiohttp's, once the requests before are served
             return  # else: the connection ends after what is queued; ignore the rest
         fed = self.fed
-        fed.append(data)
+        req = self.req
+        if req is not None and not req.in_fed:
+            # a Content-Length body whose bytes are not kept: the next request starts
+            # where it ends
+            left = req.clen - req.size
+            if left < len(data):
+                fed.append(memoryview(data)[left:])
+                self.fed_len += len(data) - left
+        else:
+            fed.append(data)
+            self.fed_len += len(data)
         try:
             parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -252,20 +294,46 @@ class _FrontConn(asyncio.Protocol):
         else:
             req = self.req
             if req is None:  # between requests: nothing to keep for a hand-over
-                fed.clear()
-                self.fed_done = 0
-            elif req.in_head:
-                req.head_raw += len(data)
-                if req.head_raw > MAX_HEAD:
-                    self._stop_bad(431, "request head too large")
+                self._trim(0)
+            elif req.handler is not None and req.clen >= 0:
+                # a data-plane body (never handed over): its bytes and those of the
+                # requests before it are not needed, its end is known
+                self._trim(0)
+                req.in_fed = False
+            else:
+                if self.fed_done:  # cut the completed requests off: ``fed`` is this one's
+                    data = b"".join(fed)
+                    self._trim(_message_end(data, self.fed_done), data)
+                if req.in_head:
+                    req.head_raw = self.fed_len  # this head's bytes only
+                    if req.head_raw > MAX_HEAD:
+                        self._stop_bad(431, "request head too large")
         if self.parser is None:
             self.fed = []  # parsing stopped: no boundary will be looked for again
+            self.fed_len = 0
         if self.task is None and self.stop is not None:
             self._next()
 
+    def _trim(self, cut: int, data: bytes | None = None) -> None:
+        """Keeps only ``data`` (``fed`` joined) from offset ``cut``, a point between
+        requests; ``cut == 0`` without ``data``: keeps nothing."""
+        if data is None or cut >= len(data):
+            self.fed.clear()  # (a hand-over copies what it takes: nothing else holds it)
+            self.fed_len = 0
+        else:
+            self.fed = [memoryview(data)[cut:]]
+            self.fed_len = len(data) - cut
+        self.fed_done = 0
+
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self.server._conns.discard(self)
+        server = self.server
+        server._conns.discard(self)
+        if self.req is not None:
+            server._give(self.req)
+            self.req = None
+        for q in self.queue:
+            server._give(q)
         self.queue.clear()
         d = self._drain
         if d is not None and not d.done():
@@ -294,6 +362,29 @@ class _FrontConn(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.transport.close()
+
+    def linger(self) -> None:
+        """Closes once the client has had the answer: ends our side (FIN), discards
+        whatever it still sends (a refused body), closes at its EOF or after
+        ``_LINGER_S``. Closing with its bytes unread would reset the connection, and
+        the client could lose the answer before reading it."""
+        if self.closed:
+            return
+        self.parser = None
+        self.stop = ("served",)  # data_received discards from now on
+        t = self.transport
+        try:
+            if not t.can_write_eof():
+                self.close()
+                return
+            t.write_eof()
+        except (OSError, RuntimeError):
+            self.close()
+            return
+        if self.reading_paused:
+            self.reading_paused = False
+            t.resume_reading()
+        asyncio.get_running_loop().call_later(_LINGER_S, self.close)
 
     # ------------------------------------------------------- parser callbacks
 
@@ -345,12 +436,21 @@ class _FrontConn(asyncio.Protocol):
         req.handler = handler
         req.keepalive = p.should_keep_alive() and not self.server.closing
         req.http10 = version == "1.0"
-        req.limit = limit = self.server.max_body()
+        server = self.server
+        req.limit = limit = server.max_body()
         h = req.headers
+        if server.authorize is not None:
+            try:
+                server.authorize(h)  # credentials from the head: no body read without
+            except RequestError as exc:
+                self._refuse(req, exc)
+                raise _Stop
         cl = h.get("content-length")  # llhttp checked it: digits, no conflict with TE
-        if cl is not None and int(cl) > limit:
-            self._too_large(req)
-            raise _Stop
+        if cl is not None:
+            req.clen = int(cl)
+            if req.clen > limit:
+                self._too_large(req)
+                raise _Stop
         if (cl != "0" if cl is not None else "transfer-encoding" in h) and \
                 h.get("expect", "").lower() == "100-continue":
             if self.task is None and not self.queue:
@@ -360,16 +460,22 @@ class _FrontConn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         req = self.req
-        req.size += len(body)
+        n = len(body)
+        req.size += n
         if req.size > req.limit:
             self._too_large(req)
             raise _Stop
+        if not self.server.budget.take(n):
+            self._refuse(req, self.server.budget.full())
+            raise _Stop
+        req.held += n
         req.body.append(body)
 
     def on_message_complete(self) -> None:
         req = self.req
         self.req = None
-        self.fed_done += 1
+        if req.in_fed:
+            self.fed_done += 1
         self._enqueue(req)
         if not req.keepalive:
             self.parser = None  # anything after a closing request is ignored
@@ -392,8 +498,16 @@ class _FrontConn(asyncio.Protocol):
         """Dispatches ``req`` now (its handler answers 413; the rest of the body is
         never read) and stops parsing."""
         req.too_large = True
+        self._refuse(req, None)
+
+    def _refuse(self, req: _PendingRequest, exc: RequestError | None) -> None:
+        """Dispatches ``req`` now, to be answered with ``exc`` (its handler raises it
+        from ``body()``), drops its body and stops parsing: the rest of the body is
+        never read, the connection closes after the answer."""
+        req.refusal = exc
         req.keepalive = False
         req.body.clear()
+        self.server._give(req)
         self.req = None
         self.parser = None
         self.stop = ("served",)
@@ -401,6 +515,8 @@ class _FrontConn(asyncio.Protocol):
 
     def _stop_bad(self, status: int, message: str) -> None:
         self.parser = None
+        if self.req is not None:
+            self.server._give(self.req)
         self.req = None
         if self.stop is None:
             self.stop = ("bad", status, message)
@@ -411,6 +527,7 @@ class _FrontConn(asyncio.Protocol):
         if self.fed_done:  # requests before it in ``fed``: skip their bytes
             data = data[_message_end(data, self.fed_done):]
         self.fed = []
+        self.fed_len = 0
         self.parser = None
         self.req = None
         self.stop = ("handover", [data])
@@ -446,13 +563,14 @@ class _FrontConn(asyncio.Protocol):
         self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (
                                  status, _PHRASES[status], len(body), body))
-        self.close()
+        self.linger()
 
     def _handover(self, data: bytes) -> None:
         """Gives this connection, from the current request on, to aiohttp."""
-        self.server._conns.discard(self)
+        server = self.server
+        server._conns.discard(self)
         t = self.transport
-        proto = self.server.fallback()
+        proto = _Handed(server, server.fallback())
         t.set_protocol(proto)
         proto.connection_made(t)
         if self.reading_paused:
@@ -478,11 +596,17 @@ class _FrontConn(asyncio.Protocol):
         finally:
             self.task = None
             self.last_active = _time.monotonic()
-        if ex.state in (0, 2) or not ex.keepalive:
+            if ex.held:
+                self.server.budget.give(ex.held)
+                ex.held = 0
+        if ex.state in (0, 2):
             # nothing sent or a stream cut short: the connection is in an unknown state
             if ex.state == 0 and not self.closed:
                 log.error("data-plane handler returned without a reply")
             self.close()
+            return
+        if not ex.keepalive:
+            self.linger()  # answered; a refused body may still be arriving
             return
         if self.server.closing:
             self.close()  # pipelined requests not yet served are the client's to retry
@@ -490,20 +614,70 @@ class _FrontConn(asyncio.Protocol):
         self._next()
 
 
+class _Handed(asyncio.Protocol):
+    """A connection handed to aiohttp: its protocol, counted among the server's
+    connections until it closes (``FrontServer.max_connections``)."""
+
+    __slots__ = ("server", "proto")
+
+    def __init__(self, server: "FrontServer", proto: asyncio.Protocol) -> None:
+        self.server = server
+        self.proto = proto
+        server._handed += 1
+
+    def connection_made(self, transport) -> None:
+        self.proto.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.proto.data_received(data)
+
+    def eof_received(self):
+        return self.proto.eof_received()
+
+    def pause_writing(self) -> None:
+        self.proto.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.proto.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        self.server._handed -= 1
+        self.proto.connection_lost(exc)
+
+
+_FULL = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+         b"Retry-After: 1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s")
+
+
 class FrontServer:
     """The raw HTTP/1.1 listener. ``routes`` maps POST paths (bytes) to coroutine
     functions ``handler(exchange)``; ``fallback`` is a protocol factory (aiohttp's
     ``web.Server``) for everything else; ``max_body()`` the current body limit.
+
+    ``budget`` bounds the request body bytes held (shared with the aiohttp side);
+    ``authorize(headers)`` raises a ``RequestError`` for a data-plane request the
+    router will refuse whatever its body (no credentials), checked before the body
+    is read; ``max_connections()`` caps the client connections, handed-over ones
+    included; ``on_refused(reason)`` counts a connection closed or refused at the cap
+    (``idle_closed`` | ``at_capacity``).
 
     Lifecycle: ``await start(host, port)`` -> listening; ``await aclose(timeout)``
     stops accepting, closes idle connections, lets in-flight requests finish for
     up to ``timeout`` seconds, then cancels the rest. Idempotent."""
 
     def __init__(self, routes: dict, fallback, max_body, *, idle_timeout_s: float = 75.0,
-                 head_timeout_s=lambda: 10.0, body_timeout_s=lambda: 30.0) -> None:
+                 head_timeout_s=lambda: 10.0, body_timeout_s=lambda: 30.0,
+                 budget: BodyBudget | None = None, authorize=None,
+                 max_connections=lambda: 8192, on_refused=None) -> None:
         self.routes = routes
         self.fallback = fallback
         self.max_body = max_body
+        self.budget = budget if budget is not None else BodyBudget(1 << 30)
+        self.authorize = authorize
+        self.max_connections = max_connections
+        self.on_refused = on_refused
+        self._handed = 0  # connections handed to aiohttp and still open
+        self._refusals = Throttled()
         self.idle_timeout_s = idle_timeout_s
         #: callables -> seconds: a request's head must arrive within head_timeout_s()
         #: of its first byte, its body within body_timeout_s() of its head, else 408
@@ -544,6 +718,44 @@ class FrontServer:
                         c._next()
             elif c.task is None and c.last_active < cutoff:
                 c.close()
+
+    def _admit(self, conn: _FrontConn) -> bool:
+        """Makes room for a new connection at the cap: closes the longest-idle one
+        (no request in progress or queued), or refuses ``conn`` with a 429 if none
+        is. O(connections), only at the cap."""
+        cap = self.max_connections()
+        if len(self._conns) + self._handed < cap:
+            return True
+        idle = [c for c in self._conns if c.task is None and c.req is None
+                and c.parser is not None and not c.queue]
+        if idle:
+            victim = min(idle, key=lambda c: c.last_active)
+            victim.close()
+            self._conns.discard(victim)
+            reason = "idle_closed"
+            self._refusals.warning("client connections at the cap of %d: closed the "
+                                   "longest-idle one", cap)
+        else:
+            reason = "at_capacity"
+            self._refusals.warning("client connections at the cap of %d, none idle: "
+                                   "refused a new one (429)", cap)
+            body = json.dumps({"error": {
+                "message": f"the router holds {cap} client connections; retry shortly",
+                "type": "rate_limit_error", "code": "too_many_connections",
+                "param": None}}).encode()
+            conn.closed = True
+            conn.parser = None
+            conn.transport.write(_FULL % (len(body), body))
+            conn.transport.close()
+        if self.on_refused is not None:
+            self.on_refused(reason)
+        return reason == "idle_closed"
+
+    def _give(self, req: _PendingRequest) -> None:
+        """Gives back the body bytes ``req`` holds of the budget."""
+        if req.held:
+            self.budget.give(req.held)
+            req.held = 0
 
     def in_flight(self) -> int:
         return sum(1 for c in self._conns if c.task is not None)

@@ -9,15 +9,14 @@ success path and raises for the rest.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from protocol.errors import RequestError, RequestTimeout, retry_after_header
+from protocol.errors import RequestError, retry_after_header
+from router import intake
 from router.config import LimitsConfig
-from router.dataplane import AiohttpExchange
 from service import jsonbody
 from service.auth import BearerAuth
 
@@ -57,13 +56,15 @@ def guarded(auth: Callable[[], BearerAuth], fn: Handler) -> Handler:
 
 async def read_body(request: web.Request, limits: LimitsConfig) -> bytes:
     """The body, within ``limits.max_body_bytes`` (413) and ``limits.body_timeout_s``
-    (408 after it)."""
-    try:
-        return await asyncio.wait_for(AiohttpExchange(request).body(limits.max_body_bytes),
-                                      limits.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise RequestTimeout(f"request body not received within "
-                             f"{limits.body_timeout_s:g}s") from None
+    (408 after it), its bytes counted in the app's ``router.intake.BODY_BUDGET`` while
+    it is read (503 past it)."""
+    budget = request.config_dict.get(intake.BODY_BUDGET)
+    if budget is None:  # an app without one (tests): bounded per request only
+        budget = intake.BodyBudget(limits.max_body_bytes)
+    body = await intake.read_body(request, limits.max_body_bytes, limits.body_timeout_s,
+                                  budget)
+    budget.give(len(body))  # the callers parse it at once and let it go
+    return body
 
 
 async def json_body(request: web.Request, limits: LimitsConfig, *,

@@ -29,6 +29,11 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_warmups_total{status}
     radixfleet_shed_total                             429s from the fleet's queue bound
     radixfleet_bad_http_total{status}                 malformed HTTP answered 4xx
+    radixfleet_connections_refused_total{reason}      client connections at limits.max_connections:
+                                                      idle_closed (longest-idle one closed to make
+                                                      room) | at_capacity (the new one refused, 429)
+    radixfleet_body_bytes_held                        request body bytes held (router.intake's
+                                                      budget, limits.max_buffered_body_bytes)
     radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
     radixfleet_autoscale_desired_workers              router.autoscale's signal (set at scrape)
     radixfleet_autoscale_workers{part}                its parts: compute, holders, kv, queue,
@@ -93,6 +98,11 @@ class Metrics:
                             "worker's queue was past its bound", registry=r)
         self.bad_http = Counter("radixfleet_bad_http", "Malformed HTTP requests answered 4xx",
                                 ["status"], registry=r)
+        self.connections_refused = Counter(
+            "radixfleet_connections_refused", "Client connections closed or refused at the "
+            "connection cap", ["reason"], registry=r)
+        self.body_bytes_held = Gauge("radixfleet_body_bytes_held", "Request body bytes held "
+                                     "(read and not yet answered)", registry=r)
         self.retries = Counter("radixfleet_retries", "Requests retried on another worker",
                                ["cause"], registry=r)
         self.in_flight = Gauge("radixfleet_in_flight", "Requests in flight per worker",

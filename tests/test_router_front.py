@@ -291,3 +291,46 @@ async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_o
         await pool.aclose()
         srv.close()
         await srv.wait_closed()
+
+async def test_handover_after_a_pipeline_split_at_every_size(fleet):
+    """Data-plane requests (Content-Length and chunked) pipelined before a request for
+    aiohttp, read in pieces that end anywhere inside them: the kept bytes are cut at
+    each completed request, aiohttp gets exactly the handed request, and every body
+    byte taken from the body budget is given back."""
+    router, port, _ = fleet
+    chunked = (b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"5\r\n{\"tex\r\n9\r\nt\": \"hi\"}\r\n0\r\n\r\n")
+    data = (post(b"/v1/completions", BODY) + chunked + post(b"/v1/completions", BODY)
+            + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    for size in (1, 7, 64, len(data) - 3):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        for i in range(0, len(data), size):
+            w.write(data[i:i + size])
+            await w.drain()
+            await asyncio.sleep(0.001)
+        out = b""
+        deadline = time.monotonic() + 5
+        while not out.endswith(b'{"status": "ok"}') and time.monotonic() < deadline:
+            out += await asyncio.wait_for(r.read(65536), deadline - time.monotonic())
+        w.close()
+        assert out.count(b"HTTP/1.1 200 OK") == 4, (size, out)
+        assert out.count(b"x-radixfleet-worker: u") == 3, (size, out)
+    assert router.body_budget.held == 0
+    router.body_budget.check()
+
+
+async def test_a_body_past_the_budget_is_refused_and_the_budget_given_back(fleet):
+    """A body that would take the bytes held past ``limits.max_buffered_body_bytes``
+    gets 429 + Retry-After (and the connection closes after the answer); a smaller
+    one is served, and nothing stays held."""
+    router, port, _ = fleet
+    router.body_budget.limit = 64
+    try:
+        out = await raw(port, post(b"/v1/completions", BODY + b" " * 80), until=b"}}")
+        assert out.startswith(b"HTTP/1.1 429"), out
+        assert b"Retry-After: 1" in out and b"body_budget_exhausted" in out
+        out = await raw(port, post(b"/v1/completions", BODY), until=b'"total_tokens": 2}}')
+        assert out.startswith(b"HTTP/1.1 200"), out
+    finally:
+        router.body_budget.limit = 1 << 30
+    assert router.body_budget.held == 0
