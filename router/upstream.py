@@ -128,7 +128,7 @@ class Response:
     __slots__ = ("status", "headers", "_conn", "_parser", "_state", "_chunks", "_waiter",
                  "_err", "_keepalive", "_eof_framed", "_head", "_got", "_head_bytes",
                  "_timer", "_loop", "_read_timeout", "_deadline", "_limit", "_held",
-                 "_streaming", "_paused")
+                 "_streaming", "_paused", "_whole")
 
     def __init__(self, conn: "_Conn", loop, read_timeout: float, deadline: float,
                  limit: float = float("inf")) -> None:
@@ -153,6 +153,9 @@ class Response:
         self._held = 0  # body bytes in _chunks
         self._streaming = False  # the consumer called readany: pause instead of holding
         self._paused = False  # reading from the connection is paused (flow control)
+        #: read() was called: the body grows here, one buffer rather than many chunks
+        #: (a large one is its own mapping, returned to the system when freed)
+        self._whole: bytearray | None = None
 
     # ------------------------------------------------------------ consumer side
 
@@ -199,13 +202,18 @@ class Response:
             fut = self._waiter = self._loop.create_future()
             await self._wait(fut)
 
-    async def read(self) -> bytes:
+    async def read(self) -> bytes | bytearray:
         """The whole body (at most the pool's ``body_limit``: ``ResponseTooLarge``,
         at once when ``Content-Length`` says so)."""
         cl = self.headers.get("content-length", "")
         if cl.isdigit() and int(cl) > self._limit and self._state != _DONE:
             self._fail(ResponseTooLarge(f"answer of {cl} bytes exceeds the limit of "
                                         f"{self._limit:.0f} bytes"))
+        if self._state != _DONE and self._whole is None and self._err is None:
+            # no local name for the buffer: an error raised here keeps this frame
+            # (in its traceback, which the response holds) and must not keep the body
+            self._whole = bytearray().join(self._chunks)
+            self._chunks.clear()
         while self._state != _DONE:
             if self._err is not None:
                 raise self._err
@@ -213,14 +221,19 @@ class Response:
             await self._wait(fut)
         if self._err is not None:
             raise self._err
+        self._held = 0
+        if self._whole is not None:
+            out, self._whole = self._whole, None
+            return out
         c = self._chunks
         out = c[0] if len(c) == 1 else b"".join(c)
         c.clear()
-        self._held = 0
         return out
 
     def release(self) -> None:
         """Returns the connection to its pool if reusable, else closes it. Idempotent."""
+        self._chunks.clear()  # whatever was not taken goes now, not with the next gc
+        self._whole = None
         conn = self._conn
         if conn is None:
             return
@@ -245,6 +258,7 @@ class Response:
     def _fail(self, err: UpstreamError) -> None:
         if self._err is None and self._state != _DONE:
             self._err = err
+            self._whole = None  # nobody will read it
         self._keepalive = False
         for f in (self._head, self._waiter):
             if f is not None and not f.done():
@@ -338,7 +352,10 @@ class Response:
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
+        if self._whole is not None:
+            self._whole += body
+        else:
+            self._chunks.append(body)
         self._held += len(body)
         if self._held > self._limit:
             raise ResponseTooLarge(f"answer exceeds the limit of {self._limit:.0f} bytes "
