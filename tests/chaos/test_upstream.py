@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 
@@ -275,3 +276,57 @@ def test_a_worker_stack_trace_reaches_the_client_as_a_wrapped_502():
         out = r.output()
     assert "KeyError" in out
     assert not any(line.startswith("Traceback") for line in out.splitlines()), out[-4000:]
+
+
+def test_a_request_on_a_stopped_worker_moves_once_its_health_fails():
+    # A worker process stopped with SIGSTOP takes connections (the kernel does) and
+    # never answers: the request waiting on it must go to the other worker as soon
+    # as the health checks mark it unhealthy, not after a timeout.
+    import os
+    import signal
+
+    from tests.procs import Proc, free_port
+    procs, urls = [], []
+    for name in ("a", "b"):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        procs.append(Proc([sys.executable, "-m", "radixfleet.bench.proxy", "upstream",
+                           "--port", str(port), "--name", name, "--model", "m"],
+                          ready_url=url + "/health"))
+        urls.append(url)
+    with procs[0], procs[1], RouterProcess(
+            "listen: {port: {port}}\n"
+            f"workers: [{{url: '{urls[0]}', id: a, kind: openai}}, "
+            f"{{url: '{urls[1]}', id: b, kind: openai}}]\n"
+            "policy: {name: round_robin}\nreload: {watch: false}\n"
+            "health: {interval_s: 0.5, timeout_s: 0.3, failure_threshold: 2}\n") as r:
+        _wait_routable(r)
+        base = r.resources()
+        out: list[httpx.Response] = []
+        t0 = time.monotonic()
+        req = threading.Thread(target=lambda: out.append(httpx.post(
+            f"{r.base}/v1/completions", timeout=30,
+            json={"model": "m", "prompt": "x", "delay_s": 1.0})))
+        req.start()
+        stopped = None
+        deadline = time.monotonic() + 5
+        while stopped is None and time.monotonic() < deadline:
+            for p, u in zip(procs, urls):
+                if httpx.get(u + "/stats", timeout=2).json()["requests"]:
+                    stopped = p
+                    break
+            time.sleep(0.01)
+        assert stopped is not None, "the request reached no worker"
+        os.killpg(stopped.proc.pid, signal.SIGSTOP)
+        try:
+            req.join(30)
+            took = time.monotonic() - t0
+            assert out and out[0].status_code == 200, out and out[0].text[:300]
+            other = "b" if stopped is procs[0] else "a"
+            assert out[0].headers["x-radixfleet-worker"] == other
+            # two failed checks (<= 3 intervals + timeouts), the move, the 1 s answer
+            assert took < 4.5, took
+        finally:
+            os.killpg(stopped.proc.pid, signal.SIGCONT)
+        r.assert_settles(base)
+    r.assert_no_tracebacks()
