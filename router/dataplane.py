@@ -29,9 +29,10 @@ request (a non-streamed answer, which arrives only when its generation is done, 
 bounded by that alone). Answers are bounded (``limits.max_response_bytes``, 502).
 
 What a client gets back from a failure is the OpenAI error shape
-(``protocol.errors.error_body``) without worker addresses or ids: a worker's 4xx
-keeps its message, its 5xx and every broken answer get the router's own; the
-details (worker, address, its body) go to the log.
+(``protocol.errors.error_body``), its body naming no worker (the
+``x-radixfleet-worker`` header still gives the id of the one that answered): a
+worker's 4xx keeps its message; a 5xx and every broken answer get the router's own;
+the details (worker, address, its body) go to the log.
 
 The data plane is written against an *exchange* (one request/response): the raw
 HTTP/1.1 front (``router.front.FrontServer``, what ``radixfleet router`` listens
@@ -176,7 +177,8 @@ class WorkerUnhealthy(Cancelled):
 
 class _UpstreamFailed(Exception):
     """One attempt failed before the client saw a byte. The message is for the log
-    (it may name the worker); the client gets ``client_error``'s."""
+    (it may name the worker); the client gets ``_client_error``'s or
+    ``_status_error``'s body, which name none."""
 
     def __init__(self, cause: str, detail: str, *, retry: bool, status: int | None = None,
                  headers: Any = None) -> None:
