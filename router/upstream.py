@@ -51,9 +51,10 @@ or the total deadline), ``UpstreamBroken`` (the connection dropped or the bytes 
 not HTTP), its subclass ``ResponseTooLarge`` and ``Cancelled`` (``Cancel.cancel``).
 
 Invariants: a connection is in at most one place — an idle list, or serving one
-``Response``; an idle connection has no response and an open transport; a
-``Response`` in state DONE holds no waiter; a ``Response`` whose connection is
-reused was complete, keep-alive and got no byte past its end.
+``Response``; an idle connection has no response and an open, reading (not paused)
+transport; a ``Response`` in state DONE holds no waiter; a ``Response`` whose
+connection is reused was complete, keep-alive and got no byte past its end; a
+``Response`` holds at most its ``limit`` of body bytes.
 """
 
 from __future__ import annotations
@@ -154,7 +155,6 @@ class Response:
         self._streaming = False  # the consumer called readany: pause instead of holding
         self._paused = False  # reading from the connection is paused (flow control)
         #: read() was called: the body grows here, one buffer rather than many chunks
-        #: (a large one is its own mapping, returned to the system when freed)
         self._whole: bytearray | None = None
 
     # ------------------------------------------------------------ consumer side
