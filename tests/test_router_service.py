@@ -672,7 +672,8 @@ class FakeWorker:
     (its client, the router, closed the connection), and that can hang like a stopped
     process: ``hang()`` makes every request in progress and every health check wait
     forever (until cancelled). ``answer`` may replace the non-streamed answer's
-    (status, content type, body); ``sse`` the streamed answer's bytes."""
+    (status, content type, body); ``sse`` the streamed answer's bytes (``gap_s`` in
+    the request: a pause after each part)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -701,6 +702,7 @@ class FakeWorker:
                 for part in self.sse or [b'data: {"choices": [{"text": "x"}]}\n\n',
                                          b"data: [DONE]\n\n"]:
                     await sr.write(part)
+                    await asyncio.sleep(body.get("gap_s", 0))
                     await self._stall()
                 await sr.write_eof()
                 self.finished += 1
@@ -823,6 +825,36 @@ async def test_a_request_on_a_hung_worker_moves_within_a_health_interval(fake_wo
         assert router.metrics.retries.labels("unhealthy")._value.get() == 1
         assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router.pool)
         assert not router.dataplane._waiting
+    finally:
+        await runner.aclose()
+
+
+async def test_a_stream_begun_on_a_worker_that_hangs_ends_with_an_error_event(fake_workers):
+    # the client already has bytes, so the request cannot move: once the worker is
+    # unhealthy its stream ends with one well-formed error event, and the worker's
+    # request is cancelled, long before first_byte_s
+    health = {"interval_s": 0.2, "timeout_s": 0.2, "failure_threshold": 2,
+              "success_threshold": 1}
+    a = fake_workers[0]
+    router, runner, base = await start_router({
+        "workers": [{"url": a.url, "id": "a"}], "health": health,
+        "timeouts": {"first_byte_s": 30, "total_s": 60}})
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            t0 = time.monotonic()
+            async with c.stream("POST", base + "/v1/completions", json={
+                    "model": "m", "prompt": "x", "stream": True, "gap_s": 0.5}) as r:
+                assert r.status_code == 200
+                a.hang()  # after its first event
+                body = b"".join([chunk async for chunk in r.aiter_raw()])
+            took = time.monotonic() - t0
+        events = [e for e in body.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]" and len(events) == 3, body
+        assert json.loads(events[0][6:])["choices"][0]["text"] == "x"
+        assert json.loads(events[1][6:])["error"]["code"] == "upstream_failed"
+        assert took < 2.5, took
+        await _eventually(lambda: a.cancelled == 1)
+        assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router.pool)
     finally:
         await runner.aclose()
 
