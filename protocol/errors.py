@@ -51,14 +51,7 @@ class RequestError(RadixfleetError):
 
     def to_json(self) -> dict:
         """The OpenAI-style error body: ``{"error": {message, type, code, param}}``."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "code": self.code,
-                "param": self.param,
-            }
-        }
+        return error_body(self.message, self.error_type, self.code, self.param)
 
 
 class MalformedRequest(RequestError):
@@ -112,6 +105,13 @@ class NoWorkerAvailable(RequestError):
 class RequestTimeout(RequestError):
     status = 408
     code = "request_timeout"
+
+
+def error_body(message: str, error_type: str, code: str | int | None,
+               param: str | None = None) -> dict:
+    """The OpenAI-style error body every JSON error answer has (the router's own, and
+    a worker's error re-wrapped by the data plane)."""
+    return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
 
 
 def retry_after_header(seconds: float) -> str:

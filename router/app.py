@@ -153,7 +153,8 @@ class Router:
             connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",))
         dp = self.dataplane
         dp.session = self.session
-        dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s)
+        dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s,
+                                   body_limit=self.cfg.limits.max_response_bytes)
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
         try:
             await self.pool.start(self.session)

@@ -25,8 +25,9 @@ documents each key)::
     breaker:  {failure_threshold: 3, open_s: 5.0}
     load:     {report_stale_s: 2.0}
     retries:  {max_attempts: 3, backoff_s: 0.005, backoff_max_s: 0.1}
-    timeouts: {connect_s: 2.0, first_byte_s: 120.0, total_s: 600.0}
-    limits:   {max_body_bytes: 8388608, max_concurrency: 1024, max_queue: 4096,
+    timeouts: {connect_s: 2.0, first_byte_s: 120.0, total_s: 3600.0}
+    limits:   {max_body_bytes: 8388608, max_response_bytes: 67108864,
+               max_concurrency: 1024, max_queue: 4096,
                queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0,
                worker_queue_requests: 0.5, worker_queue_min_s: 0.05,
                header_timeout_s: 10.0, body_timeout_s: 30.0,
@@ -263,15 +264,25 @@ class RetriesConfig:
 
 @dataclass(frozen=True, slots=True)
 class TimeoutsConfig:
-    connect_s: float = _opt(2.0, "connecting to a worker", lo=0, lo_open=True)
-    first_byte_s: float = _opt(120.0, "until the worker's first response byte", lo=0,
-                               lo_open=True)
-    total_s: float = _opt(600.0, "whole request", lo=0, lo_open=True)
+    """Per phase: a non-streamed answer arrives only when its generation is done, so
+    only ``total_s`` bounds it (a hung worker is found by its health checks instead);
+    a stream is also bounded by ``first_byte_s``. A timed-out request is cancelled on
+    its worker, never sent to another one."""
+
+    connect_s: float = _opt(2.0, "connecting to a worker (then the next worker is tried)",
+                            lo=0, lo_open=True)
+    first_byte_s: float = _opt(120.0, "streamed answers: until the worker's first byte, and "
+                               "the longest silence between chunks", lo=0, lo_open=True)
+    total_s: float = _opt(3600.0, "the whole request, all attempts; the only bound on a "
+                          "non-streamed answer", lo=0, lo_open=True)
 
 
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
     max_body_bytes: int = _opt(8 * 2**20, "largest request body (413 above)", lo=1)
+    max_response_bytes: int = _opt(
+        64 * 2**20, "largest non-streamed answer, or single stream event, taken from a "
+        "worker (502 above; streams are passed through, never held whole)", lo=1024)
     max_concurrency: int = _opt(1024, "requests proxied at once", lo=1)
     max_queue: int = _opt(4096, "requests waiting for a slot (429 when full)", lo=0)
     queue_timeout_s: float = _opt(30.0, "longest wait for a slot (then 429)", lo=0,

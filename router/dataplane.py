@@ -13,11 +13,26 @@ between the pick and the load count::
     index.insert(d.worker, key.hashes, now)           optimistic hint (and bus.hint)
     pool.pick(worker, prompt_tokens)                  load counted at pick time (pool.tap)
     forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
-        connect error / 5xx / timeout before the client saw a byte: retry on another
-        worker (retries.max_attempts, exponential backoff)
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
     pool.finish(worker)                               on every path (client gone too)
+
+A generation runs once. A request goes to another worker (retries.max_attempts,
+exponential backoff) only when the first provably is not running it: the connection
+failed or closed before any response byte, the worker answered 429 or 503, or the
+worker turned unhealthy before the client saw a byte (``Pool.on_unhealthy``: the
+request is cancelled there first, by closing its connection, which makes an engine
+abort it). Everything else is answered once: a timeout (504) cancels the request on
+its worker and is not retried; a worker's 5xx becomes a 502. Timeouts per phase
+(``timeouts``): connect; the first byte and each silence of a stream; the whole
+request (a non-streamed answer, which arrives only when its generation is done, is
+bounded by that alone). Answers are bounded (``limits.max_response_bytes``, 502).
+
+What a client gets back from a failure is the OpenAI error shape
+(``protocol.errors.error_body``), its body naming no worker (the
+``x-radixfleet-worker`` header still gives the id of the one that answered): a
+worker's 4xx keeps its message; a 5xx and every broken answer get the router's own;
+the details (worker, address, its body) go to the log.
 
 The data plane is written against an *exchange* (one request/response): the raw
 HTTP/1.1 front (``router.front.FrontServer``, what ``radixfleet router`` listens
@@ -52,7 +67,8 @@ from router.auth import TenantResolver
 from router.config import Config
 from router.autoscale import DemandMeter
 from protocol.errors import (
-    MalformedRequest, Overloaded, PayloadTooLarge, RequestError, retry_after_header,
+    MalformedRequest, Overloaded, PayloadTooLarge, RequestError, error_body,
+    retry_after_header,
 )
 from protocol.identifiers import request_id
 from router.metrics import Metrics
@@ -60,7 +76,9 @@ from router.pick import hint_and_count
 from router.pool import Pool
 from router.prefix_index import PrefixIndex
 from protocol.prefix_keys import Endpoint, request_key
-from router.upstream import UpstreamError, UpstreamPool, build_head
+from router.upstream import (
+    Cancel, Cancelled, ResponseTooLarge, UpstreamError, UpstreamPool, build_head,
+)
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
 from router.warmup import WarmupGate, warmup_prefix
@@ -151,16 +169,80 @@ def _retry_after(status: int, headers) -> list[tuple[str, str]]:
     return [("Retry-After", v if v.isdigit() and len(v) <= 6 else "1")]
 
 
-class _UpstreamFailed(Exception):
-    """One attempt failed before the client saw a byte (retryable)."""
+class WorkerUnhealthy(Cancelled):
+    """The request's worker turned unhealthy while it waited (``Pool.on_unhealthy``)."""
 
-    def __init__(self, cause: str, detail: str, status: int | None = None,
-                 body: bytes | None = None, headers: Any = None) -> None:
+    cause = "unhealthy"
+
+
+class _UpstreamFailed(Exception):
+    """One attempt failed before the client saw a byte. The message is for the log
+    (it may name the worker); the client gets ``_client_error``'s or
+    ``_status_error``'s body, which name none."""
+
+    def __init__(self, cause: str, detail: str, *, retry: bool, status: int | None = None,
+                 headers: Any = None) -> None:
         super().__init__(detail)
-        self.cause = cause  # connect | status | timeout | payload
-        self.status = status
-        self.body = body
-        self.headers = headers
+        #: connect | unhealthy | timeout | payload | too_large | status
+        self.cause = cause
+        self.retry = retry  # the worker provably is not running it: another may
+        self.status = status  # the worker's status, for cause "status"
+        self.headers = headers  # the worker's headers, for cause "status"
+
+
+#: the client's error per failure cause: (status, code, message); no worker named
+_CLIENT_ERRORS = {
+    "connect": (502, "bad_gateway", "no worker could be reached"),
+    "unhealthy": (502, "bad_gateway", "the worker became unavailable"),
+    "timeout": (504, "upstream_timeout", "the worker did not answer in time"),
+    "payload": (502, "bad_gateway", "the worker's answer was cut off or malformed"),
+    "too_large": (502, "upstream_response_too_large",
+                  "the worker's answer is larger than this router passes on "
+                  "(limits.max_response_bytes)"),
+}
+_MAX_WORKER_MESSAGE = 2000  # characters of a worker's 4xx message passed on
+
+
+def _client_error(cause: str) -> tuple[int, bytes]:
+    status, code, message = _CLIENT_ERRORS.get(cause, _CLIENT_ERRORS["payload"])
+    return status, json.dumps(error_body(message, "upstream_error", code)).encode()
+
+
+def _status_error(status: int, data: bytes) -> bytes:
+    """The client's body for a worker's error answer ``status`` (>= 400): a 4xx keeps
+    the worker's message, type, code and param when its body says them (OpenAI's
+    ``{"error": {...}}``, vLLM's and SGLang's ``{"object": "error", ...}``, FastAPI's
+    ``{"detail": "..."}``), re-encoded in the OpenAI shape; anything else gets the
+    router's own message."""
+    if status == 429:
+        return json.dumps(error_body("the worker is at capacity; retry later",
+                                     "rate_limit_error", "upstream_overloaded")).encode()
+    if status == 503:
+        return json.dumps(error_body("the worker is unavailable; retry later",
+                                     "service_unavailable", "upstream_unavailable")).encode()
+    if status >= 500:
+        return json.dumps(error_body(f"the worker failed to answer (HTTP {status})",
+                                     "upstream_error", "upstream_error")).encode()
+    etype = {401: "authentication_error", 403: "permission_error",
+             404: "not_found_error"}.get(status, "invalid_request_error")
+    message, code, param = f"the worker refused the request (HTTP {status})", None, None
+    try:
+        obj = json.loads(data) if len(data) <= 1 << 20 else None
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        src = obj.get("error") if isinstance(obj.get("error"), dict) else obj
+        m = src.get("message", src.get("detail"))
+        if isinstance(m, str) and m:
+            message = m[:_MAX_WORKER_MESSAGE]
+            t, c, p = src.get("type"), src.get("code"), src.get("param")
+            if isinstance(t, str) and t and len(t) <= 64:
+                etype = t
+            if (isinstance(c, str) and len(c) <= 64) or (type(c) is int):
+                code = c
+            if isinstance(p, str) and len(p) <= 256:
+                param = p
+    return json.dumps(error_body(message, etype, code, param)).encode()
 
 
 class _Pick(NamedTuple):
@@ -171,6 +253,20 @@ class _Pick(NamedTuple):
     own: int  # the request's uncached prompt tokens, counted as queued prefill
     ahead: int  # uncached prompt tokens already queued on the worker at pick time
     touches: tuple | None  # approximate mode: the matched blocks' last-use times
+
+
+class _Flight:
+    """One attempt's outcome as it unfolds, for its bookkeeping on every path."""
+
+    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent")
+
+    def __init__(self, left: int) -> None:
+        self.left = left  # prompt tokens still counted on the worker as queued prefill
+        self.ok: bool | None = None  # worker success / failure / neither (pool.finish)
+        self.ttft: float | None = None  # sent -> first content token (streams)
+        self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
+        self.output: int | None = None  # completion tokens the worker reported
+        self.sent = time.monotonic()
 
 
 def _usage_of_body(data: bytes) -> tuple[tuple[int, int] | None, int | None]:
@@ -264,6 +360,9 @@ class DataPlane:
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
         self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
+        #: per worker, the cancel handles of the requests in flight on it
+        self._waiting: dict[Any, set[Cancel]] = {}
+        pool.on_unhealthy.append(self._worker_unhealthy)
 
     def configure(self, cfg: Config, policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
@@ -277,6 +376,7 @@ class DataPlane:
         self.shedder.configure(lim.worker_queue_requests, lim.worker_queue_min_s)
         if self.upstream is not None:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
+            self.upstream.body_limit = lim.max_response_bytes
 
     def aiohttp_handler(self, endpoint: Endpoint):
         """An aiohttp handler serving ``endpoint`` through ``AiohttpExchange``."""
@@ -377,9 +477,10 @@ class DataPlane:
             except _UpstreamFailed as exc:
                 last = exc
                 self.metrics.attempt(w.id, exc.status or exc.cause)  # not a client outcome
-                log.info("request %s: worker %s failed (%s: %s), attempt %d/%d", rid, w.id,
-                         exc.cause, exc, attempt, retries.max_attempts)
-            if attempt >= retries.max_attempts or \
+                log.warning("request %s: worker %s (%s) failed (%s: %s), attempt %d/%d%s",
+                            rid, w.id, w.url, exc.cause, exc, attempt, retries.max_attempts,
+                            "" if exc.retry else ", not retried")
+            if not last.retry or attempt >= retries.max_attempts or \
                     time.monotonic() - t0 >= self.cfg.timeouts.total_s:
                 break
             delay = min(retries.backoff_s * (2 ** (attempt - 1)), retries.backoff_max_s)
@@ -398,21 +499,20 @@ class DataPlane:
                 break
             reason = Reason.FALLBACK.value
             self.metrics.retries.labels(last.cause).inc()
-        # Every attempt failed before the client saw anything.
-        if last.status is not None and last.body is not None:
-            # the last worker's own error answer, passed through
-            self.metrics.outcome(tried[-1], last.status, reason)
-            ex.reply(last.status, last.body, last.headers.get("content-type", _JSON),
+        # Every attempt failed before the client saw anything: one error in the
+        # OpenAI shape, naming no worker (the log has them).
+        if last.cause == "status":
+            # a 429 or 503 keeps its status (and Retry-After); another 5xx is a 502
+            status = last.status if last.status in (429, 503) else 502
+            self.metrics.outcome(tried[-1], status, reason)
+            ex.reply(status, _status_error(last.status, b""), _JSON,
                      [(WORKER_HEADER, tried[-1]), (REQUEST_ID_HEADER, rid),
                       *_retry_after(last.status, last.headers)])
             return
-        status, code = ((504, "upstream_timeout") if last.cause == "timeout"
-                        else (502, "bad_gateway"))
-        self.metrics.rejected.labels(str(status), code).inc()
-        err = {"error": {"message": f"{len(tried)} attempt(s) failed (workers "
-                         f"{', '.join(tried)}); last: {last}", "type": "upstream_error",
-                         "code": code, "param": None}}
-        ex.reply(status, json.dumps(err).encode(), _JSON, [(REQUEST_ID_HEADER, rid)])
+        status, body = _client_error(last.cause)
+        self.metrics.rejected.labels(str(status), _CLIENT_ERRORS.get(
+            last.cause, _CLIENT_ERRORS["payload"])[1]).inc()
+        ex.reply(status, body, _JSON, [(REQUEST_ID_HEADER, rid)])
 
     def _pick(self, w, kr, now: float) -> "_Pick":
         """The optimistic hint and the load count for ``w``, in its own key space,
@@ -439,16 +539,14 @@ class DataPlane:
         """One try on worker ``w`` (its load already counted). Releases the load on
         every path: a streaming request's prompt stops counting as queued prefill at
         its first *content* token (router.sse), never at the headers or a role chunk.
-        Raises ``_UpstreamFailed`` if it failed before the client saw a byte; after
-        that, failures end the stream with an SSE error event."""
+        Raises ``_UpstreamFailed`` if it failed before the client saw a byte (``retry``
+        says whether another worker may run it); after that, failures end the stream
+        with an SSE error event. While it waits, ``w`` turning unhealthy cancels it
+        (``_worker_unhealthy``)."""
         pool = self.pool
         m = self.metrics
         link = w.engine
-        left = pick.own  # tokens still counted on w
-        ok: bool | None = None
-        usage = None
-        output: int | None = None  # completion tokens the worker reported
-        ttft = None
+        f = _Flight(pick.own)
         host, port, hostport = self._addr(w.url)
         t = self.cfg.timeouts
         payload, strip = self.engines.forward_body(link, endpoint, body, raw, stream)
@@ -456,97 +554,144 @@ class DataPlane:
                + b"x-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
         head = build_head(endpoint.value, hostport, len(payload), fwd)
         resp = None
-        sent = time.monotonic()
+        cancel = Cancel()
+        waiting = self._waiting.get(w)
+        if waiting is None:
+            waiting = self._waiting[w] = set()
+        waiting.add(cancel)
         try:
             try:
+                # a non-streamed answer comes when its generation is done: only the
+                # total deadline bounds it (and w's health, through ``cancel``)
                 resp = await self.upstream.request(
-                    host, port, head, payload, read_timeout_s=t.first_byte_s,
-                    total_timeout_s=t.total_s - (time.monotonic() - t0))
+                    host, port, head, payload,
+                    read_timeout_s=t.first_byte_s if stream else float("inf"),
+                    total_timeout_s=t.total_s - (time.monotonic() - t0), cancel=cancel)
                 status = resp.status
-                if status >= 500:
+                if status >= 500 or status == 429:
                     data = await resp.read()
-                    ok = False
+                    f.ok = status == 429  # busy, not broken
+                    log.warning("request %s: worker %s (%s) answered %d: %r", rid, w.id,
+                                w.url, status, data[:500])
+                    # 429 and 503 say the request was not taken: another worker may
                     raise _UpstreamFailed("status", f"worker {w.id} answered {status}",
-                                          status, data, resp.headers)
+                                          retry=status in (429, 503), status=status,
+                                          headers=resp.headers)
                 m.observe_ttfb(time.monotonic() - t0)
                 if not stream or status != 200:
                     data = await resp.read()
-                    ok = True
+                    f.ok = True
+                    ctype = resp.headers.get("content-type", _JSON)
                     if status == 200 and (link is not None or self.traffic is not None):
-                        usage, output = _usage_of_body(data)
-                    ex.reply(status, data, resp.headers.get("content-type", _JSON),
+                        f.usage, f.output = _usage_of_body(data)
+                    elif status >= 400:
+                        log.info("request %s: worker %s answered %d: %r", rid, w.id, status,
+                                 data[:500])
+                        data, ctype = _status_error(status, data), _JSON
+                    ex.reply(status, data, ctype,
                              [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, rid),
                               *_retry_after(status, resp.headers)])
                     m.request_done(w.id, status, reason)
                     m.observe_latency(time.monotonic() - t0)
                     return
-                watch = StreamWatch(strip)
                 first = await resp.readany()
-                await ex.stream_start(resp.headers.get("content-type", "text/event-stream"),
-                                      [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id),
-                                       (REQUEST_ID_HEADER, rid)])
-                # From here on the client has bytes: never retry.
-                try:
-                    chunk = first
-                    while True:
-                        if chunk:
-                            out = watch.feed(chunk)
-                            if ttft is None and watch.first_token:
-                                # the prompt is prefilled: no longer queued work on w
-                                ttft = time.monotonic() - sent
-                                m.observe_ttft(time.monotonic() - t0)
-                                pool.prefilled(w, left)
-                                left = 0
-                            if out:
-                                await ex.stream_write(out)
-                        try:
-                            chunk = await resp.readany()
-                        except UpstreamError as exc:
-                            ok = False
-                            log.warning("request %s: worker %s failed mid-stream: %s", rid,
-                                        w.id, exc)
-                            m.request_done(w.id, 502, reason)
-                            err = {"error": {"message": f"worker {w.id} failed mid-stream: "
-                                             f"{exc}", "type": "upstream_error",
-                                             "code": "upstream_failed", "param": None}}
-                            await ex.stream_write(watch.flush() + b"data: "
-                                                  + json.dumps(err).encode() + b"\n\n" + _DONE)
-                            await ex.stream_end()
-                            return
-                        if not chunk:
-                            break
-                    tail = watch.flush()
-                    if tail:
-                        await ex.stream_write(tail)
-                    await ex.stream_end()
-                    usage, output = watch.usage, watch.output_tokens
-                except (ConnectionResetError, aiohttp.ClientConnectionError):
-                    return  # the client went away (ok stays None: not the worker's fault)
-                ok = True
-                m.request_done(w.id, 200, reason)
-                m.observe_latency(time.monotonic() - t0)
             except UpstreamError as exc:
-                ok = False
+                f.ok = None if isinstance(exc, ResponseTooLarge) else False
                 if exc.cause == "connect":
                     pool.check_soon(w)
-                raise _UpstreamFailed(exc.cause, f"worker {w.id}: {exc}") from None
+                # nothing reached the client; the connection is closed (the worker
+                # aborts). Retried only where the worker provably is not running it.
+                raise _UpstreamFailed(exc.cause, f"worker {w.id} ({w.url}): {exc}",
+                                      retry=exc.cause in ("connect", "unhealthy")) from None
+            # From here on the client has bytes: never retry.
+            await self._relay(ex, w, f, resp, first, strip, rid, reason, t0)
         finally:
+            waiting.discard(cancel)
+            if not waiting and self._waiting.get(w) is waiting:
+                del self._waiting[w]
             if resp is not None:
                 resp.release()
-            pool.finish(w, left, ok)
-            if ok and self.traffic is not None:
+            pool.finish(w, f.left, f.ok)
+            usage = f.usage
+            if f.ok and self.traffic is not None:
                 self.traffic.record(
                     key, arrival_s=time.time() - (time.monotonic() - t0), worker=w.id,
                     matched_tokens=pick.blocks * pick.key.block_tokens,
-                    prompt_tokens=usage[0] if usage else None, output_tokens=output,
-                    cached_tokens=usage[1] if usage else None, ttft_s=ttft, session=session)
-            if ok and link is not None:
+                    prompt_tokens=usage[0] if usage else None, output_tokens=f.output,
+                    cached_tokens=usage[1] if usage else None, ttft_s=f.ttft, session=session)
+            if f.ok and link is not None:
                 try:
-                    link.observe(pick.key, pick.blocks, usage, ttft, pick.ahead, pick.own,
+                    link.observe(pick.key, pick.blocks, usage, f.ttft, pick.ahead, pick.own,
                                  time.monotonic(), pick.touches)
                 except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
                     log.exception("request %s: bookkeeping for worker %s failed", rid, w.id)
                 w._view = None  # its prefill rate may have moved
+
+    async def _relay(self, ex, w, f: "_Flight", resp, first: bytes, strip: bool, rid,
+                     reason, t0) -> None:
+        """Passes a stream to the client as it arrives, from its first body bytes
+        ``first``, keeping ``f`` up to date (``f.ok`` stays None when the client goes
+        away, whether by an error or a cancellation). A worker failing mid-stream (broken,
+        silent past ``first_byte_s``, unhealthy, an event past the size limit) ends
+        the stream with a well-formed SSE error event and ``data: [DONE]``."""
+        m = self.metrics
+        watch = StreamWatch(strip)
+        limit = self.cfg.limits.max_response_bytes
+        await ex.stream_start(resp.headers.get("content-type", "text/event-stream"),
+                              [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id),
+                               (REQUEST_ID_HEADER, rid)])
+        try:
+            chunk = first
+            while True:
+                if chunk:
+                    out = watch.feed(chunk)
+                    if f.ttft is None and watch.first_token:
+                        # the prompt is prefilled: no longer queued work on w
+                        f.ttft = time.monotonic() - f.sent
+                        m.observe_ttft(time.monotonic() - t0)
+                        self.pool.prefilled(w, f.left)
+                        f.left = 0
+                    if out:
+                        await ex.stream_write(out)
+                try:
+                    if watch.pending > limit:
+                        raise ResponseTooLarge(f"a stream event exceeds {limit} bytes")
+                    chunk = await resp.readany()
+                except UpstreamError as exc:
+                    log.warning("request %s: worker %s (%s) failed mid-stream (%s: %s)", rid,
+                                w.id, w.url, exc.cause, exc)
+                    m.request_done(w.id, 502, reason)
+                    message = _CLIENT_ERRORS.get(exc.cause, _CLIENT_ERRORS["payload"])[2]
+                    err = error_body(f"{message}; the answer is incomplete", "upstream_error",
+                                     "upstream_failed")
+                    # the unfinished event is dropped: the error starts on a fresh line
+                    await ex.stream_write(watch.flush(complete=False) + b"data: "
+                                          + json.dumps(err).encode() + b"\n\n" + _DONE)
+                    f.ok = None if isinstance(exc, ResponseTooLarge) else False
+                    await ex.stream_end()
+                    return
+                if not chunk:
+                    break
+            tail = watch.flush()
+            if tail:
+                await ex.stream_write(tail)
+            await ex.stream_end()
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            # the client went away (not the worker's fault); releasing the response
+            # closes the worker's connection, so the engine aborts the generation
+            f.ok = None
+            return
+        f.ok = True
+        f.usage, f.output = watch.usage, watch.output_tokens
+        m.request_done(w.id, 200, reason)
+        m.observe_latency(time.monotonic() - t0)
+
+    def _worker_unhealthy(self, w) -> None:
+        """``Pool.on_unhealthy``: every request waiting on ``w`` is cancelled there
+        (its connection closed, so the engine aborts it); one whose client has seen
+        nothing moves to another worker, a stream already begun ends with an error."""
+        for c in list(self._waiting.get(w, ())):
+            c.cancel(WorkerUnhealthy(f"worker {w.id} turned unhealthy"))
 
     def _addr(self, url: str) -> tuple[str, int, str]:
         a = self._addrs.get(url)

@@ -10,14 +10,16 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
                                                       once each, by the status the
                                                       client got (retries not counted)
     radixfleet_upstream_attempts_total{worker,outcome}  every try on a worker: its
-                                                      status, or connect | timeout | payload
+                                                      status, or connect | unhealthy |
+                                                      timeout | payload | too_large
     radixfleet_rejected_total{status,code}            answered by the router itself (4xx/5xx)
     radixfleet_ttfb_seconds                           arrival -> the worker's response head
     radixfleet_ttft_seconds                           arrival -> first streamed body bytes
                                                       (the first token's event), streams only
     radixfleet_request_seconds                        arrival -> last byte
     radixfleet_matched_prefix_tokens                  tokens of the chosen worker's match
-    radixfleet_retries_total{cause}                   connect | status | timeout
+    radixfleet_retries_total{cause}                   connect | status (429, 503) |
+                                                      unhealthy
     radixfleet_in_flight{worker}, radixfleet_worker_breaker_state{worker} (0 closed,
       1 half-open, 2 open), radixfleet_worker_healthy{worker}
     radixfleet_index_nodes, _index_holder_entries, _index_bytes (gauges),

@@ -216,6 +216,9 @@ class Pool:
         self.started = clock()
         #: told ``moved(worker)`` after every local pick, prefilled and finish (router.bus)
         self.tap = None
+        #: called with a worker the moment it turns unhealthy (the data plane cancels
+        #: and moves the requests waiting on it)
+        self.on_unhealthy: list[Callable[[Worker], None]] = []
         for spec in cfg.workers:
             self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s,
                      spec)
@@ -578,6 +581,8 @@ class Pool:
             self.index.drop_worker(w.id)
             w.epoch = None  # its stream restarts with a snapshot
             log.warning("worker %s unhealthy (was %s)", w.id, old.value)
+            for fn in self.on_unhealthy:
+                fn(w)
         elif state is HealthState.HEALTHY:
             w.breaker, w.breaker_fails, w.trial = Breaker.CLOSED, 0, False
             log.info("worker %s healthy (was %s)", w.id, old.value)

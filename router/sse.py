@@ -20,20 +20,33 @@ needs three facts from it and may hide one event::
 - With ``strip_usage`` the usage-only event (``"choices": []``) is removed: the
   router asked for it (``stream_options.include_usage``) where the client did not.
 
+Events end at a blank line, and SSE lets a line end in CRLF, LF or a lone CR, so a
+blank line is any two line ends in a row: ``\n\n``, ``\r\n\r\n``, ``\r\r`` or a
+mix (``\r\n\n``, ``\n\r\n``, ...). sse-starlette, for one, writes CRLF. A lone CR
+at the very end of a read is taken as a line end at once (waiting for the next read
+would hold the event one token longer); an LF that then opens the next read is the
+rest of that CRLF and is passed on as it is.
+
 Cost: events are parsed as JSON only until the first token is seen; after that only
 events containing ``"usage"`` or ``"meta_info"`` are. ``feed`` forwards whole
 events: an event cut across two reads is held until its end arrives (engines write
-whole events, so this adds no delay in practice). Lines that are not ``data:``
-(comments, ``event:``, ``id:``) pass through untouched. Malformed JSON in an event
-is passed through and ignored for the facts above — the client sees exactly what
-the worker sent.
+whole events, so this adds no delay in practice); ``pending`` says how many bytes
+are held, which the caller bounds. Lines that are not ``data:`` (comments,
+``event:``, ``id:``) pass through untouched. Malformed JSON in an event is passed
+through and ignored for the facts above — the client sees exactly what the worker
+sent. When the stream breaks, ``flush(complete=False)`` drops the unfinished event
+(a cut ``data: {"content":"hel`` line is not JSON, and the error event that follows
+must not be glued onto it).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
-_SEP = b"\n\n"
+#: a blank line: a line end (LF, or CR not followed by LF in this read, or the LF of
+#: a CRLF) followed by another line end (see the module docstring)
+_BLANK = re.compile(rb"\n\n|\n\r\n?|\r\r\n?")
 
 
 def _has_output(obj) -> bool:
@@ -94,7 +107,7 @@ def completion_tokens_of(obj) -> int | None:
 class StreamWatch:
     """Scans one SSE response (see the module docstring). Not reusable."""
 
-    __slots__ = ("strip_usage", "first_token", "usage", "output_tokens", "_tail")
+    __slots__ = ("strip_usage", "first_token", "usage", "output_tokens", "_tail", "_cr")
 
     def __init__(self, strip_usage: bool = False) -> None:
         self.strip_usage = strip_usage  # hide the usage-only event the router asked for
@@ -102,44 +115,70 @@ class StreamWatch:
         self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
         self.output_tokens: int | None = None  # completion_tokens, where reported
         self._tail = b""  # an incomplete event held until its end arrives
+        #: the last event ended in a CR taken as a line end: 1 passed on, 2 dropped
+        #: (an LF opening the next read is the rest of it and goes the same way), 0 no
+        self._cr = 0
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an unfinished event held back."""
+        return len(self._tail)
 
     def feed(self, chunk: bytes) -> bytes:
         """Takes bytes from the worker; returns the bytes to send to the client now."""
+        lead = b""
+        if self._cr:
+            if chunk[:1] == b"\n":  # the rest of a CRLF: goes where its CR went
+                lead = b"\n" if self._cr == 1 else b""
+                chunk = chunk[1:]
+            self._cr = 0
         data = self._tail + chunk if self._tail else chunk
-        end = data.rfind(_SEP)
+        end = -1
+        for m in _BLANK.finditer(data):
+            end = m.end()
         if end < 0:
             self._tail = data
-            return b""
-        end += 2
+            return lead
         self._tail = data[end:]
+        cr = end == len(data) and data[end - 1] == 13  # ends in b"\r"
         whole = data[:end]
         if self.first_token and not (b'"usage"' in whole or b'"meta_info"' in whole):
-            return whole
-        out = []
-        changed = False
-        for ev in whole.split(_SEP)[:-1]:
-            if self._scan(ev):
+            self._cr = cr
+            return lead + whole if lead else whole
+        out = [lead]
+        changed = kept = False
+        start = 0
+        for m in _BLANK.finditer(whole):
+            ev = whole[start:m.end()]
+            start = m.end()
+            kept = self._scan(ev)
+            if kept:
                 out.append(ev)
             else:
                 changed = True
+        self._cr = (1 if kept else 2) if cr else 0
         if not changed:
-            return whole
-        return b"".join(e + _SEP for e in out)
+            return lead + whole if lead else whole
+        return b"".join(out)
 
-    def flush(self) -> bytes:
-        """The stream ended: whatever incomplete event is held, as it came."""
+    def flush(self, complete: bool = True) -> bytes:
+        """The stream ended. ``complete`` (it ended as its framing says): whatever
+        incomplete event is held, as it came. Otherwise (it broke) the unfinished
+        event is dropped: b"" so that what follows starts on a fresh line."""
         tail, self._tail = self._tail, b""
+        if not complete:
+            return b""
         return tail if tail and self._scan(tail) else b""
 
     def _scan(self, ev: bytes) -> bool:
         """Reads one event's facts. Returns False to drop it (the stripped usage)."""
         if self.first_token and b'"usage"' not in ev and b'"meta_info"' not in ev:
             return True
-        payload = None
-        for line in ev.split(b"\n"):
-            if line.startswith(b"data:"):
-                payload = line[5:].strip()
-                break
+        parts = [line[5:] for line in ev.splitlines() if line.startswith(b"data:")]
+        if not parts:
+            return True
+        # one space after the colon is not part of the value; data lines join with LF
+        payload = b"\n".join(p[1:] if p[:1] == b" " else p for p in parts).strip()
         if not payload or payload == b"[DONE]":
             return True
         try:

@@ -24,6 +24,8 @@ callbacks. A parser lives as long as what it parses: one per front connection
         Response.read()      whole body          Response.readany()  next bytes
         Response.release()   back to the idle list if complete and keep-alive,
                              else the connection is closed (also on cancellation)
+    Cancel.cancel(err)       from outside (the worker turned unhealthy): the request
+                             fails with err and its connection closes at once
 
 Response framing is llhttp's: ``Content-Length``, ``Transfer-Encoding: chunked``
 (decoded: the payload bytes pass through unchanged, the transfer coding is
@@ -31,16 +33,28 @@ hop-by-hop; trailers are dropped), or until close (httptools cannot be told of
 the EOF, so ``Response`` ends such a body itself when the connection closes).
 1xx interim responses are skipped; a 101 (protocol switch) is a broken upstream.
 
+Bounded: a response's body is held only up to ``body_limit`` bytes not yet taken by
+its consumer (``ResponseTooLarge`` past it, checked against ``Content-Length`` at
+once). A consumer that streams (``readany``) is never buffered for: while more than
+``STREAM_HIGH`` bytes wait for it (a slow client), reading from the worker pauses
+and TCP pushes back on the worker.
+
+Closing a connection is how a request is cancelled: an engine aborts a generation
+whose client left (vLLM and SGLang both do), so a response given up on (a timeout,
+``Cancel``, the consumer cancelled) never leaves work running on its worker.
+
 Failures raise ``UpstreamError`` subclasses with a ``cause`` label:
-``ConnectFailed`` (cannot connect, or a reused idle connection died before any
-byte — retried once on a fresh connection inside ``request``), ``UpstreamTimeout``
-(connect, first byte, a silence between chunks, or the total deadline) and
-``UpstreamBroken`` (the connection dropped or the bytes were not HTTP).
+``ConnectFailed`` (cannot connect within the connect timeout, or a connection closed
+before any response byte — a reused idle one is retried once on a fresh connection
+inside ``request``), ``UpstreamTimeout`` (the first byte, a silence between chunks,
+or the total deadline), ``UpstreamBroken`` (the connection dropped or the bytes were
+not HTTP), its subclass ``ResponseTooLarge`` and ``Cancelled`` (``Cancel.cancel``).
 
 Invariants: a connection is in at most one place — an idle list, or serving one
-``Response``; an idle connection has no response and an open transport; a
-``Response`` in state DONE holds no waiter; a ``Response`` whose connection is
-reused was complete, keep-alive and got no byte past its end.
+``Response``; an idle connection has no response and an open, reading (not paused)
+transport; a ``Response`` in state DONE holds no waiter; a ``Response`` whose
+connection is reused was complete, keep-alive and got no byte past its end; a
+``Response`` holds at most its ``limit`` of body bytes.
 """
 
 from __future__ import annotations
@@ -54,6 +68,8 @@ import httptools
 # Response states: waiting for the (final) head / receiving the body / complete.
 _HEAD, _BODY, _DONE = range(3)
 MAX_HEAD = 64 * 1024  # bytes of request or response head we accept
+#: bytes a streaming consumer may leave untaken before reading from the worker pauses
+STREAM_HIGH = 1 << 20
 
 
 class UpstreamError(Exception):
@@ -72,6 +88,37 @@ class UpstreamBroken(UpstreamError):
     cause = "payload"
 
 
+class ResponseTooLarge(UpstreamBroken):
+    cause = "too_large"
+
+
+class Cancelled(UpstreamError):
+    """The request was cancelled from outside (``Cancel``); the message says why."""
+
+    cause = "cancelled"
+
+
+class Cancel:
+    """A handle to cancel one request while it is in flight, from outside its task
+    (the data plane, when the request's worker turns unhealthy). Give it to
+    ``UpstreamPool.request``; ``cancel(err)`` then fails the request — whichever
+    phase it is in, connecting, waiting or reading — with ``err`` and closes its
+    connection. Idempotent; a response already complete is not touched."""
+
+    __slots__ = ("resp", "err")
+
+    def __init__(self) -> None:
+        self.resp: Response | None = None  # the response in progress (set by request)
+        self.err: UpstreamError | None = None  # set once cancelled
+
+    def cancel(self, err: UpstreamError) -> None:
+        if self.err is None:
+            self.err = err
+        r = self.resp
+        if r is not None and r._state != _DONE:
+            r._fail(self.err)
+
+
 class Response:
     """One upstream response, parsed incrementally (by its own
     ``httptools.HttpResponseParser``) as ``_Conn`` feeds it bytes.
@@ -81,9 +128,11 @@ class Response:
 
     __slots__ = ("status", "headers", "_conn", "_parser", "_state", "_chunks", "_waiter",
                  "_err", "_keepalive", "_eof_framed", "_head", "_got", "_head_bytes",
-                 "_timer", "_loop", "_read_timeout", "_deadline")
+                 "_timer", "_loop", "_read_timeout", "_deadline", "_limit", "_held",
+                 "_streaming", "_paused", "_whole")
 
-    def __init__(self, conn: "_Conn", loop, read_timeout: float, deadline: float) -> None:
+    def __init__(self, conn: "_Conn", loop, read_timeout: float, deadline: float,
+                 limit: float = float("inf")) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}  # lower-case names; the final head's only
         self._conn = conn  # None once released
@@ -101,6 +150,12 @@ class Response:
         self._loop = loop
         self._read_timeout = read_timeout
         self._deadline = deadline  # loop time the whole request must end by
+        self._limit = limit  # most body bytes held for the consumer (ResponseTooLarge)
+        self._held = 0  # body bytes in _chunks
+        self._streaming = False  # the consumer called readany: pause instead of holding
+        self._paused = False  # reading from the connection is paused (flow control)
+        #: read() was called: the body grows here, one buffer rather than many chunks
+        self._whole: bytearray | None = None
 
     # ------------------------------------------------------------ consumer side
 
@@ -127,12 +182,18 @@ class Response:
                                        else "total request deadline passed"))
 
     async def readany(self) -> bytes:
-        """The body bytes received since the last call; ``b""`` at the end."""
+        """The body bytes received since the last call; ``b""`` at the end. From the
+        first call on, the connection pauses while more than ``STREAM_HIGH`` bytes
+        wait here."""
+        self._streaming = True
         while True:
             if self._chunks:
                 c = self._chunks
                 out = c[0] if len(c) == 1 else b"".join(c)
                 c.clear()
+                self._held = 0
+                if self._paused:
+                    self._resume()
                 return out
             if self._err is not None:
                 raise self._err
@@ -141,8 +202,18 @@ class Response:
             fut = self._waiter = self._loop.create_future()
             await self._wait(fut)
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self) -> bytes | bytearray:
+        """The whole body (at most the pool's ``body_limit``: ``ResponseTooLarge``,
+        at once when ``Content-Length`` says so)."""
+        cl = self.headers.get("content-length", "")
+        if cl.isdigit() and int(cl) > self._limit and self._state != _DONE:
+            self._fail(ResponseTooLarge(f"answer of {cl} bytes exceeds the limit of "
+                                        f"{self._limit:.0f} bytes"))
+        if self._state != _DONE and self._whole is None and self._err is None:
+            # no local name for the buffer: an error raised here keeps this frame
+            # (in its traceback, which the response holds) and must not keep the body
+            self._whole = bytearray().join(self._chunks)
+            self._chunks.clear()
         while self._state != _DONE:
             if self._err is not None:
                 raise self._err
@@ -150,6 +221,10 @@ class Response:
             await self._wait(fut)
         if self._err is not None:
             raise self._err
+        self._held = 0
+        if self._whole is not None:
+            out, self._whole = self._whole, None
+            return out
         c = self._chunks
         out = c[0] if len(c) == 1 else b"".join(c)
         c.clear()
@@ -157,21 +232,33 @@ class Response:
 
     def release(self) -> None:
         """Returns the connection to its pool if reusable, else closes it. Idempotent."""
+        self._chunks.clear()  # whatever was not taken goes now, not with the next gc
+        self._whole = None
         conn = self._conn
         if conn is None:
             return
         self._conn = None
         conn.resp = None
         if self._state == _DONE and self._err is None and self._keepalive:
+            if self._paused:  # the end arrived past the high-water mark
+                self._paused = False
+                conn.transport.resume_reading()
             conn.pool._put(conn)
         else:
             conn.close()
+
+    def _resume(self) -> None:
+        self._paused = False
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            conn.transport.resume_reading()
 
     # ------------------------------------------------------------ protocol side
 
     def _fail(self, err: UpstreamError) -> None:
         if self._err is None and self._state != _DONE:
             self._err = err
+            self._whole = None  # nobody will read it
         self._keepalive = False
         for f in (self._head, self._waiter):
             if f is not None and not f.done():
@@ -210,6 +297,9 @@ class Response:
             if isinstance(exc, httptools.HttpParserCallbackError) and \
                     not isinstance(exc.__context__, UpstreamBroken):
                 raise exc.__context__ or exc  # a bug in a callback, not the upstream's
+            if isinstance(exc.__context__, ResponseTooLarge):
+                self._fail(exc.__context__)
+                return
             st = self._state
             if st == _DONE:  # bytes past the end of the response: not reusable
                 self._keepalive = False
@@ -227,6 +317,10 @@ class Response:
             if self._head_bytes > MAX_HEAD:
                 self._fail(UpstreamBroken("response head too large"))
                 return
+        if self._streaming and not self._paused and self._state == _BODY and \
+                self._held > STREAM_HIGH and self._conn is not None:
+            self._paused = True  # the consumer is behind: let TCP push back
+            self._conn.transport.pause_reading()
         if self._chunks or self._state == _DONE:
             self._wake()
 
@@ -258,7 +352,14 @@ class Response:
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
+        if self._whole is not None:
+            self._whole += body
+        else:
+            self._chunks.append(body)
+        self._held += len(body)
+        if self._held > self._limit:
+            raise ResponseTooLarge(f"answer exceeds the limit of {self._limit:.0f} bytes "
+                                   "not yet passed on")  # stops the parser
 
     def on_message_complete(self) -> None:
         if self._state == _BODY:  # not an interim response
@@ -318,8 +419,11 @@ class UpstreamPool:
     request is sent once more on a fresh connection (``stale_retries``).
     """
 
-    def __init__(self, *, connect_timeout_s: float = 2.0, max_idle_per_host: int = 512) -> None:
+    def __init__(self, *, connect_timeout_s: float = 2.0, max_idle_per_host: int = 512,
+                 body_limit: float = float("inf")) -> None:
         self.connect_timeout_s = connect_timeout_s
+        #: most body bytes a response holds for its consumer (``ResponseTooLarge``)
+        self.body_limit = body_limit
         self.max_idle = max_idle_per_host
         self._idle: dict[tuple[str, int], collections.deque[_Conn]] = {}
         self._closed = False
@@ -347,9 +451,9 @@ class UpstreamPool:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: _Conn(self, key), key[0], key[1]),
                 self.connect_timeout_s)
-        except asyncio.TimeoutError:
-            raise UpstreamTimeout(f"connect to {key[0]}:{key[1]} timed out after "
-                                  f"{self.connect_timeout_s:g}s") from None
+        except asyncio.TimeoutError:  # nothing was sent: as retryable as a refusal
+            raise ConnectFailed(f"connect to {key[0]}:{key[1]} timed out after "
+                                f"{self.connect_timeout_s:g}s") from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: "
                                 f"{exc.strerror or exc}") from None
@@ -357,10 +461,13 @@ class UpstreamPool:
         return conn
 
     async def request(self, host: str, port: int, head: bytes, body: bytes, *,
-                      read_timeout_s: float, total_timeout_s: float) -> Response:
+                      read_timeout_s: float, total_timeout_s: float,
+                      cancel: Cancel | None = None) -> Response:
         """Sends ``head`` (request line and headers, ending in a blank line) and
-        ``body``; returns once the response head arrived. The caller must
-        ``release()`` the response on every path."""
+        ``body``; returns once the response head arrived. ``read_timeout_s`` bounds
+        each wait for bytes (``inf``: only the total deadline does); ``cancel``, if
+        given, can fail the request from outside. The caller must ``release()`` the
+        response on every path."""
         if self._closed:
             raise RuntimeError("UpstreamPool.request() after aclose()")
         loop = asyncio.get_running_loop()
@@ -377,8 +484,13 @@ class UpstreamPool:
                     break
             if conn is None:
                 conn = await self._connect(key)
-            resp = Response(conn, loop, read_timeout_s, deadline)
+            resp = Response(conn, loop, read_timeout_s, deadline, self.body_limit)
             conn.resp = resp
+            if cancel is not None:
+                cancel.resp = resp
+                if cancel.err is not None:  # cancelled while connecting: nothing sent
+                    resp.release()
+                    raise cancel.err
             if conn.closed:  # died between accept and now
                 resp.release()
                 if reused:

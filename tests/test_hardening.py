@@ -784,7 +784,8 @@ def test_check_config_warns_on_an_empty_fleet(tmp_path):
 async def test_metrics_hygiene(fleet):
     async def fail(request):
         await request.read()
-        return web.json_response({"error": {"message": "boom"}}, status=502)
+        # a worker refusing (503: it did not take the request) is retried elsewhere
+        return web.json_response({"error": {"message": "boom"}}, status=503)
 
     async def health(request):
         return web.json_response({"data": []})
@@ -813,7 +814,7 @@ async def test_metrics_hygiene(fleet):
     # round-robin cursor moves on the retry too): 4 outcomes, 8 attempts
     outcomes = [l for l in text.splitlines() if l.startswith("radixfleet_requests_total")]
     assert outcomes == ['radixfleet_requests_total{reason="fallback",status="200",worker="good"} 4.0']
-    assert 'radixfleet_upstream_attempts_total{outcome="502",worker="bad"} 4.0' in text
+    assert 'radixfleet_upstream_attempts_total{outcome="503",worker="bad"} 4.0' in text
     assert 'radixfleet_upstream_attempts_total{outcome="200",worker="good"} 4.0' in text
     assert "radixfleet_ttft_seconds_count 2.0" in text
     assert "radixfleet_matched_prefix_tokens_count 4.0" in text

@@ -65,6 +65,54 @@ def test_events_cut_across_reads_are_held_whole():
     assert out == ROLE + TOKEN + DONE and w.usage == (100, 64) and w.first_token
 
 
+def _with_sep(data: bytes, sep: bytes) -> bytes:
+    """``data`` (events ending in LF LF) with every blank line written as ``sep`` and
+    every other line end as ``sep``'s first line end."""
+    nl = b"\r\n" if sep.startswith(b"\r\n") else sep[:1]
+    return data.replace(b"\n\n", b"\0").replace(b"\n", nl).replace(b"\0", sep)
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n", b"\r\r", b"\r\n\n", b"\n\r\n",
+                                 b"\r\r\n", b"\n\r"])
+def test_every_sse_event_separator_ends_an_event_as_it_arrives(sep):
+    # each event is passed on (and its facts read) as soon as its blank line arrives,
+    # not at the end of the stream, whichever line ends the worker writes
+    events = [_with_sep(e, sep) for e in (ROLE, TOKEN, USAGE, DONE)]
+    w = StreamWatch(strip_usage=True)
+    assert w.feed(events[0]) == events[0] and not w.first_token
+    assert w.feed(events[1]) == events[1] and w.first_token
+    assert w.feed(events[2]) == b"" and w.usage == (100, 64)
+    assert w.feed(events[3]) == events[3] and w.pending == 0
+    assert w.flush() == b""
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n", b"\r\r"])
+def test_events_cut_anywhere_pass_byte_for_byte(sep):
+    # a cut inside a CRLF (or after a lone CR) neither loses nor adds a byte, and a
+    # multi-line event is read whole
+    multi = b'data: {"choices": [{"delta":\ndata:  {"content": "Hi"}}]}\n\n'
+    data = _with_sep(ROLE + multi + USAGE + DONE, sep)
+    want = _with_sep(ROLE + multi + DONE, sep)
+    for cut in range(1, len(data)):
+        w = StreamWatch(strip_usage=True)
+        out = w.feed(data[:cut]) + w.feed(data[cut:]) + w.flush()
+        assert out == want, cut
+        assert w.first_token and w.usage == (100, 64), cut
+    w = StreamWatch(strip_usage=True)
+    out = b"".join(w.feed(data[i:i + 1]) for i in range(len(data))) + w.flush()
+    assert out == want
+
+
+def test_a_broken_stream_drops_its_unfinished_event():
+    w = StreamWatch()
+    assert w.feed(TOKEN + b'data: {"choices":[{"delta":{"content":"hel') == TOKEN
+    assert w.pending > 0
+    assert w.flush(complete=False) == b"" and w.pending == 0
+    w = StreamWatch()
+    w.feed(TOKEN + b"data: [DONE]")
+    assert w.flush() == b"data: [DONE]"  # a clean end passes what came, as it came
+
+
 def test_completions_text_tool_calls_and_sglang_generate_count_as_tokens():
     for obj in ({"choices": [{"text": "x"}]},
                 {"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]},

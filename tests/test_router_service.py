@@ -667,23 +667,236 @@ def test_cli_bad_input_exits_2(tmp_path):
         assert p.stderr.count("\n") == 1 and "error" in p.stderr, p.stderr
 
 
-async def test_first_byte_timeout_retries_then_504(two_upstreams):
+class FakeWorker:
+    """An OpenAI-shaped worker that counts what it started, finished and saw cancelled
+    (its client, the router, closed the connection), and that can hang like a stopped
+    process: ``hang()`` makes every request in progress and every health check wait
+    forever (until cancelled). ``answer`` may replace the non-streamed answer's
+    (status, content type, body); ``sse`` the streamed answer's bytes (``gap_s`` in
+    the request: a pause after each part)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.started = self.finished = self.cancelled = 0
+        self.hung = False
+        self.answer: tuple[int, str, bytes] | None = None
+        self.sse: list[bytes] | None = None
+
+    def hang(self) -> None:
+        self.hung = True
+
+    async def _stall(self) -> None:
+        if self.hung:
+            await asyncio.Event().wait()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.started += 1
+        try:
+            delay = body.get("delay_s", 0)
+            if body.get("stream"):
+                await asyncio.sleep(delay)
+                await self._stall()
+                sr = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await sr.prepare(request)
+                for part in self.sse or [b'data: {"choices": [{"text": "x"}]}\n\n',
+                                         b"data: [DONE]\n\n"]:
+                    await sr.write(part)
+                    await asyncio.sleep(body.get("gap_s", 0))
+                    await self._stall()
+                await sr.write_eof()
+                self.finished += 1
+                return sr
+            await asyncio.sleep(delay)
+            await self._stall()
+            status, ctype, data = self.answer or (200, "application/json", json.dumps(
+                {"choices": [{"text": self.name}], "usage": {"prompt_tokens": 1}}).encode())
+            self.finished += 1
+            return web.Response(status=status, body=data, content_type=ctype)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def health(self, request: web.Request) -> web.Response:
+        await self._stall()
+        return web.Response(text="ok")
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        return app
+
+
+@pytest.fixture
+async def fake_workers():
+    runners, out = [], []
+    for name in ("a", "b"):
+        fw = FakeWorker(name)
+        r, fw.url = await start_app(fw.app())
+        runners.append(r)
+        out.append(fw)
+    yield out
+    for r in runners:
+        await r.cleanup()
+
+
+async def _eventually(cond, within_s: float = 3.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_non_streamed_answer_slower_than_first_byte_s_runs_once(fake_workers):
+    # A non-streamed answer sends nothing until its generation is done: the first-byte
+    # timeout is for streams. It must succeed, having run on one worker only.
     router, runner, base = await start_router({
-        "workers": [{"url": u} for u in two_upstreams], "policy": {"name": "round_robin"},
-        "timeouts": {"first_byte_s": 0.2}, "retries": {"max_attempts": 2},
+        "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
+        "policy": {"name": "round_robin"}, "timeouts": {"first_byte_s": 0.2}})
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.post(base + "/v1/completions",
+                             json={"model": "m", "prompt": "x", "delay_s": 0.8})
+            assert r.status_code == 200, r.text
+        assert sum(fw.started for fw in fake_workers) == 1
+        assert sum(fw.finished for fw in fake_workers) == 1
+        assert router.metrics.retries.labels("timeout")._value.get() == 0
+        assert all(w.in_flight == 0 for w in router.pool)
+    finally:
+        await runner.aclose()
+
+
+async def test_a_timed_out_generation_is_cancelled_not_sent_again(fake_workers):
+    # a stream silent past first_byte_s, and a non-streamed answer past total_s: 504,
+    # one attempt each, cancelled on its worker (the connection closed)
+    router, runner, base = await start_router({
+        "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
+        "policy": {"name": "round_robin"}, "retries": {"max_attempts": 3},
+        "timeouts": {"first_byte_s": 0.2, "total_s": 0.6},
         "breaker": {"failure_threshold": 100}})
     try:
         async with httpx.AsyncClient(timeout=10) as c:
+            for body in ({"stream": True, "delay_s": 5}, {"delay_s": 5}):
+                t0 = time.monotonic()
+                r = await c.post(base + "/v1/completions",
+                                 json={"model": "m", "prompt": "x", **body})
+                assert r.status_code == 504, r.text
+                assert r.json()["error"]["code"] == "upstream_timeout"
+                assert time.monotonic() - t0 < 2.0
+            await _eventually(lambda: sum(fw.cancelled for fw in fake_workers) == 2)
+        assert sum(fw.started for fw in fake_workers) == 2
+        assert sum(fw.finished for fw in fake_workers) == 0
+        assert router.metrics.retries.labels("timeout")._value.get() == 0
+        assert all(w.in_flight == 0 for w in router.pool)
+    finally:
+        await runner.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_request_on_a_hung_worker_moves_within_a_health_interval(fake_workers,
+                                                                         stream):
+    # The worker stops answering anything (as a SIGSTOPped process does): once its
+    # health checks mark it unhealthy, the request waiting on it is cancelled there
+    # and answered by the other worker, long before any timeout.
+    health = {"interval_s": 0.2, "timeout_s": 0.2, "failure_threshold": 2,
+              "success_threshold": 1}
+    router, runner, base = await start_router({
+        "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
+        "policy": {"name": "round_robin"}, "health": health,
+        "timeouts": {"first_byte_s": 30, "total_s": 60}})
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
             t0 = time.monotonic()
-            r = await c.post(base + "/v1/completions",
-                             json={"model": "m", "prompt": "x", "delay_s": 1.0})
-            assert r.status_code == 504, r.text
-            err = r.json()["error"]
-            assert err["code"] == "upstream_timeout" and "2 attempt(s) failed" in err["message"]
-            assert time.monotonic() - t0 < 0.9
-            assert router.metrics.retries.labels("timeout")._value.get() == 1
-            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
-            assert r.status_code == 200
+            req = asyncio.ensure_future(c.post(base + "/v1/completions", json={
+                "model": "m", "prompt": "x", "delay_s": 0.3, "stream": stream}))
+            await _eventually(lambda: sum(fw.started for fw in fake_workers) == 1)
+            hung = next(fw for fw in fake_workers if fw.started)
+            other = next(fw for fw in fake_workers if fw is not hung)
+            hung.hang()
+            r = await req
+            took = time.monotonic() - t0
+            assert r.status_code == 200, r.text
+            assert r.headers["x-radixfleet-worker"] == other.name
+            # unhealthy after ~2 failed checks (<= 3 intervals + timeouts), then at once
+            assert took < 2.5, took
+            await _eventually(lambda: hung.cancelled == 1)
+        assert hung.finished == 0 and other.started == other.finished == 1
+        assert router.metrics.retries.labels("unhealthy")._value.get() == 1
+        assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router.pool)
+        assert not router.dataplane._waiting
+    finally:
+        await runner.aclose()
+
+
+async def test_a_stream_begun_on_a_worker_that_hangs_ends_with_an_error_event(fake_workers):
+    # the client already has bytes, so the request cannot move: once the worker is
+    # unhealthy its stream ends with one well-formed error event, and the worker's
+    # request is cancelled, long before first_byte_s
+    health = {"interval_s": 0.2, "timeout_s": 0.2, "failure_threshold": 2,
+              "success_threshold": 1}
+    a = fake_workers[0]
+    router, runner, base = await start_router({
+        "workers": [{"url": a.url, "id": "a"}], "health": health,
+        "timeouts": {"first_byte_s": 30, "total_s": 60}})
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            t0 = time.monotonic()
+            async with c.stream("POST", base + "/v1/completions", json={
+                    "model": "m", "prompt": "x", "stream": True, "gap_s": 0.5}) as r:
+                assert r.status_code == 200
+                a.hang()  # after its first event
+                body = b"".join([chunk async for chunk in r.aiter_raw()])
+            took = time.monotonic() - t0
+        events = [e for e in body.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]" and len(events) == 3, body
+        assert json.loads(events[0][6:])["choices"][0]["text"] == "x"
+        assert json.loads(events[1][6:])["error"]["code"] == "upstream_failed"
+        assert took < 2.5, took
+        await _eventually(lambda: a.cancelled == 1)
+        assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router.pool)
+    finally:
+        await runner.aclose()
+
+
+async def test_worker_errors_reach_the_client_wrapped_and_without_addresses(fake_workers):
+    a = fake_workers[0]
+    router, runner, base = await start_router({
+        "workers": [{"url": a.url}], "policy": {"name": "round_robin"},
+        "breaker": {"failure_threshold": 100}, "limits": {"max_response_bytes": 4096}})
+    host = a.url.split("//")[1]
+    trace = b"Traceback (most recent call last):\n  File \"/srv/vllm/x.py\"\nKeyError: 'x'"
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            async def post():
+                r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+                assert r.headers["content-type"].startswith("application/json"), r.headers
+                assert host not in r.text and "127.0.0.1" not in r.text and \
+                    "Traceback" not in r.text, r.text
+                return r.status_code, r.json()["error"]
+            # a 500 with a stack trace: 502, once (the worker may have run it)
+            a.answer = (500, "text/plain", trace)
+            status, err = await post()
+            assert status == 502 and err["code"] == "upstream_error" and a.started == 1
+            # a 503 is retried (here: no other worker) and keeps its status
+            a.answer = (503, "text/plain", b"overloaded at " + host.encode())
+            status, err = await post()
+            assert status == 503 and err["type"] == "service_unavailable"
+            # a 4xx keeps the worker's message, in the OpenAI shape
+            a.answer = (400, "application/json", json.dumps(
+                {"object": "error", "message": "maximum context length is 4096 tokens",
+                 "type": "BadRequestError", "param": None, "code": 400}).encode())
+            status, err = await post()
+            assert status == 400 and err == {"message": "maximum context length is 4096 "
+                                             "tokens", "type": "BadRequestError",
+                                             "code": 400, "param": None}
+            a.answer = (404, "text/plain", b"404: Not Found")
+            status, err = await post()
+            assert status == 404 and err["type"] == "not_found_error"
+            # an answer past limits.max_response_bytes: 502, not held
+            a.answer = (200, "application/json", b'{"x": "' + b"y" * 8192 + b'"}')
+            status, err = await post()
+            assert status == 502 and err["code"] == "upstream_response_too_large"
         assert all(w.in_flight == 0 for w in router.pool)
     finally:
         await runner.aclose()

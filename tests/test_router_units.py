@@ -17,7 +17,10 @@ from protocol.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
 from router.feedback import Feedback
 from router.pool import Breaker, HealthState, Pool, Source
 from router.prefix_index import PrefixIndex
-from router.upstream import ConnectFailed, Response, UpstreamBroken, _DONE
+from router.upstream import (
+    STREAM_HIGH, Cancel, Cancelled, ConnectFailed, Response, ResponseTooLarge, UpstreamBroken,
+    UpstreamPool, _DONE, build_head,
+)
 
 
 class Clock:
@@ -341,6 +344,101 @@ async def test_parser_first_byte_timeout():
     with pytest.raises(UpstreamTimeout, match="no first byte within 0.05s"):
         await r.wait_head()
     assert conn.closed
+
+
+async def test_parser_refuses_a_body_over_its_limit():
+    loop = asyncio.get_running_loop()
+    conn = FakeConn()
+    r = Response(conn, loop, 5.0, loop.time() + 5, limit=10)
+    conn.resp = r
+    r._feed(b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\nabc")
+    await r.wait_head()
+    with pytest.raises(ResponseTooLarge, match="answer of 11 bytes"):  # before it came
+        await r.read()
+    assert conn.closed
+    conn = FakeConn()
+    r = Response(conn, loop, 5.0, loop.time() + 5, limit=10)
+    conn.resp = r
+    r._feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n6\r\nabcdef\r\n")
+    assert r._err is None
+    r._feed(b"6\r\nghijkl\r\n0\r\n\r\n")  # 12 bytes held: past the limit
+    assert isinstance(r._err, ResponseTooLarge) and conn.closed
+
+
+async def _serve(handle):
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def test_a_slow_stream_consumer_pauses_the_worker_not_the_memory():
+    size = 16 * STREAM_HIGH
+    sent = asyncio.Event()
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(16):
+            writer.write(b"x" * STREAM_HIGH)
+            await writer.drain()
+        sent.set()
+        writer.close()
+
+    srv, port = await _serve(handle)
+    pool = UpstreamPool(body_limit=4 * STREAM_HIGH)
+    try:
+        resp = await pool.request("127.0.0.1", port, build_head("/x", "h", 0, b""), b"",
+                                  read_timeout_s=5, total_timeout_s=20)
+        got = len(await resp.readany())
+        peak = 0
+        while True:
+            await asyncio.sleep(0.02)  # a slow client
+            peak = max(peak, resp._held)
+            chunk = await resp.readany()
+            if not chunk:
+                break
+            got += len(chunk)
+        resp.release()
+        assert got == size and sent.is_set()
+        # never more than the high-water mark plus one read was held: TCP pushed back
+        assert peak <= STREAM_HIGH + (1 << 18), peak
+    finally:
+        await pool.aclose()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_cancel_fails_a_waiting_request_and_closes_its_connection():
+    closed = asyncio.Event()
+
+    async def handle(reader, writer):  # takes the request, never answers (a hung worker)
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read()  # returns at EOF: the router closed the connection
+        closed.set()
+        writer.close()
+
+    srv, port = await _serve(handle)
+    pool = UpstreamPool()
+    try:
+        cancel = Cancel()
+        req = asyncio.ensure_future(pool.request(
+            "127.0.0.1", port, build_head("/x", "h", 0, b""), b"", read_timeout_s=float("inf"),
+            total_timeout_s=30, cancel=cancel))
+        await asyncio.sleep(0.1)
+        assert not req.done()
+        cancel.cancel(Cancelled("worker unhealthy"))
+        with pytest.raises(Cancelled, match="worker unhealthy"):
+            await asyncio.wait_for(req, 2)
+        await asyncio.wait_for(closed.wait(), 2)  # the worker saw its client leave
+        cancel = Cancel()
+        cancel.cancel(Cancelled("before it was sent"))
+        with pytest.raises(Cancelled):
+            await pool.request("127.0.0.1", port, build_head("/x", "h", 0, b""), b"",
+                               read_timeout_s=1, total_timeout_s=1, cancel=cancel)
+        assert pool.idle_count() == 0
+    finally:
+        await pool.aclose()
+        srv.close()
+        await srv.wait_closed()
 
 
 # ------------------------------------------------------- randomized pool stress
