@@ -378,15 +378,6 @@ class DataPlane:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
             self.upstream.body_limit = lim.max_response_bytes
 
-    def aiohttp_handler(self, endpoint: Endpoint):
-        """An aiohttp handler serving ``endpoint`` through ``AiohttpExchange``."""
-        async def handler(request: web.Request) -> web.StreamResponse:
-            ex = AiohttpExchange(request)
-            await self.serve(ex, endpoint)
-            return ex.result
-        handler.__name__ = f"proxy_{endpoint.name.lower()}"
-        return handler
-
     def _reject(self, ex, exc: RequestError, rid: str) -> None:
         self.metrics.rejected.labels(str(exc.status), exc.code).inc()
         extra = [(REQUEST_ID_HEADER, rid)]
