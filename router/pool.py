@@ -525,8 +525,26 @@ class Pool:
             in_grace=now - self.started < served.STARTUP_GRACE_S,
             retry_after_s=self.cfg.health.interval_s)
 
-    def ready(self) -> bool:
-        return any(w.health is HealthState.HEALTHY for w in self._by_id.values())
+    def readiness(self) -> tuple[bool, list[str]]:
+        """(ready, ids of the workers it waits for). Ready when every configured,
+        admin-added and discovered worker has answered its first health check or
+        failed it, every healthy worker's served models are known (registered, or
+        its ``/v1/models`` asked), and at least one worker is healthy: a probe that
+        said ready when the first of N answered sent the next seconds' requests to
+        a 503 ("no routable worker serves model x yet") or to one worker's queue."""
+        waiting = []
+        healthy = False
+        for w in self._by_id.values():
+            if w.health is HealthState.UNKNOWN:
+                if w.source is not Source.AGENT:
+                    waiting.append(w.id)
+            elif w.health is HealthState.HEALTHY:
+                if w.source is not Source.AGENT and w.registered_epoch is None \
+                        and w.models_until == 0.0:
+                    waiting.append(w.id)  # models not asked yet
+                else:
+                    healthy = True
+        return healthy and not waiting, waiting
 
     # ------------------------------------------------------------ health checks
 
