@@ -154,7 +154,14 @@ class Feedback:
                             return self._stopped(w)
             elif cls is Snapshot:
                 blocks = ev.blocks
-                idx.apply_snapshot(wid, (), now)  # cleared, known
+                for removed in idx.clear_steps(wid, SLICE_BLOCKS):
+                    budget -= removed
+                    if budget <= 0:
+                        budget = SLICE_BLOCKS
+                        yield
+                        if not self._still(w, batch):
+                            return self._stopped(w)
+                idx.apply_snapshot(wid, (), now)  # cleared (hints inserted meanwhile), known
                 insert = idx.insert
                 for i in range(0, len(blocks), SLICE_BLOCKS):
                     for key, parent in blocks[i:i + SLICE_BLOCKS]:

@@ -85,7 +85,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from itertools import count as _counter
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from policies.base import EMPTY_MATCH, MatchResult
 
@@ -540,6 +540,39 @@ class PrefixIndex:
             self._wheap_records -= len(heap)
             heap.clear()
         return removed
+
+    def clear_steps(self, worker: str, limit: int) -> Iterator[int]:
+        """``clear`` in slices: removes ``worker``'s entries deepest first, at most
+        ``limit`` per step, and yields the number removed after each step; the
+        index is consistent at every yield (``check()`` holds; the one entry the
+        step made a leaf gets its LRU record). Entries inserted between steps are
+        removed too when they hang below what is still to be removed. O(entries
+        removed) in all, so a caller can give the event loop back between steps.
+        """
+        root = self._root
+        stack = [c for c in root.kid_list() if c.held_by(worker)]
+        while stack:
+            removed = 0
+            while stack and removed < limit:
+                n = stack[-1]
+                if n.parent is None or not n.held_by(worker):
+                    stack.pop()  # removed meanwhile (with its subtree)
+                    continue
+                kids = [c for c in n.kid_list() if c.held_by(worker)]
+                if kids:
+                    stack.extend(kids)
+                    continue
+                stack.pop()
+                self._drop_entry(n, worker)
+                removed += 1
+            if stack:
+                top = stack[-1]
+                if top.parent is not None and top.held_by(worker) and not any(
+                        c.held_by(worker) for c in top.kid_list()):
+                    self._push(top, worker, top.touch_of(worker))  # a leaf now
+                if self._est_bytes() > self.max_bytes:  # the record may tip it over
+                    self._evict_to_budget()
+            yield removed
 
     def drop_worker(self, worker: str) -> int:
         """``clear`` and forget the worker (its cap, a setting, is kept)."""

@@ -276,3 +276,28 @@ def test_fair_share_stress_keeps_every_invariant():
         if step % 10 == 0:
             idx.check()
     idx.check()
+
+
+def test_clear_steps_removes_deepest_first_and_stays_consistent_between_steps():
+    rng = random.Random(5)
+    idx = PrefixIndex()
+    idx.set_capacity("c", 10_000)
+    for w in ("a", "c"):
+        for tag in range(30):  # a tree: chains sharing prefixes, and one long chain
+            idx.insert(w, chain(tag % 7, rng.randrange(1, 40)), float(tag))
+        idx.insert(w, chain(99, 500), 50.0)
+    idx.insert("b", chain(3, 20), 60.0)
+    b_before = idx.entries("b")
+    for w in ("a", "c"):
+        total = idx.entries(w)
+        seen = 0
+        for i, removed in enumerate(idx.clear_steps(w, 37)):
+            assert removed <= 37
+            seen += removed
+            idx.check()
+            assert idx.entries(w) == total - seen
+            if i == 3:  # the world moves between steps: a hint lands meanwhile
+                total += idx.insert(w, chain(99, 5) + [424242], 70.0)
+        assert idx.entries(w) == 0
+    assert idx.entries("b") == b_before
+    idx.check()
