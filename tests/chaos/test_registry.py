@@ -186,12 +186,15 @@ def test_worker_urls_that_point_where_they_must_not_are_refused(upstream, url, a
 
 
 def test_numeric_ipv4_forms_are_one_worker(upstream):
+    """``0x7f.1`` and ``2130706433`` are 127.0.0.1: the worker already listed."""
     port = upstream.rsplit(":", 1)[1]
     with RouterProcess(argv=["--worker", f"url={upstream},id=real"]) as r:
         with httpx.Client(timeout=5) as c:
-            a = c.post(r.base + "/admin/workers", json={"url": f"http://0x7f.1:{port}"})
-            assert a.status_code == 409 or a.status_code == 400, a.text  # already w "real"
-            assert "127.0.0.1" in a.text
+            for host in ("0x7f.1", "2130706433", "0177.0.0.1"):
+                a = c.post(r.base + "/admin/workers", json={"url": f"http://{host}:{port}"})
+                assert a.status_code == 409, a.text
+                assert f"'http://127.0.0.1:{port}' already exists (id 'real')" in a.text
+            assert len(c.get(r.base + "/admin/workers").json()["workers"]) == 1
     r.assert_no_tracebacks()
 
 
