@@ -318,7 +318,8 @@ class Pool:
           with the seconds until the next), added UNKNOWN and probed at once:
           routable after its first passed check (a known one that is not healthy
           is probed at once too). A pool that runs no health checks (the
-          simulator's) has nothing to wait for: healthy at once.
+          simulator's, whose agents are its own) has nothing to wait for:
+          healthy at once, and no rate bound.
         """
         w = self._by_id.get(wid)
         if w is not None and w.url != url:
@@ -339,7 +340,7 @@ class Pool:
                              dataclasses.replace(old.spec, id=wid) if old.spec is not None
                              else WorkerSpec(url=url, id=wid, kind="agent"))
             else:
-                wait_s = self._admit()
+                wait_s = self._admit() if self._session is not None else 0.0
                 if wait_s > 0:
                     raise Overloaded("too many new workers registering; retry later",
                                      retry_after_s=wait_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import aiohttp
 import pytest
 
 from router.dataplane import Admission
@@ -216,8 +217,18 @@ def test_register_refuses_an_id_held_at_another_url():
     pool.check()
 
 
-def test_register_admits_new_workers_at_the_configured_rate():
+async def test_register_admits_new_workers_at_the_configured_rate():
+    """A pool that probes (a router's) bounds new self-registered workers."""
     pool, idx, clock = make_pool(registration={"rate_per_s": 2.0, "burst": 3})
+    async with aiohttp.ClientSession() as session:
+        await pool.start(session)
+        try:
+            _admit_at_rate(pool, clock)
+        finally:
+            await pool.aclose()
+
+
+def _admit_at_rate(pool, clock):
     for i in range(3):
         pool.register(f"n{i}", f"http://127.0.0.1:{100 + i}", "e")
     with pytest.raises(Overloaded) as e:
