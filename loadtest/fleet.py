@@ -334,8 +334,30 @@ class Fleet:
             self.router.stop()
             self.router = None
 
+    def check_ports(self) -> None:
+        """Raises ``ConfigError`` (one line, exit 2) if a port the fleet was told to use
+        is taken, before anything starts: agents started anyway would register with
+        whatever router holds the router's port."""
+        c = self.cfg
+        wanted = []
+        if c.router_port:
+            wanted.append(("--port", self.router_port))
+        if c.agent_base_port:
+            wanted += [("--agent-base-port", p) for p in self.agent_ports]
+        for flag, port in wanted:
+            with socket.socket(socket.AF_INET6 if ":" in c.host else socket.AF_INET,
+                               socket.SOCK_STREAM) as s:
+                # as the servers bind: a port in TIME_WAIT is free, a listener is not
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((c.host, port))
+                except OSError as exc:
+                    raise ConfigError(flag, f"port {port} on {c.host} is taken "
+                                      f"({exc.strerror or exc}); choose another") from None
+
     def __enter__(self) -> "Fleet":
         try:
+            self.check_ports()
             self.start_agents()
             if self.start_router_on_enter:
                 self.start_router()

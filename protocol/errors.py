@@ -10,6 +10,8 @@ exceptions. What remains is caller misuse and bad input::
      |    +-- PromptTooLarge        prompt can never fit the worker's KV pool -> 400
      |    +-- Unauthorized          missing/wrong bearer token or API key -> 401
      |    +-- NotFound              unknown path, model or worker -> 404
+     |    +-- Conflict              a name held by someone else (a worker id
+     |    |                         registered at another URL) -> 409
      |    +-- Overloaded            concurrency queue full, fleet past its queue
      |    |                         bound -> 429 (Retry-After)
      |    +-- NoWorkerAvailable     no healthy, undrained worker -> 503 (Retry-After)
@@ -79,6 +81,20 @@ class NotFound(RequestError):
     status = 404
     error_type = "not_found_error"
     code = "not_found"
+
+
+class Conflict(RequestError):
+    """The request names something another party holds; ``code`` says what (an
+    instance may narrow the class's code, e.g. ``worker_id_taken``)."""
+
+    status = 409
+    code = "conflict"
+
+    def __init__(self, message: str, *, code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        if code is not None:
+            self.code = code
 
 
 class Overloaded(RequestError):

@@ -32,7 +32,11 @@ Answers (JSON ``{"status": ...}``):
     400 / 401                malformed / bad token
 
 Registration: ``POST /internal/v1/register`` with ``{"worker_id", "url", "epoch",
-"models": [...], "block_bytes": 128}``, answered ``200 {"status": "ok"}``.
+"models": [...], "block_bytes": 128}``, answered ``200 {"status": "ok"}``; ``409
+worker_id_taken`` when a worker at another URL holds the id, ``429`` with ``Retry-After`` past the router's bound on new
+self-registered workers. A batch is applied only from the URL and epoch its worker
+registered with; any other gets ``404 unknown_worker`` (so the agent re-registers,
+and is refused if the id is someone else's).
 ``block_bytes`` is the block size the agent hashes with (its ``--block-bytes``);
 when it differs from the router's ``keys.block_bytes`` every hash the agent
 reports is one the router never looks up, so the router refuses it with
@@ -55,6 +59,8 @@ STATUS_OK = "ok"
 STATUS_SNAPSHOT_REQUIRED = "snapshot_required"
 STATUS_UNKNOWN_WORKER = "unknown_worker"
 STATUS_BLOCK_BYTES_MISMATCH = "block_bytes_mismatch"
+#: registration refused: the id is held by a worker at another URL
+STATUS_WORKER_ID_TAKEN = "worker_id_taken"
 
 EVENTS_PATH = "/internal/v1/events"
 REGISTER_PATH = "/internal/v1/register"

@@ -13,7 +13,11 @@ delete (the DELETE's request line was refused with 431).
     agent epoch             1..128 chars, same alphabet      400
     model / adapter name    1..256 chars, no control chars   400
     models per worker       64                               400
-    worker URL              2,048 chars                      400 / config error
+    worker URL              2,048 chars; no user:password@; its host
+                            not link-local (169.254/16, fe80::/10: cloud
+                            metadata), wildcard (0.0.0.0, ::), multicast or
+                            broadcast; numeric IPv4 forms normalised
+                            (0x7f.1, 2130706433 -> 127.0.0.1)   400 / config error
     tenant (header source)  256 UTF-8 bytes                  400
     x-request-id            1..128 chars of [A-Za-z0-9._:@+=-]   replaced by the router's own
 
@@ -24,7 +28,9 @@ a field path, ``MalformedRequest`` with a param).
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 
 MAX_ID_CHARS = 128
 MAX_NAME_CHARS = 256
@@ -36,6 +42,8 @@ MAX_REQUEST_ID_CHARS = 128
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=\[\]-]*")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=-]+")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: what inet_aton reads as an IPv4 address: dotted parts in decimal, octal or hex
+_NUMERIC_V4 = re.compile(r"(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}", re.I)
 
 
 def _show(value: str) -> str:
@@ -92,3 +100,46 @@ def request_id(value: str | None) -> str | None:
     if value and len(value) <= MAX_REQUEST_ID_CHARS and _REQUEST_ID.fullmatch(value):
         return value
     return None
+
+
+def worker_host(host: str) -> tuple[str, str | None]:
+    """A worker URL's host, canonical, and why it is refused (or None).
+
+    A host that only *looks* like a name but is an IPv4 number in another notation
+    (``0x7f.1``, ``2130706433``, ``0177.0.0.1``: what ``inet_aton`` and so every HTTP
+    client accepts) is rewritten as a dotted quad, so that one worker cannot hide
+    under several URLs and the address checks below see what a connection would
+    reach. Refused: link-local addresses (169.254.0.0/16 holds the cloud metadata
+    service; fe80::/10), the unspecified address (``0.0.0.0``, ``::``: a listening
+    wildcard, reachable from nowhere else), multicast and broadcast. Names are kept
+    as written (lower case); they are not resolved here.
+    """
+    h = host.lower()
+    addr = None
+    if ":" in h:
+        try:
+            addr = ipaddress.IPv6Address(h.split("%", 1)[0])
+        except ValueError:
+            return h, f"invalid IPv6 address {_show(host)}"
+        if addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+    elif _NUMERIC_V4.fullmatch(h):
+        try:
+            addr = ipaddress.IPv4Address(socket.inet_aton(h))
+        except OSError:
+            return h, f"invalid IPv4 address {_show(host)}"
+    if addr is None:
+        return h, None
+    canon = str(addr) if addr.version == 4 else f"[{addr}]"
+    if addr.is_link_local:
+        return canon, (f"worker host {canon} is link-local (169.254.0.0/16, fe80::/10: "
+                       "the cloud metadata service lives there); use the worker's "
+                       "routable address")
+    if addr.is_unspecified:
+        return canon, (f"worker host {canon} is a listening wildcard, not an address "
+                       "anyone can reach; use the worker's routable address (an agent: "
+                       "--advertise-url)")
+    if addr.is_multicast or (addr.version == 4 and addr == ipaddress.IPv4Address(
+            "255.255.255.255")):
+        return canon, f"worker host {canon} is a multicast or broadcast address"
+    return canon, None

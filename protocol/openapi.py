@@ -199,7 +199,7 @@ def _router_spec() -> dict:
         "/internal/v1/register": {
             "post": {"summary": "an agent announces itself", "security": agent,
                      "requestBody": {"required": True, **_json(REGISTRATION)},
-                     "responses": {**_ok("registered", _OBJECT), **_errors(400, 401, 409)}}},
+                     "responses": {**_ok("registered", _OBJECT), **_errors(400, 401, 409, 429)}}},
         "/internal/v1/events": {
             "post": {"summary": "an agent's cache events and load", "security": agent,
                      "requestBody": {"required": True, **_json(EVENT_BATCH)},

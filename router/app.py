@@ -13,8 +13,11 @@ Endpoints::
     GET  /v1/models            union of the routable workers' models (authenticated as
                                the data plane is: keys.tenant)
     GET  /health               the router process is up
-    GET  /readiness            200 once at least one worker is healthy (and, with a bus,
-                               the stream's history is applied), else 503
+    GET  /readiness            200 once every configured worker has answered its first
+                               probe or failed it, served models are known and one
+                               worker is healthy (and, with a bus, the stream's history
+                               is applied: Pool.readiness), else 503 (``waiting``:
+                               the workers it waits for)
     GET  /metrics              Prometheus text (no prefix hashes: router.metrics)
     GET  /openapi.json         the OpenAPI 3 description of all of this (protocol.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
@@ -245,8 +248,8 @@ class Router:
         now = time.monotonic()
         healthy = [w.id for w in self.pool if w.health.value == "healthy"]
         routable = [w.id for w in self.pool.routable_workers(now)]
-        ready = bool(healthy)
-        body = {"ready": ready, "healthy": healthy, "routable": routable}
+        ready, waiting = self.pool.readiness()
+        body = {"ready": ready, "healthy": healthy, "routable": routable, "waiting": waiting}
         if self.bus is not None:
             caught_up = self.bus.ready()
             body["bus"] = self.bus.describe()

@@ -22,6 +22,7 @@ documents each key)::
     index:    {max_bytes: 268435456, half_life_s: 30.0, hot_k: 10}
     health:   {path: /health, interval_s: 2.0, timeout_s: 1.0,
                failure_threshold: 2, success_threshold: 1}
+    registration: {unhealthy_grace_s: 60.0, rate_per_s: 10.0, burst: 200}
     breaker:  {failure_threshold: 3, open_s: 5.0}
     load:     {report_stale_s: 2.0}
     retries:  {max_attempts: 3, backoff_s: 0.005, backoff_max_s: 0.1}
@@ -94,7 +95,7 @@ import yaml
 from policies.params import check_value
 from protocol import bus_wire
 from protocol.errors import ConfigError
-from protocol.identifiers import MAX_URL_CHARS, id_problem
+from protocol.identifiers import MAX_URL_CHARS, id_problem, worker_host
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 from service.bus_connection import BusCredentials
 
@@ -241,6 +242,18 @@ class HealthConfig:
     timeout_s: float = _opt(1.0, "timeout of one check", lo=0, lo_open=True)
     failure_threshold: int = _opt(2, "failed checks in a row before unhealthy", lo=1)
     success_threshold: int = _opt(1, "passed checks in a row before healthy again", lo=1)
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationConfig:
+    """Agents registering themselves (``POST /internal/v1/register``, or the bus)."""
+
+    unhealthy_grace_s: float = _opt(60.0, "a self-registered worker unhealthy this long is "
+                                    "removed (an agent that died without leaving)", lo=0,
+                                    lo_open=True)
+    rate_per_s: float = _opt(10.0, "new self-registered workers admitted per second (past "
+                             "the burst: 429 with Retry-After)", lo=0, lo_open=True)
+    burst: int = _opt(200, "new self-registered workers admitted at once", lo=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,6 +523,8 @@ class Config:
     policy: PolicyConfig = _section(PolicyConfig, "routing policy")
     index: IndexConfig = _section(IndexConfig, "prefix index")
     health: HealthConfig = _section(HealthConfig, "health checks")
+    registration: RegistrationConfig = _section(RegistrationConfig,
+                                                "agents registering themselves")
     breaker: BreakerConfig = _section(BreakerConfig, "circuit breaker")
     load: LoadConfig = _section(LoadConfig, "reported load")
     retries: RetriesConfig = _section(RetriesConfig, "retries")
@@ -642,7 +657,9 @@ def _list(raw: Any, path: str) -> list:
 
 
 def parse_worker_url(url: str, path: str) -> str:
-    """Validates a worker base URL; returns it without a trailing slash."""
+    """Validates a worker base URL; returns it canonical (host lower case, numeric IPv4
+    forms as a dotted quad: ``protocol.identifiers.worker_host``) without a trailing
+    slash."""
     if len(url) > MAX_URL_CHARS:
         raise ConfigError(path, f"a worker URL has at most {MAX_URL_CHARS} characters, got "
                           f"{len(url)}")
@@ -666,7 +683,15 @@ def parse_worker_url(url: str, path: str) -> str:
         raise ConfigError(path, f"invalid port in {url!r}") from None
     if parts.query or parts.fragment:
         raise ConfigError(path, f"a worker URL takes no query or fragment, got {url!r}")
-    return url.rstrip("/")
+    if "@" in parts.netloc:
+        # credentials would travel in every health check and be shown by /admin/workers
+        raise ConfigError(path, "a worker URL takes no user:password@ part (the router "
+                          "authenticates to no worker)")
+    host, problem = worker_host(parts.hostname)
+    if problem:
+        raise ConfigError(path, problem)
+    port = f":{parts.port}" if parts.port is not None else ""
+    return f"http://{host}{port}{parts.path}".rstrip("/")
 
 
 def check_events_endpoint(endpoint: str, path: str) -> str:

@@ -25,7 +25,12 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_index_nodes, _index_holder_entries, _index_bytes (gauges),
       radixfleet_index_evicted_entries_total (counter)
     radixfleet_events_applied_total{type}, radixfleet_event_batches_total{status}
-    radixfleet_registrations_refused_total{reason}    block_bytes_mismatch
+    radixfleet_registrations_refused_total{reason}    block_bytes_mismatch,
+                                                      worker_id_taken, overloaded
+    radixfleet_workers_reaped_total                   self-registered workers removed
+                                                      after unhealthy_grace_s
+    radixfleet_peer_hangups_total{path}               agent API peers that hung up
+                                                      before their request was read
     radixfleet_hot_prefixes                           hot prefixes tracked (<= index.hot_k)
     radixfleet_hot_prefix_rate{rank}, radixfleet_hot_prefix_replicas{rank}  by rank 1..k
     radixfleet_warmups_total{status}
@@ -126,6 +131,13 @@ class Metrics:
                               registry=r)
         self.batches = Counter("radixfleet_event_batches", "Agent event batches by answer",
                                ["status"], registry=r)
+        self.peer_hangups = Counter(
+            "radixfleet_peer_hangups", "Agent API requests whose peer hung up before "
+            "its request was read", ["path"], registry=r)
+        self.workers_reaped = Counter(
+            "radixfleet_workers_reaped", "Self-registered workers removed after staying "
+            "unhealthy for registration.unhealthy_grace_s", registry=r)
+        self._reaped_seen = 0
         self.registrations_refused = Counter(
             "radixfleet_registrations_refused", "Agent registrations refused", ["reason"],
             registry=r)
@@ -189,6 +201,9 @@ class Metrics:
             self.in_flight.labels(w.id).set(w.in_flight)
             self.breaker.labels(w.id).set(BREAKER_GAUGE[w.breaker])
             self.healthy.labels(w.id).set(1 if w.health is HealthState.HEALTHY else 0)
+        if pool.reaped > self._reaped_seen:
+            self.workers_reaped.inc(pool.reaped - self._reaped_seen)
+        self._reaped_seen = pool.reaped
         st = index.stats()
         self.index_nodes.set(st.nodes)
         self.index_entries.set(st.holder_entries)

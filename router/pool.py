@@ -28,6 +28,15 @@ Invariants (``check()`` asserts each):
 - A worker that is not HEALTHY, or was removed, holds nothing in the index: the
   pool calls ``index.drop_worker`` on the transition, at once.
 
+Self-registered workers (``register``): a new one starts UNKNOWN like any other and
+is routable only after its first passed health check (whoever can reach the router
+can register a URL; only a probe shows that the URL answers). An id held at another
+URL is refused (``Conflict``);
+new entries are admitted at ``registration.rate_per_s`` (burst
+``registration.burst``; ``Overloaded`` past it), and one that stays UNHEALTHY for
+``registration.unhealthy_grace_s`` is removed (``reaped``): an agent that died
+without leaving must not hold its id and its place in the pool for ever.
+
 Removing a worker with requests in flight is safe: they hold the ``Worker`` object
 and release their load on it; it is simply no longer in the pool.
 
@@ -39,6 +48,7 @@ view rebuilds rather than one per worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -50,8 +60,10 @@ from policies.base import WorkerView
 from router import served
 from service import jsonbody
 from router.config import Config, WorkerSpec
-from protocol.errors import MalformedRequest
-from protocol.events import MAX_RATE, MIN_RATE, Load
+from protocol.errors import Conflict, MalformedRequest, Overloaded
+from protocol.events import (
+    MAX_RATE, MIN_RATE, STATUS_WORKER_ID_TAKEN, Load,
+)
 
 log = logging.getLogger("radixfleet.pool")
 
@@ -89,7 +101,8 @@ class Worker:
         "draining", "in_flight", "in_flight_tokens",
         "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
         "block_bytes", "models_until", "models_bad", "since_report_tokens", "spec",
-        "engine", "remote_in_flight", "remote_tokens",
+        "engine", "remote_in_flight", "remote_tokens", "registered_epoch",
+        "unhealthy_since",
     )
 
     def __init__(self, wid: str, url: str, source: Source, weight: float = 1.0,
@@ -120,7 +133,12 @@ class Worker:
         #: prompt tokens picked for this worker since its last report arrived (a burst
         #: the report cannot show yet; router.shedding)
         self.since_report_tokens = 0
-        self.epoch: str | None = None  # agent epoch the event stream is in
+        self.epoch: str | None = None  # agent epoch the event stream is in (None: the
+        #: next batch must start with a snapshot)
+        #: the epoch its agent registered with (None: never registered); only batches
+        #: of this epoch, from ``url``, are applied (router.feedback)
+        self.registered_epoch: str | None = None
+        self.unhealthy_since = 0.0  # monotonic time it last became UNHEALTHY
         self.next_seq = 0  # next event batch sequence number expected
         self.removed = False  # no longer in the pool (requests may still hold it)
         self._view: WorkerView | None = None  # cache; None = rebuild
@@ -219,6 +237,11 @@ class Pool:
         #: called with a worker the moment it turns unhealthy (the data plane cancels
         #: and moves the requests waiting on it)
         self.on_unhealthy: list[Callable[[Worker], None]] = []
+        #: new self-registered workers admitted (registration.rate_per_s, .burst)
+        self._admit_tokens = float(cfg.registration.burst)
+        self._admit_t = clock()
+        #: self-registered workers removed after unhealthy_grace_s (a metric reads it)
+        self.reaped = 0
         for spec in cfg.workers:
             self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s,
                      spec)
@@ -280,34 +303,93 @@ class Pool:
 
     def register(self, wid: str, url: str, epoch: str, models: Sequence[str] = (),
                  block_bytes: int | None = None) -> Worker:
-        """An agent announced itself. A new epoch means a fresh process with an empty
-        cache: its index entries are dropped and its event stream starts at seq 0.
-        A worker already known by url under another id takes the agent's id.
-        ``block_bytes`` (the agent's hashing block size) is recorded as said; the
-        caller has checked it against the router's."""
+        """An agent announced itself (``POST /internal/v1/register`` or the bus:
+        both call this). ``url`` is canonical (``router.config.parse_worker_url``);
+        ``block_bytes`` (the agent's hashing block size) is recorded as said, the
+        caller has checked it against the router's.
+
+        - Its id and url already paired: the entry is kept (a configured worker
+          keeps its source and settings). A new epoch is a fresh process with an
+          empty cache: its index entries go and its stream starts at seq 0.
+        - The id held at another url: ``Conflict`` (``worker_id_taken``), unless
+          the holder registered itself and is UNHEALTHY (its agent moved: a new
+          port, a new pod address), which is replaced.
+        - The url held under another id: the entry takes the agent's id, keeping
+          its source and settings (a configured worker's reload matches it by url;
+          one process per address).
+        - New: admitted within ``registration.rate_per_s`` (else ``Overloaded``,
+          with the seconds until the next), added UNKNOWN and probed at once:
+          routable after its first passed check (a known one that is not healthy
+          is probed at once too). A pool that runs no health checks (the
+          simulator's, whose agents are its own) has nothing to wait for:
+          healthy at once, and no rate bound.
+        """
         w = self._by_id.get(wid)
         if w is not None and w.url != url:
-            # the same id now lives elsewhere: a new process; start over
+            if w.source is not Source.AGENT or w.health is not HealthState.UNHEALTHY:
+                raise Conflict(f"worker id {wid!r} is registered at another URL; give "
+                               "this agent its own --worker-id", code=STATUS_WORKER_ID_TAKEN,
+                               param="worker_id")
+            log.info("worker %s registered at a new URL; the unhealthy old entry goes", wid)
             self.remove(wid)
             w = None
         if w is None:
             old = self._by_url.get(url)
-            source, weight, rate = Source.AGENT, 1.0, 10_000.0
             if old is not None:
-                source, weight, rate = old.source, old.weight, old.base_prefill
+                # the agent at a known address names it: the entry takes its id and
+                # keeps its source and settings (a reload matches it by url)
                 self.remove(old.id)
-            w = self.add(wid, url, source, weight, rate,
-                         WorkerSpec(url=url, id=wid, kind="agent"))
-        if w.epoch != epoch:
+                w = self.add(wid, url, old.source, old.weight, old.base_prefill,
+                             dataclasses.replace(old.spec, id=wid) if old.spec is not None
+                             else WorkerSpec(url=url, id=wid, kind="agent"))
+            else:
+                wait_s = self._admit() if self._session is not None else 0.0
+                if wait_s > 0:
+                    raise Overloaded("too many new workers registering; retry later",
+                                     retry_after_s=wait_s)
+                w = self.add(wid, url, Source.AGENT,
+                             spec=WorkerSpec(url=url, id=wid, kind="agent"))
+        elif w.health is not HealthState.HEALTHY:
+            self.check_soon(w)  # back (a restart at the same address): probe it now
+        if self._session is None:
+            self._set_health(w, HealthState.HEALTHY)
+        if w.registered_epoch != epoch:
             if w.epoch is not None:
                 self.index.drop_worker(wid)
-            w.epoch = epoch
+            w.registered_epoch = w.epoch = epoch
             w.next_seq = 0
-        w.models = tuple(models)
+        if tuple(models) != w.models:
+            w.models = tuple(models)
+            self._changed(w)
         w.block_bytes = block_bytes
-        # It just talked to us: healthy now; health checks keep it honest.
-        self._set_health(w, HealthState.HEALTHY)
         return w
+
+    def _admit(self) -> float:
+        """Takes one new-registration token: 0.0, or the seconds until one is there."""
+        r = self.cfg.registration
+        now = self.clock()
+        self._admit_tokens = min(float(r.burst),
+                                 self._admit_tokens + (now - self._admit_t) * r.rate_per_s)
+        self._admit_t = now
+        if self._admit_tokens >= 1.0:
+            self._admit_tokens -= 1.0
+            return 0.0
+        return (1.0 - self._admit_tokens) / r.rate_per_s
+
+    def reap(self, now: float) -> list[str]:
+        """Removes self-registered workers UNHEALTHY for ``registration.unhealthy_grace_s``
+        or longer (configured and discovered ones stay: their owner removes them).
+        Returns their ids."""
+        grace = self.cfg.registration.unhealthy_grace_s
+        gone = [w for w in self._by_id.values()
+                if w.source is Source.AGENT and w.health is HealthState.UNHEALTHY
+                and now - w.unhealthy_since >= grace]
+        for w in gone:
+            log.warning("worker %s (%s) removed: self-registered and unhealthy for %.0f s "
+                        "(registration.unhealthy_grace_s)", w.id, w.url, now - w.unhealthy_since)
+            self.remove(w.id)
+            self.reaped += 1
+        return [w.id for w in gone]
 
     def sync_config(self, specs: Iterable[WorkerSpec]) -> tuple[list[str], list[str]]:
         """Applies a reloaded worker list: config workers not listed any more are
@@ -447,8 +529,26 @@ class Pool:
             in_grace=now - self.started < served.STARTUP_GRACE_S,
             retry_after_s=self.cfg.health.interval_s)
 
-    def ready(self) -> bool:
-        return any(w.health is HealthState.HEALTHY for w in self._by_id.values())
+    def readiness(self) -> tuple[bool, list[str]]:
+        """(ready, ids of the workers it waits for). Ready when every configured,
+        admin-added and discovered worker has answered its first health check or
+        failed it, every healthy worker's served models are known (registered, or
+        its ``/v1/models`` asked), and at least one worker is healthy: a probe that
+        said ready when the first of N answered sent the next seconds' requests to
+        a 503 ("no routable worker serves model x yet") or to one worker's queue."""
+        waiting = []
+        healthy = False
+        for w in self._by_id.values():
+            if w.health is HealthState.UNKNOWN:
+                if w.source is not Source.AGENT:
+                    waiting.append(w.id)
+            elif w.health is HealthState.HEALTHY:
+                if w.source is not Source.AGENT and w.registered_epoch is None \
+                        and w.models_until == 0.0:
+                    waiting.append(w.id)  # models not asked yet
+                else:
+                    healthy = True
+        return healthy and not waiting, waiting
 
     # ------------------------------------------------------------ health checks
 
@@ -506,6 +606,7 @@ class Pool:
             started = self.clock()
             await self.check_all()
             self._first_round.set()
+            self.reap(self.clock())
             delay = self.cfg.health.interval_s - (self.clock() - started)
             await asyncio.sleep(max(delay, 0.01))
 
@@ -580,6 +681,7 @@ class Pool:
             # A dead worker's cache is gone (or unknowable): its entries leave now.
             self.index.drop_worker(w.id)
             w.epoch = None  # its stream restarts with a snapshot
+            w.unhealthy_since = self.clock()
             log.warning("worker %s unhealthy (was %s)", w.id, old.value)
             for fn in self.on_unhealthy:
                 fn(w)

@@ -29,6 +29,9 @@ Invariants (``check()`` asserts each):
 - Capped workers (``set_capacity``) hold at most their cap after every mutation;
   each capped worker has its own LRU heap, every record in it is that worker's, and
   every leaf entry of that worker has a live record there (so its LRU order is exact).
+  Workers the fair share has evicted from (``_tracked``) keep such a heap too; the
+  workers with a heap are exactly the capped and the tracked ones.
+- Within budget after every mutation (or with nothing left to evict).
 
 Memory: one global budget (``max_bytes``) for the whole index, never one per
 worker (smg #2137). The estimate counts nodes and extra holder entries at sizes
@@ -38,6 +41,19 @@ records, one pushed per inserted chain end; stale records (re-touched or removed
 entries) are skipped when popped and compacted away when the heap outgrows the
 entries. Evicting an entry walks up and evicts ancestors that became leaves with
 the same touch time, so one insert's chain leaves together, deepest first.
+
+Fair share. The budget is shared, but no worker may crowd the others out of it: a
+worker flooding the index (one serving a model nobody asks for, or a broken agent)
+once evicted every other worker's entries. When the least recently touched leaf
+belongs to a worker holding under half the mean of the workers holding any (its
+fair share of what fits), that entry stays and the worker holding the most entries
+loses its own least recently touched leaf instead. So every worker keeps at least
+half the mean while another holds more, and a flood evicts its own entries; the
+budget the others leave free stays usable (work-conserving), and workers near the
+mean share one LRU as before (the half keeps ordinary imbalance off the slower
+path). Such a largest worker gets its own LRU heap (as a capped one has), built
+once from its leaves (O(its entries)) and kept until it is dropped; choosing it
+costs O(workers).
 
 Per-worker capacity. A worker whose entries are only the router's own guesses (an
 engine that sends no cache events) must not look warmer than its engine can be:
@@ -69,7 +85,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from itertools import count as _counter
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from policies.base import EMPTY_MATCH, MatchResult
 
@@ -198,7 +214,9 @@ class PrefixIndex:
         self._capped_evicted = 0  # entries evicted by per-worker caps
         self._counts: dict[str, int] = {}  # known worker -> entries it holds
         self._caps: dict[str, int] = {}  # capped worker -> max entries (set_capacity)
-        self._wheaps: dict[str, list] = {}  # capped worker -> its LRU candidate records
+        self._wheaps: dict[str, list] = {}  # capped or tracked worker -> its LRU records
+        #: uncapped workers the fair share evicted from: they keep a heap in _wheaps
+        self._tracked: set[str] = set()
         self._wheap_records = 0  # records in all of _wheaps (counted in the budget)
 
     # ------------------------------------------------------------------ queries
@@ -411,10 +429,12 @@ class PrefixIndex:
         if p is not self._root:
             rec = (p.touch_of(worker), next(self._seq), p, worker)
             heapq.heappush(self._heap, rec)
-            if self._caps:
+            if self._wheaps:
                 cap = self._caps.get(worker)
                 if cap is not None:
                     self._capped_push(worker, cap, rec)
+                elif worker in self._tracked:
+                    self._tracked_push(worker, rec)
         if self._est_bytes() > self.max_bytes:
             self._evict_to_budget()
         elif len(self._heap) > 2 * self._entries + 1024:
@@ -494,7 +514,7 @@ class PrefixIndex:
         number evicted. O(worker's entries) to build its LRU heap when first capped.
         """
         if max_entries is None:
-            if self._caps.pop(worker, None) is not None:
+            if self._caps.pop(worker, None) is not None and worker not in self._tracked:
                 self._wheap_records -= len(self._wheaps.pop(worker))
             return 0
         if max_entries.__class__ is not int or max_entries < 0:
@@ -521,10 +541,47 @@ class PrefixIndex:
             heap.clear()
         return removed
 
+    def clear_steps(self, worker: str, limit: int) -> Iterator[int]:
+        """``clear`` in slices: removes ``worker``'s entries deepest first, at most
+        ``limit`` per step, and yields the number removed after each step; the
+        index is consistent at every yield (``check()`` holds; the one entry the
+        step made a leaf gets its LRU record). Entries inserted between steps are
+        removed too when they hang below what is still to be removed. O(entries
+        removed) in all, so a caller can give the event loop back between steps.
+        """
+        root = self._root
+        stack = [c for c in root.kid_list() if c.held_by(worker)]
+        while stack:
+            removed = 0
+            while stack and removed < limit:
+                n = stack[-1]
+                if n.parent is None or not n.held_by(worker):
+                    stack.pop()  # removed meanwhile (with its subtree)
+                    continue
+                kids = [c for c in n.kid_list() if c.held_by(worker)]
+                if kids:
+                    stack.extend(kids)
+                    continue
+                stack.pop()
+                self._drop_entry(n, worker)
+                removed += 1
+            if stack:
+                top = stack[-1]
+                if top.parent is not None and top.held_by(worker) and not any(
+                        c.held_by(worker) for c in top.kid_list()):
+                    self._push(top, worker, top.touch_of(worker))  # a leaf now
+                if self._est_bytes() > self.max_bytes:  # the record may tip it over
+                    self._evict_to_budget()
+            yield removed
+
     def drop_worker(self, worker: str) -> int:
         """``clear`` and forget the worker (its cap, a setting, is kept)."""
         removed = self.clear(worker)
         self._counts.pop(worker, None)
+        if worker in self._tracked:
+            self._tracked.discard(worker)
+            if worker not in self._caps:
+                self._wheaps.pop(worker)  # emptied by clear
         return removed
 
     def apply_snapshot(
@@ -615,7 +672,10 @@ class PrefixIndex:
 
     def _evict_to_budget(self) -> None:
         root = self._root
-        while self._est_bytes() > self.max_bytes:
+        counts = self._counts
+        holding = sum(1 for c in counts.values() if c)  # workers holding entries
+        kept = []  # records of under-share workers passed over (pushed back at the end)
+        while self._est_bytes() + len(kept) * HEAP_RECORD_BYTES > self.max_bytes:
             heap = self._heap
             if not heap:
                 # Every record went stale without a leaf behind it: rebuild once.
@@ -630,6 +690,12 @@ class PrefixIndex:
                 continue  # stale: node gone or entry re-touched since
             if any(c.held_by(w) for c in n.kid_list()):
                 continue  # not a leaf for w; its children's records come first
+            if 2 * counts[w] * holding < self._entries:
+                # w holds under half its fair share: the largest holder pays instead
+                kept.append((t, _, n, w))
+                self._evict_largest()
+                holding = sum(1 for c in counts.values() if c)
+                continue
             # Evict n, then ancestors that became leaves with the same touch time.
             while True:
                 parent = n.parent
@@ -649,8 +715,36 @@ class PrefixIndex:
                 if any(c.held_by(w) for c in parent.kid_list()):
                     break
                 n = parent
+            if not counts[w]:
+                holding -= 1
+        for rec in kept:
+            heapq.heappush(self._heap, rec)
         if len(self._heap) > 2 * self._entries + 1024:
             self._compact_heap()
+
+    def _evict_largest(self) -> None:
+        """Evicts the least recently touched leaf entry of the worker holding the most
+        entries (the fair share's victim), through its own heap (built the first time).
+        O(workers + log its records)."""
+        counts = self._counts
+        big = max(counts, key=counts.__getitem__)
+        if big not in self._wheaps:
+            self._tracked.add(big)
+            self._rebuild_worker_heap(big)
+        before = self._capped_evicted
+        self._evict_worker(big, counts[big] - 1)
+        moved = self._capped_evicted - before
+        self._capped_evicted -= moved
+        self._evicted += moved
+
+    def _tracked_push(self, w: str, rec: tuple) -> None:
+        """A tracked worker's own record of an insert's chain end (compacted as its
+        heap outgrows its entries)."""
+        heap = self._wheaps[w]
+        heapq.heappush(heap, rec)
+        self._wheap_records += 1
+        if len(heap) > 2 * self._counts[w] + 1024:
+            self._rebuild_worker_heap(w)
 
     def _push(self, n: _Node, w: str, t: float) -> None:
         """Records (n, w) touched at t as an LRU candidate, in w's heap too if capped."""
@@ -758,6 +852,7 @@ class PrefixIndex:
         per_worker: dict[str, int] = {}
         capped_leaves: set[tuple[int, str]] = set()  # (id(node), w) leaf entries of capped w
         caps = self._caps
+        wheaps = self._wheaps
         stack = list(root.kid_list())
         while stack:
             n = stack.pop()
@@ -776,7 +871,7 @@ class PrefixIndex:
             assert p is not None, f"{n=} live node without parent"
             for w, t in held.items():
                 per_worker[w] = per_worker.get(w, 0) + 1
-                if w in caps and not any(c.held_by(w) for c in n.kid_list()):
+                if w in wheaps and not any(c.held_by(w) for c in n.kid_list()):
                     capped_leaves.add((id(n), w))
                 if p is not root:
                     pt = p.touch_of(w)
@@ -794,12 +889,15 @@ class PrefixIndex:
             assert per_worker.get(w, 0) == c, f"{w=} holds {per_worker.get(w, 0)} entries, counted {c}"
         unknown = set(per_worker) - set(self._counts)
         assert not unknown, f"workers {unknown} hold entries but are not known"
-        assert set(self._wheaps) == set(caps), f"heaps for {set(self._wheaps)} vs caps {set(caps)}"
+        assert set(wheaps) == set(caps) | self._tracked, (
+            f"heaps for {set(wheaps)} vs caps {set(caps)} and tracked {self._tracked}")
+        assert self._tracked <= set(self._counts), f"tracked {self._tracked} not known"
         assert self._wheap_records == sum(map(len, self._wheaps.values())), "worker heap count"
         live: set[tuple[int, str]] = set()
         for w, cap in caps.items():
             assert self._counts.get(w, 0) <= cap, f"{w=} holds {self._counts.get(w, 0)} > cap {cap}"
-            for t, _, n, rw in self._wheaps[w]:
+        for w in wheaps:
+            for t, _, n, rw in wheaps[w]:
                 assert rw == w, f"record of {rw=} in {w=}'s heap"
                 if n.parent is not None and n.touch_of(w) == t:
                     live.add((id(n), w))

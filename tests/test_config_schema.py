@@ -35,7 +35,7 @@ def test_defaults_are_a_valid_config():
 
 @pytest.mark.parametrize("raw, message", [
     ("polcy: {name: x}", "polcy: unknown key; valid: auth, autoscale, breaker, bus, health, "
-                         "index, keys, limits, listen, load, policy, reload, retries, timeouts, "
+                         "index, keys, limits, listen, load, policy, registration, reload, retries, timeouts, "
                          "traffic_log, warmup, workers"),
     ("health: {intervall_s: 1}", "health.intervall_s: unknown key; valid: failure_threshold, "
                                  "interval_s, path, success_threshold, timeout_s"),

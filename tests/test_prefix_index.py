@@ -219,3 +219,85 @@ def test_a_hash_seen_under_another_parent_stops_the_insert():
     assert idx.match([8, 10, 3], 2.0).blocks == {"w1": 2}
     assert idx.match([1, 2, 3], 2.0).blocks == {"w0": 3}
     idx.check()
+
+
+def test_a_flooding_worker_evicts_its_own_entries_not_the_others():
+    """The shared budget is fair: a worker inserting without end (one serving a model
+    nobody asks for) loses its own least recently touched entries once it holds more
+    than the others; their older entries stay. (Max-min fair: it may use the part of
+    the budget the others leave free.)"""
+    idx = PrefixIndex(max_bytes=200 * (NODE_BYTES + HEAP_RECORD_BYTES))
+    idx.insert("a", chain(1, 40), 1.0)
+    idx.insert("b", chain(2, 40), 2.0)
+    for i in range(500):
+        idx.insert("flood", chain(100 + i, 8), 10.0 + i)
+        idx.check()
+    assert idx.entries("a") == 40 and idx.entries("b") == 40
+    assert idx.match(chain(1, 40), 600.0, count=False).blocks == {"a": 40}
+    assert idx.entries("flood") > 40  # it uses what the others leave free
+    # the newest of the flood stay, its oldest went first (LRU within the worker)
+    assert idx.match(chain(599, 8), 600.0, count=False).blocks == {"flood": 8}
+    assert idx.match(chain(100, 8), 600.0, count=False).blocks == {}
+    assert idx.stats().est_bytes <= idx.max_bytes
+
+
+def test_equal_workers_still_share_one_lru():
+    """With every worker at its fair share the global LRU order is unchanged."""
+    idx = PrefixIndex(max_bytes=9 * NODE_BYTES + 3 * HEAP_RECORD_BYTES)  # three chains
+    for i in range(4):
+        idx.insert("a" if i % 2 == 0 else "b", chain(i + 1, 3), float(i))
+        idx.check()
+    assert idx.match(chain(1, 3), 9.0, count=False).blocks == {}  # a's oldest went
+    assert idx.match(chain(4, 3), 9.0, count=False).blocks == {"b": 3}
+
+
+def test_fair_share_stress_keeps_every_invariant():
+    rng = random.Random(11)
+    idx = PrefixIndex(max_bytes=60_000)
+    workers = ["w0", "w1", "w2", "w3"]
+    for step in range(3000):
+        w = rng.choice(workers) if rng.random() < 0.6 else "w0"  # w0 floods
+        op = rng.random()
+        now = float(step)
+        if op < 0.7:
+            tag = rng.randrange(40) if rng.random() < 0.5 else 1000 + step
+            idx.insert(w, chain(tag, rng.randrange(1, 12)), now)
+        elif op < 0.8:
+            idx.remove(w, chain(rng.randrange(40), 1))
+        elif op < 0.85:
+            idx.set_capacity(w, rng.choice([None, 50, 200]))
+        elif op < 0.9:
+            idx.drop_worker(w)
+        elif op < 0.95:
+            idx.apply_snapshot(w, [(k, None if i == 0 else k - 1) for i, k in
+                                   enumerate(chain(rng.randrange(40), 5))], now)
+        else:
+            idx.evict_older(w, now - 50)
+        if step % 10 == 0:
+            idx.check()
+    idx.check()
+
+
+def test_clear_steps_removes_deepest_first_and_stays_consistent_between_steps():
+    rng = random.Random(5)
+    idx = PrefixIndex()
+    idx.set_capacity("c", 10_000)
+    for w in ("a", "c"):
+        for tag in range(30):  # a tree: chains sharing prefixes, and one long chain
+            idx.insert(w, chain(tag % 7, rng.randrange(1, 40)), float(tag))
+        idx.insert(w, chain(99, 500), 50.0)
+    idx.insert("b", chain(3, 20), 60.0)
+    b_before = idx.entries("b")
+    for w in ("a", "c"):
+        total = idx.entries(w)
+        seen = 0
+        for i, removed in enumerate(idx.clear_steps(w, 37)):
+            assert removed <= 37
+            seen += removed
+            idx.check()
+            assert idx.entries(w) == total - seen
+            if i == 3:  # the world moves between steps: a hint lands meanwhile
+                total += idx.insert(w, chain(99, 5) + [424242], 70.0)
+        assert idx.entries(w) == 0
+    assert idx.entries("b") == b_before
+    idx.check()

@@ -484,9 +484,9 @@ async def test_agent_registration_and_events(two_upstreams):
                                                      "hashes": h[1:4]}]))
             assert r.status_code == 409 and r.json()["status"] == "snapshot_required"
             assert router.index.match(h, now(), count=False).blocks.get("ag") == 1
-            # unknown epoch -> snapshot required
+            # not the epoch it registered with: not its agent (it re-registers)
             r = await c.post(ev_url, json=batch(2, [], epoch="e0"))
-            assert r.status_code == 409
+            assert r.status_code == 404 and r.json()["status"] == "unknown_worker"
             # the snapshot resynchronises whatever the gap
             blocks = [[h[0], None], [h[1], h[0]]]
             r = await c.post(ev_url, json=batch(9, [{"type": "snapshot", "blocks": blocks}]))

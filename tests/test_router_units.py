@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import random
 
+import aiohttp
 import pytest
 
 from router.dataplane import Admission
 from router.auth import TenantResolver
 from service.auth import BearerAuth, is_loopback
 from router.config import parse_config
-from protocol.errors import Overloaded, Unauthorized
+from protocol.errors import Conflict, Overloaded, Unauthorized
 from protocol.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
 from router.feedback import Feedback
 from router.pool import Breaker, HealthState, Pool, Source
@@ -153,9 +154,12 @@ def test_feedback_rules():
     pool, idx, clock = make_pool()
     fb = Feedback(pool, idx)
     now = clock()
-    b = lambda seq, evs, epoch="e": EventBatch("a", "u", epoch, seq, evs)  # noqa: E731
-    assert fb.apply(EventBatch("zz", "u", "e", 0, []), now) == (404, "unknown_worker")
-    assert fb.apply(b(0, [Stored(None, [1, 2, 3])]), now) == (409, "snapshot_required")
+    url = "http://127.0.0.1:1"
+    b = lambda seq, evs, epoch="e": EventBatch("a", url, epoch, seq, evs)  # noqa: E731
+    assert fb.apply(b(0, []), now) == (404, "unknown_worker")  # its agent never registered
+    pool.register("a", url, "e")
+    assert fb.apply(EventBatch("zz", url, "e", 0, []), now) == (404, "unknown_worker")
+    assert fb.apply(b(1, [Stored(None, [1, 2, 3])]), now) == (409, "snapshot_required")
     assert fb.apply(b(0, [Snapshot([(1, None), (2, 1)])]), now) == (200, "ok")
     assert idx.match([1, 2, 3], now, count=False).blocks == {"a": 2}
     assert fb.apply(b(1, [Stored(2, [3, 4])]), now) == (200, "ok")
@@ -176,6 +180,81 @@ def test_feedback_rules():
     assert idx.match([9], now, count=False).blocks == {"a": 1}
     pool.check()
     idx.check()
+
+
+def test_feedback_applies_only_the_registered_url_and_epoch():
+    """Only the agent that registered speaks for its worker: a batch naming the id
+    from another URL or another epoch changes nothing (404: the agent re-registers,
+    and is refused if the id is someone else's). The URL is compared canonically."""
+    pool, idx, clock = make_pool()
+    fb = Feedback(pool, idx)
+    now = clock()
+    pool.register("a", "http://127.0.0.1:1", "e")
+    snap = [Snapshot([(1, None)])]
+    assert fb.apply(EventBatch("a", "http://127.0.0.1:19998", "e", 0, snap), now) == (
+        404, "unknown_worker")
+    assert fb.apply(EventBatch("a", "http://127.0.0.1:1", "other", 0, snap), now) == (
+        404, "unknown_worker")
+    assert idx.workers() == set()
+    assert fb.apply(EventBatch("a", "http://0x7f.1:1/", "e", 0, snap), now) == (200, "ok")
+    assert idx.match([1], now, count=False).blocks == {"a": 1}
+    pool.check()
+    idx.check()
+
+
+def test_register_refuses_an_id_held_at_another_url():
+    """A configured worker's id, or a live agent's, cannot be taken by a registration
+    from another URL (409 worker_id_taken); a self-registered holder that is
+    unhealthy (its agent moved) is replaced."""
+    pool, idx, clock = make_pool()
+    with pytest.raises(Conflict) as e:
+        pool.register("a", "http://127.0.0.1:19998", "e")
+    assert e.value.code == "worker_id_taken" and "127.0.0.1:1" not in e.value.message
+    assert pool.get("a").url == "http://127.0.0.1:1"
+    w = pool.register("ag", "http://127.0.0.1:7", "e1")
+    with pytest.raises(Conflict):
+        pool.register("ag", "http://127.0.0.1:8", "e2")
+    pool._set_health(w, HealthState.UNHEALTHY)
+    moved = pool.register("ag", "http://127.0.0.1:8", "e2")
+    assert moved.url == "http://127.0.0.1:8" and pool.by_url("http://127.0.0.1:7") is None
+    pool.check()
+
+
+async def test_register_admits_new_workers_at_the_configured_rate():
+    """A pool that probes (a router's) bounds new self-registered workers."""
+    pool, idx, clock = make_pool(registration={"rate_per_s": 2.0, "burst": 3})
+    async with aiohttp.ClientSession() as session:
+        await pool.start(session)
+        try:
+            _admit_at_rate(pool, clock)
+        finally:
+            await pool.aclose()
+
+
+def _admit_at_rate(pool, clock):
+    for i in range(3):
+        pool.register(f"n{i}", f"http://127.0.0.1:{100 + i}", "e")
+    with pytest.raises(Overloaded) as e:
+        pool.register("n3", "http://127.0.0.1:103", "e")
+    assert 0 < e.value.retry_after_s <= 0.5
+    pool.register("n0", "http://127.0.0.1:100", "e2")  # a known worker is never throttled
+    clock.t += 0.5
+    pool.register("n3", "http://127.0.0.1:103", "e")
+    assert len(pool) == 2 + 4
+    pool.check()
+
+
+def test_unhealthy_self_registered_workers_are_reaped_after_the_grace():
+    pool, idx, clock = make_pool(registration={"unhealthy_grace_s": 10.0})
+    w = pool.register("ag", "http://127.0.0.1:7", "e1")
+    pool._set_health(w, HealthState.UNHEALTHY)
+    pool._set_health(pool.get("a"), HealthState.UNHEALTHY)
+    clock.t += 9.0
+    assert pool.reap(clock()) == []
+    clock.t += 1.0
+    assert pool.reap(clock()) == ["ag"] and pool.reaped == 1
+    assert pool.get("ag") is None and pool.get("a") is not None  # configured: stays
+    pool.check()
 
 
 # ---------------------------------------------------------------- admission

@@ -3,7 +3,7 @@
     radixfleet agent --engine sim --model llama-3-8b --gpu h100 [--tp N] [--kv-tokens N]
                      [--host 127.0.0.1] --port P [--router URL ...] [--worker-id ID]
                      [--block-bytes N] [--admission MODE] [--seed S]
-                     [--page-size N] [--disable-radix-cache]
+                     [--page-size N] [--disable-radix-cache] [--advertise-url URL]
                      [--bus nats://HOST:4222|tls://HOST:4222 [--bus-prefix P]
                       [--bus-user U --bus-password-env VAR | --bus-token-file F |
                        --bus-nkey-seed-file F | --bus-creds-file F]
@@ -11,6 +11,14 @@
 
 With ``--bus``, every publication is signed with ``RADIXFLEET_AGENT_TOKEN`` (required
 unless the NATS server is on loopback); a missing secret or file is one line, exit 2.
+
+The URL routers reach the agent at (``--advertise-url``, default ``http://HOST:PORT``)
+is what it registers. A wildcard ``--host`` (``0.0.0.0``, ``::``) is no address
+anyone can reach, so the agent advertises the address this host uses to reach its
+first router (or bus) instead, and refuses to start (one line, exit 2, naming
+``--advertise-url``) when it cannot find one. The default ``--worker-id`` is the
+advertised ``host:port`` (the id a router's ``workers: [{url: ...}]`` entry gets by
+default), so agents behind one image keep distinct ids.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -29,6 +39,7 @@ from protocol.bus_wire import check_name, check_url
 from service.bus_connection import BusCredentials, check_exposure
 from worker_agent.bus import agent_flag
 from protocol.errors import ConfigError
+from protocol.identifiers import worker_host
 from service import http_errors
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
 from worker_agent.cost_model import GPUS, MODELS, CostModel
@@ -119,9 +130,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name, help_ in _BUS_CREDENTIAL_FLAGS.items():
         parser.add_argument(agent_flag(name), default="", metavar=name.rsplit("_", 1)[-1].upper(),
                             help=help_)
-    parser.add_argument("--worker-id", default=None, help="default: host:port")
+    parser.add_argument("--worker-id", default=None,
+                        help="default: the advertised host:port")
     parser.add_argument("--advertise-url", default=None,
-                        help="URL routers reach this agent at (default: http://HOST:PORT)")
+                        help="URL routers reach this agent at (default: http://HOST:PORT; "
+                             "with a wildcard --host, this host's address toward the "
+                             "router)")
     parser.add_argument("--block-bytes", type=_positive, default=DEFAULT_BLOCK_BYTES,
                         help="router block size in bytes (a multiple of 4)")
     parser.add_argument("--admission", choices=ADMISSION_MODES, default="always")
@@ -150,6 +164,60 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         choices=["debug", "info", "warning", "error"])
 
 
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _address_toward(url: str) -> str | None:
+    """The local address this host's routing table picks to reach ``url``'s host (a
+    UDP connect sends nothing), or None when the host does not resolve or has no
+    route."""
+    parts = urlsplit(url)
+    host = parts.hostname
+    if not host:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, parts.port or 80, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            local = s.getsockname()[0]
+    except (OSError, IndexError, ValueError):
+        return None
+    return f"[{local}]" if ":" in local else local
+
+
+def advertise_url(args: argparse.Namespace) -> str:
+    """The URL this agent registers: ``--advertise-url``, else ``http://HOST:PORT``
+    with a wildcard HOST replaced by the address toward the first router (or bus;
+    with neither it registers nowhere, and the host's name stands in).
+    Raises ``ConfigError`` for an advertised host no router could reach."""
+    if args.advertise_url:
+        parts = urlsplit(args.advertise_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ConfigError("--advertise-url", f"expected http://HOST:PORT, got "
+                              f"{args.advertise_url!r}")
+        _, problem = worker_host(parts.hostname)
+        if problem:
+            raise ConfigError("--advertise-url", problem)
+        return args.advertise_url.rstrip("/")
+    host = args.host
+    if host in _WILDCARDS:
+        target = args.router[0] if args.router else args.bus
+        if not target:
+            # registers nowhere (a plain worker found by discovery): only its id uses it
+            return f"http://{socket.gethostname()}:{args.port}"
+        local = _address_toward(target)
+        if local is None or local.strip("[]") in _WILDCARDS:
+            raise ConfigError("--advertise-url", f"--host {host or '(all)'} listens on every "
+                              "interface, which is no address a router can reach, and this "
+                              f"host has no route to {target} to take one from: pass "
+                              f"--advertise-url http://<this host's address>:{args.port}")
+        host = local
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{args.port}"
+
+
 def build_config(args: argparse.Namespace) -> AgentConfig:
     try:
         check_block_bytes(args.block_bytes)
@@ -169,7 +237,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         scheduler=SchedulerConfig(chunk_tokens=args.chunk_tokens, max_running=args.max_running,
                                   order=args.schedule,
                                   max_waiting=args.max_waiting or 4 * args.max_running),
-        seed=args.seed, worker_id=args.worker_id or f"{args.host}:{args.port}",
+        seed=args.seed, worker_id=args.worker_id or urlsplit(advertise_url(args)).netloc,
         rope_scaling=args.rope_scaling, page_size=args.page_size,
         disable_radix_cache=args.disable_radix_cache,
         # an unsigned tenant header is safe only where nothing but the router reaches us
@@ -230,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         bus_credentials(args).connect_options(args.bus, agent_flag)
     elif any(getattr(args, f"bus_{n}") for n in _BUS_CREDENTIAL_FLAGS):
         raise ConfigError("--bus", "the --bus-* credential flags need --bus NATS_URL")
-    advertise = args.advertise_url or f"http://{args.host}:{args.port}"
+    advertise = advertise_url(args)
     try:
         import uvloop
         uvloop.install()

@@ -40,7 +40,7 @@ from typing import Callable
 import aiohttp
 
 from protocol.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISMATCH,
-                           STATUS_SNAPSHOT_REQUIRED,
+                           STATUS_SNAPSHOT_REQUIRED, STATUS_WORKER_ID_TAKEN,
                            STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
 from worker_agent.radix_cache import RadixCache
 
@@ -215,6 +215,11 @@ class Reporter:
                                       "%s-byte blocks, the router keys.block_bytes=%s; its "
                                       "cache events would never match (will keep retrying)",
                                       link.base, self.block_bytes, data.get("block_bytes"))
+                        elif status == STATUS_WORKER_ID_TAKEN:
+                            log.error("router %s refused registration: worker id %s is "
+                                      "registered at another URL; give this agent its own "
+                                      "--worker-id (will keep retrying)", link.base,
+                                      self.worker_id)
                         else:
                             log.warning("router %s refused registration: HTTP %d", link.base, code)
                     return

@@ -45,6 +45,7 @@ from router.bus.remote_load import RemoteInFlight
 from protocol.bus_wire import (BadMessage, BusKey, RouterMessage, Subjects,
                              build_snapshot_request, parse_agent, parse_load, parse_router)
 from router.config import BusConfig, ConfigError, bus_setting, parse_worker_url
+from protocol.errors import Conflict, Overloaded
 from protocol.events import STATUS_OK
 from router.feedback import Feedback
 from router.pool import HealthState, Pool
@@ -264,7 +265,11 @@ class BusReplica:
             w = self.pool.get(b.worker_id)
             if w is None or w.url != url or (w.epoch is not None and w.epoch != b.epoch):
                 # new to us, moved, or a new agent process: what POST /register does
-                self.pool.register(b.worker_id, url, b.epoch, m.models, m.block_bytes)
+                # (the same refusals: an id held at another URL, the new-worker rate)
+                try:
+                    self.pool.register(b.worker_id, url, b.epoch, m.models, m.block_bytes)
+                except (Conflict, Overloaded) as exc:
+                    raise BadMessage(exc.code, str(exc)) from None
             else:
                 # a periodic snapshot is no proof of health: health checks decide that
                 w.models, w.block_bytes = m.models, m.block_bytes
