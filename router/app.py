@@ -36,6 +36,7 @@ tasks live in ``cleanup_ctx``; ``aclose()`` of the pool runs there.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -297,8 +298,11 @@ class Router:
             path = self.cfg.path
             self._mtime = self._file_mtime()
             try:
-                p = prepare(path, self.overrides, salts=self.salts,
-                            policy_cfg=self.cfg.policy, policy=self.policy)
+                # off the event loop: parsing a large file and loading tokenizers
+                # (models:) take seconds that requests must not wait for
+                p = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                    prepare, path, self.overrides, salts=self.salts,
+                    policy_cfg=self.cfg.policy, policy=self.policy))
             except ConfigError as exc:
                 self.metrics.reload_failures.inc()
                 log.error("config reload of %s refused, keeping the running config: %s",

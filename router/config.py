@@ -901,8 +901,68 @@ def config_warnings(cfg: Config) -> list[str]:
     return out
 
 
+#: Most nodes a config document may stand for, every alias counted as the whole
+#: node it names. A real config is a few thousand (4,096 workers of ~10 nodes each
+#: is 41k); nine lines of nested aliases stand for 9**8 = 43 million, which froze a
+#: reload for 10 s and check-config for minutes before this bound.
+MAX_YAML_NODES = 200_000
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader (one class per module: no global state is touched)."""
+    """PyYAML's safe loader, bounded: while composing it counts the nodes the
+    document stands for (an alias counts as the whole node it names, so a tree of
+    nested aliases counts as what it expands to) and refuses the document past
+    ``MAX_YAML_NODES``, or with an alias inside the node it names (a recursive
+    document), naming the line. Composition itself never expands an alias, so the
+    count costs one pass over the text. One class per module: no global state."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        #: id(node) -> nodes it stands for, for every node composed so far
+        self._expanded: dict[int, int] = {}
+        self._total = 0  # nodes of the document so far, aliases expanded
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = self.anchors.get(event.anchor)
+            if node is not None and id(node) not in self._expanded:
+                raise _Refused(event.start_mark, f"alias *{event.anchor} is used inside "
+                               "the node it names (a recursive document)")
+        else:
+            event = self.peek_event()
+        node = super().compose_node(parent, index)
+        size = self._expanded.get(id(node))
+        if size is None or isinstance(event, yaml.AliasEvent):
+            if size is None:
+                size = 1 + sum(self._size(c) for c in _children(node))
+                self._expanded[id(node)] = size
+            self._total += size if isinstance(event, yaml.AliasEvent) else 1
+            if size > MAX_YAML_NODES or self._total > MAX_YAML_NODES:
+                raise _Refused(event.start_mark, f"the document stands for more than "
+                               f"{MAX_YAML_NODES:,} nodes once its aliases are expanded "
+                               "(nested aliases multiply: an alias bomb?)")
+        return node
+
+    def _size(self, node) -> int:
+        return self._expanded.get(id(node), 1)
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [n for kv in node.value for n in kv]
+    return []
+
+
+class _Refused(yaml.YAMLError):
+    """The bounded loader refuses the document (``_Loader``)."""
+
+    def __init__(self, mark, problem: str) -> None:
+        super().__init__(problem)
+        self.problem_mark = mark
+        self.problem = problem
 
 
 def _duplicate_keys(node: Any, path: str, out: list[ConfigError]) -> None:
@@ -925,6 +985,28 @@ def _duplicate_keys(node: Any, path: str, out: list[ConfigError]) -> None:
             _duplicate_keys(v, f"{path}[{i}]", out)
 
 
+def load_yaml(text: bytes | str, path: str) -> tuple[Any, list[ConfigError]]:
+    """The document in ``text`` (None when empty) and its duplicate keys, composed
+    once by the bounded loader (``_Loader``). Raises ``ConfigError`` naming the line
+    for invalid YAML or a document past ``MAX_YAML_NODES``."""
+    dups: list[ConfigError] = []
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, dups
+        _duplicate_keys(node, "", dups)
+        return loader.construct_document(node), dups
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        kind = "YAML refused" if isinstance(exc, _Refused) else "invalid YAML"
+        raise ConfigError("", f"{path}: {kind}{where}: {problem}") from None
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str) -> Config:
     """Reads and validates a YAML file. Raises ``ConfigError``."""
     try:
@@ -932,15 +1014,7 @@ def load_config(path: str) -> Config:
             text = f.read()
     except OSError as exc:
         raise ConfigError("", f"cannot read {path}: {exc.strerror or exc}") from None
-    dups: list[ConfigError] = []
-    try:
-        _duplicate_keys(yaml.compose(text, Loader=_Loader), "", dups)
-        raw = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError("", f"{path}: invalid YAML{where}: {problem}") from None
+    raw, dups = load_yaml(text, path)
     if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError("", f"{path}: expected a mapping at the top level, got {_typename(raw)}")
     return parse_config(raw, path, errors=dups)
