@@ -13,7 +13,11 @@ documents each key)::
                 kv_capacity_tokens: 0,
                 events: {endpoint: "", mode: auto|bind|connect, replay_endpoint: "",
                          topic: kv-events},
-                metrics: {path: /metrics, interval_s: 1.0, timeout_s: 1.0}}, ...]
+                metrics: {path: /metrics, interval_s: 1.0, timeout_s: 1.0},
+                chat_template: ""}, ...]
+    models:   {<served model name>: {tokenizer, chat_template, block_size,
+                                     kv_capacity_tokens, events, metrics}}
+              # what a worker serving the model leaves unset (resolve_engine)
     keys:     {block_bytes: 128, tenant_salt_env: RADIXFLEET_TENANT_SALT,
                tenant: {source: none|api_key|header, default: "", header: x-tenant-id,
                         require_key: true,
@@ -53,10 +57,11 @@ documents each key)::
                 kubernetes: {api_server: "", token_file: <service account token>,
                              namespace: "", watch_timeout_s: 300, page_size: 500,
                              selectors: [{label_selector: app=vllm, port_name: http,
-                                          kind: vllm, namespace: ""}, ...]},
+                                          kind: vllm, namespace: "", model: "",
+                                          <a models: entry's keys>}, ...]},
                 dns: {nameserver: "", interval_s: 5.0, timeout_s: 2.0,
                       services: [{name: vllm.ns.svc.cluster.local, port: 8000,
-                                  kind: vllm}, ...]}}
+                                  kind: vllm, model: "", <a models: entry's keys>}, ...]}}
 
 Validation errors name the dotted path, what was expected and, for names, the
 valid ones::

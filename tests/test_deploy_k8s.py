@@ -18,6 +18,7 @@ import pathlib
 import subprocess
 import time
 
+import httpx
 import pytest
 import yaml
 
@@ -339,3 +340,69 @@ async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tm
                 await asyncio.sleep(0.01)
             assert {w.id: w.url for w in router.pool} == {
                 "vllm-6d4f9-abcde": f"http://127.0.0.2:{port}"}
+
+
+@pytest.mark.engine
+async def test_the_configmap_runs_precise_mode_in_front_of_a_real_vllm(rendered, vllm_pair,
+                                                                       vllm_model_dir, tmp_path):
+    """overlays/vllm's router.yaml, changed only where a pod's world differs from this
+    test's (the API server, the engine's served name, its ports, the tokenizer folder
+    the init container fills), discovers a real vLLM through EndpointSlices and runs
+    it in precise mode: the worker entry says nothing but what the selector and the
+    models: entry give it, its KV events are followed (exact index) and the index
+    predicts the engine's own cached tokens."""
+    from router.engines.keyspace import TokenSpace
+    from router.engines.link import Truth
+
+    _, docs = rendered["vllm"]
+    ns = one(docs, "Deployment", "vllm")["metadata"]["namespace"]
+    svc = one(docs, "Service", "vllm")
+    raw = router_raw(docs)
+    v = vllm_pair[0]
+    (entry,) = raw["models"].values()
+    raw["models"] = {v.name: {**entry, "tokenizer": str(vllm_model_dir)}}
+    (sel,) = raw["workers"]["discovery"]["kubernetes"]["selectors"]
+    port = sel["events"]["endpoint"].rsplit(":", 1)[1]
+    sel["events"]["endpoint"] = sel["events"]["endpoint"].replace(port, str(v.events_port))
+    assert sel["events"]["endpoint"] == f"tcp://*:{v.events_port}"
+    raw["listen"] = {"host": "127.0.0.1", "port": 0}
+    raw["reload"] = {"watch": False}
+    token = tmp_path / "token"
+    token.write_text("t0k3n")
+    async with FakeKubeAPI(token="t0k3n") as api:
+        api.put_slice(ns, make_slice("vllm-x7k2p", service="vllm",
+                                     labels=svc["metadata"]["labels"], port=v.port,
+                                     endpoints=[("127.0.0.1", True, "vllm-6d4f9-abcde")]))
+        raw["workers"]["discovery"]["kubernetes"].update(
+            {"api_server": api.url, "token_file": str(token), "namespace": ns})
+        router = Router(parse_config(raw))
+        async with RouterServer(router, port=0) as server:
+            deadline = time.monotonic() + 30
+            while True:
+                w = router.pool.get("vllm-6d4f9-abcde")
+                link = getattr(w, "engine", None)
+                if link is not None and isinstance(link.space, TokenSpace) \
+                        and link.subscriber is not None:
+                    break
+                assert time.monotonic() < deadline, "not discovered and keyed in time"
+                await asyncio.sleep(0.05)
+            assert w.source is Source.DISCOVERY and w.spec.tokenizer == ""  # from models:
+            assert link.spec.tokenizer == str(vllm_model_dir) and link.block_size == 32
+            assert link.keyer is router.engines.model_keyers[(str(vllm_model_dir), "")]
+            words = " ".join(f"w{i * 7919 % 10007}" for i in range(400))
+            body = {"model": v.name, "prompt": words, "max_tokens": 2}
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            async with httpx.AsyncClient(timeout=60) as c:
+                for _ in range(2):
+                    r = await c.post(url, json=body)
+                    assert r.status_code == 200, r.text
+                    deadline = time.monotonic() + 20
+                    while link.truth is not Truth.EXACT:
+                        assert time.monotonic() < deadline, "KV events never in sync"
+                        await asyncio.sleep(0.05)
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 32 * 10, usage
+            summary = link.stats.summary()
+            assert summary.samples == 2
+            # the second answer's cached tokens were predicted from the events' blocks
+            assert abs(summary.sum_signed_tokens) <= 32, summary
