@@ -90,6 +90,10 @@ def test_models_and_selectors_are_validated_with_their_paths(tok):
     assert err("workers: {discovery: {kubernetes: {selectors: [{label_selector: a=b, "
                "kind: vllm, events: {endpoint: 'tcp://*:5557'}}]}}}").startswith(
         "workers.discovery.kubernetes.selectors[0].tokenizer: required with events.endpoint")
+    # an entry in error is reported once, not again as "no tokenizer" where it is used
+    assert err("models: {tiny: {tokenizer: /nonexistent}}\nworkers: [{url: 'http://h:1', "
+               "kind: vllm, events: {endpoint: 'tcp://*:5557'}}]") == (
+        "models.tiny.tokenizer: tokenizer folder '/nonexistent' does not exist")
     # ... which a models: entry gives
     cfg = parse_config(yaml.safe_load(f"""
 models: {{tiny: {{tokenizer: {tok}}}}}
@@ -239,3 +243,28 @@ def test_check_config_knows_discovery(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # no "no workers listed": discovery finds them
     assert "0 worker(s) + discovery" in r.stdout
+
+
+async def test_a_reload_that_adds_a_models_entry_rekeys_the_running_workers(tmp_path, tok):
+    """A worker already running on routing bytes takes the new entry: a new link,
+    keyed with the tokenizer the reload loaded."""
+    url = f"http://127.0.0.1:{free_port()}"
+    p = tmp_path / "r.yaml"
+    base = (f"workers: [{{url: '{url}', kind: vllm, model: tiny}}]\n"
+            "listen: {port: 0}\nreload: {watch: false}\n")
+    p.write_text(base)
+    router = Router(load_config(str(p)))
+    async with RouterServer(router, port=0):
+        (w,) = list(router.pool)
+        first = w.engine
+        await asyncio.sleep(0.2)
+        assert not isinstance(first.space, TokenSpace)
+        p.write_text(base + f"models: {{tiny: {{tokenizer: {tok}, block_size: 32}}}}\n")
+        ok, msg, _, _ = await router.reload()
+        assert ok, msg
+        deadline = time.monotonic() + 10
+        while not isinstance(getattr(w.engine, "space", None), TokenSpace):
+            assert time.monotonic() < deadline, "the running worker was never re-keyed"
+            await asyncio.sleep(0.02)
+        assert w.engine is not first and w.engine.spec.tokenizer == tok
+        assert w.engine.keyer is router.engines.model_keyers[(tok, "")]
