@@ -1176,29 +1176,24 @@ class _Loader(yaml.SafeLoader):
         self._total = 0  # nodes of the document so far, aliases expanded
 
     def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            node = self.anchors.get(event.anchor)
-            if node is not None and id(node) not in self._expanded:
+        event = self.peek_event()
+        alias = isinstance(event, yaml.AliasEvent)
+        if alias:
+            named = self.anchors.get(event.anchor)
+            if named is not None and id(named) not in self._expanded:
                 raise _Refused(event.start_mark, f"alias *{event.anchor} is used inside "
                                "the node it names (a recursive document)")
-        else:
-            event = self.peek_event()
         node = super().compose_node(parent, index)
-        size = self._expanded.get(id(node))
-        if size is None or isinstance(event, yaml.AliasEvent):
-            if size is None:
-                size = 1 + sum(self._size(c) for c in _children(node))
-                self._expanded[id(node)] = size
-            self._total += size if isinstance(event, yaml.AliasEvent) else 1
-            if size > MAX_YAML_NODES or self._total > MAX_YAML_NODES:
-                raise _Refused(event.start_mark, f"the document stands for more than "
-                               f"{MAX_YAML_NODES:,} nodes once its aliases are expanded "
-                               "(nested aliases multiply: an alias bomb?)")
+        if alias:
+            self._total += self._expanded[id(node)]
+        else:  # every child went through here first
+            self._expanded[id(node)] = 1 + sum(self._expanded[id(c)] for c in _children(node))
+            self._total += 1
+        if self._total > MAX_YAML_NODES:
+            raise _Refused(event.start_mark, f"the document stands for more than "
+                           f"{MAX_YAML_NODES:,} nodes once its aliases are expanded "
+                           "(nested aliases multiply: an alias bomb?)")
         return node
-
-    def _size(self, node) -> int:
-        return self._expanded.get(id(node), 1)
 
 
 def _children(node) -> list:
