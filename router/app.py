@@ -40,6 +40,7 @@ tasks live in ``cleanup_ctx``; ``aclose()`` of the pool runs there.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -57,7 +58,7 @@ from router.admin_api import AdminAPI
 from router.agent_api import AgentAPI
 from router.autoscale import fleet_signal, params_from
 from router.bus.replica import BusReplica
-from router.config import MISSING, Config, with_overrides
+from router.config import MISSING, Config, check_event_binds, with_overrides
 from router import intake
 from router.dataplane import (
     REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
@@ -97,10 +98,12 @@ class Router:
         self.metrics = Metrics()
         self.index = PrefixIndex(cfg.index.max_bytes, cfg.index.half_life_s)
         p = build(cfg)  # router.reload: what a reload rebuilds, built the same way
+        check_event_binds(cfg)  # before anything binds: which side binds, said plainly
         self.policy, self.tenants, self.salts = p.policy, p.tenants, p.tenants.salts
         self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
         self.pool = Pool(cfg, self.index)
-        self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry)
+        self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry,
+                               keyers=p.keyers)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
         self.session: aiohttp.ClientSession | None = None  # health checks, models, warm-ups
         self._tasks: set[asyncio.Task] = set()
@@ -345,8 +348,12 @@ class Router:
             path = self.cfg.path
             self._mtime = self._file_mtime()
             try:
-                p = prepare(path, self.overrides, salts=self.salts,
-                            policy_cfg=self.cfg.policy, policy=self.policy)
+                # off the event loop: parsing a large file and loading tokenizers
+                # (models:) take seconds that requests must not wait for
+                p = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                    prepare, path, self.overrides, salts=self.salts,
+                    policy_cfg=self.cfg.policy, policy=self.policy,
+                    keyers=self.engines.model_keyers))
             except ConfigError as exc:
                 self.metrics.reload_failures.inc()
                 log.error("config reload of %s refused, keeping the running config: %s",
@@ -380,7 +387,7 @@ class Router:
             self.index.max_bytes = new.index.max_bytes
             self.body_budget.limit = new.limits.max_buffered_body_bytes
             self.dataplane.configure(new, policy, tenants)
-            self.engines.configure(new)
+            self.engines.configure(new, keyers=p.keyers)
             added, removed = self.pool.sync_config(new.workers)
             self.metrics.reloads.inc()
             log.info("config reloaded from %s: %s (added %s, removed %s)", path,

@@ -13,7 +13,11 @@ documents each key)::
                 kv_capacity_tokens: 0,
                 events: {endpoint: "", mode: auto|bind|connect, replay_endpoint: "",
                          topic: kv-events},
-                metrics: {path: /metrics, interval_s: 1.0, timeout_s: 1.0}}, ...]
+                metrics: {path: /metrics, interval_s: 1.0, timeout_s: 1.0},
+                chat_template: ""}, ...]
+    models:   {<served model name>: {tokenizer, chat_template, block_size,
+                                     kv_capacity_tokens, events, metrics}}
+              # what a worker serving the model leaves unset (resolve_engine)
     keys:     {block_bytes: 128, tenant_salt_env: RADIXFLEET_TENANT_SALT,
                tenant: {source: none|api_key|header, default: "", header: x-tenant-id,
                         require_key: true,
@@ -60,10 +64,11 @@ documents each key)::
                 kubernetes: {api_server: "", token_file: <service account token>,
                              namespace: "", watch_timeout_s: 300, page_size: 500,
                              selectors: [{label_selector: app=vllm, port_name: http,
-                                          kind: vllm, namespace: ""}, ...]},
+                                          kind: vllm, namespace: "", model: "",
+                                          <a models: entry's keys>}, ...]},
                 dns: {nameserver: "", interval_s: 5.0, timeout_s: 2.0,
                       services: [{name: vllm.ns.svc.cluster.local, port: 8000,
-                                  kind: vllm}, ...]}}
+                                  kind: vllm, model: "", <a models: entry's keys>}, ...]}}
 
 Validation errors name the dotted path, what was expected and, for names, the
 valid ones::
@@ -83,6 +88,7 @@ from __future__ import annotations
 import argparse
 import contextvars
 import dataclasses
+import errno
 import os
 import random
 import sys
@@ -95,7 +101,7 @@ import yaml
 from policies.params import check_value
 from protocol import bus_wire
 from protocol.errors import ConfigError
-from protocol.identifiers import MAX_URL_CHARS, id_problem, worker_host
+from protocol.identifiers import MAX_URL_CHARS, id_problem, name_problem, worker_host
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 from service.bus_connection import BusCredentials
 
@@ -186,6 +192,32 @@ class WorkerSpec:
                                    "index (0: from its metrics)", lo=0)
     events: EventsSpec = _section(EventsSpec, "the engine's KV-cache events")
     metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engine's load")
+    chat_template: str = _opt("", "the engine's --chat-template (a file or the template), "
+                              "replacing the tokenizer's; needs a tokenizer")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """The engine settings that follow a worker's model rather than the worker: one
+    ``models.<served name>`` entry, or what a discovery selector gives every worker it
+    finds. The names are ``WorkerSpec``'s; ``resolve_engine`` fills a worker's unset
+    ones from here."""
+
+    tokenizer: str = _opt("", "the engine's tokenizer and chat template: a local folder or "
+                          "a repo id in the local Hugging Face cache (exact token keys)")
+    chat_template: str = _opt("", "the engine's --chat-template (a file or the template), "
+                              "replacing the tokenizer's; needs a tokenizer")
+    block_size: int = _opt(0, "the engine's KV block size in tokens (0: from its metrics or "
+                           "events)", lo=0)
+    kv_capacity_tokens: int = _opt(0, "the engine's KV capacity in tokens for the approximate "
+                                   "index (0: from its metrics)", lo=0)
+    events: EventsSpec = _section(EventsSpec, "the engines' KV-cache events: a wildcard "
+                                  "tcp://*:PORT (each engine binds it on its own host)")
+    metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engines' load")
+
+
+#: the fields a ``models:`` entry or a selector may set for a worker
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSettings))
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,12 +379,15 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 @dataclass(frozen=True, slots=True)
-class K8sSelectorSpec:
+class K8sSelectorSpec(EngineSettings):
+    """One selector; it may give its workers engine settings (``EngineSettings``)."""
+
     label_selector: str = _opt("", "EndpointSlice label selector (slices carry their "
                                "Service's labels and kubernetes.io/service-name)")
     port_name: str = _opt("", "the slice port workers listen on, by name (\"\": the only port)")
     kind: str = _opt("agent", "engine kind of these workers", choices=WORKER_KINDS)
     namespace: str = _opt("", "namespace (\"\": kubernetes.namespace)")
+    model: str = _opt("", "the model these workers serve (\"\": from each one's /v1/models)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,10 +403,13 @@ class K8sDiscoveryConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class DnsServiceSpec:
+class DnsServiceSpec(EngineSettings):
+    """One headless Service; it may give its workers engine settings."""
+
     name: str = _opt("", "DNS name of a headless Service: its A/AAAA records are the workers")
     port: int = _opt(0, "the workers' port", lo=0, hi=65535)
     kind: str = _opt("agent", "engine kind of these workers", choices=WORKER_KINDS)
+    model: str = _opt("", "the model these workers serve (\"\": from each one's /v1/models)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,13 +574,17 @@ class Config:
     bus: BusConfig = _section(BusConfig, "event bus shared by router replicas (read at start)")
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
+    #: ``models:``: served model name -> the engine settings of every worker serving it
+    models: Mapping[str, EngineSettings] = field(default_factory=dict)
     path: str = ""
     #: ``workers.discovery`` in the YAML (not a top-level key); read at start
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def summary(self) -> str:
         t = self.keys.tenant
-        return (f"policy {self.policy.name}, {len(self.workers)} worker(s), "
+        disc = " + discovery" if self.discovery.enabled() else ""
+        models = f", {len(self.models)} model(s)" if self.models else ""
+        return (f"policy {self.policy.name}, {len(self.workers)} worker(s){disc}{models}, "
                 f"listen {self.listen.host}:{self.listen.port}, "
                 f"block_bytes {self.keys.block_bytes}, tenant source {t.source}")
 
@@ -738,29 +780,214 @@ def check_tokenizer_source(source: str, path: str) -> None:
                       "Face cache (nothing is downloaded at run time)")
 
 
-def check_engine_fields(spec: "WorkerSpec", path: str) -> None:
-    """Cross-field rules of a worker's engine settings. Raises ``ConfigError``."""
+def check_engine_fields(spec: Any, path: str, *, per_worker: bool = True) -> None:
+    """Cross-field rules of engine settings: a worker entry's (``per_worker``), or a
+    ``models:`` entry's or a selector's (``EngineSettings``: an events endpoint there
+    must name no one host). Whether a tokenizer comes with an events endpoint is
+    checked against ``models:`` once both are parsed (``_check_tokenizers``).
+    Raises ``ConfigError``."""
     ev = spec.events
+    kind = getattr(spec, "kind", "")
     if ev.endpoint:
-        if spec.kind == "agent":
+        if kind == "agent":
             raise ConfigError(f"{path}.events.endpoint", "agents push their events to the "
                               "router over HTTP; events.endpoint is for vllm/sglang engines")
         check_events_endpoint(ev.endpoint, f"{path}.events.endpoint")
-        if not spec.tokenizer:
-            raise ConfigError(f"{path}.tokenizer", "required with events.endpoint: the "
-                              "events name token blocks, so requests must be keyed with the "
-                              "engine's own tokenizer")
+        check_event_sides(ev.endpoint, ev.mode, f"{path}.events")
+        if not per_worker and _concrete_host(ev.endpoint):
+            raise ConfigError(f"{path}.events.endpoint", f"{ev.endpoint!r} names one host, "
+                              "but these settings apply to many workers: write the port as "
+                              "the engines are given it, tcp://*:PORT (each engine binds it; "
+                              "the router connects to each worker's host), or list the "
+                              "worker under workers with its own endpoint")
     if ev.replay_endpoint:
         if not ev.endpoint:
             raise ConfigError(f"{path}.events.replay_endpoint", "needs events.endpoint")
         check_events_endpoint(ev.replay_endpoint, f"{path}.events.replay_endpoint")
     if spec.tokenizer:
-        if spec.kind == "agent":
+        if kind == "agent":
             raise ConfigError(f"{path}.tokenizer", "agents are keyed on routing bytes "
                               "(keys.block_bytes); a tokenizer is for vllm/sglang engines")
         check_tokenizer_source(spec.tokenizer, f"{path}.tokenizer")
-    if spec.block_size and spec.tokenizer == "":
-        raise ConfigError(f"{path}.block_size", "only used with a tokenizer (token keys)")
+
+
+def _concrete_host(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://") and not endpoint.startswith("tcp://*:")
+
+
+def check_event_sides(endpoint: str, mode: str, path: str) -> None:
+    """Refuses an events endpoint on which both sides would bind or both connect.
+
+    ``endpoint`` is the engine's own, as given to it; vLLM's publisher binds a
+    wildcard ``tcp://*:PORT`` or an ``ipc://`` path and connects to a concrete
+    ``tcp://HOST:PORT`` (then the router must bind it). ``mode`` forces the router's
+    side. Raises ``ConfigError`` saying which side binds and what to write."""
+    wildcard = not _concrete_host(endpoint)
+    if mode == "bind" and wildcard:
+        raise ConfigError(f"{path}.mode", f"the engine binds {endpoint} itself (a wildcard "
+                          "or ipc:// endpoint), so the router must connect: remove "
+                          "mode: bind (auto connects)")
+    if mode == "connect" and not wildcard:
+        raise ConfigError(f"{path}.mode", f"given {endpoint}, a concrete host, the engine "
+                          "connects to it, so the router must bind it: remove mode: connect "
+                          "(auto binds), or give the engine tcp://*:PORT and write that here")
+
+
+def check_event_binds(cfg: "Config") -> None:
+    """The run-time half of ``check_event_sides`` for the endpoints the router will
+    bind (a concrete ``tcp://HOST:PORT``, mode auto or bind): HOST must be an
+    address of this host and PORT free; an engine that already holds it binds it
+    itself (it was given a wildcard), and the router must connect instead. Called
+    at start and by check-config, before the router binds anything. Raises
+    ``ConfigError`` listing every such endpoint."""
+    import socket
+
+    found = []
+    for i, w in enumerate(cfg.workers):
+        ev = w.events
+        if not ev.endpoint or not _concrete_host(ev.endpoint) or ev.mode == "connect":
+            continue
+        host, _, port = ev.endpoint[len("tcp://"):].rpartition(":")
+        host = host.strip("[]")
+        path = f"workers[{i}].events.endpoint"
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            found.append(ConfigError(path, f"{ev.endpoint}: host {host!r} does not resolve "
+                                     f"({exc.strerror or exc})"))
+            continue
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    found.append(ConfigError(path, f"{ev.endpoint} is a concrete host, so the "
+                                             "router would bind it (vLLM connects to a "
+                                             "concrete endpoint), but another process already "
+                                             "holds the port: the engine binds it (it was "
+                                             f"given tcp://*:{port}). Write tcp://*:{port} "
+                                             "here: the router then connects to the "
+                                             "worker's host"))
+                elif exc.errno == errno.EADDRNOTAVAIL:
+                    found.append(ConfigError(path, f"{ev.endpoint} is a concrete host, so the "
+                                             f"router would bind it, but {host} is not an "
+                                             "address of this host. If the engine was given "
+                                             f"tcp://*:{port} (it binds), write that here; if "
+                                             "it connects, give it this router's address"))
+                else:
+                    found.append(ConfigError(path, f"{ev.endpoint}: the router cannot bind "
+                                             f"it ({exc.strerror or exc})"))
+    _raise_all(found)
+
+
+def _raise_all(found: list[ConfigError]) -> None:
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        exc = ConfigError("", f"{len(found)} errors: " + "; ".join(str(e) for e in found))
+        exc.errors = found
+        raise exc
+
+
+def _check_tokenizers(cfg: "Config", found: list[ConfigError]) -> None:
+    """An events endpoint (or a block size) needs a tokenizer: the worker's or
+    selector's own, or its model's ``models:`` entry (any entry, while its model
+    is learned from the worker)."""
+    def covered(spec: Any) -> bool:
+        if spec.tokenizer:
+            return True
+        model = getattr(spec, "model", "")
+        if model:
+            m = cfg.models.get(model)
+            return m is not None and bool(m.tokenizer)
+        return any(m.tokenizer for m in cfg.models.values())
+
+    d = cfg.discovery
+    specs = [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]
+    specs += [(f"workers.discovery.kubernetes.selectors[{i}]", s)
+              for i, s in enumerate(d.kubernetes.selectors)]
+    specs += [(f"workers.discovery.dns.services[{i}]", s) for i, s in enumerate(d.dns.services)]
+    specs += [(f"models.{name}", m) for name, m in cfg.models.items()]
+    for path, spec in specs:
+        if covered(spec):
+            continue
+        if spec.events.endpoint:
+            found.append(ConfigError(f"{path}.tokenizer", "required with events.endpoint: the "
+                                     "events name token blocks, so requests must be keyed with "
+                                     "the engine's own tokenizer (here, or in a models: entry "
+                                     "for the model)"))
+        elif spec.block_size:
+            found.append(ConfigError(f"{path}.block_size", "only used with a tokenizer "
+                                     "(token keys)"))
+        elif spec.chat_template:
+            found.append(ConfigError(f"{path}.chat_template", "needs a tokenizer (it replaces "
+                                     "the tokenizer's own template)"))
+
+
+def resolve_engine(spec: WorkerSpec, models: Mapping[str, EngineSettings],
+                   served: tuple[str, ...] = ()) -> WorkerSpec:
+    """``spec`` with every engine setting it leaves at its default taken from the
+    ``models:`` entry of its model: ``spec.model``, else the first of ``served``
+    (what the worker said it serves) that has an entry. Sections (events, metrics)
+    are merged key by key. The worker's own setting wins where it differs from the
+    default; a worker with no entry is returned as it is. O(fields)."""
+    names = (spec.model,) if spec.model else served
+    entry = next((models[n] for n in names if n in models), None)
+    if entry is None:
+        return spec
+    return dataclasses.replace(spec, **{
+        name: _merged(getattr(spec, name), getattr(entry, name)) for name in ENGINE_FIELDS})
+
+
+def _merged(own: Any, entry: Any) -> Any:
+    if dataclasses.is_dataclass(own):
+        default = type(own)()
+        return dataclasses.replace(own, **{
+            f.name: _merged_scalar(getattr(own, f.name), getattr(entry, f.name),
+                                   getattr(default, f.name))
+            for f in dataclasses.fields(own)})
+    return _merged_scalar(own, entry, type(own)())
+
+
+def _merged_scalar(own: Any, entry: Any, default: Any) -> Any:
+    return entry if own == default else own
+
+
+def selector_template(sel: Any) -> WorkerSpec:
+    """The worker entry a selector (or DNS service) gives each worker it finds (url
+    and id are the endpoint's)."""
+    return WorkerSpec(model=sel.model, **{name: getattr(sel, name) for name in ENGINE_FIELDS})
+
+
+def load_model_keyers(cfg: "Config", loaded: Mapping[tuple[str, str], Any] | None = None
+                      ) -> dict[tuple[str, str], Any]:
+    """Loads the tokenizer of every ``models:`` entry (a second or two each; ``loaded``
+    ones are reused): {(tokenizer, chat_template): TokenKeyer}. Raises
+    ``ConfigError`` naming ``models.<name>.tokenizer`` for each that cannot load —
+    at start, at reload (the running config stays) and in check-config."""
+    from router.engines.token_keys import TokenKeyer
+
+    out: dict[tuple[str, str], Any] = {}
+    found: list[ConfigError] = []
+    for name, m in cfg.models.items():
+        if not m.tokenizer:
+            continue
+        key = (m.tokenizer, m.chat_template)
+        if key in out:
+            continue
+        if loaded and key in loaded:
+            out[key] = loaded[key]
+            continue
+        try:
+            out[key] = TokenKeyer.load(m.tokenizer, **(
+                {"chat_template": m.chat_template} if m.chat_template else {}))
+        except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, or a broken folder
+            cause = getattr(exc, "cause", None) or " ".join(str(exc).split())[:300]
+            found.append(ConfigError(f"models.{name}.tokenizer",
+                                     f"{m.tokenizer!r} cannot be loaded: {cause}"))
+    _raise_all(found)
+    return out
 
 
 def default_worker_id(url: str) -> str:
@@ -847,6 +1074,7 @@ def _selectors(raw: Any, path: str) -> tuple[K8sSelectorSpec, ...]:
         if not spec.label_selector:
             # an empty selector would take every slice, the router's own Service's too
             raise ConfigError(f"{p}.label_selector", "required: a non-empty label selector")
+        check_engine_fields(spec, p, per_worker=False)
         out.append(spec)
     return tuple(out)
 
@@ -870,6 +1098,7 @@ def _dns_services(raw: Any, path: str) -> tuple[DnsServiceSpec, ...]:
             raise ConfigError(f"{p}.name", "required: the headless Service's DNS name")
         if not spec.port:
             raise ConfigError(f"{p}.port", "required: the workers' port (1-65535)")
+        check_engine_fields(spec, p, per_worker=False)
         out.append(spec)
     return tuple(out)
 
@@ -899,6 +1128,27 @@ def _workers_section(raw: Any, path: str) -> tuple[tuple[WorkerSpec, ...], Disco
     disc = (_discovery(DiscoveryConfig, raw["discovery"], f"{path}.discovery")
             if "discovery" in raw else DiscoveryConfig())
     return static, disc
+
+
+def _models(raw: Any, path: str) -> dict[str, EngineSettings]:
+    """``models:``: served model name -> ``EngineSettings`` (each entry's errors are
+    collected with the others)."""
+    out: dict[str, EngineSettings] = {}
+
+    def one(name: str, item: Any) -> EngineSettings:
+        p = _join(path, name)
+        problem = name_problem(name)
+        if problem:
+            raise ConfigError(p, problem)
+        spec = _parse(EngineSettings, {} if item is None else item, p)
+        check_engine_fields(spec, p, per_worker=False)
+        return spec
+
+    for name, item in _mapping(raw, path).items():
+        spec = _attempt(one, name, item)
+        if spec is not _FAILED:
+            out[name] = spec
+    return out
 
 
 def _traffic_log(cls: type, raw: Any, path: str) -> TrafficLogConfig:
@@ -964,11 +1214,14 @@ def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None =
     found: list[ConfigError] = list(errors or ())
     token = _ERRORS.set(found)
     try:
-        cfg = _parse(Config, raw, "", {"workers": workers})
+        cfg = _parse(Config, raw, "", {"workers": workers, "models": _models})
         if cfg.retries.backoff_max_s < cfg.retries.backoff_s:
             _fail(ConfigError("retries.backoff_max_s", "expected a number >= "
                               f"retries.backoff_s ({cfg.retries.backoff_s})"))
         _check_bus(cfg.bus)
+        if not any(e.path.startswith("models") for e in found):
+            # (a models: entry in error is left out: it would seem to give no tokenizer)
+            _check_tokenizers(dataclasses.replace(cfg, discovery=discovery[0]), found)
     except ConfigError as exc:  # the document itself is not a mapping
         found.append(exc)
     finally:
@@ -985,15 +1238,70 @@ def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None =
 def config_warnings(cfg: Config) -> list[str]:
     """What is valid but probably not meant (printed by check-config, logged at start)."""
     out = []
-    if not cfg.workers:
+    if not cfg.workers and not cfg.discovery.enabled():
         out.append("no workers listed: the router starts with an empty fleet and answers "
                    "503 until agents register (POST /internal/v1/register) or workers are "
                    "added (POST /admin/workers)")
     return out
 
 
+#: Most nodes a config document may stand for, every alias counted as the whole
+#: node it names. A real config is a few thousand (4,096 workers of ~10 nodes each
+#: is 41k); nine lines of nested aliases stand for 9**8 = 43 million, which froze a
+#: reload for 10 s and check-config for minutes before this bound.
+MAX_YAML_NODES = 200_000
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader (one class per module: no global state is touched)."""
+    """PyYAML's safe loader, bounded: while composing it counts the nodes the
+    document stands for (an alias counts as the whole node it names, so a tree of
+    nested aliases counts as what it expands to) and refuses the document past
+    ``MAX_YAML_NODES``, or with an alias inside the node it names (a recursive
+    document), naming the line. Composition itself never expands an alias, so the
+    count costs one pass over the text. One class per module: no global state."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        #: id(node) -> nodes it stands for, for every node composed so far
+        self._expanded: dict[int, int] = {}
+        self._total = 0  # nodes of the document so far, aliases expanded
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        alias = isinstance(event, yaml.AliasEvent)
+        if alias:
+            named = self.anchors.get(event.anchor)
+            if named is not None and id(named) not in self._expanded:
+                raise _Refused(event.start_mark, f"alias *{event.anchor} is used inside "
+                               "the node it names (a recursive document)")
+        node = super().compose_node(parent, index)
+        if alias:
+            self._total += self._expanded[id(node)]
+        else:  # every child went through here first
+            self._expanded[id(node)] = 1 + sum(self._expanded[id(c)] for c in _children(node))
+            self._total += 1
+        if self._total > MAX_YAML_NODES:
+            raise _Refused(event.start_mark, f"the document stands for more than "
+                           f"{MAX_YAML_NODES:,} nodes once its aliases are expanded "
+                           "(nested aliases multiply: an alias bomb?)")
+        return node
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [n for kv in node.value for n in kv]
+    return []
+
+
+class _Refused(yaml.YAMLError):
+    """The bounded loader refuses the document (``_Loader``)."""
+
+    def __init__(self, mark, problem: str) -> None:
+        super().__init__(problem)
+        self.problem_mark = mark
+        self.problem = problem
 
 
 def _duplicate_keys(node: Any, path: str, out: list[ConfigError]) -> None:
@@ -1016,6 +1324,28 @@ def _duplicate_keys(node: Any, path: str, out: list[ConfigError]) -> None:
             _duplicate_keys(v, f"{path}[{i}]", out)
 
 
+def load_yaml(text: bytes | str, path: str) -> tuple[Any, list[ConfigError]]:
+    """The document in ``text`` (None when empty) and its duplicate keys, composed
+    once by the bounded loader (``_Loader``). Raises ``ConfigError`` naming the line
+    for invalid YAML or a document past ``MAX_YAML_NODES``."""
+    dups: list[ConfigError] = []
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, dups
+        _duplicate_keys(node, "", dups)
+        return loader.construct_document(node), dups
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        kind = "YAML refused" if isinstance(exc, _Refused) else "invalid YAML"
+        raise ConfigError("", f"{path}: {kind}{where}: {problem}") from None
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str) -> Config:
     """Reads and validates a YAML file. Raises ``ConfigError``."""
     try:
@@ -1023,15 +1353,7 @@ def load_config(path: str) -> Config:
             text = f.read()
     except OSError as exc:
         raise ConfigError("", f"cannot read {path}: {exc.strerror or exc}") from None
-    dups: list[ConfigError] = []
-    try:
-        _duplicate_keys(yaml.compose(text, Loader=_Loader), "", dups)
-        raw = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError("", f"{path}: invalid YAML{where}: {problem}") from None
+    raw, dups = load_yaml(text, path)
     if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError("", f"{path}: expected a mapping at the top level, got {_typename(raw)}")
     return parse_config(raw, path, errors=dups)
@@ -1069,6 +1391,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)  # ConfigError -> the CLI prints one line, exit 2
+    load_model_keyers(cfg)  # as the router does at start: every models: tokenizer loads
+    check_event_binds(cfg)
     for w in config_warnings(cfg):
         print(f"warning: {args.file}: {w}", file=sys.stderr)
     print(f"OK: {args.file}: {cfg.summary()}")

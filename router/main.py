@@ -9,8 +9,8 @@ comma-separated ``key=value`` settings of a YAML worker entry::
 
     --worker url=http://10.0.0.5:8000,kind=vllm,tokenizer=/models/llama,events=tcp://10.0.0.5:5557
 
-(keys: url, id, kind, model, tokenizer, block_size, kv_capacity_tokens, events,
-replay_endpoint, events_mode, weight). ``--policy-param NAME=VALUE`` sets one of the
+(keys: url, id, kind, model, tokenizer, chat_template, block_size, kv_capacity_tokens,
+events, replay_endpoint, events_mode, weight). ``--policy-param NAME=VALUE`` sets one of the
 policy's parameters (``policy.params`` of the YAML; the value is read as YAML:
 ``footprint_room=0``, ``replicate=false``).
 
@@ -58,7 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 _INT_KEYS = ("block_size", "kv_capacity_tokens")
 _EVENT_KEYS = {"events": "endpoint", "replay_endpoint": "replay_endpoint",
                "events_mode": "mode", "topic": "topic"}
-_PLAIN_KEYS = ("url", "id", "kind", "model", "tokenizer")
+_PLAIN_KEYS = ("url", "id", "kind", "model", "tokenizer", "chat_template")
 
 
 def worker_entry(text: str, where: str) -> dict:

@@ -201,8 +201,8 @@ class Worker:
 
 
 def _engine_fields(s: WorkerSpec) -> tuple:
-    return (s.kind, s.model, s.tokenizer, s.block_size, s.kv_capacity_tokens, s.events,
-            s.metrics)
+    return (s.kind, s.model, s.tokenizer, s.chat_template, s.block_size,
+            s.kv_capacity_tokens, s.events, s.metrics)
 
 
 class Pool:

@@ -2,7 +2,8 @@
 from it before anything running is touched.
 
 ``Router.reload`` (router.app) calls ``prepare``: the whole file is validated and
-every object that depends on it (tokens, tenant salts, the policy) built first, so
+every object that depends on it (tokens, tenant salts, the policy, the tokenizers
+of ``models:``) built first, so
 an invalid file raises ``ConfigError`` and leaves the running router as it was;
 only then does the router swap them in. ``config_file_version`` is what the watcher
 compares between polls.
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.auth import TenantResolver, check_exposure
-from router.config import Config, PolicyConfig, build_policy_from, load_config, with_overrides
+from router.config import (
+    Config, PolicyConfig, build_policy_from, load_config, load_model_keyers, with_overrides,
+)
 from service.auth import BearerAuth
 from service.tenancy import TenantSalts
 
@@ -47,14 +50,19 @@ class Prepared:
     #: the running policy object when the policy section did not change (its state —
     #: hot roots, rates — survives), else a new one
     policy: Any
+    #: the tokenizers of ``models:``, loaded: {(tokenizer, chat_template): TokenKeyer}
+    #: (the running ones reused)
+    keyers: dict
 
 
 def build(cfg: Config, *, salts: TenantSalts | None = None,
-          policy_cfg: PolicyConfig | None = None, policy: Any = None) -> Prepared:
+          policy_cfg: PolicyConfig | None = None, policy: Any = None,
+          keyers: dict | None = None) -> Prepared:
     """What the router builds from ``cfg``: tokens (``check_exposure`` refuses tokenless
-    APIs off loopback), tenant salts and resolver, the policy. ``salts`` and ``policy``
-    (built from ``policy_cfg``) are reused when ``cfg`` did not change them. Raises
-    ``ConfigError``, having changed nothing."""
+    APIs off loopback), tenant salts and resolver, the policy, the ``models:``
+    tokenizers (a second or two each). ``salts``, ``policy`` (built from
+    ``policy_cfg``) and ``keyers`` are reused when ``cfg`` did not change them.
+    Raises ``ConfigError``, having changed nothing."""
     admin = BearerAuth(cfg.auth.admin_token_env, "admin")
     agent = BearerAuth(cfg.auth.agent_token_env, "agent")
     check_exposure(cfg, admin, agent)
@@ -64,13 +72,13 @@ def build(cfg: Config, *, salts: TenantSalts | None = None,
     tenants = TenantResolver(cfg.keys.tenant, salts=fresh)
     if policy is None or cfg.policy != policy_cfg:
         policy = build_policy_from(cfg.policy)
-    return Prepared(cfg, admin, agent, tenants, policy)
+    return Prepared(cfg, admin, agent, tenants, policy, load_model_keyers(cfg, keyers))
 
 
 def prepare(path: str, overrides: dict[str, Any], *, salts: TenantSalts,
-            policy_cfg: PolicyConfig, policy: Any) -> Prepared:
+            policy_cfg: PolicyConfig, policy: Any, keyers: dict | None = None) -> Prepared:
     """Loads ``path`` with ``overrides`` (command-line options keep winning) and builds
     its pieces (``build``). Raises ``ConfigError`` for anything invalid, having changed
-    nothing."""
+    nothing. Blocks for seconds (tokenizers): the router calls it off its loop."""
     return build(with_overrides(load_config(path), **overrides), salts=salts,
-                 policy_cfg=policy_cfg, policy=policy)
+                 policy_cfg=policy_cfg, policy=policy, keyers=keyers)

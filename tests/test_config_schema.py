@@ -35,7 +35,7 @@ def test_defaults_are_a_valid_config():
 
 @pytest.mark.parametrize("raw, message", [
     ("polcy: {name: x}", "polcy: unknown key; valid: auth, autoscale, breaker, bus, health, "
-                         "index, keys, limits, listen, load, policy, registration, reload, retries, timeouts, "
+                         "index, keys, limits, listen, load, models, policy, registration, reload, retries, timeouts, "
                          "traffic_log, warmup, workers"),
     ("health: {intervall_s: 1}", "health.intervall_s: unknown key; valid: failure_threshold, "
                                  "interval_s, path, success_threshold, timeout_s"),
@@ -90,7 +90,7 @@ def test_defaults_are_a_valid_config():
     ("workers: [{url: 'http://h:1', weight: 0}]",
      "workers[0].weight: expected a number in [0.01, 100], got 0"),
     ("workers: [{url: 'http://h:1', colour: red}]",
-     "workers[0].colour: unknown key; valid: block_size, events, id, kind, kv_capacity_tokens, "
+     "workers[0].colour: unknown key; valid: block_size, chat_template, events, id, kind, kv_capacity_tokens, "
      "metrics, model, prefill_tokens_per_s, tokenizer, url, weight"),
     ("workers: ['http://h:1', {url: 'http://h:2', id: 'h:1'}]",
      "workers[1].id: duplicate worker id 'h:1' (also workers[0])"),

@@ -18,6 +18,7 @@ import pathlib
 import subprocess
 import time
 
+import httpx
 import pytest
 import yaml
 
@@ -31,7 +32,7 @@ from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
 from tests.test_deploy_image import DOCKERFILE, exec_form, instructions, stages
 
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("dev", "production")
+OVERLAYS = ("dev", "production", "vllm")
 KUBE_VERSIONS = ("1.30.0", "1.37.0")
 
 
@@ -132,7 +133,7 @@ def validate_monitors(tools: pathlib.Path, docs: list[dict]) -> list[str]:
 
 def test_servicemonitors_validate_against_the_crd_schema(tools, rendered):
     docs = [d for _, ds in rendered.values() for d in ds if d["kind"] == "ServiceMonitor"]
-    assert len(docs) == 3
+    assert len(docs) == 4  # the router's in each overlay, vLLM's pool in overlays/vllm
     assert validate_monitors(tools, docs) == []
     typo = json.loads(json.dumps(docs[0]))
     typo["spec"]["endpoints"][0]["prot"] = "http"
@@ -149,7 +150,7 @@ def test_router_wiring(rendered, overlay):
     pod = dep["spec"]["template"]
     spec = pod["spec"]
     (c,) = spec["containers"]
-    assert dep["spec"]["replicas"] == {"dev": 1, "production": 3}[overlay]
+    assert dep["spec"]["replicas"] == {"dev": 1, "production": 3, "vllm": 1}[overlay]
     assert "command" not in c and "args" not in c  # the image's ENTRYPOINT + CMD
     cmd = image_cmd()
     port = int(arg_after(cmd, "--port"))
@@ -169,7 +170,7 @@ def test_router_wiring(rendered, overlay):
     # tokens from a Secret (the dev overlay generates one; production expects yours)
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
     assert set(refs) == {"RADIXFLEET_ADMIN_TOKEN", "RADIXFLEET_AGENT_TOKEN"}
-    if overlay == "dev":
+    if overlay != "production":
         secret = one(docs, "Secret", refs["RADIXFLEET_ADMIN_TOKEN"]["name"])
         assert {r["key"] for r in refs.values()} <= set(secret["data"])
     # RBAC: the pod's service account may list and watch EndpointSlices
@@ -195,22 +196,82 @@ def test_router_wiring(rendered, overlay):
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
 
 
-def test_configmap_yaml_is_a_valid_router_config(rendered, tmp_path, monkeypatch):
+def router_raw(docs: list[dict], tokenizer: str | None = None) -> dict:
+    """The ConfigMap's router.yaml, parsed; with ``tokenizer``, every models: entry's
+    tokenizer folder is that one (in a pod, the init container fills the folder)."""
+    raw = yaml.safe_load(one(docs, "ConfigMap", "radixfleet-router-config")["data"]
+                         ["router.yaml"])
+    for entry in (raw.get("models") or {}).values():
+        if tokenizer is not None:
+            entry["tokenizer"] = tokenizer
+    return raw
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    from radixfleet.bench.tiny_tokenizer import build
+
+    d = tmp_path_factory.mktemp("tokenizer")
+    build(str(d))
+    return str(d)
+
+
+def test_configmap_yaml_is_a_valid_router_config(rendered, tmp_path, monkeypatch, tokenizer_dir):
     for overlay in OVERLAYS:
-        cm = one(rendered[overlay][1], "ConfigMap", "radixfleet-router-config")
         p = tmp_path / f"{overlay}.yaml"
-        p.write_text(cm["data"]["router.yaml"])
+        p.write_text(yaml.safe_dump(router_raw(rendered[overlay][1], tokenizer_dir)))
         cfg = load_config(str(p))
         monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "a")
         monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "b")
         check_exposure(cfg, BearerAuth(cfg.auth.admin_token_env, "admin"),
                        BearerAuth(cfg.auth.agent_token_env, "agent"))
         assert cfg.listen.port == int(arg_after(image_cmd(), "--port"))
-        assert cfg.discovery.kubernetes.selectors and not cfg.discovery.kubernetes.api_server
+        assert not cfg.discovery.kubernetes.api_server
+        if overlay == "dev":  # the agents register themselves
+            assert not cfg.discovery.enabled() and not cfg.models
+        else:
+            assert cfg.discovery.kubernetes.selectors and cfg.models
+
+
+def test_the_routers_tokenizer_is_fetched_where_models_names_it(rendered):
+    """The base's init container fills the folder router.yaml's models: entry names,
+    on a volume the router mounts; the dev overlay needs none."""
+    for overlay in ("production", "vllm"):
+        docs = rendered[overlay][1]
+        spec = one(docs, "Deployment", "radixfleet-router")["spec"]["template"]["spec"]
+        (init,) = spec["initContainers"]
+        (c,) = spec["containers"]
+        assert init["image"] == c["image"]  # the router's own image: nothing else to pull
+        (folder,) = [m["tokenizer"] for m in router_raw(docs)["models"].values()]
+        mount = next(m for m in init["volumeMounts"] if folder.startswith(m["mountPath"] + "/"))
+        assert f'local_dir="{folder}"' in init["args"][0]
+        assert any(m["name"] == mount["name"] and folder.startswith(m["mountPath"])
+                   for m in c["volumeMounts"])
+    dev = one(rendered["dev"][1], "Deployment", "radixfleet-router")["spec"]["template"]
+    assert "initContainers" not in dev["spec"]
+
+
+def test_dev_overlay_needs_no_gpu_and_runs_our_agents_from_the_same_image(rendered):
+    path, docs = rendered["dev"]
+    assert "nvidia.com/gpu" not in path.read_text()
+    router = one(docs, "Deployment", "radixfleet-router")["spec"]["template"]["spec"]
+    agent = one(docs, "Deployment", "agent")["spec"]["template"]["spec"]
+    (ac,) = agent["containers"]
+    assert ac["image"] == router["containers"][0]["image"]
+    assert ac["args"][0] == "agent"
+    svc = one(docs, "Service", "radixfleet-router")
+    assert arg_after(ac["args"], "--router") == f"http://{svc['metadata']['name']}:" \
+        f"{svc['spec']['ports'][0]['port']}"
+    env = {e["name"]: e["valueFrom"] for e in ac["env"]}
+    # the router's own Secret (generated, hash-suffixed: both references follow it)
+    assert env["RADIXFLEET_AGENT_TOKEN"]["secretKeyRef"] == next(
+        e["valueFrom"]["secretKeyRef"] for e in router["containers"][0]["env"]
+        if e["name"] == "RADIXFLEET_AGENT_TOKEN")
+    assert "$(POD_IP)" in arg_after(ac["args"], "--advertise-url")
 
 
 def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
-    _, docs = rendered["dev"]
+    _, docs = rendered["vllm"]
     dep = one(docs, "Deployment", "vllm")
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     args = c["args"]
@@ -218,37 +279,48 @@ def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
                  "--block-size=32"):
         assert flag in args
     (kv,) = [a for a in args if a.startswith("--kv-events-config=")]
-    assert json.loads(kv.split("=", 1)[1]) == {
+    events = json.loads(kv.split("=", 1)[1])
+    assert events == {
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
         "topic": "kv-events"}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": 8000, "kv-events": 5557}
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # a model anyone can pull: no gated repository, no token
+    model = next(a for a in args if a.startswith("--model=")).split("=", 1)[1]
+    assert model == "Qwen/Qwen2.5-1.5B-Instruct" and "HF_TOKEN" not in json.dumps(c)
     # the router's selector picks the headless Service's slices, on its port name
     svc = one(docs, "Service", "vllm")
     assert svc["spec"]["clusterIP"] == "None"
     assert all(dep["spec"]["template"]["metadata"]["labels"].get(k) == v
                for k, v in svc["spec"]["selector"].items())
-    cm = one(docs, "ConfigMap", "radixfleet-router-config")
-    (sel,) = parse_config(yaml.safe_load(cm["data"]["router.yaml"])).discovery.kubernetes.selectors
+    raw = router_raw(docs)
+    (sel,) = raw["workers"]["discovery"]["kubernetes"]["selectors"]
     slice_labels = {**svc["metadata"]["labels"],
                     "kubernetes.io/service-name": svc["metadata"]["name"]}
-    assert selector_matches(sel.label_selector, slice_labels)
-    assert sel.port_name in {p["name"] for p in svc["spec"]["ports"]}
-    assert not selector_matches(sel.label_selector, one(docs, "Service", "radixfleet-router")
+    assert selector_matches(sel["label_selector"], slice_labels)
+    assert sel["port_name"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert not selector_matches(sel["label_selector"], one(docs, "Service", "radixfleet-router")
                                 ["metadata"]["labels"])
+    # precise mode: the engine's events as it is given them, its model's tokenizer and
+    # block size under the name it serves
+    assert sel["kind"] == "vllm"
+    assert sel["events"] == {"endpoint": events["endpoint"], "topic": events["topic"]}
+    served = next(a for a in args if a.startswith("--served-model-name=")).split("=", 1)[1]
+    assert list(raw["models"]) == [served]
+    assert raw["models"][served]["block_size"] == 32
 
 
-async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tmp_path):
+async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tmp_path,
+                                                                   tokenizer_dir):
     """The ConfigMap's router.yaml, unchanged but for the API server address (a pod
     finds it in its environment), discovers the EndpointSlices the EndpointSlice
     controller would write for the example vLLM Service."""
-    _, docs = rendered["dev"]
+    _, docs = rendered["vllm"]
     ns = one(docs, "Deployment", "vllm")["metadata"]["namespace"]
     svc = one(docs, "Service", "vllm")
-    cm = one(docs, "ConfigMap", "radixfleet-router-config")
-    raw = yaml.safe_load(cm["data"]["router.yaml"])
+    raw = router_raw(docs, tokenizer_dir)
     token = tmp_path / "token"
     token.write_text("t0k3n")
     async with FakeKubeAPI(token="t0k3n") as api:
@@ -268,3 +340,72 @@ async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tm
                 await asyncio.sleep(0.01)
             assert {w.id: w.url for w in router.pool} == {
                 "vllm-6d4f9-abcde": f"http://127.0.0.2:{port}"}
+
+
+@pytest.mark.engine
+async def test_the_configmap_runs_precise_mode_in_front_of_a_real_vllm(rendered, vllm_pair,
+                                                                       vllm_model_dir, tmp_path):
+    """overlays/vllm's router.yaml, changed only where a pod's world differs from this
+    test's (the API server, the engine's served name, its ports, the tokenizer folder
+    the init container fills), discovers a real vLLM through EndpointSlices and runs
+    it in precise mode: the worker entry says nothing but what the selector and the
+    models: entry give it, its KV events are followed (exact index) and the index
+    predicts the engine's own cached tokens."""
+    from router.engines.keyspace import TokenSpace
+    from router.engines.link import Truth
+
+    _, docs = rendered["vllm"]
+    ns = one(docs, "Deployment", "vllm")["metadata"]["namespace"]
+    svc = one(docs, "Service", "vllm")
+    raw = router_raw(docs)
+    v = vllm_pair[0]
+    (entry,) = raw["models"].values()
+    raw["models"] = {v.name: {**entry, "tokenizer": str(vllm_model_dir)}}
+    (sel,) = raw["workers"]["discovery"]["kubernetes"]["selectors"]
+    port = sel["events"]["endpoint"].rsplit(":", 1)[1]
+    sel["events"]["endpoint"] = sel["events"]["endpoint"].replace(port, str(v.events_port))
+    assert sel["events"]["endpoint"] == f"tcp://*:{v.events_port}"
+    raw["listen"] = {"host": "127.0.0.1", "port": 0}
+    raw["reload"] = {"watch": False}
+    # a CPU vLLM on a machine shared with other runs reports queued prefill that a GPU
+    # would not (seen: 429 on the first request); shedding is not what this test is about
+    raw["limits"] = {**raw.get("limits", {}), "worker_queue_requests": 0}
+    token = tmp_path / "token"
+    token.write_text("t0k3n")
+    async with FakeKubeAPI(token="t0k3n") as api:
+        api.put_slice(ns, make_slice("vllm-x7k2p", service="vllm",
+                                     labels=svc["metadata"]["labels"], port=v.port,
+                                     endpoints=[("127.0.0.1", True, "vllm-6d4f9-abcde")]))
+        raw["workers"]["discovery"]["kubernetes"].update(
+            {"api_server": api.url, "token_file": str(token), "namespace": ns})
+        router = Router(parse_config(raw))
+        async with RouterServer(router, port=0) as server:
+            deadline = time.monotonic() + 30
+            while True:
+                w = router.pool.get("vllm-6d4f9-abcde")
+                link = getattr(w, "engine", None)
+                if link is not None and isinstance(link.space, TokenSpace) \
+                        and link.subscriber is not None:
+                    break
+                assert time.monotonic() < deadline, "not discovered and keyed in time"
+                await asyncio.sleep(0.05)
+            assert w.source is Source.DISCOVERY and w.spec.tokenizer == ""  # from models:
+            assert link.spec.tokenizer == str(vllm_model_dir) and link.block_size == 32
+            assert link.keyer is router.engines.model_keyers[(str(vllm_model_dir), "")]
+            words = " ".join(f"w{i * 7919 % 10007}" for i in range(400))
+            body = {"model": v.name, "prompt": words, "max_tokens": 2}
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            async with httpx.AsyncClient(timeout=60) as c:
+                for _ in range(2):
+                    r = await c.post(url, json=body)
+                    assert r.status_code == 200, r.text
+                    deadline = time.monotonic() + 20
+                    while link.truth is not Truth.EXACT:
+                        assert time.monotonic() < deadline, "KV events never in sync"
+                        await asyncio.sleep(0.05)
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 32 * 10, usage
+            summary = link.stats.summary()
+            assert summary.samples == 2
+            # the second answer's cached tokens were predicted from the events' blocks
+            assert abs(summary.sum_signed_tokens) <= 32, summary

@@ -24,16 +24,21 @@ from typing import AsyncIterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from router.config import WorkerSpec
+
 log = logging.getLogger("radixfleet.discovery")
 
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """One discovered worker: pool id, base URL (``http://host:port``), engine kind."""
+    """One discovered worker: pool id, base URL (``http://host:port``), engine kind,
+    and the worker entry its selector gives it (model and engine settings:
+    ``router.config.selector_template``; url, id and kind are this endpoint's)."""
 
     id: str
     url: str
     kind: str
+    template: WorkerSpec = WorkerSpec()
 
 
 class SourceError(Exception):

@@ -21,7 +21,7 @@ import ipaddress
 import logging
 from typing import AsyncIterator
 
-from router.config import DnsDiscoveryConfig, DnsServiceSpec
+from router.config import DnsDiscoveryConfig, DnsServiceSpec, selector_template
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems, SourceError, url_for
 
 log = logging.getLogger("radixfleet.discovery")
@@ -82,9 +82,10 @@ class DnsSource:
         a, aaaa = await asyncio.gather(self._records(r, spec.name, "A"),
                                        self._records(r, spec.name, "AAAA"))
         out = []
+        template = selector_template(spec)
         for ip in (*a, *aaaa):
             url = url_for(ip, spec.port)
-            out.append(Endpoint(url.removeprefix("http://"), url, spec.kind))
+            out.append(Endpoint(url.removeprefix("http://"), url, spec.kind, template))
         return out
 
     async def _records(self, r, name: str, rdtype: str) -> list[str]:

@@ -37,7 +37,9 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
-from router.config import SERVICE_ACCOUNT_DIR, K8sDiscoveryConfig, K8sSelectorSpec
+from router.config import (
+    SERVICE_ACCOUNT_DIR, K8sDiscoveryConfig, K8sSelectorSpec, WorkerSpec, selector_template,
+)
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems, SourceError, url_for
 
 log = logging.getLogger("radixfleet.discovery")
@@ -60,9 +62,11 @@ def own_namespace(path: str = f"{SERVICE_ACCOUNT_DIR}/namespace") -> str:
     return ns
 
 
-def parse_slice(obj: Any, port_name: str, kind: str) -> tuple[str, str, list[Endpoint], int]:
+def parse_slice(obj: Any, port_name: str, kind: str, template: WorkerSpec = WorkerSpec()
+                ) -> tuple[str, str, list[Endpoint], int]:
     """One EndpointSlice object -> (name, resourceVersion, ready endpoints, number
-    of malformed endpoints skipped). Raises ``ValueError`` if the slice itself is
+    of malformed endpoints skipped). ``template``: the worker entry each endpoint
+    carries (its selector's settings). Raises ``ValueError`` if the slice itself is
     malformed (no name, bad ports)."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected an object, got {type(obj).__name__}")
@@ -86,7 +90,7 @@ def parse_slice(obj: Any, port_name: str, kind: str) -> tuple[str, str, list[End
     bad = 0
     for e in eps:
         try:
-            ep = _endpoint(e, atype, port, kind)
+            ep = _endpoint(e, atype, port, kind, template)
         except ValueError:
             bad += 1
             continue
@@ -111,7 +115,8 @@ def _pick_port(ports: Any, port_name: str, slice_name: str) -> int | None:
     return port
 
 
-def _endpoint(e: Any, atype: Any, port: int, kind: str) -> Endpoint | None:
+def _endpoint(e: Any, atype: Any, port: int, kind: str, template: WorkerSpec
+              ) -> Endpoint | None:
     if not isinstance(e, dict):
         raise ValueError("endpoint is not an object")
     cond = e.get("conditions") or {}
@@ -140,7 +145,7 @@ def _endpoint(e: Any, atype: Any, port: int, kind: str) -> Endpoint | None:
         wid = ref["name"]
     else:
         wid = f"{wid}:{port}"
-    return Endpoint(wid, url_for(addr, port), kind)
+    return Endpoint(wid, url_for(addr, port), kind, template)
 
 
 class _Relist(Exception):
@@ -160,6 +165,7 @@ class SliceWatch:
         self.metrics = metrics
         self.problems = problems
         self.backoff_s = backoff_s
+        self.template = selector_template(sel)  # what each endpoint found carries
         self.slices: dict[str, list[Endpoint]] = {}
         self.rv = ""  # resourceVersion the next watch resumes from
         self.listed = False
@@ -228,7 +234,8 @@ class SliceWatch:
 
     def _apply_object(self, slices: dict[str, list[Endpoint]], obj: Any) -> str | None:
         try:
-            name, rv, eps, bad = parse_slice(obj, self.sel.port_name, self.sel.kind)
+            name, rv, eps, bad = parse_slice(obj, self.sel.port_name, self.sel.kind,
+                                             self.template)
         except ValueError as exc:
             self.problems.report("invalid_object", "EndpointSlice skipped: %s", exc)
             return None

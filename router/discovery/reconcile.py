@@ -12,10 +12,11 @@ the pool with source DISCOVERY, and ``len(owned) <= max_workers``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterable
 
-from router.config import WORKER_KINDS, WorkerSpec
+from router.config import WORKER_KINDS
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems
 from router.pool import Pool, Source
 
@@ -61,7 +62,8 @@ class Reconciler:
                                       ep.id, pool.get(ep.id).url, url)
                 continue
             kind = ep.kind if ep.kind in WORKER_KINDS else "auto"
-            pool.add(ep.id, url, Source.DISCOVERY, spec=WorkerSpec(url=url, id=ep.id, kind=kind))
+            spec = dataclasses.replace(ep.template, url=url, id=ep.id, kind=kind)
+            pool.add(ep.id, url, Source.DISCOVERY, spec=spec)
             self.owned[url] = ep
             added.append(ep.id)
         if added:

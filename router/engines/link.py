@@ -194,6 +194,7 @@ class EngineLink:
                 self.models = res.models
         if self.kind is WorkerKind.AGENT:
             return  # agents push events and load to the router (router.feedback)
+        self._resolve_settings()
         if self.spec.model and self.models and self.spec.model not in self.models:
             # its tokenizer, block keys and events would describe another model
             self.model_mismatch = True
@@ -202,7 +203,8 @@ class EngineLink:
                       "bytes, its events ignored (approximate mode)", self.worker.id,
                       ", ".join(self.models), self.spec.model)
         elif self.spec.tokenizer:
-            self.keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id)
+            self.keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id,
+                                              self.spec.chat_template)
         if self.kind in ENGINE_KINDS and self.spec.metrics.path:
             self.scraper = eng.new_scraper(self)
             await self.scraper.start()
@@ -215,6 +217,16 @@ class EngineLink:
         if self.spec.events.endpoint and self.keyer is not None and not self.model_mismatch:
             self.subscriber, self.block_map = eng.new_subscriber(self)
             await self.subscriber.start()
+
+    def _resolve_settings(self) -> None:
+        """Once the served models are known: the engine settings ``models:`` gives
+        them fill what the worker's own entry leaves unset (Engines.resolve)."""
+        spec = self.engines.resolve(self.spec, self.models)
+        if spec == self.spec:
+            return
+        self.spec = spec
+        self.block_size = self.block_size or spec.block_size or None
+        self.capacity_tokens = self.capacity_tokens or spec.kv_capacity_tokens or None
 
     # ------------------------------------------------------------- key space
 

@@ -30,7 +30,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies.base import EMPTY_MATCH, RouteRequest, WorkerView
-from router.config import WorkerSpec
+from router.config import WorkerSpec, resolve_engine
 from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.kinds import WorkerKind
 from router.engines.link import EngineLink, LinkState
@@ -126,7 +126,9 @@ class Engines:
     #: should say so in ``workers[].prefill_tokens_per_s`` (the prior).
     POOL_WEIGHT_TOKENS = 524288.0
 
-    def __init__(self, cfg, pool, index, registry: CollectorRegistry) -> None:
+    def __init__(self, cfg, pool, index, registry: CollectorRegistry, *,
+                 keyers: dict | None = None) -> None:
+        """``keyers``: the ``models:`` tokenizers, loaded (router.reload.build)."""
         self.cfg = cfg
         self.pool = pool
         self.index = index
@@ -140,8 +142,11 @@ class Engines:
         #: decayed mean uncached prompt tokens per request, fleet-wide: what one
         #: waiting request an engine reports is assumed to weigh
         self.mean_request_tokens = 0.0
-        self._keyers: dict[str, Any] = {}  # tokenizer source -> TokenKeyer (shared)
-        self._keyer_loads: dict[str, asyncio.Future] = {}  # loads under way, by source
+        #: (tokenizer source, chat template) -> TokenKeyer, shared by the workers
+        self._keyers: dict[tuple[str, str], Any] = dict(keyers or {})
+        #: those of them ``models:`` names (loaded by the config's build, reused on reload)
+        self.model_keyers: dict[tuple[str, str], Any] = dict(keyers or {})
+        self._keyer_loads: dict[tuple[str, str], asyncio.Future] = {}  # loads under way
         self._spaces_key: tuple | None = None
         self._spaces: list = []
         self._started = False
@@ -164,9 +169,24 @@ class Engines:
         self.links.clear()
         await asyncio.gather(*(l.aclose() for l in links), return_exceptions=True)
 
-    def configure(self, cfg) -> None:
-        """A reloaded config (block_bytes changes restart the byte space)."""
+    def configure(self, cfg, *, keyers: dict | None = None) -> None:
+        """A reloaded config (block_bytes changes restart the byte space; a worker whose
+        settings from ``models:`` change gets a new link, keyed afresh)."""
+        old_models = self.cfg.models
         self.cfg = cfg
+        if keyers is not None:
+            self.model_keyers = dict(keyers)
+            self._keyers.update(keyers)
+        if cfg.models != old_models:
+            for link in list(self.links.values()):
+                if link.kind is WorkerKind.AGENT:
+                    continue
+                if self.resolve(self._spec_of(link.worker), link.models) != link.spec:
+                    log.info("worker %s: its models: settings changed, new engine link",
+                             link.worker.id)
+                    self.worker_removed(link.worker)
+                    self.index.clear(link.worker.id)
+                    self.worker_added(link.worker)
         if cfg.keys.block_bytes != self.byte_space.block_bytes:
             self.byte_space = ByteSpace(cfg.keys.block_bytes)
             for link in self.links.values():
@@ -179,9 +199,7 @@ class Engines:
     def worker_added(self, w) -> None:
         if not self._started or self._closed or w.id in self.links:
             return
-        spec = w.spec if w.spec is not None else WorkerSpec(
-            url=w.url, id=w.id, kind="agent" if w.source.value == "agent" else "auto")
-        link = self.links[w.id] = EngineLink(w, spec, self)
+        link = self.links[w.id] = EngineLink(w, self._spec_of(w), self)
         w.engine = link
         self.spaces_changed()
         asyncio.get_running_loop().create_task(link.start())
@@ -198,6 +216,17 @@ class Engines:
     def spaces_changed(self) -> None:
         self._spaces_key = None
 
+    @staticmethod
+    def _spec_of(w) -> WorkerSpec:
+        """The worker's own entry (YAML, admin, discovery), or a self-registered one's."""
+        return w.spec if w.spec is not None else WorkerSpec(
+            url=w.url, id=w.id, kind="agent" if w.source.value == "agent" else "auto")
+
+    def resolve(self, spec: WorkerSpec, served: tuple[str, ...]) -> WorkerSpec:
+        """The worker's engine settings with what ``models:`` says of the model it
+        serves (router.config.resolve_engine): the link calls it once it knows."""
+        return resolve_engine(spec, self.cfg.models, served)
+
     # ---------------------------------------------------------- parts factory
 
     def new_rate_estimator(self, prior_tokens_per_s: float):
@@ -208,18 +237,21 @@ class Engines:
         prior = min(max(prior_tokens_per_s, DEFAULT_MIN_TOKENS_PER_S), DEFAULT_MAX_TOKENS_PER_S)
         return PrefillRateEstimator(prior)
 
-    async def load_keyer(self, source: str, worker: str):
-        """The shared tokenizer of ``source``, loaded once, off the event loop (a
+    async def load_keyer(self, source: str, worker: str, chat_template: str = ""):
+        """The shared tokenizer of ``source`` (with ``chat_template``, vLLM's
+        --chat-template, replacing its own), loaded once, off the event loop (a
         second or two for a real one; links of the same engine wait for the same
         load); None (logged, counted) if it cannot load."""
-        k = self._keyers.get(source)
+        key = (source, chat_template)
+        k = self._keyers.get(key)
         if k is not None:
             return k
-        fut = self._keyer_loads.get(source)
+        fut = self._keyer_loads.get(key)
         if fut is None:
             from router.engines.token_keys import TokenKeyer
-            fut = self._keyer_loads[source] = asyncio.ensure_future(
-                asyncio.to_thread(TokenKeyer.load, source))
+            options = {"chat_template": chat_template} if chat_template else {}
+            fut = self._keyer_loads[key] = asyncio.ensure_future(
+                asyncio.to_thread(TokenKeyer.load, source, **options))
         try:
             k = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -229,8 +261,8 @@ class Engines:
             log.error("worker %s: tokenizer %s cannot be loaded (%s): keyed on routing bytes "
                       "instead, events ignored", worker, source, exc)
             return None
-        self._keyers.setdefault(source, k)
-        return self._keyers[source]
+        self._keyers.setdefault(key, k)
+        return self._keyers[key]
 
     def new_scraper(self, link: EngineLink):
         from router.engines.engine_metrics import MetricsKind, MetricsScraper
