@@ -31,6 +31,13 @@ from tests.procs import Proc, free_port, radixfleet_argv
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 8
 
 
+@pytest.fixture(autouse=True)
+def shared_salt(monkeypatch):
+    """Replicas on a bus share the deployment's salt secret (router.reload refuses a
+    bus without one)."""
+    monkeypatch.setenv("RADIXFLEET_TENANT_SALT", "test-bus-deployment-secret")
+
+
 def bounded(timeout_s: float = 120.0):
     """Every async test here is bounded: a lost wake-up (a server that never comes
     back, a close that never returns) fails the test instead of stalling the run."""
@@ -105,6 +112,28 @@ def test_config_bus_section_validated_with_paths():
         with pytest.raises(ConfigError) as e:
             parse_config({"bus": raw})
         assert str(e.value).startswith(path), e.value
+
+
+def test_a_bus_without_a_shared_salt_secret_is_refused(monkeypatch):
+    """Replicas key prompts alike only with the deployment's secret: without
+    $RADIXFLEET_TENANT_SALT or an agent token each process's random salt would hash
+    the same prompt differently on every replica (and the agents cache it once per
+    replica), so a router on a bus refuses to start, naming both ways out."""
+    from router.reload import build
+    cfg = parse_config({"bus": {"url": "nats://127.0.0.1:4222"}})
+    monkeypatch.delenv("RADIXFLEET_TENANT_SALT")
+    monkeypatch.delenv("RADIXFLEET_AGENT_TOKEN", raising=False)
+    with pytest.raises(ConfigError) as e:
+        build(cfg)
+    assert str(e.value).startswith("bus.url"), e.value
+    assert "RADIXFLEET_TENANT_SALT" in str(e.value) and "RADIXFLEET_AGENT_TOKEN" in str(e.value)
+    build(parse_config({}))  # no bus: one process's own salt is its own business
+    monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "a-token-shared-by-the-deployment-xyz")
+    a, b = build(cfg), build(cfg)
+    assert a.tenants.salts.shared and a.tenants.salts.salt("") == b.tenants.salts.salt("")
+    monkeypatch.delenv("RADIXFLEET_AGENT_TOKEN")
+    monkeypatch.setenv("RADIXFLEET_TENANT_SALT", "one-secret")
+    assert build(cfg).tenants.salts.salt("acme") == build(cfg).tenants.salts.salt("acme")
 
 
 @pytest.mark.parametrize("args, flag", [(["--bus", "http://x:1"], "--bus"),
