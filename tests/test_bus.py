@@ -24,7 +24,7 @@ from router.bus.remote_load import RemoteInFlight
 from protocol.bus_wire import (BadMessage, RouterMessage, Subjects, parse_agent, parse_load,
                              parse_router, worker_token)
 from router.config import parse_config
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, Overloaded
 from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
 
@@ -171,6 +171,32 @@ def test_remote_in_flight_counts_replace_expire_and_bye():
     assert r.apply(m("a", 4, {}, bye=True), 1.3) == {"w3"}
     assert r.totals == {} and r.replicas == {}
     r.check()
+
+
+def test_peers_picks_count_in_shedding_as_in_scoring():
+    """A burst split over replicas is the same burst: the tokens peers picked for a
+    worker since its last report count in the shedding bound as this replica's own
+    picks do (and in its view), so one replica sheds what one router would."""
+    from protocol.events import Load
+    from router.pool import Pool, Source
+    from router.prefix_index import PrefixIndex
+    from router.shedding import Shedder
+    pool = Pool(parse_config({}), PrefixIndex(), clock=lambda: 0.0)
+    w = pool.add("w1", "http://127.0.0.1:1", Source.ADMIN)
+    pool.register("w1", "http://127.0.0.1:1", "e1")
+    pool.report_load(w, Load(queued_tokens=0, prefill_tokens_per_s=1000.0), 0.0)
+    shed = Shedder(2.0, 0.5)
+    assert shed.check([w], "", None, 100, 0.0) is None  # typical 0.1 s: bound 0.5 s
+    pool.pick(w, 300)  # ours: 0.3 s queued
+    assert shed.check([w], "", None, 100, 0.0) is None
+    pool.set_remote(w, 2, 400)  # a peer's two picks: 0.7 s queued in all
+    assert isinstance(shed.check([w], "", None, 100, 0.0), Overloaded)
+    assert pool.views(0.0)[0].in_flight_tokens == 700  # what scoring sees, the same
+    pool.set_remote(w, 1, 100)  # the peer's first token: released, never un-picked
+    assert w.since_report_tokens == 700
+    pool.report_load(w, Load(queued_tokens=100, prefill_tokens_per_s=1000.0), 0.0)
+    assert w.since_report_tokens == 0 and shed.check([w], "", None, 100, 0.0) is None
+    pool.check()
 
 
 def test_wire_rejects_malformed_and_foreign_messages():
