@@ -11,6 +11,10 @@ before each run:
     one     every request to replica 1 (the others idle on the bus)
     N       requests in client-side round robin over the N replicas
 
+Every router is restarted before each arm, so both start from the same state
+(the agents' stream and empty caches), not the second from the policy state the
+first left on replica 1.
+
 ``--runs K`` repeats that on K fresh fleets and reports the medians and the spread
 (min-max) of the ratios N / one: hit rate (target >= 0.97x), TTFT p99 (target
 <= 1.1x), and the 429s the replicas answered beyond one router's (target 0).
@@ -42,6 +46,7 @@ from loadtest.arrivals import Bounds, Poisson
 from loadtest.main import run_ab
 from loadtest.report import render_table
 from loadtest.workloads import make_workload, parse_options
+from router.main import policy_params
 
 #: the targets: N replicas against one router
 HIT_TARGET = 0.97
@@ -61,6 +66,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=1,
                         help="fresh fleets to measure; medians and spread of the ratios")
     parser.add_argument("--policy", default="prefix_load")
+    parser.add_argument("--policy-param", action="append", default=[], metavar="NAME=VALUE",
+                        help="a policy parameter for every router (repeatable), e.g. "
+                             "footprint_room=0")
     parser.add_argument("--no-replicate", action="store_true",
                         help="prefix_load without hot-root replication (its replica records "
                              "are per router replica, not shared)")
@@ -95,6 +103,19 @@ def _wait(url: str, timeout_s: float = 30.0, ok=lambda r: r.status_code < 500) -
     raise RuntimeError(f"{url} not ready within {timeout_s} s")
 
 
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each process group still running, then wait (SIGKILL after 15 s)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 class NoNatsServer(Exception):
     """No nats-server binary was found."""
 
@@ -127,39 +148,47 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
             spawn(py + ["agent", "--port", str(port), "--worker-id", f"ag{i}", "--bus", bus,
                         "--kv-tokens", str(args.kv_tokens)])
             agents.append(f"http://127.0.0.1:{port}")
-        routers = []
+        routers, configs = [], []
         for i in range(args.replicas):
             port = _free_port()
             path = os.path.join(tmp, f"router{i}.yaml")
             with open(path, "w") as f:
-                policy = {"name": args.policy}
+                policy = {"name": args.policy, "params": policy_params(
+                    getattr(args, "policy_param", []), "--policy-param")}
                 if args.no_replicate:
-                    policy["params"] = {"replicate": False}
+                    policy["params"]["replicate"] = False
                 json.dump({"listen": {"port": port}, "policy": policy,
                            "bus": {"url": bus, "replica_id": f"r{i}"}}, f)  # JSON is YAML
-            spawn(py + ["router", "--config", path, "--log-level", "WARNING"], env=router_env)
+            configs.append(path)
             routers.append(f"http://127.0.0.1:{port}")
         for u in agents:
             _wait(u + "/health")
-        for u in routers:
-            _wait(u + "/readiness", ok=lambda r: r.status_code == 200 and
-                  len(r.json().get("routable", [])) == args.agents)
+        running: list[subprocess.Popen] = []
+
+        def restart_routers() -> None:
+            # every arm starts from fresh routers: policy state one arm left behind
+            # (session footprints, write rates, hot-root records) must not tilt the next
+            _stop(running)
+            running.clear()
+            for path in configs:
+                running.append(spawn(py + ["router", "--config", path, "--log-level",
+                                           "WARNING"], env=router_env))
+            for u in routers:
+                _wait(u + "/readiness", ok=lambda r: r.status_code == 200 and
+                      len(r.json().get("routable", [])) == args.agents)
+
+        async def between(name: str) -> None:
+            await asyncio.to_thread(restart_routers)
+
         workload = make_workload("mixed", parse_options(args.option), args.seed)
         targets = [("one", routers[0]), (f"{args.replicas}_replicas", ",".join(routers))]
         outcomes = asyncio.run(run_ab(
             targets, workload, Poisson(args.rate),
             Bounds(args.requests, args.duration, 20.0), flush_urls=agents,
-            kv_capacity_tokens=args.kv_tokens * args.agents, progress=False, settle_s=1.0))
+            kv_capacity_tokens=args.kv_tokens * args.agents, progress=False, settle_s=1.0,
+            between=between))
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        _stop(list(reversed(procs)))
         shutil.rmtree(tmp, ignore_errors=True)
     one, many = (o.report for o in outcomes)
     return one, many
