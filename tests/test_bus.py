@@ -489,6 +489,38 @@ async def test_a_sequence_gap_makes_the_agent_snapshot_again():
             await sa.aclose()
 
 
+async def test_a_peers_hint_reaches_the_index_the_counts_and_the_write_rates():
+    """What a peer picked is applied as if this replica had picked it: the hint in the
+    index, the in-flight tokens in the views and the shedding evidence, and the KV it
+    writes (the blocks the worker did not hold) in prefix_load's write rates, which
+    judge KV turnover and break ties."""
+    from types import SimpleNamespace
+    from prometheus_client import CollectorRegistry
+    from policies.prefix_load import PrefixLoad
+    from router.bus.replica import BusReplica
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+    now = 100.0
+    index, pol = PrefixIndex(), PrefixLoad()
+    cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "replica_id": "me"}})
+    pool = Pool(cfg, index, clock=lambda: now)
+    for i in (1, 2):
+        pool.register(f"w{i}", f"http://127.0.0.1:{i}", "e")
+    rep = BusReplica(cfg.bus, pool=pool, index=index, feedback=None, block_bytes=128,
+                     registry=CollectorRegistry(), clock=lambda: now, policy=lambda: pol)
+    hashes = list(range(1, 11))
+    index.insert("w1", hashes[:4], now - 5)  # w1 holds 4 of the 10 blocks
+    msg = RouterMessage("peer", 1, 128, False, {"w1": (1, 200)}, [("w1", 0.0, hashes)])
+    await rep._on_router(SimpleNamespace(data=msg.to_bytes(), subject="radixfleet.router.peer"))
+    assert index.match(hashes, now, count=False).blocks == {"w1": 10}
+    assert pool.get("w1").remote_tokens == 200 and pool.get("w1").since_report_tokens == 200
+    assert pol._write_rate("w1", now) == pytest.approx(6 * 32 / pol.params.kv_window_s)
+    assert pol._write_rate("w2", now) == 0.0
+    rep.check()
+    pool.check()
+    index.check()
+
+
 def test_replication_decisions_travel_and_apply_as_one_router_would():
     from policies.replication import HotRoots
 

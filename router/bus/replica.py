@@ -8,7 +8,8 @@
     this replica --core <prefix>.router.<me>--> the others: its own in-flight counts
       per worker (changed ones within flush_s, all of them every heartbeat_s) and its
       pick-time hints (worker, keys, age); received ones feed RemoteInFlight ->
-      Pool.set_remote, and index.match (hit counters) + index.insert for hints;
+      Pool.set_remote, and index.match (hit counters) + index.insert for hints,
+      whose unheld blocks reach the policy's write rates (``observe_pick``);
       and its policy's hot-root replication decisions (policies.replication
       HotRoots.listener -> apply_remote), so N replicas replicate as one router
 
@@ -51,6 +52,7 @@ from protocol.bus_wire import (BadMessage, RouterMessage, Subjects, build_snapsh
                              parse_agent, parse_load, parse_router)
 from router.config import BusConfig, ConfigError, parse_worker_url
 from protocol.events import STATUS_OK
+from protocol.prefix_keys import BYTES_PER_TOKEN
 from router.feedback import Feedback
 from router.pool import HealthState, Pool
 
@@ -410,14 +412,25 @@ class BusReplica:
         if not self.cfg.share_hints:
             return
         idx = self.index
+        observe = getattr(self.policy(), "observe_pick", None)
         for wid, age, hashes in m.hints:
             w = self.pool.get(wid)
             if w is not None and w.health is HealthState.HEALTHY and hashes:
                 t = now - age
                 # counted as if this replica had routed it: the decayed hit counters
                 # (hot roots, replication) then see the fleet's rate, not 1/N of it
-                idx.match(hashes, t, count=True)
+                held = idx.match(hashes, t, count=True).blocks.get(wid, 0)
                 idx.insert(wid, hashes, t)
+                if observe is not None:
+                    # and the KV it wrote there, in the policy's write rates (prefix_load:
+                    # turnover, ties), as if picked here: the blocks it did not hold
+                    observe(wid, (len(hashes) - held) * self._block_tokens(w), t)
+
+    def _block_tokens(self, w) -> int:
+        """Tokens per key of ``w``'s hints: its engine's token blocks, else the byte
+        space's (``keys.block_bytes`` / 4)."""
+        size = getattr(getattr(w.engine, "space", None), "block_size", None)
+        return size if isinstance(size, int) and size > 0 else max(1, self.block_bytes // BYTES_PER_TOKEN)
 
     def worker_added(self, w) -> None:
         """Pool listener: a new worker starts with what the others have on it."""
