@@ -521,6 +521,30 @@ async def test_a_peers_hint_reaches_the_index_the_counts_and_the_write_rates():
     index.check()
 
 
+def test_caught_up_waits_for_the_stream_and_one_heartbeat_of_the_peers():
+    """A replica is caught up once it applied the stream's last message *and* one
+    heartbeat_s passed since it subscribed (its peers' full counts heard); until then
+    /readiness' bus body says so, with the lag."""
+    from prometheus_client import CollectorRegistry
+    from router.bus.replica import BusReplica
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+    clock = [10.0]
+    cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "heartbeat_s": 0.5}})
+    index = PrefixIndex()
+    rep = BusReplica(cfg.bus, pool=Pool(cfg, index), index=index, feedback=None,
+                     block_bytes=128, registry=CollectorRegistry(), clock=lambda: clock[0])
+    rep._started = rep._subscribed = 10.0
+    rep.target_seq, rep.applied_seq = 40, 30
+    assert rep.describe()["caught_up"] is False and rep.describe()["lag"] == 10
+    assert not rep.ready()
+    rep.applied_seq = 40
+    rep._mark_caught_up()
+    assert rep.describe()["lag"] == 0 and not rep.ready()  # the peers not heard yet
+    clock[0] = 10.5
+    assert rep.ready() and rep.describe()["caught_up"] and rep.caught_up_s == 0.5
+
+
 def test_replication_decisions_travel_and_apply_as_one_router_would():
     from policies.replication import HotRoots
 
