@@ -434,7 +434,8 @@ def run(args: argparse.Namespace) -> int:
         ran += wanted or list(lives)
     for msg in problems:
         print(msg)
-    scope = "every row" if args.all else "the suite's rows"
+    scope = ("every row" if args.all else "the suite's rows") if seeded or not args.block \
+        else "the live figures"
     print(f"bench reproduce ({scope} of {', '.join(ran)}): "
           f"{'REPRODUCED' if not problems else f'{len(problems)} difference(s)'}",
           file=sys.stderr if problems else sys.stdout)
