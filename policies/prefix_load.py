@@ -88,8 +88,8 @@ times the fleet's mean is *churning*: its shared matches earn nothing and misses
 avoid it (when another worker can take them); its private matches (the sessions it
 already holds) stay. A fleet that churns evenly is left alone: spreading would only
 copy the shared prefixes. Each router replica counts what it routed (a replica that
-routes a third of the traffic sees a third of each rate: it judges later, never wrongly
-sooner); workers that left the fleet are forgotten.
+routes a third of the traffic sees a third of each rate, unless its peers' picks
+reach ``observe_pick``, as the bus's hints do); workers that left the fleet are forgotten.
 
 Session footprints: the KV-turnover rate is a flow and sees a crowd only once it writes;
 a burst of new sessions off one shared prefix (an agent's tool schema) writes little
@@ -258,19 +258,29 @@ class PrefixLoad(Policy):
         unc = request.prompt_tokens - d.matched_blocks * request.block_tokens
         if unc > 0:
             written = self._written
-            w = written.get(d.worker)
-            if w is None:
-                if len(written) > 2 * len(views) + 16:
-                    # workers that left the fleet (discovery churn): keep it bounded
-                    here = {v.id for v in views}
-                    for k in [k for k in written if k not in here]:
-                        del written[k]
-                written[d.worker] = [float(unc), now]
-            else:
-                if now > w[1]:
-                    w[0], w[1] = self._decayed(w, now), now
-                w[0] += unc
+            if d.worker not in written and len(written) > 2 * len(views) + 16:
+                # workers that left the fleet (discovery churn): keep it bounded
+                here = {v.id for v in views}
+                for k in [k for k in written if k not in here]:
+                    del written[k]
+            self.observe_pick(d.worker, unc, now)
         return d
+
+    def observe_pick(self, worker: str, uncached_tokens: int, now: float) -> None:
+        """``uncached_tokens`` were routed to ``worker`` at ``now``: the KV it writes
+        (``_written``). ``choose`` calls it for its own decisions; another router
+        replica's picks come in through it too (router.bus, from their hints), so N
+        replicas judge KV turnover and break ties on the fleet's write rates, not on
+        the 1/N each routes. O(1)."""
+        if uncached_tokens <= 0:
+            return
+        w = self._written.get(worker)
+        if w is None:
+            self._written[worker] = [float(uncached_tokens), now]
+            return
+        if now > w[1]:
+            w[0], w[1] = self._decayed(w, now), now
+        w[0] += uncached_tokens
 
     def _decayed(self, w: list, now: float) -> float:
         """A ``_written`` record's tokens as of ``now`` (never grown by going back)."""

@@ -11,7 +11,9 @@ agents that register themselves and discovery (``router.discovery``). Per worker
                 (before anything is awaited) + the agent's last Load report,
                 ignored once older than report_stale_s
                 + remote_in_flight / remote_tokens: the other router replicas'
-                pick-time counts, from the bus (router.bus; 0 without one)
+                pick-time counts, from the bus (router.bus; 0 without one); what
+                they add also counts in since_report_tokens (shedding), as a
+                local pick does
 
 ``Pool.tap`` (the bus, or None) is told of every local pick, prefill and finish,
 so the replica can publish its own counts; the pool never awaits it.
@@ -514,8 +516,13 @@ class Pool:
         w._view = None
 
     def set_remote(self, w: Worker, requests: int, tokens: int) -> None:
-        """The other replicas' pick-time counts on ``w`` now (router.bus)."""
+        """The other replicas' pick-time counts on ``w`` now (router.bus). Tokens they
+        added are picks since ``w``'s last report as much as this replica's own are:
+        shedding (``since_report_tokens``) counts them as the views do, so N replicas
+        admit what one router would rather than each 1/N of a burst's evidence."""
         if w.remote_in_flight != requests or w.remote_tokens != tokens:
+            if tokens > w.remote_tokens:
+                w.since_report_tokens += tokens - w.remote_tokens
             w.remote_in_flight = requests
             w.remote_tokens = tokens
             w._view = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.auth import TenantResolver, check_exposure
+from protocol.errors import ConfigError
 from router.config import (
     Config, PolicyConfig, build_policy_from, load_config, load_model_keyers, with_overrides,
 )
@@ -59,20 +60,35 @@ def build(cfg: Config, *, salts: TenantSalts | None = None,
           policy_cfg: PolicyConfig | None = None, policy: Any = None,
           keyers: dict | None = None) -> Prepared:
     """What the router builds from ``cfg``: tokens (``check_exposure`` refuses tokenless
-    APIs off loopback), tenant salts and resolver, the policy, the ``models:``
-    tokenizers (a second or two each). ``salts``, ``policy`` (built from
-    ``policy_cfg``) and ``keyers`` are reused when ``cfg`` did not change them.
-    Raises ``ConfigError``, having changed nothing."""
+    APIs off loopback), tenant salts and resolver (``check_shared_keys``: replicas on a
+    bus key alike), the policy, the ``models:`` tokenizers (a second or two each).
+    ``salts``, ``policy`` (built from ``policy_cfg``) and ``keyers`` are reused when
+    ``cfg`` did not change them. Raises ``ConfigError``, having changed nothing."""
     admin = BearerAuth(cfg.auth.admin_token_env, "admin")
     agent = BearerAuth(cfg.auth.agent_token_env, "agent")
     check_exposure(cfg, admin, agent)
     fresh = TenantSalts.from_env(cfg.keys.tenant_salt_env, agent.token)
+    check_shared_keys(cfg, fresh)
     if salts is not None and fresh.same_keys(salts):
         fresh = salts  # keep its caches
     tenants = TenantResolver(cfg.keys.tenant, salts=fresh)
     if policy is None or cfg.policy != policy_cfg:
         policy = build_policy_from(cfg.policy)
     return Prepared(cfg, admin, agent, tenants, policy, load_model_keyers(cfg, keyers))
+
+
+def check_shared_keys(cfg: Config, salts: TenantSalts) -> None:
+    """Refuses a bus without a deployment-wide salt secret. Replicas on a bus share
+    hints, counts and the agents' caches only if every replica keys a prompt alike;
+    with each process's own random secret (no ``$RADIXFLEET_TENANT_SALT``, no agent
+    token) they key it differently, the agents hold one copy per replica and every
+    replica routes blind to the others' sessions (service.tenancy)."""
+    if cfg.bus.enabled() and not salts.shared:
+        env = cfg.keys.tenant_salt_env
+        salt = (f"${env} to one secret on every replica" if env else
+                "keys.tenant_salt_env to a variable holding one secret on every replica")
+        raise ConfigError("bus.url", f"router replicas on a bus must key prompts alike: set "
+                          f"{salt}, or the agent token (${cfg.auth.agent_token_env})")
 
 
 def prepare(path: str, overrides: dict[str, Any], *, salts: TenantSalts,

@@ -13,6 +13,10 @@ when set; else derived from the agent token (every router replica and agent of a
 deployment shares it, so replicas agree on keys without another setting); else —
 a tokenless development setup — random per process, with a warning, because then
 replicas (and a restarted router) disagree on keys and lose cache affinity.
+``shared`` says which: a router on a bus refuses the random one (``router.reload``),
+since replicas that key alike are what the bus is for — with per-process secrets
+every replica hashes the same prompt differently, the agents cache it once per
+replica, and four replicas in round robin hit about 0.4x of one router's rate.
 
 The router forwards the salt, never the name, to workers (``x-radixfleet-tenant``)
 with a proof it set it (``x-radixfleet-tenant-sig: hex(HMAC-SHA256(agent token,
@@ -77,11 +81,13 @@ class TenantSalts:
     per tenant (at most 10,000, then the cache starts over).
     """
 
-    __slots__ = ("_secret", "_sign_key", "_salts", "_lines")
+    __slots__ = ("_secret", "_sign_key", "_salts", "_lines", "shared")
 
-    def __init__(self, secret: bytes, sign_key: bytes = b"") -> None:
+    def __init__(self, secret: bytes, sign_key: bytes = b"", shared: bool = True) -> None:
         self._secret = secret
         self._sign_key = sign_key
+        #: the secret is the deployment's (env or agent token), not this process's own
+        self.shared = shared
         self._salts: dict[str, str] = {}
         self._lines: dict[str, bytes] = {}
 
@@ -91,12 +97,10 @@ class TenantSalts:
         else a random per-process secret (see module docstring)."""
         value = os.environ.get(salt_env, "") if salt_env else ""
         if value:
-            secret = value.encode("utf-8", "surrogateescape")
-        elif agent_token:
-            secret = hmac.new(agent_token, _DERIVE_TAG, hashlib.sha256).digest()
-        else:
-            secret = _random_secret()
-        return cls(secret, agent_token)
+            return cls(value.encode("utf-8", "surrogateescape"), agent_token)
+        if agent_token:
+            return cls(hmac.new(agent_token, _DERIVE_TAG, hashlib.sha256).digest(), agent_token)
+        return cls(_random_secret(), agent_token, shared=False)
 
     def same_keys(self, other: "TenantSalts") -> bool:
         return self._secret == other._secret and self._sign_key == other._sign_key

