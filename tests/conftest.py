@@ -45,3 +45,11 @@ def vllm_pair(vllm_model_dir, tmp_path_factory):
     finally:
         for s in servers:
             s.stop()
+
+
+# --------------------------------------------------------------- the bus
+@pytest.fixture
+def bus_salt(monkeypatch):
+    """Replicas on a bus share the deployment's salt secret (router.reload refuses a
+    bus without one); routers started as processes inherit it."""
+    monkeypatch.setenv("RADIXFLEET_TENANT_SALT", "test-bus-deployment-secret")

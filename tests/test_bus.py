@@ -31,11 +31,7 @@ from tests.procs import Proc, free_port, radixfleet_argv
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 8
 
 
-@pytest.fixture(autouse=True)
-def shared_salt(monkeypatch):
-    """Replicas on a bus share the deployment's salt secret (router.reload refuses a
-    bus without one)."""
-    monkeypatch.setenv("RADIXFLEET_TENANT_SALT", "test-bus-deployment-secret")
+pytestmark = pytest.mark.usefixtures("bus_salt")
 
 
 def bounded(timeout_s: float = 120.0):
@@ -511,7 +507,8 @@ async def test_a_peers_hint_reaches_the_index_the_counts_and_the_write_rates():
     hashes = list(range(1, 11))
     index.insert("w1", hashes[:4], now - 5)  # w1 holds 4 of the 10 blocks
     msg = RouterMessage("peer", 1, 128, False, {"w1": (1, 200)}, [("w1", 0.0, hashes)])
-    await rep._on_router(SimpleNamespace(data=msg.to_bytes(), subject="radixfleet.router.peer"))
+    await rep._on_router(SimpleNamespace(data=msg.to_bytes(), subject="radixfleet.router.peer",
+                                        headers=None))
     assert index.match(hashes, now, count=False).blocks == {"w1": 10}
     assert pool.get("w1").remote_tokens == 200 and pool.get("w1").since_report_tokens == 200
     assert pol._write_rate("w1", now) == pytest.approx(6 * 32 / pol.params.kv_window_s)

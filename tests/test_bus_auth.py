@@ -28,7 +28,7 @@ from tests.nats_server import NatsServer, make_certs, operator_mode
 from tests.procs import Proc, free_port, radixfleet_argv
 from tests.test_bus import bounded, chat, metric, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("bus_salt")]
 
 AGENT_TOKEN = "agent-token-for-the-bus-tests"
 ROUTER_PASSWORD = "router-password-9f2"

@@ -28,6 +28,8 @@ from router.config import parse_config
 from router.pool import Source
 from service.bus_connection import BusCredentials, Problems, check_exposure
 
+pytestmark = pytest.mark.usefixtures("bus_salt")
+
 TOKEN = b"agent-secret"
 
 

@@ -100,7 +100,7 @@ class BusReplica:
         self.target_seq = 0
         self._applied_target = False  # target_seq applied since the last subscription
         self._subscribed: float | None = None  # when; peers' heartbeats due by + heartbeat_s
-        self.caught_up = False  # stream applied and peers' counts heard (module docstring)
+        self._caught_up = False  # stream applied and peers' counts heard (module docstring)
         self.caught_up_s: float | None = None  # seconds from start() to caught up
         self._started = 0.0
         self._ready_logged = False
@@ -151,15 +151,20 @@ class BusReplica:
 
     def _check_caught_up(self) -> bool:
         """Whether the stream is applied and the peers' counts are heard now."""
-        if not self.caught_up and self._applied_target and self._subscribed is not None \
+        if not self._caught_up and self._applied_target and self._subscribed is not None \
                 and self.clock() - self._subscribed >= self.cfg.heartbeat_s:
-            self.caught_up = True
+            self._caught_up = True
             if self.caught_up_s is None:
                 self.caught_up_s = self.clock() - self._started
             log.info("bus: caught up with stream %s at seq %d and the peers' counts (%d "
                      "index entries, %d peers)", self.cfg.stream, self.target_seq,
                      self.index.stats().holder_entries, len(self.remote.replicas))
-        return self.caught_up
+        return self._caught_up
+
+    @property
+    def caught_up(self) -> bool:
+        """The stream applied and the peers' counts heard, as of now."""
+        return self._check_caught_up()
 
     def ready(self) -> bool:
         if self._check_caught_up():
@@ -208,7 +213,7 @@ class BusReplica:
         self._stream_created = created
         self.target_seq = last
         self._subscribed = self.clock()
-        self._applied_target = self.caught_up = False  # until replayed and peers heard
+        self._applied_target = self._caught_up = False  # until replayed and peers heard
         if last < start_seq:
             self._mark_caught_up()
         else:

@@ -33,7 +33,7 @@ from tests.chaos.harness import RouterProcess
 from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("bus_salt")]
 
 TOKEN = "chaos-agent-token-3c1"
 ENV = {"RADIXFLEET_AGENT_TOKEN": TOKEN, "RADIXFLEET_TENANT_SALT": "chaos-salt"}
