@@ -522,9 +522,17 @@ class PrefixIndex:
         return removed
 
     def drop_worker(self, worker: str) -> int:
-        """``clear`` and forget the worker (its cap, a setting, is kept)."""
+        """``clear`` and forget the worker (its cap, a setting, is kept), and its
+        parts: a holder named ``"<worker>#<part>"`` holds one part of the worker's
+        cache (a data-parallel rank of its engine: router.engines.link), and what
+        ends the worker's cache ends its parts' (worker ids never contain ``#``).
+        O(worker's entries + known workers)."""
         removed = self.clear(worker)
         self._counts.pop(worker, None)
+        prefix = worker + "#"
+        for part in [w for w in self._counts if w.startswith(prefix)]:
+            removed += self.clear(part)
+            self._counts.pop(part, None)
         return removed
 
     def apply_snapshot(
