@@ -197,7 +197,8 @@ class EngineLink:
                 "connected": all(sub.connected for sub, _ in self.streams.values()),
                 **_summed(bm.stats() for _, bm in self.streams.values()),
                 "ranks": {str(r): {"endpoint": sub.address, "connected": sub.connected,
-                                   "in_sync": r in self._synced}
+                                   "in_sync": r in self._synced,
+                                   "entries": self.engines.index.entries(self.holder(r))}
                           for r, (sub, _) in self.streams.items() if r is not None}},
             "prediction": acc,
         }
