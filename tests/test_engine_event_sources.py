@@ -253,6 +253,7 @@ async def test_each_rank_is_followed_from_the_engine_and_a_prompt_returns_to_its
         assert {fake.headers[i] for i in range(0, 8, 2)} == {"0", "1"}, fake.headers
         assert link.truth.value == "exact"
         assert set(f.router.index.workers()) == {"dp#0", "dp#1"}
+        f.router.pool.check()  # a rank's entries are its worker's
         assert f.metric('radixfleet_worker_data_parallel_ranks{worker="dp"} 2.0')
         assert f.metric('radixfleet_engine_event_streams{source="engine",worker="dp"} 2.0')
         # the worker's unhealthiness drops every rank's entries (pool -> index parts)

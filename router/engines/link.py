@@ -412,11 +412,16 @@ class EngineLink:
         """The server's event sources; retried (backoff) while it does not answer.
         None: the link closed meanwhile."""
         delay = 0.5
+        said = False
         while self.state is LinkState.RUNNING:
             found = await fetch_event_sources(self.engines.session, self.worker.url)
             if not (isinstance(found, SourcesProblem)
                     and found.cause is SourcesCause.UNREACHABLE):
                 return found
+            if not said:
+                said = True
+                log.info("worker %s: %s; asking again until it answers", self.worker.id,
+                         found.detail)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
         return None
@@ -605,8 +610,13 @@ class EngineLink:
         pred = predicted_tokens(matched_blocks, bt, prompt, self.engine_blocks)
         err = self.stats.record(pred, cached)
         self.engines.prom.prediction(self.worker.id, err)
-        if self.corrects:
-            holder = self.worker.id if rank is None or not self.ranks else self.holder(rank)
+        if rank is not None and self.ranks:
+            # one rank's own truth: its events in sync, or its hints to correct
+            corrects = self.kind is not WorkerKind.AGENT and rank not in self._synced
+        else:
+            corrects, rank = self.corrects, None
+        if corrects:
+            holder = self.holder(rank)
             n = correct(self.engines.index, holder, self.learned, matched_blocks,
                         pred, cached, bt, touches)
             if n:
