@@ -39,12 +39,15 @@ def _two_free_ports() -> int:
 
 @pytest.fixture(scope="module")
 def dp_server(vllm_model_dir, tmp_path_factory):
-    from tests.engines.vllm_env import VllmServer
+    from tests.engines.vllm_env import VllmServer, own_core
 
     logs = tmp_path_factory.mktemp("vllm-dp")
+    # one core per rank ("0|1": vLLM's CPU backend splits the list by DP rank); eager
+    # mode: no compile step, a faster start for a short test
     s = VllmServer(free_port(), model=vllm_model_dir, events_port=_two_free_ports(),
                    replay_port=_two_free_ports(), log_path=logs / "vllm-dp.log",
-                   data_parallel_size=2)
+                   data_parallel_size=2, omp_cpus=f"{own_core(0)}|{own_core(1)}",
+                   extra_args=("--enforce-eager",))
     with s:
         yield s
 

@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 from dataclasses import dataclass
 
 import aiohttp
+
+from protocol.errors import MalformedRequest
+from service import jsonbody
 
 PATH = "/kv_event_sources"
 #: more ranks than this is not a server's answer (vLLM's largest DP deployments are
@@ -88,9 +90,9 @@ def parse_event_sources(status: int, body: bytes) -> tuple[EventSource, ...] | S
     if status != 200:
         return SourcesProblem(SourcesCause.MALFORMED, f"GET /kv_event_sources answered {status}")
     try:
-        obj = json.loads(body)
-    except ValueError:
-        return SourcesProblem(SourcesCause.MALFORMED, "the answer is not JSON")
+        obj = jsonbody.loads(body, max_depth=8, what="the answer")  # a config is 2 deep
+    except MalformedRequest as exc:
+        return SourcesProblem(SourcesCause.MALFORMED, str(exc)[:200])
     if not isinstance(obj, dict):
         return SourcesProblem(SourcesCause.MALFORMED,
                               f"the answer is a JSON {type(obj).__name__}, want an object")

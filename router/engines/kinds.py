@@ -6,9 +6,8 @@ kind       cache truth                          load                       keys
 agent      its event pushes (HTTP, exact)       its load reports           routing bytes
 vllm       KV events over ZMQ (configured, or   /metrics (vllm:*)          token blocks with
            its /kv_event_sources, every data-                              a tokenizer, else
-           parallel rank), else hints aged +
+           parallel rank), else hints aged +                               routing bytes
            cached_tokens
-                                                                           routing bytes
 sglang     KV events if configured (vLLM's      /metrics (sglang:*)        as vllm
            shapes), else as vllm
 openai     hints aged + cached_tokens           router counts only         routing bytes

@@ -57,6 +57,7 @@ from router.engines.event_sources import (
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
 from router.engines.queue_estimate import QueueEstimate
+from router.engines.zmq_events import subscriber_endpoint
 from protocol.events import MAX_LOAD_COUNT, Load
 
 if TYPE_CHECKING:
@@ -104,6 +105,9 @@ class EngineLink:
         self._synced: set = set()  # ranks (keys of streams) whose events are in sync
         self._refollow: asyncio.Task | None = None  # a re-ask of the sources under way
         self._events_lock = asyncio.Lock()  # one (re)subscription at a time
+        #: the lowest rank the engine refused since it last (re)started: sources that
+        #: still list it contradict the engine and are not followed (no retry loop)
+        self._refused_rank: int | None = None
         self.scraper = None  # router.engines.engine_metrics.MetricsScraper
         self.model_mismatch = False  # it serves another model than the configured one
         self.capacity_tokens: int | None = spec.kv_capacity_tokens or None
@@ -380,7 +384,13 @@ class EngineLink:
             if found is None:
                 return  # closed meanwhile
             if isinstance(found, SourcesProblem):
+                self._set_ranks(0)
                 self._no_events(found.cause.value, found.detail)
+                return
+            if self._refused_rank is not None and len(found) > self._refused_rank:
+                self._set_ranks(0)
+                self._no_events("malformed", f"it lists rank {self._refused_rank}, which it "
+                                "refused; not followed until it restarts")
                 return
             sources, origin = found, "engine"
             self._set_ranks(len(found) if len(found) >= 2 else 0)
@@ -438,20 +448,21 @@ class EngineLink:
         ev = self.spec.events
         endpoint = ev.endpoint if src is None else src.endpoint
         addr = str(endpoint)
+        mode = ev.mode if src is None else "auto"
         try:
-            from router.engines.zmq_events import subscriber_endpoint
-            how, addr = subscriber_endpoint(endpoint, _host(self.worker.url),
-                                            ev.mode if src is None else "auto")
+            how, addr = subscriber_endpoint(endpoint, _host(self.worker.url), mode)
         except ValueError:
             how = "?"
         inuse = isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE
         if inuse:
             cause = "address_in_use"
-            fix = (f"the engine's endpoint {endpoint} is a concrete address, so the engine "
-                   f"connects and the router must bind {addr}, which another socket holds "
-                   "(if the engine binds it too, both sides bind): give the engine a wildcard "
-                   f"endpoint such as tcp://*:PORT (it binds, the router connects), or free "
-                   f"{addr}")
+            why = ("events.mode is bind" if mode == "bind" else
+                   f"the engine's endpoint {endpoint} is a concrete address, so the engine "
+                   "connects to it")
+            fix = (f"the router must bind {addr} ({why}), and another socket holds it (if "
+                   "the engine binds it too, both sides bind): give the engine a wildcard "
+                   "endpoint such as tcp://*:PORT (it binds, the router connects; events.mode "
+                   f"auto), or free {addr}")
         else:
             cause = "endpoint_refused"
             fix = (f"the router would {how} {addr} for the engine's endpoint {endpoint}; "
@@ -490,6 +501,8 @@ class EngineLink:
         if not self.ranks:
             return
         self.engines.prom.events_unavailable(self.worker.id, "rank_rejected")
+        if self._refused_rank is None or rank < self._refused_rank:
+            self._refused_rank = rank
         log.warning("worker %s rejected data-parallel rank %d (%s): its rank map is dropped "
                     "and its event sources asked again", self.worker.id, rank, detail[:200])
         self._set_ranks(0)
@@ -555,6 +568,7 @@ class EngineLink:
         are asked again (its data-parallel size may have changed)."""
         self.queue.reset()
         self._drop_entries()
+        self._refused_rank = None  # a new process: what it lists is news
         self.engines.prom.resync(self.worker.id, "restart")
         log.warning("worker %s restarted (%s): its index entries were dropped",
                     self.worker.id, why)

@@ -168,7 +168,8 @@ class VllmServer:
                  kv_bytes: str = "8M", events_port: int | None = None,
                  replay_port: int | None = None, log_path: Path | None = None,
                  max_model_len: int = 4096, max_num_seqs: int = 8,
-                 omp_cpus: str | None = None, data_parallel_size: int = 1) -> None:
+                 omp_cpus: str | None = None, data_parallel_size: int = 1,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = port
         self.omp_cpus = omp_cpus
         self.url = f"http://127.0.0.1:{port}"
@@ -187,6 +188,7 @@ class VllmServer:
             # N engine cores, each its own prefix cache; rank r publishes its events
             # on events_port + r (and replays on replay_port + r)
             args += ["--data-parallel-size", str(data_parallel_size)]
+        args += list(extra_args)
         if events_port is not None:
             ev = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"}
