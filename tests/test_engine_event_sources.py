@@ -330,3 +330,44 @@ async def test_an_unusable_event_source_leaves_the_worker_approximate_and_servin
     for w in ("old", "off", "bad"):
         said = [r.getMessage() for r in lines if f"worker {w}: no KV events" in r.getMessage()]
         assert len(said) == 1, (w, said)
+
+
+# ------------------------------------------------------------ choosing a rank
+
+def test_a_rank_is_chosen_by_its_blocks_then_its_requests_then_in_turn():
+    from prometheus_client import CollectorRegistry
+
+    from router.config import WorkerSpec
+    from router.engines.link import EngineLink
+    from router.engines.manager import Engines, _fold_ranks
+    from router.pool import Pool, Source
+    from router.prefix_index import PrefixIndex
+    from policies.base import MatchResult
+
+    cfg = parse_config({})
+    index = PrefixIndex()
+    pool = Pool(cfg, index)
+    eng = Engines(cfg, pool, index, CollectorRegistry())
+    w = pool.add("w", "http://127.0.0.1:9", Source.ADMIN)
+    link = EngineLink(w, WorkerSpec(url=w.url, id="w", kind="vllm"), eng)
+    assert link.pick_rank({1: 3}) is None  # no rank map: the worker as one engine
+    link._set_ranks(3)
+    assert link.holders() == ["w#0", "w#1", "w#2"]
+    assert link.pick_rank({0: 2, 2: 5}) == 2  # most blocks
+    assert link.pick_rank({0: 5, 2: 5}) == 0  # a tie: fewer in flight (2 has one)
+    # misses: the idle rank first, then in turn among equals
+    assert link.pick_rank(None) == 1
+    link.rank_finished(0)
+    link.rank_finished(1)
+    link.rank_finished(2)
+    assert [link.pick_rank(None) for _ in range(3)] == [2, 0, 1]
+    # the policy sees the worker at its best rank's match; the ranks' own are kept
+    ranks: dict = {}
+    m = _fold_ranks(MatchResult({"w#0": 2, "w#2": 5, "x": 1}, 6, 0.5, True), ranks)
+    assert m == MatchResult({"w": 5, "x": 1}, 6, 0.5, True)
+    assert ranks == {"w": {0: 2, 2: 5}}
+    # the rank map changes: the worker's entries under the old holders go
+    index.insert("w#1", [11, 12], 0.0)
+    link._set_ranks(2)
+    assert index.workers() == set() and link.holders() == ["w#0", "w#1"]
+    index.check()
