@@ -475,6 +475,10 @@ class EngineLink:
     async def _stop_events(self) -> None:
         streams, self.streams = self.streams, {}
         self._synced.clear()
+        if self.events_source is not None and self.state is not LinkState.CLOSED:
+            # (a closed link's worker left: its series are forgotten, not zeroed)
+            self.engines.prom.events_followed(self.worker.id, self.events_source, 0)
+        self.events_source = None
         for sub, bmap in streams.values():
             await sub.aclose()
             bmap.reset()  # its entries are no longer followed
