@@ -227,7 +227,8 @@ def fleet_signal(now: float, meter: "DemandMeter", index, views, params: Autosca
     O(index nodes) for the hot prefixes: call it at scrape time, not per request."""
     live = {v.id for v in views}
     hot = [HotDemand(h.hash, h.depth * block_tokens, h.rate,
-                     sum(1 for w in h.holders if w in live))
+                     # a data-parallel rank ("<worker>#<rank>") is a replica too
+                     sum(1 for w in h.holders if w.partition("#")[0] in live))
            for h in index.hot_prefixes(now, k=hot_k)]
     load = [WorkerLoad(v.prefill_tokens_per_s if v.kv_capacity_tokens else None,
                        v.in_flight_tokens, v.running_requests, v.kv_capacity_tokens,

@@ -150,18 +150,20 @@ class ListenConfig:
 #: What a worker is (contract 7). ``auto``: probe it (router.engines.kinds).
 WORKER_KINDS = ("auto", "agent", "vllm", "sglang", "openai")
 #: How the router's ZMQ SUB socket meets the engine's PUB socket.
-EVENT_MODES = ("auto", "bind", "connect")
+EVENT_MODES = ("auto", "bind", "connect", "off")
 
 
 @dataclass(frozen=True, slots=True)
 class EventsSpec:
     endpoint: str = _opt("", "the engine's own KV-events endpoint, as given to it "
                          "(vLLM --kv-events-config endpoint: tcp://*:5557, tcp://HOST:PORT "
-                         "or ipc://PATH); empty: the engine sends none")
+                         "or ipc://PATH); empty: a vLLM worker's are asked of the server "
+                         "(GET /kv_event_sources, every data-parallel rank), others send none")
     mode: str = _opt("auto", "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
                      "endpoint (the router connects, to the worker's host for a wildcard) and "
                      "connects to a concrete tcp://HOST:PORT (the router binds it); bind or "
-                     "connect force the router's side", choices=EVENT_MODES)
+                     "connect force the router's side; off: follow none (approximate mode)",
+                     choices=EVENT_MODES)
     replay_endpoint: str = _opt("", "the engine's replay endpoint (missed batches by "
                                 "sequence number); empty: none")
     topic: str = _opt("kv-events", "ZMQ topic the engine publishes under")
@@ -788,6 +790,9 @@ def check_engine_fields(spec: Any, path: str, *, per_worker: bool = True) -> Non
     Raises ``ConfigError``."""
     ev = spec.events
     kind = getattr(spec, "kind", "")
+    if ev.endpoint and ev.mode == "off":
+        raise ConfigError(f"{path}.events.mode", "off follows no events; remove "
+                          "events.endpoint or choose auto, bind or connect")
     if ev.endpoint:
         if kind == "agent":
             raise ConfigError(f"{path}.events.endpoint", "agents push their events to the "

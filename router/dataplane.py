@@ -183,7 +183,7 @@ class _UpstreamFailed(Exception):
     def __init__(self, cause: str, detail: str, *, retry: bool, status: int | None = None,
                  headers: Any = None) -> None:
         super().__init__(detail)
-        #: connect | unhealthy | timeout | payload | too_large | status
+        #: connect | unhealthy | timeout | payload | too_large | status | rank
         self.cause = cause
         self.retry = retry  # the worker provably is not running it: another may
         self.status = status  # the worker's status, for cause "status"
@@ -196,6 +196,7 @@ _CLIENT_ERRORS = {
     "unhealthy": (502, "bad_gateway", "the worker became unavailable"),
     "timeout": (504, "upstream_timeout", "the worker did not answer in time"),
     "payload": (502, "bad_gateway", "the worker's answer was cut off or malformed"),
+    "rank": (502, "bad_gateway", "the worker refused the data-parallel rank it was sent"),
     "too_large": (502, "upstream_response_too_large",
                   "the worker's answer is larger than this router passes on "
                   "(limits.max_response_bytes)"),
@@ -253,6 +254,7 @@ class _Pick(NamedTuple):
     own: int  # the request's uncached prompt tokens, counted as queued prefill
     ahead: int  # uncached prompt tokens already queued on the worker at pick time
     touches: tuple | None  # approximate mode: the matched blocks' last-use times
+    rank: int | None = None  # the engine's data-parallel rank it goes to (EngineLink)
 
 
 class _Flight:
@@ -444,6 +446,7 @@ class DataPlane:
             return
         d = self.policy.choose(req, kr.match, views, now)
         tried: list[str] = []
+        excluded: set[str] = set()  # workers a retry must not go to
         retries = self.cfg.retries
         attempt = 0
         last: _UpstreamFailed | None = None
@@ -467,6 +470,8 @@ class DataPlane:
                 return
             except _UpstreamFailed as exc:
                 last = exc
+                if exc.cause != "rank":  # a rejected rank is not the worker's failure:
+                    excluded.add(w.id)  # it may take the retry (its rank map re-read)
                 self.metrics.attempt(w.id, exc.status or exc.cause)  # not a client outcome
                 log.warning("request %s: worker %s (%s) failed (%s: %s), attempt %d/%d%s",
                             rid, w.id, w.url, exc.cause, exc, attempt, retries.max_attempts,
@@ -478,7 +483,8 @@ class DataPlane:
             if delay:
                 await asyncio.sleep(delay)
             now = time.monotonic()
-            views = [v for v in pool.views(now, key.model, key.adapter) if v.id not in tried]
+            views = [v for v in pool.views(now, key.model, key.adapter)
+                     if v.id not in excluded]
             if not views:
                 break
             try:
@@ -509,21 +515,27 @@ class DataPlane:
         """The optimistic hint and the load count for ``w``, in its own key space,
         before anything is awaited (``policies.base``)."""
         sk = kr.key_for(w.id)
-        blocks = kr.blocks_for(w.id)
-        touches = None
         link = w.engine
+        # a data-parallel engine: the rank holding most of the prompt (EngineLink)
+        rank = link.pick_rank(kr.rank_blocks(w.id)) if link is not None and link.ranks \
+            else None
+        holder = w.id if rank is None else link.holder(rank)
+        blocks = kr.blocks_for(w.id, rank)
+        touches = None
         if blocks and link is not None and link.corrects:
             # when each matched block was last used, before this hint re-touches them:
             # what a correction needs if the worker reports fewer cached tokens
             tt = self.index.touch_time
-            touches = tuple(tt(w.id, h) for h in sk.hashes[:blocks])
+            touches = tuple(tt(holder, h) for h in sk.hashes[:blocks])
         ahead = w.in_flight_tokens
         # the hint and the load count in uncached tokens (router.pick: the simulator's too)
         own = hint_and_count(self.index, self.pool, w, sk.hashes, sk.prompt_tokens, blocks,
-                             sk.block_tokens, now)
-        if self.bus is not None and sk.hashes:
+                             sk.block_tokens, now, holder)
+        if self.bus is not None and sk.hashes and rank is None:
+            # (a rank's hint stays local: the bus names workers, and every replica
+            # follows the ranks' own events)
             self.bus.hint(w.id, sk.hashes, now)  # queued; published by its own task
-        return _Pick(sk, blocks, own, ahead, touches)
+        return _Pick(sk, blocks, own, ahead, touches, rank)
 
     async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", key,
                        session, rid, reason, t0) -> None:
@@ -543,6 +555,8 @@ class DataPlane:
         payload, strip = self.engines.forward_body(link, endpoint, body, raw, stream)
         fwd = (self.tenants.forward_lines(key.tenant)
                + b"x-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
+        if pick.rank is not None:
+            fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank  # vLLM's rank header
         head = build_head(endpoint.value, hostport, len(payload), fwd)
         resp = None
         cancel = Cancel()
@@ -571,6 +585,13 @@ class DataPlane:
                 m.observe_ttfb(time.monotonic() - t0)
                 if not stream or status != 200:
                     data = await resp.read()
+                    if status == 400 and pick.rank is not None and b"data_parallel_rank" in data:
+                        # the engine has fewer ranks than the router's map: not the
+                        # worker's failure, nor the client's; the map is asked again
+                        link.rank_rejected(pick.rank, data.decode("utf-8", "replace"))
+                        raise _UpstreamFailed("rank", f"worker {w.id} rejected data-parallel "
+                                              f"rank {pick.rank}", retry=True, status=status,
+                                              headers=resp.headers)
                     f.ok = True
                     ctype = resp.headers.get("content-type", _JSON)
                     if status == 200 and (link is not None or self.traffic is not None):
@@ -603,6 +624,8 @@ class DataPlane:
             if resp is not None:
                 resp.release()
             pool.finish(w, f.left, f.ok)
+            if pick.rank is not None:
+                link.rank_finished(pick.rank)
             usage = f.usage
             if f.ok and self.traffic is not None:
                 self.traffic.record(
@@ -613,7 +636,7 @@ class DataPlane:
             if f.ok and link is not None:
                 try:
                     link.observe(pick.key, pick.blocks, usage, f.ttft, pick.ahead, pick.own,
-                                 time.monotonic(), pick.touches)
+                                 time.monotonic(), pick.touches, pick.rank)
                 except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
                     log.exception("request %s: bookkeeping for worker %s failed", rid, w.id)
                 w._view = None  # its prefill rate may have moved

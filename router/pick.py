@@ -68,14 +68,17 @@ def pick_worker(policy: Policy, index, pool: Pool, request: RouteRequest,
 
 
 def hint_and_count(index, pool: Pool, w: Worker, hashes: Sequence[int], prompt_tokens: int,
-                   matched_blocks: int, block_tokens: int, now: float) -> int:
+                   matched_blocks: int, block_tokens: int, now: float,
+                   holder: str | None = None) -> int:
     """The bookkeeping after a choice, before anything is awaited: ``w`` is hinted as
     holding ``hashes`` (in its own key space) and the request's uncached tokens are
     counted on it. Returns the tokens counted. The live data plane calls this once it
     has keyed the request in the chosen worker's space (router.engines.keyspace);
-    ``pick_worker`` (the simulator, one byte key space) does match and choose itself."""
+    ``pick_worker`` (the simulator, one byte key space) does match and choose itself.
+    ``holder``: the index holder hinted, when not the worker itself (one data-parallel
+    rank of its engine: ``EngineLink.holder``)."""
     if hashes:
-        index.insert(w.id, hashes, now)
+        index.insert(holder or w.id, hashes, now)
     tokens = uncached_tokens(prompt_tokens, matched_blocks, block_tokens)
     pool.pick(w, tokens)
     return tokens

@@ -728,6 +728,6 @@ class Pool:
                 assert w._view == w.build_view(self.clock()), f"{w.id=} stale view"
         held = self.index.workers()
         for wid in held:
-            w = self._by_id.get(wid)
+            w = self._by_id.get(wid.partition("#")[0])  # a rank part is its worker's
             assert w is not None, f"removed worker {wid!r} still in the index"
             assert w.health is not HealthState.UNHEALTHY, f"unhealthy {wid!r} in the index"

@@ -575,13 +575,20 @@ class PrefixIndex:
             yield removed
 
     def drop_worker(self, worker: str) -> int:
-        """``clear`` and forget the worker (its cap, a setting, is kept)."""
-        removed = self.clear(worker)
-        self._counts.pop(worker, None)
-        if worker in self._tracked:
-            self._tracked.discard(worker)
-            if worker not in self._caps:
-                self._wheaps.pop(worker)  # emptied by clear
+        """``clear`` and forget the worker (its cap, a setting, is kept), and its
+        parts: a holder named ``"<worker>#<part>"`` holds one part of the worker's
+        cache (a data-parallel rank of its engine: router.engines.link), and what
+        ends the worker's cache ends its parts' (worker ids never contain ``#``).
+        O(worker's entries + known workers)."""
+        prefix = worker + "#"
+        removed = 0
+        for holder in [worker, *(w for w in self._counts if w.startswith(prefix))]:
+            removed += self.clear(holder)
+            self._counts.pop(holder, None)
+            if holder in self._tracked:
+                self._tracked.discard(holder)
+                if holder not in self._caps:
+                    self._wheaps.pop(holder)  # emptied by clear
         return removed
 
     def apply_snapshot(

@@ -61,6 +61,8 @@ def router_yaml(path, port: int, servers, model_dir, *, policy: str = "prefix_lo
         if events[i]:
             w["events"] = {"endpoint": f"tcp://*:{s.events_port}",
                            "replay_endpoint": f"tcp://*:{s.replay_port}"}
+        else:  # the server publishes; this router follows none (approximate mode)
+            w["events"] = {"mode": "off"}
         if capacity[i]:
             w["kv_capacity_tokens"] = capacity[i]
         workers.append(w)

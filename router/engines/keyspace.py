@@ -90,16 +90,21 @@ class KeyedRequest:
     ``key_for(space)`` and ``blocks_for(worker)`` are what the data plane needs
     after the pick (the hint insert, load in uncached tokens, accuracy)."""
 
-    __slots__ = ("keys", "matches", "primary", "route_request", "match", "_space_of")
+    __slots__ = ("keys", "matches", "primary", "route_request", "match", "_space_of",
+                 "_ranks")
 
     def __init__(self, keys: dict, matches: dict, primary, route_request: RouteRequest,
-                 match: MatchResult, space_of: Mapping[str, Any]) -> None:
+                 match: MatchResult, space_of: Mapping[str, Any],
+                 ranks: Mapping[str, Mapping[int, int]] | None = None) -> None:
         self.keys = keys  # space id -> SpaceKey
         self.matches = matches  # space id -> MatchResult of that space's keys
         self.primary = primary  # the space id the policy's view is in
         self.route_request = route_request
         self.match = match
         self._space_of = space_of  # worker id -> space
+        #: worker -> {data-parallel rank: leading blocks it holds} (ranked workers only;
+        #: their ``matches`` entries are the best rank's)
+        self._ranks = ranks or {}
 
     def space(self, worker: str):
         return self._space_of[worker]
@@ -107,9 +112,17 @@ class KeyedRequest:
     def key_for(self, worker: str) -> SpaceKey:
         return self.keys[self._space_of[worker].id]
 
-    def blocks_for(self, worker: str) -> int:
-        """Leading blocks ``worker`` holds in its own space."""
+    def blocks_for(self, worker: str, rank: int | None = None) -> int:
+        """Leading blocks ``worker`` (its data-parallel ``rank``, if given) holds in
+        its own space."""
+        if rank is not None:
+            return self._ranks.get(worker, {}).get(rank, 0)
         return self.matches[self._space_of[worker].id].blocks.get(worker, 0)
+
+    def rank_blocks(self, worker: str) -> Mapping[int, int] | None:
+        """{rank: leading blocks} of a worker indexed per data-parallel rank (None:
+        no rank holds any)."""
+        return self._ranks.get(worker)
 
 
 def merge_matches(primary: SpaceKey, primary_match: MatchResult,

@@ -4,9 +4,12 @@
 kind       cache truth                          load                       keys
 =========  ==================================  =========================  ===============
 agent      its event pushes (HTTP, exact)       its load reports           routing bytes
-vllm       KV events over ZMQ if configured,    /metrics (vllm:*)          token blocks with
-           else hints aged + cached_tokens                                 a tokenizer, else
-sglang     same as vllm (same event shapes)     /metrics (sglang:*)        routing bytes
+vllm       KV events over ZMQ (configured, or   /metrics (vllm:*)          token blocks with
+           its /kv_event_sources, every data-                              a tokenizer, else
+           parallel rank), else hints aged +                               routing bytes
+           cached_tokens
+sglang     KV events if configured (vLLM's      /metrics (sglang:*)        as vllm
+           shapes), else as vllm
 openai     hints aged + cached_tokens           router counts only         routing bytes
 =========  ==================================  =========================  ===============
 

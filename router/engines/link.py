@@ -6,8 +6,16 @@ worker's engine. Per worker::
     kind        agent | vllm | sglang | openai (configured, or probed at start)
     space       ByteSpace, or TokenSpace once the tokenizer is loaded and the engine's
                 block size is known (config, /metrics' cache_config_info, or events)
-    truth       EXACT: KV events subscribed and in sync; the worker's index entries
-                are the engine's blocks (router.engines.block_map)
+    events      where its KV events come from: the worker's configured ``events:``, or
+                else, for vLLM, the server's own ``GET /kv_event_sources``
+                (router.engines.event_sources); one subscriber per data-parallel rank
+    ranks       a vLLM server with data parallelism (N >= 2 event sources) has N
+                prefix caches: each rank's entries are held in the index under the
+                *part* holder ``"<worker>#<rank>"`` (``holder``), the policy sees the
+                worker with its best rank's match, and the data plane sends the request
+                to the rank ``pick_rank`` chooses with vLLM's ``X-data-parallel-rank``
+    truth       EXACT: KV events subscribed and every rank in sync; the worker's index
+                entries are the engine's blocks (router.engines.block_map)
                 APPROXIMATE: no events (or out of sync): the router's own pick-time
                 hints, aged as an LRU at the engine's KV capacity and corrected by
                 each response's reported cached tokens
@@ -22,7 +30,8 @@ load the tokenizer, start the scraper and the event subscriber) -> CLOSED
 (``aclose``, idempotent: the worker left the pool or the router stops). A failing
 probe, tokenizer, scrape or event stream never fails the link: it degrades to the
 approximate mode with the router's own counts, visibly (metric + one log line per
-cause).
+cause: ``radixfleet_engine_events_unavailable_total{cause}``). An engine that rejects a
+rank (it restarted with fewer) drops the rank map; the sources are asked again.
 
 Only the event loop touches a link. The pool owns the ``Worker``; the link holds it
 to read its id/url and to report load through the pool (``pool.report_load``).
@@ -37,12 +46,18 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import zmq
+
 from router.config import WorkerSpec
 from router.engines.capacity import LearnedCapacity, correct
 from router.engines.accuracy import PredictionStats, predicted_tokens
+from router.engines.event_sources import (
+    EventSource, SourcesCause, SourcesProblem, fetch_event_sources,
+)
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
 from router.engines.queue_estimate import QueueEstimate
+from router.engines.zmq_events import subscriber_endpoint
 from protocol.events import MAX_LOAD_COUNT, Load
 
 if TYPE_CHECKING:
@@ -77,10 +92,23 @@ class EngineLink:
         self.space: ByteSpace | TokenSpace = engines.byte_space
         self.block_size: int | None = spec.block_size or None  # engine tokens per KV block
         self.keyer = None  # router.engines.token_keys.TokenKeyer, once loaded
-        self.subscriber = None  # router.engines.zmq_events.KvEventSubscriber
-        self.block_map = None  # router.engines.block_map.EngineBlockMap
+        #: rank (None: the worker as one engine) -> (KvEventSubscriber, EngineBlockMap);
+        #: only _follow_events / _stop_events change it
+        self.streams: dict[int | None, tuple] = {}
+        #: where the followed events came from: "config", "engine" (/kv_event_sources)
+        self.events_source: str | None = None
+        #: data-parallel ranks requests are sent to (0: the worker as one engine; else
+        #: >= 2, set with the rank map by _follow_events, dropped by rank_rejected)
+        self.ranks = 0
+        self._rank_inflight: list[int] = []  # requests the router has on each rank
+        self._rank_cursor = 0  # rotates ties between equally good ranks
+        self._synced: set = set()  # ranks (keys of streams) whose events are in sync
+        self._refollow: asyncio.Task | None = None  # a re-ask of the sources under way
+        self._events_lock = asyncio.Lock()  # one (re)subscription at a time
+        #: the lowest rank the engine refused since it last (re)started: sources that
+        #: still list it contradict the engine and are not followed (no retry loop)
+        self._refused_rank: int | None = None
         self.scraper = None  # router.engines.engine_metrics.MetricsScraper
-        self.in_sync = False  # events flowing with no gap since the last reset
         self.model_mismatch = False  # it serves another model than the configured one
         self.capacity_tokens: int | None = spec.kv_capacity_tokens or None
         #: the index cap learned from answers (approximate mode; router.engines.capacity)
@@ -93,6 +121,49 @@ class EngineLink:
         self._events_logged: set[str] = set()
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def in_sync(self) -> bool:
+        """Events flow, with no gap since the last reset, from every followed rank."""
+        return bool(self._synced) and len(self._synced) >= len(self.streams)
+
+    @property
+    def subscriber(self):
+        """The (first) rank's subscriber, or None: no events followed."""
+        return next(iter(self.streams.values()))[0] if self.streams else None
+
+    @property
+    def block_map(self):
+        return next(iter(self.streams.values()))[1] if self.streams else None
+
+    def holder(self, rank: int | None) -> str:
+        """The index holder of ``rank``'s entries: the worker's id, or its part."""
+        wid = self.worker.id
+        return wid if rank is None else f"{wid}#{rank}"
+
+    def holders(self) -> list[str]:
+        return [self.holder(r) for r in range(self.ranks)] if self.ranks else [self.worker.id]
+
+    def pick_rank(self, blocks: dict | None) -> int | None:
+        """The data-parallel rank a request chosen for this worker goes to (None: no
+        rank map), counted as in flight there until ``rank_finished``: the rank
+        holding most of its blocks (``blocks``: rank -> leading blocks held), ties
+        to the rank with fewest router requests in flight, then in turn."""
+        n = self.ranks
+        if not n:
+            return None
+        best = max(blocks.values(), default=0) if blocks else 0
+        inflight = self._rank_inflight
+        c = self._rank_cursor
+        r = min((r for r in range(n) if (blocks.get(r, 0) if blocks else 0) == best),
+                key=lambda r: (inflight[r], (r - c) % n))
+        self._rank_cursor = (r + 1) % n
+        inflight[r] += 1
+        return r
+
+    def rank_finished(self, rank: int) -> None:
+        if rank < len(self._rank_inflight) and self._rank_inflight[rank] > 0:
+            self._rank_inflight[rank] -= 1
 
     @property
     def truth(self) -> Truth:
@@ -123,11 +194,16 @@ class EngineLink:
                 "tokens_per_request": round(self.queue.tokens_per_request, 1),
                 "departures_per_s": None if self.queue.departures_per_s is None
                 else round(self.queue.departures_per_s, 2)},
-            "events": None if self.subscriber is None else {
-                "endpoint": self.spec.events.endpoint, "in_sync": self.in_sync,
-                "connected": self.subscriber.connected,
-                **(dataclasses.asdict(self.block_map.stats()) if self.block_map is not None
-                   else {})},
+            "data_parallel_ranks": self.ranks,
+            "events": None if not self.streams else {
+                "source": self.events_source, "in_sync": self.in_sync,
+                "endpoint": self.subscriber.address,
+                "connected": all(sub.connected for sub, _ in self.streams.values()),
+                **_summed(bm.stats() for _, bm in self.streams.values()),
+                "ranks": {str(r): {"endpoint": sub.address, "connected": sub.connected,
+                                   "in_sync": r in self._synced,
+                                   "entries": self.engines.index.entries(self.holder(r))}
+                          for r, (sub, _) in self.streams.items() if r is not None}},
             "prediction": acc,
         }
 
@@ -153,9 +229,9 @@ class EngineLink:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for part in (self.subscriber, self.scraper):
-            if part is not None:
-                await part.aclose()
+        await self._stop_events()
+        if self.scraper is not None:
+            await self.scraper.aclose()
 
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
@@ -214,9 +290,9 @@ class EngineLink:
         # its capacity from the YAML was never capped — its guesses grew past what the
         # engine holds and every correction was undone by the next hint.
         self._apply_capacity()
-        if self.spec.events.endpoint and self.keyer is not None and not self.model_mismatch:
-            self.subscriber, self.block_map = eng.new_subscriber(self)
-            await self.subscriber.start()
+        if not self.model_mismatch:
+            async with self._events_lock:
+                await self._follow_events()
 
     def _resolve_settings(self) -> None:
         """Once the served models are known: the engine settings ``models:`` gives
@@ -238,7 +314,8 @@ class EngineLink:
         model = self.spec.model or (self.models[0] if self.models else "")
         self.space = TokenSpace(model, self.keyer, self.block_size)
         self.stats.block_tokens = self.block_size
-        self.engines.index.drop_worker(self.worker.id)
+        for h in self.holders():
+            self.engines.index.drop_worker(h)
         self._apply_capacity()
         self.engines.spaces_changed()
         log.info("worker %s keyed in %r", self.worker.id, self.space)
@@ -256,12 +333,15 @@ class EngineLink:
             return
         bt = self.block_size if isinstance(self.space, TokenSpace) \
             else self.space.block_bytes // 4
-        blocks = max(1, cap // max(1, bt))
+        # a data-parallel server's capacity is its ranks' together (vLLM sums
+        # num_gpu_blocks over them): each rank holds its share
+        blocks = max(1, cap // max(1, bt) // max(1, self.ranks))
         if self.engines.cfg.index.learn_capacity:
             if self.learned is None or self.learned.configured != blocks:
                 self.learned = LearnedCapacity(blocks)  # a new capacity: learn it afresh
             blocks = self.learned.blocks
-        self.engines.index.set_capacity(self.worker.id, blocks)
+        for h in self.holders():
+            self.engines.index.set_capacity(h, blocks)
 
     # --------------------------------------------------------- engine metrics
 
@@ -299,47 +379,229 @@ class EngineLink:
 
     # ------------------------------------------------------------ KV events
 
-    def events_synced(self) -> None:
-        if not self.in_sync:
-            self.in_sync = True
+    async def _follow_events(self) -> None:
+        """Subscribes to the engine's KV events: the configured ``events:`` if any,
+        else (vLLM) every rank ``/kv_event_sources`` lists, asked again while the
+        server does not answer. Sets the rank map (two ranks or more). Never raises
+        for what the engine says or does: no usable events is the approximate mode,
+        visibly (``_no_events``)."""
+        spec = self.spec.events
+        if spec.mode == "off":
+            return
+        if spec.endpoint:
+            sources: tuple = (None,)  # the configured endpoint: one stream, no ranks
+            origin = "config"
+        elif self.kind is WorkerKind.VLLM:
+            found = await self._ask_sources()
+            if found is None:
+                return  # closed meanwhile
+            if isinstance(found, SourcesProblem):
+                self._set_ranks(0)
+                self._no_events(found.cause.value, found.detail)
+                return
+            if self._refused_rank is not None and len(found) > self._refused_rank:
+                self._set_ranks(0)
+                self._no_events("malformed", f"it lists rank {self._refused_rank}, which it "
+                                "refused; not followed until it restarts")
+                return
+            sources, origin = found, "engine"
+            self._set_ranks(len(found) if len(found) >= 2 else 0)
+        else:
+            return
+        if self.keyer is None:
+            self._no_events("no_tokenizer", "events name token blocks and the worker has "
+                            "no tokenizer; set one to key requests in its tokens")
+            return
+        streams = {}
+        for src in sources:
+            rank = None if src is None or not self.ranks else src.rank
+            try:
+                sub, bmap = self.engines.new_subscriber(self, src, rank)
+                streams[rank] = (sub, bmap)
+                await sub.start()
+            except (zmq.ZMQError, ValueError) as exc:
+                for s, _ in streams.values():
+                    await s.aclose()
+                self._endpoint_refused(src, exc)
+                return
+        self.streams = streams
+        self.events_source = origin
+        self.engines.prom.events_followed(self.worker.id, origin, len(streams))
+        log.info("worker %s: following its KV events (%s): %s", self.worker.id, origin,
+                 ", ".join(sub.address or "?" for sub, _ in streams.values()))
+
+    async def _ask_sources(self):
+        """The server's event sources; retried (backoff) while it does not answer.
+        None: the link closed meanwhile."""
+        delay = 0.5
+        said = False
+        while self.state is LinkState.RUNNING:
+            found = await fetch_event_sources(self.engines.session, self.worker.url)
+            if not (isinstance(found, SourcesProblem)
+                    and found.cause is SourcesCause.UNREACHABLE):
+                return found
+            if not said:
+                said = True
+                log.info("worker %s: %s; asking again until it answers", self.worker.id,
+                         found.detail)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        return None
+
+    def _no_events(self, cause: str, detail: str) -> None:
+        self.engines.prom.events_unavailable(self.worker.id, cause)
+        log.warning("worker %s: no KV events to follow (%s: %s): approximate mode (the "
+                    "router's own hints, corrected by each answer's cached tokens)",
+                    self.worker.id, cause, detail)
+
+    def _endpoint_refused(self, src: EventSource | None, exc: Exception) -> None:
+        """An events endpoint the router cannot use: one clear line saying which side
+        binds and what to write; the worker keeps serving in the approximate mode."""
+        ev = self.spec.events
+        endpoint = ev.endpoint if src is None else src.endpoint
+        addr = str(endpoint)
+        mode = ev.mode if src is None else "auto"
+        try:
+            how, addr = subscriber_endpoint(endpoint, _host(self.worker.url), mode)
+        except ValueError:
+            how = "?"
+        inuse = isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE
+        if inuse:
+            cause = "address_in_use"
+            why = ("events.mode is bind" if mode == "bind" else
+                   f"the engine's endpoint {endpoint} is a concrete address, so the engine "
+                   "connects to it")
+            fix = (f"the router must bind {addr} ({why}), and another socket holds it (if "
+                   "the engine binds it too, both sides bind): give the engine a wildcard "
+                   "endpoint such as tcp://*:PORT (it binds, the router connects; events.mode "
+                   f"auto), or free {addr}")
+        else:
+            cause = "endpoint_refused"
+            fix = (f"the router would {how} {addr} for the engine's endpoint {endpoint}; "
+                   "give the engine a tcp://*:PORT (it binds, the router connects) or a "
+                   "tcp://ROUTER_HOST:PORT the router can bind")
+        self.engines.prom.events_unavailable(self.worker.id, cause)
+        log.error("worker %s: KV events not followed (%s): %s; approximate mode",
+                  self.worker.id, exc, fix)
+
+    async def _stop_events(self) -> None:
+        streams, self.streams = self.streams, {}
+        self._synced.clear()
+        if self.events_source is not None and self.state is not LinkState.CLOSED:
+            # (a closed link's worker left: its series are forgotten, not zeroed)
+            self.engines.prom.events_followed(self.worker.id, self.events_source, 0)
+        self.events_source = None
+        for sub, bmap in streams.values():
+            await sub.aclose()
+            bmap.reset()  # its entries are no longer followed
+
+    def _set_ranks(self, n: int) -> None:
+        """The rank map: ``n`` data-parallel ranks (0: none). The worker's entries are
+        dropped: they were held under the old holders."""
+        if n == self.ranks:
+            return
+        self._drop_entries()
+        self.engines.index.drop_worker(self.worker.id)  # and every rank part
+        self.ranks = n
+        self._rank_inflight = [0] * n
+        self._rank_cursor = 0
+        self.engines.ranks_changed(self, n)
+        self._apply_capacity()
+        if n:
+            log.info("worker %s: %d data-parallel ranks, each indexed and routed to on "
+                     "its own (X-data-parallel-rank)", self.worker.id, n)
+
+    def rank_rejected(self, rank: int, detail: str) -> None:
+        """The engine refused ``rank`` (it restarted with fewer ranks): the rank map
+        and the streams go; the sources are asked again (once at a time)."""
+        if not self.ranks:
+            return
+        self.engines.prom.events_unavailable(self.worker.id, "rank_rejected")
+        if self._refused_rank is None or rank < self._refused_rank:
+            self._refused_rank = rank
+        log.warning("worker %s rejected data-parallel rank %d (%s): its rank map is dropped "
+                    "and its event sources asked again", self.worker.id, rank, detail[:200])
+        self._set_ranks(0)
+        self._refollow_events()
+
+    def _refollow_events(self) -> None:
+        """Asks a vLLM server for its event sources again (a restart, a rejected
+        rank), unless the worker's events are configured or off."""
+        if self.state is not LinkState.RUNNING or self.kind is not WorkerKind.VLLM \
+                or self.spec.events.endpoint or self.spec.events.mode == "off" \
+                or self.model_mismatch:
+            return
+        if self._refollow is not None and not self._refollow.done():
+            return
+
+        async def again():
+            async with self._events_lock:
+                await self._stop_events()
+                await self._follow_events()
+
+        self._refollow = self._spawn(self._guarded(again()))
+
+    async def _guarded(self, coro) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a worker's engine side never takes the router down
+            log.exception("worker %s: following KV events failed; approximate mode",
+                          self.worker.id)
+
+    def events_synced(self, rank: int | None = None) -> None:
+        if rank in self._synced:
+            return
+        self._synced.add(rank)
+        if self.in_sync:
             log.info("worker %s: KV events in sync (exact index)", self.worker.id)
             if self.learned is not None and self.learned.blocks != self.learned.configured:
                 # the engine's events say what it holds now: a cap learned while the
                 # index guessed must not evict what they report
                 self.learned.blocks = self.learned.configured
-                self.engines.index.set_capacity(self.worker.id, self.learned.blocks)
+                for h in self.holders():
+                    self.engines.index.set_capacity(h, self.learned.blocks)
 
-    def events_lost(self, reason: str) -> None:
-        """A gap that replay could not fill, a late join or a reset: the worker's
+    def events_lost(self, reason: str, rank: int | None = None) -> None:
+        """A gap that replay could not fill, a late join or a reset: the rank's
         entries are dropped and rebuilt from the events that follow."""
-        self._drop_entries()
-        self.in_sync = False
+        st = self.streams.get(rank)
+        if st is not None:
+            st[1].reset()  # clears its index entries too
+        else:
+            self._drop_entries()
+        self._synced.discard(rank)
         self.engines.prom.resync(self.worker.id, reason.split(" ")[0])
         if reason not in self._events_logged:
             self._events_logged.add(reason)
-            log.warning("worker %s: KV events %s: its index entries were dropped and are "
-                        "rebuilt from the events that follow", self.worker.id, reason)
+            log.warning("worker %s: KV events %s%s: its index entries were dropped and are "
+                        "rebuilt from the events that follow", self.worker.id, reason,
+                        "" if rank is None else f" (rank {rank})")
 
     def engine_restarted(self, why: str) -> None:
-        """A new engine process: its cache is empty."""
+        """A new engine process: its cache is empty. Event sources the engine named
+        are asked again (its data-parallel size may have changed)."""
         self.queue.reset()
         self._drop_entries()
+        self._refused_rank = None  # a new process: what it lists is news
         self.engines.prom.resync(self.worker.id, "restart")
         log.warning("worker %s restarted (%s): its index entries were dropped",
                     self.worker.id, why)
+        self._refollow_events()
 
     def _drop_entries(self) -> None:
-        if self.block_map is not None:
-            self.block_map.reset()  # clears the worker's index entries too
-        else:
-            self.engines.index.clear(self.worker.id)
+        for _, bmap in self.streams.values():
+            bmap.reset()  # clears its holder's index entries too
+        for h in self.holders():
+            self.engines.index.clear(h)
 
     # ------------------------------------------------------------- responses
 
     def observe(self, sk: SpaceKey, matched_blocks: int, usage: tuple[int, int] | None,
                 ttft_s: float | None, ahead_tokens: int, own_tokens: int,
-                now: float, touches: tuple | None = None) -> None:
-        """One finished request on this worker.
+                now: float, touches: tuple | None = None, rank: int | None = None) -> None:
+        """One finished request on this worker (on data-parallel ``rank``, if any).
 
         ``usage``: (prompt_tokens, cached_tokens) it reported, if any: records the
         prediction error. ``ttft_s`` with the uncached tokens ahead of it at pick
@@ -378,8 +640,14 @@ class EngineLink:
         pred = predicted_tokens(matched_blocks, bt, prompt, self.engine_blocks)
         err = self.stats.record(pred, cached)
         self.engines.prom.prediction(self.worker.id, err)
-        if self.corrects:
-            n = correct(self.engines.index, self.worker.id, self.learned, matched_blocks,
+        if rank is not None and self.ranks:
+            # one rank's own truth: its events in sync, or its hints to correct
+            corrects = self.kind is not WorkerKind.AGENT and rank not in self._synced
+        else:
+            corrects, rank = self.corrects, None
+        if corrects:
+            holder = self.holder(rank)
+            n = correct(self.engines.index, holder, self.learned, matched_blocks,
                         pred, cached, bt, touches)
             if n:
                 self.engines.prom.corrected.labels(self.worker.id).inc(n)
@@ -394,3 +662,17 @@ class EngineLink:
     def corrects(self) -> bool:
         """Whether responses correct this worker's entries (the approximate mode)."""
         return self.kind is not WorkerKind.AGENT and not self.in_sync
+
+
+def _host(url: str) -> str | None:
+    from urllib.parse import urlsplit
+    return urlsplit(url).hostname
+
+
+def _summed(stats) -> dict:
+    """Several ranks' block-map counters, added up."""
+    out: dict = {}
+    for st in stats:
+        for k, v in dataclasses.asdict(st).items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from policies.base import EMPTY_MATCH, RouteRequest, WorkerView
+from policies.base import EMPTY_MATCH, MatchResult, RouteRequest, WorkerView
 from router.config import WorkerSpec, resolve_engine
 from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.kinds import WorkerKind
@@ -84,6 +84,22 @@ class EnginePrometheus:
         self.truth = Gauge(
             "radixfleet_worker_index_exact", "1: the worker's index entries follow its "
             "engine's (or agent's) events; 0: approximate", ["worker"], registry=r)
+        self.events_off = Counter(
+            "radixfleet_engine_events_unavailable", "Times a worker's KV events could not "
+            "be followed and it was left in the approximate mode, per cause: missing (no "
+            "/kv_event_sources: vLLM before 0.32), empty, disabled, malformed (its answer), "
+            "no_tokenizer, address_in_use, endpoint_refused (the subscriber's socket), "
+            "rank_rejected (the engine refused a data-parallel rank; asked again)",
+            ["worker", "cause"], registry=r)
+        self.events_ranks = Gauge(
+            "radixfleet_engine_event_streams", "KV-event streams followed per worker (one "
+            "per data-parallel rank) and where their endpoints came from: config (the "
+            "worker's events:) or engine (its /kv_event_sources)", ["worker", "source"],
+            registry=r)
+        self.dp_ranks = Gauge(
+            "radixfleet_worker_data_parallel_ranks", "Data-parallel ranks the router "
+            "indexes and routes to separately (X-data-parallel-rank); 0: the worker as one "
+            "engine", ["worker"], registry=r)
 
     def prediction(self, worker: str, err: int) -> None:
         self.pred_err.labels(worker).observe(abs(err))
@@ -102,10 +118,22 @@ class EnginePrometheus:
     def resync(self, worker: str, reason: str) -> None:
         self.resyncs.labels(worker, reason).inc()
 
+    def events_unavailable(self, worker: str, cause: str) -> None:
+        self.events_off.labels(worker, cause).inc()
+
+    def events_followed(self, worker: str, source: str, streams: int) -> None:
+        for s in ("config", "engine"):
+            self.events_ranks.labels(worker, s).set(streams if s == source else 0)
+
     def forget(self, worker: str) -> None:
-        for g in (self.load_source, self.prefill_rate, self.truth):
+        for g in (self.load_source, self.prefill_rate, self.truth, self.dp_ranks):
             try:
                 g.remove(worker)
+            except KeyError:
+                pass
+        for s in ("config", "engine"):
+            try:
+                self.events_ranks.remove(worker, s)
             except KeyError:
                 pass
 
@@ -149,6 +177,9 @@ class Engines:
         self._keyer_loads: dict[tuple[str, str], asyncio.Future] = {}  # loads under way
         self._spaces_key: tuple | None = None
         self._spaces: list = []
+        #: workers indexed per data-parallel rank (link.ranks >= 2): their matches are
+        #: folded from their ranks' part holders (``_fold_ranks``)
+        self._ranked: set[str] = set()
         self._started = False
         self._closed = False
         pool.listeners.append(self)
@@ -208,6 +239,7 @@ class Engines:
         link = self.links.pop(w.id, None)
         if link is None:
             return
+        self._ranked.discard(w.id)
         self.prom.forget(w.id)
         self.spaces_changed()
         if link.state is not LinkState.CLOSED:
@@ -226,6 +258,14 @@ class Engines:
         """The worker's engine settings with what ``models:`` says of the model it
         serves (router.config.resolve_engine): the link calls it once it knows."""
         return resolve_engine(spec, self.cfg.models, served)
+
+    def ranks_changed(self, link: EngineLink, n: int) -> None:
+        """``link`` now has ``n`` data-parallel ranks (0: none)."""
+        if n and self.links.get(link.worker.id) is link:
+            self._ranked.add(link.worker.id)
+        else:
+            self._ranked.discard(link.worker.id)
+        self.prom.dp_ranks.labels(link.worker.id).set(n)
 
     # ---------------------------------------------------------- parts factory
 
@@ -272,9 +312,9 @@ class Engines:
                               interval_s=ms.interval_s, timeout_s=ms.timeout_s,
                               model=link.spec.model or None, name=link.worker.id)
 
-    def new_subscriber(self, link: EngineLink):
+    def new_subscriber(self, link: EngineLink, source=None, rank: int | None = None):
         from router.engines.wiring import subscribe
-        return subscribe(link, self)
+        return subscribe(link, self, source, rank)
 
     # ------------------------------------------------------------- data plane
 
@@ -307,10 +347,13 @@ class Engines:
         matches: dict = {}
         space_of: dict = {}
         others = []
+        ranks: dict = {}
         for i, (sp, wids) in enumerate(groups):
             sk = sp.key(endpoint, body, pk)
             keys[sp.id] = sk
             m = index.match(sk.hashes, now, count=(i == 0)) if sk.hashes else EMPTY_MATCH
+            if self._ranked and m.blocks:
+                m = _fold_ranks(m, ranks)
             matches[sp.id] = m
             for wid in wids:
                 space_of[wid] = sp
@@ -321,7 +364,7 @@ class Engines:
         match = merge_matches(psk, matches[psp.id], others)
         req = RouteRequest(psk.hashes, psk.prompt_tokens, psk.block_tokens, session,
                            pk.model, len(pk.data))
-        return KeyedRequest(keys, matches, psp.id, req, match, space_of)
+        return KeyedRequest(keys, matches, psp.id, req, match, space_of, ranks)
 
     def link(self, worker: str) -> EngineLink | None:
         return self.links.get(worker)
@@ -350,3 +393,23 @@ class Engines:
             self.prom.load_source.labels(wid).set(1 if link.engine_load_fresh(now) else 0)
             self.prom.prefill_rate.labels(wid).set(link.prefill_rate(now))
             self.prom.truth.labels(wid).set(0 if link.truth.value == "approximate" else 1)
+
+
+def _fold_ranks(m, ranks: dict):
+    """``m`` with each data-parallel rank's part holder (``"<worker>#<rank>"``,
+    ``EngineLink.holder``) folded into its worker at the best rank's blocks — the
+    policy sees workers — and the ranks' own blocks added to ``ranks`` (worker ->
+    {rank: blocks}) for the pick of the rank."""
+    blocks = None
+    for h, b in m.blocks.items():
+        wid, sep, r = h.partition("#")
+        if not sep:
+            continue
+        if blocks is None:
+            blocks = {k: v for k, v in m.blocks.items() if "#" not in k}
+        ranks.setdefault(wid, {})[int(r)] = b
+        if b > blocks.get(wid, 0):
+            blocks[wid] = b
+    if blocks is None:
+        return m
+    return MatchResult(blocks, m.depth, m.rate, m.private)

@@ -1,9 +1,11 @@
 """Connecting an engine's KV-event stream to its worker's index entries.
 
-``subscribe(link, engines)`` builds, for one ``EngineLink``, the subscriber
-(``router.engines.zmq_events``) and the block map (``router.engines.block_map``),
-joined by ``_LinkConsumer``, which applies batches through the map and tells the
-link about synchronisation::
+``subscribe(link, engines, source, rank)`` builds, for one ``EngineLink`` and one
+event source (the worker's configured ``events:``, or one data-parallel rank's
+publisher from ``/kv_event_sources``), the subscriber (``router.engines.zmq_events``)
+and the block map (``router.engines.block_map``) that keeps that rank's entries under
+the link's holder for it (``link.holder(rank)``), joined by ``_LinkConsumer``, which
+applies batches through the map and tells the link about synchronisation::
 
     KvEventSubscriber --on_batch--> _LinkConsumer --> EngineBlockMap.apply --> index
                       --on_gap/on_reset-->          link.events_lost / engine_restarted
@@ -21,6 +23,7 @@ import logging
 from urllib.parse import urlsplit
 
 from router.engines.block_map import EngineBlockMap
+from router.engines.kv_events import KvEventCause
 from router.engines.zmq_events import KvEventSubscriber, replace_wildcard, subscriber_endpoint
 from protocol.prefix_keys import token_namespace_seed
 
@@ -30,43 +33,55 @@ log = logging.getLogger("radixfleet.engines")
 class _LinkConsumer:
     """The subscriber's consumer for one link (module docstring)."""
 
-    __slots__ = ("link", "map", "prom")
+    __slots__ = ("link", "map", "prom", "rank")
 
-    def __init__(self, link, block_map: EngineBlockMap, prom) -> None:
+    def __init__(self, link, block_map: EngineBlockMap, prom, rank: int | None) -> None:
         self.link = link
         self.map = block_map
         self.prom = prom
+        self.rank = rank  # the data-parallel rank followed (None: the worker as one)
 
     def on_batch(self, seq: int, batch) -> None:
+        if self.rank is not None and batch.dp_rank is not None and batch.dp_rank != self.rank:
+            # another rank's batch on this rank's socket: its blocks are not this
+            # rank's cache; applying them would make the index untrue
+            self.on_error(KvEventCause.BAD_SHAPE, f"batch of dp_rank {batch.dp_rank} on "
+                          f"rank {self.rank}'s stream")
+            self.on_gap(seq, seq + 1)
+            return
         before = self.map.stats()
         self.map.on_batch(seq, batch)
         after = self.map.stats()
         self.prom.event_blocks.labels("stored").inc(after.stored_blocks - before.stored_blocks)
         self.prom.event_blocks.labels("removed").inc(after.removed_blocks
                                                      - before.removed_blocks)
-        if not self.link.in_sync:
-            self.link.events_synced()
+        self.link.events_synced(self.rank)  # a no-op once in sync
         if self.map.block_size and not self.link.block_size:
             self.link.learn_block_size(self.map.block_size)
 
     def on_gap(self, first_missing: int, next_seq: int) -> None:
-        self.link.events_lost(f"gap {first_missing}..{next_seq - 1}")
+        self.link.events_lost(f"gap {first_missing}..{next_seq - 1}", self.rank)
 
     def on_reset(self, reason, seq: int) -> None:
         r = getattr(reason, "value", str(reason))
-        if r == "restarted":
+        if r == "restarted" and self.rank is None:
             self.link.engine_restarted("KV event sequence went back to %d" % seq)
         else:
-            self.link.events_lost(r)
+            # one rank's engine core restarted, joined or reconnected: that rank's
+            # entries go, the others' stay
+            self.link.events_lost(r, self.rank)
 
     def on_error(self, cause, detail: str) -> None:
         self.prom.event_error(self.link.worker.id, getattr(cause, "value", str(cause)))
         self.map.on_error(cause, detail)
 
 
-def subscribe(link, engines) -> tuple[KvEventSubscriber, EngineBlockMap]:
-    """The subscriber and block map of ``link`` (not started). Raises ``ValueError``
-    for an endpoint the subscriber cannot use (config validation prevents it)."""
+def subscribe(link, engines, source=None, rank: int | None = None
+              ) -> tuple[KvEventSubscriber, EngineBlockMap]:
+    """The subscriber and block map of ``link`` for ``source`` (an
+    ``router.engines.event_sources.EventSource``; None: the worker's configured
+    ``events:``), keeping ``rank``'s entries (not started). Raises ``ValueError`` for
+    an endpoint the subscriber cannot use."""
     spec = link.spec
     wid = link.worker.id
     host = urlsplit(link.worker.url).hostname
@@ -75,11 +90,17 @@ def subscribe(link, engines) -> tuple[KvEventSubscriber, EngineBlockMap]:
     def root_seed(adapter, salt, block_size, _model=model):
         return token_namespace_seed(_model, salt or "", adapter, block_size)
 
-    bmap = EngineBlockMap(wid, engines.index, root_seed, block_size=link.block_size)
-    mode, endpoint = subscriber_endpoint(spec.events.endpoint, host, spec.events.mode)
+    if source is None:
+        ep, mode, topic = spec.events.endpoint, spec.events.mode, spec.events.topic
+        replay_ep = spec.events.replay_endpoint or None
+    else:
+        ep, mode, topic, replay_ep = source.endpoint, "auto", source.topic, source.replay_endpoint
+    holder = link.holder(rank)
+    bmap = EngineBlockMap(holder, engines.index, root_seed, block_size=link.block_size)
+    mode, endpoint = subscriber_endpoint(ep, host, mode)
     # the engine's replay socket is a ROUTER it binds: connect to it, on its host
-    replay = replace_wildcard(spec.events.replay_endpoint, host) \
-        if spec.events.replay_endpoint else None
-    sub = KvEventSubscriber(endpoint, _LinkConsumer(link, bmap, engines.prom), mode=mode,
-                            topic=spec.events.topic, replay_endpoint=replay, name=wid)
+    replay = replace_wildcard(replay_ep, host) if replay_ep else None
+    sub = KvEventSubscriber(endpoint, _LinkConsumer(link, bmap, engines.prom, rank), mode=mode,
+                            topic=topic, replay_endpoint=replay,
+                            name=wid if rank is None else holder)
     return sub, bmap

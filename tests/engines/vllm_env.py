@@ -17,8 +17,8 @@ first, keeps no pip download cache, and a failed one removes what it built and i
 retried in the same process.
 
 ``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
-process group with prefix caching, prompt-token details and (optionally) KV events
-on a ZMQ endpoint, waits for ``/health`` (bounded), and on exit stops the group
+process group with prefix caching, prompt-token details, (optionally) KV events
+on a ZMQ endpoint and data parallelism (``data_parallel_size``), waits for ``/health`` (bounded), and on exit stops the group
 (SIGTERM, then SIGKILL). Servers bind 127.0.0.1 only.
 Several servers on this machine each take a core of their own for their compute
 threads (``omp_cpus=own_core(i)``): vLLM's default binds them all to the same one.
@@ -168,7 +168,8 @@ class VllmServer:
                  kv_bytes: str = "8M", events_port: int | None = None,
                  replay_port: int | None = None, log_path: Path | None = None,
                  max_model_len: int = 4096, max_num_seqs: int = 8,
-                 omp_cpus: str | None = None) -> None:
+                 omp_cpus: str | None = None, data_parallel_size: int = 1,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = port
         self.omp_cpus = omp_cpus
         self.url = f"http://127.0.0.1:{port}"
@@ -183,6 +184,11 @@ class VllmServer:
                 "--block-size", str(block_size), "--enable-prefix-caching",
                 "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", kv_bytes,
                 "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log"]
+        if data_parallel_size > 1:
+            # N engine cores, each its own prefix cache; rank r publishes its events
+            # on events_port + r (and replays on replay_port + r)
+            args += ["--data-parallel-size", str(data_parallel_size)]
+        args += list(extra_args)
         if events_port is not None:
             ev = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"}

@@ -1,0 +1,144 @@
+"""Broken vLLM peers against a live router process: what a server says about its KV
+events (``/kv_event_sources``) and how it treats the data-parallel rank header can be
+wrong in every way, and the router keeps serving every worker, logs no traceback and
+settles back to its baseline memory and descriptors.
+
+Peers (``tests.test_engine_event_sources.FakeDpVllm``, in a thread of this process):
+an answer of 3 MiB, one nested 100,000 deep, 5,000 ranks, a NaN endpoint, a server
+that lists two ranks but refuses rank 1 (a rank map it contradicts is dropped and
+not taken again), and a concrete endpoint the router must bind while another socket
+holds it ("Address already in use").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import zmq
+from aiohttp import web
+
+from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
+from router.engines.token_keys import TokenKeyer
+from tests.chaos.harness import RouterProcess
+from tests.procs import free_port
+from tests.test_engine_event_sources import MODEL, FakeDpVllm, _src, prompt
+
+pytestmark = pytest.mark.integration
+
+
+class Peers:
+    """Fake servers served from an event loop in a thread of their own."""
+
+    def __init__(self, make) -> None:
+        self._make = make  # () -> {worker id: FakeDpVllm}, called in the thread's loop
+        self.urls: dict[str, str] = {}
+        self.fakes: dict = {}
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        self.fakes = self._make()
+        self._runners = []
+        for wid, fake in self.fakes.items():
+            runner = web.AppRunner(fake.app())
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            self._runners.append(runner)
+            self.urls[wid] = f"http://127.0.0.1:{port}"
+
+    async def _stop(self) -> None:
+        for r in self._runners:
+            await r.cleanup()
+        for f in self.fakes.values():
+            f.close()
+
+    def __enter__(self) -> "Peers":
+        self._thread.start()
+        assert self._ready.wait(30), "fake peers did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def test_broken_event_sources_and_rank_answers_leave_every_worker_serving(tmp_path):
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    keyer = TokenKeyer.load(tok)
+    squatter = zmq.Context.instance().socket(zmq.PULL)
+    busy_port = squatter.bind_to_random_port("tcp://127.0.0.1")
+
+    def make():
+        f = {w: FakeDpVllm(keyer, ranks=1) for w in ("huge", "deep", "many", "nan", "busy")}
+        f["huge"].sources = (200, json.dumps({"0": {**_src(1), "pad": "x" * (3 << 20)}}))
+        f["deep"].sources = (200, "[" * 100_000 + "]" * 100_000)
+        f["many"].sources = (200, json.dumps({str(r): _src(1000 + r) for r in range(5000)}))
+        f["nan"].sources = (200, '{"0": {"endpoint": NaN, "topic": "kv-events"}}')
+        f["busy"].sources = (200, json.dumps(
+            {"0": {**_src(0), "endpoint": f"tcp://127.0.0.1:{busy_port}"}}))
+        liar = f["liar"] = FakeDpVllm(keyer, ranks=2)
+        liar.ranks = 1  # lists two ranks, refuses rank 1
+        return f
+
+    try:
+        with Peers(make) as peers:
+            workers = [{"url": u, "id": w, "kind": "vllm", "tokenizer": tok, "block_size": 16,
+                        "metrics": {"path": ""}} for w, u in peers.urls.items()]
+            cfg = json.dumps({"listen": {"host": "127.0.0.1", "port": "{port}"},
+                              "health": {"interval_s": 0.2}, "workers": workers,
+                              "limits": {"worker_queue_requests": 0}}).replace(
+                '"{port}"', "{port}")
+            with RouterProcess(cfg) as r:
+                want = {"huge": "malformed", "deep": "malformed", "many": "malformed",
+                        "nan": "malformed", "busy": "address_in_use"}
+
+                def counted(text: str) -> bool:
+                    return all(f'radixfleet_engine_events_unavailable_total{{cause="{c}",'
+                               f'worker="{w}"}}' in text for w, c in want.items())
+
+                end = time.monotonic() + 20
+                text = ""
+                while time.monotonic() < end and not counted(text):
+                    time.sleep(0.2)
+                    text = httpx.get(r.base + "/metrics", timeout=5).text
+                assert counted(text), text[-3000:]
+                base = r.resources()  # tokenizer loaded, every source asked and refused
+                served = {}
+                with httpx.Client(timeout=30) as c:
+                    for i in range(40):
+                        resp = c.post(r.base + "/v1/completions", json={
+                            "model": MODEL, "prompt": prompt(300 + i, 60), "max_tokens": 1})
+                        assert resp.status_code == 200, resp.text
+                        wid = resp.headers["x-radixfleet-worker"]
+                        served[wid] = served.get(wid, 0) + 1
+                assert "1" in peers.fakes["liar"].headers, peers.fakes["liar"].headers
+                text = httpx.get(r.base + "/metrics", timeout=5).text
+                assert ('radixfleet_engine_events_unavailable_total{cause="rank_rejected",'
+                        'worker="liar"} 1.0') in text
+                # the contradicting rank map is not taken again: no header after it
+                liar = peers.fakes["liar"].headers
+                assert liar.count("1") == 1, liar
+                assert 'radixfleet_worker_data_parallel_ranks{worker="liar"} 0.0' in text
+                r.assert_settles(base)
+                # read before the with block ends: its exit removes the log
+                out = r.stop()
+                assert "Traceback" not in out, out[-4000:]
+                assert out.count("worker busy: KV events not followed") == 1, out[-3000:]
+                for w in ("huge", "deep", "many", "nan"):
+                    assert out.count(f"worker {w}: no KV events to follow") == 1, w
+    finally:
+        squatter.close(0)
