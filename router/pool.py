@@ -52,6 +52,7 @@ from service import jsonbody
 from router.config import Config, WorkerSpec
 from protocol.errors import MalformedRequest
 from protocol.events import MAX_RATE, MIN_RATE, Load
+from router.shedding import QueueMark
 
 log = logging.getLogger("radixfleet.pool")
 
@@ -88,7 +89,7 @@ class Worker:
         "breaker", "breaker_fails", "open_until", "trial",
         "draining", "in_flight", "in_flight_tokens",
         "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
-        "block_bytes", "models_until", "models_bad", "since_report_tokens", "spec",
+        "block_bytes", "models_until", "models_bad", "mark", "spec",
         "engine", "remote_in_flight", "remote_tokens",
     )
 
@@ -117,9 +118,8 @@ class Worker:
         self.in_flight_tokens = 0  # their prompt tokens not yet known prefilled
         self.load: Load | None = None  # the agent's last report
         self.load_until = 0.0  # monotonic time that report goes stale
-        #: prompt tokens picked for this worker since its last report arrived (a burst
-        #: the report cannot show yet; router.shedding)
-        self.since_report_tokens = 0
+        #: its last report's room and what was picked for it since (router.shedding)
+        self.mark = QueueMark()
         self.epoch: str | None = None  # agent epoch the event stream is in
         self.next_seq = 0  # next event batch sequence number expected
         self.removed = False  # no longer in the pool (requests may still hold it)
@@ -368,7 +368,7 @@ class Pool:
         """Counts a request on ``w`` at pick time (call before awaiting anything)."""
         w.in_flight += 1
         w.in_flight_tokens += tokens
-        w.since_report_tokens += tokens
+        w.mark.picked(tokens)
         w._view = None
         if self.tap is not None:
             self.tap.moved(w)
@@ -420,13 +420,18 @@ class Pool:
             self._changed()
 
     def report_load(self, w: Worker, load: Load, now: float,
-                    stale_s: float | None = None) -> None:
+                    stale_s: float | None = None, engine: bool = False) -> None:
         """A load report (agent push or engine scrape), trusted for ``stale_s``
-        (default ``load.report_stale_s``)."""
+        (default ``load.report_stale_s``). ``engine``: read from the engine's own
+        metrics, where its batch limit is learned (router.shedding)."""
         w.load = load
-        w.since_report_tokens = 0
+        w.mark.reported(load, now, w.in_flight + w.remote_in_flight, engine)
         w.load_until = now + (self.cfg.load.report_stale_s if stale_s is None else stale_s)
         w._view = None
+
+    def engine_restarted(self, w: Worker) -> None:
+        """``w``'s engine is a new process: what was learned of its limits goes."""
+        w.mark.forget()
 
     def set_remote(self, w: Worker, requests: int, tokens: int) -> None:
         """The other replicas' pick-time counts on ``w`` now (router.bus)."""

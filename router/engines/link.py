@@ -279,7 +279,8 @@ class EngineLink:
                     kv_used_tokens=int(m.kv_usage * cap), kv_capacity_tokens=cap,
                     prefill_tokens_per_s=rate)
         eng.pool.report_load(self.worker, load, now,
-                             stale_s=self.scraper.stale_after_s if self.scraper else None)
+                             stale_s=self.scraper.stale_after_s if self.scraper else None,
+                             engine=True)
         eng.prom.scrape_ok(self.worker.id)
 
     def on_failure(self, cause, detail: str) -> None:
@@ -311,6 +312,7 @@ class EngineLink:
     def engine_restarted(self, why: str) -> None:
         """A new engine process: its cache is empty."""
         self.queue.reset()
+        self.engines.pool.engine_restarted(self.worker)
         self._drop_entries()
         self.engines.prom.resync(self.worker.id, "restart")
         log.warning("worker %s restarted (%s): its index entries were dropped",
