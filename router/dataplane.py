@@ -534,6 +534,7 @@ class DataPlane:
             if resp is not None:
                 resp.release()
             pool.finish(w, left, ok)
+            m.answered(w.id, key.model, ok, usage)
             if ok and self.traffic is not None:
                 self.traffic.record(
                     key, arrival_s=time.time() - (time.monotonic() - t0), worker=w.id,
