@@ -6,8 +6,10 @@ Per worker, from its last load report (an agent's push, or an engine's ``/metric
 read by ``router.engines.link``) and what the router has done since (``QueueMark``)::
 
     room        the report is missing or stale (no evidence of a queue), or
-                an engine's learned batch limit L is not reached:
-                    running + waiting (reported) + grown < L   and its KV is not full
+                an engine has a free slot and its KV is not full:
+                    running + waiting (reported) + grown < L
+                L its learned batch limit, or before that is learned the most it
+                ever ran at once, if its last report showed no waiting queue
                 (a new request starts at the engine's next step)
     pending_s   = queued_tokens / rate  +  picked_since / rate  -  age     (>= 0)
                 the reported queue, the uncached tokens picked for the worker since,
@@ -24,8 +26,8 @@ request from its pick to its last byte, which covers its life in the engine). Th
 batch limit L is what vLLM calls ``max_num_seqs`` and does not publish: it is
 learned as the most requests the engine ever reported running, once two reports in
 a row showed a waiting queue with running at that ceiling (a waiting request seen
-once may only be waiting for the next step's token budget). Until then an engine is
-never full by slots, only by the queue it reports. So a closed loop of at most the
+once may only be waiting for the next step's token budget); until then the most it
+ran at once is a slot count it has shown it has. So a closed loop of at most the
 fleet's batch limits in clients is never shed — some worker always has a slot — and
 the first saturated reports teach the limit. Agents report their queue exactly and
 every ~100 ms; they have no batch limit here (their waiting queue is prefill, not
@@ -111,13 +113,14 @@ class QueueMark:
 
 
 def has_room(mark: QueueMark, load: Load, in_flight: int) -> bool:
-    """Whether an engine with a learned batch limit can start one more request now."""
-    if not mark.limit:
-        return False
+    """Whether an engine can start one more request now: fewer requests on it than its
+    learned batch limit — or, before that is learned, than it has run at once, if its
+    last report showed no queue — and KV to spare."""
     if load.kv_capacity_tokens > 0 and load.kv_used_tokens >= KV_FULL * load.kv_capacity_tokens:
         return False
+    ceiling = mark.limit or (mark.running_max if load.queued_requests == 0 else 0)
     occupied = load.running_requests + load.queued_requests + in_flight - mark.in_flight
-    return occupied < mark.limit
+    return occupied < ceiling
 
 
 def pending_s(mark: QueueMark, load: Load, rate: float, now: float) -> float:

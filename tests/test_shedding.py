@@ -100,6 +100,34 @@ def test_a_learned_batch_limit_keeps_a_closed_loop_of_the_fleets_slots_unshed():
     assert check(s, pool, t) is None
 
 
+def test_before_the_limit_is_learned_what_an_engine_ran_at_once_is_room():
+    pool, _, clock = make_pool()
+    a, b = pool.get("a"), pool.get("b")
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)
+    for _ in range(8):
+        pool.pick(a, 100)
+        pool.pick(b, 100)
+    engine_report(pool, a, t, running=8)  # ran 8 at once, no queue
+    engine_report(pool, b, t, running=8, waiting=2, queued_tokens=2000)
+    for _ in range(3):
+        pool.finish(a, 0, True)
+    engine_report(pool, a, t, running=5)  # 5 in flight: a has shown it runs 8
+    for _ in range(20):  # a burst of picks since, more prefill than the bound allows
+        pool.pick(a, 100)
+        pool.finish(a, 0, True)
+    pool.pick(a, 100)
+    pool.pick(a, 100)
+    assert a.mark.limit == 0 and check(s, pool, t) is None  # 7 < 8: a slot
+    pool.pick(a, 100)  # 8: as many as it ever ran; its queue of picks decides
+    exc = check(s, pool, t)
+    assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(2.0 - 0.05)
+    engine_report(pool, a, t, running=7, waiting=1, queued_tokens=100)
+    pool.finish(a, 0, True)
+    assert isinstance(check(s, pool, t), Overloaded)  # a queue reported: no slot assumed
+
+
 def test_limit_is_relearned_above_a_new_ceiling_and_forgotten_on_restart():
     pool, _, clock = make_pool()
     a = pool.get("a")
