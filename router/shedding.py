@@ -6,6 +6,7 @@ Per worker, from its last load report (an agent's push, or an engine's ``/metric
 read by ``router.engines.link``) and what the router has done since (``QueueMark``)::
 
     room        the report is missing or stale (no evidence of a queue), or
+                an engine never held a waiting queue over two reports, or
                 an engine has a free slot and its KV is not full:
                     running + waiting (reported) + grown < L
                 L its learned batch limit, or before that is learned the most it
@@ -22,14 +23,17 @@ read by ``router.engines.link``) and what the router has done since (``QueueMark
 
 ``grown`` is the net change of the router's in-flight count on the worker since the
 report (picks less finishes: exact for the router's own requests — it counts a
-request from its pick to its last byte, which covers its life in the engine). The
-batch limit L is what vLLM calls ``max_num_seqs`` and does not publish: it is
-learned as the most requests the engine ever reported running, once two reports in
-a row showed a waiting queue with running at that ceiling (a waiting request seen
-once may only be waiting for the next step's token budget); until then the most it
-ran at once is a slot count it has shown it has. So a closed loop of at most the
-fleet's batch limits in clients is never shed — some worker always has a slot — and
-the first saturated reports teach the limit. Agents report their queue exactly and
+request from its pick to its last byte, which covers its life in the engine).
+
+An engine is judged saturated only on its own evidence: until it has reported a
+waiting queue in two reports in a row (one waiting request may only wait for the
+next step's token budget) it is never full, whatever the router sent it. The batch
+limit L is what vLLM calls ``max_num_seqs`` and does not publish: it is learned as
+the most requests the engine ever reported running, once two reports in a row
+showed a waiting queue with running at that ceiling; until then the most it ran at
+once is a slot count it has shown it has. So a closed loop of at most the fleet's
+batch limits in clients is never shed — some worker always has a slot — and the
+first saturated reports teach the limit. Agents report their queue exactly and
 every ~100 ms; they have no batch limit here (their waiting queue is prefill, not
 slots) and are judged by ``pending_s`` alone.
 
@@ -66,17 +70,24 @@ class QueueMark:
     it since. Only ``router.pool.Pool`` changes it (on reports, picks and restarts).
 
     Invariants (``check()``): counts >= 0; ``limit`` is 0 or equals ``running_max``
-    at the time it was confirmed (it never exceeds ``running_max``)."""
+    at the time it was confirmed (it never exceeds ``running_max``); a limit is only
+    known once a queue has held (``limit => queue_held``)."""
 
-    __slots__ = ("at", "in_flight", "since_tokens", "running_max", "limit", "_queued_at_max")
+    __slots__ = ("at", "in_flight", "since_tokens", "engine", "queue_held", "running_max",
+                 "limit", "_queued", "_queued_at_max")
 
     def __init__(self) -> None:
         self.at = 0.0  # monotonic time of the last report
         self.in_flight = 0  # the router's in-flight count on the worker at that report
         self.since_tokens = 0  # uncached tokens picked for the worker since that report
+        self.engine = False  # the reports come from an engine's own metrics
+        #: an engine reported a waiting queue twice in a row since it started: it has
+        #: been saturated (until then it is never full: no evidence of a queue)
+        self.queue_held = False
         self.running_max = 0  # most running requests an engine report ever showed
         self.limit = 0  # learned batch limit (0: unknown; engines only)
-        self._queued_at_max = False  # the previous report: waiting with running at max
+        self._queued = False  # the previous report showed a waiting queue
+        self._queued_at_max = False  # ... with running at its max
 
     def reported(self, load: Load, now: float, in_flight: int, engine: bool) -> None:
         """A new report. ``engine``: the load came from an engine's own metrics (a
@@ -84,8 +95,13 @@ class QueueMark:
         self.at = now
         self.in_flight = in_flight
         self.since_tokens = 0
+        self.engine = engine
         if not engine:
             return
+        queued = load.queued_requests > 0
+        if queued and self._queued:
+            self.queue_held = True
+        self._queued = queued
         run = load.running_requests
         if run > self.running_max:
             self.running_max = run
@@ -93,7 +109,7 @@ class QueueMark:
             self._queued_at_max = False
         kv_full = (load.kv_capacity_tokens > 0
                    and load.kv_used_tokens >= KV_FULL * load.kv_capacity_tokens)
-        at_max = load.queued_requests > 0 and run == self.running_max > 0 and not kv_full
+        at_max = queued and run == self.running_max > 0 and not kv_full
         if at_max and self._queued_at_max:
             self.limit = run
         self._queued_at_max = at_max
@@ -104,18 +120,22 @@ class QueueMark:
     def forget(self) -> None:
         """A new engine process: its limits may differ."""
         self.running_max = self.limit = 0
-        self._queued_at_max = False
+        self.queue_held = self._queued = self._queued_at_max = False
 
     def check(self) -> None:
         assert self.in_flight >= 0 and self.since_tokens >= 0 and self.running_max >= 0, (
             self.in_flight, self.since_tokens, self.running_max)
         assert 0 <= self.limit <= self.running_max, (self.limit, self.running_max)
+        assert not self.limit or self.queue_held, (self.limit, self.queue_held)
 
 
 def has_room(mark: QueueMark, load: Load, in_flight: int) -> bool:
-    """Whether an engine can start one more request now: fewer requests on it than its
+    """Whether an engine can start one more request now: it has never held a waiting
+    queue (no evidence it ever saturates), or it has fewer requests on it than its
     learned batch limit — or, before that is learned, than it has run at once, if its
     last report showed no queue — and KV to spare."""
+    if mark.engine and not mark.queue_held:
+        return True
     if load.kv_capacity_tokens > 0 and load.kv_used_tokens >= KV_FULL * load.kv_capacity_tokens:
         return False
     ceiling = mark.limit or (mark.running_max if load.queued_requests == 0 else 0)

@@ -45,8 +45,13 @@ def test_busy_unsaturated_workers_are_not_shed_between_scrapes():
     s = Shedder(0.5, 0.05)
     t0 = clock()
     learned(s, pool, t0)
-    for w in pool:
-        engine_report(pool, w, t0, running=4)
+    for w in pool:  # saturated once (a queue held at 8 running: the batch limit) ...
+        for _ in range(8):
+            pool.pick(w, 0)
+        engine_report(pool, w, t0, running=8, waiting=2, queued_tokens=200)
+        engine_report(pool, w, t0, running=8, waiting=2, queued_tokens=200)
+        assert w.mark.limit == 8
+        engine_report(pool, w, t0, running=8)  # ... now every slot busy, nothing waiting
     for w in pool:
         for _ in range(19):
             pool.pick(w, 50)
@@ -60,6 +65,26 @@ def test_busy_unsaturated_workers_are_not_shed_between_scrapes():
     assert isinstance(exc, Overloaded)
     # the reports' age is subtracted: 0.95 + 0.95 queued, 1.1 s gone, 0.05 bound
     assert exc.retry_after_s == pytest.approx(0.95 + 0.95 - 1.1 - 0.05)
+
+
+def test_an_engine_that_never_held_a_queue_is_never_full():
+    # a burst of new conversations on engines that never queued for two reports:
+    # no evidence of saturation, whatever the router's count of picks says
+    pool, _, clock = make_pool()
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)
+    for w in pool:
+        engine_report(pool, w, t, running=4)
+        engine_report(pool, w, t, running=5, waiting=3, queued_tokens=1500)
+        for _ in range(12):
+            pool.pick(w, 500)
+    assert check(s, pool, t) is None
+    assert all(not w.mark.queue_held for w in pool)
+    for w in pool:  # the queue holds: saturated, shed
+        engine_report(pool, w, t, running=5, waiting=7, queued_tokens=3500)
+    exc = check(s, pool, t)
+    assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(3.5 - 0.05)
 
 
 def test_a_learned_batch_limit_keeps_a_closed_loop_of_the_fleets_slots_unshed():
@@ -109,8 +134,11 @@ def test_before_the_limit_is_learned_what_an_engine_ran_at_once_is_room():
     for _ in range(8):
         pool.pick(a, 100)
         pool.pick(b, 100)
+    for r in (6, 7):  # a held a queue, but never long enough at one ceiling for a limit
+        engine_report(pool, a, t, running=r, waiting=1, queued_tokens=100)
     engine_report(pool, a, t, running=8)  # ran 8 at once, no queue
-    engine_report(pool, b, t, running=8, waiting=2, queued_tokens=2000)
+    for _ in range(2):
+        engine_report(pool, b, t, running=8, waiting=2, queued_tokens=2000)
     for _ in range(3):
         pool.finish(a, 0, True)
     engine_report(pool, a, t, running=5)  # 5 in flight: a has shown it runs 8
@@ -175,8 +203,11 @@ def test_no_report_or_a_stale_one_is_never_full_and_zero_turns_it_off():
     a, b = pool.get("a"), pool.get("b")
     s = Shedder(0.5, 0.05)
     t = clock()
-    engine_report(pool, a, t, waiting=100, queued_tokens=10**6)
+    for _ in range(2):
+        engine_report(pool, a, t, waiting=100, queued_tokens=10**6)
     assert check(s, pool, t) is None  # b never reported: no evidence
+    engine_report(pool, b, t, waiting=100, queued_tokens=10**6)
+    assert check(s, pool, t) is None  # b's queue not seen twice: maybe one step's
     engine_report(pool, b, t, waiting=100, queued_tokens=10**6)
     assert isinstance(check(s, pool, t), Overloaded)
     assert check(s, pool, t + 5.0) is None  # both reports stale
