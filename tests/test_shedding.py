@@ -24,6 +24,13 @@ def engine_report(pool, w, now, *, running=0, waiting=0, queued_tokens=0, kv=(0,
     w.mark.check()
 
 
+def decoding(pool, w, n=1, tokens=100):
+    """n requests picked for w and past their first token (their prefill done)."""
+    for _ in range(n):
+        pool.pick(w, tokens)
+        pool.prefilled(w, tokens)
+
+
 def check(shedder, pool, now, uncached=100):
     return shedder.check(pool.routable_workers(now), "m", None, uncached, now)
 
@@ -55,7 +62,7 @@ def test_busy_unsaturated_workers_are_not_shed_between_scrapes():
     for w in pool:
         for _ in range(19):
             pool.pick(w, 50)
-            pool.finish(w, 0, True)
+            pool.finish(w, 50, True)
     assert check(s, pool, t0 + 1.0) is None
     # the same picks within 0.1 s are a burst the workers cannot have prefilled: shed
     for w in pool:
@@ -63,8 +70,9 @@ def test_busy_unsaturated_workers_are_not_shed_between_scrapes():
             pool.pick(w, 50)
     exc = check(s, pool, t0 + 1.1)
     assert isinstance(exc, Overloaded)
-    # the reports' age is subtracted: 0.95 + 0.95 queued, 1.1 s gone, 0.05 bound
-    assert exc.retry_after_s == pytest.approx(0.95 + 0.95 - 1.1 - 0.05)
+    # the reports' age is subtracted (0.95 + 0.95 picked, 1.1 s gone: 0.8 s), but the
+    # burst has not reached its first tokens: 0.95 s of prefill ahead, 0.05 bound
+    assert exc.retry_after_s == pytest.approx(0.95 - 0.05)
 
 
 def test_an_engine_that_never_held_a_queue_is_never_full():
@@ -77,8 +85,7 @@ def test_an_engine_that_never_held_a_queue_is_never_full():
     for w in pool:
         engine_report(pool, w, t, running=4)
         engine_report(pool, w, t, running=5, waiting=3, queued_tokens=1500)
-        for _ in range(12):
-            pool.pick(w, 500)
+        decoding(pool, w, 12, 500)
     assert check(s, pool, t) is None
     assert all(not w.mark.queue_held for w in pool)
     for w in pool:  # the queue holds: saturated, shed
@@ -106,16 +113,14 @@ def test_a_learned_batch_limit_keeps_a_closed_loop_of_the_fleets_slots_unshed():
     # 16 clients in a closed loop: 9 on a (8 running, one waiting for a slot), 7 on b,
     # whose engine is prefilling a burst (5 running, 2 waiting for the step's token
     # budget). Both queues are past the bound; b has a slot: admitted.
-    for _ in range(9):
-        pool.pick(a, 100)
-    for _ in range(7):
-        pool.pick(b, 100)
+    decoding(pool, a, 9)
+    decoding(pool, b, 7)
     engine_report(pool, a, t, running=8, waiting=1, queued_tokens=900)
     engine_report(pool, b, t, running=5, waiting=2, queued_tokens=2000)
     assert b.mark.limit == 8
     assert check(s, pool, t) is None
     # a 17th client: b's last slot is taken, a is full: shed
-    pool.pick(b, 100)
+    decoding(pool, b)
     exc = check(s, pool, t)
     assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(0.9 - 0.05)
     # one of a's requests finishes: its waiting one takes the slot, still no room
@@ -131,9 +136,8 @@ def test_before_the_limit_is_learned_what_an_engine_ran_at_once_is_room():
     s = Shedder(0.5, 0.05)
     t = clock()
     learned(s, pool, t)
-    for _ in range(8):
-        pool.pick(a, 100)
-        pool.pick(b, 100)
+    decoding(pool, a, 8)
+    decoding(pool, b, 8)
     for r in (6, 7):  # a held a queue, but never long enough at one ceiling for a limit
         engine_report(pool, a, t, running=r, waiting=1, queued_tokens=100)
     engine_report(pool, a, t, running=8)  # ran 8 at once, no queue
@@ -143,17 +147,37 @@ def test_before_the_limit_is_learned_what_an_engine_ran_at_once_is_room():
         pool.finish(a, 0, True)
     engine_report(pool, a, t, running=5)  # 5 in flight: a has shown it runs 8
     for _ in range(20):  # a burst of picks since, more prefill than the bound allows
-        pool.pick(a, 100)
+        decoding(pool, a)
         pool.finish(a, 0, True)
-    pool.pick(a, 100)
-    pool.pick(a, 100)
+    decoding(pool, a, 2)
     assert a.mark.limit == 0 and check(s, pool, t) is None  # 7 < 8: a slot
-    pool.pick(a, 100)  # 8: as many as it ever ran; its queue of picks decides
+    decoding(pool, a)  # 8: as many as it ever ran; its queue of picks decides
     exc = check(s, pool, t)
     assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(2.0 - 0.05)
     engine_report(pool, a, t, running=7, waiting=1, queued_tokens=100)
     pool.finish(a, 0, True)
     assert isinstance(check(s, pool, t), Overloaded)  # a queue reported: no slot assumed
+
+
+def test_a_saturated_engine_with_a_slot_but_prefill_ahead_is_full():
+    pool, _, clock = make_pool()
+    a, b = pool.get("a"), pool.get("b")
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)
+    for w in (a, b):
+        decoding(pool, w, 4)
+        for _ in range(2):
+            engine_report(pool, w, t, running=8, waiting=3, queued_tokens=300)
+        engine_report(pool, w, t, running=4)  # limit 8, four slots free
+    pool.pick(a, 150)  # prefill ahead on a: 0.15 s, over one typical request (0.1 s)
+    pool.pick(b, 80)
+    assert check(s, pool, t) is None  # b: 0.08 s ahead, a slot
+    pool.pick(b, 80)
+    exc = check(s, pool, t)  # both: a slot, but a first token would wait too long
+    assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(0.15 - 0.05)
+    pool.prefilled(a, 150)  # its first token: nothing ahead on a
+    assert check(s, pool, t) is None
 
 
 def test_limit_is_relearned_above_a_new_ceiling_and_forgotten_on_restart():
