@@ -62,12 +62,10 @@ def router_config(port: int, servers, model_dir: Path, *, policy: str, tokenizer
                            "replay_endpoint": f"tcp://*:{s.replay_port}"}
         workers.append(w)
     pol = {"name": policy, **({"params": params} if params else {})}
+    # default limits: shedding answers only the saturation the engines report, and a
+    # closed loop within the servers' batch limits is never shed (router.shedding)
     return {"listen": {"host": "127.0.0.1", "port": port}, "policy": pol,
-            "health": {"interval_s": 0.5}, "workers": workers,
-           # the A/Bs drive a closed loop at the fleet's saturation (the issue's
-           # measurement): default shedding (limits.worker_queue_requests) would answer
-           # part of it 429 and measure shedding, not routing
-           "limits": {"worker_queue_requests": 0}}
+            "health": {"interval_s": 0.5}, "workers": workers}
 
 
 def main(argv=None) -> int:

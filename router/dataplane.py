@@ -627,6 +627,7 @@ class DataPlane:
             if pick.rank is not None:
                 link.rank_finished(pick.rank)
             usage = f.usage
+            m.answered(w.id, key.model, f.ok, usage)
             if f.ok and self.traffic is not None:
                 self.traffic.record(
                     key, arrival_s=time.time() - (time.monotonic() - t0), worker=w.id,

@@ -14,8 +14,19 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
                                                       timeout | payload | too_large
     radixfleet_rejected_total{status,code}            answered by the router itself (4xx/5xx)
     radixfleet_ttfb_seconds                           arrival -> the worker's response head
-    radixfleet_ttft_seconds                           arrival -> first streamed body bytes
-                                                      (the first token's event), streams only
+    radixfleet_ttft_seconds                           arrival -> the first content token's
+                                                      event (router.sse), streams only
+    radixfleet_prompt_tokens_total{worker,model}      prompt tokens of answered requests, as
+                                                      the worker's usage reported them
+    radixfleet_cached_tokens_total{worker,model}      of those, found in its prefix cache
+                                                      (usage.prompt_tokens_details)
+    radixfleet_worker_requests_total{worker,model,outcome}  tries on a worker: answered, failed
+                                                      (the worker), gone (the client left)
+    radixfleet_worker_queued_requests{worker}, _running_requests{worker},
+      radixfleet_worker_kv_used_ratio{worker}         the worker's own last fresh load
+                                                      report (agent push or engine /metrics)
+    radixfleet_worker_batch_limit{worker}             the engine's batch limit as learned
+                                                      (router.shedding; absent until seen)
     radixfleet_request_seconds                        arrival -> last byte
     radixfleet_matched_prefix_tokens                  tokens of the chosen worker's match
     radixfleet_retries_total{cause}                   connect | status (429, 503) |
@@ -96,8 +107,30 @@ class Metrics:
         self.latency = Histogram("radixfleet_request_seconds", "Total request latency",
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("radixfleet_ttft_seconds", "Streamed requests: arrival at the "
-                              "router to the first body bytes sent on", buckets=_LATENCY_BUCKETS,
-                              registry=r)
+                              "router to the first content token sent on",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("radixfleet_prompt_tokens", "Prompt tokens of answered "
+                                     "requests, as the worker's usage reported them",
+                                     ["worker", "model"], registry=r)
+        self.cached_tokens = Counter("radixfleet_cached_tokens", "Of those, tokens the worker "
+                                     "found in its prefix cache (usage.prompt_tokens_details."
+                                     "cached_tokens)", ["worker", "model"], registry=r)
+        self.worker_requests = Counter("radixfleet_worker_requests", "Tries on a worker by "
+                                       "model and outcome: answered, failed (the worker), gone "
+                                       "(the client left)", ["worker", "model", "outcome"],
+                                       registry=r)
+        self.worker_queued = Gauge("radixfleet_worker_queued_requests", "Requests waiting "
+                                   "in the worker, from its last fresh load report",
+                                   ["worker"], registry=r)
+        self.worker_running = Gauge("radixfleet_worker_running_requests", "Requests running "
+                                    "in the worker, from its last fresh load report",
+                                    ["worker"], registry=r)
+        self.worker_kv = Gauge("radixfleet_worker_kv_used_ratio", "KV cache in use, 0..1, "
+                               "from the worker's last fresh load report", ["worker"],
+                               registry=r)
+        self.worker_batch_limit = Gauge("radixfleet_worker_batch_limit", "The engine's batch "
+                                        "limit as learned from its reports (router.shedding)",
+                                        ["worker"], registry=r)
         self.matched = Histogram("radixfleet_matched_prefix_tokens", "Tokens of the request "
                                  "the chosen worker was believed to hold",
                                  buckets=_MATCH_BUCKETS, registry=r)
@@ -160,6 +193,7 @@ class Metrics:
                                      "Parts of the autoscaling signal, in workers", ["part"],
                                      registry=r)
         self._req_children: dict[tuple, object] = {}
+        self._answer_children: dict[tuple, tuple] = {}
         self._attempt_children: dict[tuple, object] = {}
         self._event_children = {t: self.events.labels(t)
                                 for t in ("stored", "removed", "cleared", "snapshot", "load")}
@@ -190,17 +224,45 @@ class Metrics:
             c = self._attempt_children[key] = self.attempts.labels(worker, str(outcome))
         c.inc()
 
+    def answered(self, worker: str, model: str, ok: bool | None,
+                 usage: tuple[int, int] | None) -> None:
+        """One try on ``worker`` ended: ``ok`` True (answered, any status), False (the
+        worker failed), None (the client left); ``usage`` (prompt, cached tokens)
+        where the worker reported it."""
+        outcome = "answered" if ok else "failed" if ok is False else "gone"
+        key = (worker, model, outcome)
+        c = self._answer_children.get(key)
+        if c is None:
+            c = self._answer_children[key] = (
+                self.worker_requests.labels(worker, model, outcome),
+                self.prompt_tokens.labels(worker, model),
+                self.cached_tokens.labels(worker, model))
+        c[0].inc()
+        if usage is not None:
+            c[1].inc(usage[0])
+            c[2].inc(usage[1])
+
     def event_applied(self, kind: str, n: int = 1) -> None:
         self._event_children[kind].inc(n)
 
     def refresh(self, pool, index, now: float, hot_k: int) -> None:
         """Copies pool and index state into the gauges (at scrape time)."""
-        for g in (self.in_flight, self.breaker, self.healthy):
+        for g in (self.in_flight, self.breaker, self.healthy, self.worker_queued,
+                  self.worker_running, self.worker_kv, self.worker_batch_limit):
             g.clear()
         for w in pool:
             self.in_flight.labels(w.id).set(w.in_flight)
             self.breaker.labels(w.id).set(BREAKER_GAUGE[w.breaker])
             self.healthy.labels(w.id).set(1 if w.health is HealthState.HEALTHY else 0)
+            ld = w.load
+            if ld is not None and now < w.load_until:
+                self.worker_queued.labels(w.id).set(ld.queued_requests)
+                self.worker_running.labels(w.id).set(ld.running_requests)
+                if ld.kv_capacity_tokens > 0:
+                    self.worker_kv.labels(w.id).set(
+                        min(1.0, ld.kv_used_tokens / ld.kv_capacity_tokens))
+            if w.mark.limit:
+                self.worker_batch_limit.labels(w.id).set(w.mark.limit)
         if pool.reaped > self._reaped_seen:
             self.workers_reaped.inc(pool.reaped - self._reaped_seen)
         self._reaped_seen = pool.reaped

@@ -12,7 +12,7 @@ agents that register themselves and discovery (``router.discovery``). Per worker
                 ignored once older than report_stale_s
                 + remote_in_flight / remote_tokens: the other router replicas'
                 pick-time counts, from the bus (router.bus; 0 without one); what
-                they add also counts in since_report_tokens (shedding), as a
+                they add also counts in the worker's QueueMark (shedding), as a
                 local pick does
 
 ``Pool.tap`` (the bus, or None) is told of every local pick, prefill and finish,
@@ -66,6 +66,7 @@ from protocol.errors import Conflict, MalformedRequest, Overloaded
 from protocol.events import (
     MAX_RATE, MIN_RATE, STATUS_WORKER_ID_TAKEN, Load,
 )
+from router.shedding import QueueMark
 
 log = logging.getLogger("radixfleet.pool")
 
@@ -102,7 +103,7 @@ class Worker:
         "breaker", "breaker_fails", "open_until", "trial",
         "draining", "in_flight", "in_flight_tokens",
         "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
-        "block_bytes", "models_until", "models_bad", "since_report_tokens", "spec",
+        "block_bytes", "models_until", "models_bad", "mark", "spec",
         "engine", "remote_in_flight", "remote_tokens", "registered_epoch",
         "unhealthy_since",
     )
@@ -132,9 +133,8 @@ class Worker:
         self.in_flight_tokens = 0  # their prompt tokens not yet known prefilled
         self.load: Load | None = None  # the agent's last report
         self.load_until = 0.0  # monotonic time that report goes stale
-        #: prompt tokens picked for this worker since its last report arrived (a burst
-        #: the report cannot show yet; router.shedding)
-        self.since_report_tokens = 0
+        #: its last report's room and what was picked for it since (router.shedding)
+        self.mark = QueueMark()
         self.epoch: str | None = None  # agent epoch the event stream is in (None: the
         #: next batch must start with a snapshot)
         #: the epoch its agent registered with (None: never registered); only batches
@@ -455,7 +455,7 @@ class Pool:
         """Counts a request on ``w`` at pick time (call before awaiting anything)."""
         w.in_flight += 1
         w.in_flight_tokens += tokens
-        w.since_report_tokens += tokens
+        w.mark.picked(tokens)
         w._view = None
         if self.tap is not None:
             self.tap.moved(w)
@@ -507,22 +507,27 @@ class Pool:
             self._changed()
 
     def report_load(self, w: Worker, load: Load, now: float,
-                    stale_s: float | None = None) -> None:
+                    stale_s: float | None = None, engine: bool = False) -> None:
         """A load report (agent push or engine scrape), trusted for ``stale_s``
-        (default ``load.report_stale_s``)."""
+        (default ``load.report_stale_s``). ``engine``: read from the engine's own
+        metrics, where its batch limit is learned (router.shedding)."""
         w.load = load
-        w.since_report_tokens = 0
+        w.mark.reported(load, now, w.in_flight + w.remote_in_flight, engine)
         w.load_until = now + (self.cfg.load.report_stale_s if stale_s is None else stale_s)
         w._view = None
+
+    def engine_restarted(self, w: Worker) -> None:
+        """``w``'s engine is a new process: what was learned of its limits goes."""
+        w.mark.forget()
 
     def set_remote(self, w: Worker, requests: int, tokens: int) -> None:
         """The other replicas' pick-time counts on ``w`` now (router.bus). Tokens they
         added are picks since ``w``'s last report as much as this replica's own are:
-        shedding (``since_report_tokens``) counts them as the views do, so N replicas
+        shedding (``w.mark``) counts them as the views do, so N replicas
         admit what one router would rather than each 1/N of a burst's evidence."""
         if w.remote_in_flight != requests or w.remote_tokens != tokens:
             if tokens > w.remote_tokens:
-                w.since_report_tokens += tokens - w.remote_tokens
+                w.mark.picked(tokens - w.remote_tokens)
             w.remote_in_flight = requests
             w.remote_tokens = tokens
             w._view = None

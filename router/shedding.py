@@ -1,30 +1,59 @@
 """Load shedding by default: a request is refused (429 + Retry-After) at once when
-every worker that could serve it already has more prefill queued than it can
-start soon, rather than queued behind minutes of work.
+every worker that could serve it is saturated — by what the worker itself reports —
+rather than queued behind seconds of work. Below saturation nothing is shed.
 
-The bound is derived from the fleet, per worker, in seconds of queued prefill::
+Per worker, from its last load report (an agent's push, or an engine's ``/metrics``
+read by ``router.engines.link``) and what the router has done since (``QueueMark``)::
 
-    pending_s(w) = (queued_tokens(w) + tokens picked for w since its report) / rate(w)
-    bound_s      = max(limits.worker_queue_min_s,
-                       limits.worker_queue_requests * typical_s)
-    typical_s    = decayed mean of a request's uncached prefill seconds
-                   (uncached tokens / the chosen worker's rate), per routed request
+    room        the report is missing or stale (no evidence of a queue), or
+                an engine never held a waiting queue over two reports, or
+                an engine has a free slot and its KV is not full:
+                    running + waiting (reported) + grown < L
+                L its learned batch limit, or before that is learned the most it
+                ever ran at once, if its last report showed no waiting queue
+                (a new request starts at the engine's next step)
+    pending_s   = queued_tokens / rate  +  picked_since / rate  -  age     (>= 0)
+                the reported queue, the uncached tokens picked for the worker since,
+                less what the worker prefilled meanwhile at its learned rate
+                (engines' scrapes only: agents' ~100 ms reports are not aged)
+    bound_s     = max(limits.worker_queue_min_s,
+                      limits.worker_queue_requests * typical_s)
+    typical_s   = decayed mean of a request's uncached prefill seconds
 
-    shed  <=>  every eligible worker reports its load and pending_s(w) > bound_s
+    ahead_s     = uncached tokens the router sent the worker that have not reached
+                  their first token yet (streams: released at it) / rate
 
-so admitted requests wait behind at most ``worker_queue_requests`` typical
-requests' prefill — their time to first token stays within a small multiple of an
-unloaded one — and the excess is told when to come back: ``Retry-After`` is the
+    shed  <=>  no eligible worker has room and every one has pending_s > bound_s
+
+An engine that has saturated (below) has room only with a slot and ahead_s within
+one typical request's prefill, and its pending_s is at least ahead_s: at 4x its
+capacity in fresh 600-token prompts, slots alone let 8 prefills share one engine
+and admitted TTFT p99 reached 3.8x the unloaded one.
+
+``grown`` is the net change of the router's in-flight count on the worker since the
+report (picks less finishes: exact for the router's own requests — it counts a
+request from its pick to its last byte, which covers its life in the engine).
+
+An engine is judged saturated only on its own evidence: until it has reported a
+waiting queue in two reports in a row (one waiting request may only wait for the
+next step's token budget) it is never full, whatever the router sent it. The batch
+limit L is what vLLM calls ``max_num_seqs`` and does not publish: it is learned as
+the most requests the engine ever reported running, once two reports in a row
+showed a waiting queue with running at that ceiling; until then the most it ran at
+once is a slot count it has shown it has. So a closed loop of at most the fleet's
+batch limits in clients is never shed — some worker always has a slot — and the
+first saturated reports teach the limit. Agents report their queue exactly and
+every ~100 ms; they have no batch limit here (their waiting queue is prefill, not
+slots) and are judged by ``pending_s`` alone.
+
+Why aging: the scrape of an engine's ``/metrics`` is up to a second old. Adding every
+token picked since then without subtracting what the worker prefilled meanwhile
+made a busy but unsaturated pair of vLLM servers (closed loop, 8 clients) look
+seconds deep and shed half the requests.
+
+Admitted requests then wait behind at most ``worker_queue_requests`` typical
+requests' prefill; the excess is told when to come back: ``Retry-After`` is the
 time the least-loaded eligible worker needs to drain below the bound (>= 1 s).
-
-Why the engine's reported queue and not the router's in-flight count: a request
-the router counts stays counted until its first streamed byte, or for a
-non-streaming request until its very end — a batch of long decodes would look
-like a queue. The agent's (or engine's) own waiting queue is what delays a new
-request's first token; the tokens picked since the last report cover a burst
-between reports (~100 ms). A worker that reports no load is never full here (no
-evidence of a queue: its own bounded queue answers 429), and neither is one whose
-report is stale.
 
 ``Admission`` (the concurrency slot and its short queue in ``router.dataplane``)
 stays the router's own backstop against more connections than it can hold.
@@ -36,11 +65,102 @@ import math
 from typing import Callable, Iterable
 
 from protocol.errors import Overloaded
-from protocol.events import MAX_RATE, MIN_RATE
+from protocol.events import MAX_RATE, MIN_RATE, Load
 from router.served import serves
 
 #: weight of the newest request in typical_s (about the last 50 requests count)
 _ALPHA = 0.02
+#: an engine whose KV is at least this full has no room whatever its batch count
+KV_FULL = 0.95
+
+
+class QueueMark:
+    """What a worker's last load report said about its room, and what the router sent
+    it since. Only ``router.pool.Pool`` changes it (on reports, picks and restarts).
+
+    Invariants (``check()``): counts >= 0; ``limit`` is 0 or equals ``running_max``
+    at the time it was confirmed (it never exceeds ``running_max``); a limit is only
+    known once a queue has held (``limit => queue_held``)."""
+
+    __slots__ = ("at", "in_flight", "since_tokens", "engine", "queue_held", "running_max",
+                 "limit", "_queued", "_queued_at_max")
+
+    def __init__(self) -> None:
+        self.at = 0.0  # monotonic time of the last report
+        self.in_flight = 0  # the router's in-flight count on the worker at that report
+        self.since_tokens = 0  # uncached tokens picked for the worker since that report
+        self.engine = False  # the reports come from an engine's own metrics
+        #: an engine reported a waiting queue twice in a row since it started: it has
+        #: been saturated (until then it is never full: no evidence of a queue)
+        self.queue_held = False
+        self.running_max = 0  # most running requests an engine report ever showed
+        self.limit = 0  # learned batch limit (0: unknown; engines only)
+        self._queued = False  # the previous report showed a waiting queue
+        self._queued_at_max = False  # ... with running at its max
+
+    def reported(self, load: Load, now: float, in_flight: int, engine: bool) -> None:
+        """A new report. ``engine``: the load came from an engine's own metrics (a
+        batch limit can be learned), not from an agent."""
+        self.at = now
+        self.in_flight = in_flight
+        self.since_tokens = 0
+        self.engine = engine
+        if not engine:
+            return
+        queued = load.queued_requests > 0
+        if queued and self._queued:
+            self.queue_held = True
+        self._queued = queued
+        run = load.running_requests
+        if run > self.running_max:
+            self.running_max = run
+            self.limit = 0  # a higher ceiling: the old one was not the limit
+            self._queued_at_max = False
+        kv_full = (load.kv_capacity_tokens > 0
+                   and load.kv_used_tokens >= KV_FULL * load.kv_capacity_tokens)
+        at_max = queued and run == self.running_max > 0 and not kv_full
+        if at_max and self._queued_at_max:
+            self.limit = run
+        self._queued_at_max = at_max
+
+    def picked(self, tokens: int) -> None:
+        self.since_tokens += tokens
+
+    def forget(self) -> None:
+        """A new engine process: its limits may differ."""
+        self.running_max = self.limit = 0
+        self.queue_held = self._queued = self._queued_at_max = False
+
+    def check(self) -> None:
+        assert self.in_flight >= 0 and self.since_tokens >= 0 and self.running_max >= 0, (
+            self.in_flight, self.since_tokens, self.running_max)
+        assert 0 <= self.limit <= self.running_max, (self.limit, self.running_max)
+        assert not self.limit or self.queue_held, (self.limit, self.queue_held)
+
+
+def has_room(mark: QueueMark, load: Load, in_flight: int) -> bool:
+    """Whether an engine can start one more request now: it has never held a waiting
+    queue (no evidence it ever saturates), or it has fewer requests on it than its
+    learned batch limit — or, before that is learned, than it has run at once, if its
+    last report showed no queue — and KV to spare."""
+    if mark.engine and not mark.queue_held:
+        return True
+    if load.kv_capacity_tokens > 0 and load.kv_used_tokens >= KV_FULL * load.kv_capacity_tokens:
+        return False
+    ceiling = mark.limit or (mark.running_max if load.queued_requests == 0 else 0)
+    occupied = load.running_requests + load.queued_requests + in_flight - mark.in_flight
+    return occupied < ceiling
+
+
+def pending_s(mark: QueueMark, load: Load, rate: float, now: float) -> float:
+    """Seconds of prefill queued on the worker now (module docstring), >= 0. An
+    agent's report is at most ~100 ms old and is not aged (measured: aging it let
+    ``radixfleet bench overload``'s admitted TTFT p99 go from 2.2x to 3.2x the
+    unloaded one); an engine's scrape is up to a second old and is."""
+    q = (load.queued_tokens + mark.since_tokens) / rate
+    if mark.engine:
+        q -= now - mark.at
+    return q if q > 0.0 else 0.0
 
 
 class Shedder:
@@ -68,8 +188,8 @@ class Shedder:
     def check(self, workers: Iterable, model: str, adapter: str | None, uncached_tokens: int,
               now: float) -> Overloaded | None:
         """An ``Overloaded`` to answer with if every eligible worker (routable
-        ``workers`` serving model/adapter) is past the bound, else None. Also
-        records the request's uncached prefill in ``typical_s``."""
+        ``workers`` serving model/adapter) is saturated past the bound, else None.
+        Also records the request's uncached prefill in ``typical_s``."""
         if self.per_requests <= 0:
             return None
         bound = self.bound_s()
@@ -82,7 +202,22 @@ class Shedder:
                 return self._observe(uncached_tokens, w.base_prefill)
             rate = ld.prefill_tokens_per_s or w.base_prefill
             rate = MIN_RATE if rate < MIN_RATE else MAX_RATE if rate > MAX_RATE else rate
-            q = (ld.queued_tokens + w.since_report_tokens) / rate
+            mark = w.mark
+            in_flight = w.in_flight + w.remote_in_flight
+            q = pending_s(mark, ld, rate, now)
+            if mark.engine and mark.queue_held:
+                # an engine that has saturated: a free slot takes the request unless
+                # the prefill the router already sent it and not yet seen start
+                # (released at each first token) would delay it past one typical
+                # request's prefill — a slot is no promise of a first token soon
+                ahead = (w.in_flight_tokens + w.remote_tokens) / rate
+                if ahead <= (bound if bound > self.typical_s else self.typical_s) \
+                        and has_room(mark, ld, in_flight):
+                    return self._observe(uncached_tokens, rate)
+                if ahead > q:
+                    q = ahead
+            elif has_room(mark, ld, in_flight):
+                return self._observe(uncached_tokens, rate)
             if q <= bound:
                 return self._observe(uncached_tokens, rate)
             if q < best:

@@ -189,9 +189,9 @@ def test_peers_picks_count_in_shedding_as_in_scoring():
     assert isinstance(shed.check([w], "", None, 100, 0.0), Overloaded)
     assert pool.views(0.0)[0].in_flight_tokens == 700  # what scoring sees, the same
     pool.set_remote(w, 1, 100)  # the peer's first token: released, never un-picked
-    assert w.since_report_tokens == 700
+    assert w.mark.since_tokens == 700
     pool.report_load(w, Load(queued_tokens=100, prefill_tokens_per_s=1000.0), 0.0)
-    assert w.since_report_tokens == 0 and shed.check([w], "", None, 100, 0.0) is None
+    assert w.mark.since_tokens == 0 and shed.check([w], "", None, 100, 0.0) is None
     pool.check()
 
 
@@ -510,7 +510,7 @@ async def test_a_peers_hint_reaches_the_index_the_counts_and_the_write_rates():
     await rep._on_router(SimpleNamespace(data=msg.to_bytes(), subject="radixfleet.router.peer",
                                         headers=None))
     assert index.match(hashes, now, count=False).blocks == {"w1": 10}
-    assert pool.get("w1").remote_tokens == 200 and pool.get("w1").since_report_tokens == 200
+    assert pool.get("w1").remote_tokens == 200 and pool.get("w1").mark.since_tokens == 200
     assert pol._write_rate("w1", now) == pytest.approx(6 * 32 / pol.params.kv_window_s)
     assert pol._write_rate("w2", now) == 0.0
     rep.check()

@@ -1,25 +1,41 @@
 """The Grafana dashboard (deploy/grafana/radixfleet.json) shows only metrics that
 exist: a real router and a real agent are started, their /metrics scraped, and
-every metric name in every panel expression must be one of the series they export
-(or a declared pending exception below)."""
+every metric name in every panel expression must be one of the series they export,
+a live vLLM page's (tests/data/vllm_metrics.txt), or a declared exception below.
+
+In front of real vLLM servers (``engine``), every panel's queries are evaluated
+(tests/promql.py: a small PromQL evaluator over two scrapes of the router's and the
+engines' pages, as a Prometheus would take them) and each panel must return data,
+except those whose subject a plain vLLM pool does not have (``NO_DATA_IN_FRONT_OF_VLLM``)."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import time
 
 import httpx
 import pytest
 
 from tests.deploy_tools import ROOT
 from tests.procs import Proc, free_port, radixfleet_argv
+from tests.promql import Evaluator, PromQLError, scrape
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "radixfleet.json"
 
-#: Names a panel may use before any process exports them, each with its reason.
-#: metrics a panel may name before anything exports them (none: the prediction-accuracy
-#: histogram of the real-engine work is exported by every router now)
-PENDING: set[str] = set()
+#: metrics a panel may name that neither the router, the agent nor vLLM exports here:
+#: SGLang's own TTFT histogram (srt/metrics/collector.py; SGLang is not installed here),
+#: the dashboard's fallback for an SGLang pool without streamed traffic
+PENDING: set[str] = {"sglang:time_to_first_token_seconds_bucket"}
+
+#: panels that show nothing in front of a plain vLLM pool, with the reason
+NO_DATA_IN_FRONT_OF_VLLM = {
+    "Discovered endpoints": "no discovery source is configured",
+    "Discovery problems": "no discovery source is configured",
+}
+
+VLLM_PAGE = ROOT / "tests" / "data" / "vllm_metrics.txt"
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
              "or", "unless", "offset", "inf", "nan"}
@@ -95,12 +111,11 @@ def scraped() -> set[str]:
                     if r.status_code == 200:
                         ok = True
                         break
-                    import time
                     time.sleep(0.05)
                 assert ok, r.text
                 router = c.get(f"http://127.0.0.1:{rp}/metrics").text
                 agent = c.get(f"http://127.0.0.1:{ap}/metrics").text
-    return exported(router) | exported(agent)
+    return exported(router) | exported(agent) | exported(VLLM_PAGE.read_text())
 
 
 def test_every_panel_names_only_exported_metrics(scraped):
@@ -114,6 +129,8 @@ def test_every_panel_names_only_exported_metrics(scraped):
     assert not unknown, f"panels use metrics nobody exports: {unknown}"
     assert len(used) >= 25  # the dashboard is not empty by accident
     assert "radixfleet_prediction_error_tokens_bucket" in used  # index accuracy has a panel
+    assert any(n.startswith("vllm:") for n in used)  # a vLLM pool has its fallbacks
+    assert "radixfleet_ttft_seconds_bucket" in used  # TTFT, not time to the first byte
 
 
 def test_dashboard_shape():
@@ -131,3 +148,79 @@ def test_dashboard_shape():
             assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
             g = p["gridPos"]
             assert g["x"] + g["w"] <= 24
+
+
+def test_promql_evaluator():
+    page0 = "c_total{w=\"a\"} 10\nc_total{w=\"b\"} 0\nh_bucket{le=\"1.0\"} 0\n" \
+            "h_bucket{le=\"2.0\"} 0\nh_bucket{le=\"+Inf\"} 0\ng 3\n"
+    page1 = "c_total{w=\"a\"} 30\nc_total{w=\"b\"} 10\nh_bucket{le=\"1.0\"} 5\n" \
+            "h_bucket{le=\"2.0\"} 10\nh_bucket{le=\"+Inf\"} 10\ng 3\n"
+    ev = Evaluator(scrape({"x": page0}), scrape({"x": page1}), 10.0)
+    assert ev.eval("sum(rate(c_total[5m]))") == [({}, 3.0)]
+    assert sorted(ev.eval("sum by (w) (increase(c_total[$__rate_interval]))"),
+                  key=lambda s: s[0]["w"]) == [({"w": "a"}, 20.0), ({"w": "b"}, 10.0)]
+    assert ev.eval('sum(rate(c_total{w=~"b|z"}[1m])) / sum(rate(c_total[1m]))') == \
+        [({}, pytest.approx(1 / 3))]
+    assert ev.eval("histogram_quantile(0.75, sum by (le) (rate(h_bucket[1m])))") == \
+        [({}, pytest.approx(1.5))]
+    assert ev.eval("sum(rate(missing_total[1m])) or on() vector(0)") == [({}, 0.0)]
+    assert ev.eval("(sum(g - g) / sum(g - g) >= 0) or on() sum(g)") == [({}, 3.0)]  # NaN: idle
+    assert ev.eval("count(g == 0) or vector(0)") == [({}, 0.0)]
+    assert [v for _, v in ev.eval("topk(1, max by (w) (c_total))")] == [30.0]
+    with pytest.raises(PromQLError):
+        ev.eval("deriv(g[1m])")
+
+
+def _finite(result) -> bool:
+    if isinstance(result, float):
+        return math.isfinite(result)
+    return any(math.isfinite(v) for _, v in result)
+
+
+@pytest.mark.engine
+def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tmp_path):
+    from tests.test_engine_vllm import router_yaml, text
+
+    port = free_port()
+    cfg = tmp_path / "router.yaml"
+    router_yaml(cfg, port, vllm_pair, vllm_model_dir)
+    base = f"http://127.0.0.1:{port}"
+    pages = {"router": base + "/metrics", **{f"vllm-{i}": s.url + "/metrics"
+                                             for i, s in enumerate(vllm_pair)}}
+    with Proc(radixfleet_argv("router", "--config", str(cfg)),
+              ready_url=base + "/health"), httpx.Client(timeout=60) as c:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # both workers in vLLM's token space
+            ws = c.get(base + "/admin/workers").json()["workers"]
+            if all(w["routable"] and w.get("engine", {}).get("key_space", "")
+                   .startswith("TokenSpace") for w in ws):
+                break
+            time.sleep(0.2)
+        before = scrape({k: c.get(u).text for k, u in pages.items()})
+        t0 = time.monotonic()
+        system = text(1, 300)
+        for i in range(12):  # conversations sharing a system prompt: streamed and not
+            msgs = [{"role": "system", "content": system},
+                    {"role": "user", "content": text(100 + i % 4, 40)}]
+            body = {"model": "tiny", "messages": msgs, "max_tokens": 4, "stream": i % 2 == 0}
+            r = c.post(base + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+        r = c.post(base + "/v1/completions",
+                   json={"model": "tiny", "prompt": system, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        time.sleep(1.5)  # the next scrapes of the engines' pages and events
+        after = scrape({k: c.get(u).text for k, u in pages.items()})
+        dt = time.monotonic() - t0
+    ev = Evaluator(before, after, dt)
+    dash = json.loads(DASHBOARD.read_text())
+    empty = []
+    for p in panels(dash):
+        if p["type"] == "row":
+            continue
+        results = [ev.eval(t["expr"]) for t in p["targets"]]
+        if not any(_finite(r) for r in results) and p["title"] not in NO_DATA_IN_FRONT_OF_VLLM:
+            empty.append(p["title"])
+    assert not empty, f"panels without data in front of vLLM: {empty}"
+    hit = ev.eval(next(p for p in panels(dash)
+                       if p["title"] == "Fleet prefix-cache hit rate")["targets"][0]["expr"])
+    assert 0.3 < hit[0][1] <= 1.0, hit  # the shared system prompt was found cached

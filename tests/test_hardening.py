@@ -33,7 +33,7 @@ from protocol.events import MAX_LOAD_COUNT, MAX_RATE, MIN_RATE, Load, parse_batc
 from protocol.identifiers import MAX_ID_CHARS
 from service.jsonbody import MAX_DEPTH, loads, nesting_depth
 from protocol.prefix_keys import Endpoint, namespace_seed, request_key
-from router.shedding import Shedder
+from router.shedding import QueueMark, Shedder
 from service.tenancy import SIGNATURE_HEADER, TenantSalts, signature
 from tests.procs import free_port, radixfleet_argv
 from worker_agent.scheduler import SchedulerConfig
@@ -633,14 +633,15 @@ async def test_overload_is_shed_by_default_with_retry_after(fleet):
 
 
 def test_shedder_bound_follows_the_typical_request():
-    class W:
+    class W:  # the worker shape the shedder reads (router.pool.Worker)
         models = ()
         base_prefill = 1000.0
-        since_report_tokens = 0
         load_until = 10.0
+        in_flight = remote_in_flight = 0
 
         def __init__(self, queued):
             self.load = Load(queued_tokens=queued, prefill_tokens_per_s=1000.0)
+            self.mark = QueueMark()  # reported at t=0, nothing picked since
     s = Shedder(2.0, 0.05)
     assert s.check([W(0)], "m", None, 500, 0.0) is None  # learns: typical 0.5 s
     assert s.bound_s() == pytest.approx(1.0)

@@ -371,7 +371,8 @@ class EngineLink:
                     kv_used_tokens=int(m.kv_usage * cap), kv_capacity_tokens=cap,
                     prefill_tokens_per_s=rate)
         eng.pool.report_load(self.worker, load, now,
-                             stale_s=self.scraper.stale_after_s if self.scraper else None)
+                             stale_s=self.scraper.stale_after_s if self.scraper else None,
+                             engine=True)
         eng.prom.scrape_ok(self.worker.id)
 
     def on_failure(self, cause, detail: str) -> None:
@@ -583,6 +584,7 @@ class EngineLink:
         """A new engine process: its cache is empty. Event sources the engine named
         are asked again (its data-parallel size may have changed)."""
         self.queue.reset()
+        self.engines.pool.engine_restarted(self.worker)
         self._drop_entries()
         self._refused_rank = None  # a new process: what it lists is news
         self.engines.prom.resync(self.worker.id, "restart")

@@ -1,0 +1,119 @@
+"""Default shedding in front of two real vLLM servers (CPU build, tiny random Llama,
+at most 8 running sequences each: the session's ``vllm_pair``), behind the
+quick-start router: ``radixfleet router --worker URL --worker URL``, nothing else.
+
+- a closed loop of multi-turn conversations at 8 and then 16 clients — up to the
+  fleet's batch limits — is never answered 429;
+- Poisson arrivals at 4x the fleet's capacity: at least 90% of the excess is shed
+  with 429 + Retry-After, and the admitted requests' TTFT p99 stays within 2x the
+  unloaded p99 (``radixfleet bench overload``'s measurement, on vLLM).
+
+Every load loop is bounded in time; run under ``flock /tmp/radixfleet-vllm.lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import httpx
+import pytest
+
+from radixfleet.bench.overload import Load, _pct
+from tests.procs import Proc, free_port, radixfleet_argv
+
+pytestmark = pytest.mark.engine
+
+WORDS = ("cache prefix token router worker engine request model block hash session turn "
+         "system user assistant tool answer question document context memory batch").split()
+
+
+@pytest.fixture(scope="module")
+def quick_start(vllm_pair):
+    port = free_port()
+    argv = radixfleet_argv("router", "--port", str(port),
+                           *(a for s in vllm_pair for a in ("--worker", s.url)))
+    with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health", timeout_s=60):
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # both probed (vLLM) and scraped
+            ws = httpx.get(base + "/admin/workers", timeout=5).json()["workers"]
+            if all(w["routable"] and w.get("engine", {}).get("load_source") == "engine"
+                   for w in ws) and len(ws) == 2:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"workers not ready: {ws}")
+        yield base
+
+
+async def closed_loop(base: str, clients: int, duration_s: float, seed: int) -> dict:
+    """Multi-turn chat conversations, one per client, back to back for duration_s;
+    statuses counted. A 429 is retried after its Retry-After (the client's part)."""
+    statuses: dict[int, int] = {}
+    end = time.monotonic() + duration_s
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        async def client(i: int) -> None:
+            rng = random.Random(seed * 1000 + i)
+            system = " ".join(rng.choice(WORDS) for _ in range(300))
+            msgs = [{"role": "system", "content": system}]
+            while time.monotonic() < end:
+                msgs.append({"role": "user",
+                             "content": " ".join(rng.choice(WORDS) for _ in range(60))})
+                body = {"model": "tiny", "messages": msgs, "max_tokens": 16, "stream": True}
+                async with s.post(base + "/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    statuses[r.status] = statuses.get(r.status, 0) + 1
+                    if r.status != 200:
+                        msgs.pop()
+                        await asyncio.sleep(min(2.0, float(r.headers.get("Retry-After", 1))))
+                        continue
+                msgs.append({"role": "assistant", "content": "noted " * 10})
+                if len(msgs) > 16:  # a new conversation
+                    msgs = msgs[:1]
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    return statuses
+
+
+def test_closed_loop_up_to_the_fleets_batch_limits_is_never_shed(quick_start):
+    for clients in (8, 16):
+        statuses = asyncio.run(closed_loop(quick_start, clients, 15.0, clients))
+        print(f"closed loop, {clients} clients: {statuses}")
+        assert statuses.get(200, 0) >= 30 and set(statuses) == {200}, (clients, statuses)
+
+
+def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start):
+    async def run() -> dict:
+        load = Load(quick_start, "tiny", prompt_tokens=600, max_tokens=8, seed=3)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                         connector=aiohttp.TCPConnector(limit=0)) as s:
+            load.session = s
+            await load.closed(4, 3.0)  # warm: rates learned, typical request known
+            served, secs = await load.closed(48, 10.0)
+            capacity = served / secs
+            await asyncio.sleep(2.0)
+            light = await load.poisson(0.2 * capacity, 12.0)
+            await asyncio.sleep(1.0)
+            heavy = await load.poisson(4.0 * capacity, 10.0)
+        return {"capacity": capacity, "light": light, "heavy": heavy}
+    out = asyncio.run(run())
+    light, heavy, capacity = out["light"], out["heavy"], out["capacity"]
+    unloaded = _pct([o.ttft_s for o in light if o.status == 200 and o.ttft_s], 0.99)
+    admitted = [o.ttft_s for o in heavy if o.status == 200 and o.ttft_s]
+    shed = [o for o in heavy if o.status == 429]
+    with_retry = [o for o in shed if o.retry_after and o.retry_after.isdigit()
+                  and int(o.retry_after) >= 1]
+    excess = len(heavy) - capacity * 10.0
+    summary = {"capacity_rps": round(capacity, 2), "offered": len(heavy),
+               "served": len(admitted), "shed": len(shed), "excess": round(excess),
+               "unloaded_p99_s": unloaded, "admitted_p50_s": _pct(admitted, 0.5),
+               "admitted_p99_s": _pct(admitted, 0.99),
+               "other": sorted({o.status for o in heavy} - {200, 429}, key=str)}
+    print("overload:", summary)
+    assert {o.status for o in light} == {200}, summary
+    assert not summary["other"], summary
+    assert len(with_retry) >= 0.9 * excess, summary
+    assert summary["admitted_p99_s"] <= 2 * unloaded, summary
