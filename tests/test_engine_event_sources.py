@@ -192,7 +192,7 @@ class Fleet:
                             "tokenizer": self.tokenizer_dir, "block_size": BS,
                             "metrics": {"path": ""}})
         cfg = parse_config({"listen": {"port": 0}, "health": {"interval_s": 0.2},
-                            "limits": {"worker_queue_requests": 0}, "workers": workers})
+                            "workers": workers})
         self.router = Router(cfg)
         self.server = RouterServer(self.router, port=0)
         self.base = f"http://127.0.0.1:{await self.server.start()}"

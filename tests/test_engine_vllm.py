@@ -67,11 +67,7 @@ def router_yaml(path, port: int, servers, model_dir, *, policy: str = "prefix_lo
             w["kv_capacity_tokens"] = capacity[i]
         workers.append(w)
     cfg = {"listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": policy},
-           "health": {"interval_s": 0.5}, "workers": workers,
-           # the A/Bs drive a closed loop at the fleet's saturation (the issue's
-           # measurement): default shedding (limits.worker_queue_requests) would answer
-           # part of it 429 and measure shedding, not routing
-           "limits": {"worker_queue_requests": 0}}
+           "health": {"interval_s": 0.5}, "workers": workers}  # default limits
     path.write_text(json.dumps(cfg))
 
 

@@ -57,7 +57,7 @@ def dp_router(dp_server, vllm_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("router-dp")
     port = free_port()
     cfg = {"listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": "prefix_load"},
-           "health": {"interval_s": 0.5}, "limits": {"worker_queue_requests": 0},
+           "health": {"interval_s": 0.5},
            "workers": [{"url": dp_server.url, "id": "dp", "kind": "vllm",
                         "tokenizer": str(vllm_model_dir),
                         "metrics": {"interval_s": 0.25, "timeout_s": 5.0}}]}
