@@ -67,6 +67,7 @@ class RouterProcess:
         self.env = {**os.environ, **(env or {})}
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
+        self._final: str | None = None  # the whole output, once stopped and cleaned up
 
     def __enter__(self) -> "RouterProcess":
         log = open(self.log_path, "wb")
@@ -90,7 +91,7 @@ class RouterProcess:
             time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self._final = self.stop()  # kept: probes read the log after the with-block too
         self._dir.cleanup()
 
     def stop(self, timeout_s: float = 10.0) -> str:
@@ -108,6 +109,8 @@ class RouterProcess:
         return self.output()
 
     def output(self) -> str:
+        if self._final is not None:
+            return self._final
         try:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
