@@ -62,7 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def targets_line(runs: dict[str, dict]) -> list[str]:
-    """How prefix_load fares against the issue's targets (lines to print)."""
+    """How prefix_load fares against its targets (lines to print)."""
     pl, rr = runs.get("prefix_load"), runs.get("round_robin")
     if pl is None:
         return []

@@ -167,7 +167,7 @@ class CacheReference:
 
 
 def prompt_bytes(spec: RequestSpec) -> bytes:
-    """The canonical bytes the fleet tokenizes for this spec (contract 1)."""
+    """The canonical bytes the fleet tokenizes for this spec (contract 1, docs/DESIGN.md)."""
     endpoint = Endpoint.CHAT if spec.api == API_CHAT else Endpoint.COMPLETIONS
     return routing_bytes(endpoint, spec.body)
 

@@ -1,4 +1,4 @@
-"""What a routing policy sees and returns (contract 3): narrow, typed, read-only.
+"""What a routing policy sees and returns (contract 3, docs/DESIGN.md): narrow, typed, read-only.
 
 A policy never touches the prefix index or the worker pool. The router (live) and
 the simulator (virtual time) each build, per request::

@@ -1,61 +1,38 @@
 """prefix_load — the recommended default: least expected time to first token, with
-bounded affinity and hot-root replication.
+bounded affinity and hot-root replication. The figures behind each rule are in
+bench/RESULTS.md ("Routing policies", "Real engines", "Live against SGLang's gateway",
+"prefix_load tuning").
 
 For each routable worker w (rate_w = its prefill tokens/s)::
 
     queue_s(w)  = max(in_flight_tokens, queued_tokens) / rate_w   queueing delay
-    matched(w)  = blocks[w] * block_tokens, or 0 when < min_match_tokens (a miss)
-                  or when w is over the affinity bound (below) or a retired replica
+    matched(w)  = blocks[w] * block_tokens, or 0 when < min_match_tokens (a miss),
+                  when w is over the affinity bound, crowded or a retired replica,
+                  or when the match is shared and w is churning (below)
     saved_s(w)  = matched(w) / rate_w                             prefill the match saves
     ttft(w)     = queue_s(w) + (prompt_tokens - matched(w)) / rate_w
     score(w)    = queue_s(w) + pw * (prompt_tokens - matched(w)) / rate_w
                   - pw * saved_s(w)**2 / long_match_s
     pw          = private_weight if the match is private, else prefill_weight
 
-``in_flight_tokens`` (the router's count, fresh, uncached parts) and
-``queued_tokens`` (the agent's report, up to a batch old, whole prompts) are two
-estimates of mostly the same work — a request waiting at the agent is in both —
-so their sum would count it twice and make every warm worker look busy; the
-larger of the two still covers work that other routers sent.
+The pick is the minimum score; ``Decision.expected_ttft_s`` is ttft(w). Why each term:
 
-The pick is the minimum score. Scores within ``tie_s`` of it are ties: measured
-prefill rates differ by a few percent between identical GPUs, and without the
-tolerance the uncached-prefill term alone would send every tie to the worker
-that happens to measure fastest (it herded the demo's sessions onto one or two
-workers). Ties prefer the longer match, then the worker with the fewest
-in-flight requests, then (``tie_written``) the one that was written the least KV
-lately, then break at random. In-flight requests are what holds KV:
-``queue_s`` forgets a request at its first token, but while it decodes it still
-locks its KV, so balancing the tied choice by request count (as SGLang's
-cache_aware balances all its choices) spreads the KV held and lets caches keep
-their prefixes. Past that, the decayed uncached tokens routed to each worker (the
-KV it wrote, "KV turnover" below) say where new KV evicts the least that is still
-wanted: at light load in-flight counts are mostly 0 and a random tie-break placed
-conversations unevenly — their histories then outgrew the busier caches (simulator,
-multiturn 32 x 8 on 4 x 40k: hit 0.753-0.791 -> 0.797 = the oracle in 4 seeds of 4,
-p99 34-135 -> 20 ms; bench/RESULTS.md, "Stop 20").
-
-``prefill_weight`` > 1 because a worker's uncached prefill delays not only this
-request but every request queued behind it there: it is what makes prefix reuse
-worth more than an equal amount of queue. The last term makes that credit grow
-faster than the match (``prefill_weight * saved_s * (1 + saved_s / long_match_s)``
-in all): a long cached context is not only long to rebuild, a second copy of it
-also takes that much KV from every other prefix on the new worker, and long
-contexts are the ones that come back (agentic sessions). The affinity bound below
-caps the credit, so this cannot herd. ``Decision.expected_ttft_s`` is ttft(w).
-
-A match is *private* (``MatchResult.private``) when no other request went through
-its deepest block lately: a conversation's next turn matching its own history, not
-a prefix that requests share. Moving it is worth less than moving a shared prefix
-— a second copy of a shared prefix is a replica that later requests use, a second
-copy of a private history serves this request only, the first copy becomes garbage
-— so its reuse counts ``private_weight`` (4) instead of ``prefill_weight`` (2).
-Measured in front of two real vLLM servers, prefix_load at 2 for every match moved
-5-14 conversations per multiturn run onto the less busy worker to save a fraction
-of a second, each move re-prefilling and duplicating a history (bench/RESULTS.md,
-Stop 17); 4 for every match instead lets a burst onto a shared prefix run ~75
-requests deep on its holder instead of 30 (tests: ``test_burst_with_defaults_never_herds``).
-The affinity bound stays at ``prefill_weight`` for both.
+- ``max`` of the router's count (fresh, uncached parts) and the worker's report (up
+  to a batch old, whole prompts): both estimate mostly the same work, so their sum
+  would make every warm worker look busy; the larger still covers other routers' work.
+- ``prefill_weight`` > 1: a worker's uncached prefill delays every request queued
+  behind it too. The quadratic term grows the credit faster than the match: a long
+  context is long to rebuild, a second copy takes that much KV from every other
+  prefix, and long contexts are the ones that come back. The affinity bound caps it.
+- A *private* match (``MatchResult.private``: no other request went through its
+  deepest block lately, a conversation's own history) weighs ``private_weight``,
+  more than a shared one: a second copy of a shared prefix is a replica later
+  requests use, a second copy of a private history only duplicates it. Weighting
+  every match that high lets a burst onto a shared prefix herd.
+- Ties: scores within ``tie_s`` of the minimum (measured prefill rates differ by a
+  few percent between identical GPUs). Ties prefer the longer match, then the fewest
+  in-flight requests (what holds KV while decoding), then (``tie_written``) the
+  worker that wrote the least KV lately, then random.
 
 Bounded affinity: a matching worker keeps its match only while it is *not*
 overloaded relative to the least-loaded worker L::
@@ -63,82 +40,46 @@ overloaded relative to the least-loaded worker L::
     overloaded(w) = queue_s(w) - queue_s(L) > affinity_abs_s + prefill_weight * saved_s(w)
                     and queue_s(w) > queue_s(L) * affinity_rel
 
-so no amount of cached prefix herds requests onto a worker past those margins —
-a holder waits at most ``affinity_abs_s`` more than the least-loaded worker beyond
-the (weighted) prefill it saves — while a long match (a 40k-token context) is not
-given up for a queue excess of a second or two: the score weighs that trade, the
-bound only caps it.
-When nobody routable holds ``min_match_tokens`` of the request it is a miss and goes
-to the least-loaded worker (least queue_s, ties to the fewest in-flight requests,
-then the least KV written lately, then at random) — never to "the smallest tree"
-(sglang #14305).
+A miss goes to the least-loaded worker (the same tie order) — never to "the
+smallest tree" (a death spiral in SGLang's router).
 
-KV turnover: load is not the only thing a holder can run out of. Its KV cache holds
-the prefix *and* the sessions that branch from it; when one worker holds a shared
-prefix (an agent's tool schema) and nothing else is loaded, every new session goes
-there and the worker rewrites its cache faster than sessions come back — measured on
-the agent workload at 12k KV tokens per worker, prefix_load and cache_aware hit 0.62
-where round robin hit 0.86 (SGLang's gateway, which keys chat on the messages and
-not the tools, never saw the shared prefix and hit 0.81). So the policy
-keeps, per worker, the uncached prompt tokens it routed there (decayed, time constant
-``kv_window_s``): the KV the worker writes, which it evicts as fast once full. A worker
-whose cache turns over in less than ``kv_turnover_s`` (capacity / write rate; the
-capacity from the view, unknown = never judged) *and* that writes more than ``kv_rel``
-times the fleet's mean is *churning*: its shared matches earn nothing and misses
-avoid it (when another worker can take them); its private matches (the sessions it
-already holds) stay. A fleet that churns evenly is left alone: spreading would only
-copy the shared prefixes. Each router replica counts what it routed (a replica that
-routes a third of the traffic sees a third of each rate, unless its peers' picks
-reach ``observe_pick``, as the bus's hints do); workers that left the fleet are forgotten.
+KV turnover: per worker, the decayed uncached tokens routed there (time constant
+``kv_window_s``) are the KV it writes. A worker whose cache turns over in less than
+``kv_turnover_s`` (capacity / write rate; unknown capacity is never judged) *and*
+that writes more than ``kv_rel`` times the fleet's mean is *churning*: its shared
+matches earn nothing and misses avoid it; its private matches stay. Without it every
+session behind one shared prefix (an agent's tool schema) goes to its holder and
+thrashes its cache. A fleet that churns evenly is left alone. Each router replica
+counts what it routed, plus its peers' picks reaching ``observe_pick`` (the bus).
 
-Session footprints: the KV-turnover rate is a flow and sees a crowd only once it writes;
-a burst of new sessions off one shared prefix (an agent's tool schema) writes little
-at first — each first turn is a few hundred uncached tokens — and all of it lands on
-the prefix's holders. As the sessions grow their histories outgrow the holders'
-caches, and under LRU a set of sessions that keep coming back to a cache too small for
-them evicts each one's history just before its next turn (a cyclic pattern is LRU's
-worst case): the holders' private hits fall to nothing while the other workers sit
-empty. So the policy also keeps the stock (``policies.footprint``): per worker, the
-private tokens of the sessions homed there that are still live (continued within
-``session_live_gaps`` of their own gaps between turns). A worker is *crowded* for a
-request when its live sessions (less this request's own session) plus the whole
-prompt pass ``footprint_full`` of its KV capacity *and* its live sessions are over
-``footprint_rel`` times the fleet's mean; while another worker of known capacity
-would stay within ``footprint_room`` of its capacity with the prompt, crowded workers'
-matches earn nothing — the session moves once, re-prefilling its history where it
-fits, instead of evicting its neighbours' every turn — and misses avoid them. Two
-conditions keep it from moving sessions for nothing: the relative one leaves a fleet
-whose sessions are spread evenly alone (as the turnover rule does), and none of it
-acts while the fleet's live sessions together pass ``footprint_room`` of the fleet's
-capacity — then every cache thrashes (the Mooncake trace at 8 x 400k) and a move only
-re-prefills a history somewhere else. Measured in the simulator (bench/RESULTS.md,
-"Stop 21"): agent 15–17 sessions on 4 x 12k +0.008..+0.035 hit with events and
-+0.09..+0.13 without (an index that cannot see evictions keeps sending sessions home
-to a thrashing cache); mixed +0.002 over 12 seeds, its TTFT p99 +9% (median of the
-seeds; the moves re-prefill histories); the Mooncake trace within 0.002.
+Session footprints (``policies.footprint``): the turnover rate sees a crowd only once
+it writes. Per worker, the private tokens of its live sessions (continued within
+``session_live_gaps`` of their own gaps between turns). A worker is *crowded* when its
+live sessions (less this request's) plus the prompt pass ``footprint_full`` of its KV
+capacity *and* exceed ``footprint_rel`` times the fleet's mean; while another worker of
+known capacity stays within ``footprint_room`` with the prompt, crowded workers'
+matches earn nothing (the session moves once instead of evicting its neighbours'
+every turn) and misses avoid them. Nothing moves while the whole fleet's live
+sessions pass ``footprint_room`` of its capacity: then every cache thrashes.
 
 Reasons: AFFINITY (the chosen worker has the best match), REPLICA (it is a hot
 prefix's replica, or was just made one), SPILL_LOAD (a better match existed but
 its holder lost on load), MISS.
 
 Load accounting the caller owes (``policies.base``): after each decision, add the
-request to the chosen view's ``in_flight`` and its *uncached* prompt tokens
-(``prompt_tokens - matched_blocks * block_tokens``) to ``in_flight_tokens`` before
-the next pick; remove them when the prefill is known done. Counting full prompt
-tokens instead still works but overstates a warm worker's queue, so affinity
-yields sooner.
+request to the chosen view's ``in_flight`` and its *uncached* prompt tokens to
+``in_flight_tokens`` before the next pick; remove them when the prefill is done.
 
-Hot-root replication (``policies.replication``): when the request's deepest
-indexed node is hot (``match.rate >= hot_min_rate``), its holders are compared with
-what the rate needs; a missing holder is added — the least-loaded non-holder takes
-this request (reason REPLICA), or with ``warm_ahead`` it is named in
-``Decision.warm`` for a prefill-only warm-up and the request is scored as usual —
-and surplus replicas are retired as the rate decays.
+Hot-root replication (``policies.replication``): when the request's deepest indexed
+node is hot (``match.rate >= hot_min_rate``), a missing holder is added — the
+least-loaded non-holder takes this request (REPLICA), or with ``warm_ahead`` it is
+named in ``Decision.warm`` for a prefill-only warm-up — and surplus replicas are
+retired as the rate decays.
 
 Cost: O(workers) with no allocation beyond three lists (write rates, queue delays,
 scores) and the Decision; a hot prefix adds one dict lookup and O(workers)
-bookkeeping; session footprints add one scan of at most a turn's worth of the request's
-block hashes (a continuation stops a few blocks from its end) and O(workers).
+bookkeeping; session footprints add one scan of at most a turn's worth of the
+request's block hashes and O(workers).
 """
 
 from __future__ import annotations

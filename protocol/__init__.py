@@ -1,5 +1,5 @@
 """What the router, the policies, the agent and the load generator agree on: prefix
-keys (``prefix_keys``, contract 1), the agents' event and load wire format
-(``events``, contract 2) and the error types every layer raises (``errors``).
+keys (``prefix_keys``, contract 1 of docs/DESIGN.md), the agents' event and load wire format
+(``events``, contract 2 of docs/DESIGN.md) and the error types every layer raises (``errors``).
 It imports nothing of the project's: everything else may import it.
 """

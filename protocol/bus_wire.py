@@ -1,4 +1,4 @@
-"""What travels on the bus (DESIGN.md contract 11): subjects and message bodies.
+"""What travels on the bus (docs/DESIGN.md contract 11): subjects and message bodies.
 
 Every body is a JSON object with ``"v": 1`` and a ``"kind"``; anything else on our
 subjects is *foreign* or *malformed* and raises ``BadMessage`` with a short cause word

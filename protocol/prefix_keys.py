@@ -1,4 +1,4 @@
-"""Prefix keys: the one way a request becomes a chain of block hashes (contract 1).
+"""Prefix keys: the one way a request becomes a chain of block hashes (contract 1, docs/DESIGN.md).
 
 A leaf module: no I/O, imported by the router, the worker agent and the simulator
 alike, so that all three agree byte for byte on what a prefix is.
@@ -258,7 +258,7 @@ def block_hashes(data: bytes, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES)
 
 def token_namespace_seed(model: str, salt: str = "", adapter: str | None = None,
                          block_size: int = 0) -> int:
-    """h_0 of a *token* key space (contract 8): an engine's own token blocks.
+    """h_0 of a *token* key space (contract 8, docs/DESIGN.md): an engine's own token blocks.
 
     Fields are length-prefixed, so no two different (model, salt, adapter, block
     size) tuples share a seed, and a token chain never meets a byte chain (the

@@ -1,4 +1,4 @@
-"""The one command line, ``radixfleet`` (contract 5).
+"""The one command line, ``radixfleet`` (contract 5, docs/DESIGN.md).
 
 Each subcommand lives in the module that owns the work; this file only knows the
 table below. A subcommand module exposes::

@@ -1,4 +1,4 @@
-"""The agent API (DESIGN.md contract 2): agents announce themselves and push their
+"""The agent API (docs/DESIGN.md contract 2): agents announce themselves and push their
 cache events and load.
 
     POST /internal/v1/register   {worker_id, url, epoch, models?, block_bytes?}

@@ -147,7 +147,7 @@ class ListenConfig:
     port: int = _opt(8000, "TCP port", lo=0, hi=65535)
 
 
-#: What a worker is (contract 7). ``auto``: probe it (router.engines.kinds).
+#: What a worker is (contract 7, docs/DESIGN.md). ``auto``: probe it (router.engines.kinds).
 WORKER_KINDS = ("auto", "agent", "vllm", "sglang", "openai")
 #: How the router's ZMQ SUB socket meets the engine's PUB socket.
 EVENT_MODES = ("auto", "bind", "connect", "off")
@@ -375,7 +375,7 @@ class ReloadConfig:
     poll_interval_s: float = _opt(1.0, "mtime poll interval", lo=0, lo_open=True)
 
 
-#: engine kinds a discovered worker may have (DESIGN.md contract 7)
+#: engine kinds a discovered worker may have (docs/DESIGN.md contract 7)
 WORKER_KINDS = ("agent", "vllm", "sglang", "openai")
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 

@@ -1,4 +1,5 @@
-"""Applies agents' event batches (protocol.events, contract 2) to the index and pool.
+"""Applies agents' event batches (protocol.events, contract 2 of docs/DESIGN.md) to the
+index and pool.
 
 Per worker the pool keeps the agent ``epoch`` the router's view follows and the
 ``next_seq`` it expects. A batch is applied when it continues that stream

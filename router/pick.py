@@ -12,7 +12,7 @@ byte key space is the same match and choice, and then calls the same
     pool.pick(worker, uncached_tokens(...))              load counted at pick time
 
 Nothing here awaits: the load is counted before the caller awaits anything, so a
-burst cannot herd onto one worker (DESIGN.md's lessons). ``views`` come from the
+burst cannot herd onto one worker (docs/DESIGN.md's lessons). ``views`` come from the
 caller (``pool.views(now)``, minus workers already tried on a retry) and must not
 be empty: the caller answers "no worker" itself.
 """

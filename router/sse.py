@@ -14,7 +14,7 @@ needs three facts from it and may hide one event::
   reasoning, tool calls, or SGLang ``/generate``'s ``text``). A chat stream's first
   event is an empty role chunk that engines send *before* prefill (vLLM and our
   agent both do): the request's prompt is still queued prefill work until a real
-  token arrives, so the router keeps its load counted until then (contract 10).
+  token arrives, so the router keeps its load counted until then (contract 10, docs/DESIGN.md).
 - ``usage``: ``(prompt_tokens, cached_tokens)`` from the usage event (OpenAI) or
   from ``meta_info`` (SGLang ``/generate``), when present.
 - With ``strip_usage`` the usage-only event (``"choices": []``) is removed: the

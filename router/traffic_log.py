@@ -3,7 +3,7 @@
 What an operator needs to draw the cache-size knee from their own traffic and to
 replay it through the simulator (``radixfleet analyze``, ``radixfleet simulate
 --trace``) — never the text: prompts appear only as their chained block hashes
-(contract 1), tenants only as a keyed hash.
+(contract 1, docs/DESIGN.md), tenants only as a keyed hash.
 
 Request path and writer::
 

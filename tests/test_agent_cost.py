@@ -14,7 +14,7 @@ from worker_agent.cost_model import GPUS, MODELS, CostModel
 
 def test_design_figures():
     c = CostModel("llama-3-70b", "h100", mfu=0.6)
-    # 2 x 70.6e9 x 2048 / (989e12 x 0.6); DESIGN.md's 0.48 s uses 70e9
+    # 2 x 70.6e9 x 2048 / (989e12 x 0.6); docs/DESIGN.md's 0.48 s uses 70e9
     assert c.prefill_linear_s(2048) == pytest.approx(2 * 70.6e9 * 2048 / (989e12 * 0.6))
     assert c.prefill_linear_s(2048) == pytest.approx(0.48, rel=0.02)
     assert MODELS["llama-3-70b"].kv_bytes_per_token == 327_680 == 2 * 80 * 8 * 128 * 2

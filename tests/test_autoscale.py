@@ -155,7 +155,7 @@ def test_workers_join_after_startup_and_leave_drained():
 
 
 def test_flash_crowd_prefix_aware_meets_the_slo_with_fewer_worker_seconds():
-    """The issue's claim on a small flash crowd (same trace, seed and controller)."""
+    """The prefix-aware rule's claim on a small flash crowd (same trace, seed and controller)."""
     crowd = FlashCrowd(base_rate=4.0, flash_rate=50.0, ramp_s=90.0, hold_s=60.0,
                        duration_s=360.0)
     kw = dict(interval_s=5.0, startup_s=30.0, stabilization_s=60.0)

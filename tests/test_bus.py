@@ -1,4 +1,4 @@
-"""Several router replicas, one truth (issue 14 part 4): the NATS JetStream bus
+"""Several router replicas, one truth: the NATS JetStream bus
 against a real nats-server on loopback (tests/nats_server.py installs it).
 
 Two router replicas (in-process) and two ``radixfleet agent`` processes publishing

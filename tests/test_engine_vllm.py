@@ -6,7 +6,7 @@ prompt-token details and KV events (ZMQ, with a replay endpoint), 16k-token KV
 caches (8 MiB) and at most 8 running sequences. If vLLM cannot be provisioned the
 module FAILS (EngineUnavailable says why); it never skips.
 
-What is checked (issue 12):
+What is checked:
 - precise mode: the next turn lands on the worker that holds the conversation and
   the index's predicted cached tokens equal vLLM's reported ``cached_tokens``
   (chat and completions, streamed and not);
@@ -253,7 +253,7 @@ def _streamed_chat_samples(router: str, seed: int):
 
 def test_streamed_chat_load_held_through_prefill_released_at_first_token(router):
     """The prompt stays counted while vLLM prefills and is released at the first
-    content token (contract 10). (vLLM 0.32 writes its role chunk just before the
+    content token (contract 10, docs/DESIGN.md). (vLLM 0.32 writes its role chunk just before the
     first token; our agent writes it before prefill — tests/test_router_engines.py
     holds the router to that case with a fake engine.)
 
@@ -538,16 +538,16 @@ def test_ab_multiturn_prefix_load_beats_round_robin(vllm_pair, model_dir, tmp_pa
         # bench/RESULTS.md; here, a smaller run on a busy CI machine holds the ordering
         # with margins for its noise
         assert pl["hit_rate"] >= 1.3 * rr["hit_rate"], (pl["hit_rate"], rr["hit_rate"])
-        # the issue's <= 1.3 is measured by bench/vllm_ab.py (bench/RESULTS.md, "Stop
-        # 18"); 80 requests of 16 sessions here, where one engine stalling for half a
-        # second sends several new sessions to the other (1.00-1.25 in 4 runs at Stop
-        # 18, 1.50 once before private matches stopped spilling): a margin for noise
+        # the target <= 1.3 is measured by bench/vllm_ab.py (bench/RESULTS.md, "Real
+        # engines"); 80 requests of 16 sessions here, where one engine stalling for half
+        # a second sends several new sessions to the other (1.00-1.25 in 4 runs, 1.50
+        # once before private matches stopped spilling): a margin for noise
         assert pl["load_imbalance"] <= 1.5, pl["load_imbalance"]
         # TTFT: on this shared 2-core machine neither the mean nor p99 of 80 requests
         # holds an order from run to run (after the engines got a core each, prefix_load
         # over round robin: mean 0.71-1.22x, p99 0.29-1.47x in 8 runs; bench/RESULTS.md,
-        # "Stop 17"). The bound guards against a herd's tail, the defect of this issue
-        # (p99 4-6x round robin's before it).
+        # "Real engines"). The bound guards against a herd's tail, the defect it once had
+        # (p99 4-6x round robin's).
         print("TTFT ms", {"round_robin": rr["ttft_ms"], "prefix_load": pl["ttft_ms"]})
         assert pl["ttft_ms"]["p99"] <= 2.0 * rr["ttft_ms"]["p99"], (pl["ttft_ms"], rr["ttft_ms"])
         pred = pl.get("prediction") or {}

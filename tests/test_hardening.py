@@ -1,7 +1,7 @@
-"""Issue 13's findings, one regression test (or more) each: nothing a client or a peer
-can send gets a 500, no tenant's prompt is confirmable from outside, routing knows
-models, shedding works by default, identifiers and config are bounded and checked,
-metrics are hygienic, namespaces never collide.
+"""The router holds against hostile or broken input, one regression test (or more) per
+finding: nothing a client or a peer can send gets a 500, no tenant's prompt is
+confirmable from outside, routing knows models, shedding works by default, identifiers
+and config are bounded and checked, metrics are hygienic, namespaces never collide.
 
 A real router (the raw front, in-process, on a free port) in front of real
 upstreams (``radixfleet.bench.proxy.upstream_app``) or real agents

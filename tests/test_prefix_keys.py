@@ -1,4 +1,4 @@
-"""Canonicalization and chained block hashes (contract 1)."""
+"""Canonicalization and chained block hashes (contract 1, docs/DESIGN.md)."""
 
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ async def test_agent_with_other_block_bytes_is_refused_and_says_why():
 
 async def test_agent_stream_counts_prompt_until_first_content_token():
     """Our agent writes the chat role chunk before prefill: the router must keep the
-    prompt counted as queued prefill until the first content token (contract 10)."""
+    prompt counted as queued prefill until the first content token (contract 10, docs/DESIGN.md)."""
     router = Router(parse_config({"health": {"interval_s": 0.2}}))
     server = RouterServer(router, port=free_port())
     port = await server.start()

@@ -1,4 +1,4 @@
-"""The simulator runs the live router's code (issue 16): the live pool counts its
+"""The simulator runs the live router's code: the live pool counts its
 load (router.pool, router.pick), agents' batches go through the live feedback with
 its epoch/sequence checks (router.feedback), views come from the live
 ``Worker.build_view`` with its stale-report expiry, warm-ups are gated by the live
@@ -39,7 +39,8 @@ def _timed(prompts_at: list[tuple[float, str, int]]) -> list:
 
 
 def _spy(sim: Simulation) -> list:
-    """Records (now, {worker: view}, request, decision) at every pick (contract 3)."""
+    """Records (now, {worker: view}, request, decision) at every pick (contract 3,
+    docs/DESIGN.md)."""
     seen = []
     choose = sim.policy.choose
 

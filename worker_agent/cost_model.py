@@ -1,7 +1,7 @@
 """Every hardware and model constant of the simulated engine, with its source.
 
 Nothing else in the agent hard-codes a FLOP rate, a byte count or a bandwidth. The
-arithmetic (DESIGN.md "Why it exists")::
+arithmetic (docs/DESIGN.md "Why it exists")::
 
     KV bytes/token (MHA/GQA) = 2 (K,V) x layers x kv_heads x head_dim x bytes/elem
     KV bytes/token (MLA)     = layers x (kv_lora_rank + qk_rope_head_dim) x bytes/elem
@@ -21,7 +21,7 @@ split over ``min(tp, kv_heads)`` GPUs; MLA's latent KV is replicated on every TP
 rank (as SGLang does without DP attention), so its shard count is 1.
 
 Check: 2,048 tokens of Llama-3-70B on one H100 at 60% MFU:
-2 x 70.6e9 x 2048 / (989e12 x 0.6) = 0.487 s (DESIGN.md rounds params to 70e9: 0.483 s).
+2 x 70.6e9 x 2048 / (989e12 x 0.6) = 0.487 s (docs/DESIGN.md rounds params to 70e9: 0.483 s).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class CostModel:
     # ------------------------------------------------------------- time
 
     def prefill_linear_s(self, new_tokens: int) -> float:
-        """The 2 x params x tokens part of prefill alone (the DESIGN.md figure)."""
+        """The 2 x params x tokens part of prefill alone (the docs/DESIGN.md figure)."""
         return 2.0 * self.model.params_active * new_tokens / self._prefill_rate
 
     def prefill_flops(self, new_tokens: int, cached_tokens: int = 0) -> float:

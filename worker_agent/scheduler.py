@@ -1,4 +1,5 @@
-"""A clock-agnostic continuous-batching scheduler (contract 4): a synchronous state machine.
+"""A clock-agnostic continuous-batching scheduler: a synchronous state machine (contract
+4, docs/DESIGN.md).
 
 The scheduler never reads a clock. Whoever drives it passes ``now`` and advances
 its own clock by the returned duration, so the HTTP agent (real time) and the

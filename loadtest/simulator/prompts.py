@@ -2,7 +2,7 @@
 
 Two levels, one shape (``SimPrompt``)::
 
-    text level   spec.body --routing_bytes--> canonical bytes (contract 1)
+    text level   spec.body --routing_bytes--> canonical bytes (contract 1, docs/DESIGN.md)
                    units  = the agent tokenizer's tokens of those bytes
                             (``tokenizer.encode_key``: an ``array('Q')``, built in C)
                    hashes = protocol.prefix_keys.block_hashes(bytes, ns, block_bytes)
@@ -23,7 +23,7 @@ and the cache copies and compares it with memcpy/memcmp, never an int object per
 token. So the agent's cache, at page size 1,
 serves the same tokens at both levels; only the router's block size differs (the
 trace's block, not ``block_bytes``), which is what makes a 125k-token prompt cost
-~250 hashes instead of ~4,000. The router keys only whole blocks (contract 1).
+~250 hashes instead of ~4,000. The router keys only whole blocks (contract 1, docs/DESIGN.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Three measurements, in one run:
    the presets) gets the same 2,048-token prompt twice, streamed; TTFT is wall time
    to the first SSE token chunk. Target: second reports >= 2,000 cached tokens and
    TTFT <= 0.3 x the first.
-2. **cost model** -- the DESIGN.md arithmetic (70B prefill on one H100, KV bytes/token).
+2. **cost model** -- the docs/DESIGN.md arithmetic (70B prefill on one H100, KV bytes/token).
 3. **bookkeeping req/s** -- the agent's per-request Python work with no HTTP and no
    sleeping: request_key (template + block hashes) + tokenize + generate + scheduler
    submit/steps + radix match/insert/evict + events, driven in *virtual* time on one

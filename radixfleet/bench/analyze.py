@@ -8,7 +8,7 @@ keyed by ``request_key`` exactly as the router keys it and written by the real
 reading, the oracle, the pooled-LRU knee curve, the Zipf head — without policy
 replay (that is the simulator's speed, ``bench sim``).
 
-Target (issue 15): under 60 s for 100,000 requests.
+Target: under 60 s for 100,000 requests.
 """
 
 from __future__ import annotations

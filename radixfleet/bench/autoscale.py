@@ -8,7 +8,7 @@ with the same controller (5 s ticks, ``--startup`` s before a new worker serves,
 scale-up at most max(4, 100%) per 15 s, scale-down after a 60 s window, at most
 ``--max-workers``). Printed per rule: TTFT p50/p99 against ``--slo-ms``,
 worker-seconds, peak workers; and a fixed fleet at the prefix-aware rule's peak
-for reference. Target (issue 15): the prefix-aware rule meets the SLO with fewer
+for reference. Target: the prefix-aware rule meets the SLO with fewer
 worker-seconds than the queue-depth rule.
 """
 

@@ -14,7 +14,7 @@ engine step). The payloads are built before timing; the figure is
 (stored + removed blocks) / CPU seconds of the process (``time.process_time``: the cost
 on one core, which other load on the machine does not inflate), wall time beside it. Two wire forms: vLLM 0.32's (maps, one
 ``BlockStored`` per request step) and SGLang's (tagged arrays, one per block, signed
-hashes, no dp_rank). Target: >= 100,000 blocks/s (issue 12).
+hashes, no dp_rank). Target: >= 100,000 blocks/s.
 
 Memory is measured with tracemalloc (Python allocations, int objects included) for
 the same number of blocks held three ways: today's byte-keyed index (128-byte blocks

@@ -14,7 +14,7 @@ share a system prompt and grow turn by turn (so matches are deep and hot). Targe
 <= 50 us per request for keys + match + policy; the optimistic insert and the
 load count after the decision are timed separately. Figures: mean, p50, p99.
 
-Token rows (precise mode, issue 12): the same routing work with the request keyed in
+Token rows (precise mode): the same routing work with the request keyed in
 an engine's own token blocks (router.engines.token_keys: vLLM's chat rendering, the
 engine's tokenizer, 32-token blocks), for an ~8 KiB chat prompt over 16 workers.
 Target: p50 <= 1 ms, p99 <= 3 ms. Two workloads:

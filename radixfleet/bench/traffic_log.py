@@ -11,7 +11,7 @@ writer never finds the process idle, the CPU-saturated worst case), in alternati
 rounds of off and on so that the machine's drift hits both alike; figures are the
 median over rounds of each round's mean, p50, p99.
 
-Target (issue 15): routing p99 with the log on <= 1.1 x off. Also printed: records
+Target: routing p99 with the log on <= 1.1 x off. Also printed: records
 written and dropped, bytes per line, and the writer's lag at the end of a round.
 """
 

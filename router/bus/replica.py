@@ -1,4 +1,4 @@
-"""``BusReplica``: one router replica on the bus (DESIGN.md contract 11).
+"""``BusReplica``: one router replica on the bus (docs/DESIGN.md contract 11).
 
     agents --core <prefix>.load.<w>--> every replica: Pool.report_load (known workers)
     agents --JetStream <prefix>.agent.<w>--> every replica: ordered consumer from the

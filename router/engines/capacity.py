@@ -28,9 +28,9 @@ Invariants (``check()``): ``floor <= blocks <= configured``, ``configured >= 1``
 A worker whose KV events come into sync goes back to its configured cap
 (``EngineLink.events_synced``): the events say what it holds.
 
-Measured (bench/RESULTS.md, "Stop 22"): on the simulated agent workload without events
-prefix_load's hit rate goes from 0.792 to 0.812 (with events: 0.813), live from 0.761 to
-0.798 (smg: 0.781-0.785).
+Why learn it: without events an index aged at the configured capacity keeps entries the
+engine has evicted, and prefix_load sends requests to caches that no longer hold them;
+the measured effect is in bench/RESULTS.md, "Engines that send nothing".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An engine's load, read from its Prometheus ``/metrics`` page (contract 10).
+"""An engine's load, read from its Prometheus ``/metrics`` page (contract 10, docs/DESIGN.md).
 
 ``parse_metrics(text, kind)`` turns one page into a frozen ``EngineMetrics``;
 ``MetricsScraper`` fetches it on an interval for one worker and hands each reading

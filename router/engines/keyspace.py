@@ -1,4 +1,4 @@
-"""Key spaces (contract 8): how a request becomes index keys for a given worker.
+"""Key spaces (contract 8, docs/DESIGN.md): how a request becomes index keys for a given worker.
 
 Two kinds of space share one index, which stores chained 64-bit keys and does not
 care how they were made::

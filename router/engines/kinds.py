@@ -1,4 +1,4 @@
-"""What a worker is (contract 7), and finding out by asking it.
+"""What a worker is (contract 7, docs/DESIGN.md), and finding out by asking it.
 
 =========  ==================================  =========================  ===============
 kind       cache truth                          load                       keys

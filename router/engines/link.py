@@ -1,4 +1,4 @@
-"""One worker's engine side: its kind, key space, cache truth and load (contract 7).
+"""One worker's engine side: its kind, key space, cache truth and load (contract 7, docs/DESIGN.md).
 
 An ``EngineLink`` is the narrow object the data plane and the pool ask about a
 worker's engine. Per worker::

@@ -1,4 +1,4 @@
-"""A worker's prefill speed, learned from its own responses (contract 10).
+"""A worker's prefill speed, learned from its own responses (contract 10, docs/DESIGN.md).
 
 The router prices a worker's queue as ``queue_s = tokens / rate``. Instead of a
 configured constant, ``rate`` is learned per worker from what the router sees of

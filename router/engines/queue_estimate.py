@@ -1,4 +1,5 @@
-"""What an engine's waiting queue costs a new request, from its /metrics (contract 10).
+"""What an engine's waiting queue costs a new request, from its /metrics (contract 10,
+docs/DESIGN.md).
 
 An engine's page says how many requests wait (``vllm:num_requests_waiting``), not
 how big they are nor how long they will wait, and the policy prices a worker's

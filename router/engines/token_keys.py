@@ -1,5 +1,5 @@
-"""Exact token keys ("precise mode", contract 8): a request keyed the way the engine
-itself sees it, block for block equal to the keys of the engine's KV events.
+"""Exact token keys ("precise mode", contract 8 of docs/DESIGN.md): a request keyed the
+way the engine itself sees it, block for block equal to the keys of the engine's KV events.
 
 Pipeline (one ``TokenKeyer`` per tokenizer, shared by every worker serving it)::
 
