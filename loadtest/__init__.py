@@ -9,7 +9,13 @@ Modules (each imports only what it needs; the simulator reuses the first four)::
                  CacheReference (oracle + pooled), validate(), tables, plots
     prefix_trie  the token radix tree behind the oracle
     client       Target: the async streaming OpenAI client, one Result per request
+    trace_format Mooncake traces and traffic logs read into one record shape
     main         `radixfleet loadtest` (A/B over --target NAME=URL)
-    fleet        `radixfleet up` (agents + router as child processes)
+    ab           the A/B runs on a local fleet (--ab radix|policy)
+    smg          finding SGLang's gateway `smg` for an A/B arm
+    fleet        `radixfleet up` (agents + router as child processes; the
+                 simulator's virtual fleet is simulator/fleet.py)
     demo         `radixfleet demo` (one fleet, three policies, one comparison)
+    analyze      `radixfleet analyze` of a traffic log (knee, Zipf head, replay)
+    simulator/   the offline fleet simulator in virtual time
 """

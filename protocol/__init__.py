@@ -1,5 +1,12 @@
-"""What the router, the policies, the agent and the load generator agree on: prefix
-keys (``prefix_keys``, contract 1 of docs/DESIGN.md), the agents' event and load wire format
-(``events``, contract 2 of docs/DESIGN.md) and the error types every layer raises (``errors``).
-It imports nothing of the project's: everything else may import it.
+"""What the router, the policies, the agent and the load generator agree on. It
+imports nothing of the project's: everything else may import it.
+
+Modules::
+
+    prefix_keys  a request -> chained block hashes (contract 1, docs/DESIGN.md)
+    events       the agents' event and load wire format (contract 2)
+    bus_wire     what travels on the NATS bus: subjects, bodies, signatures (contract 11)
+    identifiers  bounds on worker ids, epochs, model names, URLs, request ids
+    errors       the exception tree and the OpenAI-style error body
+    openapi      the OpenAPI documents of the router and the agent
 """

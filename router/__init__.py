@@ -1,0 +1,21 @@
+"""The router: a cache-aware reverse proxy in front of a pool of workers.
+
+Modules (ARCHITECTURE.md has the request flow and a row for each)::
+
+    main          ``radixfleet router``; app: the ``Router`` composition root
+    front         the raw HTTP/1.1 data-plane listener; intake: what a client may
+                  hold before admission (body budget, connection cap)
+    dataplane     one request: admission, keying, match, shedding, pick, upstream
+    upstream, sse the HTTP/1.1 client to workers; SSE pass-through, first content token
+    prefix_index  the approximate per-worker prefix index (one global budget)
+    pool, served  workers, health, breakers, load at pick time; who serves which model
+    pick, warmup  the pick step shared with the simulator; the warm-up gate
+    shedding      429 when every eligible worker reports saturation
+    feedback      agents' event batches applied to the index and the pool
+    config, reload  the YAML schema and ``check-config``; hot reload
+    auth, http_api, admin_api, agent_api  tokens and tenants; the aiohttp endpoints
+    metrics, traffic_log, autoscale, healthcheck  observability and the scaling signal
+    engines/      one adapter per worker kind (agent, vLLM, SGLang, OpenAI)
+    bus/          router replicas on NATS JetStream
+    discovery/    workers from Kubernetes EndpointSlices or DNS
+"""

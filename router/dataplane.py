@@ -1,17 +1,21 @@
 """The data plane: one client request from admission to its last byte.
 
 Per data-plane request (``DataPlane.serve``), in this order and with nothing awaited
-between the pick and the load count::
+between the pick and the load count (the body budget and credentials are checked
+before, by the listener: ``router.intake``, ``router.front``)::
 
     admission (concurrency slot or bounded queue, else 429 + Retry-After)
     read body (<= limits.max_body_bytes, else 413) -> json (else 400)
     tenant = TenantResolver(headers)                 (auth.py; 401 if a key is required)
     key    = request_key(endpoint, body, tenant, block_bytes)   (400 naming the field)
-    match  = index.match(key.hashes, now)
-    views  = pool.views(now)                         (routable only; none -> 503)
-    d      = policy.choose(RouteRequest, match, views, now)
-    index.insert(d.worker, key.hashes, now)           optimistic hint (and bus.hint)
-    pool.pick(worker, prompt_tokens)                  load counted at pick time (pool.tap)
+    views  = pool.views(now, model, adapter)          (routable, serving it; else 404/503)
+    kr     = engines.key(...)                         keyed per key space in use, matched
+                                                      in the index: kr.match
+    shed   = shedder.check(...)                       every eligible worker saturated
+                                                      (uses the match) -> 429
+    d      = policy.choose(RouteRequest, kr.match, views, now)
+    index.insert(d.worker, its keys, now)             optimistic hint (and bus.hint)
+    pool.pick(worker, uncached tokens)                load counted at pick time (pool.tap)
     forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``

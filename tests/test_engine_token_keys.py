@@ -21,7 +21,6 @@ from radixfleet.bench.tiny_tokenizer import TOKENIZER_JSON_SHA256, build, tokeni
 from router.engines.chat_render import ChatTemplate, detect_content_format
 from router.engines.piece_encoder import PieceEncoder, piecewise_blocker
 from router.engines.token_keys import TokenizerLoadError, TokenKey, TokenKeyer
-from router.engines.tokenizer_registry import TokenizerRegistry
 from protocol.errors import ConfigError, MalformedRequest
 from protocol.prefix_keys import Endpoint, token_block_hashes, token_namespace_seed
 from tests.test_engine_token_keys_vllm import FIXTURE, check_case
@@ -667,36 +666,6 @@ def test_models_vllm_renders_with_its_own_code_are_unkeyed_for_chat(tmp_path, ti
                  block_size=32).exact
     with pytest.raises(MalformedRequest):
         k.key(Endpoint.CHAT, {"model": "m", "messages": [5]}, block_size=32)
-
-
-# ------------------------------------------------------------- registry
-
-
-def test_registry_shares_one_keyer_per_tokenizer(tiny_dir, tmp_path):
-    loads = []
-
-    def loader(source, **opts):
-        loads.append(source)
-        return TokenKeyer.load(source, **opts)
-
-    reg = TokenizerRegistry(loader, max_model_len=4096)
-    a = reg.add("tiny", tiny_dir)
-    b = reg.add("tiny-lora", tiny_dir)
-    assert a is b and loads == [tiny_dir] and len(reg) == 1
-    assert reg.add("tiny", tiny_dir) is a  # idempotent
-    with pytest.raises(ConfigError, match="one model, one tokenizer"):
-        reg.add("tiny", str(tmp_path))
-    with pytest.raises(TokenizerLoadError):
-        reg.add("broken", str(tmp_path / "nope"))
-    assert "broken" not in reg and reg.get("broken") is None
-    reg.check()
-    assert reg.models() == ["tiny", "tiny-lora"] and reg.get("tiny") is a
-    reg.remove("tiny")
-    assert len(reg) == 1 and reg.get("tiny-lora") is a
-    reg.remove("tiny-lora")
-    reg.remove("never-added")
-    assert len(reg) == 0 and reg.models() == []
-    reg.check()
 
 
 # ------------------------------------------------------------- benchmark CLI

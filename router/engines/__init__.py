@@ -1,6 +1,24 @@
-"""Adapters for the inference engines a worker can be: our agent, vLLM, SGLang, or any
-OpenAI-compatible server (contract 7, docs/DESIGN.md). Each kind says where its cache events come from
-(engine KV events, agent pushes, or none), where its load comes from (its Prometheus
-``/metrics`` page or the agent's reports, always with the router's own pick-time counts)
-and how a request is keyed for it; ``router/app.py`` knows only that narrow interface.
+"""Adapters for the inference engines a worker can be: our agent, vLLM, SGLang, or
+any OpenAI-compatible server (contract 7, docs/DESIGN.md). Each kind says where its
+cache events come from, where its load comes from and how a request is keyed for it;
+``router/app.py`` knows only that narrow interface.
+
+Modules::
+
+    kinds           worker kinds, and probing a worker for its kind and models
+    link, manager   EngineLink per worker; Engines: the links, key spaces in use
+    keyspace        byte and token key spaces, matches merged (contract 8)
+    token_keys      exact keys: the engine's tokenizer -> token-block keys
+    chat_render     chat templates rendered as vLLM renders them
+    piece_encoder   an exact, cached text -> token ids encoder (fast tokenizers)
+    kv_events       vLLM/SGLang KV-event msgpack decoding
+    zmq_events      the ZMQ subscriber (sequence gaps, replay, resets)
+    block_map       engine block hashes re-keyed into the index, per rank
+    wiring          subscriber -> block map -> index, per worker
+    event_sources   a vLLM server's own /kv_event_sources
+    engine_metrics  /metrics parsing and the per-worker scraper (contract 10)
+    queue_estimate  an engine's waiting queue priced in prefill tokens
+    prefill_rate    prefill speed learned per worker
+    accuracy        predicted vs reported cached tokens
+    capacity        approximate mode's correction and learned KV capacity
 """
