@@ -165,3 +165,30 @@ def test_the_work_log_pattern_catches_what_it_must():
         assert WORK_LOG.search(text), text
     for text in ("the loop does not stop", "probe(worker)", "a stop token", "items = 3"):
         assert not WORK_LOG.search(text), text
+
+
+# -- bench/RESULTS.md --------------------------------------------------------------------
+
+RESULTS = ROOT / "bench" / "RESULTS.md"
+
+
+def test_every_cited_results_section_exists():
+    """``bench/RESULTS.md, "Section"`` and ``bench/RESULTS.md ("A", "B")`` name headings."""
+    headings = re.findall(r"^#{2,3} (.+)$", RESULTS.read_text(), flags=re.M)
+    cited = []
+    for path in _files(".py", ".md"):
+        if path in (RESULTS, Path(__file__).resolve()):
+            continue
+        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text(errors="replace"))
+        for m in re.finditer(r'RESULTS\.md`?(?:, | \()((?:"[^"]+"(?:, )?)+)', text):
+            cited += [(path.relative_to(ROOT), name) for name in re.findall(r'"([^"]+)"', m[1])]
+    assert cited, "no section citation found: the pattern is wrong"
+    missing = [f"{where}: {name!r}" for where, name in cited
+               if not any(h.startswith(name) for h in headings)]
+    assert not missing, "cited sections missing from bench/RESULTS.md:\n" + "\n".join(missing)
+
+
+def test_results_hold_no_stop_by_stop_sections():
+    text = RESULTS.read_text()
+    assert not re.search(r"^#+ .*\b(?:stop|issue|item) \d+", text, flags=re.I | re.M)
+    assert not re.search(r"\b(?:stop|issue) \d+", text, flags=re.I)
