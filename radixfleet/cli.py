@@ -17,6 +17,7 @@ import argparse
 import importlib
 import sys
 
+from protocol.cli_args import HelpFormatter
 from protocol.errors import RadixfleetError
 
 #: name -> (module, one-line help)
@@ -50,7 +51,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=HelpFormatter)
         if name == chosen:
             # nested dispatchers (``bench``) read the arguments after their name
             p.radixfleet_argv = argv[argv.index(name) + 1 :]
