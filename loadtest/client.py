@@ -149,7 +149,10 @@ class Target:
             async with session.get(f"{self.base_url}/v1/models",
                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 if resp.status != 200:
-                    raise ConfigError(where, f"{self.base_url}/v1/models answered HTTP {resp.status}")
+                    hint = (" (pass --api-key KEY or set OPENAI_API_KEY)"
+                            if resp.status in (401, 403) else "")
+                    raise ConfigError(where, f"{self.base_url}/v1/models answered HTTP "
+                                             f"{resp.status}{hint}")
                 body = await resp.json(content_type=None)
         except aiohttp.ClientError as exc:
             raise ConfigError(where, f"{self.base_url} is unreachable ({exc.__class__.__name__}: {exc})") from None
