@@ -9,6 +9,9 @@ Modules (each imports only what it needs; the simulator reuses the first four)::
                  CacheReference (oracle + pooled), validate(), tables, plots
     prefix_trie  the token radix tree behind the oracle
     client       Target: the async streaming OpenAI client, one Result per request
+    retry        the client's policy on refusals (the OpenAI SDK's, or none)
+    metrics      TPOT, goodput, percentiles, per-request export, sweep table/plot
+    datasets     --dataset random (vllm bench serve's) and sharegpt (a file)
     main         `radixfleet loadtest` (A/B over --target NAME=URL)
     fleet        `radixfleet up` (agents + router as child processes)
     demo         `radixfleet demo` (one fleet, three policies, one comparison)

@@ -2,7 +2,7 @@
 
 ::
 
-    radixfleet up --agents 4 --model llama-3-8b --gpu h100 --kv-tokens 20000 --port 8000
+    radixfleet up --agents 4 --agent-model llama-3-8b --gpu h100 --kv-tokens 20000 --port 8000
     radixfleet up --config fleet.yaml
 
 Fleet YAML (every key optional; flags given on the command line win)::

@@ -302,6 +302,7 @@ def write_sweep_plot(runs: Sequence[dict], out_dir: str) -> str:
         ax.set_xlabel("achieved throughput (ok requests/s)")
         ax.set_ylabel(title)
         ax.set_title(f"{title} against throughput")
+        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize="small")
