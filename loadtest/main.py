@@ -540,6 +540,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _make_workload(args: argparse.Namespace) -> Workload:
     """The workload the flags name: ``--dataset``, ``--workload``, or ``--trace`` alone."""
     dataset = getattr(args, "dataset", None)
+    if hasattr(args, "dataset"):
+        _check_dataset_flags(args)
     if dataset is not None:
         from loadtest.datasets import make_dataset
 
@@ -554,8 +556,6 @@ def _make_workload(args: argparse.Namespace) -> Workload:
         else:
             params.update(path=args.dataset_path or "", output_len=args.output_len or 0)
         return make_dataset(dataset, params, args.seed)
-    if getattr(args, "dataset_path", None):
-        raise WorkloadError("--dataset-path needs --dataset sharegpt")
     if args.workload is None:
         if args.trace is None:
             raise WorkloadError("give --workload NAME, --dataset random|sharegpt, or --trace FILE")
@@ -571,6 +571,22 @@ def _make_workload(args: argparse.Namespace) -> Workload:
                                      or args.skip_bad_lines):
         raise WorkloadError("--trace, --time-scale and --skip-bad-lines apply to --workload trace only")
     return make_workload(args.workload, options, args.seed)
+
+
+#: flags of one dataset only -> the datasets they apply to (given elsewhere: an error)
+_DATASET_FLAGS = {"input_len": ("random",), "range_ratio": ("random",), "prefix_len": ("random",),
+                  "dataset_path": ("sharegpt",), "output_len": ("random", "sharegpt"),
+                  "dataset_api": ("random", "sharegpt")}
+
+
+def _check_dataset_flags(args: argparse.Namespace) -> None:
+    """Raises ``WorkloadError`` for a dataset flag that the chosen traffic would ignore."""
+    defaults = {"input_len": 1024, "range_ratio": 0.0, "prefix_len": 0, "dataset_path": None,
+                "output_len": None, "dataset_api": API_COMPLETIONS}
+    for dest, datasets in _DATASET_FLAGS.items():
+        if getattr(args, dest) != defaults[dest] and args.dataset not in datasets:
+            flag = "--" + dest.replace("_", "-")
+            raise WorkloadError(f"{flag} applies to --dataset {' or '.join(datasets)} only")
 
 
 def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
@@ -631,8 +647,6 @@ def _finish(outcomes: list[RunOutcome], args: argparse.Namespace) -> int:
     from loadtest.metrics import over_failure_limit
 
     emit(outcomes, args)
-    if not 0.0 <= args.max_failures <= 1.0:  # checked before the run too
-        raise ConfigError("--max-failures", "must be a share in [0, 1]")
     over = over_failure_limit([o.report for o in outcomes], args.max_failures)
     for line in over:
         print(f"radixfleet loadtest: {line}", file=sys.stderr)

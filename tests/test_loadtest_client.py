@@ -305,6 +305,9 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
         (["--workload", "zipf", "--header", "no colon"], "--header: 'no colon' must be"),
         (["--workload", "zipf", "--max-failures", "2"], "--max-failures: must be a share"),
         (["--dataset", "sharegpt"], "needs --dataset-path"),
+        (["--workload", "gsp", "--input-len", "100"], "--input-len applies to --dataset random only"),
+        (["--dataset", "sharegpt", "--dataset-path", "x", "--prefix-len", "5"],
+         "--prefix-len applies to --dataset random only"),
         (["--dataset", "sharegpt", "--dataset-path", str(bad_trace)], "line 2: not JSON"),
         ([], "give --workload NAME, --dataset random|sharegpt, or --trace FILE"),
     ]
