@@ -85,7 +85,11 @@ class _State(enum.Enum):
 class Target:
     """An OpenAI-compatible endpoint (``base_url`` without ``/v1``). ``base_url`` may
     list several comma-separated URLs (router replicas): requests then go to them in
-    client-side round robin, and ``base_url`` is the first (probes, admin calls)."""
+    client-side round robin, and ``base_url`` is the first (probes, admin calls).
+
+    ``retry`` defaults to none here, so benchmarks built on ``Target`` count every
+    refusal as it came; ``radixfleet loadtest`` passes the OpenAI SDK's policy (its
+    ``--retry`` default)."""
 
     def __init__(self, name: str, base_url: str, *, model: str | None = None,
                  timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
