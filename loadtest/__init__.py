@@ -10,6 +10,9 @@ Modules (each imports only what it needs; the simulator reuses the first four)::
     prefix_trie  the token radix tree behind the oracle
     client       Target: the async streaming OpenAI client, one Result per request
     trace_format Mooncake traces and traffic logs read into one record shape
+    retry        the client's policy on refusals (the OpenAI SDK's, or none)
+    metrics      TPOT, goodput, percentiles, per-request export, sweep table/plot
+    datasets     --dataset random (vllm bench serve's) and sharegpt (a file)
     main         `radixfleet loadtest` (A/B over --target NAME=URL)
     ab           the A/B runs on a local fleet (--ab radix|policy)
     smg          finding SGLang's gateway `smg` for an A/B arm

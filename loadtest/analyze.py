@@ -3,8 +3,8 @@
 ::
 
     radixfleet analyze traffic/                       # every *.jsonl in the directory
-    radixfleet analyze traffic/*.jsonl --model llama-3-70b --gpu h100 --tp 4 \\
-        --workers 8 --concurrency 48 --plots knee/ --json knee.json
+    radixfleet analyze traffic/*.jsonl --agent-model llama-3-70b --gpu h100 --tp 4 \\
+        --agents 8 --concurrency 48 --plots knee/ --json knee.json
     radixfleet analyze trace.jsonl --policies round_robin,cache_aware,prefix_load
 
 Reads traffic logs (``router.traffic_log``) or Mooncake traces
@@ -24,7 +24,7 @@ last (Kneedle, on linear axes): past it each extra GB buys less than average.
 (``CostModel.kv_capacity_tokens``: HBM x (1 - activation reserve) - weights, per
 GPU) minus the running batch's working set at ``--concurrency`` requests of the
 log's mean context (prompt + output tokens; an upper bound: it counts shared
-prefixes once per request), times ``--workers``. The slope past the budget is the
+prefixes once per request), times ``--agents``. The slope past the budget is the
 hit rate the next ``budget`` bytes buy (pooled at 2 x budget - at budget), per GB;
 when doubling the cache adds less than one point, the verdict says to stop buying
 cache.
@@ -41,7 +41,7 @@ can never be covered; that share is printed. Conversation traffic has no small
 head — each session reuses its own history — and the figures say so.
 
 **The policy comparison** (``--policies a,b,c``): the log replayed through the
-simulator (``loadtest.simulator``), one run per policy, on ``--workers`` workers of
+simulator (``loadtest.simulator``), one run per policy, on ``--agents`` workers of
 the preset with the budget's KV tokens each (``--kv-tokens`` to override), at the
 log's own timestamps (``--time-scale``). Its time is the simulator's, not counted
 in the analysis's own.
@@ -52,7 +52,7 @@ file at the same fleet capacity (``tests/test_analyze.py`` pins it).
 
 Bad input — a truncated or corrupt line, a log of another version, no requests, a
 preset that does not fit the GPU — is one line on stderr naming the file and line
-or the flag, exit 2; ``--skip-bad`` skips bad lines instead and counts them.
+or the flag, exit 2; ``--skip-bad-lines`` skips bad lines instead and counts them.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ import numpy as np
 from loadtest.report import check_outputs
 from loadtest.simulator.reference import BlockReference
 from loadtest.trace_format import TRAFFIC_LOG, TraceData, read_trace
+from protocol.cli_args import DeprecatedAlias
 from protocol.errors import ConfigError, WorkloadError
 from router.traffic_log import log_files
 from worker_agent.cost_model import ACTIVATION_RESERVE_FRACTION, GPUS, MODELS, CostModel
@@ -108,12 +109,12 @@ class Options:
     def validate(self) -> CostModel:
         """The preset's cost model; raises ``ConfigError`` naming the flag."""
         if self.model not in MODELS:
-            raise ConfigError("--model", f"unknown preset {self.model!r}; choose one of "
+            raise ConfigError("--agent-model", f"unknown preset {self.model!r}; choose one of "
                               f"{', '.join(MODELS)}")
         if self.gpu not in GPUS:
             raise ConfigError("--gpu", f"unknown preset {self.gpu!r}; choose one of "
                               f"{', '.join(GPUS)}")
-        for flag, v in (("--tp", self.tp), ("--workers", self.workers),
+        for flag, v in (("--tp", self.tp), ("--agents", self.workers),
                         ("--concurrency", self.concurrency), ("--block-tokens", self.block_tokens)):
             if type(v) is not int or v < 1:
                 raise ConfigError(flag, f"must be an integer >= 1, got {v!r}")
@@ -685,11 +686,15 @@ def write_plots(res: dict, out_dir: str) -> list[str]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logs", nargs="+", metavar="LOG",
                         help="traffic-log files or directories (their *.jsonl), or Mooncake traces")
-    parser.add_argument("--model", default="llama-3-8b",
+    parser.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
+    parser.add_argument("--agent-model", dest="model", default="llama-3-8b",
                         help=f"model preset (default llama-3-8b; {', '.join(MODELS)})")
     parser.add_argument("--gpu", default="h100", help=f"GPU preset ({', '.join(GPUS)})")
     parser.add_argument("--tp", type=int, default=1, help="GPUs per worker (tensor parallel)")
-    parser.add_argument("--workers", type=int, default=1, help="workers in the fleet (default 1)")
+    parser.add_argument("--agents", dest="workers", type=int, default=1,
+                        help="agents (workers) in the fleet (default 1)")
+    parser.add_argument("--workers", dest="workers", type=int, action=DeprecatedAlias,
+                        use="--agents")
     parser.add_argument("--concurrency", type=int, default=32,
                         help="running requests per worker at the target load (default 32)")
     parser.add_argument("--block-tokens", type=int, default=512,
@@ -702,9 +707,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(default: the budget's)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="replay: timestamp multiplier (0.5 = twice as fast)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-bad", action="store_true",
+    parser.add_argument("--seed", type=int, default=0, help="replay: workload seed")
+    parser.add_argument("--skip-bad-lines", dest="skip_bad", action="store_true",
                         help="skip (and count) bad lines instead of stopping at the first")
+    parser.add_argument("--skip-bad", dest="skip_bad", action=DeprecatedAlias, nargs=0,
+                        use="--skip-bad-lines")
     parser.add_argument("--jobs", type=int, default=0,
                         help="processes for the knee curve and the replay (0: one per CPU)")
     parser.add_argument("--json", metavar="FILE", help="write the analysis here")

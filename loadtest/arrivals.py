@@ -3,7 +3,11 @@
 Three ways requests arrive, all bounded by a request count and a duration::
 
     Poisson(rate)        open loop: the k-th request is due at the k-th event of a
-                         Poisson process (exponential gaps, seeded)
+                         Poisson process (exponential gaps, seeded); with
+                         ``burstiness`` b != 1 the gaps are gamma(b, 1/(rate*b)) as
+                         in vllm bench serve (b < 1 burstier, b > 1 more regular,
+                         the mean rate unchanged); ``max_concurrency`` caps the
+                         requests in flight (arrivals wait beyond it)
     TraceTimes()         open loop: each request at its spec's ``arrival_s``
     Closed(concurrency)  closed loop: a new request as soon as one of C finishes
 
@@ -40,10 +44,25 @@ class Poisson:
     """Open loop at ``rate`` requests/s (exponential inter-arrival gaps)."""
 
     rate: float
+    #: gamma shape of the gaps: 1 Poisson (vLLM's --burstiness)
+    burstiness: float = 1.0
+    #: most requests in flight (None: ``Bounds.max_in_flight``)
+    max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
             raise WorkloadError(f"--rate must be > 0, got {self.rate}")
+        if not self.burstiness > 0 or math.isinf(self.burstiness):
+            raise WorkloadError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency <= 0:
+            raise WorkloadError(f"--concurrency must be > 0, got {self.max_concurrency}")
+
+    def gap(self, rng: random.Random) -> float:
+        """Seconds to the next arrival (exactly ``expovariate`` at burstiness 1, so a
+        seed gives the same arrivals as before burstiness existed)."""
+        if self.burstiness == 1.0:
+            return rng.expovariate(self.rate)
+        return rng.gammavariate(self.burstiness, 1.0 / (self.rate * self.burstiness))
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +225,12 @@ async def drive(
 
     activate()
     next_due = start
-    cap = arrivals.concurrency if isinstance(arrivals, Closed) else bounds.max_in_flight
+    if isinstance(arrivals, Closed):
+        cap = arrivals.concurrency
+    elif isinstance(arrivals, Poisson) and arrivals.max_concurrency is not None:
+        cap = min(arrivals.max_concurrency, bounds.max_in_flight)
+    else:
+        cap = bounds.max_in_flight
     try:
         while True:
             if stats.dispatched >= max_requests:
@@ -235,7 +259,7 @@ async def drive(
                 continue
             ready.popleft()
             if isinstance(arrivals, Poisson):
-                next_due = max(next_due, now - 1.0) + rng.expovariate(arrivals.rate)
+                next_due = max(next_due, now - 1.0) + arrivals.gap(rng)
             stats.dispatched += 1
             if on_dispatch is not None:
                 on_dispatch(spec)

@@ -4,18 +4,23 @@ One ``Target`` per router (ours, SGLang's ``smg``, or an agent directly). Per re
 it records a ``Result``: time to first token, the gaps between later tokens, end to
 end, prompt / cached / output tokens from the final usage chunk (it always sends
 ``stream_options.include_usage``), the worker that served it (response header
-``x-radixfleet-worker``) and, on failure, an error kind::
+``x-radixfleet-worker``), the HTTP status, the retries its refusals cost
+(``loadtest.retry``: 429/503 with ``Retry-After`` are retried as the OpenAI SDK
+does, by default) and, on failure, an error kind::
 
     connect     the target refused or dropped the connection before answering
     timeout     no complete answer within the request timeout
-    http_<NNN>  the target answered with an HTTP error status
+    http_<NNN>  the target answered with an HTTP error status (after the retries
+                the policy allows)
     stream      the stream broke off or carried an error event
     protocol    the answer was not the OpenAI streaming shape
     cancelled   still running when the run's drain grace ran out
 
 Lifecycle: ``async with Target(...) as t`` (or ``await t.start()`` / ``await
 t.aclose()``, idempotent); ``await t.probe()`` raises ``ConfigError`` up front when
-the target is unreachable or is not an OpenAI-compatible server.
+the target is unreachable or is not an OpenAI-compatible server. ``headers`` go
+with every request, the probe included (``Authorization: Bearer <api key>``, a
+tenant header).
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ import asyncio
 import enum
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from protocol.errors import ConfigError
+from loadtest.retry import RetryPolicy
 from loadtest.workloads import API_CHAT, RequestSpec
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,11 @@ class Result:
     cached_tokens: int = 0
     output_tokens: int = 0
     worker: str | None = None
+    #: HTTP status of the last attempt (None: no answer)
+    status: int | None = None
+    #: attempts beyond the first, and the seconds spent waiting before them
+    retries: int = 0
+    retry_wait_s: float = 0.0
     #: the prompt's tokens as the load generator counts them (oracle / pooled basis)
     est_prompt_tokens: int = 0
     #: leading tokens an unbounded single cache held when it was sent
@@ -73,12 +85,17 @@ class _State(enum.Enum):
 class Target:
     """An OpenAI-compatible endpoint (``base_url`` without ``/v1``). ``base_url`` may
     list several comma-separated URLs (router replicas): requests then go to them in
-    client-side round robin, and ``base_url`` is the first (probes, admin calls)."""
+    client-side round robin, and ``base_url`` is the first (probes, admin calls).
+
+    ``retry`` defaults to none here, so benchmarks built on ``Target`` count every
+    refusal as it came; ``radixfleet loadtest`` passes the OpenAI SDK's policy (its
+    ``--retry`` default)."""
 
     def __init__(self, name: str, base_url: str, *, model: str | None = None,
                  timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
                  ignore_eos: bool = True, send_session: bool = False,
-                 max_connections: int = 2048) -> None:
+                 max_connections: int = 2048, headers: dict[str, str] | None = None,
+                 retry: RetryPolicy = RetryPolicy("none"), seed: int = 0) -> None:
         self.name = name
         urls = []
         for u in base_url.split(","):
@@ -92,6 +109,9 @@ class Target:
         self.ignore_eos = ignore_eos  # ask for exactly max_tokens (SGLang/vLLM extension)
         self.send_session = send_session  # put the session id in the 'user' field
         self.max_connections = max_connections
+        self.headers = dict(headers or {})  # sent with every request, the probe included
+        self.retry = retry
+        self._jitter = random.Random(seed)  # backoff jitter: the same run waits the same
         self._session: aiohttp.ClientSession | None = None
         self._state = _State.NEW
 
@@ -100,7 +120,7 @@ class Target:
             raise RuntimeError("Target is closed; create a new one")
         if self._state is _State.NEW:
             self._session = aiohttp.ClientSession(
-                timeout=self.timeout,
+                timeout=self.timeout, headers=self.headers,
                 connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
             )
             self._state = _State.OPEN
@@ -133,7 +153,10 @@ class Target:
             async with session.get(f"{self.base_url}/v1/models",
                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 if resp.status != 200:
-                    raise ConfigError(where, f"{self.base_url}/v1/models answered HTTP {resp.status}")
+                    hint = (" (pass --api-key KEY or set OPENAI_API_KEY)"
+                            if resp.status in (401, 403) else "")
+                    raise ConfigError(where, f"{self.base_url}/v1/models answered HTTP "
+                                             f"{resp.status}{hint}")
                 body = await resp.json(content_type=None)
         except aiohttp.ClientError as exc:
             raise ConfigError(where, f"{self.base_url} is unreachable ({exc.__class__.__name__}: {exc})") from None
@@ -173,59 +196,29 @@ class Target:
         t0 = clock()
         result.start = t0
         parts: list[str] = []
-        last_tok: float | None = None
-        chunks = 0
         try:
-            async with session.post(url, json=body) as resp:
-                result.worker = resp.headers.get(WORKER_HEADER)
-                if resp.status != 200:
-                    text = (await resp.text())[:300]
-                    return _fail(result, f"http_{resp.status}", _error_message(text))
-                buf = b""
-                done = False
-                async for raw in resp.content:
-                    buf += raw
-                    if not buf.endswith(b"\n"):
-                        continue
-                    for line in buf.splitlines():
-                        line = line.strip()
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            done = True
-                            break
-                        try:
-                            chunk = json.loads(data)
-                        except ValueError:
-                            return _fail(result, "protocol", f"bad SSE data: {data[:80]!r}")
-                        if "error" in chunk:
-                            return _fail(result, "stream", _error_message(json.dumps(chunk)))
-                        text = _chunk_text(chunk, spec.api)
-                        if text:
-                            now = clock()
-                            if last_tok is None:
-                                result.ttft_s = now - t0
-                            else:
-                                result.itl_s.append(now - last_tok)
-                            last_tok = now
-                            chunks += 1
-                            parts.append(text)
-                        usage = chunk.get("usage")
-                        if usage:
-                            _read_usage(result, usage)
-                    buf = b""
-                    if done:
+            while True:
+                async with session.post(url, json=body) as resp:
+                    result.worker = resp.headers.get(WORKER_HEADER)
+                    result.status = resp.status
+                    if resp.status == 200:
+                        if not await _read_stream(resp, spec.api, result, parts, t0, clock):
+                            return None
                         break
-                if not done:
-                    return _fail(result, "stream", "stream ended without [DONE]")
+                    text = (await resp.text())[:300]
+                    if not self.retry.should_retry(resp.status, resp.headers, result.retries):
+                        return _fail(result, f"http_{resp.status}", _error_message(text))
+                    wait = self.retry.delay_s(resp.headers, result.retries, self._jitter)
+                result.retries += 1
+                result.retry_wait_s += wait
+                await asyncio.sleep(wait)
         except asyncio.CancelledError:
             _fail(result, "cancelled", "still in flight at the end of the drain grace")
             raise
         except asyncio.TimeoutError:
             return _fail(result, "timeout", f"no complete answer within {self.timeout.total} s")
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-            kind = "connect" if last_tok is None else "stream"
+            kind = "connect" if result.ttft_s is None else "stream"
             return _fail(result, kind, f"{exc.__class__.__name__}: {exc}")
         except aiohttp.ClientError as exc:
             return _fail(result, "stream", f"{exc.__class__.__name__}: {exc}")
@@ -233,9 +226,51 @@ class Target:
             return _fail(result, "protocol", "the stream carried no tokens")
         result.e2e_s = clock() - t0
         if not result.output_tokens:
-            result.output_tokens = chunks
+            result.output_tokens = len(parts)
         result.ok = True
         return "".join(parts)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, api: str, result: Result,
+                       parts: list[str], t0: float, clock) -> bool:
+    """Reads an SSE answer into ``result`` (token times, usage) and ``parts`` (the
+    text chunks); False after marking ``result`` failed when the stream is bad."""
+    last_tok: float | None = None
+    buf = b""
+    async for raw in resp.content:
+        buf += raw
+        if not buf.endswith(b"\n"):
+            continue
+        for line in buf.splitlines():
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return True
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                _fail(result, "protocol", f"bad SSE data: {data[:80]!r}")
+                return False
+            if "error" in chunk:
+                _fail(result, "stream", _error_message(json.dumps(chunk)))
+                return False
+            text = _chunk_text(chunk, api)
+            if text:
+                now = clock()
+                if last_tok is None:
+                    result.ttft_s = now - t0
+                else:
+                    result.itl_s.append(now - last_tok)
+                last_tok = now
+                parts.append(text)
+            usage = chunk.get("usage")
+            if usage:
+                _read_usage(result, usage)
+        buf = b""
+    _fail(result, "stream", "stream ended without [DONE]")
+    return False
 
 
 def _chunk_text(chunk: dict, api: str) -> str:

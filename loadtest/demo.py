@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 
+from protocol.cli_args import DeprecatedAlias
 from protocol.errors import ConfigError
 from loadtest.fleet import Fleet, FleetConfig
 from loadtest.main import add_load_arguments, build_load, run_ab
@@ -52,9 +53,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="radixfleet-demo", help="output directory")
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                         help="comma-separated router policies, run in this order")
-    parser.add_argument("--agents", type=int, default=4)
-    parser.add_argument("--model", dest="fleet_model", default="llama-3-8b", help="the agents' model")
-    parser.add_argument("--gpu", default="h100")
+    parser.add_argument("--agents", type=int, default=4, help="simulated agents")
+    parser.add_argument("--agent-model", dest="fleet_model", default="llama-3-8b",
+                        help="the agents' model preset")
+    parser.add_argument("--model", dest="fleet_model", action=DeprecatedAlias, use="--agent-model")
+    parser.add_argument("--gpu", default="h100", help="the agents' GPU preset")
     parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
                         help="per-agent KV capacity in tokens")
     add_load_arguments(parser, default_workload="mixed", model_flag=False)

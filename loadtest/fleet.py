@@ -2,7 +2,7 @@
 
 ::
 
-    radixfleet up --agents 4 --model llama-3-8b --gpu h100 --kv-tokens 20000 --port 8000
+    radixfleet up --agents 4 --agent-model llama-3-8b --gpu h100 --kv-tokens 20000 --port 8000
     radixfleet up --config fleet.yaml
 
 Fleet YAML (every key optional; flags given on the command line win)::
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import httpx
 import yaml
 
+from protocol.cli_args import DeprecatedAlias
 from protocol.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class Fleet:
     def start_agents(self) -> None:
         c = self.cfg
         for i, (port, url) in enumerate(zip(self.agent_ports, self.agent_urls)):
-            argv = cli_argv("agent", "--engine", "sim", "--model", c.model, "--gpu", c.gpu,
+            argv = cli_argv("agent", "--engine", "sim", "--agent-model", c.model, "--gpu", c.gpu,
                             "--host", c.host, "--port", str(port), "--worker-id", self.worker_id(i),
                             *([] if c.plain_workers else ["--router", self.router_url]),
                             *c.agent_args)
@@ -380,10 +381,14 @@ class Fleet:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="fleet YAML (see `radixfleet up --help`)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="fleet YAML with any of the keys agents, model, gpu, kv_tokens, "
+                             "policy, router_port, agent_base_port (the flags below override it)")
     parser.add_argument("--agents", type=int, help="number of simulated agents (default 4)")
-    parser.add_argument("--model", help="model of every agent (default llama-3-8b)")
-    parser.add_argument("--gpu", help="GPU of every agent (default h100)")
+    parser.add_argument("--agent-model", dest="model",
+                        help="model preset of every agent (default llama-3-8b)")
+    parser.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
+    parser.add_argument("--gpu", help="GPU preset of every agent (default h100)")
     parser.add_argument("--kv-tokens", type=int, help="per-agent KV capacity in tokens")
     parser.add_argument("--policy", help="router policy (default prefix_load)")
     parser.add_argument("--port", type=int, help="router port (default 8000)")

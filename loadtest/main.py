@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -42,9 +45,11 @@ import aiohttp
 from protocol.errors import ConfigError, RunError, WorkloadError
 from loadtest.arrivals import Bounds, Closed, DriveStats, Poisson, TraceTimes, drive
 from loadtest.client import Result, Target
+from loadtest.retry import RETRY_MODES, RetryPolicy
 from loadtest.report import (CacheReference, Progress, check_outputs, mark_bounds, render_table,
                              summarize, write_json, write_plots)
-from loadtest.workloads import WORKLOADS, Trace, Workload, make_workload, parse_options
+from loadtest.workloads import (API_COMPLETIONS, APIS, WORKLOADS, Trace, Workload, make_workload,
+                                parse_options)
 
 log = logging.getLogger(__name__)
 
@@ -300,25 +305,29 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                  flush_urls: list[str] | None = None, kv_capacity_tokens: int | None = None,
                  model: str | None = None, timeout_s: float = 120.0, send_session: bool = False,
                  progress: bool | None = None, settle_s: float = 0.5,
-                 between=None, allow_warm: bool = False) -> list[RunOutcome]:
+                 between=None, allow_warm: bool = False, headers: dict[str, str] | None = None,
+                 retry: RetryPolicy = RetryPolicy("none")) -> list[RunOutcome]:
     """Probes every target, then runs the workload against each in turn, cold.
 
     ``between(name)`` (async, optional) runs before each target's run (the demo
     restarts its router there). Raises ``ConfigError`` for an unreachable target
     and ``RunError`` when an agent's cache flush fails before a run, unless
-    ``allow_warm``: then the run goes on, marked ``cold_start: false``.
+    ``allow_warm``: then the run goes on, marked ``cold_start: false``. ``headers``
+    go with every request to a target (an API key); ``retry`` is the client's policy
+    on refusals (``loadtest.retry``).
     """
     outcomes = []
     async with aiohttp.ClientSession() as admin:
         if between is None:
             for name, url in targets:  # all unreachable targets fail before any load
-                async with Target(name, url, model=model) as t:
+                async with Target(name, url, model=model, headers=headers) as t:
                     await t.probe()
         for name, url in targets:
             if between is not None:
                 await between(name)
             async with Target(name, url, model=model, timeout_s=timeout_s,
-                              send_session=send_session) as target:
+                              send_session=send_session, headers=headers,
+                              retry=retry) as target:
                 await target.probe()
                 url = target.base_url  # the first replica answers the admin calls
                 agents = list(flush_urls or []) or await discover_workers(admin, url)
@@ -365,22 +374,60 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
 
 
 def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str | None,
-                       model_flag: bool = True) -> None:
-    """Workload, arrival and bound flags shared by ``loadtest`` and ``demo``."""
+                       model_flag: bool = True, load_shapes: bool = False) -> None:
+    """Workload, arrival and bound flags shared by ``loadtest``, ``demo`` and ``simulate``.
+
+    ``load_shapes`` (``loadtest``): ``--rate`` takes a list (a sweep) and combines
+    with ``--concurrency`` (a cap), ``--burstiness`` and ``--dataset`` exist, and
+    neither ``--workload`` nor ``--dataset`` is required when ``--trace`` is given."""
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", default=default_workload, required=default_workload is None,
-                   help=f"one of {', '.join(WORKLOADS)}")
+    g.add_argument("--workload", default=default_workload,
+                   required=default_workload is None and not load_shapes,
+                   help=f"one of {', '.join(WORKLOADS)}"
+                        + ("; or --dataset, or --trace FILE alone" if load_shapes else ""))
     g.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
-                   help="a workload parameter (repeatable), e.g. -o groups=8")
-    g.add_argument("--trace", metavar="FILE", help="trace workload: the JSONL file")
-    g.add_argument("--time-scale", type=float, help="trace workload: timestamp multiplier")
+                   help="a workload parameter (repeatable), e.g. -o groups=8; "
+                        "each workload's options are listed below")
+    if parser.epilog is None:
+        parser.epilog = workload_options_help()
+    g.add_argument("--trace", metavar="FILE", help="trace workload: the JSONL file "
+                   "(Mooncake or a radixfleet traffic log); alone, it implies --workload trace")
+    g.add_argument("--time-scale", type=float, help="trace workload: timestamp multiplier "
+                   "(default 1.0)")
     g.add_argument("--skip-bad-lines", action="store_true", help="trace workload: skip malformed lines")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    if load_shapes:
+        from loadtest.datasets import DATASETS
+
+        d = parser.add_argument_group("datasets (instead of --workload)")
+        d.add_argument("--dataset", choices=DATASETS,
+                       help="random: random lengths (vllm bench serve's); sharegpt: a "
+                            "ShareGPT-format JSON/JSONL file (--dataset-path)")
+        d.add_argument("--dataset-path", metavar="FILE", help="--dataset sharegpt: the file")
+        d.add_argument("--input-len", type=int, default=1024,
+                       help="--dataset random: prompt tokens")
+        d.add_argument("--output-len", type=int, default=None,
+                       help="output tokens (default: random 128; sharegpt: each answer's)")
+        d.add_argument("--range-ratio", type=float, default=0.0,
+                       help="--dataset random: lengths uniform in [L*(1-r), L*(1+r)]")
+        d.add_argument("--prefix-len", type=int, default=0,
+                       help="--dataset random: tokens shared by every prompt")
+        d.add_argument("--dataset-api", choices=APIS, default=API_COMPLETIONS,
+                       help="the endpoint datasets are sent to")
     a = parser.add_argument_group("arrivals and bounds")
-    m = a.add_mutually_exclusive_group()
-    m.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    m = a if load_shapes else a.add_mutually_exclusive_group()
+    if load_shapes:
+        m.add_argument("--rate", type=parse_rates, metavar="R[,R...]",
+                       help="open loop: arrivals per second; a list runs each rate in turn "
+                            "(a sweep, one table)")
+        m.add_argument("--burstiness", type=float, default=1.0,
+                       help="--rate: gamma shape of the gaps (1: Poisson; < 1 burstier)")
+    else:
+        m.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
     m.add_argument("--concurrency", type=int,
-                   help="closed loop: requests in flight (default: 8; trace: its own timestamps)")
+                   help="closed loop: requests in flight (default: 8; trace: its own "
+                        "timestamps)" + ("; with --rate: the cap on requests in flight"
+                                         if load_shapes else ""))
     a.add_argument("--requests", type=int, default=None,
                    help="stop after N requests (default: the whole workload or trace)")
     a.add_argument("--duration", type=float, default=None,
@@ -395,6 +442,60 @@ def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str
     o.add_argument("--json", metavar="FILE", help="write the report {'runs': [...]} here")
     o.add_argument("--plots", metavar="DIR", help="write PNG plots here")
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def workload_options_help() -> str:
+    """Every workload's ``-o`` options with their defaults, one workload a line."""
+    lines = ["workload options (-o NAME=VALUE; default in brackets):"]
+    for name, cls in WORKLOADS.items():
+        opts = ", ".join(f"{f.name} [{_default_text(f)}]" for f in dataclasses.fields(cls.Params)
+                         if f.name != "base_options")
+        lines.append(f"  {name}: {opts}")
+    return "\n".join(lines)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return f"{f.default}"
+    if f.default_factory is not dataclasses.MISSING:
+        return f"{f.default_factory()}"
+    return "required"
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"2,4,8"`` -> [2.0, 4.0, 8.0] (argparse type: a bad list exits 2)."""
+    out = []
+    for part in text.split(","):
+        try:
+            r = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} in {text!r} is not a number") from None
+        if not r > 0 or r == float("inf"):
+            raise argparse.ArgumentTypeError(f"{r:g} must be > 0")
+        out.append(r)
+    return out
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """``"Name: value"`` (curl's syntax) -> (name, value); raises ``ConfigError``."""
+    name, found, value = text.partition(":")
+    name = name.strip()
+    if not found or not name or any(c in name for c in " \t()<>@,;\\\"/[]?={}"):
+        raise ConfigError("--header", f"{text!r} must be NAME:VALUE, e.g. 'x-tenant-id: a'")
+    return name, value.strip()
+
+
+def client_headers(args: argparse.Namespace) -> dict[str, str]:
+    """Headers for every request: ``--header`` flags, and ``Authorization: Bearer`` from
+    ``--api-key`` or ``$OPENAI_API_KEY`` unless a ``--header`` sets it."""
+    headers: dict[str, str] = {}
+    for h in args.header:
+        name, value = parse_header(h)
+        headers[name] = value
+    key = args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY")
+    if key and not any(k.lower() == "authorization" for k in headers):
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -412,12 +513,53 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "says cold_start: false) instead of stopping with an error")
     parser.add_argument("--kv-capacity-tokens", type=int,
                         help="the fleet's KV capacity for pooled_hit_rate (default: from the agents)")
-    add_load_arguments(parser, default_workload=None)
+    c = parser.add_argument_group("client (as the OpenAI SDK behaves)")
+    c.add_argument("--api-key", metavar="KEY",
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    c.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
+                   help="a header sent with every request (repeatable)")
+    c.add_argument("--retry", choices=RETRY_MODES, default="sdk",
+                   help="on 408/409/429/5xx: sdk retries as the OpenAI SDK does (Retry-After, "
+                        "else backoff 0.5-8 s); none: the refusal is the outcome")
+    c.add_argument("--max-retries", type=int, default=2, help="--retry sdk: retries per request")
+    c.add_argument("--max-failures", type=float, default=0.0, metavar="SHARE",
+                   help="exit 1 when a run's failed share of requests exceeds this (0-1)")
+    r = parser.add_argument_group("metrics")
+    r.add_argument("--percentiles", default="50,90,99", metavar="P[,P...]",
+                   help="percentiles of TTFT, TPOT, ITL and E2E to report")
+    r.add_argument("--slo", "--goodput", metavar="ttft_ms=MS,tpot_ms=MS,e2e_ms=MS",
+                   help="goodput: ok requests per second within every bound "
+                        "(vLLM's ttft:MS,tpot:MS also read)")
+    r.add_argument("--requests-out", metavar="FILE",
+                   help="per-request export: JSONL, or CSV for a .csv name (send time, "
+                        "TTFT, TPOT, every inter-token gap, E2E, tokens, worker, status, retries)")
+    add_load_arguments(parser, default_workload=None, load_shapes=True)
     ab.add_arguments(parser)
 
 
-def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
-    """Workload, arrivals and bounds from parsed flags; raises ``WorkloadError``."""
+def _make_workload(args: argparse.Namespace) -> Workload:
+    """The workload the flags name: ``--dataset``, ``--workload``, or ``--trace`` alone."""
+    dataset = getattr(args, "dataset", None)
+    if hasattr(args, "dataset"):
+        _check_dataset_flags(args)
+    if dataset is not None:
+        from loadtest.datasets import make_dataset
+
+        if args.workload is not None or args.trace is not None or args.option:
+            raise WorkloadError("--dataset replaces --workload, --trace and -o: give one")
+        params: dict = {"api": args.dataset_api}
+        if dataset == "random":
+            params.update(input_len=args.input_len, range_ratio=args.range_ratio,
+                          prefix_len=args.prefix_len, output_len=args.output_len or 128)
+            if args.requests is not None:
+                params["requests"] = args.requests
+        else:
+            params.update(path=args.dataset_path or "", output_len=args.output_len or 0)
+        return make_dataset(dataset, params, args.seed)
+    if args.workload is None:
+        if args.trace is None:
+            raise WorkloadError("give --workload NAME, --dataset random|sharegpt, or --trace FILE")
+        args.workload = "trace"
     options: dict = parse_options(args.option)
     if args.trace is not None:
         options["path"] = args.trace
@@ -428,9 +570,34 @@ def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
     if args.workload != "trace" and (args.trace is not None or args.time_scale is not None
                                      or args.skip_bad_lines):
         raise WorkloadError("--trace, --time-scale and --skip-bad-lines apply to --workload trace only")
-    workload = make_workload(args.workload, options, args.seed)
+    return make_workload(args.workload, options, args.seed)
+
+
+#: flags of one dataset only -> the datasets they apply to (given elsewhere: an error)
+_DATASET_FLAGS = {"input_len": ("random",), "range_ratio": ("random",), "prefix_len": ("random",),
+                  "dataset_path": ("sharegpt",), "output_len": ("random", "sharegpt"),
+                  "dataset_api": ("random", "sharegpt")}
+
+
+def _check_dataset_flags(args: argparse.Namespace) -> None:
+    """Raises ``WorkloadError`` for a dataset flag that the chosen traffic would ignore."""
+    defaults = {"input_len": 1024, "range_ratio": 0.0, "prefix_len": 0, "dataset_path": None,
+                "output_len": None, "dataset_api": API_COMPLETIONS}
+    for dest, datasets in _DATASET_FLAGS.items():
+        if getattr(args, dest) != defaults[dest] and args.dataset not in datasets:
+            flag = "--" + dest.replace("_", "-")
+            raise WorkloadError(f"{flag} applies to --dataset {' or '.join(datasets)} only")
+
+
+def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
+    """Workload, arrivals and bounds from parsed flags; raises ``WorkloadError``.
+    ``args.rate`` is one rate (a sweep calls this once per rate)."""
+    workload = _make_workload(args)
+    burstiness = getattr(args, "burstiness", 1.0)
     if args.rate is not None:
-        arrivals = Poisson(args.rate)
+        arrivals = Poisson(args.rate, burstiness=burstiness, max_concurrency=args.concurrency)
+    elif burstiness != 1.0:
+        raise WorkloadError("--burstiness shapes --rate arrivals: give --rate too")
     elif args.concurrency is not None:
         arrivals = Closed(args.concurrency)
     elif isinstance(workload, Trace):
@@ -444,20 +611,57 @@ def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
 
 
 def emit(outcomes: list[RunOutcome], args: argparse.Namespace) -> None:
+    from loadtest import metrics
+
     runs = [o.report for o in outcomes]
     render_table(runs)
+    if all("percentiles" in r for r in runs):
+        metrics.render_latency(runs)
+    sweep = any("offered_rate" in r for r in runs)
+    if sweep:
+        metrics.render_sweep(runs)
     if args.json:
         write_json(args.json, runs)
         print(f"report: {args.json}")
+    if getattr(args, "requests_out", None):
+        n = metrics.write_requests(args.requests_out, [(o.report["name"], o.results)
+                                                       for o in outcomes])
+        print(f"requests: {args.requests_out} ({n} records)")
     if args.plots:
         paths = write_plots(runs, args.plots, {o.report["name"]: o.ttft_ms for o in outcomes})
+        if sweep:
+            paths.append(metrics.write_sweep_plot(runs, args.plots))
         print("plots: " + ", ".join(paths))
 
 
+def _metric_options(args: argparse.Namespace):
+    from loadtest.metrics import MetricOptions, parse_percentiles, parse_slo
+
+    return MetricOptions(parse_percentiles(args.percentiles),
+                         parse_slo(args.slo) if args.slo else {})
+
+
+def _finish(outcomes: list[RunOutcome], args: argparse.Namespace) -> int:
+    """Prints and writes the results; the exit status: 1 when a run failed more than
+    ``--max-failures`` allows (said on stderr), else 0."""
+    from loadtest.metrics import over_failure_limit
+
+    emit(outcomes, args)
+    over = over_failure_limit([o.report for o in outcomes], args.max_failures)
+    for line in over:
+        print(f"radixfleet loadtest: {line}", file=sys.stderr)
+    return 1 if over else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    from loadtest.metrics import enrich
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not 0.0 <= args.max_failures <= 1.0:
+        raise ConfigError("--max-failures", f"must be a share in [0, 1], got {args.max_failures:g}")
+    mopts = _metric_options(args)
     if args.ab:
-        return _run_local_ab(args)
+        return _run_local_ab(args, mopts)
     if not args.target:
         raise ConfigError("--target", "give at least one --target NAME=URL, or --ab radix|policy "
                                       "for a local fleet")
@@ -465,30 +669,49 @@ def run(args: argparse.Namespace) -> int:
     names = [n for n, _ in targets]
     if len(set(names)) != len(names):
         raise ConfigError("--target", "target names must be unique")
-    workload, arrivals, bounds = build_load(args)
+    headers = client_headers(args)
+    retry = RetryPolicy(args.retry, args.max_retries)
+    rates = args.rate or [None]
+    # every rate's load is built (and checked) before the first request goes out
+    loads = [build_load(argparse.Namespace(**{**vars(args), "rate": rate})) for rate in rates]
     if args.kv_capacity_tokens is not None and args.kv_capacity_tokens <= 0:
         raise ConfigError("--kv-capacity-tokens", "must be > 0")
-    check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
-    outcomes = asyncio.run(run_ab(
-        targets, workload, arrivals, bounds, flush_urls=[u.rstrip("/") for u in args.flush],
-        kv_capacity_tokens=args.kv_capacity_tokens, model=args.model, timeout_s=args.timeout,
-        send_session=args.send_session, progress=False if args.no_progress else None,
-        allow_warm=args.allow_warm))
-    emit(outcomes, args)
-    return 0
+    check_outputs(files=[("--json", args.json), ("--requests-out", args.requests_out)],
+                  dirs=[("--plots", args.plots)])
+    outcomes: list[RunOutcome] = []
+    for rate, (workload, arrivals, bounds) in zip(rates, loads):
+        outs = asyncio.run(run_ab(
+            targets, workload, arrivals, bounds, flush_urls=[u.rstrip("/") for u in args.flush],
+            kv_capacity_tokens=args.kv_capacity_tokens, model=args.model, timeout_s=args.timeout,
+            send_session=args.send_session, progress=False if args.no_progress else None,
+            allow_warm=args.allow_warm, headers=headers, retry=retry))
+        for o in outs:
+            enrich(o.report, o.results, mopts)
+            if len(rates) > 1:
+                o.report["target_name"] = o.report["name"]
+                o.report["name"] = f"{o.report['name']}@{rate:g}/s"
+                o.report["offered_rate"] = rate
+        outcomes += outs
+    return _finish(outcomes, args)
 
 
-def _run_local_ab(args: argparse.Namespace) -> int:
+def _run_local_ab(args: argparse.Namespace, mopts) -> int:
     from loadtest import ab
+    from loadtest.metrics import enrich
 
     if args.target or args.flush:
         raise ConfigError("--ab", "starts its own fleet: drop --target and --flush")
+    if args.rate and len(args.rate) > 1:
+        raise ConfigError("--rate", "--ab runs one rate; sweep with --target")
+    args.rate = args.rate[0] if args.rate else None
     ab.arms(args)  # flag errors before anything starts
     workload, arrivals, bounds = build_load(args)
-    check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
+    check_outputs(files=[("--json", args.json), ("--requests-out", args.requests_out)],
+                  dirs=[("--plots", args.plots)])
     outcomes = ab.run_local(args, workload, arrivals, bounds)
-    emit(outcomes, args)
+    for o in outcomes:
+        enrich(o.report, o.results, mopts)
+    status = _finish(outcomes, args)
     for line in ab.worth([o.report for o in outcomes], args.ab):
         print(line)
-    return 0
-
+    return status

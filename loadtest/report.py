@@ -172,18 +172,20 @@ def prompt_bytes(spec: RequestSpec) -> bytes:
     return routing_bytes(endpoint, spec.body)
 
 
-def percentiles(xs: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
-    """p50/p90/p99 (nearest rank) and mean, times ``scale``; nulls when empty."""
+def percentiles(xs: Sequence[float], scale: float = 1000.0,
+                ps: Sequence[float] = (50, 90, 99)) -> dict[str, float | None]:
+    """The ``ps`` percentiles (nearest rank; keys ``p50``, ``p99.9``) and the mean of
+    ``xs``, times ``scale``; nulls when empty. O(n log n)."""
+    keys = [f"p{p:g}" for p in ps]
     if not xs:
-        return {k: None for k in _STATS}
+        return {**{k: None for k in keys}, "mean": None}
     s = sorted(xs)
     n = len(s)
 
     def rank(q: float) -> float:
         return s[min(n - 1, max(0, math.ceil(q * n) - 1))] * scale
 
-    return {"p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99),
-            "mean": sum(s) / n * scale}
+    return {**{k: rank(p / 100.0) for k, p in zip(keys, ps)}, "mean": sum(s) / n * scale}
 
 
 def summarize(name: str, target: str, workload: dict, results: Iterable[Result], *,

@@ -9,4 +9,5 @@ Modules::
     identifiers  bounds on worker ids, epochs, model names, URLs, request ids
     errors       the exception tree and the OpenAI-style error body
     openapi      the OpenAPI documents of the router and the agent
+    cli_args     the help formatter, case-insensitive --log-level, deprecated flag aliases
 """

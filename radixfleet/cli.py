@@ -17,7 +17,9 @@ import argparse
 import importlib
 import sys
 
+from protocol.cli_args import HelpFormatter
 from protocol.errors import RadixfleetError
+from radixfleet.bench import BENCHMARKS
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -28,9 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "loadtest": ("loadtest.main", "drive a workload against one or more routers (A/B)"),
     "simulate": ("loadtest.simulator.main", "simulate a fleet and its policies in virtual time"),
     "analyze": ("loadtest.analyze", "the cache-size knee, Zipf head and policy replay of a traffic log"),
-    "bench": ("radixfleet.bench", "run a benchmark (index, proxy, routing, policy, agent, sim, "
-                                   "fidelity, events, overload, reproduce, traffic_log, analyze, "
-                                   "autoscale)"),
+    "bench": ("radixfleet.bench", "run a benchmark: " + ", ".join(BENCHMARKS)),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
 }
 
@@ -47,10 +47,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         prog="radixfleet",
         description="A fleet-level, cache-aware router for LLM inference.",
     )
+    parser.add_argument("--version", action="version", version=f"radixfleet {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=HelpFormatter)
         if name == chosen:
             # nested dispatchers (``bench``) read the arguments after their name
             p.radixfleet_argv = argv[argv.index(name) + 1 :]
@@ -58,6 +60,23 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             mod.configure(p)
             p.set_defaults(_run=mod.run)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version, else the source tree's (pyproject.toml)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("radixfleet")
+    except metadata.PackageNotFoundError:
+        import pathlib
+        import tomllib
+
+        path = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
+        try:
+            return tomllib.loads(path.read_text())["project"]["version"]
+        except (OSError, KeyError, ValueError):
+            return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

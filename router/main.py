@@ -33,6 +33,7 @@ import yaml
 
 from router.config import (MISSING, Config, config_warnings, load_config, parse_config,
                            with_overrides)
+from protocol.cli_args import LOG_LEVELS, log_level
 from protocol.errors import ConfigError
 
 log = logging.getLogger("radixfleet.router")
@@ -44,15 +45,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a worker: URL, KIND=URL (agent, vllm, sglang, openai) or "
                              "url=..,kind=..,tokenizer=..,events=tcp://.. (repeatable; "
                              "quick start without --config)")
+    from policies.registry import policy_names
+
     parser.add_argument("--policy", metavar="NAME", default=MISSING,
-                        help="routing policy (quick start; default prefix_load)")
-    parser.add_argument("--policy-param", metavar="NAME=VALUE", action="append", default=[],
-                        help="a parameter of the policy (quick start; repeatable; the value "
-                             "is read as YAML), e.g. --policy-param footprint_room=0")
+                        help=f"routing policy (quick start; default prefix_load): one of "
+                             f"{', '.join(policy_names())}")
+    parser.add_argument("-P", "--policy-param", metavar="[POLICY.]NAME=VALUE", action="append",
+                        default=[], help="a parameter of the policy (quick start; repeatable; "
+                        "the value is read as YAML), e.g. -P footprint_room=0 or "
+                        "-P prefix_load.footprint_room=0")
     parser.add_argument("--host", default=MISSING, help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=MISSING, help="listen port (default 8000)")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--log-level", type=log_level, default="INFO",
+                        help=f"{', '.join(LOG_LEVELS)} (any case)")
 
 
 _INT_KEYS = ("block_size", "kv_capacity_tokens")
@@ -94,16 +99,25 @@ def worker_entry(text: str, where: str) -> dict:
     return entry
 
 
-def policy_params(pairs: list[str], where: str = "--policy-param") -> dict:
-    """``["NAME=VALUE", ...]`` -> ``{NAME: value}``, each value read as YAML (a plain
-    string where it is not YAML). Raises ``ConfigError`` naming ``where``; the names
-    and values are validated with the policy (``policies.registry``)."""
+def policy_params(pairs: list[str], where: str = "--policy-param",
+                  policy: str | None = None) -> dict:
+    """``["NAME=VALUE" | "POLICY.NAME=VALUE", ...]`` -> ``{NAME: value}``, each value
+    read as YAML (a plain string where it is not YAML). ``POLICY.`` (the syntax of
+    ``simulate -P``) must name ``policy`` when that is known. Raises ``ConfigError``
+    naming ``where``; the names and values are validated with the policy
+    (``policies.registry``)."""
     out: dict = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         name = name.strip()
+        pol, dot, rest = name.rpartition(".")
+        if dot:
+            if policy is not None and pol != policy:
+                raise ConfigError(where, f"{pair!r} is for policy {pol!r}, but the policy "
+                                  f"is {policy!r}")
+            name = rest
         if not sep or not name:
-            raise ConfigError(where, f"{pair!r} must be NAME=VALUE")
+            raise ConfigError(where, f"{pair!r} must be [POLICY.]NAME=VALUE")
         try:
             out[name] = yaml.safe_load(value) if value.strip() else value
         except yaml.YAMLError:
@@ -131,7 +145,9 @@ def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
         if args.policy is not MISSING:
             raw["policy"] = {"name": args.policy}
         if args.policy_param:
-            raw.setdefault("policy", {})["params"] = policy_params(args.policy_param)
+            raw.setdefault("policy", {})["params"] = policy_params(
+                args.policy_param,
+                policy=args.policy if args.policy is not MISSING else "prefix_load")
         cfg = parse_config(raw)
     return with_overrides(cfg, **overrides), overrides
 

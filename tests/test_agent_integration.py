@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 def agent_argv(port, *extra):
-    return radixfleet_argv("agent", "--engine", "sim", "--model", "llama-3-8b", "--gpu", "h100",
+    return radixfleet_argv("agent", "--engine", "sim", "--agent-model", "llama-3-8b", "--gpu", "h100",
                            "--kv-tokens", "50000", "--host", "127.0.0.1", "--port", str(port), *extra)
 
 

@@ -97,7 +97,7 @@ def test_figures_match_the_simulators_references(tmp_path, source):
 def test_cli_table_json_plots_and_replay(tmp_path, capsys):
     paths = synthetic_log(str(tmp_path / "log"), 1200, active=20)
     out, plots = tmp_path / "a.json", tmp_path / "plots"
-    rc = main(["analyze", str(tmp_path / "log"), "--workers", "2", "--concurrency", "8",
+    rc = main(["analyze", str(tmp_path / "log"), "--agents", "2", "--concurrency", "8",
                "--policies", "round_robin,prefix_load", "--kv-tokens", "30000",
                "--jobs", "1", "--json", str(out), "--plots", str(plots)])
     assert rc == 0
@@ -126,10 +126,10 @@ def test_cli_table_json_plots_and_replay(tmp_path, capsys):
      "line 1: 'format' is 'radixfleet.traffic/7', from another radixfleet version"),
     ([], [], "no requests"),
     (['{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}'],
-     ["--block-tokens", "4", "--model", "llama-3-70b", "--gpu", "l4"],
+     ["--block-tokens", "4", "--agent-model", "llama-3-70b", "--gpu", "l4"],
      "tp: llama-3-70b weights (141.2 GB) do not fit 1 x l4"),
     (['{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}'],
-     ["--block-tokens", "4", "--model", "mistral"], "--model: unknown preset 'mistral'"),
+     ["--block-tokens", "4", "--agent-model", "mistral"], "--agent-model: unknown preset 'mistral'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, lines, args, message):
     p = tmp_path / "log.jsonl"
@@ -146,7 +146,7 @@ def test_skip_bad_counts_and_goes_on(tmp_path, capsys):
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join(rows) + "\n")
     out = tmp_path / "a.json"
-    assert main(["analyze", str(p), "--block-tokens", "4", "--skip-bad", "--jobs", "1",
+    assert main(["analyze", str(p), "--block-tokens", "4", "--skip-bad-lines", "--jobs", "1",
                  "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["inputs"]["requests"] == 5 and res["inputs"]["skipped_lines"] == 1

@@ -262,6 +262,7 @@ def test_cli_ab_run_writes_report_and_plots(tmp_path, port):
              "--workload", "gsp", "-o", "groups=4", "-o", "prompts_per_group=5",
              "-o", "system_tokens=256", "-o", "output_tokens=4", "-o", "order=ordered",
              "--concurrency", "2", "--requests", "20", "--duration", "20",
+             "--retry", "none", "--max-failures", "0.1",
              "--json", str(out), "--plots", str(tmp_path / "plots")],
             capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -295,8 +296,20 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
         (["--workload", "gsp", "-o", "grups=3"], "unknown option 'grups'"),
         (["--workload", "trace", "--trace", str(bad_trace)], "line 2: not JSON"),
         (["--workload", "zipf", "--trace", str(bad_trace)], "apply to --workload trace only"),
-        (["--workload", "zipf", "--rate", "0"], "--rate must be > 0"),
-        (["--workload", "zipf", "--rate", "1", "--concurrency", "2"], "not allowed with"),
+        (["--workload", "zipf", "--rate", "0"], "argument --rate: 0 must be > 0"),
+        (["--workload", "zipf", "--rate", "5,x"], "'x' in '5,x' is not a number"),
+        (["--workload", "zipf", "--percentiles", "50,abc"], "--percentiles: 'abc'"),
+        (["--workload", "zipf", "--slo", "ttfb=5"], "--slo: 'ttfb=5' must be KEY=MS"),
+        (["--workload", "zipf", "--slo", "ttft:fast"], "is not a number of milliseconds"),
+        (["--workload", "zipf", "--burstiness", "0.5"], "give --rate too"),
+        (["--workload", "zipf", "--header", "no colon"], "--header: 'no colon' must be"),
+        (["--workload", "zipf", "--max-failures", "2"], "--max-failures: must be a share"),
+        (["--dataset", "sharegpt"], "needs --dataset-path"),
+        (["--workload", "gsp", "--input-len", "100"], "--input-len applies to --dataset random only"),
+        (["--dataset", "sharegpt", "--dataset-path", "x", "--prefix-len", "5"],
+         "--prefix-len applies to --dataset random only"),
+        (["--dataset", "sharegpt", "--dataset-path", str(bad_trace)], "line 2: not JSON"),
+        ([], "give --workload NAME, --dataset random|sharegpt, or --trace FILE"),
     ]
     for extra, msg in cases:
         p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "loadtest",

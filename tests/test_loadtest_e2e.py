@@ -25,7 +25,7 @@ KV_TOKENS = 6000
 
 def _fleet(router_port: int, agent_ports: list[int], policy: str):
     router_url = f"http://127.0.0.1:{router_port}"
-    agents = [Proc(radixfleet_argv("agent", "--engine", "sim", "--model", "llama-3-8b",
+    agents = [Proc(radixfleet_argv("agent", "--engine", "sim", "--agent-model", "llama-3-8b",
                                    "--gpu", "h100", "--port", str(p), "--kv-tokens", str(KV_TOKENS),
                                    "--router", router_url, "--worker-id", f"w{i}"),
                    ready_url=f"http://127.0.0.1:{p}/health")

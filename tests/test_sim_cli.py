@@ -16,7 +16,7 @@ GSP = ["--workload", "gsp", "-o", "groups=4", "-o", "prompts_per_group=4", "-o",
 
 def test_simulate_json_one_run_per_policy(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    rc = main(["simulate", *GSP, "--workers", "3", "--policies", "round_robin,prefix_load",
+    rc = main(["simulate", *GSP, "--agents", "3", "--policies", "round_robin,prefix_load",
                "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -31,7 +31,7 @@ def test_simulate_json_one_run_per_policy(tmp_path, capsys):
 
 def test_sweep_kv_tokens_shape_and_plots(tmp_path):
     out, plots = tmp_path / "sweep.json", tmp_path / "plots"
-    rc = main(["simulate", *GSP, "--workers", "2", "--policies", "round_robin,cache_aware",
+    rc = main(["simulate", *GSP, "--agents", "2", "--policies", "round_robin,cache_aware",
                "--sweep", "kv_tokens=400,1200,5000", "--json", str(out), "--plots", str(plots)])
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
@@ -83,7 +83,7 @@ def test_plain_plots(tmp_path):
     (["--sweep", "cache=1,2"], "--sweep"),
     (["--sweep", "kv_tokens=1,x"], "not a whole number"),
     (["--feedback", "sometimes"], "--feedback"),
-    (["--workers", "0"], "--workers"),
+    (["--agents", "0"], "--agents"),
     (["--kv-tokens", "-5"], "--kv-tokens"),
     (["--gpu", "tpu9"], "unknown preset 'tpu9'"),
     (["-o", "groups=abc"], "groups"),
@@ -107,8 +107,8 @@ def test_router_config_file_sets_the_simulated_routers_settings(tmp_path, capsys
            "--rate", "200", "-P", "prefix_load.warm_ahead=true",
            "-P", "prefix_load.hot_min_rate=0.5", "-P", "prefix_load.holder_max_rate=0.5"]
     on, off = tmp_path / "on.json", tmp_path / "off.json"
-    assert main(["simulate", *hot, "--workers", "4", "--json", str(on)]) == 0
-    assert main(["simulate", *hot, "--workers", "4", "--router-config", str(cfg),
+    assert main(["simulate", *hot, "--agents", "4", "--json", str(on)]) == 0
+    assert main(["simulate", *hot, "--agents", "4", "--router-config", str(cfg),
                  "--json", str(off)]) == 0
     warm = [json.loads(f.read_text())["runs"][0]["sim"]["warmups"] for f in (on, off)]
     assert warm[0] > 0 and warm[1] == 0
@@ -121,7 +121,7 @@ def test_router_config_file_sets_the_simulated_routers_settings(tmp_path, capsys
 def test_missing_trace_and_workload(tmp_path, capsys):
     assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl")]) == 2
     assert "nope.jsonl" in capsys.readouterr().err
-    assert main(["simulate", "--workers", "2"]) == 2
+    assert main(["simulate", "--agents", "2"]) == 2
     assert "--workload" in capsys.readouterr().err
 
 
@@ -133,7 +133,7 @@ def test_same_seed_same_document_across_processes(tmp_path):
     docs = []
     for hs in ("1", "2"):
         out = tmp_path / f"d{hs}.json"
-        subprocess.run([sys.executable, "-m", "radixfleet.cli", "simulate", *GSP, "--workers", "3",
+        subprocess.run([sys.executable, "-m", "radixfleet.cli", "simulate", *GSP, "--agents", "3",
                         "--policies", "cache_aware,prefix_load,power_of_two", "--kv-tokens", "600",
                         "--seed", "4", "--json", str(out)],
                        check=True, capture_output=True, timeout=60,
@@ -164,7 +164,7 @@ def test_jobs_run_in_processes_with_identical_reports(tmp_path):
     docs = []
     for jobs in ("1", "3"):
         out = tmp_path / f"j{jobs}.json"
-        assert main(["simulate", *GSP, "--workers", "3", "--policies",
+        assert main(["simulate", *GSP, "--agents", "3", "--policies",
                      "round_robin,cache_aware,prefix_load", "--sweep", "kv_tokens=300,3000",
                      "--seed", "2", "--jobs", jobs, "--json", str(out)]) == 0
         doc = json.loads(out.read_text())
@@ -208,7 +208,7 @@ def test_unwritable_outputs_fail_before_the_run(tmp_path, capsys):
         (["--json", str(tmp_path)], "is a directory"),
     ]
     for argv, needle in cases:
-        assert main(["simulate", *GSP, "--workers", "2", *argv]) == 2
+        assert main(["simulate", *GSP, "--agents", "2", *argv]) == 2
         out, err = capsys.readouterr()
         assert needle in err and len(err.strip().splitlines()) == 1, err
         assert "radixfleet simulate" not in out  # no table: nothing ran

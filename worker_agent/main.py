@@ -38,6 +38,7 @@ from service.auth import is_loopback
 from protocol.bus_wire import check_name, check_url
 from service.bus_connection import BusCredentials, check_exposure
 from worker_agent.bus import agent_flag
+from protocol.cli_args import LOG_LEVELS, DeprecatedAlias, HelpFormatter, log_level
 from protocol.errors import ConfigError
 from protocol.identifiers import worker_host
 from service import http_errors
@@ -103,20 +104,22 @@ def bus_credentials(args: argparse.Namespace) -> BusCredentials:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = HelpFormatter
     parser.epilog = _presets_epilog()
     parser.add_argument("--engine", choices=["sim"], default="sim",
                         help="engine: the simulated GPU (the only one built in)")
-    parser.add_argument("--model", choices=list(MODELS), default="llama-3-8b")
-    parser.add_argument("--gpu", choices=list(GPUS), default="h100")
+    parser.add_argument("--agent-model", dest="model", choices=list(MODELS), default="llama-3-8b",
+                        help="the simulated model preset (the served name: --served-model-name)")
+    parser.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
+    parser.add_argument("--gpu", choices=list(GPUS), default="h100", help="the simulated GPU preset")
     parser.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
     parser.add_argument("--mfu", type=_fraction, default=0.6, help="model FLOPs utilisation")
     parser.add_argument("--kv-tokens", type=_positive, default=None,
                         help="KV pool size in tokens (default: from the GPU and model presets)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the preset name)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_positive, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument("--port", type=_positive, required=True, help="listen port")
     parser.add_argument("--router", action="append", default=[], metavar="URL",
                         help="a router to register with and push events to (repeatable)")
     parser.add_argument("--bus", default=None, metavar="NATS_URL",
@@ -138,7 +141,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "router)")
     parser.add_argument("--block-bytes", type=_positive, default=DEFAULT_BLOCK_BYTES,
                         help="router block size in bytes (a multiple of 4)")
-    parser.add_argument("--admission", choices=ADMISSION_MODES, default="always")
+    parser.add_argument("--admission", choices=ADMISSION_MODES, default="always", help="which prompts the prefix cache keeps")
     parser.add_argument("--min-prefix-tokens", type=int, default=64,
                         help="--admission min_prefix: shortest sequence kept")
     parser.add_argument("--protected-fraction", type=_fraction, default=0.5,
@@ -147,7 +150,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="waiting order: fcfs or lpm (longest cached prefix first)")
     parser.add_argument("--chunk-tokens", type=_positive, default=8192,
                         help="prefill token budget per step (chunked prefill)")
-    parser.add_argument("--max-running", type=_positive, default=256)
+    parser.add_argument("--max-running", type=_positive, default=256, help="most requests decoding at once")
     parser.add_argument("--max-waiting", type=_positive, default=None,
                         help="requests waiting at most; more are refused with 429 + "
                              "Retry-After (default: 4 x --max-running)")
@@ -160,8 +163,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rope-scaling", default=None,
                         help="engine RoPE scaling setting; part of the cache fingerprint")
     parser.add_argument("--seed", type=int, default=0, help="generation seed")
-    parser.add_argument("--log-level", default="warning",
-                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", type=log_level, default="WARNING",
+                        help=f"{', '.join(LOG_LEVELS)} (any case)")
 
 
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")

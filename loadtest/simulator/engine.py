@@ -88,7 +88,7 @@ class EngineSpec:
                               f"{self.admission!r} is not one of {', '.join(ADMISSION_MODES)}")
 
     def cost_model(self) -> CostModel:
-        for flag, name, table in (("--model", self.model, MODELS), ("--gpu", self.gpu, GPUS)):
+        for flag, name, table in (("--agent-model", self.model, MODELS), ("--gpu", self.gpu, GPUS)):
             if name not in table:
                 raise ConfigError(flag, f"unknown preset {name!r}; choose one of {', '.join(table)}")
         return CostModel(self.model, self.gpu, tp=self.tp)

@@ -165,7 +165,7 @@ class SimConfig:
 
     def validate(self) -> None:
         if type(self.workers) is not int or self.workers < 1:
-            raise ConfigError("--workers", f"must be an integer >= 1, got {self.workers!r}")
+            raise ConfigError("--agents", f"must be an integer >= 1, got {self.workers!r}")
         if self.feedback not in FEEDBACK_MODES:
             raise ConfigError("--feedback", f"{self.feedback!r} is not one of {', '.join(FEEDBACK_MODES)}")
         if not (self.feedback_delay_s >= 0 and self.feedback_batch_s >= 0):

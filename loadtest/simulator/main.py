@@ -2,10 +2,10 @@
 
 ::
 
-    radixfleet simulate --workload gsp -o groups=16 --workers 8 \\
+    radixfleet simulate --workload gsp -o groups=16 --agents 8 \\
         --policies round_robin,cache_aware,prefix_load --json sim.json
     radixfleet simulate --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
-        --workers 16 --policies prefix_load --kv-tokens 200000 --requests 4000
+        --agents 16 --policies prefix_load --kv-tokens 200000 --requests 4000
     radixfleet simulate --workload zipf --policies least_load,prefix_load \\
         --sweep kv_tokens=20000,50000,100000,400000 --plots plots/
     radixfleet simulate --workload mixed --feedback none,events --policies prefix_load
@@ -49,7 +49,7 @@ import sys
 import yaml
 
 from loadtest.arrivals import Bounds
-from loadtest.main import add_load_arguments, build_load
+from loadtest.main import add_load_arguments, build_load, workload_options_help
 from loadtest.report import check_outputs, cut_notes, ok_cell, print_table, write_json, write_plots
 from loadtest.simulator.engine import EngineSpec, engine_help
 from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
@@ -58,6 +58,7 @@ from loadtest.simulator import blocktrace
 from loadtest.workloads import Trace
 from policies.registry import policy_names
 from router.config import Config, load_config
+from protocol.cli_args import DeprecatedAlias, HelpFormatter
 from protocol.errors import ConfigError
 from router.prefix_index import tune_gc
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES
@@ -69,13 +70,19 @@ _AUTO = "auto"  # --workload's default: 'trace' with --trace, else an error
 
 def configure(parser: argparse.ArgumentParser) -> None:
     f = parser.add_argument_group("fleet")
-    f.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
+    f.add_argument("--agents", dest="workers", type=int, default=8,
+                   help="simulated agents (workers) (default 8)")
+    f.add_argument("--workers", dest="workers", type=int, action=DeprecatedAlias, use="--agents")
     f.add_argument("--policies", default="prefix_load",
                    help=f"comma-separated policies, one run each; of {', '.join(policy_names())}")
-    f.add_argument("-P", "--policy-param", action="append", default=[], metavar="POLICY.NAME=VALUE",
-                   help="a policy parameter (repeatable), e.g. -P prefix_load.min_match_tokens=128")
+    f.add_argument("-P", "--policy-param", action="append", default=[],
+                   metavar="[POLICY.]NAME=VALUE",
+                   help="a policy parameter (repeatable), e.g. -P prefix_load.min_match_tokens=128; "
+                        "without POLICY. it applies to every one of --policies")
     f.add_argument("--kv-tokens", type=int, help="KV capacity per worker (default: the preset's)")
-    f.add_argument("--model", default="llama-3-8b", help="model preset (default llama-3-8b)")
+    f.add_argument("--agent-model", dest="model", default="llama-3-8b",
+                   help="the agents' model preset (default llama-3-8b)")
+    f.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
     f.add_argument("--gpu", default="h100", help="GPU preset (default h100)")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per worker")
     f.add_argument("--chunk-tokens", type=int, help="chunked-prefill token budget per step")
@@ -110,23 +117,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "processes; 0 = one per CPU (default 1). Reports are identical but "
                         "for wall_s and sim_requests_per_s; memory grows with N")
     add_load_arguments(parser, default_workload=_AUTO, model_flag=False)
-    parser.epilog = engine_help()
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = engine_help() + "\n\n" + workload_options_help()
+    parser.formatter_class = HelpFormatter
 
 
 def _policy_params(pairs: list[str], policies: list[str]) -> dict[str, dict]:
     out: dict[str, dict] = {p: {} for p in policies}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        pol, dot, name = key.partition(".")
-        if not sep or not dot or not name:
-            raise ConfigError("--policy-param", f"{pair!r} must be POLICY.NAME=VALUE")
-        if pol not in out:
+        pol, dot, name = key.rpartition(".")
+        if not sep or not name:
+            raise ConfigError("--policy-param", f"{pair!r} must be [POLICY.]NAME=VALUE")
+        if dot and pol not in out:
             raise ConfigError("--policy-param", f"{pol!r} is not one of the --policies ({', '.join(policies)})")
         try:
-            out[pol][name] = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError:
-            out[pol][name] = value
+            parsed = value
+        for p in ([pol] if dot else policies):  # no POLICY.: every policy of the run
+            out[p][name] = parsed
     return out
 
 

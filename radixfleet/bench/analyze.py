@@ -28,7 +28,7 @@ from router.traffic_log import TrafficLog, log_files
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--requests", type=int, default=100_000, help="requests in the generated log")
     parser.add_argument("--log", help="analyze this log (file or directory) instead of "
                                       "building one")
     parser.add_argument("--keep", help="build the log in this directory and keep it")

@@ -29,8 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-rate", type=float, default=12.0, help="baseline req/s")
     parser.add_argument("--ramp", type=float, default=120.0, help="crowd ramp, s")
     parser.add_argument("--hold", type=float, default=120.0, help="crowd at its peak, s")
-    parser.add_argument("--max-workers", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-workers", type=int, default=64, help="the autoscaler's ceiling")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--no-fixed", action="store_true", help="skip the fixed-fleet row")
 
 

@@ -53,10 +53,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=6000, help="requests in the stream (default 6000)")
     p.add_argument("--capacity", type=int, default=20_000,
                    help="engine cache in blocks (default 20000: evictions in steady state)")
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=32, help="engine block size in tokens")
     p.add_argument("--mem-blocks", type=int, default=64_000,
                    help="blocks held for the memory comparison (default 64000)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
 
 
 def _root_seed(adapter, salt, bs):

@@ -48,6 +48,7 @@ from loadtest.arrivals import Bounds, Closed, Poisson
 from loadtest.client import Result, Target
 from loadtest.demo import DEFAULT_KV_TOKENS
 from loadtest.fleet import Fleet, FleetConfig
+from protocol.cli_args import DeprecatedAlias
 from loadtest.main import run_ab
 from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
@@ -63,16 +64,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--policies", default="prefix_load,round_robin",
                    help="comma list, run live and simulated (default prefix_load,round_robin)")
-    p.add_argument("--agents", type=int, default=4)
+    p.add_argument("--agents", type=int, default=4, help="simulated agents")
     p.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
                    help=f"per-agent KV tokens (default {DEFAULT_KV_TOKENS}, the demo's)")
-    p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--gpu", default="h100")
-    p.add_argument("--workload", default="mixed")
-    p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--agent-model", dest="model", default="llama-3-8b",
+                   help="the agents' model preset")
+    p.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
+    p.add_argument("--gpu", default="h100", help="the agents' GPU preset")
+    p.add_argument("--workload", default="mixed", help="the workload (as loadtest --workload)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE", help="a workload parameter (repeatable)")
     p.add_argument("--rate", type=float, default=12.0, help="Poisson arrivals/s (default 12)")
-    p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--duration", type=float, default=120.0)
+    p.add_argument("--requests", type=int, default=400, help="requests per run")
+    p.add_argument("--duration", type=float, default=120.0, help="longest run, seconds")
     p.add_argument("--seeds", default="0,1,2", help="workload seeds, comma list (default 0,1,2)")
     p.add_argument("--probes", type=int, default=30, help="calibration requests (0: no calibration)")
     p.add_argument("--live-runs", type=int, default=1,

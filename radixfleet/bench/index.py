@@ -54,8 +54,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", type=int, default=30_000, help="ops per row (default 30000)")
     p.add_argument("--probes", type=int, default=2_000,
                    help="directed matches per depth and row (default 2000)")
-    p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="prefix key block size in bytes")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
 
 
 def _pool(n: int, size: int, rng: random.Random) -> list[bytes]:

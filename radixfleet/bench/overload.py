@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from loadtest.fleet import Fleet, FleetConfig
+from protocol.cli_args import DeprecatedAlias
 
 SHED_TARGET = 0.90
 TTFT_RATIO_TARGET = 3.0
@@ -42,16 +43,18 @@ TTFT_RATIO_TARGET = 3.0
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--agents", type=int, default=2)
-    p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--gpu", default="l4")
+    p.add_argument("--agents", type=int, default=2, help="simulated agents")
+    p.add_argument("--agent-model", dest="model", default="llama-3-8b",
+                   help="the agents' model preset")
+    p.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
+    p.add_argument("--gpu", default="l4", help="the agents' GPU preset")
     p.add_argument("--prompt-tokens", type=int, default=1000, help="tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     p.add_argument("--load", type=float, default=4.0, help="overload: x capacity")
     p.add_argument("--light", type=float, default=0.2, help="unloaded phase: x capacity")
     p.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
-    p.add_argument("--calibrate-s", type=float, default=10.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibrate-s", type=float, default=10.0, help="seconds spent measuring capacity")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
 
 
 @dataclass(slots=True)

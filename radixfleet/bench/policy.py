@@ -58,7 +58,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decisions", type=_positive, default=20_000,
                    help="decisions per run (default 20000)")
     p.add_argument("--repeats", type=_positive, default=5, help="runs per row; best kept (default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--quality", action="store_true",
                    help="also route a mixed workload: hit rate and modelled TTFT")
     p.add_argument("--rate", type=_positive, default=200,

@@ -54,19 +54,20 @@ P99_TARGET = 1.1
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--replicas", type=int, default=4, help="router replicas on the bus")
+    parser.add_argument("--agents", type=int, default=4, help="simulated agents")
     parser.add_argument("--kv-tokens", type=int, default=12_000, help="per agent (the demo's)")
     parser.add_argument("--rate", type=float, default=12.0, help="Poisson arrivals per second")
-    parser.add_argument("--requests", type=int, default=600)
-    parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=600, help="requests per run")
+    parser.add_argument("--duration", type=float, default=60.0, help="longest run, seconds")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
                         help="a mixed workload parameter (repeatable), e.g. -o sessions=48")
     parser.add_argument("--runs", type=int, default=1,
                         help="fresh fleets to measure; medians and spread of the ratios")
-    parser.add_argument("--policy", default="prefix_load")
-    parser.add_argument("--policy-param", action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--policy", default="prefix_load", help="every router's policy")
+    parser.add_argument("-P", "--policy-param", action="append", default=[],
+                        metavar="[POLICY.]NAME=VALUE",
                         help="a policy parameter for every router (repeatable), e.g. "
                              "footprint_room=0")
     parser.add_argument("--no-replicate", action="store_true",
@@ -154,7 +155,7 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
             path = os.path.join(tmp, f"router{i}.yaml")
             with open(path, "w") as f:
                 policy = {"name": args.policy, "params": policy_params(
-                    getattr(args, "policy_param", []), "--policy-param")}
+                    getattr(args, "policy_param", []), "--policy-param", args.policy)}
                 if args.no_replicate:
                     policy["params"]["replicate"] = False
                 json.dump({"listen": {"port": port}, "policy": policy,

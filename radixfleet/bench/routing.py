@@ -65,17 +65,18 @@ def _count(lo: int):
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--requests", type=int, default=20_000)
-    parser.add_argument("--workers", type=int, default=16)
-    parser.add_argument("--prompt-bytes", type=int, default=8192)
+    parser.add_argument("--requests", type=int, default=20_000, help="requests routed per row")
+    parser.add_argument("--workers", type=int, default=16, help="routable workers")
+    parser.add_argument("--prompt-bytes", type=int, default=8192, help="bytes per prompt")
     parser.add_argument("--policies",
-                        default="round_robin,least_load,cache_aware,prefix_load")
+                        default="round_robin,least_load,cache_aware,prefix_load",
+                        help="comma-separated policies, one row each")
     parser.add_argument("--tokenizer", default="",
                         help="tokenizer folder or cached repo id for the token rows "
                              "(default: the tiny test tokenizer, built in a temp dir)")
     parser.add_argument("--token-requests", type=_count(0), default=2_000,
                         help="requests per token row (0: no token rows)")
-    parser.add_argument("--token-policy", default="prefix_load")
+    parser.add_argument("--token-policy", default="prefix_load", help="the policy of the token-keyed rows")
     parser.add_argument("--tokenizer-backends", default="",
                         help="comma-separated: fastokens, tokenizers (default: both when "
                              "fastokens is installed, else tokenizers)")

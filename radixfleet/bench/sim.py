@@ -72,7 +72,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="smaller traces (trace_100k: 3 copies, long_5k: 500 requests)")
     p.add_argument("--profile", choices=("gsp", "all", "none"), default="gsp",
                    help="which rows get a second, profiled run (time by package)")
-    p.add_argument("--policy", default="prefix_load")
+    p.add_argument("--policy", default="prefix_load", help="the simulated fleet's policy")
 
 
 def _long_trace(path: str, n: int, seed: int = 0) -> None:

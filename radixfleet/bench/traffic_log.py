@@ -37,9 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--requests", type=int, default=5_000, help="per round")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of each (off, on)")
-    parser.add_argument("--workers", type=int, default=16)
-    parser.add_argument("--prompt-bytes", type=int, default=8192)
-    parser.add_argument("--policy", default="prefix_load")
+    parser.add_argument("--workers", type=int, default=16, help="routable workers")
+    parser.add_argument("--prompt-bytes", type=int, default=8192, help="bytes per prompt")
+    parser.add_argument("--policy", default="prefix_load", help="the routing policy")
     parser.add_argument("--rate", type=float, default=2000.0,
                         help="requests/s offered (0: back to back, the CPU-saturated worst "
                              "case; default 2000)")
