@@ -43,7 +43,7 @@ from protocol.errors import ConfigError, RunError, WorkloadError
 from loadtest.arrivals import Bounds, Closed, DriveStats, Poisson, TraceTimes, drive
 from loadtest.client import Result, Target
 from loadtest.report import (CacheReference, Progress, check_outputs, mark_bounds, render_table,
-                             summarize, write_json, write_plots)
+                             require_plots, summarize, write_json, write_plots)
 from loadtest.workloads import WORKLOADS, Trace, Workload, make_workload, parse_options
 
 log = logging.getLogger(__name__)
@@ -469,6 +469,8 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_capacity_tokens is not None and args.kv_capacity_tokens <= 0:
         raise ConfigError("--kv-capacity-tokens", "must be > 0")
     check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
+    if args.plots:
+        require_plots()
     outcomes = asyncio.run(run_ab(
         targets, workload, arrivals, bounds, flush_urls=[u.rstrip("/") for u in args.flush],
         kv_capacity_tokens=args.kv_capacity_tokens, model=args.model, timeout_s=args.timeout,
@@ -486,6 +488,8 @@ def _run_local_ab(args: argparse.Namespace) -> int:
     ab.arms(args)  # flag errors before anything starts
     workload, arrivals, bounds = build_load(args)
     check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
+    if args.plots:
+        require_plots()
     outcomes = ab.run_local(args, workload, arrivals, bounds)
     emit(outcomes, args)
     for line in ab.worth([o.report for o in outcomes], args.ab):

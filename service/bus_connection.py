@@ -38,15 +38,18 @@ import os
 import ssl
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Awaitable, Callable
+import sys
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
-from nats.aio.client import Client as NATS
-from nats.errors import AuthorizationError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from protocol.errors import ConfigError
+from protocol.extras import require
 from service.auth import is_loopback
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
 
 log = logging.getLogger("radixfleet.bus")
 
@@ -181,7 +184,10 @@ def check_exposure(url: str, agent_token: bytes | str, key: str) -> None:
 def failure_cause(exc: BaseException) -> str | None:
     """``auth`` or ``tls`` when ``exc`` says the server refused us or the TLS
     handshake failed (retrying the same will not help), else None."""
-    if isinstance(exc, AuthorizationError) or "authorization violation" in str(exc).lower():
+    # nats-py not imported yet: exc cannot be one of its errors (the bus is an extra)
+    nats_errors = sys.modules.get("nats.errors")
+    if (nats_errors is not None and isinstance(exc, nats_errors.AuthorizationError)) \
+            or "authorization violation" in str(exc).lower():
         return "auth"
     if isinstance(exc, ssl.SSLError):
         return "tls"
@@ -253,6 +259,8 @@ class BusConnection:
                  on_down: Callable[[], None] | None = None,
                  connect_timeout_s: float = 1.0, backoff_s: float = 0.5,
                  backoff_max_s: float = 5.0, options: dict[str, Any] | None = None) -> None:
+        #: nats-py's client class (the 'bus' extra: MissingExtra here, before any task)
+        self._client: type[NATS] = require("nats.aio.client", "bus", "the bus").Client
         self.url = url
         #: BusCredentials.connect_options(): credentials and TLS (secrets: never logged)
         self._options = dict(options or {})
@@ -298,7 +306,7 @@ class BusConnection:
         delay = self.backoff_s
         while True:
             self._lost.clear()
-            nc = NATS()
+            nc = self._client()
             try:
                 await nc.connect(
                     self.url, name=self.name, allow_reconnect=False,
