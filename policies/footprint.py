@@ -50,7 +50,6 @@ import heapq
 import math
 from dataclasses import dataclass
 from itertools import count as _counter
-from typing import Sequence
 
 from policies.base import MatchResult, RouteRequest
 
