@@ -31,6 +31,9 @@ from tests.deploy_tools import ROOT, tools_venv
 from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
 from tests.test_deploy_image import DOCKERFILE, exec_form, instructions, stages
 
+#: the manifests are rendered (kustomize) and validated by tools run as processes
+pytestmark = pytest.mark.integration
+
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "production", "vllm")
 KUBE_VERSIONS = ("1.30.0", "1.37.0")

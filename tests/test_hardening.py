@@ -221,6 +221,7 @@ def test_lone_surrogates_key_without_error(field):
     assert key.data and key.hashes is not None
 
 
+@pytest.mark.integration
 async def test_lone_surrogates_are_never_500(fleet):
     await one_router(fleet)
     fleet.past_grace()
@@ -254,6 +255,7 @@ def test_bounded_depth_parse():
     assert loads(json.dumps({"s": "[" * 5000}).encode())["s"] == "[" * 5000
 
 
+@pytest.mark.integration
 async def test_deep_json_is_400_on_every_json_endpoint(fleet):
     await one_router(fleet)
     agent_url, _ = await fleet.agent("m", register=False)
@@ -268,6 +270,7 @@ async def test_deep_json_is_400_on_every_json_endpoint(fleet):
             assert "nested deeper" in r.json()["error"]["message"], url
 
 
+@pytest.mark.integration
 async def test_non_utf8_credentials_are_401(fleet, monkeypatch):
     monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "adm")
     monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "agt")
@@ -290,6 +293,7 @@ async def test_non_utf8_credentials_are_401(fleet, monkeypatch):
         assert json_body_of(out)["error"]["code"] == "unauthorized"
 
 
+@pytest.mark.integration
 async def test_bad_ipv6_worker_url_is_400(fleet):
     await one_router(fleet)
     async with httpx.AsyncClient() as c:
@@ -302,6 +306,7 @@ async def test_bad_ipv6_worker_url_is_400(fleet):
         parse_config({"workers": [{"url": "http://[::1"}]})
 
 
+@pytest.mark.integration
 async def test_bad_chunk_size_on_a_handed_over_path_is_json_400(fleet, caplog):
     await one_router(fleet)
     caplog.set_level(logging.DEBUG)
@@ -321,6 +326,7 @@ async def test_bad_chunk_size_on_a_handed_over_path_is_json_400(fleet, caplog):
     assert fleet.router.metrics.bad_http.labels("400")._value.get() >= 1
 
 
+@pytest.mark.integration
 async def test_long_request_id_is_not_passed_on(fleet):
     await fleet.start({})
     await fleet.agent("m")
@@ -337,6 +343,7 @@ async def test_long_request_id_is_not_passed_on(fleet):
 
 # ============================================ 2. reported load, policies total
 
+@pytest.mark.integration
 async def test_out_of_range_load_reports_are_refused_and_routing_survives(fleet):
     url = await one_router(fleet)
     other = await fleet.upstream("v")
@@ -415,6 +422,7 @@ def _hex_and_dec(hashes):
     return out
 
 
+@pytest.mark.integration
 async def test_tenant_probe_through_every_public_endpoint_confirms_nothing(fleet, monkeypatch):
     """Tenant acme sends a prompt; an outsider who knows the prompt and the tenant
     name hashes it (with the old public salt, and with any salt he could know) and
@@ -479,6 +487,7 @@ def test_tenant_salt_is_a_secret_per_deployment(monkeypatch):
     assert Router(cfg).tenants.namespace({}) != Router(cfg_b).tenants.namespace({})
 
 
+@pytest.mark.integration
 async def test_agent_takes_the_tenant_header_only_from_a_router(monkeypatch):
     monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "agt")
     app = create_app(AgentConfig(kv_tokens=50_000, served_model_name="m"))
@@ -519,6 +528,7 @@ async def test_agent_takes_the_tenant_header_only_from_a_router(monkeypatch):
         await srv.close()
 
 
+@pytest.mark.integration
 async def test_router_signs_what_its_agents_check(fleet, monkeypatch):
     monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "agt")
     await fleet.start({"keys": {"tenant": {"source": "header"}}})
@@ -536,6 +546,7 @@ async def test_router_signs_what_its_agents_check(fleet, monkeypatch):
 
 # ============================================================ 4. models
 
+@pytest.mark.integration
 async def test_requests_go_only_to_workers_serving_their_model(fleet):
     await fleet.start({"policy": {"name": "round_robin"}})
     await fleet.agent("model-a")
@@ -557,6 +568,7 @@ async def test_requests_go_only_to_workers_serving_their_model(fleet):
         assert r.status_code == 200
 
 
+@pytest.mark.integration
 async def test_yaml_workers_models_come_from_their_v1_models(fleet):
     u0 = await fleet.upstream("u0", model="m0")
     u1 = await fleet.upstream("u1", model="m1")
@@ -577,6 +589,7 @@ async def test_yaml_workers_models_come_from_their_v1_models(fleet):
 
 # ========================================================== 5. warm-ups
 
+@pytest.mark.integration
 async def test_hot_root_warm_ups_keep_the_adapter(fleet):
     bodies = []
 
@@ -603,6 +616,7 @@ async def test_hot_root_warm_ups_keep_the_adapter(fleet):
 
 # ========================================================== 6. shedding
 
+@pytest.mark.integration
 async def test_overload_is_shed_by_default_with_retry_after(fleet):
     await one_router(fleet)  # default limits
     other = await fleet.upstream("v")
@@ -654,6 +668,7 @@ def test_shedder_bound_follows_the_typical_request():
     assert Shedder(0.0, 0.05).check([W(10**9)], "m", None, 1, 0.0) is None  # off
 
 
+@pytest.mark.integration
 async def test_agent_wait_queue_is_bounded():
     app = create_app(AgentConfig(model="llama-3-8b", gpu="l4", kv_tokens=100_000,
                                  scheduler=SchedulerConfig(max_running=1, max_waiting=2)))
@@ -680,6 +695,7 @@ async def test_agent_wait_queue_is_bounded():
     assert build_config(p.parse_args(["--port", "1"])).scheduler.max_waiting == 4 * 256
 
 
+@pytest.mark.integration
 async def test_head_and_body_deadlines(fleet):
     await one_router(fleet, limits={"header_timeout_s": 0.5, "body_timeout_s": 0.5})
     t0 = time.monotonic()
@@ -698,6 +714,7 @@ async def test_head_and_body_deadlines(fleet):
     assert status_of(out) == 408, out
 
 
+@pytest.mark.integration
 async def test_no_503_without_retry_after(fleet):
     dead = f"http://127.0.0.1:{free_port()}"
     await fleet.start({"workers": [{"url": dead}]})
@@ -708,6 +725,7 @@ async def test_no_503_without_retry_after(fleet):
         assert r.status_code == 503 and r.headers["Retry-After"]
 
 
+@pytest.mark.integration
 async def test_a_workers_503_passes_through_with_retry_after(fleet):
     async def busy(request):
         await request.read()
@@ -729,6 +747,7 @@ async def test_a_workers_503_passes_through_with_retry_after(fleet):
 
 # ======================================================== 7. identifiers
 
+@pytest.mark.integration
 async def test_identifiers_are_bounded(fleet, tmp_path):
     url = await one_router(fleet)
     other = await fleet.upstream("v")
@@ -771,6 +790,7 @@ def test_config_refuses_duplicate_keys_and_reports_every_error(tmp_path):
     assert str(ei.value).startswith("4 errors: ")
 
 
+@pytest.mark.integration
 def test_check_config_warns_on_an_empty_fleet(tmp_path):
     p = tmp_path / "empty.yaml"
     p.write_text("")
@@ -782,6 +802,7 @@ def test_check_config_warns_on_an_empty_fleet(tmp_path):
 
 # ============================================================ 9. metrics
 
+@pytest.mark.integration
 async def test_metrics_hygiene(fleet):
     async def fail(request):
         await request.read()
