@@ -145,7 +145,7 @@ class Footprints:
         if branch is None:
             shared = 0 if match.private else min(match.depth * bt, request.prompt_tokens)
             if request.session is not None:
-                key = request.session
+                key: object = request.session
                 old = self._branches.get(key)
                 if old is not None:  # the same session started again: the old record ends
                     self._drop(old)

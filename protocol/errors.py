@@ -29,6 +29,8 @@ members of this tree.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RadixfleetError(Exception):
     """Base class of every error radixfleet raises on purpose."""
@@ -53,7 +55,7 @@ class RequestError(RadixfleetError):
         self.message = message
         self.param = param
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The OpenAI-style error body: ``{"error": {message, type, code, param}}``."""
         return error_body(self.message, self.error_type, self.code, self.param)
 
@@ -126,7 +128,7 @@ class RequestTimeout(RequestError):
 
 
 def error_body(message: str, error_type: str, code: str | int | None,
-               param: str | None = None) -> dict:
+               param: str | None = None) -> dict[str, Any]:
     """The OpenAI-style error body every JSON error answer has (the router's own, and
     a worker's error re-wrapped by the data plane)."""
     return {"error": {"message": message, "type": error_type, "code": code, "param": param}}

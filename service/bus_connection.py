@@ -50,6 +50,7 @@ from service.auth import is_loopback
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
+    from nats.js import JetStreamContext
 
 log = logging.getLogger("radixfleet.bus")
 
@@ -229,7 +230,7 @@ class Problems:
         self.every_s = every_s
         self.clock = clock
         #: cause -> [when it was last logged, reports not logged since]
-        self._logged: dict[str, list] = {}
+        self._logged: dict[str, list[Any]] = {}
 
     def report(self, cause: str, message: str, *args: object,
                level: int = logging.WARNING) -> None:
@@ -274,11 +275,11 @@ class BusConnection:
         self.backoff_max_s = backoff_max_s
         self.state = BusState.CONNECTING
         self.nc: NATS | None = None
-        self.js = None
+        self.js: JetStreamContext | None = None
         #: connection attempts finished (either way): readiness waits for the first
         self.attempts = 0
         self._lost = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         #: the last error nats-py reported through error_cb (it may say why a connect
         #: failed more precisely than what connect() raised)
         self._last_error: BaseException | None = None
@@ -312,8 +313,10 @@ class BusConnection:
                     self.url, name=self.name, allow_reconnect=False,
                     # nats-py retries the first connect forever with 0; 1 = give up
                     # after a second try, our own backoff takes it from there
-                    connect_timeout=self.connect_timeout_s, max_reconnect_attempts=1,
-                    reconnect_time_wait=0.05,
+                    # nats-py annotates these int; it uses them as float seconds
+                    connect_timeout=self.connect_timeout_s,  # type: ignore[arg-type]
+                    max_reconnect_attempts=1,
+                    reconnect_time_wait=0.05,  # type: ignore[arg-type]
                     closed_cb=self._on_closed, disconnected_cb=self._on_closed,
                     error_cb=self._on_error, **self._options)
                 self.nc, self.js = nc, nc.jetstream(timeout=max(self.connect_timeout_s, 2.0))
@@ -398,5 +401,5 @@ class BusConnection:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
