@@ -91,7 +91,7 @@ def check_url(url: str, key: str = "bus.url") -> None:
         raise ConfigError(key, "credentials do not go in the URL (it is logged and shown): "
                           "use the bus's auth settings")
     try:
-        parts.port
+        parts.port  # noqa: B018 - reading it validates the port
     except ValueError:
         raise ConfigError(key, f"invalid port in {url!r}") from None
 
