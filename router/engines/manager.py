@@ -89,7 +89,8 @@ class EnginePrometheus:
             "be followed and it was left in the approximate mode, per cause: missing (no "
             "/kv_event_sources: vLLM before 0.32), empty, disabled, malformed (its answer), "
             "no_tokenizer, address_in_use, endpoint_refused (the subscriber's socket), "
-            "rank_rejected (the engine refused a data-parallel rank; asked again)",
+            "rank_rejected (the engine refused a data-parallel rank; asked again), "
+            "missing_extra (pip install 'radixfleet[engines]')",
             ["worker", "cause"], registry=r)
         self.events_ranks = Gauge(
             "radixfleet_engine_event_streams", "KV-event streams followed per worker (one "
