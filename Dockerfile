@@ -13,8 +13,13 @@
 # HEALTHCHECK command lines on loopback.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The pip extras installed (pyproject.toml): engine tokenizers and KV events, Kubernetes
+# discovery and the bus, as deploy/ uses them; no plots. A router that needs fewer
+# builds with, say, --build-arg EXTRAS=k8s (a missing extra is a one-line error naming it).
+ARG EXTRAS=engines,k8s,bus
 
 FROM ${PYTHON_IMAGE} AS build
+ARG EXTRAS
 # Debian's current versions are the ones with security fixes; pinning them would
 # break the build at the next point release.
 # hadolint ignore=DL3008
@@ -32,7 +37,7 @@ COPY policies/ policies/
 COPY worker_agent/ worker_agent/
 COPY loadtest/ loadtest/
 COPY radixfleet/ radixfleet/
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir ".[${EXTRAS}]" \
     && python -m compileall -q /opt/radixfleet
 
 FROM ${PYTHON_IMAGE} AS runtime

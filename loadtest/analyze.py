@@ -72,7 +72,7 @@ from typing import Sequence
 
 import numpy as np
 
-from loadtest.report import check_outputs
+from loadtest.report import check_outputs, require_plots
 from loadtest.simulator.reference import BlockReference
 from loadtest.trace_format import TRAFFIC_LOG, TraceData, read_trace
 from protocol.cli_args import DeprecatedAlias
@@ -579,6 +579,7 @@ def print_report(res: dict, file=None) -> None:
 
 def write_plots(res: dict, out_dir: str) -> list[str]:
     """knee.png, zipf_head.png and (with --policies) policies.png."""
+    require_plots()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -735,6 +736,8 @@ def run(args: argparse.Namespace) -> int:
             raise WorkloadError(f"{p}: no such file or directory")
     paths = log_files(args.logs)
     check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
+    if args.plots:
+        require_plots()
     res = analyze(paths, opts)
     print_report(res)
     if args.json:

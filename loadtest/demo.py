@@ -35,7 +35,7 @@ from protocol.cli_args import DeprecatedAlias
 from protocol.errors import ConfigError
 from loadtest.fleet import Fleet, FleetConfig
 from loadtest.main import add_load_arguments, build_load, run_ab
-from loadtest.report import check_outputs, render_table, write_json, write_plots
+from loadtest.report import check_outputs, render_table, require_plots, write_json, write_plots
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = FleetConfig(agents=args.agents, model=args.fleet_model, gpu=args.gpu,
                       kv_tokens=args.kv_tokens, router_port=0, policy=policies[0]).validate()
     check_outputs(files=[("--json", args.json)], dirs=[("--out", args.out), ("--plots", args.plots)])
+    require_plots()  # the demo always writes its plots to --out
     fleet = Fleet(cfg, log_dir=os.path.join(args.out, "logs"), start_router=False)
     print(f"demo: {cfg.agents} agents ({cfg.model} on {cfg.gpu}, {cfg.kv_tokens} KV tokens each), "
           f"workload {workload.name} seed {workload.seed}, policies {', '.join(policies)}", flush=True)

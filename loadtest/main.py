@@ -47,7 +47,7 @@ from loadtest.arrivals import Bounds, Closed, DriveStats, Poisson, TraceTimes, d
 from loadtest.client import Result, Target
 from loadtest.retry import RETRY_MODES, RetryPolicy
 from loadtest.report import (CacheReference, Progress, check_outputs, mark_bounds, render_table,
-                             summarize, write_json, write_plots)
+                             require_plots, summarize, write_json, write_plots)
 from loadtest.workloads import (API_COMPLETIONS, APIS, WORKLOADS, Trace, Workload, make_workload,
                                 parse_options)
 
@@ -678,6 +678,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--kv-capacity-tokens", "must be > 0")
     check_outputs(files=[("--json", args.json), ("--requests-out", args.requests_out)],
                   dirs=[("--plots", args.plots)])
+    if args.plots:
+        require_plots()
     outcomes: list[RunOutcome] = []
     for rate, (workload, arrivals, bounds) in zip(rates, loads):
         outs = asyncio.run(run_ab(
@@ -708,6 +710,8 @@ def _run_local_ab(args: argparse.Namespace, mopts) -> int:
     workload, arrivals, bounds = build_load(args)
     check_outputs(files=[("--json", args.json), ("--requests-out", args.requests_out)],
                   dirs=[("--plots", args.plots)])
+    if args.plots:
+        require_plots()
     outcomes = ab.run_local(args, workload, arrivals, bounds)
     for o in outcomes:
         enrich(o.report, o.results, mopts)

@@ -59,6 +59,7 @@ from collections import Counter
 from typing import Any, Iterable, Sequence
 
 from protocol.errors import ConfigError
+from protocol.extras import require
 from protocol.prefix_keys import Endpoint, routing_bytes
 from loadtest.client import Result
 from loadtest.prefix_trie import PrefixTrie, as_tokens
@@ -309,6 +310,12 @@ def write_json(path: str, runs: list[dict]) -> None:
         f.write("\n")
 
 
+def require_plots() -> None:
+    """PNG plots need the plots extra (matplotlib): MissingExtra, one line naming it.
+    Commands call it before a run that will write plots, not after."""
+    require("matplotlib", "plots", "PNG plots")
+
+
 def check_outputs(*, files: Sequence[tuple[str, str | None]] = (),
                   dirs: Sequence[tuple[str, str | None]] = ()) -> None:
     """Raises ``ConfigError`` (naming the flag) unless every ``(flag, path)`` in
@@ -440,6 +447,7 @@ def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[flo
 
     ``ttft_samples[name]`` holds that run's TTFTs in ms. Returns the paths written.
     """
+    require_plots()
     import matplotlib
 
     matplotlib.use("Agg")

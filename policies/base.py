@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from protocol.prefix_keys import WorkerId
 
@@ -156,6 +156,6 @@ class Policy:
     ) -> Decision:
         raise NotImplementedError
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """Policy-specific state for ``/admin/index`` (hot prefixes, replica sets)."""
         return {}

@@ -7,8 +7,9 @@ tokens ahead of a new request (``policies.load``).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_tokens
@@ -28,7 +29,8 @@ class RoundRobin(Policy):
     class Params(PolicyParams):
         """round_robin has no parameters."""
 
-    def __init__(self, params=None, rng=None):
+    def __init__(self, params: PolicyParams | None = None,
+                 rng: random.Random | None = None) -> None:
         super().__init__(params, rng)
         self._cursor = 0  # only choose() advances it
 
@@ -38,7 +40,7 @@ class RoundRobin(Policy):
         self._cursor += 1
         return Decision(v.id, Reason.ROUND_ROBIN, match.blocks.get(v.id, 0))
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"params": {}, "cursor": self._cursor}
 
 

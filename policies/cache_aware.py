@@ -28,7 +28,7 @@ Where we differ, and why:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_requests
@@ -48,6 +48,8 @@ class CacheAware(Policy):
         balance_rel_threshold: float = param(
             1.5, "imbalanced when max in-flight > min x this (and the difference too)",
             lo=1.0)
+
+    params: Params
 
     def choose(self, request: RouteRequest, match: MatchResult,
                views: Sequence[WorkerView], now: float) -> Decision:
@@ -79,9 +81,10 @@ class CacheAware(Policy):
                 text = request.text_len or request.prompt_tokens * BYTES_PER_TOKEN
                 rate = best * request.block_tokens * BYTES_PER_TOKEN / text if text else 0.0
                 if rate > p.cache_threshold:
+                    assert best_id is not None, f"{best=}"  # set with best
                     return Decision(best_id, Reason.AFFINITY, best)
         v = least_requests(views, self.rng)
         return Decision(v.id, Reason.MISS, blocks.get(v.id, 0))
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"params": asdict(self.params)}

@@ -26,14 +26,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import xxhash
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_requests
 from policies.params import param
+from protocol.prefix_keys import WorkerId
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -51,14 +53,17 @@ class ConsistentHash(Policy):
             4, "without a session, the key is the hash of the first N prefix blocks",
             lo=1, hi=1_000_000)
 
-    def __init__(self, params=None, rng=None):
+    params: Params
+
+    def __init__(self, params: PolicyParams | None = None,
+                 rng: random.Random | None = None) -> None:
         super().__init__(params, rng)
-        self._sig: frozenset = frozenset()  # {(worker, weight)} the ring was built for
+        self._sig: frozenset[Any] = frozenset()  # {(worker, weight)} the ring was built for
         self._points: list[int] = []  # sorted vnode positions
-        self._owner: list[str] = []  # worker id of each point
-        self._order: list[str] = []  # views' ids, in the order _pos was computed for
-        self._pos: dict[str, int] = {}  # worker id -> index into views
-        self._weights: dict[str, float] = {}  # worker id -> weight, as of _order
+        self._owner: list[WorkerId] = []  # worker id of each point
+        self._order: list[WorkerId] = []  # views' ids, in the order _pos was computed for
+        self._pos: dict[WorkerId, int] = {}  # worker id -> index into views
+        self._weights: dict[WorkerId, float] = {}  # worker id -> weight, as of _order
         self.rebuilds = 0
 
     def _sync(self, views: Sequence[WorkerView]) -> None:
@@ -128,7 +133,7 @@ class ConsistentHash(Policy):
         v = least_requests(views, self.rng)
         return Decision(v.id, Reason.MISS, match.blocks.get(v.id, 0))
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"params": dataclasses.asdict(self.params), "ring_points": len(self._points),
                 "workers": len(self._pos), "rebuilds": self.rebuilds}
 

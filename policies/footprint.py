@@ -50,7 +50,6 @@ import heapq
 import math
 from dataclasses import dataclass
 from itertools import count as _counter
-from typing import Sequence
 
 from policies.base import MatchResult, RouteRequest
 
@@ -146,7 +145,7 @@ class Footprints:
         if branch is None:
             shared = 0 if match.private else min(match.depth * bt, request.prompt_tokens)
             if request.session is not None:
-                key = request.session
+                key: object = request.session
                 old = self._branches.get(key)
                 if old is not None:  # the same session started again: the old record ends
                     self._drop(old)

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from policies.base import Decision, Policy, RouteRequest, WorkerView
 from router.prefix_index import PrefixIndex
-from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
+from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, WorkerId
 
 
 @dataclass(slots=True)
@@ -57,17 +57,17 @@ class PickLoop:
     def __post_init__(self) -> None:
         self.load = {w: _Load(prefill_tokens_per_s=self.prefill_tokens_per_s)
                      for w in self.workers}
-        self._events: list = []  # (time, seq, kind, worker, tokens | warmed hashes)
+        self._events: list[Any] = []  # (time, seq, kind, worker, tokens | warmed hashes)
         self._seq = 0
         self.decisions: list[Decision] = []
         self.warmups: list[tuple[str, int]] = []  # (worker, blocks) warm-ups sent
 
     def views(self) -> list[WorkerView]:
-        return [WorkerView(w, in_flight=l.in_flight, in_flight_tokens=l.in_flight_tokens,
+        return [WorkerView(WorkerId(w), in_flight=l.in_flight, in_flight_tokens=l.in_flight_tokens,
                            prefill_tokens_per_s=l.prefill_tokens_per_s)
                 for w, l in self.load.items()]
 
-    def _warm(self, w: str, prefix: list, now: float) -> None:
+    def _warm(self, w: str, prefix: list[Any], now: float) -> None:
         """A warm-up of ``prefix`` on ``w``: prefilled in its FIFO (not counted as
         load); its blocks enter the index when that prefill ends (the agent's report)."""
         l = self.load[w]
@@ -93,7 +93,7 @@ class PickLoop:
             else:
                 l.in_flight -= 1
 
-    def _push(self, t: float, kind: str, w: str, tokens) -> None:
+    def _push(self, t: float, kind: str, w: str, tokens: Any) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, w, tokens))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from policies.base import Policy
+from policies.base import Policy, PolicyParams
 from policies.basic import LeastLoad, PowerOfTwo, RandomPolicy, RoundRobin
 from policies.cache_aware import CacheAware
 from policies.consistent_hash import ConsistentHash
@@ -51,13 +51,14 @@ def policy_class(name: Any, *, path: str = "policy") -> type[Policy]:
     return cls
 
 
-def parse_policy_params(name: Any, params: Any, *, path: str = "policy"):
+def parse_policy_params(name: Any, params: Any, *, path: str = "policy") -> PolicyParams:
     """Validates ``params`` for policy ``name`` without building it (config checks)."""
     cls = policy_class(name, path=path)
-    return parse_params(cls.Params, cls.name, params, f"{path}.params")
+    parsed: PolicyParams = parse_params(cls.Params, cls.name, params, f"{path}.params")
+    return parsed
 
 
-def build_policy(name: Any, params: dict | None, rng: random.Random, *,
+def build_policy(name: Any, params: dict[str, Any] | None, rng: random.Random, *,
                  path: str = "policy") -> Policy:
     """A new policy instance from its YAML name and parameter mapping.
 
@@ -70,6 +71,6 @@ def build_policy(name: Any, params: dict | None, rng: random.Random, *,
     return cls(parsed, rng)
 
 
-def describe_policies() -> dict[str, list[dict]]:
+def describe_policies() -> dict[str, list[dict[str, Any]]]:
     """``{name: [{name, type, default, expected, doc}, ...]}`` for docs and help."""
     return {name: param_docs(POLICIES[name].Params) for name in policy_names()}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 #: retire a replica when the rate would fit in one holder fewer at this utilisation
 RETIRE_FRACTION = 0.5
@@ -57,7 +58,7 @@ class HotRecord:
     #: worker -> time it was retired (still believed to hold the prefix)
     retired: dict[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "hash": f"{self.key:016x}",
             "depth": self.depth,
@@ -167,7 +168,7 @@ class HotRoots:
         """Records, most recently seen first."""
         return list(reversed(self._records.values()))
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "hot_prefixes": [r.to_json() for r in self.records()],
             "replicas_added": self.replicas_added,

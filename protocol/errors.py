@@ -20,12 +20,16 @@ exceptions. What remains is caller misuse and bad input::
      +-- WorkloadError              a load-test workload or trace is invalid (line number)
      +-- RunError                   a load-test run cannot be made as asked (e.g. an
                                     agent's cache flush failed: it would not start cold)
+     +-- MissingExtra               a feature's optional dependencies are not installed;
+                                    names the extra to install (protocol.extras)
 
 Broken invariants are ``AssertionError`` raised by ``check()`` methods, never
 members of this tree.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class RadixfleetError(Exception):
@@ -51,7 +55,7 @@ class RequestError(RadixfleetError):
         self.message = message
         self.param = param
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The OpenAI-style error body: ``{"error": {message, type, code, param}}``."""
         return error_body(self.message, self.error_type, self.code, self.param)
 
@@ -124,7 +128,7 @@ class RequestTimeout(RequestError):
 
 
 def error_body(message: str, error_type: str, code: str | int | None,
-               param: str | None = None) -> dict:
+               param: str | None = None) -> dict[str, Any]:
     """The OpenAI-style error body every JSON error answer has (the router's own, and
     a worker's error re-wrapped by the data plane)."""
     return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
@@ -152,3 +156,16 @@ class WorkloadError(RadixfleetError):
 
 class RunError(RadixfleetError):
     """A load-test run cannot be made as asked (the message says why and how to opt out)."""
+
+
+class MissingExtra(RadixfleetError, ImportError):
+    """A feature needs an optional dependency group (a pip extra) that is not installed.
+
+    One line, naming the extra: ``the 'bus' extra is not installed (the bus: No module
+    named 'nats'): pip install 'radixfleet[bus]'``. It is an ``ImportError`` too, so
+    code that already falls back when a module is missing keeps doing so."""
+
+    def __init__(self, feature: str, extra: str, missing: str) -> None:
+        super().__init__(f"the {extra!r} extra is not installed ({feature}: {missing}): "
+                         f"pip install 'radixfleet[{extra}]'")
+        self.extra = extra

@@ -127,10 +127,10 @@ class EventBatch:
     url: str
     epoch: str
     seq: int
-    events: list = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)
     load: Load | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "worker_id": self.worker_id,
             "url": self.url,
@@ -143,7 +143,7 @@ class EventBatch:
         return out
 
 
-def _event_json(e: Event) -> dict:
+def _event_json(e: Event) -> dict[str, Any]:
     if isinstance(e, Stored):
         return {"type": "stored", "parent": e.parent, "hashes": e.hashes}
     if isinstance(e, Removed):
@@ -167,14 +167,14 @@ def _hashes(v: Any, where: str) -> list[int]:
     return v
 
 
-def _str(body: dict, key: str) -> str:
+def _str(body: dict[str, Any], key: str) -> str:
     v = body.get(key)
     if not isinstance(v, str) or not v:
         raise MalformedRequest(f"'{key}' must be a non-empty string", param=key)
     return v
 
 
-def parse_load(raw: dict) -> Load:
+def parse_load(raw: dict[str, Any]) -> Load:
     """Validates a load report (see ``MAX_LOAD_COUNT``, ``MAX_RATE``). Raises
     ``MalformedRequest`` naming the field."""
     vals = {}

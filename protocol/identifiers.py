@@ -115,7 +115,7 @@ def worker_host(host: str) -> tuple[str, str | None]:
     as written (lower case); they are not resolved here.
     """
     h = host.lower()
-    addr = None
+    addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
     if ":" in h:
         try:
             addr = ipaddress.IPv6Address(h.split("%", 1)[0])

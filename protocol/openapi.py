@@ -114,11 +114,11 @@ EVENT_BATCH = {"type": "object", "required": ["worker_id", "url", "epoch", "seq"
         "prefill_tokens_per_s": {"type": "number", "minimum": 0, "maximum": MAX_RATE}}}}}
 
 
-def _json(schema: dict) -> dict:
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*statuses: int) -> dict:
+def _errors(*statuses: int) -> dict[str, Any]:
     words = {400: "malformed request", 401: "missing or wrong token", 404: "not found",
              405: "method not allowed", 408: "head or body too slow", 409: "conflict",
              413: "body too large", 429: "overloaded (Retry-After)",
@@ -126,7 +126,7 @@ def _errors(*statuses: int) -> dict:
     return {str(s): {"description": words[s], **_json(_ERROR)} for s in statuses}
 
 
-def _ok(description: str, schema: dict | None = None, status: int = 200) -> dict:
+def _ok(description: str, schema: dict[str, Any] | None = None, status: int = 200) -> dict[str, Any]:
     r: dict[str, Any] = {"description": description}
     if schema is not None:
         r.update(_json(schema))
@@ -136,7 +136,7 @@ def _ok(description: str, schema: dict | None = None, status: int = 200) -> dict
 _OBJECT = {"type": "object"}
 
 
-def _data_plane(summary: str, schema: dict, *, router: bool) -> dict:
+def _data_plane(summary: str, schema: dict[str, Any], *, router: bool) -> dict[str, Any]:
     statuses = (400, 401, 404, 413, 429, 503) if router else (400, 404, 429, 503)
     ok = {"description": "the completion (JSON), or with stream: true an SSE stream",
           "content": {"application/json": {"schema": _OBJECT},
@@ -145,7 +145,7 @@ def _data_plane(summary: str, schema: dict, *, router: bool) -> dict:
                      "responses": {"200": ok, **_errors(*statuses)}}}
 
 
-def _get(summary: str, schema: dict | None = None, *errors: int, text: bool = False) -> dict:
+def _get(summary: str, schema: dict[str, Any] | None = None, *errors: int, text: bool = False) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": summary}
     if text:
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
@@ -154,7 +154,7 @@ def _get(summary: str, schema: dict | None = None, *errors: int, text: bool = Fa
     return {"get": {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
-def _data_plane_paths(router: bool) -> dict:
+def _data_plane_paths(router: bool) -> dict[str, Any]:
     return {
         "/v1/completions": _data_plane("OpenAI completions", COMPLETION_REQUEST, router=router),
         "/v1/chat/completions": _data_plane("OpenAI chat completions", CHAT_REQUEST,
@@ -165,9 +165,9 @@ def _data_plane_paths(router: bool) -> dict:
 
 
 @functools.cache
-def _router_spec() -> dict:
-    admin = [{"adminToken": []}]
-    agent = [{"agentToken": []}]
+def _router_spec() -> dict[str, Any]:
+    admin: list[dict[str, list[str]]] = [{"adminToken": []}]
+    agent: list[dict[str, list[str]]] = [{"agentToken": []}]
     wid = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     paths = {
         **_data_plane_paths(True),
@@ -219,7 +219,7 @@ def _router_spec() -> dict:
 
 
 @functools.cache
-def _agent_spec() -> dict:
+def _agent_spec() -> dict[str, Any]:
     probe = _get("SGLang worker probe", _OBJECT)
     paths = {
         **_data_plane_paths(False),
@@ -254,17 +254,17 @@ def _agent_spec() -> dict:
     }
 
 
-def router_spec() -> dict:
+def router_spec() -> dict[str, Any]:
     """The router's OpenAPI 3 document (a fresh copy: callers may modify it)."""
     return copy.deepcopy(_router_spec())
 
 
-def agent_spec() -> dict:
+def agent_spec() -> dict[str, Any]:
     """The agent's OpenAPI 3 document (a fresh copy)."""
     return copy.deepcopy(_agent_spec())
 
 
-def operations(spec: dict) -> set[tuple[str, str]]:
+def operations(spec: dict[str, Any]) -> set[tuple[str, str]]:
     """(METHOD, path) of every operation a document describes."""
     return {(m.upper(), p) for p, item in spec["paths"].items() for m in item
             if m in ("get", "post", "put", "patch", "delete")}

@@ -92,7 +92,7 @@ def _canonical_json(value: Any) -> bytes:
     return _utf8(json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
 
 
-def _encode_ids(ids: list, field: str) -> bytes:
+def _encode_ids(ids: list[Any], field: str) -> bytes:
     if not ids:
         raise MalformedRequest(f"'{field}' must not be empty", param=field)
     out = bytearray()
@@ -174,7 +174,7 @@ def _content_bytes(content: Any, field: str) -> bytes:
     return bytes(out)
 
 
-def render_chat(body: dict) -> bytes:
+def render_chat(body: dict[str, Any]) -> bytes:
     """The canonical chat template: tools first, then every message in order."""
     messages = body.get("messages")
     if messages is None:
@@ -271,7 +271,8 @@ def token_namespace_seed(model: str, salt: str = "", adapter: str | None = None,
     return _xxh3(b"".join(parts))
 
 
-def token_block_hashes(token_ids: Sequence[int] | array, block_size: int, seed: int) -> list[int]:
+def token_block_hashes(token_ids: Sequence[int] | array[int], block_size: int,
+                       seed: int) -> list[int]:
     """Chained xxh3_64 hashes of the whole ``block_size``-token blocks of ``token_ids``.
 
     ``h_k = xxh3_64(uint32-le(tokens of block k), seed=h_{k-1})``, ``h_0 = seed``;
@@ -293,7 +294,7 @@ def token_block_hashes(token_ids: Sequence[int] | array, block_size: int, seed: 
     return out
 
 
-def request_adapter(body: dict) -> str | None:
+def request_adapter(body: dict[str, Any]) -> str | None:
     """The LoRA adapter a request names (SGLang's ``lora_path`` or ``lora_adapter``)."""
     for field in ("lora_path", "lora_adapter"):
         value = body.get(field)
@@ -304,7 +305,7 @@ def request_adapter(body: dict) -> str | None:
     return None
 
 
-def request_model(body: dict, endpoint: Endpoint) -> str:
+def request_model(body: dict[str, Any], endpoint: Endpoint) -> str:
     model = body.get("model")
     if model is None:
         if endpoint is Endpoint.GENERATE:

@@ -81,7 +81,11 @@ def version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
+    try:
+        parser = build_parser(argv)  # imports the chosen subcommand's module
+    except RadixfleetError as exc:  # MissingExtra: a module of an extra not installed
+        print(f"radixfleet: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

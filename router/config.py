@@ -101,6 +101,7 @@ import yaml
 from policies.params import check_value
 from protocol import bus_wire
 from protocol.errors import ConfigError
+from protocol.extras import require
 from protocol.identifiers import MAX_URL_CHARS, id_problem, name_problem, worker_host
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 from service.bus_connection import BusCredentials
@@ -769,8 +770,8 @@ def check_tokenizer_source(source: str, path: str) -> None:
         raise ConfigError(path, f"tokenizer {source!r} is not a folder")
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise ConfigError(path, f"tokenizer folder {source!r} does not exist")
-    from huggingface_hub import try_to_load_from_cache
-
+    try_to_load_from_cache = require("huggingface_hub", "engines",
+                                     "a tokenizer from the Hugging Face cache").try_to_load_from_cache
     for name in ("tokenizer_config.json", "tokenizer.json"):
         try:
             hit = try_to_load_from_cache(source, name)
@@ -971,8 +972,6 @@ def load_model_keyers(cfg: "Config", loaded: Mapping[tuple[str, str], Any] | Non
     ones are reused): {(tokenizer, chat_template): TokenKeyer}. Raises
     ``ConfigError`` naming ``models.<name>.tokenizer`` for each that cannot load —
     at start, at reload (the running config stays) and in check-config."""
-    from router.engines.token_keys import TokenKeyer
-
     out: dict[tuple[str, str], Any] = {}
     found: list[ConfigError] = []
     for name, m in cfg.models.items():
@@ -984,6 +983,9 @@ def load_model_keyers(cfg: "Config", loaded: Mapping[tuple[str, str], Any] | Non
         if loaded and key in loaded:
             out[key] = loaded[key]
             continue
+        # imported only for a tokenizer to load: it needs the engines extra
+        from router.engines.token_keys import TokenKeyer
+
         try:
             out[key] = TokenKeyer.load(m.tokenizer, **(
                 {"chat_template": m.chat_template} if m.chat_template else {}))

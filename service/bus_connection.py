@@ -38,15 +38,19 @@ import os
 import ssl
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Awaitable, Callable
+import sys
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
-from nats.aio.client import Client as NATS
-from nats.errors import AuthorizationError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from protocol.errors import ConfigError
+from protocol.extras import require
 from service.auth import is_loopback
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.js import JetStreamContext
 
 log = logging.getLogger("radixfleet.bus")
 
@@ -181,7 +185,10 @@ def check_exposure(url: str, agent_token: bytes | str, key: str) -> None:
 def failure_cause(exc: BaseException) -> str | None:
     """``auth`` or ``tls`` when ``exc`` says the server refused us or the TLS
     handshake failed (retrying the same will not help), else None."""
-    if isinstance(exc, AuthorizationError) or "authorization violation" in str(exc).lower():
+    # nats-py not imported yet: exc cannot be one of its errors (the bus is an extra)
+    nats_errors = sys.modules.get("nats.errors")
+    if (nats_errors is not None and isinstance(exc, nats_errors.AuthorizationError)) \
+            or "authorization violation" in str(exc).lower():
         return "auth"
     if isinstance(exc, ssl.SSLError):
         return "tls"
@@ -223,7 +230,7 @@ class Problems:
         self.every_s = every_s
         self.clock = clock
         #: cause -> [when it was last logged, reports not logged since]
-        self._logged: dict[str, list] = {}
+        self._logged: dict[str, list[Any]] = {}
 
     def report(self, cause: str, message: str, *args: object,
                level: int = logging.WARNING) -> None:
@@ -253,6 +260,8 @@ class BusConnection:
                  on_down: Callable[[], None] | None = None,
                  connect_timeout_s: float = 1.0, backoff_s: float = 0.5,
                  backoff_max_s: float = 5.0, options: dict[str, Any] | None = None) -> None:
+        #: nats-py's client class (the 'bus' extra: MissingExtra here, before any task)
+        self._client: type[NATS] = require("nats.aio.client", "bus", "the bus").Client
         self.url = url
         #: BusCredentials.connect_options(): credentials and TLS (secrets: never logged)
         self._options = dict(options or {})
@@ -266,11 +275,11 @@ class BusConnection:
         self.backoff_max_s = backoff_max_s
         self.state = BusState.CONNECTING
         self.nc: NATS | None = None
-        self.js = None
+        self.js: JetStreamContext | None = None
         #: connection attempts finished (either way): readiness waits for the first
         self.attempts = 0
         self._lost = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         #: the last error nats-py reported through error_cb (it may say why a connect
         #: failed more precisely than what connect() raised)
         self._last_error: BaseException | None = None
@@ -298,14 +307,16 @@ class BusConnection:
         delay = self.backoff_s
         while True:
             self._lost.clear()
-            nc = NATS()
+            nc = self._client()
             try:
                 await nc.connect(
                     self.url, name=self.name, allow_reconnect=False,
                     # nats-py retries the first connect forever with 0; 1 = give up
                     # after a second try, our own backoff takes it from there
-                    connect_timeout=self.connect_timeout_s, max_reconnect_attempts=1,
-                    reconnect_time_wait=0.05,
+                    # nats-py annotates these int; it uses them as float seconds
+                    connect_timeout=self.connect_timeout_s,  # type: ignore[arg-type]
+                    max_reconnect_attempts=1,
+                    reconnect_time_wait=0.05,  # type: ignore[arg-type]
                     closed_cb=self._on_closed, disconnected_cb=self._on_closed,
                     error_cb=self._on_error, **self._options)
                 self.nc, self.js = nc, nc.jetstream(timeout=max(self.connect_timeout_s, 2.0))
@@ -390,5 +401,5 @@ class BusConnection:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -37,7 +37,7 @@ class JsonErrorHandler(web.RequestHandler):
     #: called with the status of every malformed request answered (a metric)
     on_bad_http: Callable[[int], None] | None = None
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if status >= 500:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
@@ -59,7 +59,7 @@ class JsonErrorHandler(web.RequestHandler):
         return resp
 
 
-    def log_exception(self, *args, **kw) -> None:
+    def log_exception(self, *args: Any, **kw: Any) -> None:
         exc = kw.get("exc_info")
         if isinstance(exc, HttpProcessingError):
             # a request body that broke off mid-way (bad chunk framing, short body),
@@ -72,7 +72,7 @@ class JsonErrorHandler(web.RequestHandler):
 
 
 def factory(runner: web.AppRunner, *, on_bad_http: Callable[[int], None] | None = None,
-            **kwargs) -> Callable[[], web.RequestHandler]:
+            **kwargs: Any) -> Callable[[], web.RequestHandler]:
     """A protocol factory for ``runner``'s app (after ``await runner.setup()``):
     what ``runner.server`` would build, as a ``JsonErrorHandler``. ``kwargs`` are
     ``RequestHandler`` options (``access_log=None``, ...)."""
@@ -80,14 +80,14 @@ def factory(runner: web.AppRunner, *, on_bad_http: Callable[[int], None] | None 
     if server is None:
         raise RuntimeError("call await runner.setup() before http_errors.factory()")
     loop = asyncio.get_running_loop()
-    cls = JsonErrorHandler
+    cls: type[JsonErrorHandler] = JsonErrorHandler
     if on_bad_http is not None:
         cls = type("CountingJsonErrorHandler", (JsonErrorHandler,),
                    {"on_bad_http": staticmethod(on_bad_http)})
     return lambda: cls(server, loop=loop, **kwargs)
 
 
-async def listen(runner: web.AppRunner, host: str, port: int, **kwargs) -> asyncio.Server:
+async def listen(runner: web.AppRunner, host: str, port: int, **kwargs: Any) -> asyncio.Server:
     """Listens on ``host:port`` with ``factory(runner, **kwargs)`` (aiohttp's
     ``TCPSite``, with JSON errors). The caller closes the returned server before
     ``runner.cleanup()``."""

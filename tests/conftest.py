@@ -5,6 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tests.procs import free_port, Proc  # noqa: F401  (re-exported for tests)
+# The tier markers, enforced (tests/tiers.py): hooks take effect by being named here.
+from tests.tiers import (  # noqa: F401
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_fixture_setup,
+    pytest_runtest_call,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+)
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ from tests.procs import free_port
 from worker_agent.reporter import LinkState
 from worker_agent.server import AGENT_KEY, REPORTER_KEY, AgentConfig, create_app
 
+pytestmark = pytest.mark.integration
+
 
 async def until(pred, timeout=5.0):
     deadline = asyncio.get_running_loop().time() + timeout

@@ -11,6 +11,8 @@ from aiohttp.test_utils import TestServer
 
 from worker_agent.server import AGENT_KEY, AgentConfig, create_app
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 async def agent():

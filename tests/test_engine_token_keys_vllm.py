@@ -31,6 +31,8 @@ from router.engines.token_keys import TokenKeyer
 from protocol.errors import MalformedRequest
 from protocol.prefix_keys import Endpoint
 
+pytestmark = pytest.mark.engine
+
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "vllm_token_ids.json")
 MODEL = "tiny"
 _WORDS = ("the cache prefix token router worker engine request model block hash session "

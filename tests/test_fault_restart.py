@@ -23,8 +23,11 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.procs import free_port
+
+pytestmark = pytest.mark.integration
 
 
 def _spawn(argv: list[str], log) -> subprocess.Popen:

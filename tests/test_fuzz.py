@@ -32,6 +32,8 @@ from hypothesis import HealthCheck, settings
 from protocol.openapi import agent_spec, router_spec
 from tests.procs import free_port
 
+pytestmark = pytest.mark.integration
+
 ADMIN, AGENT, KEY = "fz-admin", "fz-agent", "fz-key"
 MODELS = ("fz-a", "fz-b")
 

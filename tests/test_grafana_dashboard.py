@@ -118,6 +118,7 @@ def scraped() -> set[str]:
     return exported(router) | exported(agent) | exported(VLLM_PAGE.read_text())
 
 
+@pytest.mark.integration
 def test_every_panel_names_only_exported_metrics(scraped):
     dash = json.loads(DASHBOARD.read_text())
     used: dict[str, list[str]] = {}

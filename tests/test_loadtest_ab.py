@@ -39,6 +39,7 @@ async def _twice(**kw) -> tuple[list[int], object]:
         await srv.close()
 
 
+@pytest.mark.integration
 async def test_page_size_matches_whole_pages():
     got, agent, info = await _twice(page_size=16)
     # the second request reuses all but its last token, in whole pages: 202 -> 192
@@ -47,6 +48,7 @@ async def test_page_size_matches_whole_pages():
     assert got == [0, 202] and info["page_size"] == 1
 
 
+@pytest.mark.integration
 async def test_disable_radix_cache_keeps_nothing_and_says_so():
     got, agent, info = await _twice(disable_radix_cache=True)
     assert got == [0, 0] and info["disable_radix_cache"] is True

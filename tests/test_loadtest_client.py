@@ -25,6 +25,8 @@ from loadtest.prefix_trie import PrefixTrie, as_tokens
 from loadtest.report import validate
 from loadtest.workloads import make_workload
 
+pytestmark = pytest.mark.integration
+
 
 class FakeServer:
     """An OpenAI-compatible streaming server; ``fail(n)`` makes every n-th request fail."""

@@ -48,6 +48,7 @@ def test_bad_yaml_names_the_field(tmp_path, text, match):
         load_config(str(f))
 
 
+@pytest.mark.integration
 def test_missing_file_and_cli_exit_2(tmp_path):
     with pytest.raises(ConfigError, match="No such file"):
         load_config(str(tmp_path / "nope.yaml"))

@@ -58,6 +58,7 @@ def test_specs_are_valid_openapi(spec):
     assert len(ops) == len(operations(spec()))
 
 
+@pytest.mark.integration
 async def test_both_serve_their_spec():
     router = Router(parse_config({}))
     agent = create_app(AgentConfig(kv_tokens=10_000))

@@ -5,8 +5,9 @@ declaration until the quick start runs on a fresh one (``rich`` was imported by
 the report tables and never declared: ``radixfleet demo`` and ``simulate`` then
 crashed at their last step). This walks every module's imports with ``ast`` and
 checks each non-stdlib, non-project top-level name against ``pyproject.toml``:
-runtime packages against ``[project].dependencies``, test modules against those
-plus the ``test`` extra.
+runtime packages against ``[project].dependencies`` and the feature extras
+(engines, k8s, bus, plots: imported lazily, tests/test_extras.py), test modules
+against those plus the ``test`` extra.
 """
 
 from __future__ import annotations
@@ -70,14 +71,28 @@ def _project() -> dict:
         return tomllib.load(f)["project"]
 
 
+#: the extras a feature needs (protocol/extras.py); ``test`` and ``dev`` pull them all
+FEATURE_EXTRAS = ("engines", "k8s", "bus", "plots")
+
+
+def _runtime(proj: dict) -> set[str]:
+    extras = proj["optional-dependencies"]
+    return _declared(proj["dependencies"]).union(*(_declared(extras[e]) for e in FEATURE_EXTRAS))
+
+
 def test_runtime_imports_are_declared_dependencies():
-    runtime = _declared(_project()["dependencies"])
+    runtime = _runtime(_project())
     missing = _undeclared(["protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet"], runtime)
-    assert not missing, f"imported but not in [project].dependencies: {missing}"
+    assert not missing, f"imported but not in [project].dependencies or an extra: {missing}"
+
+
+def test_the_test_extra_pulls_every_feature_extra():
+    test = _project()["optional-dependencies"]["test"]
+    assert f"radixfleet[{','.join(FEATURE_EXTRAS)}]" in test
 
 
 def test_test_imports_are_declared_in_the_test_extra():
     proj = _project()
-    allowed = _declared(proj["dependencies"]) | _declared(proj["optional-dependencies"]["test"])
+    allowed = _runtime(proj) | _declared(proj["optional-dependencies"]["test"])
     missing = _undeclared(["tests"], allowed)
     assert not missing, f"tests import modules missing from the test extra: {missing}"

@@ -57,6 +57,7 @@ def worker_app(model: str = "m", health_gate: asyncio.Event | None = None) -> we
 # ------------------------------------------------------------ registration over HTTP
 
 
+@pytest.mark.integration
 async def test_registration_under_a_configured_id_from_another_url_is_409():
     runner, url = await start_app(worker_app())
     router, server, base = await start_router({"workers": [{"url": url, "id": "w0"}]})
@@ -88,6 +89,7 @@ async def test_registration_under_a_configured_id_from_another_url_is_409():
         await runner.cleanup()
 
 
+@pytest.mark.integration
 async def test_new_registrations_past_the_bound_get_429_and_are_not_routable_unprobed():
     runner, url = await start_app(worker_app())
     router, server, base = await start_router({
@@ -120,6 +122,7 @@ async def test_new_registrations_past_the_bound_get_429_and_are_not_routable_unp
 # ---------------------------------------------------------------------- readiness
 
 
+@pytest.mark.integration
 async def test_readiness_waits_until_every_configured_worker_was_probed():
     """One healthy worker is not a ready router: a worker still being probed for the
     first time (here: added while the router runs, its /health slow) keeps
@@ -160,6 +163,7 @@ def test_pool_readiness_rules():
 # ------------------------------------------------------------------------ reload
 
 
+@pytest.mark.integration
 async def test_reloading_the_unchanged_example_keeps_workers_and_index(tmp_path):
     """The example file's workers are the agents' default ids; agents registering
     (even under other ids) and a reload of the unchanged file must not remove and

@@ -9,10 +9,13 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from router.app import Router, RouterServer
 from router.config import parse_config
 from tests.procs import Proc, free_port, radixfleet_argv
+
+pytestmark = pytest.mark.integration
 
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 12
 

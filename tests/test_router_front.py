@@ -19,6 +19,8 @@ from router.config import parse_config
 from protocol.prefix_keys import Endpoint, request_key
 from tests.procs import free_port
 
+pytestmark = pytest.mark.integration
+
 HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
 
 

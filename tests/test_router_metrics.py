@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_hardening import fleet, until  # noqa: F401 - the fixture
+from tests.test_router_bad_input import fleet, until  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.integration
 
 PROMPT = "system: you are a careful assistant. " * 40
 

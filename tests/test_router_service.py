@@ -23,6 +23,8 @@ from radixfleet.bench.proxy import upstream_app
 from protocol.prefix_keys import Endpoint, request_key
 from tests.procs import Proc, free_port, radixfleet_argv
 
+pytestmark = pytest.mark.integration
+
 FAST_HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1,
                "success_threshold": 1}
 

@@ -449,6 +449,7 @@ async def _serve(handle):
     return srv, srv.sockets[0].getsockname()[1]
 
 
+@pytest.mark.integration
 async def test_a_slow_stream_consumer_pauses_the_worker_not_the_memory():
     size = 16 * STREAM_HIGH
     sent = asyncio.Event()
@@ -486,6 +487,7 @@ async def test_a_slow_stream_consumer_pauses_the_worker_not_the_memory():
         await srv.wait_closed()
 
 
+@pytest.mark.integration
 async def test_cancel_fails_a_waiting_request_and_closes_its_connection():
     closed = asyncio.Event()
 

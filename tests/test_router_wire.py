@@ -7,7 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from tests.test_router_front import BODY, fleet, post, raw  # noqa: F401  (fleet: fixture)
+
+pytestmark = pytest.mark.integration
 
 
 async def test_requests_split_byte_by_byte_are_parsed_and_handed_over(fleet):

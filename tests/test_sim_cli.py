@@ -125,6 +125,7 @@ def test_missing_trace_and_workload(tmp_path, capsys):
     assert "--workload" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_same_seed_same_document_across_processes(tmp_path):
     """String hashing is randomized per process; no decision may depend on it."""
     import subprocess
@@ -158,6 +159,7 @@ def test_trace_repeat_block_level(tmp_path):
     assert r["workload"]["name"] == "trace"
 
 
+@pytest.mark.integration
 def test_jobs_run_in_processes_with_identical_reports(tmp_path):
     """--jobs N runs the independent runs in N processes: same runs, same order, same
     figures but for the wall-clock ones."""

@@ -50,7 +50,8 @@ import yaml
 
 from loadtest.arrivals import Bounds
 from loadtest.main import add_load_arguments, build_load, workload_options_help
-from loadtest.report import check_outputs, cut_notes, ok_cell, print_table, write_json, write_plots
+from loadtest.report import (check_outputs, cut_notes, ok_cell, print_table, require_plots,
+                             write_json, write_plots)
 from loadtest.simulator.engine import EngineSpec, engine_help
 from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
 from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
@@ -280,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--jobs", f"must be >= 0 (0: one per CPU), got {args.jobs}")
     jobs = args.jobs or (os.cpu_count() or 1)
     check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
+    if args.plots:
+        require_plots()
     outcomes = simulate(plans, workload, bounds, params, seed=args.seed, repeat=args.repeat,
                         jobs=jobs)
     runs = [o.report for o in outcomes]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from loadtest.arrivals import Poisson
+from loadtest.report import require_plots
 from protocol.errors import ConfigError
 
 SWEEP_PARAMS = ("kv_tokens", "workers", "rate")
@@ -92,6 +93,7 @@ def plan_runs(base, policies: Sequence[str], feedback: Sequence[str], arrivals,
 
 def write_sweep_plots(runs: list[dict], out_dir: str) -> list[str]:
     """PNG plots of a sweep's runs (those with a ``sweep`` field). Returns the paths."""
+    require_plots()
     import matplotlib
 
     matplotlib.use("Agg")

@@ -43,9 +43,9 @@ import os
 import socket
 import time
 
-from nats.js import api
 from prometheus_client import CollectorRegistry
 
+from protocol.extras import require
 from service.bus_connection import BusConnection, BusMetrics, BusState, Problems, check_exposure
 from router.bus.remote_load import RemoteInFlight
 from protocol.bus_wire import (BadMessage, BusKey, RouterMessage, Subjects,
@@ -191,6 +191,7 @@ class BusReplica:
     # ------------------------------------------------------------ connection
 
     async def _on_up(self, nc, js) -> None:
+        api = require("nats.js.api", "bus", "the bus")  # connected: nats-py is there
         c = self.cfg
         cfg = api.StreamConfig(
             name=c.stream, subjects=[self.subjects.agents], max_age=c.max_age_s,

@@ -37,6 +37,7 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
+from protocol.extras import require
 from router.config import (
     SERVICE_ACCOUNT_DIR, K8sDiscoveryConfig, K8sSelectorSpec, WorkerSpec, selector_template,
 )
@@ -370,8 +371,10 @@ class KubernetesSource:
         self.problems = Problems(self.name, metrics)
 
     def _client(self):
-        from kubernetes_asyncio import client as kc
-        from kubernetes_asyncio.config import ConfigException, load_incluster_config
+        kc = require("kubernetes_asyncio.client", "k8s", "workers.discovery.kubernetes")
+        k8s_config = require("kubernetes_asyncio.config", "k8s", "workers.discovery.kubernetes")
+        ConfigException, load_incluster_config = (k8s_config.ConfigException,
+                                                  k8s_config.load_incluster_config)
 
         conf = kc.Configuration()
         if self.cfg.api_server:

@@ -51,11 +51,14 @@ import json
 from collections import deque
 from typing import Any
 
-import jinja2
-import jinja2.meta
-import jinja2.nodes as jn
+from protocol.errors import MalformedRequest, MissingExtra
 
-from protocol.errors import MalformedRequest
+try:
+    import jinja2
+    import jinja2.meta
+    import jinja2.nodes as jn
+except ImportError as exc:  # chat templates are the engines extra's (protocol.extras)
+    raise MissingExtra("chat templates", "engines", str(exc)) from exc
 
 #: Text-like content part types and the key holding their text (vLLM MM_PARSER_MAP).
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",

@@ -46,8 +46,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import zmq
-
 from router.config import WorkerSpec
 from router.engines.capacity import LearnedCapacity, correct
 from router.engines.accuracy import PredictionStats, predicted_tokens
@@ -57,8 +55,9 @@ from router.engines.event_sources import (
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
 from router.engines.queue_estimate import QueueEstimate
-from router.engines.zmq_events import subscriber_endpoint
 from protocol.events import MAX_LOAD_COUNT, Load
+from protocol.errors import MissingExtra
+from protocol.extras import require
 
 if TYPE_CHECKING:
     from router.engines.manager import Engines
@@ -413,6 +412,12 @@ class EngineLink:
             self._no_events("no_tokenizer", "events name token blocks and the worker has "
                             "no tokenizer; set one to key requests in its tokens")
             return
+        try:  # the engines extra: ZMQ and msgpack (router.engines.zmq_events)
+            zmq = require("zmq", "engines", "following an engine's KV-cache events")
+            require("msgpack", "engines", "following an engine's KV-cache events")
+        except MissingExtra as exc:
+            self._no_events("missing_extra", str(exc))
+            return
         streams = {}
         for src in sources:
             rank = None if src is None or not self.ranks else src.rank
@@ -462,6 +467,9 @@ class EngineLink:
         endpoint = ev.endpoint if src is None else src.endpoint
         addr = str(endpoint)
         mode = ev.mode if src is None else "auto"
+        import zmq  # a subscriber was made: the engines extra is installed
+
+        from router.engines.zmq_events import subscriber_endpoint
         try:
             how, addr = subscriber_endpoint(endpoint, _host(self.worker.url), mode)
         except ValueError:

@@ -89,7 +89,8 @@ class EnginePrometheus:
             "be followed and it was left in the approximate mode, per cause: missing (no "
             "/kv_event_sources: vLLM before 0.32), empty, disabled, malformed (its answer), "
             "no_tokenizer, address_in_use, endpoint_refused (the subscriber's socket), "
-            "rank_rejected (the engine refused a data-parallel rank; asked again)",
+            "rank_rejected (the engine refused a data-parallel rank; asked again), "
+            "missing_extra (pip install 'radixfleet[engines]')",
             ["worker", "cause"], registry=r)
         self.events_ranks = Gauge(
             "radixfleet_engine_event_streams", "KV-event streams followed per worker (one "
@@ -288,10 +289,9 @@ class Engines:
             return k
         fut = self._keyer_loads.get(key)
         if fut is None:
-            from router.engines.token_keys import TokenKeyer
             options = {"chat_template": chat_template} if chat_template else {}
             fut = self._keyer_loads[key] = asyncio.ensure_future(
-                asyncio.to_thread(TokenKeyer.load, source, **options))
+                asyncio.to_thread(_load_token_keyer, source, options))
         try:
             k = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -413,3 +413,11 @@ def _fold_ranks(m, ranks: dict):
     if blocks is None:
         return m
     return MatchResult(blocks, m.depth, m.rate, m.private)
+
+
+def _load_token_keyer(source: str, options: dict):
+    """``TokenKeyer.load``, its module imported here (off the loop): without the
+    'engines' extra that import raises MissingExtra, which ``load_keyer`` logs and
+    counts as a tokenizer that cannot load (the worker is keyed on routing bytes)."""
+    from router.engines.token_keys import TokenKeyer
+    return TokenKeyer.load(source, **options)

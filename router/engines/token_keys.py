@@ -53,6 +53,7 @@ from router.engines.chat_render import (
     find_surrogate, lax_bool, merge_kwargs, parse_messages, template_error_reason, tool_dicts)
 from router.engines.piece_encoder import PieceEncoder
 from protocol.errors import ConfigError, MalformedRequest
+from protocol.extras import require
 from protocol.prefix_keys import (Endpoint, request_adapter, request_model, token_block_hashes,
                                 token_namespace_seed)
 
@@ -307,7 +308,7 @@ class TokenKeyer:
         else:
             where = source
         try:
-            from transformers import AutoTokenizer
+            AutoTokenizer = require("transformers", "engines", "an engine's tokenizer").AutoTokenizer
 
             # vLLM loads generation tokenizers with truncation_side="left"
             tok = AutoTokenizer.from_pretrained(
@@ -649,9 +650,8 @@ def _engine_renderer(where: str, files: set[str]) -> str | None:
     config = os.path.join(where, "config.json") if files else None
     if config is None:
         try:
-            from huggingface_hub import try_to_load_from_cache
-
-            hit = try_to_load_from_cache(where, "config.json")
+            hub = require("huggingface_hub", "engines", "an engine's tokenizer")
+            hit = hub.try_to_load_from_cache(where, "config.json")
             config = hit if isinstance(hit, str) else None
         except Exception:  # not a valid repo id: no config to read
             config = None

@@ -1,4 +1,4 @@
-"""Replays run whole unless bounded; a bound that cuts a run says so."""
+"""Replays run whole unless bounded; a bound that cuts a run says so in the report and the table."""
 
 from __future__ import annotations
 
