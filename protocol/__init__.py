@@ -9,5 +9,6 @@ Modules::
     identifiers  bounds on worker ids, epochs, model names, URLs, request ids
     errors       the exception tree and the OpenAI-style error body
     openapi      the OpenAPI documents of the router and the agent
+    extras       require(): a missing pip extra is one line naming it
     cli_args     the help formatter, case-insensitive --log-level, deprecated flag aliases
 """

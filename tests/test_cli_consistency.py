@@ -130,6 +130,7 @@ def test_policy_params_one_syntax_with_the_policy_prefix_optional():
         "prefix_load": {"tie_s": 0, "min_match_tokens": 64}, "cache_aware": {"tie_s": 0}}
 
 
+@pytest.mark.integration  # runs the CLI as a child process
 def test_version_and_the_top_level_help_lists_every_benchmark():
     p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "--version"],
                        capture_output=True, text=True, timeout=30)
@@ -148,6 +149,7 @@ def test_version_and_the_top_level_help_lists_every_benchmark():
     (["bench", "nope"], "argument NAME: invalid choice"),
     (["nope"], "invalid choice"),
 ])
+@pytest.mark.integration  # the CLI as a child process, as a user runs it
 def test_bad_input_is_one_line_and_exit_2(argv, msg):
     p = subprocess.run([sys.executable, "-m", "radixfleet.cli", *argv],
                        capture_output=True, text=True, timeout=30)
