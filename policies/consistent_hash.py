@@ -26,14 +26,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import xxhash
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_requests
-from policies.params import param
+from policies.params import param, parameters
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -41,7 +40,7 @@ _xxh3 = xxhash.xxh3_64_intdigest
 class ConsistentHash(Policy):
     name = "consistent_hash"
 
-    @dataclass(frozen=True, slots=True)
+    @parameters
     class Params(PolicyParams):
         vnodes: int = param(160, "virtual nodes per worker of weight 1", lo=1, hi=10_000)
         load_factor: float = param(

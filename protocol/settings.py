@@ -239,7 +239,7 @@ def error(root: Any, e: Mapping[str, Any], prefix: str = "") -> ConfigError:
         if not isinstance(key, str):
             return ConfigError(path, f"keys must be strings, got {key!r}")
         valid = ", ".join(sorted(keys_of(owner))) if owner is not None else ""
-        return ConfigError(path, f"unknown key; valid: {valid}")
+        return ConfigError(path, f"unknown key; valid: {valid or '(none)'}")
     if kind == "literal_error":
         return ConfigError(path, f"{value!r} is not one of {', '.join(get_args(tp))}")
     if kind == "string_type":
