@@ -253,24 +253,30 @@ def error(root: Any, e: Mapping[str, Any], prefix: str = "") -> ConfigError:
     return ConfigError(path, e["msg"])
 
 
-def reference(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
-    """``[(dotted key, default, doc)]`` of every scalar key under ``cls`` (for the
-    generated reference tables)."""
+def reference(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """``[(dotted key, default, allowed values, doc)]`` of every key under settings
+    class ``cls``, nested sections and list or mapping entries flattened (``a[].b``,
+    ``a.<name>.b``): the rows of the generated reference tables."""
     rows = []
     for name, f in keys_of(cls).items():
-        key = join(prefix, name)
-        if hasattr(f.annotation, "__pydantic_fields__") and f.default_factory is not None:
-            rows += reference(f.annotation, key)
-            continue
-        if f.default_factory is not None:
-            default = repr(f.default_factory()) if f.default_factory not in (tuple, dict) \
-                else ("[]" if f.default_factory is tuple else "{}")
+        key, tp = join(prefix, name), f.annotation
+        inner = _inner(tp)
+        if hasattr(tp, "__pydantic_fields__"):
+            rows += reference(tp, key)
+        elif inner is not tp and hasattr(inner, "__pydantic_fields__"):
+            entry = f"{key}[]" if get_origin(tp) is tuple else f"{key}.<name>"
+            rows.append((key, "[]" if get_origin(tp) is tuple else "{}",
+                         "list" if get_origin(tp) is tuple else "mapping", f.description or ""))
+            rows += reference(inner, entry)
         else:
-            default = f.default if isinstance(f.default, str) else repr(f.default)
-        doc = f.description or ""
-        if f.metadata and f.annotation not in (bool, str):
-            doc += f" ({expected(f.annotation, f)})"
-        elif get_origin(f.annotation) is Literal:
-            doc += f" (one of {', '.join(get_args(f.annotation))})"
-        rows.append((key, default, doc))
+            default = f.get_default(call_default_factory=True)
+            if get_origin(tp) is Literal:
+                allowed = ", ".join(f"`{c}`" for c in get_args(tp))
+            elif tp in (int, float, bool):
+                allowed = expected(tp, f)
+            else:
+                allowed = "string" if tp is str else "mapping"
+            shown = ("true" if default else "false") if isinstance(default, bool) else \
+                '""' if default == "" else "{}" if default == {} else str(default)
+            rows.append((key, shown, allowed, f.description or ""))
     return rows

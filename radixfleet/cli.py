@@ -32,6 +32,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                    "fidelity, events, overload, reproduce, traffic_log, analyze, "
                                    "autoscale)"),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
+    "config-reference": ("router.config_reference", "print the router YAML key tables "
+                         "(deploy/README.md), made from the schema"),
 }
 
 

@@ -182,7 +182,7 @@ class TenantConfig:
     default: str = setting("", "tenant of requests without an identity")
     header: str = setting("x-tenant-id", "source=header: the header a trusted gateway sets")
     require_key: bool = setting(True, "source=api_key: reject requests without a valid key (401)")
-    api_keys: tuple[ApiKeySpec, ...] = ()
+    api_keys: tuple[ApiKeySpec, ...] = Field((), description="source=api_key: the keys, each with exactly one of key, key_env")
 
     @document_check
     def _check(self) -> None:
@@ -212,7 +212,7 @@ class PolicyConfig:
     name: str = setting("prefix_load", "policy name")
     seed: int = setting(0, "seed of the policy's random source", lo=0)
     #: raw parameters, validated by policies.registry.build_policy
-    params: Mapping[str, Any] = Field(default_factory=dict)
+    params: Mapping[str, Any] = Field(default_factory=dict, description="the policy's parameters (the tables below)")
 
     @field_validator("params", mode="before")
     @classmethod
@@ -381,7 +381,7 @@ class K8sDiscoveryConfig:
     watch_timeout_s: float = setting(300.0, "server-side timeout of one watch (it then resumes "
                                   "from its resourceVersion)", lo=1)
     page_size: int = setting(500, "list page size (limit/continue)", lo=1)
-    selectors: tuple[K8sSelectorSpec, ...] = ()
+    selectors: tuple[K8sSelectorSpec, ...] = Field((), description="EndpointSlice selectors, each with a models: entry's engine settings for the workers it finds")
 
     @document_check
     def _check(self) -> None:
@@ -416,7 +416,7 @@ class DnsDiscoveryConfig:
     nameserver: str = setting("", "resolver host or host:port (\"\": /etc/resolv.conf)")
     interval_s: float = setting(5.0, "re-resolve interval", lo=0, lo_open=True)
     timeout_s: float = setting(2.0, "timeout of one resolution", lo=0, lo_open=True)
-    services: tuple[DnsServiceSpec, ...] = ()
+    services: tuple[DnsServiceSpec, ...] = Field((), description="headless Services, each with a models: entry's engine settings for the workers it finds")
 
 
 @settings
@@ -598,7 +598,7 @@ class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
 
     listen: ListenConfig = section(ListenConfig, "listen address")
-    workers: tuple[WorkerSpec, ...] = ()
+    workers: tuple[WorkerSpec, ...] = Field((), description="the workers (an entry may be its url alone), or {static: [...], discovery: {...}}")
     keys: KeysConfig = section(KeysConfig, "prefix keys and tenants")
     policy: PolicyConfig = section(PolicyConfig, "routing policy")
     index: IndexConfig = section(IndexConfig, "prefix index")
@@ -617,7 +617,8 @@ class Config:
     traffic_log: TrafficLogConfig = section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = section(AutoscaleConfig, "prefix-aware autoscaling signal")
     #: ``models:``: served model name -> the engine settings of every worker serving it
-    models: Mapping[ModelName, EngineSettings] = Field(default_factory=dict)
+    models: Mapping[ModelName, EngineSettings] = Field(default_factory=dict, description=(
+        "served model name -> the engine settings of every worker serving it"))
     path: str = internal(str)
     #: ``workers.discovery`` in the YAML (not a top-level key); read at start
     discovery: DiscoveryConfig = internal(DiscoveryConfig)

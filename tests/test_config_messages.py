@@ -113,3 +113,38 @@ def test_duplicate_keys_keep_their_yaml_lines_beside_schema_errors(tmp_path):
         "listen.port: duplicate key at line 3 (also at line 2); remove one",
         "health.timeout_s: expected a number > 0, got 0",
     ]
+
+
+def test_readme_key_tables_are_made_from_the_schema():
+    from router.config_reference import BEGIN, END, tables
+
+    with open("deploy/README.md", encoding="utf-8") as f:
+        text = f.read()
+    block = text[text.index(BEGIN):text.index(END) + len(END)]
+    assert block == tables(), ("deploy/README.md's key tables are stale: run "
+                               "radixfleet config-reference --write deploy/README.md")
+    # every key the router accepts is in them, bounds included
+    assert "| `index.learn_capacity` | `true` | true or false |" in block
+    assert "| `limits.max_queue` | `4096` | an integer >= 0 |" in block
+    assert "| `min_match_tokens` | `64` | an integer >= 0 |" in block
+
+
+def test_config_reference_cli(tmp_path):
+    import subprocess
+
+    from tests.procs import radixfleet_argv
+
+    p = tmp_path / "README.md"
+    p.write_text("intro\n<!-- BEGIN config-reference -->\nold\n<!-- END config-reference -->\nend\n")
+    r = subprocess.run(radixfleet_argv("config-reference", "--write", str(p)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no generated block" in r.stderr
+    from router.config_reference import BEGIN, END
+
+    p.write_text(f"intro\n{BEGIN}\nold\n{END}\nend\n")
+    r = subprocess.run(radixfleet_argv("config-reference", "--write", str(p)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = p.read_text()
+    assert text.startswith(f"intro\n{BEGIN}") and text.endswith(f"{END}\nend\n")
+    assert "| `listen.port` | `8000` | an integer in [0, 65535] | TCP port |" in text
