@@ -41,8 +41,10 @@ from pydantic import Field, field_validator
 
 from protocol import bus_wire
 from protocol.errors import ConfigError
-from protocol.settings import document_check, field_check, internal, join, keys_of, raise_all, \
-    section, setting, settings, typename, validate, value_check
+from protocol.settings import document_check, internal, join, keys_of, raise_all, settings, \
+    typename, validate, value_check
+from protocol.settings import section as _section
+from protocol.settings import setting as _opt
 from protocol.identifiers import MAX_URL_CHARS, id_problem, name_problem, worker_host
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 from service.bus_connection import BusCredentials
@@ -74,52 +76,70 @@ MISSING: Any = _Missing()
 
 @settings
 class ListenConfig:
-    host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(8000, "TCP port", lo=0, hi=65535)
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "TCP port", lo=0, hi=65535)
 
 
 @settings
 class EventsSpec:
-    endpoint: str = setting("", "the engine's own KV-events endpoint, as given to it "
+    endpoint: str = _opt("", "the engine's own KV-events endpoint, as given to it "
                          "(vLLM --kv-events-config endpoint: tcp://*:5557, tcp://HOST:PORT "
                          "or ipc://PATH); empty: a vLLM worker's are asked of the server "
                          "(GET /kv_event_sources, every data-parallel rank), others send none")
-    mode: Literal["auto", "bind", "connect", "off"] = setting("auto", "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
+    mode: Literal["auto", "bind", "connect", "off"] = _opt(
+                     "auto", "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
                      "endpoint (the router connects, to the worker's host for a wildcard) and "
                      "connects to a concrete tcp://HOST:PORT (the router binds it); bind or "
                      "connect force the router's side; off: follow none (approximate mode)")
-    replay_endpoint: str = setting("", "the engine's replay endpoint (missed batches by "
+    replay_endpoint: str = _opt("", "the engine's replay endpoint (missed batches by "
                                 "sequence number); empty: none")
-    topic: str = setting("kv-events", "ZMQ topic the engine publishes under")
+    topic: str = _opt("kv-events", "ZMQ topic the engine publishes under")
 
 
 @settings
 class EngineScrapeSpec:
-    path: str = setting("/metrics", "Prometheus page of the engine; empty: do not scrape")
-    interval_s: float = setting(1.0, "seconds between scrapes", lo=0.05)
-    timeout_s: float = setting(1.0, "scrape timeout", lo=0, lo_open=True)
+    path: str = _opt("/metrics", "Prometheus page of the engine; empty: do not scrape")
+    interval_s: float = _opt(1.0, "seconds between scrapes", lo=0.05)
+    timeout_s: float = _opt(1.0, "scrape timeout", lo=0, lo_open=True)
 
 
 @settings
-class WorkerSpec:
-    url: str = setting("", "base URL of the worker, http://host:port")
-    id: str = setting("", "worker id (default: host:port of url)")
-    weight: float = setting(1.0, "relative capacity weight", lo=0.01, hi=100.0)
-    prefill_tokens_per_s: float = setting(
-        10_000.0, "prefill throughput assumed until measured or reported", lo=1.0, hi=1e12)
-    kind: Literal["auto", "agent", "vllm", "sglang", "openai"] = setting(
-        "auto", "agent, vllm, sglang or openai; auto: probe the worker")
-    model: str = setting("", "the model it serves (default: from its /v1/models)")
-    tokenizer: str = setting("", "the engine's tokenizer and chat template: a local folder or "
+class EngineSettings:
+    """The engine settings that follow a worker's model rather than the worker: one
+    ``models.<served name>`` entry, or what a discovery selector gives every worker it
+    finds. A worker entry has them too; ``resolve_engine`` fills a worker's unset
+    ones from here."""
+
+    tokenizer: str = _opt("", "the engine's tokenizer and chat template: a local folder or "
                           "a repo id in the local Hugging Face cache (exact token keys)")
-    block_size: int = setting(0, "the engine's KV block size in tokens (0: from its metrics or "
-                           "events)", lo=0)
-    kv_capacity_tokens: int = setting(0, "the engine's KV capacity in tokens for the approximate "
-                                   "index (0: from its metrics)", lo=0)
-    events: EventsSpec = section(EventsSpec, "the engine's KV-cache events")
-    metrics: EngineScrapeSpec = section(EngineScrapeSpec, "scraping the engine's load")
-    chat_template: str = setting("", "the engine's --chat-template (a file or the template), "
+    chat_template: str = _opt("", "the engine's --chat-template (a file or the template), "
                               "replacing the tokenizer's; needs a tokenizer")
+    block_size: int = _opt(0, "the engine's KV block size in tokens (0: from its metrics or "
+                           "events)", lo=0)
+    kv_capacity_tokens: int = _opt(0, "the engine's KV capacity in tokens for the approximate "
+                                   "index (0: from its metrics)", lo=0)
+    events: EventsSpec = _section(EventsSpec, "the engine's KV-cache events (for many workers: "
+                                  "a wildcard tcp://*:PORT, each engine binds it)")
+    metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engine's load")
+
+    @document_check
+    def _check(self) -> None:
+        check_engine_fields(self, "", per_worker=False)
+
+
+@settings
+class WorkerSpec(EngineSettings):
+    """One worker entry: where the worker is and what it is, plus its own engine
+    settings (``EngineSettings``; those it leaves unset come from ``models:``)."""
+
+    url: str = _opt("", "base URL of the worker, http://host:port")
+    id: str = _opt("", "worker id (default: host:port of url)")
+    weight: float = _opt(1.0, "relative capacity weight", lo=0.01, hi=100.0)
+    prefill_tokens_per_s: float = _opt(
+        10_000.0, "prefill throughput assumed until measured or reported", lo=1.0, hi=1e12)
+    kind: Literal["auto", "agent", "vllm", "sglang", "openai"] = _opt(
+        "auto", "agent, vllm, sglang or openai; auto: probe the worker")
+    model: str = _opt("", "the model it serves (default: from its /v1/models)")
 
     @document_check
     def _check(self) -> None:
@@ -134,39 +154,15 @@ class WorkerSpec:
             raise ConfigError("id", problem)
 
 
-@settings
-class EngineSettings:
-    """The engine settings that follow a worker's model rather than the worker: one
-    ``models.<served name>`` entry, or what a discovery selector gives every worker it
-    finds. The names are ``WorkerSpec``'s; ``resolve_engine`` fills a worker's unset
-    ones from here."""
-
-    tokenizer: str = setting("", "the engine's tokenizer and chat template: a local folder or "
-                          "a repo id in the local Hugging Face cache (exact token keys)")
-    chat_template: str = setting("", "the engine's --chat-template (a file or the template), "
-                              "replacing the tokenizer's; needs a tokenizer")
-    block_size: int = setting(0, "the engine's KV block size in tokens (0: from its metrics or "
-                           "events)", lo=0)
-    kv_capacity_tokens: int = setting(0, "the engine's KV capacity in tokens for the approximate "
-                                   "index (0: from its metrics)", lo=0)
-    events: EventsSpec = section(EventsSpec, "the engines' KV-cache events: a wildcard "
-                                  "tcp://*:PORT (each engine binds it on its own host)")
-    metrics: EngineScrapeSpec = section(EngineScrapeSpec, "scraping the engines' load")
-
-    @document_check
-    def _check(self) -> None:
-        check_engine_fields(self, "", per_worker=False)
-
-
 #: the fields a ``models:`` entry or a selector may set for a worker
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSettings))
 
 
 @settings
 class ApiKeySpec:
-    tenant: str = setting("", "tenant this key authenticates as")
-    key: str = setting("", "the key itself (prefer key_env)")
-    key_env: str = setting("", "environment variable holding the key")
+    tenant: str = _opt("", "tenant this key authenticates as")
+    key: str = _opt("", "the key itself (prefer key_env)")
+    key_env: str = _opt("", "environment variable holding the key")
 
     @document_check
     def _check(self) -> None:
@@ -178,11 +174,12 @@ class ApiKeySpec:
 
 @settings
 class TenantConfig:
-    source: Literal["none", "api_key", "header"] = setting("none", "where the tenant comes from")
-    default: str = setting("", "tenant of requests without an identity")
-    header: str = setting("x-tenant-id", "source=header: the header a trusted gateway sets")
-    require_key: bool = setting(True, "source=api_key: reject requests without a valid key (401)")
-    api_keys: tuple[ApiKeySpec, ...] = Field((), description="source=api_key: the keys, each with exactly one of key, key_env")
+    source: Literal["none", "api_key", "header"] = _opt("none", "where the tenant comes from")
+    default: str = _opt("", "tenant of requests without an identity")
+    header: str = _opt("x-tenant-id", "source=header: the header a trusted gateway sets")
+    require_key: bool = _opt(True, "source=api_key: reject requests without a valid key (401)")
+    api_keys: tuple[ApiKeySpec, ...] = Field((), description="source=api_key: the keys, each "
+                                             "with exactly one of key, key_env")
 
     @document_check
     def _check(self) -> None:
@@ -194,9 +191,9 @@ class TenantConfig:
 
 @settings
 class KeysConfig:
-    block_bytes: int = setting(DEFAULT_BLOCK_BYTES, "routing block size in bytes", lo=BYTES_PER_TOKEN)
-    tenant: TenantConfig = section(TenantConfig, "tenant identity")
-    tenant_salt_env: str = setting(
+    block_bytes: int = _opt(DEFAULT_BLOCK_BYTES, "routing block size in bytes", lo=BYTES_PER_TOKEN)
+    tenant: TenantConfig = _section(TenantConfig, "tenant identity")
+    tenant_salt_env: str = _opt(
         "RADIXFLEET_TENANT_SALT", "env var with the deployment's secret tenant salt (the "
         "same on every replica); unset: derived from the agent token (service.tenancy)")
 
@@ -209,10 +206,11 @@ class KeysConfig:
 
 @settings
 class PolicyConfig:
-    name: str = setting("prefix_load", "policy name")
-    seed: int = setting(0, "seed of the policy's random source", lo=0)
+    name: str = _opt("prefix_load", "policy name")
+    seed: int = _opt(0, "seed of the policy's random source", lo=0)
     #: raw parameters, validated by policies.registry.build_policy
-    params: Mapping[str, Any] = Field(default_factory=dict, description="the policy's parameters (the tables below)")
+    params: Mapping[str, Any] = Field(default_factory=dict,
+                                      description="the policy's parameters (the tables below)")
 
     @field_validator("params", mode="before")
     @classmethod
@@ -226,53 +224,53 @@ class PolicyConfig:
 
 @settings
 class IndexConfig:
-    max_bytes: int = setting(256 * 2**20, "global memory budget of the prefix index", lo=1)
-    half_life_s: float = setting(30.0, "half-life of the hot-prefix request counters", lo=0,
+    max_bytes: int = _opt(256 * 2**20, "global memory budget of the prefix index", lo=1)
+    half_life_s: float = _opt(30.0, "half-life of the hot-prefix request counters", lo=0,
                               lo_open=True)
-    hot_k: int = setting(10, "hot prefixes shown in /admin/index and metrics", lo=0, hi=1000)
-    learn_capacity: bool = setting(True, "approximate mode: cap each plain engine's entries at a "
+    hot_k: int = _opt(10, "hot prefixes shown in /admin/index and metrics", lo=0, hi=1000)
+    learn_capacity: bool = _opt(True, "approximate mode: cap each plain engine's entries at a "
                                 "capacity learned from its cached_tokens (router.engines."
                                 "capacity), not only the configured one")
 
 
 @settings
 class HealthConfig:
-    path: str = setting("/health", "health-check path on each worker")
-    interval_s: float = setting(2.0, "seconds between checks", lo=0, lo_open=True)
-    timeout_s: float = setting(1.0, "timeout of one check", lo=0, lo_open=True)
-    failure_threshold: int = setting(2, "failed checks in a row before unhealthy", lo=1)
-    success_threshold: int = setting(1, "passed checks in a row before healthy again", lo=1)
+    path: str = _opt("/health", "health-check path on each worker")
+    interval_s: float = _opt(2.0, "seconds between checks", lo=0, lo_open=True)
+    timeout_s: float = _opt(1.0, "timeout of one check", lo=0, lo_open=True)
+    failure_threshold: int = _opt(2, "failed checks in a row before unhealthy", lo=1)
+    success_threshold: int = _opt(1, "passed checks in a row before healthy again", lo=1)
 
 
 @settings
 class RegistrationConfig:
     """Agents registering themselves (``POST /internal/v1/register``, or the bus)."""
 
-    unhealthy_grace_s: float = setting(60.0, "a self-registered worker unhealthy this long is "
+    unhealthy_grace_s: float = _opt(60.0, "a self-registered worker unhealthy this long is "
                                     "removed (an agent that died without leaving)", lo=0,
                                     lo_open=True)
-    rate_per_s: float = setting(10.0, "new self-registered workers admitted per second (past "
+    rate_per_s: float = _opt(10.0, "new self-registered workers admitted per second (past "
                              "the burst: 429 with Retry-After)", lo=0, lo_open=True)
-    burst: int = setting(200, "new self-registered workers admitted at once", lo=1)
+    burst: int = _opt(200, "new self-registered workers admitted at once", lo=1)
 
 
 @settings
 class BreakerConfig:
-    failure_threshold: int = setting(3, "request failures in a row that open the breaker", lo=1)
-    open_s: float = setting(5.0, "seconds open before one trial request", lo=0, lo_open=True)
+    failure_threshold: int = _opt(3, "request failures in a row that open the breaker", lo=1)
+    open_s: float = _opt(5.0, "seconds open before one trial request", lo=0, lo_open=True)
 
 
 @settings
 class LoadConfig:
-    report_stale_s: float = setting(2.0, "an agent's load report is ignored after this", lo=0,
+    report_stale_s: float = _opt(2.0, "an agent's load report is ignored after this", lo=0,
                                  lo_open=True)
 
 
 @settings
 class RetriesConfig:
-    max_attempts: int = setting(3, "tries per request, first included", lo=1, hi=16)
-    backoff_s: float = setting(0.005, "first retry delay, doubled per retry", lo=0)
-    backoff_max_s: float = setting(0.1, "largest retry delay", lo=0)
+    max_attempts: int = _opt(3, "tries per request, first included", lo=1, hi=16)
+    backoff_s: float = _opt(0.005, "first retry delay, doubled per retry", lo=0)
+    backoff_max_s: float = _opt(0.1, "largest retry delay", lo=0)
 
     @document_check
     def _check(self) -> None:
@@ -288,40 +286,40 @@ class TimeoutsConfig:
     a stream is also bounded by ``first_byte_s``. A timed-out request is cancelled on
     its worker, never sent to another one."""
 
-    connect_s: float = setting(2.0, "connecting to a worker (then the next worker is tried)",
+    connect_s: float = _opt(2.0, "connecting to a worker (then the next worker is tried)",
                             lo=0, lo_open=True)
-    first_byte_s: float = setting(120.0, "streamed answers: until the worker's first byte, and "
+    first_byte_s: float = _opt(120.0, "streamed answers: until the worker's first byte, and "
                                "the longest silence between chunks", lo=0, lo_open=True)
-    total_s: float = setting(3600.0, "the whole request, all attempts; the only bound on a "
+    total_s: float = _opt(3600.0, "the whole request, all attempts; the only bound on a "
                           "non-streamed answer", lo=0, lo_open=True)
 
 
 @settings
 class LimitsConfig:
-    max_body_bytes: int = setting(8 * 2**20, "largest request body (413 above)", lo=1)
-    max_response_bytes: int = setting(
+    max_body_bytes: int = _opt(8 * 2**20, "largest request body (413 above)", lo=1)
+    max_response_bytes: int = _opt(
         64 * 2**20, "largest non-streamed answer, or single stream event, taken from a "
         "worker (502 above; streams are passed through, never held whole)", lo=1024)
-    max_concurrency: int = setting(1024, "requests proxied at once", lo=1)
-    max_queue: int = setting(4096, "requests waiting for a slot (429 when full)", lo=0)
-    queue_timeout_s: float = setting(30.0, "longest wait for a slot (then 429)", lo=0,
+    max_concurrency: int = _opt(1024, "requests proxied at once", lo=1)
+    max_queue: int = _opt(4096, "requests waiting for a slot (429 when full)", lo=0)
+    queue_timeout_s: float = _opt(30.0, "longest wait for a slot (then 429)", lo=0,
                                   lo_open=True)
-    retry_after_s: int = setting(1, "Retry-After of a 429", lo=0)
-    shutdown_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may "
+    retry_after_s: int = _opt(1, "Retry-After of a 429", lo=0)
+    shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may "
                                      "finish", lo=0)
-    worker_queue_requests: float = setting(
+    worker_queue_requests: float = _opt(
         0.5, "shed (429 + Retry-After) when every eligible worker has more than this many "
         "typical requests' worth of prefill queued (router.shedding); 0 = never shed", lo=0)
-    worker_queue_min_s: float = setting(
+    worker_queue_min_s: float = _opt(
         0.05, "the shedding bound is at least this many seconds of queued prefill", lo=0)
-    header_timeout_s: float = setting(10.0, "a request head must arrive within this (408)",
+    header_timeout_s: float = _opt(10.0, "a request head must arrive within this (408)",
                                    lo=0, lo_open=True)
-    body_timeout_s: float = setting(30.0, "a request body must arrive within this after its "
+    body_timeout_s: float = _opt(30.0, "a request body must arrive within this after its "
                                  "head (408)", lo=0, lo_open=True)
-    max_buffered_body_bytes: int = setting(
+    max_buffered_body_bytes: int = _opt(
         1 << 30, "request body bytes the router holds at once, all connections together "
         "(received and not yet answered); a body past it is refused (429 + Retry-After)", lo=1)
-    max_connections: int = setting(
+    max_connections: int = _opt(
         8192, "client connections held open at once; past it the longest-idle one is "
         "closed, or the new one refused (429) if none is idle. Also capped below the "
         "process's open-file limit", lo=1)
@@ -329,22 +327,22 @@ class LimitsConfig:
 
 @settings
 class WarmupConfig:
-    enabled: bool = setting(True, "send prefill-only warm-ups for hot-root replicas")
-    min_interval_s: float = setting(10.0, "at most one warm-up per (worker, prefix) this often",
+    enabled: bool = _opt(True, "send prefill-only warm-ups for hot-root replicas")
+    min_interval_s: float = _opt(10.0, "at most one warm-up per (worker, prefix) this often",
                                  lo=0)
-    timeout_s: float = setting(30.0, "timeout of one warm-up request", lo=0, lo_open=True)
+    timeout_s: float = _opt(30.0, "timeout of one warm-up request", lo=0, lo_open=True)
 
 
 @settings
 class AuthConfig:
-    admin_token_env: str = setting("RADIXFLEET_ADMIN_TOKEN", "env var with the admin bearer token")
-    agent_token_env: str = setting("RADIXFLEET_AGENT_TOKEN", "env var with the agent bearer token")
+    admin_token_env: str = _opt("RADIXFLEET_ADMIN_TOKEN", "env var with the admin bearer token")
+    agent_token_env: str = _opt("RADIXFLEET_AGENT_TOKEN", "env var with the agent bearer token")
 
 
 @settings
 class ReloadConfig:
-    watch: bool = setting(True, "reload when the file's mtime changes")
-    poll_interval_s: float = setting(1.0, "mtime poll interval", lo=0, lo_open=True)
+    watch: bool = _opt(True, "reload when the file's mtime changes")
+    poll_interval_s: float = _opt(1.0, "mtime poll interval", lo=0, lo_open=True)
 
 
 #: engine kinds a discovered worker may have (DESIGN.md contract 7)
@@ -356,13 +354,13 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 class K8sSelectorSpec(EngineSettings):
     """One selector; it may give its workers engine settings (``EngineSettings``)."""
 
-    label_selector: str = setting("", "EndpointSlice label selector (slices carry their "
+    label_selector: str = _opt("", "EndpointSlice label selector (slices carry their "
                                "Service's labels and kubernetes.io/service-name)")
-    port_name: str = setting("", "the slice port workers listen on, by name (\"\": the only port)")
-    kind: Literal["agent", "vllm", "sglang", "openai"] = setting(
+    port_name: str = _opt("", "the slice port workers listen on, by name (\"\": the only port)")
+    kind: Literal["agent", "vllm", "sglang", "openai"] = _opt(
         "agent", "engine kind of these workers")
-    namespace: str = setting("", "namespace (\"\": kubernetes.namespace)")
-    model: str = setting("", "the model these workers serve (\"\": from each one's /v1/models)")
+    namespace: str = _opt("", "namespace (\"\": kubernetes.namespace)")
+    model: str = _opt("", "the model these workers serve (\"\": from each one's /v1/models)")
 
     @document_check
     def _check(self) -> None:
@@ -374,14 +372,15 @@ class K8sSelectorSpec(EngineSettings):
 
 @settings
 class K8sDiscoveryConfig:
-    api_server: str = setting("", "API server URL (\"\": in-cluster, from KUBERNETES_SERVICE_HOST "
+    api_server: str = _opt("", "API server URL (\"\": in-cluster, from KUBERNETES_SERVICE_HOST "
                            "and the service account)")
-    token_file: str = setting(f"{SERVICE_ACCOUNT_DIR}/token", "bearer token file, with api_server")
-    namespace: str = setting("", "namespace of the selectors (\"\": the router pod's own)")
-    watch_timeout_s: float = setting(300.0, "server-side timeout of one watch (it then resumes "
+    token_file: str = _opt(f"{SERVICE_ACCOUNT_DIR}/token", "bearer token file, with api_server")
+    namespace: str = _opt("", "namespace of the selectors (\"\": the router pod's own)")
+    watch_timeout_s: float = _opt(300.0, "server-side timeout of one watch (it then resumes "
                                   "from its resourceVersion)", lo=1)
-    page_size: int = setting(500, "list page size (limit/continue)", lo=1)
-    selectors: tuple[K8sSelectorSpec, ...] = Field((), description="EndpointSlice selectors, each with a models: entry's engine settings for the workers it finds")
+    page_size: int = _opt(500, "list page size (limit/continue)", lo=1)
+    selectors: tuple[K8sSelectorSpec, ...] = Field((), description=(
+        "EndpointSlice selectors, each with a models: entry's settings for what it finds"))
 
     @document_check
     def _check(self) -> None:
@@ -396,11 +395,11 @@ class K8sDiscoveryConfig:
 class DnsServiceSpec(EngineSettings):
     """One headless Service; it may give its workers engine settings."""
 
-    name: str = setting("", "DNS name of a headless Service: its A/AAAA records are the workers")
-    port: int = setting(0, "the workers' port", lo=0, hi=65535)
-    kind: Literal["agent", "vllm", "sglang", "openai"] = setting(
+    name: str = _opt("", "DNS name of a headless Service: its A/AAAA records are the workers")
+    port: int = _opt(0, "the workers' port", lo=0, hi=65535)
+    kind: Literal["agent", "vllm", "sglang", "openai"] = _opt(
         "agent", "engine kind of these workers")
-    model: str = setting("", "the model these workers serve (\"\": from each one's /v1/models)")
+    model: str = _opt("", "the model these workers serve (\"\": from each one's /v1/models)")
 
     @document_check
     def _check(self) -> None:
@@ -413,22 +412,23 @@ class DnsServiceSpec(EngineSettings):
 
 @settings
 class DnsDiscoveryConfig:
-    nameserver: str = setting("", "resolver host or host:port (\"\": /etc/resolv.conf)")
-    interval_s: float = setting(5.0, "re-resolve interval", lo=0, lo_open=True)
-    timeout_s: float = setting(2.0, "timeout of one resolution", lo=0, lo_open=True)
-    services: tuple[DnsServiceSpec, ...] = Field((), description="headless Services, each with a models: entry's engine settings for the workers it finds")
+    nameserver: str = _opt("", "resolver host or host:port (\"\": /etc/resolv.conf)")
+    interval_s: float = _opt(5.0, "re-resolve interval", lo=0, lo_open=True)
+    timeout_s: float = _opt(2.0, "timeout of one resolution", lo=0, lo_open=True)
+    services: tuple[DnsServiceSpec, ...] = Field((), description=(
+        "headless Services, each with a models: entry's settings for what it finds"))
 
 
 @settings
 class DiscoveryConfig:
-    max_workers: int = setting(4096, "most discovered workers kept (more: logged, counted, cut)",
+    max_workers: int = _opt(4096, "most discovered workers kept (more: logged, counted, cut)",
                             lo=1)
-    backoff_s: float = setting(1.0, "first retry delay of a failing source, doubled per failure",
+    backoff_s: float = _opt(1.0, "first retry delay of a failing source, doubled per failure",
                             lo=0, lo_open=True)
-    backoff_max_s: float = setting(30.0, "largest retry delay of a failing source", lo=0,
+    backoff_max_s: float = _opt(30.0, "largest retry delay of a failing source", lo=0,
                                 lo_open=True)
-    kubernetes: K8sDiscoveryConfig = section(K8sDiscoveryConfig, "Kubernetes EndpointSlices")
-    dns: DnsDiscoveryConfig = section(DnsDiscoveryConfig, "DNS A/AAAA records")
+    kubernetes: K8sDiscoveryConfig = _section(K8sDiscoveryConfig, "Kubernetes EndpointSlices")
+    dns: DnsDiscoveryConfig = _section(DnsDiscoveryConfig, "DNS A/AAAA records")
 
     @document_check
     def _check(self) -> None:
@@ -444,57 +444,57 @@ class DiscoveryConfig:
 class BusAuthConfig:
     """How the router authenticates to the NATS server: at most one method."""
 
-    user: str = setting("", "user name (with password_env or password_file)")
-    password_env: str = setting("", "env var holding the user's password")
-    password_file: str = setting("", "file holding the user's password")
-    token_env: str = setting("", "env var holding the NATS server's auth token")
-    token_file: str = setting("", "file holding the NATS server's auth token")
-    nkey_seed_file: str = setting("", "file holding an NKey seed (SU...)")
-    creds_file: str = setting("", "a .creds file: user JWT and NKey seed (nsc generate creds)")
+    user: str = _opt("", "user name (with password_env or password_file)")
+    password_env: str = _opt("", "env var holding the user's password")
+    password_file: str = _opt("", "file holding the user's password")
+    token_env: str = _opt("", "env var holding the NATS server's auth token")
+    token_file: str = _opt("", "file holding the NATS server's auth token")
+    nkey_seed_file: str = _opt("", "file holding an NKey seed (SU...)")
+    creds_file: str = _opt("", "a .creds file: user JWT and NKey seed (nsc generate creds)")
 
 
 @settings
 class BusTlsConfig:
     """TLS to the NATS server (a tls:// bus.url; system CAs without ca_file)."""
 
-    ca_file: str = setting("", "PEM CA bundle that signed the server's certificate")
-    cert_file: str = setting("", "PEM client certificate (mutual TLS; with key_file)")
-    key_file: str = setting("", "PEM key of the client certificate")
+    ca_file: str = _opt("", "PEM CA bundle that signed the server's certificate")
+    cert_file: str = _opt("", "PEM client certificate (mutual TLS; with key_file)")
+    key_file: str = _opt("", "PEM key of the client certificate")
 
 
 @settings
 class BusConfig:
-    url: str = setting("", "NATS server URL (nats://host:4222); \"\": no bus, agents push "
+    url: str = _opt("", "NATS server URL (nats://host:4222); \"\": no bus, agents push "
                     "directly to each router")
-    stream: str = setting("RADIXFLEET", "JetStream stream holding the agents' event batches")
-    subject_prefix: str = setting("radixfleet", "first token of every bus subject")
-    replica_id: str = setting("", "this router's name on the bus (\"\": hostname-pid)")
-    max_age_s: float = setting(600.0, "stream limit: messages older than this are dropped", lo=0,
+    stream: str = _opt("RADIXFLEET", "JetStream stream holding the agents' event batches")
+    subject_prefix: str = _opt("radixfleet", "first token of every bus subject")
+    replica_id: str = _opt("", "this router's name on the bus (\"\": hostname-pid)")
+    max_age_s: float = _opt(600.0, "stream limit: messages older than this are dropped", lo=0,
                             lo_open=True)
-    max_bytes: int = setting(1 << 30, "stream limit: total bytes kept", lo=1024)
-    storage: Literal["memory", "file"] = setting("memory", "stream storage")
-    connect_timeout_s: float = setting(1.0, "timeout of one connection attempt", lo=0,
+    max_bytes: int = _opt(1 << 30, "stream limit: total bytes kept", lo=1024)
+    storage: Literal["memory", "file"] = _opt("memory", "stream storage")
+    connect_timeout_s: float = _opt(1.0, "timeout of one connection attempt", lo=0,
                                     lo_open=True)
-    backoff_s: float = setting(0.5, "first reconnect delay, doubled per failure", lo=0,
+    backoff_s: float = _opt(0.5, "first reconnect delay, doubled per failure", lo=0,
                             lo_open=True)
-    backoff_max_s: float = setting(5.0, "largest reconnect delay", lo=0, lo_open=True)
-    flush_s: float = setting(0.0, "extra wait before publishing pick-time hints and in-flight "
+    backoff_max_s: float = _opt(5.0, "largest reconnect delay", lo=0, lo_open=True)
+    flush_s: float = _opt(0.0, "extra wait before publishing pick-time hints and in-flight "
                           "counts, to batch bursts (0: at the next event-loop turn; what "
                           "piles up meanwhile goes in one message)", lo=0)
-    heartbeat_s: float = setting(0.5, "this replica republishes all its in-flight counts this "
+    heartbeat_s: float = _opt(0.5, "this replica republishes all its in-flight counts this "
                               "often", lo=0, lo_open=True)
-    replica_ttl_s: float = setting(2.0, "another replica's counts are dropped after this long "
+    replica_ttl_s: float = _opt(2.0, "another replica's counts are dropped after this long "
                                 "without a heartbeat", lo=0, lo_open=True)
-    share_hints: bool = setting(True, "publish pick-time hints and apply other replicas' hints")
-    snapshot_request_s: float = setting(1.0, "at most one snapshot request per worker this often",
+    share_hints: bool = _opt(True, "publish pick-time hints and apply other replicas' hints")
+    snapshot_request_s: float = _opt(1.0, "at most one snapshot request per worker this often",
                                      lo=0)
-    ready_timeout_s: float = setting(10.0, "report ready after this long even if the stream's "
+    ready_timeout_s: float = _opt(10.0, "report ready after this long even if the stream's "
                                   "history is not caught up (logged)", lo=0, lo_open=True)
-    max_skew_s: float = setting(30.0, "a signed bus message dated further than this from when "
+    max_skew_s: float = _opt(30.0, "a signed bus message dated further than this from when "
                              "it was stored or received is dropped as a replay", lo=0,
                              lo_open=True)
-    auth: BusAuthConfig = section(BusAuthConfig, "credentials for the NATS server")
-    tls: BusTlsConfig = section(BusTlsConfig, "TLS to the NATS server")
+    auth: BusAuthConfig = _section(BusAuthConfig, "credentials for the NATS server")
+    tls: BusTlsConfig = _section(BusTlsConfig, "TLS to the NATS server")
 
     def enabled(self) -> bool:
         return bool(self.url)
@@ -532,19 +532,19 @@ def bus_setting(name: str) -> str:
 
 @settings
 class TrafficLogConfig:
-    enabled: bool = setting(False, "write one JSON line per routed request (router.traffic_log)")
-    dir: str = setting("traffic", "directory of the log files (created if missing)")
-    prefix: str = setting("traffic", "file names: PREFIX-<UTC time>-<pid>-<seq>.jsonl")
-    sample_rate: float = setting(1.0, "share of sessions (requests without one: of requests) "
+    enabled: bool = _opt(False, "write one JSON line per routed request (router.traffic_log)")
+    dir: str = _opt("traffic", "directory of the log files (created if missing)")
+    prefix: str = _opt("traffic", "file names: PREFIX-<UTC time>-<pid>-<seq>.jsonl")
+    sample_rate: float = _opt(1.0, "share of sessions (requests without one: of requests) "
                               "logged", lo=0, hi=1, lo_open=True)
-    max_file_bytes: int = setting(64 * 2**20, "a file is closed and the next begun past this size",
+    max_file_bytes: int = _opt(64 * 2**20, "a file is closed and the next begun past this size",
                                lo=4096)
-    max_files: int = setting(16, "files kept; the oldest are deleted beyond this", lo=1)
-    queue_size: int = setting(65536, "records waiting for the writer; beyond it records are "
+    max_files: int = _opt(16, "files kept; the oldest are deleted beyond this", lo=1)
+    queue_size: int = _opt(65536, "records waiting for the writer; beyond it records are "
                            "dropped and counted, never waited for", lo=1)
-    flush_interval_s: float = setting(1.0, "the writer writes what is queued this often", lo=0,
+    flush_interval_s: float = _opt(1.0, "the writer writes what is queued this often", lo=0,
                                    lo_open=True)
-    tenant_key_env: str = setting("RADIXFLEET_TRAFFIC_LOG_KEY", "env var with the secret key of "
+    tenant_key_env: str = _opt("RADIXFLEET_TRAFFIC_LOG_KEY", "env var with the secret key of "
                                "the tenant hash (unset: a random key per process)")
 
     @document_check
@@ -558,29 +558,42 @@ class TrafficLogConfig:
 
 @settings
 class AutoscaleConfig:
-    target_utilization: float = setting(0.6, "share of a worker's prefill rate the plan may use",
+    target_utilization: float = _opt(0.6, "share of a worker's prefill rate the plan may use",
                                      lo=0, hi=1, lo_open=True)
-    holder_max_rate: float = setting(50.0, "req/s of one prefix a single holder absorbs at most",
+    holder_max_rate: float = _opt(50.0, "req/s of one prefix a single holder absorbs at most",
                                   lo=0, lo_open=True)
-    hot_min_rate: float = setting(1.0, "prefixes below this many req/s are not counted as hot",
+    hot_min_rate: float = _opt(1.0, "prefixes below this many req/s are not counted as hot",
                                lo=0)
-    queue_drain_s: float = setting(10.0, "the backlog should drain within this many seconds",
+    queue_drain_s: float = _opt(10.0, "the backlog should drain within this many seconds",
                                 lo=0, lo_open=True)
-    kv_target: float = setting(0.85, "KV utilization the plan aims at", lo=0, hi=1, lo_open=True)
-    output_tokens: int = setting(256, "output tokens per request assumed for running requests' KV",
+    kv_target: float = _opt(0.85, "KV utilization the plan aims at", lo=0, hi=1, lo_open=True)
+    output_tokens: int = _opt(256, "output tokens per request assumed for running requests' KV",
                               lo=0)
-    startup_s: float = setting(30.0, "a new worker's start-up delay: rising demand is projected "
+    startup_s: float = _opt(30.0, "a new worker's start-up delay: rising demand is projected "
                             "this far ahead", lo=0)
-    half_life_s: float = setting(10.0, "half-life of the demand meter's rates", lo=0, lo_open=True)
-    hot_k: int = setting(16, "hot prefixes considered (and shown per prefix)", lo=1)
-    min_workers: int = setting(1, "the signal never asks for fewer", lo=1)
-    max_workers: int = setting(1024, "the signal never asks for more", lo=1)
+    half_life_s: float = _opt(10.0, "half-life of the demand meter's rates", lo=0, lo_open=True)
+    hot_k: int = _opt(16, "hot prefixes considered (and shown per prefix)", lo=1)
+    min_workers: int = _opt(1, "the signal never asks for fewer", lo=1)
+    max_workers: int = _opt(1024, "the signal never asks for more", lo=1)
 
     @document_check
     def _check(self) -> None:
         if self.max_workers < self.min_workers:
             raise ConfigError("max_workers", f"expected an integer >= min_workers "
                               f"({self.min_workers}), got {self.max_workers}")
+
+
+def _unique(workers: tuple[WorkerSpec, ...]) -> None:
+    ids: dict[str, int] = {}
+    urls: dict[str, int] = {}
+    for i, w in enumerate(workers):
+        if w.id in ids:
+            raise ConfigError(f"[{i}].id", f"duplicate worker id {w.id!r} (also "
+                              f"workers[{ids[w.id]}])")
+        if w.url in urls:
+            raise ConfigError(f"[{i}].url", f"duplicate worker url {w.url!r} (also "
+                              f"workers[{urls[w.url]}])")
+        ids[w.id] = urls[w.url] = i
 
 
 def _model_name(name: str) -> None:
@@ -597,25 +610,26 @@ ModelName = Annotated[str, value_check(_model_name)]
 class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
 
-    listen: ListenConfig = section(ListenConfig, "listen address")
-    workers: tuple[WorkerSpec, ...] = Field((), description="the workers (an entry may be its url alone), or {static: [...], discovery: {...}}")
-    keys: KeysConfig = section(KeysConfig, "prefix keys and tenants")
-    policy: PolicyConfig = section(PolicyConfig, "routing policy")
-    index: IndexConfig = section(IndexConfig, "prefix index")
-    health: HealthConfig = section(HealthConfig, "health checks")
-    registration: RegistrationConfig = section(RegistrationConfig,
+    listen: ListenConfig = _section(ListenConfig, "listen address")
+    workers: Annotated[tuple[WorkerSpec, ...], value_check(_unique)] = Field((), description=(
+        "the workers (an entry may be its url alone), or {static: [...], discovery: {...}}"))
+    keys: KeysConfig = _section(KeysConfig, "prefix keys and tenants")
+    policy: PolicyConfig = _section(PolicyConfig, "routing policy")
+    index: IndexConfig = _section(IndexConfig, "prefix index")
+    health: HealthConfig = _section(HealthConfig, "health checks")
+    registration: RegistrationConfig = _section(RegistrationConfig,
                                                 "agents registering themselves")
-    breaker: BreakerConfig = section(BreakerConfig, "circuit breaker")
-    load: LoadConfig = section(LoadConfig, "reported load")
-    retries: RetriesConfig = section(RetriesConfig, "retries")
-    timeouts: TimeoutsConfig = section(TimeoutsConfig, "upstream timeouts")
-    limits: LimitsConfig = section(LimitsConfig, "request limits")
-    warmup: WarmupConfig = section(WarmupConfig, "hot-root warm-up")
-    auth: AuthConfig = section(AuthConfig, "bearer tokens")
-    reload: ReloadConfig = section(ReloadConfig, "hot reload")
-    bus: BusConfig = section(BusConfig, "event bus shared by router replicas (read at start)")
-    traffic_log: TrafficLogConfig = section(TrafficLogConfig, "per-request traffic log")
-    autoscale: AutoscaleConfig = section(AutoscaleConfig, "prefix-aware autoscaling signal")
+    breaker: BreakerConfig = _section(BreakerConfig, "circuit breaker")
+    load: LoadConfig = _section(LoadConfig, "reported load")
+    retries: RetriesConfig = _section(RetriesConfig, "retries")
+    timeouts: TimeoutsConfig = _section(TimeoutsConfig, "upstream timeouts")
+    limits: LimitsConfig = _section(LimitsConfig, "request limits")
+    warmup: WarmupConfig = _section(WarmupConfig, "hot-root warm-up")
+    auth: AuthConfig = _section(AuthConfig, "bearer tokens")
+    reload: ReloadConfig = _section(ReloadConfig, "hot reload")
+    bus: BusConfig = _section(BusConfig, "event bus shared by router replicas (read at start)")
+    traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
+    autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
     #: ``models:``: served model name -> the engine settings of every worker serving it
     models: Mapping[ModelName, EngineSettings] = Field(default_factory=dict, description=(
         "served model name -> the engine settings of every worker serving it"))
@@ -635,18 +649,6 @@ class Config:
         """A ``models:`` entry may be empty (``null``): all defaults."""
         return {k: {} if m is None else m for k, m in v.items()} if isinstance(v, dict) else v
 
-    @field_check("workers")
-    def _unique(workers: tuple[WorkerSpec, ...]) -> None:
-        ids: dict[str, int] = {}
-        urls: dict[str, int] = {}
-        for i, w in enumerate(workers):
-            if w.id in ids:
-                raise ConfigError(f"[{i}].id", f"duplicate worker id {w.id!r} (also "
-                                  f"workers[{ids[w.id]}])")
-            if w.url in urls:
-                raise ConfigError(f"[{i}].url", f"duplicate worker url {w.url!r} (also "
-                                  f"workers[{urls[w.url]}])")
-            ids[w.id] = urls[w.url] = i
 
     def summary(self) -> str:
         t = self.keys.tenant

@@ -8,6 +8,7 @@ checks that deploy/README.md's block is current).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from policies.registry import describe_policies
 from protocol.errors import ConfigError
@@ -20,10 +21,9 @@ END = "<!-- END config-reference -->"
 
 
 def _table(title: str, rows: list[tuple[str, str, str, str]]) -> list[str]:
-    out = [f"#### {title}", "| key | default | allowed | meaning |", "|---|---|---|---|"]
-    out += [f"| `{k}` | `{d}` | {a} | {m.replace('|', '/').replace('*', '&#42;')} |"
-            for k, d, a, m in rows]
-    return out + [""]
+    return [f"#### {title}", "| key | default | allowed | meaning |", "|---|---|---|---|"] + [
+        f"| `{k}` | `{d}` | {a} | {m.replace('|', '/').replace('*', '&#42;')} |"
+        for k, d, a, m in rows] + [""]
 
 
 def tables() -> str:
@@ -37,10 +37,9 @@ def tables() -> str:
             lines += _table("`workers.discovery` — workers found in Kubernetes or DNS",
                             reference(DiscoveryConfig, "workers.discovery"))
     for policy, params in describe_policies().items():
-        if params:
-            lines += _table(f"`policy.params` of `{policy}`", [
-                (p["name"], str(p["default"]).lower() if p["type"] == "bool" else
-                 str(p["default"]), p["expected"], p["doc"]) for p in params])
+        lines += _table(f"`policy.params` of `{policy}`", [
+            (p["name"], str(p["default"]).lower(), p["expected"], p["doc"]) for p in params]
+        ) if params else []
     return "\n".join(lines + [END])
 
 
@@ -53,11 +52,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.write:
         print(tables())
         return 0
-    with open(args.write, encoding="utf-8") as f:
-        text = f.read()
+    text = Path(args.write).read_text(encoding="utf-8")
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ConfigError("", f"{args.write}: no generated block ({BEGIN!r} ... {END!r})")
-    with open(args.write, "w", encoding="utf-8") as f:
-        f.write(text[:start] + tables() + text[end + len(END):])
+    Path(args.write).write_text(text[:start] + tables() + text[end + len(END):],
+                                encoding="utf-8")
     return 0
