@@ -8,11 +8,11 @@ tokens ahead of a new request (``policies.load``).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_tokens
+from policies.params import parameters
 
 
 class RoundRobin(Policy):
@@ -25,7 +25,7 @@ class RoundRobin(Policy):
 
     name = "round_robin"
 
-    @dataclass(frozen=True, slots=True)
+    @parameters
     class Params(PolicyParams):
         """round_robin has no parameters."""
 
@@ -49,7 +49,7 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    @dataclass(frozen=True, slots=True)
+    @parameters
     class Params(PolicyParams):
         """random has no parameters."""
 
@@ -65,7 +65,7 @@ class LeastLoad(Policy):
 
     name = "least_load"
 
-    @dataclass(frozen=True, slots=True)
+    @parameters
     class Params(PolicyParams):
         """least_load has no parameters."""
 
@@ -81,7 +81,7 @@ class PowerOfTwo(Policy):
 
     name = "power_of_two"
 
-    @dataclass(frozen=True, slots=True)
+    @parameters
     class Params(PolicyParams):
         """power_of_two has no parameters."""
 

@@ -27,19 +27,19 @@ Where we differ, and why:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any, Sequence
+from dataclasses import asdict
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_requests
-from policies.params import param
+from policies.params import param, parameters
 from protocol.prefix_keys import BYTES_PER_TOKEN
 
 
 class CacheAware(Policy):
     name = "cache_aware"
 
-    @dataclass(frozen=True, slots=True)
+    @parameters
     class Params(PolicyParams):
         cache_threshold: float = param(
             0.3, "route to the best match only when match_rate exceeds this", lo=0.0, hi=1.0)

@@ -27,15 +27,14 @@ import bisect
 import dataclasses
 import math
 import random
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import xxhash
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_requests
-from policies.params import param
 from protocol.prefix_keys import WorkerId
+from policies.params import param, parameters
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -43,7 +42,7 @@ _xxh3 = xxhash.xxh3_64_intdigest
 class ConsistentHash(Policy):
     name = "consistent_hash"
 
-    @dataclass(frozen=True, slots=True)
+    @parameters
     class Params(PolicyParams):
         vnodes: int = param(160, "virtual nodes per worker of weight 1", lo=1, hi=10_000)
         load_factor: float = param(

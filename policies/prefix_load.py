@@ -85,12 +85,12 @@ request's block hashes and O(workers).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Sequence
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.footprint import Branch, Footprints
-from policies.params import param
+from policies.params import param, parameters
 from policies.replication import RETIRE_FRACTION, HotRoots, holders_needed
 
 _INF = math.inf
@@ -114,7 +114,7 @@ def _by_written(written, now: float, cur, cur_r: float | None, new):
 class PrefixLoad(Policy):
     name = "prefix_load"
 
-    @dataclass(frozen=True, slots=True)
+    @parameters
     class Params(PolicyParams):
         min_match_tokens: int = param(
             64, "a match shorter than this many tokens counts as a miss", lo=0)

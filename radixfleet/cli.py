@@ -32,6 +32,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("loadtest.analyze", "the cache-size knee, Zipf head and policy replay of a traffic log"),
     "bench": ("radixfleet.bench", "run a benchmark: " + ", ".join(BENCHMARKS)),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
+    "config-reference": ("router.config_reference", "print the router YAML key tables "
+                         "(deploy/README.md), made from the schema"),
 }
 
 

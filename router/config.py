@@ -1,74 +1,16 @@
-"""The router's YAML configuration: one schema, validated into frozen dataclasses.
+"""The router's YAML configuration: one declared schema, validated into frozen dataclasses.
 
 Also the ``radixfleet check-config FILE`` subcommand (exit 0 with a one-line OK
 summary and any warnings on stderr, or 2 with every error, each with its path).
 
-Schema (every section and key optional; defaults shown; ``deploy/README.md``
-documents each key)::
-
-    listen:   {host: 127.0.0.1, port: 8000}
-    workers:  [{url: http://10.0.0.1:30000 (plain http), id: <host:port>, weight: 1.0,
-                prefill_tokens_per_s: 10000.0, kind: auto|agent|vllm|sglang|openai,
-                model: "", tokenizer: <folder or cached repo id>, block_size: 0,
-                kv_capacity_tokens: 0,
-                events: {endpoint: "", mode: auto|bind|connect, replay_endpoint: "",
-                         topic: kv-events},
-                metrics: {path: /metrics, interval_s: 1.0, timeout_s: 1.0},
-                chat_template: ""}, ...]
-    models:   {<served model name>: {tokenizer, chat_template, block_size,
-                                     kv_capacity_tokens, events, metrics}}
-              # what a worker serving the model leaves unset (resolve_engine)
-    keys:     {block_bytes: 128, tenant_salt_env: RADIXFLEET_TENANT_SALT,
-               tenant: {source: none|api_key|header, default: "", header: x-tenant-id,
-                        require_key: true,
-                        api_keys: [{tenant: a, key_env: TENANT_A_KEY} | {tenant: b, key: sk-..}]}}
-    policy:   {name: prefix_load, seed: 0, params: {...}}   # params: see policies
-    index:    {max_bytes: 268435456, half_life_s: 30.0, hot_k: 10}
-    health:   {path: /health, interval_s: 2.0, timeout_s: 1.0,
-               failure_threshold: 2, success_threshold: 1}
-    registration: {unhealthy_grace_s: 60.0, rate_per_s: 10.0, burst: 200}
-    breaker:  {failure_threshold: 3, open_s: 5.0}
-    load:     {report_stale_s: 2.0}
-    retries:  {max_attempts: 3, backoff_s: 0.005, backoff_max_s: 0.1}
-    timeouts: {connect_s: 2.0, first_byte_s: 120.0, total_s: 3600.0}
-    limits:   {max_body_bytes: 8388608, max_response_bytes: 67108864,
-               max_concurrency: 1024, max_queue: 4096,
-               queue_timeout_s: 30.0, retry_after_s: 1, shutdown_timeout_s: 30.0,
-               worker_queue_requests: 0.5, worker_queue_min_s: 0.05,
-               header_timeout_s: 10.0, body_timeout_s: 30.0,
-               max_buffered_body_bytes: 1073741824, max_connections: 8192}
-    warmup:   {enabled: true, min_interval_s: 10.0, timeout_s: 30.0}
-    auth:     {admin_token_env: RADIXFLEET_ADMIN_TOKEN, agent_token_env: RADIXFLEET_AGENT_TOKEN}
-    reload:   {watch: true, poll_interval_s: 1.0}
-    bus:      {url: "" (off; nats://host:4222), stream: RADIXFLEET, subject_prefix: radixfleet,
-               replica_id: "" (hostname-pid), max_age_s: 600.0, max_bytes: 1073741824,
-               storage: memory|file, connect_timeout_s: 1.0, backoff_s: 0.5,
-               backoff_max_s: 5.0, flush_s: 0.0, heartbeat_s: 0.5, replica_ttl_s: 2.0,
-               share_hints: true, snapshot_request_s: 1.0, ready_timeout_s: 10.0,
-               max_skew_s: 30.0,
-               auth: {user: "", password_env: "", password_file: "", token_env: "",
-                      token_file: "", nkey_seed_file: "", creds_file: ""},
-               tls: {ca_file: "", cert_file: "", key_file: ""}}
-    traffic_log: {enabled: false, dir: traffic, prefix: traffic, sample_rate: 1.0,
-                  max_file_bytes: 67108864, max_files: 16, queue_size: 65536,
-                  flush_interval_s: 1.0, tenant_key_env: RADIXFLEET_TRAFFIC_LOG_KEY}
-    autoscale: {target_utilization: 0.6, holder_max_rate: 50.0, hot_min_rate: 1.0,
-                queue_drain_s: 10.0, kv_target: 0.85, output_tokens: 256, startup_s: 30.0,
-                half_life_s: 10.0, hot_k: 16, min_workers: 1, max_workers: 1024}
-
-``workers`` may also be a mapping, ``{static: [<the list above>], discovery: {...}}``;
-``workers.discovery`` finds workers in Kubernetes (EndpointSlices) or DNS
-(``router.discovery``)::
-
-    discovery: {max_workers: 4096, backoff_s: 1.0, backoff_max_s: 30.0,
-                kubernetes: {api_server: "", token_file: <service account token>,
-                             namespace: "", watch_timeout_s: 300, page_size: 500,
-                             selectors: [{label_selector: app=vllm, port_name: http,
-                                          kind: vllm, namespace: "", model: "",
-                                          <a models: entry's keys>}, ...]},
-                dns: {nameserver: "", interval_s: 5.0, timeout_s: 2.0,
-                      services: [{name: vllm.ns.svc.cluster.local, port: 8000,
-                                  kind: vllm, model: "", <a models: entry's keys>}, ...]}}
+Every section and key is optional. Each section below is declared once
+(``protocol.settings``): its keys' types, defaults, bounds, choices and docs, and
+its rules across fields (``document_check``); ``deploy/README.md``'s key tables are
+generated from these declarations. ``workers`` is a list of worker entries, or
+``{static: [...], discovery: {...}}`` (``DiscoveryConfig``: Kubernetes
+EndpointSlices or DNS, ``router.discovery``); ``models`` maps a served model name
+to the engine settings of every worker serving it (``EngineSettings``,
+``resolve_engine``).
 
 Validation errors name the dotted path, what was expected and, for names, the
 valid ones::
@@ -86,22 +28,24 @@ are merged with ``MISSING`` (``with_overrides``), never with ``None``.
 from __future__ import annotations
 
 import argparse
-import contextvars
 import dataclasses
 import errno
 import os
 import random
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
 from urllib.parse import urlsplit
 
 import yaml
+from pydantic import Field, field_validator
 
-from policies.params import check_value
 from protocol import bus_wire
 from protocol.errors import ConfigError
 from protocol.extras import require
+from protocol.settings import document_check, internal, join, keys_of, raise_all, settings, \
+    typename, validate, value_check
+from protocol.settings import section as _section
+from protocol.settings import setting as _opt
 from protocol.identifiers import MAX_URL_CHARS, id_problem, name_problem, worker_host
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 from service.bus_connection import BusCredentials
@@ -128,82 +72,43 @@ class _Missing:
 MISSING: Any = _Missing()
 
 
-def _opt(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
-         lo_open: bool = False, choices: tuple[str, ...] | None = None) -> Any:
-    """A documented, bounded scalar setting."""
-    return field(default=default, metadata={
-        "doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices})
-
-
-def _section(cls: type, doc: str) -> Any:
-    return field(default_factory=cls, metadata={"doc": doc, "section": cls})
-
-
 # ---------------------------------------------------------------------- sections
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class ListenConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "TCP port", lo=0, hi=65535)
 
 
-#: What a worker is (contract 7, docs/DESIGN.md). ``auto``: probe it (router.engines.kinds).
-WORKER_KINDS = ("auto", "agent", "vllm", "sglang", "openai")
-#: How the router's ZMQ SUB socket meets the engine's PUB socket.
-EVENT_MODES = ("auto", "bind", "connect", "off")
-
-
-@dataclass(frozen=True, slots=True)
+@settings
 class EventsSpec:
     endpoint: str = _opt("", "the engine's own KV-events endpoint, as given to it "
                          "(vLLM --kv-events-config endpoint: tcp://*:5557, tcp://HOST:PORT "
                          "or ipc://PATH); empty: a vLLM worker's are asked of the server "
                          "(GET /kv_event_sources, every data-parallel rank), others send none")
-    mode: str = _opt("auto", "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
+    mode: Literal["auto", "bind", "connect", "off"] = _opt(
+                     "auto", "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
                      "endpoint (the router connects, to the worker's host for a wildcard) and "
                      "connects to a concrete tcp://HOST:PORT (the router binds it); bind or "
-                     "connect force the router's side; off: follow none (approximate mode)",
-                     choices=EVENT_MODES)
+                     "connect force the router's side; off: follow none (approximate mode)")
     replay_endpoint: str = _opt("", "the engine's replay endpoint (missed batches by "
                                 "sequence number); empty: none")
     topic: str = _opt("kv-events", "ZMQ topic the engine publishes under")
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class EngineScrapeSpec:
     path: str = _opt("/metrics", "Prometheus page of the engine; empty: do not scrape")
     interval_s: float = _opt(1.0, "seconds between scrapes", lo=0.05)
     timeout_s: float = _opt(1.0, "scrape timeout", lo=0, lo_open=True)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    url: str = _opt("", "base URL of the worker, http://host:port")
-    id: str = _opt("", "worker id (default: host:port of url)")
-    weight: float = _opt(1.0, "relative capacity weight", lo=0.01, hi=100.0)
-    prefill_tokens_per_s: float = _opt(
-        10_000.0, "prefill throughput assumed until measured or reported", lo=1.0, hi=1e12)
-    kind: str = _opt("auto", "agent, vllm, sglang or openai; auto: probe the worker",
-                     choices=WORKER_KINDS)
-    model: str = _opt("", "the model it serves (default: from its /v1/models)")
-    tokenizer: str = _opt("", "the engine's tokenizer and chat template: a local folder or "
-                          "a repo id in the local Hugging Face cache (exact token keys)")
-    block_size: int = _opt(0, "the engine's KV block size in tokens (0: from its metrics or "
-                           "events)", lo=0)
-    kv_capacity_tokens: int = _opt(0, "the engine's KV capacity in tokens for the approximate "
-                                   "index (0: from its metrics)", lo=0)
-    events: EventsSpec = _section(EventsSpec, "the engine's KV-cache events")
-    metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engine's load")
-    chat_template: str = _opt("", "the engine's --chat-template (a file or the template), "
-                              "replacing the tokenizer's; needs a tokenizer")
-
-
-@dataclass(frozen=True, slots=True)
+@settings
 class EngineSettings:
     """The engine settings that follow a worker's model rather than the worker: one
     ``models.<served name>`` entry, or what a discovery selector gives every worker it
-    finds. The names are ``WorkerSpec``'s; ``resolve_engine`` fills a worker's unset
+    finds. A worker entry has them too; ``resolve_engine`` fills a worker's unset
     ones from here."""
 
     tokenizer: str = _opt("", "the engine's tokenizer and chat template: a local folder or "
@@ -214,35 +119,78 @@ class EngineSettings:
                            "events)", lo=0)
     kv_capacity_tokens: int = _opt(0, "the engine's KV capacity in tokens for the approximate "
                                    "index (0: from its metrics)", lo=0)
-    events: EventsSpec = _section(EventsSpec, "the engines' KV-cache events: a wildcard "
-                                  "tcp://*:PORT (each engine binds it on its own host)")
-    metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engines' load")
+    events: EventsSpec = _section(EventsSpec, "the engine's KV-cache events (for many workers: "
+                                  "a wildcard tcp://*:PORT, each engine binds it)")
+    metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engine's load")
+
+    @document_check
+    def _check(self) -> None:
+        check_engine_fields(self, "", per_worker=False)
+
+
+@settings
+class WorkerSpec(EngineSettings):
+    """One worker entry: where the worker is and what it is, plus its own engine
+    settings (``EngineSettings``; those it leaves unset come from ``models:``)."""
+
+    url: str = _opt("", "base URL of the worker, http://host:port")
+    id: str = _opt("", "worker id (default: host:port of url)")
+    weight: float = _opt(1.0, "relative capacity weight", lo=0.01, hi=100.0)
+    prefill_tokens_per_s: float = _opt(
+        10_000.0, "prefill throughput assumed until measured or reported", lo=1.0, hi=1e12)
+    kind: Literal["auto", "agent", "vllm", "sglang", "openai"] = _opt(
+        "auto", "agent, vllm, sglang or openai; auto: probe the worker")
+    model: str = _opt("", "the model it serves (default: from its /v1/models)")
+
+    @document_check
+    def _check(self) -> None:
+        """The url canonical and the id defaulted (set here: both feed the checks after)."""
+        if not self.url:
+            raise ConfigError("url", "required: the worker's base URL")
+        object.__setattr__(self, "url", parse_worker_url(self.url, "url"))
+        check_engine_fields(self, "")
+        object.__setattr__(self, "id", self.id or default_worker_id(self.url))
+        problem = id_problem(self.id)
+        if problem:
+            raise ConfigError("id", problem)
 
 
 #: the fields a ``models:`` entry or a selector may set for a worker
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSettings))
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class ApiKeySpec:
     tenant: str = _opt("", "tenant this key authenticates as")
     key: str = _opt("", "the key itself (prefer key_env)")
     key_env: str = _opt("", "environment variable holding the key")
 
+    @document_check
+    def _check(self) -> None:
+        if bool(self.key) == bool(self.key_env):
+            raise ConfigError("", "expected exactly one of key, key_env")
+        if not self.tenant:
+            raise ConfigError("tenant", "required: a non-empty tenant name")
 
-TENANT_SOURCES = ("none", "api_key", "header")
 
-
-@dataclass(frozen=True, slots=True)
+@settings
 class TenantConfig:
-    source: str = _opt("none", "where the tenant comes from", choices=TENANT_SOURCES)
+    source: Literal["none", "api_key", "header"] = _opt("none", "where the tenant comes from")
     default: str = _opt("", "tenant of requests without an identity")
     header: str = _opt("x-tenant-id", "source=header: the header a trusted gateway sets")
     require_key: bool = _opt(True, "source=api_key: reject requests without a valid key (401)")
-    api_keys: tuple[ApiKeySpec, ...] = ()
+    api_keys: tuple[ApiKeySpec, ...] = Field((), description="source=api_key: the keys, each "
+                                             "with exactly one of key, key_env")
+
+    @document_check
+    def _check(self) -> None:
+        if self.source == "api_key" and not self.api_keys:
+            raise ConfigError("api_keys", "source api_key needs at least one key")
+        if self.source == "header" and not self.header:
+            raise ConfigError("header", "source header needs a header name")
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class KeysConfig:
     block_bytes: int = _opt(DEFAULT_BLOCK_BYTES, "routing block size in bytes", lo=BYTES_PER_TOKEN)
     tenant: TenantConfig = _section(TenantConfig, "tenant identity")
@@ -250,16 +198,32 @@ class KeysConfig:
         "RADIXFLEET_TENANT_SALT", "env var with the deployment's secret tenant salt (the "
         "same on every replica); unset: derived from the agent token (service.tenancy)")
 
+    @document_check
+    def _check(self) -> None:
+        if self.block_bytes % BYTES_PER_TOKEN:
+            raise ConfigError("block_bytes", f"expected a multiple of {BYTES_PER_TOKEN}, "
+                              f"got {self.block_bytes}")
 
-@dataclass(frozen=True, slots=True)
+
+@settings
 class PolicyConfig:
     name: str = _opt("prefix_load", "policy name")
     seed: int = _opt(0, "seed of the policy's random source", lo=0)
     #: raw parameters, validated by policies.registry.build_policy
-    params: Mapping[str, Any] = field(default_factory=dict)
+    params: Mapping[str, Any] = Field(default_factory=dict,
+                                      description="the policy's parameters (the tables below)")
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _no_params(cls, v: Any) -> Any:
+        return {} if v is None else v
+
+    @document_check
+    def _check(self) -> None:
+        build_policy_from(self, "")  # validates the name and the params
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class IndexConfig:
     max_bytes: int = _opt(256 * 2**20, "global memory budget of the prefix index", lo=1)
     half_life_s: float = _opt(30.0, "half-life of the hot-prefix request counters", lo=0,
@@ -270,7 +234,7 @@ class IndexConfig:
                                 "capacity), not only the configured one")
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class HealthConfig:
     path: str = _opt("/health", "health-check path on each worker")
     interval_s: float = _opt(2.0, "seconds between checks", lo=0, lo_open=True)
@@ -279,7 +243,7 @@ class HealthConfig:
     success_threshold: int = _opt(1, "passed checks in a row before healthy again", lo=1)
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class RegistrationConfig:
     """Agents registering themselves (``POST /internal/v1/register``, or the bus)."""
 
@@ -291,26 +255,32 @@ class RegistrationConfig:
     burst: int = _opt(200, "new self-registered workers admitted at once", lo=1)
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class BreakerConfig:
     failure_threshold: int = _opt(3, "request failures in a row that open the breaker", lo=1)
     open_s: float = _opt(5.0, "seconds open before one trial request", lo=0, lo_open=True)
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class LoadConfig:
     report_stale_s: float = _opt(2.0, "an agent's load report is ignored after this", lo=0,
                                  lo_open=True)
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class RetriesConfig:
     max_attempts: int = _opt(3, "tries per request, first included", lo=1, hi=16)
     backoff_s: float = _opt(0.005, "first retry delay, doubled per retry", lo=0)
     backoff_max_s: float = _opt(0.1, "largest retry delay", lo=0)
 
+    @document_check
+    def _check(self) -> None:
+        if self.backoff_max_s < self.backoff_s:
+            raise ConfigError("backoff_max_s", "expected a number >= retries.backoff_s "
+                              f"({self.backoff_s})")
 
-@dataclass(frozen=True, slots=True)
+
+@settings
 class TimeoutsConfig:
     """Per phase: a non-streamed answer arrives only when its generation is done, so
     only ``total_s`` bounds it (a hung worker is found by its health checks instead);
@@ -325,7 +295,7 @@ class TimeoutsConfig:
                           "non-streamed answer", lo=0, lo_open=True)
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class LimitsConfig:
     max_body_bytes: int = _opt(8 * 2**20, "largest request body (413 above)", lo=1)
     max_response_bytes: int = _opt(
@@ -356,7 +326,7 @@ class LimitsConfig:
         "process's open-file limit", lo=1)
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class WarmupConfig:
     enabled: bool = _opt(True, "send prefill-only warm-ups for hot-root replicas")
     min_interval_s: float = _opt(10.0, "at most one warm-up per (worker, prefix) this often",
@@ -364,13 +334,13 @@ class WarmupConfig:
     timeout_s: float = _opt(30.0, "timeout of one warm-up request", lo=0, lo_open=True)
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class AuthConfig:
     admin_token_env: str = _opt("RADIXFLEET_ADMIN_TOKEN", "env var with the admin bearer token")
     agent_token_env: str = _opt("RADIXFLEET_AGENT_TOKEN", "env var with the agent bearer token")
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class ReloadConfig:
     watch: bool = _opt(True, "reload when the file's mtime changes")
     poll_interval_s: float = _opt(1.0, "mtime poll interval", lo=0, lo_open=True)
@@ -381,19 +351,27 @@ WORKER_KINDS = ("agent", "vllm", "sglang", "openai")
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class K8sSelectorSpec(EngineSettings):
     """One selector; it may give its workers engine settings (``EngineSettings``)."""
 
     label_selector: str = _opt("", "EndpointSlice label selector (slices carry their "
                                "Service's labels and kubernetes.io/service-name)")
     port_name: str = _opt("", "the slice port workers listen on, by name (\"\": the only port)")
-    kind: str = _opt("agent", "engine kind of these workers", choices=WORKER_KINDS)
+    kind: Literal["agent", "vllm", "sglang", "openai"] = _opt(
+        "agent", "engine kind of these workers")
     namespace: str = _opt("", "namespace (\"\": kubernetes.namespace)")
     model: str = _opt("", "the model these workers serve (\"\": from each one's /v1/models)")
 
+    @document_check
+    def _check(self) -> None:
+        if not self.label_selector:
+            # an empty selector would take every slice, the router's own Service's too
+            raise ConfigError("label_selector", "required: a non-empty label selector")
+        check_engine_fields(self, "", per_worker=False)
 
-@dataclass(frozen=True, slots=True)
+
+@settings
 class K8sDiscoveryConfig:
     api_server: str = _opt("", "API server URL (\"\": in-cluster, from KUBERNETES_SERVICE_HOST "
                            "and the service account)")
@@ -402,28 +380,47 @@ class K8sDiscoveryConfig:
     watch_timeout_s: float = _opt(300.0, "server-side timeout of one watch (it then resumes "
                                   "from its resourceVersion)", lo=1)
     page_size: int = _opt(500, "list page size (limit/continue)", lo=1)
-    selectors: tuple[K8sSelectorSpec, ...] = ()
+    selectors: tuple[K8sSelectorSpec, ...] = Field((), description=(
+        "EndpointSlice selectors, each with a models: entry's settings for what it finds"))
+
+    @document_check
+    def _check(self) -> None:
+        if self.api_server:
+            parts = urlsplit(self.api_server)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError("api_server", "expected an http(s):// URL with a host, got "
+                                  f"{self.api_server!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class DnsServiceSpec(EngineSettings):
     """One headless Service; it may give its workers engine settings."""
 
     name: str = _opt("", "DNS name of a headless Service: its A/AAAA records are the workers")
     port: int = _opt(0, "the workers' port", lo=0, hi=65535)
-    kind: str = _opt("agent", "engine kind of these workers", choices=WORKER_KINDS)
+    kind: Literal["agent", "vllm", "sglang", "openai"] = _opt(
+        "agent", "engine kind of these workers")
     model: str = _opt("", "the model these workers serve (\"\": from each one's /v1/models)")
 
+    @document_check
+    def _check(self) -> None:
+        if not self.name:
+            raise ConfigError("name", "required: the headless Service's DNS name")
+        if not self.port:
+            raise ConfigError("port", "required: the workers' port (1-65535)")
+        check_engine_fields(self, "", per_worker=False)
 
-@dataclass(frozen=True, slots=True)
+
+@settings
 class DnsDiscoveryConfig:
     nameserver: str = _opt("", "resolver host or host:port (\"\": /etc/resolv.conf)")
     interval_s: float = _opt(5.0, "re-resolve interval", lo=0, lo_open=True)
     timeout_s: float = _opt(2.0, "timeout of one resolution", lo=0, lo_open=True)
-    services: tuple[DnsServiceSpec, ...] = ()
+    services: tuple[DnsServiceSpec, ...] = Field((), description=(
+        "headless Services, each with a models: entry's settings for what it finds"))
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class DiscoveryConfig:
     max_workers: int = _opt(4096, "most discovered workers kept (more: logged, counted, cut)",
                             lo=1)
@@ -434,15 +431,17 @@ class DiscoveryConfig:
     kubernetes: K8sDiscoveryConfig = _section(K8sDiscoveryConfig, "Kubernetes EndpointSlices")
     dns: DnsDiscoveryConfig = _section(DnsDiscoveryConfig, "DNS A/AAAA records")
 
+    @document_check
+    def _check(self) -> None:
+        if self.backoff_max_s < self.backoff_s:
+            raise ConfigError("backoff_max_s", "expected a number >= "
+                              f"workers.discovery.backoff_s ({self.backoff_s})")
+
     def enabled(self) -> bool:
         return bool(self.kubernetes.selectors or self.dns.services)
 
 
-#: JetStream storage types of the bus stream
-BUS_STORAGE = ("memory", "file")
-
-
-@dataclass(frozen=True, slots=True)
+@settings
 class BusAuthConfig:
     """How the router authenticates to the NATS server: at most one method."""
 
@@ -455,7 +454,7 @@ class BusAuthConfig:
     creds_file: str = _opt("", "a .creds file: user JWT and NKey seed (nsc generate creds)")
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class BusTlsConfig:
     """TLS to the NATS server (a tls:// bus.url; system CAs without ca_file)."""
 
@@ -464,7 +463,7 @@ class BusTlsConfig:
     key_file: str = _opt("", "PEM key of the client certificate")
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class BusConfig:
     url: str = _opt("", "NATS server URL (nats://host:4222); \"\": no bus, agents push "
                     "directly to each router")
@@ -474,7 +473,7 @@ class BusConfig:
     max_age_s: float = _opt(600.0, "stream limit: messages older than this are dropped", lo=0,
                             lo_open=True)
     max_bytes: int = _opt(1 << 30, "stream limit: total bytes kept", lo=1024)
-    storage: str = _opt("memory", "stream storage", choices=BUS_STORAGE)
+    storage: Literal["memory", "file"] = _opt("memory", "stream storage")
     connect_timeout_s: float = _opt(1.0, "timeout of one connection attempt", lo=0,
                                     lo_open=True)
     backoff_s: float = _opt(0.5, "first reconnect delay, doubled per failure", lo=0,
@@ -501,6 +500,23 @@ class BusConfig:
     def enabled(self) -> bool:
         return bool(self.url)
 
+    @document_check
+    def _check(self) -> None:
+        if self.url:
+            bus_wire.check_url(self.url, "url")
+        for key in ("stream", "subject_prefix"):
+            bus_wire.check_name(getattr(self, key), key)
+        if self.replica_id:
+            bus_wire.check_name(self.replica_id, "replica_id")
+        if self.backoff_max_s < self.backoff_s:
+            raise ConfigError("backoff_max_s", "expected a number >= bus.backoff_s "
+                              f"({self.backoff_s})")
+        if self.replica_ttl_s <= self.heartbeat_s:
+            raise ConfigError("replica_ttl_s",
+                              f"expected a number > bus.heartbeat_s ({self.heartbeat_s})")
+        if self.url:
+            self.credentials().check(self.url, lambda name: bus_setting(name)[len("bus."):])
+
     def credentials(self) -> BusCredentials:
         a, t = self.auth, self.tls
         return BusCredentials(
@@ -515,7 +531,7 @@ def bus_setting(name: str) -> str:
     return f"bus.tls.{name[4:]}" if name.startswith("tls_") else f"bus.auth.{name}"
 
 
-@dataclass(frozen=True, slots=True)
+@settings
 class TrafficLogConfig:
     enabled: bool = _opt(False, "write one JSON line per routed request (router.traffic_log)")
     dir: str = _opt("traffic", "directory of the log files (created if missing)")
@@ -532,8 +548,16 @@ class TrafficLogConfig:
     tenant_key_env: str = _opt("RADIXFLEET_TRAFFIC_LOG_KEY", "env var with the secret key of "
                                "the tenant hash (unset: a random key per process)")
 
+    @document_check
+    def _check(self) -> None:
+        if not self.dir:
+            raise ConfigError("dir", "expected a directory path, got ''")
+        if not self.prefix or "/" in self.prefix or os.sep in self.prefix:
+            raise ConfigError("prefix", "expected a file name prefix without '/', "
+                              f"got {self.prefix!r}")
 
-@dataclass(frozen=True, slots=True)
+
+@settings
 class AutoscaleConfig:
     target_utilization: float = _opt(0.6, "share of a worker's prefill rate the plan may use",
                                      lo=0, hi=1, lo_open=True)
@@ -553,13 +577,43 @@ class AutoscaleConfig:
     min_workers: int = _opt(1, "the signal never asks for fewer", lo=1)
     max_workers: int = _opt(1024, "the signal never asks for more", lo=1)
 
+    @document_check
+    def _check(self) -> None:
+        if self.max_workers < self.min_workers:
+            raise ConfigError("max_workers", f"expected an integer >= min_workers "
+                              f"({self.min_workers}), got {self.max_workers}")
 
-@dataclass(frozen=True, slots=True)
+
+def _unique(workers: tuple[WorkerSpec, ...]) -> None:
+    ids: dict[str, int] = {}
+    urls: dict[str, int] = {}
+    for i, w in enumerate(workers):
+        if w.id in ids:
+            raise ConfigError(f"[{i}].id", f"duplicate worker id {w.id!r} (also "
+                              f"workers[{ids[w.id]}])")
+        if w.url in urls:
+            raise ConfigError(f"[{i}].url", f"duplicate worker url {w.url!r} (also "
+                              f"workers[{urls[w.url]}])")
+        ids[w.id] = urls[w.url] = i
+
+
+def _model_name(name: str) -> None:
+    problem = name_problem(name)
+    if problem:
+        raise ConfigError("", problem)
+
+
+#: a served model's name, as a ``models:`` key
+ModelName = Annotated[str, value_check(_model_name)]
+
+
+@settings
 class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
 
     listen: ListenConfig = _section(ListenConfig, "listen address")
-    workers: tuple[WorkerSpec, ...] = ()
+    workers: Annotated[tuple[WorkerSpec, ...], value_check(_unique)] = Field((), description=(
+        "the workers (an entry may be its url alone), or {static: [...], discovery: {...}}"))
     keys: KeysConfig = _section(KeysConfig, "prefix keys and tenants")
     policy: PolicyConfig = _section(PolicyConfig, "routing policy")
     index: IndexConfig = _section(IndexConfig, "prefix index")
@@ -578,10 +632,24 @@ class Config:
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
     #: ``models:``: served model name -> the engine settings of every worker serving it
-    models: Mapping[str, EngineSettings] = field(default_factory=dict)
-    path: str = ""
+    models: Mapping[ModelName, EngineSettings] = Field(default_factory=dict, description=(
+        "served model name -> the engine settings of every worker serving it"))
+    path: str = internal(str)
     #: ``workers.discovery`` in the YAML (not a top-level key); read at start
-    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    discovery: DiscoveryConfig = internal(DiscoveryConfig)
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _urls(cls, v: Any) -> Any:
+        """A worker may be written as its URL alone."""
+        return [{"url": w} if isinstance(w, str) else w for w in v] if isinstance(v, list) else v
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _empty_models(cls, v: Any) -> Any:
+        """A ``models:`` entry may be empty (``null``): all defaults."""
+        return {k: {} if m is None else m for k, m in v.items()} if isinstance(v, dict) else v
+
 
     def summary(self) -> str:
         t = self.keys.tenant
@@ -595,110 +663,11 @@ class Config:
 # ---------------------------------------------------------------------- parsing
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _kind(f: dataclasses.Field) -> str:
-    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    return t
-
-
-def _scalar(kind: str, meta: Mapping[str, Any], value: Any, path: str) -> Any:
-    """One scalar field: strings and choices here, numbers and bools by the same
-    rules (and messages) as policy parameters (``policies.params.check_value``)."""
-    choices = meta.get("choices")
-    if choices is not None:
-        if not isinstance(value, str) or value not in choices:
-            raise ConfigError(path, f"{value!r} is not one of {', '.join(choices)}")
-        return value
-    if kind == "str":
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r}")
-        return value
-    return check_value(kind, meta, value, path)
-
-
-def _mapping(raw: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(path, f"expected a mapping, got {_typename(raw)}")
-    for k in raw:
-        if not isinstance(k, str):
-            raise ConfigError(path, f"keys must be strings, got {k!r}")
-    return raw
-
-
-def _typename(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
-
-
-#: While ``parse_config`` runs: every ConfigError met so far. Parsing goes on past
-#: an invalid value (the key keeps its default) so that one run reports them all.
-_ERRORS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "radixfleet_config_errors", default=None)
-_FAILED = object()
-
-
-def _attempt(fn, *args) -> Any:
-    """``fn(*args)``; while collecting, a ConfigError is recorded and ``_FAILED``
-    returned instead of raised."""
-    errors = _ERRORS.get()
-    if errors is None:
-        return fn(*args)
-    try:
-        return fn(*args)
-    except ConfigError as exc:
-        errors.append(exc)
-        return _FAILED
-
-
-def _fail(exc: ConfigError) -> None:
-    """Records ``exc`` while collecting, else raises it."""
-    errors = _ERRORS.get()
-    if errors is None:
-        raise exc
-    errors.append(exc)
-
-
-def _parse(cls: type, raw: Any, path: str, special: Mapping[str, Any] | None = None) -> Any:
-    """Builds dataclass ``cls`` from a YAML mapping. ``special`` maps field names to
-    parsers ``(raw, path) -> value`` for fields that are not scalars or sections."""
-    raw = _mapping(raw, path)
-    fields = {f.name: f for f in dataclasses.fields(cls)
-              if not (cls is Config and f.name in ("path", "discovery"))}  # not YAML keys
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        f = fields.get(key)
-        p = _join(path, key)
-        if f is None:
-            _fail(ConfigError(p, f"unknown key; valid: {', '.join(sorted(fields))}"))
-            continue
-        if special and key in special:
-            v = _attempt(special[key], value, p)
-        elif "section" in f.metadata:
-            v = _attempt(_SECTION_PARSERS.get(f.metadata["section"], _plain),
-                         f.metadata["section"], value, p)
-        else:
-            v = _attempt(_scalar, _kind(f), f.metadata, value, p)
-        if v is not _FAILED:
-            values[key] = v
-    return cls(**values)
-
-
 def parse_section(cls: type, raw: Any, path: str) -> Any:
-    """Validates one mapping against section dataclass ``cls`` (the admin API reuses
-    it for ``POST /admin/workers``). Raises ``ConfigError`` naming ``path.key``."""
-    return _parse(cls, raw, path)
-
-
-def _plain(cls: type, raw: Any, path: str) -> Any:
-    return _parse(cls, raw, path)
-
-
-def _list(raw: Any, path: str) -> list:
-    if not isinstance(raw, list):
-        raise ConfigError(path, f"expected a list, got {_typename(raw)}")
-    return raw
+    """Validates one mapping against section ``cls``'s types and bounds, without the
+    document's rules across fields (the admin API reuses it for ``POST
+    /admin/workers``). Raises ``ConfigError`` naming ``path.key``."""
+    return validate(cls, raw, path, checks=False)
 
 
 def parse_worker_url(url: str, path: str) -> str:
@@ -884,16 +853,7 @@ def check_event_binds(cfg: "Config") -> None:
                 else:
                     found.append(ConfigError(path, f"{ev.endpoint}: the router cannot bind "
                                              f"it ({exc.strerror or exc})"))
-    _raise_all(found)
-
-
-def _raise_all(found: list[ConfigError]) -> None:
-    if len(found) == 1:
-        raise found[0]
-    if found:
-        exc = ConfigError("", f"{len(found)} errors: " + "; ".join(str(e) for e in found))
-        exc.errors = found
-        raise exc
+    raise_all(found)
 
 
 def _check_tokenizers(cfg: "Config", found: list[ConfigError]) -> None:
@@ -993,209 +953,12 @@ def load_model_keyers(cfg: "Config", loaded: Mapping[tuple[str, str], Any] | Non
             cause = getattr(exc, "cause", None) or " ".join(str(exc).split())[:300]
             found.append(ConfigError(f"models.{name}.tokenizer",
                                      f"{m.tokenizer!r} cannot be loaded: {cause}"))
-    _raise_all(found)
+    raise_all(found)
     return out
 
 
 def default_worker_id(url: str) -> str:
     return urlsplit(url).netloc
-
-
-def _workers(raw: Any, path: str) -> tuple[WorkerSpec, ...]:
-    out: list[WorkerSpec] = []
-    ids: dict[str, int] = {}
-    urls: dict[str, int] = {}
-    def one(i: int, item: Any) -> WorkerSpec:
-        p = f"{path}[{i}]"
-        if isinstance(item, str):
-            item = {"url": item}
-        spec = _parse(WorkerSpec, item, p)
-        if not spec.url:
-            raise ConfigError(f"{p}.url", "required: the worker's base URL")
-        url = parse_worker_url(spec.url, f"{p}.url")
-        check_engine_fields(spec, p)
-        wid = spec.id or default_worker_id(url)
-        problem = id_problem(wid)
-        if problem:
-            raise ConfigError(f"{p}.id", problem)
-        if wid in ids:
-            raise ConfigError(f"{p}.id", f"duplicate worker id {wid!r} (also workers[{ids[wid]}])")
-        if url in urls:
-            raise ConfigError(f"{p}.url", f"duplicate worker url {url!r} (also workers[{urls[url]}])")
-        ids[wid] = urls[url] = i
-        return dataclasses.replace(spec, url=url, id=wid)
-
-    for i, item in enumerate(_list(raw, path)):
-        spec = _attempt(one, i, item)
-        if spec is not _FAILED:
-            out.append(spec)
-    return tuple(out)
-
-
-def _api_keys(raw: Any, path: str) -> tuple[ApiKeySpec, ...]:
-    out = []
-    for i, item in enumerate(_list(raw, path)):
-        p = f"{path}[{i}]"
-        spec = _parse(ApiKeySpec, item, p)
-        if bool(spec.key) == bool(spec.key_env):
-            raise ConfigError(p, "expected exactly one of key, key_env")
-        if not spec.tenant:
-            raise ConfigError(f"{p}.tenant", "required: a non-empty tenant name")
-        out.append(spec)
-    return tuple(out)
-
-
-def _tenant(cls: type, raw: Any, path: str) -> TenantConfig:
-    t = _parse(TenantConfig, raw, path, {"api_keys": _api_keys})
-    if t.source == "api_key" and not t.api_keys:
-        raise ConfigError(f"{path}.api_keys", "source api_key needs at least one key")
-    if t.source == "header" and not t.header:
-        raise ConfigError(f"{path}.header", "source header needs a header name")
-    return t
-
-
-def _keys(cls: type, raw: Any, path: str) -> KeysConfig:
-    k = _parse(KeysConfig, raw, path)
-    if k.block_bytes % BYTES_PER_TOKEN:
-        raise ConfigError(f"{path}.block_bytes",
-                          f"expected a multiple of {BYTES_PER_TOKEN}, got {k.block_bytes}")
-    return k
-
-
-def _policy(cls: type, raw: Any, path: str) -> PolicyConfig:
-    def params(v: Any, p: str) -> Mapping[str, Any]:
-        if v is None:
-            return {}
-        return dict(_mapping(v, p))
-
-    pc = _parse(PolicyConfig, raw, path, {"params": params})
-    build_policy_from(pc, path)  # validates the name and the params
-    return pc
-
-
-def _selectors(raw: Any, path: str) -> tuple[K8sSelectorSpec, ...]:
-    out = []
-    for i, item in enumerate(_list(raw, path)):
-        p = f"{path}[{i}]"
-        spec = _parse(K8sSelectorSpec, item, p)
-        if not spec.label_selector:
-            # an empty selector would take every slice, the router's own Service's too
-            raise ConfigError(f"{p}.label_selector", "required: a non-empty label selector")
-        check_engine_fields(spec, p, per_worker=False)
-        out.append(spec)
-    return tuple(out)
-
-
-def _kubernetes(cls: type, raw: Any, path: str) -> K8sDiscoveryConfig:
-    k = _parse(K8sDiscoveryConfig, raw, path, {"selectors": _selectors})
-    if k.api_server:
-        parts = urlsplit(k.api_server)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"{path}.api_server",
-                              f"expected an http(s):// URL with a host, got {k.api_server!r}")
-    return k
-
-
-def _dns_services(raw: Any, path: str) -> tuple[DnsServiceSpec, ...]:
-    out = []
-    for i, item in enumerate(_list(raw, path)):
-        p = f"{path}[{i}]"
-        spec = _parse(DnsServiceSpec, item, p)
-        if not spec.name:
-            raise ConfigError(f"{p}.name", "required: the headless Service's DNS name")
-        if not spec.port:
-            raise ConfigError(f"{p}.port", "required: the workers' port (1-65535)")
-        check_engine_fields(spec, p, per_worker=False)
-        out.append(spec)
-    return tuple(out)
-
-
-def _dns(cls: type, raw: Any, path: str) -> DnsDiscoveryConfig:
-    return _parse(DnsDiscoveryConfig, raw, path, {"services": _dns_services})
-
-
-def _discovery(cls: type, raw: Any, path: str) -> DiscoveryConfig:
-    d = _parse(DiscoveryConfig, raw, path)
-    if d.backoff_max_s < d.backoff_s:
-        raise ConfigError(f"{path}.backoff_max_s",
-                          f"expected a number >= {path}.backoff_s ({d.backoff_s})")
-    return d
-
-
-def _workers_section(raw: Any, path: str) -> tuple[tuple[WorkerSpec, ...], DiscoveryConfig]:
-    """``workers``: the list of static workers, or ``{static: [...], discovery: {...}}``."""
-    if not isinstance(raw, Mapping):
-        return _workers(raw, path), DiscoveryConfig()
-    raw = _mapping(raw, path)
-    for k in raw:
-        if k not in ("static", "discovery"):
-            raise ConfigError(_join(path, k), "unknown key; valid: discovery, static "
-                              "(or give workers as a list)")
-    static = _workers(raw["static"], f"{path}.static") if "static" in raw else ()
-    disc = (_discovery(DiscoveryConfig, raw["discovery"], f"{path}.discovery")
-            if "discovery" in raw else DiscoveryConfig())
-    return static, disc
-
-
-def _models(raw: Any, path: str) -> dict[str, EngineSettings]:
-    """``models:``: served model name -> ``EngineSettings`` (each entry's errors are
-    collected with the others)."""
-    out: dict[str, EngineSettings] = {}
-
-    def one(name: str, item: Any) -> EngineSettings:
-        p = _join(path, name)
-        problem = name_problem(name)
-        if problem:
-            raise ConfigError(p, problem)
-        spec = _parse(EngineSettings, {} if item is None else item, p)
-        check_engine_fields(spec, p, per_worker=False)
-        return spec
-
-    for name, item in _mapping(raw, path).items():
-        spec = _attempt(one, name, item)
-        if spec is not _FAILED:
-            out[name] = spec
-    return out
-
-
-def _traffic_log(cls: type, raw: Any, path: str) -> TrafficLogConfig:
-    t = _parse(TrafficLogConfig, raw, path)
-    if not t.dir:
-        raise ConfigError(f"{path}.dir", "expected a directory path, got ''")
-    if not t.prefix or "/" in t.prefix or os.sep in t.prefix:
-        raise ConfigError(f"{path}.prefix", f"expected a file name prefix without '/', "
-                          f"got {t.prefix!r}")
-    return t
-
-
-def _autoscale(cls: type, raw: Any, path: str) -> AutoscaleConfig:
-    a = _parse(AutoscaleConfig, raw, path)
-    if a.max_workers < a.min_workers:
-        raise ConfigError(f"{path}.max_workers",
-                          f"expected an integer >= min_workers ({a.min_workers}), got "
-                          f"{a.max_workers}")
-    return a
-
-
-_SECTION_PARSERS = {TenantConfig: _tenant, KeysConfig: _keys, PolicyConfig: _policy,
-                    K8sDiscoveryConfig: _kubernetes, DnsDiscoveryConfig: _dns,
-                    TrafficLogConfig: _traffic_log, AutoscaleConfig: _autoscale}
-
-
-def _check_bus(b: BusConfig) -> None:
-    if b.url:
-        bus_wire.check_url(b.url)
-    for key in ("stream", "subject_prefix"):
-        bus_wire.check_name(getattr(b, key), f"bus.{key}")
-    if b.replica_id:
-        bus_wire.check_name(b.replica_id, "bus.replica_id")
-    if b.backoff_max_s < b.backoff_s:
-        raise ConfigError("bus.backoff_max_s", f"expected a number >= bus.backoff_s ({b.backoff_s})")
-    if b.replica_ttl_s <= b.heartbeat_s:
-        raise ConfigError("bus.replica_ttl_s",
-                          f"expected a number > bus.heartbeat_s ({b.heartbeat_s})")
-    if b.url:
-        b.credentials().check(b.url, bus_setting)
 
 
 def build_policy_from(pc: PolicyConfig, path: str = "policy"):
@@ -1210,36 +973,36 @@ def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None =
     """Validates a parsed YAML document. Raises ``ConfigError`` naming the field;
     when several are wrong, one ``ConfigError`` whose ``errors`` lists each (and
     whose message names them all). ``errors``: found before parsing (duplicate keys)."""
-    if raw is None:
-        raw = {}
-    discovery = [DiscoveryConfig()]
-
-    def workers(value: Any, p: str) -> tuple[WorkerSpec, ...]:
-        static, discovery[0] = _workers_section(value, p)
-        return static
-
     found: list[ConfigError] = list(errors or ())
-    token = _ERRORS.set(found)
+    raw = {} if raw is None else raw
+    sections = raw.get("workers") if isinstance(raw, Mapping) else None
+    if isinstance(sections, Mapping):  # workers: {static: [...], discovery: {...}}
+        found += [ConfigError(join("workers", str(k)), "unknown key; valid: discovery, "
+                              "static (or give workers as a list)")
+                  for k in sections if k not in ("static", "discovery")]
+        raw = {**raw, "workers": sections.get("static", ())}
+    if isinstance(raw, Mapping):
+        found += [ConfigError(k, "unknown key; valid: " + ", ".join(sorted(keys_of(Config))))
+                  for k in ("path", "discovery") if k in raw]
+        raw = {k: v for k, v in raw.items() if k not in ("path", "discovery")}
+    cfg, discovery = None, DiscoveryConfig()
     try:
-        cfg = _parse(Config, raw, "", {"workers": workers, "models": _models})
-        if cfg.retries.backoff_max_s < cfg.retries.backoff_s:
-            _fail(ConfigError("retries.backoff_max_s", "expected a number >= "
-                              f"retries.backoff_s ({cfg.retries.backoff_s})"))
-        _check_bus(cfg.bus)
-        if not any(e.path.startswith("models") for e in found):
-            # (a models: entry in error is left out: it would seem to give no tokenizer)
-            _check_tokenizers(dataclasses.replace(cfg, discovery=discovery[0]), found)
-    except ConfigError as exc:  # the document itself is not a mapping
-        found.append(exc)
-    finally:
-        _ERRORS.reset(token)
-    if len(found) == 1:
-        raise found[0]
-    if found:
-        exc = ConfigError("", f"{len(found)} errors: " + "; ".join(str(e) for e in found))
-        exc.errors = found
-        raise exc
-    return dataclasses.replace(cfg, path=path, discovery=discovery[0])
+        cfg = validate(Config, raw)
+    except ConfigError as exc:
+        static = isinstance(sections, Mapping)
+        found += [ConfigError("workers.static" + e.path[len("workers"):], e.message)
+                  if static and (e.path == "workers" or e.path.startswith("workers["))
+                  else e for e in exc.errors]
+    if isinstance(sections, Mapping) and "discovery" in sections:
+        try:
+            discovery = validate(DiscoveryConfig, sections["discovery"], "workers.discovery")
+        except ConfigError as exc:
+            found += exc.errors
+            cfg = None
+    if cfg is not None:
+        _check_tokenizers(dataclasses.replace(cfg, discovery=discovery), found)
+    raise_all(found)
+    return dataclasses.replace(cfg, path=path, discovery=discovery)
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -1318,7 +1081,7 @@ def _duplicate_keys(node: Any, path: str, out: list[ConfigError]) -> None:
         seen: dict[Any, int] = {}
         for k, v in node.value:
             key = k.value if isinstance(k, yaml.ScalarNode) else None
-            p = _join(path, str(key))
+            p = join(path, str(key))
             if key is not None:
                 if key in seen:
                     out.append(ConfigError(p, f"duplicate key at line {k.start_mark.line + 1} "
@@ -1362,7 +1125,7 @@ def load_config(path: str) -> Config:
         raise ConfigError("", f"cannot read {path}: {exc.strerror or exc}") from None
     raw, dups = load_yaml(text, path)
     if raw is not None and not isinstance(raw, Mapping):
-        raise ConfigError("", f"{path}: expected a mapping at the top level, got {_typename(raw)}")
+        raise ConfigError("", f"{path}: expected a mapping at the top level, got {typename(raw)}")
     return parse_config(raw, path, errors=dups)
 
 
