@@ -9,6 +9,8 @@ Modules::
     identifiers  bounds on worker ids, epochs, model names, URLs, request ids
     errors       the exception tree and the OpenAI-style error body
     openapi      the OpenAPI documents of the router and the agent
+    settings     the declared-schema layer (pydantic): fields with bounds and docs, errors
+                 collected with dotted paths; router config and policy params use it
     extras       require(): a missing pip extra is one line naming it
     cli_args     the help formatter, case-insensitive --log-level, deprecated flag aliases
 """

@@ -13,6 +13,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     shedding      429 when every eligible worker reports saturation
     feedback      agents' event batches applied to the index and the pool
     config, reload  the YAML schema and ``check-config``; hot reload
+    config_reference  deploy/README's key tables generated from the schema
     auth, http_api, admin_api, agent_api  tokens and tenants; the aiohttp endpoints
     metrics, traffic_log, autoscale, healthcheck  observability and the scaling signal
     engines/      one adapter per worker kind (agent, vLLM, SGLang, OpenAI)

@@ -129,6 +129,7 @@ def test_readme_key_tables_are_made_from_the_schema():
     assert "| `min_match_tokens` | `64` | an integer >= 0 |" in block
 
 
+@pytest.mark.integration  # the CLI as a child process
 def test_config_reference_cli(tmp_path):
     import subprocess
 
