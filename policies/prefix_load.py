@@ -89,7 +89,7 @@ avoid it (when another worker can take them); its private matches (the sessions 
 already holds) stay. A fleet that churns evenly is left alone: spreading would only
 copy the shared prefixes. Each router replica counts what it routed (a replica that
 routes a third of the traffic sees a third of each rate, unless its peers' picks
-reach ``observe_pick``, as the bus's hints do); workers that left the fleet are forgotten.
+reach ``observe_route``, as the bus's hints do); workers that left the fleet are forgotten.
 
 Session footprints: the KV-turnover rate is a flow and sees a crowd only once it writes;
 a burst of new sessions off one shared prefix (an agent's tool schema) writes little
@@ -111,7 +111,9 @@ conditions keep it from moving sessions for nothing: the relative one leaves a f
 whose sessions are spread evenly alone (as the turnover rule does), and none of it
 acts while the fleet's live sessions together pass ``footprint_room`` of the fleet's
 capacity — then every cache thrashes (the Mooncake trace at 8 x 400k) and a move only
-re-prefills a history somewhere else. Measured in the simulator (bench/RESULTS.md,
+re-prefills a history somewhere else. Router replicas keep the fleet's footprints, not
+each its own share of every session's turns: their peers' picks (the bus's hints)
+are recorded through ``observe_route`` as their own decisions are. Measured in the simulator (bench/RESULTS.md,
 "Stop 21"): agent 15–17 sessions on 4 x 12k +0.008..+0.035 hit with events and
 +0.09..+0.13 without (an index that cannot see evictions keeps sending sessions home
 to a thrashing cache); mixed +0.002 over 12 seeds, its TTFT p99 +9% (median of the
@@ -281,6 +283,26 @@ class PrefixLoad(Policy):
         if now > w[1]:
             w[0], w[1] = self._decayed(w, now), now
         w[0] += uncached_tokens
+
+    def observe_route(self, request: RouteRequest, match: MatchResult, worker: str,
+                      now: float) -> None:
+        """Another router replica routed ``request`` to ``worker`` at ``now``;
+        ``match`` is this replica's index match for it before the hint of that pick
+        went in. Recorded as ``choose`` records its own decisions: the session's
+        footprint (its branch continued or started, homed on ``worker``) and the KV
+        written there (``observe_pick``). Without it each replica sees a quarter of
+        every session's turns at four replicas: most continuations find no branch,
+        the footprints hold a fraction of the fleet's sessions, and "crowded" is
+        judged on that fraction (measured: 189 of 498 decisions of the demo's mixed
+        workload judged another crowded set than one router, hit 0.80 -> 0.73 in
+        the simulator). The router's bus feeds it from its peers' hints (router.bus)."""
+        fp = self.footprints
+        if fp is not None:
+            fp.expire(now)
+            fp.record(request, match, fp.find(request), worker, now)
+        self.observe_pick(
+            worker, request.prompt_tokens - match.blocks.get(worker, 0) * request.block_tokens,
+            now)
 
     def _decayed(self, w: list, now: float) -> float:
         """A ``_written`` record's tokens as of ``now`` (never grown by going back)."""
