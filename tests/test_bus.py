@@ -525,6 +525,50 @@ async def test_a_peers_hint_reaches_the_index_the_counts_and_the_write_rates():
     index.check()
 
 
+async def test_a_peers_picks_reach_the_session_footprints_as_one_routers_would():
+    """A session whose every turn a peer routed counts in this replica's prefix_load
+    footprints as in one router's that routed them all: its branch continued turn by
+    turn (live from its second turn, homed where the last turn went, sized by its
+    prompt), so "crowded" is judged on the fleet's sessions, not on the share of
+    turns this replica happened to route."""
+    from types import SimpleNamespace
+    from prometheus_client import CollectorRegistry
+    from policies.base import RouteRequest
+    from policies.prefix_load import PrefixLoad
+    from router.bus.replica import BusReplica
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+    now = 100.0
+    cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "replica_id": "me"}})
+    index, pol = PrefixIndex(), PrefixLoad()
+    pool = Pool(cfg, index, clock=lambda: now)
+    one_index, one = PrefixIndex(), PrefixLoad()  # one router routing every turn
+    one_pool = Pool(cfg, one_index, clock=lambda: now)
+    for i in (1, 2):
+        pool.register(f"w{i}", f"http://127.0.0.1:{i}", "e")
+        one_pool.register(f"w{i}", f"http://127.0.0.1:{i}", "e")
+    rep = BusReplica(cfg.bus, pool=pool, index=index, feedback=None, block_bytes=128,
+                     registry=CollectorRegistry(), clock=lambda: now, policy=lambda: pol)
+    turns = [(6.0, "w1", list(range(1, 11))), (4.0, "w1", list(range(1, 21))),
+             (2.0, "w2", list(range(1, 31)))]  # the third turn moved to w2
+    for seq, (age, wid, hashes) in enumerate(turns, 1):
+        msg = RouterMessage("peer", seq, 128, False, {}, [(wid, age, hashes)])
+        await rep._on_router(SimpleNamespace(data=msg.to_bytes(),
+                                            subject="radixfleet.router.peer", headers=None))
+        t = now - age
+        req = RouteRequest(hashes, len(hashes) * 32, 32)
+        one_match = one_index.match(hashes, t)
+        branch = one.footprints.find(req)
+        one.footprints.record(req, one_match, branch, wid, t)
+        one_index.insert(wid, hashes, t)
+        got = {w: pol.footprints.tokens(w) for w in ("w1", "w2")}
+        assert got == {w: one.footprints.tokens(w) for w in ("w1", "w2")}, (seq, got)
+    assert pol.footprints.tokens("w2") == 30 * 32 and pol.footprints.tokens("w1") == 0
+    assert pol._write_rate("w2", now) > 0
+    pol.check()
+    rep.check()
+
+
 def test_caught_up_waits_for_the_stream_and_one_heartbeat_of_the_peers():
     """A replica is caught up once it applied the stream's last message *and* one
     heartbeat_s passed since it subscribed (its peers' full counts heard); until then

@@ -8,10 +8,17 @@ mixed workload runs twice through ``radixfleet bench replicas``' fleet
 (``measure_once``), every agent flushed before each run: once with every request to
 one replica, once in round robin over the three.
 
-The replicas must hit within 15% of one router's rate (a replica that keys prompts
+The replicas must hit within 5% of one router's rate (a replica that keys prompts
 differently from its peers, or ignores their hints, lands near 1/3 of the
 continuations on a cache that holds them: ~0.45x) and answer no 429 that one router
-did not. Sizes are small (~60 requests, short answers): about 40 s on two cores.
+did not. On this workload the caches are not under pressure, so nothing but the
+bus's timing can make a replica decide otherwise than one router: the simulator
+gives the same hit rate to the digit, and three live runs on two loaded cores gave
+1.000x each (0.886 both). The 5% leave room for a continuation or two routed before
+its peer's hint arrived (one re-prefilled history is 2-3% of the prompt tokens here).
+What the replicas keep for themselves under cache pressure (session footprints) is
+checked decision by decision in tests/test_replica_decisions.py. Sizes are small
+(~60 requests, short answers): about 40 s on two cores.
 
 Keys alike or not at all: a replica configured with a bus but no deployment-wide
 salt secret ($RADIXFLEET_TENANT_SALT or an agent token) would salt its keys with its
@@ -34,8 +41,8 @@ from tests.procs import free_port, radixfleet_argv
 
 pytestmark = pytest.mark.integration
 
-#: the replicas' hit rate over one router's, at least
-HIT_MARGIN = 0.85
+#: the replicas' hit rate over one router's, at least (module docstring: why 5%)
+HIT_MARGIN = 0.95
 
 
 def test_three_replicas_route_with_one_routers_hit_rate_and_shed_nothing_more():

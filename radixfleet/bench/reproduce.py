@@ -26,13 +26,21 @@ spread; ``--write`` leaves them alone (the results page's prose carries them).
 ``replicas`` is the one today: ``radixfleet bench replicas`` at reduced size
 (``_REPLICAS``: 4 agents, 4 replicas vs one router, 240 requests of the demo's
 mixed workload at 12/s, three fresh fleets; about five minutes on two busy
-cores), failing when the replicas' median hit rate falls under 0.8x one
-router's, their median TTFT p99 passes 1.5x, or the median run has them answer a
-429 one router did not. The floors sit between what broken shared truth gives
-(replicas keying prompts differently: 0.42x hit, 2.2x p99, 17 x 429) and what
-today's code measures on a loaded two-core machine (0.86-0.90x at full size,
-parity at this size); the bench's own targets (0.97x, 1.1x) are reported, not
-gated, until a quiet machine shows them held.
+cores), failing when the replicas' median hit rate falls under 0.95x one
+router's, their median TTFT p99 passes 1.3x, or any run has them answer a 429 one
+router did not. Measured on two cores shared with other loads (load average
+17-33) with the replicas keeping the fleet's session footprints: at this size
+hit 1.002x (0.999-1.037), p99 0.898x (0.611-1.167), no extra 429 in 3 runs; at
+full size (498 requests) 4 replicas 0.995x (0.971-1.041) / 1.240x (0.984-1.312)
+and 8 replicas 1.040x (0.999-1.041) / 1.237x (1.025-1.297), no extra 429 in 6
+runs. The floors sit under those spreads by the one-router arm's own
+run-to-run swing (hit 0.78-0.83, p99 0.9-1.7 s on that machine); broken shared
+truth lands far outside them (replicas keying prompts differently: 0.42x hit,
+2.2x p99, 17 x 429). What this size cannot show — the caches are barely under
+pressure, so per-replica policy state (session footprints) cost nothing here — is
+checked decision by decision in the simulator (tests/test_replica_decisions.py).
+The bench's own p99 target (1.1x) is reported, not gated: at full size the
+medians are over it on a loaded machine.
 """
 
 from __future__ import annotations
@@ -238,9 +246,9 @@ class Live:
 
 _REPLICAS = ["--replicas", "4", "--agents", "4", "--requests", "240", "--rate", "12",
              "--duration", "30", "--runs", "3"]
-#: the reduced run's floors (module docstring says why they are not the targets)
-_REPLICAS_HIT = 0.8
-_REPLICAS_P99 = 1.5
+#: the reduced run's floors (the module docstring says what they rest on)
+_REPLICAS_HIT = 0.95
+_REPLICAS_P99 = 1.3
 
 
 def _replicas() -> tuple[str, list[str]]:
@@ -259,9 +267,9 @@ def _replicas() -> tuple[str, list[str]]:
     if not m["ttft_p99_ratio"]["median"] <= _REPLICAS_P99:
         problems.append(f"replicas: median TTFT p99 {m['ttft_p99_ratio']['median']:.3f}x one "
                         f"router's, over {_REPLICAS_P99}x")
-    if m["shed_extra"]["median"] > 0:
-        problems.append(f"replicas: {m['shed_extra']['median']:g} more 429s than one router "
-                        f"answered (median run)")
+    if m["shed_extra"]["max"] > 0:
+        problems.append(f"replicas: {m['shed_extra']['max']:g} more 429s than one router "
+                        f"answered (in the worst run)")
     return replicas.summary(m), problems
 
 

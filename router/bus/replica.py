@@ -9,7 +9,8 @@
       per worker (changed ones within flush_s, all of them every heartbeat_s) and its
       pick-time hints (worker, keys, age); received ones feed RemoteInFlight ->
       Pool.set_remote, and index.match (hit counters) + index.insert for hints,
-      whose unheld blocks reach the policy's write rates (``observe_pick``);
+      recorded by the policy as its own picks are (``observe_route``: prefix_load's
+      session footprints and write rates; else ``observe_pick``, the unheld blocks);
       and its policy's hot-root replication decisions (policies.replication
       HotRoots.listener -> apply_remote), so N replicas replicate as one router
 
@@ -54,6 +55,7 @@ from router.config import BusConfig, ConfigError, bus_setting, parse_worker_url
 from protocol.errors import Conflict, Overloaded
 from protocol.events import STATUS_OK
 from protocol.prefix_keys import BYTES_PER_TOKEN
+from policies.base import RouteRequest
 from router.feedback import Feedback
 from router.pool import HealthState, Pool
 
@@ -433,19 +435,27 @@ class BusReplica:
         if not self.cfg.share_hints:
             return
         idx = self.index
-        observe = getattr(self.policy(), "observe_pick", None)
+        policy = self.policy()
+        route = getattr(policy, "observe_route", None)
+        observe = getattr(policy, "observe_pick", None)
         for wid, age, hashes in m.hints:
             w = self.pool.get(wid)
             if w is not None and w.health is HealthState.HEALTHY and hashes:
                 t = now - age
                 # counted as if this replica had routed it: the decayed hit counters
                 # (hot roots, replication) then see the fleet's rate, not 1/N of it
-                held = idx.match(hashes, t, count=True).blocks.get(wid, 0)
+                match = idx.match(hashes, t, count=True)
                 idx.insert(wid, hashes, t)
-                if observe is not None:
-                    # and the KV it wrote there, in the policy's write rates (prefix_load:
-                    # turnover, ties), as if picked here: the blocks it did not hold
-                    observe(wid, (len(hashes) - held) * self._block_tokens(w), t)
+                bt = self._block_tokens(w)
+                if route is not None:
+                    # and the rest of the policy's own record of a pick, as if picked
+                    # here (prefix_load: the session's footprint, the KV written); the
+                    # prompt as its whole blocks (the partial tail is not keyed)
+                    route(RouteRequest(hashes, len(hashes) * bt, bt), match, wid, t)
+                elif observe is not None:
+                    # the KV it wrote there, in the policy's write rates: the blocks
+                    # it did not hold
+                    observe(wid, (len(hashes) - match.blocks.get(wid, 0)) * bt, t)
 
     def _block_tokens(self, w) -> int:
         """Tokens per key of ``w``'s hints: its engine's token blocks, else the byte
