@@ -44,7 +44,7 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import zmq
 
@@ -77,6 +77,18 @@ class Truth(str, enum.Enum):
     AGENT = "agent"  # agent event pushes (router.feedback)
     EXACT = "exact"  # engine KV events, in sync
     APPROXIMATE = "approximate"  # hints aged at capacity + cached_tokens corrections
+
+
+class Placement(NamedTuple):
+    """What the data plane counted when it placed a request on a link's worker, in
+    that worker's key space; the link learns from it with the answer (``observe``)."""
+
+    key: SpaceKey  # the request in the worker's space
+    blocks: int  # leading blocks the worker (its rank) held at pick time
+    own: int  # the request's uncached prompt tokens, counted as queued prefill
+    ahead: int  # uncached prompt tokens already queued on the worker at pick time
+    touches: tuple | None  # approximate mode: the matched blocks' last-use times
+    rank: int | None = None  # the data-parallel rank it went to (``pick_rank``)
 
 
 class EngineLink:
@@ -600,25 +612,25 @@ class EngineLink:
 
     # ------------------------------------------------------------- responses
 
-    def observe(self, sk: SpaceKey, matched_blocks: int, usage: tuple[int, int] | None,
-                ttft_s: float | None, ahead_tokens: int, own_tokens: int,
-                now: float, touches: tuple | None = None, rank: int | None = None) -> None:
-        """One finished request on this worker (on data-parallel ``rank``, if any).
+    def observe(self, pick: Placement, usage: tuple[int, int] | None,
+                ttft_s: float | None, now: float) -> None:
+        """One finished request on this worker (on data-parallel ``pick.rank``, if any).
 
         ``usage``: (prompt_tokens, cached_tokens) it reported, if any: records the
         prediction error. ``ttft_s`` with the uncached tokens ahead of it at pick
         time and its own is one prefill-rate sample (router.engines.prefill_rate);
         its own are the uncached tokens the worker reported where it did
-        (``own_tokens``, the prediction, otherwise).
+        (``pick.own``, the prediction, otherwise).
 
-        Correction (approximate mode): ``touches`` are the matched blocks' last-use
-        times before this request. If the worker reports fewer cached tokens than
+        Correction (approximate mode): ``pick.touches`` are the matched blocks'
+        last-use times before this request. If the worker reports fewer cached tokens than
         predicted, its first missing block j was evicted; an engine evicts least
         recently used blocks first, so every entry of this worker last used before
         ``touches[j]`` is gone too, and leaves the index. The request's own chain
         stays: its prefill has just stored it again. The learned cap follows each
         answer with a match (``router.engines.capacity``, ``index.learn_capacity``).
         """
+        sk, matched_blocks, own_tokens, ahead_tokens, touches, rank = pick
         eng = self.engines
         if usage is not None:
             # The engine's own count of what it prefilled, not the index's prediction:
