@@ -34,7 +34,9 @@ cause: ``radixfleet_engine_events_unavailable_total{cause}``). An engine that re
 rank (it restarted with fewer) drops the rank map; the sources are asked again.
 
 Only the event loop touches a link. The pool owns the ``Worker``; the link holds it
-to read its id/url and to report load through the pool (``pool.report_load``).
+to read its id/url and to report load through the pool (``pool.report_load``). Of its
+owner (``router.engines.manager.Engines``) a link uses only ``LinkHost``; what it
+learns for the whole fleet it reports to the owner's ``FleetRates``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import zmq
 
@@ -56,13 +58,16 @@ from router.engines.event_sources import (
 )
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
+from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
 from router.engines.zmq_events import subscriber_endpoint
 from protocol.events import MAX_LOAD_COUNT, Load
 
 if TYPE_CHECKING:
-    from router.engines.manager import Engines
-    from router.pool import Worker
+    import aiohttp
+
+    from router.pool import Pool, Worker
+    from router.prefix_index import PrefixIndex
 
 log = logging.getLogger("radixfleet.engines")
 
@@ -77,6 +82,28 @@ class Truth(str, enum.Enum):
     AGENT = "agent"  # agent event pushes (router.feedback)
     EXACT = "exact"  # engine KV events, in sync
     APPROXIMATE = "approximate"  # hints aged at capacity + cached_tokens corrections
+
+
+class LinkHost(Protocol):
+    """What a link may use of its owner (``Engines``), and nothing else of it: the
+    owner alone changes these."""
+
+    index: PrefixIndex  # its worker's entries: cleared, capped, corrected
+    pool: Pool  # where it reports load and restarts (the pool owns the Worker)
+    prom: Any  # router.engines.manager.EnginePrometheus
+    session: aiohttp.ClientSession | None  # probes, /kv_event_sources
+    byte_space: ByteSpace  # a new link's key space, until it has a token space
+    rates: FleetRates  # what the fleet's links learn together: report each answer
+
+    @property
+    def learn_capacity(self) -> bool: ...  # index.learn_capacity
+    def resolve(self, spec: WorkerSpec, served: tuple[str, ...]) -> WorkerSpec: ...
+    async def load_keyer(self, source: str, worker: str, chat_template: str = "") -> Any: ...
+    def new_scraper(self, link: EngineLink) -> Any: ...
+    def new_subscriber(self, link: EngineLink, source: EventSource | None = None,
+                       rank: int | None = None) -> tuple: ...
+    def spaces_changed(self) -> None: ...  # its key space changed
+    def ranks_changed(self, link: EngineLink, n: int) -> None: ...  # its rank map did
 
 
 class Placement(NamedTuple):
@@ -94,7 +121,7 @@ class Placement(NamedTuple):
 class EngineLink:
     """One worker's engine side (module docstring)."""
 
-    def __init__(self, worker: "Worker", spec: WorkerSpec, engines: "Engines") -> None:
+    def __init__(self, worker: Worker, spec: WorkerSpec, engines: LinkHost) -> None:
         self.worker = worker
         self.spec = spec
         self.engines = engines
@@ -126,7 +153,7 @@ class EngineLink:
         #: the index cap learned from answers (approximate mode; router.engines.capacity)
         self.learned: LearnedCapacity | None = None
         self.stats = PredictionStats()
-        self.rate = engines.new_rate_estimator(spec.prefill_tokens_per_s)
+        self.rate = with_prior(spec.prefill_tokens_per_s)
         self._last_metrics = None  # the previous /metrics reading (restart detection)
         self.queue = QueueEstimate()  # prices the engine's waiting queue
         self._tasks: set[asyncio.Task] = set()
@@ -348,7 +375,7 @@ class EngineLink:
         # a data-parallel server's capacity is its ranks' together (vLLM sums
         # num_gpu_blocks over them): each rank holds its share
         blocks = max(1, cap // max(1, bt) // max(1, self.ranks))
-        if self.engines.cfg.index.learn_capacity:
+        if self.engines.learn_capacity:
             if self.learned is None or self.learned.configured != blocks:
                 self.learned = LearnedCapacity(blocks)  # a new capacity: learn it afresh
             blocks = self.learned.blocks
@@ -378,7 +405,7 @@ class EngineLink:
         rate = self.prefill_rate(now)
         load = Load(queued_requests=m.waiting_requests,
                     queued_tokens=self.queue.queued_tokens(
-                        m.waiting_requests, eng.mean_request_tokens, rate),
+                        m.waiting_requests, eng.rates.mean_request_tokens, rate),
                     running_requests=m.running_requests,
                     kv_used_tokens=int(m.kv_usage * cap), kv_capacity_tokens=cap,
                     prefill_tokens_per_s=rate)
@@ -639,11 +666,10 @@ class EngineLink:
             # two equal vLLMs learned 12,400 tokens/s, the other 3,000), and misses
             # herded onto it.
             own_tokens = min(usage[0] - usage[1], MAX_LOAD_COUNT)  # usage_of: 0 <= c <= p
-        eng.mean_request_tokens += 0.05 * (own_tokens - eng.mean_request_tokens)
+        eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now,
+                           engine=self.kind is not WorkerKind.AGENT)
         if ttft_s is not None and ttft_s > 0:
             self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
-            if self.kind is not WorkerKind.AGENT:
-                self.engines.pooled_rate.observe(ahead_tokens, own_tokens, ttft_s, now)
         if usage is None:
             return
         prompt, cached = usage
@@ -669,8 +695,7 @@ class EngineLink:
     def prefill_rate(self, now: float) -> float:
         """Prefill tokens/s the policy should assume: this worker's learned rate,
         shrunk toward the fleet's (``PrefillRateEstimator.blended``)."""
-        e = self.engines
-        return self.rate.blended(now, e.pooled_rate.tokens_per_s, e.POOL_WEIGHT_TOKENS)
+        return self.engines.rates.blended(self.rate, now)
 
     @property
     def corrects(self) -> bool:
