@@ -33,7 +33,8 @@ import os
 
 from protocol.errors import ConfigError
 from loadtest.fleet import Fleet, FleetConfig
-from loadtest.main import add_load_arguments, build_load, run_ab
+from loadtest.main import add_load_arguments, build_load
+from loadtest.runner import run_ab
 from loadtest.report import check_outputs, render_table, write_json, write_plots
 
 log = logging.getLogger(__name__)

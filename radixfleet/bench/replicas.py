@@ -43,7 +43,7 @@ import time
 import httpx
 
 from loadtest.arrivals import Bounds, Poisson
-from loadtest.main import run_ab
+from loadtest.runner import run_ab
 from loadtest.report import render_table
 from loadtest.workloads import make_workload, parse_options
 from router.main import policy_params
