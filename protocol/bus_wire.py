@@ -70,7 +70,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from protocol.errors import ConfigError, RequestError
-from protocol.events import (MAX_LOAD_COUNT, EventBatch, Snapshot, parse_batch,
+from protocol.events import (MAX_LOAD_COUNT, EventBatch, Load, Snapshot, parse_batch,
                              parse_registration)
 from protocol.identifiers import MAX_ID_CHARS, id_problem
 
@@ -280,6 +280,11 @@ def parse_agent(data: bytes, subject_token: str) -> AgentMessage:
     except RequestError as exc:
         raise BadMessage("bad_register", str(exc)) from None
     return AgentMessage(batch, True, r.models, r.block_bytes)
+
+
+def load_batch(worker_id: str, url: str, epoch: str, load: Load) -> EventBatch:
+    """A load message's batch (``build_load``): the worker's load, no events."""
+    return EventBatch(worker_id, url, epoch, 0, [], load)
 
 
 def build_load(batch: EventBatch) -> bytes:

@@ -32,45 +32,20 @@ Lifecycle: ``start()`` then ``aclose()`` (idempotent; ``async with`` works).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import secrets
 from typing import Callable
 
 import aiohttp
 
+from protocol.bus_wire import load_batch
 from protocol.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISMATCH,
                            STATUS_SNAPSHOT_REQUIRED, STATUS_WORKER_ID_TAKEN,
                            STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
 from worker_agent.radix_cache import RadixCache
+from worker_agent.router_link import LinkState, RouterLink
 
 log = logging.getLogger(__name__)
-
-
-class LinkState(enum.Enum):
-    UNREGISTERED = "unregistered"  # must POST /internal/v1/register first
-    SNAPSHOT = "snapshot"          # registered; next batch starts with a snapshot
-    STREAMING = "streaming"        # router in sync; send deltas
-
-
-class RouterLink:
-    """One router's stream. Only the reporter task mutates it."""
-
-    __slots__ = ("base", "state", "seq", "pending", "sent_batches", "failures", "snapshots",
-                 "refused")
-
-    def __init__(self, base: str) -> None:
-        self.base = base.rstrip("/")
-        self.state = LinkState.UNREGISTERED
-        #: next batch number in this epoch
-        self.seq = 0
-        #: deltas not yet acknowledged (bounded: see module docstring)
-        self.pending: list = []
-        self.sent_batches = 0
-        self.failures = 0
-        self.snapshots = 0
-        #: why the router last refused registration (its status word), None once accepted
-        self.refused: str | None = None
 
 
 class Reporter:
@@ -156,8 +131,6 @@ class Reporter:
 
     async def _push_bus(self, bus) -> None:
         """Publishes the load, then pending deltas (or a snapshot) to the stream."""
-        from worker_agent.bus import load_batch
-
         link = bus.link
         await bus.publish_load(load_batch(self.worker_id, self.url, self.epoch, self.load()))
         for _ in range(8):
