@@ -63,12 +63,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import re
 import time
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+from protocol import strict_json
 from protocol.errors import ConfigError, RequestError
 from protocol.events import (MAX_LOAD_COUNT, EventBatch, Load, Snapshot, parse_batch,
                              parse_registration)
@@ -214,22 +214,10 @@ class Subjects:
         return f"{self.prefix}.router.{replica}"
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"{text[:40]} is not a finite number")
-    return v
-
-
 def _load(data: bytes, kind: str) -> dict:
-    # service.jsonbody's rules (this layer cannot import it): RFC 8259 only, finite
-    # numbers; the nesting is bounded by the NATS payload and caught if too deep
+    # the nesting is bounded by the NATS payload and caught if too deep
     try:
-        obj = json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+        obj = strict_json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise BadMessage("not_json", "body is not JSON (RFC 8259, finite numbers)") from None
     if not isinstance(obj, dict) or obj.get("v") != VERSION or "kind" not in obj:
