@@ -17,6 +17,7 @@ import asyncio
 import enum
 import logging
 
+from service import background
 from worker_agent.scheduler import Scheduler, SchedRequest, State
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,7 @@ class Engine:
         if self.state is EngineState.CLOSED:
             return
         self.state = EngineState.CLOSED
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
+        await background.stop(self._task)
         s = self.sched
         for r in (*s.waiting, *s.prefilling, *s.running):
             self.cancel(r)

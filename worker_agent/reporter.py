@@ -42,6 +42,7 @@ from protocol.bus_wire import load_batch
 from protocol.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISMATCH,
                            STATUS_SNAPSHOT_REQUIRED, STATUS_WORKER_ID_TAKEN,
                            STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
+from service import background
 from worker_agent.radix_cache import RadixCache
 from worker_agent.router_link import LinkState, RouterLink
 
@@ -245,13 +246,7 @@ class Reporter:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
+        await background.stop(self._task)
         if self.bus is not None:
             await self.bus.aclose()
         if self._session is not None:

@@ -62,6 +62,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.errors import RadixfleetError
+from service import background
 
 log = logging.getLogger("radixfleet.engines.metrics")
 
@@ -549,13 +550,7 @@ class MetricsScraper:
             return
         self.state = ScraperState.CLOSED
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
+        await background.stop(task)
 
     async def __aenter__(self) -> "MetricsScraper":
         await self.start()

@@ -62,6 +62,7 @@ from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
 from router.engines.zmq_events import subscriber_endpoint
 from protocol.events import MAX_LOAD_COUNT, Load
+from service.background import Backoff
 
 if TYPE_CHECKING:
     import aiohttp
@@ -289,7 +290,7 @@ class EngineLink:
 
     async def _bring_up(self) -> None:
         eng = self.engines
-        delay = 0.5
+        backoff = Backoff(0.5, 10.0)
         while self.kind is None and self.state is LinkState.RUNNING:
             res = await probe(eng.session, self.worker.url)
             if res is not None:
@@ -299,8 +300,7 @@ class EngineLink:
                 log.info("worker %s probed: %s, models %s", self.worker.id, res.kind.value,
                          ", ".join(self.models) or "?")
                 break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            await backoff.sleep()
         if self.state is not LinkState.RUNNING:
             return
         if not self.models and self.kind is not WorkerKind.AGENT:
@@ -473,7 +473,7 @@ class EngineLink:
     async def _ask_sources(self):
         """The server's event sources; retried (backoff) while it does not answer.
         None: the link closed meanwhile."""
-        delay = 0.5
+        backoff = Backoff(0.5, 10.0)
         said = False
         while self.state is LinkState.RUNNING:
             found = await fetch_event_sources(self.engines.session, self.worker.url)
@@ -484,8 +484,7 @@ class EngineLink:
                 said = True
                 log.info("worker %s: %s; asking again until it answers", self.worker.id,
                          found.detail)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            await backoff.sleep()
         return None
 
     def _no_events(self, cause: str, detail: str) -> None:

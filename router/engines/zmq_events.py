@@ -64,6 +64,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from service import background
 from router.engines.kv_events import DecodedBatch, KvEventCause, KvEventError, decode_batch
 
 log = logging.getLogger("radixfleet.engines.events")
@@ -324,13 +325,7 @@ class KvEventSubscriber:
             return
         self.state = SubscriberState.CLOSED
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
+        await background.stop(task)
         sub, mon, self._sub, self._mon = self._sub, self._mon, None, None
         if sub is not None:
             _close_sub(sub, mon)
