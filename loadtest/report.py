@@ -172,18 +172,25 @@ def prompt_bytes(spec: RequestSpec) -> bytes:
     return routing_bytes(endpoint, spec.body)
 
 
+def percentile(xs: Sequence[float], q: float, *, presorted: bool = False) -> float | None:
+    """The nearest-rank ``q``-quantile of ``xs`` (0 < q <= 1; ``presorted``: ``xs``
+    is ascending already); None when empty. The one percentile of the reports, the
+    benchmarks and the tests."""
+    n = len(xs)
+    if not n:
+        return None
+    s = xs if presorted else sorted(xs)
+    return s[min(n - 1, max(0, math.ceil(q * n) - 1))]
+
+
 def percentiles(xs: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
     """p50/p90/p99 (nearest rank) and mean, times ``scale``; nulls when empty."""
     if not xs:
         return {k: None for k in _STATS}
     s = sorted(xs)
-    n = len(s)
-
-    def rank(q: float) -> float:
-        return s[min(n - 1, max(0, math.ceil(q * n) - 1))] * scale
-
-    return {"p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99),
-            "mean": sum(s) / n * scale}
+    out = {k: percentile(s, q, presorted=True) * scale
+           for k, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))}
+    return {**out, "mean": sum(s) / len(s) * scale}
 
 
 def summarize(name: str, target: str, workload: dict, results: Iterable[Result], *,
