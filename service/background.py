@@ -1,5 +1,6 @@
-"""The two pieces every long-lived loop of the servers shares: stopping its task
-(``stop``) and waiting between tries (``Backoff``).
+"""What every long-lived loop of the servers shares: ``async with`` over its
+``start()`` and ``aclose()`` (``Lifecycle``), stopping its task (``stop``) and
+waiting between tries (``Backoff``).
 
 ``stop(task)`` cancels and awaits: the task's own cancellation is its normal end
 and is absorbed, the caller's is not (``Task.cancelling``: an ``aclose`` that is
@@ -15,9 +16,31 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import TypeVar
+
+_L = TypeVar("_L", bound="Lifecycle")
 
 
-async def stop(task: asyncio.Task | None) -> None:
+class Lifecycle:
+    """``async with``: ``start()`` on entry, ``aclose()`` (idempotent) on exit."""
+
+    __slots__ = ()
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self: _L) -> _L:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def stop(task: asyncio.Task[object] | None) -> None:
     """Cancels ``task`` (None: nothing) and waits for it to end (module docstring)."""
     if task is None:
         return

@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from protocol.errors import ConfigError
 from service.auth import is_loopback
-from service.background import Backoff
+from service.background import Backoff, Lifecycle
 
 log = logging.getLogger("radixfleet.bus")
 
@@ -245,7 +245,7 @@ class Problems:
             self._logged.clear()
 
 
-class BusConnection:
+class BusConnection(Lifecycle):
     """Lifecycle: ``await start()`` (returns at once; connecting goes on in a task),
     ``await aclose()`` (idempotent); ``async with`` does both."""
 
@@ -385,10 +385,3 @@ class BusConnection:
         nc, self.nc, self.js = self.nc, None, None
         if nc is not None:
             await self._close_nc(nc)
-
-    async def __aenter__(self) -> "BusConnection":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()

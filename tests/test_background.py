@@ -1,4 +1,4 @@
-"""service.background: stopping a loop's task and the backoff between tries."""
+"""service.background: a loop's async with, stopping its task, the backoff between tries."""
 
 from __future__ import annotations
 
@@ -68,3 +68,24 @@ async def test_stop_keeps_the_callers_cancellation_and_the_tasks_error():
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="the loop failed"):
         await stop(t)
+
+
+async def test_lifecycle_starts_on_entry_and_closes_on_exit_even_after_an_error():
+    from service.background import Lifecycle
+
+    class Loop(Lifecycle):
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        async def start(self) -> None:
+            self.calls.append("start")
+
+        async def aclose(self) -> None:
+            self.calls.append("aclose")
+
+    loop = Loop()
+    with pytest.raises(ValueError):
+        async with loop as entered:
+            assert entered is loop and loop.calls == ["start"]
+            raise ValueError("inside")
+    assert loop.calls == ["start", "aclose"]

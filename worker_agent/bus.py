@@ -29,6 +29,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from service.background import Lifecycle
 from service.bus_connection import (BusConnection, BusCredentials, BusMetrics, Problems,
                                     check_exposure)
 from protocol.bus_wire import (ROLLUP_HEADER, BadMessage, BusKey, Subjects, build_agent,
@@ -39,7 +40,7 @@ from worker_agent.router_link import LinkState, RouterLink
 log = logging.getLogger("radixfleet.bus")
 
 
-class AgentBus:
+class AgentBus(Lifecycle):
     """Lifecycle: ``await start()``, ``await aclose()`` (idempotent); ``async with``.
     Only the reporter task touches ``link``; ``up`` says whether to use it."""
 
@@ -75,13 +76,6 @@ class AgentBus:
 
     async def aclose(self) -> None:
         await self.conn.aclose()
-
-    async def __aenter__(self) -> "AgentBus":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
     async def _on_up(self, nc, js) -> None:
         await nc.subscribe(self.subjects.snapshot_request(self.worker_id), cb=self._on_request)

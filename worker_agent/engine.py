@@ -18,6 +18,7 @@ import enum
 import logging
 
 from service import background
+from service.background import Lifecycle
 from worker_agent.scheduler import Scheduler, SchedRequest, State
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Waiter:
         self.done = False
 
 
-class Engine:
+class Engine(Lifecycle):
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.state = EngineState.NEW
@@ -122,10 +123,3 @@ class Engine:
         s = self.sched
         for r in (*s.waiting, *s.prefilling, *s.running):
             self.cancel(r)
-
-    async def __aenter__(self) -> "Engine":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()

@@ -43,13 +43,14 @@ from protocol.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISM
                            STATUS_SNAPSHOT_REQUIRED, STATUS_WORKER_ID_TAKEN,
                            STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
 from service import background
+from service.background import Lifecycle
 from worker_agent.radix_cache import RadixCache
 from worker_agent.router_link import LinkState, RouterLink
 
 log = logging.getLogger(__name__)
 
 
-class Reporter:
+class Reporter(Lifecycle):
     def __init__(self, routers: list[str], *, worker_id: str, url: str, models: list[str],
                  cache: RadixCache, load: Callable[[], Load], token: str | None = None,
                  interval_s: float = 0.1, max_batch_events: int = 256,
@@ -251,10 +252,3 @@ class Reporter:
             await self.bus.aclose()
         if self._session is not None:
             await self._session.close()
-
-    async def __aenter__(self) -> "Reporter":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()

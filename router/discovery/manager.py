@@ -24,7 +24,7 @@ from router.config import DiscoveryConfig
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems, Source, SourceError
 from router.discovery.reconcile import Reconciler
 from router.pool import Pool
-from service.background import Backoff
+from service.background import Backoff, Lifecycle
 
 log = logging.getLogger("radixfleet.discovery")
 
@@ -49,7 +49,7 @@ def build_sources(cfg: DiscoveryConfig, metrics: DiscoveryMetrics) -> list[Sourc
     return out
 
 
-class Discovery:
+class Discovery(Lifecycle):
     """Workers from ``workers.discovery``, kept in ``pool`` with Source.DISCOVERY.
 
     Lifecycle: ``await start()`` (no-op when nothing is configured), then
@@ -94,13 +94,6 @@ class Discovery:
                     raise
         self._tasks.clear()
         self.reconciler.release()
-
-    async def __aenter__(self) -> "Discovery":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
     def apply(self) -> None:
         """Applies the union of every source's last answer to the pool."""

@@ -63,6 +63,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.errors import RadixfleetError
 from service import background
+from service.background import Lifecycle
 
 log = logging.getLogger("radixfleet.engines.metrics")
 
@@ -445,7 +446,7 @@ class ScraperState(enum.Enum):
     CLOSED = "closed"  # loop stopped (or never started); start() refuses
 
 
-class MetricsScraper:
+class MetricsScraper(Lifecycle):
     """Scrapes one worker's ``/metrics`` every ``interval_s`` and reports to a consumer.
 
     Each cycle: GET with ``timeout_s``, parse, then ``consumer.on_metrics(reading,
@@ -551,13 +552,6 @@ class MetricsScraper:
         self.state = ScraperState.CLOSED
         task, self._task = self._task, None
         await background.stop(task)
-
-    async def __aenter__(self) -> "MetricsScraper":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ the loop
 

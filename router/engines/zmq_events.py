@@ -65,6 +65,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from service import background
+from service.background import Lifecycle
 from router.engines.kv_events import DecodedBatch, KvEventCause, KvEventError, decode_batch
 
 log = logging.getLogger("radixfleet.engines.events")
@@ -179,7 +180,7 @@ class _CauseLog:
             log.debug("kv events from %s: %s (%s)", self.name, detail, c)
 
 
-class KvEventSubscriber:
+class KvEventSubscriber(Lifecycle):
     """One engine's KV events, decoded and in order, to one consumer (module docstring).
 
     ``endpoint`` is the address to bind or connect as ``mode`` says (see
@@ -330,13 +331,6 @@ class KvEventSubscriber:
         if sub is not None:
             _close_sub(sub, mon)
         self._connected = False
-
-    async def __aenter__(self) -> "KvEventSubscriber":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ the loop
 
