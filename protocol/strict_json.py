@@ -1,11 +1,7 @@
-"""RFC 8259 JSON and nothing more, for every parse of what a peer sent.
-
-``loads`` is ``json.loads`` refusing what Python's parser lets through: NaN,
-Infinity and -Infinity, and numbers that overflow a float (``ValueError``, as for
-any other invalid text). The HTTP bodies (``service.jsonbody``, which also bounds
-the nesting and names the text in a 400) and the bus messages (``bus_wire``) parse
-through it.
-"""
+"""RFC 8259 JSON and nothing more, for every parse of what a peer sent: ``json.loads``
+refusing NaN, Infinity and numbers that overflow a float. The HTTP bodies
+(``service.jsonbody``: also the depth bound and the 400) and the bus messages
+(``bus_wire``) parse through ``loads``."""
 
 from __future__ import annotations
 
