@@ -128,8 +128,7 @@ class Reporter(Lifecycle):
                 continue  # its snapshot will carry these
             link.pending.extend(events)
             if len(link.pending) > self.max_pending_events:
-                link.pending.clear()
-                link.state = LinkState.SNAPSHOT
+                link.resnapshot()
 
     async def _push_bus(self, bus) -> None:
         """Publishes the load, then pending deltas (or a snapshot) to the stream."""
@@ -150,8 +149,7 @@ class Reporter(Lifecycle):
             link.seq += 1
             if not await bus.publish_batch(batch, self.models, self.block_bytes):
                 link.failures += 1
-                link.state = LinkState.SNAPSHOT
-                link.pending.clear()
+                link.resnapshot()
                 return
             link.sent_batches += 1
             if link.state is LinkState.SNAPSHOT:
