@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 from loadtest.fleet import Fleet, FleetConfig, param_text
 from loadtest.report import check_outputs
+from loadtest.runner import run_ab
 from protocol.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -188,8 +189,6 @@ def worth(runs: list[dict], kind: str) -> list[str]:
 
 def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
     """Starts the fleet, runs every arm, stops the fleet; returns the outcomes."""
-    from loadtest.main import run_ab
-
     plan = arms(args)
     if not 1 <= args.agents <= 64:
         raise ConfigError("--agents", f"must be in [1, 64], got {args.agents}")

@@ -34,7 +34,8 @@ import os
 from protocol.cli_args import DeprecatedAlias
 from protocol.errors import ConfigError
 from loadtest.fleet import Fleet, FleetConfig
-from loadtest.main import add_load_arguments, build_load, run_ab
+from loadtest.main import add_load_arguments, build_load
+from loadtest.runner import run_ab
 from loadtest.report import check_outputs, render_table, require_plots, write_json, write_plots
 
 log = logging.getLogger(__name__)

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (``up``, the benches and the tests)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -173,6 +173,17 @@ def prompt_bytes(spec: RequestSpec) -> bytes:
     return routing_bytes(endpoint, spec.body)
 
 
+def percentile(xs: Sequence[float], q: float, *, presorted: bool = False) -> float | None:
+    """The nearest-rank ``q``-quantile of ``xs`` (0 < q <= 1; ``presorted``: ``xs``
+    is ascending already); None when empty. The one percentile of the reports, the
+    benchmarks and the tests."""
+    n = len(xs)
+    if not n:
+        return None
+    s = xs if presorted else sorted(xs)
+    return s[min(n - 1, max(0, math.ceil(q * n) - 1))]
+
+
 def percentiles(xs: Sequence[float], scale: float = 1000.0,
                 ps: Sequence[float] = (50, 90, 99)) -> dict[str, float | None]:
     """The ``ps`` percentiles (nearest rank; keys ``p50``, ``p99.9``) and the mean of
@@ -181,12 +192,8 @@ def percentiles(xs: Sequence[float], scale: float = 1000.0,
     if not xs:
         return {**{k: None for k in keys}, "mean": None}
     s = sorted(xs)
-    n = len(s)
-
-    def rank(q: float) -> float:
-        return s[min(n - 1, max(0, math.ceil(q * n) - 1))] * scale
-
-    return {**{k: rank(p / 100.0) for k, p in zip(keys, ps)}, "mean": sum(s) / n * scale}
+    out = {k: percentile(s, p / 100.0, presorted=True) * scale for k, p in zip(keys, ps)}
+    return {**out, "mean": sum(s) / len(s) * scale}
 
 
 def summarize(name: str, target: str, workload: dict, results: Iterable[Result], *,

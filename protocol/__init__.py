@@ -13,4 +13,5 @@ Modules::
                  collected with dotted paths; router config and policy params use it
     extras       require(): a missing pip extra is one line naming it
     cli_args     the help formatter, case-insensitive --log-level, deprecated flag aliases
+    strict_json  the one RFC 8259 parse (finite numbers) the HTTP bodies and the bus share
 """

@@ -63,14 +63,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import re
 import time
 from typing import Any, Mapping, cast
 from urllib.parse import urlsplit
 
+from protocol import strict_json
 from protocol.errors import ConfigError, RequestError
-from protocol.events import (MAX_LOAD_COUNT, EventBatch, Snapshot, parse_batch,
+from protocol.events import (MAX_LOAD_COUNT, EventBatch, Load, Snapshot, parse_batch,
                              parse_registration)
 from protocol.identifiers import MAX_ID_CHARS, id_problem
 
@@ -214,22 +214,10 @@ class Subjects:
         return f"{self.prefix}.router.{replica}"
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"{text[:40]} is not a finite number")
-    return v
-
-
 def _load(data: bytes, kind: str) -> dict[str, Any]:
-    # service.jsonbody's rules (this layer cannot import it): RFC 8259 only, finite
-    # numbers; the nesting is bounded by the NATS payload and caught if too deep
+    # the nesting is bounded by the NATS payload and caught if too deep
     try:
-        obj = json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+        obj = strict_json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise BadMessage("not_json", "body is not JSON (RFC 8259, finite numbers)") from None
     if not isinstance(obj, dict) or obj.get("v") != VERSION or "kind" not in obj:
@@ -280,6 +268,11 @@ def parse_agent(data: bytes, subject_token: str) -> AgentMessage:
     except RequestError as exc:
         raise BadMessage("bad_register", str(exc)) from None
     return AgentMessage(batch, True, r.models, r.block_bytes)
+
+
+def load_batch(worker_id: str, url: str, epoch: str, load: Load) -> EventBatch:
+    """A load message's batch (``build_load``): the worker's load, no events."""
+    return EventBatch(worker_id, url, epoch, 0, [], load)
 
 
 def build_load(batch: EventBatch) -> bytes:

@@ -54,18 +54,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import json
 import logging
 import os
 import time
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
-from policies.base import Reason
+from policies.base import Policy, Reason
 from service import jsonbody
 from router.auth import TenantResolver
 from router.config import Config
@@ -76,16 +77,23 @@ from protocol.errors import (
 )
 from protocol.identifiers import request_id
 from router.metrics import Metrics
+from router.engines.keyspace import KeyedRequest
+from router.engines.link import EngineLink, Placement
 from router.pick import hint_and_count
-from router.pool import Pool
+from router.pool import Pool, Worker
 from router.prefix_index import PrefixIndex
-from protocol.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, PrefixKey, request_key
 from router.upstream import (
     Cancel, Cancelled, ResponseTooLarge, UpstreamError, UpstreamPool, build_head,
 )
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
 from router.warmup import WarmupGate, warmup_prefix
+
+if TYPE_CHECKING:
+    from router.bus.replica import BusReplica
+    from router.engines.manager import Engines
+    from router.traffic_log import TrafficLog
 
 log = logging.getLogger("radixfleet.router")
 
@@ -250,15 +258,22 @@ def _status_error(status: int, data: bytes) -> bytes:
     return json.dumps(error_body(message, etype, code, param)).encode()
 
 
-class _Pick(NamedTuple):
-    """What the pick counted on a worker, for the response's bookkeeping."""
+@dataclasses.dataclass(slots=True)
+class RequestContext:
+    """One client request on the data plane: what each of its attempts needs. Made
+    by ``serve`` once the body is read and keyed; only ``reason`` changes (a retry's
+    is ``fallback``)."""
 
-    key: Any  # router.engines.keyspace.SpaceKey: the request in the worker's space
-    blocks: int  # leading blocks the worker held at pick time (its space)
-    own: int  # the request's uncached prompt tokens, counted as queued prefill
-    ahead: int  # uncached prompt tokens already queued on the worker at pick time
-    touches: tuple | None  # approximate mode: the matched blocks' last-use times
-    rank: int | None = None  # the engine's data-parallel rank it goes to (EngineLink)
+    ex: Any  # the exchange it came on (module docstring)
+    endpoint: Endpoint
+    raw: bytes  # the client's body, forwarded as it came
+    body: dict  # the same, parsed
+    key: PrefixKey  # its routing key (byte space), tenant and model
+    stream: bool
+    session: str | None  # x-session-id, else the body's "user" (the traffic log's)
+    rid: str  # its request id
+    t0: float  # monotonic time it arrived
+    reason: str = ""  # why the current attempt's worker was chosen (metrics)
 
 
 class _Flight:
@@ -339,14 +354,14 @@ class DataPlane:
     the owner's lifecycle before the first request and closed by it.
     """
 
-    def __init__(self, cfg: Config, policy, tenants: TenantResolver, pool: Pool,
-                 index: PrefixIndex, metrics: Metrics, engines,
-                 spawn: Callable[[Any], asyncio.Task], traffic=None) -> None:
+    def __init__(self, cfg: Config, policy: Policy, tenants: TenantResolver, pool: Pool,
+                 index: PrefixIndex, metrics: Metrics, engines: Engines,
+                 spawn: Callable[[Any], asyncio.Task], traffic: TrafficLog | None = None) -> None:
         self.pool = pool
-        self.traffic = traffic  # router.traffic_log.TrafficLog, or None (off)
+        self.traffic = traffic  # None: off
         #: decayed demand (prompt and uncached tokens/s): the autoscaling signal's input
         self.demand = DemandMeter(cfg.autoscale.half_life_s)
-        self.engines = engines  # router.engines.manager.Engines: keys, links, usage
+        self.engines = engines  # keys, links, usage
         self.index = index
         self.metrics = metrics
         self._spawn = spawn  # the owner's task set: warm-ups are cancelled at shutdown
@@ -360,17 +375,17 @@ class DataPlane:
         self.tenants = tenants
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
-        #: router.bus.replica.BusReplica (set by the owner) or None: told of each hint
-        self.bus = None
+        #: set by the owner, or None: told of each hint
+        self.bus: BusReplica | None = None
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
         self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
         #: per worker, the cancel handles of the requests in flight on it
-        self._waiting: dict[Any, set[Cancel]] = {}
+        self._waiting: dict[Worker, set[Cancel]] = {}
         pool.on_unhealthy.append(self._worker_unhealthy)
 
-    def configure(self, cfg: Config, policy, tenants: TenantResolver) -> None:
+    def configure(self, cfg: Config, policy: Policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
         self.cfg = cfg
         self.policy = policy
@@ -423,54 +438,52 @@ class DataPlane:
             except RequestError as exc:
                 self._reject(ex, exc, rid)
                 return
-            await self._route_and_forward(ex, endpoint, raw, body, key, stream, session,
-                                          rid, t0)
+            await self._route_and_forward(RequestContext(ex, endpoint, raw, body, key,
+                                                         stream, session, rid, t0))
         finally:
             adm.leave()
 
-    async def _route_and_forward(self, ex, endpoint, raw, body, key, stream, session,
-                                 rid, t0) -> None:
+    async def _route_and_forward(self, ctx: RequestContext) -> None:
         pool = self.pool
+        key = ctx.key
         now = time.monotonic()
         views = pool.views(now, key.model, key.adapter)  # only workers serving the model
         if not views:
-            self._reject(ex, pool.unavailable(key.model, key.adapter, now), rid)  # 404 | 503
-            return
+            self._reject(ctx.ex, pool.unavailable(key.model, key.adapter, now), ctx.rid)
+            return  # 404 | 503
         engines = self.engines
         try:
-            kr = engines.key(endpoint, body, key, session, views, now)
+            kr = engines.key(ctx.endpoint, ctx.body, key, ctx.session, views, now)
         except RequestError as exc:  # a token space refused the body
-            self._reject(ex, exc, rid)
+            self._reject(ctx.ex, exc, ctx.rid)
             return
         req = kr.route_request
         shed = self.shedder.check(pool.routable_workers(now), key.model, key.adapter,
                                   req.prompt_tokens - kr.match.best * req.block_tokens, now)
         if shed is not None:
-            self._reject(ex, shed, rid)
+            self._reject(ctx.ex, shed, ctx.rid)
             return
         d = self.policy.choose(req, kr.match, views, now)
         tried: list[str] = []
         excluded: set[str] = set()  # workers a retry must not go to
         retries = self.cfg.retries
-        attempt = 0
         last: _UpstreamFailed | None = None
-        reason = d.reason.value
+        ctx.reason = d.reason.value
         while True:
             w = pool.get(d.worker)
             if w is None:  # a policy bug: never route into the void
                 raise AssertionError(f"policy {self.policy.name} chose unknown worker "
                                      f"{d.worker!r}")
             pick = self._pick(w, kr, now)
-            if attempt == 0:  # per client request, not per try
+            if not tried:  # per client request, not per try
                 self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
                 self.demand.observe(now, pick.own, pick.key.prompt_tokens)
                 if d.warm and self.cfg.warmup.enabled:
-                    self._schedule_warmups(d.warm, endpoint, body, key, kr.match.depth, now)
-            attempt += 1
+                    self._schedule_warmups(d.warm, ctx.endpoint, ctx.body, key,
+                                           kr.match.depth, now)
             tried.append(w.id)
             try:
-                await self._attempt(ex, w, endpoint, raw, body, stream, pick, key,
-                                    session, rid, reason, t0)
+                await self._attempt(ctx, w, pick)
                 return
             except _UpstreamFailed as exc:
                 last = exc
@@ -478,12 +491,12 @@ class DataPlane:
                     excluded.add(w.id)  # it may take the retry (its rank map re-read)
                 self.metrics.attempt(w.id, exc.status or exc.cause)  # not a client outcome
                 log.warning("request %s: worker %s (%s) failed (%s: %s), attempt %d/%d%s",
-                            rid, w.id, w.url, exc.cause, exc, attempt, retries.max_attempts,
-                            "" if exc.retry else ", not retried")
-            if not last.retry or attempt >= retries.max_attempts or \
-                    time.monotonic() - t0 >= self.cfg.timeouts.total_s:
+                            ctx.rid, w.id, w.url, exc.cause, exc, len(tried),
+                            retries.max_attempts, "" if exc.retry else ", not retried")
+            if not last.retry or len(tried) >= retries.max_attempts or \
+                    time.monotonic() - ctx.t0 >= self.cfg.timeouts.total_s:
                 break
-            delay = min(retries.backoff_s * (2 ** (attempt - 1)), retries.backoff_max_s)
+            delay = min(retries.backoff_s * (2 ** (len(tried) - 1)), retries.backoff_max_s)
             if delay:
                 await asyncio.sleep(delay)
             now = time.monotonic()
@@ -492,30 +505,33 @@ class DataPlane:
             if not views:
                 break
             try:
-                kr = engines.key(endpoint, body, key, session, views, now)
+                kr = engines.key(ctx.endpoint, ctx.body, key, ctx.session, views, now)
             except RequestError:
                 break
             d = self.policy.choose(kr.route_request, kr.match, views, now)
             if pool.get(d.worker) is None:
                 break
-            reason = Reason.FALLBACK.value
+            ctx.reason = Reason.FALLBACK.value
             self.metrics.retries.labels(last.cause).inc()
-        # Every attempt failed before the client saw anything: one error in the
-        # OpenAI shape, naming no worker (the log has them).
+        self._failed(ctx, last, tried[-1])
+
+    def _failed(self, ctx: RequestContext, last: _UpstreamFailed, worker: str) -> None:
+        """Every attempt failed before the client saw anything (``worker`` the last
+        tried): one error in the OpenAI shape, naming no worker (the log has them)."""
         if last.cause == "status":
             # a 429 or 503 keeps its status (and Retry-After); another 5xx is a 502
             status = last.status if last.status in (429, 503) else 502
-            self.metrics.outcome(tried[-1], status, reason)
-            ex.reply(status, _status_error(last.status, b""), _JSON,
-                     [(WORKER_HEADER, tried[-1]), (REQUEST_ID_HEADER, rid),
-                      *_retry_after(last.status, last.headers)])
+            self.metrics.outcome(worker, status, ctx.reason)
+            ctx.ex.reply(status, _status_error(last.status, b""), _JSON,
+                         [(WORKER_HEADER, worker), (REQUEST_ID_HEADER, ctx.rid),
+                          *_retry_after(last.status, last.headers)])
             return
         status, body = _client_error(last.cause)
         self.metrics.rejected.labels(str(status), _CLIENT_ERRORS.get(
             last.cause, _CLIENT_ERRORS["payload"])[1]).inc()
-        ex.reply(status, body, _JSON, [(REQUEST_ID_HEADER, rid)])
+        ctx.ex.reply(status, body, _JSON, [(REQUEST_ID_HEADER, ctx.rid)])
 
-    def _pick(self, w, kr, now: float) -> "_Pick":
+    def _pick(self, w: Worker, kr: KeyedRequest, now: float) -> Placement:
         """The optimistic hint and the load count for ``w``, in its own key space,
         before anything is awaited (``policies.base``)."""
         sk = kr.key_for(w.id)
@@ -539,29 +555,27 @@ class DataPlane:
             # (a rank's hint stays local: the bus names workers, and every replica
             # follows the ranks' own events)
             self.bus.hint(w.id, sk.hashes, now)  # queued; published by its own task
-        return _Pick(sk, blocks, own, ahead, touches, rank)
+        return Placement(sk, blocks, own, ahead, touches, rank)
 
-    async def _attempt(self, ex, w, endpoint, raw, body, stream, pick: "_Pick", key,
-                       session, rid, reason, t0) -> None:
+    async def _attempt(self, ctx: RequestContext, w: Worker, pick: Placement) -> None:
         """One try on worker ``w`` (its load already counted). Releases the load on
-        every path: a streaming request's prompt stops counting as queued prefill at
-        its first *content* token (router.sse), never at the headers or a role chunk.
-        Raises ``_UpstreamFailed`` if it failed before the client saw a byte (``retry``
-        says whether another worker may run it); after that, failures end the stream
-        with an SSE error event. While it waits, ``w`` turning unhealthy cancels it
-        (``_worker_unhealthy``)."""
-        pool = self.pool
-        m = self.metrics
-        link = w.engine
+        every path (``_settle``): a streaming request's prompt stops counting as queued
+        prefill at its first *content* token (router.sse), never at the headers or a
+        role chunk. Raises ``_UpstreamFailed`` if it failed before the client saw a
+        byte (``retry`` says whether another worker may run it); after that, failures
+        end the stream with an SSE error event. While it waits, ``w`` turning
+        unhealthy cancels it (``_worker_unhealthy``)."""
+        link = w.engine  # the link the pick counted on (a reload may replace w's)
         f = _Flight(pick.own)
         host, port, hostport = self._addr(w.url)
         t = self.cfg.timeouts
-        payload, strip = self.engines.forward_body(link, endpoint, body, raw, stream)
-        fwd = (self.tenants.forward_lines(key.tenant)
-               + b"x-request-id: " + rid.encode("utf-8", "surrogateescape") + b"\r\n")
+        payload, strip = self.engines.forward_body(link, ctx.endpoint, ctx.body, ctx.raw,
+                                                   ctx.stream)
+        fwd = (self.tenants.forward_lines(ctx.key.tenant)
+               + b"x-request-id: " + ctx.rid.encode("utf-8", "surrogateescape") + b"\r\n")
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank  # vLLM's rank header
-        head = build_head(endpoint.value, hostport, len(payload), fwd)
+        head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         resp = None
         cancel = Cancel()
         waiting = self._waiting.get(w)
@@ -574,123 +588,126 @@ class DataPlane:
                 # total deadline bounds it (and w's health, through ``cancel``)
                 resp = await self.upstream.request(
                     host, port, head, payload,
-                    read_timeout_s=t.first_byte_s if stream else float("inf"),
-                    total_timeout_s=t.total_s - (time.monotonic() - t0), cancel=cancel)
-                status = resp.status
-                if status >= 500 or status == 429:
-                    data = await resp.read()
-                    f.ok = status == 429  # busy, not broken
-                    log.warning("request %s: worker %s (%s) answered %d: %r", rid, w.id,
-                                w.url, status, data[:500])
-                    # 429 and 503 say the request was not taken: another worker may
-                    raise _UpstreamFailed("status", f"worker {w.id} answered {status}",
-                                          retry=status in (429, 503), status=status,
-                                          headers=resp.headers)
-                m.observe_ttfb(time.monotonic() - t0)
-                if not stream or status != 200:
-                    data = await resp.read()
-                    if status == 400 and pick.rank is not None and b"data_parallel_rank" in data:
-                        # the engine has fewer ranks than the router's map: not the
-                        # worker's failure, nor the client's; the map is asked again
-                        link.rank_rejected(pick.rank, data.decode("utf-8", "replace"))
-                        raise _UpstreamFailed("rank", f"worker {w.id} rejected data-parallel "
-                                              f"rank {pick.rank}", retry=True, status=status,
-                                              headers=resp.headers)
-                    f.ok = True
-                    ctype = resp.headers.get("content-type", _JSON)
-                    if status == 200 and (link is not None or self.traffic is not None):
-                        f.usage, f.output = _usage_of_body(data)
-                    elif status >= 400:
-                        log.info("request %s: worker %s answered %d: %r", rid, w.id, status,
-                                 data[:500])
-                        data, ctype = _status_error(status, data), _JSON
-                    ex.reply(status, data, ctype,
-                             [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, rid),
-                              *_retry_after(status, resp.headers)])
-                    m.request_done(w.id, status, reason)
-                    m.observe_latency(time.monotonic() - t0)
-                    return
-                first = await resp.readany()
+                    read_timeout_s=t.first_byte_s if ctx.stream else float("inf"),
+                    total_timeout_s=t.total_s - (time.monotonic() - ctx.t0), cancel=cancel)
+                first = await self._answer(ctx, w, link, pick, f, resp)
             except UpstreamError as exc:
                 f.ok = None if isinstance(exc, ResponseTooLarge) else False
                 if exc.cause == "connect":
-                    pool.check_soon(w)
+                    self.pool.check_soon(w)
                 # nothing reached the client; the connection is closed (the worker
                 # aborts). Retried only where the worker provably is not running it.
                 raise _UpstreamFailed(exc.cause, f"worker {w.id} ({w.url}): {exc}",
                                       retry=exc.cause in ("connect", "unhealthy")) from None
-            # From here on the client has bytes: never retry.
-            await self._relay(ex, w, f, resp, first, strip, rid, reason, t0)
+            if first is not None:  # from here on the client has bytes: never retry
+                await self._relay(ctx, w, f, resp, first, strip)
         finally:
             waiting.discard(cancel)
             if not waiting and self._waiting.get(w) is waiting:
                 del self._waiting[w]
             if resp is not None:
                 resp.release()
-            pool.finish(w, f.left, f.ok)
-            if pick.rank is not None:
-                link.rank_finished(pick.rank)
-            usage = f.usage
-            m.answered(w.id, key.model, f.ok, usage)
-            if f.ok and self.traffic is not None:
-                self.traffic.record(
-                    key, arrival_s=time.time() - (time.monotonic() - t0), worker=w.id,
-                    matched_tokens=pick.blocks * pick.key.block_tokens,
-                    prompt_tokens=usage[0] if usage else None, output_tokens=f.output,
-                    cached_tokens=usage[1] if usage else None, ttft_s=f.ttft, session=session)
-            if f.ok and link is not None:
-                try:
-                    link.observe(pick.key, pick.blocks, usage, f.ttft, pick.ahead, pick.own,
-                                 time.monotonic(), pick.touches, pick.rank)
-                except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
-                    log.exception("request %s: bookkeeping for worker %s failed", rid, w.id)
-                w._view = None  # its prefill rate may have moved
+            self._settle(ctx, w, link, pick, f)
 
-    async def _relay(self, ex, w, f: "_Flight", resp, first: bytes, strip: bool, rid,
-                     reason, t0) -> None:
+    async def _answer(self, ctx: RequestContext, w: Worker, link: EngineLink | None,
+                      pick: Placement, f: _Flight, resp) -> bytes | None:
+        """The worker's answer before the client sees a byte of it: a 200 stream's first
+        body bytes (returned, for ``_relay``), or the whole answer, replied here
+        (None). Raises ``_UpstreamFailed`` for a 5xx or 429 and for a refused rank."""
+        m = self.metrics
+        status = resp.status
+        if status >= 500 or status == 429:
+            data = await resp.read()
+            f.ok = status == 429  # busy, not broken
+            log.warning("request %s: worker %s (%s) answered %d: %r", ctx.rid, w.id,
+                        w.url, status, data[:500])
+            # 429 and 503 say the request was not taken: another worker may
+            raise _UpstreamFailed("status", f"worker {w.id} answered {status}",
+                                  retry=status in (429, 503), status=status,
+                                  headers=resp.headers)
+        m.observe_ttfb(time.monotonic() - ctx.t0)
+        if ctx.stream and status == 200:
+            return await resp.readany()
+        data = await resp.read()
+        if status == 400 and pick.rank is not None and b"data_parallel_rank" in data:
+            # the engine has fewer ranks than the router's map: not the worker's
+            # failure, nor the client's; the map is asked again
+            link.rank_rejected(pick.rank, data.decode("utf-8", "replace"))
+            raise _UpstreamFailed("rank", f"worker {w.id} rejected data-parallel rank "
+                                  f"{pick.rank}", retry=True, status=status,
+                                  headers=resp.headers)
+        f.ok = True
+        ctype = resp.headers.get("content-type", _JSON)
+        if status == 200 and (link is not None or self.traffic is not None):
+            f.usage, f.output = _usage_of_body(data)
+        elif status >= 400:
+            log.info("request %s: worker %s answered %d: %r", ctx.rid, w.id, status,
+                     data[:500])
+            data, ctype = _status_error(status, data), _JSON
+        ctx.ex.reply(status, data, ctype, [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, ctx.rid),
+                                           *_retry_after(status, resp.headers)])
+        m.request_done(w.id, status, ctx.reason)
+        m.observe_latency(time.monotonic() - ctx.t0)
+        return None
+
+    def _settle(self, ctx: RequestContext, w: Worker, link: EngineLink | None,
+                pick: Placement, f: _Flight) -> None:
+        """An attempt's bookkeeping, on every path: the load released, the outcome
+        counted and, for an answer, the traffic log and what the engine link learns."""
+        self.pool.finish(w, f.left, f.ok)
+        if pick.rank is not None:
+            link.rank_finished(pick.rank)
+        usage = f.usage
+        self.metrics.answered(w.id, ctx.key.model, f.ok, usage)
+        if not f.ok:
+            return
+        if self.traffic is not None:
+            self.traffic.record(
+                ctx.key, arrival_s=time.time() - (time.monotonic() - ctx.t0), worker=w.id,
+                matched_tokens=pick.blocks * pick.key.block_tokens,
+                prompt_tokens=usage[0] if usage else None, output_tokens=f.output,
+                cached_tokens=usage[1] if usage else None, ttft_s=f.ttft,
+                session=ctx.session)
+        if link is not None:
+            try:
+                link.observe(pick, usage, f.ttft, time.monotonic())
+            except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
+                log.exception("request %s: bookkeeping for worker %s failed", ctx.rid, w.id)
+            self.pool.rate_moved(w)
+
+    async def _relay(self, ctx: RequestContext, w: Worker, f: _Flight, resp, first: bytes,
+                     strip: bool) -> None:
         """Passes a stream to the client as it arrives, from its first body bytes
         ``first``, keeping ``f`` up to date (``f.ok`` stays None when the client goes
         away, whether by an error or a cancellation). A worker failing mid-stream (broken,
         silent past ``first_byte_s``, unhealthy, an event past the size limit) ends
         the stream with a well-formed SSE error event and ``data: [DONE]``."""
         m = self.metrics
+        ex = ctx.ex
         watch = StreamWatch(strip)
         limit = self.cfg.limits.max_response_bytes
         await ex.stream_start(resp.headers.get("content-type", "text/event-stream"),
                               [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id),
-                               (REQUEST_ID_HEADER, rid)])
+                               (REQUEST_ID_HEADER, ctx.rid)])
         try:
             chunk = first
-            while True:
-                if chunk:
-                    out = watch.feed(chunk)
-                    if f.ttft is None and watch.first_token:
-                        # the prompt is prefilled: no longer queued work on w
-                        f.ttft = time.monotonic() - f.sent
-                        m.observe_ttft(time.monotonic() - t0)
-                        self.pool.prefilled(w, f.left)
-                        f.left = 0
-                    if out:
-                        await ex.stream_write(out)
+            while chunk:  # b"": the end of the stream
+                out = watch.feed(chunk)
+                if f.ttft is None and watch.first_token:
+                    # the prompt is prefilled: no longer queued work on w
+                    f.ttft = time.monotonic() - f.sent
+                    m.observe_ttft(time.monotonic() - ctx.t0)
+                    self.pool.prefilled(w, f.left)
+                    f.left = 0
+                if out:
+                    await ex.stream_write(out)
                 try:
                     if watch.pending > limit:
                         raise ResponseTooLarge(f"a stream event exceeds {limit} bytes")
                     chunk = await resp.readany()
                 except UpstreamError as exc:
-                    log.warning("request %s: worker %s (%s) failed mid-stream (%s: %s)", rid,
-                                w.id, w.url, exc.cause, exc)
-                    m.request_done(w.id, 502, reason)
-                    message = _CLIENT_ERRORS.get(exc.cause, _CLIENT_ERRORS["payload"])[2]
-                    err = error_body(f"{message}; the answer is incomplete", "upstream_error",
-                                     "upstream_failed")
-                    # the unfinished event is dropped: the error starts on a fresh line
-                    await ex.stream_write(watch.flush(complete=False) + b"data: "
-                                          + json.dumps(err).encode() + b"\n\n" + _DONE)
-                    f.ok = None if isinstance(exc, ResponseTooLarge) else False
-                    await ex.stream_end()
+                    await self._stream_broke(ctx, w, f, watch, exc)
                     return
-                if not chunk:
-                    break
             tail = watch.flush()
             if tail:
                 await ex.stream_write(tail)
@@ -702,10 +719,26 @@ class DataPlane:
             return
         f.ok = True
         f.usage, f.output = watch.usage, watch.output_tokens
-        m.request_done(w.id, 200, reason)
-        m.observe_latency(time.monotonic() - t0)
+        m.request_done(w.id, 200, ctx.reason)
+        m.observe_latency(time.monotonic() - ctx.t0)
 
-    def _worker_unhealthy(self, w) -> None:
+    async def _stream_broke(self, ctx: RequestContext, w: Worker, f: _Flight,
+                            watch: StreamWatch, exc: UpstreamError) -> None:
+        """The worker failed mid-stream: the client's stream ends with an SSE error
+        event and ``data: [DONE]`` (the unfinished event dropped)."""
+        log.warning("request %s: worker %s (%s) failed mid-stream (%s: %s)", ctx.rid,
+                    w.id, w.url, exc.cause, exc)
+        self.metrics.request_done(w.id, 502, ctx.reason)
+        message = _CLIENT_ERRORS.get(exc.cause, _CLIENT_ERRORS["payload"])[2]
+        err = error_body(f"{message}; the answer is incomplete", "upstream_error",
+                         "upstream_failed")
+        # the unfinished event is dropped: the error starts on a fresh line
+        await ctx.ex.stream_write(watch.flush(complete=False) + b"data: "
+                                  + json.dumps(err).encode() + b"\n\n" + _DONE)
+        f.ok = None if isinstance(exc, ResponseTooLarge) else False
+        await ctx.ex.stream_end()
+
+    def _worker_unhealthy(self, w: Worker) -> None:
         """``Pool.on_unhealthy``: every request waiting on ``w`` is cancelled there
         (its connection closed, so the engine aborts it); one whose client has seen
         nothing moves to another worker, a stream already begun ends with an error."""
@@ -755,7 +788,7 @@ class DataPlane:
                 payload = json.dumps(warm).encode()
             self._spawn(self._warmup(w, payload, key.tenant))
 
-    async def _warmup(self, w, payload: bytes, tenant: str) -> None:
+    async def _warmup(self, w: Worker, payload: bytes, tenant: str) -> None:
         headers = {"Content-Type": _JSON, **self.tenants.forward_headers(tenant),
                    REQUEST_ID_HEADER: f"{self._rid_prefix}-warm-{next(self._rid)}"}
         status = "error"

@@ -470,6 +470,10 @@ class Pool:
         if self.tap is not None:
             self.tap.moved(w)
 
+    def rate_moved(self, w: Worker) -> None:
+        """``w``'s engine link learned from an answer: its view (prefill rate) is rebuilt."""
+        w._view = None
+
     def finish(self, w: Worker, tokens_left: int, ok: bool | None) -> None:
         """The request ended; ``tokens_left`` are its tokens still counted. ``ok``:
         True success, False a worker failure (breaker), None neither (client left,

@@ -2,5 +2,6 @@
 neither imports the other: JSON error answers (``http_errors``), bounded JSON bodies
 (``jsonbody``), bearer tokens and the loopback rule (``auth``), per-deployment tenant
 salts and the signed tenant header (``tenancy``), the standard metrics collectors
-(``metrics``) and the NATS connection the bus runs on (``bus_connection``).
+(``metrics``), the NATS connection the bus runs on (``bus_connection``) and the
+background loops' stop and backoff (``background``).
 What travels between them is ``protocol``."""

@@ -2,7 +2,7 @@
 
     CONNECTING --connected, on_up() done--> UP --connection lost--> DOWN
         ^                                                            |
-        '----------------- backoff (doubling, capped) ---------------'
+        '----------------- backoff (doubling, capped, jittered) -----'
     any state --aclose()--> CLOSED (terminal)
 
 nats-py's own reconnection is off: after a loss the owner's ``on_up(nc, js)`` runs
@@ -47,6 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from protocol.errors import ConfigError
 from protocol.extras import require
 from service.auth import is_loopback
+from service.background import Backoff, Lifecycle
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -251,7 +252,7 @@ class Problems:
             self._logged.clear()
 
 
-class BusConnection:
+class BusConnection(Lifecycle):
     """Lifecycle: ``await start()`` (returns at once; connecting goes on in a task),
     ``await aclose()`` (idempotent); ``async with`` does both."""
 
@@ -304,7 +305,7 @@ class BusConnection:
         self._lost.set()
 
     async def _run(self) -> None:
-        delay = self.backoff_s
+        backoff = Backoff(self.backoff_s, self.backoff_max_s)
         while True:
             self._lost.clear()
             nc = self._client()
@@ -331,31 +332,30 @@ class BusConnection:
                 if refused == "auth":
                     self.problems.report(cause, "the server refused this side's credentials "
                                          "(%s); check bus.auth / the --bus-* flags; retrying "
-                                         "in %.1f s", str(exc) or type(exc).__name__, delay,
+                                         "in %.1f s", str(exc) or type(exc).__name__, backoff.delay_s,
                                          level=logging.ERROR)
                 elif refused == "tls":
                     self.problems.report(cause, "TLS handshake failed (%s); check the CA, the "
                                          "client certificate and the host name; retrying in "
-                                         "%.1f s", exc, delay, level=logging.ERROR)
+                                         "%.1f s", exc, backoff.delay_s, level=logging.ERROR)
                 else:
                     self.problems.report(cause, "%s failed (%s: %s); retrying in %.1f s",
-                                         cause, type(exc).__name__, exc, delay)
+                                         cause, type(exc).__name__, exc, backoff.delay_s)
                 self._last_error = None
                 await self._went_down(nc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.backoff_max_s)
+                await backoff.sleep()
                 continue
             self.attempts += 1
             self.state = BusState.UP
             self.metrics.up.set(1)
             self.problems.ok()
             log.info("bus %s up (%s)", self.url, self.name)
-            delay = self.backoff_s
+            backoff.reset()
             await self._lost.wait()
             if not self.problems._logged:
                 self.problems.report("lost", "connection lost; degrading until it is back")
             await self._went_down(nc)
-            await asyncio.sleep(delay)
+            await backoff.sleep()
 
     async def _went_down(self, nc: NATS) -> None:
         was_up = self.state is BusState.UP
@@ -396,10 +396,3 @@ class BusConnection:
         nc, self.nc, self.js = self.nc, None, None
         if nc is not None:
             await self._close_nc(nc)
-
-    async def __aenter__(self) -> "BusConnection":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

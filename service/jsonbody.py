@@ -30,12 +30,11 @@ JSON (a backslash outside a string is invalid JSON, refused by the parse).
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
 import numpy as np
 
+from protocol import strict_json
 from protocol.errors import MalformedRequest
 
 #: Deepest nesting accepted. Real requests nest a dozen levels (a tool's JSON
@@ -65,17 +64,6 @@ def nesting_depth(raw: bytes) -> int:
     return int(np.cumsum(_STEP[skeleton] * outside).max())
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"{text[:40]} is not a finite number")
-    return v
-
-
 def loads(raw: bytes | bytearray | memoryview | str, *, max_depth: int = MAX_DEPTH,
           what: str = "request body") -> Any:
     """Parses JSON text; raises ``MalformedRequest`` for anything that is not
@@ -94,7 +82,7 @@ def loads(raw: bytes | bytearray | memoryview | str, *, max_depth: int = MAX_DEP
     if data.count(b"[") + data.count(b"{") > max_depth and nesting_depth(data) > max_depth:
         raise MalformedRequest(f"{what} is nested deeper than {max_depth} levels")
     try:
-        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        return strict_json.loads(text)
     except ValueError as exc:  # JSONDecodeError, ours, int digits over the limit
         raise MalformedRequest(f"{what} is not valid JSON: {exc}") from None
     except RecursionError:  # pragma: no cover - the depth check comes first

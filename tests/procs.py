@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loadtest.fleet import free_port as free_port  # the one helper, tests and benches
 
 
 def radixfleet_argv(*args: str) -> list[str]:

@@ -21,7 +21,8 @@ import aiohttp
 import httpx
 import pytest
 
-from radixfleet.bench.overload import Load, _pct
+from loadtest.report import percentile as _pct
+from radixfleet.bench.overload import Load
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine

@@ -13,7 +13,9 @@
 An arrow the other way (the router importing the load generator to run a benchmark,
 the agent's bus publisher living in the router) makes a lower layer carry an upper
 one's code and dependencies: this walks every module's imports, lazy ones included,
-with ``ast``.
+with ``ast``. Within the layers no module imports itself back through others (a
+circle, ``TYPE_CHECKING`` and lazy imports included): two modules that need each
+other are one module, or share a third below them.
 """
 
 from __future__ import annotations
@@ -63,3 +65,98 @@ def test_the_layer_check_sees_a_wrong_arrow(tmp_path):
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from loadtest.fleet import Fleet\n")
     assert list(_imports(bad)) == [(2, "loadtest")]
+
+
+def _module_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (``from p import m`` of a module ``m``
+    is an import of ``p.m``; of a name, of ``p``)."""
+    mods = {}
+    for pkg in LAYERS:
+        for path in (root / pkg).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def ours(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in mods.items():
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            out.update(t for t in map(ours, names) if t is not None and t != mod)
+        graph[mod] = out
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_no_module_imports_itself_back():
+    circles = _circles(_module_graph())
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    for pkg in LAYERS:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "loadtest" / "__init__.py").write_text("")
+    (tmp_path / "loadtest" / "a.py").write_text("from loadtest.b import run\n")
+    (tmp_path / "loadtest" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n")
+    (tmp_path / "loadtest" / "c.py").write_text("def f():\n    from loadtest import a\n")
+    (tmp_path / "loadtest" / "d.py").write_text("import loadtest.a\n")
+    graph = _module_graph(tmp_path)
+    assert graph["loadtest.c"] == {"loadtest", "loadtest.a"}
+    assert _circles(graph) == [["loadtest.a", "loadtest.b", "loadtest.c"]]

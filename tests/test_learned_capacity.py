@@ -102,6 +102,7 @@ def _plain_link(learn: bool = True):
 
 def test_the_live_link_learns_its_cap_from_answers_and_forgets_it_in_sync():
     from router.engines.keyspace import SpaceKey
+    from router.engines.link import Placement
 
     link, idx = _plain_link()
     bt = link.space.block_bytes // 4                     # tokens per byte-space block
@@ -112,7 +113,7 @@ def test_the_live_link_learns_its_cap_from_answers_and_forgets_it_in_sync():
     touches = tuple(idx.touch_time("p", h) for h in hashes)
     sk = SpaceKey(hashes, 40 * bt, bt, False)
     # 40 blocks believed, the engine reported 10 blocks' worth cached: 30 lost
-    link.observe(sk, 40, (40 * bt, 10 * bt), None, 0, 0, 2.0, touches)
+    link.observe(Placement(sk, 40, 0, 0, touches), (40 * bt, 10 * bt), None, 2.0)
     assert link.learned.blocks == configured - 30 == idx.capacity("p")
     assert link.describe()["index_cap_blocks"] == configured - 30
     link.events_synced()                                 # exact from here: events say
@@ -121,11 +122,12 @@ def test_the_live_link_learns_its_cap_from_answers_and_forgets_it_in_sync():
 
 def test_learn_capacity_false_keeps_the_configured_cap():
     from router.engines.keyspace import SpaceKey
+    from router.engines.link import Placement
 
     link, idx = _plain_link(learn=False)
     bt = link.space.block_bytes // 4
     hashes = chain(4, 40)
     idx.insert("p", hashes, 1.0)
     sk = SpaceKey(hashes, 40 * bt, bt, False)
-    link.observe(sk, 40, (40 * bt, 0), None, 0, 0, 2.0, (1.0,) * 40)
+    link.observe(Placement(sk, 40, 0, 0, (1.0,) * 40), (40 * bt, 0), None, 2.0)
     assert link.learned is None and idx.capacity("p") == 16_000 // bt

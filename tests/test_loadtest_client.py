@@ -20,7 +20,7 @@ from aiohttp import web
 from protocol.prefix_keys import Endpoint, routing_bytes
 from loadtest.arrivals import Bounds, Closed
 from loadtest.client import Result, Target
-from loadtest.main import run_ab
+from loadtest.runner import run_ab
 from loadtest.prefix_trie import PrefixTrie, as_tokens
 from loadtest.report import validate
 from loadtest.workloads import make_workload
@@ -367,7 +367,7 @@ async def test_a_vllm_reset_is_followed_by_a_step_that_publishes_its_cleared_eve
     nudges it with a one-token request (sub-block prompt, nothing stored), so routers
     following its events drop their entries before the run, not after its first turns."""
     import aiohttp
-    from loadtest.main import flush
+    from loadtest.runner import flush
 
     seen = []
 

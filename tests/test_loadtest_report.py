@@ -165,6 +165,15 @@ def test_percentiles_nearest_rank():
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
 
 
+def test_percentile_is_the_nearest_rank_of_any_order():
+    from loadtest.report import percentile
+
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert [percentile(xs, q) for q in (0.01, 0.2, 0.5, 0.99, 1.0)] == [1, 1, 3, 5, 5]
+    assert percentile(sorted(xs), 0.41, presorted=True) == 3.0  # ceil(0.41 * 5) = 3rd
+    assert percentile([], 0.5) is None and percentile([7.0], 0.99) == 7.0
+
+
 def test_table_and_plots(tmp_path):
     import io
 

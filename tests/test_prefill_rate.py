@@ -149,3 +149,23 @@ def test_check_after_seeded_random_samples(seed):
         e.check()
     assert e.accepted + e.too_little_work + e.invalid == 2_000
     assert e.accepted > 100
+
+
+# ------------------------------------------------------------- the fleet's rates
+
+def test_fleet_rates_pool_engine_samples_and_average_every_answer():
+    from router.engines.prefill_rate import FleetRates, with_prior
+
+    r = FleetRates()
+    assert r.mean_request_tokens == 0.0 and r.pooled.tokens_per_s == 10_000.0
+    r.answered(1_000, 0, 0.5, now=0.0, engine=False)  # an agent's: its rate is its own
+    assert r.pooled.accepted == 0 and r.mean_request_tokens == approx(50.0)
+    r.answered(1_000, 1_000, 0.5, now=0.0, engine=True)  # a 4,000 tok/s sample
+    assert r.pooled.accepted == 1 and r.mean_request_tokens == approx(50.0 + 0.05 * 950)
+    r.answered(3_000, 0, None, now=0.0, engine=True)  # no TTFT: no sample
+    assert r.pooled.accepted == 1
+    own = with_prior(1e12)  # a configured rate is a prior held within the clamps
+    assert own.tokens_per_s == own.max_tokens_per_s
+    blended = r.blended(own, 0.0)
+    assert r.pooled.tokens_per_s < blended < own.tokens_per_s
+    assert blended == own.blended(0.0, r.pooled.tokens_per_s, r.POOL_WEIGHT_TOKENS)

@@ -571,3 +571,41 @@ async def test_a_byte_keyed_engines_configured_kv_capacity_caps_its_index_entrie
     finally:
         await server.aclose()
         await runner.cleanup()
+
+
+# ------------------------------------------------------- the link's owner boundary
+
+def test_a_link_uses_of_its_owner_only_what_link_host_declares():
+    """``EngineLink`` reaches ``self.engines.<name>`` only for ``LinkHost``'s members,
+    and ``Engines`` provides every one of them."""
+    import ast
+    import inspect
+
+    from router.engines import link as link_mod
+    from router.engines.link import LinkHost
+    from router.engines.manager import Engines
+
+    declared = {n for n in vars(LinkHost) if not n.startswith("_")} \
+        | set(LinkHost.__annotations__)
+    tree = ast.parse(inspect.getsource(link_mod))
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr == "engines":
+            aliases = {t.id for t in node.targets if isinstance(t, ast.Name)}
+            assert aliases <= {"eng"}, aliases  # the one local alias checked below
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr == "engines":
+            used.add(node.attr)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "eng":
+            used.add(node.attr)
+    assert used and used <= declared, used - declared
+    from prometheus_client import CollectorRegistry
+
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+    cfg = parse_config({})
+    index = PrefixIndex()
+    eng = Engines(cfg, Pool(cfg, index), index, CollectorRegistry())
+    assert all(hasattr(eng, n) for n in declared)

@@ -14,6 +14,7 @@
        +-- kv_pool.py      one token budget shared by the tree and running requests
        '-- cost_model.py   every GPU/model constant, with its source
     reporter.py  (events + load -> every router, snapshots on (re)connect)
+    router_link.py  (one router's stream: epoch, sequence, resnapshot)
     bus.py       (the same batches published once on the NATS bus, --bus)
     tokenizer.py (the deterministic byte-chunk tokenizer)
     main.py      (``radixfleet agent``)

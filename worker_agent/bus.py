@@ -29,16 +29,18 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from service.background import Lifecycle
 from service.bus_connection import (BusConnection, BusCredentials, BusMetrics, Problems,
                                     check_exposure)
 from protocol.bus_wire import (ROLLUP_HEADER, BadMessage, BusKey, Subjects, build_agent,
                              build_load, parse_snapshot_request)
-from protocol.events import EventBatch, Load
+from protocol.events import EventBatch
+from worker_agent.router_link import LinkState, RouterLink
 
 log = logging.getLogger("radixfleet.bus")
 
 
-class AgentBus:
+class AgentBus(Lifecycle):
     """Lifecycle: ``await start()``, ``await aclose()`` (idempotent); ``async with``.
     Only the reporter task touches ``link``; ``up`` says whether to use it."""
 
@@ -48,12 +50,8 @@ class AgentBus:
                  credentials: BusCredentials = BusCredentials()) -> None:
         """Raises ``ConfigError`` (naming the ``--bus-*`` flag) for a tokenless bus off
         loopback or credentials that cannot be read."""
-        from worker_agent.reporter import LinkState, RouterLink
-
         check_exposure(url, token, "--bus")
         self.key = BusKey(token)
-
-        self._states = LinkState
         self.worker_id = worker_id
         self.subjects = Subjects(subject_prefix)
         self.subject = self.subjects.agent(worker_id)
@@ -79,21 +77,12 @@ class AgentBus:
     async def aclose(self) -> None:
         await self.conn.aclose()
 
-    async def __aenter__(self) -> "AgentBus":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
     async def _on_up(self, nc, js) -> None:
         await nc.subscribe(self.subjects.snapshot_request(self.worker_id), cb=self._on_request)
-        self.link.state = self._states.SNAPSHOT
-        self.link.pending.clear()
+        self.link.resnapshot()
 
     def _on_down(self) -> None:
-        self.link.state = self._states.SNAPSHOT
-        self.link.pending.clear()
+        self.link.resnapshot()
 
     async def _on_request(self, msg) -> None:
         try:
@@ -102,18 +91,16 @@ class AgentBus:
         except BadMessage as exc:
             self.bad.report(exc.cause, "ignored a snapshot request: %s", exc)
             return
-        if wid == self.worker_id and self.link.state is self._states.STREAMING:
-            self.link.state = self._states.SNAPSHOT
-            self.link.pending.clear()
+        if wid == self.worker_id and self.link.state is LinkState.STREAMING:
+            self.link.resnapshot()
             if self.kick is not None:
                 self.kick()
 
     def due_snapshot(self) -> None:
         """Forces a snapshot once ``snapshot_interval_s`` has passed since the last."""
-        if (self.link.state is self._states.STREAMING
+        if (self.link.state is LinkState.STREAMING
                 and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s):
-            self.link.state = self._states.SNAPSHOT
-            self.link.pending.clear()
+            self.link.resnapshot()
 
     async def publish_batch(self, batch: EventBatch, models: list[str],
                             block_bytes: int | None) -> bool:
@@ -153,7 +140,3 @@ class AgentBus:
 def agent_flag(name: str) -> str:
     """The ``radixfleet agent`` flag of a ``BusCredentials`` field."""
     return "--bus-" + name.replace("_", "-")
-
-
-def load_batch(worker_id: str, url: str, epoch: str, load: Load) -> EventBatch:
-    return EventBatch(worker_id, url, epoch, 0, [], load)

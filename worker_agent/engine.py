@@ -17,6 +17,8 @@ import asyncio
 import enum
 import logging
 
+from service import background
+from service.background import Lifecycle
 from worker_agent.scheduler import Scheduler, SchedRequest, State
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class Waiter:
         self.done = False
 
 
-class Engine:
+class Engine(Lifecycle):
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.state = EngineState.NEW
@@ -117,20 +119,7 @@ class Engine:
         if self.state is EngineState.CLOSED:
             return
         self.state = EngineState.CLOSED
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
+        await background.stop(self._task)
         s = self.sched
         for r in (*s.waiting, *s.prefilling, *s.running):
             self.cancel(r)
-
-    async def __aenter__(self) -> "Engine":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()

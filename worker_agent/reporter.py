@@ -32,48 +32,25 @@ Lifecycle: ``start()`` then ``aclose()`` (idempotent; ``async with`` works).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import secrets
 from typing import Callable
 
 import aiohttp
 
+from protocol.bus_wire import load_batch
 from protocol.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISMATCH,
                            STATUS_SNAPSHOT_REQUIRED, STATUS_WORKER_ID_TAKEN,
                            STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
+from service import background
+from service.background import Lifecycle
 from worker_agent.radix_cache import RadixCache
+from worker_agent.router_link import LinkState, RouterLink
 
 log = logging.getLogger(__name__)
 
 
-class LinkState(enum.Enum):
-    UNREGISTERED = "unregistered"  # must POST /internal/v1/register first
-    SNAPSHOT = "snapshot"          # registered; next batch starts with a snapshot
-    STREAMING = "streaming"        # router in sync; send deltas
-
-
-class RouterLink:
-    """One router's stream. Only the reporter task mutates it."""
-
-    __slots__ = ("base", "state", "seq", "pending", "sent_batches", "failures", "snapshots",
-                 "refused")
-
-    def __init__(self, base: str) -> None:
-        self.base = base.rstrip("/")
-        self.state = LinkState.UNREGISTERED
-        #: next batch number in this epoch
-        self.seq = 0
-        #: deltas not yet acknowledged (bounded: see module docstring)
-        self.pending: list = []
-        self.sent_batches = 0
-        self.failures = 0
-        self.snapshots = 0
-        #: why the router last refused registration (its status word), None once accepted
-        self.refused: str | None = None
-
-
-class Reporter:
+class Reporter(Lifecycle):
     def __init__(self, routers: list[str], *, worker_id: str, url: str, models: list[str],
                  cache: RadixCache, load: Callable[[], Load], token: str | None = None,
                  interval_s: float = 0.1, max_batch_events: int = 256,
@@ -151,13 +128,10 @@ class Reporter:
                 continue  # its snapshot will carry these
             link.pending.extend(events)
             if len(link.pending) > self.max_pending_events:
-                link.pending.clear()
-                link.state = LinkState.SNAPSHOT
+                link.resnapshot()
 
     async def _push_bus(self, bus) -> None:
         """Publishes the load, then pending deltas (or a snapshot) to the stream."""
-        from worker_agent.bus import load_batch
-
         link = bus.link
         await bus.publish_load(load_batch(self.worker_id, self.url, self.epoch, self.load()))
         for _ in range(8):
@@ -175,8 +149,7 @@ class Reporter:
             link.seq += 1
             if not await bus.publish_batch(batch, self.models, self.block_bytes):
                 link.failures += 1
-                link.state = LinkState.SNAPSHOT
-                link.pending.clear()
+                link.resnapshot()
                 return
             link.sent_batches += 1
             if link.state is LinkState.SNAPSHOT:
@@ -272,21 +245,8 @@ class Reporter:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
+        await background.stop(self._task)
         if self.bus is not None:
             await self.bus.aclose()
         if self._session is not None:
             await self._session.close()
-
-    async def __aenter__(self) -> "Reporter":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()

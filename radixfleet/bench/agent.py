@@ -26,6 +26,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from loadtest.fleet import free_port
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, Endpoint, block_hashes, namespace_seed, request_key
 
 
@@ -36,20 +37,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="random seed")
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _ttft() -> dict:
     from worker_agent.server import AGENT_KEY, AgentConfig, create_app
 
     app = create_app(AgentConfig(model="llama-3-8b", gpu="h100"))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     agent = app[AGENT_KEY]
     prompt = "".join(f"{i:04d}" for i in range(2048))  # 8,192 bytes = 2,048 tokens
@@ -90,7 +84,7 @@ async def _http_rate(n: int, concurrency: int) -> dict:
     app = create_app(AgentConfig(model="llama-3-8b", gpu="h100", kv_tokens=200_000))
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     agent = app[AGENT_KEY]
     url = f"http://127.0.0.1:{port}/v1/completions"

@@ -12,7 +12,7 @@ simulated on each of ``--seeds`` (workload seeds, default 0, 1, 2), and the outp
 says whether the simulator puts the policies in the live order and how far apart.
 
 1. live: ``loadtest.fleet.Fleet`` starts the agents, and the router once per
-   policy, as subprocesses on loopback; ``loadtest.main.run_ab`` flushes the
+   policy, as subprocesses on loopback; ``loadtest.runner.run_ab`` flushes the
    agents (a failed flush fails the run) and drives the workload (the load
    generator's own client, report and references), ``--live-runs`` cold runs per
    policy and seed;
@@ -49,7 +49,7 @@ from loadtest.client import Result, Target
 from loadtest.demo import DEFAULT_KV_TOKENS
 from loadtest.fleet import Fleet, FleetConfig
 from protocol.cli_args import DeprecatedAlias
-from loadtest.main import run_ab
+from loadtest.runner import run_ab
 from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
 from loadtest.workloads import (API_COMPLETIONS, RequestSpec, SingleShot, make_workload,

@@ -36,6 +36,7 @@ import aiohttp
 
 from loadtest.fleet import Fleet, FleetConfig
 from protocol.cli_args import DeprecatedAlias
+from loadtest.report import percentile
 
 SHED_TARGET = 0.90
 TTFT_RATIO_TARGET = 3.0
@@ -130,13 +131,6 @@ class Load:
         return served, time.monotonic() - t0
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
     load = Load(base, model, args.prompt_tokens, args.max_tokens, args.seed)
     timeout = aiohttp.ClientTimeout(total=120)
@@ -160,19 +154,19 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
     served_rps = sum(o.status == 200 for o in heavy) / args.duration
     excess = len(heavy) - capacity * args.duration
     excess_served = len(heavy) - served_rps * args.duration
-    p99_light = _pct(light_ttft, 0.99)
-    p99_heavy = _pct(admitted, 0.99)
+    p99_light = percentile(light_ttft, 0.99)
+    p99_heavy = percentile(admitted, 0.99)
     out = {
         "agents": args.agents, "model": args.model, "gpu": args.gpu,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "capacity_rps": round(capacity, 2), "overload_served_rps": round(served_rps, 2),
         "unloaded": {"rate_rps": round(args.light * capacity, 2), "requests": len(light),
                      "served": sum(o.status == 200 for o in light),
-                     "ttft_p50_s": _pct(light_ttft, 0.5), "ttft_p99_s": p99_light},
+                     "ttft_p50_s": percentile(light_ttft, 0.5), "ttft_p99_s": p99_light},
         "overload": {"rate_rps": round(args.load * capacity, 2), "requests": len(heavy),
                      "served": sum(o.status == 200 for o in heavy), "shed_429": len(shed),
                      "shed_with_retry_after": len(with_retry),
-                     "ttft_p50_s": _pct(admitted, 0.5), "ttft_p99_s": p99_heavy},
+                     "ttft_p50_s": percentile(admitted, 0.5), "ttft_p99_s": p99_heavy},
         "other_statuses": [s for s in other],
         "excess_requests": round(excess, 1),
         "shed_share_of_excess": round(len(with_retry) / excess, 3) if excess > 0 else None,

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import re
 import shutil
@@ -55,6 +54,8 @@ import time
 
 from aiohttp import web
 
+from loadtest.fleet import free_port
+from loadtest.report import percentile
 from loadtest.smg import require_smg
 from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
 from protocol.errors import RunError
@@ -232,13 +233,6 @@ def _positive_float(text: str) -> float:
     return x
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_http(url: str, timeout_s: float = 20.0) -> None:
     import httpx
     deadline = time.monotonic() + timeout_s
@@ -311,11 +305,6 @@ def _cpu_s(pid: int) -> float:
 
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
     return {name: _cpu_s(pid) for name, pid in pids.items()}
-
-
-def _pct(sorted_xs: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    return sorted_xs[min(len(sorted_xs) - 1, max(0, math.ceil(q * len(sorted_xs)) - 1))]
 
 
 async def _latency_round(ports: dict[str, int], order: list[str], probes: int,
@@ -408,12 +397,12 @@ def run(args: argparse.Namespace) -> int:
     fleet = _Fleet()
     rounds = []
     try:
-        up_port = _free_port()
+        up_port = free_port()
         up = f"http://127.0.0.1:{up_port}"
         fleet.start("upstream", [sys.executable, "-m", "radixfleet.bench.proxy", "lean-upstream",
                                  "--port", str(up_port), "--chunks", str(args.chunks)],
                     up + "/health")
-        rf_port = _free_port()
+        rf_port = free_port()
         rf = f"http://127.0.0.1:{rf_port}"
         fleet.start("radixfleet", [sys.executable, "-m", "radixfleet.cli", "router", "--worker", up,
                                    "--policy", "round_robin", "--port", str(rf_port),
@@ -421,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
         _wait_ready(rf)
         ports = {"direct": up_port, "radixfleet": rf_port}
         if smg_bin is not None:
-            smg_port = _free_port()
+            smg_port = free_port()
             smg = f"http://127.0.0.1:{smg_port}"
             fleet.start("smg", [smg_bin, "launch", "--host", "127.0.0.1", "--port", str(smg_port),
                                 "--worker-urls", up, "--policy", "round_robin",
@@ -481,16 +470,16 @@ def _summarize(names: list[str], rounds: list[dict]) -> dict:
                                     / max(1, r["throughput"][n]["requests"]) for r in rounds)
             for proc in rounds[0]["throughput"][n]["cpu_s"]}
     pooled = {n: sorted(x for r in rounds for x in r["latency_s"][n]) for n in names}
-    d50, d99 = _pct(pooled["direct"], 0.50), _pct(pooled["direct"], 0.99)
+    d50, d99 = percentile(pooled["direct"], 0.50), percentile(pooled["direct"], 0.99)
     out["latency"]["direct"] = {"p50_ms": d50 * 1e3, "p99_ms": d99 * 1e3,
                                 "samples": len(pooled["direct"])}
     for n in names[1:]:
         per50, per99 = [], []
         for r in rounds:
             a, b = sorted(r["latency_s"][n]), sorted(r["latency_s"]["direct"])
-            per50.append((_pct(a, 0.50) - _pct(b, 0.50)) * 1e3)
-            per99.append((_pct(a, 0.99) - _pct(b, 0.99)) * 1e3)
-        p50, p99 = _pct(pooled[n], 0.50), _pct(pooled[n], 0.99)
+            per50.append((percentile(a, 0.50) - percentile(b, 0.50)) * 1e3)
+            per99.append((percentile(a, 0.99) - percentile(b, 0.99)) * 1e3)
+        p50, p99 = percentile(pooled[n], 0.50), percentile(pooled[n], 0.99)
         out["latency"][n] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
                              "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3,
                              "added_p50_rounds_ms": per50, "added_p99_rounds_ms": per99}

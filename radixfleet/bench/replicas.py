@@ -34,7 +34,6 @@ import secrets
 import shutil
 import statistics
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,8 @@ import time
 import httpx
 
 from loadtest.arrivals import Bounds, Poisson
-from loadtest.main import run_ab
+from loadtest.fleet import free_port
+from loadtest.runner import run_ab
 from loadtest.report import render_table
 from loadtest.workloads import make_workload, parse_options
 from router.main import policy_params
@@ -75,12 +75,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "are per router replica, not shared)")
     parser.add_argument("--nats-server", default=None, help="nats-server binary")
     parser.add_argument("--json", metavar="FILE", help="write the report here")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _binary(given: str | None) -> str | None:
@@ -140,18 +134,18 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
         return p
 
     try:
-        nport = _free_port()
+        nport = free_port()
         bus = f"nats://127.0.0.1:{nport}"
         spawn([binary, "-a", "127.0.0.1", "-p", str(nport), "-js", "-sd", tmp])
         agents = []
         for i in range(args.agents):
-            port = _free_port()
+            port = free_port()
             spawn(py + ["agent", "--port", str(port), "--worker-id", f"ag{i}", "--bus", bus,
                         "--kv-tokens", str(args.kv_tokens)])
             agents.append(f"http://127.0.0.1:{port}")
         routers, configs = [], []
         for i in range(args.replicas):
-            port = _free_port()
+            port = free_port()
             path = os.path.join(tmp, f"router{i}.yaml")
             with open(path, "w") as f:
                 policy = {"name": args.policy, "params": policy_params(

@@ -47,6 +47,7 @@ from policies.base import RouteRequest
 from router.config import parse_config
 from router.pool import HealthState, Pool
 from router.prefix_index import PrefixIndex
+from loadtest.report import percentile
 from protocol.prefix_keys import Endpoint, request_key
 
 
@@ -206,9 +207,9 @@ def _token_bodies(n: int, prompt_bytes: int, rng: random.Random, workload: str) 
 
 def _pct(xs: list[float]) -> dict:
     xs = sorted(xs)
-    n = len(xs)
-    return {"mean_us": sum(xs) / n * 1e6, "p50_us": xs[n // 2] * 1e6,
-            "p99_us": xs[min(n - 1, int(n * 0.99))] * 1e6}
+    return {"mean_us": sum(xs) / len(xs) * 1e6,
+            "p50_us": percentile(xs, 0.5, presorted=True) * 1e6,
+            "p99_us": percentile(xs, 0.99, presorted=True) * 1e6}
 
 
 def bench_tokens(workload: str, bodies: list[dict], workers: int, source: str,

@@ -24,6 +24,7 @@ from router.config import DiscoveryConfig
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems, Source, SourceError
 from router.discovery.reconcile import Reconciler
 from router.pool import Pool
+from service.background import Backoff, Lifecycle
 
 log = logging.getLogger("radixfleet.discovery")
 
@@ -48,7 +49,7 @@ def build_sources(cfg: DiscoveryConfig, metrics: DiscoveryMetrics) -> list[Sourc
     return out
 
 
-class Discovery:
+class Discovery(Lifecycle):
     """Workers from ``workers.discovery``, kept in ``pool`` with Source.DISCOVERY.
 
     Lifecycle: ``await start()`` (no-op when nothing is configured), then
@@ -94,13 +95,6 @@ class Discovery:
         self._tasks.clear()
         self.reconciler.release()
 
-    async def __aenter__(self) -> "Discovery":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
     def apply(self) -> None:
         """Applies the union of every source's last answer to the pool."""
         union: set[Endpoint] = set()
@@ -110,7 +104,7 @@ class Discovery:
 
     async def _run(self, source: Source) -> None:
         problems = Problems(source.name, self.metrics)
-        delay = self.cfg.backoff_s
+        backoff = Backoff(self.cfg.backoff_s, self.cfg.backoff_max_s, self._rand)
         while True:
             try:
                 async with contextlib.aclosing(source.snapshots()) as answers:
@@ -119,15 +113,14 @@ class Discovery:
                         self.metrics.endpoints.labels(source.name).set(len(eps))
                         self.apply()
                         problems.ok()
-                        delay = self.cfg.backoff_s
+                        backoff.reset()
                 problems.report("ended", "the source stopped answering; restarting")
             except asyncio.CancelledError:
                 raise
             except SourceError as exc:
                 problems.report(exc.cause, "%s (keeping %d known endpoints; retry in %.1fs)",
-                                exc, len(self.latest.get(source.name, ())), delay)
+                                exc, len(self.latest.get(source.name, ())), backoff.delay_s)
             except Exception as exc:  # noqa: BLE001 - a peer's garbage must never kill us
                 problems.report("internal", "%r (keeping %d known endpoints; retry in %.1fs)",
-                                exc, len(self.latest.get(source.name, ())), delay)
-            await asyncio.sleep(delay * (0.75 + 0.5 * self._rand.random()))
-            delay = min(delay * 2, self.cfg.backoff_max_s)
+                                exc, len(self.latest.get(source.name, ())), backoff.delay_s)
+            await backoff.sleep()

@@ -62,6 +62,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.errors import RadixfleetError
+from service import background
+from service.background import Lifecycle
 
 log = logging.getLogger("radixfleet.engines.metrics")
 
@@ -444,7 +446,7 @@ class ScraperState(enum.Enum):
     CLOSED = "closed"  # loop stopped (or never started); start() refuses
 
 
-class MetricsScraper:
+class MetricsScraper(Lifecycle):
     """Scrapes one worker's ``/metrics`` every ``interval_s`` and reports to a consumer.
 
     Each cycle: GET with ``timeout_s``, parse, then ``consumer.on_metrics(reading,
@@ -549,20 +551,7 @@ class MetricsScraper:
             return
         self.state = ScraperState.CLOSED
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
-
-    async def __aenter__(self) -> "MetricsScraper":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
+        await background.stop(task)
 
     # ------------------------------------------------------------------ the loop
 

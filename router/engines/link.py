@@ -34,7 +34,9 @@ cause: ``radixfleet_engine_events_unavailable_total{cause}``). An engine that re
 rank (it restarted with fewer) drops the rank map; the sources are asked again.
 
 Only the event loop touches a link. The pool owns the ``Worker``; the link holds it
-to read its id/url and to report load through the pool (``pool.report_load``).
+to read its id/url and to report load through the pool (``pool.report_load``). Of its
+owner (``router.engines.manager.Engines``) a link uses only ``LinkHost``; what it
+learns for the whole fleet it reports to the owner's ``FleetRates``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from router.config import WorkerSpec
 from router.engines.capacity import LearnedCapacity, correct
@@ -54,14 +56,18 @@ from router.engines.event_sources import (
 )
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
+from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
 from protocol.events import MAX_LOAD_COUNT, Load
 from protocol.errors import MissingExtra
 from protocol.extras import require
+from service.background import Backoff
 
 if TYPE_CHECKING:
-    from router.engines.manager import Engines
-    from router.pool import Worker
+    import aiohttp
+
+    from router.pool import Pool, Worker
+    from router.prefix_index import PrefixIndex
 
 log = logging.getLogger("radixfleet.engines")
 
@@ -78,10 +84,44 @@ class Truth(str, enum.Enum):
     APPROXIMATE = "approximate"  # hints aged at capacity + cached_tokens corrections
 
 
+class LinkHost(Protocol):
+    """What a link may use of its owner (``Engines``), and nothing else of it: the
+    owner alone changes these."""
+
+    index: PrefixIndex  # its worker's entries: cleared, capped, corrected
+    pool: Pool  # where it reports load and restarts (the pool owns the Worker)
+    prom: Any  # router.engines.manager.EnginePrometheus
+    session: aiohttp.ClientSession | None  # probes, /kv_event_sources
+    byte_space: ByteSpace  # a new link's key space, until it has a token space
+    rates: FleetRates  # what the fleet's links learn together: report each answer
+
+    @property
+    def learn_capacity(self) -> bool: ...  # index.learn_capacity
+    def resolve(self, spec: WorkerSpec, served: tuple[str, ...]) -> WorkerSpec: ...
+    async def load_keyer(self, source: str, worker: str, chat_template: str = "") -> Any: ...
+    def new_scraper(self, link: EngineLink) -> Any: ...
+    def new_subscriber(self, link: EngineLink, source: EventSource | None = None,
+                       rank: int | None = None) -> tuple: ...
+    def spaces_changed(self) -> None: ...  # its key space changed
+    def ranks_changed(self, link: EngineLink, n: int) -> None: ...  # its rank map did
+
+
+class Placement(NamedTuple):
+    """What the data plane counted when it placed a request on a link's worker, in
+    that worker's key space; the link learns from it with the answer (``observe``)."""
+
+    key: SpaceKey  # the request in the worker's space
+    blocks: int  # leading blocks the worker (its rank) held at pick time
+    own: int  # the request's uncached prompt tokens, counted as queued prefill
+    ahead: int  # uncached prompt tokens already queued on the worker at pick time
+    touches: tuple | None  # approximate mode: the matched blocks' last-use times
+    rank: int | None = None  # the data-parallel rank it went to (``pick_rank``)
+
+
 class EngineLink:
     """One worker's engine side (module docstring)."""
 
-    def __init__(self, worker: "Worker", spec: WorkerSpec, engines: "Engines") -> None:
+    def __init__(self, worker: Worker, spec: WorkerSpec, engines: LinkHost) -> None:
         self.worker = worker
         self.spec = spec
         self.engines = engines
@@ -113,7 +153,7 @@ class EngineLink:
         #: the index cap learned from answers (approximate mode; router.engines.capacity)
         self.learned: LearnedCapacity | None = None
         self.stats = PredictionStats()
-        self.rate = engines.new_rate_estimator(spec.prefill_tokens_per_s)
+        self.rate = with_prior(spec.prefill_tokens_per_s)
         self._last_metrics = None  # the previous /metrics reading (restart detection)
         self.queue = QueueEstimate()  # prices the engine's waiting queue
         self._tasks: set[asyncio.Task] = set()
@@ -249,7 +289,7 @@ class EngineLink:
 
     async def _bring_up(self) -> None:
         eng = self.engines
-        delay = 0.5
+        backoff = Backoff(0.5, 10.0)
         while self.kind is None and self.state is LinkState.RUNNING:
             res = await probe(eng.session, self.worker.url)
             if res is not None:
@@ -259,8 +299,7 @@ class EngineLink:
                 log.info("worker %s probed: %s, models %s", self.worker.id, res.kind.value,
                          ", ".join(self.models) or "?")
                 break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            await backoff.sleep()
         if self.state is not LinkState.RUNNING:
             return
         if not self.models and self.kind is not WorkerKind.AGENT:
@@ -335,7 +374,7 @@ class EngineLink:
         # a data-parallel server's capacity is its ranks' together (vLLM sums
         # num_gpu_blocks over them): each rank holds its share
         blocks = max(1, cap // max(1, bt) // max(1, self.ranks))
-        if self.engines.cfg.index.learn_capacity:
+        if self.engines.learn_capacity:
             if self.learned is None or self.learned.configured != blocks:
                 self.learned = LearnedCapacity(blocks)  # a new capacity: learn it afresh
             blocks = self.learned.blocks
@@ -365,7 +404,7 @@ class EngineLink:
         rate = self.prefill_rate(now)
         load = Load(queued_requests=m.waiting_requests,
                     queued_tokens=self.queue.queued_tokens(
-                        m.waiting_requests, eng.mean_request_tokens, rate),
+                        m.waiting_requests, eng.rates.mean_request_tokens, rate),
                     running_requests=m.running_requests,
                     kv_used_tokens=int(m.kv_usage * cap), kv_capacity_tokens=cap,
                     prefill_tokens_per_s=rate)
@@ -439,7 +478,7 @@ class EngineLink:
     async def _ask_sources(self):
         """The server's event sources; retried (backoff) while it does not answer.
         None: the link closed meanwhile."""
-        delay = 0.5
+        backoff = Backoff(0.5, 10.0)
         said = False
         while self.state is LinkState.RUNNING:
             found = await fetch_event_sources(self.engines.session, self.worker.url)
@@ -450,8 +489,7 @@ class EngineLink:
                 said = True
                 log.info("worker %s: %s; asking again until it answers", self.worker.id,
                          found.detail)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            await backoff.sleep()
         return None
 
     def _no_events(self, cause: str, detail: str) -> None:
@@ -608,25 +646,25 @@ class EngineLink:
 
     # ------------------------------------------------------------- responses
 
-    def observe(self, sk: SpaceKey, matched_blocks: int, usage: tuple[int, int] | None,
-                ttft_s: float | None, ahead_tokens: int, own_tokens: int,
-                now: float, touches: tuple | None = None, rank: int | None = None) -> None:
-        """One finished request on this worker (on data-parallel ``rank``, if any).
+    def observe(self, pick: Placement, usage: tuple[int, int] | None,
+                ttft_s: float | None, now: float) -> None:
+        """One finished request on this worker (on data-parallel ``pick.rank``, if any).
 
         ``usage``: (prompt_tokens, cached_tokens) it reported, if any: records the
         prediction error. ``ttft_s`` with the uncached tokens ahead of it at pick
         time and its own is one prefill-rate sample (router.engines.prefill_rate);
         its own are the uncached tokens the worker reported where it did
-        (``own_tokens``, the prediction, otherwise).
+        (``pick.own``, the prediction, otherwise).
 
-        Correction (approximate mode): ``touches`` are the matched blocks' last-use
-        times before this request. If the worker reports fewer cached tokens than
+        Correction (approximate mode): ``pick.touches`` are the matched blocks'
+        last-use times before this request. If the worker reports fewer cached tokens than
         predicted, its first missing block j was evicted; an engine evicts least
         recently used blocks first, so every entry of this worker last used before
         ``touches[j]`` is gone too, and leaves the index. The request's own chain
         stays: its prefill has just stored it again. The learned cap follows each
         answer with a match (``router.engines.capacity``, ``index.learn_capacity``).
         """
+        sk, matched_blocks, own_tokens, ahead_tokens, touches, rank = pick
         eng = self.engines
         if usage is not None:
             # The engine's own count of what it prefilled, not the index's prediction:
@@ -635,11 +673,10 @@ class EngineLink:
             # two equal vLLMs learned 12,400 tokens/s, the other 3,000), and misses
             # herded onto it.
             own_tokens = min(usage[0] - usage[1], MAX_LOAD_COUNT)  # usage_of: 0 <= c <= p
-        eng.mean_request_tokens += 0.05 * (own_tokens - eng.mean_request_tokens)
+        eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now,
+                           engine=self.kind is not WorkerKind.AGENT)
         if ttft_s is not None and ttft_s > 0:
             self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
-            if self.kind is not WorkerKind.AGENT:
-                self.engines.pooled_rate.observe(ahead_tokens, own_tokens, ttft_s, now)
         if usage is None:
             return
         prompt, cached = usage
@@ -665,8 +702,7 @@ class EngineLink:
     def prefill_rate(self, now: float) -> float:
         """Prefill tokens/s the policy should assume: this worker's learned rate,
         shrunk toward the fleet's (``PrefillRateEstimator.blended``)."""
-        e = self.engines
-        return self.rate.blended(now, e.pooled_rate.tokens_per_s, e.POOL_WEIGHT_TOKENS)
+        return self.engines.rates.blended(self.rate, now)
 
     @property
     def corrects(self) -> bool:

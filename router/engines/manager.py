@@ -8,12 +8,14 @@ asks it two things per request::
     keyed = engines.key(endpoint, body, pk, views, now)    a KeyedRequest: the request
             in every key space the routable workers use, their matches merged for
             the policy (router.engines.keyspace)
-    engines.observe(worker, keyed, usage, ttft, ...)        after the response:
-            prediction accuracy, approximate-mode correction, prefill-rate sample
+    link.observe(placement, usage, ttft, now)            after the response (the
+            worker's link): prediction accuracy, approximate-mode correction,
+            prefill-rate sample, reported to the fleet's ``rates``
 
 and ``forward_body`` (whether to ask the worker for usage in a stream the client
 did not ask it for). ``spaces_for(views)`` is cached and rebuilt only when a link's
-space changes or the routable set does.
+space changes or the routable set does. A link uses of ``Engines`` only what
+``link.LinkHost`` declares.
 
 Lifecycle: ``start(session)`` starts the links of the workers present;
 ``aclose()`` (idempotent) stops them all.
@@ -30,10 +32,13 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies.base import EMPTY_MATCH, MatchResult, RouteRequest, WorkerView
-from router.config import WorkerSpec, resolve_engine
+from router.config import Config, WorkerSpec, resolve_engine
 from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.kinds import WorkerKind
 from router.engines.link import EngineLink, LinkState
+from router.engines.prefill_rate import FleetRates
+from router.pool import Pool
+from router.prefix_index import PrefixIndex
 from protocol.prefix_keys import Endpoint, PrefixKey
 
 log = logging.getLogger("radixfleet.engines")
@@ -142,21 +147,8 @@ class EnginePrometheus:
 class Engines:
     """Per-worker engine links and the key spaces in use (module docstring)."""
 
-    #: pseudo-evidence (tokens) of the fleet's pooled prefill rate in each worker's
-    #: own (router.engines.prefill_rate.PrefillRateEstimator.blended). Large: the
-    #: rate a worker measures depends on how busy it is (a CPU or GPU engine
-    #: prefilling several prompts in one batch reads faster per token), so the
-    #: busier of two identical vLLM servers measured 9,200-12,400 tokens/s and the
-    #: other 2,700-3,000, and misses herded onto the "faster" one (bench/vllm_ab.py,
-    #: approximate mode: imbalance 1.75, hit below round robin's). At 64k tokens of
-    #: pool weight the busy one's evidence dominated; at 512k the two read 3,800 and
-    #: 4,300. A worker's own rate dominates only under sustained heavy prefill
-    #: (decayed evidence saturates at ~43 s of its work), so a fleet of unequal GPUs
-    #: should say so in ``workers[].prefill_tokens_per_s`` (the prior).
-    POOL_WEIGHT_TOKENS = 524288.0
-
-    def __init__(self, cfg, pool, index, registry: CollectorRegistry, *,
-                 keyers: dict | None = None) -> None:
+    def __init__(self, cfg: Config, pool: Pool, index: PrefixIndex,
+                 registry: CollectorRegistry, *, keyers: dict | None = None) -> None:
         """``keyers``: the ``models:`` tokenizers, loaded (router.reload.build)."""
         self.cfg = cfg
         self.pool = pool
@@ -165,12 +157,7 @@ class Engines:
         self.byte_space = ByteSpace(cfg.keys.block_bytes)
         self.session: aiohttp.ClientSession | None = None
         self.links: dict[str, EngineLink] = {}
-        #: every engine worker's samples together: the rate a worker with little
-        #: evidence of its own is assumed to have
-        self.pooled_rate = self.new_rate_estimator(10_000.0)
-        #: decayed mean uncached prompt tokens per request, fleet-wide: what one
-        #: waiting request an engine reports is assumed to weigh
-        self.mean_request_tokens = 0.0
+        self.rates = FleetRates()  # what the links learn together, and report to
         #: (tokenizer source, chat template) -> TokenKeyer, shared by the workers
         self._keyers: dict[tuple[str, str], Any] = dict(keyers or {})
         #: those of them ``models:`` names (loaded by the config's build, reused on reload)
@@ -270,13 +257,9 @@ class Engines:
 
     # ---------------------------------------------------------- parts factory
 
-    def new_rate_estimator(self, prior_tokens_per_s: float):
-        from router.engines.prefill_rate import (
-            DEFAULT_MAX_TOKENS_PER_S, DEFAULT_MIN_TOKENS_PER_S, PrefillRateEstimator,
-        )
-        # the configured rate is only a prior: held within the estimator's clamps
-        prior = min(max(prior_tokens_per_s, DEFAULT_MIN_TOKENS_PER_S), DEFAULT_MAX_TOKENS_PER_S)
-        return PrefillRateEstimator(prior)
+    @property
+    def learn_capacity(self) -> bool:
+        return self.cfg.index.learn_capacity
 
     async def load_keyer(self, source: str, worker: str, chat_template: str = ""):
         """The shared tokenizer of ``source`` (with ``chat_template``, vLLM's

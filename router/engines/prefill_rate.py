@@ -191,3 +191,52 @@ class PrefillRateEstimator:
     def __repr__(self) -> str:
         return (f"PrefillRateEstimator({self.tokens_per_s:.1f} tok/s, "
                 f"{self.accepted} samples, evidence {self._work:.0f} tokens)")
+
+
+def with_prior(prior_tokens_per_s: float) -> PrefillRateEstimator:
+    """An estimator whose prior is a configured rate: only a prior, held within the
+    clamps."""
+    return PrefillRateEstimator(min(max(prior_tokens_per_s, DEFAULT_MIN_TOKENS_PER_S),
+                                    DEFAULT_MAX_TOKENS_PER_S))
+
+
+class FleetRates:
+    """What a fleet's engine links learn together from their answers. The router's
+    ``Engines`` owns it; each link reports its answers here (``answered``, the only
+    writer) and reads the pooled rate back (``blended``).
+
+    pooled               every engine worker's samples together: the rate a worker
+                         with little evidence of its own is assumed to have
+    mean_request_tokens  decayed mean uncached prompt tokens per request: what one
+                         waiting request an engine reports is assumed to weigh
+    """
+
+    __slots__ = ("pooled", "mean_request_tokens")
+
+    #: pseudo-evidence (tokens) of the pooled rate in each worker's own (``blended``).
+    #: Large: the rate a worker measures depends on how busy it is (a CPU or GPU engine
+    #: prefilling several prompts in one batch reads faster per token), so the busier
+    #: of two identical vLLM servers measured 9,200-12,400 tokens/s and the other
+    #: 2,700-3,000, and misses herded onto the "faster" one (bench/vllm_ab.py,
+    #: approximate mode: imbalance 1.75, hit below round robin's). At 64k tokens of
+    #: pool weight the busy one's evidence dominated; at 512k the two read 3,800 and
+    #: 4,300. A worker's own rate dominates only under sustained heavy prefill (decayed
+    #: evidence saturates at ~43 s of its work), so a fleet of unequal GPUs should say
+    #: so in ``workers[].prefill_tokens_per_s`` (the prior).
+    POOL_WEIGHT_TOKENS = 524288.0
+
+    def __init__(self) -> None:
+        self.pooled = with_prior(10_000.0)
+        self.mean_request_tokens = 0.0
+
+    def answered(self, own_tokens: int, ahead_tokens: int, ttft_s: float | None,
+                 now: float, engine: bool) -> None:
+        """One answer: its uncached prompt ``own_tokens`` and, where ``ttft_s``
+        measured it, an engine's (``engine``) prefill-rate sample."""
+        self.mean_request_tokens += 0.05 * (own_tokens - self.mean_request_tokens)
+        if engine and ttft_s is not None and ttft_s > 0:
+            self.pooled.observe(ahead_tokens, own_tokens, ttft_s, now)
+
+    def blended(self, own: PrefillRateEstimator, now: float) -> float:
+        """``own``'s rate shrunk toward the pooled one (``PrefillRateEstimator.blended``)."""
+        return own.blended(now, self.pooled.tokens_per_s, self.POOL_WEIGHT_TOKENS)

@@ -64,6 +64,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from service import background
+from service.background import Lifecycle
 from router.engines.kv_events import DecodedBatch, KvEventCause, KvEventError, decode_batch
 
 log = logging.getLogger("radixfleet.engines.events")
@@ -178,7 +180,7 @@ class _CauseLog:
             log.debug("kv events from %s: %s (%s)", self.name, detail, c)
 
 
-class KvEventSubscriber:
+class KvEventSubscriber(Lifecycle):
     """One engine's KV events, decoded and in order, to one consumer (module docstring).
 
     ``endpoint`` is the address to bind or connect as ``mode`` says (see
@@ -324,24 +326,11 @@ class KvEventSubscriber:
             return
         self.state = SubscriberState.CLOSED
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
+        await background.stop(task)
         sub, mon, self._sub, self._mon = self._sub, self._mon, None, None
         if sub is not None:
             _close_sub(sub, mon)
         self._connected = False
-
-    async def __aenter__(self) -> "KvEventSubscriber":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ the loop
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import struct
 import sys
 import threading
@@ -43,6 +42,7 @@ import zmq
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
+from loadtest.fleet import free_port  # noqa: E402
 
 MAGIC = b"RFKVCAP1\n"
 SUB, REPLAY = 0, 1
@@ -78,12 +78,6 @@ def read_capture(path: Path) -> list[tuple[int, list[bytes]]]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict | None = None) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body or {}).encode(),
                                  headers={"content-type": "application/json"})
@@ -101,7 +95,7 @@ def main() -> int:
     from tests.engines.vllm_env import VllmServer, tiny_model
 
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
-    http, ev_port, rp_port = _free_port(), _free_port(), _free_port()
+    http, ev_port, rp_port = free_port(), free_port(), free_port()
     server = VllmServer(http, model=tiny_model(), kv_bytes="2M", events_port=ev_port,
                         replay_port=rp_port, max_model_len=1024)
     records: list[tuple[int, list[bytes]]] = []
