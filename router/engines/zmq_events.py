@@ -241,8 +241,9 @@ class KvEventSubscriber:
         self._task: asyncio.Task | None = None
         self._bound: str | None = None  # the address actually bound (bind mode)
         # sequence state
-        self._last: int | None = None  # last seq delivered; None: nothing yet
-        #: -1: the join's replay said the engine published nothing (history known)
+        #: last seq delivered; None: nothing yet; -1: nothing, but the join's replay
+        #: said the engine has published nothing (its history is known)
+        self._last: int | None = None
         self._rejoin = False  # a new connection was made since the last batch
         self._join_due = False  # first connection made: ask the replay endpoint now
         #: live copies of batches up to here were delivered by the join's replay
