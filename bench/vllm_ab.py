@@ -175,9 +175,10 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
                 continue
             want_tokens = MODES[name]["tokenizer"]
             while time.monotonic() < deadline:
-                try:
+                try:  # ready: tokenizers loaded and KV events joined too
+                    ready = httpx.get(url + "/readiness", timeout=5).status_code == 200
                     ws = httpx.get(url + "/admin/workers", timeout=5).json()["workers"]
-                    if ws and all(w["routable"] and (not want_tokens or w["engine"][
+                    if ready and ws and all(w["routable"] and (not want_tokens or w["engine"][
                             "key_space"].startswith("TokenSpace")) for w in ws):
                         break
                 except (httpx.HTTPError, KeyError, ValueError):

@@ -16,8 +16,10 @@ Endpoints::
     GET  /readiness            200 once every configured worker has answered its first
                                probe or failed it, served models are known and one
                                worker is healthy (and, with a bus, the stream's history
-                               is applied: Pool.readiness), else 503 (``waiting``:
-                               the workers it waits for)
+                               is applied: Pool.readiness) and, in the first
+                               seconds, every healthy engine's tokenizer is loaded
+                               and its KV events joined (Engines.settling), else
+                               503 (``waiting``: the workers it waits for)
     GET  /metrics              Prometheus text (no prefix hashes: router.metrics)
     GET  /openapi.json         the OpenAPI 3 description of all of this (protocol.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
@@ -252,6 +254,10 @@ class Router:
         healthy = [w.id for w in self.pool if w.health.value == "healthy"]
         routable = [w.id for w in self.pool.routable_workers(now)]
         ready, waiting = self.pool.readiness()
+        settling = self.engines.settling(now)
+        if settling:  # keyed in bytes, or the engine's KV events not yet joined
+            ready = False
+            waiting = waiting + [wid for wid in settling if wid not in waiting]
         body = {"ready": ready, "healthy": healthy, "routable": routable, "waiting": waiting}
         if self.bus is not None:
             caught_up = self.bus.ready()

@@ -25,10 +25,16 @@ read by ``router.engines.link``) and what the router has done since (``QueueMark
 
     shed  <=>  no eligible worker has room and every one has pending_s > bound_s
 
-An engine that has saturated (below) has room only with a slot and ahead_s within
-one typical request's prefill, and its pending_s is at least ahead_s: at 4x its
-capacity in fresh 600-token prompts, slots alone let 8 prefills share one engine
-and admitted TTFT p99 reached 3.8x the unloaded one.
+An engine that has saturated (below) has room only with a slot and at most one
+request's prefill ahead — ahead_s within the bound, or the tokens ahead within the
+largest recent request's (``largest_tokens``: a decayed maximum of requests'
+uncached tokens) — and its pending_s is at least ahead_s: at 4x its capacity in
+fresh 600-token prompts, slots alone let 8 prefills share one engine and admitted
+TTFT p99 reached 3.8x the unloaded one. "One request" is counted in tokens, not in
+seconds of a typical request: the prefill rate an engine shows depends on how busy
+it is (batched prefill reads faster per token), so after a saturated phase taught a
+small typical_s, one ordinary request ahead on each worker of a light load read as
+"more than one typical request" and a 0.2x-capacity load saw a 429.
 
 ``grown`` is the net change of the router's in-flight count on the worker since the
 report (picks less finishes: exact for the router's own requests — it counts a
@@ -166,16 +172,19 @@ def pending_s(mark: QueueMark, load: Load, rate: float, now: float) -> float:
 class Shedder:
     """The fleet's queue bound. One event loop owns it; ``check`` is O(workers).
 
-    ``typical_s`` is the only state (0.0 until the first observation, which it
-    then takes whole); ``configure`` follows a reload."""
+    ``typical_s`` and ``largest_tokens`` are the only state (0.0 until the first
+    observation, which they then take whole); ``configure`` follows a reload."""
 
-    __slots__ = ("per_requests", "min_s", "typical_s", "on_shed")
+    __slots__ = ("per_requests", "min_s", "typical_s", "largest_tokens", "on_shed")
 
     def __init__(self, per_requests: float, min_s: float,
                  on_shed: Callable[[], None] | None = None) -> None:
         self.per_requests = per_requests  # 0: never shed
         self.min_s = min_s
         self.typical_s = 0.0
+        #: the largest recent request's uncached tokens (decayed by _ALPHA per request):
+        #: one request of that size ahead on a worker is room (module docstring)
+        self.largest_tokens = 0.0
         self.on_shed = on_shed  # a metric
 
     def configure(self, per_requests: float, min_s: float) -> None:
@@ -208,10 +217,11 @@ class Shedder:
             if mark.engine and mark.queue_held:
                 # an engine that has saturated: a free slot takes the request unless
                 # the prefill the router already sent it and not yet seen start
-                # (released at each first token) would delay it past one typical
-                # request's prefill — a slot is no promise of a first token soon
-                ahead = (w.in_flight_tokens + w.remote_tokens) / rate
-                if ahead <= (bound if bound > self.typical_s else self.typical_s) \
+                # (released at each first token) is more than one request's — a
+                # slot is no promise of a first token soon
+                ahead_tokens = w.in_flight_tokens + w.remote_tokens
+                ahead = ahead_tokens / rate
+                if (ahead <= bound or ahead_tokens <= self.largest_tokens) \
                         and has_room(mark, ld, in_flight):
                     return self._observe(uncached_tokens, rate)
                 if ahead > q:
@@ -234,4 +244,6 @@ class Shedder:
         s = tokens / (rate if rate >= MIN_RATE else MIN_RATE)
         t = self.typical_s
         self.typical_s = s if t == 0.0 else t + _ALPHA * (s - t)
+        big = self.largest_tokens * (1.0 - _ALPHA)
+        self.largest_tokens = tokens if tokens > big else big
         return None

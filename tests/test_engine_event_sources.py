@@ -26,6 +26,7 @@ from router.engines.event_sources import EventSource, SourcesCause, SourcesProbl
 from router.engines.token_keys import TokenKeyer
 from protocol.prefix_keys import Endpoint
 from tests.procs import free_port
+from router.engines.zmq_events import END_SEQ
 from tests.test_engine_events import FakeEngine
 
 BS = 16
@@ -83,21 +84,54 @@ class FakeDpVllm:
     rank (none: vLLM's balancer, here in turn), a rank it does not have refused with
     vLLM's 400. ``sources`` is what ``/kv_event_sources`` answers (status, body)."""
 
-    def __init__(self, keyer: TokenKeyer, ranks: int = 2) -> None:
+    def __init__(self, keyer: TokenKeyer, ranks: int = 2, *,
+                 replay_delay_s: float | None = None) -> None:
         self.keyer = keyer
         self.ctx = zmq.asyncio.Context()
         self.engines, self.pubs, self.ports, self.seqs = [], [], [], []
-        for _ in range(ranks):
+        self.replays, self.replay_ports, self.sent = [], [], []
+        self.replay_delay_s = replay_delay_s  # None: no replay endpoint
+        self._replay_tasks = []
+        for r in range(ranks):
             pub = self.ctx.socket(zmq.PUB)
             port = pub.bind_to_random_port("tcp://127.0.0.1")
             self.engines.append(FakeEngine(capacity=256, bs=BS))
             self.pubs.append(pub)
             self.ports.append(port)
             self.seqs.append(0)
+            self.sent.append([])  # (seq, payload) published: what a replay answers
+            if replay_delay_s is not None:
+                rep = self.ctx.socket(zmq.ROUTER)
+                self.replay_ports.append(rep.bind_to_random_port("tcp://127.0.0.1"))
+                self.replays.append(rep)
         self.ranks = ranks
-        self.sources = (200, json.dumps({str(r): _src(p) for r, p in enumerate(self.ports)}))
+        self.sources = (200, json.dumps({str(r): _src(
+            p, f"tcp://*:{self.replay_ports[r]}" if self.replay_ports else None)
+            for r, p in enumerate(self.ports)}))
         self.headers: list[str | None] = []  # X-data-parallel-rank of each request
         self._turn = 0
+
+    def start_replay(self) -> None:
+        """Serves each rank's replay (vLLM's framing), answering ``replay_delay_s``
+        late: a busy engine core."""
+        async def serve(r):
+            rep = self.replays[r]
+            while True:
+                ident, _, start = await rep.recv_multipart()
+                await asyncio.sleep(self.replay_delay_s)
+                for seq, payload in list(self.sent[r]):
+                    if seq >= int.from_bytes(start, "big"):
+                        await rep.send_multipart([ident, b"", b"kv-events",
+                                                  seq.to_bytes(8, "big"), payload])
+                await rep.send_multipart([ident, b"", b"", END_SEQ, b""])
+        self._replay_tasks = [asyncio.create_task(serve(r)) for r in range(len(self.replays))]
+
+    def publish(self, rank: int, events) -> None:
+        payload = msgpack.packb([time.time(), events, rank])
+        seq = self.seqs[rank]
+        self.sent[rank].append((seq, payload))
+        self.pubs[rank].send_multipart([b"kv-events", seq.to_bytes(8, "big"), payload])
+        self.seqs[rank] += 1
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -123,10 +157,7 @@ class FakeDpVllm:
         hit = min(hit, (len(ids) - 1) // BS * BS)
         events = eng.run(ids)
         if events:
-            await self.pubs[rank].send_multipart([
-                b"kv-events", self.seqs[rank].to_bytes(8, "big"),
-                msgpack.packb([time.time(), events, rank])])
-            self.seqs[rank] += 1
+            self.publish(rank, events)
         return web.json_response({
             "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": 1,
@@ -152,7 +183,9 @@ class FakeDpVllm:
         return app
 
     def close(self) -> None:
-        for p in self.pubs:
+        for t in self._replay_tasks:
+            t.cancel()
+        for p in self.pubs + self.replays:
             p.close(0)
         self.ctx.term()
 
@@ -263,6 +296,53 @@ async def test_each_rank_is_followed_from_the_engine_and_a_prompt_returns_to_its
         f.router.index.drop_worker("dp")
         assert f.router.index.workers() == set()
         f.router.index.check()
+
+
+@pytest.mark.integration
+async def test_readiness_waits_for_the_engines_history_and_the_next_turn_finds_its_holder(
+        tokenizer_dir):
+    """Two engines that served requests before this router started; each answers its
+    replay late (a busy engine core). ``/readiness`` says 503 naming both until
+    their KV events have joined — the history applied, the index exact — with no
+    request sent; after it, a prompt the first engine already holds goes to it, and
+    a new conversation's next turn stays on the worker of its first."""
+    keyer = TokenKeyer.load(tokenizer_dir)
+    fakes = {w: FakeDpVllm(keyer, ranks=1, replay_delay_s=1.0) for w in ("a", "b")}
+    old = prompt(70)
+    fakes["a"].publish(0, fakes["a"].engines[0].run(list(keyer.token_ids(
+        Endpoint.COMPLETIONS, {"model": MODEL, "prompt": old})[0])))
+    for i in range(8):  # the rest of their history: other prompts (all in cache)
+        for r, fake in enumerate(fakes.values()):
+            fake.publish(0, fake.engines[0].run(list(keyer.token_ids(
+                Endpoint.COMPLETIONS, {"model": MODEL, "prompt": prompt(1000 + 2 * i + r)})[0])))
+    for fake in fakes.values():
+        fake.start_replay()
+    async with Fleet(fakes, tokenizer_dir) as f:
+        says = []
+        deadline = time.monotonic() + 15
+        while True:
+            async with f.session.get(f.base + "/readiness") as r:
+                body = await r.json()
+            says.append((r.status, sorted(body["waiting"])))
+            if r.status == 200:
+                break
+            assert time.monotonic() < deadline, says[-5:]
+            await asyncio.sleep(0.05)
+        assert (503, ["a", "b"]) in says, says[:5]
+        links = [f.router.pool.get(w).engine for w in ("a", "b")]
+        assert all(link.truth.value == "exact" for link in links)
+        assert f.router.index.entries("a") > 0 and f.router.index.entries("b") > 0
+        status, body = await f.send(old)
+        assert status == 200 and fakes["a"].headers == [None] and not fakes["b"].headers
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        for conv in range(4):
+            text = prompt(200 + conv)
+            n = {w: len(fk.headers) for w, fk in fakes.items()}
+            assert (await f.send(text))[0] == 200
+            first = next(w for w, fk in fakes.items() if len(fk.headers) > n[w])
+            status, body = await f.send(text + " " + prompt(300 + conv, 30))
+            assert status == 200 and len(fakes[first].headers) == n[first] + 2, conv
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 @pytest.mark.integration

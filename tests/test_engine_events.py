@@ -714,8 +714,9 @@ class FakePublisher:
     the end marker (``sglang=True``: SGLang's framing, no topic)."""
 
     def __init__(self, ctx, endpoint, *, bind=True, replay=None, topic=b"kv-events",
-                 buffer_steps=10_000, seq_start=0, sglang=False):
+                 buffer_steps=10_000, seq_start=0, sglang=False, replay_delay_s=0.0):
         self.ctx, self.endpoint, self.bind, self.replay_ep = ctx, endpoint, bind, replay
+        self.replay_delay_s = replay_delay_s  # a busy engine answers its replay late
         self.topic, self.buffer_steps, self.seq, self.sglang = topic, buffer_steps, seq_start, sglang
         self.buffer = []
         self.replay_requests = 0
@@ -757,6 +758,8 @@ class FakePublisher:
             ident, _, sb = frames
             self.replay_requests += 1
             start = int.from_bytes(sb, "big")
+            if self.replay_delay_s:
+                await asyncio.sleep(self.replay_delay_s)
             for seq, payload in list(self.buffer):
                 if seq >= start:
                     head = [ident, b""] if self.sglang else [ident, b"", self.topic]
@@ -802,6 +805,10 @@ class Recorder:
     def on_error(self, cause, detail):
         self.calls.append(("error", cause.value))
         self.bmap.on_error(cause, detail)
+
+    def on_synced(self, seq):
+        self.calls.append(("synced", seq))
+        self.bmap.on_synced(seq)
 
     def kinds(self, kind):
         return [c for c in self.calls if c[0] == kind]
@@ -966,7 +973,8 @@ async def test_replay_endpoint_that_never_answers_is_bounded_and_reported(ctx):
         seq = pub.publish(eng.payload([]))
         await wait_for(lambda: sub.last_seq == seq)
         assert rec.kinds("gap") == [("gap", seq - 1, seq)]
-        assert sub.stats().errors["replay_failed"] == 2
+        # asked at the connection's join, again at the first live batch, then for the gap
+        assert sub.stats().errors["replay_failed"] == 3
     await pub.aclose()
 
 
@@ -989,6 +997,73 @@ async def test_late_join_with_replay_rebuilds_the_engines_whole_history(ctx):
         await drive(pub, sub, rec, eng, rng, 30, prefixes)
         assert not rec.kinds("gap")
     await pub.aclose()
+
+
+@pytest.mark.parametrize("history", [0, 40])
+async def test_join_learns_an_idle_engines_history_before_any_live_batch(ctx, history):
+    """An engine nobody sends requests to publishes nothing: the subscriber asks the
+    replay endpoint as soon as it is connected, so the index holds what the engine
+    holds (and is in sync, even with nothing) before the first request is routed —
+    not only once that request's own events arrive."""
+    eng = FakeEngine(capacity=30)
+    rng, prefixes = random.Random(8), []
+    pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0").start()
+    for _ in range(history):  # published before anyone subscribed
+        evs = eng.run(random_prompt(rng, prefixes))
+        if evs:
+            pub.publish(eng.payload(evs))
+    bmap, index = new_map()
+    rec = Recorder(bmap)
+    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events",
+                                 replay_endpoint=pub.replay_ep) as sub:
+        await wait_for(lambda: rec.kinds("synced"), what="the join's replay")
+        assert rec.calls[0][:2] == ("reset", "joined")
+        assert rec.kinds("synced") == [("synced", pub.seq - 1)] and sub.history_known
+        assert index_keys(index, "w0") == eng.truth()
+        assert bool(eng.truth()) == bool(history)
+        # what follows live is in order: no second reset, nothing twice
+        await drive(pub, sub, rec, eng, rng, 10, prefixes)
+        assert len(rec.kinds("reset")) == 1 and not rec.kinds("gap")
+        seqs = [c[1] for c in rec.kinds("batch")]
+        assert seqs == sorted(set(seqs))
+    await pub.aclose()
+
+
+async def test_the_index_keeps_what_it_knew_while_a_joins_replay_is_under_way(ctx):
+    """A busy engine answers the join's replay late. The worker's entries (here a
+    pick-time hint for the request whose events reveal the join) must not be gone
+    for the replay's round trip: a next turn routed meanwhile found its holder
+    empty and went to the other worker. The reset and the history land together."""
+    eng = FakeEngine(capacity=1000)
+    toks = list(range(4 * BS))
+    pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0",
+                              replay_delay_s=0.5).start()
+    pub.publish(eng.payload(eng.run(list(range(9000, 9000 + 2 * BS)))))  # earlier history
+    bmap, index = new_map()
+    rec = Recorder(bmap)
+    index.insert("w0", [11, 12, 13], 0.0)  # the router's pick-time hint
+    seen = []
+
+    async def sample():
+        while True:
+            seen.append(len(index_keys(index, "w0")))
+            await asyncio.sleep(0.005)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events",
+                                     replay_endpoint=pub.replay_ep) as sub:
+            deadline = time.monotonic() + 5
+            while sub.last_seq is None:  # the hinted request's events, until one is seen
+                assert time.monotonic() < deadline, "subscriber never joined"
+                pub.publish(eng.payload(eng.run(toks)))
+                await asyncio.sleep(0.02)
+            await wait_for(lambda: sub.last_seq == pub.seq - 1, what="join drained")
+            assert index_keys(index, "w0") == eng.truth()
+    finally:
+        sampler.cancel()
+        await pub.aclose()
+    assert len(seen) > 50 and min(seen) > 0, seen
 
 
 async def test_late_join_without_replay_claims_only_what_follows(ctx):

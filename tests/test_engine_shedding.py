@@ -114,8 +114,10 @@ def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start):
                "admitted_p99_s": _pct(admitted, 0.99),
                "other": sorted({o.status for o in heavy} - {200, 429}, key=str)}
     print("overload:", summary)
-    # at 0.2x capacity nearly nothing is shed; a rare 429 there was seen once in a
-    # clean-clone run (1 of ~50) and is bounded here, not yet explained
+    # at 0.2x capacity nothing should be shed. A rare 429 there (1 of ~50, once) came
+    # from one ordinary request ahead on each worker reading as "more than one typical
+    # request" at the slower unbatched prefill rate (router.shedding, now counted in
+    # tokens: tests/test_shedding.py); the bound stays until runs here confirm zero
     light_shed = sum(1 for o in light if o.status == 429)
     assert {o.status for o in light} <= {200, 429} and light_shed <= 0.05 * len(light), summary
     assert not summary["other"], summary

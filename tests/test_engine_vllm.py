@@ -80,9 +80,14 @@ def router(vllm_pair, model_dir, tmp_path_factory):
     with Proc(radixfleet_argv("router", "--config", str(cfg)),
               ready_url=f"http://127.0.0.1:{port}/health") as p:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: all(w.get("engine", {}).get("key_space", "").startswith("TokenSpace")
-                             and w["routable"] for w in workers(url)),
-                 120, "both workers routable and keyed in vLLM's token space", p)
+        # ready means routable, keyed in vLLM's token space and following each engine's
+        # KV events from its history (the join's replay): a first request routed
+        # before that had its entries dropped by the join while its next turn was routed
+        wait_for(lambda: httpx.get(url + "/readiness", timeout=5).status_code == 200, 120,
+                 "the router's readiness", p)
+        ws = workers(url)
+        assert all(w["routable"] and w["engine"]["key_space"].startswith("TokenSpace")
+                   and w["engine"]["events"]["in_sync"] for w in ws), ws
         yield url
 
 

@@ -180,6 +180,29 @@ def test_a_saturated_engine_with_a_slot_but_prefill_ahead_is_full():
     assert check(s, pool, t) is None
 
 
+def test_one_ordinary_request_ahead_per_worker_is_room_after_the_rate_drops():
+    """A light load after a saturated phase: the engines now read a slower prefill
+    rate (unbatched prefill) than the one the typical request was learned at, and
+    each has one ordinary request not yet at its first token. That is one request
+    ahead, not a queue: nothing is shed. Two ahead on both still is."""
+    pool, _, clock = make_pool()
+    a, b = pool.get("a"), pool.get("b")
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)  # typical 0.1 s: 100 tokens at 1,000/s
+    for w in (a, b):
+        for _ in range(2):
+            engine_report(pool, w, t, running=8, waiting=3, queued_tokens=300)
+        engine_report(pool, w, t, running=0)  # limit 8, idle now
+        pool.report_load(w, Load(running_requests=1, prefill_tokens_per_s=RATE * 0.6),
+                         t, stale_s=5.0, engine=True)
+        pool.pick(w, 100)  # one ordinary request each, prefilling: 0.17 s at 600/s
+    assert check(s, pool, t) is None
+    for w in (a, b):
+        pool.pick(w, 100)
+    assert isinstance(check(s, pool, t), Overloaded)
+
+
 def test_limit_is_relearned_above_a_new_ceiling_and_forgotten_on_restart():
     pool, _, clock = make_pool()
     a = pool.get("a")

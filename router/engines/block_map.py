@@ -250,6 +250,9 @@ class EngineBlockMap:
     def on_error(self, cause: KvEventCause, detail: str) -> None:
         self._errors += 1  # the subscriber logs and reports the loss (a gap) itself
 
+    def on_synced(self, seq: int) -> None:
+        pass  # what the join delivered is already applied
+
     # ---------------------------------------------------------------- internals
 
     def _apply_stored(self, ev: EngineBlockStored, now: float) -> None:

@@ -158,6 +158,9 @@ class EngineLink:
         self.queue = QueueEstimate()  # prices the engine's waiting queue
         self._tasks: set[asyncio.Task] = set()
         self._events_logged: set[str] = set()
+        #: the bring-up (probe, tokenizer, scraper, event subscription) has finished,
+        #: whatever its outcome (``settling``)
+        self.brought_up = False
 
     # ------------------------------------------------------------------ queries
 
@@ -246,6 +249,21 @@ class EngineLink:
             "prediction": acc,
         }
 
+    @property
+    def settling(self) -> bool:
+        """Whether the engine side is still coming up: the bring-up (probe, tokenizer,
+        event subscription) is under way, or a followed stream that can replay has
+        not yet learned the engine's history (its join). A request routed meanwhile
+        is keyed in bytes or finds none of what the engine holds — a conversation's
+        next turn left the worker that held it. ``/readiness`` waits for it
+        (``Engines.settling``)."""
+        if self.state is not LinkState.RUNNING:
+            return False
+        if not self.brought_up:
+            return True
+        return any(sub.replay_endpoint is not None and not sub.history_known
+                   for sub, _ in self.streams.values())
+
     def engine_load_fresh(self, now: float) -> bool:
         return self.scraper is not None and self.scraper.fresh(now) is not None
 
@@ -286,6 +304,8 @@ class EngineLink:
         except Exception:  # noqa: BLE001 - a worker's engine side never takes the router down
             log.exception("worker %s: engine link failed; approximate mode, router counts",
                           self.worker.id)
+        finally:
+            self.brought_up = True
 
     async def _bring_up(self) -> None:
         eng = self.engines

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any, Sequence
 
 import aiohttp
@@ -147,6 +148,11 @@ class EnginePrometheus:
 class Engines:
     """Per-worker engine links and the key spaces in use (module docstring)."""
 
+    #: how long after start ``/readiness`` waits for engine sides to come up
+    #: (``settling``): a tokenizer loads in seconds, a join's replay answers in
+    #: well under its timeout; past this the router says ready anyway
+    READY_WAIT_S = 30.0
+
     def __init__(self, cfg: Config, pool: Pool, index: PrefixIndex,
                  registry: CollectorRegistry, *, keyers: dict | None = None) -> None:
         """``keyers``: the ``models:`` tokenizers, loaded (router.reload.build)."""
@@ -169,6 +175,7 @@ class Engines:
         #: folded from their ranks' part holders (``_fold_ranks``)
         self._ranked: set[str] = set()
         self._started = False
+        self._started_at = 0.0
         self._closed = False
         pool.listeners.append(self)
 
@@ -177,6 +184,7 @@ class Engines:
     async def start(self, session: aiohttp.ClientSession) -> None:
         self.session = session
         self._started = True
+        self._started_at = time.monotonic()
         for w in list(self.pool):
             self.worker_added(w)
 
@@ -369,6 +377,18 @@ class Engines:
         b["stream_options"] = {**(so or {}), "include_usage": True}
         return json.dumps(b, ensure_ascii=False, separators=(",", ":")).encode(
             "utf-8", "surrogatepass"), True
+
+    def settling(self, now: float) -> list[str]:
+        """The healthy workers whose engine side is still coming up (``EngineLink.
+        settling``: tokenizer, event subscription, the join's replay), which
+        ``/readiness`` waits for — during the router's first ``READY_WAIT_S`` only:
+        an engine whose events never connect serves approximate after that, and a
+        worker added later never takes a serving router out of rotation."""
+        if not self._started or now - self._started_at > self.READY_WAIT_S:
+            return []
+        return [wid for wid, link in self.links.items()
+                if link.settling and (w := self.pool.get(wid)) is not None
+                and w.health.value == "healthy"]
 
     def refresh(self, now: float) -> None:
         """Copies link state into gauges (at /metrics time)."""

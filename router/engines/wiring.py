@@ -9,6 +9,7 @@ applies batches through the map and tells the link about synchronisation::
 
     KvEventSubscriber --on_batch--> _LinkConsumer --> EngineBlockMap.apply --> index
                       --on_gap/on_reset-->          link.events_lost / engine_restarted
+                      --on_synced-->                link.events_synced (the join replayed)
                       --on_error-->                 radixfleet_engine_event_errors_total
 
 The chain seed of a sequence's first block is the worker's token namespace
@@ -74,6 +75,11 @@ class _LinkConsumer:
     def on_error(self, cause, detail: str) -> None:
         self.prom.event_error(self.link.worker.id, getattr(cause, "value", str(cause)))
         self.map.on_error(cause, detail)
+
+    def on_synced(self, seq: int) -> None:
+        # the join's replay answered before any live batch (an idle engine: maybe
+        # nothing at all): the rank's entries are the engine's from now on
+        self.link.events_synced(self.rank)
 
 
 def subscribe(link, engines, source=None, rank: int | None = None

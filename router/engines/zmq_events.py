@@ -45,6 +45,16 @@ batches, 10,000 by default) still holds, after ``on_reset``. Live messages wait 
 SUB socket meanwhile (receive high-water mark ``rcvhwm``); replayed batches at or past
 the live one being handled are skipped, since they arrive live anyway.
 
+The join does not wait for the engine's next batch: on the first connection the
+subscriber asks the replay endpoint at once and, if it answers (even with nothing:
+an engine that has published nothing holds nothing), tells the consumer
+``on_reset("joined")``, the history and ``on_synced`` — so an idle engine's
+entries are known before the first request, not rebuilt while it runs; live copies
+of batches the join replayed are skipped. A reset's replay is always fetched
+*before* ``on_reset``: while it is under way the consumer keeps what it knew (an
+index emptied for the replay's round trip sent a conversation's next turn away from
+the worker that held it).
+
 Lifecycle: ``start()`` once, ``aclose()`` (idempotent), or ``async with``. Callbacks
 run on the event loop, synchronously, and must not block; an exception from one is
 logged with its traceback and counted (``consumer_error``), and the loop goes on.
@@ -95,6 +105,10 @@ class EventConsumer(Protocol):
 
     def on_error(self, cause: KvEventCause, detail: str) -> None:
         """A frame, payload or replay refused (count it; the subscriber logs)."""
+
+    def on_synced(self, seq: int) -> None:
+        """A join's replay answered: what was delivered since ``on_reset`` is the
+        engine's known history up to ``seq`` (-1: it has published nothing)."""
 
 
 class SubscriberState(enum.Enum):
@@ -229,8 +243,13 @@ class KvEventSubscriber(Lifecycle):
         self._task: asyncio.Task | None = None
         self._bound: str | None = None  # the address actually bound (bind mode)
         # sequence state
-        self._last: int | None = None  # last seq delivered; None: nothing yet
+        #: last seq delivered; None: nothing yet; -1: nothing, but the join's replay
+        #: said the engine has published nothing (its history is known)
+        self._last: int | None = None
         self._rejoin = False  # a new connection was made since the last batch
+        self._join_due = False  # first connection made: ask the replay endpoint now
+        #: live copies of batches up to here were delivered by the join's replay
+        self._replayed_upto: int | None = None
         # counters
         self._batches = self._replayed = self._gaps = self._lost = self._unknown = 0
         self._resets: dict[str, int] = {}
@@ -275,7 +294,14 @@ class KvEventSubscriber(Lifecycle):
 
     @property
     def last_seq(self) -> int | None:
-        return self._last
+        """The last sequence number delivered (None: none yet)."""
+        return None if self._last is None or self._last < 0 else self._last
+
+    @property
+    def history_known(self) -> bool:
+        """Whether the engine's history since the join is known: a batch was
+        delivered, or the join's replay answered (module docstring)."""
+        return self._last is not None
 
     @property
     def connected(self) -> bool:
@@ -285,7 +311,7 @@ class KvEventSubscriber(Lifecycle):
         return SubscriberStats(
             batches=self._batches, replayed=self._replayed, gaps=self._gaps,
             lost_batches=self._lost, resets=dict(self._resets), errors=dict(self._errors.counts),
-            unknown_events=self._unknown, last_seq=self._last, connections=self._connections,
+            unknown_events=self._unknown, last_seq=self.last_seq, connections=self._connections,
             connected=self._connected,
         )
 
@@ -346,6 +372,9 @@ class KvEventSubscriber(Lifecycle):
                 # must mark it as the first of a new connection.
                 if mon in ready:
                     self._drain_monitor(mon)
+                    if self._join_due:
+                        self._join_due = False
+                        await self._join()
                 if sub in ready:
                     for _ in range(1024):  # bounded, so the monitor is looked at again
                         frames = _recv_now(sub)
@@ -369,6 +398,8 @@ class KvEventSubscriber(Lifecycle):
                 self._connected = True
                 if self._connections > 1:
                     self._rejoin = True
+                elif self.replay_endpoint is not None and self._last is None:
+                    self._join_due = True
                 log.info("kv events: connected to %s (connection %d)", self.name, self._connections)
             elif ev == zmq.EVENT_DISCONNECTED:
                 self._connected = False
@@ -386,20 +417,47 @@ class KvEventSubscriber(Lifecycle):
             self._error(KvEventCause.BAD_SEQ, f"sequence frame of {len(seqb)} bytes, want 8")
             return
         seq = int.from_bytes(seqb, "big")
+        if self._replayed_upto is not None and not self._rejoin:
+            if seq <= self._replayed_upto:
+                return  # sent live while the join's replay carried it
+            self._replayed_upto = None
         last = self._last
         if last is None or self._rejoin or seq <= last:
             reason: ResetReason = "joined" if last is None else \
                 "reconnected" if self._rejoin else "restarted"
             self._rejoin = False
+            self._replayed_upto = None
+            # fetched before the reset: meanwhile the consumer keeps what it knew
+            got = await self._replay_from(0) \
+                if self.replay_endpoint is not None and seq > 0 else None
             self._reset(reason, seq)
-            if self.replay_endpoint is not None and seq > 0:
-                await self._recover(0, seq, after_reset=True)
+            if got is not None:
+                self._deliver_replay(got, 0, seq, after_reset=True)
         elif seq != last + 1:
             if self.replay_endpoint is not None:
-                await self._recover(last + 1, seq, after_reset=False)
+                got = await self._replay_from(last + 1)
+                if got is None:
+                    self._gap(last + 1, seq)
+                else:
+                    self._deliver_replay(got, last + 1, seq, after_reset=False)
             else:
                 self._gap(last + 1, seq)
         self._deliver(seq, payload, replayed=False)
+
+    async def _join(self) -> None:
+        """The first connection's join, before any live batch (module docstring).
+        A replay that fails leaves the join to the first live batch."""
+        got = await self._replay_from(0)
+        if got is None or self._last is not None or self.state is not SubscriberState.RUNNING:
+            return
+        self._reset("joined", got[0][0] if got else 0)
+        self._last = -1
+        self._deliver_replay(got, 0, None, after_reset=True)
+        self._replayed_upto = self._last
+        try:
+            self._consumer.on_synced(self._last)
+        except Exception:
+            self._consumer_failed("on_synced")
 
     def _deliver(self, seq: int, payload: bytes, replayed: bool) -> None:
         self._last = seq
@@ -424,26 +482,22 @@ class KvEventSubscriber(Lifecycle):
         except Exception:
             self._consumer_failed("on_batch")
 
-    async def _recover(self, first: int, upto: int, after_reset: bool) -> None:
-        """Delivers batches [first, upto) from the replay endpoint, reporting as lost
-        what it cannot give. After a reset, a missing head is history from before the
-        join, not a loss."""
-        got = await self._replay_from(first)
-        if got is None:
-            if not after_reset:
-                self._gap(first, upto)
-            return
+    def _deliver_replay(self, got: list[tuple[int, bytes]], first: int, upto: int | None,
+                  after_reset: bool) -> None:
+        """Delivers the replayed batches ``got`` in [first, upto) (None: no end),
+        reporting as lost what they lack. After a reset, a missing head is history
+        from before the join, not a loss."""
         expect = first
         for seq, payload in got:
             if seq < expect:
                 continue  # duplicate or older than asked
-            if seq >= upto:
+            if upto is not None and seq >= upto:
                 break  # the live copy is the one being handled, or still queued
             if seq > expect and not (after_reset and expect == first):
                 self._gap(expect, seq)
             self._deliver(seq, payload, replayed=True)
             expect = seq + 1
-        if expect < upto and not (after_reset and expect == first):
+        if upto is not None and expect < upto and not (after_reset and expect == first):
             self._gap(expect, upto)
 
     async def _replay_from(self, start: int) -> list[tuple[int, bytes]] | None:
