@@ -78,7 +78,7 @@ class SchedRequest:
 
     __slots__ = ("rid", "ns", "prompt", "max_new", "output", "hashes", "arrival", "state",
                  "cached", "prefilled", "generated", "private", "reserved", "node",
-                 "prompt_held", "first_token_at", "finished_at", "waiter")
+                 "prompt_held", "first_token_at", "finished_at", "waiter", "queued")
 
     def __init__(self, rid: Any, ns: Hashable, prompt: Sequence[int], max_new: int,
                  output: Sequence[int] = (), hashes: Sequence[int] | None = None) -> None:
@@ -105,6 +105,9 @@ class SchedRequest:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.waiter: Any = None
+        #: what this request adds to the reported queue while it waits: the prompt
+        #: tokens the tree did not hold when it arrived (its prefill, as of then)
+        self.queued = 0
 
     @property
     def ttft(self) -> float | None:
@@ -227,8 +230,15 @@ class Scheduler:
         req.prompt = as_key(req.prompt)
         req.arrival = now
         req.state = State.WAITING
+        # the queue is reported as prefill work: a waiting request whose prefix the
+        # tree holds costs its uncached part (at least the one token always computed),
+        # as the router counts it and as an engine's priced queue does
+        # (router.engines.queue_estimate); whole prompts would make a worker that
+        # serves its prefixes from cache look as busy as one that prefills them
+        n = len(req.prompt)
+        req.queued = n - min(self.cache.peek(req.ns, req.prompt), n - 1)
         self.waiting.append(req)
-        self._queued_tokens += len(req.prompt)
+        self._queued_tokens += req.queued
         self.stats.submitted += 1
 
     def cancel(self, req: SchedRequest) -> None:
@@ -237,7 +247,7 @@ class Scheduler:
         if st is State.WAITING:
             try:
                 self.waiting.remove(req)
-                self._queued_tokens -= len(req.prompt)
+                self._queued_tokens -= req.queued
             except ValueError:
                 pass
         elif st is State.PREFILL:
@@ -296,7 +306,7 @@ class Scheduler:
         req.cached = req.prefilled = cached
         req.reserved = need
         req.state = State.PREFILL
-        self._queued_tokens -= len(prompt)
+        self._queued_tokens -= req.queued
         self.stats.prompt_tokens += len(prompt)
         self.stats.cached_tokens += cached
         return True
@@ -519,7 +529,7 @@ class Scheduler:
             reserved += r.reserved
         assert private == self.pool.private, (private, self.pool.private)
         assert reserved == self.pool.reserved, (reserved, self.pool.reserved)
-        assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
+        assert self._queued_tokens == sum(r.queued for r in self.waiting)
 
 
 def build_scheduler(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
