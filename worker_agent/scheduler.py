@@ -78,8 +78,7 @@ class SchedRequest:
 
     __slots__ = ("rid", "ns", "prompt", "max_new", "output", "hashes", "arrival", "state",
                  "cached", "prefilled", "generated", "private", "reserved", "node",
-                 "prompt_held", "first_token_at", "finished_at", "waiter", "queued",
-                 "pending")
+                 "prompt_held", "first_token_at", "finished_at", "waiter")
 
     def __init__(self, rid: Any, ns: Hashable, prompt: Sequence[int], max_new: int,
                  output: Sequence[int] = (), hashes: Sequence[int] | None = None) -> None:
@@ -106,12 +105,6 @@ class SchedRequest:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.waiter: Any = None
-        #: what this request adds to the reported queue while it waits: the prompt
-        #: tokens the tree did not hold when it arrived (its prefill, as of then)
-        self.queued = 0
-        #: the router block hashes this request registered in the scheduler's
-        #: ``_pending`` while its prefill is not done (``Scheduler._pending_keys``)
-        self.pending: tuple = ()
 
     @property
     def ttft(self) -> float | None:
@@ -195,10 +188,6 @@ class Scheduler:
         self.prefilling: deque[SchedRequest] = deque()
         self.running: list[SchedRequest] = []
         self._queued_tokens = 0
-        #: router block hash -> how many waiting or prefilling requests' prompts reach
-        #: it (at the depths ``_pending_keys`` samples): prefixes a request ahead in
-        #: the queue will have put in the tree by the time a later one is admitted
-        self._pending: dict[int, int] = {}
         self._rate_tokens = 0.0
         self._rate_time = 0.0
 
@@ -238,41 +227,17 @@ class Scheduler:
         req.prompt = as_key(req.prompt)
         req.arrival = now
         req.state = State.WAITING
-        # the queue is reported as prefill work: a waiting request whose prefix the
-        # tree holds costs its uncached part (at least the one token always computed),
-        # as the router counts it and as an engine's priced queue does
-        # (router.engines.queue_estimate); whole prompts would make a worker that
-        # serves its prefixes from cache look as busy as one that prefills them. A
-        # prefix that a request ahead of it in the queue fills first counts as held
-        # (admission waits for the prefill in progress, so this one will match it).
-        n = len(req.prompt)
-        held = self.cache.peek(req.ns, req.prompt)
-        keys = req.pending = self._pending_keys(req)
-        pending = self._pending
-        if keys:
-            stride = self.cache.hash_stride
-            for d, h in reversed(keys):
-                if d * stride <= held:
-                    break
-                if h in pending:
-                    held = d * stride  # a request ahead of it fills this prefix first
-                    break
-            for _, h in keys:
-                pending[h] = pending.get(h, 0) + 1
-        req.queued = n - min(held, n - 1)
         self.waiting.append(req)
-        self._queued_tokens += req.queued
+        self._queued_tokens += len(req.prompt)
         self.stats.submitted += 1
 
     def cancel(self, req: SchedRequest) -> None:
         """Drops ``req`` wherever it is and returns its KV; idempotent."""
         st = req.state
-        if st is State.WAITING or st is State.PREFILL:
-            self._unpend(req)
         if st is State.WAITING:
             try:
                 self.waiting.remove(req)
-                self._queued_tokens -= req.queued
+                self._queued_tokens -= len(req.prompt)
             except ValueError:
                 pass
         elif st is State.PREFILL:
@@ -288,36 +253,6 @@ class Scheduler:
             self.cache.report_unheld(req.ns, req.prompt, req.hashes[: len(req.prompt) // self._stride()])
         req.state = State.CANCELLED
         self.stats.cancelled += 1
-
-    def _pending_keys(self, req: SchedRequest) -> tuple:
-        """(depth in blocks, router hash) of ``req``'s prompt at depths 1, 2, 4, ...
-        and its whole blocks: what ``_pending`` holds for it until its prompt is in the
-        tree. Empty without router hashes. O(log blocks)."""
-        stride = self.cache.hash_stride
-        hs = req.hashes
-        if not stride or not hs:
-            return ()
-        nb = min(len(req.prompt) // stride, len(hs))
-        out = []
-        d = 1
-        while d < nb:
-            out.append((d, hs[d - 1]))
-            d *= 2
-        if nb > 0:
-            out.append((nb, hs[nb - 1]))
-        return tuple(out)
-
-    def _unpend(self, req: SchedRequest) -> None:
-        """Drops ``req``'s registration in ``_pending`` (its prompt is in the tree, or
-        it left); idempotent."""
-        pending = self._pending
-        for _, h in req.pending:
-            c = pending[h] - 1
-            if c:
-                pending[h] = c
-            else:
-                del pending[h]
-        req.pending = ()
 
     def _stride(self) -> int:
         return self.cache.hash_stride or 1
@@ -361,7 +296,7 @@ class Scheduler:
         req.cached = req.prefilled = cached
         req.reserved = need
         req.state = State.PREFILL
-        self._queued_tokens -= req.queued
+        self._queued_tokens -= len(prompt)
         self.stats.prompt_tokens += len(prompt)
         self.stats.cached_tokens += cached
         return True
@@ -452,7 +387,6 @@ class Scheduler:
         return res
 
     def _prompt_done(self, req: SchedRequest, res: StepResult) -> None:
-        self._unpend(req)
         # the walk resumes at the locked match: only the uncached part is compared
         held, node = self.cache.insert(req.ns, req.prompt, req.hashes, admit_from=0,
                                        below=req.node, lock=True)
@@ -585,12 +519,7 @@ class Scheduler:
             reserved += r.reserved
         assert private == self.pool.private, (private, self.pool.private)
         assert reserved == self.pool.reserved, (reserved, self.pool.reserved)
-        assert self._queued_tokens == sum(r.queued for r in self.waiting)
-        counts: dict = {}
-        for r in (*self.waiting, *self.prefilling):
-            for _, h in r.pending:
-                counts[h] = counts.get(h, 0) + 1
-        assert counts == self._pending, "pending prefixes out of step with the queue"
+        assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
 
 
 def build_scheduler(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
