@@ -87,6 +87,7 @@ request's block hashes and O(workers).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import Sequence
 
@@ -114,6 +115,34 @@ def _by_written(written, now: float, cur, cur_r: float | None, new):
 
 
 class PrefixLoad(Policy):
+    """The module docstring's policy, with two rules for a saturated fleet.
+
+    The fleet is *saturated* when even the least-loaded worker's queue is
+    ``saturated_s`` or more. Then:
+
+    - A worker whose match counts (not masked, not over the affinity bound) keeps the
+      request whatever the score says. Below saturation the score's trade of queue
+      against prefill is right; past it every worker has a queue, a move to the
+      least-loaded one moves the queue and re-prefills the prefix there, evicting
+      another prefix — the next misses and the next queue. Locality yields only to
+      relative load (the affinity bound: over ``affinity_rel`` times the least queue
+      and over ``affinity_abs_s`` plus the saved prefill more).
+    - A miss goes to its prefix's *home*, the worker its last request went to, while
+      that worker is within the affinity bound (nothing saved). With exact events the
+      index drops a prefix the moment its worker evicts it, though a request that will
+      re-fill it may already be waiting there; without the home the next request is a
+      miss and goes to the least-loaded worker, the prefix lives on two workers, each
+      evicts another prefix for it, and a fleet of many prefixes loses its partition.
+      Homes are kept for the hash at depths ``min_match_tokens`` (in blocks, at least
+      one) doubled up to the prompt's length, at most ``home_records`` of them (LRU);
+      a miss looks them up deepest first. Below saturation a miss goes to the
+      least-loaded worker (a re-fill there is done before its siblings arrive).
+
+    Cost of the two rules: one more list of O(workers); O(log blocks) dict operations
+    for the homes. State: ``_homes`` (only ``choose`` writes it), ``_written``,
+    ``hot``, ``footprints``; ``check()`` asserts their bounds.
+    """
+
     name = "prefix_load"
 
     @parameters
@@ -175,6 +204,14 @@ class PrefixLoad(Policy):
             "prompt, pass this share of its KV capacity ...", lo=0.0, lo_open=True)
         footprint_rel: float = param(
             1.25, "... and are more than this many times the fleet's mean", lo=1.0)
+        saturated_s: float = param(
+            1.0, "when even the least-loaded worker's queue is this many seconds, a holder "
+            "within the affinity bound keeps its match whatever the score (0 = off)",
+            lo=0.0)
+        home_records: int = param(
+            4096, "prefixes whose last worker is remembered, so that a miss on a prefix "
+            "the fleet evicted goes back to that worker (LRU; 0 = off)", lo=0,
+            hi=1_000_000)
         session_live_gaps: float = param(
             4.0, "a session counts in its worker's footprint until this many of its own "
             "gaps between turns pass without a turn", lo=0.0, lo_open=True)
@@ -187,9 +224,13 @@ class PrefixLoad(Policy):
         self._written: dict = {}
         self.footprints = (Footprints(p.session_live_gaps) if p.footprint_room > 0
                            else None)
+        # prefix hash (at sampled depths, ``_home_depths``) -> the worker its last
+        # request went to; LRU, at most ``home_records`` entries; only ``choose`` writes
+        self._homes: OrderedDict = OrderedDict()
 
     def choose(self, request: RouteRequest, match: MatchResult,
                views: Sequence[WorkerView], now: float) -> Decision:
+        p = self.params
         fp = self.footprints
         branch = None
         if fp is not None:
@@ -198,6 +239,8 @@ class PrefixLoad(Policy):
         d = self._choose(request, match, views, now, branch)
         if fp is not None:
             fp.record(request, match, branch, d.worker, now)
+        if p.home_records:
+            self._remember_home(request, d.worker)
         unc = request.prompt_tokens - d.matched_blocks * request.block_tokens
         if unc > 0:
             written = self._written
@@ -360,7 +403,11 @@ class PrefixLoad(Policy):
         min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
         if best_b == 0 or best_b < min_b:
             i = lo_i
-            if avoid and views[i].id in avoid:
+            h = (self._home(request, views, qs, lo_q, min_b)
+                 if p.home_records and p.saturated_s > 0 and lo_q >= p.saturated_s else -1)
+            if h >= 0 and not (avoid and views[h].id in avoid):
+                i = h
+            elif avoid and views[i].id in avoid:
                 # the least-loaded worker that is not churning or crowded (all are: lo_i)
                 j = self._least_loaded_non_holder(views, qs, avoid, ())
                 if j >= 0:
@@ -387,16 +434,29 @@ class PrefixLoad(Policy):
         bound_q = lo_q + p.affinity_abs_s
         bound_r = lo_q * p.affinity_rel
         grow = w / p.long_match_s if p.long_match_s > 0 else 0.0
+        eb = []  # each worker's match that counts (0: none, or over the affinity bound)
+        kept = False
+        for i, v in enumerate(views):
+            q = qs[i]
+            b = blocks.get(v.id, 0)
+            if b < min_b or (masked and v.id in masked) or (unmatched and v.id in unmatched):
+                b = 0
+            elif q > bound_r and q > bound_q + wb * b * bt / v.prefill_tokens_per_s:
+                b = 0
+            eb.append(b)
+            kept = kept or b > 0
+        # A saturated fleet (even its least-loaded worker has a queue): a holder within
+        # the affinity bound keeps the request whatever the score says (class docstring).
+        hold = kept and p.saturated_s > 0 and lo_q >= p.saturated_s
         ss = []
         min_s = _INF
         for i, v in enumerate(views):
             q = qs[i]
-            b = blocks.get(v.id, 0)
+            b = eb[i]
             tps = v.prefill_tokens_per_s
-            if b < min_b or (masked and v.id in masked) or (unmatched and v.id in unmatched):
-                b = 0
-            elif q > bound_r and q > bound_q + wb * b * bt / tps:
-                b = 0
+            if hold and b == 0:
+                ss.append((_INF, 0))
+                continue
             unc = prompt - b * bt
             if unc < 0:
                 unc = 0
@@ -495,6 +555,55 @@ class PrefixLoad(Policy):
             hot.retire_newest(rec, active, now)
         return (rec.retired or None), rec.replicas, warm
 
+    @staticmethod
+    def _home_depths(n: int, min_b: int):
+        """The depths (in blocks) at which a prompt of ``n`` blocks records its home:
+        ``min_b`` (at least 1) doubled up to ``n``, and ``n`` itself. O(log n)."""
+        d = min_b if min_b > 0 else 1
+        while d < n:
+            yield d
+            d *= 2
+        if n > 0:
+            yield n
+
+    def _remember_home(self, request: RouteRequest, worker: str) -> None:
+        """Records ``worker`` as the home of the request's prefixes (O(log blocks))."""
+        p = self.params
+        bt = request.block_tokens
+        min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
+        homes = self._homes
+        hs = request.hashes
+        for d in self._home_depths(len(hs), min_b):
+            k = hs[d - 1]
+            homes[k] = worker
+            homes.move_to_end(k)
+        while len(homes) > p.home_records:
+            homes.popitem(last=False)
+
+    def _home(self, request: RouteRequest, views: Sequence[WorkerView], qs: list,
+              lo_q: float, min_b: int) -> int:
+        """A miss's home: the index of the routable worker that the deepest recorded
+        prefix of this request last went to, unless it is overloaded relative to the
+        least-loaded worker (the affinity bound with nothing saved); -1 if none."""
+        homes = self._homes
+        if not homes:
+            return -1
+        hs = request.hashes
+        depths = list(self._home_depths(len(hs), min_b))
+        for d in reversed(depths):
+            w = homes.get(hs[d - 1])
+            if w is None:
+                continue
+            for i, v in enumerate(views):
+                if v.id == w:
+                    q = qs[i]
+                    p = self.params
+                    if q > lo_q * p.affinity_rel and q > lo_q + p.affinity_abs_s:
+                        return -1
+                    return i
+            return -1
+        return -1
+
     def _least_loaded_non_holder(self, views, qs, held, pending) -> int:
         """Index of the least-loaded view that neither holds the prefix nor is a
         replica still warming up; ties at random; -1 if none."""
@@ -532,5 +641,6 @@ class PrefixLoad(Policy):
         self.hot.check()
         if self.footprints is not None:
             self.footprints.check()
+        assert len(self._homes) <= self.params.home_records, len(self._homes)
         for wid, (tokens, t) in self._written.items():
             assert math.isfinite(tokens) and tokens >= 0 and math.isfinite(t), (wid, tokens, t)

@@ -50,9 +50,54 @@ def test_miss_goes_to_the_least_loaded_worker():
     # 2 blocks = 64 tokens is a match (and w2 wins on score)
     d = pol.choose(hand_req(), MatchResult({"w2": 2, "w0": 2}, depth=2), vs, 0.0)
     assert d.reason is Reason.AFFINITY and d.matched_blocks == 2
-    # equally least-loaded workers tie at random
+    # equally least-loaded workers tie at random (new prefixes: none has a home yet)
     eq = [WorkerView("a", in_flight_tokens=50), WorkerView("b"), WorkerView("c")]
-    assert {pol.choose(hand_req(), MatchResult({}), eq, 0.0).worker for _ in range(60)} == {"b", "c"}
+    fresh = [RouteRequest(list(range(1000 * k, 1000 * k + 101)), 3232, 32) for k in range(1, 61)]
+    assert {pol.choose(r, MatchResult({}), eq, 0.0).worker for r in fresh} == {"b", "c"}
+
+
+def test_a_miss_on_an_evicted_prefix_goes_back_to_its_last_worker_when_saturated():
+    pol = policy()
+    base = 20_000  # 2 s of queue on every worker: the fleet is saturated
+    vs = [WorkerView("w0", in_flight_tokens=base + 3000),
+          WorkerView("w1", in_flight_tokens=base + 3000), WorkerView("w2", in_flight_tokens=base)]
+    req = hand_req()
+    # first seen: the least-loaded worker
+    assert pol.choose(req, MatchResult({}), vs, 0.0).worker == "w2"
+    # evicted everywhere (the index shows no holder); w2 is now the busier one but not
+    # overloaded relative to the others (under twice the least-loaded queue)
+    vs = [WorkerView("w0", in_flight_tokens=base), WorkerView("w1", in_flight_tokens=base),
+          WorkerView("w2", in_flight_tokens=base + 15_000)]
+    sibling = RouteRequest(req.hashes[:50] + [10_000 + i for i in range(51)], 3232, 32)
+    d = pol.choose(sibling, MatchResult({}), vs, 1.0)
+    assert (d.worker, d.reason, d.matched_blocks) == ("w2", Reason.MISS, 0)
+    # overloaded relative to the least-loaded worker: the home yields
+    vs[2] = WorkerView("w2", in_flight_tokens=3 * base)
+    assert pol.choose(sibling, MatchResult({}), vs, 2.0).worker in ("w0", "w1")
+    # below saturation a miss goes to the least-loaded worker, home or not
+    light = [WorkerView("w0"), WorkerView("w1"), WorkerView("w2", in_flight_tokens=3000)]
+    assert pol.choose(sibling, MatchResult({}), light, 3.0).worker in ("w0", "w1")
+    # with home_records 0 nothing is remembered
+    off = policy(home_records=0)
+    off.choose(req, MatchResult({}), vs, 0.0)
+    vs = [WorkerView("w0", in_flight_tokens=base), WorkerView("w1", in_flight_tokens=base),
+          WorkerView("w2", in_flight_tokens=base + 15_000)]
+    assert off.choose(sibling, MatchResult({}), vs, 1.0).worker in ("w0", "w1")
+    pol.check()
+
+
+def test_a_saturated_fleet_keeps_a_holder_within_the_affinity_bound():
+    # every worker queues 2 s or more: a holder 0.9 s busier than the least-loaded
+    # worker keeps its 8-block match (the score alone would move it)
+    vs = [WorkerView("w0", in_flight_tokens=29_000), WorkerView("w1", in_flight_tokens=20_000)]
+    m = MatchResult({"w0": 8}, depth=8)
+    req = hand_req(prompt=512, blocks=16)
+    assert policy(saturated_s=0).choose(req, m, vs, 0.0).worker == "w1"
+    d = policy().choose(req, m, vs, 0.0)
+    assert (d.worker, d.reason, d.matched_blocks) == ("w0", Reason.AFFINITY, 8)
+    # past the bound (over twice the least-loaded queue and 1 s + the saved prefill): it yields
+    vs = [WorkerView("w0", in_flight_tokens=60_000), WorkerView("w1", in_flight_tokens=20_000)]
+    assert policy().choose(req, m, vs, 0.0).worker == "w1"
 
 
 def test_queue_delay_is_in_seconds_of_each_workers_prefill_rate():
