@@ -162,7 +162,7 @@ def _simulate(argv: list[str]) -> list[dict]:
 
 
 _KNEE_KV = (2000, 4000, 8000, 16000, 32000, 64000)
-_KNEE = ["--workload", "zipf", "--workers", "4", "--requests", "2000", "--policies",
+_KNEE = ["--workload", "zipf", "--agents", "4", "--requests", "2000", "--policies",
          "round_robin,cache_aware,prefix_load"]
 
 
@@ -182,9 +182,9 @@ def _knee(keys: list[str]) -> dict[str, str]:
     return out
 
 
-_MIXED = ["--workload", "mixed", "--workers", "4", "--kv-tokens", "12000", "--rate", "12",
+_MIXED = ["--workload", "mixed", "--agents", "4", "--kv-tokens", "12000", "--rate", "12",
           "--requests", "500"]
-_TRACE = ["--trace", SHARED_TRACE, "--workers", "8", "--kv-tokens", "400000", "--requests",
+_TRACE = ["--trace", SHARED_TRACE, "--agents", "8", "--kv-tokens", "400000", "--requests",
           "4000", "--duration", "3600"]
 _POLICIES = ("round_robin", "cache_aware", "prefix_load")
 
