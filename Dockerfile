@@ -37,7 +37,7 @@ COPY policies/ policies/
 COPY worker_agent/ worker_agent/
 COPY loadtest/ loadtest/
 COPY radixfleet/ radixfleet/
-RUN pip install --no-cache-dir ".[${EXTRAS}]" \
+RUN pip install --no-cache-dir "./[${EXTRAS}]" \
     && python -m compileall -q /opt/radixfleet
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -49,23 +49,36 @@ MODES = {
 }
 
 
-def router_config(port: int, servers, model_dir: Path, *, policy: str, tokenizer: bool,
-                  events: bool, params: dict | None = None) -> dict:
+def router_config(
+    port: int,
+    servers,
+    model_dir: Path,
+    *,
+    policy: str,
+    tokenizer: bool,
+    events: bool,
+    params: dict | None = None,
+) -> dict:
     workers = []
     for i, s in enumerate(servers):
-        w = {"url": s.url, "id": f"vllm-{'ab'[i]}", "kind": "vllm",
-             "metrics": {"interval_s": 0.25}}
+        w = {"url": s.url, "id": f"vllm-{'ab'[i]}", "kind": "vllm", "metrics": {"interval_s": 0.25}}
         if tokenizer:
             w["tokenizer"] = str(model_dir)
         if events:
-            w["events"] = {"endpoint": f"tcp://*:{s.events_port}",
-                           "replay_endpoint": f"tcp://*:{s.replay_port}"}
+            w["events"] = {
+                "endpoint": f"tcp://*:{s.events_port}",
+                "replay_endpoint": f"tcp://*:{s.replay_port}",
+            }
         workers.append(w)
     pol = {"name": policy, **({"params": params} if params else {})}
     # default limits: shedding answers only the saturation the engines report, and a
     # closed loop within the servers' batch limits is never shed (router.shedding)
-    return {"listen": {"host": "127.0.0.1", "port": port}, "policy": pol,
-            "health": {"interval_s": 0.5}, "workers": workers}
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "policy": pol,
+        "health": {"interval_s": 0.5},
+        "workers": workers,
+    }
 
 
 def main(argv=None) -> int:
@@ -73,23 +86,30 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--api", default="chat", choices=("chat", "completions"))
     ap.add_argument("--kv", default="16M", help="vLLM --kv-cache-memory-bytes per server")
-    ap.add_argument("--max-num-seqs", type=int, default=64,
-                    help="vLLM --max-num-seqs per server")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM --max-num-seqs per server")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--question-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help=f"comma-separated subset of {', '.join(MODES)}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     ap.add_argument("--no-smg", action="store_true")
-    ap.add_argument("--repeat", type=int, default=1, metavar="N",
-                    help="run the whole A/B N times (fresh servers and routers each) "
-                    "and print each mode's median (range) over the runs")
-    ap.add_argument("-P", "--prefix-load-param", action="append", default=[],
-                    metavar="NAME=VALUE",
-                    help="a prefix_load parameter for the prefix_load modes (repeatable), "
-                    "e.g. -P prefill_weight=4")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the whole A/B N times (fresh servers and routers each) "
+        "and print each mode's median (range) over the runs",
+    )
+    ap.add_argument(
+        "-P",
+        "--prefix-load-param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a prefix_load parameter for the prefix_load modes (repeatable), e.g. -P prefill_weight=4",
+    )
     args = ap.parse_args(argv)
     params = {}
     for kv in args.prefix_load_param:
@@ -122,8 +142,11 @@ def main(argv=None) -> int:
     if args.repeat > 1:
         print(summary_table(docs))
     if args.json:
-        out = docs[0] if args.repeat == 1 else {"bench": docs[0]["bench"], "repeats": docs,
-                                                "summary": summarize(docs)}
+        out = (
+            docs[0]
+            if args.repeat == 1
+            else {"bench": docs[0]["bench"], "repeats": docs, "summary": summarize(docs)}
+        )
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
@@ -133,11 +156,19 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
     generator over all of them. The load generator's report with each router's
     decision counts, or None if the load generator failed."""
     tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
-    servers = [VllmServer(free_port(), model=model_dir, kv_bytes=args.kv,
-                          max_num_seqs=args.max_num_seqs,
-                          events_port=free_port(), replay_port=free_port(),
-                          log_path=tmp / f"vllm-{i}.log", omp_cpus=own_core(i))
-               for i in range(2)]
+    servers = [
+        VllmServer(
+            free_port(),
+            model=model_dir,
+            kv_bytes=args.kv,
+            max_num_seqs=args.max_num_seqs,
+            events_port=free_port(),
+            replay_port=free_port(),
+            log_path=tmp / f"vllm-{i}.log",
+            omp_cpus=own_core(i),
+        )
+        for i in range(2)
+    ]
     procs = []
     try:
         for s in servers:
@@ -148,27 +179,61 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
         for m in modes:
             port = free_port()
             cfg = tmp / f"{m}.yaml"
-            cfg.write_text(json.dumps(router_config(
-                port, servers, model_dir, **MODES[m],
-                params=params if MODES[m]["policy"] == "prefix_load" else None)))
-            procs.append(Proc(radixfleet_argv("router", "--config", str(cfg)),
-                              ready_url=f"http://127.0.0.1:{port}/health",
-                              timeout_s=60).__enter__())
+            cfg.write_text(
+                json.dumps(
+                    router_config(
+                        port,
+                        servers,
+                        model_dir,
+                        **MODES[m],
+                        params=params if MODES[m]["policy"] == "prefix_load" else None,
+                    )
+                )
+            )
+            procs.append(
+                Proc(
+                    radixfleet_argv("router", "--config", str(cfg)),
+                    ready_url=f"http://127.0.0.1:{port}/health",
+                    timeout_s=60,
+                ).__enter__()
+            )
             targets.append((m, f"http://127.0.0.1:{port}"))
         smg = shutil.which("smg")
         if smg and not args.no_smg:
             port, mport = free_port(), free_port()
-            procs.append(Proc([smg, "launch", "--host", "127.0.0.1", "--port", str(port),
-                               "--worker-urls", *[s.url for s in servers],
-                               "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
-                               "--prometheus-port", str(mport), "--log-level", "error"],
-                              ready_url=f"http://127.0.0.1:{port}/health",
-                              timeout_s=60).__enter__())
+            procs.append(
+                Proc(
+                    [
+                        smg,
+                        "launch",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--worker-urls",
+                        *[s.url for s in servers],
+                        "--policy",
+                        "cache_aware",
+                        "--prometheus-host",
+                        "127.0.0.1",
+                        "--prometheus-port",
+                        str(mport),
+                        "--log-level",
+                        "error",
+                    ],
+                    ready_url=f"http://127.0.0.1:{port}/health",
+                    timeout_s=60,
+                ).__enter__()
+            )
             targets.append(("smg_cache_aware", f"http://127.0.0.1:{port}"))
         elif not args.no_smg:
-            print("vllm_ab: smg (SGLang's router, the test extra's sglang-router) is not on "
-                  "PATH: its row is missing", file=sys.stderr)
+            print(
+                "vllm_ab: smg (SGLang's router, the test extra's sglang-router) is not on "
+                "PATH: its row is missing",
+                file=sys.stderr,
+            )
         import httpx
+
         deadline = time.monotonic() + 180  # routers probe, load tokenizers, subscribe
         for name, url in targets:
             if name.startswith("smg"):
@@ -178,26 +243,51 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
                 try:  # ready: tokenizers loaded and KV events joined too
                     ready = httpx.get(url + "/readiness", timeout=5).status_code == 200
                     ws = httpx.get(url + "/admin/workers", timeout=5).json()["workers"]
-                    if ready and ws and all(w["routable"] and (not want_tokens or w["engine"][
-                            "key_space"].startswith("TokenSpace")) for w in ws):
+                    if (
+                        ready
+                        and ws
+                        and all(
+                            w["routable"]
+                            and (not want_tokens or w["engine"]["key_space"].startswith("TokenSpace"))
+                            for w in ws
+                        )
+                    ):
                         break
                 except (httpx.HTTPError, KeyError, ValueError):
                     pass
                 time.sleep(0.5)
         out = tmp / "ab.json"
         cmd = radixfleet_argv(
-            "loadtest", *[a for n, u in targets for a in ("--target", f"{n}={u}")],
-            "--workload", "multiturn", "-o", f"clients={args.clients}",
-            "-o", f"rounds={args.rounds}", "-o", f"question_tokens={args.question_tokens}",
-            "-o", f"output_tokens={args.output_tokens}", "-o", f"api={args.api}",
-            "--concurrency", str(args.concurrency),
-            "--requests", str(args.clients * args.rounds), "--duration", "900",
-            "--model", "tiny", "--no-progress", "--json", str(out),
-            *[a for s in servers for a in ("--flush", s.url)])
+            "loadtest",
+            *[a for n, u in targets for a in ("--target", f"{n}={u}")],
+            "--workload",
+            "multiturn",
+            "-o",
+            f"clients={args.clients}",
+            "-o",
+            f"rounds={args.rounds}",
+            "-o",
+            f"question_tokens={args.question_tokens}",
+            "-o",
+            f"output_tokens={args.output_tokens}",
+            "-o",
+            f"api={args.api}",
+            "--concurrency",
+            str(args.concurrency),
+            "--requests",
+            str(args.clients * args.rounds),
+            "--duration",
+            "900",
+            "--model",
+            "tiny",
+            "--no-progress",
+            "--json",
+            str(out),
+            *[a for s in servers for a in ("--flush", s.url)],
+        )
         res = subprocess.run(cmd, timeout=3600)
         if res.returncode != 0:
-            print(f"vllm_ab: the load generator failed (exit {res.returncode})",
-                  file=sys.stderr)
+            print(f"vllm_ab: the load generator failed (exit {res.returncode})", file=sys.stderr)
             return None
         doc = json.loads(out.read_text())
         for name, url in targets:  # why each router routed as it did
@@ -212,18 +302,32 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
             for line in text.splitlines():
                 if line.startswith("radixfleet_requests_total{"):
                     labels, value = line.rsplit(" ", 1)
-                    reasons[labels[len("radixfleet_requests_total"):]] = float(value)
+                    reasons[labels[len("radixfleet_requests_total") :]] = float(value)
             for run in doc["runs"]:
                 if run["name"] == name:
-                    run["router"] = {"decisions": reasons, "workers": [
-                        {"id": w["id"], **{k: w["engine"].get(k) for k in
-                                           ("truth", "key_space", "prefill_tokens_per_s",
-                                            "prediction")}}
-                        for w in admin.get("workers", []) if "engine" in w]}
-        doc["bench"] = {"prefix_load_params": params, "kv": args.kv,
-                        "max_num_seqs": args.max_num_seqs, "api": args.api,
-                        "clients": args.clients,
-                        "rounds": args.rounds, "concurrency": args.concurrency}
+                    run["router"] = {
+                        "decisions": reasons,
+                        "workers": [
+                            {
+                                "id": w["id"],
+                                **{
+                                    k: w["engine"].get(k)
+                                    for k in ("truth", "key_space", "prefill_tokens_per_s", "prediction")
+                                },
+                            }
+                            for w in admin.get("workers", [])
+                            if "engine" in w
+                        ],
+                    }
+        doc["bench"] = {
+            "prefix_load_params": params,
+            "kv": args.kv,
+            "max_num_seqs": args.max_num_seqs,
+            "api": args.api,
+            "clients": args.clients,
+            "rounds": args.rounds,
+            "concurrency": args.concurrency,
+        }
         return doc
     finally:
         for p in procs:
@@ -243,37 +347,56 @@ def summarize(docs: list[dict]) -> dict:
         for name, r in runs.items():
             m = per.setdefault(name, {})
             pred = [p["mean_abs_tokens"] for p in (r.get("prediction") or {}).values()]
-            vals = {"hit": r["hit_rate"], "ttft_p50_ms": r["ttft_ms"]["p50"],
-                    "ttft_p99_ms": r["ttft_ms"]["p99"],
-                    "imbalance": r.get("load_imbalance"),
-                    "prediction_worst_tokens": max(pred) if pred else None}
+            vals = {
+                "hit": r["hit_rate"],
+                "ttft_p50_ms": r["ttft_ms"]["p50"],
+                "ttft_p99_ms": r["ttft_ms"]["p99"],
+                "imbalance": r.get("load_imbalance"),
+                "prediction_worst_tokens": max(pred) if pred else None,
+            }
             if rr is not None:
                 vals["hit_over_rr"] = r["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None
-                vals["p99_over_rr"] = (r["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"]
-                                       if rr["ttft_ms"]["p99"] else None)
+                vals["p99_over_rr"] = (
+                    r["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"] if rr["ttft_ms"]["p99"] else None
+                )
             for k, v in vals.items():
                 if v is not None:
                     m.setdefault(k, []).append(v)
-    return {name: {k: {"median": statistics.median(v), "min": min(v), "max": max(v),
-                       "n": len(v)} for k, v in m.items()} for name, m in per.items()}
+    return {
+        name: {
+            k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+            for k, v in m.items()
+        }
+        for name, m in per.items()
+    }
 
 
 def summary_table(docs: list[dict]) -> str:
     """The summary as a Markdown table: median (min–max) per mode."""
-    cols = [("hit", "hit", "{:.3f}"), ("hit_over_rr", "hit / rr", "{:.2f}"),
-            ("ttft_p50_ms", "TTFT p50 ms", "{:,.0f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:,.0f}"),
-            ("p99_over_rr", "p99 / rr", "{:.2f}"), ("imbalance", "imbalance", "{:.2f}"),
-            ("prediction_worst_tokens", "prediction, worst worker (tokens)", "{:.1f}")]
-    lines = [f"{len(docs)} runs, median (min–max)", "",
-             "| mode | " + " | ".join(c[1] for c in cols) + " |",
-             "|---|" + "---|" * len(cols)]
+    cols = [
+        ("hit", "hit", "{:.3f}"),
+        ("hit_over_rr", "hit / rr", "{:.2f}"),
+        ("ttft_p50_ms", "TTFT p50 ms", "{:,.0f}"),
+        ("ttft_p99_ms", "TTFT p99 ms", "{:,.0f}"),
+        ("p99_over_rr", "p99 / rr", "{:.2f}"),
+        ("imbalance", "imbalance", "{:.2f}"),
+        ("prediction_worst_tokens", "prediction, worst worker (tokens)", "{:.1f}"),
+    ]
+    lines = [
+        f"{len(docs)} runs, median (min–max)",
+        "",
+        "| mode | " + " | ".join(c[1] for c in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     for name, m in summarize(docs).items():
         cells = []
         for key, _, fmt in cols:
             st = m.get(key)
-            cells.append("–" if st is None else
-                         f"{fmt.format(st['median'])} ({fmt.format(st['min'])}–"
-                         f"{fmt.format(st['max'])})")
+            cells.append(
+                "–"
+                if st is None
+                else f"{fmt.format(st['median'])} ({fmt.format(st['min'])}–{fmt.format(st['max'])})"
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -51,26 +51,33 @@ def main() -> None:
     n = a.prompts
     d = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-dp-"))
     model = tiny_model()
-    s = VllmServer(free_port(), model=model, events_port=_two_free_ports(),
-                   replay_port=_two_free_ports(), log_path=d / "vllm.log",
-                   data_parallel_size=2, omp_cpus=f"{own_core(0)}|{own_core(1)}",
-                   extra_args=("--enforce-eager",))
+    s = VllmServer(
+        free_port(),
+        model=model,
+        events_port=_two_free_ports(),
+        replay_port=_two_free_ports(),
+        log_path=d / "vllm.log",
+        data_parallel_size=2,
+        omp_cpus=f"{own_core(0)}|{own_core(1)}",
+        extra_args=("--enforce-eager",),
+    )
     with s:
         direct = [twice(s.url, 90_000 + i) for i in range(n)]
         port = free_port()
-        cfg = {"listen": {"host": "127.0.0.1", "port": port}, "health": {"interval_s": 0.5},
-               "limits": {"worker_queue_requests": 0},
-               "workers": [{"url": s.url, "id": "dp", "kind": "vllm", "tokenizer": str(model)}]}
+        cfg = {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "health": {"interval_s": 0.5},
+            "limits": {"worker_queue_requests": 0},
+            "workers": [{"url": s.url, "id": "dp", "kind": "vllm", "tokenizer": str(model)}],
+        }
         (d / "router.yaml").write_text(json.dumps(cfg))
         url = f"http://127.0.0.1:{port}"
-        with Proc(radixfleet_argv("router", "--config", str(d / "router.yaml")),
-                  ready_url=url + "/health"):
+        with Proc(radixfleet_argv("router", "--config", str(d / "router.yaml")), ready_url=url + "/health"):
             end = time.monotonic() + 120
             while True:
                 w = httpx.get(url + "/admin/workers", timeout=5).json()["workers"][0]
                 ev = w["engine"]["events"]
-                if w["routable"] and ev and ev["connected"] \
-                        and w["engine"]["data_parallel_ranks"] == 2:
+                if w["routable"] and ev and ev["connected"] and w["engine"]["data_parallel_ranks"] == 2:
                     break
                 if time.monotonic() > end:
                     raise SystemExit(f"the router did not follow both ranks: {w}")
@@ -79,12 +86,15 @@ def main() -> None:
             eng = httpx.get(url + "/admin/workers", timeout=5).json()["workers"][0]["engine"]
     out = {}
     for name, rows in (("vllm_balancer", direct), ("router_rank_header", routed)):
-        out[name] = {"second_request_hits": f"{sum(1 for _, c in rows if c > 0)}/{n}",
-                     "mean_cached_tokens": round(sum(c for _, c in rows) / n, 1),
-                     "mean_prompt_tokens": round(sum(p for p, _ in rows) / n, 1)}
+        out[name] = {
+            "second_request_hits": f"{sum(1 for _, c in rows if c > 0)}/{n}",
+            "mean_cached_tokens": round(sum(c for _, c in rows) / n, 1),
+            "mean_prompt_tokens": round(sum(p for p, _ in rows) / n, 1),
+        }
     out["router_rank_entries"] = {r: v["entries"] for r, v in eng["events"]["ranks"].items()}
-    out["router_prediction"] = {k: eng["prediction"][k]
-                                for k in ("samples", "mean_abs_tokens", "over", "under")}
+    out["router_prediction"] = {
+        k: eng["prediction"][k] for k in ("samples", "mean_abs_tokens", "over", "under")
+    }
     print(json.dumps(out, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

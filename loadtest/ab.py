@@ -62,22 +62,38 @@ DEFAULT_KV_TOKENS = 12_000
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("local A/B (--ab): a fleet started for the run")
-    g.add_argument("--ab", choices=AB_KINDS,
-                   help="radix: radix cache on vs off; policy: --policies compared (no --target)")
+    g.add_argument(
+        "--ab",
+        choices=AB_KINDS,
+        help="radix: radix cache on vs off; policy: --policies compared (no --target)",
+    )
     g.add_argument("--agents", type=int, default=4, help="simulated agents (default 4)")
     g.add_argument("--agent-model", default="llama-3-8b", help="the agents' model preset")
     g.add_argument("--gpu", default="h100", help="the agents' GPU preset")
-    g.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
-                   help=f"KV tokens per agent (default {DEFAULT_KV_TOKENS:,})")
+    g.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=DEFAULT_KV_TOKENS,
+        help=f"KV tokens per agent (default {DEFAULT_KV_TOKENS:,})",
+    )
     g.add_argument("--page-size", type=int, default=1, help="the agents' --page-size")
-    g.add_argument("--policy", default="round_robin",
-                   help="--ab radix: the router policy of both arms (default round_robin)")
-    g.add_argument("--policies", default="prefix_load,round_robin",
-                   help="--ab policy: the two (or more) arms compared: policies, smg, or "
-                        "a policy with parameters, e.g. 'prefix_load,prefix_load[tie_s=0]'")
-    g.add_argument("--plain-workers", action="store_true",
-                   help="--ab: agents that send no events (the router keys, ages and "
-                   "corrects its index itself, as in front of a plain engine)")
+    g.add_argument(
+        "--policy",
+        default="round_robin",
+        help="--ab radix: the router policy of both arms (default round_robin)",
+    )
+    g.add_argument(
+        "--policies",
+        default="prefix_load,round_robin",
+        help="--ab policy: the two (or more) arms compared: policies, smg, or "
+        "a policy with parameters, e.g. 'prefix_load,prefix_load[tie_s=0]'",
+    )
+    g.add_argument(
+        "--plain-workers",
+        action="store_true",
+        help="--ab: agents that send no events (the router keys, ages and "
+        "corrects its index itself, as in front of a plain engine)",
+    )
     g.add_argument("--out", default="radixfleet-ab", help="--ab: where the fleet logs")
 
 
@@ -142,13 +158,16 @@ def arms(args: argparse.Namespace) -> list[Arm]:
     page = ["--page-size", str(args.page_size)] if args.page_size != 1 else []
     if args.ab == "radix":
         policy_class(args.policy, path="--policy")
-        return [Arm(f"radix on ({args.policy})", args.policy, {}, page),
-                Arm(f"radix off ({args.policy})", args.policy, {},
-                    [*page, "--disable-radix-cache"])]
+        return [
+            Arm(f"radix on ({args.policy})", args.policy, {}, page),
+            Arm(f"radix off ({args.policy})", args.policy, {}, [*page, "--disable-radix-cache"]),
+        ]
     specs = split_arms(args.policies)
     if len(specs) < 2 or len(set(specs)) != len(specs):
-        raise ConfigError("--policies", "name two or more distinct arms, comma-separated "
-                          "(a policy, or a policy with [NAME=VALUE,...])")
+        raise ConfigError(
+            "--policies",
+            "name two or more distinct arms, comma-separated (a policy, or a policy with [NAME=VALUE,...])",
+        )
     out = []
     for i, spec in enumerate(specs):
         where = f"--policies[{i}]"
@@ -199,10 +218,15 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
 
         require_smg()  # before any agent starts: missing is said at once
     plain = bool(getattr(args, "plain_workers", False))
-    cfg = FleetConfig(agents=args.agents, model=args.agent_model, gpu=args.gpu,
-                      kv_tokens=args.kv_tokens, router_port=0,
-                      policy=next((a.policy for a in plan if a.policy != SMG), "prefix_load"),
-                      plain_workers=plain).validate()
+    cfg = FleetConfig(
+        agents=args.agents,
+        model=args.agent_model,
+        gpu=args.gpu,
+        kv_tokens=args.kv_tokens,
+        router_port=0,
+        policy=next((a.policy for a in plan if a.policy != SMG), "prefix_load"),
+        plain_workers=plain,
+    ).validate()
     check_outputs(dirs=[("--out", args.out)])
     fleet = Fleet(cfg, log_dir=os.path.join(args.out, "logs"), start_router=False)
     by_name = {a.name: a for a in plan}
@@ -229,15 +253,28 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
         await asyncio.to_thread(switch, name)
         print(f"ab: running {name} ...", flush=True)
 
-    print(f"ab {args.ab}: {cfg.agents} agents ({cfg.model} on {cfg.gpu}, {cfg.kv_tokens:,} KV "
-          f"tokens each), workload {workload.name} seed {workload.seed}; logs {fleet.log_dir}",
-          flush=True)
+    print(
+        f"ab {args.ab}: {cfg.agents} agents ({cfg.model} on {cfg.gpu}, {cfg.kv_tokens:,} KV "
+        f"tokens each), workload {workload.name} seed {workload.seed}; logs {fleet.log_dir}",
+        flush=True,
+    )
     try:
-        outcomes = asyncio.run(run_ab(
-            [(a.name, fleet.router_url) for a in plan], workload, arrivals, bounds,
-            flush_urls=fleet.agent_urls, kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
-            model=None, timeout_s=args.timeout, send_session=args.send_session,
-            progress=False if args.no_progress else None, settle_s=0.5, between=between))
+        outcomes = asyncio.run(
+            run_ab(
+                [(a.name, fleet.router_url) for a in plan],
+                workload,
+                arrivals,
+                bounds,
+                flush_urls=fleet.agent_urls,
+                kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
+                model=None,
+                timeout_s=args.timeout,
+                send_session=args.send_session,
+                progress=False if args.no_progress else None,
+                settle_s=0.5,
+                between=between,
+            )
+        )
     finally:
         fleet.stop()
     for o, a in zip(outcomes, plan):
@@ -247,8 +284,8 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
             front = f"smg launch {' '.join(launch_args(a.params))} (SGLang's gateway)"
         else:
             front = f"radixfleet router --policy {a.policy}" + "".join(
-                f" --policy-param {k}={param_text(v)}" for k, v in a.params.items())
+                f" --policy-param {k}={param_text(v)}" for k, v in a.params.items()
+            )
         events = "no events" if plain or a.policy == SMG else "events to the router"
-        o.report["target"] = (f"{front}; agents {' '.join(a.agent_args) or '(defaults)'}, "
-                              f"{events}")
+        o.report["target"] = f"{front}; agents {' '.join(a.agent_args) or '(defaults)'}, {events}"
     return outcomes

@@ -67,8 +67,8 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -109,13 +109,17 @@ class Options:
     def validate(self) -> CostModel:
         """The preset's cost model; raises ``ConfigError`` naming the flag."""
         if self.model not in MODELS:
-            raise ConfigError("--agent-model", f"unknown preset {self.model!r}; choose one of "
-                              f"{', '.join(MODELS)}")
+            raise ConfigError(
+                "--agent-model", f"unknown preset {self.model!r}; choose one of {', '.join(MODELS)}"
+            )
         if self.gpu not in GPUS:
-            raise ConfigError("--gpu", f"unknown preset {self.gpu!r}; choose one of "
-                              f"{', '.join(GPUS)}")
-        for flag, v in (("--tp", self.tp), ("--agents", self.workers),
-                        ("--concurrency", self.concurrency), ("--block-tokens", self.block_tokens)):
+            raise ConfigError("--gpu", f"unknown preset {self.gpu!r}; choose one of {', '.join(GPUS)}")
+        for flag, v in (
+            ("--tp", self.tp),
+            ("--agents", self.workers),
+            ("--concurrency", self.concurrency),
+            ("--block-tokens", self.block_tokens),
+        ):
             if type(v) is not int or v < 1:
                 raise ConfigError(flag, f"must be an integer >= 1, got {v!r}")
         if type(self.points) is not int or not 3 <= self.points <= 64:
@@ -158,8 +162,7 @@ def oracle_and_reuse(data: TraceData):
     flat, lengths, prompt = _flatten(data)
     n_rec = len(lengths)
     rec_of = np.repeat(np.arange(n_rec, dtype=np.int64), lengths)
-    uniq, first, inv, counts = np.unique(flat, return_index=True, return_inverse=True,
-                                         return_counts=True)
+    uniq, first, inv, counts = np.unique(flat, return_index=True, return_inverse=True, return_counts=True)
     seen = rec_of[first][inv] < rec_of
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     lead_seen = _leading_run(seen, starts, lengths, rec_of)
@@ -171,14 +174,23 @@ def oracle_and_reuse(data: TraceData):
     by_unit = np.argsort(inv, kind="stable")
     again = inv[by_unit[1:]] == inv[by_unit[:-1]]
     windows = by_unit[1:][again] - by_unit[:-1][again]
-    return {"oracle_tokens": oracle, "prompt_tokens": prompt, "distinct_units": len(uniq),
-            "inv": inv, "starts": starts, "lengths": lengths, "lead_shared": lead_shared,
-            "n_nodes": len(uniq), "counts": counts,
-            "reuse_window_p95": float(np.quantile(windows, 0.95)) if len(windows) else 0.0}
+    return {
+        "oracle_tokens": oracle,
+        "prompt_tokens": prompt,
+        "distinct_units": len(uniq),
+        "inv": inv,
+        "starts": starts,
+        "lengths": lengths,
+        "lead_shared": lead_shared,
+        "n_nodes": len(uniq),
+        "counts": counts,
+        "reuse_window_p95": float(np.quantile(windows, 0.95)) if len(windows) else 0.0,
+    }
 
 
-def _leading_run(flags: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                 rec_of: np.ndarray) -> np.ndarray:
+def _leading_run(
+    flags: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rec_of: np.ndarray
+) -> np.ndarray:
     """Per record, how many of its positions from the first are all True."""
     bad = np.concatenate(([0], np.cumsum(~flags)))
     # positions whose record has no False up to and including them
@@ -186,8 +198,9 @@ def _leading_run(flags: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
     return np.bincount(rec_of, weights=ok, minlength=len(lengths)).astype(np.int64)
 
 
-def zipf_head(reuse: dict, block_tokens: int, bytes_per_token: float,
-              shares: Sequence[float] = COVERAGE_SHARES) -> dict:
+def zipf_head(
+    reuse: dict, block_tokens: int, bytes_per_token: float, shares: Sequence[float] = COVERAGE_SHARES
+) -> dict:
     """The Zipf head (module docstring): blocks kept most-requested first (ties:
     shallower first, so the kept set is always prefix-closed), and as they are kept,
     the requests *covered* (every block they share with another request is kept) and
@@ -218,27 +231,35 @@ def zipf_head(reuse: dict, block_tokens: int, bytes_per_token: float,
     head = (par < 0) | (counts[np.maximum(par, 0)] != counts[order])
     cum_heads = np.cumsum(head)
     tokens_total = float(reuse["prompt_tokens"].sum())
-    cum_static = np.cumsum((counts[order] - 1) * block_tokens) / tokens_total \
-        if tokens_total else np.zeros(len(order))
+    cum_static = (
+        np.cumsum((counts[order] - 1) * block_tokens) / tokens_total if tokens_total else np.zeros(len(order))
+    )
     cover = []
     for s in shares:
         need = int(math.ceil(s * n_rec - 1e-9))
         if need <= len(cover_rank) and need > 0:
             k = int(cover_rank[need - 1]) + 1  # blocks kept
-            cover.append({"share": s, "blocks": k, "prefixes": int(cum_heads[k - 1]),
-                          "kv_tokens": k * block_tokens,
-                          "kv_bytes": k * block_tokens * bytes_per_token})
+            cover.append(
+                {
+                    "share": s,
+                    "blocks": k,
+                    "prefixes": int(cum_heads[k - 1]),
+                    "kv_tokens": k * block_tokens,
+                    "kv_bytes": k * block_tokens * bytes_per_token,
+                }
+            )
         else:
-            cover.append({"share": s, "blocks": None, "prefixes": None, "kv_tokens": None,
-                          "kv_bytes": None})
+            cover.append({"share": s, "blocks": None, "prefixes": None, "kv_tokens": None, "kv_bytes": None})
     # curves, thinned to <= 400 points on a log scale of blocks kept
     if len(order):
         ks = np.unique(np.geomspace(1, len(order), num=min(400, len(order))).astype(np.int64))
         covered = np.searchsorted(cover_rank, ks, side="left") / n_rec
     else:
         ks, covered = np.array([], dtype=np.int64), np.array([])
-    top = [{"requests": int(counts[order[i]]), "depth_blocks": int(node_depth[order[i]]) + 1}
-           for i in np.nonzero(head)[0][:10]]
+    top = [
+        {"requests": int(counts[order[i]]), "depth_blocks": int(node_depth[order[i]]) + 1}
+        for i in np.nonzero(head)[0][:10]
+    ]
     return {
         "requests": n_rec,
         "sharing_share": float(has.sum() / n_rec) if n_rec else 0.0,
@@ -247,10 +268,12 @@ def zipf_head(reuse: dict, block_tokens: int, bytes_per_token: float,
         "top_prefixes": top,
         "static_hit_rate": float(cum_static[-1]) if len(order) else 0.0,
         "coverage": cover,
-        "curve": {"blocks": [int(k) for k in ks],
-                  "kv_bytes": [float(k * block_tokens * bytes_per_token) for k in ks],
-                  "requests_share": [float(c) for c in covered],
-                  "static_hit_rate": [float(cum_static[k - 1]) for k in ks]},
+        "curve": {
+            "blocks": [int(k) for k in ks],
+            "kv_bytes": [float(k * block_tokens * bytes_per_token) for k in ks],
+            "requests_share": [float(c) for c in covered],
+            "static_hit_rate": [float(cum_static[k - 1]) for k in ks],
+        },
     }
 
 
@@ -289,8 +312,9 @@ def pooled_curve(data: TraceData, capacities: Sequence[int], jobs: int) -> dict[
             ctx = multiprocessing.get_context("fork")
             with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
                 # the largest first: the slowest passes start earliest
-                for c, (got, total) in zip(sorted(caps, reverse=True),
-                                           pool.map(_pooled_pass, sorted(caps, reverse=True))):
+                for c, (got, total) in zip(
+                    sorted(caps, reverse=True), pool.map(_pooled_pass, sorted(caps, reverse=True))
+                ):
                     out[c] = got / total if total else 0.0
     finally:
         _SHARED = None
@@ -312,18 +336,20 @@ def find_knee(xs: Sequence[float], ys: Sequence[float]) -> int:
     return k
 
 
-def budget(cost: CostModel, workers: int, concurrency: int,
-           mean_context_tokens: float) -> dict:
+def budget(cost: CostModel, workers: int, concurrency: int, mean_context_tokens: float) -> dict:
     """Per worker and fleet cache budget (module docstring). Raises ``ConfigError``
     when the weights do not fit, or the running batch alone fills the KV."""
     m = cost.model
     cap = cost.kv_capacity_tokens()  # ConfigError("tp", ...) when the weights do not fit
     working = int(math.ceil(concurrency * mean_context_tokens))
     if working >= cap:
-        raise ConfigError("--concurrency", f"{concurrency} running requests of "
-                          f"{mean_context_tokens:,.0f} tokens ({working:,} KV tokens) fill "
-                          f"{m.name} on {cost.tp} x {cost.gpu.name} ({cap:,} KV tokens): "
-                          "lower --concurrency or raise --tp")
+        raise ConfigError(
+            "--concurrency",
+            f"{concurrency} running requests of "
+            f"{mean_context_tokens:,.0f} tokens ({working:,} KV tokens) fill "
+            f"{m.name} on {cost.tp} x {cost.gpu.name} ({cap:,} KV tokens): "
+            "lower --concurrency or raise --tp",
+        )
     per_token = m.kv_bytes_per_token
     cache_tokens = cap - working
     return {
@@ -354,8 +380,9 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
     data = read_trace(paths, opts.block_tokens, skip_bad=opts.skip_bad, keep_info=True)
     if not data.records:
         where = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
-        raise WorkloadError(f"{where}: no requests" + (
-            f" ({len(data.skipped)} bad lines skipped)" if data.skipped else ""))
+        raise WorkloadError(
+            f"{where}: no requests" + (f" ({len(data.skipped)} bad lines skipped)" if data.skipped else "")
+        )
     timing["read"] = time.perf_counter() - t
     bt = data.block_tokens
     recs = data.records
@@ -371,8 +398,9 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
         ratio = engine_prompt / routed if routed else 1.0
         with_cached = [i for i in info if i.cached_tokens is not None]
         observed = {
-            "hit_rate": (sum(i.cached_tokens for i in with_cached)
-                         / sum(i.input_length for i in with_cached)) if with_cached else None,
+            "hit_rate": (sum(i.cached_tokens for i in with_cached) / sum(i.input_length for i in with_cached))
+            if with_cached
+            else None,
             "requests_reporting_cached": len(with_cached),
             "router_matched_share": sum(i.matched_tokens for i in info) / engine_prompt,
         }
@@ -419,40 +447,60 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
     gb = budget_tokens * per_token / 1e9
     gain = at_2b - at_b
     if budget_tokens >= top:
-        verdict = ("the budget holds the whole working set: pooled = oracle; more cache "
-                   "buys nothing")
+        verdict = "the budget holds the whole working set: pooled = oracle; more cache buys nothing"
     elif gain < FLAT_GAIN:
-        verdict = (f"flat: doubling the cache past the budget adds {gain * 100:.2f} points "
-                   "of hit rate: stop buying cache")
+        verdict = (
+            f"flat: doubling the cache past the budget adds {gain * 100:.2f} points "
+            "of hit rate: stop buying cache"
+        )
     else:
-        verdict = (f"rising: doubling the cache past the budget adds {gain * 100:.1f} points "
-                   "of hit rate")
+        verdict = f"rising: doubling the cache past the budget adds {gain * 100:.1f} points of hit rate"
     span = (recs[-1][0] - recs[0][0]) / 1000.0
     res = {
         "schema": SCHEMA,
-        "inputs": {"files": list(paths), "format": data.kind, "requests": n,
-                   "skipped_lines": len(data.skipped),
-                   "first_skipped": ([f"{p}:{ln}" for p, ln in data.skipped[:5]]),
-                   "span_s": span, "block_tokens": bt, "sample_rates": rates,
-                   "tenants": tenants, "models": models},
-        "tokens": {"prompt_tokens": routed, "engine_prompt_tokens": engine_prompt,
-                   "token_ratio": ratio, "output_tokens": out_tokens,
-                   "distinct_blocks": units, "working_set_tokens": top,
-                   "working_set_bytes": top * per_token},
+        "inputs": {
+            "files": list(paths),
+            "format": data.kind,
+            "requests": n,
+            "skipped_lines": len(data.skipped),
+            "first_skipped": ([f"{p}:{ln}" for p, ln in data.skipped[:5]]),
+            "span_s": span,
+            "block_tokens": bt,
+            "sample_rates": rates,
+            "tenants": tenants,
+            "models": models,
+        },
+        "tokens": {
+            "prompt_tokens": routed,
+            "engine_prompt_tokens": engine_prompt,
+            "token_ratio": ratio,
+            "output_tokens": out_tokens,
+            "distinct_blocks": units,
+            "working_set_tokens": top,
+            "working_set_bytes": top * per_token,
+        },
         "observed": observed,
-        "model": {"model": opts.model, "gpu": opts.gpu, "tp": opts.tp,
-                  "kv_bytes_per_token": cost.model.kv_bytes_per_token},
+        "model": {
+            "model": opts.model,
+            "gpu": opts.gpu,
+            "tp": opts.tp,
+            "kv_bytes_per_token": cost.model.kv_bytes_per_token,
+        },
         "budget": bud,
         "oracle_hit_rate": oracle_hit,
-        "knee_curve": [{"kv_tokens": c, "kv_bytes": c * per_token, "hit_rate": h}
-                       for c, h in curve],
+        "knee_curve": [{"kv_tokens": c, "kv_bytes": c * per_token, "hit_rate": h} for c, h in curve],
         "knee": {"kv_tokens": curve[k][0], "kv_bytes": xs[k], "hit_rate": ys[k]},
-        "at_budget": {"kv_tokens": budget_tokens, "kv_bytes": budget_tokens * per_token,
-                      "hit_rate": at_b},
-        "at_2x_budget": {"kv_tokens": 2 * budget_tokens,
-                         "kv_bytes": 2 * budget_tokens * per_token, "hit_rate": at_2b},
-        "slope_past_budget": {"points_per_gb": gain * 100 / gb if gb else 0.0,
-                              "gain_doubling": gain, "verdict": verdict},
+        "at_budget": {"kv_tokens": budget_tokens, "kv_bytes": budget_tokens * per_token, "hit_rate": at_b},
+        "at_2x_budget": {
+            "kv_tokens": 2 * budget_tokens,
+            "kv_bytes": 2 * budget_tokens * per_token,
+            "hit_rate": at_2b,
+        },
+        "slope_past_budget": {
+            "points_per_gb": gain * 100 / gb if gb else 0.0,
+            "gain_doubling": gain,
+            "verdict": verdict,
+        },
         "zipf_head": head,
         "timing_s": timing,
     }
@@ -477,14 +525,18 @@ def replay(data: TraceData, opts: Options, bud: dict, ratio: float, paths) -> li
         if p not in policy_names():
             raise ConfigError("--policies", f"{p!r} is not one of {', '.join(policy_names())}")
     kv = opts.kv_tokens or max(1, int(bud["per_worker_tokens"] / ratio))
-    trace = Trace.from_records(data.records, block_tokens=data.block_tokens,
-                               path=",".join(paths), time_scale=opts.time_scale, seed=opts.seed)
+    trace = Trace.from_records(
+        data.records,
+        block_tokens=data.block_tokens,
+        path=",".join(paths),
+        time_scale=opts.time_scale,
+        seed=opts.seed,
+    )
     engine = EngineSpec(model=opts.model, gpu=opts.gpu, tp=opts.tp, kv_tokens=kv)
     base = SimConfig(workers=opts.workers, engine=engine, level="block")
     base.validate()
     plans = plan_runs(base, list(opts.policies), ["events"], TraceTimes(), None)
-    outs = simulate(plans, trace, Bounds(None, None, 600.0), {}, seed=opts.seed,
-                    jobs=opts.jobs)
+    outs = simulate(plans, trace, Bounds(None, None, 600.0), {}, seed=opts.seed, jobs=opts.jobs)
     return [o.report for o in outs]
 
 
@@ -510,60 +562,98 @@ def print_report(res: dict, file=None) -> None:
     t.add_column("figure", no_wrap=True)
     t.add_column("value", justify="right", no_wrap=True)
     t.add_column("what it is", no_wrap=False)
-    t.add_row("requests", f"{inp['requests']:,}",
-              f"{inp['format'].replace('_', ' ')}, {inp['span_s']:,.0f} s, "
-              f"{len(inp['files'])} file(s)" + (f", {inp['skipped_lines']} bad lines skipped"
-                                                if inp["skipped_lines"] else ""))
-    t.add_row("working set", _gb(tok["working_set_bytes"]),
-              f"{tok['distinct_blocks']:,} distinct blocks of {inp['block_tokens']} tokens "
-              f"({m['model']}, {m['kv_bytes_per_token']:,} B/token, token ratio "
-              f"{tok['token_ratio']:.2f})")
+    t.add_row(
+        "requests",
+        f"{inp['requests']:,}",
+        f"{inp['format'].replace('_', ' ')}, {inp['span_s']:,.0f} s, "
+        f"{len(inp['files'])} file(s)"
+        + (f", {inp['skipped_lines']} bad lines skipped" if inp["skipped_lines"] else ""),
+    )
+    t.add_row(
+        "working set",
+        _gb(tok["working_set_bytes"]),
+        f"{tok['distinct_blocks']:,} distinct blocks of {inp['block_tokens']} tokens "
+        f"({m['model']}, {m['kv_bytes_per_token']:,} B/token, token ratio "
+        f"{tok['token_ratio']:.2f})",
+    )
     obs = res.get("observed")
     if obs and obs["hit_rate"] is not None:
-        t.add_row("observed hit", f"{obs['hit_rate']:.3f}",
-                  "cached tokens the workers reported, over prompt tokens (live)")
-    t.add_row("oracle", f"{res['oracle_hit_rate']:.3f}",
-              "hit rate of one unbounded cache (every earlier prompt kept)")
+        t.add_row(
+            "observed hit",
+            f"{obs['hit_rate']:.3f}",
+            "cached tokens the workers reported, over prompt tokens (live)",
+        )
+    t.add_row(
+        "oracle",
+        f"{res['oracle_hit_rate']:.3f}",
+        "hit rate of one unbounded cache (every earlier prompt kept)",
+    )
     kn = res["knee"]
-    t.add_row("knee", f"{_gb(kn['kv_bytes'])}",
-              f"pooled hit {kn['hit_rate']:.3f}: past here each GB buys less than average")
-    t.add_row("budget / worker", _gb(bud["per_worker_bytes"]),
-              f"{m['gpu']} x{m['tp']} HBM {_gb(bud['hbm_bytes'])} - reserve "
-              f"{_gb(bud['activation_reserve_bytes'])} - weights {_gb(bud['weights_bytes'])} - "
-              f"batch {bud['concurrency']} x {bud['mean_context_tokens']:,.0f} tokens "
-              f"({_gb(bud['working_set_bytes'])})")
+    t.add_row(
+        "knee",
+        f"{_gb(kn['kv_bytes'])}",
+        f"pooled hit {kn['hit_rate']:.3f}: past here each GB buys less than average",
+    )
+    t.add_row(
+        "budget / worker",
+        _gb(bud["per_worker_bytes"]),
+        f"{m['gpu']} x{m['tp']} HBM {_gb(bud['hbm_bytes'])} - reserve "
+        f"{_gb(bud['activation_reserve_bytes'])} - weights {_gb(bud['weights_bytes'])} - "
+        f"batch {bud['concurrency']} x {bud['mean_context_tokens']:,.0f} tokens "
+        f"({_gb(bud['working_set_bytes'])})",
+    )
     ab, a2 = res["at_budget"], res["at_2x_budget"]
-    t.add_row("pooled @ budget", f"{ab['hit_rate']:.3f}",
-              f"{bud['workers']} worker(s): one LRU cache of {_gb(ab['kv_bytes'])}")
+    t.add_row(
+        "pooled @ budget",
+        f"{ab['hit_rate']:.3f}",
+        f"{bud['workers']} worker(s): one LRU cache of {_gb(ab['kv_bytes'])}",
+    )
     t.add_row("pooled @ 2x", f"{a2['hit_rate']:.3f}", f"{_gb(a2['kv_bytes'])}")
     sl = res["slope_past_budget"]
-    t.add_row("slope past budget", f"{sl['points_per_gb']:.3f}", "hit-rate points per GB: "
-              + sl["verdict"])
+    t.add_row("slope past budget", f"{sl['points_per_gb']:.3f}", "hit-rate points per GB: " + sl["verdict"])
     z = res["zipf_head"]
-    t.add_row("sharing requests", f"{z['sharing_share']:.3f}",
-              "share of requests that share a prefix with any other")
+    t.add_row(
+        "sharing requests",
+        f"{z['sharing_share']:.3f}",
+        "share of requests that share a prefix with any other",
+    )
     for c in z["coverage"]:
         pct = f"{c['share'] * 100:.0f}%"
         if c["prefixes"] is None:
-            t.add_row(f"Zipf head {pct}", "-",
-                      f"{pct} of requests: never covered (fewer than that share anything)")
+            t.add_row(
+                f"Zipf head {pct}", "-", f"{pct} of requests: never covered (fewer than that share anything)"
+            )
         else:
-            t.add_row(f"Zipf head {pct}", f"{c['prefixes']:,}",
-                      f"fewest prefixes covering {pct} of requests: {c['blocks']:,} blocks, "
-                      f"{_gb(c['kv_bytes'])}")
+            t.add_row(
+                f"Zipf head {pct}",
+                f"{c['prefixes']:,}",
+                f"fewest prefixes covering {pct} of requests: {c['blocks']:,} blocks, {_gb(c['kv_bytes'])}",
+            )
     print_table(t, out, [], legend=None)
     curve = Table(title="knee curve (pooled LRU)")
     for col in ("KV", "tokens", "pooled hit", "of oracle"):
         curve.add_column(col, justify="right")
     for p in res["knee_curve"]:
-        mark = " <- knee" if p["kv_tokens"] == kn["kv_tokens"] else (
-            " <- budget" if p["kv_tokens"] == ab["kv_tokens"] else "")
-        curve.add_row(_gb(p["kv_bytes"]) + mark, f"{p['kv_tokens']:,}", f"{p['hit_rate']:.3f}",
-                      f"{p['hit_rate'] / res['oracle_hit_rate']:.0%}"
-                      if res["oracle_hit_rate"] else "-")
-    print_table(curve, out, [], legend=(
-        "pooled hit: share of prompt tokens one LRU cache of that size serves (no routing, "
-        "no copies); of oracle: that share over the unbounded cache's."))
+        mark = (
+            " <- knee"
+            if p["kv_tokens"] == kn["kv_tokens"]
+            else (" <- budget" if p["kv_tokens"] == ab["kv_tokens"] else "")
+        )
+        curve.add_row(
+            _gb(p["kv_bytes"]) + mark,
+            f"{p['kv_tokens']:,}",
+            f"{p['hit_rate']:.3f}",
+            f"{p['hit_rate'] / res['oracle_hit_rate']:.0%}" if res["oracle_hit_rate"] else "-",
+        )
+    print_table(
+        curve,
+        out,
+        [],
+        legend=(
+            "pooled hit: share of prompt tokens one LRU cache of that size serves (no routing, "
+            "no copies); of oracle: that share over the unbounded cache's."
+        ),
+    )
     if res.get("policies"):
         from loadtest.simulator.main import _print_table
 
@@ -571,10 +661,13 @@ def print_report(res: dict, file=None) -> None:
         for r in res["policies"]:
             if r["errors"]:
                 kinds = ", ".join(f"{k}: {v}" for k, v in r["errors_by_kind"].items())
-                print(f"replay {r['name']}: {r['errors']} of {r['requests']} requests failed "
-                      f"({kinds}; http_400: prompt + output exceed a worker's "
-                      f"{r['sim']['kv_tokens_per_worker']:,} KV tokens); the replay's figures, "
-                      "oracle and pooled too, cover the ok requests", file=out)
+                print(
+                    f"replay {r['name']}: {r['errors']} of {r['requests']} requests failed "
+                    f"({kinds}; http_400: prompt + output exceed a worker's "
+                    f"{r['sim']['kv_tokens_per_worker']:,} KV tokens); the replay's figures, "
+                    "oracle and pooled too, cover the ok requests",
+                    file=out,
+                )
 
 
 def write_plots(res: dict, out_dir: str) -> list[str]:
@@ -597,24 +690,43 @@ def write_plots(res: dict, out_dir: str) -> list[str]:
     ax.plot(xs, ys, "-o", color="tab:blue", ms=4, lw=2, label="pooled LRU (one cache of that size)")
     ax.axhline(oracle, color="tab:gray", ls="--", lw=1.2, label=f"oracle (unbounded) {oracle:.3f}")
     bx = ab["kv_bytes"] / 1e9
-    ax.axvline(bx, color="tab:red", lw=1.5,
-               label=f"budget {bx:,.1f} GB (HBM - weights - running batch)")
+    ax.axvline(bx, color="tab:red", lw=1.5, label=f"budget {bx:,.1f} GB (HBM - weights - running batch)")
     ax.axvspan(bx, max(xs[-1], 2 * bx), color="tab:red", alpha=0.06)
-    ax.plot([bx, 2 * bx], [ab["hit_rate"], a2["hit_rate"]], color="tab:red", lw=2.2,
-            label=f"past the budget: {res['slope_past_budget']['points_per_gb']:.2f} pt/GB")
-    ax.plot([kn["kv_bytes"] / 1e9], [kn["hit_rate"]], marker="*", ms=16, color="tab:orange",
-            ls="none", label=f"knee {kn['kv_bytes'] / 1e9:,.2f} GB, hit {kn['hit_rate']:.3f}")
+    ax.plot(
+        [bx, 2 * bx],
+        [ab["hit_rate"], a2["hit_rate"]],
+        color="tab:red",
+        lw=2.2,
+        label=f"past the budget: {res['slope_past_budget']['points_per_gb']:.2f} pt/GB",
+    )
+    ax.plot(
+        [kn["kv_bytes"] / 1e9],
+        [kn["hit_rate"]],
+        marker="*",
+        ms=16,
+        color="tab:orange",
+        ls="none",
+        label=f"knee {kn['kv_bytes'] / 1e9:,.2f} GB, hit {kn['hit_rate']:.3f}",
+    )
     ax.set_xscale("log")
     ax.set_xlabel("KV cache, GB (log scale)")
     ax.set_ylabel("hit rate (share of prompt tokens from cache)")
     m = res["model"]
-    ax.set_title(f"Cache-size knee: {res['inputs']['requests']:,} requests, {m['model']} on "
-                 f"{res['budget']['workers']} x {m['gpu']}" + (f" x{m['tp']}" if m["tp"] > 1 else ""))
+    ax.set_title(
+        f"Cache-size knee: {res['inputs']['requests']:,} requests, {m['model']} on "
+        f"{res['budget']['workers']} x {m['gpu']}" + (f" x{m['tp']}" if m["tp"] > 1 else "")
+    )
     ax.set_ylim(0, y_top)
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(loc="lower right", fontsize="small")
-    ax.annotate(res["slope_past_budget"]["verdict"], xy=(0.01, 0.97), xycoords="axes fraction",
-                va="top", fontsize="small", wrap=True)
+    ax.annotate(
+        res["slope_past_budget"]["verdict"],
+        xy=(0.01, 0.97),
+        xycoords="axes fraction",
+        va="top",
+        fontsize="small",
+        wrap=True,
+    )
     paths.append(os.path.join(out_dir, "knee.png"))
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)
@@ -625,21 +737,42 @@ def write_plots(res: dict, out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(8.5, 5.2))
     gbs = [b / 1e9 for b in c["kv_bytes"]]
     if gbs:
-        ax.plot(gbs, c["requests_share"], color="tab:green", lw=2.2,
-                label="requests covered (all their shared blocks kept)")
-        ax.plot(gbs, c["static_hit_rate"], color="tab:purple", lw=1.8, ls="--",
-                label="hit rate of a static cache of those blocks")
+        ax.plot(
+            gbs,
+            c["requests_share"],
+            color="tab:green",
+            lw=2.2,
+            label="requests covered (all their shared blocks kept)",
+        )
+        ax.plot(
+            gbs,
+            c["static_hit_rate"],
+            color="tab:purple",
+            lw=1.8,
+            ls="--",
+            label="hit rate of a static cache of those blocks",
+        )
     ax.plot(xs, ys, "o", color="tab:blue", ms=4, alpha=0.7, label="pooled LRU (the knee curve)")
-    ax.axhline(z["sharing_share"], color="tab:gray", ls=":", lw=1.2,
-               label=f"requests sharing any prefix: {z['sharing_share']:.0%}")
+    ax.axhline(
+        z["sharing_share"],
+        color="tab:gray",
+        ls=":",
+        lw=1.2,
+        label=f"requests sharing any prefix: {z['sharing_share']:.0%}",
+    )
     for cov in z["coverage"]:
         if cov["prefixes"] is None:
             continue
         x = cov["kv_bytes"] / 1e9
         ax.plot([x], [cov["share"]], "o", color="black", ms=6)
-        ax.annotate(f"{cov['share']:.0%} of requests: {cov['prefixes']:,} prefixes, "
-                    f"{_gb(cov['kv_bytes'])}", (x, cov["share"]), textcoords="offset points",
-                    xytext=(-8, 6), ha="right", fontsize="small")
+        ax.annotate(
+            f"{cov['share']:.0%} of requests: {cov['prefixes']:,} prefixes, {_gb(cov['kv_bytes'])}",
+            (x, cov["share"]),
+            textcoords="offset points",
+            xytext=(-8, 6),
+            ha="right",
+            fontsize="small",
+        )
     ax.set_xscale("log")
     ax.set_ylim(0, 1.05)
     ax.grid(True, which="both", alpha=0.25)
@@ -685,39 +818,64 @@ def write_plots(res: dict, out_dir: str) -> list[str]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("logs", nargs="+", metavar="LOG",
-                        help="traffic-log files or directories (their *.jsonl), or Mooncake traces")
+    parser.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG",
+        help="traffic-log files or directories (their *.jsonl), or Mooncake traces",
+    )
     parser.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
-    parser.add_argument("--agent-model", dest="model", default="llama-3-8b",
-                        help=f"model preset (default llama-3-8b; {', '.join(MODELS)})")
+    parser.add_argument(
+        "--agent-model",
+        dest="model",
+        default="llama-3-8b",
+        help=f"model preset (default llama-3-8b; {', '.join(MODELS)})",
+    )
     parser.add_argument("--gpu", default="h100", help=f"GPU preset ({', '.join(GPUS)})")
     parser.add_argument("--tp", type=int, default=1, help="GPUs per worker (tensor parallel)")
-    parser.add_argument("--agents", dest="workers", type=int, default=1,
-                        help="agents (workers) in the fleet (default 1)")
-    parser.add_argument("--workers", dest="workers", type=int, action=DeprecatedAlias,
-                        use="--agents")
-    parser.add_argument("--concurrency", type=int, default=32,
-                        help="running requests per worker at the target load (default 32)")
-    parser.add_argument("--block-tokens", type=int, default=512,
-                        help="Mooncake traces: tokens per hash id (default 512)")
-    parser.add_argument("--points", type=int, default=8,
-                        help="points on the knee curve, besides budget and 2x budget (default 9)")
-    parser.add_argument("--policies", default="",
-                        help="replay the log through the simulator with these policies (a,b,c)")
-    parser.add_argument("--kv-tokens", type=int, help="replay: KV tokens per worker "
-                        "(default: the budget's)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="replay: timestamp multiplier (0.5 = twice as fast)")
+    parser.add_argument(
+        "--agents", dest="workers", type=int, default=1, help="agents (workers) in the fleet (default 1)"
+    )
+    parser.add_argument("--workers", dest="workers", type=int, action=DeprecatedAlias, use="--agents")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=32,
+        help="running requests per worker at the target load (default 32)",
+    )
+    parser.add_argument(
+        "--block-tokens", type=int, default=512, help="Mooncake traces: tokens per hash id (default 512)"
+    )
+    parser.add_argument(
+        "--points",
+        type=int,
+        default=8,
+        help="points on the knee curve, besides budget and 2x budget (default 9)",
+    )
+    parser.add_argument(
+        "--policies", default="", help="replay the log through the simulator with these policies (a,b,c)"
+    )
+    parser.add_argument("--kv-tokens", type=int, help="replay: KV tokens per worker (default: the budget's)")
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="replay: timestamp multiplier (0.5 = twice as fast)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="replay: workload seed")
-    parser.add_argument("--skip-bad-lines", dest="skip_bad", action="store_true",
-                        help="skip (and count) bad lines instead of stopping at the first")
-    parser.add_argument("--skip-bad", dest="skip_bad", action=DeprecatedAlias, nargs=0,
-                        use="--skip-bad-lines")
-    parser.add_argument("--jobs", type=int, default=0,
-                        help="processes for the knee curve and the replay (0: one per CPU)")
+    parser.add_argument(
+        "--skip-bad-lines",
+        dest="skip_bad",
+        action="store_true",
+        help="skip (and count) bad lines instead of stopping at the first",
+    )
+    parser.add_argument(
+        "--skip-bad", dest="skip_bad", action=DeprecatedAlias, nargs=0, use="--skip-bad-lines"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=0, help="processes for the knee curve and the replay (0: one per CPU)"
+    )
     parser.add_argument("--json", metavar="FILE", help="write the analysis here")
-    parser.add_argument("--plots", metavar="DIR", help="write knee.png, zipf_head.png (and "
-                        "policies.png) here")
+    parser.add_argument(
+        "--plots", metavar="DIR", help="write knee.png, zipf_head.png (and policies.png) here"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -725,11 +883,21 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 0:
         raise ConfigError("--jobs", f"must be >= 0 (0: one per CPU), got {args.jobs}")
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    opts = Options(model=args.model, gpu=args.gpu, tp=args.tp, workers=args.workers,
-                   concurrency=args.concurrency, block_tokens=args.block_tokens,
-                   points=args.points, skip_bad=args.skip_bad,
-                   jobs=args.jobs or (os.cpu_count() or 1), policies=policies,
-                   kv_tokens=args.kv_tokens, time_scale=args.time_scale, seed=args.seed)
+    opts = Options(
+        model=args.model,
+        gpu=args.gpu,
+        tp=args.tp,
+        workers=args.workers,
+        concurrency=args.concurrency,
+        block_tokens=args.block_tokens,
+        points=args.points,
+        skip_bad=args.skip_bad,
+        jobs=args.jobs or (os.cpu_count() or 1),
+        policies=policies,
+        kv_tokens=args.kv_tokens,
+        time_scale=args.time_scale,
+        seed=args.seed,
+    )
     opts.validate()
     for p in args.logs:
         if not os.path.exists(p):

@@ -30,11 +30,11 @@ import logging
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
 
-from protocol.errors import WorkloadError
 from loadtest.workloads import RequestSpec, Session
+from protocol.errors import WorkloadError
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,12 @@ class Bounds:
         if stopped_by == "requests":
             return f"cut by --requests {self.max_requests:,}: {dispatched:,}{of} requests sent"
         if stopped_by == "duration":
-            return (f"cut by --duration {self.duration_s:g} s: {dispatched:,}{of} "
-                    "requests sent")
+            return f"cut by --duration {self.duration_s:g} s: {dispatched:,}{of} requests sent"
         if stopped_by == "exhausted" and total and dispatched < total:
-            return (f"{dispatched:,}{of} requests sent: a failed turn ends its session, "
-                    "so its later turns were never sent")
+            return (
+                f"{dispatched:,}{of} requests sent: a failed turn ends its session, "
+                "so its later turns were never sent"
+            )
         return None
 
 

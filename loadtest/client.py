@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from protocol.errors import ConfigError
 from loadtest.retry import RetryPolicy
 from loadtest.workloads import API_CHAT, RequestSpec
+from protocol.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +91,21 @@ class Target:
     refusal as it came; ``radixfleet loadtest`` passes the OpenAI SDK's policy (its
     ``--retry`` default)."""
 
-    def __init__(self, name: str, base_url: str, *, model: str | None = None,
-                 timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
-                 ignore_eos: bool = True, send_session: bool = False,
-                 max_connections: int = 2048, headers: dict[str, str] | None = None,
-                 retry: RetryPolicy = RetryPolicy("none"), seed: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        model: str | None = None,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 5.0,
+        ignore_eos: bool = True,
+        send_session: bool = False,
+        max_connections: int = 2048,
+        headers: dict[str, str] | None = None,
+        retry: RetryPolicy = RetryPolicy("none"),
+        seed: int = 0,
+    ) -> None:
         self.name = name
         urls = []
         for u in base_url.split(","):
@@ -115,12 +125,13 @@ class Target:
         self._session: aiohttp.ClientSession | None = None
         self._state = _State.NEW
 
-    async def start(self) -> "Target":
+    async def start(self) -> Target:
         if self._state is _State.CLOSED:
             raise RuntimeError("Target is closed; create a new one")
         if self._state is _State.NEW:
             self._session = aiohttp.ClientSession(
-                timeout=self.timeout, headers=self.headers,
+                timeout=self.timeout,
+                headers=self.headers,
                 connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
             )
             self._state = _State.OPEN
@@ -131,7 +142,7 @@ class Target:
             await self._session.close()
         self._state = _State.CLOSED
 
-    async def __aenter__(self) -> "Target":
+    async def __aenter__(self) -> Target:
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:
@@ -150,16 +161,17 @@ class Target:
         session = self._need_open()
         where = f"--target {self.name}"
         try:
-            async with session.get(f"{self.base_url}/v1/models",
-                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            async with session.get(
+                f"{self.base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp:
                 if resp.status != 200:
-                    hint = (" (pass --api-key KEY or set OPENAI_API_KEY)"
-                            if resp.status in (401, 403) else "")
-                    raise ConfigError(where, f"{self.base_url}/v1/models answered HTTP "
-                                             f"{resp.status}{hint}")
+                    hint = " (pass --api-key KEY or set OPENAI_API_KEY)" if resp.status in (401, 403) else ""
+                    raise ConfigError(where, f"{self.base_url}/v1/models answered HTTP {resp.status}{hint}")
                 body = await resp.json(content_type=None)
         except aiohttp.ClientError as exc:
-            raise ConfigError(where, f"{self.base_url} is unreachable ({exc.__class__.__name__}: {exc})") from None
+            raise ConfigError(
+                where, f"{self.base_url} is unreachable ({exc.__class__.__name__}: {exc})"
+            ) from None
         except asyncio.TimeoutError:
             raise ConfigError(where, f"{self.base_url} did not answer within 10 s") from None
         except ValueError:
@@ -173,8 +185,13 @@ class Target:
 
     def _request(self, spec: RequestSpec) -> tuple[str, dict]:
         body = dict(spec.body)
-        body.update(model=self.model or "default", max_tokens=spec.max_tokens, stream=True,
-                    stream_options={"include_usage": True}, temperature=0.0)
+        body.update(
+            model=self.model or "default",
+            max_tokens=spec.max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0.0,
+        )
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.send_session:
@@ -231,8 +248,9 @@ class Target:
         return "".join(parts)
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, api: str, result: Result,
-                       parts: list[str], t0: float, clock) -> bool:
+async def _read_stream(
+    resp: aiohttp.ClientResponse, api: str, result: Result, parts: list[str], t0: float, clock
+) -> bool:
     """Reads an SSE answer into ``result`` (token times, usage) and ``parts`` (the
     text chunks); False after marking ``result`` failed when the stream is bad."""
     last_tok: float | None = None

@@ -30,9 +30,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from loadtest.workloads import API_COMPLETIONS, APIS, RequestSpec, Session, SingleShot, Workload, token_count
 from protocol.errors import WorkloadError
-from loadtest.workloads import (API_COMPLETIONS, APIS, RequestSpec, Session,
-                                SingleShot, Workload, token_count)
 
 DATASETS = ("random", "sharegpt")
 
@@ -58,8 +57,7 @@ def _spread(rng: random.Random, length: int, ratio: float) -> int:
 
 
 def _body(api: str, text: str) -> dict:
-    return {"prompt": text} if api == API_COMPLETIONS else {
-        "messages": [{"role": "user", "content": text}]}
+    return {"prompt": text} if api == API_COMPLETIONS else {"messages": [{"role": "user", "content": text}]}
 
 
 class RandomDataset(Workload):
@@ -71,8 +69,7 @@ class RandomDataset(Workload):
     def validate(self) -> None:
         p = self.params
         if p.requests <= 0 or p.input_len <= 0 or p.output_len <= 0:
-            raise WorkloadError("--dataset random: requests, --input-len and --output-len "
-                                "must be > 0")
+            raise WorkloadError("--dataset random: requests, --input-len and --output-len must be > 0")
         if not 0.0 <= p.range_ratio < 1.0:
             raise WorkloadError(f"--range-ratio must be in [0, 1), got {p.range_ratio}")
         if p.prefix_len < 0:
@@ -89,8 +86,13 @@ class RandomDataset(Workload):
             n_out = _spread(rng, p.output_len, p.range_ratio)
             text = prefix + self.text(n_in, f"prompt/{i}")
             sid = f"r{i}"
-            out.append(SingleShot(RequestSpec(f"{sid}.0", p.api, _body(p.api, text), n_out,
-                                              sid, 0, None, p.prefix_len + n_in)))
+            out.append(
+                SingleShot(
+                    RequestSpec(
+                        f"{sid}.0", p.api, _body(p.api, text), n_out, sid, 0, None, p.prefix_len + n_in
+                    )
+                )
+            )
         return out
 
 
@@ -122,9 +124,14 @@ class ShareGPT(Workload):
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
-        return [SingleShot(RequestSpec(f"s{i}.0", p.api, _body(p.api, prompt), n_out, f"s{i}",
-                                       0, None, token_count(prompt)))
-                for i, (prompt, n_out) in enumerate(self.pairs)]
+        return [
+            SingleShot(
+                RequestSpec(
+                    f"s{i}.0", p.api, _body(p.api, prompt), n_out, f"s{i}", 0, None, token_count(prompt)
+                )
+            )
+            for i, (prompt, n_out) in enumerate(self.pairs)
+        ]
 
 
 def _entries(path: str) -> list[tuple[int, object]]:
@@ -152,8 +159,10 @@ def _entries(path: str) -> list[tuple[int, object]]:
         try:
             out.append((n, json.loads(line)))
         except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{path}: line {n}: not JSON ({exc.msg}); a ShareGPT file "
-                                "is a JSON list or one conversation per line") from None
+            raise WorkloadError(
+                f"{path}: line {n}: not JSON ({exc.msg}); a ShareGPT file "
+                "is a JSON list or one conversation per line"
+            ) from None
     return out
 
 
@@ -167,8 +176,9 @@ def load_sharegpt(path: str, output_len: int = 0, limit: int = 0) -> list[tuple[
         if conv is None and isinstance(entry, dict):
             conv = entry.get("conversation")
         if not isinstance(conv, list):
-            raise WorkloadError(f"{at}: field 'conversations' missing or not a list (is this "
-                                "a ShareGPT file?)")
+            raise WorkloadError(
+                f"{at}: field 'conversations' missing or not a list (is this a ShareGPT file?)"
+            )
         if len(conv) < 2:
             continue  # vLLM skips conversations without an answer
         texts = []
@@ -176,8 +186,7 @@ def load_sharegpt(path: str, output_len: int = 0, limit: int = 0) -> list[tuple[
             turn = conv[k]
             value = turn.get("value") if isinstance(turn, dict) else None
             if not isinstance(value, str):
-                raise WorkloadError(f"{at}: field 'conversations[{k}].value' missing or not "
-                                    "a string")
+                raise WorkloadError(f"{at}: field 'conversations[{k}].value' missing or not a string")
             texts.append(value)
         n_in, n_ans = token_count(texts[0]), token_count(texts[1])
         n_out = output_len or n_ans
@@ -189,8 +198,10 @@ def load_sharegpt(path: str, output_len: int = 0, limit: int = 0) -> list[tuple[
         if limit and len(pairs) >= limit:
             break
     if not pairs:
-        raise WorkloadError(f"{path}: no usable conversation among {len(entries)} entries "
-                            "(each needs a prompt and an answer of >= 4 tokens)")
+        raise WorkloadError(
+            f"{path}: no usable conversation among {len(entries)} entries "
+            "(each needs a prompt and an answer of >= 4 tokens)"
+        )
     return pairs
 
 
@@ -201,4 +212,3 @@ def make_dataset(name: str, params: dict, seed: int = 0) -> Workload:
     if name == "sharegpt":
         return ShareGPT(ShareGPTParams(**params), seed)
     raise WorkloadError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
-

@@ -31,12 +31,12 @@ import asyncio
 import logging
 import os
 
-from protocol.cli_args import DeprecatedAlias
-from protocol.errors import ConfigError
 from loadtest.fleet import Fleet, FleetConfig
 from loadtest.main import add_load_arguments, build_load
-from loadtest.runner import run_ab
 from loadtest.report import check_outputs, render_table, require_plots, write_json, write_plots
+from loadtest.runner import run_ab
+from protocol.cli_args import DeprecatedAlias
+from protocol.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,20 @@ DEFAULT_KV_TOKENS = 12_000
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="radixfleet-demo", help="output directory")
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help="comma-separated router policies, run in this order")
+    parser.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma-separated router policies, run in this order",
+    )
     parser.add_argument("--agents", type=int, default=4, help="simulated agents")
-    parser.add_argument("--agent-model", dest="fleet_model", default="llama-3-8b",
-                        help="the agents' model preset")
+    parser.add_argument(
+        "--agent-model", dest="fleet_model", default="llama-3-8b", help="the agents' model preset"
+    )
     parser.add_argument("--model", dest="fleet_model", action=DeprecatedAlias, use="--agent-model")
     parser.add_argument("--gpu", default="h100", help="the agents' GPU preset")
-    parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
-                        help="per-agent KV capacity in tokens")
+    parser.add_argument(
+        "--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="per-agent KV capacity in tokens"
+    )
     add_load_arguments(parser, default_workload="mixed", model_flag=False)
     parser.set_defaults(rate=None, requests=600, duration=60.0, drain=20.0)
 
@@ -77,16 +82,20 @@ def targets_line(runs: dict[str, dict]) -> list[str]:
 
     if pl["pooled_hit_rate"]:
         ratio = pl["hit_rate"] / pl["pooled_hit_rate"]
-        line(ratio >= 0.9, f"prefix_load hit rate {pl['hit_rate']:.3f} = {ratio:.0%} of pooled "
-                           f"{pl['pooled_hit_rate']:.3f} (target >= 90%)")
+        line(
+            ratio >= 0.9,
+            f"prefix_load hit rate {pl['hit_rate']:.3f} = {ratio:.0%} of pooled "
+            f"{pl['pooled_hit_rate']:.3f} (target >= 90%)",
+        )
     if rr is not None:
         if rr["hit_rate"]:
             x = pl["hit_rate"] / rr["hit_rate"]
             line(x >= 1.5, f"hit rate {x:.2f}x round_robin's {rr['hit_rate']:.3f} (target >= 1.5x)")
         a, b = pl["ttft_ms"]["p50"], rr["ttft_ms"]["p50"]
         if a is not None and b:
-            line(a <= 0.5 * b, f"TTFT p50 {a:.1f} ms = {a / b:.2f}x round_robin's {b:.1f} ms "
-                               f"(target <= 0.5x)")
+            line(
+                a <= 0.5 * b, f"TTFT p50 {a:.1f} ms = {a / b:.2f}x round_robin's {b:.1f} ms (target <= 0.5x)"
+            )
     if pl["load_imbalance"] is not None:
         line(pl["load_imbalance"] <= 1.3, f"load imbalance {pl['load_imbalance']:.2f} (target <= 1.3)")
     return out
@@ -106,26 +115,48 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency is None and args.rate is None:
         args.rate = 12.0  # open loop: the same offered load for every policy
     workload, arrivals, bounds = build_load(args)
-    cfg = FleetConfig(agents=args.agents, model=args.fleet_model, gpu=args.gpu,
-                      kv_tokens=args.kv_tokens, router_port=0, policy=policies[0]).validate()
+    cfg = FleetConfig(
+        agents=args.agents,
+        model=args.fleet_model,
+        gpu=args.gpu,
+        kv_tokens=args.kv_tokens,
+        router_port=0,
+        policy=policies[0],
+    ).validate()
     check_outputs(files=[("--json", args.json)], dirs=[("--out", args.out), ("--plots", args.plots)])
     require_plots()  # the demo always writes its plots to --out
     fleet = Fleet(cfg, log_dir=os.path.join(args.out, "logs"), start_router=False)
-    print(f"demo: {cfg.agents} agents ({cfg.model} on {cfg.gpu}, {cfg.kv_tokens} KV tokens each), "
-          f"workload {workload.name} seed {workload.seed}, policies {', '.join(policies)}", flush=True)
+    print(
+        f"demo: {cfg.agents} agents ({cfg.model} on {cfg.gpu}, {cfg.kv_tokens} KV tokens each), "
+        f"workload {workload.name} seed {workload.seed}, policies {', '.join(policies)}",
+        flush=True,
+    )
     with fleet:
-        print(f"demo: agents {' '.join(fleet.agent_urls)}, router {fleet.router_url}, "
-              f"logs {fleet.log_dir}", flush=True)
+        print(
+            f"demo: agents {' '.join(fleet.agent_urls)}, router {fleet.router_url}, logs {fleet.log_dir}",
+            flush=True,
+        )
 
         async def between(policy: str) -> None:
             await asyncio.to_thread(fleet.start_router, policy)
             print(f"demo: running {policy} ...", flush=True)
 
-        outcomes = asyncio.run(run_ab(
-            [(p, fleet.router_url) for p in policies], workload, arrivals, bounds,
-            flush_urls=fleet.agent_urls, kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
-            model=None, timeout_s=args.timeout, send_session=args.send_session,
-            progress=False if args.no_progress else None, settle_s=0.5, between=between))
+        outcomes = asyncio.run(
+            run_ab(
+                [(p, fleet.router_url) for p in policies],
+                workload,
+                arrivals,
+                bounds,
+                flush_urls=fleet.agent_urls,
+                kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
+                model=None,
+                timeout_s=args.timeout,
+                send_session=args.send_session,
+                progress=False if args.no_progress else None,
+                settle_s=0.5,
+                between=between,
+            )
+        )
     runs = [o.report for o in outcomes]
     for r in runs:
         r["target"] = f"radixfleet router --policy {r['name']}"

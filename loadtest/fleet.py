@@ -73,7 +73,7 @@ class FleetConfig:
     #: as plain OpenAI servers (kind openai), as it would a llama.cpp or a TGI
     plain_workers: bool = False
 
-    def validate(self) -> "FleetConfig":
+    def validate(self) -> FleetConfig:
         if type(self.agents) is not int or not 1 <= self.agents <= 64:
             raise ConfigError("agents", f"must be an integer in [1, 64], got {self.agents!r}")
         if type(self.kv_tokens) is not int or self.kv_tokens < 0:
@@ -93,8 +93,7 @@ class FleetConfig:
 
 
 _TOP_KEYS = {"agents", "model", "gpu", "kv_tokens", "agent_base_port", "agent_args", "router", "host"}
-_ROUTER_KEYS = {"port": "router_port", "policy": "policy", "config": "router_config",
-                "args": "router_args"}
+_ROUTER_KEYS = {"port": "router_port", "policy": "policy", "config": "router_config", "args": "router_args"}
 
 
 def load_config(path: str) -> FleetConfig:
@@ -141,8 +140,7 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "radixfleet.cli", *args]
 
 
-def wait_registered(router_url: str, n: int, timeout_s: float = 15.0,
-                    registered: bool = True) -> None:
+def wait_registered(router_url: str, n: int, timeout_s: float = 15.0, registered: bool = True) -> None:
     """Waits until the router lists ``n`` routable workers whose agents registered
     (so feedback flows before load does; ``registered=False``: routable is enough).
     Returns early without /admin/workers."""
@@ -157,8 +155,13 @@ def wait_registered(router_url: str, n: int, timeout_s: float = 15.0,
         if r is not None and r.status_code == 200:
             body = r.json()
             items = body.get("workers", []) if isinstance(body, dict) else body
-            ready = [w for w in items if isinstance(w, dict) and w.get("routable", True)
-                     and (not registered or w.get("epoch", "") is not None)]
+            ready = [
+                w
+                for w in items
+                if isinstance(w, dict)
+                and w.get("routable", True)
+                and (not registered or w.get("epoch", "") is not None)
+            ]
             if len(ready) >= n:
                 return
         time.sleep(0.2)
@@ -177,23 +180,31 @@ class Child:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ConfigError(self.name, f"exited with status {self.proc.returncode} at start; "
-                                  f"last log lines:\n{self.tail()}")
+                raise ConfigError(
+                    self.name,
+                    f"exited with status {self.proc.returncode} at start; last log lines:\n{self.tail()}",
+                )
             try:
                 if httpx.get(self.ready_url, timeout=1.0).status_code < 500:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise ConfigError(self.name, f"{self.ready_url} not ready after {timeout_s:.0f} s; "
-                          f"log: {self.log_path}")
+        raise ConfigError(
+            self.name, f"{self.ready_url} not ready after {timeout_s:.0f} s; log: {self.log_path}"
+        )
 
     def tail(self, n: int = 8) -> str:
         try:
@@ -227,8 +238,14 @@ class Fleet:
     each answers; leaving the block stops them all (also on errors and Ctrl-C).
     """
 
-    def __init__(self, cfg: FleetConfig, *, log_dir: str | None = None,
-                 start_router: bool = True, ready_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        cfg: FleetConfig,
+        *,
+        log_dir: str | None = None,
+        start_router: bool = True,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
         self.cfg = cfg.validate()
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="radixfleet-")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -237,8 +254,9 @@ class Fleet:
         self.agents: list[Child] = []
         self.router: Child | None = None
         self.router_port = cfg.router_port or free_port()
-        self.agent_ports = [cfg.agent_base_port + i if cfg.agent_base_port else free_port()
-                            for i in range(cfg.agents)]
+        self.agent_ports = [
+            cfg.agent_base_port + i if cfg.agent_base_port else free_port() for i in range(cfg.agents)
+        ]
 
     @property
     def router_url(self) -> str:
@@ -254,21 +272,39 @@ class Fleet:
     def start_agents(self) -> None:
         c = self.cfg
         for i, (port, url) in enumerate(zip(self.agent_ports, self.agent_urls)):
-            argv = cli_argv("agent", "--engine", "sim", "--agent-model", c.model, "--gpu", c.gpu,
-                            "--host", c.host, "--port", str(port), "--worker-id", self.worker_id(i),
-                            *([] if c.plain_workers else ["--router", self.router_url]),
-                            *c.agent_args)
+            argv = cli_argv(
+                "agent",
+                "--engine",
+                "sim",
+                "--agent-model",
+                c.model,
+                "--gpu",
+                c.gpu,
+                "--host",
+                c.host,
+                "--port",
+                str(port),
+                "--worker-id",
+                self.worker_id(i),
+                *([] if c.plain_workers else ["--router", self.router_url]),
+                *c.agent_args,
+            )
             if c.kv_tokens:
                 argv += ["--kv-tokens", str(c.kv_tokens)]
-            child = Child(f"agent {self.worker_id(i)}", argv,
-                          os.path.join(self.log_dir, f"agent-{i}.log"), url + "/health")
+            child = Child(
+                f"agent {self.worker_id(i)}",
+                argv,
+                os.path.join(self.log_dir, f"agent-{i}.log"),
+                url + "/health",
+            )
             child.start()
             self.agents.append(child)
         for child in self.agents:
             child.wait_ready(self.ready_timeout_s)
 
-    def start_router(self, policy: str | None = None, params: dict | None = None,
-                     name: str | None = None) -> None:
+    def start_router(
+        self, policy: str | None = None, params: dict | None = None, name: str | None = None
+    ) -> None:
         """(Re)starts the router with ``policy`` (default: the config's) and its
         ``params`` (quick start ``--policy-param``s; not with a router config file).
         ``name`` names its log (default: the policy)."""
@@ -276,27 +312,43 @@ class Fleet:
         c = self.cfg
         if c.router_config:
             if params:
-                raise ConfigError("--policies", "policy parameters come from the router "
-                                  "config file here, not from the arm")
-            argv = cli_argv("router", "--config", c.router_config, "--port", str(self.router_port),
-                            *c.router_args)
+                raise ConfigError(
+                    "--policies", "policy parameters come from the router config file here, not from the arm"
+                )
+            argv = cli_argv(
+                "router", "--config", c.router_config, "--port", str(self.router_port), *c.router_args
+            )
         else:
-            argv = cli_argv("router", "--host", c.host, "--port", str(self.router_port),
-                            "--policy", policy or c.policy, *c.router_args)
+            argv = cli_argv(
+                "router",
+                "--host",
+                c.host,
+                "--port",
+                str(self.router_port),
+                "--policy",
+                policy or c.policy,
+                *c.router_args,
+            )
             for k, v in (params or {}).items():
                 argv += ["--policy-param", f"{k}={param_text(v)}"]
             for i, url in enumerate(self.agent_urls):
                 if c.plain_workers:
                     # what the router knows of an engine that sends nothing: its
                     # URL and KV capacity (the approximate index ages at it)
-                    argv += ["--worker", f"url={url},id={self.worker_id(i)},kind=openai"
-                             + (f",kv_capacity_tokens={c.kv_tokens}" if c.kv_tokens else "")]
+                    argv += [
+                        "--worker",
+                        f"url={url},id={self.worker_id(i)},kind=openai"
+                        + (f",kv_capacity_tokens={c.kv_tokens}" if c.kv_tokens else ""),
+                    ]
                 else:
                     argv += ["--worker", url]
         name = name or policy or c.policy
-        self.router = Child(f"router ({name})", argv,
-                            os.path.join(self.log_dir, f"router-{log_name(name)}.log"),
-                            self.router_url + "/v1/models")
+        self.router = Child(
+            f"router ({name})",
+            argv,
+            os.path.join(self.log_dir, f"router-{log_name(name)}.log"),
+            self.router_url + "/v1/models",
+        )
         self.router.start()
         self.router.wait_ready(self.ready_timeout_s)
         wait_registered(self.router_url, len(self.agents), registered=not c.plain_workers)
@@ -310,13 +362,29 @@ class Fleet:
 
         self.stop_router()
         launch = launch if launch is not None else launch_args({})
-        argv = [require_smg(), "launch", "--host", self.cfg.host, "--port",
-                str(self.router_port), "--worker-urls", *self.agent_urls, *launch,
-                "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(free_port()), "--log-level", "error"]
-        self.router = Child(f"smg ({' '.join(launch)})", argv,
-                            os.path.join(self.log_dir, f"{log_name(name)}.log"),
-                            self.router_url + "/health")
+        argv = [
+            require_smg(),
+            "launch",
+            "--host",
+            self.cfg.host,
+            "--port",
+            str(self.router_port),
+            "--worker-urls",
+            *self.agent_urls,
+            *launch,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "error",
+        ]
+        self.router = Child(
+            f"smg ({' '.join(launch)})",
+            argv,
+            os.path.join(self.log_dir, f"{log_name(name)}.log"),
+            self.router_url + "/health",
+        )
         self.router.start()
         self.router.wait_ready(self.ready_timeout_s)
         deadline = time.monotonic() + self.ready_timeout_s
@@ -328,8 +396,11 @@ class Fleet:
             except (httpx.HTTPError, ValueError, AttributeError):
                 pass
             time.sleep(0.2)
-        raise ConfigError(self.router.name, f"lists fewer than {len(self.agents)} workers "
-                          f"after {self.ready_timeout_s:.0f} s; log: {self.router.log_path}")
+        raise ConfigError(
+            self.router.name,
+            f"lists fewer than {len(self.agents)} workers "
+            f"after {self.ready_timeout_s:.0f} s; log: {self.router.log_path}",
+        )
 
     def stop_router(self) -> None:
         if self.router is not None:
@@ -347,17 +418,17 @@ class Fleet:
         if c.agent_base_port:
             wanted += [("--agent-base-port", p) for p in self.agent_ports]
         for flag, port in wanted:
-            with socket.socket(socket.AF_INET6 if ":" in c.host else socket.AF_INET,
-                               socket.SOCK_STREAM) as s:
+            with socket.socket(socket.AF_INET6 if ":" in c.host else socket.AF_INET, socket.SOCK_STREAM) as s:
                 # as the servers bind: a port in TIME_WAIT is free, a listener is not
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((c.host, port))
                 except OSError as exc:
-                    raise ConfigError(flag, f"port {port} on {c.host} is taken "
-                                      f"({exc.strerror or exc}); choose another") from None
+                    raise ConfigError(
+                        flag, f"port {port} on {c.host} is taken ({exc.strerror or exc}); choose another"
+                    ) from None
 
-    def __enter__(self) -> "Fleet":
+    def __enter__(self) -> Fleet:
         try:
             self.check_ports()
             self.start_agents()
@@ -382,12 +453,16 @@ class Fleet:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE",
-                        help="fleet YAML with any of the keys agents, model, gpu, kv_tokens, "
-                             "policy, router_port, agent_base_port (the flags below override it)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="fleet YAML with any of the keys agents, model, gpu, kv_tokens, "
+        "policy, router_port, agent_base_port (the flags below override it)",
+    )
     parser.add_argument("--agents", type=int, help="number of simulated agents (default 4)")
-    parser.add_argument("--agent-model", dest="model",
-                        help="model preset of every agent (default llama-3-8b)")
+    parser.add_argument(
+        "--agent-model", dest="model", help="model preset of every agent (default llama-3-8b)"
+    )
     parser.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
     parser.add_argument("--gpu", help="GPU preset of every agent (default h100)")
     parser.add_argument("--kv-tokens", type=int, help="per-agent KV capacity in tokens")
@@ -399,9 +474,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> FleetConfig:
     cfg = load_config(args.config) if args.config else FleetConfig()
-    for flag, attr in (("agents", "agents"), ("model", "model"), ("gpu", "gpu"),
-                       ("kv_tokens", "kv_tokens"), ("policy", "policy"), ("port", "router_port"),
-                       ("agent_base_port", "agent_base_port")):
+    for flag, attr in (
+        ("agents", "agents"),
+        ("model", "model"),
+        ("gpu", "gpu"),
+        ("kv_tokens", "kv_tokens"),
+        ("policy", "policy"),
+        ("port", "router_port"),
+        ("agent_base_port", "agent_base_port"),
+    ):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(cfg, attr, v)
@@ -425,14 +506,18 @@ def run(args: argparse.Namespace) -> int:
         with fleet:
             print(f"router  {fleet.router_url}  (policy {cfg.policy})", flush=True)
             for i, url in enumerate(fleet.agent_urls):
-                print(f"agent   {fleet.worker_id(i)}  {url}  ({cfg.model} on {cfg.gpu}"
-                      f"{f', {cfg.kv_tokens} KV tokens' if cfg.kv_tokens else ''})", flush=True)
+                print(
+                    f"agent   {fleet.worker_id(i)}  {url}  ({cfg.model} on {cfg.gpu}"
+                    f"{f', {cfg.kv_tokens} KV tokens' if cfg.kv_tokens else ''})",
+                    flush=True,
+                )
             print(f"logs    {fleet.log_dir}\nserving until Ctrl-C", flush=True)
             while True:
                 dead = fleet.dead()
                 if dead:
-                    print(f"radixfleet up: error: {', '.join(dead)} exited; stopping the fleet",
-                          file=sys.stderr)
+                    print(
+                        f"radixfleet up: error: {', '.join(dead)} exited; stopping the fleet", file=sys.stderr
+                    )
                     return 1
                 time.sleep(0.5)
     except KeyboardInterrupt:

@@ -38,15 +38,12 @@ import logging
 import os
 import sys
 
-
-from protocol.errors import ConfigError, WorkloadError
 from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes
+from loadtest.report import check_outputs, render_table, require_plots, write_json, write_plots
 from loadtest.retry import RETRY_MODES, RetryPolicy
 from loadtest.runner import RunOutcome, run_ab
-from loadtest.report import (check_outputs, render_table,
-                             require_plots, write_json, write_plots)
-from loadtest.workloads import (API_COMPLETIONS, APIS, WORKLOADS, Trace, Workload, make_workload,
-                                parse_options)
+from loadtest.workloads import API_COMPLETIONS, APIS, WORKLOADS, Trace, Workload, make_workload, parse_options
+from protocol.errors import ConfigError, WorkloadError
 
 log = logging.getLogger(__name__)
 
@@ -54,78 +51,119 @@ log = logging.getLogger(__name__)
 def parse_target(text: str) -> tuple[str, str]:
     """``NAME=URL`` or ``NAME=URL,URL,...`` (router replicas, client-side round robin)."""
     name, sep, url = text.partition("=")
-    if not sep or not name or not all(u.startswith(("http://", "https://"))
-                                       for u in url.split(",")):
-        raise ConfigError("--target", f"{text!r} must be NAME=http://HOST:PORT"
-                          "[,http://HOST:PORT...]")
+    if not sep or not name or not all(u.startswith(("http://", "https://")) for u in url.split(",")):
+        raise ConfigError("--target", f"{text!r} must be NAME=http://HOST:PORT[,http://HOST:PORT...]")
     return name, url
 
 
-def add_load_arguments(parser: argparse.ArgumentParser, *, default_workload: str | None,
-                       model_flag: bool = True, load_shapes: bool = False) -> None:
+def add_load_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    default_workload: str | None,
+    model_flag: bool = True,
+    load_shapes: bool = False,
+) -> None:
     """Workload, arrival and bound flags shared by ``loadtest``, ``demo`` and ``simulate``.
 
     ``load_shapes`` (``loadtest``): ``--rate`` takes a list (a sweep) and combines
     with ``--concurrency`` (a cap), ``--burstiness`` and ``--dataset`` exist, and
     neither ``--workload`` nor ``--dataset`` is required when ``--trace`` is given."""
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", default=default_workload,
-                   required=default_workload is None and not load_shapes,
-                   help=f"one of {', '.join(WORKLOADS)}"
-                        + ("; or --dataset, or --trace FILE alone" if load_shapes else ""))
-    g.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
-                   help="a workload parameter (repeatable), e.g. -o groups=8; "
-                        "each workload's options are listed below")
+    g.add_argument(
+        "--workload",
+        default=default_workload,
+        required=default_workload is None and not load_shapes,
+        help=f"one of {', '.join(WORKLOADS)}"
+        + ("; or --dataset, or --trace FILE alone" if load_shapes else ""),
+    )
+    g.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a workload parameter (repeatable), e.g. -o groups=8; each workload's options are listed below",
+    )
     if parser.epilog is None:
         parser.epilog = workload_options_help()
-    g.add_argument("--trace", metavar="FILE", help="trace workload: the JSONL file "
-                   "(Mooncake or a radixfleet traffic log); alone, it implies --workload trace")
-    g.add_argument("--time-scale", type=float, help="trace workload: timestamp multiplier "
-                   "(default 1.0)")
+    g.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="trace workload: the JSONL file "
+        "(Mooncake or a radixfleet traffic log); alone, it implies --workload trace",
+    )
+    g.add_argument("--time-scale", type=float, help="trace workload: timestamp multiplier (default 1.0)")
     g.add_argument("--skip-bad-lines", action="store_true", help="trace workload: skip malformed lines")
     g.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     if load_shapes:
         from loadtest.datasets import DATASETS
 
         d = parser.add_argument_group("datasets (instead of --workload)")
-        d.add_argument("--dataset", choices=DATASETS,
-                       help="random: random lengths (vllm bench serve's); sharegpt: a "
-                            "ShareGPT-format JSON/JSONL file (--dataset-path)")
+        d.add_argument(
+            "--dataset",
+            choices=DATASETS,
+            help="random: random lengths (vllm bench serve's); sharegpt: a "
+            "ShareGPT-format JSON/JSONL file (--dataset-path)",
+        )
         d.add_argument("--dataset-path", metavar="FILE", help="--dataset sharegpt: the file")
-        d.add_argument("--input-len", type=int, default=1024,
-                       help="--dataset random: prompt tokens")
-        d.add_argument("--output-len", type=int, default=None,
-                       help="output tokens (default: random 128; sharegpt: each answer's)")
-        d.add_argument("--range-ratio", type=float, default=0.0,
-                       help="--dataset random: lengths uniform in [L*(1-r), L*(1+r)]")
-        d.add_argument("--prefix-len", type=int, default=0,
-                       help="--dataset random: tokens shared by every prompt")
-        d.add_argument("--dataset-api", choices=APIS, default=API_COMPLETIONS,
-                       help="the endpoint datasets are sent to")
+        d.add_argument("--input-len", type=int, default=1024, help="--dataset random: prompt tokens")
+        d.add_argument(
+            "--output-len",
+            type=int,
+            default=None,
+            help="output tokens (default: random 128; sharegpt: each answer's)",
+        )
+        d.add_argument(
+            "--range-ratio",
+            type=float,
+            default=0.0,
+            help="--dataset random: lengths uniform in [L*(1-r), L*(1+r)]",
+        )
+        d.add_argument(
+            "--prefix-len", type=int, default=0, help="--dataset random: tokens shared by every prompt"
+        )
+        d.add_argument(
+            "--dataset-api", choices=APIS, default=API_COMPLETIONS, help="the endpoint datasets are sent to"
+        )
     a = parser.add_argument_group("arrivals and bounds")
     m = a if load_shapes else a.add_mutually_exclusive_group()
     if load_shapes:
-        m.add_argument("--rate", type=parse_rates, metavar="R[,R...]",
-                       help="open loop: arrivals per second; a list runs each rate in turn "
-                            "(a sweep, one table)")
-        m.add_argument("--burstiness", type=float, default=1.0,
-                       help="--rate: gamma shape of the gaps (1: Poisson; < 1 burstier)")
+        m.add_argument(
+            "--rate",
+            type=parse_rates,
+            metavar="R[,R...]",
+            help="open loop: arrivals per second; a list runs each rate in turn (a sweep, one table)",
+        )
+        m.add_argument(
+            "--burstiness",
+            type=float,
+            default=1.0,
+            help="--rate: gamma shape of the gaps (1: Poisson; < 1 burstier)",
+        )
     else:
         m.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
-    m.add_argument("--concurrency", type=int,
-                   help="closed loop: requests in flight (default: 8; trace: its own "
-                        "timestamps)" + ("; with --rate: the cap on requests in flight"
-                                         if load_shapes else ""))
-    a.add_argument("--requests", type=int, default=None,
-                   help="stop after N requests (default: the whole workload or trace)")
-    a.add_argument("--duration", type=float, default=None,
-                   help="stop dispatching after S seconds (default: no limit)")
+    m.add_argument(
+        "--concurrency",
+        type=int,
+        help="closed loop: requests in flight (default: 8; trace: its own "
+        "timestamps)" + ("; with --rate: the cap on requests in flight" if load_shapes else ""),
+    )
+    a.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="stop after N requests (default: the whole workload or trace)",
+    )
+    a.add_argument(
+        "--duration", type=float, default=None, help="stop dispatching after S seconds (default: no limit)"
+    )
     a.add_argument("--drain", type=float, default=30.0, help="grace for in-flight requests at the end")
     a.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
     if model_flag:
         a.add_argument("--model", help="model name (default: the target's first /v1/models entry)")
-    a.add_argument("--send-session", action="store_true",
-                   help="send the session id as the OpenAI 'user' field")
+    a.add_argument(
+        "--send-session", action="store_true", help="send the session id as the OpenAI 'user' field"
+    )
     o = parser.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write the report {'runs': [...]} here")
     o.add_argument("--plots", metavar="DIR", help="write PNG plots here")
@@ -136,8 +174,11 @@ def workload_options_help() -> str:
     """Every workload's ``-o`` options with their defaults, one workload a line."""
     lines = ["workload options (-o NAME=VALUE; default in brackets):"]
     for name, cls in WORKLOADS.items():
-        opts = ", ".join(f"{f.name} [{_default_text(f)}]" for f in dataclasses.fields(cls.Params)
-                         if f.name != "base_options")
+        opts = ", ".join(
+            f"{f.name} [{_default_text(f)}]"
+            for f in dataclasses.fields(cls.Params)
+            if f.name != "base_options"
+        )
         lines.append(f"  {name}: {opts}")
     return "\n".join(lines)
 
@@ -168,7 +209,7 @@ def parse_header(text: str) -> tuple[str, str]:
     """``"Name: value"`` (curl's syntax) -> (name, value); raises ``ConfigError``."""
     name, found, value = text.partition(":")
     name = name.strip()
-    if not found or not name or any(c in name for c in " \t()<>@,;\\\"/[]?={}"):
+    if not found or not name or any(c in name for c in ' \t()<>@,;\\"/[]?={}'):
         raise ConfigError("--header", f"{text!r} must be NAME:VALUE, e.g. 'x-tenant-id: a'")
     return name, value.strip()
 
@@ -189,38 +230,79 @@ def client_headers(args: argparse.Namespace) -> dict[str, str]:
 def configure(parser: argparse.ArgumentParser) -> None:
     from loadtest import ab
 
-    parser.add_argument("--target", action="append", default=[], metavar="NAME=URL[,URL...]",
-                        help="an OpenAI-compatible router (repeatable; run in the order given); "
-                             "several comma-separated URLs: replicas in client-side round "
-                             "robin; or --ab for a local fleet")
-    parser.add_argument("--flush", action="append", default=[], metavar="URL",
-                        help="an agent to POST /flush_cache before each run (repeatable; "
-                             "default: the workers the router lists at /admin/workers)")
-    parser.add_argument("--allow-warm", action="store_true",
-                        help="run even when an agent's cache flush fails (the report then "
-                             "says cold_start: false) instead of stopping with an error")
-    parser.add_argument("--kv-capacity-tokens", type=int,
-                        help="the fleet's KV capacity for pooled_hit_rate (default: from the agents)")
+    parser.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="NAME=URL[,URL...]",
+        help="an OpenAI-compatible router (repeatable; run in the order given); "
+        "several comma-separated URLs: replicas in client-side round "
+        "robin; or --ab for a local fleet",
+    )
+    parser.add_argument(
+        "--flush",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an agent to POST /flush_cache before each run (repeatable; "
+        "default: the workers the router lists at /admin/workers)",
+    )
+    parser.add_argument(
+        "--allow-warm",
+        action="store_true",
+        help="run even when an agent's cache flush fails (the report then "
+        "says cold_start: false) instead of stopping with an error",
+    )
+    parser.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        help="the fleet's KV capacity for pooled_hit_rate (default: from the agents)",
+    )
     c = parser.add_argument_group("client (as the OpenAI SDK behaves)")
-    c.add_argument("--api-key", metavar="KEY",
-                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
-    c.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
-                   help="a header sent with every request (repeatable)")
-    c.add_argument("--retry", choices=RETRY_MODES, default="sdk",
-                   help="on 408/409/429/5xx: sdk retries as the OpenAI SDK does (Retry-After, "
-                        "else backoff 0.5-8 s); none: the refusal is the outcome")
+    c.add_argument(
+        "--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)"
+    )
+    c.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME:VALUE",
+        help="a header sent with every request (repeatable)",
+    )
+    c.add_argument(
+        "--retry",
+        choices=RETRY_MODES,
+        default="sdk",
+        help="on 408/409/429/5xx: sdk retries as the OpenAI SDK does (Retry-After, "
+        "else backoff 0.5-8 s); none: the refusal is the outcome",
+    )
     c.add_argument("--max-retries", type=int, default=2, help="--retry sdk: retries per request")
-    c.add_argument("--max-failures", type=float, default=0.0, metavar="SHARE",
-                   help="exit 1 when a run's failed share of requests exceeds this (0-1)")
+    c.add_argument(
+        "--max-failures",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="exit 1 when a run's failed share of requests exceeds this (0-1)",
+    )
     r = parser.add_argument_group("metrics")
-    r.add_argument("--percentiles", default="50,90,99", metavar="P[,P...]",
-                   help="percentiles of TTFT, TPOT, ITL and E2E to report")
-    r.add_argument("--slo", "--goodput", metavar="ttft_ms=MS,tpot_ms=MS,e2e_ms=MS",
-                   help="goodput: ok requests per second within every bound "
-                        "(vLLM's ttft:MS,tpot:MS also read)")
-    r.add_argument("--requests-out", metavar="FILE",
-                   help="per-request export: JSONL, or CSV for a .csv name (send time, "
-                        "TTFT, TPOT, every inter-token gap, E2E, tokens, worker, status, retries)")
+    r.add_argument(
+        "--percentiles",
+        default="50,90,99",
+        metavar="P[,P...]",
+        help="percentiles of TTFT, TPOT, ITL and E2E to report",
+    )
+    r.add_argument(
+        "--slo",
+        "--goodput",
+        metavar="ttft_ms=MS,tpot_ms=MS,e2e_ms=MS",
+        help="goodput: ok requests per second within every bound (vLLM's ttft:MS,tpot:MS also read)",
+    )
+    r.add_argument(
+        "--requests-out",
+        metavar="FILE",
+        help="per-request export: JSONL, or CSV for a .csv name (send time, "
+        "TTFT, TPOT, every inter-token gap, E2E, tokens, worker, status, retries)",
+    )
     add_load_arguments(parser, default_workload=None, load_shapes=True)
     ab.add_arguments(parser)
 
@@ -237,8 +319,12 @@ def _make_workload(args: argparse.Namespace) -> Workload:
             raise WorkloadError("--dataset replaces --workload, --trace and -o: give one")
         params: dict = {"api": args.dataset_api}
         if dataset == "random":
-            params.update(input_len=args.input_len, range_ratio=args.range_ratio,
-                          prefix_len=args.prefix_len, output_len=args.output_len or 128)
+            params.update(
+                input_len=args.input_len,
+                range_ratio=args.range_ratio,
+                prefix_len=args.prefix_len,
+                output_len=args.output_len or 128,
+            )
             if args.requests is not None:
                 params["requests"] = args.requests
         else:
@@ -255,22 +341,34 @@ def _make_workload(args: argparse.Namespace) -> Workload:
         options["time_scale"] = args.time_scale
     if args.skip_bad_lines:
         options["skip_bad_lines"] = True
-    if args.workload != "trace" and (args.trace is not None or args.time_scale is not None
-                                     or args.skip_bad_lines):
+    if args.workload != "trace" and (
+        args.trace is not None or args.time_scale is not None or args.skip_bad_lines
+    ):
         raise WorkloadError("--trace, --time-scale and --skip-bad-lines apply to --workload trace only")
     return make_workload(args.workload, options, args.seed)
 
 
 #: flags of one dataset only -> the datasets they apply to (given elsewhere: an error)
-_DATASET_FLAGS = {"input_len": ("random",), "range_ratio": ("random",), "prefix_len": ("random",),
-                  "dataset_path": ("sharegpt",), "output_len": ("random", "sharegpt"),
-                  "dataset_api": ("random", "sharegpt")}
+_DATASET_FLAGS = {
+    "input_len": ("random",),
+    "range_ratio": ("random",),
+    "prefix_len": ("random",),
+    "dataset_path": ("sharegpt",),
+    "output_len": ("random", "sharegpt"),
+    "dataset_api": ("random", "sharegpt"),
+}
 
 
 def _check_dataset_flags(args: argparse.Namespace) -> None:
     """Raises ``WorkloadError`` for a dataset flag that the chosen traffic would ignore."""
-    defaults = {"input_len": 1024, "range_ratio": 0.0, "prefix_len": 0, "dataset_path": None,
-                "output_len": None, "dataset_api": API_COMPLETIONS}
+    defaults = {
+        "input_len": 1024,
+        "range_ratio": 0.0,
+        "prefix_len": 0,
+        "dataset_path": None,
+        "output_len": None,
+        "dataset_api": API_COMPLETIONS,
+    }
     for dest, datasets in _DATASET_FLAGS.items():
         if getattr(args, dest) != defaults[dest] and args.dataset not in datasets:
             flag = "--" + dest.replace("_", "-")
@@ -293,8 +391,9 @@ def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
     else:
         arrivals = Closed(8)
     if isinstance(workload, Trace) and getattr(workload, "skipped", None):
-        log.warning("trace: skipped %d bad lines (first: line %d)", len(workload.skipped),
-                    workload.skipped[0])
+        log.warning(
+            "trace: skipped %d bad lines (first: line %d)", len(workload.skipped), workload.skipped[0]
+        )
     return workload, arrivals, Bounds(args.requests, args.duration, args.drain)
 
 
@@ -312,8 +411,7 @@ def emit(outcomes: list[RunOutcome], args: argparse.Namespace) -> None:
         write_json(args.json, runs)
         print(f"report: {args.json}")
     if getattr(args, "requests_out", None):
-        n = metrics.write_requests(args.requests_out, [(o.report["name"], o.results)
-                                                       for o in outcomes])
+        n = metrics.write_requests(args.requests_out, [(o.report["name"], o.results) for o in outcomes])
         print(f"requests: {args.requests_out} ({n} records)")
     if args.plots:
         paths = write_plots(runs, args.plots, {o.report["name"]: o.ttft_ms for o in outcomes})
@@ -325,8 +423,7 @@ def emit(outcomes: list[RunOutcome], args: argparse.Namespace) -> None:
 def _metric_options(args: argparse.Namespace):
     from loadtest.metrics import MetricOptions, parse_percentiles, parse_slo
 
-    return MetricOptions(parse_percentiles(args.percentiles),
-                         parse_slo(args.slo) if args.slo else {})
+    return MetricOptions(parse_percentiles(args.percentiles), parse_slo(args.slo) if args.slo else {})
 
 
 def _finish(outcomes: list[RunOutcome], args: argparse.Namespace) -> int:
@@ -351,8 +448,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ab:
         return _run_local_ab(args, mopts)
     if not args.target:
-        raise ConfigError("--target", "give at least one --target NAME=URL, or --ab radix|policy "
-                                      "for a local fleet")
+        raise ConfigError(
+            "--target", "give at least one --target NAME=URL, or --ab radix|policy for a local fleet"
+        )
     targets = [parse_target(t) for t in args.target]
     names = [n for n, _ in targets]
     if len(set(names)) != len(names):
@@ -364,17 +462,30 @@ def run(args: argparse.Namespace) -> int:
     loads = [build_load(argparse.Namespace(**{**vars(args), "rate": rate})) for rate in rates]
     if args.kv_capacity_tokens is not None and args.kv_capacity_tokens <= 0:
         raise ConfigError("--kv-capacity-tokens", "must be > 0")
-    check_outputs(files=[("--json", args.json), ("--requests-out", args.requests_out)],
-                  dirs=[("--plots", args.plots)])
+    check_outputs(
+        files=[("--json", args.json), ("--requests-out", args.requests_out)], dirs=[("--plots", args.plots)]
+    )
     if args.plots:
         require_plots()
     outcomes: list[RunOutcome] = []
     for rate, (workload, arrivals, bounds) in zip(rates, loads):
-        outs = asyncio.run(run_ab(
-            targets, workload, arrivals, bounds, flush_urls=[u.rstrip("/") for u in args.flush],
-            kv_capacity_tokens=args.kv_capacity_tokens, model=args.model, timeout_s=args.timeout,
-            send_session=args.send_session, progress=False if args.no_progress else None,
-            allow_warm=args.allow_warm, headers=headers, retry=retry))
+        outs = asyncio.run(
+            run_ab(
+                targets,
+                workload,
+                arrivals,
+                bounds,
+                flush_urls=[u.rstrip("/") for u in args.flush],
+                kv_capacity_tokens=args.kv_capacity_tokens,
+                model=args.model,
+                timeout_s=args.timeout,
+                send_session=args.send_session,
+                progress=False if args.no_progress else None,
+                allow_warm=args.allow_warm,
+                headers=headers,
+                retry=retry,
+            )
+        )
         for o in outs:
             enrich(o.report, o.results, mopts)
             if len(rates) > 1:
@@ -396,8 +507,9 @@ def _run_local_ab(args: argparse.Namespace, mopts) -> int:
     args.rate = args.rate[0] if args.rate else None
     ab.arms(args)  # flag errors before anything starts
     workload, arrivals, bounds = build_load(args)
-    check_outputs(files=[("--json", args.json), ("--requests-out", args.requests_out)],
-                  dirs=[("--plots", args.plots)])
+    check_outputs(
+        files=[("--json", args.json), ("--requests-out", args.requests_out)], dirs=[("--plots", args.plots)]
+    )
     if args.plots:
         require_plots()
     outcomes = ab.run_local(args, workload, arrivals, bounds)

@@ -36,12 +36,12 @@ import csv
 import json
 import math
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
-from protocol.errors import ConfigError
 from loadtest.client import Result
 from loadtest.report import percentiles
+from protocol.errors import ConfigError
 
 #: the base schema's percentiles, always reported
 BASE_PERCENTILES = (50.0, 90.0, 99.0)
@@ -51,9 +51,27 @@ DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 _SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "e2el": "e2e_ms"}
 
 #: what one line of --requests-out holds, in CSV column order
-REQUEST_FIELDS = ("run", "id", "session", "turn", "send_s", "ok", "status", "error_kind",
-                  "error", "ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "prompt_tokens",
-                  "cached_tokens", "output_tokens", "worker", "retries", "retry_wait_ms")
+REQUEST_FIELDS = (
+    "run",
+    "id",
+    "session",
+    "turn",
+    "send_s",
+    "ok",
+    "status",
+    "error_kind",
+    "error",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "itl_ms",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "worker",
+    "retries",
+    "retry_wait_ms",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +90,9 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
         try:
             p = float(part)
         except ValueError:
-            raise ConfigError("--percentiles", f"{part.strip()!r} in {text!r} is not a "
-                              "number (give e.g. 50,90,99)") from None
+            raise ConfigError(
+                "--percentiles", f"{part.strip()!r} in {text!r} is not a number (give e.g. 50,90,99)"
+            ) from None
         if not 0 < p <= 100 or math.isnan(p):
             raise ConfigError("--percentiles", f"{p:g} is outside (0, 100]")
         if p in out:
@@ -91,13 +110,17 @@ def parse_slo(text: str, flag: str = "--slo") -> dict[str, float]:
         key = key.strip().lower()
         name = _SLO_KEYS.get(key.removesuffix("_ms"))
         if not found or name is None:
-            raise ConfigError(flag, f"{part.strip()!r} must be KEY=MS with KEY one of ttft, "
-                              "tpot, e2e (e.g. ttft_ms=500,tpot_ms=50)")
+            raise ConfigError(
+                flag,
+                f"{part.strip()!r} must be KEY=MS with KEY one of ttft, "
+                "tpot, e2e (e.g. ttft_ms=500,tpot_ms=50)",
+            )
         try:
             bound = float(value)
         except ValueError:
-            raise ConfigError(flag, f"{part.strip()!r}: {value.strip()!r} is not a number "
-                              "of milliseconds") from None
+            raise ConfigError(
+                flag, f"{part.strip()!r}: {value.strip()!r} is not a number of milliseconds"
+            ) from None
         if not bound > 0 or math.isinf(bound):
             raise ConfigError(flag, f"{part.strip()!r}: the bound must be > 0 ms")
         if name in out:
@@ -148,12 +171,16 @@ def enrich(report: dict, results: Sequence[Result], opts: MetricOptions) -> dict
     tp["total_tokens_per_s"] = tp["input_tokens_per_s"] + tp["output_tokens_per_s"]
     if opts.slo:
         good = sum(1 for r in results if meets_slo(r, opts.slo))
-        report["goodput"] = {"slo": dict(opts.slo), "requests": good,
-                             "share": good / len(results) if results else 0.0,
-                             "requests_per_s": good / duration if duration else 0.0}
+        report["goodput"] = {
+            "slo": dict(opts.slo),
+            "requests": good,
+            "share": good / len(results) if results else 0.0,
+            "requests_per_s": good / duration if duration else 0.0,
+        }
     retried = [r for r in results if r.retries]
     report["retries"] = {
-        "requests": len(retried), "attempts": sum(r.retries for r in retried),
+        "requests": len(retried),
+        "attempts": sum(r.retries for r in retried),
         "wait_s": sum(r.retry_wait_s for r in retried),
     }
     return report
@@ -167,9 +194,12 @@ def failure_share(report: dict) -> float:
 
 def over_failure_limit(runs: Iterable[dict], max_failures: float) -> list[str]:
     """One line per run whose failure share exceeds ``max_failures`` (a share in [0, 1])."""
-    return [f"{r['name']}: {r['errors']} of {r['requests']} requests failed "
-            f"({failure_share(r):.1%} > --max-failures {max_failures:g})"
-            for r in runs if failure_share(r) > max_failures]
+    return [
+        f"{r['name']}: {r['errors']} of {r['requests']} requests failed "
+        f"({failure_share(r):.1%} > --max-failures {max_failures:g})"
+        for r in runs
+        if failure_share(r) > max_failures
+    ]
 
 
 def _ms(x: float | None) -> float | None:
@@ -179,13 +209,27 @@ def _ms(x: float | None) -> float | None:
 def request_record(run: str, r: Result) -> dict:
     """One request as ``--requests-out`` writes it (``REQUEST_FIELDS``)."""
     t = tpot_s(r)
-    return {"run": run, "id": r.id, "session": r.session, "turn": r.turn,
-            "send_s": round(r.start, 6), "ok": r.ok, "status": r.status,
-            "error_kind": r.error_kind, "error": r.error, "ttft_ms": _ms(r.ttft_s),
-            "tpot_ms": _ms(t), "e2e_ms": _ms(r.e2e_s), "itl_ms": [_ms(x) for x in r.itl_s],
-            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-            "output_tokens": r.output_tokens, "worker": r.worker, "retries": r.retries,
-            "retry_wait_ms": _ms(r.retry_wait_s)}
+    return {
+        "run": run,
+        "id": r.id,
+        "session": r.session,
+        "turn": r.turn,
+        "send_s": round(r.start, 6),
+        "ok": r.ok,
+        "status": r.status,
+        "error_kind": r.error_kind,
+        "error": r.error,
+        "ttft_ms": _ms(r.ttft_s),
+        "tpot_ms": _ms(t),
+        "e2e_ms": _ms(r.e2e_s),
+        "itl_ms": [_ms(x) for x in r.itl_s],
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "output_tokens": r.output_tokens,
+        "worker": r.worker,
+        "retries": r.retries,
+        "retry_wait_ms": _ms(r.retry_wait_s),
+    }
 
 
 def write_requests(path: str, runs: Sequence[tuple[str, Sequence[Result]]]) -> int:
@@ -242,16 +286,24 @@ def render_latency(runs: Sequence[dict], file=None) -> None:
         if g:
             slo = g["slo"]
         rt = r.get("retries") or {}
-        row += [_fmt(tp.get("input_tokens_per_s"), ".0f"), _fmt(tp["output_tokens_per_s"], ".0f"),
-                f"{g['requests_per_s']:.2f} ({g['share']:.0%})" if g else "-",
-                f"{rt.get('requests', 0)} ({rt.get('attempts', 0)} retries)"]
+        row += [
+            _fmt(tp.get("input_tokens_per_s"), ".0f"),
+            _fmt(tp["output_tokens_per_s"], ".0f"),
+            f"{g['requests_per_s']:.2f} ({g['share']:.0%})" if g else "-",
+            f"{rt.get('requests', 0)} ({rt.get('attempts', 0)} retries)",
+        ]
         table.add_row(*row)
-    legend = ("TTFT: send to first token.  TPOT: (E2E - TTFT) / (output tokens - 1).  "
-              "ITL: gaps between streamed chunks.  Times count from the first attempt; "
-              "'retried' says how many requests a refusal (429/503...) made wait.")
+    legend = (
+        "TTFT: send to first token.  TPOT: (E2E - TTFT) / (output tokens - 1).  "
+        "ITL: gaps between streamed chunks.  Times count from the first attempt; "
+        "'retried' says how many requests a refusal (429/503...) made wait."
+    )
     if slo:
-        legend += "  goodput: ok requests within " + ", ".join(
-            f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in slo.items()) + " per second."
+        legend += (
+            "  goodput: ok requests within "
+            + ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in slo.items())
+            + " per second."
+        )
     print_table(table, file, legend=legend)
 
 
@@ -264,19 +316,39 @@ def render_sweep(runs: Sequence[dict], file=None) -> None:
     from loadtest.report import print_table
 
     table = Table(title="rate sweep", show_lines=False)
-    for col in ("run", "offered req/s", "achieved req/s", "ok/req", "TTFT p50", "TTFT p99",
-                "TPOT p50", "E2E p99", "out tok/s", "goodput req/s"):
+    for col in (
+        "run",
+        "offered req/s",
+        "achieved req/s",
+        "ok/req",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "E2E p99",
+        "out tok/s",
+        "goodput req/s",
+    ):
         table.add_column(col, justify="left" if col == "run" else "right", no_wrap=col == "run")
     for r in runs:
         g = r.get("goodput")
-        table.add_row(Text(r["name"]), _fmt(r.get("offered_rate"), "g"),
-                      _fmt(r["throughput"]["requests_per_s"], ".2f"),
-                      f"{r['ok']}/{r['requests']}", _fmt(r["ttft_ms"]["p50"]),
-                      _fmt(r["ttft_ms"]["p99"]), _fmt((r.get("tpot_ms") or {}).get("p50")),
-                      _fmt(r["e2e_ms"]["p99"]), _fmt(r["throughput"]["output_tokens_per_s"], ".0f"),
-                      _fmt(g["requests_per_s"], ".2f") if g else "-")
-    print_table(table, file, legend="offered: the --rate of the run; achieved: ok requests "
-                "per second over the run's duration. Latencies in ms.")
+        table.add_row(
+            Text(r["name"]),
+            _fmt(r.get("offered_rate"), "g"),
+            _fmt(r["throughput"]["requests_per_s"], ".2f"),
+            f"{r['ok']}/{r['requests']}",
+            _fmt(r["ttft_ms"]["p50"]),
+            _fmt(r["ttft_ms"]["p99"]),
+            _fmt((r.get("tpot_ms") or {}).get("p50")),
+            _fmt(r["e2e_ms"]["p99"]),
+            _fmt(r["throughput"]["output_tokens_per_s"], ".0f"),
+            _fmt(g["requests_per_s"], ".2f") if g else "-",
+        )
+    print_table(
+        table,
+        file,
+        legend="offered: the --rate of the run; achieved: ok requests "
+        "per second over the run's duration. Latencies in ms.",
+    )
 
 
 def write_sweep_plot(runs: Sequence[dict], out_dir: str) -> str:
@@ -311,4 +383,3 @@ def write_sweep_plot(runs: Sequence[dict], out_dir: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-

@@ -58,7 +58,7 @@ def common_tokens(a: bytes, b: bytes) -> int:
 class _Node:
     __slots__ = ("edge", "parent", "children", "last")
 
-    def __init__(self, edge: bytes, parent: "_Node | None", last: int) -> None:
+    def __init__(self, edge: bytes, parent: _Node | None, last: int) -> None:
         self.edge = edge  # bytes on the edge from the parent (token-aligned)
         self.parent = parent
         self.children: dict[bytes, _Node] = {}  # first token of the child's edge -> child
@@ -171,4 +171,3 @@ class PrefixTrie:
         assert total == self.tokens, f"{total=} != {self.tokens=}"
         if self.capacity is not None:
             assert self.tokens <= self.capacity, f"{self.tokens=} > {self.capacity=}"
-

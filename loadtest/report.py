@@ -56,14 +56,15 @@ import os
 import sys
 import tempfile
 from collections import Counter
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from protocol.errors import ConfigError
-from protocol.extras import require
-from protocol.prefix_keys import Endpoint, routing_bytes
 from loadtest.client import Result
 from loadtest.prefix_trie import PrefixTrie, as_tokens
 from loadtest.workloads import API_CHAT, RequestSpec
+from protocol.errors import ConfigError
+from protocol.extras import require
+from protocol.prefix_keys import Endpoint, routing_bytes
 
 SCHEMA = "radixfleet.report/1"
 
@@ -184,8 +185,9 @@ def percentile(xs: Sequence[float], q: float, *, presorted: bool = False) -> flo
     return s[min(n - 1, max(0, math.ceil(q * n) - 1))]
 
 
-def percentiles(xs: Sequence[float], scale: float = 1000.0,
-                ps: Sequence[float] = (50, 90, 99)) -> dict[str, float | None]:
+def percentiles(
+    xs: Sequence[float], scale: float = 1000.0, ps: Sequence[float] = (50, 90, 99)
+) -> dict[str, float | None]:
     """The ``ps`` percentiles (nearest rank; keys ``p50``, ``p99.9``) and the mean of
     ``xs``, times ``scale``; nulls when empty. O(n log n)."""
     keys = [f"p{p:g}" for p in ps]
@@ -196,9 +198,16 @@ def percentiles(xs: Sequence[float], scale: float = 1000.0,
     return {**out, "mean": sum(s) / len(s) * scale}
 
 
-def summarize(name: str, target: str, workload: dict, results: Iterable[Result], *,
-              kv_capacity_tokens: int | None, duration_s: float | None = None,
-              workers: dict[str, dict[str, int]] | None = None) -> dict:
+def summarize(
+    name: str,
+    target: str,
+    workload: dict,
+    results: Iterable[Result],
+    *,
+    kv_capacity_tokens: int | None,
+    duration_s: float | None = None,
+    workers: dict[str, dict[str, int]] | None = None,
+) -> dict:
     """One run's report entry from its per-request results.
 
     ``workers`` replaces the per-worker table built from the results' worker
@@ -214,8 +223,9 @@ def summarize(name: str, target: str, workload: dict, results: Iterable[Result],
     est = sum(r.est_prompt_tokens for r in ok)
     workers: dict[str, dict[str, int]] = {}
     for r in ok:
-        w = workers.setdefault(r.worker or "unknown", {"requests": 0, "prompt_tokens": 0,
-                                                       "cached_tokens": 0, "output_tokens": 0})
+        w = workers.setdefault(
+            r.worker or "unknown", {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
+        )
         w["requests"] += 1
         w["prompt_tokens"] += r.prompt_tokens
         w["cached_tokens"] += r.cached_tokens
@@ -249,7 +259,8 @@ def summarize(name: str, target: str, workload: dict, results: Iterable[Result],
         "hit_rate": cached / prompt if prompt else 0.0,
         "oracle_hit_rate": sum(r.oracle_cached for r in ok) / est if est else 0.0,
         "pooled_hit_rate": (sum(r.pooled_cached for r in ok) / est if est else 0.0)
-        if kv_capacity_tokens else None,
+        if kv_capacity_tokens
+        else None,
         "kv_capacity_tokens": kv_capacity_tokens,
         "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_ms": percentiles(itl),
@@ -264,8 +275,7 @@ def summarize(name: str, target: str, workload: dict, results: Iterable[Result],
     }
 
 
-def mark_bounds(report: dict, bounds, stopped_by: str, dispatched: int,
-                total: int | None) -> None:
+def mark_bounds(report: dict, bounds, stopped_by: str, dispatched: int, total: int | None) -> None:
     """Adds ``stopped_by``, ``workload_requests`` and ``cut`` (a sentence, or None when
     the workload ran whole) to a run's report. ``bounds``: ``loadtest.arrivals.Bounds``."""
     report["stopped_by"] = stopped_by
@@ -323,8 +333,9 @@ def require_plots() -> None:
     require("matplotlib", "plots", "PNG plots")
 
 
-def check_outputs(*, files: Sequence[tuple[str, str | None]] = (),
-                  dirs: Sequence[tuple[str, str | None]] = ()) -> None:
+def check_outputs(
+    *, files: Sequence[tuple[str, str | None]] = (), dirs: Sequence[tuple[str, str | None]] = ()
+) -> None:
     """Raises ``ConfigError`` (naming the flag) unless every ``(flag, path)`` in
     ``files`` can be written as a file and every one in ``dirs`` can hold new files.
     None paths are skipped. Missing folders are created (as the writers do).
@@ -395,8 +406,11 @@ def print_table(table, file=None, notes: Sequence[str] = (), legend: str | None 
     if legend:
         console.print(legend, highlight=False, markup=False)
     if any(n.startswith("* ") for n in notes):
-        console.print("*: the run did not send the whole workload (the note above says why).",
-                      highlight=False, markup=False)
+        console.print(
+            "*: the run did not send the whole workload (the note above says why).",
+            highlight=False,
+            markup=False,
+        )
 
 
 def ok_cell(r: dict) -> str:
@@ -416,20 +430,38 @@ def render_table(runs: list[dict], file=None) -> None:
     from rich.text import Text
 
     table = Table(title="radixfleet load test", show_lines=False)
-    for col in ("run", "ok/req", "errors", "hit", "oracle", "pooled", "TTFT p50 ms",
-                "TTFT p99 ms", "ITL p50 ms", "E2E p50 ms", "req/s", "out tok/s", "imbalance"):
+    for col in (
+        "run",
+        "ok/req",
+        "errors",
+        "hit",
+        "oracle",
+        "pooled",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "E2E p50 ms",
+        "req/s",
+        "out tok/s",
+        "imbalance",
+    ):
         if col == "run":
             table.add_column(col, justify="left", no_wrap=True)
         else:
             table.add_column(col, justify="right")
     for r in runs:
         table.add_row(
-            Text(r["name"]), ok_cell(r),  # a name is text, never markup: prefix_load[tie_s=0]
+            Text(r["name"]),
+            ok_cell(r),  # a name is text, never markup: prefix_load[tie_s=0]
             ", ".join(f"{k}:{v}" for k, v in r["errors_by_kind"].items()) or "0",
-            _fmt(r["hit_rate"], ".3f"), _fmt(r["oracle_hit_rate"], ".3f"),
+            _fmt(r["hit_rate"], ".3f"),
+            _fmt(r["oracle_hit_rate"], ".3f"),
             _fmt(r["pooled_hit_rate"], ".3f"),
-            _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p99"]), _fmt(r["itl_ms"]["p50"]),
-            _fmt(r["e2e_ms"]["p50"]), _fmt(r["throughput"]["requests_per_s"], ".2f"),
+            _fmt(r["ttft_ms"]["p50"]),
+            _fmt(r["ttft_ms"]["p99"]),
+            _fmt(r["itl_ms"]["p50"]),
+            _fmt(r["e2e_ms"]["p50"]),
+            _fmt(r["throughput"]["requests_per_s"], ".2f"),
             _fmt(r["throughput"]["output_tokens_per_s"], ".0f"),
             _fmt(r["load_imbalance"], ".2f"),
         )
@@ -437,15 +469,20 @@ def render_table(runs: list[dict], file=None) -> None:
     for r in runs:
         pred = r.get("prediction")
         if pred:
-            notes.append(f"{r['name']} index prediction (predicted matched vs reported cached "
-                         "tokens, mean |error| per response): " + ", ".join(
-                             f"{w} {p['mean_abs_tokens']:.1f} ({p['samples']})"
-                             for w, p in sorted(pred.items())))
+            notes.append(
+                f"{r['name']} index prediction (predicted matched vs reported cached "
+                "tokens, mean |error| per response): "
+                + ", ".join(
+                    f"{w} {p['mean_abs_tokens']:.1f} ({p['samples']})" for w, p in sorted(pred.items())
+                )
+            )
     for r in runs:
         if r["errors"]:
-            notes.append(f"{r['name']}: {r['errors']} of {r['requests']} requests failed "
-                         f"({', '.join(f'{k}: {v}' for k, v in r['errors_by_kind'].items())}); "
-                         "the run went on and the figures above cover the ok requests.")
+            notes.append(
+                f"{r['name']}: {r['errors']} of {r['requests']} requests failed "
+                f"({', '.join(f'{k}: {v}' for k, v in r['errors_by_kind'].items())}); "
+                "the run went on and the figures above cover the ok requests."
+            )
     print_table(table, file, notes)
 
 
@@ -501,9 +538,12 @@ def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[flo
     workers = sorted({w for r in runs for w in r["workers"]})
     width = 0.8 / max(1, len(runs))
     for i, r in enumerate(runs):
-        ax.bar([j + i * width for j in range(len(workers))],
-               [r["workers"].get(w, {}).get("prompt_tokens", 0) for w in workers], width,
-               label=f"{r['name']} (imbalance {_fmt(r['load_imbalance'], '.2f')})")
+        ax.bar(
+            [j + i * width for j in range(len(workers))],
+            [r["workers"].get(w, {}).get("prompt_tokens", 0) for w in workers],
+            width,
+            label=f"{r['name']} (imbalance {_fmt(r['load_imbalance'], '.2f')})",
+        )
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(workers))], workers)
     top = max((v.get("prompt_tokens", 0) for r in runs for v in r["workers"].values()), default=0)
     ax.set_ylim(0, max(1, top) * (1.15 + 0.1 * len(runs)))  # room for the legend
@@ -526,17 +566,22 @@ class Progress:
         self.label = label
         self.total = total
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.enabled:
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
-                                       TextColumn, TimeElapsedColumn)
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
             # the label is a run name, never markup (prefix_load[tie_s=0])
-            self._p = RichProgress(TextColumn("{task.description}", markup=False), BarColumn(),
-                                   MofNCompleteColumn(), TextColumn("{task.fields[errors]} errors"),
-                                   TimeElapsedColumn(), transient=True,
-                                   console=Console(stderr=True))
+            self._p = RichProgress(
+                TextColumn("{task.description}", markup=False),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[errors]} errors"),
+                TimeElapsedColumn(),
+                transient=True,
+                console=Console(stderr=True),
+            )
             self._p.__enter__()
             self._task = self._p.add_task(self.label, total=self.total, errors=0)
         return self

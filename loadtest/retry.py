@@ -23,8 +23,8 @@ from __future__ import annotations
 import email.utils
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from protocol.errors import ConfigError
 
@@ -60,13 +60,14 @@ class RetryPolicy:
             return hint == "true"
         return status in (408, 409, 429) or status >= 500
 
-    def delay_s(self, headers: Mapping[str, str], retries_done: int,
-                rng: random.Random | None = None) -> float:
+    def delay_s(
+        self, headers: Mapping[str, str], retries_done: int, rng: random.Random | None = None
+    ) -> float:
         """Seconds to wait before retry number ``retries_done + 1``."""
         hinted = retry_after_s(headers)
         if hinted is not None and 0 < hinted <= MAX_RETRY_AFTER_S:
             return hinted
-        base = min(INITIAL_RETRY_DELAY_S * 2.0 ** retries_done, MAX_RETRY_DELAY_S)
+        base = min(INITIAL_RETRY_DELAY_S * 2.0**retries_done, MAX_RETRY_DELAY_S)
         return base * (1 - 0.25 * (rng or random).random())
 
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from protocol.errors import RunError
 from loadtest.arrivals import Bounds, DriveStats, drive
 from loadtest.client import Result, Target
-from loadtest.retry import RetryPolicy
 from loadtest.report import CacheReference, Progress, mark_bounds, summarize
+from loadtest.retry import RetryPolicy
 from loadtest.workloads import Workload
+from protocol.errors import RunError
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,12 @@ async def fleet_capacity(session: aiohttp.ClientSession, agent_urls: list[str]) 
 
 
 #: agent counters (Prometheus text at /metrics): report field -> metric family
-_COUNTERS = {"requests": "radixfleet_agent_requests_finished", "prompt_tokens": "sglang:prompt_tokens",
-             "cached_tokens": "sglang:cached_tokens", "output_tokens": "sglang:generation_tokens"}
+_COUNTERS = {
+    "requests": "radixfleet_agent_requests_finished",
+    "prompt_tokens": "sglang:prompt_tokens",
+    "cached_tokens": "sglang:cached_tokens",
+    "output_tokens": "sglang:generation_tokens",
+}
 
 
 async def agent_counters(session: aiohttp.ClientSession, agent_urls: list[str]) -> dict[str, dict[str, int]]:
@@ -127,8 +131,7 @@ async def agent_counters(session: aiohttp.ClientSession, agent_urls: list[str]) 
 
 
 def counter_deltas(before: dict, after: dict) -> dict[str, dict[str, int]]:
-    return {w: {k: after[w][k] - before[w].get(k, 0) for k in _COUNTERS}
-            for w in after if w in before}
+    return {w: {k: after[w][k] - before[w].get(k, 0) for k in _COUNTERS} for w in after if w in before}
 
 
 #: cache flush endpoints, tried in order: ours and SGLang's, then vLLM's (served when
@@ -141,7 +144,7 @@ async def router_predictions(session: aiohttp.ClientSession, router_url: str) ->
     (``GET /admin/workers``: ``engine.prediction``); {} for other targets."""
     body = await _json_get(session, router_url.rstrip("/") + "/admin/workers")
     out = {}
-    for item in (body.get("workers", []) if isinstance(body, dict) else []):
+    for item in body.get("workers", []) if isinstance(body, dict) else []:
         p = item.get("engine", {}).get("prediction") if isinstance(item, dict) else None
         if isinstance(p, dict) and isinstance(p.get("samples"), int):
             out[str(item.get("id"))] = p
@@ -163,8 +166,7 @@ def prediction_deltas(before: dict, after: dict) -> dict:
     return out
 
 
-async def flush(session: aiohttp.ClientSession, agent_urls: list[str],
-                model: str | None = None) -> list[str]:
+async def flush(session: aiohttp.ClientSession, agent_urls: list[str], model: str | None = None) -> list[str]:
     """Flushes every worker's prefix cache (``FLUSH_PATHS``, the first one it serves);
     returns the URLs that failed.
 
@@ -180,8 +182,7 @@ async def flush(session: aiohttp.ClientSession, agent_urls: list[str],
         why = None
         for path in FLUSH_PATHS:
             try:
-                async with session.post(url + path,
-                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
+                async with session.post(url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                     if r.status < 300:
                         why = None
                         if path == "/reset_prefix_cache" and model:
@@ -202,18 +203,31 @@ async def _nudge(session: aiohttp.ClientSession, url: str, model: str) -> None:
     """One tiny completion, so that an idle vLLM takes a step and publishes its
     queued events (``flush``). A failure only leaves the events for later."""
     try:
-        async with session.post(url + "/v1/completions",
-                                json={"model": model, "prompt": "flush", "max_tokens": 1},
-                                timeout=aiohttp.ClientTimeout(total=30)) as r:
+        async with session.post(
+            url + "/v1/completions",
+            json={"model": model, "prompt": "flush", "max_tokens": 1},
+            timeout=aiohttp.ClientTimeout(total=30),
+        ) as r:
             await r.read()
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        log.info("flush: the step after %s's reset failed (%s): its 'cleared' event "
-                 "goes out with the next request", url, exc.__class__.__name__)
+        log.info(
+            "flush: the step after %s's reset failed (%s): its 'cleared' event "
+            "goes out with the next request",
+            url,
+            exc.__class__.__name__,
+        )
 
 
-async def run_target(target: Target, workload: Workload, arrivals, bounds: Bounds, *,
-                     kv_capacity_tokens: int | None, progress: bool | None = None,
-                     check_reference: bool = False) -> RunOutcome:
+async def run_target(
+    target: Target,
+    workload: Workload,
+    arrivals,
+    bounds: Bounds,
+    *,
+    kv_capacity_tokens: int | None,
+    progress: bool | None = None,
+    check_reference: bool = False,
+) -> RunOutcome:
     """Drives ``workload`` against one started, probed target; returns its outcome."""
     ref = CacheReference(kv_capacity_tokens)
     results: dict[str, Result] = {}
@@ -230,6 +244,7 @@ async def run_target(target: Target, workload: Workload, arrivals, bounds: Bound
     # the bar counts to what this run will send: the bound, or the whole workload
     planned = min(total, bounds.request_cap)
     with Progress(f"{target.name}", int(planned), enabled=progress) as bar:
+
         async def send(spec):
             nonlocal errors
             r = results[spec.id]
@@ -243,27 +258,45 @@ async def run_target(target: Target, workload: Workload, arrivals, bounds: Bound
                 bar.advance(errors)
             return answer
 
-        stats = await drive(sessions, arrivals, bounds, send,
-                            max_active_sessions=workload.max_active_sessions,
-                            seed=workload.seed, on_dispatch=on_dispatch)
+        stats = await drive(
+            sessions,
+            arrivals,
+            bounds,
+            send,
+            max_active_sessions=workload.max_active_sessions,
+            seed=workload.seed,
+            on_dispatch=on_dispatch,
+        )
     if check_reference:
         ref.check()
     rs = list(results.values())
     for r in rs:
         r.start -= t0
-    report = summarize(target.name, target.base_url, workload.describe(), rs,
-                       kv_capacity_tokens=kv_capacity_tokens)
+    report = summarize(
+        target.name, target.base_url, workload.describe(), rs, kv_capacity_tokens=kv_capacity_tokens
+    )
     mark_bounds(report, bounds, stats.stopped_by, stats.dispatched, total)
     return RunOutcome(report, rs, stats, [r.ttft_s * 1000 for r in rs if r.ok and r.ttft_s])
 
 
-
-async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, bounds: Bounds, *,
-                 flush_urls: list[str] | None = None, kv_capacity_tokens: int | None = None,
-                 model: str | None = None, timeout_s: float = 120.0, send_session: bool = False,
-                 progress: bool | None = None, settle_s: float = 0.5,
-                 between=None, allow_warm: bool = False, headers: dict[str, str] | None = None,
-                 retry: RetryPolicy = RetryPolicy("none")) -> list[RunOutcome]:
+async def run_ab(
+    targets: list[tuple[str, str]],
+    workload: Workload,
+    arrivals,
+    bounds: Bounds,
+    *,
+    flush_urls: list[str] | None = None,
+    kv_capacity_tokens: int | None = None,
+    model: str | None = None,
+    timeout_s: float = 120.0,
+    send_session: bool = False,
+    progress: bool | None = None,
+    settle_s: float = 0.5,
+    between=None,
+    allow_warm: bool = False,
+    headers: dict[str, str] | None = None,
+    retry: RetryPolicy = RetryPolicy("none"),
+) -> list[RunOutcome]:
     """Probes every target, then runs the workload against each in turn, cold.
 
     ``between(name)`` (async, optional) runs before each target's run (the demo
@@ -282,9 +315,15 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
         for name, url in targets:
             if between is not None:
                 await between(name)
-            async with Target(name, url, model=model, timeout_s=timeout_s,
-                              send_session=send_session, headers=headers,
-                              retry=retry) as target:
+            async with Target(
+                name,
+                url,
+                model=model,
+                timeout_s=timeout_s,
+                send_session=send_session,
+                headers=headers,
+                retry=retry,
+            ) as target:
                 await target.probe()
                 url = target.base_url  # the first replica answers the admin calls
                 agents = list(flush_urls or []) or await discover_workers(admin, url)
@@ -295,19 +334,25 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                         raise RunError(
                             f"target {name}: cache flush failed on {', '.join(failed)}; the "
                             f"run would not start cold (pass --allow-warm to run anyway, "
-                            f"marked cold_start: false)")
+                            f"marked cold_start: false)"
+                        )
                     if failed:
-                        log.warning("target %s: flush failed on %s; running warm "
-                                    "(--allow-warm)", name, ", ".join(failed))
+                        log.warning(
+                            "target %s: flush failed on %s; running warm (--allow-warm)",
+                            name,
+                            ", ".join(failed),
+                        )
                     await asyncio.sleep(settle_s)  # let 'cleared' events reach the router
                 else:
-                    log.warning("target %s: no agents to flush (pass --flush URL); "
-                                "this run may start warm", name)
+                    log.warning(
+                        "target %s: no agents to flush (pass --flush URL); this run may start warm", name
+                    )
                 cap = kv_capacity_tokens or (await fleet_capacity(admin, agents) if agents else None)
                 before = await agent_counters(admin, agents)
                 pred_before = await router_predictions(admin, url)
-                outcome = await run_target(target, workload, arrivals, bounds,
-                                           kv_capacity_tokens=cap, progress=progress)
+                outcome = await run_target(
+                    target, workload, arrivals, bounds, kv_capacity_tokens=cap, progress=progress
+                )
                 pred = prediction_deltas(pred_before, await router_predictions(admin, url))
                 if pred:
                     outcome.report["prediction"] = pred
@@ -317,8 +362,13 @@ async def run_ab(targets: list[tuple[str, str]], workload: Workload, arrivals, b
                     if per_agent:
                         kept = {k: outcome.report[k] for k in ("stopped_by", "workload_requests", "cut")}
                         outcome.report = summarize(
-                            name, target.base_url, workload.describe(), outcome.results,
-                            kv_capacity_tokens=cap, workers=per_agent)
+                            name,
+                            target.base_url,
+                            workload.describe(),
+                            outcome.results,
+                            kv_capacity_tokens=cap,
+                            workers=per_agent,
+                        )
                         outcome.report.update(kept)
                         outcome.report["workers_source"] = "agent /metrics"
                 outcome.report["cold_start"] = (not failed) if agents else None

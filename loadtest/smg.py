@@ -68,9 +68,11 @@ def find_smg() -> str | None:
 
 def missing_message() -> str:
     looked = ", ".join(str(p) for p in candidates())
-    return (f"SGLang's router binary '{BINARY}' was not found (looked at {looked} and on "
-            f"PATH); it ships in the {DISTRIBUTION} wheel of radixfleet's test extra: "
-            f"{sys.executable} -m pip install -e '.[test]'")
+    return (
+        f"SGLang's router binary '{BINARY}' was not found (looked at {looked} and on "
+        f"PATH); it ships in the {DISTRIBUTION} wheel of radixfleet's test extra: "
+        f"{sys.executable} -m pip install -e '.[test]'"
+    )
 
 
 def require_smg() -> str:
@@ -86,8 +88,7 @@ POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 #: arm parameter -> (smg flag, the check it must pass, what the check says)
 _SETTINGS = {
     "cache_threshold": ("--cache-threshold", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
-    "balance_abs_threshold": ("--balance-abs-threshold", lambda v: v >= 0 and v == int(v),
-                              "an integer >= 0"),
+    "balance_abs_threshold": ("--balance-abs-threshold", lambda v: v >= 0 and v == int(v), "an integer >= 0"),
     "balance_rel_threshold": ("--balance-rel-threshold", lambda v: v >= 1.0, "a number >= 1"),
 }
 
@@ -98,8 +99,7 @@ def launch_args(params: dict, where: str = "smg") -> list[str]:
     ``{where}.params.<name>`` for an unknown name or a bad value."""
     policy = params.get("policy", "cache_aware")
     if policy not in POLICIES:
-        raise ConfigError(f"{where}.params.policy",
-                          f"expected one of {', '.join(POLICIES)}, got {policy!r}")
+        raise ConfigError(f"{where}.params.policy", f"expected one of {', '.join(POLICIES)}, got {policy!r}")
     out = ["--policy", policy]
     for name, value in params.items():
         if name == "policy":

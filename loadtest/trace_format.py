@@ -76,8 +76,14 @@ class TraceReader:
     each traffic-log line's ``LineInfo``.
     """
 
-    def __init__(self, block_tokens: int = 512, *, skip_bad: bool = False,
-                 max_requests: int = 0, keep_info: bool = False) -> None:
+    def __init__(
+        self,
+        block_tokens: int = 512,
+        *,
+        skip_bad: bool = False,
+        max_requests: int = 0,
+        keep_info: bool = False,
+    ) -> None:
         self.block_tokens = block_tokens
         self.skip_bad = skip_bad
         self.max_requests = max_requests
@@ -99,7 +105,7 @@ class TraceReader:
         """Appends ``path``'s records. Raises ``WorkloadError`` for an unreadable file
         or a bad line (unless ``skip_bad``)."""
         try:
-            f = open(path, encoding="utf-8", errors="surrogateescape")
+            f = open(path, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115 (closed by the generator)
         except OSError as exc:
             raise WorkloadError(f"trace {path}: {exc.strerror or exc}") from None
         with f:
@@ -114,8 +120,9 @@ class TraceReader:
                     raise WorkloadError(f"trace {path} line {lineno}: {exc}") from None
                 except ValueError as exc:
                     if not self.skip_bad:
-                        raise WorkloadError(f"trace {path} line {lineno}: {exc} "
-                                            "(--skip-bad-lines to go on)") from None
+                        raise WorkloadError(
+                            f"trace {path} line {lineno}: {exc} (--skip-bad-lines to go on)"
+                        ) from None
                     self.skipped.append((path, lineno))
 
     def finish(self) -> TraceData:
@@ -142,18 +149,19 @@ class TraceReader:
         kind = MOONCAKE if fmt is None else TRAFFIC_LOG
         if fmt is not None and fmt != FORMAT:
             if isinstance(fmt, str) and fmt.startswith(FORMAT_FAMILY):
-                raise ValueError(f"'format' is {fmt!r}, from another radixfleet version; "
-                                 f"this one reads {FORMAT!r}")
-            raise ValueError(f"unknown 'format' {fmt!r} (expected {FORMAT!r}, or none for a "
-                             "Mooncake trace)")
+                raise ValueError(
+                    f"'format' is {fmt!r}, from another radixfleet version; this one reads {FORMAT!r}"
+                )
+            raise ValueError(f"unknown 'format' {fmt!r} (expected {FORMAT!r}, or none for a Mooncake trace)")
         if self.kind is None:
             self.kind = kind
         elif kind != self.kind:
-            raise _Fatal(f"a {kind.replace('_', ' ')} line among {self.kind.replace('_', ' ')} "
-                         "lines: replay one format at a time")
+            raise _Fatal(
+                f"a {kind.replace('_', ' ')} line among {self.kind.replace('_', ' ')} "
+                "lines: replay one format at a time"
+            )
         ts = rec.get("timestamp")
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts >= 0 \
-                or not math.isfinite(ts):
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts >= 0 or not math.isfinite(ts):
             raise ValueError("'timestamp' must be a non-negative number (ms)")
         if kind == MOONCAKE:
             self.records.append(_mooncake(rec, float(ts), self.block_tokens))
@@ -167,19 +175,22 @@ class TraceReader:
         if self._log_bt is None:
             self._log_bt, self._where = bt, f"{path} line {lineno}"
         elif bt != self._log_bt:
-            raise _Fatal(f"'block_tokens' {bt} differs from {self._log_bt} at {self._where} "
-                         "(keys.block_bytes changed): replay those files separately")
+            raise _Fatal(
+                f"'block_tokens' {bt} differs from {self._log_bt} at {self._where} "
+                "(keys.block_bytes changed): replay those files separately"
+            )
         routed = rec.get("routed_tokens")
         if type(routed) is not int or routed <= 0:
             raise ValueError("'routed_tokens' must be a positive integer")
         hashes = rec.get("hash_ids")
-        if not isinstance(hashes, list) or any(type(h) is not int or not 0 <= h < _U64
-                                               for h in hashes):
+        if not isinstance(hashes, list) or any(type(h) is not int or not 0 <= h < _U64 for h in hashes):
             raise ValueError("'hash_ids' must be a list of integers in [0, 2**64)")
         full = len(hashes) * bt
         if not full <= routed < full + bt:
-            raise ValueError(f"'hash_ids' has {len(hashes)} blocks of {bt} tokens; "
-                             f"'routed_tokens' {routed} must be in [{full}, {full + bt})")
+            raise ValueError(
+                f"'hash_ids' has {len(hashes)} blocks of {bt} tokens; "
+                f"'routed_tokens' {routed} must be in [{full}, {full + bt})"
+            )
         out = rec.get("output_length")
         if out is not None and (type(out) is not int or out < 0):
             raise ValueError("'output_length' must be a non-negative integer or null")
@@ -213,8 +224,10 @@ def _mooncake(rec: dict, ts: float, block_tokens: int) -> Record:
     if not isinstance(ids, list) or not ids or any(type(h) is not int for h in ids):
         raise ValueError("'hash_ids' must be a non-empty list of integers")
     if len(ids) != math.ceil(n_in / block_tokens):
-        raise ValueError(f"'hash_ids' has {len(ids)} ids, input_length {n_in} needs "
-                         f"{math.ceil(n_in / block_tokens)} blocks of {block_tokens}")
+        raise ValueError(
+            f"'hash_ids' has {len(ids)} ids, input_length {n_in} needs "
+            f"{math.ceil(n_in / block_tokens)} blocks of {block_tokens}"
+        )
     return ts, n_in, n_out, ids
 
 
@@ -237,16 +250,15 @@ def _line_info(rec: dict, n_in: int) -> LineInfo:
     tenant, model = rec.get("tenant", ""), rec.get("model", "")
     if not isinstance(tenant, str) or not isinstance(model, str):
         raise ValueError("'tenant' and 'model' must be strings")
-    return LineInfo(n_in, cached, matched, ttft, tenant, model, status,
-                    1.0 if rate is None else float(rate))
+    return LineInfo(n_in, cached, matched, ttft, tenant, model, status, 1.0 if rate is None else float(rate))
 
 
-def read_trace(paths, block_tokens: int = 512, *, skip_bad: bool = False,
-               max_requests: int = 0, keep_info: bool = False) -> TraceData:
+def read_trace(
+    paths, block_tokens: int = 512, *, skip_bad: bool = False, max_requests: int = 0, keep_info: bool = False
+) -> TraceData:
     """Reads ``paths`` (files, in order) into one ``TraceData``; raises
     ``WorkloadError`` as the module docstring says."""
-    r = TraceReader(block_tokens, skip_bad=skip_bad, max_requests=max_requests,
-                    keep_info=keep_info)
+    r = TraceReader(block_tokens, skip_bad=skip_bad, max_requests=max_requests, keep_info=keep_info)
     for p in paths:
         r.read(p)
         if r.full:

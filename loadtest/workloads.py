@@ -31,8 +31,9 @@ import dataclasses
 import json
 import random
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar
 
 import xxhash
 
@@ -140,20 +141,28 @@ class ChatSession(Session):
     answers no call).
     """
 
-    __slots__ = ("prefix", "tools", "turns", "max_tokens", "history", "turn", "api", "nominal",
-                 "calls")
+    __slots__ = ("prefix", "tools", "turns", "max_tokens", "history", "turn", "api", "nominal", "calls")
 
-    def __init__(self, id: str, *, prefix: list[dict], turns: list[dict],
-                 max_tokens: list[int], api: str = API_CHAT, tools: list | None = None,
-                 nominal: list[int] | None = None, calls: list[dict | None] | None = None) -> None:
+    def __init__(
+        self,
+        id: str,
+        *,
+        prefix: list[dict],
+        turns: list[dict],
+        max_tokens: list[int],
+        api: str = API_CHAT,
+        tools: list | None = None,
+        nominal: list[int] | None = None,
+        calls: list[dict | None] | None = None,
+    ) -> None:
         super().__init__(id)
         assert len(turns) == len(max_tokens) and turns, f"{id=} {len(turns)=}"
-        self.prefix = prefix          # messages every turn starts with (system prompt)
-        self.tools = tools            # chat 'tools' (a schema prefix), or None
-        self.turns = turns            # the message that opens each turn
+        self.prefix = prefix  # messages every turn starts with (system prompt)
+        self.tools = tools  # chat 'tools' (a schema prefix), or None
+        self.turns = turns  # the message that opens each turn
         self.max_tokens = max_tokens
         self.history: list[dict] = []  # messages of completed turns (only follow() grows it)
-        self.turn = 0                 # index of the turn handed out last
+        self.turn = 0  # index of the turn handed out last
         self.api = api
         self.nominal = nominal or [0] * len(turns)
         assert calls is None or len(calls) == len(turns), f"{id=} {len(calls)=}"
@@ -168,10 +177,10 @@ class ChatSession(Session):
                 body["tools"] = self.tools
         else:
             # completions: the conversation flattened, still prefix-stable
-            body = {"prompt": "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-                    + "assistant: "}
-        return RequestSpec(f"{self.id}.{t}", self.api, body, self.max_tokens[t],
-                           self.id, t, None, self.nominal[t])
+            body = {"prompt": "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "}
+        return RequestSpec(
+            f"{self.id}.{t}", self.api, body, self.max_tokens[t], self.id, t, None, self.nominal[t]
+        )
 
     def first(self) -> RequestSpec:
         self.turn = 0
@@ -219,7 +228,7 @@ def _convert(name: str, typ: Any, value: Any) -> Any:
                 return False
             raise ValueError(value)
     except ValueError:
-        raise WorkloadError(f"option {name}={value!r}: expected {getattr(typ, '__name__', typ)}")
+        raise WorkloadError(f"option {name}={value!r}: expected {getattr(typ, '__name__', typ)}") from None
     return value
 
 
@@ -267,7 +276,7 @@ def _ranged(rng: random.Random, length: int, ratio: float) -> int:
 
 
 def _zipf_weights(n: int, alpha: float) -> list[float]:
-    return list(_accumulate(1.0 / (k ** alpha) for k in range(1, n + 1)))
+    return list(_accumulate(1.0 / (k**alpha) for k in range(1, n + 1)))
 
 
 def _accumulate(xs: Iterable[float]) -> Iterable[float]:
@@ -304,8 +313,10 @@ class Gsp(Workload):
     def validate(self) -> None:
         p = self.params
         _check(p.groups > 0 and p.prompts_per_group > 0, "gsp: groups and prompts_per_group must be > 0")
-        _check(p.system_tokens >= 0 and p.question_tokens > 0 and p.output_tokens > 0,
-               "gsp: token lengths must be positive")
+        _check(
+            p.system_tokens >= 0 and p.question_tokens > 0 and p.output_tokens > 0,
+            "gsp: token lengths must be positive",
+        )
         _check(0.0 < p.range_ratio <= 1.0, "gsp: range_ratio must be in (0, 1]")
         _check(p.order in ("shuffled", "ordered"), f"gsp: order must be shuffled or ordered, got {p.order!r}")
         _check(p.api in APIS, f"gsp: api must be one of {', '.join(APIS)}")
@@ -322,12 +333,17 @@ class Gsp(Workload):
                 question = self.text(q_len, f"question/{g}/{i}")
                 sid = f"g{g}p{i}"
                 if p.api == API_CHAT:
-                    body = {"messages": [{"role": "system", "content": system},
-                                         {"role": "user", "content": question}]}
+                    body = {
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": question},
+                        ]
+                    }
                 else:
                     body = {"prompt": system + "\n\n" + question}
-                out.append(SingleShot(RequestSpec(f"{sid}.0", p.api, body, out_len, sid, 0,
-                                                  None, sys_len + q_len)))
+                out.append(
+                    SingleShot(RequestSpec(f"{sid}.0", p.api, body, out_len, sid, 0, None, sys_len + q_len))
+                )
         if p.order == "shuffled":
             rng.shuffle(out)
         return out
@@ -364,12 +380,20 @@ class Multiturn(Workload):
         p = self.params
         out: list[Session] = []
         for c in range(p.clients):
-            turns = [{"role": "user", "content": self.text(p.question_tokens, f"q/{c}/{r}")}
-                     for r in range(p.rounds)]
-            out.append(ChatSession(f"c{c}", prefix=[], turns=turns,
-                                   max_tokens=[p.output_tokens] * p.rounds, api=p.api,
-                                   nominal=[p.question_tokens * (r + 1) + p.output_tokens * r
-                                            for r in range(p.rounds)]))
+            turns = [
+                {"role": "user", "content": self.text(p.question_tokens, f"q/{c}/{r}")}
+                for r in range(p.rounds)
+            ]
+            out.append(
+                ChatSession(
+                    f"c{c}",
+                    prefix=[],
+                    turns=turns,
+                    max_tokens=[p.output_tokens] * p.rounds,
+                    api=p.api,
+                    nominal=[p.question_tokens * (r + 1) + p.output_tokens * r for r in range(p.rounds)],
+                )
+            )
         return out
 
 
@@ -396,8 +420,10 @@ class Zipf(Workload):
         p = self.params
         _check(p.prompts > 0 and p.requests > 0, "zipf: prompts and requests must be > 0")
         _check(p.alpha >= 0, "zipf: alpha must be >= 0")
-        _check(p.system_tokens >= 0 and p.suffix_tokens > 0 and p.output_tokens > 0,
-               "zipf: token lengths must be positive")
+        _check(
+            p.system_tokens >= 0 and p.suffix_tokens > 0 and p.output_tokens > 0,
+            "zipf: token lengths must be positive",
+        )
         _check(p.api in APIS, f"zipf: api must be one of {', '.join(APIS)}")
 
     def _build(self, rng: random.Random) -> list[Session]:
@@ -410,12 +436,28 @@ class Zipf(Workload):
             suffix = self.text(p.suffix_tokens, f"suffix/{i}")
             sid = f"z{i}"
             if p.api == API_CHAT:
-                body = {"messages": [{"role": "system", "content": systems[k]},
-                                     {"role": "user", "content": suffix}]}
+                body = {
+                    "messages": [
+                        {"role": "system", "content": systems[k]},
+                        {"role": "user", "content": suffix},
+                    ]
+                }
             else:
                 body = {"prompt": systems[k] + "\n" + suffix}
-            out.append(SingleShot(RequestSpec(f"{sid}.0", p.api, body, p.output_tokens, sid, 0,
-                                              None, p.system_tokens + p.suffix_tokens)))
+            out.append(
+                SingleShot(
+                    RequestSpec(
+                        f"{sid}.0",
+                        p.api,
+                        body,
+                        p.output_tokens,
+                        sid,
+                        0,
+                        None,
+                        p.system_tokens + p.suffix_tokens,
+                    )
+                )
+            )
         return out
 
 
@@ -447,8 +489,10 @@ class Rag(Workload):
         _check(p.documents > 0 and 0 < p.k <= p.documents, "rag: need 0 < k <= documents")
         _check(p.requests > 0, "rag: requests must be > 0")
         _check(p.alpha >= 0, "rag: alpha must be >= 0")
-        _check(p.header_tokens >= 0 and p.chunk_tokens > 0 and p.question_tokens > 0
-               and p.output_tokens > 0, "rag: token lengths must be positive")
+        _check(
+            p.header_tokens >= 0 and p.chunk_tokens > 0 and p.question_tokens > 0 and p.output_tokens > 0,
+            "rag: token lengths must be positive",
+        )
         _check(p.api in APIS, f"rag: api must be one of {', '.join(APIS)}")
 
     def _build(self, rng: random.Random) -> list[Session]:
@@ -467,13 +511,28 @@ class Rag(Workload):
             question = self.text(p.question_tokens, f"question/{i}")
             sid = f"r{i}"
             if p.api == API_CHAT:
-                body = {"messages": [{"role": "system", "content": header},
-                                     {"role": "user", "content": context + question}]}
+                body = {
+                    "messages": [
+                        {"role": "system", "content": header},
+                        {"role": "user", "content": context + question},
+                    ]
+                }
             else:
                 body = {"prompt": header + "\n" + context + question}
-            out.append(SingleShot(RequestSpec(f"{sid}.0", p.api, body, p.output_tokens, sid, 0,
-                                              None, p.header_tokens + p.k * p.chunk_tokens
-                                              + p.question_tokens)))
+            out.append(
+                SingleShot(
+                    RequestSpec(
+                        f"{sid}.0",
+                        p.api,
+                        body,
+                        p.output_tokens,
+                        sid,
+                        0,
+                        None,
+                        p.header_tokens + p.k * p.chunk_tokens + p.question_tokens,
+                    )
+                )
+            )
         return out
 
 
@@ -502,35 +561,64 @@ class Agent(Workload):
     def validate(self) -> None:
         p = self.params
         _check(p.sessions > 0 and p.steps > 0 and p.tools > 0, "agent: sessions, steps, tools must be > 0")
-        _check(p.tools_tokens >= p.tools and p.task_tokens > 0 and p.step_tokens > 0
-               and p.output_tokens > 0, "agent: token lengths must be positive")
+        _check(
+            p.tools_tokens >= p.tools and p.task_tokens > 0 and p.step_tokens > 0 and p.output_tokens > 0,
+            "agent: token lengths must be positive",
+        )
         _check(p.max_parallel >= 0, "agent: max_parallel must be >= 0")
         self.max_active_sessions = p.max_parallel or None
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
         per_tool = p.tools_tokens // p.tools
-        tools = [{"type": "function",
-                  "function": {"name": f"tool_{t}", "description": self.text(per_tool, f"tool/{t}"),
-                               "parameters": {"type": "object",
-                                              "properties": {"arg": {"type": "string"}}}}}
-                 for t in range(p.tools)]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": f"tool_{t}",
+                    "description": self.text(per_tool, f"tool/{t}"),
+                    "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}},
+                },
+            }
+            for t in range(p.tools)
+        ]
         out: list[Session] = []
         for s in range(p.sessions):
             calls: list[dict | None] = [None]
-            calls += [{"id": f"call_a{s}_{k}", "type": "function",
-                       "function": {"name": f"tool_{(s + k) % p.tools}",
-                                    "arguments": json.dumps({"arg": f"step {k}"})}}
-                      for k in range(1, p.steps)]
+            calls += [
+                {
+                    "id": f"call_a{s}_{k}",
+                    "type": "function",
+                    "function": {
+                        "name": f"tool_{(s + k) % p.tools}",
+                        "arguments": json.dumps({"arg": f"step {k}"}),
+                    },
+                }
+                for k in range(1, p.steps)
+            ]
             turns = [{"role": "user", "content": self.text(p.task_tokens, f"task/{s}")}]
-            turns += [{"role": "tool", "tool_call_id": calls[k]["id"],
-                       "content": self.text(p.step_tokens, f"result/{s}/{k}")}
-                      for k in range(1, p.steps)]
-            nominal = [p.tools_tokens + p.task_tokens + k * (p.step_tokens + p.output_tokens)
-                       for k in range(p.steps)]
-            out.append(ChatSession(f"a{s}", prefix=[], turns=turns, tools=tools,
-                                   max_tokens=[p.output_tokens] * p.steps, nominal=nominal,
-                                   calls=calls))
+            turns += [
+                {
+                    "role": "tool",
+                    "tool_call_id": calls[k]["id"],
+                    "content": self.text(p.step_tokens, f"result/{s}/{k}"),
+                }
+                for k in range(1, p.steps)
+            ]
+            nominal = [
+                p.tools_tokens + p.task_tokens + k * (p.step_tokens + p.output_tokens) for k in range(p.steps)
+            ]
+            out.append(
+                ChatSession(
+                    f"a{s}",
+                    prefix=[],
+                    turns=turns,
+                    tools=tools,
+                    max_tokens=[p.output_tokens] * p.steps,
+                    nominal=nominal,
+                    calls=calls,
+                )
+            )
         return out
 
 
@@ -562,8 +650,10 @@ class Mixed(Workload):
         _check(p.system_prompts > 0 and p.sessions > 0, "mixed: system_prompts and sessions must be > 0")
         _check(0 < p.min_turns <= p.max_turns, "mixed: need 0 < min_turns <= max_turns")
         _check(p.alpha >= 0, "mixed: alpha must be >= 0")
-        _check(p.system_tokens >= 0 and p.question_tokens > 0 and p.output_tokens > 0,
-               "mixed: token lengths must be positive")
+        _check(
+            p.system_tokens >= 0 and p.question_tokens > 0 and p.output_tokens > 0,
+            "mixed: token lengths must be positive",
+        )
         _check(p.max_parallel >= 0, "mixed: max_parallel must be >= 0")
         self.max_active_sessions = p.max_parallel or None
 
@@ -575,12 +665,19 @@ class Mixed(Workload):
         for s in range(p.sessions):
             k = rng.choices(range(p.system_prompts), cum_weights=cum, k=1)[0]
             n = rng.randint(p.min_turns, p.max_turns)
-            turns = [{"role": "user", "content": self.text(p.question_tokens, f"q/{s}/{t}")}
-                     for t in range(n)]
-            nominal = [p.system_tokens + p.question_tokens * (t + 1) + p.output_tokens * t
-                       for t in range(n)]
-            out.append(ChatSession(f"m{s}", prefix=[{"role": "system", "content": systems[k]}],
-                                   turns=turns, max_tokens=[p.output_tokens] * n, nominal=nominal))
+            turns = [
+                {"role": "user", "content": self.text(p.question_tokens, f"q/{s}/{t}")} for t in range(n)
+            ]
+            nominal = [p.system_tokens + p.question_tokens * (t + 1) + p.output_tokens * t for t in range(n)]
+            out.append(
+                ChatSession(
+                    f"m{s}",
+                    prefix=[{"role": "system", "content": systems[k]}],
+                    turns=turns,
+                    max_tokens=[p.output_tokens] * n,
+                    nominal=nominal,
+                )
+            )
         return out
 
 
@@ -605,9 +702,11 @@ class Pollution(Workload):
 
     def validate(self) -> None:
         p = self.params
-        _check(p.base in WORKLOADS and p.base not in ("pollution", "trace"),
-               f"pollution: base must be one of "
-               f"{', '.join(n for n in WORKLOADS if n not in ('pollution', 'trace'))}, got {p.base!r}")
+        _check(
+            p.base in WORKLOADS and p.base not in ("pollution", "trace"),
+            f"pollution: base must be one of "
+            f"{', '.join(n for n in WORKLOADS if n not in ('pollution', 'trace'))}, got {p.base!r}",
+        )
         _check(0.0 <= p.fraction < 1.0, "pollution: fraction must be in [0, 1)")
         _check(p.doc_tokens > 0 and p.output_tokens > 0, "pollution: token lengths must be > 0")
         self.base = make_workload(p.base, p.base_options, self.seed)
@@ -631,8 +730,11 @@ class Pollution(Workload):
             if di < len(slots) and slots[di] == i:
                 sid = f"doc{di}"
                 body = {"messages": [{"role": "user", "content": self.text(p.doc_tokens, f"doc/{di}")}]}
-                out.append(SingleShot(RequestSpec(f"{sid}.0", API_CHAT, body, p.output_tokens,
-                                                  sid, 0, None, p.doc_tokens)))
+                out.append(
+                    SingleShot(
+                        RequestSpec(f"{sid}.0", API_CHAT, body, p.output_tokens, sid, 0, None, p.doc_tokens)
+                    )
+                )
                 di += 1
             else:
                 out.append(next(it))
@@ -669,15 +771,18 @@ class Trace(Workload):
     def validate(self) -> None:
         p = self.params
         _check(p.time_scale >= 0, "trace: time_scale must be >= 0")
-        _check(p.max_requests >= 0 and p.block_tokens > 0 and p.max_output_tokens >= 0,
-               "trace: max_requests, block_tokens, max_output_tokens must be >= 0")
+        _check(
+            p.max_requests >= 0 and p.block_tokens > 0 and p.max_output_tokens >= 0,
+            "trace: max_requests, block_tokens, max_output_tokens must be >= 0",
+        )
         _check(p.api in APIS, f"trace: api must be one of {', '.join(APIS)}")
         self.records = self.load()
         _check(bool(self.records), f"trace {p.path}: no requests")
 
     @classmethod
-    def from_records(cls, records: list, *, block_tokens: int, path: str = "",
-                     time_scale: float = 1.0, seed: int = 0) -> "Trace":
+    def from_records(
+        cls, records: list, *, block_tokens: int, path: str = "", time_scale: float = 1.0, seed: int = 0
+    ) -> Trace:
         """A trace of records already read (``loadtest.trace_format``), e.g. from
         several traffic-log files: the same object ``Trace(params)`` builds from one."""
         self = cls.__new__(cls)
@@ -699,8 +804,7 @@ class Trace(Workload):
         from loadtest.trace_format import read_trace
 
         p = self.params
-        data = read_trace([p.path], p.block_tokens, skip_bad=p.skip_bad_lines,
-                          max_requests=p.max_requests)
+        data = read_trace([p.path], p.block_tokens, skip_bad=p.skip_bad_lines, max_requests=p.max_requests)
         self.skipped: list[int] = [line for _, line in data.skipped]
         self.kind = data.kind
         p.block_tokens = data.block_tokens
@@ -743,10 +847,14 @@ class _TraceSession(Session):
         text = "".join(block(h) for h in ids[:-1]) + block(ids[-1])[: last * BYTES_PER_TOKEN]
         if p.max_output_tokens:
             n_out = min(n_out, p.max_output_tokens)
-        body = ({"prompt": text} if p.api == API_COMPLETIONS
-                else {"messages": [{"role": "user", "content": text}]})
-        return RequestSpec(f"{self.id}.0", p.api, body, n_out, self.id, 0,
-                           (ts - self.t0) / 1000.0 * p.time_scale, n_in)
+        body = (
+            {"prompt": text}
+            if p.api == API_COMPLETIONS
+            else {"messages": [{"role": "user", "content": text}]}
+        )
+        return RequestSpec(
+            f"{self.id}.0", p.api, body, n_out, self.id, 0, (ts - self.t0) / 1000.0 * p.time_scale, n_in
+        )
 
 
 WORKLOADS: dict[str, type[Workload]] = {

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 from protocol.prefix_keys import WorkerId
 

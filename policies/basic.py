@@ -8,7 +8,8 @@ tokens ahead of a new request (``policies.load``).
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_tokens
@@ -29,13 +30,13 @@ class RoundRobin(Policy):
     class Params(PolicyParams):
         """round_robin has no parameters."""
 
-    def __init__(self, params: PolicyParams | None = None,
-                 rng: random.Random | None = None) -> None:
+    def __init__(self, params: PolicyParams | None = None, rng: random.Random | None = None) -> None:
         super().__init__(params, rng)
         self._cursor = 0  # only choose() advances it
 
-    def choose(self, request: RouteRequest, match: MatchResult,
-               views: Sequence[WorkerView], now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
+    ) -> Decision:
         v = views[self._cursor % len(views)]
         self._cursor += 1
         return Decision(v.id, Reason.ROUND_ROBIN, match.blocks.get(v.id, 0))
@@ -53,8 +54,9 @@ class RandomPolicy(Policy):
     class Params(PolicyParams):
         """random has no parameters."""
 
-    def choose(self, request: RouteRequest, match: MatchResult,
-               views: Sequence[WorkerView], now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
+    ) -> Decision:
         v = views[int(self.rng.random() * len(views))]
         return Decision(v.id, Reason.RANDOM, match.blocks.get(v.id, 0))
 
@@ -69,8 +71,9 @@ class LeastLoad(Policy):
     class Params(PolicyParams):
         """least_load has no parameters."""
 
-    def choose(self, request: RouteRequest, match: MatchResult,
-               views: Sequence[WorkerView], now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
+    ) -> Decision:
         v = least_tokens(views, self.rng)
         return Decision(v.id, Reason.LEAST_LOAD, match.blocks.get(v.id, 0))
 
@@ -85,8 +88,9 @@ class PowerOfTwo(Policy):
     class Params(PolicyParams):
         """power_of_two has no parameters."""
 
-    def choose(self, request: RouteRequest, match: MatchResult,
-               views: Sequence[WorkerView], now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
+    ) -> Decision:
         n = len(views)
         rnd = self.rng.random
         if n == 1:
@@ -101,4 +105,3 @@ class PowerOfTwo(Policy):
             lb = b.in_flight_tokens + b.queued_tokens
             v = a if la < lb or (la == lb and rnd() < 0.5) else b
         return Decision(v.id, Reason.LEAST_LOAD, match.blocks.get(v.id, 0))
-

@@ -27,8 +27,9 @@ Where we differ, and why:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_requests
@@ -42,17 +43,20 @@ class CacheAware(Policy):
     @parameters
     class Params(PolicyParams):
         cache_threshold: float = param(
-            0.3, "route to the best match only when match_rate exceeds this", lo=0.0, hi=1.0)
+            0.3, "route to the best match only when match_rate exceeds this", lo=0.0, hi=1.0
+        )
         balance_abs_threshold: int = param(
-            64, "imbalanced when max-min in-flight exceeds this (and the ratio too)", lo=0)
+            64, "imbalanced when max-min in-flight exceeds this (and the ratio too)", lo=0
+        )
         balance_rel_threshold: float = param(
-            1.5, "imbalanced when max in-flight > min x this (and the difference too)",
-            lo=1.0)
+            1.5, "imbalanced when max in-flight > min x this (and the difference too)", lo=1.0
+        )
 
     params: Params
 
-    def choose(self, request: RouteRequest, match: MatchResult,
-               views: Sequence[WorkerView], now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
+    ) -> Decision:
         p = self.params
         blocks = match.blocks
         lo = hi = views[0].in_flight

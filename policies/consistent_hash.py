@@ -27,14 +27,15 @@ import bisect
 import dataclasses
 import math
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.load import least_requests
-from protocol.prefix_keys import WorkerId
 from policies.params import param, parameters
+from protocol.prefix_keys import WorkerId
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -46,16 +47,19 @@ class ConsistentHash(Policy):
     class Params(PolicyParams):
         vnodes: int = param(160, "virtual nodes per worker of weight 1", lo=1, hi=10_000)
         load_factor: float = param(
-            1.25, "c: a worker is skipped while its in-flight count is >= "
-            "ceil(c x its share of the fleet's in-flight requests)", lo=1.0, hi=100.0)
+            1.25,
+            "c: a worker is skipped while its in-flight count is >= "
+            "ceil(c x its share of the fleet's in-flight requests)",
+            lo=1.0,
+            hi=100.0,
+        )
         key_blocks: int = param(
-            4, "without a session, the key is the hash of the first N prefix blocks",
-            lo=1, hi=1_000_000)
+            4, "without a session, the key is the hash of the first N prefix blocks", lo=1, hi=1_000_000
+        )
 
     params: Params
 
-    def __init__(self, params: PolicyParams | None = None,
-                 rng: random.Random | None = None) -> None:
+    def __init__(self, params: PolicyParams | None = None, rng: random.Random | None = None) -> None:
         super().__init__(params, rng)
         self._sig: frozenset[Any] = frozenset()  # {(worker, weight)} the ring was built for
         self._points: list[int] = []  # sorted vnode positions
@@ -69,9 +73,7 @@ class ConsistentHash(Policy):
         """Brings the ring up to date with ``views``. O(n) when nothing changed;
         O(n * vnodes * log) when the set of (worker, weight) changed. May rebuild."""
         ids = [v.id for v in views]
-        if ids == self._order and all(
-            v.weight == self._weights.get(v.id) for v in views
-        ):
+        if ids == self._order and all(v.weight == self._weights.get(v.id) for v in views):
             return
         sig = frozenset((v.id, v.weight) for v in views)
         if sig != self._sig:
@@ -99,8 +101,9 @@ class ConsistentHash(Policy):
             return None
         return hs[min(self.params.key_blocks, len(hs)) - 1]
 
-    def choose(self, request: RouteRequest, match: MatchResult,
-               views: Sequence[WorkerView], now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
+    ) -> Decision:
         key = self.key_of(request)
         if key is None:
             v = least_requests(views, self.rng)
@@ -133,8 +136,12 @@ class ConsistentHash(Policy):
         return Decision(v.id, Reason.MISS, match.blocks.get(v.id, 0))
 
     def describe(self) -> dict[str, Any]:
-        return {"params": dataclasses.asdict(self.params), "ring_points": len(self._points),
-                "workers": len(self._pos), "rebuilds": self.rebuilds}
+        return {
+            "params": dataclasses.asdict(self.params),
+            "ring_points": len(self._points),
+            "workers": len(self._pos),
+            "rebuilds": self.rebuilds,
+        }
 
     def check(self) -> None:
         """Asserts the ring's invariants: sorted points, owners in the signature."""

@@ -70,8 +70,13 @@ class Branch:
 class Footprints:
     """Per-worker live private footprint of the sessions routed (module docstring)."""
 
-    def __init__(self, live_gaps: float = 4.0, idle_s: float = 300.0,
-                 scan_tokens: int = 4096, max_branches: int = 50_000) -> None:
+    def __init__(
+        self,
+        live_gaps: float = 4.0,
+        idle_s: float = 300.0,
+        scan_tokens: int = 4096,
+        max_branches: int = 50_000,
+    ) -> None:
         self.live_gaps = live_gaps
         self.idle_s = idle_s
         self.scan_tokens = scan_tokens
@@ -135,8 +140,9 @@ class Footprints:
         if len(heap) > 2 * len(self._branches) + 64:
             self._compact()
 
-    def record(self, request: RouteRequest, match: MatchResult, branch: Branch | None,
-               worker: str, now: float) -> None:
+    def record(
+        self, request: RouteRequest, match: MatchResult, branch: Branch | None, worker: str, now: float
+    ) -> None:
         """The decision for ``request`` (``branch``: what ``find`` returned) went to
         ``worker``: start or advance its branch."""
         bt = request.block_tokens
@@ -155,8 +161,7 @@ class Footprints:
                 key = next(self._keys)
             if len(self._branches) >= self.max_branches:
                 self._drop(next(iter(self._branches.values())))
-            b = Branch(key, worker, tip, shared, max(0, request.prompt_tokens - shared),
-                       now, 0.0, 0, False)
+            b = Branch(key, worker, tip, shared, max(0, request.prompt_tokens - shared), now, 0.0, 0, False)
             self._branches[key] = b
             if tip is not None:
                 self._set_tip(b, tip)
@@ -215,8 +220,9 @@ class Footprints:
             del self._branches[b.key]
 
     def _compact(self) -> None:
-        self._expiry = [e for e in self._expiry
-                        if (b := self._branches.get(e[2])) is not None and b.serial == e[1]]
+        self._expiry = [
+            e for e in self._expiry if (b := self._branches.get(e[2])) is not None and b.serial == e[1]
+        ]
         heapq.heapify(self._expiry)
 
     def check(self) -> None:

@@ -24,12 +24,13 @@ prefix enters the index for it when that prefill ends, not before.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from policies.base import Decision, Policy, RouteRequest, WorkerView
-from router.prefix_index import PrefixIndex
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, WorkerId
+from router.prefix_index import PrefixIndex
 
 
 @dataclass(slots=True)
@@ -55,17 +56,22 @@ class PickLoop:
     check: bool = False
 
     def __post_init__(self) -> None:
-        self.load = {w: _Load(prefill_tokens_per_s=self.prefill_tokens_per_s)
-                     for w in self.workers}
+        self.load = {w: _Load(prefill_tokens_per_s=self.prefill_tokens_per_s) for w in self.workers}
         self._events: list[Any] = []  # (time, seq, kind, worker, tokens | warmed hashes)
         self._seq = 0
         self.decisions: list[Decision] = []
         self.warmups: list[tuple[str, int]] = []  # (worker, blocks) warm-ups sent
 
     def views(self) -> list[WorkerView]:
-        return [WorkerView(WorkerId(w), in_flight=l.in_flight, in_flight_tokens=l.in_flight_tokens,
-                           prefill_tokens_per_s=l.prefill_tokens_per_s)
-                for w, l in self.load.items()]
+        return [
+            WorkerView(
+                WorkerId(w),
+                in_flight=l.in_flight,
+                in_flight_tokens=l.in_flight_tokens,
+                prefill_tokens_per_s=l.prefill_tokens_per_s,
+            )
+            for w, l in self.load.items()
+        ]
 
     def _warm(self, w: str, prefix: list[Any], now: float) -> None:
         """A warm-up of ``prefix`` on ``w``: prefilled in its FIFO (not counted as
@@ -97,14 +103,22 @@ class PickLoop:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, w, tokens))
 
-    def route(self, hashes: Sequence[int], prompt_tokens: int, now: float, *,
-              session: str | None = None, text_len: int = 0,
-              views: list[WorkerView] | None = None) -> Decision:
+    def route(
+        self,
+        hashes: Sequence[int],
+        prompt_tokens: int,
+        now: float,
+        *,
+        session: str | None = None,
+        text_len: int = 0,
+        views: list[WorkerView] | None = None,
+    ) -> Decision:
         """Routes one request at ``now`` and does the router's bookkeeping."""
         self.advance(now)
         match = self.index.match(hashes, now)
-        req = RouteRequest(hashes, prompt_tokens, self.block_tokens, session,
-                           text_len=text_len or prompt_tokens * 4)
+        req = RouteRequest(
+            hashes, prompt_tokens, self.block_tokens, session, text_len=text_len or prompt_tokens * 4
+        )
         d = self.policy.choose(req, match, views if views is not None else self.views(), now)
         if hashes:
             self.index.insert(d.worker, hashes, now)

@@ -15,7 +15,7 @@ so a tie costs one ``rng.random()`` and no list.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from policies.base import WorkerView
 

@@ -18,7 +18,8 @@ Absent fields keep their documented defaults.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from protocol.errors import ConfigError
 from protocol.settings import expected, raise_all, validate
@@ -36,15 +37,28 @@ def parse_params(cls: type, policy_name: str, raw: Any, path: str) -> Any:
     try:
         return validate(cls, raw, path)
     except ConfigError as exc:
-        raise_all([ConfigError(e.path, e.message.replace(
-            "unknown key;", f"unknown parameter of {policy_name};", 1)) for e in exc.errors])
+        raise_all(
+            [
+                ConfigError(
+                    e.path, e.message.replace("unknown key;", f"unknown parameter of {policy_name};", 1)
+                )
+                for e in exc.errors
+            ]
+        )
 
 
 def param_docs(cls: type) -> list[dict[str, Any]]:
     """``[{name, type, default, expected, doc}]`` for docs and ``--help`` output."""
-    return [{"name": name, "type": f.annotation.__name__, "default": f.default,
-             "expected": expected(f.annotation, f), "doc": f.description or ""}
-            for name, f in cls.__pydantic_fields__.items()]
+    return [
+        {
+            "name": name,
+            "type": f.annotation.__name__,
+            "default": f.default,
+            "expected": expected(f.annotation, f),
+            "doc": f.description or "",
+        }
+        for name, f in cls.__pydantic_fields__.items()
+    ]
 
 
 def check_defaults(cls: type) -> None:

@@ -88,8 +88,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Sequence
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.footprint import Branch, Footprints
@@ -147,74 +147,114 @@ class PrefixLoad(Policy):
 
     @parameters
     class Params(PolicyParams):
-        min_match_tokens: int = param(
-            64, "a match shorter than this many tokens counts as a miss", lo=0)
+        min_match_tokens: int = param(64, "a match shorter than this many tokens counts as a miss", lo=0)
         prefill_weight: float = param(
-            2.0, "weight of uncached prefill against queueing delay in the score "
+            2.0,
+            "weight of uncached prefill against queueing delay in the score "
             "(1 = pure expected TTFT; >1 values reuse, which also spares later requests)",
-            lo=0.0, hi=100.0)
+            lo=0.0,
+            hi=100.0,
+        )
         affinity_abs_s: float = param(
-            1.0, "a holder loses its match once its queue exceeds the least-loaded "
-            "worker's by more than this many seconds of prefill ...", lo=0.0)
-        affinity_rel: float = param(
-            2.0, "... and by more than this factor", lo=1.0)
+            1.0,
+            "a holder loses its match once its queue exceeds the least-loaded "
+            "worker's by more than this many seconds of prefill ...",
+            lo=0.0,
+        )
+        affinity_rel: float = param(2.0, "... and by more than this factor", lo=1.0)
         replicate: bool = param(True, "replicate hot prefixes over more holders")
         hot_min_rate: float = param(
-            2.0, "a prefix below this many requests/s is never replicated", lo=0.0,
-            lo_open=True)
+            2.0, "a prefix below this many requests/s is never replicated", lo=0.0, lo_open=True
+        )
         holder_max_rate: float = param(
-            10.0, "requests/s of one hot prefix a single holder is expected to absorb",
-            lo=0.0, lo_open=True)
+            10.0, "requests/s of one hot prefix a single holder is expected to absorb", lo=0.0, lo_open=True
+        )
         hot_utilization: float = param(
-            0.5, "share of a holder's prefill rate a hot prefix may use", lo=0.0, hi=1.0,
-            lo_open=True)
+            0.5, "share of a holder's prefill rate a hot prefix may use", lo=0.0, hi=1.0, lo_open=True
+        )
         max_replicas: int = param(4, "extra holders per hot prefix, at most", lo=0)
         warm_ahead: bool = param(
-            False, "warm a new replica with a prefill-only request (Decision.warm) "
-            "instead of sending it the request that triggered it")
+            False,
+            "warm a new replica with a prefill-only request (Decision.warm) "
+            "instead of sending it the request that triggered it",
+        )
         hot_records: int = param(64, "hot prefixes remembered (LRU)", lo=1, hi=100_000)
         private_weight: float = param(
-            4.0, "prefill_weight for a request whose match is private (MatchResult."
+            4.0,
+            "prefill_weight for a request whose match is private (MatchResult."
             "private: no other request went through its deepest node lately, e.g. a "
             "conversation's next turn): a second copy of it serves nobody else",
-            lo=0.0, hi=100.0)
+            lo=0.0,
+            hi=100.0,
+        )
         long_match_s: float = param(
-            0.25, "the reuse credit of a match doubles when it saves this many seconds "
-            "of prefill (grows with the saved prefill; 0 = linear)", lo=0.0)
+            0.25,
+            "the reuse credit of a match doubles when it saves this many seconds "
+            "of prefill (grows with the saved prefill; 0 = linear)",
+            lo=0.0,
+        )
         tie_s: float = param(
-            0.005, "scores within this many seconds of the best are ties (then: longer "
-            "match, fewer in-flight requests, random)", lo=0.0)
+            0.005,
+            "scores within this many seconds of the best are ties (then: longer "
+            "match, fewer in-flight requests, random)",
+            lo=0.0,
+        )
         kv_turnover_s: float = param(
-            30.0, "a worker whose KV cache is rewritten faster than this (its capacity "
-            "over the uncached tokens routed to it per second) ...", lo=0.0)
+            30.0,
+            "a worker whose KV cache is rewritten faster than this (its capacity "
+            "over the uncached tokens routed to it per second) ...",
+            lo=0.0,
+        )
         kv_rel: float = param(
-            1.25, "... and more than this many times as fast as the fleet's mean loses "
-            "the credit of its shared (not private) matches", lo=1.0)
+            1.25,
+            "... and more than this many times as fast as the fleet's mean loses "
+            "the credit of its shared (not private) matches",
+            lo=1.0,
+        )
         kv_window_s: float = param(
-            10.0, "time constant of the routed-uncached-tokens rate", lo=0.0, lo_open=True)
+            10.0, "time constant of the routed-uncached-tokens rate", lo=0.0, lo_open=True
+        )
         tie_written: bool = param(
-            True, "break ties (after the longer match and fewer in-flight requests) toward "
-            "the worker written the least KV lately, before chance")
+            True,
+            "break ties (after the longer match and fewer in-flight requests) toward "
+            "the worker written the least KV lately, before chance",
+        )
         footprint_room: float = param(
-            0.7, "a crowded worker's matches earn nothing and misses avoid it while another "
+            0.7,
+            "a crowded worker's matches earn nothing and misses avoid it while another "
             "worker's live sessions, with this prompt, fit in this share of its KV "
-            "capacity (session footprints; 0 = off)", lo=0.0, hi=1.0)
+            "capacity (session footprints; 0 = off)",
+            lo=0.0,
+            hi=1.0,
+        )
         footprint_full: float = param(
-            0.8, "a worker is crowded when its live sessions' private tokens, with this "
-            "prompt, pass this share of its KV capacity ...", lo=0.0, lo_open=True)
-        footprint_rel: float = param(
-            1.25, "... and are more than this many times the fleet's mean", lo=1.0)
+            0.8,
+            "a worker is crowded when its live sessions' private tokens, with this "
+            "prompt, pass this share of its KV capacity ...",
+            lo=0.0,
+            lo_open=True,
+        )
+        footprint_rel: float = param(1.25, "... and are more than this many times the fleet's mean", lo=1.0)
         saturated_s: float = param(
-            1.0, "when even the least-loaded worker's queue is this many seconds, a holder "
+            1.0,
+            "when even the least-loaded worker's queue is this many seconds, a holder "
             "within the affinity bound keeps its match whatever the score (0 = off)",
-            lo=0.0)
+            lo=0.0,
+        )
         home_records: int = param(
-            4096, "prefixes whose last worker is remembered, so that a miss on a prefix "
-            "the fleet evicted goes back to that worker (LRU; 0 = off)", lo=0,
-            hi=1_000_000)
+            4096,
+            "prefixes whose last worker is remembered, so that a miss on a prefix "
+            "the fleet evicted goes back to that worker (LRU; 0 = off)",
+            lo=0,
+            hi=1_000_000,
+        )
         session_live_gaps: float = param(
-            4.0, "a session counts in its worker's footprint until this many of its own "
-            "gaps between turns pass without a turn", lo=0.0, lo_open=True)
+            4.0,
+            "a session counts in its worker's footprint until this many of its own "
+            "gaps between turns pass without a turn",
+            lo=0.0,
+            lo_open=True,
+        )
 
     def __init__(self, params=None, rng=None):
         super().__init__(params, rng)
@@ -222,14 +262,14 @@ class PrefixLoad(Policy):
         self.hot = HotRoots(p.hot_records, p.max_replicas)
         # worker -> [decayed uncached tokens routed to it, time of that value]
         self._written: dict = {}
-        self.footprints = (Footprints(p.session_live_gaps) if p.footprint_room > 0
-                           else None)
+        self.footprints = Footprints(p.session_live_gaps) if p.footprint_room > 0 else None
         # prefix hash (at sampled depths, ``_home_depths``) -> the worker its last
         # request went to; LRU, at most ``home_records`` entries; only ``choose`` writes
         self._homes: OrderedDict = OrderedDict()
 
-    def choose(self, request: RouteRequest, match: MatchResult,
-               views: Sequence[WorkerView], now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
+    ) -> Decision:
         p = self.params
         fp = self.footprints
         branch = None
@@ -268,8 +308,7 @@ class PrefixLoad(Policy):
             w[0], w[1] = self._decayed(w, now), now
         w[0] += uncached_tokens
 
-    def observe_route(self, request: RouteRequest, match: MatchResult, worker: str,
-                      now: float) -> None:
+    def observe_route(self, request: RouteRequest, match: MatchResult, worker: str, now: float) -> None:
         """Another router replica routed ``request`` to ``worker`` at ``now``;
         ``match`` is this replica's index match for it before the hint of that pick
         went in. Recorded as ``choose`` records its own decisions: the session's
@@ -285,8 +324,8 @@ class PrefixLoad(Policy):
             fp.expire(now)
             fp.record(request, match, fp.find(request), worker, now)
         self.observe_pick(
-            worker, request.prompt_tokens - match.blocks.get(worker, 0) * request.block_tokens,
-            now)
+            worker, request.prompt_tokens - match.blocks.get(worker, 0) * request.block_tokens, now
+        )
 
     def _decayed(self, w: list, now: float) -> float:
         """A ``_written`` record's tokens as of ``now`` (never grown by going back)."""
@@ -302,8 +341,7 @@ class PrefixLoad(Policy):
         """Workers whose caches turn over too fast to keep new sessions (params
         kv_turnover_s, kv_rel), or None."""
         p = self.params
-        if p.kv_turnover_s <= 0 or not self._written or not any(
-                v.kv_capacity_tokens > 0 for v in views):
+        if p.kv_turnover_s <= 0 or not self._written or not any(v.kv_capacity_tokens > 0 for v in views):
             return None
         rates = [self._write_rate(v.id, now) for v in views]
         mean = sum(rates) / len(rates)
@@ -316,8 +354,9 @@ class PrefixLoad(Policy):
                 out.add(v.id)
         return out
 
-    def _crowded(self, request: RouteRequest, branch: Branch | None,
-                 views: Sequence[WorkerView]) -> set | None:
+    def _crowded(
+        self, request: RouteRequest, branch: Branch | None, views: Sequence[WorkerView]
+    ) -> set | None:
         """Workers whose live sessions leave no room for this request's session, if
         another worker has room for it; else None (module docstring, "Session
         footprints")."""
@@ -354,9 +393,14 @@ class PrefixLoad(Policy):
                 room = True
         return out if room else None
 
-    def _choose(self, request: RouteRequest, match: MatchResult,
-                views: Sequence[WorkerView], now: float,
-                branch: Branch | None = None) -> Decision:
+    def _choose(
+        self,
+        request: RouteRequest,
+        match: MatchResult,
+        views: Sequence[WorkerView],
+        now: float,
+        branch: Branch | None = None,
+    ) -> Decision:
         p = self.params
         rnd = self.rng.random
         blocks = match.blocks
@@ -403,8 +447,11 @@ class PrefixLoad(Policy):
         min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
         if best_b == 0 or best_b < min_b:
             i = lo_i
-            h = (self._home(request, views, qs, lo_q, min_b)
-                 if p.home_records and p.saturated_s > 0 and lo_q >= p.saturated_s else -1)
+            h = (
+                self._home(request, views, qs, lo_q, min_b)
+                if p.home_records and p.saturated_s > 0 and lo_q >= p.saturated_s
+                else -1
+            )
             if h >= 0 and not (avoid and views[h].id in avoid):
                 i = h
             elif avoid and views[i].id in avoid:
@@ -413,15 +460,22 @@ class PrefixLoad(Policy):
                 if j >= 0:
                     i = j
             v = views[i]
-            return Decision(v.id, Reason.MISS, blocks.get(v.id, 0) if blocks else 0,
-                            qs[i] + prompt / v.prefill_tokens_per_s)
+            return Decision(
+                v.id,
+                Reason.MISS,
+                blocks.get(v.id, 0) if blocks else 0,
+                qs[i] + prompt / v.prefill_tokens_per_s,
+            )
 
         masked: dict | None = None
         replicas: dict | None = None
         warm: tuple = ()
         depth = match.depth
-        if depth and p.replicate and depth <= len(request.hashes) and (
-            match.rate >= p.hot_min_rate or request.hashes[depth - 1] in self.hot
+        if (
+            depth
+            and p.replicate
+            and depth <= len(request.hashes)
+            and (match.rate >= p.hot_min_rate or request.hashes[depth - 1] in self.hot)
         ):
             out = self._replicate(request, match, views, qs, now)
             if out.__class__ is Decision:
@@ -439,9 +493,13 @@ class PrefixLoad(Policy):
         for i, v in enumerate(views):
             q = qs[i]
             b = blocks.get(v.id, 0)
-            if b < min_b or (masked and v.id in masked) or (unmatched and v.id in unmatched):
-                b = 0
-            elif q > bound_r and q > bound_q + wb * b * bt / v.prefill_tokens_per_s:
+            if (
+                b < min_b
+                or (masked and v.id in masked)
+                or (unmatched and v.id in unmatched)
+                or q > bound_r
+                and q > bound_q + wb * b * bt / v.prefill_tokens_per_s
+            ):
                 b = 0
             eb.append(b)
             kept = kept or b > 0
@@ -496,8 +554,9 @@ class PrefixLoad(Policy):
         ttft = qs[pick_i] + (unc if unc > 0 else 0) / v.prefill_tokens_per_s
         return Decision(v.id, reason, blocks.get(v.id, 0), ttft, warm)
 
-    def _replicate(self, request: RouteRequest, match: MatchResult,
-                   views: Sequence[WorkerView], qs: list, now: float):
+    def _replicate(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], qs: list, now: float
+    ):
         """Hot-root bookkeeping for a request through a hot (or recorded) node.
 
         Returns a REPLICA ``Decision`` when this request goes to a new replica, else
@@ -528,8 +587,9 @@ class PrefixLoad(Policy):
         src = holders or views
         mean_tps = sum(v.prefill_tokens_per_s for v in src) / len(src)
         cap = min(1 + p.max_replicas, len(views))
-        needed, per_holder = holders_needed(rate, uncached, mean_tps, p.holder_max_rate,
-                                            p.hot_utilization, cap)
+        needed, per_holder = holders_needed(
+            rate, uncached, mean_tps, p.holder_max_rate, p.hot_utilization, cap
+        )
         rec.needed = needed
         # holders not retired, plus replicas still on their way into the index
         active = held.difference(rec.retired)
@@ -548,8 +608,12 @@ class PrefixLoad(Policy):
                     new = views[i]
                     hot.add_replica(rec, new.id, now)
                     if not p.warm_ahead:
-                        return Decision(new.id, Reason.REPLICA, blocks.get(new.id, 0),
-                                        qs[i] + request.prompt_tokens / new.prefill_tokens_per_s)
+                        return Decision(
+                            new.id,
+                            Reason.REPLICA,
+                            blocks.get(new.id, 0),
+                            qs[i] + request.prompt_tokens / new.prefill_tokens_per_s,
+                        )
                     warm = (new.id,)
         elif len(active) > 1 and rate < RETIRE_FRACTION * per_holder * (len(active) - 1):
             hot.retire_newest(rec, active, now)
@@ -580,8 +644,9 @@ class PrefixLoad(Policy):
         while len(homes) > p.home_records:
             homes.popitem(last=False)
 
-    def _home(self, request: RouteRequest, views: Sequence[WorkerView], qs: list,
-              lo_q: float, min_b: int) -> int:
+    def _home(
+        self, request: RouteRequest, views: Sequence[WorkerView], qs: list, lo_q: float, min_b: int
+    ) -> int:
         """A miss's home: the index of the routable worker that the deepest recorded
         prefix of this request last went to, unless it is overloaded relative to the
         least-loaded worker (the affinity bound with nothing saved); -1 if none."""
@@ -628,8 +693,7 @@ class PrefixLoad(Policy):
         were added — the grace covers a warm-up's round trip before agent events."""
         for w in [w for w in rec.retired if w not in held]:
             del rec.retired[w]
-        for w in [w for w, t in rec.replicas.items()
-                  if w not in held and now - t > REPLICA_GRACE_S]:
+        for w in [w for w, t in rec.replicas.items() if w not in held and now - t > REPLICA_GRACE_S]:
             del rec.replicas[w]
 
     def describe(self) -> dict:

@@ -32,7 +32,13 @@ from protocol.errors import ConfigError
 DEFAULT_POLICY = "prefix_load"
 
 _CLASSES: tuple[type[Policy], ...] = (
-    RoundRobin, RandomPolicy, LeastLoad, PowerOfTwo, ConsistentHash, CacheAware, PrefixLoad,
+    RoundRobin,
+    RandomPolicy,
+    LeastLoad,
+    PowerOfTwo,
+    ConsistentHash,
+    CacheAware,
+    PrefixLoad,
 )
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _CLASSES}
@@ -58,8 +64,9 @@ def parse_policy_params(name: Any, params: Any, *, path: str = "policy") -> Poli
     return parsed
 
 
-def build_policy(name: Any, params: dict[str, Any] | None, rng: random.Random, *,
-                 path: str = "policy") -> Policy:
+def build_policy(
+    name: Any, params: dict[str, Any] | None, rng: random.Random, *, path: str = "policy"
+) -> Policy:
     """A new policy instance from its YAML name and parameter mapping.
 
     ``params`` None or ``{}`` means every default. ``rng`` is the policy's only

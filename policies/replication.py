@@ -188,8 +188,14 @@ class HotRoots:
             last = rec.last_seen
 
 
-def holders_needed(rate: float, uncached_tokens: int, mean_prefill_tps: float,
-                   holder_max_rate: float, utilization: float, cap: int) -> tuple[int, float]:
+def holders_needed(
+    rate: float,
+    uncached_tokens: int,
+    mean_prefill_tps: float,
+    holder_max_rate: float,
+    utilization: float,
+    cap: int,
+) -> tuple[int, float]:
     """``(needed, per_holder)``: holders a prefix at ``rate`` req/s needs (clamped to
     ``[1, cap]``) and the req/s one holder absorbs (module docstring)."""
     per_holder = min(holder_max_rate, utilization * mean_prefill_tps / uncached_tokens)

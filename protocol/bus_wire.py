@@ -65,13 +65,13 @@ import hmac
 import json
 import re
 import time
-from typing import Any, Mapping, cast
+from collections.abc import Mapping
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from protocol import strict_json
 from protocol.errors import ConfigError, RequestError
-from protocol.events import (MAX_LOAD_COUNT, EventBatch, Load, Snapshot, parse_batch,
-                             parse_registration)
+from protocol.events import MAX_LOAD_COUNT, EventBatch, Load, Snapshot, parse_batch, parse_registration
 from protocol.identifiers import MAX_ID_CHARS, id_problem
 
 #: what a stream name, subject prefix or replica id may hold (NATS tokens: no dots,
@@ -85,11 +85,13 @@ def check_url(url: str, key: str = "bus.url") -> None:
     go in their own settings)."""
     parts = urlsplit(url)
     if parts.scheme not in ("nats", "tls") or not parts.hostname:
-        raise ConfigError(key, f"expected nats://host:port or tls://host:port, got "
-                          f"{url.rpartition('@')[2]!r}")
+        raise ConfigError(
+            key, f"expected nats://host:port or tls://host:port, got {url.rpartition('@')[2]!r}"
+        )
     if "@" in parts.netloc:
-        raise ConfigError(key, "credentials do not go in the URL (it is logged and shown): "
-                          "use the bus's auth settings")
+        raise ConfigError(
+            key, "credentials do not go in the URL (it is logged and shown): use the bus's auth settings"
+        )
     try:
         parts.port  # noqa: B018 - reading it validates the port
     except ValueError:
@@ -99,8 +101,7 @@ def check_url(url: str, key: str = "bus.url") -> None:
 def check_name(value: str, key: str) -> None:
     """Raises ``ConfigError`` (at ``key``) unless ``value`` is one NATS subject token."""
     if not NAME.match(value) or len(value) > MAX_ID_CHARS:
-        raise ConfigError(key, f"expected 1..{MAX_ID_CHARS} letters, digits, '_' or '-', "
-                          f"got {value[:200]!r}")
+        raise ConfigError(key, f"expected 1..{MAX_ID_CHARS} letters, digits, '_' or '-', got {value[:200]!r}")
 
 
 VERSION = 1
@@ -140,8 +141,7 @@ class BusKey:
     def __init__(self, token: bytes | str, max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
         if isinstance(token, str):
             token = token.encode()
-        self._key = hmac.new(token, b"radixfleet bus v1", hashlib.sha256).digest() \
-            if token else b""
+        self._key = hmac.new(token, b"radixfleet bus v1", hashlib.sha256).digest() if token else b""
         self.max_skew_s = max_skew_s
 
     @property
@@ -162,8 +162,9 @@ class BusKey:
         ms = str(int((time.time() if now_s is None else now_s) * 1000))
         return {SIGNATURE_HEADER: f"v1 {ms} {self._mac(subject, ms, data)}"}
 
-    def verify(self, subject: str, data: bytes, headers: Mapping[str, str] | None,
-               ref_s: float | None = None) -> None:
+    def verify(
+        self, subject: str, data: bytes, headers: Mapping[str, str] | None, ref_s: float | None = None
+    ) -> None:
         """Raises ``BadMessage`` (``unsigned``, ``bad_signature``, ``stale``) unless
         ``data`` on ``subject`` carries our signature dated within ``max_skew_s`` of
         ``ref_s`` (when it was stored or received; default: now)."""
@@ -171,19 +172,23 @@ class BusKey:
             return
         raw = headers.get(SIGNATURE_HEADER) if headers else None
         if raw is None:
-            raise BadMessage("unsigned", f"no {SIGNATURE_HEADER} header: the sender lacks "
-                             "the agent token (or predates signed bus messages)")
+            raise BadMessage(
+                "unsigned",
+                f"no {SIGNATURE_HEADER} header: the sender lacks "
+                "the agent token (or predates signed bus messages)",
+            )
         m = _SIGNATURE.fullmatch(raw)
-        if m is None or not hmac.compare_digest(m.group(2),
-                                                self._mac(subject, m.group(1), data)):
-            raise BadMessage("bad_signature", "the signature does not verify with this "
-                             "side's agent token")
+        if m is None or not hmac.compare_digest(m.group(2), self._mac(subject, m.group(1), data)):
+            raise BadMessage("bad_signature", "the signature does not verify with this side's agent token")
         ref = time.time() if ref_s is None else ref_s
         skew = int(m.group(1)) / 1000 - ref
         if abs(skew) > self.max_skew_s:
-            raise BadMessage("stale", f"signed {skew:+.1f} s from when it was stored or "
-                             f"received (at most {self.max_skew_s:g} s): a replay, or "
-                             "clocks apart")
+            raise BadMessage(
+                "stale",
+                f"signed {skew:+.1f} s from when it was stored or "
+                f"received (at most {self.max_skew_s:g} s): a replay, or "
+                "clocks apart",
+            )
 
 
 def worker_token(worker_id: str) -> str:
@@ -235,8 +240,9 @@ class AgentMessage:
 
     __slots__ = ("batch", "models", "block_bytes", "register")
 
-    def __init__(self, batch: EventBatch, register: bool, models: tuple[str, ...] = (),
-                 block_bytes: int | None = None) -> None:
+    def __init__(
+        self, batch: EventBatch, register: bool, models: tuple[str, ...] = (), block_bytes: int | None = None
+    ) -> None:
         self.batch = batch
         self.register = register
         self.models = models
@@ -263,8 +269,7 @@ def parse_agent(data: bytes, subject_token: str) -> AgentMessage:
     if not isinstance(reg, dict):
         raise BadMessage("bad_register", "'register' must be an object")
     try:
-        r = parse_registration({**reg, "worker_id": batch.worker_id, "url": batch.url,
-                                "epoch": batch.epoch})
+        r = parse_registration({**reg, "worker_id": batch.worker_id, "url": batch.url, "epoch": batch.epoch})
     except RequestError as exc:
         raise BadMessage("bad_register", str(exc)) from None
     return AgentMessage(batch, True, r.models, r.block_bytes)
@@ -276,8 +281,9 @@ def load_batch(worker_id: str, url: str, epoch: str, load: Load) -> EventBatch:
 
 
 def build_load(batch: EventBatch) -> bytes:
-    return json.dumps({"v": VERSION, "kind": "load", "batch": batch.to_json()},
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"v": VERSION, "kind": "load", "batch": batch.to_json()}, separators=(",", ":")
+    ).encode()
 
 
 def parse_load(data: bytes, subject_token: str) -> EventBatch:
@@ -302,8 +308,9 @@ def _batch(obj: dict[str, Any], subject_token: str, *, load: bool) -> EventBatch
 
 
 def build_snapshot_request(worker_id: str, replica: str) -> bytes:
-    return json.dumps({"v": VERSION, "kind": "snapshot_request", "worker_id": worker_id,
-                       "replica": replica}).encode()
+    return json.dumps(
+        {"v": VERSION, "kind": "snapshot_request", "worker_id": worker_id, "replica": replica}
+    ).encode()
 
 
 def parse_snapshot_request(data: bytes) -> str:
@@ -324,9 +331,17 @@ class RouterMessage:
 
     __slots__ = ("replica", "seq", "block_bytes", "full", "inflight", "hints", "bye", "repl")
 
-    def __init__(self, replica: str, seq: int, block_bytes: int, full: bool,
-                 inflight: dict[str, tuple[int, int]], hints: list[tuple[str, float, list[int]]],
-                 bye: bool = False, repl: list[Any] | None = None) -> None:
+    def __init__(
+        self,
+        replica: str,
+        seq: int,
+        block_bytes: int,
+        full: bool,
+        inflight: dict[str, tuple[int, int]],
+        hints: list[tuple[str, float, list[int]]],
+        bye: bool = False,
+        repl: list[Any] | None = None,
+    ) -> None:
         self.replica = replica
         self.seq = seq
         self.block_bytes = block_bytes
@@ -338,13 +353,21 @@ class RouterMessage:
         self.repl = repl or []
 
     def to_bytes(self) -> bytes:
-        return json.dumps({
-            "v": VERSION, "kind": "router", "replica": self.replica, "seq": self.seq,
-            "block_bytes": self.block_bytes, "full": self.full,
-            "inflight": {w: [r, t] for w, (r, t) in self.inflight.items()},
-            "hints": [[w, round(age, 4), hs] for w, age, hs in self.hints],
-            "repl": [list(r) for r in self.repl],
-            "bye": self.bye}, separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "v": VERSION,
+                "kind": "router",
+                "replica": self.replica,
+                "seq": self.seq,
+                "block_bytes": self.block_bytes,
+                "full": self.full,
+                "inflight": {w: [r, t] for w, (r, t) in self.inflight.items()},
+                "hints": [[w, round(age, 4), hs] for w, age, hs in self.hints],
+                "repl": [list(r) for r in self.repl],
+                "bye": self.bye,
+            },
+            separators=(",", ":"),
+        ).encode()
 
 
 def _count(v: Any) -> bool:
@@ -376,8 +399,7 @@ def parse_router(data: bytes) -> RouterMessage:
     obj = _load(data, "router")
     replica, seq, bb = obj.get("replica"), obj.get("seq"), obj.get("block_bytes")
     if not isinstance(replica, str) or len(replica) > MAX_ID_CHARS or not NAME.match(replica):
-        raise BadMessage("bad_router", f"'replica' must be 1..{MAX_ID_CHARS} letters, digits, "
-                         "'_' or '-'")
+        raise BadMessage("bad_router", f"'replica' must be 1..{MAX_ID_CHARS} letters, digits, '_' or '-'")
     if not (type(seq) is int and 0 <= seq <= MAX_SEQ) or not _count(bb):
         raise BadMessage("bad_router", "'seq' and 'block_bytes' must be integers >= 0")
     full, bye = obj.get("full", False), obj.get("bye", False)
@@ -390,23 +412,39 @@ def parse_router(data: bytes) -> RouterMessage:
     for w, v in raw_if.items():
         _worker(w, "an 'inflight' worker id")
         if not (isinstance(v, list) and len(v) == 2 and _count(v[0]) and _count(v[1])):
-            raise BadMessage("bad_router", f"'inflight.{w}' must be [requests, tokens], each "
-                             f"an integer in [0, {MAX_LOAD_COUNT}]")
+            raise BadMessage(
+                "bad_router",
+                f"'inflight.{w}' must be [requests, tokens], each an integer in [0, {MAX_LOAD_COUNT}]",
+            )
         inflight[w] = (v[0], v[1])
     hints = []
     for h in _list(obj, "hints"):
-        if not (isinstance(h, list) and len(h) == 3 and isinstance(h[1], (int, float))
-                and not isinstance(h[1], bool) and 0 <= h[1] <= MAX_HINT_AGE_S
-                and isinstance(h[2], list) and len(h[2]) <= MAX_ENTRIES
-                and all(_key(x) for x in h[2])):
-            raise BadMessage("bad_router", f"a hint must be [worker, age_s in [0, "
-                             f"{MAX_HINT_AGE_S:g}], [at most {MAX_ENTRIES} 64-bit keys]]")
+        if not (
+            isinstance(h, list)
+            and len(h) == 3
+            and isinstance(h[1], (int, float))
+            and not isinstance(h[1], bool)
+            and 0 <= h[1] <= MAX_HINT_AGE_S
+            and isinstance(h[2], list)
+            and len(h[2]) <= MAX_ENTRIES
+            and all(_key(x) for x in h[2])
+        ):
+            raise BadMessage(
+                "bad_router",
+                f"a hint must be [worker, age_s in [0, "
+                f"{MAX_HINT_AGE_S:g}], [at most {MAX_ENTRIES} 64-bit keys]]",
+            )
         hints.append((_worker(h[0], "a hint's worker id"), float(h[1]), h[2]))
     repl = []
     for r in _list(obj, "repl"):
-        if not (isinstance(r, list) and len(r) == 4 and r[0] in ("add", "retire")
-                and _key(r[1]) and type(r[2]) is int and 0 < r[2] <= MAX_SEQ):
-            raise BadMessage("bad_router", "a replication entry must be [add|retire, key, "
-                             "depth, worker]")
+        if not (
+            isinstance(r, list)
+            and len(r) == 4
+            and r[0] in ("add", "retire")
+            and _key(r[1])
+            and type(r[2]) is int
+            and 0 < r[2] <= MAX_SEQ
+        ):
+            raise BadMessage("bad_router", "a replication entry must be [add|retire, key, depth, worker]")
         repl.append((r[0], r[1], r[2], _worker(r[3], "a replication entry's worker id")))
     return RouterMessage(replica, seq, cast(int, bb), full, inflight, hints, bye, repl)

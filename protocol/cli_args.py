@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -37,7 +39,8 @@ def log_level(text: str) -> str:
     level = text.strip().upper()
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(
-            f"invalid choice: {text!r} (choose from {', '.join(LOG_LEVELS)}, any case)")
+            f"invalid choice: {text!r} (choose from {', '.join(LOG_LEVELS)}, any case)"
+        )
     return level
 
 
@@ -49,17 +52,30 @@ class DeprecatedAlias(argparse.Action):
     with ``append=True`` the value is appended to the new flag's list. Hidden from
     ``--help`` (the new flag's help is the documentation)."""
 
-    def __init__(self, option_strings, dest, *, use: str, append: bool = False, nargs=None,
-                 **kw):
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str,
+        *,
+        use: str,
+        append: bool = False,
+        nargs: int | str | None = None,
+        **kw: Any,
+    ) -> None:
         kw["help"] = argparse.SUPPRESS
         kw.setdefault("default", argparse.SUPPRESS)  # never overwrite the new flag's default
         super().__init__(option_strings, dest, nargs=nargs, **kw)
         self.use = use
         self.append = append
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.use}",
-              file=sys.stderr)
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.use}", file=sys.stderr)
         if self.nargs == 0:
             values = True
         if self.append:

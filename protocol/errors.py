@@ -94,8 +94,7 @@ class Conflict(RequestError):
     status = 409
     code = "conflict"
 
-    def __init__(self, message: str, *, code: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message, param=param)
         if code is not None:
             self.code = code
@@ -116,8 +115,7 @@ class NoWorkerAvailable(RequestError):
     error_type = "service_unavailable"
     code = "no_worker_available"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0,
-                 param: str | None = None) -> None:
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, param: str | None = None) -> None:
         super().__init__(message, param=param)
         self.retry_after_s = retry_after_s
 
@@ -127,8 +125,9 @@ class RequestTimeout(RequestError):
     code = "request_timeout"
 
 
-def error_body(message: str, error_type: str, code: str | int | None,
-               param: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, error_type: str, code: str | int | None, param: str | None = None
+) -> dict[str, Any]:
     """The OpenAI-style error body every JSON error answer has (the router's own, and
     a worker's error re-wrapped by the data plane)."""
     return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
@@ -166,6 +165,7 @@ class MissingExtra(RadixfleetError, ImportError):
     code that already falls back when a module is missing keeps doing so."""
 
     def __init__(self, feature: str, extra: str, missing: str) -> None:
-        super().__init__(f"the {extra!r} extra is not installed ({feature}: {missing}): "
-                         f"pip install 'radixfleet[{extra}]'")
+        super().__init__(
+            f"the {extra!r} extra is not installed ({feature}: {missing}): pip install 'radixfleet[{extra}]'"
+        )
         self.extra = extra

@@ -33,10 +33,11 @@ Answers (JSON ``{"status": ...}``):
 
 Registration: ``POST /internal/v1/register`` with ``{"worker_id", "url", "epoch",
 "models": [...], "block_bytes": 128}``, answered ``200 {"status": "ok"}``; ``409
-worker_id_taken`` when a worker at another URL holds the id, ``429`` with ``Retry-After`` past the router's bound on new
-self-registered workers. A batch is applied only from the URL and epoch its worker
-registered with; any other gets ``404 unknown_worker`` (so the agent re-registers,
-and is refused if the id is someone else's).
+worker_id_taken`` when a worker at another URL holds the id, ``429`` with
+``Retry-After`` past the router's bound on new self-registered workers. A batch is
+applied only from the URL and epoch its worker registered with; any other gets
+``404 unknown_worker`` (so the agent re-registers, and is refused if the id is
+someone else's).
 ``block_bytes`` is the block size the agent hashes with (its ``--block-bytes``);
 when it differs from the router's ``keys.block_bytes`` every hash the agent
 reports is one the router never looks up, so the router refuses it with
@@ -182,13 +183,14 @@ def parse_load(raw: dict[str, Any]) -> Load:
         v = raw.get(f, 0)
         if typ is int:
             if type(v) is not int or not 0 <= v <= MAX_LOAD_COUNT:
-                raise MalformedRequest(f"'load.{f}' must be an integer in [0, {MAX_LOAD_COUNT}]",
-                                       param="load")
+                raise MalformedRequest(
+                    f"'load.{f}' must be an integer in [0, {MAX_LOAD_COUNT}]", param="load"
+                )
         else:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                    not 0 <= v <= MAX_RATE:  # False for NaN too
-                raise MalformedRequest(f"'load.{f}' must be a number in [0, {MAX_RATE:g}]",
-                                       param="load")
+            if (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_RATE
+            ):  # False for NaN too
+                raise MalformedRequest(f"'load.{f}' must be a number in [0, {MAX_RATE:g}]", param="load")
             v = float(v)
         vals[f] = v
     return Load(**vals)
@@ -225,8 +227,9 @@ def parse_registration(body: Any) -> Registration:
         raise MalformedRequest(problem, param="models")
     bb = body.get("block_bytes")
     if bb is not None and (type(bb) is not int or not 0 < bb <= MAX_LOAD_COUNT):
-        raise MalformedRequest(f"'block_bytes' must be an integer in [1, {MAX_LOAD_COUNT}]",
-                               param="block_bytes")
+        raise MalformedRequest(
+            f"'block_bytes' must be an integer in [1, {MAX_LOAD_COUNT}]", param="block_bytes"
+        )
     return Registration(body["worker_id"], body["url"], body["epoch"], tuple(models), bb)
 
 
@@ -265,9 +268,7 @@ def parse_batch(body: Any) -> EventBatch:
             pairs = []
             for j, b in enumerate(blocks):
                 if not isinstance(b, list) or len(b) != 2:
-                    raise MalformedRequest(
-                        f"'{where}.blocks[{j}]' must be [hash, parent]", param="events"
-                    )
+                    raise MalformedRequest(f"'{where}.blocks[{j}]' must be [hash, parent]", param="events")
                 pairs.append(
                     (
                         _hash(b[0], f"{where}.blocks[{j}][0]"),

@@ -57,8 +57,10 @@ def id_problem(value: object, what: str = "worker id") -> str | None:
     if len(value) > MAX_ID_CHARS:
         return f"{what} has {len(value)} characters; at most {MAX_ID_CHARS}"
     if not _ID.fullmatch(value):
-        return (f"{what} {_show(value)} must start with a letter or digit and use only "
-                "letters, digits and . _ : @ + = [ ] -")
+        return (
+            f"{what} {_show(value)} must start with a letter or digit and use only "
+            "letters, digits and . _ : @ + = [ ] -"
+        )
     return None
 
 
@@ -132,14 +134,17 @@ def worker_host(host: str) -> tuple[str, str | None]:
         return h, None
     canon = str(addr) if addr.version == 4 else f"[{addr}]"
     if addr.is_link_local:
-        return canon, (f"worker host {canon} is link-local (169.254.0.0/16, fe80::/10: "
-                       "the cloud metadata service lives there); use the worker's "
-                       "routable address")
+        return canon, (
+            f"worker host {canon} is link-local (169.254.0.0/16, fe80::/10: "
+            "the cloud metadata service lives there); use the worker's "
+            "routable address"
+        )
     if addr.is_unspecified:
-        return canon, (f"worker host {canon} is a listening wildcard, not an address "
-                       "anyone can reach; use the worker's routable address (an agent: "
-                       "--advertise-url)")
-    if addr.is_multicast or (addr.version == 4 and addr == ipaddress.IPv4Address(
-            "255.255.255.255")):
+        return canon, (
+            f"worker host {canon} is a listening wildcard, not an address "
+            "anyone can reach; use the worker's routable address (an agent: "
+            "--advertise-url)"
+        )
+    if addr.is_multicast or (addr.version == 4 and addr == ipaddress.IPv4Address("255.255.255.255")):
         return canon, f"worker host {canon} is a multicast or broadcast address"
     return canon, None

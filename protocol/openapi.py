@@ -24,21 +24,31 @@ from protocol.identifiers import MAX_ID_CHARS, MAX_MODELS, MAX_NAME_CHARS, MAX_U
 OPENAPI_VERSION = "3.0.3"
 
 _ERROR = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "code": {"type": "string", "nullable": True},
-                       "param": {"type": "string", "nullable": True}}}},
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "code": {"type": "string", "nullable": True},
+                "param": {"type": "string", "nullable": True},
+            },
+        }
+    },
 }
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}
 _TOKEN_IDS = {"type": "array", "items": _TOKEN_ID, "minItems": 1}
-_PROMPT = {"oneOf": [
-    {"type": "string"},
-    {"type": "array", "items": {"type": "string"}, "minItems": 1},
-    _TOKEN_IDS,
-    {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
-]}
+_PROMPT = {
+    "oneOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+    ]
+}
 _ADAPTER = {"type": "string", "description": "SGLang LoRA adapter (part of the cache key)"}
 _COMMON = {
     "model": {"type": "string"},
@@ -52,66 +62,160 @@ _COMMON = {
     "lora_path": _ADAPTER,
     "lora_adapter": _ADAPTER,
 }
-_CONTENT_PART = {"type": "object", "required": ["type"], "properties": {
-    "type": {"type": "string", "enum": ["text", "refusal", "image_url", "input_audio", "file"]},
-    "text": {"type": "string"}, "refusal": {"type": "string"},
-    "image_url": {"type": "object"}, "input_audio": {"type": "object"}, "file": {"type": "object"},
-}}
-_MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string", "minLength": 1},
-    "content": {"nullable": True, "oneOf": [
-        {"type": "string"}, {"type": "array", "items": _CONTENT_PART}]},
-    "tool_calls": {"type": "array", "items": {"type": "object"}},
-}}
-COMPLETION_REQUEST = {"type": "object", "required": ["model", "prompt"],
-                      "properties": {**_COMMON, "prompt": _PROMPT}}
-CHAT_REQUEST = {"type": "object", "required": ["model", "messages"], "properties": {
-    **_COMMON, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-    "max_completion_tokens": {"type": "integer", "minimum": 0},
-    "tools": {"type": "array", "items": {"type": "object"}}}}
-GENERATE_REQUEST = {"type": "object", "properties": {
-    "model": {"type": "string"},
-    "text": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "input_ids": {"oneOf": [_TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS}]},
-    "sampling_params": {"type": "object", "properties": {
-        "max_new_tokens": {"type": "integer", "minimum": 0}}},
-    "stream": {"type": "boolean"}, "lora_path": _ADAPTER}}
-_WORKER_ID = {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS,
-              "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:@+=\[\]-]*$"}
+_CONTENT_PART = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"type": "string", "enum": ["text", "refusal", "image_url", "input_audio", "file"]},
+        "text": {"type": "string"},
+        "refusal": {"type": "string"},
+        "image_url": {"type": "object"},
+        "input_audio": {"type": "object"},
+        "file": {"type": "object"},
+    },
+}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "minLength": 1},
+        "content": {
+            "nullable": True,
+            "oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}],
+        },
+        "tool_calls": {"type": "array", "items": {"type": "object"}},
+    },
+}
+COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {**_COMMON, "prompt": _PROMPT},
+}
+CHAT_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        **_COMMON,
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "max_completion_tokens": {"type": "integer", "minimum": 0},
+        "tools": {"type": "array", "items": {"type": "object"}},
+    },
+}
+GENERATE_REQUEST = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "text": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "input_ids": {"oneOf": [_TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS}]},
+        "sampling_params": {
+            "type": "object",
+            "properties": {"max_new_tokens": {"type": "integer", "minimum": 0}},
+        },
+        "stream": {"type": "boolean"},
+        "lora_path": _ADAPTER,
+    },
+}
+_WORKER_ID = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_ID_CHARS,
+    "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:@+=\[\]-]*$",
+}
 _URL = {"type": "string", "maxLength": MAX_URL_CHARS, "description": "http://host:port"}
-WORKER_SPEC = {"type": "object", "required": ["url"], "additionalProperties": False,
-               "properties": {"url": _URL, "id": _WORKER_ID,
-                              "weight": {"type": "number", "minimum": 0.01, "maximum": 100},
-                              "prefill_tokens_per_s": {"type": "number", "minimum": 1,
-                                                       "maximum": MAX_RATE}}}
-REGISTRATION = {"type": "object", "required": ["worker_id", "url", "epoch"], "properties": {
-    "worker_id": _WORKER_ID, "url": _URL, "epoch": _WORKER_ID,
-    "models": {"type": "array", "maxItems": MAX_MODELS,
-               "items": {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}},
-    "block_bytes": {"type": "integer", "minimum": 1}}}
+WORKER_SPEC = {
+    "type": "object",
+    "required": ["url"],
+    "additionalProperties": False,
+    "properties": {
+        "url": _URL,
+        "id": _WORKER_ID,
+        "weight": {"type": "number", "minimum": 0.01, "maximum": 100},
+        "prefill_tokens_per_s": {"type": "number", "minimum": 1, "maximum": MAX_RATE},
+    },
+}
+REGISTRATION = {
+    "type": "object",
+    "required": ["worker_id", "url", "epoch"],
+    "properties": {
+        "worker_id": _WORKER_ID,
+        "url": _URL,
+        "epoch": _WORKER_ID,
+        "models": {
+            "type": "array",
+            "maxItems": MAX_MODELS,
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS},
+        },
+        "block_bytes": {"type": "integer", "minimum": 1},
+    },
+}
 _HASH = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
 _COUNT = {"type": "integer", "minimum": 0, "maximum": MAX_LOAD_COUNT}
-EVENT_BATCH = {"type": "object", "required": ["worker_id", "url", "epoch", "seq"], "properties": {
-    "worker_id": _WORKER_ID, "url": _URL, "epoch": _WORKER_ID,
-    "seq": {"type": "integer", "minimum": 0},
-    "events": {"type": "array", "items": {"oneOf": [
-        {"type": "object", "required": ["type", "hashes"], "properties": {
-            "type": {"type": "string", "enum": ["stored"]},
-            "parent": {**_HASH, "nullable": True}, "hashes": {"type": "array", "items": _HASH}}},
-        {"type": "object", "required": ["type", "hashes"], "properties": {
-            "type": {"type": "string", "enum": ["removed"]},
-            "hashes": {"type": "array", "items": _HASH}}},
-        {"type": "object", "required": ["type"], "properties": {
-            "type": {"type": "string", "enum": ["cleared"]}}},
-        {"type": "object", "required": ["type", "blocks"], "properties": {
-            "type": {"type": "string", "enum": ["snapshot"]},
-            "blocks": {"type": "array", "items": {"type": "array", "minItems": 2, "maxItems": 2,
-                                                  "items": {**_HASH, "nullable": True}}}}},
-    ]}},
-    "load": {"type": "object", "properties": {
-        "queued_requests": _COUNT, "queued_tokens": _COUNT, "running_requests": _COUNT,
-        "kv_used_tokens": _COUNT, "kv_capacity_tokens": _COUNT,
-        "prefill_tokens_per_s": {"type": "number", "minimum": 0, "maximum": MAX_RATE}}}}}
+EVENT_BATCH = {
+    "type": "object",
+    "required": ["worker_id", "url", "epoch", "seq"],
+    "properties": {
+        "worker_id": _WORKER_ID,
+        "url": _URL,
+        "epoch": _WORKER_ID,
+        "seq": {"type": "integer", "minimum": 0},
+        "events": {
+            "type": "array",
+            "items": {
+                "oneOf": [
+                    {
+                        "type": "object",
+                        "required": ["type", "hashes"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["stored"]},
+                            "parent": {**_HASH, "nullable": True},
+                            "hashes": {"type": "array", "items": _HASH},
+                        },
+                    },
+                    {
+                        "type": "object",
+                        "required": ["type", "hashes"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["removed"]},
+                            "hashes": {"type": "array", "items": _HASH},
+                        },
+                    },
+                    {
+                        "type": "object",
+                        "required": ["type"],
+                        "properties": {"type": {"type": "string", "enum": ["cleared"]}},
+                    },
+                    {
+                        "type": "object",
+                        "required": ["type", "blocks"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["snapshot"]},
+                            "blocks": {
+                                "type": "array",
+                                "items": {
+                                    "type": "array",
+                                    "minItems": 2,
+                                    "maxItems": 2,
+                                    "items": {**_HASH, "nullable": True},
+                                },
+                            },
+                        },
+                    },
+                ]
+            },
+        },
+        "load": {
+            "type": "object",
+            "properties": {
+                "queued_requests": _COUNT,
+                "queued_tokens": _COUNT,
+                "running_requests": _COUNT,
+                "kv_used_tokens": _COUNT,
+                "kv_capacity_tokens": _COUNT,
+                "prefill_tokens_per_s": {"type": "number", "minimum": 0, "maximum": MAX_RATE},
+            },
+        },
+    },
+}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -119,10 +223,17 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
-    words = {400: "malformed request", 401: "missing or wrong token", 404: "not found",
-             405: "method not allowed", 408: "head or body too slow", 409: "conflict",
-             413: "body too large", 429: "overloaded (Retry-After)",
-             503: "no worker available (Retry-After)"}
+    words = {
+        400: "malformed request",
+        401: "missing or wrong token",
+        404: "not found",
+        405: "method not allowed",
+        408: "head or body too slow",
+        409: "conflict",
+        413: "body too large",
+        429: "overloaded (Retry-After)",
+        503: "no worker available (Retry-After)",
+    }
     return {str(s): {"description": words[s], **_json(_ERROR)} for s in statuses}
 
 
@@ -138,14 +249,25 @@ _OBJECT = {"type": "object"}
 
 def _data_plane(summary: str, schema: dict[str, Any], *, router: bool) -> dict[str, Any]:
     statuses = (400, 401, 404, 413, 429, 503) if router else (400, 404, 429, 503)
-    ok = {"description": "the completion (JSON), or with stream: true an SSE stream",
-          "content": {"application/json": {"schema": _OBJECT},
-                      "text/event-stream": {"schema": {"type": "string"}}}}
-    return {"post": {"summary": summary, "requestBody": {"required": True, **_json(schema)},
-                     "responses": {"200": ok, **_errors(*statuses)}}}
+    ok = {
+        "description": "the completion (JSON), or with stream: true an SSE stream",
+        "content": {
+            "application/json": {"schema": _OBJECT},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, **_json(schema)},
+            "responses": {"200": ok, **_errors(*statuses)},
+        }
+    }
 
 
-def _get(summary: str, schema: dict[str, Any] | None = None, *errors: int, text: bool = False) -> dict[str, Any]:
+def _get(
+    summary: str, schema: dict[str, Any] | None = None, *errors: int, text: bool = False
+) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": summary}
     if text:
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
@@ -157,8 +279,7 @@ def _get(summary: str, schema: dict[str, Any] | None = None, *errors: int, text:
 def _data_plane_paths(router: bool) -> dict[str, Any]:
     return {
         "/v1/completions": _data_plane("OpenAI completions", COMPLETION_REQUEST, router=router),
-        "/v1/chat/completions": _data_plane("OpenAI chat completions", CHAT_REQUEST,
-                                            router=router),
+        "/v1/chat/completions": _data_plane("OpenAI chat completions", CHAT_REQUEST, router=router),
         "/generate": _data_plane("SGLang generate", GENERATE_REQUEST, router=router),
         "/v1/models": _get("served models", {"type": "object", "required": ["data"]}),
     }
@@ -176,45 +297,91 @@ def _router_spec() -> dict[str, Any]:
         "/metrics": _get("Prometheus text", text=True),
         "/openapi.json": _get("this document", _OBJECT),
         "/admin/workers": {
-            "get": {"summary": "the pool", "security": admin,
-                    "responses": {**_ok("workers", _OBJECT), **_errors(401)}},
-            "post": {"summary": "add a worker", "security": admin,
-                     "requestBody": {"required": True, **_json(WORKER_SPEC)},
-                     "responses": {**_ok("added", _OBJECT, 201), **_errors(400, 401, 409)}}},
+            "get": {
+                "summary": "the pool",
+                "security": admin,
+                "responses": {**_ok("workers", _OBJECT), **_errors(401)},
+            },
+            "post": {
+                "summary": "add a worker",
+                "security": admin,
+                "requestBody": {"required": True, **_json(WORKER_SPEC)},
+                "responses": {**_ok("added", _OBJECT, 201), **_errors(400, 401, 409)},
+            },
+        },
         "/admin/workers/{id}": {
-            "delete": {"summary": "remove a worker", "security": admin, "parameters": [wid],
-                       "responses": {**_ok("removed", _OBJECT), **_errors(401, 404)}}},
+            "delete": {
+                "summary": "remove a worker",
+                "security": admin,
+                "parameters": [wid],
+                "responses": {**_ok("removed", _OBJECT), **_errors(401, 404)},
+            }
+        },
         "/admin/workers/{id}/drain": {
-            "post": {"summary": "drain (or undrain) a worker", "security": admin,
-                     "parameters": [wid],
-                     "requestBody": {"required": False, **_json(
-                         {"type": "object", "properties": {"drain": {"type": "boolean"}}})},
-                     "responses": {**_ok("drained", _OBJECT), **_errors(400, 401, 404)}}},
+            "post": {
+                "summary": "drain (or undrain) a worker",
+                "security": admin,
+                "parameters": [wid],
+                "requestBody": {
+                    "required": False,
+                    **_json({"type": "object", "properties": {"drain": {"type": "boolean"}}}),
+                },
+                "responses": {**_ok("drained", _OBJECT), **_errors(400, 401, 404)},
+            }
+        },
         "/admin/index": {
-            "get": {"summary": "index stats, hot prefixes (hashes: admin only), the policy",
-                    "security": admin, "responses": {**_ok("index", _OBJECT), **_errors(401)}}},
+            "get": {
+                "summary": "index stats, hot prefixes (hashes: admin only), the policy",
+                "security": admin,
+                "responses": {**_ok("index", _OBJECT), **_errors(401)},
+            }
+        },
         "/admin/reload": {
-            "post": {"summary": "re-read the config file", "security": admin,
-                     "responses": {**_ok("reloaded", _OBJECT), **_errors(400, 401, 409)}}},
+            "post": {
+                "summary": "re-read the config file",
+                "security": admin,
+                "responses": {**_ok("reloaded", _OBJECT), **_errors(400, 401, 409)},
+            }
+        },
         "/internal/v1/register": {
-            "post": {"summary": "an agent announces itself", "security": agent,
-                     "requestBody": {"required": True, **_json(REGISTRATION)},
-                     "responses": {**_ok("registered", _OBJECT), **_errors(400, 401, 409, 429)}}},
+            "post": {
+                "summary": "an agent announces itself",
+                "security": agent,
+                "requestBody": {"required": True, **_json(REGISTRATION)},
+                "responses": {**_ok("registered", _OBJECT), **_errors(400, 401, 409, 429)},
+            }
+        },
         "/internal/v1/events": {
-            "post": {"summary": "an agent's cache events and load", "security": agent,
-                     "requestBody": {"required": True, **_json(EVENT_BATCH)},
-                     "responses": {**_ok("applied", _OBJECT), **_errors(400, 401, 404, 409)}}},
+            "post": {
+                "summary": "an agent's cache events and load",
+                "security": agent,
+                "requestBody": {"required": True, **_json(EVENT_BATCH)},
+                "responses": {**_ok("applied", _OBJECT), **_errors(400, 401, 404, 409)},
+            }
+        },
     }
     return {
         "openapi": OPENAPI_VERSION,
-        "info": {"title": "radixfleet router", "version": "0.1.0",
-                 "description": "Cache-aware router: OpenAI data plane, admin and agent APIs."},
+        "info": {
+            "title": "radixfleet router",
+            "version": "0.1.0",
+            "description": "Cache-aware router: OpenAI data plane, admin and agent APIs.",
+        },
         "paths": paths,
-        "components": {"securitySchemes": {
-            "adminToken": {"type": "http", "scheme": "bearer",
-                           "description": "$RADIXFLEET_ADMIN_TOKEN (open on loopback if unset)"},
-            "agentToken": {"type": "http", "scheme": "bearer",
-                           "description": "$RADIXFLEET_AGENT_TOKEN (open on loopback if unset)"}}},
+        "components": {
+            "securitySchemes": {
+                "adminToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "$RADIXFLEET_ADMIN_TOKEN (open on loopback if unset)",
+                },
+                "agentToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "$RADIXFLEET_AGENT_TOKEN (open on loopback if unset)",
+                },
+            }
+        },
     }
 
 
@@ -225,32 +392,62 @@ def _agent_spec() -> dict[str, Any]:
         **_data_plane_paths(False),
         "/health": _get("the agent is up", text=True),
         "/health_generate": _get("the agent can generate", text=True),
-        "/get_server_info": probe, "/server_info": probe,
-        "/get_model_info": probe, "/model_info": probe,
+        "/get_server_info": probe,
+        "/server_info": probe,
+        "/get_model_info": probe,
+        "/model_info": probe,
         "/get_load": _get("load per data-parallel rank", {"type": "array"}),
         "/metrics": _get("Prometheus text", text=True),
         "/openapi.json": _get("this document", _OBJECT),
-        "/flush_cache": {m: {"summary": "flush the radix cache (refused while requests run)",
-                             "responses": {"200": {"description": "flushed", "content": {
-                                 "text/plain": {"schema": {"type": "string"}}}},
-                                 **_errors(400)}} for m in ("get", "post")},
+        "/flush_cache": {
+            m: {
+                "summary": "flush the radix cache (refused while requests run)",
+                "responses": {
+                    "200": {
+                        "description": "flushed",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    **_errors(400),
+                },
+            }
+            for m in ("get", "post")
+        },
         "/internal/v1/engine_config": {
-            "post": {"summary": "adopt new engine settings (flushes the cache)",
-                     "security": [{"agentToken": []}],
-                     "requestBody": {"required": True, **_json(
-                         {"type": "object", "required": ["rope_scaling"],
-                          "properties": {"rope_scaling": {"nullable": True}}})},
-                     "responses": {**_ok("adopted", _OBJECT), **_errors(400, 401)}}},
+            "post": {
+                "summary": "adopt new engine settings (flushes the cache)",
+                "security": [{"agentToken": []}],
+                "requestBody": {
+                    "required": True,
+                    **_json(
+                        {
+                            "type": "object",
+                            "required": ["rope_scaling"],
+                            "properties": {"rope_scaling": {"nullable": True}},
+                        }
+                    ),
+                },
+                "responses": {**_ok("adopted", _OBJECT), **_errors(400, 401)},
+            }
+        },
     }
     return {
         "openapi": OPENAPI_VERSION,
-        "info": {"title": "radixfleet agent", "version": "0.1.0",
-                 "description": "Worker agent: OpenAI data plane on the simulated engine, "
-                                "SGLang probes, engine settings."},
+        "info": {
+            "title": "radixfleet agent",
+            "version": "0.1.0",
+            "description": "Worker agent: OpenAI data plane on the simulated engine, "
+            "SGLang probes, engine settings.",
+        },
         "paths": paths,
-        "components": {"securitySchemes": {"agentToken": {
-            "type": "http", "scheme": "bearer",
-            "description": "$RADIXFLEET_AGENT_TOKEN (open on loopback if unset)"}}},
+        "components": {
+            "securitySchemes": {
+                "agentToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "$RADIXFLEET_AGENT_TOKEN (open on loopback if unset)",
+                }
+            }
+        },
     }
 
 
@@ -266,5 +463,9 @@ def agent_spec() -> dict[str, Any]:
 
 def operations(spec: dict[str, Any]) -> set[tuple[str, str]]:
     """(METHOD, path) of every operation a document describes."""
-    return {(m.upper(), p) for p, item in spec["paths"].items() for m in item
-            if m in ("get", "post", "put", "patch", "delete")}
+    return {
+        (m.upper(), p)
+        for p, item in spec["paths"].items()
+        for m in item
+        if m in ("get", "post", "put", "patch", "delete")
+    }

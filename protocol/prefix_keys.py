@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
 from array import array
-from typing import Any, NewType, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NewType
 
 import xxhash
 
@@ -108,9 +109,7 @@ def _encode_ids(ids: list[Any], field: str) -> bytes:
 
 def _text(value: Any, field: str) -> bytes:
     if not isinstance(value, str):
-        raise MalformedRequest(
-            f"'{field}' must be a string, got {type(value).__name__}", param=field
-        )
+        raise MalformedRequest(f"'{field}' must be a string, got {type(value).__name__}", param=field)
     return _utf8(value)
 
 
@@ -129,15 +128,12 @@ def _completion_prompt(prompt: Any, field: str = "prompt") -> bytes:
         if isinstance(first, list):
             for i, p in enumerate(prompt):
                 if not isinstance(p, list):
-                    raise MalformedRequest(
-                        f"'{field}[{i}]' must be a list of token ids", param=field
-                    )
+                    raise MalformedRequest(f"'{field}[{i}]' must be a list of token ids", param=field)
             return _encode_ids(first, f"{field}[0]")
         if type(first) is int:
             return _encode_ids(prompt, field)
     raise MalformedRequest(
-        f"'{field}' must be a string, a list of strings or a list of token ids, "
-        f"got {type(prompt).__name__}",
+        f"'{field}' must be a string, a list of strings or a list of token ids, got {type(prompt).__name__}",
         param=field,
     )
 
@@ -149,8 +145,7 @@ def _content_bytes(content: Any, field: str) -> bytes:
         return _utf8(content)
     if not isinstance(content, list):
         raise MalformedRequest(
-            f"'{field}' must be a string or a list of content parts, "
-            f"got {type(content).__name__}",
+            f"'{field}' must be a string or a list of content parts, got {type(content).__name__}",
             param=field,
         )
     out = bytearray()
@@ -209,9 +204,7 @@ GENERATION_PROMPT = _pad(b"<|assistant|>\n")
 def routing_bytes(endpoint: Endpoint, body: Any) -> bytes:
     """Canonical routing bytes of a request body. Raises ``MalformedRequest``."""
     if not isinstance(body, dict):
-        raise MalformedRequest(
-            f"request body must be a JSON object, got {type(body).__name__}"
-        )
+        raise MalformedRequest(f"request body must be a JSON object, got {type(body).__name__}")
     if endpoint is Endpoint.CHAT:
         return render_chat(body)
     if endpoint is Endpoint.COMPLETIONS:
@@ -256,8 +249,7 @@ def block_hashes(data: bytes, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES)
     return out
 
 
-def token_namespace_seed(model: str, salt: str = "", adapter: str | None = None,
-                         block_size: int = 0) -> int:
+def token_namespace_seed(model: str, salt: str = "", adapter: str | None = None, block_size: int = 0) -> int:
     """h_0 of a *token* key space (contract 8, docs/DESIGN.md): an engine's own token blocks.
 
     Fields are length-prefixed, so no two different (model, salt, adapter, block
@@ -271,8 +263,7 @@ def token_namespace_seed(model: str, salt: str = "", adapter: str | None = None,
     return _xxh3(b"".join(parts))
 
 
-def token_block_hashes(token_ids: Sequence[int] | array[int], block_size: int,
-                       seed: int) -> list[int]:
+def token_block_hashes(token_ids: Sequence[int] | array[int], block_size: int, seed: int) -> list[int]:
     """Chained xxh3_64 hashes of the whole ``block_size``-token blocks of ``token_ids``.
 
     ``h_k = xxh3_64(uint32-le(tokens of block k), seed=h_{k-1})``, ``h_0 = seed``;
@@ -281,8 +272,7 @@ def token_block_hashes(token_ids: Sequence[int] | array[int], block_size: int,
     an engine's events report (router.engines.block_map), so both meet in the index.
     Raises ``OverflowError`` for an id outside [0, 2^32).
     """
-    buf = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" \
-        else array("I", token_ids)
+    buf = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
     data = buf.tobytes()
     step = block_size * 4
     out: list[int] = []
@@ -342,9 +332,7 @@ class PrefixKey:
 def check_block_bytes(block_bytes: int) -> int:
     """Validates a block size: a positive multiple of BYTES_PER_TOKEN."""
     if type(block_bytes) is not int or block_bytes <= 0 or block_bytes % BYTES_PER_TOKEN:
-        raise ValueError(
-            f"block_bytes must be a positive multiple of {BYTES_PER_TOKEN}, got {block_bytes!r}"
-        )
+        raise ValueError(f"block_bytes must be a positive multiple of {BYTES_PER_TOKEN}, got {block_bytes!r}")
     return block_bytes
 
 

@@ -23,11 +23,19 @@ instance); they raise ``ConfigError`` with a path relative to their object.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Literal, Mapping, get_args, get_origin
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, get_args, get_origin
 
 import annotated_types
-from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError, \
-    ValidationInfo, model_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
@@ -42,17 +50,18 @@ def settings(cls: type) -> type:
     return _pydantic_dataclass(frozen=True, slots=True, config=_CONFIG)(cls)
 
 
-def setting(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> Any:
+def setting(
+    default: Any, doc: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> Any:
     """A documented, bounded scalar setting. ``lo_open`` makes the lower bound strict."""
-    bounds: dict[str, float] = {}
+    bounds: dict[str, Any] = {}
     if lo is not None:
         bounds["gt" if lo_open else "ge"] = lo
     if hi is not None:
         bounds["le"] = hi
     # strict: no bool for a number, no 3.0 for an int, no "1" for either (strings and
     # Literal choices are never coerced from other types)
-    strict = {} if isinstance(default, str) else {"strict": True}
+    strict: dict[str, Any] = {} if isinstance(default, str) else {"strict": True}
     return Field(default, description=doc, **strict, **bounds)
 
 
@@ -66,10 +75,13 @@ def internal(default_factory: Callable[[], Any]) -> Any:
     return Field(default_factory=default_factory, json_schema_extra={"internal": True})
 
 
-def keys_of(cls: type) -> dict[str, FieldInfo]:
+def keys_of(cls: Any) -> dict[str, FieldInfo]:
     """The document keys of settings class ``cls``, in declaration order."""
-    return {name: f for name, f in cls.__pydantic_fields__.items()
-            if not (f.json_schema_extra or {}).get("internal")}
+    return {
+        name: f
+        for name, f in cls.__pydantic_fields__.items()
+        if not (f.json_schema_extra or {}).get("internal")
+    }
 
 
 def _checked(fn: Callable[[Any], Any], value: Any, info: ValidationInfo) -> None:
@@ -77,30 +89,35 @@ def _checked(fn: Callable[[Any], Any], value: Any, info: ValidationInfo) -> None
         try:
             fn(value)
         except ConfigError as exc:
-            raise PydanticCustomError("config", "{message}",
-                                      {"path": exc.path, "message": exc.message}) from None
+            raise PydanticCustomError(
+                "config", "{message}", {"path": exc.path, "message": exc.message}
+            ) from None
 
 
 def value_check(fn: Callable[[Any], None]) -> Any:
     """``document_check`` for a value inside a type: ``Annotated[str, value_check(f)]``."""
+
     def check(value: Any, info: ValidationInfo) -> Any:
         _checked(fn, value, info)
         return value
+
     return AfterValidator(check)
 
 
 def document_check(fn: Callable[[Any], None]) -> Any:
     """An after-validator for rules across fields: ``fn(obj)`` raises ``ConfigError``
     (its path relative to ``obj``). Runs only when a document is validated."""
+
     def check(self: Any, info: ValidationInfo) -> Any:
         _checked(fn, self, info)
         return self
+
     check.__name__ = fn.__name__
     return model_validator(mode="after")(check)
 
 
-@functools.lru_cache(maxsize=None)
-def _adapter(tp: Any) -> TypeAdapter:
+@functools.cache
+def _adapter(tp: Any) -> TypeAdapter[Any]:
     return TypeAdapter(tp)
 
 
@@ -116,7 +133,7 @@ def validate(tp: Any, raw: Any, path: str = "", *, checks: bool = True) -> Any:
     raise_all(found)
 
 
-def _place(raw: Any, loc: tuple) -> list[int]:
+def _place(raw: Any, loc: tuple[Any, ...]) -> list[int]:
     """Where ``loc`` is in the document, for reporting errors in document order."""
     place, node = [], raw
     for part in loc:
@@ -166,8 +183,7 @@ def expected(annotation: Any, f: FieldInfo) -> str:
     bound = {type(m): m for m in f.metadata}
     hi = getattr(bound.get(annotated_types.Le), "le", None)
     lo_open = annotated_types.Gt in bound
-    lo = bound[annotated_types.Gt].gt if lo_open else \
-        getattr(bound.get(annotated_types.Ge), "ge", None)
+    lo = bound[annotated_types.Gt].gt if lo_open else getattr(bound.get(annotated_types.Ge), "ge", None)
     if lo is not None and hi is not None:
         return f"{noun} in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]"
     if lo is not None:
@@ -181,10 +197,22 @@ def _inner(tp: Any) -> Any:
     return args[0] if get_origin(tp) is tuple else args[-1] if len(args) == 2 else tp
 
 
-_NUMBER_ERRORS = frozenset({
-    "int_type", "int_parsing", "int_from_float", "float_type", "float_parsing",
-    "finite_number", "greater_than", "greater_than_equal", "less_than", "less_than_equal",
-    "bool_type", "bool_parsing"})
+_NUMBER_ERRORS = frozenset(
+    {
+        "int_type",
+        "int_parsing",
+        "int_from_float",
+        "float_type",
+        "float_parsing",
+        "finite_number",
+        "greater_than",
+        "greater_than_equal",
+        "less_than",
+        "less_than_equal",
+        "bool_type",
+        "bool_parsing",
+    }
+)
 
 
 def error(root: Any, e: Mapping[str, Any], prefix: str = "") -> ConfigError:
@@ -229,7 +257,7 @@ def error(root: Any, e: Mapping[str, Any], prefix: str = "") -> ConfigError:
     return ConfigError(path, e["msg"])
 
 
-def reference(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+def reference(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """``[(dotted key, default, allowed values, doc)]`` of every key under settings
     class ``cls``, nested sections and list or mapping entries flattened (``a[].b``,
     ``a.<name>.b``): the rows of the generated reference tables."""
@@ -241,8 +269,14 @@ def reference(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             rows += reference(tp, key)
         elif inner is not tp and hasattr(inner, "__pydantic_fields__"):
             entry = f"{key}[]" if get_origin(tp) is tuple else f"{key}.<name>"
-            rows.append((key, "[]" if get_origin(tp) is tuple else "{}",
-                         "list" if get_origin(tp) is tuple else "mapping", f.description or ""))
+            rows.append(
+                (
+                    key,
+                    "[]" if get_origin(tp) is tuple else "{}",
+                    "list" if get_origin(tp) is tuple else "mapping",
+                    f.description or "",
+                )
+            )
             rows += reference(inner, entry)
         else:
             default = f.get_default(call_default_factory=True)
@@ -252,7 +286,12 @@ def reference(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
                 allowed = expected(tp, f)
             else:
                 allowed = "string" if tp is str else "mapping"
-            shown = str(default).lower() if isinstance(default, bool) else repr(default) \
-                if default in ("", {}) else str(default)
+            shown = (
+                str(default).lower()
+                if isinstance(default, bool)
+                else repr(default)
+                if default in ("", {})
+                else str(default)
+            )
             rows.append((key, shown.replace("''", '""'), allowed, f.description or ""))
     return rows

@@ -32,8 +32,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("loadtest.analyze", "the cache-size knee, Zipf head and policy replay of a traffic log"),
     "bench": ("radixfleet.bench", "run a benchmark: " + ", ".join(BENCHMARKS)),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
-    "config-reference": ("router.config_reference", "print the router YAML key tables "
-                         "(deploy/README.md), made from the schema"),
+    "config-reference": (
+        "router.config_reference",
+        "print the router YAML key tables (deploy/README.md), made from the schema",
+    ),
 }
 
 
@@ -53,8 +55,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=HelpFormatter)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if name == chosen:
             # nested dispatchers (``bench``) read the arguments after their name
             p.radixfleet_argv = argv[argv.index(name) + 1 :]
@@ -72,6 +73,7 @@ def version() -> str:
         return metadata.version("radixfleet")
     except metadata.PackageNotFoundError:
         import pathlib
+
         import tomllib
 
         path = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"

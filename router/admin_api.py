@@ -25,8 +25,14 @@ from aiohttp import web
 
 from protocol.errors import ConfigError, MalformedRequest, NotFound
 from protocol.identifiers import id_problem
-from router.config import Config, WorkerSpec, check_engine_fields, default_worker_id, \
-    parse_section, parse_worker_url
+from router.config import (
+    Config,
+    WorkerSpec,
+    check_engine_fields,
+    default_worker_id,
+    parse_section,
+    parse_worker_url,
+)
 from router.http_api import guarded, json_body, json_error
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
@@ -80,12 +86,10 @@ class AdminAPI:
         if problem:
             raise MalformedRequest(problem, param="id")
         try:
-            w = self.host.pool.add(wid, url, Source.ADMIN, spec.weight,
-                                   spec.prefill_tokens_per_s, spec)
+            w = self.host.pool.add(wid, url, Source.ADMIN, spec.weight, spec.prefill_tokens_per_s, spec)
         except ValueError as exc:
             return json_error(409, str(exc), "invalid_request_error", "conflict")
-        return web.json_response({"status": "ok", "worker": w.describe(time.monotonic())},
-                                 status=201)
+        return web.json_response({"status": "ok", "worker": w.describe(time.monotonic())}, status=201)
 
     def _worker_or_404(self, request: web.Request):
         wid = request.match_info["id"]
@@ -114,22 +118,29 @@ class AdminAPI:
         h = self.host
         now = time.monotonic()
         st = h.index.stats()
-        hot = [{"hash": f"{p.hash:016x}", "depth": p.depth, "rate": p.rate,
-                "holders": list(p.holders)}
-               for p in h.index.hot_prefixes(now, k=h.cfg.index.hot_k)]
-        return web.json_response({
-            "stats": {f: getattr(st, f) for f in st.__slots__},
-            "hot_prefixes": hot,
-            "autoscale": h.scale_signal(now).to_json(),
-            "policy": {"name": h.policy.name, **h.policy.describe()},
-        }, dumps=lambda o: json.dumps(o, default=str))
+        hot = [
+            {"hash": f"{p.hash:016x}", "depth": p.depth, "rate": p.rate, "holders": list(p.holders)}
+            for p in h.index.hot_prefixes(now, k=h.cfg.index.hot_k)
+        ]
+        return web.json_response(
+            {
+                "stats": {f: getattr(st, f) for f in st.__slots__},
+                "hot_prefixes": hot,
+                "autoscale": h.scale_signal(now).to_json(),
+                "policy": {"name": h.policy.name, **h.policy.describe()},
+            },
+            dumps=lambda o: json.dumps(o, default=str),
+        )
 
     async def reload(self, request: web.Request) -> web.Response:
         if not self.host.cfg.path:
-            return json_error(409, "the router was started without --config; nothing to "
-                              "reload", "invalid_request_error", "no_config_file")
+            return json_error(
+                409,
+                "the router was started without --config; nothing to reload",
+                "invalid_request_error",
+                "no_config_file",
+            )
         ok, message, added, removed = await self.host.reload()
         if not ok:
             return json_error(400, message, "invalid_request_error", "invalid_config")
-        return web.json_response({"status": "ok", "added": added, "removed": removed,
-                                  "summary": message})
+        return web.json_response({"status": "ok", "added": added, "removed": removed, "summary": message})

@@ -32,7 +32,11 @@ from aiohttp import web
 
 from protocol import events as ev
 from protocol.errors import (
-    ConfigError, Conflict, MalformedRequest, Overloaded, retry_after_header,
+    ConfigError,
+    Conflict,
+    MalformedRequest,
+    Overloaded,
+    retry_after_header,
 )
 from router.config import Config, parse_worker_url
 from router.feedback import Feedback
@@ -77,8 +81,12 @@ class AgentAPI:
 
     def _hangup(self, request: web.Request) -> None:
         self.host.metrics.peer_hangups.labels(request.path).inc()
-        log.info("agent API: %s %s from %s: the peer hung up before its request was read",
-                 request.method, request.path, request.remote)
+        log.info(
+            "agent API: %s %s from %s: the peer hung up before its request was read",
+            request.method,
+            request.path,
+            request.remote,
+        )
 
     async def register(self, request: web.Request) -> web.Response:
         h = self.host
@@ -92,26 +100,42 @@ class AgentAPI:
         if bb is not None and bb != ours:
             # every hash it would report is one we never look up: refuse loudly
             h.metrics.registrations_refused.labels(reason=ev.STATUS_BLOCK_BYTES_MISMATCH).inc()
-            log.warning("refused registration of %s (%s): it hashes %d-byte blocks, this "
-                        "router keys.block_bytes=%d", reg.worker_id, url, bb, ours)
-            return web.json_response({
-                "status": ev.STATUS_BLOCK_BYTES_MISMATCH, "block_bytes": ours,
-                "error": {"message": f"agent block_bytes {bb} != router keys.block_bytes "
-                                     f"{ours}: start the agent with --block-bytes {ours} "
-                                     "(or change the router's keys.block_bytes)",
-                          "type": "invalid_request_error", "param": "block_bytes",
-                          "code": ev.STATUS_BLOCK_BYTES_MISMATCH}}, status=409)
+            log.warning(
+                "refused registration of %s (%s): it hashes %d-byte blocks, this router keys.block_bytes=%d",
+                reg.worker_id,
+                url,
+                bb,
+                ours,
+            )
+            return web.json_response(
+                {
+                    "status": ev.STATUS_BLOCK_BYTES_MISMATCH,
+                    "block_bytes": ours,
+                    "error": {
+                        "message": f"agent block_bytes {bb} != router keys.block_bytes "
+                        f"{ours}: start the agent with --block-bytes {ours} "
+                        "(or change the router's keys.block_bytes)",
+                        "type": "invalid_request_error",
+                        "param": "block_bytes",
+                        "code": ev.STATUS_BLOCK_BYTES_MISMATCH,
+                    },
+                },
+                status=409,
+            )
         try:
             w = h.pool.register(reg.worker_id, url, reg.epoch, list(reg.models), bb)
         except (Conflict, Overloaded) as exc:
             h.metrics.registrations_refused.labels(reason=exc.code).inc()
             if isinstance(exc, Conflict):
-                log.warning("refused registration of %s (%s): %s", reg.worker_id, url,
-                            exc.message)
-            headers = ({"Retry-After": retry_after_header(exc.retry_after_s)}
-                       if exc.retry_after_s is not None else None)
-            return web.json_response({"status": exc.code, **exc.to_json()},
-                                     status=exc.status, headers=headers)
+                log.warning("refused registration of %s (%s): %s", reg.worker_id, url, exc.message)
+            headers = (
+                {"Retry-After": retry_after_header(exc.retry_after_s)}
+                if exc.retry_after_s is not None
+                else None
+            )
+            return web.json_response(
+                {"status": exc.code, **exc.to_json()}, status=exc.status, headers=headers
+            )
         h.models_changed()
         return web.json_response({"status": ev.STATUS_OK, "worker_id": w.id})
 

@@ -52,24 +52,33 @@ from aiohttp import web
 
 from protocol import openapi
 from protocol.errors import (
-    ConfigError, MalformedRequest, NotFound, PayloadTooLarge, RequestError, retry_after_header,
+    ConfigError,
+    MalformedRequest,
+    NotFound,
+    PayloadTooLarge,
+    RequestError,
+    retry_after_header,
 )
 from protocol.prefix_keys import Endpoint
-from router import served
+from router import intake, served
 from router.admin_api import AdminAPI
 from router.agent_api import AgentAPI
 from router.autoscale import fleet_signal, params_from
 from router.bus.replica import BusReplica
 from router.config import MISSING, Config, check_event_binds, with_overrides
-from router import intake
 from router.dataplane import (
-    REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, AiohttpExchange, DataPlane,
+    REQUEST_ID_HEADER,
+    TENANT_HEADER,
+    WORKER_HEADER,
+    AiohttpExchange,
+    DataPlane,
 )
 from router.discovery import Discovery
 from router.engines.manager import Engines
 from router.feedback import Feedback
 from router.http_api import error_response, json_error
-from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from router.metrics import Metrics
 from router.pool import Pool
 from router.prefix_index import PrefixIndex
 from router.reload import build, config_file_version, prepare
@@ -104,15 +113,23 @@ class Router:
         self.policy, self.tenants, self.salts = p.policy, p.tenants, p.tenants.salts
         self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
         self.pool = Pool(cfg, self.index)
-        self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry,
-                               keyers=p.keyers)
+        self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry, keyers=p.keyers)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
         self.session: aiohttp.ClientSession | None = None  # health checks, models, warm-ups
         self._tasks: set[asyncio.Task] = set()
         #: per-request traffic log (router.traffic_log), when traffic_log.enabled
         self.traffic = TrafficLog(cfg.traffic_log) if cfg.traffic_log.enabled else None
-        self.dataplane = DataPlane(cfg, self.policy, self.tenants, self.pool, self.index,
-                                   self.metrics, self.engines, self._spawn, self.traffic)
+        self.dataplane = DataPlane(
+            cfg,
+            self.policy,
+            self.tenants,
+            self.pool,
+            self.index,
+            self.metrics,
+            self.engines,
+            self._spawn,
+            self.traffic,
+        )
         #: router.bus.replica.BusReplica while the app runs with ``bus.url`` set
         self.bus: BusReplica | None = None
         self._models_cache: tuple[float, dict] | None = None
@@ -151,18 +168,25 @@ class Router:
         if self.cfg.bus.enabled() and self.bus is None:
             # first: a bus secret that cannot be read refuses the start (ConfigError)
             # before anything else is opened
-            self.bus = BusReplica(self.cfg.bus, pool=self.pool, index=self.index,
-                                  feedback=self.feedback, block_bytes=self.cfg.keys.block_bytes,
-                                  registry=self.metrics.registry,
-                                  policy=lambda: self.policy,
-                                  agent_token=self.agent_auth.token)
+            self.bus = BusReplica(
+                self.cfg.bus,
+                pool=self.pool,
+                index=self.index,
+                feedback=self.feedback,
+                block_bytes=self.cfg.keys.block_bytes,
+                registry=self.metrics.registry,
+                policy=lambda: self.policy,
+                agent_token=self.agent_auth.token,
+            )
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
-            connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",))
+            connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
         dp = self.dataplane
         dp.session = self.session
-        dp.upstream = UpstreamPool(connect_timeout_s=self.cfg.timeouts.connect_s,
-                                   body_limit=self.cfg.limits.max_response_bytes)
+        dp.upstream = UpstreamPool(
+            connect_timeout_s=self.cfg.timeouts.connect_s, body_limit=self.cfg.limits.max_response_bytes
+        )
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
         try:
             await self.pool.start(self.session)
@@ -223,12 +247,14 @@ class Router:
         within its deadline and the body budget, and only then ``DataPlane.serve``
         (which takes the admission slot), so a slow or unauthenticated body never
         holds a slot."""
+
         async def handler(request: web.Request) -> web.StreamResponse:
             lim = self.cfg.limits
             try:
                 self.tenants.tenant(request.headers)
-                raw = await intake.read_body(request, lim.max_body_bytes, lim.body_timeout_s,
-                                             self.body_budget)
+                raw = await intake.read_body(
+                    request, lim.max_body_bytes, lim.body_timeout_s, self.body_budget
+                )
             except RequestError as exc:
                 self.metrics.rejected.labels(str(exc.status), exc.code).inc()
                 resp = error_response(exc)
@@ -240,6 +266,7 @@ class Router:
                 return ex.result
             finally:
                 self.body_budget.give(len(raw))
+
         handler.__name__ = f"proxy_{endpoint.name.lower()}"
         return handler
 
@@ -265,16 +292,24 @@ class Router:
             body["ready"] = ready = ready and caught_up
         if ready:
             return web.json_response(body)
-        return web.json_response(body, status=503, headers={
-            "Retry-After": retry_after_header(self.cfg.health.interval_s)})
+        return web.json_response(
+            body, status=503, headers={"Retry-After": retry_after_header(self.cfg.health.interval_s)}
+        )
 
     def scale_signal(self, now: float):
         """The prefix-aware autoscaling signal (router.autoscale), from the demand
         meter the data plane feeds, the index's hot prefixes and the routable views."""
         a = self.cfg.autoscale
-        return fleet_signal(now, self.dataplane.demand, self.index, self.pool.views(now),
-                            params_from(a), lead_s=a.startup_s, hot_k=a.hot_k,
-                            block_tokens=self.cfg.keys.block_bytes // 4)
+        return fleet_signal(
+            now,
+            self.dataplane.demand,
+            self.index,
+            self.pool.views(now),
+            params_from(a),
+            lead_s=a.startup_s,
+            hot_k=a.hot_k,
+            block_tokens=self.cfg.keys.block_bytes // 4,
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         now = time.monotonic()
@@ -282,8 +317,7 @@ class Router:
         self.engines.refresh(now)
         self.metrics.set_autoscale(self.scale_signal(now))
         self.metrics.body_bytes_held.set(self.body_budget.held)
-        return web.Response(body=self.metrics.render(),
-                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
@@ -299,12 +333,14 @@ class Router:
 
         async def fetch(w):
             try:
-                async with self.session.get(w.url + "/v1/models",
-                                            timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                async with self.session.get(
+                    w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+                ) as r:
                     if r.status != 200:
                         return []
-                    data = jsonbody.loads(await r.content.read(1 << 20),
-                                          what="the worker's /v1/models answer")
+                    data = jsonbody.loads(
+                        await r.content.read(1 << 20), what="the worker's /v1/models answer"
+                    )
                     served.parse_models_answer(data)  # well-formed, bounded
                     return data["data"]
             except asyncio.CancelledError:
@@ -323,9 +359,14 @@ class Router:
     async def _not_found(self, request: web.Request) -> web.Response:
         allowed = self._known.get(request.path)
         if allowed:
-            return json_error(405, f"method {request.method} not allowed on {request.path}; "
-                              f"allowed: {', '.join(sorted(allowed))}", "invalid_request_error",
-                              "method_not_allowed", headers={"Allow": ", ".join(sorted(allowed))})
+            return json_error(
+                405,
+                f"method {request.method} not allowed on {request.path}; "
+                f"allowed: {', '.join(sorted(allowed))}",
+                "invalid_request_error",
+                "method_not_allowed",
+                headers={"Allow": ", ".join(sorted(allowed))},
+            )
         exc = NotFound(f"unknown path {request.path}")
         return error_response(exc)
 
@@ -356,20 +397,28 @@ class Router:
             try:
                 # off the event loop: parsing a large file and loading tokenizers
                 # (models:) take seconds that requests must not wait for
-                p = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
-                    prepare, path, self.overrides, salts=self.salts,
-                    policy_cfg=self.cfg.policy, policy=self.policy,
-                    keyers=self.engines.model_keyers))
+                p = await asyncio.get_running_loop().run_in_executor(
+                    None,
+                    functools.partial(
+                        prepare,
+                        path,
+                        self.overrides,
+                        salts=self.salts,
+                        policy_cfg=self.cfg.policy,
+                        policy=self.policy,
+                        keyers=self.engines.model_keyers,
+                    ),
+                )
             except ConfigError as exc:
                 self.metrics.reload_failures.inc()
-                log.error("config reload of %s refused, keeping the running config: %s",
-                          path, exc)
+                log.error("config reload of %s refused, keeping the running config: %s", path, exc)
                 return False, str(exc), [], []
             new, policy, tenants = p.cfg, p.policy, p.tenants
             old = self.cfg
             if new.listen != old.listen:
-                log.warning("listen address changes need a restart (still on %s:%d)",
-                            old.listen.host, old.listen.port)
+                log.warning(
+                    "listen address changes need a restart (still on %s:%d)", old.listen.host, old.listen.port
+                )
                 new = with_overrides(new, listen=old.listen)
             if new.keys.block_bytes != old.keys.block_bytes:
                 log.warning("keys.block_bytes changed: the index restarts cold")
@@ -384,8 +433,9 @@ class Router:
             self.policy = policy
             self.tenants = tenants
             if tenants.salts is not self.salts:
-                log.warning("the tenant salt secret changed: every prefix key changes, the "
-                            "index restarts cold")
+                log.warning(
+                    "the tenant salt secret changed: every prefix key changes, the index restarts cold"
+                )
                 for wid in list(self.index.workers()):
                     self.index.clear(wid)
                 self.salts = tenants.salts
@@ -396,8 +446,9 @@ class Router:
             self.engines.configure(new, keyers=p.keyers)
             added, removed = self.pool.sync_config(new.workers)
             self.metrics.reloads.inc()
-            log.info("config reloaded from %s: %s (added %s, removed %s)", path,
-                     new.summary(), added, removed)
+            log.info(
+                "config reloaded from %s: %s (added %s, removed %s)", path, new.summary(), added, removed
+            )
             return True, new.summary(), added, removed
 
 
@@ -438,8 +489,12 @@ class RouterServer:
         from router.front import FrontServer
 
         r = self.router
-        self._runner = web.AppRunner(r.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=r.cfg.limits.shutdown_timeout_s)
+        self._runner = web.AppRunner(
+            r.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=r.cfg.limits.shutdown_timeout_s,
+        )
         await self._runner.setup()
         routes = {e.value.encode(): self._route(e) for e in Endpoint}
         lim = lambda: r.cfg.limits  # noqa: E731 - read at use: a reload may change them
@@ -447,21 +502,32 @@ class RouterServer:
         fd_limit = intake.raise_fd_limit()
         cap = intake.connection_cap(r.cfg.limits.max_connections, fd_limit)
         if cap < r.cfg.limits.max_connections:
-            log.warning("limits.max_connections=%d is more than the open-file limit (%d) "
-                        "allows: client connections capped at %d", r.cfg.limits.max_connections,
-                        fd_limit, cap)
+            log.warning(
+                "limits.max_connections=%d is more than the open-file limit (%d) "
+                "allows: client connections capped at %d",
+                r.cfg.limits.max_connections,
+                fd_limit,
+                cap,
+            )
         refused = r.metrics.connections_refused
         fallback = http_errors.factory(
-            self._runner, access_log=None, on_bad_http=lambda st: bad.labels(str(st)).inc(),
+            self._runner,
+            access_log=None,
+            on_bad_http=lambda st: bad.labels(str(st)).inc(),
             # an idle handed-over connection (or one trickling its next head) is closed
-            keepalive_timeout=r.cfg.limits.header_timeout_s)
+            keepalive_timeout=r.cfg.limits.header_timeout_s,
+        )
         self._front = FrontServer(
-            routes, fallback, lambda: lim().max_body_bytes,
+            routes,
+            fallback,
+            lambda: lim().max_body_bytes,
             head_timeout_s=lambda: lim().header_timeout_s,
-            body_timeout_s=lambda: lim().body_timeout_s, budget=r.body_budget,
+            body_timeout_s=lambda: lim().body_timeout_s,
+            budget=r.body_budget,
             authorize=lambda headers: r.tenants.tenant(headers),
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
-            on_refused=lambda reason: refused.labels(reason).inc())
+            on_refused=lambda reason: refused.labels(reason).inc(),
+        )
         # Routable as soon as it listens: the first health round (bounded by one
         # check's timeout) runs before the socket opens.
         await r.pool.first_round(r.cfg.health.timeout_s + 0.5)
@@ -469,8 +535,9 @@ class RouterServer:
             self.port = await self._front.start(self.host, self.port)
         except OSError as exc:
             await self._runner.cleanup()
-            raise ConfigError("listen", f"cannot listen on {self.host}:{self.port}: "
-                              f"{exc.strerror or exc}") from None
+            raise ConfigError(
+                "listen", f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from None
         return self.port
 
     def _route(self, endpoint: Endpoint):
@@ -478,6 +545,7 @@ class RouterServer:
 
         async def handler(ex) -> None:
             await serve(ex, endpoint)
+
         return handler
 
     async def aclose(self) -> None:
@@ -489,7 +557,7 @@ class RouterServer:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def __aenter__(self) -> "RouterServer":
+    async def __aenter__(self) -> RouterServer:
         await self.start()
         return self
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import hashlib
 import os
 
-from router.config import Config, TenantConfig
 from protocol.errors import ConfigError, MalformedRequest, Unauthorized
 from protocol.identifiers import tenant_problem
+from router.config import Config, TenantConfig
 from service.auth import BearerAuth, is_loopback
 from service.tenancy import TenantSalts
 
@@ -34,8 +34,10 @@ def check_exposure(cfg: Config, admin: BearerAuth, agent: BearerAuth) -> None:
     for a, key in ((admin, "auth.admin_token_env"), (agent, "auth.agent_token_env")):
         if not a.token:
             raise ConfigError(
-                key, f"listening on {cfg.listen.host} (not loopback) needs the {a.what} "
-                f"token: set ${a.env} (or listen on 127.0.0.1)")
+                key,
+                f"listening on {cfg.listen.host} (not loopback) needs the {a.what} "
+                f"token: set ${a.env} (or listen on 127.0.0.1)",
+            )
 
 
 class TenantResolver:
@@ -48,8 +50,9 @@ class TenantResolver:
 
     __slots__ = ("source", "default", "header", "require", "_digests", "salts")
 
-    def __init__(self, t: TenantConfig, path: str = "keys.tenant", *,
-                 salts: TenantSalts | None = None) -> None:
+    def __init__(
+        self, t: TenantConfig, path: str = "keys.tenant", *, salts: TenantSalts | None = None
+    ) -> None:
         self.salts = salts
         self.source = t.source
         self.default = t.default
@@ -61,8 +64,9 @@ class TenantResolver:
             if spec.key_env:
                 key = os.environ.get(spec.key_env, "")
                 if not key:
-                    raise ConfigError(f"{path}.api_keys[{i}].key_env",
-                                      f"environment variable {spec.key_env} is not set")
+                    raise ConfigError(
+                        f"{path}.api_keys[{i}].key_env", f"environment variable {spec.key_env} is not set"
+                    )
             self._digests[hashlib.sha256(key.encode()).digest()] = spec.tenant
 
     def tenant(self, headers) -> str:

@@ -43,8 +43,8 @@ to the signal.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from policies.replication import holders_needed
 
@@ -70,7 +70,7 @@ class AutoscaleParams:
     min_workers: int = 1
     max_workers: int = 1024
 
-    def validate(self) -> "AutoscaleParams":
+    def validate(self) -> AutoscaleParams:
         for name in ("target_utilization", "kv_target"):
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
@@ -81,18 +81,24 @@ class AutoscaleParams:
         if self.hot_min_rate < 0:
             raise ValueError(f"hot_min_rate must be >= 0, got {self.hot_min_rate}")
         if not 1 <= self.min_workers <= self.max_workers:
-            raise ValueError(f"need 1 <= min_workers <= max_workers, got {self.min_workers}, "
-                             f"{self.max_workers}")
+            raise ValueError(
+                f"need 1 <= min_workers <= max_workers, got {self.min_workers}, {self.max_workers}"
+            )
         return self
 
 
 def params_from(cfg) -> AutoscaleParams:
     """The signal's parameters from a ``router.config.AutoscaleConfig``."""
     return AutoscaleParams(
-        target_utilization=cfg.target_utilization, holder_max_rate=cfg.holder_max_rate,
-        hot_min_rate=cfg.hot_min_rate, queue_drain_s=cfg.queue_drain_s,
-        kv_target=cfg.kv_target, output_tokens=cfg.output_tokens,
-        min_workers=cfg.min_workers, max_workers=cfg.max_workers).validate()
+        target_utilization=cfg.target_utilization,
+        holder_max_rate=cfg.holder_max_rate,
+        hot_min_rate=cfg.hot_min_rate,
+        queue_drain_s=cfg.queue_drain_s,
+        kv_target=cfg.kv_target,
+        output_tokens=cfg.output_tokens,
+        min_workers=cfg.min_workers,
+        max_workers=cfg.max_workers,
+    ).validate()
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +147,14 @@ class PrefixNeed:
     per_holder_rate: float
 
     def to_json(self) -> dict:
-        return {"hash": f"{self.key:016x}", "depth_tokens": self.depth_tokens,
-                "rate": round(self.rate, 4), "holders": self.holders, "needed": self.needed,
-                "per_holder_rate": round(self.per_holder_rate, 4)}
+        return {
+            "hash": f"{self.key:016x}",
+            "depth_tokens": self.depth_tokens,
+            "rate": round(self.rate, 4),
+            "holders": self.holders,
+            "needed": self.needed,
+            "per_holder_rate": round(self.per_holder_rate, 4),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +174,17 @@ class ScaleSignal:
     prefixes: tuple[PrefixNeed, ...] = ()
 
     def to_json(self) -> dict:
-        return {"desired": self.desired, "current": self.current, "compute": self.compute,
-                "holders": self.holders, "kv": self.kv, "queue": self.queue,
-                "reason": self.reason, "prefill_tps": round(self.prefill_tps, 1),
-                "prefixes": [p.to_json() for p in self.prefixes]}
+        return {
+            "desired": self.desired,
+            "current": self.current,
+            "compute": self.compute,
+            "holders": self.holders,
+            "kv": self.kv,
+            "queue": self.queue,
+            "reason": self.reason,
+            "prefill_tps": round(self.prefill_tps, 1),
+            "prefixes": [p.to_json() for p in self.prefixes],
+        }
 
 
 def fleet_prefill_tps(load: Sequence[WorkerLoad], default: float) -> float:
@@ -175,8 +193,12 @@ def fleet_prefill_tps(load: Sequence[WorkerLoad], default: float) -> float:
     return sum(rates) / len(rates) if rates else default
 
 
-def workers_needed(demand: Demand, hot: Sequence[HotDemand], load: Sequence[WorkerLoad],
-                   params: AutoscaleParams = AutoscaleParams()) -> ScaleSignal:
+def workers_needed(
+    demand: Demand,
+    hot: Sequence[HotDemand],
+    load: Sequence[WorkerLoad],
+    params: AutoscaleParams = AutoscaleParams(),
+) -> ScaleSignal:
     """The workers the fleet needs now (module docstring). Pure; O(workers + hot)."""
     p = params
     tps = fleet_prefill_tps(load, p.default_prefill_tps)
@@ -190,8 +212,9 @@ def workers_needed(demand: Demand, hot: Sequence[HotDemand], load: Sequence[Work
     for h in hot:
         if h.rate < p.hot_min_rate:
             continue
-        n, per = holders_needed(h.rate, per_request, tps, p.holder_max_rate,
-                                p.target_utilization, p.max_workers)
+        n, per = holders_needed(
+            h.rate, per_request, tps, p.holder_max_rate, p.target_utilization, p.max_workers
+        )
         needs.append(PrefixNeed(h.key, h.depth_tokens, h.rate, h.holders, n, per))
         holders = max(holders, n)
         prefix_kv += n * h.depth_tokens
@@ -213,12 +236,20 @@ def workers_needed(demand: Demand, hot: Sequence[HotDemand], load: Sequence[Work
     if desired != raw:
         reason = "min" if raw < p.min_workers else "max"
     needs.sort(key=lambda n: -n.rate)
-    return ScaleSignal(desired, len(load), compute, holders, kv, queue, reason, tps,
-                       tuple(needs))
+    return ScaleSignal(desired, len(load), compute, holders, kv, queue, reason, tps, tuple(needs))
 
 
-def fleet_signal(now: float, meter: "DemandMeter", index, views, params: AutoscaleParams, *,
-                 lead_s: float = 0.0, hot_k: int = 16, block_tokens: int = 32) -> ScaleSignal:
+def fleet_signal(
+    now: float,
+    meter: DemandMeter,
+    index,
+    views,
+    params: AutoscaleParams,
+    *,
+    lead_s: float = 0.0,
+    hot_k: int = 16,
+    block_tokens: int = 32,
+) -> ScaleSignal:
     """``workers_needed`` from the router's own objects: the ``DemandMeter``, the
     ``PrefixIndex`` (its ``hot_prefixes(now, hot_k)``, depth in blocks of
     ``block_tokens``) and the routable ``WorkerView``s (a worker whose agent has not
@@ -226,19 +257,37 @@ def fleet_signal(now: float, meter: "DemandMeter", index, views, params: Autosca
     workers' start-up delay (the demand is projected that far while it rises).
     O(index nodes) for the hot prefixes: call it at scrape time, not per request."""
     live = {v.id for v in views}
-    hot = [HotDemand(h.hash, h.depth * block_tokens, h.rate,
-                     # a data-parallel rank ("<worker>#<rank>") is a replica too
-                     sum(1 for w in h.holders if w.partition("#")[0] in live))
-           for h in index.hot_prefixes(now, k=hot_k)]
-    load = [WorkerLoad(v.prefill_tokens_per_s if v.kv_capacity_tokens else None,
-                       v.in_flight_tokens, v.running_requests, v.kv_capacity_tokens,
-                       v.queued_requests) for v in views]
+    hot = [
+        HotDemand(
+            h.hash,
+            h.depth * block_tokens,
+            h.rate,
+            # a data-parallel rank ("<worker>#<rank>") is a replica too
+            sum(1 for w in h.holders if w.partition("#")[0] in live),
+        )
+        for h in index.hot_prefixes(now, k=hot_k)
+    ]
+    load = [
+        WorkerLoad(
+            v.prefill_tokens_per_s if v.kv_capacity_tokens else None,
+            v.in_flight_tokens,
+            v.running_requests,
+            v.kv_capacity_tokens,
+            v.queued_requests,
+        )
+        for v in views
+    ]
     return workers_needed(meter.demand(now, lead_s), hot, load, params)
 
 
-def queue_rule(queued_requests: int, current: int, target_per_worker: float,
-               min_workers: int = 1, max_workers: int = 1024,
-               tolerance: float = 0.1) -> int:
+def queue_rule(
+    queued_requests: int,
+    current: int,
+    target_per_worker: float,
+    min_workers: int = 1,
+    max_workers: int = 1024,
+    tolerance: float = 0.1,
+) -> int:
     """The baseline: Kubernetes HPA on an average-value metric (waiting requests per
     replica, e.g. vLLM's ``num_requests_waiting``)::
 

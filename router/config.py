@@ -33,7 +33,8 @@ import errno
 import os
 import random
 import sys
-from typing import Annotated, Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -42,12 +43,21 @@ from pydantic import Field, field_validator
 from protocol import bus_wire
 from protocol.errors import ConfigError
 from protocol.extras import require
-from protocol.settings import document_check, internal, join, keys_of, raise_all, settings, \
-    typename, validate, value_check
-from protocol.settings import section as _section
-from protocol.settings import setting as _opt
 from protocol.identifiers import MAX_URL_CHARS, id_problem, name_problem, worker_host
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
+from protocol.settings import (
+    document_check,
+    internal,
+    join,
+    keys_of,
+    raise_all,
+    settings,
+    typename,
+    validate,
+    value_check,
+)
+from protocol.settings import section as _section
+from protocol.settings import setting as _opt
 from service.bus_connection import BusCredentials
 
 
@@ -83,17 +93,23 @@ class ListenConfig:
 
 @settings
 class EventsSpec:
-    endpoint: str = _opt("", "the engine's own KV-events endpoint, as given to it "
-                         "(vLLM --kv-events-config endpoint: tcp://*:5557, tcp://HOST:PORT "
-                         "or ipc://PATH); empty: a vLLM worker's are asked of the server "
-                         "(GET /kv_event_sources, every data-parallel rank), others send none")
+    endpoint: str = _opt(
+        "",
+        "the engine's own KV-events endpoint, as given to it "
+        "(vLLM --kv-events-config endpoint: tcp://*:5557, tcp://HOST:PORT "
+        "or ipc://PATH); empty: a vLLM worker's are asked of the server "
+        "(GET /kv_event_sources, every data-parallel rank), others send none",
+    )
     mode: Literal["auto", "bind", "connect", "off"] = _opt(
-                     "auto", "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
-                     "endpoint (the router connects, to the worker's host for a wildcard) and "
-                     "connects to a concrete tcp://HOST:PORT (the router binds it); bind or "
-                     "connect force the router's side; off: follow none (approximate mode)")
-    replay_endpoint: str = _opt("", "the engine's replay endpoint (missed batches by "
-                                "sequence number); empty: none")
+        "auto",
+        "auto follows vLLM's rule: the engine binds a wildcard or ipc:// "
+        "endpoint (the router connects, to the worker's host for a wildcard) and "
+        "connects to a concrete tcp://HOST:PORT (the router binds it); bind or "
+        "connect force the router's side; off: follow none (approximate mode)",
+    )
+    replay_endpoint: str = _opt(
+        "", "the engine's replay endpoint (missed batches by sequence number); empty: none"
+    )
     topic: str = _opt("kv-events", "ZMQ topic the engine publishes under")
 
 
@@ -111,16 +127,23 @@ class EngineSettings:
     finds. A worker entry has them too; ``resolve_engine`` fills a worker's unset
     ones from here."""
 
-    tokenizer: str = _opt("", "the engine's tokenizer and chat template: a local folder or "
-                          "a repo id in the local Hugging Face cache (exact token keys)")
-    chat_template: str = _opt("", "the engine's --chat-template (a file or the template), "
-                              "replacing the tokenizer's; needs a tokenizer")
-    block_size: int = _opt(0, "the engine's KV block size in tokens (0: from its metrics or "
-                           "events)", lo=0)
-    kv_capacity_tokens: int = _opt(0, "the engine's KV capacity in tokens for the approximate "
-                                   "index (0: from its metrics)", lo=0)
-    events: EventsSpec = _section(EventsSpec, "the engine's KV-cache events (for many workers: "
-                                  "a wildcard tcp://*:PORT, each engine binds it)")
+    tokenizer: str = _opt(
+        "",
+        "the engine's tokenizer and chat template: a local folder or "
+        "a repo id in the local Hugging Face cache (exact token keys)",
+    )
+    chat_template: str = _opt(
+        "",
+        "the engine's --chat-template (a file or the template), replacing the tokenizer's; needs a tokenizer",
+    )
+    block_size: int = _opt(0, "the engine's KV block size in tokens (0: from its metrics or events)", lo=0)
+    kv_capacity_tokens: int = _opt(
+        0, "the engine's KV capacity in tokens for the approximate index (0: from its metrics)", lo=0
+    )
+    events: EventsSpec = _section(
+        EventsSpec,
+        "the engine's KV-cache events (for many workers: a wildcard tcp://*:PORT, each engine binds it)",
+    )
     metrics: EngineScrapeSpec = _section(EngineScrapeSpec, "scraping the engine's load")
 
     @document_check
@@ -137,9 +160,11 @@ class WorkerSpec(EngineSettings):
     id: str = _opt("", "worker id (default: host:port of url)")
     weight: float = _opt(1.0, "relative capacity weight", lo=0.01, hi=100.0)
     prefill_tokens_per_s: float = _opt(
-        10_000.0, "prefill throughput assumed until measured or reported", lo=1.0, hi=1e12)
+        10_000.0, "prefill throughput assumed until measured or reported", lo=1.0, hi=1e12
+    )
     kind: Literal["auto", "agent", "vllm", "sglang", "openai"] = _opt(
-        "auto", "agent, vllm, sglang or openai; auto: probe the worker")
+        "auto", "agent, vllm, sglang or openai; auto: probe the worker"
+    )
     model: str = _opt("", "the model it serves (default: from its /v1/models)")
 
     @document_check
@@ -179,8 +204,9 @@ class TenantConfig:
     default: str = _opt("", "tenant of requests without an identity")
     header: str = _opt("x-tenant-id", "source=header: the header a trusted gateway sets")
     require_key: bool = _opt(True, "source=api_key: reject requests without a valid key (401)")
-    api_keys: tuple[ApiKeySpec, ...] = Field((), description="source=api_key: the keys, each "
-                                             "with exactly one of key, key_env")
+    api_keys: tuple[ApiKeySpec, ...] = Field(
+        (), description="source=api_key: the keys, each with exactly one of key, key_env"
+    )
 
     @document_check
     def _check(self) -> None:
@@ -195,14 +221,17 @@ class KeysConfig:
     block_bytes: int = _opt(DEFAULT_BLOCK_BYTES, "routing block size in bytes", lo=BYTES_PER_TOKEN)
     tenant: TenantConfig = _section(TenantConfig, "tenant identity")
     tenant_salt_env: str = _opt(
-        "RADIXFLEET_TENANT_SALT", "env var with the deployment's secret tenant salt (the "
-        "same on every replica); unset: derived from the agent token (service.tenancy)")
+        "RADIXFLEET_TENANT_SALT",
+        "env var with the deployment's secret tenant salt (the "
+        "same on every replica); unset: derived from the agent token (service.tenancy)",
+    )
 
     @document_check
     def _check(self) -> None:
         if self.block_bytes % BYTES_PER_TOKEN:
-            raise ConfigError("block_bytes", f"expected a multiple of {BYTES_PER_TOKEN}, "
-                              f"got {self.block_bytes}")
+            raise ConfigError(
+                "block_bytes", f"expected a multiple of {BYTES_PER_TOKEN}, got {self.block_bytes}"
+            )
 
 
 @settings
@@ -210,8 +239,9 @@ class PolicyConfig:
     name: str = _opt("prefix_load", "policy name")
     seed: int = _opt(0, "seed of the policy's random source", lo=0)
     #: raw parameters, validated by policies.registry.build_policy
-    params: Mapping[str, Any] = Field(default_factory=dict,
-                                      description="the policy's parameters (the tables below)")
+    params: Mapping[str, Any] = Field(
+        default_factory=dict, description="the policy's parameters (the tables below)"
+    )
 
     @field_validator("params", mode="before")
     @classmethod
@@ -226,12 +256,14 @@ class PolicyConfig:
 @settings
 class IndexConfig:
     max_bytes: int = _opt(256 * 2**20, "global memory budget of the prefix index", lo=1)
-    half_life_s: float = _opt(30.0, "half-life of the hot-prefix request counters", lo=0,
-                              lo_open=True)
+    half_life_s: float = _opt(30.0, "half-life of the hot-prefix request counters", lo=0, lo_open=True)
     hot_k: int = _opt(10, "hot prefixes shown in /admin/index and metrics", lo=0, hi=1000)
-    learn_capacity: bool = _opt(True, "approximate mode: cap each plain engine's entries at a "
-                                "capacity learned from its cached_tokens (router.engines."
-                                "capacity), not only the configured one")
+    learn_capacity: bool = _opt(
+        True,
+        "approximate mode: cap each plain engine's entries at a "
+        "capacity learned from its cached_tokens (router.engines."
+        "capacity), not only the configured one",
+    )
 
 
 @settings
@@ -247,11 +279,18 @@ class HealthConfig:
 class RegistrationConfig:
     """Agents registering themselves (``POST /internal/v1/register``, or the bus)."""
 
-    unhealthy_grace_s: float = _opt(60.0, "a self-registered worker unhealthy this long is "
-                                    "removed (an agent that died without leaving)", lo=0,
-                                    lo_open=True)
-    rate_per_s: float = _opt(10.0, "new self-registered workers admitted per second (past "
-                             "the burst: 429 with Retry-After)", lo=0, lo_open=True)
+    unhealthy_grace_s: float = _opt(
+        60.0,
+        "a self-registered worker unhealthy this long is removed (an agent that died without leaving)",
+        lo=0,
+        lo_open=True,
+    )
+    rate_per_s: float = _opt(
+        10.0,
+        "new self-registered workers admitted per second (past the burst: 429 with Retry-After)",
+        lo=0,
+        lo_open=True,
+    )
     burst: int = _opt(200, "new self-registered workers admitted at once", lo=1)
 
 
@@ -263,8 +302,7 @@ class BreakerConfig:
 
 @settings
 class LoadConfig:
-    report_stale_s: float = _opt(2.0, "an agent's load report is ignored after this", lo=0,
-                                 lo_open=True)
+    report_stale_s: float = _opt(2.0, "an agent's load report is ignored after this", lo=0, lo_open=True)
 
 
 @settings
@@ -276,8 +314,7 @@ class RetriesConfig:
     @document_check
     def _check(self) -> None:
         if self.backoff_max_s < self.backoff_s:
-            raise ConfigError("backoff_max_s", "expected a number >= retries.backoff_s "
-                              f"({self.backoff_s})")
+            raise ConfigError("backoff_max_s", f"expected a number >= retries.backoff_s ({self.backoff_s})")
 
 
 @settings
@@ -287,50 +324,64 @@ class TimeoutsConfig:
     a stream is also bounded by ``first_byte_s``. A timed-out request is cancelled on
     its worker, never sent to another one."""
 
-    connect_s: float = _opt(2.0, "connecting to a worker (then the next worker is tried)",
-                            lo=0, lo_open=True)
-    first_byte_s: float = _opt(120.0, "streamed answers: until the worker's first byte, and "
-                               "the longest silence between chunks", lo=0, lo_open=True)
-    total_s: float = _opt(3600.0, "the whole request, all attempts; the only bound on a "
-                          "non-streamed answer", lo=0, lo_open=True)
+    connect_s: float = _opt(2.0, "connecting to a worker (then the next worker is tried)", lo=0, lo_open=True)
+    first_byte_s: float = _opt(
+        120.0,
+        "streamed answers: until the worker's first byte, and the longest silence between chunks",
+        lo=0,
+        lo_open=True,
+    )
+    total_s: float = _opt(
+        3600.0, "the whole request, all attempts; the only bound on a non-streamed answer", lo=0, lo_open=True
+    )
 
 
 @settings
 class LimitsConfig:
     max_body_bytes: int = _opt(8 * 2**20, "largest request body (413 above)", lo=1)
     max_response_bytes: int = _opt(
-        64 * 2**20, "largest non-streamed answer, or single stream event, taken from a "
-        "worker (502 above; streams are passed through, never held whole)", lo=1024)
+        64 * 2**20,
+        "largest non-streamed answer, or single stream event, taken from a "
+        "worker (502 above; streams are passed through, never held whole)",
+        lo=1024,
+    )
     max_concurrency: int = _opt(1024, "requests proxied at once", lo=1)
     max_queue: int = _opt(4096, "requests waiting for a slot (429 when full)", lo=0)
-    queue_timeout_s: float = _opt(30.0, "longest wait for a slot (then 429)", lo=0,
-                                  lo_open=True)
+    queue_timeout_s: float = _opt(30.0, "longest wait for a slot (then 429)", lo=0, lo_open=True)
     retry_after_s: int = _opt(1, "Retry-After of a 429", lo=0)
-    shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may "
-                                     "finish", lo=0)
+    shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may finish", lo=0)
     worker_queue_requests: float = _opt(
-        0.5, "shed (429 + Retry-After) when every eligible worker has more than this many "
-        "typical requests' worth of prefill queued (router.shedding); 0 = never shed", lo=0)
+        0.5,
+        "shed (429 + Retry-After) when every eligible worker has more than this many "
+        "typical requests' worth of prefill queued (router.shedding); 0 = never shed",
+        lo=0,
+    )
     worker_queue_min_s: float = _opt(
-        0.05, "the shedding bound is at least this many seconds of queued prefill", lo=0)
-    header_timeout_s: float = _opt(10.0, "a request head must arrive within this (408)",
-                                   lo=0, lo_open=True)
-    body_timeout_s: float = _opt(30.0, "a request body must arrive within this after its "
-                                 "head (408)", lo=0, lo_open=True)
+        0.05, "the shedding bound is at least this many seconds of queued prefill", lo=0
+    )
+    header_timeout_s: float = _opt(10.0, "a request head must arrive within this (408)", lo=0, lo_open=True)
+    body_timeout_s: float = _opt(
+        30.0, "a request body must arrive within this after its head (408)", lo=0, lo_open=True
+    )
     max_buffered_body_bytes: int = _opt(
-        1 << 30, "request body bytes the router holds at once, all connections together "
-        "(received and not yet answered); a body past it is refused (429 + Retry-After)", lo=1)
+        1 << 30,
+        "request body bytes the router holds at once, all connections together "
+        "(received and not yet answered); a body past it is refused (429 + Retry-After)",
+        lo=1,
+    )
     max_connections: int = _opt(
-        8192, "client connections held open at once; past it the longest-idle one is "
+        8192,
+        "client connections held open at once; past it the longest-idle one is "
         "closed, or the new one refused (429) if none is idle. Also capped below the "
-        "process's open-file limit", lo=1)
+        "process's open-file limit",
+        lo=1,
+    )
 
 
 @settings
 class WarmupConfig:
     enabled: bool = _opt(True, "send prefill-only warm-ups for hot-root replicas")
-    min_interval_s: float = _opt(10.0, "at most one warm-up per (worker, prefix) this often",
-                                 lo=0)
+    min_interval_s: float = _opt(10.0, "at most one warm-up per (worker, prefix) this often", lo=0)
     timeout_s: float = _opt(30.0, "timeout of one warm-up request", lo=0, lo_open=True)
 
 
@@ -355,13 +406,14 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 class K8sSelectorSpec(EngineSettings):
     """One selector; it may give its workers engine settings (``EngineSettings``)."""
 
-    label_selector: str = _opt("", "EndpointSlice label selector (slices carry their "
-                               "Service's labels and kubernetes.io/service-name)")
-    port_name: str = _opt("", "the slice port workers listen on, by name (\"\": the only port)")
-    kind: Literal["agent", "vllm", "sglang", "openai"] = _opt(
-        "agent", "engine kind of these workers")
-    namespace: str = _opt("", "namespace (\"\": kubernetes.namespace)")
-    model: str = _opt("", "the model these workers serve (\"\": from each one's /v1/models)")
+    label_selector: str = _opt(
+        "",
+        "EndpointSlice label selector (slices carry their Service's labels and kubernetes.io/service-name)",
+    )
+    port_name: str = _opt("", 'the slice port workers listen on, by name ("": the only port)')
+    kind: Literal["agent", "vllm", "sglang", "openai"] = _opt("agent", "engine kind of these workers")
+    namespace: str = _opt("", 'namespace ("": kubernetes.namespace)')
+    model: str = _opt("", 'the model these workers serve ("": from each one\'s /v1/models)')
 
     @document_check
     def _check(self) -> None:
@@ -373,23 +425,27 @@ class K8sSelectorSpec(EngineSettings):
 
 @settings
 class K8sDiscoveryConfig:
-    api_server: str = _opt("", "API server URL (\"\": in-cluster, from KUBERNETES_SERVICE_HOST "
-                           "and the service account)")
+    api_server: str = _opt(
+        "", 'API server URL ("": in-cluster, from KUBERNETES_SERVICE_HOST and the service account)'
+    )
     token_file: str = _opt(f"{SERVICE_ACCOUNT_DIR}/token", "bearer token file, with api_server")
-    namespace: str = _opt("", "namespace of the selectors (\"\": the router pod's own)")
-    watch_timeout_s: float = _opt(300.0, "server-side timeout of one watch (it then resumes "
-                                  "from its resourceVersion)", lo=1)
+    namespace: str = _opt("", 'namespace of the selectors ("": the router pod\'s own)')
+    watch_timeout_s: float = _opt(
+        300.0, "server-side timeout of one watch (it then resumes from its resourceVersion)", lo=1
+    )
     page_size: int = _opt(500, "list page size (limit/continue)", lo=1)
-    selectors: tuple[K8sSelectorSpec, ...] = Field((), description=(
-        "EndpointSlice selectors, each with a models: entry's settings for what it finds"))
+    selectors: tuple[K8sSelectorSpec, ...] = Field(
+        (), description=("EndpointSlice selectors, each with a models: entry's settings for what it finds")
+    )
 
     @document_check
     def _check(self) -> None:
         if self.api_server:
             parts = urlsplit(self.api_server)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ConfigError("api_server", "expected an http(s):// URL with a host, got "
-                                  f"{self.api_server!r}")
+                raise ConfigError(
+                    "api_server", f"expected an http(s):// URL with a host, got {self.api_server!r}"
+                )
 
 
 @settings
@@ -398,9 +454,8 @@ class DnsServiceSpec(EngineSettings):
 
     name: str = _opt("", "DNS name of a headless Service: its A/AAAA records are the workers")
     port: int = _opt(0, "the workers' port", lo=0, hi=65535)
-    kind: Literal["agent", "vllm", "sglang", "openai"] = _opt(
-        "agent", "engine kind of these workers")
-    model: str = _opt("", "the model these workers serve (\"\": from each one's /v1/models)")
+    kind: Literal["agent", "vllm", "sglang", "openai"] = _opt("agent", "engine kind of these workers")
+    model: str = _opt("", 'the model these workers serve ("": from each one\'s /v1/models)')
 
     @document_check
     def _check(self) -> None:
@@ -413,29 +468,30 @@ class DnsServiceSpec(EngineSettings):
 
 @settings
 class DnsDiscoveryConfig:
-    nameserver: str = _opt("", "resolver host or host:port (\"\": /etc/resolv.conf)")
+    nameserver: str = _opt("", 'resolver host or host:port ("": /etc/resolv.conf)')
     interval_s: float = _opt(5.0, "re-resolve interval", lo=0, lo_open=True)
     timeout_s: float = _opt(2.0, "timeout of one resolution", lo=0, lo_open=True)
-    services: tuple[DnsServiceSpec, ...] = Field((), description=(
-        "headless Services, each with a models: entry's settings for what it finds"))
+    services: tuple[DnsServiceSpec, ...] = Field(
+        (), description=("headless Services, each with a models: entry's settings for what it finds")
+    )
 
 
 @settings
 class DiscoveryConfig:
-    max_workers: int = _opt(4096, "most discovered workers kept (more: logged, counted, cut)",
-                            lo=1)
-    backoff_s: float = _opt(1.0, "first retry delay of a failing source, doubled per failure",
-                            lo=0, lo_open=True)
-    backoff_max_s: float = _opt(30.0, "largest retry delay of a failing source", lo=0,
-                                lo_open=True)
+    max_workers: int = _opt(4096, "most discovered workers kept (more: logged, counted, cut)", lo=1)
+    backoff_s: float = _opt(
+        1.0, "first retry delay of a failing source, doubled per failure", lo=0, lo_open=True
+    )
+    backoff_max_s: float = _opt(30.0, "largest retry delay of a failing source", lo=0, lo_open=True)
     kubernetes: K8sDiscoveryConfig = _section(K8sDiscoveryConfig, "Kubernetes EndpointSlices")
     dns: DnsDiscoveryConfig = _section(DnsDiscoveryConfig, "DNS A/AAAA records")
 
     @document_check
     def _check(self) -> None:
         if self.backoff_max_s < self.backoff_s:
-            raise ConfigError("backoff_max_s", "expected a number >= "
-                              f"workers.discovery.backoff_s ({self.backoff_s})")
+            raise ConfigError(
+                "backoff_max_s", f"expected a number >= workers.discovery.backoff_s ({self.backoff_s})"
+            )
 
     def enabled(self) -> bool:
         return bool(self.kubernetes.selectors or self.dns.services)
@@ -465,35 +521,44 @@ class BusTlsConfig:
 
 @settings
 class BusConfig:
-    url: str = _opt("", "NATS server URL (nats://host:4222); \"\": no bus, agents push "
-                    "directly to each router")
+    url: str = _opt("", 'NATS server URL (nats://host:4222); "": no bus, agents push directly to each router')
     stream: str = _opt("RADIXFLEET", "JetStream stream holding the agents' event batches")
     subject_prefix: str = _opt("radixfleet", "first token of every bus subject")
-    replica_id: str = _opt("", "this router's name on the bus (\"\": hostname-pid)")
-    max_age_s: float = _opt(600.0, "stream limit: messages older than this are dropped", lo=0,
-                            lo_open=True)
+    replica_id: str = _opt("", 'this router\'s name on the bus ("": hostname-pid)')
+    max_age_s: float = _opt(600.0, "stream limit: messages older than this are dropped", lo=0, lo_open=True)
     max_bytes: int = _opt(1 << 30, "stream limit: total bytes kept", lo=1024)
     storage: Literal["memory", "file"] = _opt("memory", "stream storage")
-    connect_timeout_s: float = _opt(1.0, "timeout of one connection attempt", lo=0,
-                                    lo_open=True)
-    backoff_s: float = _opt(0.5, "first reconnect delay, doubled per failure", lo=0,
-                            lo_open=True)
+    connect_timeout_s: float = _opt(1.0, "timeout of one connection attempt", lo=0, lo_open=True)
+    backoff_s: float = _opt(0.5, "first reconnect delay, doubled per failure", lo=0, lo_open=True)
     backoff_max_s: float = _opt(5.0, "largest reconnect delay", lo=0, lo_open=True)
-    flush_s: float = _opt(0.0, "extra wait before publishing pick-time hints and in-flight "
-                          "counts, to batch bursts (0: at the next event-loop turn; what "
-                          "piles up meanwhile goes in one message)", lo=0)
-    heartbeat_s: float = _opt(0.5, "this replica republishes all its in-flight counts this "
-                              "often", lo=0, lo_open=True)
-    replica_ttl_s: float = _opt(2.0, "another replica's counts are dropped after this long "
-                                "without a heartbeat", lo=0, lo_open=True)
+    flush_s: float = _opt(
+        0.0,
+        "extra wait before publishing pick-time hints and in-flight "
+        "counts, to batch bursts (0: at the next event-loop turn; what "
+        "piles up meanwhile goes in one message)",
+        lo=0,
+    )
+    heartbeat_s: float = _opt(
+        0.5, "this replica republishes all its in-flight counts this often", lo=0, lo_open=True
+    )
+    replica_ttl_s: float = _opt(
+        2.0, "another replica's counts are dropped after this long without a heartbeat", lo=0, lo_open=True
+    )
     share_hints: bool = _opt(True, "publish pick-time hints and apply other replicas' hints")
-    snapshot_request_s: float = _opt(1.0, "at most one snapshot request per worker this often",
-                                     lo=0)
-    ready_timeout_s: float = _opt(10.0, "report ready after this long even if the stream's "
-                                  "history is not caught up (logged)", lo=0, lo_open=True)
-    max_skew_s: float = _opt(30.0, "a signed bus message dated further than this from when "
-                             "it was stored or received is dropped as a replay", lo=0,
-                             lo_open=True)
+    snapshot_request_s: float = _opt(1.0, "at most one snapshot request per worker this often", lo=0)
+    ready_timeout_s: float = _opt(
+        10.0,
+        "report ready after this long even if the stream's history is not caught up (logged)",
+        lo=0,
+        lo_open=True,
+    )
+    max_skew_s: float = _opt(
+        30.0,
+        "a signed bus message dated further than this from when "
+        "it was stored or received is dropped as a replay",
+        lo=0,
+        lo_open=True,
+    )
     auth: BusAuthConfig = _section(BusAuthConfig, "credentials for the NATS server")
     tls: BusTlsConfig = _section(BusTlsConfig, "TLS to the NATS server")
 
@@ -509,21 +574,26 @@ class BusConfig:
         if self.replica_id:
             bus_wire.check_name(self.replica_id, "replica_id")
         if self.backoff_max_s < self.backoff_s:
-            raise ConfigError("backoff_max_s", "expected a number >= bus.backoff_s "
-                              f"({self.backoff_s})")
+            raise ConfigError("backoff_max_s", f"expected a number >= bus.backoff_s ({self.backoff_s})")
         if self.replica_ttl_s <= self.heartbeat_s:
-            raise ConfigError("replica_ttl_s",
-                              f"expected a number > bus.heartbeat_s ({self.heartbeat_s})")
+            raise ConfigError("replica_ttl_s", f"expected a number > bus.heartbeat_s ({self.heartbeat_s})")
         if self.url:
-            self.credentials().check(self.url, lambda name: bus_setting(name)[len("bus."):])
+            self.credentials().check(self.url, lambda name: bus_setting(name)[len("bus.") :])
 
     def credentials(self) -> BusCredentials:
         a, t = self.auth, self.tls
         return BusCredentials(
-            user=a.user, password_env=a.password_env, password_file=a.password_file,
-            token_env=a.token_env, token_file=a.token_file, nkey_seed_file=a.nkey_seed_file,
-            creds_file=a.creds_file, tls_ca_file=t.ca_file, tls_cert_file=t.cert_file,
-            tls_key_file=t.key_file)
+            user=a.user,
+            password_env=a.password_env,
+            password_file=a.password_file,
+            token_env=a.token_env,
+            token_file=a.token_file,
+            nkey_seed_file=a.nkey_seed_file,
+            creds_file=a.creds_file,
+            tls_ca_file=t.ca_file,
+            tls_cert_file=t.cert_file,
+            tls_key_file=t.key_file,
+        )
 
 
 def bus_setting(name: str) -> str:
@@ -536,42 +606,45 @@ class TrafficLogConfig:
     enabled: bool = _opt(False, "write one JSON line per routed request (router.traffic_log)")
     dir: str = _opt("traffic", "directory of the log files (created if missing)")
     prefix: str = _opt("traffic", "file names: PREFIX-<UTC time>-<pid>-<seq>.jsonl")
-    sample_rate: float = _opt(1.0, "share of sessions (requests without one: of requests) "
-                              "logged", lo=0, hi=1, lo_open=True)
-    max_file_bytes: int = _opt(64 * 2**20, "a file is closed and the next begun past this size",
-                               lo=4096)
+    sample_rate: float = _opt(
+        1.0, "share of sessions (requests without one: of requests) logged", lo=0, hi=1, lo_open=True
+    )
+    max_file_bytes: int = _opt(64 * 2**20, "a file is closed and the next begun past this size", lo=4096)
     max_files: int = _opt(16, "files kept; the oldest are deleted beyond this", lo=1)
-    queue_size: int = _opt(65536, "records waiting for the writer; beyond it records are "
-                           "dropped and counted, never waited for", lo=1)
-    flush_interval_s: float = _opt(1.0, "the writer writes what is queued this often", lo=0,
-                                   lo_open=True)
-    tenant_key_env: str = _opt("RADIXFLEET_TRAFFIC_LOG_KEY", "env var with the secret key of "
-                               "the tenant hash (unset: a random key per process)")
+    queue_size: int = _opt(
+        65536,
+        "records waiting for the writer; beyond it records are dropped and counted, never waited for",
+        lo=1,
+    )
+    flush_interval_s: float = _opt(1.0, "the writer writes what is queued this often", lo=0, lo_open=True)
+    tenant_key_env: str = _opt(
+        "RADIXFLEET_TRAFFIC_LOG_KEY",
+        "env var with the secret key of the tenant hash (unset: a random key per process)",
+    )
 
     @document_check
     def _check(self) -> None:
         if not self.dir:
             raise ConfigError("dir", "expected a directory path, got ''")
         if not self.prefix or "/" in self.prefix or os.sep in self.prefix:
-            raise ConfigError("prefix", "expected a file name prefix without '/', "
-                              f"got {self.prefix!r}")
+            raise ConfigError("prefix", f"expected a file name prefix without '/', got {self.prefix!r}")
 
 
 @settings
 class AutoscaleConfig:
-    target_utilization: float = _opt(0.6, "share of a worker's prefill rate the plan may use",
-                                     lo=0, hi=1, lo_open=True)
-    holder_max_rate: float = _opt(50.0, "req/s of one prefix a single holder absorbs at most",
-                                  lo=0, lo_open=True)
-    hot_min_rate: float = _opt(1.0, "prefixes below this many req/s are not counted as hot",
-                               lo=0)
-    queue_drain_s: float = _opt(10.0, "the backlog should drain within this many seconds",
-                                lo=0, lo_open=True)
+    target_utilization: float = _opt(
+        0.6, "share of a worker's prefill rate the plan may use", lo=0, hi=1, lo_open=True
+    )
+    holder_max_rate: float = _opt(
+        50.0, "req/s of one prefix a single holder absorbs at most", lo=0, lo_open=True
+    )
+    hot_min_rate: float = _opt(1.0, "prefixes below this many req/s are not counted as hot", lo=0)
+    queue_drain_s: float = _opt(10.0, "the backlog should drain within this many seconds", lo=0, lo_open=True)
     kv_target: float = _opt(0.85, "KV utilization the plan aims at", lo=0, hi=1, lo_open=True)
-    output_tokens: int = _opt(256, "output tokens per request assumed for running requests' KV",
-                              lo=0)
-    startup_s: float = _opt(30.0, "a new worker's start-up delay: rising demand is projected "
-                            "this far ahead", lo=0)
+    output_tokens: int = _opt(256, "output tokens per request assumed for running requests' KV", lo=0)
+    startup_s: float = _opt(
+        30.0, "a new worker's start-up delay: rising demand is projected this far ahead", lo=0
+    )
     half_life_s: float = _opt(10.0, "half-life of the demand meter's rates", lo=0, lo_open=True)
     hot_k: int = _opt(16, "hot prefixes considered (and shown per prefix)", lo=1)
     min_workers: int = _opt(1, "the signal never asks for fewer", lo=1)
@@ -580,8 +653,10 @@ class AutoscaleConfig:
     @document_check
     def _check(self) -> None:
         if self.max_workers < self.min_workers:
-            raise ConfigError("max_workers", f"expected an integer >= min_workers "
-                              f"({self.min_workers}), got {self.max_workers}")
+            raise ConfigError(
+                "max_workers",
+                f"expected an integer >= min_workers ({self.min_workers}), got {self.max_workers}",
+            )
 
 
 def _unique(workers: tuple[WorkerSpec, ...]) -> None:
@@ -589,11 +664,9 @@ def _unique(workers: tuple[WorkerSpec, ...]) -> None:
     urls: dict[str, int] = {}
     for i, w in enumerate(workers):
         if w.id in ids:
-            raise ConfigError(f"[{i}].id", f"duplicate worker id {w.id!r} (also "
-                              f"workers[{ids[w.id]}])")
+            raise ConfigError(f"[{i}].id", f"duplicate worker id {w.id!r} (also workers[{ids[w.id]}])")
         if w.url in urls:
-            raise ConfigError(f"[{i}].url", f"duplicate worker url {w.url!r} (also "
-                              f"workers[{urls[w.url]}])")
+            raise ConfigError(f"[{i}].url", f"duplicate worker url {w.url!r} (also workers[{urls[w.url]}])")
         ids[w.id] = urls[w.url] = i
 
 
@@ -612,14 +685,14 @@ class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
 
     listen: ListenConfig = _section(ListenConfig, "listen address")
-    workers: Annotated[tuple[WorkerSpec, ...], value_check(_unique)] = Field((), description=(
-        "the workers (an entry may be its url alone), or {static: [...], discovery: {...}}"))
+    workers: Annotated[tuple[WorkerSpec, ...], value_check(_unique)] = Field(
+        (), description=("the workers (an entry may be its url alone), or {static: [...], discovery: {...}}")
+    )
     keys: KeysConfig = _section(KeysConfig, "prefix keys and tenants")
     policy: PolicyConfig = _section(PolicyConfig, "routing policy")
     index: IndexConfig = _section(IndexConfig, "prefix index")
     health: HealthConfig = _section(HealthConfig, "health checks")
-    registration: RegistrationConfig = _section(RegistrationConfig,
-                                                "agents registering themselves")
+    registration: RegistrationConfig = _section(RegistrationConfig, "agents registering themselves")
     breaker: BreakerConfig = _section(BreakerConfig, "circuit breaker")
     load: LoadConfig = _section(LoadConfig, "reported load")
     retries: RetriesConfig = _section(RetriesConfig, "retries")
@@ -632,8 +705,10 @@ class Config:
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
     #: ``models:``: served model name -> the engine settings of every worker serving it
-    models: Mapping[ModelName, EngineSettings] = Field(default_factory=dict, description=(
-        "served model name -> the engine settings of every worker serving it"))
+    models: Mapping[ModelName, EngineSettings] = Field(
+        default_factory=dict,
+        description=("served model name -> the engine settings of every worker serving it"),
+    )
     path: str = internal(str)
     #: ``workers.discovery`` in the YAML (not a top-level key); read at start
     discovery: DiscoveryConfig = internal(DiscoveryConfig)
@@ -650,14 +725,15 @@ class Config:
         """A ``models:`` entry may be empty (``null``): all defaults."""
         return {k: {} if m is None else m for k, m in v.items()} if isinstance(v, dict) else v
 
-
     def summary(self) -> str:
         t = self.keys.tenant
         disc = " + discovery" if self.discovery.enabled() else ""
         models = f", {len(self.models)} model(s)" if self.models else ""
-        return (f"policy {self.policy.name}, {len(self.workers)} worker(s){disc}{models}, "
-                f"listen {self.listen.host}:{self.listen.port}, "
-                f"block_bytes {self.keys.block_bytes}, tenant source {t.source}")
+        return (
+            f"policy {self.policy.name}, {len(self.workers)} worker(s){disc}{models}, "
+            f"listen {self.listen.host}:{self.listen.port}, "
+            f"block_bytes {self.keys.block_bytes}, tenant source {t.source}"
+        )
 
 
 # ---------------------------------------------------------------------- parsing
@@ -675,32 +751,38 @@ def parse_worker_url(url: str, path: str) -> str:
     forms as a dotted quad: ``protocol.identifiers.worker_host``) without a trailing
     slash."""
     if len(url) > MAX_URL_CHARS:
-        raise ConfigError(path, f"a worker URL has at most {MAX_URL_CHARS} characters, got "
-                          f"{len(url)}")
+        raise ConfigError(path, f"a worker URL has at most {MAX_URL_CHARS} characters, got {len(url)}")
     if not url.isascii() or any(c <= " " or c == "\x7f" for c in url):
         # the URL's host:port goes into every upstream request's Host header
-        raise ConfigError(path, f"a worker URL is printable ASCII without spaces (punycode "
-                          f"for international names), got {url[:200]!r}")
+        raise ConfigError(
+            path,
+            f"a worker URL is printable ASCII without spaces (punycode "
+            f"for international names), got {url[:200]!r}",
+        )
     try:
         parts = urlsplit(url)
         parts.hostname  # noqa: B018 - parsed lazily; may raise too
     except ValueError as exc:  # "Invalid IPv6 URL"
         raise ConfigError(path, f"invalid URL {url[:200]!r}: {exc}") from None
     if parts.scheme == "https":
-        raise ConfigError(path, f"https workers are not supported (the data plane speaks plain "
-                          f"HTTP/1.1 on a private network), got {url!r}")
+        raise ConfigError(
+            path,
+            f"https workers are not supported (the data plane speaks plain "
+            f"HTTP/1.1 on a private network), got {url!r}",
+        )
     if parts.scheme != "http" or not parts.hostname:
         raise ConfigError(path, f"expected an http:// URL with a host, got {url!r}")
     try:
-        parts.port
+        parts.port  # noqa: B018 (reading it validates the port)
     except ValueError:
         raise ConfigError(path, f"invalid port in {url!r}") from None
     if parts.query or parts.fragment:
         raise ConfigError(path, f"a worker URL takes no query or fragment, got {url!r}")
     if "@" in parts.netloc:
         # credentials would travel in every health check and be shown by /admin/workers
-        raise ConfigError(path, "a worker URL takes no user:password@ part (the router "
-                          "authenticates to no worker)")
+        raise ConfigError(
+            path, "a worker URL takes no user:password@ part (the router authenticates to no worker)"
+        )
     host, problem = worker_host(parts.hostname)
     if problem:
         raise ConfigError(path, problem)
@@ -715,7 +797,7 @@ def check_events_endpoint(endpoint: str, path: str) -> str:
             raise ConfigError(path, f"expected ipc://PATH, got {endpoint!r}")
         return endpoint
     if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
         if sep and host and port.isdigit() and 0 < int(port) < 65536:
             return endpoint
     raise ConfigError(path, f"expected tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
@@ -729,18 +811,21 @@ def check_tokenizer_source(source: str, path: str) -> None:
         try:
             names = set(os.listdir(folder))
         except OSError as exc:
-            raise ConfigError(path, f"tokenizer folder {source!r} is not readable: "
-                              f"{exc.strerror or exc}") from None
+            raise ConfigError(
+                path, f"tokenizer folder {source!r} is not readable: {exc.strerror or exc}"
+            ) from None
         if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}:
-            raise ConfigError(path, f"{source!r} holds no tokenizer (tokenizer.json or "
-                              "tokenizer_config.json)")
+            raise ConfigError(
+                path, f"{source!r} holds no tokenizer (tokenizer.json or tokenizer_config.json)"
+            )
         return
     if os.path.exists(folder):
         raise ConfigError(path, f"tokenizer {source!r} is not a folder")
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise ConfigError(path, f"tokenizer folder {source!r} does not exist")
-    try_to_load_from_cache = require("huggingface_hub", "engines",
-                                     "a tokenizer from the Hugging Face cache").try_to_load_from_cache
+    try_to_load_from_cache = require(
+        "huggingface_hub", "engines", "a tokenizer from the Hugging Face cache"
+    ).try_to_load_from_cache
     for name in ("tokenizer_config.json", "tokenizer.json"):
         try:
             hit = try_to_load_from_cache(source, name)
@@ -748,8 +833,11 @@ def check_tokenizer_source(source: str, path: str) -> None:
             hit = None
         if isinstance(hit, str):
             return
-    raise ConfigError(path, f"{source!r} is neither a folder nor a repo in the local Hugging "
-                      "Face cache (nothing is downloaded at run time)")
+    raise ConfigError(
+        path,
+        f"{source!r} is neither a folder nor a repo in the local Hugging "
+        "Face cache (nothing is downloaded at run time)",
+    )
 
 
 def check_engine_fields(spec: Any, path: str, *, per_worker: bool = True) -> None:
@@ -761,28 +849,39 @@ def check_engine_fields(spec: Any, path: str, *, per_worker: bool = True) -> Non
     ev = spec.events
     kind = getattr(spec, "kind", "")
     if ev.endpoint and ev.mode == "off":
-        raise ConfigError(f"{path}.events.mode", "off follows no events; remove "
-                          "events.endpoint or choose auto, bind or connect")
+        raise ConfigError(
+            f"{path}.events.mode",
+            "off follows no events; remove events.endpoint or choose auto, bind or connect",
+        )
     if ev.endpoint:
         if kind == "agent":
-            raise ConfigError(f"{path}.events.endpoint", "agents push their events to the "
-                              "router over HTTP; events.endpoint is for vllm/sglang engines")
+            raise ConfigError(
+                f"{path}.events.endpoint",
+                "agents push their events to the "
+                "router over HTTP; events.endpoint is for vllm/sglang engines",
+            )
         check_events_endpoint(ev.endpoint, f"{path}.events.endpoint")
         check_event_sides(ev.endpoint, ev.mode, f"{path}.events")
         if not per_worker and _concrete_host(ev.endpoint):
-            raise ConfigError(f"{path}.events.endpoint", f"{ev.endpoint!r} names one host, "
-                              "but these settings apply to many workers: write the port as "
-                              "the engines are given it, tcp://*:PORT (each engine binds it; "
-                              "the router connects to each worker's host), or list the "
-                              "worker under workers with its own endpoint")
+            raise ConfigError(
+                f"{path}.events.endpoint",
+                f"{ev.endpoint!r} names one host, "
+                "but these settings apply to many workers: write the port as "
+                "the engines are given it, tcp://*:PORT (each engine binds it; "
+                "the router connects to each worker's host), or list the "
+                "worker under workers with its own endpoint",
+            )
     if ev.replay_endpoint:
         if not ev.endpoint:
             raise ConfigError(f"{path}.events.replay_endpoint", "needs events.endpoint")
         check_events_endpoint(ev.replay_endpoint, f"{path}.events.replay_endpoint")
     if spec.tokenizer:
         if kind == "agent":
-            raise ConfigError(f"{path}.tokenizer", "agents are keyed on routing bytes "
-                              "(keys.block_bytes); a tokenizer is for vllm/sglang engines")
+            raise ConfigError(
+                f"{path}.tokenizer",
+                "agents are keyed on routing bytes "
+                "(keys.block_bytes); a tokenizer is for vllm/sglang engines",
+            )
         check_tokenizer_source(spec.tokenizer, f"{path}.tokenizer")
 
 
@@ -799,16 +898,22 @@ def check_event_sides(endpoint: str, mode: str, path: str) -> None:
     side. Raises ``ConfigError`` saying which side binds and what to write."""
     wildcard = not _concrete_host(endpoint)
     if mode == "bind" and wildcard:
-        raise ConfigError(f"{path}.mode", f"the engine binds {endpoint} itself (a wildcard "
-                          "or ipc:// endpoint), so the router must connect: remove "
-                          "mode: bind (auto connects)")
+        raise ConfigError(
+            f"{path}.mode",
+            f"the engine binds {endpoint} itself (a wildcard "
+            "or ipc:// endpoint), so the router must connect: remove "
+            "mode: bind (auto connects)",
+        )
     if mode == "connect" and not wildcard:
-        raise ConfigError(f"{path}.mode", f"given {endpoint}, a concrete host, the engine "
-                          "connects to it, so the router must bind it: remove mode: connect "
-                          "(auto binds), or give the engine tcp://*:PORT and write that here")
+        raise ConfigError(
+            f"{path}.mode",
+            f"given {endpoint}, a concrete host, the engine "
+            "connects to it, so the router must bind it: remove mode: connect "
+            "(auto binds), or give the engine tcp://*:PORT and write that here",
+        )
 
 
-def check_event_binds(cfg: "Config") -> None:
+def check_event_binds(cfg: Config) -> None:
     """The run-time half of ``check_event_sides`` for the endpoints the router will
     bind (a concrete ``tcp://HOST:PORT``, mode auto or bind): HOST must be an
     address of this host and PORT free; an engine that already holds it binds it
@@ -822,14 +927,15 @@ def check_event_binds(cfg: "Config") -> None:
         ev = w.events
         if not ev.endpoint or not _concrete_host(ev.endpoint) or ev.mode == "connect":
             continue
-        host, _, port = ev.endpoint[len("tcp://"):].rpartition(":")
+        host, _, port = ev.endpoint[len("tcp://") :].rpartition(":")
         host = host.strip("[]")
         path = f"workers[{i}].events.endpoint"
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except OSError as exc:
-            found.append(ConfigError(path, f"{ev.endpoint}: host {host!r} does not resolve "
-                                     f"({exc.strerror or exc})"))
+            found.append(
+                ConfigError(path, f"{ev.endpoint}: host {host!r} does not resolve ({exc.strerror or exc})")
+            )
             continue
         family, _, _, _, addr = infos[0]
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -837,29 +943,41 @@ def check_event_binds(cfg: "Config") -> None:
                 sock.bind(addr)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    found.append(ConfigError(path, f"{ev.endpoint} is a concrete host, so the "
-                                             "router would bind it (vLLM connects to a "
-                                             "concrete endpoint), but another process already "
-                                             "holds the port: the engine binds it (it was "
-                                             f"given tcp://*:{port}). Write tcp://*:{port} "
-                                             "here: the router then connects to the "
-                                             "worker's host"))
+                    found.append(
+                        ConfigError(
+                            path,
+                            f"{ev.endpoint} is a concrete host, so the "
+                            "router would bind it (vLLM connects to a "
+                            "concrete endpoint), but another process already "
+                            "holds the port: the engine binds it (it was "
+                            f"given tcp://*:{port}). Write tcp://*:{port} "
+                            "here: the router then connects to the "
+                            "worker's host",
+                        )
+                    )
                 elif exc.errno == errno.EADDRNOTAVAIL:
-                    found.append(ConfigError(path, f"{ev.endpoint} is a concrete host, so the "
-                                             f"router would bind it, but {host} is not an "
-                                             "address of this host. If the engine was given "
-                                             f"tcp://*:{port} (it binds), write that here; if "
-                                             "it connects, give it this router's address"))
+                    found.append(
+                        ConfigError(
+                            path,
+                            f"{ev.endpoint} is a concrete host, so the "
+                            f"router would bind it, but {host} is not an "
+                            "address of this host. If the engine was given "
+                            f"tcp://*:{port} (it binds), write that here; if "
+                            "it connects, give it this router's address",
+                        )
+                    )
                 else:
-                    found.append(ConfigError(path, f"{ev.endpoint}: the router cannot bind "
-                                             f"it ({exc.strerror or exc})"))
+                    found.append(
+                        ConfigError(path, f"{ev.endpoint}: the router cannot bind it ({exc.strerror or exc})")
+                    )
     raise_all(found)
 
 
-def _check_tokenizers(cfg: "Config", found: list[ConfigError]) -> None:
+def _check_tokenizers(cfg: Config, found: list[ConfigError]) -> None:
     """An events endpoint (or a block size) needs a tokenizer: the worker's or
     selector's own, or its model's ``models:`` entry (any entry, while its model
     is learned from the worker)."""
+
     def covered(spec: Any) -> bool:
         if spec.tokenizer:
             return True
@@ -871,28 +989,37 @@ def _check_tokenizers(cfg: "Config", found: list[ConfigError]) -> None:
 
     d = cfg.discovery
     specs = [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]
-    specs += [(f"workers.discovery.kubernetes.selectors[{i}]", s)
-              for i, s in enumerate(d.kubernetes.selectors)]
+    specs += [
+        (f"workers.discovery.kubernetes.selectors[{i}]", s) for i, s in enumerate(d.kubernetes.selectors)
+    ]
     specs += [(f"workers.discovery.dns.services[{i}]", s) for i, s in enumerate(d.dns.services)]
     specs += [(f"models.{name}", m) for name, m in cfg.models.items()]
     for path, spec in specs:
         if covered(spec):
             continue
         if spec.events.endpoint:
-            found.append(ConfigError(f"{path}.tokenizer", "required with events.endpoint: the "
-                                     "events name token blocks, so requests must be keyed with "
-                                     "the engine's own tokenizer (here, or in a models: entry "
-                                     "for the model)"))
+            found.append(
+                ConfigError(
+                    f"{path}.tokenizer",
+                    "required with events.endpoint: the "
+                    "events name token blocks, so requests must be keyed with "
+                    "the engine's own tokenizer (here, or in a models: entry "
+                    "for the model)",
+                )
+            )
         elif spec.block_size:
-            found.append(ConfigError(f"{path}.block_size", "only used with a tokenizer "
-                                     "(token keys)"))
+            found.append(ConfigError(f"{path}.block_size", "only used with a tokenizer (token keys)"))
         elif spec.chat_template:
-            found.append(ConfigError(f"{path}.chat_template", "needs a tokenizer (it replaces "
-                                     "the tokenizer's own template)"))
+            found.append(
+                ConfigError(
+                    f"{path}.chat_template", "needs a tokenizer (it replaces the tokenizer's own template)"
+                )
+            )
 
 
-def resolve_engine(spec: WorkerSpec, models: Mapping[str, EngineSettings],
-                   served: tuple[str, ...] = ()) -> WorkerSpec:
+def resolve_engine(
+    spec: WorkerSpec, models: Mapping[str, EngineSettings], served: tuple[str, ...] = ()
+) -> WorkerSpec:
     """``spec`` with every engine setting it leaves at its default taken from the
     ``models:`` entry of its model: ``spec.model``, else the first of ``served``
     (what the worker said it serves) that has an entry. Sections (events, metrics)
@@ -902,17 +1029,21 @@ def resolve_engine(spec: WorkerSpec, models: Mapping[str, EngineSettings],
     entry = next((models[n] for n in names if n in models), None)
     if entry is None:
         return spec
-    return dataclasses.replace(spec, **{
-        name: _merged(getattr(spec, name), getattr(entry, name)) for name in ENGINE_FIELDS})
+    return dataclasses.replace(
+        spec, **{name: _merged(getattr(spec, name), getattr(entry, name)) for name in ENGINE_FIELDS}
+    )
 
 
 def _merged(own: Any, entry: Any) -> Any:
     if dataclasses.is_dataclass(own):
         default = type(own)()
-        return dataclasses.replace(own, **{
-            f.name: _merged_scalar(getattr(own, f.name), getattr(entry, f.name),
-                                   getattr(default, f.name))
-            for f in dataclasses.fields(own)})
+        return dataclasses.replace(
+            own,
+            **{
+                f.name: _merged_scalar(getattr(own, f.name), getattr(entry, f.name), getattr(default, f.name))
+                for f in dataclasses.fields(own)
+            },
+        )
     return _merged_scalar(own, entry, type(own)())
 
 
@@ -926,8 +1057,9 @@ def selector_template(sel: Any) -> WorkerSpec:
     return WorkerSpec(model=sel.model, **{name: getattr(sel, name) for name in ENGINE_FIELDS})
 
 
-def load_model_keyers(cfg: "Config", loaded: Mapping[tuple[str, str], Any] | None = None
-                      ) -> dict[tuple[str, str], Any]:
+def load_model_keyers(
+    cfg: Config, loaded: Mapping[tuple[str, str], Any] | None = None
+) -> dict[tuple[str, str], Any]:
     """Loads the tokenizer of every ``models:`` entry (a second or two each; ``loaded``
     ones are reused): {(tokenizer, chat_template): TokenKeyer}. Raises
     ``ConfigError`` naming ``models.<name>.tokenizer`` for each that cannot load —
@@ -947,12 +1079,14 @@ def load_model_keyers(cfg: "Config", loaded: Mapping[tuple[str, str], Any] | Non
         from router.engines.token_keys import TokenKeyer
 
         try:
-            out[key] = TokenKeyer.load(m.tokenizer, **(
-                {"chat_template": m.chat_template} if m.chat_template else {}))
+            out[key] = TokenKeyer.load(
+                m.tokenizer, **({"chat_template": m.chat_template} if m.chat_template else {})
+            )
         except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, or a broken folder
             cause = getattr(exc, "cause", None) or " ".join(str(exc).split())[:300]
-            found.append(ConfigError(f"models.{name}.tokenizer",
-                                     f"{m.tokenizer!r} cannot be loaded: {cause}"))
+            found.append(
+                ConfigError(f"models.{name}.tokenizer", f"{m.tokenizer!r} cannot be loaded: {cause}")
+            )
     raise_all(found)
     return out
 
@@ -968,8 +1102,7 @@ def build_policy_from(pc: PolicyConfig, path: str = "policy"):
     return build_policy(pc.name, dict(pc.params), random.Random(pc.seed), path=path)
 
 
-def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None = None
-                 ) -> Config:
+def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None = None) -> Config:
     """Validates a parsed YAML document. Raises ``ConfigError`` naming the field;
     when several are wrong, one ``ConfigError`` whose ``errors`` lists each (and
     whose message names them all). ``errors``: found before parsing (duplicate keys)."""
@@ -977,22 +1110,32 @@ def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None =
     raw = {} if raw is None else raw
     sections = raw.get("workers") if isinstance(raw, Mapping) else None
     if isinstance(sections, Mapping):  # workers: {static: [...], discovery: {...}}
-        found += [ConfigError(join("workers", str(k)), "unknown key; valid: discovery, "
-                              "static (or give workers as a list)")
-                  for k in sections if k not in ("static", "discovery")]
+        found += [
+            ConfigError(
+                join("workers", str(k)), "unknown key; valid: discovery, static (or give workers as a list)"
+            )
+            for k in sections
+            if k not in ("static", "discovery")
+        ]
         raw = {**raw, "workers": sections.get("static", ())}
     if isinstance(raw, Mapping):
-        found += [ConfigError(k, "unknown key; valid: " + ", ".join(sorted(keys_of(Config))))
-                  for k in ("path", "discovery") if k in raw]
+        found += [
+            ConfigError(k, "unknown key; valid: " + ", ".join(sorted(keys_of(Config))))
+            for k in ("path", "discovery")
+            if k in raw
+        ]
         raw = {k: v for k, v in raw.items() if k not in ("path", "discovery")}
     cfg, discovery = None, DiscoveryConfig()
     try:
         cfg = validate(Config, raw)
     except ConfigError as exc:
         static = isinstance(sections, Mapping)
-        found += [ConfigError("workers.static" + e.path[len("workers"):], e.message)
-                  if static and (e.path == "workers" or e.path.startswith("workers["))
-                  else e for e in exc.errors]
+        found += [
+            ConfigError("workers.static" + e.path[len("workers") :], e.message)
+            if static and (e.path == "workers" or e.path.startswith("workers["))
+            else e
+            for e in exc.errors
+        ]
     if isinstance(sections, Mapping) and "discovery" in sections:
         try:
             discovery = validate(DiscoveryConfig, sections["discovery"], "workers.discovery")
@@ -1009,9 +1152,11 @@ def config_warnings(cfg: Config) -> list[str]:
     """What is valid but probably not meant (printed by check-config, logged at start)."""
     out = []
     if not cfg.workers and not cfg.discovery.enabled():
-        out.append("no workers listed: the router starts with an empty fleet and answers "
-                   "503 until agents register (POST /internal/v1/register) or workers are "
-                   "added (POST /admin/workers)")
+        out.append(
+            "no workers listed: the router starts with an empty fleet and answers "
+            "503 until agents register (POST /internal/v1/register) or workers are "
+            "added (POST /admin/workers)"
+        )
     return out
 
 
@@ -1042,8 +1187,10 @@ class _Loader(yaml.SafeLoader):
         if alias:
             named = self.anchors.get(event.anchor)
             if named is not None and id(named) not in self._expanded:
-                raise _Refused(event.start_mark, f"alias *{event.anchor} is used inside "
-                               "the node it names (a recursive document)")
+                raise _Refused(
+                    event.start_mark,
+                    f"alias *{event.anchor} is used inside the node it names (a recursive document)",
+                )
         node = super().compose_node(parent, index)
         if alias:
             self._total += self._expanded[id(node)]
@@ -1051,9 +1198,12 @@ class _Loader(yaml.SafeLoader):
             self._expanded[id(node)] = 1 + sum(self._expanded[id(c)] for c in _children(node))
             self._total += 1
         if self._total > MAX_YAML_NODES:
-            raise _Refused(event.start_mark, f"the document stands for more than "
-                           f"{MAX_YAML_NODES:,} nodes once its aliases are expanded "
-                           "(nested aliases multiply: an alias bomb?)")
+            raise _Refused(
+                event.start_mark,
+                f"the document stands for more than "
+                f"{MAX_YAML_NODES:,} nodes once its aliases are expanded "
+                "(nested aliases multiply: an alias bomb?)",
+            )
         return node
 
 
@@ -1084,8 +1234,13 @@ def _duplicate_keys(node: Any, path: str, out: list[ConfigError]) -> None:
             p = join(path, str(key))
             if key is not None:
                 if key in seen:
-                    out.append(ConfigError(p, f"duplicate key at line {k.start_mark.line + 1} "
-                                              f"(also at line {seen[key]}); remove one"))
+                    out.append(
+                        ConfigError(
+                            p,
+                            f"duplicate key at line {k.start_mark.line + 1} "
+                            f"(also at line {seen[key]}); remove one",
+                        )
+                    )
                 else:
                     seen[key] = k.start_mark.line + 1
             _duplicate_keys(v, p, out)

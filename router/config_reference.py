@@ -15,15 +15,19 @@ from protocol.errors import ConfigError
 from protocol.settings import keys_of, reference
 from router.config import Config, DiscoveryConfig
 
-BEGIN = ("<!-- BEGIN config-reference: made by `radixfleet config-reference --write "
-         "deploy/README.md` from router/config.py; do not edit by hand -->")
+BEGIN = (
+    "<!-- BEGIN config-reference: made by `radixfleet config-reference --write "
+    "deploy/README.md` from router/config.py; do not edit by hand -->"
+)
 END = "<!-- END config-reference -->"
 
 
 def _table(title: str, rows: list[tuple[str, str, str, str]]) -> list[str]:
-    return [f"#### {title}", "| key | default | allowed | meaning |", "|---|---|---|---|"] + [
-        f"| `{k}` | `{d}` | {a} | {m.replace('|', '/').replace('*', '&#42;')} |"
-        for k, d, a, m in rows] + [""]
+    return (
+        [f"#### {title}", "| key | default | allowed | meaning |", "|---|---|---|---|"]
+        + [f"| `{k}` | `{d}` | {a} | {m.replace('|', '/').replace('*', '&#42;')} |" for k, d, a, m in rows]
+        + [""]
+    )
 
 
 def tables() -> str:
@@ -31,21 +35,31 @@ def tables() -> str:
     lines = [BEGIN, ""]
     rows = reference(Config)
     for name, f in keys_of(Config).items():
-        lines += _table(f"`{name}` — {f.description}", [
-            r for r in rows if r[0] == name or r[0].startswith((f"{name}.", f"{name}["))])
+        lines += _table(
+            f"`{name}` — {f.description}",
+            [r for r in rows if r[0] == name or r[0].startswith((f"{name}.", f"{name}["))],
+        )
         if name == "workers":
-            lines += _table("`workers.discovery` — workers found in Kubernetes or DNS",
-                            reference(DiscoveryConfig, "workers.discovery"))
+            lines += _table(
+                "`workers.discovery` — workers found in Kubernetes or DNS",
+                reference(DiscoveryConfig, "workers.discovery"),
+            )
     for policy, params in describe_policies().items():
-        lines += _table(f"`policy.params` of `{policy}`", [
-            (p["name"], str(p["default"]).lower(), p["expected"], p["doc"]) for p in params]
-        ) if params else []
+        lines += (
+            _table(
+                f"`policy.params` of `{policy}`",
+                [(p["name"], str(p["default"]).lower(), p["expected"], p["doc"]) for p in params],
+            )
+            if params
+            else []
+        )
     return "\n".join(lines + [END])
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--write", metavar="FILE",
-                        help="replace the generated block of FILE (deploy/README.md)")
+    parser.add_argument(
+        "--write", metavar="FILE", help="replace the generated block of FILE (deploy/README.md)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +70,5 @@ def run(args: argparse.Namespace) -> int:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ConfigError("", f"{args.write}: no generated block ({BEGIN!r} ... {END!r})")
-    Path(args.write).write_text(text[:start] + tables() + text[end + len(END):],
-                                encoding="utf-8")
+    Path(args.write).write_text(text[:start] + tables() + text[end + len(END) :], encoding="utf-8")
     return 0

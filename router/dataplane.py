@@ -60,35 +60,45 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
 from policies.base import Policy, Reason
-from service import jsonbody
-from router.auth import TenantResolver
-from router.config import Config
-from router.autoscale import DemandMeter
 from protocol.errors import (
-    MalformedRequest, Overloaded, PayloadTooLarge, RequestError, error_body,
+    MalformedRequest,
+    Overloaded,
+    PayloadTooLarge,
+    RequestError,
+    error_body,
     retry_after_header,
 )
 from protocol.identifiers import request_id
-from router.metrics import Metrics
+from protocol.prefix_keys import Endpoint, PrefixKey, request_key
+from router.auth import TenantResolver
+from router.autoscale import DemandMeter
+from router.config import Config
 from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink, Placement
+from router.metrics import Metrics
 from router.pick import hint_and_count
 from router.pool import Pool, Worker
 from router.prefix_index import PrefixIndex
-from protocol.prefix_keys import Endpoint, PrefixKey, request_key
-from router.upstream import (
-    Cancel, Cancelled, ResponseTooLarge, UpstreamError, UpstreamPool, build_head,
-)
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
+from router.upstream import (
+    Cancel,
+    Cancelled,
+    ResponseTooLarge,
+    UpstreamError,
+    UpstreamPool,
+    build_head,
+)
 from router.warmup import WarmupGate, warmup_prefix
+from service import jsonbody
 
 if TYPE_CHECKING:
     from router.bus.replica import BusReplica
@@ -136,8 +146,10 @@ class Admission:
         if self.try_enter():
             return
         if len(self._waiters) >= self.max_queue:
-            raise Overloaded(f"router at capacity ({self.limit} in flight, "
-                             f"{len(self._waiters)} queued)", retry_after_s=self.retry_after_s)
+            raise Overloaded(
+                f"router at capacity ({self.limit} in flight, {len(self._waiters)} queued)",
+                retry_after_s=self.retry_after_s,
+            )
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
@@ -153,8 +165,9 @@ class Admission:
                     pass
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise Overloaded(f"no slot within {self.timeout_s:g}s",
-                             retry_after_s=self.retry_after_s) from None
+            raise Overloaded(
+                f"no slot within {self.timeout_s:g}s", retry_after_s=self.retry_after_s
+            ) from None
 
     def leave(self) -> None:
         w = self._waiters
@@ -192,8 +205,9 @@ class _UpstreamFailed(Exception):
     (it may name the worker); the client gets ``_client_error``'s or
     ``_status_error``'s body, which name none."""
 
-    def __init__(self, cause: str, detail: str, *, retry: bool, status: int | None = None,
-                 headers: Any = None) -> None:
+    def __init__(
+        self, cause: str, detail: str, *, retry: bool, status: int | None = None, headers: Any = None
+    ) -> None:
         super().__init__(detail)
         #: connect | unhealthy | timeout | payload | too_large | status | rank
         self.cause = cause
@@ -209,9 +223,11 @@ _CLIENT_ERRORS = {
     "timeout": (504, "upstream_timeout", "the worker did not answer in time"),
     "payload": (502, "bad_gateway", "the worker's answer was cut off or malformed"),
     "rank": (502, "bad_gateway", "the worker refused the data-parallel rank it was sent"),
-    "too_large": (502, "upstream_response_too_large",
-                  "the worker's answer is larger than this router passes on "
-                  "(limits.max_response_bytes)"),
+    "too_large": (
+        502,
+        "upstream_response_too_large",
+        "the worker's answer is larger than this router passes on (limits.max_response_bytes)",
+    ),
 }
 _MAX_WORKER_MESSAGE = 2000  # characters of a worker's 4xx message passed on
 
@@ -228,16 +244,22 @@ def _status_error(status: int, data: bytes) -> bytes:
     ``{"detail": "..."}``), re-encoded in the OpenAI shape; anything else gets the
     router's own message."""
     if status == 429:
-        return json.dumps(error_body("the worker is at capacity; retry later",
-                                     "rate_limit_error", "upstream_overloaded")).encode()
+        return json.dumps(
+            error_body("the worker is at capacity; retry later", "rate_limit_error", "upstream_overloaded")
+        ).encode()
     if status == 503:
-        return json.dumps(error_body("the worker is unavailable; retry later",
-                                     "service_unavailable", "upstream_unavailable")).encode()
+        return json.dumps(
+            error_body(
+                "the worker is unavailable; retry later", "service_unavailable", "upstream_unavailable"
+            )
+        ).encode()
     if status >= 500:
-        return json.dumps(error_body(f"the worker failed to answer (HTTP {status})",
-                                     "upstream_error", "upstream_error")).encode()
-    etype = {401: "authentication_error", 403: "permission_error",
-             404: "not_found_error"}.get(status, "invalid_request_error")
+        return json.dumps(
+            error_body(f"the worker failed to answer (HTTP {status})", "upstream_error", "upstream_error")
+        ).encode()
+    etype = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error"
+    )
     message, code, param = f"the worker refused the request (HTTP {status})", None, None
     try:
         obj = json.loads(data) if len(data) <= 1 << 20 else None
@@ -317,8 +339,7 @@ class AiohttpExchange:
         cl = request.content_length
         if cl is not None:
             if cl > limit:
-                raise PayloadTooLarge(f"request body of {cl} bytes exceeds the limit of "
-                                      f"{limit} bytes")
+                raise PayloadTooLarge(f"request body of {cl} bytes exceeds the limit of {limit} bytes")
             return await request.read()
         buf = bytearray()
         async for chunk in request.content.iter_any():
@@ -345,7 +366,6 @@ class AiohttpExchange:
         await self.result.write_eof()
 
 
-
 class DataPlane:
     """Admission, keying, the policy's pick, load at pick time, forwarding, retries
     and warm-ups. One event loop owns it; nothing here blocks.
@@ -354,9 +374,18 @@ class DataPlane:
     the owner's lifecycle before the first request and closed by it.
     """
 
-    def __init__(self, cfg: Config, policy: Policy, tenants: TenantResolver, pool: Pool,
-                 index: PrefixIndex, metrics: Metrics, engines: Engines,
-                 spawn: Callable[[Any], asyncio.Task], traffic: TrafficLog | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        policy: Policy,
+        tenants: TenantResolver,
+        pool: Pool,
+        index: PrefixIndex,
+        metrics: Metrics,
+        engines: Engines,
+        spawn: Callable[[Any], asyncio.Task],
+        traffic: TrafficLog | None = None,
+    ) -> None:
         self.pool = pool
         self.traffic = traffic  # None: off
         #: decayed demand (prompt and uncached tokens/s): the autoscaling signal's input
@@ -366,10 +395,8 @@ class DataPlane:
         self.metrics = metrics
         self._spawn = spawn  # the owner's task set: warm-ups are cancelled at shutdown
         lim = cfg.limits
-        self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s,
-                                   lim.retry_after_s)
-        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s,
-                               metrics.shed.inc)
+        self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s, lim.retry_after_s)
+        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s, metrics.shed.inc)
         self.cfg = cfg
         self.policy = policy
         self.tenants = tenants
@@ -412,8 +439,10 @@ class DataPlane:
         after every resource is released."""
         t0 = time.monotonic()
         headers = ex.headers
-        rid = (request_id(headers.get(REQUEST_ID_HEADER))  # the client's, if short and plain
-               or f"{self._rid_prefix}-{next(self._rid)}")
+        rid = (
+            request_id(headers.get(REQUEST_ID_HEADER))  # the client's, if short and plain
+            or f"{self._rid_prefix}-{next(self._rid)}"
+        )
         adm = self.admission
         if not adm.try_enter():
             try:
@@ -426,8 +455,7 @@ class DataPlane:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
                 body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
                 tenant = self.tenants.namespace(headers)
-                key = request_key(endpoint, body, tenant=tenant,
-                                  block_bytes=self.cfg.keys.block_bytes)
+                key = request_key(endpoint, body, tenant=tenant, block_bytes=self.cfg.keys.block_bytes)
                 stream = body.get("stream", False)
                 if stream is not True and stream is not False:
                     raise MalformedRequest("'stream' must be a boolean", param="stream")
@@ -438,8 +466,9 @@ class DataPlane:
             except RequestError as exc:
                 self._reject(ex, exc, rid)
                 return
-            await self._route_and_forward(RequestContext(ex, endpoint, raw, body, key,
-                                                         stream, session, rid, t0))
+            await self._route_and_forward(
+                RequestContext(ex, endpoint, raw, body, key, stream, session, rid, t0)
+            )
         finally:
             adm.leave()
 
@@ -458,8 +487,13 @@ class DataPlane:
             self._reject(ctx.ex, exc, ctx.rid)
             return
         req = kr.route_request
-        shed = self.shedder.check(pool.routable_workers(now), key.model, key.adapter,
-                                  req.prompt_tokens - kr.match.best * req.block_tokens, now)
+        shed = self.shedder.check(
+            pool.routable_workers(now),
+            key.model,
+            key.adapter,
+            req.prompt_tokens - kr.match.best * req.block_tokens,
+            now,
+        )
         if shed is not None:
             self._reject(ctx.ex, shed, ctx.rid)
             return
@@ -472,15 +506,13 @@ class DataPlane:
         while True:
             w = pool.get(d.worker)
             if w is None:  # a policy bug: never route into the void
-                raise AssertionError(f"policy {self.policy.name} chose unknown worker "
-                                     f"{d.worker!r}")
+                raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
             pick = self._pick(w, kr, now)
             if not tried:  # per client request, not per try
                 self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
                 self.demand.observe(now, pick.own, pick.key.prompt_tokens)
                 if d.warm and self.cfg.warmup.enabled:
-                    self._schedule_warmups(d.warm, ctx.endpoint, ctx.body, key,
-                                           kr.match.depth, now)
+                    self._schedule_warmups(d.warm, ctx.endpoint, ctx.body, key, kr.match.depth, now)
             tried.append(w.id)
             try:
                 await self._attempt(ctx, w, pick)
@@ -490,18 +522,28 @@ class DataPlane:
                 if exc.cause != "rank":  # a rejected rank is not the worker's failure:
                     excluded.add(w.id)  # it may take the retry (its rank map re-read)
                 self.metrics.attempt(w.id, exc.status or exc.cause)  # not a client outcome
-                log.warning("request %s: worker %s (%s) failed (%s: %s), attempt %d/%d%s",
-                            ctx.rid, w.id, w.url, exc.cause, exc, len(tried),
-                            retries.max_attempts, "" if exc.retry else ", not retried")
-            if not last.retry or len(tried) >= retries.max_attempts or \
-                    time.monotonic() - ctx.t0 >= self.cfg.timeouts.total_s:
+                log.warning(
+                    "request %s: worker %s (%s) failed (%s: %s), attempt %d/%d%s",
+                    ctx.rid,
+                    w.id,
+                    w.url,
+                    exc.cause,
+                    exc,
+                    len(tried),
+                    retries.max_attempts,
+                    "" if exc.retry else ", not retried",
+                )
+            if (
+                not last.retry
+                or len(tried) >= retries.max_attempts
+                or time.monotonic() - ctx.t0 >= self.cfg.timeouts.total_s
+            ):
                 break
             delay = min(retries.backoff_s * (2 ** (len(tried) - 1)), retries.backoff_max_s)
             if delay:
                 await asyncio.sleep(delay)
             now = time.monotonic()
-            views = [v for v in pool.views(now, key.model, key.adapter)
-                     if v.id not in excluded]
+            views = [v for v in pool.views(now, key.model, key.adapter) if v.id not in excluded]
             if not views:
                 break
             try:
@@ -522,13 +564,21 @@ class DataPlane:
             # a 429 or 503 keeps its status (and Retry-After); another 5xx is a 502
             status = last.status if last.status in (429, 503) else 502
             self.metrics.outcome(worker, status, ctx.reason)
-            ctx.ex.reply(status, _status_error(last.status, b""), _JSON,
-                         [(WORKER_HEADER, worker), (REQUEST_ID_HEADER, ctx.rid),
-                          *_retry_after(last.status, last.headers)])
+            ctx.ex.reply(
+                status,
+                _status_error(last.status, b""),
+                _JSON,
+                [
+                    (WORKER_HEADER, worker),
+                    (REQUEST_ID_HEADER, ctx.rid),
+                    *_retry_after(last.status, last.headers),
+                ],
+            )
             return
         status, body = _client_error(last.cause)
-        self.metrics.rejected.labels(str(status), _CLIENT_ERRORS.get(
-            last.cause, _CLIENT_ERRORS["payload"])[1]).inc()
+        self.metrics.rejected.labels(
+            str(status), _CLIENT_ERRORS.get(last.cause, _CLIENT_ERRORS["payload"])[1]
+        ).inc()
         ctx.ex.reply(status, body, _JSON, [(REQUEST_ID_HEADER, ctx.rid)])
 
     def _pick(self, w: Worker, kr: KeyedRequest, now: float) -> Placement:
@@ -537,8 +587,7 @@ class DataPlane:
         sk = kr.key_for(w.id)
         link = w.engine
         # a data-parallel engine: the rank holding most of the prompt (EngineLink)
-        rank = link.pick_rank(kr.rank_blocks(w.id)) if link is not None and link.ranks \
-            else None
+        rank = link.pick_rank(kr.rank_blocks(w.id)) if link is not None and link.ranks else None
         holder = w.id if rank is None else link.holder(rank)
         blocks = kr.blocks_for(w.id, rank)
         touches = None
@@ -549,8 +598,9 @@ class DataPlane:
             touches = tuple(tt(holder, h) for h in sk.hashes[:blocks])
         ahead = w.in_flight_tokens
         # the hint and the load count in uncached tokens (router.pick: the simulator's too)
-        own = hint_and_count(self.index, self.pool, w, sk.hashes, sk.prompt_tokens, blocks,
-                             sk.block_tokens, now, holder)
+        own = hint_and_count(
+            self.index, self.pool, w, sk.hashes, sk.prompt_tokens, blocks, sk.block_tokens, now, holder
+        )
         if self.bus is not None and sk.hashes and rank is None:
             # (a rank's hint stays local: the bus names workers, and every replica
             # follows the ranks' own events)
@@ -569,10 +619,13 @@ class DataPlane:
         f = _Flight(pick.own)
         host, port, hostport = self._addr(w.url)
         t = self.cfg.timeouts
-        payload, strip = self.engines.forward_body(link, ctx.endpoint, ctx.body, ctx.raw,
-                                                   ctx.stream)
-        fwd = (self.tenants.forward_lines(ctx.key.tenant)
-               + b"x-request-id: " + ctx.rid.encode("utf-8", "surrogateescape") + b"\r\n")
+        payload, strip = self.engines.forward_body(link, ctx.endpoint, ctx.body, ctx.raw, ctx.stream)
+        fwd = (
+            self.tenants.forward_lines(ctx.key.tenant)
+            + b"x-request-id: "
+            + ctx.rid.encode("utf-8", "surrogateescape")
+            + b"\r\n"
+        )
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank  # vLLM's rank header
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
@@ -587,9 +640,14 @@ class DataPlane:
                 # a non-streamed answer comes when its generation is done: only the
                 # total deadline bounds it (and w's health, through ``cancel``)
                 resp = await self.upstream.request(
-                    host, port, head, payload,
+                    host,
+                    port,
+                    head,
+                    payload,
                     read_timeout_s=t.first_byte_s if ctx.stream else float("inf"),
-                    total_timeout_s=t.total_s - (time.monotonic() - ctx.t0), cancel=cancel)
+                    total_timeout_s=t.total_s - (time.monotonic() - ctx.t0),
+                    cancel=cancel,
+                )
                 first = await self._answer(ctx, w, link, pick, f, resp)
             except UpstreamError as exc:
                 f.ok = None if isinstance(exc, ResponseTooLarge) else False
@@ -597,8 +655,9 @@ class DataPlane:
                     self.pool.check_soon(w)
                 # nothing reached the client; the connection is closed (the worker
                 # aborts). Retried only where the worker provably is not running it.
-                raise _UpstreamFailed(exc.cause, f"worker {w.id} ({w.url}): {exc}",
-                                      retry=exc.cause in ("connect", "unhealthy")) from None
+                raise _UpstreamFailed(
+                    exc.cause, f"worker {w.id} ({w.url}): {exc}", retry=exc.cause in ("connect", "unhealthy")
+                ) from None
             if first is not None:  # from here on the client has bytes: never retry
                 await self._relay(ctx, w, f, resp, first, strip)
         finally:
@@ -609,8 +668,9 @@ class DataPlane:
                 resp.release()
             self._settle(ctx, w, link, pick, f)
 
-    async def _answer(self, ctx: RequestContext, w: Worker, link: EngineLink | None,
-                      pick: Placement, f: _Flight, resp) -> bytes | None:
+    async def _answer(
+        self, ctx: RequestContext, w: Worker, link: EngineLink | None, pick: Placement, f: _Flight, resp
+    ) -> bytes | None:
         """The worker's answer before the client sees a byte of it: a 200 stream's first
         body bytes (returned, for ``_relay``), or the whole answer, replied here
         (None). Raises ``_UpstreamFailed`` for a 5xx or 429 and for a refused rank."""
@@ -619,12 +679,17 @@ class DataPlane:
         if status >= 500 or status == 429:
             data = await resp.read()
             f.ok = status == 429  # busy, not broken
-            log.warning("request %s: worker %s (%s) answered %d: %r", ctx.rid, w.id,
-                        w.url, status, data[:500])
+            log.warning(
+                "request %s: worker %s (%s) answered %d: %r", ctx.rid, w.id, w.url, status, data[:500]
+            )
             # 429 and 503 say the request was not taken: another worker may
-            raise _UpstreamFailed("status", f"worker {w.id} answered {status}",
-                                  retry=status in (429, 503), status=status,
-                                  headers=resp.headers)
+            raise _UpstreamFailed(
+                "status",
+                f"worker {w.id} answered {status}",
+                retry=status in (429, 503),
+                status=status,
+                headers=resp.headers,
+            )
         m.observe_ttfb(time.monotonic() - ctx.t0)
         if ctx.stream and status == 200:
             return await resp.readany()
@@ -633,25 +698,33 @@ class DataPlane:
             # the engine has fewer ranks than the router's map: not the worker's
             # failure, nor the client's; the map is asked again
             link.rank_rejected(pick.rank, data.decode("utf-8", "replace"))
-            raise _UpstreamFailed("rank", f"worker {w.id} rejected data-parallel rank "
-                                  f"{pick.rank}", retry=True, status=status,
-                                  headers=resp.headers)
+            raise _UpstreamFailed(
+                "rank",
+                f"worker {w.id} rejected data-parallel rank {pick.rank}",
+                retry=True,
+                status=status,
+                headers=resp.headers,
+            )
         f.ok = True
         ctype = resp.headers.get("content-type", _JSON)
         if status == 200 and (link is not None or self.traffic is not None):
             f.usage, f.output = _usage_of_body(data)
         elif status >= 400:
-            log.info("request %s: worker %s answered %d: %r", ctx.rid, w.id, status,
-                     data[:500])
+            log.info("request %s: worker %s answered %d: %r", ctx.rid, w.id, status, data[:500])
             data, ctype = _status_error(status, data), _JSON
-        ctx.ex.reply(status, data, ctype, [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, ctx.rid),
-                                           *_retry_after(status, resp.headers)])
+        ctx.ex.reply(
+            status,
+            data,
+            ctype,
+            [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, ctx.rid), *_retry_after(status, resp.headers)],
+        )
         m.request_done(w.id, status, ctx.reason)
         m.observe_latency(time.monotonic() - ctx.t0)
         return None
 
-    def _settle(self, ctx: RequestContext, w: Worker, link: EngineLink | None,
-                pick: Placement, f: _Flight) -> None:
+    def _settle(
+        self, ctx: RequestContext, w: Worker, link: EngineLink | None, pick: Placement, f: _Flight
+    ) -> None:
         """An attempt's bookkeeping, on every path: the load released, the outcome
         counted and, for an answer, the traffic log and what the engine link learns."""
         self.pool.finish(w, f.left, f.ok)
@@ -663,11 +736,16 @@ class DataPlane:
             return
         if self.traffic is not None:
             self.traffic.record(
-                ctx.key, arrival_s=time.time() - (time.monotonic() - ctx.t0), worker=w.id,
+                ctx.key,
+                arrival_s=time.time() - (time.monotonic() - ctx.t0),
+                worker=w.id,
                 matched_tokens=pick.blocks * pick.key.block_tokens,
-                prompt_tokens=usage[0] if usage else None, output_tokens=f.output,
-                cached_tokens=usage[1] if usage else None, ttft_s=f.ttft,
-                session=ctx.session)
+                prompt_tokens=usage[0] if usage else None,
+                output_tokens=f.output,
+                cached_tokens=usage[1] if usage else None,
+                ttft_s=f.ttft,
+                session=ctx.session,
+            )
         if link is not None:
             try:
                 link.observe(pick, usage, f.ttft, time.monotonic())
@@ -675,8 +753,9 @@ class DataPlane:
                 log.exception("request %s: bookkeeping for worker %s failed", ctx.rid, w.id)
             self.pool.rate_moved(w)
 
-    async def _relay(self, ctx: RequestContext, w: Worker, f: _Flight, resp, first: bytes,
-                     strip: bool) -> None:
+    async def _relay(
+        self, ctx: RequestContext, w: Worker, f: _Flight, resp, first: bytes, strip: bool
+    ) -> None:
         """Passes a stream to the client as it arrives, from its first body bytes
         ``first``, keeping ``f`` up to date (``f.ok`` stays None when the client goes
         away, whether by an error or a cancellation). A worker failing mid-stream (broken,
@@ -686,9 +765,10 @@ class DataPlane:
         ex = ctx.ex
         watch = StreamWatch(strip)
         limit = self.cfg.limits.max_response_bytes
-        await ex.stream_start(resp.headers.get("content-type", "text/event-stream"),
-                              [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id),
-                               (REQUEST_ID_HEADER, ctx.rid)])
+        await ex.stream_start(
+            resp.headers.get("content-type", "text/event-stream"),
+            [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id), (REQUEST_ID_HEADER, ctx.rid)],
+        )
         try:
             chunk = first
             while chunk:  # b"": the end of the stream
@@ -722,19 +802,21 @@ class DataPlane:
         m.request_done(w.id, 200, ctx.reason)
         m.observe_latency(time.monotonic() - ctx.t0)
 
-    async def _stream_broke(self, ctx: RequestContext, w: Worker, f: _Flight,
-                            watch: StreamWatch, exc: UpstreamError) -> None:
+    async def _stream_broke(
+        self, ctx: RequestContext, w: Worker, f: _Flight, watch: StreamWatch, exc: UpstreamError
+    ) -> None:
         """The worker failed mid-stream: the client's stream ends with an SSE error
         event and ``data: [DONE]`` (the unfinished event dropped)."""
-        log.warning("request %s: worker %s (%s) failed mid-stream (%s: %s)", ctx.rid,
-                    w.id, w.url, exc.cause, exc)
+        log.warning(
+            "request %s: worker %s (%s) failed mid-stream (%s: %s)", ctx.rid, w.id, w.url, exc.cause, exc
+        )
         self.metrics.request_done(w.id, 502, ctx.reason)
         message = _CLIENT_ERRORS.get(exc.cause, _CLIENT_ERRORS["payload"])[2]
-        err = error_body(f"{message}; the answer is incomplete", "upstream_error",
-                         "upstream_failed")
+        err = error_body(f"{message}; the answer is incomplete", "upstream_error", "upstream_failed")
         # the unfinished event is dropped: the error starts on a fresh line
-        await ctx.ex.stream_write(watch.flush(complete=False) + b"data: "
-                                  + json.dumps(err).encode() + b"\n\n" + _DONE)
+        await ctx.ex.stream_write(
+            watch.flush(complete=False) + b"data: " + json.dumps(err).encode() + b"\n\n" + _DONE
+        )
         f.ok = None if isinstance(exc, ResponseTooLarge) else False
         await ctx.ex.stream_end()
 
@@ -789,12 +871,17 @@ class DataPlane:
             self._spawn(self._warmup(w, payload, key.tenant))
 
     async def _warmup(self, w: Worker, payload: bytes, tenant: str) -> None:
-        headers = {"Content-Type": _JSON, **self.tenants.forward_headers(tenant),
-                   REQUEST_ID_HEADER: f"{self._rid_prefix}-warm-{next(self._rid)}"}
+        headers = {
+            "Content-Type": _JSON,
+            **self.tenants.forward_headers(tenant),
+            REQUEST_ID_HEADER: f"{self._rid_prefix}-warm-{next(self._rid)}",
+        }
         status = "error"
         try:
             async with self.session.post(
-                w.url + Endpoint.COMPLETIONS.value, data=payload, headers=headers,
+                w.url + Endpoint.COMPLETIONS.value,
+                data=payload,
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.cfg.warmup.timeout_s),
             ) as resp:
                 await resp.read()

@@ -39,12 +39,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Generator
+from collections.abc import Callable, Generator
 
 from protocol.errors import ConfigError
 from protocol.events import (
-    STATUS_OK, STATUS_SNAPSHOT_REQUIRED, STATUS_UNKNOWN_WORKER,
-    Cleared, EventBatch, Removed, Snapshot, Stored,
+    STATUS_OK,
+    STATUS_SNAPSHOT_REQUIRED,
+    STATUS_UNKNOWN_WORKER,
+    Cleared,
+    EventBatch,
+    Removed,
+    Snapshot,
+    Stored,
 )
 from router.config import parse_worker_url
 from router.pool import HealthState, Pool
@@ -107,9 +113,15 @@ class Feedback:
         """The batch's work; yields between slices, returns (HTTP status, word)."""
         w = self.pool.get(batch.worker_id)
         m = self.metrics
-        if w is None or not self._speaks_for(w, batch) or (
-                w.block_bytes is not None and self.block_bytes is not None
-                and w.block_bytes != self.block_bytes):
+        if (
+            w is None
+            or not self._speaks_for(w, batch)
+            or (
+                w.block_bytes is not None
+                and self.block_bytes is not None
+                and w.block_bytes != self.block_bytes
+            )
+        ):
             self._count(STATUS_UNKNOWN_WORKER)
             return 404, STATUS_UNKNOWN_WORKER
         if batch.load is not None:
@@ -123,8 +135,14 @@ class Feedback:
         events = batch.events
         resync = bool(events) and isinstance(events[0], Snapshot)
         if not resync and (w.epoch != batch.epoch or batch.seq != w.next_seq):
-            log.info("worker %s: batch epoch %s seq %d, expected epoch %s seq %d: snapshot "
-                     "required", w.id, batch.epoch, batch.seq, w.epoch, w.next_seq)
+            log.info(
+                "worker %s: batch epoch %s seq %d, expected epoch %s seq %d: snapshot required",
+                w.id,
+                batch.epoch,
+                batch.seq,
+                w.epoch,
+                w.next_seq,
+            )
             self._count(STATUS_SNAPSHOT_REQUIRED)
             return 409, STATUS_SNAPSHOT_REQUIRED
         idx = self.index
@@ -135,7 +153,7 @@ class Feedback:
             if cls is Stored:
                 hashes, parent = ev.hashes, ev.parent
                 for i in range(0, len(hashes), SLICE_BLOCKS):
-                    part = hashes[i:i + SLICE_BLOCKS]
+                    part = hashes[i : i + SLICE_BLOCKS]
                     idx.insert(wid, part, now, parent if i == 0 else hashes[i - 1])
                     budget -= len(part)
                     if budget <= 0:
@@ -146,7 +164,7 @@ class Feedback:
             elif cls is Removed:
                 hashes = ev.hashes
                 for i in range(0, len(hashes), SLICE_BLOCKS):
-                    idx.remove(wid, hashes[i:i + SLICE_BLOCKS])
+                    idx.remove(wid, hashes[i : i + SLICE_BLOCKS])
                     budget -= min(SLICE_BLOCKS, len(hashes) - i)
                     if budget <= 0:
                         budget = SLICE_BLOCKS
@@ -165,7 +183,7 @@ class Feedback:
                 idx.apply_snapshot(wid, (), now)  # cleared (hints inserted meanwhile), known
                 insert = idx.insert
                 for i in range(0, len(blocks), SLICE_BLOCKS):
-                    for key, parent in blocks[i:i + SLICE_BLOCKS]:
+                    for key, parent in blocks[i : i + SLICE_BLOCKS]:
                         insert(wid, (key,), now, parent)
                     budget -= min(SLICE_BLOCKS, len(blocks) - i)
                     if budget <= 0:
@@ -196,8 +214,7 @@ class Feedback:
 
     def _still(self, w, batch: EventBatch) -> bool:
         """Whether a batch paused between slices may go on (see the module docstring)."""
-        return (not w.removed and w.health is not HealthState.UNHEALTHY
-                and w.registered_epoch == batch.epoch)
+        return not w.removed and w.health is not HealthState.UNHEALTHY and w.registered_epoch == batch.epoch
 
     def _stopped(self, w) -> tuple[int, str]:
         w.epoch = None  # whatever it held is gone or stale: the stream restarts

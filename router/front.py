@@ -98,9 +98,26 @@ def _message_end(data: bytes, n: int) -> int:
 class _PendingRequest:
     """A request being parsed (head, then body), or parsed and waiting its turn."""
 
-    __slots__ = ("url", "headers", "in_head", "head_size", "head_raw", "handler", "keepalive",
-                 "http10", "body", "size", "limit", "too_large", "expect_continue", "since",
-                 "clen", "in_fed", "refusal", "held")
+    __slots__ = (
+        "url",
+        "headers",
+        "in_head",
+        "head_size",
+        "head_raw",
+        "handler",
+        "keepalive",
+        "http10",
+        "body",
+        "size",
+        "limit",
+        "too_large",
+        "expect_continue",
+        "since",
+        "clen",
+        "in_fed",
+        "refusal",
+        "held",
+    )
 
     def __init__(self) -> None:
         #: monotonic time its first byte arrived, then the time its head was complete:
@@ -130,10 +147,20 @@ class _PendingRequest:
 class FrontExchange:
     """One data-plane request on a raw front connection (see ``Router.serve``)."""
 
-    __slots__ = ("conn", "headers", "_body", "keepalive", "http10", "state", "too_large",
-                 "result", "refusal", "held")
+    __slots__ = (
+        "conn",
+        "headers",
+        "_body",
+        "keepalive",
+        "http10",
+        "state",
+        "too_large",
+        "result",
+        "refusal",
+        "held",
+    )
 
-    def __init__(self, conn: "_FrontConn", req: _PendingRequest) -> None:
+    def __init__(self, conn: _FrontConn, req: _PendingRequest) -> None:
         self.conn = conn
         self.headers = req.headers  # lower-case names
         b = req.body
@@ -158,11 +185,12 @@ class FrontExchange:
         return self._body
 
     def _head(self, status: int, content_type: str, extra, framing: bytes) -> bytes:
-        parts = [b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\n%s" % (
-            status, _PHRASES.get(status, b"Unknown"), content_type.encode("latin-1"), framing)]
+        parts = [
+            b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\n%s"
+            % (status, _PHRASES.get(status, b"Unknown"), content_type.encode("latin-1"), framing)
+        ]
         for k, v in extra:
-            parts.append(k.encode("latin-1") + b": " + v.encode("utf-8", "surrogateescape")
-                         + b"\r\n")
+            parts.append(k.encode("latin-1") + b": " + v.encode("utf-8", "surrogateescape") + b"\r\n")
         if not self.keepalive:
             parts.append(b"Connection: close\r\n")
         parts.append(b"\r\n")
@@ -173,8 +201,9 @@ class FrontExchange:
         self.state = 1
         if conn.closed:
             return
-        conn.transport.write(self._head(status, content_type, extra,
-                                        b"Content-Length: %d\r\n" % len(body)) + body)
+        conn.transport.write(
+            self._head(status, content_type, extra, b"Content-Length: %d\r\n" % len(body)) + body
+        )
 
     async def stream_start(self, content_type: str, extra) -> None:
         conn = self.conn
@@ -219,11 +248,26 @@ class _FrontConn(asyncio.Protocol):
     ``fed_len`` is its length and ``fed_done`` requests end within it; a request
     whose ``in_fed`` is False has none of its bytes in ``fed``."""
 
-    __slots__ = ("server", "transport", "parser", "req", "queue", "task", "stop", "fed",
-                 "fed_len", "fed_done", "backlog", "closed", "paused", "_drain", "last_active",
-                 "reading_paused")
+    __slots__ = (
+        "server",
+        "transport",
+        "parser",
+        "req",
+        "queue",
+        "task",
+        "stop",
+        "fed",
+        "fed_len",
+        "fed_done",
+        "backlog",
+        "closed",
+        "paused",
+        "_drain",
+        "last_active",
+        "reading_paused",
+    )
 
-    def __init__(self, server: "FrontServer") -> None:
+    def __init__(self, server: FrontServer) -> None:
         self.server = server
         self.transport = None
         self.parser = httptools.HttpRequestParser(self)  # None once parsing stopped
@@ -286,7 +330,7 @@ class _FrontConn(asyncio.Protocol):
             parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             if self.stop is None:  # not our _Stop: a bug in a callback
-                raise exc.__context__ or exc
+                raise exc.__context__ or exc  # noqa: B904 (the callback's own error, re-raised)
         except httptools.HttpParserUpgrade:  # on_headers_complete lets no upgrade through
             self._stop_bad(400, "protocol upgrade is not supported")
         except httptools.HttpParserError as exc:
@@ -444,15 +488,16 @@ class _FrontConn(asyncio.Protocol):
                 server.authorize(h)  # credentials from the head: no body read without
             except RequestError as exc:
                 self._refuse(req, exc)
-                raise _Stop
+                raise _Stop from None
         cl = h.get("content-length")  # llhttp checked it: digits, no conflict with TE
         if cl is not None:
             req.clen = int(cl)
             if req.clen > limit:
                 self._too_large(req)
                 raise _Stop
-        if (cl != "0" if cl is not None else "transfer-encoding" in h) and \
-                h.get("expect", "").lower() == "100-continue":
+        if (cl != "0" if cl is not None else "transfer-encoding" in h) and h.get(
+            "expect", ""
+        ).lower() == "100-continue":
             if self.task is None and not self.queue:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             else:
@@ -525,7 +570,7 @@ class _FrontConn(asyncio.Protocol):
         """Stops parsing at the current request; its raw bytes onwards are aiohttp's."""
         data = b"".join(self.fed)
         if self.fed_done:  # requests before it in ``fed``: skip their bytes
-            data = data[_message_end(data, self.fed_done):]
+            data = data[_message_end(data, self.fed_done) :]
         self.fed = []
         self.fed_len = 0
         self.parser = None
@@ -558,11 +603,20 @@ class _FrontConn(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _bad(self, status: int, message: str) -> None:
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                     "code": "bad_http", "param": None}}).encode()
-        self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (
-                                 status, _PHRASES[status], len(body), body))
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "code": "bad_http",
+                    "param": None,
+                }
+            }
+        ).encode()
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, _PHRASES[status], len(body), body)
+        )
         self.linger()
 
     def _handover(self, data: bytes) -> None:
@@ -589,9 +643,13 @@ class _FrontConn(asyncio.Protocol):
             log.exception("data-plane handler failed")
             if ex.state == 0 and not self.closed:
                 ex.keepalive = False
-                ex.reply(500, b'{"error": {"message": "internal router error", "type": '
-                         b'"server_error", "code": "internal_error", "param": null}}',
-                         "application/json", ())
+                ex.reply(
+                    500,
+                    b'{"error": {"message": "internal router error", "type": '
+                    b'"server_error", "code": "internal_error", "param": null}}',
+                    "application/json",
+                    (),
+                )
             self.close()
         finally:
             self.task = None
@@ -620,7 +678,7 @@ class _Handed(asyncio.Protocol):
 
     __slots__ = ("server", "proto")
 
-    def __init__(self, server: "FrontServer", proto: asyncio.Protocol) -> None:
+    def __init__(self, server: FrontServer, proto: asyncio.Protocol) -> None:
         self.server = server
         self.proto = proto
         server._handed += 1
@@ -645,8 +703,10 @@ class _Handed(asyncio.Protocol):
         self.proto.connection_lost(exc)
 
 
-_FULL = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
-         b"Retry-After: 1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s")
+_FULL = (
+    b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+)
 
 
 class FrontServer:
@@ -665,10 +725,20 @@ class FrontServer:
     stops accepting, closes idle connections, lets in-flight requests finish for
     up to ``timeout`` seconds, then cancels the rest. Idempotent."""
 
-    def __init__(self, routes: dict, fallback, max_body, *, idle_timeout_s: float = 75.0,
-                 head_timeout_s=lambda: 10.0, body_timeout_s=lambda: 30.0,
-                 budget: BodyBudget | None = None, authorize=None,
-                 max_connections=lambda: 8192, on_refused=None) -> None:
+    def __init__(
+        self,
+        routes: dict,
+        fallback,
+        max_body,
+        *,
+        idle_timeout_s: float = 75.0,
+        head_timeout_s=lambda: 10.0,
+        body_timeout_s=lambda: 30.0,
+        budget: BodyBudget | None = None,
+        authorize=None,
+        max_connections=lambda: 8192,
+        on_refused=None,
+    ) -> None:
         self.routes = routes
         self.fallback = fallback
         self.max_body = max_body
@@ -691,8 +761,9 @@ class FrontServer:
 
     async def start(self, host: str, port: int, *, backlog: int = 2048) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _FrontConn(self), host, port,
-                                                backlog=backlog, reuse_address=True)
+        self._server = await loop.create_server(
+            lambda: _FrontConn(self), host, port, backlog=backlog, reuse_address=True
+        )
         self._sweeper = loop.create_task(self._sweep())
         return self._server.sockets[0].getsockname()[1]
 
@@ -726,23 +797,32 @@ class FrontServer:
         cap = self.max_connections()
         if len(self._conns) + self._handed < cap:
             return True
-        idle = [c for c in self._conns if c.task is None and c.req is None
-                and c.parser is not None and not c.queue]
+        idle = [
+            c
+            for c in self._conns
+            if c.task is None and c.req is None and c.parser is not None and not c.queue
+        ]
         if idle:
             victim = min(idle, key=lambda c: c.last_active)
             victim.close()
             self._conns.discard(victim)
             reason = "idle_closed"
-            self._refusals.warning("client connections at the cap of %d: closed the "
-                                   "longest-idle one", cap)
+            self._refusals.warning("client connections at the cap of %d: closed the longest-idle one", cap)
         else:
             reason = "at_capacity"
-            self._refusals.warning("client connections at the cap of %d, none idle: "
-                                   "refused a new one (429)", cap)
-            body = json.dumps({"error": {
-                "message": f"the router holds {cap} client connections; retry shortly",
-                "type": "rate_limit_error", "code": "too_many_connections",
-                "param": None}}).encode()
+            self._refusals.warning(
+                "client connections at the cap of %d, none idle: refused a new one (429)", cap
+            )
+            body = json.dumps(
+                {
+                    "error": {
+                        "message": f"the router holds {cap} client connections; retry shortly",
+                        "type": "rate_limit_error",
+                        "code": "too_many_connections",
+                        "param": None,
+                    }
+                }
+            ).encode()
             conn.closed = True
             conn.parser = None
             conn.transport.write(_FULL % (len(body), body))

@@ -10,7 +10,8 @@ success path and raises for the rest.
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -24,12 +25,12 @@ JSON = "application/json"
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
-def json_error(status: int, message: str, etype: str, code: str,
-               param: str | None = None, headers: dict | None = None) -> web.Response:
+def json_error(
+    status: int, message: str, etype: str, code: str, param: str | None = None, headers: dict | None = None
+) -> web.Response:
     """An OpenAI-style error body with ``status``."""
     body = {"error": {"message": message, "type": etype, "code": code, "param": param}}
-    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON,
-                        headers=headers)
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON, headers=headers)
 
 
 def error_response(exc: RequestError, headers: dict | None = None) -> web.Response:
@@ -37,17 +38,20 @@ def error_response(exc: RequestError, headers: dict | None = None) -> web.Respon
     h = dict(headers or {})
     if exc.retry_after_s is not None:
         h["Retry-After"] = retry_after_header(exc.retry_after_s)
-    return web.Response(body=json.dumps(exc.to_json()).encode(), status=exc.status,
-                        content_type=JSON, headers=h)
+    return web.Response(
+        body=json.dumps(exc.to_json()).encode(), status=exc.status, content_type=JSON, headers=h
+    )
 
 
-def guarded(auth: Callable[[], BearerAuth], fn: Handler,
-            on_hangup: Callable[[web.Request], None] | None = None) -> Handler:
+def guarded(
+    auth: Callable[[], BearerAuth], fn: Handler, on_hangup: Callable[[web.Request], None] | None = None
+) -> Handler:
     """``fn`` behind the bearer token ``auth()`` returns at each request (a reload may
     replace it), with every ``RequestError`` answered as JSON. A peer that hangs up
     while its request is read (``ConnectionResetError``) is no server error: it goes
     to ``on_hangup`` (one counted line) and gets a 400 nobody will read, not a
     traceback."""
+
     async def handler(request: web.Request) -> web.Response:
         try:
             auth().check(request.headers.get("Authorization"))
@@ -57,8 +61,13 @@ def guarded(auth: Callable[[], BearerAuth], fn: Handler,
         except ConnectionResetError:
             if on_hangup is not None:
                 on_hangup(request)
-            return json_error(400, "the peer closed the connection before its request "
-                              "was read", "invalid_request_error", "peer_hangup")
+            return json_error(
+                400,
+                "the peer closed the connection before its request was read",
+                "invalid_request_error",
+                "peer_hangup",
+            )
+
     handler.__name__ = fn.__name__
     return handler
 
@@ -70,14 +79,12 @@ async def read_body(request: web.Request, limits: LimitsConfig) -> bytes:
     budget = request.config_dict.get(intake.BODY_BUDGET)
     if budget is None:  # an app without one (tests): bounded per request only
         budget = intake.BodyBudget(limits.max_body_bytes)
-    body = await intake.read_body(request, limits.max_body_bytes, limits.body_timeout_s,
-                                  budget)
+    body = await intake.read_body(request, limits.max_body_bytes, limits.body_timeout_s, budget)
     budget.give(len(body))  # the callers parse it at once and let it go
     return body
 
 
-async def json_body(request: web.Request, limits: LimitsConfig, *,
-                    optional: bool = False) -> Any:
+async def json_body(request: web.Request, limits: LimitsConfig, *, optional: bool = False) -> Any:
     """The body as bounded JSON (``service.jsonbody``; ``MalformedRequest`` for anything
     else); ``{}`` for an empty body when ``optional``."""
     raw = await read_body(request, limits)

@@ -68,8 +68,9 @@ class BodyBudget:
 
     def full(self) -> BodyBudgetFull:
         """The error a refused body gets."""
-        return BodyBudgetFull(f"the router holds {self.limit} bytes of request bodies "
-                              "already; retry shortly", retry_after_s=1)
+        return BodyBudgetFull(
+            f"the router holds {self.limit} bytes of request bodies already; retry shortly", retry_after_s=1
+        )
 
     def check(self) -> None:
         assert self.held >= 0, f"{self.held=}"
@@ -105,14 +106,12 @@ def raise_fd_limit() -> int:
     if resource is None:
         return 0
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard or \
-            hard == resource.RLIM_INFINITY and soft != hard:
+    if hard != resource.RLIM_INFINITY and soft < hard or hard == resource.RLIM_INFINITY and soft != hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
         except (ValueError, OSError) as exc:  # e.g. a hard limit above the kernel's
-            log.warning("could not raise the open-file limit from %d to %s: %s",
-                        soft, hard, exc)
+            log.warning("could not raise the open-file limit from %d to %s: %s", soft, hard, exc)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
@@ -125,11 +124,10 @@ def connection_cap(configured: int, fd_limit: int) -> int:
 
 
 #: the app's BodyBudget, for handlers that read bodies through aiohttp
-BODY_BUDGET: "web.AppKey[BodyBudget]" = web.AppKey("radixfleet_body_budget", BodyBudget)
+BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("radixfleet_body_budget", BodyBudget)
 
 
-async def read_body(request: web.Request, limit: int, timeout_s: float,
-                    budget: BodyBudget) -> bytes:
+async def read_body(request: web.Request, limit: int, timeout_s: float, budget: BodyBudget) -> bytes:
     """An aiohttp request's body: at most ``limit`` bytes (``PayloadTooLarge``), all of
     it within ``timeout_s`` (``RequestTimeout``), its bytes taken from ``budget`` as
     they arrive (``BodyBudgetFull``). On success the caller holds ``len(body)`` bytes
@@ -137,8 +135,7 @@ async def read_body(request: web.Request, limit: int, timeout_s: float,
     held."""
     cl = request.content_length
     if cl is not None and cl > limit:
-        raise PayloadTooLarge(f"request body of {cl} bytes exceeds the limit of "
-                              f"{limit} bytes")
+        raise PayloadTooLarge(f"request body of {cl} bytes exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     held = 0
 

@@ -31,38 +31,56 @@ import sys
 
 import yaml
 
-from router.config import (MISSING, Config, config_warnings, load_config, parse_config,
-                           with_overrides)
 from protocol.cli_args import LOG_LEVELS, log_level
 from protocol.errors import ConfigError
+from router.config import MISSING, Config, config_warnings, load_config, parse_config, with_overrides
 
 log = logging.getLogger("radixfleet.router")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="router YAML file (deploy/README.md)")
-    parser.add_argument("--worker", metavar="[KIND=]URL|k=v,...", action="append", default=[],
-                        help="a worker: URL, KIND=URL (agent, vllm, sglang, openai) or "
-                             "url=..,kind=..,tokenizer=..,events=tcp://.. (repeatable; "
-                             "quick start without --config)")
+    parser.add_argument(
+        "--worker",
+        metavar="[KIND=]URL|k=v,...",
+        action="append",
+        default=[],
+        help="a worker: URL, KIND=URL (agent, vllm, sglang, openai) or "
+        "url=..,kind=..,tokenizer=..,events=tcp://.. (repeatable; "
+        "quick start without --config)",
+    )
     from policies.registry import policy_names
 
-    parser.add_argument("--policy", metavar="NAME", default=MISSING,
-                        help=f"routing policy (quick start; default prefix_load): one of "
-                             f"{', '.join(policy_names())}")
-    parser.add_argument("-P", "--policy-param", metavar="[POLICY.]NAME=VALUE", action="append",
-                        default=[], help="a parameter of the policy (quick start; repeatable; "
-                        "the value is read as YAML), e.g. -P footprint_room=0 or "
-                        "-P prefix_load.footprint_room=0")
+    parser.add_argument(
+        "--policy",
+        metavar="NAME",
+        default=MISSING,
+        help=f"routing policy (quick start; default prefix_load): one of {', '.join(policy_names())}",
+    )
+    parser.add_argument(
+        "-P",
+        "--policy-param",
+        metavar="[POLICY.]NAME=VALUE",
+        action="append",
+        default=[],
+        help="a parameter of the policy (quick start; repeatable; "
+        "the value is read as YAML), e.g. -P footprint_room=0 or "
+        "-P prefix_load.footprint_room=0",
+    )
     parser.add_argument("--host", default=MISSING, help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=MISSING, help="listen port (default 8000)")
-    parser.add_argument("--log-level", type=log_level, default="INFO",
-                        help=f"{', '.join(LOG_LEVELS)} (any case)")
+    parser.add_argument(
+        "--log-level", type=log_level, default="INFO", help=f"{', '.join(LOG_LEVELS)} (any case)"
+    )
 
 
 _INT_KEYS = ("block_size", "kv_capacity_tokens")
-_EVENT_KEYS = {"events": "endpoint", "replay_endpoint": "replay_endpoint",
-               "events_mode": "mode", "topic": "topic"}
+_EVENT_KEYS = {
+    "events": "endpoint",
+    "replay_endpoint": "replay_endpoint",
+    "events_mode": "mode",
+    "topic": "topic",
+}
 _PLAIN_KEYS = ("url", "id", "kind", "model", "tokenizer", "chat_template")
 
 
@@ -99,8 +117,7 @@ def worker_entry(text: str, where: str) -> dict:
     return entry
 
 
-def policy_params(pairs: list[str], where: str = "--policy-param",
-                  policy: str | None = None) -> dict:
+def policy_params(pairs: list[str], where: str = "--policy-param", policy: str | None = None) -> dict:
     """``["NAME=VALUE" | "POLICY.NAME=VALUE", ...]`` -> ``{NAME: value}``, each value
     read as YAML (a plain string where it is not YAML). ``POLICY.`` (the syntax of
     ``simulate -P``) must name ``policy`` when that is known. Raises ``ConfigError``
@@ -113,8 +130,7 @@ def policy_params(pairs: list[str], where: str = "--policy-param",
         pol, dot, rest = name.rpartition(".")
         if dot:
             if policy is not None and pol != policy:
-                raise ConfigError(where, f"{pair!r} is for policy {pol!r}, but the policy "
-                                  f"is {policy!r}")
+                raise ConfigError(where, f"{pair!r} is for policy {pol!r}, but the policy is {policy!r}")
             name = rest
         if not sep or not name:
             raise ConfigError(where, f"{pair!r} must be [POLICY.]NAME=VALUE")
@@ -136,18 +152,20 @@ def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
         overrides["listen__port"] = args.port
     if args.config:
         if args.worker or args.policy is not MISSING or args.policy_param:
-            raise ConfigError("", "--worker, --policy and --policy-param are for the quick "
-                              "start without --config; list workers and the policy in the file")
+            raise ConfigError(
+                "",
+                "--worker, --policy and --policy-param are for the quick "
+                "start without --config; list workers and the policy in the file",
+            )
         cfg = load_config(args.config)
     else:
-        raw: dict = {"workers": [worker_entry(w, f"--worker[{i}]")
-                                 for i, w in enumerate(args.worker)]}
+        raw: dict = {"workers": [worker_entry(w, f"--worker[{i}]") for i, w in enumerate(args.worker)]}
         if args.policy is not MISSING:
             raw["policy"] = {"name": args.policy}
         if args.policy_param:
             raw.setdefault("policy", {})["params"] = policy_params(
-                args.policy_param,
-                policy=args.policy if args.policy is not MISSING else "prefix_load")
+                args.policy_param, policy=args.policy if args.policy is not MISSING else "prefix_load"
+            )
         cfg = parse_config(raw)
     return with_overrides(cfg, **overrides), overrides
 
@@ -178,8 +196,7 @@ async def serve(cfg: Config, overrides: dict, *, ready=None) -> int:
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
         await stop.wait()
-        log.info("shutting down: finishing in-flight requests (up to %.0fs)",
-                 cfg.limits.shutdown_timeout_s)
+        log.info("shutting down: finishing in-flight requests (up to %.0fs)", cfg.limits.shutdown_timeout_s)
     finally:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(s)
@@ -189,14 +206,14 @@ async def serve(cfg: Config, overrides: dict, *, ready=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     cfg, overrides = build_config(args)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for warning in config_warnings(cfg):
         log.warning("%s", warning)
 
     def ready(port: int) -> None:
-        print(f"radixfleet router: listening on http://{cfg.listen.host}:{port} "
-              f"({cfg.summary()})", flush=True)
+        print(
+            f"radixfleet router: listening on http://{cfg.listen.host}:{port} ({cfg.summary()})", flush=True
+        )
 
     try:
         import uvloop

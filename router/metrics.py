@@ -70,20 +70,41 @@ not exported (``prometheus_client.disable_created_metrics``, process-wide).
 from __future__ import annotations
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST, CollectorRegistry,
-    Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.pool import BREAKER_GAUGE, HealthState
 from service.metrics import standard_collectors
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 #: matched-prefix histogram buckets, in tokens
-_MATCH_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
-                  131072)
+_MATCH_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -95,108 +116,175 @@ class Metrics:
         disable_created_metrics()
         r = self.registry = CollectorRegistry()
         standard_collectors(r)
-        self.requests = Counter("radixfleet_requests", "Client requests a worker answered, by "
-                                "the status the client got and the decision reason",
-                                ["worker", "status", "reason"], registry=r)
-        self.attempts = Counter("radixfleet_upstream_attempts", "Tries on a worker, by its "
-                                "status or the failure cause", ["worker", "outcome"], registry=r)
-        self.rejected = Counter("radixfleet_rejected", "Requests the router answered itself",
-                                ["status", "code"], registry=r)
-        self.ttfb = Histogram("radixfleet_ttfb_seconds", "Time to the worker's first byte",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram("radixfleet_request_seconds", "Total request latency",
-                                 buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("radixfleet_ttft_seconds", "Streamed requests: arrival at the "
-                              "router to the first content token sent on",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("radixfleet_prompt_tokens", "Prompt tokens of answered "
-                                     "requests, as the worker's usage reported them",
-                                     ["worker", "model"], registry=r)
-        self.cached_tokens = Counter("radixfleet_cached_tokens", "Of those, tokens the worker "
-                                     "found in its prefix cache (usage.prompt_tokens_details."
-                                     "cached_tokens)", ["worker", "model"], registry=r)
-        self.worker_requests = Counter("radixfleet_worker_requests", "Tries on a worker by "
-                                       "model and outcome: answered, failed (the worker), gone "
-                                       "(the client left)", ["worker", "model", "outcome"],
-                                       registry=r)
-        self.worker_queued = Gauge("radixfleet_worker_queued_requests", "Requests waiting "
-                                   "in the worker, from its last fresh load report",
-                                   ["worker"], registry=r)
-        self.worker_running = Gauge("radixfleet_worker_running_requests", "Requests running "
-                                    "in the worker, from its last fresh load report",
-                                    ["worker"], registry=r)
-        self.worker_kv = Gauge("radixfleet_worker_kv_used_ratio", "KV cache in use, 0..1, "
-                               "from the worker's last fresh load report", ["worker"],
-                               registry=r)
-        self.worker_batch_limit = Gauge("radixfleet_worker_batch_limit", "The engine's batch "
-                                        "limit as learned from its reports (router.shedding)",
-                                        ["worker"], registry=r)
-        self.matched = Histogram("radixfleet_matched_prefix_tokens", "Tokens of the request "
-                                 "the chosen worker was believed to hold",
-                                 buckets=_MATCH_BUCKETS, registry=r)
-        self.shed = Counter("radixfleet_shed", "Requests shed with 429 because every eligible "
-                            "worker's queue was past its bound", registry=r)
-        self.bad_http = Counter("radixfleet_bad_http", "Malformed HTTP requests answered 4xx",
-                                ["status"], registry=r)
+        self.requests = Counter(
+            "radixfleet_requests",
+            "Client requests a worker answered, by the status the client got and the decision reason",
+            ["worker", "status", "reason"],
+            registry=r,
+        )
+        self.attempts = Counter(
+            "radixfleet_upstream_attempts",
+            "Tries on a worker, by its status or the failure cause",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "radixfleet_rejected", "Requests the router answered itself", ["status", "code"], registry=r
+        )
+        self.ttfb = Histogram(
+            "radixfleet_ttfb_seconds", "Time to the worker's first byte", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "radixfleet_request_seconds", "Total request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "radixfleet_ttft_seconds",
+            "Streamed requests: arrival at the router to the first content token sent on",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "radixfleet_prompt_tokens",
+            "Prompt tokens of answered requests, as the worker's usage reported them",
+            ["worker", "model"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "radixfleet_cached_tokens",
+            "Of those, tokens the worker "
+            "found in its prefix cache (usage.prompt_tokens_details."
+            "cached_tokens)",
+            ["worker", "model"],
+            registry=r,
+        )
+        self.worker_requests = Counter(
+            "radixfleet_worker_requests",
+            "Tries on a worker by model and outcome: answered, failed (the worker), gone (the client left)",
+            ["worker", "model", "outcome"],
+            registry=r,
+        )
+        self.worker_queued = Gauge(
+            "radixfleet_worker_queued_requests",
+            "Requests waiting in the worker, from its last fresh load report",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_running = Gauge(
+            "radixfleet_worker_running_requests",
+            "Requests running in the worker, from its last fresh load report",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_kv = Gauge(
+            "radixfleet_worker_kv_used_ratio",
+            "KV cache in use, 0..1, from the worker's last fresh load report",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_batch_limit = Gauge(
+            "radixfleet_worker_batch_limit",
+            "The engine's batch limit as learned from its reports (router.shedding)",
+            ["worker"],
+            registry=r,
+        )
+        self.matched = Histogram(
+            "radixfleet_matched_prefix_tokens",
+            "Tokens of the request the chosen worker was believed to hold",
+            buckets=_MATCH_BUCKETS,
+            registry=r,
+        )
+        self.shed = Counter(
+            "radixfleet_shed",
+            "Requests shed with 429 because every eligible worker's queue was past its bound",
+            registry=r,
+        )
+        self.bad_http = Counter(
+            "radixfleet_bad_http", "Malformed HTTP requests answered 4xx", ["status"], registry=r
+        )
         self.connections_refused = Counter(
-            "radixfleet_connections_refused", "Client connections closed or refused at the "
-            "connection cap", ["reason"], registry=r)
-        self.body_bytes_held = Gauge("radixfleet_body_bytes_held", "Request body bytes held "
-                                     "(read and not yet answered)", registry=r)
-        self.retries = Counter("radixfleet_retries", "Requests retried on another worker",
-                               ["cause"], registry=r)
-        self.in_flight = Gauge("radixfleet_in_flight", "Requests in flight per worker",
-                               ["worker"], registry=r)
-        self.breaker = Gauge("radixfleet_worker_breaker_state",
-                             "Circuit breaker: 0 closed, 1 half-open, 2 open", ["worker"],
-                             registry=r)
-        self.healthy = Gauge("radixfleet_worker_healthy", "1 if the worker passes health checks",
-                             ["worker"], registry=r)
+            "radixfleet_connections_refused",
+            "Client connections closed or refused at the connection cap",
+            ["reason"],
+            registry=r,
+        )
+        self.body_bytes_held = Gauge(
+            "radixfleet_body_bytes_held", "Request body bytes held (read and not yet answered)", registry=r
+        )
+        self.retries = Counter(
+            "radixfleet_retries", "Requests retried on another worker", ["cause"], registry=r
+        )
+        self.in_flight = Gauge(
+            "radixfleet_in_flight", "Requests in flight per worker", ["worker"], registry=r
+        )
+        self.breaker = Gauge(
+            "radixfleet_worker_breaker_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open",
+            ["worker"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "radixfleet_worker_healthy", "1 if the worker passes health checks", ["worker"], registry=r
+        )
         self.index_nodes = Gauge("radixfleet_index_nodes", "Prefix index nodes", registry=r)
-        self.index_entries = Gauge("radixfleet_index_holder_entries",
-                                   "Prefix index (node, worker) entries", registry=r)
-        self.index_bytes = Gauge("radixfleet_index_bytes", "Prefix index estimated bytes",
-                                 registry=r)
-        self.index_evicted = Counter("radixfleet_index_evicted_entries",
-                                     "Entries evicted to stay within the budget", registry=r)
+        self.index_entries = Gauge(
+            "radixfleet_index_holder_entries", "Prefix index (node, worker) entries", registry=r
+        )
+        self.index_bytes = Gauge("radixfleet_index_bytes", "Prefix index estimated bytes", registry=r)
+        self.index_evicted = Counter(
+            "radixfleet_index_evicted_entries", "Entries evicted to stay within the budget", registry=r
+        )
         self._evicted_seen = 0  # the index's cumulative count at the last scrape
-        self.events = Counter("radixfleet_events_applied", "Agent events applied", ["type"],
-                              registry=r)
-        self.batches = Counter("radixfleet_event_batches", "Agent event batches by answer",
-                               ["status"], registry=r)
+        self.events = Counter("radixfleet_events_applied", "Agent events applied", ["type"], registry=r)
+        self.batches = Counter(
+            "radixfleet_event_batches", "Agent event batches by answer", ["status"], registry=r
+        )
         self.peer_hangups = Counter(
-            "radixfleet_peer_hangups", "Agent API requests whose peer hung up before "
-            "its request was read", ["path"], registry=r)
+            "radixfleet_peer_hangups",
+            "Agent API requests whose peer hung up before its request was read",
+            ["path"],
+            registry=r,
+        )
         self.workers_reaped = Counter(
-            "radixfleet_workers_reaped", "Self-registered workers removed after staying "
-            "unhealthy for registration.unhealthy_grace_s", registry=r)
+            "radixfleet_workers_reaped",
+            "Self-registered workers removed after staying unhealthy for registration.unhealthy_grace_s",
+            registry=r,
+        )
         self._reaped_seen = 0
         self.registrations_refused = Counter(
-            "radixfleet_registrations_refused", "Agent registrations refused", ["reason"],
-            registry=r)
+            "radixfleet_registrations_refused", "Agent registrations refused", ["reason"], registry=r
+        )
         self.hot_count = Gauge("radixfleet_hot_prefixes", "Hot prefixes tracked", registry=r)
-        self.hot_rate = Gauge("radixfleet_hot_prefix_rate", "Decayed requests/s of the hot "
-                              "prefixes, by rank (1 = hottest)", ["rank"], registry=r)
-        self.hot_replicas = Gauge("radixfleet_hot_prefix_replicas", "Holders of the hot "
-                                  "prefixes, by rank", ["rank"], registry=r)
-        self.warmups = Counter("radixfleet_warmups", "Hot-root warm-up requests", ["status"],
-                               registry=r)
-        self.reloads = Counter("radixfleet_config_reloads", "Configuration reloads applied",
-                               registry=r)
-        self.reload_failures = Counter("radixfleet_config_reload_failures",
-                                       "Configuration reloads refused (invalid file)",
-                                       registry=r)
+        self.hot_rate = Gauge(
+            "radixfleet_hot_prefix_rate",
+            "Decayed requests/s of the hot prefixes, by rank (1 = hottest)",
+            ["rank"],
+            registry=r,
+        )
+        self.hot_replicas = Gauge(
+            "radixfleet_hot_prefix_replicas", "Holders of the hot prefixes, by rank", ["rank"], registry=r
+        )
+        self.warmups = Counter("radixfleet_warmups", "Hot-root warm-up requests", ["status"], registry=r)
+        self.reloads = Counter("radixfleet_config_reloads", "Configuration reloads applied", registry=r)
+        self.reload_failures = Counter(
+            "radixfleet_config_reload_failures", "Configuration reloads refused (invalid file)", registry=r
+        )
         self.autoscale_desired = Gauge(
-            "radixfleet_autoscale_desired_workers", "Workers the fleet needs now "
-            "(router.autoscale: hot-prefix rates and holders, KV, backlog)", registry=r)
-        self.autoscale_parts = Gauge("radixfleet_autoscale_workers",
-                                     "Parts of the autoscaling signal, in workers", ["part"],
-                                     registry=r)
+            "radixfleet_autoscale_desired_workers",
+            "Workers the fleet needs now (router.autoscale: hot-prefix rates and holders, KV, backlog)",
+            registry=r,
+        )
+        self.autoscale_parts = Gauge(
+            "radixfleet_autoscale_workers",
+            "Parts of the autoscaling signal, in workers",
+            ["part"],
+            registry=r,
+        )
         self._req_children: dict[tuple, object] = {}
         self._answer_children: dict[tuple, tuple] = {}
         self._attempt_children: dict[tuple, object] = {}
-        self._event_children = {t: self.events.labels(t)
-                                for t in ("stored", "removed", "cleared", "snapshot", "load")}
+        self._event_children = {
+            t: self.events.labels(t) for t in ("stored", "removed", "cleared", "snapshot", "load")
+        }
         self.observe_ttfb = self.ttfb.observe
         self.observe_ttft = self.ttft.observe
         self.observe_latency = self.latency.observe
@@ -224,8 +312,7 @@ class Metrics:
             c = self._attempt_children[key] = self.attempts.labels(worker, str(outcome))
         c.inc()
 
-    def answered(self, worker: str, model: str, ok: bool | None,
-                 usage: tuple[int, int] | None) -> None:
+    def answered(self, worker: str, model: str, ok: bool | None, usage: tuple[int, int] | None) -> None:
         """One try on ``worker`` ended: ``ok`` True (answered, any status), False (the
         worker failed), None (the client left); ``usage`` (prompt, cached tokens)
         where the worker reported it."""
@@ -236,7 +323,8 @@ class Metrics:
             c = self._answer_children[key] = (
                 self.worker_requests.labels(worker, model, outcome),
                 self.prompt_tokens.labels(worker, model),
-                self.cached_tokens.labels(worker, model))
+                self.cached_tokens.labels(worker, model),
+            )
         c[0].inc()
         if usage is not None:
             c[1].inc(usage[0])
@@ -247,8 +335,15 @@ class Metrics:
 
     def refresh(self, pool, index, now: float, hot_k: int) -> None:
         """Copies pool and index state into the gauges (at scrape time)."""
-        for g in (self.in_flight, self.breaker, self.healthy, self.worker_queued,
-                  self.worker_running, self.worker_kv, self.worker_batch_limit):
+        for g in (
+            self.in_flight,
+            self.breaker,
+            self.healthy,
+            self.worker_queued,
+            self.worker_running,
+            self.worker_kv,
+            self.worker_batch_limit,
+        ):
             g.clear()
         for w in pool:
             self.in_flight.labels(w.id).set(w.in_flight)
@@ -259,8 +354,7 @@ class Metrics:
                 self.worker_queued.labels(w.id).set(ld.queued_requests)
                 self.worker_running.labels(w.id).set(ld.running_requests)
                 if ld.kv_capacity_tokens > 0:
-                    self.worker_kv.labels(w.id).set(
-                        min(1.0, ld.kv_used_tokens / ld.kv_capacity_tokens))
+                    self.worker_kv.labels(w.id).set(min(1.0, ld.kv_used_tokens / ld.kv_capacity_tokens))
             if w.mark.limit:
                 self.worker_batch_limit.labels(w.id).set(w.mark.limit)
         if pool.reaped > self._reaped_seen:
@@ -303,12 +397,15 @@ class _TrafficLogCollector:
 
     def collect(self):
         st = self._log.stats()
-        c = CounterMetricFamily("radixfleet_traffic_log_records",
-                                "Traffic log records by outcome", labels=["outcome"])
+        c = CounterMetricFamily(
+            "radixfleet_traffic_log_records", "Traffic log records by outcome", labels=["outcome"]
+        )
         for outcome in ("written", "dropped_full", "dropped_error", "sampled_out"):
             c.add_metric([outcome], getattr(st, outcome))
         yield c
-        yield CounterMetricFamily("radixfleet_traffic_log_write_errors",
-                                  "Traffic log write errors", value=st.write_errors)
-        yield GaugeMetricFamily("radixfleet_traffic_log_queued",
-                                "Traffic log records waiting for the writer", value=st.queued)
+        yield CounterMetricFamily(
+            "radixfleet_traffic_log_write_errors", "Traffic log write errors", value=st.write_errors
+        )
+        yield GaugeMetricFamily(
+            "radixfleet_traffic_log_queued", "Traffic log records waiting for the writer", value=st.queued
+        )

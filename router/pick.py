@@ -19,7 +19,8 @@ be empty: the caller answers "no worker" itself.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from policies.base import Decision, Policy, RouteRequest, WorkerView
 from router.pool import Pool, Worker
@@ -45,9 +46,17 @@ def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int) 
     return max(0, prompt_tokens - matched_blocks * block_tokens)
 
 
-def pick_worker(policy: Policy, index, pool: Pool, request: RouteRequest,
-                views: Sequence[WorkerView], now: float, *, count: bool = True,
-                touches: bool = False) -> Picked:
+def pick_worker(
+    policy: Policy,
+    index,
+    pool: Pool,
+    request: RouteRequest,
+    views: Sequence[WorkerView],
+    now: float,
+    *,
+    count: bool = True,
+    touches: bool = False,
+) -> Picked:
     """Routes ``request`` among ``views`` and does the router's pick-time bookkeeping
     (module docstring). ``count``: record the request in the index's hot-root
     counters (False for a retry: the request was counted once). Raises
@@ -61,15 +70,24 @@ def pick_worker(policy: Policy, index, pool: Pool, request: RouteRequest,
         raise AssertionError(f"policy {policy.name} chose unknown worker {d.worker!r}")
     tt = None
     if touches and d.matched_blocks:
-        tt = tuple(index.touch_time(w.id, h) for h in request.hashes[:d.matched_blocks])
-    tokens = hint_and_count(index, pool, w, request.hashes, request.prompt_tokens,
-                            d.matched_blocks, request.block_tokens, now)
+        tt = tuple(index.touch_time(w.id, h) for h in request.hashes[: d.matched_blocks])
+    tokens = hint_and_count(
+        index, pool, w, request.hashes, request.prompt_tokens, d.matched_blocks, request.block_tokens, now
+    )
     return Picked(d, w, tokens, match.depth, tt)
 
 
-def hint_and_count(index, pool: Pool, w: Worker, hashes: Sequence[int], prompt_tokens: int,
-                   matched_blocks: int, block_tokens: int, now: float,
-                   holder: str | None = None) -> int:
+def hint_and_count(
+    index,
+    pool: Pool,
+    w: Worker,
+    hashes: Sequence[int],
+    prompt_tokens: int,
+    matched_blocks: int,
+    block_tokens: int,
+    now: float,
+    holder: str | None = None,
+) -> int:
     """The bookkeeping after a choice, before anything is awaited: ``w`` is hinted as
     holding ``hashes`` (in its own key space) and the request's uncached tokens are
     counted on it. Returns the tokens counted. The live data plane calls this once it

@@ -54,19 +54,22 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import aiohttp
 
 from policies.base import WorkerView
-from router import served
-from service import jsonbody
-from router.config import Config, WorkerSpec
 from protocol.errors import Conflict, MalformedRequest, Overloaded
 from protocol.events import (
-    MAX_RATE, MIN_RATE, STATUS_WORKER_ID_TAKEN, Load,
+    MAX_RATE,
+    MIN_RATE,
+    STATUS_WORKER_ID_TAKEN,
+    Load,
 )
+from router import served
+from router.config import Config, WorkerSpec
 from router.shedding import QueueMark
+from service import jsonbody
 
 log = logging.getLogger("radixfleet.pool")
 
@@ -98,18 +101,50 @@ class Worker:
     pool's methods), all on the router's event loop."""
 
     __slots__ = (
-        "id", "url", "source", "weight", "base_prefill", "models",
-        "health", "check_fails", "check_oks",
-        "breaker", "breaker_fails", "open_until", "trial",
-        "draining", "in_flight", "in_flight_tokens",
-        "load", "load_until", "epoch", "next_seq", "removed", "_view", "_view_until",
-        "block_bytes", "models_until", "models_bad", "mark", "spec",
-        "engine", "remote_in_flight", "remote_tokens", "registered_epoch",
+        "id",
+        "url",
+        "source",
+        "weight",
+        "base_prefill",
+        "models",
+        "health",
+        "check_fails",
+        "check_oks",
+        "breaker",
+        "breaker_fails",
+        "open_until",
+        "trial",
+        "draining",
+        "in_flight",
+        "in_flight_tokens",
+        "load",
+        "load_until",
+        "epoch",
+        "next_seq",
+        "removed",
+        "_view",
+        "_view_until",
+        "block_bytes",
+        "models_until",
+        "models_bad",
+        "mark",
+        "spec",
+        "engine",
+        "remote_in_flight",
+        "remote_tokens",
+        "registered_epoch",
         "unhealthy_since",
     )
 
-    def __init__(self, wid: str, url: str, source: Source, weight: float = 1.0,
-                 prefill_tokens_per_s: float = 10_000.0, spec: WorkerSpec | None = None) -> None:
+    def __init__(
+        self,
+        wid: str,
+        url: str,
+        source: Source,
+        weight: float = 1.0,
+        prefill_tokens_per_s: float = 10_000.0,
+        spec: WorkerSpec | None = None,
+    ) -> None:
         self.id = wid
         self.url = url  # base URL without trailing slash
         self.source = source
@@ -176,35 +211,65 @@ class Worker:
             # within the bounds every view promises policies (policies.base.WorkerView)
             rate = MIN_RATE if rate < MIN_RATE else MAX_RATE if rate > MAX_RATE else rate
             return WorkerView(
-                self.id, reqs, toks, ld.queued_requests,
-                ld.queued_tokens, ld.running_requests, ld.kv_used_tokens,
-                ld.kv_capacity_tokens, rate, self.weight)
+                self.id,
+                reqs,
+                toks,
+                ld.queued_requests,
+                ld.queued_tokens,
+                ld.running_requests,
+                ld.kv_used_tokens,
+                ld.kv_capacity_tokens,
+                rate,
+                self.weight,
+            )
         # no fresh report: the engine's KV capacity is still known where configured or
         # scraped (a plain engine's YAML kv_capacity_tokens); policies weigh KV by it
         e = self.engine
         cap = (e.capacity_tokens or 0) if e is not None else 0
-        return WorkerView(self.id, reqs, toks, kv_capacity_tokens=cap,
-                          prefill_tokens_per_s=self.prefill_rate(now), weight=self.weight)
+        return WorkerView(
+            self.id,
+            reqs,
+            toks,
+            kv_capacity_tokens=cap,
+            prefill_tokens_per_s=self.prefill_rate(now),
+            weight=self.weight,
+        )
 
     def describe(self, now: float) -> dict:
         ld = self.load
         fresh = ld is not None and now < self.load_until
         return {
-            "id": self.id, "url": self.url, "source": self.source.value,
-            "health": self.health.value, "breaker": self.breaker.value,
-            "draining": self.draining, "routable": self.routable(now),
-            "in_flight": self.in_flight, "in_flight_tokens": self.in_flight_tokens,
-            "remote_in_flight": self.remote_in_flight, "remote_tokens": self.remote_tokens,
-            "weight": self.weight, "models": list(self.models),
+            "id": self.id,
+            "url": self.url,
+            "source": self.source.value,
+            "health": self.health.value,
+            "breaker": self.breaker.value,
+            "draining": self.draining,
+            "routable": self.routable(now),
+            "in_flight": self.in_flight,
+            "in_flight_tokens": self.in_flight_tokens,
+            "remote_in_flight": self.remote_in_flight,
+            "remote_tokens": self.remote_tokens,
+            "weight": self.weight,
+            "models": list(self.models),
             "reported_load": ({f: getattr(ld, f) for f in Load.__slots__} if fresh else None),
-            "epoch": self.epoch, "next_seq": self.next_seq,
+            "epoch": self.epoch,
+            "next_seq": self.next_seq,
             **({"engine": self.engine.describe()} if self.engine is not None else {}),
         }
 
 
 def _engine_fields(s: WorkerSpec) -> tuple:
-    return (s.kind, s.model, s.tokenizer, s.chat_template, s.block_size,
-            s.kv_capacity_tokens, s.events, s.metrics)
+    return (
+        s.kind,
+        s.model,
+        s.tokenizer,
+        s.chat_template,
+        s.block_size,
+        s.kv_capacity_tokens,
+        s.events,
+        s.metrics,
+    )
 
 
 class Pool:
@@ -214,8 +279,14 @@ class Pool:
     (idempotent) stops it. Everything else is synchronous.
     """
 
-    def __init__(self, cfg: Config, index, *, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        index,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.index = index  # router.prefix_index.PrefixIndex: dropped workers leave it
         self.clock = clock
@@ -245,8 +316,7 @@ class Pool:
         #: self-registered workers removed after unhealthy_grace_s (a metric reads it)
         self.reaped = 0
         for spec in cfg.workers:
-            self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s,
-                     spec)
+            self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s, spec)
 
     # ------------------------------------------------------------- membership
 
@@ -262,8 +332,15 @@ class Pool:
     def by_url(self, url: str) -> Worker | None:
         return self._by_url.get(url)
 
-    def add(self, wid: str, url: str, source: Source, weight: float = 1.0,
-            prefill_tokens_per_s: float = 10_000.0, spec: WorkerSpec | None = None) -> Worker:
+    def add(
+        self,
+        wid: str,
+        url: str,
+        source: Source,
+        weight: float = 1.0,
+        prefill_tokens_per_s: float = 10_000.0,
+        spec: WorkerSpec | None = None,
+    ) -> Worker:
         """Adds a worker (UNKNOWN health: routable after its first passed check).
         Raises ``ValueError`` if the id or url is taken."""
         if wid in self._by_id:
@@ -303,8 +380,9 @@ class Pool:
             log.info("worker %s %s", wid, "draining" if draining else "undrained")
         return w
 
-    def register(self, wid: str, url: str, epoch: str, models: Sequence[str] = (),
-                 block_bytes: int | None = None) -> Worker:
+    def register(
+        self, wid: str, url: str, epoch: str, models: Sequence[str] = (), block_bytes: int | None = None
+    ) -> Worker:
         """An agent announced itself (``POST /internal/v1/register`` or the bus:
         both call this). ``url`` is canonical (``router.config.parse_worker_url``);
         ``block_bytes`` (the agent's hashing block size) is recorded as said, the
@@ -329,9 +407,11 @@ class Pool:
         w = self._by_id.get(wid)
         if w is not None and w.url != url:
             if w.source is not Source.AGENT or w.health is not HealthState.UNHEALTHY:
-                raise Conflict(f"worker id {wid!r} is registered at another URL; give "
-                               "this agent its own --worker-id", code=STATUS_WORKER_ID_TAKEN,
-                               param="worker_id")
+                raise Conflict(
+                    f"worker id {wid!r} is registered at another URL; give this agent its own --worker-id",
+                    code=STATUS_WORKER_ID_TAKEN,
+                    param="worker_id",
+                )
             log.info("worker %s registered at a new URL; the unhealthy old entry goes", wid)
             self.remove(wid)
             w = None
@@ -341,16 +421,21 @@ class Pool:
                 # the agent at a known address names it: the entry takes its id and
                 # keeps its source and settings (a reload matches it by url)
                 self.remove(old.id)
-                w = self.add(wid, url, old.source, old.weight, old.base_prefill,
-                             dataclasses.replace(old.spec, id=wid) if old.spec is not None
-                             else WorkerSpec(url=url, id=wid, kind="agent"))
+                w = self.add(
+                    wid,
+                    url,
+                    old.source,
+                    old.weight,
+                    old.base_prefill,
+                    dataclasses.replace(old.spec, id=wid)
+                    if old.spec is not None
+                    else WorkerSpec(url=url, id=wid, kind="agent"),
+                )
             else:
                 wait_s = self._admit() if self._session is not None else 0.0
                 if wait_s > 0:
-                    raise Overloaded("too many new workers registering; retry later",
-                                     retry_after_s=wait_s)
-                w = self.add(wid, url, Source.AGENT,
-                             spec=WorkerSpec(url=url, id=wid, kind="agent"))
+                    raise Overloaded("too many new workers registering; retry later", retry_after_s=wait_s)
+                w = self.add(wid, url, Source.AGENT, spec=WorkerSpec(url=url, id=wid, kind="agent"))
         elif w.health is not HealthState.HEALTHY:
             self.check_soon(w)  # back (a restart at the same address): probe it now
         if self._session is None:
@@ -370,8 +455,7 @@ class Pool:
         """Takes one new-registration token: 0.0, or the seconds until one is there."""
         r = self.cfg.registration
         now = self.clock()
-        self._admit_tokens = min(float(r.burst),
-                                 self._admit_tokens + (now - self._admit_t) * r.rate_per_s)
+        self._admit_tokens = min(float(r.burst), self._admit_tokens + (now - self._admit_t) * r.rate_per_s)
         self._admit_t = now
         if self._admit_tokens >= 1.0:
             self._admit_tokens -= 1.0
@@ -383,12 +467,21 @@ class Pool:
         or longer (configured and discovered ones stay: their owner removes them).
         Returns their ids."""
         grace = self.cfg.registration.unhealthy_grace_s
-        gone = [w for w in self._by_id.values()
-                if w.source is Source.AGENT and w.health is HealthState.UNHEALTHY
-                and now - w.unhealthy_since >= grace]
+        gone = [
+            w
+            for w in self._by_id.values()
+            if w.source is Source.AGENT
+            and w.health is HealthState.UNHEALTHY
+            and now - w.unhealthy_since >= grace
+        ]
         for w in gone:
-            log.warning("worker %s (%s) removed: self-registered and unhealthy for %.0f s "
-                        "(registration.unhealthy_grace_s)", w.id, w.url, now - w.unhealthy_since)
+            log.warning(
+                "worker %s (%s) removed: self-registered and unhealthy for %.0f s "
+                "(registration.unhealthy_grace_s)",
+                w.id,
+                w.url,
+                now - w.unhealthy_since,
+            )
             self.remove(w.id)
             self.reaped += 1
         return [w.id for w in gone]
@@ -397,8 +490,9 @@ class Pool:
         """Applies a reloaded worker list: config workers not listed any more are
         removed, new ones added (matched by url). Returns (added, removed) ids."""
         want = {s.url: s for s in specs}
-        removed = [w.id for w in list(self._by_id.values())
-                   if w.source is Source.CONFIG and w.url not in want]
+        removed = [
+            w.id for w in list(self._by_id.values()) if w.source is Source.CONFIG and w.url not in want
+        ]
         for wid in removed:
             self.remove(wid)
         added = []
@@ -423,8 +517,7 @@ class Pool:
 
     # ------------------------------------------------------------ routing path
 
-    def views(self, now: float, model: str = "", adapter: str | None = None
-              ) -> list[WorkerView]:
+    def views(self, now: float, model: str = "", adapter: str | None = None) -> list[WorkerView]:
         """Views of the routable workers, in a stable order; with ``model``, only of
         those that serve it or ``adapter`` (or whose models are not known:
         ``router.served``). O(workers) list, views rebuilt only for workers that
@@ -510,8 +603,9 @@ class Pool:
             w.trial = False
             self._changed()
 
-    def report_load(self, w: Worker, load: Load, now: float,
-                    stale_s: float | None = None, engine: bool = False) -> None:
+    def report_load(
+        self, w: Worker, load: Load, now: float, stale_s: float | None = None, engine: bool = False
+    ) -> None:
         """A load report (agent push or engine scrape), trusted for ``stale_s``
         (default ``load.report_stale_s``). ``engine``: read from the engine's own
         metrics, where its batch limit is learned (router.shedding)."""
@@ -541,9 +635,12 @@ class Pool:
         for: 404 naming the served models, or 503 with Retry-After
         (``router.served.unavailable``)."""
         return served.unavailable(
-            self.routable_workers(now), model, adapter,
+            self.routable_workers(now),
+            model,
+            adapter,
             in_grace=now - self.started < served.STARTUP_GRACE_S,
-            retry_after_s=self.cfg.health.interval_s)
+            retry_after_s=self.cfg.health.interval_s,
+        )
 
     def readiness(self) -> tuple[bool, list[str]]:
         """(ready, ids of the workers it waits for). Ready when every configured,
@@ -559,8 +656,7 @@ class Pool:
                 if w.source is not Source.AGENT:
                     waiting.append(w.id)
             elif w.health is HealthState.HEALTHY:
-                if w.source is not Source.AGENT and w.registered_epoch is None \
-                        and w.models_until == 0.0:
+                if w.source is not Source.AGENT and w.registered_epoch is None and w.models_until == 0.0:
                     waiting.append(w.id)  # models not asked yet
                 else:
                     healthy = True
@@ -586,8 +682,7 @@ class Pool:
         try:
             await asyncio.wait_for(self._first_round.wait(), timeout_s)
         except asyncio.TimeoutError:
-            log.warning("first health checks still running after %.1fs; listening anyway",
-                        timeout_s)
+            log.warning("first health checks still running after %.1fs; listening anyway", timeout_s)
 
     async def aclose(self) -> None:
         """Stops health checking. Idempotent."""
@@ -672,15 +767,17 @@ class Pool:
                     return
                 raw = await resp.content.read(1 << 20)
                 models = served.parse_models_answer(
-                    jsonbody.loads(raw, what="the worker's /v1/models answer"))
+                    jsonbody.loads(raw, what="the worker's /v1/models answer")
+                )
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return
         except MalformedRequest as exc:
             if not w.models_bad:
-                log.warning("worker %s: unusable /v1/models answer (%s); routing it "
-                            "requests for any model", w.id, exc)
+                log.warning(
+                    "worker %s: unusable /v1/models answer (%s); routing it requests for any model", w.id, exc
+                )
                 w.models_bad = True
             return
         w.models_bad = False

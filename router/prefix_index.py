@@ -83,9 +83,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count as _counter
-from typing import Iterable, Iterator, Sequence
 
 from policies.base import EMPTY_MATCH, MatchResult
 
@@ -118,7 +118,7 @@ def tune_gc() -> None:
 class _Node:
     __slots__ = ("key", "parent", "kids", "holders", "t", "hits")
 
-    def __init__(self, key: int, parent: "_Node", holder: str, t: float) -> None:
+    def __init__(self, key: int, parent: _Node, holder: str, t: float) -> None:
         self.key = key  # block hash; the node's key in PrefixIndex._nodes
         self.parent = parent  # _root for depth-1 nodes
         self.kids = None  # None | _Node | set[_Node]
@@ -134,7 +134,7 @@ class _Node:
             return (k,)
         return tuple(k)
 
-    def add_kid(self, kid: "_Node") -> None:
+    def add_kid(self, kid: _Node) -> None:
         k = self.kids
         if k is None:
             self.kids = kid
@@ -143,7 +143,7 @@ class _Node:
         else:
             k.add(kid)
 
-    def drop_kid(self, kid: "_Node") -> None:
+    def drop_kid(self, kid: _Node) -> None:
         k = self.kids
         if k is kid:
             self.kids = None
@@ -352,9 +352,7 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- mutations
 
-    def insert(
-        self, worker: str, hashes: Sequence[int], now: float, parent: int | None = None
-    ) -> int:
+    def insert(self, worker: str, hashes: Sequence[int], now: float, parent: int | None = None) -> int:
         """Records that ``worker`` holds the chain ``hashes`` (hashes[0]'s parent is
         ``parent``, None for the root). Touches the whole path from the root.
 
@@ -567,8 +565,11 @@ class PrefixIndex:
                 removed += 1
             if stack:
                 top = stack[-1]
-                if top.parent is not None and top.held_by(worker) and not any(
-                        c.held_by(worker) for c in top.kid_list()):
+                if (
+                    top.parent is not None
+                    and top.held_by(worker)
+                    and not any(c.held_by(worker) for c in top.kid_list())
+                ):
                     self._push(top, worker, top.touch_of(worker))  # a leaf now
                 if self._est_bytes() > self.max_bytes:  # the record may tip it over
                     self._evict_to_budget()
@@ -591,9 +592,7 @@ class PrefixIndex:
                     self._wheaps.pop(holder)  # emptied by clear
         return removed
 
-    def apply_snapshot(
-        self, worker: str, blocks: Sequence[tuple[int, int | None]], now: float
-    ) -> None:
+    def apply_snapshot(self, worker: str, blocks: Sequence[tuple[int, int | None]], now: float) -> None:
         """Replaces everything ``worker`` holds with ``blocks`` ((hash, parent)
         pairs, parents first). Blocks whose parent is missing are dropped."""
         self.clear(worker)
@@ -656,7 +655,7 @@ class PrefixIndex:
         t = h.pop(w)
         self._multi -= 1
         if len(h) == 1:
-            (last, lt), = h.items()
+            ((last, lt),) = h.items()
             n.holders = last
             n.t = lt
             self._multi -= 1
@@ -897,7 +896,8 @@ class PrefixIndex:
         unknown = set(per_worker) - set(self._counts)
         assert not unknown, f"workers {unknown} hold entries but are not known"
         assert set(wheaps) == set(caps) | self._tracked, (
-            f"heaps for {set(wheaps)} vs caps {set(caps)} and tracked {self._tracked}")
+            f"heaps for {set(wheaps)} vs caps {set(caps)} and tracked {self._tracked}"
+        )
         assert self._tracked <= set(self._counts), f"tracked {self._tracked} not known"
         assert self._wheap_records == sum(map(len, self._wheaps.values())), "worker heap count"
         live: set[tuple[int, str]] = set()

@@ -15,10 +15,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from router.auth import TenantResolver, check_exposure
 from protocol.errors import ConfigError
+from router.auth import TenantResolver, check_exposure
 from router.config import (
-    Config, PolicyConfig, build_policy_from, load_config, load_model_keyers, with_overrides,
+    Config,
+    PolicyConfig,
+    build_policy_from,
+    load_config,
+    load_model_keyers,
+    with_overrides,
 )
 from service.auth import BearerAuth
 from service.tenancy import TenantSalts
@@ -56,9 +61,14 @@ class Prepared:
     keyers: dict
 
 
-def build(cfg: Config, *, salts: TenantSalts | None = None,
-          policy_cfg: PolicyConfig | None = None, policy: Any = None,
-          keyers: dict | None = None) -> Prepared:
+def build(
+    cfg: Config,
+    *,
+    salts: TenantSalts | None = None,
+    policy_cfg: PolicyConfig | None = None,
+    policy: Any = None,
+    keyers: dict | None = None,
+) -> Prepared:
     """What the router builds from ``cfg``: tokens (``check_exposure`` refuses tokenless
     APIs off loopback), tenant salts and resolver (``check_shared_keys``: replicas on a
     bus key alike), the policy, the ``models:`` tokenizers (a second or two each).
@@ -85,16 +95,34 @@ def check_shared_keys(cfg: Config, salts: TenantSalts) -> None:
     replica routes blind to the others' sessions (service.tenancy)."""
     if cfg.bus.enabled() and not salts.shared:
         env = cfg.keys.tenant_salt_env
-        salt = (f"${env} to one secret on every replica" if env else
-                "keys.tenant_salt_env to a variable holding one secret on every replica")
-        raise ConfigError("bus.url", f"router replicas on a bus must key prompts alike: set "
-                          f"{salt}, or the agent token (${cfg.auth.agent_token_env})")
+        salt = (
+            f"${env} to one secret on every replica"
+            if env
+            else "keys.tenant_salt_env to a variable holding one secret on every replica"
+        )
+        raise ConfigError(
+            "bus.url",
+            f"router replicas on a bus must key prompts alike: set "
+            f"{salt}, or the agent token (${cfg.auth.agent_token_env})",
+        )
 
 
-def prepare(path: str, overrides: dict[str, Any], *, salts: TenantSalts,
-            policy_cfg: PolicyConfig, policy: Any, keyers: dict | None = None) -> Prepared:
+def prepare(
+    path: str,
+    overrides: dict[str, Any],
+    *,
+    salts: TenantSalts,
+    policy_cfg: PolicyConfig,
+    policy: Any,
+    keyers: dict | None = None,
+) -> Prepared:
     """Loads ``path`` with ``overrides`` (command-line options keep winning) and builds
     its pieces (``build``). Raises ``ConfigError`` for anything invalid, having changed
     nothing. Blocks for seconds (tokenizers): the router calls it off its loop."""
-    return build(with_overrides(load_config(path), **overrides), salts=salts,
-                 policy_cfg=policy_cfg, policy=policy, keyers=keyers)
+    return build(
+        with_overrides(load_config(path), **overrides),
+        salts=salts,
+        policy_cfg=policy_cfg,
+        policy=policy,
+        keyers=keyers,
+    )

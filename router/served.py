@@ -20,7 +20,8 @@ or are not known. When none is routable::
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from protocol.errors import MalformedRequest, NotFound, NoWorkerAvailable, RequestError
 from protocol.identifiers import MAX_MODELS, name_problem
@@ -34,8 +35,7 @@ STARTUP_GRACE_S = 3.0
 def serves(models: tuple[str, ...], model: str, adapter: str | None) -> bool:
     """True if a worker with ``models`` may take a request for (model, adapter).
     O(len(models))."""
-    return not models or not model or model in models or (
-        adapter is not None and adapter in models)
+    return not models or not model or model in models or (adapter is not None and adapter in models)
 
 
 def served_models(workers: Iterable) -> list[str]:
@@ -46,19 +46,20 @@ def served_models(workers: Iterable) -> list[str]:
     return sorted(out)
 
 
-def unavailable(routable: list, model: str, adapter: str | None, *, in_grace: bool,
-                retry_after_s: float) -> RequestError:
+def unavailable(
+    routable: list, model: str, adapter: str | None, *, in_grace: bool, retry_after_s: float
+) -> RequestError:
     """The error for a request no routable worker may take. ``routable``: the
     routable workers (``pool.routable_workers(now)``), whatever they serve."""
     if routable and model and not in_grace:
         names = served_models(routable)
         shown = ", ".join(repr(n) for n in names[:20]) + (" ..." if len(names) > 20 else "")
         want = repr(model[:100]) + (f" (adapter {adapter[:100]!r})" if adapter else "")
-        return NotFound(f"model {want} is not served by this router; served: {shown}",
-                        param="model")
+        return NotFound(f"model {want} is not served by this router; served: {shown}", param="model")
     if routable and model:
-        return NoWorkerAvailable(f"no routable worker serves model {model[:100]!r} yet",
-                                 retry_after_s=retry_after_s)
+        return NoWorkerAvailable(
+            f"no routable worker serves model {model[:100]!r} yet", retry_after_s=retry_after_s
+        )
     return NoWorkerAvailable("no healthy worker available", retry_after_s=retry_after_s)
 
 
@@ -66,7 +67,7 @@ def parse_models_answer(data: Any) -> tuple[str, ...]:
     """The model ids of an OpenAI ``/v1/models`` answer (parsed JSON). Raises
     ``MalformedRequest`` naming what is wrong with it."""
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
-        raise MalformedRequest("expected {\"data\": [{\"id\": ...}, ...]}")
+        raise MalformedRequest('expected {"data": [{"id": ...}, ...]}')
     items = data["data"]
     if len(items) > MAX_MODELS:
         raise MalformedRequest(f"lists {len(items)} models; at most {MAX_MODELS}")

@@ -68,7 +68,7 @@ stays the router's own backstop against more connections than it can hold.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from protocol.errors import Overloaded
 from protocol.events import MAX_RATE, MIN_RATE, Load
@@ -88,8 +88,17 @@ class QueueMark:
     at the time it was confirmed (it never exceeds ``running_max``); a limit is only
     known once a queue has held (``limit => queue_held``)."""
 
-    __slots__ = ("at", "in_flight", "since_tokens", "engine", "queue_held", "running_max",
-                 "limit", "_queued", "_queued_at_max")
+    __slots__ = (
+        "at",
+        "in_flight",
+        "since_tokens",
+        "engine",
+        "queue_held",
+        "running_max",
+        "limit",
+        "_queued",
+        "_queued_at_max",
+    )
 
     def __init__(self) -> None:
         self.at = 0.0  # monotonic time of the last report
@@ -122,8 +131,7 @@ class QueueMark:
             self.running_max = run
             self.limit = 0  # a higher ceiling: the old one was not the limit
             self._queued_at_max = False
-        kv_full = (load.kv_capacity_tokens > 0
-                   and load.kv_used_tokens >= KV_FULL * load.kv_capacity_tokens)
+        kv_full = load.kv_capacity_tokens > 0 and load.kv_used_tokens >= KV_FULL * load.kv_capacity_tokens
         at_max = queued and run == self.running_max > 0 and not kv_full
         if at_max and self._queued_at_max:
             self.limit = run
@@ -139,7 +147,10 @@ class QueueMark:
 
     def check(self) -> None:
         assert self.in_flight >= 0 and self.since_tokens >= 0 and self.running_max >= 0, (
-            self.in_flight, self.since_tokens, self.running_max)
+            self.in_flight,
+            self.since_tokens,
+            self.running_max,
+        )
         assert 0 <= self.limit <= self.running_max, (self.limit, self.running_max)
         assert not self.limit or self.queue_held, (self.limit, self.queue_held)
 
@@ -177,8 +188,7 @@ class Shedder:
 
     __slots__ = ("per_requests", "min_s", "typical_s", "largest_tokens", "on_shed")
 
-    def __init__(self, per_requests: float, min_s: float,
-                 on_shed: Callable[[], None] | None = None) -> None:
+    def __init__(self, per_requests: float, min_s: float, on_shed: Callable[[], None] | None = None) -> None:
         self.per_requests = per_requests  # 0: never shed
         self.min_s = min_s
         self.typical_s = 0.0
@@ -194,8 +204,9 @@ class Shedder:
         b = self.per_requests * self.typical_s
         return b if b > self.min_s else self.min_s
 
-    def check(self, workers: Iterable, model: str, adapter: str | None, uncached_tokens: int,
-              now: float) -> Overloaded | None:
+    def check(
+        self, workers: Iterable, model: str, adapter: str | None, uncached_tokens: int, now: float
+    ) -> Overloaded | None:
         """An ``Overloaded`` to answer with if every eligible worker (routable
         ``workers`` serving model/adapter) is saturated past the bound, else None.
         Also records the request's uncached prefill in ``typical_s``."""
@@ -221,8 +232,7 @@ class Shedder:
                 # slot is no promise of a first token soon
                 ahead_tokens = w.in_flight_tokens + w.remote_tokens
                 ahead = ahead_tokens / rate
-                if (ahead <= bound or ahead_tokens <= self.largest_tokens) \
-                        and has_room(mark, ld, in_flight):
+                if (ahead <= bound or ahead_tokens <= self.largest_tokens) and has_room(mark, ld, in_flight):
                     return self._observe(uncached_tokens, rate)
                 if ahead > q:
                     q = ahead
@@ -236,9 +246,11 @@ class Shedder:
             return None  # nobody eligible: the caller's 404 / 503
         if self.on_shed is not None:
             self.on_shed()
-        return Overloaded(f"every worker serving this model has over {bound:.2f}s of prefill "
-                          f"queued (the least {best:.2f}s); retry later",
-                          retry_after_s=best - bound)
+        return Overloaded(
+            f"every worker serving this model has over {bound:.2f}s of prefill "
+            f"queued (the least {best:.2f}s); retry later",
+            retry_after_s=best - bound,
+        )
 
     def _observe(self, tokens: int, rate: float) -> None:
         s = tokens / (rate if rate >= MIN_RATE else MIN_RATE)

@@ -61,9 +61,13 @@ def _has_output(obj) -> bool:
             if c.get("text"):  # completions
                 return True
             d = c.get("delta")
-            if isinstance(d, dict) and (d.get("content") or d.get("reasoning_content")
-                                        or d.get("reasoning") or d.get("tool_calls")
-                                        or d.get("refusal")):
+            if isinstance(d, dict) and (
+                d.get("content")
+                or d.get("reasoning_content")
+                or d.get("reasoning")
+                or d.get("tool_calls")
+                or d.get("refusal")
+            ):
                 return True
         return False
     # SGLang /generate streams {"text": ..., "meta_info": {...}}
@@ -149,7 +153,7 @@ class StreamWatch:
         changed = kept = False
         start = 0
         for m in _BLANK.finditer(whole):
-            ev = whole[start:m.end()]
+            ev = whole[start : m.end()]
             start = m.end()
             kept = self._scan(ev)
             if kept:

@@ -86,8 +86,8 @@ from __future__ import annotations
 
 import collections
 import enum
-import hmac
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -95,8 +95,8 @@ import random
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import xxhash
 
@@ -116,18 +116,20 @@ _TENANT_CACHE = 4096
 #: to wake and take it (a bare sleep(0) releases it, but the writer wins it back)
 _YIELD_S = 5e-5
 #: one line of ``FORMAT``, in the module docstring's field order
-_LINE = ('{"timestamp":%s,"input_length":%d,"output_length":%d,"hash_ids":[%s],'
-         '"format":"' + FORMAT + '","block_tokens":%d,"routed_tokens":%d,"tenant":"%s",'
-         '"model":%s,"adapter":%s,"worker":%s,"matched_tokens":%d,"cached_tokens":%s,'
-         '"ttft_ms":%s,"status":%d,"sample_rate":%s}')
+_LINE = (
+    '{"timestamp":%s,"input_length":%d,"output_length":%d,"hash_ids":[%s],'
+    '"format":"' + FORMAT + '","block_tokens":%d,"routed_tokens":%d,"tenant":"%s",'
+    '"model":%s,"adapter":%s,"worker":%s,"matched_tokens":%d,"cached_tokens":%s,'
+    '"ttft_ms":%s,"status":%d,"sample_rate":%s}'
+)
 _FILE_RE_TEMPLATE = r"^{prefix}-\d{{8}}T\d{{6}}Z-\d+-\d{{4}}\.jsonl$"
 
 
 class LogState(enum.Enum):
-    NEW = "new"          # built; record() refused until start()
+    NEW = "new"  # built; record() refused until start()
     RUNNING = "running"  # the writer thread runs; record() queues
     CLOSING = "closing"  # aclose() in progress: record() drops (counted), the writer drains
-    CLOSED = "closed"    # the writer has exited; the file is closed
+    CLOSED = "closed"  # the writer has exited; the file is closed
 
 
 @dataclass(slots=True)
@@ -214,14 +216,15 @@ class TrafficLog:
                 pass
             os.unlink(probe)
         except OSError as exc:
-            raise ConfigError("traffic_log.dir", f"cannot write into {d}: "
-                              f"{exc.strerror or exc}") from None
+            raise ConfigError("traffic_log.dir", f"cannot write into {d}: {exc.strerror or exc}") from None
         if self._random_key:
-            log.warning("traffic log: %s is unset; tenant ids are hashed with a random key "
-                        "and will not match across restarts", self.cfg.tenant_key_env)
+            log.warning(
+                "traffic log: %s is unset; tenant ids are hashed with a random key "
+                "and will not match across restarts",
+                self.cfg.tenant_key_env,
+            )
         self.state = LogState.RUNNING
-        self._thread = threading.Thread(target=self._run, name="radixfleet-traffic-log",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="radixfleet-traffic-log", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -246,7 +249,7 @@ class TrafficLog:
 
         await asyncio.to_thread(self.close)
 
-    async def __aenter__(self) -> "TrafficLog":
+    async def __aenter__(self) -> TrafficLog:
         self.start()
         return self
 
@@ -255,10 +258,20 @@ class TrafficLog:
 
     # ---------------------------------------------------------------- request path
 
-    def record(self, key: PrefixKey, *, arrival_s: float, worker: str, matched_tokens: int,
-               prompt_tokens: int | None = None, output_tokens: int | None = None,
-               cached_tokens: int | None = None, ttft_s: float | None = None,
-               status: int = 200, session: str | None = None) -> bool:
+    def record(
+        self,
+        key: PrefixKey,
+        *,
+        arrival_s: float,
+        worker: str,
+        matched_tokens: int,
+        prompt_tokens: int | None = None,
+        output_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        ttft_s: float | None = None,
+        status: int = 200,
+        session: str | None = None,
+    ) -> bool:
         """Queues one request's line; returns whether it was queued. Never blocks,
         never raises for a full queue (dropped, counted) or in any state but NEW.
 
@@ -276,8 +289,7 @@ class TrafficLog:
             return False
         if self._threshold < 2**64:
             if session is not None:
-                keep = xxhash.xxh3_64_intdigest(session.encode("utf-8", "surrogatepass")) \
-                    < self._threshold
+                keep = xxhash.xxh3_64_intdigest(session.encode("utf-8", "surrogatepass")) < self._threshold
             else:
                 keep = self._rng.random() < self._rate
             if not keep:
@@ -287,14 +299,33 @@ class TrafficLog:
         if len(q) >= self._cap:
             self._dropped_full += 1
             return False
-        q.append((arrival_s, key, worker, matched_tokens, prompt_tokens, output_tokens,
-                  cached_tokens, ttft_s, status))
+        q.append(
+            (
+                arrival_s,
+                key,
+                worker,
+                matched_tokens,
+                prompt_tokens,
+                output_tokens,
+                cached_tokens,
+                ttft_s,
+                status,
+            )
+        )
         return True
 
     def stats(self) -> TrafficLogStats:
-        return TrafficLogStats(self._written, self._dropped_full, self._dropped_error,
-                               self._sampled_out, self._write_errors, self._files_opened,
-                               self._files_deleted, self._bytes, len(self._q))
+        return TrafficLogStats(
+            self._written,
+            self._dropped_full,
+            self._dropped_error,
+            self._sampled_out,
+            self._write_errors,
+            self._files_opened,
+            self._files_deleted,
+            self._bytes,
+            len(self._q),
+        )
 
     # ---------------------------------------------------------------- writer thread
 
@@ -335,12 +366,22 @@ class TrafficLog:
             # hashes dominate); strings go through json (escaping), cached
             js = self._json
             line = _LINE % (
-                repr(round(arrival_s * 1000.0, 3)), prompt if prompt else routed, output or 0,
-                ",".join(map(str, key.hashes)), bt, routed, self._tenant(key.tenant),
-                js(key.model), js(key.adapter), js(worker), matched,
+                repr(round(arrival_s * 1000.0, 3)),
+                prompt if prompt else routed,
+                output or 0,
+                ",".join(map(str, key.hashes)),
+                bt,
+                routed,
+                self._tenant(key.tenant),
+                js(key.model),
+                js(key.adapter),
+                js(worker),
+                matched,
                 "null" if cached is None else int(cached),
                 "null" if ttft_s is None else repr(round(ttft_s * 1000.0, 3)),
-                status, rate_s)
+                status,
+                rate_s,
+            )
             lines.append(line)
             n += 1
             # give the GIL back: a request waiting for it waits for one record's
@@ -366,8 +407,7 @@ class TrafficLog:
             return ""
         h = self._tenants.get(tenant)
         if h is None:
-            h = hmac.new(self._key, tenant.encode("utf-8", "surrogatepass"),
-                         hashlib.sha256).hexdigest()[:16]
+            h = hmac.new(self._key, tenant.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:16]
             if len(self._tenants) >= _TENANT_CACHE:
                 self._tenants.clear()
             self._tenants[tenant] = h
@@ -400,7 +440,7 @@ class TrafficLog:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         name = f"{self.cfg.prefix}-{stamp}-{os.getpid()}-{self._seq % 10000:04d}.jsonl"
         os.makedirs(self.cfg.dir, exist_ok=True)
-        self._file = open(os.path.join(self.cfg.dir, name), "ab")
+        self._file = open(os.path.join(self.cfg.dir, name), "ab")  # noqa: SIM115 (kept open across writes; closed on rotation)
         self._file_bytes = 0
         self._files_opened += 1
         self._prune()
@@ -433,8 +473,11 @@ class TrafficLog:
         cause = (exc.__class__.__name__, exc.errno)
         if cause not in self._errors_logged:
             self._errors_logged.add(cause)
-            log.error("traffic log in %s: %s; records are dropped (counted) until writing "
-                      "works again", self.cfg.dir, exc)
+            log.error(
+                "traffic log in %s: %s; records are dropped (counted) until writing works again",
+                self.cfg.dir,
+                exc,
+            )
 
     def check(self) -> None:
         """Asserts the invariants: the queue is within its bound; counters are

@@ -126,13 +126,34 @@ class Response:
     The ``on_*`` methods are the parser's callbacks, called only from inside
     ``_feed``; consumers use ``wait_head``, ``read``, ``readany``, ``release``."""
 
-    __slots__ = ("status", "headers", "_conn", "_parser", "_state", "_chunks", "_waiter",
-                 "_err", "_keepalive", "_eof_framed", "_head", "_got", "_head_bytes",
-                 "_timer", "_loop", "_read_timeout", "_deadline", "_limit", "_held",
-                 "_streaming", "_paused", "_whole")
+    __slots__ = (
+        "status",
+        "headers",
+        "_conn",
+        "_parser",
+        "_state",
+        "_chunks",
+        "_waiter",
+        "_err",
+        "_keepalive",
+        "_eof_framed",
+        "_head",
+        "_got",
+        "_head_bytes",
+        "_timer",
+        "_loop",
+        "_read_timeout",
+        "_deadline",
+        "_limit",
+        "_held",
+        "_streaming",
+        "_paused",
+        "_whole",
+    )
 
-    def __init__(self, conn: "_Conn", loop, read_timeout: float, deadline: float,
-                 limit: float = float("inf")) -> None:
+    def __init__(
+        self, conn: _Conn, loop, read_timeout: float, deadline: float, limit: float = float("inf")
+    ) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}  # lower-case names; the final head's only
         self._conn = conn  # None once released
@@ -177,9 +198,13 @@ class Response:
     def _on_timeout(self, fut: asyncio.Future) -> None:
         if not fut.done():
             what = "first byte" if fut is self._head else "next bytes"
-            self._fail(UpstreamTimeout(f"no {what} within {self._read_timeout:g}s"
-                                       if self._loop.time() < self._deadline
-                                       else "total request deadline passed"))
+            self._fail(
+                UpstreamTimeout(
+                    f"no {what} within {self._read_timeout:g}s"
+                    if self._loop.time() < self._deadline
+                    else "total request deadline passed"
+                )
+            )
 
     async def readany(self) -> bytes:
         """The body bytes received since the last call; ``b""`` at the end. From the
@@ -207,8 +232,7 @@ class Response:
         at once when ``Content-Length`` says so)."""
         cl = self.headers.get("content-length", "")
         if cl.isdigit() and int(cl) > self._limit and self._state != _DONE:
-            self._fail(ResponseTooLarge(f"answer of {cl} bytes exceeds the limit of "
-                                        f"{self._limit:.0f} bytes"))
+            self._fail(ResponseTooLarge(f"answer of {cl} bytes exceeds the limit of {self._limit:.0f} bytes"))
         if self._state != _DONE and self._whole is None and self._err is None:
             # no local name for the buffer: an error raised here keeps this frame
             # (in its traceback, which the response holds) and must not keep the body
@@ -294,9 +318,10 @@ class Response:
             self._fail(UpstreamBroken("upstream switched protocols (101)"))
             return
         except httptools.HttpParserError as exc:
-            if isinstance(exc, httptools.HttpParserCallbackError) and \
-                    not isinstance(exc.__context__, UpstreamBroken):
-                raise exc.__context__ or exc  # a bug in a callback, not the upstream's
+            if isinstance(exc, httptools.HttpParserCallbackError) and not isinstance(
+                exc.__context__, UpstreamBroken
+            ):
+                raise exc.__context__ or exc  # noqa: B904 (a bug in a callback, not the upstream's)
             if isinstance(exc.__context__, ResponseTooLarge):
                 self._fail(exc.__context__)
                 return
@@ -317,8 +342,13 @@ class Response:
             if self._head_bytes > MAX_HEAD:
                 self._fail(UpstreamBroken("response head too large"))
                 return
-        if self._streaming and not self._paused and self._state == _BODY and \
-                self._held > STREAM_HIGH and self._conn is not None:
+        if (
+            self._streaming
+            and not self._paused
+            and self._state == _BODY
+            and self._held > STREAM_HIGH
+            and self._conn is not None
+        ):
             self._paused = True  # the consumer is behind: let TCP push back
             self._conn.transport.pause_reading()
         if self._chunks or self._state == _DONE:
@@ -345,8 +375,12 @@ class Response:
         self._keepalive = p.should_keep_alive()
         self._state = _BODY
         h = self.headers
-        if status != 204 and status != 304 and "content-length" not in h and \
-                "chunked" not in h.get("transfer-encoding", "").lower():
+        if (
+            status != 204
+            and status != 304
+            and "content-length" not in h
+            and "chunked" not in h.get("transfer-encoding", "").lower()
+        ):
             self._eof_framed = True
         if not self._head.done():
             self._head.set_result(None)
@@ -358,8 +392,9 @@ class Response:
             self._chunks.append(body)
         self._held += len(body)
         if self._held > self._limit:
-            raise ResponseTooLarge(f"answer exceeds the limit of {self._limit:.0f} bytes "
-                                   "not yet passed on")  # stops the parser
+            raise ResponseTooLarge(
+                f"answer exceeds the limit of {self._limit:.0f} bytes not yet passed on"
+            )  # stops the parser
 
     def on_message_complete(self) -> None:
         if self._state == _BODY:  # not an interim response
@@ -372,7 +407,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "resp", "closed")
 
-    def __init__(self, pool: "UpstreamPool", key: tuple[str, int]) -> None:
+    def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -419,8 +454,13 @@ class UpstreamPool:
     request is sent once more on a fresh connection (``stale_retries``).
     """
 
-    def __init__(self, *, connect_timeout_s: float = 2.0, max_idle_per_host: int = 512,
-                 body_limit: float = float("inf")) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 2.0,
+        max_idle_per_host: int = 512,
+        body_limit: float = float("inf"),
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         #: most body bytes a response holds for its consumer (``ResponseTooLarge``)
         self.body_limit = body_limit
@@ -449,20 +489,28 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self, key), key[0], key[1]),
-                self.connect_timeout_s)
+                loop.create_connection(lambda: _Conn(self, key), key[0], key[1]), self.connect_timeout_s
+            )
         except asyncio.TimeoutError:  # nothing was sent: as retryable as a refusal
-            raise ConnectFailed(f"connect to {key[0]}:{key[1]} timed out after "
-                                f"{self.connect_timeout_s:g}s") from None
+            raise ConnectFailed(
+                f"connect to {key[0]}:{key[1]} timed out after {self.connect_timeout_s:g}s"
+            ) from None
         except OSError as exc:
-            raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: "
-                                f"{exc.strerror or exc}") from None
+            raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}") from None
         self.connects += 1
         return conn
 
-    async def request(self, host: str, port: int, head: bytes, body: bytes, *,
-                      read_timeout_s: float, total_timeout_s: float,
-                      cancel: Cancel | None = None) -> Response:
+    async def request(
+        self,
+        host: str,
+        port: int,
+        head: bytes,
+        body: bytes,
+        *,
+        read_timeout_s: float,
+        total_timeout_s: float,
+        cancel: Cancel | None = None,
+    ) -> Response:
         """Sends ``head`` (request line and headers, ending in a blank line) and
         ``body``; returns once the response head arrived. ``read_timeout_s`` bounds
         each wait for bytes (``inf``: only the total deadline does); ``cancel``, if
@@ -536,5 +584,11 @@ class UpstreamPool:
 def build_head(path: str, hostport: str, body_len: int, extra: bytes) -> bytes:
     """The request line and headers of a JSON POST (``extra``: more header lines,
     each ending in CRLF)."""
-    return (f"POST {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {body_len}\r\n").encode("latin-1") + extra + b"\r\n"
+    return (
+        (
+            f"POST {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {body_len}\r\n"
+        ).encode("latin-1")
+        + extra
+        + b"\r\n"
+    )

@@ -15,7 +15,7 @@ older than the interval are dropped (they could not refuse anything any more).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def warmup_prefix(hashes: Sequence[int], depth: int) -> tuple[int, int] | None:

@@ -44,6 +44,5 @@ class BearerAuth:
             raise Unauthorized(f"{self.what} API requires 'Authorization: Bearer <token>'")
         # aiohttp and the raw front decode header bytes as UTF-8 with surrogateescape:
         # encoding back the same way gives the bytes sent, valid UTF-8 or not
-        if not hmac.compare_digest(header[7:].strip().encode("utf-8", "surrogateescape"),
-                                   self.token):
+        if not hmac.compare_digest(header[7:].strip().encode("utf-8", "surrogateescape"), self.token):
             raise Unauthorized(f"invalid {self.what} token")

@@ -36,10 +36,11 @@ import enum
 import logging
 import os
 import ssl
-import time
-from dataclasses import dataclass, fields
 import sys
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -83,14 +84,22 @@ class BusCredentials:
     def check(self, url: str, where: Callable[[str], str]) -> None:
         """The static rules: one method, settings that go together, files that exist.
         ``where(field)`` names a field in errors. Raises ``ConfigError``."""
-        methods = [m for m, on in (
-            ("user", bool(self.user or self.password_env or self.password_file)),
-            ("token_env", bool(self.token_env or self.token_file)),
-            ("nkey_seed_file", bool(self.nkey_seed_file)),
-            ("creds_file", bool(self.creds_file))) if on]
+        methods = [
+            m
+            for m, on in (
+                ("user", bool(self.user or self.password_env or self.password_file)),
+                ("token_env", bool(self.token_env or self.token_file)),
+                ("nkey_seed_file", bool(self.nkey_seed_file)),
+                ("creds_file", bool(self.creds_file)),
+            )
+            if on
+        ]
         if len(methods) > 1:
-            raise ConfigError(where(methods[1]), "one authentication method at a time: "
-                              f"{' and '.join(where(m) for m in methods)} are both set")
+            raise ConfigError(
+                where(methods[1]),
+                "one authentication method at a time: "
+                f"{' and '.join(where(m) for m in methods)} are both set",
+            )
         pairs = (("password_env", "password_file"), ("token_env", "token_file"))
         for a, b in pairs:
             if getattr(self, a) and getattr(self, b):
@@ -98,16 +107,21 @@ class BusCredentials:
         if (self.password_env or self.password_file) and not self.user:
             raise ConfigError(where("user"), "required with a password")
         if self.user and not (self.password_env or self.password_file):
-            raise ConfigError(where("password_env"), f"{where('user')} needs a password: "
-                              f"{where('password_env')} or {where('password_file')}")
+            raise ConfigError(
+                where("password_env"),
+                f"{where('user')} needs a password: {where('password_env')} or {where('password_file')}",
+            )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError(where("tls_key_file" if self.tls_cert_file else "tls_cert_file"),
-                              "a client certificate needs its key, and the key its "
-                              "certificate")
+            raise ConfigError(
+                where("tls_key_file" if self.tls_cert_file else "tls_cert_file"),
+                "a client certificate needs its key, and the key its certificate",
+            )
         tls = self.tls_ca_file or self.tls_cert_file
         if tls and urlsplit(url).scheme != "tls":
-            raise ConfigError(where("tls_ca_file" if self.tls_ca_file else "tls_cert_file"),
-                              f"TLS settings need a tls:// URL, got {url!r}")
+            raise ConfigError(
+                where("tls_ca_file" if self.tls_ca_file else "tls_cert_file"),
+                f"TLS settings need a tls:// URL, got {url!r}",
+            )
         for f in fields(self):
             if f.name.endswith("_file") and getattr(self, f.name):
                 path = getattr(self, f.name)
@@ -123,11 +137,11 @@ class BusCredentials:
         opts: dict[str, Any] = {}
         if self.user:
             opts["user"] = self.user
-            opts["password"] = _secret(self.password_env, self.password_file,
-                                       where("password_env"), where("password_file"))
+            opts["password"] = _secret(
+                self.password_env, self.password_file, where("password_env"), where("password_file")
+            )
         if self.token_env or self.token_file:
-            opts["token"] = _secret(self.token_env, self.token_file, where("token_env"),
-                                    where("token_file"))
+            opts["token"] = _secret(self.token_env, self.token_file, where("token_env"), where("token_file"))
         if self.nkey_seed_file:
             _secret("", self.nkey_seed_file, "", where("nkey_seed_file"))  # readable, not empty
             opts["nkeys_seed"] = self.nkey_seed_file
@@ -143,15 +157,17 @@ class BusCredentials:
         try:
             ctx = ssl.create_default_context(cafile=self.tls_ca_file or None)
         except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(where("tls_ca_file"), f"cannot load the CA bundle "
-                              f"{self.tls_ca_file}: {exc}") from None
+            raise ConfigError(
+                where("tls_ca_file"), f"cannot load the CA bundle {self.tls_ca_file}: {exc}"
+            ) from None
         if self.tls_cert_file:
             try:
                 ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file)
             except (ssl.SSLError, OSError) as exc:
-                raise ConfigError(where("tls_cert_file"), f"cannot load the client "
-                                  f"certificate {self.tls_cert_file} with its key: "
-                                  f"{exc}") from None
+                raise ConfigError(
+                    where("tls_cert_file"),
+                    f"cannot load the client certificate {self.tls_cert_file} with its key: {exc}",
+                ) from None
         return ctx
 
 
@@ -166,8 +182,7 @@ def _secret(env: str, path: str, env_key: str, file_key: str) -> str:
         with open(path, encoding="utf-8") as f:
             value = f.read().rstrip("\r\n")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(file_key, f"cannot read {path}: "
-                          f"{getattr(exc, 'strerror', None) or exc}") from None
+        raise ConfigError(file_key, f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
     if not value:
         raise ConfigError(file_key, f"{path} is empty")
     return value
@@ -178,9 +193,12 @@ def check_exposure(url: str, agent_token: bytes | str, key: str) -> None:
     who reaches it could register workers. Raises ``ConfigError`` at ``key``."""
     host = urlsplit(url).hostname or ""
     if not agent_token and not is_loopback(host):
-        raise ConfigError(key, f"a bus on {host} (not loopback) needs the agent token, "
-                          "which signs every bus message: set $RADIXFLEET_AGENT_TOKEN "
-                          "(the same on routers and agents)")
+        raise ConfigError(
+            key,
+            f"a bus on {host} (not loopback) needs the agent token, "
+            "which signs every bus message: set $RADIXFLEET_AGENT_TOKEN "
+            "(the same on routers and agents)",
+        )
 
 
 def failure_cause(exc: BaseException) -> str | None:
@@ -188,8 +206,9 @@ def failure_cause(exc: BaseException) -> str | None:
     handshake failed (retrying the same will not help), else None."""
     # nats-py not imported yet: exc cannot be one of its errors (the bus is an extra)
     nats_errors = sys.modules.get("nats.errors")
-    if (nats_errors is not None and isinstance(exc, nats_errors.AuthorizationError)) \
-            or "authorization violation" in str(exc).lower():
+    if (
+        nats_errors is not None and isinstance(exc, nats_errors.AuthorizationError)
+    ) or "authorization violation" in str(exc).lower():
         return "auth"
     if isinstance(exc, ssl.SSLError):
         return "tls"
@@ -200,21 +219,35 @@ class BusMetrics:
     """The bus's metrics, registered in its owner's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.up = Gauge("radixfleet_bus_up", "1 while the event bus connection is usable",
-                        registry=registry)
-        self.outages = Counter("radixfleet_bus_outages", "Bus problems by cause (the bus "
-                               "degrades to direct push and local counts)", ["cause"],
-                               registry=registry)
-        self.received = Counter("radixfleet_bus_messages_received", "Bus messages applied, "
-                                "by kind", ["kind"], registry=registry)
-        self.published = Counter("radixfleet_bus_messages_published", "Bus messages sent, "
-                                 "by kind", ["kind"], registry=registry)
-        self.bad = Counter("radixfleet_bus_bad_messages", "Malformed or foreign bus messages "
-                           "ignored, by cause", ["cause"], registry=registry)
-        self.replicas = Gauge("radixfleet_bus_replicas", "Other router replicas heard on the "
-                              "bus within replica_ttl_s", registry=registry)
-        self.lag = Gauge("radixfleet_bus_catchup_remaining", "Stream messages still to apply "
-                         "before this replica has caught up (0 once ready)", registry=registry)
+        self.up = Gauge("radixfleet_bus_up", "1 while the event bus connection is usable", registry=registry)
+        self.outages = Counter(
+            "radixfleet_bus_outages",
+            "Bus problems by cause (the bus degrades to direct push and local counts)",
+            ["cause"],
+            registry=registry,
+        )
+        self.received = Counter(
+            "radixfleet_bus_messages_received", "Bus messages applied, by kind", ["kind"], registry=registry
+        )
+        self.published = Counter(
+            "radixfleet_bus_messages_published", "Bus messages sent, by kind", ["kind"], registry=registry
+        )
+        self.bad = Counter(
+            "radixfleet_bus_bad_messages",
+            "Malformed or foreign bus messages ignored, by cause",
+            ["cause"],
+            registry=registry,
+        )
+        self.replicas = Gauge(
+            "radixfleet_bus_replicas",
+            "Other router replicas heard on the bus within replica_ttl_s",
+            registry=registry,
+        )
+        self.lag = Gauge(
+            "radixfleet_bus_catchup_remaining",
+            "Stream messages still to apply before this replica has caught up (0 once ready)",
+            registry=registry,
+        )
 
 
 class Problems:
@@ -224,8 +257,9 @@ class Problems:
 
     __slots__ = ("counter", "_logged", "what", "every_s", "clock")
 
-    def __init__(self, counter: Counter, what: str, every_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, counter: Counter, what: str, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.counter = counter
         self.what = what
         self.every_s = every_s
@@ -233,8 +267,7 @@ class Problems:
         #: cause -> [when it was last logged, reports not logged since]
         self._logged: dict[str, list[Any]] = {}
 
-    def report(self, cause: str, message: str, *args: object,
-               level: int = logging.WARNING) -> None:
+    def report(self, cause: str, message: str, *args: object, level: int = logging.WARNING) -> None:
         self.counter.labels(cause).inc()
         now = self.clock()
         seen = self._logged.get(cause)
@@ -256,11 +289,19 @@ class BusConnection(Lifecycle):
     """Lifecycle: ``await start()`` (returns at once; connecting goes on in a task),
     ``await aclose()`` (idempotent); ``async with`` does both."""
 
-    def __init__(self, url: str, *, name: str, metrics: BusMetrics,
-                 on_up: Callable[[NATS, object], Awaitable[None]],
-                 on_down: Callable[[], None] | None = None,
-                 connect_timeout_s: float = 1.0, backoff_s: float = 0.5,
-                 backoff_max_s: float = 5.0, options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str,
+        metrics: BusMetrics,
+        on_up: Callable[[NATS, object], Awaitable[None]],
+        on_down: Callable[[], None] | None = None,
+        connect_timeout_s: float = 1.0,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 5.0,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         #: nats-py's client class (the 'bus' extra: MissingExtra here, before any task)
         self._client: type[NATS] = require("nats.aio.client", "bus", "the bus").Client
         self.url = url
@@ -311,15 +352,20 @@ class BusConnection(Lifecycle):
             nc = self._client()
             try:
                 await nc.connect(
-                    self.url, name=self.name, allow_reconnect=False,
+                    self.url,
+                    name=self.name,
+                    allow_reconnect=False,
                     # nats-py retries the first connect forever with 0; 1 = give up
                     # after a second try, our own backoff takes it from there
                     # nats-py annotates these int; it uses them as float seconds
                     connect_timeout=self.connect_timeout_s,  # type: ignore[arg-type]
                     max_reconnect_attempts=1,
                     reconnect_time_wait=0.05,  # type: ignore[arg-type]
-                    closed_cb=self._on_closed, disconnected_cb=self._on_closed,
-                    error_cb=self._on_error, **self._options)
+                    closed_cb=self._on_closed,
+                    disconnected_cb=self._on_closed,
+                    error_cb=self._on_error,
+                    **self._options,
+                )
                 self.nc, self.js = nc, nc.jetstream(timeout=max(self.connect_timeout_s, 2.0))
                 await self.on_up(nc, self.js)
             except asyncio.CancelledError:
@@ -330,17 +376,34 @@ class BusConnection(Lifecycle):
                 refused = failure_cause(exc) or failure_cause(self._last_error or exc)
                 cause = refused or ("connect" if not nc.is_connected else "setup")
                 if refused == "auth":
-                    self.problems.report(cause, "the server refused this side's credentials "
-                                         "(%s); check bus.auth / the --bus-* flags; retrying "
-                                         "in %.1f s", str(exc) or type(exc).__name__, backoff.delay_s,
-                                         level=logging.ERROR)
+                    self.problems.report(
+                        cause,
+                        "the server refused this side's credentials "
+                        "(%s); check bus.auth / the --bus-* flags; retrying "
+                        "in %.1f s",
+                        str(exc) or type(exc).__name__,
+                        backoff.delay_s,
+                        level=logging.ERROR,
+                    )
                 elif refused == "tls":
-                    self.problems.report(cause, "TLS handshake failed (%s); check the CA, the "
-                                         "client certificate and the host name; retrying in "
-                                         "%.1f s", exc, backoff.delay_s, level=logging.ERROR)
+                    self.problems.report(
+                        cause,
+                        "TLS handshake failed (%s); check the CA, the "
+                        "client certificate and the host name; retrying in "
+                        "%.1f s",
+                        exc,
+                        backoff.delay_s,
+                        level=logging.ERROR,
+                    )
                 else:
-                    self.problems.report(cause, "%s failed (%s: %s); retrying in %.1f s",
-                                         cause, type(exc).__name__, exc, backoff.delay_s)
+                    self.problems.report(
+                        cause,
+                        "%s failed (%s: %s); retrying in %.1f s",
+                        cause,
+                        type(exc).__name__,
+                        exc,
+                        backoff.delay_s,
+                    )
                 self._last_error = None
                 await self._went_down(nc)
                 await backoff.sleep()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -27,8 +28,12 @@ log = logging.getLogger("radixfleet.http")
 
 
 def _code(status: int) -> str:
-    return {400: "bad_http", 408: "request_timeout", 413: "payload_too_large",
-            431: "request_header_fields_too_large"}.get(status, "bad_http")
+    return {
+        400: "bad_http",
+        408: "request_timeout",
+        413: "payload_too_large",
+        431: "request_header_fields_too_large",
+    }.get(status, "bad_http")
 
 
 class JsonErrorHandler(web.RequestHandler):
@@ -37,15 +42,21 @@ class JsonErrorHandler(web.RequestHandler):
     #: called with the status of every malformed request answered (a metric)
     on_bad_http: Callable[[int], None] | None = None
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         if status >= 500:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
             text = "internal server error"
             etype, code = "server_error", "internal_error"
         else:
-            text = " ".join(str(message or getattr(exc, "message", "") or exc or
-                                "malformed HTTP request").split())[:300]
+            text = " ".join(
+                str(message or getattr(exc, "message", "") or exc or "malformed HTTP request").split()
+            )[:300]
             log.debug("malformed HTTP request (%d): %s", status, text)
             if self.on_bad_http is not None:
                 self.on_bad_http(status)
@@ -53,11 +64,9 @@ class JsonErrorHandler(web.RequestHandler):
                 raise ConnectionError("response already started; cannot answer the error")
             etype, code = "invalid_request_error", _code(status)
         body = {"error": {"message": text, "type": etype, "code": code, "param": None}}
-        resp = web.Response(status=status, body=json.dumps(body).encode(),
-                            content_type="application/json")
+        resp = web.Response(status=status, body=json.dumps(body).encode(), content_type="application/json")
         resp.force_close()
         return resp
-
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         exc = kw.get("exc_info")
@@ -71,8 +80,9 @@ class JsonErrorHandler(web.RequestHandler):
         super().log_exception(*args, **kw)
 
 
-def factory(runner: web.AppRunner, *, on_bad_http: Callable[[int], None] | None = None,
-            **kwargs: Any) -> Callable[[], web.RequestHandler]:
+def factory(
+    runner: web.AppRunner, *, on_bad_http: Callable[[int], None] | None = None, **kwargs: Any
+) -> Callable[[], web.RequestHandler]:
     """A protocol factory for ``runner``'s app (after ``await runner.setup()``):
     what ``runner.server`` would build, as a ``JsonErrorHandler``. ``kwargs`` are
     ``RequestHandler`` options (``access_log=None``, ...)."""
@@ -82,8 +92,9 @@ def factory(runner: web.AppRunner, *, on_bad_http: Callable[[int], None] | None 
     loop = asyncio.get_running_loop()
     cls: type[JsonErrorHandler] = JsonErrorHandler
     if on_bad_http is not None:
-        cls = type("CountingJsonErrorHandler", (JsonErrorHandler,),
-                   {"on_bad_http": staticmethod(on_bad_http)})
+        cls = type(
+            "CountingJsonErrorHandler", (JsonErrorHandler,), {"on_bad_http": staticmethod(on_bad_http)}
+        )
     return lambda: cls(server, loop=loop, **kwargs)
 
 
@@ -92,5 +103,4 @@ async def listen(runner: web.AppRunner, host: str, port: int, **kwargs: Any) -> 
     ``TCPSite``, with JSON errors). The caller closes the returned server before
     ``runner.cleanup()``."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(factory(runner, **kwargs), host, port,
-                                    reuse_address=True, backlog=1024)
+    return await loop.create_server(factory(runner, **kwargs), host, port, reuse_address=True, backlog=1024)

@@ -64,8 +64,9 @@ def nesting_depth(raw: bytes) -> int:
     return int(np.cumsum(_STEP[skeleton] * outside).max())
 
 
-def loads(raw: bytes | bytearray | memoryview | str, *, max_depth: int = MAX_DEPTH,
-          what: str = "request body") -> Any:
+def loads(
+    raw: bytes | bytearray | memoryview | str, *, max_depth: int = MAX_DEPTH, what: str = "request body"
+) -> Any:
     """Parses JSON text; raises ``MalformedRequest`` for anything that is not
     UTF-8 RFC 8259 JSON nested at most ``max_depth`` levels. ``what`` names the
     text in messages ("request body", "worker's /v1/models answer")."""
@@ -77,8 +78,7 @@ def loads(raw: bytes | bytearray | memoryview | str, *, max_depth: int = MAX_DEP
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise MalformedRequest(f"{what} is not valid UTF-8: {exc.reason} at byte "
-                                   f"{exc.start}") from None
+            raise MalformedRequest(f"{what} is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     if data.count(b"[") + data.count(b"{") > max_depth and nesting_depth(data) > max_depth:
         raise MalformedRequest(f"{what} is nested deeper than {max_depth} levels")
     try:

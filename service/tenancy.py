@@ -51,25 +51,27 @@ def _random_secret() -> bytes:
     global _process_secret
     if _process_secret is None:
         _process_secret = os.urandom(32)
-        log.warning("no tenant salt secret: set $%s (the same value on every router "
-                    "replica) or an agent token; using a random one, so this process's "
-                    "prefix keys match no other replica's and change on restart",
-                    DEFAULT_SALT_ENV)
+        log.warning(
+            "no tenant salt secret: set $%s (the same value on every router "
+            "replica) or an agent token; using a random one, so this process's "
+            "prefix keys match no other replica's and change on restart",
+            DEFAULT_SALT_ENV,
+        )
     return _process_secret
 
 
 def signature(sign_key: bytes, salt: str) -> str:
     """The router's proof that it set ``salt`` (see module docstring)."""
-    return hmac.new(sign_key, _SIG_TAG + salt.encode("utf-8", "surrogateescape"),
-                    hashlib.sha256).hexdigest()[:32]
+    return hmac.new(sign_key, _SIG_TAG + salt.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()[
+        :32
+    ]
 
 
 def verify_signature(sign_key: bytes, salt: str, sig: str | None) -> bool:
     """True when ``sig`` is the router's signature of ``salt``; constant time."""
     if not sig:
         return False
-    return hmac.compare_digest(signature(sign_key, salt).encode(),
-                               sig.encode("utf-8", "surrogateescape"))
+    return hmac.compare_digest(signature(sign_key, salt).encode(), sig.encode("utf-8", "surrogateescape"))
 
 
 class TenantSalts:
@@ -92,7 +94,7 @@ class TenantSalts:
         self._lines: dict[str, bytes] = {}
 
     @classmethod
-    def from_env(cls, salt_env: str, agent_token: bytes) -> "TenantSalts":
+    def from_env(cls, salt_env: str, agent_token: bytes) -> TenantSalts:
         """The deployment's salts: ``$salt_env``, else derived from the agent token,
         else a random per-process secret (see module docstring)."""
         value = os.environ.get(salt_env, "") if salt_env else ""
@@ -102,7 +104,7 @@ class TenantSalts:
             return cls(hmac.new(agent_token, _DERIVE_TAG, hashlib.sha256).digest(), agent_token)
         return cls(_random_secret(), agent_token, shared=False)
 
-    def same_keys(self, other: "TenantSalts") -> bool:
+    def same_keys(self, other: TenantSalts) -> bool:
         return self._secret == other._secret and self._sign_key == other._sign_key
 
     def salt(self, tenant: str) -> str:
@@ -113,8 +115,8 @@ class TenantSalts:
                 self._salts.clear()
                 self._lines.clear()
             s = self._salts[tenant] = hmac.new(
-                self._secret, _SALT_TAG + tenant.encode("utf-8", "surrogateescape"),
-                hashlib.sha256).hexdigest()[:32]
+                self._secret, _SALT_TAG + tenant.encode("utf-8", "surrogateescape"), hashlib.sha256
+            ).hexdigest()[:32]
         return s
 
     def headers(self, salt: str) -> dict[str, str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.procs import free_port, Proc  # noqa: F401  (re-exported for tests)
+from tests.procs import Proc, free_port  # noqa: F401  (re-exported for tests)
+
 # The tier markers, enforced (tests/tiers.py): hooks take effect by being named here.
 from tests.tiers import (  # noqa: F401
     pytest_collection_modifyitems,
@@ -26,6 +27,7 @@ def port() -> int:
 # and shared by every engine test module. If vLLM cannot be provisioned the tests that
 # use these fixtures fail with the reason (EngineUnavailable): they never skip.
 
+
 @pytest.fixture(scope="session")
 def vllm_model_dir():
     from tests.engines.vllm_env import tiny_model, vllm_python
@@ -41,10 +43,17 @@ def vllm_pair(vllm_model_dir, tmp_path_factory):
     from tests.engines.vllm_env import VllmServer, own_core
 
     logs = tmp_path_factory.mktemp("vllm-logs")
-    servers = [VllmServer(free_port(), model=vllm_model_dir, events_port=free_port(),
-                          replay_port=free_port(), log_path=logs / f"vllm-{i}.log",
-                          omp_cpus=own_core(i))
-               for i in range(2)]
+    servers = [
+        VllmServer(
+            free_port(),
+            model=vllm_model_dir,
+            events_port=free_port(),
+            replay_port=free_port(),
+            log_path=logs / f"vllm-{i}.log",
+            omp_cpus=own_core(i),
+        )
+        for i in range(2)
+    ]
     try:
         for s in servers:
             s.start()

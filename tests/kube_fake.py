@@ -38,15 +38,24 @@ GROUP = "discovery.k8s.io/v1"
 PATH = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 
 
-def make_slice(name: str, *, service: str, endpoints: list[tuple], port: int = 8000,
-               port_name: str = "http", labels: dict | None = None,
-               address_type: str = "IPv4") -> dict:
+def make_slice(
+    name: str,
+    *,
+    service: str,
+    endpoints: list[tuple],
+    port: int = 8000,
+    port_name: str = "http",
+    labels: dict | None = None,
+    address_type: str = "IPv4",
+) -> dict:
     """An EndpointSlice as the EndpointSlice controller writes it. ``endpoints``:
     ``(address, ready, pod_name)`` tuples (``ready`` None leaves it unset)."""
     eps = []
     for addr, ready, pod in endpoints:
-        cond: dict[str, Any] = {"serving": bool(ready) if ready is not None else True,
-                                "terminating": ready is False}
+        cond: dict[str, Any] = {
+            "serving": bool(ready) if ready is not None else True,
+            "terminating": ready is False,
+        }
         if ready is not None:
             cond["ready"] = ready
         e: dict[str, Any] = {"addresses": [addr], "conditions": cond, "nodeName": "node-1"}
@@ -54,11 +63,17 @@ def make_slice(name: str, *, service: str, endpoints: list[tuple], port: int = 8
             e["targetRef"] = {"kind": "Pod", "name": pod, "namespace": "", "uid": f"uid-{pod}"}
         eps.append(e)
     return {
-        "kind": "EndpointSlice", "apiVersion": GROUP,
-        "metadata": {"name": name, "generateName": f"{service}-",
-                     "labels": {"kubernetes.io/service-name": service,
-                                "endpointslice.kubernetes.io/managed-by":
-                                    "endpointslice-controller.k8s.io", **(labels or {})}},
+        "kind": "EndpointSlice",
+        "apiVersion": GROUP,
+        "metadata": {
+            "name": name,
+            "generateName": f"{service}-",
+            "labels": {
+                "kubernetes.io/service-name": service,
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+                **(labels or {}),
+            },
+        },
         "addressType": address_type,
         "endpoints": eps or None,
         "ports": [{"name": port_name, "protocol": "TCP", "port": port}],
@@ -72,12 +87,21 @@ def _qbool(value: str | None) -> bool:
 
 
 def _status(code: int, reason: str, message: str) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
-_TERM = re.compile(r"^\s*(!?)\s*([A-Za-z0-9_./-]+)\s*(?:(==|=|!=)\s*([A-Za-z0-9_.-]*)|"
-                   r"\s+(in|notin)\s*\(([^)]*)\))?\s*$")
+_TERM = re.compile(
+    r"^\s*(!?)\s*([A-Za-z0-9_./-]+)\s*(?:(==|=|!=)\s*([A-Za-z0-9_.-]*)|"
+    r"\s+(in|notin)\s*\(([^)]*)\))?\s*$"
+)
 
 
 def selector_matches(selector: str, labels: dict) -> bool:
@@ -93,11 +117,13 @@ def selector_matches(selector: str, labels: dict) -> bool:
         have = key in labels
         if setop:
             options = {v.strip() for v in vals.split(",")}
-            ok = (have and labels[key] in options) if setop == "in" else \
-                (not have or labels[key] not in options)
+            ok = (
+                (have and labels[key] in options)
+                if setop == "in"
+                else (not have or labels[key] not in options)
+            )
         elif op:
-            ok = have and labels[key] == val if op in ("=", "==") else \
-                (not have or labels[key] != val)
+            ok = have and labels[key] == val if op in ("=", "==") else (not have or labels[key] != val)
         else:
             ok = have != bool(neg)
         if not ok:
@@ -133,7 +159,7 @@ class FakeKubeAPI:
         self._runner: web.AppRunner | None = None
         self.url = ""
 
-    async def __aenter__(self) -> "FakeKubeAPI":
+    async def __aenter__(self) -> FakeKubeAPI:
         app = web.Application()
         app.router.add_get(PATH, self._handle)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
@@ -238,16 +264,18 @@ class FakeKubeAPI:
                 rv, start = int(state["rv"]), int(state["start"])
                 snap_rv, items = self._snapshots[state["id"]]
             except (ValueError, KeyError, TypeError):
-                return web.json_response(_status(400, "BadRequest", "invalid continue"),
-                                         status=400)
+                return web.json_response(_status(400, "BadRequest", "invalid continue"), status=400)
             if rv <= self.compacted:
-                return web.json_response(_status(410, "Expired", "continue token expired"),
-                                         status=410)
+                return web.json_response(_status(410, "Expired", "continue token expired"), status=410)
         else:
-            items = sorted((copy.deepcopy(o) for (n, _), o in self.objects.items()
-                            if n == ns and selector_matches(
-                                selector, o["metadata"].get("labels", {}))),
-                           key=lambda o: o["metadata"]["name"])
+            items = sorted(
+                (
+                    copy.deepcopy(o)
+                    for (n, _), o in self.objects.items()
+                    if n == ns and selector_matches(selector, o["metadata"].get("labels", {}))
+                ),
+                key=lambda o: o["metadata"]["name"],
+            )
             for o in items:  # list items carry neither kind nor apiVersion
                 o.pop("kind", None)
                 o.pop("apiVersion", None)
@@ -255,15 +283,15 @@ class FakeKubeAPI:
             state = {"id": str(len(self._snapshots)), "rv": snap_rv}
             self._snapshots[state["id"]] = (snap_rv, items)
         limit = int(q.get("limit", "0") or 0)
-        page = items[start:start + limit] if limit else items[start:]
+        page = items[start : start + limit] if limit else items[start:]
         meta: dict[str, Any] = {"resourceVersion": str(snap_rv)}
         end = start + len(page)
         if end < len(items):
-            meta["continue"] = base64.b64encode(json.dumps(
-                {**state, "start": end}).encode()).decode()
+            meta["continue"] = base64.b64encode(json.dumps({**state, "start": end}).encode()).decode()
             meta["remainingItemCount"] = len(items) - end
-        return web.json_response({"kind": "EndpointSliceList", "apiVersion": GROUP,
-                                  "metadata": meta, "items": page})
+        return web.json_response(
+            {"kind": "EndpointSliceList", "apiVersion": GROUP, "metadata": meta, "items": page}
+        )
 
     async def _watch(self, request: web.Request, ns: str, selector: str) -> web.StreamResponse:
         q = request.query
@@ -280,8 +308,14 @@ class FakeKubeAPI:
 
         try:
             if rv_s and int(rv_s) < self.compacted:
-                await send({"type": "ERROR", "object": _status(
-                    410, "Expired", f"too old resource version: {rv_s} ({self.compacted})")})
+                await send(
+                    {
+                        "type": "ERROR",
+                        "object": _status(
+                            410, "Expired", f"too old resource version: {rv_s} ({self.compacted})"
+                        ),
+                    }
+                )
                 return resp
             self.watchers.add(w)
             if rv_s in ("", "0"):
@@ -290,8 +324,11 @@ class FakeKubeAPI:
                         await send({"type": "ADDED", "object": o})
             else:
                 for rv, n, etype, o in list(self.log):
-                    if rv > int(rv_s) and n == ns and selector_matches(
-                            selector, o["metadata"].get("labels", {})):
+                    if (
+                        rv > int(rv_s)
+                        and n == ns
+                        and selector_matches(selector, o["metadata"].get("labels", {}))
+                    ):
                         await send({"type": etype, "object": o})
             deadline = time.monotonic() + timeout
             while True:
@@ -299,13 +336,19 @@ class FakeKubeAPI:
                 if left <= 0:
                     return resp
                 try:
-                    kind, item = await asyncio.wait_for(
-                        w.queue.get(), min(left, self.bookmark_interval_s))
+                    kind, item = await asyncio.wait_for(w.queue.get(), min(left, self.bookmark_interval_s))
                 except asyncio.TimeoutError:
                     if bookmarks:
-                        await send({"type": "BOOKMARK", "object": {
-                            "kind": "EndpointSlice", "apiVersion": GROUP,
-                            "metadata": {"resourceVersion": str(self.rv)}}})
+                        await send(
+                            {
+                                "type": "BOOKMARK",
+                                "object": {
+                                    "kind": "EndpointSlice",
+                                    "apiVersion": GROUP,
+                                    "metadata": {"resourceVersion": str(self.rv)},
+                                },
+                            }
+                        )
                     continue
                 if kind == "event":
                     rv, etype, o = item

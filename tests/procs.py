@@ -25,17 +25,26 @@ def radixfleet_argv(*args: str) -> list[str]:
 class Proc:
     """A child process; ``with Proc(argv, ready_url=...) as p:`` waits for readiness."""
 
-    def __init__(self, argv: list[str], *, ready_url: str | None = None,
-                 env: dict | None = None, timeout_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        ready_url: str | None = None,
+        env: dict | None = None,
+        timeout_s: float = 20.0,
+    ) -> None:
         self.argv = argv
         self.ready_url = ready_url
         self.env = {**os.environ, **(env or {})}
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Proc":
+    def __enter__(self) -> Proc:
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.argv,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         if self.ready_url:

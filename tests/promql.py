@@ -42,11 +42,14 @@ def scrape(pages: dict[str, str]) -> Series:
     return out
 
 
-_TOKEN = re.compile(r"""\s*(?:(?P<num>\d+(?:\.\d+)?(?:e[+-]?\d+)?)(?![\w:])
+_TOKEN = re.compile(
+    r"""\s*(?:(?P<num>\d+(?:\.\d+)?(?:e[+-]?\d+)?)(?![\w:])
                      |(?P<str>"(?:[^"\\]|\\.)*")
                      |(?P<dur>\[[^\]]*\])
                      |(?P<op>=~|!~|==|!=|>=|<=|[-+*/(){},=<>])
-                     |(?P<id>[A-Za-z_:][A-Za-z0-9_:]*))""", re.X)
+                     |(?P<id>[A-Za-z_:][A-Za-z0-9_:]*))""",
+    re.X,
+)
 
 _AGGS = {"sum", "max", "min", "avg", "count", "topk"}
 _FUNCS = {"rate", "increase", "histogram_quantile", "vector"}
@@ -72,7 +75,7 @@ class Evaluator:
         while pos < len(expr):
             m = _TOKEN.match(expr, pos)
             if m is None or m.end() == pos:
-                raise PromQLError(f"cannot tokenize at {expr[pos:pos + 20]!r}")
+                raise PromQLError(f"cannot tokenize at {expr[pos : pos + 20]!r}")
             kind = m.lastgroup
             self.toks.append((kind, m.group(kind)))
             pos = m.end()
@@ -248,7 +251,7 @@ class Evaluator:
         if self._peek()[1] in ("by", "without"):
             grouping = (self._take()[1], self._labels_list())
         if op == "topk":
-            return sorted(vec, key=lambda s: -s[1])[:int(param)]
+            return sorted(vec, key=lambda s: -s[1])[: int(param)]
         groups: dict[frozenset, list[float]] = {}
         for lb, v in vec:
             if grouping is None:
@@ -258,26 +261,31 @@ class Evaluator:
             else:
                 key = frozenset((k, x) for k, x in lb.items() if k not in grouping[1])
             groups.setdefault(key, []).append(v)
-        fn = {"sum": sum, "max": max, "min": min, "count": len,
-              "avg": lambda xs: sum(xs) / len(xs)}[op]
+        fn = {"sum": sum, "max": max, "min": min, "count": len, "avg": lambda xs: sum(xs) / len(xs)}[op]
         return [(dict(k), float(fn(vs))) for k, vs in groups.items()]
 
     # ------------------------------------------------------------- operators
 
     def _binary(self, op, a, b, match):
-        fn = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y,
-              "/": _div, "==": lambda x, y: x == y, "!=": lambda x, y: x != y,
-              ">": lambda x, y: x > y, "<": lambda x, y: x < y,
-              ">=": lambda x, y: x >= y, "<=": lambda x, y: x <= y}[op]
+        fn = {
+            "+": lambda x, y: x + y,
+            "-": lambda x, y: x - y,
+            "*": lambda x, y: x * y,
+            "/": _div,
+            "==": lambda x, y: x == y,
+            "!=": lambda x, y: x != y,
+            ">": lambda x, y: x > y,
+            "<": lambda x, y: x < y,
+            ">=": lambda x, y: x >= y,
+            "<=": lambda x, y: x <= y,
+        }[op]
         cmp = op in _CMP
         if isinstance(a, float) and isinstance(b, float):
             return float(fn(a, b))
         if isinstance(b, float):
-            return [(lb, v) if cmp else (lb, fn(v, b)) for lb, v in a
-                    if not cmp or fn(v, b)]
+            return [(lb, v) if cmp else (lb, fn(v, b)) for lb, v in a if not cmp or fn(v, b)]
         if isinstance(a, float):
-            return [(lb, v) if cmp else (lb, fn(a, v)) for lb, v in b
-                    if not cmp or fn(a, v)]
+            return [(lb, v) if cmp else (lb, fn(a, v)) for lb, v in b if not cmp or fn(a, v)]
         right = {_key(lb, match): v for lb, v in b}
         out = []
         for lb, v in a:

@@ -14,7 +14,7 @@ def chain(key, stride, ns="ns"):
     """Stand-in router hashes: chained digests of whole ``stride``-token blocks."""
     out, h = [], hash(("seed", ns)) & (2**63 - 1)
     for i in range(0, len(key) - stride + 1, stride):
-        h = hash((h, tuple(key[i:i + stride]))) & (2**63 - 1)
+        h = hash((h, tuple(key[i : i + stride]))) & (2**63 - 1)
         out.append(h)
     return out
 
@@ -27,9 +27,12 @@ def removed(cache):
 def test_exact_lru_eviction_order_and_split():
     c = RadixCache(hash_stride=1)
     A, B, C = [1, 2, 3], [4, 5], [1, 2, 9]
-    c.insert("n", A, [101, 102, 103]); c.check()
-    c.insert("n", B, [204, 205]); c.check()
-    held, node = c.insert("n", C, [101, 102, 903]); c.check()
+    c.insert("n", A, [101, 102, 103])
+    c.check()
+    c.insert("n", B, [204, 205])
+    c.check()
+    held, node = c.insert("n", C, [101, 102, 903])
+    c.check()
     assert held == 3 and node.key == [9]
     # the insert split A after two tokens: upper [1,2] with two children, no event for it
     ev = c.drain_events()
@@ -40,7 +43,8 @@ def test_exact_lru_eviction_order_and_split():
     c.check()
     order = []
     for _ in range(4):
-        c.evict(1); c.check()
+        c.evict(1)
+        c.check()
         order.append(removed(c))
     # leaves oldest first: [3] (first insert), [9], then [1,2] once it is a leaf, then B
     assert order == [[103], [903], [101, 102], [204, 205]]
@@ -68,14 +72,18 @@ def test_locks_block_eviction_and_counts_stay_exact():
     c.insert("n", [1, 2, 7, 8])
     c.insert("n", [5, 6])
     n, node = c.match_prefix("n", [1, 2, 3, 4])
-    c.inc_lock_ref(node); c.check()
+    c.inc_lock_ref(node)
+    c.check()
     assert c.locked_tokens == 4 and c.evictable_tokens == 4
     assert c.evict(100) == 4  # only [7,8] and [5,6]; the locked path survives
     c.check()
     assert c.peek("n", [1, 2, 3, 4]) == 4 and c.peek("n", [5, 6]) == 0
-    c.inc_lock_ref(node); c.dec_lock_ref(node); c.check()
+    c.inc_lock_ref(node)
+    c.dec_lock_ref(node)
+    c.check()
     assert c.evict(100) == 0
-    c.dec_lock_ref(node); c.check()
+    c.dec_lock_ref(node)
+    c.check()
     assert c.evictable_tokens == 4 and c.evict(100) == 4
     c.check()
     assert c.total_tokens == 0
@@ -159,6 +167,7 @@ def test_protected_segment_survives_a_scan():
 
 def test_second_hit_pollution_one_off_does_not_flush_hot_prompt_cache_level():
     """Cache-level version (the scheduler-level one is in test_agent_scheduler)."""
+
     def run(mode):
         c = RadixCache(admission=AdmissionConfig(mode))
         cap = 110_000
@@ -174,6 +183,7 @@ def test_second_hit_pollution_one_off_does_not_flush_hot_prompt_cache_level():
             c.insert("n", big, admit_from=0)
             c.check()
         return c.peek("n", system)
+
     assert run("always") == 0
     assert run("second_hit") == 2000
 
@@ -215,16 +225,23 @@ def _apply(held: dict, events):
 def test_random_ops_keep_invariants_and_events_exact(mode, page):
     rng = random.Random(f"{mode}-{page}")
     stride = 4
-    c = RadixCache(page_size=page, hash_stride=stride, capacity_tokens=400,
-                   admission=AdmissionConfig(mode, min_prefix_tokens=6, ghost_block_tokens=4,
-                                             ghost_capacity=64, protected_fraction=0.4))
+    c = RadixCache(
+        page_size=page,
+        hash_stride=stride,
+        capacity_tokens=400,
+        admission=AdmissionConfig(
+            mode, min_prefix_tokens=6, ghost_block_tokens=4, ghost_capacity=64, protected_fraction=0.4
+        ),
+    )
     router: dict = {}
     locks = []
     stems = [[rng.randrange(3) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
     for step in range(600):
         op = rng.random()
         ns = rng.choice(["a", "b"])
-        key = rng.choice(stems)[: rng.randrange(0, 30)] + [rng.randrange(4) for _ in range(rng.randrange(0, 12))]
+        key = rng.choice(stems)[: rng.randrange(0, 30)] + [
+            rng.randrange(4) for _ in range(rng.randrange(0, 12))
+        ]
         if op < 0.4:
             c.insert(ns, key, chain(key, stride, ns), admit_from=rng.choice([None, 0]))
         elif op < 0.6:
@@ -261,18 +278,26 @@ def _shape(c):
         stack = [root]
         while stack:
             n = stack.pop()
-            out.append((ns, n.id, n.start, n.key, n.tick, n.lock_ref, n.hits, list(n.hashes),
-                        n.in_lru, n.protected))
+            out.append(
+                (ns, n.id, n.start, n.key, n.tick, n.lock_ref, n.hits, list(n.hashes), n.in_lru, n.protected)
+            )
             stack.extend(n.children[k] for k in sorted(n.children))
-    return (out, list(c._lru), list(c._lru_protected), c.total_tokens, c.evictable_tokens,
-            c.locked_tokens, c.protected_tokens, c.stats)
+    return (
+        out,
+        list(c._lru),
+        list(c._lru_protected),
+        c.total_tokens,
+        c.evictable_tokens,
+        c.locked_tokens,
+        c.protected_tokens,
+        c.stats,
+    )
 
 
 @pytest.mark.parametrize("mode", ["always", "second_hit", "protected"])
 def test_insert_below_and_locked_equals_a_walk_from_the_root_then_a_lock(mode):
     rng = random.Random(7)
-    a, b = (RadixCache(hash_stride=4, capacity_tokens=400, admission=AdmissionConfig(mode))
-            for _ in range(2))
+    a, b = (RadixCache(hash_stride=4, capacity_tokens=400, admission=AdmissionConfig(mode)) for _ in range(2))
     stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
     for _ in range(300):
         key = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
@@ -281,16 +306,21 @@ def test_insert_below_and_locked_equals_a_walk_from_the_root_then_a_lock(mode):
         na, node_a = a.match_prefix("n", key, limit)
         nb, node_b = b.match_prefix("n", key[:limit])
         assert na == nb
-        a.inc_lock_ref(node_a); b.inc_lock_ref(node_b)
+        a.inc_lock_ref(node_a)
+        b.inc_lock_ref(node_b)
         ha, ia = a.insert("n", key, hashes, admit_from=0, below=node_a, lock=True)
         hb, ib = b.insert("n", key, hashes, admit_from=0)
         b.inc_lock_ref(ib)
         assert ha == hb and (ia is None) == (ib is None) and (ia is None or ia.id == ib.id)
-        a.check(); b.check()
+        a.check()
+        b.check()
         assert _shape(a) == _shape(b)
-        a.dec_lock_ref(node_a); b.dec_lock_ref(node_b)
-        a.dec_lock_ref(ia); b.dec_lock_ref(ib)
-        a.check(); b.check()
+        a.dec_lock_ref(node_a)
+        b.dec_lock_ref(node_b)
+        a.dec_lock_ref(ia)
+        b.dec_lock_ref(ib)
+        a.check()
+        b.check()
         assert _shape(a) == _shape(b) and a.drain_events() == b.drain_events()
         if a.total_tokens > 300:
             assert a.evict(60) == b.evict(60)
@@ -299,6 +329,7 @@ def test_insert_below_and_locked_equals_a_walk_from_the_root_then_a_lock(mode):
 
 def test_insert_below_rejects_a_node_outside_the_tree():
     from worker_agent.radix_cache import as_key
+
     c = RadixCache()
     _, node = c.insert("n", [1, 2, 3])
     with pytest.raises(ValueError, match="not in the tree"):

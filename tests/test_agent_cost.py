@@ -84,14 +84,20 @@ def test_generated_text_is_deterministic_and_aligned():
     # the next chat turn re-tokenizes the answer exactly as cached
     turn1 = {"messages": [{"role": "user", "content": "hi"}]}
     p1 = routing_bytes(Endpoint.CHAT, turn1)
-    turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": text.decode()},
-                          {"role": "user", "content": "more"}]}
+    turn2 = {
+        "messages": [
+            *turn1["messages"],
+            {"role": "assistant", "content": text.decode()},
+            {"role": "user", "content": "more"},
+        ]
+    }
     t2 = tk.encode(routing_bytes(Endpoint.CHAT, turn2))
     assert t2[: len(tk.encode(p1)) + 20] == tk.encode(p1) + g
 
 
 def test_encode_key_is_encode_as_a_cache_key():
     from array import array
+
     rng = random.Random(3)
     for n in list(range(0, 13)) + [4097]:
         data = bytes(rng.randrange(256) for _ in range(n))

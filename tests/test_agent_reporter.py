@@ -10,8 +10,8 @@ from aiohttp.test_utils import TestServer
 
 from protocol.events import Snapshot, Stored
 from protocol.prefix_keys import Endpoint, request_key
-from tests.test_agent_fakes import FakeRouter
 from tests.procs import free_port
+from tests.test_agent_fakes import FakeRouter
 from worker_agent.reporter import LinkState
 from worker_agent.server import AGENT_KEY, REPORTER_KEY, AgentConfig, create_app
 
@@ -32,8 +32,11 @@ async def setup(monkeypatch):
     port = free_port()
     fake = FakeRouter()
     await fake.start(port)
-    app = create_app(AgentConfig(kv_tokens=4_000, worker_id="w0"),
-                     routers=[f"http://127.0.0.1:{port}"], advertise_url="http://127.0.0.1:1")
+    app = create_app(
+        AgentConfig(kv_tokens=4_000, worker_id="w0"),
+        routers=[f"http://127.0.0.1:{port}"],
+        advertise_url="http://127.0.0.1:1",
+    )
     srv = TestServer(app, host="127.0.0.1")
     await srv.start_server()
     client = ClientSession(base_url=str(srv.make_url("")), timeout=ClientTimeout(total=10))
@@ -118,9 +121,11 @@ async def test_every_router_replica_gets_the_same_truth():
     f1, f2 = FakeRouter(), FakeRouter()
     await f1.start(p1)
     await f2.start(p2)
-    app = create_app(AgentConfig(kv_tokens=3_000, worker_id="w9"),
-                     routers=[f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}"],
-                     advertise_url="http://127.0.0.1:2")
+    app = create_app(
+        AgentConfig(kv_tokens=3_000, worker_id="w9"),
+        routers=[f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}"],
+        advertise_url="http://127.0.0.1:2",
+    )
     srv = TestServer(app, host="127.0.0.1")
     await srv.start_server()
     try:

@@ -13,7 +13,7 @@ from worker_agent import tokenizer as tk
 from worker_agent.cost_model import CostModel
 from worker_agent.kv_pool import KVPool
 from worker_agent.radix_cache import AdmissionConfig, RadixCache
-from worker_agent.scheduler import Scheduler, SchedulerConfig, SchedRequest, State
+from worker_agent.scheduler import SchedRequest, Scheduler, SchedulerConfig, State
 
 
 def make(capacity=100_000, mode="always", stride=16, **cfg):
@@ -73,22 +73,33 @@ def test_chunked_prefill_and_decode_batch():
 
 def test_growth_during_decode_next_turn_finds_history():
     s = make(stride=16)
-    turn1 = {"model": "m", "messages": [{"role": "system", "content": "You are terse. " * 20},
-                                         {"role": "user", "content": "hello"}]}
+    turn1 = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "You are terse. " * 20},
+            {"role": "user", "content": "hello"},
+        ],
+    }
     k1 = request_key(Endpoint.CHAT, turn1, block_bytes=64)
     p1 = tk.encode(k1.data)
     out = tk.generate(7, 40)
     hashes = request_key(Endpoint.CHAT, turn1, block_bytes=64).hashes
     from protocol.prefix_keys import block_hashes, namespace_seed
+
     seed = namespace_seed("m")
     full_hashes = block_hashes(k1.data + tk.decode(out), seed, 64)
     assert full_hashes[: len(hashes)] == hashes
     r1 = SchedRequest(1, "ns", p1, 40, out, full_hashes)
     s.submit(r1, 0.0)
     t = run(s)
-    turn2 = {"model": "m", "messages": [*turn1["messages"],
-                                        {"role": "assistant", "content": tk.decode(out).decode()},
-                                        {"role": "user", "content": "again"}]}
+    turn2 = {
+        "model": "m",
+        "messages": [
+            *turn1["messages"],
+            {"role": "assistant", "content": tk.decode(out).decode()},
+            {"role": "user", "content": "again"},
+        ],
+    }
     k2 = request_key(Endpoint.CHAT, turn2, block_bytes=64)
     p2 = tk.encode(k2.data)
     r2 = SchedRequest(2, "ns", p2, 4, tk.generate(8, 4), k2.hashes)
@@ -163,6 +174,7 @@ def test_cancel_frees_kv_and_reports_unheld_blocks():
 
 def test_second_hit_pollution_scheduler_level():
     """A one-off 100k-token prompt must not flush a hot system prompt under second_hit."""
+
     def hot_survives(mode):
         s = make(capacity=110_000, mode=mode, chunk_tokens=16384)
         system = list(range(2000))
@@ -177,6 +189,7 @@ def test_second_hit_pollution_scheduler_level():
         s.submit(probe, t)
         run(s, t)
         return probe.cached
+
     assert hot_survives("always") == 0
     assert hot_survives("second_hit") == 2000
 
@@ -189,7 +202,9 @@ def test_random_workload_keeps_invariants():
     t = 0.0
     for i in range(300):
         if rng.random() < 0.5:
-            p = rng.choice(stems)[: rng.randrange(1, 800)] + [rng.randrange(50) for _ in range(rng.randrange(0, 60))]
+            p = rng.choice(stems)[: rng.randrange(1, 800)] + [
+                rng.randrange(50) for _ in range(rng.randrange(0, 60))
+            ]
             r = req(i, p, max_new=rng.randrange(0, 30), hashes=list(range(len(p) // 16)))
             s.submit(r, t)
             live.append(r)
@@ -263,8 +278,13 @@ def test_measured_prefill_rate_ignores_tiny_prefills():
 
 
 def _snapshot(s):
-    return ([(r.rid, r.generated, r.reserved, r.private, r.state) for r in s.running],
-            s.pool.private, s.pool.reserved, s.stats.decode_tokens, s.stats.steps)
+    return (
+        [(r.rid, r.generated, r.reserved, r.private, r.state) for r in s.running],
+        s.pool.private,
+        s.pool.reserved,
+        s.stats.decode_tokens,
+        s.stats.steps,
+    )
 
 
 @pytest.mark.parametrize("queued", [False, True])
@@ -292,7 +312,8 @@ def test_decode_many_equals_k_decode_steps(queued):
         assert res.prefill_tokens == 0 and not res.finished and res.decode_batch == 3
         total += res.duration_s
     b.decode_many(k, total)
-    a.check(); b.check()
+    a.check()
+    b.check()
     assert _snapshot(a) == _snapshot(b)
     assert a.stats.busy_s == pytest.approx(b.stats.busy_s)
     assert b.decode_window() == (0, 0)  # the next step finishes a request: a real step()

@@ -64,10 +64,17 @@ async def test_completion_reports_cached_tokens(agent):
 
 async def test_chat_stream_with_usage_and_sglang_fields(agent):
     c, a = await agent(kv_tokens=100_000)
-    body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi there"}],
-            "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
-            "no_stop_trim": True, "skip_special_tokens": False, "return_hidden_states": False,
-            "temperature": 0.0}
+    body = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "return_hidden_states": False,
+        "temperature": 0.0,
+    }
     resp = await c.post("/v1/chat/completions", json=body)
     assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
     chunks = await sse(resp)
@@ -87,13 +94,15 @@ async def test_chat_stream_with_usage_and_sglang_fields(agent):
 
 async def test_generate_and_token_id_prompts(agent):
     c, a = await agent(kv_tokens=100_000)
-    r = await (await c.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": {
-        "max_new_tokens": 2}})).json()
+    r = await (
+        await c.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 2}})
+    ).json()
     assert r["meta_info"]["prompt_tokens"] == 4 and r["meta_info"]["completion_tokens"] == 2
     r = await (await c.post("/v1/completions", json=completion([5, 6, 7, 8, 9], max_tokens=1))).json()
     assert r["usage"]["prompt_tokens"] == 5
-    resp = await c.post("/generate", json={"text": "hello", "stream": True,
-                                            "sampling_params": {"max_new_tokens": 3}})
+    resp = await c.post(
+        "/generate", json={"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 3}}
+    )
     chunks = await sse(resp)
     assert chunks[-1] == "[DONE]" and chunks[-2]["meta_info"]["completion_tokens"] == 3
 
@@ -114,8 +123,11 @@ async def test_tenants_do_not_share_cache(agent):
     r = await (await c.post("/v1/completions", json=p, headers={"x-radixfleet-tenant": "acme"})).json()
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # a LoRA adapter is its own namespace too
-    r = await (await c.post("/v1/completions", json={**p, "lora_path": "sql-lora"},
-                            headers={"x-radixfleet-tenant": "acme"})).json()
+    r = await (
+        await c.post(
+            "/v1/completions", json={**p, "lora_path": "sql-lora"}, headers={"x-radixfleet-tenant": "acme"}
+        )
+    ).json()
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
@@ -175,10 +187,16 @@ async def test_probes_and_metrics(agent):
     await c.post("/v1/completions", json=completion("metrics " * 30, max_tokens=1))
     await c.post("/v1/completions", json=completion("metrics " * 30, max_tokens=1))
     text = await (await c.get("/metrics")).text()
-    for name in ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage",
-                 "sglang:cache_hit_rate", "radixfleet_agent_prompt_tokens_total",
-                 "radixfleet_agent_cached_tokens_total", "radixfleet_agent_evicted_tokens_total",
-                 "radixfleet_agent_admission_refusals_total"):
+    for name in (
+        "sglang:num_queue_reqs",
+        "sglang:num_running_reqs",
+        "sglang:token_usage",
+        "sglang:cache_hit_rate",
+        "radixfleet_agent_prompt_tokens_total",
+        "radixfleet_agent_cached_tokens_total",
+        "radixfleet_agent_evicted_tokens_total",
+        "radixfleet_agent_admission_refusals_total",
+    ):
         assert name in text, name
     assert 'radixfleet_agent_cached_tokens_total{model_name="llama-3-8b"} 59.0' in text
     flush = await c.post("/flush_cache")
@@ -201,8 +219,11 @@ async def test_client_disconnect_cancels_and_frees_kv(agent):
     assert a.pool.private == a.pool.reserved == 0 and a.cache.locked_tokens == 0
     # a non-streamed request whose client times out is cancelled too
     try:
-        await c.post("/v1/completions", json=completion("again " * 50, max_tokens=2000),
-                     timeout=ClientTimeout(total=0.3))
+        await c.post(
+            "/v1/completions",
+            json=completion("again " * 50, max_tokens=2000),
+            timeout=ClientTimeout(total=0.3),
+        )
     except asyncio.TimeoutError:
         pass
     for _ in range(100):
@@ -220,13 +241,21 @@ async def test_openai_sdk_drop_in(agent):
     try:
         msgs = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "Hi"}]
         first = await client.chat.completions.create(model="llama-3-8b", messages=msgs, max_tokens=4)
-        msgs2 = [*msgs, {"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "And?"}]
+        msgs2 = [
+            *msgs,
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And?"},
+        ]
         second = await client.chat.completions.create(model="llama-3-8b", messages=msgs2, max_tokens=2)
         # the second turn reuses the first turn's prompt and all but its last generated token
         assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + 3
-        stream = await client.completions.create(model="llama-3-8b", prompt="abc", max_tokens=2,
-                                                 stream=True, stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model="llama-3-8b",
+            prompt="abc",
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         parts = [ch async for ch in stream]
         assert parts[-1].usage.completion_tokens == 2
     finally:
@@ -255,6 +284,7 @@ async def test_tenant_header_must_be_utf8(agent):
     from protocol.errors import MalformedRequest
     from protocol.prefix_keys import Endpoint
     from worker_agent.server import _parse
+
     c, a = await agent(kv_tokens=10_000)
     with pytest.raises(MalformedRequest, match="x-radixfleet-tenant"):
         _parse(a, Endpoint.COMPLETIONS, completion("x"), "caf\udcc3")
@@ -285,8 +315,9 @@ async def test_concurrent_burst_with_cancellations_leaves_no_leak(agent):
     systems = ["system prompt A " * 30, "system prompt B " * 30]
 
     async def one(i):
-        body = completion(systems[i % 2] + f"user {i} " * (i % 7 + 1), max_tokens=1 + i % 9,
-                          stream=bool(i % 2))
+        body = completion(
+            systems[i % 2] + f"user {i} " * (i % 7 + 1), max_tokens=1 + i % 9, stream=bool(i % 2)
+        )
         if i % 5 == 0:  # some clients give up early
             try:
                 await c.post("/v1/completions", json=body, timeout=ClientTimeout(total=0.002))

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from loadtest.analyze import (Options, analyze, budget, find_knee, oracle_and_reuse,
-                              pooled_curve, zipf_head)
+from loadtest.analyze import Options, analyze, budget, find_knee, oracle_and_reuse, pooled_curve, zipf_head
 from loadtest.arrivals import Bounds, TraceTimes
 from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
@@ -24,8 +23,9 @@ def _trace(path, rows, block_tokens=4) -> str:
     with open(path, "w") as f:
         for i, ids in enumerate(rows):
             n = block_tokens * len(ids)
-            f.write(json.dumps({"timestamp": i, "input_length": n, "output_length": 1,
-                                "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps({"timestamp": i, "input_length": n, "output_length": 1, "hash_ids": ids}) + "\n"
+            )
     return str(path)
 
 
@@ -44,13 +44,15 @@ def test_knee_figures_by_hand(tmp_path):
     # 3 blocks: r2 hits [1,2] (8), evicts [3]; r3 hits [1] (4), evicts [4];
     # r4 hits [1,2] (8) -> 20/44.  2 blocks: r1 and r2 evict their whole edge at once,
     # r3 keeps [1,5], r4 hits [1] (4) -> 4/44.  5 blocks hold everything: the oracle.
-    assert got == {8: pytest.approx(4 / 44), 12: pytest.approx(20 / 44),
-                   20: pytest.approx(24 / 44)}
+    assert got == {8: pytest.approx(4 / 44), 12: pytest.approx(20 / 44), 20: pytest.approx(24 / 44)}
     z = zipf_head(reuse, 4, 1.0)
     # counts: block 1 in 4 requests, 2 in 3, 3 in 2; deepest shared blocks: 3, 2, 1, 3
     assert z["sharing_share"] == 1.0 and z["shared_blocks"] == 3 and z["prefixes"] == 3
     assert [(c["share"], c["blocks"], c["prefixes"]) for c in z["coverage"]] == [
-        (0.5, 2, 2), (0.8, 3, 3), (0.95, 3, 3)]
+        (0.5, 2, 2),
+        (0.8, 3, 3),
+        (0.95, 3, 3),
+    ]
     assert z["static_hit_rate"] == pytest.approx(24 / 44)  # (3 + 2 + 1) blocks x 4 tokens
     assert z["top_prefixes"][0] == {"requests": 4, "depth_blocks": 1}
 
@@ -69,8 +71,7 @@ def test_find_knee_and_budget_by_hand():
 
 
 def _sim(trace: Trace, workers: int, kv: int) -> dict:
-    cfg = SimConfig(workers=workers, engine=EngineSpec(kv_tokens=kv), level="block",
-                    policy="round_robin")
+    cfg = SimConfig(workers=workers, engine=EngineSpec(kv_tokens=kv), level="block", policy="round_robin")
     return Simulation(cfg, trace, TraceTimes(), Bounds(None, None, 600.0)).run().report
 
 
@@ -97,40 +98,82 @@ def test_figures_match_the_simulators_references(tmp_path, source):
 def test_cli_table_json_plots_and_replay(tmp_path, capsys):
     paths = synthetic_log(str(tmp_path / "log"), 1200, active=20)
     out, plots = tmp_path / "a.json", tmp_path / "plots"
-    rc = main(["analyze", str(tmp_path / "log"), "--agents", "2", "--concurrency", "8",
-               "--policies", "round_robin,prefix_load", "--kv-tokens", "30000",
-               "--jobs", "1", "--json", str(out), "--plots", str(plots)])
+    rc = main(
+        [
+            "analyze",
+            str(tmp_path / "log"),
+            "--agents",
+            "2",
+            "--concurrency",
+            "8",
+            "--policies",
+            "round_robin,prefix_load",
+            "--kv-tokens",
+            "30000",
+            "--jobs",
+            "1",
+            "--json",
+            str(out),
+            "--plots",
+            str(plots),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["inputs"]["requests"] == 1200 and res["inputs"]["files"] == paths
     assert res["inputs"]["format"] == "traffic_log" and res["tokens"]["token_ratio"] == 1.0
     curve = [p["hit_rate"] for p in res["knee_curve"]]
     assert curve == sorted(curve) and curve[-1] == pytest.approx(res["oracle_hit_rate"])
-    assert res["knee"] in [{k: p[k] for k in ("kv_tokens", "kv_bytes", "hit_rate")}
-                           for p in res["knee_curve"]]
+    assert res["knee"] in [
+        {k: p[k] for k in ("kv_tokens", "kv_bytes", "hit_rate")} for p in res["knee_curve"]
+    ]
     assert res["at_budget"]["kv_tokens"] == res["budget"]["fleet_tokens"]
     assert [r["name"] for r in res["policies"]] == ["round_robin", "prefix_load"]
     assert all(r["requests"] == 1200 for r in res["policies"])
     text = capsys.readouterr().out
-    for word in ("oracle", "knee", "budget / worker", "slope past budget", "Zipf head 50%",
-                 "round_robin", "prefix_load"):
+    for word in (
+        "oracle",
+        "knee",
+        "budget / worker",
+        "slope past budget",
+        "Zipf head 50%",
+        "round_robin",
+        "prefix_load",
+    ):
         assert word in text
     for name in ("knee.png", "zipf_head.png", "policies.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("lines, args, message", [
-    (['{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}',
-      '{"timestamp": 1, "input_len'], ["--block-tokens", "4"], "line 2: not JSON"),
-    (['{"timestamp": 0, "format": "radixfleet.traffic/7"}'], [],
-     "line 1: 'format' is 'radixfleet.traffic/7', from another radixfleet version"),
-    ([], [], "no requests"),
-    (['{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}'],
-     ["--block-tokens", "4", "--agent-model", "llama-3-70b", "--gpu", "l4"],
-     "tp: llama-3-70b weights (141.2 GB) do not fit 1 x l4"),
-    (['{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}'],
-     ["--block-tokens", "4", "--agent-model", "mistral"], "--agent-model: unknown preset 'mistral'"),
-])
+@pytest.mark.parametrize(
+    "lines, args, message",
+    [
+        (
+            [
+                '{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}',
+                '{"timestamp": 1, "input_len',
+            ],
+            ["--block-tokens", "4"],
+            "line 2: not JSON",
+        ),
+        (
+            ['{"timestamp": 0, "format": "radixfleet.traffic/7"}'],
+            [],
+            "line 1: 'format' is 'radixfleet.traffic/7', from another radixfleet version",
+        ),
+        ([], [], "no requests"),
+        (
+            ['{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}'],
+            ["--block-tokens", "4", "--agent-model", "llama-3-70b", "--gpu", "l4"],
+            "tp: llama-3-70b weights (141.2 GB) do not fit 1 x l4",
+        ),
+        (
+            ['{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}'],
+            ["--block-tokens", "4", "--agent-model", "mistral"],
+            "--agent-model: unknown preset 'mistral'",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, lines, args, message):
     p = tmp_path / "log.jsonl"
     p.write_text("".join(line + "\n" for line in lines))
@@ -140,14 +183,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, lines, args, message
 
 
 def test_skip_bad_counts_and_goes_on(tmp_path, capsys):
-    rows = [json.dumps({"timestamp": i, "input_length": 8, "output_length": 1,
-                        "hash_ids": [1, 2 + i % 2]}) for i in range(6)]
+    rows = [
+        json.dumps({"timestamp": i, "input_length": 8, "output_length": 1, "hash_ids": [1, 2 + i % 2]})
+        for i in range(6)
+    ]
     rows[2] = rows[2][:20]
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join(rows) + "\n")
     out = tmp_path / "a.json"
-    assert main(["analyze", str(p), "--block-tokens", "4", "--skip-bad-lines", "--jobs", "1",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            ["analyze", str(p), "--block-tokens", "4", "--skip-bad-lines", "--jobs", "1", "--json", str(out)]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["inputs"]["requests"] == 5 and res["inputs"]["skipped_lines"] == 1
     assert res["inputs"]["first_skipped"] == [f"{p}:3"]

@@ -8,13 +8,19 @@ import math
 import pytest
 
 from loadtest.arrivals import Bounds, TraceTimes
-from loadtest.simulator.autoscale import (FlashCrowd, PrefixAwareScaler, QueueDepthScaler,
-                                          run_flash_crowd)
+from loadtest.simulator.autoscale import FlashCrowd, PrefixAwareScaler, QueueDepthScaler, run_flash_crowd
 from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import ACTIVE, GONE, SimConfig, Simulation
 from loadtest.workloads import Trace
-from router.autoscale import (AutoscaleParams, Demand, DemandMeter, HotDemand, WorkerLoad,
-                              queue_rule, workers_needed)
+from router.autoscale import (
+    AutoscaleParams,
+    Demand,
+    DemandMeter,
+    HotDemand,
+    WorkerLoad,
+    queue_rule,
+    workers_needed,
+)
 
 
 def _load(n, tps=20_000.0, backlog=0, running=0, cap=100_000):
@@ -22,8 +28,9 @@ def _load(n, tps=20_000.0, backlog=0, running=0, cap=100_000):
 
 
 def test_signal_parts_by_hand():
-    p = AutoscaleParams(target_utilization=0.5, holder_max_rate=20.0, queue_drain_s=10.0,
-                        kv_target=0.8, output_tokens=100)
+    p = AutoscaleParams(
+        target_utilization=0.5, holder_max_rate=20.0, queue_drain_s=10.0, kv_target=0.8, output_tokens=100
+    )
     # 50 req/s, 500 uncached tokens each: 25,000 tokens/s over 10,000 usable per worker
     d = Demand(50.0, 25_000.0, 100_000.0)
     sig = workers_needed(d, [], _load(2), p)
@@ -42,8 +49,7 @@ def test_signal_parts_by_hand():
     assert sig.queue == 3 and sig.desired == 8 and sig.reason == "holders+queue"
     # clamps
     assert workers_needed(Demand(0, 0, 0), [], _load(3), p).desired == 1
-    big = workers_needed(Demand(1e4, 1e9, 1e9), [], _load(3),
-                         AutoscaleParams(max_workers=7))
+    big = workers_needed(Demand(1e4, 1e9, 1e9), [], _load(3), AutoscaleParams(max_workers=7))
     assert big.desired == 7 and big.reason == "max"
     assert big.to_json()["desired"] == 7
 
@@ -64,10 +70,10 @@ def test_params_validate():
 
 
 def test_queue_rule_is_hpa():
-    assert queue_rule(0, 4, 2.0) == 1                 # empty queue: the floor
-    assert queue_rule(21, 4, 2.0) == 11               # ceil(21 / 2)
-    assert queue_rule(8, 4, 2.0) == 4                 # at target: unchanged
-    assert queue_rule(8.5, 4, 2.0) == 4               # within the 10% tolerance
+    assert queue_rule(0, 4, 2.0) == 1  # empty queue: the floor
+    assert queue_rule(21, 4, 2.0) == 11  # ceil(21 / 2)
+    assert queue_rule(8, 4, 2.0) == 4  # at target: unchanged
+    assert queue_rule(8.5, 4, 2.0) == 4  # within the 10% tolerance
     assert queue_rule(500, 4, 2.0, max_workers=64) == 64
 
 
@@ -125,8 +131,9 @@ class _Script:
 
 
 def test_workers_join_after_startup_and_leave_drained():
-    cfg = SimConfig(workers=2, engine=EngineSpec(kv_tokens=20_000), level="block",
-                    policy="round_robin", check=True)
+    cfg = SimConfig(
+        workers=2, engine=EngineSpec(kv_tokens=20_000), level="block", policy="round_robin", check=True
+    )
     sc = _Script([(8.0, 2), (20.0, 5), (100.0, 1)])
     sim = Simulation(cfg, _tiny_trace(), TraceTimes(), Bounds(None, None, 60.0), scaler=sc)
     rep = sim.run().report
@@ -135,7 +142,7 @@ def test_workers_join_after_startup_and_leave_drained():
     assert a["joins"] == 3 and a["peak_workers"] == 5 and a["leaves"] == 4
     # no request reached a worker before its start-up delay was over, or after it left
     joined = {}
-    for t, active, starting, draining, desired in a["timeline"]:
+    for t, active, _starting, _draining, _desired in a["timeline"]:
         if t >= 9.0 + 3.0 and t < 20.0:
             assert active == 5, (t, active)
     for job in sim.jobs:
@@ -149,20 +156,20 @@ def test_workers_join_after_startup_and_leave_drained():
     assert [r.state for r in sim.refs].count(ACTIVE) == 1
     assert all(r.state is GONE for r in sim.refs if r.state is not ACTIVE)
     # worker-seconds: each worker from its request to its leaving (or the end)
-    assert a["worker_seconds"] == pytest.approx(sum(
-        (r.left_at if r.left_at is not None else sim.now) - r.requested_at for r in sim.refs))
+    assert a["worker_seconds"] == pytest.approx(
+        sum((r.left_at if r.left_at is not None else sim.now) - r.requested_at for r in sim.refs)
+    )
     sim.check()
 
 
 def test_flash_crowd_prefix_aware_meets_the_slo_with_fewer_worker_seconds():
     """The prefix-aware rule's claim on a small flash crowd (same trace, seed and controller)."""
-    crowd = FlashCrowd(base_rate=4.0, flash_rate=50.0, ramp_s=90.0, hold_s=60.0,
-                       duration_s=360.0)
+    crowd = FlashCrowd(base_rate=4.0, flash_rate=50.0, ramp_s=90.0, hold_s=60.0, duration_s=360.0)
     kw = dict(interval_s=5.0, startup_s=30.0, stabilization_s=60.0)
-    pa = run_flash_crowd(PrefixAwareScaler(AutoscaleParams(max_workers=64), **kw), crowd,
-                         workers=2, slo_ms=2000.0)
-    qd = run_flash_crowd(QueueDepthScaler(4.0, max_workers=64, **kw), crowd, workers=2,
-                         slo_ms=2000.0)
+    pa = run_flash_crowd(
+        PrefixAwareScaler(AutoscaleParams(max_workers=64), **kw), crowd, workers=2, slo_ms=2000.0
+    )
+    qd = run_flash_crowd(QueueDepthScaler(4.0, max_workers=64, **kw), crowd, workers=2, slo_ms=2000.0)
     assert pa["requests"] == qd["requests"] == pa["ok"] == qd["ok"]
     assert pa["slo_met"], pa["ttft_p99_ms"]
     assert pa["worker_seconds"] < qd["worker_seconds"]
@@ -191,9 +198,11 @@ def test_fleet_signal_from_the_routers_own_objects_and_the_gauges():
         index.match(hot + [1000 + int(t * 100)], t)
         meter.observe(t, 256, 4 * 32 + 256)
         t += 0.025
-    views = [WorkerView("w0", 3, 5000, 1, 200, 4, 10_000, 200_000, 20_000.0),
-             WorkerView("w1", 2, 1000, 0, 0, 3, 10_000, 200_000, 20_000.0),
-             WorkerView("w2", 0, 0, 0, 0, 0, 0, 0, 10_000.0)]  # not reported yet
+    views = [
+        WorkerView("w0", 3, 5000, 1, 200, 4, 10_000, 200_000, 20_000.0),
+        WorkerView("w1", 2, 1000, 0, 0, 3, 10_000, 200_000, 20_000.0),
+        WorkerView("w2", 0, 0, 0, 0, 0, 0, 0, 10_000.0),
+    ]  # not reported yet
     p = AutoscaleParams(target_utilization=0.5, holder_max_rate=10.0, queue_drain_s=1.0)
     sig = fleet_signal(t, meter, index, views, p, block_tokens=32)
     # compute: 40 x 256 = 10,240 tokens/s over 0.5 x 20,000 -> 2; the prefix at ~40 req/s

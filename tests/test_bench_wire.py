@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from router.app import Router, RouterServer
 from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
+from router.app import Router, RouterServer
 from router.config import parse_config
 from tests.procs import free_port
 
@@ -37,8 +37,7 @@ async def test_lean_upstream_streams_every_event_as_its_own_write_and_the_client
     try:
         c = await LeanClient.connect("127.0.0.1", port)
         try:
-            a = await c.request(post_request("127.0.0.1", port, "/v1/completions",
-                                             dict(BODY, stream=True)))
+            a = await c.request(post_request("127.0.0.1", port, "/v1/completions", dict(BODY, stream=True)))
             assert a.status == 200 and a.done and a.events == 41  # 40 + [DONE]
             b = await c.request(post_request("127.0.0.1", port, "/v1/completions", BODY))
             assert b.status == 200 and b.events == 0 and not b.done and b.latency_s > 0
@@ -76,11 +75,20 @@ def test_client_counts_events_split_across_reads():
 async def test_events_counted_through_the_radixfleet_proxy():
     up = LeanUpstream(chunks=64)
     up_port = await up.start(0)
-    router = Router(parse_config({
-        "workers": [{"url": f"http://127.0.0.1:{up_port}", "id": "u"}],
-        "health": {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1,
-                   "success_threshold": 1},
-        "policy": {"name": "round_robin"}}))
+    router = Router(
+        parse_config(
+            {
+                "workers": [{"url": f"http://127.0.0.1:{up_port}", "id": "u"}],
+                "health": {
+                    "interval_s": 0.1,
+                    "timeout_s": 0.5,
+                    "failure_threshold": 1,
+                    "success_threshold": 1,
+                },
+                "policy": {"name": "round_robin"},
+            }
+        )
+    )
     server = RouterServer(router, port=free_port())
     port = await server.start()
     try:
@@ -91,8 +99,9 @@ async def test_events_counted_through_the_radixfleet_proxy():
         c = await LeanClient.connect("127.0.0.1", port)
         try:
             for _ in range(3):
-                a = await c.request(post_request("127.0.0.1", port, "/v1/completions",
-                                                 dict(BODY, stream=True)))
+                a = await c.request(
+                    post_request("127.0.0.1", port, "/v1/completions", dict(BODY, stream=True))
+                )
                 assert a.status == 200 and a.done and a.events == 65
         finally:
             c.close()

@@ -19,12 +19,19 @@ import httpx
 import nats
 import pytest
 
+from protocol.bus_wire import (
+    BadMessage,
+    RouterMessage,
+    Subjects,
+    parse_agent,
+    parse_load,
+    parse_router,
+    worker_token,
+)
+from protocol.errors import ConfigError, Overloaded
 from router.app import Router, RouterServer
 from router.bus.remote_load import RemoteInFlight
-from protocol.bus_wire import (BadMessage, RouterMessage, Subjects, parse_agent, parse_load,
-                             parse_router, worker_token)
 from router.config import parse_config
-from protocol.errors import ConfigError, Overloaded
 from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
 
@@ -37,11 +44,14 @@ pytestmark = pytest.mark.usefixtures("bus_salt")
 def bounded(timeout_s: float = 120.0):
     """Every async test here is bounded: a lost wake-up (a server that never comes
     back, a close that never returns) fails the test instead of stalling the run."""
+
     def deco(fn):
         @functools.wraps(fn)
         async def run(*args, **kwargs):
             await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+
         return run
+
     return deco
 
 
@@ -58,11 +68,23 @@ def held(router: Router, wid: str) -> set[int]:
 
 
 def bus_router(url: str, replica: str, **bus) -> Router:
-    return Router(parse_config({
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
-        "policy": {"name": "prefix_load", "params": {"min_match_tokens": 32}},
-        "bus": {"url": url, "replica_id": replica, "heartbeat_s": 0.2, "replica_ttl_s": 1.0,
-                "backoff_s": 0.1, "backoff_max_s": 0.5, **bus}}))
+    return Router(
+        parse_config(
+            {
+                "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
+                "policy": {"name": "prefix_load", "params": {"min_match_tokens": 32}},
+                "bus": {
+                    "url": url,
+                    "replica_id": replica,
+                    "heartbeat_s": 0.2,
+                    "replica_ttl_s": 1.0,
+                    "backoff_s": 0.1,
+                    "backoff_max_s": 0.5,
+                    **bus,
+                },
+            }
+        )
+    )
 
 
 async def start(router: Router) -> tuple[RouterServer, str]:
@@ -73,8 +95,19 @@ async def start(router: Router) -> tuple[RouterServer, str]:
 
 def agent(i: int, bus_url: str, routers: list[str] = ()) -> Proc:
     ap = free_port()
-    argv = ["agent", "--port", str(ap), "--worker-id", f"ag{i}", "--bus", bus_url,
-            "--kv-tokens", "400000", "--bus-snapshot-interval", "5"]
+    argv = [
+        "agent",
+        "--port",
+        str(ap),
+        "--worker-id",
+        f"ag{i}",
+        "--bus",
+        bus_url,
+        "--kv-tokens",
+        "400000",
+        "--bus-snapshot-interval",
+        "5",
+    ]
     for r in routers:
         argv += ["--router", r]
     return Proc(radixfleet_argv(*argv), ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30)
@@ -85,12 +118,17 @@ def metric(router: Router, name: str, **labels) -> float:
     return v or 0.0
 
 
-async def chat(c: httpx.AsyncClient, base: str, text: str, max_tokens: int = 4,
-               system: str = SYSTEM) -> httpx.Response:
-    return await c.post(base + "/v1/chat/completions", json={
-        "model": "llama-3-8b", "max_tokens": max_tokens,
-        "messages": [{"role": "system", "content": system},
-                     {"role": "user", "content": text}]})
+async def chat(
+    c: httpx.AsyncClient, base: str, text: str, max_tokens: int = 4, system: str = SYSTEM
+) -> httpx.Response:
+    return await c.post(
+        base + "/v1/chat/completions",
+        json={
+            "model": "llama-3-8b",
+            "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
+        },
+    )
 
 
 # ------------------------------------------------------------------ unit parts
@@ -99,12 +137,16 @@ async def chat(c: httpx.AsyncClient, base: str, text: str, max_tokens: int = 4,
 def test_config_bus_section_validated_with_paths():
     assert not parse_config({}).bus.enabled()
     assert parse_config({"bus": {"url": "nats://10.0.0.1:4222"}}).bus.enabled()
-    for raw, path in [({"url": "http://x:1"}, "bus.url"), ({"stream": "a.b"}, "bus.stream"),
-                      ({"subject_prefix": "a b"}, "bus.subject_prefix"),
-                      ({"replica_id": "r.1"}, "bus.replica_id"),
-                      ({"heartbeat_s": 1.0, "replica_ttl_s": 0.5}, "bus.replica_ttl_s"),
-                      ({"storage": "disk"}, "bus.storage"), ({"flush": 1}, "bus.flush"),
-                      ({"max_bytes": 10}, "bus.max_bytes")]:
+    for raw, path in [
+        ({"url": "http://x:1"}, "bus.url"),
+        ({"stream": "a.b"}, "bus.stream"),
+        ({"subject_prefix": "a b"}, "bus.subject_prefix"),
+        ({"replica_id": "r.1"}, "bus.replica_id"),
+        ({"heartbeat_s": 1.0, "replica_ttl_s": 0.5}, "bus.replica_ttl_s"),
+        ({"storage": "disk"}, "bus.storage"),
+        ({"flush": 1}, "bus.flush"),
+        ({"max_bytes": 10}, "bus.max_bytes"),
+    ]:
         with pytest.raises(ConfigError) as e:
             parse_config({"bus": raw})
         assert str(e.value).startswith(path), e.value
@@ -116,6 +158,7 @@ def test_a_bus_without_a_shared_salt_secret_is_refused(monkeypatch):
     the same prompt differently on every replica (and the agents cache it once per
     replica), so a router on a bus refuses to start, naming both ways out."""
     from router.reload import build
+
     cfg = parse_config({"bus": {"url": "nats://127.0.0.1:4222"}})
     monkeypatch.delenv("RADIXFLEET_TENANT_SALT")
     monkeypatch.delenv("RADIXFLEET_AGENT_TOKEN", raising=False)
@@ -133,16 +176,25 @@ def test_a_bus_without_a_shared_salt_secret_is_refused(monkeypatch):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("args, flag", [(["--bus", "http://x:1"], "--bus"),
-                                        (["--bus", "nats://x:99999"], "--bus"),
-                                        (["--bus", "nats://x:1", "--bus-prefix", "a.b"],
-                                         "--bus-prefix")])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--bus", "http://x:1"], "--bus"),
+        (["--bus", "nats://x:99999"], "--bus"),
+        (["--bus", "nats://x:1", "--bus-prefix", "a.b"], "--bus-prefix"),
+    ],
+)
 def test_agent_refuses_a_bad_bus_flag_with_one_line_and_exit_2(args, flag):
     """The agent checks its bus flags by the same rules as the router's YAML
     (protocol.bus_wire) before it listens."""
     import subprocess
-    r = subprocess.run(radixfleet_argv("agent", "--port", str(free_port()), *args),
-                       capture_output=True, text=True, timeout=60)
+
+    r = subprocess.run(
+        radixfleet_argv("agent", "--port", str(free_port()), *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], r.stderr
@@ -151,7 +203,8 @@ def test_agent_refuses_a_bad_bus_flag_with_one_line_and_exit_2(args, flag):
 def test_remote_in_flight_counts_replace_expire_and_bye():
     r = RemoteInFlight()
     m = lambda rep, seq, inf, full=False, bye=False: RouterMessage(  # noqa: E731
-        rep, seq, 128, full, inf, [], bye)
+        rep, seq, 128, full, inf, [], bye
+    )
     assert r.apply(m("a", 1, {"w1": (2, 100)}), 0.0) == {"w1"}
     assert r.apply(m("b", 1, {"w1": (1, 10), "w2": (1, 5)}), 0.0) == {"w1", "w2"}
     assert r.total("w1") == (3, 110)
@@ -178,6 +231,7 @@ def test_peers_picks_count_in_shedding_as_in_scoring():
     from router.pool import Pool, Source
     from router.prefix_index import PrefixIndex
     from router.shedding import Shedder
+
     pool = Pool(parse_config({}), PrefixIndex(), clock=lambda: 0.0)
     w = pool.add("w1", "http://127.0.0.1:1", Source.ADMIN)
     pool.register("w1", "http://127.0.0.1:1", "e1")
@@ -200,31 +254,44 @@ def test_wire_rejects_malformed_and_foreign_messages():
     s = Subjects("radixfleet")
     tok = worker_token("10.0.0.1:8000")
     assert s.agent("10.0.0.1:8000") == f"radixfleet.agent.{tok}" and "." not in tok
-    cases = [(b"\xff\xfe", "not_json"), (b"[1,2]", "foreign"), (b'{"hello": 1}', "foreign"),
-             (b'{"v": 1, "kind": "router"}', "wrong_kind"),
-             (b'{"v": 1, "kind": "agent", "batch": {"seq": -1}}', "bad_batch")]
+    cases = [
+        (b"\xff\xfe", "not_json"),
+        (b"[1,2]", "foreign"),
+        (b'{"hello": 1}', "foreign"),
+        (b'{"v": 1, "kind": "router"}', "wrong_kind"),
+        (b'{"v": 1, "kind": "agent", "batch": {"seq": -1}}', "bad_batch"),
+    ]
     for data, cause in cases:
         with pytest.raises(BadMessage) as e:
             parse_agent(data, tok)
         assert e.value.cause == cause
-    ok = {"v": 1, "kind": "agent", "batch": {"worker_id": "w", "url": "http://h:1",
-                                              "epoch": "e", "seq": 0, "events": []}}
+    ok = {
+        "v": 1,
+        "kind": "agent",
+        "batch": {"worker_id": "w", "url": "http://h:1", "epoch": "e", "seq": 0, "events": []},
+    }
     with pytest.raises(BadMessage) as e:
         parse_agent(json.dumps(ok).encode(), tok)  # worker w on another worker's subject
     assert e.value.cause == "wrong_subject"
     with pytest.raises(BadMessage) as e:
         parse_load(json.dumps({**ok, "kind": "load"}).encode(), worker_token("w"))
     assert e.value.cause == "bad_load"
-    for bad in [{"replica": "", "seq": 1, "block_bytes": 128},
-                {"replica": "r", "seq": 1, "block_bytes": 128, "inflight": {"w": [-1, 0]}},
-                {"replica": "r", "seq": 1, "block_bytes": 128, "hints": [["w", 0, [1 << 64]]]}]:
+    for bad in [
+        {"replica": "", "seq": 1, "block_bytes": 128},
+        {"replica": "r", "seq": 1, "block_bytes": 128, "inflight": {"w": [-1, 0]}},
+        {"replica": "r", "seq": 1, "block_bytes": 128, "hints": [["w", 0, [1 << 64]]]},
+    ]:
         with pytest.raises(BadMessage) as e:
             parse_router(json.dumps({"v": 1, "kind": "router", **bad}).encode())
         assert e.value.cause == "bad_router"
     msg = RouterMessage("r1", 3, 128, False, {"w": (1, 2)}, [("w", 0.5, [1, 2, 3])])
     back = parse_router(msg.to_bytes())
     assert (back.replica, back.seq, back.inflight, back.hints) == (
-        "r1", 3, {"w": (1, 2)}, [("w", 0.5, [1, 2, 3])])
+        "r1",
+        3,
+        {"w": (1, 2)},
+        [("w", 0.5, [1, 2, 3])],
+    )
 
 
 # ---------------------------------------------------------- against nats-server
@@ -242,21 +309,39 @@ async def test_replicas_share_one_truth_and_a_late_replica_warm_starts():
             for i in range(2):
                 agents.append(agent(i, ns.url).__enter__())
             for r in (a, b):
-                await wait_for(lambda r=r: len(r.pool.views(time.monotonic())) == 2, 15,
-                               "both agents registered through the bus")
+                await wait_for(
+                    lambda r=r: len(r.pool.views(time.monotonic())) == 2,
+                    15,
+                    "both agents registered through the bus",
+                )
             async with httpx.AsyncClient(timeout=30) as c:
                 for i in range(80):  # round robin over the two replicas, 16 documents
-                    r = await chat(c, (ua, ub)[i % 2], f"question {i} " * (1 + i % 7),
-                                   system=f"Document {i % 16}: " + SYSTEM * 3)
+                    r = await chat(
+                        c,
+                        (ua, ub)[i % 2],
+                        f"question {i} " * (1 + i % 7),
+                        system=f"Document {i % 16}: " + SYSTEM * 3,
+                    )
                     assert r.status_code == 200, r.text
+
             # both indexes converge on the agents' truth
             def same() -> bool:
                 return all(held(a, w) == held(b, w) for w in ("ag0", "ag1"))
+
             try:
                 await wait_for(same, 5, "equal indexes")
             finally:
-                print({w: (len(held(a, w)), len(held(b, w)), len(held(a, w) - held(b, w)),
-                           len(held(b, w) - held(a, w))) for w in ("ag0", "ag1")})
+                print(
+                    {
+                        w: (
+                            len(held(a, w)),
+                            len(held(b, w)),
+                            len(held(a, w) - held(b, w)),
+                            len(held(b, w) - held(a, w)),
+                        )
+                        for w in ("ag0", "ag1")
+                    }
+                )
             assert a.index.stats().holder_entries > 100
             for w in ("ag0", "ag1"):
                 assert a.index.entries(w) == b.index.entries(w)
@@ -280,9 +365,13 @@ async def test_replicas_share_one_truth_and_a_late_replica_warm_starts():
             mine = c_router.index.stats().holder_entries
             assert abs(mine - peers) <= 0.01 * peers, (mine, peers, ready_s)
             print(f"late replica ready in {ready_s:.3f} s, entries {mine} vs peers {peers}")
-            a.pool.check(); b.pool.check(); c_router.pool.check()
-            a.index.check(); c_router.index.check()
-            a.bus.check(); c_router.bus.check()
+            a.pool.check()
+            b.pool.check()
+            c_router.pool.check()
+            a.index.check()
+            c_router.index.check()
+            a.bus.check()
+            c_router.bus.check()
         finally:
             if c_server is not None:
                 await c_server.aclose()
@@ -301,21 +390,21 @@ async def test_in_flight_counts_are_shared_between_replicas():
         p = agent(0, ns.url).__enter__()
         try:
             for r in (a, b):
-                await wait_for(lambda r=r: len(r.pool.views(time.monotonic())) == 1, 15,
-                               "the agent registered")
+                await wait_for(
+                    lambda r=r: len(r.pool.views(time.monotonic())) == 1, 15, "the agent registered"
+                )
             async with httpx.AsyncClient(timeout=60) as c:
                 # long answers held open on replica a: b must count them on ag0
-                tasks = [asyncio.create_task(chat(c, ua, f"long {i}", max_tokens=400))
-                         for i in range(3)]
-                await wait_for(lambda: b.pool.get("ag0").remote_in_flight == 3, 5,
-                               "b sees a's 3 requests")
+                tasks = [asyncio.create_task(chat(c, ua, f"long {i}", max_tokens=400)) for i in range(3)]
+                await wait_for(lambda: b.pool.get("ag0").remote_in_flight == 3, 5, "b sees a's 3 requests")
                 view = next(v for v in b.pool.views(time.monotonic()) if v.id == "ag0")
                 assert view.in_flight >= 3  # the policy's view includes them
                 assert b.pool.get("ag0").in_flight == 0  # b's own count is its own
                 for t in tasks:
                     assert (await t).status_code == 200
-            await wait_for(lambda: b.pool.get("ag0").remote_in_flight == 0, 5,
-                           "finished requests released on b")
+            await wait_for(
+                lambda: b.pool.get("ag0").remote_in_flight == 0, 5, "finished requests released on b"
+            )
             # a replica that leaves says bye: the others drop it at once, not after
             # replica_ttl_s (1 s here)
             assert "ra" in b.bus.remote.replicas
@@ -340,8 +429,9 @@ async def test_bus_outage_degrades_to_direct_push_and_local_counts():
         p = agent(0, ns.url, [ua, ub]).__enter__()
         try:
             for r in (a, b):
-                await wait_for(lambda r=r: len(r.pool.views(time.monotonic())) == 1, 15,
-                               "the agent registered")
+                await wait_for(
+                    lambda r=r: len(r.pool.views(time.monotonic())) == 1, 15, "the agent registered"
+                )
             await wait_for(lambda: "rb" in a.bus.remote.replicas, 5, "a hears b")
             agent_info = p.ready_url.replace("/health", "/get_server_info")
             async with httpx.AsyncClient(timeout=5) as c:
@@ -370,8 +460,11 @@ async def test_bus_outage_degrades_to_direct_push_and_local_counts():
             assert killed and ok > 10
             for r in (a, b):
                 assert metric(r, "radixfleet_bus_up") == 0
-                assert metric(r, "radixfleet_bus_outages_total", cause="lost") + \
-                    metric(r, "radixfleet_bus_outages_total", cause="connect") >= 1
+                assert (
+                    metric(r, "radixfleet_bus_outages_total", cause="lost")
+                    + metric(r, "radixfleet_bus_outages_total", cause="connect")
+                    >= 1
+                )
             # the others' counts expired; the agent pushes directly now
             assert a.bus.remote.replicas == {}
             async with httpx.AsyncClient(timeout=5) as c:
@@ -412,20 +505,30 @@ async def test_malformed_and_foreign_bus_messages_are_counted_and_ignored():
             tok = worker_token("ghost:1")
             await js.publish(f"radixfleet.agent.{tok}", b"not json at all")
             await js.publish(f"radixfleet.agent.{tok}", b'{"some": "other app"}')
-            await js.publish(f"radixfleet.agent.{tok}", json.dumps({
-                "v": 1, "kind": "agent", "batch": {"worker_id": "other:1", "url": "http://x:1",
-                                                   "epoch": "e", "seq": 0}}).encode())
+            await js.publish(
+                f"radixfleet.agent.{tok}",
+                json.dumps(
+                    {
+                        "v": 1,
+                        "kind": "agent",
+                        "batch": {"worker_id": "other:1", "url": "http://x:1", "epoch": "e", "seq": 0},
+                    }
+                ).encode(),
+            )
             await nc.publish("radixfleet.router.evil", b'{"v": 1, "kind": "router", "seq": "x"}')
             await nc.publish("radixfleet.load.00", b"\x00\x01")
-            await nc.publish("radixfleet.router.old", RouterMessage(
-                "old", 1, 64, False, {}, [("ag9", 0.0, [1, 2])]).to_bytes())
+            await nc.publish(
+                "radixfleet.router.old",
+                RouterMessage("old", 1, 64, False, {}, [("ag9", 0.0, [1, 2])]).to_bytes(),
+            )
             await nc.flush()
-            want = {"not_json": 2, "foreign": 1, "wrong_subject": 1, "bad_router": 1,
-                    "config_mismatch": 1}
+            want = {"not_json": 2, "foreign": 1, "wrong_subject": 1, "bad_router": 1, "config_mismatch": 1}
 
             def counted() -> bool:
-                return all(metric(a, "radixfleet_bus_bad_messages_total", cause=k) >= v
-                           for k, v in want.items())
+                return all(
+                    metric(a, "radixfleet_bus_bad_messages_total", cause=k) >= v for k, v in want.items()
+                )
+
             await wait_for(counted, 5, "bad messages counted")
             assert a.bus.conn.up
             async with httpx.AsyncClient(timeout=5) as c:
@@ -468,23 +571,37 @@ async def test_a_sequence_gap_makes_the_agent_snapshot_again():
         p = agent(0, ns.url).__enter__()
         nc = await nats.connect(ns.url)
         try:
-            await wait_for(lambda: a.pool.get("ag0") is not None
-                           and a.pool.get("ag0").epoch is not None, 15, "registered")
+            await wait_for(
+                lambda: a.pool.get("ag0") is not None and a.pool.get("ag0").epoch is not None,
+                15,
+                "registered",
+            )
             info_url = p.ready_url.replace("/health", "/get_server_info")
             async with httpx.AsyncClient(timeout=5) as c:
                 snaps = (await c.get(info_url)).json()["bus"]["snapshots"]
                 w = a.pool.get("ag0")
                 # a batch from the future: the replica sees a gap and asks for a snapshot
-                await nc.jetstream().publish(Subjects("radixfleet").agent("ag0"), json.dumps({
-                    "v": 1, "kind": "agent", "batch": {
-                        "worker_id": "ag0", "url": w.url, "epoch": w.epoch,
-                        "seq": w.next_seq + 1000, "events": []}}).encode())
+                await nc.jetstream().publish(
+                    Subjects("radixfleet").agent("ag0"),
+                    json.dumps(
+                        {
+                            "v": 1,
+                            "kind": "agent",
+                            "batch": {
+                                "worker_id": "ag0",
+                                "url": w.url,
+                                "epoch": w.epoch,
+                                "seq": w.next_seq + 1000,
+                                "events": [],
+                            },
+                        }
+                    ).encode(),
+                )
                 deadline = time.monotonic() + 5
                 while (await c.get(info_url)).json()["bus"]["snapshots"] <= snaps:
                     assert time.monotonic() < deadline, "no snapshot after the gap"
                     await asyncio.sleep(0.05)
-            assert metric(a, "radixfleet_bus_messages_published_total",
-                          kind="snapshot_request") >= 1
+            assert metric(a, "radixfleet_bus_messages_published_total", kind="snapshot_request") >= 1
             await wait_for(lambda: a.pool.get("ag0").next_seq < 1000, 5, "back in sync")
         finally:
             await nc.close()
@@ -498,24 +615,34 @@ async def test_a_peers_hint_reaches_the_index_the_counts_and_the_write_rates():
     writes (the blocks the worker did not hold) in prefix_load's write rates, which
     judge KV turnover and break ties."""
     from types import SimpleNamespace
+
     from prometheus_client import CollectorRegistry
+
     from policies.prefix_load import PrefixLoad
     from router.bus.replica import BusReplica
     from router.pool import Pool
     from router.prefix_index import PrefixIndex
+
     now = 100.0
     index, pol = PrefixIndex(), PrefixLoad()
     cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "replica_id": "me"}})
     pool = Pool(cfg, index, clock=lambda: now)
     for i in (1, 2):
         pool.register(f"w{i}", f"http://127.0.0.1:{i}", "e")
-    rep = BusReplica(cfg.bus, pool=pool, index=index, feedback=None, block_bytes=128,
-                     registry=CollectorRegistry(), clock=lambda: now, policy=lambda: pol)
+    rep = BusReplica(
+        cfg.bus,
+        pool=pool,
+        index=index,
+        feedback=None,
+        block_bytes=128,
+        registry=CollectorRegistry(),
+        clock=lambda: now,
+        policy=lambda: pol,
+    )
     hashes = list(range(1, 11))
     index.insert("w1", hashes[:4], now - 5)  # w1 holds 4 of the 10 blocks
     msg = RouterMessage("peer", 1, 128, False, {"w1": (1, 200)}, [("w1", 0.0, hashes)])
-    await rep._on_router(SimpleNamespace(data=msg.to_bytes(), subject="radixfleet.router.peer",
-                                        headers=None))
+    await rep._on_router(SimpleNamespace(data=msg.to_bytes(), subject="radixfleet.router.peer", headers=None))
     assert index.match(hashes, now, count=False).blocks == {"w1": 10}
     assert pool.get("w1").remote_tokens == 200 and pool.get("w1").mark.since_tokens == 200
     assert pol._write_rate("w1", now) == pytest.approx(6 * 32 / pol.params.kv_window_s)
@@ -532,12 +659,15 @@ async def test_a_peers_picks_reach_the_session_footprints_as_one_routers_would()
     prompt), so "crowded" is judged on the fleet's sessions, not on the share of
     turns this replica happened to route."""
     from types import SimpleNamespace
+
     from prometheus_client import CollectorRegistry
+
     from policies.base import RouteRequest
     from policies.prefix_load import PrefixLoad
     from router.bus.replica import BusReplica
     from router.pool import Pool
     from router.prefix_index import PrefixIndex
+
     now = 100.0
     cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "replica_id": "me"}})
     index, pol = PrefixIndex(), PrefixLoad()
@@ -547,14 +677,26 @@ async def test_a_peers_picks_reach_the_session_footprints_as_one_routers_would()
     for i in (1, 2):
         pool.register(f"w{i}", f"http://127.0.0.1:{i}", "e")
         one_pool.register(f"w{i}", f"http://127.0.0.1:{i}", "e")
-    rep = BusReplica(cfg.bus, pool=pool, index=index, feedback=None, block_bytes=128,
-                     registry=CollectorRegistry(), clock=lambda: now, policy=lambda: pol)
-    turns = [(6.0, "w1", list(range(1, 11))), (4.0, "w1", list(range(1, 21))),
-             (2.0, "w2", list(range(1, 31)))]  # the third turn moved to w2
+    rep = BusReplica(
+        cfg.bus,
+        pool=pool,
+        index=index,
+        feedback=None,
+        block_bytes=128,
+        registry=CollectorRegistry(),
+        clock=lambda: now,
+        policy=lambda: pol,
+    )
+    turns = [
+        (6.0, "w1", list(range(1, 11))),
+        (4.0, "w1", list(range(1, 21))),
+        (2.0, "w2", list(range(1, 31))),
+    ]  # the third turn moved to w2
     for seq, (age, wid, hashes) in enumerate(turns, 1):
         msg = RouterMessage("peer", seq, 128, False, {}, [(wid, age, hashes)])
-        await rep._on_router(SimpleNamespace(data=msg.to_bytes(),
-                                            subject="radixfleet.router.peer", headers=None))
+        await rep._on_router(
+            SimpleNamespace(data=msg.to_bytes(), subject="radixfleet.router.peer", headers=None)
+        )
         t = now - age
         req = RouteRequest(hashes, len(hashes) * 32, 32)
         one_match = one_index.match(hashes, t)
@@ -574,14 +716,23 @@ def test_caught_up_waits_for_the_stream_and_one_heartbeat_of_the_peers():
     heartbeat_s passed since it subscribed (its peers' full counts heard); until then
     /readiness' bus body says so, with the lag."""
     from prometheus_client import CollectorRegistry
+
     from router.bus.replica import BusReplica
     from router.pool import Pool
     from router.prefix_index import PrefixIndex
+
     clock = [10.0]
     cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "heartbeat_s": 0.5}})
     index = PrefixIndex()
-    rep = BusReplica(cfg.bus, pool=Pool(cfg, index), index=index, feedback=None,
-                     block_bytes=128, registry=CollectorRegistry(), clock=lambda: clock[0])
+    rep = BusReplica(
+        cfg.bus,
+        pool=Pool(cfg, index),
+        index=index,
+        feedback=None,
+        block_bytes=128,
+        registry=CollectorRegistry(),
+        clock=lambda: clock[0],
+    )
     rep._started = rep._subscribed = 10.0
     rep.target_seq, rep.applied_seq = 40, 30
     assert rep.describe()["caught_up"] is False and rep.describe()["lag"] == 10
@@ -612,5 +763,15 @@ def test_replication_decisions_travel_and_apply_as_one_router_would():
     assert list(theirs.get(77).replicas) == ["w2"]
     theirs.check()
     with pytest.raises(BadMessage):
-        parse_router(json.dumps({"v": 1, "kind": "router", "replica": "r", "seq": 1,
-                                 "block_bytes": 128, "repl": [["copy", 1, 1, "w"]]}).encode())
+        parse_router(
+            json.dumps(
+                {
+                    "v": 1,
+                    "kind": "router",
+                    "replica": "r",
+                    "seq": 1,
+                    "block_bytes": 128,
+                    "repl": [["copy", 1, 1, "w"]],
+                }
+            ).encode()
+        )

@@ -35,10 +35,22 @@ ROUTER_PASSWORD = "router-password-9f2"
 
 
 def bus_router(url: str, **bus) -> Router:
-    return Router(parse_config({
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
-        "bus": {"url": url, "replica_id": "ra", "heartbeat_s": 0.2, "replica_ttl_s": 1.0,
-                "backoff_s": 0.1, "backoff_max_s": 0.5, **bus}}))
+    return Router(
+        parse_config(
+            {
+                "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
+                "bus": {
+                    "url": url,
+                    "replica_id": "ra",
+                    "heartbeat_s": 0.2,
+                    "replica_ttl_s": 1.0,
+                    "backoff_s": 0.1,
+                    "backoff_max_s": 0.5,
+                    **bus,
+                },
+            }
+        )
+    )
 
 
 async def start(router: Router) -> tuple[RouterServer, str]:
@@ -60,15 +72,27 @@ def nkey_user(folder) -> tuple[str, str]:
 
 def agent_proc(bus_url: str, *flags: str) -> Proc:
     port = free_port()
-    return Proc(radixfleet_argv("agent", "--port", str(port), "--worker-id", "ag0", "--bus",
-                                bus_url, "--kv-tokens", "400000", *flags),
-                ready_url=f"http://127.0.0.1:{port}/health", timeout_s=30,
-                env={"RADIXFLEET_AGENT_TOKEN": AGENT_TOKEN})
+    return Proc(
+        radixfleet_argv(
+            "agent",
+            "--port",
+            str(port),
+            "--worker-id",
+            "ag0",
+            "--bus",
+            bus_url,
+            "--kv-tokens",
+            "400000",
+            *flags,
+        ),
+        ready_url=f"http://127.0.0.1:{port}/health",
+        timeout_s=30,
+        env={"RADIXFLEET_AGENT_TOKEN": AGENT_TOKEN},
+    )
 
 
 @bounded()
-async def test_router_and_agent_authenticate_sign_and_keep_out_who_lacks_the_token(
-        tmp_path, monkeypatch):
+async def test_router_and_agent_authenticate_sign_and_keep_out_who_lacks_the_token(tmp_path, monkeypatch):
     public, seed_file = nkey_user(tmp_path)
     conf = f"""authorization {{
   users = [
@@ -87,20 +111,37 @@ async def test_router_and_agent_authenticate_sign_and_keep_out_who_lacks_the_tok
         try:
             await wait_for(lambda: a.bus.conn.up, 10, "router on the bus")
             await wait_for(lambda: a.pool.get("ag0") is not None, 20, "agent registered")
-            await wait_for(lambda: "ag0" in [v.id for v in a.pool.views(time.monotonic())],
-                           20, "agent healthy")
+            await wait_for(
+                lambda: "ag0" in [v.id for v in a.pool.views(time.monotonic())], 20, "agent healthy"
+            )
             async with httpx.AsyncClient(timeout=30) as c:
                 r = await chat(c, ua, "hello over an authenticated bus")
                 assert r.status_code == 200, r.text
             await wait_for(lambda: "ag0" in a.index.workers(), 10, "signed events applied")
             # a NATS user without the agent token: its registration is dropped
             subj = Subjects("radixfleet").agent("busevil")
-            await nc.jetstream().publish(subj, json.dumps({
-                "v": 1, "kind": "agent", "register": {"models": ["llama-3-8b"]},
-                "batch": {"worker_id": "busevil", "url": "http://127.0.0.1:9", "epoch": "e",
-                          "seq": 0, "events": [{"type": "snapshot", "blocks": []}]}}).encode())
-            await wait_for(lambda: metric(a, "radixfleet_bus_bad_messages_total",
-                                          cause="unsigned") >= 1, 5, "unsigned dropped")
+            await nc.jetstream().publish(
+                subj,
+                json.dumps(
+                    {
+                        "v": 1,
+                        "kind": "agent",
+                        "register": {"models": ["llama-3-8b"]},
+                        "batch": {
+                            "worker_id": "busevil",
+                            "url": "http://127.0.0.1:9",
+                            "epoch": "e",
+                            "seq": 0,
+                            "events": [{"type": "snapshot", "blocks": []}],
+                        },
+                    }
+                ).encode(),
+            )
+            await wait_for(
+                lambda: metric(a, "radixfleet_bus_bad_messages_total", cause="unsigned") >= 1,
+                5,
+                "unsigned dropped",
+            )
             assert a.pool.get("busevil") is None
             assert metric(a, "radixfleet_bus_bad_messages_total", cause="bad_signature") == 0
         finally:
@@ -121,16 +162,18 @@ async def test_creds_files_in_operator_mode(tmp_path, monkeypatch):
         p = agent_proc(ns.url, "--bus-creds-file", creds).__enter__()
         try:
             await wait_for(lambda: a.bus.conn.up and a.bus.caught_up, 10, "router with creds")
-            await wait_for(lambda: a.pool.get("ag0") is not None
-                           and a.pool.get("ag0").epoch is not None, 20, "agent with creds")
+            await wait_for(
+                lambda: a.pool.get("ag0") is not None and a.pool.get("ag0").epoch is not None,
+                20,
+                "agent with creds",
+            )
         finally:
             p.__exit__(None, None, None)
             await sa.aclose()
 
 
 @bounded()
-async def test_a_refused_credential_is_one_error_line_and_the_router_serves_on(
-        tmp_path, caplog):
+async def test_a_refused_credential_is_one_error_line_and_the_router_serves_on(tmp_path, caplog):
     wrong = tmp_path / "password"
     wrong.write_text("not-the-password\n")
     conf = f'authorization {{ users = [ {{user: router, password: "{ROUTER_PASSWORD}"}} ] }}\n'
@@ -139,8 +182,11 @@ async def test_a_refused_credential_is_one_error_line_and_the_router_serves_on(
         a = bus_router(ns.url, auth={"user": "router", "password_file": str(wrong)})
         sa, ua = await start(a)
         try:
-            await wait_for(lambda: metric(a, "radixfleet_bus_outages_total", cause="auth") >= 3,
-                           15, "refused credentials counted")
+            await wait_for(
+                lambda: metric(a, "radixfleet_bus_outages_total", cause="auth") >= 3,
+                15,
+                "refused credentials counted",
+            )
             async with httpx.AsyncClient(timeout=5) as c:
                 r = await c.get(ua + "/readiness")
                 assert r.json()["bus"]["state"] != "up"
@@ -172,25 +218,36 @@ async def test_token_authentication(tmp_path):
 async def test_mutual_tls_and_an_unknown_server_certificate(tmp_path, caplog):
     certs = make_certs(tmp_path)
     conf = f"""tls {{
-  cert_file: "{certs['server_cert']}"
-  key_file: "{certs['server_key']}"
-  ca_file: "{certs['ca']}"
+  cert_file: "{certs["server_cert"]}"
+  key_file: "{certs["server_key"]}"
+  ca_file: "{certs["ca"]}"
   verify: true
 }}
 """
     with NatsServer(free_port(), config=conf) as ns:
         assert ns.url.startswith("tls://")
-        good = bus_router(ns.url, tls={"ca_file": certs["ca"], "cert_file": certs["client_cert"],
-                                       "key_file": certs["client_key"]})
+        good = bus_router(
+            ns.url,
+            tls={"ca_file": certs["ca"], "cert_file": certs["client_cert"], "key_file": certs["client_key"]},
+        )
         sg, _ = await start(good)
-        other = bus_router(ns.url, replica_id="rb", tls={
-            "ca_file": certs["other_ca"], "cert_file": certs["client_cert"],
-            "key_file": certs["client_key"]})
+        other = bus_router(
+            ns.url,
+            replica_id="rb",
+            tls={
+                "ca_file": certs["other_ca"],
+                "cert_file": certs["client_cert"],
+                "key_file": certs["client_key"],
+            },
+        )
         so, _ = await start(other)
         try:
             await wait_for(lambda: good.bus.conn.up and good.bus.caught_up, 10, "up over TLS")
-            await wait_for(lambda: metric(other, "radixfleet_bus_outages_total",
-                                          cause="tls") >= 1, 10, "TLS failure counted")
+            await wait_for(
+                lambda: metric(other, "radixfleet_bus_outages_total", cause="tls") >= 1,
+                10,
+                "TLS failure counted",
+            )
             assert not other.bus.conn.up
         finally:
             await so.aclose()
@@ -202,35 +259,55 @@ async def test_mutual_tls_and_an_unknown_server_certificate(tmp_path, caplog):
 
 def test_missing_secrets_and_files_are_one_line_and_exit_2(tmp_path):
     cfg = tmp_path / "router.yaml"
-    cfg.write_text("bus:\n  url: tls://127.0.0.1:4222\n  auth:\n"
-                   f"    creds_file: {tmp_path / 'nope.creds'}\n")
-    r = subprocess.run(radixfleet_argv("check-config", str(cfg)), capture_output=True,
-                       text=True, timeout=60)
+    cfg.write_text(f"bus:\n  url: tls://127.0.0.1:4222\n  auth:\n    creds_file: {tmp_path / 'nope.creds'}\n")
+    r = subprocess.run(radixfleet_argv("check-config", str(cfg)), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r
     err = r.stderr.strip()
     assert len(err.splitlines()) == 1 and "bus.auth.creds_file: no such file" in err, err
-    cfg.write_text("bus:\n  url: nats://127.0.0.1:4222\n  auth:\n    user: router\n"
-                   "    password_env: TEST_BUS_PASSWORD_UNSET\n")
-    r = subprocess.run(radixfleet_argv("check-config", str(cfg)), capture_output=True,
-                       text=True, timeout=60)
+    cfg.write_text(
+        "bus:\n  url: nats://127.0.0.1:4222\n  auth:\n    user: router\n"
+        "    password_env: TEST_BUS_PASSWORD_UNSET\n"
+    )
+    r = subprocess.run(radixfleet_argv("check-config", str(cfg)), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r  # which env vars are set is known only where it runs
-    env = {k: v for k, v in __import__("os").environ.items()
-           if k not in ("TEST_BUS_PASSWORD_UNSET", "RADIXFLEET_AGENT_TOKEN")}
-    r = subprocess.run(radixfleet_argv("router", "--config", str(cfg), "--port",
-                                       str(free_port())),
-                       capture_output=True, text=True, timeout=60, env=env)
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("TEST_BUS_PASSWORD_UNSET", "RADIXFLEET_AGENT_TOKEN")
+    }
+    r = subprocess.run(
+        radixfleet_argv("router", "--config", str(cfg), "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert r.returncode == 2, r
     err = r.stderr.strip()
     assert "Traceback" not in err and err.splitlines()[-1].endswith(
-        "bus.auth.password_env: environment variable TEST_BUS_PASSWORD_UNSET is not set "
-        "or empty"), err
-    r = subprocess.run(radixfleet_argv("agent", "--port", str(free_port()), "--bus",
-                                       "nats://127.0.0.1:4222", "--bus-user", "a",
-                                       "--bus-password-env", "TEST_BUS_PASSWORD_UNSET"),
-                       capture_output=True, text=True, timeout=60, env=env)
+        "bus.auth.password_env: environment variable TEST_BUS_PASSWORD_UNSET is not set or empty"
+    ), err
+    r = subprocess.run(
+        radixfleet_argv(
+            "agent",
+            "--port",
+            str(free_port()),
+            "--bus",
+            "nats://127.0.0.1:4222",
+            "--bus-user",
+            "a",
+            "--bus-password-env",
+            "TEST_BUS_PASSWORD_UNSET",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r
-    assert r.stderr.strip().endswith("--bus-password-env: environment variable "
-                                     "TEST_BUS_PASSWORD_UNSET is not set or empty"), r.stderr
+    assert r.stderr.strip().endswith(
+        "--bus-password-env: environment variable TEST_BUS_PASSWORD_UNSET is not set or empty"
+    ), r.stderr
 
 
 @bounded()
@@ -247,10 +324,13 @@ async def test_the_documented_secure_bus_configuration_works(tmp_path, monkeypat
     port = free_port()
 
     def local(text: str) -> str:
-        return (text.replace("/etc/radixfleet/bus/", f"{tmp_path}/")
-                .replace("/data/nats", str(tmp_path / "js"))
-                .replace("nats:4222", f"127.0.0.1:{port}").replace("port: 4222", f"port: {port}")
-                .replace("UAGENTPUBLICKEYGOESHERE", public))
+        return (
+            text.replace("/etc/radixfleet/bus/", f"{tmp_path}/")
+            .replace("/data/nats", str(tmp_path / "js"))
+            .replace("nats:4222", f"127.0.0.1:{port}")
+            .replace("port: 4222", f"port: {port}")
+            .replace("UAGENTPUBLICKEYGOESHERE", public)
+        )
 
     conf = local(open("deploy/bus/nats-server.conf").read())
     (tmp_path / "router.yaml").write_text(local(open("deploy/bus/router.yaml").read()))
@@ -259,30 +339,53 @@ async def test_the_documented_secure_bus_configuration_works(tmp_path, monkeypat
     with NatsServer(port, config=conf) as ns:
         cfg = load_config(str(tmp_path / "router.yaml"))
         from dataclasses import replace
-        cfg = replace(cfg, bus=replace(cfg.bus, replica_id="ra", heartbeat_s=0.2,
-                                       replica_ttl_s=1.0, backoff_s=0.1, backoff_max_s=0.5),
-                      health=replace(cfg.health, interval_s=0.2))
+
+        cfg = replace(
+            cfg,
+            bus=replace(
+                cfg.bus, replica_id="ra", heartbeat_s=0.2, replica_ttl_s=1.0, backoff_s=0.1, backoff_max_s=0.5
+            ),
+            health=replace(cfg.health, interval_s=0.2),
+        )
         a = Router(cfg)
         sa, ua = await start(a)
-        p = agent_proc(ns.url, "--bus-nkey-seed-file", seed_file,
-                       "--bus-tls-ca-file", certs["ca"],
-                       "--bus-tls-cert-file", certs["client_cert"],
-                       "--bus-tls-key-file", certs["client_key"]).__enter__()
+        p = agent_proc(
+            ns.url,
+            "--bus-nkey-seed-file",
+            seed_file,
+            "--bus-tls-ca-file",
+            certs["ca"],
+            "--bus-tls-cert-file",
+            certs["client_cert"],
+            "--bus-tls-key-file",
+            certs["client_key"],
+        ).__enter__()
         try:
             await wait_for(lambda: a.bus.conn.up and a.bus.caught_up, 15, "router over TLS")
-            await wait_for(lambda: "ag0" in [v.id for v in a.pool.views(time.monotonic())],
-                           20, "agent registered over the bus and healthy")
+            await wait_for(
+                lambda: "ag0" in [v.id for v in a.pool.views(time.monotonic())],
+                20,
+                "agent registered over the bus and healthy",
+            )
             async with httpx.AsyncClient(timeout=30) as c:
                 assert (await chat(c, ua, "a secured bus")).status_code == 200
             # an agent's NATS identity cannot publish a router message at all; the
             # router's can (the message is then dropped by the checks: a positive control)
-            evil = json.dumps({"v": 1, "kind": "router", "replica": "evil", "seq": 1,
-                               "block_bytes": 128, "inflight": {"ag0": [10**30, 1]}}).encode()
+            evil = json.dumps(
+                {
+                    "v": 1,
+                    "kind": "router",
+                    "replica": "evil",
+                    "seq": 1,
+                    "block_bytes": 128,
+                    "inflight": {"ag0": [10**30, 1]},
+                }
+            ).encode()
             tls = a.bus.conn._options["tls"]
-            as_agent = await nats.connect(ns.url, nkeys_seed=seed_file, tls=tls,
-                                          tls_hostname="127.0.0.1")
-            as_router = await nats.connect(ns.url, user="router", password=ROUTER_PASSWORD,
-                                           tls=tls, tls_hostname="127.0.0.1")
+            as_agent = await nats.connect(ns.url, nkeys_seed=seed_file, tls=tls, tls_hostname="127.0.0.1")
+            as_router = await nats.connect(
+                ns.url, user="router", password=ROUTER_PASSWORD, tls=tls, tls_hostname="127.0.0.1"
+            )
             try:
                 await as_agent.publish("radixfleet.router.evil", evil)
                 await as_agent.flush()
@@ -290,8 +393,11 @@ async def test_the_documented_secure_bus_configuration_works(tmp_path, monkeypat
                 assert metric(a, "radixfleet_bus_bad_messages_total", cause="unsigned") == 0
                 await as_router.publish("radixfleet.router.evil", evil)
                 await as_router.flush()
-                await wait_for(lambda: metric(a, "radixfleet_bus_bad_messages_total",
-                                              cause="unsigned") == 1, 5, "control counted")
+                await wait_for(
+                    lambda: metric(a, "radixfleet_bus_bad_messages_total", cause="unsigned") == 1,
+                    5,
+                    "control counted",
+                )
             finally:
                 await as_agent.close()
                 await as_router.close()

@@ -47,13 +47,32 @@ HIT_MARGIN = 0.95
 
 def test_three_replicas_route_with_one_routers_hit_rate_and_shed_nothing_more():
     args = argparse.Namespace(
-        replicas=3, agents=2, kv_tokens=12_000, rate=8.0, requests=60, duration=30.0,
-        seed=3, policy="prefix_load", no_replicate=False,
-        option=["system_prompts=4", "sessions=16", "min_turns=3", "max_turns=5",
-                "max_parallel=8", "question_tokens=64", "output_tokens=24"])
+        replicas=3,
+        agents=2,
+        kv_tokens=12_000,
+        rate=8.0,
+        requests=60,
+        duration=30.0,
+        seed=3,
+        policy="prefix_load",
+        no_replicate=False,
+        option=[
+            "system_prompts=4",
+            "sessions=16",
+            "min_turns=3",
+            "max_turns=5",
+            "max_parallel=8",
+            "question_tokens=64",
+            "output_tokens=24",
+        ],
+    )
     one, many = measure_once(args, nats_server_binary())
-    print({k: (r["hit_rate"], r["ok"], r["requests"], r["errors_by_kind"])
-           for k, r in (("one", one), ("replicas", many))})
+    print(
+        {
+            k: (r["hit_rate"], r["ok"], r["requests"], r["errors_by_kind"])
+            for k, r in (("one", one), ("replicas", many))
+        }
+    )
     assert one["ok"] == one["requests"] >= 50, one["errors_by_kind"]
     assert one["hit_rate"] > 0.5, one["hit_rate"]  # the workload reuses prefixes at all
     assert many["hit_rate"] >= HIT_MARGIN * one["hit_rate"], (many["hit_rate"], one["hit_rate"])
@@ -64,12 +83,17 @@ def test_three_replicas_route_with_one_routers_hit_rate_and_shed_nothing_more():
 
 def test_a_replica_without_the_deployments_salt_secret_refuses_to_start(tmp_path):
     cfg = tmp_path / "router.yaml"  # refused before it connects: no server needed
-    cfg.write_text(f'listen: {{port: {free_port()}}}\n'
-                   f'bus: {{url: "nats://127.0.0.1:{free_port()}"}}\n')
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RADIXFLEET_TENANT_SALT", "RADIXFLEET_AGENT_TOKEN")}
-    p = subprocess.Popen(radixfleet_argv("router", "--config", str(cfg)), env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cfg.write_text(f'listen: {{port: {free_port()}}}\nbus: {{url: "nats://127.0.0.1:{free_port()}"}}\n')
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RADIXFLEET_TENANT_SALT", "RADIXFLEET_AGENT_TOKEN")
+    }
+    p = subprocess.Popen(
+        radixfleet_argv("router", "--config", str(cfg)),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = p.communicate(timeout=30)
     except subprocess.TimeoutExpired:

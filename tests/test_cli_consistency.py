@@ -38,8 +38,7 @@ def _all_parsers():
 
 
 def _visible(parser) -> dict[str, argparse.Action]:
-    return {o: a for a in parser._actions if a.help is not argparse.SUPPRESS
-            for o in a.option_strings}
+    return {o: a for a in parser._actions if a.help is not argparse.SUPPRESS for o in a.option_strings}
 
 
 def test_every_option_of_every_subcommand_has_help_and_its_default_shown():
@@ -78,15 +77,22 @@ def test_one_meaning_per_flag_across_subcommands():
 def test_old_spellings_still_work_and_warn(capsys):
     cases = [
         (["simulate", "--workers", "3"], "workers", 3, "--workers is deprecated; use --agents"),
-        (["simulate", "--model", "llama-3-70b"], "model", "llama-3-70b",
-         "--model is deprecated; use --agent-model"),
-        (["analyze", "x.jsonl", "--skip-bad"], "skip_bad", True,
-         "--skip-bad is deprecated; use --skip-bad-lines"),
+        (
+            ["simulate", "--model", "llama-3-70b"],
+            "model",
+            "llama-3-70b",
+            "--model is deprecated; use --agent-model",
+        ),
+        (
+            ["analyze", "x.jsonl", "--skip-bad"],
+            "skip_bad",
+            True,
+            "--skip-bad is deprecated; use --skip-bad-lines",
+        ),
         (["analyze", "x.jsonl", "--workers", "2"], "workers", 2, "use --agents"),
         (["demo", "--model", "llama-3-70b"], "fleet_model", "llama-3-70b", "use --agent-model"),
         (["up", "--model", "llama-3-70b"], "model", "llama-3-70b", "use --agent-model"),
-        (["agent", "--port", "1", "--model", "llama-3-70b"], "model", "llama-3-70b",
-         "use --agent-model"),
+        (["agent", "--port", "1", "--model", "llama-3-70b"], "model", "llama-3-70b", "use --agent-model"),
     ]
     for argv, dest, value, warning in cases:
         args = build_parser(argv).parse_args(argv)
@@ -94,8 +100,9 @@ def test_old_spellings_still_work_and_warn(capsys):
         err = capsys.readouterr().err
         assert warning in err and len(err.strip().splitlines()) == 1, (argv, err)
     # the new spellings set the same fields, silently
-    args = build_parser(["simulate"]).parse_args(["simulate", "--agents", "3", "--agent-model",
-                                                  "llama-3-70b"])
+    args = build_parser(["simulate"]).parse_args(
+        ["simulate", "--agents", "3", "--agent-model", "llama-3-70b"]
+    )
     assert (args.workers, args.model) == (3, "llama-3-70b")
     args = build_parser(["simulate"]).parse_args(["simulate"])
     assert (args.workers, args.model) == (8, "llama-3-8b")  # an alias never hides the default
@@ -119,39 +126,46 @@ def test_policy_params_one_syntax_with_the_policy_prefix_optional():
     from router.main import policy_params
 
     assert policy_params(["footprint_room=0", "prefix_load.tie_s=0.5"], policy="prefix_load") == {
-        "footprint_room": 0, "tie_s": 0.5}
-    with pytest.raises(ConfigError, match="is for policy 'round_robin', but the policy is "
-                                          "'prefix_load'"):
+        "footprint_room": 0,
+        "tie_s": 0.5,
+    }
+    with pytest.raises(ConfigError, match="is for policy 'round_robin', but the policy is 'prefix_load'"):
         policy_params(["round_robin.x=1"], policy="prefix_load")
     with pytest.raises(ConfigError, match=r"must be \[POLICY.\]NAME=VALUE"):
         policy_params(["novalue"])
-    assert _policy_params(["tie_s=0", "prefix_load.min_match_tokens=64"],
-                          ["prefix_load", "cache_aware"]) == {
-        "prefix_load": {"tie_s": 0, "min_match_tokens": 64}, "cache_aware": {"tie_s": 0}}
+    assert _policy_params(["tie_s=0", "prefix_load.min_match_tokens=64"], ["prefix_load", "cache_aware"]) == {
+        "prefix_load": {"tie_s": 0, "min_match_tokens": 64},
+        "cache_aware": {"tie_s": 0},
+    }
 
 
 @pytest.mark.integration  # runs the CLI as a child process
 def test_version_and_the_top_level_help_lists_every_benchmark():
-    p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "--version"],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "radixfleet.cli", "--version"], capture_output=True, text=True, timeout=30
+    )
     assert p.returncode == 0 and p.stdout.startswith("radixfleet ") and p.stdout.split()[1][0].isdigit()
     text = build_parser([]).format_help()
     for b in BENCHMARKS:
         assert b in text, b
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["router", "--log-level", "loud"], "argument --log-level: invalid choice"),
-    (["agent", "--port", "x"], "argument --port"),
-    (["simulate", "--agents", "x"], "argument --agents: invalid int value"),
-    (["loadtest", "--rate", "2,four"], "argument --rate"),
-    (["analyze"], "the following arguments are required: LOG"),
-    (["bench", "nope"], "argument NAME: invalid choice"),
-    (["nope"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["router", "--log-level", "loud"], "argument --log-level: invalid choice"),
+        (["agent", "--port", "x"], "argument --port"),
+        (["simulate", "--agents", "x"], "argument --agents: invalid int value"),
+        (["loadtest", "--rate", "2,four"], "argument --rate"),
+        (["analyze"], "the following arguments are required: LOG"),
+        (["bench", "nope"], "argument NAME: invalid choice"),
+        (["nope"], "invalid choice"),
+    ],
+)
 @pytest.mark.integration  # the CLI as a child process, as a user runs it
 def test_bad_input_is_one_line_and_exit_2(argv, msg):
-    p = subprocess.run([sys.executable, "-m", "radixfleet.cli", *argv],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "radixfleet.cli", *argv], capture_output=True, text=True, timeout=30
+    )
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

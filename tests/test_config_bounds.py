@@ -35,22 +35,26 @@ def test_check_config_refuses_an_alias_bomb_at_once_with_its_line(tmp_path):
     p.write_text(alias_bomb(9))
     assert len(p.read_bytes()) < 700
     t0 = time.monotonic()
-    r = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
     assert r.returncode == 2, r.stderr
     # a5 names 9**6 = 531,441 nodes: its aliases cross the bound
-    assert r.stderr == (f"radixfleet check-config: error: {p}: YAML refused at line 6, "
-                        f"column 15: the document stands for more than {MAX_YAML_NODES:,} "
-                        "nodes once its aliases are expanded (nested aliases multiply: an "
-                        "alias bomb?)\n")
+    assert r.stderr == (
+        f"radixfleet check-config: error: {p}: YAML refused at line 6, "
+        f"column 15: the document stands for more than {MAX_YAML_NODES:,} "
+        "nodes once its aliases are expanded (nested aliases multiply: an "
+        "alias bomb?)\n"
+    )
     assert took < 15, took  # a Python start-up; the bomb itself took minutes before
 
 
-@pytest.mark.parametrize("text, line", [
-    ("a: &x [1, *x]\n", 1),  # a list holding itself
-    ("workers:\n  - &w {url: 'http://h:1', id: *w}\n", 2),
-])
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("a: &x [1, *x]\n", 1),  # a list holding itself
+        ("workers:\n  - &w {url: 'http://h:1', id: *w}\n", 2),
+    ],
+)
 def test_a_recursive_document_is_refused_with_its_line(tmp_path, text, line):
     p = tmp_path / "r.yaml"
     p.write_text(text)
@@ -64,16 +68,22 @@ def test_aliases_a_real_config_uses_still_load(tmp_path):
     """Aliases that share settings stay legal, a fleet of 4,096 listed workers loads,
     and every error is still reported at once with its path."""
     p = tmp_path / "ok.yaml"
-    p.write_text("health: {interval_s: 0.5, timeout_s: 0.25}\n"
-                 "workers:\n"
-                 "  - {url: 'http://10.0.0.1:8000', metrics: &m {interval_s: 2.0}}\n"
-                 "  - {url: 'http://10.0.0.2:8000', metrics: *m}\n")
+    p.write_text(
+        "health: {interval_s: 0.5, timeout_s: 0.25}\n"
+        "workers:\n"
+        "  - {url: 'http://10.0.0.1:8000', metrics: &m {interval_s: 2.0}}\n"
+        "  - {url: 'http://10.0.0.2:8000', metrics: *m}\n"
+    )
     cfg = load_config(str(p))
     assert [w.metrics.interval_s for w in cfg.workers] == [2.0, 2.0]
     big = tmp_path / "big.yaml"
-    big.write_text("workers:\n" + "".join(
-        f"  - {{url: 'http://10.0.{i >> 8}.{i & 255}:8000', kind: openai, weight: 1.5}}\n"
-        for i in range(4096)))
+    big.write_text(
+        "workers:\n"
+        + "".join(
+            f"  - {{url: 'http://10.0.{i >> 8}.{i & 255}:8000', kind: openai, weight: 1.5}}\n"
+            for i in range(4096)
+        )
+    )
     assert len(load_config(str(big)).workers) == 4096
     dup = tmp_path / "dup.yaml"
     dup.write_text("limits: {max_queue: 1, max_queue: 2}\nhealth: {interval_s: -1}\n")

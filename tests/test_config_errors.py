@@ -13,9 +13,11 @@ from tests.procs import radixfleet_argv
 
 def test_config_refuses_duplicate_keys_and_reports_every_error(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text("workers:\n  - url: http://a:1\n    weight: 2\n    weight: 3\n"
-                 "limits:\n  max_queue: -1\n  max_body_bytes: 0\n"
-                 "policy:\n  name: nope\npolicy:\n  name: round_robin\n")
+    p.write_text(
+        "workers:\n  - url: http://a:1\n    weight: 2\n    weight: 3\n"
+        "limits:\n  max_queue: -1\n  max_body_bytes: 0\n"
+        "policy:\n  name: nope\npolicy:\n  name: round_robin\n"
+    )
     with pytest.raises(ConfigError) as ei:
         load_config(str(p))
     paths = [e.path for e in ei.value.errors]
@@ -28,7 +30,6 @@ def test_config_refuses_duplicate_keys_and_reports_every_error(tmp_path):
 def test_check_config_warns_on_an_empty_fleet(tmp_path):
     p = tmp_path / "empty.yaml"
     p.write_text("")
-    out = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "OK:" in out.stdout
     assert "warning:" in out.stderr and "no workers listed" in out.stderr

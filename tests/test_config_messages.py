@@ -25,7 +25,8 @@ def test_every_error_at_once_in_document_order():
         "limits: {max_queue: -1, max_body_bytes: 0}\n"
         "health: {intervall_s: 1, timeout_s: x}\n"
         "workers: [{url: 'http://a:1', weight: 0}, {id: b}]\n"
-        "bus: {storage: disk}\n") == [
+        "bus: {storage: disk}\n"
+    ) == [
         "limits.max_queue: expected an integer >= 0, got -1",
         "limits.max_body_bytes: expected an integer >= 1, got 0",
         "health.intervall_s: unknown key; valid: failure_threshold, interval_s, path, "
@@ -40,47 +41,73 @@ def test_every_error_at_once_in_document_order():
 def test_the_summary_names_every_error():
     with pytest.raises(ConfigError) as e:
         parse_config({"listen": {"port": -1}, "reload": {"watch": "yes"}})
-    assert str(e.value) == ("2 errors: listen.port: expected an integer in [0, 65535], got -1; "
-                            "reload.watch: expected true or false, got 'yes'")
+    assert str(e.value) == (
+        "2 errors: listen.port: expected an integer in [0, 65535], got -1; "
+        "reload.watch: expected true or false, got 'yes'"
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ("workers: {static: [{url: 'http://a:1', kind: gpu}]}",
-     "workers.static[0].kind: 'gpu' is not one of auto, agent, vllm, sglang, openai"),
-    ("workers: {static: 5}", "workers.static: expected a list, got int"),
-    ("workers: {discovery: {dns: {services: [{name: svc}]}}}",
-     "workers.discovery.dns.services[0].port: required: the workers' port (1-65535)"),
-    ("workers: {discovery: {kubernetes: {selectors: [{label_selector: a, kind: auto}]}}}",
-     "workers.discovery.kubernetes.selectors[0].kind: 'auto' is not one of agent, vllm, "
-     "sglang, openai"),
-    ("workers: {discovery: {backoff_s: 5, backoff_max_s: 1}}",
-     "workers.discovery.backoff_max_s: expected a number >= workers.discovery.backoff_s (5.0)"),
-    ("models: {m: {events: {mode: sideways}}}",
-     "models.m.events.mode: 'sideways' is not one of auto, bind, connect, off"),
-    ("models: {m: {metrics: {interval_s: 0.01}}}",
-     "models.m.metrics.interval_s: expected a number >= 0.05, got 0.01"),
-    ("models: {m: {colour: red}}", "models.m.colour: unknown key; valid: block_size, "
-     "chat_template, events, kv_capacity_tokens, metrics, tokenizer"),
-    ("models: {m: {events: {endpoint: 'tcp://10.0.0.1:5557'}, tokenizer: x}}",
-     "models.m.events.endpoint: 'tcp://10.0.0.1:5557' names one host"),
-    ("health: {1: 2}", "health: keys must be strings, got 1"),
-    ("bus: {url: 'nats://h:4222', stream: 'a.b'}", "bus.stream: expected 1.."),
-    ("bus: {url: 'nats://h:4222', heartbeat_s: 3}",
-     "bus.replica_ttl_s: expected a number > bus.heartbeat_s (3.0)"),
-    ("bus: {url: 'nats://h:4222', auth: {password_env: P}}", "bus.auth."),
-    ("traffic_log: {prefix: 'a/b'}",
-     "traffic_log.prefix: expected a file name prefix without '/', got 'a/b'"),
-    ("autoscale: {min_workers: 5, max_workers: 2}",
-     "autoscale.max_workers: expected an integer >= min_workers (5), got 2"),
-    ("index: {max_bytes: 1000000000.0}",
-     "index.max_bytes: expected an integer >= 1, got 1000000000.0"),
-    ("index: {half_life_s: '30'}", "index.half_life_s: expected a number > 0, got '30'"),
-    ("index: {learn_capacity: null}", "index.learn_capacity: expected true or false, got None"),
-    ("keys: null", "keys: expected a mapping, got null"),
-    ("policy: {name: consistent_hash, params: {vnodes: 0}}",
-     "policy.params.vnodes: expected an integer"),
-    ("path: /etc/x", "path: unknown key; valid: auth, autoscale, breaker,"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "workers: {static: [{url: 'http://a:1', kind: gpu}]}",
+            "workers.static[0].kind: 'gpu' is not one of auto, agent, vllm, sglang, openai",
+        ),
+        ("workers: {static: 5}", "workers.static: expected a list, got int"),
+        (
+            "workers: {discovery: {dns: {services: [{name: svc}]}}}",
+            "workers.discovery.dns.services[0].port: required: the workers' port (1-65535)",
+        ),
+        (
+            "workers: {discovery: {kubernetes: {selectors: [{label_selector: a, kind: auto}]}}}",
+            "workers.discovery.kubernetes.selectors[0].kind: 'auto' is not one of agent, vllm, "
+            "sglang, openai",
+        ),
+        (
+            "workers: {discovery: {backoff_s: 5, backoff_max_s: 1}}",
+            "workers.discovery.backoff_max_s: expected a number >= workers.discovery.backoff_s (5.0)",
+        ),
+        (
+            "models: {m: {events: {mode: sideways}}}",
+            "models.m.events.mode: 'sideways' is not one of auto, bind, connect, off",
+        ),
+        (
+            "models: {m: {metrics: {interval_s: 0.01}}}",
+            "models.m.metrics.interval_s: expected a number >= 0.05, got 0.01",
+        ),
+        (
+            "models: {m: {colour: red}}",
+            "models.m.colour: unknown key; valid: block_size, "
+            "chat_template, events, kv_capacity_tokens, metrics, tokenizer",
+        ),
+        (
+            "models: {m: {events: {endpoint: 'tcp://10.0.0.1:5557'}, tokenizer: x}}",
+            "models.m.events.endpoint: 'tcp://10.0.0.1:5557' names one host",
+        ),
+        ("health: {1: 2}", "health: keys must be strings, got 1"),
+        ("bus: {url: 'nats://h:4222', stream: 'a.b'}", "bus.stream: expected 1.."),
+        (
+            "bus: {url: 'nats://h:4222', heartbeat_s: 3}",
+            "bus.replica_ttl_s: expected a number > bus.heartbeat_s (3.0)",
+        ),
+        ("bus: {url: 'nats://h:4222', auth: {password_env: P}}", "bus.auth."),
+        (
+            "traffic_log: {prefix: 'a/b'}",
+            "traffic_log.prefix: expected a file name prefix without '/', got 'a/b'",
+        ),
+        (
+            "autoscale: {min_workers: 5, max_workers: 2}",
+            "autoscale.max_workers: expected an integer >= min_workers (5), got 2",
+        ),
+        ("index: {max_bytes: 1000000000.0}", "index.max_bytes: expected an integer >= 1, got 1000000000.0"),
+        ("index: {half_life_s: '30'}", "index.half_life_s: expected a number > 0, got '30'"),
+        ("index: {learn_capacity: null}", "index.learn_capacity: expected true or false, got None"),
+        ("keys: null", "keys: expected a mapping, got null"),
+        ("policy: {name: consistent_hash, params: {vnodes: 0}}", "policy.params.vnodes: expected an integer"),
+        ("path: /etc/x", "path: unknown key; valid: auth, autoscale, breaker,"),
+    ],
+)
 def test_nested_messages(text, message):
     found = errors(text)
     assert len(found) == 1 and found[0].startswith(message), found
@@ -120,9 +147,10 @@ def test_readme_key_tables_are_made_from_the_schema():
 
     with open("deploy/README.md", encoding="utf-8") as f:
         text = f.read()
-    block = text[text.index(BEGIN):text.index(END) + len(END)]
-    assert block == tables(), ("deploy/README.md's key tables are stale: run "
-                               "radixfleet config-reference --write deploy/README.md")
+    block = text[text.index(BEGIN) : text.index(END) + len(END)]
+    assert block == tables(), (
+        "deploy/README.md's key tables are stale: run radixfleet config-reference --write deploy/README.md"
+    )
     # every key the router accepts is in them, bounds included
     assert "| `index.learn_capacity` | `true` | true or false |" in block
     assert "| `limits.max_queue` | `4096` | an integer >= 0 |" in block
@@ -137,14 +165,16 @@ def test_config_reference_cli(tmp_path):
 
     p = tmp_path / "README.md"
     p.write_text("intro\n<!-- BEGIN config-reference -->\nold\n<!-- END config-reference -->\nend\n")
-    r = subprocess.run(radixfleet_argv("config-reference", "--write", str(p)),
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        radixfleet_argv("config-reference", "--write", str(p)), capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2 and "no generated block" in r.stderr
     from router.config_reference import BEGIN, END
 
     p.write_text(f"intro\n{BEGIN}\nold\n{END}\nend\n")
-    r = subprocess.run(radixfleet_argv("config-reference", "--write", str(p)),
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        radixfleet_argv("config-reference", "--write", str(p)), capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     text = p.read_text()
     assert text.startswith(f"intro\n{BEGIN}") and text.endswith(f"{END}\nend\n")

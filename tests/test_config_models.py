@@ -15,17 +15,17 @@ import time
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from protocol.errors import ConfigError
 from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
 from router.app import Router, RouterServer
-from router.config import WorkerSpec, load_config, parse_config, resolve_engine
+from router.config import load_config, parse_config, resolve_engine
 from router.discovery.base import DiscoveryMetrics, Endpoint
 from router.discovery.reconcile import Reconciler
 from router.engines.keyspace import TokenSpace
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
-from prometheus_client import CollectorRegistry
 from tests.procs import free_port, radixfleet_argv
 
 
@@ -47,7 +47,8 @@ def broken_tok(tmp_path) -> str:
 
 
 def test_a_worker_takes_its_models_settings_where_its_own_are_unset(tok):
-    cfg = parse_config(yaml.safe_load(f"""
+    cfg = parse_config(
+        yaml.safe_load(f"""
 models:
   tiny:
     tokenizer: {tok}
@@ -60,7 +61,8 @@ workers:
   - {{url: "http://10.0.0.2:8000", kind: vllm, model: tiny, block_size: 64,
       metrics: {{path: /m}}}}
   - {{url: "http://10.0.0.3:8000", kind: vllm, model: other}}
-"""))
+""")
+    )
     a, b, c = cfg.workers
     ra = resolve_engine(a, cfg.models, ("tiny",))  # the model its /v1/models names
     assert (ra.tokenizer, ra.block_size, ra.kv_capacity_tokens) == (tok, 32, 16384)
@@ -80,42 +82,66 @@ def test_models_and_selectors_are_validated_with_their_paths(tok):
 
     assert err("models: {tiny: {tokenizr: x}}").startswith(
         "models.tiny.tokenizr: unknown key; valid: block_size, chat_template, events, "
-        "kv_capacity_tokens, metrics, tokenizer")
-    assert err(f"models: {{tiny: {{tokenizer: {tok}, events: {{endpoint: "
-               "'tcp://10.0.0.1:5557'}}}").startswith(
-        "models.tiny.events.endpoint: 'tcp://10.0.0.1:5557' names one host")
+        "kv_capacity_tokens, metrics, tokenizer"
+    )
+    assert err(
+        f"models: {{tiny: {{tokenizer: {tok}, events: {{endpoint: 'tcp://10.0.0.1:5557'}}}}}}"
+    ).startswith("models.tiny.events.endpoint: 'tcp://10.0.0.1:5557' names one host")
     assert err("models: {tiny: {block_size: 32}}") == (
-        "models.tiny.block_size: only used with a tokenizer (token keys)")
+        "models.tiny.block_size: only used with a tokenizer (token keys)"
+    )
     # events without a tokenizer anywhere
-    assert err("workers: {discovery: {kubernetes: {selectors: [{label_selector: a=b, "
-               "kind: vllm, events: {endpoint: 'tcp://*:5557'}}]}}}").startswith(
-        "workers.discovery.kubernetes.selectors[0].tokenizer: required with events.endpoint")
+    assert err(
+        "workers: {discovery: {kubernetes: {selectors: [{label_selector: a=b, "
+        "kind: vllm, events: {endpoint: 'tcp://*:5557'}}]}}}"
+    ).startswith("workers.discovery.kubernetes.selectors[0].tokenizer: required with events.endpoint")
     # an entry in error is reported once, not again as "no tokenizer" where it is used
-    assert err("models: {tiny: {tokenizer: /nonexistent}}\nworkers: [{url: 'http://h:1', "
-               "kind: vllm, events: {endpoint: 'tcp://*:5557'}}]") == (
-        "models.tiny.tokenizer: tokenizer folder '/nonexistent' does not exist")
+    assert err(
+        "models: {tiny: {tokenizer: /nonexistent}}\nworkers: [{url: 'http://h:1', "
+        "kind: vllm, events: {endpoint: 'tcp://*:5557'}}]"
+    ) == ("models.tiny.tokenizer: tokenizer folder '/nonexistent' does not exist")
     # ... which a models: entry gives
-    cfg = parse_config(yaml.safe_load(f"""
+    cfg = parse_config(
+        yaml.safe_load(f"""
 models: {{tiny: {{tokenizer: {tok}}}}}
 workers:
   - {{url: "http://10.0.0.1:8000", kind: vllm, events: {{endpoint: "tcp://*:5557"}}}}
-"""))
+""")
+    )
     assert cfg.workers[0].tokenizer == ""
-    sel = parse_config(yaml.safe_load(f"""
+    sel = parse_config(
+        yaml.safe_load(f"""
 workers:
   discovery:
     kubernetes:
       selectors:
         - {{label_selector: "radixfleet.io/pool=vllm", kind: vllm, model: tiny,
             tokenizer: {tok}, block_size: 32, events: {{endpoint: "tcp://*:5557"}}}}
-""")).discovery.kubernetes.selectors[0]
+""")
+    ).discovery.kubernetes.selectors[0]
     assert (sel.tokenizer, sel.block_size, sel.model) == (tok, 32, "tiny")
 
 
 def test_a_discovered_worker_carries_its_selectors_settings(tok):
-    cfg = parse_config({"workers": {"discovery": {"kubernetes": {"selectors": [
-        {"label_selector": "a=b", "kind": "vllm", "tokenizer": tok, "block_size": 32,
-         "events": {"endpoint": "tcp://*:5557"}}]}}}})
+    cfg = parse_config(
+        {
+            "workers": {
+                "discovery": {
+                    "kubernetes": {
+                        "selectors": [
+                            {
+                                "label_selector": "a=b",
+                                "kind": "vllm",
+                                "tokenizer": tok,
+                                "block_size": 32,
+                                "events": {"endpoint": "tcp://*:5557"},
+                            }
+                        ]
+                    }
+                }
+            }
+        }
+    )
     from router.config import selector_template
 
     template = selector_template(cfg.discovery.kubernetes.selectors[0])
@@ -125,18 +151,20 @@ def test_a_discovered_worker_carries_its_selectors_settings(tok):
     (w,) = list(pool)
     assert w.source is Source.DISCOVERY
     assert (w.spec.url, w.spec.id, w.spec.kind) == ("http://10.0.0.9:8000", "vllm-0", "vllm")
-    assert (w.spec.tokenizer, w.spec.block_size, w.spec.events.endpoint) == (
-        tok, 32, "tcp://*:5557")
+    assert (w.spec.tokenizer, w.spec.block_size, w.spec.events.endpoint) == (tok, 32, "tcp://*:5557")
 
 
 @pytest.mark.integration
 async def test_a_vllm_worker_listed_by_url_only_is_keyed_with_its_models_tokenizer(tok):
     """The link learns the model (here: configured), takes the models: entry and
     moves to the engine's token space with the tokenizer loaded at start."""
-    cfg = parse_config({"models": {"tiny": {"tokenizer": tok, "block_size": 32}},
-                        "workers": [{"url": f"http://127.0.0.1:{free_port()}",
-                                     "kind": "vllm", "model": "tiny"}],
-                        "listen": {"port": 0}})
+    cfg = parse_config(
+        {
+            "models": {"tiny": {"tokenizer": tok, "block_size": 32}},
+            "workers": [{"url": f"http://127.0.0.1:{free_port()}", "kind": "vllm", "model": "tiny"}],
+            "listen": {"port": 0},
+        }
+    )
     router = Router(cfg)
     assert list(router.engines.model_keyers) == [(tok, "")]
     async with RouterServer(router, port=0):
@@ -151,55 +179,67 @@ async def test_a_vllm_worker_listed_by_url_only_is_keyed_with_its_models_tokeniz
 
 
 @pytest.mark.integration
-def test_check_config_and_start_refuse_a_models_tokenizer_that_cannot_load(tmp_path, tok,
-                                                                           broken_tok):
+def test_check_config_and_start_refuse_a_models_tokenizer_that_cannot_load(tmp_path, tok, broken_tok):
     p = tmp_path / "r.yaml"
-    p.write_text(f"models:\n  good: {{tokenizer: {tok}}}\n  bad: {{tokenizer: {broken_tok}}}\n"
-                 "workers: ['http://127.0.0.1:9']\n")
-    r = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True,
-                       text=True, timeout=120)
+    p.write_text(
+        f"models:\n  good: {{tokenizer: {tok}}}\n  bad: {{tokenizer: {broken_tok}}}\n"
+        "workers: ['http://127.0.0.1:9']\n"
+    )
+    r = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     # (transformers may print its own notice first)
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("radixfleet")]
-    assert line.startswith(f"radixfleet check-config: error: models.bad.tokenizer: "
-                           f"{broken_tok!r} cannot be loaded: "), r.stderr
+    assert line.startswith(
+        f"radixfleet check-config: error: models.bad.tokenizer: {broken_tok!r} cannot be loaded: "
+    ), r.stderr
     with pytest.raises(ConfigError) as ei:
         Router(load_config(str(p)))
     assert ei.value.path == "models.bad.tokenizer"
 
 
 async def test_a_reload_whose_models_tokenizer_cannot_load_keeps_the_running_config(
-        tmp_path, tok, broken_tok):
+    tmp_path, tok, broken_tok
+):
     p = tmp_path / "r.yaml"
     p.write_text(f"models: {{tiny: {{tokenizer: {tok}}}}}\nreload: {{watch: false}}\n")
     router = Router(load_config(str(p)))
     before = router.cfg
     p.write_text(f"models: {{tiny: {{tokenizer: {broken_tok}}}}}\nreload: {{watch: false}}\n")
     ok, msg, _, _ = await router.reload()
-    assert not ok and msg.startswith(f"models.tiny.tokenizer: {broken_tok!r} cannot be "
-                                     "loaded: "), msg
+    assert not ok and msg.startswith(f"models.tiny.tokenizer: {broken_tok!r} cannot be loaded: "), msg
     assert router.cfg is before and router.engines.model_keyers.keys() == {(tok, "")}
-    p.write_text(f"models: {{tiny: {{tokenizer: {tok}, block_size: 32}}}}\n"
-                 "reload: {watch: false}\n")
+    p.write_text(f"models: {{tiny: {{tokenizer: {tok}, block_size: 32}}}}\nreload: {{watch: false}}\n")
     ok, msg, _, _ = await router.reload()
     assert ok, msg
     assert router.cfg.models["tiny"].block_size == 32
 
 
-@pytest.mark.parametrize("events, message", [
-    ("{endpoint: 'tcp://*:5557', mode: bind}",
-     "workers[0].events.mode: the engine binds tcp://*:5557 itself (a wildcard or ipc:// "
-     "endpoint), so the router must connect: remove mode: bind (auto connects)"),
-    ("{endpoint: 'ipc:///tmp/kv', mode: bind}",
-     "workers[0].events.mode: the engine binds ipc:///tmp/kv itself"),
-    ("{endpoint: 'tcp://10.0.0.1:5557', mode: connect}",
-     "workers[0].events.mode: given tcp://10.0.0.1:5557, a concrete host, the engine connects "
-     "to it, so the router must bind it"),
-])
+@pytest.mark.parametrize(
+    "events, message",
+    [
+        (
+            "{endpoint: 'tcp://*:5557', mode: bind}",
+            "workers[0].events.mode: the engine binds tcp://*:5557 itself (a wildcard or ipc:// "
+            "endpoint), so the router must connect: remove mode: bind (auto connects)",
+        ),
+        (
+            "{endpoint: 'ipc:///tmp/kv', mode: bind}",
+            "workers[0].events.mode: the engine binds ipc:///tmp/kv itself",
+        ),
+        (
+            "{endpoint: 'tcp://10.0.0.1:5557', mode: connect}",
+            "workers[0].events.mode: given tcp://10.0.0.1:5557, a concrete host, the engine connects "
+            "to it, so the router must bind it",
+        ),
+    ],
+)
 def test_both_sides_binding_or_connecting_is_refused(tok, events, message):
     with pytest.raises(ConfigError) as ei:
-        parse_config(yaml.safe_load(f"workers: [{{url: 'http://10.0.0.1:8000', kind: vllm, "
-                                    f"tokenizer: {tok}, events: {events}}}]"))
+        parse_config(
+            yaml.safe_load(
+                f"workers: [{{url: 'http://10.0.0.1:8000', kind: vllm, tokenizer: {tok}, events: {events}}}]"
+            )
+        )
     assert str(ei.value).startswith(message), str(ei.value)
 
 
@@ -214,24 +254,31 @@ def test_an_endpoint_the_engine_already_binds_is_refused_with_what_to_write(tmp_
     port = engine.getsockname()[1]
     try:
         p = tmp_path / "r.yaml"
-        p.write_text(f"workers: [{{url: 'http://127.0.0.1:8000', kind: vllm, tokenizer: {tok},"
-                     f" events: {{endpoint: 'tcp://127.0.0.1:{port}'}}}}]\n")
-        r = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True,
-                           text=True, timeout=120)
+        p.write_text(
+            f"workers: [{{url: 'http://127.0.0.1:8000', kind: vllm, tokenizer: {tok},"
+            f" events: {{endpoint: 'tcp://127.0.0.1:{port}'}}}}]\n"
+        )
+        r = subprocess.run(
+            radixfleet_argv("check-config", str(p)), capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 2
         assert r.stderr.splitlines()[-1] + "\n" == (
             f"radixfleet check-config: error: workers[0].events.endpoint: "
             f"tcp://127.0.0.1:{port} is a concrete host, so the router would bind it (vLLM "
             f"connects to a concrete endpoint), but another process already holds the port: "
             f"the engine binds it (it was given tcp://*:{port}). Write tcp://*:{port} here: "
-            "the router then connects to the worker's host\n"), r.stderr
+            "the router then connects to the worker's host\n"
+        ), r.stderr
         with pytest.raises(ConfigError) as ei:
             Router(load_config(str(p)))
         assert ei.value.path == "workers[0].events.endpoint"
-        p.write_text(f"workers: [{{url: 'http://127.0.0.1:8000', kind: vllm, tokenizer: {tok},"
-                     f" events: {{endpoint: 'tcp://192.0.2.7:{port}'}}}}]\n")
-        r = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True,
-                           text=True, timeout=120)
+        p.write_text(
+            f"workers: [{{url: 'http://127.0.0.1:8000', kind: vllm, tokenizer: {tok},"
+            f" events: {{endpoint: 'tcp://192.0.2.7:{port}'}}}}]\n"
+        )
+        r = subprocess.run(
+            radixfleet_argv("check-config", str(p)), capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 2 and "192.0.2.7 is not an address of this host" in r.stderr
     finally:
         engine.close()
@@ -240,10 +287,11 @@ def test_an_endpoint_the_engine_already_binds_is_refused_with_what_to_write(tmp_
 @pytest.mark.integration
 def test_check_config_knows_discovery(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text("workers:\n  discovery:\n    kubernetes:\n      selectors:\n"
-                 "        - {label_selector: 'radixfleet.io/pool=agent', kind: agent}\n")
-    r = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True,
-                       text=True, timeout=60)
+    p.write_text(
+        "workers:\n  discovery:\n    kubernetes:\n      selectors:\n"
+        "        - {label_selector: 'radixfleet.io/pool=agent', kind: agent}\n"
+    )
+    r = subprocess.run(radixfleet_argv("check-config", str(p)), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # no "no workers listed": discovery finds them
     assert "0 worker(s) + discovery" in r.stdout
@@ -255,8 +303,10 @@ async def test_a_reload_that_adds_a_models_entry_rekeys_the_running_workers(tmp_
     keyed with the tokenizer the reload loaded."""
     url = f"http://127.0.0.1:{free_port()}"
     p = tmp_path / "r.yaml"
-    base = (f"workers: [{{url: '{url}', kind: vllm, model: tiny}}]\n"
-            "listen: {port: 0}\nreload: {watch: false}\n")
+    base = (
+        f"workers: [{{url: '{url}', kind: vllm, model: tiny}}]\n"
+        "listen: {port: 0}\nreload: {watch: false}\n"
+    )
     p.write_text(base)
     router = Router(load_config(str(p)))
     async with RouterServer(router, port=0):

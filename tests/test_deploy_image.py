@@ -75,20 +75,21 @@ def final() -> list[tuple[str, str]]:
 
 @pytest.mark.integration
 def test_hadolint_passes(tools):
-    r = subprocess.run([str(tools / "hadolint"), "--no-color", str(DOCKERFILE)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [str(tools / "hadolint"), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
 
 
 @pytest.mark.integration
 def test_hadolint_is_really_linting(tools, tmp_path):
     """A known-bad variant must fail, or the lint above proves nothing."""
-    bad = DOCKERFILE.read_text().replace("USER 10001:10001", "USER root") + \
-        "RUN apt-get install curl\n"
+    bad = DOCKERFILE.read_text().replace("USER 10001:10001", "USER root") + "RUN apt-get install curl\n"
     p = tmp_path / "Dockerfile"
     p.write_text(bad)
-    r = subprocess.run([str(tools / "hadolint"), "--no-color", str(p)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [str(tools / "hadolint"), "--no-color", str(p)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode != 0
     assert "DL3002" in r.stdout and "DL3014" in r.stdout, r.stdout
 
@@ -153,16 +154,22 @@ def test_cmd_and_healthcheck_run_on_loopback(final):
     hc = dict(final)["HEALTHCHECK"]
     hc_argv = exec_form(hc.split(" CMD ", 1)[1])
     assert hc_argv[:1] == ["python"]
-    assert re.search(r"RADIXFLEET_HEALTH_URL=http://127\.0\.0\.1:8000/health",
-                     DOCKERFILE.read_text())
+    assert re.search(r"RADIXFLEET_HEALTH_URL=http://127\.0\.0\.1:8000/health", DOCKERFILE.read_text())
     health_env = {**os.environ, "RADIXFLEET_HEALTH_URL": f"http://127.0.0.1:{port}/health"}
 
     def healthcheck() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *hc_argv[1:]], env=health_env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=10)
+        return subprocess.run(
+            [sys.executable, *hc_argv[1:]],
+            env=health_env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
 
-    with Proc(radixfleet_argv(*local), ready_url=f"http://127.0.0.1:{port}/health",
-              env=env, timeout_s=30) as router:
+    with Proc(
+        radixfleet_argv(*local), ready_url=f"http://127.0.0.1:{port}/health", env=env, timeout_s=30
+    ) as router:
         r = healthcheck()
         assert r.returncode == 0, r.stderr
         out = router.stop()
@@ -175,17 +182,27 @@ def test_cmd_and_healthcheck_run_on_loopback(final):
 def test_healthcheck_serves_an_agent_container_too(tmp_path):
     """One image for both: the agent's /health answers the same HEALTHCHECK."""
     port = free_port()
-    with Proc(radixfleet_argv("agent", "--host", "127.0.0.1", "--port", str(port)),
-              ready_url=f"http://127.0.0.1:{port}/health", timeout_s=30):
-        r = subprocess.run([sys.executable, "-m", "router.healthcheck",
-                            f"http://127.0.0.1:{port}/health"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=10)
+    with Proc(
+        radixfleet_argv("agent", "--host", "127.0.0.1", "--port", str(port)),
+        ready_url=f"http://127.0.0.1:{port}/health",
+        timeout_s=30,
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "router.healthcheck", f"http://127.0.0.1:{port}/health"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         assert r.returncode == 0, r.stderr
 
 
 def test_dockerignore_keeps_what_the_build_copies():
-    ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")}
+    ignored = {
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    }
     for i, a in instructions(DOCKERFILE.read_text()):
         if i == "COPY" and not a.startswith("--from"):
             for src in shlex.split(a)[:-1]:

@@ -24,9 +24,9 @@ import yaml
 
 from router.app import Router, RouterServer
 from router.auth import check_exposure
-from service.auth import BearerAuth
 from router.config import load_config, parse_config
 from router.pool import Source
+from service.auth import BearerAuth
 from tests.deploy_tools import ROOT, tools_venv
 from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
 from tests.test_deploy_image import DOCKERFILE, exec_form, instructions, stages
@@ -51,8 +51,12 @@ def rendered(tools, tmp_path_factory) -> dict[str, tuple[pathlib.Path, list[dict
     out = {}
     folder = tmp_path_factory.mktemp("rendered")
     for overlay in OVERLAYS:
-        r = subprocess.run([str(tools / "kubectl"), "kustomize", str(K8S / "overlays" / overlay)],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [str(tools / "kubectl"), "kustomize", str(K8S / "overlays" / overlay)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, f"kustomize {overlay}: {r.stderr}"
         path = folder / f"{overlay}.yaml"
         path.write_text(r.stdout)
@@ -78,13 +82,16 @@ def arg_after(argv: list[str], flag: str) -> str:
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 def test_overlays_validate_against_the_kubernetes_schemas(tools, rendered, version):
     paths = [str(p) for p, _ in rendered.values()]
-    r = subprocess.run([str(tools / "kubernetes-validate"), "--strict", "-k", version, *paths],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [str(tools / "kubernetes-validate"), "--strict", "-k", version, *paths],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "ERROR" not in out, out
     passed = out.count(" passed for resource ")
-    monitors = sum(1 for _, docs in rendered.values() for d in docs
-                   if d["kind"] == "ServiceMonitor")
+    monitors = sum(1 for _, docs in rendered.values() for d in docs if d["kind"] == "ServiceMonitor")
     total = sum(len(docs) for _, docs in rendered.values())
     assert passed == total - monitors, out
     # the only kind without a built-in schema is the CRD, checked below
@@ -94,10 +101,15 @@ def test_overlays_validate_against_the_kubernetes_schemas(tools, rendered, versi
 
 def test_strict_validation_really_rejects(tools, tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: x}\n"
-                   "spec: {ports: [{port: 80, targetPrt: http}]}\n")
-    r = subprocess.run([str(tools / "kubernetes-validate"), "--strict", "-k", "1.30.0",
-                        str(bad)], capture_output=True, text=True, timeout=120)
+    bad.write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: 80, targetPrt: http}]}\n"
+    )
+    r = subprocess.run(
+        [str(tools / "kubernetes-validate"), "--strict", "-k", "1.30.0", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "targetPrt" in r.stdout + r.stderr
 
 
@@ -130,8 +142,13 @@ print(json.dumps(bad))
 
 
 def validate_monitors(tools: pathlib.Path, docs: list[dict]) -> list[str]:
-    r = subprocess.run([str(tools / "python"), "-c", _VALIDATE_MONITORS],
-                       input=json.dumps(docs), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(tools / "python"), "-c", _VALIDATE_MONITORS],
+        input=json.dumps(docs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -182,11 +199,14 @@ def test_router_wiring(rendered, overlay):
     sa = spec["serviceAccountName"]
     one(docs, "ServiceAccount", sa)
     rb = one(docs, "RoleBinding", "radixfleet-router-discovery")
-    assert {"kind": "ServiceAccount", "name": sa, "namespace": dep["metadata"]["namespace"]} \
-        in rb["subjects"]
+    assert {"kind": "ServiceAccount", "name": sa, "namespace": dep["metadata"]["namespace"]} in rb["subjects"]
     role = one(docs, "Role", rb["roleRef"]["name"])
-    assert any("discovery.k8s.io" in r["apiGroups"] and "endpointslices" in r["resources"]
-               and {"list", "watch"} <= set(r["verbs"]) for r in role["rules"])
+    assert any(
+        "discovery.k8s.io" in r["apiGroups"]
+        and "endpointslices" in r["resources"]
+        and {"list", "watch"} <= set(r["verbs"])
+        for r in role["rules"]
+    )
     # Service, PDB and ServiceMonitor select these pods / this Service
     labels = pod["metadata"]["labels"]
     svc = one(docs, "Service", "radixfleet-router")
@@ -195,8 +215,9 @@ def test_router_wiring(rendered, overlay):
     pdb = one(docs, "PodDisruptionBudget", "radixfleet-router")
     assert all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
     sm = one(docs, "ServiceMonitor", "radixfleet-router")
-    assert all(svc["metadata"]["labels"].get(k) == v
-               for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    assert all(
+        svc["metadata"]["labels"].get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items()
+    )
     assert sm["spec"]["endpoints"][0]["port"] == "http"
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
 
@@ -204,8 +225,7 @@ def test_router_wiring(rendered, overlay):
 def router_raw(docs: list[dict], tokenizer: str | None = None) -> dict:
     """The ConfigMap's router.yaml, parsed; with ``tokenizer``, every models: entry's
     tokenizer folder is that one (in a pod, the init container fills the folder)."""
-    raw = yaml.safe_load(one(docs, "ConfigMap", "radixfleet-router-config")["data"]
-                         ["router.yaml"])
+    raw = yaml.safe_load(one(docs, "ConfigMap", "radixfleet-router-config")["data"]["router.yaml"])
     for entry in (raw.get("models") or {}).values():
         if tokenizer is not None:
             entry["tokenizer"] = tokenizer
@@ -228,8 +248,9 @@ def test_configmap_yaml_is_a_valid_router_config(rendered, tmp_path, monkeypatch
         cfg = load_config(str(p))
         monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "a")
         monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "b")
-        check_exposure(cfg, BearerAuth(cfg.auth.admin_token_env, "admin"),
-                       BearerAuth(cfg.auth.agent_token_env, "agent"))
+        check_exposure(
+            cfg, BearerAuth(cfg.auth.admin_token_env, "admin"), BearerAuth(cfg.auth.agent_token_env, "agent")
+        )
         assert cfg.listen.port == int(arg_after(image_cmd(), "--port"))
         assert not cfg.discovery.kubernetes.api_server
         if overlay == "dev":  # the agents register themselves
@@ -250,8 +271,9 @@ def test_the_routers_tokenizer_is_fetched_where_models_names_it(rendered):
         (folder,) = [m["tokenizer"] for m in router_raw(docs)["models"].values()]
         mount = next(m for m in init["volumeMounts"] if folder.startswith(m["mountPath"] + "/"))
         assert f'local_dir="{folder}"' in init["args"][0]
-        assert any(m["name"] == mount["name"] and folder.startswith(m["mountPath"])
-                   for m in c["volumeMounts"])
+        assert any(
+            m["name"] == mount["name"] and folder.startswith(m["mountPath"]) for m in c["volumeMounts"]
+        )
     dev = one(rendered["dev"][1], "Deployment", "radixfleet-router")["spec"]["template"]
     assert "initContainers" not in dev["spec"]
 
@@ -265,13 +287,17 @@ def test_dev_overlay_needs_no_gpu_and_runs_our_agents_from_the_same_image(render
     assert ac["image"] == router["containers"][0]["image"]
     assert ac["args"][0] == "agent"
     svc = one(docs, "Service", "radixfleet-router")
-    assert arg_after(ac["args"], "--router") == f"http://{svc['metadata']['name']}:" \
+    assert (
+        arg_after(ac["args"], "--router") == f"http://{svc['metadata']['name']}:"
         f"{svc['spec']['ports'][0]['port']}"
+    )
     env = {e["name"]: e["valueFrom"] for e in ac["env"]}
     # the router's own Secret (generated, hash-suffixed: both references follow it)
     assert env["RADIXFLEET_AGENT_TOKEN"]["secretKeyRef"] == next(
-        e["valueFrom"]["secretKeyRef"] for e in router["containers"][0]["env"]
-        if e["name"] == "RADIXFLEET_AGENT_TOKEN")
+        e["valueFrom"]["secretKeyRef"]
+        for e in router["containers"][0]["env"]
+        if e["name"] == "RADIXFLEET_AGENT_TOKEN"
+    )
     assert "$(POD_IP)" in arg_after(ac["args"], "--advertise-url")
 
 
@@ -280,14 +306,16 @@ def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
     dep = one(docs, "Deployment", "vllm")
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     args = c["args"]
-    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details",
-                 "--block-size=32"):
+    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size=32"):
         assert flag in args
     (kv,) = [a for a in args if a.startswith("--kv-events-config=")]
     events = json.loads(kv.split("=", 1)[1])
     assert events == {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
-        "topic": "kv-events"}
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "topic": "kv-events",
+    }
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": 8000, "kv-events": 5557}
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -298,16 +326,17 @@ def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
     # the router's selector picks the headless Service's slices, on its port name
     svc = one(docs, "Service", "vllm")
     assert svc["spec"]["clusterIP"] == "None"
-    assert all(dep["spec"]["template"]["metadata"]["labels"].get(k) == v
-               for k, v in svc["spec"]["selector"].items())
+    assert all(
+        dep["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items()
+    )
     raw = router_raw(docs)
     (sel,) = raw["workers"]["discovery"]["kubernetes"]["selectors"]
-    slice_labels = {**svc["metadata"]["labels"],
-                    "kubernetes.io/service-name": svc["metadata"]["name"]}
+    slice_labels = {**svc["metadata"]["labels"], "kubernetes.io/service-name": svc["metadata"]["name"]}
     assert selector_matches(sel["label_selector"], slice_labels)
     assert sel["port_name"] in {p["name"] for p in svc["spec"]["ports"]}
-    assert not selector_matches(sel["label_selector"], one(docs, "Service", "radixfleet-router")
-                                ["metadata"]["labels"])
+    assert not selector_matches(
+        sel["label_selector"], one(docs, "Service", "radixfleet-router")["metadata"]["labels"]
+    )
     # precise mode: the engine's events as it is given them, its model's tokenizer and
     # block size under the name it serves
     assert sel["kind"] == "vllm"
@@ -317,8 +346,7 @@ def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
     assert raw["models"][served]["block_size"] == 32
 
 
-async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tmp_path,
-                                                                   tokenizer_dir):
+async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tmp_path, tokenizer_dir):
     """The ConfigMap's router.yaml, unchanged but for the API server address (a pod
     finds it in its environment), discovers the EndpointSlices the EndpointSlice
     controller would write for the example vLLM Service."""
@@ -330,10 +358,16 @@ async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tm
     token.write_text("t0k3n")
     async with FakeKubeAPI(token="t0k3n") as api:
         port = next(p for p in svc["spec"]["ports"] if p["name"] == "http")["port"]
-        api.put_slice(ns, make_slice(
-            "vllm-x7k2p", service="vllm", labels=svc["metadata"]["labels"], port=port,
-            endpoints=[("127.0.0.2", True, "vllm-6d4f9-abcde"),
-                       ("127.0.0.3", False, "vllm-6d4f9-fghij")]))
+        api.put_slice(
+            ns,
+            make_slice(
+                "vllm-x7k2p",
+                service="vllm",
+                labels=svc["metadata"]["labels"],
+                port=port,
+                endpoints=[("127.0.0.2", True, "vllm-6d4f9-abcde"), ("127.0.0.3", False, "vllm-6d4f9-fghij")],
+            ),
+        )
         k = raw["workers"]["discovery"]["kubernetes"]
         k.update({"api_server": api.url, "token_file": str(token), "namespace": ns})
         raw["listen"] = {"host": "127.0.0.1", "port": 0}
@@ -343,13 +377,13 @@ async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tm
             while not any(w.source is Source.DISCOVERY for w in router.pool):
                 assert time.monotonic() < deadline, "nothing discovered"
                 await asyncio.sleep(0.01)
-            assert {w.id: w.url for w in router.pool} == {
-                "vllm-6d4f9-abcde": f"http://127.0.0.2:{port}"}
+            assert {w.id: w.url for w in router.pool} == {"vllm-6d4f9-abcde": f"http://127.0.0.2:{port}"}
 
 
 @pytest.mark.engine
-async def test_the_configmap_runs_precise_mode_in_front_of_a_real_vllm(rendered, vllm_pair,
-                                                                       vllm_model_dir, tmp_path):
+async def test_the_configmap_runs_precise_mode_in_front_of_a_real_vllm(
+    rendered, vllm_pair, vllm_model_dir, tmp_path
+):
     """overlays/vllm's router.yaml, changed only where a pod's world differs from this
     test's (the API server, the engine's served name, its ports, the tokenizer folder
     the init container fills), discovers a real vLLM through EndpointSlices and runs
@@ -375,19 +409,26 @@ async def test_the_configmap_runs_precise_mode_in_front_of_a_real_vllm(rendered,
     token = tmp_path / "token"
     token.write_text("t0k3n")
     async with FakeKubeAPI(token="t0k3n") as api:
-        api.put_slice(ns, make_slice("vllm-x7k2p", service="vllm",
-                                     labels=svc["metadata"]["labels"], port=v.port,
-                                     endpoints=[("127.0.0.1", True, "vllm-6d4f9-abcde")]))
+        api.put_slice(
+            ns,
+            make_slice(
+                "vllm-x7k2p",
+                service="vllm",
+                labels=svc["metadata"]["labels"],
+                port=v.port,
+                endpoints=[("127.0.0.1", True, "vllm-6d4f9-abcde")],
+            ),
+        )
         raw["workers"]["discovery"]["kubernetes"].update(
-            {"api_server": api.url, "token_file": str(token), "namespace": ns})
+            {"api_server": api.url, "token_file": str(token), "namespace": ns}
+        )
         router = Router(parse_config(raw))
         async with RouterServer(router, port=0) as server:
             deadline = time.monotonic() + 30
             while True:
                 w = router.pool.get("vllm-6d4f9-abcde")
                 link = getattr(w, "engine", None)
-                if link is not None and isinstance(link.space, TokenSpace) \
-                        and link.subscriber is not None:
+                if link is not None and isinstance(link.space, TokenSpace) and link.subscriber is not None:
                     break
                 assert time.monotonic() < deadline, "not discovered and keyed in time"
                 await asyncio.sleep(0.05)

@@ -58,7 +58,7 @@ class Dnsmasq:
         self.port = free_udp_port()
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Dnsmasq":
+    def start(self) -> Dnsmasq:
         for _ in range(5):
             try:
                 return self._start()
@@ -67,15 +67,28 @@ class Dnsmasq:
                 self.port = free_udp_port()
         return self._start()
 
-    def _start(self) -> "Dnsmasq":
-        argv = [self.binary, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv",
-                "--no-hosts", "--no-poll", f"--addn-hosts={self.hosts}",
-                "--local=/pool.test/", "--listen-address=127.0.0.1", "--bind-interfaces",
-                f"--port={self.port}", "--pid-file", "--log-facility=-", "--cache-size=0"]
+    def _start(self) -> Dnsmasq:
+        argv = [
+            self.binary,
+            "--keep-in-foreground",
+            "--conf-file=/dev/null",
+            "--no-resolv",
+            "--no-hosts",
+            "--no-poll",
+            f"--addn-hosts={self.hosts}",
+            "--local=/pool.test/",
+            "--listen-address=127.0.0.1",
+            "--bind-interfaces",
+            f"--port={self.port}",
+            "--pid-file",
+            "--log-facility=-",
+            "--cache-size=0",
+        ]
         if os.geteuid() == 0:
             argv.append("--user=root")  # read the hosts file inside pytest's 0700 tmp dir
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -118,9 +131,16 @@ def dnsmasq(dnsmasq_binary, tmp_path):
 
 
 def dns_cfg(nameserver: str, **extra):
-    disc = {"backoff_s": 0.05, "backoff_max_s": 0.2,
-            "dns": {"nameserver": nameserver, "interval_s": 0.1, "timeout_s": 0.5,
-                    "services": [{"name": NAME, "port": 8123, "kind": "vllm"}]}}
+    disc = {
+        "backoff_s": 0.05,
+        "backoff_max_s": 0.2,
+        "dns": {
+            "nameserver": nameserver,
+            "interval_s": 0.1,
+            "timeout_s": 0.5,
+            "services": [{"name": NAME, "port": 8123, "kind": "vllm"}],
+        },
+    }
     disc.update(extra)
     return parse_config({"workers": {"discovery": disc}})
 
@@ -148,9 +168,11 @@ async def test_a_and_aaaa_records_become_workers_and_follow_changes(dnsmasq):
     src = DnsSource(cfg.discovery.dns, DiscoveryMetrics(CollectorRegistry()))
     gen = src.snapshots()
     first = await asyncio.wait_for(gen.__anext__(), 5)
-    assert first == {Endpoint("127.0.0.2:8123", "http://127.0.0.2:8123", "vllm"),
-                     Endpoint("127.0.0.3:8123", "http://127.0.0.3:8123", "vllm"),
-                     Endpoint("[::1]:8123", "http://[::1]:8123", "vllm")}
+    assert first == {
+        Endpoint("127.0.0.2:8123", "http://127.0.0.2:8123", "vllm"),
+        Endpoint("127.0.0.3:8123", "http://127.0.0.3:8123", "vllm"),
+        Endpoint("[::1]:8123", "http://[::1]:8123", "vllm"),
+    }
     dnsmasq.set_records(["127.0.0.3", "127.0.0.4"])  # a pod left, one came
     t0 = time.monotonic()
     second = await asyncio.wait_for(gen.__anext__(), 5)
@@ -171,32 +193,50 @@ async def test_router_routes_to_agents_found_in_dns(dnsmasq, tmp_path):
     from tests.procs import Proc, radixfleet_argv
 
     ap = free_port()
-    agents = [Proc(radixfleet_argv("agent", "--host", h, "--port", str(ap),
-                                   "--kv-tokens", "50000"),
-                   ready_url=f"http://{h}:{ap}/health", timeout_s=30)
-              for h in ("127.0.0.2", "127.0.0.3")]
+    agents = [
+        Proc(
+            radixfleet_argv("agent", "--host", h, "--port", str(ap), "--kv-tokens", "50000"),
+            ready_url=f"http://{h}:{ap}/health",
+            timeout_s=30,
+        )
+        for h in ("127.0.0.2", "127.0.0.3")
+    ]
     dnsmasq.set_records(["127.0.0.2", "127.0.0.3"])
-    cfg = parse_config({"listen": {"port": 0}, "health": {"interval_s": 0.2},
-                        "workers": {"discovery": {"dns": {
-                            "nameserver": f"127.0.0.1:{dnsmasq.port}", "interval_s": 0.2,
-                            "services": [{"name": NAME, "port": ap, "kind": "agent"}]}}}})
+    cfg = parse_config(
+        {
+            "listen": {"port": 0},
+            "health": {"interval_s": 0.2},
+            "workers": {
+                "discovery": {
+                    "dns": {
+                        "nameserver": f"127.0.0.1:{dnsmasq.port}",
+                        "interval_s": 0.2,
+                        "services": [{"name": NAME, "port": ap, "kind": "agent"}],
+                    }
+                }
+            },
+        }
+    )
     try:
         for a in agents:
             a.__enter__()
         router = Router(cfg)
         async with RouterServer(router, port=0) as srv:
-            await until(lambda: len(router.pool.routable_workers(time.monotonic())) == 2,
-                        10, "both agents routable")
+            await until(
+                lambda: len(router.pool.routable_workers(time.monotonic())) == 2, 10, "both agents routable"
+            )
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}") as c:
-                r = await c.post("/v1/completions", json={"model": "llama-3-8b",
-                                                           "prompt": "hello " * 40,
-                                                           "max_tokens": 4})
+                r = await c.post(
+                    "/v1/completions", json={"model": "llama-3-8b", "prompt": "hello " * 40, "max_tokens": 4}
+                )
                 assert r.status_code == 200, r.text
-                assert r.headers["x-radixfleet-worker"] in {f"127.0.0.2:{ap}",
-                                                            f"127.0.0.3:{ap}"}
+                assert r.headers["x-radixfleet-worker"] in {f"127.0.0.2:{ap}", f"127.0.0.3:{ap}"}
                 dnsmasq.set_records(["127.0.0.3"])
-                await until(lambda: set(discovered(router.pool)) == {f"127.0.0.3:{ap}"}, 5,
-                            "the removed record to leave the pool")
+                await until(
+                    lambda: set(discovered(router.pool)) == {f"127.0.0.3:{ap}"},
+                    5,
+                    "the removed record to leave the pool",
+                )
                 metrics = (await c.get("/metrics")).text
                 assert 'radixfleet_discovery_changes_total{op="removed"} 1.0' in metrics
     finally:
@@ -213,11 +253,25 @@ async def test_unreachable_or_garbage_resolver_keeps_what_was_known(dnsmasq):
         await until(lambda: len(discovered(pool)) == 2, what="first answer")
         before = discovered(pool)
         dnsmasq.stop()  # the resolver goes away
-        await until(lambda: (registry.get_sample_value(
-            "radixfleet_discovery_errors_total", {"source": "dns", "cause": "timeout"}) or 0)
-            + (registry.get_sample_value("radixfleet_discovery_errors_total",
-                                         {"source": "dns", "cause": "servfail"}) or 0) >= 2,
-            10, "errors counted")
+        await until(
+            lambda: (
+                (
+                    registry.get_sample_value(
+                        "radixfleet_discovery_errors_total", {"source": "dns", "cause": "timeout"}
+                    )
+                    or 0
+                )
+                + (
+                    registry.get_sample_value(
+                        "radixfleet_discovery_errors_total", {"source": "dns", "cause": "servfail"}
+                    )
+                    or 0
+                )
+                >= 2
+            ),
+            10,
+            "errors counted",
+        )
         assert discovered(pool) == before
         disc.reconciler.check()
 
@@ -239,9 +293,20 @@ async def test_unreachable_or_garbage_resolver_keeps_what_was_known(dnsmasq):
         pool2 = pool_for(cfg2)
         pool2.add("static", "http://127.0.0.9:1", Source.CONFIG)
         async with Discovery(cfg2.discovery, pool2, registry2):
-            await until(lambda: sum(
-                s.value for m in registry2.collect() if m.name == "radixfleet_discovery_errors"
-                for s in m.samples if s.name.endswith("_total")) >= 3, 10, "garbage counted")
+            await until(
+                lambda: (
+                    sum(
+                        s.value
+                        for m in registry2.collect()
+                        if m.name == "radixfleet_discovery_errors"
+                        for s in m.samples
+                        if s.name.endswith("_total")
+                    )
+                    >= 3
+                ),
+                10,
+                "garbage counted",
+            )
             assert [w.id for w in pool2] == ["static"]  # nothing invented, nothing lost
     finally:
         transport.close()
@@ -257,9 +322,12 @@ async def test_thousands_of_records_are_capped_logged_and_counted(dnsmasq, caplo
         await until(lambda: len(discovered(pool)) == 2500, 20, "2500 workers")
         disc.reconciler.check()
         pool.check()
-        assert registry.get_sample_value("radixfleet_discovery_endpoints",
-                                         {"source": "dns"}) == 3000
-        assert registry.get_sample_value("radixfleet_discovery_errors_total",
-                                         {"source": "reconcile", "cause": "too_many"}) >= 1
+        assert registry.get_sample_value("radixfleet_discovery_endpoints", {"source": "dns"}) == 3000
+        assert (
+            registry.get_sample_value(
+                "radixfleet_discovery_errors_total", {"source": "reconcile", "cause": "too_many"}
+            )
+            >= 1
+        )
     warned = [r for r in caplog.records if "max_workers" in r.getMessage()]
     assert len(warned) == 1  # logged once, however many answers repeated it

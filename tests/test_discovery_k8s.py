@@ -12,11 +12,11 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from protocol.errors import ConfigError
 from router.config import parse_config
 from router.discovery import Discovery
 from router.discovery.base import Endpoint
 from router.discovery.k8s import own_namespace, parse_slice
-from protocol.errors import ConfigError
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
 from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
@@ -28,12 +28,15 @@ LABELS = {"radixfleet.io/pool": "vllm"}
 
 
 def k8s_cfg(api: FakeKubeAPI, token_file, **extra):
-    k = {"api_server": api.url, "token_file": str(token_file), "namespace": NS,
-         "watch_timeout_s": 30,
-         "selectors": [{"label_selector": SEL, "port_name": "http", "kind": "vllm"}]}
+    k = {
+        "api_server": api.url,
+        "token_file": str(token_file),
+        "namespace": NS,
+        "watch_timeout_s": 30,
+        "selectors": [{"label_selector": SEL, "port_name": "http", "kind": "vllm"}],
+    }
     k.update(extra)
-    return {"workers": {"discovery": {"backoff_s": 0.05, "backoff_max_s": 0.2,
-                                      "kubernetes": k}}}
+    return {"workers": {"discovery": {"backoff_s": 0.05, "backoff_max_s": 0.2, "kubernetes": k}}}
 
 
 @pytest.fixture
@@ -61,38 +64,52 @@ async def until(pred, timeout_s=5.0, what="condition", step=0.0005):
 
 
 def errors(registry: CollectorRegistry, cause: str, source: str = "kubernetes") -> float:
-    return registry.get_sample_value("radixfleet_discovery_errors_total",
-                                     {"source": source, "cause": cause}) or 0.0
+    return (
+        registry.get_sample_value("radixfleet_discovery_errors_total", {"source": source, "cause": cause})
+        or 0.0
+    )
 
 
 # ------------------------------------------------------------------ units
 
 
 def test_parse_slice_takes_ready_endpoints_on_the_named_port():
-    s = vllm_slice("v-1", [("10.0.0.1", True, "vllm-0"), ("10.0.0.2", False, "vllm-1"),
-                           ("10.0.0.3", None, "vllm-2"), ("10.0.0.4", True, None)])
+    s = vllm_slice(
+        "v-1",
+        [
+            ("10.0.0.1", True, "vllm-0"),
+            ("10.0.0.2", False, "vllm-1"),
+            ("10.0.0.3", None, "vllm-2"),
+            ("10.0.0.4", True, None),
+        ],
+    )
     s["ports"].append({"name": "metrics", "protocol": "TCP", "port": 9090})
     name, rv, eps, bad = parse_slice(s, "http", "vllm")
     assert (name, bad) == ("v-1", 0)
-    assert eps == [Endpoint("vllm-0", "http://10.0.0.1:8000", "vllm"),
-                   Endpoint("vllm-2", "http://10.0.0.3:8000", "vllm"),  # ready unset: ready
-                   Endpoint("10.0.0.4:8000", "http://10.0.0.4:8000", "vllm")]
+    assert eps == [
+        Endpoint("vllm-0", "http://10.0.0.1:8000", "vllm"),
+        Endpoint("vllm-2", "http://10.0.0.3:8000", "vllm"),  # ready unset: ready
+        Endpoint("10.0.0.4:8000", "http://10.0.0.4:8000", "vllm"),
+    ]
     assert parse_slice(s, "grpc", "vllm")[2] == []  # no such port in this slice
     assert parse_slice(s, "", "vllm")[2] == []  # two ports and no name: ambiguous
     v6 = vllm_slice("v-2", [("fd00::1", True, "vllm-0")], address_type="IPv6")
-    assert parse_slice(v6, "http", "agent")[2] == [
-        Endpoint("vllm-0", "http://[fd00::1]:8000", "agent")]
+    assert parse_slice(v6, "http", "agent")[2] == [Endpoint("vllm-0", "http://[fd00::1]:8000", "agent")]
 
 
 def test_parse_slice_counts_malformed_endpoints_and_rejects_malformed_slices():
-    s = vllm_slice("v-1", [("10.0.0.1", True, "a"), ("not-an-ip", True, "b"),
-                           ("fd00::9", True, "c")])
+    s = vllm_slice("v-1", [("10.0.0.1", True, "a"), ("not-an-ip", True, "b"), ("fd00::9", True, "c")])
     s["endpoints"].append("garbage")
     s["endpoints"].append({"addresses": [], "conditions": {}})
     _, _, eps, bad = parse_slice(s, "http", "vllm")
     assert [e.id for e in eps] == ["a"] and bad == 4
-    for broken in ([], {"metadata": {}}, {**s, "ports": "x"}, {**s, "endpoints": {}},
-                   {**s, "ports": [{"name": "http", "port": 70000}]}):
+    for broken in (
+        [],
+        {"metadata": {}},
+        {**s, "ports": "x"},
+        {**s, "endpoints": {}},
+        {**s, "ports": [{"name": "http", "port": 70000}]},
+    ):
         with pytest.raises(ValueError):
             parse_slice(broken, "http", "vllm")
     empty = {**s, "endpoints": None}  # how a slice with no endpoints serializes
@@ -117,26 +134,42 @@ def test_own_namespace_comes_from_the_service_account(tmp_path):
         own_namespace(str(tmp_path / "absent"))
 
 
-@pytest.mark.parametrize("raw, message", [
-    ("workers: {discovery: {kubernetes: {selectors: [{label_selector: a=b, kind: tgi}]}}}",
-     "workers.discovery.kubernetes.selectors[0].kind: 'tgi' is not one of agent, vllm, "
-     "sglang, openai"),
-    ("workers: {discovery: {kubernetes: {selectors: [{port_name: http}]}}}",
-     "workers.discovery.kubernetes.selectors[0].label_selector: required"),
-    ("workers: {discovery: {kubernetes: {api_server: 'ftp://x'}}}",
-     "workers.discovery.kubernetes.api_server: expected an http(s):// URL"),
-    ("workers: {discovery: {kubernetes: {watch_timeout_s: 0}}}",
-     "workers.discovery.kubernetes.watch_timeout_s"),
-    ("workers: {discovery: {dns: {services: [{name: x}]}}}",
-     "workers.discovery.dns.services[0].port: required"),
-    ("workers: {discovery: {backoff_s: 2, backoff_max_s: 1}}",
-     "workers.discovery.backoff_max_s: expected a number >= workers.discovery.backoff_s"),
-    ("workers: {discovery: {kubernets: {}}}",
-     "workers.discovery.kubernets: unknown key; valid: backoff_max_s, backoff_s, dns, "
-     "kubernetes, max_workers"),
-    ("workers: {statics: []}", "workers.statics: unknown key; valid: discovery, static"),
-    ("workers: {static: [{url: 'ftp://x'}]}", "workers.static[0].url: expected an http://"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (
+            "workers: {discovery: {kubernetes: {selectors: [{label_selector: a=b, kind: tgi}]}}}",
+            "workers.discovery.kubernetes.selectors[0].kind: 'tgi' is not one of agent, vllm, sglang, openai",
+        ),
+        (
+            "workers: {discovery: {kubernetes: {selectors: [{port_name: http}]}}}",
+            "workers.discovery.kubernetes.selectors[0].label_selector: required",
+        ),
+        (
+            "workers: {discovery: {kubernetes: {api_server: 'ftp://x'}}}",
+            "workers.discovery.kubernetes.api_server: expected an http(s):// URL",
+        ),
+        (
+            "workers: {discovery: {kubernetes: {watch_timeout_s: 0}}}",
+            "workers.discovery.kubernetes.watch_timeout_s",
+        ),
+        (
+            "workers: {discovery: {dns: {services: [{name: x}]}}}",
+            "workers.discovery.dns.services[0].port: required",
+        ),
+        (
+            "workers: {discovery: {backoff_s: 2, backoff_max_s: 1}}",
+            "workers.discovery.backoff_max_s: expected a number >= workers.discovery.backoff_s",
+        ),
+        (
+            "workers: {discovery: {kubernets: {}}}",
+            "workers.discovery.kubernets: unknown key; valid: backoff_max_s, backoff_s, dns, "
+            "kubernetes, max_workers",
+        ),
+        ("workers: {statics: []}", "workers.statics: unknown key; valid: discovery, static"),
+        ("workers: {static: [{url: 'ftp://x'}]}", "workers.static[0].url: expected an http://"),
+    ],
+)
 def test_discovery_config_errors_name_the_field(raw, message):
     with pytest.raises(ConfigError) as e:
         parse_config(yaml.safe_load(raw))
@@ -144,9 +177,12 @@ def test_discovery_config_errors_name_the_field(raw, message):
 
 
 def test_workers_mapping_keeps_the_static_list():
-    cfg = parse_config(yaml.safe_load(
-        "workers: {static: [http://127.0.0.1:9001], discovery: {kubernetes: {selectors: "
-        "[{label_selector: 'app=vllm', port_name: http, kind: vllm}]}}}"))
+    cfg = parse_config(
+        yaml.safe_load(
+            "workers: {static: [http://127.0.0.1:9001], discovery: {kubernetes: {selectors: "
+            "[{label_selector: 'app=vllm', port_name: http, kind: vllm}]}}}"
+        )
+    )
     assert [w.id for w in cfg.workers] == ["127.0.0.1:9001"]
     assert cfg.discovery.enabled() and cfg.discovery.kubernetes.selectors[0].kind == "vllm"
     assert not parse_config({"workers": ["http://127.0.0.1:9001"]}).discovery.enabled()
@@ -166,21 +202,29 @@ async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
     from tests.procs import Proc, radixfleet_argv
 
     ap = free_port()
-    agents = [Proc(radixfleet_argv("agent", "--host", h, "--port", str(ap),
-                                   "--kv-tokens", "50000"),
-                   ready_url=f"http://{h}:{ap}/health", timeout_s=30)
-              for h in ("127.0.0.2", "127.0.0.3")]
+    agents = [
+        Proc(
+            radixfleet_argv("agent", "--host", h, "--port", str(ap), "--kv-tokens", "50000"),
+            ready_url=f"http://{h}:{ap}/health",
+            timeout_s=30,
+        )
+        for h in ("127.0.0.2", "127.0.0.3")
+    ]
     membership: list[float] = []
     routable: list[float] = []
     try:
         for a in agents:
             a.__enter__()
         async with FakeKubeAPI() as api:
-            api.put_slice(NS, vllm_slice("vllm-abc", [("127.0.0.2", True, "vllm-0"),
-                                                      ("127.0.0.3", False, "vllm-1")],
-                                         port=ap))
-            api.put_slice(NS, make_slice("other", service="other", endpoints=[
-                ("127.0.0.4", True, "other-0")], port=ap))  # not selected
+            api.put_slice(
+                NS,
+                vllm_slice(
+                    "vllm-abc", [("127.0.0.2", True, "vllm-0"), ("127.0.0.3", False, "vllm-1")], port=ap
+                ),
+            )
+            api.put_slice(
+                NS, make_slice("other", service="other", endpoints=[("127.0.0.4", True, "other-0")], port=ap)
+            )  # not selected
             raw = k8s_cfg(api, token_file)
             raw.update({"listen": {"port": 0}, "health": {"interval_s": 0.5}})
             router = Router(parse_config(raw))
@@ -188,37 +232,51 @@ async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
             now = time.monotonic
             async with RouterServer(router, port=0) as srv:
                 await until(lambda: set(discovered(pool)) == {"vllm-0"}, 10, "first list")
-                await until(lambda: [w.id for w in pool.routable_workers(now())] == ["vllm-0"],
-                            5, "vllm-0 routable")
+                await until(
+                    lambda: [w.id for w in pool.routable_workers(now())] == ["vllm-0"], 5, "vllm-0 routable"
+                )
                 await api.wait_watchers()
-                for i in range(6):
+                for _ in range(6):
                     # vllm-1 becomes ready ...
-                    rv = api.put_slice(NS, vllm_slice("vllm-abc", [
-                        ("127.0.0.2", True, "vllm-0"), ("127.0.0.3", True, "vllm-1")], port=ap))
+                    rv = api.put_slice(
+                        NS,
+                        vllm_slice(
+                            "vllm-abc",
+                            [("127.0.0.2", True, "vllm-0"), ("127.0.0.3", True, "vllm-1")],
+                            port=ap,
+                        ),
+                    )
                     t = await until(lambda: "vllm-1" in discovered(pool), 1.0, "ready pod")
                     membership.append(t - api.sent_at[rv])
-                    t = await until(lambda: any(w.id == "vllm-1"
-                                                for w in pool.routable_workers(now())),
-                                    1.0, "ready pod routable")
+                    t = await until(
+                        lambda: any(w.id == "vllm-1" for w in pool.routable_workers(now())),
+                        1.0,
+                        "ready pod routable",
+                    )
                     routable.append(t - api.sent_at[rv])
                     # ... and unready again (a failing readiness probe, or terminating)
-                    rv = api.put_slice(NS, vllm_slice("vllm-abc", [
-                        ("127.0.0.2", True, "vllm-0"), ("127.0.0.3", False, "vllm-1")], port=ap))
-                    t = await until(lambda: "vllm-1" not in discovered(pool), 1.0,
-                                    "unready pod removed")
+                    rv = api.put_slice(
+                        NS,
+                        vllm_slice(
+                            "vllm-abc",
+                            [("127.0.0.2", True, "vllm-0"), ("127.0.0.3", False, "vllm-1")],
+                            port=ap,
+                        ),
+                    )
+                    t = await until(lambda: "vllm-1" not in discovered(pool), 1.0, "unready pod removed")
                     membership.append(t - api.sent_at[rv])
                 # a new slice (scale-up) and its deletion (scale-down)
-                rv = api.put_slice(NS, vllm_slice("vllm-def", [("127.0.0.3", True, "vllm-1")],
-                                                  port=ap))
+                rv = api.put_slice(NS, vllm_slice("vllm-def", [("127.0.0.3", True, "vllm-1")], port=ap))
                 t = await until(lambda: "vllm-1" in discovered(pool), 1.0, "new slice")
                 membership.append(t - api.sent_at[rv])
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}") as c:
                     await until(lambda: len(pool.routable_workers(now())) == 2, 2, "both")
                     seen = set()
                     for i in range(8):
-                        r = await c.post("/v1/completions", json={
-                            "model": "llama-3-8b", "prompt": f"request {i} " * 30,
-                            "max_tokens": 2})
+                        r = await c.post(
+                            "/v1/completions",
+                            json={"model": "llama-3-8b", "prompt": f"request {i} " * 30, "max_tokens": 2},
+                        )
                         assert r.status_code == 200, r.text
                         seen.add(r.headers["x-radixfleet-worker"])
                     assert seen <= {"vllm-0", "vllm-1"} and seen
@@ -233,10 +291,12 @@ async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
         for a in agents:
             a.stop()
     ms = sorted(x * 1000 for x in membership)
-    print(f"\nk8s discovery: watch event -> pool membership over {len(ms)} changes: "
-          f"median {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms; -> routable "
-          f"(health check passed) median {statistics.median(routable) * 1000:.2f} ms, "
-          f"max {max(routable) * 1000:.2f} ms")
+    print(
+        f"\nk8s discovery: watch event -> pool membership over {len(ms)} changes: "
+        f"median {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms; -> routable "
+        f"(health check passed) median {statistics.median(routable) * 1000:.2f} ms, "
+        f"max {max(routable) * 1000:.2f} ms"
+    )
     assert ms[-1] < 1000
 
 
@@ -248,7 +308,8 @@ async def test_bookmarks_410_gone_and_dropped_watches(token_file):
         pool = Pool(cfg, PrefixIndex(1 << 20, 30.0))
         registry = CollectorRegistry()
         restarts = lambda r: registry.get_sample_value(  # noqa: E731
-            "radixfleet_discovery_watch_restarts_total", {"source": "kubernetes", "reason": r})
+            "radixfleet_discovery_watch_restarts_total", {"source": "kubernetes", "reason": r}
+        )
         lists = lambda: sum(1 for q in api.requests if "watch" not in q)  # noqa: E731
         watches = lambda: [q for q in api.requests if "watch" in q]  # noqa: E731
         async with Discovery(cfg.discovery, pool, registry) as disc:
@@ -268,8 +329,7 @@ async def test_bookmarks_410_gone_and_dropped_watches(token_file):
             assert lists() == 1 and restarts("dropped") + (restarts("closed") or 0) >= 1
             # Changes made while the watch was down are replayed on resume.
             api.drop_watches()
-            api.put_slice(NS, vllm_slice("a", [("127.0.0.2", True, "p0"),
-                                               ("127.0.0.3", True, "p1")]))
+            api.put_slice(NS, vllm_slice("a", [("127.0.0.2", True, "p0"), ("127.0.0.3", True, "p1")]))
             await until(lambda: set(discovered(pool)) == {"p0", "p1"}, 5, "replayed")
             assert lists() == 1
             # Compaction: the resumed watch gets 410 Gone and relists.
@@ -302,9 +362,20 @@ async def test_watch_timeout_resumes_and_pagination_lists_everything(token_file)
             pages = [q for q in api.requests if "watch" not in q]
             assert len(pages) == 5 and all(q["limit"] == "5" for q in pages)
             assert "continue" not in pages[0] and all("continue" in q for q in pages[1:])
-            await until(lambda: (registry.get_sample_value(
-                "radixfleet_discovery_watch_restarts_total",
-                {"source": "kubernetes", "reason": "closed"}) or 0) >= 1, 5, "timeout resume")
+            await until(
+                lambda: (
+                    (
+                        registry.get_sample_value(
+                            "radixfleet_discovery_watch_restarts_total",
+                            {"source": "kubernetes", "reason": "closed"},
+                        )
+                        or 0
+                    )
+                    >= 1
+                ),
+                5,
+                "timeout resume",
+            )
             api.delete_slice(NS, "s00")
             await until(lambda: len(discovered(pool)) == 22, 5, "after resume")
             assert len([q for q in api.requests if "watch" not in q]) == 5  # no relist
@@ -318,7 +389,7 @@ async def test_unreachable_garbage_and_refused_keep_what_was_known(token_file, c
         pool = Pool(cfg, PrefixIndex(1 << 20, 30.0))
         pool.add("admin-w", "http://127.0.0.9:1", Source.ADMIN)
         registry = CollectorRegistry()
-        async with Discovery(cfg.discovery, pool, registry) as disc:
+        async with Discovery(cfg.discovery, pool, registry):
             await until(lambda: set(discovered(pool)) == {"p0", "p1"}, 5, "list")
             known = discovered(pool)
             await api.wait_watchers()
@@ -336,9 +407,11 @@ async def test_unreachable_garbage_and_refused_keep_what_was_known(token_file, c
             assert discovered(pool) == known  # through all of it
             # a malformed slice inside a valid list is skipped; the rest applies
             api.list_override = None
-            api.objects[(NS, "zz")] = {"metadata": {"name": "zz", "labels": LABELS,
-                                                    "resourceVersion": "1"},
-                                       "addressType": "IPv4", "ports": "nonsense"}
+            api.objects[(NS, "zz")] = {
+                "metadata": {"name": "zz", "labels": LABELS, "resourceVersion": "1"},
+                "addressType": "IPv4",
+                "ports": "nonsense",
+            }
             api.put_slice(NS, vllm_slice("a", [("127.0.0.2", True, "p0")]))
             await until(lambda: set(discovered(pool)) == {"p0"}, 5, "valid part applied")
             assert errors(registry, "invalid_object") >= 1
@@ -357,8 +430,7 @@ async def test_unreachable_garbage_and_refused_keep_what_was_known(token_file, c
     async with FakeKubeAPI(token="other") as api:
         cfg3 = parse_config(k8s_cfg(api, token_file))
         registry3 = CollectorRegistry()
-        async with Discovery(cfg3.discovery, Pool(cfg3, PrefixIndex(1 << 20, 30.0)),
-                             registry3):
+        async with Discovery(cfg3.discovery, Pool(cfg3, PrefixIndex(1 << 20, 30.0)), registry3):
             await until(lambda: errors(registry3, "http_status") >= 2, 5, "401")
     # each cause is logged once per outage, however many retries counted it
     lines = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
@@ -369,8 +441,12 @@ async def test_unreachable_garbage_and_refused_keep_what_was_known(token_file, c
 async def test_thousands_of_endpoints_are_paged_capped_and_counted(token_file):
     async with FakeKubeAPI() as api:
         for s in range(40):
-            api.put_slice(NS, vllm_slice(f"big-{s:02d}", [
-                (f"127.2.{s}.{i + 1}", True, f"pod-{s}-{i}") for i in range(100)]))
+            api.put_slice(
+                NS,
+                vllm_slice(
+                    f"big-{s:02d}", [(f"127.2.{s}.{i + 1}", True, f"pod-{s}-{i}") for i in range(100)]
+                ),
+            )
         raw = k8s_cfg(api, token_file, page_size=7)
         raw["workers"]["discovery"]["max_workers"] = 3000
         cfg = parse_config(raw)
@@ -378,15 +454,22 @@ async def test_thousands_of_endpoints_are_paged_capped_and_counted(token_file):
         registry = CollectorRegistry()
         async with Discovery(cfg.discovery, pool, registry) as disc:
             await until(lambda: len(discovered(pool)) == 3000, 20, "3000 workers")
-            assert registry.get_sample_value("radixfleet_discovery_endpoints",
-                                             {"source": "kubernetes"}) == 4000
+            assert (
+                registry.get_sample_value("radixfleet_discovery_endpoints", {"source": "kubernetes"}) == 4000
+            )
             assert errors(registry, "too_many", source="reconcile") >= 1
             disc.reconciler.check()
             pool.check()
             # one more pod: still 3000, still consistent, applied in one diff
             await api.wait_watchers()
             api.put_slice(NS, vllm_slice("big-40", [("127.2.40.1", True, "pod-40-0")]))
-            await until(lambda: registry.get_sample_value(
-                "radixfleet_discovery_endpoints", {"source": "kubernetes"}) == 4001, 5, "4001")
+            await until(
+                lambda: (
+                    registry.get_sample_value("radixfleet_discovery_endpoints", {"source": "kubernetes"})
+                    == 4001
+                ),
+                5,
+                "4001",
+            )
             assert len(discovered(pool)) == 3000
             disc.reconciler.check()

@@ -22,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "DESIGN.md"
 ARCHITECTURE = ROOT / "ARCHITECTURE.md"
 #: the project's Python packages (each has an __init__.py and a row per module)
-PACKAGES = ("protocol", "service", "policies", "router", "worker_agent", "loadtest",
-            "radixfleet")
+PACKAGES = ("protocol", "service", "policies", "router", "worker_agent", "loadtest", "radixfleet")
 SKIP_DIRS = {".git", ".cache", "__pycache__", ".pytest_cache", "node_modules"}
 
 
@@ -111,8 +110,11 @@ def _named_in_first_cells() -> set[str]:
 def test_every_module_architecture_names_exists():
     text = ARCHITECTURE.read_text()
     named = _named_in_first_cells()
-    named |= {t for t in re.findall(r"`([\w./-]+)`", text)
-              if "/" in t and not t.startswith(("/", "http")) and re.search(r"\.py$|/$", t)}
+    named |= {
+        t
+        for t in re.findall(r"`([\w./-]+)`", text)
+        if "/" in t and not t.startswith(("/", "http")) and re.search(r"\.py$|/$", t)
+    }
     missing = sorted(n for n in named if not (ROOT / n.rstrip("/")).exists())
     assert not missing, f"ARCHITECTURE.md names modules that do not exist: {missing}"
 
@@ -120,8 +122,9 @@ def test_every_module_architecture_names_exists():
 def test_every_module_of_every_package_has_its_row():
     named = _named_in_first_cells()
     unmapped = sorted(m for m in _package_modules() if m not in named)
-    assert not unmapped, ("modules without a row in ARCHITECTURE.md's tables (name them in "
-                          f"a row's first cell): {unmapped}")
+    assert not unmapped, (
+        f"modules without a row in ARCHITECTURE.md's tables (name them in a row's first cell): {unmapped}"
+    )
 
 
 def test_every_package_opens_with_a_module_map():
@@ -132,8 +135,7 @@ def test_every_package_opens_with_a_module_map():
         rel = init.relative_to(ROOT)
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         names = sorted(p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py")
-        names += sorted(p.name for p in init.parent.iterdir()
-                        if p.is_dir() and (p / "__init__.py").exists())
+        names += sorted(p.name for p in init.parent.iterdir() if p.is_dir() and (p / "__init__.py").exists())
         absent = [n for n in names if not re.search(rf"\b{re.escape(n)}\b", doc)]
         if absent:
             lacking[str(rel)] = absent
@@ -150,8 +152,7 @@ WORK_LOG = re.compile(r"(?:stop|issue|probe|item)s?[ _#-]?\d+(?!\d)|(?:this|the)
 def work_log(text: str) -> list[tuple[int, str]]:
     """(offset, words) of every work-log reference in ``text``."""
     low = text.lower()
-    return [(m.start(), m[0]) for m in WORK_LOG.finditer(low)
-            if not low[m.start() - 1:m.start()].isalpha()]
+    return [(m.start(), m[0]) for m in WORK_LOG.finditer(low) if not low[m.start() - 1 : m.start()].isalpha()]
 
 
 def test_code_and_tests_carry_no_work_log_references():
@@ -163,16 +164,28 @@ def test_code_and_tests_carry_no_work_log_references():
         for offset, words in work_log(text):
             lineno = text.count("\n", 0, offset) + 1
             found.append(f"{path.relative_to(ROOT)}:{lineno}: {words!r}")
-    assert not found, ("describe the behaviour instead of the issue or stop that brought it "
-                       "(history lives in git and bench/RESULTS.md):\n" + "\n".join(found))
+    assert not found, (
+        "describe the behaviour instead of the issue or stop that brought it "
+        "(history lives in git and bench/RESULTS.md):\n" + "\n".join(found)
+    )
 
 
 def test_the_work_log_pattern_catches_what_it_must():
-    for text in ("bench/RESULTS.md, \"Stop 20\"", "Target (issue 15)", "Issue 13's findings",
-                 "def test_probe_7_holds", "the issue's targets"):
+    for text in (
+        'bench/RESULTS.md, "Stop 20"',
+        "Target (issue 15)",
+        "Issue 13's findings",
+        "def test_probe_7_holds",
+        "the issue's targets",
+    ):
         assert work_log(text), text
-    for text in ("the loop does not stop", "probe(worker)", "a stop token", "items = 3",
-                 "a backstop 2 s later"):
+    for text in (
+        "the loop does not stop",
+        "probe(worker)",
+        "a stop token",
+        "items = 3",
+        "a backstop 2 s later",
+    ):
         assert not work_log(text), text
 
 
@@ -192,8 +205,7 @@ def test_every_cited_results_section_exists():
         for m in re.finditer(r'RESULTS\.md`?(?:, | \()((?:"[^"]+"(?:, )?)+)', text):
             cited += [(path.relative_to(ROOT), name) for name in re.findall(r'"([^"]+)"', m[1])]
     assert cited, "no section citation found: the pattern is wrong"
-    missing = [f"{where}: {name!r}" for where, name in cited
-               if not any(h.startswith(name) for h in headings)]
+    missing = [f"{where}: {name!r}" for where, name in cited if not any(h.startswith(name) for h in headings)]
     assert not missing, "cited sections missing from bench/RESULTS.md:\n" + "\n".join(missing)
 
 

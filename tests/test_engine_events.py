@@ -31,17 +31,23 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from protocol.prefix_keys import token_block_hashes, token_namespace_seed
 from router.engines.block_map import EngineBlockMap
 from router.engines.kv_events import (
-    EngineAllCleared, EngineBlockRemoved, EngineBlockStored, KvEventCause, KvEventError,
+    EngineAllCleared,
+    EngineBlockRemoved,
+    EngineBlockStored,
+    KvEventCause,
+    KvEventError,
     decode_batch,
 )
 from router.engines.zmq_events import (
-    END_SEQ, KvEventSubscriber, replace_wildcard, subscriber_endpoint,
+    END_SEQ,
+    KvEventSubscriber,
+    replace_wildcard,
+    subscriber_endpoint,
 )
 from router.prefix_index import PrefixIndex
-from protocol.prefix_keys import token_block_hashes, token_namespace_seed
-
 from tests.data.capture_vllm_kv_events import REPLAY, SUB, read_capture
 
 DATA = Path(__file__).parent / "data"
@@ -62,12 +68,32 @@ def new_map(worker="w0", index=None, block_size=BS, **kw):
 
 # ----------------------------------------------------------------- wire builders
 
-def stored_map(hashes, parent, tokens, bs=BS, *, lora_id=None, medium="GPU", lora_name=None,
-               extra_keys=None, group_idx=0, kind="full_attention", **more):
+
+def stored_map(
+    hashes,
+    parent,
+    tokens,
+    bs=BS,
+    *,
+    lora_id=None,
+    medium="GPU",
+    lora_name=None,
+    extra_keys=None,
+    group_idx=0,
+    kind="full_attention",
+    **more,
+):
     """A BlockStored as vLLM 0.32 encodes it: a map, ``type`` first."""
-    d = {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
-         "token_ids": list(tokens), "block_size": bs, "lora_id": lora_id, "medium": medium,
-         "lora_name": lora_name}
+    d = {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(tokens),
+        "block_size": bs,
+        "lora_id": lora_id,
+        "medium": medium,
+        "lora_name": lora_name,
+    }
     if extra_keys is not None:
         d["extra_keys"] = extra_keys
     d["group_idx"] = group_idx
@@ -83,8 +109,7 @@ def stored_tagged(hashes, parent, tokens, bs=BS, *rest):
 
 
 def removed_map(hashes, medium="GPU", group_idx=0):
-    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium,
-            "group_idx": group_idx}
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, "group_idx": group_idx}
 
 
 def removed_tagged(hashes, *rest):
@@ -97,23 +122,40 @@ def batch(events, ts=1.5e9, dp=0):
 
 # ------------------------------------------------------------------------ decoding
 
+
 def test_decode_map_form_like_vllm_032():
-    ev = stored_map([1, 2], None, range(8), lora_name=None, extra_keys=[None, None],
-                    kv_cache_spec_sliding_window=None, locality="LOCAL", session_id="s")
+    ev = stored_map(
+        [1, 2],
+        None,
+        range(8),
+        lora_name=None,
+        extra_keys=[None, None],
+        kv_cache_spec_sliding_window=None,
+        locality="LOCAL",
+        session_id="s",
+    )
     b = decode_batch(batch([ev, removed_map([2]), {"type": "AllBlocksCleared"}], dp=3))
     assert b.ts == 1.5e9 and b.dp_rank == 3 and b.unknown == ()
     s, r, c = b.events
-    assert s == EngineBlockStored((1, 2), None, array("I", range(8)), BS, None, None, "GPU",
-                                  (None, None), 0, "full_attention")
+    assert s == EngineBlockStored(
+        (1, 2), None, array("I", range(8)), BS, None, None, "GPU", (None, None), 0, "full_attention"
+    )
     assert s.aligned
     assert r == EngineBlockRemoved((2,), "GPU", 0)
     assert c == EngineAllCleared()
 
 
 def test_decode_tagged_arrays_like_older_vllm_and_sglang():
-    p = [0.5, [stored_tagged([7], 3, range(4), BS, None),  # SGLang / vLLM 0.8: 5 fields
-               stored_tagged([8], 7, range(4, 8), BS, None, "GPU", "ad", [["ad"]], 0, "full"),
-               removed_tagged([7]), removed_tagged([8], "CPU", 1), ["AllBlocksCleared"]]]
+    p = [
+        0.5,
+        [
+            stored_tagged([7], 3, range(4), BS, None),  # SGLang / vLLM 0.8: 5 fields
+            stored_tagged([8], 7, range(4, 8), BS, None, "GPU", "ad", [["ad"]], 0, "full"),
+            removed_tagged([7]),
+            removed_tagged([8], "CPU", 1),
+            ["AllBlocksCleared"],
+        ],
+    ]
     b = decode_batch(msgpack.packb(p))  # SGLang's batch has no dp_rank
     assert b.dp_rank is None and b.ts == 0.5
     s1, s2, r1, r2, c = b.events
@@ -138,8 +180,7 @@ def test_decode_normalises_signed_and_digest_hashes():
 
 
 def test_unknown_event_type_is_skipped_not_the_batch():
-    b = decode_batch(batch([{"type": "BlockUpdated", "x": 1}, removed_map([1]),
-                            ["SomethingNew", 1, 2]]))
+    b = decode_batch(batch([{"type": "BlockUpdated", "x": 1}, removed_map([1]), ["SomethingNew", 1, 2]]))
     assert b.events == (EngineBlockRemoved((1,), "GPU", 0),)
     assert b.unknown == ("BlockUpdated", "SomethingNew")
 
@@ -218,13 +259,34 @@ def test_malformed_payloads_are_refused_with_their_cause(payload, cause):
 def _random_value(rng, depth=0):
     r = rng.random()
     if depth > 3 or r < 0.5:
-        return rng.choice([None, True, False, 0, -1, 1 << 63, (1 << 64) - 1, -(1 << 63), 1.5,
-                           float("inf"), "", "GPU", "x" * 100, b"", b"\x00" * 8, b"\x01" * 70,
-                           rng.randrange(1 << 32), rng.randrange(-5, 5)])
+        return rng.choice(
+            [
+                None,
+                True,
+                False,
+                0,
+                -1,
+                1 << 63,
+                (1 << 64) - 1,
+                -(1 << 63),
+                1.5,
+                float("inf"),
+                "",
+                "GPU",
+                "x" * 100,
+                b"",
+                b"\x00" * 8,
+                b"\x01" * 70,
+                rng.randrange(1 << 32),
+                rng.randrange(-5, 5),
+            ]
+        )
     if r < 0.75:
         return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 5))]
-    return {rng.choice(["type", "block_hashes", "x", 1, None]): _random_value(rng, depth + 1)
-            for _ in range(rng.randint(0, 3))}
+    return {
+        rng.choice(["type", "block_hashes", "x", 1, None]): _random_value(rng, depth + 1)
+        for _ in range(rng.randint(0, 3))
+    }
 
 
 def test_structural_fuzz_raises_only_kv_event_errors():
@@ -232,10 +294,14 @@ def test_structural_fuzz_raises_only_kv_event_errors():
     rng = random.Random(5)
     outcomes = set()
     for _ in range(4000):
-        ev = rng.choice([stored_map([1, 2], 7, range(2 * BS), extra_keys=[None, ["s"]]),
-                         removed_map([3]),
-                         stored_tagged([1], None, range(BS), BS, None, "GPU", "a", [["a"]], 0, "k"),
-                         removed_tagged([1], "GPU", 0)])
+        ev = rng.choice(
+            [
+                stored_map([1, 2], 7, range(2 * BS), extra_keys=[None, ["s"]]),
+                removed_map([3]),
+                stored_tagged([1], None, range(BS), BS, None, "GPU", "a", [["a"]], 0, "k"),
+                removed_tagged([1], "GPU", 0),
+            ]
+        )
         if isinstance(ev, dict):
             ev[rng.choice(list(ev) + ["new"])] = _random_value(rng)
         else:
@@ -259,11 +325,13 @@ def test_deep_nesting_is_refused_without_recursion(depth):
 
 def test_fuzz_decode_raises_only_kv_event_errors():
     rng = random.Random(12)
-    good = [batch([stored_map([1, 2], None, range(8)), removed_map([1])]),
-            batch([stored_tagged([U64 - 1], 3, range(4), 4, None, "GPU", "x", [["x"]])]),
-            msgpack.packb([1.0, [["AllBlocksCleared"]]])]
+    good = [
+        batch([stored_map([1, 2], None, range(8)), removed_map([1])]),
+        batch([stored_tagged([U64 - 1], 3, range(4), 4, None, "GPU", "x", [["x"]])]),
+        msgpack.packb([1.0, [["AllBlocksCleared"]]]),
+    ]
     ok = refused = 0
-    for i in range(6000):
+    for _i in range(6000):
         p = bytearray(rng.choice(good))
         r = rng.random()
         if r < 0.4:
@@ -285,6 +353,7 @@ def test_fuzz_decode_raises_only_kv_event_errors():
 
 
 # -------------------------------------------------------------- the real capture
+
 
 def _capture():
     recs = read_capture(DATA / "vllm_kv_events.bin")
@@ -320,9 +389,12 @@ def test_real_capture_index_predicts_vllms_cached_tokens():
     payloads = [f[2] for c, f in recs if c == SUB]
     bmap, index = new_map(block_size=bs)
     salted = next(r for r in meta["requests"] if r["cache_salt"])
-    salted_at = next(i for i, p in enumerate(payloads) for e in decode_batch(p).events
-                     if isinstance(e, EngineBlockStored) and e.extra_keys
-                     and e.extra_keys[0] == (salted["cache_salt"],))
+    salted_at = next(
+        i
+        for i, p in enumerate(payloads)
+        for e in decode_batch(p).events
+        if isinstance(e, EngineBlockStored) and e.extra_keys and e.extra_keys[0] == (salted["cache_salt"],)
+    )
     applied = 0
 
     def apply_next():
@@ -357,6 +429,7 @@ def test_real_capture_index_predicts_vllms_cached_tokens():
 
 
 # ------------------------------------------------------------------ a fake engine
+
 
 class FakeEngine:
     """A small model of vLLM's prefix cache that emits vLLM's events.
@@ -396,7 +469,7 @@ class FakeEngine:
         first_new = None
         chain = []
         for i in range(n):
-            e = self._ehash(parent, tokens[i * bs:(i + 1) * bs], salt)
+            e = self._ehash(parent, tokens[i * bs : (i + 1) * bs], salt)
             chain.append(e)
             if e in self.blocks:
                 self.blocks[e][2] = self.clock
@@ -415,12 +488,20 @@ class FakeEngine:
             self.blocks[e] = [chain[i - 1] if i else None, ours[i], self.clock, 0]
             if i:
                 self.blocks[chain[i - 1]][3] += 1
-        toks = tokens[first_new * bs: n * bs]
+        toks = tokens[first_new * bs : n * bs]
         extra = [[salt] if (salt and first_new == 0 and j == 0) else None for j in range(len(new))]
         if self.style == "sglang":  # one event per block, signed hashes, no extras
             for j, e in enumerate(new):
-                events.append(["BlockStored", [_signed(e)], _signed(p) if p is not None else None,
-                               toks[j * bs:(j + 1) * bs], bs, None])
+                events.append(
+                    [
+                        "BlockStored",
+                        [_signed(e)],
+                        _signed(p) if p is not None else None,
+                        toks[j * bs : (j + 1) * bs],
+                        bs,
+                        None,
+                    ]
+                )
                 p = e
         elif self.style == "tagged":
             events.append(stored_tagged(new, p, toks, bs, None, "GPU", None, extra, 0))
@@ -481,6 +562,7 @@ def random_prompt(rng, prefixes):
 
 # --------------------------------------------------------------- block map: units
 
+
 def _apply(bmap, events, now=1.0):
     bmap.apply(decode_batch(batch(events)).events, now)
     bmap.index.check()
@@ -509,12 +591,14 @@ def test_consecutive_stores_of_one_chain_apply_like_one_by_one():
     merges consecutive plain stores of one chain. Same result as one at a time."""
     toks = list(range(500, 500 + 6 * BS))
     h = [11, 12, 13, 14, 15, 16]
-    evs = [stored_map(h[:2], None, toks[:2 * BS], extra_keys=[None, None])]
-    evs += [stored_map([h[i]], h[i - 1], toks[i * BS:(i + 1) * BS], extra_keys=[None])
-            for i in range(2, 5)]
-    evs += [stored_tagged([h[5]], h[4], toks[5 * BS:], BS, None),  # SGLang-shaped
-            stored_map([99], 12, range(BS)),  # a branch off block 1: not the chain's end
-            removed_map([99]), stored_map([98], 16, range(BS))]
+    evs = [stored_map(h[:2], None, toks[: 2 * BS], extra_keys=[None, None])]
+    evs += [stored_map([h[i]], h[i - 1], toks[i * BS : (i + 1) * BS], extra_keys=[None]) for i in range(2, 5)]
+    evs += [
+        stored_tagged([h[5]], h[4], toks[5 * BS :], BS, None),  # SGLang-shaped
+        stored_map([99], 12, range(BS)),  # a branch off block 1: not the chain's end
+        removed_map([99]),
+        stored_map([98], 16, range(BS)),
+    ]
     merged, mi = new_map()
     _apply(merged, evs)
     single, si = new_map()
@@ -564,7 +648,7 @@ def test_parent_removed_before_child_drops_descendants_and_tolerates_stale_entri
     assert bmap.stats().stale_parent_blocks == 1
     assert index_keys(index, "w0") == {bmap.key_of(h[0])}
     # the engine re-stores block 1 (recomputed): index holds 0, 1 again
-    _apply(bmap, [stored_map([h[1]], h[0], toks[BS:2 * BS])])
+    _apply(bmap, [stored_map([h[1]], h[0], toks[BS : 2 * BS])])
     assert index_keys(index, "w0") == {bmap.key_of(h[0]), bmap.key_of(h[1])}
     _apply(bmap, [removed_map([h[2], h[3], 999])])  # later removals of the stale ones
     assert len(bmap) == 2 and bmap.stats().unknown_removed == 0
@@ -590,9 +674,14 @@ def test_all_cleared_and_reset_clear_only_this_worker():
 def test_other_tiers_groups_and_unkeyable_blocks_are_left_out():
     bmap, index = new_map()
     t = list(range(2 * BS))
-    _apply(bmap, [stored_map([1, 2], None, t, medium="CPU"),
-                  stored_map([1, 2], None, t, group_idx=1),
-                  stored_map([3], None, [], 0, medium="CPU")])
+    _apply(
+        bmap,
+        [
+            stored_map([1, 2], None, t, medium="CPU"),
+            stored_map([1, 2], None, t, group_idx=1),
+            stored_map([3], None, [], 0, medium="CPU"),
+        ],
+    )
     assert bmap.stats().other_tier_blocks == 5 and not index_keys(index, "w0")
     _apply(bmap, [removed_map([1], medium="CPU")])
     assert bmap.stats().other_tier_blocks == 6 and bmap.stats().unknown_removed == 0
@@ -600,8 +689,7 @@ def test_other_tiers_groups_and_unkeyable_blocks_are_left_out():
     _apply(bmap, [stored_map([4], None, []), stored_map([5], None, range(3 * BS), group_idx=0)])
     assert bmap.stats().untokenized_blocks == 1 and bmap.stats().unaligned_blocks == 1
     # multimodal extra keys on block 1: block 0 indexed, 1 unkeyable, 2 orphaned
-    _apply(bmap, [stored_map([6, 7, 8], None, range(3 * BS),
-                             extra_keys=[None, [["img-sha", 0]], None])])
+    _apply(bmap, [stored_map([6, 7, 8], None, range(3 * BS), extra_keys=[None, [["img-sha", 0]], None])])
     st = bmap.stats()
     assert st.unkeyable_blocks == 1 and st.orphan_blocks == 1 and len(index_keys(index, "w0")) == 1
     # an adapter given by id only cannot be named: unkeyable
@@ -615,8 +703,9 @@ def test_other_tiers_groups_and_unkeyable_blocks_are_left_out():
 def test_lora_and_salt_extra_keys_seed_the_chain_like_a_request():
     bmap, index = new_map()
     t = list(range(2 * BS))
-    _apply(bmap, [stored_map([1, 2], None, t, lora_name="ad", lora_id=1,
-                             extra_keys=[["ad", "tenant"], ["ad"]])])
+    _apply(
+        bmap, [stored_map([1, 2], None, t, lora_name="ad", lora_id=1, extra_keys=[["ad", "tenant"], ["ad"]])]
+    )
     want = token_block_hashes(t, BS, seed_of("ad", "tenant", BS))
     assert [bmap.key_of(1), bmap.key_of(2)] == want
     assert index.match(want, 1.0).blocks == {"w0": 2}
@@ -627,8 +716,10 @@ def test_lora_and_salt_extra_keys_seed_the_chain_like_a_request():
 def test_block_size_learned_from_the_first_event():
     bmap, index = new_map(block_size=None)
     _apply(bmap, [stored_map([1], None, range(8), 8)])
-    assert bmap.block_size == 8 and bmap.key_of(1) == token_block_hashes(
-        list(range(8)), 8, seed_of(None, "", 8))[0]
+    assert (
+        bmap.block_size == 8
+        and bmap.key_of(1) == token_block_hashes(list(range(8)), 8, seed_of(None, "", 8))[0]
+    )
 
 
 def test_remapped_engine_hash_replaces_the_old_key():
@@ -683,6 +774,7 @@ def test_stress_index_equals_engine_after_every_batch(style):
 
 # ------------------------------------------------------------------- endpoints
 
+
 def test_subscriber_endpoint_follows_vllms_bind_rule():
     assert subscriber_endpoint("tcp://*:5557", "10.0.0.7") == ("connect", "tcp://10.0.0.7:5557")
     assert subscriber_endpoint("tcp://[::]:5557", "::1") == ("connect", "tcp://[::1]:5557")
@@ -695,10 +787,18 @@ def test_subscriber_endpoint_follows_vllms_bind_rule():
         subscriber_endpoint("tcp://*:5557")
     with pytest.raises(ValueError, match="tcp://"):
         subscriber_endpoint("http://x:1")
-    sub = KvEventSubscriber.for_engine("tcp://*:18501", None, engine_host="127.0.0.1",
-                                       engine_replay_endpoint="tcp://*:18502", topic="kv-events")
-    assert (sub.mode, sub.endpoint, sub.replay_endpoint) == \
-        ("connect", "tcp://127.0.0.1:18501", "tcp://127.0.0.1:18502")
+    sub = KvEventSubscriber.for_engine(
+        "tcp://*:18501",
+        None,
+        engine_host="127.0.0.1",
+        engine_replay_endpoint="tcp://*:18502",
+        topic="kv-events",
+    )
+    assert (sub.mode, sub.endpoint, sub.replay_endpoint) == (
+        "connect",
+        "tcp://127.0.0.1:18501",
+        "tcp://127.0.0.1:18502",
+    )
     sub = KvEventSubscriber.for_engine("tcp://10.1.2.3:7000", None)
     assert (sub.mode, sub.endpoint, sub.replay_endpoint) == ("bind", "tcp://10.1.2.3:7000", None)
     with pytest.raises(ValueError, match="engine_host"):
@@ -707,14 +807,26 @@ def test_subscriber_endpoint_follows_vllms_bind_rule():
 
 # ---------------------------------------------------------- live ZMQ, in-process
 
+
 class FakePublisher:
     """vLLM's ``ZmqEventPublisher`` wire protocol on asyncio sockets: PUB (bind or
     connect), seq from ``seq_start``, a replay ROUTER with a ``buffer_steps`` deque
     answering ``[id, b"", start_seq]`` with ``[id, b"", topic, seq, payload]...`` and
     the end marker (``sglang=True``: SGLang's framing, no topic)."""
 
-    def __init__(self, ctx, endpoint, *, bind=True, replay=None, topic=b"kv-events",
-                 buffer_steps=10_000, seq_start=0, sglang=False, replay_delay_s=0.0):
+    def __init__(
+        self,
+        ctx,
+        endpoint,
+        *,
+        bind=True,
+        replay=None,
+        topic=b"kv-events",
+        buffer_steps=10_000,
+        seq_start=0,
+        sglang=False,
+        replay_delay_s=0.0,
+    ):
         self.ctx, self.endpoint, self.bind, self.replay_ep = ctx, endpoint, bind, replay
         self.replay_delay_s = replay_delay_s  # a busy engine answers its replay late
         self.topic, self.buffer_steps, self.seq, self.sglang = topic, buffer_steps, seq_start, sglang
@@ -871,8 +983,11 @@ async def test_live_stream_keeps_the_index_equal_to_the_engine(ctx, tmp_path, tr
     else:
         ep = "tcp://127.0.0.1:0" if transport == "tcp-publisher-binds" else f"ipc://{tmp_path}/kv.sock"
         pub = await FakePublisher(ctx, ep).start()
-        mode, addr = subscriber_endpoint(pub.endpoint.replace("127.0.0.1", "*"), "127.0.0.1") \
-            if transport != "ipc" else subscriber_endpoint(pub.endpoint)
+        mode, addr = (
+            subscriber_endpoint(pub.endpoint.replace("127.0.0.1", "*"), "127.0.0.1")
+            if transport != "ipc"
+            else subscriber_endpoint(pub.endpoint)
+        )
         assert mode == "connect"
         sub = KvEventSubscriber(addr, rec, mode=mode, topic="kv-events")
         await sub.start()
@@ -921,8 +1036,7 @@ async def test_gap_with_replay_is_filled_in_order_and_stays_exact(ctx):
     bmap, index = new_map()
     rec = Recorder(bmap)
     pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0").start()
-    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events",
-                                 replay_endpoint=pub.replay_ep) as sub:
+    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events", replay_endpoint=pub.replay_ep) as sub:
         await join(pub, sub, eng)
         r0 = sub.stats().replayed  # the join replays what the slow joiner missed
         dropped = await drive(pub, sub, rec, eng, random.Random(3), 80, [], drop={10, 11, 12, 40})
@@ -937,10 +1051,8 @@ async def test_replay_buffer_too_short_reports_what_it_cannot_give(ctx):
     eng = FakeEngine(capacity=1000)
     bmap, index = new_map()
     rec = Recorder(bmap)
-    pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0",
-                              buffer_steps=2).start()
-    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events",
-                                 replay_endpoint=pub.replay_ep) as sub:
+    pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0", buffer_steps=2).start()
+    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events", replay_endpoint=pub.replay_ep) as sub:
         await join(pub, sub, eng)
         rec.exact = False
         first = pub.seq
@@ -963,8 +1075,9 @@ async def test_replay_endpoint_that_never_answers_is_bounded_and_reported(ctx):
     with __import__("socket").socket() as s:  # a port nobody serves
         s.bind(("127.0.0.1", 0))
         dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events", replay_endpoint=dead,
-                                 replay_timeout_s=0.3) as sub:
+    async with KvEventSubscriber(
+        pub.endpoint, rec, topic="kv-events", replay_endpoint=dead, replay_timeout_s=0.3
+    ) as sub:
         t0 = time.monotonic()
         await join(pub, sub, eng)  # the join's replay from 0 fails: no gap, an error
         assert time.monotonic() - t0 < 3
@@ -989,8 +1102,7 @@ async def test_late_join_with_replay_rebuilds_the_engines_whole_history(ctx):
     bmap, index = new_map()
     index.insert("w0", [1, 2, 3], 0.0)  # a stale belief from before: must go
     rec = Recorder(bmap)
-    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events",
-                                 replay_endpoint=pub.replay_ep) as sub:
+    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events", replay_endpoint=pub.replay_ep) as sub:
         await join(pub, sub, eng)
         assert rec.calls[0][:2] == ("reset", "joined")
         assert index_keys(index, "w0") == eng.truth() and eng.truth()
@@ -1014,8 +1126,7 @@ async def test_join_learns_an_idle_engines_history_before_any_live_batch(ctx, hi
             pub.publish(eng.payload(evs))
     bmap, index = new_map()
     rec = Recorder(bmap)
-    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events",
-                                 replay_endpoint=pub.replay_ep) as sub:
+    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events", replay_endpoint=pub.replay_ep) as sub:
         await wait_for(lambda: rec.kinds("synced"), what="the join's replay")
         assert rec.calls[0][:2] == ("reset", "joined")
         assert rec.kinds("synced") == [("synced", pub.seq - 1)] and sub.history_known
@@ -1036,8 +1147,9 @@ async def test_the_index_keeps_what_it_knew_while_a_joins_replay_is_under_way(ct
     empty and went to the other worker. The reset and the history land together."""
     eng = FakeEngine(capacity=1000)
     toks = list(range(4 * BS))
-    pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0",
-                              replay_delay_s=0.5).start()
+    pub = await FakePublisher(
+        ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0", replay_delay_s=0.5
+    ).start()
     pub.publish(eng.payload(eng.run(list(range(9000, 9000 + 2 * BS)))))  # earlier history
     bmap, index = new_map()
     rec = Recorder(bmap)
@@ -1051,8 +1163,9 @@ async def test_the_index_keeps_what_it_knew_while_a_joins_replay_is_under_way(ct
 
     sampler = asyncio.create_task(sample())
     try:
-        async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events",
-                                     replay_endpoint=pub.replay_ep) as sub:
+        async with KvEventSubscriber(
+            pub.endpoint, rec, topic="kv-events", replay_endpoint=pub.replay_ep
+        ) as sub:
             deadline = time.monotonic() + 5
             while sub.last_seq is None:  # the hinted request's events, until one is seen
                 assert time.monotonic() < deadline, "subscriber never joined"
@@ -1141,15 +1254,17 @@ async def test_two_subscribers_on_one_publisher_see_one_truth(ctx):
     mb, _ = new_map(index=index_b)
     ra, rb = Recorder(ma), Recorder(mb)
     pub = await FakePublisher(ctx, "tcp://127.0.0.1:0").start()
-    async with KvEventSubscriber(pub.endpoint, ra, topic="kv-events") as sa, \
-            KvEventSubscriber(pub.endpoint, rb, topic="kv-events") as sb:
+    async with (
+        KvEventSubscriber(pub.endpoint, ra, topic="kv-events") as sa,
+        KvEventSubscriber(pub.endpoint, rb, topic="kv-events") as sb,
+    ):
         deadline = time.monotonic() + 5
         while sa.last_seq is None or sb.last_seq is None:
             assert time.monotonic() < deadline
             pub.publish(eng.payload([]))
             await asyncio.sleep(0.02)
         rng, prefixes = random.Random(7), []
-        for step in range(60):
+        for _step in range(60):
             evs = eng.run(random_prompt(rng, prefixes))
             if evs:
                 seq = pub.publish(eng.payload(evs))
@@ -1178,8 +1293,14 @@ async def test_malformed_frames_are_counted_and_never_stop_the_loop(ctx, caplog)
         seq4 = pub.publish(eng.payload(eng.run(list(range(2 * BS)))))
         await wait_for(lambda: sub.last_seq == seq4)
         errs = sub.stats().errors
-        assert errs == {"bad_frames": 1, "bad_seq": 4, "bad_topic": 1, "not_msgpack": 1,
-                        "bad_field": 1, "unknown_type": 1}
+        assert errs == {
+            "bad_frames": 1,
+            "bad_seq": 4,
+            "bad_topic": 1,
+            "not_msgpack": 1,
+            "bad_field": 1,
+            "unknown_type": 1,
+        }
         assert rec.kinds("gap") == [("gap", seq, seq + 1), ("gap", seq2, seq2 + 1)]
         assert ("batch", seq3) in rec.calls and bmap.stats().unknown_removed == 1
         assert index_keys(index, "w0") == eng.truth()
@@ -1215,10 +1336,8 @@ async def test_sglang_stream_with_its_replay_framing(ctx):
     eng = FakeEngine(capacity=30, style="sglang")
     bmap, index = new_map()
     rec = Recorder(bmap)
-    pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0",
-                              sglang=True).start()
-    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events",
-                                 replay_endpoint=pub.replay_ep) as sub:
+    pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0", sglang=True).start()
+    async with KvEventSubscriber(pub.endpoint, rec, topic="kv-events", replay_endpoint=pub.replay_ep) as sub:
         await join(pub, sub, eng)
         r0 = sub.stats().replayed
         dropped = await drive(pub, sub, rec, eng, random.Random(8), 80, [], drop={5, 6, 7, 30})

@@ -41,8 +41,12 @@ def _set(page: str, series: str, value: str) -> str:
 
 
 def _drop(page: str, series: str) -> str:
-    return "\n".join(l for l in page.splitlines()
-                     if not (l.startswith(series + "{") or l.startswith(series + " "))) + "\n"
+    return (
+        "\n".join(
+            l for l in page.splitlines() if not (l.startswith(series + "{") or l.startswith(series + " "))
+        )
+        + "\n"
+    )
 
 
 def _vllm_dp2(page: str) -> str:
@@ -53,9 +57,13 @@ def _vllm_dp2(page: str) -> str:
         if 'engine="0"' in line and not line.startswith("#"):
             line = line.replace('engine="0"', 'engine="1"')
             name = line.split("{", 1)[0]
-            value = {"vllm:num_requests_waiting": "3.0", "vllm:num_requests_running": "5.0",
-                     "vllm:kv_cache_usage_perc": "0.5", "vllm:prefix_cache_queries_total": "100.0",
-                     "vllm:prefix_cache_hits_total": "40.0"}.get(name)
+            value = {
+                "vllm:num_requests_waiting": "3.0",
+                "vllm:num_requests_running": "5.0",
+                "vllm:kv_cache_usage_perc": "0.5",
+                "vllm:prefix_cache_queries_total": "100.0",
+                "vllm:prefix_cache_hits_total": "40.0",
+            }.get(name)
             if value is not None:
                 line = line.rsplit(" ", 1)[0] + " " + value
             extra.append(line)
@@ -68,10 +76,21 @@ def _vllm_dp2(page: str) -> str:
 def test_the_live_vllm_page_reads_exactly():
     m = parse_metrics(VLLM_PAGE, MetricsKind.VLLM)
     assert m == EngineMetrics(
-        kind=MetricsKind.VLLM, waiting_requests=0, running_requests=0, kv_usage=0.0,
-        kv_capacity_tokens=4096 * 32, block_size=32, prefix_caching=True,
-        prefix_hash_algo="sha256", prefix_queries_tokens=0.0, prefix_hits_tokens=0.0,
-        prefilled_requests=0.0, start_time_s=1796290557.25, models=("tiny",), instances=1)
+        kind=MetricsKind.VLLM,
+        waiting_requests=0,
+        running_requests=0,
+        kv_usage=0.0,
+        kv_capacity_tokens=4096 * 32,
+        block_size=32,
+        prefix_caching=True,
+        prefix_hash_algo="sha256",
+        prefix_queries_tokens=0.0,
+        prefix_hits_tokens=0.0,
+        prefilled_requests=0.0,
+        start_time_s=1796290557.25,
+        models=("tiny",),
+        instances=1,
+    )
     assert m.kv_capacity_blocks == 4096
     assert detect_kind(VLLM_PAGE) is MetricsKind.VLLM
 
@@ -124,8 +143,11 @@ def test_restart_is_seen_in_start_time_or_counters_going_back():
     same = parse_metrics(_set(VLLM_PAGE, "vllm:prefix_cache_queries_total", "900.0"), MetricsKind.VLLM)
     assert not same.restarted_since(a)
     assert parse_metrics(VLLM_PAGE, MetricsKind.VLLM).restarted_since(a)  # 500 -> 0
-    later = _set(_set(VLLM_PAGE, "process_start_time_seconds", "1796299999.0"),
-                 "vllm:prefix_cache_queries_total", "900.0")
+    later = _set(
+        _set(VLLM_PAGE, "process_start_time_seconds", "1796299999.0"),
+        "vllm:prefix_cache_queries_total",
+        "900.0",
+    )
     assert parse_metrics(later, MetricsKind.VLLM).restarted_since(a)
 
 
@@ -162,21 +184,31 @@ sglang:time_to_first_token_seconds_count{{model_name="qwen"}} 9.0
 def _sglang_page(per_rank: dict[tuple[int, int], tuple[float, float, float, float]]) -> str:
     """SGLang's page for ranks (dp, tp) -> (queue, running, usage, max tokens)."""
     rows: dict[str, list[str]] = {"rows_queue": [], "rows_running": [], "rows_usage": [], "rows_max": []}
-    names = ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage",
-             "sglang:max_total_num_tokens")
+    names = (
+        "sglang:num_queue_reqs",
+        "sglang:num_running_reqs",
+        "sglang:token_usage",
+        "sglang:max_total_num_tokens",
+    )
     for (dp, tp), values in per_rank.items():
-        lb = (f'dp_rank="{dp}",engine_type="unified",model_name="qwen",moe_ep_rank="0",'
-              f'pp_rank="0",tp_rank="{tp}"')
+        lb = (
+            f'dp_rank="{dp}",engine_type="unified",model_name="qwen",moe_ep_rank="0",'
+            f'pp_rank="0",tp_rank="{tp}"'
+        )
         for key, name, v in zip(rows, names, values):
             rows[key].append(f"{name}{{{lb}}} {v}")
     return SGLANG_PAGE.format(**{k: "\n".join(v) for k, v in rows.items()})
 
 
 def test_sglang_sums_dp_ranks_and_dedupes_tp_ranks():
-    page = _sglang_page({
-        (0, 0): (4.0, 10.0, 0.5, 100000.0), (0, 1): (4.0, 10.0, 0.5, 100000.0),
-        (1, 0): (2.0, 6.0, 0.25, 100000.0), (1, 1): (2.0, 6.0, 0.25, 100000.0),
-    })
+    page = _sglang_page(
+        {
+            (0, 0): (4.0, 10.0, 0.5, 100000.0),
+            (0, 1): (4.0, 10.0, 0.5, 100000.0),
+            (1, 0): (2.0, 6.0, 0.25, 100000.0),
+            (1, 1): (2.0, 6.0, 0.25, 100000.0),
+        }
+    )
     assert detect_kind(page) is MetricsKind.SGLANG
     m = parse_metrics(page, MetricsKind.SGLANG)
     assert (m.waiting_requests, m.running_requests) == (6, 16)
@@ -220,14 +252,17 @@ async def test_the_agents_own_page_reads(agent_page):
 # ------------------------------------------------------------------ bad pages
 
 
-@pytest.mark.parametrize("page, cause", [
-    ("<html><body>Not Found</body></html>", MetricsFailure.NOT_PROMETHEUS),
-    ('{"error": "metrics disabled"}', MetricsFailure.NOT_PROMETHEUS),
-    ("vllm:num_requests_waiting{engine=0} 1\n", MetricsFailure.NOT_PROMETHEUS),  # bad labels
-    ("vllm:num_requests_waiting{engine=\"0\"} lots\n", MetricsFailure.NOT_PROMETHEUS),
-    ("", MetricsFailure.MISSING_SERIES),
-    ("# HELP up Is it up\n# TYPE up gauge\nup 1\n", MetricsFailure.MISSING_SERIES),
-])
+@pytest.mark.parametrize(
+    "page, cause",
+    [
+        ("<html><body>Not Found</body></html>", MetricsFailure.NOT_PROMETHEUS),
+        ('{"error": "metrics disabled"}', MetricsFailure.NOT_PROMETHEUS),
+        ("vllm:num_requests_waiting{engine=0} 1\n", MetricsFailure.NOT_PROMETHEUS),  # bad labels
+        ('vllm:num_requests_waiting{engine="0"} lots\n', MetricsFailure.NOT_PROMETHEUS),
+        ("", MetricsFailure.MISSING_SERIES),
+        ("# HELP up Is it up\n# TYPE up gauge\nup 1\n", MetricsFailure.MISSING_SERIES),
+    ],
+)
 def test_pages_that_are_not_a_vllm_page_are_refused_with_their_cause(page, cause):
     with pytest.raises(EngineMetricsError) as e:
         parse_metrics(page, MetricsKind.VLLM)
@@ -296,8 +331,7 @@ async def served():
         page.hits += 1
         if page.delay_s:
             await asyncio.sleep(page.delay_s)
-        return web.Response(body=page.body, status=page.status,
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(body=page.body, status=page.status, content_type="text/plain", charset="utf-8")
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -382,12 +416,15 @@ async def test_scraper_reports_each_failure_logs_each_cause_once_and_recovers(se
     rec = Recorder()
     caplog.set_level(logging.DEBUG, logger="radixfleet.engines.metrics")
     page.body = b"<html>maintenance</html>"
-    async with MetricsScraper(url, MetricsKind.VLLM, session, rec, interval_s=0.01,
-                              timeout_s=0.2, name="w0") as sc:
+    async with MetricsScraper(
+        url, MetricsKind.VLLM, session, rec, interval_s=0.01, timeout_s=0.2, name="w0"
+    ) as sc:
         await rec.until(lambda: len(rec.failures) >= 3)
         page.body, page.status = VLLM_PAGE.encode(), 500
         n = len(rec.failures)
-        await rec.until(lambda: len(rec.failures) >= n + 3 and rec.failures[-1][0] is MetricsFailure.HTTP_STATUS)
+        await rec.until(
+            lambda: len(rec.failures) >= n + 3 and rec.failures[-1][0] is MetricsFailure.HTTP_STATUS
+        )
         page.status = 200
         await rec.until(lambda: len(rec.readings) >= 1)
         assert sc.consecutive_failures == 0 and sc.fresh(rec.readings[-1][1]) is not None
@@ -409,8 +446,16 @@ async def test_timeouts_make_the_reading_stale(served):
     page, url, session = served
     rec = Recorder()
     clock_now = [1000.0]
-    sc = MetricsScraper(url, MetricsKind.VLLM, session, rec, interval_s=0.02, timeout_s=0.05,
-                        stale_after_s=3.0, clock=lambda: clock_now[0])
+    sc = MetricsScraper(
+        url,
+        MetricsKind.VLLM,
+        session,
+        rec,
+        interval_s=0.02,
+        timeout_s=0.05,
+        stale_after_s=3.0,
+        clock=lambda: clock_now[0],
+    )
     assert sc.fresh(1000.0) is None  # nothing read yet
     await sc.start()
     try:
@@ -475,6 +520,7 @@ async def test_lifecycle_is_explicit(served):
 def test_only_the_lines_read_reach_the_parser():
     # Not a timing assertion: only that the filter hands the parser a handful of lines.
     from router.engines import engine_metrics as em
+
     lines = [m.group(0) for m in em._FILTERS[MetricsKind.VLLM].finditer(VLLM_PAGE)]
     assert 5 <= len(lines) <= 15 < len(VLLM_PAGE.splitlines())
     assert all(not math.isnan(float(l.rsplit(" ", 1)[1])) for l in lines)
@@ -503,13 +549,21 @@ def test_mangled_pages_raise_only_engine_metrics_errors(seed):
         for _ in range(rng.randint(1, 5)):
             j = rng.randrange(len(page))
             s = page[j]
-            if s.startswith(("vllm:num_req", "vllm:kv_cache", "vllm:cache_config", "vllm:prefix")) \
-                    or rng.random() < 0.1:
+            if (
+                s.startswith(("vllm:num_req", "vllm:kv_cache", "vllm:cache_config", "vllm:prefix"))
+                or rng.random() < 0.1
+            ):
                 k = rng.randrange(len(s) + 1)
                 op = rng.random()
-                s = (s[:k] + rng.choice(alphabet) + s[k:] if op < 0.4 else
-                     s[:k] + s[k + 1:] if op < 0.7 else
-                     s.replace("tiny", "x") if op < 0.8 else s[:k])
+                s = (
+                    s[:k] + rng.choice(alphabet) + s[k:]
+                    if op < 0.4
+                    else s[:k] + s[k + 1 :]
+                    if op < 0.7
+                    else s.replace("tiny", "x")
+                    if op < 0.8
+                    else s[:k]
+                )
             page[j] = s
         try:
             m = parse_metrics("\n".join(page), MetricsKind.VLLM, model=rng.choice([None, "tiny"]))

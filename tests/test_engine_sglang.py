@@ -18,10 +18,10 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from protocol.prefix_keys import Endpoint
 from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
 from router.config import parse_config
 from router.engines.token_keys import TokenKeyer
-from protocol.prefix_keys import Endpoint
 from tests.procs import free_port
 from tests.test_engine_events import FakeEngine
 
@@ -55,7 +55,7 @@ class FakeSglang:
     def cached_pages(self, ids) -> int:
         eng, parent, n = self.engine, None, 0
         for i in range(len(ids) // PAGE):
-            e = eng._ehash(parent, ids[i * PAGE:(i + 1) * PAGE], "")
+            e = eng._ehash(parent, ids[i * PAGE : (i + 1) * PAGE], "")
             if e not in eng.blocks:
                 break
             n, parent = n + 1, e
@@ -72,24 +72,34 @@ class FakeSglang:
         events = self.engine.run(ids)
         if events:
             await self.publish(self.engine.payload(events))
-        return web.json_response({
-            "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": 1,
-                      "total_tokens": len(ids) + 1,
-                      "prompt_tokens_details": {"cached_tokens": hit}}})
+        return web.json_response(
+            {
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                "usage": {
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": 1,
+                    "total_tokens": len(ids) + 1,
+                    "prompt_tokens_details": {"cached_tokens": hit},
+                },
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         used = len(self.engine.blocks) / self.capacity_pages
-        return web.Response(text=(
-            "# TYPE sglang:num_queue_reqs gauge\n"
-            f'sglang:num_queue_reqs{{model_name="{MODEL}"}} {self.waiting}\n'
-            "# TYPE sglang:num_running_reqs gauge\n"
-            f'sglang:num_running_reqs{{model_name="{MODEL}"}} 0\n'
-            "# TYPE sglang:token_usage gauge\n"
-            f'sglang:token_usage{{model_name="{MODEL}"}} {used}\n'
-            "# TYPE sglang:max_total_num_tokens gauge\n"
-            f'sglang:max_total_num_tokens{{model_name="{MODEL}"}} '
-            f"{self.capacity_pages * PAGE}\n"), content_type="text/plain")
+        return web.Response(
+            text=(
+                "# TYPE sglang:num_queue_reqs gauge\n"
+                f'sglang:num_queue_reqs{{model_name="{MODEL}"}} {self.waiting}\n'
+                "# TYPE sglang:num_running_reqs gauge\n"
+                f'sglang:num_running_reqs{{model_name="{MODEL}"}} 0\n'
+                "# TYPE sglang:token_usage gauge\n"
+                f'sglang:token_usage{{model_name="{MODEL}"}} {used}\n'
+                "# TYPE sglang:max_total_num_tokens gauge\n"
+                f'sglang:max_total_num_tokens{{model_name="{MODEL}"}} '
+                f"{self.capacity_pages * PAGE}\n"
+            ),
+            content_type="text/plain",
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL}]})
@@ -117,11 +127,12 @@ async def wait_for(pred, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
-WORDS = "cache prefix token router worker engine request model block hash".split()
+WORDS = ["cache", "prefix", "token", "router", "worker", "engine", "request", "model", "block", "hash"]
 
 
 def prompt(seed: int, words: int, head: str = "") -> str:
     import random
+
     rng = random.Random(seed)
     return head + " ".join(rng.choice(WORDS) for _ in range(words))
 
@@ -138,32 +149,52 @@ async def test_sglang_events_metrics_and_cached_tokens(tokenizer_dir):
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     # shedding off: this test is about events and metrics, and it fakes a queue of 7
-    cfg = parse_config({"listen": {"port": 0}, "health": {"interval_s": 0.2},
-                        "limits": {"worker_queue_requests": 0},
-                        "workers": [{"url": f"http://127.0.0.1:{port}", "id": "sg",
-                                     "kind": "sglang", "tokenizer": tokenizer_dir,
-                                     "block_size": PAGE, "metrics": {"interval_s": 0.1},
-                                     "events": {"endpoint": f"tcp://*:{fake.events_port}"}}]})
+    cfg = parse_config(
+        {
+            "listen": {"port": 0},
+            "health": {"interval_s": 0.2},
+            "limits": {"worker_queue_requests": 0},
+            "workers": [
+                {
+                    "url": f"http://127.0.0.1:{port}",
+                    "id": "sg",
+                    "kind": "sglang",
+                    "tokenizer": tokenizer_dir,
+                    "block_size": PAGE,
+                    "metrics": {"interval_s": 0.1},
+                    "events": {"endpoint": f"tcp://*:{fake.events_port}"},
+                }
+            ],
+        }
+    )
     router = Router(cfg)
     server = RouterServer(router, port=0)
     rport = await server.start()
     base = f"http://127.0.0.1:{rport}"
     try:
         w = router.pool.get("sg")
-        await wait_for(lambda: w.engine is not None and w.engine.subscriber is not None
-                       and w.engine.subscriber.connected and w.routable(time.monotonic()),
-                       10, "subscribed and routable")
+        await wait_for(
+            lambda: (
+                w.engine is not None
+                and w.engine.subscriber is not None
+                and w.engine.subscriber.connected
+                and w.routable(time.monotonic())
+            ),
+            10,
+            "subscribed and routable",
+        )
         link = w.engine
         # the scrape: SGLang's capacity and queue reach the worker's load view
         await wait_for(lambda: link.capacity_tokens == 64 * PAGE, 5, "capacity from metrics")
         fake.waiting = 7
-        await wait_for(lambda: w.load is not None and w.load.queued_requests == 7, 5,
-                       "queue from metrics")
+        await wait_for(lambda: w.load is not None and w.load.queued_requests == 7, 5, "queue from metrics")
         fake.waiting = 0
         async with aiohttp.ClientSession() as s:
+
             async def send(text: str) -> dict:
-                async with s.post(base + "/v1/completions", json={
-                        "model": MODEL, "prompt": text, "max_tokens": 1}) as r:
+                async with s.post(
+                    base + "/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1}
+                ) as r:
                     assert r.status == 200, await r.text()
                     return (await r.json())["usage"]
 
@@ -192,13 +223,13 @@ async def test_sglang_events_metrics_and_cached_tokens(tokenizer_dir):
             await wait_for(lambda: link.stats.summary().samples > before.samples, 5, "obs")
             assert link.stats.summary().sum_abs_tokens == before.sum_abs_tokens
             # a malformed frame is counted, the stream resyncs, requests keep flowing
-            await fake.pub.send_multipart([b"kv-events", fake.seq.to_bytes(8, "big"),
-                                           b"\xc1 not msgpack"])
+            await fake.pub.send_multipart([b"kv-events", fake.seq.to_bytes(8, "big"), b"\xc1 not msgpack"])
             fake.seq += 1
             await asyncio.sleep(0.2)
             text = router.metrics.render().decode()
-            assert 'radixfleet_engine_event_errors_total{cause="not_msgpack",worker="sg"}' \
-                in text, [x for x in text.splitlines() if "event_errors" in x]
+            assert 'radixfleet_engine_event_errors_total{cause="not_msgpack",worker="sg"}' in text, [
+                x for x in text.splitlines() if "event_errors" in x
+            ]
             u = await send(prompt(5000, 50))
             assert u["prompt_tokens"] > 0
     finally:

@@ -27,16 +27,35 @@ import urllib.request
 
 import pytest
 
-from router.engines.token_keys import TokenKeyer
 from protocol.errors import MalformedRequest
 from protocol.prefix_keys import Endpoint
+from router.engines.token_keys import TokenKeyer
 
 pytestmark = pytest.mark.engine
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "vllm_token_ids.json")
 MODEL = "tiny"
-_WORDS = ("the cache prefix token router worker engine request model block hash session "
-          "turn system user assistant tool answer question").split()
+_WORDS = [
+    "the",
+    "cache",
+    "prefix",
+    "token",
+    "router",
+    "worker",
+    "engine",
+    "request",
+    "model",
+    "block",
+    "hash",
+    "session",
+    "turn",
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    "answer",
+    "question",
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +80,19 @@ def _conversation(turns: int, words: int) -> list[dict]:
 
 
 U = [{"role": "user", "content": "hello there"}]
-TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-CALL = {"id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": "{\"city\": \"Zürich\", \"days\": 2}"}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Zürich", "days": 2}'},
+}
 
 # (name, endpoint, body, expectation): endpoint chat | completions | tokenize
 CASES: list[tuple[str, str, dict, str]] = [
@@ -74,188 +100,462 @@ CASES: list[tuple[str, str, dict, str]] = [
     ("user", "chat", {"messages": U}, "exact"),
     ("system_multiturn", "chat", {"messages": _conversation(3, 20)}, "exact"),
     ("long_multiturn", "chat", {"messages": _conversation(12, 120)}, "exact"),
-    ("unicode", "chat", {"messages": [
-        {"role": "system", "content": "Réponds en français — s'il te plaît. 中文 日本語 한국어"},
-        {"role": "user", "content": "emoji 🎉👩\u200d💻, RTL שלום, combining e\u0301, NBSP\u00a0x"}]},
-     "exact"),
-    ("whitespace", "chat", {"messages": [
-        {"role": "user", "content": "  leading\n\n\ttabs\r\nCRLF  trailing   "}]}, "exact"),
-    ("empty_content", "chat", {"messages": [
-        {"role": "user", "content": ""}, {"role": "assistant", "content": None},
-        {"role": "user", "content": "x"}]}, "exact"),
-    ("special_tokens_in_content", "chat", {"messages": [
-        {"role": "user", "content": "fake <|end|>\n<|assistant|>\nturn <s></s> <|tools|>"}]},
-     "exact"),
-    ("custom_role", "chat", {"messages": [{"role": "narrator", "content": "x"},
-                                          {"role": "", "content": "y"}]}, "exact"),
-    ("name_field", "chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]},
-     "exact"),
-    ("last_assistant", "chat", {"messages": U + [{"role": "assistant", "content": "a"}]},
-     "exact"),
+    (
+        "unicode",
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "Réponds en français — s'il te plaît. 中文 日本語 한국어"},
+                {"role": "user", "content": "emoji 🎉👩\u200d💻, RTL שלום, combining e\u0301, NBSP\u00a0x"},
+            ]
+        },
+        "exact",
+    ),
+    (
+        "whitespace",
+        "chat",
+        {"messages": [{"role": "user", "content": "  leading\n\n\ttabs\r\nCRLF  trailing   "}]},
+        "exact",
+    ),
+    (
+        "empty_content",
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": ""},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "x"},
+            ]
+        },
+        "exact",
+    ),
+    (
+        "special_tokens_in_content",
+        "chat",
+        {"messages": [{"role": "user", "content": "fake <|end|>\n<|assistant|>\nturn <s></s> <|tools|>"}]},
+        "exact",
+    ),
+    (
+        "custom_role",
+        "chat",
+        {"messages": [{"role": "narrator", "content": "x"}, {"role": "", "content": "y"}]},
+        "exact",
+    ),
+    ("name_field", "chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "exact"),
+    ("last_assistant", "chat", {"messages": U + [{"role": "assistant", "content": "a"}]}, "exact"),
     # --- chat: content parts
-    ("parts_text", "chat", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "first part"}, {"type": "text", "text": " second"}]}]},
-     "exact"),
-    ("parts_extras", "chat", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "cached", "cache_control": {"type": "ephemeral"}}]}]},
-     "exact"),
-    ("parts_text_like", "chat", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"},
-        {"type": "thinking", "thinking": "c"}, {"type": "input_text", "text": "d"},
-        {"type": "output_text", "text": "e"}]}]}, "exact"),
-    ("parts_system_list", "chat", {"messages": [
-        {"role": "system", "content": [{"type": "text", "text": "sys"}]}] + U}, "exact"),
-    ("parts_empty_list", "chat", {"messages": [{"role": "user", "content": []}] + U},
-     "exact"),
-    ("billing_header", "chat", {"messages": [
-        {"role": "system", "content": "x-anthropic-billing-header: cch=42\nreal system"},
-        {"role": "user", "content": "u"}]}, "exact"),
-    ("billing_header_only", "chat", {"messages": [
-        {"role": "system", "content": "x-anthropic-billing-header: cch=42"}] + U}, "exact"),
+    (
+        "parts_text",
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "first part"}, {"type": "text", "text": " second"}],
+                }
+            ]
+        },
+        "exact",
+    ),
+    (
+        "parts_extras",
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "cached", "cache_control": {"type": "ephemeral"}}],
+                }
+            ]
+        },
+        "exact",
+    ),
+    (
+        "parts_text_like",
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "refusal", "refusal": "b"},
+                        {"type": "thinking", "thinking": "c"},
+                        {"type": "input_text", "text": "d"},
+                        {"type": "output_text", "text": "e"},
+                    ],
+                }
+            ]
+        },
+        "exact",
+    ),
+    (
+        "parts_system_list",
+        "chat",
+        {"messages": [{"role": "system", "content": [{"type": "text", "text": "sys"}]}] + U},
+        "exact",
+    ),
+    ("parts_empty_list", "chat", {"messages": [{"role": "user", "content": []}] + U}, "exact"),
+    (
+        "billing_header",
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "x-anthropic-billing-header: cch=42\nreal system"},
+                {"role": "user", "content": "u"},
+            ]
+        },
+        "exact",
+    ),
+    (
+        "billing_header_only",
+        "chat",
+        {"messages": [{"role": "system", "content": "x-anthropic-billing-header: cch=42"}] + U},
+        "exact",
+    ),
     # --- chat: tools and tool calls
     ("tools", "chat", {"messages": U, "tools": [TOOL], "tool_choice": "none"}, "exact"),
-    ("tools_minimal", "chat", {"messages": U, "tools": [
-        {"function": {"name": "f"}}], "tool_choice": "none"}, "exact"),
-    ("tools_strict_defer", "chat", {"messages": U, "tools": [
-        {"type": "function", "function": {"name": "f", "strict": "yes", "extra": 1},
-         "defer_loading": True, "junk": 2}],
-        "tool_choice": "none"}, "exact"),
-    ("tools_empty", "chat", {"messages": U, "tools": [], "tool_choice": "none"},
-     "malformed"),
-    ("tool_calls", "chat", {"messages": U + [
-        {"role": "assistant", "content": None, "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
-        {"role": "user", "content": "thanks"}], "tools": [TOOL], "tool_choice": "none"},
-     "exact"),
-    ("tool_calls_key_order", "chat", {"messages": U + [
-        {"role": "assistant", "tool_calls": [
-            {"function": {"arguments": "{\"b\": 1, \"a\": [1, {\"z\": null}]}", "name": "f",
-                          "x": 1}, "type": "function", "id": "c9", "z": 2}]}]}, "exact"),
-    ("tool_calls_multi", "chat", {"messages": U + [
-        {"role": "assistant", "content": "calling", "tool_calls": [
-            CALL, {**CALL, "id": "call_2", "function": {"name": "g", "arguments": ""}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": [
-            {"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]},
-        {"role": "tool", "tool_call_id": None, "content": "r3"}]}, "exact"),
-    ("tool_calls_bad_json", "chat", {"messages": U + [{"role": "assistant", "tool_calls": [
-        {**CALL, "function": {"name": "f", "arguments": "{not json"}},
-        {**CALL, "id": "c2", "function": {"name": "f", "arguments": "[1, 2]"}}]}]}, "exact"),
-    ("tool_calls_empty", "chat", {"messages": U + [
-        {"role": "assistant", "content": "x", "tool_calls": []}]}, "exact"),
-    ("reasoning", "chat", {"messages": U + [
-        {"role": "assistant", "content": "a", "reasoning_content": "thought"},
-        {"role": "assistant", "content": "b", "reasoning": "r", "reasoning_content": "rc"},
-        {"role": "assistant", "content": "c", "reasoning": 5}]}, "exact"),
+    (
+        "tools_minimal",
+        "chat",
+        {"messages": U, "tools": [{"function": {"name": "f"}}], "tool_choice": "none"},
+        "exact",
+    ),
+    (
+        "tools_strict_defer",
+        "chat",
+        {
+            "messages": U,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "strict": "yes", "extra": 1},
+                    "defer_loading": True,
+                    "junk": 2,
+                }
+            ],
+            "tool_choice": "none",
+        },
+        "exact",
+    ),
+    ("tools_empty", "chat", {"messages": U, "tools": [], "tool_choice": "none"}, "malformed"),
+    (
+        "tool_calls",
+        "chat",
+        {
+            "messages": U
+            + [
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+                {"role": "user", "content": "thanks"},
+            ],
+            "tools": [TOOL],
+            "tool_choice": "none",
+        },
+        "exact",
+    ),
+    (
+        "tool_calls_key_order",
+        "chat",
+        {
+            "messages": U
+            + [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "function": {"arguments": '{"b": 1, "a": [1, {"z": null}]}', "name": "f", "x": 1},
+                            "type": "function",
+                            "id": "c9",
+                            "z": 2,
+                        }
+                    ],
+                }
+            ]
+        },
+        "exact",
+    ),
+    (
+        "tool_calls_multi",
+        "chat",
+        {
+            "messages": U
+            + [
+                {
+                    "role": "assistant",
+                    "content": "calling",
+                    "tool_calls": [
+                        CALL,
+                        {**CALL, "id": "call_2", "function": {"name": "g", "arguments": ""}},
+                    ],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": "call_1",
+                    "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}],
+                },
+                {"role": "tool", "tool_call_id": None, "content": "r3"},
+            ]
+        },
+        "exact",
+    ),
+    (
+        "tool_calls_bad_json",
+        "chat",
+        {
+            "messages": U
+            + [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {**CALL, "function": {"name": "f", "arguments": "{not json"}},
+                        {**CALL, "id": "c2", "function": {"name": "f", "arguments": "[1, 2]"}},
+                    ],
+                }
+            ]
+        },
+        "exact",
+    ),
+    (
+        "tool_calls_empty",
+        "chat",
+        {"messages": U + [{"role": "assistant", "content": "x", "tool_calls": []}]},
+        "exact",
+    ),
+    (
+        "reasoning",
+        "chat",
+        {
+            "messages": U
+            + [
+                {"role": "assistant", "content": "a", "reasoning_content": "thought"},
+                {"role": "assistant", "content": "b", "reasoning": "r", "reasoning_content": "rc"},
+                {"role": "assistant", "content": "c", "reasoning": 5},
+            ]
+        },
+        "exact",
+    ),
     # --- chat: roles vLLM rewrites
-    ("developer", "chat", {"messages": [
-        {"role": "developer", "content": "dev rules"}, {"role": "user", "content": "u"},
-        {"role": "system", "content": "late system"}]}, "exact"),
-    ("developer_list", "chat", {"messages": [
-        {"role": "system", "content": "sys"},
-        {"role": "developer", "content": [{"type": "text", "text": "d1"},
-                                          {"type": "text", "text": "d2"}]}] + U}, "exact"),
-    ("two_systems", "chat", {"messages": [
-        {"role": "system", "content": "s1"}, {"role": "user", "content": "u"},
-        {"role": "system", "content": "s2"}]}, "exact"),
+    (
+        "developer",
+        "chat",
+        {
+            "messages": [
+                {"role": "developer", "content": "dev rules"},
+                {"role": "user", "content": "u"},
+                {"role": "system", "content": "late system"},
+            ]
+        },
+        "exact",
+    ),
+    (
+        "developer_list",
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "sys"},
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "d1"}, {"type": "text", "text": "d2"}],
+                },
+            ]
+            + U
+        },
+        "exact",
+    ),
+    (
+        "two_systems",
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "s1"},
+                {"role": "user", "content": "u"},
+                {"role": "system", "content": "s2"},
+            ]
+        },
+        "exact",
+    ),
     # --- chat: flags
-    ("no_generation_prompt", "chat", {"messages": U, "add_generation_prompt": False},
-     "exact"),
-    ("generation_prompt_lax", "chat", {"messages": U, "add_generation_prompt": "false"},
-     "exact"),
-    ("continue_final", "chat", {"messages": U + [{"role": "assistant", "content": "Sure, "}],
-                                "continue_final_message": True,
-                                "add_generation_prompt": False}, "exact"),
-    ("continue_final_parts", "chat", {"messages": U + [{"role": "assistant", "content": [
-        {"type": "text", "text": "one"}, {"type": "text", "text": "two "}]}],
-        "continue_final_message": True, "add_generation_prompt": False}, "exact"),
+    ("no_generation_prompt", "chat", {"messages": U, "add_generation_prompt": False}, "exact"),
+    ("generation_prompt_lax", "chat", {"messages": U, "add_generation_prompt": "false"}, "exact"),
+    (
+        "continue_final",
+        "chat",
+        {
+            "messages": U + [{"role": "assistant", "content": "Sure, "}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+        "exact",
+    ),
+    (
+        "continue_final_parts",
+        "chat",
+        {
+            "messages": U
+            + [
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two "}],
+                }
+            ],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+        "exact",
+    ),
     ("add_special_tokens", "chat", {"messages": U, "add_special_tokens": True}, "exact"),
     ("kwargs_unused", "chat", {"messages": U, "chat_template_kwargs": {"foo": 1}}, "exact"),
-    ("kwargs_tools", "chat", {"messages": U, "chat_template_kwargs": {"tools": [{"x": 1}]}},
-     "exact"),
-    ("kwargs_generation_prompt", "chat", {"messages": U, "chat_template_kwargs": {
-        "add_generation_prompt": False}}, "exact"),
-    ("kwargs_bos_token", "chat", {"messages": U, "chat_template_kwargs": {"bos_token": "XX"}},
-     "exact"),
-    ("kwargs_tokenize", "chat", {"messages": U, "chat_template_kwargs": {"tokenize": True}},
-     "exact"),
-    ("kwargs_none_auto", "chat", {"messages": U, "chat_template_kwargs": {
-        "add_generation_prompt": None, "tools": "auto"}}, "exact"),
-    ("documents", "chat", {"messages": U, "documents": [{"title": "t", "text": "x"}]},
-     "exact"),
+    ("kwargs_tools", "chat", {"messages": U, "chat_template_kwargs": {"tools": [{"x": 1}]}}, "exact"),
+    (
+        "kwargs_generation_prompt",
+        "chat",
+        {"messages": U, "chat_template_kwargs": {"add_generation_prompt": False}},
+        "exact",
+    ),
+    ("kwargs_bos_token", "chat", {"messages": U, "chat_template_kwargs": {"bos_token": "XX"}}, "exact"),
+    ("kwargs_tokenize", "chat", {"messages": U, "chat_template_kwargs": {"tokenize": True}}, "exact"),
+    (
+        "kwargs_none_auto",
+        "chat",
+        {"messages": U, "chat_template_kwargs": {"add_generation_prompt": None, "tools": "auto"}},
+        "exact",
+    ),
+    ("documents", "chat", {"messages": U, "documents": [{"title": "t", "text": "x"}]}, "exact"),
     ("reasoning_effort", "chat", {"messages": U, "reasoning_effort": "low"}, "exact"),
     ("cache_salt", "chat", {"messages": U, "cache_salt": "tenant-a"}, "exact"),
-    ("truncate", "chat", {"messages": _conversation(2, 10), "truncate_prompt_tokens": 7},
-     "exact"),
-    ("truncate_right", "chat", {"messages": _conversation(2, 10), "truncate_prompt_tokens": 7,
-                                "truncation_side": "right"}, "exact"),
-    ("kv_transfer_ids", "chat", {"messages": U, "kv_transfer_params": {
-        "prompt_token_ids": [1, 2, 3, 4]}}, "exact"),
+    ("truncate", "chat", {"messages": _conversation(2, 10), "truncate_prompt_tokens": 7}, "exact"),
+    (
+        "truncate_right",
+        "chat",
+        {"messages": _conversation(2, 10), "truncate_prompt_tokens": 7, "truncation_side": "right"},
+        "exact",
+    ),
+    (
+        "kv_transfer_ids",
+        "chat",
+        {"messages": U, "kv_transfer_params": {"prompt_token_ids": [1, 2, 3, 4]}},
+        "exact",
+    ),
     # --- chat: what vLLM refuses
     ("empty_messages", "chat", {"messages": []}, "malformed"),
     ("messages_not_list", "chat", {"messages": "hi"}, "malformed"),
     ("content_int", "chat", {"messages": [{"role": "user", "content": 5}]}, "malformed"),
     ("no_role", "chat", {"messages": [{"content": "x"}]}, "malformed"),
-    ("string_parts", "chat", {"messages": [{"role": "user", "content": ["a", "b"]}]},
-     "malformed"),
-    ("part_text_null", "chat", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": None}]}]}, "malformed"),
-    ("part_no_type", "chat", {"messages": [{"role": "user", "content": [{"text": "x"}]}]},
-     "malformed"),
-    ("part_bad_type", "chat", {"messages": [{"role": "user", "content": [
-        {"type": "bogus", "text": "x"}]}]}, "malformed"),
-    ("name_null", "chat", {"messages": [{"role": "user", "content": "x", "name": None}]},
-     "malformed"),
-    ("tool_call_no_type", "chat", {"messages": U + [{"role": "assistant", "tool_calls": [
-        {"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]}, "malformed"),
-    ("tool_call_dict_args", "chat", {"messages": U + [{"role": "assistant", "tool_calls": [
-        {**CALL, "function": {"name": "f", "arguments": {"a": 1}}}]}]}, "malformed"),
-    ("tool_call_id_int", "chat", {"messages": [
-        {"role": "tool", "content": "x", "tool_call_id": 5}]}, "malformed"),
-    ("surrogate", "chat", {"messages": [{"role": "user", "content": "a\ud800b"}]},
-     "malformed"),
-    ("continue_and_generate", "chat", {"messages": U + [
-        {"role": "assistant", "content": "x"}], "continue_final_message": True},
-     "malformed"),
+    ("string_parts", "chat", {"messages": [{"role": "user", "content": ["a", "b"]}]}, "malformed"),
+    (
+        "part_text_null",
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+        "malformed",
+    ),
+    ("part_no_type", "chat", {"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "malformed"),
+    (
+        "part_bad_type",
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]},
+        "malformed",
+    ),
+    ("name_null", "chat", {"messages": [{"role": "user", "content": "x", "name": None}]}, "malformed"),
+    (
+        "tool_call_no_type",
+        "chat",
+        {
+            "messages": U
+            + [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "malformed",
+    ),
+    (
+        "tool_call_dict_args",
+        "chat",
+        {
+            "messages": U
+            + [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {"a": 1}}}],
+                }
+            ]
+        },
+        "malformed",
+    ),
+    (
+        "tool_call_id_int",
+        "chat",
+        {"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
+        "malformed",
+    ),
+    ("surrogate", "chat", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "malformed"),
+    (
+        "continue_and_generate",
+        "chat",
+        {"messages": U + [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+        "malformed",
+    ),
     ("salt_empty", "chat", {"messages": U, "cache_salt": ""}, "malformed"),
     ("salt_slash", "chat", {"messages": U, "cache_salt": "a/b"}, "malformed"),
-    ("request_template", "chat", {"messages": U, "chat_template": "{{ 'x' }}"},
-     "malformed"),
-    ("kwargs_template", "chat", {"messages": U, "chat_template_kwargs": {
-        "chat_template": "{{ 'x' }}"}}, "malformed"),
-    ("kwargs_messages", "chat", {"messages": U, "chat_template_kwargs": {"messages": []}},
-     "malformed"),
-    ("kwargs_mask", "chat", {"messages": U, "chat_template_kwargs": {
-        "return_assistant_tokens_mask": True}}, "malformed"),
-    ("tools_no_name", "chat", {"messages": U, "tools": [{"type": "function",
-                                                         "function": {}}]}, "malformed"),
-    ("reasoning_effort_bad", "chat", {"messages": U, "reasoning_effort": "extreme"},
-     "malformed"),
-    ("generation_prompt_bad", "chat", {"messages": U, "add_generation_prompt": "maybe"},
-     "malformed"),
+    ("request_template", "chat", {"messages": U, "chat_template": "{{ 'x' }}"}, "malformed"),
+    (
+        "kwargs_template",
+        "chat",
+        {"messages": U, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+        "malformed",
+    ),
+    ("kwargs_messages", "chat", {"messages": U, "chat_template_kwargs": {"messages": []}}, "malformed"),
+    (
+        "kwargs_mask",
+        "chat",
+        {"messages": U, "chat_template_kwargs": {"return_assistant_tokens_mask": True}},
+        "malformed",
+    ),
+    ("tools_no_name", "chat", {"messages": U, "tools": [{"type": "function", "function": {}}]}, "malformed"),
+    ("reasoning_effort_bad", "chat", {"messages": U, "reasoning_effort": "extreme"}, "malformed"),
+    ("generation_prompt_bad", "chat", {"messages": U, "add_generation_prompt": "maybe"}, "malformed"),
     # --- chat: valid, not reproduced
-    ("image", "chat", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this"},
-        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]},
-     "unkeyed"),
+    (
+        "image",
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this"},
+                        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}},
+                    ],
+                }
+            ]
+        },
+        "unkeyed",
+    ),
     # --- completions
     ("prompt", "completions", {"prompt": "hello world, the cache and the router"}, "exact"),
     ("prompt_unicode", "completions", {"prompt": "naïve café — 中文 🎉 e\u0301"}, "exact"),
-    ("prompt_specials", "completions", {"prompt": "<s><|user|>\nhi<|end|>\n<|assistant|>\n"},
-     "exact"),
-    ("prompt_template_text", "completions", {
-        "prompt": "<|system|>\n" + _text(300, 3) + "<|end|>\n<|user|>\nq<|end|>\n"}, "exact"),
+    ("prompt_specials", "completions", {"prompt": "<s><|user|>\nhi<|end|>\n<|assistant|>\n"}, "exact"),
+    (
+        "prompt_template_text",
+        "completions",
+        {"prompt": "<|system|>\n" + _text(300, 3) + "<|end|>\n<|user|>\nq<|end|>\n"},
+        "exact",
+    ),
     ("prompt_list", "completions", {"prompt": ["first prompt", "second"]}, "exact"),
     ("prompt_ids", "completions", {"prompt": [5, 6, 7, 8, 9, 10]}, "exact"),
     ("prompt_id_lists", "completions", {"prompt": [[5, 6, 7], [8]]}, "exact"),
-    ("prompt_no_specials", "completions", {"prompt": "x y", "add_special_tokens": False},
-     "exact"),
-    ("prompt_truncate", "completions", {"prompt": _text(60, 2), "truncate_prompt_tokens": 9},
-     "exact"),
-    ("prompt_truncate_right", "completions", {"prompt": _text(60, 2),
-                                              "truncate_prompt_tokens": 9,
-                                              "truncation_side": "right"}, "exact"),
-    ("prompt_ids_truncate", "completions", {"prompt": [5, 6, 7, 8, 9],
-                                            "truncate_prompt_tokens": 3}, "exact"),
+    ("prompt_no_specials", "completions", {"prompt": "x y", "add_special_tokens": False}, "exact"),
+    ("prompt_truncate", "completions", {"prompt": _text(60, 2), "truncate_prompt_tokens": 9}, "exact"),
+    (
+        "prompt_truncate_right",
+        "completions",
+        {"prompt": _text(60, 2), "truncate_prompt_tokens": 9, "truncation_side": "right"},
+        "exact",
+    ),
+    ("prompt_ids_truncate", "completions", {"prompt": [5, 6, 7, 8, 9], "truncate_prompt_tokens": 3}, "exact"),
     ("prompt_echo", "completions", {"prompt": "echo me", "echo": True}, "exact"),
     ("prompt_long", "completions", {"prompt": _text(2000, 5)}, "exact"),
     ("prompt_salt", "completions", {"prompt": "salted", "cache_salt": "s1"}, "exact"),
@@ -268,25 +568,25 @@ CASES: list[tuple[str, str, dict, str]] = [
     ("prompt_negative_id", "completions", {"prompt": [5, -1]}, "malformed"),
     ("prompt_surrogate", "completions", {"prompt": "a\udfffb"}, "malformed"),
     ("prompt_empty_in_list", "completions", {"prompt": ["abc", ""]}, "malformed"),
-    ("prompt_truncate_zero", "completions", {"prompt": "abc", "truncate_prompt_tokens": 0},
-     "malformed"),
-    ("prompt_truncate_all", "completions", {"prompt": _text(30, 4),
-                                            "truncate_prompt_tokens": -1}, "exact"),
-    ("truncate_all", "chat", {"messages": U, "truncate_prompt_tokens": -1,
-                              "max_tokens": 4}, "exact"),
+    ("prompt_truncate_zero", "completions", {"prompt": "abc", "truncate_prompt_tokens": 0}, "malformed"),
+    ("prompt_truncate_all", "completions", {"prompt": _text(30, 4), "truncate_prompt_tokens": -1}, "exact"),
+    ("truncate_all", "chat", {"messages": U, "truncate_prompt_tokens": -1, "max_tokens": 4}, "exact"),
     ("prompt_suffix", "completions", {"prompt": "def f(", "suffix": "return 1"}, "unkeyed"),
     # --- /tokenize (no tool_choice rules there)
     ("tokenize_chat_tools", "tokenize", {"messages": U, "tools": [TOOL]}, "exact"),
-    ("tokenize_chat_plain", "tokenize", {"messages": _conversation(2, 8),
-                                         "add_generation_prompt": False}, "exact"),
+    (
+        "tokenize_chat_plain",
+        "tokenize",
+        {"messages": _conversation(2, 8), "add_generation_prompt": False},
+        "exact",
+    ),
     ("tokenize_prompt", "tokenize", {"prompt": "tokenize <|end|> me"}, "exact"),
 ]
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
     data = json.dumps(body).encode("utf-8", "surrogatepass")
-    req = urllib.request.Request(url + path, data=data,
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -304,8 +604,9 @@ def engine_ids(url: str, endpoint: str, body: dict) -> tuple[int, list[int] | No
         status, r = _post(url, "/tokenize", {"model": MODEL, **body})
         return status, (r["tokens"] if status == 200 else None)
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    status, r = _post(url, path, {"model": MODEL, "max_tokens": 1, "temperature": 0,
-                                  "return_token_ids": True, **body})
+    status, r = _post(
+        url, path, {"model": MODEL, "max_tokens": 1, "temperature": 0, "return_token_ids": True, **body}
+    )
     if status != 200:
         return status, None
     if endpoint == "chat":
@@ -339,13 +640,18 @@ def record(url: str) -> dict:
     root = models["data"][0].get("root", "")
     with urllib.request.urlopen(url + "/version", timeout=10) as r:
         version = json.loads(r.read()).get("version")
-    out = {"vllm_version": version, "model": MODEL, "block_size": 32,
-           "tokenizer_json_sha256": tokenizer_json_sha256(root) if os.path.isdir(root) else None,
-           "cases": []}
+    out = {
+        "vllm_version": version,
+        "model": MODEL,
+        "block_size": 32,
+        "tokenizer_json_sha256": tokenizer_json_sha256(root) if os.path.isdir(root) else None,
+        "cases": [],
+    }
     for name, endpoint, body, expect in CASES:
         status, ids = engine_ids(url, endpoint, body)
-        out["cases"].append({"name": name, "endpoint": endpoint, "body": body,
-                             "expect": expect, "status": status, "ids": ids})
+        out["cases"].append(
+            {"name": name, "endpoint": endpoint, "body": body, "expect": expect, "status": status, "ids": ids}
+        )
     return out
 
 
@@ -400,8 +706,10 @@ def test_multiturn_prefix_blocks_shared(keyer, vllm_url):
     router matches across turns are the blocks vLLM reuses (its cached_tokens)."""
     msgs = _conversation(4, 60)
     first = keyer.key(Endpoint.CHAT, {"model": MODEL, "messages": msgs}, block_size=32)
-    nxt = msgs + [{"role": "assistant", "content": "ok " + _text(30, 9)},
-                  {"role": "user", "content": "next question"}]
+    nxt = msgs + [
+        {"role": "assistant", "content": "ok " + _text(30, 9)},
+        {"role": "user", "content": "next question"},
+    ]
     second = keyer.key(Endpoint.CHAT, {"model": MODEL, "messages": nxt}, block_size=32)
     shared = 0
     for a, b in zip(first.hashes, second.hashes):
@@ -409,10 +717,8 @@ def test_multiturn_prefix_blocks_shared(keyer, vllm_url):
             break
         shared += 1
     assert shared >= len(first.hashes) - 1 > 0
-    _post(vllm_url, "/v1/chat/completions", {"model": MODEL, "messages": msgs,
-                                             "max_tokens": 1})
-    status, r = _post(vllm_url, "/v1/chat/completions", {"model": MODEL, "messages": nxt,
-                                                         "max_tokens": 1})
+    _post(vllm_url, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1})
+    status, r = _post(vllm_url, "/v1/chat/completions", {"model": MODEL, "messages": nxt, "max_tokens": 1})
     assert status == 200
     cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
     # the engine reuses at least the blocks both prompts share (it may hold more

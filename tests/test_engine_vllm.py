@@ -35,9 +35,41 @@ from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
 
-WORDS = ("cache prefix token router worker engine request model block hash session turn "
-         "system user assistant tool answer question document context memory batch queue "
-         "prefill decode latency throughput fleet replica load policy index event").split()
+WORDS = [
+    "cache",
+    "prefix",
+    "token",
+    "router",
+    "worker",
+    "engine",
+    "request",
+    "model",
+    "block",
+    "hash",
+    "session",
+    "turn",
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    "answer",
+    "question",
+    "document",
+    "context",
+    "memory",
+    "batch",
+    "queue",
+    "prefill",
+    "decode",
+    "latency",
+    "throughput",
+    "fleet",
+    "replica",
+    "load",
+    "policy",
+    "index",
+    "event",
+]
 
 
 def text(seed: int, words: int) -> str:
@@ -50,24 +82,36 @@ def model_dir(vllm_model_dir):
     return vllm_model_dir
 
 
-def router_yaml(path, port: int, servers, model_dir, *, policy: str = "prefix_load",
-                events=(True, True), capacity=(0, 0)) -> None:
+def router_yaml(
+    path, port: int, servers, model_dir, *, policy: str = "prefix_load", events=(True, True), capacity=(0, 0)
+) -> None:
     workers = []
     for i, s in enumerate(servers):
-        w = {"url": s.url, "id": f"vllm-{'ab'[i]}", "kind": "vllm", "tokenizer": str(model_dir),
-             # timeout: a CPU vLLM whose engine takes both cores answers /metrics
-             # in seconds
-             "metrics": {"interval_s": 0.25, "timeout_s": 5.0}}
+        w = {
+            "url": s.url,
+            "id": f"vllm-{'ab'[i]}",
+            "kind": "vllm",
+            "tokenizer": str(model_dir),
+            # timeout: a CPU vLLM whose engine takes both cores answers /metrics
+            # in seconds
+            "metrics": {"interval_s": 0.25, "timeout_s": 5.0},
+        }
         if events[i]:
-            w["events"] = {"endpoint": f"tcp://*:{s.events_port}",
-                           "replay_endpoint": f"tcp://*:{s.replay_port}"}
+            w["events"] = {
+                "endpoint": f"tcp://*:{s.events_port}",
+                "replay_endpoint": f"tcp://*:{s.replay_port}",
+            }
         else:  # the server publishes; this router follows none (approximate mode)
             w["events"] = {"mode": "off"}
         if capacity[i]:
             w["kv_capacity_tokens"] = capacity[i]
         workers.append(w)
-    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": policy},
-           "health": {"interval_s": 0.5}, "workers": workers}  # default limits
+    cfg = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "policy": {"name": policy},
+        "health": {"interval_s": 0.5},
+        "workers": workers,
+    }  # default limits
     path.write_text(json.dumps(cfg))
 
 
@@ -77,17 +121,26 @@ def router(vllm_pair, model_dir, tmp_path_factory):
     port = free_port()
     cfg = d / "router.yaml"
     router_yaml(cfg, port, vllm_pair, model_dir)
-    with Proc(radixfleet_argv("router", "--config", str(cfg)),
-              ready_url=f"http://127.0.0.1:{port}/health") as p:
+    with Proc(
+        radixfleet_argv("router", "--config", str(cfg)), ready_url=f"http://127.0.0.1:{port}/health"
+    ) as p:
         url = f"http://127.0.0.1:{port}"
         # ready means routable, keyed in vLLM's token space and following each engine's
         # KV events from its history (the join's replay): a first request routed
         # before that had its entries dropped by the join while its next turn was routed
-        wait_for(lambda: httpx.get(url + "/readiness", timeout=5).status_code == 200, 120,
-                 "the router's readiness", p)
+        wait_for(
+            lambda: httpx.get(url + "/readiness", timeout=5).status_code == 200,
+            120,
+            "the router's readiness",
+            p,
+        )
         ws = workers(url)
-        assert all(w["routable"] and w["engine"]["key_space"].startswith("TokenSpace")
-                   and w["engine"]["events"]["in_sync"] for w in ws), ws
+        assert all(
+            w["routable"]
+            and w["engine"]["key_space"].startswith("TokenSpace")
+            and w["engine"]["events"]["in_sync"]
+            for w in ws
+        ), ws
         yield url
 
 
@@ -144,8 +197,9 @@ def checked(url: str, path: str, body: dict, *, stream: bool = False):
     """post() and the router's prediction error for that response, in tokens."""
     before = {w["id"]: w["engine"]["prediction"] for w in workers(url)}
     wid, usage, chunks = post(url, path, body, stream=stream)
-    wait_for(lambda: prediction(url, wid)["samples"] > before[wid]["samples"], 5,
-             "the router's accuracy sample")
+    wait_for(
+        lambda: prediction(url, wid)["samples"] > before[wid]["samples"], 5, "the router's accuracy sample"
+    )
     after = prediction(url, wid)
     err = after["sum_signed_tokens"] - before[wid]["sum_signed_tokens"]
     return wid, usage, err
@@ -154,11 +208,17 @@ def checked(url: str, path: str, body: dict, *, stream: bool = False):
 def test_precise_next_turn_lands_on_holder_and_prediction_is_exact(router):
     """Chat, multi-turn with a system prompt and tools, streamed and not."""
     errs = []
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "find a doc",
-                                               "parameters": {"type": "object"}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "lookup", "description": "find a doc", "parameters": {"type": "object"}},
+        }
+    ]
     for conv in range(4):
-        msgs = [{"role": "system", "content": text(100 + conv, 150)},
-                {"role": "user", "content": text(200 + conv, 60)}]
+        msgs = [
+            {"role": "system", "content": text(100 + conv, 150)},
+            {"role": "user", "content": text(200 + conv, 60)},
+        ]
         body = {"model": "tiny", "messages": msgs, "max_tokens": 8}
         if conv % 2:
             body["tools"] = tools
@@ -167,11 +227,12 @@ def test_precise_next_turn_lands_on_holder_and_prediction_is_exact(router):
         errs.append(err)
         for turn in range(2):
             reply = text(300 + conv * 10 + turn, 20)
-            msgs = msgs + [{"role": "assistant", "content": reply},
-                           {"role": "user", "content": text(400 + conv * 10 + turn, 30)}]
+            msgs = msgs + [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": text(400 + conv * 10 + turn, 30)},
+            ]
             body = {**body, "messages": msgs}
-            wid, usage, err = checked(router, "/v1/chat/completions", body,
-                                      stream=(conv + turn) % 2 == 1)
+            wid, usage, err = checked(router, "/v1/chat/completions", body, stream=(conv + turn) % 2 == 1)
             errs.append(err)
             assert wid == first, f"turn {turn + 2} of conversation {conv} left its holder"
             assert usage["prompt_tokens_details"]["cached_tokens"] > 0
@@ -185,9 +246,9 @@ def test_precise_completions_prediction_is_exact(router):
     base = text(7, 400)
     for i in range(6):
         prompt = base + " " + text(500 + i, 40)
-        wid, usage, err = checked(router, "/v1/completions",
-                                  {"model": "tiny", "prompt": prompt, "max_tokens": 4},
-                                  stream=i % 2 == 1)
+        wid, usage, err = checked(
+            router, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4}, stream=i % 2 == 1
+        )
         errs.append(err)
         if i:
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 32 * 10
@@ -216,8 +277,12 @@ def _streamed_chat_samples(router: str, seed: int):
     poll in between read 0 once, 0.40 s into a prefill). vLLM sends
     the headers, the role chunk and the first token together, so headers mark
     nothing."""
-    body = {"model": "tiny", "max_tokens": 64, "stream": True,
-            "messages": [{"role": "user", "content": text(seed, 2500)}]}
+    body = {
+        "model": "tiny",
+        "max_tokens": 64,
+        "stream": True,
+        "messages": [{"role": "user", "content": text(seed, 2500)}],
+    }
     samples: list[tuple[float, float, str, int, int]] = []
     first_content = []
     done = []
@@ -235,8 +300,7 @@ def _streamed_chat_samples(router: str, seed: int):
         fut = ex.submit(poll)
         role_seen = None
         sent = time.monotonic()
-        with httpx.stream("POST", router + "/v1/chat/completions", json=body,
-                          timeout=120) as r:
+        with httpx.stream("POST", router + "/v1/chat/completions", json=body, timeout=120) as r:
             wid = r.headers["x-radixfleet-worker"]
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
@@ -273,14 +337,16 @@ def test_streamed_chat_load_held_through_prefill_released_at_first_token(router)
             tried.append(f"{ttft:.2f} s")
             continue
         assert min(during) > 1000, (
-            f"prompt tokens not counted during prefill: {during[:20]} "
-            f"({ttft:.2f} s to the first token)")
+            f"prompt tokens not counted during prefill: {during[:20]} ({ttft:.2f} s to the first token)"
+        )
         assert all(tok == 0 for tok in after), after[:10]  # released (polls may miss the stream)
-        wait_for(lambda: worker(router, wid)["in_flight_tokens"] == 0
-                 and worker(router, wid)["in_flight"] == 0, 5, "release")
+        wait_for(
+            lambda: worker(router, wid)["in_flight_tokens"] == 0 and worker(router, wid)["in_flight"] == 0,
+            5,
+            "release",
+        )
         return
-    raise AssertionError(f"no poll fit inside a prefill in 3 tries (first tokens after "
-                         f"{', '.join(tried)})")
+    raise AssertionError(f"no poll fit inside a prefill in 3 tries (first tokens after {', '.join(tried)})")
 
 
 def drain(url: str, wid: str, on: bool = True) -> None:
@@ -304,10 +370,14 @@ def test_eviction_reaches_the_index(router, vllm_pair):
         prompts = [text(20_000 + i, 1500) for i in range(20)]
         for p in prompts:
             post(router, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 2})
-        wait_for(lambda: worker(router, "vllm-a")["engine"]["events"]["removed_blocks"]
-                 > ev0["removed_blocks"], 10, "BlockRemoved events applied")
-        wid, usage, err = checked(router, "/v1/completions",
-                                  {"model": "tiny", "prompt": prompts[0], "max_tokens": 2})
+        wait_for(
+            lambda: worker(router, "vllm-a")["engine"]["events"]["removed_blocks"] > ev0["removed_blocks"],
+            10,
+            "BlockRemoved events applied",
+        )
+        wid, usage, err = checked(
+            router, "/v1/completions", {"model": "tiny", "prompt": prompts[0], "max_tokens": 2}
+        )
         assert wid == "vllm-a"
         assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"] - 64
         assert abs(err) <= 32, err
@@ -323,32 +393,33 @@ def decisions(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("radixfleet_requests_total{"):
-            lb = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:
-                                                       line.index("}")].split(","))
+            lb = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
             key = (lb["worker"].strip('"'), lb["reason"].strip('"'))
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "passes when run alone (3 of 3 here), but in the full CI suite on this 2-core machine "
-    "the test's own polls and the router's answers stalled 18-24 s under the flood, "
-    "longer than the conversation's pin lasts, so the next turn was a miss (to B, but "
-    "not a spill). The same pricing and spill are held deterministically by "
-    "tests/test_router_engines.py::"
-    "test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided"))
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "passes when run alone (3 of 3 here), but in the full CI suite on this 2-core machine "
+        "the test's own polls and the router's answers stalled 18-24 s under the flood, "
+        "longer than the conversation's pin lasts, so the next turn was a miss (to B, but "
+        "not a spill). The same pricing and spill are held deterministically by "
+        "tests/test_router_engines.py::"
+        "test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided"
+    ),
+)
 def test_engine_load_from_metrics_steers_away_from_a_busy_worker(router, vllm_pair):
     """Requests sent to vLLM A directly (not through the router) queue there behind
     long decodes (max 8 running); the router sees vllm:num_requests_waiting, prices
     it (router.engines.queue_estimate: the engine's departure rate, its own prompt
     size) and spills the next turn of a conversation A still holds to B."""
     a = vllm_pair[0]
-    msgs = [{"role": "system", "content": text(31_000, 400)},
-            {"role": "user", "content": text(31_001, 50)}]
+    msgs = [{"role": "system", "content": text(31_000, 400)}, {"role": "user", "content": text(31_001, 50)}]
     drain(router, "vllm-b")
     try:
-        wid, _, _ = post(router, "/v1/chat/completions",
-                         {"model": "tiny", "messages": msgs, "max_tokens": 4})
+        wid, _, _ = post(router, "/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 4})
         assert wid == "vllm-a"
     finally:
         drain(router, "vllm-b", False)
@@ -358,14 +429,24 @@ def test_engine_load_from_metrics_steers_away_from_a_busy_worker(router, vllm_pa
     # conversation within a batch or two; a first request that continues it for
     # 3,000 tokens keeps its prefix blocks in use (unevictable) meanwhile. The flood
     # runs in its own process so that this one's polls are not starved of the GIL.
-    pin = ("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 3000,
-                                    "ignore_eos": True})
-    rest = [("/v1/completions", {"model": "tiny", "prompt": text(32_000 + i, 150),
-                                 "max_tokens": 1000, "ignore_eos": True})
-            for i in range(120)]
+    pin = (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": msgs, "max_tokens": 3000, "ignore_eos": True},
+    )
+    rest = [
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": text(32_000 + i, 150), "max_tokens": 1000, "ignore_eos": True},
+        )
+        for i in range(120)
+    ]
     # the requests go on stdin: as one argument they pass Linux's 128 KiB limit
-    flood = subprocess.Popen([sys.executable, "-c", FLOOD, a.url], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    flood = subprocess.Popen(
+        [sys.executable, "-c", FLOOD, a.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     flood.stdin.write(json.dumps([pin, *rest]).encode())
     flood.stdin.close()
     seen = []
@@ -373,8 +454,7 @@ def test_engine_load_from_metrics_steers_away_from_a_busy_worker(router, vllm_pa
     def queue_s() -> float:
         w = worker(router, "vllm-a")
         ld = w["reported_load"]
-        seen.append((round(time.monotonic(), 2),
-                     ld and (ld["queued_requests"], ld["queued_tokens"])))
+        seen.append((round(time.monotonic(), 2), ld and (ld["queued_requests"], ld["queued_tokens"])))
         return ld["queued_tokens"] / ld["prefill_tokens_per_s"] if ld else 0.0
 
     try:
@@ -390,19 +470,24 @@ def test_engine_load_from_metrics_steers_away_from_a_busy_worker(router, vllm_pa
                 time.sleep(0.1)
                 continue
             before = decisions(router)
-            msgs2 = msgs + [{"role": "assistant", "content": "ok"},
-                            {"role": "user", "content": text(31_002 + len(tries), 20)}]
+            msgs2 = msgs + [
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": text(31_002 + len(tries), 20)},
+            ]
             t = time.monotonic()
-            post(router, "/v1/chat/completions",
-                 {"model": "tiny", "messages": msgs2, "max_tokens": 4})
+            post(router, "/v1/chat/completions", {"model": "tiny", "messages": msgs2, "max_tokens": 4})
             after = decisions(router)
-            tries.append((round(t, 2), round(time.monotonic() - t, 2),
-                          [k for k in after if after[k] != before.get(k, 0.0)]))
+            tries.append(
+                (
+                    round(t, 2),
+                    round(time.monotonic() - t, 2),
+                    [k for k in after if after[k] != before.get(k, 0.0)],
+                )
+            )
             if tries[-1][2] == [("vllm-b", "spill_load")]:
                 break  # a spill (A still held the conversation), not a miss
         assert tries, f"vLLM A's queue (>= 8 waiting, > 2 s) never in the router's view: {seen}"
-        assert tries[-1][2] == [("vllm-b", "spill_load")], (
-            f"the busy holder was not avoided: {tries}, {seen}")
+        assert tries[-1][2] == [("vllm-b", "spill_load")], f"the busy holder was not avoided: {tries}, {seen}"
     finally:
         out = flood.stdout.read()
         flood.wait(timeout=300)
@@ -432,13 +517,14 @@ def test_events_off_worker_is_aged_and_corrected(vllm_pair, model_dir, tmp_path)
     reset_caches(vllm_pair)
     port = free_port()
     cfg = tmp_path / "approx.yaml"
-    router_yaml(cfg, port, vllm_pair, model_dir, events=(True, False),
-                capacity=(0, 8 * 16384))
-    with Proc(radixfleet_argv("router", "--config", str(cfg)),
-              ready_url=f"http://127.0.0.1:{port}/health"):
+    router_yaml(cfg, port, vllm_pair, model_dir, events=(True, False), capacity=(0, 8 * 16384))
+    with Proc(radixfleet_argv("router", "--config", str(cfg)), ready_url=f"http://127.0.0.1:{port}/health"):
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: all(w["routable"] and w["engine"]["key_space"].startswith("Token")
-                             for w in workers(url)), 120, "routable")
+        wait_for(
+            lambda: all(w["routable"] and w["engine"]["key_space"].startswith("Token") for w in workers(url)),
+            120,
+            "routable",
+        )
         b = worker(url, "vllm-b")["engine"]
         assert b["truth"] == "approximate" and b["events"] is None
         drain(url, "vllm-a")
@@ -446,15 +532,16 @@ def test_events_off_worker_is_aged_and_corrected(vllm_pair, model_dir, tmp_path)
         for p in prompts:
             post(url, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 2})
         # the 12th prompt is long evicted by the engine, still believed by the index
-        _, usage, err_first = checked(url, "/v1/completions",
-                                      {"model": "tiny", "prompt": prompts[11],
-                                       "max_tokens": 2})
+        _, usage, err_first = checked(
+            url, "/v1/completions", {"model": "tiny", "prompt": prompts[11], "max_tokens": 2}
+        )
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0
         assert err_first > 32 * 30, err_first  # ~46 blocks believed, none held
         # after the correction: the older ones are no longer predicted
-        errs = [checked(url, "/v1/completions",
-                        {"model": "tiny", "prompt": p, "max_tokens": 2})[2]
-                for p in prompts[:6]]
+        errs = [
+            checked(url, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 2})[2]
+            for p in prompts[:6]
+        ]
         assert all(abs(e) <= 32 for e in errs), (err_first, errs)
         # and the capacity B's entries are aged at was learned down from the 8x one
         # configured, by at least the blocks that answer showed lost
@@ -473,8 +560,10 @@ def test_engine_restart_drops_and_rebuilds_without_failed_requests(router, vllm_
         i = 0
         with httpx.Client(timeout=120) as c:
             while not stop and i < 2000:
-                r = c.post(router + "/v1/completions", json={
-                    "model": "tiny", "prompt": text(50_000 + i % 40, 300), "max_tokens": 2})
+                r = c.post(
+                    router + "/v1/completions",
+                    json={"model": "tiny", "prompt": text(50_000 + i % 40, 300), "max_tokens": 2},
+                )
                 sent.append(r.status_code)
                 i += 1
 
@@ -484,13 +573,15 @@ def test_engine_restart_drops_and_rebuilds_without_failed_requests(router, vllm_
             time.sleep(2)
             resets0 = worker(router, "vllm-b")["engine"]["events"]["resets"]
             b.stop()
-            wait_for(lambda: worker(router, "vllm-b")["health"] == "unhealthy", 15,
-                     "B unhealthy")
+            wait_for(lambda: worker(router, "vllm-b")["health"] == "unhealthy", 15, "B unhealthy")
             b.start()
             b.wait_ready()
             wait_for(lambda: worker(router, "vllm-b")["routable"], 30, "B routable again")
-            wait_for(lambda: worker(router, "vllm-b")["engine"]["events"]["resets"]
-                     > resets0, 30, "B's entries dropped on the new engine's stream")
+            wait_for(
+                lambda: worker(router, "vllm-b")["engine"]["events"]["resets"] > resets0,
+                30,
+                "B's entries dropped on the new engine's stream",
+            )
             time.sleep(3)
         finally:
             stop.append(True)
@@ -501,8 +592,9 @@ def test_engine_restart_drops_and_rebuilds_without_failed_requests(router, vllm_
     for i in range(4):
         msgs = [{"role": "user", "content": text(60_000 + i, 300)}]
         for _ in range(2):
-            wid, usage, err = checked(router, "/v1/chat/completions",
-                                      {"model": "tiny", "messages": msgs, "max_tokens": 4})
+            wid, usage, err = checked(
+                router, "/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 4}
+            )
             errs.append(err)
     assert all(abs(e) <= 32 for e in errs), errs
 
@@ -517,22 +609,50 @@ def test_ab_multiturn_prefix_load_beats_round_robin(vllm_pair, model_dir, tmp_pa
             port = free_port()
             cfg = tmp_path / f"{policy}.yaml"
             router_yaml(cfg, port, vllm_pair, model_dir, policy=policy)
-            p = Proc(radixfleet_argv("router", "--config", str(cfg)),
-                     ready_url=f"http://127.0.0.1:{port}/health").__enter__()
+            p = Proc(
+                radixfleet_argv("router", "--config", str(cfg)), ready_url=f"http://127.0.0.1:{port}/health"
+            ).__enter__()
             procs.append(p)
             urls.append(f"http://127.0.0.1:{port}")
         for u in urls:
             # routable and keyed in vLLM's token space (the tokenizer loads in seconds,
             # longer on a loaded machine)
-            wait_for(lambda u=u: all(w["routable"] and w["engine"]["key_space"].startswith(
-                "TokenSpace") for w in workers(u)), 120, "routable and keyed")
+            wait_for(
+                lambda u=u: all(
+                    w["routable"] and w["engine"]["key_space"].startswith("TokenSpace") for w in workers(u)
+                ),
+                120,
+                "routable and keyed",
+            )
         out = tmp_path / "ab.json"
         cmd = radixfleet_argv(
-            "loadtest", "--target", f"round_robin={urls[0]}", "--target",
-            f"prefix_load={urls[1]}", "--workload", "multiturn", "-o", "clients=16",
-            "-o", "rounds=5", "-o", "question_tokens=128", "-o", "output_tokens=16",
-            "--concurrency", "8", "--requests", "80", "--duration", "240",
-            "--json", str(out), "--no-progress", "--model", "tiny")
+            "loadtest",
+            "--target",
+            f"round_robin={urls[0]}",
+            "--target",
+            f"prefix_load={urls[1]}",
+            "--workload",
+            "multiturn",
+            "-o",
+            "clients=16",
+            "-o",
+            "rounds=5",
+            "-o",
+            "question_tokens=128",
+            "-o",
+            "output_tokens=16",
+            "--concurrency",
+            "8",
+            "--requests",
+            "80",
+            "--duration",
+            "240",
+            "--json",
+            str(out),
+            "--no-progress",
+            "--model",
+            "tiny",
+        )
         res = subprocess.run(cmd, capture_output=True, timeout=900)
         assert res.returncode == 0, res.stdout.decode()[-3000:] + res.stderr.decode()[-3000:]
         runs = {r["name"]: r for r in json.loads(out.read_text())["runs"]}

@@ -44,10 +44,16 @@ def dp_server(vllm_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-dp")
     # one core per rank ("0|1": vLLM's CPU backend splits the list by DP rank); eager
     # mode: no compile step, a faster start for a short test
-    s = VllmServer(free_port(), model=vllm_model_dir, events_port=_two_free_ports(),
-                   replay_port=_two_free_ports(), log_path=logs / "vllm-dp.log",
-                   data_parallel_size=2, omp_cpus=f"{own_core(0)}|{own_core(1)}",
-                   extra_args=("--enforce-eager",))
+    s = VllmServer(
+        free_port(),
+        model=vllm_model_dir,
+        events_port=_two_free_ports(),
+        replay_port=_two_free_ports(),
+        log_path=logs / "vllm-dp.log",
+        data_parallel_size=2,
+        omp_cpus=f"{own_core(0)}|{own_core(1)}",
+        extra_args=("--enforce-eager",),
+    )
     with s:
         yield s
 
@@ -56,21 +62,36 @@ def dp_server(vllm_model_dir, tmp_path_factory):
 def dp_router(dp_server, vllm_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("router-dp")
     port = free_port()
-    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": "prefix_load"},
-           "health": {"interval_s": 0.5},
-           "workers": [{"url": dp_server.url, "id": "dp", "kind": "vllm",
-                        "tokenizer": str(vllm_model_dir),
-                        "metrics": {"interval_s": 0.25, "timeout_s": 5.0}}]}
+    cfg = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "policy": {"name": "prefix_load"},
+        "health": {"interval_s": 0.5},
+        "workers": [
+            {
+                "url": dp_server.url,
+                "id": "dp",
+                "kind": "vllm",
+                "tokenizer": str(vllm_model_dir),
+                "metrics": {"interval_s": 0.25, "timeout_s": 5.0},
+            }
+        ],
+    }
     (d / "router.yaml").write_text(json.dumps(cfg))
     url = f"http://127.0.0.1:{port}"
-    with Proc(radixfleet_argv("router", "--config", str(d / "router.yaml")),
-              ready_url=url + "/health") as p:
+    with Proc(radixfleet_argv("router", "--config", str(d / "router.yaml")), ready_url=url + "/health") as p:
+
         def ready():
             w = workers(url)[0]
             ev = w["engine"]["events"]
-            return (w["routable"] and w["engine"]["data_parallel_ranks"] == 2 and ev
-                    and ev["source"] == "engine" and ev["connected"]
-                    and w["engine"]["key_space"].startswith("TokenSpace"))
+            return (
+                w["routable"]
+                and w["engine"]["data_parallel_ranks"] == 2
+                and ev
+                and ev["source"] == "engine"
+                and ev["connected"]
+                and w["engine"]["key_space"].startswith("TokenSpace")
+            )
+
         wait_for(ready, 120, "the worker's two ranks followed from /kv_event_sources", p)
         yield url
 
@@ -90,8 +111,7 @@ def test_same_prompt_twice_lands_on_the_rank_holding_it(dp_router, dp_server):
         prompt = text(70_000 + i, 500)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
         _, first, _ = post(dp_router, "/v1/completions", body)
-        before = {r: v["entries"]
-                  for r, v in workers(dp_router)[0]["engine"]["events"]["ranks"].items()}
+        before = {r: v["entries"] for r, v in workers(dp_router)[0]["engine"]["events"]["ranks"].items()}
         _, second, _ = post(dp_router, "/v1/completions", body)
         cached = second["prompt_tokens_details"]["cached_tokens"]
         assert cached >= (first["prompt_tokens"] // 32 - 1) * 32, (i, first, second)
@@ -103,9 +123,12 @@ def test_same_prompt_twice_lands_on_the_rank_holding_it(dp_router, dp_server):
     prompt = held[3][0]
     answers = {}
     for rank in ("0", "1"):
-        r = httpx.post(dp_server.url + "/v1/completions", timeout=60,
-                       headers={"X-data-parallel-rank": rank},
-                       json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        r = httpx.post(
+            dp_server.url + "/v1/completions",
+            timeout=60,
+            headers={"X-data-parallel-rank": rank},
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+        )
         assert r.status_code == 200, r.text
         answers[rank] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert sorted(answers.values())[0] == 0 and sorted(answers.values())[1] > 0, answers
@@ -113,7 +136,10 @@ def test_same_prompt_twice_lands_on_the_rank_holding_it(dp_router, dp_server):
 
 def test_a_rank_the_engine_does_not_have_is_refused_with_a_400(dp_server):
     """What the router reads as a stale rank map (EngineLink.rank_rejected)."""
-    r = httpx.post(dp_server.url + "/v1/completions", timeout=60,
-                   headers={"X-data-parallel-rank": "5"},
-                   json={"model": "tiny", "prompt": "hello", "max_tokens": 1})
+    r = httpx.post(
+        dp_server.url + "/v1/completions",
+        timeout=60,
+        headers={"X-data-parallel-rank": "5"},
+        json={"model": "tiny", "prompt": "hello", "max_tokens": 1},
+    )
     assert r.status_code == 400 and "data_parallel_rank" in r.text, (r.status_code, r.text)

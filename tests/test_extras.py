@@ -19,8 +19,7 @@ import pytest
 OURS = ("protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet")
 #: the top-level modules each extra installs (pyproject.toml [project.optional-dependencies])
 EXTRA_MODULES = {
-    "engines": ("zmq", "msgpack", "transformers", "huggingface_hub", "jinja2", "tokenizers",
-                "fastokens"),
+    "engines": ("zmq", "msgpack", "transformers", "huggingface_hub", "jinja2", "tokenizers", "fastokens"),
     "k8s": ("kubernetes_asyncio",),
     "bus": ("nats", "nkeys"),
     "plots": ("matplotlib",),
@@ -55,12 +54,25 @@ def test_the_blocker_blocks():
         importlib.import_module("nats")
 
 
-@pytest.mark.parametrize("module", [
-    "radixfleet.cli", "router.main", "router.app", "router.reload", "router.engines.manager",
-    "router.discovery.k8s", "router.bus.replica", "worker_agent.main", "worker_agent.server",
-    "loadtest.fleet", "loadtest.main", "loadtest.demo", "loadtest.simulator.main",
-    "loadtest.analyze",
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "radixfleet.cli",
+        "router.main",
+        "router.app",
+        "router.reload",
+        "router.engines.manager",
+        "router.discovery.k8s",
+        "router.bus.replica",
+        "worker_agent.main",
+        "worker_agent.server",
+        "loadtest.fleet",
+        "loadtest.main",
+        "loadtest.demo",
+        "loadtest.simulator.main",
+        "loadtest.analyze",
+    ],
+)
 def test_entry_points_import_on_a_base_install(module):
     with base_install():
         importlib.import_module(module)
@@ -71,12 +83,14 @@ def test_check_config_of_an_agent_fleet_passes_on_a_base_install(tmp_path, capsy
     cfg.write_text("workers:\n  - url: http://127.0.0.1:9001\n    kind: agent\n")
     with base_install():
         from radixfleet.cli import main
+
         assert main(["check-config", str(cfg)]) == 0, capsys.readouterr().err
 
 
 def test_the_cli_says_which_extra_to_install(tmp_path, capsys):
     with base_install():
         from radixfleet.cli import main
+
         assert main(["demo", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("radixfleet demo: error: the 'plots' extra is not installed"), err
@@ -98,10 +112,12 @@ def test_each_feature_names_its_extra():
             raise AssertionError
 
         cases = {
-            "bus": lambda: BusConnection("nats://127.0.0.1:4222", name="t", on_up=on_up,
-                                         metrics=BusMetrics(CollectorRegistry())),
-            "k8s": lambda: KubernetesSource(K8sDiscoveryConfig(),
-                                            DiscoveryMetrics(CollectorRegistry()))._client(),
+            "bus": lambda: BusConnection(
+                "nats://127.0.0.1:4222", name="t", on_up=on_up, metrics=BusMetrics(CollectorRegistry())
+            ),
+            "k8s": lambda: KubernetesSource(
+                K8sDiscoveryConfig(), DiscoveryMetrics(CollectorRegistry())
+            )._client(),
             "engines": lambda: importlib.import_module("router.engines.chat_render"),
             "plots": lambda: importlib.import_module("loadtest.report").write_plots([], "x", {}),
         }

@@ -31,9 +31,13 @@ pytestmark = pytest.mark.integration
 
 
 def _spawn(argv: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "RADIXFLEET_AGENT_TOKEN": "fault-token",
-                                 "RADIXFLEET_TENANT_SALT": "fault-salt"})
+    return subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "RADIXFLEET_AGENT_TOKEN": "fault-token", "RADIXFLEET_TENANT_SALT": "fault-salt"},
+    )
 
 
 def _stop(p: subprocess.Popen) -> None:
@@ -77,19 +81,33 @@ def test_restarted_router_is_routable_as_soon_as_it_listens(tmp_path):
     port, pa, pb = free_port(), free_port(), free_port()
     base = f"http://127.0.0.1:{port}"
     cfg = tmp_path / "router.yaml"
-    cfg.write_text(json.dumps({
-        "listen": {"port": port}, "workers": [{"url": f"http://127.0.0.1:{pa}", "id": "a"}],
-        "health": {"interval_s": 1.0, "timeout_s": 0.5}, "reload": {"watch": False}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "listen": {"port": port},
+                "workers": [{"url": f"http://127.0.0.1:{pa}", "id": "a"}],
+                "health": {"interval_s": 1.0, "timeout_s": 0.5},
+                "reload": {"watch": False},
+            }
+        )
+    )
     logs = open(tmp_path / "procs.log", "wb")
     agent = [sys.executable, "-m", "radixfleet.cli", "agent", "--kv-tokens", "50000"]
     router_argv = [sys.executable, "-m", "radixfleet.cli", "router", "--config", str(cfg)]
-    procs = [_spawn([*agent, "--port", str(pa), "--served-model-name", "fz-a"], logs),
-             _spawn([*agent, "--port", str(pb), "--served-model-name", "fz-b",
-                     "--worker-id", "b", "--router", base], logs)]
+    procs = [
+        _spawn([*agent, "--port", str(pa), "--served-model-name", "fz-a"], logs),
+        _spawn(
+            [*agent, "--port", str(pb), "--served-model-name", "fz-b", "--worker-id", "b", "--router", base],
+            logs,
+        ),
+    ]
     router = _spawn(router_argv, logs)
     try:
-        _wait(lambda: len(httpx.get(base + "/readiness", timeout=1).json()["routable"]) == 2,
-              60, "both agents routable")
+        _wait(
+            lambda: len(httpx.get(base + "/readiness", timeout=1).json()["routable"]) == 2,
+            60,
+            "both agents routable",
+        )
         os.killpg(router.pid, signal.SIGKILL)  # a crash: nothing is flushed, nobody told
         router.wait(5)
         log: dict[str, list] = {"fz-a": [], "fz-b": []}
@@ -109,6 +127,7 @@ def test_restarted_router_is_routable_as_soon_as_it_listens(tmp_path):
             for c in clients:
                 c.cancel()
             await asyncio.gather(*clients, return_exceptions=True)
+
         asyncio.run(scenario())
     finally:
         for p in (router, *procs):
@@ -117,12 +136,13 @@ def test_restarted_router_is_routable_as_soon_as_it_listens(tmp_path):
     answered = sorted((t, s, ra, m) for m in log for t, s, ra in log[m] if s is not None)
     assert answered, "the restarted router never answered"
     t_listen = answered[0][0]
-    bad = [(s, ra, m) for _, s, ra, m in answered
-           if not (s == 200 or (s == 503 and ra and int(ra) >= 1))]
+    bad = [(s, ra, m) for _, s, ra, m in answered if not (s == 200 or (s == 503 and ra and int(ra) >= 1))]
     assert not bad, bad[:10]  # no 503 without Retry-After, no other error
     a = [s for t, s, _, m in answered if m == "fz-a"]
     assert a and set(a) == {200}, a[:20]  # the YAML worker: served from the first answer
     first_b = min(t for t, s, _, m in answered if m == "fz-b" and s == 200)
-    print(f"\nrestart: fz-a served from the first answer ({len(a)} requests); fz-b "
-          f"{first_b - t_listen:.2f}s after the router listened")
+    print(
+        f"\nrestart: fz-a served from the first answer ({len(a)} requests); fz-b "
+        f"{first_b - t_listen:.2f}s after the router listened"
+    )
     assert first_b - t_listen <= 1.0

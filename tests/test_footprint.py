@@ -124,13 +124,13 @@ def test_check_catches_a_wrong_sum():
 
 # ------------------------------------------------------------------ prefix_load
 
+
 def pl(**params):
     return build_policy("prefix_load", params, random.Random(0))
 
 
 def views(cap=6000):
-    return [WorkerView(w, prefill_tokens_per_s=10_000, kv_capacity_tokens=cap)
-            for w in ("w0", "w1", "w2")]
+    return [WorkerView(w, prefill_tokens_per_s=10_000, kv_capacity_tokens=cap) for w in ("w0", "w1", "w2")]
 
 
 def crowd_w0(pol, sessions=5, turns=3):
@@ -140,8 +140,11 @@ def crowd_w0(pol, sessions=5, turns=3):
     for k in range(turns):
         for s in range(sessions):
             req = turn(s, k)
-            m = (MatchResult({"w0": len(req.hashes) - 20}, len(req.hashes) - 20, 0.1, True)
-                 if k else shared_match(req))
+            m = (
+                MatchResult({"w0": len(req.hashes) - 20}, len(req.hashes) - 20, 0.1, True)
+                if k
+                else shared_match(req)
+            )
             pol.footprints.expire(t)
             b = pol.footprints.find(req)
             pol.footprints.record(req, m, b, "w0", t)
@@ -187,8 +190,11 @@ def test_new_sessions_avoid_a_crowded_holder_but_an_even_fleet_is_left_alone():
         for s in range(6):
             req = turn(s, k)
             w = f"w{s % 3}"
-            m = (MatchResult({w: len(req.hashes) - 20}, len(req.hashes) - 20, 0.1, True)
-                 if k else shared_match(req, ("w0", "w1", "w2")))
+            m = (
+                MatchResult({w: len(req.hashes) - 20}, len(req.hashes) - 20, 0.1, True)
+                if k
+                else shared_match(req, ("w0", "w1", "w2"))
+            )
             pol.footprints.expire(t)
             pol.footprints.record(req, m, pol.footprints.find(req), w, t)
             t += 0.2

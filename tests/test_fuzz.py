@@ -39,8 +39,9 @@ MODELS = ("fz-a", "fz-b")
 
 ROUTER_SCHEMA = schemathesis.openapi.from_dict(router_spec())
 AGENT_SCHEMA = schemathesis.openapi.from_dict(agent_spec())
-FUZZ = settings(max_examples=15, deadline=None, database=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=15, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
 FUZZ_AGENT = settings(FUZZ, max_examples=5)
 
 
@@ -58,8 +59,9 @@ class Child:
     def __init__(self, argv: list[str], log: str, env: dict) -> None:
         self.log = log
         self.out = open(log, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **env}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=self.out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+        )
 
     def text(self) -> str:
         with open(self.log, "rb") as f:
@@ -94,49 +96,100 @@ class LiveFleet:
         self.base = f"http://127.0.0.1:{self.port}"
         self.agent_ports = [free_port() for _ in MODELS]
         self.agents_base = [f"http://127.0.0.1:{p}" for p in self.agent_ports]
-        env = {"RADIXFLEET_ADMIN_TOKEN": ADMIN, "RADIXFLEET_AGENT_TOKEN": AGENT,
-               "RADIXFLEET_TENANT_SALT": "fuzz-salt"}
+        env = {
+            "RADIXFLEET_ADMIN_TOKEN": ADMIN,
+            "RADIXFLEET_AGENT_TOKEN": AGENT,
+            "RADIXFLEET_TENANT_SALT": "fuzz-salt",
+        }
         cfg = tmp / "router.yaml"
-        cfg.write_text(json.dumps({
-            "listen": {"port": self.port},
-            "workers": [{"url": self.agents_base[0], "id": MODELS[0]}],
-            "keys": {"tenant": {"source": "api_key", "require_key": False,
-                                "api_keys": [{"tenant": "acme", "key": KEY}]}},
-            "limits": {"max_body_bytes": 1 << 20, "header_timeout_s": 1.0,
-                       "body_timeout_s": 1.0},
-            "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
-            "reload": {"watch": False},
-        }))
-        self.children = [Child([sys.executable, "-m", "radixfleet.cli", "router", "--config",
-                                str(cfg)], str(tmp / "router.log"), env)]
+        cfg.write_text(
+            json.dumps(
+                {
+                    "listen": {"port": self.port},
+                    "workers": [{"url": self.agents_base[0], "id": MODELS[0]}],
+                    "keys": {
+                        "tenant": {
+                            "source": "api_key",
+                            "require_key": False,
+                            "api_keys": [{"tenant": "acme", "key": KEY}],
+                        }
+                    },
+                    "limits": {"max_body_bytes": 1 << 20, "header_timeout_s": 1.0, "body_timeout_s": 1.0},
+                    "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
+                    "reload": {"watch": False},
+                }
+            )
+        )
+        self.children = [
+            Child(
+                [sys.executable, "-m", "radixfleet.cli", "router", "--config", str(cfg)],
+                str(tmp / "router.log"),
+                env,
+            )
+        ]
         for model, port in zip(MODELS, self.agent_ports):
-            self.children.append(Child(
-                [sys.executable, "-m", "radixfleet.cli", "agent", "--port", str(port),
-                 "--served-model-name", model, "--worker-id", model, "--kv-tokens", "100000",
-                 "--router", self.base, "--log-level", "info"],
-                str(tmp / f"agent-{model}.log"), env))
+            self.children.append(
+                Child(
+                    [
+                        sys.executable,
+                        "-m",
+                        "radixfleet.cli",
+                        "agent",
+                        "--port",
+                        str(port),
+                        "--served-model-name",
+                        model,
+                        "--worker-id",
+                        model,
+                        "--kv-tokens",
+                        "100000",
+                        "--router",
+                        self.base,
+                        "--log-level",
+                        "info",
+                    ],
+                    str(tmp / f"agent-{model}.log"),
+                    env,
+                )
+            )
         self.router = self.children[0]
         self.statuses: list[tuple[str, int]] = []  # (what, status) of everything sent
         self.rss_start = 0
 
     def start(self) -> None:
         for b in (self.base, *self.agents_base):
-            wait_until(lambda: httpx.get(b + "/health", timeout=1).status_code == 200, 60,
-                       f"{b} up")
-        wait_until(lambda: len(httpx.get(self.base + "/readiness", timeout=1)
-                               .json()["routable"]) == 2, 30, "both agents routable")
+            wait_until(lambda: httpx.get(b + "/health", timeout=1).status_code == 200, 60, f"{b} up")
+        wait_until(
+            lambda: len(httpx.get(self.base + "/readiness", timeout=1).json()["routable"]) == 2,
+            30,
+            "both agents routable",
+        )
         # past the start-up grace in which an unknown model is 503 + Retry-After
-        wait_until(lambda: httpx.post(self.base + "/v1/completions", timeout=5, json={
-            "model": "no-such-model", "prompt": "x"}).status_code == 404, 30, "404s")
+        wait_until(
+            lambda: (
+                httpx.post(
+                    self.base + "/v1/completions", timeout=5, json={"model": "no-such-model", "prompt": "x"}
+                ).status_code
+                == 404
+            ),
+            30,
+            "404s",
+        )
 
     def good_requests(self) -> None:
         with httpx.Client(timeout=30) as c:
             for model in MODELS:
                 for stream in (False, True):
-                    r = c.post(self.base + "/v1/chat/completions", json={
-                        "model": model, "stream": stream, "max_tokens": 4,
-                        "messages": [{"role": "user", "content": "hello " * 40}]},
-                        headers={"Authorization": f"Bearer {KEY}"})
+                    r = c.post(
+                        self.base + "/v1/chat/completions",
+                        json={
+                            "model": model,
+                            "stream": stream,
+                            "max_tokens": 4,
+                            "messages": [{"role": "user", "content": "hello " * 40}],
+                        },
+                        headers={"Authorization": f"Bearer {KEY}"},
+                    )
                     assert r.status_code == 200, r.text
                     assert r.headers["x-radixfleet-worker"] == model
 
@@ -189,15 +242,17 @@ def _steer(case) -> None:
     if isinstance(body, dict):
         if "url" in body:
             body["url"] = _loopback(body["url"])
-        if "model" in body and case.path in ("/v1/completions", "/v1/chat/completions",
-                                             "/generate"):
+        if "model" in body and case.path in ("/v1/completions", "/v1/chat/completions", "/generate"):
             _turn[0] += 1
             if _turn[0] % 3 == 0:  # a third of them reach an agent
                 body["model"] = MODELS[_turn[0] // 3 % 2]
                 if "max_tokens" not in body and "sampling_params" not in body:
                     body["max_tokens"] = 2
-            for d, k in ((body, "max_tokens"), (body, "max_completion_tokens"),
-                         (body.get("sampling_params"), "max_new_tokens")):
+            for d, k in (
+                (body, "max_tokens"),
+                (body, "max_completion_tokens"),
+                (body.get("sampling_params"), "max_new_tokens"),
+            ):
                 if isinstance(d, dict) and isinstance(d.get(k), int) and d[k] > 2:
                     d[k] = 2  # keep the simulated decode short
 
@@ -223,17 +278,40 @@ def test_schemathesis_agent(case, live):
 
 # ------------------------------------------------------------- raw corpus
 
-_PATHS_POST = ("/v1/completions", "/v1/chat/completions", "/generate", "/admin/workers",
-               "/internal/v1/register", "/internal/v1/events", "/admin/reload",
-               "/admin/workers/fz-a/drain")
-_PATHS_GET = ("/health", "/readiness", "/metrics", "/v1/models", "/admin/workers",
-              "/admin/index", "/openapi.json", "/nope")
+_PATHS_POST = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/generate",
+    "/admin/workers",
+    "/internal/v1/register",
+    "/internal/v1/events",
+    "/admin/reload",
+    "/admin/workers/fz-a/drain",
+)
+_PATHS_GET = (
+    "/health",
+    "/readiness",
+    "/metrics",
+    "/v1/models",
+    "/admin/workers",
+    "/admin/index",
+    "/openapi.json",
+    "/nope",
+)
 _LONE = "\\ud800"
 _GOOD_BODY = {"model": "fz-a", "prompt": "hello world " * 20, "max_tokens": 2}
 
 
-def _req(method: bytes, path: bytes, body: bytes = b"", headers: list[bytes] = (),
-         *, cl: bool = True, auth: bytes | None = None, version: bytes = b"HTTP/1.1") -> bytes:
+def _req(
+    method: bytes,
+    path: bytes,
+    body: bytes = b"",
+    headers: list[bytes] = (),
+    *,
+    cl: bool = True,
+    auth: bytes | None = None,
+    version: bytes = b"HTTP/1.1",
+) -> bytes:
     h = [b"Host: 127.0.0.1", *headers]
     if auth is not None:
         h.append(b"Authorization: Bearer " + auth)
@@ -259,117 +337,178 @@ def corpus() -> list[tuple[str, bytes]]:
         "model": '{"model":"%s","messages":[{"role":"user","content":"hi"}]}' % _LONE,
         "lora_path": '{"model":"fz-a","prompt":"hi","lora_path":"%s"}' % _LONE,
         "role": '{"model":"fz-a","messages":[{"role":"%s","content":"hi"}]}' % _LONE,
-        "tools": '{"model":"fz-a","messages":[{"role":"user","content":"x"}],"tools":[{"n":"%s"}]}'
-                 % _LONE,
-        "tool_calls": ('{"model":"fz-a","messages":[{"role":"assistant",'
-                       '"tool_calls":[{"id":"%s"}]}]}' % _LONE),
+        "tools": '{"model":"fz-a","messages":[{"role":"user","content":"x"}],"tools":[{"n":"%s"}]}' % _LONE,
+        "tool_calls": (
+            '{"model":"fz-a","messages":[{"role":"assistant","tool_calls":[{"id":"%s"}]}]}' % _LONE
+        ),
         "media": '{"model":"fz-a","messages":[{"role":"user","content":[{"type":"image_url",'
-                 '"image_url":{"url":"%s"}}]}]}' % _LONE,
+        '"image_url":{"url":"%s"}}]}]}' % _LONE,
         "prompt": '{"model":"fz-a","prompt":"a%sb"}' % _LONE,
     }
-    bad_json = [b"{", b"[1,", b'{"a":}', b"NaN", b'{"x": Infinity}', b"[1e400]",
-                b"1" * 5000, b"\xef\xbb\xbf{}", "{}".encode("utf-16"), b'{"a": "\xff"}',
-                b"[" * 129 + b"]" * 129, b'{"model": "fz-a", "prompt": "x"' + b" " * 10,
-                b"\x00\x01\x02", b"null", b"[]", b'"str"', b"123", b'{"model": null}',
-                b'{"model": [], "prompt": {}}', b'{"prompt": [[1, 2], "x"]}',
-                b'{"model":"fz-a","prompt":[4294967296]}', b'{"model":"fz-a","prompt":[-1]}',
-                b'{"model":"fz-a","messages":[]}', b'{"model":"fz-a","messages":[1]}',
-                b'{"model":"fz-a","messages":[{"role":"u","content":[{"type":"video"}]}]}',
-                b'{"model":"fz-a","prompt":"x","stream":"yes"}',
-                b'{"model":"fz-a","prompt":"x","max_tokens":-5}',
-                b'{"model":"fz-a","prompt":"x","max_tokens":1e30}',
-                b'{"model":"fz-a","prompt":"x","max_tokens":' + b"9" * 400 + b"}",
-                b'{"model":"fz-a","prompt":"x","n":3}']
+    bad_json = [
+        b"{",
+        b"[1,",
+        b'{"a":}',
+        b"NaN",
+        b'{"x": Infinity}',
+        b"[1e400]",
+        b"1" * 5000,
+        b"\xef\xbb\xbf{}",
+        "{}".encode("utf-16"),
+        b'{"a": "\xff"}',
+        b"[" * 129 + b"]" * 129,
+        b'{"model": "fz-a", "prompt": "x"' + b" " * 10,
+        b"\x00\x01\x02",
+        b"null",
+        b"[]",
+        b'"str"',
+        b"123",
+        b'{"model": null}',
+        b'{"model": [], "prompt": {}}',
+        b'{"prompt": [[1, 2], "x"]}',
+        b'{"model":"fz-a","prompt":[4294967296]}',
+        b'{"model":"fz-a","prompt":[-1]}',
+        b'{"model":"fz-a","messages":[]}',
+        b'{"model":"fz-a","messages":[1]}',
+        b'{"model":"fz-a","messages":[{"role":"u","content":[{"type":"video"}]}]}',
+        b'{"model":"fz-a","prompt":"x","stream":"yes"}',
+        b'{"model":"fz-a","prompt":"x","max_tokens":-5}',
+        b'{"model":"fz-a","prompt":"x","max_tokens":1e30}',
+        b'{"model":"fz-a","prompt":"x","max_tokens":' + b"9" * 400 + b"}",
+        b'{"model":"fz-a","prompt":"x","n":3}',
+    ]
     for path in _PATHS_POST:
         p = path.encode()
         a = _auth_for(path)
         add(f"deep json {path}", _req(b"POST", p, deep, auth=a))
         for i, b in enumerate(bad_json):
             add(f"bad json {i} {path}", _req(b"POST", p, b, auth=a))
-        add(f"bad chunk {path}", _req(b"POST", p, b"zz\r\nab\r\n0\r\n\r\n",
-                                      [b"Transfer-Encoding: chunked"], cl=False, auth=a))
-        add(f"chunk overflow {path}", _req(b"POST", p, b"ffffffffffffffffff\r\nab\r\n",
-                                           [b"Transfer-Encoding: chunked"], cl=False, auth=a))
+        add(
+            f"bad chunk {path}",
+            _req(b"POST", p, b"zz\r\nab\r\n0\r\n\r\n", [b"Transfer-Encoding: chunked"], cl=False, auth=a),
+        )
+        add(
+            f"chunk overflow {path}",
+            _req(
+                b"POST", p, b"ffffffffffffffffff\r\nab\r\n", [b"Transfer-Encoding: chunked"], cl=False, auth=a
+            ),
+        )
         add(f"cl and te {path}", _req(b"POST", p, b"{}", [b"Transfer-Encoding: chunked"], auth=a))
-        add(f"cl garbage {path}", _req(b"POST", p, b"{}", [b"Content-Length: abc"], cl=False,
-                                       auth=a))
-        add(f"cl negative {path}", _req(b"POST", p, b"{}", [b"Content-Length: -2"], cl=False,
-                                        auth=a))
-        add(f"cl twice {path}", _req(b"POST", p, b"{}", [b"Content-Length: 2",
-                                                         b"Content-Length: 3"], cl=False, auth=a))
+        add(f"cl garbage {path}", _req(b"POST", p, b"{}", [b"Content-Length: abc"], cl=False, auth=a))
+        add(f"cl negative {path}", _req(b"POST", p, b"{}", [b"Content-Length: -2"], cl=False, auth=a))
+        add(
+            f"cl twice {path}",
+            _req(b"POST", p, b"{}", [b"Content-Length: 2", b"Content-Length: 3"], cl=False, auth=a),
+        )
         add(f"cl short {path}", _req(b"POST", p, b"{}", [b"Content-Length: 50"], cl=False, auth=a))
-        add(f"cl huge {path}", _req(b"POST", p, b"{}", [b"Content-Length: 99999999999"],
-                                    cl=False, auth=a))
+        add(f"cl huge {path}", _req(b"POST", p, b"{}", [b"Content-Length: 99999999999"], cl=False, auth=a))
         add(f"auth not utf8 {path}", _req(b"POST", p, b"{}", auth=b"\xff\xfe"))
         add(f"auth empty {path}", _req(b"POST", p, b"{}", [b"Authorization: "]))
         add(f"auth no bearer {path}", _req(b"POST", p, b"{}", [b"Authorization: Basic eA=="]))
-        add(f"request id 10k {path}", _req(b"POST", p, json.dumps(_GOOD_BODY).encode(),
-                                           [b"x-request-id: " + b"r" * 10_000], auth=a))
-        add(f"request id bytes {path}", _req(b"POST", p, json.dumps(_GOOD_BODY).encode(),
-                                             [b"x-request-id: \xff\x00\xfe"], auth=a))
+        add(
+            f"request id 10k {path}",
+            _req(b"POST", p, json.dumps(_GOOD_BODY).encode(), [b"x-request-id: " + b"r" * 10_000], auth=a),
+        )
+        add(
+            f"request id bytes {path}",
+            _req(b"POST", p, json.dumps(_GOOD_BODY).encode(), [b"x-request-id: \xff\x00\xfe"], auth=a),
+        )
         add(f"header 70k {path}", _req(b"POST", p, b"{}", [b"X-Big: " + b"a" * 70_000], auth=a))
-        add(f"200 headers {path}", _req(b"POST", p, b"{}",
-                                        [b"X-H%d: v" % i for i in range(200)], auth=a))
-        add(f"content-type odd {path}", _req(b"POST", p, json.dumps(_GOOD_BODY).encode(),
-                                             [b"Content-Type: text/\xff"], auth=a))
+        add(f"200 headers {path}", _req(b"POST", p, b"{}", [b"X-H%d: v" % i for i in range(200)], auth=a))
+        add(
+            f"content-type odd {path}",
+            _req(b"POST", p, json.dumps(_GOOD_BODY).encode(), [b"Content-Type: text/\xff"], auth=a),
+        )
         add(f"expect 100 {path}", _req(b"POST", p, b"{}", [b"Expect: 100-continue"], auth=a))
-        add(f"upgrade {path}", _req(b"POST", p, b"{}", [b"Connection: Upgrade",
-                                                        b"Upgrade: websocket"], auth=a))
+        add(
+            f"upgrade {path}",
+            _req(b"POST", p, b"{}", [b"Connection: Upgrade", b"Upgrade: websocket"], auth=a),
+        )
     for field, body in surrogate_bodies.items():
         for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
-            add(f"surrogate {field} {path}", _req(b"POST", path.encode(), body.encode(),
-                                                  auth=KEY.encode()))
-    for key in (b"x-api-key: \xff\xfe", b"x-api-key: " + b"k" * 8000, b"x-session-id: \xff",
-                b"x-tenant-id: \xff", b"x-radixfleet-tenant: forged"):
-        add(f"header {key[:20]!r}", _req(b"POST", b"/v1/completions",
-                                         json.dumps(_GOOD_BODY).encode(), [key]))
-    for url in ("http://[::1", "http://[::1]:99999", "http://a b:1", "ftp://x", "http://",
-                "http://127.0.0.1:1/" + "p" * 3000, "http://\u00e9.x:1", "http://127.0.0.1:1?q",
-                "https://127.0.0.1:1", "http://127.0.0.1:1\r\nX: y"):
+            add(f"surrogate {field} {path}", _req(b"POST", path.encode(), body.encode(), auth=KEY.encode()))
+    for key in (
+        b"x-api-key: \xff\xfe",
+        b"x-api-key: " + b"k" * 8000,
+        b"x-session-id: \xff",
+        b"x-tenant-id: \xff",
+        b"x-radixfleet-tenant: forged",
+    ):
+        add(f"header {key[:20]!r}", _req(b"POST", b"/v1/completions", json.dumps(_GOOD_BODY).encode(), [key]))
+    for url in (
+        "http://[::1",
+        "http://[::1]:99999",
+        "http://a b:1",
+        "ftp://x",
+        "http://",
+        "http://127.0.0.1:1/" + "p" * 3000,
+        "http://\u00e9.x:1",
+        "http://127.0.0.1:1?q",
+        "https://127.0.0.1:1",
+        "http://127.0.0.1:1\r\nX: y",
+    ):
         body = json.dumps({"url": url}).encode()
         add(f"admin url {url[:20]}", _req(b"POST", b"/admin/workers", body, auth=ADMIN.encode()))
         reg = json.dumps({"worker_id": "fzx", "url": url, "epoch": "e"}).encode()
-        add(f"register url {url[:20]}", _req(b"POST", b"/internal/v1/register", reg,
-                                             auth=AGENT.encode()))
+        add(f"register url {url[:20]}", _req(b"POST", b"/internal/v1/register", reg, auth=AGENT.encode()))
     for wid in ("w" * 100_000, "a/b", "", " ", "\x00", "x" * 129, "é"):
         reg = json.dumps({"worker_id": wid, "url": "http://127.0.0.1:9", "epoch": "e"}).encode()
-        add(f"worker id {wid[:8]!r}", _req(b"POST", b"/internal/v1/register", reg,
-                                           auth=AGENT.encode()))
-    for field, value in (("queued_tokens", "1" + "0" * 400), ("queued_tokens", "1e400"),
-                         ("queued_requests", "NaN"), ("kv_used_tokens", "Infinity"),
-                         ("prefill_tokens_per_s", "NaN"), ("prefill_tokens_per_s", "-Infinity"),
-                         ("queued_tokens", "-1"), ("running_requests", "2.5"),
-                         ("prefill_tokens_per_s", "1e300"), ("queued_tokens", '"x"')):
-        raw = ('{"worker_id":"fz-b","url":"http://127.0.0.1:%d","epoch":"zz","seq":0,'
-               '"events":[],"load":{"%s":%s}}' % (free_port(), field, value)).encode()
-        add(f"load {field}={value[:8]}", _req(b"POST", b"/internal/v1/events", raw,
-                                              auth=AGENT.encode()))
+        add(f"worker id {wid[:8]!r}", _req(b"POST", b"/internal/v1/register", reg, auth=AGENT.encode()))
+    for field, value in (
+        ("queued_tokens", "1" + "0" * 400),
+        ("queued_tokens", "1e400"),
+        ("queued_requests", "NaN"),
+        ("kv_used_tokens", "Infinity"),
+        ("prefill_tokens_per_s", "NaN"),
+        ("prefill_tokens_per_s", "-Infinity"),
+        ("queued_tokens", "-1"),
+        ("running_requests", "2.5"),
+        ("prefill_tokens_per_s", "1e300"),
+        ("queued_tokens", '"x"'),
+    ):
+        raw = (
+            '{"worker_id":"fz-b","url":"http://127.0.0.1:%d","epoch":"zz","seq":0,'
+            '"events":[],"load":{"%s":%s}}' % (free_port(), field, value)
+        ).encode()
+        add(f"load {field}={value[:8]}", _req(b"POST", b"/internal/v1/events", raw, auth=AGENT.encode()))
     for path in _PATHS_GET:
         p = path.encode()
-        add(f"get chunk {path}", _req(b"GET", p, b"zz\r\n", [b"Transfer-Encoding: chunked"],
-                                      cl=False, auth=_auth_for(path)))
+        add(
+            f"get chunk {path}",
+            _req(b"GET", p, b"zz\r\n", [b"Transfer-Encoding: chunked"], cl=False, auth=_auth_for(path)),
+        )
         add(f"get auth bytes {path}", _req(b"GET", p, None, auth=b"\x80\x81"))
         add(f"get long query {path}", _req(b"GET", p + b"?" + b"q" * 9000, None))
         add(f"head {path}", _req(b"HEAD", p, None))
         add(f"options {path}", _req(b"OPTIONS", p, None))
         add(f"bad method {path}", _req(b"BREW", p, None))
-    add("delete huge id", _req(b"DELETE", b"/admin/workers/" + b"w" * 100_000, None,
-                               auth=ADMIN.encode()))
+    add("delete huge id", _req(b"DELETE", b"/admin/workers/" + b"w" * 100_000, None, auth=ADMIN.encode()))
     add("delete bytes id", _req(b"DELETE", b"/admin/workers/%FF%FE", None, auth=ADMIN.encode()))
-    for junk in (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(64)),
-                 b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"GET /\r\n\r\n", b"\r\n\r\n\r\n",
-                 b"GET / HTTP/9.9\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nBad\r\n\r\n",
-                 b"POST /v1/completions HTTP/1.1\r\n\x00\x01: x\r\n\r\n",
-                 b"GET " + b"/" * 70_000 + b" HTTP/1.1\r\n\r\n"):
+    for junk in (
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(64)),
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        b"GET /\r\n\r\n",
+        b"\r\n\r\n\r\n",
+        b"GET / HTTP/9.9\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\n\x00\x01: x\r\n\r\n",
+        b"GET " + b"/" * 70_000 + b" HTTP/1.1\r\n\r\n",
+    ):
         add(f"junk {junk[:12]!r}", junk)
     # seeded mutations of good requests: flipped, inserted and deleted bytes
-    seeds = [_req(b"POST", p.encode(), json.dumps(_GOOD_BODY).encode(), auth=_auth_for(p))
-             for p in ("/v1/completions", "/generate")]
-    seeds.append(_req(b"POST", b"/v1/chat/completions", json.dumps(
-        {"model": "fz-b", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-        auth=KEY.encode()))
-    seeds.append(_req(b"POST", b"/admin/workers", b'{"url": "http://127.0.0.1:9"}',
-                      auth=ADMIN.encode()))
+    seeds = [
+        _req(b"POST", p.encode(), json.dumps(_GOOD_BODY).encode(), auth=_auth_for(p))
+        for p in ("/v1/completions", "/generate")
+    ]
+    seeds.append(
+        _req(
+            b"POST",
+            b"/v1/chat/completions",
+            json.dumps({"model": "fz-b", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            auth=KEY.encode(),
+        )
+    )
+    seeds.append(_req(b"POST", b"/admin/workers", b'{"url": "http://127.0.0.1:9"}', auth=ADMIN.encode()))
     i = 0
     while len(out) < 560:
         data = bytearray(rng.choice(seeds))
@@ -380,7 +519,7 @@ def corpus() -> list[tuple[str, bytes]]:
             elif op == 1:
                 data[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
             else:
-                del data[pos:pos + rng.randint(1, 8)]
+                del data[pos : pos + rng.randint(1, 8)]
         add(f"mutation {i}", bytes(data))
         i += 1
     return out
@@ -423,6 +562,7 @@ async def send_all(port: int, items, concurrency: int = 48) -> list[tuple[str, i
     async def one(name, data):
         async with sem:
             return name, await send(port, data)
+
     return await asyncio.gather(*(one(n, d) for n, d in items))
 
 
@@ -442,8 +582,7 @@ def test_raw_malformed_corpus(live):
     assert len(items) >= 500
     results = asyncio.run(send_all(live.port, items))
     # and the same corpus straight at an agent (a peer the router trusts, still no 500)
-    results += [(f"agent {n}", s) for n, s in asyncio.run(
-        send_all(live.agent_ports[1], items[:200]))]
+    results += [(f"agent {n}", s) for n, s in asyncio.run(send_all(live.agent_ports[1], items[:200]))]
     live.statuses.extend((n, s) for n, s in results if s is not None)
     errors = [(n, s) for n, s in results if s is not None and s >= 500]
     # with the router's log: what it decided about the workers around those answers
@@ -457,16 +596,21 @@ def test_zz_the_fleet_survived(live):
     server_errors = [(w, s) for w, s in live.statuses if s >= 500]
     assert not server_errors, server_errors[:20]
     # the corpus drained fz-a on purpose (POST /admin/workers/fz-a/drain with {}): undo
-    r = httpx.post(live.base + "/admin/workers/fz-a/drain", json={"drain": False},
-                   headers={"Authorization": f"Bearer {ADMIN}"})
+    r = httpx.post(
+        live.base + "/admin/workers/fz-a/drain",
+        json={"drain": False},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+    )
     assert r.status_code == 200, r.text
     live.good_requests()
     for ch in live.children:
         assert ch.proc.poll() is None, ch.log
         text = ch.text()
-        assert "Traceback" not in text, (ch.log, text[text.find("Traceback") - 300:][:3000])
+        assert "Traceback" not in text, (ch.log, text[text.find("Traceback") - 300 :][:3000])
     rss = rss_bytes(live.router.proc.pid)
     growth = rss / live.rss_start - 1
-    print(f"\nfuzz: {len(live.statuses)} answers, 0 >= 500, router RSS "
-          f"{live.rss_start / 2**20:.1f} -> {rss / 2**20:.1f} MiB ({growth:+.1%})")
+    print(
+        f"\nfuzz: {len(live.statuses)} answers, 0 >= 500, router RSS "
+        f"{live.rss_start / 2**20:.1f} -> {rss / 2**20:.1f} MiB ({growth:+.1%})"
+    )
     assert abs(growth) <= 0.10, (live.rss_start, rss)

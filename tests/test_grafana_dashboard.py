@@ -37,8 +37,21 @@ NO_DATA_IN_FRONT_OF_VLLM = {
 
 VLLM_PAGE = ROOT / "tests" / "data" / "vllm_metrics.txt"
 
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
-             "or", "unless", "offset", "inf", "nan"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -52,7 +65,7 @@ def metric_names(expr: str) -> set[str]:
     names = set()
     for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", e):
         word = m.group(0)
-        rest = e[m.end():].lstrip()
+        rest = e[m.end() :].lstrip()
         if rest.startswith("(") or word.lower() in _KEYWORDS:
             continue
         names.add(word)
@@ -60,11 +73,12 @@ def metric_names(expr: str) -> set[str]:
 
 
 def test_metric_names_parser():
-    assert metric_names('histogram_quantile(0.9, sum by (le) (rate(x_bucket{a="b"}[5m])))') \
-        == {"x_bucket"}
-    assert metric_names("sum by (instance) (sglang:num_queue_reqs) / on(pod) y_total") == \
-        {"sglang:num_queue_reqs", "y_total"}
-    assert metric_names('count(min by (w) (h) == 0) or vector(0)') == {"h"}
+    assert metric_names('histogram_quantile(0.9, sum by (le) (rate(x_bucket{a="b"}[5m])))') == {"x_bucket"}
+    assert metric_names("sum by (instance) (sglang:num_queue_reqs) / on(pod) y_total") == {
+        "sglang:num_queue_reqs",
+        "y_total",
+    }
+    assert metric_names("count(min by (w) (h) == 0) or vector(0)") == {"h"}
 
 
 def exported(text: str) -> set[str]:
@@ -81,8 +95,7 @@ def exported(text: str) -> set[str]:
             out |= {name, name + "_sum", name + "_count", name + "_created"}
         else:
             out.add(name)
-    out |= {ln.split("{")[0].split(" ")[0] for ln in text.splitlines()
-            if ln and not ln.startswith("#")}
+    out |= {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
     return out
 
 
@@ -97,17 +110,21 @@ def panels(dash: dict) -> list[dict]:
 @pytest.fixture(scope="module")
 def scraped() -> set[str]:
     rp, ap = free_port(), free_port()
-    with Proc(radixfleet_argv("router", "--port", str(rp)),
-              ready_url=f"http://127.0.0.1:{rp}/health"):
-        with Proc(radixfleet_argv("agent", "--port", str(ap), "--router",
-                                  f"http://127.0.0.1:{rp}", "--kv-tokens", "50000"),
-                  ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30):
+    with Proc(radixfleet_argv("router", "--port", str(rp)), ready_url=f"http://127.0.0.1:{rp}/health"):
+        with Proc(
+            radixfleet_argv(
+                "agent", "--port", str(ap), "--router", f"http://127.0.0.1:{rp}", "--kv-tokens", "50000"
+            ),
+            ready_url=f"http://127.0.0.1:{ap}/health",
+            timeout_s=30,
+        ):
             with httpx.Client(timeout=10) as c:
                 ok = False
                 for _ in range(100):  # until the agent has registered
-                    r = c.post(f"http://127.0.0.1:{rp}/v1/completions",
-                               json={"model": "llama-3-8b", "prompt": "hi " * 60,
-                                     "max_tokens": 2})
+                    r = c.post(
+                        f"http://127.0.0.1:{rp}/v1/completions",
+                        json={"model": "llama-3-8b", "prompt": "hi " * 60, "max_tokens": 2},
+                    )
                     if r.status_code == 200:
                         ok = True
                         break
@@ -140,9 +157,18 @@ def test_dashboard_shape():
     ids = [p["id"] for p in ps]
     assert len(ids) == len(set(ids))
     titles = " | ".join(p["title"].lower() for p in ps)
-    for topic in ("hit rate", "ttft", "in flight per worker", "index size",
-                  "prediction accuracy", "retries", "breakers", "hot prefixes",
-                  "replicas", "shed"):
+    for topic in (
+        "hit rate",
+        "ttft",
+        "in flight per worker",
+        "index size",
+        "prediction accuracy",
+        "retries",
+        "breakers",
+        "hot prefixes",
+        "replicas",
+        "shed",
+    ):
         assert topic in titles, topic
     for p in ps:
         if p["type"] != "row":
@@ -152,18 +178,24 @@ def test_dashboard_shape():
 
 
 def test_promql_evaluator():
-    page0 = "c_total{w=\"a\"} 10\nc_total{w=\"b\"} 0\nh_bucket{le=\"1.0\"} 0\n" \
-            "h_bucket{le=\"2.0\"} 0\nh_bucket{le=\"+Inf\"} 0\ng 3\n"
-    page1 = "c_total{w=\"a\"} 30\nc_total{w=\"b\"} 10\nh_bucket{le=\"1.0\"} 5\n" \
-            "h_bucket{le=\"2.0\"} 10\nh_bucket{le=\"+Inf\"} 10\ng 3\n"
+    page0 = (
+        'c_total{w="a"} 10\nc_total{w="b"} 0\nh_bucket{le="1.0"} 0\n'
+        'h_bucket{le="2.0"} 0\nh_bucket{le="+Inf"} 0\ng 3\n'
+    )
+    page1 = (
+        'c_total{w="a"} 30\nc_total{w="b"} 10\nh_bucket{le="1.0"} 5\n'
+        'h_bucket{le="2.0"} 10\nh_bucket{le="+Inf"} 10\ng 3\n'
+    )
     ev = Evaluator(scrape({"x": page0}), scrape({"x": page1}), 10.0)
     assert ev.eval("sum(rate(c_total[5m]))") == [({}, 3.0)]
-    assert sorted(ev.eval("sum by (w) (increase(c_total[$__rate_interval]))"),
-                  key=lambda s: s[0]["w"]) == [({"w": "a"}, 20.0), ({"w": "b"}, 10.0)]
-    assert ev.eval('sum(rate(c_total{w=~"b|z"}[1m])) / sum(rate(c_total[1m]))') == \
-        [({}, pytest.approx(1 / 3))]
-    assert ev.eval("histogram_quantile(0.75, sum by (le) (rate(h_bucket[1m])))") == \
-        [({}, pytest.approx(1.5))]
+    assert sorted(ev.eval("sum by (w) (increase(c_total[$__rate_interval]))"), key=lambda s: s[0]["w"]) == [
+        ({"w": "a"}, 20.0),
+        ({"w": "b"}, 10.0),
+    ]
+    assert ev.eval('sum(rate(c_total{w=~"b|z"}[1m])) / sum(rate(c_total[1m]))') == [
+        ({}, pytest.approx(1 / 3))
+    ]
+    assert ev.eval("histogram_quantile(0.75, sum by (le) (rate(h_bucket[1m])))") == [({}, pytest.approx(1.5))]
     assert ev.eval("sum(rate(missing_total[1m])) or on() vector(0)") == [({}, 0.0)]
     assert ev.eval("(sum(g - g) / sum(g - g) >= 0) or on() sum(g)") == [({}, 3.0)]  # NaN: idle
     assert ev.eval("count(g == 0) or vector(0)") == [({}, 0.0)]
@@ -186,28 +218,32 @@ def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tm
     cfg = tmp_path / "router.yaml"
     router_yaml(cfg, port, vllm_pair, vllm_model_dir)
     base = f"http://127.0.0.1:{port}"
-    pages = {"router": base + "/metrics", **{f"vllm-{i}": s.url + "/metrics"
-                                             for i, s in enumerate(vllm_pair)}}
-    with Proc(radixfleet_argv("router", "--config", str(cfg)),
-              ready_url=base + "/health"), httpx.Client(timeout=60) as c:
+    pages = {
+        "router": base + "/metrics",
+        **{f"vllm-{i}": s.url + "/metrics" for i, s in enumerate(vllm_pair)},
+    }
+    with (
+        Proc(radixfleet_argv("router", "--config", str(cfg)), ready_url=base + "/health"),
+        httpx.Client(timeout=60) as c,
+    ):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # both workers in vLLM's token space
             ws = c.get(base + "/admin/workers").json()["workers"]
-            if all(w["routable"] and w.get("engine", {}).get("key_space", "")
-                   .startswith("TokenSpace") for w in ws):
+            if all(
+                w["routable"] and w.get("engine", {}).get("key_space", "").startswith("TokenSpace")
+                for w in ws
+            ):
                 break
             time.sleep(0.2)
         before = scrape({k: c.get(u).text for k, u in pages.items()})
         t0 = time.monotonic()
         system = text(1, 300)
         for i in range(12):  # conversations sharing a system prompt: streamed and not
-            msgs = [{"role": "system", "content": system},
-                    {"role": "user", "content": text(100 + i % 4, 40)}]
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": text(100 + i % 4, 40)}]
             body = {"model": "tiny", "messages": msgs, "max_tokens": 4, "stream": i % 2 == 0}
             r = c.post(base + "/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
-        r = c.post(base + "/v1/completions",
-                   json={"model": "tiny", "prompt": system, "max_tokens": 2})
+        r = c.post(base + "/v1/completions", json={"model": "tiny", "prompt": system, "max_tokens": 2})
         assert r.status_code == 200, r.text
         time.sleep(1.5)  # the next scrapes of the engines' pages and events
         after = scrape({k: c.get(u).text for k, u in pages.items()})
@@ -222,6 +258,7 @@ def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tm
         if not any(_finite(r) for r in results) and p["title"] not in NO_DATA_IN_FRONT_OF_VLLM:
             empty.append(p["title"])
     assert not empty, f"panels without data in front of vLLM: {empty}"
-    hit = ev.eval(next(p for p in panels(dash)
-                       if p["title"] == "Fleet prefix-cache hit rate")["targets"][0]["expr"])
+    hit = ev.eval(
+        next(p for p in panels(dash) if p["title"] == "Fleet prefix-cache hit rate")["targets"][0]["expr"]
+    )
     assert 0.3 < hit[0][1] <= 1.0, hit  # the shared system prompt was found cached

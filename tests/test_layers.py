@@ -55,8 +55,7 @@ def test_every_import_points_down_the_layers():
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             for line, top in _imports(path):
-                if top in LAYERS and top != pkg and top not in ALLOWED[pkg] \
-                        and (rel, top) not in EXCEPTIONS:
+                if top in LAYERS and top != pkg and top not in ALLOWED[pkg] and (rel, top) not in EXCEPTIONS:
                     wrong.append(f"{rel}:{line} imports {top}")
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
@@ -154,7 +153,8 @@ def test_the_circle_check_sees_a_circle(tmp_path):
     (tmp_path / "loadtest" / "__init__.py").write_text("")
     (tmp_path / "loadtest" / "a.py").write_text("from loadtest.b import run\n")
     (tmp_path / "loadtest" / "b.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n"
+    )
     (tmp_path / "loadtest" / "c.py").write_text("def f():\n    from loadtest import a\n")
     (tmp_path / "loadtest" / "d.py").write_text("import loadtest.a\n")
     graph = _module_graph(tmp_path)

@@ -14,9 +14,9 @@ def chain(tag: int, n: int) -> list[int]:
 
 def test_decrease_by_the_blocks_lost_grow_by_one_percent_of_the_match():
     lc = LearnedCapacity(1000)
-    assert lc.observe(200, 30) == 970          # the engine held 30 blocks fewer
-    assert lc.observe(500, 0) == 975           # held: +1% of the 500 matched
-    assert lc.observe(3, 0) == 976             # at least one block
+    assert lc.observe(200, 30) == 970  # the engine held 30 blocks fewer
+    assert lc.observe(500, 0) == 975  # held: +1% of the 500 matched
+    assert lc.observe(3, 0) == 976  # at least one block
     lc.check()
 
 
@@ -24,10 +24,10 @@ def test_bounded_by_a_quarter_and_by_the_configured_capacity():
     lc = LearnedCapacity(1000)
     for _ in range(10):
         lc.observe(400, 400)
-    assert lc.blocks == lc.floor == 250        # a burst of misses cannot empty the index
+    assert lc.blocks == lc.floor == 250  # a burst of misses cannot empty the index
     for _ in range(1000):
         lc.observe(400, 0)
-    assert lc.blocks == 1000                   # never above what is configured
+    assert lc.blocks == 1000  # never above what is configured
     lc.check()
     lc.blocks = 1001
     with pytest.raises(AssertionError):
@@ -44,7 +44,7 @@ def test_an_over_prediction_shrinks_the_cap_and_the_index_with_it():
     idx.insert("w", old, 1.0)
     idx.insert("w", new, 2.0)
     touches = tuple(idx.touch_time("w", h) for h in new)
-    idx.insert("w", new, 3.0)                  # the request's own hint
+    idx.insert("w", new, 3.0)  # the request's own hint
     # 50 blocks of 16 tokens matched, the engine had 30 blocks' worth: it lost 20
     removed = correct(idx, "w", lc, 50, 800, 480, 16, touches)
     assert lc.blocks == 80 and idx.capacity("w") == 80
@@ -93,8 +93,7 @@ def _plain_link(learn: bool = True):
     cfg = parse_config({"index": {"learn_capacity": learn}})
     idx = PrefixIndex()
     eng = Engines(cfg, Pool(cfg, idx), idx, CollectorRegistry())
-    spec = WorkerSpec(url="http://127.0.0.1:9", id="p", kind="openai",
-                      kv_capacity_tokens=16_000)
+    spec = WorkerSpec(url="http://127.0.0.1:9", id="p", kind="openai", kv_capacity_tokens=16_000)
     link = EngineLink(SimpleNamespace(id="p"), spec, eng)
     link._apply_capacity()
     return link, idx
@@ -105,7 +104,7 @@ def test_the_live_link_learns_its_cap_from_answers_and_forgets_it_in_sync():
     from router.engines.link import Placement
 
     link, idx = _plain_link()
-    bt = link.space.block_bytes // 4                     # tokens per byte-space block
+    bt = link.space.block_bytes // 4  # tokens per byte-space block
     configured = 16_000 // bt
     assert idx.capacity("p") == configured and link.learned.blocks == configured
     hashes = chain(3, 40)
@@ -116,7 +115,7 @@ def test_the_live_link_learns_its_cap_from_answers_and_forgets_it_in_sync():
     link.observe(Placement(sk, 40, 0, 0, touches), (40 * bt, 10 * bt), None, 2.0)
     assert link.learned.blocks == configured - 30 == idx.capacity("p")
     assert link.describe()["index_cap_blocks"] == configured - 30
-    link.events_synced()                                 # exact from here: events say
+    link.events_synced()  # exact from here: events say
     assert idx.capacity("p") == configured == link.learned.blocks
 
 

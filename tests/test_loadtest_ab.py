@@ -21,13 +21,13 @@ async def _twice(**kw) -> tuple[list[int], object]:
     srv = TestServer(app, host="127.0.0.1")
     await srv.start_server()
     try:
-        async with ClientSession(base_url=str(srv.make_url("")),
-                                 timeout=ClientTimeout(total=20)) as c:
+        async with ClientSession(base_url=str(srv.make_url("")), timeout=ClientTimeout(total=20)) as c:
             prompt = "x" * 4 * 203  # 203 tokens
             got = []
             for _ in range(2):
-                r = await c.post("/v1/completions", json={"model": "llama-3-8b", "prompt": prompt,
-                                                          "max_tokens": 3})
+                r = await c.post(
+                    "/v1/completions", json={"model": "llama-3-8b", "prompt": prompt, "max_tokens": 3}
+                )
                 body = await r.json()
                 assert r.status == 200, body
                 got.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -69,20 +69,55 @@ def test_disabled_cache_reports_refused_blocks_as_removed():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind, names, extra", [
-    ("radix", ["radix on (round_robin)", "radix off (round_robin)"], []),
-    ("policy", ["prefix_load", "round_robin"], []),
-    ("policy", ["prefix_load[replicate=false]", "round_robin"],
-     ["--policies", "prefix_load[replicate=false],round_robin"]),
-])
+@pytest.mark.parametrize(
+    "kind, names, extra",
+    [
+        ("radix", ["radix on (round_robin)", "radix off (round_robin)"], []),
+        ("policy", ["prefix_load", "round_robin"], []),
+        (
+            "policy",
+            ["prefix_load[replicate=false]", "round_robin"],
+            ["--policies", "prefix_load[replicate=false],round_robin"],
+        ),
+    ],
+)
 def test_loadtest_ab_is_one_command(tmp_path, kind, names, extra):
     out = tmp_path / "ab.json"
     p = subprocess.run(
-        [sys.executable, "-m", "radixfleet.cli", "loadtest", "--ab", kind, *extra, "--agents", "2",
-         "--kv-tokens", "8000", "--out", str(tmp_path / "fleet"), "--workload", "multiturn",
-         "-o", "clients=6", "-o", "rounds=3", "-o", "question_tokens=128",
-         "-o", "output_tokens=8", "--concurrency", "4", "--no-progress", "--json", str(out)],
-        capture_output=True, text=True, timeout=150)
+        [
+            sys.executable,
+            "-m",
+            "radixfleet.cli",
+            "loadtest",
+            "--ab",
+            kind,
+            *extra,
+            "--agents",
+            "2",
+            "--kv-tokens",
+            "8000",
+            "--out",
+            str(tmp_path / "fleet"),
+            "--workload",
+            "multiturn",
+            "-o",
+            "clients=6",
+            "-o",
+            "rounds=3",
+            "-o",
+            "question_tokens=128",
+            "-o",
+            "output_tokens=8",
+            "--concurrency",
+            "4",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert p.returncode == 0, p.stderr + p.stdout
     doc = json.loads(out.read_text())
     validate(doc)
@@ -98,7 +133,7 @@ def test_loadtest_ab_is_one_command(tmp_path, kind, names, extra):
         assert f"{names[0]} over round_robin: hit rate" in p.stdout
     if extra:  # the arm's parameter reached its router
         assert "--policy-param replicate=false" in runs[0]["target"]
-        log = (tmp_path / "fleet" / "logs" / "router-prefix_load_replicate_false_.log")
+        log = tmp_path / "fleet" / "logs" / "router-prefix_load_replicate_false_.log"
         assert "Traceback" not in log.read_text()
 
 
@@ -109,12 +144,42 @@ def test_ab_policy_runs_smg_beside_ours_in_front_of_plain_agents(tmp_path):
     counters for smg, from the router for ours."""
     out = tmp_path / "ab.json"
     p = subprocess.run(
-        [sys.executable, "-m", "radixfleet.cli", "loadtest", "--ab", "policy", "--policies",
-         "prefix_load,smg", "--plain-workers", "--agents", "2", "--kv-tokens", "8000",
-         "--out", str(tmp_path / "fleet"), "--workload", "multiturn", "-o", "clients=6",
-         "-o", "rounds=3", "-o", "question_tokens=128", "-o", "output_tokens=8",
-         "--concurrency", "4", "--no-progress", "--json", str(out)],
-        capture_output=True, text=True, timeout=150)
+        [
+            sys.executable,
+            "-m",
+            "radixfleet.cli",
+            "loadtest",
+            "--ab",
+            "policy",
+            "--policies",
+            "prefix_load,smg",
+            "--plain-workers",
+            "--agents",
+            "2",
+            "--kv-tokens",
+            "8000",
+            "--out",
+            str(tmp_path / "fleet"),
+            "--workload",
+            "multiturn",
+            "-o",
+            "clients=6",
+            "-o",
+            "rounds=3",
+            "-o",
+            "question_tokens=128",
+            "-o",
+            "output_tokens=8",
+            "--concurrency",
+            "4",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert p.returncode == 0, p.stderr + p.stdout
     runs = json.loads(out.read_text())["runs"]
     assert [r["name"] for r in runs] == ["prefix_load", "smg"]
@@ -139,7 +204,8 @@ def test_ab_policies_accept_smg_and_refuse_unknown_names():
     with pytest.raises(ConfigError) as ei:
         arms(Namespace(ab="policy", policies="prefix_load,sgl", page_size=1))
     assert ei.value.path == "--policies[1].name" and ei.value.message.endswith(
-        "round_robin, or smg (SGLang's gateway)")
+        "round_robin, or smg (SGLang's gateway)"
+    )
 
 
 def test_ab_arms_carry_policy_parameters():
@@ -156,20 +222,24 @@ def test_ab_arms_carry_policy_parameters():
     got = plan("prefix_load, prefix_load[footprint_room=0, replicate=false],smg")
     assert [(a[0], a[1], a[2]) for a in got] == [
         ("prefix_load", "prefix_load", {}),
-        ("prefix_load[footprint_room=0, replicate=false]", "prefix_load",
-         {"footprint_room": 0, "replicate": False}),
-        ("smg", "smg", {})]
+        (
+            "prefix_load[footprint_room=0, replicate=false]",
+            "prefix_load",
+            {"footprint_room": 0, "replicate": False},
+        ),
+        ("smg", "smg", {}),
+    ]
     bad = {
         "prefix_load,prefix_load": ("--policies", "distinct"),
-        "prefix_load,prefix_load[footprint_room=2]": (
-            "--policies[1].params.footprint_room", "[0, 1]"),
+        "prefix_load,prefix_load[footprint_room=2]": ("--policies[1].params.footprint_room", "[0, 1]"),
         "prefix_load,prefix_load[nope=1]": ("--policies[1].params.nope", "unknown"),
         "prefix_load,round_robin[tie_s=0]": ("--policies[1].params.tie_s", "unknown"),
         "prefix_load,smg[policy=manual]": ("--policies[1].params.policy", "round_robin"),
-        "prefix_load,smg[cache_threshold=2]": ("--policies[1].params.cache_threshold",
-                                               "[0, 1]"),
+        "prefix_load,smg[cache_threshold=2]": ("--policies[1].params.cache_threshold", "[0, 1]"),
         "prefix_load,smg[balance_abs_threshold=1.5]": (
-            "--policies[1].params.balance_abs_threshold", "integer"),
+            "--policies[1].params.balance_abs_threshold",
+            "integer",
+        ),
         "prefix_load,smg[tie_s=0]": ("--policies[1].params.tie_s", "unknown smg setting"),
         "prefix_load,prefix_load[tie_s]": ("--policies[1]", "NAME=VALUE"),
         "prefix_load,prefix_load[]": ("--policies[1]", "empty"),
@@ -190,22 +260,36 @@ def test_smg_arms_choose_its_launch_settings():
 
     assert launch_args({}) == ["--policy", "cache_aware"]
     assert launch_args({"policy": "round_robin"}) == ["--policy", "round_robin"]
-    assert launch_args({"cache_threshold": 0.5, "balance_abs_threshold": 32,
-                        "balance_rel_threshold": 1.2}) == [
-        "--policy", "cache_aware", "--cache-threshold", "0.5",
-        "--balance-abs-threshold", "32", "--balance-rel-threshold", "1.2"]
+    assert launch_args(
+        {"cache_threshold": 0.5, "balance_abs_threshold": 32, "balance_rel_threshold": 1.2}
+    ) == [
+        "--policy",
+        "cache_aware",
+        "--cache-threshold",
+        "0.5",
+        "--balance-abs-threshold",
+        "32",
+        "--balance-rel-threshold",
+        "1.2",
+    ]
 
 
 def test_router_quick_start_takes_policy_parameters():
     from argparse import Namespace
 
+    from protocol.errors import ConfigError
     from router.config import MISSING
     from router.main import build_config
-    from protocol.errors import ConfigError
 
     def args(**kw):
-        base = dict(config=None, worker=["http://127.0.0.1:9"], policy=MISSING,
-                    policy_param=[], host=MISSING, port=MISSING)
+        base = dict(
+            config=None,
+            worker=["http://127.0.0.1:9"],
+            policy=MISSING,
+            policy_param=[],
+            host=MISSING,
+            port=MISSING,
+        )
         return Namespace(**{**base, **kw})
 
     cfg, _ = build_config(args(policy_param=["footprint_room=0", "replicate=false"]))

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from protocol.errors import WorkloadError
 from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes, drive
 from loadtest.workloads import RequestSpec, SingleShot, make_workload
+from protocol.errors import WorkloadError
 from tests.vclock import run_virtual
 
 
@@ -42,8 +42,9 @@ def _recorder(delay=0.005, fail=()):
 def test_closed_loop_bounded_by_count_and_concurrency():
     send, log, inf = _recorder()
     w = make_workload("zipf", {"requests": 500})
-    stats = run_virtual(drive(w.sessions(), Closed(4), Bounds(max_requests=37, duration_s=10),
-                              send, clock=_now))
+    stats = run_virtual(
+        drive(w.sessions(), Closed(4), Bounds(max_requests=37, duration_s=10), send, clock=_now)
+    )
     assert stats.dispatched == 37 == len(log) and stats.stopped_by == "requests"
     assert inf[1] == 4
     assert stats.completed == 37 and stats.cancelled == 0
@@ -57,8 +58,9 @@ def test_open_loop_bounded_by_duration_and_rate():
 
     async def run():
         t0 = _now()
-        stats = await drive(w.sessions(), Poisson(100.0), Bounds(max_requests=5000, duration_s=0.6),
-                            send, seed=1, clock=_now)
+        stats = await drive(
+            w.sessions(), Poisson(100.0), Bounds(max_requests=5000, duration_s=0.6), send, seed=1, clock=_now
+        )
         return stats, _now() - t0
 
     stats, took = run_virtual(run())
@@ -81,8 +83,9 @@ def test_drain_grace_cancels_stragglers():
 
     async def run():
         t0 = _now()
-        stats = await drive(w.sessions(), Closed(3),
-                            Bounds(max_requests=3, duration_s=5, drain_s=0.1), send, clock=_now)
+        stats = await drive(
+            w.sessions(), Closed(3), Bounds(max_requests=3, duration_s=5, drain_s=0.1), send, clock=_now
+        )
         return stats, _now() - t0
 
     stats, took = run_virtual(run())
@@ -93,8 +96,16 @@ def test_drain_grace_cancels_stragglers():
 def test_multiturn_turns_are_sequential_and_parallelism_bounded():
     send, log, inf = _recorder()
     w = make_workload("multiturn", {"clients": 6, "rounds": 3, "max_parallel": 2})
-    stats = run_virtual(drive(w.sessions(), Closed(10), Bounds(max_requests=100, duration_s=10),
-                              send, max_active_sessions=w.max_active_sessions, clock=_now))
+    stats = run_virtual(
+        drive(
+            w.sessions(),
+            Closed(10),
+            Bounds(max_requests=100, duration_s=10),
+            send,
+            max_active_sessions=w.max_active_sessions,
+            clock=_now,
+        )
+    )
     assert stats.stopped_by == "exhausted" and stats.dispatched == 18
     assert inf[1] == 2  # only two sessions in progress, one turn each at a time
     order = [i for i, _ in log]
@@ -114,8 +125,10 @@ def test_failed_turn_ends_its_session():
 
 def test_trace_times_are_honoured():
     send, log, _ = _recorder(delay=0.0)
-    specs = [SingleShot(RequestSpec(f"t{i}.0", "completions", {"prompt": "x"}, 1, f"t{i}", 0,
-                                    arrival_s=a)) for i, a in enumerate((0.0, 0.2, 0.4))]
+    specs = [
+        SingleShot(RequestSpec(f"t{i}.0", "completions", {"prompt": "x"}, 1, f"t{i}", 0, arrival_s=a))
+        for i, a in enumerate((0.0, 0.2, 0.4))
+    ]
     stats = run_virtual(drive(specs, TraceTimes(), Bounds(10, 5), send, clock=_now))
     assert stats.dispatched == 3
     assert [t for _, t in log] == [0.0, 0.2, 0.4]

@@ -17,13 +17,13 @@ import threading
 import pytest
 from aiohttp import web
 
-from protocol.prefix_keys import Endpoint, routing_bytes
 from loadtest.arrivals import Bounds, Closed
 from loadtest.client import Result, Target
-from loadtest.runner import run_ab
 from loadtest.prefix_trie import PrefixTrie, as_tokens
 from loadtest.report import validate
+from loadtest.runner import run_ab
 from loadtest.workloads import make_workload
+from protocol.prefix_keys import Endpoint, routing_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +31,7 @@ pytestmark = pytest.mark.integration
 class FakeServer:
     """An OpenAI-compatible streaming server; ``fail(n)`` makes every n-th request fail."""
 
-    def __init__(self, worker="fake0", capacity=100_000, fail_every=0, drop_every=0,
-                 flush_status=200):
+    def __init__(self, worker="fake0", capacity=100_000, fail_every=0, drop_every=0, flush_status=200):
         self.worker = worker  # the x-radixfleet-worker header, or None (like smg)
         self.totals = {"requests": 0, "prompt": 0, "cached": 0, "output": 0}
         self.cache = PrefixTrie(capacity)
@@ -57,9 +56,12 @@ class FakeServer:
     async def metrics(self, request):
         t = self.totals
         lines = []
-        for name, v in (("radixfleet_agent_requests_finished", t["requests"]),
-                        ("sglang:prompt_tokens", t["prompt"]), ("sglang:cached_tokens", t["cached"]),
-                        ("sglang:generation_tokens", t["output"])):
+        for name, v in (
+            ("radixfleet_agent_requests_finished", t["requests"]),
+            ("sglang:prompt_tokens", t["prompt"]),
+            ("sglang:cached_tokens", t["cached"]),
+            ("sglang:generation_tokens", t["output"]),
+        ):
             lines += [f"# TYPE {name} counter", f'{name}_total{{model_name="m"}} {v}.0']
         return web.Response(text="\n".join(lines) + "\n")
 
@@ -82,8 +84,9 @@ class FakeServer:
         nth = self.count  # this request's number (self.count moves on while it streams)
         self.bodies.append(body)
         if self.fail_every and nth % self.fail_every == 0:
-            return web.json_response({"error": {"message": "boom", "type": "server_error",
-                                                "code": "x", "param": None}}, status=500)
+            return web.json_response(
+                {"error": {"message": "boom", "type": "server_error", "code": "x", "param": None}}, status=500
+            )
         chat = request.path.endswith("chat/completions")
         data = as_tokens(routing_bytes(Endpoint.CHAT if chat else Endpoint.COMPLETIONS, body))
         cached = self.cache.serve(data)
@@ -100,8 +103,11 @@ class FakeServer:
             delta = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
             await resp.write(f"data: {json.dumps({'choices': [{'index': 0, **delta}]})}\n\n".encode())
             await asyncio.sleep(0.001)
-        usage = {"prompt_tokens": len(data) // 4, "completion_tokens": n,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {
+            "prompt_tokens": len(data) // 4,
+            "completion_tokens": n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         t = self.totals
@@ -125,8 +131,9 @@ async def test_client_measures_a_streaming_chat_request(port):
     try:
         async with Target("f", f"http://127.0.0.1:{port}/v1") as t:
             assert await t.probe() == "fake-model"
-            session = make_workload("multiturn", {"clients": 1, "rounds": 2,
-                                                  "output_tokens": 5}).sessions()[0]
+            session = make_workload("multiturn", {"clients": 1, "rounds": 2, "output_tokens": 5}).sessions()[
+                0
+            ]
             spec = session.first()
             r0 = Result(spec.id, spec.session, spec.turn)
             answer = await t.send(spec, r0)
@@ -152,8 +159,9 @@ async def test_errors_mid_run_are_counted_and_the_run_goes_on(port):
     try:
         w = make_workload("zipf", {"requests": 40, "output_tokens": 4})
         url = f"http://127.0.0.1:{port}"
-        (out,) = await run_ab([("f", url)], w, Closed(4), Bounds(40, 20), flush_urls=[url],
-                              progress=False, settle_s=0)
+        (out,) = await run_ab(
+            [("f", url)], w, Closed(4), Bounds(40, 20), flush_urls=[url], progress=False, settle_s=0
+        )
     finally:
         await runner.cleanup()
     r = out.report
@@ -177,20 +185,33 @@ async def test_failed_flush_fails_the_run_unless_warm_runs_are_allowed(port):
     url = f"http://127.0.0.1:{port}"
     w = make_workload("zipf", {"requests": 6, "output_tokens": 2})
     try:
-        with pytest.raises(RunError, match=r"target f: cache flush failed on http://127.0.0.1:\d+ "
-                                           r"\(HTTP 503\); the run would not start cold "
-                                           r"\(pass --allow-warm"):
-            await run_ab([("f", url)], w, Closed(2), Bounds(6, 20), flush_urls=[url],
-                         progress=False, settle_s=0)
+        with pytest.raises(
+            RunError,
+            match=r"target f: cache flush failed on http://127.0.0.1:\d+ "
+            r"\(HTTP 503\); the run would not start cold "
+            r"\(pass --allow-warm",
+        ):
+            await run_ab(
+                [("f", url)], w, Closed(2), Bounds(6, 20), flush_urls=[url], progress=False, settle_s=0
+            )
         assert fake.count == 0  # no load was sent
-        (out,) = await run_ab([("f", url)], w, Closed(2), Bounds(6, 20), flush_urls=[url],
-                              progress=False, settle_s=0, allow_warm=True)
+        (out,) = await run_ab(
+            [("f", url)],
+            w,
+            Closed(2),
+            Bounds(6, 20),
+            flush_urls=[url],
+            progress=False,
+            settle_s=0,
+            allow_warm=True,
+        )
         assert out.report["cold_start"] is False
         assert out.report["flush_failed"] == [f"{url} (HTTP 503)"]
         assert out.report["ok"] == 6
         fake.flush_status = 200
-        (out,) = await run_ab([("f", url)], w, Closed(2), Bounds(6, 20), flush_urls=[url],
-                              progress=False, settle_s=0)
+        (out,) = await run_ab(
+            [("f", url)], w, Closed(2), Bounds(6, 20), flush_urls=[url], progress=False, settle_s=0
+        )
         assert out.report["cold_start"] is True and "flush_failed" not in out.report
         validate({"runs": [out.report]})
     finally:
@@ -209,8 +230,9 @@ async def test_unnamed_workers_are_counted_from_agent_metrics(port):
     try:
         # the "router" is the first fake itself; the second agent gets no traffic
         w = make_workload("zipf", {"requests": 12, "output_tokens": 3})
-        (out,) = await run_ab([("direct", urls[0])], w, Closed(2), Bounds(12, 20),
-                              flush_urls=urls, progress=False, settle_s=0)
+        (out,) = await run_ab(
+            [("direct", urls[0])], w, Closed(2), Bounds(12, 20), flush_urls=urls, progress=False, settle_s=0
+        )
     finally:
         for r in runners:
             await r.cleanup()
@@ -228,8 +250,7 @@ async def test_unreachable_target_is_an_error_up_front(port):
 
     w = make_workload("zipf", {"requests": 5})
     with pytest.raises(ConfigError, match=r"--target down: http://127.0.0.1:\d+ is unreachable"):
-        await run_ab([("down", f"http://127.0.0.1:{port}")], w, Closed(1), Bounds(5, 5),
-                     progress=False)
+        await run_ab([("down", f"http://127.0.0.1:{port}")], w, Closed(1), Bounds(5, 5), progress=False)
 
 
 def test_cli_ab_run_writes_report_and_plots(tmp_path, port):
@@ -257,16 +278,50 @@ def test_cli_ab_run_writes_report_and_plots(tmp_path, port):
     try:
         out = tmp_path / "report.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "radixfleet.cli", "loadtest",
-             "--target", f"one=http://127.0.0.1:{ports[0]}",
-             "--target", f"two=http://127.0.0.1:{ports[1]}",
-             "--flush", f"http://127.0.0.1:{ports[0]}", "--flush", f"http://127.0.0.1:{ports[1]}",
-             "--workload", "gsp", "-o", "groups=4", "-o", "prompts_per_group=5",
-             "-o", "system_tokens=256", "-o", "output_tokens=4", "-o", "order=ordered",
-             "--concurrency", "2", "--requests", "20", "--duration", "20",
-             "--retry", "none", "--max-failures", "0.1",
-             "--json", str(out), "--plots", str(tmp_path / "plots")],
-            capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "radixfleet.cli",
+                "loadtest",
+                "--target",
+                f"one=http://127.0.0.1:{ports[0]}",
+                "--target",
+                f"two=http://127.0.0.1:{ports[1]}",
+                "--flush",
+                f"http://127.0.0.1:{ports[0]}",
+                "--flush",
+                f"http://127.0.0.1:{ports[1]}",
+                "--workload",
+                "gsp",
+                "-o",
+                "groups=4",
+                "-o",
+                "prompts_per_group=5",
+                "-o",
+                "system_tokens=256",
+                "-o",
+                "output_tokens=4",
+                "-o",
+                "order=ordered",
+                "--concurrency",
+                "2",
+                "--requests",
+                "20",
+                "--duration",
+                "20",
+                "--retry",
+                "none",
+                "--max-failures",
+                "0.1",
+                "--json",
+                str(out),
+                "--plots",
+                str(tmp_path / "plots"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
         doc = json.loads(out.read_text())
         validate(doc)
@@ -282,7 +337,10 @@ def test_cli_ab_run_writes_report_and_plots(tmp_path, port):
         assert one["oracle_hit_rate"] == pytest.approx(16 * 256 / (20 * 385))
         assert fakes[0].flushes == 2 and fakes[1].flushes == 2  # cold before each run
         assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
-            "hit_rate.png", "ttft_cdf.png", "worker_load.png"]
+            "hit_rate.png",
+            "ttft_cdf.png",
+            "worker_load.png",
+        ]
     finally:
         for r in runners:
             asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(5)
@@ -308,19 +366,28 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
         (["--workload", "zipf", "--max-failures", "2"], "--max-failures: must be a share"),
         (["--dataset", "sharegpt"], "needs --dataset-path"),
         (["--workload", "gsp", "--input-len", "100"], "--input-len applies to --dataset random only"),
-        (["--dataset", "sharegpt", "--dataset-path", "x", "--prefix-len", "5"],
-         "--prefix-len applies to --dataset random only"),
+        (
+            ["--dataset", "sharegpt", "--dataset-path", "x", "--prefix-len", "5"],
+            "--prefix-len applies to --dataset random only",
+        ),
         (["--dataset", "sharegpt", "--dataset-path", str(bad_trace)], "line 2: not JSON"),
         ([], "give --workload NAME, --dataset random|sharegpt, or --trace FILE"),
     ]
     for extra, msg in cases:
-        p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "loadtest",
-                            "--target", "x=http://127.0.0.1:9", *extra],
-                           capture_output=True, text=True, timeout=30)
+        p = subprocess.run(
+            [sys.executable, "-m", "radixfleet.cli", "loadtest", "--target", "x=http://127.0.0.1:9", *extra],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert p.returncode == 2, (extra, p.stderr)
         assert msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "loadtest", "--target", "bad",
-                        "--workload", "zipf"], capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "radixfleet.cli", "loadtest", "--target", "bad", "--workload", "zipf"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2 and "NAME=http://HOST:PORT" in p.stderr
 
 
@@ -367,6 +434,7 @@ async def test_a_vllm_reset_is_followed_by_a_step_that_publishes_its_cleared_eve
     nudges it with a one-token request (sub-block prompt, nothing stored), so routers
     following its events drop their entries before the run, not after its first turns."""
     import aiohttp
+
     from loadtest.runner import flush
 
     seen = []
@@ -390,8 +458,10 @@ async def test_a_vllm_reset_is_followed_by_a_step_that_publishes_its_cleared_eve
     try:
         async with aiohttp.ClientSession() as s:
             assert await flush(s, [url], "tiny") == []
-            assert seen == [("reset", None),
-                            ("complete", {"model": "tiny", "prompt": "flush", "max_tokens": 1})]
+            assert seen == [
+                ("reset", None),
+                ("complete", {"model": "tiny", "prompt": "flush", "max_tokens": 1}),
+            ]
             seen.clear()
             assert await flush(s, [url]) == []  # no model known: the reset alone
             assert seen == [("reset", None)]

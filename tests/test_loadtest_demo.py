@@ -21,9 +21,11 @@ from tests.procs import free_port
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(importlib.util.find_spec("worker_agent.main") is None
-                       or importlib.util.find_spec("router.main") is None,
-                       reason="needs the agent (worker_agent.main) and the router (router.main)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("worker_agent.main") is None
+        or importlib.util.find_spec("router.main") is None,
+        reason="needs the agent (worker_agent.main) and the router (router.main)",
+    ),
 ]
 
 
@@ -37,11 +39,37 @@ def _closed(url: str) -> bool:
 def test_demo_runs_each_policy_writes_report_and_stops_everything(tmp_path):
     out = tmp_path / "demo"
     p = subprocess.run(
-        [sys.executable, "-m", "radixfleet.cli", "demo", "--out", str(out), "--agents", "2",
-         "--kv-tokens", "6000", "--policies", "round_robin,prefix_load",
-         "-o", "sessions=8", "-o", "max_parallel=4", "-o", "system_tokens=256",
-         "-o", "output_tokens=16", "--rate", "10", "--duration", "4", "--no-progress"],
-        capture_output=True, text=True, timeout=80)
+        [
+            sys.executable,
+            "-m",
+            "radixfleet.cli",
+            "demo",
+            "--out",
+            str(out),
+            "--agents",
+            "2",
+            "--kv-tokens",
+            "6000",
+            "--policies",
+            "round_robin,prefix_load",
+            "-o",
+            "sessions=8",
+            "-o",
+            "max_parallel=4",
+            "-o",
+            "system_tokens=256",
+            "-o",
+            "output_tokens=16",
+            "--rate",
+            "10",
+            "--duration",
+            "4",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
     assert p.returncode == 0, p.stderr + p.stdout
     doc = json.loads((out / "report.json").read_text())
     validate(doc)
@@ -61,8 +89,12 @@ def test_demo_runs_each_policy_writes_report_and_stops_everything(tmp_path):
 
 
 def test_demo_bad_policy_exits_2():
-    p = subprocess.run([sys.executable, "-m", "radixfleet.cli", "demo", "--policies", "round_robin,nope"],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "radixfleet.cli", "demo", "--policies", "round_robin,nope"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2 and "'nope' is not one of" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
 
@@ -70,9 +102,26 @@ def test_demo_bad_policy_exits_2():
 def test_up_serves_until_sigterm_and_stops_its_children(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "radixfleet.cli", "up", "--agents", "2", "--kv-tokens", "4000",
-         "--port", str(port), "--policy", "round_robin", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "radixfleet.cli",
+            "up",
+            "--agents",
+            "2",
+            "--kv-tokens",
+            "4000",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         seen = ""
@@ -81,8 +130,11 @@ def test_up_serves_until_sigterm_and_stops_its_children(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, seen
             if select.select([proc.stdout], [], [], 0.5)[0]:
                 seen += os.read(proc.stdout.fileno(), 65536).decode()
-        r = httpx.post(url + "/v1/completions", json={"model": "llama-3-8b", "prompt": "hello world!",
-                                                      "max_tokens": 3}, timeout=10)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "llama-3-8b", "prompt": "hello world!", "max_tokens": 3},
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
         assert r.headers["x-radixfleet-worker"] in ("w0", "w1")
         os.kill(proc.pid, signal.SIGTERM)

@@ -15,9 +15,11 @@ from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(importlib.util.find_spec("worker_agent.main") is None
-                       or importlib.util.find_spec("router.main") is None,
-                       reason="needs the agent (worker_agent.main) and the router (router.main)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("worker_agent.main") is None
+        or importlib.util.find_spec("router.main") is None,
+        reason="needs the agent (worker_agent.main) and the router (router.main)",
+    ),
 ]
 
 KV_TOKENS = 6000
@@ -25,11 +27,29 @@ KV_TOKENS = 6000
 
 def _fleet(router_port: int, agent_ports: list[int], policy: str):
     router_url = f"http://127.0.0.1:{router_port}"
-    agents = [Proc(radixfleet_argv("agent", "--engine", "sim", "--agent-model", "llama-3-8b",
-                                   "--gpu", "h100", "--port", str(p), "--kv-tokens", str(KV_TOKENS),
-                                   "--router", router_url, "--worker-id", f"w{i}"),
-                   ready_url=f"http://127.0.0.1:{p}/health")
-              for i, p in enumerate(agent_ports)]
+    agents = [
+        Proc(
+            radixfleet_argv(
+                "agent",
+                "--engine",
+                "sim",
+                "--agent-model",
+                "llama-3-8b",
+                "--gpu",
+                "h100",
+                "--port",
+                str(p),
+                "--kv-tokens",
+                str(KV_TOKENS),
+                "--router",
+                router_url,
+                "--worker-id",
+                f"w{i}",
+            ),
+            ready_url=f"http://127.0.0.1:{p}/health",
+        )
+        for i, p in enumerate(agent_ports)
+    ]
     argv = radixfleet_argv("router", "--port", str(router_port), "--policy", policy)
     for p in agent_ports:
         argv += ["--worker", f"http://127.0.0.1:{p}"]
@@ -44,12 +64,41 @@ def test_loadtest_against_two_agents_and_the_router(tmp_path):
         wait_registered(router_url, 2)  # so the router names workers by their agent ids
         out = tmp_path / "report.json"
         p = subprocess.run(
-            [sys.executable, "-m", "radixfleet.cli", "loadtest", "--target", f"ours={router_url}",
-             "--workload", "mixed", "-o", "sessions=16", "-o", "system_prompts=3",
-             "-o", "system_tokens=512", "-o", "output_tokens=16", "-o", "max_parallel=6",
-             "--concurrency", "6", "--requests", "50", "--duration", "40", "--seed", "1",
-             "--json", str(out), "--no-progress"],
-            capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "radixfleet.cli",
+                "loadtest",
+                "--target",
+                f"ours={router_url}",
+                "--workload",
+                "mixed",
+                "-o",
+                "sessions=16",
+                "-o",
+                "system_prompts=3",
+                "-o",
+                "system_tokens=512",
+                "-o",
+                "output_tokens=16",
+                "-o",
+                "max_parallel=6",
+                "--concurrency",
+                "6",
+                "--requests",
+                "50",
+                "--duration",
+                "40",
+                "--seed",
+                "1",
+                "--json",
+                str(out),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 0, p.stderr + p.stdout
         doc = json.loads(out.read_text())
         validate(doc)

@@ -9,8 +9,15 @@ import pytest
 
 from loadtest.client import Result
 from loadtest.prefix_trie import PrefixTrie, common_tokens
-from loadtest.report import (CacheReference, percentiles, render_table, summarize, validate,
-                             write_json, write_plots)
+from loadtest.report import (
+    CacheReference,
+    percentiles,
+    render_table,
+    summarize,
+    validate,
+    write_json,
+    write_plots,
+)
 from loadtest.workloads import RequestSpec
 
 
@@ -115,25 +122,48 @@ def test_cache_reference_counts_tokens_of_the_prompt_as_sent():
 
 
 def _result(i, worker, prompt, cached, ok=True, kind=None):
-    r = Result(f"r{i}", f"s{i}", 0, start=i * 0.1, ok=ok, error_kind=kind, ttft_s=0.01 * (i + 1),
-               itl_s=[0.002, 0.004], e2e_s=0.05, prompt_tokens=prompt, cached_tokens=cached,
-               output_tokens=10, worker=worker, est_prompt_tokens=prompt,
-               oracle_cached=cached + 1, pooled_cached=cached)
+    r = Result(
+        f"r{i}",
+        f"s{i}",
+        0,
+        start=i * 0.1,
+        ok=ok,
+        error_kind=kind,
+        ttft_s=0.01 * (i + 1),
+        itl_s=[0.002, 0.004],
+        e2e_s=0.05,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        output_tokens=10,
+        worker=worker,
+        est_prompt_tokens=prompt,
+        oracle_cached=cached + 1,
+        pooled_cached=cached,
+    )
     return r
 
 
 def test_summarize_and_schema(tmp_path):
-    results = [_result(0, "w0", 100, 0), _result(1, "w1", 100, 50), _result(2, "w0", 200, 150),
-               _result(3, None, 50, 0, ok=False, kind="http_500")]
-    run = summarize("ours", "http://x", {"name": "zipf", "seed": 0, "params": {}}, results,
-                    kv_capacity_tokens=1000)
+    results = [
+        _result(0, "w0", 100, 0),
+        _result(1, "w1", 100, 50),
+        _result(2, "w0", 200, 150),
+        _result(3, None, 50, 0, ok=False, kind="http_500"),
+    ]
+    run = summarize(
+        "ours", "http://x", {"name": "zipf", "seed": 0, "params": {}}, results, kv_capacity_tokens=1000
+    )
     assert run["requests"] == 4 and run["ok"] == 3 and run["errors"] == 1
     assert run["errors_by_kind"] == {"http_500": 1}
     assert run["hit_rate"] == pytest.approx(200 / 400)
     assert run["oracle_hit_rate"] == pytest.approx(203 / 400)
     assert run["pooled_hit_rate"] == pytest.approx(200 / 400)
-    assert run["workers"]["w0"] == {"requests": 2, "prompt_tokens": 300, "cached_tokens": 150,
-                                    "output_tokens": 20}
+    assert run["workers"]["w0"] == {
+        "requests": 2,
+        "prompt_tokens": 300,
+        "cached_tokens": 150,
+        "output_tokens": 20,
+    }
     assert run["load_imbalance"] == pytest.approx(300 / 200)
     assert run["ttft_ms"]["p50"] == pytest.approx(20.0)
     assert run["itl_ms"]["p99"] == pytest.approx(4.0)
@@ -177,8 +207,10 @@ def test_percentile_is_the_nearest_rank_of_any_order():
 def test_table_and_plots(tmp_path):
     import io
 
-    runs = [summarize(n, "u", {}, [_result(0, "w0", 100, c), _result(1, "w1", 80, 0)],
-                      kv_capacity_tokens=500) for n, c in (("rr", 10), ("pl", 90))]
+    runs = [
+        summarize(n, "u", {}, [_result(0, "w0", 100, c), _result(1, "w1", 80, 0)], kv_capacity_tokens=500)
+        for n, c in (("rr", 10), ("pl", 90))
+    ]
     runs[0]["errors"] += 0
     buf = io.StringIO()
     render_table(runs, file=buf)
@@ -220,12 +252,24 @@ def test_references_cache_answers_like_an_engine():
     first = RequestSpec("c.0", "chat", {"messages": [{"role": "user", "content": "hi  "}]}, 4, "c", 0)
     ref.observe(first)
     ref.observe_answer(first, " abc def")
-    nxt = RequestSpec("c.1", "chat", {"messages": [{"role": "user", "content": "hi  "},
-                                                   {"role": "assistant", "content": " abc def"},
-                                                   {"role": "user", "content": "more"}]}, 4, "c", 1)
+    nxt = RequestSpec(
+        "c.1",
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "hi  "},
+                {"role": "assistant", "content": " abc def"},
+                {"role": "user", "content": "more"},
+            ]
+        },
+        4,
+        "c",
+        1,
+    )
     est, oracle, pooled = ref.observe(nxt)
     # history through the answer's tokens is cached: everything but '<|end|>\n' onwards
     from loadtest.report import prompt_bytes
+
     head = prompt_bytes(first) + b" abc def"
     assert oracle == pooled == len(head) // 4
     ref.check()

@@ -6,12 +6,20 @@ import json
 
 import pytest
 
-from protocol.errors import WorkloadError
-from protocol.prefix_keys import BYTES_PER_TOKEN
 from loadtest.prefix_trie import as_tokens, common_tokens
 from loadtest.report import prompt_bytes
-from loadtest.workloads import (WORKLOADS, ChatSession, SingleShot, make_workload, parse_options,
-                                synthetic_answer, text_of, token_count)
+from loadtest.workloads import (
+    WORKLOADS,
+    ChatSession,
+    SingleShot,
+    make_workload,
+    parse_options,
+    synthetic_answer,
+    text_of,
+    token_count,
+)
+from protocol.errors import WorkloadError
+from protocol.prefix_keys import BYTES_PER_TOKEN
 
 
 def shared_tokens(a, b) -> int:
@@ -41,11 +49,15 @@ def test_text_is_exact_length_deterministic_and_key_separated():
 
 @pytest.mark.parametrize("name", [n for n in WORKLOADS if n != "trace"])
 def test_every_workload_is_deterministic_by_seed(name):
-    small = {"gsp": {"groups": 3, "prompts_per_group": 2},
-             "multiturn": {"clients": 3, "rounds": 2},
-             "zipf": {"requests": 20}, "rag": {"requests": 10},
-             "agent": {"sessions": 2, "steps": 3}, "mixed": {"sessions": 5},
-             "pollution": {"requests": 20, "fraction": 0.2}}[name]
+    small = {
+        "gsp": {"groups": 3, "prompts_per_group": 2},
+        "multiturn": {"clients": 3, "rounds": 2},
+        "zipf": {"requests": 20},
+        "rag": {"requests": 10},
+        "agent": {"sessions": 2, "steps": 3},
+        "mixed": {"sessions": 5},
+        "pollution": {"requests": 20, "fraction": 0.2},
+    }[name]
     a = [(s.id, s.body, s.max_tokens) for s in all_specs(make_workload(name, small, seed=3))]
     b = [(s.id, s.body, s.max_tokens) for s in all_specs(make_workload(name, small, seed=3))]
     c = [(s.id, s.body, s.max_tokens) for s in all_specs(make_workload(name, small, seed=4))]
@@ -55,8 +67,16 @@ def test_every_workload_is_deterministic_by_seed(name):
 
 
 def test_gsp_groups_share_exactly_their_system_prompt():
-    w = make_workload("gsp", {"groups": 4, "prompts_per_group": 3, "system_tokens": 256,
-                              "question_tokens": 32, "order": "ordered"})
+    w = make_workload(
+        "gsp",
+        {
+            "groups": 4,
+            "prompts_per_group": 3,
+            "system_tokens": 256,
+            "question_tokens": 32,
+            "order": "ordered",
+        },
+    )
     specs = all_specs(w)
     assert len(specs) == 12
     assert [s.session for s in specs[:3]] == ["g0p0", "g0p1", "g0p2"]  # ordered
@@ -70,16 +90,24 @@ def test_gsp_groups_share_exactly_their_system_prompt():
 
 
 def test_gsp_range_ratio_draws_lengths_in_range():
-    w = make_workload("gsp", {"groups": 8, "prompts_per_group": 4, "system_tokens": 400,
-                              "question_tokens": 100, "output_tokens": 50, "range_ratio": 0.5})
+    w = make_workload(
+        "gsp",
+        {
+            "groups": 8,
+            "prompts_per_group": 4,
+            "system_tokens": 400,
+            "question_tokens": 100,
+            "output_tokens": 50,
+            "range_ratio": 0.5,
+        },
+    )
     specs = all_specs(w)
     assert {s.max_tokens for s in specs} <= set(range(25, 51))
     assert len({s.max_tokens for s in specs}) > 3
 
 
 def test_multiturn_history_grows_by_answer_and_question():
-    w = make_workload("multiturn", {"clients": 2, "rounds": 3, "question_tokens": 40,
-                                    "output_tokens": 8})
+    w = make_workload("multiturn", {"clients": 2, "rounds": 3, "question_tokens": 40, "output_tokens": 8})
     session = w.sessions()[0]
     s0 = session.first()
     s1 = session.follow("ANSWER ONE")
@@ -97,8 +125,9 @@ def test_multiturn_history_grows_by_answer_and_question():
 
 
 def test_zipf_popularity_is_skewed_and_prefixes_shared():
-    w = make_workload("zipf", {"prompts": 10, "alpha": 1.2, "requests": 500,
-                               "system_tokens": 128, "suffix_tokens": 16})
+    w = make_workload(
+        "zipf", {"prompts": 10, "alpha": 1.2, "requests": 500, "system_tokens": 128, "suffix_tokens": 16}
+    )
     specs = all_specs(w)
     systems = [s.body["messages"][0]["content"] for s in specs]
     counts = sorted((systems.count(x) for x in set(systems)), reverse=True)
@@ -108,8 +137,9 @@ def test_zipf_popularity_is_skewed_and_prefixes_shared():
 
 
 def test_rag_requests_pick_k_distinct_chunks_after_shared_header():
-    w = make_workload("rag", {"documents": 20, "k": 3, "requests": 30, "header_tokens": 64,
-                              "chunk_tokens": 32})
+    w = make_workload(
+        "rag", {"documents": 20, "k": 3, "requests": 30, "header_tokens": 64, "chunk_tokens": 32}
+    )
     for s in all_specs(w):
         ctx = s.body["messages"][1]["content"]
         docs = [int(x.split("]")[0]) for x in ctx.split("[doc ")[1:]]
@@ -134,7 +164,7 @@ def test_agent_trajectory_grows_and_tools_prefix_is_shared():
         assert call["function"]["name"].startswith("tool_")
         json.loads(call["function"]["arguments"])
     assert a1.body["messages"][-2]["content"] == "call tool_1"
-    assert a2.body["messages"][:len(a1.body["messages"])] == a1.body["messages"]
+    assert a2.body["messages"][: len(a1.body["messages"])] == a1.body["messages"]
     assert a1.body["messages"][-1]["tool_call_id"] != a2.body["messages"][-1]["tool_call_id"]
     assert prompt_bytes(a1).startswith(prompt_bytes(a0)[:-16])
     assert shared_tokens(a0, sb.first()) >= 256  # the tool schema
@@ -150,8 +180,7 @@ def test_mixed_sessions_share_system_prompts_and_respect_parallelism():
 
 
 def test_pollution_mixes_in_one_off_long_documents():
-    w = make_workload("pollution", {"base": "zipf", "requests": 90, "fraction": 0.1,
-                                    "doc_tokens": 500})
+    w = make_workload("pollution", {"base": "zipf", "requests": 90, "fraction": 0.1, "doc_tokens": 500})
     sessions = w.sessions()
     docs = [s for s in sessions if s.id.startswith("doc")]
     assert len(docs) == 10 and len(sessions) == 100
@@ -167,12 +196,15 @@ def _trace(tmp_path, lines, name="t.jsonl"):
 
 
 def test_trace_shared_hash_ids_are_shared_text(tmp_path):
-    path = _trace(tmp_path, [
-        json.dumps({"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]}),
-        json.dumps({"timestamp": 500, "input_length": 1024, "output_length": 7, "hash_ids": [1, 2]}),
-        json.dumps({"timestamp": 1500, "input_length": 600, "output_length": 7, "hash_ids": [1, 9]}),
-        json.dumps({"timestamp": 2000, "input_length": 10, "output_length": 1, "hash_ids": [4]}),
-    ])
+    path = _trace(
+        tmp_path,
+        [
+            json.dumps({"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]}),
+            json.dumps({"timestamp": 500, "input_length": 1024, "output_length": 7, "hash_ids": [1, 2]}),
+            json.dumps({"timestamp": 1500, "input_length": 600, "output_length": 7, "hash_ids": [1, 9]}),
+            json.dumps({"timestamp": 2000, "input_length": 10, "output_length": 1, "hash_ids": [4]}),
+        ],
+    )
     w = make_workload("trace", {"path": path, "time_scale": "0.5"})
     a, b, c, d = all_specs(w)
     assert [token_count(s.body["prompt"]) for s in (a, b, c, d)] == [1100, 1024, 600, 10]
@@ -198,8 +230,9 @@ def test_trace_malformed_line_names_its_number(tmp_path):
 
 
 def test_trace_block_count_must_match_input_length(tmp_path):
-    path = _trace(tmp_path, [json.dumps({"timestamp": 0, "input_length": 2000,
-                                         "output_length": 1, "hash_ids": [1]})])
+    path = _trace(
+        tmp_path, [json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]})]
+    )
     with pytest.raises(WorkloadError, match="line 1: 'hash_ids' has 1 ids"):
         make_workload("trace", {"path": path})
 

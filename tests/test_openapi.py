@@ -10,10 +10,10 @@ import schemathesis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.app import Router
-from router.config import parse_config
 from protocol.openapi import agent_spec, operations, router_spec
 from protocol.prefix_keys import Endpoint
+from router.app import Router
+from router.config import parse_config
 from worker_agent.server import AgentConfig, create_app
 
 _METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")

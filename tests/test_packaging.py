@@ -26,8 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OWN = {"protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet", "tests"}
 #: scripts that run under another interpreter than the project's, with why
 OTHER_ENV = {
-    "tests/engines/make_tiny_llama.py": "runs in the vLLM venv (tests/engines/vllm_env.py), "
-                                        "which has torch",
+    "tests/engines/make_tiny_llama.py": "runs in the vLLM venv (tests/engines/vllm_env.py), which has torch",
 }
 
 
@@ -82,7 +81,9 @@ def _runtime(proj: dict) -> set[str]:
 
 def test_runtime_imports_are_declared_dependencies():
     runtime = _runtime(_project())
-    missing = _undeclared(["protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet"], runtime)
+    missing = _undeclared(
+        ["protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet"], runtime
+    )
     assert not missing, f"imported but not in [project].dependencies or an extra: {missing}"
 
 

@@ -46,9 +46,11 @@ def test_random_is_seeded_and_covers_every_worker():
 
 def test_least_load_counts_in_flight_tokens_plus_reported_queue():
     pol = build_policy("least_load", None, random.Random(0))
-    vs = [WorkerView("a", in_flight_tokens=100, queued_tokens=500),
-          WorkerView("b", in_flight_tokens=400, queued_tokens=100),
-          WorkerView("c", in_flight_tokens=0, queued_tokens=700)]
+    vs = [
+        WorkerView("a", in_flight_tokens=100, queued_tokens=500),
+        WorkerView("b", in_flight_tokens=400, queued_tokens=100),
+        WorkerView("c", in_flight_tokens=0, queued_tokens=700),
+    ]
     d = pol.choose(req(), EMPTY, vs, 0.0)
     assert (d.worker, d.reason) == ("b", Reason.LEAST_LOAD)
 
@@ -68,8 +70,10 @@ def test_power_of_two_takes_the_less_loaded_of_two_distinct_candidates():
     assert "w3" not in picks
     # w0 wins whenever drawn: P = 1 - C(3,2)/C(4,2) = 1/2
     assert 240 < picks.count("w0") < 360
-    assert build_policy("power_of_two", None, random.Random(0)).choose(
-        req(), EMPTY, views([7]), 0.0).worker == "w0"
+    assert (
+        build_policy("power_of_two", None, random.Random(0)).choose(req(), EMPTY, views([7]), 0.0).worker
+        == "w0"
+    )
 
 
 def _key_request(i: int) -> RouteRequest:
@@ -104,8 +108,7 @@ def test_consistent_hash_same_key_same_worker_until_full():
     pol = build_policy("consistent_hash", None, random.Random(0))
     vs = views([0] * 8)
     first = pol.choose(req(session="alice"), EMPTY, vs, 0.0).worker
-    assert all(pol.choose(req(session="alice"), EMPTY, vs, 0.0).worker == first
-               for _ in range(20))
+    assert all(pol.choose(req(session="alice"), EMPTY, vs, 0.0).worker == first for _ in range(20))
     # the session key wins over the prefix: a different prompt, same worker
     assert pol.choose(req(hashes=(9, 9, 9), session="alice"), EMPTY, vs, 0.0).worker == first
     # one session flooding: its worker fills to ceil(1.25 * m / 8), then the ring spills

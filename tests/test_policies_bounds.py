@@ -7,28 +7,44 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.base import MatchResult, RouteRequest, WorkerView
 from policies.registry import POLICIES, build_policy
-from router.config import parse_config
 from protocol.errors import MalformedRequest
 from protocol.events import MAX_LOAD_COUNT, MAX_RATE, MIN_RATE, Load, parse_batch
-
+from router.config import parse_config
 
 _count = st.integers(0, MAX_LOAD_COUNT)
-_views = st.lists(st.builds(
-    WorkerView, st.sampled_from([f"w{i}" for i in range(6)]), st.integers(0, 10_000),
-    _count, _count, _count, _count, _count, _count,
-    st.floats(MIN_RATE, MAX_RATE, allow_nan=False), st.floats(0.01, 100.0)),
-    min_size=1, max_size=6, unique_by=lambda v: v.id)
+_views = st.lists(
+    st.builds(
+        WorkerView,
+        st.sampled_from([f"w{i}" for i in range(6)]),
+        st.integers(0, 10_000),
+        _count,
+        _count,
+        _count,
+        _count,
+        _count,
+        _count,
+        st.floats(MIN_RATE, MAX_RATE, allow_nan=False),
+        st.floats(0.01, 100.0),
+    ),
+    min_size=1,
+    max_size=6,
+    unique_by=lambda v: v.id,
+)
 
 
 @settings(max_examples=40, deadline=None)
-@given(views=_views, blocks=st.dictionaries(st.sampled_from([f"w{i}" for i in range(6)]),
-                                            st.integers(0, 64)),
-       rate=st.floats(0, 1e9, allow_nan=False), prompt=st.integers(0, MAX_LOAD_COUNT),
-       seed=st.integers(0, 2**32))
+@given(
+    views=_views,
+    blocks=st.dictionaries(st.sampled_from([f"w{i}" for i in range(6)]), st.integers(0, 64)),
+    rate=st.floats(0, 1e9, allow_nan=False),
+    prompt=st.integers(0, MAX_LOAD_COUNT),
+    seed=st.integers(0, 2**32),
+)
 def test_every_policy_decides_on_any_valid_view(views, blocks, rate, prompt, seed):
     hashes = list(range(1, 65))
     depth = max(blocks.values(), default=0)
@@ -36,8 +52,7 @@ def test_every_policy_decides_on_any_valid_view(views, blocks, rate, prompt, see
     req = RouteRequest(hashes, prompt, 32, None, "m", prompt * 4)
     ids = {v.id for v in views}
     for name in sorted(POLICIES):
-        params = {"hot_min_rate": 0.001, "warm_ahead": seed % 2 == 0} \
-            if name == "prefix_load" else {}
+        params = {"hot_min_rate": 0.001, "warm_ahead": seed % 2 == 0} if name == "prefix_load" else {}
         policy = build_policy(name, params, random.Random(seed))
         for now in (0.0, 1e6):
             d = policy.choose(req, match, views, now)
@@ -48,6 +63,7 @@ def test_every_policy_decides_on_any_valid_view(views, blocks, rate, prompt, see
 def test_views_stay_within_bounds_whatever_was_reported():
     from router.pool import Pool
     from router.prefix_index import PrefixIndex
+
     cfg = parse_config({"workers": [{"url": "http://127.0.0.1:9", "id": "a"}]})
     pool = Pool(cfg, PrefixIndex(1 << 20, 30.0))
     w = pool.get("a")
@@ -58,5 +74,6 @@ def test_views_stay_within_bounds_whatever_was_reported():
         v = pool.views(0.0)[0]
         assert MIN_RATE <= v.prefill_tokens_per_s <= MAX_RATE
     with pytest.raises(MalformedRequest):
-        parse_batch({"worker_id": "a", "url": "u", "epoch": "e", "seq": 0,
-                     "load": {"queued_tokens": 10**400}})
+        parse_batch(
+            {"worker_id": "a", "url": "u", "epoch": "e", "seq": 0, "load": {"queued_tokens": 10**400}}
+        )

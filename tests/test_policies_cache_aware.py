@@ -68,19 +68,21 @@ def test_only_routable_workers_count(pol):
 
 
 def test_equal_matches_and_equal_loads_tie_at_random(pol):
-    seen = {pol.choose(req(text_len=1280), MatchResult({"w0": 8, "w1": 8}), vs(0, 5, 0), 0.0).worker
-            for _ in range(100)}
+    seen = {
+        pol.choose(req(text_len=1280), MatchResult({"w0": 8, "w1": 8}), vs(0, 5, 0), 0.0).worker
+        for _ in range(100)
+    }
     assert seen == {"w0", "w1"}
-    seen = {pol.choose(req(text_len=1280), MatchResult({}), vs(1, 0, 0), 0.0).worker
-            for _ in range(100)}
+    seen = {pol.choose(req(text_len=1280), MatchResult({}), vs(1, 0, 0), 0.0).worker for _ in range(100)}
     assert seen == {"w1", "w2"}
 
 
 def test_herds_below_the_absolute_threshold():
     # SGLang's known weakness, kept on purpose: 64 requests sharing one prefix all go
     # to its first holder while the in-flight difference stays <= 64.
-    loop = PickLoop(build_policy("cache_aware", None, random.Random(3)),
-                    [f"w{i}" for i in range(8)], check=True)
+    loop = PickLoop(
+        build_policy("cache_aware", None, random.Random(3)), [f"w{i}" for i in range(8)], check=True
+    )
     system = "S" * 4096
     for i in range(64):
         k = request_key(Endpoint.COMPLETIONS, {"model": "m", "prompt": system + f"{i:04d}" * 8})

@@ -11,8 +11,8 @@ from policies.harness import PickLoop, counts
 from policies.prefix_load import PrefixLoad
 from policies.registry import build_policy
 from policies.replication import HotRoots
-from router.prefix_index import PrefixIndex
 from protocol.prefix_keys import Endpoint, request_key
+from router.prefix_index import PrefixIndex
 
 W4 = [f"w{i}" for i in range(4)]
 W8 = [f"w{i}" for i in range(8)]
@@ -33,14 +33,18 @@ def policy(seed=0, **params) -> PrefixLoad:
 
 # ------------------------------------------------------------------ hand-built matches
 
+
 def hand_req(prompt=3232, blocks=101):
     return RouteRequest(list(range(1, blocks + 1)), prompt, 32)
 
 
 def test_miss_goes_to_the_least_loaded_worker():
     pol = policy()
-    vs = [WorkerView("w0", in_flight_tokens=300), WorkerView("w1", in_flight_tokens=100),
-          WorkerView("w2", in_flight_tokens=0, queued_tokens=200)]
+    vs = [
+        WorkerView("w0", in_flight_tokens=300),
+        WorkerView("w1", in_flight_tokens=100),
+        WorkerView("w2", in_flight_tokens=0, queued_tokens=200),
+    ]
     d = pol.choose(hand_req(), MatchResult({}), vs, 0.0)
     assert (d.worker, d.reason, d.matched_blocks) == ("w1", Reason.MISS, 0)
     assert d.expected_ttft_s == pytest.approx((100 + 3232) / 10_000)
@@ -59,15 +63,21 @@ def test_miss_goes_to_the_least_loaded_worker():
 def test_a_miss_on_an_evicted_prefix_goes_back_to_its_last_worker_when_saturated():
     pol = policy()
     base = 20_000  # 2 s of queue on every worker: the fleet is saturated
-    vs = [WorkerView("w0", in_flight_tokens=base + 3000),
-          WorkerView("w1", in_flight_tokens=base + 3000), WorkerView("w2", in_flight_tokens=base)]
+    vs = [
+        WorkerView("w0", in_flight_tokens=base + 3000),
+        WorkerView("w1", in_flight_tokens=base + 3000),
+        WorkerView("w2", in_flight_tokens=base),
+    ]
     req = hand_req()
     # first seen: the least-loaded worker
     assert pol.choose(req, MatchResult({}), vs, 0.0).worker == "w2"
     # evicted everywhere (the index shows no holder); w2 is now the busier one but not
     # overloaded relative to the others (under twice the least-loaded queue)
-    vs = [WorkerView("w0", in_flight_tokens=base), WorkerView("w1", in_flight_tokens=base),
-          WorkerView("w2", in_flight_tokens=base + 15_000)]
+    vs = [
+        WorkerView("w0", in_flight_tokens=base),
+        WorkerView("w1", in_flight_tokens=base),
+        WorkerView("w2", in_flight_tokens=base + 15_000),
+    ]
     sibling = RouteRequest(req.hashes[:50] + [10_000 + i for i in range(51)], 3232, 32)
     d = pol.choose(sibling, MatchResult({}), vs, 1.0)
     assert (d.worker, d.reason, d.matched_blocks) == ("w2", Reason.MISS, 0)
@@ -80,8 +90,11 @@ def test_a_miss_on_an_evicted_prefix_goes_back_to_its_last_worker_when_saturated
     # with home_records 0 nothing is remembered
     off = policy(home_records=0)
     off.choose(req, MatchResult({}), vs, 0.0)
-    vs = [WorkerView("w0", in_flight_tokens=base), WorkerView("w1", in_flight_tokens=base),
-          WorkerView("w2", in_flight_tokens=base + 15_000)]
+    vs = [
+        WorkerView("w0", in_flight_tokens=base),
+        WorkerView("w1", in_flight_tokens=base),
+        WorkerView("w2", in_flight_tokens=base + 15_000),
+    ]
     assert off.choose(sibling, MatchResult({}), vs, 1.0).worker in ("w0", "w1")
     pol.check()
 
@@ -103,8 +116,10 @@ def test_a_saturated_fleet_keeps_a_holder_within_the_affinity_bound():
 def test_queue_delay_is_in_seconds_of_each_workers_prefill_rate():
     pol = policy()
     # w0 has fewer queued tokens but prefills 4x slower: w1 is less loaded in time
-    vs = [WorkerView("w0", in_flight_tokens=1000, prefill_tokens_per_s=2_500.0),
-          WorkerView("w1", in_flight_tokens=3000, prefill_tokens_per_s=10_000.0)]
+    vs = [
+        WorkerView("w0", in_flight_tokens=1000, prefill_tokens_per_s=2_500.0),
+        WorkerView("w1", in_flight_tokens=3000, prefill_tokens_per_s=10_000.0),
+    ]
     assert pol.choose(hand_req(), MatchResult({}), vs, 0.0).worker == "w1"
 
 
@@ -168,8 +183,10 @@ def test_scoring_trades_reuse_against_queueing():
 def test_a_private_match_is_worth_private_weight_a_shared_one_prefill_weight():
     # 1,600 of 2,000 tokens held by w0, which has 0.5 s more queue than w1
     req = RouteRequest(list(range(1, 64)), 2000, 32)
-    vs = [WorkerView("w0", in_flight_tokens=5000, prefill_tokens_per_s=10_000),
-          WorkerView("w1", prefill_tokens_per_s=10_000)]
+    vs = [
+        WorkerView("w0", in_flight_tokens=5000, prefill_tokens_per_s=10_000),
+        WorkerView("w1", prefill_tokens_per_s=10_000),
+    ]
     # shared: 0.5 + 2 x 0.04 - 8 x 0.16^2 = 0.375 s against 2 x 0.2 = 0.4 s: stays;
     # with 0.6 s of queue (0.475 s) it spills
     shared = MatchResult({"w0": 50}, 50)
@@ -198,8 +215,7 @@ def test_a_holder_whose_cache_churns_keeps_its_private_matches_but_not_new_sessi
     # brings 696 tokens of its own: w0 takes them all, writing 696 tokens each
     req = RouteRequest(list(range(1, 95)), 3000, 32)
     shared = MatchResult({"w0": 72}, 72)
-    vs = [WorkerView(f"w{i}", kv_capacity_tokens=12_000, prefill_tokens_per_s=10_000)
-          for i in range(4)]
+    vs = [WorkerView(f"w{i}", kv_capacity_tokens=12_000, prefill_tokens_per_s=10_000) for i in range(4)]
     pol = policy()
     got = [pol.choose(req, shared, vs, i * 0.1).worker for i in range(6)]
     # w0's cache (12k tokens) is rewritten in under kv_turnover_s (30 s) once it takes
@@ -242,8 +258,10 @@ def test_ties_go_to_the_worker_written_the_least_kv_lately():
     d = pol.choose(req, MatchResult({"w0": 72, "w1": 72, "w2": 72}, 72), vs, 1.0)
     assert (d.worker, d.reason) == ("w1", Reason.AFFINITY)
     # fewer in-flight requests still come first
-    busy = [WorkerView("w0", prefill_tokens_per_s=10_000),
-            WorkerView("w1", in_flight=1, prefill_tokens_per_s=10_000)]
+    busy = [
+        WorkerView("w0", prefill_tokens_per_s=10_000),
+        WorkerView("w1", in_flight=1, prefill_tokens_per_s=10_000),
+    ]
     pol._written = {"w0": [9000.0, 0.0]}
     assert pol.choose(req, MatchResult({}), busy, 1.0).worker == "w0"
     # the placements spread a run of new sessions evenly, where chance did not
@@ -257,19 +275,26 @@ def test_ties_go_to_the_worker_written_the_least_kv_lately():
 
 
 def test_unroutable_holders_do_not_count():
-    d = policy().choose(hand_req(), MatchResult({"gone": 100}, depth=100),
-                        [WorkerView("w0", in_flight_tokens=5), WorkerView("w1")], 0.0)
+    d = policy().choose(
+        hand_req(),
+        MatchResult({"gone": 100}, depth=100),
+        [WorkerView("w0", in_flight_tokens=5), WorkerView("w1")],
+        0.0,
+    )
     assert (d.worker, d.reason) == ("w1", Reason.MISS)
 
 
 # ------------------------------------------------------------------ scenarios (real index)
 
+
 def test_conversation_follow_ups_stay_while_load_allows():
     loop = PickLoop(policy(seed=1), W4, check=True)
     for w, bg in zip(W4, (0, 1000, 2000, 3000)):  # background prefill tokens (persistent)
         loop.load[w].in_flight_tokens = bg
-    messages = [{"role": "system", "content": "You are terse. " + "R" * 8000},
-                {"role": "user", "content": "question 0"}]
+    messages = [
+        {"role": "system", "content": "You are terse. " + "R" * 8000},
+        {"role": "user", "content": "question 0"},
+    ]
     t = 0.0
     for turn in range(8):
         if turn == 5:
@@ -288,12 +313,13 @@ def test_conversation_follow_ups_stay_while_load_allows():
         # the previous turn's blocks: matched by no request yet
         assert loop.index.match(k.hashes, t, count=False).private is (turn > 0)
         loop.route(k.hashes, k.prompt_tokens, t)
-        messages += [{"role": "assistant", "content": f"answer {turn} " * 20},
-                     {"role": "user", "content": f"question {turn + 1}"}]
+        messages += [
+            {"role": "assistant", "content": f"answer {turn} " * 20},
+            {"role": "user", "content": f"question {turn + 1}"},
+        ]
         t += 5.0  # earlier prefills have finished
     got = [(d.worker, d.reason) for d in loop.decisions]
-    assert got == [("w0", Reason.MISS)] + [("w0", Reason.AFFINITY)] * 6 + [
-        ("w1", Reason.SPILL_LOAD)]
+    assert got == [("w0", Reason.MISS)] + [("w0", Reason.AFFINITY)] * 6 + [("w1", Reason.SPILL_LOAD)]
     assert all(d.matched_blocks > 0 for d in loop.decisions[1:7])
 
 
@@ -310,7 +336,7 @@ def test_burst_of_64_spreads_as_the_affinity_bound_dictates():
         assert k.prompt_tokens == 1088
         loop.route(k.hashes, k.prompt_tokens, 0.0)  # simultaneous: nothing finishes
     chosen = loop.chosen()
-    runs = [chosen[i * 16:(i + 1) * 16] for i in range(4)]
+    runs = [chosen[i * 16 : (i + 1) * 16] for i in range(4)]
     assert all(len(set(r)) == 1 for r in runs), chosen
     assert len({r[0] for r in runs}) == 4
     reasons = [d.reason for d in loop.decisions]
@@ -332,8 +358,9 @@ def test_burst_with_defaults_never_herds():
         d = loop.route(k.hashes, k.prompt_tokens, 0.0, views=vs)
         lo = min(qs.values())
         if d.reason is Reason.AFFINITY:  # never past the bound at pick time
-            assert not (qs[d.worker] - lo > pol.params.affinity_abs_s
-                        and qs[d.worker] > lo * pol.params.affinity_rel)
+            assert not (
+                qs[d.worker] - lo > pol.params.affinity_abs_s and qs[d.worker] > lo * pol.params.affinity_rel
+            )
     c = counts(loop.chosen())
     # the score binds: the shared 1024 tokens earn a holder a reuse credit of
     # 2 x 0.1024 x (1 + 0.1024 / 0.25) = 0.2887 s, so its 30th request (queue
@@ -369,13 +396,18 @@ def _mixed_run(seed: int):
             k = completion(SYSTEM + f"q{i} ".ljust(300, "x"))
         elif kind < 0.8:
             s = wl.randrange(10)
-            k = chat([{"role": "system", "content": f"session {s} " + "c" * 1500},
-                      {"role": "user", "content": "turn " * wl.randrange(1, 40)}])
+            k = chat(
+                [
+                    {"role": "system", "content": f"session {s} " + "c" * 1500},
+                    {"role": "user", "content": "turn " * wl.randrange(1, 40)},
+                ]
+            )
         else:
             k = completion(f"unique {i} " * 50)
         loop.route(k.hashes, k.prompt_tokens, t)
-    return [(d.worker, d.reason, d.matched_blocks, d.expected_ttft_s, d.warm)
-            for d in loop.decisions], loop.policy.describe()
+    return [
+        (d.worker, d.reason, d.matched_blocks, d.expected_ttft_s, d.warm) for d in loop.decisions
+    ], loop.policy.describe()
 
 
 def test_same_seed_same_decisions():
@@ -400,8 +432,7 @@ def _hot_phase(loop, rate, seconds, t, n):
 
 
 def test_hot_prefix_gains_replicas_and_loses_them_after_its_rate_decays():
-    loop = PickLoop(policy(seed=5), W8, index=PrefixIndex(half_life_s=2.0), decode_s=0.5,
-                    check=True)
+    loop = PickLoop(policy(seed=5), W8, index=PrefixIndex(half_life_s=2.0), decode_s=0.5, check=True)
     pol = loop.policy
     cold, t, n = _hot_phase(loop, 5, 4.0, 0.0, 0)
     origin = cold[0].worker
@@ -414,8 +445,9 @@ def test_hot_prefix_gains_replicas_and_loses_them_after_its_rate_decays():
     # 40 req/s, one holder absorbs holder_max_rate = 10 req/s: 4 holders
     assert rec["needed"] == 4 and len(rec["replicas"]) == 3 and origin not in rec["replicas"]
     first_use = [d for d in hot if d.reason is Reason.REPLICA and d.matched_blocks == 0]
-    assert [d.worker for d in first_use] == [w for w in dict.fromkeys(
-        d.worker for d in first_use)]  # each replica made once
+    assert [d.worker for d in first_use] == [
+        w for w in dict.fromkeys(d.worker for d in first_use)
+    ]  # each replica made once
     assert sorted(d.worker for d in first_use) == rec["replicas"]
     spread = counts(d.worker for d in hot[-80:])
     assert set(spread) == {origin, *rec["replicas"]}
@@ -437,8 +469,9 @@ def test_hot_prefix_gains_replicas_and_loses_them_after_its_rate_decays():
 
 
 def test_warm_ahead_names_the_new_replica_instead_of_sending_it_the_request():
-    loop = PickLoop(policy(seed=5, warm_ahead=True), W8, index=PrefixIndex(half_life_s=2.0),
-                    decode_s=0.5, check=True)
+    loop = PickLoop(
+        policy(seed=5, warm_ahead=True), W8, index=PrefixIndex(half_life_s=2.0), decode_s=0.5, check=True
+    )
     _, t, n = _hot_phase(loop, 5, 4.0, 0.0, 0)
     # the hot phase: a warm-up is not an index hint (neither the router nor the
     # simulator inserts one); the warmed worker enters the index only once its
@@ -477,8 +510,9 @@ def test_warm_ahead_names_the_new_replica_instead_of_sending_it_the_request():
 
 
 def test_replication_off_keeps_one_holder_until_the_bound():
-    loop = PickLoop(policy(seed=5, replicate=False), W8, index=PrefixIndex(half_life_s=2.0),
-                    decode_s=0.5, check=True)
+    loop = PickLoop(
+        policy(seed=5, replicate=False), W8, index=PrefixIndex(half_life_s=2.0), decode_s=0.5, check=True
+    )
     _, t, n = _hot_phase(loop, 5, 4.0, 0.0, 0)
     hot, t, n = _hot_phase(loop, 40, 6.0, t, n)
     assert Reason.REPLICA not in {d.reason for d in hot}

@@ -30,15 +30,24 @@ def _run(name: str, seed: int, steps: int = 800, workload: int = 11) -> list[Dec
         blocks = {w: rng.randrange(1, len(hashes) + 1) for w in holders}
         depth = max(blocks.values(), default=0)
         match = MatchResult(blocks, depth, rng.choice((0.0, 0.5, 3.0, 30.0, 300.0)))
-        views = [WorkerView(w, in_flight=rng.randrange(0, 100),
-                            in_flight_tokens=rng.randrange(0, 50_000),
-                            queued_tokens=rng.randrange(0, 5_000) if rng.random() < 0.5 else 0,
-                            prefill_tokens_per_s=rng.choice((5e3, 1e4, 2e4)),
-                            weight=rng.choice((1.0, 1.0, 2.0)))
-                 for w in live]
-        req = RouteRequest(hashes, len(hashes) * 32 + rng.randrange(32), 32,
-                           session=rng.choice((None, None, "s1", "s2")),
-                           text_len=len(hashes) * 128 + rng.randrange(128))
+        views = [
+            WorkerView(
+                w,
+                in_flight=rng.randrange(0, 100),
+                in_flight_tokens=rng.randrange(0, 50_000),
+                queued_tokens=rng.randrange(0, 5_000) if rng.random() < 0.5 else 0,
+                prefill_tokens_per_s=rng.choice((5e3, 1e4, 2e4)),
+                weight=rng.choice((1.0, 1.0, 2.0)),
+            )
+            for w in live
+        ]
+        req = RouteRequest(
+            hashes,
+            len(hashes) * 32 + rng.randrange(32),
+            32,
+            session=rng.choice((None, None, "s1", "s2")),
+            text_len=len(hashes) * 128 + rng.randrange(128),
+        )
         d = pol.choose(req, match, views, t)
         assert d.worker in live, (name, d)
         assert isinstance(d.reason, Reason)
@@ -81,5 +90,4 @@ def test_bench_policy_cli_rejects_bad_input(capsys):
         cli_main(["bench", "policy", "--workers", "0"])
     assert ei.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["radixfleet bench policy: error: argument --workers: "
-                   "expected a positive integer, got 0"]
+    assert err == ["radixfleet bench policy: error: argument --workers: expected a positive integer, got 0"]

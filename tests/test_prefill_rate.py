@@ -69,11 +69,21 @@ def test_too_little_work_is_ignored_at_the_threshold():
     e.check()
 
 
-@pytest.mark.parametrize("sample", [
-    (math.nan, 1_000, 0.5), (0, math.inf, 0.5), (0, 1_000, math.nan), (0, 1_000, math.inf),
-    (-1, 1_000, 0.5), (0, -1_000, 0.5), (0, 1_000, 0.0), (0, 1_000, -0.1),
-    (None, 1_000, 0.5), ("many", 1_000, 0.5),
-])
+@pytest.mark.parametrize(
+    "sample",
+    [
+        (math.nan, 1_000, 0.5),
+        (0, math.inf, 0.5),
+        (0, 1_000, math.nan),
+        (0, 1_000, math.inf),
+        (-1, 1_000, 0.5),
+        (0, -1_000, 0.5),
+        (0, 1_000, 0.0),
+        (0, 1_000, -0.1),
+        (None, 1_000, 0.5),
+        ("many", 1_000, 0.5),
+    ],
+)
 def test_invalid_samples_are_refused_and_counted(sample):
     e = PrefillRateEstimator(10_000.0)
     assert e.observe(*sample, now=1.0) is INVALID
@@ -83,8 +93,9 @@ def test_invalid_samples_are_refused_and_counted(sample):
 
 
 def test_each_samples_rate_is_clamped_so_the_estimate_stays_in_bounds():
-    e = PrefillRateEstimator(1_000.0, prior_weight_tokens=100, min_tokens_per_s=10.0,
-                             max_tokens_per_s=100_000.0)
+    e = PrefillRateEstimator(
+        1_000.0, prior_weight_tokens=100, min_tokens_per_s=10.0, max_tokens_per_s=100_000.0
+    )
     e.observe(0, 1_000, 1e-9, now=0.0)  # a glitch: counted as 100,000 tok/s, 0.01 s
     assert e.tokens_per_s == approx(1_100 / (0.1 + 0.01))
     e.observe(0, 1_000, 1e6, now=0.0)  # a stall: counted as 10 tok/s, 100 s
@@ -124,12 +135,20 @@ def test_samples_out_of_time_order_do_not_decay_backwards():
     e.check()
 
 
-@pytest.mark.parametrize("kw", [
-    dict(prior_tokens_per_s=0.0), dict(prior_tokens_per_s=math.nan), dict(half_life_s=0.0),
-    dict(prior_weight_tokens=0.0), dict(min_work_tokens=-1), dict(min_tokens_per_s=0.0),
-    dict(min_tokens_per_s=100.0, max_tokens_per_s=50.0), dict(max_tokens_per_s=math.inf),
-    dict(prior_tokens_per_s=1e9),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(prior_tokens_per_s=0.0),
+        dict(prior_tokens_per_s=math.nan),
+        dict(half_life_s=0.0),
+        dict(prior_weight_tokens=0.0),
+        dict(min_work_tokens=-1),
+        dict(min_tokens_per_s=0.0),
+        dict(min_tokens_per_s=100.0, max_tokens_per_s=50.0),
+        dict(max_tokens_per_s=math.inf),
+        dict(prior_tokens_per_s=1e9),
+    ],
+)
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         PrefillRateEstimator(**kw)
@@ -152,6 +171,7 @@ def test_check_after_seeded_random_samples(seed):
 
 
 # ------------------------------------------------------------- the fleet's rates
+
 
 def test_fleet_rates_pool_engine_samples_and_average_every_answer():
     from router.engines.prefill_rate import FleetRates, with_prior

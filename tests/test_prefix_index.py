@@ -195,7 +195,7 @@ def test_check_after_seeded_random_sequences(seed):
             idx.insert(w, base[:cut] + tail, now)
         elif op == "extend":
             cut = rng.randrange(1, len(base))
-            idx.insert(w, base[cut:cut + 3], now, parent=base[cut - 1])
+            idx.insert(w, base[cut : cut + 3], now, parent=base[cut - 1])
         elif op == "remove":
             idx.remove(w, rng.sample(base, 2))
         elif op == "clear":
@@ -205,7 +205,7 @@ def test_check_after_seeded_random_sequences(seed):
             idx.apply_snapshot(w, [(h, base[i - 1] if i else None) for i, h in enumerate(base[:cut])], now)
         else:
             m = idx.match(base, now)
-            for wid, n in m.blocks.items():
+            for _wid, n in m.blocks.items():
                 assert 0 < n <= len(base)
         idx.check()
 
@@ -269,8 +269,9 @@ def test_fair_share_stress_keeps_every_invariant():
         elif op < 0.9:
             idx.drop_worker(w)
         elif op < 0.95:
-            idx.apply_snapshot(w, [(k, None if i == 0 else k - 1) for i, k in
-                                   enumerate(chain(rng.randrange(40), 5))], now)
+            idx.apply_snapshot(
+                w, [(k, None if i == 0 else k - 1) for i, k in enumerate(chain(rng.randrange(40), 5))], now
+            )
         else:
             idx.evict_older(w, now - 50)
         if step % 10 == 0:

@@ -188,11 +188,12 @@ def test_check_after_every_op_with_mixed_capped_and_uncapped_workers(seed):
     idx = PrefixIndex(max_bytes=2**40 if big else 300 * NODE_BYTES + 200 * 96)
     workers = [f"w{i}" for i in range(6)]
     roots = [chain(t, 12) for t in range(8)]
-    branches = [r[: rng.randrange(1, 10)] + chain(100 + i, rng.randrange(1, 6))
-                for i, r in enumerate(roots * 2)]
+    branches = [
+        r[: rng.randrange(1, 10)] + chain(100 + i, rng.randrange(1, 6)) for i, r in enumerate(roots * 2)
+    ]
     pool = roots + branches
     now = 0.0
-    for step in range(1_500):
+    for _step in range(1_500):
         if rng.random() < 0.7:
             now += rng.choice([0.0, 0.5, 1.0])
         w = rng.choice(workers)

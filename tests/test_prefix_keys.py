@@ -72,11 +72,20 @@ def test_chat_history_is_a_prefix_of_the_next_turn():
 
 def test_content_parts_render_like_a_string_and_media_by_digest():
     s = routing_bytes(CHAT, chat(("user", "hello world")))
-    parts = {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]}
+    parts = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}],
+            }
+        ],
+    }
     assert routing_bytes(CHAT, parts) == s
-    img = lambda url: {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}}]}]}
+    img = lambda url: {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+    }
     assert routing_bytes(CHAT, img("a")) != routing_bytes(CHAT, img("b"))
 
 
@@ -97,9 +106,11 @@ def test_completions_prompt_forms():
     assert routing_bytes(COMP, {"prompt": [[1, 2], [3]]}) == ids
     # token ids key exactly like the bytes they encode
     text = "abcd" * 40
-    as_ids = [int.from_bytes(text.encode()[i:i + 4], "little") for i in range(0, len(text), 4)]
-    assert request_key(COMP, {"model": "m", "prompt": as_ids}).hashes == \
-        request_key(COMP, {"model": "m", "prompt": text}).hashes
+    as_ids = [int.from_bytes(text.encode()[i : i + 4], "little") for i in range(0, len(text), 4)]
+    assert (
+        request_key(COMP, {"model": "m", "prompt": as_ids}).hashes
+        == request_key(COMP, {"model": "m", "prompt": text}).hashes
+    )
 
 
 def test_generate_text_and_input_ids():
@@ -123,8 +134,11 @@ def test_generate_text_and_input_ids():
         (CHAT, {"model": "m", "messages": ["hi"]}, "messages"),
         (CHAT, {"model": "m", "messages": [{"content": "x"}]}, "messages"),
         (CHAT, {"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-        (CHAT, {"model": "m", "messages": [{"role": "user", "content": [{"type": "video"}]}]},
-         "messages[0].content"),
+        (
+            CHAT,
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+            "messages[0].content",
+        ),
         (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools"),
         (GEN, {"sampling_params": {}}, "text"),
         (COMP, {"model": "m", "prompt": "x", "lora_path": 1}, "lora_path"),

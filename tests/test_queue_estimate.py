@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from router.engines.queue_estimate import QueueEstimate
 from protocol.events import MAX_LOAD_COUNT
+from router.engines.queue_estimate import QueueEstimate
 
 RATE = 4000.0  # prefill tokens/s
 

@@ -27,13 +27,13 @@ from router.prefix_index import PrefixIndex
 from tests.procs import free_port, radixfleet_argv
 from tests.test_router_service import FAST_HEALTH, start_app, start_router, wait_ready
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "deploy", "examples",
-                       "prefix_load.yaml")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "deploy", "examples", "prefix_load.yaml")
 
 
 def worker_app(model: str = "m", health_gate: asyncio.Event | None = None) -> web.Application:
     """A worker that answers health checks (after ``health_gate``, if given) and lists
     ``model``."""
+
     async def health(request):
         if health_gate is not None:
             await health_gate.wait()
@@ -44,8 +44,9 @@ def worker_app(model: str = "m", health_gate: asyncio.Event | None = None) -> we
 
     async def complete(request):
         await request.read()
-        return web.json_response({"object": "text_completion", "choices": [
-            {"index": 0, "text": "ok", "finish_reason": "stop"}]})
+        return web.json_response(
+            {"object": "text_completion", "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]}
+        )
 
     app = web.Application()
     app.router.add_get("/health", health)
@@ -63,25 +64,29 @@ async def test_registration_under_a_configured_id_from_another_url_is_409():
     router, server, base = await start_router({"workers": [{"url": url, "id": "w0"}]})
     try:
         async with httpx.AsyncClient() as c:
-            r = await c.post(base + "/internal/v1/register", json={
-                "worker_id": "w0", "url": "http://127.0.0.1:19998", "epoch": "e1"})
+            r = await c.post(
+                base + "/internal/v1/register",
+                json={"worker_id": "w0", "url": "http://127.0.0.1:19998", "epoch": "e1"},
+            )
             assert r.status_code == 409, r.text
             body = r.json()
             assert body["status"] == "worker_id_taken" and "w0" in body["error"]["message"]
             assert url not in r.text  # the holder's address is not given away
             assert router.pool.get("w0").url == url
             # a batch claiming the id from that URL is not applied
-            batch = EventBatch("w0", "http://127.0.0.1:19998", "e1", 0,
-                               [Snapshot([(1, None)])])
+            batch = EventBatch("w0", "http://127.0.0.1:19998", "e1", 0, [Snapshot([(1, None)])])
             r = await c.post(base + "/internal/v1/events", json=batch.to_json())
             assert r.status_code == 404 and r.json()["status"] == "unknown_worker"
             assert router.index.workers() == set()
             # the agent at the configured URL is welcome under that id
-            r = await c.post(base + "/internal/v1/register", json={
-                "worker_id": "w0", "url": url, "epoch": "e2"})
+            r = await c.post(
+                base + "/internal/v1/register", json={"worker_id": "w0", "url": url, "epoch": "e2"}
+            )
             assert r.status_code == 200, r.text
-            r = await c.post(base + "/internal/v1/events", json=EventBatch(
-                "w0", url, "e2", 0, [Snapshot([(1, None)])]).to_json())
+            r = await c.post(
+                base + "/internal/v1/events",
+                json=EventBatch("w0", url, "e2", 0, [Snapshot([(1, None)])]).to_json(),
+            )
             assert r.status_code == 200 and router.index.workers() == {"w0"}
         router.pool.check()
     finally:
@@ -92,16 +97,22 @@ async def test_registration_under_a_configured_id_from_another_url_is_409():
 @pytest.mark.integration
 async def test_new_registrations_past_the_bound_get_429_and_are_not_routable_unprobed():
     runner, url = await start_app(worker_app())
-    router, server, base = await start_router({
-        "workers": [{"url": url, "id": "real"}],
-        "registration": {"rate_per_s": 1.0, "burst": 5}})
+    router, server, base = await start_router(
+        {"workers": [{"url": url, "id": "real"}], "registration": {"rate_per_s": 1.0, "burst": 5}}
+    )
     try:
         async with httpx.AsyncClient() as c:
             codes = []
             for i in range(8):
-                r = await c.post(base + "/internal/v1/register", json={
-                    "worker_id": f"fake{i}", "url": f"http://127.0.0.1:{20000 + i}",
-                    "epoch": "e", "models": ["m"]})
+                r = await c.post(
+                    base + "/internal/v1/register",
+                    json={
+                        "worker_id": f"fake{i}",
+                        "url": f"http://127.0.0.1:{20000 + i}",
+                        "epoch": "e",
+                        "models": ["m"],
+                    },
+                )
                 codes.append(r.status_code)
                 if r.status_code == 429:
                     assert int(r.headers["Retry-After"]) >= 1
@@ -130,9 +141,9 @@ async def test_readiness_waits_until_every_configured_worker_was_probed():
     gate = asyncio.Event()
     r1, fast = await start_app(worker_app())
     r2, slow = await start_app(worker_app(health_gate=gate))
-    router, server, base = await start_router({
-        "workers": [{"url": fast, "id": "fast"}],
-        "health": {**FAST_HEALTH, "timeout_s": 10.0}})
+    router, server, base = await start_router(
+        {"workers": [{"url": fast, "id": "fast"}], "health": {**FAST_HEALTH, "timeout_s": 10.0}}
+    )
     try:
         async with httpx.AsyncClient(timeout=5) as c:
             r = await c.post(base + "/admin/workers", json={"url": slow, "id": "slow"})
@@ -150,8 +161,9 @@ async def test_readiness_waits_until_every_configured_worker_was_probed():
 
 
 def test_pool_readiness_rules():
-    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1", "id": "a"},
-                                    {"url": "http://127.0.0.1:2", "id": "b"}]})
+    cfg = parse_config(
+        {"workers": [{"url": "http://127.0.0.1:1", "id": "a"}, {"url": "http://127.0.0.1:2", "id": "b"}]}
+    )
     pool = Pool(cfg, PrefixIndex())
     assert pool.readiness() == (False, ["a", "b"])
     pool._set_health(pool.get("a"), HealthState.UNHEALTHY)
@@ -184,11 +196,15 @@ async def test_reloading_the_unchanged_example_keeps_workers_and_index(tmp_path)
             for i, (_, url) in enumerate(apps):
                 # what `radixfleet agent --port P --router ...` registers by default
                 wid = url.split("//", 1)[1] if i == 0 else f"agent{i}"
-                r = await c.post(base + "/internal/v1/register", json={
-                    "worker_id": wid, "url": url, "epoch": "e", "models": ["m"]})
+                r = await c.post(
+                    base + "/internal/v1/register",
+                    json={"worker_id": wid, "url": url, "epoch": "e", "models": ["m"]},
+                )
                 assert r.status_code == 200, r.text
-                r = await c.post(base + "/internal/v1/events", json=EventBatch(
-                    wid, url, "e", 0, [Snapshot([(100 + i, None)])]).to_json())
+                r = await c.post(
+                    base + "/internal/v1/events",
+                    json=EventBatch(wid, url, "e", 0, [Snapshot([(100 + i, None)])]).to_json(),
+                )
                 assert r.status_code == 200, r.text
         held = router.index.workers()
         assert len(held) == 2
@@ -228,10 +244,12 @@ async def test_large_batches_are_applied_in_slices_in_order():
 
     t = asyncio.create_task(ticker())
     started = time.perf_counter()
-    first = asyncio.create_task(fb.apply_async(
-        EventBatch("w", "http://127.0.0.1:7", "e", 0, [Snapshot(blocks)]), time.monotonic))
-    second = asyncio.create_task(fb.apply_async(
-        EventBatch("w", "http://127.0.0.1:7", "e", 1, [Stored(n, [n + 1])]), time.monotonic))
+    first = asyncio.create_task(
+        fb.apply_async(EventBatch("w", "http://127.0.0.1:7", "e", 0, [Snapshot(blocks)]), time.monotonic)
+    )
+    second = asyncio.create_task(
+        fb.apply_async(EventBatch("w", "http://127.0.0.1:7", "e", 1, [Stored(n, [n + 1])]), time.monotonic)
+    )
     assert await first == (200, "ok")
     assert await second == (200, "ok")  # seq 1 checked after seq 0 finished
     whole = time.perf_counter() - started
@@ -249,8 +267,9 @@ async def test_a_worker_turning_unhealthy_mid_batch_stops_it_cleanly():
     fb = Feedback(pool, idx)
     w = pool.register("w", "http://127.0.0.1:7", "e")
     blocks = [(i + 1, i if i else None) for i in range(4 * SLICE_BLOCKS)]
-    task = asyncio.create_task(fb.apply_async(
-        EventBatch("w", "http://127.0.0.1:7", "e", 0, [Snapshot(blocks)]), time.monotonic))
+    task = asyncio.create_task(
+        fb.apply_async(EventBatch("w", "http://127.0.0.1:7", "e", 0, [Snapshot(blocks)]), time.monotonic)
+    )
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     pool._set_health(w, HealthState.UNHEALTHY)
@@ -266,15 +285,27 @@ async def test_a_worker_turning_unhealthy_mid_batch_stops_it_cleanly():
 @pytest.mark.integration
 def test_agent_never_advertises_a_wildcard():
     from worker_agent.main import advertise_url, configure
+
     p = argparse.ArgumentParser()
     configure(p)
-    url = advertise_url(p.parse_args(["--host", "0.0.0.0", "--port", "9001",
-                                      "--router", "http://127.0.0.1:8000"]))
+    url = advertise_url(
+        p.parse_args(["--host", "0.0.0.0", "--port", "9001", "--router", "http://127.0.0.1:8000"])
+    )
     assert url == "http://127.0.0.1:9001"
-    out = subprocess.run(radixfleet_argv("agent", "--host", "0.0.0.0", "--port",
-                                         str(free_port()), "--router",
-                                         "http://no-such-host.invalid:8000"),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        radixfleet_argv(
+            "agent",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(free_port()),
+            "--router",
+            "http://no-such-host.invalid:8000",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--advertise-url" in out.stderr, out
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
@@ -289,9 +320,12 @@ def test_up_refuses_a_taken_port_before_starting_anything(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         started = time.monotonic()
-        out = subprocess.run(radixfleet_argv("up", "--agents", "1", "--port", str(port),
-                                             "--log-dir", str(tmp_path)),
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            radixfleet_argv("up", "--agents", "1", "--port", str(port), "--log-dir", str(tmp_path)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and f"port {port}" in lines[0] and "--port" in lines[0], out.stderr

@@ -26,11 +26,12 @@ def _running(path: str):
 
 def test_an_unchanged_policy_and_salt_secret_are_kept_as_objects(tmp_path, monkeypatch):
     monkeypatch.setenv("RF_TEST_SALT", "s3cret")
-    p = _write(tmp_path / "r.yaml", "keys: {tenant_salt_env: RF_TEST_SALT}\n"
-                                    "policy: {name: prefix_load}\n")
+    p = _write(tmp_path / "r.yaml", "keys: {tenant_salt_env: RF_TEST_SALT}\npolicy: {name: prefix_load}\n")
     cfg, salts, policy = _running(p)
-    _write(tmp_path / "r.yaml", "keys: {tenant_salt_env: RF_TEST_SALT}\n"
-                                "policy: {name: prefix_load}\nindex: {max_bytes: 1000000}\n")
+    _write(
+        tmp_path / "r.yaml",
+        "keys: {tenant_salt_env: RF_TEST_SALT}\npolicy: {name: prefix_load}\nindex: {max_bytes: 1000000}\n",
+    )
     out = prepare(p, {}, salts=salts, policy_cfg=cfg.policy, policy=policy)
     assert out.policy is policy  # hot roots and rates survive the reload
     assert out.tenants.salts is salts  # so do the salt caches
@@ -39,12 +40,10 @@ def test_an_unchanged_policy_and_salt_secret_are_kept_as_objects(tmp_path, monke
 
 def test_a_changed_policy_or_salt_is_built_anew(tmp_path, monkeypatch):
     monkeypatch.setenv("RF_TEST_SALT", "one")
-    p = _write(tmp_path / "r.yaml", "keys: {tenant_salt_env: RF_TEST_SALT}\n"
-                                    "policy: {name: prefix_load}\n")
+    p = _write(tmp_path / "r.yaml", "keys: {tenant_salt_env: RF_TEST_SALT}\npolicy: {name: prefix_load}\n")
     cfg, salts, policy = _running(p)
     monkeypatch.setenv("RF_TEST_SALT", "two")
-    _write(tmp_path / "r.yaml", "keys: {tenant_salt_env: RF_TEST_SALT}\n"
-                                "policy: {name: least_load}\n")
+    _write(tmp_path / "r.yaml", "keys: {tenant_salt_env: RF_TEST_SALT}\npolicy: {name: least_load}\n")
     out = prepare(p, {}, salts=salts, policy_cfg=cfg.policy, policy=policy)
     assert out.policy is not policy and out.policy.name == "least_load"
     assert not out.tenants.salts.same_keys(salts)
@@ -54,16 +53,18 @@ def test_a_changed_policy_or_salt_is_built_anew(tmp_path, monkeypatch):
 def test_overrides_keep_winning_over_the_file(tmp_path):
     p = _write(tmp_path / "r.yaml", "policy: {name: prefix_load}\n")
     cfg, salts, policy = _running(p)
-    out = prepare(p, {"index__max_bytes": 123_456}, salts=salts, policy_cfg=cfg.policy,
-                  policy=policy)
+    out = prepare(p, {"index__max_bytes": 123_456}, salts=salts, policy_cfg=cfg.policy, policy=policy)
     assert out.cfg.index.max_bytes == 123_456
 
 
-@pytest.mark.parametrize("text, field", [
-    ("policy: {name: cache-aware}\n", "policy.name"),
-    ("listen: {host: 10.0.0.1}\n", "auth.admin_token_env"),  # tokenless off loopback
-    ("index: {max_bytes: -1}\n", "index.max_bytes"),
-])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("policy: {name: cache-aware}\n", "policy.name"),
+        ("listen: {host: 10.0.0.1}\n", "auth.admin_token_env"),  # tokenless off loopback
+        ("index: {max_bytes: -1}\n", "index.max_bytes"),
+    ],
+)
 def test_an_invalid_file_raises_with_its_field(tmp_path, text, field):
     p = _write(tmp_path / "r.yaml", "policy: {name: prefix_load}\n")
     cfg, salts, policy = _running(p)

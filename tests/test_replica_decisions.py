@@ -46,6 +46,7 @@ class _Replicas(PrefixLoad):
             for r in self.replicas:
                 if r is not source:
                     r.hot.apply_remote(op, key, depth, worker, self.now)
+
         return listener
 
     def choose(self, request, match, views, now):
@@ -70,9 +71,24 @@ def _run(monkeypatch, n: int) -> tuple[dict, list]:
     monkeypatch.setattr(fleet, "build_policy", build)
     p = argparse.ArgumentParser()
     simulate_main.configure(p)
-    args = p.parse_args(["--workload", "mixed", "--workers", "4", "--kv-tokens", "12000",
-                         "--rate", "12", "--requests", "600", "--duration", "60",
-                         "--policies", "prefix_load"])
+    args = p.parse_args(
+        [
+            "--workload",
+            "mixed",
+            "--workers",
+            "4",
+            "--kv-tokens",
+            "12000",
+            "--rate",
+            "12",
+            "--requests",
+            "600",
+            "--duration",
+            "60",
+            "--policies",
+            "prefix_load",
+        ]
+    )
     plans, workload, bounds, params = simulate_main.build(args)
     out = simulate_main.simulate(plans, workload, bounds, params, seed=args.seed)[0]
     return out.report, made[0].decisions
@@ -86,5 +102,6 @@ def test_replicas_with_an_instant_bus_make_one_routers_decisions(monkeypatch, n)
     diverged = [i for i, (a, b) in enumerate(zip(decisions, one_decisions)) if a != b]
     assert len(decisions) == len(one_decisions) and not diverged, (
         f"{len(diverged)} decisions differ, first at request {diverged[:1]}: "
-        f"hit {many['hit_rate']:.3f} vs one router's {one['hit_rate']:.3f}")
+        f"hit {many['hit_rate']:.3f} vs one router's {one['hit_rate']:.3f}"
+    )
     assert many["hit_rate"] == one["hit_rate"]

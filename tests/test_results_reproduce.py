@@ -32,7 +32,8 @@ def test_seeded_figures_reproduce(name):
     problems = check([name], suite=True)
     assert not problems, "\n".join(problems) + (
         "\nA seeded figure in bench/RESULTS.md no longer reproduces: if the change is meant, "
-        "re-measure with `radixfleet bench reproduce --write` and say why in the section.")
+        "re-measure with `radixfleet bench reproduce --write` and say why in the section."
+    )
 
 
 def test_a_changed_figure_is_reported(tmp_path):

@@ -28,9 +28,14 @@ async def wait_for(pred, timeout_s: float = 10.0, what: str = "") -> None:
 
 
 async def test_agents_register_push_events_and_keep_affinity():
-    router = Router(parse_config({
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 1},
-        "policy": {"name": "prefix_load", "params": {"min_match_tokens": 32}}}))
+    router = Router(
+        parse_config(
+            {
+                "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 1},
+                "policy": {"name": "prefix_load", "params": {"min_match_tokens": 32}},
+            }
+        )
+    )
     server = RouterServer(router, port=free_port())
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
@@ -38,9 +43,21 @@ async def test_agents_register_push_events_and_keep_affinity():
     try:
         for i in range(2):
             ap = free_port()
-            p = Proc(radixfleet_argv("agent", "--port", str(ap), "--worker-id", f"ag{i}",
-                                     "--router", base, "--kv-tokens", "200000"),
-                     ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30)
+            p = Proc(
+                radixfleet_argv(
+                    "agent",
+                    "--port",
+                    str(ap),
+                    "--worker-id",
+                    f"ag{i}",
+                    "--router",
+                    base,
+                    "--kv-tokens",
+                    "200000",
+                ),
+                ready_url=f"http://127.0.0.1:{ap}/health",
+                timeout_s=30,
+            )
             agents.append(p.__enter__())
         await wait_for(lambda: len(router.pool.views(time.monotonic())) == 2, what="agents")
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
@@ -50,13 +67,16 @@ async def test_agents_register_push_events_and_keep_affinity():
             model = models[0]["id"]
             workers = []
             for turn in range(3):
-                r = await c.post(base + "/v1/chat/completions",
-                                 json={"model": model, "messages": msgs, "max_tokens": 4})
+                r = await c.post(
+                    base + "/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": 4}
+                )
                 assert r.status_code == 200, r.text
                 workers.append(r.headers["x-radixfleet-worker"])
                 reply = r.json()["choices"][0]["message"]["content"]
-                msgs += [{"role": "assistant", "content": reply},
-                         {"role": "user", "content": f"And then {turn}?"}]
+                msgs += [
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": f"And then {turn}?"},
+                ]
                 await asyncio.sleep(0.3)  # let the agent's events arrive
         assert len(set(workers)) == 1, workers  # follow-ups stay on their warm worker
         warm = workers[0]
@@ -64,8 +84,7 @@ async def test_agents_register_push_events_and_keep_affinity():
         assert router.metrics.batches.labels("ok")._value.get() > 0
         assert router.metrics._event_children["stored"]._value.get() > 0
         assert warm in router.index.workers()
-        stream = await client.chat.completions.create(model=model, messages=msgs,
-                                                      max_tokens=4, stream=True)
+        stream = await client.chat.completions.create(model=model, messages=msgs, max_tokens=4, stream=True)
         parts = [ch async for ch in stream]
         assert parts
         await client.close()
@@ -74,8 +93,9 @@ async def test_agents_register_push_events_and_keep_affinity():
         victim.kill()
         await wait_for(lambda: warm not in router.index.workers(), what="index drop")
         async with httpx.AsyncClient(timeout=30) as c:
-            r = await c.post(base + "/v1/chat/completions",
-                             json={"model": model, "messages": msgs, "max_tokens": 4})
+            r = await c.post(
+                base + "/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": 4}
+            )
         assert r.status_code == 200 and r.headers["x-radixfleet-worker"] != warm
         router.pool.check()
         router.index.check()
@@ -90,15 +110,22 @@ async def test_agent_with_other_block_bytes_is_refused_and_says_why():
     would report is one the router never looks up, so registration is refused with
     409 block_bytes_mismatch, nothing of it reaches the index, the agent's
     /server_info names the reason, and requests are still served (load-only)."""
-    router = Router(parse_config({"keys": {"block_bytes": 128},
-                                  "workers": [{"url": "http://127.0.0.1:1", "id": "static"}]}))
+    router = Router(
+        parse_config(
+            {"keys": {"block_bytes": 128}, "workers": [{"url": "http://127.0.0.1:1", "id": "static"}]}
+        )
+    )
     server = RouterServer(router, port=free_port())
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     ap = free_port()
-    agent = Proc(radixfleet_argv("agent", "--port", str(ap), "--worker-id", "odd",
-                                 "--router", base, "--block-bytes", "64"),
-                 ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30).__enter__()
+    agent = Proc(
+        radixfleet_argv(
+            "agent", "--port", str(ap), "--worker-id", "odd", "--router", base, "--block-bytes", "64"
+        ),
+        ready_url=f"http://127.0.0.1:{ap}/health",
+        timeout_s=30,
+    ).__enter__()
     try:
         refused = router.metrics.registrations_refused.labels("block_bytes_mismatch")
         await wait_for(lambda: refused._value.get() >= 1, what="refused registration")
@@ -107,21 +134,28 @@ async def test_agent_with_other_block_bytes_is_refused_and_says_why():
         async with httpx.AsyncClient(timeout=10) as c:
             info = (await c.get(f"http://127.0.0.1:{ap}/server_info")).json()
             assert info["block_bytes"] == 64
-            assert info["routers"] == [{"url": base, "state": "unregistered",
-                                        "refused": "block_bytes_mismatch",
-                                        "sent_batches": 0}]
+            assert info["routers"] == [
+                {"url": base, "state": "unregistered", "refused": "block_bytes_mismatch", "sent_batches": 0}
+            ]
             # the refusal itself, as the agent sees it: the router's size to use instead
-            r = await c.post(base + "/internal/v1/register", json={
-                "worker_id": "odd", "url": f"http://127.0.0.1:{ap}", "epoch": "x",
-                "block_bytes": 64})
+            r = await c.post(
+                base + "/internal/v1/register",
+                json={"worker_id": "odd", "url": f"http://127.0.0.1:{ap}", "epoch": "x", "block_bytes": 64},
+            )
             assert r.status_code == 409
             body = r.json()
             assert body["status"] == "block_bytes_mismatch" and body["block_bytes"] == 128
             assert "--block-bytes 128" in body["error"]["message"]
             for bad in (0, -1, "128", 1.5, True):
-                r = await c.post(base + "/internal/v1/register", json={
-                    "worker_id": "odd", "url": f"http://127.0.0.1:{ap}", "epoch": "x",
-                    "block_bytes": bad})
+                r = await c.post(
+                    base + "/internal/v1/register",
+                    json={
+                        "worker_id": "odd",
+                        "url": f"http://127.0.0.1:{ap}",
+                        "epoch": "x",
+                        "block_bytes": bad,
+                    },
+                )
                 assert r.status_code == 400 and r.json()["error"]["param"] == "block_bytes", bad
         router.pool.check()
     finally:
@@ -138,15 +172,21 @@ async def test_agent_stream_counts_prompt_until_first_content_token():
     base = f"http://127.0.0.1:{port}"
     ap = free_port()
     # 8B at 5% MFU of an H100: a 4,000-token prefill takes about 1.3 s
-    agent = Proc(radixfleet_argv("agent", "--port", str(ap), "--worker-id", "slow",
-                                 "--router", base, "--mfu", "0.05"),
-                 ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30)
+    agent = Proc(
+        radixfleet_argv("agent", "--port", str(ap), "--worker-id", "slow", "--router", base, "--mfu", "0.05"),
+        ready_url=f"http://127.0.0.1:{ap}/health",
+        timeout_s=30,
+    )
     agent.__enter__()
     try:
         await wait_for(lambda: len(router.pool.views(time.monotonic())) == 1, what="agent")
         w = router.pool.get("slow")
-        body = {"model": "llama-3-8b", "stream": True, "max_tokens": 4,
-                "messages": [{"role": "user", "content": "word " * 3200}]}
+        body = {
+            "model": "llama-3-8b",
+            "stream": True,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "word " * 3200}],
+        }
         during = []
         async with httpx.AsyncClient(timeout=60) as c:
             async with c.stream("POST", base + "/v1/chat/completions", json=body) as r:

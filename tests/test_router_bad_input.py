@@ -20,15 +20,15 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.app import Router, RouterServer
-from radixfleet.bench.proxy import upstream_app
-from router.config import ConfigError, parse_config
 from protocol.errors import MalformedRequest, Overloaded
 from protocol.events import Load
 from protocol.identifiers import MAX_ID_CHARS
-from service.jsonbody import MAX_DEPTH, loads, nesting_depth
 from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.bench.proxy import upstream_app
+from router.app import Router, RouterServer
+from router.config import ConfigError, parse_config
 from router.shedding import QueueMark, Shedder
+from service.jsonbody import MAX_DEPTH, loads, nesting_depth
 from tests.procs import free_port
 from worker_agent.scheduler import SchedulerConfig
 from worker_agent.server import AGENT_KEY, AgentConfig, create_app
@@ -71,8 +71,12 @@ class Fleet:
         with the router (its reporter) unless ``register`` is False."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cfg = AgentConfig(kv_tokens=kw.pop("kv_tokens", 200_000), served_model_name=served,
-                          worker_id=kw.pop("worker_id", served), **kw)
+        cfg = AgentConfig(
+            kv_tokens=kw.pop("kv_tokens", 200_000),
+            served_model_name=served,
+            worker_id=kw.pop("worker_id", served),
+            **kw,
+        )
         app = create_app(cfg, routers=[self.base] if register else None, advertise_url=url)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -80,7 +84,7 @@ class Fleet:
         self.closers.append(runner.cleanup)
         return url, app
 
-    async def start(self, raw: dict) -> "Fleet":
+    async def start(self, raw: dict) -> Fleet:
         self.router = Router(parse_config({"health": HEALTH, **raw}))
         server = RouterServer(self.router, port=free_port())
         self.port = await server.start()
@@ -93,8 +97,7 @@ class Fleet:
         self.router.pool.started = time.monotonic() - 3600
 
     async def routable(self, n: int) -> None:
-        await until(lambda: len(self.router.pool.views(time.monotonic())) >= n,
-                    what=f"{n} routable workers")
+        await until(lambda: len(self.router.pool.views(time.monotonic())) >= n, what=f"{n} routable workers")
 
     async def aclose(self) -> None:
         for c in self.closers:
@@ -123,8 +126,9 @@ async def trickle(port: int, data: bytes, gap_s: float, timeout_s: float) -> byt
 
     async def send():
         for i in range(len(data)):
-            w.write(data[i:i + 1])
+            w.write(data[i : i + 1])
             await asyncio.sleep(gap_s)
+
     sender = asyncio.create_task(send())
     out = b""
     deadline = time.monotonic() + timeout_s
@@ -144,14 +148,13 @@ async def trickle(port: int, data: bytes, gap_s: float, timeout_s: float) -> byt
     return out
 
 
-async def raw_http(port: int, data: bytes | list[bytes], *, gap_s: float = 0.0,
-                   read_s: float = 3.0) -> bytes:
+async def raw_http(port: int, data: bytes | list[bytes], *, gap_s: float = 0.0, read_s: float = 3.0) -> bytes:
     """Sends ``data`` (pieces ``gap_s`` apart) on one connection; reads until EOF,
     ``read_s`` after the last piece, or a complete JSON answer."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
     out = b""
     try:
-        for piece in (data if isinstance(data, list) else [data]):
+        for piece in data if isinstance(data, list) else [data]:
             if w.is_closing():
                 break
             w.write(piece)
@@ -193,17 +196,23 @@ def json_body_of(out: bytes) -> dict:
 
 LONE = "\\ud800"  # a lone surrogate, as a JSON escape (valid JSON, not valid Unicode)
 SURROGATE_CASES = {
-    "model": ("/v1/chat/completions",
-              '{"model":"%s","messages":[{"role":"user","content":"hi"}]}' % LONE),
+    "model": ("/v1/chat/completions", '{"model":"%s","messages":[{"role":"user","content":"hi"}]}' % LONE),
     "lora_path": ("/v1/completions", '{"model":"m","prompt":"hi","lora_path":"%s"}' % LONE),
-    "role": ("/v1/chat/completions",
-             '{"model":"m","messages":[{"role":"%s","content":"hi"}]}' % LONE),
-    "tools": ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":"hi"}],'
-              '"tools":[{"type":"function","function":{"name":"%s"}}]}' % LONE),
-    "tool_calls": ("/v1/chat/completions", '{"model":"m","messages":[{"role":"assistant",'
-                   '"content":null,"tool_calls":[{"id":"%s"}]}]}' % LONE),
-    "media": ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":'
-              '[{"type":"image_url","image_url":{"url":"%s"}}]}]}' % LONE),
+    "role": ("/v1/chat/completions", '{"model":"m","messages":[{"role":"%s","content":"hi"}]}' % LONE),
+    "tools": (
+        "/v1/chat/completions",
+        '{"model":"m","messages":[{"role":"user","content":"hi"}],'
+        '"tools":[{"type":"function","function":{"name":"%s"}}]}' % LONE,
+    ),
+    "tool_calls": (
+        "/v1/chat/completions",
+        '{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"%s"}]}]}' % LONE,
+    ),
+    "media": (
+        "/v1/chat/completions",
+        '{"model":"m","messages":[{"role":"user","content":'
+        '[{"type":"image_url","image_url":{"url":"%s"}}]}]}' % LONE,
+    ),
 }
 
 
@@ -221,14 +230,14 @@ async def test_lone_surrogates_are_never_500(fleet):
     fleet.past_grace()
     async with httpx.AsyncClient() as c:
         for field, (path, body) in sorted(SURROGATE_CASES.items()):
-            r = await c.post(fleet.base + path, content=body.encode(),
-                             headers={"content-type": "application/json"})
+            r = await c.post(
+                fleet.base + path, content=body.encode(), headers={"content-type": "application/json"}
+            )
             assert r.status_code < 500, (field, r.status_code, r.text)
             if r.status_code >= 400:
                 assert r.json()["error"]["message"], field
         # the unknown (surrogate) model is a 404 naming the served one
-        r = await c.post(fleet.base + "/v1/chat/completions",
-                         content=SURROGATE_CASES["model"][1].encode())
+        r = await c.post(fleet.base + "/v1/chat/completions", content=SURROGATE_CASES["model"][1].encode())
         assert r.status_code == 404 and "'m'" in r.json()["error"]["message"]
 
 
@@ -239,10 +248,15 @@ def test_bounded_depth_parse():
     assert nesting_depth(b'{"a": "[[[[", "b": [[{}]]}') == 4
     assert nesting_depth(b'["\\\\", ["\\"[[["]]') == 2
     assert loads(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None
-    for bad, needle in ((DEEP, "nested deeper than 128"), (b"[" * 129 + b"]" * 129, "deeper"),
-                        (b'{"a": NaN}', "NaN is not JSON"), (b"[Infinity]", "Infinity"),
-                        (b"[1e400]", "not a finite number"), (b"\xff", "not valid UTF-8"),
-                        (b"1" * 5000, "not valid JSON")):
+    for bad, needle in (
+        (DEEP, "nested deeper than 128"),
+        (b"[" * 129 + b"]" * 129, "deeper"),
+        (b'{"a": NaN}', "NaN is not JSON"),
+        (b"[Infinity]", "Infinity"),
+        (b"[1e400]", "not a finite number"),
+        (b"\xff", "not valid UTF-8"),
+        (b"1" * 5000, "not valid JSON"),
+    ):
         with pytest.raises(MalformedRequest, match=needle):
             loads(bad)
     # brackets inside strings never count
@@ -254,11 +268,17 @@ async def test_deep_json_is_400_on_every_json_endpoint(fleet):
     await one_router(fleet)
     agent_url, _ = await fleet.agent("m", register=False)
     async with httpx.AsyncClient(timeout=10) as c:
-        for url in (fleet.base + "/v1/completions", fleet.base + "/v1/chat/completions",
-                    fleet.base + "/generate", fleet.base + "/admin/workers",
-                    fleet.base + "/internal/v1/register", fleet.base + "/internal/v1/events",
-                    fleet.base + "/admin/workers/u/drain",
-                    agent_url + "/v1/completions", agent_url + "/internal/v1/engine_config"):
+        for url in (
+            fleet.base + "/v1/completions",
+            fleet.base + "/v1/chat/completions",
+            fleet.base + "/generate",
+            fleet.base + "/admin/workers",
+            fleet.base + "/internal/v1/register",
+            fleet.base + "/internal/v1/events",
+            fleet.base + "/admin/workers/u/drain",
+            agent_url + "/v1/completions",
+            agent_url + "/internal/v1/engine_config",
+        ):
             r = await c.post(url, content=DEEP, headers={"content-type": "application/json"})
             assert r.status_code == 400, (url, r.status_code, r.text[:200])
             assert "nested deeper" in r.json()["error"]["message"], url
@@ -269,20 +289,29 @@ async def test_non_utf8_credentials_are_401(fleet, monkeypatch):
     monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "adm")
     monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "agt")
     url = await fleet.upstream("u")
-    await fleet.start({"workers": [{"url": url}], "keys": {"tenant": {
-        "source": "api_key", "api_keys": [{"tenant": "acme", "key": "k-acme"}]}}})
+    await fleet.start(
+        {
+            "workers": [{"url": url}],
+            "keys": {"tenant": {"source": "api_key", "api_keys": [{"tenant": "acme", "key": "k-acme"}]}},
+        }
+    )
     await fleet.routable(1)
     bad = b"Bearer \xff\xfe"
-    for req in (b"GET /admin/workers HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n" % bad,
-                b"GET /admin/index HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n" % bad,
-                b"POST /internal/v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n"
-                b"Content-Length: 2\r\n\r\n{}" % bad):
+    for req in (
+        b"GET /admin/workers HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n" % bad,
+        b"GET /admin/index HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n" % bad,
+        b"POST /internal/v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n"
+        b"Content-Length: 2\r\n\r\n{}" % bad,
+    ):
         out = await raw_http(fleet.port, req)
         assert status_of(out) == 401, out[:300]
     body = b'{"model":"m","prompt":"hi"}'
     for header in (b"x-api-key: \xff\xfe", b"Authorization: Bearer \xc3\x28"):
-        out = await raw_http(fleet.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (header, len(body), body))
+        out = await raw_http(
+            fleet.port,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (header, len(body), body),
+        )
         assert status_of(out) == 401, out[:300]
         assert json_body_of(out)["error"]["code"] == "unauthorized"
 
@@ -293,8 +322,9 @@ async def test_bad_ipv6_worker_url_is_400(fleet):
     async with httpx.AsyncClient() as c:
         r = await c.post(fleet.base + "/admin/workers", json={"url": "http://[::1"})
         assert r.status_code == 400 and "Invalid IPv6 URL" in r.json()["error"]["message"]
-        r = await c.post(fleet.base + "/internal/v1/register",
-                         json={"worker_id": "a", "url": "http://[::1", "epoch": "e"})
+        r = await c.post(
+            fleet.base + "/internal/v1/register", json={"worker_id": "a", "url": "http://[::1", "epoch": "e"}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "url"
     with pytest.raises(ConfigError, match=r"workers\[0\]\.url: invalid URL"):
         parse_config({"workers": [{"url": "http://[::1"}]})
@@ -305,18 +335,24 @@ async def test_bad_chunk_size_on_a_handed_over_path_is_json_400(fleet, caplog):
     await one_router(fleet)
     caplog.set_level(logging.DEBUG)
     for path in (b"/health", b"/admin/workers", b"/nope"):
-        out = await raw_http(fleet.port, b"POST %s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
-                             b"chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n" % path)
+        out = await raw_http(
+            fleet.port,
+            b"POST %s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n" % path,
+        )
         # 400 when aiohttp parses the bad chunk first; the route's own 4xx when the
         # head alone arrived first and was answered: JSON either way, never 5xx
         assert 400 <= status_of(out) < 500, out
         assert json_body_of(out)["error"]["code"], out
     # and when the broken chunk surely arrives after the handler answered
-    out = await raw_http(fleet.port, [b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
-                                      b"chunked\r\n\r\n2\r\nab\r\n", b"zz\r\n"], gap_s=0.2)
+    out = await raw_http(
+        fleet.port,
+        [b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n", b"zz\r\n"],
+        gap_s=0.2,
+    )
     assert 400 <= status_of(out) < 500, out
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], \
-        [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info
+    ]
     assert fleet.router.metrics.bad_http.labels("400")._value.get() >= 1
 
 
@@ -326,16 +362,23 @@ async def test_long_request_id_is_not_passed_on(fleet):
     await fleet.agent("m")
     await fleet.routable(1)
     async with httpx.AsyncClient(timeout=10) as c:
-        r = await c.post(fleet.base + "/v1/completions", headers={"x-request-id": "r" * 10_000},
-                         json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        r = await c.post(
+            fleet.base + "/v1/completions",
+            headers={"x-request-id": "r" * 10_000},
+            json={"model": "m", "prompt": "hi", "max_tokens": 2},
+        )
         assert r.status_code == 200, r.text
         assert len(r.headers["x-request-id"]) < 100
-        r = await c.post(fleet.base + "/v1/completions", headers={"x-request-id": "ok-1.2"},
-                         json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        r = await c.post(
+            fleet.base + "/v1/completions",
+            headers={"x-request-id": "ok-1.2"},
+            json={"model": "m", "prompt": "hi", "max_tokens": 2},
+        )
         assert r.headers["x-request-id"] == "ok-1.2"
 
 
 # ============================================ reported load
+
 
 @pytest.mark.integration
 async def test_out_of_range_load_reports_are_refused_and_routing_survives(fleet):
@@ -345,12 +388,22 @@ async def test_out_of_range_load_reports_are_refused_and_routing_survives(fleet)
     async with httpx.AsyncClient() as c:
         assert (await c.post(fleet.base + "/internal/v1/register", json=reg)).status_code == 200
         seq = 0
-        for field, value in (("queued_tokens", "1" + "0" * 400), ("queued_tokens", "1e400"),
-                             ("queued_requests", "NaN"), ("kv_used_tokens", "Infinity"),
-                             ("prefill_tokens_per_s", "NaN"), ("prefill_tokens_per_s", "1e13"),
-                             ("queued_tokens", "-1"), ("running_requests", "2.5")):
-            raw = ('{"worker_id":"ag","url":"%s","epoch":"e1","seq":%d,"events":[],'
-                   '"load":{"%s":%s}}' % (other, seq, field, value))
+        for field, value in (
+            ("queued_tokens", "1" + "0" * 400),
+            ("queued_tokens", "1e400"),
+            ("queued_requests", "NaN"),
+            ("kv_used_tokens", "Infinity"),
+            ("prefill_tokens_per_s", "NaN"),
+            ("prefill_tokens_per_s", "1e13"),
+            ("queued_tokens", "-1"),
+            ("running_requests", "2.5"),
+        ):
+            raw = '{"worker_id":"ag","url":"%s","epoch":"e1","seq":%d,"events":[],"load":{"%s":%s}}' % (
+                other,
+                seq,
+                field,
+                value,
+            )
             r = await c.post(fleet.base + "/internal/v1/events", content=raw.encode())
             assert r.status_code == 400, (field, value, r.status_code, r.text)
             assert "load" in r.json()["error"]["message"] or "JSON" in r.json()["error"]["message"]
@@ -361,6 +414,7 @@ async def test_out_of_range_load_reports_are_refused_and_routing_survives(fleet)
 
 
 # ========================================================== shedding
+
 
 @pytest.mark.integration
 async def test_overload_is_shed_by_default_with_retry_after(fleet):
@@ -373,11 +427,21 @@ async def test_overload_is_shed_by_default_with_retry_after(fleet):
         assert (await c.post(fleet.base + "/internal/v1/register", json=reg)).status_code == 200
 
         async def report(queued_tokens):
-            b = {"worker_id": "ag", "url": other, "epoch": "e1", "seq": report.seq, "events": [],
-                 "load": {"queued_requests": 8, "queued_tokens": queued_tokens,
-                          "prefill_tokens_per_s": 10_000.0}}
+            b = {
+                "worker_id": "ag",
+                "url": other,
+                "epoch": "e1",
+                "seq": report.seq,
+                "events": [],
+                "load": {
+                    "queued_requests": 8,
+                    "queued_tokens": queued_tokens,
+                    "prefill_tokens_per_s": 10_000.0,
+                },
+            }
             report.seq += 1
             assert (await c.post(fleet.base + "/internal/v1/events", json=b)).status_code == 200
+
         report.seq = 0
         await report(0)
         ok = await c.post(fleet.base + "/v1/completions", json={"model": "m", "prompt": PROMPT})
@@ -402,6 +466,7 @@ def test_shedder_bound_follows_the_typical_request():
         def __init__(self, queued):
             self.load = Load(queued_tokens=queued, prefill_tokens_per_s=1000.0)
             self.mark = QueueMark()  # reported at t=0, nothing picked since
+
     s = Shedder(2.0, 0.05)
     assert s.check([W(0)], "m", None, 500, 0.0) is None  # learns: typical 0.5 s
     assert s.bound_s() == pytest.approx(1.0)
@@ -416,16 +481,25 @@ def test_shedder_bound_follows_the_typical_request():
 
 @pytest.mark.integration
 async def test_agent_wait_queue_is_bounded():
-    app = create_app(AgentConfig(model="llama-3-8b", gpu="l4", kv_tokens=100_000,
-                                 scheduler=SchedulerConfig(max_running=1, max_waiting=2)))
+    app = create_app(
+        AgentConfig(
+            model="llama-3-8b",
+            gpu="l4",
+            kv_tokens=100_000,
+            scheduler=SchedulerConfig(max_running=1, max_waiting=2),
+        )
+    )
     srv = TestServer(app, host="127.0.0.1")
     await srv.start_server()
     url = str(srv.make_url("/v1/completions"))
     try:
         async with httpx.AsyncClient(timeout=30) as c:
-            reqs = [asyncio.create_task(c.post(url, json={
-                "model": "llama-3-8b", "prompt": PROMPT, "max_tokens": 8}))
-                for _ in range(6)]
+            reqs = [
+                asyncio.create_task(
+                    c.post(url, json={"model": "llama-3-8b", "prompt": PROMPT, "max_tokens": 8})
+                )
+                for _ in range(6)
+            ]
             rs = await asyncio.gather(*reqs)
         codes = sorted(r.status_code for r in rs)
         assert codes.count(200) >= 2 and 429 in codes, codes  # 1 running + 2 waiting at most
@@ -434,8 +508,10 @@ async def test_agent_wait_queue_is_bounded():
         assert len(app[AGENT_KEY].sched.waiting) == 0
     finally:
         await srv.close()
-    from worker_agent.main import build_config, configure
     import argparse
+
+    from worker_agent.main import build_config, configure
+
     p = argparse.ArgumentParser()
     configure(p)
     assert build_config(p.parse_args(["--port", "1"])).scheduler.max_waiting == 4 * 256
@@ -451,12 +527,18 @@ async def test_head_and_body_deadlines(fleet):
     assert status_of(out) == 408 and b"head not received within 0.5s" in out, out
     assert time.monotonic() - t0 < 4
     # a head, then a body that stops short
-    out = await raw_http(fleet.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"model\"", read_s=3.0)
+    out = await raw_http(
+        fleet.port,
+        b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"model"',
+        read_s=3.0,
+    )
     assert status_of(out) == 408 and b"body not received" in out, out
     # the same on a path the aiohttp app serves
-    out = await raw_http(fleet.port, b"POST /admin/workers HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"url\"", read_s=3.0)
+    out = await raw_http(
+        fleet.port,
+        b'POST /admin/workers HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"url"',
+        read_s=3.0,
+    )
     assert status_of(out) == 408, out
 
 
@@ -479,6 +561,7 @@ async def test_a_workers_503_passes_through_with_retry_after(fleet):
 
     async def health(request):
         return web.Response(text="ok")
+
     app = web.Application()
     app.router.add_post("/v1/completions", busy)
     app.router.add_get("/health", health)
@@ -493,20 +576,24 @@ async def test_a_workers_503_passes_through_with_retry_after(fleet):
 
 # ======================================================== identifiers
 
+
 @pytest.mark.integration
 async def test_identifiers_are_bounded(fleet, tmp_path):
     url = await one_router(fleet)
     other = await fleet.upstream("v")
     huge = "w" * 100_000
     async with httpx.AsyncClient() as c:
-        r = await c.post(fleet.base + "/internal/v1/register",
-                         json={"worker_id": huge, "url": other, "epoch": "e"})
+        r = await c.post(
+            fleet.base + "/internal/v1/register", json={"worker_id": huge, "url": other, "epoch": "e"}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "worker_id"
-        for bad in ({"worker_id": "a/b", "url": other, "epoch": "e"},
-                    {"worker_id": "a", "url": other, "epoch": "e" * 200},
-                    {"worker_id": "a", "url": other, "epoch": "e", "models": ["m"] * 65},
-                    {"worker_id": "a", "url": other, "epoch": "e", "models": ["x" * 300]},
-                    {"worker_id": "a", "url": "http://h:1/" + "p" * 3000, "epoch": "e"}):
+        for bad in (
+            {"worker_id": "a/b", "url": other, "epoch": "e"},
+            {"worker_id": "a", "url": other, "epoch": "e" * 200},
+            {"worker_id": "a", "url": other, "epoch": "e", "models": ["m"] * 65},
+            {"worker_id": "a", "url": other, "epoch": "e", "models": ["x" * 300]},
+            {"worker_id": "a", "url": "http://h:1/" + "p" * 3000, "epoch": "e"},
+        ):
             r = await c.post(fleet.base + "/internal/v1/register", json=bad)
             assert r.status_code == 400, (str(bad)[:80], r.text)
         r = await c.post(fleet.base + "/admin/workers", json={"url": other, "id": huge})
@@ -523,6 +610,7 @@ async def test_identifiers_are_bounded(fleet, tmp_path):
 
 # ============================================================ metrics
 
+
 @pytest.mark.integration
 async def test_metrics_hygiene(fleet):
     async def fail(request):
@@ -532,20 +620,28 @@ async def test_metrics_hygiene(fleet):
 
     async def health(request):
         return web.json_response({"data": []})
+
     bad = web.Application()
     bad.router.add_post("/v1/completions", fail)
     bad.router.add_get("/health", health)
     runner, bad_url = await serve_app(bad)
     fleet.closers.append(runner.cleanup)
     good = await fleet.upstream("good", chunks=2)
-    await fleet.start({"workers": [{"url": bad_url, "id": "bad"}, {"url": good, "id": "good"}],
-                       "policy": {"name": "round_robin"}, "breaker": {"failure_threshold": 50},
-                       "index": {"max_bytes": 2000}})
+    await fleet.start(
+        {
+            "workers": [{"url": bad_url, "id": "bad"}, {"url": good, "id": "good"}],
+            "policy": {"name": "round_robin"},
+            "breaker": {"failure_threshold": 50},
+            "index": {"max_bytes": 2000},
+        }
+    )
     await fleet.routable(2)
     async with httpx.AsyncClient() as c:
         for i in range(4):
-            r = await c.post(fleet.base + "/v1/completions",
-                             json={"model": "m", "prompt": f"{i} " + PROMPT, "stream": i % 2 == 0})
+            r = await c.post(
+                fleet.base + "/v1/completions",
+                json={"model": "m", "prompt": f"{i} " + PROMPT, "stream": i % 2 == 0},
+            )
             assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "good"
         text = (await c.get(fleet.base + "/metrics")).text
     assert "# TYPE radixfleet_index_evicted_entries_total counter" in text

@@ -10,10 +10,10 @@ import json
 import pytest
 from aiohttp import web
 
+from protocol.errors import ConfigError
 from router.config import parse_config
 from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.kinds import WorkerKind, kind_from_metrics, models_from
-from protocol.errors import ConfigError
 from router.main import worker_entry
 from router.sse import StreamWatch, usage_of
 
@@ -24,12 +24,21 @@ def ev(obj) -> bytes:
 
 ROLE = ev({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
 TOKEN = ev({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})
-USAGE = ev({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 2,
-                                     "prompt_tokens_details": {"cached_tokens": 64}}})
+USAGE = ev(
+    {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 100,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 64},
+        },
+    }
+)
 DONE = b"data: [DONE]\n\n"
 
 
 # ------------------------------------------------------------------ StreamWatch
+
 
 def test_role_chunk_is_not_the_first_token():
     w = StreamWatch()
@@ -39,10 +48,17 @@ def test_role_chunk_is_not_the_first_token():
 
 def test_completion_tokens_are_read_from_usage_or_meta_info():
     from router.sse import completion_tokens_of
+
     assert completion_tokens_of({"usage": {"completion_tokens": 7}}) == 7
     assert completion_tokens_of({"meta_info": {"completion_tokens": 3}}) == 3
-    for bad in ({"usage": {"completion_tokens": -1}}, {"usage": {"completion_tokens": "7"}},
-                {"usage": {"completion_tokens": True}}, {"usage": None}, [], None):
+    for bad in (
+        {"usage": {"completion_tokens": -1}},
+        {"usage": {"completion_tokens": "7"}},
+        {"usage": {"completion_tokens": True}},
+        {"usage": None},
+        [],
+        None,
+    ):
         assert completion_tokens_of(bad) is None
     w = StreamWatch(strip_usage=True)
     w.feed(TOKEN + USAGE + DONE)
@@ -61,7 +77,7 @@ def test_usage_read_and_hidden_only_when_asked():
 def test_events_cut_across_reads_are_held_whole():
     w = StreamWatch(strip_usage=True)
     data = ROLE + TOKEN + USAGE + DONE
-    out = b"".join(w.feed(data[i:i + 7]) for i in range(0, len(data), 7)) + w.flush()
+    out = b"".join(w.feed(data[i : i + 7]) for i in range(0, len(data), 7)) + w.flush()
     assert out == ROLE + TOKEN + DONE and w.usage == (100, 64) and w.first_token
 
 
@@ -72,8 +88,7 @@ def _with_sep(data: bytes, sep: bytes) -> bytes:
     return data.replace(b"\n\n", b"\0").replace(b"\n", nl).replace(b"\0", sep)
 
 
-@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n", b"\r\r", b"\r\n\n", b"\n\r\n",
-                                 b"\r\r\n", b"\n\r"])
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n", b"\r\r", b"\r\n\n", b"\n\r\n", b"\r\r\n", b"\n\r"])
 def test_every_sse_event_separator_ends_an_event_as_it_arrives(sep):
     # each event is passed on (and its facts read) as soon as its blank line arrives,
     # not at the end of the stream, whichever line ends the worker writes
@@ -99,7 +114,7 @@ def test_events_cut_anywhere_pass_byte_for_byte(sep):
         assert out == want, cut
         assert w.first_token and w.usage == (100, 64), cut
     w = StreamWatch(strip_usage=True)
-    out = b"".join(w.feed(data[i:i + 1]) for i in range(len(data))) + w.flush()
+    out = b"".join(w.feed(data[i : i + 1]) for i in range(len(data))) + w.flush()
     assert out == want
 
 
@@ -114,10 +129,12 @@ def test_a_broken_stream_drops_its_unfinished_event():
 
 
 def test_completions_text_tool_calls_and_sglang_generate_count_as_tokens():
-    for obj in ({"choices": [{"text": "x"}]},
-                {"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]},
-                {"choices": [{"delta": {"reasoning_content": "hmm"}}]},
-                {"text": "x", "meta_info": {"prompt_tokens": 9, "cached_tokens": 3}}):
+    for obj in (
+        {"choices": [{"text": "x"}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]},
+        {"choices": [{"delta": {"reasoning_content": "hmm"}}]},
+        {"text": "x", "meta_info": {"prompt_tokens": 9, "cached_tokens": 3}},
+    ):
         w = StreamWatch()
         w.feed(ev(obj))
         assert w.first_token, obj
@@ -133,14 +150,14 @@ def test_malformed_events_pass_through_untouched():
 
 
 def test_usage_of_refuses_impossible_figures():
-    assert usage_of({"usage": {"prompt_tokens": 5, "prompt_tokens_details":
-                               {"cached_tokens": 9}}}) is None
+    assert usage_of({"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 9}}}) is None
     assert usage_of({"usage": {"prompt_tokens": 5}}) is None
     assert usage_of({"usage": None}) is None
     assert usage_of([1]) is None
 
 
 # --------------------------------------------------------------------- accuracy
+
 
 def test_predicted_tokens_stops_below_the_last_prompt_token():
     # vLLM: a 64-token prompt fully cached reports 32 (the last token is recomputed)
@@ -156,17 +173,16 @@ def test_prediction_stats_exact_sums():
         s.record(pred, rep)
         s.check()
     sm = s.summary()
-    assert (sm.samples, sm.sum_abs_tokens, sm.sum_signed_tokens, sm.over, sm.under) == \
-        (3, 96, 32, 1, 1)
+    assert (sm.samples, sm.sum_abs_tokens, sm.sum_signed_tokens, sm.over, sm.under) == (3, 96, 32, 1, 1)
     assert sm.mean_abs_blocks == pytest.approx(1.0)
 
 
 # -------------------------------------------------------------------- kinds
 
+
 def test_kind_from_metrics_and_models():
     assert kind_from_metrics(b"# HELP vllm:num_requests_running x\n") is WorkerKind.VLLM
-    assert kind_from_metrics(b"sglang:num_queue_reqs 1\nradixfleet_agent_x 1\n") \
-        is WorkerKind.AGENT
+    assert kind_from_metrics(b"sglang:num_queue_reqs 1\nradixfleet_agent_x 1\n") is WorkerKind.AGENT
     assert kind_from_metrics(b"sglang:num_queue_reqs 1\n") is WorkerKind.SGLANG
     assert kind_from_metrics(b"process_cpu_seconds_total 1\n") is None
     assert models_from(b'{"data":[{"id":"a"},{"id":""},{"x":1}]}') == ("a",)
@@ -175,21 +191,37 @@ def test_kind_from_metrics_and_models():
 
 # ------------------------------------------------------------------- config
 
-@pytest.mark.parametrize("worker,error", [
-    ({"url": "http://h:1", "kind": "vllm", "events": {"endpoint": "tcp://h:5"}},
-     "workers[0].tokenizer: required with events.endpoint"),
-    ({"url": "http://h:1", "kind": "vllm", "tokenizer": "/no/such/dir"},
-     "workers[0].tokenizer: tokenizer folder '/no/such/dir' does not exist"),
-    ({"url": "http://h:1", "kind": "vllm", "tokenizer": "nobody/nothing-here"},
-     "workers[0].tokenizer: 'nobody/nothing-here' is neither a folder nor a repo"),
-    ({"url": "http://h:1", "kind": "agent", "events": {"endpoint": "tcp://*:5"}},
-     "workers[0].events.endpoint: agents push their events"),
-    ({"url": "http://h:1", "kind": "vllm", "events": {"endpoint": "udp://h:5"}},
-     "workers[0].events.endpoint: expected tcp://HOST:PORT or ipc://PATH"),
-    ({"url": "http://h:1", "kind": "llamacpp"}, "workers[0].kind: 'llamacpp' is not one of"),
-    ({"url": "http://h:1", "events": {"replay_endpoint": "tcp://*:6"}},
-     "workers[0].events.replay_endpoint: needs events.endpoint"),
-])
+
+@pytest.mark.parametrize(
+    "worker,error",
+    [
+        (
+            {"url": "http://h:1", "kind": "vllm", "events": {"endpoint": "tcp://h:5"}},
+            "workers[0].tokenizer: required with events.endpoint",
+        ),
+        (
+            {"url": "http://h:1", "kind": "vllm", "tokenizer": "/no/such/dir"},
+            "workers[0].tokenizer: tokenizer folder '/no/such/dir' does not exist",
+        ),
+        (
+            {"url": "http://h:1", "kind": "vllm", "tokenizer": "nobody/nothing-here"},
+            "workers[0].tokenizer: 'nobody/nothing-here' is neither a folder nor a repo",
+        ),
+        (
+            {"url": "http://h:1", "kind": "agent", "events": {"endpoint": "tcp://*:5"}},
+            "workers[0].events.endpoint: agents push their events",
+        ),
+        (
+            {"url": "http://h:1", "kind": "vllm", "events": {"endpoint": "udp://h:5"}},
+            "workers[0].events.endpoint: expected tcp://HOST:PORT or ipc://PATH",
+        ),
+        ({"url": "http://h:1", "kind": "llamacpp"}, "workers[0].kind: 'llamacpp' is not one of"),
+        (
+            {"url": "http://h:1", "events": {"replay_endpoint": "tcp://*:6"}},
+            "workers[0].events.replay_endpoint: needs events.endpoint",
+        ),
+    ],
+)
 def test_engine_fields_are_validated_with_their_path(worker, error):
     with pytest.raises(ConfigError) as e:
         parse_config({"workers": [worker]})
@@ -198,15 +230,16 @@ def test_engine_fields_are_validated_with_their_path(worker, error):
 
 def test_tokenizer_folder_without_tokenizer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"workers\[0\]\.tokenizer: .* holds no tokenizer"):
-        parse_config({"workers": [{"url": "http://h:1", "kind": "vllm",
-                                   "tokenizer": str(tmp_path)}]})
+        parse_config({"workers": [{"url": "http://h:1", "kind": "vllm", "tokenizer": str(tmp_path)}]})
 
 
 def test_check_config_refuses_a_missing_tokenizer_exit_2(tmp_path, capsys):
     from radixfleet.cli import main
+
     p = tmp_path / "r.yaml"
-    p.write_text("workers:\n  - url: http://127.0.0.1:9\n    kind: vllm\n"
-                 "    tokenizer: ./missing-tokenizer\n")
+    p.write_text(
+        "workers:\n  - url: http://127.0.0.1:9\n    kind: vllm\n    tokenizer: ./missing-tokenizer\n"
+    )
     assert main(["check-config", str(p)]) == 2
     err = capsys.readouterr().err
     assert "workers[0].tokenizer" in err and len(err.strip().splitlines()) == 1
@@ -215,10 +248,15 @@ def test_check_config_refuses_a_missing_tokenizer_exit_2(tmp_path, capsys):
 def test_command_line_worker_forms():
     assert worker_entry("http://a:1", "w") == {"url": "http://a:1"}
     assert worker_entry("sglang=http://a:1", "w") == {"url": "http://a:1", "kind": "sglang"}
-    e = worker_entry("url=http://a:1,kind=vllm,events=tcp://*:5557,block_size=32,"
-                     "replay_endpoint=tcp://*:5558", "w")
-    assert e == {"url": "http://a:1", "kind": "vllm", "block_size": 32,
-                 "events": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}}
+    e = worker_entry(
+        "url=http://a:1,kind=vllm,events=tcp://*:5557,block_size=32,replay_endpoint=tcp://*:5558", "w"
+    )
+    assert e == {
+        "url": "http://a:1",
+        "kind": "vllm",
+        "block_size": 32,
+        "events": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
+    }
     with pytest.raises(ConfigError, match=r"w\.colour: unknown key"):
         worker_entry("url=http://a:1,colour=red", "w")
     with pytest.raises(ConfigError, match=r"w\.block_size: expected an integer"):
@@ -226,6 +264,7 @@ def test_command_line_worker_forms():
 
 
 # ------------------------------------------------- the data plane on the wire
+
 
 class FakeEngine:
     """An OpenAI streaming server that sends the role chunk before a slow 'prefill'."""
@@ -238,9 +277,16 @@ class FakeEngine:
         body = await request.json()
         self.bodies.append(body)
         if not body.get("stream"):
-            return web.json_response({"choices": [{"message": {"content": "Hi"}}],
-                                      "usage": {"prompt_tokens": 100, "completion_tokens": 1,
-                                                "prompt_tokens_details": {"cached_tokens": 0}}})
+            return web.json_response(
+                {
+                    "choices": [{"message": {"content": "Hi"}}],
+                    "usage": {
+                        "prompt_tokens": 100,
+                        "completion_tokens": 1,
+                        "prompt_tokens_details": {"cached_tokens": 0},
+                    },
+                }
+            )
         r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await r.prepare(request)
         await r.write(ROLE)
@@ -279,8 +325,9 @@ async def test_stream_load_held_until_first_content_token_and_usage_hidden():
 
     fake = FakeEngine(prefill_s=0.4)
     runner, url = await _serve(fake.app())
-    cfg = parse_config({"workers": [{"url": url, "kind": "openai"}],
-                        "health": {"interval_s": 0.2}, "listen": {"port": 0}})
+    cfg = parse_config(
+        {"workers": [{"url": url, "kind": "openai"}], "health": {"interval_s": 0.2}, "listen": {"port": 0}}
+    )
     router = Router(cfg)
     server = RouterServer(router, port=0)
     port = await server.start()
@@ -290,13 +337,11 @@ async def test_stream_load_held_until_first_content_token_and_usage_hidden():
             if w.routable(0.0 + __import__("time").monotonic()):
                 break
             await asyncio.sleep(0.05)
-        body = {"model": "m", "stream": True,
-                "messages": [{"role": "user", "content": "x" * 4000}]}
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x" * 4000}]}
         seen: list[tuple[int, int]] = []
         received = b""
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                              json=body) as r:
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                 assert r.status == 200
                 first = await r.content.readany()
                 assert b'"role"' in first
@@ -326,9 +371,14 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
 
     fake = FakeEngine(prefill_s=0.0)
     runner, url = await _serve(fake.app())
-    cfg = parse_config({"workers": [{"url": url, "id": "f", "kind": "openai"}],
-                        "health": {"interval_s": 0.2}, "listen": {"port": 0},
-                        "traffic_log": {"enabled": True, "dir": str(tmp_path / "log")}})
+    cfg = parse_config(
+        {
+            "workers": [{"url": url, "id": "f", "kind": "openai"}],
+            "health": {"interval_s": 0.2},
+            "listen": {"port": 0},
+            "traffic_log": {"enabled": True, "dir": str(tmp_path / "log")},
+        }
+    )
     router = Router(cfg)
     server = RouterServer(router, port=0)
     port = await server.start()
@@ -340,9 +390,11 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
                 break
             await asyncio.sleep(0.05)
         async with aiohttp.ClientSession() as s:
-            for i in range(3):
-                async with s.post(base + "/v1/chat/completions", json={
-                        "model": "m", "messages": [{"role": "user", "content": "y" * 600}]}) as r:
+            for _i in range(3):
+                async with s.post(
+                    base + "/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": "y" * 600}]},
+                ) as r:
                     assert r.status == 200
             async with s.get(base + "/metrics") as r:
                 text = await r.text()
@@ -353,8 +405,7 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
     finally:
         await server.aclose()  # flushes and closes the log
         await runner.cleanup()
-    lines = [json.loads(x) for f in sorted((tmp_path / "log").iterdir())
-             for x in f.read_text().splitlines()]
+    lines = [json.loads(x) for f in sorted((tmp_path / "log").iterdir()) for x in f.read_text().splitlines()]
     assert len(lines) == 3 and all(x["worker"] == "f" and x["hash_ids"] for x in lines)
     assert lines[0]["cached_tokens"] == 0 and lines[0]["input_length"] == 100
     assert all(x["output_length"] == 1 for x in lines)  # the worker's completion_tokens
@@ -374,8 +425,9 @@ async def test_links_of_one_tokenizer_share_a_single_load(tmp_path):
     cfg = parse_config({})
     index = PrefixIndex()
     eng = Engines(cfg, Pool(cfg, index), index, CollectorRegistry())
-    a, b, c = await asyncio.gather(eng.load_keyer(src, "a"), eng.load_keyer(src, "b"),
-                                   eng.load_keyer(src, "c"))
+    a, b, c = await asyncio.gather(
+        eng.load_keyer(src, "a"), eng.load_keyer(src, "b"), eng.load_keyer(src, "c")
+    )
     assert a is not None and a is b is c
     assert await eng.load_keyer(str(tmp_path / "missing"), "d") is None
 
@@ -385,8 +437,7 @@ class FakeVllm:
     /metrics page (vLLM 0.32's, tests/data/vllm_metrics.txt) whose queue and
     counters the test sets."""
 
-    PAGE = (__import__("pathlib").Path(__file__).parent / "data" / "vllm_metrics.txt") \
-        .read_text()
+    PAGE = (__import__("pathlib").Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
 
     def __init__(self) -> None:
         self.series: dict[str, float] = {}
@@ -409,9 +460,16 @@ class FakeVllm:
     async def completions(self, request):
         body = await request.json()
         n = len(body["prompt"]) // 4
-        return web.json_response({"choices": [{"text": "ok"}], "usage": {
-            "prompt_tokens": n, "completion_tokens": 1,
-            "prompt_tokens_details": {"cached_tokens": 0}}})
+        return web.json_response(
+            {
+                "choices": [{"text": "ok"}],
+                "usage": {
+                    "prompt_tokens": n,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
+            }
+        )
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
@@ -442,12 +500,17 @@ async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
 
     fakes = [FakeVllm(), FakeVllm()]
     served = [await _serve(f.app()) for f in fakes]
-    cfg = parse_config({
-        "workers": [{"url": u, "id": f"v{i}", "kind": "vllm",
-                     "metrics": {"interval_s": 0.05, "timeout_s": 1.0}}
-                    for i, (_, u) in enumerate(served)],
-        "health": {"interval_s": 0.2}, "listen": {"port": 0},
-        "limits": {"worker_queue_requests": 0}})
+    cfg = parse_config(
+        {
+            "workers": [
+                {"url": u, "id": f"v{i}", "kind": "vllm", "metrics": {"interval_s": 0.05, "timeout_s": 1.0}}
+                for i, (_, u) in enumerate(served)
+            ],
+            "health": {"interval_s": 0.2},
+            "listen": {"port": 0},
+            "limits": {"worker_queue_requests": 0},
+        }
+    )
     router = Router(cfg)
     server = RouterServer(router, port=0)
     port = await server.start()
@@ -455,8 +518,9 @@ async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
     prompt = "the shared context of a long conversation " * 200  # ~8.6 KB
 
     async def send(s, text: str) -> str:
-        async with s.post(base + "/v1/completions", json={"model": "m", "prompt": text,
-                                                          "max_tokens": 1}) as r:
+        async with s.post(
+            base + "/v1/completions", json={"model": "m", "prompt": text, "max_tokens": 1}
+        ) as r:
             assert r.status == 200, await r.text()
             return r.headers["x-radixfleet-worker"]
 
@@ -479,22 +543,22 @@ async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
             fake = fakes[int(holder[1])]
             # 40 waiting, the page without the prefilled-requests counter
             fake.drop = {"vllm:time_to_first_token_seconds_count"}
-            fake.series = {"vllm:num_requests_waiting": 40.0,
-                           "vllm:num_requests_running": 8.0}
+            fake.series = {"vllm:num_requests_waiting": 40.0, "vllm:num_requests_running": 8.0}
             await queued(holder, 1)
             assert await send(s, prompt + " first question") == holder
             # the engine's counters: 8 requests prefilled, 9,600 uncached tokens
             fake.drop = set()
-            fake.series.update({"vllm:time_to_first_token_seconds_count": 0.0,
-                                "vllm:prefix_cache_queries_total": 0.0})
+            fake.series.update(
+                {"vllm:time_to_first_token_seconds_count": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+            )
             await asyncio.sleep(0.2)
-            fake.series.update({"vllm:time_to_first_token_seconds_count": 8.0,
-                                "vllm:prefix_cache_queries_total": 9600.0})
+            fake.series.update(
+                {"vllm:time_to_first_token_seconds_count": 8.0, "vllm:prefix_cache_queries_total": 9600.0}
+            )
             await queued(holder, 40 * 1200)
             before = router.metrics.requests.labels(other, "200", "spill_load")._value.get()
             assert await send(s, prompt + " second question") == other
-            assert router.metrics.requests.labels(other, "200", "spill_load")._value.get() \
-                == before + 1
+            assert router.metrics.requests.labels(other, "200", "spill_load")._value.get() == before + 1
             q = router.pool.get(holder).engine.describe()["engine_queue"]
             assert q["tokens_per_request"] == 1200.0
     finally:
@@ -511,9 +575,13 @@ async def test_a_plain_engines_configured_kv_capacity_reaches_the_policy_view():
 
     fake = FakeEngine(prefill_s=0.0)
     runner, url = await _serve(fake.app())
-    cfg = parse_config({"workers": [{"url": url, "id": "p", "kind": "openai",
-                                     "kv_capacity_tokens": 12_345}],
-                        "health": {"interval_s": 0.2}, "listen": {"port": 0}})
+    cfg = parse_config(
+        {
+            "workers": [{"url": url, "id": "p", "kind": "openai", "kv_capacity_tokens": 12_345}],
+            "health": {"interval_s": 0.2},
+            "listen": {"port": 0},
+        }
+    )
     router = Router(cfg)
     server = RouterServer(router, port=0)
     await server.start()
@@ -544,9 +612,13 @@ async def test_a_byte_keyed_engines_configured_kv_capacity_caps_its_index_entrie
     fake = FakeEngine(prefill_s=0.0)
     runner, url = await _serve(fake.app())
     cap_tokens = 3_200  # 100 blocks of 128 routing bytes (32 tokens of 4 bytes)
-    cfg = parse_config({"workers": [{"url": url, "id": "p", "kind": "openai",
-                                     "kv_capacity_tokens": cap_tokens}],
-                        "health": {"interval_s": 0.2}, "listen": {"port": 0}})
+    cfg = parse_config(
+        {
+            "workers": [{"url": url, "id": "p", "kind": "openai", "kv_capacity_tokens": cap_tokens}],
+            "health": {"interval_s": 0.2},
+            "listen": {"port": 0},
+        }
+    )
     router = Router(cfg)
     server = RouterServer(router, port=0)
     port = await server.start()
@@ -560,10 +632,11 @@ async def test_a_byte_keyed_engines_configured_kv_capacity_caps_its_index_entrie
             await asyncio.sleep(0.05)
         async with aiohttp.ClientSession() as s:
             for i in range(4):  # 4 x ~62 blocks of distinct prompts into 100 blocks
-                body = {"model": "m", "messages": [
-                    {"role": "user", "content": f"{i} " + "abcdefgh"[i] * 8000}]}
-                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                  json=body) as r:
+                body = {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": f"{i} " + "abcdefgh"[i] * 8000}],
+                }
+                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                     assert r.status == 200
                     await r.read()
         assert 0 < index.entries("p") <= 100
@@ -575,6 +648,7 @@ async def test_a_byte_keyed_engines_configured_kv_capacity_caps_its_index_entrie
 
 # ------------------------------------------------------- the link's owner boundary
 
+
 def test_a_link_uses_of_its_owner_only_what_link_host_declares():
     """``EngineLink`` reaches ``self.engines.<name>`` only for ``LinkHost``'s members,
     and ``Engines`` provides every one of them."""
@@ -585,26 +659,31 @@ def test_a_link_uses_of_its_owner_only_what_link_host_declares():
     from router.engines.link import LinkHost
     from router.engines.manager import Engines
 
-    declared = {n for n in vars(LinkHost) if not n.startswith("_")} \
-        | set(LinkHost.__annotations__)
+    declared = {n for n in vars(LinkHost) if not n.startswith("_")} | set(LinkHost.__annotations__)
     tree = ast.parse(inspect.getsource(link_mod))
     used = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) \
-                and node.value.attr == "engines":
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "engines"
+        ):
             aliases = {t.id for t in node.targets if isinstance(t, ast.Name)}
             assert aliases <= {"eng"}, aliases  # the one local alias checked below
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
-                and node.value.attr == "engines":
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "engines"
+        ):
             used.add(node.attr)
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and node.value.id == "eng":
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "eng":
             used.add(node.attr)
     assert used and used <= declared, used - declared
     from prometheus_client import CollectorRegistry
 
     from router.pool import Pool
     from router.prefix_index import PrefixIndex
+
     cfg = parse_config({})
     index = PrefixIndex()
     eng = Engines(cfg, Pool(cfg, index), index, CollectorRegistry())

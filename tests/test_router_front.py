@@ -13,10 +13,10 @@ import httpx
 import pytest
 from aiohttp import web
 
-from router.app import Router, RouterServer
-from radixfleet.bench.proxy import upstream_app
-from router.config import parse_config
 from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.bench.proxy import upstream_app
+from router.app import Router, RouterServer
+from router.config import parse_config
 from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
@@ -31,9 +31,16 @@ async def fleet():
     up_port = free_port()
     await web.TCPSite(up, "127.0.0.1", up_port).start()
     url = f"http://127.0.0.1:{up_port}"
-    router = Router(parse_config({"workers": [{"url": url, "id": "u"}], "health": HEALTH,
-                                  "limits": {"max_body_bytes": 4096},
-                                  "policy": {"name": "round_robin"}}))
+    router = Router(
+        parse_config(
+            {
+                "workers": [{"url": url, "id": "u"}],
+                "health": HEALTH,
+                "limits": {"max_body_bytes": 4096},
+                "policy": {"name": "round_robin"},
+            }
+        )
+    )
     server = RouterServer(router, port=free_port())
     port = await server.start()
     deadline = time.monotonic() + 5
@@ -67,8 +74,13 @@ async def raw(port: int, data: bytes, *, until: bytes = b"", read_s: float = 1.0
 
 
 def post(path: str, body: bytes, extra: bytes = b"", version: bytes = b"HTTP/1.1") -> bytes:
-    return (b"POST %s %s\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n%s\r\n%s" % (path, version, len(body), extra, body))
+    return b"POST %s %s\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        path,
+        version,
+        len(body),
+        extra,
+        body,
+    )
 
 
 BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
@@ -76,8 +88,11 @@ BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
 
 async def test_keepalive_pipelining_and_handover(fleet):
     router, port, _ = fleet
-    data = (post(b"/v1/completions", BODY) + post(b"/generate", b'{"text": "hi"}')
-            + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = (
+        post(b"/v1/completions", BODY)
+        + post(b"/generate", b'{"text": "hi"}')
+        + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
     out = await raw(port, data, until=b'{"status": "ok"}')
     assert out.count(b"HTTP/1.1 200 OK") == 3, out
     assert out.count(b"x-radixfleet-worker: u") == 2
@@ -87,17 +102,21 @@ async def test_keepalive_pipelining_and_handover(fleet):
 async def test_chunked_body_and_expect_continue(fleet):
     router, port, _ = fleet
     half = len(BODY) // 2
-    chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-               b"Expect: 100-continue\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
-               % (half, BODY[:half], len(BODY) - half, BODY[half:]))
+    chunked = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Expect: 100-continue\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (half, BODY[:half], len(BODY) - half, BODY[half:])
+    )
     out = await raw(port, chunked, until=b'"total_tokens": 2}}')
     assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK"), out
     big = b'{"model": "m", "prompt": "' + b"y" * 5000 + b'"}'
     out = await raw(port, post(b"/v1/completions", big))
     assert out.startswith(b"HTTP/1.1 413"), out
     assert b"Connection: close" in out and b"exceeds the limit of 4096" in out
-    chunked_big = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
-                   b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+    chunked_big = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+        b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(big), big)
+    )
     out = await raw(port, chunked_big)
     assert out.startswith(b"HTTP/1.1 413"), out
 
@@ -113,8 +132,10 @@ async def test_http10_and_malformed_requests(fleet):
         (b"POST /v1/completions\r\n\r\n", b"400"),
         (b"POST /v1/completions HTTP/1.1\r\nBad Header Line\r\n\r\n", b"400"),
         (b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n", b"400"),
-        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: "
-         b"chunked\r\n\r\n{}", b"400"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
+            b"400",
+        ),
         (b"POST /v1/completions HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", b"431"),
     ):
         out = await raw(port, bad)
@@ -139,14 +160,20 @@ async def test_metrics_exposes_the_documented_series(fleet):
             await c.post(base + "/v1/completions", content=BODY)
         await c.post(base + "/v1/completions", content=b"{")
         text = (await c.get(base + "/metrics")).text
-    for name in ('radixfleet_requests_total{reason="round_robin",status="200",worker="u"} 3.0',
-                 'radixfleet_rejected_total{code="malformed_request",status="400"} 1.0',
-                 "radixfleet_request_seconds_count 3.0", 'radixfleet_in_flight{worker="u"} 0.0',
-                 'radixfleet_worker_breaker_state{worker="u"} 0.0',
-                 'radixfleet_worker_healthy{worker="u"} 1.0', "radixfleet_index_nodes",
-                 "radixfleet_index_bytes", "radixfleet_events_applied_total",
-                 "radixfleet_retries_total", "radixfleet_config_reload_failures_total",
-                 "radixfleet_ttfb_seconds_bucket"):
+    for name in (
+        'radixfleet_requests_total{reason="round_robin",status="200",worker="u"} 3.0',
+        'radixfleet_rejected_total{code="malformed_request",status="400"} 1.0',
+        "radixfleet_request_seconds_count 3.0",
+        'radixfleet_in_flight{worker="u"} 0.0',
+        'radixfleet_worker_breaker_state{worker="u"} 0.0',
+        'radixfleet_worker_healthy{worker="u"} 1.0',
+        "radixfleet_index_nodes",
+        "radixfleet_index_bytes",
+        "radixfleet_events_applied_total",
+        "radixfleet_retries_total",
+        "radixfleet_config_reload_failures_total",
+        "radixfleet_ttfb_seconds_bucket",
+    ):
         assert name in text, name
 
 
@@ -179,8 +206,9 @@ async def test_graceful_close_finishes_in_flight(fleet):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
     async with httpx.AsyncClient(timeout=10) as c:
-        slow = asyncio.create_task(c.post(base + "/v1/completions",
-                                          json={"model": "m", "prompt": "x", "delay_s": 0.5}))
+        slow = asyncio.create_task(
+            c.post(base + "/v1/completions", json={"model": "m", "prompt": "x", "delay_s": 0.5})
+        )
         deadline = time.monotonic() + 5
         while server._front.in_flight() != 1:
             assert time.monotonic() < deadline
@@ -213,9 +241,15 @@ async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
     await web.TCPSite(up, "127.0.0.1", up_port).start()
     # one slow health check on a loaded CI machine is not what this test is about:
     # HEALTH's failure_threshold 1 turned it into a 503 once
-    router = Router(parse_config({"workers": [{"url": f"http://127.0.0.1:{up_port}"}],
-                                  "health": {**HEALTH, "failure_threshold": 3},
-                                  "retries": {"max_attempts": 1}}))
+    router = Router(
+        parse_config(
+            {
+                "workers": [{"url": f"http://127.0.0.1:{up_port}"}],
+                "health": {**HEALTH, "failure_threshold": 3},
+                "retries": {"max_attempts": 1},
+            }
+        )
+    )
     server = RouterServer(router, port=free_port())
     port = await server.start()
     try:
@@ -266,8 +300,9 @@ async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_o
                 if me == 1 and n == 2:  # keep-alive timeout "just now": close, no answer
                     return
                 served.append((me, n))
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: 2\r\n\r\n{}")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             return
@@ -280,8 +315,7 @@ async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_o
     head = build_head("/v1/completions", f"127.0.0.1:{up_port}", len(BODY), b"")
     try:
         for _ in range(2):
-            resp = await pool.request("127.0.0.1", up_port, head, BODY, read_timeout_s=5,
-                                      total_timeout_s=10)
+            resp = await pool.request("127.0.0.1", up_port, head, BODY, read_timeout_s=5, total_timeout_s=10)
             try:
                 assert resp.status == 200 and await resp.read() == b"{}"
             finally:
@@ -294,20 +328,27 @@ async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_o
         srv.close()
         await srv.wait_closed()
 
+
 async def test_handover_after_a_pipeline_split_at_every_size(fleet):
     """Data-plane requests (Content-Length and chunked) pipelined before a request for
     aiohttp, read in pieces that end anywhere inside them: the kept bytes are cut at
     each completed request, aiohttp gets exactly the handed request, and every body
     byte taken from the body budget is given back."""
     router, port, _ = fleet
-    chunked = (b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"5\r\n{\"tex\r\n9\r\nt\": \"hi\"}\r\n0\r\n\r\n")
-    data = (post(b"/v1/completions", BODY) + chunked + post(b"/v1/completions", BODY)
-            + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    chunked = (
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'5\r\n{"tex\r\n9\r\nt": "hi"}\r\n0\r\n\r\n'
+    )
+    data = (
+        post(b"/v1/completions", BODY)
+        + chunked
+        + post(b"/v1/completions", BODY)
+        + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
     for size in (1, 7, 64, len(data) - 3):
         r, w = await asyncio.open_connection("127.0.0.1", port)
         for i in range(0, len(data), size):
-            w.write(data[i:i + size])
+            w.write(data[i : i + size])
             await w.drain()
             await asyncio.sleep(0.001)
         out = b""

@@ -26,8 +26,7 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def value(page: dict, name: str, **labels) -> float:
-    return sum(v for (n, lb), v in page.items()
-               if n == name and all((k, x) in lb for k, x in labels.items()))
+    return sum(v for (n, lb), v in page.items() if n == name and all((k, x) in lb for k, x in labels.items()))
 
 
 async def test_usage_tokens_and_outcomes_per_worker_and_model(fleet):  # noqa: F811
@@ -46,13 +45,11 @@ async def test_usage_tokens_and_outcomes_per_worker_and_model(fleet):  # noqa: F
         # a stream whose client did not ask for usage: the router asks, and counts it
         body = {"model": "m", "prompt": PROMPT + "turn 3", "max_tokens": 4, "stream": True}
         async with c.stream("POST", fleet.base + "/v1/completions", json=body) as r:
-            events = [json.loads(ln[6:]) async for ln in r.aiter_lines()
-                      if ln.startswith("data: {")]
+            events = [json.loads(ln[6:]) async for ln in r.aiter_lines() if ln.startswith("data: {")]
         assert not any(e.get("usage") for e in events)  # hidden from the client
         await until(lambda: fleet.router.pool.get("ag").load is not None, what="a load report")
         page = samples((await c.get(fleet.base + "/metrics")).text)
-    assert value(page, "radixfleet_worker_requests_total", worker="ag", model="m",
-                 outcome="answered") == 4
+    assert value(page, "radixfleet_worker_requests_total", worker="ag", model="m", outcome="answered") == 4
     p = value(page, "radixfleet_prompt_tokens_total", worker="ag", model="m")
     k = value(page, "radixfleet_cached_tokens_total", worker="ag", model="m")
     assert p > prompt_tokens and cached > 0 and k > cached  # the stream's usage counted too

@@ -24,8 +24,9 @@ async def test_requests_go_only_to_workers_serving_their_model(fleet):
     await fleet.routable(2)
     async with httpx.AsyncClient(timeout=10) as c:
         for model in ("model-b", "model-a") * 4:
-            r = await c.post(fleet.base + "/v1/completions",
-                             json={"model": model, "prompt": "hello", "max_tokens": 1})
+            r = await c.post(
+                fleet.base + "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 1}
+            )
             assert r.status_code == 200, (model, r.text)
             assert r.headers["x-radixfleet-worker"] == model
         fleet.past_grace()
@@ -42,8 +43,9 @@ async def test_requests_go_only_to_workers_serving_their_model(fleet):
 async def test_yaml_workers_models_come_from_their_v1_models(fleet):
     u0 = await fleet.upstream("u0", model="m0")
     u1 = await fleet.upstream("u1", model="m1")
-    await fleet.start({"workers": [{"url": u0, "id": "u0"}, {"url": u1, "id": "u1"}],
-                       "policy": {"name": "round_robin"}})
+    await fleet.start(
+        {"workers": [{"url": u0, "id": "u0"}, {"url": u1, "id": "u1"}], "policy": {"name": "round_robin"}}
+    )
     await fleet.routable(2)
     await until(lambda: all(w.models for w in fleet.router.pool), what="models learned")
     async with httpx.AsyncClient() as c:
@@ -67,6 +69,7 @@ async def test_hot_root_warm_ups_keep_the_adapter(fleet):
 
     async def health(request):
         return web.json_response({"data": []})
+
     app = web.Application()
     app.router.add_post("/v1/completions", handle)
     app.router.add_get("/health", health)
@@ -76,7 +79,6 @@ async def test_hot_root_warm_ups_keep_the_adapter(fleet):
     await fleet.routable(1)
     body = {"model": "m", "prompt": PROMPT, "lora_path": "adapter-7"}
     key = request_key(Endpoint.COMPLETIONS, body, tenant="")
-    fleet.router.dataplane._schedule_warmups(("w",), Endpoint.COMPLETIONS, body, key, 3,
-                                             time.monotonic())
+    fleet.router.dataplane._schedule_warmups(("w",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
     await until(lambda: bodies, what="the warm-up")
     assert bodies[0]["lora_path"] == "adapter-7" and bodies[0]["max_tokens"] == 1

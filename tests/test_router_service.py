@@ -16,23 +16,21 @@ import openai
 import pytest
 from aiohttp import web
 
+from protocol.errors import ConfigError
+from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.bench.proxy import upstream_app
 from router.app import Router, RouterServer
 from router.config import parse_config
-from protocol.errors import ConfigError
-from radixfleet.bench.proxy import upstream_app
-from protocol.prefix_keys import Endpoint, request_key
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.integration
 
-FAST_HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1,
-               "success_threshold": 1}
+FAST_HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
 
 
 async def start_app(app: web.Application, *, cancel: bool = True) -> tuple[web.AppRunner, str]:
     port = free_port()
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel,
-                           shutdown_timeout=2.0)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
@@ -69,8 +67,7 @@ async def wait_ready(base: str, timeout_s: float = 10.0) -> None:
 def upstream_proc(name: str, **flags) -> tuple[Proc, str]:
     flags.setdefault("model", "m")
     port = free_port()
-    argv = [sys.executable, "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port),
-            "--name", name]
+    argv = [sys.executable, "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port), "--name", name]
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     url = f"http://127.0.0.1:{port}"
@@ -98,20 +95,22 @@ async def two_upstreams():
 @pytest.mark.parametrize("front", [True, False], ids=["raw_front", "aiohttp_app"])
 async def test_openai_sdk_streams_and_non_streams(two_upstreams, front):
     router, runner, base = await start_router(
-        {"workers": [{"url": u} for u in two_upstreams], "policy": {"name": "round_robin"}},
-        front=front)
+        {"workers": [{"url": u} for u in two_upstreams], "policy": {"name": "round_robin"}}, front=front
+    )
     try:
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         comp = await client.completions.create(model="m", prompt=LONG_PROMPT, max_tokens=4)
         assert comp.choices[0].text == "ok"
         chat = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hello"}])
+            model="m", messages=[{"role": "user", "content": "hello"}]
+        )
         assert chat.choices[0].message.content == "ok"
         stream = await client.completions.create(model="m", prompt=LONG_PROMPT, stream=True)
         texts = [c.choices[0].text async for c in stream]
         assert texts == ["x"] * 5
         stream = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
         deltas = [c.choices[0].delta.content async for c in stream]
         assert deltas == ["x"] * 5
         models = await client.models.list()
@@ -127,8 +126,11 @@ async def test_headers_tenant_and_request_id_reach_worker(two_upstreams):
     router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
     try:
         async with httpx.AsyncClient() as c:
-            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"},
-                             headers={"x-request-id": "req-123"})
+            r = await c.post(
+                base + "/v1/completions",
+                json={"model": "m", "prompt": "hi"},
+                headers={"x-request-id": "req-123"},
+            )
             assert r.status_code == 200
             assert r.headers["x-request-id"] == "req-123"
             assert r.headers["x-radixfleet-worker"] == "127.0.0.1:" + two_upstreams[0].rsplit(":", 1)[1]
@@ -145,7 +147,8 @@ async def test_headers_tenant_and_request_id_reach_worker(two_upstreams):
 
 async def test_bad_inputs_get_their_statuses_and_never_500(two_upstreams):
     router, runner, base = await start_router(
-        {"workers": [{"url": two_upstreams[0]}], "limits": {"max_body_bytes": 1000}})
+        {"workers": [{"url": two_upstreams[0]}], "limits": {"max_body_bytes": 1000}}
+    )
     cases = [
         (b"{not json", 400, "not valid JSON"),
         (b'{"model": "m", "prompt": "\xff\xfe"}', 400, "UTF-8"),
@@ -159,21 +162,24 @@ async def test_bad_inputs_get_their_statuses_and_never_500(two_upstreams):
     try:
         async with httpx.AsyncClient() as c:
             for body, status, needle in cases:
-                r = await c.post(base + "/v1/completions", content=body,
-                                 headers={"Content-Type": "application/json"})
+                r = await c.post(
+                    base + "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+                )
                 assert r.status_code == status, (body, r.text)
                 err = r.json()["error"]
                 assert needle in err["message"] and err["type"] and err["code"], err
             r = await c.post(base + "/v1/chat/completions", json={"model": "m"})
             assert r.status_code == 400 and "'messages' is required" in r.text
-            r = await c.post(base + "/v1/chat/completions",
-                             json={"model": "m", "messages": [{"content": "x"}]})
+            r = await c.post(
+                base + "/v1/chat/completions", json={"model": "m", "messages": [{"content": "x"}]}
+            )
             assert r.status_code == 400 and "role" in r.text
 
             async def chunked():
                 yield b'{"model": "m", "prompt": "'
                 yield b"y" * 2000
                 yield b'"}'
+
             r = await c.post(base + "/v1/completions", content=chunked())
             assert r.status_code == 413
             r = await c.get(base + "/no/such/path")
@@ -207,9 +213,12 @@ async def test_no_healthy_worker_is_503():
 
 
 async def test_concurrency_limit_queue_full_is_429(two_upstreams):
-    router, runner, base = await start_router({
-        "workers": [{"url": two_upstreams[0]}],
-        "limits": {"max_concurrency": 1, "max_queue": 1, "retry_after_s": 3}})
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": two_upstreams[0]}],
+            "limits": {"max_concurrency": 1, "max_queue": 1, "retry_after_s": 3},
+        }
+    )
     try:
         async with httpx.AsyncClient(timeout=10) as c:
             slow = {"model": "m", "prompt": "x", "delay_s": 0.6}
@@ -220,6 +229,7 @@ async def test_concurrency_limit_queue_full_is_429(two_upstreams):
                 while not pred():
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
+
             first = asyncio.create_task(c.post(base + "/v1/completions", json=slow))
             await until(lambda: adm.active == 1)
             queued = asyncio.create_task(c.post(base + "/v1/completions", json=slow))
@@ -243,13 +253,18 @@ async def test_5xx_is_retried_on_another_worker(two_upstreams):
 
     async def health(request):
         return web.Response(text="ok")
+
     bad = web.Application()
     bad.router.add_post("/v1/completions", fail)
     bad.router.add_get("/health", health)
     bad_runner, bad_url = await start_app(bad)
-    router, runner, base = await start_router({
-        "workers": [{"url": bad_url, "id": "bad"}, {"url": two_upstreams[0], "id": "good"}],
-        "policy": {"name": "round_robin"}, "breaker": {"failure_threshold": 100}})
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": bad_url, "id": "bad"}, {"url": two_upstreams[0], "id": "good"}],
+            "policy": {"name": "round_robin"},
+            "breaker": {"failure_threshold": 100},
+        }
+    )
     try:
         async with httpx.AsyncClient() as c:
             for _ in range(6):
@@ -265,29 +280,36 @@ async def test_killed_worker_costs_no_request_and_leaves_the_index():
     pa, ua = upstream_proc("a", chunks=40, chunk_delay=0.05)
     pb, ub = upstream_proc("b", chunks=40, chunk_delay=0.05)
     with pa, pb:
-        router, runner, base = await start_router({
-            "workers": [{"url": ua, "id": "a"}, {"url": ub, "id": "b"}],
-            "policy": {"name": "round_robin"},
-            # a's death is a refused connection, seen at once; b, busy with this
-            # load on a loaded CI machine, once took over FAST_HEALTH's 0.5 s to answer
-            # a probe and was marked unhealthy too (503s)
-            "health": {**FAST_HEALTH, "timeout_s": 3.0}})
+        router, runner, base = await start_router(
+            {
+                "workers": [{"url": ua, "id": "a"}, {"url": ub, "id": "b"}],
+                "policy": {"name": "round_robin"},
+                # a's death is a refused connection, seen at once; b, busy with this
+                # load on a loaded CI machine, once took over FAST_HEALTH's 0.5 s to answer
+                # a probe and was marked unhealthy too (503s)
+                "health": {**FAST_HEALTH, "timeout_s": 3.0},
+            }
+        )
         try:
             async with httpx.AsyncClient(timeout=10) as c:
                 # a stream on each worker; kill a's process while they run
                 async def stream():
-                    async with c.stream("POST", base + "/v1/completions", json={
-                            "model": "m", "prompt": LONG_PROMPT, "stream": True}) as r:
+                    async with c.stream(
+                        "POST",
+                        base + "/v1/completions",
+                        json={"model": "m", "prompt": LONG_PROMPT, "stream": True},
+                    ) as r:
                         body = b"".join([chunk async for chunk in r.aiter_bytes()])
                         return r.headers["x-radixfleet-worker"], body
+
                 streams = [asyncio.create_task(stream()) for _ in range(2)]
                 statuses = []
 
                 async def load(stop_at):
                     while time.monotonic() < stop_at:
-                        r = await c.post(base + "/v1/completions",
-                                         json={"model": "m", "prompt": LONG_PROMPT})
+                        r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": LONG_PROMPT})
                         statuses.append(r.status_code)
+
                 loop_end = time.monotonic() + 1.5
                 loaders = [asyncio.create_task(load(loop_end)) for _ in range(4)]
                 await asyncio.sleep(0.5)
@@ -315,8 +337,11 @@ async def test_client_disconnect_frees_load():
         router, runner, base = await start_router({"workers": [{"url": u, "id": "s"}]})
         try:
             async with httpx.AsyncClient(timeout=10) as c:
-                async with c.stream("POST", base + "/v1/completions", json={
-                        "model": "m", "prompt": LONG_PROMPT, "stream": True}) as r:
+                async with c.stream(
+                    "POST",
+                    base + "/v1/completions",
+                    json={"model": "m", "prompt": LONG_PROMPT, "stream": True},
+                ) as r:
                     async for _ in r.aiter_bytes():
                         break
                     assert router.pool.get("s").in_flight == 1
@@ -331,21 +356,26 @@ async def test_client_disconnect_frees_load():
 
 async def test_tenants_never_match_each_other(two_upstreams, monkeypatch):
     monkeypatch.setenv("T_A_KEY", "key-a")
-    router, runner, base = await start_router({
-        "workers": [{"url": u} for u in two_upstreams],
-        "keys": {"tenant": {"source": "api_key", "api_keys": [
-            {"tenant": "A", "key_env": "T_A_KEY"}, {"tenant": "B", "key": "key-b"}]}},
-        "policy": {"name": "prefix_load", "params": {"min_match_tokens": 0}}})
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": u} for u in two_upstreams],
+            "keys": {
+                "tenant": {
+                    "source": "api_key",
+                    "api_keys": [{"tenant": "A", "key_env": "T_A_KEY"}, {"tenant": "B", "key": "key-b"}],
+                }
+            },
+            "policy": {"name": "prefix_load", "params": {"min_match_tokens": 0}},
+        }
+    )
     body = {"model": "m", "prompt": LONG_PROMPT}
     try:
         async with httpx.AsyncClient() as c:
             r = await c.post(base + "/v1/completions", json=body)
             assert r.status_code == 401
-            r = await c.post(base + "/v1/completions", json=body,
-                             headers={"Authorization": "Bearer wrong"})
+            r = await c.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401
-            ra = await c.post(base + "/v1/completions", json=body,
-                              headers={"Authorization": "Bearer key-a"})
+            ra = await c.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer key-a"})
             assert ra.status_code == 200
             assert ra.headers["x-radixfleet-worker"]
         ka = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("A"))
@@ -354,17 +384,21 @@ async def test_tenants_never_match_each_other(two_upstreams, monkeypatch):
         assert router.index.match(ka.hashes, now, count=False).best == len(ka.hashes) > 0
         assert router.index.match(kb.hashes, now, count=False).blocks == {}
         async with httpx.AsyncClient() as c:
-            rb = await c.post(base + "/v1/completions", json=body,
-                              headers={"Authorization": "Bearer key-b"})
+            rb = await c.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer key-b"})
             assert rb.status_code == 200
-            stats = (await c.get(two_upstreams[0] + "/stats")).json()["tenants"] + \
-                (await c.get(two_upstreams[1] + "/stats")).json()["tenants"]
+            stats = (await c.get(two_upstreams[0] + "/stats")).json()["tenants"] + (
+                await c.get(two_upstreams[1] + "/stats")
+            ).json()["tenants"]
         # workers see each tenant's secret salt, never its name
         assert sorted(stats) == sorted([router.salts.salt("A"), router.salts.salt("B")])
         # B's request was a miss although A's identical prompt is indexed
         req = router.metrics.requests
-        misses = sum(s.value for m in req.collect() for s in m.samples
-                     if s.name.endswith("_total") and s.labels["reason"] == "miss")
+        misses = sum(
+            s.value
+            for m in req.collect()
+            for s in m.samples
+            if s.name.endswith("_total") and s.labels["reason"] == "miss"
+        )
         assert misses == 2
     finally:
         await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
@@ -379,10 +413,13 @@ async def test_admin_and_agent_apis_require_their_tokens(two_upstreams, monkeypa
     router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
     try:
         async with httpx.AsyncClient() as c:
-            for method, path in (("GET", "/admin/workers"), ("GET", "/admin/index"),
-                                 ("POST", "/admin/reload"), ("POST", "/admin/workers")):
-                for hdr in ({}, {"Authorization": "Bearer nope"},
-                            {"Authorization": "Bearer agt"}):
+            for method, path in (
+                ("GET", "/admin/workers"),
+                ("GET", "/admin/index"),
+                ("POST", "/admin/reload"),
+                ("POST", "/admin/workers"),
+            ):
+                for hdr in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer agt"}):
                     r = await c.request(method, base + path, headers=hdr)
                     assert r.status_code == 401, (path, hdr, r.text)
             for path in ("/internal/v1/events", "/internal/v1/register"):
@@ -413,8 +450,9 @@ def test_refuses_non_loopback_without_tokens(monkeypatch):
 
 
 async def test_admin_add_drain_remove_worker(two_upstreams):
-    router, runner, base = await start_router({"workers": [{"url": two_upstreams[0], "id": "w0"}],
-                                               "policy": {"name": "round_robin"}})
+    router, runner, base = await start_router(
+        {"workers": [{"url": two_upstreams[0], "id": "w0"}], "policy": {"name": "round_robin"}}
+    )
     try:
         async with httpx.AsyncClient() as c:
             r = await c.post(base + "/admin/workers", json={"url": "ftp://x"})
@@ -458,11 +496,11 @@ async def test_agent_registration_and_events(two_upstreams):
     now = time.monotonic
 
     def batch(seq, events, epoch="e1", load=None):
-        b = {"worker_id": "ag", "url": two_upstreams[1], "epoch": epoch, "seq": seq,
-             "events": events}
+        b = {"worker_id": "ag", "url": two_upstreams[1], "epoch": epoch, "seq": seq, "events": events}
         if load is not None:
             b["load"] = load
         return b
+
     try:
         async with httpx.AsyncClient() as c:
             r = await c.post(ev_url, json=batch(0, []))
@@ -471,9 +509,14 @@ async def test_agent_registration_and_events(two_upstreams):
             assert r.status_code == 400
             r = await c.post(base + "/internal/v1/register", json=reg)
             assert r.status_code == 200 and r.json()["status"] == "ok"
-            r = await c.post(ev_url, json=batch(0, [
-                {"type": "stored", "parent": None, "hashes": h[:3]}],
-                load={"queued_requests": 2, "queued_tokens": 500, "prefill_tokens_per_s": 5000}))
+            r = await c.post(
+                ev_url,
+                json=batch(
+                    0,
+                    [{"type": "stored", "parent": None, "hashes": h[:3]}],
+                    load={"queued_requests": 2, "queued_tokens": 500, "prefill_tokens_per_s": 5000},
+                ),
+            )
             assert r.status_code == 200, r.text
             assert router.index.match(h, now(), count=False).blocks.get("ag") == 3
             view = next(v for v in router.pool.views(now()) if v.id == "ag")
@@ -482,8 +525,7 @@ async def test_agent_registration_and_events(two_upstreams):
             assert r.status_code == 200
             assert router.index.match(h, now(), count=False).blocks.get("ag") == 1
             # a sequence gap -> snapshot required, nothing applied
-            r = await c.post(ev_url, json=batch(5, [{"type": "stored", "parent": h[0],
-                                                     "hashes": h[1:4]}]))
+            r = await c.post(ev_url, json=batch(5, [{"type": "stored", "parent": h[0], "hashes": h[1:4]}]))
             assert r.status_code == 409 and r.json()["status"] == "snapshot_required"
             assert router.index.match(h, now(), count=False).blocks.get("ag") == 1
             # not the epoch it registered with: not its agent (it re-registers)
@@ -498,8 +540,11 @@ async def test_agent_registration_and_events(two_upstreams):
             assert r.status_code == 200
             assert "ag" not in router.index.match(h, now(), count=False).blocks
             # malformed batches
-            for bad in ({"worker_id": "ag"}, batch(11, [{"type": "nope"}]),
-                        batch(11, [{"type": "stored", "parent": None, "hashes": [-1]}])):
+            for bad in (
+                {"worker_id": "ag"},
+                batch(11, [{"type": "nope"}]),
+                batch(11, [{"type": "stored", "parent": None, "hashes": [-1]}]),
+            ):
                 r = await c.post(ev_url, json=bad)
                 assert r.status_code == 400, bad
             r = await c.post(ev_url, content=b"{oops")
@@ -524,11 +569,11 @@ def _writer(path):
         # make sure the mtime changes even on coarse clocks
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
     return write
 
 
-_RELOAD_HEALTH = ("health: {interval_s: 0.1, timeout_s: 0.5, failure_threshold: 1, "
-                  "success_threshold: 1}\n")
+_RELOAD_HEALTH = "health: {interval_s: 0.1, timeout_s: 0.5, failure_threshold: 1, success_threshold: 1}\n"
 
 
 async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tmp_path):
@@ -549,8 +594,7 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
         async with httpx.AsyncClient() as c:
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": LONG_PROMPT})
             assert r.headers["x-radixfleet-worker"] == "wa"
-            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: cache-aware}}\n{health}"
-                  f"{nowatch}")
+            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: cache-aware}}\n{health}{nowatch}")
             r = await c.post(base + "/admin/reload")
             assert r.status_code == 400
             assert "policy.name: 'cache-aware' is not one of" in r.json()["error"]["message"]
@@ -559,8 +603,7 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
             assert router.metrics.reload_failures._value.get() == 1
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "wa"
-            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}"
-                  f"{nowatch}")
+            write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}{nowatch}")
             r = await c.post(base + "/admin/reload")
             assert r.status_code == 200, r.text
             assert r.json()["added"] == ["wb"] and r.json()["removed"] == ["wa"]
@@ -581,16 +624,20 @@ async def test_file_watcher_reloads_a_changed_file_on_its_own(two_upstreams, tmp
     path = tmp_path / "router.yaml"
     a, b = two_upstreams
     write = _writer(path)
-    write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{_RELOAD_HEALTH}"
-          "reload: {poll_interval_s: 0.05}\n")
+    write(
+        f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{_RELOAD_HEALTH}"
+        "reload: {poll_interval_s: 0.05}\n"
+    )
     router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
     runner = RouterServer(router, port=free_port())
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)
         assert [w.id for w in router.pool] == ["wa"]
-        write(f"workers: [{{url: '{a}', id: wa}}, {{url: '{b}', id: wb}}]\n"
-              f"policy: {{name: least_load}}\n{_RELOAD_HEALTH}reload: {{poll_interval_s: 0.05}}\n")
+        write(
+            f"workers: [{{url: '{a}', id: wa}}, {{url: '{b}', id: wb}}]\n"
+            f"policy: {{name: least_load}}\n{_RELOAD_HEALTH}reload: {{poll_interval_s: 0.05}}\n"
+        )
         deadline = time.monotonic() + 10
         while len(router.pool) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -626,11 +673,12 @@ def test_cli_router_process_graceful_shutdown_and_sighup(tmp_path):
     pu, uu = upstream_proc("u")
     port = free_port()
     cfg = tmp_path / "r.yaml"
-    cfg.write_text(f"listen: {{port: {port}}}\nworkers: [{{url: '{uu}', id: u}}]\n"
-                   "policy: {name: round_robin}\nreload: {watch: false}\n")
+    cfg.write_text(
+        f"listen: {{port: {port}}}\nworkers: [{{url: '{uu}', id: u}}]\n"
+        "policy: {name: round_robin}\nreload: {watch: false}\n"
+    )
     base = f"http://127.0.0.1:{port}"
-    with pu, Proc(radixfleet_argv("router", "--config", str(cfg)),
-                  ready_url=base + "/health") as pr:
+    with pu, Proc(radixfleet_argv("router", "--config", str(cfg)), ready_url=base + "/health") as pr:
         deadline = time.monotonic() + 10
         while httpx.get(base + "/readiness").status_code != 200:
             assert time.monotonic() < deadline
@@ -645,11 +693,14 @@ def test_cli_router_process_graceful_shutdown_and_sighup(tmp_path):
         # a slow request in flight survives SIGTERM
         with httpx.Client(timeout=10) as c:
             import threading
+
             out = {}
 
             def slow():
-                out["r"] = c.post(base + "/v1/completions",
-                                  json={"model": "m", "prompt": "x", "delay_s": 0.8})
+                out["r"] = c.post(
+                    base + "/v1/completions", json={"model": "m", "prompt": "x", "delay_s": 0.8}
+                )
+
             t = threading.Thread(target=slow)
             t.start()
             time.sleep(0.3)
@@ -661,9 +712,13 @@ def test_cli_router_process_graceful_shutdown_and_sighup(tmp_path):
 
 def test_cli_bad_input_exits_2(tmp_path):
     import subprocess
-    for argv in (["router", "--worker", "ftp://x"], ["router", "--policy", "nope"],
-                 ["router", "--config", str(tmp_path / "missing.yaml")],
-                 ["router", "--config", "x.yaml", "--worker", "http://a:1"]):
+
+    for argv in (
+        ["router", "--worker", "ftp://x"],
+        ["router", "--policy", "nope"],
+        ["router", "--config", str(tmp_path / "missing.yaml")],
+        ["router", "--config", "x.yaml", "--worker", "http://a:1"],
+    ):
         p = subprocess.run(radixfleet_argv(*argv), capture_output=True, text=True, timeout=20)
         assert p.returncode == 2, (argv, p.stdout, p.stderr)
         assert p.stderr.count("\n") == 1 and "error" in p.stderr, p.stderr
@@ -701,8 +756,7 @@ class FakeWorker:
                 await self._stall()
                 sr = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await sr.prepare(request)
-                for part in self.sse or [b'data: {"choices": [{"text": "x"}]}\n\n',
-                                         b"data: [DONE]\n\n"]:
+                for part in self.sse or [b'data: {"choices": [{"text": "x"}]}\n\n', b"data: [DONE]\n\n"]:
                     await sr.write(part)
                     await asyncio.sleep(body.get("gap_s", 0))
                     await self._stall()
@@ -711,8 +765,11 @@ class FakeWorker:
                 return sr
             await asyncio.sleep(delay)
             await self._stall()
-            status, ctype, data = self.answer or (200, "application/json", json.dumps(
-                {"choices": [{"text": self.name}], "usage": {"prompt_tokens": 1}}).encode())
+            status, ctype, data = self.answer or (
+                200,
+                "application/json",
+                json.dumps({"choices": [{"text": self.name}], "usage": {"prompt_tokens": 1}}).encode(),
+            )
             self.finished += 1
             return web.Response(status=status, body=data, content_type=ctype)
         except asyncio.CancelledError:
@@ -753,13 +810,16 @@ async def _eventually(cond, within_s: float = 3.0) -> None:
 async def test_a_non_streamed_answer_slower_than_first_byte_s_runs_once(fake_workers):
     # A non-streamed answer sends nothing until its generation is done: the first-byte
     # timeout is for streams. It must succeed, having run on one worker only.
-    router, runner, base = await start_router({
-        "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
-        "policy": {"name": "round_robin"}, "timeouts": {"first_byte_s": 0.2}})
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
+            "policy": {"name": "round_robin"},
+            "timeouts": {"first_byte_s": 0.2},
+        }
+    )
     try:
         async with httpx.AsyncClient(timeout=10) as c:
-            r = await c.post(base + "/v1/completions",
-                             json={"model": "m", "prompt": "x", "delay_s": 0.8})
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x", "delay_s": 0.8})
             assert r.status_code == 200, r.text
         assert sum(fw.started for fw in fake_workers) == 1
         assert sum(fw.finished for fw in fake_workers) == 1
@@ -772,17 +832,20 @@ async def test_a_non_streamed_answer_slower_than_first_byte_s_runs_once(fake_wor
 async def test_a_timed_out_generation_is_cancelled_not_sent_again(fake_workers):
     # a stream silent past first_byte_s, and a non-streamed answer past total_s: 504,
     # one attempt each, cancelled on its worker (the connection closed)
-    router, runner, base = await start_router({
-        "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
-        "policy": {"name": "round_robin"}, "retries": {"max_attempts": 3},
-        "timeouts": {"first_byte_s": 0.2, "total_s": 0.6},
-        "breaker": {"failure_threshold": 100}})
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
+            "policy": {"name": "round_robin"},
+            "retries": {"max_attempts": 3},
+            "timeouts": {"first_byte_s": 0.2, "total_s": 0.6},
+            "breaker": {"failure_threshold": 100},
+        }
+    )
     try:
         async with httpx.AsyncClient(timeout=10) as c:
             for body in ({"stream": True, "delay_s": 5}, {"delay_s": 5}):
                 t0 = time.monotonic()
-                r = await c.post(base + "/v1/completions",
-                                 json={"model": "m", "prompt": "x", **body})
+                r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x", **body})
                 assert r.status_code == 504, r.text
                 assert r.json()["error"]["code"] == "upstream_timeout"
                 assert time.monotonic() - t0 < 2.0
@@ -796,22 +859,28 @@ async def test_a_timed_out_generation_is_cancelled_not_sent_again(fake_workers):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-async def test_a_request_on_a_hung_worker_moves_within_a_health_interval(fake_workers,
-                                                                         stream):
+async def test_a_request_on_a_hung_worker_moves_within_a_health_interval(fake_workers, stream):
     # The worker stops answering anything (as a SIGSTOPped process does): once its
     # health checks mark it unhealthy, the request waiting on it is cancelled there
     # and answered by the other worker, long before any timeout.
-    health = {"interval_s": 0.2, "timeout_s": 0.2, "failure_threshold": 2,
-              "success_threshold": 1}
-    router, runner, base = await start_router({
-        "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
-        "policy": {"name": "round_robin"}, "health": health,
-        "timeouts": {"first_byte_s": 30, "total_s": 60}})
+    health = {"interval_s": 0.2, "timeout_s": 0.2, "failure_threshold": 2, "success_threshold": 1}
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": fw.url, "id": fw.name} for fw in fake_workers],
+            "policy": {"name": "round_robin"},
+            "health": health,
+            "timeouts": {"first_byte_s": 30, "total_s": 60},
+        }
+    )
     try:
         async with httpx.AsyncClient(timeout=30) as c:
             t0 = time.monotonic()
-            req = asyncio.ensure_future(c.post(base + "/v1/completions", json={
-                "model": "m", "prompt": "x", "delay_s": 0.3, "stream": stream}))
+            req = asyncio.ensure_future(
+                c.post(
+                    base + "/v1/completions",
+                    json={"model": "m", "prompt": "x", "delay_s": 0.3, "stream": stream},
+                )
+            )
             await _eventually(lambda: sum(fw.started for fw in fake_workers) == 1)
             hung = next(fw for fw in fake_workers if fw.started)
             other = next(fw for fw in fake_workers if fw is not hung)
@@ -835,17 +904,23 @@ async def test_a_stream_begun_on_a_worker_that_hangs_ends_with_an_error_event(fa
     # the client already has bytes, so the request cannot move: once the worker is
     # unhealthy its stream ends with one well-formed error event, and the worker's
     # request is cancelled, long before first_byte_s
-    health = {"interval_s": 0.2, "timeout_s": 0.2, "failure_threshold": 2,
-              "success_threshold": 1}
+    health = {"interval_s": 0.2, "timeout_s": 0.2, "failure_threshold": 2, "success_threshold": 1}
     a = fake_workers[0]
-    router, runner, base = await start_router({
-        "workers": [{"url": a.url, "id": "a"}], "health": health,
-        "timeouts": {"first_byte_s": 30, "total_s": 60}})
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": a.url, "id": "a"}],
+            "health": health,
+            "timeouts": {"first_byte_s": 30, "total_s": 60},
+        }
+    )
     try:
         async with httpx.AsyncClient(timeout=30) as c:
             t0 = time.monotonic()
-            async with c.stream("POST", base + "/v1/completions", json={
-                    "model": "m", "prompt": "x", "stream": True, "gap_s": 0.5}) as r:
+            async with c.stream(
+                "POST",
+                base + "/v1/completions",
+                json={"model": "m", "prompt": "x", "stream": True, "gap_s": 0.5},
+            ) as r:
                 assert r.status_code == 200
                 a.hang()  # after its first event
                 body = b"".join([chunk async for chunk in r.aiter_raw()])
@@ -863,19 +938,25 @@ async def test_a_stream_begun_on_a_worker_that_hangs_ends_with_an_error_event(fa
 
 async def test_worker_errors_reach_the_client_wrapped_and_without_addresses(fake_workers):
     a = fake_workers[0]
-    router, runner, base = await start_router({
-        "workers": [{"url": a.url}], "policy": {"name": "round_robin"},
-        "breaker": {"failure_threshold": 100}, "limits": {"max_response_bytes": 4096}})
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": a.url}],
+            "policy": {"name": "round_robin"},
+            "breaker": {"failure_threshold": 100},
+            "limits": {"max_response_bytes": 4096},
+        }
+    )
     host = a.url.split("//")[1]
     trace = b"Traceback (most recent call last):\n  File \"/srv/vllm/x.py\"\nKeyError: 'x'"
     try:
         async with httpx.AsyncClient(timeout=10) as c:
+
             async def post():
                 r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
                 assert r.headers["content-type"].startswith("application/json"), r.headers
-                assert host not in r.text and "127.0.0.1" not in r.text and \
-                    "Traceback" not in r.text, r.text
+                assert host not in r.text and "127.0.0.1" not in r.text and "Traceback" not in r.text, r.text
                 return r.status_code, r.json()["error"]
+
             # a 500 with a stack trace: 502, once (the worker may have run it)
             a.answer = (500, "text/plain", trace)
             status, err = await post()
@@ -885,13 +966,26 @@ async def test_worker_errors_reach_the_client_wrapped_and_without_addresses(fake
             status, err = await post()
             assert status == 503 and err["type"] == "service_unavailable"
             # a 4xx keeps the worker's message, in the OpenAI shape
-            a.answer = (400, "application/json", json.dumps(
-                {"object": "error", "message": "maximum context length is 4096 tokens",
-                 "type": "BadRequestError", "param": None, "code": 400}).encode())
+            a.answer = (
+                400,
+                "application/json",
+                json.dumps(
+                    {
+                        "object": "error",
+                        "message": "maximum context length is 4096 tokens",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": 400,
+                    }
+                ).encode(),
+            )
             status, err = await post()
-            assert status == 400 and err == {"message": "maximum context length is 4096 "
-                                             "tokens", "type": "BadRequestError",
-                                             "code": 400, "param": None}
+            assert status == 400 and err == {
+                "message": "maximum context length is 4096 tokens",
+                "type": "BadRequestError",
+                "code": 400,
+                "param": None,
+            }
             a.answer = (404, "text/plain", b"404: Not Found")
             status, err = await post()
             assert status == 404 and err["type"] == "not_found_error"
@@ -905,12 +999,21 @@ async def test_worker_errors_reach_the_client_wrapped_and_without_addresses(fake
 
 
 async def test_hot_prefix_gets_warmed_replica(two_upstreams):
-    router, runner, base = await start_router({
-        "workers": [{"url": u, "id": f"w{i}"} for i, u in enumerate(two_upstreams)],
-        "policy": {"name": "prefix_load", "params": {
-            "warm_ahead": True, "hot_min_rate": 0.5, "holder_max_rate": 0.5,
-            "min_match_tokens": 0}},
-        "warmup": {"min_interval_s": 60}})
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": u, "id": f"w{i}"} for i, u in enumerate(two_upstreams)],
+            "policy": {
+                "name": "prefix_load",
+                "params": {
+                    "warm_ahead": True,
+                    "hot_min_rate": 0.5,
+                    "holder_max_rate": 0.5,
+                    "min_match_tokens": 0,
+                },
+            },
+            "warmup": {"min_interval_s": 60},
+        }
+    )
     body = {"model": "m", "prompt": LONG_PROMPT}
     try:
         async with httpx.AsyncClient() as c:
@@ -931,8 +1034,7 @@ async def test_hot_prefix_gets_warmed_replica(two_upstreams):
         await runner.aclose()
 
 
-async def test_registration_block_bytes_checked_and_reload_refuses_old_size(two_upstreams,
-                                                                            tmp_path):
+async def test_registration_block_bytes_checked_and_reload_refuses_old_size(two_upstreams, tmp_path):
     """An agent that says its block_bytes is registered only when it matches the
     router's keys.block_bytes; after a reload changes the router's, the agent's
     batches get 404 unknown_worker (it re-registers, and is refused with 409)."""
@@ -960,8 +1062,9 @@ async def test_registration_block_bytes_checked_and_reload_refuses_old_size(two_
             r = await c.post(base + "/internal/v1/register", json={**reg, "epoch": "e2"})
             assert r.status_code == 409 and r.json()["block_bytes"] == 256
             # an agent that does not say its size is taken at its word, as before
-            r = await c.post(base + "/internal/v1/register",
-                             json={k: v for k, v in reg.items() if k != "block_bytes"})
+            r = await c.post(
+                base + "/internal/v1/register", json={k: v for k, v in reg.items() if k != "block_bytes"}
+            )
             assert r.status_code == 200
     finally:
         await server.cleanup()

@@ -9,19 +9,27 @@ import random
 import aiohttp
 import pytest
 
-from router.dataplane import Admission
-from router.auth import TenantResolver
-from service.auth import BearerAuth, is_loopback
-from router.config import parse_config
 from protocol.errors import Conflict, Overloaded, Unauthorized
 from protocol.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
+from router.auth import TenantResolver
+from router.config import parse_config
+from router.dataplane import Admission
 from router.feedback import Feedback
 from router.pool import Breaker, HealthState, Pool, Source
 from router.prefix_index import PrefixIndex
 from router.upstream import (
-    STREAM_HIGH, Cancel, Cancelled, ConnectFailed, Response, ResponseTooLarge, UpstreamBroken,
-    UpstreamPool, _DONE, build_head,
+    _DONE,
+    STREAM_HIGH,
+    Cancel,
+    Cancelled,
+    ConnectFailed,
+    Response,
+    ResponseTooLarge,
+    UpstreamBroken,
+    UpstreamPool,
+    build_head,
 )
+from service.auth import BearerAuth, is_loopback
 
 
 class Clock:
@@ -35,8 +43,12 @@ class Clock:
 def make_pool(**raw):
     clock = Clock()
     idx = PrefixIndex()
-    cfg = parse_config({"workers": [{"url": "http://127.0.0.1:1", "id": "a"},
-                                    {"url": "http://127.0.0.1:2", "id": "b"}], **raw})
+    cfg = parse_config(
+        {
+            "workers": [{"url": "http://127.0.0.1:1", "id": "a"}, {"url": "http://127.0.0.1:2", "id": "b"}],
+            **raw,
+        }
+    )
     pool = Pool(cfg, idx, clock=clock)
     for w in pool:
         pool._set_health(w, HealthState.HEALTHY)
@@ -66,8 +78,7 @@ def test_pool_views_count_load_at_pick_time_and_cache():
 def test_reported_load_combines_and_goes_stale():
     pool, idx, clock = make_pool(load={"report_stale_s": 2.0})
     a = pool.get("a")
-    pool.report_load(a, Load(queued_requests=3, queued_tokens=900, prefill_tokens_per_s=5e3),
-                     clock())
+    pool.report_load(a, Load(queued_requests=3, queued_tokens=900, prefill_tokens_per_s=5e3), clock())
     pool.pick(a, 100)
     v = pool.views(clock())[0]
     assert (v.queued_tokens, v.in_flight_tokens, v.load_tokens) == (900, 100, 1000)
@@ -125,8 +136,9 @@ def test_drain_and_sync_config():
     assert [v.id for v in pool.views(clock())] == ["b"]
     pool.drain("a", False)
     assert [v.id for v in pool.views(clock())] == ["a", "b"]
-    new = parse_config({"workers": [{"url": "http://127.0.0.1:2", "id": "b"},
-                                    {"url": "http://127.0.0.1:3", "id": "c"}]})
+    new = parse_config(
+        {"workers": [{"url": "http://127.0.0.1:2", "id": "b"}, {"url": "http://127.0.0.1:3", "id": "c"}]}
+    )
     idx.insert("a", [7], clock())
     added, removed = pool.sync_config(new.workers)
     assert (added, removed) == (["c"], ["a"])
@@ -191,10 +203,8 @@ def test_feedback_applies_only_the_registered_url_and_epoch():
     now = clock()
     pool.register("a", "http://127.0.0.1:1", "e")
     snap = [Snapshot([(1, None)])]
-    assert fb.apply(EventBatch("a", "http://127.0.0.1:19998", "e", 0, snap), now) == (
-        404, "unknown_worker")
-    assert fb.apply(EventBatch("a", "http://127.0.0.1:1", "other", 0, snap), now) == (
-        404, "unknown_worker")
+    assert fb.apply(EventBatch("a", "http://127.0.0.1:19998", "e", 0, snap), now) == (404, "unknown_worker")
+    assert fb.apply(EventBatch("a", "http://127.0.0.1:1", "other", 0, snap), now) == (404, "unknown_worker")
     assert idx.workers() == set()
     assert fb.apply(EventBatch("a", "http://0x7f.1:1/", "e", 0, snap), now) == (200, "ok")
     assert idx.match([1], now, count=False).blocks == {"a": 1}
@@ -270,6 +280,7 @@ async def test_admission_queue_hands_slots_over_in_order():
         order.append(i)
         await asyncio.sleep(0.01)
         adm.leave()
+
     tasks = [asyncio.create_task(waiter(i)) for i in range(2)]
     await asyncio.sleep(0.01)
     with pytest.raises(Overloaded) as e:
@@ -305,8 +316,16 @@ def test_tenant_resolver_sources(monkeypatch):
     hdr = TenantResolver(parse_config({"keys": {"tenant": {"source": "header"}}}).keys.tenant)
     assert hdr.tenant({"x-tenant-id": "t1"}) == "t1" and hdr.tenant({}) == ""
     monkeypatch.setenv("KA", "secret-a")
-    cfg = parse_config({"keys": {"tenant": {"source": "api_key", "api_keys": [
-        {"tenant": "A", "key_env": "KA"}, {"tenant": "B", "key": "secret-b"}]}}})
+    cfg = parse_config(
+        {
+            "keys": {
+                "tenant": {
+                    "source": "api_key",
+                    "api_keys": [{"tenant": "A", "key_env": "KA"}, {"tenant": "B", "key": "secret-b"}],
+                }
+            }
+        }
+    )
     r = TenantResolver(cfg.keys.tenant)
     assert r.tenant({"authorization": "Bearer secret-a"}) == "A"
     assert r.tenant({"x-api-key": "secret-b"}) == "B"
@@ -358,7 +377,7 @@ def feed_all(data: bytes, sizes) -> tuple[Response, FakeConn]:
     for n in sizes:
         if i >= len(data):
             break
-        r._feed(data[i:i + n])
+        r._feed(data[i : i + n])
         i += n
     if i < len(data):
         r._feed(data[i:])
@@ -368,11 +387,15 @@ def feed_all(data: bytes, sizes) -> tuple[Response, FakeConn]:
 @pytest.mark.parametrize("seed", range(5))
 async def test_parser_chunked_and_length_any_split(seed):
     rng = random.Random(seed)
-    payload = b"data: {\"x\": 1}\n\n" * 7 + b"data: [DONE]\n\n"
-    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in
-                       (payload[:10], payload[10:57], payload[57:])) + b"0\r\n\r\n"
-    head = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n" \
-           b"Content-Type: text/event-stream\r\n\r\n"
+    payload = b'data: {"x": 1}\n\n' * 7 + b"data: [DONE]\n\n"
+    chunked = (
+        b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (payload[:10], payload[10:57], payload[57:]))
+        + b"0\r\n\r\n"
+    )
+    head = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: text/event-stream\r\n\r\n"
+    )
     sizes = [rng.randint(1, 9) for _ in range(200)]
     r, conn = feed_all(head + chunked, sizes)
     await r.wait_head()
@@ -381,8 +404,7 @@ async def test_parser_chunked_and_length_any_split(seed):
     r.release()
     assert conn.put == [conn] and not conn.closed
     body = b'{"ok": true}'
-    r, conn = feed_all(b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
-                       sizes)
+    r, conn = feed_all(b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body), sizes)
     await r.wait_head()
     assert r.status == 201 and await r.read() == body and r._state == _DONE
     r.release()
@@ -420,6 +442,7 @@ async def test_parser_first_byte_timeout():
     conn = FakeConn()
     r = Response(conn, loop, 0.05, loop.time() + 5)
     from router.upstream import UpstreamTimeout
+
     with pytest.raises(UpstreamTimeout, match="no first byte within 0.05s"):
         await r.wait_head()
     assert conn.closed
@@ -466,8 +489,9 @@ async def test_a_slow_stream_consumer_pauses_the_worker_not_the_memory():
     srv, port = await _serve(handle)
     pool = UpstreamPool(body_limit=4 * STREAM_HIGH)
     try:
-        resp = await pool.request("127.0.0.1", port, build_head("/x", "h", 0, b""), b"",
-                                  read_timeout_s=5, total_timeout_s=20)
+        resp = await pool.request(
+            "127.0.0.1", port, build_head("/x", "h", 0, b""), b"", read_timeout_s=5, total_timeout_s=20
+        )
         got = len(await resp.readany())
         peak = 0
         while True:
@@ -501,9 +525,17 @@ async def test_cancel_fails_a_waiting_request_and_closes_its_connection():
     pool = UpstreamPool()
     try:
         cancel = Cancel()
-        req = asyncio.ensure_future(pool.request(
-            "127.0.0.1", port, build_head("/x", "h", 0, b""), b"", read_timeout_s=float("inf"),
-            total_timeout_s=30, cancel=cancel))
+        req = asyncio.ensure_future(
+            pool.request(
+                "127.0.0.1",
+                port,
+                build_head("/x", "h", 0, b""),
+                b"",
+                read_timeout_s=float("inf"),
+                total_timeout_s=30,
+                cancel=cancel,
+            )
+        )
         await asyncio.sleep(0.1)
         assert not req.done()
         cancel.cancel(Cancelled("worker unhealthy"))
@@ -513,8 +545,15 @@ async def test_cancel_fails_a_waiting_request_and_closes_its_connection():
         cancel = Cancel()
         cancel.cancel(Cancelled("before it was sent"))
         with pytest.raises(Cancelled):
-            await pool.request("127.0.0.1", port, build_head("/x", "h", 0, b""), b"",
-                               read_timeout_s=1, total_timeout_s=1, cancel=cancel)
+            await pool.request(
+                "127.0.0.1",
+                port,
+                build_head("/x", "h", 0, b""),
+                b"",
+                read_timeout_s=1,
+                total_timeout_s=1,
+                cancel=cancel,
+            )
         assert pool.idle_count() == 0
     finally:
         await pool.aclose()
@@ -531,7 +570,7 @@ def test_pool_random_operations_keep_invariants(seed):
     pool, idx, clock = make_pool(breaker={"failure_threshold": 2, "open_s": 1.0})
     held: list = []  # (worker, tokens still counted, prefilled?)
     next_port = 10
-    for step in range(600):
+    for _step in range(600):
         clock.t += rng.random() * 0.1
         op = rng.random()
         views = pool.views(clock())
@@ -566,8 +605,7 @@ def test_pool_random_operations_keep_invariants(seed):
         else:
             ws = list(pool)
             if ws:
-                pool.report_load(rng.choice(ws), Load(queued_tokens=rng.randrange(100)),
-                                 clock())
+                pool.report_load(rng.choice(ws), Load(queued_tokens=rng.randrange(100)), clock())
         pool.check()
         idx.check()
         for v in pool.views(clock()):

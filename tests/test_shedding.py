@@ -17,10 +17,20 @@ RATE = 1000.0  # prefill tokens/s of every worker here
 
 
 def engine_report(pool, w, now, *, running=0, waiting=0, queued_tokens=0, kv=(0, 0)):
-    pool.report_load(w, Load(queued_requests=waiting, queued_tokens=queued_tokens,
-                             running_requests=running, kv_used_tokens=kv[0],
-                             kv_capacity_tokens=kv[1], prefill_tokens_per_s=RATE),
-                     now, stale_s=5.0, engine=True)
+    pool.report_load(
+        w,
+        Load(
+            queued_requests=waiting,
+            queued_tokens=queued_tokens,
+            running_requests=running,
+            kv_used_tokens=kv[0],
+            kv_capacity_tokens=kv[1],
+            prefill_tokens_per_s=RATE,
+        ),
+        now,
+        stale_s=5.0,
+        engine=True,
+    )
     w.mark.check()
 
 
@@ -194,8 +204,9 @@ def test_one_ordinary_request_ahead_per_worker_is_room_after_the_rate_drops():
         for _ in range(2):
             engine_report(pool, w, t, running=8, waiting=3, queued_tokens=300)
         engine_report(pool, w, t, running=0)  # limit 8, idle now
-        pool.report_load(w, Load(running_requests=1, prefill_tokens_per_s=RATE * 0.6),
-                         t, stale_s=5.0, engine=True)
+        pool.report_load(
+            w, Load(running_requests=1, prefill_tokens_per_s=RATE * 0.6), t, stale_s=5.0, engine=True
+        )
         pool.pick(w, 100)  # one ordinary request each, prefilling: 0.17 s at 600/s
     assert check(s, pool, t) is None
     for w in (a, b):
@@ -233,15 +244,14 @@ def test_full_kv_means_no_room_and_agents_learn_no_limit():
     for _ in range(2):
         engine_report(pool, a, t, running=8, waiting=1, queued_tokens=900)
     # a has a free slot by count, but its KV is full: the queue decides
-    engine_report(pool, a, t, running=3, waiting=5, queued_tokens=900,
-                  kv=(int(KV_FULL * cap), cap))
-    pool.report_load(b, Load(queued_requests=5, queued_tokens=900, running_requests=3,
-                             prefill_tokens_per_s=RATE), t)  # an agent
+    engine_report(pool, a, t, running=3, waiting=5, queued_tokens=900, kv=(int(KV_FULL * cap), cap))
+    pool.report_load(
+        b, Load(queued_requests=5, queued_tokens=900, running_requests=3, prefill_tokens_per_s=RATE), t
+    )  # an agent
     assert b.mark.limit == 0 and b.mark.running_max == 0
     exc = check(s, pool, t)
     assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(0.9 - 0.05)
-    engine_report(pool, a, t, running=3, waiting=4, queued_tokens=900,
-                  kv=(int(KV_FULL * cap) - 1, cap))
+    engine_report(pool, a, t, running=3, waiting=4, queued_tokens=900, kv=(int(KV_FULL * cap) - 1, cap))
     assert check(s, pool, t) is None  # a slot and KV: room
 
 
@@ -267,14 +277,20 @@ def test_random_reports_and_picks_keep_the_mark_consistent():
     s = Shedder(0.5, 0.05)
     ws = list(pool)
     held = {w.id: 0 for w in ws}
-    for step in range(3000):
+    for _step in range(3000):
         w = rng.choice(ws)
         op = rng.random()
         clock.t += rng.random() * 0.05
         if op < 0.3:
-            engine_report(pool, w, clock(), running=rng.randrange(10),
-                          waiting=rng.randrange(4), queued_tokens=rng.randrange(3000),
-                          kv=(rng.randrange(1000), 1000))
+            engine_report(
+                pool,
+                w,
+                clock(),
+                running=rng.randrange(10),
+                waiting=rng.randrange(4),
+                queued_tokens=rng.randrange(3000),
+                kv=(rng.randrange(1000), 1000),
+            )
         elif op < 0.6:
             pool.pick(w, rng.randrange(500))
             held[w.id] += 1

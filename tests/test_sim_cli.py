@@ -10,14 +10,27 @@ import pytest
 from loadtest.report import validate
 from radixfleet.cli import main
 
-GSP = ["--workload", "gsp", "-o", "groups=4", "-o", "prompts_per_group=4", "-o", "system_tokens=256",
-       "-o", "question_tokens=32", "-o", "output_tokens=8"]
+GSP = [
+    "--workload",
+    "gsp",
+    "-o",
+    "groups=4",
+    "-o",
+    "prompts_per_group=4",
+    "-o",
+    "system_tokens=256",
+    "-o",
+    "question_tokens=32",
+    "-o",
+    "output_tokens=8",
+]
 
 
 def test_simulate_json_one_run_per_policy(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    rc = main(["simulate", *GSP, "--agents", "3", "--policies", "round_robin,prefix_load",
-               "--json", str(out)])
+    rc = main(
+        ["simulate", *GSP, "--agents", "3", "--policies", "round_robin,prefix_load", "--json", str(out)]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
@@ -31,13 +44,28 @@ def test_simulate_json_one_run_per_policy(tmp_path, capsys):
 
 def test_sweep_kv_tokens_shape_and_plots(tmp_path):
     out, plots = tmp_path / "sweep.json", tmp_path / "plots"
-    rc = main(["simulate", *GSP, "--agents", "2", "--policies", "round_robin,cache_aware",
-               "--sweep", "kv_tokens=400,1200,5000", "--json", str(out), "--plots", str(plots)])
+    rc = main(
+        [
+            "simulate",
+            *GSP,
+            "--agents",
+            "2",
+            "--policies",
+            "round_robin,cache_aware",
+            "--sweep",
+            "kv_tokens=400,1200,5000",
+            "--json",
+            str(out),
+            "--plots",
+            str(plots),
+        ]
+    )
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
     assert len(runs) == 6
     assert [(r["sweep"]["value"], r["name"]) for r in runs] == [
-        (v, p) for v in (400, 1200, 5000) for p in ("round_robin", "cache_aware")]
+        (v, p) for v in (400, 1200, 5000) for p in ("round_robin", "cache_aware")
+    ]
     assert all(r["sweep"]["param"] == "kv_tokens" for r in runs)
     assert [r["kv_capacity_tokens"] for r in runs[::2]] == [800, 2400, 10000]
     assert [r["sim"]["kv_tokens_per_worker"] for r in runs[::2]] == [400, 1200, 5000]
@@ -51,13 +79,16 @@ def test_sweep_kv_tokens_shape_and_plots(tmp_path):
 
 def test_sweep_workers_and_rate(tmp_path):
     out = tmp_path / "w.json"
-    assert main(["simulate", *GSP, "--policies", "least_load", "--sweep", "workers=1,4",
-                 "--json", str(out)]) == 0
+    assert (
+        main(["simulate", *GSP, "--policies", "least_load", "--sweep", "workers=1,4", "--json", str(out)])
+        == 0
+    )
     runs = json.loads(out.read_text())["runs"]
     assert [len(r["workers"]) for r in runs] == [1, 4]
     out2 = tmp_path / "r.json"
-    assert main(["simulate", *GSP, "--policies", "least_load", "--sweep", "rate=5,50",
-                 "--json", str(out2)]) == 0
+    assert (
+        main(["simulate", *GSP, "--policies", "least_load", "--sweep", "rate=5,50", "--json", str(out2)]) == 0
+    )
     runs = json.loads(out2.read_text())["runs"]
     assert [r["sweep"]["value"] for r in runs] == [5.0, 50.0]
     assert runs[0]["duration_s"] > runs[1]["duration_s"]
@@ -65,8 +96,23 @@ def test_sweep_workers_and_rate(tmp_path):
 
 def test_feedback_ablation_in_one_call(tmp_path):
     out = tmp_path / "fb.json"
-    assert main(["simulate", *GSP, "--policies", "prefix_load", "--kv-tokens", "600",
-                 "--feedback", "none,events", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                *GSP,
+                "--policies",
+                "prefix_load",
+                "--kv-tokens",
+                "600",
+                "--feedback",
+                "none,events",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     runs = json.loads(out.read_text())["runs"]
     assert [r["name"] for r in runs] == ["prefix_load+none", "prefix_load+events"]
     assert [r["sim"]["feedback"] for r in runs] == ["none", "events"]
@@ -78,20 +124,23 @@ def test_plain_plots(tmp_path):
     assert "hit_rate.png" in os.listdir(plots)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--policies", "nope"], "'nope' is not one of"),
-    (["--sweep", "cache=1,2"], "--sweep"),
-    (["--sweep", "kv_tokens=1,x"], "not a whole number"),
-    (["--feedback", "sometimes"], "--feedback"),
-    (["--agents", "0"], "--agents"),
-    (["--kv-tokens", "-5"], "--kv-tokens"),
-    (["--gpu", "tpu9"], "unknown preset 'tpu9'"),
-    (["-o", "groups=abc"], "groups"),
-    (["-P", "prefix_load.nosuch=1"], "nosuch"),
-    (["--repeat", "3"], "--repeat"),
-    (["--jobs", "-1"], "--jobs"),
-    (["--router-config", "/nonexistent/router.yaml"], "cannot read /nonexistent/router.yaml"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--policies", "nope"], "'nope' is not one of"),
+        (["--sweep", "cache=1,2"], "--sweep"),
+        (["--sweep", "kv_tokens=1,x"], "not a whole number"),
+        (["--feedback", "sometimes"], "--feedback"),
+        (["--agents", "0"], "--agents"),
+        (["--kv-tokens", "-5"], "--kv-tokens"),
+        (["--gpu", "tpu9"], "unknown preset 'tpu9'"),
+        (["-o", "groups=abc"], "groups"),
+        (["-P", "prefix_load.nosuch=1"], "nosuch"),
+        (["--repeat", "3"], "--repeat"),
+        (["--jobs", "-1"], "--jobs"),
+        (["--router-config", "/nonexistent/router.yaml"], "cannot read /nonexistent/router.yaml"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
     rc = main(["simulate", *GSP, *argv])
     err = capsys.readouterr().err.strip()
@@ -102,14 +151,31 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
 def test_router_config_file_sets_the_simulated_routers_settings(tmp_path, capsys):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("warmup: {enabled: false}\nload: {report_stale_s: 0.5}\n")
-    hot = ["--workload", "gsp", "-o", "groups=1", "-o", "prompts_per_group=100",
-           "-o", "system_tokens=256", "-o", "question_tokens=32", "-o", "output_tokens=8",
-           "--rate", "200", "-P", "prefix_load.warm_ahead=true",
-           "-P", "prefix_load.hot_min_rate=0.5", "-P", "prefix_load.holder_max_rate=0.5"]
+    hot = [
+        "--workload",
+        "gsp",
+        "-o",
+        "groups=1",
+        "-o",
+        "prompts_per_group=100",
+        "-o",
+        "system_tokens=256",
+        "-o",
+        "question_tokens=32",
+        "-o",
+        "output_tokens=8",
+        "--rate",
+        "200",
+        "-P",
+        "prefix_load.warm_ahead=true",
+        "-P",
+        "prefix_load.hot_min_rate=0.5",
+        "-P",
+        "prefix_load.holder_max_rate=0.5",
+    ]
     on, off = tmp_path / "on.json", tmp_path / "off.json"
     assert main(["simulate", *hot, "--agents", "4", "--json", str(on)]) == 0
-    assert main(["simulate", *hot, "--agents", "4", "--router-config", str(cfg),
-                 "--json", str(off)]) == 0
+    assert main(["simulate", *hot, "--agents", "4", "--router-config", str(cfg), "--json", str(off)]) == 0
     warm = [json.loads(f.read_text())["runs"][0]["sim"]["warmups"] for f in (on, off)]
     assert warm[0] > 0 and warm[1] == 0
     cfg.write_text("warmup: {min_interval_s: -1}\n")
@@ -134,11 +200,29 @@ def test_same_seed_same_document_across_processes(tmp_path):
     docs = []
     for hs in ("1", "2"):
         out = tmp_path / f"d{hs}.json"
-        subprocess.run([sys.executable, "-m", "radixfleet.cli", "simulate", *GSP, "--agents", "3",
-                        "--policies", "cache_aware,prefix_load,power_of_two", "--kv-tokens", "600",
-                        "--seed", "4", "--json", str(out)],
-                       check=True, capture_output=True, timeout=60,
-                       env={**os.environ, "PYTHONHASHSEED": hs})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "radixfleet.cli",
+                "simulate",
+                *GSP,
+                "--agents",
+                "3",
+                "--policies",
+                "cache_aware,prefix_load,power_of_two",
+                "--kv-tokens",
+                "600",
+                "--seed",
+                "4",
+                "--json",
+                str(out),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": hs},
+        )
         doc = json.loads(out.read_text())
         for r in doc["runs"]:
             del r["wall_s"], r["sim_requests_per_s"]
@@ -151,9 +235,28 @@ def test_trace_repeat_block_level(tmp_path):
 
     path = _trace(tmp_path, n=20)
     out = tmp_path / "t.json"
-    assert main(["simulate", "--trace", path, "-o", "block_tokens=16", "--repeat", "3",
-                 "--requests", "1000", "--duration", "1e6", "--policies", "prefix_load",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                path,
+                "-o",
+                "block_tokens=16",
+                "--repeat",
+                "3",
+                "--requests",
+                "1000",
+                "--duration",
+                "1e6",
+                "--policies",
+                "prefix_load",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (r,) = json.loads(out.read_text())["runs"]
     assert r["requests"] == r["ok"] == 60 and r["sim"]["level"] == "block"
     assert r["workload"]["name"] == "trace"
@@ -166,9 +269,27 @@ def test_jobs_run_in_processes_with_identical_reports(tmp_path):
     docs = []
     for jobs in ("1", "3"):
         out = tmp_path / f"j{jobs}.json"
-        assert main(["simulate", *GSP, "--agents", "3", "--policies",
-                     "round_robin,cache_aware,prefix_load", "--sweep", "kv_tokens=300,3000",
-                     "--seed", "2", "--jobs", jobs, "--json", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "simulate",
+                    *GSP,
+                    "--agents",
+                    "3",
+                    "--policies",
+                    "round_robin,cache_aware,prefix_load",
+                    "--sweep",
+                    "kv_tokens=300,3000",
+                    "--seed",
+                    "2",
+                    "--jobs",
+                    jobs,
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         doc = json.loads(out.read_text())
         validate(doc)
         for r in doc["runs"]:
@@ -195,8 +316,10 @@ def test_bench_sim_floor_row_splits_a_request_into_its_library_calls(capsys):
 def test_bench_sim_rejects_an_unknown_row(capsys):
     assert main(["bench", "sim", "--rows", "gsp_9w"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["radixfleet bench: error: --rows: unknown row 'gsp_9w'; rows: gsp_8w, "
-                   "gsp_light_8w, trace_100k, long_5k, gsp_500w, gsp_floor"]
+    assert err == [
+        "radixfleet bench: error: --rows: unknown row 'gsp_9w'; rows: gsp_8w, "
+        "gsp_light_8w, trace_100k, long_5k, gsp_500w, gsp_floor"
+    ]
 
 
 def test_unwritable_outputs_fail_before_the_run(tmp_path, capsys):
@@ -218,6 +341,7 @@ def test_unwritable_outputs_fail_before_the_run(tmp_path, capsys):
     existing = tmp_path / "old.json"
     existing.write_text("{}")
     from loadtest.report import check_outputs
+
     check_outputs(files=[("--json", str(existing))], dirs=[("--plots", str(tmp_path / "p"))])
     assert existing.read_text() == "{}" and (tmp_path / "p").is_dir()
     assert sorted(x.name for x in (tmp_path / "p").iterdir()) == []

@@ -14,8 +14,13 @@ from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.fleet import SimConfig, Simulation
 from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
 
-SMALL_GSP = {"groups": 4, "prompts_per_group": 6, "system_tokens": 256,
-             "question_tokens": 32, "output_tokens": 16}
+SMALL_GSP = {
+    "groups": 4,
+    "prompts_per_group": 6,
+    "system_tokens": 256,
+    "question_tokens": 32,
+    "output_tokens": 16,
+}
 
 
 def _strip(report: dict) -> dict:
@@ -25,17 +30,26 @@ def _strip(report: dict) -> dict:
     return r
 
 
-def _run(cfg: SimConfig, workload, arrivals=Closed(4), bounds=Bounds(10_000, 1e6, 60.0),
-         seed: int = 0, sessions=None) -> Simulation:
+def _run(
+    cfg: SimConfig,
+    workload,
+    arrivals=Closed(4),
+    bounds=Bounds(10_000, 1e6, 60.0),
+    seed: int = 0,
+    sessions=None,
+) -> Simulation:
     sim = Simulation(cfg, workload, arrivals, bounds, seed=seed, sessions=sessions)
     sim.outcome = sim.run()
     return sim
 
 
 def _specs(prompts: list[str], max_tokens: int = 4) -> list:
-    return [SingleShot(RequestSpec(f"s{i}.0", API_COMPLETIONS, {"prompt": p}, max_tokens,
-                                   f"s{i}", 0, None, len(p) // 4))
-            for i, p in enumerate(prompts)]
+    return [
+        SingleShot(
+            RequestSpec(f"s{i}.0", API_COMPLETIONS, {"prompt": p}, max_tokens, f"s{i}", 0, None, len(p) // 4)
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "random", "cache_aware", "prefix_load"])
@@ -62,8 +76,9 @@ def test_conservation_with_rejections_and_cancellations():
     # fit; a short duration with no drain grace cancels whatever is still running
     prompts = ["a" * 400, "b" * 40, "c" * 400, "d" * 40, "e" * 400, "f" * 40, "g" * 40]
     cfg = SimConfig(workers=2, policy="round_robin", engine=EngineSpec(kv_tokens=64), check=True)
-    sim = _run(cfg, make_workload("gsp", SMALL_GSP), Closed(2), Bounds(100, 1e6, 0.0),
-               sessions=_specs(prompts))
+    sim = _run(
+        cfg, make_workload("gsp", SMALL_GSP), Closed(2), Bounds(100, 1e6, 0.0), sessions=_specs(prompts)
+    )
     r = sim.outcome.report
     assert r["requests"] == 7 and r["ok"] + r["errors"] == 7
     assert r["errors_by_kind"] == {"http_400": 3}
@@ -96,12 +111,20 @@ def test_hand_made_hits_one_worker():
 def test_hand_made_hits_routing():
     a, b = "p" * 2048, "q" * 2048  # 512 tokens each, 4 router blocks of 128 bytes
     prompts = [a + "1" * 64, b + "2" * 64, a + "3" * 64, b + "4" * 64, a + "5" * 64]
-    rr = _run(SimConfig(workers=2, policy="round_robin", check=True),
-              make_workload("gsp", SMALL_GSP), Closed(1), sessions=_specs(prompts))
+    rr = _run(
+        SimConfig(workers=2, policy="round_robin", check=True),
+        make_workload("gsp", SMALL_GSP),
+        Closed(1),
+        sessions=_specs(prompts),
+    )
     assert [j.worker for j in rr.jobs] == [0, 1, 0, 1, 0]
     assert [j.cached for j in rr.jobs] == [0, 0, 512, 512, 512]
-    ca = _run(SimConfig(workers=2, policy="prefix_load", check=True),
-              make_workload("gsp", SMALL_GSP), Closed(1), sessions=_specs(prompts))
+    ca = _run(
+        SimConfig(workers=2, policy="prefix_load", check=True),
+        make_workload("gsp", SMALL_GSP),
+        Closed(1),
+        sessions=_specs(prompts),
+    )
     w = [j.worker for j in ca.jobs]
     assert w[2] == w[0] and w[4] == w[0] and w[3] == w[1]
     assert [j.cached for j in ca.jobs][2:] == [512, 512, 512]
@@ -118,19 +141,29 @@ def test_prefix_load_beats_round_robin_and_reaches_oracle():
     assert res["prefix_load"]["hit_rate"] > res["prefix_load"]["oracle_hit_rate"] - 0.05
 
 
-@pytest.mark.parametrize("workload,options,engine", [
-    ("gsp", SMALL_GSP, EngineSpec(kv_tokens=4000)),
-    ("multiturn", {"clients": 6, "rounds": 3, "question_tokens": 64, "output_tokens": 8},
-     EngineSpec(kv_tokens=4000)),
-    # a full batch (max_running) fast-forwards with requests queued behind it
-    ("gsp", dict(SMALL_GSP, output_tokens=40), EngineSpec(kv_tokens=8000, max_running=2)),
-])
+@pytest.mark.parametrize(
+    "workload,options,engine",
+    [
+        ("gsp", SMALL_GSP, EngineSpec(kv_tokens=4000)),
+        (
+            "multiturn",
+            {"clients": 6, "rounds": 3, "question_tokens": 64, "output_tokens": 8},
+            EngineSpec(kv_tokens=4000),
+        ),
+        # a full batch (max_running) fast-forwards with requests queued behind it
+        ("gsp", dict(SMALL_GSP, output_tokens=40), EngineSpec(kv_tokens=8000, max_running=2)),
+    ],
+)
 def test_fast_forward_is_exact(workload, options, engine):
     wl = make_workload(workload, options, seed=2)
     cfg = SimConfig(workers=3, policy="prefix_load", engine=engine)
     fast = _run(cfg, wl, Poisson(30.0), seed=4)
-    slow = _run(dataclasses.replace(cfg, fast_forward=False), make_workload(workload, options, seed=2),
-                Poisson(30.0), seed=4)
+    slow = _run(
+        dataclasses.replace(cfg, fast_forward=False),
+        make_workload(workload, options, seed=2),
+        Poisson(30.0),
+        seed=4,
+    )
     assert fast.outcome.report["sim"]["fast_forwarded_steps"] > 0
     assert slow.outcome.report["sim"]["fast_forwarded_steps"] == 0
     assert len(fast.jobs) == len(slow.jobs)
@@ -145,8 +178,9 @@ def test_fast_forward_is_exact(workload, options, engine):
 
 def test_multiturn_answers_are_cached_like_live():
     # each turn's prompt holds the previous answer: one worker serves it from cache
-    wl = make_workload("multiturn", {"clients": 2, "rounds": 3, "question_tokens": 32,
-                                     "output_tokens": 8}, seed=0)
+    wl = make_workload(
+        "multiturn", {"clients": 2, "rounds": 3, "question_tokens": 32, "output_tokens": 8}, seed=0
+    )
     sim = _run(SimConfig(workers=1, check=True), wl, Closed(1))
     jobs = sorted(sim.jobs, key=lambda j: (j.spec.session, j.spec.turn))
     for prev, j in zip(jobs, jobs[1:]):
@@ -159,8 +193,9 @@ def test_multiturn_answers_are_cached_like_live():
 @pytest.mark.parametrize("mode", ["none", "events", "plain"])
 def test_feedback_modes_run(mode):
     wl = make_workload("gsp", dict(SMALL_GSP, groups=12), seed=0)
-    cfg = SimConfig(workers=2, policy="prefix_load", feedback=mode,
-                    engine=EngineSpec(kv_tokens=1500), check=True)
+    cfg = SimConfig(
+        workers=2, policy="prefix_load", feedback=mode, engine=EngineSpec(kv_tokens=1500), check=True
+    )
     sim = _run(cfg, wl, Closed(4))
     s = sim.outcome.report["sim"]
     if mode == "events":
@@ -174,10 +209,17 @@ def test_feedback_modes_run(mode):
 
 def _agent_plain(learn: bool) -> Simulation:
     from router.config import Config, IndexConfig
+
     wl = make_workload("agent", {"sessions": 8, "steps": 6}, seed=0)
     rc = dataclasses.replace(Config(), index=IndexConfig(learn_capacity=learn))
-    cfg = SimConfig(workers=2, policy="prefix_load", feedback="plain", router_config=rc,
-                    engine=EngineSpec(kv_tokens=6000), check=True)
+    cfg = SimConfig(
+        workers=2,
+        policy="prefix_load",
+        feedback="plain",
+        router_config=rc,
+        engine=EngineSpec(kv_tokens=6000),
+        check=True,
+    )
     return _run(cfg, wl, Poisson(6.0), Bounds(48, 1e6, 600.0))
 
 
@@ -207,8 +249,14 @@ def test_events_keep_index_equal_to_caches():
     """With instant feedback, after the run each worker's index entries are exactly
     the router blocks its radix cache holds (evictions included)."""
     wl = make_workload("gsp", dict(SMALL_GSP, groups=12), seed=0)
-    cfg = SimConfig(workers=3, policy="cache_aware", feedback_delay_s=0.0, feedback_batch_s=0.0,
-                    engine=EngineSpec(kv_tokens=1500), check=True)
+    cfg = SimConfig(
+        workers=3,
+        policy="cache_aware",
+        feedback_delay_s=0.0,
+        feedback_batch_s=0.0,
+        engine=EngineSpec(kv_tokens=1500),
+        check=True,
+    )
     sim = _run(cfg, wl, Closed(3))
     evicted = sum(w.cache.stats.evicted_tokens for w in sim.workers)
     assert evicted > 0
@@ -221,16 +269,21 @@ def test_events_keep_index_equal_to_caches():
 def test_delayed_feedback_and_load_reports():
     wl = make_workload("gsp", dict(SMALL_GSP, groups=12), seed=0)
     base = SimConfig(workers=3, policy="prefix_load", engine=EngineSpec(kv_tokens=1500))
-    slow = _run(dataclasses.replace(base, feedback_delay_s=0.5, feedback_batch_s=0.2, check=True),
-                wl, Poisson(50.0))
+    slow = _run(
+        dataclasses.replace(base, feedback_delay_s=0.5, feedback_batch_s=0.2, check=True), wl, Poisson(50.0)
+    )
     assert slow.outcome.report["ok"] == 72
     assert slow.outcome.report["sim"]["events_applied"] > 0
 
 
 def test_hot_root_warmups_are_sent_once_and_not_reported():
     wl = make_workload("gsp", dict(SMALL_GSP, groups=1, prompts_per_group=200), seed=0)
-    cfg = SimConfig(workers=4, policy="prefix_load", check=True,
-                    policy_params={"warm_ahead": True, "hot_min_rate": 0.5, "holder_max_rate": 0.5})
+    cfg = SimConfig(
+        workers=4,
+        policy="prefix_load",
+        check=True,
+        policy_params={"warm_ahead": True, "hot_min_rate": 0.5, "holder_max_rate": 0.5},
+    )
     sim = _run(cfg, wl, Poisson(200.0))
     r = sim.outcome.report
     warm = [j for j in sim.jobs if j.warm]
@@ -246,8 +299,12 @@ def test_path_latency_adds_both_ways():
     prompts = ["k" * 400, "m" * 800, "k" * 400 + "n" * 40]
     base = SimConfig(workers=1, policy="round_robin")
     a = _run(base, make_workload("gsp", SMALL_GSP), Closed(1), sessions=_specs(prompts))
-    b = _run(dataclasses.replace(base, path_latency_s=0.003, check=True),
-             make_workload("gsp", SMALL_GSP), Closed(1), sessions=_specs(prompts))
+    b = _run(
+        dataclasses.replace(base, path_latency_s=0.003, check=True),
+        make_workload("gsp", SMALL_GSP),
+        Closed(1),
+        sessions=_specs(prompts),
+    )
     ta, tb = a.outcome.report["ttft_ms"], b.outcome.report["ttft_ms"]
     ea, eb = a.outcome.report["e2e_ms"], b.outcome.report["e2e_ms"]
     for k in ("p50", "p90", "p99", "mean"):
@@ -261,8 +318,9 @@ def test_text_reference_matches_the_load_generators():
     from loadtest.simulator.reference import TextReference
     from worker_agent.tokenizer import encode
 
-    wl = make_workload("multiturn", {"clients": 4, "rounds": 3, "question_tokens": 40,
-                                     "output_tokens": 6}, seed=1)
+    wl = make_workload(
+        "multiturn", {"clients": 4, "rounds": 3, "question_tokens": 40, "output_tokens": 6}, seed=1
+    )
     theirs, ours = CacheReference(500), TextReference(500)
     for s in wl.sessions():
         spec = s.first()
@@ -288,8 +346,17 @@ def test_unread_answers_weigh_on_the_pooled_cache_as_real_text_does():
     from loadtest.workloads import text_of
     from worker_agent.tokenizer import encode
 
-    wl = make_workload("gsp", {"groups": 3, "prompts_per_group": 6, "system_tokens": 64,
-                               "question_tokens": 12, "output_tokens": 30}, seed=2)
+    wl = make_workload(
+        "gsp",
+        {
+            "groups": 3,
+            "prompts_per_group": 6,
+            "system_tokens": 64,
+            "question_tokens": 12,
+            "output_tokens": 30,
+        },
+        seed=2,
+    )
     theirs, ours = CacheReference(400), TextReference(400)
     for k, s in enumerate(wl.sessions()):
         spec = s.first()
@@ -307,11 +374,16 @@ def test_unread_answers_weigh_on_the_pooled_cache_as_real_text_does():
 def _overload(timeout_s, fast_forward=True, check=False, latency=0.0):
     """One worker, 20 requests arriving at 40/s, each decoding 200 tokens: the later
     ones queue behind the batch (max_running 4) for longer and longer."""
-    wl = make_workload("gsp", dict(SMALL_GSP, groups=2, prompts_per_group=10, output_tokens=200),
-                       seed=1)
-    cfg = SimConfig(workers=1, policy="round_robin", timeout_s=timeout_s, check=check,
-                    fast_forward=fast_forward, path_latency_s=latency,
-                    engine=EngineSpec(kv_tokens=20_000, max_running=4))
+    wl = make_workload("gsp", dict(SMALL_GSP, groups=2, prompts_per_group=10, output_tokens=200), seed=1)
+    cfg = SimConfig(
+        workers=1,
+        policy="round_robin",
+        timeout_s=timeout_s,
+        check=check,
+        fast_forward=fast_forward,
+        path_latency_s=latency,
+        engine=EngineSpec(kv_tokens=20_000, max_running=4),
+    )
     return _run(cfg, wl, Poisson(40.0), Bounds(20, 1e6, 1e6))
 
 

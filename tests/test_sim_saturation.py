@@ -24,16 +24,17 @@ def ramp_trace(groups=48, prefix_blocks=8, r0=10.0, r1=70.0, duration_s=25.0, se
         g = rng.choices(range(groups), weights)[0]
         ids = list(range(g * prefix_blocks, (g + 1) * prefix_blocks)) + [nid]
         nid += 1
-        records.append((t * 1000.0, (prefix_blocks + 1) * 512 - rng.randint(0, 400),
-                        rng.randint(32, 256), ids))
+        records.append(
+            (t * 1000.0, (prefix_blocks + 1) * 512 - rng.randint(0, 400), rng.randint(32, 256), ids)
+        )
     return Trace.from_records(records, block_tokens=512)
 
 
 def run(feedback: str) -> dict:
-    cfg = SimConfig(workers=4, engine=EngineSpec(kv_tokens=32_000), feedback=feedback,
-                    policy="prefix_load")
-    sim = Simulation(cfg, ramp_trace(), TraceTimes(),
-                     Bounds(max_requests=None, duration_s=None, drain_s=30.0))
+    cfg = SimConfig(workers=4, engine=EngineSpec(kv_tokens=32_000), feedback=feedback, policy="prefix_load")
+    sim = Simulation(
+        cfg, ramp_trace(), TraceTimes(), Bounds(max_requests=None, duration_s=None, drain_s=30.0)
+    )
     return sim.run().report
 
 
@@ -44,5 +45,4 @@ def test_exact_eviction_events_do_not_make_prefix_load_worse_past_saturation():
     # events keep a prefix's requests on its worker through an eviction: within a few
     # points of an index that never hears of one (scattered, they lost a third of it)
     assert events["hit_rate"] >= 0.9 * plain["hit_rate"], (events["hit_rate"], plain["hit_rate"])
-    assert events["ttft_ms"]["p90"] <= 1.1 * plain["ttft_ms"]["p90"], (
-        events["ttft_ms"], plain["ttft_ms"])
+    assert events["ttft_ms"]["p90"] <= 1.1 * plain["ttft_ms"]["p90"], (events["ttft_ms"], plain["ttft_ms"])

@@ -31,8 +31,16 @@ def _trace(path, n: int = 60, seed: int = 0) -> str:
             ids.append(next_id)
             next_id += 1
         n_in = len(ids) * BLOCK - (rng.randrange(BLOCK) if rng.random() < 0.6 else 0)
-        lines.append(json.dumps({"timestamp": i * 40, "input_length": n_in,
-                                 "output_length": rng.randint(2, 12), "hash_ids": ids}))
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": i * 40,
+                    "input_length": n_in,
+                    "output_length": rng.randint(2, 12),
+                    "hash_ids": ids,
+                }
+            )
+        )
     p = path / "trace.jsonl"
     p.write_text("\n".join(lines) + "\n")
     return str(p)
@@ -40,13 +48,16 @@ def _trace(path, n: int = 60, seed: int = 0) -> str:
 
 def _run(path: str, level: str, workers: int, policy: str, kv: int | None = None):
     wl = make_workload("trace", {"path": path, "block_tokens": BLOCK}, seed=0)
-    cfg = SimConfig(workers=workers, policy=policy, level=level,
-                    engine=EngineSpec(kv_tokens=kv or 1_000_000), check=True)
+    cfg = SimConfig(
+        workers=workers, policy=policy, level=level, engine=EngineSpec(kv_tokens=kv or 1_000_000), check=True
+    )
     return Simulation(cfg, wl, TraceTimes(), Bounds(10_000, 1e6, 60.0)).run().report
 
 
-@pytest.mark.parametrize("workers,policy,kv", [(1, "round_robin", None), (3, "round_robin", None),
-                                               (1, "round_robin", 900), (3, "least_load", 1200)])
+@pytest.mark.parametrize(
+    "workers,policy,kv",
+    [(1, "round_robin", None), (3, "round_robin", None), (1, "round_robin", 900), (3, "least_load", 1200)],
+)
 def test_text_and_block_level_agree(tmp_path, workers, policy, kv):
     path = _trace(tmp_path)
     text = _run(path, "text", workers, policy, kv)

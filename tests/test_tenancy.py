@@ -10,12 +10,12 @@ import httpx
 import pytest
 from aiohttp.test_utils import TestServer
 
+from protocol.prefix_keys import Endpoint, request_key
 from router.app import Router
 from router.config import parse_config
-from protocol.prefix_keys import Endpoint, request_key
 from service.tenancy import SIGNATURE_HEADER, TenantSalts, signature
-from worker_agent.server import AgentConfig, create_app
 from tests.test_router_bad_input import PROMPT, fleet  # noqa: F401  (fleet: the fixture)
+from worker_agent.server import AgentConfig, create_app
 
 
 def _hex_and_dec(hashes):
@@ -34,42 +34,65 @@ async def test_tenant_probe_through_every_public_endpoint_confirms_nothing(fleet
     monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "adm")
     up = await fleet.upstream("u")
     up2 = await fleet.upstream("v")
-    await fleet.start({
-        "workers": [{"url": up, "id": "u"}, {"url": up2, "id": "v"}],
-        "keys": {"tenant": {"source": "api_key", "api_keys": [
-            {"tenant": "acme", "key": "k-acme"}, {"tenant": "eve", "key": "k-eve"}]}},
-        "policy": {"name": "prefix_load", "params": {
-            "warm_ahead": True, "hot_min_rate": 0.5, "holder_max_rate": 0.5,
-            "min_match_tokens": 0}}})
+    await fleet.start(
+        {
+            "workers": [{"url": up, "id": "u"}, {"url": up2, "id": "v"}],
+            "keys": {
+                "tenant": {
+                    "source": "api_key",
+                    "api_keys": [{"tenant": "acme", "key": "k-acme"}, {"tenant": "eve", "key": "k-eve"}],
+                }
+            },
+            "policy": {
+                "name": "prefix_load",
+                "params": {
+                    "warm_ahead": True,
+                    "hot_min_rate": 0.5,
+                    "holder_max_rate": 0.5,
+                    "min_match_tokens": 0,
+                },
+            },
+        }
+    )
     await fleet.routable(2)
     body = {"model": "m", "prompt": PROMPT}
     guesses = set()
     for salt in ("acme", "", "eve"):
         guesses |= _hex_and_dec(request_key(Endpoint.COMPLETIONS, body, tenant=salt).hashes)
-    truth = _hex_and_dec(request_key(Endpoint.COMPLETIONS, body,
-                                     tenant=fleet.router.salts.salt("acme")).hashes)
+    truth = _hex_and_dec(
+        request_key(Endpoint.COMPLETIONS, body, tenant=fleet.router.salts.salt("acme")).hashes
+    )
     seen = []
     async with httpx.AsyncClient(timeout=10) as c:
         for _ in range(30):  # hot: replicas, warm-ups, hot-prefix metrics
-            r = await c.post(fleet.base + "/v1/completions", json=body,
-                             headers={"Authorization": "Bearer k-acme"})
+            r = await c.post(
+                fleet.base + "/v1/completions", json=body, headers={"Authorization": "Bearer k-acme"}
+            )
             assert r.status_code == 200
             seen.append(str(r.headers) + r.text)
-        for path in ("/metrics", "/v1/models", "/health", "/readiness", "/openapi.json",
-                     "/admin/index", "/admin/workers", "/nope"):
+        for path in (
+            "/metrics",
+            "/v1/models",
+            "/health",
+            "/readiness",
+            "/openapi.json",
+            "/admin/index",
+            "/admin/workers",
+            "/nope",
+        ):
             r = await c.get(fleet.base + path, headers={"Authorization": "Bearer k-eve"})
             seen.append(str(r.headers) + r.text)
-        r = await c.post(fleet.base + "/v1/completions", json=body,
-                         headers={"Authorization": "Bearer k-eve"})
+        r = await c.post(fleet.base + "/v1/completions", json=body, headers={"Authorization": "Bearer k-eve"})
         seen.append(str(r.headers) + r.text)
-        hot = (await c.get(fleet.base + "/admin/index",
-                           headers={"Authorization": "Bearer adm"})).json()["hot_prefixes"]
+        hot = (await c.get(fleet.base + "/admin/index", headers={"Authorization": "Bearer adm"})).json()[
+            "hot_prefixes"
+        ]
         metrics = (await c.get(fleet.base + "/metrics")).text
     public = "\n".join(seen)
     assert not [g for g in guesses | truth if g in public]  # 0 confirmations
     # the detail is there, behind the admin token
     assert hot and {h["hash"] for h in hot} & truth
-    assert "radixfleet_hot_prefix_rate{rank=\"1\"}" in metrics
+    assert 'radixfleet_hot_prefix_rate{rank="1"}' in metrics
 
 
 def test_tenant_salt_is_a_secret_per_deployment(monkeypatch):
@@ -101,32 +124,36 @@ async def test_agent_takes_the_tenant_header_only_from_a_router(monkeypatch):
     body = {"model": "m", "prompt": PROMPT, "max_tokens": 1}
     try:
         async with httpx.AsyncClient(timeout=10) as c:
-            for headers in ({"x-radixfleet-tenant": "acme-salt"},
-                            {"x-radixfleet-tenant": "acme-salt", SIGNATURE_HEADER: "0" * 32}):
+            for headers in (
+                {"x-radixfleet-tenant": "acme-salt"},
+                {"x-radixfleet-tenant": "acme-salt", SIGNATURE_HEADER: "0" * 32},
+            ):
                 r = await c.post(base + "/v1/completions", json=body, headers=headers)
                 assert r.status_code == 401, r.text
-            good = {"x-radixfleet-tenant": "acme-salt",
-                    SIGNATURE_HEADER: signature(b"agt", "acme-salt")}
+            good = {"x-radixfleet-tenant": "acme-salt", SIGNATURE_HEADER: signature(b"agt", "acme-salt")}
             assert (await c.post(base + "/v1/completions", json=body, headers=good)).status_code == 200
             assert (await c.post(base + "/v1/completions", json=body)).status_code == 200
             # engine_config flushes the cache: the agent token only
             r = await c.post(base + "/internal/v1/engine_config", json={"rope_scaling": None})
             assert r.status_code == 401
-            r = await c.post(base + "/internal/v1/engine_config", json={"rope_scaling": None},
-                             headers={"Authorization": "Bearer agt"})
+            r = await c.post(
+                base + "/internal/v1/engine_config",
+                json={"rope_scaling": None},
+                headers={"Authorization": "Bearer agt"},
+            )
             assert r.status_code == 200, r.text
     finally:
         await srv.close()
     # no token: an unsigned header only where nobody but the router can reach the agent
     monkeypatch.delenv("RADIXFLEET_AGENT_TOKEN")
-    app = create_app(AgentConfig(kv_tokens=50_000, served_model_name="m",
-                                 trust_unsigned_tenant=False))
+    app = create_app(AgentConfig(kv_tokens=50_000, served_model_name="m", trust_unsigned_tenant=False))
     srv = TestServer(app, host="127.0.0.1")
     await srv.start_server()
     try:
         async with httpx.AsyncClient(timeout=10) as c:
-            r = await c.post(str(srv.make_url("/v1/completions")), json=body,
-                             headers={"x-radixfleet-tenant": "x"})
+            r = await c.post(
+                str(srv.make_url("/v1/completions")), json=body, headers={"x-radixfleet-tenant": "x"}
+            )
             assert r.status_code == 401
     finally:
         await srv.close()
@@ -140,9 +167,15 @@ async def test_router_signs_what_its_agents_check(fleet, monkeypatch):
     await fleet.routable(1)
     async with httpx.AsyncClient(timeout=10) as c:
         for tenant in ("acme", "other"):
-            r = await c.post(fleet.base + "/v1/completions", headers={"x-tenant-id": tenant},
-                             json={"model": "m", "prompt": PROMPT, "max_tokens": 1})
+            r = await c.post(
+                fleet.base + "/v1/completions",
+                headers={"x-tenant-id": tenant},
+                json={"model": "m", "prompt": PROMPT, "max_tokens": 1},
+            )
             assert r.status_code == 200, r.text
-        r = await c.post(fleet.base + "/v1/completions", headers={"x-tenant-id": "t" * 300},
-                         json={"model": "m", "prompt": "x"})
+        r = await c.post(
+            fleet.base + "/v1/completions",
+            headers={"x-tenant-id": "t" * 300},
+            json={"model": "m", "prompt": "x"},
+        )
         assert r.status_code == 400 and "tenant header" in r.text

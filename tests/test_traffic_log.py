@@ -10,10 +10,10 @@ import pytest
 
 from loadtest.trace_format import MAX_BLOCK_ID, TRAFFIC_LOG, read_trace
 from loadtest.workloads import make_workload
-from radixfleet.cli import main
-from router.config import TrafficLogConfig
 from protocol.errors import WorkloadError
 from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.cli import main
+from router.config import TrafficLogConfig
 from router.traffic_log import FORMAT, LogState, TrafficLog, log_files
 
 
@@ -24,8 +24,9 @@ def _cfg(tmp_path, **kw) -> TrafficLogConfig:
 
 def _keys(n_sessions=6, turns=3, tenant="acme"):
     """Real routing keys of a multi-turn chat workload (growing, shared prefixes)."""
-    w = make_workload("multiturn", {"clients": n_sessions, "rounds": turns,
-                                    "question_tokens": 40, "output_tokens": 8}, 0)
+    w = make_workload(
+        "multiturn", {"clients": n_sessions, "rounds": turns, "question_tokens": 40, "output_tokens": 8}, 0
+    )
     out = []
     for s in w.sessions():
         spec = s.first()
@@ -50,9 +51,17 @@ async def test_lines_carry_hashes_never_text_and_replay_as_a_trace(tmp_path):
     async with TrafficLog(_cfg(tmp_path), key=b"k") as tl:
         # written out of arrival order: the reader sorts by timestamp
         for i, (sid, key) in reversed(list(enumerate(keys))):
-            assert tl.record(key, arrival_s=t0 + i, worker=f"w{i % 3}", matched_tokens=32 * (i % 2),
-                             prompt_tokens=key.prompt_tokens + 5, output_tokens=8,
-                             cached_tokens=16, ttft_s=0.012, session=sid)
+            assert tl.record(
+                key,
+                arrival_s=t0 + i,
+                worker=f"w{i % 3}",
+                matched_tokens=32 * (i % 2),
+                prompt_tokens=key.prompt_tokens + 5,
+                output_tokens=8,
+                cached_tokens=16,
+                ttft_s=0.012,
+                session=sid,
+            )
         tl.check()
     tl.check()
     assert tl.state is LogState.CLOSED and tl.stats().written == len(keys)
@@ -73,7 +82,7 @@ async def test_lines_carry_hashes_never_text_and_replay_as_a_trace(tmp_path):
     assert data.kind == TRAFFIC_LOG and data.block_tokens == 32
     assert [r[0] for r in data.records] == sorted(r[0] for r in data.records)
     dense: dict[int, int] = {}  # hash -> id: one to one
-    for (ts, n_in, n_out, ids), (_, key) in zip(data.records, keys):
+    for (_ts, n_in, n_out, ids), (_, key) in zip(data.records, keys):
         assert n_in == key.prompt_tokens and n_out == 8
         assert len(ids) == -(-n_in // 32)
         for h, i in zip(key.hashes, ids):
@@ -86,7 +95,7 @@ async def test_lines_carry_hashes_never_text_and_replay_as_a_trace(tmp_path):
 
 async def test_tenant_hash_is_keyed_and_stable(tmp_path, monkeypatch):
     monkeypatch.setenv("RFTEST_KEY", "secret")
-    (_, key), = _keys(1, 1)
+    ((_, key),) = _keys(1, 1)
     tenants = []
     for run in range(2):
         async with TrafficLog(_cfg(tmp_path / str(run), tenant_key_env="RFTEST_KEY")) as tl:
@@ -128,7 +137,7 @@ async def test_sampling_keeps_whole_sessions(tmp_path):
 
 
 async def test_full_queue_drops_and_counts_without_waiting(tmp_path):
-    (_, key), = _keys(1, 1)
+    ((_, key),) = _keys(1, 1)
     tl = TrafficLog(_cfg(tmp_path, queue_size=5, flush_interval_s=60.0))
     with pytest.raises(RuntimeError, match="before start"):
         tl.record(key, arrival_s=0.0, worker="w", matched_tokens=0)
@@ -147,7 +156,7 @@ async def test_full_queue_drops_and_counts_without_waiting(tmp_path):
 
 
 async def test_write_errors_are_counted_not_raised(tmp_path, caplog):
-    (_, key), = _keys(1, 1)
+    ((_, key),) = _keys(1, 1)
     tl = TrafficLog(_cfg(tmp_path))
     tl.start()
     try:
@@ -188,34 +197,58 @@ def _write(path, rows):
 
 
 def _row(**kw):
-    r = {"timestamp": 1.0, "input_length": 40, "output_length": 2, "hash_ids": [7],
-         "format": FORMAT, "block_tokens": 32, "routed_tokens": 40, "tenant": "", "model": "m",
-         "adapter": None, "worker": "w", "matched_tokens": 0, "cached_tokens": None,
-         "ttft_ms": None, "status": 200, "sample_rate": 1.0}
+    r = {
+        "timestamp": 1.0,
+        "input_length": 40,
+        "output_length": 2,
+        "hash_ids": [7],
+        "format": FORMAT,
+        "block_tokens": 32,
+        "routed_tokens": 40,
+        "tenant": "",
+        "model": "m",
+        "adapter": None,
+        "worker": "w",
+        "matched_tokens": 0,
+        "cached_tokens": None,
+        "ttft_ms": None,
+        "status": 200,
+        "sample_rate": 1.0,
+    }
     r.update(kw)
     return r
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([_row(), '{"timestamp": 2.0, "input_len'], "line 2: not JSON"),
-    ([_row(), _row(format="radixfleet.traffic/2")],
-     "line 2: 'format' is 'radixfleet.traffic/2', from another radixfleet version"),
-    ([_row(routed_tokens=80)], "line 1: 'hash_ids' has 1 blocks of 32 tokens; 'routed_tokens' 80"),
-    ([_row(), _row(block_tokens=16, routed_tokens=20)], "line 2: 'block_tokens' 16 differs from 32"),
-    ([_row(), {"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1]}],
-     "line 2: a mooncake line among traffic log lines"),
-    ([_row(hash_ids=[-1])], "line 1: 'hash_ids' must be a list of integers in [0, 2**64)"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([_row(), '{"timestamp": 2.0, "input_len'], "line 2: not JSON"),
+        (
+            [_row(), _row(format="radixfleet.traffic/2")],
+            "line 2: 'format' is 'radixfleet.traffic/2', from another radixfleet version",
+        ),
+        ([_row(routed_tokens=80)], "line 1: 'hash_ids' has 1 blocks of 32 tokens; 'routed_tokens' 80"),
+        ([_row(), _row(block_tokens=16, routed_tokens=20)], "line 2: 'block_tokens' 16 differs from 32"),
+        (
+            [_row(), {"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1]}],
+            "line 2: a mooncake line among traffic log lines",
+        ),
+        ([_row(hash_ids=[-1])], "line 1: 'hash_ids' must be a list of integers in [0, 2**64)"),
+    ],
+)
 def test_bad_logs_name_the_line(tmp_path, rows, message):
     path = _write(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(WorkloadError, match=message.replace("[", r"\[").replace("(", r"\(")
-                       .replace(")", r"\)").replace("*", r"\*")):
+    with pytest.raises(
+        WorkloadError,
+        match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)").replace("*", r"\*"),
+    ):
         read_trace([path])
 
 
 def test_skip_bad_lines_counts_them(tmp_path):
-    path = _write(tmp_path / "t.jsonl", [_row(), '{"trunc', _row(timestamp=5.0),
-                                         _row(format="radixfleet.traffic/9")])
+    path = _write(
+        tmp_path / "t.jsonl", [_row(), '{"trunc', _row(timestamp=5.0), _row(format="radixfleet.traffic/9")]
+    )
     data = read_trace([path], skip_bad=True)
     assert len(data.records) == 2 and [line for _, line in data.skipped] == [2, 4]
 
@@ -225,15 +258,30 @@ def test_simulate_reads_a_traffic_log_directly(tmp_path):
 
     async def write():
         async with TrafficLog(_cfg(tmp_path)) as tl:
-            for i, (sid, key) in enumerate(_keys(6, 4)):
-                tl.record(key, arrival_s=1e9 + i * 0.05, worker="w", matched_tokens=0,
-                          output_tokens=8)
+            for i, (_sid, key) in enumerate(_keys(6, 4)):
+                tl.record(key, arrival_s=1e9 + i * 0.05, worker="w", matched_tokens=0, output_tokens=8)
 
     asyncio.run(write())
     (path,) = log_files([str(tmp_path / "log")])
     out = tmp_path / "r.json"
-    assert main(["simulate", "--trace", path, "--workers", "2", "--kv-tokens", "5000",
-                 "--policies", "round_robin,prefix_load", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                path,
+                "--workers",
+                "2",
+                "--kv-tokens",
+                "5000",
+                "--policies",
+                "round_robin,prefix_load",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     runs = json.loads(out.read_text())["runs"]
     for r in runs:
         assert r["requests"] == 24 and r["ok"] == 24 and r["sim"]["level"] == "block"
@@ -242,11 +290,10 @@ def test_simulate_reads_a_traffic_log_directly(tmp_path):
     assert runs[1]["hit_rate"] > runs[0]["hit_rate"]
 
 
-
 async def test_counters_are_exported_at_scrape(tmp_path):
     from router.metrics import Metrics
 
-    (_, key), = _keys(1, 1)
+    ((_, key),) = _keys(1, 1)
     m = Metrics()
     async with TrafficLog(_cfg(tmp_path, queue_size=2, flush_interval_s=60.0)) as tl:
         m.watch_traffic_log(tl)

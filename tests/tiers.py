@@ -103,13 +103,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT_S))
-    unmarked = [item.nodeid for item in items
-                if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
-                and not item.get_closest_marker("engine")]
+    unmarked = [
+        item.nodeid
+        for item in items
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("engine")
+    ]
     if unmarked:
         raise pytest.UsageError(
             "these tests use a real-vLLM fixture but are not marked engine "
-            "(add pytestmark = pytest.mark.engine):\n  " + "\n  ".join(unmarked))
+            "(add pytestmark = pytest.mark.engine):\n  " + "\n  ".join(unmarked)
+        )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -119,8 +122,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest
-                         ) -> Iterator[object]:
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[object]:
     before = len(_watch.started) if _watch.started is not None else None
     result = yield
     if before is not None and _watch.started is not None and len(_watch.started) > before:
@@ -140,7 +142,9 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[object]:
         pytest.fail(
             f"{item.nodeid} {'; '.join(started[:3])} but is not marked: add "
             "pytestmark = pytest.mark.integration (real vLLM: pytest.mark.engine); "
-            "see tests/tiers.py", pytrace=False)
+            "see tests/tiers.py",
+            pytrace=False,
+        )
     return result
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import selectors
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 
 class _VirtualSelector(selectors.BaseSelector):
@@ -26,7 +27,7 @@ class _VirtualSelector(selectors.BaseSelector):
 
     def __init__(self) -> None:
         self._real = selectors.DefaultSelector()
-        self.loop: "VirtualClockLoop | None" = None
+        self.loop: VirtualClockLoop | None = None
 
     def register(self, fileobj, events, data=None):
         return self._real.register(fileobj, events, data)
@@ -42,8 +43,10 @@ class _VirtualSelector(selectors.BaseSelector):
         if ready:
             return ready
         if timeout is None:
-            raise RuntimeError("virtual clock: the loop would wait forever (no timer, "
-                               "nothing ready) — a test awaiting real I/O on this loop?")
+            raise RuntimeError(
+                "virtual clock: the loop would wait forever (no timer, "
+                "nothing ready) — a test awaiting real I/O on this loop?"
+            )
         if timeout > 0:
             loop = self.loop
             # jump exactly to the next timer (its ``when``), so timestamps are exact

@@ -29,12 +29,18 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from service.background import Lifecycle
-from service.bus_connection import (BusConnection, BusCredentials, BusMetrics, Problems,
-                                    check_exposure)
-from protocol.bus_wire import (ROLLUP_HEADER, BadMessage, BusKey, Subjects, build_agent,
-                             build_load, parse_snapshot_request)
+from protocol.bus_wire import (
+    ROLLUP_HEADER,
+    BadMessage,
+    BusKey,
+    Subjects,
+    build_agent,
+    build_load,
+    parse_snapshot_request,
+)
 from protocol.events import EventBatch
+from service.background import Lifecycle
+from service.bus_connection import BusConnection, BusCredentials, BusMetrics, Problems, check_exposure
 from worker_agent.router_link import LinkState, RouterLink
 
 log = logging.getLogger("radixfleet.bus")
@@ -44,10 +50,18 @@ class AgentBus(Lifecycle):
     """Lifecycle: ``await start()``, ``await aclose()`` (idempotent); ``async with``.
     Only the reporter task touches ``link``; ``up`` says whether to use it."""
 
-    def __init__(self, url: str, *, worker_id: str, subject_prefix: str = "radixfleet",
-                 snapshot_interval_s: float = 30.0, registry: CollectorRegistry | None = None,
-                 publish_timeout_s: float = 2.0, token: str = "",
-                 credentials: BusCredentials = BusCredentials()) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        worker_id: str,
+        subject_prefix: str = "radixfleet",
+        snapshot_interval_s: float = 30.0,
+        registry: CollectorRegistry | None = None,
+        publish_timeout_s: float = 2.0,
+        token: str = "",
+        credentials: BusCredentials = BusCredentials(),
+    ) -> None:
         """Raises ``ConfigError`` (naming the ``--bus-*`` flag) for a tokenless bus off
         loopback or credentials that cannot be read."""
         check_exposure(url, token, "--bus")
@@ -61,9 +75,14 @@ class AgentBus(Lifecycle):
         self.publish_timeout_s = publish_timeout_s
         self.metrics = BusMetrics(registry or CollectorRegistry())
         self.bad = Problems(self.metrics.bad, "bus messages")
-        self.conn = BusConnection(url, name=f"agent-{worker_id}", metrics=self.metrics,
-                                  on_up=self._on_up, on_down=self._on_down,
-                                  options=credentials.connect_options(url, agent_flag))
+        self.conn = BusConnection(
+            url,
+            name=f"agent-{worker_id}",
+            metrics=self.metrics,
+            on_up=self._on_up,
+            on_down=self._on_down,
+            options=credentials.connect_options(url, agent_flag),
+        )
         self.kick = None  # set by the reporter: send the next batch now
         self._last_snapshot = 0.0
 
@@ -98,12 +117,13 @@ class AgentBus(Lifecycle):
 
     def due_snapshot(self) -> None:
         """Forces a snapshot once ``snapshot_interval_s`` has passed since the last."""
-        if (self.link.state is LinkState.STREAMING
-                and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s):
+        if (
+            self.link.state is LinkState.STREAMING
+            and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s
+        ):
             self.link.resnapshot()
 
-    async def publish_batch(self, batch: EventBatch, models: list[str],
-                            block_bytes: int | None) -> bool:
+    async def publish_batch(self, batch: EventBatch, models: list[str], block_bytes: int | None) -> bool:
         """Publishes one batch to the stream; False (and the connection re-made) if
         the bus did not acknowledge it."""
         js = self.conn.js
@@ -113,11 +133,15 @@ class AgentBus(Lifecycle):
         data = build_agent(batch, models, block_bytes)
         headers = {**(ROLLUP_HEADER if snap else {}), **self.key.sign(self.subject, data)}
         try:
-            await js.publish(self.subject, data, timeout=self.publish_timeout_s,
-                             headers=headers or None)
+            await js.publish(self.subject, data, timeout=self.publish_timeout_s, headers=headers or None)
         except Exception as exc:  # noqa: BLE001 - any failure: degrade, reconnect
-            self.conn.lost("publish", "publishing to %s failed (%s: %s); pushing directly "
-                           "until the bus is back", self.subject, type(exc).__name__, exc)
+            self.conn.lost(
+                "publish",
+                "publishing to %s failed (%s: %s); pushing directly until the bus is back",
+                self.subject,
+                type(exc).__name__,
+                exc,
+            )
             return False
         if snap:
             self._last_snapshot = time.monotonic()
@@ -133,8 +157,7 @@ class AgentBus(Lifecycle):
             await nc.publish(subject, data, headers=self.key.sign(subject, data) or None)
             self.metrics.published.labels("load").inc()
         except Exception as exc:  # noqa: BLE001
-            self.conn.lost("publish", "publishing load failed (%s: %s)", type(exc).__name__,
-                           exc)
+            self.conn.lost("publish", "publishing load failed (%s: %s)", type(exc).__name__, exc)
 
 
 def agent_flag(name: str) -> str:

@@ -53,14 +53,34 @@ class GpuSpec:
 GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        GpuSpec("a100-80g", 312e12, 80e9, 2.039e12,
-                "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOPS BF16 dense, 80GB HBM2e, 2,039 GB/s"),
-        GpuSpec("h100", 989e12, 80e9, 3.35e12,
-                "NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 80GB HBM3, 3.35 TB/s"),
-        GpuSpec("h200", 989e12, 141e9, 4.8e12,
-                "NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 141GB HBM3e, 4.8 TB/s"),
-        GpuSpec("l4", 121e12, 24e9, 300e9,
-                "NVIDIA L4 datasheet: 121 TFLOPS BF16 dense (242 sparse), 24GB GDDR6, 300 GB/s"),
+        GpuSpec(
+            "a100-80g",
+            312e12,
+            80e9,
+            2.039e12,
+            "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOPS BF16 dense, 80GB HBM2e, 2,039 GB/s",
+        ),
+        GpuSpec(
+            "h100",
+            989e12,
+            80e9,
+            3.35e12,
+            "NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 80GB HBM3, 3.35 TB/s",
+        ),
+        GpuSpec(
+            "h200",
+            989e12,
+            141e9,
+            4.8e12,
+            "NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 141GB HBM3e, 4.8 TB/s",
+        ),
+        GpuSpec(
+            "l4",
+            121e12,
+            24e9,
+            300e9,
+            "NVIDIA L4 datasheet: 121 TFLOPS BF16 dense (242 sparse), 24GB GDDR6, 300 GB/s",
+        ),
     )
 }
 
@@ -112,20 +132,70 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
-        ModelSpec("llama-3-8b", 8.03e9, 8.03e9, 32, 32, 8, 128, max_context=8192,
-                  source="meta-llama/Meta-Llama-3-8B config.json; 8.03B params (model card)"),
-        ModelSpec("llama-3-70b", 70.6e9, 70.6e9, 80, 64, 8, 128, max_context=8192,
-                  source="meta-llama/Meta-Llama-3-70B config.json; 70.6B params (model card)"),
-        ModelSpec("qwen2.5-32b", 32.8e9, 32.8e9, 64, 40, 8, 128, max_context=32768,
-                  source="Qwen/Qwen2.5-32B config.json; 32.8B params (model card)"),
-        ModelSpec("deepseek-v2-lite", 15.7e9, 2.4e9, 27, 16, 16, 128,
-                  kv_lora_rank=512, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128,
-                  max_context=32768,
-                  source="deepseek-ai/DeepSeek-V2-Lite config.json (MLA, MoE 15.7B/2.4B active)"),
-        ModelSpec("deepseek-v3", 671e9, 37e9, 61, 128, 128, 128, weight_bytes_per_param=1.0,
-                  kv_lora_rank=512, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128,
-                  max_context=131072,
-                  source="deepseek-ai/DeepSeek-V3 config.json (MLA, MoE 671B/37B active, FP8 weights)"),
+        ModelSpec(
+            "llama-3-8b",
+            8.03e9,
+            8.03e9,
+            32,
+            32,
+            8,
+            128,
+            max_context=8192,
+            source="meta-llama/Meta-Llama-3-8B config.json; 8.03B params (model card)",
+        ),
+        ModelSpec(
+            "llama-3-70b",
+            70.6e9,
+            70.6e9,
+            80,
+            64,
+            8,
+            128,
+            max_context=8192,
+            source="meta-llama/Meta-Llama-3-70B config.json; 70.6B params (model card)",
+        ),
+        ModelSpec(
+            "qwen2.5-32b",
+            32.8e9,
+            32.8e9,
+            64,
+            40,
+            8,
+            128,
+            max_context=32768,
+            source="Qwen/Qwen2.5-32B config.json; 32.8B params (model card)",
+        ),
+        ModelSpec(
+            "deepseek-v2-lite",
+            15.7e9,
+            2.4e9,
+            27,
+            16,
+            16,
+            128,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_head_dim=192,
+            v_head_dim=128,
+            max_context=32768,
+            source="deepseek-ai/DeepSeek-V2-Lite config.json (MLA, MoE 15.7B/2.4B active)",
+        ),
+        ModelSpec(
+            "deepseek-v3",
+            671e9,
+            37e9,
+            61,
+            128,
+            128,
+            128,
+            weight_bytes_per_param=1.0,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_head_dim=192,
+            v_head_dim=128,
+            max_context=131072,
+            source="deepseek-ai/DeepSeek-V3 config.json (MLA, MoE 671B/37B active, FP8 weights)",
+        ),
     )
 }
 
@@ -134,8 +204,7 @@ def _preset(table: dict, kind: str, name: str):
     try:
         return table[name]
     except KeyError:
-        raise ConfigError(kind, f"unknown {kind} preset {name!r}; choose one of "
-                                f"{', '.join(table)}") from None
+        raise ConfigError(kind, f"unknown {kind} preset {name!r}; choose one of {', '.join(table)}") from None
 
 
 class CostModel:
@@ -144,11 +213,27 @@ class CostModel:
     Pure arithmetic, no clock: the scheduler asks how long a step takes.
     """
 
-    __slots__ = ("model", "gpu", "tp", "mfu", "step_overhead_s", "_prefill_rate",
-                 "_weight_read_s", "_kv_read_s_per_token", "_decode_rate")
+    __slots__ = (
+        "model",
+        "gpu",
+        "tp",
+        "mfu",
+        "step_overhead_s",
+        "_prefill_rate",
+        "_weight_read_s",
+        "_kv_read_s_per_token",
+        "_decode_rate",
+    )
 
-    def __init__(self, model: ModelSpec | str, gpu: GpuSpec | str, *, tp: int = 1,
-                 mfu: float = DEFAULT_MFU, step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S) -> None:
+    def __init__(
+        self,
+        model: ModelSpec | str,
+        gpu: GpuSpec | str,
+        *,
+        tp: int = 1,
+        mfu: float = DEFAULT_MFU,
+        step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+    ) -> None:
         self.model = _preset(MODELS, "model", model) if isinstance(model, str) else model
         self.gpu = _preset(GPUS, "gpu", gpu) if isinstance(gpu, str) else gpu
         if type(tp) is not int or tp < 1:
@@ -195,8 +280,9 @@ class CostModel:
     def prefill_flops(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """FLOPs of prefilling ``new_tokens`` after ``cached_tokens`` of context."""
         m = self.model
-        return (2.0 * m.params_active * new_tokens
-                + m.attn_flops_per_pair * new_tokens * (cached_tokens + new_tokens / 2.0))
+        return 2.0 * m.params_active * new_tokens + m.attn_flops_per_pair * new_tokens * (
+            cached_tokens + new_tokens / 2.0
+        )
 
     def decode_flops(self, batch: int, context_tokens: int) -> float:
         m = self.model
@@ -224,9 +310,13 @@ class CostModel:
 
     def describe(self) -> dict:
         return {
-            "model": self.model.name, "gpu": self.gpu.name, "tp": self.tp, "mfu": self.mfu,
+            "model": self.model.name,
+            "gpu": self.gpu.name,
+            "tp": self.tp,
+            "mfu": self.mfu,
             "kv_bytes_per_token": self.model.kv_bytes_per_token,
             "weight_bytes": self.model.weight_bytes,
-            "peak_flops": self.gpu.peak_flops, "hbm_bytes": self.gpu.hbm_bytes,
+            "peak_flops": self.gpu.peak_flops,
+            "hbm_bytes": self.gpu.hbm_bytes,
             "hbm_bw": self.gpu.hbm_bw,
         }

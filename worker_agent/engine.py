@@ -19,15 +19,15 @@ import logging
 
 from service import background
 from service.background import Lifecycle
-from worker_agent.scheduler import Scheduler, SchedRequest, State
+from worker_agent.scheduler import SchedRequest, Scheduler, State
 
 log = logging.getLogger(__name__)
 
 
 class EngineState(enum.Enum):
-    NEW = "new"          # constructed, loop not started
+    NEW = "new"  # constructed, loop not started
     RUNNING = "running"  # loop task stepping the scheduler
-    CLOSED = "closed"    # loop stopped; submit() refuses
+    CLOSED = "closed"  # loop stopped; submit() refuses
 
 
 class Waiter:

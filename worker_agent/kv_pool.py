@@ -71,4 +71,8 @@ class KVPool:
     def check(self) -> None:
         assert self.private >= 0 and self.reserved >= 0, (self.private, self.reserved)
         assert self.cache.total_tokens + self.private + self.reserved <= self.capacity, (
-            self.cache.total_tokens, self.private, self.reserved, self.capacity)
+            self.cache.total_tokens,
+            self.private,
+            self.reserved,
+            self.capacity,
+        )

@@ -34,15 +34,15 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from service.auth import is_loopback
 from protocol.bus_wire import check_name, check_url
-from service.bus_connection import BusCredentials, check_exposure
-from worker_agent.bus import agent_flag
 from protocol.cli_args import LOG_LEVELS, DeprecatedAlias, HelpFormatter, log_level
 from protocol.errors import ConfigError
 from protocol.identifiers import worker_host
-from service import http_errors
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, check_block_bytes
+from service import http_errors
+from service.auth import is_loopback
+from service.bus_connection import BusCredentials, check_exposure
+from worker_agent.bus import agent_flag
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
 from worker_agent.scheduler import ORDERS, SchedulerConfig
@@ -54,12 +54,16 @@ log = logging.getLogger(__name__)
 def _presets_epilog() -> str:
     lines = ["GPU presets:"]
     for g in GPUS.values():
-        lines.append(f"  {g.name:<10} {g.peak_flops / 1e12:.0f} TFLOP/s bf16, "
-                     f"{g.hbm_bytes / 1e9:.0f} GB, {g.hbm_bw / 1e12:.2f} TB/s")
+        lines.append(
+            f"  {g.name:<10} {g.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+            f"{g.hbm_bytes / 1e9:.0f} GB, {g.hbm_bw / 1e12:.2f} TB/s"
+        )
     lines.append("model presets:")
     for m in MODELS.values():
-        lines.append(f"  {m.name:<17} {m.params_total / 1e9:.1f}B params, "
-                     f"{m.kv_bytes_per_token:,} KV bytes/token{' (MLA)' if m.is_mla else ''}")
+        lines.append(
+            f"  {m.name:<17} {m.params_total / 1e9:.1f}B params, "
+            f"{m.kv_bytes_per_token:,} KV bytes/token{' (MLA)' if m.is_mla else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -106,65 +110,120 @@ def bus_credentials(args: argparse.Namespace) -> BusCredentials:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = HelpFormatter
     parser.epilog = _presets_epilog()
-    parser.add_argument("--engine", choices=["sim"], default="sim",
-                        help="engine: the simulated GPU (the only one built in)")
-    parser.add_argument("--agent-model", dest="model", choices=list(MODELS), default="llama-3-8b",
-                        help="the simulated model preset (the served name: --served-model-name)")
+    parser.add_argument(
+        "--engine", choices=["sim"], default="sim", help="engine: the simulated GPU (the only one built in)"
+    )
+    parser.add_argument(
+        "--agent-model",
+        dest="model",
+        choices=list(MODELS),
+        default="llama-3-8b",
+        help="the simulated model preset (the served name: --served-model-name)",
+    )
     parser.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
     parser.add_argument("--gpu", choices=list(GPUS), default="h100", help="the simulated GPU preset")
     parser.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
     parser.add_argument("--mfu", type=_fraction, default=0.6, help="model FLOPs utilisation")
-    parser.add_argument("--kv-tokens", type=_positive, default=None,
-                        help="KV pool size in tokens (default: from the GPU and model presets)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: the preset name)")
+    parser.add_argument(
+        "--kv-tokens",
+        type=_positive,
+        default=None,
+        help="KV pool size in tokens (default: from the GPU and model presets)",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the preset name)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="listen address")
     parser.add_argument("--port", type=_positive, required=True, help="listen port")
-    parser.add_argument("--router", action="append", default=[], metavar="URL",
-                        help="a router to register with and push events to (repeatable)")
-    parser.add_argument("--bus", default=None, metavar="NATS_URL",
-                        help="publish events and load once to a NATS JetStream bus that every "
-                             "router replica reads (nats://host:4222); --router URLs are then "
-                             "the fallback while the bus is down")
-    parser.add_argument("--bus-prefix", default="radixfleet",
-                        help="subject prefix (the routers' bus.subject_prefix)")
-    parser.add_argument("--bus-snapshot-interval", type=float, default=30.0, metavar="S",
-                        help="a full snapshot this often (bounds the stream's history)")
+    parser.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a router to register with and push events to (repeatable)",
+    )
+    parser.add_argument(
+        "--bus",
+        default=None,
+        metavar="NATS_URL",
+        help="publish events and load once to a NATS JetStream bus that every "
+        "router replica reads (nats://host:4222); --router URLs are then "
+        "the fallback while the bus is down",
+    )
+    parser.add_argument(
+        "--bus-prefix", default="radixfleet", help="subject prefix (the routers' bus.subject_prefix)"
+    )
+    parser.add_argument(
+        "--bus-snapshot-interval",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a full snapshot this often (bounds the stream's history)",
+    )
     for name, help_ in _BUS_CREDENTIAL_FLAGS.items():
-        parser.add_argument(agent_flag(name), default="", metavar=name.rsplit("_", 1)[-1].upper(),
-                            help=help_)
-    parser.add_argument("--worker-id", default=None,
-                        help="default: the advertised host:port")
-    parser.add_argument("--advertise-url", default=None,
-                        help="URL routers reach this agent at (default: http://HOST:PORT; "
-                             "with a wildcard --host, this host's address toward the "
-                             "router)")
-    parser.add_argument("--block-bytes", type=_positive, default=DEFAULT_BLOCK_BYTES,
-                        help="router block size in bytes (a multiple of 4)")
-    parser.add_argument("--admission", choices=ADMISSION_MODES, default="always", help="which prompts the prefix cache keeps")
-    parser.add_argument("--min-prefix-tokens", type=int, default=64,
-                        help="--admission min_prefix: shortest sequence kept")
-    parser.add_argument("--protected-fraction", type=_fraction, default=0.5,
-                        help="--admission protected: share of the pool for proven prefixes")
-    parser.add_argument("--schedule", choices=ORDERS, default="fcfs",
-                        help="waiting order: fcfs or lpm (longest cached prefix first)")
-    parser.add_argument("--chunk-tokens", type=_positive, default=8192,
-                        help="prefill token budget per step (chunked prefill)")
+        parser.add_argument(agent_flag(name), default="", metavar=name.rsplit("_", 1)[-1].upper(), help=help_)
+    parser.add_argument("--worker-id", default=None, help="default: the advertised host:port")
+    parser.add_argument(
+        "--advertise-url",
+        default=None,
+        help="URL routers reach this agent at (default: http://HOST:PORT; "
+        "with a wildcard --host, this host's address toward the "
+        "router)",
+    )
+    parser.add_argument(
+        "--block-bytes",
+        type=_positive,
+        default=DEFAULT_BLOCK_BYTES,
+        help="router block size in bytes (a multiple of 4)",
+    )
+    parser.add_argument(
+        "--admission", choices=ADMISSION_MODES, default="always", help="which prompts the prefix cache keeps"
+    )
+    parser.add_argument(
+        "--min-prefix-tokens", type=int, default=64, help="--admission min_prefix: shortest sequence kept"
+    )
+    parser.add_argument(
+        "--protected-fraction",
+        type=_fraction,
+        default=0.5,
+        help="--admission protected: share of the pool for proven prefixes",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=ORDERS,
+        default="fcfs",
+        help="waiting order: fcfs or lpm (longest cached prefix first)",
+    )
+    parser.add_argument(
+        "--chunk-tokens", type=_positive, default=8192, help="prefill token budget per step (chunked prefill)"
+    )
     parser.add_argument("--max-running", type=_positive, default=256, help="most requests decoding at once")
-    parser.add_argument("--max-waiting", type=_positive, default=None,
-                        help="requests waiting at most; more are refused with 429 + "
-                             "Retry-After (default: 4 x --max-running)")
-    parser.add_argument("--page-size", type=_positive, default=1,
-                        help="KV page size in tokens: prefixes are matched and kept in whole "
-                             "pages (SGLang's --page-size; default 1)")
-    parser.add_argument("--disable-radix-cache", action="store_true",
-                        help="no prefix cache: every prompt is computed whole (the A/B "
-                             "baseline for the value of prefix caching)")
-    parser.add_argument("--rope-scaling", default=None,
-                        help="engine RoPE scaling setting; part of the cache fingerprint")
+    parser.add_argument(
+        "--max-waiting",
+        type=_positive,
+        default=None,
+        help="requests waiting at most; more are refused with 429 + Retry-After (default: 4 x --max-running)",
+    )
+    parser.add_argument(
+        "--page-size",
+        type=_positive,
+        default=1,
+        help="KV page size in tokens: prefixes are matched and kept in whole "
+        "pages (SGLang's --page-size; default 1)",
+    )
+    parser.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: every prompt is computed whole (the A/B "
+        "baseline for the value of prefix caching)",
+    )
+    parser.add_argument(
+        "--rope-scaling", default=None, help="engine RoPE scaling setting; part of the cache fingerprint"
+    )
     parser.add_argument("--seed", type=int, default=0, help="generation seed")
-    parser.add_argument("--log-level", type=log_level, default="WARNING",
-                        help=f"{', '.join(LOG_LEVELS)} (any case)")
+    parser.add_argument(
+        "--log-level", type=log_level, default="WARNING", help=f"{', '.join(LOG_LEVELS)} (any case)"
+    )
 
 
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
@@ -197,8 +256,7 @@ def advertise_url(args: argparse.Namespace) -> str:
     if args.advertise_url:
         parts = urlsplit(args.advertise_url)
         if parts.scheme != "http" or not parts.hostname:
-            raise ConfigError("--advertise-url", f"expected http://HOST:PORT, got "
-                              f"{args.advertise_url!r}")
+            raise ConfigError("--advertise-url", f"expected http://HOST:PORT, got {args.advertise_url!r}")
         _, problem = worker_host(parts.hostname)
         if problem:
             raise ConfigError("--advertise-url", problem)
@@ -211,10 +269,13 @@ def advertise_url(args: argparse.Namespace) -> str:
             return f"http://{socket.gethostname()}:{args.port}"
         local = _address_toward(target)
         if local is None or local.strip("[]") in _WILDCARDS:
-            raise ConfigError("--advertise-url", f"--host {host or '(all)'} listens on every "
-                              "interface, which is no address a router can reach, and this "
-                              f"host has no route to {target} to take one from: pass "
-                              f"--advertise-url http://<this host's address>:{args.port}")
+            raise ConfigError(
+                "--advertise-url",
+                f"--host {host or '(all)'} listens on every "
+                "interface, which is no address a router can reach, and this "
+                f"host has no route to {target} to take one from: pass "
+                f"--advertise-url http://<this host's address>:{args.port}",
+            )
         host = local
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"
@@ -229,32 +290,59 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
     if args.kv_tokens is None:
         CostModel(args.model, args.gpu, tp=args.tp, mfu=args.mfu).kv_capacity_tokens()
     if args.page_size > args.chunk_tokens:
-        raise ConfigError("--page-size", f"{args.page_size} is larger than --chunk-tokens "
-                                         f"{args.chunk_tokens}")
+        raise ConfigError(
+            "--page-size", f"{args.page_size} is larger than --chunk-tokens {args.chunk_tokens}"
+        )
     return AgentConfig(
-        model=args.model, gpu=args.gpu, tp=args.tp, mfu=args.mfu, kv_tokens=args.kv_tokens,
-        served_model_name=args.served_model_name, block_bytes=args.block_bytes,
-        admission=AdmissionConfig(args.admission, min_prefix_tokens=args.min_prefix_tokens,
-                                  protected_fraction=args.protected_fraction,
-                                  ghost_block_tokens=args.block_bytes // 4),
-        scheduler=SchedulerConfig(chunk_tokens=args.chunk_tokens, max_running=args.max_running,
-                                  order=args.schedule,
-                                  max_waiting=args.max_waiting or 4 * args.max_running),
-        seed=args.seed, worker_id=args.worker_id or urlsplit(advertise_url(args)).netloc,
-        rope_scaling=args.rope_scaling, page_size=args.page_size,
+        model=args.model,
+        gpu=args.gpu,
+        tp=args.tp,
+        mfu=args.mfu,
+        kv_tokens=args.kv_tokens,
+        served_model_name=args.served_model_name,
+        block_bytes=args.block_bytes,
+        admission=AdmissionConfig(
+            args.admission,
+            min_prefix_tokens=args.min_prefix_tokens,
+            protected_fraction=args.protected_fraction,
+            ghost_block_tokens=args.block_bytes // 4,
+        ),
+        scheduler=SchedulerConfig(
+            chunk_tokens=args.chunk_tokens,
+            max_running=args.max_running,
+            order=args.schedule,
+            max_waiting=args.max_waiting or 4 * args.max_running,
+        ),
+        seed=args.seed,
+        worker_id=args.worker_id or urlsplit(advertise_url(args)).netloc,
+        rope_scaling=args.rope_scaling,
+        page_size=args.page_size,
         disable_radix_cache=args.disable_radix_cache,
         # an unsigned tenant header is safe only where nothing but the router reaches us
         trust_unsigned_tenant=is_loopback(args.host),
     )
 
 
-async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
-                advertise_url: str, bus: str | None = None, bus_prefix: str = "radixfleet",
-                bus_snapshot_interval_s: float = 30.0,
-                bus_credentials: BusCredentials | None = None) -> None:
-    app = create_app(cfg, routers=routers, advertise_url=advertise_url, bus=bus,
-                     bus_prefix=bus_prefix, bus_snapshot_interval_s=bus_snapshot_interval_s,
-                     bus_credentials=bus_credentials)
+async def serve(
+    cfg: AgentConfig,
+    host: str,
+    port: int,
+    routers: list[str],
+    advertise_url: str,
+    bus: str | None = None,
+    bus_prefix: str = "radixfleet",
+    bus_snapshot_interval_s: float = 30.0,
+    bus_credentials: BusCredentials | None = None,
+) -> None:
+    app = create_app(
+        cfg,
+        routers=routers,
+        advertise_url=advertise_url,
+        bus=bus,
+        bus_prefix=bus_prefix,
+        bus_snapshot_interval_s=bus_snapshot_interval_s,
+        bus_credentials=bus_credentials,
+    )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     server = None
@@ -262,9 +350,13 @@ async def serve(cfg: AgentConfig, host: str, port: int, routers: list[str],
         # aiohttp's TCPSite, but malformed HTTP gets a JSON 4xx and no traceback
         server = await http_errors.listen(runner, host, port, access_log=None)
         from worker_agent.server import AGENT_KEY
-        print(f"radixfleet agent {cfg.worker_id}: {cfg.name} on {cfg.tp}x{cfg.gpu}, "
-              f"KV pool {app[AGENT_KEY].capacity:,} tokens, listening on http://{host}:{port}",
-              file=sys.stderr, flush=True)
+
+        print(
+            f"radixfleet agent {cfg.worker_id}: {cfg.name} on {cfg.tp}x{cfg.gpu}, "
+            f"KV pool {app[AGENT_KEY].capacity:,} tokens, listening on http://{host}:{port}",
+            file=sys.stderr,
+            flush=True,
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -286,8 +378,10 @@ class _QuietGrpcProbe(logging.Filter):
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
     cfg = build_config(args)
     if args.bus is not None:
@@ -304,14 +398,25 @@ def run(args: argparse.Namespace) -> int:
     advertise = advertise_url(args)
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
     try:
-        asyncio.run(serve(cfg, args.host, args.port, args.router, advertise, args.bus,
-                          args.bus_prefix, args.bus_snapshot_interval, bus_credentials(args)))
+        asyncio.run(
+            serve(
+                cfg,
+                args.host,
+                args.port,
+                args.router,
+                advertise,
+                args.bus,
+                args.bus_prefix,
+                args.bus_snapshot_interval,
+                bus_credentials(args),
+            )
+        )
     except OSError as exc:
-        print(f"radixfleet agent: error: cannot listen on {args.host}:{args.port}: {exc}",
-              file=sys.stderr)
+        print(f"radixfleet agent: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     return 0

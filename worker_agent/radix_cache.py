@@ -64,8 +64,8 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from sortedcontainers import SortedDict
 
@@ -100,9 +100,7 @@ class AdmissionConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ADMISSION_MODES:
-            raise ValueError(
-                f"admission mode {self.mode!r} is not one of {', '.join(ADMISSION_MODES)}"
-            )
+            raise ValueError(f"admission mode {self.mode!r} is not one of {', '.join(ADMISSION_MODES)}")
         if self.min_prefix_tokens < 0:
             raise ValueError("min_prefix_tokens must be >= 0")
         if not 0.0 < self.protected_fraction <= 1.0:
@@ -114,10 +112,22 @@ class AdmissionConfig:
 class Node:
     """One edge of the tree. Only ``RadixCache`` mutates nodes."""
 
-    __slots__ = ("id", "tokens", "children", "parent", "start", "lock_ref", "tick",
-                 "hashes", "protected", "hits", "in_lru", "ns")
+    __slots__ = (
+        "id",
+        "tokens",
+        "children",
+        "parent",
+        "start",
+        "lock_ref",
+        "tick",
+        "hashes",
+        "protected",
+        "hits",
+        "in_lru",
+        "ns",
+    )
 
-    def __init__(self, tokens: array, parent: "Node | None", start: int, nid: int) -> None:
+    def __init__(self, tokens: array, parent: Node | None, start: int, nid: int) -> None:
         self.id = nid
         #: the edge's tokens (an ``array('Q')`` owned by this node)
         self.tokens = tokens
@@ -147,8 +157,10 @@ class Node:
         return self.tokens.tolist()
 
     def __repr__(self) -> str:
-        return (f"Node(id={self.id}, start={self.start}, len={len(self.tokens)}, "
-                f"lock={self.lock_ref}, tick={self.tick}, children={len(self.children)})")
+        return (
+            f"Node(id={self.id}, start={self.start}, len={len(self.tokens)}, "
+            f"lock={self.lock_ref}, tick={self.tick}, children={len(self.children)})"
+        )
 
 
 @dataclass(slots=True)
@@ -182,10 +194,17 @@ class RadixCache:
             reference caches' use) are not admission-controlled and still insert.
     """
 
-    def __init__(self, *, page_size: int = 1, hash_stride: int | None = None,
-                 capacity_tokens: int = 0, admission: AdmissionConfig | None = None,
-                 fingerprint: Hashable = None, record_events: bool = True,
-                 disabled: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        page_size: int = 1,
+        hash_stride: int | None = None,
+        capacity_tokens: int = 0,
+        admission: AdmissionConfig | None = None,
+        fingerprint: Hashable = None,
+        record_events: bool = True,
+        disabled: bool = False,
+    ) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         if hash_stride is not None and hash_stride <= 0:
@@ -226,7 +245,7 @@ class RadixCache:
     # ------------------------------------------------------------------ helpers
 
     def _page_key(self, key: array, pos: int):
-        return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
+        return key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
 
     def _common(self, a: array, b: array) -> int:
         """Length of the common prefix of a and b, rounded down to a page.
@@ -265,8 +284,7 @@ class RadixCache:
         else:
             node.tick = self._next_tick()
 
-    def _walk(self, ns: Hashable, key: array, split: bool, n: int | None = None,
-              below: Node | None = None):
+    def _walk(self, ns: Hashable, key: array, split: bool, n: int | None = None, below: Node | None = None):
         """Longest match of ``key[:n]``: (length, deepest node, path). May split a node.
         O(depth) Python steps; each edge is compared with one slice equality.
         ``below`` (see ``insert``): the walk resumes there; the path still lists
@@ -285,8 +303,10 @@ class RadixCache:
                 path.append(p)
                 p = p.parent
             if p is not root or below is root:
-                raise ValueError(f"insert(below=...): {below!r} is not in the tree of {ns!r}; "
-                                 "pass a node this namespace holds (a locked one stays)")
+                raise ValueError(
+                    f"insert(below=...): {below!r} is not in the tree of {ns!r}; "
+                    "pass a node this namespace holds (a locked one stays)"
+                )
             path.reverse()
             node, pos = below, below.start + len(below.tokens)
             if pos > n:
@@ -350,8 +370,9 @@ class RadixCache:
 
     # --------------------------------------------------------------- public API
 
-    def match_prefix(self, ns: Hashable, key: Sequence[int],
-                     limit: int | None = None) -> tuple[int, Node | None]:
+    def match_prefix(
+        self, ns: Hashable, key: Sequence[int], limit: int | None = None
+    ) -> tuple[int, Node | None]:
         """Longest cached prefix of ``key[:limit]``: ``(tokens, last node)``.
         O(depth) Python steps + O(tokens compared) in C (see ``as_key``).
 
@@ -382,7 +403,7 @@ class RadixCache:
         """The router block hashes of ``key`` that the tree does not hold."""
         if self.hash_stride is None:
             return []
-        return list(hashes[self.peek(ns, key) // self.hash_stride:])
+        return list(hashes[self.peek(ns, key) // self.hash_stride :])
 
     def report_unheld(self, ns: Hashable, key: Sequence[int], hashes: Sequence[int]) -> None:
         """Emits ``Removed`` for the blocks of ``key`` the tree does not hold (the
@@ -392,9 +413,16 @@ class RadixCache:
             if gone:
                 self._append_removed(gone)
 
-    def insert(self, ns: Hashable, key: Sequence[int], hashes: Sequence[int] | None = None,
-               *, admit_from: int | None = None, below: Node | None = None,
-               lock: bool = False) -> tuple[int, Node | None]:
+    def insert(
+        self,
+        ns: Hashable,
+        key: Sequence[int],
+        hashes: Sequence[int] | None = None,
+        *,
+        admit_from: int | None = None,
+        below: Node | None = None,
+        lock: bool = False,
+    ) -> tuple[int, Node | None]:
         """Makes ``key`` resident (as admission allows): ``(held tokens, node)``.
 
         ``hashes`` are the router block hashes of ``key`` (block j ends at token
@@ -419,7 +447,7 @@ class RadixCache:
         key = as_key(key)
         page = self.page_size
         if page > 1 and len(key) % page:
-            key = key[:len(key) - len(key) % page]
+            key = key[: len(key) - len(key) % page]
         root = self.roots.get(ns)
         if root is None:
             if not key:
@@ -436,7 +464,7 @@ class RadixCache:
             new.tick = self._next_tick()
             if hashes and self.hash_stride is not None:
                 s = self.hash_stride
-                new.hashes = list(hashes[m // s:min(limit // s, len(hashes))])
+                new.hashes = list(hashes[m // s : min(limit // s, len(hashes))])
             self._lru_discard(node)  # no longer a leaf
             node.children[self._page_key(new.tokens, 0)] = new
             size = limit - m
@@ -452,7 +480,7 @@ class RadixCache:
             self.stats.refusals += 1
             self.stats.refused_tokens += len(key) - limit
             if hashes and self.record_events:
-                gone = list(hashes[limit // self.hash_stride:])
+                gone = list(hashes[limit // self.hash_stride :])
                 if gone:
                     self._events.append(Removed(gone))
         if not root.children:
@@ -652,7 +680,8 @@ class RadixCache:
                 node, next_block, open_ = stack.pop()
                 n = len(node.tokens)
                 assert type(node.tokens) is array and node.tokens.typecode == KEY_TYPECODE, (
-                    f"edge not a cache key {node=}")
+                    f"edge not a cache key {node=}"
+                )
                 assert n > 0 and n % page == 0, f"bad edge length {node=}"
                 assert node.parent.children.get(self._page_key(node.tokens, 0)) is node, f"{node=}"
                 assert node.lock_ref >= 0, f"{node=}"
@@ -698,7 +727,11 @@ class RadixCache:
         assert locked == self.locked_tokens, (locked, self.locked_tokens)
         assert protected == self.protected_tokens, (protected, self.protected_tokens)
         assert leaves == len(self._lru) and pleaves == len(self._lru_protected), (
-            leaves, len(self._lru), pleaves, len(self._lru_protected))
+            leaves,
+            len(self._lru),
+            pleaves,
+            len(self._lru_protected),
+        )
         if self._mode == "protected":
             assert self.protected_tokens <= self.protected_capacity
         assert len(self._ghost) <= self.admission.ghost_capacity

@@ -34,14 +34,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 
 from protocol.bus_wire import load_batch
-from protocol.events import (EVENTS_PATH, REGISTER_PATH, STATUS_BLOCK_BYTES_MISMATCH,
-                           STATUS_SNAPSHOT_REQUIRED, STATUS_WORKER_ID_TAKEN,
-                           STATUS_UNKNOWN_WORKER, EventBatch, Load, Snapshot)
+from protocol.events import (
+    EVENTS_PATH,
+    REGISTER_PATH,
+    STATUS_BLOCK_BYTES_MISMATCH,
+    STATUS_SNAPSHOT_REQUIRED,
+    STATUS_UNKNOWN_WORKER,
+    STATUS_WORKER_ID_TAKEN,
+    EventBatch,
+    Load,
+    Snapshot,
+)
 from service import background
 from service.background import Lifecycle
 from worker_agent.radix_cache import RadixCache
@@ -51,11 +59,23 @@ log = logging.getLogger(__name__)
 
 
 class Reporter(Lifecycle):
-    def __init__(self, routers: list[str], *, worker_id: str, url: str, models: list[str],
-                 cache: RadixCache, load: Callable[[], Load], token: str | None = None,
-                 interval_s: float = 0.1, max_batch_events: int = 256,
-                 max_pending_events: int = 10_000, timeout_s: float = 2.0,
-                 block_bytes: int | None = None, bus=None) -> None:
+    def __init__(
+        self,
+        routers: list[str],
+        *,
+        worker_id: str,
+        url: str,
+        models: list[str],
+        cache: RadixCache,
+        load: Callable[[], Load],
+        token: str | None = None,
+        interval_s: float = 0.1,
+        max_batch_events: int = 256,
+        max_pending_events: int = 10_000,
+        timeout_s: float = 2.0,
+        block_bytes: int | None = None,
+        bus=None,
+    ) -> None:
         if not routers and bus is None:
             raise ValueError("a reporter needs at least one router URL or a bus")
         self.links = [RouterLink(u) for u in routers]
@@ -173,8 +193,12 @@ class Reporter(Lifecycle):
     async def _push(self, link: RouterLink) -> None:
         try:
             if link.state is LinkState.UNREGISTERED:
-                body = {"worker_id": self.worker_id, "url": self.url, "epoch": self.epoch,
-                        "models": self.models}
+                body = {
+                    "worker_id": self.worker_id,
+                    "url": self.url,
+                    "epoch": self.epoch,
+                    "models": self.models,
+                }
                 if self.block_bytes is not None:
                     body["block_bytes"] = self.block_bytes
                 code, status, data = await self._post(link, REGISTER_PATH, body)
@@ -184,15 +208,22 @@ class Reporter(Lifecycle):
                     if link.failures == 1 or link.failures % 50 == 0:
                         if status == STATUS_BLOCK_BYTES_MISMATCH:
                             # a configuration error, not a transient one: say what to fix
-                            log.error("router %s refused registration: this agent hashes "
-                                      "%s-byte blocks, the router keys.block_bytes=%s; its "
-                                      "cache events would never match (will keep retrying)",
-                                      link.base, self.block_bytes, data.get("block_bytes"))
+                            log.error(
+                                "router %s refused registration: this agent hashes "
+                                "%s-byte blocks, the router keys.block_bytes=%s; its "
+                                "cache events would never match (will keep retrying)",
+                                link.base,
+                                self.block_bytes,
+                                data.get("block_bytes"),
+                            )
                         elif status == STATUS_WORKER_ID_TAKEN:
-                            log.error("router %s refused registration: worker id %s is "
-                                      "registered at another URL; give this agent its own "
-                                      "--worker-id (will keep retrying)", link.base,
-                                      self.worker_id)
+                            log.error(
+                                "router %s refused registration: worker id %s is "
+                                "registered at another URL; give this agent its own "
+                                "--worker-id (will keep retrying)",
+                                link.base,
+                                self.worker_id,
+                            )
                         else:
                             log.warning("router %s refused registration: HTTP %d", link.base, code)
                     return

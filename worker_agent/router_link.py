@@ -9,15 +9,14 @@ import enum
 
 class LinkState(enum.Enum):
     UNREGISTERED = "unregistered"  # must POST /internal/v1/register first
-    SNAPSHOT = "snapshot"          # registered; next batch starts with a snapshot
-    STREAMING = "streaming"        # router in sync; send deltas
+    SNAPSHOT = "snapshot"  # registered; next batch starts with a snapshot
+    STREAMING = "streaming"  # router in sync; send deltas
 
 
 class RouterLink:
     """One router's stream. Only the reporter task mutates it."""
 
-    __slots__ = ("base", "state", "seq", "pending", "sent_batches", "failures", "snapshots",
-                 "refused")
+    __slots__ = ("base", "state", "seq", "pending", "sent_batches", "failures", "snapshots", "refused")
 
     def __init__(self, base: str) -> None:
         self.base = base.rstrip("/")

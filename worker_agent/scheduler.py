@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 from protocol.errors import Overloaded, PromptTooLarge
 from protocol.events import Load
@@ -59,10 +60,10 @@ RATE_MIN_TOKENS = 512
 
 
 class State(enum.Enum):
-    WAITING = "waiting"      # queued, holds nothing
-    PREFILL = "prefill"      # admitted: prefix locked, KV reserved, prompt chunks running
-    RUNNING = "running"      # prompt done, in the decode batch
-    FINISHED = "finished"    # all tokens produced; KV returned to the pool / the tree
+    WAITING = "waiting"  # queued, holds nothing
+    PREFILL = "prefill"  # admitted: prefix locked, KV reserved, prompt chunks running
+    RUNNING = "running"  # prompt done, in the decode batch
+    FINISHED = "finished"  # all tokens produced; KV returned to the pool / the tree
     CANCELLED = "cancelled"  # dropped by the caller; KV returned
 
 
@@ -77,12 +78,36 @@ class SchedRequest:
     ``waiter`` is the driver's slot (e.g. an ``asyncio.Event``); never touched here.
     """
 
-    __slots__ = ("rid", "ns", "prompt", "max_new", "output", "hashes", "arrival", "state",
-                 "cached", "prefilled", "generated", "private", "reserved", "node",
-                 "prompt_held", "first_token_at", "finished_at", "waiter")
+    __slots__ = (
+        "rid",
+        "ns",
+        "prompt",
+        "max_new",
+        "output",
+        "hashes",
+        "arrival",
+        "state",
+        "cached",
+        "prefilled",
+        "generated",
+        "private",
+        "reserved",
+        "node",
+        "prompt_held",
+        "first_token_at",
+        "finished_at",
+        "waiter",
+    )
 
-    def __init__(self, rid: Any, ns: Hashable, prompt: Sequence[int], max_new: int,
-                 output: Sequence[int] = (), hashes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        rid: Any,
+        ns: Hashable,
+        prompt: Sequence[int],
+        max_new: int,
+        output: Sequence[int] = (),
+        hashes: Sequence[int] | None = None,
+    ) -> None:
         self.rid = rid
         self.ns = ns
         self.prompt = prompt
@@ -112,8 +137,10 @@ class SchedRequest:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
 
     def __repr__(self) -> str:
-        return (f"SchedRequest({self.rid!r}, {self.state.value}, prompt={len(self.prompt)}, "
-                f"cached={self.cached}, gen={self.generated}/{self.max_new})")
+        return (
+            f"SchedRequest({self.rid!r}, {self.state.value}, prompt={len(self.prompt)}, "
+            f"cached={self.cached}, gen={self.generated}/{self.max_new})"
+        )
 
 
 @dataclass(slots=True)
@@ -175,8 +202,9 @@ class SchedStats:
 class Scheduler:
     """Continuous batching over a ``RadixCache`` + ``KVPool`` priced by a ``CostModel``."""
 
-    def __init__(self, cost: CostModel, cache: RadixCache, pool: KVPool,
-                 config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self, cost: CostModel, cache: RadixCache, pool: KVPool, config: SchedulerConfig | None = None
+    ) -> None:
         if pool.cache is not cache:
             raise ValueError("the pool must account for the same cache")
         self.cost = cost
@@ -206,8 +234,9 @@ class Scheduler:
             raise ValueError("a request needs at least one prompt token")
         if need > self.pool.capacity:
             if req.hashes and self.cache.hash_stride:
-                self.cache.report_unheld(req.ns, req.prompt,
-                                         req.hashes[: len(req.prompt) // self.cache.hash_stride])
+                self.cache.report_unheld(
+                    req.ns, req.prompt, req.hashes[: len(req.prompt) // self.cache.hash_stride]
+                )
             raise PromptTooLarge(
                 f"prompt of {len(req.prompt)} tokens plus max_tokens {req.max_new} needs "
                 f"{need} KV tokens; this worker's KV pool holds {self.pool.capacity}",
@@ -218,12 +247,14 @@ class Scheduler:
         cap = self.config.max_waiting
         if cap and len(self.waiting) >= cap:
             if req.hashes and self.cache.hash_stride:
-                self.cache.report_unheld(req.ns, req.prompt,
-                                         req.hashes[: len(req.prompt) // self.cache.hash_stride])
+                self.cache.report_unheld(
+                    req.ns, req.prompt, req.hashes[: len(req.prompt) // self.cache.hash_stride]
+                )
             rate = self.prefill_tokens_per_s() or 1.0
-            raise Overloaded(f"{len(self.waiting)} requests already wait on this worker "
-                             f"(max_waiting {cap}); retry later",
-                             retry_after_s=self._queued_tokens / rate)
+            raise Overloaded(
+                f"{len(self.waiting)} requests already wait on this worker (max_waiting {cap}); retry later",
+                retry_after_s=self._queued_tokens / rate,
+            )
         # one conversion per request: every cache call then compares in C
         req.prompt = as_key(req.prompt)
         req.arrival = now
@@ -316,8 +347,10 @@ class Scheduler:
         while budget > 0:
             if self.prefilling:
                 req = self.prefilling[0]
-            elif self.waiting and admitted_any and (
-                len(batch) + len(self.prefilling) + len(res.started) < self.config.max_running
+            elif (
+                self.waiting
+                and admitted_any
+                and (len(batch) + len(self.prefilling) + len(res.started) < self.config.max_running)
             ):
                 # one at a time: the remaining budget decides how many fit this step
                 cand = self._next_waiting()
@@ -389,8 +422,9 @@ class Scheduler:
 
     def _prompt_done(self, req: SchedRequest, res: StepResult) -> None:
         # the walk resumes at the locked match: only the uncached part is compared
-        held, node = self.cache.insert(req.ns, req.prompt, req.hashes, admit_from=0,
-                                       below=req.node, lock=True)
+        held, node = self.cache.insert(
+            req.ns, req.prompt, req.hashes, admit_from=0, below=req.node, lock=True
+        )
         self._move_lock(req, node, held)
         req.prompt_held = held
         res.started.append(req)
@@ -421,8 +455,9 @@ class Scheduler:
         whole = len(req.prompt) - len(req.prompt) % self.cache.page_size
         if n_out > 0 and req.output and req.prompt_held >= whole:
             key = req.prompt + as_key(req.output[:n_out])
-            held, node = self.cache.insert(req.ns, key, req.hashes, admit_from=len(req.prompt),
-                                           below=req.node, lock=True)
+            held, node = self.cache.insert(
+                req.ns, key, req.hashes, admit_from=len(req.prompt), below=req.node, lock=True
+            )
             self._move_lock(req, node, held)
         self._release(req)
         req.state = State.FINISHED
@@ -439,8 +474,7 @@ class Scheduler:
         empty, or the batch is at ``max_running`` -- and is then (steps to the first
         finish) - 1: the finishing step is always a real ``step()``. O(batch)."""
         batch = self.running
-        if not batch or self.prefilling or (
-                self.waiting and len(batch) < self.config.max_running):
+        if not batch or self.prefilling or (self.waiting and len(batch) < self.config.max_running):
             return 0, 0
         left = batch[0].max_new
         ctx = 0
@@ -463,8 +497,10 @@ class Scheduler:
         if k <= 0:
             return
         if not batch or self.prefilling or min(r.max_new - r.generated for r in batch) <= k:
-            raise ValueError(f"decode_many({k}): only decode_window()'s steps can be "
-                             "applied in bulk; the finishing step must be a step() call")
+            raise ValueError(
+                f"decode_many({k}): only decode_window()'s steps can be "
+                "applied in bulk; the finishing step must be a step() call"
+            )
         for r in batch:
             r.generated += k
             r.reserved -= k
@@ -499,9 +535,14 @@ class Scheduler:
         queued = self._queued_tokens
         for r in self.prefilling:
             queued += len(r.prompt) - r.prefilled
-        return (len(self.waiting), queued, len(self.running) + len(self.prefilling),
-                pool.used, pool.capacity,
-                float(self.prefill_tokens_per_s()))
+        return (
+            len(self.waiting),
+            queued,
+            len(self.running) + len(self.prefilling),
+            pool.used,
+            pool.capacity,
+            float(self.prefill_tokens_per_s()),
+        )
 
     def check(self) -> None:
         """Asserts the scheduler's, the pool's and the cache's invariants."""
@@ -523,11 +564,21 @@ class Scheduler:
         assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
 
 
-def build_scheduler(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
-                    mfu: float = 0.6, kv_tokens: int | None = None, page_size: int = 1,
-                    hash_stride: int | None = None, admission=None,
-                    config: SchedulerConfig | None = None, fingerprint=None,
-                    record_events: bool = True, disable_radix_cache: bool = False) -> Scheduler:
+def build_scheduler(
+    model: str = "llama-3-8b",
+    gpu: str = "h100",
+    *,
+    tp: int = 1,
+    mfu: float = 0.6,
+    kv_tokens: int | None = None,
+    page_size: int = 1,
+    hash_stride: int | None = None,
+    admission=None,
+    config: SchedulerConfig | None = None,
+    fingerprint=None,
+    record_events: bool = True,
+    disable_radix_cache: bool = False,
+) -> Scheduler:
     """One simulated worker: cost model, radix cache, KV pool and scheduler wired together.
 
     ``kv_tokens`` None sizes the pool from the presets (``CostModel.kv_capacity_tokens``,
@@ -539,7 +590,13 @@ def build_scheduler(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1
     """
     cost = CostModel(model, gpu, tp=tp, mfu=mfu)
     capacity = kv_tokens if kv_tokens is not None else cost.kv_capacity_tokens()
-    cache = RadixCache(page_size=page_size, hash_stride=hash_stride, capacity_tokens=capacity,
-                       admission=admission, fingerprint=fingerprint, record_events=record_events,
-                       disabled=disable_radix_cache)
+    cache = RadixCache(
+        page_size=page_size,
+        hash_stride=hash_stride,
+        capacity_tokens=capacity,
+        admission=admission,
+        fingerprint=fingerprint,
+        record_events=record_events,
+        disabled=disable_radix_cache,
+    )
     return Scheduler(cost, cache, KVPool(capacity, cache), config)

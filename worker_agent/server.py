@@ -19,7 +19,8 @@ as the router computes them. The header is the router's secret per-tenant salt
 (service.tenancy), taken only from a router: with an agent token set it must come
 with the router's signature (``x-radixfleet-tenant-sig``), else 401; without one,
 only on a loopback listener (``trust_unsigned_tenant``). A full wait queue
-(``SchedulerConfig.max_waiting``) answers 429 with ``Retry-After``. Bad input answers an OpenAI-style JSON error with a 4xx
+(``SchedulerConfig.max_waiting``) answers 429 with ``Retry-After``. Bad input answers an
+OpenAI-style JSON error with a 4xx
 status and touches nothing already accepted; a client that goes away cancels its
 request and frees its KV. Extra fields (SGLang's ``no_stop_trim``,
 ``skip_special_tokens``, ``return_hidden_states``, sampling knobs) are accepted and
@@ -37,22 +38,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from protocol.errors import (
+    MalformedRequest,
+    NotFound,
+    PromptTooLarge,
+    RequestError,
+    Unauthorized,
+    retry_after_header,
+)
+from protocol.openapi import agent_spec
+from protocol.prefix_keys import (
+    BYTES_PER_TOKEN,
+    DEFAULT_BLOCK_BYTES,
+    Endpoint,
+    block_hashes,
+    check_block_bytes,
+    namespace_seed,
+    request_key,
+)
 from service import jsonbody
 from service.auth import BearerAuth
-from protocol.errors import (MalformedRequest, NotFound, PromptTooLarge,
-                           RequestError, Unauthorized, retry_after_header)
 from service.metrics import standard_collectors
-from protocol.openapi import agent_spec
 from service.tenancy import SIGNATURE_HEADER, verify_signature
-from protocol.prefix_keys import (BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, Endpoint, block_hashes,
-                                check_block_bytes, namespace_seed, request_key)
 from worker_agent import tokenizer as tk
 from worker_agent.engine import Engine
 from worker_agent.radix_cache import AdmissionConfig
-from worker_agent.scheduler import SchedulerConfig, SchedRequest, State, build_scheduler
+from worker_agent.scheduler import SchedRequest, SchedulerConfig, State, build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +116,20 @@ class Agent:
         self.cfg = cfg
         self.block_tokens = cfg.block_bytes // BYTES_PER_TOKEN
         self.fingerprint = (cfg.model, cfg.tp, cfg.rope_scaling)
-        self.sched = build_scheduler(cfg.model, cfg.gpu, tp=cfg.tp, mfu=cfg.mfu,
-                                     kv_tokens=cfg.kv_tokens, hash_stride=self.block_tokens,
-                                     admission=cfg.admission, config=cfg.scheduler,
-                                     fingerprint=self.fingerprint, record_events=record_events,
-                                     page_size=cfg.page_size,
-                                     disable_radix_cache=cfg.disable_radix_cache)
+        self.sched = build_scheduler(
+            cfg.model,
+            cfg.gpu,
+            tp=cfg.tp,
+            mfu=cfg.mfu,
+            kv_tokens=cfg.kv_tokens,
+            hash_stride=self.block_tokens,
+            admission=cfg.admission,
+            config=cfg.scheduler,
+            fingerprint=self.fingerprint,
+            record_events=record_events,
+            page_size=cfg.page_size,
+            disable_radix_cache=cfg.disable_radix_cache,
+        )
         self.cost = self.sched.cost
         self.cache = self.sched.cache
         self.pool = self.sched.pool
@@ -126,6 +148,7 @@ class Agent:
 
 # ----------------------------------------------------------------- request parsing
 
+
 def _int_field(body: dict, name: str, default: int, limit: int, where: str | None = None) -> int:
     v = body.get(name)
     if v is None:
@@ -136,8 +159,7 @@ def _int_field(body: dict, name: str, default: int, limit: int, where: str | Non
     if v < 0:
         raise MalformedRequest(f"'{label}' must be >= 0, got {v}", param=label)
     if v > limit:
-        raise PromptTooLarge(
-            f"'{label}' is {v}, above this worker's KV pool of {limit} tokens", param=label)
+        raise PromptTooLarge(f"'{label}' is {v}, above this worker's KV pool of {limit} tokens", param=label)
     return v
 
 
@@ -178,7 +200,9 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
         for f in ("text", "input_ids"):
             v = body.get(f)
             if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) > 1:
-                raise MalformedRequest(f"batched '{f}' is not supported; send one prompt per request", param=f)
+                raise MalformedRequest(
+                    f"batched '{f}' is not supported; send one prompt per request", param=f
+                )
     else:
         field_name = "max_tokens"
         if endpoint is Endpoint.CHAT and body.get("max_completion_tokens") is not None:
@@ -188,10 +212,15 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
         if n is not None and n != 1:
             raise MalformedRequest("only 'n': 1 is supported", param="n")
         prompt = body.get("prompt")
-        if endpoint is Endpoint.COMPLETIONS and isinstance(prompt, list) and len(prompt) > 1 \
-                and isinstance(prompt[0], (str, list)):
-            raise MalformedRequest("batched 'prompt' is not supported; send one prompt per request",
-                                   param="prompt")
+        if (
+            endpoint is Endpoint.COMPLETIONS
+            and isinstance(prompt, list)
+            and len(prompt) > 1
+            and isinstance(prompt[0], (str, list))
+        ):
+            raise MalformedRequest(
+                "batched 'prompt' is not supported; send one prompt per request", param="prompt"
+            )
     stream = _bool_field(body, "stream")
     include_usage = False
     so = body.get("stream_options")
@@ -205,8 +234,9 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
     key = request_key(endpoint, body, tenant=tenant, block_bytes=agent.cfg.block_bytes)
     if endpoint is not Endpoint.GENERATE or key.model:
         if key.model != name:
-            raise NotFound(f"model {key.model!r} is not served here; this agent serves {name!r}",
-                           param="model")
+            raise NotFound(
+                f"model {key.model!r} is not served here; this agent serves {name!r}", param="model"
+            )
     prompt_tokens = tk.encode(key.data)
     if not prompt_tokens:
         raise MalformedRequest("the prompt is empty", param="prompt")
@@ -214,8 +244,9 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
     output = tk.generate(gseed, max_new)
     if tk.is_aligned(prompt_tokens):
         # the answer's blocks are keyed exactly as the next turn's prompt will key them
-        hashes = block_hashes(key.data + tk.decode(output),
-                              namespace_seed(key.model, tenant, key.adapter), key.block_bytes)
+        hashes = block_hashes(
+            key.data + tk.decode(output), namespace_seed(key.model, tenant, key.adapter), key.block_bytes
+        )
     else:
         hashes = key.hashes  # a partial tail token: nothing after it matches a re-tokenization
     ns = (key.model, tenant, key.adapter)
@@ -225,10 +256,15 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
 
 # ----------------------------------------------------------------- responses
 
+
 def _usage(r: SchedRequest, generated: int) -> dict:
     n = len(r.prompt)
-    return {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated,
-            "prompt_tokens_details": {"cached_tokens": r.cached}}
+    return {
+        "prompt_tokens": n,
+        "completion_tokens": generated,
+        "total_tokens": n + generated,
+        "prompt_tokens_details": {"cached_tokens": r.cached},
+    }
 
 
 def _text(r: SchedRequest, a: int, b: int) -> str:
@@ -253,11 +289,15 @@ def _tenant(request: web.Request) -> str:
     auth: BearerAuth = request.app[AUTH_KEY]
     if auth.token:
         if not verify_signature(auth.token, tenant, request.headers.get(SIGNATURE_HEADER)):
-            raise Unauthorized(f"{TENANT_HEADER} is accepted only with the router's "
-                               f"{SIGNATURE_HEADER} (same RADIXFLEET_AGENT_TOKEN on both)")
+            raise Unauthorized(
+                f"{TENANT_HEADER} is accepted only with the router's "
+                f"{SIGNATURE_HEADER} (same RADIXFLEET_AGENT_TOKEN on both)"
+            )
     elif not request.app[AGENT_KEY].cfg.trust_unsigned_tenant:
-        raise Unauthorized(f"{TENANT_HEADER} is accepted only from a router: set "
-                           "RADIXFLEET_AGENT_TOKEN on the agent and the router")
+        raise Unauthorized(
+            f"{TENANT_HEADER} is accepted only from a router: set "
+            "RADIXFLEET_AGENT_TOKEN on the agent and the router"
+        )
     return tenant
 
 
@@ -284,27 +324,43 @@ def _final(p: Parsed, r: SchedRequest, created: int) -> dict:
     g = r.generated
     text = _text(r, 0, g)
     if p.endpoint is Endpoint.GENERATE:
-        return {"text": text, "output_ids": list(r.output[:g]),
-                "meta_info": {"id": str(r.rid), "prompt_tokens": len(r.prompt),
-                              "completion_tokens": g, "cached_tokens": r.cached,
-                              "finish_reason": {"type": "length", "length": g},
-                              "e2e_latency": (r.finished_at or 0) - r.arrival}}
+        return {
+            "text": text,
+            "output_ids": list(r.output[:g]),
+            "meta_info": {
+                "id": str(r.rid),
+                "prompt_tokens": len(r.prompt),
+                "completion_tokens": g,
+                "cached_tokens": r.cached,
+                "finish_reason": {"type": "length", "length": g},
+                "e2e_latency": (r.finished_at or 0) - r.arrival,
+            },
+        }
     if p.endpoint is Endpoint.CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": "length"}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
         obj = "chat.completion"
         rid = f"chatcmpl-{r.rid}"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
         obj = "text_completion"
         rid = f"cmpl-{r.rid}"
-    return {"id": rid, "object": obj, "created": created, "model": p.model,
-            "choices": [choice], "usage": _usage(r, g)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": p.model,
+        "choices": [choice],
+        "usage": _usage(r, g),
+    }
 
 
 async def _stream(p: Parsed, r: SchedRequest, w, request: web.Request, created: int):
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     chat = p.endpoint is Endpoint.CHAT
     gen = p.endpoint is Endpoint.GENERATE
@@ -320,8 +376,14 @@ async def _stream(p: Parsed, r: SchedRequest, w, request: web.Request, created: 
             choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        return {"id": rid, "object": obj, "created": created, "model": p.model,
-                "choices": [choice], **usage_null}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": p.model,
+            "choices": [choice],
+            **usage_null,
+        }
 
     sent = 0
     if chat:
@@ -331,10 +393,19 @@ async def _stream(p: Parsed, r: SchedRequest, w, request: web.Request, created: 
         w.event.clear()
         if w.visible > sent:
             if gen:
-                await resp.write(_sse({"text": _text(r, 0, w.visible),
-                                       "meta_info": {"id": str(r.rid), "prompt_tokens": len(r.prompt),
-                                                     "completion_tokens": w.visible,
-                                                     "cached_tokens": r.cached}}))
+                await resp.write(
+                    _sse(
+                        {
+                            "text": _text(r, 0, w.visible),
+                            "meta_info": {
+                                "id": str(r.rid),
+                                "prompt_tokens": len(r.prompt),
+                                "completion_tokens": w.visible,
+                                "cached_tokens": r.cached,
+                            },
+                        }
+                    )
+                )
             else:
                 await resp.write(_sse(chunk(_text(r, sent, w.visible), None)))
             sent = w.visible
@@ -348,8 +419,18 @@ async def _stream(p: Parsed, r: SchedRequest, w, request: web.Request, created: 
     else:
         await resp.write(_sse(chunk(None if chat else "", "length")))
         if p.include_usage:
-            await resp.write(_sse({"id": rid, "object": obj, "created": created, "model": p.model,
-                                   "choices": [], "usage": _usage(r, r.generated)}))
+            await resp.write(
+                _sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": p.model,
+                        "choices": [],
+                        "usage": _usage(r, r.generated),
+                    }
+                )
+            )
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -386,14 +467,14 @@ async def _errors(request: web.Request, handler):
         if exc.status == 404:
             body["error"]["message"] = f"no route for {request.method} {request.path}"
             body["error"]["type"] = "not_found_error"
-        headers = {"Retry-After": exc.headers.get("Retry-After", "1")} \
-            if exc.status in (429, 503) else None
+        headers = {"Retry-After": exc.headers.get("Retry-After", "1")} if exc.status in (429, 503) else None
         return web.json_response(body, status=exc.status, headers=headers)
 
 
 def _handler(endpoint: Endpoint):
     async def handle(request: web.Request) -> web.StreamResponse:
         return await _serve(request.app[AGENT_KEY], request, endpoint)
+
     return handle
 
 
@@ -407,14 +488,22 @@ def _server_info(agent: Agent) -> dict:
         # no model_path / tokenizer_path: SGLang's router would try to fetch a tokenizer
         # named by them (from HuggingFace, off loopback); the sim has no such files
         "served_model_name": cfg.name,
-        "engine": "sim", "version": "radixfleet-sim-0.1", "gpu": cfg.gpu, "model_preset": cfg.model,
-        "tp_size": cfg.tp, "dp_size": 1, "page_size": cfg.page_size,
+        "engine": "sim",
+        "version": "radixfleet-sim-0.1",
+        "gpu": cfg.gpu,
+        "model_preset": cfg.model,
+        "tp_size": cfg.tp,
+        "dp_size": 1,
+        "page_size": cfg.page_size,
         "max_total_num_tokens": agent.capacity,
         "chunked_prefill_size": cfg.scheduler.chunk_tokens,
         "max_running_requests": cfg.scheduler.max_running,
-        "schedule_policy": cfg.scheduler.order, "admission": cfg.admission.mode,
-        "block_bytes": cfg.block_bytes, "worker_id": cfg.worker_id,
-        "disable_radix_cache": cfg.disable_radix_cache, "fingerprint": list(agent.fingerprint),
+        "schedule_policy": cfg.scheduler.order,
+        "admission": cfg.admission.mode,
+        "block_bytes": cfg.block_bytes,
+        "worker_id": cfg.worker_id,
+        "disable_radix_cache": cfg.disable_radix_cache,
+        "fingerprint": list(agent.fingerprint),
         "internal_states": [{"last_gen_throughput": 0.0}],
     }
 
@@ -425,37 +514,62 @@ async def _get_server_info(request: web.Request) -> web.Response:
     if reporter is not None:
         # each router link's state; "refused" says why a router turned registration
         # down (e.g. block_bytes_mismatch), so a silent misconfiguration shows here
-        info["routers"] = [{"url": link.base, "state": link.state.value,
-                            "refused": link.refused, "sent_batches": link.sent_batches}
-                           for link in reporter.links]
+        info["routers"] = [
+            {
+                "url": link.base,
+                "state": link.state.value,
+                "refused": link.refused,
+                "sent_batches": link.sent_batches,
+            }
+            for link in reporter.links
+        ]
         if reporter.bus is not None:
             b = reporter.bus
-            info["bus"] = {"url": b.conn.url, "state": b.conn.state.value,
-                           "link": b.link.state.value, "sent_batches": b.link.sent_batches,
-                           "snapshots": b.link.snapshots}
+            info["bus"] = {
+                "url": b.conn.url,
+                "state": b.conn.state.value,
+                "link": b.link.state.value,
+                "sent_batches": b.link.sent_batches,
+                "snapshots": b.link.snapshots,
+            }
     return web.json_response(info)
 
 
 async def _get_model_info(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     # see _server_info for why there is no model_path
-    return web.json_response({"served_model_name": agent.cfg.name, "model_name": agent.cfg.name,
-                              "is_generation": True, "engine": "sim"})
+    return web.json_response(
+        {
+            "served_model_name": agent.cfg.name,
+            "model_name": agent.cfg.name,
+            "is_generation": True,
+            "engine": "sim",
+        }
+    )
 
 
 async def _get_load(request: web.Request) -> web.Response:
     load = request.app[AGENT_KEY].sched.load()
-    return web.json_response([{"dp_rank": 0, "num_reqs": load.running_requests + load.queued_requests,
-                               "num_waiting_reqs": load.queued_requests,
-                               "num_tokens": load.kv_used_tokens}])
+    return web.json_response(
+        [
+            {
+                "dp_rank": 0,
+                "num_reqs": load.running_requests + load.queued_requests,
+                "num_waiting_reqs": load.queued_requests,
+                "num_tokens": load.kv_used_tokens,
+            }
+        ]
+    )
 
 
 async def _flush_cache(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     if agent.cache.flush():
         return web.Response(text="Cache flushed.\n")
-    raise RequestError(f"cache not flushed: {agent.cache.locked_tokens} tokens are in use by "
-                       f"running requests; retry when idle")
+    raise RequestError(
+        f"cache not flushed: {agent.cache.locked_tokens} tokens are in use by "
+        f"running requests; retry when idle"
+    )
 
 
 async def _engine_config(request: web.Request) -> web.Response:
@@ -466,8 +580,9 @@ async def _engine_config(request: web.Request) -> web.Response:
     request.app[AUTH_KEY].check(request.headers.get("Authorization"))
     body = jsonbody.loads(await request.read())
     if not isinstance(body, dict) or "rope_scaling" not in body:
-        raise MalformedRequest("body must be an object with 'rope_scaling' (null for none)",
-                               param="rope_scaling")
+        raise MalformedRequest(
+            "body must be an object with 'rope_scaling' (null for none)", param="rope_scaling"
+        )
     rope = body["rope_scaling"]
     rope = None if rope is None else json.dumps(rope, sort_keys=True, separators=(",", ":"))
     fp = (agent.cfg.model, agent.cfg.tp, rope)
@@ -482,9 +597,21 @@ async def _engine_config(request: web.Request) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
-    return web.json_response({"object": "list", "data": [{
-        "id": agent.cfg.name, "object": "model", "created": int(agent.started_at),
-        "owned_by": "radixfleet", "root": agent.cfg.name, "max_model_len": agent.capacity}]})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": agent.cfg.name,
+                    "object": "model",
+                    "created": int(agent.started_at),
+                    "owned_by": "radixfleet",
+                    "root": agent.cfg.name,
+                    "max_model_len": agent.capacity,
+                }
+            ],
+        }
+    )
 
 
 class _Collector:
@@ -514,33 +641,47 @@ class _Collector:
 
         load = a.sched.load()
         yield gauge("sglang:num_queue_reqs", "Requests waiting in the queue.", load.queued_requests)
-        yield gauge("sglang:num_running_reqs", "Requests admitted (prefilling or decoding).",
-                    load.running_requests)
+        yield gauge(
+            "sglang:num_running_reqs", "Requests admitted (prefilling or decoding).", load.running_requests
+        )
         yield gauge("sglang:token_usage", "Share of the KV pool in use.", pool.used / pool.capacity)
-        yield gauge("sglang:cache_hit_rate", "Cached prompt tokens / prompt tokens.",
-                    s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+        yield gauge(
+            "sglang:cache_hit_rate",
+            "Cached prompt tokens / prompt tokens.",
+            s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+        )
         yield counter("sglang:prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
         yield counter("sglang:generation_tokens", "Generated tokens.", s.decode_tokens)
         yield counter("sglang:cached_tokens", "Prompt tokens served from the radix cache.", s.cached_tokens)
-        yield counter("radixfleet_agent_prompt_tokens", "Prompt tokens of admitted requests.",
-                      s.prompt_tokens)
-        yield counter("radixfleet_agent_cached_tokens", "Prompt tokens served from the radix cache.",
-                      s.cached_tokens)
+        yield counter(
+            "radixfleet_agent_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens
+        )
+        yield counter(
+            "radixfleet_agent_cached_tokens", "Prompt tokens served from the radix cache.", s.cached_tokens
+        )
         yield counter("radixfleet_agent_prefill_tokens", "Prompt tokens computed.", s.prefill_tokens)
-        yield counter("radixfleet_agent_evicted_tokens", "Tokens evicted from the radix cache.",
-                      cs.evicted_tokens)
-        yield counter("radixfleet_agent_admission_refusals",
-                      "Insertions cut short by admission control.", cs.refusals)
-        yield counter("radixfleet_agent_admission_refused_tokens",
-                      "Tokens admission control kept out of the cache.", cs.refused_tokens)
+        yield counter(
+            "radixfleet_agent_evicted_tokens", "Tokens evicted from the radix cache.", cs.evicted_tokens
+        )
+        yield counter(
+            "radixfleet_agent_admission_refusals", "Insertions cut short by admission control.", cs.refusals
+        )
+        yield counter(
+            "radixfleet_agent_admission_refused_tokens",
+            "Tokens admission control kept out of the cache.",
+            cs.refused_tokens,
+        )
         yield counter("radixfleet_agent_requests_finished", "Requests finished.", s.finished)
         yield counter("radixfleet_agent_requests_cancelled", "Requests cancelled.", s.cancelled)
         yield counter("radixfleet_agent_bad_requests", "Requests answered with a 4xx.", a.bad_requests)
         yield gauge("radixfleet_agent_kv_capacity_tokens", "KV pool size.", pool.capacity)
         yield gauge("radixfleet_agent_kv_used_tokens", "KV tokens in use (tree + running).", pool.used)
         yield gauge("radixfleet_agent_kv_cached_tokens", "Tokens in the radix tree.", a.cache.total_tokens)
-        yield gauge("radixfleet_agent_prefill_tokens_per_second", "Measured prefill rate.",
-                    a.sched.prefill_tokens_per_s())
+        yield gauge(
+            "radixfleet_agent_prefill_tokens_per_second",
+            "Measured prefill rate.",
+            a.sched.prefill_tokens_per_s(),
+        )
 
 
 async def _openapi(request: web.Request) -> web.Response:
@@ -552,11 +693,16 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
-               advertise_url: str | None = None, bus: str | None = None,
-               bus_prefix: str = "radixfleet",
-               bus_snapshot_interval_s: float = 30.0,
-               bus_credentials=None) -> web.Application:
+def create_app(
+    cfg: AgentConfig,
+    *,
+    routers: list[str] | None = None,
+    advertise_url: str | None = None,
+    bus: str | None = None,
+    bus_prefix: str = "radixfleet",
+    bus_snapshot_interval_s: float = 30.0,
+    bus_credentials=None,
+) -> web.Application:
     """The agent's aiohttp app; the engine (and reporter, given routers or a bus URL)
     live in its cleanup context, so they start and stop with the app.
     ``bus_credentials``: the NATS server's (``service.bus_connection.BusCredentials``)."""
@@ -574,21 +720,33 @@ def create_app(cfg: AgentConfig, *, routers: list[str] | None = None,
         reporter = None
         if routers or bus:
             from worker_agent.reporter import Reporter
+
             wid = cfg.worker_id or advertise_url or "agent"
             agent_bus = None
             if bus:
-                from worker_agent.bus import AgentBus
                 from service.bus_connection import BusCredentials
+                from worker_agent.bus import AgentBus
 
-                agent_bus = AgentBus(bus, worker_id=wid, subject_prefix=bus_prefix,
-                                     snapshot_interval_s=bus_snapshot_interval_s,
-                                     registry=registry,
-                                     token=os.environ.get("RADIXFLEET_AGENT_TOKEN", ""),
-                                     credentials=bus_credentials or BusCredentials())
-            reporter = Reporter(routers or [], worker_id=wid,
-                                url=advertise_url or "", models=[cfg.name], cache=agent.cache,
-                                load=agent.sched.load, token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
-                                block_bytes=cfg.block_bytes, bus=agent_bus)
+                agent_bus = AgentBus(
+                    bus,
+                    worker_id=wid,
+                    subject_prefix=bus_prefix,
+                    snapshot_interval_s=bus_snapshot_interval_s,
+                    registry=registry,
+                    token=os.environ.get("RADIXFLEET_AGENT_TOKEN", ""),
+                    credentials=bus_credentials or BusCredentials(),
+                )
+            reporter = Reporter(
+                routers or [],
+                worker_id=wid,
+                url=advertise_url or "",
+                models=[cfg.name],
+                cache=agent.cache,
+                load=agent.sched.load,
+                token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
+                block_bytes=cfg.block_bytes,
+                bus=agent_bus,
+            )
             await reporter.start()
         app[REPORTER_KEY] = reporter
         try:

@@ -80,7 +80,7 @@ def encode_key(data: bytes) -> array:
         view = _np.frombuffer(out, dtype=_np.uint64)
         view[:] = _np.frombuffer(data, dtype="<u4", count=n_full)
         del view  # release the buffer export: the array may grow below
-    tail = data[n_full * BYTES_PER_TOKEN:]
+    tail = data[n_full * BYTES_PER_TOKEN :]
     if tail:
         out.append(PARTIAL * len(tail) + int.from_bytes(tail, "little"))
     return out

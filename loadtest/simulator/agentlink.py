@@ -41,8 +41,19 @@ from protocol.events import EventBatch, Load, Snapshot
 class AgentLink:
     """One simulated agent's report stream. Only ``Simulation`` mutates it."""
 
-    __slots__ = ("id", "url", "epoch", "seq", "phase", "hist", "pending", "flush_at",
-                 "last_tick", "next_at", "pool_worker")
+    __slots__ = (
+        "id",
+        "url",
+        "epoch",
+        "seq",
+        "phase",
+        "hist",
+        "pending",
+        "flush_at",
+        "last_tick",
+        "next_at",
+        "pool_worker",
+    )
 
     def __init__(self, wid: str, phase: float, pool_worker) -> None:
         self.id = wid

@@ -106,9 +106,16 @@ class PrefixAwareScaler:
 
     name = "prefix-aware"
 
-    def __init__(self, params: AutoscaleParams | None = None, *, interval_s: float = 5.0,
-                 startup_s: float = 30.0, stabilization_s: float = 60.0,
-                 half_life_s: float = 10.0, hot_k: int = 16) -> None:
+    def __init__(
+        self,
+        params: AutoscaleParams | None = None,
+        *,
+        interval_s: float = 5.0,
+        startup_s: float = 30.0,
+        stabilization_s: float = 60.0,
+        half_life_s: float = 10.0,
+        hot_k: int = 16,
+    ) -> None:
         self.params = (params or AutoscaleParams()).validate()
         self.interval_s = interval_s
         self.startup_s = startup_s
@@ -123,9 +130,16 @@ class PrefixAwareScaler:
         self.meter.observe(now, uncached_tokens, prompt_tokens)
 
     def desired(self, sim: Simulation, now: float) -> int:
-        sig = fleet_signal(now, self.meter, sim.index, sim._views(now), self.params,
-                           lead_s=self.startup_s, hot_k=self.hot_k,
-                           block_tokens=sim.block_tokens)
+        sig = fleet_signal(
+            now,
+            self.meter,
+            sim.index,
+            sim._views(now),
+            self.params,
+            lead_s=self.startup_s,
+            hot_k=self.hot_k,
+            block_tokens=sim.block_tokens,
+        )
         self.history.append((now, sig))
         return sig.desired
 
@@ -133,9 +147,16 @@ class PrefixAwareScaler:
 class QueueDepthScaler:
     """An HPA on waiting requests per replica (``router.autoscale.queue_rule``)."""
 
-    def __init__(self, target_per_worker: float = 4.0, *, interval_s: float = 5.0,
-                 startup_s: float = 30.0, stabilization_s: float = 60.0,
-                 min_workers: int = 1, max_workers: int = 1024) -> None:
+    def __init__(
+        self,
+        target_per_worker: float = 4.0,
+        *,
+        interval_s: float = 5.0,
+        startup_s: float = 30.0,
+        stabilization_s: float = 60.0,
+        min_workers: int = 1,
+        max_workers: int = 1024,
+    ) -> None:
         self.target = target_per_worker
         self.name = f"queue-depth (target {target_per_worker:g} waiting/worker)"
         self.interval_s = interval_s
@@ -154,44 +175,80 @@ class QueueDepthScaler:
         return queue_rule(queued, current, self.target, self.min_workers, self.max_workers)
 
 
-def run_flash_crowd(scaler, crowd: FlashCrowd = FlashCrowd(), *, workers: int = 2,
-                    slo_ms: float = 2000.0, policy: str = "prefix_load",
-                    model: str = "llama-3-8b", gpu: str = "h100", seed: int = 0,
-                    check: bool = False) -> dict:
+def run_flash_crowd(
+    scaler,
+    crowd: FlashCrowd = FlashCrowd(),
+    *,
+    workers: int = 2,
+    slo_ms: float = 2000.0,
+    policy: str = "prefix_load",
+    model: str = "llama-3-8b",
+    gpu: str = "h100",
+    seed: int = 0,
+    check: bool = False,
+) -> dict:
     """One rule on the flash crowd; returns its row (figures, SLO verdict, report)."""
-    trace = Trace.from_records(crowd.records(), block_tokens=crowd.block_tokens,
-                               path="flash-crowd", seed=crowd.seed)
-    cfg = SimConfig(workers=workers, policy=policy, engine=EngineSpec(model=model, gpu=gpu),
-                    level="block", check=check)
-    sim = Simulation(cfg, trace, TraceTimes(), Bounds(None, None, 600.0), seed=seed,
-                     name=scaler.name if scaler is not None else f"fixed {workers}",
-                     scaler=scaler)
+    trace = Trace.from_records(
+        crowd.records(), block_tokens=crowd.block_tokens, path="flash-crowd", seed=crowd.seed
+    )
+    cfg = SimConfig(
+        workers=workers, policy=policy, engine=EngineSpec(model=model, gpu=gpu), level="block", check=check
+    )
+    sim = Simulation(
+        cfg,
+        trace,
+        TraceTimes(),
+        Bounds(None, None, 600.0),
+        seed=seed,
+        name=scaler.name if scaler is not None else f"fixed {workers}",
+        scaler=scaler,
+    )
     out = sim.run()
     rep = out.report
-    a = rep.get("autoscale") or {"worker_seconds": workers * sim.now, "peak_workers": workers,
-                                 "joins": 0, "leaves": 0, "timeline": []}
+    a = rep.get("autoscale") or {
+        "worker_seconds": workers * sim.now,
+        "peak_workers": workers,
+        "joins": 0,
+        "leaves": 0,
+        "timeline": [],
+    }
     p99 = rep["ttft_ms"]["p99"]
-    return {"rule": rep["name"], "requests": rep["requests"], "ok": rep["ok"],
-            "ttft_p50_ms": rep["ttft_ms"]["p50"], "ttft_p99_ms": p99,
-            "slo_ms": slo_ms, "slo_met": p99 is not None and p99 <= slo_ms and rep["ok"] == rep["requests"],
-            "worker_seconds": a["worker_seconds"], "peak_workers": a["peak_workers"],
-            "joins": a["joins"], "leaves": a["leaves"], "hit_rate": rep["hit_rate"],
-            "timeline": a["timeline"], "sim_duration_s": rep["sim"]["sim_duration_s"],
-            "crowd": asdict(crowd), "sim": sim if check else None}
+    return {
+        "rule": rep["name"],
+        "requests": rep["requests"],
+        "ok": rep["ok"],
+        "ttft_p50_ms": rep["ttft_ms"]["p50"],
+        "ttft_p99_ms": p99,
+        "slo_ms": slo_ms,
+        "slo_met": p99 is not None and p99 <= slo_ms and rep["ok"] == rep["requests"],
+        "worker_seconds": a["worker_seconds"],
+        "peak_workers": a["peak_workers"],
+        "joins": a["joins"],
+        "leaves": a["leaves"],
+        "hit_rate": rep["hit_rate"],
+        "timeline": a["timeline"],
+        "sim_duration_s": rep["sim"]["sim_duration_s"],
+        "crowd": asdict(crowd),
+        "sim": sim if check else None,
+    }
 
 
-def default_rules(startup_s: float = 30.0, interval_s: float = 5.0,
-                  stabilization_s: float = 60.0, max_workers: int = 64) -> list:
+def default_rules(
+    startup_s: float = 30.0, interval_s: float = 5.0, stabilization_s: float = 60.0, max_workers: int = 64
+) -> list:
     """The rules the bench and the test compare, sharing one controller's settings
     (and one ``max_workers`` cap, as an operator would set on the HPA)."""
     kw = dict(interval_s=interval_s, startup_s=startup_s, stabilization_s=stabilization_s)
-    return [PrefixAwareScaler(AutoscaleParams(max_workers=max_workers), **kw),
-            QueueDepthScaler(4.0, max_workers=max_workers, **kw),
-            QueueDepthScaler(1.0, max_workers=max_workers, **kw)]
+    return [
+        PrefixAwareScaler(AutoscaleParams(max_workers=max_workers), **kw),
+        QueueDepthScaler(4.0, max_workers=max_workers, **kw),
+        QueueDepthScaler(1.0, max_workers=max_workers, **kw),
+    ]
 
 
-def compare(crowd: FlashCrowd = FlashCrowd(), *, workers: int = 2, slo_ms: float = 2000.0,
-            seed: int = 0, rules=None) -> list[dict]:
+def compare(
+    crowd: FlashCrowd = FlashCrowd(), *, workers: int = 2, slo_ms: float = 2000.0, seed: int = 0, rules=None
+) -> list[dict]:
     """Every rule on the same trace and seed; rows in rule order."""
     rows = []
     for sc in rules if rules is not None else default_rules():

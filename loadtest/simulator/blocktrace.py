@@ -13,7 +13,7 @@ original's sharing structure without sharing blocks with the other copies.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from loadtest.workloads import API_COMPLETIONS, RequestSpec, Session, SingleShot, Trace
 
@@ -50,6 +50,11 @@ def sessions(trace: Trace, records: Sequence[Record] | None = None) -> list[Sess
             n_out = min(n_out, p.max_output_tokens)
         sid = f"t{i}"
         body = {"hash_ids": ids, "input_length": n_in}
-        out.append(SingleShot(RequestSpec(f"{sid}.0", API_COMPLETIONS, body, n_out, sid, 0,
-                                          (ts - t0) / 1000.0 * p.time_scale, n_in)))
+        out.append(
+            SingleShot(
+                RequestSpec(
+                    f"{sid}.0", API_COMPLETIONS, body, n_out, sid, 0, (ts - t0) / 1000.0 * p.time_scale, n_in
+                )
+            )
+        )
     return out

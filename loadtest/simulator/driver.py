@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import math
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes
 from loadtest.workloads import RequestSpec, Session
@@ -42,14 +42,38 @@ class VirtualDriver:
     """Feeds a workload's sessions to the simulated router on a virtual clock."""
 
     __slots__ = (
-        "arrivals", "bounds", "dispatch", "rng", "pending", "limit", "ready", "active",
-        "in_flight", "dispatched", "completed", "sessions_started", "sessions_finished",
-        "start", "deadline", "next_due", "stopped_at", "stopped_by", "cap",
+        "arrivals",
+        "bounds",
+        "dispatch",
+        "rng",
+        "pending",
+        "limit",
+        "ready",
+        "active",
+        "in_flight",
+        "dispatched",
+        "completed",
+        "sessions_started",
+        "sessions_finished",
+        "start",
+        "deadline",
+        "next_due",
+        "stopped_at",
+        "stopped_by",
+        "cap",
     )
 
-    def __init__(self, sessions: Sequence[Session], arrivals, bounds: Bounds,
-                 dispatch: Dispatch, *, max_active_sessions: int | None = None,
-                 seed: int = 0, start: float = 0.0) -> None:
+    def __init__(
+        self,
+        sessions: Sequence[Session],
+        arrivals,
+        bounds: Bounds,
+        dispatch: Dispatch,
+        *,
+        max_active_sessions: int | None = None,
+        seed: int = 0,
+        start: float = 0.0,
+    ) -> None:
         if not isinstance(arrivals, (Poisson, TraceTimes, Closed)):
             raise TypeError(f"arrivals must be Poisson, TraceTimes or Closed, got {arrivals!r}")
         self.arrivals = arrivals
@@ -154,9 +178,11 @@ class VirtualDriver:
     def check(self) -> None:
         """Asserts the invariants in the module docstring."""
         assert self.in_flight == self.dispatched - self.completed, (
-            f"{self.in_flight=} {self.dispatched=} {self.completed=}")
+            f"{self.in_flight=} {self.dispatched=} {self.completed=}"
+        )
         assert 0 <= self.active <= self.limit, f"{self.active=} {self.limit=}"
         ids = [id(s) for s, _ in self.ready]
         assert len(ids) == len(set(ids)), "a session has two ready turns"
         assert self.sessions_started - self.sessions_finished == self.active, (
-            f"{self.sessions_started=} {self.sessions_finished=} {self.active=}")
+            f"{self.sessions_started=} {self.sessions_finished=} {self.active=}"
+        )

@@ -45,7 +45,7 @@ from protocol.prefix_keys import block_hashes
 from worker_agent import tokenizer
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.radix_cache import ADMISSION_MODES, KEY_TYPECODE, AdmissionConfig
-from worker_agent.scheduler import ORDERS, SchedulerConfig, SchedRequest, build_scheduler
+from worker_agent.scheduler import ORDERS, SchedRequest, SchedulerConfig, build_scheduler
 
 #: token ids above every tokenizer and block-level id: outputs nobody can match
 PRIVATE_BASE = 2**48
@@ -84,8 +84,7 @@ class EngineSpec:
         if self.order is not None and self.order not in ORDERS:
             raise ConfigError("--order", f"{self.order!r} is not one of {', '.join(ORDERS)}")
         if self.admission is not None and self.admission not in ADMISSION_MODES:
-            raise ConfigError("--admission",
-                              f"{self.admission!r} is not one of {', '.join(ADMISSION_MODES)}")
+            raise ConfigError("--admission", f"{self.admission!r} is not one of {', '.join(ADMISSION_MODES)}")
 
     def cost_model(self) -> CostModel:
         for flag, name, table in (("--agent-model", self.model, MODELS), ("--gpu", self.gpu, GPUS)):
@@ -109,9 +108,11 @@ class EngineSpec:
 
 def engine_help() -> str:
     """The presets, for ``--help``."""
-    return ("model presets: " + ", ".join(MODELS) + "\n"
-            "gpu presets: " + ", ".join(GPUS) + "\n"
-            "admission modes: " + ", ".join(ADMISSION_MODES))
+    return (
+        "model presets: " + ", ".join(MODELS) + "\n"
+        "gpu presets: " + ", ".join(GPUS) + "\n"
+        "admission modes: " + ", ".join(ADMISSION_MODES)
+    )
 
 
 def _pack(tokens) -> bytes:
@@ -122,8 +123,7 @@ def _pack(tokens) -> bytes:
         return tokenizer.decode(tokens)
 
 
-def _continue_hashes(data: bytes, hashes: list[int], more: bytes, seed: int,
-                     block_bytes: int) -> list[int]:
+def _continue_hashes(data: bytes, hashes: list[int], more: bytes, seed: int, block_bytes: int) -> list[int]:
     """``block_hashes(data + more, seed, block_bytes)`` given ``hashes`` =
     ``block_hashes(data, seed, block_bytes)``: only the blocks from the last whole
     block of ``data`` on are hashed (the chain resumes from its last hash)."""
@@ -235,12 +235,28 @@ class SimWorker:
     steps in closed form).
     """
 
-    __slots__ = ("id", "spec", "cost", "cache", "pool", "sched", "ns", "capacity_tokens",
-                 "_next_private", "block_level", "fast_forward", "_res", "_run",
-                 "ff_steps", "real_steps", "_cancels")
+    __slots__ = (
+        "id",
+        "spec",
+        "cost",
+        "cache",
+        "pool",
+        "sched",
+        "ns",
+        "capacity_tokens",
+        "_next_private",
+        "block_level",
+        "fast_forward",
+        "_res",
+        "_run",
+        "ff_steps",
+        "real_steps",
+        "_cancels",
+    )
 
-    def __init__(self, wid: str, spec: EngineSpec, *, block_level: bool, hash_stride: int,
-                 fast_forward: bool = True) -> None:
+    def __init__(
+        self, wid: str, spec: EngineSpec, *, block_level: bool, hash_stride: int, fast_forward: bool = True
+    ) -> None:
         self.id = wid
         self.spec = spec
         self.block_level = block_level
@@ -248,12 +264,20 @@ class SimWorker:
         self.capacity_tokens = spec.capacity_tokens()
         # the agent's own wiring (worker_agent.server), with its CLI's admission defaults
         self.sched = build_scheduler(
-            spec.model, spec.gpu, tp=spec.tp, kv_tokens=self.capacity_tokens, page_size=1,
-            hash_stride=hash_stride, config=spec.scheduler_config(),
-            admission=AdmissionConfig(spec.admission or "always",
-                                      min_prefix_tokens=spec.min_prefix_tokens,
-                                      protected_fraction=spec.protected_fraction,
-                                      ghost_block_tokens=hash_stride))
+            spec.model,
+            spec.gpu,
+            tp=spec.tp,
+            kv_tokens=self.capacity_tokens,
+            page_size=1,
+            hash_stride=hash_stride,
+            config=spec.scheduler_config(),
+            admission=AdmissionConfig(
+                spec.admission or "always",
+                min_prefix_tokens=spec.min_prefix_tokens,
+                protected_fraction=spec.protected_fraction,
+                ghost_block_tokens=hash_stride,
+            ),
+        )
         self.cost = self.sched.cost
         self.cache = self.sched.cache
         self.pool = self.sched.pool
@@ -271,8 +295,7 @@ class SimWorker:
         """The agent tokenizer's tokens of ``data``, as a cache key."""
         return tokenizer.encode_key(data)
 
-    def submit(self, job, now: float, *, answer: bool, ns_seed: int = 0,
-               block_bytes: int = 0) -> None:
+    def submit(self, job, now: float, *, answer: bool, ns_seed: int = 0, block_bytes: int = 0) -> None:
         """Queues ``job``; raises ``PromptTooLarge`` (a ``RequestError``) as the agent
         does. ``answer`` (text level, a conversation goes on): the output is the
         agent's own answer and the request's router hashes run on through it

@@ -79,30 +79,31 @@ import logging
 import math
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from loadtest.arrivals import Bounds
 from loadtest.client import Result
 from loadtest.report import mark_bounds, percentiles, summarize
-from loadtest.workloads import SingleShot, Trace, Workload
 from loadtest.simulator import blocktrace
 from loadtest.simulator.agentlink import AgentLink, tick_after, tick_at_or_before
 from loadtest.simulator.driver import VirtualDriver
 from loadtest.simulator.engine import EngineSpec, SimWorker
 from loadtest.simulator.prompts import SimPrompt, block_prompt, text_prompt, truncate
 from loadtest.simulator.reference import BlockReference, TextReference
+from loadtest.workloads import SingleShot, Trace, Workload
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
+from protocol.errors import ConfigError, RequestError
+from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
 from router.config import Config
 from router.engines.accuracy import predicted_tokens
 from router.engines.capacity import LearnedCapacity, correct
-from protocol.errors import ConfigError, RequestError
 from router.feedback import Feedback
 from router.pick import pick_worker
 from router.pool import Pool
 from router.prefix_index import DEFAULT_MAX_BYTES, PrefixIndex
-from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
 from router.warmup import WarmupGate, warmup_prefix
 
 log = logging.getLogger(__name__)
@@ -118,9 +119,9 @@ _WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT, _TICK, _SCALE, _
 
 # a worker's life in an autoscaled run (only Simulation changes it)
 STARTING = "starting"  # requested, not yet registered with the pool (start-up delay)
-ACTIVE = "active"      # registered, routable
+ACTIVE = "active"  # registered, routable
 DRAINING = "draining"  # drained in the pool; finishing what it has
-GONE = "gone"          # removed from the pool (its index entries dropped)
+GONE = "gone"  # removed from the pool (its index entries dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,13 +192,34 @@ class Job:
     """One request (or hot-root warm-up) in the simulation. Only ``Simulation`` and
     the worker adapter write it."""
 
-    __slots__ = ("idx", "session", "spec", "prompt", "worker", "arrival", "max_tokens",
-                 "counted", "prefilled", "first_t", "done_t", "cached", "output", "ok",
-                 "error_kind", "warm", "oracle", "pooled", "answer_seed", "handle",
-                 "matched", "touches")
+    __slots__ = (
+        "idx",
+        "session",
+        "spec",
+        "prompt",
+        "worker",
+        "arrival",
+        "max_tokens",
+        "counted",
+        "prefilled",
+        "first_t",
+        "done_t",
+        "cached",
+        "output",
+        "ok",
+        "error_kind",
+        "warm",
+        "oracle",
+        "pooled",
+        "answer_seed",
+        "handle",
+        "matched",
+        "touches",
+    )
 
-    def __init__(self, idx: int, session, spec, prompt: SimPrompt, arrival: float,
-                 max_tokens: int, warm: bool = False) -> None:
+    def __init__(
+        self, idx: int, session, spec, prompt: SimPrompt, arrival: float, max_tokens: int, warm: bool = False
+    ) -> None:
         self.idx = idx
         self.session = session
         self.spec = spec
@@ -239,8 +261,9 @@ class _Ref(AgentLink):
 
     __slots__ = ("busy", "gen", "zero_steps", "state", "requested_at", "left_at")
 
-    def __init__(self, wid: str, phase: float, pool_worker, state: str = ACTIVE,
-                 requested_at: float = 0.0) -> None:
+    def __init__(
+        self, wid: str, phase: float, pool_worker, state: str = ACTIVE, requested_at: float = 0.0
+    ) -> None:
         super().__init__(wid, phase, pool_worker)
         self.busy = False  # a step is running or about to start
         self.gen = 0  # generation of the worker's live _STEP event (older ones are stale)
@@ -258,8 +281,18 @@ class _Ref(AgentLink):
 class Simulation:
     """A fleet under one policy, fed by one workload. ``run()`` once."""
 
-    def __init__(self, cfg: SimConfig, workload: Workload, arrivals, bounds: Bounds, *,
-                 seed: int = 0, name: str | None = None, sessions=None, scaler=None) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        workload: Workload,
+        arrivals,
+        bounds: Bounds,
+        *,
+        seed: int = 0,
+        name: str | None = None,
+        sessions=None,
+        scaler=None,
+    ) -> None:
         """``scaler``: an autoscaler (``loadtest.simulator.autoscale``) that resizes
         the fleet while the run goes; None: a fixed fleet of ``cfg.workers``."""
         cfg.validate()
@@ -280,8 +313,9 @@ class Simulation:
             self.block_tokens = cfg.block_bytes // BYTES_PER_TOKEN
         self._sessions = sessions
         rng = random.Random(seed)
-        self.policy = build_policy(cfg.policy, dict(cfg.policy_params or {}),
-                                   random.Random(rng.getrandbits(64)), path="policy")
+        self.policy = build_policy(
+            cfg.policy, dict(cfg.policy_params or {}), random.Random(rng.getrandbits(64)), path="policy"
+        )
         # the live router's objects on the virtual clock (module docstring)
         rcfg = self.router_cfg = dataclasses.replace(cfg.router_config, workers=())
         self.index = PrefixIndex(cfg.index_max_bytes, rcfg.index.half_life_s)
@@ -297,10 +331,16 @@ class Simulation:
             ref.pool_worker = self.pool.register(wid, ref.url, ref.epoch, (self.model,), keyed)
             self.refs.append(ref)
         self.by_id = {w: i for i, w in enumerate(ids)}
-        self.workers = [SimWorker(w, cfg.engine, block_level=self.block_level,
-                                  hash_stride=self.block_tokens,
-                                  fast_forward=cfg.fast_forward)
-                        for w in ids]
+        self.workers = [
+            SimWorker(
+                w,
+                cfg.engine,
+                block_level=self.block_level,
+                hash_stride=self.block_tokens,
+                fast_forward=cfg.fast_forward,
+            )
+            for w in ids
+        ]
         self.kv_capacity_tokens = sum(w.capacity_tokens for w in self.workers)
         if self.block_level:
             self.ref_cache = BlockReference(self.kv_capacity_tokens, self.block_tokens)
@@ -320,7 +360,7 @@ class Simulation:
         self.batches = 0  # agent batches the live feedback applied
         self.plain = cfg.feedback == "plain"
         self._learned: dict[str, LearnedCapacity] = {}  # plain: each worker's learned cap
-        for w, ref in enumerate(self.refs):  # each agent's first batch: a snapshot
+        for w in range(len(self.refs)):  # each agent's first batch: a snapshot
             self._record_state(w, 0.0)
             self._hello(w, 0.0)
         self.reasons: collections.Counter = collections.Counter()  # Decision.reason counts
@@ -353,9 +393,14 @@ class Simulation:
         sessions = self._sessions if self._sessions is not None else self._build_sessions()
         self._planned = sum(s.planned_requests for s in sessions)
         t_wall = time.perf_counter()
-        self.driver = VirtualDriver(sessions, self.arrivals, self.bounds, self._dispatch,
-                                    max_active_sessions=self.workload.max_active_sessions,
-                                    seed=self.workload.seed)
+        self.driver = VirtualDriver(
+            sessions,
+            self.arrivals,
+            self.bounds,
+            self._dispatch,
+            max_active_sessions=self.workload.max_active_sessions,
+            seed=self.workload.seed,
+        )
         if self.cfg.report_every_tick:
             for w, ref in enumerate(self.refs):
                 self._push(ref.phase + self.cfg.feedback_delay_s, _TICK, (w, ref.phase))
@@ -440,16 +485,23 @@ class Simulation:
         self.jobs.append(job)
         if self.block_level:
             _, job.oracle, job.pooled = self.ref_cache.observe(
-                prompt.block_ids, prompt.prompt_tokens, prompt.last_tokens)
+                prompt.block_ids, prompt.prompt_tokens, prompt.last_tokens
+            )
         else:
             _, job.oracle, job.pooled = self.ref_cache.observe_prompt(prompt.data, prompt.units)
-        req = RouteRequest(prompt.hashes, prompt.prompt_tokens, self.block_tokens,
-                           spec.session if self.cfg.send_session else None, self.model,
-                           prompt.text_len)
+        req = RouteRequest(
+            prompt.hashes,
+            prompt.prompt_tokens,
+            self.block_tokens,
+            spec.session if self.cfg.send_session else None,
+            self.model,
+            prompt.text_len,
+        )
         views = self._views(now)
         # the live router's pick: match, choose, hint, count the uncached tokens
         d, _, counted, depth, job.touches = pick_worker(
-            self.policy, self.index, self.pool, req, views, now, touches=self.plain)
+            self.policy, self.index, self.pool, req, views, now, touches=self.plain
+        )
         job.matched = d.matched_blocks
         w = self.by_id[d.worker]
         if self.scaler is not None:
@@ -502,9 +554,13 @@ class Simulation:
             return  # timed out on its way: the client's disconnect got there first
         ref = self.refs[w]
         try:
-            self.workers[w].submit(job, now, answer=_reads_answer(job),
-                                   ns_seed=self.ns_seed,
-                                   block_bytes=0 if self.block_level else self.cfg.block_bytes)
+            self.workers[w].submit(
+                job,
+                now,
+                answer=_reads_answer(job),
+                ns_seed=self.ns_seed,
+                block_bytes=0 if self.block_level else self.cfg.block_bytes,
+            )
         except RequestError as exc:  # e.g. PromptTooLarge: the agent's 400
             job.ok = False
             job.error_kind = f"http_{exc.status}"
@@ -643,8 +699,7 @@ class Simulation:
         prediction)."""
         bt = self.block_tokens
         pred = predicted_tokens(job.matched, bt, job.prompt.prompt_tokens, False)
-        correct(self.index, ref.id, self._learned.get(ref.id), job.matched, pred,
-                job.cached, bt, job.touches)
+        correct(self.index, ref.id, self._learned.get(ref.id), job.matched, pred, job.cached, bt, job.touches)
 
     def _answer(self, job: Job) -> str:
         """The answer text a finished job's client receives; the load generator's
@@ -654,8 +709,7 @@ class Simulation:
             return ""  # block level: no text; single-turn sessions never read it
         if not _reads_answer(job):
             # never read back: only its length matters to the references
-            self.ref_cache.observe_unread_answer(p.data, p.units, job.output,
-                                                 UNREAD_ANSWER_BASE + job.idx)
+            self.ref_cache.observe_unread_answer(p.data, p.units, job.output, UNREAD_ANSWER_BASE + job.idx)
             return ""
         data, toks = SimWorker.answer(job)
         self.ref_cache.observe_answer_bytes(p.data, p.units, data, toks)
@@ -689,16 +743,19 @@ class Simulation:
             self.index.set_capacity(ref.id, blocks)
             return
         st = ref.hist[-1][1]
-        self._send(ref, ref.hello(st) if self.cfg.feedback == "events" else ref.batch((), st),
-                   now, hello=True)
+        self._send(
+            ref, ref.hello(st) if self.cfg.feedback == "events" else ref.batch((), st), now, hello=True
+        )
 
     def _send(self, ref: _Ref, batch, at: float, hello: bool = False) -> None:
         """``batch`` reaches the router at ``at``: the live ``Feedback.apply``.
         (``hello``: the registration snapshot, not counted as cache events.)"""
         status, word = self.feedback.apply(batch, at)
         if status != 200:
-            raise AssertionError(f"the live feedback refused {ref.id}'s batch seq {batch.seq} "
-                                 f"(epoch {batch.epoch}): {status} {word}")
+            raise AssertionError(
+                f"the live feedback refused {ref.id}'s batch seq {batch.seq} "
+                f"(epoch {batch.epoch}): {status} {word}"
+            )
         self.batches += 1
         if not hello:
             self.events_applied += len(batch.events)
@@ -835,9 +892,15 @@ class Simulation:
         phase = (batch * i / self.cfg.workers) % batch if batch else 0.0
         self.refs.append(_Ref(wid, phase, None, STARTING, now))
         self.by_id[wid] = i
-        self.workers.append(SimWorker(wid, self.cfg.engine, block_level=self.block_level,
-                                      hash_stride=self.block_tokens,
-                                      fast_forward=self.cfg.fast_forward))
+        self.workers.append(
+            SimWorker(
+                wid,
+                self.cfg.engine,
+                block_level=self.block_level,
+                hash_stride=self.block_tokens,
+                fast_forward=self.cfg.fast_forward,
+            )
+        )
         self.joins += 1
         self._push(now + startup_s, _JOIN, i)
 
@@ -847,8 +910,7 @@ class Simulation:
         if ref.state is not STARTING:
             return  # cancelled while starting
         ref.state = ACTIVE
-        ref.pool_worker = self.pool.register(ref.id, ref.url, ref.epoch, (self.model,),
-                                             self._keyed)
+        ref.pool_worker = self.pool.register(ref.id, ref.url, ref.epoch, (self.model,), self._keyed)
         self._record_state(w, now)
         self._hello(w, now)
         ref.last_tick = now
@@ -888,8 +950,7 @@ class Simulation:
     def worker_seconds(self, end: float) -> float:
         """Seconds each worker was requested and not gone, summed (billing starts at
         the request: a starting worker costs as much as a running one)."""
-        return sum((r.left_at if r.left_at is not None else end) - r.requested_at
-                   for r in self.refs)
+        return sum((r.left_at if r.left_at is not None else end) - r.requested_at for r in self.refs)
 
     # ----------------------------------------------------------- report
 
@@ -916,11 +977,15 @@ class Simulation:
                 r.output_tokens = job.output
                 ttft.append(r.ttft_s * 1000.0)
             results.append(r)
-        report = summarize(self.name, "simulated", self.workload.describe(), results,
-                           kv_capacity_tokens=self.kv_capacity_tokens)
+        report = summarize(
+            self.name,
+            "simulated",
+            self.workload.describe(),
+            results,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
         report["itl_ms"] = weighted_percentiles(self._itl)
-        mark_bounds(report, self.bounds, self.driver.stopped_by, self.driver.dispatched,
-                    self._planned)
+        mark_bounds(report, self.bounds, self.driver.stopped_by, self.driver.dispatched, self._planned)
         n = len(results)
         report["wall_s"] = wall_s
         report["sim_requests_per_s"] = n / wall_s if wall_s > 0 else 0.0

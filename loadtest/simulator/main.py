@@ -50,19 +50,26 @@ import yaml
 
 from loadtest.arrivals import Bounds
 from loadtest.main import add_load_arguments, build_load, workload_options_help
-from loadtest.report import (check_outputs, cut_notes, ok_cell, print_table, require_plots,
-                             write_json, write_plots)
+from loadtest.report import (
+    check_outputs,
+    cut_notes,
+    ok_cell,
+    print_table,
+    require_plots,
+    write_json,
+    write_plots,
+)
+from loadtest.simulator import blocktrace
 from loadtest.simulator.engine import EngineSpec, engine_help
 from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
 from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
-from loadtest.simulator import blocktrace
 from loadtest.workloads import Trace
 from policies.registry import policy_names
-from router.config import Config, load_config
 from protocol.cli_args import DeprecatedAlias, HelpFormatter
 from protocol.errors import ConfigError
-from router.prefix_index import tune_gc
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES
+from router.config import Config, load_config
+from router.prefix_index import tune_gc
 
 log = logging.getLogger(__name__)
 
@@ -71,52 +78,94 @@ _AUTO = "auto"  # --workload's default: 'trace' with --trace, else an error
 
 def configure(parser: argparse.ArgumentParser) -> None:
     f = parser.add_argument_group("fleet")
-    f.add_argument("--agents", dest="workers", type=int, default=8,
-                   help="simulated agents (workers) (default 8)")
+    f.add_argument(
+        "--agents", dest="workers", type=int, default=8, help="simulated agents (workers) (default 8)"
+    )
     f.add_argument("--workers", dest="workers", type=int, action=DeprecatedAlias, use="--agents")
-    f.add_argument("--policies", default="prefix_load",
-                   help=f"comma-separated policies, one run each; of {', '.join(policy_names())}")
-    f.add_argument("-P", "--policy-param", action="append", default=[],
-                   metavar="[POLICY.]NAME=VALUE",
-                   help="a policy parameter (repeatable), e.g. -P prefix_load.min_match_tokens=128; "
-                        "without POLICY. it applies to every one of --policies")
+    f.add_argument(
+        "--policies",
+        default="prefix_load",
+        help=f"comma-separated policies, one run each; of {', '.join(policy_names())}",
+    )
+    f.add_argument(
+        "-P",
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="[POLICY.]NAME=VALUE",
+        help="a policy parameter (repeatable), e.g. -P prefix_load.min_match_tokens=128; "
+        "without POLICY. it applies to every one of --policies",
+    )
     f.add_argument("--kv-tokens", type=int, help="KV capacity per worker (default: the preset's)")
-    f.add_argument("--agent-model", dest="model", default="llama-3-8b",
-                   help="the agents' model preset (default llama-3-8b)")
+    f.add_argument(
+        "--agent-model",
+        dest="model",
+        default="llama-3-8b",
+        help="the agents' model preset (default llama-3-8b)",
+    )
     f.add_argument("--model", dest="model", action=DeprecatedAlias, use="--agent-model")
     f.add_argument("--gpu", default="h100", help="GPU preset (default h100)")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per worker")
     f.add_argument("--chunk-tokens", type=int, help="chunked-prefill token budget per step")
     f.add_argument("--admission", help="agent cache admission mode (always, second_hit, ...)")
-    f.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES,
-                   help=f"router block size, bytes (default {DEFAULT_BLOCK_BYTES})")
-    f.add_argument("--level", choices=LEVELS, default="auto",
-                   help="prompt level: text (tokens) or block (trace hash ids); auto = block for traces")
-    f.add_argument("--repeat", type=int, default=1,
-                   help="trace: replay N time- and id-shifted copies back to back")
+    f.add_argument(
+        "--block-bytes",
+        type=int,
+        default=DEFAULT_BLOCK_BYTES,
+        help=f"router block size, bytes (default {DEFAULT_BLOCK_BYTES})",
+    )
+    f.add_argument(
+        "--level",
+        choices=LEVELS,
+        default="auto",
+        help="prompt level: text (tokens) or block (trace hash ids); auto = block for traces",
+    )
+    f.add_argument(
+        "--repeat", type=int, default=1, help="trace: replay N time- and id-shifted copies back to back"
+    )
     fb = parser.add_argument_group("feedback")
-    fb.add_argument("--feedback", default="events",
-                    help="none (router inserts only) | events (agent events) | plain "
-                         "(an engine that sends nothing: no events, no load reports; the "
-                         "index aged at the KV capacity, corrected by cached tokens); "
-                         "a comma list runs each (the ablation)")
-    fb.add_argument("--feedback-delay-ms", type=float, default=5.0,
-                    help="agent -> router delivery delay (default 5)")
-    fb.add_argument("--feedback-batch-ms", type=float, default=100.0,
-                    help="agent reporter batch interval (default 100)")
-    f.add_argument("--router-config", metavar="FILE",
-                   help="a router YAML file: the simulated router runs with its load, index "
-                        "half-life, warm-up and breaker settings (its workers and policy are "
-                        "not used; default: the router's defaults)")
-    f.add_argument("--path-latency-ms", type=float, default=0.0,
-                   help="one-way client->router->agent latency added to every request (default 0)")
+    fb.add_argument(
+        "--feedback",
+        default="events",
+        help="none (router inserts only) | events (agent events) | plain "
+        "(an engine that sends nothing: no events, no load reports; the "
+        "index aged at the KV capacity, corrected by cached tokens); "
+        "a comma list runs each (the ablation)",
+    )
+    fb.add_argument(
+        "--feedback-delay-ms", type=float, default=5.0, help="agent -> router delivery delay (default 5)"
+    )
+    fb.add_argument(
+        "--feedback-batch-ms", type=float, default=100.0, help="agent reporter batch interval (default 100)"
+    )
+    f.add_argument(
+        "--router-config",
+        metavar="FILE",
+        help="a router YAML file: the simulated router runs with its load, index "
+        "half-life, warm-up and breaker settings (its workers and policy are "
+        "not used; default: the router's defaults)",
+    )
+    f.add_argument(
+        "--path-latency-ms",
+        type=float,
+        default=0.0,
+        help="one-way client->router->agent latency added to every request (default 0)",
+    )
     s = parser.add_argument_group("sweep")
-    s.add_argument("--sweep", metavar="PARAM=V1,V2,...",
-                   help="kv_tokens=..., workers=... or rate=...: every policy at every value")
-    s.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="run the independent runs (policies x feedback x sweep values) in N "
-                        "processes; 0 = one per CPU (default 1). Reports are identical but "
-                        "for wall_s and sim_requests_per_s; memory grows with N")
+    s.add_argument(
+        "--sweep",
+        metavar="PARAM=V1,V2,...",
+        help="kv_tokens=..., workers=... or rate=...: every policy at every value",
+    )
+    s.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the independent runs (policies x feedback x sweep values) in N "
+        "processes; 0 = one per CPU (default 1). Reports are identical but "
+        "for wall_s and sim_requests_per_s; memory grows with N",
+    )
     add_load_arguments(parser, default_workload=_AUTO, model_flag=False)
     parser.epilog = engine_help() + "\n\n" + workload_options_help()
     parser.formatter_class = HelpFormatter
@@ -130,12 +179,14 @@ def _policy_params(pairs: list[str], policies: list[str]) -> dict[str, dict]:
         if not sep or not name:
             raise ConfigError("--policy-param", f"{pair!r} must be [POLICY.]NAME=VALUE")
         if dot and pol not in out:
-            raise ConfigError("--policy-param", f"{pol!r} is not one of the --policies ({', '.join(policies)})")
+            raise ConfigError(
+                "--policy-param", f"{pol!r} is not one of the --policies ({', '.join(policies)})"
+            )
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             parsed = value
-        for p in ([pol] if dot else policies):  # no POLICY.: every policy of the run
+        for p in [pol] if dot else policies:  # no POLICY.: every policy of the run
             out[p][name] = parsed
     return out
 
@@ -157,24 +208,36 @@ def build(args: argparse.Namespace):
         raise ConfigError("--policies", "each policy at most once")
     modes = [m.strip() for m in args.feedback.split(",") if m.strip()]
     if not modes or any(m not in FEEDBACK_MODES for m in modes):
-        raise ConfigError("--feedback", f"{args.feedback!r}: use {' or '.join(FEEDBACK_MODES)} "
-                                        "(or a comma list of them)")
+        raise ConfigError(
+            "--feedback", f"{args.feedback!r}: use {' or '.join(FEEDBACK_MODES)} (or a comma list of them)"
+        )
     if args.repeat < 1:
         raise ConfigError("--repeat", f"must be >= 1, got {args.repeat}")
     if args.repeat > 1 and not isinstance(workload, Trace):
         raise ConfigError("--repeat", "applies to trace workloads only")
     if args.repeat > 1 and args.level == "text":
         raise ConfigError("--repeat", "repeated traces run at block level only (drop --level text)")
-    engine = EngineSpec(model=args.model, gpu=args.gpu, tp=args.tp,
-                        kv_tokens=args.kv_tokens, chunk_tokens=args.chunk_tokens,
-                        admission=args.admission)
-    base = SimConfig(workers=args.workers, engine=engine, block_bytes=args.block_bytes,
-                     feedback=modes[0], feedback_delay_s=args.feedback_delay_ms / 1000.0,
-                     feedback_batch_s=args.feedback_batch_ms / 1000.0, level=args.level,
-                     path_latency_s=args.path_latency_ms / 1000.0,
-                     send_session=args.send_session, timeout_s=args.timeout,
-                     router_config=(load_config(args.router_config) if args.router_config
-                                    else Config()))
+    engine = EngineSpec(
+        model=args.model,
+        gpu=args.gpu,
+        tp=args.tp,
+        kv_tokens=args.kv_tokens,
+        chunk_tokens=args.chunk_tokens,
+        admission=args.admission,
+    )
+    base = SimConfig(
+        workers=args.workers,
+        engine=engine,
+        block_bytes=args.block_bytes,
+        feedback=modes[0],
+        feedback_delay_s=args.feedback_delay_ms / 1000.0,
+        feedback_batch_s=args.feedback_batch_ms / 1000.0,
+        level=args.level,
+        path_latency_s=args.path_latency_ms / 1000.0,
+        send_session=args.send_session,
+        timeout_s=args.timeout,
+        router_config=(load_config(args.router_config) if args.router_config else Config()),
+    )
     base.validate()
     sweep = parse_sweep(args.sweep) if args.sweep else None
     plans = plan_runs(base, policies, modes, arrivals, sweep)
@@ -182,8 +245,9 @@ def build(args: argparse.Namespace):
     return plans, workload, bounds, params
 
 
-def simulate(plans, workload, bounds: Bounds, params: dict, *, seed: int, repeat: int = 1,
-             progress=None, jobs: int = 1) -> list:
+def simulate(
+    plans, workload, bounds: Bounds, params: dict, *, seed: int, repeat: int = 1, progress=None, jobs: int = 1
+) -> list:
     """Runs every plan; returns their ``SimOutcome``s in plan order.
 
     Each plan is an independent, seeded simulation, so with ``jobs > 1`` they run in
@@ -237,8 +301,7 @@ def _run_plan(plans, workload, bounds: Bounds, params: dict, seed: int, records,
     plan = plans[i]
     cfg = dataclasses.replace(plan.cfg, policy_params=params.get(plan.cfg.policy) or None)
     sessions = blocktrace.sessions(workload, records) if records is not None else None
-    sim = Simulation(cfg, workload, plan.arrivals, bounds, seed=seed, name=plan.name,
-                     sessions=sessions)
+    sim = Simulation(cfg, workload, plan.arrivals, bounds, seed=seed, name=plan.name, sessions=sessions)
     out = sim.run()
     if plan.sweep is not None:
         out.report["sweep"] = plan.sweep
@@ -250,23 +313,44 @@ def _print_table(runs: list[dict]) -> None:
     from rich.text import Text
 
     t = Table(title="radixfleet simulate (simulated time)")
-    cols = ("run", "sweep", "ok/req", "hit", "oracle", "pooled", "TTFT p50 ms", "TTFT p99 ms",
-            "ITL p50 ms", "req/s", "imbalance", "wall s", "sim req/s")
+    cols = (
+        "run",
+        "sweep",
+        "ok/req",
+        "hit",
+        "oracle",
+        "pooled",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "req/s",
+        "imbalance",
+        "wall s",
+        "sim req/s",
+    )
     for c in cols:
-        t.add_column(c, justify="left" if c in ("run", "sweep") else "right",
-                      no_wrap=c in ("run", "sweep"))
+        t.add_column(c, justify="left" if c in ("run", "sweep") else "right", no_wrap=c in ("run", "sweep"))
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
     for r in runs:
         sw = r.get("sweep")
-        t.add_row(Text(r["name"]), f"{sw['param']}={sw['value']:g}" if sw else "",
-                  ok_cell(r), f(r["hit_rate"], ".3f"), f(r["oracle_hit_rate"], ".3f"),
-                  f(r["pooled_hit_rate"], ".3f"), f(r["ttft_ms"]["p50"], ".1f"),
-                  f(r["ttft_ms"]["p99"], ".1f"), f(r["itl_ms"]["p50"], ".2f"),
-                  f(r["throughput"]["requests_per_s"], ".2f"), f(r["load_imbalance"], ".2f"),
-                  f(r["wall_s"], ".2f"), f(r["sim_requests_per_s"], ".0f"))
+        t.add_row(
+            Text(r["name"]),
+            f"{sw['param']}={sw['value']:g}" if sw else "",
+            ok_cell(r),
+            f(r["hit_rate"], ".3f"),
+            f(r["oracle_hit_rate"], ".3f"),
+            f(r["pooled_hit_rate"], ".3f"),
+            f(r["ttft_ms"]["p50"], ".1f"),
+            f(r["ttft_ms"]["p99"], ".1f"),
+            f(r["itl_ms"]["p50"], ".2f"),
+            f(r["throughput"]["requests_per_s"], ".2f"),
+            f(r["load_imbalance"], ".2f"),
+            f(r["wall_s"], ".2f"),
+            f(r["sim_requests_per_s"], ".0f"),
+        )
     print_table(t, sys.stdout, cut_notes(runs))
 
 
@@ -283,8 +367,7 @@ def run(args: argparse.Namespace) -> int:
     check_outputs(files=[("--json", args.json)], dirs=[("--plots", args.plots)])
     if args.plots:
         require_plots()
-    outcomes = simulate(plans, workload, bounds, params, seed=args.seed, repeat=args.repeat,
-                        jobs=jobs)
+    outcomes = simulate(plans, workload, bounds, params, seed=args.seed, repeat=args.repeat, jobs=jobs)
     runs = [o.report for o in outcomes]
     _print_table(runs)
     if args.json:

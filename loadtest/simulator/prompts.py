@@ -31,8 +31,8 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import xxhash
 
@@ -86,8 +86,9 @@ def block_prompt(ids: Sequence[int], input_length: int, block_tokens: int, seed:
     """A trace record's prompt at block level. Raises ``WorkloadError`` on a bad id."""
     full, last = divmod(input_length, block_tokens)
     if len(ids) != full + (1 if last else 0):
-        raise WorkloadError(f"{len(ids)} hash ids do not cover input_length {input_length} "
-                            f"in blocks of {block_tokens}")
+        raise WorkloadError(
+            f"{len(ids)} hash ids do not cover input_length {input_length} in blocks of {block_tokens}"
+        )
     for i in ids:
         if not 0 <= i <= MAX_BLOCK_ID:
             raise WorkloadError(f"hash id {i} out of range [0, {MAX_BLOCK_ID}]")
@@ -96,7 +97,7 @@ def block_prompt(ids: Sequence[int], input_length: int, block_tokens: int, seed:
     order = sys.byteorder
     parts = [i.to_bytes(8, order) * block_tokens for i in ids]
     if last:
-        parts[-1] = parts[-1][:8 * last]
+        parts[-1] = parts[-1][: 8 * last]
     units = array(KEY_TYPECODE)
     units.frombytes(b"".join(parts))
     if last:
@@ -104,17 +105,18 @@ def block_prompt(ids: Sequence[int], input_length: int, block_tokens: int, seed:
     else:
         hashes = chain_block_ids(ids, seed)
         last = block_tokens
-    return SimPrompt(units, hashes, input_length, input_length * BYTES_PER_TOKEN,
-                     block_tokens, last, None, list(ids))
+    return SimPrompt(
+        units, hashes, input_length, input_length * BYTES_PER_TOKEN, block_tokens, last, None, list(ids)
+    )
 
 
-def text_prompt(spec: RequestSpec, seed: int, block_bytes: int,
-                tokenize: Callable[[bytes], Sequence[int]]) -> SimPrompt:
+def text_prompt(
+    spec: RequestSpec, seed: int, block_bytes: int, tokenize: Callable[[bytes], Sequence[int]]
+) -> SimPrompt:
     """A spec's prompt at text level: the agent's tokens and the router's hashes."""
     data = prompt_bytes(spec)
     units = tokenize(data)
-    return SimPrompt(units, block_hashes(data, seed, block_bytes), len(units), len(data),
-                     1, 1, data)
+    return SimPrompt(units, block_hashes(data, seed, block_bytes), len(units), len(data), 1, 1, data)
 
 
 def truncate(p: SimPrompt, blocks: int, block_tokens: int) -> SimPrompt:
@@ -122,8 +124,16 @@ def truncate(p: SimPrompt, blocks: int, block_tokens: int) -> SimPrompt:
     n = blocks * block_tokens
     if p.data is None:  # block level: whole blocks of block_tokens
         units = p.units[:n]
-        return SimPrompt(units, p.hashes[:blocks], len(units), len(units) * BYTES_PER_TOKEN,
-                         p.unit_tokens, block_tokens, None, p.block_ids[:blocks])
+        return SimPrompt(
+            units,
+            p.hashes[:blocks],
+            len(units),
+            len(units) * BYTES_PER_TOKEN,
+            p.unit_tokens,
+            block_tokens,
+            None,
+            p.block_ids[:blocks],
+        )
     data = p.data[: n * BYTES_PER_TOKEN]
     return SimPrompt(p.units[:n], p.hashes[:blocks], min(n, len(p.units)), len(data), 1, 1, data)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 
@@ -86,8 +86,9 @@ class TextReference(CacheReference):
 def partial_unit(block_id: int, tokens: int) -> int:
     """The trie unit of a partial last block of ``tokens`` tokens (never a real id,
     which is below 2**31)."""
-    return _PARTIAL_TAG | (xxhash.xxh3_64_intdigest(struct.pack("<QQ", block_id, tokens))
-                           & (_PARTIAL_TAG - 1))
+    return _PARTIAL_TAG | (
+        xxhash.xxh3_64_intdigest(struct.pack("<QQ", block_id, tokens)) & (_PARTIAL_TAG - 1)
+    )
 
 
 class BlockReference:
@@ -99,8 +100,7 @@ class BlockReference:
     ``radixfleet analyze`` runs the pooled cache alone at many capacities.
     """
 
-    def __init__(self, kv_capacity_tokens: int | None, block_tokens: int, *,
-                 oracle: bool = True) -> None:
+    def __init__(self, kv_capacity_tokens: int | None, block_tokens: int, *, oracle: bool = True) -> None:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.block_tokens = block_tokens
         self.oracle = PrefixTrie() if oracle else None
@@ -108,24 +108,25 @@ class BlockReference:
         # the agent's own RadixCache (as loadtest.report.AgentLRU), whose LRU eviction
         # is O(log n) per leaf where PrefixTrie rescans its leaves.
         self.pooled_blocks = max(1, kv_capacity_tokens // block_tokens) if kv_capacity_tokens else 0
-        self.pooled = RadixCache(capacity_tokens=self.pooled_blocks, record_events=False) \
-            if kv_capacity_tokens else None
+        self.pooled = (
+            RadixCache(capacity_tokens=self.pooled_blocks, record_events=False)
+            if kv_capacity_tokens
+            else None
+        )
 
     @staticmethod
     def pack(units: Sequence[int]) -> bytes:
         """Block units as trie tokens (4 bytes each; ids are folded into 32 bits)."""
         return struct.pack(f"<{len(units)}I", *[u & _MASK32 for u in units])
 
-    def observe(self, block_ids: Sequence[int], prompt_tokens: int,
-                last_tokens: int) -> tuple[int, int, int]:
+    def observe(self, block_ids: Sequence[int], prompt_tokens: int, last_tokens: int) -> tuple[int, int, int]:
         units = list(block_ids)
         if last_tokens < self.block_tokens and units:
             units[-1] = partial_unit(units[-1], last_tokens)
         n = len(units)
         oracle = 0
         if self.oracle is not None:
-            oracle = self._tokens(self.oracle.serve(self.pack(units)), n, prompt_tokens,
-                                  last_tokens)
+            oracle = self._tokens(self.oracle.serve(self.pack(units)), n, prompt_tokens, last_tokens)
         pooled = 0
         if self.pooled is not None:
             cache = self.pooled
@@ -149,4 +150,3 @@ class BlockReference:
         if self.pooled is not None:
             self.pooled.check()
             assert self.pooled.total_tokens <= self.pooled_blocks
-

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from loadtest.arrivals import Poisson
 from loadtest.report import require_plots
@@ -41,8 +42,9 @@ def parse_sweep(text: str) -> Sweep:
     name, sep, rest = text.partition("=")
     name = name.strip().replace("-", "_")
     if not sep or name not in SWEEP_PARAMS:
-        raise ConfigError("--sweep", f"{text!r} must be NAME=V1,V2,... with NAME one of "
-                                     f"{', '.join(SWEEP_PARAMS)}")
+        raise ConfigError(
+            "--sweep", f"{text!r} must be NAME=V1,V2,... with NAME one of {', '.join(SWEEP_PARAMS)}"
+        )
     values = []
     for part in rest.split(","):
         part = part.strip()
@@ -51,8 +53,9 @@ def parse_sweep(text: str) -> Sweep:
         try:
             v = float(part) if name == "rate" else int(part)
         except ValueError:
-            raise ConfigError("--sweep", f"{name} value {part!r} is not a "
-                                         f"{'number' if name == 'rate' else 'whole number'}") from None
+            raise ConfigError(
+                "--sweep", f"{name} value {part!r} is not a {'number' if name == 'rate' else 'whole number'}"
+            ) from None
         if not v > 0:
             raise ConfigError("--sweep", f"{name} values must be > 0, got {part}")
         values.append(v)
@@ -69,8 +72,9 @@ class RunPlan:
     sweep: dict | None
 
 
-def plan_runs(base, policies: Sequence[str], feedback: Sequence[str], arrivals,
-              sweep: Sweep | None) -> list[RunPlan]:
+def plan_runs(
+    base, policies: Sequence[str], feedback: Sequence[str], arrivals, sweep: Sweep | None
+) -> list[RunPlan]:
     """Every (sweep value, feedback mode, policy) combination, in that order."""
     out = []
     values = sweep.values if sweep is not None else (None,)
@@ -86,8 +90,14 @@ def plan_runs(base, policies: Sequence[str], feedback: Sequence[str], arrivals,
         for mode in feedback:
             for policy in policies:
                 name = policy if len(feedback) == 1 else f"{policy}+{mode}"
-                out.append(RunPlan(name, dataclasses.replace(cfg, policy=policy, feedback=mode),
-                                   arr, {"param": sweep.param, "value": v} if sweep else None))
+                out.append(
+                    RunPlan(
+                        name,
+                        dataclasses.replace(cfg, policy=policy, feedback=mode),
+                        arr,
+                        {"param": sweep.param, "value": v} if sweep else None,
+                    )
+                )
     return out
 
 
@@ -105,8 +115,11 @@ def write_sweep_plots(runs: list[dict], out_dir: str) -> list[str]:
     param = swept[0]["sweep"]["param"]
     os.makedirs(out_dir, exist_ok=True)
     names = list(dict.fromkeys(r["name"] for r in swept))
-    label = {"kv_tokens": "KV capacity per worker (tokens)", "workers": "workers",
-             "rate": "arrival rate (requests/s)"}[param]
+    label = {
+        "kv_tokens": "KV capacity per worker (tokens)",
+        "workers": "workers",
+        "rate": "arrival rate (requests/s)",
+    }[param]
     paths = []
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -135,10 +148,19 @@ def write_sweep_plots(runs: list[dict], out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for n in names:
         rs = sorted((r for r in swept if r["name"] == n), key=lambda r: r["sweep"]["value"])
-        ax.plot([r["sweep"]["value"] for r in rs], [r["ttft_ms"]["p50"] or 0.0 for r in rs],
-                marker="o", label=f"{n} p50")
-        ax.plot([r["sweep"]["value"] for r in rs], [r["ttft_ms"]["p99"] or 0.0 for r in rs],
-                marker="x", linestyle="--", label=f"{n} p99")
+        ax.plot(
+            [r["sweep"]["value"] for r in rs],
+            [r["ttft_ms"]["p50"] or 0.0 for r in rs],
+            marker="o",
+            label=f"{n} p50",
+        )
+        ax.plot(
+            [r["sweep"]["value"] for r in rs],
+            [r["ttft_ms"]["p99"] or 0.0 for r in rs],
+            marker="x",
+            linestyle="--",
+            label=f"{n} p99",
+        )
     if param == "kv_tokens":
         ax.set_xscale("log")
     ax.set_yscale("log")

@@ -26,10 +26,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fidelity": ("radixfleet.bench.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
     "events": ("radixfleet.bench.events", "KV events: decode + map + index blocks/s, bytes per block"),
     "overload": ("radixfleet.bench.overload", "shedding at 4x capacity with default settings"),
-    "reproduce": ("radixfleet.bench.reproduce",
-                  "re-run the seeded figures of bench/RESULTS.md; exit 1 if any differs"),
-    "replicas": ("radixfleet.bench.replicas", "N router replicas on the NATS bus vs one router: "
-                 "hit rate and TTFT"),
+    "reproduce": (
+        "radixfleet.bench.reproduce",
+        "re-run the seeded figures of bench/RESULTS.md; exit 1 if any differs",
+    ),
+    "replicas": (
+        "radixfleet.bench.replicas",
+        "N router replicas on the NATS bus vs one router: hit rate and TTFT",
+    ),
     "traffic_log": ("radixfleet.bench.traffic_log", "routing p99 with the traffic log on vs off"),
     "analyze": ("radixfleet.bench.analyze", "radixfleet analyze on a 100,000-request traffic log"),
     "autoscale": ("radixfleet.bench.autoscale", "prefix-aware vs queue-depth autoscaling, flash crowd"),
@@ -37,8 +41,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True,
-                                parser_class=type(parser))
+    sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True, parser_class=type(parser))
     rest = getattr(parser, "radixfleet_argv", [])
     chosen = next((a for a in rest if not a.startswith("-")), None)
     for name, (module, help_text) in BENCHMARKS.items():

@@ -32,8 +32,9 @@ from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, Endpoint, block_hashes, na
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--requests", type=int, default=5000,
-                        help="requests in the bookkeeping run (default 5000)")
+    parser.add_argument(
+        "--requests", type=int, default=5000, help="requests in the bookkeeping run (default 5000)"
+    )
     parser.add_argument("--seed", type=int, default=1, help="random seed")
 
 
@@ -47,8 +48,13 @@ async def _ttft() -> dict:
     await web.TCPSite(runner, "127.0.0.1", port).start()
     agent = app[AGENT_KEY]
     prompt = "".join(f"{i:04d}" for i in range(2048))  # 8,192 bytes = 2,048 tokens
-    body = {"model": "llama-3-8b", "prompt": prompt, "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "llama-3-8b",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     out = []
     try:
         async with aiohttp.ClientSession() as s:
@@ -65,14 +71,23 @@ async def _ttft() -> dict:
                             ttft = time.perf_counter() - t0
                         if obj.get("usage"):
                             usage = obj["usage"]
-                out.append({"ttft_s": ttft, "prompt_tokens": usage["prompt_tokens"],
-                            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
+                out.append(
+                    {
+                        "ttft_s": ttft,
+                        "prompt_tokens": usage["prompt_tokens"],
+                        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                    }
+                )
     finally:
         cap = agent.capacity
         await runner.cleanup()
-    return {"kv_capacity_tokens": cap, "first": out[0], "second": out[1],
-            "ttft_ratio": out[1]["ttft_s"] / out[0]["ttft_s"],
-            "simulated_prefill_s": agent.cost.prefill_s(2048)}
+    return {
+        "kv_capacity_tokens": cap,
+        "first": out[0],
+        "second": out[1],
+        "ttft_ratio": out[1]["ttft_s"] / out[0]["ttft_s"],
+        "simulated_prefill_s": agent.cost.prefill_s(2048),
+    }
 
 
 async def _http_rate(n: int, concurrency: int) -> dict:
@@ -91,19 +106,32 @@ async def _http_rate(n: int, concurrency: int) -> dict:
     todo = iter(range(n))
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+
             async def worker():
                 for i in todo:
-                    async with s.post(url, json={"model": "llama-3-8b", "max_tokens": 1,
-                                                 "prompt": f"user {i % 50} asks: question {i}"}) as r:
+                    async with s.post(
+                        url,
+                        json={
+                            "model": "llama-3-8b",
+                            "max_tokens": 1,
+                            "prompt": f"user {i % 50} asks: question {i}",
+                        },
+                    ) as r:
                         await r.read()
+
             t0 = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             wall = time.perf_counter() - t0
     finally:
         busy = agent.sched.stats.busy_s
         await runner.cleanup()
-    return {"requests": n, "concurrency": concurrency, "wall_s": wall, "http_req_per_s": n / wall,
-            "simulated_busy_s": busy}
+    return {
+        "requests": n,
+        "concurrency": concurrency,
+        "wall_s": wall,
+        "http_req_per_s": n / wall,
+        "simulated_busy_s": busy,
+    }
 
 
 def _cost_figures() -> dict:
@@ -131,7 +159,7 @@ def _bookkeeping(n: int, seed: int) -> dict:
     from worker_agent.cost_model import CostModel
     from worker_agent.kv_pool import KVPool
     from worker_agent.radix_cache import RadixCache
-    from worker_agent.scheduler import Scheduler, SchedRequest
+    from worker_agent.scheduler import SchedRequest, Scheduler
 
     rng = random.Random(seed)
     cost = CostModel("llama-3-8b", "h100")
@@ -140,10 +168,16 @@ def _bookkeeping(n: int, seed: int) -> dict:
     pool = KVPool(cap, cache)
     sched = Scheduler(cost, cache, pool)
     systems = [f"<system {k}> " + "You answer questions about document %d. " % k * 20 for k in range(50)]
-    bodies = [{"model": "llama-3-8b", "messages": [
-        {"role": "system", "content": rng.choice(systems)},
-        {"role": "user", "content": f"question {i}: " + "x" * rng.randrange(50, 400)}]}
-        for i in range(n)]
+    bodies = [
+        {
+            "model": "llama-3-8b",
+            "messages": [
+                {"role": "system", "content": rng.choice(systems)},
+                {"role": "user", "content": f"question {i}: " + "x" * rng.randrange(50, 400)},
+            ],
+        }
+        for i in range(n)
+    ]
     max_new = 16
     t = 0.0
     gap = 0.002  # offered load: 500 req per simulated second
@@ -169,11 +203,18 @@ def _bookkeeping(n: int, seed: int) -> dict:
         done += len(res.finished)
     wall = time.perf_counter() - t0
     st = sched.stats
-    return {"requests": n, "wall_s": wall, "bookkeeping_req_per_s": n / wall,
-            "simulated_s": t, "simulated_req_per_s": n / t, "finished": done,
-            "steps": st.steps, "hit_rate": st.cached_tokens / st.prompt_tokens,
-            "evicted_tokens": cache.stats.evicted_tokens,
-            "python_headroom": (n / wall) / (n / t)}
+    return {
+        "requests": n,
+        "wall_s": wall,
+        "bookkeeping_req_per_s": n / wall,
+        "simulated_s": t,
+        "simulated_req_per_s": n / t,
+        "finished": done,
+        "steps": st.steps,
+        "hit_rate": st.cached_tokens / st.prompt_tokens,
+        "evicted_tokens": cache.stats.evicted_tokens,
+        "python_headroom": (n / wall) / (n / t),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,12 +222,17 @@ def run(args: argparse.Namespace) -> int:
     cost = _cost_figures()
     book = _bookkeeping(args.requests, args.seed)
     http = asyncio.run(_http_rate(2000, 64))
-    result = {"cached_ttft": ttft, "cost_model": cost, "bookkeeping": book, "http": http,
-              "pass": {
-                  "cached_tokens_ge_2000": ttft["second"]["cached_tokens"] >= 2000,
-                  "ttft_ratio_le_0_3": ttft["ttft_ratio"] <= 0.3,
-                  "bookkeeping_ge_500_req_s": book["bookkeeping_req_per_s"] >= 500,
-              }}
+    result = {
+        "cached_ttft": ttft,
+        "cost_model": cost,
+        "bookkeeping": book,
+        "http": http,
+        "pass": {
+            "cached_tokens_ge_2000": ttft["second"]["cached_tokens"] >= 2000,
+            "ttft_ratio_le_0_3": ttft["ttft_ratio"] <= 0.3,
+            "bookkeeping_ge_500_req_s": book["bookkeeping_req_per_s"] >= 500,
+        },
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -196,19 +242,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"  second: TTFT {s['ttft_s'] * 1e3:7.2f} ms, cached {s['cached_tokens']} / {s['prompt_tokens']}")
     print(f"  ratio second/first: {ttft['ttft_ratio']:.3f} (target <= 0.3)")
     print("cost model")
-    print(f"  70B, 2,048 tokens, 1 x H100 @ 60% MFU: {cost['prefill_70b_2048_h100_s']:.3f} s "
-          f"(70e9 params: {cost['prefill_70b_2048_h100_params70e9_s']:.3f} s; "
-          f"with attention: {cost['prefill_70b_2048_h100_with_attention_s']:.3f} s)")
+    print(
+        f"  70B, 2,048 tokens, 1 x H100 @ 60% MFU: {cost['prefill_70b_2048_h100_s']:.3f} s "
+        f"(70e9 params: {cost['prefill_70b_2048_h100_params70e9_s']:.3f} s; "
+        f"with attention: {cost['prefill_70b_2048_h100_with_attention_s']:.3f} s)"
+    )
     for m, v in cost["kv_bytes_per_token"].items():
         print(f"  KV bytes/token {m:<17} {v:>9,}")
     for k, v in cost["kv_capacity_tokens"].items():
         print(f"  KV capacity {k:<20} {v:>11,} tokens")
     print("bookkeeping (one core, virtual time, no HTTP: keys + tokenize + schedule + radix cache)")
-    print(f"  {book['requests']} chat requests in {book['wall_s']:.2f} s wall: "
-          f"{book['bookkeeping_req_per_s']:,.0f} req/s (target >= 500)")
-    print(f"  simulated GPU on the same workload: {book['simulated_req_per_s']:,.0f} req per simulated s; "
-          f"Python headroom x{book['python_headroom']:.1f}; hit rate {book['hit_rate']:.2f}")
-    print(f"HTTP path (in-process client, 64 concurrent, max_tokens=1): "
-          f"{http['http_req_per_s']:,.0f} req/s over {http['requests']} requests "
-          f"(simulated GPU busy {http['simulated_busy_s']:.2f} s of {http['wall_s']:.2f} s wall)")
+    print(
+        f"  {book['requests']} chat requests in {book['wall_s']:.2f} s wall: "
+        f"{book['bookkeeping_req_per_s']:,.0f} req/s (target >= 500)"
+    )
+    print(
+        f"  simulated GPU on the same workload: {book['simulated_req_per_s']:,.0f} req per simulated s; "
+        f"Python headroom x{book['python_headroom']:.1f}; hit rate {book['hit_rate']:.2f}"
+    )
+    print(
+        f"HTTP path (in-process client, 64 concurrent, max_tokens=1): "
+        f"{http['http_req_per_s']:,.0f} req/s over {http['requests']} requests "
+        f"(simulated GPU busy {http['simulated_busy_s']:.2f} s of {http['wall_s']:.2f} s wall)"
+    )
     return 0

@@ -36,8 +36,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     duration = 90.0 + 2 * args.ramp + args.hold + 30.0
-    crowd = FlashCrowd(seed=args.seed, base_rate=args.base_rate, flash_rate=args.flash_rate,
-                       ramp_s=args.ramp, hold_s=args.hold, duration_s=duration)
+    crowd = FlashCrowd(
+        seed=args.seed,
+        base_rate=args.base_rate,
+        flash_rate=args.flash_rate,
+        ramp_s=args.ramp,
+        hold_s=args.hold,
+        duration_s=duration,
+    )
     rows = []
     for sc in default_rules(startup_s=args.startup, max_workers=args.max_workers):
         t = time.perf_counter()
@@ -51,19 +57,32 @@ def run(args: argparse.Namespace) -> int:
         r["wall_s"] = time.perf_counter() - t
         rows.append(r)
     if args.json:
-        print(json.dumps({"crowd": rows[0]["crowd"], "startup_s": args.startup,
-                          "rows": [{k: v for k, v in r.items() if k not in ("sim", "crowd")}
-                                   for r in rows]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "crowd": rows[0]["crowd"],
+                    "startup_s": args.startup,
+                    "rows": [{k: v for k, v in r.items() if k not in ("sim", "crowd")} for r in rows],
+                },
+                indent=1,
+            )
+        )
         return 0
-    print(f"flash crowd: {rows[0]['requests']:,} requests over {duration:.0f} s "
-          f"(baseline {args.base_rate:g} req/s; a 16k-token prefix ramps to "
-          f"{args.flash_rate:g} req/s in {args.ramp:g} s, holds {args.hold:g} s); "
-          f"llama-3-8b on h100, prefix_load, start-up {args.startup:g} s, same seed")
-    print(f"{'rule':44s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'SLO':>5s} {'worker-s':>9s} "
-          f"{'peak':>5s} {'joins':>6s} {'hit':>6s}")
+    print(
+        f"flash crowd: {rows[0]['requests']:,} requests over {duration:.0f} s "
+        f"(baseline {args.base_rate:g} req/s; a 16k-token prefix ramps to "
+        f"{args.flash_rate:g} req/s in {args.ramp:g} s, holds {args.hold:g} s); "
+        f"llama-3-8b on h100, prefix_load, start-up {args.startup:g} s, same seed"
+    )
+    print(
+        f"{'rule':44s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'SLO':>5s} {'worker-s':>9s} "
+        f"{'peak':>5s} {'joins':>6s} {'hit':>6s}"
+    )
     for r in rows:
-        print(f"{r['rule']:44s} {r['ttft_p50_ms']:7.0f}ms {r['ttft_p99_ms']:7.0f}ms "
-              f"{'met' if r['slo_met'] else 'MISS':>5s} {r['worker_seconds']:9.0f} "
-              f"{r['peak_workers']:5d} {r['joins']:6d} {r['hit_rate']:6.3f}")
+        print(
+            f"{r['rule']:44s} {r['ttft_p50_ms']:7.0f}ms {r['ttft_p99_ms']:7.0f}ms "
+            f"{'met' if r['slo_met'] else 'MISS':>5s} {r['worker_seconds']:9.0f} "
+            f"{r['peak_workers']:5d} {r['joins']:6d} {r['hit_rate']:6.3f}"
+        )
     print(f"SLO: TTFT p99 <= {args.slo_ms:g} ms over every request of the run")
     return 0

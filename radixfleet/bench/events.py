@@ -12,7 +12,8 @@ engine cache of ``--capacity`` blocks evicting least recently used leaves (one
 ``BlockRemoved`` per block, as vLLM sends them), four requests' events per batch (one
 engine step). The payloads are built before timing; the figure is
 (stored + removed blocks) / CPU seconds of the process (``time.process_time``: the cost
-on one core, which other load on the machine does not inflate), wall time beside it. Two wire forms: vLLM 0.32's (maps, one
+on one core, which other load on the machine does not inflate), wall time beside it.
+Two wire forms: vLLM 0.32's (maps, one
 ``BlockStored`` per request step) and SGLang's (tagged arrays, one per block, signed
 hashes, no dp_rank). Target: >= 100,000 blocks/s.
 
@@ -37,12 +38,16 @@ from array import array
 import msgpack
 import xxhash
 
+from protocol.prefix_keys import (
+    DEFAULT_BLOCK_BYTES,
+    block_hashes,
+    namespace_seed,
+    token_block_hashes,
+    token_namespace_seed,
+)
 from router.engines.block_map import EngineBlockMap
 from router.engines.kv_events import decode_batch
 from router.prefix_index import PrefixIndex, tune_gc
-from protocol.prefix_keys import (
-    DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed, token_block_hashes, token_namespace_seed,
-)
 
 TARGET_BLOCKS_PER_S = 100_000
 MODEL = "bench-model"
@@ -51,11 +56,16 @@ MODEL = "bench-model"
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--requests", type=int, default=6000, help="requests in the stream (default 6000)")
-    p.add_argument("--capacity", type=int, default=20_000,
-                   help="engine cache in blocks (default 20000: evictions in steady state)")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=20_000,
+        help="engine cache in blocks (default 20000: evictions in steady state)",
+    )
     p.add_argument("--block-size", type=int, default=32, help="engine block size in tokens")
-    p.add_argument("--mem-blocks", type=int, default=64_000,
-                   help="blocks held for the memory comparison (default 64000)")
+    p.add_argument(
+        "--mem-blocks", type=int, default=64_000, help="blocks held for the memory comparison (default 64000)"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed")
 
 
@@ -79,7 +89,7 @@ class _Engine:
         n = len(tokens) // bs
         chain, first_new, parent = [], None, 0x5EED
         for i in range(n):
-            e = xxhash.xxh3_64_intdigest(data[i * bs * 4:(i + 1) * bs * 4], parent)
+            e = xxhash.xxh3_64_intdigest(data[i * bs * 4 : (i + 1) * bs * 4], parent)
             chain.append(e)
             b = self.blocks.get(e)
             if b is not None:
@@ -102,18 +112,36 @@ class _Engine:
                 self.blocks[p][2] += 1
         heapq.heappush(self.heap, (self.clock, chain[-1]))
         p = chain[first_new - 1] if first_new else None
-        toks = tokens[first_new * bs:n * bs]
+        toks = tokens[first_new * bs : n * bs]
         if self.style == "sglang":
             for j, e in enumerate(new):
-                events.append(["BlockStored", [_signed(e)], None if p is None else _signed(p),
-                               toks[j * bs:(j + 1) * bs], bs, None])
+                events.append(
+                    [
+                        "BlockStored",
+                        [_signed(e)],
+                        None if p is None else _signed(p),
+                        toks[j * bs : (j + 1) * bs],
+                        bs,
+                        None,
+                    ]
+                )
                 p = e
         else:
-            events.append({"type": "BlockStored", "block_hashes": new, "parent_block_hash": p,
-                           "token_ids": toks, "block_size": bs, "lora_id": None,
-                           "medium": "GPU", "lora_name": None,
-                           "extra_keys": [None] * len(new), "group_idx": 0,
-                           "kv_cache_spec_kind": "full_attention"})
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": new,
+                    "parent_block_hash": p,
+                    "token_ids": toks,
+                    "block_size": bs,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                    "extra_keys": [None] * len(new),
+                    "group_idx": 0,
+                    "kv_cache_spec_kind": "full_attention",
+                }
+            )
         return events
 
     def _evict(self, need: int, protect: set) -> list[int]:
@@ -210,10 +238,14 @@ def _ingest(args, style: str) -> dict:
     blocks = stored + removed
     return {
         "form": "vllm-map" if style == "map" else "sglang-tagged",
-        "batches": len(payloads), "payload_bytes": sum(map(len, payloads)),
-        "stored_blocks": stored, "removed_blocks": removed,
-        "cpu_seconds": round(c_all, 4), "wall_seconds": round(w_all, 4),
-        "blocks_per_cpu_s": round(blocks / c_all), "blocks_per_wall_s": round(blocks / w_all),
+        "batches": len(payloads),
+        "payload_bytes": sum(map(len, payloads)),
+        "stored_blocks": stored,
+        "removed_blocks": removed,
+        "cpu_seconds": round(c_all, 4),
+        "wall_seconds": round(w_all, 4),
+        "blocks_per_cpu_s": round(blocks / c_all),
+        "blocks_per_wall_s": round(blocks / w_all),
         "decode_share": round(c_decode / c_all, 3),
         "cpu_us_per_batch": round(c_all / len(payloads) * 1e6, 1),
         "indexed_blocks_at_end": index.stats().nodes,
@@ -241,10 +273,27 @@ def _memory(args) -> dict:
     tok_prompts = [[rng.randrange(32_000) for _ in range(per * bs)] for _ in range(prompts)]
     bseed = namespace_seed(MODEL)
     tseed = _root_seed(None, "", bs)
-    payloads = [msgpack.packb([0.0, [{
-        "type": "BlockStored", "block_hashes": [rng.getrandbits(64) for _ in range(per)],
-        "parent_block_hash": None, "token_ids": t, "block_size": bs, "lora_id": None,
-        "medium": "GPU", "lora_name": None}], 0]) for t in tok_prompts]
+    payloads = [
+        msgpack.packb(
+            [
+                0.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [rng.getrandbits(64) for _ in range(per)],
+                        "parent_block_hash": None,
+                        "token_ids": t,
+                        "block_size": bs,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                    }
+                ],
+                0,
+            ]
+        )
+        for t in tok_prompts
+    ]
 
     # Keys are made inside each traced build: the index keeps their int objects.
     def byte_index():
@@ -289,18 +338,28 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ingest": rows, "memory": mem, "target_blocks_per_s": TARGET_BLOCKS_PER_S}))
         return 0
-    print(f"KV-event ingestion: decode + block map + index, one core, {args.block_size}-token blocks, "
-          f"{args.requests} requests, engine cache {args.capacity} blocks")
-    print(f"{'form':<14} {'batches':>8} {'stored':>9} {'removed':>9} {'blocks/cpu-s':>13} "
-          f"{'blocks/wall-s':>14} {'decode':>7} {'cpu µs/batch':>13}")
+    print(
+        f"KV-event ingestion: decode + block map + index, one core, {args.block_size}-token blocks, "
+        f"{args.requests} requests, engine cache {args.capacity} blocks"
+    )
+    print(
+        f"{'form':<14} {'batches':>8} {'stored':>9} {'removed':>9} {'blocks/cpu-s':>13} "
+        f"{'blocks/wall-s':>14} {'decode':>7} {'cpu µs/batch':>13}"
+    )
     for r in rows:
-        print(f"{r['form']:<14} {r['batches']:>8,} {r['stored_blocks']:>9,} {r['removed_blocks']:>9,} "
-              f"{r['blocks_per_cpu_s']:>13,} {r['blocks_per_wall_s']:>14,} {r['decode_share']:>6.0%} "
-              f"{r['cpu_us_per_batch']:>13}")
-    print(f"target >= {TARGET_BLOCKS_PER_S:,} blocks per CPU second: "
-          f"{'met' if all(r['meets_target'] for r in rows) else 'NOT met'}")
-    print(f"memory per indexed block (tracemalloc, {mem['blocks']:,} blocks): byte-keyed index "
-          f"{mem['byte_index_bytes_per_block']} B; token-keyed index {mem['token_index_bytes_per_block']} B"
-          f" + engine block map {mem['map_bytes_per_block']} B = "
-          f"{mem['events_index_plus_map_bytes_per_block']} B ({mem['ratio_to_byte_index']}x)")
+        print(
+            f"{r['form']:<14} {r['batches']:>8,} {r['stored_blocks']:>9,} {r['removed_blocks']:>9,} "
+            f"{r['blocks_per_cpu_s']:>13,} {r['blocks_per_wall_s']:>14,} {r['decode_share']:>6.0%} "
+            f"{r['cpu_us_per_batch']:>13}"
+        )
+    print(
+        f"target >= {TARGET_BLOCKS_PER_S:,} blocks per CPU second: "
+        f"{'met' if all(r['meets_target'] for r in rows) else 'NOT met'}"
+    )
+    print(
+        f"memory per indexed block (tracemalloc, {mem['blocks']:,} blocks): byte-keyed index "
+        f"{mem['byte_index_bytes_per_block']} B; token-keyed index {mem['token_index_bytes_per_block']} B"
+        f" + engine block map {mem['map_bytes_per_block']} B = "
+        f"{mem['events_index_plus_map_bytes_per_block']} B ({mem['ratio_to_byte_index']}x)"
+    )
     return 0

@@ -37,24 +37,32 @@ import random
 import time
 import tracemalloc
 
-from router.prefix_index import PrefixIndex, tune_gc
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed
+from router.prefix_index import PrefixIndex, tune_gc
 
 #: SGLang gateway's published tree figures (v0.3.1), 1 KiB prompts.
 SGLANG_INSERT_OPS_PER_S = 216_000
 SGLANG_MATCH_OPS_PER_S = 124_000
 #: the directed match cases: (label, matched blocks as a function of the prompt's blocks)
-DEPTHS = (("miss", lambda n: 0), ("1 block", lambda n: 1), ("1/4", lambda n: max(1, n // 4)),
-          ("1/2", lambda n: max(1, n // 2)), ("full", lambda n: n))
+DEPTHS = (
+    ("miss", lambda n: 0),
+    ("1 block", lambda n: 1),
+    ("1/4", lambda n: max(1, n // 4)),
+    ("1/2", lambda n: max(1, n // 2)),
+    ("full", lambda n: n),
+)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--prompts", type=int, default=10_000, help="pool size (default 10000)")
     p.add_argument("--ops", type=int, default=30_000, help="ops per row (default 30000)")
-    p.add_argument("--probes", type=int, default=2_000,
-                   help="directed matches per depth and row (default 2000)")
-    p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="prefix key block size in bytes")
+    p.add_argument(
+        "--probes", type=int, default=2_000, help="directed matches per depth and row (default 2000)"
+    )
+    p.add_argument(
+        "--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="prefix key block size in bytes"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed")
 
 
@@ -70,8 +78,16 @@ def _per_s(total_s: float, n: int) -> int | None:
     return round(n / total_s) if n and total_s > 0 else None
 
 
-def _directed(idx: PrefixIndex, prompts: list[bytes], held: list[int], probes: int,
-              block_bytes: int, seed: int, rng: random.Random, now: float) -> list[dict]:
+def _directed(
+    idx: PrefixIndex,
+    prompts: list[bytes],
+    held: list[int],
+    probes: int,
+    block_bytes: int,
+    seed: int,
+    rng: random.Random,
+    now: float,
+) -> list[dict]:
     """Matches that reach exactly each depth of ``DEPTHS`` on the finished index."""
     clock = time.perf_counter
     size = len(prompts[0])
@@ -102,10 +118,16 @@ def _directed(idx: PrefixIndex, prompts: list[bytes], held: list[int], probes: i
         # d is what the prompt shares; the index may hold a chain that shares more
         # only by a 64-bit hash collision, so the mean depth is d exactly
         assert abs(got - d) < 1e-9, f"{label}: mean matched depth {got} != {d}"
-        out.append({"case": label, "depth_blocks": d, "match_us": _us(t_idx, probes),
-                    "match_ops_per_s": _per_s(t_idx, probes),
-                    "match_keyed_us": _us(t_key, probes),
-                    "match_keyed_ops_per_s": _per_s(t_key, probes)})
+        out.append(
+            {
+                "case": label,
+                "depth_blocks": d,
+                "match_us": _us(t_idx, probes),
+                "match_ops_per_s": _per_s(t_idx, probes),
+                "match_keyed_us": _us(t_key, probes),
+                "match_keyed_ops_per_s": _per_s(t_key, probes),
+            }
+        )
     return out
 
 
@@ -126,15 +148,20 @@ def _row_memory(plan: list, hashes: list, prompts: list[bytes]) -> dict:
     tracemalloc.stop()
     st = idx.stats()
     held_bytes = sum(len(prompts[i]) for i in distinct)
-    return {"bytes_total": used, "nodes": st.nodes, "holder_entries": st.holder_entries,
-            "bytes_per_block": round(used / st.nodes, 1),
-            "bytes_per_holder_entry": round(used / st.holder_entries, 1),
-            "bytes_per_prompt_byte": round(used / held_bytes, 3),
-            "est_bytes": st.est_bytes}
+    return {
+        "bytes_total": used,
+        "nodes": st.nodes,
+        "holder_entries": st.holder_entries,
+        "bytes_per_block": round(used / st.nodes, 1),
+        "bytes_per_holder_entry": round(used / st.holder_entries, 1),
+        "bytes_per_prompt_byte": round(used / held_bytes, 3),
+        "est_bytes": st.est_bytes,
+    }
 
 
-def _row(prompts: list[bytes], workers: int, ops: int, probes: int, block_bytes: int,
-         rng: random.Random) -> dict:
+def _row(
+    prompts: list[bytes], workers: int, ops: int, probes: int, block_bytes: int, rng: random.Random
+) -> dict:
     seed = namespace_seed("bench-model")
     hashes = [block_hashes(p, seed, block_bytes) for p in prompts]
     names = [f"w{i}" for i in range(workers)]
@@ -244,8 +271,12 @@ def _budget_stream(size: int, n: int, block_bytes: int, rng: random.Random) -> d
             samples.append(tracemalloc.get_traced_memory()[0] - base)
     tracemalloc.stop()
     idx.check()
-    return {"budget_bytes": budget, "est_bytes": idx.stats().est_bytes,
-            "traced_bytes_at_sixths": samples, "evicted_entries": idx.stats().evicted_entries}
+    return {
+        "budget_bytes": budget,
+        "est_bytes": idx.stats().est_bytes,
+        "traced_bytes_at_sixths": samples,
+        "evicted_entries": idx.stats().evicted_entries,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -261,25 +292,41 @@ def run(args: argparse.Namespace) -> int:
             mem = _memory(prompts, args.block_bytes, 8)
         del prompts
     stream = _budget_stream(8192, min(3 * args.prompts, 30_000), args.block_bytes, rng)
-    doc = {"benchmark": "index", "block_bytes": args.block_bytes, "prompts": args.prompts,
-           "ops": args.ops, "probes": args.probes, "seed": args.seed,
-           "sglang_published": {"insert_ops_per_s": SGLANG_INSERT_OPS_PER_S,
-                                "match_ops_per_s": SGLANG_MATCH_OPS_PER_S},
-           "rows": rows, "memory_10k_8k_prompts": mem, "budget_stream": stream}
+    doc = {
+        "benchmark": "index",
+        "block_bytes": args.block_bytes,
+        "prompts": args.prompts,
+        "ops": args.ops,
+        "probes": args.probes,
+        "seed": args.seed,
+        "sglang_published": {
+            "insert_ops_per_s": SGLANG_INSERT_OPS_PER_S,
+            "match_ops_per_s": SGLANG_MATCH_OPS_PER_S,
+        },
+        "rows": rows,
+        "memory_10k_8k_prompts": mem,
+        "budget_stream": stream,
+    }
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"prefix index, block_bytes={args.block_bytes}, pool {args.prompts} unique prompts, "
-          f"{args.ops} ops per row (2/3 insert, 1/3 match); µs per op, +key: keying included")
-    print(f"{'prompt':>7} {'workers':>7} {'insert/s':>10} {'ins µs':>7} {'ins+key':>8} "
-          f"{'plan hits':>10} {'hit µs':>7} {'miss µs':>8} {'all µs':>7}  memory")
+    print(
+        f"prefix index, block_bytes={args.block_bytes}, pool {args.prompts} unique prompts, "
+        f"{args.ops} ops per row (2/3 insert, 1/3 match); µs per op, +key: keying included"
+    )
+    print(
+        f"{'prompt':>7} {'workers':>7} {'insert/s':>10} {'ins µs':>7} {'ins+key':>8} "
+        f"{'plan hits':>10} {'hit µs':>7} {'miss µs':>8} {'all µs':>7}  memory"
+    )
     for r in rows:
         m = r["memory"]
-        print(f"{r['prompt_bytes']:>7} {r['workers']:>7} {r['insert_ops_per_s']:>10,} "
-              f"{r['insert_us']:>7} {r['insert_keyed_us']:>8} "
-              f"{r['plan_hit_share']:>9.0%} {r['plan_hit_us']:>7} {r['plan_miss_us']:>8} "
-              f"{r['plan_match_all_us']:>7}  {m['bytes_total'] / 2**20:.1f} MiB, "
-              f"{m['bytes_per_block']} B/node, {m['bytes_per_prompt_byte']} B/prompt byte")
+        print(
+            f"{r['prompt_bytes']:>7} {r['workers']:>7} {r['insert_ops_per_s']:>10,} "
+            f"{r['insert_us']:>7} {r['insert_keyed_us']:>8} "
+            f"{r['plan_hit_share']:>9.0%} {r['plan_hit_us']:>7} {r['plan_miss_us']:>8} "
+            f"{r['plan_match_all_us']:>7}  {m['bytes_total'] / 2**20:.1f} MiB, "
+            f"{m['bytes_per_block']} B/node, {m['bytes_per_prompt_byte']} B/prompt byte"
+        )
     print("directed matches on each row's finished index, by matched depth (µs; +key µs)")
     labels = [lbl for lbl, _ in DEPTHS]
     print(f"{'prompt':>7} {'workers':>7} " + " ".join(f"{lbl:>15}" for lbl in labels))
@@ -287,15 +334,20 @@ def run(args: argparse.Namespace) -> int:
         cells = [f"{c['match_us']:>6} ({c['match_keyed_us']:>6})" for c in r["by_depth"]]
         print(f"{r['prompt_bytes']:>7} {r['workers']:>7} " + " ".join(f"{c:>15}" for c in cells))
     full = [c for r in rows if r["prompt_bytes"] == 1024 for c in r["by_depth"] if c["case"] == "full"]
-    print(f"SGLang gateway tree (1 KiB, published v0.3.1): {SGLANG_INSERT_OPS_PER_S:,} inserts/s, "
-          f"{SGLANG_MATCH_OPS_PER_S:,} matches/s; ours, 1 KiB full-depth hits: "
-          + ", ".join(f"{c['match_ops_per_s']:,}/s ({c['match_keyed_ops_per_s']:,}/s +key)"
-                      for c in full))
-    print(f"memory (tracemalloc), {args.prompts} cached 8 KiB prompts: {mem['bytes_total'] / 2**20:.1f} MiB, "
-          f"{mem['bytes_per_block']} B per block, {mem['bytes_per_prompt_byte']} B per prompt byte "
-          f"(index estimate {mem['est_bytes'] / 2**20:.1f} MiB)")
-    print(f"budget stream: {min(3 * args.prompts, 30_000)} unique 8 KiB prompts into "
-          f"{stream['budget_bytes'] / 2**20:.1f} MiB: traced MiB at each sixth "
-          f"{[round(x / 2**20, 1) for x in stream['traced_bytes_at_sixths']]}, "
-          f"evicted {stream['evicted_entries']:,} entries")
+    print(
+        f"SGLang gateway tree (1 KiB, published v0.3.1): {SGLANG_INSERT_OPS_PER_S:,} inserts/s, "
+        f"{SGLANG_MATCH_OPS_PER_S:,} matches/s; ours, 1 KiB full-depth hits: "
+        + ", ".join(f"{c['match_ops_per_s']:,}/s ({c['match_keyed_ops_per_s']:,}/s +key)" for c in full)
+    )
+    print(
+        f"memory (tracemalloc), {args.prompts} cached 8 KiB prompts: {mem['bytes_total'] / 2**20:.1f} MiB, "
+        f"{mem['bytes_per_block']} B per block, {mem['bytes_per_prompt_byte']} B per prompt byte "
+        f"(index estimate {mem['est_bytes'] / 2**20:.1f} MiB)"
+    )
+    print(
+        f"budget stream: {min(3 * args.prompts, 30_000)} unique 8 KiB prompts into "
+        f"{stream['budget_bytes'] / 2**20:.1f} MiB: traced MiB at each sixth "
+        f"{[round(x / 2**20, 1) for x in stream['traced_bytes_at_sixths']]}, "
+        f"evicted {stream['evicted_entries']:,} entries"
+    )
     return 0

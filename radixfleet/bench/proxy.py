@@ -57,34 +57,57 @@ from aiohttp import web
 from loadtest.fleet import free_port
 from loadtest.report import percentile
 from loadtest.smg import require_smg
-from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
 from protocol.errors import RunError
+from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
 
 # ---------------------------------------------------------------------- upstream
 
 
-def upstream_app(name: str = "up", *, chunks: int = 8, chunk_delay_s: float = 0.0,
-                 model: str = "tiny") -> web.Application:
+def upstream_app(
+    name: str = "up", *, chunks: int = 8, chunk_delay_s: float = 0.0, model: str = "tiny"
+) -> web.Application:
     """A minimal OpenAI-shaped worker. Per request it counts hits and remembers the
     last tenant header; ``GET /stats`` returns them."""
     stats = {"requests": 0, "tenants": [], "paths": []}
-    chunk_body = {"id": "c", "object": "text_completion", "model": model,
-                  "choices": [{"index": 0, "text": "x", "finish_reason": None}]}
-    chat_chunk = {"id": "c", "object": "chat.completion.chunk", "model": model, "created": 0,
-                  "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
-    comp = json.dumps({
-        "id": "cmpl-1", "object": "text_completion", "created": 0, "model": model,
-        "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-    }).encode()
-    chat = json.dumps({
-        "id": "chat-1", "object": "chat.completion", "created": 0, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
-                     "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-    }).encode()
-    sse_comp = b"".join(b"data: " + json.dumps(chunk_body).encode() + b"\n\n"
-                        for _ in range(chunks)) + b"data: [DONE]\n\n"
+    chunk_body = {
+        "id": "c",
+        "object": "text_completion",
+        "model": model,
+        "choices": [{"index": 0, "text": "x", "finish_reason": None}],
+    }
+    chat_chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "model": model,
+        "created": 0,
+        "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}],
+    }
+    comp = json.dumps(
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode()
+    chat = json.dumps(
+        {
+            "id": "chat-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode()
+    sse_comp = (
+        b"".join(b"data: " + json.dumps(chunk_body).encode() + b"\n\n" for _ in range(chunks))
+        + b"data: [DONE]\n\n"
+    )
 
     async def handle(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -92,25 +115,28 @@ def upstream_app(name: str = "up", *, chunks: int = 8, chunk_delay_s: float = 0.
         stats["tenants"].append(request.headers.get("x-radixfleet-tenant"))
         stats["paths"].append(request.path)
         del stats["tenants"][:-1000], stats["paths"][:-1000]
-        hdrs = {"x-upstream": name,
-                "x-upstream-tenant": request.headers.get("x-radixfleet-tenant", "")}
+        hdrs = {"x-upstream": name, "x-upstream-tenant": request.headers.get("x-radixfleet-tenant", "")}
         try:
             body = json.loads(raw)
         except ValueError:
-            return web.Response(status=400, body=b'{"error":{"message":"bad json"}}',
-                                content_type="application/json")
+            return web.Response(
+                status=400, body=b'{"error":{"message":"bad json"}}', content_type="application/json"
+            )
         if not isinstance(body, dict):
             body = {}
         if body.get("fail"):
-            return web.Response(status=500, body=b'{"error":{"message":"fail"}}',
-                                content_type="application/json", headers=hdrs)
+            return web.Response(
+                status=500,
+                body=b'{"error":{"message":"fail"}}',
+                content_type="application/json",
+                headers=hdrs,
+            )
         delay = body.get("delay_s")
         if isinstance(delay, (int, float)) and delay > 0:
             await asyncio.sleep(delay)
         is_chat = request.path == "/v1/chat/completions"
         if not body.get("stream"):
-            return web.Response(body=chat if is_chat else comp,
-                                content_type="application/json", headers=hdrs)
+            return web.Response(body=chat if is_chat else comp, content_type="application/json", headers=hdrs)
         sr = web.StreamResponse(headers={"Content-Type": "text/event-stream", **hdrs})
         await sr.prepare(request)
         if chunk_delay_s == 0 and not is_chat:
@@ -126,8 +152,9 @@ def upstream_app(name: str = "up", *, chunks: int = 8, chunk_delay_s: float = 0.
         return sr
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": model, "object": "model", "created": 0, "owned_by": name}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": name}]}
+        )
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -147,11 +174,11 @@ def upstream_app(name: str = "up", *, chunks: int = 8, chunk_delay_s: float = 0.
 def serve_upstream(args: argparse.Namespace) -> int:
     try:
         import uvloop
+
         loop_factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
         loop_factory = None
-    app = upstream_app(args.name, chunks=args.chunks, chunk_delay_s=args.chunk_delay,
-                       model=args.model)
+    app = upstream_app(args.name, chunks=args.chunks, chunk_delay_s=args.chunk_delay, model=args.model)
     with asyncio.Runner(loop_factory=loop_factory) as r:
         r.run(_serve_app(app, args.port))
     return 0
@@ -161,6 +188,7 @@ def serve_lean_upstream(port: int, chunks: int) -> int:
     """Serves ``wire.LeanUpstream`` on 127.0.0.1:``port`` until SIGTERM/SIGINT."""
     try:
         import uvloop
+
         loop_factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
         loop_factory = None
@@ -194,23 +222,30 @@ async def _serve_app(app: web.Application, port: int) -> None:
 
 # --------------------------------------------------------------------- benchmark
 
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON (every round)")
-    parser.add_argument("--rounds", type=_positive_int, default=5,
-                        help="interleaved rounds (default 5)")
-    parser.add_argument("--round-s", type=_positive_float, default=2.0,
-                        help="seconds of wrk per target per round (default 2; streaming: half)")
-    parser.add_argument("--probes", type=_positive_int, default=300,
-                        help="latency probes per target per round (default 300)")
-    parser.add_argument("--connections", type=_positive_int, default=64,
-                        help="wrk connections (default 64)")
+    parser.add_argument("--rounds", type=_positive_int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument(
+        "--round-s",
+        type=_positive_float,
+        default=2.0,
+        help="seconds of wrk per target per round (default 2; streaming: half)",
+    )
+    parser.add_argument(
+        "--probes", type=_positive_int, default=300, help="latency probes per target per round (default 300)"
+    )
+    parser.add_argument("--connections", type=_positive_int, default=64, help="wrk connections (default 64)")
     parser.add_argument("--threads", type=_positive_int, default=2, help="wrk threads")
-    parser.add_argument("--streams", type=_positive_int, default=16,
-                        help="concurrent SSE streams (default 16)")
-    parser.add_argument("--chunks", type=_positive_int, default=64,
-                        help="SSE events per stream (default 64)")
-    parser.add_argument("--no-smg", action="store_true",
-                        help="leave SGLang's router out (otherwise a missing smg is an error)")
+    parser.add_argument(
+        "--streams", type=_positive_int, default=16, help="concurrent SSE streams (default 16)"
+    )
+    parser.add_argument("--chunks", type=_positive_int, default=64, help="SSE events per stream (default 64)")
+    parser.add_argument(
+        "--no-smg",
+        action="store_true",
+        help="leave SGLang's router out (otherwise a missing smg is an error)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -235,6 +270,7 @@ def _positive_float(text: str) -> float:
 
 def _wait_http(url: str, timeout_s: float = 20.0) -> None:
     import httpx
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -250,8 +286,11 @@ def _ensure_wrk() -> str:
     wrk = shutil.which("wrk")
     if wrk:
         return wrk
-    for cmd in (["apt-get", "install", "-y", "wrk"], ["apt-get", "update"],
-                ["apt-get", "install", "-y", "wrk"]):
+    for cmd in (
+        ["apt-get", "install", "-y", "wrk"],
+        ["apt-get", "update"],
+        ["apt-get", "install", "-y", "wrk"],
+    ):
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
         wrk = shutil.which("wrk")
         if wrk:
@@ -278,9 +317,22 @@ def _wrk(wrk: str, url: str, body: dict, duration: float, conns: int, threads: i
         script = f.name
     try:
         out = subprocess.run(
-            [wrk, "-t", str(min(threads, conns)), "-c", str(conns),
-             "-d", f"{max(1, round(duration))}s", "-s", script, url],
-            capture_output=True, text=True, timeout=duration + 30).stdout
+            [
+                wrk,
+                "-t",
+                str(min(threads, conns)),
+                "-c",
+                str(conns),
+                "-d",
+                f"{max(1, round(duration))}s",
+                "-s",
+                script,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=duration + 30,
+        ).stdout
     finally:
         os.unlink(script)
     m = re.search(r"RESULT (\d+) (\d+) ([\d.]+)", out)
@@ -307,8 +359,9 @@ def _cpu(pids: dict[str, int]) -> dict[str, float]:
     return {name: _cpu_s(pid) for name, pid in pids.items()}
 
 
-async def _latency_round(ports: dict[str, int], order: list[str], probes: int,
-                         body: dict) -> dict[str, list[float]]:
+async def _latency_round(
+    ports: dict[str, int], order: list[str], probes: int, body: dict
+) -> dict[str, list[float]]:
     """``probes`` requests per target, one at a time, interleaved target by target."""
     clients = {n: await LeanClient.connect("127.0.0.1", ports[n]) for n in order}
     raws = {n: post_request("127.0.0.1", ports[n], "/v1/completions", body) for n in order}
@@ -326,8 +379,7 @@ async def _latency_round(ports: dict[str, int], order: list[str], probes: int,
     return out
 
 
-async def _stream_round(port: int, streams: int, seconds: float, chunks: int,
-                        body: dict) -> dict:
+async def _stream_round(port: int, streams: int, seconds: float, chunks: int, body: dict) -> dict:
     """``streams`` concurrent SSE streams for ``seconds``; events counted as received."""
     raw = post_request("127.0.0.1", port, "/v1/completions", body)
     tally = {"complete": 0, "incomplete": 0, "chunks": 0}
@@ -350,8 +402,12 @@ async def _stream_round(port: int, streams: int, seconds: float, chunks: int,
     t0 = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(streams)))
     dt = time.perf_counter() - t0
-    return {**tally, "seconds": dt, "chunks_per_s": tally["chunks"] / dt,
-            "streams_per_s": tally["complete"] / dt}
+    return {
+        **tally,
+        "seconds": dt,
+        "chunks_per_s": tally["chunks"] / dt,
+        "streams_per_s": tally["complete"] / dt,
+    }
 
 
 def _spread(xs: list[float]) -> dict:
@@ -366,8 +422,9 @@ class _Fleet:
         self.pids: dict[str, int] = {}
 
     def start(self, name: str, argv: list[str], ready_url: str) -> None:
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         self.procs.append(p)
         self.pids[name] = p.pid
         _wait_http(ready_url)
@@ -389,6 +446,7 @@ def run(args: argparse.Namespace) -> int:
     smg_bin = None if args.no_smg else require_smg()
     try:
         import uvloop
+
         loop_factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
         loop_factory = None
@@ -399,22 +457,63 @@ def run(args: argparse.Namespace) -> int:
     try:
         up_port = free_port()
         up = f"http://127.0.0.1:{up_port}"
-        fleet.start("upstream", [sys.executable, "-m", "radixfleet.bench.proxy", "lean-upstream",
-                                 "--port", str(up_port), "--chunks", str(args.chunks)],
-                    up + "/health")
+        fleet.start(
+            "upstream",
+            [
+                sys.executable,
+                "-m",
+                "radixfleet.bench.proxy",
+                "lean-upstream",
+                "--port",
+                str(up_port),
+                "--chunks",
+                str(args.chunks),
+            ],
+            up + "/health",
+        )
         rf_port = free_port()
         rf = f"http://127.0.0.1:{rf_port}"
-        fleet.start("radixfleet", [sys.executable, "-m", "radixfleet.cli", "router", "--worker", up,
-                                   "--policy", "round_robin", "--port", str(rf_port),
-                                   "--log-level", "WARNING"], rf + "/readiness")
+        fleet.start(
+            "radixfleet",
+            [
+                sys.executable,
+                "-m",
+                "radixfleet.cli",
+                "router",
+                "--worker",
+                up,
+                "--policy",
+                "round_robin",
+                "--port",
+                str(rf_port),
+                "--log-level",
+                "WARNING",
+            ],
+            rf + "/readiness",
+        )
         _wait_ready(rf)
         ports = {"direct": up_port, "radixfleet": rf_port}
         if smg_bin is not None:
             smg_port = free_port()
             smg = f"http://127.0.0.1:{smg_port}"
-            fleet.start("smg", [smg_bin, "launch", "--host", "127.0.0.1", "--port", str(smg_port),
-                                "--worker-urls", up, "--policy", "round_robin",
-                                "--log-level", "error"], smg + "/health")
+            fleet.start(
+                "smg",
+                [
+                    smg_bin,
+                    "launch",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(smg_port),
+                    "--worker-urls",
+                    up,
+                    "--policy",
+                    "round_robin",
+                    "--log-level",
+                    "error",
+                ],
+                smg + "/health",
+            )
             _wait_smg(smg)
             ports["smg"] = smg_port
         names = list(ports)
@@ -423,21 +522,31 @@ def run(args: argparse.Namespace) -> int:
                 _wrk(wrk, f"http://127.0.0.1:{ports[n]}/v1/completions", plain, 1.0, 8, 1)
                 runner.run(_stream_round(ports[n], 2, 0.3, args.chunks, streamed))
             for r in range(args.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
-                rnd: dict = {"order": order, "latency_s": runner.run(
-                    _latency_round(ports, order, args.probes, plain)),
-                    "throughput": {}, "stream": {}}
+                order = names[r % len(names) :] + names[: r % len(names)]
+                rnd: dict = {
+                    "order": order,
+                    "latency_s": runner.run(_latency_round(ports, order, args.probes, plain)),
+                    "throughput": {},
+                    "stream": {},
+                }
                 for n in order:
                     c0 = _cpu(fleet.pids)
-                    res = _wrk(wrk, f"http://127.0.0.1:{ports[n]}/v1/completions", plain,
-                               args.round_s, args.connections, args.threads)
+                    res = _wrk(
+                        wrk,
+                        f"http://127.0.0.1:{ports[n]}/v1/completions",
+                        plain,
+                        args.round_s,
+                        args.connections,
+                        args.threads,
+                    )
                     c1 = _cpu(fleet.pids)
                     res["cpu_s"] = {k: c1[k] - c0[k] for k in c0}
                     rnd["throughput"][n] = res
                 for n in order:
                     c0 = _cpu(fleet.pids)
-                    res = runner.run(_stream_round(ports[n], args.streams, args.round_s / 2,
-                                                   args.chunks, streamed))
+                    res = runner.run(
+                        _stream_round(ports[n], args.streams, args.round_s / 2, args.chunks, streamed)
+                    )
                     c1 = _cpu(fleet.pids)
                     res["cpu_s"] = {k: c1[k] - c0[k] for k in c0}
                     rnd["stream"][n] = res
@@ -445,11 +554,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         fleet.stop()
     summary = _summarize(names, rounds)
-    doc = {"benchmark": "proxy",
-           "config": {"rounds": args.rounds, "round_s": args.round_s, "probes": args.probes,
-                      "connections": args.connections, "threads": args.threads,
-                      "streams": args.streams, "chunks": args.chunks, "targets": names},
-           "summary": summary, "rounds": rounds}
+    doc = {
+        "benchmark": "proxy",
+        "config": {
+            "rounds": args.rounds,
+            "round_s": args.round_s,
+            "probes": args.probes,
+            "connections": args.connections,
+            "threads": args.threads,
+            "streams": args.streams,
+            "chunks": args.chunks,
+            "targets": names,
+        },
+        "summary": summary,
+        "rounds": rounds,
+    }
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -466,13 +585,15 @@ def _summarize(names: list[str], rounds: list[dict]) -> dict:
         out["stream"][n]["incomplete"] = sum(r["stream"][n]["incomplete"] for r in rounds)
         # CPU per request of every process while this target was loaded (median over rounds)
         out["cpu_us_per_request"][n] = {
-            proc: statistics.median(r["throughput"][n]["cpu_s"][proc] * 1e6
-                                    / max(1, r["throughput"][n]["requests"]) for r in rounds)
-            for proc in rounds[0]["throughput"][n]["cpu_s"]}
+            proc: statistics.median(
+                r["throughput"][n]["cpu_s"][proc] * 1e6 / max(1, r["throughput"][n]["requests"])
+                for r in rounds
+            )
+            for proc in rounds[0]["throughput"][n]["cpu_s"]
+        }
     pooled = {n: sorted(x for r in rounds for x in r["latency_s"][n]) for n in names}
     d50, d99 = percentile(pooled["direct"], 0.50), percentile(pooled["direct"], 0.99)
-    out["latency"]["direct"] = {"p50_ms": d50 * 1e3, "p99_ms": d99 * 1e3,
-                                "samples": len(pooled["direct"])}
+    out["latency"]["direct"] = {"p50_ms": d50 * 1e3, "p99_ms": d99 * 1e3, "samples": len(pooled["direct"])}
     for n in names[1:]:
         per50, per99 = [], []
         for r in rounds:
@@ -480,9 +601,14 @@ def _summarize(names: list[str], rounds: list[dict]) -> dict:
             per50.append((percentile(a, 0.50) - percentile(b, 0.50)) * 1e3)
             per99.append((percentile(a, 0.99) - percentile(b, 0.99)) * 1e3)
         p50, p99 = percentile(pooled[n], 0.50), percentile(pooled[n], 0.99)
-        out["latency"][n] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
-                             "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3,
-                             "added_p50_rounds_ms": per50, "added_p99_rounds_ms": per99}
+        out["latency"][n] = {
+            "p50_ms": p50 * 1e3,
+            "p99_ms": p99 * 1e3,
+            "added_p50_ms": (p50 - d50) * 1e3,
+            "added_p99_ms": (p99 - d99) * 1e3,
+            "added_p50_rounds_ms": per50,
+            "added_p99_rounds_ms": per99,
+        }
     if "smg" in names:
         for key in ("throughput", "stream"):
             rf = out[key]["radixfleet"]["rounds"]
@@ -502,41 +628,56 @@ def _ms(x: float) -> str:
 def _print(doc: dict) -> None:
     s, c = doc["summary"], doc["config"]
     names = c["targets"]
-    print(f"proxy benchmark: {c['rounds']} interleaved rounds; per round and target wrk "
-          f"{c['connections']} connections x {c['round_s']:g} s, {c['streams']} SSE streams x "
-          f"{c['round_s'] / 2:g} s ({c['chunks']} events each, counted at the client), "
-          f"{c['probes']} latency probes at concurrency 1")
+    print(
+        f"proxy benchmark: {c['rounds']} interleaved rounds; per round and target wrk "
+        f"{c['connections']} connections x {c['round_s']:g} s, {c['streams']} SSE streams x "
+        f"{c['round_s'] / 2:g} s ({c['chunks']} events each, counted at the client), "
+        f"{c['probes']} latency probes at concurrency 1"
+    )
     for n in names:
         t, st = s["throughput"][n], s["stream"][n]
-        line = (f"  {n:11s} {t['median']:9.0f} req/s ({t['min']:.0f}..{t['max']:.0f})  "
-                f"stream {st['median']:9.0f} chunks/s ({st['min']:.0f}..{st['max']:.0f})")
+        line = (
+            f"  {n:11s} {t['median']:9.0f} req/s ({t['min']:.0f}..{t['max']:.0f})  "
+            f"stream {st['median']:9.0f} chunks/s ({st['min']:.0f}..{st['max']:.0f})"
+        )
         if t["errors"] or st["incomplete"]:
             line += f"  [{t['errors']} wrk errors, {st['incomplete']} incomplete streams]"
         print(line)
     d = s["latency"]["direct"]
-    print(f"  latency at concurrency 1: direct p50 {d['p50_ms']:.3f} ms p99 {d['p99_ms']:.3f} ms "
-          f"({d['samples']} probes)")
+    print(
+        f"  latency at concurrency 1: direct p50 {d['p50_ms']:.3f} ms p99 {d['p99_ms']:.3f} ms "
+        f"({d['samples']} probes)"
+    )
     for n in names[1:]:
         lt = s["latency"][n]
         r50, r99 = lt["added_p50_rounds_ms"], lt["added_p99_rounds_ms"]
-        print(f"  {n:11s} added p50 {_ms(lt['added_p50_ms'])} (rounds {min(r50):.3f}..{max(r50):.3f}), "
-              f"p99 {_ms(lt['added_p99_ms'])} (rounds {min(r99):.3f}..{max(r99):.3f})")
+        print(
+            f"  {n:11s} added p50 {_ms(lt['added_p50_ms'])} (rounds {min(r50):.3f}..{max(r50):.3f}), "
+            f"p99 {_ms(lt['added_p99_ms'])} (rounds {min(r99):.3f}..{max(r99):.3f})"
+        )
     for key, label in (("throughput", "throughput"), ("stream", "streaming chunks/s")):
         r = s[key].get("ratio_radixfleet_over_smg")
         if r:
-            print(f"  radixfleet/smg {label}: median {r['median']:.2f}x per round "
-                  f"(spread {r['min']:.2f}..{r['max']:.2f}x)")
+            print(
+                f"  radixfleet/smg {label}: median {r['median']:.2f}x per round "
+                f"(spread {r['min']:.2f}..{r['max']:.2f}x)"
+            )
     cpu = s["cpu_us_per_request"]
     for n in names:
-        print(f"  CPU µs per request while {n} was loaded: "
-              + ", ".join(f"{p} {v:.1f}" for p, v in cpu[n].items()))
-    print(f"  direct / best proxy throughput: {s['direct_over_best_proxy']:.2f}x "
-          f"(the upstream is {'not ' if s['direct_over_best_proxy'] > 1.2 else ''}"
-          f"the limit)")
+        print(
+            f"  CPU µs per request while {n} was loaded: "
+            + ", ".join(f"{p} {v:.1f}" for p, v in cpu[n].items())
+        )
+    print(
+        f"  direct / best proxy throughput: {s['direct_over_best_proxy']:.2f}x "
+        f"(the upstream is {'not ' if s['direct_over_best_proxy'] > 1.2 else ''}"
+        f"the limit)"
+    )
 
 
 def _wait_ready(base: str, timeout_s: float = 20.0) -> None:
     import httpx
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -551,6 +692,7 @@ def _wait_ready(base: str, timeout_s: float = 20.0) -> None:
 def _wait_smg(base: str, timeout_s: float = 30.0) -> None:
     """smg answers /health before its worker is admitted; wait for a real answer."""
     import httpx
+
     deadline = time.monotonic() + timeout_s
     body = {"model": "tiny", "prompt": "warm", "max_tokens": 1}
     while time.monotonic() < deadline:

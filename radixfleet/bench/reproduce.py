@@ -51,9 +51,9 @@ import shlex
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "RESULTS.md"
 SHARED_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
@@ -84,13 +84,21 @@ def _f(x, spec: str) -> str:
 
 # ----------------------------------------------------------------- bench policy --quality
 
+
 def _policy_quality(keys: list[str]) -> dict[str, str]:
     from radixfleet.bench.policy import _quality
 
     args = argparse.Namespace(requests=6000, rate=200, seed=0)
-    return {r["policy"]: _row(r["policy"], f"{r['hit_rate']:.3f}", f"{r['ttft_mean_s']:.3f}",
-                              f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}")
-            for r in _quality(args, keys)}
+    return {
+        r["policy"]: _row(
+            r["policy"],
+            f"{r['hit_rate']:.3f}",
+            f"{r['ttft_mean_s']:.3f}",
+            f"{r['ttft_p50_s']:.3f}",
+            f"{r['ttft_p99_s']:.3f}",
+        )
+        for r in _quality(args, keys)
+    }
 
 
 def _policy_quality_rows() -> tuple[str, ...]:
@@ -101,12 +109,15 @@ def _policy_quality_rows() -> tuple[str, ...]:
 
 # ----------------------------------------------------------------- bench agent (cost model)
 
-_COST_ROWS = ("llama-3-70b prefill, 2,048 tokens, H100 at 60% MFU (s)",
-              "the same with attention over the context (s)",
-              "KV bytes per token, llama-3-70b", "KV bytes per token, llama-3-8b",
-              "KV bytes per token, deepseek-v3 (MLA)",
-              "KV capacity, llama-3-8b on one H100 (tokens)",
-              "decode step, llama-3-8b H100, batch 32, 64k context (ms)")
+_COST_ROWS = (
+    "llama-3-70b prefill, 2,048 tokens, H100 at 60% MFU (s)",
+    "the same with attention over the context (s)",
+    "KV bytes per token, llama-3-70b",
+    "KV bytes per token, llama-3-8b",
+    "KV bytes per token, deepseek-v3 (MLA)",
+    "KV capacity, llama-3-8b on one H100 (tokens)",
+    "decode step, llama-3-8b H100, batch 32, 64k context (ms)",
+)
 
 
 def _agent_cost(keys: list[str]) -> dict[str, str]:
@@ -114,11 +125,20 @@ def _agent_cost(keys: list[str]) -> dict[str, str]:
 
     c = _cost_figures()
     kv = c["kv_bytes_per_token"]
-    vals = dict(zip(_COST_ROWS, (
-        f"{c['prefill_70b_2048_h100_s']:.3f}", f"{c['prefill_70b_2048_h100_with_attention_s']:.3f}",
-        f"{kv['llama-3-70b']:,}", f"{kv['llama-3-8b']:,}", f"{kv['deepseek-v3']:,}",
-        f"{c['kv_capacity_tokens']['llama-3-8b@h100']:,}",
-        f"{c['decode_step_8b_h100_batch32_ctx64k_s'] * 1000:.2f}")))
+    vals = dict(
+        zip(
+            _COST_ROWS,
+            (
+                f"{c['prefill_70b_2048_h100_s']:.3f}",
+                f"{c['prefill_70b_2048_h100_with_attention_s']:.3f}",
+                f"{kv['llama-3-70b']:,}",
+                f"{kv['llama-3-8b']:,}",
+                f"{kv['deepseek-v3']:,}",
+                f"{c['kv_capacity_tokens']['llama-3-8b@h100']:,}",
+                f"{c['decode_step_8b_h100_batch32_ctx64k_s'] * 1000:.2f}",
+            ),
+        )
+    )
     return {k: _row(k, vals[k]) for k in keys}
 
 
@@ -138,14 +158,22 @@ def _sim_rows(keys: list[str]) -> dict[str, str]:
         for k in keys:
             r = row_factory(k, "prefix_load", EngineSpec(), tmp)().run().report
             s = r["sim"]
-            out[k] = _row(k, f"{r['requests']:,}", f"{r['ok']:,}", f"{r['hit_rate']:.4f}",
-                          f"{r['oracle_hit_rate']:.4f}", f"{s['sim_duration_s']:.1f}",
-                          f"{s['engine_steps']:,}", f"{s['fast_forwarded_steps']:,}",
-                          _f(r["ttft_ms"]["p50"], ".2f"))
+            out[k] = _row(
+                k,
+                f"{r['requests']:,}",
+                f"{r['ok']:,}",
+                f"{r['hit_rate']:.4f}",
+                f"{r['oracle_hit_rate']:.4f}",
+                f"{s['sim_duration_s']:.1f}",
+                f"{s['engine_steps']:,}",
+                f"{s['fast_forwarded_steps']:,}",
+                _f(r["ttft_ms"]["p50"], ".2f"),
+            )
     return out
 
 
 # ----------------------------------------------------------------- radixfleet simulate
+
 
 def _simulate(argv: list[str]) -> list[dict]:
     """Reports of ``radixfleet simulate ARGV`` (the CLI's own parsing and plans)."""
@@ -157,13 +185,23 @@ def _simulate(argv: list[str]) -> list[dict]:
     args = p.parse_args(argv)
     tune_gc()
     plans, workload, bounds, params = sim_main.build(args)
-    return [o.report for o in sim_main.simulate(plans, workload, bounds, params, seed=args.seed,
-                                                repeat=args.repeat)]
+    return [
+        o.report
+        for o in sim_main.simulate(plans, workload, bounds, params, seed=args.seed, repeat=args.repeat)
+    ]
 
 
 _KNEE_KV = (2000, 4000, 8000, 16000, 32000, 64000)
-_KNEE = ["--workload", "zipf", "--agents", "4", "--requests", "2000", "--policies",
-         "round_robin,cache_aware,prefix_load"]
+_KNEE = [
+    "--workload",
+    "zipf",
+    "--agents",
+    "4",
+    "--requests",
+    "2000",
+    "--policies",
+    "round_robin,cache_aware,prefix_load",
+]
 
 
 def _knee(keys: list[str]) -> dict[str, str]:
@@ -174,18 +212,30 @@ def _knee(keys: list[str]) -> dict[str, str]:
         rs = {r["name"]: r for r in runs if r["sweep"]["value"] == kv}
         rr, ca, pl = rs["round_robin"], rs["cache_aware"], rs["prefix_load"]
         out[f"{kv:,}"] = _row(
-            f"{kv:,}", *(f"{r['hit_rate']:.3f}" for r in (rr, ca, pl)),
-            f"{pl['pooled_hit_rate']:.3f}", f"{pl['oracle_hit_rate']:.3f}",
+            f"{kv:,}",
+            *(f"{r['hit_rate']:.3f}" for r in (rr, ca, pl)),
+            f"{pl['pooled_hit_rate']:.3f}",
+            f"{pl['oracle_hit_rate']:.3f}",
             " / ".join(_f(r["ttft_ms"]["p50"], ".1f") for r in (rr, ca, pl)),
             " / ".join(_f(r["ttft_ms"]["p99"], ".1f") for r in (rr, ca, pl)),
-            " / ".join(_f(r["load_imbalance"], ".2f") for r in (rr, ca, pl)))
+            " / ".join(_f(r["load_imbalance"], ".2f") for r in (rr, ca, pl)),
+        )
     return out
 
 
-_MIXED = ["--workload", "mixed", "--agents", "4", "--kv-tokens", "12000", "--rate", "12",
-          "--requests", "500"]
-_TRACE = ["--trace", SHARED_TRACE, "--agents", "8", "--kv-tokens", "400000", "--requests",
-          "4000", "--duration", "3600"]
+_MIXED = ["--workload", "mixed", "--agents", "4", "--kv-tokens", "12000", "--rate", "12", "--requests", "500"]
+_TRACE = [
+    "--trace",
+    SHARED_TRACE,
+    "--agents",
+    "8",
+    "--kv-tokens",
+    "400000",
+    "--requests",
+    "4000",
+    "--duration",
+    "3600",
+]
 _POLICIES = ("round_robin", "cache_aware", "prefix_load")
 
 
@@ -203,14 +253,18 @@ def _tuning(keys: list[str]) -> dict[str, str]:
         t = trace[p]
 
         def mean(f):
-            return statistics.fmean(f(r) for r in ms)
+            return statistics.fmean(f(r) for r in ms)  # noqa: B023 (called within this iteration)
 
-        out[p] = _row(p, f"{mean(lambda r: r['hit_rate']):.3f}",
-                      f"{mean(lambda r: r['ttft_ms']['p50']):.1f} / "
-                      f"{mean(lambda r: r['ttft_ms']['p99']):,.0f}",
-                      f"{mean(lambda r: r['load_imbalance']):.2f}", f"{ms[0]['pooled_hit_rate']:.3f}",
-                      f"{t['hit_rate']:.3f}", f"{t['ttft_ms']['p50']:,.0f} / {t['ttft_ms']['p99']:,.0f}",
-                      f"{t['pooled_hit_rate']:.3f}")
+        out[p] = _row(
+            p,
+            f"{mean(lambda r: r['hit_rate']):.3f}",
+            f"{mean(lambda r: r['ttft_ms']['p50']):.1f} / {mean(lambda r: r['ttft_ms']['p99']):,.0f}",
+            f"{mean(lambda r: r['load_imbalance']):.2f}",
+            f"{ms[0]['pooled_hit_rate']:.3f}",
+            f"{t['hit_rate']:.3f}",
+            f"{t['ttft_ms']['p50']:,.0f} / {t['ttft_ms']['p99']:,.0f}",
+            f"{t['pooled_hit_rate']:.3f}",
+        )
     return out
 
 
@@ -223,17 +277,25 @@ def _ablation(keys: list[str]) -> dict[str, str]:
         by_wl.setdefault(wl, []).append(pol)
     for wl, pols in by_wl.items():
         base = (_MIXED + ["--seed", "0"]) if wl == "mixed" else _TRACE
-        runs = {r["name"]: r for r in _simulate(base + ["--policies", ",".join(pols),
-                                                        "--feedback", "none,events"])}
+        runs = {
+            r["name"]: r
+            for r in _simulate(base + ["--policies", ",".join(pols), "--feedback", "none,events"])
+        }
         for p in pols:
             a, b = runs[f"{p}+none"], runs[f"{p}+events"]
-            out[f"{wl} {p}"] = _row(f"{wl} {p}", f"{a['hit_rate']:.3f}", f"{b['hit_rate']:.3f}",
-                                    f"{(b['hit_rate'] - a['hit_rate']) * 100:+.1f}",
-                                    f"{a['ttft_ms']['p99']:,.0f}", f"{b['ttft_ms']['p99']:,.0f}")
+            out[f"{wl} {p}"] = _row(
+                f"{wl} {p}",
+                f"{a['hit_rate']:.3f}",
+                f"{b['hit_rate']:.3f}",
+                f"{(b['hit_rate'] - a['hit_rate']) * 100:+.1f}",
+                f"{a['ttft_ms']['p99']:,.0f}",
+                f"{b['ttft_ms']['p99']:,.0f}",
+            )
     return out
 
 
 # ----------------------------------------------------------------- live figures
+
 
 @dataclass(frozen=True)
 class Live:
@@ -244,8 +306,20 @@ class Live:
     measure: Callable[[], tuple[str, list[str]]]  # -> (summary line, problems)
 
 
-_REPLICAS = ["--replicas", "4", "--agents", "4", "--requests", "240", "--rate", "12",
-             "--duration", "30", "--runs", "3"]
+_REPLICAS = [
+    "--replicas",
+    "4",
+    "--agents",
+    "4",
+    "--requests",
+    "240",
+    "--rate",
+    "12",
+    "--duration",
+    "30",
+    "--runs",
+    "3",
+]
 #: the reduced run's floors (the module docstring says what they rest on)
 _REPLICAS_HIT = 0.95
 _REPLICAS_P99 = 1.3
@@ -262,62 +336,117 @@ def _replicas() -> tuple[str, list[str]]:
         return "not measured", [f"replicas: {exc}"]
     problems = []
     if not m["hit_ratio"]["median"] >= _REPLICAS_HIT:
-        problems.append(f"replicas: median hit rate {m['hit_ratio']['median']:.3f}x one "
-                        f"router's, under {_REPLICAS_HIT}x")
+        problems.append(
+            f"replicas: median hit rate {m['hit_ratio']['median']:.3f}x one router's, under {_REPLICAS_HIT}x"
+        )
     if not m["ttft_p99_ratio"]["median"] <= _REPLICAS_P99:
-        problems.append(f"replicas: median TTFT p99 {m['ttft_p99_ratio']['median']:.3f}x one "
-                        f"router's, over {_REPLICAS_P99}x")
+        problems.append(
+            f"replicas: median TTFT p99 {m['ttft_p99_ratio']['median']:.3f}x one "
+            f"router's, over {_REPLICAS_P99}x"
+        )
     if m["shed_extra"]["max"] > 0:
-        problems.append(f"replicas: {m['shed_extra']['max']:g} more 429s than one router "
-                        f"answered (in the worst run)")
+        problems.append(
+            f"replicas: {m['shed_extra']['max']:g} more 429s than one router answered (in the worst run)"
+        )
     return replicas.summary(m), problems
 
 
 def live() -> dict[str, Live]:
-    return {x.name: x for x in (
-        Live("replicas", "radixfleet bench replicas " + shlex.join(_REPLICAS), _replicas),
-    )}
+    return {
+        x.name: x
+        for x in (Live("replicas", "radixfleet bench replicas " + shlex.join(_REPLICAS), _replicas),)
+    }
 
 
 def blocks() -> dict[str, Block]:
     q = _policy_quality_rows()
-    return {b.name: b for b in (
-        Block("policy-quality", "radixfleet bench policy --quality",
-              ("| policy | hit | TTFT mean s | p50 s | p99 s |", "|---|---:|---:|---:|---:|"),
-              q, q, _policy_quality),
-        Block("agent-cost", "radixfleet bench agent (cost model figures)",
-              ("| figure | value |", "|---|---:|"), _COST_ROWS, _COST_ROWS, _agent_cost),
-        Block("sim-rows", "radixfleet bench sim --profile none (the seeded columns)",
-              ("| row | requests | ok | hit | oracle | simulated s | engine steps | "
-               "fast-forwarded | TTFT p50 ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"),
-              _SIM_ROWS, ("gsp_8w",), _sim_rows),
-        Block("knee-zipf", "radixfleet simulate " + shlex.join(_KNEE) + " --sweep kv_tokens="
-              + ",".join(map(str, _KNEE_KV)),
-              ("| KV tokens / worker | round_robin hit | cache_aware hit | prefix_load hit | "
-               "pooled | oracle | TTFT p50 ms rr / ca / pl | TTFT p99 ms rr / ca / pl | "
-               "imbalance rr / ca / pl |", "|---:|---:|---:|---:|---:|---:|---|---|---|"),
-              tuple(f"{k:,}" for k in _KNEE_KV), ("4,000", "16,000"), _knee),
-        Block("prefix-load-tuning", "radixfleet simulate " + shlex.join(_MIXED)
-              + " --policies round_robin,cache_aware,prefix_load --seed S (S = 0, 1, 2; means) and "
-              "radixfleet simulate " + shlex.join(_TRACE)
-              + " --policies round_robin,cache_aware,prefix_load",
-              ("| policy | mixed hit | mixed TTFT p50 / p99 ms | mixed imbalance | mixed pooled | "
-               "trace hit | trace TTFT p50 / p99 ms | trace pooled |",
-               "|---|---:|---|---:|---:|---:|---|---:|"),
-              _POLICIES, (), _tuning),
-        Block("feedback-ablation", "radixfleet simulate " + shlex.join(_MIXED)
-              + " --seed 0 --policies cache_aware,prefix_load --feedback none,events and "
-              "radixfleet simulate " + shlex.join(_TRACE)
-              + " --policies cache_aware,prefix_load --feedback none,events",
-              ("| workload policy | hit, router inserts only | hit, agent events | "
-               "difference (points) | TTFT p99 ms, inserts only | TTFT p99 ms, events |",
-               "|---|---:|---:|---:|---:|---:|"),
-              ("mixed cache_aware", "mixed prefix_load", "trace cache_aware", "trace prefix_load"),
-              (), _ablation),
-    )}
+    return {
+        b.name: b
+        for b in (
+            Block(
+                "policy-quality",
+                "radixfleet bench policy --quality",
+                ("| policy | hit | TTFT mean s | p50 s | p99 s |", "|---|---:|---:|---:|---:|"),
+                q,
+                q,
+                _policy_quality,
+            ),
+            Block(
+                "agent-cost",
+                "radixfleet bench agent (cost model figures)",
+                ("| figure | value |", "|---|---:|"),
+                _COST_ROWS,
+                _COST_ROWS,
+                _agent_cost,
+            ),
+            Block(
+                "sim-rows",
+                "radixfleet bench sim --profile none (the seeded columns)",
+                (
+                    "| row | requests | ok | hit | oracle | simulated s | engine steps | "
+                    "fast-forwarded | TTFT p50 ms |",
+                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+                ),
+                _SIM_ROWS,
+                ("gsp_8w",),
+                _sim_rows,
+            ),
+            Block(
+                "knee-zipf",
+                "radixfleet simulate "
+                + shlex.join(_KNEE)
+                + " --sweep kv_tokens="
+                + ",".join(map(str, _KNEE_KV)),
+                (
+                    "| KV tokens / worker | round_robin hit | cache_aware hit | prefix_load hit | "
+                    "pooled | oracle | TTFT p50 ms rr / ca / pl | TTFT p99 ms rr / ca / pl | "
+                    "imbalance rr / ca / pl |",
+                    "|---:|---:|---:|---:|---:|---:|---|---|---|",
+                ),
+                tuple(f"{k:,}" for k in _KNEE_KV),
+                ("4,000", "16,000"),
+                _knee,
+            ),
+            Block(
+                "prefix-load-tuning",
+                "radixfleet simulate "
+                + shlex.join(_MIXED)
+                + " --policies round_robin,cache_aware,prefix_load --seed S (S = 0, 1, 2; means) and "
+                "radixfleet simulate "
+                + shlex.join(_TRACE)
+                + " --policies round_robin,cache_aware,prefix_load",
+                (
+                    "| policy | mixed hit | mixed TTFT p50 / p99 ms | mixed imbalance | mixed pooled | "
+                    "trace hit | trace TTFT p50 / p99 ms | trace pooled |",
+                    "|---|---:|---|---:|---:|---:|---|---:|",
+                ),
+                _POLICIES,
+                (),
+                _tuning,
+            ),
+            Block(
+                "feedback-ablation",
+                "radixfleet simulate "
+                + shlex.join(_MIXED)
+                + " --seed 0 --policies cache_aware,prefix_load --feedback none,events and "
+                "radixfleet simulate "
+                + shlex.join(_TRACE)
+                + " --policies cache_aware,prefix_load --feedback none,events",
+                (
+                    "| workload policy | hit, router inserts only | hit, agent events | "
+                    "difference (points) | TTFT p99 ms, inserts only | TTFT p99 ms, events |",
+                    "|---|---:|---:|---:|---:|---:|",
+                ),
+                ("mixed cache_aware", "mixed prefix_load", "trace cache_aware", "trace prefix_load"),
+                (),
+                _ablation,
+            ),
+        )
+    }
 
 
 # ----------------------------------------------------------------- the file
+
 
 def read_blocks(text: str) -> dict[str, list[str]]:
     """Block name -> its lines between the markers. Raises ``ValueError`` for an
@@ -348,8 +477,7 @@ def _key(line: str) -> str:
     return line.strip().strip("|").split("|")[0].strip()
 
 
-def check(names: list[str] | None = None, suite: bool = False,
-          path: Path = RESULTS) -> list[str]:
+def check(names: list[str] | None = None, suite: bool = False, path: Path = RESULTS) -> list[str]:
     """Recomputes the rows (``suite``: the cheap ones only) of the named blocks
     (default: all) and returns one message per difference ([] = reproduced)."""
     known = blocks()
@@ -385,18 +513,24 @@ def write(names: list[str] | None = None, path: Path = RESULTS) -> None:
         pat = re.compile(rf"(<!-- reproduce {re.escape(name)} -->\n).*?(\n{re.escape(_END)})", re.S)
         if not pat.search(text):
             raise SystemExit(f"bench reproduce: {path} has no '<!-- reproduce {name} -->' block")
-        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)  # noqa: B023 (called at once)
     path.write_text(text)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block", action="append", metavar="NAME",
-                   help="a block to check (repeatable; default: all), or a live figure "
-                        "(replicas: measured again, minutes)")
-    p.add_argument("--all", action="store_true",
-                   help="every row (the CI job); default: the rows the test suite runs")
-    p.add_argument("--write", action="store_true",
-                   help="regenerate the blocks in bench/RESULTS.md instead of checking")
+    p.add_argument(
+        "--block",
+        action="append",
+        metavar="NAME",
+        help="a block to check (repeatable; default: all), or a live figure "
+        "(replicas: measured again, minutes)",
+    )
+    p.add_argument(
+        "--all", action="store_true", help="every row (the CI job); default: the rows the test suite runs"
+    )
+    p.add_argument(
+        "--write", action="store_true", help="regenerate the blocks in bench/RESULTS.md instead of checking"
+    )
     p.add_argument("--results", default=str(RESULTS), help="the results file")
 
 
@@ -420,8 +554,7 @@ def run(args: argparse.Namespace) -> int:
     lives = live()
     for name in args.block or ():
         if name not in known and name not in lives:
-            raise ConfigError("--block", f"{name!r} is not one of "
-                              f"{', '.join([*known, *lives])}")
+            raise ConfigError("--block", f"{name!r} is not one of {', '.join([*known, *lives])}")
     seeded = [n for n in args.block if n in known] if args.block else None
     if args.block and not seeded and args.write:
         raise ConfigError("--block", "live figures are measured, not written")
@@ -432,8 +565,7 @@ def run(args: argparse.Namespace) -> int:
         write(seeded, path)
         print(f"wrote {', '.join(seeded or known)} into {path}")
         return 0
-    problems = [] if args.block and not seeded else check(seeded, suite=not args.all,
-                                                          path=path)
+    problems = [] if args.block and not seeded else check(seeded, suite=not args.all, path=path)
     ran = list(seeded or known) if seeded or not args.block else []
     # live figures: with --all (the CI job) or named (minutes of processes on loopback)
     wanted = [n for n in args.block if n in lives] if args.block else None
@@ -442,9 +574,12 @@ def run(args: argparse.Namespace) -> int:
         ran += wanted or list(lives)
     for msg in problems:
         print(msg)
-    scope = ("every row" if args.all else "the suite's rows") if seeded or not args.block \
-        else "the live figures"
-    print(f"bench reproduce ({scope} of {', '.join(ran)}): "
-          f"{'REPRODUCED' if not problems else f'{len(problems)} difference(s)'}",
-          file=sys.stderr if problems else sys.stdout)
+    scope = (
+        ("every row" if args.all else "the suite's rows") if seeded or not args.block else "the live figures"
+    )
+    print(
+        f"bench reproduce ({scope} of {', '.join(ran)}): "
+        f"{'REPRODUCED' if not problems else f'{len(problems)} difference(s)'}",
+        file=sys.stderr if problems else sys.stdout,
+    )
     return 1 if problems else 0

@@ -43,16 +43,17 @@ import json
 import random
 import time
 
+from loadtest.report import percentile
 from policies.base import RouteRequest
+from protocol.prefix_keys import Endpoint, request_key
 from router.config import parse_config
 from router.pool import HealthState, Pool
 from router.prefix_index import PrefixIndex
-from loadtest.report import percentile
-from protocol.prefix_keys import Endpoint, request_key
 
 
 def _count(lo: int):
     """An argparse type: an integer >= lo."""
+
     def parse(text: str) -> int:
         try:
             n = int(text)
@@ -61,6 +62,7 @@ def _count(lo: int):
         if n < lo:
             raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {n}")
         return n
+
     return parse
 
 
@@ -69,20 +71,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=20_000, help="requests routed per row")
     parser.add_argument("--workers", type=int, default=16, help="routable workers")
     parser.add_argument("--prompt-bytes", type=int, default=8192, help="bytes per prompt")
-    parser.add_argument("--policies",
-                        default="round_robin,least_load,cache_aware,prefix_load",
-                        help="comma-separated policies, one row each")
-    parser.add_argument("--tokenizer", default="",
-                        help="tokenizer folder or cached repo id for the token rows "
-                             "(default: the tiny test tokenizer, built in a temp dir)")
-    parser.add_argument("--token-requests", type=_count(0), default=2_000,
-                        help="requests per token row (0: no token rows)")
+    parser.add_argument(
+        "--policies",
+        default="round_robin,least_load,cache_aware,prefix_load",
+        help="comma-separated policies, one row each",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help="tokenizer folder or cached repo id for the token rows "
+        "(default: the tiny test tokenizer, built in a temp dir)",
+    )
+    parser.add_argument(
+        "--token-requests", type=_count(0), default=2_000, help="requests per token row (0: no token rows)"
+    )
     parser.add_argument("--token-policy", default="prefix_load", help="the policy of the token-keyed rows")
-    parser.add_argument("--tokenizer-backends", default="",
-                        help="comma-separated: fastokens, tokenizers (default: both when "
-                             "fastokens is installed, else tokenizers)")
-    parser.add_argument("--block-size", type=_count(1), default=32,
-                        help="engine KV block size in tokens for the token rows")
+    parser.add_argument(
+        "--tokenizer-backends",
+        default="",
+        help="comma-separated: fastokens, tokenizers (default: both when "
+        "fastokens is installed, else tokenizers)",
+    )
+    parser.add_argument(
+        "--block-size", type=_count(1), default=32, help="engine KV block size in tokens for the token rows"
+    )
 
 
 def _bodies(n: int, prompt_bytes: int, rng: random.Random) -> list[dict]:
@@ -105,8 +117,12 @@ def _bodies(n: int, prompt_bytes: int, rng: random.Random) -> list[dict]:
 
 
 def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
-    cfg = parse_config({"workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"}
-                                    for i in range(workers)], "policy": {"name": name}})
+    cfg = parse_config(
+        {
+            "workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"} for i in range(workers)],
+            "policy": {"name": name},
+        }
+    )
     from router.config import build_policy_from
 
     policy = build_policy_from(cfg.policy)
@@ -126,8 +142,12 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
         key = request_key(Endpoint.CHAT, body, tenant="", block_bytes=block_bytes)
         match = index.match(key.hashes, now)
         views = pool.views(now)
-        d = policy.choose(RouteRequest(key.hashes, key.prompt_tokens, key.block_tokens, None,
-                                       key.model, len(key.data)), match, views, now)
+        d = policy.choose(
+            RouteRequest(key.hashes, key.prompt_tokens, key.block_tokens, None, key.model, len(key.data)),
+            match,
+            views,
+            now,
+        )
         t1 = perf()
         w = pool.get(d.worker)
         index.insert(w.id, key.hashes, now)
@@ -143,11 +163,17 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
     lat.sort()
     book.sort()
     n = len(lat)
-    return {"policy": name, "requests": n, "mean_us": sum(lat) / n * 1e6,
-            "p50_us": lat[n // 2] * 1e6, "p99_us": lat[int(n * 0.99)] * 1e6,
-            "insert_pick_mean_us": sum(book) / n * 1e6,
-            "insert_pick_p50_us": book[n // 2] * 1e6,
-            "blocks_per_request": len(key.hashes), "index_nodes": index.stats().nodes}
+    return {
+        "policy": name,
+        "requests": n,
+        "mean_us": sum(lat) / n * 1e6,
+        "p50_us": lat[n // 2] * 1e6,
+        "p99_us": lat[int(n * 0.99)] * 1e6,
+        "insert_pick_mean_us": sum(book) / n * 1e6,
+        "insert_pick_p50_us": book[n // 2] * 1e6,
+        "blocks_per_request": len(key.hashes),
+        "index_nodes": index.stats().nodes,
+    }
 
 
 # ------------------------------------------------------------------ token rows
@@ -160,8 +186,11 @@ def _words(rng: random.Random, nbytes: int) -> str:
     out: list[str] = []
     size = 0
     while size < nbytes:
-        w = rng.choice(WORDS) if rng.random() < 0.8 else "".join(
-            rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(rng.randint(2, 8)))
+        w = (
+            rng.choice(WORDS)
+            if rng.random() < 0.8
+            else "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(rng.randint(2, 8)))
+        )
         out.append(w)
         size += len(w) + 1
     return " ".join(out)
@@ -175,9 +204,10 @@ def _token_bodies(n: int, prompt_bytes: int, rng: random.Random, workload: str) 
     """Chat bodies of about ``prompt_bytes`` (module docstring: cold, shared, multiturn)."""
     if workload == "shared":
         system = {"role": "system", "content": _words(rng, prompt_bytes - 1024)}
-        return [{"model": "m", "messages": [system, {"role": "user",
-                                                     "content": _words(rng, 1024)}]}
-                for _ in range(n)]
+        return [
+            {"model": "m", "messages": [system, {"role": "user", "content": _words(rng, 1024)}]}
+            for _ in range(n)
+        ]
     system = {"role": "system", "content": "You are a careful assistant. " + _words(rng, 1024)}
 
     def fresh() -> list[dict]:
@@ -207,13 +237,22 @@ def _token_bodies(n: int, prompt_bytes: int, rng: random.Random, workload: str) 
 
 def _pct(xs: list[float]) -> dict:
     xs = sorted(xs)
-    return {"mean_us": sum(xs) / len(xs) * 1e6,
-            "p50_us": percentile(xs, 0.5, presorted=True) * 1e6,
-            "p99_us": percentile(xs, 0.99, presorted=True) * 1e6}
+    return {
+        "mean_us": sum(xs) / len(xs) * 1e6,
+        "p50_us": percentile(xs, 0.5, presorted=True) * 1e6,
+        "p99_us": percentile(xs, 0.99, presorted=True) * 1e6,
+    }
 
 
-def bench_tokens(workload: str, bodies: list[dict], workers: int, source: str,
-                 policy_name: str, block_size: int, backend: str) -> dict:
+def bench_tokens(
+    workload: str,
+    bodies: list[dict],
+    workers: int,
+    source: str,
+    policy_name: str,
+    block_size: int,
+    backend: str,
+) -> dict:
     """One token row: full routing work with exact token keys, the keyer alone, and
     the plain transformers path, over the same bodies."""
     from router.config import build_policy_from
@@ -221,9 +260,12 @@ def bench_tokens(workload: str, bodies: list[dict], workers: int, source: str,
 
     keyer = TokenKeyer.load(source, tokenizer_backend=backend)
     plain = keyer.tokenizer
-    cfg = parse_config({"workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"}
-                                    for i in range(workers)],
-                        "policy": {"name": policy_name}})
+    cfg = parse_config(
+        {
+            "workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"} for i in range(workers)],
+            "policy": {"name": policy_name},
+        }
+    )
     policy = build_policy_from(cfg.policy)
     index = PrefixIndex()
     pool = Pool(cfg, index)
@@ -241,8 +283,12 @@ def bench_tokens(workload: str, bodies: list[dict], workers: int, source: str,
         t1 = perf()
         match = index.match(key.hashes, now)
         views = pool.views(now)
-        d = policy.choose(RouteRequest(key.hashes, key.prompt_tokens, block_size, None,
-                                       key.model, _size(body["messages"])), match, views, now)
+        d = policy.choose(
+            RouteRequest(key.hashes, key.prompt_tokens, block_size, None, key.model, _size(body["messages"])),
+            match,
+            views,
+            now,
+        )
         t2 = perf()
         w = pool.get(d.worker)
         index.insert(w.id, key.hashes, now)
@@ -258,19 +304,30 @@ def bench_tokens(workload: str, bodies: list[dict], workers: int, source: str,
         blocks += len(key.hashes)
     for body in bodies[: min(len(bodies), 500)]:
         t0 = perf()
-        text = plain.apply_chat_template(body["messages"], add_generation_prompt=True,
-                                         tokenize=False)
+        text = plain.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
         plain(text, add_special_tokens=False)["input_ids"]
         ref.append(perf() - t0)
     n = len(bodies)
     enc = keyer.encoder
-    return {"workload": workload, "backend": enc.backend, "policy": policy_name,
-            "requests": n, "workers": workers,
-            "prompt_bytes_mean": sum(_size(b["messages"]) for b in bodies) / n,
-            "prompt_tokens_mean": tokens / n, "blocks_mean": blocks / n,
-            "routing": _pct(full), "keyer": _pct(keys), "transformers": _pct(ref),
-            "piece_cache": {"piecewise": enc.piecewise is None, "hits": enc.hits,
-                            "misses": enc.misses, "bytes": enc.cost}}
+    return {
+        "workload": workload,
+        "backend": enc.backend,
+        "policy": policy_name,
+        "requests": n,
+        "workers": workers,
+        "prompt_bytes_mean": sum(_size(b["messages"]) for b in bodies) / n,
+        "prompt_tokens_mean": tokens / n,
+        "blocks_mean": blocks / n,
+        "routing": _pct(full),
+        "keyer": _pct(keys),
+        "transformers": _pct(ref),
+        "piece_cache": {
+            "piecewise": enc.piecewise is None,
+            "hits": enc.hits,
+            "misses": enc.misses,
+            "bytes": enc.cost,
+        },
+    }
 
 
 def _token_rows(args: argparse.Namespace) -> list[dict]:
@@ -290,8 +347,9 @@ def _token_rows(args: argparse.Namespace) -> list[dict]:
         backends = [b.strip() for b in args.tokenizer_backends.split(",") if b.strip()]
         for b in backends:
             if b not in BACKENDS[1:]:
-                raise ConfigError("--tokenizer-backends", f"unknown backend {b!r} (expected "
-                                  f"{', '.join(BACKENDS[1:])})")
+                raise ConfigError(
+                    "--tokenizer-backends", f"unknown backend {b!r} (expected {', '.join(BACKENDS[1:])})"
+                )
         if not backends:
             from importlib.util import find_spec
 
@@ -301,36 +359,55 @@ def _token_rows(args: argparse.Namespace) -> list[dict]:
             for workload in ("cold", "shared", "multiturn"):
                 rng = random.Random(1)
                 bodies = _token_bodies(args.token_requests, args.prompt_bytes, rng, workload)
-                rows.append(bench_tokens(workload, bodies, args.workers, source,
-                                         args.token_policy, args.block_size, backend))
+                rows.append(
+                    bench_tokens(
+                        workload, bodies, args.workers, source, args.token_policy, args.block_size, backend
+                    )
+                )
         return rows
 
 
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     bodies = _bodies(args.requests, args.prompt_bytes, rng)
-    results = [bench_policy(p.strip(), bodies, args.workers)
-               for p in args.policies.split(",") if p.strip()]
+    results = [bench_policy(p.strip(), bodies, args.workers) for p in args.policies.split(",") if p.strip()]
     token_rows = _token_rows(args)
     if args.json:
-        print(json.dumps({"workers": args.workers, "prompt_bytes": args.prompt_bytes,
-                          "results": results, "token_results": token_rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "workers": args.workers,
+                    "prompt_bytes": args.prompt_bytes,
+                    "results": results,
+                    "token_results": token_rows,
+                },
+                indent=2,
+            )
+        )
         return 0
-    print(f"routing work per request: {args.prompt_bytes} B chat prompt, {args.workers} "
-          f"workers, {args.requests} requests (target <= 50 us)")
+    print(
+        f"routing work per request: {args.prompt_bytes} B chat prompt, {args.workers} "
+        f"workers, {args.requests} requests (target <= 50 us)"
+    )
     for r in results:
-        print(f"  {r['policy']:14s} keys+match+policy mean {r['mean_us']:6.1f} us  "
-              f"p50 {r['p50_us']:6.1f} us  p99 {r['p99_us']:6.1f} us | insert+pick mean "
-              f"{r['insert_pick_mean_us']:5.1f} us  ({r['blocks_per_request']} blocks)")
+        print(
+            f"  {r['policy']:14s} keys+match+policy mean {r['mean_us']:6.1f} us  "
+            f"p50 {r['p50_us']:6.1f} us  p99 {r['p99_us']:6.1f} us | insert+pick mean "
+            f"{r['insert_pick_mean_us']:5.1f} us  ({r['blocks_per_request']} blocks)"
+        )
     if token_rows:
         tok = args.tokenizer or "the tiny test tokenizer"
-        print(f"with exact token keys ({tok}, {args.block_size}-token blocks, "
-              f"{args.token_policy}; target p50 <= 1 ms, p99 <= 3 ms):")
+        print(
+            f"with exact token keys ({tok}, {args.block_size}-token blocks, "
+            f"{args.token_policy}; target p50 <= 1 ms, p99 <= 3 ms):"
+        )
         for r in token_rows:
             ro, ke, tr = r["routing"], r["keyer"], r["transformers"]
-            print(f"  {r['backend']:10s} {r['workload']:9s} {r['prompt_bytes_mean']:6.0f} B "
-                  f"{r['prompt_tokens_mean']:5.0f} tok | routing p50 {ro['p50_us']:6.0f} us "
-                  f"p99 {ro['p99_us']:6.0f} us | keyer p50 {ke['p50_us']:6.0f} us "
-                  f"p99 {ke['p99_us']:6.0f} us | transformers p50 {tr['p50_us']:6.0f} us "
-                  f"p99 {tr['p99_us']:6.0f} us")
+            print(
+                f"  {r['backend']:10s} {r['workload']:9s} {r['prompt_bytes_mean']:6.0f} B "
+                f"{r['prompt_tokens_mean']:5.0f} tok | routing p50 {ro['p50_us']:6.0f} us "
+                f"p99 {ro['p99_us']:6.0f} us | keyer p50 {ke['p50_us']:6.0f} us "
+                f"p99 {ke['p99_us']:6.0f} us | transformers p50 {tr['p50_us']:6.0f} us "
+                f"p99 {tr['p99_us']:6.0f} us"
+            )
     return 0

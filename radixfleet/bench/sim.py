@@ -53,8 +53,8 @@ from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
 from protocol.errors import ConfigError
 from protocol.events import Removed, Stored
-from router.prefix_index import PrefixIndex, tune_gc
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, namespace_seed
+from router.prefix_index import PrefixIndex, tune_gc
 from worker_agent.radix_cache import KEY_TYPECODE
 
 TARGET_GSP_REQ_PER_S = 20_000
@@ -68,10 +68,15 @@ LIGHT = {"system_tokens": 256, "question_tokens": 32, "output_tokens": 16}
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
-    p.add_argument("--quick", action="store_true",
-                   help="smaller traces (trace_100k: 3 copies, long_5k: 500 requests)")
-    p.add_argument("--profile", choices=("gsp", "all", "none"), default="gsp",
-                   help="which rows get a second, profiled run (time by package)")
+    p.add_argument(
+        "--quick", action="store_true", help="smaller traces (trace_100k: 3 copies, long_5k: 500 requests)"
+    )
+    p.add_argument(
+        "--profile",
+        choices=("gsp", "all", "none"),
+        default="gsp",
+        help="which rows get a second, profiled run (time by package)",
+    )
     p.add_argument("--policy", default="prefix_load", help="the simulated fleet's policy")
 
 
@@ -86,8 +91,12 @@ def _long_trace(path: str, n: int, seed: int = 0) -> None:
             ids = list(rng.choice(roots)) + list(range(nxt, nxt + 45))
             nxt += 45
             n_in = len(ids) * 512 - rng.randrange(512)
-            f.write(json.dumps({"timestamp": k * 2000, "input_length": n_in, "output_length": 32,
-                                "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {"timestamp": k * 2000, "input_length": n_in, "output_length": 32, "hash_ids": ids}
+                )
+                + "\n"
+            )
 
 
 def _breakdown(sim_factory) -> dict[str, float]:
@@ -124,8 +133,7 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
     block_bytes = DEFAULT_BLOCK_BYTES
     block_tokens = block_bytes // BYTES_PER_TOKEN
     ns_seed = namespace_seed(engine.model)
-    sims = [SimWorker(f"w{i}", engine, block_level=False, hash_stride=block_tokens)
-            for i in range(workers)]
+    sims = [SimWorker(f"w{i}", engine, block_level=False, hash_stride=block_tokens) for i in range(workers)]
     caches = [w.cache for w in sims]
     by_id = {w.id: i for i, w in enumerate(sims)}
     ns = sims[0].ns
@@ -146,8 +154,12 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
         ref.observe_unread_answer(p.data, p.units, n_out, UNREAD_ANSWER_BASE + k)
         t2 = clock()
         match = index.match(p.hashes, now)
-        d = policy.choose(RouteRequest(p.hashes, p.prompt_tokens, block_tokens, None,
-                                       engine.model, p.text_len), match, views, now)
+        d = policy.choose(
+            RouteRequest(p.hashes, p.prompt_tokens, block_tokens, None, engine.model, p.text_len),
+            match,
+            views,
+            now,
+        )
         index.insert(d.worker, p.hashes, now)
         t3 = clock()
         cache = caches[by_id[d.worker]]
@@ -158,8 +170,7 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
         cache.dec_lock_ref(node)
         # the scheduler's finish: prompt + private output ids, all but the last token
         key = units + array(KEY_TYPECODE, (PRIVATE_BASE + k,)) * (n_out - 1)
-        _, done = cache.insert(ns, key, p.hashes, admit_from=len(units), below=prompt_node,
-                               lock=True)
+        _, done = cache.insert(ns, key, p.hashes, admit_from=len(units), below=prompt_node, lock=True)
         cache.dec_lock_ref(prompt_node)
         cache.dec_lock_ref(done)
         over = cache.total_tokens - sims[0].capacity_tokens
@@ -178,10 +189,14 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
     n = len(specs)
     parts = {k: round(v / n * 1e6, 2) for k, v in spent.items()}
     total = sum(spent.values()) / n * 1e6
-    return {"row": "gsp_floor", "requests": n, "workers": workers,
-            "floor_us_per_request": round(total, 1),
-            "ceiling_sim_requests_per_s": round(1e6 / total) if total else None,
-            "parts_us": parts}
+    return {
+        "row": "gsp_floor",
+        "requests": n,
+        "workers": workers,
+        "floor_us_per_request": round(total, 1),
+        "ceiling_sim_requests_per_s": round(1e6 / total) if total else None,
+        "parts_us": parts,
+    }
 
 
 def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: bool = False):
@@ -191,28 +206,47 @@ def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: boo
         wl = make_workload("gsp", {}, seed=0)
 
         def factory(wl=wl):
-            return Simulation(SimConfig(workers=8, policy=policy, engine=engine), wl,
-                              Poisson(100.0), Bounds(1024, 1e9, 1e6), sessions=wl.sessions())
+            return Simulation(
+                SimConfig(workers=8, policy=policy, engine=engine),
+                wl,
+                Poisson(100.0),
+                Bounds(1024, 1e9, 1e6),
+                sessions=wl.sessions(),
+            )
     elif name == "gsp_light_8w":
         wl = make_workload("gsp", dict(LIGHT, groups=256), seed=0)
 
         def factory(wl=wl):
-            return Simulation(SimConfig(workers=8, policy=policy, engine=engine), wl,
-                              Poisson(400.0), Bounds(4096, 1e9, 1e6), sessions=wl.sessions())
+            return Simulation(
+                SimConfig(workers=8, policy=policy, engine=engine),
+                wl,
+                Poisson(400.0),
+                Bounds(4096, 1e9, 1e6),
+                sessions=wl.sessions(),
+            )
     elif name == "gsp_500w":
         wl = make_workload("gsp", dict(LIGHT, groups=512), seed=0)
 
         def factory(wl=wl):
-            return Simulation(SimConfig(workers=500, policy=policy, engine=engine), wl,
-                              Poisson(2000.0), Bounds(8192, 1e9, 1e6), sessions=wl.sessions())
+            return Simulation(
+                SimConfig(workers=500, policy=policy, engine=engine),
+                wl,
+                Poisson(2000.0),
+                Bounds(8192, 1e9, 1e6),
+                sessions=wl.sessions(),
+            )
     elif name == "trace_100k":
         wl = make_workload("trace", {"path": SHARED_TRACE}, seed=0)
         recs = blocktrace.repeat(wl.records, 3 if quick else 25)
 
         def factory(wl=wl, recs=recs):
-            return Simulation(SimConfig(workers=8, policy=policy, engine=engine), wl,
-                              TraceTimes(), Bounds(len(recs), 1e9, 1e6),
-                              sessions=blocktrace.sessions(wl, recs))
+            return Simulation(
+                SimConfig(workers=8, policy=policy, engine=engine),
+                wl,
+                TraceTimes(),
+                Bounds(len(recs), 1e9, 1e6),
+                sessions=blocktrace.sessions(wl, recs),
+            )
     else:  # long_5k
         path = os.path.join(tmp, "long.jsonl")
         n = 500 if quick else 5000
@@ -220,8 +254,10 @@ def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: boo
         wl = make_workload("trace", {"path": path}, seed=0)
 
         def factory(wl=wl, n=n):
-            return Simulation(SimConfig(workers=8, policy=policy, engine=engine), wl,
-                              TraceTimes(), Bounds(n, 1e9, 1e6))
+            return Simulation(
+                SimConfig(workers=8, policy=policy, engine=engine), wl, TraceTimes(), Bounds(n, 1e9, 1e6)
+            )
+
     return factory
 
 
@@ -233,13 +269,21 @@ def _row(name: str, factory, profile: bool) -> dict:
     r = out.report
     s = r["sim"]
     row = {
-        "row": name, "requests": r["requests"], "ok": r["ok"], "workers": s["workers_n"],
-        "level": s["level"], "wall_s": round(r["wall_s"], 3), "build_s": round(build, 3),
+        "row": name,
+        "requests": r["requests"],
+        "ok": r["ok"],
+        "workers": s["workers_n"],
+        "level": s["level"],
+        "wall_s": round(r["wall_s"], 3),
+        "build_s": round(build, 3),
         "sim_requests_per_s": round(r["sim_requests_per_s"], 1),
         "wall_us_per_request": round(r["wall_s"] / max(1, r["requests"]) * 1e6, 1),
-        "simulated_s": round(s["sim_duration_s"], 1), "hit_rate": round(r["hit_rate"], 4),
-        "oracle_hit_rate": round(r["oracle_hit_rate"], 4), "ttft_p50_ms": r["ttft_ms"]["p50"],
-        "engine_steps": s["engine_steps"], "fast_forwarded_steps": s["fast_forwarded_steps"],
+        "simulated_s": round(s["sim_duration_s"], 1),
+        "hit_rate": round(r["hit_rate"], 4),
+        "oracle_hit_rate": round(r["oracle_hit_rate"], 4),
+        "ttft_p50_ms": r["ttft_ms"]["p50"],
+        "engine_steps": s["engine_steps"],
+        "fast_forwarded_steps": s["fast_forwarded_steps"],
         "mean_prompt_tokens": round(r["prompt_tokens"] / max(1, r["ok"])),
     }
     if profile:
@@ -287,16 +331,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_floor(r: dict) -> None:
     parts = ", ".join(f"{k} {v:.1f}" for k, v in r["parts_us"].items())
-    print(f"{'gsp_floor':13s} {r['requests']:>7d} req  {r['workers']:>3d} workers  library calls only: "
-          f"{r['floor_us_per_request']:.1f} us/req (ceiling {r['ceiling_sim_requests_per_s']} "
-          f"sim req/s)  [{parts}]")
+    print(
+        f"{'gsp_floor':13s} {r['requests']:>7d} req  {r['workers']:>3d} workers  library calls only: "
+        f"{r['floor_us_per_request']:.1f} us/req (ceiling {r['ceiling_sim_requests_per_s']} "
+        f"sim req/s)  [{parts}]"
+    )
 
 
 def _print_row(r: dict) -> None:
-    print(f"{r['row']:13s} {r['requests']:>7d} req  {r['workers']:>3d} workers  {r['level']:5s}  "
-          f"wall {r['wall_s']:8.2f} s  ({r['wall_us_per_request']:.0f} us/req, "
-          f"{r['sim_requests_per_s']:.0f} sim req/s)  build {r['build_s']:.2f} s  "
-          f"simulated {r['simulated_s']:.0f} s  hit {r['hit_rate']:.3f} (oracle {r['oracle_hit_rate']:.3f})  "
-          f"steps {r['engine_steps']} + {r['fast_forwarded_steps']} fast-forwarded")
+    print(
+        f"{r['row']:13s} {r['requests']:>7d} req  {r['workers']:>3d} workers  {r['level']:5s}  "
+        f"wall {r['wall_s']:8.2f} s  ({r['wall_us_per_request']:.0f} us/req, "
+        f"{r['sim_requests_per_s']:.0f} sim req/s)  build {r['build_s']:.2f} s  "
+        f"simulated {r['simulated_s']:.0f} s  hit {r['hit_rate']:.3f} (oracle {r['oracle_hit_rate']:.3f})  "
+        f"steps {r['engine_steps']} + {r['fast_forwarded_steps']} fast-forwarded"
+    )
     if "time_share" in r:
         print("    time share: " + ", ".join(f"{k} {v:.0%}" for k, v in r["time_share"].items()))

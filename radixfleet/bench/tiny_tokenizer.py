@@ -33,13 +33,75 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-SPECIALS = ["<s>", "</s>", "<unk>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>",
-            "<|tool|>", "<|tools|>", "<|end|>"]
+SPECIALS = [
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<pad>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|tools|>",
+    "<|end|>",
+]
 
-WORDS = ("the of and to in is was for on that with as by at from this be are an or it "
-         "cache prefix token router worker engine request model block hash session turn "
-         "system user assistant tool answer question document context memory batch queue "
-         "prefill decode latency throughput fleet replica load policy index event").split()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "this",
+    "be",
+    "are",
+    "an",
+    "or",
+    "it",
+    "cache",
+    "prefix",
+    "token",
+    "router",
+    "worker",
+    "engine",
+    "request",
+    "model",
+    "block",
+    "hash",
+    "session",
+    "turn",
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    "answer",
+    "question",
+    "document",
+    "context",
+    "memory",
+    "batch",
+    "queue",
+    "prefill",
+    "decode",
+    "latency",
+    "throughput",
+    "fleet",
+    "replica",
+    "load",
+    "policy",
+    "index",
+    "event",
+]
 
 
 def corpus(n: int = 4000) -> list[str]:
@@ -48,10 +110,12 @@ def corpus(n: int = 4000) -> list[str]:
     lines = []
     for _ in range(n):
         k = rng.randint(5, 30)
-        words = [rng.choice(WORDS) if rng.random() < 0.8 else
-                 "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789")
-                         for _ in range(rng.randint(2, 8)))
-                 for _ in range(k)]
+        words = [
+            rng.choice(WORDS)
+            if rng.random() < 0.8
+            else "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(rng.randint(2, 8)))
+            for _ in range(k)
+        ]
         lines.append(" ".join(words) + rng.choice([".", "?", "!", ",", ":"]))
     return lines
 
@@ -66,12 +130,18 @@ def build(out: str) -> str:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>", additional_special_tokens=SPECIALS[4:])
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIALS[4:],
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 4096
     fast.save_pretrained(out)

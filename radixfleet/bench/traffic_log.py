@@ -25,11 +25,11 @@ import tempfile
 import time
 
 from policies.base import RouteRequest
+from protocol.prefix_keys import Endpoint, request_key
 from radixfleet.bench.routing import _bodies
 from router.config import TrafficLogConfig, build_policy_from, parse_config
 from router.pool import HealthState, Pool
 from router.prefix_index import PrefixIndex
-from protocol.prefix_keys import Endpoint, request_key
 from router.traffic_log import TrafficLog
 
 
@@ -40,16 +40,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=16, help="routable workers")
     parser.add_argument("--prompt-bytes", type=int, default=8192, help="bytes per prompt")
     parser.add_argument("--policy", default="prefix_load", help="the routing policy")
-    parser.add_argument("--rate", type=float, default=2000.0,
-                        help="requests/s offered (0: back to back, the CPU-saturated worst "
-                             "case; default 2000)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=2000.0,
+        help="requests/s offered (0: back to back, the CPU-saturated worst case; default 2000)",
+    )
     parser.add_argument("--dir", help="log directory (default: a temporary one)")
 
 
-def _round(bodies, policy_name: str, workers: int, tl: TrafficLog | None,
-           rate: float) -> list[float]:
-    cfg = parse_config({"workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"}
-                                    for i in range(workers)], "policy": {"name": policy_name}})
+def _round(bodies, policy_name: str, workers: int, tl: TrafficLog | None, rate: float) -> list[float]:
+    cfg = parse_config(
+        {
+            "workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"} for i in range(workers)],
+            "policy": {"name": policy_name},
+        }
+    )
     policy = build_policy_from(cfg.policy)
     index = PrefixIndex()
     pool = Pool(cfg, index)
@@ -76,18 +82,28 @@ def _round(bodies, policy_name: str, workers: int, tl: TrafficLog | None,
         key = request_key(Endpoint.CHAT, body, tenant="tenant-a", block_bytes=bb)
         match = index.match(key.hashes, now)
         views = pool.views(now)
-        d = policy.choose(RouteRequest(key.hashes, key.prompt_tokens, key.block_tokens, None,
-                                       key.model, len(key.data)), match, views, now)
+        d = policy.choose(
+            RouteRequest(key.hashes, key.prompt_tokens, key.block_tokens, None, key.model, len(key.data)),
+            match,
+            views,
+            now,
+        )
         w = pool.get(d.worker)
         index.insert(w.id, key.hashes, now)
         tokens = max(0, key.prompt_tokens - d.matched_blocks * key.block_tokens)
         pool.pick(w, tokens)
         if tl is not None:
-            tl.record(key, arrival_s=wall0 + i * 1e-3, worker=w.id,
-                      matched_tokens=d.matched_blocks * key.block_tokens,
-                      prompt_tokens=key.prompt_tokens, output_tokens=64,
-                      cached_tokens=d.matched_blocks * key.block_tokens, ttft_s=0.05,
-                      session=None)
+            tl.record(
+                key,
+                arrival_s=wall0 + i * 1e-3,
+                worker=w.id,
+                matched_tokens=d.matched_blocks * key.block_tokens,
+                prompt_tokens=key.prompt_tokens,
+                output_tokens=64,
+                cached_tokens=d.matched_blocks * key.block_tokens,
+                ttft_s=0.05,
+                session=None,
+            )
         lat.append(perf() - t0)
         in_flight.append((w, tokens))
         if len(in_flight) > 32:
@@ -99,8 +115,11 @@ def _round(bodies, policy_name: str, workers: int, tl: TrafficLog | None,
 def _stats(lat: list[float]) -> dict:
     s = sorted(lat)
     n = len(s)
-    return {"mean_us": sum(s) / n * 1e6, "p50_us": s[n // 2] * 1e6,
-            "p99_us": s[min(n - 1, int(n * 0.99))] * 1e6}
+    return {
+        "mean_us": sum(s) / n * 1e6,
+        "p50_us": s[n // 2] * 1e6,
+        "p99_us": s[min(n - 1, int(n * 0.99))] * 1e6,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,29 +141,43 @@ def run(args: argparse.Namespace) -> int:
     def med(rows, k):
         return statistics.median(r[k] for r in rows)
 
-    res = {"requests_per_round": args.requests, "rounds": args.rounds,
-           "prompt_bytes": args.prompt_bytes, "workers": args.workers, "policy": args.policy,
-           "rate": args.rate,
-           "off": {k: med(off, k) for k in ("mean_us", "p50_us", "p99_us")},
-           "on": {k: med(on, k) for k in ("mean_us", "p50_us", "p99_us")},
-           "written": st.written, "dropped_full": st.dropped_full,
-           "dropped_error": st.dropped_error, "bytes_per_line": st.bytes_written / max(1, st.written),
-           "max_queue_at_round_end": max(lag), "dir": d}
+    res = {
+        "requests_per_round": args.requests,
+        "rounds": args.rounds,
+        "prompt_bytes": args.prompt_bytes,
+        "workers": args.workers,
+        "policy": args.policy,
+        "rate": args.rate,
+        "off": {k: med(off, k) for k in ("mean_us", "p50_us", "p99_us")},
+        "on": {k: med(on, k) for k in ("mean_us", "p50_us", "p99_us")},
+        "written": st.written,
+        "dropped_full": st.dropped_full,
+        "dropped_error": st.dropped_error,
+        "bytes_per_line": st.bytes_written / max(1, st.written),
+        "max_queue_at_round_end": max(lag),
+        "dir": d,
+    }
     res["p99_ratio"] = res["on"]["p99_us"] / res["off"]["p99_us"]
     res["mean_ratio"] = res["on"]["mean_us"] / res["off"]["mean_us"]
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     pace = f"{args.rate:g} req/s" if args.rate > 0 else "back to back"
-    print(f"routing with the traffic log off vs on: {args.prompt_bytes} B chat prompts, "
-          f"{args.workers} workers, {args.policy}, {pace}, {args.rounds} x {args.requests} "
-          "requests each")
+    print(
+        f"routing with the traffic log off vs on: {args.prompt_bytes} B chat prompts, "
+        f"{args.workers} workers, {args.policy}, {pace}, {args.rounds} x {args.requests} "
+        "requests each"
+    )
     for name in ("off", "on"):
         r = res[name]
-        print(f"  log {name:3s}  mean {r['mean_us']:6.1f} us  p50 {r['p50_us']:6.1f} us  "
-              f"p99 {r['p99_us']:6.1f} us")
-    print(f"  p99 on/off {res['p99_ratio']:.3f} (target <= 1.1), mean on/off "
-          f"{res['mean_ratio']:.3f}; {st.written} lines written ({res['bytes_per_line']:.0f} B "
-          f"each), {st.dropped_full} dropped, writer queue at round ends <= "
-          f"{res['max_queue_at_round_end']}")
+        print(
+            f"  log {name:3s}  mean {r['mean_us']:6.1f} us  p50 {r['p50_us']:6.1f} us  "
+            f"p99 {r['p99_us']:6.1f} us"
+        )
+    print(
+        f"  p99 on/off {res['p99_ratio']:.3f} (target <= 1.1), mean on/off "
+        f"{res['mean_ratio']:.3f}; {st.written} lines written ({res['bytes_per_line']:.0f} B "
+        f"each), {st.dropped_full} dropped, writer queue at round ends <= "
+        f"{res['max_queue_at_round_end']}"
+    )
     return 0

@@ -34,22 +34,45 @@ import httptools
 
 _DATA_PATHS = (b"/v1/completions", b"/v1/chat/completions", b"/generate")
 
-_COMPLETION = json.dumps({
-    "id": "cmpl-1", "object": "text_completion", "created": 0, "model": "tiny",
-    "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
-    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-}).encode()
-_EVENT = b"data: " + json.dumps({
-    "id": "c", "object": "text_completion", "model": "tiny",
-    "choices": [{"index": 0, "text": "x", "finish_reason": None}]}).encode() + b"\n\n"
+_COMPLETION = json.dumps(
+    {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 0,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+).encode()
+_EVENT = (
+    b"data: "
+    + json.dumps(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "model": "tiny",
+            "choices": [{"index": 0, "text": "x", "finish_reason": None}],
+        }
+    ).encode()
+    + b"\n\n"
+)
 _DONE_EVENT = b"data: [DONE]\n\n"
-_MODELS = json.dumps({"object": "list", "data": [
-    {"id": "tiny", "object": "model", "created": 0, "owned_by": "lean"}]}).encode()
+_MODELS = json.dumps(
+    {"object": "list", "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "lean"}]}
+).encode()
 
 
 def _reply(status: bytes, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return (b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
-            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 "
+        + status
+        + b"\r\nContent-Type: "
+        + ctype
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 def _chunk(data: bytes) -> bytes:
@@ -60,8 +83,10 @@ _OK = _reply(b"200 OK", _COMPLETION)
 _HEALTH = _reply(b"200 OK", b"ok", b"text/plain")
 _MODELS_REPLY = _reply(b"200 OK", _MODELS)
 _NOT_FOUND = _reply(b"404 Not Found", b'{"error":{"message":"not found"}}')
-_SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-             b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
 _EVENT_CHUNK = _chunk(_EVENT)
 _DONE_CHUNK = _chunk(_DONE_EVENT)
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -73,7 +98,7 @@ class _UpstreamConn(asyncio.Protocol):
 
     __slots__ = ("server", "transport", "parser", "url", "body", "left", "loop")
 
-    def __init__(self, server: "LeanUpstream") -> None:
+    def __init__(self, server: LeanUpstream) -> None:
         self.server = server
         self.transport = None
         self.parser = httptools.HttpRequestParser(self)
@@ -158,8 +183,7 @@ class LeanUpstream:
 
     async def start(self, port: int, host: str = "127.0.0.1") -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _UpstreamConn(self), host, port,
-                                                backlog=2048)
+        self._server = await loop.create_server(lambda: _UpstreamConn(self), host, port, backlog=2048)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -202,7 +226,7 @@ class LeanClient(asyncio.Protocol):
         self._tail = b""  # the end of the body so far, to see [DONE] last
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> "LeanClient":
+    async def connect(cls, host: str, port: int) -> LeanClient:
         loop = asyncio.get_running_loop()
         _, proto = await loop.create_connection(cls, host, port)
         return proto
@@ -232,7 +256,7 @@ class LeanClient(asyncio.Protocol):
             n += 1
         a.events += n
         self._last = body[-1:]
-        self._tail = (self._tail + body)[-len(_DONE_EVENT):]
+        self._tail = (self._tail + body)[-len(_DONE_EVENT) :]
 
     def on_message_complete(self) -> None:
         a = self._ans
@@ -264,5 +288,7 @@ class LeanClient(asyncio.Protocol):
 def post_request(host: str, port: int, path: str, body: dict) -> bytes:
     """The raw bytes of a keep-alive JSON POST."""
     data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode() + data

@@ -46,18 +46,26 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from protocol.extras import require
-from service.bus_connection import BusConnection, BusMetrics, BusState, Problems, check_exposure
-from router.bus.remote_load import RemoteInFlight
-from protocol.bus_wire import (BadMessage, BusKey, RouterMessage, Subjects,
-                             build_snapshot_request, parse_agent, parse_load, parse_router)
-from router.config import BusConfig, ConfigError, bus_setting, parse_worker_url
+from policies.base import RouteRequest
+from protocol.bus_wire import (
+    BadMessage,
+    BusKey,
+    RouterMessage,
+    Subjects,
+    build_snapshot_request,
+    parse_agent,
+    parse_load,
+    parse_router,
+)
 from protocol.errors import Conflict, Overloaded
 from protocol.events import STATUS_OK
+from protocol.extras import require
 from protocol.prefix_keys import BYTES_PER_TOKEN
-from policies.base import RouteRequest
+from router.bus.remote_load import RemoteInFlight
+from router.config import BusConfig, ConfigError, bus_setting, parse_worker_url
 from router.feedback import Feedback
 from router.pool import HealthState, Pool
+from service.bus_connection import BusConnection, BusMetrics, BusState, Problems, check_exposure
 
 log = logging.getLogger("radixfleet.bus")
 
@@ -68,9 +76,19 @@ def default_replica_id() -> str:
 
 
 class BusReplica:
-    def __init__(self, cfg: BusConfig, *, pool: Pool, index, feedback: Feedback,
-                 block_bytes: int, registry: CollectorRegistry,
-                 clock=time.monotonic, policy=lambda: None, agent_token: bytes = b"") -> None:
+    def __init__(
+        self,
+        cfg: BusConfig,
+        *,
+        pool: Pool,
+        index,
+        feedback: Feedback,
+        block_bytes: int,
+        registry: CollectorRegistry,
+        clock=time.monotonic,
+        policy=lambda: None,
+        agent_token: bytes = b"",
+    ) -> None:
         # the agent credential signs and checks every message (protocol.bus_wire.BusKey)
         check_exposure(cfg.url, agent_token, "bus.url")
         self.key = BusKey(agent_token, cfg.max_skew_s)
@@ -91,10 +109,16 @@ class BusReplica:
         self.bad = Problems(self.metrics.bad, "bus messages")
         self.remote = RemoteInFlight()
         self.conn = BusConnection(
-            cfg.url, name=f"router-{self.replica}", metrics=self.metrics, on_up=self._on_up,
-            on_down=self._on_down, connect_timeout_s=cfg.connect_timeout_s,
-            backoff_s=cfg.backoff_s, backoff_max_s=cfg.backoff_max_s,
-            options=cfg.credentials().connect_options(cfg.url, bus_setting))
+            cfg.url,
+            name=f"router-{self.replica}",
+            metrics=self.metrics,
+            on_up=self._on_up,
+            on_down=self._on_down,
+            connect_timeout_s=cfg.connect_timeout_s,
+            backoff_s=cfg.backoff_s,
+            backoff_max_s=cfg.backoff_max_s,
+            options=cfg.credentials().connect_options(cfg.url, bus_setting),
+        )
         #: stream sequence applied last, and the stream's identity (its creation time)
         self.applied_seq = 0
         self._stream_created = None
@@ -141,8 +165,9 @@ class BusReplica:
             try:
                 self._seq += 1
                 subject = self.subjects.router(self.replica)
-                data = RouterMessage(self.replica, self._seq, self.block_bytes, True, {}, [],
-                                     bye=True).to_bytes()
+                data = RouterMessage(
+                    self.replica, self._seq, self.block_bytes, True, {}, [], bye=True
+                ).to_bytes()
                 await nc.publish(subject, data, headers=self.key.sign(subject, data) or None)
                 await asyncio.wait_for(nc.flush(), 1.0)
             except Exception:  # noqa: BLE001 - leaving; the others expire us anyway
@@ -153,14 +178,22 @@ class BusReplica:
 
     def _check_caught_up(self) -> bool:
         """Whether the stream is applied and the peers' counts are heard now."""
-        if not self._caught_up and self._applied_target and self._subscribed is not None \
-                and self.clock() - self._subscribed >= self.cfg.heartbeat_s:
+        if (
+            not self._caught_up
+            and self._applied_target
+            and self._subscribed is not None
+            and self.clock() - self._subscribed >= self.cfg.heartbeat_s
+        ):
             self._caught_up = True
             if self.caught_up_s is None:
                 self.caught_up_s = self.clock() - self._started
-            log.info("bus: caught up with stream %s at seq %d and the peers' counts (%d "
-                     "index entries, %d peers)", self.cfg.stream, self.target_seq,
-                     self.index.stats().holder_entries, len(self.remote.replicas))
+            log.info(
+                "bus: caught up with stream %s at seq %d and the peers' counts (%d index entries, %d peers)",
+                self.cfg.stream,
+                self.target_seq,
+                self.index.stats().holder_entries,
+                len(self.remote.replicas),
+            )
         return self._caught_up
 
     @property
@@ -184,11 +217,17 @@ class BusReplica:
         return True
 
     def describe(self) -> dict:
-        return {"url": self.cfg.url, "replica": self.replica, "state": self.conn.state.value,
-                "caught_up": self._check_caught_up(), "applied_seq": self.applied_seq,
-                "target_seq": self.target_seq,
-                "lag": 0 if self._applied_target else max(0, self.target_seq - self.applied_seq),
-                "caught_up_s": self.caught_up_s, "replicas": sorted(self.remote.replicas)}
+        return {
+            "url": self.cfg.url,
+            "replica": self.replica,
+            "state": self.conn.state.value,
+            "caught_up": self._check_caught_up(),
+            "applied_seq": self.applied_seq,
+            "target_seq": self.target_seq,
+            "lag": 0 if self._applied_target else max(0, self.target_seq - self.applied_seq),
+            "caught_up_s": self.caught_up_s,
+            "replicas": sorted(self.remote.replicas),
+        }
 
     # ------------------------------------------------------------ connection
 
@@ -196,20 +235,30 @@ class BusReplica:
         api = require("nats.js.api", "bus", "the bus")  # connected: nats-py is there
         c = self.cfg
         cfg = api.StreamConfig(
-            name=c.stream, subjects=[self.subjects.agents], max_age=c.max_age_s,
-            max_bytes=c.max_bytes, allow_rollup_hdrs=True, discard=api.DiscardPolicy.OLD,
-            storage=api.StorageType.FILE if c.storage == "file" else api.StorageType.MEMORY)
+            name=c.stream,
+            subjects=[self.subjects.agents],
+            max_age=c.max_age_s,
+            max_bytes=c.max_bytes,
+            allow_rollup_hdrs=True,
+            discard=api.DiscardPolicy.OLD,
+            storage=api.StorageType.FILE if c.storage == "file" else api.StorageType.MEMORY,
+        )
         try:
             info = await js.add_stream(cfg)
         except Exception as exc:  # noqa: BLE001 - another replica made it differently
-            self.conn.report("stream_config", "stream %s exists with other settings (%s); "
-                             "using it as it is", c.stream, exc)
+            self.conn.report(
+                "stream_config", "stream %s exists with other settings (%s); using it as it is", c.stream, exc
+            )
             info = await js.stream_info(c.stream)
         created = info.created
         last = info.state.last_seq
         start_seq = 1
-        if (created is not None and created == self._stream_created and self.applied_seq
-                and self.applied_seq <= last):
+        if (
+            created is not None
+            and created == self._stream_created
+            and self.applied_seq
+            and self.applied_seq <= last
+        ):
             start_seq = self.applied_seq + 1  # the same stream survived: resume
         else:
             self.applied_seq = 0  # a new stream (the server lost it): replay it all
@@ -225,10 +274,15 @@ class BusReplica:
             await nc.subscribe(self.subjects.routers, cb=self._on_router),
             await nc.subscribe(self.subjects.loads, cb=self._on_load),
             await js.subscribe(
-                self.subjects.agents, cb=self._on_agent, ordered_consumer=True,
-                stream=c.stream, idle_heartbeat=2.0,
-                config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                                          opt_start_seq=start_seq)),
+                self.subjects.agents,
+                cb=self._on_agent,
+                ordered_consumer=True,
+                stream=c.stream,
+                idle_heartbeat=2.0,
+                config=api.ConsumerConfig(
+                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+                ),
+            ),
         ]
         self._wake.set()  # a full heartbeat now: the others learn our counts at once
 
@@ -284,9 +338,11 @@ class BusReplica:
         b = m.batch
         if m.register:
             if m.block_bytes is not None and m.block_bytes != self.block_bytes:
-                raise BadMessage("block_bytes_mismatch",
-                                 f"agent {b.worker_id} hashes {m.block_bytes}-byte blocks, "
-                                 f"this router keys.block_bytes={self.block_bytes}")
+                raise BadMessage(
+                    "block_bytes_mismatch",
+                    f"agent {b.worker_id} hashes {m.block_bytes}-byte blocks, "
+                    f"this router keys.block_bytes={self.block_bytes}",
+                )
             try:
                 url = parse_worker_url(b.url, "url")
             except ConfigError as exc:
@@ -315,9 +371,13 @@ class BusReplica:
         if not self.conn.up or nc is None:
             return
         self._asked[wid] = now
-        t = asyncio.ensure_future(self._publish(self.subjects.snapshot_request(wid),
-                                                build_snapshot_request(wid, self.replica),
-                                                "snapshot_request"))
+        t = asyncio.ensure_future(
+            self._publish(
+                self.subjects.snapshot_request(wid),
+                build_snapshot_request(wid, self.replica),
+                "snapshot_request",
+            )
+        )
         self._pending.add(t)
         t.add_done_callback(self._pending.discard)
 
@@ -401,8 +461,7 @@ class BusReplica:
             if not (full or inflight or hints or repl):
                 continue
             self._seq += 1
-            msg = RouterMessage(self.replica, self._seq, self.block_bytes, full, inflight, hints,
-                                repl=repl)
+            msg = RouterMessage(self.replica, self._seq, self.block_bytes, full, inflight, hints, repl=repl)
             await self._publish(self.subjects.router(self.replica), msg.to_bytes(), "router")
 
     # ------------------------------------------- the others' pick-time state in
@@ -423,9 +482,13 @@ class BusReplica:
         if not (m.hints and self.cfg.share_hints) and not m.repl:
             return
         if m.block_bytes != self.block_bytes:
-            self.bad.report("config_mismatch", "replica %s keys with block_bytes=%d, this one "
-                            "%d: its hints are ignored", m.replica, m.block_bytes,
-                            self.block_bytes)
+            self.bad.report(
+                "config_mismatch",
+                "replica %s keys with block_bytes=%d, this one %d: its hints are ignored",
+                m.replica,
+                m.block_bytes,
+                self.block_bytes,
+            )
             return
         hot = self._listen_to_policy()
         if hot is not None:
@@ -474,8 +537,7 @@ class BusReplica:
     def _expire(self, now: float) -> None:
         changed = self.remote.expire(now, self.cfg.replica_ttl_s)
         if changed:
-            log.info("bus: dropped the counts of replicas silent for %.1f s",
-                     self.cfg.replica_ttl_s)
+            log.info("bus: dropped the counts of replicas silent for %.1f s", self.cfg.replica_ttl_s)
             self._set_remote(changed)
             self.metrics.replicas.set(len(self.remote.replicas))
 

@@ -19,8 +19,9 @@ source never empties the pool.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -67,26 +68,38 @@ def url_for(host: str, port: int) -> str:
 class DiscoveryMetrics:
     """Discovery's counters and gauges, registered on the router's registry::
 
-        radixfleet_discovery_endpoints{source}         endpoints in its last set
-        radixfleet_discovery_errors_total{source,cause}   problems, by cause
-        radixfleet_discovery_changes_total{op}         pool adds / removes applied
-        radixfleet_discovery_watch_restarts_total{source,reason}  expired (410 ->
-                                                       relist) | closed | dropped
+    radixfleet_discovery_endpoints{source}         endpoints in its last set
+    radixfleet_discovery_errors_total{source,cause}   problems, by cause
+    radixfleet_discovery_changes_total{op}         pool adds / removes applied
+    radixfleet_discovery_watch_restarts_total{source,reason}  expired (410 ->
+                                                   relist) | closed | dropped
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.endpoints = Gauge("radixfleet_discovery_endpoints",
-                               "Endpoints in a discovery source's last answer", ["source"],
-                               registry=registry)
-        self.errors = Counter("radixfleet_discovery_errors",
-                              "Discovery problems (the pool keeps what it last knew)",
-                              ["source", "cause"], registry=registry)
-        self.changes = Counter("radixfleet_discovery_changes",
-                               "Workers added to or removed from the pool by discovery",
-                               ["op"], registry=registry)
-        self.watch_restarts = Counter("radixfleet_discovery_watch_restarts",
-                                      "Kubernetes watches restarted, by reason",
-                                      ["source", "reason"], registry=registry)
+        self.endpoints = Gauge(
+            "radixfleet_discovery_endpoints",
+            "Endpoints in a discovery source's last answer",
+            ["source"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "radixfleet_discovery_errors",
+            "Discovery problems (the pool keeps what it last knew)",
+            ["source", "cause"],
+            registry=registry,
+        )
+        self.changes = Counter(
+            "radixfleet_discovery_changes",
+            "Workers added to or removed from the pool by discovery",
+            ["op"],
+            registry=registry,
+        )
+        self.watch_restarts = Counter(
+            "radixfleet_discovery_watch_restarts",
+            "Kubernetes watches restarted, by reason",
+            ["source", "reason"],
+            registry=registry,
+        )
 
 
 class Problems:

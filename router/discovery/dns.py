@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from router.config import DnsDiscoveryConfig, DnsServiceSpec, selector_template
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems, SourceError, url_for
@@ -79,8 +79,7 @@ class DnsSource:
             await asyncio.sleep(self.cfg.interval_s)
 
     async def _service(self, r, spec: DnsServiceSpec) -> list[Endpoint]:
-        a, aaaa = await asyncio.gather(self._records(r, spec.name, "A"),
-                                       self._records(r, spec.name, "AAAA"))
+        a, aaaa = await asyncio.gather(self._records(r, spec.name, "A"), self._records(r, spec.name, "AAAA"))
         out = []
         template = selector_template(spec)
         for ip in (*a, *aaaa):
@@ -97,8 +96,9 @@ class DnsSource:
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return []  # an answer: no workers (yet)
         except dns.resolver.LifetimeTimeout:
-            raise SourceError("timeout", f"{name} {rdtype}: no answer within "
-                              f"{self.cfg.timeout_s:g}s") from None
+            raise SourceError(
+                "timeout", f"{name} {rdtype}: no answer within {self.cfg.timeout_s:g}s"
+            ) from None
         except dns.resolver.NoNameservers as exc:
             raise SourceError("servfail", f"{name} {rdtype}: {exc}") from None
         except dns.exception.DNSException as exc:
@@ -108,6 +108,5 @@ class DnsSource:
             try:
                 out.append(str(ipaddress.ip_address(rr.address)))
             except (AttributeError, ValueError):
-                self.problems.report("invalid_object", "%s %s: record %r skipped", name,
-                                     rdtype, rr)
+                self.problems.report("invalid_object", "%s %s: record %r skipped", name, rdtype, rr)
         return out

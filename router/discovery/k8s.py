@@ -33,13 +33,18 @@ import json
 import logging
 import random
 import re
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 
 from protocol.extras import require
 from router.config import (
-    SERVICE_ACCOUNT_DIR, K8sDiscoveryConfig, K8sSelectorSpec, WorkerSpec, selector_template,
+    SERVICE_ACCOUNT_DIR,
+    K8sDiscoveryConfig,
+    K8sSelectorSpec,
+    WorkerSpec,
+    selector_template,
 )
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems, SourceError, url_for
 
@@ -55,16 +60,20 @@ def own_namespace(path: str = f"{SERVICE_ACCOUNT_DIR}/namespace") -> str:
         with open(path, encoding="utf-8") as f:
             ns = f.read().strip()
     except OSError as exc:
-        raise SourceError("config", f"no namespace configured and {path} unreadable "
-                          f"({exc.strerror or exc}): set workers.discovery.kubernetes."
-                          "namespace") from None
+        raise SourceError(
+            "config",
+            f"no namespace configured and {path} unreadable "
+            f"({exc.strerror or exc}): set workers.discovery.kubernetes."
+            "namespace",
+        ) from None
     if not ns:
         raise SourceError("config", f"{path} is empty")
     return ns
 
 
-def parse_slice(obj: Any, port_name: str, kind: str, template: WorkerSpec = WorkerSpec()
-                ) -> tuple[str, str, list[Endpoint], int]:
+def parse_slice(
+    obj: Any, port_name: str, kind: str, template: WorkerSpec = WorkerSpec()
+) -> tuple[str, str, list[Endpoint], int]:
     """One EndpointSlice object -> (name, resourceVersion, ready endpoints, number
     of malformed endpoints skipped). ``template``: the worker entry each endpoint
     carries (its selector's settings). Raises ``ValueError`` if the slice itself is
@@ -105,9 +114,11 @@ def _pick_port(ports: Any, port_name: str, slice_name: str) -> int | None:
         return None
     if not isinstance(ports, list):
         raise ValueError(f"slice {slice_name}: ports is not a list")
-    cands = [p for p in ports if isinstance(p, dict) and
-             (p.get("name") or "") == port_name] if port_name else \
-        [p for p in ports if isinstance(p, dict)]
+    cands = (
+        [p for p in ports if isinstance(p, dict) and (p.get("name") or "") == port_name]
+        if port_name
+        else [p for p in ports if isinstance(p, dict)]
+    )
     if len(cands) != 1:
         return None  # no such port here (another Service's slice, or ambiguous)
     port = cands[0].get("port")
@@ -116,8 +127,7 @@ def _pick_port(ports: Any, port_name: str, slice_name: str) -> int | None:
     return port
 
 
-def _endpoint(e: Any, atype: Any, port: int, kind: str, template: WorkerSpec
-              ) -> Endpoint | None:
+def _endpoint(e: Any, atype: Any, port: int, kind: str, template: WorkerSpec) -> Endpoint | None:
     if not isinstance(e, dict):
         raise ValueError("endpoint is not an object")
     cond = e.get("conditions") or {}
@@ -141,8 +151,12 @@ def _endpoint(e: Any, atype: Any, port: int, kind: str, template: WorkerSpec
         raise ValueError(f"addressType {atype!r}")
     ref = e.get("targetRef")
     wid = addr if ":" not in addr else f"[{addr}]"
-    if isinstance(ref, dict) and ref.get("kind") == "Pod" and isinstance(ref.get("name"), str) \
-            and ref["name"]:
+    if (
+        isinstance(ref, dict)
+        and ref.get("kind") == "Pod"
+        and isinstance(ref.get("name"), str)
+        and ref["name"]
+    ):
         wid = ref["name"]
     else:
         wid = f"{wid}:{port}"
@@ -157,8 +171,16 @@ class SliceWatch:
     """The list + watch of one selector. ``slices`` is its current view (slice name
     -> ready endpoints); ``listed`` turns true after the first complete list."""
 
-    def __init__(self, api, sel: K8sSelectorSpec, namespace: str, cfg: K8sDiscoveryConfig,
-                 metrics: DiscoveryMetrics, problems: Problems, backoff_s: float) -> None:
+    def __init__(
+        self,
+        api,
+        sel: K8sSelectorSpec,
+        namespace: str,
+        cfg: K8sDiscoveryConfig,
+        metrics: DiscoveryMetrics,
+        problems: Problems,
+        backoff_s: float,
+    ) -> None:
         self.api = api  # kubernetes_asyncio DiscoveryV1Api
         self.sel = sel
         self.namespace = namespace
@@ -190,8 +212,11 @@ class SliceWatch:
                     events, reason = await self._watch(changed)
                 except _Relist:
                     self.metrics.watch_restarts.labels("kubernetes", "expired").inc()
-                    log.info("kubernetes discovery: resourceVersion %s expired (410), "
-                             "relisting %s", self.rv, self.sel.label_selector)
+                    log.info(
+                        "kubernetes discovery: resourceVersion %s expired (410), relisting %s",
+                        self.rv,
+                        self.sel.label_selector,
+                    )
                     break
                 self.metrics.watch_restarts.labels("kubernetes", reason).inc()
                 if not events and loop.time() - t0 < 1.0:
@@ -205,19 +230,20 @@ class SliceWatch:
             slices: dict[str, list[Endpoint]] = {}
             token = None
             for _ in range(_MAX_PAGES):
-                kw: dict[str, Any] = {"label_selector": self.sel.label_selector,
-                                      "limit": self.cfg.page_size}
+                kw: dict[str, Any] = {"label_selector": self.sel.label_selector, "limit": self.cfg.page_size}
                 if token:
                     kw["_continue"] = token
                 status, body = await self._get(kw, timeout=(10.0, 60.0))
                 if status == 410 and token and attempt == 0:
                     break  # the continue token expired: list again from the start
                 if status != 200:
-                    raise SourceError("http_status", f"list of EndpointSlices "
-                                      f"({self.sel.label_selector}) answered {status}: "
-                                      f"{_status_message(body)}")
-                if not isinstance(body, dict) or not isinstance(body.get("items"), (list,
-                                                                                   type(None))):
+                    raise SourceError(
+                        "http_status",
+                        f"list of EndpointSlices "
+                        f"({self.sel.label_selector}) answered {status}: "
+                        f"{_status_message(body)}",
+                    )
+                if not isinstance(body, dict) or not isinstance(body.get("items"), (list, type(None))):
                     raise SourceError("garbage", "list answer is not an EndpointSliceList")
                 meta = body.get("metadata")
                 if not isinstance(meta, dict) or not isinstance(meta.get("resourceVersion"), str):
@@ -235,14 +261,12 @@ class SliceWatch:
 
     def _apply_object(self, slices: dict[str, list[Endpoint]], obj: Any) -> str | None:
         try:
-            name, rv, eps, bad = parse_slice(obj, self.sel.port_name, self.sel.kind,
-                                             self.template)
+            name, rv, eps, bad = parse_slice(obj, self.sel.port_name, self.sel.kind, self.template)
         except ValueError as exc:
             self.problems.report("invalid_object", "EndpointSlice skipped: %s", exc)
             return None
         if bad:
-            self.problems.report("invalid_object", "slice %s: %d malformed endpoint(s) "
-                                 "skipped", name, bad)
+            self.problems.report("invalid_object", "slice %s: %d malformed endpoint(s) skipped", name, bad)
         slices[name] = eps
         return rv
 
@@ -254,9 +278,13 @@ class SliceWatch:
         anything else that is wrong."""
         t = self.cfg.watch_timeout_s
         timeout_s = int(t + self._rand.random() * t)  # spread reconnects, as client-go
-        kw = {"label_selector": self.sel.label_selector, "watch": True,
-              "allow_watch_bookmarks": True, "resource_version": self.rv,
-              "timeout_seconds": timeout_s}
+        kw = {
+            "label_selector": self.sel.label_selector,
+            "watch": True,
+            "allow_watch_bookmarks": True,
+            "resource_version": self.rv,
+            "timeout_seconds": timeout_s,
+        }
         resp = await self._open(kw, timeout=(10.0, timeout_s + 30.0))
         events = 0
         try:
@@ -264,13 +292,16 @@ class SliceWatch:
                 raise _Relist()
             if resp.status != 200:
                 body = await _read_json(resp)
-                raise SourceError("http_status", f"watch answered {resp.status}: "
-                                  f"{_status_message(body)}")
+                raise SourceError("http_status", f"watch answered {resp.status}: {_status_message(body)}")
             while True:
                 try:
                     line = await resp.content.readline()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                        ConnectionError, asyncio.TimeoutError):
+                except (
+                    aiohttp.ClientPayloadError,
+                    aiohttp.ClientConnectionError,
+                    ConnectionError,
+                    asyncio.TimeoutError,
+                ):
                     return events, "dropped"
                 except ValueError as exc:  # a line over the read buffer
                     raise SourceError("garbage", f"watch line unreadable: {exc}") from None
@@ -328,7 +359,8 @@ class SliceWatch:
     async def _open(self, kw: dict, timeout: tuple[float, float]):
         try:
             return await self.api.list_namespaced_endpoint_slice(
-                self.namespace, _preload_content=False, _request_timeout=timeout, **kw)
+                self.namespace, _preload_content=False, _request_timeout=timeout, **kw
+            )
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise SourceError("unreachable", f"API server unreachable: {exc!r}") from None
 
@@ -348,8 +380,7 @@ async def _read_json(resp) -> Any:
     try:
         return json.loads(raw)
     except ValueError:
-        raise SourceError("garbage", f"answer ({resp.status}) is not JSON: "
-                          f"{raw[:80]!r}") from None
+        raise SourceError("garbage", f"answer ({resp.status}) is not JSON: {raw[:80]!r}") from None
 
 
 def _status_message(body: Any) -> str:
@@ -363,8 +394,7 @@ class KubernetesSource:
 
     name = "kubernetes"
 
-    def __init__(self, cfg: K8sDiscoveryConfig, metrics: DiscoveryMetrics, *,
-                 backoff_s: float = 1.0) -> None:
+    def __init__(self, cfg: K8sDiscoveryConfig, metrics: DiscoveryMetrics, *, backoff_s: float = 1.0) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.backoff_s = backoff_s
@@ -373,8 +403,10 @@ class KubernetesSource:
     def _client(self):
         kc = require("kubernetes_asyncio.client", "k8s", "workers.discovery.kubernetes")
         k8s_config = require("kubernetes_asyncio.config", "k8s", "workers.discovery.kubernetes")
-        ConfigException, load_incluster_config = (k8s_config.ConfigException,
-                                                  k8s_config.load_incluster_config)
+        ConfigException, load_incluster_config = (
+            k8s_config.ConfigException,
+            k8s_config.load_incluster_config,
+        )
 
         conf = kc.Configuration()
         if self.cfg.api_server:
@@ -385,8 +417,9 @@ class KubernetesSource:
             except FileNotFoundError:
                 pass  # e.g. ``kubectl proxy``: no token needed
             except OSError as exc:
-                raise SourceError("config", f"cannot read {self.cfg.token_file}: "
-                                  f"{exc.strerror or exc}") from None
+                raise SourceError(
+                    "config", f"cannot read {self.cfg.token_file}: {exc.strerror or exc}"
+                ) from None
             ca = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
             if conf.host.startswith("https://"):
                 try:
@@ -398,8 +431,9 @@ class KubernetesSource:
             try:
                 load_incluster_config(client_configuration=conf)
             except ConfigException as exc:
-                raise SourceError("config", f"not in a cluster ({exc}): set "
-                                  "workers.discovery.kubernetes.api_server") from None
+                raise SourceError(
+                    "config", f"not in a cluster ({exc}): set workers.discovery.kubernetes.api_server"
+                ) from None
         return kc.ApiClient(configuration=conf), kc.DiscoveryV1Api
 
     async def snapshots(self) -> AsyncIterator[frozenset[Endpoint]]:
@@ -409,9 +443,18 @@ class KubernetesSource:
             api = api_cls(client)
             default_ns = self.cfg.namespace or own_namespace()
             changed: asyncio.Queue = asyncio.Queue()
-            watches = [SliceWatch(api, sel, sel.namespace or default_ns, self.cfg,
-                                  self.metrics, self.problems, self.backoff_s)
-                       for sel in self.cfg.selectors]
+            watches = [
+                SliceWatch(
+                    api,
+                    sel,
+                    sel.namespace or default_ns,
+                    self.cfg,
+                    self.metrics,
+                    self.problems,
+                    self.backoff_s,
+                )
+                for sel in self.cfg.selectors
+            ]
 
             async def guard(w: SliceWatch) -> None:
                 try:
@@ -431,8 +474,7 @@ class KubernetesSource:
                     item = changed.get_nowait()
                 if not all(w.listed for w in watches):
                     continue
-                snap = frozenset(ep for w in watches for eps in w.slices.values()
-                                 for ep in eps)
+                snap = frozenset(ep for w in watches for eps in w.slices.values() for ep in eps)
                 if snap != last:
                     last = snap
                     yield snap

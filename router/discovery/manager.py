@@ -57,8 +57,14 @@ class Discovery(Lifecycle):
     ``async with`` does both. ``sources`` may replace the configured ones (tests).
     """
 
-    def __init__(self, cfg: DiscoveryConfig, pool: Pool, registry: CollectorRegistry, *,
-                 sources: list[Source] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DiscoveryConfig,
+        pool: Pool,
+        registry: CollectorRegistry,
+        *,
+        sources: list[Source] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.metrics = DiscoveryMetrics(registry)
         self.sources = build_sources(cfg, self.metrics) if sources is None else sources
@@ -75,8 +81,7 @@ class Discovery(Lifecycle):
             return
         self.state = State.RUNNING
         for s in self.sources:
-            self._tasks.append(asyncio.create_task(self._run(s),
-                                                   name=f"radixfleet-discovery-{s.name}"))
+            self._tasks.append(asyncio.create_task(self._run(s), name=f"radixfleet-discovery-{s.name}"))
         if self.sources:
             log.info("discovery started: %s", ", ".join(s.name for s in self.sources))
 
@@ -118,9 +123,19 @@ class Discovery(Lifecycle):
             except asyncio.CancelledError:
                 raise
             except SourceError as exc:
-                problems.report(exc.cause, "%s (keeping %d known endpoints; retry in %.1fs)",
-                                exc, len(self.latest.get(source.name, ())), backoff.delay_s)
+                problems.report(
+                    exc.cause,
+                    "%s (keeping %d known endpoints; retry in %.1fs)",
+                    exc,
+                    len(self.latest.get(source.name, ())),
+                    backoff.delay_s,
+                )
             except Exception as exc:  # noqa: BLE001 - a peer's garbage must never kill us
-                problems.report("internal", "%r (keeping %d known endpoints; retry in %.1fs)",
-                                exc, len(self.latest.get(source.name, ())), backoff.delay_s)
+                problems.report(
+                    "internal",
+                    "%r (keeping %d known endpoints; retry in %.1fs)",
+                    exc,
+                    len(self.latest.get(source.name, ())),
+                    backoff.delay_s,
+                )
             await backoff.sleep()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from router.config import WORKER_KINDS
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems
@@ -54,12 +54,19 @@ class Reconciler:
                 continue
             w = pool.by_url(url)
             if w is not None:
-                self._problems.report("conflict", "%s (%s) is already a %s worker %r: kept "
-                                      "as it is", ep.id, url, w.source.value, w.id)
+                self._problems.report(
+                    "conflict",
+                    "%s (%s) is already a %s worker %r: kept as it is",
+                    ep.id,
+                    url,
+                    w.source.value,
+                    w.id,
+                )
                 continue
             if pool.get(ep.id) is not None:
-                self._problems.report("conflict", "worker id %r is taken by %s: %s skipped",
-                                      ep.id, pool.get(ep.id).url, url)
+                self._problems.report(
+                    "conflict", "worker id %r is taken by %s: %s skipped", ep.id, pool.get(ep.id).url, url
+                )
                 continue
             kind = ep.kind if ep.kind in WORKER_KINDS else "auto"
             spec = dataclasses.replace(ep.template, url=url, id=ep.id, kind=kind)
@@ -71,8 +78,12 @@ class Reconciler:
         if removed:
             self.metrics.changes.labels("removed").inc(len(removed))
         if added or removed:
-            log.info("discovery: %d added, %d removed, %d discovered workers", len(added),
-                     len(removed), len(self.owned))
+            log.info(
+                "discovery: %d added, %d removed, %d discovered workers",
+                len(added),
+                len(removed),
+                len(self.owned),
+            )
         return added, removed
 
     def _ours(self, url: str) -> bool:
@@ -88,9 +99,12 @@ class Reconciler:
             by_url[ep.url] = ep
             ids.add(ep.id)
         if len(by_url) > self.max_workers:
-            self._problems.report("too_many", "%d endpoints discovered, keeping the first %d "
-                                  "(workers.discovery.max_workers)", len(by_url),
-                                  self.max_workers)
+            self._problems.report(
+                "too_many",
+                "%d endpoints discovered, keeping the first %d (workers.discovery.max_workers)",
+                len(by_url),
+                self.max_workers,
+            )
             by_url = dict(list(by_url.items())[: self.max_workers])
         return by_url
 

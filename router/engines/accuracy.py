@@ -19,8 +19,7 @@ import collections
 from dataclasses import dataclass
 
 
-def predicted_tokens(matched_blocks: int, block_tokens: int, prompt_tokens: int,
-                     engine_blocks: bool) -> int:
+def predicted_tokens(matched_blocks: int, block_tokens: int, prompt_tokens: int, engine_blocks: bool) -> int:
     """The cached tokens a worker should report for a match of ``matched_blocks``.
 
     An engine with block-granular prefix caching (vLLM, SGLang with a page size)
@@ -52,8 +51,7 @@ class AccuracySummary:
 class PredictionStats:
     """One worker's prediction accuracy (module docstring)."""
 
-    __slots__ = ("block_tokens", "n", "sum_abs", "sum_signed", "over", "under", "recent",
-                 "window")
+    __slots__ = ("block_tokens", "n", "sum_abs", "sum_signed", "over", "under", "recent", "window")
 
     def __init__(self, block_tokens: int = 32, window: int = 256) -> None:
         self.block_tokens = block_tokens  # for the error in blocks; the link updates it
@@ -84,12 +82,16 @@ class PredictionStats:
         bt = max(1, self.block_tokens)
         r = self.recent
         return AccuracySummary(
-            samples=n, sum_abs_tokens=self.sum_abs, sum_signed_tokens=self.sum_signed,
+            samples=n,
+            sum_abs_tokens=self.sum_abs,
+            sum_signed_tokens=self.sum_signed,
             mean_abs_tokens=self.sum_abs / n if n else 0.0,
             mean_signed_tokens=self.sum_signed / n if n else 0.0,
             mean_abs_blocks=self.sum_abs / n / bt if n else 0.0,
-            over=self.over, under=self.under,
-            recent_mean_abs_tokens=sum(r) / len(r) if r else 0.0)
+            over=self.over,
+            under=self.under,
+            recent_mean_abs_tokens=sum(r) / len(r) if r else 0.0,
+        )
 
     def reset_recent(self) -> None:
         self.recent.clear()

@@ -88,15 +88,19 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Callable, Iterable
 
+from protocol.prefix_keys import token_block_hashes
 from router.engines.kv_events import (
-    DecodedBatch, EngineAllCleared, EngineBlockRemoved, EngineBlockStored, EngineEvent,
+    DecodedBatch,
+    EngineAllCleared,
+    EngineBlockRemoved,
+    EngineBlockStored,
+    EngineEvent,
     KvEventCause,
 )
 from router.prefix_index import PrefixIndex
-from protocol.prefix_keys import token_block_hashes
 
 #: ``root_seed(adapter, cache_salt, block_size) -> seed``: h_0 of a sequence's chain;
 #: ``lambda a, s, b: token_namespace_seed(model, s, a, b)`` for a worker serving ``model``.
@@ -174,12 +178,20 @@ class EngineBlockMap:
 
     def stats(self) -> BlockMapStats:
         return BlockMapStats(
-            mapped=len(self._keys), stored_blocks=self._stored, removed_blocks=self._removed,
-            orphan_blocks=self._orphan, stale_parent_blocks=self._stale_parent,
-            unknown_removed=self._unknown_removed, other_tier_blocks=self._other_tier,
-            untokenized_blocks=self._untokenized, unaligned_blocks=self._unaligned,
-            unkeyable_blocks=self._unkeyable, block_size_mismatch_blocks=self._bs_mismatch,
-            remapped_blocks=self._remapped, cleared=self._cleared, resets=self._resets,
+            mapped=len(self._keys),
+            stored_blocks=self._stored,
+            removed_blocks=self._removed,
+            orphan_blocks=self._orphan,
+            stale_parent_blocks=self._stale_parent,
+            unknown_removed=self._unknown_removed,
+            other_tier_blocks=self._other_tier,
+            untokenized_blocks=self._untokenized,
+            unaligned_blocks=self._unaligned,
+            unkeyable_blocks=self._unkeyable,
+            block_size_mismatch_blocks=self._bs_mismatch,
+            remapped_blocks=self._remapped,
+            cleared=self._cleared,
+            resets=self._resets,
             errors=self._errors,
         )
 
@@ -202,8 +214,10 @@ class EngineBlockMap:
                 if gone:
                     self._flush_removed(gone)
                 if _plain(ev):
-                    if chain and (ev.parent_block_hash != chain[-1].block_hashes[-1]
-                                  or ev.block_size != chain[-1].block_size):
+                    if chain and (
+                        ev.parent_block_hash != chain[-1].block_hashes[-1]
+                        or ev.block_size != chain[-1].block_size
+                    ):
                         self._flush_chain(chain, now)
                     chain.append(ev)
                     continue
@@ -323,8 +337,11 @@ class EngineBlockMap:
                 self.index.remove(self.worker, (old,))
             keys[e] = k
         self._stored += usable
-        if not self.index.insert(self.worker, ours, now, parent_key) and parent_key is not None \
-                and self.worker not in self.index.holders(parent_key):
+        if (
+            not self.index.insert(self.worker, ours, now, parent_key)
+            and parent_key is not None
+            and self.worker not in self.index.holders(parent_key)
+        ):
             # Refused, not a repeat: the parent is mapped but no longer held (stale).
             self._stale_parent += usable
 
@@ -338,8 +355,9 @@ class EngineBlockMap:
             for ev in chain:
                 toks.extend(ev.token_ids)
                 hashes.extend(ev.block_hashes)
-            self._apply_stored(first._replace(block_hashes=tuple(hashes), token_ids=toks,
-                                              extra_keys=None), now)
+            self._apply_stored(
+                first._replace(block_hashes=tuple(hashes), token_ids=toks, extra_keys=None), now
+            )
         chain.clear()
 
     def _flush_removed(self, gone: list[int]) -> None:
@@ -378,8 +396,9 @@ class EngineBlockMap:
             mapped.add(k)
             if w in idx.holders(k):
                 p = _index_parent(idx, k)
-                assert p is None or w in idx.holders(p), \
+                assert p is None or w in idx.holders(p), (
                     f"closure: {w=} holds {k:#x} but not its parent {p:#x}"
+                )
         if exclusive:
             for k in _index_keys_held(idx, w):
                 assert k in mapped, f"index holds {k:#x} for {w=} but no engine block maps to it"
@@ -388,8 +407,14 @@ class EngineBlockMap:
 def _plain(ev: EngineBlockStored) -> bool:
     """A stored event that can be merged with its chain's neighbours: applied tier, no
     adapter, no extra keys, tokens aligned (what _apply_stored keys the simple way)."""
-    return (ev.medium in _GPU_MEDIA and ev.group_idx in _MAIN_GROUPS and ev.lora_name is None
-            and ev.lora_id is None and (ev.extra_keys is None or not any(ev.extra_keys)) and ev.aligned)
+    return (
+        ev.medium in _GPU_MEDIA
+        and ev.group_idx in _MAIN_GROUPS
+        and ev.lora_name is None
+        and ev.lora_id is None
+        and (ev.extra_keys is None or not any(ev.extra_keys))
+        and ev.aligned
+    )
 
 
 def _salt_and_check(entry, lora: str | None, first: bool) -> str | None:

@@ -35,7 +35,7 @@ the measured effect is in bench/RESULTS.md, "Engines that send nothing".
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 #: growth per answer whose prediction held: this share of its matched blocks
 GROW_SHARE = 0.01
@@ -72,9 +72,16 @@ class LearnedCapacity:
         assert self.floor <= self.blocks <= self.configured, (self.blocks, self.configured)
 
 
-def correct(index, worker: str, learned: LearnedCapacity | None, matched_blocks: int,
-            predicted: int, cached: int, block_tokens: int,
-            touches: Sequence[float | None] | None) -> int:
+def correct(
+    index,
+    worker: str,
+    learned: LearnedCapacity | None,
+    matched_blocks: int,
+    predicted: int,
+    cached: int,
+    block_tokens: int,
+    touches: Sequence[float | None] | None,
+) -> int:
     """What an approximate-mode answer teaches the index about ``worker``: the live
     router's rule (``router.engines.link.EngineLink.observe``) and the simulator's
     (``--feedback plain``), one function. ``predicted`` / ``cached``: the tokens the

@@ -61,29 +61,76 @@ except ImportError as exc:  # chat templates are the engines extra's (protocol.e
     raise MissingExtra("chat templates", "engines", str(exc)) from exc
 
 #: Text-like content part types and the key holding their text (vLLM MM_PARSER_MAP).
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
-              "refusal": "refusal", "thinking": "thinking"}
+TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
 #: Media part types: expanded by the engine's processor, never reproduced here.
-MEDIA_PARTS = frozenset({"image_url", "input_image", "image_embeds", "audio_embeds",
-                         "video_embeds", "prompt_embeds", "image_pil", "audio_url",
-                         "input_audio", "video_url"})
+MEDIA_PARTS = frozenset(
+    {
+        "image_url",
+        "input_image",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    }
+)
 #: Keys of vLLM's content-part types; any other key of a text part is kept as an
 #: "extra field" next to type/text in the ``openai`` format (vLLM's
 #: _KNOWN_CONTENT_PART_FIELDS, 0.32).
-KNOWN_PART_FIELDS = frozenset({
-    "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil",
-    "image_url", "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text",
-    "thinking", "type", "uuid", "video_embeds", "video_url"})
+KNOWN_PART_FIELDS = frozenset(
+    {
+        "audio_embeds",
+        "audio_url",
+        "closed",
+        "data",
+        "file",
+        "image_embeds",
+        "image_pil",
+        "image_url",
+        "input_audio",
+        "name",
+        "prompt_cache_breakpoint",
+        "refusal",
+        "text",
+        "thinking",
+        "type",
+        "uuid",
+        "video_embeds",
+        "video_url",
+    }
+)
 #: transformers' apply_chat_template named parameters (5.16-5.19, pinned by vLLM
 #: 0.32): they pass vLLM's kwarg filter whatever the template reads, and are consumed
 #: by apply_chat_template instead of reaching the template.
-HF_NAMED_PARAMS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+HF_NAMED_PARAMS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 #: Of those, the ones that change the ids when a request asks for ``tokenize``.
-TOKENIZE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors",
-                    "tokenizer_kwargs")
+TOKENIZE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs")
 REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
 _BILLING_HEADER = "x-anthropic-billing-header"
 _NO_EXTRAS: dict = {}  # shared, never written
@@ -130,9 +177,12 @@ def merge_kwargs(defaults: dict | None, overrides: dict | None) -> dict:
 def _strip(node: jn.Node) -> jn.Node:
     """``x | f``, ``x is t`` and ``x[a:b]`` all refer to x (vLLM's rule)."""
     while True:
-        if isinstance(node, (jn.Filter, jn.Test)) and node.node is not None:
-            node = node.node
-        elif isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
+        if (
+            isinstance(node, (jn.Filter, jn.Test))
+            and node.node is not None
+            or isinstance(node, jn.Getitem)
+            and isinstance(node.arg, jn.Slice)
+        ):
             node = node.node
         else:
             return node
@@ -148,8 +198,7 @@ def _is_content_of(node: jn.Node, names: set[str]) -> bool:
     if isinstance(node, jn.Getattr):
         return node.attr == "content" and _is_name(node.node, names)
     if isinstance(node, jn.Getitem):
-        return (isinstance(node.arg, jn.Const) and node.arg.value == "content"
-                and _is_name(node.node, names))
+        return isinstance(node.arg, jn.Const) and node.arg.value == "content" and _is_name(node.node, names)
     return False
 
 
@@ -172,8 +221,11 @@ def detect_content_format(ast: jn.Template) -> str:
                     msg_lists.add(a.target.name)
                     todo.append(a.target.name)
     loops = list(ast.find_all(jn.For))
-    msg_names = {lp.target.name for lp in loops
-                 if isinstance(lp.target, jn.Name) and _is_name(_strip(lp.iter), msg_lists)}
+    msg_names = {
+        lp.target.name
+        for lp in loops
+        if isinstance(lp.target, jn.Name) and _is_name(_strip(lp.iter), msg_lists)
+    }
     in_macro: set[int] = set()
     params_of_loop: dict[int, set[str]] = {}
     calls = list(ast.find_all(jn.Call))
@@ -221,40 +273,48 @@ class ChatTemplate:
         self.compiled = _compile_jinja_template(source)
         ast = self.compiled.environment.parse(source)
         #: 'string' or 'openai': the shape of message content the template reads
-        self.content_format = (detect_content_format(ast) if content_format == "auto"
-                               else content_format)
+        self.content_format = detect_content_format(ast) if content_format == "auto" else content_format
         #: the template's free variables: the chat_template_kwargs that reach it
         self.variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         self.supports_developer = '"developer"' in source or "'developer'" in source
 
-    def render(self, conversation: list[dict], *, tools: list | None,
-               documents: list | None, add_generation_prompt: bool,
-               continue_final_message: bool | str, kwargs: dict) -> str:
+    def render(
+        self,
+        conversation: list[dict],
+        *,
+        tools: list | None,
+        documents: list | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        kwargs: dict,
+    ) -> str:
         """The prompt text, as transformers 5.16-5.19's apply_chat_template(tokenize=
         False) renders it. ``conversation`` is consumed (its last message may be
         edited). Raises whatever the template or the continuation rules raise."""
         if not conversation:
-            raise ValueError("Cannot apply chat template to an empty conversation. "
-                             "Provide at least one message.")
+            raise ValueError(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt are not "
-                             "compatible")
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
         if tools is not None and any(not isinstance(t, dict) for t in tools):
             raise ValueError("Tools should either be a JSON schema, or a callable function")
         if documents is not None and any(not isinstance(d, dict) for d in documents):
             raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
         final = None
         if continue_final_message:
-            field = (continue_final_message if isinstance(continue_final_message, str)
-                     else "content")
+            field = continue_final_message if isinstance(continue_final_message, str) else "content"
             last = conversation[-1] = dict(conversation[-1])
             final = last.get(field)
             if final is None:
-                raise ValueError(f'continue_final_message is set but the final message has '
-                                 f'no "{field}" to continue!')
+                raise ValueError(
+                    f'continue_final_message is set but the final message has no "{field}" to continue!'
+                )
             if field not in self.source:
-                raise ValueError(f'continue_final_message is set to "{field}" but this is '
-                                 'not an accepted field in the chat_template')
+                raise ValueError(
+                    f'continue_final_message is set to "{field}" but this is '
+                    "not an accepted field in the chat_template"
+                )
             if isinstance(final, (list, tuple)):
                 blocks = last[field] = [dict(b) if isinstance(b, dict) else b for b in final]
                 for block in reversed(blocks):
@@ -263,19 +323,28 @@ class ChatTemplate:
                         block["text"] = block["text"] + _CONTINUE_TAG
                         break
                 else:
-                    raise ValueError("continue_final_message is set but we could not find "
-                                     "any text to continue in the final message!")
+                    raise ValueError(
+                        "continue_final_message is set but we could not find "
+                        "any text to continue in the final message!"
+                    )
             else:
                 last[field] = final + _CONTINUE_TAG
-        text = self.compiled.render(messages=conversation, tools=tools, documents=documents,
-                                    add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.compiled.render(
+            messages=conversation,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
         if final is not None:
             tag = _CONTINUE_TAG.strip()
             if final.strip() not in text or tag not in text:
-                raise ValueError("continue_final_message is set but the final message does "
-                                 "not appear in the chat after applying the chat template!")
+                raise ValueError(
+                    "continue_final_message is set but the final message does "
+                    "not appear in the chat after applying the chat template!"
+                )
             at = text.rindex(tag)
-            if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+            if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
                 text = text[:at]
             else:
                 text = text[:at].rstrip()
@@ -318,8 +387,10 @@ def _parts(content: Any, role: str, where: str) -> tuple[list[tuple[str, Any, di
     elif isinstance(content, list):
         raw = content
     else:
-        raise _bad(f"'{where}' must be a string, a list of content parts or null, got "
-                   f"{type(content).__name__}", "messages")
+        raise _bad(
+            f"'{where}' must be a string, a list of content parts or null, got {type(content).__name__}",
+            "messages",
+        )
     if role == "system":
         raw = _strip_billing_header(raw)
     out: list[tuple[str, Any, dict]] = []
@@ -334,8 +405,9 @@ def _parts(content: Any, role: str, where: str) -> tuple[list[tuple[str, Any, di
         if not isinstance(kind, str):
             raise _bad(f"'{pw}.type' must be a string", "messages")
         if kind in TEXT_PARTS:
-            extras = {k: v for k, v in part.items() if k not in KNOWN_PART_FIELDS} \
-                if len(part) > 2 else _NO_EXTRAS
+            extras = (
+                {k: v for k, v in part.items() if k not in KNOWN_PART_FIELDS} if len(part) > 2 else _NO_EXTRAS
+            )
             out.append(("text", _text_of(part, kind, pw), extras))
         elif kind in MEDIA_PARTS:
             media = True
@@ -345,9 +417,11 @@ def _parts(content: Any, role: str, where: str) -> tuple[list[tuple[str, Any, di
                 raise _bad(f"'{pw}.name' must be a string", "messages")
             out.append(("tool_reference", name, {}))
         else:
-            raise _bad(f"'{pw}.type' {kind!r} is not a supported content part type "
-                       f"({', '.join(sorted([*TEXT_PARTS, *MEDIA_PARTS, 'tool_reference']))})",
-                       "messages")
+            raise _bad(
+                f"'{pw}.type' {kind!r} is not a supported content part type "
+                f"({', '.join(sorted([*TEXT_PARTS, *MEDIA_PARTS, 'tool_reference']))})",
+                "messages",
+            )
     return out, media
 
 
@@ -355,8 +429,7 @@ def _strip_billing_header(parts: list) -> list:
     """Drops the per-request attribution line Claude Code puts in system text."""
     out = []
     for part in parts:
-        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" \
-            else None
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
         if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
             out.append(part)
             continue
@@ -368,9 +441,12 @@ def _strip_billing_header(parts: list) -> list:
 
 def _content(parts: list[tuple[str, Any, dict]], fmt: str) -> Any:
     if fmt == "openai":
-        return [({"type": "text", "text": v, **x} if x else {"type": "text", "text": v})
-                if k == "text" else {"type": "tool_reference", "name": v}
-                for k, v, x in parts]
+        return [
+            ({"type": "text", "text": v, **x} if x else {"type": "text", "text": v})
+            if k == "text"
+            else {"type": "tool_reference", "name": v}
+            for k, v, x in parts
+        ]
     if len(parts) == 1:
         return parts[0][1]
     return "\n".join(v for _, v, _ in parts)
@@ -381,8 +457,10 @@ def _tool_call(item: Any, where: str) -> dict:
     if not isinstance(item, dict):
         raise _bad(f"'{where}' must be an object", "messages")
     if item.get("type", "function") != "function":
-        raise _bad(f"'{where}.type' must be 'function' (chat completions support "
-                   "function tool calls only)", "messages")
+        raise _bad(
+            f"'{where}.type' must be 'function' (chat completions support function tool calls only)",
+            "messages",
+        )
     fn = item.get("function")
     if not isinstance(fn, dict):
         raise _bad(f"'{where}.function' must be an object", "messages")
@@ -405,10 +483,17 @@ def _tool_call(item: Any, where: str) -> dict:
             raise _bad(f"'{where}.function.arguments' nests too deeply", "messages") from None
         if not isinstance(parsed, dict):
             parsed = {}
-    function = {"arguments": parsed, "name": name,
-                **{k: v for k, v in fn.items() if k not in ("arguments", "name")}}
-    return {"id": item["id"], "function": function, "type": "function",
-            **{k: v for k, v in item.items() if k not in ("id", "function", "type")}}
+    function = {
+        "arguments": parsed,
+        "name": name,
+        **{k: v for k, v in fn.items() if k not in ("arguments", "name")},
+    }
+    return {
+        "id": item["id"],
+        "function": function,
+        "type": "function",
+        **{k: v for k, v in item.items() if k not in ("id", "function", "type")},
+    }
 
 
 def parse_messages(messages: Any, content_format: str) -> tuple[list[dict], bool]:
@@ -437,8 +522,9 @@ def parse_messages(messages: Any, content_format: str) -> tuple[list[dict], bool
                 if not isinstance(calls, list):
                     raise _bad(f"'{where}.tool_calls' must be a list", "messages")
                 if calls:  # an empty list is dropped: the template's plain path
-                    res["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]")
-                                         for k, c in enumerate(calls)]
+                    res["tool_calls"] = [
+                        _tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)
+                    ]
             reasoning = msg.get("reasoning")
             if reasoning is None:
                 reasoning = msg.get("reasoning_content")
@@ -522,12 +608,15 @@ def tool_dicts(tools: Any) -> list[dict] | None:
             v = fn.get(key)
             if v is not None and not isinstance(v, types):
                 raise _bad(f"'{where}.function.{key}' must be a {types.__name__}", "tools")
-        strict, fdl, tdl = (None if v is None else lax_bool(v, f"{where}.{name}", "tools")
-                            for name, v in (("function.strict", fn.get("strict")),
-                                            ("function.defer_loading", fn.get("defer_loading")),
-                                            ("defer_loading", tool.get("defer_loading"))))
-        f = {"name": fn["name"], "description": fn.get("description"),
-             "parameters": fn.get("parameters")}
+        strict, fdl, tdl = (
+            None if v is None else lax_bool(v, f"{where}.{name}", "tools")
+            for name, v in (
+                ("function.strict", fn.get("strict")),
+                ("function.defer_loading", fn.get("defer_loading")),
+                ("defer_loading", tool.get("defer_loading")),
+            )
+        )
+        f = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
         if strict is not None:
             f["strict"] = strict
         if fdl is None:

@@ -55,8 +55,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -129,14 +130,16 @@ class EngineMetrics:
             return None
         return self.kv_capacity_tokens // self.block_size
 
-    def restarted_since(self, earlier: "EngineMetrics") -> bool:
+    def restarted_since(self, earlier: EngineMetrics) -> bool:
         """True if this reading comes from a different engine process than ``earlier``:
         the start time changed, or a prefix-cache counter went backwards."""
         if self.start_time_s is not None and earlier.start_time_s is not None:
             if self.start_time_s != earlier.start_time_s:
                 return True
-        for now_v, then_v in ((self.prefix_queries_tokens, earlier.prefix_queries_tokens),
-                              (self.prefix_hits_tokens, earlier.prefix_hits_tokens)):
+        for now_v, then_v in (
+            (self.prefix_queries_tokens, earlier.prefix_queries_tokens),
+            (self.prefix_hits_tokens, earlier.prefix_hits_tokens),
+        ):
             if now_v is not None and then_v is not None and now_v < then_v:
                 return True
         return False
@@ -157,8 +160,16 @@ class _Schema:
     config_info: str | None = None  # vLLM's info gauge
 
     def names(self) -> tuple[str, ...]:
-        out = [*self.waiting, *self.running, *self.usage, *self.capacity, *self.queries,
-               *self.hits, *self.prefilled, _START_TIME]
+        out = [
+            *self.waiting,
+            *self.running,
+            *self.usage,
+            *self.capacity,
+            *self.queries,
+            *self.hits,
+            *self.prefilled,
+            _START_TIME,
+        ]
         if self.config_info:
             out.append(self.config_info)
         return tuple(out)
@@ -242,23 +253,32 @@ def parse_metrics(text: str, kind: MetricsKind, model: str | None = None) -> Eng
     waiting_name = _first_present(samples, schema.waiting)
     running_name = _first_present(samples, schema.running)
     usage_name = _first_present(samples, schema.usage)
-    missing = [alts[0] for alts, n in ((schema.waiting, waiting_name),
-                                       (schema.running, running_name),
-                                       (schema.usage, usage_name)) if n is None]
+    missing = [
+        alts[0]
+        for alts, n in (
+            (schema.waiting, waiting_name),
+            (schema.running, running_name),
+            (schema.usage, usage_name),
+        )
+        if n is None
+    ]
     if missing:
-        raise EngineMetricsError(MetricsFailure.MISSING_SERIES,
-                                 f"{kind.value} page lacks {', '.join(missing)}{_hint(text, kind)}")
+        raise EngineMetricsError(
+            MetricsFailure.MISSING_SERIES, f"{kind.value} page lacks {', '.join(missing)}{_hint(text, kind)}"
+        )
     if model is not None:
         seen = _models(samples[waiting_name])
-        samples = {name: [(lb, v) for lb, v in rows if lb.get("model_name", model) == model]
-                   for name, rows in samples.items()}
+        samples = {
+            name: [(lb, v) for lb, v in rows if lb.get("model_name", model) == model]
+            for name, rows in samples.items()
+        }
         if not samples[waiting_name]:
-            raise EngineMetricsError(MetricsFailure.WRONG_MODEL,
-                                     f"page serves {sorted(seen)}, not {model!r}")
+            raise EngineMetricsError(MetricsFailure.WRONG_MODEL, f"page serves {sorted(seen)}, not {model!r}")
         for name in (running_name, usage_name):
             if not samples[name]:
-                raise EngineMetricsError(MetricsFailure.MISSING_SERIES,
-                                         f"{kind.value} page lacks {name} for {model!r}")
+                raise EngineMetricsError(
+                    MetricsFailure.MISSING_SERIES, f"{kind.value} page lacks {name} for {model!r}"
+                )
     inst = schema.instance_labels
     waiting = _per_instance(samples[waiting_name], inst, waiting_name, required=True)
     running = _per_instance(samples[running_name], inst, running_name, required=True)
@@ -275,13 +295,16 @@ def parse_metrics(text: str, kind: MetricsKind, model: str | None = None) -> Eng
         capacity = int(cap) if cap is not None and cap >= 1 else None
     q_name = _first_present(samples, schema.queries)
     h_name = _first_present(samples, schema.hits)
-    queries = None if q_name is None else _sum_or_none(
-        _per_instance(samples[q_name], inst, q_name, required=False))
-    hits = None if h_name is None else _sum_or_none(
-        _per_instance(samples[h_name], inst, h_name, required=False))
+    queries = (
+        None if q_name is None else _sum_or_none(_per_instance(samples[q_name], inst, q_name, required=False))
+    )
+    hits = (
+        None if h_name is None else _sum_or_none(_per_instance(samples[h_name], inst, h_name, required=False))
+    )
     p_name = _first_present(samples, schema.prefilled)
-    prefilled = None if p_name is None else _sum_or_none(
-        _per_instance(samples[p_name], inst, p_name, required=False))
+    prefilled = (
+        None if p_name is None else _sum_or_none(_per_instance(samples[p_name], inst, p_name, required=False))
+    )
     starts = [v for _, v in samples.get(_START_TIME, ()) if math.isfinite(v) and v > 0]
     return EngineMetrics(
         kind=kind,
@@ -309,7 +332,8 @@ def _classify_unreadable(text: str, kind: MetricsKind, schema: _Schema) -> None:
         raise EngineMetricsError(MetricsFailure.NOT_PROMETHEUS, _short(e)) from None
     raise EngineMetricsError(
         MetricsFailure.MISSING_SERIES,
-        f"{kind.value} page lacks {schema.waiting[0]}; {n} metric families{_hint(text, kind)}")
+        f"{kind.value} page lacks {schema.waiting[0]}; {n} metric families{_hint(text, kind)}",
+    )
 
 
 def _hint(text: str, kind: MetricsKind) -> str:
@@ -403,13 +427,15 @@ async def fetch_metrics(
     ``TOO_LARGE`` for the transfer, then whatever ``parse_metrics`` raises.
     """
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                               headers={"Accept": "text/plain"}) as resp:
+        async with session.get(
+            url, timeout=aiohttp.ClientTimeout(total=timeout_s), headers={"Accept": "text/plain"}
+        ) as resp:
             if resp.status != 200:
                 raise EngineMetricsError(MetricsFailure.HTTP_STATUS, f"HTTP {resp.status}")
             if resp.content_length is not None and resp.content_length > max_bytes:
-                raise EngineMetricsError(MetricsFailure.TOO_LARGE,
-                                         f"{resp.content_length} bytes > {max_bytes}")
+                raise EngineMetricsError(
+                    MetricsFailure.TOO_LARGE, f"{resp.content_length} bytes > {max_bytes}"
+                )
             chunks: list[bytes] = []
             size = 0
             async for chunk in resp.content.iter_chunked(65536):
@@ -493,8 +519,7 @@ class MetricsScraper(Lifecycle):
         self.name = name or url  # for log lines
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.stale_after_s = 3 * interval_s + timeout_s if stale_after_s is None \
-            else stale_after_s
+        self.stale_after_s = 3 * interval_s + timeout_s if stale_after_s is None else stale_after_s
         self.model = model
         self.max_bytes = max_bytes
         self.state = ScraperState.NEW
@@ -557,8 +582,14 @@ class MetricsScraper(Lifecycle):
 
     async def scrape_once(self) -> EngineMetrics:
         """One fetch and parse, outside the loop's bookkeeping; raises EngineMetricsError."""
-        return await fetch_metrics(self._session, self.url, self.kind, timeout_s=self.timeout_s,
-                                   max_bytes=self.max_bytes, model=self.model)
+        return await fetch_metrics(
+            self._session,
+            self.url,
+            self.kind,
+            timeout_s=self.timeout_s,
+            max_bytes=self.max_bytes,
+            model=self.model,
+        )
 
     async def _run(self) -> None:
         clock = self._clock
@@ -578,8 +609,9 @@ class MetricsScraper(Lifecycle):
             self._latest = m
             self._last_ok = now
             if self.consecutive_failures:
-                log.debug("metrics scrape of %s ok again after %d failures", self.name,
-                          self.consecutive_failures)
+                log.debug(
+                    "metrics scrape of %s ok again after %d failures", self.name, self.consecutive_failures
+                )
             self.consecutive_failures = 0
             self.scrapes += 1
             try:
@@ -594,8 +626,13 @@ class MetricsScraper(Lifecycle):
         self.scrapes += 1
         if cause not in self._logged:
             self._logged.add(cause)
-            log.warning("metrics scrape of %s failed (%s): %s; further %s failures are "
-                        "counted, not logged", self.name, cause.value, detail, cause.value)
+            log.warning(
+                "metrics scrape of %s failed (%s): %s; further %s failures are counted, not logged",
+                self.name,
+                cause.value,
+                detail,
+                cause.value,
+            )
         else:
             log.debug("metrics scrape of %s failed (%s): %s", self.name, cause.value, detail)
         try:

@@ -83,8 +83,9 @@ def parse_event_sources(status: int, body: bytes) -> tuple[EventSource, ...] | S
     """The usable sources of one ``/kv_event_sources`` answer, in rank order, or why
     there are none. Ranks must be 0..N-1, each one exactly once."""
     if status == 404:
-        return SourcesProblem(SourcesCause.MISSING, "GET /kv_event_sources answered 404 "
-                              "(vLLM before 0.32 does not serve it)")
+        return SourcesProblem(
+            SourcesCause.MISSING, "GET /kv_event_sources answered 404 (vLLM before 0.32 does not serve it)"
+        )
     if status >= 500:
         return SourcesProblem(SourcesCause.UNREACHABLE, f"GET /kv_event_sources answered {status}")
     if status != 200:
@@ -94,11 +95,13 @@ def parse_event_sources(status: int, body: bytes) -> tuple[EventSource, ...] | S
     except MalformedRequest as exc:
         return SourcesProblem(SourcesCause.MALFORMED, str(exc)[:200])
     if not isinstance(obj, dict):
-        return SourcesProblem(SourcesCause.MALFORMED,
-                              f"the answer is a JSON {type(obj).__name__}, want an object")
+        return SourcesProblem(
+            SourcesCause.MALFORMED, f"the answer is a JSON {type(obj).__name__}, want an object"
+        )
     if not obj:
-        return SourcesProblem(SourcesCause.EMPTY, "no rank publishes KV events "
-                              "(start vLLM with --kv-events-config)")
+        return SourcesProblem(
+            SourcesCause.EMPTY, "no rank publishes KV events (start vLLM with --kv-events-config)"
+        )
     if len(obj) > MAX_RANKS:
         return SourcesProblem(SourcesCause.MALFORMED, f"{len(obj)} ranks (at most {MAX_RANKS})")
     out: list[EventSource] = []
@@ -112,43 +115,47 @@ def parse_event_sources(status: int, body: bytes) -> tuple[EventSource, ...] | S
             continue  # this rank publishes nothing a subscriber can read
         ep, topic, replay = cfg.get("endpoint"), cfg.get("topic", ""), cfg.get("replay_endpoint")
         if not isinstance(ep, str) or not ep.strip().startswith(_SCHEMES) or len(ep) > 512:
-            return SourcesProblem(SourcesCause.MALFORMED,
-                                  f"rank {rank}: endpoint {str(ep)[:60]!r} is not a tcp://, "
-                                  "ipc:// or inproc:// address")
-        if replay is not None and (not isinstance(replay, str) or len(replay) > 512
-                                   or not replay.strip().startswith(_SCHEMES)):
-            return SourcesProblem(SourcesCause.MALFORMED,
-                                  f"rank {rank}: replay_endpoint {str(replay)[:60]!r} is not "
-                                  "a tcp://, ipc:// or inproc:// address")
+            return SourcesProblem(
+                SourcesCause.MALFORMED,
+                f"rank {rank}: endpoint {str(ep)[:60]!r} is not a tcp://, ipc:// or inproc:// address",
+            )
+        if replay is not None and (
+            not isinstance(replay, str) or len(replay) > 512 or not replay.strip().startswith(_SCHEMES)
+        ):
+            return SourcesProblem(
+                SourcesCause.MALFORMED,
+                f"rank {rank}: replay_endpoint {str(replay)[:60]!r} is not "
+                "a tcp://, ipc:// or inproc:// address",
+            )
         if topic is None:
             topic = ""
         if not isinstance(topic, str) or len(topic) > 256:
             return SourcesProblem(SourcesCause.MALFORMED, f"rank {rank}: topic is not a string")
         out.append(EventSource(rank, ep.strip(), topic, replay.strip() if replay else None))
     if not out:
-        return SourcesProblem(SourcesCause.DISABLED, f"{len(obj)} rank(s) listed, none "
-                              "publishing over ZMQ")
+        return SourcesProblem(SourcesCause.DISABLED, f"{len(obj)} rank(s) listed, none publishing over ZMQ")
     out.sort(key=lambda s: s.rank)
     if len(out) != len(obj) or [s.rank for s in out] != list(range(len(out))):
-        return SourcesProblem(SourcesCause.MALFORMED, "ranks are not 0..N-1, each publishing: "
-                              + ", ".join(str(s.rank) for s in out[:8]))
+        return SourcesProblem(
+            SourcesCause.MALFORMED,
+            "ranks are not 0..N-1, each publishing: " + ", ".join(str(s.rank) for s in out[:8]),
+        )
     return tuple(out)
 
 
-async def fetch_event_sources(session: aiohttp.ClientSession, url: str,
-                              timeout_s: float = 2.0) -> tuple[EventSource, ...] | SourcesProblem:
+async def fetch_event_sources(
+    session: aiohttp.ClientSession, url: str, timeout_s: float = 2.0
+) -> tuple[EventSource, ...] | SourcesProblem:
     """``GET url/kv_event_sources``, parsed (``parse_event_sources``); a server that
     does not answer in ``timeout_s`` is ``unreachable``."""
     try:
-        async with session.get(url + PATH,
-                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        async with session.get(url + PATH, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             body = await r.content.read(MAX_BODY_BYTES + 1)
             status = r.status
     except asyncio.CancelledError:
         raise
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
-        return SourcesProblem(SourcesCause.UNREACHABLE,
-                              f"GET /kv_event_sources failed: {type(exc).__name__}")
+        return SourcesProblem(SourcesCause.UNREACHABLE, f"GET /kv_event_sources failed: {type(exc).__name__}")
     if len(body) > MAX_BODY_BYTES:
         return SourcesProblem(SourcesCause.MALFORMED, f"answer over {MAX_BODY_BYTES} bytes")
     return parse_event_sources(status, body)

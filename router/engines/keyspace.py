@@ -24,8 +24,9 @@ exact when both count real tokens and an estimate against the byte space.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any
 
 from policies.base import MatchResult, RouteRequest
 from protocol.prefix_keys import BYTES_PER_TOKEN, Endpoint, PrefixKey
@@ -75,8 +76,7 @@ class TokenSpace:
 
     def key(self, endpoint: Endpoint, body: dict, pk: PrefixKey) -> SpaceKey:
         """Raises ``MalformedRequest`` naming the field."""
-        tk = self.keyer.key(endpoint, body, model=self.model, block_size=self.block_size,
-                            adapter=pk.adapter)
+        tk = self.keyer.key(endpoint, body, model=self.model, block_size=self.block_size, adapter=pk.adapter)
         return SpaceKey(tk.hashes, tk.prompt_tokens, self.block_size, tk.exact)
 
     def __repr__(self) -> str:
@@ -90,12 +90,18 @@ class KeyedRequest:
     ``key_for(space)`` and ``blocks_for(worker)`` are what the data plane needs
     after the pick (the hint insert, load in uncached tokens, accuracy)."""
 
-    __slots__ = ("keys", "matches", "primary", "route_request", "match", "_space_of",
-                 "_ranks")
+    __slots__ = ("keys", "matches", "primary", "route_request", "match", "_space_of", "_ranks")
 
-    def __init__(self, keys: dict, matches: dict, primary, route_request: RouteRequest,
-                 match: MatchResult, space_of: Mapping[str, Any],
-                 ranks: Mapping[str, Mapping[int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        keys: dict,
+        matches: dict,
+        primary,
+        route_request: RouteRequest,
+        match: MatchResult,
+        space_of: Mapping[str, Any],
+        ranks: Mapping[str, Mapping[int, int]] | None = None,
+    ) -> None:
         self.keys = keys  # space id -> SpaceKey
         self.matches = matches  # space id -> MatchResult of that space's keys
         self.primary = primary  # the space id the policy's view is in
@@ -125,8 +131,11 @@ class KeyedRequest:
         return self._ranks.get(worker)
 
 
-def merge_matches(primary: SpaceKey, primary_match: MatchResult,
-                  others: Sequence[tuple[SpaceKey, MatchResult, Sequence[str]]]) -> MatchResult:
+def merge_matches(
+    primary: SpaceKey,
+    primary_match: MatchResult,
+    others: Sequence[tuple[SpaceKey, MatchResult, Sequence[str]]],
+) -> MatchResult:
     """The primary space's match plus the other spaces' workers, converted to primary
     blocks through tokens (module docstring)."""
     if not others:
@@ -138,5 +147,4 @@ def merge_matches(primary: SpaceKey, primary_match: MatchResult,
             b = m.blocks.get(w, 0)
             if b:
                 blocks[w] = (b * sk.block_tokens) // pbt
-    return MatchResult(blocks, primary_match.depth, primary_match.rate,
-                       primary_match.private)
+    return MatchResult(blocks, primary_match.depth, primary_match.rate, primary_match.private)

@@ -53,8 +53,9 @@ class ProbeResult:
     models: tuple[str, ...]  # from /v1/models ((): unknown)
 
 
-async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float,
-               limit: int = 4 << 20) -> tuple[int, bytes] | None:
+async def _get(
+    session: aiohttp.ClientSession, url: str, timeout_s: float, limit: int = 4 << 20
+) -> tuple[int, bytes] | None:
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             body = await r.content.read(limit)
@@ -97,17 +98,18 @@ def models_from(body: bytes | None) -> tuple[str, ...]:
     items = data.get("data") if isinstance(data, dict) else None
     if not isinstance(items, list):
         return ()
-    return tuple(m["id"] for m in items
-                 if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"])[:64]
+    return tuple(m["id"] for m in items if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"])[
+        :64
+    ]
 
 
-async def probe(session: aiohttp.ClientSession, url: str,
-                timeout_s: float = 2.0) -> ProbeResult | None:
+async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float = 2.0) -> ProbeResult | None:
     """Asks the worker at ``url`` what it is (module docstring). None: no answer."""
     info, metrics, models = await asyncio.gather(
         _get(session, url + "/server_info", timeout_s),
         _get(session, url + "/metrics", timeout_s),
-        _get(session, url + "/v1/models", timeout_s))
+        _get(session, url + "/v1/models", timeout_s),
+    )
     if info is None and metrics is None and models is None:
         return None
     mods = models_from(models[1]) if models and models[0] == 200 else ()

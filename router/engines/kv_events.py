@@ -71,7 +71,7 @@ import enum
 import math
 import reprlib
 from array import array
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -147,7 +147,7 @@ class EngineAllCleared(NamedTuple):
 
 
 #: one decoded event
-EngineEvent = Union[EngineBlockStored, EngineBlockRemoved, EngineAllCleared]
+EngineEvent = EngineBlockStored | EngineBlockRemoved | EngineAllCleared
 
 
 class DecodedBatch(NamedTuple):
@@ -174,8 +174,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         # ExtraData, FormatError, StackError and UnicodeDecodeError are ValueErrors.
         raise KvEventError(KvEventCause.NOT_MSGPACK, _short(e)) from None
     if obj.__class__ is not list or not 2 <= len(obj) <= 3:
-        raise KvEventError(KvEventCause.BAD_SHAPE,
-                           f"batch is {_kind(obj)}, want [ts, events, dp_rank?]")
+        raise KvEventError(KvEventCause.BAD_SHAPE, f"batch is {_kind(obj)}, want [ts, events, dp_rank?]")
     ts = obj[0]
     if ts.__class__ is int:
         ts = float(ts)
@@ -199,7 +198,9 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             tag = ev[0]
             parse = _ARRAY_PARSERS.get(tag) if tag.__class__ is str else None
         else:
-            raise KvEventError(KvEventCause.BAD_SHAPE, f"event {i} is {_kind(ev)}, want a map or tagged array")
+            raise KvEventError(
+                KvEventCause.BAD_SHAPE, f"event {i} is {_kind(ev)}, want a map or tagged array"
+            )
         if parse is None:
             if tag.__class__ is not str:
                 raise KvEventError(KvEventCause.BAD_SHAPE, f"event {i} type is {_kind(tag)}, want a string")
@@ -216,24 +217,33 @@ def decode_batch(payload: bytes) -> DecodedBatch:
 #   BlockRemoved  1 block_hashes  2 medium  3 group_idx  (4.. ignored)
 def _stored_map(ev: dict, i: int) -> EngineBlockStored:
     get = ev.get
-    return _stored(get("block_hashes", _MISSING), get("parent_block_hash"),
-                   get("token_ids", _MISSING), get("block_size", _MISSING), get("lora_id"),
-                   get("medium"), get("lora_name"), get("extra_keys"), get("group_idx"),
-                   get("kv_cache_spec_kind"), i)
+    return _stored(
+        get("block_hashes", _MISSING),
+        get("parent_block_hash"),
+        get("token_ids", _MISSING),
+        get("block_size", _MISSING),
+        get("lora_id"),
+        get("medium"),
+        get("lora_name"),
+        get("extra_keys"),
+        get("group_idx"),
+        get("kv_cache_spec_kind"),
+        i,
+    )
 
 
 def _stored_array(ev: list, i: int) -> EngineBlockStored:
     n = len(ev)
     if n < 5:  # the first four fields have no default: always sent
-        raise KvEventError(KvEventCause.BAD_FIELD,
-                           f"event {i} BlockStored: {n - 1} fields, want at least 4")
+        raise KvEventError(KvEventCause.BAD_FIELD, f"event {i} BlockStored: {n - 1} fields, want at least 4")
     if n < 11:
         ev = ev + [None] * (11 - n)
     return _stored(ev[1], ev[2], ev[3], ev[4], ev[5], ev[6], ev[7], ev[8], ev[9], ev[10], i)
 
 
-def _stored(hashes, parent, toks, bs, lora_id, medium, lora_name, extra, group_idx, kind,
-            i: int) -> EngineBlockStored:
+def _stored(
+    hashes, parent, toks, bs, lora_id, medium, lora_name, extra, group_idx, kind, i: int
+) -> EngineBlockStored:
     hashes = _hash_list(hashes, "BlockStored", "block_hashes", i)
     if parent is not None:
         parent = _hash(parent, "BlockStored", "parent_block_hash", i)
@@ -243,8 +253,8 @@ def _stored(hashes, parent, toks, bs, lora_id, medium, lora_name, extra, group_i
     n = len(toks)
     if n and (bs == 0 or n % bs or n < len(hashes) * bs):
         raise KvEventError(
-            KvEventCause.BAD_FIELD,
-            f"event {i} BlockStored: {n} token_ids for {len(hashes)} blocks of {bs}")
+            KvEventCause.BAD_FIELD, f"event {i} BlockStored: {n} token_ids for {len(hashes)} blocks of {bs}"
+        )
     if extra is not None:
         extra = _extra_keys(extra, len(hashes), i)
     if not (lora_id is None or lora_id.__class__ is int):
@@ -254,8 +264,7 @@ def _stored(hashes, parent, toks, bs, lora_id, medium, lora_name, extra, group_i
     for name, v in (("medium", medium), ("lora_name", lora_name), ("kv_cache_spec_kind", kind)):
         if not (v is None or v.__class__ is str):
             raise _bad("BlockStored", name, i, v, "nil or str")
-    return EngineBlockStored(hashes, parent, toks, bs, lora_id, lora_name, medium, extra,
-                             group_idx, kind)
+    return EngineBlockStored(hashes, parent, toks, bs, lora_id, lora_name, medium, extra, group_idx, kind)
 
 
 def _removed_map(ev: dict, i: int) -> EngineBlockRemoved:
@@ -286,10 +295,8 @@ def _cleared(ev, i: int) -> EngineAllCleared:
     return _CLEARED
 
 
-_MAP_PARSERS = {"BlockStored": _stored_map, "BlockRemoved": _removed_map,
-                "AllBlocksCleared": _cleared}
-_ARRAY_PARSERS = {"BlockStored": _stored_array, "BlockRemoved": _removed_array,
-                  "AllBlocksCleared": _cleared}
+_MAP_PARSERS = {"BlockStored": _stored_map, "BlockRemoved": _removed_map, "AllBlocksCleared": _cleared}
+_ARRAY_PARSERS = {"BlockStored": _stored_array, "BlockRemoved": _removed_array, "AllBlocksCleared": _cleared}
 
 
 class _Missing:

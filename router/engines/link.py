@@ -48,19 +48,22 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from protocol.errors import MissingExtra
+from protocol.events import MAX_LOAD_COUNT, Load
+from protocol.extras import require
 from router.config import WorkerSpec
-from router.engines.capacity import LearnedCapacity, correct
 from router.engines.accuracy import PredictionStats, predicted_tokens
+from router.engines.capacity import LearnedCapacity, correct
 from router.engines.event_sources import (
-    EventSource, SourcesCause, SourcesProblem, fetch_event_sources,
+    EventSource,
+    SourcesCause,
+    SourcesProblem,
+    fetch_event_sources,
 )
-from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
+from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
-from protocol.events import MAX_LOAD_COUNT, Load
-from protocol.errors import MissingExtra
-from protocol.extras import require
 from service.background import Backoff
 
 if TYPE_CHECKING:
@@ -100,8 +103,9 @@ class LinkHost(Protocol):
     def resolve(self, spec: WorkerSpec, served: tuple[str, ...]) -> WorkerSpec: ...
     async def load_keyer(self, source: str, worker: str, chat_template: str = "") -> Any: ...
     def new_scraper(self, link: EngineLink) -> Any: ...
-    def new_subscriber(self, link: EngineLink, source: EventSource | None = None,
-                       rank: int | None = None) -> tuple: ...
+    def new_subscriber(
+        self, link: EngineLink, source: EventSource | None = None, rank: int | None = None
+    ) -> tuple: ...
     def spaces_changed(self) -> None: ...  # its key space changed
     def ranks_changed(self, link: EngineLink, n: int) -> None: ...  # its rank map did
 
@@ -197,8 +201,10 @@ class EngineLink:
         best = max(blocks.values(), default=0) if blocks else 0
         inflight = self._rank_inflight
         c = self._rank_cursor
-        r = min((r for r in range(n) if (blocks.get(r, 0) if blocks else 0) == best),
-                key=lambda r: (inflight[r], (r - c) % n))
+        r = min(
+            (r for r in range(n) if (blocks.get(r, 0) if blocks else 0) == best),
+            key=lambda r: (inflight[r], (r - c) % n),
+        )
         self._rank_cursor = (r + 1) % n
         inflight[r] += 1
         return r
@@ -230,22 +236,33 @@ class EngineLink:
             "index_cap_blocks": None if self.learned is None else self.learned.blocks,
             "prefill_tokens_per_s": round(self.prefill_rate(time.monotonic()), 1),
             "prefill_tokens_per_s_own": round(self.rate.tokens_per_s, 1),
-            "load_source": "engine" if self.engine_load_fresh(time.monotonic())
-            else "router",
+            "load_source": "engine" if self.engine_load_fresh(time.monotonic()) else "router",
             "engine_queue": {
                 "tokens_per_request": round(self.queue.tokens_per_request, 1),
-                "departures_per_s": None if self.queue.departures_per_s is None
-                else round(self.queue.departures_per_s, 2)},
+                "departures_per_s": None
+                if self.queue.departures_per_s is None
+                else round(self.queue.departures_per_s, 2),
+            },
             "data_parallel_ranks": self.ranks,
-            "events": None if not self.streams else {
-                "source": self.events_source, "in_sync": self.in_sync,
+            "events": None
+            if not self.streams
+            else {
+                "source": self.events_source,
+                "in_sync": self.in_sync,
                 "endpoint": self.subscriber.address,
                 "connected": all(sub.connected for sub, _ in self.streams.values()),
                 **_summed(bm.stats() for _, bm in self.streams.values()),
-                "ranks": {str(r): {"endpoint": sub.address, "connected": sub.connected,
-                                   "in_sync": r in self._synced,
-                                   "entries": self.engines.index.entries(self.holder(r))}
-                          for r, (sub, _) in self.streams.items() if r is not None}},
+                "ranks": {
+                    str(r): {
+                        "endpoint": sub.address,
+                        "connected": sub.connected,
+                        "in_sync": r in self._synced,
+                        "entries": self.engines.index.entries(self.holder(r)),
+                    }
+                    for r, (sub, _) in self.streams.items()
+                    if r is not None
+                },
+            },
             "prediction": acc,
         }
 
@@ -261,8 +278,9 @@ class EngineLink:
             return False
         if not self.brought_up:
             return True
-        return any(sub.replay_endpoint is not None and not sub.history_known
-                   for sub, _ in self.streams.values())
+        return any(
+            sub.replay_endpoint is not None and not sub.history_known for sub, _ in self.streams.values()
+        )
 
     def engine_load_fresh(self, now: float) -> bool:
         return self.scraper is not None and self.scraper.fresh(now) is not None
@@ -302,8 +320,7 @@ class EngineLink:
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - a worker's engine side never takes the router down
-            log.exception("worker %s: engine link failed; approximate mode, router counts",
-                          self.worker.id)
+            log.exception("worker %s: engine link failed; approximate mode, router counts", self.worker.id)
         finally:
             self.brought_up = True
 
@@ -316,8 +333,12 @@ class EngineLink:
                 self.kind = res.kind
                 if not self.models and res.models:
                     self.models = res.models
-                log.info("worker %s probed: %s, models %s", self.worker.id, res.kind.value,
-                         ", ".join(self.models) or "?")
+                log.info(
+                    "worker %s probed: %s, models %s",
+                    self.worker.id,
+                    res.kind.value,
+                    ", ".join(self.models) or "?",
+                )
                 break
             await backoff.sleep()
         if self.state is not LinkState.RUNNING:
@@ -333,12 +354,15 @@ class EngineLink:
             # its tokenizer, block keys and events would describe another model
             self.model_mismatch = True
             eng.prom.model_mismatch.labels(self.worker.id).inc()
-            log.error("worker %s serves %s, not the configured model %r: keyed on routing "
-                      "bytes, its events ignored (approximate mode)", self.worker.id,
-                      ", ".join(self.models), self.spec.model)
+            log.error(
+                "worker %s serves %s, not the configured model %r: keyed on routing "
+                "bytes, its events ignored (approximate mode)",
+                self.worker.id,
+                ", ".join(self.models),
+                self.spec.model,
+            )
         elif self.spec.tokenizer:
-            self.keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id,
-                                              self.spec.chat_template)
+            self.keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id, self.spec.chat_template)
         if self.kind in ENGINE_KINDS and self.spec.metrics.path:
             self.scraper = eng.new_scraper(self)
             await self.scraper.start()
@@ -389,8 +413,7 @@ class EngineLink:
         cap = self.capacity_tokens
         if cap is None or self.kind is WorkerKind.AGENT:
             return
-        bt = self.block_size if isinstance(self.space, TokenSpace) \
-            else self.space.block_bytes // 4
+        bt = self.block_size if isinstance(self.space, TokenSpace) else self.space.block_bytes // 4
         # a data-parallel server's capacity is its ranks' together (vLLM sums
         # num_gpu_blocks over them): each rank holds its share
         blocks = max(1, cap // max(1, bt) // max(1, self.ranks))
@@ -411,26 +434,32 @@ class EngineLink:
         self._last_metrics = m
         if m.block_size and not self.block_size:
             self.learn_block_size(m.block_size)
-        if m.kv_capacity_tokens and not self.spec.kv_capacity_tokens \
-                and m.kv_capacity_tokens != self.capacity_tokens:
+        if (
+            m.kv_capacity_tokens
+            and not self.spec.kv_capacity_tokens
+            and m.kv_capacity_tokens != self.capacity_tokens
+        ):
             self.capacity_tokens = m.kv_capacity_tokens
             self._apply_capacity()
         cap = self.capacity_tokens or 0
         # The engine counts waiting requests, not their tokens nor their wait:
         # router.engines.queue_estimate prices them (the fleet's mean uncached
         # prompt, the engine's own, and its departure rate, whichever is larger).
-        self.queue.observe(now, m.waiting_requests, m.prefilled_requests,
-                           m.prefix_queries_tokens, m.prefix_hits_tokens)
+        self.queue.observe(
+            now, m.waiting_requests, m.prefilled_requests, m.prefix_queries_tokens, m.prefix_hits_tokens
+        )
         rate = self.prefill_rate(now)
-        load = Load(queued_requests=m.waiting_requests,
-                    queued_tokens=self.queue.queued_tokens(
-                        m.waiting_requests, eng.rates.mean_request_tokens, rate),
-                    running_requests=m.running_requests,
-                    kv_used_tokens=int(m.kv_usage * cap), kv_capacity_tokens=cap,
-                    prefill_tokens_per_s=rate)
-        eng.pool.report_load(self.worker, load, now,
-                             stale_s=self.scraper.stale_after_s if self.scraper else None,
-                             engine=True)
+        load = Load(
+            queued_requests=m.waiting_requests,
+            queued_tokens=self.queue.queued_tokens(m.waiting_requests, eng.rates.mean_request_tokens, rate),
+            running_requests=m.running_requests,
+            kv_used_tokens=int(m.kv_usage * cap),
+            kv_capacity_tokens=cap,
+            prefill_tokens_per_s=rate,
+        )
+        eng.pool.report_load(
+            self.worker, load, now, stale_s=self.scraper.stale_after_s if self.scraper else None, engine=True
+        )
         eng.prom.scrape_ok(self.worker.id)
 
     def on_failure(self, cause, detail: str) -> None:
@@ -460,16 +489,21 @@ class EngineLink:
                 return
             if self._refused_rank is not None and len(found) > self._refused_rank:
                 self._set_ranks(0)
-                self._no_events("malformed", f"it lists rank {self._refused_rank}, which it "
-                                "refused; not followed until it restarts")
+                self._no_events(
+                    "malformed",
+                    f"it lists rank {self._refused_rank}, which it refused; not followed until it restarts",
+                )
                 return
             sources, origin = found, "engine"
             self._set_ranks(len(found) if len(found) >= 2 else 0)
         else:
             return
         if self.keyer is None:
-            self._no_events("no_tokenizer", "events name token blocks and the worker has "
-                            "no tokenizer; set one to key requests in its tokens")
+            self._no_events(
+                "no_tokenizer",
+                "events name token blocks and the worker has "
+                "no tokenizer; set one to key requests in its tokens",
+            )
             return
         try:  # the engines extra: ZMQ and msgpack (router.engines.zmq_events)
             zmq = require("zmq", "engines", "following an engine's KV-cache events")
@@ -492,8 +526,12 @@ class EngineLink:
         self.streams = streams
         self.events_source = origin
         self.engines.prom.events_followed(self.worker.id, origin, len(streams))
-        log.info("worker %s: following its KV events (%s): %s", self.worker.id, origin,
-                 ", ".join(sub.address or "?" for sub, _ in streams.values()))
+        log.info(
+            "worker %s: following its KV events (%s): %s",
+            self.worker.id,
+            origin,
+            ", ".join(sub.address or "?" for sub, _ in streams.values()),
+        )
 
     async def _ask_sources(self):
         """The server's event sources; retried (backoff) while it does not answer.
@@ -502,21 +540,23 @@ class EngineLink:
         said = False
         while self.state is LinkState.RUNNING:
             found = await fetch_event_sources(self.engines.session, self.worker.url)
-            if not (isinstance(found, SourcesProblem)
-                    and found.cause is SourcesCause.UNREACHABLE):
+            if not (isinstance(found, SourcesProblem) and found.cause is SourcesCause.UNREACHABLE):
                 return found
             if not said:
                 said = True
-                log.info("worker %s: %s; asking again until it answers", self.worker.id,
-                         found.detail)
+                log.info("worker %s: %s; asking again until it answers", self.worker.id, found.detail)
             await backoff.sleep()
         return None
 
     def _no_events(self, cause: str, detail: str) -> None:
         self.engines.prom.events_unavailable(self.worker.id, cause)
-        log.warning("worker %s: no KV events to follow (%s: %s): approximate mode (the "
-                    "router's own hints, corrected by each answer's cached tokens)",
-                    self.worker.id, cause, detail)
+        log.warning(
+            "worker %s: no KV events to follow (%s: %s): approximate mode (the "
+            "router's own hints, corrected by each answer's cached tokens)",
+            self.worker.id,
+            cause,
+            detail,
+        )
 
     def _endpoint_refused(self, src: EventSource | None, exc: Exception) -> None:
         """An events endpoint the router cannot use: one clear line saying which side
@@ -528,6 +568,7 @@ class EngineLink:
         import zmq  # a subscriber was made: the engines extra is installed
 
         from router.engines.zmq_events import subscriber_endpoint
+
         try:
             how, addr = subscriber_endpoint(endpoint, _host(self.worker.url), mode)
         except ValueError:
@@ -535,21 +576,26 @@ class EngineLink:
         inuse = isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE
         if inuse:
             cause = "address_in_use"
-            why = ("events.mode is bind" if mode == "bind" else
-                   f"the engine's endpoint {endpoint} is a concrete address, so the engine "
-                   "connects to it")
-            fix = (f"the router must bind {addr} ({why}), and another socket holds it (if "
-                   "the engine binds it too, both sides bind): give the engine a wildcard "
-                   "endpoint such as tcp://*:PORT (it binds, the router connects; events.mode "
-                   f"auto), or free {addr}")
+            why = (
+                "events.mode is bind"
+                if mode == "bind"
+                else f"the engine's endpoint {endpoint} is a concrete address, so the engine connects to it"
+            )
+            fix = (
+                f"the router must bind {addr} ({why}), and another socket holds it (if "
+                "the engine binds it too, both sides bind): give the engine a wildcard "
+                "endpoint such as tcp://*:PORT (it binds, the router connects; events.mode "
+                f"auto), or free {addr}"
+            )
         else:
             cause = "endpoint_refused"
-            fix = (f"the router would {how} {addr} for the engine's endpoint {endpoint}; "
-                   "give the engine a tcp://*:PORT (it binds, the router connects) or a "
-                   "tcp://ROUTER_HOST:PORT the router can bind")
+            fix = (
+                f"the router would {how} {addr} for the engine's endpoint {endpoint}; "
+                "give the engine a tcp://*:PORT (it binds, the router connects) or a "
+                "tcp://ROUTER_HOST:PORT the router can bind"
+            )
         self.engines.prom.events_unavailable(self.worker.id, cause)
-        log.error("worker %s: KV events not followed (%s): %s; approximate mode",
-                  self.worker.id, exc, fix)
+        log.error("worker %s: KV events not followed (%s): %s; approximate mode", self.worker.id, exc, fix)
 
     async def _stop_events(self) -> None:
         streams, self.streams = self.streams, {}
@@ -575,8 +621,12 @@ class EngineLink:
         self.engines.ranks_changed(self, n)
         self._apply_capacity()
         if n:
-            log.info("worker %s: %d data-parallel ranks, each indexed and routed to on "
-                     "its own (X-data-parallel-rank)", self.worker.id, n)
+            log.info(
+                "worker %s: %d data-parallel ranks, each indexed and routed to on "
+                "its own (X-data-parallel-rank)",
+                self.worker.id,
+                n,
+            )
 
     def rank_rejected(self, rank: int, detail: str) -> None:
         """The engine refused ``rank`` (it restarted with fewer ranks): the rank map
@@ -586,17 +636,26 @@ class EngineLink:
         self.engines.prom.events_unavailable(self.worker.id, "rank_rejected")
         if self._refused_rank is None or rank < self._refused_rank:
             self._refused_rank = rank
-        log.warning("worker %s rejected data-parallel rank %d (%s): its rank map is dropped "
-                    "and its event sources asked again", self.worker.id, rank, detail[:200])
+        log.warning(
+            "worker %s rejected data-parallel rank %d (%s): its rank map is dropped "
+            "and its event sources asked again",
+            self.worker.id,
+            rank,
+            detail[:200],
+        )
         self._set_ranks(0)
         self._refollow_events()
 
     def _refollow_events(self) -> None:
         """Asks a vLLM server for its event sources again (a restart, a rejected
         rank), unless the worker's events are configured or off."""
-        if self.state is not LinkState.RUNNING or self.kind is not WorkerKind.VLLM \
-                or self.spec.events.endpoint or self.spec.events.mode == "off" \
-                or self.model_mismatch:
+        if (
+            self.state is not LinkState.RUNNING
+            or self.kind is not WorkerKind.VLLM
+            or self.spec.events.endpoint
+            or self.spec.events.mode == "off"
+            or self.model_mismatch
+        ):
             return
         if self._refollow is not None and not self._refollow.done():
             return
@@ -614,8 +673,7 @@ class EngineLink:
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - a worker's engine side never takes the router down
-            log.exception("worker %s: following KV events failed; approximate mode",
-                          self.worker.id)
+            log.exception("worker %s: following KV events failed; approximate mode", self.worker.id)
 
     def events_synced(self, rank: int | None = None) -> None:
         if rank in self._synced:
@@ -642,9 +700,13 @@ class EngineLink:
         self.engines.prom.resync(self.worker.id, reason.split(" ")[0])
         if reason not in self._events_logged:
             self._events_logged.add(reason)
-            log.warning("worker %s: KV events %s%s: its index entries were dropped and are "
-                        "rebuilt from the events that follow", self.worker.id, reason,
-                        "" if rank is None else f" (rank {rank})")
+            log.warning(
+                "worker %s: KV events %s%s: its index entries were dropped and are "
+                "rebuilt from the events that follow",
+                self.worker.id,
+                reason,
+                "" if rank is None else f" (rank {rank})",
+            )
 
     def engine_restarted(self, why: str) -> None:
         """A new engine process: its cache is empty. Event sources the engine named
@@ -654,8 +716,7 @@ class EngineLink:
         self._drop_entries()
         self._refused_rank = None  # a new process: what it lists is news
         self.engines.prom.resync(self.worker.id, "restart")
-        log.warning("worker %s restarted (%s): its index entries were dropped",
-                    self.worker.id, why)
+        log.warning("worker %s restarted (%s): its index entries were dropped", self.worker.id, why)
         self._refollow_events()
 
     def _drop_entries(self) -> None:
@@ -666,8 +727,9 @@ class EngineLink:
 
     # ------------------------------------------------------------- responses
 
-    def observe(self, pick: Placement, usage: tuple[int, int] | None,
-                ttft_s: float | None, now: float) -> None:
+    def observe(
+        self, pick: Placement, usage: tuple[int, int] | None, ttft_s: float | None, now: float
+    ) -> None:
         """One finished request on this worker (on data-parallel ``pick.rank``, if any).
 
         ``usage``: (prompt_tokens, cached_tokens) it reported, if any: records the
@@ -693,8 +755,7 @@ class EngineLink:
             # two equal vLLMs learned 12,400 tokens/s, the other 3,000), and misses
             # herded onto it.
             own_tokens = min(usage[0] - usage[1], MAX_LOAD_COUNT)  # usage_of: 0 <= c <= p
-        eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now,
-                           engine=self.kind is not WorkerKind.AGENT)
+        eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now, engine=self.kind is not WorkerKind.AGENT)
         if ttft_s is not None and ttft_s > 0:
             self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
         if usage is None:
@@ -714,8 +775,7 @@ class EngineLink:
             corrects, rank = self.corrects, None
         if corrects:
             holder = self.holder(rank)
-            n = correct(self.engines.index, holder, self.learned, matched_blocks,
-                        pred, cached, bt, touches)
+            n = correct(self.engines.index, holder, self.learned, matched_blocks, pred, cached, bt, touches)
             if n:
                 self.engines.prom.corrected.labels(self.worker.id).inc(n)
 
@@ -732,6 +792,7 @@ class EngineLink:
 
 def _host(url: str) -> str | None:
     from urllib.parse import urlsplit
+
     return urlsplit(url).hostname
 
 

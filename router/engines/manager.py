@@ -27,12 +27,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies.base import EMPTY_MATCH, MatchResult, RouteRequest, WorkerView
+from protocol.prefix_keys import Endpoint, PrefixKey
 from router.config import Config, WorkerSpec, resolve_engine
 from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.kinds import WorkerKind
@@ -40,7 +42,6 @@ from router.engines.link import EngineLink, LinkState
 from router.engines.prefill_rate import FleetRates
 from router.pool import Pool
 from router.prefix_index import PrefixIndex
-from protocol.prefix_keys import Endpoint, PrefixKey
 
 log = logging.getLogger("radixfleet.engines")
 
@@ -53,60 +54,101 @@ class EnginePrometheus:
 
     def __init__(self, r: CollectorRegistry) -> None:
         self.pred_err = Histogram(
-            "radixfleet_prediction_error_tokens", "|predicted matched - reported cached| "
+            "radixfleet_prediction_error_tokens",
+            "|predicted matched - reported cached| "
             "prompt tokens of the chosen worker, per response that reports cached tokens",
-            ["worker"], buckets=_ERR_BUCKETS, registry=r)
+            ["worker"],
+            buckets=_ERR_BUCKETS,
+            registry=r,
+        )
         self.pred_over = Counter(
-            "radixfleet_prediction_over", "Responses whose cached tokens were fewer than "
-            "the index predicted", ["worker"], registry=r)
+            "radixfleet_prediction_over",
+            "Responses whose cached tokens were fewer than the index predicted",
+            ["worker"],
+            registry=r,
+        )
         self.corrected = Counter(
-            "radixfleet_index_corrected_entries", "Index entries removed because a worker "
-            "reported fewer cached tokens than predicted (approximate mode)", ["worker"],
-            registry=r)
+            "radixfleet_index_corrected_entries",
+            "Index entries removed because a worker "
+            "reported fewer cached tokens than predicted (approximate mode)",
+            ["worker"],
+            registry=r,
+        )
         self.scrape_fail = Counter(
-            "radixfleet_engine_scrape_failures", "Failed scrapes of an engine's /metrics",
-            ["worker", "cause"], registry=r)
+            "radixfleet_engine_scrape_failures",
+            "Failed scrapes of an engine's /metrics",
+            ["worker", "cause"],
+            registry=r,
+        )
         self.load_source = Gauge(
-            "radixfleet_engine_load_fresh", "1 while the engine's own load (its /metrics) "
-            "is fresh; 0: the router's own counts only", ["worker"], registry=r)
+            "radixfleet_engine_load_fresh",
+            "1 while the engine's own load (its /metrics) is fresh; 0: the router's own counts only",
+            ["worker"],
+            registry=r,
+        )
         self.event_errors = Counter(
-            "radixfleet_engine_event_errors", "Malformed or unusable KV event frames",
-            ["worker", "cause"], registry=r)
+            "radixfleet_engine_event_errors",
+            "Malformed or unusable KV event frames",
+            ["worker", "cause"],
+            registry=r,
+        )
         self.event_blocks = Counter(
-            "radixfleet_engine_event_blocks", "Engine KV event blocks applied to the index",
-            ["type"], registry=r)
+            "radixfleet_engine_event_blocks",
+            "Engine KV event blocks applied to the index",
+            ["type"],
+            registry=r,
+        )
         self.resyncs = Counter(
-            "radixfleet_engine_resyncs", "Times a worker's index entries were dropped and "
-            "rebuilt (gap, late join, restart)", ["worker", "reason"], registry=r)
+            "radixfleet_engine_resyncs",
+            "Times a worker's index entries were dropped and rebuilt (gap, late join, restart)",
+            ["worker", "reason"],
+            registry=r,
+        )
         self.model_mismatch = Counter(
-            "radixfleet_engine_model_mismatch", "Workers found serving another model than "
-            "their configured one (approximate mode)", ["worker"], registry=r)
+            "radixfleet_engine_model_mismatch",
+            "Workers found serving another model than their configured one (approximate mode)",
+            ["worker"],
+            registry=r,
+        )
         self.tokenizer_errors = Counter(
-            "radixfleet_tokenizer_errors", "Tokenizers that could not be loaded",
-            ["worker"], registry=r)
+            "radixfleet_tokenizer_errors", "Tokenizers that could not be loaded", ["worker"], registry=r
+        )
         self.prefill_rate = Gauge(
-            "radixfleet_worker_prefill_tokens_per_second", "Learned prefill speed",
-            ["worker"], registry=r)
+            "radixfleet_worker_prefill_tokens_per_second", "Learned prefill speed", ["worker"], registry=r
+        )
         self.truth = Gauge(
-            "radixfleet_worker_index_exact", "1: the worker's index entries follow its "
-            "engine's (or agent's) events; 0: approximate", ["worker"], registry=r)
+            "radixfleet_worker_index_exact",
+            "1: the worker's index entries follow its engine's (or agent's) events; 0: approximate",
+            ["worker"],
+            registry=r,
+        )
         self.events_off = Counter(
-            "radixfleet_engine_events_unavailable", "Times a worker's KV events could not "
+            "radixfleet_engine_events_unavailable",
+            "Times a worker's KV events could not "
             "be followed and it was left in the approximate mode, per cause: missing (no "
             "/kv_event_sources: vLLM before 0.32), empty, disabled, malformed (its answer), "
             "no_tokenizer, address_in_use, endpoint_refused (the subscriber's socket), "
             "rank_rejected (the engine refused a data-parallel rank; asked again), "
             "missing_extra (pip install 'radixfleet[engines]')",
-            ["worker", "cause"], registry=r)
+            ["worker", "cause"],
+            registry=r,
+        )
         self.events_ranks = Gauge(
-            "radixfleet_engine_event_streams", "KV-event streams followed per worker (one "
+            "radixfleet_engine_event_streams",
+            "KV-event streams followed per worker (one "
             "per data-parallel rank) and where their endpoints came from: config (the "
-            "worker's events:) or engine (its /kv_event_sources)", ["worker", "source"],
-            registry=r)
+            "worker's events:) or engine (its /kv_event_sources)",
+            ["worker", "source"],
+            registry=r,
+        )
         self.dp_ranks = Gauge(
-            "radixfleet_worker_data_parallel_ranks", "Data-parallel ranks the router "
+            "radixfleet_worker_data_parallel_ranks",
+            "Data-parallel ranks the router "
             "indexes and routes to separately (X-data-parallel-rank); 0: the worker as one "
-            "engine", ["worker"], registry=r)
+            "engine",
+            ["worker"],
+            registry=r,
+        )
 
     def prediction(self, worker: str, err: int) -> None:
         self.pred_err.labels(worker).observe(abs(err))
@@ -153,8 +195,15 @@ class Engines:
     #: well under its timeout; past this the router says ready anyway
     READY_WAIT_S = 30.0
 
-    def __init__(self, cfg: Config, pool: Pool, index: PrefixIndex,
-                 registry: CollectorRegistry, *, keyers: dict | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        pool: Pool,
+        index: PrefixIndex,
+        registry: CollectorRegistry,
+        *,
+        keyers: dict | None = None,
+    ) -> None:
         """``keyers``: the ``models:`` tokenizers, loaded (router.reload.build)."""
         self.cfg = cfg
         self.pool = pool
@@ -209,8 +258,7 @@ class Engines:
                 if link.kind is WorkerKind.AGENT:
                     continue
                 if self.resolve(self._spec_of(link.worker), link.models) != link.spec:
-                    log.info("worker %s: its models: settings changed, new engine link",
-                             link.worker.id)
+                    log.info("worker %s: its models: settings changed, new engine link", link.worker.id)
                     self.worker_removed(link.worker)
                     self.index.clear(link.worker.id)
                     self.worker_added(link.worker)
@@ -247,8 +295,11 @@ class Engines:
     @staticmethod
     def _spec_of(w) -> WorkerSpec:
         """The worker's own entry (YAML, admin, discovery), or a self-registered one's."""
-        return w.spec if w.spec is not None else WorkerSpec(
-            url=w.url, id=w.id, kind="agent" if w.source.value == "agent" else "auto")
+        return (
+            w.spec
+            if w.spec is not None
+            else WorkerSpec(url=w.url, id=w.id, kind="agent" if w.source.value == "agent" else "auto")
+        )
 
     def resolve(self, spec: WorkerSpec, served: tuple[str, ...]) -> WorkerSpec:
         """The worker's engine settings with what ``models:`` says of the model it
@@ -282,29 +333,44 @@ class Engines:
         if fut is None:
             options = {"chat_template": chat_template} if chat_template else {}
             fut = self._keyer_loads[key] = asyncio.ensure_future(
-                asyncio.to_thread(_load_token_keyer, source, options))
+                asyncio.to_thread(_load_token_keyer, source, options)
+            )
         try:
             k = await asyncio.shield(fut)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, or a broken folder
             self.prom.tokenizer_errors.labels(worker).inc()
-            log.error("worker %s: tokenizer %s cannot be loaded (%s): keyed on routing bytes "
-                      "instead, events ignored", worker, source, exc)
+            log.error(
+                "worker %s: tokenizer %s cannot be loaded (%s): keyed on routing bytes "
+                "instead, events ignored",
+                worker,
+                source,
+                exc,
+            )
             return None
         self._keyers.setdefault(key, k)
         return self._keyers[key]
 
     def new_scraper(self, link: EngineLink):
         from router.engines.engine_metrics import MetricsKind, MetricsScraper
+
         ms = link.spec.metrics
         kind = MetricsKind.VLLM if link.kind is WorkerKind.VLLM else MetricsKind.SGLANG
-        return MetricsScraper(link.worker.url + ms.path, kind, self.session, link,
-                              interval_s=ms.interval_s, timeout_s=ms.timeout_s,
-                              model=link.spec.model or None, name=link.worker.id)
+        return MetricsScraper(
+            link.worker.url + ms.path,
+            kind,
+            self.session,
+            link,
+            interval_s=ms.interval_s,
+            timeout_s=ms.timeout_s,
+            model=link.spec.model or None,
+            name=link.worker.id,
+        )
 
     def new_subscriber(self, link: EngineLink, source=None, rank: int | None = None):
         from router.engines.wiring import subscribe
+
         return subscribe(link, self, source, rank)
 
     # ------------------------------------------------------------- data plane
@@ -328,8 +394,15 @@ class Engines:
         self._spaces_key = ids
         return self._spaces
 
-    def key(self, endpoint: Endpoint, body: dict, pk: PrefixKey, session: str | None,
-            views: Sequence[WorkerView], now: float) -> KeyedRequest:
+    def key(
+        self,
+        endpoint: Endpoint,
+        body: dict,
+        pk: PrefixKey,
+        session: str | None,
+        views: Sequence[WorkerView],
+        now: float,
+    ) -> KeyedRequest:
         """The request in every space in use, and the policy's view of it.
         Raises ``MalformedRequest`` (a token space refusing the body)."""
         groups = self.spaces_for(views)
@@ -353,15 +426,15 @@ class Engines:
         psp = groups[0][0]
         psk = keys[psp.id]
         match = merge_matches(psk, matches[psp.id], others)
-        req = RouteRequest(psk.hashes, psk.prompt_tokens, psk.block_tokens, session,
-                           pk.model, len(pk.data))
+        req = RouteRequest(psk.hashes, psk.prompt_tokens, psk.block_tokens, session, pk.model, len(pk.data))
         return KeyedRequest(keys, matches, psp.id, req, match, space_of, ranks)
 
     def link(self, worker: str) -> EngineLink | None:
         return self.links.get(worker)
 
-    def forward_body(self, link: EngineLink | None, endpoint: Endpoint, body: dict,
-                     raw: bytes, stream: bool) -> tuple[bytes, bool]:
+    def forward_body(
+        self, link: EngineLink | None, endpoint: Endpoint, body: dict, raw: bytes, stream: bool
+    ) -> tuple[bytes, bool]:
         """The bytes to send and whether the usage event must be hidden: a stream
         whose client did not ask for usage gets ``stream_options.include_usage`` so
         the router learns the cached tokens (OpenAI endpoints; SGLang's /generate
@@ -375,8 +448,7 @@ class Engines:
             return raw, False  # the worker answers the client's own mistake
         b = dict(body)
         b["stream_options"] = {**(so or {}), "include_usage": True}
-        return json.dumps(b, ensure_ascii=False, separators=(",", ":")).encode(
-            "utf-8", "surrogatepass"), True
+        return json.dumps(b, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"), True
 
     def settling(self, now: float) -> list[str]:
         """The healthy workers whose engine side is still coming up (``EngineLink.
@@ -386,9 +458,11 @@ class Engines:
         worker added later never takes a serving router out of rotation."""
         if not self._started or now - self._started_at > self.READY_WAIT_S:
             return []
-        return [wid for wid, link in self.links.items()
-                if link.settling and (w := self.pool.get(wid)) is not None
-                and w.health.value == "healthy"]
+        return [
+            wid
+            for wid, link in self.links.items()
+            if link.settling and (w := self.pool.get(wid)) is not None and w.health.value == "healthy"
+        ]
 
     def refresh(self, now: float) -> None:
         """Copies link state into gauges (at /metrics time)."""
@@ -423,4 +497,5 @@ def _load_token_keyer(source: str, options: dict):
     'engines' extra that import raises MissingExtra, which ``load_keyer`` logs and
     counts as a tokenizer that cannot load (the worker is keyed on routing bytes)."""
     from router.engines.token_keys import TokenKeyer
+
     return TokenKeyer.load(source, **options)

@@ -50,27 +50,66 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 #: Normalizers applied to each piece on its own (all of ``tokenizers``' except none).
-_PIECE_LOCAL_NORMALIZERS = frozenset({
-    "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Strip", "StripAccents", "Replace",
-    "Prepend", "BertNormalizer", "Nmt", "Precompiled", "ByteLevel",
-})
+_PIECE_LOCAL_NORMALIZERS = frozenset(
+    {
+        "NFC",
+        "NFD",
+        "NFKC",
+        "NFKD",
+        "Lowercase",
+        "Strip",
+        "StripAccents",
+        "Replace",
+        "Prepend",
+        "BertNormalizer",
+        "Nmt",
+        "Precompiled",
+        "ByteLevel",
+    }
+)
 #: Pre-tokenizers that see each piece on its own (Metaspace is checked separately).
-_PIECE_LOCAL_PRE_TOKENIZERS = frozenset({
-    "ByteLevel", "Whitespace", "WhitespaceSplit", "BertPreTokenizer", "Punctuation",
-    "Digits", "Split", "UnicodeScripts", "CharDelimiterSplit", "Metaspace",
-})
+_PIECE_LOCAL_PRE_TOKENIZERS = frozenset(
+    {
+        "ByteLevel",
+        "Whitespace",
+        "WhitespaceSplit",
+        "BertPreTokenizer",
+        "Punctuation",
+        "Digits",
+        "Split",
+        "UnicodeScripts",
+        "CharDelimiterSplit",
+        "Metaspace",
+    }
+)
 #: Post-processors that only add fixed ids around the sequence (or change offsets).
-_AFFIX_POST_PROCESSORS = frozenset({
-    "TemplateProcessing", "BertProcessing", "RobertaProcessing", "ByteLevel",
-})
+_AFFIX_POST_PROCESSORS = frozenset(
+    {
+        "TemplateProcessing",
+        "BertProcessing",
+        "RobertaProcessing",
+        "ByteLevel",
+    }
+)
 _MODELS = frozenset({"BPE", "WordPiece", "WordLevel", "Unigram"})
 
 #: Per-entry bookkeeping counted against the cache budget (dict slot, array header).
 _ENTRY_OVERHEAD = 160
 BACKENDS = ("auto", "fastokens", "tokenizers")
-_PROBES = ("", "a", " ", "  x  ", "hello world", "Hello, World! 123 4567", "\n\n\t x\r\n",
-           "naïve café — 中文 日本語 🎉👩\u200d💻 e\u0301 \u00a0x", "'s 're 've don't I'M",
-           "x" * 300, "ab " * 200, "The cache, the router; the worker: 3.14 and 2,718!")
+_PROBES = (
+    "",
+    "a",
+    " ",
+    "  x  ",
+    "hello world",
+    "Hello, World! 123 4567",
+    "\n\n\t x\r\n",
+    "naïve café — 中文 日本語 🎉👩\u200d💻 e\u0301 \u00a0x",
+    "'s 're 've don't I'M",
+    "x" * 300,
+    "ab " * 200,
+    "The cache, the router; the worker: 3.14 and 2,718!",
+)
 
 
 def _cost(piece: str, ids: array) -> int:
@@ -129,11 +168,23 @@ def piecewise_blocker(config: dict, encode_special_tokens: bool) -> str | None:
 class PieceEncoder:
     """Exact ``tokenizer(text)`` ids with a bounded LRU of pieces (module docstring)."""
 
-    __slots__ = ("_hf", "_rust", "_fast", "backend", "_pattern", "_token_ids", "_affix",
-                 "piecewise", "_cache", "cost", "max_cache_bytes", "hits", "misses")
+    __slots__ = (
+        "_hf",
+        "_rust",
+        "_fast",
+        "backend",
+        "_pattern",
+        "_token_ids",
+        "_affix",
+        "piecewise",
+        "_cache",
+        "cost",
+        "max_cache_bytes",
+        "hits",
+        "misses",
+    )
 
-    def __init__(self, hf_tokenizer: Any, *, max_cache_bytes: int = 64 << 20,
-                 backend: str = "auto") -> None:
+    def __init__(self, hf_tokenizer: Any, *, max_cache_bytes: int = 64 << 20, backend: str = "auto") -> None:
         """``hf_tokenizer``: a loaded transformers tokenizer. A fast one (with a
         ``tokenizers.Tokenizer`` inside) is called directly; a slow one through its
         ``__call__``, whole texts only. ``backend``: ``auto`` (fastokens if installed
@@ -178,8 +229,11 @@ class PieceEncoder:
         self.piecewise = piecewise_blocker(config, bool(self._rust.encode_special_tokens))
         if self.piecewise is not None:
             return
-        added = {t["content"]: t["id"] for t in config.get("added_tokens") or []
-                 if isinstance(t.get("content"), str) and t["content"]}
+        added = {
+            t["content"]: t["id"]
+            for t in config.get("added_tokens") or []
+            if isinstance(t.get("content"), str) and t["content"]
+        }
         self._token_ids = added
         if added:
             # longest first: at each position the regex tries the longest token first,
@@ -223,8 +277,7 @@ class PieceEncoder:
         """Whole-text ids of each of ``texts`` (the backend's batch call)."""
         if self._fast is not None:
             try:
-                flat, offs = self._fast.encode_batch_flat(
-                    texts, add_special_tokens=add_special_tokens)
+                flat, offs = self._fast.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
             except Exception as exc:
                 self._fastokens_failed(texts, add_special_tokens, exc)
             else:
@@ -232,21 +285,20 @@ class PieceEncoder:
                 ids.frombytes(flat)
                 bounds = array("Q")
                 bounds.frombytes(offs)
-                return [ids[bounds[i]:bounds[i + 1]] for i in range(len(texts))]
+                return [ids[bounds[i] : bounds[i + 1]] for i in range(len(texts))]
         if self._rust is not None:
             encs = self._rust.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
             return [array("I", e.ids) for e in encs]
-        return [array("I", self._hf(t, add_special_tokens=add_special_tokens)["input_ids"])
-                for t in texts]
+        return [array("I", self._hf(t, add_special_tokens=add_special_tokens)["input_ids"]) for t in texts]
 
-    def _fastokens_failed(self, texts: list[str], add_special_tokens: bool,
-                          exc: Exception) -> None:
+    def _fastokens_failed(self, texts: list[str], add_special_tokens: bool, exc: Exception) -> None:
         """fastokens refused a text: if tokenizers takes it, fastokens is not a
         drop-in for this tokenizer after all and is dropped (logged once); if
         tokenizers refuses it too, the text is bad (its error propagates)."""
         self._rust.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        log.warning("fastokens failed where tokenizers did not (%s): tokenizing with "
-                    "tokenizers from now on", exc)
+        log.warning(
+            "fastokens failed where tokenizers did not (%s): tokenizing with tokenizers from now on", exc
+        )
         self._fast = None
         self.backend = "tokenizers"
 
@@ -261,8 +313,8 @@ class PieceEncoder:
         full = self._whole(probes[0], True)
         n = len(bare)
         for i in range(len(full) - n + 1):
-            if full[i:i + n] == bare:
-                prefix, suffix = full[:i], full[i + n:]
+            if full[i : i + n] == bare:
+                prefix, suffix = full[:i], full[i + n :]
                 break
         else:
             return None

@@ -75,9 +75,20 @@ class SampleVerdict(str, enum.Enum):
 class PrefillRateEstimator:
     """One worker's learned prefill rate in tokens/s. Not thread-safe (one event loop)."""
 
-    __slots__ = ("half_life_s", "prior_tokens_per_s", "prior_weight_tokens", "min_work_tokens",
-                 "min_tokens_per_s", "max_tokens_per_s", "_work", "_time", "_t_last",
-                 "accepted", "too_little_work", "invalid")
+    __slots__ = (
+        "half_life_s",
+        "prior_tokens_per_s",
+        "prior_weight_tokens",
+        "min_work_tokens",
+        "min_tokens_per_s",
+        "max_tokens_per_s",
+        "_work",
+        "_time",
+        "_t_last",
+        "accepted",
+        "too_little_work",
+        "invalid",
+    )
 
     def __init__(
         self,
@@ -89,13 +100,19 @@ class PrefillRateEstimator:
         min_tokens_per_s: float = DEFAULT_MIN_TOKENS_PER_S,
         max_tokens_per_s: float = DEFAULT_MAX_TOKENS_PER_S,
     ) -> None:
-        if not (math.isfinite(min_tokens_per_s) and 0 < min_tokens_per_s < max_tokens_per_s
-                and math.isfinite(max_tokens_per_s)):
-            raise ValueError(f"need 0 < min_tokens_per_s < max_tokens_per_s < inf, "
-                             f"got {min_tokens_per_s}, {max_tokens_per_s}")
+        if not (
+            math.isfinite(min_tokens_per_s)
+            and 0 < min_tokens_per_s < max_tokens_per_s
+            and math.isfinite(max_tokens_per_s)
+        ):
+            raise ValueError(
+                f"need 0 < min_tokens_per_s < max_tokens_per_s < inf, "
+                f"got {min_tokens_per_s}, {max_tokens_per_s}"
+            )
         if not (min_tokens_per_s <= prior_tokens_per_s <= max_tokens_per_s):
-            raise ValueError(f"prior_tokens_per_s {prior_tokens_per_s} outside "
-                             f"[{min_tokens_per_s}, {max_tokens_per_s}]")
+            raise ValueError(
+                f"prior_tokens_per_s {prior_tokens_per_s} outside [{min_tokens_per_s}, {max_tokens_per_s}]"
+            )
         if not (math.isfinite(prior_weight_tokens) and prior_weight_tokens > 0):
             raise ValueError(f"prior_weight_tokens must be positive, got {prior_weight_tokens}")
         if not (math.isfinite(half_life_s) and half_life_s > 0):
@@ -142,16 +159,19 @@ class PrefillRateEstimator:
         t = w * self._time / self._work
         return (w + pool_weight_tokens) / (t + pool_weight_tokens / pool_tokens_per_s)
 
-    def observe(self, ahead_tokens: float, own_tokens: float, ttft_s: float,
-                now: float) -> SampleVerdict:
+    def observe(self, ahead_tokens: float, own_tokens: float, ttft_s: float, now: float) -> SampleVerdict:
         """Adds one response's sample (see the module docstring). O(1)."""
         try:
             ahead, own, ttft, t = float(ahead_tokens), float(own_tokens), float(ttft_s), float(now)
         except (TypeError, ValueError):
             self.invalid += 1
             return SampleVerdict.INVALID
-        if not (math.isfinite(ahead) and math.isfinite(own) and math.isfinite(ttft)
-                and math.isfinite(t)) or ahead < 0 or own < 0 or ttft <= 0:
+        if (
+            not (math.isfinite(ahead) and math.isfinite(own) and math.isfinite(ttft) and math.isfinite(t))
+            or ahead < 0
+            or own < 0
+            or ttft <= 0
+        ):
             self.invalid += 1
             return SampleVerdict.INVALID
         work = ahead + own
@@ -189,15 +209,18 @@ class PrefillRateEstimator:
         assert lo * (1 - 1e-12) <= r <= hi * (1 + 1e-12), f"rate {r} outside [{lo}, {hi}]"
 
     def __repr__(self) -> str:
-        return (f"PrefillRateEstimator({self.tokens_per_s:.1f} tok/s, "
-                f"{self.accepted} samples, evidence {self._work:.0f} tokens)")
+        return (
+            f"PrefillRateEstimator({self.tokens_per_s:.1f} tok/s, "
+            f"{self.accepted} samples, evidence {self._work:.0f} tokens)"
+        )
 
 
 def with_prior(prior_tokens_per_s: float) -> PrefillRateEstimator:
     """An estimator whose prior is a configured rate: only a prior, held within the
     clamps."""
-    return PrefillRateEstimator(min(max(prior_tokens_per_s, DEFAULT_MIN_TOKENS_PER_S),
-                                    DEFAULT_MAX_TOKENS_PER_S))
+    return PrefillRateEstimator(
+        min(max(prior_tokens_per_s, DEFAULT_MIN_TOKENS_PER_S), DEFAULT_MAX_TOKENS_PER_S)
+    )
 
 
 class FleetRates:
@@ -229,8 +252,9 @@ class FleetRates:
         self.pooled = with_prior(10_000.0)
         self.mean_request_tokens = 0.0
 
-    def answered(self, own_tokens: int, ahead_tokens: int, ttft_s: float | None,
-                 now: float, engine: bool) -> None:
+    def answered(
+        self, own_tokens: int, ahead_tokens: int, ttft_s: float | None, now: float, engine: bool
+    ) -> None:
         """One answer: its uncached prompt ``own_tokens`` and, where ``ttft_s``
         measured it, an engine's (``engine``) prefill-rate sample."""
         self.mean_request_tokens += 0.05 * (own_tokens - self.mean_request_tokens)

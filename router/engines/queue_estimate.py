@@ -66,8 +66,9 @@ class QueueEstimate:
         self._dep_t = 0.0  # decayed seconds of such intervals
         self._size = 0.0  # decayed mean uncached tokens per prefilled request (0: unknown)
 
-    def observe(self, now: float, waiting: int, prefilled: float | None,
-                queries: float | None, hits: float | None) -> None:
+    def observe(
+        self, now: float, waiting: int, prefilled: float | None, queries: float | None, hits: float | None
+    ) -> None:
         """One reading: waiting requests and the engine's counters (None: not
         published). Out-of-order or repeated ``now`` is ignored."""
         last = self._last
@@ -110,8 +111,9 @@ class QueueEstimate:
             return None
         return self._dep_n / self._dep_t
 
-    def queued_tokens(self, waiting: int, fleet_tokens_per_request: float,
-                      prefill_tokens_per_s: float) -> int:
+    def queued_tokens(
+        self, waiting: int, fleet_tokens_per_request: float, prefill_tokens_per_s: float
+    ) -> int:
         """The queue of ``waiting`` requests in prefill-token equivalents."""
         if waiting <= 0:
             return 0

@@ -48,14 +48,29 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from router.engines.chat_render import (
-    HF_NAMED_PARAMS, REASONING_EFFORTS, TOKENIZE_OPTIONS, ChatTemplate, developer_as_system,
-    find_surrogate, lax_bool, merge_kwargs, parse_messages, template_error_reason, tool_dicts)
-from router.engines.piece_encoder import PieceEncoder
 from protocol.errors import ConfigError, MalformedRequest
 from protocol.extras import require
-from protocol.prefix_keys import (Endpoint, request_adapter, request_model, token_block_hashes,
-                                token_namespace_seed)
+from protocol.prefix_keys import (
+    Endpoint,
+    request_adapter,
+    request_model,
+    token_block_hashes,
+    token_namespace_seed,
+)
+from router.engines.chat_render import (
+    HF_NAMED_PARAMS,
+    REASONING_EFFORTS,
+    TOKENIZE_OPTIONS,
+    ChatTemplate,
+    developer_as_system,
+    find_surrogate,
+    lax_bool,
+    merge_kwargs,
+    parse_messages,
+    template_error_reason,
+    tool_dicts,
+)
+from router.engines.piece_encoder import PieceEncoder
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +80,21 @@ _SALT_FORBIDDEN = frozenset("@/\\\x00")
 #: Files that make vLLM pick mistral_common instead of the HF tokenizer.
 _MISTRAL_FILES = ("tekken.json",)
 #: Architectures vLLM 0.32 renders with its own code, not the HF chat template.
-_OWN_RENDERERS = frozenset({
-    "MoonshotKimiaForCausalLM", "KimiK3ForConditionalGeneration", "DeepseekV32ForCausalLM",
-    "DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration", "DeepseekV41ForCausalLM",
-    "InklingForCausalLM", "InklingForConditionalGeneration"})
+_OWN_RENDERERS = frozenset(
+    {
+        "MoonshotKimiaForCausalLM",
+        "KimiK3ForConditionalGeneration",
+        "DeepseekV32ForCausalLM",
+        "DeepseekV4ForCausalLM",
+        "DeepseekV4ForConditionalGeneration",
+        "DeepseekV41ForCausalLM",
+        "InklingForCausalLM",
+        "InklingForConditionalGeneration",
+    }
+)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: The field that holds each endpoint's prompt (named by errors about it).
-_PROMPT_FIELD = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt",
-                 Endpoint.GENERATE: "text"}
+_PROMPT_FIELD = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt", Endpoint.GENERATE: "text"}
 #: A request may bring its own template (when trusted): compiled ones kept, bounded.
 _REQUEST_TEMPLATES_MAX = 32
 
@@ -143,12 +165,13 @@ def request_cache_salt(body: dict) -> str:
     if salt is None:
         return ""
     if not isinstance(salt, str) or not salt:
-        raise MalformedRequest("'cache_salt' must be a non-empty string if provided",
-                               param="cache_salt")
+        raise MalformedRequest("'cache_salt' must be a non-empty string if provided", param="cache_salt")
     if len(salt) > MAX_CACHE_SALT_CHARS or any(c in _SALT_FORBIDDEN for c in salt):
-        raise MalformedRequest(f"'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} "
-                               "characters and must not contain '@', '/', '\\' or NUL",
-                               param="cache_salt")
+        raise MalformedRequest(
+            f"'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} "
+            "characters and must not contain '@', '/', '\\' or NUL",
+            param="cache_salt",
+        )
     return salt
 
 
@@ -164,8 +187,9 @@ def _ids(value: list, field: str, where: str) -> array:
         return array("I", value)
     except OverflowError:
         bad = next((t for t in value if type(t) is not int or not 0 <= t < 2**32), None)
-        raise MalformedRequest(f"'{where}' must hold token ids (integers in [0, 2^32)), "
-                               f"got {bad!r}", param=field) from None
+        raise MalformedRequest(
+            f"'{where}' must hold token ids (integers in [0, 2^32)), got {bad!r}", param=field
+        ) from None
 
 
 def _first_prompt(prompt: Any, field: str) -> str | array:
@@ -186,15 +210,19 @@ def _first_prompt(prompt: Any, field: str) -> str | array:
             out = None
             for i, p in enumerate(prompt):
                 if not isinstance(p, list) or not p:
-                    raise MalformedRequest(f"'{field}[{i}]' must be a non-empty list of "
-                                           "token ids", param=field)
+                    raise MalformedRequest(
+                        f"'{field}[{i}]' must be a non-empty list of token ids", param=field
+                    )
                 ids = _ids(p, field, f"{field}[{i}]")
                 out = ids if out is None else out
             return out
     if isinstance(prompt, list):
         raise MalformedRequest(f"'{field}' must not be empty", param=field)
-    raise MalformedRequest(f"'{field}' must be a string, a list of strings, token ids or "
-                           f"lists of token ids, got {type(prompt).__name__}", param=field)
+    raise MalformedRequest(
+        f"'{field}' must be a string, a list of strings, token ids or "
+        f"lists of token ids, got {type(prompt).__name__}",
+        param=field,
+    )
 
 
 def _looks_like_path(source: str) -> bool:
@@ -210,18 +238,38 @@ class TokenKeyer:
     makes a conversation's next turn cost its new messages only. Not thread-safe.
     """
 
-    __slots__ = ("source", "tokenizer", "encoder", "templates", "default_template",
-                 "chat_blocked", "trust_request_chat_template", "default_chat_template_kwargs",
-                 "exclude_tools_when_tool_choice_none", "max_model_len", "_special_map",
-                 "_request_templates", "_template_names", "_content_format")
+    __slots__ = (
+        "source",
+        "tokenizer",
+        "encoder",
+        "templates",
+        "default_template",
+        "chat_blocked",
+        "trust_request_chat_template",
+        "default_chat_template_kwargs",
+        "exclude_tools_when_tool_choice_none",
+        "max_model_len",
+        "_special_map",
+        "_request_templates",
+        "_template_names",
+        "_content_format",
+    )
 
-    def __init__(self, tokenizer: Any, *, source: str, content_format: str = "auto",
-                 trust_request_chat_template: bool = False,
-                 default_chat_template_kwargs: dict | None = None,
-                 exclude_tools_when_tool_choice_none: bool = False,
-                 max_model_len: int | None = None, chat_template: str | None = None,
-                 chat_blocked: str | None = None, cache_bytes: int = 64 << 20,
-                 tokenizer_backend: str = "auto") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        source: str,
+        content_format: str = "auto",
+        trust_request_chat_template: bool = False,
+        default_chat_template_kwargs: dict | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
+        max_model_len: int | None = None,
+        chat_template: str | None = None,
+        chat_blocked: str | None = None,
+        cache_bytes: int = 64 << 20,
+        tokenizer_backend: str = "auto",
+    ) -> None:
         """From a loaded transformers tokenizer; ``load()`` is the usual way in.
 
         The keyword arguments mirror the engine's flags: ``--chat-template`` (a file or
@@ -233,13 +281,11 @@ class TokenKeyer:
         Raises ``TokenizerLoadError`` for a chat template that cannot be read or does
         not compile."""
         if content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"content_format must be auto, string or openai, "
-                             f"got {content_format!r}")
+            raise ValueError(f"content_format must be auto, string or openai, got {content_format!r}")
         self.source = source
         self.tokenizer = tokenizer
         try:
-            self.encoder = PieceEncoder(tokenizer, max_cache_bytes=cache_bytes,
-                                        backend=tokenizer_backend)
+            self.encoder = PieceEncoder(tokenizer, max_cache_bytes=cache_bytes, backend=tokenizer_backend)
         except RuntimeError as exc:  # fastokens asked for and unusable
             raise TokenizerLoadError(source, str(exc)) from None
         self.trust_request_chat_template = trust_request_chat_template
@@ -271,8 +317,15 @@ class TokenKeyer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def load(cls, source: str, *, revision: str | None = None, cache_dir: str | None = None,
-             require_chat_template: bool = True, **options: Any) -> "TokenKeyer":
+    def load(
+        cls,
+        source: str,
+        *,
+        revision: str | None = None,
+        cache_dir: str | None = None,
+        require_chat_template: bool = True,
+        **options: Any,
+    ) -> TokenKeyer:
         """The keyer of a tokenizer folder, or of a repo id already in the local Hugging
         Face cache (``local_files_only``: nothing is downloaded). ``options`` are the
         constructor's. Raises ``TokenizerLoadError`` naming ``source`` and the cause:
@@ -287,19 +340,18 @@ class TokenKeyer:
             try:
                 files = set(os.listdir(folder))
             except OSError as exc:
-                raise TokenizerLoadError(source, f"folder is not readable "
-                                         f"({exc.strerror or exc})") from None
+                raise TokenizerLoadError(source, f"folder is not readable ({exc.strerror or exc})") from None
             if not files & set(_TOKENIZER_FILES):
-                raise TokenizerLoadError(source, "folder holds no tokenizer "
-                                         f"({', '.join(_TOKENIZER_FILES)})")
+                raise TokenizerLoadError(source, f"folder holds no tokenizer ({', '.join(_TOKENIZER_FILES)})")
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 if name in files:
                     try:
                         with open(os.path.join(folder, name), "rb") as f:
                             f.read(1)
                     except OSError as exc:
-                        raise TokenizerLoadError(source, f"{name} is not readable "
-                                                 f"({exc.strerror or exc})") from None
+                        raise TokenizerLoadError(
+                            source, f"{name} is not readable ({exc.strerror or exc})"
+                        ) from None
             where = folder
         elif os.path.exists(folder):
             raise TokenizerLoadError(source, "not a folder")
@@ -312,28 +364,43 @@ class TokenKeyer:
 
             # vLLM loads generation tokenizers with truncation_side="left"
             tok = AutoTokenizer.from_pretrained(
-                where, local_files_only=True, trust_remote_code=False, revision=revision,
-                cache_dir=cache_dir, truncation_side="left")
+                where,
+                local_files_only=True,
+                trust_remote_code=False,
+                revision=revision,
+                cache_dir=cache_dir,
+                truncation_side="left",
+            )
         except Exception as exc:
             msg = " ".join(str(exc).split()) or type(exc).__name__
             inner = exc.__cause__ or exc.__context__
             if inner is not None and str(inner):
                 msg = f"{msg} ({' '.join(str(inner).split())})"
             if where is source and not files:
-                msg = (f"not a folder, and not loadable from the local Hugging Face cache "
-                       f"(nothing is downloaded at run time): {msg}")
+                msg = (
+                    f"not a folder, and not loadable from the local Hugging Face cache "
+                    f"(nothing is downloaded at run time): {msg}"
+                )
             raise TokenizerLoadError(source, msg[:500]) from None
-        if require_chat_template and tok.chat_template is None \
-                and options.get("chat_template") is None:
-            raise TokenizerLoadError(source, "has no chat template (chat_template.jinja or "
-                                     "tokenizer_config.json's chat_template)")
+        if require_chat_template and tok.chat_template is None and options.get("chat_template") is None:
+            raise TokenizerLoadError(
+                source, "has no chat template (chat_template.jinja or tokenizer_config.json's chat_template)"
+            )
         blocked = options.pop("chat_blocked", None) or _engine_renderer(where, files)
         return cls(tok, source=source, chat_blocked=blocked, **options)
 
     # ------------------------------------------------------------------ keying
 
-    def key(self, endpoint: Endpoint, body: Any, *, block_size: int, model: Any = FROM_BODY,
-            salt: Any = FROM_BODY, adapter: Any = FROM_BODY) -> TokenKey:
+    def key(
+        self,
+        endpoint: Endpoint,
+        body: Any,
+        *,
+        block_size: int,
+        model: Any = FROM_BODY,
+        salt: Any = FROM_BODY,
+        adapter: Any = FROM_BODY,
+    ) -> TokenKey:
         """The exact key of a request body for an engine with ``block_size``-token blocks.
 
         ``model`` (the served model name), ``salt`` and ``adapter`` form the key's
@@ -344,8 +411,7 @@ class TokenKeyer:
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(body, dict):
-            raise MalformedRequest(f"request body must be a JSON object, got "
-                                   f"{type(body).__name__}")
+            raise MalformedRequest(f"request body must be a JSON object, got {type(body).__name__}")
         if model is FROM_BODY:
             model = request_model(body, endpoint)
         body_salt = request_cache_salt(body)
@@ -357,8 +423,7 @@ class TokenKeyer:
         if unkeyed is not None:
             return TokenKey(model, salt, adapter, block_size, ids, [], unkeyed)
         seed = token_namespace_seed(model, salt, adapter, block_size)
-        return TokenKey(model, salt, adapter, block_size, ids,
-                        token_block_hashes(ids, block_size, seed))
+        return TokenKey(model, salt, adapter, block_size, ids, token_block_hashes(ids, block_size, seed))
 
     def token_ids(self, endpoint: Endpoint, body: dict) -> tuple[array, str | None]:
         """The prompt token ids the engine will see, and why they are not exact (None
@@ -376,11 +441,15 @@ class TokenKeyer:
             if path is None:
                 raise
             field = path.lstrip(".").split(".")[0].split("[")[0]
-            raise MalformedRequest(f"'{path.lstrip('.')}' is not valid UTF-8 (a lone "
-                                   f"surrogate)", param=field) from exc
+            raise MalformedRequest(
+                f"'{path.lstrip('.')}' is not valid UTF-8 (a lone surrogate)", param=field
+            ) from exc
         if not ids and why is None:  # vLLM: "The decoder prompt cannot be empty"
-            field = ("truncate_prompt_tokens" if body.get("truncate_prompt_tokens") == 0 else
-                     _PROMPT_FIELD[endpoint])
+            field = (
+                "truncate_prompt_tokens"
+                if body.get("truncate_prompt_tokens") == 0
+                else _PROMPT_FIELD[endpoint]
+            )
             raise MalformedRequest("the prompt is empty: it has no tokens", param=field)
         return ids, why
 
@@ -392,8 +461,9 @@ class TokenKeyer:
         if embeds is not None and embeds != []:
             return array("I"), "prompt_embeds are not token ids"
         if prompt is None or prompt == "":
-            raise MalformedRequest("either 'prompt' or 'prompt_embeds' must be provided and "
-                                   "non-empty", param="prompt")
+            raise MalformedRequest(
+                "either 'prompt' or 'prompt_embeds' must be provided and non-empty", param="prompt"
+            )
         first = _first_prompt(prompt, "prompt")
         if body.get("suffix") is not None:
             return array("I"), "suffix: fill-in-the-middle is rendered by model-specific code"
@@ -402,8 +472,7 @@ class TokenKeyer:
             # every prompt of the list is served; an empty one fails the request
             affix = self.encoder.affix
             if not add_special or affix is None or not (affix[0] or affix[1]):
-                raise MalformedRequest(f"'prompt[{prompt.index('')}]' is empty",
-                                       param="prompt")
+                raise MalformedRequest(f"'prompt[{prompt.index('')}]' is empty", param="prompt")
         if isinstance(first, str):
             return self._encode_truncated(first, add_special, body, max_out=self._max_out(body))
         return self._truncate_ids(first, body, max_out=self._max_out(body))
@@ -413,8 +482,7 @@ class TokenKeyer:
         if body.get("text") is not None:
             first = _first_prompt(body["text"], "text")
             if not isinstance(first, str):
-                raise MalformedRequest("'text' must be a string or a list of strings",
-                                       param="text")
+                raise MalformedRequest("'text' must be a string or a list of strings", param="text")
             return self.encoder.encode(first, True), None
         if body.get("input_ids") is not None:
             first = _first_prompt(body["input_ids"], "input_ids")
@@ -438,13 +506,13 @@ class TokenKeyer:
         n = body.get("truncate_prompt_tokens")
         side = body.get("truncation_side")
         if side is not None and side not in ("left", "right"):
-            raise MalformedRequest("'truncation_side' must be 'left' or 'right'",
-                                   param="truncation_side")
+            raise MalformedRequest("'truncation_side' must be 'left' or 'right'", param="truncation_side")
         if n is None:
             return None, side, None
         if type(n) is not int or n < -1:
-            raise MalformedRequest("'truncate_prompt_tokens' must be an integer >= -1",
-                                   param="truncate_prompt_tokens")
+            raise MalformedRequest(
+                "'truncate_prompt_tokens' must be an integer >= -1", param="truncate_prompt_tokens"
+            )
         if n == -1:
             if self.max_model_len is None:
                 return None, side, "truncate_prompt_tokens=-1 needs the engine's max_model_len"
@@ -459,8 +527,9 @@ class TokenKeyer:
             return ids, None
         return self._cut(ids, n, side), None
 
-    def _encode_truncated(self, text: str, add_special: bool, body: dict,
-                          max_out: int) -> tuple[array, str | None]:
+    def _encode_truncated(
+        self, text: str, add_special: bool, body: dict, max_out: int
+    ) -> tuple[array, str | None]:
         ids = self.encoder.encode(text, add_special)
         n, side, why = self._truncation(body, max_out)
         if why is not None:
@@ -477,11 +546,11 @@ class TokenKeyer:
                     return ids, "truncation with this tokenizer's post-processor"
                 pre, suf = affix
                 if n >= len(pre) + len(suf):
-                    core = ids[len(pre):len(ids) - len(suf)]
+                    core = ids[len(pre) : len(ids) - len(suf)]
                     keep = n - len(pre) - len(suf)
-                    ids = pre + (core[len(core) - keep:] if keep else array("I")) + suf
+                    ids = pre + (core[len(core) - keep :] if keep else array("I")) + suf
             else:
-                ids = ids[len(ids) - n:]
+                ids = ids[len(ids) - n :]
         # ... and then cuts what is still too long, on the side asked for
         return self._cut(ids, n, side), None
 
@@ -489,7 +558,7 @@ class TokenKeyer:
     def _cut(ids: array, n: int, side: str | None) -> array:
         if n >= len(ids):
             return ids
-        return ids[:n] if side == "right" else ids[len(ids) - n:]
+        return ids[:n] if side == "right" else ids[len(ids) - n :]
 
     # chat
 
@@ -502,8 +571,9 @@ class TokenKeyer:
                 try:
                     t = ChatTemplate(requested, self._content_format)
                 except Exception as exc:
-                    raise MalformedRequest(f"'chat_template' does not compile: {exc}",
-                                           param="chat_template") from None
+                    raise MalformedRequest(
+                        f"'chat_template' does not compile: {exc}", param="chat_template"
+                    ) from None
                 if len(self._request_templates) >= _REQUEST_TEMPLATES_MAX:
                     self._request_templates.clear()
                 self._request_templates[requested] = t
@@ -519,77 +589,110 @@ class TokenKeyer:
         Raises ``MalformedRequest`` naming the field."""
         ctk = body.get("chat_template_kwargs")
         if ctk is not None and not isinstance(ctk, dict):
-            raise MalformedRequest("'chat_template_kwargs' must be an object",
-                                   param="chat_template_kwargs")
+            raise MalformedRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
         requested = body.get("chat_template")
         if requested is not None and not isinstance(requested, str):
             raise MalformedRequest("'chat_template' must be a string", param="chat_template")
         if not self.trust_request_chat_template and (
-                requested is not None or (ctk and ctk.get("chat_template") is not None)):
-            raise MalformedRequest("a chat template is passed with the request, but the "
-                                   "engine does not trust request templates "
-                                   "(--trust-request-chat-template)", param="chat_template")
+            requested is not None or (ctk and ctk.get("chat_template") is not None)
+        ):
+            raise MalformedRequest(
+                "a chat template is passed with the request, but the "
+                "engine does not trust request templates "
+                "(--trust-request-chat-template)",
+                param="chat_template",
+            )
         if body.get("tools") == []:  # vLLM's request validation, as OpenAI's
-            raise MalformedRequest("'tools' must not be an empty array: provide at least one "
-                                   "tool or omit the field", param="tools")
+            raise MalformedRequest(
+                "'tools' must not be an empty array: provide at least one tool or omit the field",
+                param="tools",
+            )
         tools = tool_dicts(body.get("tools"))
         if body.get("tool_choice") == "none" and self.exclude_tools_when_tool_choice_none:
             tools = None
         agp = _flag(body, "add_generation_prompt", True)
         cfm = _flag(body, "continue_final_message", False)
         documents = body.get("documents")
-        if documents is not None and (not isinstance(documents, list) or any(
-                not isinstance(d, dict) or any(not isinstance(v, str) for v in d.values())
-                for d in documents)):
-            raise MalformedRequest("'documents' must be a list of objects of strings",
-                                   param="documents")
+        if documents is not None and (
+            not isinstance(documents, list)
+            or any(
+                not isinstance(d, dict) or any(not isinstance(v, str) for v in d.values()) for d in documents
+            )
+        ):
+            raise MalformedRequest("'documents' must be a list of objects of strings", param="documents")
         effort = body.get("reasoning_effort")
         if effort is not None and effort not in REASONING_EFFORTS:
-            raise MalformedRequest(f"'reasoning_effort' must be one of "
-                                   f"{', '.join(sorted(REASONING_EFFORTS))}",
-                                   param="reasoning_effort")
+            raise MalformedRequest(
+                f"'reasoning_effort' must be one of {', '.join(sorted(REASONING_EFFORTS))}",
+                param="reasoning_effort",
+            )
         # step 4 of chat_render: flags over chat_template_kwargs over the defaults
-        extra: dict[str, Any] = {"add_generation_prompt": agp, "continue_final_message": cfm,
-                                 "documents": documents, "reasoning_effort": effort}
+        extra: dict[str, Any] = {
+            "add_generation_prompt": agp,
+            "continue_final_message": cfm,
+            "documents": documents,
+            "reasoning_effort": effort,
+        }
         if effort is not None and "enable_thinking" not in (ctk or {}):
             extra["enable_thinking"] = effort != "none"
-        kwargs = merge_kwargs(merge_kwargs(self.default_chat_template_kwargs,
-                                           {"tools": tools, "tokenize": False}),
-                              merge_kwargs(ctk, extra))
+        kwargs = merge_kwargs(
+            merge_kwargs(self.default_chat_template_kwargs, {"tools": tools, "tokenize": False}),
+            merge_kwargs(ctk, extra),
+        )
         tools = kwargs.pop("tools", None)
         requested = requested if requested is not None else kwargs.pop("chat_template", None)
         kwargs.pop("chat_template", None)
         tokenize = kwargs.pop("tokenize", True)
         template = self._template(requested, tools)
         if template is None:
-            raise MalformedRequest("the model has no chat template: the engine cannot serve "
-                                   "chat requests", param="messages")
+            raise MalformedRequest(
+                "the model has no chat template: the engine cannot serve chat requests", param="messages"
+            )
         conversation, media = parse_messages(body.get("messages"), template.content_format)
         if not template.supports_developer:
             conversation = developer_as_system(conversation)
         accept = template.variables | HF_NAMED_PARAMS
         kw = {k: v for k, v in kwargs.items() if k in accept}
         if kw.get("return_assistant_tokens_mask"):
-            raise MalformedRequest("'chat_template_kwargs.return_assistant_tokens_mask' "
-                                   "needs return_dict, which the engine never sets",
-                                   param="chat_template_kwargs")
+            raise MalformedRequest(
+                "'chat_template_kwargs.return_assistant_tokens_mask' "
+                "needs return_dict, which the engine never sets",
+                param="chat_template_kwargs",
+            )
         options = tuple(k for k in TOKENIZE_OPTIONS if kw.get(k))
-        for k in ("padding", "truncation", "max_length", "return_tensors", "return_dict",
-                  "return_assistant_tokens_mask", "tokenizer_kwargs"):
+        for k in (
+            "padding",
+            "truncation",
+            "max_length",
+            "return_tensors",
+            "return_dict",
+            "return_assistant_tokens_mask",
+            "tokenizer_kwargs",
+        ):
             kw.pop(k, None)
         documents = kw.pop("documents", None)
         agp = kw.pop("add_generation_prompt", False)
         cfm = kw.pop("continue_final_message", False)
         try:
-            text = template.render(conversation, tools=tools, documents=documents,
-                                   add_generation_prompt=agp, continue_final_message=cfm,
-                                   kwargs={**self._special_map, **kw})
+            text = template.render(
+                conversation,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=agp,
+                continue_final_message=cfm,
+                kwargs={**self._special_map, **kw},
+            )
         except Exception as exc:  # the template's own refusal, or odd input it chokes on
-            raise MalformedRequest(f"the chat template rejected the request: "
-                                   f"{template_error_reason(exc)}"[:1000],
-                                   param="messages") from None
-        return ChatPrompt(text, bool(tokenize), options, (
-            "media content is expanded by the engine's processor" if media else None))
+            raise MalformedRequest(
+                f"the chat template rejected the request: {template_error_reason(exc)}"[:1000],
+                param="messages",
+            ) from None
+        return ChatPrompt(
+            text,
+            bool(tokenize),
+            options,
+            ("media content is expanded by the engine's processor" if media else None),
+        )
 
     def _chat_ids(self, body: dict) -> tuple[array, str | None]:
         if self.chat_blocked is not None:
@@ -597,14 +700,14 @@ class TokenKeyer:
             return array("I"), self.chat_blocked
         messages = body.get("messages")
         kv = body.get("kv_transfer_params")
-        if isinstance(kv, dict) and kv.get("prompt_token_ids") is not None \
-                and not body.get("echo"):
+        if isinstance(kv, dict) and kv.get("prompt_token_ids") is not None and not body.get("echo"):
             # disaggregated decode: the prefill stage's ids are used as they are
             ids = kv["prompt_token_ids"]
             if not isinstance(ids, list) or not ids:
-                raise MalformedRequest("'kv_transfer_params.prompt_token_ids' must be a "
-                                       "non-empty list of token ids",
-                                       param="kv_transfer_params")
+                raise MalformedRequest(
+                    "'kv_transfer_params.prompt_token_ids' must be a non-empty list of token ids",
+                    param="kv_transfer_params",
+                )
             _, media = parse_messages(messages, "string")
             if not media:
                 return _ids(ids, "kv_transfer_params", "kv_transfer_params.prompt_token_ids"), None
@@ -634,8 +737,9 @@ def _read_template(source: str, value: str) -> str:
             with open(value, encoding="utf-8") as f:
                 return f.read()
         except (OSError, UnicodeError) as exc:
-            raise TokenizerLoadError(source, f"chat template file {value!r} is not "
-                                     f"readable ({exc})") from None
+            raise TokenizerLoadError(
+                source, f"chat template file {value!r} is not readable ({exc})"
+            ) from None
     return value
 
 
@@ -644,8 +748,7 @@ def _engine_renderer(where: str, files: set[str]) -> str | None:
     template (mistral_common, harmony, a model-specific renderer); None if it would not."""
     import json
 
-    if any(f in files for f in _MISTRAL_FILES) or any(
-            f.startswith("tokenizer.model.v") for f in files):
+    if any(f in files for f in _MISTRAL_FILES) or any(f.startswith("tokenizer.model.v") for f in files):
         return "vLLM renders this model's chats with mistral_common"
     config = os.path.join(where, "config.json") if files else None
     if config is None:

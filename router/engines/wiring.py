@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 from urllib.parse import urlsplit
 
+from protocol.prefix_keys import token_namespace_seed
 from router.engines.block_map import EngineBlockMap
 from router.engines.kv_events import KvEventCause
 from router.engines.zmq_events import KvEventSubscriber, replace_wildcard, subscriber_endpoint
-from protocol.prefix_keys import token_namespace_seed
 
 log = logging.getLogger("radixfleet.engines")
 
@@ -46,16 +46,16 @@ class _LinkConsumer:
         if self.rank is not None and batch.dp_rank is not None and batch.dp_rank != self.rank:
             # another rank's batch on this rank's socket: its blocks are not this
             # rank's cache; applying them would make the index untrue
-            self.on_error(KvEventCause.BAD_SHAPE, f"batch of dp_rank {batch.dp_rank} on "
-                          f"rank {self.rank}'s stream")
+            self.on_error(
+                KvEventCause.BAD_SHAPE, f"batch of dp_rank {batch.dp_rank} on rank {self.rank}'s stream"
+            )
             self.on_gap(seq, seq + 1)
             return
         before = self.map.stats()
         self.map.on_batch(seq, batch)
         after = self.map.stats()
         self.prom.event_blocks.labels("stored").inc(after.stored_blocks - before.stored_blocks)
-        self.prom.event_blocks.labels("removed").inc(after.removed_blocks
-                                                     - before.removed_blocks)
+        self.prom.event_blocks.labels("removed").inc(after.removed_blocks - before.removed_blocks)
         self.link.events_synced(self.rank)  # a no-op once in sync
         if self.map.block_size and not self.link.block_size:
             self.link.learn_block_size(self.map.block_size)
@@ -82,8 +82,9 @@ class _LinkConsumer:
         self.link.events_synced(self.rank)
 
 
-def subscribe(link, engines, source=None, rank: int | None = None
-              ) -> tuple[KvEventSubscriber, EngineBlockMap]:
+def subscribe(
+    link, engines, source=None, rank: int | None = None
+) -> tuple[KvEventSubscriber, EngineBlockMap]:
     """The subscriber and block map of ``link`` for ``source`` (an
     ``router.engines.event_sources.EventSource``; None: the worker's configured
     ``events:``), keeping ``rank``'s entries (not started). Raises ``ValueError`` for
@@ -106,7 +107,12 @@ def subscribe(link, engines, source=None, rank: int | None = None
     mode, endpoint = subscriber_endpoint(ep, host, mode)
     # the engine's replay socket is a ROUTER it binds: connect to it, on its host
     replay = replace_wildcard(replay_ep, host) if replay_ep else None
-    sub = KvEventSubscriber(endpoint, _LinkConsumer(link, bmap, engines.prom, rank), mode=mode,
-                            topic=topic, replay_endpoint=replay,
-                            name=wid if rank is None else holder)
+    sub = KvEventSubscriber(
+        endpoint,
+        _LinkConsumer(link, bmap, engines.prom, rank),
+        mode=mode,
+        topic=topic,
+        replay_endpoint=replay,
+        name=wid if rank is None else holder,
+    )
     return sub, bmap

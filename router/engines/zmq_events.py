@@ -74,9 +74,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from router.engines.kv_events import DecodedBatch, KvEventCause, KvEventError, decode_batch
 from service import background
 from service.background import Lifecycle
-from router.engines.kv_events import DecodedBatch, KvEventCause, KvEventError, decode_batch
 
 log = logging.getLogger("radixfleet.engines.events")
 
@@ -134,8 +134,9 @@ class SubscriberStats:
 _BIND_RE = re.compile(r"^(ipc|inproc)://")
 
 
-def subscriber_endpoint(engine_endpoint: str, engine_host: str | None = None,
-                        mode: Mode = "auto") -> tuple[Literal["bind", "connect"], str]:
+def subscriber_endpoint(
+    engine_endpoint: str, engine_host: str | None = None, mode: Mode = "auto"
+) -> tuple[Literal["bind", "connect"], str]:
     """Where and how the subscriber attaches, from the endpoint the *engine* was given.
 
     ``auto`` follows vLLM's rule: an engine endpoint with ``*`` or ``::`` or an
@@ -155,8 +156,10 @@ def subscriber_endpoint(engine_endpoint: str, engine_host: str | None = None,
         return "connect", ep
     if "*" in ep or "::" in ep:
         if not engine_host:
-            raise ValueError(f"events endpoint {ep!r} is a wildcard the engine binds; "
-                             "say which host to connect to (engine_host)")
+            raise ValueError(
+                f"events endpoint {ep!r} is a wildcard the engine binds; "
+                "say which host to connect to (engine_host)"
+            )
         return "connect", replace_wildcard(ep, engine_host)
     return "bind", ep
 
@@ -166,7 +169,7 @@ def replace_wildcard(endpoint: str, host: str) -> str:
     bracketed). Other endpoints are returned unchanged."""
     if not endpoint.startswith("tcp://"):
         return endpoint
-    rest = endpoint[len("tcp://"):]
+    rest = endpoint[len("tcp://") :]
     addr, sep, port = rest.rpartition(":")
     if not sep or addr not in ("*", "[::]", "::", "[*]"):
         return endpoint
@@ -188,8 +191,9 @@ class _CauseLog:
         n = self.counts.get(c, 0)
         self.counts[c] = n + 1
         if n == 0:
-            log.warning("kv events from %s: %s (%s); further %s are counted, not logged",
-                        self.name, detail, c, c)
+            log.warning(
+                "kv events from %s: %s (%s); further %s are counted, not logged", self.name, detail, c, c
+            )
         else:
             log.debug("kv events from %s: %s (%s)", self.name, detail, c)
 
@@ -268,7 +272,7 @@ class KvEventSubscriber(Lifecycle):
         mode: Mode = "auto",
         engine_replay_endpoint: str | None = None,
         **kwargs,
-    ) -> "KvEventSubscriber":
+    ) -> KvEventSubscriber:
         """A subscriber for an engine configured with ``engine_endpoint`` (and, if
         any, ``engine_replay_endpoint``: vLLM's ``replay_endpoint``, a ROUTER it
         always binds), ``engine_host`` standing in for their wildcards. Other keyword
@@ -279,8 +283,10 @@ class KvEventSubscriber(Lifecycle):
             replay = engine_replay_endpoint.strip()
             if "*" in replay or "::" in replay:
                 if not engine_host:
-                    raise ValueError(f"replay endpoint {replay!r} is a wildcard; say which host "
-                                     "to connect to (engine_host)")
+                    raise ValueError(
+                        f"replay endpoint {replay!r} is a wildcard; say which host "
+                        "to connect to (engine_host)"
+                    )
                 replay = replace_wildcard(replay, engine_host)
         return cls(addr, consumer, mode=how, replay_endpoint=replay, **kwargs)
 
@@ -309,9 +315,15 @@ class KvEventSubscriber(Lifecycle):
 
     def stats(self) -> SubscriberStats:
         return SubscriberStats(
-            batches=self._batches, replayed=self._replayed, gaps=self._gaps,
-            lost_batches=self._lost, resets=dict(self._resets), errors=dict(self._errors.counts),
-            unknown_events=self._unknown, last_seq=self.last_seq, connections=self._connections,
+            batches=self._batches,
+            replayed=self._replayed,
+            gaps=self._gaps,
+            lost_batches=self._lost,
+            resets=dict(self._resets),
+            errors=dict(self._errors.counts),
+            unknown_events=self._unknown,
+            last_seq=self.last_seq,
+            connections=self._connections,
             connected=self._connected,
         )
 
@@ -331,8 +343,7 @@ class KvEventSubscriber(Lifecycle):
             sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
             sub.setsockopt(zmq.MAXMSGSIZE, self._max_msg_bytes)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-            mon = sub.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             if self.mode == "bind":
                 sub.bind(self.endpoint)
                 self._bound = sub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -423,13 +434,11 @@ class KvEventSubscriber(Lifecycle):
             self._replayed_upto = None
         last = self._last
         if last is None or self._rejoin or seq <= last:
-            reason: ResetReason = "joined" if last is None else \
-                "reconnected" if self._rejoin else "restarted"
+            reason: ResetReason = "joined" if last is None else "reconnected" if self._rejoin else "restarted"
             self._rejoin = False
             self._replayed_upto = None
             # fetched before the reset: meanwhile the consumer keeps what it knew
-            got = await self._replay_from(0) \
-                if self.replay_endpoint is not None and seq > 0 else None
+            got = await self._replay_from(0) if self.replay_endpoint is not None and seq > 0 else None
             self._reset(reason, seq)
             if got is not None:
                 self._deliver_replay(got, 0, seq, after_reset=True)
@@ -474,16 +483,19 @@ class KvEventSubscriber(Lifecycle):
         if batch.unknown:
             self._unknown += len(batch.unknown)
             names = sorted(set(batch.unknown))
-            self._error(KvEventCause.UNKNOWN_TYPE,
-                        f"batch {seq}: skipped {len(batch.unknown)} events of unknown type "
-                        f"{names[:5]}{' ...' if len(names) > 5 else ''}")
+            self._error(
+                KvEventCause.UNKNOWN_TYPE,
+                f"batch {seq}: skipped {len(batch.unknown)} events of unknown type "
+                f"{names[:5]}{' ...' if len(names) > 5 else ''}",
+            )
         try:
             self._consumer.on_batch(seq, batch)
         except Exception:
             self._consumer_failed("on_batch")
 
-    def _deliver_replay(self, got: list[tuple[int, bytes]], first: int, upto: int | None,
-                  after_reset: bool) -> None:
+    def _deliver_replay(
+        self, got: list[tuple[int, bytes]], first: int, upto: int | None, after_reset: bool
+    ) -> None:
         """Delivers the replayed batches ``got`` in [first, upto) (None: no end),
         reporting as lost what they lack. After a reset, a missing head is history
         from before the join, not a loss."""
@@ -517,9 +529,11 @@ class KvEventSubscriber(Lifecycle):
             while True:
                 left = deadline - loop.time()
                 if left <= 0 or not await sock.poll(left * 1000, zmq.POLLIN):
-                    self._error(KvEventCause.REPLAY_FAILED,
-                                f"no end of replay from {start} within {self.replay_timeout_s}s "
-                                f"({len(out)} batches received)")
+                    self._error(
+                        KvEventCause.REPLAY_FAILED,
+                        f"no end of replay from {start} within {self.replay_timeout_s}s "
+                        f"({len(out)} batches received)",
+                    )
                     return None
                 frames = await sock.recv_multipart()
                 if frames and frames[0] == b"":
@@ -536,16 +550,19 @@ class KvEventSubscriber(Lifecycle):
                     if seqb == END_SEQ:
                         return out
                 else:
-                    self._error(KvEventCause.BAD_FRAMES,
-                                f"replay message of {len(frames)} frames, want 2 or 3")
+                    self._error(
+                        KvEventCause.BAD_FRAMES, f"replay message of {len(frames)} frames, want 2 or 3"
+                    )
                     continue
                 if len(seqb) != 8:
                     self._error(KvEventCause.BAD_SEQ, f"replayed sequence frame of {len(seqb)} bytes")
                     continue
                 out.append((int.from_bytes(seqb, "big"), payload))
                 if len(out) > self.max_replay_batches:
-                    self._error(KvEventCause.REPLAY_FAILED,
-                                f"replay from {start} exceeds {self.max_replay_batches} batches")
+                    self._error(
+                        KvEventCause.REPLAY_FAILED,
+                        f"replay from {start} exceeds {self.max_replay_batches} batches",
+                    )
                     return None
         except zmq.ZMQError as e:
             self._error(KvEventCause.REPLAY_FAILED, f"replay from {start}: {e}")
@@ -556,8 +573,9 @@ class KvEventSubscriber(Lifecycle):
     def _reset(self, reason: ResetReason, seq: int) -> None:
         self._resets[reason] = self._resets.get(reason, 0) + 1
         if reason != "joined":
-            log.info("kv events from %s: %s at seq %d; the engine's entries are dropped",
-                     self.name, reason, seq)
+            log.info(
+                "kv events from %s: %s at seq %d; the engine's entries are dropped", self.name, reason, seq
+            )
         try:
             self._consumer.on_reset(reason, seq)
         except Exception:
@@ -580,8 +598,9 @@ class KvEventSubscriber(Lifecycle):
             log.exception("kv events consumer of %s failed in on_error", self.name)
 
     def _consumer_failed(self, where: str) -> None:
-        self._errors.counts[KvEventCause.CONSUMER_ERROR.value] = \
+        self._errors.counts[KvEventCause.CONSUMER_ERROR.value] = (
             self._errors.counts.get(KvEventCause.CONSUMER_ERROR.value, 0) + 1
+        )
         log.exception("kv events consumer of %s failed in %s", self.name, where)
 
 

@@ -51,8 +51,14 @@ class RouterProcess:
     ``argv`` (router flags; ``--port`` is added). Its output goes to a file (a pipe
     nobody reads would fill and stall a router that logs a probe): ``output()``."""
 
-    def __init__(self, config: str | None = None, argv: list[str] | None = None, *,
-                 env: dict | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        config: str | None = None,
+        argv: list[str] | None = None,
+        *,
+        env: dict | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._dir = tempfile.TemporaryDirectory(prefix="radixfleet-chaos-")
@@ -69,11 +75,12 @@ class RouterProcess:
         self.proc: subprocess.Popen | None = None
         self._final: str | None = None  # the whole output, once stopped and cleaned up
 
-    def __enter__(self) -> "RouterProcess":
+    def __enter__(self) -> RouterProcess:
         log = open(self.log_path, "wb")
         try:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         finally:
             log.close()
         deadline = time.monotonic() + self.timeout_s
@@ -127,24 +134,29 @@ class RouterProcess:
     def resources(self) -> Resources:
         return resources_of(self.pid)
 
-    def assert_settles(self, baseline: Resources, *, rss_slack: int = 64 << 20,
-                       fd_slack: int = 16, within_s: float = 10.0) -> Resources:
+    def assert_settles(
+        self, baseline: Resources, *, rss_slack: int = 64 << 20, fd_slack: int = 16, within_s: float = 10.0
+    ) -> Resources:
         """Wait (bounded) until RSS and open FDs are back within the slack of
         ``baseline``; assert if they are not by ``within_s``."""
         deadline = time.monotonic() + within_s
         while True:
             now = self.resources()
-            ok = (now.rss_bytes <= baseline.rss_bytes + rss_slack
-                  and now.open_fds <= baseline.open_fds + fd_slack)
+            ok = (
+                now.rss_bytes <= baseline.rss_bytes + rss_slack
+                and now.open_fds <= baseline.open_fds + fd_slack
+            )
             if ok or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert self.alive(), "the router process died during the probe"
         assert now.rss_bytes <= baseline.rss_bytes + rss_slack, (
             f"RSS {now.rss_bytes >> 20} MiB, baseline {baseline.rss_bytes >> 20} MiB "
-            f"+ slack {rss_slack >> 20} MiB")
+            f"+ slack {rss_slack >> 20} MiB"
+        )
         assert now.open_fds <= baseline.open_fds + fd_slack, (
-            f"{now.open_fds} open fds, baseline {baseline.open_fds} + slack {fd_slack}")
+            f"{now.open_fds} open fds, baseline {baseline.open_fds} + slack {fd_slack}"
+        )
         return now
 
     def assert_no_tracebacks(self) -> None:

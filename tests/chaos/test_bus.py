@@ -74,7 +74,7 @@ class Attacker:
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "Attacker":
+    def __enter__(self) -> Attacker:
         self.thread.start()
         return self
 
@@ -85,9 +85,14 @@ class Attacker:
 
 def agent(i: int, bus_url: str) -> Proc:
     port = free_port()
-    return Proc(radixfleet_argv("agent", "--port", str(port), "--worker-id", f"ag{i}",
-                                "--bus", bus_url, "--kv-tokens", "400000"),
-                ready_url=f"http://127.0.0.1:{port}/health", timeout_s=30, env=ENV)
+    return Proc(
+        radixfleet_argv(
+            "agent", "--port", str(port), "--worker-id", f"ag{i}", "--bus", bus_url, "--kv-tokens", "400000"
+        ),
+        ready_url=f"http://127.0.0.1:{port}/health",
+        timeout_s=30,
+        env=ENV,
+    )
 
 
 def bad_messages(r: RouterProcess) -> dict[str, float]:
@@ -118,20 +123,27 @@ def wait(pred, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-async def users(routers: list[RouterProcess], n: int, tag: str,
-                shared: bool = True) -> list[int]:
+async def users(routers: list[RouterProcess], n: int, tag: str, shared: bool = True) -> list[int]:
     """``n`` users' chat requests, spread over the replicas; their status codes.
     ``shared``: behind one system prompt (else each user's own: no cached prefix
     draws them to the workers already warm, so a new worker gets its share)."""
     async with httpx.AsyncClient(timeout=60) as c:
+
         async def one(i: int) -> int:
             r = routers[i % len(routers)]
-            resp = await c.post(f"{r.base}/v1/chat/completions", json={
-                "model": "llama-3-8b", "max_tokens": 2,
-                "messages": [{"role": "system",
-                              "content": SYSTEM if shared else f"{i} {tag} " * 40},
-                             {"role": "user", "content": f"user {i} asks about {tag}"}]})
+            resp = await c.post(
+                f"{r.base}/v1/chat/completions",
+                json={
+                    "model": "llama-3-8b",
+                    "max_tokens": 2,
+                    "messages": [
+                        {"role": "system", "content": SYSTEM if shared else f"{i} {tag} " * 40},
+                        {"role": "user", "content": f"user {i} asks about {tag}"},
+                    ],
+                },
+            )
             return resp.status_code
+
         return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
@@ -143,8 +155,9 @@ def fleet():
         routers = []
         try:
             for name in ("r1", "r2"):
-                routers.append(RouterProcess(ROUTER_YAML.format(url=ns.url, replica=name),
-                                             env=ENV).__enter__())
+                routers.append(
+                    RouterProcess(ROUTER_YAML.format(url=ns.url, replica=name), env=ENV).__enter__()
+                )
             for r in routers:
                 wait(lambda: {"ag0", "ag1"} <= healthy(r), 30, f"agents healthy on {r.base}")
             yield ns, routers
@@ -155,8 +168,7 @@ def fleet():
                 a.__exit__(None, None, None)
 
 
-async def publish_for(nc, subject: str, bodies: list[tuple[bytes, dict | None]],
-                      seconds: float) -> int:
+async def publish_for(nc, subject: str, bodies: list[tuple[bytes, dict | None]], seconds: float) -> int:
     """Publishes ``bodies`` in turn every 20 ms for ``seconds``; how many were sent."""
     sent = 0
     deadline = time.monotonic() + seconds
@@ -176,10 +188,13 @@ async def test_overflowing_in_flight_counts_never_reach_a_policy(fleet):
     subject = Subjects("radixfleet").router("evil")
     huge = [10**400, 10**400]
     bodies = []
-    for extra in ({"inflight": {"ag0": huge, "ag1": huge}},
-                  {"inflight": {"ag0": [1, 2]}, "hints": [["ag0", float("nan"), [1]]]}):
-        data = json.dumps({"v": 1, "kind": "router", "replica": "evil", "seq": 1,
-                           "block_bytes": 128, "full": True, **extra}).encode()
+    for extra in (
+        {"inflight": {"ag0": huge, "ag1": huge}},
+        {"inflight": {"ag0": [1, 2]}, "hints": [["ag0", float("nan"), [1]]]},
+    ):
+        data = json.dumps(
+            {"v": 1, "kind": "router", "replica": "evil", "seq": 1, "block_bytes": 128, "full": True, **extra}
+        ).encode()
         bodies.append((data, None))  # unsigned: a stranger on the bus
         bodies.append((data, BusKey(TOKEN).sign(subject, data)))  # a replica gone bad
     nc = await nats.connect(ns.url)
@@ -212,25 +227,42 @@ async def test_a_forged_registration_never_adds_a_worker_nor_gets_a_prompt(fleet
     base = [r.resources() for r in routers]
     with Attacker() as evil:
         subject = Subjects("radixfleet").agent("busevil")
-        data = json.dumps({
-            "v": 1, "kind": "agent",
-            "register": {"models": ["llama-3-8b"], "block_bytes": 128},
-            "batch": {"worker_id": "busevil", "url": f"http://127.0.0.1:{evil.port}",
-                      "epoch": "e1", "seq": 0,
-                      "events": [{"type": "snapshot", "blocks": []}]}}).encode()
+        data = json.dumps(
+            {
+                "v": 1,
+                "kind": "agent",
+                "register": {"models": ["llama-3-8b"], "block_bytes": 128},
+                "batch": {
+                    "worker_id": "busevil",
+                    "url": f"http://127.0.0.1:{evil.port}",
+                    "epoch": "e1",
+                    "seq": 0,
+                    "events": [{"type": "snapshot", "blocks": []}],
+                },
+            }
+        ).encode()
         nc = await nats.connect(ns.url)
         try:
             js = nc.jetstream()
             await js.publish(subject, data)  # unsigned
-            await js.publish(subject, data, headers=BusKey("a guessed token").sign(subject,
-                                                                                    data))
-            await js.publish(subject, data, headers={  # a signature made up
-                "Radixfleet-Signature": f"v1 {int(time.time() * 1000)} " + "ab" * 32})
+            await js.publish(subject, data, headers=BusKey("a guessed token").sign(subject, data))
+            await js.publish(
+                subject,
+                data,
+                headers={  # a signature made up
+                    "Radixfleet-Signature": f"v1 {int(time.time() * 1000)} " + "ab" * 32
+                },
+            )
         finally:
             await nc.close()
         for r in routers:
-            wait(lambda: bad_messages(r).get("unsigned", 0) >= 1
-                 and bad_messages(r).get("bad_signature", 0) >= 2, 10, "drops counted")
+            wait(
+                lambda: (
+                    bad_messages(r).get("unsigned", 0) >= 1 and bad_messages(r).get("bad_signature", 0) >= 2
+                ),
+                10,
+                "drops counted",
+            )
         time.sleep(1.0)  # a health-check period or five: long enough to have been added
         codes = await users(routers, 20, "secrets", shared=False)
         assert set(codes) == {200}, codes

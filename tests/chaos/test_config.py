@@ -18,10 +18,12 @@ from tests.test_config_bounds import alias_bomb
 
 pytestmark = pytest.mark.integration
 
-CONFIG = ("listen: {host: 127.0.0.1, port: {port}}\n"
-          "workers: ['http://127.0.0.1:9']\n"
-          "policy: {name: round_robin}\n"
-          "reload: {watch: true, poll_interval_s: 0.2}\n")
+CONFIG = (
+    "listen: {host: 127.0.0.1, port: {port}}\n"
+    "workers: ['http://127.0.0.1:9']\n"
+    "policy: {name: round_robin}\n"
+    "reload: {watch: true, poll_interval_s: 0.2}\n"
+)
 
 
 def test_an_alias_bomb_over_the_watched_file_is_refused_while_the_router_answers():
@@ -55,10 +57,14 @@ def test_an_events_endpoint_the_engine_binds_stops_the_router_with_what_to_write
     build(str(tok))
     try:
         with pytest.raises(RuntimeError) as ei:
-            with RouterProcess(config=(
+            with RouterProcess(
+                config=(
                     "listen: {host: 127.0.0.1, port: {port}}\n"
                     f"workers: [{{url: 'http://127.0.0.1:9', kind: vllm, tokenizer: '{tok}', "
-                    f"events: {{endpoint: 'tcp://127.0.0.1:{port}'}}}}]\n"), timeout_s=60):
+                    f"events: {{endpoint: 'tcp://127.0.0.1:{port}'}}}}]\n"
+                ),
+                timeout_s=60,
+            ):
                 pass
     finally:
         engine.close()

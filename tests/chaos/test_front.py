@@ -39,8 +39,7 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def upstream():
     port = free_port()
-    argv = ["python3", "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port),
-            "--chunks", "2"]
+    argv = ["python3", "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port), "--chunks", "2"]
     with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
 
@@ -48,20 +47,24 @@ def upstream():
 def _config(upstream: str, limits: dict) -> str:
     """A router on one upstream, tenants by API key (``KEY``), with ``limits``."""
     lim = ", ".join(f"{k}: {v}" for k, v in limits.items())
-    return ("listen: {host: 127.0.0.1, port: {port}}\n"
-            f"workers: [{{url: {upstream}, id: up}}]\n"
-            f"keys: {{tenant: {{source: api_key, api_keys: [{{tenant: a, key: {KEY}}}]}}}}\n"
-            f"limits: {{{lim}}}\n"
-            "warmup: {enabled: false}\nreload: {watch: false}\n")
+    return (
+        "listen: {host: 127.0.0.1, port: {port}}\n"
+        f"workers: [{{url: {upstream}, id: up}}]\n"
+        f"keys: {{tenant: {{source: api_key, api_keys: [{{tenant: a, key: {KEY}}}]}}}}\n"
+        f"limits: {{{lim}}}\n"
+        "warmup: {enabled: false}\nreload: {watch: false}\n"
+    )
 
 
-def _completion(n_prompt: int = 16, *, stream: bool = False, key: bool = True,
-                close: bool = False) -> bytes:
-    body = json.dumps({"model": "tiny", "prompt": "p" * n_prompt, "max_tokens": 2,
-                       "stream": stream}).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
-            + (AUTH.encode() if key else b"") + (b"Connection: close\r\n" if close else b"")
-            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+def _completion(n_prompt: int = 16, *, stream: bool = False, key: bool = True, close: bool = False) -> bytes:
+    body = json.dumps({"model": "tiny", "prompt": "p" * n_prompt, "max_tokens": 2, "stream": stream}).encode()
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        + (AUTH.encode() if key else b"")
+        + (b"Connection: close\r\n" if close else b"")
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
 
 
 class _Responses:
@@ -132,8 +135,9 @@ async def _ttft_p50(port: int, n: int, pause_s: float = 0.02) -> float:
 
 def _assert_ttft(during: float, base: float) -> None:
     # twice the unloaded p50, and 25 ms for the scheduling jitter of a 2-core CI host
-    assert during <= 2 * base + 0.025, f"TTFT p50 {during * 1e3:.1f} ms under attack, " \
-                                       f"{base * 1e3:.1f} ms unloaded"
+    assert during <= 2 * base + 0.025, (
+        f"TTFT p50 {during * 1e3:.1f} ms under attack, {base * 1e3:.1f} ms unloaded"
+    )
 
 
 def _json_error(body: bytes) -> dict:
@@ -144,8 +148,9 @@ def _json_error(body: bytes) -> dict:
 
 def _metric(r: RouterProcess, name: str) -> float:
     text = httpx.get(f"{r.base}/metrics", timeout=5).text
-    return sum(float(m.group(1)) for m in re.finditer(
-        rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(
+        float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    )
 
 
 def _finish(r: RouterProcess, base, *, rss_slack: int = 64 * MiB, fd_slack: int = 16) -> None:
@@ -153,7 +158,8 @@ def _finish(r: RouterProcess, base, *, rss_slack: int = 64 * MiB, fd_slack: int 
     passed on), resources back near ``base``, no traceback in the log."""
     text = httpx.get(f"{r.base}/metrics", timeout=5).text
     assert not re.search(r'status="5\d\d"', text), "the router answered >= 500:\n" + "\n".join(
-        line for line in text.splitlines() if 'status="5' in line)
+        line for line in text.splitlines() if 'status="5' in line
+    )
     r.assert_settles(base, rss_slack=rss_slack, fd_slack=fd_slack)
     r.assert_no_tracebacks()
 
@@ -174,7 +180,7 @@ class _Peak:
             self.rss, self.fds = max(self.rss, res.rss_bytes), max(self.fds, res.open_fds)
             await asyncio.sleep(0.05)
 
-    async def __aenter__(self) -> "_Peak":
+    async def __aenter__(self) -> _Peak:
         self._task = asyncio.create_task(self._run())
         return self
 
@@ -191,8 +197,7 @@ def test_a_body_trickled_after_a_hand_over_holds_no_slot_and_meets_its_deadline(
     """GET then a POST whose body trickles, on connections handed to aiohttp: the
     trickled bodies get 408 at the body deadline (401 at once without a key) and hold
     no admission slot meanwhile, so legitimate requests keep their TTFT."""
-    limits = {"max_concurrency": 4, "max_queue": 16, "queue_timeout_s": 3.0,
-              "body_timeout_s": 2.0}
+    limits = {"max_concurrency": 4, "max_queue": 16, "queue_timeout_s": 3.0, "body_timeout_s": 2.0}
     with RouterProcess(_config(upstream, limits)) as r:
         base_res = r.resources()
 
@@ -202,9 +207,12 @@ def test_a_body_trickled_after_a_hand_over_holds_no_slot_and_meets_its_deadline(
                 writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
                 first = await _read_responses(reader, 1, 5.0)
                 assert first.statuses == [200]
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: "
-                             b"application/json\r\n" + (AUTH.encode() if keyed else b"")
-                             + b"Content-Length: 1000\r\n\r\n{")
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: "
+                    b"application/json\r\n"
+                    + (AUTH.encode() if keyed else b"")
+                    + b"Content-Length: 1000\r\n\r\n{"
+                )
                 out = _Responses()
                 t_end = time.monotonic() + 5.0
                 while time.monotonic() < t_end and not out.statuses:
@@ -252,8 +260,11 @@ def test_bodies_one_byte_short_are_bounded_by_the_body_budget(upstream):
         async def flood() -> _Responses:
             reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
             try:
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n" + AUTH.encode()
-                             + b"Content-Length: %d\r\n\r\n" % size)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n"
+                    + AUTH.encode()
+                    + b"Content-Length: %d\r\n\r\n" % size
+                )
                 piece = b"x" * MiB
                 sent = 0
                 with contextlib.suppress(ConnectionError):
@@ -279,10 +290,18 @@ def test_bodies_one_byte_short_are_bounded_by_the_body_budget(upstream):
             if a.statuses == [429]:
                 assert _json_error(a.bodies[0])["code"] == "body_budget_exhausted"
                 assert a.heads[0]["retry-after"] == "1"
-        assert peak.rss <= base_res.rss_bytes + budget + 64 * MiB, \
+        assert peak.rss <= base_res.rss_bytes + budget + 64 * MiB, (
             f"RSS peak {peak.rss >> 20} MiB, baseline {base_res.rss_bytes >> 20} MiB"
-        assert httpx.post(f"{r.base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                          json={"model": "tiny", "prompt": "ok"}, timeout=10).status_code == 200
+        )
+        assert (
+            httpx.post(
+                f"{r.base}/v1/completions",
+                headers={"Authorization": f"Bearer {KEY}"},
+                json={"model": "tiny", "prompt": "ok"},
+                timeout=10,
+            ).status_code
+            == 200
+        )
         _finish(r, base_res)
 
 
@@ -302,7 +321,7 @@ def test_a_pipeline_whose_reads_end_mid_request_keeps_no_more_than_one_request(u
                 answers = asyncio.create_task(_read_responses(reader, per_conn, 60.0))
                 step = len(one) * 3 + 4099  # never a request boundary
                 for i in range(0, len(stream), step):
-                    writer.write(stream[i:i + step])
+                    writer.write(stream[i : i + step])
                     await writer.drain()
                 return await answers
             finally:
@@ -316,9 +335,10 @@ def test_a_pipeline_whose_reads_end_mid_request_keeps_no_more_than_one_request(u
         answers, peak = asyncio.run(probe())
         assert [a.statuses for a in answers] == [[200] * per_conn] * conns
         sent = per_conn * conns * len(one)
-        assert peak.rss <= base_res.rss_bytes + 24 * MiB, \
-            f"RSS peak {peak.rss >> 20} MiB after {sent >> 20} MiB pipelined, baseline " \
+        assert peak.rss <= base_res.rss_bytes + 24 * MiB, (
+            f"RSS peak {peak.rss >> 20} MiB after {sent >> 20} MiB pipelined, baseline "
             f"{base_res.rss_bytes >> 20} MiB"
+        )
         _finish(r, base_res)
 
 
@@ -327,8 +347,10 @@ def test_a_request_without_credentials_is_refused_from_its_head(upstream):
     needs to arrive), so such a flood costs no parsing and legitimate requests keep
     their TTFT."""
     big = b'{"model": "tiny", "prompt": "' + b"a" * (8 * MiB - 64) + b'"}'
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(big))
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(big)
+    )
     with RouterProcess(_config(upstream, {})) as r:
         base_res = r.resources()
 
@@ -354,7 +376,7 @@ def test_a_request_without_credentials_is_refused_from_its_head(upstream):
                         for i in range(0, len(big), MiB):
                             if answer.done():
                                 break
-                            writer.write(big[i:i + MiB])
+                            writer.write(big[i : i + MiB])
                             await writer.drain()
                     got += (await answer).statuses
                 finally:
@@ -462,7 +484,11 @@ def test_models_authenticates_like_the_data_plane(upstream):
         assert httpx.get(url, timeout=5).status_code == 401
         ok = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}, timeout=5)
         assert ok.status_code == 200 and ok.json()["data"], ok.text
-        chat = httpx.post(f"{r.base}/v1/chat/completions", headers={
-            "Authorization": "Bearer sk-wrong"}, json={"model": "tiny", "messages": []}, timeout=5)
+        chat = httpx.post(
+            f"{r.base}/v1/chat/completions",
+            headers={"Authorization": "Bearer sk-wrong"},
+            json={"model": "tiny", "messages": []},
+            timeout=5,
+        )
         assert chat.status_code == 401
         _finish(r, base_res)

@@ -39,9 +39,12 @@ def upstream():
 def served(base: str, n: int) -> list[int]:
     """Status codes of ``n`` ordinary completions."""
     with httpx.Client(timeout=10) as c:
-        return [c.post(base + "/v1/completions",
-                       json={"model": "m", "prompt": f"hello {i}", "max_tokens": 2}).status_code
-                for i in range(n)]
+        return [
+            c.post(
+                base + "/v1/completions", json={"model": "m", "prompt": f"hello {i}", "max_tokens": 2}
+            ).status_code
+            for i in range(n)
+        ]
 
 
 def wait_routable(base: str, n: int, timeout_s: float = 15.0) -> None:
@@ -55,8 +58,9 @@ def wait_routable(base: str, n: int, timeout_s: float = 15.0) -> None:
 
 def metric(base: str, name: str) -> float:
     text = httpx.get(base + "/metrics", timeout=5).text
-    return sum(float(m.group(1)) for m in re.finditer(
-        rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(
+        float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    )
 
 
 def test_a_configured_workers_id_cannot_be_taken(upstream):
@@ -64,8 +68,9 @@ def test_a_configured_workers_id_cannot_be_taken(upstream):
         wait_routable(r.base, 1)
         base = r.resources()
         with httpx.Client(timeout=5) as c:
-            reg = c.post(r.base + REGISTER, json={
-                "worker_id": "w0", "url": "http://127.0.0.1:19998", "epoch": "x"})
+            reg = c.post(
+                r.base + REGISTER, json={"worker_id": "w0", "url": "http://127.0.0.1:19998", "epoch": "x"}
+            )
             assert reg.status_code == 409 and reg.json()["status"] == "worker_id_taken", reg.text
             batch = EventBatch("w0", "http://127.0.0.1:19998", "x", 0, [Snapshot([(7, None)])])
             ev = c.post(r.base + EVENTS, json=batch.to_json())
@@ -91,9 +96,15 @@ def test_a_flood_of_fake_registrations_is_bounded_and_never_routed_to(upstream):
         def register(i: int) -> None:
             with httpx.Client(timeout=10) as c:
                 for j in range(i, 2000, 8):
-                    resp = c.post(r.base + REGISTER, json={
-                        "worker_id": f"fake{j}", "url": f"http://127.0.0.1:{20000 + j}",
-                        "epoch": "e", "models": ["m"]})
+                    resp = c.post(
+                        r.base + REGISTER,
+                        json={
+                            "worker_id": f"fake{j}",
+                            "url": f"http://127.0.0.1:{20000 + j}",
+                            "epoch": "e",
+                            "models": ["m"],
+                        },
+                    )
                     codes.append(resp.status_code)
                     if resp.status_code == 429:
                         retry_after.add(resp.headers.get("Retry-After", ""))
@@ -122,11 +133,18 @@ def test_huge_event_batches_do_not_hold_the_loop(upstream):
     with RouterProcess(argv=["--worker", f"url={upstream},id=big"]) as r:
         wait_routable(r.base, 1)
         base = r.resources()
-        body = json.dumps(EventBatch("big", upstream, "e", 0, [Snapshot(
-            [(i + 1, i if i else None) for i in range(300_000)])]).to_json()).encode()
+        body = json.dumps(
+            EventBatch(
+                "big", upstream, "e", 0, [Snapshot([(i + 1, i if i else None) for i in range(300_000)])]
+            ).to_json()
+        ).encode()
         with httpx.Client(timeout=60) as c:
-            assert c.post(r.base + REGISTER, json={
-                "worker_id": "big", "url": upstream, "epoch": "e"}).status_code == 200
+            assert (
+                c.post(
+                    r.base + REGISTER, json={"worker_id": "big", "url": upstream, "epoch": "e"}
+                ).status_code
+                == 200
+            )
         stop = threading.Event()
         posting = threading.Event()
         answered = [0, 0.0]  # /health answers that began and ended within a POST; worst
@@ -150,8 +168,7 @@ def test_huge_event_batches_do_not_hold_the_loop(upstream):
                 for _ in range(3):
                     t0 = time.perf_counter()
                     posting.set()
-                    resp = c.post(r.base + EVENTS, content=body,
-                                  headers={"Content-Type": "application/json"})
+                    resp = c.post(r.base + EVENTS, content=body, headers={"Content-Type": "application/json"})
                     posting.clear()
                     took.append(time.perf_counter() - t0)
                     assert resp.status_code == 200, resp.text
@@ -163,18 +180,22 @@ def test_huge_event_batches_do_not_hold_the_loop(upstream):
         # CPU. Counted, not timed: on a shared machine any one answer may wait.
         assert answered[0] >= 10 * len(took), (
             f"{answered[0]} /health answers during {len(took)} batches taking {took} s "
-            f"(slowest answer {answered[1]:.2f} s)")
+            f"(slowest answer {answered[1]:.2f} s)"
+        )
         assert served(r.base, 3) == [200] * 3
         r.assert_settles(base, rss_slack=256 << 20)
     r.assert_no_tracebacks()
 
 
-@pytest.mark.parametrize("url, answer", [
-    ("http://169.254.169.254", 400),
-    ("http://user:pass@127.0.0.1:9", 400),
-    ("http://[fe80::1]:80", 400),
-    ("http://0.0.0.0:9001", 400),
-])
+@pytest.mark.parametrize(
+    "url, answer",
+    [
+        ("http://169.254.169.254", 400),
+        ("http://user:pass@127.0.0.1:9", 400),
+        ("http://[fe80::1]:80", 400),
+        ("http://0.0.0.0:9001", 400),
+    ],
+)
 def test_worker_urls_that_point_where_they_must_not_are_refused(upstream, url, answer):
     with RouterProcess(argv=["--worker", f"url={upstream},id=real"]) as r:
         with httpx.Client(timeout=5) as c:
@@ -201,16 +222,19 @@ def test_numeric_ipv4_forms_are_one_worker(upstream):
 def test_a_link_local_worker_in_the_file_is_a_config_error(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("workers:\n  - {url: http://127.0.0.1:9}\n  - {url: 'http://169.254.169.254'}\n")
-    out = subprocess.run(radixfleet_argv("check-config", str(path)), capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        radixfleet_argv("check-config", str(path)), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "workers[1].url" in out.stderr and "link-local" in out.stderr
 
 
 def test_agents_hanging_up_mid_request_are_one_counted_line_each(upstream):
     with RouterProcess(argv=["--worker", f"url={upstream},id=w0"]) as r:
         base = r.resources()
-        head = (f"POST {EVENTS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                "Content-Length: 100000\r\n\r\n").encode()
+        head = (
+            f"POST {EVENTS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100000\r\n\r\n"
+        ).encode()
 
         def hang_up(_: int) -> None:
             with socket.create_connection(("127.0.0.1", r.port), timeout=5) as s:

@@ -23,8 +23,10 @@ from tests.chaos.harness import RouterProcess
 pytestmark = pytest.mark.integration
 
 MB = 1 << 20
-TRACE = (b"Traceback (most recent call last):\n  File \"/srv/vllm/entrypoints/api.py\", "
-         b"line 1, in serve\nKeyError: 'engine'\n")
+TRACE = (
+    b'Traceback (most recent call last):\n  File "/srv/vllm/entrypoints/api.py", '
+    b"line 1, in serve\nKeyError: 'engine'\n"
+)
 
 
 class MisbehavingWorker:
@@ -43,7 +45,7 @@ class MisbehavingWorker:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "MisbehavingWorker":
+    def __enter__(self) -> MisbehavingWorker:
         self._thread.start()
         assert self._ready.wait(10), "fake worker did not start"
         return self
@@ -58,8 +60,7 @@ class MisbehavingWorker:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", 0))
+        server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         self.loop.run_forever()
@@ -76,8 +77,10 @@ class MisbehavingWorker:
                 body = await reader.readexactly(length) if length else b""
                 path = head.split(b" ")[1]
                 if path != b"/v1/completions":
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                                 b"Content-Length: 11\r\n\r\n{\"data\":[]}")
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b'Content-Length: 11\r\n\r\n{"data":[]}'
+                    )
                     await writer.drain()
                     continue
                 probe = json.loads(body).get("probe")
@@ -90,8 +93,9 @@ class MisbehavingWorker:
             writer.close()
 
     async def _big(self, writer) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
         block = b"x" * MB
         for _ in range(200):
             writer.write(b"%x\r\n%s\r\n" % (len(block), block))
@@ -100,8 +104,9 @@ class MisbehavingWorker:
         await writer.drain()
 
     async def _big_stream(self, writer) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
         event = b'data: {"choices":[{"text":"' + b"y" * 4000 + b'"}]}\n\n'
         batch = event * 256  # ~1 MB
         for _ in range(100):
@@ -112,20 +117,27 @@ class MisbehavingWorker:
         await writer.drain()
 
     async def _cut(self, writer) -> None:
-        part = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
-                b'data: {"choices":[{"index":0,"delta":{"content":"hel')
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(part), part))
+        part = (
+            b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+            b'data: {"choices":[{"index":0,"delta":{"content":"hel'
+        )
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(part), part)
+        )
         await writer.drain()
         await asyncio.sleep(0.1)  # then the connection closes, mid-event
 
     async def _crlf(self, writer) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
-        events = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\r\n\r\n',
-                  b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\r\n\r\n',
-                  b'data: {"choices":[{"index":0,"delta":{"content":"lo"}}]}\r\n\r\n',
-                  b"data: [DONE]\r\n\r\n"]
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        events = [
+            b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\r\n\r\n',
+            b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\r\n\r\n',
+            b'data: {"choices":[{"index":0,"delta":{"content":"lo"}}]}\r\n\r\n',
+            b"data: [DONE]\r\n\r\n",
+        ]
         for i, ev in enumerate(events):
             writer.write(b"%x\r\n%s\r\n" % (len(ev), ev))
             await writer.drain()
@@ -135,8 +147,10 @@ class MisbehavingWorker:
         await writer.drain()
 
     async def _trace(self, writer) -> None:
-        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(TRACE), TRACE))
+        writer.write(
+            b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(TRACE), TRACE)
+        )
         await writer.drain()
 
 
@@ -145,12 +159,14 @@ def _router(worker: MisbehavingWorker) -> RouterProcess:
         "listen: {port: {port}}\n"
         f"workers: [{{url: '{worker.url}', id: w, kind: openai}}]\n"
         "policy: {name: round_robin}\nreload: {watch: false}\n"
-        "breaker: {failure_threshold: 1000}\n")
+        "breaker: {failure_threshold: 1000}\n"
+    )
 
 
 def _post(r: RouterProcess, probe: str, **kw) -> httpx.Response:
-    return httpx.post(f"{r.base}/v1/completions", timeout=60,
-                      json={"model": "m", "prompt": "x", "probe": probe, **kw})
+    return httpx.post(
+        f"{r.base}/v1/completions", timeout=60, json={"model": "m", "prompt": "x", "probe": probe, **kw}
+    )
 
 
 def _wait_routable(r: RouterProcess) -> None:
@@ -173,12 +189,12 @@ def test_huge_non_streamed_answers_are_refused_not_held():
             while not stop.is_set():
                 peak[0] = max(peak[0], r.resources().rss_bytes)
                 time.sleep(0.02)
+
         t = threading.Thread(target=sample)
         t.start()
         out: list[httpx.Response] = []
         try:
-            posts = [threading.Thread(target=lambda: out.append(_post(r, "big")))
-                     for _ in range(4)]
+            posts = [threading.Thread(target=lambda: out.append(_post(r, "big"))) for _ in range(4)]
             for p in posts:
                 p.start()
             for p in posts:
@@ -202,8 +218,12 @@ def test_a_huge_stream_is_passed_through_not_held():
         base = r.resources()
         got = 0
         peak = base.rss_bytes
-        with httpx.stream("POST", f"{r.base}/v1/completions", timeout=60, json={
-                "model": "m", "prompt": "x", "probe": "big_stream", "stream": True}) as s:
+        with httpx.stream(
+            "POST",
+            f"{r.base}/v1/completions",
+            timeout=60,
+            json={"model": "m", "prompt": "x", "probe": "big_stream", "stream": True},
+        ) as s:
             assert s.status_code == 200
             for chunk in s.iter_bytes():
                 got += len(chunk)
@@ -224,7 +244,7 @@ def test_a_stream_cut_mid_event_ends_with_a_well_formed_error_event():
         text = resp.text
         events = [e for e in text.replace("\r\n", "\n").split("\n\n") if e]
         assert events[-1] == "data: [DONE]", text
-        payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]  # every one JSON
+        payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]  # every one JSON
         assert payloads[0]["choices"][0]["delta"]["content"] == "hi"
         assert payloads[-1]["error"]["code"] == "upstream_failed", payloads
         assert '"content":"hel' not in text  # the unfinished event was dropped
@@ -242,16 +262,19 @@ def test_crlf_events_reach_the_client_as_they_come():
         t0 = time.monotonic()
         first_token_at = None
         body = b""
-        with httpx.stream("POST", f"{r.base}/v1/completions", timeout=30, json={
-                "model": "m", "prompt": "x", "probe": "crlf", "stream": True}) as s:
+        with httpx.stream(
+            "POST",
+            f"{r.base}/v1/completions",
+            timeout=30,
+            json={"model": "m", "prompt": "x", "probe": "crlf", "stream": True},
+        ) as s:
             for chunk in s.iter_raw():
                 body += chunk
                 if first_token_at is None and b"Hel" in body:
                     first_token_at = time.monotonic() - t0
         total = time.monotonic() - t0
         assert body.endswith(b"data: [DONE]\r\n\r\n") and b'"lo"' in body
-        assert total >= 1.5 and first_token_at is not None and first_token_at < 1.0, \
-            (first_token_at, total)
+        assert total >= 1.5 and first_token_at is not None and first_token_at < 1.0, (first_token_at, total)
         metrics = httpx.get(f"{r.base}/metrics", timeout=5).text
         ttft = [l for l in metrics.splitlines() if l.startswith("radixfleet_ttft_seconds_sum")]
         assert ttft and float(ttft[0].split()[1]) < 1.0, ttft
@@ -286,27 +309,51 @@ def test_a_request_on_a_stopped_worker_moves_once_its_health_fails():
     import signal
 
     from tests.procs import Proc, free_port
+
     procs, urls = [], []
     for name in ("a", "b"):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        procs.append(Proc([sys.executable, "-m", "radixfleet.bench.proxy", "upstream",
-                           "--port", str(port), "--name", name, "--model", "m"],
-                          ready_url=url + "/health"))
+        procs.append(
+            Proc(
+                [
+                    sys.executable,
+                    "-m",
+                    "radixfleet.bench.proxy",
+                    "upstream",
+                    "--port",
+                    str(port),
+                    "--name",
+                    name,
+                    "--model",
+                    "m",
+                ],
+                ready_url=url + "/health",
+            )
+        )
         urls.append(url)
-    with procs[0], procs[1], RouterProcess(
+    with (
+        procs[0],
+        procs[1],
+        RouterProcess(
             "listen: {port: {port}}\n"
             f"workers: [{{url: '{urls[0]}', id: a, kind: openai}}, "
             f"{{url: '{urls[1]}', id: b, kind: openai}}]\n"
             "policy: {name: round_robin}\nreload: {watch: false}\n"
-            "health: {interval_s: 0.5, timeout_s: 0.3, failure_threshold: 2}\n") as r:
+            "health: {interval_s: 0.5, timeout_s: 0.3, failure_threshold: 2}\n"
+        ) as r,
+    ):
         _wait_routable(r)
         base = r.resources()
         out: list[httpx.Response] = []
         t0 = time.monotonic()
-        req = threading.Thread(target=lambda: out.append(httpx.post(
-            f"{r.base}/v1/completions", timeout=30,
-            json={"model": "m", "prompt": "x", "delay_s": 1.0})))
+        req = threading.Thread(
+            target=lambda: out.append(
+                httpx.post(
+                    f"{r.base}/v1/completions", timeout=30, json={"model": "m", "prompt": "x", "delay_s": 1.0}
+                )
+            )
+        )
         req.start()
         stopped = None
         deadline = time.monotonic() + 5

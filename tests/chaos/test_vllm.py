@@ -65,7 +65,7 @@ class Peers:
         for f in self.fakes.values():
             f.close()
 
-    def __enter__(self) -> "Peers":
+    def __enter__(self) -> Peers:
         self._thread.start()
         assert self._ready.wait(30), "fake peers did not start"
         return self
@@ -88,27 +88,46 @@ def test_broken_event_sources_and_rank_answers_leave_every_worker_serving(tmp_pa
         f["deep"].sources = (200, "[" * 100_000 + "]" * 100_000)
         f["many"].sources = (200, json.dumps({str(r): _src(1000 + r) for r in range(5000)}))
         f["nan"].sources = (200, '{"0": {"endpoint": NaN, "topic": "kv-events"}}')
-        f["busy"].sources = (200, json.dumps(
-            {"0": {**_src(0), "endpoint": f"tcp://127.0.0.1:{busy_port}"}}))
+        f["busy"].sources = (200, json.dumps({"0": {**_src(0), "endpoint": f"tcp://127.0.0.1:{busy_port}"}}))
         liar = f["liar"] = FakeDpVllm(keyer, ranks=2)
         liar.ranks = 1  # lists two ranks, refuses rank 1
         return f
 
     try:
         with Peers(make) as peers:
-            workers = [{"url": u, "id": w, "kind": "vllm", "tokenizer": tok, "block_size": 16,
-                        "metrics": {"path": ""}} for w, u in peers.urls.items()]
-            cfg = json.dumps({"listen": {"host": "127.0.0.1", "port": "{port}"},
-                              "health": {"interval_s": 0.2}, "workers": workers,
-                              "limits": {"worker_queue_requests": 0}}).replace(
-                '"{port}"', "{port}")
+            workers = [
+                {
+                    "url": u,
+                    "id": w,
+                    "kind": "vllm",
+                    "tokenizer": tok,
+                    "block_size": 16,
+                    "metrics": {"path": ""},
+                }
+                for w, u in peers.urls.items()
+            ]
+            cfg = json.dumps(
+                {
+                    "listen": {"host": "127.0.0.1", "port": "{port}"},
+                    "health": {"interval_s": 0.2},
+                    "workers": workers,
+                    "limits": {"worker_queue_requests": 0},
+                }
+            ).replace('"{port}"', "{port}")
             with RouterProcess(cfg) as r:
-                want = {"huge": "malformed", "deep": "malformed", "many": "malformed",
-                        "nan": "malformed", "busy": "address_in_use"}
+                want = {
+                    "huge": "malformed",
+                    "deep": "malformed",
+                    "many": "malformed",
+                    "nan": "malformed",
+                    "busy": "address_in_use",
+                }
 
                 def counted(text: str) -> bool:
-                    return all(f'radixfleet_engine_events_unavailable_total{{cause="{c}",'
-                               f'worker="{w}"}}' in text for w, c in want.items())
+                    return all(
+                        f'radixfleet_engine_events_unavailable_total{{cause="{c}",worker="{w}"}}' in text
+                        for w, c in want.items()
+                    )
 
                 end = time.monotonic() + 20
                 text = ""
@@ -120,15 +139,18 @@ def test_broken_event_sources_and_rank_answers_leave_every_worker_serving(tmp_pa
                 served = {}
                 with httpx.Client(timeout=30) as c:
                     for i in range(40):
-                        resp = c.post(r.base + "/v1/completions", json={
-                            "model": MODEL, "prompt": prompt(300 + i, 60), "max_tokens": 1})
+                        resp = c.post(
+                            r.base + "/v1/completions",
+                            json={"model": MODEL, "prompt": prompt(300 + i, 60), "max_tokens": 1},
+                        )
                         assert resp.status_code == 200, resp.text
                         wid = resp.headers["x-radixfleet-worker"]
                         served[wid] = served.get(wid, 0) + 1
                 assert "1" in peers.fakes["liar"].headers, peers.fakes["liar"].headers
                 text = httpx.get(r.base + "/metrics", timeout=5).text
-                assert ('radixfleet_engine_events_unavailable_total{cause="rank_rejected",'
-                        'worker="liar"} 1.0') in text
+                assert (
+                    'radixfleet_engine_events_unavailable_total{cause="rank_rejected",worker="liar"} 1.0'
+                ) in text
                 # the contradicting rank map is not taken again: no header after it
                 liar = peers.fakes["liar"].headers
                 assert liar.count("1") == 1, liar

