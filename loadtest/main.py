@@ -183,6 +183,22 @@ def workload_options_help() -> str:
     return "\n".join(lines)
 
 
+def list_workloads() -> str:
+    """Each built-in workload: its name, the first line of what it sends, its -o options."""
+    lines = []
+    for name, cls in WORKLOADS.items():
+        doc = cls.__doc__ or cls.Params.__doc__ or ""
+        para = " ".join(doc.strip().split("\n\n")[0].split())
+        first = para.split(". ")[0].rstrip(".")
+        opts = ", ".join(
+            f"{f.name} [{_default_text(f)}]"
+            for f in dataclasses.fields(cls.Params)
+            if f.name != "base_options"
+        )
+        lines += [name, f"  {first}".rstrip(), f"  -o options: {opts or '(none)'}"]
+    return "\n".join(lines)
+
+
 def _default_text(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return f"{f.default}"
@@ -230,6 +246,11 @@ def client_headers(args: argparse.Namespace) -> dict[str, str]:
 def configure(parser: argparse.ArgumentParser) -> None:
     from loadtest import ab
 
+    parser.add_argument(
+        "--list-workloads",
+        action="store_true",
+        help="print the built-in workloads, what each sends and its -o options, and exit",
+    )
     parser.add_argument(
         "--target",
         action="append",
@@ -442,6 +463,9 @@ def run(args: argparse.Namespace) -> int:
     from loadtest.metrics import enrich
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.list_workloads:
+        print(list_workloads())
+        return 0
     if not 0.0 <= args.max_failures <= 1.0:
         raise ConfigError("--max-failures", f"must be a share in [0, 1], got {args.max_failures:g}")
     mopts = _metric_options(args)

@@ -441,3 +441,18 @@ def test_sharegpt_bad_files_name_file_line_and_field(tmp_path):
         assert str(exc.value).startswith(str(p)) and msg in str(exc.value), (name, exc.value)
     with pytest.raises(WorkloadError, match="cannot read"):
         load_sharegpt(str(tmp_path / "missing.json"))
+
+
+def test_list_workloads_names_each_workload_what_it_sends_and_its_options(capsys):
+    from loadtest.main import configure, run
+    from loadtest.workloads import WORKLOADS
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert run(parser.parse_args(["--list-workloads"])) == 0
+    out = capsys.readouterr().out.splitlines()
+    for name in WORKLOADS:
+        i = out.index(name)
+        assert out[i + 1].strip(), f"{name} has no description"
+        assert out[i + 2].startswith("  -o options: ")
+    assert "sessions [96]" in "\n".join(out)  # mixed's defaults
