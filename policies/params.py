@@ -23,8 +23,12 @@ from typing import Any
 
 from protocol.errors import ConfigError
 from protocol.settings import expected, raise_all, validate
-from protocol.settings import setting as param  # noqa: F401 - the declaration helper
-from protocol.settings import settings as parameters  # noqa: F401 - the class decorator
+from protocol.settings import setting as param
+from protocol.settings import settings as parameters
+
+#: ``param`` and ``parameters`` are re-exported: the declaration helper and the class
+#: decorator every policy's ``Params`` uses
+__all__ = ["check_defaults", "param", "param_docs", "parameters", "parse_params"]
 
 
 def parse_params(cls: type, policy_name: str, raw: Any, path: str) -> Any:
@@ -47,7 +51,7 @@ def parse_params(cls: type, policy_name: str, raw: Any, path: str) -> Any:
         )
 
 
-def param_docs(cls: type) -> list[dict[str, Any]]:
+def param_docs(cls: Any) -> list[dict[str, Any]]:
     """``[{name, type, default, expected, doc}]`` for docs and ``--help`` output."""
     return [
         {

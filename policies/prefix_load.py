@@ -87,21 +87,30 @@ request's block hashes and O(workers).
 from __future__ import annotations
 
 import math
+import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict
+from typing import Any
 
 from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
 from policies.footprint import Branch, Footprints
 from policies.params import param, parameters
-from policies.replication import RETIRE_FRACTION, HotRoots, holders_needed
+from policies.replication import RETIRE_FRACTION, HotRecord, HotRoots, holders_needed
+from protocol.prefix_keys import WorkerId
 
 _INF = math.inf
 #: seconds a new replica may take to appear in the index as a holder
 REPLICA_GRACE_S = 5.0
 
 
-def _by_written(written, now: float, cur, cur_r: float | None, new):
+def _by_written(
+    written: Callable[[WorkerId, float], float] | None,
+    now: float,
+    cur: WorkerId,
+    cur_r: float | None,
+    new: WorkerId,
+) -> tuple[int, float | None, float]:
     """The tie-break by KV written lately between the current pick ``cur`` (its rate
     ``cur_r``, None until needed) and a tied candidate ``new``: (-1 new wrote less,
     0 equal, 1 more; cur's rate; new's rate). ``written`` None (``tie_written`` off, or
@@ -256,16 +265,18 @@ class PrefixLoad(Policy):
             lo_open=True,
         )
 
-    def __init__(self, params=None, rng=None):
+    params: Params
+
+    def __init__(self, params: PolicyParams | None = None, rng: random.Random | None = None) -> None:
         super().__init__(params, rng)
         p = self.params
         self.hot = HotRoots(p.hot_records, p.max_replicas)
         # worker -> [decayed uncached tokens routed to it, time of that value]
-        self._written: dict = {}
+        self._written: dict[str, list[float]] = {}
         self.footprints = Footprints(p.session_live_gaps) if p.footprint_room > 0 else None
         # prefix hash (at sampled depths, ``_home_depths``) -> the worker its last
         # request went to; LRU, at most ``home_records`` entries; only ``choose`` writes
-        self._homes: OrderedDict = OrderedDict()
+        self._homes: OrderedDict[int, WorkerId] = OrderedDict()
 
     def choose(
         self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
@@ -308,7 +319,7 @@ class PrefixLoad(Policy):
             w[0], w[1] = self._decayed(w, now), now
         w[0] += uncached_tokens
 
-    def observe_route(self, request: RouteRequest, match: MatchResult, worker: str, now: float) -> None:
+    def observe_route(self, request: RouteRequest, match: MatchResult, worker: WorkerId, now: float) -> None:
         """Another router replica routed ``request`` to ``worker`` at ``now``;
         ``match`` is this replica's index match for it before the hint of that pick
         went in. Recorded as ``choose`` records its own decisions: the session's
@@ -327,17 +338,17 @@ class PrefixLoad(Policy):
             worker, request.prompt_tokens - match.blocks.get(worker, 0) * request.block_tokens, now
         )
 
-    def _decayed(self, w: list, now: float) -> float:
+    def _decayed(self, w: list[float], now: float) -> float:
         """A ``_written`` record's tokens as of ``now`` (never grown by going back)."""
         return w[0] * math.exp(min(0.0, (w[1] - now) / self.params.kv_window_s))
 
-    def _write_rate(self, wid, now: float) -> float:
+    def _write_rate(self, wid: str, now: float) -> float:
         """Uncached prompt tokens routed to ``wid`` per second, decayed: the KV the
         worker writes, which evicts as much once its cache is full."""
         w = self._written.get(wid)
         return 0.0 if w is None else self._decayed(w, now) / self.params.kv_window_s
 
-    def _kv_churning(self, views: Sequence[WorkerView], now: float) -> set | None:
+    def _kv_churning(self, views: Sequence[WorkerView], now: float) -> set[WorkerId] | None:
         """Workers whose caches turn over too fast to keep new sessions (params
         kv_turnover_s, kv_rel), or None."""
         p = self.params
@@ -356,7 +367,7 @@ class PrefixLoad(Policy):
 
     def _crowded(
         self, request: RouteRequest, branch: Branch | None, views: Sequence[WorkerView]
-    ) -> set | None:
+    ) -> set[WorkerId] | None:
         """Workers whose live sessions leave no room for this request's session, if
         another worker has room for it; else None (module docstring, "Session
         footprints")."""
@@ -384,7 +395,8 @@ class PrefixLoad(Policy):
             cap = v.kv_capacity_tokens
             if cap <= 0:
                 continue  # unknown capacity: never judged, never a destination
-            t = (f - branch.size if v.id == own else f) + size
+            # own is set only when branch is: v.id == own implies branch is not None
+            t = (f - branch.size if v.id == own else f) + size  # type: ignore[union-attr]
             if t > p.footprint_full * cap and f > over:
                 if out is None:
                     out = set()
@@ -467,9 +479,9 @@ class PrefixLoad(Policy):
                 qs[i] + prompt / v.prefill_tokens_per_s,
             )
 
-        masked: dict | None = None
-        replicas: dict | None = None
-        warm: tuple = ()
+        masked: dict[str, float] | None = None
+        replicas: dict[str, float] | None = None
+        warm: tuple[WorkerId, ...] = ()
         depth = match.depth
         if (
             depth
@@ -478,7 +490,7 @@ class PrefixLoad(Policy):
             and (match.rate >= p.hot_min_rate or request.hashes[depth - 1] in self.hot)
         ):
             out = self._replicate(request, match, views, qs, now)
-            if out.__class__ is Decision:
+            if isinstance(out, Decision):
                 return out
             masked, replicas, warm = out
 
@@ -555,8 +567,13 @@ class PrefixLoad(Policy):
         return Decision(v.id, reason, blocks.get(v.id, 0), ttft, warm)
 
     def _replicate(
-        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], qs: list, now: float
-    ):
+        self,
+        request: RouteRequest,
+        match: MatchResult,
+        views: Sequence[WorkerView],
+        qs: list[float],
+        now: float,
+    ) -> Decision | tuple[dict[str, float] | None, dict[str, float] | None, tuple[WorkerId, ...]]:
         """Hot-root bookkeeping for a request through a hot (or recorded) node.
 
         Returns a REPLICA ``Decision`` when this request goes to a new replica, else
@@ -568,7 +585,7 @@ class PrefixLoad(Policy):
         key = request.hashes[depth - 1]
         blocks = match.blocks
         holders = [v for v in views if blocks.get(v.id, 0) >= depth]
-        held = {v.id for v in holders}
+        held: set[str] = {v.id for v in holders}
         if rate < p.hot_min_rate:
             rec = hot.get(key)
             if rec is None:
@@ -596,7 +613,7 @@ class PrefixLoad(Policy):
         if len(rec.replicas):
             routable = {v.id for v in views}
             active.update(w for w in rec.replicas if w in routable)
-        warm: tuple = ()
+        warm: tuple[WorkerId, ...] = ()
         if len(active) < needed:
             back = [w for w in rec.retired if w in held]
             if back:
@@ -620,7 +637,7 @@ class PrefixLoad(Policy):
         return (rec.retired or None), rec.replicas, warm
 
     @staticmethod
-    def _home_depths(n: int, min_b: int):
+    def _home_depths(n: int, min_b: int) -> Iterator[int]:
         """The depths (in blocks) at which a prompt of ``n`` blocks records its home:
         ``min_b`` (at least 1) doubled up to ``n``, and ``n`` itself. O(log n)."""
         d = min_b if min_b > 0 else 1
@@ -630,7 +647,7 @@ class PrefixLoad(Policy):
         if n > 0:
             yield n
 
-    def _remember_home(self, request: RouteRequest, worker: str) -> None:
+    def _remember_home(self, request: RouteRequest, worker: WorkerId) -> None:
         """Records ``worker`` as the home of the request's prefixes (O(log blocks))."""
         p = self.params
         bt = request.block_tokens
@@ -645,7 +662,7 @@ class PrefixLoad(Policy):
             homes.popitem(last=False)
 
     def _home(
-        self, request: RouteRequest, views: Sequence[WorkerView], qs: list, lo_q: float, min_b: int
+        self, request: RouteRequest, views: Sequence[WorkerView], qs: list[float], lo_q: float, min_b: int
     ) -> int:
         """A miss's home: the index of the routable worker that the deepest recorded
         prefix of this request last went to, unless it is overloaded relative to the
@@ -669,7 +686,13 @@ class PrefixLoad(Policy):
             return -1
         return -1
 
-    def _least_loaded_non_holder(self, views, qs, held, pending) -> int:
+    def _least_loaded_non_holder(
+        self,
+        views: Sequence[WorkerView],
+        qs: list[float],
+        held: Collection[str],
+        pending: Collection[str],
+    ) -> int:
         """Index of the least-loaded view that neither holds the prefix nor is a
         replica still warming up; ties at random; -1 if none."""
         rnd = self.rng.random
@@ -687,7 +710,7 @@ class PrefixLoad(Policy):
         return best
 
     @staticmethod
-    def _forget_departed(rec, held: set, now: float) -> None:
+    def _forget_departed(rec: HotRecord, held: set[str], now: float) -> None:
         """Retired workers the index no longer credits with the prefix have aged out;
         so have replicas that lost it (or never got it) ``REPLICA_GRACE_S`` after they
         were added — the grace covers a warm-up's round trip before agent events."""
@@ -696,7 +719,7 @@ class PrefixLoad(Policy):
         for w in [w for w, t in rec.replicas.items() if w not in held and now - t > REPLICA_GRACE_S]:
             del rec.replicas[w]
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         d = self.hot.describe()
         d["params"] = asdict(self.params)
         return d
