@@ -13,12 +13,12 @@ Modules (each imports only what it needs; the simulator reuses the first four)::
     retry        the client's policy on refusals (the OpenAI SDK's, or none)
     metrics      TPOT, goodput, percentiles, per-request export, sweep table/plot
     datasets     --dataset random (vllm bench serve's) and sharegpt (a file)
-    main         `radixfleet loadtest` (A/B over --target NAME=URL): the CLI
+    cli          `radixfleet loadtest` (A/B over --target NAME=URL): the CLI
     runner       run_ab: one workload and seed against each target in turn, cold
     ab           the A/B runs on a local fleet (--ab radix|policy)
     smg          finding SGLang's gateway `smg` for an A/B arm
-    fleet        `radixfleet up` (agents + router as child processes; the
-                 simulator's virtual fleet is simulator/fleet.py)
+    local_fleet  `radixfleet up` (agents + router as child processes; the
+                 simulator's virtual fleet is simulator/simulation.py)
     demo         `radixfleet demo` (one fleet, three policies, one comparison)
     analyze      `radixfleet analyze` of a traffic log (knee, Zipf head, replay)
     simulator/   the offline fleet simulator in virtual time

@@ -5,7 +5,7 @@
     radixfleet loadtest --ab radix  --workload multiturn -o clients=32 --requests 300
     radixfleet loadtest --ab policy --workload mixed --rate 12 --duration 60
 
-Each starts a local fleet (``loadtest.fleet.Fleet``: ``--agents`` simulated agents
+Each starts a local fleet (``loadtest.local_fleet.Fleet``: ``--agents`` simulated agents
 behind one router, on free loopback ports, logs under ``--out``), drives the same
 workload and seed through two configurations, one after the other, cold (every
 agent flushed first), prints the comparison table and what the difference is
@@ -47,7 +47,7 @@ import logging
 import os
 from typing import NamedTuple
 
-from loadtest.fleet import Fleet, FleetConfig, param_text
+from loadtest.local_fleet import Fleet, FleetConfig, param_text
 from loadtest.report import check_outputs
 from loadtest.runner import run_ab
 from protocol.errors import ConfigError
@@ -132,7 +132,7 @@ def split_arms(text: str) -> list[str]:
 def parse_arm(spec: str, where: str) -> tuple[str, dict]:
     """``"prefix_load[footprint_room=0]"`` -> ``("prefix_load", {"footprint_room": 0})``.
     The parameters are not validated here (``arms`` does, with the policy)."""
-    from router.main import policy_params
+    from router.cli import policy_params
 
     name, bracket, rest = spec.partition("[")
     name = name.strip()

@@ -514,9 +514,9 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
 def replay(data: TraceData, opts: Options, bud: dict, ratio: float, paths) -> list[dict]:
     """The log through the simulator, one run per policy (module docstring)."""
     from loadtest.arrivals import Bounds, TraceTimes
+    from loadtest.simulator.cli import simulate
     from loadtest.simulator.engine import EngineSpec
-    from loadtest.simulator.fleet import SimConfig
-    from loadtest.simulator.main import simulate
+    from loadtest.simulator.simulation import SimConfig
     from loadtest.simulator.sweep import plan_runs
     from loadtest.workloads import Trace
     from policies.registry import policy_names
@@ -655,7 +655,7 @@ def print_report(res: dict, file=None) -> None:
         ),
     )
     if res.get("policies"):
-        from loadtest.simulator.main import _print_table
+        from loadtest.simulator.cli import _print_table
 
         _print_table(res["policies"])
         for r in res["policies"]:

@@ -31,8 +31,8 @@ import asyncio
 import logging
 import os
 
-from loadtest.fleet import Fleet, FleetConfig
-from loadtest.main import add_load_arguments, build_load
+from loadtest.cli import add_load_arguments, build_load
+from loadtest.local_fleet import Fleet, FleetConfig
 from loadtest.report import check_outputs, render_table, require_plots, write_json, write_plots
 from loadtest.runner import run_ab
 from protocol.cli_args import DeprecatedAlias

@@ -1,4 +1,4 @@
-"""The runner behind ``radixfleet loadtest`` (its CLI: ``loadtest.main``), the local
+"""The runner behind ``radixfleet loadtest`` (its CLI: ``loadtest.cli``), the local
 A/Bs (``loadtest.ab``), the demo and the benchmarks: one workload and seed against
 each target in turn, cold (``run_ab``; the CLI's docstring says what a run does)."""
 

@@ -23,12 +23,12 @@ from radixfleet.bench import BENCHMARKS
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "router": ("router.main", "run the cache-aware router (reverse proxy)"),
-    "agent": ("worker_agent.main", "run a worker agent (simulated GPU engine or sidecar)"),
-    "up": ("loadtest.fleet", "run a local fleet: N simulated agents and a router"),
+    "router": ("router.cli", "run the cache-aware router (reverse proxy)"),
+    "agent": ("worker_agent.cli", "run a worker agent (simulated GPU engine or sidecar)"),
+    "up": ("loadtest.local_fleet", "run a local fleet: N simulated agents and a router"),
     "demo": ("loadtest.demo", "start a local fleet, load-test three policies, compare"),
-    "loadtest": ("loadtest.main", "drive a workload against one or more routers (A/B)"),
-    "simulate": ("loadtest.simulator.main", "simulate a fleet and its policies in virtual time"),
+    "loadtest": ("loadtest.cli", "drive a workload against one or more routers (A/B)"),
+    "simulate": ("loadtest.simulator.cli", "simulate a fleet and its policies in virtual time"),
     "analyze": ("loadtest.analyze", "the cache-size knee, Zipf head and policy replay of a traffic log"),
     "bench": ("radixfleet.bench", "run a benchmark: " + ", ".join(BENCHMARKS)),
     "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),

@@ -2,7 +2,7 @@
 
 Modules (ARCHITECTURE.md has the request flow and a row for each)::
 
-    main          ``radixfleet router``; app: the ``Router`` composition root
+    cli           ``radixfleet router``; app: the ``Router`` composition root
     front         the raw HTTP/1.1 data-plane listener; intake: what a client may
                   hold before admission (body budget, connection cap)
     dataplane     one request: admission, keying, match, shedding, pick, upstream
@@ -15,7 +15,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     config, reload  the YAML schema and ``check-config``; hot reload
     config_reference  deploy/README's key tables generated from the schema
     auth, http_api, admin_api, agent_api  tokens and tenants; the aiohttp endpoints
-    metrics, traffic_log, autoscale, healthcheck  observability and the scaling signal
+    metrics, traffic_log, scaling_signal, healthcheck  observability and the scaling signal
     engines/      one adapter per worker kind (agent, vLLM, SGLang, OpenAI)
     bus/          router replicas on NATS JetStream
     discovery/    workers from Kubernetes EndpointSlices or DNS

@@ -63,7 +63,6 @@ from protocol.prefix_keys import Endpoint
 from router import intake, served
 from router.admin_api import AdminAPI
 from router.agent_api import AgentAPI
-from router.autoscale import fleet_signal, params_from
 from router.bus.replica import BusReplica
 from router.config import MISSING, Config, check_event_binds, with_overrides
 from router.dataplane import (
@@ -82,6 +81,7 @@ from router.metrics import Metrics
 from router.pool import Pool
 from router.prefix_index import PrefixIndex
 from router.reload import build, config_file_version, prepare
+from router.scaling_signal import fleet_signal, params_from
 from router.traffic_log import TrafficLog
 from router.upstream import UpstreamPool
 from service import http_errors, jsonbody
@@ -297,7 +297,7 @@ class Router:
         )
 
     def scale_signal(self, now: float):
-        """The prefix-aware autoscaling signal (router.autoscale), from the demand
+        """The prefix-aware autoscaling signal (router.scaling_signal), from the demand
         meter the data plane feeds, the index's hot prefixes and the routable views."""
         a = self.cfg.autoscale
         return fleet_signal(

@@ -79,7 +79,6 @@ from protocol.errors import (
 from protocol.identifiers import request_id
 from protocol.prefix_keys import Endpoint, PrefixKey, request_key
 from router.auth import TenantResolver
-from router.autoscale import DemandMeter
 from router.config import Config
 from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink, Placement
@@ -87,6 +86,7 @@ from router.metrics import Metrics
 from router.pick import hint_and_count
 from router.pool import Pool, Worker
 from router.prefix_index import PrefixIndex
+from router.scaling_signal import DemandMeter
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
 from router.upstream import (

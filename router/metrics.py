@@ -53,7 +53,7 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_body_bytes_held                        request body bytes held (router.intake's
                                                       budget, limits.max_buffered_body_bytes)
     radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
-    radixfleet_autoscale_desired_workers              router.autoscale's signal (set at scrape)
+    radixfleet_autoscale_desired_workers              router.scaling_signal's signal (set at scrape)
     radixfleet_autoscale_workers{part}                its parts: compute, holders, kv, queue,
                                                       current
     radixfleet_traffic_log_records_total{outcome}     written, dropped_full, dropped_error,
@@ -270,7 +270,7 @@ class Metrics:
         )
         self.autoscale_desired = Gauge(
             "radixfleet_autoscale_desired_workers",
-            "Workers the fleet needs now (router.autoscale: hot-prefix rates and holders, KV, backlog)",
+            "Workers the fleet needs now (router.scaling_signal: hot-prefix rates and holders, KV, backlog)",
             registry=r,
         )
         self.autoscale_parts = Gauge(
@@ -376,7 +376,7 @@ class Metrics:
             self.hot_replicas.labels(str(rank)).set(len(hp.holders))
 
     def set_autoscale(self, signal) -> None:
-        """Copies a ``router.autoscale.ScaleSignal`` into the gauges (at scrape time)."""
+        """Copies a ``router.scaling_signal.ScaleSignal`` into the gauges (at scrape time)."""
         self.autoscale_desired.set(signal.desired)
         for part in ("compute", "holders", "kv", "queue", "current"):
             self.autoscale_parts.labels(part).set(getattr(signal, part))

@@ -1,6 +1,6 @@
 """The router's pick step: match, choose, hint, count — one function, two callers.
 
-The offline simulator (``loadtest.simulator.fleet``, on its virtual clock) routes
+The offline simulator (``loadtest.simulator.simulation``, on its virtual clock) routes
 through ``pick_worker``; the live data plane (``router.dataplane``) matches and
 chooses across the key spaces its workers use (``router.engines``), which for one
 byte key space is the same match and choice, and then calls the same

@@ -6,7 +6,7 @@ completion of the prefix (the first ``depth`` blocks the index matched), not
 counted as load and not hinted in the index (the agent's events report what it
 caches). ``WarmupGate`` keeps it to at most one warm-up per (worker, prefix) per
 ``warmup.min_interval_s`` (router.config). The live router (``router.app``) and
-the simulator (``loadtest.simulator.fleet``) both ask the same gate with the same
+the simulator (``loadtest.simulator.simulation``) both ask the same gate with the same
 configured interval.
 
 Memory: one entry per (worker, prefix) warmed; past ``max_entries`` the entries

@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from loadtest.fleet import free_port as free_port  # the one helper, tests and benches
+from loadtest.local_fleet import free_port as free_port  # the one helper, tests and benches
 
 
 def radixfleet_argv(*args: str) -> list[str]:

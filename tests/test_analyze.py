@@ -9,7 +9,7 @@ import pytest
 from loadtest.analyze import Options, analyze, budget, find_knee, oracle_and_reuse, pooled_curve, zipf_head
 from loadtest.arrivals import Bounds, TraceTimes
 from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.fleet import SimConfig, Simulation
+from loadtest.simulator.simulation import SimConfig, Simulation
 from loadtest.trace_format import read_trace
 from loadtest.workloads import Trace
 from radixfleet.bench.analyze import synthetic_log

@@ -8,11 +8,11 @@ import math
 import pytest
 
 from loadtest.arrivals import Bounds, TraceTimes
-from loadtest.simulator.autoscale import FlashCrowd, PrefixAwareScaler, QueueDepthScaler, run_flash_crowd
 from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.fleet import ACTIVE, GONE, SimConfig, Simulation
+from loadtest.simulator.scaling_loop import FlashCrowd, PrefixAwareScaler, QueueDepthScaler, run_flash_crowd
+from loadtest.simulator.simulation import ACTIVE, GONE, SimConfig, Simulation
 from loadtest.workloads import Trace
-from router.autoscale import (
+from router.scaling_signal import (
     AutoscaleParams,
     Demand,
     DemandMeter,
@@ -184,9 +184,9 @@ def test_flash_crowd_prefix_aware_meets_the_slo_with_fewer_worker_seconds():
 def test_fleet_signal_from_the_routers_own_objects_and_the_gauges():
     """What the integrator wires: meter + PrefixIndex + WorkerViews -> signal -> gauges."""
     from policies.base import WorkerView
-    from router.autoscale import fleet_signal
     from router.metrics import Metrics
     from router.prefix_index import PrefixIndex
+    from router.scaling_signal import fleet_signal
 
     index = PrefixIndex(half_life_s=10.0)
     hot = [11, 22, 33, 44]  # a 4-block prefix

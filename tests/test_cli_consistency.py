@@ -122,8 +122,8 @@ def test_log_levels_are_case_insensitive_everywhere(capsys):
 
 
 def test_policy_params_one_syntax_with_the_policy_prefix_optional():
-    from loadtest.simulator.main import _policy_params
-    from router.main import policy_params
+    from loadtest.simulator.cli import _policy_params
+    from router.cli import policy_params
 
     assert policy_params(["footprint_room=0", "prefix_load.tie_s=0.5"], policy="prefix_load") == {
         "footprint_room": 0,

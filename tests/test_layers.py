@@ -62,7 +62,7 @@ def test_every_import_points_down_the_layers():
 
 def test_the_layer_check_sees_a_wrong_arrow(tmp_path):
     bad = tmp_path / "m.py"
-    bad.write_text("def f():\n    from loadtest.fleet import Fleet\n")
+    bad.write_text("def f():\n    from loadtest.local_fleet import Fleet\n")
     assert list(_imports(bad)) == [(2, "loadtest")]
 
 

@@ -278,8 +278,8 @@ def test_router_quick_start_takes_policy_parameters():
     from argparse import Namespace
 
     from protocol.errors import ConfigError
+    from router.cli import build_config
     from router.config import MISSING
-    from router.main import build_config
 
     def args(**kw):
         base = dict(

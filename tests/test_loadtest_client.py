@@ -407,7 +407,7 @@ def test_loadtest_and_demo_refuse_unwritable_outputs_before_sending(tmp_path, ca
 
 
 def test_a_target_with_several_urls_round_robins_over_them():
-    from loadtest.main import parse_target
+    from loadtest.cli import parse_target
     from protocol.errors import ConfigError
 
     name, url = parse_target("four=http://a:1,http://b:2/v1,http://c:3")

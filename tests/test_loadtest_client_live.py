@@ -24,9 +24,9 @@ from tests.procs import Proc, free_port, radixfleet_argv
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
-        importlib.util.find_spec("worker_agent.main") is None
-        or importlib.util.find_spec("router.main") is None,
-        reason="needs the agent (worker_agent.main) and the router (router.main)",
+        importlib.util.find_spec("worker_agent.cli") is None
+        or importlib.util.find_spec("router.cli") is None,
+        reason="needs the agent (worker_agent.cli) and the router (router.cli)",
     ),
 ]
 

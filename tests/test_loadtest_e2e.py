@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-from loadtest.fleet import wait_registered
+from loadtest.local_fleet import wait_registered
 from loadtest.report import validate
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
-        importlib.util.find_spec("worker_agent.main") is None
-        or importlib.util.find_spec("router.main") is None,
-        reason="needs the agent (worker_agent.main) and the router (router.main)",
+        importlib.util.find_spec("worker_agent.cli") is None
+        or importlib.util.find_spec("router.cli") is None,
+        reason="needs the agent (worker_agent.cli) and the router (router.cli)",
     ),
 ]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from loadtest.fleet import Fleet, FleetConfig, config_from_args, configure, load_config
+from loadtest.local_fleet import Fleet, FleetConfig, config_from_args, configure, load_config
 from protocol.errors import ConfigError
 
 

@@ -20,9 +20,9 @@ import pytest
 
 from loadtest import metrics
 from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes, drive
+from loadtest.cli import build_load, client_headers, parse_header, parse_rates
 from loadtest.client import Result
 from loadtest.datasets import RandomDataset, RandomParams, load_sharegpt, make_dataset
-from loadtest.main import build_load, client_headers, parse_header, parse_rates
 from loadtest.report import summarize, validate
 from loadtest.retry import RetryPolicy, retry_after_s
 from loadtest.workloads import Trace, make_workload, token_count
@@ -444,7 +444,7 @@ def test_sharegpt_bad_files_name_file_line_and_field(tmp_path):
 
 
 def test_list_workloads_names_each_workload_what_it_sends_and_its_options(capsys):
-    from loadtest.main import configure, run
+    from loadtest.cli import configure, run
     from loadtest.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser()

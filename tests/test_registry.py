@@ -284,7 +284,7 @@ async def test_a_worker_turning_unhealthy_mid_batch_stops_it_cleanly():
 
 @pytest.mark.integration
 def test_agent_never_advertises_a_wildcard():
-    from worker_agent.main import advertise_url, configure
+    from worker_agent.cli import advertise_url, configure
 
     p = argparse.ArgumentParser()
     configure(p)

@@ -24,8 +24,8 @@ import argparse
 
 import pytest
 
-import loadtest.simulator.fleet as fleet
-from loadtest.simulator import main as simulate_main
+import loadtest.simulator.simulation as fleet
+from loadtest.simulator import cli as simulate_main
 from policies.prefix_load import PrefixLoad
 
 

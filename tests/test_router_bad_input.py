@@ -510,7 +510,7 @@ async def test_agent_wait_queue_is_bounded():
         await srv.close()
     import argparse
 
-    from worker_agent.main import build_config, configure
+    from worker_agent.cli import build_config, configure
 
     p = argparse.ArgumentParser()
     configure(p)

@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 
 from protocol.errors import ConfigError
+from router.cli import worker_entry
 from router.config import parse_config
 from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.kinds import WorkerKind, kind_from_metrics, models_from
-from router.main import worker_entry
 from router.sse import StreamWatch, usage_of
 
 

@@ -11,7 +11,7 @@ import pytest
 from loadtest.arrivals import Bounds, Closed, Poisson
 from loadtest.report import validate
 from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.fleet import SimConfig, Simulation
+from loadtest.simulator.simulation import SimConfig, Simulation
 from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
 
 SMALL_GSP = {

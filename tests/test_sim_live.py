@@ -21,7 +21,7 @@ import pytest
 
 from loadtest.arrivals import Bounds, Poisson, TraceTimes
 from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.fleet import SimConfig, Simulation
+from loadtest.simulator.simulation import SimConfig, Simulation
 from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
 from protocol.errors import PromptTooLarge
 from protocol.events import Removed

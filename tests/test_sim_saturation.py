@@ -7,7 +7,7 @@ import random
 
 from loadtest.arrivals import Bounds, TraceTimes
 from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.fleet import SimConfig, Simulation
+from loadtest.simulator.simulation import SimConfig, Simulation
 from loadtest.workloads import Trace
 
 

@@ -10,8 +10,8 @@ import pytest
 from loadtest.arrivals import Bounds, TraceTimes
 from loadtest.simulator import blocktrace
 from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.fleet import SimConfig, Simulation
 from loadtest.simulator.prompts import block_prompt, chain_block_ids
+from loadtest.simulator.simulation import SimConfig, Simulation
 from loadtest.workloads import make_workload
 from protocol.errors import WorkloadError
 

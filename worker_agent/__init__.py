@@ -17,5 +17,5 @@
     router_link.py  (one router's stream: epoch, sequence, resnapshot)
     bus.py       (the same batches published once on the NATS bus, --bus)
     tokenizer.py (the deterministic byte-chunk tokenizer)
-    main.py      (``radixfleet agent``)
+    cli.py       (``radixfleet agent``)
 """

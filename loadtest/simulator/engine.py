@@ -6,7 +6,7 @@ Nothing here models the GPU or the cache: ``worker_agent.scheduler.Scheduler`` o
 ``build_scheduler`` with its CLI defaults, is driven on the simulation's virtual
 clock. This adapter only translates::
 
-    Job (fleet.py) --submit--> SchedRequest(rid=job, ns, prompt=units, max_new,
+    Job (simulation.py) --submit--> SchedRequest(rid=job, ns, prompt=units, max_new,
                                             output, hashes=router block hashes)
     Scheduler.step(now) -> StepResult --> StepOut(duration, first, finished, ITL tokens)
     RadixCache.drain_events()         --> the agent reporter's stored/removed events

@@ -26,7 +26,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from loadtest.fleet import free_port
+from loadtest.local_fleet import free_port
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES, Endpoint, block_hashes, namespace_seed, request_key
 
 

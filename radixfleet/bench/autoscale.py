@@ -1,6 +1,6 @@
 """``radixfleet bench autoscale``: prefix-aware vs queue-depth autoscaling on a flash crowd.
 
-The simulator's closed loop (``loadtest.simulator.autoscale``): llama-3-8b workers
+The simulator's closed loop (``loadtest.simulator.scaling_loop``): llama-3-8b workers
 on H100s behind prefix_load, starting from 2; steady traffic behind 4 system
 prompts, then a crowd onto a new 16k-token document ramps to ``--flash-rate``
 req/s over ``--ramp`` s, holds, ramps down. Every rule runs the same trace and seed
@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 
-from loadtest.simulator.autoscale import FlashCrowd, default_rules, run_flash_crowd
+from loadtest.simulator.scaling_loop import FlashCrowd, default_rules, run_flash_crowd
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ each of ``--policies`` (default prefix_load and round_robin) is run live and
 simulated on each of ``--seeds`` (workload seeds, default 0, 1, 2), and the output
 says whether the simulator puts the policies in the live order and how far apart.
 
-1. live: ``loadtest.fleet.Fleet`` starts the agents, and the router once per
+1. live: ``loadtest.local_fleet.Fleet`` starts the agents, and the router once per
    policy, as subprocesses on loopback; ``loadtest.runner.run_ab`` flushes the
    agents (a failed flush fails the run) and drives the workload (the load
    generator's own client, report and references), ``--live-runs`` cold runs per
@@ -47,10 +47,10 @@ import time
 from loadtest.arrivals import Bounds, Closed, Poisson
 from loadtest.client import Result, Target
 from loadtest.demo import DEFAULT_KV_TOKENS
-from loadtest.fleet import Fleet, FleetConfig
+from loadtest.local_fleet import Fleet, FleetConfig
 from loadtest.runner import run_ab
 from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.fleet import SimConfig, Simulation
+from loadtest.simulator.simulation import SimConfig, Simulation
 from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload, parse_options, text_of
 from protocol.cli_args import DeprecatedAlias
 from protocol.errors import ConfigError

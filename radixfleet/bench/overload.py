@@ -1,6 +1,6 @@
 """``radixfleet bench overload``: shedding with default settings at 4x the fleet's capacity.
 
-A live fleet on loopback (``loadtest.fleet.Fleet``: ``--agents`` simulated agents,
+A live fleet on loopback (``loadtest.local_fleet.Fleet``: ``--agents`` simulated agents,
 Llama-3-8B on an L4 by default — about 0.23 s of prefill per 1,000-token prompt,
 so the simulated GPUs, not this host's CPUs, are what saturates) behind
 ``radixfleet router`` with its defaults. Every request is a streamed completion
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from loadtest.fleet import Fleet, FleetConfig
+from loadtest.local_fleet import Fleet, FleetConfig
 from loadtest.report import percentile
 from protocol.cli_args import DeprecatedAlias
 

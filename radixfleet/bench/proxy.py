@@ -54,7 +54,7 @@ import time
 
 from aiohttp import web
 
-from loadtest.fleet import free_port
+from loadtest.local_fleet import free_port
 from loadtest.report import percentile
 from loadtest.smg import require_smg
 from protocol.errors import RunError

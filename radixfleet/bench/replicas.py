@@ -42,11 +42,11 @@ import time
 import httpx
 
 from loadtest.arrivals import Bounds, Poisson
-from loadtest.fleet import free_port
+from loadtest.local_fleet import free_port
 from loadtest.report import render_table
 from loadtest.runner import run_ab
 from loadtest.workloads import make_workload, parse_options
-from router.main import policy_params
+from router.cli import policy_params
 
 #: the targets: N replicas against one router
 HIT_TARGET = 0.97

@@ -177,7 +177,7 @@ def _sim_rows(keys: list[str]) -> dict[str, str]:
 
 def _simulate(argv: list[str]) -> list[dict]:
     """Reports of ``radixfleet simulate ARGV`` (the CLI's own parsing and plans)."""
-    from loadtest.simulator import main as sim_main
+    from loadtest.simulator import cli as sim_main
     from router.prefix_index import tune_gc
 
     p = argparse.ArgumentParser()

@@ -45,9 +45,9 @@ from array import array
 from loadtest.arrivals import Bounds, Poisson, TraceTimes
 from loadtest.simulator import blocktrace
 from loadtest.simulator.engine import PRIVATE_BASE, EngineSpec, SimWorker
-from loadtest.simulator.fleet import UNREAD_ANSWER_BASE, SimConfig, Simulation
 from loadtest.simulator.prompts import text_prompt
 from loadtest.simulator.reference import TextReference
+from loadtest.simulator.simulation import UNREAD_ANSWER_BASE, SimConfig, Simulation
 from loadtest.workloads import make_workload
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy

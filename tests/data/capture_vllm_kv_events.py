@@ -42,7 +42,7 @@ import zmq
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from loadtest.fleet import free_port  # noqa: E402
+from loadtest.local_fleet import free_port  # noqa: E402
 
 MAGIC = b"RFKVCAP1\n"
 SUB, REPLAY = 0, 1

@@ -30,7 +30,7 @@ backlog to drain::
 
 ``workers_needed(demand, hot, load, params)`` is that formula: no I/O, no clock, so the
 router (a gauge, per-prefix detail behind the admin token) and the simulator's
-closed loop (``loadtest.simulator.autoscale``) compute it from the same objects.
+closed loop (``loadtest.simulator.scaling_loop``) compute it from the same objects.
 ``DemandMeter`` is the only state: two decayed counters the request path bumps
 (O(1), two floats). ``queue_rule`` is the baseline it is compared with: an HPA
 scaling on waiting requests per replica.

@@ -49,7 +49,7 @@ import sys
 import yaml
 
 from loadtest.arrivals import Bounds
-from loadtest.main import add_load_arguments, build_load, workload_options_help
+from loadtest.cli import add_load_arguments, build_load, workload_options_help
 from loadtest.report import (
     check_outputs,
     cut_notes,
@@ -61,7 +61,7 @@ from loadtest.report import (
 )
 from loadtest.simulator import blocktrace
 from loadtest.simulator.engine import EngineSpec, engine_help
-from loadtest.simulator.fleet import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
+from loadtest.simulator.simulation import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
 from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
 from loadtest.workloads import Trace
 from policies.registry import policy_names

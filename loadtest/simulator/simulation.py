@@ -50,7 +50,7 @@ Load reports travel with every batch in ``none`` and ``events`` (they are not ca
 feedback): the view of worker w at ``now`` carries w's state at its last tick at or
 before ``now - feedback_delay_s`` (``agentlink.py``: delivered lazily, when read).
 
-Autoscaling (``scaler``, ``loadtest.simulator.autoscale``): every ``interval_s`` the
+Autoscaling (``scaler``, ``loadtest.simulator.scaling_loop``): every ``interval_s`` the
 scaler names the fleet size it wants (at most its ``max_workers``); the controller
 adds workers at once, as Kubernetes' HPA does by default at most max(4, 100% of the
 current size) per 15 s (each registers with the pool ``startup_s`` after it is
@@ -293,7 +293,7 @@ class Simulation:
         sessions=None,
         scaler=None,
     ) -> None:
-        """``scaler``: an autoscaler (``loadtest.simulator.autoscale``) that resizes
+        """``scaler``: an autoscaler (``loadtest.simulator.scaling_loop``) that resizes
         the fleet while the run goes; None: a fixed fleet of ``cfg.workers``."""
         cfg.validate()
         self.cfg = cfg

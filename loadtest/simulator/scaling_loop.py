@@ -4,11 +4,11 @@ Two rules drive the same controller (``Simulation(scaler=...)``: every
 ``interval_s`` a desired size; joins routable after ``startup_s``; scale-down only to
 the largest size wanted over ``stabilization_s``; leaves drain first)::
 
-    PrefixAwareScaler   router.autoscale.fleet_signal (the router's own call): the
+    PrefixAwareScaler   router.scaling_signal.fleet_signal (the router's own call): the
                         DemandMeter's uncached prefill rate projected a start-up delay
                         ahead, the index's hot prefixes and their holders, KV and
                         backlog from the workers' views
-    QueueDepthScaler    router.autoscale.queue_rule: an HPA on the agents' waiting
+    QueueDepthScaler    router.scaling_signal.queue_rule: an HPA on the agents' waiting
                         requests per replica (vLLM's num_requests_waiting)
 
 The scenario (``FlashCrowd``): steady traffic behind a few system prompts, then a
@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 
 from loadtest.arrivals import Bounds, TraceTimes
 from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.fleet import ACTIVE, STARTING, SimConfig, Simulation
+from loadtest.simulator.simulation import ACTIVE, STARTING, SimConfig, Simulation
 from loadtest.workloads import Trace
-from router.autoscale import AutoscaleParams, DemandMeter, fleet_signal, queue_rule
+from router.scaling_signal import AutoscaleParams, DemandMeter, fleet_signal, queue_rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +102,7 @@ class FlashCrowd:
 
 
 class PrefixAwareScaler:
-    """``router.autoscale.workers_needed`` on the simulated router's state."""
+    """``router.scaling_signal.workers_needed`` on the simulated router's state."""
 
     name = "prefix-aware"
 
@@ -145,7 +145,7 @@ class PrefixAwareScaler:
 
 
 class QueueDepthScaler:
-    """An HPA on waiting requests per replica (``router.autoscale.queue_rule``)."""
+    """An HPA on waiting requests per replica (``router.scaling_signal.queue_rule``)."""
 
     def __init__(
         self,
