@@ -107,3 +107,35 @@ def test_floor_never_above_a_requests_ttft(policy, workload):
     r = sim.outcome.report
     assert r["floor_ttft_ms"]["p50"] <= r["ttft_ms"]["p50"]
     assert r["floor_ttft_ms"]["p99"] <= r["ttft_ms"]["p99"]
+
+
+def test_live_floor_and_table_columns():
+    # a live run against simulated agents: the floor of each ok request from the
+    # load generator's own oracle count, and two table columns with their legend
+    import io
+
+    from loadtest.client import Result
+    from loadtest.report import FLOOR_LEGEND, floor_ttft_ms, render_table, summarize
+
+    def res(i: int, est: int, oracle: int, ok: bool = True) -> Result:
+        return Result(
+            f"r{i}", "s", 0, ok=ok, ttft_s=0.05 if ok else None, e2e_s=0.1 if ok else None,
+            prompt_tokens=est, est_prompt_tokens=est, oracle_cached=oracle, worker="w0",
+        )  # fmt: skip
+
+    cost = CostModel("llama-3-8b", "h100")
+    results = [res(0, 1000, 600), res(1, 1000, 1000), res(2, 4000, 0, ok=False)]
+    floor = floor_ttft_ms(cost, results)
+    want = sorted([cost.floor_ttft_s(1000, 600), cost.floor_ttft_s(1000, 1000)])
+    assert floor["p50"] == pytest.approx(want[0] * 1000) and floor["p99"] == pytest.approx(want[1] * 1000)
+    run = summarize("pl", "u", {}, results, kv_capacity_tokens=None)
+    plain = io.StringIO()
+    render_table([run], file=plain)
+    assert "floor p50" not in plain.getvalue()
+    run["floor_ttft_ms"] = floor
+    validate({"runs": [run]})
+    buf = io.StringIO()
+    render_table([run], file=buf)
+    out = buf.getvalue()
+    assert "floor p50 ms" in out and "floor p99 ms" in out and f"{want[1] * 1000:.1f}" in out
+    assert " ".join(FLOOR_LEGEND.split()[:6]) in " ".join(out.split())

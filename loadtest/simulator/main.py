@@ -53,6 +53,7 @@ import yaml
 from loadtest.arrivals import Bounds
 from loadtest.main import add_load_arguments, build_load, workload_options_help
 from loadtest.report import (
+    FLOOR_LEGEND,
     LEGEND,
     check_outputs,
     cut_notes,
@@ -309,14 +310,6 @@ def _run_plan(plans, workload, bounds: Bounds, params: dict, seed: int, records,
     if plan.sweep is not None:
         out.report["sweep"] = plan.sweep
     return out
-
-
-#: the floor columns' legend line (beside the load generator's oracle/pooled one)
-FLOOR_LEGEND = (
-    "floor: each request's TTFT alone on an idle worker holding every prompt token the oracle "
-    "holds (the cost model's prefill of the rest in one pass, plus the path both ways): no "
-    "policy can beat it; TTFT over floor is how far above the physical floor a policy runs."
-)
 
 
 def _print_table(runs: list[dict]) -> None:
