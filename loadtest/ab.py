@@ -48,9 +48,10 @@ import os
 from typing import NamedTuple
 
 from loadtest.local_fleet import Fleet, FleetConfig, param_text
-from loadtest.report import check_outputs
+from loadtest.report import check_outputs, floor_ttft_ms
 from loadtest.runner import run_ab
 from protocol.errors import ConfigError
+from worker_agent.cost_model import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +278,9 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
         )
     finally:
         fleet.stop()
+    cost = CostModel(cfg.model, cfg.gpu)  # the agents' own (FleetConfig starts them at tp 1)
     for o, a in zip(outcomes, plan):
+        o.report["floor_ttft_ms"] = floor_ttft_ms(cost, o.results)
         if a.policy == SMG:
             from loadtest.smg import launch_args
 

@@ -32,6 +32,9 @@ checks a document)::
                             user allowed the run anyway (``--allow-warm``), null when
                             there were no agents to flush (the run may start warm)
     flush_failed     list   optional: the agents whose flush failed, with the cause
+    floor_ttft_ms    {"p50", "p90", "p99", "mean"}  optional (simulate, --ab against
+                            simulated agents): each ok request's TTFT alone on an idle
+                            worker holding the oracle's cached prefix (``floor_ttft_ms``)
     stopped_by       str    optional: what ended dispatching: "exhausted" (the
                             workload ran out), "requests" or "duration" (a bound)
     workload_requests int|null  optional: requests the workload holds if every turn
@@ -389,6 +392,27 @@ LEGEND = (
     "imbalance: the busiest worker's prompt tokens over the mean (1.00 = even)."
 )
 
+#: the floor columns' legend line (runs whose report has ``floor_ttft_ms``)
+FLOOR_LEGEND = (
+    "floor: each request's TTFT alone on an idle worker holding every prompt token the oracle "
+    "holds (the cost model's prefill of the rest in one pass): no policy can beat it; TTFT "
+    "over floor is how far above the physical floor a policy runs."
+)
+
+
+def floor_ttft_ms(cost, results: Iterable[Result]) -> dict[str, float | None]:
+    """``floor_ttft_ms`` of a run against simulated agents of cost model ``cost``
+    (``worker_agent.cost_model.CostModel``): the percentiles, over the ok requests,
+    of each one's prompt prefilled in one pass on an idle agent holding what the
+    oracle holds (``CostModel.floor_ttft_s``). The network is not counted."""
+    return percentiles(
+        [
+            cost.floor_ttft_s(r.est_prompt_tokens, r.oracle_cached)
+            for r in results
+            if r.ok and r.ttft_s is not None
+        ]
+    )
+
 
 def print_table(table, file=None, notes: Sequence[str] = (), legend: str | None = LEGEND) -> None:
     """Prints a rich table as wide as its content needs (never cutting a cell to a
@@ -430,6 +454,7 @@ def render_table(runs: list[dict], file=None) -> None:
     from rich.text import Text
 
     table = Table(title="radixfleet load test", show_lines=False)
+    floor = any("floor_ttft_ms" in r for r in runs)  # runs against simulated agents
     for col in (
         "run",
         "ok/req",
@@ -439,6 +464,7 @@ def render_table(runs: list[dict], file=None) -> None:
         "pooled",
         "TTFT p50 ms",
         "TTFT p99 ms",
+        *(("floor p50 ms", "floor p99 ms") if floor else ()),
         "ITL p50 ms",
         "E2E p50 ms",
         "req/s",
@@ -459,6 +485,11 @@ def render_table(runs: list[dict], file=None) -> None:
             _fmt(r["pooled_hit_rate"], ".3f"),
             _fmt(r["ttft_ms"]["p50"]),
             _fmt(r["ttft_ms"]["p99"]),
+            *(
+                (_fmt(r.get("floor_ttft_ms", {}).get("p50")), _fmt(r.get("floor_ttft_ms", {}).get("p99")))
+                if floor
+                else ()
+            ),
             _fmt(r["itl_ms"]["p50"]),
             _fmt(r["e2e_ms"]["p50"]),
             _fmt(r["throughput"]["requests_per_s"], ".2f"),
@@ -483,7 +514,7 @@ def render_table(runs: list[dict], file=None) -> None:
                 f"({', '.join(f'{k}: {v}' for k, v in r['errors_by_kind'].items())}); "
                 "the run went on and the figures above cover the ok requests."
             )
-    print_table(table, file, notes)
+    print_table(table, file, notes, legend=LEGEND + "  " + FLOOR_LEGEND if floor else LEGEND)
 
 
 def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[float]]) -> list[str]:

@@ -301,6 +301,25 @@ class CostModel:
         mem = self._weight_read_s + self._kv_read_s_per_token * kv_tokens_read
         return max(mem, flops / self._prefill_rate) + self.step_overhead_s
 
+    def floor_ttft_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """The least time to first token of a ``prompt_tokens`` prompt whose first
+        ``cached_tokens`` are cached, on an idle worker (no queue, no batch): its
+        uncached part in one forward pass, ``forward_s`` of its FLOPs and of reading
+        the weights and its whole KV. At least one prompt token is computed (its
+        logits give the first token), as in the scheduler.
+
+        A lower bound of the scheduler's own time for it at any ``chunk_tokens``
+        and any smaller cached prefix: chunks sum to the same FLOPs (more with less
+        cached), each reads the weights again, the last reads the whole KV. It is
+        that time exactly when the uncached part fits one chunk. Not the time at a
+        given chunk size: chunk boundaries can make a longer cached prefix cost one
+        more small, weight-bound step, so a floor priced that way could exceed what
+        a worker holding less achieves."""
+        if prompt_tokens <= 0:
+            return 0.0
+        cached = max(0, min(cached_tokens, prompt_tokens - 1))
+        return self.forward_s(self.prefill_flops(prompt_tokens - cached, cached), prompt_tokens)
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """One decode step for ``batch`` sequences holding ``context_tokens`` in all."""
         if batch <= 0:

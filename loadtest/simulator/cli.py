@@ -18,7 +18,9 @@ the same workload, seed and arrivals produce the same requests here and live.
 (``--level auto``) unless ``--level text`` asks for synthesized text.
 
 The report (``--json``) is the load generator's schema, one run per policy named
-after it, latencies in simulated time, plus ``wall_s``, ``sim_requests_per_s`` and
+after it, latencies in simulated time, plus ``floor_ttft_ms`` (each request's TTFT
+alone on an idle worker holding its oracle-cached prefix: the physical floor, see
+``loadtest.simulator.simulation``), ``wall_s``, ``sim_requests_per_s`` and
 a ``sim`` object (level, fleet, feedback settings, decision reasons, counters).
 Sweeps add ``sweep: {param, value}`` to each run and ``--plots`` draws them (the
 knee: hit rate against KV tokens per policy, with the pooled and oracle lines).
@@ -51,6 +53,8 @@ import yaml
 from loadtest.arrivals import Bounds
 from loadtest.cli import add_load_arguments, build_load, workload_options_help
 from loadtest.report import (
+    FLOOR_LEGEND,
+    LEGEND,
     check_outputs,
     cut_notes,
     ok_cell,
@@ -322,6 +326,8 @@ def _print_table(runs: list[dict]) -> None:
         "pooled",
         "TTFT p50 ms",
         "TTFT p99 ms",
+        "floor p50 ms",
+        "floor p99 ms",
         "ITL p50 ms",
         "req/s",
         "imbalance",
@@ -345,13 +351,15 @@ def _print_table(runs: list[dict]) -> None:
             f(r["pooled_hit_rate"], ".3f"),
             f(r["ttft_ms"]["p50"], ".1f"),
             f(r["ttft_ms"]["p99"], ".1f"),
+            f(r["floor_ttft_ms"]["p50"], ".1f"),
+            f(r["floor_ttft_ms"]["p99"], ".1f"),
             f(r["itl_ms"]["p50"], ".2f"),
             f(r["throughput"]["requests_per_s"], ".2f"),
             f(r["load_imbalance"], ".2f"),
             f(r["wall_s"], ".2f"),
             f(r["sim_requests_per_s"], ".0f"),
         )
-    print_table(t, sys.stdout, cut_notes(runs))
+    print_table(t, sys.stdout, cut_notes(runs), legend=LEGEND + "  " + FLOOR_LEGEND)
 
 
 def run(args: argparse.Namespace) -> int:

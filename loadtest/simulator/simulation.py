@@ -21,6 +21,16 @@ reproduces a run exactly::
 Latencies are measured as the client would: TTFT from dispatch to the first token
 plus the way back (``path_latency_s``, 0 by default: GPU time only).
 
+The TTFT floor (``floor_ttft_ms`` in the report, ``Simulation.floor_ttft_s``): each
+request alone on an idle worker that holds every token of its prompt the oracle
+(one unbounded cache, ``job.oracle``) holds, its uncached part priced by the
+workers' cost model as one forward pass (``CostModel.floor_ttft_s``: exact when it
+fits one prefill chunk, a lower bound otherwise), plus the path both ways. No
+policy can beat it; every report says how far above it one runs.
+At block level the oracle keys a partial last block apart from the full block of
+the same id where a worker's cache can match one against the other, so a request
+whose prompt shares only such a partial block may, rarely, run below its floor.
+
 The router side is the live router's own objects: ``router.pool.Pool`` (workers
 registered as agents, ``clock`` = the virtual clock; ``SimConfig.router_config``
 supplies ``load.report_stale_s``, ``index.half_life_s``, ``warmup.*`` and the
@@ -954,9 +964,16 @@ class Simulation:
 
     # ----------------------------------------------------------- report
 
+    def floor_ttft_s(self, job: Job) -> float:
+        """The TTFT floor of ``job`` (the module docstring): its prompt on an idle
+        worker holding the oracle's cached prefix, plus the path both ways."""
+        gpu = self.workers[0].cost.floor_ttft_s(job.prompt.prompt_tokens, job.oracle)
+        return gpu + 2.0 * self.cfg.path_latency_s
+
     def _outcome(self, wall_s: float) -> SimOutcome:
         results = []
         ttft = []
+        floor = []
         for job in self.jobs:
             if job.warm:
                 continue
@@ -976,6 +993,7 @@ class Simulation:
                 r.cached_tokens = job.cached
                 r.output_tokens = job.output
                 ttft.append(r.ttft_s * 1000.0)
+                floor.append(self.floor_ttft_s(job))
             results.append(r)
         report = summarize(
             self.name,
@@ -985,6 +1003,7 @@ class Simulation:
             kv_capacity_tokens=self.kv_capacity_tokens,
         )
         report["itl_ms"] = weighted_percentiles(self._itl)
+        report["floor_ttft_ms"] = percentiles(floor)
         mark_bounds(report, self.bounds, self.driver.stopped_by, self.driver.dispatched, self._planned)
         n = len(results)
         report["wall_s"] = wall_s
