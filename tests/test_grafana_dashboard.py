@@ -227,14 +227,21 @@ def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tm
         httpx.Client(timeout=60) as c,
     ):
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # both workers in vLLM's token space
+        # ready: both workers routable, in vLLM's token space and following its KV
+        # events from their history (the join's replay); the hot-prefix panels count
+        # matches on index entries, which a request routed before the join finds none of
+        while time.monotonic() < deadline:
             ws = c.get(base + "/admin/workers").json()["workers"]
-            if all(
-                w["routable"] and w.get("engine", {}).get("key_space", "").startswith("TokenSpace")
+            if c.get(base + "/readiness").status_code == 200 and all(
+                w["routable"]
+                and w.get("engine", {}).get("key_space", "").startswith("TokenSpace")
+                and w.get("engine", {}).get("events", {}).get("in_sync")
                 for w in ws
             ):
                 break
             time.sleep(0.2)
+        else:
+            raise AssertionError(f"the router was not ready in 120 s: {ws}")
         before = scrape({k: c.get(u).text for k, u in pages.items()})
         t0 = time.monotonic()
         system = text(1, 300)
