@@ -396,13 +396,20 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
     if data.kind == TRAFFIC_LOG and info:
         engine_prompt = sum(i.input_length for i in info)
         ratio = engine_prompt / routed if routed else 1.0
-        with_cached = [i for i in info if i.cached_tokens is not None]
+        # shed lines are offered load (replayed above) but were served by no worker:
+        # the observed figures are the served requests'
+        served = [i for i in info if i.status != 429]
+        served_prompt = sum(i.input_length for i in served)
+        with_cached = [i for i in served if i.cached_tokens is not None]
         observed = {
             "hit_rate": (sum(i.cached_tokens for i in with_cached) / sum(i.input_length for i in with_cached))
             if with_cached
             else None,
             "requests_reporting_cached": len(with_cached),
-            "router_matched_share": sum(i.matched_tokens for i in info) / engine_prompt,
+            "router_matched_share": sum(i.matched_tokens for i in served) / served_prompt
+            if served_prompt
+            else 0.0,
+            "shed_requests": len(info) - len(served),
         }
         rates = sorted({i.sample_rate for i in info})
         tenants = len({i.tenant for i in info})
@@ -582,6 +589,12 @@ def print_report(res: dict, file=None) -> None:
             "observed hit",
             f"{obs['hit_rate']:.3f}",
             "cached tokens the workers reported, over prompt tokens (live)",
+        )
+    if obs and obs["shed_requests"]:
+        t.add_row(
+            "shed",
+            f"{obs['shed_requests']:,}",
+            "requests the router answered 429 (every worker saturated); replayed as offered load",
         )
     t.add_row(
         "oracle",

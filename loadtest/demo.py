@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 
+from loadtest import defaults
 from loadtest.cli import add_load_arguments, build_load
 from loadtest.local_fleet import Fleet, FleetConfig
 from loadtest.report import check_outputs, render_table, require_plots, write_json, write_plots
@@ -40,14 +41,9 @@ from protocol.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POLICIES = ("round_robin", "cache_aware", "prefix_load")
-
-#: per-agent KV tokens. The default workload's working set is ~55k tokens (8 system
-#: prompts of ~1k, 24 active sessions of ~2k history each); the fleet's 4 x 12k sits
-#: just under it and one agent holds a fifth of it — so eviction matters, and where a
-#: request lands decides whether its history is still cached. (Running requests lock
-#: their KV too: ~3-4 per agent at the default rate.)
-DEFAULT_KV_TOKENS = 12_000
+DEFAULT_POLICIES = defaults.POLICIES
+#: per-agent KV tokens (``loadtest.defaults`` says why this size)
+DEFAULT_KV_TOKENS = defaults.KV_TOKENS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=",".join(DEFAULT_POLICIES),
         help="comma-separated router policies, run in this order",
     )
-    parser.add_argument("--agents", type=int, default=4, help="simulated agents")
+    parser.add_argument("--agents", type=int, default=defaults.AGENTS, help="simulated agents")
     parser.add_argument(
         "--agent-model", dest="fleet_model", default="llama-3-8b", help="the agents' model preset"
     )
@@ -66,7 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="per-agent KV capacity in tokens"
     )
-    add_load_arguments(parser, default_workload="mixed", model_flag=False)
+    add_load_arguments(parser, default_workload=defaults.WORKLOAD, model_flag=False)
     parser.set_defaults(rate=None, requests=600, duration=60.0, drain=20.0)
 
 
@@ -113,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_tokens <= 0:
         raise ConfigError("--kv-tokens", "must be > 0")
     if args.concurrency is None and args.rate is None:
-        args.rate = 12.0  # open loop: the same offered load for every policy
+        args.rate = defaults.RATE  # open loop: the same offered load for every policy
     workload, arrivals, bounds = build_load(args)
     cfg = FleetConfig(
         agents=args.agents,

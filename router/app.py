@@ -93,6 +93,29 @@ __all__ = ["Router", "RouterServer", "TENANT_HEADER", "WORKER_HEADER", "REQUEST_
 _JSON = "application/json"
 
 
+def merge_models(answers: list[list[dict]]) -> list[dict]:
+    """The union of workers' ``/v1/models`` entries, one per model id (the first
+    worker's, by id). Its ``max_model_len`` is the smallest any of its workers
+    reported — a request within it fits whichever worker the router picks — and is
+    left out when a worker serving the model reported none (unknown is not a limit)."""
+    seen: dict[str, dict] = {}
+    lens: dict[str, list] = {}
+    for models in answers:
+        for m in models:
+            seen.setdefault(m["id"], m)
+            lens.setdefault(m["id"], []).append(m.get("max_model_len"))
+    out = []
+    for k in sorted(seen):
+        m = dict(seen[k])
+        got = lens[k]
+        if all(type(n) is int and n > 0 for n in got):
+            m["max_model_len"] = min(got)
+        else:
+            m.pop("max_model_len", None)
+        out.append(m)
+    return out
+
+
 class Router:
     """The router service: index, pool, policy, metrics, and the request logic.
 
@@ -348,11 +371,7 @@ class Router:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, MalformedRequest):
                 return [{"id": m, "object": "model", "owned_by": w.id} for m in w.models]
 
-        seen: dict[str, dict] = {}
-        for models in await asyncio.gather(*(fetch(w) for w in workers)):
-            for m in models:
-                seen.setdefault(m["id"], m)
-        out = {"object": "list", "data": [seen[k] for k in sorted(seen)]}
+        out = {"object": "list", "data": merge_models(await asyncio.gather(*(fetch(w) for w in workers)))}
         self._models_cache = (now, out)
         return web.json_response(out)
 

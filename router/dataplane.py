@@ -496,6 +496,15 @@ class DataPlane:
         )
         if shed is not None:
             self._reject(ctx.ex, shed, ctx.rid)
+            if self.traffic is not None:  # offered load: analyze sees what was shed
+                self.traffic.record(
+                    key,
+                    arrival_s=time.time() - (time.monotonic() - ctx.t0),
+                    worker="",
+                    matched_tokens=0,
+                    status=shed.status,
+                    session=ctx.session,
+                )
             return
         d = self.policy.choose(req, kr.match, views, now)
         tried: list[str] = []

@@ -43,11 +43,14 @@ Line format (``FORMAT``), one JSON object per line; Mooncake's trace fields firs
                            hash_ids cover its first len(hash_ids) * block_tokens
     tenant          str    HMAC-SHA256(key, tenant), 16 hex digits ("" tenant: "")
     model, adapter  str, str|null
-    worker          str    the worker that served it (the last attempt's)
-    matched_tokens  int    tokens the router believed that worker held (pick time)
+    worker          str    the worker that served it (the last attempt's); "" for a
+                           request the router shed (429, every worker saturated)
+    matched_tokens  int    tokens the router believed that worker held (pick time;
+                           0 when shed)
     cached_tokens   int|null  cached prompt tokens the worker reported
     ttft_ms         float|null  router arrival to the first response byte
-    status          int    the HTTP status the client got
+    status          int    the HTTP status the client got (429: shed by the router,
+                           with output_length 0 and cached_tokens/ttft_ms null)
     sample_rate     float  the log's sample rate when this line was written
 
 Mapping onto a Mooncake trace (``loadtest.workloads.Trace`` reads both). Mooncake's
@@ -67,6 +70,14 @@ replaying a traffic log therefore:
   holds as in Mooncake and the tail can never match;
 - sorts lines by ``timestamp`` (lines are written when requests finish, so they are
   not quite in arrival order) and takes ``output_length`` 0 as 1.
+
+A request the router sheds (every worker saturated, ``router.shedding``) is logged
+too, so that the log is the offered load, not only the admitted: replay takes it as
+a request like any other (a replay decides for itself whether to shed it), and
+``radixfleet analyze`` counts it in ``shed_requests`` and leaves it out of the
+observed figures (hit rate, router matched share), which are the served requests'.
+A request refused by the concurrency limit (``limits.max_concurrency``) is
+not logged: it is refused before its body is read, so it has no prefix to log.
 
 Token counts on replay are the router's (4 bytes per token, the simulated engine's
 tokenizer); ``input_length`` keeps the engine's own count for analyses that want it.

@@ -184,6 +184,8 @@ async def test_probes_and_metrics(agent):
     assert (await (await c.get("/get_load")).json())[0]["num_reqs"] == 0
     models = await (await c.get("/v1/models")).json()
     assert models["data"][0]["id"] == "llama-3-8b"
+    # no context length is enforced (the KV pool, 20,000 here, is not one): none claimed
+    assert "max_model_len" not in models["data"][0]
     await c.post("/v1/completions", json=completion("metrics " * 30, max_tokens=1))
     await c.post("/v1/completions", json=completion("metrics " * 30, max_tokens=1))
     text = await (await c.get("/metrics")).text()

@@ -105,7 +105,7 @@ def test_old_spellings_still_work_and_warn(capsys):
     )
     assert (args.workers, args.model) == (3, "llama-3-70b")
     args = build_parser(["simulate"]).parse_args(["simulate"])
-    assert (args.workers, args.model) == (8, "llama-3-8b")  # an alias never hides the default
+    assert (args.workers, args.model) == (4, "llama-3-8b")  # an alias never hides the default
     assert capsys.readouterr().err == ""
 
 

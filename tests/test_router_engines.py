@@ -411,6 +411,71 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
     assert all(x["output_length"] == 1 for x in lines)  # the worker's completion_tokens
 
 
+@pytest.mark.integration
+async def test_shed_requests_are_logged_as_offered_load(tmp_path):
+    """A request the router sheds (429) gets a traffic-log line with its status and
+    no worker; analyze replays it as offered load and keeps it out of the observed
+    (served) figures."""
+    import aiohttp
+
+    from loadtest.analyze import Options, analyze
+    from protocol.errors import Overloaded
+    from router.app import Router, RouterServer
+
+    fake = FakeEngine(prefill_s=0.0)
+    runner, url = await _serve(fake.app())
+    cfg = parse_config(
+        {
+            "workers": [{"url": url, "id": "f", "kind": "openai"}],
+            "health": {"interval_s": 0.2},
+            "listen": {"port": 0},
+            "traffic_log": {"enabled": True, "dir": str(tmp_path / "log")},
+        }
+    )
+    router = Router(cfg)
+    server = RouterServer(router, port=0)
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    dp = router.dataplane
+    real = dp.shedder
+
+    class Saturated:  # every worker saturated: the shedder's verdict
+        def check(self, *args):
+            return Overloaded("every worker is saturated")
+
+    try:
+        w = router.pool.get("f")
+        for _ in range(100):
+            if w.routable(__import__("time").monotonic()):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            statuses = []
+            for i in range(4):
+                # the last two arrive with every worker saturated
+                dp.shedder = real if i < 2 else Saturated()
+                async with s.post(
+                    base + "/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": f"{i} " + "y" * 600}]},
+                ) as r:
+                    statuses.append(r.status)
+        assert statuses == [200, 200, 429, 429]
+    finally:
+        dp.shedder = real
+        await server.aclose()  # flushes and closes the log
+        await runner.cleanup()
+    files = sorted(str(f) for f in (tmp_path / "log").iterdir())
+    lines = [json.loads(x) for f in files for x in open(f).read().splitlines()]
+    shed = [x for x in lines if x["status"] == 429]
+    assert len(lines) == 4 and len(shed) == 2
+    assert all(x["worker"] == "" and x["hash_ids"] and x["matched_tokens"] == 0 for x in shed)
+    assert all(x["cached_tokens"] is None and x["ttft_ms"] is None for x in shed)
+    res = analyze(files, Options())
+    assert res["inputs"]["requests"] == 4  # offered load: shed lines are replayed
+    obs = res["observed"]
+    assert obs["shed_requests"] == 2 and obs["requests_reporting_cached"] == 2
+
+
 async def test_links_of_one_tokenizer_share_a_single_load(tmp_path):
     """Two engines served by the same tokenizer folder start together: one load,
     both links keyed (concurrent loads of one folder left one worker on bytes)."""

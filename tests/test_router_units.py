@@ -615,3 +615,19 @@ def test_pool_random_operations_keep_invariants(seed):
     for w, toks in held:
         pool.finish(w, toks, None)
     assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in pool)
+
+
+def test_models_list_claims_the_smallest_context_every_worker_reported():
+    """``/v1/models``' ``max_model_len`` is one every worker of the model accepts, and
+    absent when a worker reported none (an agent, a worker that did not answer)."""
+    from router.app import merge_models
+
+    vllm = [{"id": "m", "object": "model", "max_model_len": 4096}]
+    short = [{"id": "m", "object": "model", "max_model_len": 2048}]
+    agent = [{"id": "m", "object": "model"}, {"id": "a", "object": "model"}]
+    assert merge_models([vllm, short]) == [{"id": "m", "object": "model", "max_model_len": 2048}]
+    assert merge_models([vllm, agent]) == [
+        {"id": "a", "object": "model"},
+        {"id": "m", "object": "model"},
+    ]
+    assert merge_models([vllm]) == vllm and vllm[0]["max_model_len"] == 4096  # input untouched

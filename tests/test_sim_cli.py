@@ -166,6 +166,8 @@ def test_router_config_file_sets_the_simulated_routers_settings(tmp_path, capsys
         "output_tokens=8",
         "--rate",
         "200",
+        "--policies",
+        "prefix_load",
         "-P",
         "prefix_load.warm_ahead=true",
         "-P",
@@ -184,11 +186,35 @@ def test_router_config_file_sets_the_simulated_routers_settings(tmp_path, capsys
     assert "warmup.min_interval_s" in err and len(err.splitlines()) == 1, err
 
 
-def test_missing_trace_and_workload(tmp_path, capsys):
+def test_missing_trace_is_one_line(tmp_path, capsys):
     assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl")]) == 2
     assert "nope.jsonl" in capsys.readouterr().err
-    assert main(["simulate", "--agents", "2"]) == 2
-    assert "--workload" in capsys.readouterr().err
+
+
+def test_simulate_runs_the_demos_fleet_and_load_by_default():
+    """With no flags, ``simulate`` plans what ``demo`` runs live: the same workload,
+    agents, per-agent KV, open-loop rate and policies (one set of defaults)."""
+    import argparse
+
+    from loadtest import demo
+    from loadtest.arrivals import Poisson
+    from loadtest.simulator import main as sim_main
+
+    def parsed(configure, argv=()):
+        p = argparse.ArgumentParser()
+        configure(p)
+        return p.parse_args(list(argv))
+
+    d = parsed(demo.configure)
+    plans, workload, _, _ = sim_main.build(parsed(sim_main.configure))
+    assert workload.name == d.workload
+    assert [p.name for p in plans] == d.policies.split(",")
+    for p in plans:
+        assert p.cfg.workers == d.agents and p.cfg.engine.kv_tokens == d.kv_tokens
+        assert isinstance(p.arrivals, Poisson) and p.arrivals.rate == demo.defaults.RATE
+    p = argparse.ArgumentParser()
+    sim_main.configure(p)
+    assert "Defaults are the demo's" in p.format_help()  # --help says so
 
 
 @pytest.mark.integration

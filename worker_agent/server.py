@@ -596,6 +596,9 @@ async def _engine_config(request: web.Request) -> web.Response:
 
 
 async def _models(request: web.Request) -> web.Response:
+    """The served model, without ``max_model_len``: the agent enforces no context
+    length (its one limit is the KV pool, prompt + max_tokens within
+    ``max_total_num_tokens`` at ``/server_info``), and the pool's size is not one."""
     agent = request.app[AGENT_KEY]
     return web.json_response(
         {
@@ -607,7 +610,6 @@ async def _models(request: web.Request) -> web.Response:
                     "created": int(agent.started_at),
                     "owned_by": "radixfleet",
                     "root": agent.cfg.name,
-                    "max_model_len": agent.capacity,
                 }
             ],
         }

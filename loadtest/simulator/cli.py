@@ -14,6 +14,9 @@
 
 Workload, arrival and bound flags are the load generator's (``radixfleet loadtest``):
 the same workload, seed and arrivals produce the same requests here and live.
+Defaults are the demo's (``loadtest.defaults``: workload, agents, per-agent KV,
+rate, policies), so ``radixfleet simulate`` alone runs what ``radixfleet demo``
+runs live; a trace keeps its own timestamps and the preset's KV pool.
 ``--trace FILE`` alone means ``--workload trace``; a trace runs at block level
 (``--level auto``) unless ``--level text`` asks for synthesized text.
 
@@ -50,6 +53,7 @@ import sys
 
 import yaml
 
+from loadtest import defaults
 from loadtest.arrivals import Bounds
 from loadtest.cli import add_load_arguments, build_load, workload_options_help
 from loadtest.report import (
@@ -77,19 +81,32 @@ from router.prefix_index import tune_gc
 
 log = logging.getLogger(__name__)
 
-_AUTO = "auto"  # --workload's default: 'trace' with --trace, else an error
+_AUTO = "auto"  # --workload's default: 'trace' with --trace, else the demo's
+
+
+DEFAULTS_HELP = (
+    "Defaults are the demo's (loadtest.defaults), so that both tell the same story: "
+    f"--workload {defaults.WORKLOAD}, --agents {defaults.AGENTS}, --kv-tokens {defaults.KV_TOKENS:,} "
+    f"per agent, --rate {defaults.RATE:g} (open loop), --policies {','.join(defaults.POLICIES)}. "
+    "With --trace: the trace's own timestamps and the preset's whole KV pool."
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     f = parser.add_argument_group("fleet")
     f.add_argument(
-        "--agents", dest="workers", type=int, default=8, help="simulated agents (workers) (default 8)"
+        "--agents",
+        dest="workers",
+        type=int,
+        default=defaults.AGENTS,
+        help=f"simulated agents (workers) (default {defaults.AGENTS}, as the demo)",
     )
     f.add_argument("--workers", dest="workers", type=int, action=DeprecatedAlias, use="--agents")
     f.add_argument(
         "--policies",
-        default="prefix_load",
-        help=f"comma-separated policies, one run each; of {', '.join(policy_names())}",
+        default=",".join(defaults.POLICIES),
+        help=f"comma-separated policies, one run each; of {', '.join(policy_names())} "
+        f"(default {','.join(defaults.POLICIES)}, as the demo)",
     )
     f.add_argument(
         "-P",
@@ -100,7 +117,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a policy parameter (repeatable), e.g. -P prefix_load.min_match_tokens=128; "
         "without POLICY. it applies to every one of --policies",
     )
-    f.add_argument("--kv-tokens", type=int, help="KV capacity per worker (default: the preset's)")
+    f.add_argument(
+        "--kv-tokens",
+        type=int,
+        help=f"KV capacity per worker (default {defaults.KV_TOKENS:,}, as the demo; "
+        "with --trace the preset's whole pool)",
+    )
     f.add_argument(
         "--agent-model",
         dest="model",
@@ -171,7 +193,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "for wall_s and sim_requests_per_s; memory grows with N",
     )
     add_load_arguments(parser, default_workload=_AUTO, model_flag=False)
-    parser.epilog = engine_help() + "\n\n" + workload_options_help()
+    parser.epilog = DEFAULTS_HELP + "\n\n" + engine_help() + "\n\n" + workload_options_help()
     parser.formatter_class = HelpFormatter
 
 
@@ -198,9 +220,12 @@ def _policy_params(pairs: list[str], policies: list[str]) -> dict[str, dict]:
 def build(args: argparse.Namespace):
     """(plans, workload, bounds, policy params) from flags; raises Config/WorkloadError."""
     if args.workload == _AUTO:
-        if args.trace is None:
-            raise ConfigError("--workload", "give --workload NAME or --trace FILE")
-        args.workload = "trace"
+        args.workload = "trace" if args.trace is not None else defaults.WORKLOAD
+    if args.workload != "trace":  # the demo's fleet and load where no flag says otherwise
+        if args.kv_tokens is None:
+            args.kv_tokens = defaults.KV_TOKENS
+        if args.rate is None and args.concurrency is None:
+            args.rate = defaults.RATE
     workload, arrivals, bounds = build_load(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:

@@ -199,6 +199,8 @@ _KNEE = [
     "4",
     "--requests",
     "2000",
+    "--concurrency",
+    "8",
     "--policies",
     "round_robin,cache_aware,prefix_load",
 ]
