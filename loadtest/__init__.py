@@ -15,6 +15,7 @@ Modules (each imports only what it needs; the simulator reuses the first four)::
     datasets     --dataset random (vllm bench serve's) and sharegpt (a file)
     cli          `radixfleet loadtest` (A/B over --target NAME=URL): the CLI
     runner       run_ab: one workload and seed against each target in turn, cold
+    defaults     the fleet and load the demo and `radixfleet simulate` share by default
     ab           the A/B runs on a local fleet (--ab radix|policy)
     smg          finding SGLang's gateway `smg` for an A/B arm
     local_fleet  `radixfleet up` (agents + router as child processes; the

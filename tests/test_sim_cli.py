@@ -198,7 +198,7 @@ def test_simulate_runs_the_demos_fleet_and_load_by_default():
 
     from loadtest import demo
     from loadtest.arrivals import Poisson
-    from loadtest.simulator import main as sim_main
+    from loadtest.simulator import cli as sim_main
 
     def parsed(configure, argv=()):
         p = argparse.ArgumentParser()
