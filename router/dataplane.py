@@ -23,10 +23,12 @@ before, by the listener: ``router.intake``, ``router.front``)::
 
 A generation runs once. A request goes to another worker (retries.max_attempts,
 exponential backoff) only when the first provably is not running it: the connection
-failed or closed before any response byte, the worker answered 429 or 503, or the
+failed or closed before any response byte, the worker answered 429 or 503, the
 worker turned unhealthy before the client saw a byte (``Pool.on_unhealthy``: the
 request is cancelled there first, by closing its connection, which makes an engine
-abort it). Everything else is answered once: a timeout (504) cancels the request on
+abort it), or it answered 5xx or broke off its answer before the client saw a byte
+and fails a health probe right after (``_went_down``: the engine is going down, and
+the generation with it). Everything else is answered once: a timeout (504) cancels the request on
 its worker and is not retried; a worker's 5xx becomes a 502. Timeouts per phase
 (``timeouts``): connect; the first byte and each silence of a stream; the whole
 request (a non-streamed answer, which arrives only when its generation is done, is
@@ -528,6 +530,8 @@ class DataPlane:
                 return
             except _UpstreamFailed as exc:
                 last = exc
+                if not exc.retry and await self._went_down(ctx, w, exc):
+                    exc.retry = True
                 if exc.cause != "rank":  # a rejected rank is not the worker's failure:
                     excluded.add(w.id)  # it may take the retry (its rank map re-read)
                 self.metrics.attempt(w.id, exc.status or exc.cause)  # not a client outcome
@@ -565,6 +569,24 @@ class DataPlane:
             ctx.reason = Reason.FALLBACK.value
             self.metrics.retries.labels(last.cause).inc()
         self._failed(ctx, last, tried[-1])
+
+    async def _went_down(self, ctx: RequestContext, w: Worker, exc: _UpstreamFailed) -> bool:
+        """Whether a worker that answered 5xx, or dropped the connection mid-answer,
+        before the client saw a byte, is going down: its health probe fails now. Then
+        its generation died with it (and the router closed the connection, which makes
+        a surviving engine abort it), so another worker may run the request without
+        running it twice; an engine stopped mid-request (a restart, a rollout) costs
+        the client nothing. A worker that still answers its probe keeps the rule: a
+        5xx becomes a 502, not retried."""
+        if exc.cause not in ("status", "payload") or (exc.status is not None and exc.status < 500):
+            return False
+        if await self.pool.probe(w):
+            return False
+        self.pool.check_soon(w)
+        log.warning(
+            "request %s: worker %s fails its health probe: its generation died with it", ctx.rid, w.id
+        )
+        return True
 
     def _failed(self, ctx: RequestContext, last: _UpstreamFailed, worker: str) -> None:
         """Every attempt failed before the client saw anything (``worker`` the last

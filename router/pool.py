@@ -721,19 +721,27 @@ class Pool:
             delay = self.cfg.health.interval_s - (self.clock() - started)
             await asyncio.sleep(max(delay, 0.01))
 
-    async def _check(self, w: Worker) -> None:
+    async def probe(self, w: Worker) -> bool:
+        """One health probe of ``w`` now: whether it answered below 500 within the
+        health timeout. Changes nothing (``_check`` keeps the health state); True when
+        the pool is closed (nothing is known against the worker)."""
+        if self._session is None or self._closed:
+            return True
         h = self.cfg.health
-        ok = False
         try:
             async with self._session.get(
                 w.url + h.path, timeout=aiohttp.ClientTimeout(total=h.timeout_s)
             ) as resp:
                 await resp.read()
-                ok = resp.status < 500
+                return resp.status < 500
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            ok = False
+            return False
+
+    async def _check(self, w: Worker) -> None:
+        h = self.cfg.health
+        ok = await self.probe(w)
         if w.removed:
             return
         if ok and w.source is not Source.AGENT and self.clock() >= w.models_until:

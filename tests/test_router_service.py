@@ -276,6 +276,48 @@ async def test_5xx_is_retried_on_another_worker(two_upstreams):
         await bad_runner.cleanup()
 
 
+async def test_a_500_from_a_worker_going_down_is_retried_one_still_up_is_not(two_upstreams):
+    """A 5xx before the client saw a byte is answered once (502) while its worker
+    still answers its health probe; a worker whose probe fails right after (an engine
+    stopped mid-request) took the generation down with it, so another worker runs it."""
+    up = {"ok": True}
+
+    async def fail(request):
+        await request.read()
+        return web.json_response({"error": {"message": "engine dead"}}, status=500)
+
+    async def health(request):
+        return web.Response(text="ok") if up["ok"] else web.Response(status=503)
+
+    bad = web.Application()
+    bad.router.add_post("/v1/completions", fail)
+    bad.router.add_get("/health", health)
+    bad_runner, bad_url = await start_app(bad)
+    router, runner, base = await start_router(
+        {
+            "workers": [{"url": bad_url, "id": "bad"}, {"url": two_upstreams[0], "id": "good"}],
+            "policy": {"name": "round_robin"},
+            "breaker": {"failure_threshold": 100},
+            # the periodic probes never catch the change first: only the one after the 500
+            "health": {"interval_s": 60, "timeout_s": 1.0},
+        }
+    )
+    try:
+        async with httpx.AsyncClient() as c:
+            seen = set()
+            for _ in range(4):  # round robin: some land on "bad" first
+                r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+                seen.add(r.status_code)
+            assert 502 in seen  # still up: a 5xx is answered once, not run again
+            up["ok"] = False
+            for _ in range(4):
+                r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+                assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "good"
+    finally:
+        await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+        await bad_runner.cleanup()
+
+
 async def test_killed_worker_costs_no_request_and_leaves_the_index():
     pa, ua = upstream_proc("a", chunks=40, chunk_delay=0.05)
     pb, ub = upstream_proc("b", chunks=40, chunk_delay=0.05)
