@@ -27,13 +27,14 @@ spread; ``--write`` leaves them alone (the results page's prose carries them).
 (``_REPLICAS``: 4 agents, 4 replicas vs one router, 240 requests of the demo's
 mixed workload at 12/s, three fresh fleets; about five minutes on two busy
 cores), failing when the replicas' median hit rate falls under 0.95x one
-router's, their median TTFT p99 passes 1.3x, or any run has them answer a 429 one
+router's, their median TTFT p99 passes 1.5x, or any run has them answer a 429 one
 router did not. Measured on two cores shared with other loads (load average
 17-33) with the replicas keeping the fleet's session footprints: at this size
 hit 1.002x (0.999-1.037), p99 0.898x (0.611-1.167), no extra 429 in 3 runs; at
 full size (498 requests) 4 replicas 0.995x (0.971-1.041) / 1.240x (0.984-1.312)
 and 8 replicas 1.040x (0.999-1.041) / 1.237x (1.025-1.297), no extra 429 in 6
-runs. The floors sit under those spreads by the one-router arm's own
+runs; in a clean-clone CI run at this size, p99 1.298x (0.933-1.322). The floors
+sit under those spreads by the one-router arm's own
 run-to-run swing (hit 0.78-0.83, p99 0.9-1.7 s on that machine); broken shared
 truth lands far outside them (replicas keying prompts differently: 0.42x hit,
 2.2x p99, 17 x 429). What this size cannot show — the caches are barely under
@@ -324,7 +325,7 @@ _REPLICAS = [
 ]
 #: the reduced run's floors (the module docstring says what they rest on)
 _REPLICAS_HIT = 0.95
-_REPLICAS_P99 = 1.3
+_REPLICAS_P99 = 1.5
 
 
 def _replicas() -> tuple[str, list[str]]:
