@@ -27,30 +27,10 @@ from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
 
-WORDS = [
-    "cache",
-    "prefix",
-    "token",
-    "router",
-    "worker",
-    "engine",
-    "request",
-    "model",
-    "block",
-    "hash",
-    "session",
-    "turn",
-    "system",
-    "user",
-    "assistant",
-    "tool",
-    "answer",
-    "question",
-    "document",
-    "context",
-    "memory",
-    "batch",
-]
+WORDS = (
+    "cache prefix token router worker engine request model block hash session turn "
+    "system user assistant tool answer question document context memory batch"
+).split()
 
 
 @pytest.fixture(scope="module")

@@ -35,27 +35,10 @@ pytestmark = pytest.mark.engine
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "vllm_token_ids.json")
 MODEL = "tiny"
-_WORDS = [
-    "the",
-    "cache",
-    "prefix",
-    "token",
-    "router",
-    "worker",
-    "engine",
-    "request",
-    "model",
-    "block",
-    "hash",
-    "session",
-    "turn",
-    "system",
-    "user",
-    "assistant",
-    "tool",
-    "answer",
-    "question",
-]
+_WORDS = (
+    "the cache prefix token router worker engine request model block hash session "
+    "turn system user assistant tool answer question"
+).split()
 
 
 @pytest.fixture(scope="module")

@@ -35,41 +35,11 @@ from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
 
-WORDS = [
-    "cache",
-    "prefix",
-    "token",
-    "router",
-    "worker",
-    "engine",
-    "request",
-    "model",
-    "block",
-    "hash",
-    "session",
-    "turn",
-    "system",
-    "user",
-    "assistant",
-    "tool",
-    "answer",
-    "question",
-    "document",
-    "context",
-    "memory",
-    "batch",
-    "queue",
-    "prefill",
-    "decode",
-    "latency",
-    "throughput",
-    "fleet",
-    "replica",
-    "load",
-    "policy",
-    "index",
-    "event",
-]
+WORDS = (
+    "cache prefix token router worker engine request model block hash session turn "
+    "system user assistant tool answer question document context memory batch queue "
+    "prefill decode latency throughput fleet replica load policy index event"
+).split()
 
 
 def text(seed: int, words: int) -> str:

@@ -46,62 +46,12 @@ SPECIALS = [
     "<|end|>",
 ]
 
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "was",
-    "for",
-    "on",
-    "that",
-    "with",
-    "as",
-    "by",
-    "at",
-    "from",
-    "this",
-    "be",
-    "are",
-    "an",
-    "or",
-    "it",
-    "cache",
-    "prefix",
-    "token",
-    "router",
-    "worker",
-    "engine",
-    "request",
-    "model",
-    "block",
-    "hash",
-    "session",
-    "turn",
-    "system",
-    "user",
-    "assistant",
-    "tool",
-    "answer",
-    "question",
-    "document",
-    "context",
-    "memory",
-    "batch",
-    "queue",
-    "prefill",
-    "decode",
-    "latency",
-    "throughput",
-    "fleet",
-    "replica",
-    "load",
-    "policy",
-    "index",
-    "event",
-]
+WORDS = (
+    "the of and to in is was for on that with as by at from this be are an or it "
+    "cache prefix token router worker engine request model block hash session turn "
+    "system user assistant tool answer question document context memory batch queue "
+    "prefill decode latency throughput fleet replica load policy index event"
+).split()
 
 
 def corpus(n: int = 4000) -> list[str]:
