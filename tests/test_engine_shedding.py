@@ -20,6 +20,7 @@ import time
 import aiohttp
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.report import percentile as _pct
 from radixfleet.bench.overload import Load
@@ -92,7 +93,26 @@ def test_closed_loop_up_to_the_fleets_batch_limits_is_never_shed(quick_start):
         assert statuses.get(200, 0) >= 30 and set(statuses) == {200}, (clients, statuses)
 
 
-def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start):
+def engine_phases(servers) -> dict[str, float]:
+    """The engines' own request-phase sums and counts (vLLM's histograms, both servers
+    added): waiting-queue time (arrival to first scheduled) and prefill time."""
+    out: dict[str, float] = {}
+    for sv in servers:
+        for fam in text_string_to_metric_families(httpx.get(sv.url + "/metrics", timeout=10).text):
+            if fam.name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds"):
+                for smp in fam.samples:
+                    if smp.name.endswith(("_sum", "_count")):
+                        key = fam.name.split(":")[1] + smp.name[len(fam.name) :]
+                        out[key] = out.get(key, 0.0) + smp.value
+    return out
+
+
+def _mean(before: dict, after: dict, name: str) -> float:
+    n = after[name + "_count"] - before[name + "_count"]
+    return (after[name + "_sum"] - before[name + "_sum"]) / n if n else 0.0
+
+
+def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start, vllm_pair):
     async def run() -> dict:
         load = Load(quick_start, "tiny", prompt_tokens=600, max_tokens=8, seed=3)
         async with aiohttp.ClientSession(
@@ -105,25 +125,32 @@ def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start):
             await asyncio.sleep(2.0)
             light = await load.poisson(0.2 * capacity, 12.0)
             await asyncio.sleep(1.0)
+            before = await asyncio.to_thread(engine_phases, vllm_pair)
             heavy = await load.poisson(4.0 * capacity, 10.0)
-        return {"capacity": capacity, "light": light, "heavy": heavy}
+            after = await asyncio.to_thread(engine_phases, vllm_pair)
+        return {"capacity": capacity, "light": light, "heavy": heavy, "engines": (before, after)}
 
     out = asyncio.run(run())
     light, heavy, capacity = out["light"], out["heavy"], out["capacity"]
-    unloaded = _pct([o.ttft_s for o in light if o.status == 200 and o.ttft_s], 0.99)
+    light_ttft = [o.ttft_s for o in light if o.status == 200 and o.ttft_s]
+    unloaded, unloaded_p50 = _pct(light_ttft, 0.99), _pct(light_ttft, 0.5)
     admitted = [o.ttft_s for o in heavy if o.status == 200 and o.ttft_s]
     shed = [o for o in heavy if o.status == 429]
     with_retry = [o for o in shed if o.retry_after and o.retry_after.isdigit() and int(o.retry_after) >= 1]
     excess = len(heavy) - capacity * 10.0
+    before, after = out["engines"]
     summary = {
         "capacity_rps": round(capacity, 2),
         "offered": len(heavy),
         "served": len(admitted),
         "shed": len(shed),
         "excess": round(excess),
+        "unloaded_p50_s": unloaded_p50,
         "unloaded_p99_s": unloaded,
         "admitted_p50_s": _pct(admitted, 0.5),
         "admitted_p99_s": _pct(admitted, 0.99),
+        "engine_queue_mean_s": _mean(before, after, "request_queue_time_seconds"),
+        "engine_prefill_mean_s": _mean(before, after, "request_prefill_time_seconds"),
         "other": sorted({o.status for o in heavy} - {200, 429}, key=str),
     }
     print("overload:", summary)
@@ -135,10 +162,15 @@ def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start):
     assert {o.status for o in light} <= {200, 429} and light_shed <= 0.05 * len(light), summary
     assert not summary["other"], summary
     assert len(with_retry) >= 0.9 * excess, summary
-    # Admitted requests' median stays at the unloaded one; their p99 does not yet stay
-    # within 2x the unloaded p99 on a quiet machine (7.2x measured: bench/RESULTS.md,
-    # "Shedding in front of vLLM"; 12.3x once in a clean-clone CI run), so the tail is
-    # bounded here only loosely: a rule that admits a queue (main's before this rule, or
-    # none at all) gives tens of times the unloaded p99.
-    assert summary["admitted_p50_s"] <= 2 * unloaded, summary
+    # What the router controls: the queue stays at the router, not in the engines. At 4x
+    # capacity an admitted request barely waits in vLLM's queue (measured: a mean under
+    # a millisecond against ~55 ms of prefill); a rule that admits a queue — none at all,
+    # or slots alone — makes that wait seconds (10 s of 4x load is ~30 s of work).
+    assert summary["engine_queue_mean_s"] <= 0.5 * summary["engine_prefill_mean_s"], summary
+    # What the client sees also includes the engines' execution, which at full batch on
+    # this machine's shared cores runs slower (prefill ~1.5x, and the engines' frontends
+    # share the cores with the router and this load): admitted TTFT p99 is several times
+    # the unloaded p99 (bench/RESULTS.md, "Shedding in front of vLLM": the 2x target is
+    # not met), so the client's view is bounded only against a queue, loosely.
+    assert summary["admitted_p50_s"] <= 10 * unloaded_p50, summary
     assert summary["admitted_p99_s"] <= 20 * unloaded, summary
