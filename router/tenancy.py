@@ -41,7 +41,7 @@ Metric labels stay bounded: the tenants named in the YAML and the first others s
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import Field
@@ -247,7 +247,7 @@ class TenantLabels:
         self.top_n = top_n
         self._own: dict[str, str] = {}  # tenant -> its label (only label() adds)
 
-    def name(self, tenants) -> None:
+    def name(self, tenants: Iterable[str]) -> None:
         """Gives ``tenants`` (the YAML's, in order) their labels while there is room."""
         for t in tenants:
             self.label(t)
@@ -265,12 +265,18 @@ class TenantLabels:
         assert all(v == (k or "-") for k, v in self._own.items()), self._own
 
 
+#: a tenant's or key's rules and its buckets (None: no limit)
+_Rules = tuple[TenantRules, _Limit | None]
+
+
 class Ticket:
     """One admitted request's class and reservation (``Tenancy.admit``)."""
 
     __slots__ = ("label", "priority", "scale", "reserved", "limits", "open")
 
-    def __init__(self, label: str, priority: str, scale: float, reserved: int, limits: tuple) -> None:
+    def __init__(
+        self, label: str, priority: str, scale: float, reserved: int, limits: tuple[_Limit, ...]
+    ) -> None:
         self.label = label  # the tenant's metric label
         self.priority = priority  # its class
         self.scale = scale  # the factor on the shedder's bound
@@ -287,15 +293,15 @@ class Tenancy:
     ``metrics``: a ``router.metrics.Metrics`` (its ``tenant_requests`` and
     ``priority_refused`` counters)."""
 
-    def __init__(self, cfg: TenancyConfig, named_tenants, metrics, now: float) -> None:
+    def __init__(self, cfg: TenancyConfig, named_tenants: Iterable[str], metrics: Any, now: float) -> None:
         self.metrics = metrics
         self.labels = TenantLabels(cfg.top_n)
-        self._tenants: dict[str, tuple[TenantRules, _Limit | None]] = {}
-        self._keys: dict[str, tuple[TenantRules, _Limit | None]] = {}
+        self._tenants: dict[str, _Rules] = {}
+        self._keys: dict[str, _Rules] = {}
         self._counters: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         self.configure(cfg, named_tenants, now)
 
-    def configure(self, cfg: TenancyConfig, named_tenants, now: float) -> None:
+    def configure(self, cfg: TenancyConfig, named_tenants: Iterable[str], now: float) -> None:
         """Takes ``cfg``; ``named_tenants``: the tenants the YAML names elsewhere (API
         keys', the default), labelled first after ``tenancy.tenants``."""
         self.cfg = cfg
@@ -311,7 +317,14 @@ class Tenancy:
         self._keys = {k: (r, _limit(self._keys.get(k), f"API key {k}", r, now)) for k, r in cfg.keys.items()}
 
     def admit(
-        self, tenant: str, key: str, model: str, headers, prompt_tokens: int, body: Mapping, now: float
+        self,
+        tenant: str,
+        key: str,
+        model: str,
+        headers: Mapping[str, str],
+        prompt_tokens: int,
+        body: Mapping[str, Any],
+        now: float,
     ) -> Ticket:
         """The request's class and its reservation under its tenant's and key's limits.
         Raises ``RateLimited`` (nothing taken) or ``MalformedRequest`` (a priority
@@ -350,17 +363,19 @@ class Tenancy:
             for lim in ticket.limits:
                 lim.give(0, ticket.reserved - used_tokens, now)
 
-    def _priority(self, t, k, model: str, headers, label: str) -> str:
+    def _priority(
+        self, t: _Rules | None, k: _Rules | None, model: str, headers: Mapping[str, str], label: str
+    ) -> str:
         base = (
             (k[0].priority if k is not None else "")
             or (t[0].priority if t is not None else "")
             or self.cfg.models.get(model, "")
             or self.cfg.default_priority
         )
-        claim = headers.get(self.header) if self.header else None
-        if not claim:
+        raw = headers.get(self.header) if self.header else None
+        if not raw:
             return base
-        claim = claim.strip().lower()
+        claim = str(raw).strip().lower()
         if claim not in _RANK:
             raise MalformedRequest(
                 f"header {self.header}: {claim[:64]!r} is not one of {', '.join(PRIORITIES)}"
@@ -383,7 +398,7 @@ class Tenancy:
         return c
 
 
-def _limit(old: tuple | None, what: str, rules: TenantRules, now: float) -> _Limit | None:
+def _limit(old: _Rules | None, what: str, rules: TenantRules, now: float) -> _Limit | None:
     if not rules.requests_per_s and not rules.tokens_per_min:
         return None
     lim = old[1] if old is not None and old[1] is not None else _Limit(what)
@@ -391,7 +406,7 @@ def _limit(old: tuple | None, what: str, rules: TenantRules, now: float) -> _Lim
     return lim
 
 
-def _max_tokens(body: Mapping) -> int:
+def _max_tokens(body: Mapping[str, Any]) -> int:
     """The completion tokens a body asks for at most (0 when it names none)."""
     v = body.get("max_tokens")
     if v is None:
