@@ -490,7 +490,9 @@ class DataPlane:
                 self._reject(ex, exc, rid)
                 return
             await self._route_and_forward(
-                RequestContext(ex, endpoint, raw, body, key, stream, session, rid, t0, "", tenant, api_key)
+                RequestContext(
+                    ex, endpoint, raw, body, key, stream, session, rid, t0, tenant=tenant, api_key=api_key
+                )
             )
         finally:
             adm.leave()
