@@ -24,7 +24,8 @@ lets standard requests wait behind one request, and sheddable ones take the shed
 Figures per class: requests, served, shed (429), TTFT p50/p99 of the served; the
 critical TTFT p99 against the unloaded p99 (target: <= 1.2x) and the
 sheddable share of everything shed (target: >= 90%). ``--json`` prints one object.
-Takes about 2 x duration + calibration + ~15 s.
+Takes about 2 x duration + calibration + ~15 s. ``--admission-only``: no fleet, the
+cost of the tenancy check per request (median µs).
 """
 
 from __future__ import annotations
@@ -33,15 +34,19 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import aiohttp
 
 from loadtest.local_fleet import Fleet, FleetConfig
 from loadtest.report import percentile
 from radixfleet.bench.overload import Load, Outcome
-from router.tenancy import PRIORITIES
+from router.config import parse_config
+from router.metrics import Metrics
+from router.tenancy import PRIORITIES, Tenancy
 
 CRITICAL_P99_TARGET = 1.2
 SHEDDABLE_SHARE_TARGET = 0.90
@@ -70,6 +75,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         "empty: the router's defaults",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument(
+        "--admission-only",
+        action="store_true",
+        help="no fleet: what a request's class and rate-limit check (router.tenancy) costs, in µs",
+    )
 
 
 def _session(priority: str) -> aiohttp.ClientSession:
@@ -170,7 +180,48 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
     return out
 
 
+def admission_cost(repeats: int = 7, n: int = 20_000) -> dict[str, float]:
+    """Median µs per request of ``Tenancy.admit`` + ``admitted`` (what the data plane
+    adds before the shedding decision): without tenancy settings, with a tenant's
+    two limits, and with a priority header claim as well."""
+    cases = {
+        "no_tenancy_settings": ({}, {}),
+        "tenant_with_two_limits": (
+            {"tenants": {"acme": {"requests_per_s": 1e9, "tokens_per_min": 1e15}}},
+            {},
+        ),
+        "limits_and_a_header_claim": (
+            {
+                "tenants": {
+                    "acme": {"max_priority": "critical", "requests_per_s": 1e9, "tokens_per_min": 1e15}
+                }
+            },
+            {"x-radixfleet-priority": "critical"},
+        ),
+    }
+    out = {}
+    body = {"max_tokens": 16}
+    for name, (raw, headers) in cases.items():
+        t = Tenancy(parse_config({"tenancy": raw}).tenancy, ["acme"], Metrics(), 0.0)
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                t.admitted(t.admit("acme", "", "m", headers, 1000, body, time.monotonic()))
+            runs.append((time.perf_counter() - t0) / n * 1e6)
+        out[name] = round(statistics.median(runs), 2)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.admission_only:
+        cost = admission_cost()
+        if args.json:
+            print(json.dumps({"admission_us_p50": cost}))
+        else:
+            for name, us in cost.items():
+                print(f"{name.replace('_', ' ')}: {us:.2f} µs per request (median of 7 x 20,000)")
+        return 0
     _shares(args.shares)  # refused before any process starts
     yaml = "tenancy:\n  default_priority: critical\n"
     if args.queue_scale:
