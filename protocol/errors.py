@@ -14,6 +14,8 @@ exceptions. What remains is caller misuse and bad input::
      |    |                         registered at another URL) -> 409
      |    +-- Overloaded            concurrency queue full, fleet past its queue
      |    |                         bound -> 429 (Retry-After)
+     |    +-- RateLimited           a tenant or API key over its rate limit -> 429
+     |    |                         (Retry-After, x-ratelimit-* headers)
      |    +-- NoWorkerAvailable     no healthy, undrained worker -> 503 (Retry-After)
      |    +-- RequestTimeout        head or body not received in time -> 408
      +-- ConfigError                a YAML/CLI setting is invalid; names the field path
@@ -49,6 +51,8 @@ class RequestError(RadixfleetError):
     #: seconds a client should wait before retrying (a ``Retry-After`` header), or
     #: None: retrying as sent will not help. Every 429 and 503 carries one.
     retry_after_s: float | None = None
+    #: further response headers the answer carries, as (name, value) pairs
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -108,6 +112,22 @@ class Overloaded(RequestError):
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RateLimited(RequestError):
+    """A tenant or API key over its configured rate (router.tenancy): ``headers``
+    are the ``x-ratelimit-*`` headers of the limit that refused it."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, *, retry_after_s: float, headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.headers = headers
 
 
 class NoWorkerAvailable(RequestError):

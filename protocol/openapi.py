@@ -231,7 +231,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
         408: "head or body too slow",
         409: "conflict",
         413: "body too large",
-        429: "overloaded (Retry-After)",
+        429: "overloaded, or over a tenancy rate limit (Retry-After; a rate limit adds x-ratelimit-*)",
         503: "no worker available (Retry-After)",
     }
     return {str(s): {"description": words[s], **_json(_ERROR)} for s in statuses}

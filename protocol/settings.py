@@ -245,7 +245,7 @@ def error(root: Any, e: Mapping[str, Any], prefix: str = "") -> ConfigError:
         valid = ", ".join(sorted(keys_of(owner))) if owner is not None else ""
         return ConfigError(path, f"unknown key; valid: {valid or '(none)'}")
     if kind == "literal_error":
-        return ConfigError(path, f"{value!r} is not one of {', '.join(get_args(tp))}")
+        return ConfigError(path, f"{value!r} is not one of {', '.join(_choice(c) for c in get_args(tp))}")
     if kind == "string_type":
         return ConfigError(path, f"expected a string, got {value!r}")
     if kind in _NUMBER_ERRORS and f is not None:
@@ -255,6 +255,11 @@ def error(root: Any, e: Mapping[str, Any], prefix: str = "") -> ConfigError:
     if kind in ("tuple_type", "list_type"):
         return ConfigError(path, f"expected a list, got {typename(value)}")
     return ConfigError(path, e["msg"])
+
+
+def _choice(c: Any) -> str:
+    """A choice as messages and tables show it (the empty string as ``""``)."""
+    return '""' if c == "" else str(c)
 
 
 def reference(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
@@ -281,7 +286,7 @@ def reference(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
         else:
             default = f.get_default(call_default_factory=True)
             if get_origin(tp) is Literal:
-                allowed = ", ".join(f"`{c}`" for c in get_args(tp))
+                allowed = ", ".join(f"`{_choice(c)}`" for c in get_args(tp))
             elif tp in (int, float, bool):
                 allowed = expected(tp, f)
             else:

@@ -11,6 +11,8 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     pool, served  workers, health, breakers, load at pick time; who serves which model
     pick, warmup  the pick step shared with the simulator; the warm-up gate
     shedding      429 when every eligible worker reports saturation
+    tenancy, rate_limit  priority classes (the shedding bound's factor) and rate
+                  limits per tenant and API key (token buckets)
     feedback      agents' event batches applied to the index and the pool
     config, reload  the YAML schema and ``check-config``; hot reload
     config_reference  deploy/README's key tables generated from the schema

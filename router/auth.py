@@ -58,7 +58,8 @@ class TenantResolver:
         self.default = t.default
         self.header = t.header.lower()  # exchanges use lower-case names
         self.require = t.require_key
-        self._digests: dict[bytes, str] = {}
+        #: SHA-256 of a key -> (its tenant, its name: tenancy.keys)
+        self._digests: dict[bytes, tuple[str, str]] = {}
         for i, spec in enumerate(t.api_keys):
             key = spec.key
             if spec.key_env:
@@ -67,21 +68,25 @@ class TenantResolver:
                     raise ConfigError(
                         f"{path}.api_keys[{i}].key_env", f"environment variable {spec.key_env} is not set"
                     )
-            self._digests[hashlib.sha256(key.encode()).digest()] = spec.tenant
+            self._digests[hashlib.sha256(key.encode()).digest()] = (spec.tenant, spec.name)
 
     def tenant(self, headers) -> str:
         """``headers``: a mapping with lower-case names (or case-insensitive)."""
+        return self.identify(headers)[0]
+
+    def identify(self, headers) -> tuple[str, str]:
+        """(tenant, the name of the API key presented: "" when none or unnamed)."""
         src = self.source
         if src == "none":
-            return self.default
+            return self.default, ""
         if src == "header":
             name = headers.get(self.header)
             if not name:
-                return self.default
+                return self.default, ""
             problem = tenant_problem(name)
             if problem:
                 raise MalformedRequest(problem)
-            return name
+            return name, ""
         auth = headers.get("authorization")
         key = None
         if auth and auth.startswith("Bearer "):
@@ -96,12 +101,15 @@ class TenantResolver:
                 raise Unauthorized("invalid API key")
         elif self.require:
             raise Unauthorized("an API key is required ('Authorization: Bearer <key>')")
-        return self.default
+        return self.default, ""
 
     def namespace(self, headers) -> str:
         """The request's key namespace salt (see the class docstring)."""
-        t = self.tenant(headers)
-        return t if self.salts is None else self.salts.salt(t)
+        return self.namespace_of(self.identify(headers)[0])
+
+    def namespace_of(self, tenant: str) -> str:
+        """Tenant ``tenant``'s key namespace salt."""
+        return tenant if self.salts is None else self.salts.salt(tenant)
 
     def forward_lines(self, namespace: str) -> bytes:
         """Header lines (CRLF-terminated) that forward ``namespace`` to a worker."""

@@ -58,6 +58,7 @@ from protocol.settings import (
 )
 from protocol.settings import section as _section
 from protocol.settings import setting as _opt
+from router.tenancy import TenancyConfig, check_key_names
 from service.bus_connection import BusCredentials
 
 
@@ -189,6 +190,7 @@ class ApiKeySpec:
     tenant: str = _opt("", "tenant this key authenticates as")
     key: str = _opt("", "the key itself (prefer key_env)")
     key_env: str = _opt("", "environment variable holding the key")
+    name: str = _opt("", "the key's name in tenancy.keys (its class and limits); never the key itself")
 
     @document_check
     def _check(self) -> None:
@@ -704,6 +706,9 @@ class Config:
     bus: BusConfig = _section(BusConfig, "event bus shared by router replicas (read at start)")
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
+    tenancy: TenancyConfig = _section(
+        TenancyConfig, "priority classes and rate limits per tenant and API key"
+    )
     #: ``models:``: served model name -> the engine settings of every worker serving it
     models: Mapping[ModelName, EngineSettings] = Field(
         default_factory=dict,
@@ -724,6 +729,10 @@ class Config:
     def _empty_models(cls, v: Any) -> Any:
         """A ``models:`` entry may be empty (``null``): all defaults."""
         return {k: {} if m is None else m for k, m in v.items()} if isinstance(v, dict) else v
+
+    @document_check
+    def _tenancy_keys(self) -> None:
+        check_key_names(self.tenancy, self.keys.tenant)
 
     def summary(self) -> str:
         t = self.keys.tenant

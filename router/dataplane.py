@@ -11,7 +11,9 @@ before, by the listener: ``router.intake``, ``router.front``)::
     views  = pool.views(now, model, adapter)          (routable, serving it; else 404/503)
     kr     = engines.key(...)                         keyed per key space in use, matched
                                                       in the index: kr.match
-    shed   = shedder.check(...)                       every eligible worker saturated
+    ticket = tenancy.admit(...)                       priority class; tenant and key rate
+                                                      limits -> 429 (router.tenancy)
+    shed   = shedder.check(..., ticket.scale)         every eligible worker saturated
                                                       (uses the match) -> 429
     d      = policy.choose(RouteRequest, kr.match, views, now)
     index.insert(d.worker, its keys, now)             optimistic hint (and bus.hint)
@@ -91,6 +93,7 @@ from router.prefix_index import PrefixIndex
 from router.scaling_signal import DemandMeter
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
+from router.tenancy import Tenancy, Ticket
 from router.upstream import (
     Cancel,
     Cancelled,
@@ -298,6 +301,9 @@ class RequestContext:
     rid: str  # its request id
     t0: float  # monotonic time it arrived
     reason: str = ""  # why the current attempt's worker was chosen (metrics)
+    tenant: str = ""  # its tenant's name (router.auth), for router.tenancy
+    api_key: str = ""  # the name of the API key it came with ("" none or unnamed)
+    ticket: Ticket | None = None  # its class and rate-limit reservation, once admitted
 
 
 class _Flight:
@@ -312,6 +318,12 @@ class _Flight:
         self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
         self.output: int | None = None  # completion tokens the worker reported
         self.sent = time.monotonic()
+
+
+def _named_tenants(cfg: Config) -> list[str]:
+    """The tenants the YAML names outside ``tenancy``: metric labels first."""
+    t = cfg.keys.tenant
+    return [t.default, *(k.tenant for k in t.api_keys)]
 
 
 def _usage_of_body(data: bytes) -> tuple[tuple[int, int] | None, int | None]:
@@ -402,6 +414,8 @@ class DataPlane:
         self.cfg = cfg
         self.policy = policy
         self.tenants = tenants
+        #: priority classes and rate limits (router.tenancy)
+        self.tenancy = Tenancy(cfg.tenancy, _named_tenants(cfg), metrics, time.monotonic())
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
         #: set by the owner, or None: told of each hint
@@ -424,6 +438,7 @@ class DataPlane:
         a.limit, a.max_queue = lim.max_concurrency, lim.max_queue
         a.timeout_s, a.retry_after_s = lim.queue_timeout_s, lim.retry_after_s
         self.shedder.configure(lim.worker_queue_requests, lim.worker_queue_min_s)
+        self.tenancy.configure(cfg.tenancy, _named_tenants(cfg), time.monotonic())
         if self.upstream is not None:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
             self.upstream.body_limit = lim.max_response_bytes
@@ -433,6 +448,7 @@ class DataPlane:
         extra = [(REQUEST_ID_HEADER, rid)]
         if exc.retry_after_s is not None:
             extra.append(("Retry-After", retry_after_header(exc.retry_after_s)))
+        extra += exc.headers
         ex.reply(exc.status, json.dumps(exc.to_json()).encode(), _JSON, extra)
 
     async def serve(self, ex, endpoint: Endpoint) -> None:
@@ -456,8 +472,13 @@ class DataPlane:
             try:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
                 body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
-                tenant = self.tenants.namespace(headers)
-                key = request_key(endpoint, body, tenant=tenant, block_bytes=self.cfg.keys.block_bytes)
+                tenant, api_key = self.tenants.identify(headers)
+                key = request_key(
+                    endpoint,
+                    body,
+                    tenant=self.tenants.namespace_of(tenant),
+                    block_bytes=self.cfg.keys.block_bytes,
+                )
                 stream = body.get("stream", False)
                 if stream is not True and stream is not False:
                     raise MalformedRequest("'stream' must be a boolean", param="stream")
@@ -469,7 +490,9 @@ class DataPlane:
                 self._reject(ex, exc, rid)
                 return
             await self._route_and_forward(
-                RequestContext(ex, endpoint, raw, body, key, stream, session, rid, t0)
+                RequestContext(
+                    ex, endpoint, raw, body, key, stream, session, rid, t0, tenant=tenant, api_key=api_key
+                )
             )
         finally:
             adm.leave()
@@ -489,14 +512,23 @@ class DataPlane:
             self._reject(ctx.ex, exc, ctx.rid)
             return
         req = kr.route_request
+        try:
+            ticket = ctx.ticket = self.tenancy.admit(
+                ctx.tenant, ctx.api_key, key.model, ctx.ex.headers, req.prompt_tokens, ctx.body, now
+            )
+        except RequestError as exc:  # over a rate limit; a priority header naming no class
+            self._reject(ctx.ex, exc, ctx.rid)
+            return
         shed = self.shedder.check(
             pool.routable_workers(now),
             key.model,
             key.adapter,
             req.prompt_tokens - kr.match.best * req.block_tokens,
             now,
+            ticket.scale,
         )
         if shed is not None:
+            self.tenancy.shed(ticket, now)
             self._reject(ctx.ex, shed, ctx.rid)
             if self.traffic is not None:  # offered load: analyze sees what was shed
                 self.traffic.record(
@@ -508,6 +540,7 @@ class DataPlane:
                     session=ctx.session,
                 )
             return
+        self.tenancy.admitted(ticket)
         d = self.policy.choose(req, kr.match, views, now)
         tried: list[str] = []
         excluded: set[str] = set()  # workers a retry must not go to
@@ -738,7 +771,9 @@ class DataPlane:
             )
         f.ok = True
         ctype = resp.headers.get("content-type", _JSON)
-        if status == 200 and (link is not None or self.traffic is not None):
+        if status == 200 and (
+            link is not None or self.traffic is not None or (ctx.ticket is not None and ctx.ticket.limits)
+        ):
             f.usage, f.output = _usage_of_body(data)
         elif status >= 400:
             log.info("request %s: worker %s answered %d: %r", ctx.rid, w.id, status, data[:500])
@@ -765,6 +800,8 @@ class DataPlane:
         self.metrics.answered(w.id, ctx.key.model, f.ok, usage)
         if not f.ok:
             return
+        if usage is not None and f.output is not None and ctx.ticket is not None:
+            self.tenancy.settle(ctx.ticket, usage[0] + f.output, time.monotonic())
         if self.traffic is not None:
             self.traffic.record(
                 ctx.key,

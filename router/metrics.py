@@ -46,6 +46,11 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_hot_prefix_rate{rank}, radixfleet_hot_prefix_replicas{rank}  by rank 1..k
     radixfleet_warmups_total{status}
     radixfleet_shed_total                             429s from the fleet's queue bound
+    radixfleet_tenant_requests_total{tenant,priority,outcome}  per tenant (tenancy.top_n
+                                                      named, the rest 'other') and class:
+                                                      admitted | shed | limited (router.tenancy)
+    radixfleet_priority_claims_refused_total{tenant}  priority headers claiming a class above
+                                                      the key's or tenant's max_priority
     radixfleet_bad_http_total{status}                 malformed HTTP answered 4xx
     radixfleet_connections_refused_total{reason}      client connections at limits.max_connections:
                                                       idle_closed (longest-idle one closed to make
@@ -196,6 +201,19 @@ class Metrics:
         self.shed = Counter(
             "radixfleet_shed",
             "Requests shed with 429 because every eligible worker's queue was past its bound",
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "radixfleet_tenant_requests",
+            "Data-plane requests by tenant (past tenancy.top_n: other), priority class and "
+            "outcome: admitted, shed (fleet saturated) or limited (over a rate limit)",
+            ["tenant", "priority", "outcome"],
+            registry=r,
+        )
+        self.priority_refused = Counter(
+            "radixfleet_priority_claims_refused",
+            "Requests whose priority header claimed a class above their max_priority (served at their own)",
+            ["tenant"],
             registry=r,
         )
         self.bad_http = Counter(

@@ -205,14 +205,24 @@ class Shedder:
         return b if b > self.min_s else self.min_s
 
     def check(
-        self, workers: Iterable, model: str, adapter: str | None, uncached_tokens: int, now: float
+        self,
+        workers: Iterable,
+        model: str,
+        adapter: str | None,
+        uncached_tokens: int,
+        now: float,
+        scale: float = 1.0,
     ) -> Overloaded | None:
         """An ``Overloaded`` to answer with if every eligible worker (routable
         ``workers`` serving model/adapter) is saturated past the bound, else None.
-        Also records the request's uncached prefill in ``typical_s``."""
+        Also records the request's uncached prefill in ``typical_s``.
+
+        ``scale`` (> 0): the request's priority class's factor on the bound
+        (router.tenancy). The decision is monotone in the bound, so a request with a
+        larger factor is admitted whenever one with a smaller factor would be."""
         if self.per_requests <= 0:
             return None
-        bound = self.bound_s()
+        bound = self.bound_s() * scale
         best = math.inf
         for w in workers:
             if model and w.models and not serves(w.models, model, adapter):

@@ -2,8 +2,8 @@
 
 Each benchmark is a module here exposing ``configure(parser)`` and ``run(args)``,
 like a CLI subcommand (``BENCHMARKS`` below names them: index, proxy, routing,
-policy, agent, sim, fidelity, events, overload, reproduce, replicas, traffic_log,
-analyze, autoscale). Two modules are helpers, not benchmarks: ``wire`` (the proxy
+policy, agent, sim, fidelity, events, overload, priority, reproduce, replicas,
+traffic_log, analyze, autoscale). Two modules are helpers, not benchmarks: ``wire`` (the proxy
 benchmark's lean upstream and counting client) and ``tiny_tokenizer`` (the tiny
 test model's tokenizer). Results, with the command that produced them, are written
 down in ``bench/RESULTS.md``. Benchmarks are never part of the test run; the seeded
@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fidelity": ("radixfleet.bench.fidelity", "simulator vs a live fleet: hit rate and TTFT"),
     "events": ("radixfleet.bench.events", "KV events: decode + map + index blocks/s, bytes per block"),
     "overload": ("radixfleet.bench.overload", "shedding at 4x capacity with default settings"),
+    "priority": ("radixfleet.bench.priority", "three priority classes at 2x capacity: who is shed"),
     "reproduce": (
         "radixfleet.bench.reproduce",
         "re-run the seeded figures of bench/RESULTS.md; exit 1 if any differs",

@@ -1,0 +1,279 @@
+"""``radixfleet bench priority``: three priority classes at 2x the fleet's capacity.
+
+The fleet of ``radixfleet bench overload`` (``--agents`` simulated Llama-3-8B agents
+on an L4 behind ``radixfleet router``, fresh streamed prompts, so the simulated GPUs
+are what saturates), the router with ``tenancy: {default_priority: critical}`` and
+its default ``queue_scale`` (critical 4, standard 1, sheddable 0.25): each class's
+requests name their class in ``x-radixfleet-priority`` (a request may always lower
+its class).
+
+1. capacity: ``--calibrate-s`` of a closed loop far above what the fleet serves;
+2. unloaded: critical requests alone, Poisson at ``--light`` x capacity;
+3. overload: critical, standard and sheddable requests at once, Poisson at
+   ``--load`` x capacity in all, split by ``--shares`` (equal thirds by default),
+   for ``--duration`` s.
+
+With equal thirds at 2x, critical and standard alone offer 1.33x: the excess (1x)
+is more than the sheddable third (0.67x), so at most 67% of the shed can be
+sheddable; ``--shares 1,1,4`` gives the sheddable class enough to absorb it.
+At the default factors standard and sheddable requests are shed alike here: one
+1,000-token prompt is about two default bounds of prefill, so a worker's queue is
+either about empty (both admitted) or past both bounds; ``--queue-scale 8,2.5,0.25``
+lets standard requests wait behind one request, and sheddable ones take the shed.
+
+Figures per class: requests, served, shed (429), TTFT p50/p99 of the served; the
+critical TTFT p99 against the unloaded p99 (target: <= 1.2x) and the
+sheddable share of everything shed (target: >= 90%). ``--json`` prints one object.
+Takes about 2 x duration + calibration + ~15 s. ``--admission-only``: no fleet, the
+cost of the tenancy check per request (median µs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import aiohttp
+
+from loadtest.local_fleet import Fleet, FleetConfig
+from loadtest.report import percentile
+from radixfleet.bench.overload import Load, Outcome
+from router.config import parse_config
+from router.metrics import Metrics
+from router.tenancy import PRIORITIES, Tenancy
+
+CRITICAL_P99_TARGET = 1.2
+SHEDDABLE_SHARE_TARGET = 0.90
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--agents", type=int, default=2, help="simulated agents")
+    p.add_argument("--agent-model", dest="model", default="llama-3-8b", help="the agents' model preset")
+    p.add_argument("--gpu", default="l4", help="the agents' GPU preset")
+    p.add_argument("--prompt-tokens", type=int, default=1000, help="tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument(
+        "--load", type=float, default=2.0, help="overload: x capacity, split evenly over the classes"
+    )
+    p.add_argument("--light", type=float, default=0.2, help="unloaded phase: x capacity (critical only)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
+    p.add_argument("--calibrate-s", type=float, default=10.0, help="seconds spent measuring capacity")
+    p.add_argument(
+        "--shares", default="1,1,1", help="critical,standard,sheddable shares of the overload's rate"
+    )
+    p.add_argument(
+        "--queue-scale",
+        default="",
+        help="critical,standard,sheddable factors on the shedding bound (tenancy.queue_scale); "
+        "empty: the router's defaults",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument(
+        "--admission-only",
+        action="store_true",
+        help="no fleet: what a request's class and rate-limit check (router.tenancy) costs, in µs",
+    )
+
+
+def _session(priority: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=120),
+        connector=aiohttp.TCPConnector(limit=0),
+        headers={"x-radixfleet-priority": priority},
+    )
+
+
+def _three(flag: str, text: str) -> list[float]:
+    """Three numbers >= 0, not all 0, from ``a,b,c``; else one line and exit 2."""
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if len(out) != len(PRIORITIES) or min(out) < 0 or sum(out) <= 0:
+        print(
+            f"radixfleet bench priority: error: {flag}: expected three numbers >= 0, got {text!r}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return out
+
+
+def _shares(text: str) -> list[float]:
+    return _three("--shares", text)
+
+
+async def _nothing() -> list[Outcome]:
+    return []
+
+
+def _figures(outcomes: list[Outcome]) -> dict:
+    ttft = [o.ttft_s for o in outcomes if o.status == 200 and o.ttft_s is not None]
+    return {
+        "requests": len(outcomes),
+        "served": sum(o.status == 200 for o in outcomes),
+        "shed_429": sum(o.status == 429 for o in outcomes),
+        "other": sum(o.status not in (200, 429) for o in outcomes),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+    }
+
+
+async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
+    loads = {
+        c: Load(base, model, args.prompt_tokens, args.max_tokens, args.seed + i)
+        for i, c in enumerate(PRIORITIES)
+    }
+    sessions = {c: _session(c) for c in PRIORITIES}
+    try:
+        for c, s in sessions.items():
+            loads[c].session = s
+        crit = loads["critical"]
+        await crit.closed(4, 2.0)  # warm: rates measured, typical request learned
+        served, secs = await crit.closed(16 * args.agents, args.calibrate_s)
+        capacity = served / secs
+        await asyncio.sleep(2.0)  # drain
+        light = await crit.poisson(args.light * capacity, args.duration)
+        await asyncio.sleep(1.0)
+        shares = _shares(args.shares)
+        rate = args.load * capacity / sum(shares)
+        heavy = await asyncio.gather(
+            *(
+                loads[c].poisson(rate * w, args.duration) if w else _nothing()
+                for c, w in zip(PRIORITIES, shares, strict=True)
+            )
+        )
+    finally:
+        for s in sessions.values():
+            await s.close()
+    unloaded = _figures(light)
+    classes = {c: _figures(h) for c, h in zip(PRIORITIES, heavy, strict=True)}
+    shed = sum(f["shed_429"] for f in classes.values())
+    p99_light, p99_crit = unloaded["ttft_p99_s"], classes["critical"]["ttft_p99_s"]
+    out = {
+        "agents": args.agents,
+        "model": args.model,
+        "gpu": args.gpu,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "capacity_rps": round(capacity, 2),
+        "load": args.load,
+        "shares": args.shares,
+        "queue_scale": args.queue_scale or "defaults",
+        "unloaded": unloaded,
+        "overload": classes,
+        "critical_p99_ratio": round(p99_crit / p99_light, 2) if p99_light and p99_crit else None,
+        "sheddable_share_of_shed": round(classes["sheddable"]["shed_429"] / shed, 3) if shed else None,
+    }
+    out["pass"] = bool(
+        out["critical_p99_ratio"] is not None
+        and out["critical_p99_ratio"] <= CRITICAL_P99_TARGET
+        and out["sheddable_share_of_shed"] is not None
+        and out["sheddable_share_of_shed"] >= SHEDDABLE_SHARE_TARGET
+    )
+    return out
+
+
+def admission_cost(repeats: int = 7, n: int = 20_000) -> dict[str, float]:
+    """Median µs per request of ``Tenancy.admit`` + ``admitted`` (what the data plane
+    adds before the shedding decision): without tenancy settings, with a tenant's
+    two limits, and with a priority header claim as well."""
+    cases = {
+        "no_tenancy_settings": ({}, {}),
+        "tenant_with_two_limits": (
+            {"tenants": {"acme": {"requests_per_s": 1e9, "tokens_per_min": 1e15}}},
+            {},
+        ),
+        "limits_and_a_header_claim": (
+            {
+                "tenants": {
+                    "acme": {"max_priority": "critical", "requests_per_s": 1e9, "tokens_per_min": 1e15}
+                }
+            },
+            {"x-radixfleet-priority": "critical"},
+        ),
+    }
+    out = {}
+    body = {"max_tokens": 16}
+    for name, (raw, headers) in cases.items():
+        t = Tenancy(parse_config({"tenancy": raw}).tenancy, ["acme"], Metrics(), 0.0)
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                t.admitted(t.admit("acme", "", "m", headers, 1000, body, time.monotonic()))
+            runs.append((time.perf_counter() - t0) / n * 1e6)
+        out[name] = round(statistics.median(runs), 2)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.admission_only:
+        cost = admission_cost()
+        if args.json:
+            print(json.dumps({"admission_us_p50": cost}))
+        else:
+            for name, us in cost.items():
+                print(f"{name.replace('_', ' ')}: {us:.2f} µs per request (median of 7 x 20,000)")
+        return 0
+    _shares(args.shares)  # refused before any process starts
+    yaml = "tenancy:\n  default_priority: critical\n"
+    if args.queue_scale:
+        scale = _three("--queue-scale", args.queue_scale)
+        yaml += "  queue_scale: {%s}\n" % ", ".join(
+            f"{c}: {x}" for c, x in zip(PRIORITIES, scale, strict=True)
+        )
+    with tempfile.TemporaryDirectory(prefix="radixfleet-priority-") as logs:
+        config = os.path.join(logs, "router.yaml")
+        with open(config, "w") as f:
+            f.write(yaml)
+        cfg = FleetConfig(
+            agents=args.agents,
+            model=args.model,
+            gpu=args.gpu,
+            kv_tokens=200_000,
+            router_port=0,
+            router_config=config,
+        )
+        with Fleet(cfg, log_dir=logs) as fleet:
+            out = asyncio.run(_run(args, fleet.router_url, args.model))
+    if args.json:
+        print(json.dumps(out))
+        return 0
+
+    def ms(x):
+        return "-" if x is None else f"{x * 1000:.0f} ms"
+
+    u = out["unloaded"]
+    print(
+        f"fleet: {args.agents} x {args.model} on {args.gpu} (simulated); "
+        f"{args.prompt_tokens}-token prompts, {args.max_tokens} tokens out, streamed"
+    )
+    print(f"capacity: {out['capacity_rps']:.2f} req/s (closed loop, saturated)")
+    print(
+        f"unloaded (critical at {args.light:g}x, {u['requests']} requests): "
+        f"TTFT p50 {ms(u['ttft_p50_s'])}, p99 {ms(u['ttft_p99_s'])}"
+    )
+    print(
+        f"overload ({args.load:g}x, shares {args.shares} critical,standard,sheddable; "
+        f"queue_scale {out['queue_scale']}):"
+    )
+    for c, f in out["overload"].items():
+        print(
+            f"  {c:<9} {f['requests']:>5} requests, {f['served']:>5} served, {f['shed_429']:>5} shed; "
+            f"TTFT p50 {ms(f['ttft_p50_s'])}, p99 {ms(f['ttft_p99_s'])}"
+            + (f", {f['other']} other statuses" if f["other"] else "")
+        )
+    print(
+        f"critical TTFT p99 = {out['critical_p99_ratio']}x the unloaded p99 "
+        f"(target <= {CRITICAL_P99_TARGET:g}x); sheddable took {out['sheddable_share_of_shed']} "
+        f"of the shed (target >= {SHEDDABLE_SHARE_TARGET:.0%})"
+    )
+    print("PASS" if out["pass"] else "FAIL")
+    return 0

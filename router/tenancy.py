@@ -1,0 +1,414 @@
+"""Many tenants on one fleet: priority classes and rate limits per tenant and per API
+key (YAML ``tenancy``), with per-tenant counts of what each got.
+
+Per data-plane request, once it is keyed (its prompt tokens known) and before the
+shedding decision (``DataPlane._route_and_forward``)::
+
+    ticket = tenancy.admit(tenant, key name, model, headers, prompt tokens, body, now)
+               class:  the priority header's claim, if within the key's (or else the
+                       tenant's) max_priority; else the key's class, else the
+                       tenant's, else the model's, else default_priority
+               limits: the tenant's and the key's buckets (router.rate_limit): one
+                       request and prompt + max_tokens tokens, taken from all or
+                       none -> else 429 RateLimited (Retry-After, x-ratelimit-*)
+    shedder.check(..., scale=ticket.scale)   the class scales the queue bound
+    shed     -> tenancy.shed(ticket): the reservation given back, counted
+    admitted -> tenancy.admitted(ticket), and once the answer's usage is read,
+                tenancy.settle(ticket, prompt + completion tokens): the token
+                buckets corrected to what the request really used
+
+The classes are the Gateway API Inference Extension's criticality: ``critical``,
+``standard``, ``sheddable``. Each scales the shedder's queue bound
+(``queue_scale``, critical >= standard >= sheddable, all > 0). The shedding decision
+is monotone in its bound (a worker with room or with its queue within a bound is
+within every larger one), so at any instant a request of a higher class is admitted
+whenever one of a lower class would be: a critical request is never shed while
+sheddable work is admitted, and under saturation the queue settles near the
+sheddable bound, where sheddable requests absorb the shedding first.
+
+Limits are kept per router process (replicas do not share them: N replicas admit up
+to N times a limit). A request's token cost is reserved at admission (its prompt,
+counted in the router's key space, plus ``max_tokens`` or ``max_completion_tokens``
+if the body gives one) and corrected from the answer's ``usage`` when the router
+reads one (non-streamed answers with an engine link or a traffic log, streams
+always); a failed request keeps its reservation.
+
+Metric labels stay bounded: the tenants named in the YAML and the first others seen,
+``top_n`` in all, keep their own ``tenant`` label; every other is counted as
+``other`` (``TenantLabels``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from pydantic import Field
+
+from protocol.errors import ConfigError, MalformedRequest, RateLimited
+from protocol.settings import document_check, section, setting, settings
+from router.rate_limit import TokenBucket, duration
+
+#: the priority classes, highest first (their rank: the index)
+PRIORITIES = ("critical", "standard", "sheddable")
+Priority = Literal["critical", "standard", "sheddable"]
+#: a class, or "" for "not set here"
+MaybePriority = Literal["", "critical", "standard", "sheddable"]
+_RANK = {p: i for i, p in enumerate(PRIORITIES)}
+#: the metric label of tenants past the top_n
+OTHER = "other"
+_HEADER_NAME = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
+
+
+# ---------------------------------------------------------------------- the schema
+
+
+@settings
+class QueueScale:
+    critical: float = setting(
+        4.0, "critical requests: factor on the shedder's queue bound", lo=0, lo_open=True, hi=1000
+    )
+    standard: float = setting(1.0, "standard requests: factor on the bound", lo=0, lo_open=True, hi=1000)
+    sheddable: float = setting(0.25, "sheddable requests: factor on the bound", lo=0, lo_open=True, hi=1000)
+
+    @document_check
+    def _check(self) -> None:
+        if not self.critical >= self.standard >= self.sheddable:
+            raise ConfigError(
+                "",
+                "expected critical >= standard >= sheddable (a higher class is shed no "
+                f"sooner than a lower one), got {self.critical:g}, {self.standard:g}, {self.sheddable:g}",
+            )
+
+
+@settings
+class TenantRules:
+    """The class and the limits of one tenant (``tenancy.tenants.<tenant>``) or one
+    API key (``tenancy.keys.<name>``, the ``name`` of a ``keys.tenant.api_keys`` entry)."""
+
+    priority: MaybePriority = setting("", "class of its requests; empty: not set here")
+    max_priority: MaybePriority = setting(
+        "", "the highest class its requests may claim with the priority header; empty: its own class"
+    )
+    requests_per_s: float = setting(0.0, "request rate limit (0: none)", lo=0)
+    request_burst: int = setting(0, "requests allowed at once (0: the rate's, at least 1)", lo=0)
+    tokens_per_min: float = setting(
+        0.0, "token rate limit: prompt + max_tokens reserved, corrected from usage (0: none)", lo=0
+    )
+    token_burst: int = setting(0, "tokens allowed at once (0: a minute's worth)", lo=0)
+
+    @document_check
+    def _check(self) -> None:
+        if self.request_burst and not self.requests_per_s:
+            raise ConfigError("request_burst", "needs requests_per_s > 0")
+        if self.token_burst and not self.tokens_per_min:
+            raise ConfigError("token_burst", "needs tokens_per_min > 0")
+        if self.priority and self.max_priority and _RANK[self.max_priority] > _RANK[self.priority]:
+            raise ConfigError(
+                "max_priority", f"{self.max_priority!r} is below its own class {self.priority!r}"
+            )
+
+
+@settings
+class TenancyConfig:
+    default_priority: Priority = setting("standard", "class of requests nothing else classes")
+    priority_header: str = setting(
+        "x-radixfleet-priority",
+        "request header naming a class (critical, standard, sheddable): any class at or "
+        "below the key's or tenant's max_priority; a higher claim gets the request's own "
+        "class (counted); empty: the header is ignored",
+    )
+    queue_scale: QueueScale = section(QueueScale, "per class, the factor on the shedder's queue bound")
+    models: Mapping[str, Priority] = Field(
+        default_factory=dict, description="served model name -> class of its requests"
+    )
+    tenants: Mapping[str, TenantRules] = Field(
+        default_factory=dict, description="tenant -> its class and rate limits"
+    )
+    keys: Mapping[str, TenantRules] = Field(
+        default_factory=dict,
+        description="API key name (keys.tenant.api_keys[].name) -> its class and rate limits",
+    )
+    top_n: int = setting(
+        20, "tenants with their own metric label; the others are counted as 'other'", lo=0, hi=1000
+    )
+
+    @document_check
+    def _check(self) -> None:
+        if self.priority_header and not _HEADER_NAME.fullmatch(self.priority_header):
+            raise ConfigError(
+                "priority_header", f"expected a lower-case HTTP header name, got {self.priority_header!r}"
+            )
+
+
+def check_key_names(tenancy: TenancyConfig, tenant: Any) -> None:
+    """``tenancy.keys`` names only named API keys, and key names are unique (paths
+    from the document's root). ``tenant``: the ``keys.tenant`` section."""
+    named: dict[str, int] = {}
+    for i, spec in enumerate(tenant.api_keys):
+        if spec.name in named:
+            raise ConfigError(
+                f"keys.tenant.api_keys[{i}].name", f"{spec.name!r} is already the name of another key"
+            )
+        if spec.name:
+            named[spec.name] = i
+    for name in tenancy.keys:
+        if tenant.source != "api_key":
+            raise ConfigError(f"tenancy.keys.{name}", "per-key rules need keys.tenant.source: api_key")
+        if name not in named:
+            known = ", ".join(sorted(named)) or "(none: give api_keys entries a name)"
+            raise ConfigError(f"tenancy.keys.{name}", f"no API key has this name; named: {known}")
+
+
+# ---------------------------------------------------------------------- at run time
+
+
+class _Limit:
+    """One tenant's or key's buckets (either may be None: no limit of that kind)."""
+
+    __slots__ = ("what", "requests", "tokens")
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # "tenant acme" | "API key batch" (never the key itself)
+        self.requests: TokenBucket | None = None
+        self.tokens: TokenBucket | None = None
+
+    def set(self, rules: TenantRules, now: float) -> None:
+        """Takes ``rules`` (a reload keeps what was used so far)."""
+        self.requests = _bucket(
+            self.requests, rules.requests_per_s, rules.request_burst or max(1.0, rules.requests_per_s), now
+        )
+        per_s = rules.tokens_per_min / 60.0
+        self.tokens = _bucket(self.tokens, per_s, rules.token_burst or rules.tokens_per_min, now)
+
+    def wait_s(self, cost: int, now: float) -> float:
+        r = self.requests.wait_s(1, now) if self.requests is not None else 0.0
+        t = self.tokens.wait_s(cost, now) if self.tokens is not None else 0.0
+        return r if r > t else t
+
+    def take(self, cost: int) -> None:
+        if self.requests is not None:
+            self.requests.take(1)
+        if self.tokens is not None:
+            self.tokens.take(cost)
+
+    def give(self, requests: int, tokens: float, now: float) -> None:
+        if self.requests is not None and requests:
+            self.requests.give(requests, now)
+        if self.tokens is not None and tokens:
+            self.tokens.give(tokens, now)
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        """The ``x-ratelimit-*`` headers, as OpenAI names them."""
+        out: list[tuple[str, str]] = []
+        for kind, b in (("requests", self.requests), ("tokens", self.tokens)):
+            if b is not None:
+                out += [
+                    (f"x-ratelimit-limit-{kind}", str(int(b.burst))),
+                    (f"x-ratelimit-remaining-{kind}", str(b.remaining())),
+                    (f"x-ratelimit-reset-{kind}", duration(b.reset_s())),
+                ]
+        return tuple(out)
+
+    def refusal(self, cost: int, wait_s: float) -> RateLimited:
+        parts = []
+        if self.requests is not None:
+            parts.append(f"{self.requests.rate:g} requests/s (burst {self.requests.burst:g})")
+        if self.tokens is not None:
+            parts.append(f"{self.tokens.rate * 60:g} tokens/min (burst {self.tokens.burst:g})")
+        return RateLimited(
+            f"{self.what} is over its rate limit of {' and '.join(parts)}; this request "
+            f"counts 1 request and {cost} tokens; retry in {wait_s:.2f}s",
+            retry_after_s=wait_s,
+            headers=self.headers(),
+        )
+
+
+def _bucket(old: TokenBucket | None, rate: float, burst: float, now: float) -> TokenBucket | None:
+    if rate <= 0:
+        return None
+    if old is None:
+        return TokenBucket(rate, burst, now)
+    old.reconfigure(rate, burst, now)
+    return old
+
+
+class TenantLabels:
+    """Bounded metric labels: the tenants named first, then the first others seen,
+    ``top_n`` in all, keep their name; every other tenant is ``other``.
+
+    Invariants (``check()``): at most ``max(top_n, named)`` own labels; a tenant's
+    label never changes (a Prometheus series is never split)."""
+
+    __slots__ = ("top_n", "_own")
+
+    def __init__(self, top_n: int) -> None:
+        self.top_n = top_n
+        self._own: dict[str, str] = {}  # tenant -> its label (only label() adds)
+
+    def name(self, tenants: Iterable[str]) -> None:
+        """Gives ``tenants`` (the YAML's, in order) their labels while there is room."""
+        for t in tenants:
+            self.label(t)
+
+    def label(self, tenant: str) -> str:
+        lab = self._own.get(tenant)
+        if lab is not None:
+            return lab
+        if len(self._own) >= self.top_n:
+            return OTHER
+        lab = self._own[tenant] = tenant or "-"
+        return lab
+
+    def check(self) -> None:
+        assert all(v == (k or "-") for k, v in self._own.items()), self._own
+
+
+#: a tenant's or key's rules and its buckets (None: no limit)
+_Rules = tuple[TenantRules, _Limit | None]
+
+
+class Ticket:
+    """One admitted request's class and reservation (``Tenancy.admit``)."""
+
+    __slots__ = ("label", "priority", "scale", "reserved", "limits", "open")
+
+    def __init__(
+        self, label: str, priority: str, scale: float, reserved: int, limits: tuple[_Limit, ...]
+    ) -> None:
+        self.label = label  # the tenant's metric label
+        self.priority = priority  # its class
+        self.scale = scale  # the factor on the shedder's bound
+        self.reserved = reserved  # tokens taken from the token buckets
+        self.limits = limits  # the _Limit objects it was taken from
+        self.open = True  # until shed or settled (a reservation is corrected once)
+
+
+class Tenancy:
+    """Classes and limits per tenant and key. One event loop owns it; ``admit`` is
+    O(1) (two dict lookups, at most two limits of two buckets). ``configure``
+    follows a reload: buckets of names still configured keep their levels.
+
+    ``metrics``: a ``router.metrics.Metrics`` (its ``tenant_requests`` and
+    ``priority_refused`` counters)."""
+
+    def __init__(self, cfg: TenancyConfig, named_tenants: Iterable[str], metrics: Any, now: float) -> None:
+        self.metrics = metrics
+        self.labels = TenantLabels(cfg.top_n)
+        self._tenants: dict[str, _Rules] = {}
+        self._keys: dict[str, _Rules] = {}
+        self._counters: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self.configure(cfg, named_tenants, now)
+
+    def configure(self, cfg: TenancyConfig, named_tenants: Iterable[str], now: float) -> None:
+        """Takes ``cfg``; ``named_tenants``: the tenants the YAML names elsewhere (API
+        keys', the default), labelled first after ``tenancy.tenants``."""
+        self.cfg = cfg
+        self.header = cfg.priority_header
+        qs = cfg.queue_scale
+        self._scale = {"critical": qs.critical, "standard": qs.standard, "sheddable": qs.sheddable}
+        self.labels.top_n = max(self.labels.top_n, cfg.top_n)
+        self.labels.name(cfg.tenants)
+        self.labels.name(named_tenants)
+        self._tenants = {
+            t: (r, _limit(self._tenants.get(t), f"tenant {t}", r, now)) for t, r in cfg.tenants.items()
+        }
+        self._keys = {k: (r, _limit(self._keys.get(k), f"API key {k}", r, now)) for k, r in cfg.keys.items()}
+
+    def admit(
+        self,
+        tenant: str,
+        key: str,
+        model: str,
+        headers: Mapping[str, str],
+        prompt_tokens: int,
+        body: Mapping[str, Any],
+        now: float,
+    ) -> Ticket:
+        """The request's class and its reservation under its tenant's and key's limits.
+        Raises ``RateLimited`` (nothing taken) or ``MalformedRequest`` (a priority
+        header naming no class)."""
+        t = self._tenants.get(tenant)
+        k = self._keys.get(key) if key else None
+        label = self.labels.label(tenant)
+        priority = self._priority(t, k, model, headers, label)
+        cost = prompt_tokens + _max_tokens(body)
+        limits = tuple(x[1] for x in (t, k) if x is not None and x[1] is not None)
+        for lim in limits:
+            wait = lim.wait_s(cost, now)
+            if wait > 0.0:
+                self._count(label, priority)[2].inc()
+                raise lim.refusal(cost, wait)
+        for lim in limits:
+            lim.take(cost)
+        return Ticket(label, priority, self._scale[priority], cost, limits)
+
+    def admitted(self, ticket: Ticket) -> None:
+        self._count(ticket.label, ticket.priority)[0].inc()
+
+    def shed(self, ticket: Ticket, now: float) -> None:
+        """The request was shed: what it reserved is given back."""
+        self._count(ticket.label, ticket.priority)[1].inc()
+        if ticket.open:
+            ticket.open = False
+            for lim in ticket.limits:
+                lim.give(1, ticket.reserved, now)
+
+    def settle(self, ticket: Ticket, used_tokens: int, now: float) -> None:
+        """The answer's usage: the token reservation corrected to ``used_tokens``
+        (once per request)."""
+        if ticket.open:
+            ticket.open = False
+            for lim in ticket.limits:
+                lim.give(0, ticket.reserved - used_tokens, now)
+
+    def _priority(
+        self, t: _Rules | None, k: _Rules | None, model: str, headers: Mapping[str, str], label: str
+    ) -> str:
+        base = (
+            (k[0].priority if k is not None else "")
+            or (t[0].priority if t is not None else "")
+            or self.cfg.models.get(model, "")
+            or self.cfg.default_priority
+        )
+        raw = headers.get(self.header) if self.header else None
+        if not raw:
+            return base
+        claim = str(raw).strip().lower()
+        if claim not in _RANK:
+            raise MalformedRequest(
+                f"header {self.header}: {claim[:64]!r} is not one of {', '.join(PRIORITIES)}"
+            )
+        ceiling = (k[0].max_priority if k is not None else "") or (t[0].max_priority if t is not None else "")
+        allowed = ceiling if ceiling and _RANK[ceiling] < _RANK[base] else base
+        if _RANK[claim] < _RANK[allowed]:
+            self.metrics.priority_refused.labels(label).inc()
+            return base
+        return claim
+
+    def _count(self, label: str, priority: str) -> tuple[Any, Any, Any]:
+        """The (admitted, shed, limited) counters of a label and class, cached."""
+        c = self._counters.get((label, priority))
+        if c is None:
+            m = self.metrics.tenant_requests
+            c = self._counters[(label, priority)] = tuple(
+                m.labels(label, priority, outcome) for outcome in ("admitted", "shed", "limited")
+            )
+        return c
+
+
+def _limit(old: _Rules | None, what: str, rules: TenantRules, now: float) -> _Limit | None:
+    if not rules.requests_per_s and not rules.tokens_per_min:
+        return None
+    lim = old[1] if old is not None and old[1] is not None else _Limit(what)
+    lim.set(rules, now)
+    return lim
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int:
+    """The completion tokens a body asks for at most (0 when it names none)."""
+    v = body.get("max_tokens")
+    if v is None:
+        v = body.get("max_completion_tokens")
+    return v if type(v) is int and v > 0 else 0
