@@ -33,6 +33,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import xxhash
@@ -66,6 +67,10 @@ def text_of(tokens: int, key: str, seed: int = 0) -> str:
 def token_count(text: str) -> int:
     """Tokens of a text under the byte-chunk tokenizer: ceil(utf-8 bytes / 4)."""
     return -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+
+
+#: the Mooncake synthetic trace shipped in the package (loadtest/data/README.md)
+MOONCAKE_TRACE = str(Path(__file__).with_name("data") / "mooncake_synthetic_trace.jsonl")
 
 
 @dataclass(slots=True)
@@ -743,7 +748,7 @@ class Pollution(Workload):
 
 @dataclass(slots=True)
 class TraceParams:
-    path: str = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+    path: str = MOONCAKE_TRACE
     #: arrival offsets are timestamp * time_scale (0.5 = twice as fast)
     time_scale: float = 1.0
     #: first N requests only (0 = all)

@@ -11,12 +11,12 @@ from loadtest.arrivals import Bounds, TraceTimes
 from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.simulation import SimConfig, Simulation
 from loadtest.trace_format import read_trace
-from loadtest.workloads import Trace
+from loadtest.workloads import MOONCAKE_TRACE, Trace
 from radixfleet.bench.analyze import synthetic_log
 from radixfleet.cli import main
 from worker_agent.cost_model import CostModel
 
-MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+MOONCAKE = MOONCAKE_TRACE
 
 
 def _trace(path, rows, block_tokens=4) -> str:

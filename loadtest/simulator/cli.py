@@ -4,7 +4,7 @@
 
     radixfleet simulate --workload gsp -o groups=16 --agents 8 \\
         --policies round_robin,cache_aware,prefix_load --json sim.json
-    radixfleet simulate --trace /work/shared/traces/mooncake_synthetic_trace.jsonl \\
+    radixfleet simulate --trace loadtest/data/mooncake_synthetic_trace.jsonl \\
         --agents 16 --policies prefix_load --kv-tokens 200000 --requests 4000
     radixfleet simulate --workload zipf --policies least_load,prefix_load \\
         --sweep kv_tokens=20000,50000,100000,400000 --plots plots/

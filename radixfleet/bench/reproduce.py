@@ -56,8 +56,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest.workloads import MOONCAKE_TRACE
+
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "RESULTS.md"
-SHARED_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+SHARED_TRACE = MOONCAKE_TRACE
 
 _BEGIN = re.compile(r"^<!-- reproduce (\S+) -->$")
 _END = "<!-- /reproduce -->"

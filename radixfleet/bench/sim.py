@@ -48,7 +48,7 @@ from loadtest.simulator.engine import PRIVATE_BASE, EngineSpec, SimWorker
 from loadtest.simulator.prompts import text_prompt
 from loadtest.simulator.reference import TextReference
 from loadtest.simulator.simulation import UNREAD_ANSWER_BASE, SimConfig, Simulation
-from loadtest.workloads import make_workload
+from loadtest.workloads import MOONCAKE_TRACE, make_workload
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
 from protocol.errors import ConfigError
@@ -59,7 +59,7 @@ from worker_agent.radix_cache import KEY_TYPECODE
 
 TARGET_GSP_REQ_PER_S = 20_000
 TARGET_TRACE_100K_S = 60.0
-SHARED_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+SHARED_TRACE = MOONCAKE_TRACE
 ROWS = ("gsp_8w", "gsp_light_8w", "trace_100k", "long_5k", "gsp_500w", "gsp_floor")
 FLOOR_PARTS = ("keying", "references", "router_pick", "agent_cache", "feedback")
 LIGHT = {"system_tokens": 256, "question_tokens": 32, "output_tokens": 16}
