@@ -190,7 +190,7 @@ class HotRoots:
 
 def holders_needed(
     rate: float,
-    uncached_tokens: int,
+    uncached_tokens: float,
     mean_prefill_tps: float,
     holder_max_rate: float,
     utilization: float,

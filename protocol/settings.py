@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, TypeVar, cast, dataclass_transform, get_args, get_origin
 
 import annotated_types
 from pydantic import (
@@ -45,9 +45,16 @@ from protocol.errors import ConfigError
 _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-def settings(cls: type) -> type:
+_C = TypeVar("_C")
+
+
+# dataclass_transform: type checkers see each section's fields and its keyword
+# constructor (``setting``/``section``/``internal`` are plain defaults to them)
+@dataclass_transform(frozen_default=True)
+def settings(cls: type[_C]) -> type[_C]:
     """Declares a settings section: a frozen dataclass validated by pydantic."""
-    return _pydantic_dataclass(frozen=True, slots=True, config=_CONFIG)(cls)
+    # pydantic types its result as its own protocol, not as ``cls``
+    return cast("type[_C]", _pydantic_dataclass(frozen=True, slots=True, config=_CONFIG)(cls))
 
 
 def setting(

@@ -42,6 +42,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``radixfleet X: error: ...`` and exit 2."""
 
+    #: set on the chosen subcommand's parser: the arguments after its name (read by
+    #: nested dispatchers such as ``bench``)
+    radixfleet_argv: list[str]
+
     def error(self, message: str):  # noqa: D401 - argparse's signature
         self.exit(2, f"{self.prog}: error: {message}\n")
 

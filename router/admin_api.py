@@ -23,6 +23,7 @@ from typing import Protocol
 
 from aiohttp import web
 
+from policies.base import Policy
 from protocol.errors import ConfigError, MalformedRequest, NotFound
 from protocol.identifiers import id_problem
 from router.config import (
@@ -46,7 +47,7 @@ class AdminHost(Protocol):
     cfg: Config
     pool: Pool
     index: PrefixIndex
-    policy: object  # policies.base.Policy
+    policy: Policy
     admin_auth: BearerAuth
 
     def scale_signal(self, now: float): ...

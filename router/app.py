@@ -45,7 +45,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -85,6 +85,9 @@ from router.scaling_signal import fleet_signal, params_from
 from router.traffic_log import TrafficLog
 from router.upstream import UpstreamPool
 from service import http_errors, jsonbody
+
+if TYPE_CHECKING:  # the type only; RouterServer.start imports it when it listens
+    from router.front import FrontServer
 
 log = logging.getLogger("radixfleet.router")
 
@@ -178,7 +181,7 @@ class Router:
         AdminAPI(self).add_routes(r)
         AgentAPI(self).add_routes(r)
         r.add_get("/openapi.json", self._openapi)
-        self._known = {}
+        self._known: dict[str | None, set[str]] = {}
         for res in r.resources():
             info = res.get_info()
             path = info.get("path") or info.get("formatter")
@@ -286,6 +289,7 @@ class Router:
             try:
                 ex = _ReadExchange(request, raw)
                 await self.dataplane.serve(ex, endpoint)
+                assert ex.result is not None, "serve answers every request"
                 return ex.result
             finally:
                 self.body_budget.give(len(raw))
@@ -501,7 +505,7 @@ class RouterServer:
         self.host = router.cfg.listen.host if host is None else host
         self.port = router.cfg.listen.port if port is None else port
         self._runner: web.AppRunner | None = None
-        self._front = None
+        self._front: FrontServer | None = None
         self._closed = False
 
     async def start(self) -> int:

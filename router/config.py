@@ -400,7 +400,7 @@ class ReloadConfig:
 
 
 #: engine kinds a discovered worker may have (docs/DESIGN.md contract 7)
-WORKER_KINDS = ("agent", "vllm", "sglang", "openai")
+WORKER_KINDS: tuple[Literal["agent", "vllm", "sglang", "openai"], ...] = ("agent", "vllm", "sglang", "openai")
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
@@ -997,7 +997,7 @@ def _check_tokenizers(cfg: Config, found: list[ConfigError]) -> None:
         return any(m.tokenizer for m in cfg.models.values())
 
     d = cfg.discovery
-    specs = [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]
+    specs: list[tuple[str, EngineSettings]] = [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]
     specs += [
         (f"workers.discovery.kubernetes.selectors[{i}]", s) for i, s in enumerate(d.kubernetes.selectors)
     ]
@@ -1044,7 +1044,7 @@ def resolve_engine(
 
 
 def _merged(own: Any, entry: Any) -> Any:
-    if dataclasses.is_dataclass(own):
+    if dataclasses.is_dataclass(own) and not isinstance(own, type):
         default = type(own)()
         return dataclasses.replace(
             own,
@@ -1087,10 +1087,9 @@ def load_model_keyers(
         # imported only for a tokenizer to load: it needs the engines extra
         from router.engines.token_keys import TokenKeyer
 
+        options: dict[str, Any] = {"chat_template": m.chat_template} if m.chat_template else {}
         try:
-            out[key] = TokenKeyer.load(
-                m.tokenizer, **({"chat_template": m.chat_template} if m.chat_template else {})
-            )
+            out[key] = TokenKeyer.load(m.tokenizer, **options)
         except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, or a broken folder
             cause = getattr(exc, "cause", None) or " ".join(str(exc).split())[:300]
             found.append(
@@ -1154,6 +1153,7 @@ def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None =
     if cfg is not None:
         _check_tokenizers(dataclasses.replace(cfg, discovery=discovery), found)
     raise_all(found)
+    assert cfg is not None, "cfg is None only after an error, which raise_all raised"
     return dataclasses.replace(cfg, path=path, discovery=discovery)
 
 

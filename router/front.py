@@ -269,15 +269,17 @@ class _FrontConn(asyncio.Protocol):
 
     def __init__(self, server: FrontServer) -> None:
         self.server = server
-        self.transport = None
-        self.parser = httptools.HttpRequestParser(self)  # None once parsing stopped
+        # None only until connection_made, which asyncio calls before any other hook
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        # None once parsing stopped
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.req: _PendingRequest | None = None  # the request being parsed
         self.queue: collections.deque[_PendingRequest] = collections.deque()  # parsed, waiting
         self.task: asyncio.Task | None = None  # the request being served
         # Why parsing stopped, acted on once idle: None, ("bad", status, message),
         # ("handover", [bytes...]) or ("served",) (a request that ends the connection).
         self.stop: tuple | None = None
-        self.fed: list[bytes] = []  # chunks since the parser last stood between requests
+        self.fed: list[bytes | memoryview] = []  # chunks since the parser last stood between requests
         self.fed_len = 0  # their total length
         self.fed_done = 0  # requests completed within ``fed``
         self.backlog = 0  # bytes received while busy (reading pauses past _MAX_PIPELINE)
@@ -437,11 +439,13 @@ class _FrontConn(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         req = self.req
+        assert req is not None, "the parser calls on_message_begin first"
         req.url += url  # may come in pieces
         req.head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         req = self.req
+        assert req is not None, "the parser calls on_message_begin first"
         if not req.in_head:
             return  # a chunked body's trailer: dropped
         req.head_size += len(name) + len(value)
@@ -456,9 +460,10 @@ class _FrontConn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         req = self.req
+        p = self.parser
+        assert req is not None and p is not None, "a parser callback, after on_message_begin"
         req.in_head = False
         req.since = _time.monotonic()
-        p = self.parser
         version = p.get_http_version()
         if version != "1.1" and version != "1.0":
             self._stop_bad(400, f"unsupported HTTP version {version}")
@@ -505,6 +510,7 @@ class _FrontConn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         req = self.req
+        assert req is not None, "the parser calls on_message_begin first"
         n = len(body)
         req.size += n
         if req.size > req.limit:
@@ -518,6 +524,7 @@ class _FrontConn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         req = self.req
+        assert req is not None, "the parser calls on_message_begin first"
         self.req = None
         if req.in_fed:
             self.fed_done += 1

@@ -31,7 +31,7 @@ log = logging.getLogger("radixfleet.intake")
 try:
     import resource
 except ImportError:  # pragma: no cover - not POSIX
-    resource = None
+    resource = None  # type: ignore[assignment]  # the optional-module idiom; raise_fd_limit tests it
 
 
 class BodyBudgetFull(Overloaded):

@@ -297,9 +297,9 @@ class Metrics:
             ["part"],
             registry=r,
         )
-        self._req_children: dict[tuple, object] = {}
+        self._req_children: dict[tuple, Counter] = {}
         self._answer_children: dict[tuple, tuple] = {}
-        self._attempt_children: dict[tuple, object] = {}
+        self._attempt_children: dict[tuple, Counter] = {}
         self._event_children = {
             t: self.events.labels(t) for t in ("stored", "removed", "cleared", "snapshot", "load")
         }

@@ -55,6 +55,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import aiohttp
 
@@ -66,6 +67,7 @@ from protocol.events import (
     STATUS_WORKER_ID_TAKEN,
     Load,
 )
+from protocol.prefix_keys import WorkerId
 from router import served
 from router.config import Config, WorkerSpec
 from router.shedding import QueueMark
@@ -94,6 +96,12 @@ class Breaker(str, enum.Enum):
 
 
 BREAKER_GAUGE = {Breaker.CLOSED: 0, Breaker.HALF_OPEN: 1, Breaker.OPEN: 2}
+
+
+class PoolTap(Protocol):
+    """What ``Pool.tap`` is told (router.bus.BusReplica)."""
+
+    def moved(self, w: Worker) -> None: ...
 
 
 class Worker:
@@ -145,7 +153,7 @@ class Worker:
         prefill_tokens_per_s: float = 10_000.0,
         spec: WorkerSpec | None = None,
     ) -> None:
-        self.id = wid
+        self.id = WorkerId(wid)
         self.url = url  # base URL without trailing slash
         self.source = source
         self.weight = weight
@@ -306,7 +314,7 @@ class Pool:
         #: for served.STARTUP_GRACE_S after it (agents re-registering after a restart)
         self.started = clock()
         #: told ``moved(worker)`` after every local pick, prefilled and finish (router.bus)
-        self.tap = None
+        self.tap: PoolTap | None = None
         #: called with a worker the moment it turns unhealthy (the data plane cancels
         #: and moves the requests waiting on it)
         self.on_unhealthy: list[Callable[[Worker], None]] = []
@@ -490,7 +498,7 @@ class Pool:
         """Applies a reloaded worker list: config workers not listed any more are
         removed, new ones added (matched by url). Returns (added, removed) ids."""
         want = {s.url: s for s in specs}
-        removed = [
+        removed: list[str] = [
             w.id for w in list(self._by_id.values()) if w.source is Source.CONFIG and w.url not in want
         ]
         for wid in removed:
@@ -525,7 +533,7 @@ class Pool:
         ws = self._routable
         if ws is None or now >= self._routable_until:
             ws = self._rebuild_routable(now)
-        out = []
+        out: list[WorkerView] = []
         append = out.append
         serves = served.serves
         for w in ws:
@@ -649,7 +657,7 @@ class Pool:
         its ``/v1/models`` asked), and at least one worker is healthy: a probe that
         said ready when the first of N answered sent the next seconds' requests to
         a 503 ("no routable worker serves model x yet") or to one worker's queue."""
-        waiting = []
+        waiting: list[str] = []
         healthy = False
         for w in self._by_id.values():
             if w.health is HealthState.UNKNOWN:
@@ -766,6 +774,7 @@ class Pool:
         (bounded: 1 MB, health timeout). A failed or unusable answer keeps what was
         known; an unusable one is logged once per worker."""
         w.models_until = self.clock() + served.MODELS_REFRESH_S
+        assert self._session is not None, "health checks run with the session open"
         try:
             async with self._session.get(
                 w.url + "/v1/models",
@@ -842,6 +851,6 @@ class Pool:
                 assert w._view == w.build_view(self.clock()), f"{w.id=} stale view"
         held = self.index.workers()
         for wid in held:
-            w = self._by_id.get(wid.partition("#")[0])  # a rank part is its worker's
-            assert w is not None, f"removed worker {wid!r} still in the index"
-            assert w.health is not HealthState.UNHEALTHY, f"unhealthy {wid!r} in the index"
+            holder = self._by_id.get(wid.partition("#")[0])  # a rank part is its worker's
+            assert holder is not None, f"removed worker {wid!r} still in the index"
+            assert holder.health is not HealthState.UNHEALTHY, f"unhealthy {wid!r} in the index"

@@ -86,6 +86,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count as _counter
+from typing import Any
 
 from policies.base import EMPTY_MATCH, MatchResult
 
@@ -118,11 +119,14 @@ def tune_gc() -> None:
 class _Node:
     __slots__ = ("key", "parent", "kids", "holders", "t", "hits")
 
-    def __init__(self, key: int, parent: _Node, holder: str, t: float) -> None:
+    def __init__(self, key: int, parent: _Node | None, holder: str, t: float) -> None:
         self.key = key  # block hash; the node's key in PrefixIndex._nodes
-        self.parent = parent  # _root for depth-1 nodes
-        self.kids = None  # None | _Node | set[_Node]
-        self.holders = holder  # str (single holder, touch time in .t) | dict[str, float]
+        self.parent = parent  # _root for depth-1 nodes (None: _root itself)
+        # kids and holders are unions the hot paths tell apart with ``x.__class__ is T``
+        # (cheaper than type() or isinstance), which mypy does not narrow: typed Any,
+        # their types in the comments
+        self.kids: Any = None  # None | _Node | set[_Node]
+        self.holders: Any = holder  # str (single holder, touch time in .t) | dict[str, float]
         self.t = t  # touch time of the single holder (unused when holders is a dict)
         self.hits = 0.0  # decayed request count, inflated units (see module docstring)
 
@@ -237,7 +241,9 @@ class PrefixIndex:
         if h.__class__ is str:
             # Fast path: one holder; follow it until it stops holding.
             blocks: dict = {}
-            alive: set | None = None
+            # read only once single is None (exactly one of the two is set); no
+            # empty set allocated on the fast path
+            alive: set[str] = None  # type: ignore[assignment]
             single = h
         else:
             blocks = {}
@@ -321,8 +327,10 @@ class PrefixIndex:
         top = heapq.nlargest(k, cands, key=lambda x: x[0])
         out = []
         for r, n in top:
-            depth, p = 0, n
+            depth = 0
+            p: _Node | None = n
             while p is not self._root:
+                assert p is not None, f"{n=} is not under the root"
                 depth += 1
                 p = p.parent
             out.append(HotPrefix(n.key, depth, r, self.holders(n.key)))
@@ -365,6 +373,7 @@ class PrefixIndex:
         if not hashes:
             return 0
         nodes = self._nodes
+        p: _Node | None
         if parent is None:
             p = self._root
         else:
@@ -425,7 +434,9 @@ class PrefixIndex:
         if added:
             counts[worker] += added
         if p is not self._root:
-            rec = (p.touch_of(worker), next(self._seq), p, worker)
+            t = p.touch_of(worker)
+            assert t is not None, f"{worker=} holds {p=} it just inserted or touched"
+            rec = (t, next(self._seq), p, worker)
             heapq.heappush(self._heap, rec)
             if self._wheaps:
                 cap = self._caps.get(worker)
@@ -448,6 +459,7 @@ class PrefixIndex:
             if n is None or not n.held_by(worker):
                 continue
             parent = n.parent
+            assert parent is not None, f"live {n=} without a parent"
             removed += self._remove_subtree(n, worker)
             # The parent may have become a leaf entry with no valid heap record.
             t = parent.touch_of(worker) if parent is not self._root else None
@@ -639,7 +651,9 @@ class PrefixIndex:
                 if h[w] >= now:
                     return
                 h[w] = now
-            n = n.parent
+            p = n.parent
+            assert p is not None, f"live {n=} without a parent"
+            n = p
 
     def _drop_entry(self, n: _Node, w: str) -> None:
         """Removes the single entry (n, w); deletes n if nobody holds it any more.
@@ -649,7 +663,9 @@ class PrefixIndex:
         self._counts[w] -= 1
         if h.__class__ is str:
             del self._nodes[n.key]
-            n.parent.drop_kid(n)
+            p = n.parent
+            assert p is not None, f"live {n=} without a parent"
+            p.drop_kid(n)
             n.parent = None  # marks the node dead for stale heap records
             return
         t = h.pop(w)
@@ -680,7 +696,8 @@ class PrefixIndex:
         root = self._root
         counts = self._counts
         holding = sum(1 for c in counts.values() if c)  # workers holding entries
-        kept = []  # records of under-share workers passed over (pushed back at the end)
+        # records of under-share workers passed over (pushed back at the end)
+        kept: list[tuple[float, int, _Node, str]] = []
         while self._est_bytes() + len(kept) * HEAP_RECORD_BYTES > self.max_bytes:
             heap = self._heap
             if not heap:
@@ -859,7 +876,7 @@ class PrefixIndex:
         capped_leaves: set[tuple[int, str]] = set()  # (id(node), w) leaf entries of capped w
         caps = self._caps
         wheaps = self._wheaps
-        stack = list(root.kid_list())
+        stack: list[_Node] = list(root.kid_list())
         while stack:
             n = stack.pop()
             seen += 1

@@ -111,7 +111,7 @@ def prepare(
     path: str,
     overrides: dict[str, Any],
     *,
-    salts: TenantSalts,
+    salts: TenantSalts | None,
     policy_cfg: PolicyConfig,
     policy: Any,
     keyers: dict | None = None,

@@ -77,5 +77,6 @@ def parse_models_answer(data: Any) -> tuple[str, ...]:
         problem = name_problem(mid, f"data[{i}].id")
         if problem:
             raise MalformedRequest(problem)
+        assert isinstance(mid, str), "name_problem refuses anything else"
         out.append(mid)
     return tuple(dict.fromkeys(out))

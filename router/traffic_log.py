@@ -99,6 +99,7 @@ import collections
 import enum
 import hashlib
 import hmac
+import io
 import json
 import logging
 import os
@@ -203,7 +204,7 @@ class TrafficLog:
         self._files_deleted = 0
         self._bytes = 0
         # writer-thread state
-        self._file = None
+        self._file: io.BufferedWriter | None = None
         self._file_block_tokens: int | None = None
         self._file_bytes = 0
         self._seq = 0
@@ -355,7 +356,7 @@ class TrafficLog:
         q = self._q
         if not q:
             return
-        lines = []
+        lines: list[str] = []
         n = 0
         pop = q.popleft
         sleep = time.sleep
@@ -429,10 +430,11 @@ class TrafficLog:
             return
         data = ("\n".join(lines) + "\n").encode("utf-8", "surrogatepass")
         try:
-            if self._file is None:
-                self._open_file()
-            self._file.write(data)
-            self._file.flush()
+            f = self._file
+            if f is None:
+                f = self._open_file()
+            f.write(data)
+            f.flush()
         except OSError as exc:
             self._write_errors += 1
             self._dropped_error += n
@@ -445,16 +447,17 @@ class TrafficLog:
         if self._file_bytes >= self.cfg.max_file_bytes:
             self._close_file()
 
-    def _open_file(self) -> None:
+    def _open_file(self) -> io.BufferedWriter:
         now = self._clock()
         self._seq += 1
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         name = f"{self.cfg.prefix}-{stamp}-{os.getpid()}-{self._seq % 10000:04d}.jsonl"
         os.makedirs(self.cfg.dir, exist_ok=True)
-        self._file = open(os.path.join(self.cfg.dir, name), "ab")  # noqa: SIM115 (kept open across writes; closed on rotation)
+        self._file = f = open(os.path.join(self.cfg.dir, name), "ab")  # noqa: SIM115 (kept open across writes; closed on rotation)
         self._file_bytes = 0
         self._files_opened += 1
         self._prune()
+        return f
 
     def _prune(self) -> None:
         """Deletes the oldest files of this prefix beyond ``max_files`` (names sort

@@ -156,7 +156,7 @@ class Response:
     ) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}  # lower-case names; the final head's only
-        self._conn = conn  # None once released
+        self._conn: _Conn | None = conn  # None once released
         self._parser = httptools.HttpResponseParser(self)
         self._state = _HEAD  # only the parser callbacks and _lost move it forward
         self._chunks: list[bytes] = []  # body bytes not yet handed out
@@ -167,7 +167,7 @@ class Response:
         self._head = loop.create_future()
         self._got = False  # any response byte received
         self._head_bytes = 0  # bytes fed while the head was incomplete
-        self._timer = None
+        self._timer: asyncio.TimerHandle | None = None
         self._loop = loop
         self._read_timeout = read_timeout
         self._deadline = deadline  # loop time the whole request must end by
@@ -188,11 +188,11 @@ class Response:
         timeout = min(self._read_timeout, self._deadline - loop.time())
         if timeout <= 0:
             self._fail(UpstreamTimeout("total request deadline passed"))
-        self._timer = loop.call_later(max(timeout, 0), self._on_timeout, fut)
+        self._timer = timer = loop.call_later(max(timeout, 0), self._on_timeout, fut)
         try:
             await fut
         finally:
-            self._timer.cancel()
+            timer.cancel()
             self._timer = None
 
     def _on_timeout(self, fut: asyncio.Future) -> None:
@@ -246,6 +246,7 @@ class Response:
         if self._err is not None:
             raise self._err
         self._held = 0
+        out: bytes | bytearray
         if self._whole is not None:
             out, self._whole = self._whole, None
             return out
@@ -266,6 +267,7 @@ class Response:
         if self._state == _DONE and self._err is None and self._keepalive:
             if self._paused:  # the end arrived past the high-water mark
                 self._paused = False
+                assert conn.transport is not None, "a connection that answered is connected"
                 conn.transport.resume_reading()
             conn.pool._put(conn)
         else:
@@ -275,6 +277,7 @@ class Response:
         self._paused = False
         conn = self._conn
         if conn is not None and not conn.closed:
+            assert conn.transport is not None, "a connection that answered is connected"
             conn.transport.resume_reading()
 
     # ------------------------------------------------------------ protocol side
@@ -350,6 +353,7 @@ class Response:
             and self._conn is not None
         ):
             self._paused = True  # the consumer is behind: let TCP push back
+            assert self._conn.transport is not None, "a connection that answered is connected"
             self._conn.transport.pause_reading()
         if self._chunks or self._state == _DONE:
             self._wake()
@@ -546,6 +550,7 @@ class UpstreamPool:
                     continue
                 raise ConnectFailed(f"connection to {host}:{port} closed at once")
             t = conn.transport
+            assert t is not None, "an open connection has its transport"
             if len(body) < 16384:
                 t.write(head + body)
             else:

@@ -59,6 +59,8 @@ class Engine(Lifecycle):
         self.state = EngineState.RUNNING
 
     def now(self) -> float:
+        if self._loop is None:
+            raise RuntimeError("call start() before now()")
         return self._loop.time()
 
     def submit(self, req: SchedRequest) -> Waiter:
@@ -81,6 +83,7 @@ class Engine(Lifecycle):
 
     async def _run(self) -> None:
         sched, loop = self.sched, self._loop
+        assert loop is not None, "start() sets the loop before it starts this task"
         while True:
             if not sched.has_work():
                 self._wake.clear()

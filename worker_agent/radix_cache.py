@@ -294,10 +294,10 @@ class RadixCache:
             return 0, None, []
         if n is None or n > len(key):
             n = len(key)
+        path: list[Node] = []
         if below is None:
-            node, pos, path = root, 0, []
+            node, pos = root, 0
         else:
-            path = []
             p = below
             while p.parent is not None:
                 path.append(p)
@@ -342,6 +342,7 @@ class RadixCache:
     def _split(self, child: Node, k: int) -> Node:
         """Cuts ``child`` after ``k`` tokens; returns the new upper node. Emits nothing."""
         parent = child.parent
+        assert parent is not None, f"only a root has no parent: {child=}"
         ckey = child.tokens
         upper = Node(ckey[:k], parent, child.start, next(self._ids))
         upper.lock_ref = child.lock_ref
@@ -480,6 +481,7 @@ class RadixCache:
             self.stats.refusals += 1
             self.stats.refused_tokens += len(key) - limit
             if hashes and self.record_events:
+                assert self.hash_stride is not None, "record_events implies a hash_stride"
                 gone = list(hashes[limit // self.hash_stride :])
                 if gone:
                     self._events.append(Removed(gone))
@@ -536,6 +538,7 @@ class RadixCache:
     def _delete_leaf(self, node: Node) -> int:
         size = len(node.tokens)
         parent = node.parent
+        assert parent is not None, f"only a root has no parent, and a root is no leaf: {node=}"
         del parent.children[self._page_key(node.tokens, 0)]
         self.total_tokens -= size
         self.evictable_tokens -= size

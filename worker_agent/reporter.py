@@ -181,6 +181,7 @@ class Reporter(Lifecycle):
 
     async def _post(self, link: RouterLink, path: str, body: dict) -> tuple[int, str, dict]:
         """(HTTP status, the answer's ``status`` word, the answer object or {})."""
+        assert self._session is not None, "start() opens the session before it starts the pushes"
         async with self._session.post(link.base + path, json=body) as resp:
             try:
                 data = await resp.json(content_type=None)
@@ -193,7 +194,7 @@ class Reporter(Lifecycle):
     async def _push(self, link: RouterLink) -> None:
         try:
             if link.state is LinkState.UNREGISTERED:
-                body = {
+                body: dict[str, object] = {
                     "worker_id": self.worker_id,
                     "url": self.url,
                     "epoch": self.epoch,

@@ -454,7 +454,7 @@ class Scheduler:
         n_out = req.generated - 1
         whole = len(req.prompt) - len(req.prompt) % self.cache.page_size
         if n_out > 0 and req.output and req.prompt_held >= whole:
-            key = req.prompt + as_key(req.output[:n_out])
+            key = as_key(req.prompt) + as_key(req.output[:n_out])  # the prompt already is a key: no copy
             held, node = self.cache.insert(
                 req.ns, key, req.hashes, admit_from=len(req.prompt), below=req.node, lock=True
             )

@@ -35,7 +35,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -67,6 +67,9 @@ from worker_agent import tokenizer as tk
 from worker_agent.engine import Engine
 from worker_agent.radix_cache import AdmissionConfig
 from worker_agent.scheduler import SchedRequest, SchedulerConfig, State, build_scheduler
+
+if TYPE_CHECKING:  # the key's type; the app imports the reporter where --router starts one
+    from worker_agent.reporter import Reporter
 
 log = logging.getLogger(__name__)
 
@@ -443,7 +446,7 @@ AGENT_KEY = web.AppKey("agent", Agent)
 AUTH_KEY = web.AppKey("auth", BearerAuth)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 #: the running Reporter, or None without --router
-REPORTER_KEY = web.AppKey("reporter", object)
+REPORTER_KEY: web.AppKey[Reporter | None] = web.AppKey("reporter")
 
 
 @web.middleware

@@ -71,6 +71,7 @@ async def _ttft() -> dict:
                             ttft = time.perf_counter() - t0
                         if obj.get("usage"):
                             usage = obj["usage"]
+                assert usage is not None, "the agent ends a stream with usage (include_usage)"
                 out.append(
                     {
                         "ttft_s": ttft,

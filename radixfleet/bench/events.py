@@ -34,6 +34,8 @@ import random
 import time
 import tracemalloc
 from array import array
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgpack
 import xxhash
@@ -51,6 +53,7 @@ from router.prefix_index import PrefixIndex, tune_gc
 
 TARGET_BLOCKS_PER_S = 100_000
 MODEL = "bench-model"
+_T = TypeVar("_T")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -253,7 +256,7 @@ def _ingest(args, style: str) -> dict:
     }
 
 
-def _traced(build) -> tuple[int, object]:
+def _traced(build: Callable[[], _T]) -> tuple[int, _T]:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]

@@ -43,6 +43,7 @@ import json
 import logging
 import tempfile
 import time
+from typing import Any
 
 from loadtest.arrivals import Bounds, Closed, Poisson
 from loadtest.client import Result, Target
@@ -251,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
             for k in range(args.sim_seeds)
         ]
 
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for policy in policies:
         per_seed = []
         for seed in seeds:
@@ -333,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.requests} requests, {args.agents} x {args.model}@{args.gpu} ({args.kv_tokens} KV "
         f"tokens); per policy and seed {args.live_runs} live run(s), {args.sim_seeds} simulated"
     )
-    if probe_live is not None:
+    if probe_live is not None and probe_sim is not None:  # measured together
         print(
             f"  path       {args.probes} probes: live TTFT p50 {probe_live * 1000:.2f} ms, simulated "
             f"{probe_sim * 1000:.2f} ms -> one-way path latency {path_s * 1000:.2f} ms"

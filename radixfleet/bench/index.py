@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     tune_gc()
     rng = random.Random(args.seed)
     rows = []
-    mem = None
+    mem: dict = {}  # the 8 KiB pool's, measured in the loop
     for size in (1024, 8192):
         prompts = _pool(args.prompts, size, rng)
         for workers in (8, 64, 500):

@@ -84,6 +84,7 @@ class Load:
     async def one(self) -> Outcome:
         body = {"model": self.model, "prompt": self.prompt(), "max_tokens": self.max_tokens, "stream": True}
         t0 = time.monotonic()
+        assert self.session is not None, "_run sets the session before the load"
         try:
             async with self.session.post(self.url, json=body) as resp:
                 if resp.status != 200:

@@ -36,7 +36,7 @@ import time
 from policies.base import MatchResult, RouteRequest, WorkerView
 from policies.harness import PickLoop
 from policies.registry import build_policy, policy_names
-from protocol.prefix_keys import Endpoint, request_key
+from protocol.prefix_keys import Endpoint, WorkerId, request_key
 from router.prefix_index import PrefixIndex
 
 TARGET_US = 20.0
@@ -78,7 +78,7 @@ HOT_RATE = 30.0
 def _inputs(
     workers: int, n: int, rng: random.Random, *, hot: bool = False, miss: bool = False
 ) -> list[tuple]:
-    ids = [f"worker-{i}" for i in range(workers)]
+    ids = [WorkerId(f"worker-{i}") for i in range(workers)]
     root = [rng.getrandbits(64) for _ in range(HOT_ROOT_BLOCKS)]  # the one hot root
     hot_holders = ids[:HOT_HOLDERS]
     out = []

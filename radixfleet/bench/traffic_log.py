@@ -89,6 +89,7 @@ def _round(bodies, policy_name: str, workers: int, tl: TrafficLog | None, rate: 
             now,
         )
         w = pool.get(d.worker)
+        assert w is not None, "the policy picks from the pool's views"
         index.insert(w.id, key.hashes, now)
         tokens = max(0, key.prompt_tokens - d.matched_blocks * key.block_tokens)
         pool.pick(w, tokens)

@@ -100,7 +100,7 @@ class _UpstreamConn(asyncio.Protocol):
 
     def __init__(self, server: LeanUpstream) -> None:
         self.server = server
-        self.transport = None
+        self.transport: asyncio.Transport | None = None  # set by connection_made
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
         self.body: list[bytes] = []
@@ -114,6 +114,7 @@ class _UpstreamConn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
+            assert self.transport is not None, "data arrives after connection_made"
             self.transport.close()
 
     def on_url(self, url: bytes) -> None:
@@ -124,6 +125,7 @@ class _UpstreamConn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         t = self.transport
+        assert t is not None, "data arrives after connection_made"
         method = self.parser.get_method()
         path = self.url.split(b"?", 1)[0]
         body = b"".join(self.body)
@@ -154,6 +156,7 @@ class _UpstreamConn(asyncio.Protocol):
     def _next(self) -> None:
         """One SSE write per event-loop turn: separate sends, never one blob."""
         t = self.transport
+        assert t is not None, "scheduled from on_message_complete"
         if t.is_closing():
             return
         if self.left > 0:
@@ -217,7 +220,7 @@ class LeanClient(asyncio.Protocol):
     """
 
     def __init__(self) -> None:
-        self.transport = None
+        self.transport: asyncio.Transport | None = None  # set by connection_made
         self.parser = httptools.HttpResponseParser(self)
         self._fut: asyncio.Future | None = None
         self._ans: _Answer | None = None
@@ -246,10 +249,12 @@ class LeanClient(asyncio.Protocol):
             f = self._fut
             if f is not None and not f.done():
                 f.set_exception(ConnectionError(f"bad response: {exc}"))
+            assert self.transport is not None, "data arrives after connection_made"
             self.transport.close()
 
     def on_body(self, body: bytes) -> None:
         a = self._ans
+        assert a is not None, "an answer arrives for a request() in flight"
         a.bytes += len(body)
         n = body.count(b"\n\n")
         if self._last == b"\n" and body[:1] == b"\n":
@@ -260,6 +265,7 @@ class LeanClient(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         a = self._ans
+        assert a is not None, "an answer arrives for a request() in flight"
         a.latency_s = time.perf_counter() - self._t0
         a.status = self.parser.get_status_code()
         a.done = self._tail == _DONE_EVENT

@@ -330,6 +330,7 @@ class BusReplica:
             self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
             return
         w = self.pool.get(b.worker_id)
+        assert b.load is not None, "parse_load returns a batch with its load"
         if w is not None:
             self.pool.report_load(w, b.load, self.clock())
             self.metrics.received.labels("load").inc()

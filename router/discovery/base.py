@@ -6,7 +6,7 @@ and nothing about the pool::
 
     class MySource:
         name = "dns"                       # metric label, log prefix
-        def snapshots(self) -> AsyncIterator[frozenset[Endpoint]]:
+        def snapshots(self) -> AsyncGenerator[frozenset[Endpoint], None]:
             ...                            # yields the WHOLE desired set each time it
                                            # changes; raises SourceError (or anything)
                                            # when it cannot see the truth any more
@@ -19,7 +19,7 @@ source never empties the pool.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,7 +54,7 @@ class SourceError(Exception):
 class Source(Protocol):
     name: str
 
-    def snapshots(self) -> AsyncIterator[frozenset[Endpoint]]:
+    def snapshots(self) -> AsyncGenerator[frozenset[Endpoint], None]:
         """Yields the full desired set of endpoints whenever it changes (the first
         one as soon as it is known). Runs until cancelled or it raises."""
         ...

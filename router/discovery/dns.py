@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from router.config import DnsDiscoveryConfig, DnsServiceSpec, selector_template
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems, SourceError, url_for
@@ -64,7 +64,7 @@ class DnsSource:
         self.metrics = metrics
         self.problems = Problems(self.name, metrics)
 
-    async def snapshots(self) -> AsyncIterator[frozenset[Endpoint]]:
+    async def snapshots(self) -> AsyncGenerator[frozenset[Endpoint], None]:
         try:
             r = _resolver(self.cfg)
         except (ValueError, OSError) as exc:

@@ -33,7 +33,7 @@ import json
 import logging
 import random
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -436,7 +436,7 @@ class KubernetesSource:
                 ) from None
         return kc.ApiClient(configuration=conf), kc.DiscoveryV1Api
 
-    async def snapshots(self) -> AsyncIterator[frozenset[Endpoint]]:
+    async def snapshots(self) -> AsyncGenerator[frozenset[Endpoint], None]:
         client, api_cls = self._client()
         tasks: list[asyncio.Task] = []
         try:

@@ -42,9 +42,10 @@ class Reconciler:
         # Forget what was taken from us (admin DELETE, a reload listing the URL).
         for url in [u for u in self.owned if not self._ours(u)]:
             del self.owned[url]
-        removed = []
+        removed: list[str] = []
         for url in [u for u in self.owned if u not in want]:
             w = pool.by_url(url)
+            assert w is not None, "what we own is in the pool (the loop above forgot the rest)"
             del self.owned[url]
             pool.remove(w.id)
             removed.append(w.id)
@@ -63,12 +64,13 @@ class Reconciler:
                     w.id,
                 )
                 continue
-            if pool.get(ep.id) is not None:
+            taken = pool.get(ep.id)
+            if taken is not None:
                 self._problems.report(
-                    "conflict", "worker id %r is taken by %s: %s skipped", ep.id, pool.get(ep.id).url, url
+                    "conflict", "worker id %r is taken by %s: %s skipped", ep.id, taken.url, url
                 )
                 continue
-            kind = ep.kind if ep.kind in WORKER_KINDS else "auto"
+            kind = next((k for k in WORKER_KINDS if k == ep.kind), None) or "auto"
             spec = dataclasses.replace(ep.template, url=url, id=ep.id, kind=kind)
             pool.add(ep.id, url, Source.DISCOVERY, spec=spec)
             self.owned[url] = ep

@@ -90,6 +90,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
+from typing import Any
 
 from protocol.prefix_keys import token_block_hashes
 from router.engines.kv_events import (
@@ -208,6 +209,8 @@ class EngineBlockMap:
         and inserted as one chain."""
         gone: list[int] = []  # keys of consecutive removals, not yet removed
         chain: list[EngineBlockStored] = []  # consecutive plain stores of one chain
+        # told apart by __class__ (cheaper than isinstance), which mypy does not narrow
+        ev: Any
         for ev in events:
             cls = ev.__class__
             if cls is EngineBlockStored:

@@ -177,15 +177,14 @@ def merge_kwargs(defaults: dict | None, overrides: dict | None) -> dict:
 def _strip(node: jn.Node) -> jn.Node:
     """``x | f``, ``x is t`` and ``x[a:b]`` all refer to x (vLLM's rule)."""
     while True:
-        if (
-            isinstance(node, (jn.Filter, jn.Test))
-            and node.node is not None
-            or isinstance(node, jn.Getitem)
-            and isinstance(node.arg, jn.Slice)
-        ):
+        # two tests, so each narrows node's type (Filter.node may be None)
+        if isinstance(node, (jn.Filter, jn.Test)) and node.node is not None:
             node = node.node
-        else:
-            return node
+            continue
+        if isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
+            node = node.node
+            continue
+        return node
 
 
 def _is_name(node: jn.Node, names: set[str] | frozenset[str]) -> bool:

@@ -266,6 +266,7 @@ def parse_metrics(text: str, kind: MetricsKind, model: str | None = None) -> Eng
         raise EngineMetricsError(
             MetricsFailure.MISSING_SERIES, f"{kind.value} page lacks {', '.join(missing)}{_hint(text, kind)}"
         )
+    assert waiting_name is not None and running_name is not None and usage_name is not None, missing
     if model is not None:
         seen = _models(samples[waiting_name])
         samples = {

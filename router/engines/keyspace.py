@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.base import MatchResult, RouteRequest
-from protocol.prefix_keys import BYTES_PER_TOKEN, Endpoint, PrefixKey
+from protocol.prefix_keys import BYTES_PER_TOKEN, Endpoint, PrefixKey, WorkerId
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +134,7 @@ class KeyedRequest:
 def merge_matches(
     primary: SpaceKey,
     primary_match: MatchResult,
-    others: Sequence[tuple[SpaceKey, MatchResult, Sequence[str]]],
+    others: Sequence[tuple[SpaceKey, MatchResult, Sequence[WorkerId]]],
 ) -> MatchResult:
     """The primary space's match plus the other spaces' workers, converted to primary
     blocks through tokens (module docstring)."""

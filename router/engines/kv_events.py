@@ -71,6 +71,7 @@ import enum
 import math
 import reprlib
 from array import array
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgpack
@@ -189,6 +190,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     events: list[EngineEvent] = []
     append = events.append
     unknown: list[str] = []
+    parse: Callable[[Any, int], EngineEvent] | None
     for i, ev in enumerate(raw_events):
         cls = ev.__class__
         if cls is dict:
@@ -295,8 +297,16 @@ def _cleared(ev, i: int) -> EngineAllCleared:
     return _CLEARED
 
 
-_MAP_PARSERS = {"BlockStored": _stored_map, "BlockRemoved": _removed_map, "AllBlocksCleared": _cleared}
-_ARRAY_PARSERS = {"BlockStored": _stored_array, "BlockRemoved": _removed_array, "AllBlocksCleared": _cleared}
+_MAP_PARSERS: dict[str, Callable[[dict, int], EngineEvent]] = {
+    "BlockStored": _stored_map,
+    "BlockRemoved": _removed_map,
+    "AllBlocksCleared": _cleared,
+}
+_ARRAY_PARSERS: dict[str, Callable[[list, int], EngineEvent]] = {
+    "BlockStored": _stored_array,
+    "BlockRemoved": _removed_array,
+    "AllBlocksCleared": _cleared,
+}
 
 
 class _Missing:
@@ -335,7 +345,7 @@ def _hash_list(v: Any, ev: str, field: str, i: int) -> tuple[int, ...]:
 def _extra_keys(extra: Any, n: int, i: int) -> tuple:
     if extra.__class__ is not list or len(extra) != n:
         raise _bad("BlockStored", "extra_keys", i, extra, f"nil or {n} entries")
-    out = []
+    out: list[tuple | None] = []
     for e in extra:
         if e is None:
             out.append(None)

@@ -69,6 +69,7 @@ from service.background import Backoff
 if TYPE_CHECKING:
     import aiohttp
 
+    from router.engines.engine_metrics import MetricsScraper
     from router.pool import Pool, Worker
     from router.prefix_index import PrefixIndex
 
@@ -151,7 +152,7 @@ class EngineLink:
         #: the lowest rank the engine refused since it last (re)started: sources that
         #: still list it contradict the engine and are not followed (no retry loop)
         self._refused_rank: int | None = None
-        self.scraper = None  # router.engines.engine_metrics.MetricsScraper
+        self.scraper: MetricsScraper | None = None
         self.model_mismatch = False  # it serves another model than the configured one
         self.capacity_tokens: int | None = spec.kv_capacity_tokens or None
         #: the index cap learned from answers (approximate mode; router.engines.capacity)
@@ -328,6 +329,7 @@ class EngineLink:
         eng = self.engines
         backoff = Backoff(0.5, 10.0)
         while self.kind is None and self.state is LinkState.RUNNING:
+            assert eng.session is not None, "the engines start their session before any link"
             res = await probe(eng.session, self.worker.url)
             if res is not None:
                 self.kind = res.kind
@@ -344,6 +346,7 @@ class EngineLink:
         if self.state is not LinkState.RUNNING:
             return
         if not self.models and self.kind is not WorkerKind.AGENT:
+            assert eng.session is not None, "the engines start their session before any link"
             res = await probe(eng.session, self.worker.url)
             if res is not None and res.models:
                 self.models = res.models
@@ -364,8 +367,8 @@ class EngineLink:
         elif self.spec.tokenizer:
             self.keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id, self.spec.chat_template)
         if self.kind in ENGINE_KINDS and self.spec.metrics.path:
-            self.scraper = eng.new_scraper(self)
-            await self.scraper.start()
+            self.scraper = scraper = eng.new_scraper(self)
+            await scraper.start()
         self._maybe_token_space()
         # The index ages this worker at its KV capacity in whatever space it is keyed
         # in: a worker that stays on routing bytes (no tokenizer, another model) with
@@ -413,7 +416,11 @@ class EngineLink:
         cap = self.capacity_tokens
         if cap is None or self.kind is WorkerKind.AGENT:
             return
-        bt = self.block_size if isinstance(self.space, TokenSpace) else self.space.block_bytes // 4
+        if isinstance(self.space, TokenSpace):
+            assert self.block_size is not None, "a token space is entered with a block size"
+            bt = self.block_size
+        else:
+            bt = self.space.block_bytes // 4
         # a data-parallel server's capacity is its ranks' together (vLLM sums
         # num_gpu_blocks over them): each rank holds its share
         blocks = max(1, cap // max(1, bt) // max(1, self.ranks))
@@ -569,10 +576,12 @@ class EngineLink:
 
         from router.engines.zmq_events import subscriber_endpoint
 
-        try:
-            how, addr = subscriber_endpoint(endpoint, _host(self.worker.url), mode)
-        except ValueError:
-            how = "?"
+        how: str = "?"
+        if mode != "off":  # (a subscriber was made: never off)
+            try:
+                how, addr = subscriber_endpoint(endpoint, _host(self.worker.url), mode)
+            except ValueError:
+                pass
         inuse = isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE
         if inuse:
             cause = "address_in_use"

@@ -357,6 +357,7 @@ class Engines:
 
         ms = link.spec.metrics
         kind = MetricsKind.VLLM if link.kind is WorkerKind.VLLM else MetricsKind.SGLANG
+        assert self.session is not None, "links start after the engines' session"
         return MetricsScraper(
             link.worker.url + ms.path,
             kind,

@@ -246,6 +246,7 @@ class PieceEncoder:
     def _use_fastokens(self, source: str) -> str | None:
         """Switches to fastokens if it loads this tokenizer and agrees with tokenizers
         on the probes (with and without special tokens); else says why not."""
+        assert self._rust is not None, "fastokens is tried on tokenizers' backend only"
         try:
             import fastokens
         except ImportError:
@@ -295,6 +296,7 @@ class PieceEncoder:
         """fastokens refused a text: if tokenizers takes it, fastokens is not a
         drop-in for this tokenizer after all and is dropped (logged once); if
         tokenizers refuses it too, the text is bad (its error propagates)."""
+        assert self._rust is not None, "fastokens is used on tokenizers' backend only"
         self._rust.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         log.warning(
             "fastokens failed where tokenizers did not (%s): tokenizing with tokenizers from now on", exc
@@ -344,7 +346,8 @@ class PieceEncoder:
                 cache[piece] = ids
                 self.cost += _cost(piece, ids)
             self.misses += len(fresh)
-        out = array("I", self._affix[0]) if add_special_tokens else array("I")
+        affix = self._affix if add_special_tokens else None  # (not None then: see above)
+        out = array("I", affix[0]) if affix is not None else array("I")
         token_ids = self._token_ids
         move = cache.move_to_end
         for i, p in enumerate(parts):
@@ -353,8 +356,8 @@ class PieceEncoder:
             elif p:
                 out.extend(cache[p])
                 move(p)
-        if add_special_tokens:
-            out.extend(self._affix[1])
+        if affix is not None:
+            out.extend(affix[1])
         self.hits += len(texts) - len(missing)
         if self.cost > self.max_cache_bytes:
             self._evict()

@@ -89,7 +89,7 @@ class QueueEstimate:
         if w0 > 0 and waiting > 0:
             self._dep_n = self._dep_n * decay + dn
             self._dep_t = self._dep_t * decay + dt
-        if dn >= 1 and None not in (queries, q0, hits, h0):
+        if dn >= 1 and queries is not None and q0 is not None and hits is not None and h0 is not None:
             per = max(0.0, (queries - q0) - (hits - h0)) / dn
             a = 1.0 - (1.0 - _SIZE_ALPHA) ** dn
             self._size = per if self._size == 0 else self._size + a * (per - self._size)

@@ -215,6 +215,7 @@ def _first_prompt(prompt: Any, field: str) -> str | array:
                     )
                 ids = _ids(p, field, f"{field}[{i}]")
                 out = ids if out is None else out
+            assert out is not None, "prompt has a first element"
             return out
     if isinstance(prompt, list):
         raise MalformedRequest(f"'{field}' must not be empty", param=field)

@@ -68,7 +68,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -373,6 +373,7 @@ class KvEventSubscriber(Lifecycle):
 
     async def _run(self) -> None:
         sub, mon = self._sub, self._mon
+        assert sub is not None and mon is not None, "start() opens the sockets before this task"
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
@@ -523,12 +524,14 @@ class KvEventSubscriber(Lifecycle):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.replay_timeout_s
         out: list[tuple[int, bytes]] = []
+        assert self.replay_endpoint is not None, "called only with a replay endpoint"
         try:
             sock.connect(self.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 left = deadline - loop.time()
-                if left <= 0 or not await sock.poll(left * 1000, zmq.POLLIN):
+                # (flags: POLLIN, the default; pyzmq's stub omits the argument)
+                if left <= 0 or not await sock.poll(left * 1000):
                     self._error(
                         KvEventCause.REPLAY_FAILED,
                         f"no end of replay from {start} within {self.replay_timeout_s}s "
@@ -607,7 +610,8 @@ class KvEventSubscriber(Lifecycle):
 def _recv_now(sock: zmq.asyncio.Socket) -> list[bytes] | None:
     """One waiting message, or None. (An asyncio socket's non-blocking receive returns
     an already finished future; ``zmq.Again`` is its exception when nothing waits.)"""
-    fut = sock.recv_multipart(zmq.NOBLOCK)
+    # typed Awaitable by pyzmq; an asyncio socket's is an asyncio Future
+    fut = cast("asyncio.Future[list[bytes]]", sock.recv_multipart(zmq.NOBLOCK))
     try:
         return fut.result()
     except zmq.Again:
