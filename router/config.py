@@ -659,6 +659,16 @@ class AutoscaleConfig:
             )
 
 
+@settings
+class ResponseHeadersConfig:
+    worker_id: bool = _opt(
+        False,
+        "answer each proxied request with an `x-radixfleet-worker` header naming the worker "
+        "that served it (off: the fleet's worker ids and topology stay internal; for tests "
+        "and load generators that count per worker)",
+    )
+
+
 def _unique(workers: tuple[WorkerSpec, ...]) -> None:
     ids: dict[str, int] = {}
     urls: dict[str, int] = {}
@@ -704,6 +714,9 @@ class Config:
     bus: BusConfig = _section(BusConfig, "event bus shared by router replicas (read at start)")
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
+    response_headers: ResponseHeadersConfig = _section(
+        ResponseHeadersConfig, "what the router tells clients about itself"
+    )
     #: ``models:``: served model name -> the engine settings of every worker serving it
     models: Mapping[ModelName, EngineSettings] = Field(
         default_factory=dict,

@@ -38,6 +38,7 @@ async def fleet():
                 "health": HEALTH,
                 "limits": {"max_body_bytes": 4096},
                 "policy": {"name": "round_robin"},
+                "response_headers": {"worker_id": True},  # the tests count answers by it
             }
         )
     )
