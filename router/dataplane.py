@@ -291,7 +291,7 @@ class RequestContext:
 
     ex: Any  # the exchange it came on (module docstring)
     endpoint: Endpoint
-    raw: bytes  # the client's body, forwarded as it came
+    raw: bytes | bytearray  # the client's body, forwarded as it came (one buffer, not copied)
     body: dict  # the same, parsed
     key: PrefixKey  # its routing key (byte space), tenant and model
     stream: bool
@@ -337,7 +337,7 @@ class AiohttpExchange:
         self.headers = request.headers  # case-insensitive
         self.result: web.StreamResponse | None = None
 
-    async def body(self, limit: int) -> bytes:
+    async def body(self, limit: int) -> bytes | bytearray:
         request = self.request
         cl = request.content_length
         if cl is not None:
@@ -349,7 +349,7 @@ class AiohttpExchange:
             buf += chunk
             if len(buf) > limit:
                 raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return bytes(buf)
+        return buf  # the one buffer, not a copy
 
     def reply(self, status: int, body: bytes, content_type: str, extra) -> None:
         h = {"Content-Type": content_type}
