@@ -26,13 +26,18 @@ median (min–max) follows — the form bench/RESULTS.md quotes.
 config sets each dotted KEY (values read as YAML), e.g.
 ``--variant noshed:limits.worker_queue_requests=0`` or
 ``--variant nowarm:warmup.enabled=false``: one default toggled, measured in the same
-run, against the same servers, as the defaults (repeatable).
+run, against the same servers, as the defaults (repeatable). ``--engine-phases`` runs
+the load generator once per target and reads vLLM's own histograms around each:
+the mean time requests waited in the engines' queues, prefilled, and took to their
+first token there — with each router's own phase means (always printed), where a
+target's TTFT went.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -144,6 +149,12 @@ def main(argv=None) -> int:
         default=[],
         metavar="NAME=VALUE",
         help="a prefix_load parameter for the prefix_load modes (repeatable), e.g. -P prefill_weight=4",
+    )
+    ap.add_argument(
+        "--engine-phases",
+        action="store_true",
+        help="run the load generator once per target and read vLLM's own queue, prefill "
+        "and TTFT histograms around each (where each router's TTFT went in the engines)",
     )
     ap.add_argument(
         "--variant",
@@ -309,40 +320,72 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                 except (httpx.HTTPError, KeyError, ValueError):
                     pass
                 time.sleep(0.5)
-        out = tmp / "ab.json"
-        cmd = radixfleet_argv(
-            "loadtest",
-            *[a for n, u in targets for a in ("--target", f"{n}={u}")],
-            "--workload",
-            "multiturn",
-            "-o",
-            f"clients={args.clients}",
-            "-o",
-            f"rounds={args.rounds}",
-            "-o",
-            f"question_tokens={args.question_tokens}",
-            "-o",
-            f"output_tokens={args.output_tokens}",
-            "-o",
-            f"api={args.api}",
-            "--concurrency",
-            str(args.concurrency),
-            "--requests",
-            str(args.clients * args.rounds),
-            "--duration",
-            "900",
-            "--model",
-            "tiny",
-            "--no-progress",
-            "--json",
-            str(out),
-            *[a for s in servers for a in ("--flush", s.url)],
-        )
-        res = subprocess.run(cmd, timeout=3600)
-        if res.returncode != 0:
-            print(f"vllm_ab: the load generator failed (exit {res.returncode})", file=sys.stderr)
-            return None
-        doc = json.loads(out.read_text())
+
+        def loadtest(chosen: list[tuple[str, str]], out: Path) -> dict | None:
+            cmd = radixfleet_argv(
+                "loadtest",
+                *[a for n, u in chosen for a in ("--target", f"{n}={u}")],
+                "--workload",
+                "multiturn",
+                "-o",
+                f"clients={args.clients}",
+                "-o",
+                f"rounds={args.rounds}",
+                "-o",
+                f"question_tokens={args.question_tokens}",
+                "-o",
+                f"output_tokens={args.output_tokens}",
+                "-o",
+                f"api={args.api}",
+                "--concurrency",
+                str(args.concurrency),
+                "--requests",
+                str(args.clients * args.rounds),
+                "--duration",
+                "900",
+                "--model",
+                "tiny",
+                "--no-progress",
+                "--json",
+                str(out),
+                *[a for s in servers for a in ("--flush", s.url)],
+            )
+            res = subprocess.run(cmd, timeout=3600)
+            if res.returncode != 0:
+                print(f"vllm_ab: the load generator failed (exit {res.returncode})", file=sys.stderr)
+                return None
+            return json.loads(out.read_text())
+
+        if not args.engine_phases:
+            doc = loadtest(targets, tmp / "ab.json")
+            if doc is None:
+                return None
+        else:  # one target at a time, the engines' own histograms read around each
+            doc = None
+            pids = [p.proc.pid for p in procs]  # one router process per target, in order
+            for i, (name, url) in enumerate(targets):
+                before, cpu0 = engine_sums(servers), [cpu_s(pid) for pid in pids]
+                one = loadtest([(name, url)], tmp / f"ab-{i}.json")
+                if one is None:
+                    return None
+                phases = engine_phases(before, engine_sums(servers))
+                cpu = [cpu_s(pid) - c for pid, c in zip(pids, cpu0)]
+                phases["router_cpu_ms_per_request"] = round(
+                    1000 * cpu[i] / max(1, one["runs"][0]["requests"]), 2
+                )
+                phases["idle_routers_cpu_s"] = round(sum(cpu) - cpu[i], 2)
+                print(
+                    f"{name} inside the engines (means): queued {phases['queue_ms']} ms, "
+                    f"prefill {phases['prefill_ms']} ms, first token {phases['ttft_ms']} ms; "
+                    f"its router's CPU {phases['router_cpu_ms_per_request']} ms a request, "
+                    f"the idle routers' {phases['idle_routers_cpu_s']} s meanwhile",
+                    flush=True,
+                )
+                one["runs"][0]["engine_phases"] = phases
+                if doc is None:
+                    doc = one
+                else:
+                    doc["runs"] += one["runs"]
         for name, url in targets:  # why each router routed as it did
             if name.startswith("smg"):
                 continue
@@ -405,6 +448,44 @@ _PHASES = (
 )
 
 
+#: (vLLM histogram, phase): where a request's time went inside the engines
+_ENGINE_PHASES = (
+    ("vllm:request_queue_time_seconds", "queue_ms"),  # waiting for the scheduler
+    ("vllm:request_prefill_time_seconds", "prefill_ms"),  # scheduled to first token
+    ("vllm:time_to_first_token_seconds", "ttft_ms"),  # arrival at the engine to first token
+)
+
+
+def engine_sums(servers) -> dict[str, float]:
+    """The sums and counts of the engines' phase histograms, added over servers."""
+    import httpx
+
+    sums: dict[str, float] = {}
+    names = {f"{series}{part}" for series, _ in _ENGINE_PHASES for part in ("_sum", "_count")}
+    for s in servers:
+        for line in httpx.get(s.url + "/metrics", timeout=10).text.splitlines():
+            name, sep, rest = line.partition("{")
+            if sep and name in names:
+                sums[name] = sums.get(name, 0.0) + float(rest.rsplit(" ", 1)[1])
+    return sums
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_phases(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The mean ms of each engine phase between two ``engine_sums`` readings."""
+    out = {}
+    for series, phase in _ENGINE_PHASES:
+        n = after.get(series + "_count", 0.0) - before.get(series + "_count", 0.0)
+        total = after.get(series + "_sum", 0.0) - before.get(series + "_sum", 0.0)
+        out[phase] = round(1000 * total / n, 1) if n else None
+    return out
+
+
 def router_phases(metrics_text: str) -> dict:
     """From a router's /metrics: the mean ms from a request's arrival to its worker's
     response head and to its first token sent on, and the requests it shed."""
@@ -443,6 +524,11 @@ def summarize(docs: list[dict]) -> dict:
                     for k, v in (r.get("router") or {}).get("phases", {}).items()
                     if k != "shed"
                 },
+                **{
+                    f"engine_{k}" if k.endswith("_ms") else k: v
+                    for k, v in (r.get("engine_phases") or {}).items()
+                    if not k.startswith("idle")
+                },
             }
             if rr is not None:
                 vals["hit_over_rr"] = r["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None
@@ -473,6 +559,9 @@ def summary_table(docs: list[dict]) -> str:
         ("prediction_worst_tokens", "prediction, worst worker (tokens)", "{:.1f}"),
         ("router_to_worker_head_ms", "router: to head ms", "{:,.0f}"),
         ("router_to_first_token_ms", "router: to 1st token ms", "{:,.0f}"),
+        ("engine_queue_ms", "engines: queued ms", "{:,.0f}"),
+        ("engine_ttft_ms", "engines: TTFT ms", "{:,.0f}"),
+        ("router_cpu_ms_per_request", "router CPU ms / request", "{:.1f}"),
     ]
     lines = [
         f"{len(docs)} runs, median (min–max)",
