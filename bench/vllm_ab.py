@@ -2,6 +2,7 @@
 
     python3 bench/vllm_ab.py [--json FILE] [--api chat|completions] [--kv 16M]
                              [--clients 32] [--rounds 5] [--concurrency 8] [--repeat N]
+                             [--variant NAME:KEY=VALUE[,KEY=VALUE...]]
 
 Provisions vLLM and the tiny model as the engine tests do (tests/engines/vllm_env.py,
 cached under .cache/engines), starts two vLLM servers on loopback (prefix caching,
@@ -20,12 +21,23 @@ median (min–max) follows — the form bench/RESULTS.md quotes.
     prefix_load_bytes     no tokenizer, no events (routing-byte blocks)
     least_load            load only, from /metrics + pick-time counts
     smg_cache_aware       SGLang's gateway 0.3.2, if `smg` is on PATH
+
+``--variant NAME:KEY=VALUE,...`` adds a prefix_load (precise) router named NAME whose
+config sets each dotted KEY (values read as YAML), e.g.
+``--variant noshed:limits.worker_queue_requests=0`` or
+``--variant nowarm:warmup.enabled=false``: one default toggled, measured in the same
+run, against the same servers, as the defaults (repeatable). ``--engine-phases`` runs
+the load generator once per target and reads vLLM's own histograms around each:
+the mean time requests waited in the engines' queues, prefilled, and took to their
+first token there — with each router's own phase means (always printed), where a
+target's TTFT went.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -33,6 +45,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -78,7 +92,33 @@ def router_config(
         "policy": pol,
         "health": {"interval_s": 0.5},
         "workers": workers,
+        "response_headers": {"worker_id": True},  # the load generator counts per worker
     }
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` -> (NAME, {dotted KEY: value}); raises ValueError."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name or name in MODES or not rest:
+        raise ValueError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] with a new NAME")
+    sets = {}
+    for pair in rest.split(","):
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{text!r}: {pair!r} is not KEY=VALUE")
+        sets[key.strip()] = yaml.safe_load(value) if value.strip() else value
+    return name, sets
+
+
+def with_sets(cfg: dict, sets: dict) -> dict:
+    """``cfg`` with each dotted key of ``sets`` set (sections made as needed)."""
+    for key, value in sets.items():
+        node = cfg
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return cfg
 
 
 def main(argv=None) -> int:
@@ -110,6 +150,20 @@ def main(argv=None) -> int:
         metavar="NAME=VALUE",
         help="a prefix_load parameter for the prefix_load modes (repeatable), e.g. -P prefill_weight=4",
     )
+    ap.add_argument(
+        "--engine-phases",
+        action="store_true",
+        help="run the load generator once per target and read vLLM's own queue, prefill "
+        "and TTFT histograms around each (where each router's TTFT went in the engines)",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="one more prefix_load router with these config keys set (repeatable), "
+        "e.g. --variant noshed:limits.worker_queue_requests=0",
+    )
     args = ap.parse_args(argv)
     params = {}
     for kv in args.prefix_load_param:
@@ -129,13 +183,18 @@ def main(argv=None) -> int:
     if args.repeat < 1:
         print("vllm_ab: error: --repeat must be >= 1", file=sys.stderr)
         return 2
+    try:
+        variants = dict(parse_variant(v) for v in args.variant)
+    except (ValueError, yaml.YAMLError) as exc:
+        print(f"vllm_ab: error: --variant {exc}", file=sys.stderr)
+        return 2
     vllm_python()
     model_dir = tiny_model()
     docs = []
     for i in range(args.repeat):
         if args.repeat > 1:
             print(f"vllm_ab: run {i + 1} of {args.repeat}", file=sys.stderr, flush=True)
-        doc = run_once(args, modes, params, model_dir)
+        doc = run_once(args, modes, params, model_dir, variants)
         if doc is None:
             return 1
         docs.append(doc)
@@ -151,9 +210,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | None:
-    """One A/B: two fresh vLLM servers, a router per mode (and smg), the load
-    generator over all of them. The load generator's report with each router's
+def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: dict) -> dict | None:
+    """One A/B: two fresh vLLM servers, a router per mode and per variant (and smg),
+    the load generator over all of them. The load generator's report with each router's
     decision counts, or None if the load generator failed."""
     tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
     servers = [
@@ -176,17 +235,22 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
         for s in servers:
             s.wait_ready()
         targets = []
-        for m in modes:
+        specs = {m: (MODES[m], {}) for m in modes}
+        specs.update((name, (MODES["prefix_load"], sets)) for name, sets in variants.items())
+        for m, (mode, sets) in specs.items():
             port = free_port()
             cfg = tmp / f"{m}.yaml"
             cfg.write_text(
                 json.dumps(
-                    router_config(
-                        port,
-                        servers,
-                        model_dir,
-                        **MODES[m],
-                        params=params if MODES[m]["policy"] == "prefix_load" else None,
+                    with_sets(
+                        router_config(
+                            port,
+                            servers,
+                            model_dir,
+                            **mode,
+                            params=params if mode["policy"] == "prefix_load" else None,
+                        ),
+                        sets,
                     )
                 )
             )
@@ -238,7 +302,7 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
         for name, url in targets:
             if name.startswith("smg"):
                 continue
-            want_tokens = MODES[name]["tokenizer"]
+            want_tokens = specs[name][0]["tokenizer"]
             while time.monotonic() < deadline:
                 try:  # ready: tokenizers loaded and KV events joined too
                     ready = httpx.get(url + "/readiness", timeout=5).status_code == 200
@@ -256,40 +320,72 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
                 except (httpx.HTTPError, KeyError, ValueError):
                     pass
                 time.sleep(0.5)
-        out = tmp / "ab.json"
-        cmd = radixfleet_argv(
-            "loadtest",
-            *[a for n, u in targets for a in ("--target", f"{n}={u}")],
-            "--workload",
-            "multiturn",
-            "-o",
-            f"clients={args.clients}",
-            "-o",
-            f"rounds={args.rounds}",
-            "-o",
-            f"question_tokens={args.question_tokens}",
-            "-o",
-            f"output_tokens={args.output_tokens}",
-            "-o",
-            f"api={args.api}",
-            "--concurrency",
-            str(args.concurrency),
-            "--requests",
-            str(args.clients * args.rounds),
-            "--duration",
-            "900",
-            "--model",
-            "tiny",
-            "--no-progress",
-            "--json",
-            str(out),
-            *[a for s in servers for a in ("--flush", s.url)],
-        )
-        res = subprocess.run(cmd, timeout=3600)
-        if res.returncode != 0:
-            print(f"vllm_ab: the load generator failed (exit {res.returncode})", file=sys.stderr)
-            return None
-        doc = json.loads(out.read_text())
+
+        def loadtest(chosen: list[tuple[str, str]], out: Path) -> dict | None:
+            cmd = radixfleet_argv(
+                "loadtest",
+                *[a for n, u in chosen for a in ("--target", f"{n}={u}")],
+                "--workload",
+                "multiturn",
+                "-o",
+                f"clients={args.clients}",
+                "-o",
+                f"rounds={args.rounds}",
+                "-o",
+                f"question_tokens={args.question_tokens}",
+                "-o",
+                f"output_tokens={args.output_tokens}",
+                "-o",
+                f"api={args.api}",
+                "--concurrency",
+                str(args.concurrency),
+                "--requests",
+                str(args.clients * args.rounds),
+                "--duration",
+                "900",
+                "--model",
+                "tiny",
+                "--no-progress",
+                "--json",
+                str(out),
+                *[a for s in servers for a in ("--flush", s.url)],
+            )
+            res = subprocess.run(cmd, timeout=3600)
+            if res.returncode != 0:
+                print(f"vllm_ab: the load generator failed (exit {res.returncode})", file=sys.stderr)
+                return None
+            return json.loads(out.read_text())
+
+        if not args.engine_phases:
+            doc = loadtest(targets, tmp / "ab.json")
+            if doc is None:
+                return None
+        else:  # one target at a time, the engines' own histograms read around each
+            doc = None
+            pids = [p.proc.pid for p in procs]  # one router process per target, in order
+            for i, (name, url) in enumerate(targets):
+                before, cpu0 = engine_sums(servers), [cpu_s(pid) for pid in pids]
+                one = loadtest([(name, url)], tmp / f"ab-{i}.json")
+                if one is None:
+                    return None
+                phases = engine_phases(before, engine_sums(servers))
+                cpu = [cpu_s(pid) - c for pid, c in zip(pids, cpu0)]
+                phases["router_cpu_ms_per_request"] = round(
+                    1000 * cpu[i] / max(1, one["runs"][0]["requests"]), 2
+                )
+                phases["idle_routers_cpu_s"] = round(sum(cpu) - cpu[i], 2)
+                print(
+                    f"{name} inside the engines (means): queued {phases['queue_ms']} ms, "
+                    f"prefill {phases['prefill_ms']} ms, first token {phases['ttft_ms']} ms; "
+                    f"its router's CPU {phases['router_cpu_ms_per_request']} ms a request, "
+                    f"the idle routers' {phases['idle_routers_cpu_s']} s meanwhile",
+                    flush=True,
+                )
+                one["runs"][0]["engine_phases"] = phases
+                if doc is None:
+                    doc = one
+                else:
+                    doc["runs"] += one["runs"]
         for name, url in targets:  # why each router routed as it did
             if name.startswith("smg"):
                 continue
@@ -303,9 +399,17 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
                 if line.startswith("radixfleet_requests_total{"):
                     labels, value = line.rsplit(" ", 1)
                     reasons[labels[len("radixfleet_requests_total") :]] = float(value)
+            phases = router_phases(text)
+            print(
+                f"{name} inside the router (means): arrival to the worker's response head "
+                f"{phases['to_worker_head_ms']} ms, to the first token sent on "
+                f"{phases['to_first_token_ms']} ms; shed {phases['shed']:.0f}",
+                flush=True,
+            )
             for run in doc["runs"]:
                 if run["name"] == name:
                     run["router"] = {
+                        "phases": phases,
                         "decisions": reasons,
                         "workers": [
                             {
@@ -321,6 +425,7 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
                     }
         doc["bench"] = {
             "prefix_load_params": params,
+            "variants": variants,
             "kv": args.kv,
             "max_num_seqs": args.max_num_seqs,
             "api": args.api,
@@ -334,6 +439,67 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path) -> dict | No
             p.__exit__(None, None, None)
         for s in servers:
             s.stop()
+
+
+#: (series, phase): the router's own histograms of where a request's time went
+_PHASES = (
+    ("radixfleet_ttfb_seconds", "to_worker_head_ms"),  # keying, matching, picking, connecting
+    ("radixfleet_ttft_seconds", "to_first_token_ms"),  # streams: + the engine's queue and prefill
+)
+
+
+#: (vLLM histogram, phase): where a request's time went inside the engines
+_ENGINE_PHASES = (
+    ("vllm:request_queue_time_seconds", "queue_ms"),  # waiting for the scheduler
+    ("vllm:request_prefill_time_seconds", "prefill_ms"),  # scheduled to first token
+    ("vllm:time_to_first_token_seconds", "ttft_ms"),  # arrival at the engine to first token
+)
+
+
+def engine_sums(servers) -> dict[str, float]:
+    """The sums and counts of the engines' phase histograms, added over servers."""
+    import httpx
+
+    sums: dict[str, float] = {}
+    names = {f"{series}{part}" for series, _ in _ENGINE_PHASES for part in ("_sum", "_count")}
+    for s in servers:
+        for line in httpx.get(s.url + "/metrics", timeout=10).text.splitlines():
+            name, sep, rest = line.partition("{")
+            if sep and name in names:
+                sums[name] = sums.get(name, 0.0) + float(rest.rsplit(" ", 1)[1])
+    return sums
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_phases(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The mean ms of each engine phase between two ``engine_sums`` readings."""
+    out = {}
+    for series, phase in _ENGINE_PHASES:
+        n = after.get(series + "_count", 0.0) - before.get(series + "_count", 0.0)
+        total = after.get(series + "_sum", 0.0) - before.get(series + "_sum", 0.0)
+        out[phase] = round(1000 * total / n, 1) if n else None
+    return out
+
+
+def router_phases(metrics_text: str) -> dict:
+    """From a router's /metrics: the mean ms from a request's arrival to its worker's
+    response head and to its first token sent on, and the requests it shed."""
+    values = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.endswith(("_sum", "_count", "_total")) and "{" not in name:
+            values[name] = float(value)
+    out = {}
+    for series, phase in _PHASES:
+        n = values.get(series + "_count", 0.0)
+        out[phase] = round(1000 * values.get(series + "_sum", 0.0) / n, 1) if n else None
+    out["shed"] = values.get("radixfleet_shed_total", 0.0)
+    return out
 
 
 def summarize(docs: list[dict]) -> dict:
@@ -353,6 +519,16 @@ def summarize(docs: list[dict]) -> dict:
                 "ttft_p99_ms": r["ttft_ms"]["p99"],
                 "imbalance": r.get("load_imbalance"),
                 "prediction_worst_tokens": max(pred) if pred else None,
+                **{
+                    f"router_{k}": v
+                    for k, v in (r.get("router") or {}).get("phases", {}).items()
+                    if k != "shed"
+                },
+                **{
+                    f"engine_{k}" if k.endswith("_ms") else k: v
+                    for k, v in (r.get("engine_phases") or {}).items()
+                    if not k.startswith("idle")
+                },
             }
             if rr is not None:
                 vals["hit_over_rr"] = r["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None
@@ -381,6 +557,11 @@ def summary_table(docs: list[dict]) -> str:
         ("p99_over_rr", "p99 / rr", "{:.2f}"),
         ("imbalance", "imbalance", "{:.2f}"),
         ("prediction_worst_tokens", "prediction, worst worker (tokens)", "{:.1f}"),
+        ("router_to_worker_head_ms", "router: to head ms", "{:,.0f}"),
+        ("router_to_first_token_ms", "router: to 1st token ms", "{:,.0f}"),
+        ("engine_queue_ms", "engines: queued ms", "{:,.0f}"),
+        ("engine_ttft_ms", "engines: TTFT ms", "{:,.0f}"),
+        ("router_cpu_ms_per_request", "router CPU ms / request", "{:.1f}"),
     ]
     lines = [
         f"{len(docs)} runs, median (min–max)",

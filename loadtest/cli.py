@@ -21,8 +21,10 @@ flush failed. With no agents to flush the report says ``"cold_start": null``.
 The pooled reference needs the fleet's KV capacity: ``--kv-capacity-tokens``, or
 the sum the agents report.
 
-Per-worker figures come from the router's ``x-radixfleet-worker`` header; a target
-that names no worker (``smg``) gets them from the agents' ``/metrics`` counters,
+Per-worker figures come from the router's ``x-radixfleet-worker`` header (sent where
+the router has ``response_headers.worker_id`` on, ``radixfleet router --worker-header``;
+``up`` and the local fleets turn it on); a target that names no worker (``smg``, or
+a router with it off) gets them from the agents' ``/metrics`` counters,
 read before and after its run.
 
 Every target is probed first; an unreachable one is an error before any load is

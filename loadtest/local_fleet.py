@@ -316,7 +316,13 @@ class Fleet:
                     "--policies", "policy parameters come from the router config file here, not from the arm"
                 )
             argv = cli_argv(
-                "router", "--config", c.router_config, "--port", str(self.router_port), *c.router_args
+                "router",
+                "--config",
+                c.router_config,
+                "--port",
+                str(self.router_port),
+                "--worker-header",
+                *c.router_args,
             )
         else:
             argv = cli_argv(
@@ -327,6 +333,7 @@ class Fleet:
                 str(self.router_port),
                 "--policy",
                 policy or c.policy,
+                "--worker-header",  # the load generator's per-worker figures read it
                 *c.router_args,
             )
             for k, v in (params or {}).items():

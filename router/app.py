@@ -480,11 +480,11 @@ class _ReadExchange(AiohttpExchange):
 
     __slots__ = ("_raw",)
 
-    def __init__(self, request: web.Request, raw: bytes) -> None:
+    def __init__(self, request: web.Request, raw: bytes | bytearray) -> None:
         super().__init__(request)
         self._raw = raw
 
-    async def body(self, limit: int) -> bytes:
+    async def body(self, limit: int) -> bytes | bytearray:
         if len(self._raw) > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
         return self._raw

@@ -1,8 +1,8 @@
 """``radixfleet router``: run the cache-aware router.
 
-    radixfleet router --config FILE [--host H] [--port P]
+    radixfleet router --config FILE [--host H] [--port P] [--worker-header]
     radixfleet router --worker URL [--worker URL ...] [--policy NAME]
-                      [--policy-param NAME=VALUE ...] [--port P] [--host H]
+                      [--policy-param NAME=VALUE ...] [--port P] [--host H] [--worker-header]
 
 A ``--worker`` is a base URL, ``KIND=URL`` (``vllm=http://10.0.0.5:8000``), or
 comma-separated ``key=value`` settings of a YAML worker entry::
@@ -16,7 +16,8 @@ policy's parameters (``policy.params`` of the YAML; the value is read as YAML:
 
 The quick start without a file builds the same validated ``Config`` (errors name
 the field: ``workers[0].url: ...``). ``--host``/``--port`` override the file and
-keep overriding it across reloads. Signals: SIGTERM/SIGINT stop accepting, let
+keep overriding it across reloads, as ``--worker-header`` does
+``response_headers.worker_id: true``. Signals: SIGTERM/SIGINT stop accepting, let
 in-flight requests finish (``limits.shutdown_timeout_s``) and exit 0; SIGHUP
 reloads the file. Uses uvloop when installed.
 """
@@ -66,6 +67,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a parameter of the policy (quick start; repeatable; "
         "the value is read as YAML), e.g. -P footprint_room=0 or "
         "-P prefix_load.footprint_room=0",
+    )
+    parser.add_argument(
+        "--worker-header",
+        action="store_true",
+        help="answers name the worker that served them in an x-radixfleet-worker header "
+        "(response_headers.worker_id: true; off by default, for tests and load generators)",
     )
     parser.add_argument("--host", default=MISSING, help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=MISSING, help="listen port (default 8000)")
@@ -150,6 +157,8 @@ def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
         if not 0 <= args.port <= 65535:
             raise ConfigError("--port", f"expected an integer in [0, 65535], got {args.port}")
         overrides["listen__port"] = args.port
+    if args.worker_header:
+        overrides["response_headers__worker_id"] = True
     if args.config:
         if args.worker or args.policy is not MISSING or args.policy_param:
             raise ConfigError(

@@ -661,6 +661,16 @@ class AutoscaleConfig:
             )
 
 
+@settings
+class ResponseHeadersConfig:
+    worker_id: bool = _opt(
+        False,
+        "answer each proxied request with an `x-radixfleet-worker` header naming the worker "
+        "that served it (off: the fleet's worker ids and topology stay internal; for tests "
+        "and load generators that count per worker)",
+    )
+
+
 def _unique(workers: tuple[WorkerSpec, ...]) -> None:
     ids: dict[str, int] = {}
     urls: dict[str, int] = {}
@@ -708,6 +718,9 @@ class Config:
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
     tenancy: TenancyConfig = _section(
         TenancyConfig, "priority classes and rate limits per tenant and API key"
+    )
+    response_headers: ResponseHeadersConfig = _section(
+        ResponseHeadersConfig, "what the router tells clients about itself"
     )
     #: ``models:``: served model name -> the engine settings of every worker serving it
     models: Mapping[ModelName, EngineSettings] = Field(

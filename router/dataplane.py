@@ -37,8 +37,9 @@ request (a non-streamed answer, which arrives only when its generation is done, 
 bounded by that alone). Answers are bounded (``limits.max_response_bytes``, 502).
 
 What a client gets back from a failure is the OpenAI error shape
-(``protocol.errors.error_body``), its body naming no worker (the
-``x-radixfleet-worker`` header still gives the id of the one that answered): a
+(``protocol.errors.error_body``), its body naming no worker (with
+``response_headers.worker_id`` on, the ``x-radixfleet-worker`` header gives the id of
+the one that answered; off by default, so clients learn no worker id): a
 worker's 4xx keeps its message; a 5xx and every broken answer get the router's own;
 the details (worker, address, its body) go to the log.
 
@@ -293,7 +294,7 @@ class RequestContext:
 
     ex: Any  # the exchange it came on (module docstring)
     endpoint: Endpoint
-    raw: bytes  # the client's body, forwarded as it came
+    raw: bytes | bytearray  # the client's body, forwarded as it came (one buffer, not copied)
     body: dict  # the same, parsed
     key: PrefixKey  # its routing key (byte space), tenant and model
     stream: bool
@@ -348,7 +349,7 @@ class AiohttpExchange:
         self.headers = request.headers  # case-insensitive
         self.result: web.StreamResponse | None = None
 
-    async def body(self, limit: int) -> bytes:
+    async def body(self, limit: int) -> bytes | bytearray:
         request = self.request
         cl = request.content_length
         if cl is not None:
@@ -360,7 +361,7 @@ class AiohttpExchange:
             buf += chunk
             if len(buf) > limit:
                 raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return bytes(buf)
+        return buf  # the one buffer, not a copy
 
     def reply(self, status: int, body: bytes, content_type: str, extra) -> None:
         h = {"Content-Type": content_type}
@@ -442,6 +443,14 @@ class DataPlane:
         if self.upstream is not None:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
             self.upstream.body_limit = lim.max_response_bytes
+
+    def _ids(self, worker: str, rid: str) -> list[tuple[str, str]]:
+        """The headers naming an answer: its request id, and the worker's id only where
+        ``response_headers.worker_id`` allows (off by default: worker ids and the
+        fleet's size are not a client's business)."""
+        if self.cfg.response_headers.worker_id:
+            return [(WORKER_HEADER, worker), (REQUEST_ID_HEADER, rid)]
+        return [(REQUEST_ID_HEADER, rid)]
 
     def _reject(self, ex, exc: RequestError, rid: str) -> None:
         self.metrics.rejected.labels(str(exc.status), exc.code).inc()
@@ -632,11 +641,7 @@ class DataPlane:
                 status,
                 _status_error(last.status, b""),
                 _JSON,
-                [
-                    (WORKER_HEADER, worker),
-                    (REQUEST_ID_HEADER, ctx.rid),
-                    *_retry_after(last.status, last.headers),
-                ],
+                [*self._ids(worker, ctx.rid), *_retry_after(last.status, last.headers)],
             )
             return
         status, body = _client_error(last.cause)
@@ -782,7 +787,7 @@ class DataPlane:
             status,
             data,
             ctype,
-            [(WORKER_HEADER, w.id), (REQUEST_ID_HEADER, ctx.rid), *_retry_after(status, resp.headers)],
+            [*self._ids(w.id, ctx.rid), *_retry_after(status, resp.headers)],
         )
         m.request_done(w.id, status, ctx.reason)
         m.observe_latency(time.monotonic() - ctx.t0)
@@ -835,7 +840,7 @@ class DataPlane:
         limit = self.cfg.limits.max_response_bytes
         await ex.stream_start(
             resp.headers.get("content-type", "text/event-stream"),
-            [("Cache-Control", "no-cache"), (WORKER_HEADER, w.id), (REQUEST_ID_HEADER, ctx.rid)],
+            [("Cache-Control", "no-cache"), *self._ids(w.id, ctx.rid)],
         )
         try:
             chunk = first

@@ -18,11 +18,14 @@ request onwards, and httptools reports no byte offsets, so the connection keeps
 the chunks received since the last point at which the parser stood between
 requests (``fed``, ``fed_done``); finding a boundary inside them (pipelining
 only) re-parses them with a throw-away parser (``_message_end``). ``fed`` is
-trimmed at every request that completes: once a data-plane request's head is in and
-its body is Content-Length framed, its bytes are dropped and the next request starts
-exactly where that body ends; otherwise the completed requests' bytes are cut off
-at the end of each read. So ``fed`` never holds more than the current request's
-head (or chunked body) and one read.
+trimmed at every request that completes: once a data-plane request's head is in, its
+bytes are dropped and the next request starts exactly where its body ends — known
+from its Content-Length, or for a chunked body from its framing (``_ChunkedEnd``
+follows the chunk-size lines without keeping the data); otherwise the completed
+requests' bytes are cut off at the end of each read. So ``fed`` never holds more
+than the current request's head and one read, and a data-plane body is held once:
+in its request's one buffer (``_PendingRequest.body``), which the exchange hands on
+as it is.
 
 What a client may hold before its request is admitted is bounded here: body bytes
 by the shared ``router.intake.BodyBudget`` (429 past it), a head by ``MAX_HEAD``
@@ -41,6 +44,7 @@ import collections
 import http
 import json
 import logging
+import re
 import socket
 import time as _time
 
@@ -64,12 +68,16 @@ class _Stop(Exception):
 
 
 class _Counter:
-    """Parser callbacks that only count complete messages (``_message_end``)."""
+    """Parser callbacks that only count complete heads and messages (``_shortest``)."""
 
-    __slots__ = ("n",)
+    __slots__ = ("n", "heads")
 
     def __init__(self) -> None:
         self.n = 0
+        self.heads = 0
+
+    def on_headers_complete(self) -> None:
+        self.heads += 1
 
     def on_message_complete(self) -> None:
         self.n += 1
@@ -79,6 +87,19 @@ def _message_end(data: bytes, n: int) -> int:
     """The offset in ``data`` (which starts between requests) at which its ``n``-th
     request ends: the shortest prefix in which a fresh parser completes ``n``
     messages. O(len(data) log len(data)); only a pipelined hand-over needs it."""
+    return _shortest(data, lambda c: c.n >= n)
+
+
+def _head_end(data: bytes, done: int) -> int:
+    """The offset in ``data`` (which starts between requests) at which the head of
+    the request after the first ``done`` ends: where its body begins. O(len(data)
+    log len(data)); once per chunked data-plane body that spans reads."""
+    return _shortest(data, lambda c: c.heads > done)
+
+
+def _shortest(data: bytes, enough) -> int:
+    """The length of the shortest prefix of ``data`` after which a fresh parser's
+    ``_Counter`` is ``enough``."""
     view = memoryview(data)
     lo, hi = 0, len(data)
     while lo < hi:
@@ -87,12 +108,83 @@ def _message_end(data: bytes, n: int) -> int:
         try:
             httptools.HttpRequestParser(c).feed_data(view[:mid])
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            pass  # past the n-th request: what follows is not ours to judge
-        if c.n >= n:
+            pass  # past the request looked for: what follows is not ours to judge
+        if enough(c):
             hi = mid
         else:
             lo = mid + 1
     return lo
+
+
+_HEX = re.compile(rb"[0-9a-fA-F]*")
+
+
+class _ChunkedEnd:
+    """Where a chunked body ends, found by following its framing — chunk-size lines,
+    chunk data skipped by its length, the trailer section up to its empty line —
+    without keeping any of it. The parser validates the framing and takes the data;
+    this only tells the connection where the next request starts, which httptools
+    does not report. O(chunks + framing bytes) per read.
+
+    States: SIZE (in a chunk-size line: ``size`` so far, ``digits`` still coming),
+    DATA (``left`` bytes of chunk data to skip), DATA_END (the line break after the
+    data), TRAILER (in the trailer section: ``line`` bytes of the current line,
+    ``cr`` its first byte was CR); DONE once the empty line that ends it was seen."""
+
+    __slots__ = ("state", "size", "digits", "left", "line", "cr")
+
+    SIZE, DATA, DATA_END, TRAILER, DONE = range(5)
+
+    def __init__(self) -> None:
+        self.state = self.SIZE
+        self.size = 0
+        self.digits = True  # the size line's hex digits are still coming
+        self.left = 0
+        self.line = 0
+        self.cr = False
+
+    def feed(self, data, pos: int = 0) -> int:
+        """Follows ``data[pos:]``; the offset in ``data`` just past the body's end, or
+        -1 if it does not end there."""
+        n = len(data)
+        while pos < n:
+            st = self.state
+            if st == self.DATA:
+                take = min(self.left, n - pos)
+                pos += take
+                self.left -= take
+                if not self.left:
+                    self.state = self.DATA_END
+                continue
+            nl = data.find(b"\n", pos)
+            end = n if nl < 0 else nl
+            if st == self.SIZE:
+                if self.digits:
+                    m = _HEX.match(data, pos, end)
+                    if m.end() > pos:
+                        self.size = (self.size << (4 * (m.end() - pos))) | int(data[pos : m.end()], 16)
+                    self.digits = m.end() == end and nl < 0
+                if nl >= 0:
+                    self.state = self.DATA if self.size else self.TRAILER
+                    self.left, self.size, self.digits = self.size, 0, True
+            elif st == self.DATA_END:
+                if nl >= 0:
+                    self.state = self.SIZE
+            elif st == self.TRAILER:
+                if end > pos and not self.line:
+                    self.cr = data[pos] == 13
+                self.line += end - pos
+                if nl >= 0:
+                    if self.line == 0 or (self.line == 1 and self.cr):
+                        self.state = self.DONE
+                        return nl + 1
+                    self.line = 0
+            else:
+                return -1  # DONE: nothing more is this body's
+            if nl < 0:
+                return -1
+            pos = nl + 1
+        return -1
 
 
 class _PendingRequest:
@@ -117,6 +209,7 @@ class _PendingRequest:
         "in_fed",
         "refusal",
         "held",
+        "chunked",
     )
 
     def __init__(self) -> None:
@@ -131,7 +224,9 @@ class _PendingRequest:
         self.handler = None
         self.keepalive = False
         self.http10 = False
-        self.body: list[bytes] = []
+        #: the body so far, one buffer: its first piece as received, then a bytearray
+        #: that the later pieces are appended to (never a list joined at the end)
+        self.body: bytes | bytearray = b""
         self.size = 0  # len of the body so far
         self.limit = 0  # the body limit when the head arrived
         self.too_large = False  # the body exceeds the limit: parsing stopped
@@ -142,6 +237,8 @@ class _PendingRequest:
         self.in_fed = True
         self.refusal: RequestError | None = None  # answered instead of served
         self.held = 0  # bytes of the server's BodyBudget this request holds
+        #: a chunked data-plane body not kept in ``fed``: where it ends (None otherwise)
+        self.chunked: _ChunkedEnd | None = None
 
 
 class FrontExchange:
@@ -163,19 +260,18 @@ class FrontExchange:
     def __init__(self, conn: _FrontConn, req: _PendingRequest) -> None:
         self.conn = conn
         self.headers = req.headers  # lower-case names
-        b = req.body
-        self._body = b[0] if len(b) == 1 else b"".join(b)
+        self._body = req.body  # handed on as it is: no copy
+        req.body = b""
         self.keepalive = req.keepalive
         self.http10 = req.http10
         self.state = 0  # 0 nothing sent, 1 replied, 2 streaming, 3 stream ended
-        b.clear()  # the body is ``_body`` now (a join copied the chunks)
         self.too_large = req.too_large
         self.refusal = req.refusal
         self.held = req.held  # given back to the budget when the exchange ends
         req.held = 0
         self.result = None
 
-    async def body(self, limit: int) -> bytes:
+    async def body(self, limit: int) -> bytes | bytearray:
         if self.refusal is not None:
             self.keepalive = False  # the rest of the body is never read
             raise self.refusal
@@ -319,10 +415,10 @@ class _FrontConn(asyncio.Protocol):
         fed = self.fed
         req = self.req
         if req is not None and not req.in_fed:
-            # a Content-Length body whose bytes are not kept: the next request starts
-            # where it ends
-            left = req.clen - req.size
-            if left < len(data):
+            # a data-plane body whose bytes are not kept: the next request starts
+            # where it ends (by its Content-Length, or by its chunked framing)
+            left = req.clen - req.size if req.chunked is None else req.chunked.feed(data)
+            if 0 <= left < len(data):
                 fed.append(memoryview(data)[left:])
                 self.fed_len += len(data) - left
         else:
@@ -341,9 +437,14 @@ class _FrontConn(asyncio.Protocol):
             req = self.req
             if req is None:  # between requests: nothing to keep for a hand-over
                 self._trim(0)
-            elif req.handler is not None and req.clen >= 0:
+            elif req.handler is not None and not req.in_head:
                 # a data-plane body (never handed over): its bytes and those of the
-                # requests before it are not needed, its end is known
+                # requests before it are not needed, its end is known (Content-Length)
+                # or followed from here on (chunked: from where its head ended)
+                if req.clen < 0 and req.in_fed:
+                    data = b"".join(fed)
+                    req.chunked = _ChunkedEnd()
+                    req.chunked.feed(data, _head_end(data, self.fed_done))
                 self._trim(0)
                 req.in_fed = False
             else:
@@ -520,7 +621,13 @@ class _FrontConn(asyncio.Protocol):
             self._refuse(req, self.server.budget.full())
             raise _Stop
         req.held += n
-        req.body.append(body)
+        b = req.body
+        if not b:
+            req.body = body
+        elif type(b) is bytes:
+            req.body = bytearray(b) + body  # the one buffer the rest is appended to
+        else:
+            b += body
 
     def on_message_complete(self) -> None:
         req = self.req
@@ -558,7 +665,7 @@ class _FrontConn(asyncio.Protocol):
         never read, the connection closes after the answer."""
         req.refusal = exc
         req.keepalive = False
-        req.body.clear()
+        req.body = b""
         self.server._give(req)
         self.req = None
         self.parser = None

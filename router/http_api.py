@@ -72,7 +72,7 @@ def guarded(
     return handler
 
 
-async def read_body(request: web.Request, limits: LimitsConfig) -> bytes:
+async def read_body(request: web.Request, limits: LimitsConfig) -> bytes | bytearray:
     """The body, within ``limits.max_body_bytes`` (413) and ``limits.body_timeout_s``
     (408 after it), its bytes counted in the app's ``router.intake.BODY_BUDGET`` while
     it is read (503 past it)."""

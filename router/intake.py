@@ -127,20 +127,24 @@ def connection_cap(configured: int, fd_limit: int) -> int:
 BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("radixfleet_body_budget", BodyBudget)
 
 
-async def read_body(request: web.Request, limit: int, timeout_s: float, budget: BodyBudget) -> bytes:
+async def read_body(
+    request: web.Request, limit: int, timeout_s: float, budget: BodyBudget
+) -> bytes | bytearray:
     """An aiohttp request's body: at most ``limit`` bytes (``PayloadTooLarge``), all of
     it within ``timeout_s`` (``RequestTimeout``), its bytes taken from ``budget`` as
     they arrive (``BodyBudgetFull``). On success the caller holds ``len(body)`` bytes
     of ``budget`` and gives them back when done with the body; on error nothing is
-    held."""
+    held. The body is held once, in one buffer: its first piece as received, then a
+    bytearray the later pieces are appended to (chunks joined at the end were held
+    twice at the join)."""
     cl = request.content_length
     if cl is not None and cl > limit:
         raise PayloadTooLarge(f"request body of {cl} bytes exceeds the limit of {limit} bytes")
-    chunks: list[bytes] = []
+    body: bytes | bytearray = b""
     held = 0
 
     async def read() -> None:
-        nonlocal held
+        nonlocal held, body
         async for chunk in request.content.iter_any():
             n = len(chunk)
             if held + n > limit:
@@ -148,7 +152,12 @@ async def read_body(request: web.Request, limit: int, timeout_s: float, budget: 
             if not budget.take(n):
                 raise budget.full()
             held += n
-            chunks.append(chunk)
+            if not body:
+                body = chunk
+            elif type(body) is bytes:
+                body = bytearray(body) + chunk
+            else:
+                body += chunk
 
     try:
         await asyncio.wait_for(read(), timeout_s)  # (asyncio.timeout: Python 3.11+)
@@ -158,4 +167,4 @@ async def read_body(request: web.Request, limit: int, timeout_s: float, budget: 
     except BaseException:
         budget.give(held)
         raise
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return body

@@ -74,7 +74,7 @@ def loads(
         text = raw
         data = raw.encode("utf-8", "surrogatepass")
     else:
-        data = bytes(raw)
+        data = raw if isinstance(raw, (bytes, bytearray)) else bytes(raw)  # no copy of a body
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:

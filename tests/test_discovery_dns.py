@@ -206,6 +206,7 @@ async def test_router_routes_to_agents_found_in_dns(dnsmasq, tmp_path):
         {
             "listen": {"port": 0},
             "health": {"interval_s": 0.2},
+            "response_headers": {"worker_id": True},
             "workers": {
                 "discovery": {
                     "dns": {

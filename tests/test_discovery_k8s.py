@@ -226,7 +226,13 @@ async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
                 NS, make_slice("other", service="other", endpoints=[("127.0.0.4", True, "other-0")], port=ap)
             )  # not selected
             raw = k8s_cfg(api, token_file)
-            raw.update({"listen": {"port": 0}, "health": {"interval_s": 0.5}})
+            raw.update(
+                {
+                    "listen": {"port": 0},
+                    "health": {"interval_s": 0.5},
+                    "response_headers": {"worker_id": True},
+                }
+            )
             router = Router(parse_config(raw))
             pool = router.pool
             now = time.monotonic

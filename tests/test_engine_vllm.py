@@ -81,6 +81,7 @@ def router_yaml(
         "policy": {"name": policy},
         "health": {"interval_s": 0.5},
         "workers": workers,
+        "response_headers": {"worker_id": True},  # the tests and the A/B count per worker
     }  # default limits
     path.write_text(json.dumps(cfg))
 

@@ -117,6 +117,7 @@ class LiveFleet:
                     "limits": {"max_body_bytes": 1 << 20, "header_timeout_s": 1.0, "body_timeout_s": 1.0},
                     "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
                     "reload": {"watch": False},
+                    "response_headers": {"worker_id": True},
                 }
             )
         )

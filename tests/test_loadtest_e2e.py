@@ -50,7 +50,8 @@ def _fleet(router_port: int, agent_ports: list[int], policy: str):
         )
         for i, p in enumerate(agent_ports)
     ]
-    argv = radixfleet_argv("router", "--port", str(router_port), "--policy", policy)
+    # --worker-header: the load generator's per-worker figures read the worker's id
+    argv = radixfleet_argv("router", "--port", str(router_port), "--policy", policy, "--worker-header")
     for p in agent_ports:
         argv += ["--worker", f"http://127.0.0.1:{p}"]
     router = Proc(argv, ready_url=f"{router_url}/v1/models")

@@ -33,6 +33,7 @@ async def test_agents_register_push_events_and_keep_affinity():
             {
                 "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 1},
                 "policy": {"name": "prefix_load", "params": {"min_match_tokens": 32}},
+                "response_headers": {"worker_id": True},
             }
         )
     )

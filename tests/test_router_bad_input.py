@@ -85,7 +85,8 @@ class Fleet:
         return url, app
 
     async def start(self, raw: dict) -> Fleet:
-        self.router = Router(parse_config({"health": HEALTH, **raw}))
+        # answers name their worker: the tests check where requests went
+        self.router = Router(parse_config({"health": HEALTH, "response_headers": {"worker_id": True}, **raw}))
         server = RouterServer(self.router, port=free_port())
         self.port = await server.start()
         self.base = f"http://127.0.0.1:{self.port}"

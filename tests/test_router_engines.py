@@ -574,6 +574,7 @@ async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
             "health": {"interval_s": 0.2},
             "listen": {"port": 0},
             "limits": {"worker_queue_requests": 0},
+            "response_headers": {"worker_id": True},
         }
     )
     router = Router(cfg)

@@ -36,10 +36,16 @@ async def start_app(app: web.Application, *, cancel: bool = True) -> tuple[web.A
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def start_router(raw: dict, *, front: bool = True):
+async def start_router(raw: dict, *, front: bool = True, worker_header: bool = True):
     """A router on a free port: through the raw front (what ``radixfleet router``
-    runs) or, with ``front=False``, the aiohttp app alone."""
-    raw = {"health": FAST_HEALTH, **raw}
+    runs) or, with ``front=False``, the aiohttp app alone. ``worker_header``: answers
+    name their worker (``response_headers.worker_id``, which the tests read); False
+    leaves the key at its default."""
+    raw = {
+        "health": FAST_HEALTH,
+        **({"response_headers": {"worker_id": True}} if worker_header else {}),
+        **raw,
+    }
     router = Router(parse_config(raw))
     if front:
         server = RouterServer(router, port=free_port())
@@ -143,6 +149,54 @@ async def test_headers_tenant_and_request_id_reach_worker(two_upstreams):
             assert stats["tenants"][-1] == router.salts.salt("") != ""
     finally:
         await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
+
+
+@pytest.mark.parametrize("front", [True, False], ids=["raw_front", "aiohttp_app"])
+@pytest.mark.parametrize("on", [False, True], ids=["default_off", "on"])
+async def test_the_worker_header_names_the_worker_only_when_configured(two_upstreams, front, on):
+    # Worker ids (and so the fleet's size and layout) are internal: by default no
+    # answer names its worker — not a JSON answer, not a stream, not an error relayed
+    # from a worker; response_headers.worker_id: true names it on each of them.
+    async def busy(request):
+        await request.read()
+        return web.json_response({"error": {"message": "busy"}}, status=429, headers={"Retry-After": "2"})
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    refusing = web.Application()
+    refusing.router.add_post("/v1/completions", busy)
+    refusing.router.add_get("/health", health)
+    refusing_runner, refusing_url = await start_app(refusing)
+    raw = {
+        "workers": [{"url": two_upstreams[0], "id": "good"}],
+        **({"response_headers": {"worker_id": True}} if on else {}),
+    }
+    router, runner, base = await start_router(raw, front=front, worker_header=False)
+    lone, lone_runner, lone_base = await start_router(
+        {"workers": [{"url": refusing_url, "id": "refusing"}], "retries": {"max_attempts": 1}},
+        front=front,
+        worker_header=on,
+    )
+    try:
+        async with httpx.AsyncClient() as c:
+            plain = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"})
+            streamed = await c.post(
+                base + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}
+            )
+            refused = await c.post(lone_base + "/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert plain.status_code == 200 and streamed.status_code == 200, (plain.text, streamed.text)
+        assert b"data: [DONE]" in streamed.content
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "2", refused.text
+        for r, worker in ((plain, "good"), (streamed, "good"), (refused, "refusing")):
+            assert r.headers["x-request-id"]
+            assert r.headers.get("x-radixfleet-worker") == (worker if on else None), r.headers
+            assert worker not in r.text
+        assert router.cfg.response_headers.worker_id is on
+    finally:
+        for rn in (runner, lone_runner):
+            await rn.aclose() if isinstance(rn, RouterServer) else await rn.cleanup()
+        await refusing_runner.cleanup()
 
 
 async def test_bad_inputs_get_their_statuses_and_never_500(two_upstreams):
@@ -624,7 +678,7 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
     path = tmp_path / "router.yaml"
     a, b = two_upstreams
     write = _writer(path)
-    health = _RELOAD_HEALTH
+    health = _RELOAD_HEALTH + "response_headers: {worker_id: true}\n"
     nowatch = "reload: {watch: false}\n"
     write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{health}{nowatch}")
     router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))

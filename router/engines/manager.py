@@ -434,8 +434,8 @@ class Engines:
         return self.links.get(worker)
 
     def forward_body(
-        self, link: EngineLink | None, endpoint: Endpoint, body: dict, raw: bytes, stream: bool
-    ) -> tuple[bytes, bool]:
+        self, link: EngineLink | None, endpoint: Endpoint, body: dict, raw: bytes | bytearray, stream: bool
+    ) -> tuple[bytes | bytearray, bool]:
         """The bytes to send and whether the usage event must be hidden: a stream
         whose client did not ask for usage gets ``stream_options.include_usage`` so
         the router learns the cached tokens (OpenAI endpoints; SGLang's /generate

@@ -341,6 +341,7 @@ def test_a_request_on_a_stopped_worker_moves_once_its_health_fails():
             f"{{url: '{urls[1]}', id: b, kind: openai}}]\n"
             "policy: {name: round_robin}\nreload: {watch: false}\n"
             "health: {interval_s: 0.5, timeout_s: 0.3, failure_threshold: 2}\n"
+            "response_headers: {worker_id: true}\n"
         ) as r,
     ):
         _wait_routable(r)

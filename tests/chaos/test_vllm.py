@@ -112,6 +112,7 @@ def test_broken_event_sources_and_rank_answers_leave_every_worker_serving(tmp_pa
                     "health": {"interval_s": 0.2},
                     "workers": workers,
                     "limits": {"worker_queue_requests": 0},
+                    "response_headers": {"worker_id": True},
                 }
             ).replace('"{port}"', "{port}")
             with RouterProcess(cfg) as r:
