@@ -165,7 +165,9 @@ def _simulated_dispatches(sessions, arrivals, bounds, delay, seed, max_active_se
         heapq.heappush(done, (now[0] + delay, next(seq), session, spec))
         peak[0] = max(peak[0], len(done))
 
-    d = VirtualDriver(sessions, arrivals, bounds, dispatch, max_active_sessions=max_active_sessions, seed=seed)
+    d = VirtualDriver(
+        sessions, arrivals, bounds, dispatch, max_active_sessions=max_active_sessions, seed=seed
+    )
     wake = d.pump(0.0)
     while not d.done:
         t = min(done[0][0] if done else math.inf, math.inf if wake is None else wake)
@@ -214,10 +216,23 @@ def test_simulator_dispatches_at_the_live_drivers_times(arrivals):
 
 
 def test_a_rate_sweep_keeps_burstiness_and_the_concurrency_cap():
-    from loadtest.simulator.sweep import parse_sweep, plan_runs
     from loadtest.simulator.simulation import SimConfig
+    from loadtest.simulator.sweep import parse_sweep, plan_runs
 
     plans = plan_runs(
         SimConfig(workers=2), ["round_robin"], ["events"], Poisson(5.0, 0.5, 4), parse_sweep("rate=2,8")
     )
     assert [p.arrivals for p in plans] == [Poisson(2.0, 0.5, 4), Poisson(8.0, 0.5, 4)]
+
+
+def test_the_overhead_benchmarks_schedule_is_the_drivers():
+    """``bench loadgen`` offers its minimal client the arrivals ``radixfleet loadtest
+    --rate R --seed S`` draws, and measures both clients' lag against them."""
+    from radixfleet.bench.loadgen import schedule
+
+    send, log, _ = _recorder(delay=0.001)
+    w = make_workload("zipf", {"requests": 100})
+    run_virtual(
+        drive(w.sessions(), Poisson(50.0), Bounds(max_requests=40, duration_s=60), send, seed=7, clock=_now)
+    )
+    assert [t for _, t in log] == pytest.approx(schedule(50.0, 40, 7), abs=1e-9)
