@@ -20,7 +20,8 @@ Each client runs ``--rounds`` times per rate (``--duration`` seconds of arrivals
 each), the order alternating so that the machine's drift hits both alike; a
 client's figures pool its rounds' requests. Per rate and client: TTFT and E2E
 p50/p99 (ms), errors, **dispatch lag** (a request's
-send time minus its scheduled time, ms, p50/p99) and **client CPU** per request (the
+send time minus its scheduled time, ms, p50/p99, the schedule aligned so that the
+earliest send is on time) and **client CPU** per request (the
 process's user + system CPU, less what the same command spends on a one-request run:
 its start-up and report), and the CPU share of one core over the run.
 
@@ -275,8 +276,10 @@ def _point(runs: list[tuple[list[dict], float]], startup_cpu_s: float, rate: flo
     for rows, cpu_s in runs:
         rows = sorted(rows, key=lambda r: r["send_s"])
         due = schedule(rate, len(rows), seed)
-        t0 = rows[0]["send_s"] if rows else 0.0
-        lag = [max(0.0, (r["send_s"] - t0) - d) * 1000.0 for r, d in zip(rows, due, strict=True)]
+        # the schedule placed where the client ran it: its earliest send relative to
+        # its due time is lag 0 (a first request timed late must not hide the others')
+        t0 = min((r["send_s"] - d for r, d in zip(rows, due, strict=True)), default=0.0)
+        lag = [((r["send_s"] - t0) - d) * 1000.0 for r, d in zip(rows, due, strict=True)]
         good = [r for r in rows if r["ok"]]
         lags += lag
         ttft += [r["ttft_ms"] for r in good if r["ttft_ms"] is not None]
@@ -284,7 +287,9 @@ def _point(runs: list[tuple[list[dict], float]], startup_cpu_s: float, rate: flo
         n += len(rows)
         ok += len(good)
         run_cpu += max(0.0, cpu_s - startup_cpu_s)
-        wall_s += max((r["send_s"] - t0 + (r["e2e_ms"] or 0) / 1000.0) for r in rows) if rows else 0.0
+        if rows:
+            first = rows[0]["send_s"]
+            wall_s += max(r["send_s"] - first + (r["e2e_ms"] or 0) / 1000.0 for r in rows)
         span_s = due[-1] if due else 0.0
         last_lag_s = lag[-1] / 1000.0 if lag else 0.0
         sustains = sustains and bool(rows) and len(good) == len(rows) and last_lag_s <= 0.05 * span_s
