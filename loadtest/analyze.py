@@ -396,9 +396,10 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
     if data.kind == TRAFFIC_LOG and info:
         engine_prompt = sum(i.input_length for i in info)
         ratio = engine_prompt / routed if routed else 1.0
-        # shed lines are offered load (replayed above) but were served by no worker:
-        # the observed figures are the served requests'
-        served = [i for i in info if i.status != 429]
+        # shed and failed lines are offered load (replayed above) but were served by
+        # no worker: the observed figures are the served requests' (a broken stream
+        # was served, partly: its 200 stays in)
+        served = [i for i in info if i.status < 400]
         served_prompt = sum(i.input_length for i in served)
         with_cached = [i for i in served if i.cached_tokens is not None]
         observed = {
@@ -409,7 +410,9 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
             "router_matched_share": sum(i.matched_tokens for i in served) / served_prompt
             if served_prompt
             else 0.0,
-            "shed_requests": len(info) - len(served),
+            "shed_requests": sum(1 for i in info if not i.worker and i.status == 429),
+            "failed_requests": sum(1 for i in info if i.worker and i.status >= 400),
+            "broken_requests": sum(1 for i in info if i.broken),
         }
         rates = sorted({i.sample_rate for i in info})
         tenants = len({i.tenant for i in info})
@@ -595,6 +598,19 @@ def print_report(res: dict, file=None) -> None:
             "shed",
             f"{obs['shed_requests']:,}",
             "requests the router answered 429 (every worker saturated); replayed as offered load",
+        )
+    if obs and obs.get("failed_requests"):
+        t.add_row(
+            "failed",
+            f"{obs['failed_requests']:,}",
+            "requests answered with an error status (a worker's, or the router's when every "
+            "attempt failed); replayed as offered load",
+        )
+    if obs and obs.get("broken_requests"):
+        t.add_row(
+            "broken",
+            f"{obs['broken_requests']:,}",
+            "streams a worker broke off after the client had its 200 (answer incomplete)",
         )
     t.add_row(
         "oracle",

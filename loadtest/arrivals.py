@@ -134,6 +134,57 @@ class Bounds:
         return None
 
 
+class Pacer:
+    """The arrival process's two decisions, made the same way by the live driver
+    (``drive``) and the simulator's (``loadtest.simulator.driver``), so that a
+    workload, seed and arrival process give the same dispatch times in both:
+
+    ``due(spec)``       when the next ready turn may leave: Poisson, the process's
+                        next event; TraceTimes, ``start + spec.arrival_s``;
+                        Closed, at once
+    ``dispatched(now)`` after each dispatch: the next Poisson event is one gap
+                        (``Poisson.gap``: exponential, or gamma with burstiness)
+                        after the last, but never more than 1 s in the past (a
+                        driver that fell behind does not burst to catch up)
+    ``cap``             most requests in flight: Closed's concurrency, Poisson's
+                        ``max_concurrency``, else ``Bounds.max_in_flight``
+
+    The gaps come from one rng seeded with the workload's seed, drawn one per
+    dispatch in dispatch order.
+    """
+
+    __slots__ = ("arrivals", "rng", "start", "next_due", "cap", "_kind")
+
+    def __init__(self, arrivals: Arrivals, bounds: Bounds, *, seed: int, start: float) -> None:
+        if not isinstance(arrivals, (Poisson, TraceTimes, Closed)):
+            raise TypeError(f"arrivals must be Poisson, TraceTimes or Closed, got {arrivals!r}")
+        self.arrivals = arrivals
+        self.rng = random.Random(seed ^ 0x5EED)
+        self.start = start
+        self.next_due = start  # Poisson: when the next dispatch is due
+        self._kind = next(k for k in (Poisson, TraceTimes, Closed) if isinstance(arrivals, k))
+        if isinstance(arrivals, Closed):
+            self.cap = arrivals.concurrency
+        elif isinstance(arrivals, Poisson) and arrivals.max_concurrency is not None:
+            self.cap = min(arrivals.max_concurrency, bounds.max_in_flight)
+        else:
+            self.cap = bounds.max_in_flight
+
+    def due(self, spec: RequestSpec, now: float) -> float:
+        """When ``spec`` (the first ready turn) may be dispatched."""
+        kind = self._kind
+        if kind is Poisson:
+            return self.next_due
+        if kind is TraceTimes:
+            return self.start + (spec.arrival_s or 0.0)
+        return now
+
+    def dispatched(self, now: float) -> None:
+        """A turn was dispatched at ``now``: the next Poisson event is drawn."""
+        if self._kind is Poisson:
+            self.next_due = max(self.next_due, now - 1.0) + self.arrivals.gap(self.rng)
+
+
 #: sends one spec; returns the answer text, or None if the request failed
 Sender = Callable[[RequestSpec], Awaitable[str | None]]
 
@@ -167,7 +218,6 @@ async def drive(
     dispatch order (the report's oracle and pooled caches see that order).
     Never raises for a failed request; cancels whatever is still running on exit.
     """
-    rng = random.Random(seed ^ 0x5EED)
     stats = DriveStats()
     pending = iter(sessions)
     active_limit = max_active_sessions or len(sessions) or 1
@@ -176,6 +226,7 @@ async def drive(
     in_flight: set[asyncio.Task] = set()
     changed = asyncio.Event()  # set whenever a turn becomes ready or a request ends
     start = clock()
+    pacer = Pacer(arrivals, bounds, seed=seed, start=start)
     deadline = start + bounds.duration_cap
     max_requests = bounds.request_cap
 
@@ -225,13 +276,7 @@ async def drive(
             pass
 
     activate()
-    next_due = start
-    if isinstance(arrivals, Closed):
-        cap = arrivals.concurrency
-    elif isinstance(arrivals, Poisson) and arrivals.max_concurrency is not None:
-        cap = min(arrivals.max_concurrency, bounds.max_in_flight)
-    else:
-        cap = bounds.max_in_flight
+    cap = pacer.cap
     try:
         while True:
             if stats.dispatched >= max_requests:
@@ -248,19 +293,13 @@ async def drive(
                 await wait_change(deadline)
                 continue
             session, spec = ready[0]
-            if isinstance(arrivals, TraceTimes):
-                due = start + (spec.arrival_s or 0.0)
-            elif isinstance(arrivals, Poisson):
-                due = next_due
-            else:
-                due = now
+            due = pacer.due(spec, now)
             if due > now:
                 # sleep until due, but wake early if the deadline comes first
                 await asyncio.sleep(min(due, deadline) - now)
                 continue
             ready.popleft()
-            if isinstance(arrivals, Poisson):
-                next_due = max(next_due, now - 1.0) + arrivals.gap(rng)
+            pacer.dispatched(now)
             stats.dispatched += 1
             if on_dispatch is not None:
                 on_dispatch(spec)

@@ -64,12 +64,16 @@ def add_load_arguments(
     default_workload: str | None,
     model_flag: bool = True,
     load_shapes: bool = False,
+    arrival_shapes: bool = False,
 ) -> None:
     """Workload, arrival and bound flags shared by ``loadtest``, ``demo`` and ``simulate``.
 
-    ``load_shapes`` (``loadtest``): ``--rate`` takes a list (a sweep) and combines
-    with ``--concurrency`` (a cap), ``--burstiness`` and ``--dataset`` exist, and
-    neither ``--workload`` nor ``--dataset`` is required when ``--trace`` is given."""
+    ``arrival_shapes`` (``simulate``; implied by ``load_shapes``): ``--burstiness``
+    exists and ``--rate`` combines with ``--concurrency`` (a cap on requests in
+    flight), the arrivals ``loadtest`` draws. ``load_shapes`` (``loadtest``): besides,
+    ``--rate`` takes a list (a sweep), ``--dataset`` exists, and neither
+    ``--workload`` nor ``--dataset`` is required when ``--trace`` is given."""
+    arrival_shapes = arrival_shapes or load_shapes
     g = parser.add_argument_group("workload")
     g.add_argument(
         "--workload",
@@ -128,7 +132,7 @@ def add_load_arguments(
             "--dataset-api", choices=APIS, default=API_COMPLETIONS, help="the endpoint datasets are sent to"
         )
     a = parser.add_argument_group("arrivals and bounds")
-    m = a if load_shapes else a.add_mutually_exclusive_group()
+    m = a if arrival_shapes else a.add_mutually_exclusive_group()
     if load_shapes:
         m.add_argument(
             "--rate",
@@ -136,19 +140,20 @@ def add_load_arguments(
             metavar="R[,R...]",
             help="open loop: arrivals per second; a list runs each rate in turn (a sweep, one table)",
         )
+    else:
+        m.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    if arrival_shapes:
         m.add_argument(
             "--burstiness",
             type=float,
             default=1.0,
             help="--rate: gamma shape of the gaps (1: Poisson; < 1 burstier)",
         )
-    else:
-        m.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
     m.add_argument(
         "--concurrency",
         type=int,
         help="closed loop: requests in flight (default: 8; trace: its own "
-        "timestamps)" + ("; with --rate: the cap on requests in flight" if load_shapes else ""),
+        "timestamps)" + ("; with --rate: the cap on requests in flight" if arrival_shapes else ""),
     )
     a.add_argument(
         "--requests",

@@ -255,11 +255,14 @@ async def _read_stream(
     text chunks); False after marking ``result`` failed when the stream is bad."""
     last_tok: float | None = None
     buf = b""
-    async for raw in resp.content:
+    async for raw in resp.content.iter_any():  # one await per read, not one per line
         buf += raw
-        if not buf.endswith(b"\n"):
+        cut = buf.rfind(b"\n")
+        if cut < 0:
             continue
-        for line in buf.splitlines():
+        # every whole line now (its tokens timed on arrival), the partial tail kept
+        lines, buf = buf[:cut], buf[cut + 1 :]
+        for line in lines.splitlines():
             line = line.strip()
             if not line.startswith(b"data:"):
                 continue
@@ -286,7 +289,6 @@ async def _read_stream(
             usage = chunk.get("usage")
             if usage:
                 _read_usage(result, usage)
-        buf = b""
     _fail(result, "stream", "stream ended without [DONE]")
     return False
 

@@ -52,6 +52,10 @@ class LineInfo:
     model: str
     status: int
     sample_rate: float
+    #: the worker that answered ("": shed by the router)
+    worker: str = ""
+    #: the stream broke off after the client had its 200
+    broken: bool = False
 
 
 @dataclass(slots=True)
@@ -247,10 +251,14 @@ def _line_info(rec: dict, n_in: int) -> LineInfo:
     if type(status) is not int:
         raise ValueError("'status' must be an integer")
     rate = opt_num("sample_rate")
-    tenant, model = rec.get("tenant", ""), rec.get("model", "")
-    if not isinstance(tenant, str) or not isinstance(model, str):
-        raise ValueError("'tenant' and 'model' must be strings")
-    return LineInfo(n_in, cached, matched, ttft, tenant, model, status, 1.0 if rate is None else float(rate))
+    tenant, model, worker = rec.get("tenant", ""), rec.get("model", ""), rec.get("worker", "")
+    if not isinstance(tenant, str) or not isinstance(model, str) or not isinstance(worker, str):
+        raise ValueError("'tenant', 'model' and 'worker' must be strings")
+    broken = rec.get("broken", False)
+    if type(broken) is not bool:
+        raise ValueError("'broken' must be true or false")
+    rate = 1.0 if rate is None else float(rate)
+    return LineInfo(n_in, cached, matched, ttft, tenant, model, status, rate, worker, broken)
 
 
 def read_trace(

@@ -310,7 +310,7 @@ class RequestContext:
 class _Flight:
     """One attempt's outcome as it unfolds, for its bookkeeping on every path."""
 
-    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent")
+    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent", "status", "broken")
 
     def __init__(self, left: int) -> None:
         self.left = left  # prompt tokens still counted on the worker as queued prefill
@@ -319,6 +319,10 @@ class _Flight:
         self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
         self.output: int | None = None  # completion tokens the worker reported
         self.sent = time.monotonic()
+        #: the status of the answer the client got from this attempt (the traffic
+        #: log's); None: none (failed before a byte, or the client went away)
+        self.status: int | None = None
+        self.broken = False  # the worker broke off after the client had its 200
 
 
 def _named_tenants(cfg: Config) -> list[str]:
@@ -637,6 +641,7 @@ class DataPlane:
             # a 429 or 503 keeps its status (and Retry-After); another 5xx is a 502
             status = last.status if last.status in (429, 503) else 502
             self.metrics.outcome(worker, status, ctx.reason)
+            self._log_failed(ctx, worker, status)
             ctx.ex.reply(
                 status,
                 _status_error(last.status, b""),
@@ -645,10 +650,24 @@ class DataPlane:
             )
             return
         status, body = _client_error(last.cause)
+        self._log_failed(ctx, worker, status)
         self.metrics.rejected.labels(
             str(status), _CLIENT_ERRORS.get(last.cause, _CLIENT_ERRORS["payload"])[1]
         ).inc()
         ctx.ex.reply(status, body, _JSON, [(REQUEST_ID_HEADER, ctx.rid)])
+
+    def _log_failed(self, ctx: RequestContext, worker: str, status: int) -> None:
+        """The traffic log's line for a request every attempt failed (offered load,
+        served by no worker: nothing matched, cached or timed; ``worker`` the last tried)."""
+        if self.traffic is not None:
+            self.traffic.record(
+                ctx.key,
+                arrival_s=time.time() - (time.monotonic() - ctx.t0),
+                worker=worker,
+                matched_tokens=0,
+                status=status,
+                session=ctx.session,
+            )
 
     def _pick(self, w: Worker, kr: KeyedRequest, now: float) -> Placement:
         """The optimistic hint and the load count for ``w``, in its own key space,
@@ -774,7 +793,7 @@ class DataPlane:
                 status=status,
                 headers=resp.headers,
             )
-        f.ok = True
+        f.ok, f.status = True, status
         ctype = resp.headers.get("content-type", _JSON)
         if status == 200 and (
             link is not None or self.traffic is not None or (ctx.ticket is not None and ctx.ticket.limits)
@@ -803,11 +822,7 @@ class DataPlane:
             link.rank_finished(pick.rank)
         usage = f.usage
         self.metrics.answered(w.id, ctx.key.model, f.ok, usage)
-        if not f.ok:
-            return
-        if usage is not None and f.output is not None and ctx.ticket is not None:
-            self.tenancy.settle(ctx.ticket, usage[0] + f.output, time.monotonic())
-        if self.traffic is not None:
+        if self.traffic is not None and f.status is not None:  # the client got this answer
             self.traffic.record(
                 ctx.key,
                 arrival_s=time.time() - (time.monotonic() - ctx.t0),
@@ -817,8 +832,14 @@ class DataPlane:
                 output_tokens=f.output,
                 cached_tokens=usage[1] if usage else None,
                 ttft_s=f.ttft,
+                status=f.status,
+                broken=f.broken,
                 session=ctx.session,
             )
+        if not f.ok:
+            return
+        if usage is not None and f.output is not None and ctx.ticket is not None:
+            self.tenancy.settle(ctx.ticket, usage[0] + f.output, time.monotonic())
         if link is not None:
             try:
                 link.observe(pick, usage, f.ttft, time.monotonic())
@@ -870,7 +891,7 @@ class DataPlane:
             # closes the worker's connection, so the engine aborts the generation
             f.ok = None
             return
-        f.ok = True
+        f.ok, f.status = True, 200
         f.usage, f.output = watch.usage, watch.output_tokens
         m.request_done(w.id, 200, ctx.reason)
         m.observe_latency(time.monotonic() - ctx.t0)
@@ -891,6 +912,7 @@ class DataPlane:
             watch.flush(complete=False) + b"data: " + json.dumps(err).encode() + b"\n\n" + _DONE
         )
         f.ok = None if isinstance(exc, ResponseTooLarge) else False
+        f.status, f.broken = 200, True
         await ctx.ex.stream_end()
 
     def _worker_unhealthy(self, w: Worker) -> None:

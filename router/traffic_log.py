@@ -49,8 +49,14 @@ Line format (``FORMAT``), one JSON object per line; Mooncake's trace fields firs
                            0 when shed)
     cached_tokens   int|null  cached prompt tokens the worker reported
     ttft_ms         float|null  router arrival to the first response byte
-    status          int    the HTTP status the client got (429: shed by the router,
-                           with output_length 0 and cached_tokens/ttft_ms null)
+    status          int    the HTTP status the client got: the worker's own answer
+                           (a 4xx passed through), the router's error when every
+                           attempt failed (502, 503, 504, a worker's 429; matched_tokens
+                           0, cached_tokens/ttft_ms null), 429 when the router shed it
+                           (worker "", output_length 0, cached_tokens/ttft_ms null)
+    broken          bool   the worker broke off a stream after the client had its 200
+                           (the client's stream ended with an error event): status
+                           is that 200, output_length 0, the answer incomplete
     sample_rate     float  the log's sample rate when this line was written
 
 Mapping onto a Mooncake trace (``loadtest.workloads.Trace`` reads both). Mooncake's
@@ -76,8 +82,13 @@ too, so that the log is the offered load, not only the admitted: replay takes it
 a request like any other (a replay decides for itself whether to shed it), and
 ``radixfleet analyze`` counts it in ``shed_requests`` and leaves it out of the
 observed figures (hit rate, router matched share), which are the served requests'.
-A request refused by the concurrency limit (``limits.max_concurrency``) is
-not logged: it is refused before its body is read, so it has no prefix to log.
+So is a request every attempt failed (its error status, the last worker tried,
+nothing matched) and one whose stream broke (``broken``): the log records the
+outcome the client saw, never a 200 for an error. ``analyze`` counts them
+(``failed_requests``, ``broken_requests``) and keeps failed lines out of the observed
+figures. A request refused by the concurrency limit (``limits.max_concurrency``) is
+not logged: it is refused before its body is read, so it has no prefix to log; nor
+is one whose client went away before its answer was whole (it got no outcome).
 
 Token counts on replay are the router's (4 bytes per token, the simulated engine's
 tokenizer); ``input_length`` keeps the engine's own count for analyses that want it.
@@ -132,7 +143,7 @@ _LINE = (
     '{"timestamp":%s,"input_length":%d,"output_length":%d,"hash_ids":[%s],'
     '"format":"' + FORMAT + '","block_tokens":%d,"routed_tokens":%d,"tenant":"%s",'
     '"model":%s,"adapter":%s,"worker":%s,"matched_tokens":%d,"cached_tokens":%s,'
-    '"ttft_ms":%s,"status":%d,"sample_rate":%s}'
+    '"ttft_ms":%s,"status":%d,"broken":%s,"sample_rate":%s}'
 )
 _FILE_RE_TEMPLATE = r"^{prefix}-\d{{8}}T\d{{6}}Z-\d+-\d{{4}}\.jsonl$"
 
@@ -282,6 +293,7 @@ class TrafficLog:
         cached_tokens: int | None = None,
         ttft_s: float | None = None,
         status: int = 200,
+        broken: bool = False,
         session: str | None = None,
     ) -> bool:
         """Queues one request's line; returns whether it was queued. Never blocks,
@@ -292,7 +304,8 @@ class TrafficLog:
         the router received the request. ``prompt_tokens`` / ``output_tokens`` /
         ``cached_tokens``: the worker's usage, None when it reported none (the
         prompt then falls back to the router's estimate). ``ttft_s``: to the first
-        response byte. ``session``: the request's session id (sampling only; never
+        response byte. ``status``: the HTTP status the client got; ``broken``: the
+        stream broke off after it. ``session``: the request's session id (sampling only; never
         written). O(1)."""
         if self.state is not LogState.RUNNING:
             if self.state is LogState.NEW:
@@ -322,6 +335,7 @@ class TrafficLog:
                 cached_tokens,
                 ttft_s,
                 status,
+                broken,
             )
         )
         return True
@@ -366,7 +380,7 @@ class TrafficLog:
                 rec = pop()
             except IndexError:  # pragma: no cover - only this thread pops
                 break
-            arrival_s, key, worker, matched, prompt, output, cached, ttft_s, status = rec
+            arrival_s, key, worker, matched, prompt, output, cached, ttft_s, status, broken = rec
             bt = key.block_bytes // BYTES_PER_TOKEN
             if bt != self._file_block_tokens and self._file is not None:
                 self._flush(lines, n)  # a new block size starts a new file
@@ -392,6 +406,7 @@ class TrafficLog:
                 "null" if cached is None else int(cached),
                 "null" if ttft_s is None else repr(round(ttft_s * 1000.0, 3)),
                 status,
+                "true" if broken else "false",
                 rate_s,
             )
             lines.append(line)

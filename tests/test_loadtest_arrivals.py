@@ -8,6 +8,7 @@ on a loaded machine.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -143,3 +144,95 @@ def test_bad_bounds_and_rates():
         Bounds(max_requests=0)
     with pytest.raises(WorkloadError, match="--duration"):
         Bounds(duration_s=0)
+
+
+def _simulated_dispatches(sessions, arrivals, bounds, delay, seed, max_active_sessions=None):
+    """The simulator's driver on a bare event loop: each request answered ``delay``
+    after its dispatch (as ``_recorder``'s sender answers live)."""
+    import heapq
+    import itertools
+
+    from loadtest.simulator.driver import VirtualDriver
+
+    log: list[tuple[str, float]] = []
+    done: list = []
+    now = [0.0]
+    seq = itertools.count()
+    peak = [0]
+
+    def dispatch(session, spec):
+        log.append((spec.id, now[0]))
+        heapq.heappush(done, (now[0] + delay, next(seq), session, spec))
+        peak[0] = max(peak[0], len(done))
+
+    d = VirtualDriver(
+        sessions, arrivals, bounds, dispatch, max_active_sessions=max_active_sessions, seed=seed
+    )
+    wake = d.pump(0.0)
+    while not d.done:
+        t = min(done[0][0] if done else math.inf, math.inf if wake is None else wake)
+        if t == math.inf:
+            break
+        now[0] = t
+        while done and done[0][0] <= t:
+            _, _, session, spec = heapq.heappop(done)
+            d.complete(session, f"answer to {spec.id}")
+        wake = d.pump(t)
+        d.check()
+    return log, peak[0]
+
+
+@pytest.mark.parametrize(
+    "arrivals",
+    [
+        Poisson(40.0),
+        Poisson(40.0, burstiness=0.25),
+        Poisson(40.0, burstiness=4.0),
+        Poisson(200.0, max_concurrency=3),
+        Poisson(100.0, burstiness=0.3, max_concurrency=2),
+        Closed(3),
+    ],
+    ids=repr,
+)
+def test_simulator_dispatches_at_the_live_drivers_times(arrivals):
+    """``radixfleet simulate`` and ``radixfleet loadtest`` draw the same arrivals for
+    the same workload and seed: burstiness shapes both, the concurrency cap holds in
+    both, and every request leaves at the same moment."""
+    delay = 0.05
+    bounds = Bounds(max_requests=80, duration_s=30)
+
+    def sessions():
+        return make_workload("zipf", {"requests": 200}, seed=4).sessions()
+
+    send, live, inf = _recorder(delay=delay)
+    run_virtual(drive(sessions(), arrivals, bounds, send, seed=4, clock=_now))
+    sim, sim_peak = _simulated_dispatches(sessions(), arrivals, bounds, delay, seed=4)
+    assert len(live) == len(sim) == 80
+    assert [i for i, _ in sim] == [i for i, _ in live]
+    assert [t for _, t in sim] == pytest.approx([t for _, t in live], abs=1e-9)
+    cap = getattr(arrivals, "max_concurrency", None) or getattr(arrivals, "concurrency", None)
+    if cap is not None:
+        assert inf[1] == sim_peak == cap
+
+
+def test_a_rate_sweep_keeps_burstiness_and_the_concurrency_cap():
+    from loadtest.simulator.simulation import SimConfig
+    from loadtest.simulator.sweep import parse_sweep, plan_runs
+
+    plans = plan_runs(
+        SimConfig(workers=2), ["round_robin"], ["events"], Poisson(5.0, 0.5, 4), parse_sweep("rate=2,8")
+    )
+    assert [p.arrivals for p in plans] == [Poisson(2.0, 0.5, 4), Poisson(8.0, 0.5, 4)]
+
+
+def test_the_overhead_benchmarks_schedule_is_the_drivers():
+    """``bench loadgen`` offers its minimal client the arrivals ``radixfleet loadtest
+    --rate R --seed S`` draws, and measures both clients' lag against them."""
+    from radixfleet.bench.loadgen import schedule
+
+    send, log, _ = _recorder(delay=0.001)
+    w = make_workload("zipf", {"requests": 100})
+    run_virtual(
+        drive(w.sessions(), Poisson(50.0), Bounds(max_requests=40, duration_s=60), send, seed=7, clock=_now)
+    )
+    assert [t for _, t in log] == pytest.approx(schedule(50.0, 40, 7), abs=1e-9)

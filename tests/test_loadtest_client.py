@@ -467,3 +467,32 @@ async def test_a_vllm_reset_is_followed_by_a_step_that_publishes_its_cleared_eve
             assert seen == [("reset", None)]
     finally:
         await runner.cleanup()
+
+
+async def test_each_token_is_timed_when_its_line_arrives_not_when_a_read_ends_on_a_line():
+    """The stream is read a network read at a time: the whole lines of a read are
+    timed at its arrival even when the read ends inside the next event."""
+    from loadtest.client import Result, _read_stream
+    from loadtest.workloads import API_COMPLETIONS
+
+    def ev(text: str) -> bytes:
+        return b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
+
+    a, b, c = ev("a"), ev("b"), ev("c")
+    usage = b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 3}}).encode() + b"\n\n"
+    reads = [(0.010, a + b[:9]), (0.020, b[9:] + c[:12]), (0.030, c[12:] + usage + b"data: [DONE]\n\n")]
+    now = [0.0]
+
+    class Content:
+        async def iter_any(self):
+            for t, piece in reads:
+                now[0] = t
+                yield piece
+
+    class Resp:
+        content = Content()
+
+    r, parts = Result("x", "s", 0), []
+    assert await _read_stream(Resp(), API_COMPLETIONS, r, parts, 0.0, lambda: now[0])
+    assert parts == ["a", "b", "c"] and r.output_tokens == 3
+    assert r.ttft_s == pytest.approx(0.010) and r.itl_s == pytest.approx([0.010, 0.010])

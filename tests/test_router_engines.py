@@ -476,6 +476,103 @@ async def test_shed_requests_are_logged_as_offered_load(tmp_path):
     assert obs["shed_requests"] == 2 and obs["requests_reporting_cached"] == 2
 
 
+class FaultyEngine(FakeEngine):
+    """``FakeEngine`` whose prompt picks a fault: "bad" a 400, "down" a 500, "break"
+    a stream cut off after its first token."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        text = body["messages"][0]["content"]
+        if text.startswith("bad"):
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        if text.startswith("down"):
+            return web.json_response({"error": {"message": "engine error"}}, status=500)
+        if text.startswith("break"):
+            r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await r.prepare(request)
+            await r.write(ROLE + TOKEN)
+            await asyncio.sleep(0.05)
+            request.transport.abort()  # the engine dies mid-answer
+            return r
+        self.bodies.append(body)
+        return await FakeEngine.chat(self, _Replay(request, body))
+
+
+class _Replay:
+    """A request whose JSON body was read already (``FakeEngine.chat`` reads it again)."""
+
+    def __init__(self, request: web.Request, body: dict) -> None:
+        self._request, self._body = request, body
+
+    async def json(self) -> dict:
+        return self._body
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+
+@pytest.mark.integration
+async def test_traffic_log_records_the_status_the_client_got(tmp_path):
+    """An upstream error and a stream the worker broke off are logged as the client
+    saw them (the error status; a 200 marked ``broken``), never as a plain 200, and
+    analyze counts them apart from the served requests."""
+    import aiohttp
+
+    from loadtest.analyze import Options, analyze
+    from router.app import Router, RouterServer
+
+    fake = FaultyEngine(prefill_s=0.0)
+    runner, url = await _serve(fake.app())
+    cfg = parse_config(
+        {
+            "workers": [{"url": url, "id": "f", "kind": "openai"}],
+            "health": {"interval_s": 0.2},
+            "listen": {"port": 0},
+            "traffic_log": {"enabled": True, "dir": str(tmp_path / "log")},
+        }
+    )
+    router = Router(cfg)
+    server = RouterServer(router, port=0)
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    seen = {}
+    try:
+        w = router.pool.get("f")
+        for _ in range(100):
+            if w.routable(__import__("time").monotonic()):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            for kind, stream in (("ok", True), ("bad", False), ("break", True), ("down", False)):
+                body = {
+                    "model": "m",
+                    "stream": stream,
+                    "messages": [{"role": "user", "content": f"{kind} " + "y" * 600}],
+                }
+                async with s.post(base + "/v1/chat/completions", json=body) as r:
+                    seen[kind] = (r.status, await r.read())
+                for _ in range(100):  # the next fault on a routable worker
+                    if w.routable(__import__("time").monotonic()):
+                        break
+                    await asyncio.sleep(0.05)
+    finally:
+        await server.aclose()  # flushes and closes the log
+        await runner.cleanup()
+    assert {k: v[0] for k, v in seen.items()} == {"ok": 200, "bad": 400, "break": 200, "down": 502}
+    assert b"incomplete" in seen["break"][1]
+    files = sorted(str(f) for f in (tmp_path / "log").iterdir())
+    lines = [json.loads(x) for f in files for x in open(f).read().splitlines()]
+    assert len(lines) == 4 and all(x["worker"] == "f" and x["hash_ids"] for x in lines)
+    got = sorted((x["status"], x["broken"]) for x in lines)
+    assert got == [(200, False), (200, True), (400, False), (502, False)]
+    failed = next(x for x in lines if x["status"] == 502)
+    assert failed["matched_tokens"] == 0 and failed["cached_tokens"] is None and failed["ttft_ms"] is None
+    res = analyze(files, Options())
+    assert res["inputs"]["requests"] == 4  # offered load: every line is replayed
+    obs = res["observed"]
+    assert (obs["shed_requests"], obs["failed_requests"], obs["broken_requests"]) == (0, 2, 1)
+
+
 async def test_links_of_one_tokenizer_share_a_single_load(tmp_path):
     """Two engines served by the same tokenizer folder start together: one load,
     both links keyed (concurrent loads of one folder left one worker on bytes)."""

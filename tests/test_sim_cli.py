@@ -371,3 +371,29 @@ def test_unwritable_outputs_fail_before_the_run(tmp_path, capsys):
     check_outputs(files=[("--json", str(existing))], dirs=[("--plots", str(tmp_path / "p"))])
     assert existing.read_text() == "{}" and (tmp_path / "p").is_dir()
     assert sorted(x.name for x in (tmp_path / "p").iterdir()) == []
+
+
+def test_simulate_takes_loadtests_arrival_shapes():
+    """``--burstiness`` and ``--rate`` with a ``--concurrency`` cap mean in ``simulate``
+    what they mean in ``loadtest``: the same arrivals, kept across a rate sweep."""
+    import argparse
+
+    from loadtest.arrivals import Poisson
+    from loadtest.cli import build_load
+    from loadtest.cli import configure as loadtest_configure
+    from loadtest.simulator import cli as sim_main
+
+    def parsed(configure, argv):
+        p = argparse.ArgumentParser()
+        configure(p)
+        return p.parse_args(argv)
+
+    flags = ["--workload", "zipf", "--rate", "20", "--burstiness", "0.25", "--concurrency", "3"]
+    plans, _, _, _ = sim_main.build(parsed(sim_main.configure, [*flags, "--policies", "round_robin"]))
+    live = parsed(loadtest_configure, flags)
+    live.rate = live.rate[0]  # loadtest runs each rate of its list through build_load
+    assert [p.arrivals for p in plans] == [build_load(live)[1]] == [Poisson(20.0, 0.25, 3)]
+    swept, _, _, _ = sim_main.build(
+        parsed(sim_main.configure, [*flags, "--policies", "round_robin", "--sweep", "rate=5,40"])
+    )
+    assert [p.arrivals for p in swept] == [Poisson(5.0, 0.25, 3), Poisson(40.0, 0.25, 3)]

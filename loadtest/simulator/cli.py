@@ -13,7 +13,8 @@
         --sweep kv_tokens=4000,8000,16000,32000 --jobs 0     # one process per CPU
 
 Workload, arrival and bound flags are the load generator's (``radixfleet loadtest``):
-the same workload, seed and arrivals produce the same requests here and live.
+the same workload, seed and arrivals (``--rate``, ``--burstiness``, ``--rate`` with a
+``--concurrency`` cap) produce the same requests at the same times here and live.
 Defaults are the demo's (``loadtest.defaults``: workload, agents, per-agent KV,
 rate, policies), so ``radixfleet simulate`` alone runs what ``radixfleet demo``
 runs live; a trace keeps its own timestamps and the preset's KV pool.
@@ -192,7 +193,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "processes; 0 = one per CPU (default 1). Reports are identical but "
         "for wall_s and sim_requests_per_s; memory grows with N",
     )
-    add_load_arguments(parser, default_workload=_AUTO, model_flag=False)
+    add_load_arguments(parser, default_workload=_AUTO, model_flag=False, arrival_shapes=True)
     parser.epilog = DEFAULTS_HELP + "\n\n" + engine_help() + "\n\n" + workload_options_help()
     parser.formatter_class = HelpFormatter
 

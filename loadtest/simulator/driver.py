@@ -5,10 +5,10 @@ Same rules as the live driver, same order of decisions, no asyncio::
     ready queue   the first turn of every active session, and each next turn once
                   the previous answer is back (a session's turns never overlap)
     active        at most ``max_active_sessions`` sessions in progress
-    Poisson(r)    the k-th dispatch is due at ``next_due``; after it,
-                  ``next_due = max(next_due, now - 1) + Exp(r)`` (same seeded rng)
-    TraceTimes    each turn at ``start + spec.arrival_s``
-    Closed(c)     a new request as soon as fewer than c are in flight
+    arrivals      when a turn is due and how many may be in flight: the live
+                  driver's ``loadtest.arrivals.Pacer`` itself (Poisson with its
+                  burstiness and concurrency cap, TraceTimes, Closed; the same
+                  seeded gaps), so a seed gives the same dispatches here and live
     Bounds        stop dispatching at ``max_requests`` or ``duration_s``; requests
                   in flight get ``drain_s`` more, then are cancelled
 
@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import collections
 import math
-import random
 from collections.abc import Callable, Sequence
 
-from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes
+from loadtest.arrivals import Bounds, Pacer
 from loadtest.workloads import RequestSpec, Session
 
 #: dispatch(session, spec) -> None; called in dispatch order
@@ -42,10 +41,9 @@ class VirtualDriver:
     """Feeds a workload's sessions to the simulated router on a virtual clock."""
 
     __slots__ = (
-        "arrivals",
+        "pacer",
         "bounds",
         "dispatch",
-        "rng",
         "pending",
         "limit",
         "ready",
@@ -57,10 +55,8 @@ class VirtualDriver:
         "sessions_finished",
         "start",
         "deadline",
-        "next_due",
         "stopped_at",
         "stopped_by",
-        "cap",
     )
 
     def __init__(
@@ -74,13 +70,10 @@ class VirtualDriver:
         seed: int = 0,
         start: float = 0.0,
     ) -> None:
-        if not isinstance(arrivals, (Poisson, TraceTimes, Closed)):
-            raise TypeError(f"arrivals must be Poisson, TraceTimes or Closed, got {arrivals!r}")
-        self.arrivals = arrivals
+        # the live driver's pacing: the same due times, gaps (same seeded rng) and cap
+        self.pacer = Pacer(arrivals, bounds, seed=seed, start=start)
         self.bounds = bounds
         self.dispatch = dispatch
-        # the live driver's rng, so Poisson gaps are the same numbers
-        self.rng = random.Random(seed ^ 0x5EED)
         self.pending = iter(sessions)
         self.limit = max_active_sessions or len(sessions) or 1
         self.ready: collections.deque[tuple[Session, RequestSpec]] = collections.deque()
@@ -92,11 +85,9 @@ class VirtualDriver:
         self.sessions_finished = 0
         self.start = start
         self.deadline = start + bounds.duration_cap  # inf: no duration bound
-        self.next_due = start
         #: when dispatching stopped (None: still dispatching) and why
         self.stopped_at: float | None = None
         self.stopped_by = ""
-        self.cap = arrivals.concurrency if isinstance(arrivals, Closed) else bounds.max_in_flight
         self._activate()
 
     # ----------------------------------------------------------------- sessions
@@ -141,9 +132,8 @@ class VirtualDriver:
         """Dispatches every turn due at ``now``; returns the next wake-up time."""
         if self.stopped_at is not None:
             return None
-        arrivals = self.arrivals
-        poisson = arrivals.__class__ is Poisson
-        trace = arrivals.__class__ is TraceTimes
+        pacer = self.pacer
+        cap = pacer.cap
         max_requests = self.bounds.request_cap
         ready = self.ready
         while True:
@@ -156,21 +146,15 @@ class VirtualDriver:
             if not ready and self.in_flight == 0:
                 self._stop(now, "exhausted")
                 return None
-            if not ready or self.in_flight >= self.cap:
+            if not ready or self.in_flight >= cap:
                 # a completion (or the deadline) unblocks us; no deadline: only a completion
                 return self.deadline if self.deadline != math.inf else None
             session, spec = ready[0]
-            if trace:
-                due = self.start + (spec.arrival_s or 0.0)
-            elif poisson:
-                due = self.next_due
-            else:
-                due = now
+            due = pacer.due(spec, now)
             if due > now:
                 return min(due, self.deadline)
             ready.popleft()
-            if poisson:
-                self.next_due = max(self.next_due, now - 1.0) + self.rng.expovariate(arrivals.rate)
+            pacer.dispatched(now)
             self.dispatched += 1
             self.in_flight += 1
             self.dispatch(session, spec)

@@ -10,7 +10,8 @@ Sweepable parameters::
 
     kv_tokens   KV capacity per worker, tokens (the knee plot: hit rate vs cache)
     workers     fleet size
-    rate        Poisson arrival rate, requests/s (replaces the arrival process)
+    rate        Poisson arrival rate, requests/s (replaces the arrival process;
+                a --rate run's --burstiness and --concurrency cap are kept)
 
 Plots (``write_sweep_plots``): per swept parameter, hit rate against the value per
 policy with the pooled and oracle references, and TTFT p50 against the value.
@@ -86,7 +87,12 @@ def plan_runs(
             elif sweep.param == "workers":
                 cfg = dataclasses.replace(cfg, workers=int(v))
             else:
-                arr = Poisson(float(v))
+                # the base's burstiness and concurrency cap hold at every rate
+                arr = (
+                    dataclasses.replace(arrivals, rate=float(v))
+                    if isinstance(arrivals, Poisson)
+                    else Poisson(float(v))
+                )
         for mode in feedback:
             for policy in policies:
                 name = policy if len(feedback) == 1 else f"{policy}+{mode}"

@@ -10,7 +10,9 @@ be the bottleneck or hide what is measured:
     completion; with ``"stream": true`` it answers ``chunks`` SSE events and
     ``data: [DONE]``, chunked transfer encoding, **each event its own
     ``transport.write`` in its own event-loop turn** (one send() each, TCP_NODELAY),
-    so a proxy really relays that many separate chunks. ``GET /health`` and ``GET
+    so a proxy really relays that many separate chunks. ``first_s`` / ``gap_s``
+    (default 0) delay the first event and space the later ones, an engine's TTFT
+    and inter-token gap (timers, no CPU spent waiting). ``GET /health`` and ``GET
     /v1/models`` answer what routers probe; anything else is a JSON 404.
 
 ``LeanClient``
@@ -143,7 +145,7 @@ class _UpstreamConn(asyncio.Protocol):
                 t.write(_SSE_HEAD)
                 t.pause_reading()
                 self.left = self.server.chunks
-                self.loop.call_soon(self._next)
+                self._after(self.server.first_s)
             else:
                 t.write(_OK)
         elif method == b"GET" and path == b"/health":
@@ -152,6 +154,12 @@ class _UpstreamConn(asyncio.Protocol):
             t.write(_MODELS_REPLY)
         else:
             t.write(_NOT_FOUND)
+
+    def _after(self, delay_s: float) -> None:
+        if delay_s > 0:
+            self.loop.call_later(delay_s, self._next)
+        else:
+            self.loop.call_soon(self._next)
 
     def _next(self) -> None:
         """One SSE write per event-loop turn: separate sends, never one blob."""
@@ -163,6 +171,8 @@ class _UpstreamConn(asyncio.Protocol):
             self.left -= 1
             t.write(_EVENT_CHUNK)
             self.server.chunks_sent += 1
+            self._after(self.server.gap_s if self.left > 0 else 0.0)
+            return
         elif self.left == 0:
             self.left = -1
             t.write(_DONE_CHUNK)
@@ -177,8 +187,10 @@ class LeanUpstream:
     """The benchmark's upstream (module docstring). ``await start(port)`` then
     ``close()``; counters say what it served."""
 
-    def __init__(self, chunks: int = 64) -> None:
+    def __init__(self, chunks: int = 64, *, first_s: float = 0.0, gap_s: float = 0.0) -> None:
         self.chunks = chunks
+        self.first_s = first_s  # before the first event (TTFT)
+        self.gap_s = gap_s  # between events (inter-token gap)
         self.requests = 0
         self.streams = 0
         self.chunks_sent = 0
