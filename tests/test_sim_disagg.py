@@ -182,3 +182,28 @@ def test_a_disaggregated_run_is_reproducible():
         a.pop(k)
         b.pop(k)
     assert a == b
+
+
+# ------------------------------------------------------------------ the benchmark's flags
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--gpus", "8", "--disagg", "3:3"], "--disagg: 3:3 is 6 GPUs, --gpus is 8"),
+        (["--gpus", "1"], "--gpus"),
+        (["--link", "pcie"], "--link: unknown link preset 'pcie'"),
+        (["--workloads", "mooncake,nope"], "--workloads: 'nope'"),
+        (["--disagg", "8:0"], "--disagg"),
+    ],
+)
+def test_bench_disagg_refuses_bad_flags_with_one_line(argv, words, capsys):
+    import argparse
+
+    from radixfleet.bench import disagg as bench
+
+    parser = argparse.ArgumentParser()
+    bench.configure(parser)
+    assert bench.run(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err

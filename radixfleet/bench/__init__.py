@@ -3,7 +3,7 @@
 Each benchmark is a module here exposing ``configure(parser)`` and ``run(args)``,
 like a CLI subcommand (``BENCHMARKS`` below names them: index, proxy, routing,
 policy, agent, sim, fidelity, events, overload, reproduce, replicas, traffic_log,
-analyze, autoscale). Two modules are helpers, not benchmarks: ``wire`` (the proxy
+analyze, autoscale, disagg). Two modules are helpers, not benchmarks: ``wire`` (the proxy
 benchmark's lean upstream and counting client) and ``tiny_tokenizer`` (the tiny
 test model's tokenizer). Results, with the command that produced them, are written
 down in ``bench/RESULTS.md``. Benchmarks are never part of the test run; the seeded
@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "traffic_log": ("radixfleet.bench.traffic_log", "routing p99 with the traffic log on vs off"),
     "analyze": ("radixfleet.bench.analyze", "radixfleet analyze on a 100,000-request traffic log"),
     "autoscale": ("radixfleet.bench.autoscale", "prefix-aware vs queue-depth autoscaling, flash crowd"),
+    "disagg": ("radixfleet.bench.disagg", "colocated vs disaggregated prefill/decode (simulated), same GPUs"),
 }
 
 
