@@ -207,3 +207,46 @@ def test_bench_disagg_refuses_bad_flags_with_one_line(argv, words, capsys):
     assert bench.run(parser.parse_args(argv)) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err
+
+
+@pytest.mark.parametrize("feedback", ["none", "plain"])
+def test_a_disaggregated_run_keeps_its_invariants_with_any_feedback_and_a_path_latency(feedback):
+    spec = DisaggSpec.split("2:2", "nvlink")
+    cfg = SimConfig(
+        workers=2,
+        policy="prefix_load",
+        engine=EngineSpec(kv_tokens=3000),
+        feedback=feedback,
+        path_latency_s=0.002,
+        check=True,
+    )
+    sim = DisaggSimulation(cfg, spec, make_workload("gsp", GSP, seed=1), Poisson(30.0), Bounds(40, 1e6, 60.0))
+    r = sim.run().report
+    assert r["ok"] == r["requests"] == 40
+    assert r["disagg"]["transfers"] == 40 and r["disagg"]["decode_workers"] == 2
+    # every client-seen TTFT includes the way there and back
+    assert r["ttft_ms"]["p50"] >= 4.0
+
+
+def test_a_conversation_reads_back_the_decode_sides_whole_answer():
+    """Multi-turn chat at text level: the answer the client sends back is the decode
+    leg's (max_tokens long), so the prefill side's cache covers the previous prompt
+    but not the answer, which lives on the decode side."""
+    opts = {"clients": 4, "rounds": 3, "question_tokens": 64, "output_tokens": 16}
+    spec = DisaggSpec.split("2:1")
+    cfg = SimConfig(workers=2, policy="prefix_load", engine=EngineSpec(kv_tokens=20_000), check=True)
+    sim = DisaggSimulation(
+        cfg, spec, make_workload("multiturn", opts, seed=2), Poisson(20.0), Bounds(100, 1e6, 60.0)
+    )
+    r = sim.run().report
+    assert r["ok"] == r["requests"] == 12
+    assert r["output_tokens"] == 12 * 16
+    jobs = sorted((j for j in sim.jobs if not j.warm), key=lambda j: (j.spec.session, j.spec.turn))
+    by_session: dict = {}
+    for j in jobs:
+        by_session.setdefault(j.spec.session, []).append(j)
+    for turns in by_session.values():
+        for prev, nxt in zip(turns, turns[1:]):
+            # the next prompt = previous prompt + its 16-token answer + a question (+ chat framing)
+            assert nxt.prompt.prompt_tokens >= prev.prompt.prompt_tokens + 16 + 64
+            assert prev.prompt.prompt_tokens - 16 <= nxt.cached < prev.prompt.prompt_tokens + 16

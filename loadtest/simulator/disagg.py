@@ -21,19 +21,23 @@ Each request runs in two legs, as vLLM's P/D proxy runs it (the prefill request 
               ``cost.forward_s(cost.decode_flops(b, ctx), ctx)``; the decode worker
               emits the FIRST token (its first step) and every later one
 
-So TTFT = prefill queue + prefill + decode admission wait + transfer + first decode
-step; ITL = the decode workers' step durations (their per-step samples, as the
-colocated report's). Hit rate and ``cached_tokens`` are the prefill side's.
+So TTFT = prefill queue + prefill + decode admission wait + transfer + the rest of
+the decode step in progress + the first decode step; ITL = the decode workers' step
+durations (their per-step samples, as the colocated report's). Hit rate and
+``cached_tokens`` are the prefill side's. The report's ``floor_ttft_ms`` is the
+prefill side's floor (no transfer); ``kv_capacity_tokens`` the prefill pool's.
 
 What is not modelled: the decode side keeps no prefix cache (every request moves its
 whole prompt's KV, so the bytes transferred depend on the requests, not the prefill
-policy); the prefill worker's copy stays in its radix cache (evictable) once sent;
-the decode pick reads the decode workers' state without report delay; ``both``
-workers in a fleet with prefill/decode workers (refused: an all-``both`` fleet is
-the colocated ``Simulation``); client timeouts (refused); the answer's KV is not
-sent back to a prefill worker, so a conversation's next turn hits only on what its
-prompts left there (as live P/D). The decode worker is this module's own model of
-a continuous batch, not the agent's scheduler (which would prefill the prompt again).
+policy); a prefill worker releases a request's KV (into its radix cache, evictable)
+when its prefill ends, not when the transfer does (vLLM's NIXL connector holds the
+blocks until the decode side has pulled them); the decode pick reads the decode
+workers' state without report delay; ``both`` workers in a fleet with prefill/decode
+workers (refused: an all-``both`` fleet is the colocated ``Simulation``); client
+timeouts (refused); the answer's KV is not sent back to a prefill worker, so a
+conversation's next turn hits only on what its prompts left there (as live P/D).
+The decode worker is this module's own model of a continuous batch, not the agent's
+scheduler (which would prefill the prompt again).
 """
 
 from __future__ import annotations
