@@ -16,6 +16,7 @@ from loadtest.workloads import make_workload
 from policies.base import WorkerView
 from policies.disagg import choose_decode, validate_roles
 from protocol.errors import ConfigError
+from protocol.prefix_keys import WorkerId
 from worker_agent.cost_model import LINKS, CostModel, link_preset
 
 GSP = {"groups": 8, "prompts_per_group": 12, "system_tokens": 512, "question_tokens": 32, "output_tokens": 32}
@@ -120,7 +121,11 @@ def test_the_simulation_moves_every_prompt_kv_once_at_the_link_rate():
 
 def _view(wid: str, used: int, running: int, queued: int = 0, cap: int = 1000) -> WorkerView:
     return WorkerView(
-        wid, running_requests=running, queued_requests=queued, kv_used_tokens=used, kv_capacity_tokens=cap
+        WorkerId(wid),
+        running_requests=running,
+        queued_requests=queued,
+        kv_used_tokens=used,
+        kv_capacity_tokens=cap,
     )
 
 

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import collections
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loadtest.report import percentiles
 from loadtest.simulator.engine import _pack
+from loadtest.simulator.reference import TextReference
 from loadtest.simulator.simulation import (
     _CALL,
     UNREAD_ANSWER_BASE,
@@ -60,6 +62,7 @@ from loadtest.simulator.simulation import (
 from policies.base import WorkerView
 from policies.disagg import DECODE, PREFILL, choose_decode, validate_roles
 from protocol.errors import ConfigError
+from protocol.prefix_keys import WorkerId
 from worker_agent import tokenizer
 from worker_agent.cost_model import CostModel, LinkSpec, link_preset
 
@@ -110,7 +113,19 @@ class DisaggSpec:
 class _Leg:
     """One request's decode leg (only ``DisaggSimulation`` and ``DecodeWorker`` write it)."""
 
-    __slots__ = ("job", "max_tokens", "need", "ctx", "generated", "first_t", "src", "dst", "data", "units")
+    __slots__ = (
+        "job",
+        "max_tokens",
+        "need",
+        "ctx",
+        "generated",
+        "first_t",
+        "src",
+        "dst",
+        "queued_at",
+        "data",
+        "units",
+    )
 
     def __init__(self, job: Job, max_tokens: int) -> None:
         self.job = job
@@ -121,8 +136,10 @@ class _Leg:
         self.first_t: float | None = None
         self.src = -1  # prefill worker
         self.dst = -1  # decode worker
-        self.data = None  # text level: the prompt's bytes and keys (the reference's answer)
-        self.units = None
+        self.queued_at = 0.0  # when it reached its decode worker's queue
+        #: text level: the prompt's bytes and keys (the references observe the answer)
+        self.data: bytes | None = None
+        self.units: Sequence[int] | None = None
 
 
 class DecodeWorker:
@@ -171,7 +188,7 @@ class DecodeWorker:
 
     def view(self) -> WorkerView:
         return WorkerView(
-            self.id,
+            WorkerId(self.id),
             running_requests=len(self.running) + len(self.ready) + len(self.landing),
             queued_requests=len(self.waiting),
             kv_used_tokens=self.used,
@@ -271,7 +288,6 @@ class DisaggSimulation(Simulation):
         self.kv_bytes_transferred = 0.0
         self._transfer_s: list[float] = []
         self._decode_wait_s: list[float] = []
-        self._queued_at: dict[_Leg, float] = {}
         self.decode_rejected = 0
 
     # ------------------------------------------------------------- prefill leg
@@ -289,7 +305,7 @@ class DisaggSimulation(Simulation):
 
     def _finish_client(self, job: Job, answer: str | None, now: float) -> None:
         leg = self._legs.get(job)
-        if leg is None or leg.src >= 0 or not job.ok:
+        if leg is None or not job.ok:
             if leg is not None and not job.ok:
                 del self._legs[job]  # refused by its prefill worker: no decode leg
             super()._finish_client(job, answer, now)
@@ -314,7 +330,7 @@ class DisaggSimulation(Simulation):
             del self._legs[job]
             super()._finish_client(job, None, now)
             return
-        self._queued_at[leg] = now
+        leg.queued_at = now
         dw.waiting.append(leg)
         self._admit(d, now)
 
@@ -323,7 +339,7 @@ class DisaggSimulation(Simulation):
     def _admit(self, d: int, now: float) -> None:
         dw = self.decoders[d]
         for leg in dw.admit():
-            self._decode_wait_s.append(now - self._queued_at.pop(leg))
+            self._decode_wait_s.append(now - leg.queued_at)
             nbytes = dw.cost.kv_transfer_bytes(leg.ctx)
             start = max(now, self._egress_free[leg.src], dw.ingress_free)
             end = start + self.link.transfer_s(nbytes)
@@ -362,18 +378,17 @@ class DisaggSimulation(Simulation):
         job.done_t = now
         job.output = leg.generated
         answer = ""
-        if leg.data is not None:  # text level: the agent's own answer, as colocated
+        ref = self.ref_cache
+        if leg.data is not None and isinstance(ref, TextReference):  # text level: the agent's answer
             if _reads_answer(job):
                 toks = tokenizer.generate(
                     tokenizer.request_seed(leg.data, self.cfg.engine.agent_seed), job.output
                 )
                 data = _pack(toks)
-                self.ref_cache.observe_answer_bytes(leg.data, leg.units, data, list(toks))
+                ref.observe_answer_bytes(leg.data, leg.units, data, list(toks))
                 answer = data.decode("ascii", "replace")
             else:
-                self.ref_cache.observe_unread_answer(
-                    leg.data, leg.units, job.output, UNREAD_ANSWER_BASE + job.idx
-                )
+                ref.observe_unread_answer(leg.data, leg.units, job.output, UNREAD_ANSWER_BASE + job.idx)
         leg.data = leg.units = None
         super()._finish_client(job, answer, now)
 
