@@ -122,6 +122,7 @@ def _row(workload: str, fleet: str, report: dict, wall_s: float) -> dict:
         "ttft_p99_ms": report["ttft_ms"]["p99"],
         "itl_p99_ms": report["itl_ms"]["p99"],
         "hit_rate": report["hit_rate"],
+        "oracle_hit_rate": report.get("oracle_hit_rate"),
         "kv_bytes_transferred": d.get("kv_bytes_transferred", 0.0),
         "transfer_p99_ms": (d.get("transfer_ms") or {}).get("p99"),
         "decode_wait_p99_ms": (d.get("decode_admission_wait_ms") or {}).get("p99"),
