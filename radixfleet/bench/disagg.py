@@ -18,7 +18,11 @@ The decode worker is picked by free KV, then running load
                timestamps times ``--time-scale``), the first ``--requests``
     chat       short-prompt chat: SGLang's multiturn (``--chat-clients`` clients x
                6 rounds of 128-token questions and 128-token answers), Poisson
-               ``--chat-rate`` req/s
+               ``--chat-rate`` req/s. Its clients take turns nearly in lockstep (a
+               client's next turn comes about ``--chat-clients`` requests after its
+               last), so when that count is a multiple of the prefill workers round
+               robin sends every turn of a client to the same worker and its hit
+               rate is an artefact; ``--chat-clients 127`` breaks the lockstep
 
 Printed per row: TTFT p50/p99, ITL p99 (the decode steps' durations), hit rate
 (prompt tokens served from the prefill side's cache), KV bytes transferred; the
