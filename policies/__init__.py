@@ -12,5 +12,6 @@ Modules::
     prefix_load      the default: least expected TTFT with bounded affinity
     replication      hot-root replication (HotRoots), used by prefix_load
     footprint        per-worker live-session footprints, read by prefix_load
+    disagg           worker roles (prefill, decode, both) and the decode-side pick
     harness          the router's pick-time bookkeeping in miniature (tests, benchmarks)
 """

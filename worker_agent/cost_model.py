@@ -7,6 +7,7 @@ arithmetic (docs/DESIGN.md "Why it exists")::
     KV bytes/token (MLA)     = layers x (kv_lora_rank + qk_rope_head_dim) x bytes/elem
     KV capacity (tokens)     = per-GPU (HBM x (1 - reserve) - weights/tp)
                                / (KV bytes/token / KV shards)
+    KV transfer (P/D)        = prompt tokens x KV bytes/token / link bytes/s (LINKS)
     prefill(n new, c cached) = [2 x active_params x n  +  attn x n x (c + n/2)]
                                / (tp x peak x MFU)
     decode step(b, ctx)      = max((weights + KV(ctx)) / (tp x HBM bw),
@@ -200,6 +201,44 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """The link a disaggregated fleet moves a prompt's KV over, prefill -> decode."""
+
+    name: str
+    #: bytes/s in one direction (a transfer uses one)
+    bytes_per_s: float
+    source: str
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` at the link's full rate (no protocol overhead)."""
+        return nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+LINKS: dict[str, LinkSpec] = {
+    link.name: link
+    for link in (
+        LinkSpec(
+            "nvlink",
+            450e9,
+            "NVIDIA H100 datasheet (SXM5): NVLink 4 900 GB/s bidirectional = 450 GB/s per direction",
+        ),
+        LinkSpec(
+            "rdma",
+            50e9,
+            "NVIDIA ConnectX-7 datasheet: 400 Gb/s InfiniBand/Ethernet port = 50 GB/s per direction",
+        ),
+    )
+}
+
+
+def link_preset(name: str, path: str = "link") -> LinkSpec:
+    """The ``LINKS`` preset ``name``; ``ConfigError`` at ``path`` naming the choices."""
+    if name not in LINKS:
+        raise ConfigError(path, f"unknown link preset {name!r}; choose one of {', '.join(LINKS)}")
+    return LINKS[name]
+
+
 def _preset(table: dict, kind: str, name: str):
     try:
         return table[name]
@@ -257,6 +296,12 @@ class CostModel:
 
     def kv_bytes_per_token_per_gpu(self) -> float:
         return self.model.kv_bytes_per_token / self.kv_shards()
+
+    def kv_transfer_bytes(self, tokens: int) -> float:
+        """Bytes of ``tokens`` tokens' KV moved between two workers of this model: every
+        layer's K and V (``kv_bytes_per_token``) once, whatever the TP shards (an MLA
+        latent replicated over the ranks is sent once)."""
+        return float(max(0, tokens) * self.model.kv_bytes_per_token)
 
     def kv_capacity_tokens(self, reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> int:
         """KV tokens the pool holds. Raises ``ConfigError`` when the weights do not fit."""

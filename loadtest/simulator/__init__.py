@@ -11,6 +11,7 @@ Modules::
     engine.py       one simulated worker: the agent's scheduler + radix cache + cost model
     agentlink.py    a simulated agent's batches into the router's live feedback path
     simulation.py   the discrete-event simulation: router side, workers, feedback
+    disagg.py       a disaggregated fleet: prefill workers, KV transfer, decode workers
     scaling_loop.py the autoscaling loop closed in the simulator (flash crowd)
     sweep.py        sweeps over kv_tokens / workers / rate, and their plots
     cli.py          the command line

@@ -125,7 +125,7 @@ LEVELS = ("auto", "text", "block")
 UNREAD_ANSWER_BASE = 2**56
 
 # event kinds, in the order same-time events of different kinds were pushed
-_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT, _TICK, _SCALE, _JOIN = range(11)
+_WAKE, _STEP, _FLUSH, _DELIVER, _END, _ARRIVE, _DONE, _TIMEOUT, _TICK, _SCALE, _JOIN, _CALL = range(12)
 
 # a worker's life in an autoscaled run (only Simulation changes it)
 STARTING = "starting"  # requested, not yet registered with the pool (start-up delay)
@@ -449,6 +449,8 @@ class Simulation:
                 self._push(t + self.scaler.interval_s, _SCALE)
             elif kind == _JOIN:
                 self._join(arg, t)
+            elif kind == _CALL:  # a subclass's own event (disagg.py): arg(now)
+                arg(t)
             else:  # _END: the drain grace ran out
                 self._cancel_in_flight(t)
                 break

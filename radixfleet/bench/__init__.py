@@ -3,7 +3,7 @@
 Each benchmark is a module here exposing ``configure(parser)`` and ``run(args)``,
 like a CLI subcommand (``BENCHMARKS`` below names them: index, proxy, routing,
 policy, agent, sim, fidelity, events, overload, priority, reproduce, replicas,
-traffic_log, analyze, autoscale, loadgen). Two modules are helpers, not benchmarks: ``wire`` (the proxy
+traffic_log, analyze, autoscale, loadgen, disagg). Two modules are helpers, not benchmarks: ``wire`` (the proxy
 benchmark's lean upstream and counting client) and ``tiny_tokenizer`` (the tiny
 test model's tokenizer). Results, with the command that produced them, are written
 down in ``bench/RESULTS.md``. Benchmarks are never part of the test run; the seeded
@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "radixfleet.bench.loadgen",
         "the load generator's own overhead: loadtest vs a minimal client on a fast stub",
     ),
+    "disagg": ("radixfleet.bench.disagg", "colocated vs disaggregated prefill/decode (simulated), same GPUs"),
 }
 
 
