@@ -53,7 +53,7 @@ log = logging.getLogger("radixfleet.router")
 PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
-def _parse_batch(raw: bytes) -> ev.EventBatch:
+def _parse_batch(raw: bytes | bytearray) -> ev.EventBatch:
     return ev.parse_batch(jsonbody.loads(raw))
 
 

@@ -161,6 +161,7 @@ class _ChunkedEnd:
             if st == self.SIZE:
                 if self.digits:
                     m = _HEX.match(data, pos, end)
+                    assert m is not None  # the pattern matches the empty string too
                     if m.end() > pos:
                         self.size = (self.size << (4 * (m.end() - pos))) | int(data[pos : m.end()], 16)
                     self.digits = m.end() == end and nl < 0

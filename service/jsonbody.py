@@ -48,7 +48,7 @@ _STEP[ord("]")] = _STEP[ord("}")] = -1
 _QUOTE = ord('"')
 
 
-def nesting_depth(raw: bytes) -> int:
+def nesting_depth(raw: bytes | bytearray) -> int:
     """The deepest bracket nesting of JSON text ``raw`` outside string literals.
     O(len(raw)), in C and numpy passes."""
     # In a string a backslash always escapes the next byte: dropping the escaped
@@ -70,6 +70,7 @@ def loads(
     """Parses JSON text; raises ``MalformedRequest`` for anything that is not
     UTF-8 RFC 8259 JSON nested at most ``max_depth`` levels. ``what`` names the
     text in messages ("request body", "worker's /v1/models answer")."""
+    data: bytes | bytearray
     if isinstance(raw, str):
         text = raw
         data = raw.encode("utf-8", "surrogatepass")

@@ -3,11 +3,12 @@
 Each benchmark is a module here exposing ``configure(parser)`` and ``run(args)``,
 like a CLI subcommand (``BENCHMARKS`` below names them: index, proxy, routing,
 policy, agent, sim, fidelity, events, overload, priority, reproduce, replicas,
-traffic_log, analyze, autoscale, loadgen, disagg). Two modules are helpers, not benchmarks: ``wire`` (the proxy
-benchmark's lean upstream and counting client) and ``tiny_tokenizer`` (the tiny
-test model's tokenizer). Results, with the command that produced them, are written
-down in ``bench/RESULTS.md``. Benchmarks are never part of the test run; the seeded
-figures are (``reproduce``, through ``tests/test_results_reproduce.py``).
+traffic_log, analyze, autoscale, loadgen, disagg). Two modules are helpers, not
+benchmarks: ``wire`` (the proxy benchmark's lean upstream and counting client) and
+``tiny_tokenizer`` (the tiny test model's tokenizer). Results, with the command
+that produced them, are written down in ``bench/RESULTS.md``. Benchmarks are never
+part of the test run; the seeded figures are (``reproduce``, through
+``tests/test_results_reproduce.py``).
 """
 
 from __future__ import annotations

@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
             # what each command costs to start and report, on one request
             _, lean_startup = _lean_rows(port, rates[0], 1, args)
             _, lt_startup = _loadtest_rows(url, rates[0], 1, args, tmp)
-            points = []
+            points: list[dict] = []
             for rate in rates:
                 n = max(20, int(rate * args.duration))
                 lean_runs, lt_runs = [], []

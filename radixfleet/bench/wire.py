@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Self
 
 import httptools
 
@@ -241,7 +242,7 @@ class LeanClient(asyncio.Protocol):
         self._tail = b""  # the end of the body so far, to see [DONE] last
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> LeanClient:
+    async def connect(cls, host: str, port: int) -> Self:
         loop = asyncio.get_running_loop()
         _, proto = await loop.create_connection(cls, host, port)
         return proto
