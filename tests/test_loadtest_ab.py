@@ -289,6 +289,7 @@ def test_router_quick_start_takes_policy_parameters():
             policy_param=[],
             host=MISSING,
             port=MISSING,
+            worker_header=False,
         )
         return Namespace(**{**base, **kw})
 
