@@ -164,7 +164,7 @@ def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start, vll
     assert {o.status for o in light} <= {200, 429} and light_shed <= 0.05 * len(light), summary
     assert not summary["other"], summary
     # Every refusal says when to come back, and the router does not over-shed: the
-    # overload phase serves at least half the calibrated capacity. The figure
+    # overload phase serves at least half the calibrated capacity. The target's figure
     # (the share of offered - capacity x duration shed) is printed, not asserted: the
     # calibration runs on this machine's shared cores and came out 25% low in one run
     # (15.6 req/s calibrated, 20.3 served at 4x), which put the share at 89.6% with
