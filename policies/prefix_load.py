@@ -270,13 +270,15 @@ class PrefixLoad(Policy):
         saturated_s: float = param(
             1.0,
             "when even the least-loaded worker's queue is this many seconds, a holder "
-            "within the affinity bound keeps its match whatever the score (0 = off)",
+            "within the affinity bound keeps its match whatever the score, a prefix's "
+            "fresh home takes its requests and reported queues count only the prompts "
+            "a worker must prefill (0 = off)",
             lo=0.0,
         )
         home_records: int = param(
             4096,
-            "prefixes whose last worker is remembered, so that a miss on a prefix "
-            "the fleet evicted goes back to that worker (LRU; 0 = off)",
+            "prefixes whose last worker is remembered: past saturation a prefix goes "
+            "back to that worker until its KV capacity was routed there since (LRU; 0 = off)",
             lo=0,
             hi=1_000_000,
         )
