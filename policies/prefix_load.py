@@ -321,17 +321,18 @@ class PrefixLoad(Policy):
         d = self._choose(request, match, views, now, branch)
         if fp is not None:
             fp.record(request, match, branch, d.worker, now)
-        self._prune(d.worker, views)
+        self._prune(views)
         unc = request.prompt_tokens - d.matched_blocks * request.block_tokens
         self._observe(d.worker, unc, request.prompt_tokens, now)
         if p.home_records:
             self._remember_home(request, d.worker)
         return d
 
-    def _prune(self, worker: WorkerId, views: Sequence[WorkerView]) -> None:
-        """Forgets workers that left the fleet (discovery churn) once the per-worker
-        records pass twice the fleet: they stay bounded. O(1) unless pruning."""
-        if worker in self._prompted or len(self._prompted) <= 2 * len(views) + 16:
+    def _prune(self, views: Sequence[WorkerView]) -> None:
+        """Forgets workers that left the fleet (discovery churn) once a per-worker
+        record passes twice the fleet: they stay bounded. O(1) unless pruning."""
+        n = 2 * len(views) + 16
+        if len(self._written) <= n and len(self._prompted) <= n and len(self._routed) <= n:
             return
         here = {v.id for v in views}
         for rec in (self._written, self._prompted, self._routed):
