@@ -304,10 +304,10 @@ class PrefixLoad(Policy):
         # included); LRU, at most ``home_records`` entries; only ``choose`` writes
         self._homes: OrderedDict[int, tuple[WorkerId, float]] = OrderedDict()
         # worker -> uncached tokens routed to it in all (never decays): KV it writes
-        self._routed: dict[WorkerId, float] = {}
+        self._routed: dict[str, float] = {}
         # worker -> [decayed whole prompt tokens routed to it, time]: with _written,
         # the share of its prompts it prefills (queued_tokens counts whole prompts)
-        self._prompted: dict[WorkerId, list[float]] = {}
+        self._prompted: dict[str, list[float]] = {}
 
     def choose(
         self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
@@ -350,7 +350,7 @@ class PrefixLoad(Policy):
         self._routed[worker] = self._routed.get(worker, 0.0) + uncached_tokens
         self._add_decayed(self._written, worker, uncached_tokens, now)
 
-    def _observe(self, worker: WorkerId, uncached_tokens: int, prompt_tokens: int, now: float) -> None:
+    def _observe(self, worker: str, uncached_tokens: int, prompt_tokens: int, now: float) -> None:
         """A pick of a ``prompt_tokens`` prompt, ``uncached_tokens`` of it unheld (this
         router's or a peer's): the KV written (``observe_pick``) and the whole prompt
         (``_prompted``, for the uncached share). O(1)."""
@@ -358,9 +358,7 @@ class PrefixLoad(Policy):
         if prompt_tokens > 0:
             self._add_decayed(self._prompted, worker, prompt_tokens, now)
 
-    def _add_decayed(
-        self, recs: dict[WorkerId, list[float]], worker: WorkerId, tokens: int, now: float
-    ) -> None:
+    def _add_decayed(self, recs: dict[str, list[float]], worker: str, tokens: int, now: float) -> None:
         w = recs.get(worker)
         if w is None:
             recs[worker] = [float(tokens), now]
@@ -369,7 +367,7 @@ class PrefixLoad(Policy):
             w[0], w[1] = self._decayed(w, now), now
         w[0] += tokens
 
-    def _uncached_share(self, wid: WorkerId, now: float) -> float:
+    def _uncached_share(self, wid: str, now: float) -> float:
         """The share of the prompt tokens routed to ``wid`` lately that it prefills
         (uncached over whole, both decayed alike; 1 when nothing was routed). O(1)."""
         w = self._prompted.get(wid)
@@ -508,9 +506,9 @@ class PrefixLoad(Policy):
         lo_r = None  # the least-loaded worker's write rate, computed on a tie only
         for i, v in enumerate(views):
             a, c = v.in_flight_tokens, v.queued_tokens
-            if sat and c > a:
-                c *= self._uncached_share(v.id, now)  # whole prompts -> prefill work
-            q = (a if a > c else c) / v.prefill_tokens_per_s
+            # past saturation, the report's whole prompts -> the part w prefills
+            cq = c * self._uncached_share(v.id, now) if sat and c > a else c
+            q = (a if a > cq else cq) / v.prefill_tokens_per_s
             qs.append(q)
             f = v.in_flight
             if q < lo_q or (q == lo_q and f < lo_f):
