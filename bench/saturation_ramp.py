@@ -5,8 +5,9 @@ Poisson arrivals whose rate ramps linearly from r0 to r1 req/s over the duration
 
     python3 bench/saturation_ramp.py OUT GROUPS PREFIX_BLOCKS R0 R1 DURATION_S SEED [ZIPF_ALPHA]
 
-then ``radixfleet simulate --trace OUT --agents 8 --kv-tokens 32000 --feedback events,plain``
-(bench/RESULTS.md, "Past saturation")."""
+then ``radixfleet simulate --trace OUT --agents 8 --kv-tokens 32000 --policies
+prefix_load,cache_aware --feedback events,plain --slo ttft_ms=2000`` (goodput: requests
+within 2 s of TTFT per second; bench/RESULTS.md, "Past saturation")."""
 
 import json
 import random

@@ -155,6 +155,18 @@ def meets_slo(r: Result, slo: dict[str, float]) -> bool:
     return True
 
 
+def goodput(results: Sequence[Result], slo: dict[str, float], duration_s: float) -> dict:
+    """The report's ``goodput`` entry (module docstring): of ``results``, those that
+    succeeded within every bound of ``slo``, over ``duration_s`` seconds."""
+    good = sum(1 for r in results if meets_slo(r, slo))
+    return {
+        "slo": dict(slo),
+        "requests": good,
+        "share": good / len(results) if results else 0.0,
+        "requests_per_s": good / duration_s if duration_s else 0.0,
+    }
+
+
 def enrich(report: dict, results: Sequence[Result], opts: MetricOptions) -> dict:
     """Adds the metrics of the module docstring to one run's ``report`` (in place;
     returned too). ``results`` are the run's requests, ``report`` its ``summarize``."""
@@ -170,13 +182,7 @@ def enrich(report: dict, results: Sequence[Result], opts: MetricOptions) -> dict
     tp["input_tokens_per_s"] = report["prompt_tokens"] / duration if duration else 0.0
     tp["total_tokens_per_s"] = tp["input_tokens_per_s"] + tp["output_tokens_per_s"]
     if opts.slo:
-        good = sum(1 for r in results if meets_slo(r, opts.slo))
-        report["goodput"] = {
-            "slo": dict(opts.slo),
-            "requests": good,
-            "share": good / len(results) if results else 0.0,
-            "requests_per_s": good / duration if duration else 0.0,
-        }
+        report["goodput"] = goodput(results, opts.slo, duration)
     retried = [r for r in results if r.retries]
     report["retries"] = {
         "requests": len(retried),

@@ -124,10 +124,16 @@ def _by_written(
 
 
 class PrefixLoad(Policy):
-    """The module docstring's policy, with two rules for a saturated fleet.
+    """The module docstring's policy, with these rules for a saturated fleet.
 
-    The fleet is *saturated* when even the least-loaded worker's queue is
-    ``saturated_s`` or more. Then:
+    The fleet is *saturated* when even the least-loaded worker's queue (as the module
+    docstring estimates it) is ``saturated_s`` or more. Then:
+
+    - A worker's reported queue counts at its *uncached share*: the report counts
+      whole prompts, and past saturation a holder's queue is mostly prompts it holds
+      (the share: uncached over whole prompt tokens routed there lately, decayed as
+      ``_written``; 1 before any). Counted whole, the best holders look the busiest
+      and the affinity bound sends their prefixes away.
 
     - A worker whose match counts (not masked, not over the affinity bound) keeps the
       request whatever the score says. Below saturation the score's trade of queue
@@ -146,10 +152,27 @@ class PrefixLoad(Policy):
       one) doubled up to the prompt's length, at most ``home_records`` of them (LRU);
       a miss looks them up deepest first. Below saturation a miss goes to the
       least-loaded worker (a re-fill there is done before its siblings arrive).
+    - A home is *fresh* while fewer uncached tokens than its KV capacity (unknown:
+      never judged, fresh) were routed there since its prefix last was (``_routed``,
+      stamped in the home record). Past saturation the queue ahead of a request is
+      served first, and it alone writes more than a cache holds: what the index shows
+      now (exact engine events included) is not what the worker holds when this
+      request's turn comes; the prefix routed there last is, until that much was
+      written after it. So a fresh home whose prefix is at least as deep as every
+      match that counts takes the request, matched or not (an older copy elsewhere
+      would split the prefix's traffic and keep both copies cold). A stale home is
+      no home: its match counts for nothing (the copy is gone by then) and a miss
+      goes to the least-loaded worker, since the prefix is re-filled wherever it
+      goes, and sent home it evicts the prefixes that do come back there. Measured
+      per decision on the saturation ramp (bench/saturation_ramp.py, 32k tokens of
+      KV per worker): a request sent home hit 91% within 8k tokens routed there
+      since, 49% within 16k, 16% within 24k, none past; of 94 sent to a stale home
+      the index showed holding the prefix, none hit.
 
-    Cost of the two rules: one more list of O(workers); O(log blocks) dict operations
-    for the homes. State: ``_homes`` (only ``choose`` writes it), ``_written``,
-    ``hot``, ``footprints``; ``check()`` asserts their bounds.
+    Cost of the rules: one more list of O(workers), a second O(workers) pass when
+    saturated; O(log blocks) dict operations for the homes. State: ``_homes`` (only
+    ``choose`` writes it), ``_written``, ``_prompted``, ``_routed``, ``hot``,
+    ``footprints``; ``check()`` asserts their bounds.
     """
 
     name = "prefix_load"
@@ -247,13 +270,15 @@ class PrefixLoad(Policy):
         saturated_s: float = param(
             1.0,
             "when even the least-loaded worker's queue is this many seconds, a holder "
-            "within the affinity bound keeps its match whatever the score (0 = off)",
+            "within the affinity bound keeps its match whatever the score, a prefix's "
+            "fresh home takes its requests and reported queues count only the prompts "
+            "a worker must prefill (0 = off)",
             lo=0.0,
         )
         home_records: int = param(
             4096,
-            "prefixes whose last worker is remembered, so that a miss on a prefix "
-            "the fleet evicted goes back to that worker (LRU; 0 = off)",
+            "prefixes whose last worker is remembered: past saturation a prefix goes "
+            "back to that worker until its KV capacity was routed there since (LRU; 0 = off)",
             lo=0,
             hi=1_000_000,
         )
@@ -274,9 +299,15 @@ class PrefixLoad(Policy):
         # worker -> [decayed uncached tokens routed to it, time of that value]
         self._written: dict[str, list[float]] = {}
         self.footprints = Footprints(p.session_live_gaps) if p.footprint_room > 0 else None
-        # prefix hash (at sampled depths, ``_home_depths``) -> the worker its last
-        # request went to; LRU, at most ``home_records`` entries; only ``choose`` writes
-        self._homes: OrderedDict[int, WorkerId] = OrderedDict()
+        # prefix hash (at sampled depths, ``_home_depths``) -> (the worker its last
+        # request went to, that worker's ``_routed`` then, this request's tokens
+        # included); LRU, at most ``home_records`` entries; only ``choose`` writes
+        self._homes: OrderedDict[int, tuple[WorkerId, float]] = OrderedDict()
+        # worker -> uncached tokens routed to it in all (never decays): KV it writes
+        self._routed: dict[str, float] = {}
+        # worker -> [decayed whole prompt tokens routed to it, time]: with _written,
+        # the share of its prompts it prefills (queued_tokens counts whole prompts)
+        self._prompted: dict[str, list[float]] = {}
 
     def choose(
         self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
@@ -290,18 +321,23 @@ class PrefixLoad(Policy):
         d = self._choose(request, match, views, now, branch)
         if fp is not None:
             fp.record(request, match, branch, d.worker, now)
+        self._prune(views)
+        unc = request.prompt_tokens - d.matched_blocks * request.block_tokens
+        self._observe(d.worker, unc, request.prompt_tokens, now)
         if p.home_records:
             self._remember_home(request, d.worker)
-        unc = request.prompt_tokens - d.matched_blocks * request.block_tokens
-        if unc > 0:
-            written = self._written
-            if d.worker not in written and len(written) > 2 * len(views) + 16:
-                # workers that left the fleet (discovery churn): keep it bounded
-                here = {v.id for v in views}
-                for k in [k for k in written if k not in here]:
-                    del written[k]
-            self.observe_pick(d.worker, unc, now)
         return d
+
+    def _prune(self, views: Sequence[WorkerView]) -> None:
+        """Forgets workers that left the fleet (discovery churn) once a per-worker
+        record passes twice the fleet: they stay bounded. O(1) unless pruning."""
+        n = 2 * len(views) + 16
+        if len(self._written) <= n and len(self._prompted) <= n and len(self._routed) <= n:
+            return
+        here = {v.id for v in views}
+        for rec in (self._written, self._prompted, self._routed):
+            for k in [k for k in rec if k not in here]:
+                del rec[k]
 
     def observe_pick(self, worker: str, uncached_tokens: int, now: float) -> None:
         """``uncached_tokens`` were routed to ``worker`` at ``now``: the KV it writes
@@ -311,13 +347,38 @@ class PrefixLoad(Policy):
         the 1/N each routes. O(1)."""
         if uncached_tokens <= 0:
             return
-        w = self._written.get(worker)
+        self._routed[worker] = self._routed.get(worker, 0.0) + uncached_tokens
+        self._add_decayed(self._written, worker, uncached_tokens, now)
+
+    def _observe(self, worker: str, uncached_tokens: int, prompt_tokens: int, now: float) -> None:
+        """A pick of a ``prompt_tokens`` prompt, ``uncached_tokens`` of it unheld (this
+        router's or a peer's): the KV written (``observe_pick``) and the whole prompt
+        (``_prompted``, for the uncached share). O(1)."""
+        self.observe_pick(worker, uncached_tokens, now)
+        if prompt_tokens > 0:
+            self._add_decayed(self._prompted, worker, prompt_tokens, now)
+
+    def _add_decayed(self, recs: dict[str, list[float]], worker: str, tokens: int, now: float) -> None:
+        w = recs.get(worker)
         if w is None:
-            self._written[worker] = [float(uncached_tokens), now]
+            recs[worker] = [float(tokens), now]
             return
         if now > w[1]:
             w[0], w[1] = self._decayed(w, now), now
-        w[0] += uncached_tokens
+        w[0] += tokens
+
+    def _uncached_share(self, wid: str, now: float) -> float:
+        """The share of the prompt tokens routed to ``wid`` lately that it prefills
+        (uncached over whole, both decayed alike; 1 when nothing was routed). O(1)."""
+        w = self._prompted.get(wid)
+        if w is None:
+            return 1.0
+        whole = self._decayed(w, now)
+        u = self._written.get(wid)
+        if u is None or whole <= 0:
+            return 0.0 if u is None and whole > 0 else 1.0
+        x = self._decayed(u, now) / whole
+        return x if x < 1.0 else 1.0
 
     def observe_route(self, request: RouteRequest, match: MatchResult, worker: WorkerId, now: float) -> None:
         """Another router replica routed ``request`` to ``worker`` at ``now``;
@@ -334,8 +395,11 @@ class PrefixLoad(Policy):
         if fp is not None:
             fp.expire(now)
             fp.record(request, match, fp.find(request), worker, now)
-        self.observe_pick(
-            worker, request.prompt_tokens - match.blocks.get(worker, 0) * request.block_tokens, now
+        self._observe(
+            worker,
+            request.prompt_tokens - match.blocks.get(worker, 0) * request.block_tokens,
+            request.prompt_tokens,
+            now,
         )
 
     def _decayed(self, w: list[float], now: float) -> float:
@@ -431,6 +495,9 @@ class PrefixLoad(Policy):
             unmatched = crowded if not unmatched else unmatched | crowded
             avoid = crowded if not avoid else avoid | crowded
 
+        # A saturated fleet: even the least-loaded worker has a queue (class docstring).
+        sat = p.saturated_s > 0 and self._saturated(views, p.saturated_s)
+
         # Pass 1: queue delays, the least-loaded worker, the best routable match.
         qs = []
         lo_i, lo_q, lo_f, lo_ties = 0, _INF, 0, 0
@@ -439,7 +506,9 @@ class PrefixLoad(Policy):
         lo_r = None  # the least-loaded worker's write rate, computed on a tie only
         for i, v in enumerate(views):
             a, c = v.in_flight_tokens, v.queued_tokens
-            q = (a if a > c else c) / v.prefill_tokens_per_s
+            # past saturation, the report's whole prompts -> the part w prefills
+            cq = c * self._uncached_share(v.id, now) if sat and c > a else c
+            q = (a if a > cq else cq) / v.prefill_tokens_per_s
             qs.append(q)
             f = v.in_flight
             if q < lo_q or (q == lo_q and f < lo_f):
@@ -457,16 +526,33 @@ class PrefixLoad(Policy):
                 if b > best_b and not (unmatched and v.id in unmatched):
                     best_b = b
         min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
+        if sat and p.home_records:
+            # a fresh home at least as deep as every match that counts takes the
+            # request; a stale one is no home, and its match counts for nothing
+            # (class docstring)
+            h, hd = self._home(request, views, qs, lo_q, min_b)
+            if h >= 0 and hd == 0:
+                stale = views[h].id
+                unmatched = {stale} if not unmatched else unmatched | {stale}
+                if blocks and blocks.get(stale, 0) >= best_b:
+                    best_b = 0
+                    for v in views:
+                        b = blocks.get(v.id, 0)
+                        if b > best_b and v.id not in unmatched:
+                            best_b = b
+            elif h >= 0 and hd >= min_b and hd >= best_b and not (avoid and views[h].id in avoid):
+                v = views[h]
+                b = blocks.get(v.id, 0) if blocks else 0
+                unc = prompt - b * bt
+                return Decision(
+                    v.id,
+                    Reason.AFFINITY if b and b >= min_b else Reason.MISS,
+                    b,
+                    qs[h] + (unc if unc > 0 else 0) / v.prefill_tokens_per_s,
+                )
         if best_b == 0 or best_b < min_b:
             i = lo_i
-            h = (
-                self._home(request, views, qs, lo_q, min_b)
-                if p.home_records and p.saturated_s > 0 and lo_q >= p.saturated_s
-                else -1
-            )
-            if h >= 0 and not (avoid and views[h].id in avoid):
-                i = h
-            elif avoid and views[i].id in avoid:
+            if avoid and views[i].id in avoid:
                 # the least-loaded worker that is not churning or crowded (all are: lo_i)
                 j = self._least_loaded_non_holder(views, qs, avoid, ())
                 if j >= 0:
@@ -517,7 +603,7 @@ class PrefixLoad(Policy):
             kept = kept or b > 0
         # A saturated fleet (even its least-loaded worker has a queue): a holder within
         # the affinity bound keeps the request whatever the score says (class docstring).
-        hold = kept and p.saturated_s > 0 and lo_q >= p.saturated_s
+        hold = kept and sat
         ss = []
         min_s = _INF
         for i, v in enumerate(views):
@@ -654,37 +740,53 @@ class PrefixLoad(Policy):
         min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
         homes = self._homes
         hs = request.hashes
+        rec = (worker, self._routed.get(worker, 0.0))
         for d in self._home_depths(len(hs), min_b):
             k = hs[d - 1]
-            homes[k] = worker
+            homes[k] = rec
             homes.move_to_end(k)
         while len(homes) > p.home_records:
             homes.popitem(last=False)
 
     def _home(
         self, request: RouteRequest, views: Sequence[WorkerView], qs: list[float], lo_q: float, min_b: int
-    ) -> int:
-        """A miss's home: the index of the routable worker that the deepest recorded
-        prefix of this request last went to, unless it is overloaded relative to the
-        least-loaded worker (the affinity bound with nothing saved); -1 if none."""
+    ) -> tuple[int, int]:
+        """The request's home (class docstring): (the index of the routable worker
+        the deepest recorded prefix of this request last went to, that prefix's depth
+        in blocks), the depth 0 when the home is stale (as much as its KV capacity was
+        routed there since; unknown capacity is never judged: fresh); (-1, 0) when there is none or
+        it is overloaded relative to the least-loaded worker (the affinity bound
+        with nothing saved). O(log blocks + workers)."""
         homes = self._homes
         if not homes:
-            return -1
+            return -1, 0
         hs = request.hashes
         depths = list(self._home_depths(len(hs), min_b))
         for d in reversed(depths):
-            w = homes.get(hs[d - 1])
-            if w is None:
+            rec = homes.get(hs[d - 1])
+            if rec is None:
                 continue
+            w, stamp = rec
             for i, v in enumerate(views):
                 if v.id == w:
                     q = qs[i]
                     p = self.params
                     if q > lo_q * p.affinity_rel and q > lo_q + p.affinity_abs_s:
-                        return -1
-                    return i
-            return -1
-        return -1
+                        return -1, 0
+                    cap = v.kv_capacity_tokens
+                    return i, (d if cap <= 0 or self._routed.get(w, 0.0) - stamp < cap else 0)
+            return -1, 0
+        return -1, 0
+
+    @staticmethod
+    def _saturated(views: Sequence[WorkerView], saturated_s: float) -> bool:
+        """Even the least-loaded worker's queue (the module docstring's ``queue_s``)
+        is ``saturated_s`` or more. O(workers)."""
+        for v in views:
+            a, c = v.in_flight_tokens, v.queued_tokens
+            if (a if a > c else c) < saturated_s * v.prefill_tokens_per_s:
+                return False
+        return True
 
     def _least_loaded_non_holder(
         self,
@@ -729,5 +831,10 @@ class PrefixLoad(Policy):
         if self.footprints is not None:
             self.footprints.check()
         assert len(self._homes) <= self.params.home_records, len(self._homes)
-        for wid, (tokens, t) in self._written.items():
-            assert math.isfinite(tokens) and tokens >= 0 and math.isfinite(t), (wid, tokens, t)
+        for recs in (self._written, self._prompted):
+            for wid, (tokens, t) in recs.items():
+                assert math.isfinite(tokens) and tokens >= 0 and math.isfinite(t), (wid, tokens, t)
+        for wid, tokens in self._routed.items():
+            assert math.isfinite(tokens) and tokens >= 0, (wid, tokens)
+        for k, (wid, stamp) in self._homes.items():
+            assert 0 <= stamp <= self._routed.get(wid, stamp), (k, wid, stamp)

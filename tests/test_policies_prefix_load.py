@@ -99,6 +99,61 @@ def test_a_miss_on_an_evicted_prefix_goes_back_to_its_last_worker_when_saturated
     pol.check()
 
 
+def test_a_saturated_fleet_trusts_a_fresh_home_over_the_index_and_a_stale_one_not_at_all():
+    """Past saturation the queue ahead of a request writes more than a cache holds:
+    the prefix's last worker holds it when the request's turn comes while less than
+    its KV capacity was routed there since (fresh), whatever the index shows now;
+    after that (stale) the copy the index shows there is gone by then."""
+    pol = policy()
+    base = 20_000  # 2 s of queue on every worker: saturated
+
+    def fleet(w2_extra: int) -> list[WorkerView]:
+        return [
+            WorkerView("w0", in_flight_tokens=base, kv_capacity_tokens=32_000),
+            WorkerView("w1", in_flight_tokens=base, kv_capacity_tokens=32_000),
+            WorkerView("w2", in_flight_tokens=base + w2_extra, kv_capacity_tokens=32_000),
+        ]
+
+    req = hand_req()
+    assert pol.choose(req, MatchResult({}), fleet(-3000), 0.0).worker == "w2"  # its home now
+    sibling = RouteRequest(req.hashes[:64] + [10_000 + i for i in range(37)], 3232, 32)
+    # the index shows an older copy on w0 and none on w2, busier: the fresh home keeps it
+    d = pol.choose(sibling, MatchResult({"w0": 64}, depth=64), fleet(3000), 1.0)
+    assert (d.worker, d.reason, d.matched_blocks) == ("w2", Reason.MISS, 0)
+    # 40k uncached tokens routed to w2 since: stale. The index still shows w2 holding the
+    # prefix, but the copy will be gone when the request's turn comes: a miss, to the
+    # least-loaded worker (not home)
+    pol.observe_pick("w2", 40_000, 2.0)
+    d = pol.choose(sibling, MatchResult({"w2": 64}, depth=64), fleet(3000), 3.0)
+    assert d.worker in ("w0", "w1") and d.reason is Reason.MISS, d
+    pol.check()
+
+
+def test_a_saturated_holders_reported_queue_counts_only_the_prompts_it_must_prefill():
+    """A worker's report counts whole prompts waiting; past saturation a good holder's
+    queue is mostly prompts it holds. Counted whole, it looks overloaded and its
+    prefix moves; counted at the share of its prompts it prefills, it keeps it."""
+    pol = policy()
+    req = hand_req()
+    idle = [WorkerView("w0"), WorkerView("w1")]
+    for t in range(5):  # w0 holds 100 of 101 blocks: ~1% of its prompts is prefill
+        assert pol.choose(req, MatchResult({"w0": 100}, depth=100), idle, float(t)).worker == "w0"
+    vs = [
+        WorkerView("w0", in_flight_tokens=20_000, queued_tokens=80_000),  # 8 s counted whole
+        WorkerView("w1", in_flight_tokens=20_000),
+    ]
+    d = pol.choose(req, MatchResult({"w0": 100}, depth=100), vs, 5.0)
+    assert (d.worker, d.reason) == ("w0", Reason.AFFINITY)
+    assert d.expected_ttft_s == pytest.approx((20_000 + 32) / 10_000)
+    # nothing routed to w1 yet: its report counts whole
+    vs = [
+        WorkerView("w0", in_flight_tokens=20_000),
+        WorkerView("w1", in_flight_tokens=20_000, queued_tokens=80_000),
+    ]
+    assert pol.choose(hand_req(blocks=101), MatchResult({"w1": 100}, depth=100), vs, 6.0).worker == "w0"
+    pol.check()
+
+
 def test_a_saturated_fleet_keeps_a_holder_within_the_affinity_bound():
     # every worker queues 2 s or more: a holder 0.9 s busier than the least-loaded
     # worker keeps its 8-block match (the score alone would move it)

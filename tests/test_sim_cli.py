@@ -42,6 +42,37 @@ def test_simulate_json_one_run_per_policy(tmp_path, capsys):
     assert "prefix_load" in capsys.readouterr().out
 
 
+def test_slo_adds_the_load_generators_goodput_to_each_run(tmp_path, capsys):
+    """``--slo`` as ``radixfleet loadtest`` reads it: each run reports the ok requests
+    within every bound (none under a bound below any TTFT, all under a generous one)
+    per second of the run, and the table shows the column."""
+
+    def runs(slo: str) -> list[dict]:
+        out = tmp_path / f"{slo.replace(':', '_')}.json"
+        argv = ["simulate", *GSP, "--agents", "2", "--policies", "round_robin,prefix_load"]
+        assert main([*argv, "--slo", slo, "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        validate(doc)
+        return doc["runs"]
+
+    for r in runs("ttft:600000,tpot_ms=600000"):
+        g = r["goodput"]
+        assert g["slo"] == {"ttft_ms": 600000.0, "tpot_ms": 600000.0}
+        assert g["requests"] == r["ok"] == 16 and g["share"] == 1.0
+        assert g["requests_per_s"] == pytest.approx(16 / r["duration_s"])
+    assert "goodput req/s" in capsys.readouterr().out
+    for r in runs("ttft_ms=0.001"):
+        assert r["goodput"]["requests"] == 0 and r["goodput"]["requests_per_s"] == 0.0
+    # between the two: exactly the requests whose TTFT is within the bound
+    out = tmp_path / "plain.json"
+    assert main(["simulate", *GSP, "--agents", "2", "--policies", "prefix_load", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["runs"][0]
+    assert "goodput" not in r  # no --slo, no goodput (as the load generator)
+    mid = r["ttft_ms"]["p50"]
+    g = runs(f"ttft_ms={mid}")[1]["goodput"]
+    assert 8 <= g["requests"] < 16, g
+
+
 def test_sweep_kv_tokens_shape_and_plots(tmp_path):
     out, plots = tmp_path / "sweep.json", tmp_path / "plots"
     rc = main(
@@ -138,6 +169,8 @@ def test_plain_plots(tmp_path):
         (["-P", "prefix_load.nosuch=1"], "nosuch"),
         (["--repeat", "3"], "--repeat"),
         (["--jobs", "-1"], "--jobs"),
+        (["--slo", "latency=5"], "--slo: 'latency=5' must be KEY=MS"),
+        (["--slo", "ttft_ms=0"], "the bound must be > 0 ms"),
         (["--router-config", "/nonexistent/router.yaml"], "cannot read /nonexistent/router.yaml"),
     ],
 )

@@ -43,6 +43,8 @@ def test_exact_eviction_events_do_not_make_prefix_load_worse_past_saturation():
     # past saturation: queues of seconds on every worker
     assert plain["ttft_ms"]["p50"] > 1000.0, plain["ttft_ms"]
     # events keep a prefix's requests on its worker through an eviction: within a few
-    # points of an index that never hears of one (scattered, they lost a third of it)
-    assert events["hit_rate"] >= 0.9 * plain["hit_rate"], (events["hit_rate"], plain["hit_rate"])
+    # points of an index that never hears of one (scattered, they lost a third of it;
+    # trusting the index's present over where the prefix was routed last, past
+    # saturation, 6.4% of it)
+    assert events["hit_rate"] >= 0.95 * plain["hit_rate"], (events["hit_rate"], plain["hit_rate"])
     assert events["ttft_ms"]["p90"] <= 1.1 * plain["ttft_ms"]["p90"], (events["ttft_ms"], plain["ttft_ms"])

@@ -22,7 +22,8 @@ runs live; a trace keeps its own timestamps and the preset's KV pool.
 (``--level auto``) unless ``--level text`` asks for synthesized text.
 
 The report (``--json``) is the load generator's schema, one run per policy named
-after it, latencies in simulated time, plus ``floor_ttft_ms`` (each request's TTFT
+after it, latencies in simulated time (with ``--slo``, ``goodput`` as the load
+generator's: ok requests per second within every bound), plus ``floor_ttft_ms`` (each request's TTFT
 alone on an idle worker holding its oracle-cached prefix: the physical floor, see
 ``loadtest.simulator.simulation``), ``wall_s``, ``sim_requests_per_s`` and
 a ``sim`` object (level, fleet, feedback settings, decision reasons, counters).
@@ -57,6 +58,7 @@ import yaml
 from loadtest import defaults
 from loadtest.arrivals import Bounds
 from loadtest.cli import add_load_arguments, build_load, workload_options_help
+from loadtest.metrics import parse_slo
 from loadtest.report import (
     FLOOR_LEGEND,
     LEGEND,
@@ -178,6 +180,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="one-way client->router->agent latency added to every request (default 0)",
     )
+    m = parser.add_argument_group("metrics")
+    m.add_argument(
+        "--slo",
+        "--goodput",
+        metavar="ttft_ms=MS,tpot_ms=MS,e2e_ms=MS",
+        help="goodput: ok requests per second within every bound, as the load generator "
+        "reports it (vLLM's ttft:MS,tpot:MS also read)",
+    )
     s = parser.add_argument_group("sweep")
     s.add_argument(
         "--sweep",
@@ -267,6 +277,7 @@ def build(args: argparse.Namespace):
         send_session=args.send_session,
         timeout_s=args.timeout,
         router_config=(load_config(args.router_config) if args.router_config else Config()),
+        slo=parse_slo(args.slo) if args.slo else None,
     )
     base.validate()
     sweep = parse_sweep(args.sweep) if args.sweep else None
@@ -343,6 +354,7 @@ def _print_table(runs: list[dict]) -> None:
     from rich.text import Text
 
     t = Table(title="radixfleet simulate (simulated time)")
+    slo = next((r["goodput"]["slo"] for r in runs if "goodput" in r), None)
     cols = (
         "run",
         "sweep",
@@ -356,6 +368,7 @@ def _print_table(runs: list[dict]) -> None:
         "floor p99 ms",
         "ITL p50 ms",
         "req/s",
+        *(["goodput req/s"] if slo else []),
         "imbalance",
         "wall s",
         "sim req/s",
@@ -381,11 +394,19 @@ def _print_table(runs: list[dict]) -> None:
             f(r["floor_ttft_ms"]["p99"], ".1f"),
             f(r["itl_ms"]["p50"], ".2f"),
             f(r["throughput"]["requests_per_s"], ".2f"),
+            *([f(r["goodput"]["requests_per_s"], ".2f")] if slo else []),
             f(r["load_imbalance"], ".2f"),
             f(r["wall_s"], ".2f"),
             f(r["sim_requests_per_s"], ".0f"),
         )
-    print_table(t, sys.stdout, cut_notes(runs), legend=LEGEND + "  " + FLOOR_LEGEND)
+    legend = LEGEND + "  " + FLOOR_LEGEND
+    if slo:
+        legend += (
+            "  goodput: ok requests per second within "
+            + ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in slo.items())
+            + "."
+        )
+    print_table(t, sys.stdout, cut_notes(runs), legend=legend)
 
 
 def run(args: argparse.Namespace) -> int:

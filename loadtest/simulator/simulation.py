@@ -95,6 +95,7 @@ from typing import Any
 
 from loadtest.arrivals import Bounds
 from loadtest.client import Result
+from loadtest.metrics import goodput
 from loadtest.report import mark_bounds, percentiles, summarize
 from loadtest.simulator import blocktrace
 from loadtest.simulator.agentlink import AgentLink, tick_after, tick_at_or_before
@@ -173,6 +174,10 @@ class SimConfig:
     report_every_tick: bool = False
     #: call every check() after every event (tests; slow)
     check: bool = False
+    #: report key (ttft_ms, tpot_ms, e2e_ms) -> bound in ms: the report gains
+    #: ``goodput`` as the load generator's (``loadtest.metrics.goodput``, ``--slo``);
+    #: None or empty: no goodput
+    slo: Mapping[str, float] | None = None
 
     def validate(self) -> None:
         if type(self.workers) is not int or self.workers < 1:
@@ -1005,6 +1010,8 @@ class Simulation:
             kv_capacity_tokens=self.kv_capacity_tokens,
         )
         report["itl_ms"] = weighted_percentiles(self._itl)
+        if self.cfg.slo:
+            report["goodput"] = goodput(results, dict(self.cfg.slo), report["duration_s"])
         report["floor_ttft_ms"] = percentiles(floor)
         mark_bounds(report, self.bounds, self.driver.stopped_by, self.driver.dispatched, self._planned)
         n = len(results)
