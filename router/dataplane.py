@@ -85,6 +85,7 @@ from protocol.errors import (
 )
 from protocol.identifiers import request_id
 from protocol.prefix_keys import Endpoint, PrefixKey, request_key
+from router.admission_queue import AdmissionQueue
 from router.auth import TenantResolver
 from router.config import Config
 from router.engines.keyspace import KeyedRequest
@@ -96,7 +97,6 @@ from router.prefix_index import PrefixIndex
 from router.scaling_signal import DemandMeter
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
-from router.admission_queue import AdmissionQueue
 from router.tenancy import PRIORITIES, Tenancy, Ticket
 from router.upstream import (
     Cancel,
@@ -625,8 +625,8 @@ class DataPlane:
     ) -> tuple[Overloaded | None, bool]:
         """The shedder's verdict, through the admission queue (router.admission_queue):
         (None once the request may go to a worker, else its 429; whether it waited).
-        A client gone while
-        it waits: its reservation is given back and the cancellation propagates."""
+        A client gone while it waits: its reservation is given back and the
+        cancellation propagates."""
         pool, shedder, key = self.pool, self.shedder, ctx.key
         req = kr.route_request
         uncached = req.prompt_tokens - kr.match.best * req.block_tokens

@@ -9,6 +9,7 @@ settings are refused with their paths."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -43,10 +44,6 @@ class Room:
 def queue(max_wait_s: float = 30.0, max_length: int = 1000, weights=None) -> AdmissionQueue:
     cfg = AdmissionQueueConfig(max_wait_s=max_wait_s, max_length=max_length, weights=weights or {})
     return AdmissionQueue(cfg, Metrics())
-
-
-def wait_seconds(q: AdmissionQueue, priority: str, outcome: str) -> float:
-    return q.metrics.admission_wait.labels(priority, outcome)._sum.get()
 
 
 def waits(q: AdmissionQueue, priority: str, outcome: str) -> float:
@@ -189,7 +186,7 @@ def test_past_max_wait_a_request_gets_its_429():
     async def main():
         q, room = queue(max_wait_s=0.1), Room()
         t0 = asyncio.get_running_loop().time()
-        refusal, waited = await q.admit("a", SHEDDABLE, 100, room.probe("r"), __import__("time").monotonic())
+        refusal, waited = await q.admit("a", SHEDDABLE, 100, room.probe("r"), time.monotonic())
         assert waited and isinstance(refusal, Overloaded) and refusal.retry_after_s == 2.5
         assert 0.1 <= asyncio.get_running_loop().time() - t0 < 5.0  # the backstop timer expired it
         assert room.checks >= 2  # checked again while it waited
@@ -226,7 +223,7 @@ def test_a_client_gone_while_waiting_leaves_the_queue():
         await settle()
         q.check()
         assert q.waiting == 15
-        assert waits(q, "critical", "left") + waits(q, "standard", "left") + waits(q, "sheddable", "left") == 15
+        assert sum(waits(q, c, "left") for c in ("critical", "standard", "sheddable")) == 15
         for t in tasks[1::2]:
             t.cancel()
         await settle()
