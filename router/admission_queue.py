@@ -15,7 +15,8 @@ Per data-plane request, after its ticket (``router.tenancy``)::
                                                        last probe gave (shed as before)
         the client gone (the task cancelled)        -> it leaves the queue
 
-``release`` runs whenever a worker may have room: a request's first token or its end
+``release`` lets one request in at a time (the next once the last is counted on its
+worker) and runs whenever a worker may have room: a request's first token or its end
 (``kick``, from where the data plane calls ``pool.prefilled`` / ``pool.finish``), a
 new arrival, and a backstop timer every ``TICK_S`` while anyone waits (load reports
 arrive on their own schedule). While anyone waits a new arrival queues behind the
@@ -138,6 +139,7 @@ class AdmissionQueue:
         self._arrivals: collections.deque[Waiter] = collections.deque()  # for expiry (lazy)
         self._n = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._again = False  # a release is scheduled behind the last one let in
         self._gauges = [metrics.admission_queued.labels(c) for c in CLASSES]
 
     def configure(self, cfg: AdmissionQueueConfig) -> None:
@@ -185,19 +187,28 @@ class AdmissionQueue:
             self._release(now)
 
     def _release(self, now: float) -> bool:
-        """Lets the head in while its probe admits; expires waiters past their
-        deadline. Whether anyone was let in."""
+        """Lets the head in if its probe admits, and the next once that one is
+        counted on its worker; expires waiters past their deadline. Whether anyone
+        was let in.
+
+        One at a time: a request let in is picked (its load counted on the worker)
+        only when its task runs, so probing the next head at once would see the
+        room it is about to take. The next release is scheduled behind its wake-up
+        (``call_soon`` after ``set_result``: the task picks without awaiting)."""
         let_in = False
-        while self._n:
+        if self._n:
             w = self._head()
             refusal = w.probe(now)
-            if refusal is not None:
+            if refusal is None:
+                self._vtc[w.tenant] += w.cost / self.cfg.weights.get(w.tenant, 1.0)
+                self._leave(w, "admitted", now)
+                w.future.set_result(None)
+                let_in = True
+                if self._n and not self._again:
+                    self._again = True
+                    asyncio.get_running_loop().call_soon(self._next)
+            else:
                 w.refusal = refusal
-                break
-            self._vtc[w.tenant] += w.cost / self.cfg.weights.get(w.tenant, 1.0)
-            self._leave(w, "admitted", now)
-            w.future.set_result(None)
-            let_in = True
         arrivals = self._arrivals
         while arrivals and (not arrivals[0].queued or arrivals[0].deadline <= now):
             w = arrivals.popleft()
@@ -273,6 +284,11 @@ class AdmissionQueue:
             floor = min(self._vtc[u] for u in self._count)
             if self._vtc[t] <= floor:
                 del self._vtc[t]
+
+    def _next(self) -> None:
+        self._again = False
+        if self._n:
+            self._release(time.monotonic())
 
     def _tick(self) -> None:
         self._timer = None

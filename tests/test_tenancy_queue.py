@@ -58,13 +58,13 @@ async def settle():
 
 
 def start(q: AdmissionQueue, room: Room, name: str, tenant: str, rank: int, cost: int = 100):
-    return asyncio.ensure_future(q.admit(tenant, rank, cost, room.probe(name), 0.0))
+    return asyncio.ensure_future(q.admit(tenant, rank, cost, room.probe(name), time.monotonic()))
 
 
 async def release_one_by_one(q: AdmissionQueue, room: Room, n: int) -> None:
     for _ in range(n):
         room.free = 1
-        q.kick(0.0)
+        q.kick(time.monotonic())
         q.check()
         await settle()
 
@@ -255,3 +255,36 @@ def test_bad_queue_settings_are_refused_with_their_path(raw, path, says):
         parse_config({"tenancy": {"queue": raw}})
     assert [e.path for e in ei.value.errors] == [path], str(ei.value)
     assert says in str(ei.value)
+
+
+def test_the_next_is_let_in_only_once_the_last_is_counted_on_its_worker():
+    """A request let in takes its room when its task runs (the pick); the queue must
+    not probe the next head before that, or it lets in everyone at once."""
+
+    async def main():
+        q = queue()
+        in_flight, capacity = [0], [0]
+
+        def probe(now: float) -> Overloaded | None:
+            return None if in_flight[0] < capacity[0] else Overloaded("saturated", retry_after_s=1.0)
+
+        async def request():
+            refusal, _ = await q.admit("a", STANDARD, 100, probe, time.monotonic())
+            if refusal is None:
+                in_flight[0] += 1  # the pick: no await between admission and it
+            return refusal
+
+        tasks = [asyncio.ensure_future(request()) for _ in range(6)]
+        await settle()
+        assert q.waiting == 6
+        capacity[0] = 2
+        q.kick(time.monotonic())
+        await settle()
+        assert in_flight[0] == 2 and q.waiting == 4
+        q.check()
+        for t in tasks:
+            t.cancel()
+        await settle()
+        q.check()
+
+    asyncio.run(main())
