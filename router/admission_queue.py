@@ -140,6 +140,7 @@ class AdmissionQueue:
         self._n = 0
         self._timer: asyncio.TimerHandle | None = None
         self._again = False  # a release is scheduled behind the last one let in
+        self._refusal: Overloaded | None = None  # the latest 429 a probe gave
         self._gauges = [metrics.admission_queued.labels(c) for c in CLASSES]
 
     def configure(self, cfg: AdmissionQueueConfig) -> None:
@@ -166,7 +167,8 @@ class AdmissionQueue:
         else:
             refusal = None
         w = Waiter(tenant, rank, cost, probe)
-        w.refusal = refusal
+        if refusal is not None:
+            w.refusal = self._refusal = refusal
         w.since, w.deadline = now, now + cfg.max_wait_s
         w.future = asyncio.get_running_loop().create_future()
         self._join(w)
@@ -208,7 +210,7 @@ class AdmissionQueue:
                     self._again = True
                     asyncio.get_running_loop().call_soon(self._next)
             else:
-                w.refusal = refusal
+                w.refusal = self._refusal = refusal
         arrivals = self._arrivals
         while arrivals and (not arrivals[0].queued or arrivals[0].deadline <= now):
             w = arrivals.popleft()
@@ -217,14 +219,12 @@ class AdmissionQueue:
         return let_in
 
     def _expire(self, w: Waiter, now: float) -> None:
-        refusal = w.refusal
-        if refusal is None:  # queued behind others, never probed
-            refusal = w.probe(now)
-            if refusal is None:  # room now: it waited long enough
-                self._vtc[w.tenant] += w.cost / self.cfg.weights.get(w.tenant, 1.0)
-                self._leave(w, "admitted", now)
-                w.future.set_result(None)
-                return
+        """``w`` waited ``max_wait_s``: its 429. One never checked (it waited behind
+        others all along) gets the fleet's latest 429, the head's; it is not checked
+        now, which could let in more than the room (``_release``)."""
+        refusal = w.refusal or self._refusal
+        if refusal is None:  # not reached: a waiter joins only behind a refused head
+            refusal = Overloaded(f"the fleet stayed saturated for {self.cfg.max_wait_s:g}s; retry later")
         self._leave(w, "expired", now)
         w.future.set_result(refusal)
 
@@ -276,6 +276,7 @@ class AdmissionQueue:
             del self._count[t]
         if not self._n:  # nobody competes: counters are forgotten
             self._vtc.clear()
+            self._refusal = None
             self._arrivals.clear()
             if self._timer is not None:
                 self._timer.cancel()

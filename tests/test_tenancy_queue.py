@@ -288,3 +288,16 @@ def test_the_next_is_let_in_only_once_the_last_is_counted_on_its_worker():
         q.check()
 
     asyncio.run(main())
+
+
+def test_waiters_behind_a_refused_head_expire_with_the_fleets_429():
+    async def main():
+        q, room = queue(max_wait_s=0.1), Room()
+        tasks = [start(q, room, f"r{i}", f"t{i}", STANDARD) for i in range(3)]
+        results = await asyncio.gather(*tasks)
+        assert [(type(r), r.retry_after_s, waited) for r, waited in results] == [(Overloaded, 2.5, True)] * 3
+        assert room.order == [] and q.waiting == 0
+        assert waits(q, "standard", "expired") == 3
+        q.check()
+
+    asyncio.run(main())
