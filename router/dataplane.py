@@ -14,7 +14,10 @@ before, by the listener: ``router.intake``, ``router.front``)::
     ticket = tenancy.admit(...)                       priority class; tenant and key rate
                                                       limits -> 429 (router.tenancy)
     shed   = shedder.check(..., ticket.scale)         every eligible worker saturated
-                                                      (uses the match) -> 429
+                                                      (uses the match) -> 429; with
+                                                      tenancy.queue on, it waits for room
+                                                      first (router.admission_queue), then
+                                                      is keyed and matched again
     d      = policy.choose(RouteRequest, kr.match, views, now)
     index.insert(d.worker, its keys, now)             optimistic hint (and bus.hint)
     pool.pick(worker, uncached tokens)                load counted at pick time (pool.tap)
@@ -83,6 +86,7 @@ from protocol.errors import (
 )
 from protocol.identifiers import request_id
 from protocol.prefix_keys import Endpoint, PrefixKey, request_key
+from router.admission_queue import AdmissionQueue
 from router.auth import TenantResolver
 from router.config import Config
 from router.engines.keyspace import KeyedRequest
@@ -94,7 +98,7 @@ from router.prefix_index import PrefixIndex
 from router.scaling_signal import DemandMeter
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
-from router.tenancy import Tenancy, Ticket
+from router.tenancy import PRIORITIES, Tenancy, Ticket
 from router.upstream import (
     Cancel,
     Cancelled,
@@ -415,12 +419,15 @@ class DataPlane:
         self._spawn = spawn  # the owner's task set: warm-ups are cancelled at shutdown
         lim = cfg.limits
         self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s, lim.retry_after_s)
-        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s, metrics.shed.inc)
+        # no on_shed: a refusal may wait in the admission queue; shed_total counts 429s
+        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s)
         self.cfg = cfg
         self.policy = policy
         self.tenants = tenants
         #: priority classes and rate limits (router.tenancy)
         self.tenancy = Tenancy(cfg.tenancy, _named_tenants(cfg), metrics, time.monotonic())
+        #: at saturation, requests wait for room by class and fair share (off by default)
+        self.queue = AdmissionQueue(cfg.tenancy.queue, metrics)
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
         #: set by the owner, or None: told of each hint
@@ -444,6 +451,7 @@ class DataPlane:
         a.timeout_s, a.retry_after_s = lim.queue_timeout_s, lim.retry_after_s
         self.shedder.configure(lim.worker_queue_requests, lim.worker_queue_min_s)
         self.tenancy.configure(cfg.tenancy, _named_tenants(cfg), time.monotonic())
+        self.queue.configure(cfg.tenancy.queue)
         if self.upstream is not None:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
             self.upstream.body_limit = lim.max_response_bytes
@@ -532,15 +540,24 @@ class DataPlane:
         except RequestError as exc:  # over a rate limit; a priority header naming no class
             self._reject(ctx.ex, exc, ctx.rid)
             return
-        shed = self.shedder.check(
-            pool.routable_workers(now),
-            key.model,
-            key.adapter,
-            req.prompt_tokens - kr.match.best * req.block_tokens,
-            now,
-            ticket.scale,
-        )
+        shed, waited = await self._admission(ctx, kr, ticket, now)
+        if shed is None and waited:
+            # it waited: route with what the pool and the index know now
+            now = time.monotonic()
+            views = pool.views(now, key.model, key.adapter)
+            if not views:
+                self.tenancy.refund(ticket, now)
+                self._reject(ctx.ex, pool.unavailable(key.model, key.adapter, now), ctx.rid)
+                return
+            try:
+                kr = engines.key(ctx.endpoint, ctx.body, key, ctx.session, views, now)
+            except RequestError as exc:
+                self.tenancy.refund(ticket, now)
+                self._reject(ctx.ex, exc, ctx.rid)
+                return
+            req = kr.route_request
         if shed is not None:
+            self.metrics.shed.inc()
             self.tenancy.shed(ticket, now)
             self._reject(ctx.ex, shed, ctx.rid)
             if self.traffic is not None:  # offered load: analyze sees what was shed
@@ -615,6 +632,29 @@ class DataPlane:
             ctx.reason = Reason.FALLBACK.value
             self.metrics.retries.labels(last.cause).inc()
         self._failed(ctx, last, tried[-1])
+
+    async def _admission(
+        self, ctx: RequestContext, kr, ticket: Ticket, now: float
+    ) -> tuple[Overloaded | None, bool]:
+        """The shedder's verdict, through the admission queue (router.admission_queue):
+        (None once the request may go to a worker, else its 429; whether it waited).
+        A client gone while it waits: its reservation is given back and the
+        cancellation propagates."""
+        pool, shedder, key = self.pool, self.shedder, ctx.key
+        req = kr.route_request
+        uncached = req.prompt_tokens - kr.match.best * req.block_tokens
+        scale = ticket.scale
+
+        def probe(t: float) -> Overloaded | None:
+            return shedder.check(pool.routable_workers(t), key.model, key.adapter, uncached, t, scale)
+
+        try:
+            return await self.queue.admit(
+                ctx.tenant, PRIORITIES.index(ticket.priority), ticket.reserved, probe, now
+            )
+        except asyncio.CancelledError:
+            self.tenancy.refund(ticket, time.monotonic())
+            raise
 
     async def _went_down(self, ctx: RequestContext, w: Worker, exc: _UpstreamFailed) -> bool:
         """Whether a worker that answered 5xx, or dropped the connection mid-answer,
@@ -818,6 +858,7 @@ class DataPlane:
         """An attempt's bookkeeping, on every path: the load released, the outcome
         counted and, for an answer, the traffic log and what the engine link learns."""
         self.pool.finish(w, f.left, f.ok)
+        self.queue.kick(time.monotonic())  # w may have room
         if pick.rank is not None:
             link.rank_finished(pick.rank)
         usage = f.usage
@@ -873,6 +914,7 @@ class DataPlane:
                     m.observe_ttft(time.monotonic() - ctx.t0)
                     self.pool.prefilled(w, f.left)
                     f.left = 0
+                    self.queue.kick(time.monotonic())  # w may have room
                 if out:
                     await ex.stream_write(out)
                 try:

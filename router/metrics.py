@@ -49,6 +49,10 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_tenant_requests_total{tenant,priority,outcome}  per tenant (tenancy.top_n
                                                       named, the rest 'other') and class:
                                                       admitted | shed | limited (router.tenancy)
+    radixfleet_admission_queued{priority}             requests waiting in the fair-share
+                                                      admission queue (router.admission_queue)
+    radixfleet_admission_queue_wait_seconds{priority,outcome}  their waits: admitted |
+                                                      expired (then 429) | left (client gone)
     radixfleet_priority_claims_refused_total{tenant}  priority headers claiming a class above
                                                       the key's or tenant's max_priority
     radixfleet_bad_http_total{status}                 malformed HTTP answered 4xx
@@ -208,6 +212,20 @@ class Metrics:
             "Data-plane requests by tenant (past tenancy.top_n: other), priority class and "
             "outcome: admitted, shed (fleet saturated) or limited (over a rate limit)",
             ["tenant", "priority", "outcome"],
+            registry=r,
+        )
+        self.admission_queued = Gauge(
+            "radixfleet_admission_queued",
+            "Requests waiting in the fair-share admission queue at saturation, by priority class",
+            ["priority"],
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "radixfleet_admission_queue_wait_seconds",
+            "Seconds requests waited in the admission queue, by priority class and outcome: "
+            "admitted, expired (answered 429) or left (the client went away)",
+            ["priority", "outcome"],
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.priority_refused = Counter(

@@ -12,7 +12,10 @@ shedding decision (``DataPlane._route_and_forward``)::
                        request and prompt + max_tokens tokens, taken from all or
                        none -> else 429 RateLimited (Retry-After, x-ratelimit-*)
     shedder.check(..., scale=ticket.scale)   the class scales the queue bound
+    (at saturation, with tenancy.queue.max_wait_s > 0, the request waits in the
+    fair-share admission queue first: router.admission_queue)
     shed     -> tenancy.shed(ticket): the reservation given back, counted
+    client gone while queued -> tenancy.refund(ticket)
     admitted -> tenancy.admitted(ticket), and once the answer's usage is read,
                 tenancy.settle(ticket, prompt + completion tokens): the token
                 buckets corrected to what the request really used
@@ -48,6 +51,7 @@ from pydantic import Field
 
 from protocol.errors import ConfigError, MalformedRequest, RateLimited
 from protocol.settings import document_check, section, setting, settings
+from router.admission_queue import AdmissionQueueConfig
 from router.rate_limit import TokenBucket, duration
 
 #: the priority classes, highest first (their rank: the index)
@@ -120,6 +124,11 @@ class TenancyConfig:
         "class (counted); empty: the header is ignored",
     )
     queue_scale: QueueScale = section(QueueScale, "per class, the factor on the shedder's queue bound")
+    queue: AdmissionQueueConfig = section(
+        AdmissionQueueConfig,
+        "at saturation, the fair-share admission queue (router.admission_queue): by class, "
+        "then weighted fair queuing across tenants on tokens",
+    )
     models: Mapping[str, Priority] = Field(
         default_factory=dict, description="served model name -> class of its requests"
     )
@@ -350,6 +359,11 @@ class Tenancy:
     def shed(self, ticket: Ticket, now: float) -> None:
         """The request was shed: what it reserved is given back."""
         self._count(ticket.label, ticket.priority)[1].inc()
+        self.refund(ticket, now)
+
+    def refund(self, ticket: Ticket, now: float) -> None:
+        """The request never reached a worker (shed, or its client left while it
+        waited in the admission queue): what it reserved is given back, once."""
         if ticket.open:
             ticket.open = False
             for lim in ticket.limits:

@@ -1,7 +1,10 @@
 """Tenancy live: a router in-process in front of simulated agents
 (tests/test_router_bad_input.py's ``fleet``). A tenant over its rate limit gets 429
 with Retry-After and the x-ratelimit-* headers while another tenant is served; at
-overload, sheddable requests absorb the shedding while critical ones are admitted."""
+overload, sheddable requests absorb the shedding while critical ones are admitted;
+with the admission queue on, a request the shedder refuses waits, is served once there
+is room, gets its 429 past max_wait, and leaves the queue (its tokens given back) when
+its client goes away."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from protocol.errors import Overloaded
 from tests.test_router_bad_input import fleet  # noqa: F401  (fleet: the fixture)
 
 pytestmark = pytest.mark.integration
@@ -128,3 +132,91 @@ async def test_at_overload_sheddable_requests_absorb_the_shedding_and_critical_o
     assert sample(router, name, tenant="acme", priority="critical", outcome="shed") == 0
     assert sample(router, name, tenant="acme", priority="critical", outcome="admitted") == len(crit)
     assert sample(router, name, tenant="acme", priority="sheddable", outcome="shed") == shed.count(429)
+
+
+class Gate:
+    """The shedder's verdict, switched by the test: every worker saturated or not."""
+
+    def __init__(self) -> None:
+        self.closed = True
+
+    def check(self, *args):
+        return Overloaded("every worker is saturated", retry_after_s=3.0) if self.closed else None
+
+
+def waited(router, outcome: str) -> float:
+    """Standard requests that left the admission queue with ``outcome``."""
+    name = "radixfleet_admission_queue_wait_seconds_count"
+    return sample(router, name, priority="standard", outcome=outcome)
+
+
+async def until(cond, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_at_saturation_requests_wait_in_the_queue_and_a_client_gone_leaves_it(fleet):  # noqa: F811
+    await fleet.start(
+        {
+            "keys": KEYS,
+            "tenancy": {
+                "queue": {"max_wait_s": 1.5},
+                "tenants": {"free": {"tokens_per_min": 6, "token_burst": 100_000}},
+            },
+        }
+    )
+    await fleet.agent("m")
+    await fleet.routable(1)
+    router = fleet.router
+    dp = router.dataplane
+    q = dp.queue
+    gate = dp.shedder = Gate()
+    body = {"model": "m", "prompt": "a question while the fleet is saturated", "max_tokens": 4}
+    url = fleet.base + "/v1/completions"
+    limit = dp.tenancy._tenants["free"][1].tokens
+    full = limit.remaining()
+    async with httpx.AsyncClient(timeout=30) as c:
+        waiting = asyncio.ensure_future(c.post(url, json=body, headers=auth("k-acme")))
+        await until(lambda: q.waiting == 1)
+        # a client that gives up while queued: it leaves the queue, its tokens come back
+        async with httpx.AsyncClient(timeout=0.3) as impatient:
+            with pytest.raises(httpx.TimeoutException):
+                await impatient.post(url, json=body, headers=auth("k-free"))
+        await until(lambda: q.waiting == 1)
+        q.check()
+        assert limit.remaining() == full
+        assert (
+            sample(
+                router, "radixfleet_admission_queue_wait_seconds_count", priority="standard", outcome="left"
+            )
+            == 1
+        )
+        gate.closed = False  # room: the backstop lets the waiter in
+        r = await waiting
+        assert r.status_code == 200, r.text
+        assert q.waiting == 0
+        q.check()
+        # past max_wait: the 429 the shedder gave, with its Retry-After
+        gate.closed = True
+        t0 = time.monotonic()
+        r = await c.post(url, json=body, headers=auth("k-acme"))
+        assert r.status_code == 429, r.text
+        assert time.monotonic() - t0 >= 1.5
+        assert r.headers["Retry-After"] == "3"
+    assert q.waiting == 0
+    q.check()
+    assert (
+        sample(
+            router, "radixfleet_admission_queue_wait_seconds_count", priority="standard", outcome="admitted"
+        )
+        == 1
+    )
+    assert (
+        sample(
+            router, "radixfleet_admission_queue_wait_seconds_count", priority="standard", outcome="expired"
+        )
+        == 1
+    )
+    assert sample(router, "radixfleet_shed_total") == 1

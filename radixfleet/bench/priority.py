@@ -26,6 +26,15 @@ critical TTFT p99 against the unloaded p99 (target: <= 1.2x) and the
 sheddable share of everything shed (target: >= 90%). ``--json`` prints one object.
 Takes about 2 x duration + calibration + ~15 s. ``--admission-only``: no fleet, the
 cost of the tenancy check per request (median µs).
+
+``--queue-wait S`` turns the fair-share admission queue on (``tenancy.queue.max_wait_s``:
+at saturation a request waits up to S seconds at the router, by class then by tenant,
+before its 429; router.admission_queue). ``--scenario tenants``: two tenants of equal
+weight (``x-tenant-id``, ``keys.tenant.source: header``), all standard: B alone at
+``--b-share`` (0.5) of its fair share (half the capacity), then A at ``--a-share`` (5)
+of its share with B as before; B's TTFT p99 against B's alone (target: <= 1.2x), the
+fraction of B's requests shed (target: <= 5%: A absorbs the shedding) and A's share of
+the shed.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ from router.tenancy import PRIORITIES, Tenancy
 
 CRITICAL_P99_TARGET = 1.2
 SHEDDABLE_SHARE_TARGET = 0.90
+#: tenants: A absorbs the shedding (B, under its share, is shed at most this often)
+B_SHED_TARGET = 0.05
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -74,6 +85,21 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="critical,standard,sheddable factors on the shedding bound (tenancy.queue_scale); "
         "empty: the router's defaults",
     )
+    p.add_argument(
+        "--queue-wait",
+        type=float,
+        default=0.0,
+        help="tenancy.queue.max_wait_s: seconds a refused request waits at the router (0: off)",
+    )
+    p.add_argument(
+        "--scenario",
+        choices=("classes", "tenants"),
+        default="classes",
+        help="classes: three classes at --load; tenants: tenant A at --a-share of its fair share "
+        "next to B at --b-share",
+    )
+    p.add_argument("--a-share", type=float, default=5.0, help="tenants: A's rate, x its fair share")
+    p.add_argument("--b-share", type=float, default=0.5, help="tenants: B's rate, x its fair share")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument(
         "--admission-only",
@@ -82,11 +108,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _session(priority: str) -> aiohttp.ClientSession:
+def _session(priority: str, tenant: str = "") -> aiohttp.ClientSession:
+    headers = {"x-radixfleet-priority": priority}
+    if tenant:
+        headers["x-tenant-id"] = tenant
     return aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=120),
         connector=aiohttp.TCPConnector(limit=0),
-        headers={"x-radixfleet-priority": priority},
+        headers=headers,
     )
 
 
@@ -180,6 +209,54 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
     return out
 
 
+async def _run_tenants(args: argparse.Namespace, base: str, model: str) -> dict:
+    """Two tenants of equal weight: B alone, then A over its share next to B."""
+    loads = {
+        t: Load(base, model, args.prompt_tokens, args.max_tokens, args.seed + i) for i, t in enumerate("AB")
+    }
+    sessions = {t: _session("standard", t) for t in "AB"}
+    try:
+        for t, s in sessions.items():
+            loads[t].session = s
+        a, b = loads["A"], loads["B"]
+        await a.closed(4, 2.0)  # warm: rates measured, typical request learned
+        served, secs = await a.closed(16 * args.agents, args.calibrate_s)
+        capacity = served / secs
+        await asyncio.sleep(2.0)  # drain
+        fair = capacity / 2  # equal weights
+        alone = await b.poisson(args.b_share * fair, args.duration)
+        await asyncio.sleep(1.0)
+        heavy_a, heavy_b = await asyncio.gather(
+            a.poisson(args.a_share * fair, args.duration), b.poisson(args.b_share * fair, args.duration)
+        )
+    finally:
+        for s in sessions.values():
+            await s.close()
+    b_alone, fa, fb = _figures(alone), _figures(heavy_a), _figures(heavy_b)
+    shed = fa["shed_429"] + fb["shed_429"]
+    p99_alone, p99_b = b_alone["ttft_p99_s"], fb["ttft_p99_s"]
+    out = {
+        "scenario": "tenants",
+        "agents": args.agents,
+        "capacity_rps": round(capacity, 2),
+        "a_share": args.a_share,
+        "b_share": args.b_share,
+        "queue_wait_s": args.queue_wait,
+        "b_alone": b_alone,
+        "overload": {"A": fa, "B": fb},
+        "b_p99_ratio": round(p99_b / p99_alone, 2) if p99_alone and p99_b else None,
+        "a_share_of_shed": round(fa["shed_429"] / shed, 3) if shed else None,
+    }
+    out["b_shed_rate"] = round(fb["shed_429"] / fb["requests"], 3) if fb["requests"] else None
+    out["pass"] = bool(
+        out["b_p99_ratio"] is not None
+        and out["b_p99_ratio"] <= CRITICAL_P99_TARGET
+        and out["b_shed_rate"] is not None
+        and out["b_shed_rate"] <= B_SHED_TARGET
+    )
+    return out
+
+
 def admission_cost(repeats: int = 7, n: int = 20_000) -> dict[str, float]:
     """Median µs per request of ``Tenancy.admit`` + ``admitted`` (what the data plane
     adds before the shedding decision): without tenancy settings, with a tenant's
@@ -223,7 +300,16 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{name.replace('_', ' ')}: {us:.2f} µs per request (median of 7 x 20,000)")
         return 0
     _shares(args.shares)  # refused before any process starts
-    yaml = "tenancy:\n  default_priority: critical\n"
+    if args.queue_wait < 0 or args.a_share <= 0 or args.b_share <= 0:
+        print(
+            "radixfleet bench priority: error: --queue-wait must be >= 0, --a-share and --b-share > 0",
+            file=sys.stderr,
+        )
+        return 2
+    tenants = args.scenario == "tenants"
+    yaml = "tenancy:\n  default_priority: %s\n" % ("standard" if tenants else "critical")
+    if args.queue_wait:
+        yaml += f"  queue: {{max_wait_s: {args.queue_wait}}}\n"
     if args.queue_scale:
         scale = _three("--queue-scale", args.queue_scale)
         yaml += "  queue_scale: {%s}\n" % ", ".join(
@@ -231,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
         )
     with tempfile.TemporaryDirectory(prefix="radixfleet-priority-") as logs:
         config = os.path.join(logs, "router.yaml")
+        if tenants:
+            yaml += "keys:\n  tenant: {source: header}\n"
         with open(config, "w") as f:
             f.write(yaml)
         cfg = FleetConfig(
@@ -242,9 +330,12 @@ def run(args: argparse.Namespace) -> int:
             router_config=config,
         )
         with Fleet(cfg, log_dir=logs) as fleet:
-            out = asyncio.run(_run(args, fleet.router_url, args.model))
+            out = asyncio.run((_run_tenants if tenants else _run)(args, fleet.router_url, args.model))
     if args.json:
         print(json.dumps(out))
+        return 0
+    if tenants:
+        _print_tenants(args, out)
         return 0
 
     def ms(x):
@@ -262,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"overload ({args.load:g}x, shares {args.shares} critical,standard,sheddable; "
-        f"queue_scale {out['queue_scale']}):"
+        f"queue_scale {out['queue_scale']}; admission queue "
+        + (f"max_wait_s {args.queue_wait:g}):" if args.queue_wait else "off):")
     )
     for c, f in out["overload"].items():
         print(
@@ -277,3 +369,36 @@ def run(args: argparse.Namespace) -> int:
     )
     print("PASS" if out["pass"] else "FAIL")
     return 0
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f} ms"
+
+
+def _print_tenants(args: argparse.Namespace, out: dict) -> None:
+    u = out["b_alone"]
+    print(
+        f"fleet: {args.agents} x {args.model} on {args.gpu} (simulated); "
+        f"{args.prompt_tokens}-token prompts, {args.max_tokens} tokens out, streamed"
+    )
+    print(f"capacity: {out['capacity_rps']:.2f} req/s (closed loop, saturated); fair share: half each")
+    print(
+        f"B alone ({args.b_share:g}x its share, {u['requests']} requests): "
+        f"TTFT p50 {_ms(u['ttft_p50_s'])}, p99 {_ms(u['ttft_p99_s'])}"
+    )
+    print(
+        f"A at {args.a_share:g}x its share next to B; admission queue "
+        + (f"max_wait_s {args.queue_wait:g}:" if args.queue_wait else "off:")
+    )
+    for t, f in out["overload"].items():
+        print(
+            f"  {t} {f['requests']:>5} requests, {f['served']:>5} served, {f['shed_429']:>5} shed; "
+            f"TTFT p50 {_ms(f['ttft_p50_s'])}, p99 {_ms(f['ttft_p99_s'])}"
+            + (f", {f['other']} other statuses" if f["other"] else "")
+        )
+    print(
+        f"B's TTFT p99 = {out['b_p99_ratio']}x its p99 alone (target <= {CRITICAL_P99_TARGET:g}x); "
+        f"A took {out['a_share_of_shed']} of the shed; B was shed {out['b_shed_rate']} of the time "
+        f"(target <= {B_SHED_TARGET:g})"
+    )
+    print("PASS" if out["pass"] else "FAIL")
