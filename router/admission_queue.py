@@ -204,6 +204,7 @@ class AdmissionQueue:
             if refusal is None:
                 self._vtc[w.tenant] += w.cost / self.cfg.weights.get(w.tenant, 1.0)
                 self._leave(w, "admitted", now)
+                assert w.future is not None  # set when it joined (queued)
                 w.future.set_result(None)
                 let_in = True
                 if self._n and not self._again:
@@ -226,6 +227,7 @@ class AdmissionQueue:
         if refusal is None:  # not reached: a waiter joins only behind a refused head
             refusal = Overloaded(f"the fleet stayed saturated for {self.cfg.max_wait_s:g}s; retry later")
         self._leave(w, "expired", now)
+        assert w.future is not None  # set when it joined (queued)
         w.future.set_result(refusal)
 
     def _head(self) -> Waiter:
