@@ -276,7 +276,8 @@ def _status_error(status: int, data: bytes) -> bytes:
     except ValueError:
         obj = None
     if isinstance(obj, dict):
-        src = obj.get("error") if isinstance(obj.get("error"), dict) else obj
+        err = obj.get("error")
+        src = err if isinstance(err, dict) else obj
         m = src.get("message", src.get("detail"))
         if isinstance(m, str) and m:
             message = m[:_MAX_WORKER_MESSAGE]
@@ -383,10 +384,14 @@ class AiohttpExchange:
         await sr.prepare(self.request)
 
     async def stream_write(self, data: bytes) -> None:
-        await self.result.write(data)
+        sr = self.result
+        assert isinstance(sr, web.StreamResponse), "stream_write before stream_start"
+        await sr.write(data)
 
     async def stream_end(self) -> None:
-        await self.result.write_eof()
+        sr = self.result
+        assert isinstance(sr, web.StreamResponse), "stream_end before stream_start"
+        await sr.write_eof()
 
 
 class DataPlane:
@@ -679,6 +684,7 @@ class DataPlane:
         tried): one error in the OpenAI shape, naming no worker (the log has them)."""
         if last.cause == "status":
             # a 429 or 503 keeps its status (and Retry-After); another 5xx is a 502
+            assert last.status is not None  # cause "status": the worker answered one
             status = last.status if last.status in (429, 503) else 502
             self.metrics.outcome(worker, status, ctx.reason)
             self._log_failed(ctx, worker, status)
@@ -767,6 +773,7 @@ class DataPlane:
             try:
                 # a non-streamed answer comes when its generation is done: only the
                 # total deadline bounds it (and w's health, through ``cancel``)
+                assert self.upstream is not None, "the data plane serves only once started"
                 resp = await self.upstream.request(
                     host,
                     port,
@@ -825,6 +832,7 @@ class DataPlane:
         if status == 400 and pick.rank is not None and b"data_parallel_rank" in data:
             # the engine has fewer ranks than the router's map: not the worker's
             # failure, nor the client's; the map is asked again
+            assert link is not None  # a rank is picked only through an engine link
             link.rank_rejected(pick.rank, data.decode("utf-8", "replace"))
             raise _UpstreamFailed(
                 "rank",
@@ -860,6 +868,7 @@ class DataPlane:
         self.pool.finish(w, f.left, f.ok)
         self.queue.kick(time.monotonic())  # w may have room
         if pick.rank is not None:
+            assert link is not None  # a rank is picked only through an engine link
             link.rank_finished(pick.rank)
         usage = f.usage
         self.metrics.answered(w.id, ctx.key.model, f.ok, usage)
@@ -969,7 +978,9 @@ class DataPlane:
         if a is None:
             parts = urlsplit(url)
             port = parts.port or 80
-            a = self._addrs[url] = (parts.hostname, port, parts.netloc)
+            host = parts.hostname
+            assert host, f"worker URL {url!r} without a host (refused by the config's checks)"
+            a = self._addrs[url] = (host, port, parts.netloc)
         return a
 
     # -------------------------------------------------------------- warm-ups
@@ -1015,6 +1026,7 @@ class DataPlane:
         }
         status = "error"
         try:
+            assert self.session is not None, "warm-ups run only once started"
             async with self.session.post(
                 w.url + Endpoint.COMPLETIONS.value,
                 data=payload,

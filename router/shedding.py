@@ -229,7 +229,8 @@ class Shedder:
                 continue
             ld = w.load
             if ld is None or now >= w.load_until:
-                return self._observe(uncached_tokens, w.base_prefill)
+                self._observe(uncached_tokens, w.base_prefill)
+                return None
             rate = ld.prefill_tokens_per_s or w.base_prefill
             rate = MIN_RATE if rate < MIN_RATE else MAX_RATE if rate > MAX_RATE else rate
             mark = w.mark
@@ -243,13 +244,16 @@ class Shedder:
                 ahead_tokens = w.in_flight_tokens + w.remote_tokens
                 ahead = ahead_tokens / rate
                 if (ahead <= bound or ahead_tokens <= self.largest_tokens) and has_room(mark, ld, in_flight):
-                    return self._observe(uncached_tokens, rate)
+                    self._observe(uncached_tokens, rate)
+                    return None
                 if ahead > q:
                     q = ahead
             elif has_room(mark, ld, in_flight):
-                return self._observe(uncached_tokens, rate)
+                self._observe(uncached_tokens, rate)
+                return None
             if q <= bound:
-                return self._observe(uncached_tokens, rate)
+                self._observe(uncached_tokens, rate)
+                return None
             if q < best:
                 best = q
         if best == math.inf:
@@ -263,9 +267,9 @@ class Shedder:
         )
 
     def _observe(self, tokens: int, rate: float) -> None:
+        """Records an admitted request's uncached prefill in typical_s and largest_tokens."""
         s = tokens / (rate if rate >= MIN_RATE else MIN_RATE)
         t = self.typical_s
         self.typical_s = s if t == 0.0 else t + _ALPHA * (s - t)
         big = self.largest_tokens * (1.0 - _ALPHA)
         self.largest_tokens = tokens if tokens > big else big
-        return None

@@ -509,7 +509,7 @@ class UpstreamPool:
         host: str,
         port: int,
         head: bytes,
-        body: bytes,
+        body: bytes | bytearray,
         *,
         read_timeout_s: float,
         total_timeout_s: float,
