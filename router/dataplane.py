@@ -461,13 +461,17 @@ class DataPlane:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
             self.upstream.body_limit = lim.max_response_bytes
 
-    def _ids(self, worker: str, rid: str) -> list[tuple[str, str]]:
-        """The headers naming an answer: its request id, and the worker's id only where
+    def _ids(self, worker: str, ctx: RequestContext) -> list[tuple[str, str]]:
+        """The headers naming an answer: its request id, the worker's id only where
         ``response_headers.worker_id`` allows (off by default: worker ids and the
-        fleet's size are not a client's business)."""
+        fleet's size are not a client's business), and the ``x-ratelimit-*`` of a
+        request under rate limits (``Ticket.headers``)."""
+        out = [(REQUEST_ID_HEADER, ctx.rid)]
         if self.cfg.response_headers.worker_id:
-            return [(WORKER_HEADER, worker), (REQUEST_ID_HEADER, rid)]
-        return [(REQUEST_ID_HEADER, rid)]
+            out.insert(0, (WORKER_HEADER, worker))
+        if ctx.ticket is not None and ctx.ticket.limits:
+            out += ctx.ticket.headers()
+        return out
 
     def _reject(self, ex, exc: RequestError, rid: str) -> None:
         self.metrics.rejected.labels(str(exc.status), exc.code).inc()
@@ -692,7 +696,7 @@ class DataPlane:
                 status,
                 _status_error(last.status, b""),
                 _JSON,
-                [*self._ids(worker, ctx.rid), *_retry_after(last.status, last.headers)],
+                [*self._ids(worker, ctx), *_retry_after(last.status, last.headers)],
             )
             return
         status, body = _client_error(last.cause)
@@ -854,7 +858,7 @@ class DataPlane:
             status,
             data,
             ctype,
-            [*self._ids(w.id, ctx.rid), *_retry_after(status, resp.headers)],
+            [*self._ids(w.id, ctx), *_retry_after(status, resp.headers)],
         )
         m.request_done(w.id, status, ctx.reason)
         m.observe_latency(time.monotonic() - ctx.t0)
@@ -911,7 +915,7 @@ class DataPlane:
         limit = self.cfg.limits.max_response_bytes
         await ex.stream_start(
             resp.headers.get("content-type", "text/event-stream"),
-            [("Cache-Control", "no-cache"), *self._ids(w.id, ctx.rid)],
+            [("Cache-Control", "no-cache"), *self._ids(w.id, ctx)],
         )
         try:
             chunk = first

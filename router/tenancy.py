@@ -213,11 +213,7 @@ class _Limit:
         out: list[tuple[str, str]] = []
         for kind, b in (("requests", self.requests), ("tokens", self.tokens)):
             if b is not None:
-                out += [
-                    (f"x-ratelimit-limit-{kind}", str(int(b.burst))),
-                    (f"x-ratelimit-remaining-{kind}", str(b.remaining())),
-                    (f"x-ratelimit-reset-{kind}", duration(b.reset_s())),
-                ]
+                out += _bucket_headers(kind, b)
         return tuple(out)
 
     def refusal(self, cost: int, wait_s: float) -> RateLimited:
@@ -232,6 +228,14 @@ class _Limit:
             retry_after_s=wait_s,
             headers=self.headers(),
         )
+
+
+def _bucket_headers(kind: str, b: TokenBucket) -> list[tuple[str, str]]:
+    return [
+        (f"x-ratelimit-limit-{kind}", str(int(b.burst))),
+        (f"x-ratelimit-remaining-{kind}", str(b.remaining())),
+        (f"x-ratelimit-reset-{kind}", duration(b.reset_s())),
+    ]
 
 
 def _bucket(old: TokenBucket | None, rate: float, burst: float, now: float) -> TokenBucket | None:
@@ -292,6 +296,19 @@ class Ticket:
         self.reserved = reserved  # tokens taken from the token buckets
         self.limits = limits  # the _Limit objects it was taken from
         self.open = True  # until shed or settled (a reservation is corrected once)
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        """The ``x-ratelimit-*`` headers an admitted answer carries, as OpenAI sends
+        them on every answer: per kind (requests, tokens), the bucket of the limits it
+        passed with the least remaining (a tenant's and a key's limit may both apply);
+        none without limits."""
+        out: list[tuple[str, str]] = []
+        if self.limits:
+            for kind in ("requests", "tokens"):
+                buckets = [b for b in (getattr(lim, kind) for lim in self.limits) if b is not None]
+                if buckets:
+                    out += _bucket_headers(kind, min(buckets, key=TokenBucket.remaining))
+        return tuple(out)
 
 
 class Tenancy:

@@ -60,9 +60,12 @@ async def test_a_tenant_over_its_limit_gets_429_with_headers_while_another_is_se
     body = {"model": "m", "prompt": "a question from the free tier", "max_tokens": 4}
     async with httpx.AsyncClient(timeout=30) as c:
         url = fleet.base + "/v1/completions"
-        for _ in range(2):
+        for i in range(2):  # an admitted answer carries the limits too, as OpenAI's do
             r = await c.post(url, json=body, headers=auth("k-free"))
             assert r.status_code == 200, r.text
+            assert r.headers["x-ratelimit-limit-requests"] == "2"
+            assert r.headers["x-ratelimit-remaining-requests"] == str(1 - i)
+            assert r.headers["x-ratelimit-limit-tokens"] == "1000"
         r = await c.post(url, json=body, headers=auth("k-free"))
         assert r.status_code == 429, r.text
         err = r.json()["error"]
@@ -79,6 +82,7 @@ async def test_a_tenant_over_its_limit_gets_429_with_headers_while_another_is_se
         for _ in range(5):  # acme has no limit
             r = await c.post(url, json=body, headers=auth("k-acme"))
             assert r.status_code == 200, r.text
+            assert not any(h.startswith("x-ratelimit-") for h in r.headers)
     router = fleet.router
     name = "radixfleet_tenant_requests_total"
     assert sample(router, name, tenant="free", priority="standard", outcome="limited") == 1

@@ -170,7 +170,14 @@ def test_a_key_limit_and_a_tenant_limit_both_hold_and_nothing_is_taken_from_eith
         },
         keys,
     )
-    t.admit("acme", "acme-batch", "m", {}, 1, {}, 0.0)
+    first = t.admit("acme", "acme-batch", "m", {}, 1, {}, 0.0)
+    # the admitted answer's headers: the tighter of the two limits (the key's, 0 left)
+    assert dict(first.headers()) == {
+        "x-ratelimit-limit-requests": "1",
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "1s",
+    }
+    assert t.admit("zeta", "", "m", {}, 1, {}, 0.0).headers() == ()  # no limits: none
     with pytest.raises(RateLimited) as ei:
         t.admit("acme", "acme-batch", "m", {}, 1, {}, 0.0)
     assert "API key acme-batch is over" in ei.value.message
