@@ -111,7 +111,9 @@ class Arm(NamedTuple):
 def split_arms(text: str) -> list[str]:
     """``"a,b[x=1,y=2],c"`` -> ``["a", "b[x=1,y=2]", "c"]``: commas inside brackets
     belong to the arm. Raises ``ConfigError`` for unbalanced brackets."""
-    out, cur, depth = [], [], 0
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1

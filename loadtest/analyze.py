@@ -234,7 +234,7 @@ def zipf_head(
     cum_static = (
         np.cumsum((counts[order] - 1) * block_tokens) / tokens_total if tokens_total else np.zeros(len(order))
     )
-    cover = []
+    cover: list[dict[str, float | None]] = []
     for s in shares:
         need = int(math.ceil(s * n_rec - 1e-9))
         if need <= len(cover_rank) and need > 0:
@@ -403,7 +403,9 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
         served_prompt = sum(i.input_length for i in served)
         with_cached = [i for i in served if i.cached_tokens is not None]
         observed = {
-            "hit_rate": (sum(i.cached_tokens for i in with_cached) / sum(i.input_length for i in with_cached))
+            "hit_rate": (
+                sum(i.cached_tokens or 0 for i in with_cached) / sum(i.input_length for i in with_cached)
+            )
             if with_cached
             else None,
             "requests_reporting_cached": len(with_cached),
@@ -465,7 +467,7 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
         )
     else:
         verdict = f"rising: doubling the cache past the budget adds {gain * 100:.1f} points of hit rate"
-    span = (recs[-1][0] - recs[0][0]) / 1000.0
+    span_s = (recs[-1][0] - recs[0][0]) / 1000.0
     res = {
         "schema": SCHEMA,
         "inputs": {
@@ -474,7 +476,7 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
             "requests": n,
             "skipped_lines": len(data.skipped),
             "first_skipped": ([f"{p}:{ln}" for p, ln in data.skipped[:5]]),
-            "span_s": span,
+            "span_s": span_s,
             "block_tokens": bt,
             "sample_rates": rates,
             "tenants": tenants,

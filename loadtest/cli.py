@@ -408,6 +408,7 @@ def build_load(args: argparse.Namespace) -> tuple[Workload, object, Bounds]:
     ``args.rate`` is one rate (a sweep calls this once per rate)."""
     workload = _make_workload(args)
     burstiness = getattr(args, "burstiness", 1.0)
+    arrivals: Poisson | Closed | TraceTimes
     if args.rate is not None:
         arrivals = Poisson(args.rate, burstiness=burstiness, max_concurrency=args.concurrency)
     elif burstiness != 1.0:

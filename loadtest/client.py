@@ -151,6 +151,7 @@ class Target:
     def _need_open(self) -> aiohttp.ClientSession:
         if self._state is not _State.OPEN:
             raise RuntimeError("call start() (or use 'async with') before sending")
+        assert self._session is not None, "an open client has its session"
         return self._session
 
     async def probe(self) -> str:
@@ -224,7 +225,8 @@ class Target:
                         break
                     text = (await resp.text())[:300]
                     if not self.retry.should_retry(resp.status, resp.headers, result.retries):
-                        return _fail(result, f"http_{resp.status}", _error_message(text))
+                        _fail(result, f"http_{resp.status}", _error_message(text))
+                        return None
                     wait = self.retry.delay_s(resp.headers, result.retries, self._jitter)
                 result.retries += 1
                 result.retry_wait_s += wait
@@ -233,14 +235,18 @@ class Target:
             _fail(result, "cancelled", "still in flight at the end of the drain grace")
             raise
         except asyncio.TimeoutError:
-            return _fail(result, "timeout", f"no complete answer within {self.timeout.total} s")
+            _fail(result, "timeout", f"no complete answer within {self.timeout.total} s")
+            return None
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
             kind = "connect" if result.ttft_s is None else "stream"
-            return _fail(result, kind, f"{exc.__class__.__name__}: {exc}")
+            _fail(result, kind, f"{exc.__class__.__name__}: {exc}")
+            return None
         except aiohttp.ClientError as exc:
-            return _fail(result, "stream", f"{exc.__class__.__name__}: {exc}")
+            _fail(result, "stream", f"{exc.__class__.__name__}: {exc}")
+            return None
         if result.ttft_s is None:
-            return _fail(result, "protocol", "the stream carried no tokens")
+            _fail(result, "protocol", "the stream carried no tokens")
+            return None
         result.e2e_s = clock() - t0
         if not result.output_tokens:
             result.output_tokens = len(parts)

@@ -189,12 +189,14 @@ class Child:
             )
 
     def wait_ready(self, timeout_s: float) -> None:
+        proc = self.proc
+        assert proc is not None, f"{self.name}: wait_ready() after start()"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 raise ConfigError(
                     self.name,
-                    f"exited with status {self.proc.returncode} at start; last log lines:\n{self.tail()}",
+                    f"exited with status {proc.returncode} at start; last log lines:\n{self.tail()}",
                 )
             try:
                 if httpx.get(self.ready_url, timeout=1.0).status_code < 500:

@@ -283,7 +283,7 @@ def render_latency(runs: Sequence[dict], file=None) -> None:
         table.add_column(col, justify="right")
     slo = None
     for r in runs:
-        row = [Text(r["name"])]
+        row: list[Text | str] = [Text(r["name"])]
         for _, key in metrics:
             stats = r.get(key) or {}
             row += [_fmt(stats.get(f"p{p:g}")) for p in ps]

@@ -136,7 +136,9 @@ class PrefixTrie:
         """Removes LRU leaves until under capacity. O(leaves log leaves)."""
         heap = [(n.last, id(n), n) for n in self._leaves()]
         heapq.heapify(heap)
-        while self.tokens > self.capacity and heap:
+        cap = self.capacity
+        assert cap is not None, "only a bounded trie evicts"
+        while self.tokens > cap and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[leaf.edge[:_T]]

@@ -60,7 +60,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loadtest.client import Result
 from loadtest.prefix_trie import PrefixTrie, as_tokens
@@ -68,6 +68,9 @@ from loadtest.workloads import API_CHAT, RequestSpec
 from protocol.errors import ConfigError
 from protocol.extras import require
 from protocol.prefix_keys import Endpoint, routing_bytes
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
 
 SCHEMA = "radixfleet.report/1"
 
@@ -197,7 +200,11 @@ def percentiles(
     if not xs:
         return {**{k: None for k in keys}, "mean": None}
     s = sorted(xs)
-    out = {k: percentile(s, p / 100.0, presorted=True) * scale for k, p in zip(keys, ps)}
+    out: dict[str, float | None] = {}
+    for k, p in zip(keys, ps):
+        v = percentile(s, p / 100.0, presorted=True)
+        assert v is not None, "xs is not empty"
+        out[k] = v * scale
     return {**out, "mean": sum(s) / len(s) * scale}
 
 
@@ -224,9 +231,9 @@ def summarize(
     cached = sum(r.cached_tokens for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
     est = sum(r.est_prompt_tokens for r in ok)
-    workers: dict[str, dict[str, int]] = {}
+    table: dict[str, dict[str, int]] = {}
     for r in ok:
-        w = workers.setdefault(
+        w = table.setdefault(
             r.worker or "unknown", {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
         )
         w["requests"] += 1
@@ -234,10 +241,10 @@ def summarize(
         w["cached_tokens"] += r.cached_tokens
         w["output_tokens"] += r.output_tokens
     if override:
-        workers = override
+        table = override
     imbalance = None
-    if workers and "unknown" not in workers:
-        loads = [w["prompt_tokens"] for w in workers.values()]
+    if table and "unknown" not in table:
+        loads = [w["prompt_tokens"] for w in table.values()]
         mean = sum(loads) / len(loads)
         imbalance = max(loads) / mean if mean else None
     if duration_s is None:
@@ -273,7 +280,7 @@ def summarize(
             "output_tokens_per_s": out_tok / duration_s if duration_s else 0.0,
         },
         "duration_s": duration_s,
-        "workers": dict(sorted(workers.items())),
+        "workers": dict(sorted(table.items())),
         "load_imbalance": imbalance,
     }
 
@@ -551,7 +558,7 @@ def write_plots(runs: list[dict], out_dir: str, ttft_samples: dict[str, list[flo
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = [r["name"] for r in runs]
     width = 0.27
-    xs = range(len(runs))
+    xs = list(range(len(runs)))
     ax.bar([x - width for x in xs], [r["hit_rate"] for r in runs], width, label="hit rate")
     ax.bar(list(xs), [r["pooled_hit_rate"] or 0 for r in runs], width, label="pooled (one LRU cache)")
     ax.bar([x + width for x in xs], [r["oracle_hit_rate"] for r in runs], width, label="oracle (unbounded)")
@@ -593,7 +600,7 @@ class Progress:
 
     def __init__(self, label: str, total: int, *, enabled: bool | None = None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._p = None
+        self._p: RichProgress | None = None  # rich is imported only when the bar shows
         self.label = label
         self.total = total
 

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -44,7 +45,7 @@ async def _json_get(session: aiohttp.ClientSession, url: str) -> object | None:
 async def discover_workers(session: aiohttp.ClientSession, router_url: str) -> list[str]:
     """Agent URLs a radixfleet router lists at ``GET /admin/workers`` ([] otherwise)."""
     body = await _json_get(session, router_url.rstrip("/") + "/admin/workers")
-    items = body.get("workers", []) if isinstance(body, dict) else body
+    items: Any = body.get("workers", []) if isinstance(body, dict) else body
     urls = []
     if isinstance(items, dict):
         items = list(items.values())

@@ -54,7 +54,7 @@ def candidates() -> list[Path]:
     if dist is not None:
         for f in dist.files or ():
             if f.name == BINARY:
-                out.append(Path(dist.locate_file(f)).resolve())
+                out.append(Path(str(dist.locate_file(f))).resolve())
     return list(dict.fromkeys(out))
 
 

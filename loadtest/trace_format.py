@@ -137,7 +137,7 @@ class TraceReader:
             recs = [recs[i] for i in order]
             if info is not None:
                 info = [info[i] for i in order]
-        bt = self._log_bt if self.kind == TRAFFIC_LOG else self.block_tokens
+        bt = self._log_bt if self.kind == TRAFFIC_LOG and self._log_bt is not None else self.block_tokens
         return TraceData(recs, self.kind, bt, self.skipped, info, len(self._ids))
 
     # ----------------------------------------------------------------- one line
@@ -212,7 +212,7 @@ class TraceReader:
         if len(m) + self._next_private > MAX_BLOCK_ID:
             raise _Fatal("more distinct blocks than a replay can number (2**31)")
         self.records.append((ts, routed, max(1, out or 0), ids))
-        if self.keep_info:
+        if self.info is not None:  # kept exactly when keep_info
             self.info.append(info)
 
 
@@ -227,6 +227,7 @@ def _mooncake(rec: dict, ts: float, block_tokens: int) -> Record:
             raise ValueError(f"'{k}' must be a positive integer")
     if not isinstance(ids, list) or not ids or any(type(h) is not int for h in ids):
         raise ValueError("'hash_ids' must be a non-empty list of integers")
+    assert isinstance(n_in, int) and isinstance(n_out, int), "checked by the loop above"
     if len(ids) != math.ceil(n_in / block_tokens):
         raise ValueError(
             f"'hash_ids' has {len(ids)} ids, input_length {n_in} needs "

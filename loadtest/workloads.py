@@ -200,7 +200,7 @@ class ChatSession(Session):
         if self.turn + 1 >= len(self.turns):
             return None
         self.history.append(self.turns[self.turn])
-        answered = {"role": "assistant", "content": answer}
+        answered: dict[str, Any] = {"role": "assistant", "content": answer}
         call = self.calls[self.turn + 1] if self.calls else None
         if call is not None:
             answered["tool_calls"] = [call]
@@ -338,7 +338,7 @@ class Gsp(Workload):
                 question = self.text(q_len, f"question/{g}/{i}")
                 sid = f"g{g}p{i}"
                 if p.api == API_CHAT:
-                    body = {
+                    body: dict[str, Any] = {
                         "messages": [
                             {"role": "system", "content": system},
                             {"role": "user", "content": question},
@@ -441,7 +441,7 @@ class Zipf(Workload):
             suffix = self.text(p.suffix_tokens, f"suffix/{i}")
             sid = f"z{i}"
             if p.api == API_CHAT:
-                body = {
+                body: dict[str, Any] = {
                     "messages": [
                         {"role": "system", "content": systems[k]},
                         {"role": "user", "content": suffix},
@@ -516,7 +516,7 @@ class Rag(Workload):
             question = self.text(p.question_tokens, f"question/{i}")
             sid = f"r{i}"
             if p.api == API_CHAT:
-                body = {
+                body: dict[str, Any] = {
                     "messages": [
                         {"role": "system", "content": header},
                         {"role": "user", "content": context + question},
@@ -589,8 +589,7 @@ class Agent(Workload):
         ]
         out: list[Session] = []
         for s in range(p.sessions):
-            calls: list[dict | None] = [None]
-            calls += [
+            tool_calls: list[dict] = [
                 {
                     "id": f"call_a{s}_{k}",
                     "type": "function",
@@ -601,11 +600,12 @@ class Agent(Workload):
                 }
                 for k in range(1, p.steps)
             ]
+            calls: list[dict | None] = [None, *tool_calls]
             turns = [{"role": "user", "content": self.text(p.task_tokens, f"task/{s}")}]
             turns += [
                 {
                     "role": "tool",
-                    "tool_call_id": calls[k]["id"],
+                    "tool_call_id": tool_calls[k - 1]["id"],
                     "content": self.text(p.step_tokens, f"result/{s}/{k}"),
                 }
                 for k in range(1, p.steps)

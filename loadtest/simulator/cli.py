@@ -52,6 +52,7 @@ import logging
 import multiprocessing
 import os
 import sys
+from typing import Any
 
 import yaml
 
@@ -329,7 +330,7 @@ def simulate(
 
 
 #: what forked worker processes read (set only while a parallel simulate() runs)
-_SHARED: tuple | None = None
+_SHARED: tuple[Any, Any, Bounds, dict, int, Any] | None = None
 
 
 def _run_shared(i: int) -> tuple[dict, list[float]]:

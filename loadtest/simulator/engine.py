@@ -39,13 +39,14 @@ from __future__ import annotations
 import struct
 from array import array
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.errors import ConfigError
 from protocol.prefix_keys import block_hashes
 from worker_agent import tokenizer
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.radix_cache import ADMISSION_MODES, KEY_TYPECODE, AdmissionConfig
-from worker_agent.scheduler import ORDERS, SchedRequest, SchedulerConfig, build_scheduler
+from worker_agent.scheduler import ORDERS, SchedRequest, SchedulerConfig, StepResult, build_scheduler
 
 #: token ids above every tokenizer and block-level id: outputs nobody can match
 PRIVATE_BASE = 2**48
@@ -96,7 +97,7 @@ class EngineSpec:
         return self.kv_tokens if self.kv_tokens is not None else self.cost_model().kv_capacity_tokens()
 
     def scheduler_config(self) -> SchedulerConfig:
-        kw = {}
+        kw: dict[str, Any] = {}
         if self.chunk_tokens is not None:
             kw["chunk_tokens"] = self.chunk_tokens
         if self.max_running is not None:
@@ -284,7 +285,7 @@ class SimWorker:
         # the agent's namespace for an untenanted request without adapter
         self.ns = (spec.model, "", None)
         self._next_private = PRIVATE_BASE
-        self._res = None  # the scheduler's StepResult of the step in progress
+        self._res: StepResult | None = None  # the scheduler's StepResult of the step in progress
         self._run: _Run | None = None  # or the fast-forwarded run in progress
         self._cancels: list = []  # SchedRequests to cancel before the next step
         self.ff_steps = 0  # decode steps applied by fast-forward

@@ -72,7 +72,7 @@ class SimPrompt:
 
 def chain_block_ids(ids: Sequence[int], seed: int) -> list[int]:
     """Router-space hashes of a block-id chain: ``h_k = xxh3_64(id_k, seed=h_{k-1})``."""
-    out = []
+    out: list[int] = []
     append = out.append
     h = seed
     pack = struct.Struct("<Q").pack
@@ -122,7 +122,9 @@ def text_prompt(
 def truncate(p: SimPrompt, blocks: int, block_tokens: int) -> SimPrompt:
     """The first ``blocks`` router blocks of a prompt (a hot-root warm-up's prompt)."""
     n = blocks * block_tokens
+    assert p.units is not None, "a routed prompt has its radix-cache key"
     if p.data is None:  # block level: whole blocks of block_tokens
+        assert p.block_ids is not None, "block-level prompts carry their block ids"
         units = p.units[:n]
         return SimPrompt(
             units,

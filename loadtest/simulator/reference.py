@@ -44,6 +44,7 @@ class TextReference(CacheReference):
 
     def _pooled(self, tokens) -> int:
         lru = self.pooled
+        assert lru is not None, "callers check that the pooled LRU exists"
         tokens = as_key(tokens)  # converted once for both calls (the simulator's already are)
         cached, node = lru.cache.match_prefix(None, tokens)
         lru.cache.insert(None, tokens, below=node)  # resumes at the match: same tree

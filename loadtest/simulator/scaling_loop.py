@@ -238,11 +238,13 @@ def default_rules(
 ) -> list:
     """The rules the bench and the test compare, sharing one controller's settings
     (and one ``max_workers`` cap, as an operator would set on the HPA)."""
-    kw = dict(interval_s=interval_s, startup_s=startup_s, stabilization_s=stabilization_s)
+    i, up, st = interval_s, startup_s, stabilization_s
     return [
-        PrefixAwareScaler(AutoscaleParams(max_workers=max_workers), **kw),
-        QueueDepthScaler(4.0, max_workers=max_workers, **kw),
-        QueueDepthScaler(1.0, max_workers=max_workers, **kw),
+        PrefixAwareScaler(
+            AutoscaleParams(max_workers=max_workers), interval_s=i, startup_s=up, stabilization_s=st
+        ),
+        QueueDepthScaler(4.0, max_workers=max_workers, interval_s=i, startup_s=up, stabilization_s=st),
+        QueueDepthScaler(1.0, max_workers=max_workers, interval_s=i, startup_s=up, stabilization_s=st),
     ]
 
 

@@ -357,6 +357,7 @@ class Simulation:
             for w in ids
         ]
         self.kv_capacity_tokens = sum(w.capacity_tokens for w in self.workers)
+        self.ref_cache: BlockReference | TextReference
         if self.block_level:
             self.ref_cache = BlockReference(self.kv_capacity_tokens, self.block_tokens)
         else:
@@ -500,12 +501,14 @@ class Simulation:
         prompt = self._prompt(spec)
         job = Job(len(self.jobs), session, spec, prompt, now, spec.max_tokens)
         self.jobs.append(job)
-        if self.block_level:
-            _, job.oracle, job.pooled = self.ref_cache.observe(
-                prompt.block_ids, prompt.prompt_tokens, prompt.last_tokens
-            )
+        ref = self.ref_cache  # a BlockReference exactly when block_level
+        if isinstance(ref, BlockReference):
+            assert prompt.block_ids is not None, "block-level prompts carry their block ids"
+            ids = prompt.block_ids
+            _, job.oracle, job.pooled = ref.observe(ids, prompt.prompt_tokens, prompt.last_tokens)
         else:
-            _, job.oracle, job.pooled = self.ref_cache.observe_prompt(prompt.data, prompt.units)
+            assert prompt.data is not None, "text-level prompts carry their text"
+            _, job.oracle, job.pooled = ref.observe_prompt(prompt.data, prompt.units)
         req = RouteRequest(
             prompt.hashes,
             prompt.prompt_tokens,
@@ -724,12 +727,14 @@ class Simulation:
         p = job.prompt
         if p.data is None:
             return ""  # block level: no text; single-turn sessions never read it
+        ref = self.ref_cache
+        assert isinstance(ref, TextReference), "text-level prompts (data set) go with the text reference"
         if not _reads_answer(job):
             # never read back: only its length matters to the references
-            self.ref_cache.observe_unread_answer(p.data, p.units, job.output, UNREAD_ANSWER_BASE + job.idx)
+            ref.observe_unread_answer(p.data, p.units, job.output, UNREAD_ANSWER_BASE + job.idx)
             return ""
         data, toks = SimWorker.answer(job)
-        self.ref_cache.observe_answer_bytes(p.data, p.units, data, toks)
+        ref.observe_answer_bytes(p.data, p.units, data, toks)
         return data.decode("ascii", "replace")
 
     def _cancel_in_flight(self, now: float) -> None:
@@ -993,6 +998,7 @@ class Simulation:
             r.oracle_cached = job.oracle
             r.pooled_cached = job.pooled
             if r.ok:
+                assert job.first_t is not None and job.done_t is not None, "a succeeded job has its times"
                 lat = self.cfg.path_latency_s  # the way back to the client
                 r.ttft_s = job.first_t + lat - job.arrival
                 r.e2e_s = job.done_t + lat - job.arrival
@@ -1067,7 +1073,7 @@ class Simulation:
         """Asserts the invariants in the module docstring (O(jobs + index))."""
         self.driver.check()
         per = [[0, 0] for _ in self.refs]
-        states = collections.Counter()
+        states: collections.Counter[str] = collections.Counter()
         for job in self.jobs:
             if job.ok is None:
                 if not job.warm:

@@ -82,6 +82,7 @@ def plan_runs(
     for v in values:
         cfg, arr = base, arrivals
         if sweep is not None:
+            assert v is not None, "a sweep's values are numbers"
             if sweep.param == "kv_tokens":
                 cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_tokens=int(v)))
             elif sweep.param == "workers":
@@ -132,7 +133,7 @@ def write_sweep_plots(runs: list[dict], out_dir: str) -> list[str]:
     for n in names:
         rs = sorted((r for r in swept if r["name"] == n), key=lambda r: r["sweep"]["value"])
         ax.plot([r["sweep"]["value"] for r in rs], [r["hit_rate"] for r in rs], marker="o", label=n)
-    ref = {}
+    ref: dict[float, tuple[float, float]] = {}
     for r in swept:  # references depend on the sweep value, not the policy
         ref.setdefault(r["sweep"]["value"], (r["pooled_hit_rate"], r["oracle_hit_rate"]))
     xs = sorted(ref)
