@@ -49,11 +49,11 @@ pytestmark = pytest.mark.engine
 #: under the pair's capacity: the figures measure the clients, not a queue), output
 #: tokens per request, alternated rounds
 PROMPTS = 200
-RATE = 10.0
+RATE = 8.0
 OUTPUT_LEN = 64
 ROUNDS = 3
 SEED = 0
-#: one client run's wall-clock bound (200 requests at 10/s take ~20 s, plus vLLM's
+#: one client run's wall-clock bound (200 requests at 8/s take ~25 s, plus vLLM's
 #: client importing torch on a loaded machine)
 RUN_TIMEOUT_S = 150
 #: agreement asked of the medians (relative to vLLM's figure)
