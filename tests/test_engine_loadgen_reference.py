@@ -27,6 +27,11 @@ TTFT p50 differed by +10%, +5% and -15.0%, E2E p50 by -9%, -23% and +2%, while o
 client's TTFT p50 alone moved by 10-40% between its rounds; a request's TPOT is
 bimodal here (a stream delivered in one burst, ~0 ms, or token by token, ~25 ms).
 
+So it is a timing comparison this machine cannot hold, and like every speed target here
+it is not part of the default test run: it runs when ``RADIXFLEET_REFERENCE_CHECK=1`` is
+set (on a quiet host: ``RADIXFLEET_REFERENCE_CHECK=1 python3 -m pytest
+tests/test_engine_loadgen_reference.py -q -s``), and is skipped, saying so, otherwise.
+
 Bounded: ``ROUNDS`` rounds of ``PROMPTS`` requests at ``RATE`` per second, each client
 run under a wall-clock timeout. Run under ``flock /tmp/radixfleet-vllm.lock``.
 """
@@ -49,7 +54,13 @@ import pytest
 from loadtest.runner import flush
 from tests.procs import Proc, free_port, radixfleet_argv
 
-pytestmark = pytest.mark.engine
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        os.environ.get("RADIXFLEET_REFERENCE_CHECK") != "1",
+        reason="a timing comparison for a quiet host: set RADIXFLEET_REFERENCE_CHECK=1 (module docstring)",
+    ),
+]
 
 #: requests per run (the comparison asks for at least 200), arrivals per second (well
 #: under the pair's capacity: the figures measure the clients, not a queue), output
