@@ -75,6 +75,7 @@ def dp_router(dp_server, vllm_model_dir, tmp_path_factory):
                 "metrics": {"interval_s": 0.25, "timeout_s": 5.0},
             }
         ],
+        "response_headers": {"worker_id": True},  # the test reads which rank served
     }
     (d / "router.yaml").write_text(json.dumps(cfg))
     url = f"http://127.0.0.1:{port}"

@@ -73,6 +73,7 @@ def test_key_sent_429_retried_after_retry_after_export_and_exit_status(tmp_path)
         f"workers: [{{url: 'http://127.0.0.1:{agent_port}', id: w0}}]\n"
         f"keys: {{tenant: {{source: api_key, api_keys: [{{tenant: a, key: {KEY}}}]}}}}\n"
         "limits: {max_concurrency: 1, max_queue: 0, retry_after_s: 1, worker_queue_requests: 0}\n"
+        "response_headers: {worker_id: true}\n"  # the export's worker column reads it
     )
     agent = Proc(
         radixfleet_argv(
