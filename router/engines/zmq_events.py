@@ -50,10 +50,13 @@ subscriber asks the replay endpoint at once and, if it answers (even with nothin
 an engine that has published nothing holds nothing), tells the consumer
 ``on_reset("joined")``, the history and ``on_synced`` — so an idle engine's
 entries are known before the first request, not rebuilt while it runs; live copies
-of batches the join replayed are skipped. A reset's replay is always fetched
-*before* ``on_reset``: while it is under way the consumer keeps what it knew (an
-index emptied for the replay's round trip sent a conversation's next turn away from
-the worker that held it).
+of batches the join replayed are skipped. A join whose replay fails (a full buffer
+answers slowly on a busy host) is tried again, backed off, with a replay deadline that
+doubles up to ``_MAX_JOIN_REPLAY_S``, until it succeeds or a live batch starts the
+stream: an idle engine would otherwise stay out of sync until its first request. A
+reset's replay is always fetched *before* ``on_reset``: while it is under way the
+consumer keeps what it knew (an index emptied for the replay's round trip sent a
+conversation's next turn away from the worker that held it).
 
 Lifecycle: ``start()`` once, ``aclose()`` (idempotent), or ``async with``. Callbacks
 run on the event loop, synchronously, and must not block; an exception from one is
@@ -79,6 +82,10 @@ from service import background
 from service.background import Lifecycle
 
 log = logging.getLogger("radixfleet.engines.events")
+
+#: the longest replay deadline a retried join grows to (a full vLLM buffer, 10,000
+#: batches, on a busy host)
+_MAX_JOIN_REPLAY_S = 30.0
 
 #: the replay end marker: sequence -1 as 8 signed big-endian bytes (vLLM, SGLang)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -377,16 +384,32 @@ class KvEventSubscriber(Lifecycle):
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
+        loop = asyncio.get_running_loop()
+        join_at: float | None = None  # when the (next) join is due; None: none pending
+        join_backoff = background.Backoff(0.5, 10.0)
+        join_timeout_s = self.replay_timeout_s
         while True:
             try:
-                ready = dict(await poller.poll())
+                wait_ms = None if join_at is None else max(0.0, (join_at - loop.time()) * 1000.0)
+                ready = dict(await poller.poll(wait_ms))
                 # Connection events first: a handshake that precedes a message in time
                 # must mark it as the first of a new connection.
                 if mon in ready:
                     self._drain_monitor(mon)
                     if self._join_due:
                         self._join_due = False
-                        await self._join()
+                        join_at = loop.time()
+                        join_backoff.reset()
+                        join_timeout_s = self.replay_timeout_s
+                if join_at is not None and loop.time() >= join_at:
+                    # a failed join is tried again, backed off and with a longer
+                    # replay deadline (a full replay buffer is slow on a busy
+                    # host), until it succeeds or a live batch starts the stream
+                    if await self._join(join_timeout_s):
+                        join_at = None
+                    else:
+                        join_at = loop.time() + join_backoff.next_s()
+                        join_timeout_s = min(join_timeout_s * 2.0, _MAX_JOIN_REPLAY_S)
                 if sub in ready:
                     for _ in range(1024):  # bounded, so the monitor is looked at again
                         frames = _recv_now(sub)
@@ -454,12 +477,15 @@ class KvEventSubscriber(Lifecycle):
                 self._gap(last + 1, seq)
         self._deliver(seq, payload, replayed=False)
 
-    async def _join(self) -> None:
+    async def _join(self, timeout_s: float) -> bool:
         """The first connection's join, before any live batch (module docstring).
-        A replay that fails leaves the join to the first live batch."""
-        got = await self._replay_from(0)
-        if got is None or self._last is not None or self.state is not SubscriberState.RUNNING:
-            return
+        False: the replay failed and no live batch has come since (the caller tries
+        again later; the first live batch would also join)."""
+        got = await self._replay_from(0, timeout_s)
+        if self._last is not None or self.state is not SubscriberState.RUNNING:
+            return True  # a live batch started the stream meanwhile: nothing to join
+        if got is None:
+            return False
         self._reset("joined", got[0][0] if got else 0)
         self._last = -1
         self._deliver_replay(got, 0, None, after_reset=True)
@@ -468,6 +494,7 @@ class KvEventSubscriber(Lifecycle):
             self._consumer.on_synced(self._last)
         except Exception:
             self._consumer_failed("on_synced")
+        return True
 
     def _deliver(self, seq: int, payload: bytes, replayed: bool) -> None:
         self._last = seq
@@ -513,7 +540,9 @@ class KvEventSubscriber(Lifecycle):
         if upto is not None and expect < upto and not (after_reset and expect == first):
             self._gap(expect, upto)
 
-    async def _replay_from(self, start: int) -> list[tuple[int, bytes]] | None:
+    async def _replay_from(
+        self, start: int, timeout_s: float | None = None
+    ) -> list[tuple[int, bytes]] | None:
         """Asks the replay endpoint for every batch from ``start``; None on failure.
 
         A fresh DEALER per request, closed after: a late answer to a timed-out
@@ -522,7 +551,8 @@ class KvEventSubscriber(Lifecycle):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg_bytes)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.replay_timeout_s
+        timeout_s = self.replay_timeout_s if timeout_s is None else timeout_s
+        deadline = loop.time() + timeout_s
         out: list[tuple[int, bytes]] = []
         assert self.replay_endpoint is not None, "called only with a replay endpoint"
         try:
@@ -534,8 +564,7 @@ class KvEventSubscriber(Lifecycle):
                 if left <= 0 or not await sock.poll(left * 1000):
                     self._error(
                         KvEventCause.REPLAY_FAILED,
-                        f"no end of replay from {start} within {self.replay_timeout_s}s "
-                        f"({len(out)} batches received)",
+                        f"no end of replay from {start} within {timeout_s:g}s ({len(out)} batches received)",
                     )
                     return None
                 frames = await sock.recv_multipart()
