@@ -1148,7 +1148,9 @@ async def test_a_join_whose_replay_times_out_is_tried_again_until_the_idle_engin
     single request (before, it stayed out of sync until the engine's first batch)."""
     eng = FakeEngine(capacity=30)
     rng, prefixes = random.Random(9), []
-    pub = await FakePublisher(ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0", replay_delay_s=0.5).start()
+    pub = await FakePublisher(
+        ctx, "tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0", replay_delay_s=0.5
+    ).start()
     for _ in range(20):  # published before anyone subscribed
         evs = eng.run(random_prompt(rng, prefixes))
         if evs:
