@@ -44,15 +44,14 @@ import os
 import random
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 import pytest
 
 from loadtest.runner import flush
-from tests.procs import Proc, free_port, radixfleet_argv
+from tests.procs import radixfleet_argv
+from tests.test_engine_shedding import quick_start  # noqa: F401  (the same quick-start router)
 
 pytestmark = [
     pytest.mark.engine,
@@ -107,28 +106,6 @@ METRICS = (
     ("E2E p50", "median_e2el_ms", ("e2e_ms", "p50")),
     ("E2E p99", "p99_e2el_ms", ("e2e_ms", "p99")),
 )
-
-
-@pytest.fixture(scope="module")
-def quick_start(vllm_pair):
-    port = free_port()
-    argv = radixfleet_argv(
-        "router", "--port", str(port), *(a for s in vllm_pair for a in ("--worker", s.url))
-    )
-    with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health", timeout_s=60):
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # both probed (vLLM) and scraped
-            ws = httpx.get(base + "/admin/workers", timeout=5).json()["workers"]
-            if (
-                all(w["routable"] and w.get("engine", {}).get("load_source") == "engine" for w in ws)
-                and len(ws) == 2
-            ):
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"workers not ready: {ws}")
-        yield base
 
 
 def write_dataset(path: Path, n: int, seed: int) -> None:
