@@ -17,13 +17,27 @@ subjects is *foreign* or *malformed* and raises ``BadMessage`` with a short caus
          "full": false,                              # true: heartbeat, every worker
          "inflight": {"w1": [requests, prompt_tokens], ...},     # absolute counts
          "hints": [["w1", age_s, [h1, h2, ...]], ...],
+         "turns": [[session | null, prompt_tokens], ...],   # one per hint, optional
          "repl": [["add"|"retire", key, depth, "w1"], ...],   # hot-root replication
          "bye": false}                               # true: the replica is leaving
+    <prefix>.limits.<replica>    core NATS: what one replica took from its rate-limit
+                                 buckets since its last such message (router.tenancy)
+        {"v":1, "kind":"limits", "replica": "r1",
+         "used": [["tenant"|"key", name, requests, tokens], ...]}   # net, may be < 0
 
 ``wtoken`` is the worker id in hex (ids hold dots and colons, which subjects cannot).
 In-flight counts travel as absolute values per worker, not as deltas, so a lost
 message is healed by the next one for that worker (at the latest the heartbeat).
 A hint's age is seconds since the pick on the sender, so clocks need not agree.
+A hint's *turn* (``turns``, parallel to ``hints``; a sender that predates it omits
+it and older receivers ignore it) is what the policy's record of a pick needs
+beyond the keys: the request's session key and its prompt tokens (the keys cover
+only its whole blocks). The session key travels as a digest, never as the
+client's ``x-session-id`` or ``user`` (an end user's identifier):
+``session_key(secret, s) = hex(HMAC-SHA256(secret, "radixfleet-session\\0" s))[:32]``
+with the deployment's salt secret (``service.tenancy``), which every replica of
+a bus shares, so each replica keys the session alike and no one on the bus learns
+the identifier; on the wire it is exactly 32 lower-case hex digits.
 
 Everything received is checked here before anything applies it, with the bounds
 the HTTP agent API uses: batches and loads by ``protocol.events`` (load numbers
@@ -72,7 +86,7 @@ from urllib.parse import urlsplit
 from protocol import strict_json
 from protocol.errors import ConfigError, RequestError
 from protocol.events import MAX_LOAD_COUNT, EventBatch, Load, Snapshot, parse_batch, parse_registration
-from protocol.identifiers import MAX_ID_CHARS, id_problem
+from protocol.identifiers import MAX_ID_CHARS, MAX_NAME_CHARS, id_problem
 
 #: what a stream name, subject prefix or replica id may hold (NATS tokens: no dots,
 #: spaces or wildcards)
@@ -115,6 +129,14 @@ MAX_ENTRIES = 65536
 MAX_HINT_AGE_S = 3600.0
 #: largest sequence number or replication depth a message may carry
 MAX_SEQ = 2**63 - 1
+#: a session key on the wire: a digest (module docstring)
+SESSION_KEY = re.compile(r"[0-9a-f]{32}")
+#: most entries in one limits message (a sender splits more into several)
+MAX_LIMIT_ENTRIES = 1024
+#: largest request or token count one limits entry may carry (either sign)
+MAX_LIMIT_COUNT = float(1 << 53)
+#: the rate limits a limits entry names: a tenant's, or a named API key's
+LIMIT_KINDS = ("tenant", "key")
 
 
 class BadMessage(Exception):
@@ -198,12 +220,13 @@ def worker_token(worker_id: str) -> str:
 class Subjects:
     """The subjects under one prefix."""
 
-    __slots__ = ("prefix", "agents", "routers", "loads")
+    __slots__ = ("prefix", "agents", "routers", "loads", "all_limits")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.agents = f"{prefix}.agent.>"  # the stream's subjects
         self.routers = f"{prefix}.router.*"
+        self.all_limits = f"{prefix}.limits.*"
         self.loads = f"{prefix}.load.*"
 
     def agent(self, worker_id: str) -> str:
@@ -217,6 +240,9 @@ class Subjects:
 
     def router(self, replica: str) -> str:
         return f"{self.prefix}.router.{replica}"
+
+    def limits(self, replica: str) -> str:
+        return f"{self.prefix}.limits.{replica}"
 
 
 def _load(data: bytes, kind: str) -> dict[str, Any]:
@@ -329,7 +355,7 @@ def parse_snapshot_request(data: bytes) -> str:
 class RouterMessage:
     """One replica's pick-time state (see the module docstring)."""
 
-    __slots__ = ("replica", "seq", "block_bytes", "full", "inflight", "hints", "bye", "repl")
+    __slots__ = ("replica", "seq", "block_bytes", "full", "inflight", "hints", "bye", "repl", "turns")
 
     def __init__(
         self,
@@ -341,6 +367,7 @@ class RouterMessage:
         hints: list[tuple[str, float, list[int]]],
         bye: bool = False,
         repl: list[Any] | None = None,
+        turns: list[tuple[str | None, int]] | None = None,
     ) -> None:
         self.replica = replica
         self.seq = seq
@@ -351,23 +378,29 @@ class RouterMessage:
         self.bye = bye
         #: policies.replication decisions: (op, key, depth, worker)
         self.repl = repl or []
+        #: per hint (empty: none given), its request's session key and prompt tokens
+        self.turns = turns or []
+
+    def turn(self, i: int) -> tuple[str | None, int | None]:
+        """Hint ``i``'s session key and prompt tokens (None, None: not given)."""
+        return self.turns[i] if i < len(self.turns) else (None, None)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "v": VERSION,
-                "kind": "router",
-                "replica": self.replica,
-                "seq": self.seq,
-                "block_bytes": self.block_bytes,
-                "full": self.full,
-                "inflight": {w: [r, t] for w, (r, t) in self.inflight.items()},
-                "hints": [[w, round(age, 4), hs] for w, age, hs in self.hints],
-                "repl": [list(r) for r in self.repl],
-                "bye": self.bye,
-            },
-            separators=(",", ":"),
-        ).encode()
+        obj = {
+            "v": VERSION,
+            "kind": "router",
+            "replica": self.replica,
+            "seq": self.seq,
+            "block_bytes": self.block_bytes,
+            "full": self.full,
+            "inflight": {w: [r, t] for w, (r, t) in self.inflight.items()},
+            "hints": [[w, round(age, 4), hs] for w, age, hs in self.hints],
+            "repl": [list(r) for r in self.repl],
+            "bye": self.bye,
+        }
+        if self.turns:
+            obj["turns"] = [list(t) for t in self.turns]
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def _count(v: Any) -> bool:
@@ -447,4 +480,84 @@ def parse_router(data: bytes) -> RouterMessage:
         ):
             raise BadMessage("bad_router", "a replication entry must be [add|retire, key, depth, worker]")
         repl.append((r[0], r[1], r[2], _worker(r[3], "a replication entry's worker id")))
-    return RouterMessage(replica, seq, cast(int, bb), full, inflight, hints, bye, repl)
+    turns = []
+    raw_turns = _list(obj, "turns")
+    if raw_turns and len(raw_turns) != len(hints):
+        raise BadMessage("bad_router", "'turns' must have one entry per hint")
+    for t in raw_turns:
+        if not (
+            isinstance(t, list)
+            and len(t) == 2
+            and (t[0] is None or (isinstance(t[0], str) and SESSION_KEY.fullmatch(t[0])))
+            and _count(t[1])
+        ):
+            raise BadMessage(
+                "bad_router",
+                "a turn must be [session key (32 hex digits) or null, "
+                f"prompt tokens in [0, {MAX_LOAD_COUNT}]]",
+            )
+        turns.append((t[0], t[1]))
+    return RouterMessage(replica, seq, cast(int, bb), full, inflight, hints, bye, repl, turns)
+
+
+def session_key(secret: bytes, session: str) -> str:
+    """A session's key on the bus and in every replica's policy (module docstring)."""
+    mac = hmac.new(
+        secret, b"radixfleet-session\x00" + session.encode("utf-8", "surrogateescape"), hashlib.sha256
+    )
+    return mac.hexdigest()[:32]
+
+
+# ------------------------------------------------------------- rate limits
+
+
+def build_limits(replica: str, used: list[tuple[str, str, int, float]]) -> list[bytes]:
+    """The limits messages of ``used`` ((kind, name, requests, tokens) entries),
+    ``MAX_LIMIT_ENTRIES`` per message."""
+    out = []
+    for i in range(0, len(used), MAX_LIMIT_ENTRIES):
+        chunk = [[k, n, r, round(t, 3)] for k, n, r, t in used[i : i + MAX_LIMIT_ENTRIES]]
+        out.append(
+            json.dumps(
+                {"v": VERSION, "kind": "limits", "replica": replica, "used": chunk}, separators=(",", ":")
+            ).encode()
+        )
+    return out
+
+
+def _limit_count(v: Any) -> bool:
+    return (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and -MAX_LIMIT_COUNT <= v <= MAX_LIMIT_COUNT
+    )
+
+
+def parse_limits(data: bytes, subject_token: str) -> tuple[str, list[tuple[str, str, float, float]]]:
+    """A replica's limits message: its id and its (kind, name, requests, tokens)
+    entries. Raises ``BadMessage`` (``bad_limits``, ``wrong_subject``)."""
+    obj = _load(data, "limits")
+    replica = obj.get("replica")
+    if not isinstance(replica, str) or len(replica) > MAX_ID_CHARS or not NAME.match(replica):
+        raise BadMessage("bad_limits", f"'replica' must be 1..{MAX_ID_CHARS} letters, digits, '_' or '-'")
+    if replica != subject_token:
+        raise BadMessage("wrong_subject", f"replica {replica!r} on another replica's subject")
+    raw = obj.get("used")
+    if not isinstance(raw, list) or len(raw) > MAX_LIMIT_ENTRIES:
+        raise BadMessage("bad_limits", f"'used' must be a list of at most {MAX_LIMIT_ENTRIES}")
+    used = []
+    for e in raw:
+        if not (
+            isinstance(e, list)
+            and len(e) == 4
+            and e[0] in LIMIT_KINDS
+            and isinstance(e[1], str)
+            and 0 < len(e[1]) <= MAX_NAME_CHARS
+            and _limit_count(e[2])
+            and _limit_count(e[3])
+        ):
+            raise BadMessage(
+                "bad_limits",
+                f"an entry must be [tenant|key, name (1..{MAX_NAME_CHARS} characters), "
+                f"requests, tokens] with counts within {MAX_LIMIT_COUNT:g}",
+            )
+        used.append((e[0], e[1], float(e[2]), float(e[3])))
+    return replica, used

@@ -203,6 +203,7 @@ class Router:
                 registry=self.metrics.registry,
                 policy=lambda: self.policy,
                 agent_token=self.agent_auth.token,
+                tenancy=lambda: self.dataplane.tenancy,
             )
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(

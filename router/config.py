@@ -547,6 +547,18 @@ class BusConfig:
         2.0, "another replica's counts are dropped after this long without a heartbeat", lo=0, lo_open=True
     )
     share_hints: bool = _opt(True, "publish pick-time hints and apply other replicas' hints")
+    share_limits: bool = _opt(
+        True,
+        "publish what this replica takes from its rate-limit buckets and charge the "
+        "others' to its own, so tenancy limits hold for the fleet, not per replica",
+    )
+    limits_interval_s: float = _opt(
+        0.2,
+        "how often rate-limit consumption is published: the fleet may admit up to this "
+        "long's worth of a limit per replica beyond it",
+        lo=0.01,
+        hi=5.0,
+    )
     snapshot_request_s: float = _opt(1.0, "at most one snapshot request per worker this often", lo=0)
     ready_timeout_s: float = _opt(
         10.0,

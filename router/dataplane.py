@@ -303,7 +303,7 @@ class RequestContext:
     body: dict  # the same, parsed
     key: PrefixKey  # its routing key (byte space), tenant and model
     stream: bool
-    session: str | None  # x-session-id, else the body's "user" (the traffic log's)
+    session: str | None  # x-session-id, else the body's "user"; on a bus, its digest
     rid: str  # its request id
     t0: float  # monotonic time it arrived
     reason: str = ""  # why the current attempt's worker was chosen (metrics)
@@ -516,6 +516,11 @@ class DataPlane:
                 if session is None:
                     user = body.get("user")
                     session = user if isinstance(user, str) else None
+                salts = self.tenants.salts
+                if session is not None and self.bus is not None and salts is not None:
+                    # on a bus, every replica keys the session by one digest, which
+                    # its hints carry (protocol.bus_wire: never the client's id)
+                    session = salts.session_key(session)
             except RequestError as exc:
                 self._reject(ex, exc, rid)
                 return
@@ -742,7 +747,8 @@ class DataPlane:
         if self.bus is not None and sk.hashes and rank is None:
             # (a rank's hint stays local: the bus names workers, and every replica
             # follows the ranks' own events)
-            self.bus.hint(w.id, sk.hashes, now)  # queued; published by its own task
+            # queued; published by its own task
+            self.bus.hint(w.id, sk.hashes, now, kr.route_request.session, sk.prompt_tokens)
         return Placement(sk, blocks, own, ahead, touches, rank)
 
     async def _attempt(self, ctx: RequestContext, w: Worker, pick: Placement) -> None:

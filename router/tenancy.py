@@ -29,8 +29,17 @@ whenever one of a lower class would be: a critical request is never shed while
 sheddable work is admitted, and under saturation the queue settles near the
 sheddable bound, where sheddable requests absorb the shedding first.
 
-Limits are kept per router process (replicas do not share them: N replicas admit up
-to N times a limit). A request's token cost is reserved at admission (its prompt,
+Limits are kept per router process and, on a bus, shared: every ``bus.limits_interval_s``
+each replica publishes what it took from each bucket since its last message, net
+of refunds and corrections (``drain``), and every other replica charges its own
+copy of that bucket with it (``debit``; protocol.bus_wire ``limits``). Each
+replica's buckets then hold the fleet's consumption, late by at most one interval
+and the bus's latency: N replicas admit about one limit, not N, plus what the
+replicas admit before they hear of each other (at most an interval's worth of the
+limit's rate per replica). Without a bus (or with ``bus.share_limits`` off) each
+process has its own limits: N replicas admit up to N times a limit.
+
+A request's token cost is reserved at admission (its prompt,
 counted in the router's key space, plus ``max_tokens`` or ``max_completion_tokens``
 if the body gives one) and corrected from the answer's ``usage`` when the router
 reads one (non-streamed answers with an engine link or a traffic log, streams
@@ -176,12 +185,15 @@ def check_key_names(tenancy: TenancyConfig, tenant: Any) -> None:
 class _Limit:
     """One tenant's or key's buckets (either may be None: no limit of that kind)."""
 
-    __slots__ = ("what", "requests", "tokens")
+    __slots__ = ("what", "requests", "tokens", "spent_requests", "spent_tokens")
 
     def __init__(self, what: str) -> None:
         self.what = what  # "tenant acme" | "API key batch" (never the key itself)
         self.requests: TokenBucket | None = None
         self.tokens: TokenBucket | None = None
+        #: what this process took since the last ``Tenancy.drain`` (net of gives)
+        self.spent_requests = 0
+        self.spent_tokens = 0.0
 
     def set(self, rules: TenantRules, now: float) -> None:
         """Takes ``rules`` (a reload keeps what was used so far)."""
@@ -199,14 +211,27 @@ class _Limit:
     def take(self, cost: int) -> None:
         if self.requests is not None:
             self.requests.take(1)
+            self.spent_requests += 1
         if self.tokens is not None:
             self.tokens.take(cost)
+            self.spent_tokens += cost
 
     def give(self, requests: int, tokens: float, now: float) -> None:
         if self.requests is not None and requests:
             self.requests.give(requests, now)
+            self.spent_requests -= requests
         if self.tokens is not None and tokens:
             self.tokens.give(tokens, now)
+            self.spent_tokens -= tokens
+
+    def debit(self, requests: float, tokens: float, now: float) -> None:
+        """Another replica took ``requests`` and ``tokens`` (negative: gave back) from
+        its copy of these buckets: charged here too (debt allowed), not counted as
+        this process's spending."""
+        if self.requests is not None and requests:
+            self.requests.give(-requests, now)
+        if self.tokens is not None and tokens:
+            self.tokens.give(-tokens, now)
 
     def headers(self) -> tuple[tuple[str, str], ...]:
         """The ``x-ratelimit-*`` headers, as OpenAI names them."""
@@ -369,6 +394,28 @@ class Tenancy:
         for lim in limits:
             lim.take(cost)
         return Ticket(label, priority, self._scale[priority], cost, limits)
+
+    def drain(self) -> list[tuple[str, str, int, float]]:
+        """What this process took from each limit since the last call, net of
+        refunds and corrections, as (``tenant`` | ``key``, name, requests, tokens):
+        the limits that changed. O(limits configured)."""
+        out = []
+        for kind, rules in (("tenant", self._tenants), ("key", self._keys)):
+            for name, (_, lim) in rules.items():
+                if lim is not None and (lim.spent_requests or lim.spent_tokens):
+                    out.append((kind, name, lim.spent_requests, lim.spent_tokens))
+                    lim.spent_requests, lim.spent_tokens = 0, 0.0
+        return out
+
+    def debit(self, kind: str, name: str, requests: float, tokens: float, now: float) -> bool:
+        """Another replica's consumption of limit ``name`` (``drain``'s entry):
+        charged to this process's copy. False when no such limit is configured
+        here (a peer with another config: ignored)."""
+        r = (self._tenants if kind == "tenant" else self._keys).get(name)
+        if r is None or r[1] is None:
+            return False
+        r[1].debit(requests, tokens, now)
+        return True
 
     def admitted(self, ticket: Ticket) -> None:
         self._count(ticket.label, ticket.priority)[0].inc()

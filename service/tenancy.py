@@ -32,6 +32,8 @@ import hmac
 import logging
 import os
 
+from protocol.bus_wire import session_key
+
 log = logging.getLogger("radixfleet.tenancy")
 
 TENANT_HEADER = "x-radixfleet-tenant"
@@ -118,6 +120,12 @@ class TenantSalts:
                 self._secret, _SALT_TAG + tenant.encode("utf-8", "surrogateescape"), hashlib.sha256
             ).hexdigest()[:32]
         return s
+
+    def session_key(self, session: str) -> str:
+        """A client's session id as the router keys it on a bus: a digest under the
+        deployment's secret (``protocol.bus_wire.session_key``), alike on every
+        replica and never the end user's identifier."""
+        return session_key(self._secret, session)
 
     def headers(self, salt: str) -> dict[str, str]:
         """The headers that forward ``salt`` to a worker (warm-ups)."""

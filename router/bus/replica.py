@@ -12,7 +12,14 @@
       recorded by the policy as its own picks are (``observe_route``: prefix_load's
       session footprints and write rates; else ``observe_pick``, the unheld blocks);
       and its policy's hot-root replication decisions (policies.replication
-      HotRoots.listener -> apply_remote), so N replicas replicate as one router
+      HotRoots.listener -> apply_remote), so N replicas replicate as one router;
+      each hint carries its request's session key (a digest) and prompt tokens, so
+      the receiving policy records the pick as the picking one did: a session whose
+      turns go to different replicas is one session in every replica's footprints
+    this replica --core <prefix>.limits.<me>--> the others: what it took from its
+      tenancy rate-limit buckets (router.tenancy ``drain``), every
+      limits_interval_s; received ones are charged to this replica's buckets
+      (``debit``), so the fleet admits about one limit (bus.share_limits)
 
 Warm start: on each (re)subscription the stream's last sequence is read; the
 replica is *caught up* once it has applied that message (at once for an empty
@@ -52,8 +59,10 @@ from protocol.bus_wire import (
     BusKey,
     RouterMessage,
     Subjects,
+    build_limits,
     build_snapshot_request,
     parse_agent,
+    parse_limits,
     parse_load,
     parse_router,
 )
@@ -68,6 +77,15 @@ from router.pool import HealthState, Pool
 from service.bus_connection import BusConnection, BusMetrics, BusState, Problems, check_exposure
 
 log = logging.getLogger("radixfleet.bus")
+
+
+def remote_request(
+    hashes: list[int], session: str | None, prompt_tokens: int | None, bt: int
+) -> RouteRequest:
+    """A peer's pick as this replica's policy records it: the request with the
+    hint's keys, its session key and its prompt tokens (a peer that sends no turn:
+    the prompt as its whole blocks, the partial tail is not keyed)."""
+    return RouteRequest(hashes, len(hashes) * bt if prompt_tokens is None else prompt_tokens, bt, session)
 
 
 def default_replica_id() -> str:
@@ -88,6 +106,7 @@ class BusReplica:
         clock=time.monotonic,
         policy=lambda: None,
         agent_token: bytes = b"",
+        tenancy=lambda: None,
     ) -> None:
         # the agent credential signs and checks every message (protocol.bus_wire.BusKey)
         check_exposure(cfg.url, agent_token, "bus.url")
@@ -101,6 +120,8 @@ class BusReplica:
         #: the router's current policy (a reload may replace it); its hot-root
         #: replication record (``policy.hot``, prefix_load) is shared too
         self.policy = policy
+        #: the router's router.tenancy.Tenancy (None: no limits shared)
+        self.tenancy = tenancy
         self._hot = None  # the HotRoots we listen to
         self._repl: list[tuple[str, int, int, str]] = []
         self.replica = cfg.replica_id or default_replica_id()
@@ -132,9 +153,10 @@ class BusReplica:
         self._ready_logged = False
         self._seq = 0  # our router messages
         self._dirty: set[str] = set()
-        self._hints: list[tuple[str, float, list[int]]] = []
+        self._hints: list[tuple[str, float, list[int], str | None, int]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._limits_task: asyncio.Task | None = None
         self._asked: dict[str, float] = {}  # worker -> when we last asked a snapshot
         self._subs: list = []
         self._pending: set[asyncio.Future] = set()  # snapshot requests being sent
@@ -148,6 +170,8 @@ class BusReplica:
         self.pool.listeners.append(self)
         await self.conn.start()
         self._task = asyncio.create_task(self._publisher(), name="radixfleet-bus-publisher")
+        if self.cfg.share_limits:
+            self._limits_task = asyncio.create_task(self._limits_publisher(), name="radixfleet-bus-limits")
 
     async def aclose(self) -> None:
         if self._closed:
@@ -157,9 +181,10 @@ class BusReplica:
             self.pool.tap = None
         if self in self.pool.listeners:
             self.pool.listeners.remove(self)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._limits_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         nc = self.conn.nc
         if self.conn.up and nc is not None:
             try:
@@ -273,6 +298,7 @@ class BusReplica:
         self._subs = [
             await nc.subscribe(self.subjects.routers, cb=self._on_router),
             await nc.subscribe(self.subjects.loads, cb=self._on_load),
+            await nc.subscribe(self.subjects.all_limits, cb=self._on_limits),
             await js.subscribe(
                 self.subjects.agents,
                 cb=self._on_agent,
@@ -399,10 +425,16 @@ class BusReplica:
         self._dirty.add(w.id)
         self._wake.set()
 
-    def hint(self, wid: str, hashes, now: float) -> None:
-        """DataPlane._pick inserted ``hashes`` for ``wid`` at ``now``."""
+    def hint(
+        self, wid: str, hashes, now: float, session: str | None = None, prompt_tokens: int | None = None
+    ) -> None:
+        """DataPlane._pick inserted ``hashes`` for ``wid`` at ``now``, for a request of
+        ``prompt_tokens`` (default: its whole blocks) in session ``session`` (its key:
+        ``TenantSalts.session_key``)."""
         if self.cfg.share_hints and hashes and self.conn.up:
-            self._hints.append((wid, now, list(hashes)))
+            if prompt_tokens is None:
+                prompt_tokens = len(hashes) * max(1, self.block_bytes // BYTES_PER_TOKEN)
+            self._hints.append((wid, now, list(hashes), session, prompt_tokens))
             self._wake.set()
 
     def _replicated(self, op: str, key: int, depth: int, worker: str) -> None:
@@ -456,13 +488,16 @@ class BusReplica:
                 w = self.pool.get(wid)
                 if w is not None and (w.in_flight or w.in_flight_tokens or not full):
                     inflight[wid] = (max(w.in_flight, 0), max(w.in_flight_tokens, 0))
-            hints = [(wid, now - t, hs) for wid, t, hs in self._hints]
+            hints = [(wid, now - t, hs) for wid, t, hs, _, _ in self._hints]
+            turns = [(session, pt) for _, _, _, session, pt in self._hints]
             self._hints = []
             repl, self._repl = self._repl, []
             if not (full or inflight or hints or repl):
                 continue
             self._seq += 1
-            msg = RouterMessage(self.replica, self._seq, self.block_bytes, full, inflight, hints, repl=repl)
+            msg = RouterMessage(
+                self.replica, self._seq, self.block_bytes, full, inflight, hints, repl=repl, turns=turns
+            )
             await self._publish(self.subjects.router(self.replica), msg.to_bytes(), "router")
 
     # ------------------------------------------- the others' pick-time state in
@@ -502,7 +537,7 @@ class BusReplica:
         policy = self.policy()
         route = getattr(policy, "observe_route", None)
         observe = getattr(policy, "observe_pick", None)
-        for wid, age, hashes in m.hints:
+        for i, (wid, age, hashes) in enumerate(m.hints):
             w = self.pool.get(wid)
             if w is not None and w.health is HealthState.HEALTHY and hashes:
                 t = now - age
@@ -515,11 +550,44 @@ class BusReplica:
                     # and the rest of the policy's own record of a pick, as if picked
                     # here (prefix_load: the session's footprint, the KV written); the
                     # prompt as its whole blocks (the partial tail is not keyed)
-                    route(RouteRequest(hashes, len(hashes) * bt, bt), match, wid, t)
+                    route(remote_request(hashes, *m.turn(i), bt), match, wid, t)
                 elif observe is not None:
                     # the KV it wrote there, in the policy's write rates: the blocks
                     # it did not hold
                     observe(wid, (len(hashes) - match.blocks.get(wid, 0)) * bt, t)
+
+    # ------------------------------------------------- rate limits, both ways
+
+    async def _limits_publisher(self) -> None:
+        """Every ``limits_interval_s``: what this replica took from its rate-limit
+        buckets since the last time, to the others (dropped while the bus is down:
+        the limits are then per replica, as without a bus)."""
+        subject = self.subjects.limits(self.replica)
+        while True:
+            await asyncio.sleep(self.cfg.limits_interval_s)
+            tenancy = self.tenancy()
+            if tenancy is None:
+                continue
+            used = tenancy.drain()
+            if not used or not self.conn.up:
+                continue
+            for data in build_limits(self.replica, used):
+                await self._publish(subject, data, "limits")
+
+    async def _on_limits(self, msg) -> None:
+        try:
+            self.key.verify(msg.subject, msg.data, msg.headers)
+            replica, used = parse_limits(msg.data, msg.subject.rsplit(".", 1)[-1])
+        except BadMessage as exc:
+            self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
+            return
+        tenancy = self.tenancy()
+        if replica == self.replica or tenancy is None or not self.cfg.share_limits:
+            return
+        self.metrics.received.labels("limits").inc()
+        now = self.clock()
+        for kind, name, requests, tokens in used:
+            tenancy.debit(kind, name, requests, tokens, now)
 
     def _block_tokens(self, w) -> int:
         """Tokens per key of ``w``'s hints: its engine's token blocks, else the byte
