@@ -67,7 +67,7 @@ def held(router: Router, wid: str) -> set[int]:
     return {k for k, n in router.index._nodes.items() if n.held_by(wid)}
 
 
-def bus_router(url: str, replica: str, **bus) -> Router:
+def bus_router(url: str, replica: str, extra: dict | None = None, **bus) -> Router:
     return Router(
         parse_config(
             {
@@ -82,6 +82,7 @@ def bus_router(url: str, replica: str, **bus) -> Router:
                     "backoff_max_s": 0.5,
                     **bus,
                 },
+                **(extra or {}),
             }
         )
     )
@@ -775,3 +776,110 @@ def test_replication_decisions_travel_and_apply_as_one_router_would():
                 }
             ).encode()
         )
+
+
+@pytest.mark.integration
+@bounded()
+async def test_a_tenants_limit_holds_for_the_fleet_on_a_bus():
+    """A tenant limited to R = 10 requests/s (burst 10) sends 2R for 5 s, alternating
+    between two replicas: each replica alone sees exactly R and, with limits per
+    replica, admits all 100. Sharing consumption over the bus (every 0.2 s) the
+    fleet admits the limit: R x 5 s plus at most each replica's burst once (what
+    the replicas admit before they hear of each other's), so within [45, 70]."""
+    rate, seconds = 10, 5.0
+    tenancy = {
+        "keys": {"tenant": {"source": "header"}},
+        "tenancy": {"tenants": {"acme": {"requests_per_s": rate, "request_burst": rate}}},
+    }
+    with NatsServer(free_port()) as ns:
+        a, b = bus_router(ns.url, "ra", tenancy), bus_router(ns.url, "rb", tenancy)
+        (sa, ua), (sb, ub) = await start(a), await start(b)
+        p = agent(0, ns.url).__enter__()
+        try:
+            for r, peer in ((a, "rb"), (b, "ra")):
+                await wait_for(
+                    lambda r=r, peer=peer: (
+                        len(r.pool.views(time.monotonic())) == 1 and peer in r.bus.remote.replicas
+                    ),
+                    15,
+                    "the agent registered and the peer heard",
+                )
+            statuses: list[int] = []
+            async with httpx.AsyncClient(timeout=30) as c:
+
+                async def one(i: int, at: float) -> None:
+                    await asyncio.sleep(max(0.0, at - time.monotonic()))
+                    r = await c.post(
+                        (ua, ub)[i % 2] + "/v1/completions",
+                        json={"model": "llama-3-8b", "prompt": f"request {i}", "max_tokens": 1},
+                        headers={"x-tenant-id": "acme"},
+                    )
+                    statuses.append(r.status_code)
+
+                t0 = time.monotonic()
+                n = int(2 * rate * seconds)
+                await asyncio.gather(*(one(i, t0 + i / (2 * rate)) for i in range(n)))
+            ok = statuses.count(200)
+            print(f"admitted {ok} of {n} at {2 * rate} req/s for a {rate} req/s limit")
+            assert statuses.count(429) == n - ok, sorted(set(statuses))
+            assert 0.9 * rate * seconds <= ok <= rate * seconds + 2 * rate, ok
+            assert metric(a, "radixfleet_bus_messages_received_total", kind="limits") > 0
+            assert metric(b, "radixfleet_bus_messages_published_total", kind="limits") > 0
+        finally:
+            p.__exit__(None, None, None)
+            await sa.aclose()
+            await sb.aclose()
+
+
+@pytest.mark.integration
+@bounded()
+async def test_a_sessions_turns_on_two_replicas_are_one_session_in_both():
+    """A client's session (x-session-id) whose turns alternate between two replicas
+    is one branch in both replicas' footprints, keyed by the session's salted
+    digest (the id itself never travels), homed where its last turn went."""
+    with NatsServer(free_port()) as ns:
+        a, b = bus_router(ns.url, "ra"), bus_router(ns.url, "rb")
+        (sa, ua), (sb, ub) = await start(a), await start(b)
+        p = agent(0, ns.url).__enter__()
+        try:
+            for r, peer in ((a, "rb"), (b, "ra")):
+                await wait_for(
+                    lambda r=r, peer=peer: (
+                        len(r.pool.views(time.monotonic())) == 1 and peer in r.bus.remote.replicas
+                    ),
+                    15,
+                    "the agent registered and the peer heard",
+                )
+            async with httpx.AsyncClient(timeout=30) as c:
+                for i in range(4):  # every turn a fresh window: only the id ties them
+                    r = await c.post(
+                        (ua, ub)[i % 2] + "/v1/completions",
+                        json={
+                            "model": "llama-3-8b",
+                            "prompt": f"turn {i} " + SYSTEM * (2 + i),
+                            "max_tokens": 1,
+                        },
+                        headers={"x-session-id": "alice@example.com"},
+                    )
+                    assert r.status_code == 200, r.text
+            key = a.salts.session_key("alice@example.com")
+            assert key == b.salts.session_key("alice@example.com")
+            fa, fb = a.policy.footprints, b.policy.footprints
+            # b routed the last turn; a heard of it: the same branch, at its last turn
+            await wait_for(
+                lambda: (
+                    key in fa._branches
+                    and key in fb._branches
+                    and fa._branches[key].tip == fb._branches[key].tip
+                ),
+                5,
+                "the last turn heard",
+            )
+            for fp in (fa, fb):
+                br = fp._branches[key]
+                assert br.live and br.home == "ag0" and br.size == fb._branches[key].size
+                assert not any(isinstance(k, str) and "alice" in k for k in fp._branches)
+        finally:
+            p.__exit__(None, None, None)
+            await sa.aclose()
+            await sb.aclose()
