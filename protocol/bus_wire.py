@@ -550,13 +550,13 @@ def parse_limits(data: bytes, subject_token: str) -> tuple[str, list[tuple[str, 
             and len(e) == 4
             and e[0] in LIMIT_KINDS
             and isinstance(e[1], str)
-            and 0 < len(e[1]) <= MAX_NAME_CHARS
+            and len(e[1]) <= MAX_NAME_CHARS
             and _limit_count(e[2])
             and _limit_count(e[3])
         ):
             raise BadMessage(
                 "bad_limits",
-                f"an entry must be [tenant|key, name (1..{MAX_NAME_CHARS} characters), "
+                f"an entry must be [tenant|key, name (at most {MAX_NAME_CHARS} characters), "
                 f"requests, tokens] with counts within {MAX_LIMIT_COUNT:g}",
             )
         used.append((e[0], e[1], float(e[2]), float(e[3])))

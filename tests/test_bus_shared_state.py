@@ -218,7 +218,7 @@ def test_two_replicas_that_debit_each_other_admit_one_limit():
         ([["tenant", "acme", 2.0**60, 0]], "bad_limits"),
         ([["tenant", "acme", 1, True]], "bad_limits"),
         ([["user", "acme", 1, 0]], "bad_limits"),
-        ([["tenant", "", 1, 0]], "bad_limits"),
+        ([["tenant", None, 1, 0]], "bad_limits"),
         ([["tenant", "x" * 257, 1, 0]], "bad_limits"),
         ([["tenant", "acme", 1]], "bad_limits"),
         ([["tenant", "acme", 1, 0]] * (MAX_LIMIT_ENTRIES + 1), "bad_limits"),
@@ -237,6 +237,10 @@ def test_limits_messages_are_split_and_name_their_own_subject():
     back = [e for m in msgs for e in parse_limits(m, "r1")[1]]
     assert back == [(k, n, 1.0, 2.5) for k, n, _, _ in used]
     assert cause(parse_limits, msgs[0], "r2") == "wrong_subject"
+    # the default tenant ("": no identity) has a name on the wire too
+    assert parse_limits(build_limits("r1", [("tenant", "", 1, 0.0)])[0], "r1")[1] == [
+        ("tenant", "", 1.0, 0.0)
+    ]
     assert cause(parse_limits, b'{"v": 1, "kind": "router"}', "r1") == "wrong_kind"
 
 

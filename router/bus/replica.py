@@ -69,6 +69,7 @@ from protocol.bus_wire import (
 from protocol.errors import Conflict, Overloaded
 from protocol.events import STATUS_OK
 from protocol.extras import require
+from protocol.identifiers import MAX_NAME_CHARS
 from protocol.prefix_keys import BYTES_PER_TOKEN
 from router.bus.remote_load import RemoteInFlight
 from router.config import BusConfig, ConfigError, bus_setting, parse_worker_url
@@ -548,8 +549,8 @@ class BusReplica:
                 bt = self._block_tokens(w)
                 if route is not None:
                     # and the rest of the policy's own record of a pick, as if picked
-                    # here (prefix_load: the session's footprint, the KV written); the
-                    # prompt as its whole blocks (the partial tail is not keyed)
+                    # here (prefix_load: the session's footprint, the KV written), with
+                    # the hint's session key and prompt tokens (``remote_request``)
                     route(remote_request(hashes, *m.turn(i), bt), match, wid, t)
                 elif observe is not None:
                     # the KV it wrote there, in the policy's write rates: the blocks
@@ -568,7 +569,8 @@ class BusReplica:
             tenancy = self.tenancy()
             if tenancy is None:
                 continue
-            used = tenancy.drain()
+            # (a name too long for the wire stays this replica's own limit)
+            used = [u for u in tenancy.drain() if len(u[1]) <= MAX_NAME_CHARS]
             if not used or not self.conn.up:
                 continue
             for data in build_limits(self.replica, used):
