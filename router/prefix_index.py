@@ -73,6 +73,28 @@ and everything below them go, other workers' stay). The opposite, "w holds
 ``hashes[:k]``", is ``insert(w, hashes[:k], now)``: insert already adds what is
 missing and touches what is there.
 
+Colder tiers. An engine that offloads KV (vLLM's CPU offloading, a disk or remote
+store) still holds a block it evicted from GPU memory, one load away: such a hit saves
+the prefill but costs the load back. ``tier_add(w, tier, keys)`` / ``tier_discard``
+record the blocks w holds in a colder tier (``COLDER_TIERS``: "cpu", then "disk"), a
+set of keys per (tier, worker) beside the tree, independent of it: offloading is
+inclusive (a block may be held in GPU memory and in CPU memory at once), a block
+leaves one tier without leaving the other, and the engine reports no parent for an
+offloaded block. ``match_tiers(hashes, match)`` extends each worker's GPU prefix
+(``match.blocks[w]``) block by block through the colder tiers, each block counted in
+the warmest colder tier holding it, as the engine looks them up: from its own
+prefix hit onward. The tree's budget and caps do not count them (a colder tier is the
+engine's own bounded memory, and every block it evicts is reported removed: the
+tier sets hold at most what the engines' colder tiers hold); ``clear`` leaves them
+and ``clear_tiers`` (an engine restart, an event gap) drops them; ``drop_worker``
+drops both. The hot paths (``match``, ``insert``) never look at them.
+
+Tier invariants (``check()``):
+
+- Every tier is one of ``COLDER_TIERS``; no (tier, worker) set is empty; every key is
+  an int in [0, 2**64).
+- ``_tier_entries`` equals the number of (tier, worker, key) entries.
+
 Hot roots: each node's ``hits`` is an exponentially decayed request count kept in
 "inflated" units (each request adds ``exp(lambda * (now - t0))``), so an increment
 is one float add; the rate at ``now`` is ``lambda * hits * exp(-lambda*(now-t0))``
@@ -97,6 +119,11 @@ EXTRA_HOLDER_BYTES = 104
 HEAP_RECORD_BYTES = 96
 
 DEFAULT_MAX_BYTES = 256 * 2**20
+
+#: colder KV tiers, warmest first (the GPU tier is the tree itself); an engine's
+#: ``medium`` is mapped onto them by ``router.engines.block_map``
+COLDER_TIERS = ("cpu", "disk")
+_U64 = 1 << 64
 DEFAULT_HALF_LIFE_S = 30.0
 #: renormalise the inflated hit counters before exp() grows past e^40
 _MAX_EXPONENT = 40.0
@@ -222,6 +249,9 @@ class PrefixIndex:
         #: uncapped workers the fair share evicted from: they keep a heap in _wheaps
         self._tracked: set[str] = set()
         self._wheap_records = 0  # records in all of _wheaps (counted in the budget)
+        #: colder tier -> worker -> keys it holds there (module docstring, "Colder tiers")
+        self._tiers: dict[str, dict[str, set[int]]] = {t: {} for t in COLDER_TIERS}
+        self._tier_entries = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -342,6 +372,49 @@ class PrefixIndex:
     def entries(self, worker: str) -> int:
         """Entries (blocks) ``worker`` holds. O(1)."""
         return self._counts.get(worker, 0)
+
+    def tier_entries(self, worker: str) -> dict[str, int]:
+        """Blocks ``worker`` holds per colder tier (every tier named, 0 included)."""
+        return {t: len(ws.get(worker, ())) for t, ws in self._tiers.items()}
+
+    def tier_holds(self, worker: str, tier: str, key: int) -> bool:
+        ws = self._tiers.get(tier)
+        keys = ws.get(worker) if ws is not None else None
+        return keys is not None and key in keys
+
+    def match_tiers(self, hashes: Sequence[int], match: MatchResult) -> dict[str, dict[str, int]]:
+        """Per holder with colder-tier blocks, how far each colder tier extends its GPU
+        prefix ``match.blocks[w]`` ({worker: {tier: blocks}}, only extensions > 0).
+        Each block after the GPU prefix counts in the warmest colder tier holding it;
+        the walk stops at the first block no colder tier holds. O(1) with no colder
+        entries at all, else O(holders with colder entries * blocks extended)."""
+        if not self._tier_entries:
+            return {}
+        tiers = [(t, ws) for t, ws in self._tiers.items() if ws]
+        holders: set[str] = set()
+        for _, ws in tiers:
+            holders.update(ws)
+        blocks: Any = match.blocks  # keyed by holder (a worker, or a worker's part)
+        n = len(hashes)
+        out: dict[str, dict[str, int]] = {}
+        for w in holders:
+            sets = [(t, ws[w]) for t, ws in tiers if w in ws]
+            i = blocks.get(w, 0)
+            ext: dict[str, int] | None = None
+            while i < n:
+                key = hashes[i]
+                for t, keys in sets:
+                    if key in keys:
+                        if ext is None:
+                            ext = {}
+                        ext[t] = ext.get(t, 0) + 1
+                        break
+                else:
+                    break
+                i += 1
+            if ext is not None:
+                out[w] = ext
+        return out
 
     def capacity(self, worker: str) -> int | None:
         """``worker``'s cap in entries, None if uncapped."""
@@ -551,6 +624,46 @@ class PrefixIndex:
             heap.clear()
         return removed
 
+    def tier_add(self, worker: str, tier: str, keys: Iterable[int]) -> int:
+        """Records that ``worker`` holds ``keys`` in the colder ``tier`` (one of
+        ``COLDER_TIERS``). Returns the number newly held. O(keys)."""
+        ws = self._tiers[tier]
+        held = ws.get(worker)
+        if held is None:
+            held = ws[worker] = set()
+        before = len(held)
+        held.update(keys)
+        added = len(held) - before
+        self._tier_entries += added
+        if not held:
+            del ws[worker]
+        return added
+
+    def tier_discard(self, worker: str, tier: str, keys: Iterable[int]) -> int:
+        """Records that ``worker`` no longer holds ``keys`` in ``tier``. Returns the
+        number it held. O(keys)."""
+        ws = self._tiers[tier]
+        held = ws.get(worker)
+        if held is None:
+            return 0
+        before = len(held)
+        held.difference_update(keys)
+        gone = before - len(held)
+        self._tier_entries -= gone
+        if not held:
+            del ws[worker]
+        return gone
+
+    def clear_tiers(self, worker: str) -> int:
+        """Drops every colder-tier entry of ``worker``. Returns how many."""
+        removed = 0
+        for ws in self._tiers.values():
+            held = ws.pop(worker, None)
+            if held is not None:
+                removed += len(held)
+        self._tier_entries -= removed
+        return removed
+
     def clear_steps(self, worker: str, limit: int) -> Iterator[int]:
         """``clear`` in slices: removes ``worker``'s entries deepest first, at most
         ``limit`` per step, and yields the number removed after each step; the
@@ -595,8 +708,9 @@ class PrefixIndex:
         O(worker's entries + known workers)."""
         prefix = worker + "#"
         removed = 0
-        for holder in [worker, *(w for w in self._counts if w.startswith(prefix))]:
-            removed += self.clear(holder)
+        tiered = {w for ws in self._tiers.values() for w in ws}
+        for holder in [worker, *(w for w in self._counts.keys() | tiered if w.startswith(prefix))]:
+            removed += self.clear(holder) + self.clear_tiers(holder)
             self._counts.pop(holder, None)
             if holder in self._tracked:
                 self._tracked.discard(holder)
@@ -925,6 +1039,15 @@ class PrefixIndex:
                 assert rw == w, f"record of {rw=} in {w=}'s heap"
                 if n.parent is not None and n.touch_of(w) == t:
                     live.add((id(n), w))
+        tier_entries = 0
+        assert set(self._tiers) == set(COLDER_TIERS), f"tiers {set(self._tiers)}"
+        for tier, ws in self._tiers.items():
+            for w, keys in ws.items():
+                assert keys, f"empty {tier} set of {w=}"
+                tier_entries += len(keys)
+                for k in keys:
+                    assert k.__class__ is int and 0 <= k < _U64, f"{tier} key {k!r} of {w=}"
+        assert tier_entries == self._tier_entries, f"{tier_entries=} vs {self._tier_entries=}"
         missing = capped_leaves - live
         assert not missing, f"{len(missing)} capped leaf entries without a live heap record"
         assert self._est_bytes() <= self.max_bytes or not self._heap, "over budget"
