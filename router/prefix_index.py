@@ -80,7 +80,8 @@ record the blocks w holds in a colder tier (``COLDER_TIERS``: "cpu", then "disk"
 set of keys per (tier, worker) beside the tree, independent of it: offloading is
 inclusive (a block may be held in GPU memory and in CPU memory at once), a block
 leaves one tier without leaving the other, and the engine reports no parent for an
-offloaded block. ``match_tiers(hashes, match)`` extends each worker's GPU prefix
+offloaded block (a key's holders per tier are kept too, for the match: ~2x the
+memory of one set entry per block). ``match_tiers(hashes, match)`` extends each worker's GPU prefix
 (``match.blocks[w]``) block by block through the colder tiers, each block counted in
 the warmest colder tier holding it, as the engine looks them up: from its own
 prefix hit onward. The tree's budget and caps do not count them (a colder tier is the
@@ -94,6 +95,8 @@ Tier invariants (``check()``):
 - Every tier is one of ``COLDER_TIERS``; no (tier, worker) set is empty; every key is
   an int in [0, 2**64).
 - ``_tier_entries`` equals the number of (tier, worker, key) entries.
+- ``_tier_holders`` (key -> holders, per tier: what the match walks) names exactly
+  the (worker, key) pairs of the sets; a holder set has at least two members.
 
 Hot roots: each node's ``hits`` is an exponentially decayed request count kept in
 "inflated" units (each request adds ``exp(lambda * (now - t0))``), so an increment
@@ -251,6 +254,8 @@ class PrefixIndex:
         self._wheap_records = 0  # records in all of _wheaps (counted in the budget)
         #: colder tier -> worker -> keys it holds there (module docstring, "Colder tiers")
         self._tiers: dict[str, dict[str, set[int]]] = {t: {} for t in COLDER_TIERS}
+        #: colder tier -> key -> its holders there (str: one, set: several), for the match
+        self._tier_holders: dict[str, dict[int, Any]] = {t: {} for t in COLDER_TIERS}
         self._tier_entries = 0
 
     # ------------------------------------------------------------------ queries
@@ -387,33 +392,57 @@ class PrefixIndex:
         prefix ``match.blocks[w]`` ({worker: {tier: blocks}}, only extensions > 0).
         Each block after the GPU prefix counts in the warmest colder tier holding it;
         the walk stops at the first block no colder tier holds. O(1) with no colder
-        entries at all, else O(holders with colder entries * blocks extended)."""
-        if not self._tier_entries:
+        entries at all, else O(tiers * (holders in ``match`` + colder holders of the
+        first block) + blocks extended)."""
+        if not self._tier_entries or not hashes:
             return {}
-        tiers = [(t, ws) for t, ws in self._tiers.items() if ws]
-        holders: set[str] = set()
-        for _, ws in tiers:
-            holders.update(ws)
+        maps = [(t, m) for t, m in self._tier_holders.items() if m]
         blocks: Any = match.blocks  # keyed by holder (a worker, or a worker's part)
         n = len(hashes)
+        starts: dict[str, int] = {}
+        # holders without a GPU prefix start at block 0 ...
+        k0 = hashes[0]
+        for _, m in maps:
+            h = m.get(k0)
+            if h is not None:
+                for w in (h,) if h.__class__ is str else h:
+                    if not blocks.get(w):
+                        starts[w] = 0
+        # ... the others where their GPU prefix stops, if a colder tier holds that block
+        for w, g in blocks.items():
+            if g < n:
+                key = hashes[g]
+                for _, m in maps:
+                    h = m.get(key)
+                    if h is not None and (h == w if h.__class__ is str else w in h):
+                        starts[w] = g
+                        break
         out: dict[str, dict[str, int]] = {}
-        for w in holders:
-            sets = [(t, ws[w]) for t, ws in tiers if w in ws]
-            i = blocks.get(w, 0)
-            ext: dict[str, int] | None = None
+        if len(maps) == 1:
+            # one colder tier in use (the usual case): a tight walk per holder
+            t, get = maps[0][0], maps[0][1].get
+            for w, i in starts.items():
+                j = i + 1  # the start block is held (checked above)
+                while j < n:
+                    h = get(hashes[j])
+                    if h is None or (h != w if h.__class__ is str else w not in h):
+                        break
+                    j += 1
+                out[w] = {t: j - i}
+            return out
+        for w, i in starts.items():
+            ext: dict[str, int] = {}
             while i < n:
                 key = hashes[i]
-                for t, keys in sets:
-                    if key in keys:
-                        if ext is None:
-                            ext = {}
+                for t, m in maps:
+                    h = m.get(key)
+                    if h is not None and (h == w if h.__class__ is str else w in h):
                         ext[t] = ext.get(t, 0) + 1
                         break
                 else:
                     break
                 i += 1
-            if ext is not None:
-                out[w] = ext
+            out[w] = ext
         return out
 
     def capacity(self, worker: str) -> int | None:
@@ -628,41 +657,66 @@ class PrefixIndex:
         """Records that ``worker`` holds ``keys`` in the colder ``tier`` (one of
         ``COLDER_TIERS``). Returns the number newly held. O(keys)."""
         ws = self._tiers[tier]
+        hm = self._tier_holders[tier]
         held = ws.get(worker)
         if held is None:
-            held = ws[worker] = set()
-        before = len(held)
-        held.update(keys)
-        added = len(held) - before
+            held = set()
+        added = 0
+        for k in keys:
+            if k in held:
+                continue
+            held.add(k)
+            added += 1
+            h = hm.get(k)
+            if h is None:
+                hm[k] = worker
+            elif h.__class__ is str:
+                hm[k] = {h, worker}
+            else:
+                h.add(worker)
+        if held:
+            ws[worker] = held
         self._tier_entries += added
-        if not held:
-            del ws[worker]
         return added
 
     def tier_discard(self, worker: str, tier: str, keys: Iterable[int]) -> int:
         """Records that ``worker`` no longer holds ``keys`` in ``tier``. Returns the
         number it held. O(keys)."""
-        ws = self._tiers[tier]
-        held = ws.get(worker)
+        held = self._tiers[tier].get(worker)
         if held is None:
             return 0
-        before = len(held)
-        held.difference_update(keys)
-        gone = before - len(held)
+        gone = 0
+        for k in keys:
+            if k in held:
+                held.discard(k)
+                self._tier_unhold(tier, k, worker)
+                gone += 1
         self._tier_entries -= gone
         if not held:
-            del ws[worker]
+            del self._tiers[tier][worker]
         return gone
 
     def clear_tiers(self, worker: str) -> int:
-        """Drops every colder-tier entry of ``worker``. Returns how many."""
+        """Drops every colder-tier entry of ``worker``. Returns how many. O(them)."""
         removed = 0
-        for ws in self._tiers.values():
+        for tier, ws in self._tiers.items():
             held = ws.pop(worker, None)
             if held is not None:
                 removed += len(held)
+                for k in held:
+                    self._tier_unhold(tier, k, worker)
         self._tier_entries -= removed
         return removed
+
+    def _tier_unhold(self, tier: str, key: int, worker: str) -> None:
+        hm = self._tier_holders[tier]
+        h = hm[key]
+        if h.__class__ is str:
+            del hm[key]
+        else:
+            h.discard(worker)
+            if len(h) == 1:
+                hm[key] = next(iter(h))
 
     def clear_steps(self, worker: str, limit: int) -> Iterator[int]:
         """``clear`` in slices: removes ``worker``'s entries deepest first, at most
@@ -1048,6 +1102,16 @@ class PrefixIndex:
                 for k in keys:
                     assert k.__class__ is int and 0 <= k < _U64, f"{tier} key {k!r} of {w=}"
         assert tier_entries == self._tier_entries, f"{tier_entries=} vs {self._tier_entries=}"
+        for tier, hm in self._tier_holders.items():
+            ws = self._tiers[tier]
+            pairs = 0
+            for k, h in hm.items():
+                hs = {h} if h.__class__ is str else h
+                assert h.__class__ is str or len(h) >= 2, f"{tier} holders of {k:#x}: {h!r}"
+                for w in hs:
+                    assert k in ws.get(w, ()), f"{tier} holders of {k:#x} name {w=}, who lacks it"
+                pairs += len(hs)
+            assert pairs == sum(map(len, ws.values())), f"{tier}: holder map disagrees with the sets"
         missing = capped_leaves - live
         assert not missing, f"{len(missing)} capped leaf entries without a live heap record"
         assert self._est_bytes() <= self.max_bytes or not self._heap, "over budget"

@@ -112,6 +112,54 @@ def test_tier_sets_keep_their_invariants_and_extend_the_gpu_prefix():
         idx.check()
 
 
+@pytest.mark.parametrize("used", [("cpu",), ("cpu", "disk")])
+def test_tier_match_agrees_with_a_brute_force_model_under_random_operations(used):
+    rng = random.Random(11)
+    idx = PrefixIndex()
+    hashes = list(range(500, 520))
+    workers = ["a", "b", "c", "d#0", "d#1"]
+    model: dict[tuple[str, str], set[int]] = {}  # (tier, worker) -> keys
+    for step in range(1500):
+        w = rng.choice(workers)
+        t = rng.choice(used)
+        op = rng.random()
+        ks = rng.sample(hashes, rng.randint(1, 6))
+        if op < 0.3:
+            idx.tier_add(w, t, ks)
+            model.setdefault((t, w), set()).update(ks)
+        elif op < 0.55:
+            idx.tier_discard(w, t, ks)
+            model.setdefault((t, w), set()).difference_update(ks)
+        elif op < 0.6:
+            idx.clear_tiers(w)
+            for tt in ("cpu", "disk"):
+                model.pop((tt, w), None)
+        elif op < 0.63:
+            idx.drop_worker("d")
+            for tt in ("cpu", "disk"):
+                for ww in ("d", "d#0", "d#1"):
+                    model.pop((tt, ww), None)
+        elif op < 0.85:
+            idx.insert(w, hashes[: rng.randint(1, 20)], float(step))
+        else:
+            idx.remove(w, [rng.choice(hashes)])
+        idx.check()
+        req = hashes[: rng.randint(1, 20)]
+        m = idx.match(req, float(step), count=False)
+        want = {}
+        for ww in workers:
+            i, ext = m.blocks.get(ww, 0), {}
+            while i < len(req):
+                tier = next((tt for tt in ("cpu", "disk") if req[i] in model.get((tt, ww), ())), None)
+                if tier is None:
+                    break
+                ext[tier] = ext.get(tier, 0) + 1
+                i += 1
+            if ext:
+                want[ww] = ext
+        assert idx.match_tiers(req, m) == want, f"step {step}"
+
+
 def test_no_tiers_cost_nothing_on_the_match():
     idx = PrefixIndex()
     idx.insert("w", [1, 2], 1.0)
@@ -383,3 +431,11 @@ def test_the_router_prices_the_index_tiers_into_the_match():
     assert 0 < frac_disk < frac_cpu < 1
     assert m.colder == pytest.approx({"a": 16 * frac_cpu, "b": 32 * frac_disk})
     assert kr.colder_for("a") == {"cpu": 16} and kr.colder_for("b") == {"disk": 32}
+    # the pick's matched tokens per tier
+    eng.links["a"].count_match(8, kr.colder_for("a"), 32)
+    eng.links["a"].count_match(8, None, 32)
+    got = {
+        t: eng.prom.tier_matched.labels("a", t)._value.get()  # noqa: SLF001 - the counter's value
+        for t in ("gpu", "cpu")
+    }
+    assert got == {"gpu": 512.0, "cpu": 512.0}

@@ -167,6 +167,7 @@ class EngineLink:
         self.rate = with_prior(spec.prefill_tokens_per_s)
         #: what a colder-tier hit costs to load back, per tier (router.engines.tier_price)
         self.tier_prices = TierPrices()
+        self._tier_ctr: dict = {}  # tier -> its radixfleet_tier_matched_tokens child
         self._last_metrics = None  # the previous /metrics reading (restart detection)
         self.queue = QueueEstimate()  # prices the engine's waiting queue
         self._tasks: set[asyncio.Task] = set()
@@ -242,13 +243,18 @@ class EngineLink:
 
     def count_match(self, gpu_blocks: int, ext: dict | None, block_tokens: int) -> None:
         """Counts a pick's matched tokens per tier (``radixfleet_tier_matched_tokens``)."""
-        c = self.engines.prom.tier_matched
-        wid = self.worker.id
+        ctr = self._tier_ctr
         if gpu_blocks:
-            c.labels(wid, "gpu").inc(gpu_blocks * block_tokens)
+            c = ctr.get("gpu")
+            if c is None:
+                c = ctr["gpu"] = self.engines.prom.tier_matched.labels(self.worker.id, "gpu")
+            c.inc(gpu_blocks * block_tokens)
         if ext:
             for t, b in ext.items():
-                c.labels(wid, t).inc(b * block_tokens)
+                c = ctr.get(t)
+                if c is None:
+                    c = ctr[t] = self.engines.prom.tier_matched.labels(self.worker.id, t)
+                c.inc(b * block_tokens)
 
     def tier_describe(self, now: float) -> dict:
         """Blocks per tier (GPU: the tree's entries) and each colder tier's price."""
