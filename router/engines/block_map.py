@@ -85,7 +85,9 @@ capacity); the value is the very int object the index node keys on, shared. ~77-
 bytes per block on top of the index's ~160 (``radixfleet bench events``, tracemalloc):
 an event-fed block costs ~1.5x a byte-keyed one. The price of not reproducing the
 engine's hash function; an array-backed open-addressing table would bring the map
-to ~32 bytes if it matters.
+to ~32 bytes if it matters. A block held in a colder tier costs one ``_cold`` entry more
+(its hash, a 2-tuple: ~130 bytes) beside the index's ~90-110 per colder entry
+(``radixfleet bench index``).
 
 Speed: consecutive removals reach the index as one ``remove``, and consecutive plain
 stores that continue one chain (SGLang publishes one per page; vLLM one per decoded
