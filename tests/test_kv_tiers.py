@@ -199,6 +199,50 @@ def test_block_offloaded_to_cpu_outlives_its_gpu_copy():
     index.check()
 
 
+def test_random_offloading_keeps_the_map_and_the_tier_sets_true():
+    """A small model of vLLM with CPU offloading: chains stored on GPU (a child only
+    under a parent the GPU holds), offloaded to CPU (no tokens, inclusive), evicted
+    from GPU (any block) and from CPU. After every batch both invariant audits hold
+    and the CPU tier the index holds is exactly the engine's, in the router's keys."""
+    rng = random.Random(5)
+    bmap, index = new_map()
+    root = seed_of(None, "", BS)
+    gpu: dict[int, int] = {}  # engine hash -> its key (the model's own keying)
+    cpu: set[int] = set()
+    key: dict[int, int] = {}
+    nxt = 1
+    for step in range(400):
+        evs = []
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            if op < 0.4 or not gpu:
+                parent = rng.choice([None, *gpu]) if gpu else None
+                n = rng.randint(1, 3)
+                toks = [rng.randrange(50) for _ in range(n * BS)]
+                hs = list(range(nxt, nxt + n))
+                nxt += n
+                ks = token_block_hashes(toks, BS, root if parent is None else key[parent])
+                for e, k in zip(hs, ks):
+                    gpu[e] = key[e] = k
+                evs.append(stored(hs, parent, toks))
+            elif op < 0.65:
+                hs = rng.sample(sorted(gpu), min(len(gpu), rng.randint(1, 3)))
+                cpu.update(hs)
+                evs.append(stored(hs, None, [], medium="CPU"))
+            elif op < 0.85:
+                e = rng.choice(sorted(gpu))
+                del gpu[e]
+                evs.append(removed([e]))
+            elif cpu:
+                e = rng.choice(sorted(cpu))
+                cpu.discard(e)
+                evs.append(removed([e], medium="CPU"))
+        apply(bmap, evs, now=float(step))
+        assert index._tiers["cpu"].get("w0", set()) == {key[e] for e in cpu}, f"step {step}"
+    st = bmap.stats()
+    assert st.cold_unmapped_blocks == 0 and st.unknown_removed == 0 and st.cold_stored_blocks > 100
+
+
 def test_recorded_vllm_shape_cpu_events_both_wire_forms():
     """A batch as vLLM publishes it with CPU offloading on (map form), and the tagged
     array form of older publishers: the CPU tier is keyed and matched."""
