@@ -23,6 +23,9 @@ Where we differ, and why:
   workers (and between equally loaded ones) break at random.
 - Only routable workers (``views``) are candidates; a match on an unroutable worker
   does not count.
+- SGLang's router knows only GPU hits. Where an engine offloads KV, a worker's match
+  counts its colder tiers at their price (``MatchResult.priced()``: each offloaded
+  block as the share of a GPU hit that saved prefill minus the load back leaves).
 """
 
 from __future__ import annotations
