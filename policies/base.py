@@ -78,10 +78,27 @@ class MatchResult:
     depth: int = 0
     rate: float = 0.0
     private: bool = False
+    #: colder KV tiers (the worker's engine offloaded blocks to CPU memory or disk):
+    #: per worker, the GPU-hit-equivalent blocks they add beyond ``blocks[w]`` — the
+    #: blocks a colder tier extends its GPU prefix by, times the share of a GPU hit
+    #: their learned price leaves (saved prefill minus the load back:
+    #: router.engines.tier_price). None: nothing colder matched (or no tiers known).
+    colder: Mapping[WorkerId, float] | None = None
 
     @property
     def best(self) -> int:
         return max(self.blocks.values(), default=0)
+
+    def priced(self) -> Mapping[WorkerId, float]:
+        """``blocks`` with each worker's ``colder`` added: what a policy values a
+        worker's match at, in GPU-hit blocks (``blocks`` itself without colder)."""
+        c = self.colder
+        if not c:
+            return self.blocks
+        out: dict[WorkerId, float] = dict(self.blocks)
+        for w, x in c.items():
+            out[w] = out.get(w, 0) + x
+        return out
 
 
 EMPTY_MATCH = MatchResult({})

@@ -23,6 +23,9 @@ Where we differ, and why:
   workers (and between equally loaded ones) break at random.
 - Only routable workers (``views``) are candidates; a match on an unroutable worker
   does not count.
+- SGLang's router knows only GPU hits. Where an engine offloads KV, a worker's match
+  counts its colder tiers at their price (``MatchResult.priced()``: each offloaded
+  block as the share of a GPU hit that saved prefill minus the load back leaves).
 """
 
 from __future__ import annotations
@@ -69,12 +72,13 @@ class CacheAware(Policy):
         if hi - lo > p.balance_abs_threshold and hi > lo * p.balance_rel_threshold:
             v = least_requests(views, self.rng)
             return Decision(v.id, Reason.BALANCE, blocks.get(v.id, 0))
-        if blocks:
-            # the best-matching routable worker, ties at random
-            best_id, best, ties = None, 0, 0
+        if blocks or match.colder:
+            # the best-matching routable worker (colder tiers at their price), ties at random
+            priced = match.priced()
+            best_id, best, ties = None, 0.0, 0
             rnd = self.rng.random
             for v in views:
-                b = blocks.get(v.id, 0)
+                b = priced.get(v.id, 0)
                 if b > best:
                     best_id, best, ties = v.id, b, 1
                 elif b == best and b:
@@ -86,7 +90,7 @@ class CacheAware(Policy):
                 rate = best * request.block_tokens * BYTES_PER_TOKEN / text if text else 0.0
                 if rate > p.cache_threshold:
                     assert best_id is not None, f"{best=}"  # set with best
-                    return Decision(best_id, Reason.AFFINITY, best)
+                    return Decision(best_id, Reason.AFFINITY, blocks.get(best_id, 0))
         v = least_requests(views, self.rng)
         return Decision(v.id, Reason.MISS, blocks.get(v.id, 0))
 

@@ -6,7 +6,7 @@ bench/RESULTS.md ("Routing policies", "Real engines", "Live against SGLang's gat
 For each routable worker w (rate_w = its prefill tokens/s)::
 
     queue_s(w)  = max(in_flight_tokens, queued_tokens) / rate_w   queueing delay
-    matched(w)  = blocks[w] * block_tokens, or 0 when < min_match_tokens (a miss),
+    matched(w)  = priced[w] * block_tokens, or 0 when < min_match_tokens (a miss),
                   when w is over the affinity bound, crowded or a retired replica,
                   or when the match is shared and w is churning (below)
     saved_s(w)  = matched(w) / rate_w                             prefill the match saves
@@ -14,6 +14,13 @@ For each routable worker w (rate_w = its prefill tokens/s)::
     score(w)    = queue_s(w) + pw * (prompt_tokens - matched(w)) / rate_w
                   - pw * saved_s(w)**2 / long_match_s
     pw          = private_weight if the match is private, else prefill_weight
+
+``priced[w]`` is ``MatchResult.priced()``: the worker's GPU prefix in blocks plus,
+where its engine offloads KV, how far its colder tiers (CPU memory, disk) extend it,
+each such block counted as the share of a GPU hit its learned price leaves (the
+prefill it saves minus the time to load it back: router.engines.tier_price). So a
+CPU hit beats a miss and loses to a GPU hit of the same length; ``Decision.
+matched_blocks`` stays the GPU prefix (what the hint and the load count assume).
 
 The pick is the minimum score; ``Decision.expected_ttft_s`` is ttft(w). Why each term:
 
@@ -479,7 +486,10 @@ class PrefixLoad(Policy):
     ) -> Decision:
         p = self.params
         rnd = self.rng.random
-        blocks = match.blocks
+        gpu = match.blocks
+        # the match each worker is valued at: its GPU prefix plus, priced in GPU-hit
+        # blocks, how far its colder tiers extend it (module docstring)
+        blocks = match.priced() if match.colder else gpu
         bt = request.block_tokens
         prompt = request.prompt_tokens
 
@@ -501,7 +511,7 @@ class PrefixLoad(Policy):
         # Pass 1: queue delays, the least-loaded worker, the best routable match.
         qs = []
         lo_i, lo_q, lo_f, lo_ties = 0, _INF, 0, 0
-        best_b = 0
+        best_b: float = 0  # priced blocks: colder tiers count fractionally
         written = self._write_rate if p.tie_written and self._written else None
         lo_r = None  # the least-loaded worker's write rate, computed on a tie only
         for i, v in enumerate(views):
@@ -547,7 +557,7 @@ class PrefixLoad(Policy):
                 return Decision(
                     v.id,
                     Reason.AFFINITY if b and b >= min_b else Reason.MISS,
-                    b,
+                    gpu.get(v.id, 0),
                     qs[h] + (unc if unc > 0 else 0) / v.prefill_tokens_per_s,
                 )
         if best_b == 0 or best_b < min_b:
@@ -561,7 +571,7 @@ class PrefixLoad(Policy):
             return Decision(
                 v.id,
                 Reason.MISS,
-                blocks.get(v.id, 0) if blocks else 0,
+                gpu.get(v.id, 0) if gpu else 0,
                 qs[i] + prompt / v.prefill_tokens_per_s,
             )
 
@@ -586,7 +596,7 @@ class PrefixLoad(Policy):
         bound_q = lo_q + p.affinity_abs_s
         bound_r = lo_q * p.affinity_rel
         grow = w / p.long_match_s if p.long_match_s > 0 else 0.0
-        eb = []  # each worker's match that counts (0: none, or over the affinity bound)
+        eb: list[float] = []  # each worker's match that counts (0: none, or over the affinity bound)
         kept = False
         for i, v in enumerate(views):
             q = qs[i]
@@ -604,7 +614,7 @@ class PrefixLoad(Policy):
         # A saturated fleet (even its least-loaded worker has a queue): a holder within
         # the affinity bound keeps the request whatever the score says (class docstring).
         hold = kept and sat
-        ss = []
+        ss: list[tuple[float, float]] = []
         min_s = _INF
         for i, v in enumerate(views):
             q = qs[i]
@@ -626,7 +636,8 @@ class PrefixLoad(Policy):
         # Pass 3: among the ties (within tie_s of the best), the longest match, then
         # the fewest in-flight requests, then the least KV written lately, then at random.
         cut = min_s + p.tie_s
-        pick_i, pick_b, pick_f, pick_r, ties = 0, -1, 0, None, 0
+        pick_b: float = -1
+        pick_i, pick_f, pick_r, ties = 0, 0, None, 0
         for i, (s, b) in enumerate(ss):
             if s > cut:
                 continue
@@ -650,7 +661,7 @@ class PrefixLoad(Policy):
             reason = Reason.SPILL_LOAD
         unc = prompt - pick_b * bt
         ttft = qs[pick_i] + (unc if unc > 0 else 0) / v.prefill_tokens_per_s
-        return Decision(v.id, reason, blocks.get(v.id, 0), ttft, warm)
+        return Decision(v.id, reason, gpu.get(v.id, 0), ttft, warm)
 
     def _replicate(
         self,

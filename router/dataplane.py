@@ -749,7 +749,10 @@ class DataPlane:
             # follows the ranks' own events)
             # queued; published by its own task
             self.bus.hint(w.id, sk.hashes, now, kr.route_request.session, sk.prompt_tokens)
-        return Placement(sk, blocks, own, ahead, touches, rank)
+        colder = kr.colder_for(holder)
+        if link is not None and (blocks or colder):
+            link.count_match(blocks, colder, sk.block_tokens)
+        return Placement(sk, blocks, own, ahead, touches, rank, colder)
 
     async def _attempt(self, ctx: RequestContext, w: Worker, pick: Placement) -> None:
         """One try on worker ``w`` (its load already counted). Releases the load on

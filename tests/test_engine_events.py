@@ -671,7 +671,7 @@ def test_all_cleared_and_reset_clear_only_this_worker():
     m1.check(exclusive=True)
 
 
-def test_other_tiers_groups_and_unkeyable_blocks_are_left_out():
+def test_other_groups_and_unkeyable_blocks_are_left_out():
     bmap, index = new_map()
     t = list(range(2 * BS))
     _apply(
@@ -682,9 +682,17 @@ def test_other_tiers_groups_and_unkeyable_blocks_are_left_out():
             stored_map([3], None, [], 0, medium="CPU"),
         ],
     )
-    assert bmap.stats().other_tier_blocks == 5 and not index_keys(index, "w0")
+    # another KV group: ignored; a CPU-tier chain with tokens: keyed into the CPU tier,
+    # not the GPU tree; a CPU block without tokens whose hash was never mapped: dropped
+    st = bmap.stats()
+    assert st.other_tier_blocks == 2 and not index_keys(index, "w0")
+    assert st.cold_stored_blocks == 2 and st.cold_unmapped_blocks == 1
+    assert index.tier_entries("w0") == {"cpu": 2, "disk": 0}
     _apply(bmap, [removed_map([1], medium="CPU")])
-    assert bmap.stats().other_tier_blocks == 6 and bmap.stats().unknown_removed == 0
+    st = bmap.stats()
+    assert st.cold_removed_blocks == 1 and st.unknown_removed == 0 and st.cold_mapped == 1
+    assert index.tier_entries("w0") == {"cpu": 1, "disk": 0}
+    bmap.check(exclusive=True)
     # a placeholder in the GPU tier (no tokens) and masked tokens: not keyable
     _apply(bmap, [stored_map([4], None, []), stored_map([5], None, range(3 * BS), group_idx=0)])
     assert bmap.stats().untokenized_blocks == 1 and bmap.stats().unaligned_blocks == 1

@@ -26,6 +26,12 @@ replayed into a fresh index, untimed): nodes, holder entries, bytes per node and
 per byte of the distinct prompts it holds — plus 10,000 cached 8 KiB prompts
 held once each (the bytes-per-prompt-byte target) and a stream of 3x that many
 unique prompts under a budget (it must stay flat).
+
+Colder tiers (``match_tiers``, what a request adds once engines offload KV): 1,000
+cached 8 KiB prompts at 8 and 64 workers, each prompt held by one worker in GPU
+memory for its first half and in its CPU tier whole; per full-prompt probe, the GPU
+match alone and the tier walk after it (µs), and tracemalloc's bytes per colder
+entry.
 """
 
 from __future__ import annotations
@@ -279,6 +285,41 @@ def _budget_stream(size: int, n: int, block_bytes: int, rng: random.Random) -> d
     }
 
 
+def _tiers(size: int, n: int, workers: int, probes: int, block_bytes: int, rng: random.Random) -> dict:
+    """Colder tiers: the tier walk's cost after a GPU match, and its memory (module
+    docstring)."""
+    seed = namespace_seed("bench-model")
+    chains = [block_hashes(p, seed, block_bytes) for p in _pool(n, size, rng)]
+    idx = PrefixIndex()
+    owner = [rng.randrange(workers) for _ in chains]
+    for h, w in zip(chains, owner):
+        idx.insert(f"w{w}", h[: len(h) // 2], 1.0)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for h, w in zip(chains, owner):
+        idx.tier_add(f"w{w}", "cpu", h)
+    cold_bytes = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    sample = [rng.choice(chains) for _ in range(probes)]
+    t = time.perf_counter()
+    ms = [idx.match(h, 2.0, count=False) for h in sample]
+    t_match = time.perf_counter() - t
+    t = time.perf_counter()
+    for h, m in zip(sample, ms):
+        idx.match_tiers(h, m)
+    t_tiers = time.perf_counter() - t
+    entries = sum(len(h) for h in chains)
+    return {
+        "prompt_bytes": size,
+        "workers": workers,
+        "gpu_match_us": _us(t_match, probes),
+        "tier_walk_us": _us(t_tiers, probes),
+        "blocks_walked": len(chains[0]) - len(chains[0]) // 2,
+        "bytes_per_cold_entry": round(cold_bytes / entries, 1),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     tune_gc()
     rng = random.Random(args.seed)
@@ -292,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
             mem = _memory(prompts, args.block_bytes, 8)
         del prompts
     stream = _budget_stream(8192, min(3 * args.prompts, 30_000), args.block_bytes, rng)
+    tiers = [_tiers(8192, 1000, w, args.probes, args.block_bytes, rng) for w in (8, 64)]
     doc = {
         "benchmark": "index",
         "block_bytes": args.block_bytes,
@@ -306,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "memory_10k_8k_prompts": mem,
         "budget_stream": stream,
+        "colder_tiers": tiers,
     }
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -350,4 +393,10 @@ def run(args: argparse.Namespace) -> int:
         f"{[round(x / 2**20, 1) for x in stream['traced_bytes_at_sixths']]}, "
         f"evicted {stream['evicted_entries']:,} entries"
     )
+    for r in tiers:
+        print(
+            f"colder tiers, 8 KiB prompts, {r['workers']} workers, GPU prefix half, CPU whole: "
+            f"GPU match {r['gpu_match_us']} µs, tier walk +{r['tier_walk_us']} µs "
+            f"({r['blocks_walked']} blocks), {r['bytes_per_cold_entry']} B per colder entry"
+        )
     return 0

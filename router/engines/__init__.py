@@ -19,6 +19,7 @@ Modules::
     engine_metrics  /metrics parsing and the per-worker scraper (contract 10)
     queue_estimate  an engine's waiting queue priced in prefill tokens
     prefill_rate    prefill speed learned per worker
+    tier_price      a colder-tier hit's load-back price, learned per worker and tier
     accuracy        predicted vs reported cached tokens
     capacity        approximate mode's correction and learned KV capacity
 """

@@ -18,12 +18,21 @@ space the router keys requests in (contract 8, ``protocol.prefix_keys``)::
 
 so a stored chain gets exactly the keys a request with the same tokens gets.
 
-What is applied. Only blocks in the GPU tier (``medium`` "GPU" or unspecified) and
-in KV-cache group 0 (or unspecified): the index answers "how much of this prompt
-can this worker skip prefilling", and a block offloaded to CPU or storage must be
-loaded back first (vLLM reports it as an external hit, not a prefix-cache hit), while
-a hybrid model's other groups (sliding window, Mamba) hold the same tokens again
-under their own hashes. Those events are counted (``other_tier``) and ignored. Only
+What is applied. Blocks in KV-cache group 0 (or unspecified): a hybrid model's
+other groups (sliding window, Mamba) hold the same tokens again under their own
+hashes; those events are counted (``other_tier``) and ignored. The GPU tier
+(``medium`` "GPU" or unspecified) goes into the index's tree: the index answers "how
+much of this prompt can this worker skip prefilling". A block offloaded to a colder
+tier (``medium`` "CPU", "DISK", "STORAGE", ...: ``tier_of``) must be loaded back first
+(vLLM reports it as an external hit) and goes into the index's colder-tier sets
+(``PrefixIndex.tier_add``), priced by the router (``router.engines.tier_price``).
+vLLM's offloading reports such a block without tokens or parent, under the same
+engine hash as its GPU copy: it is keyed through this map (the GPU store came
+first); a colder store with tokens (another publisher's) is keyed from them like a
+GPU one. A block the engine holds only in a colder tier keeps its key in ``_cold``
+(engine hash -> (key, tier bits)) after its GPU copy is removed; a colder store of
+a hash never mapped cannot be keyed (``cold_unmapped``). An unknown ``medium`` is
+counted (``unknown_medium``), logged once a minute at most, and ignored. Only
 stored blocks whose extra keys hold nothing but the LoRA name and, on a sequence's
 first block, the cache salt are keyed: multimodal and prompt-embedding keys name
 content the tokens do not (two images share placeholder tokens), so such a block and
@@ -57,6 +66,9 @@ dict entry per block) to save entries the engine will remove anyway.
 
 Invariants (``check()`` asserts each):
 
+- Every ``_cold`` entry maps an engine hash to (key, bits) with bits a non-empty
+  subset of the colder tiers' bits, and the index holds the key in each such tier
+  for this worker (``exclusive``: and nothing else in its colder tiers).
 - Every map entry maps an engine hash in [0, 2**64) to a key in [0, 2**64).
 - ``stats().mapped == len(map)``; every counter is >= 0.
 - Closure through the map: a mapped key the index holds for this worker has its index
@@ -73,7 +85,9 @@ capacity); the value is the very int object the index node keys on, shared. ~77-
 bytes per block on top of the index's ~160 (``radixfleet bench events``, tracemalloc):
 an event-fed block costs ~1.5x a byte-keyed one. The price of not reproducing the
 engine's hash function; an array-backed open-addressing table would bring the map
-to ~32 bytes if it matters.
+to ~32 bytes if it matters. A block held in a colder tier costs one ``_cold`` entry more
+(its hash, a 2-tuple: ~130 bytes) beside the index's ~90-110 per colder entry
+(``radixfleet bench index``).
 
 Speed: consecutive removals reach the index as one ``remove``, and consecutive plain
 stores that continue one chain (SGLang publishes one per page; vLLM one per decoded
@@ -86,6 +100,7 @@ Not thread-safe; one event loop owns it and the index. ``EngineBlockMap`` is als
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from collections.abc import Callable, Iterable
@@ -101,7 +116,9 @@ from router.engines.kv_events import (
     EngineEvent,
     KvEventCause,
 )
-from router.prefix_index import PrefixIndex
+from router.prefix_index import COLDER_TIERS, PrefixIndex
+
+log = logging.getLogger("radixfleet.engines")
 
 #: ``root_seed(adapter, cache_salt, block_size) -> seed``: h_0 of a sequence's chain;
 #: ``lambda a, s, b: token_namespace_seed(model, s, a, b)`` for a worker serving ``model``.
@@ -110,6 +127,45 @@ RootSeed = Callable[[str | None, str, int], int]
 _U64 = 1 << 64
 _GPU_MEDIA = (None, "GPU")
 _MAIN_GROUPS = (None, 0)
+GPU = "gpu"
+#: an engine's ``medium`` (upper-cased) -> the router's tier. vLLM names its GPU
+#: cache "GPU" (or nothing) and its CPU offloading tier "CPU"; disk and remote
+#: stores report "DISK" or "STORAGE" (LMCache, storage connectors)
+_MEDIA = {
+    "GPU": GPU,
+    "CPU": "cpu",
+    "DRAM": "cpu",
+    "DISK": "disk",
+    "STORAGE": "disk",
+    "SSD": "disk",
+    "NVME": "disk",
+}
+_TIER_BIT = {t: 1 << i for i, t in enumerate(COLDER_TIERS)}
+_ALL_BITS = (1 << len(COLDER_TIERS)) - 1
+#: seconds between two log lines about unknown media (the counter counts every block)
+UNKNOWN_MEDIUM_LOG_S = 60.0
+_last_unknown_log = [-UNKNOWN_MEDIUM_LOG_S]
+
+
+def tier_of(medium: str | None) -> str | None:
+    """The router's tier of an engine's ``medium``: "gpu", one of ``COLDER_TIERS``,
+    or None for a medium it does not know."""
+    if medium is None:
+        return GPU
+    return _MEDIA.get(medium.upper())
+
+
+def _unknown_medium(worker: str, medium: str | None, n: int) -> None:
+    now = time.monotonic()
+    if now - _last_unknown_log[0] >= UNKNOWN_MEDIUM_LOG_S:
+        _last_unknown_log[0] = now
+        log.warning(
+            "worker %s: %d KV event blocks of unknown medium %r ignored (counted in "
+            "radixfleet_engine_event_ignored_blocks{cause=unknown_medium}; logged once a minute)",
+            worker,
+            n,
+            medium,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +178,12 @@ class BlockMapStats:
     orphan_blocks: int  # stored blocks dropped: parent hash unknown (or below unkeyable)
     stale_parent_blocks: int  # stored blocks the index refused: parent mapped, not held
     unknown_removed: int  # removed hashes never mapped (or already removed)
-    other_tier_blocks: int  # stored/removed blocks of another medium or KV group, ignored
+    other_tier_blocks: int  # stored/removed blocks of another KV group, ignored
+    unknown_medium_blocks: int  # stored/removed blocks of a medium tier_of does not know, ignored
+    cold_mapped: int  # engine hashes held in a colder tier now (``_cold``)
+    cold_stored_blocks: int  # colder-tier blocks handed to the index (repeats included)
+    cold_removed_blocks: int  # colder-tier blocks removed from the index
+    cold_unmapped_blocks: int  # colder-tier stores of an unknown hash without tokens, dropped
     untokenized_blocks: int  # stored blocks with no tokens (offload placeholders)
     unaligned_blocks: int  # stored blocks whose tokens do not line up with their hashes
     unkeyable_blocks: int  # stored blocks with multimodal / embedding / unknown extra keys
@@ -158,11 +219,14 @@ class EngineBlockMap:
         self._block_size = block_size
         self._clock = clock
         self._keys: dict[int, int] = {}  # engine hash -> our key; only apply()/reset() change it
+        #: engine hash -> (our key, bits of the colder tiers holding it)
+        self._cold: dict[int, tuple[int, int]] = {}
         # counters (BlockMapStats fields), bumped where the outcome is decided
         self._stored = self._removed = self._orphan = self._stale_parent = 0
         self._unknown_removed = self._other_tier = self._untokenized = self._unaligned = 0
         self._unkeyable = self._bs_mismatch = self._remapped = 0
         self._cleared = self._resets = self._errors = 0
+        self._unknown_medium = self._cold_stored = self._cold_removed = self._cold_unmapped = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -186,6 +250,11 @@ class EngineBlockMap:
             stale_parent_blocks=self._stale_parent,
             unknown_removed=self._unknown_removed,
             other_tier_blocks=self._other_tier,
+            unknown_medium_blocks=self._unknown_medium,
+            cold_mapped=len(self._cold),
+            cold_stored_blocks=self._cold_stored,
+            cold_removed_blocks=self._cold_removed,
+            cold_unmapped_blocks=self._cold_unmapped,
             untokenized_blocks=self._untokenized,
             unaligned_blocks=self._unaligned,
             unkeyable_blocks=self._unkeyable,
@@ -251,6 +320,8 @@ class EngineBlockMap:
         applied to an empty state claims nothing the engine does not hold)."""
         self._resets += 1
         self._keys.clear()
+        self._cold.clear()
+        self.index.clear_tiers(self.worker)
         return self.index.clear(self.worker)
 
     # ------------------------------------------------------- EventConsumer protocol
@@ -277,60 +348,25 @@ class EngineBlockMap:
         n = len(hashes)
         if not n:
             return
-        if ev.medium not in _GPU_MEDIA or ev.group_idx not in _MAIN_GROUPS:
+        if ev.group_idx not in _MAIN_GROUPS:
             self._other_tier += n
             return
-        if not ev.token_ids:
-            self._untokenized += n
+        if ev.medium not in _GPU_MEDIA:
+            tier = tier_of(ev.medium)
+            if tier is None:
+                self._unknown_medium += n
+                _unknown_medium(self.worker, ev.medium, n)
+            elif tier == GPU:
+                self._apply_stored(ev._replace(medium=None), now)
+            else:
+                self._apply_cold_stored(ev, tier)
             return
-        bs = ev.block_size
-        if not ev.aligned:
-            self._unaligned += n
+        keyed = self._key_chain(ev, self._keys)
+        if keyed is None:
             return
-        if self._block_size is None:
-            self._block_size = bs
-        elif bs != self._block_size:
-            self._bs_mismatch += n
-            return
+        hashes, ours, parent_key = keyed
         keys = self._keys
-        parent_hash = ev.parent_block_hash
-        lora = ev.lora_name
-        if lora is None and ev.lora_id is not None:
-            # An adapter we cannot name: requests key adapters by name.
-            self._unkeyable += n
-            return
-        extra = ev.extra_keys
-        if parent_hash is None:
-            salt = _salt_and_check(extra[0] if extra else None, lora, True)
-            if salt is None:
-                self._unkeyable += 1
-                self._orphan += n - 1
-                return
-            seed = self._root_seed(lora, salt, bs)
-            parent_key = None
-        else:
-            parent_key = keys.get(parent_hash)
-            if parent_key is None:
-                self._orphan += n
-                return
-            seed = parent_key
-            if _salt_and_check(extra[0] if extra else None, lora, False) is None:
-                self._unkeyable += 1
-                self._orphan += n - 1
-                return
-        usable = n
-        if extra:
-            for i in range(1, n):
-                if _salt_and_check(extra[i], lora, False) is None:
-                    self._unkeyable += 1
-                    self._orphan += n - i - 1
-                    usable = i
-                    break
-        toks = ev.token_ids
-        if usable < n:
-            toks = toks[: usable * bs]
-            hashes = hashes[:usable]
-        ours = token_block_hashes(toks, bs, seed)
+        usable = len(ours)
         for e, k in zip(hashes, ours):
             old = keys.get(e)
             if old is not None and old != k:
@@ -347,6 +383,130 @@ class EngineBlockMap:
         ):
             # Refused, not a repeat: the parent is mapped but no longer held (stale).
             self._stale_parent += usable
+
+    def _key_chain(self, ev: EngineBlockStored, parents) -> tuple[Any, list[int], int | None] | None:
+        """(engine hashes, our keys, our parent key) of a stored event's keyable
+        blocks, or None (counted); ``parents`` maps an engine hash to our key (a
+        dict's ``get`` or a lookup over several)."""
+        hashes = ev.block_hashes
+        n = len(hashes)
+        if not ev.token_ids:
+            self._untokenized += n
+            return None
+        bs = ev.block_size
+        if not ev.aligned:
+            self._unaligned += n
+            return None
+        if self._block_size is None:
+            self._block_size = bs
+        elif bs != self._block_size:
+            self._bs_mismatch += n
+            return None
+        parent_hash = ev.parent_block_hash
+        lora = ev.lora_name
+        if lora is None and ev.lora_id is not None:
+            # An adapter we cannot name: requests key adapters by name.
+            self._unkeyable += n
+            return None
+        extra = ev.extra_keys
+        if parent_hash is None:
+            salt = _salt_and_check(extra[0] if extra else None, lora, True)
+            if salt is None:
+                self._unkeyable += 1
+                self._orphan += n - 1
+                return None
+            seed = self._root_seed(lora, salt, bs)
+            parent_key = None
+        else:
+            parent_key = parents.get(parent_hash)
+            if parent_key is None:
+                self._orphan += n
+                return None
+            seed = parent_key
+            if _salt_and_check(extra[0] if extra else None, lora, False) is None:
+                self._unkeyable += 1
+                self._orphan += n - 1
+                return None
+        usable = n
+        if extra:
+            for i in range(1, n):
+                if _salt_and_check(extra[i], lora, False) is None:
+                    self._unkeyable += 1
+                    self._orphan += n - i - 1
+                    usable = i
+                    break
+        toks = ev.token_ids
+        if usable < n:
+            toks = toks[: usable * bs]
+            hashes = hashes[:usable]
+        return hashes, token_block_hashes(toks, bs, seed), parent_key
+
+    def _known_key(self, e: int) -> int | None:
+        """Our key of an engine hash mapped in any tier."""
+        k = self._keys.get(e)
+        if k is None:
+            c = self._cold.get(e)
+            if c is not None:
+                k = c[0]
+        return k
+
+    def _apply_cold_stored(self, ev: EngineBlockStored, tier: str) -> None:
+        """A colder tier's stored blocks (module docstring): keyed from this map where
+        it knows the hash (vLLM's offloading: no tokens), else from the tokens."""
+        known = self._known_key
+        found = [known(e) for e in ev.block_hashes]
+        pairs: list[tuple[int, int]]
+        if None not in found:
+            pairs = list(zip(ev.block_hashes, found))  # type: ignore[arg-type]
+        elif ev.token_ids:
+            keyed = self._key_chain(ev, _Lookup(known))
+            if keyed is None:
+                return
+            pairs = list(zip(keyed[0], keyed[1]))
+        else:
+            self._cold_unmapped += found.count(None)
+            pairs = [(e, k) for e, k in zip(ev.block_hashes, found) if k is not None]
+        bit = _TIER_BIT[tier]
+        cold = self._cold
+        for e, k in pairs:
+            c = cold.get(e)
+            if c is None:
+                cold[e] = (k, bit)
+            elif c[0] != k:
+                self._remapped += 1
+                self._cold_forget(e, c)
+                cold[e] = (k, bit)
+            else:
+                cold[e] = (k, c[1] | bit)
+        self._cold_stored += len(pairs)
+        self.index.tier_add(self.worker, tier, [k for _, k in pairs])
+
+    def _cold_forget(self, e: int, c: tuple[int, int]) -> None:
+        """Drops engine hash ``e``'s colder-tier entries (re-keyed: other content)."""
+        k, bits = c
+        for t, b in _TIER_BIT.items():
+            if bits & b:
+                self.index.tier_discard(self.worker, t, (k,))
+        del self._cold[e]
+
+    def _apply_cold_removed(self, ev: EngineBlockRemoved, tier: str) -> None:
+        bit = _TIER_BIT[tier]
+        cold = self._cold
+        gone = []
+        for e in ev.block_hashes:
+            c = cold.get(e)
+            if c is None or not c[1] & bit:
+                self._unknown_removed += 1
+                continue
+            k, bits = c
+            bits &= ~bit
+            if bits:
+                cold[e] = (k, bits)
+            else:
+                del cold[e]
+            gone.append(k)
+        if gone:
+            self._cold_removed += self.index.tier_discard(self.worker, tier, gone)
 
     def _flush_chain(self, chain: list[EngineBlockStored], now: float) -> None:
         if len(chain) == 1:
@@ -370,9 +530,20 @@ class EngineBlockMap:
 
     def _apply_removed(self, ev: EngineBlockRemoved, gone: list[int]) -> None:
         hashes = ev.block_hashes
-        if ev.medium not in _GPU_MEDIA or ev.group_idx not in _MAIN_GROUPS:
+        if ev.group_idx not in _MAIN_GROUPS:
             self._other_tier += len(hashes)
             return
+        if ev.medium not in _GPU_MEDIA:
+            tier = tier_of(ev.medium)
+            if tier is None:
+                self._unknown_medium += len(hashes)
+                _unknown_medium(self.worker, ev.medium, len(hashes))
+                return
+            if tier != GPU:
+                if gone:
+                    self._flush_removed(gone)  # keep the engine's order
+                self._apply_cold_removed(ev, tier)
+                return
         pop = self._keys.pop
         for e in hashes:
             k = pop(e, None)
@@ -402,9 +573,30 @@ class EngineBlockMap:
                 assert p is None or w in idx.holders(p), (
                     f"closure: {w=} holds {k:#x} but not its parent {p:#x}"
                 )
+        cold_keys: dict[str, set[int]] = {t: set() for t in COLDER_TIERS}
+        for e, (k, bits) in self._cold.items():
+            assert e.__class__ is int and 0 <= e < _U64, f"engine hash {e!r} out of range"
+            assert k.__class__ is int and 0 <= k < _U64, f"cold key {k!r} of {e:#x} out of range"
+            assert 0 < bits <= _ALL_BITS, f"tier bits {bits:#b} of {e:#x}"
+            for t, b in _TIER_BIT.items():
+                if bits & b:
+                    cold_keys[t].add(k)
+                    assert idx.tier_holds(w, t, k), f"{w=}: {e:#x} in {t} but the index lacks {k:#x}"
         if exclusive:
             for k in _index_keys_held(idx, w):
                 assert k in mapped, f"index holds {k:#x} for {w=} but no engine block maps to it"
+            for t, keys in cold_keys.items():
+                held = idx._tiers[t].get(w, set())  # test-time audit only
+                assert held <= keys, f"index holds {len(held - keys)} {t} keys for {w=} nothing maps to"
+
+
+class _Lookup:
+    """A ``get`` over a function (``_key_chain``'s parent lookup)."""
+
+    __slots__ = ("get",)
+
+    def __init__(self, fn: Callable[[int], int | None]) -> None:
+        self.get = fn
 
 
 def _plain(ev: EngineBlockStored) -> bool:

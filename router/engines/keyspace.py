@@ -90,7 +90,7 @@ class KeyedRequest:
     ``key_for(space)`` and ``blocks_for(worker)`` are what the data plane needs
     after the pick (the hint insert, load in uncached tokens, accuracy)."""
 
-    __slots__ = ("keys", "matches", "primary", "route_request", "match", "_space_of", "_ranks")
+    __slots__ = ("keys", "matches", "primary", "route_request", "match", "_space_of", "_ranks", "_tiers")
 
     def __init__(
         self,
@@ -101,6 +101,7 @@ class KeyedRequest:
         match: MatchResult,
         space_of: Mapping[str, Any],
         ranks: Mapping[str, Mapping[int, int]] | None = None,
+        tiers: Mapping[str, dict[str, int]] | None = None,
     ) -> None:
         self.keys = keys  # space id -> SpaceKey
         self.matches = matches  # space id -> MatchResult of that space's keys
@@ -111,6 +112,9 @@ class KeyedRequest:
         #: worker -> {data-parallel rank: leading blocks it holds} (ranked workers only;
         #: their ``matches`` entries are the best rank's)
         self._ranks = ranks or {}
+        #: index holder -> {colder tier: blocks extending its GPU prefix} in its own
+        #: space (``PrefixIndex.match_tiers``; holders with an extension only)
+        self._tiers = tiers or {}
 
     def space(self, worker: str):
         return self._space_of[worker]
@@ -124,6 +128,10 @@ class KeyedRequest:
         if rank is not None:
             return self._ranks.get(worker, {}).get(rank, 0)
         return self.matches[self._space_of[worker].id].blocks.get(worker, 0)
+
+    def colder_for(self, holder: str) -> dict[str, int] | None:
+        """{colder tier: blocks} extending ``holder``'s GPU prefix (None: none)."""
+        return self._tiers.get(holder)
 
     def rank_blocks(self, worker: str) -> Mapping[int, int] | None:
         """{rank: leading blocks} of a worker indexed per data-parallel rank (None:

@@ -23,6 +23,9 @@ worker's engine. Per worker::
     load        the engine's /metrics (waiting/running requests, KV usage) beside the
                 router's own pick-time counts; prefill speed learned per worker from
                 its responses (router.engines.prefill_rate)
+    tiers       blocks its engine offloaded (CPU memory, disk), from its events, and
+                what loading them back costs, learned per tier from the same
+                responses (router.engines.tier_price): ``colder_value``
     accuracy    predicted matched tokens vs reported cached tokens (accuracy.py)
 
 Lifecycle (``LinkState``): NEW -> RUNNING (``start``: probe if the kind is ``auto``,
@@ -64,6 +67,7 @@ from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
+from router.engines.tier_price import TierPrices
 from service.background import Backoff
 
 if TYPE_CHECKING:
@@ -121,6 +125,8 @@ class Placement(NamedTuple):
     ahead: int  # uncached prompt tokens already queued on the worker at pick time
     touches: tuple | None  # approximate mode: the matched blocks' last-use times
     rank: int | None = None  # the data-parallel rank it went to (``pick_rank``)
+    #: {colder tier: blocks} extending ``blocks`` there at pick time (``match_tiers``)
+    colder: dict | None = None
 
 
 class EngineLink:
@@ -159,6 +165,9 @@ class EngineLink:
         self.learned: LearnedCapacity | None = None
         self.stats = PredictionStats()
         self.rate = with_prior(spec.prefill_tokens_per_s)
+        #: what a colder-tier hit costs to load back, per tier (router.engines.tier_price)
+        self.tier_prices = TierPrices()
+        self._tier_ctr: dict = {}  # tier -> its radixfleet_tier_matched_tokens child
         self._last_metrics = None  # the previous /metrics reading (restart detection)
         self.queue = QueueEstimate()  # prices the engine's waiting queue
         self._tasks: set[asyncio.Task] = set()
@@ -225,6 +234,39 @@ class EngineLink:
         """Whether prefix hits are whole blocks below the last prompt token."""
         return self.kind in ENGINE_KINDS
 
+    def colder_value(self, ext: dict, block_tokens: int, now: float) -> float:
+        """GPU-hit-equivalent tokens of a colder extension ({tier: blocks}) on this
+        worker: each tier's tokens times the share of a GPU hit its price leaves."""
+        rate = self.prefill_rate(now)
+        frac = self.tier_prices.fraction
+        return sum(b * block_tokens * frac(t, rate) for t, b in ext.items())
+
+    def count_match(self, gpu_blocks: int, ext: dict | None, block_tokens: int) -> None:
+        """Counts a pick's matched tokens per tier (``radixfleet_tier_matched_tokens``)."""
+        ctr = self._tier_ctr
+        if gpu_blocks:
+            c = ctr.get("gpu")
+            if c is None:
+                c = ctr["gpu"] = self.engines.prom.tier_matched.labels(self.worker.id, "gpu")
+            c.inc(gpu_blocks * block_tokens)
+        if ext:
+            for t, b in ext.items():
+                c = ctr.get(t)
+                if c is None:
+                    c = ctr[t] = self.engines.prom.tier_matched.labels(self.worker.id, t)
+                c.inc(b * block_tokens)
+
+    def tier_describe(self, now: float) -> dict:
+        """Blocks per tier (GPU: the tree's entries) and each colder tier's price."""
+        index = self.engines.index
+        holders = self.holders()
+        out: dict = {"gpu": {"blocks": sum(index.entries(h) for h in holders)}}
+        prices = self.tier_prices.describe(self.prefill_rate(now))
+        for h in holders:
+            for t, n in index.tier_entries(h).items():
+                out.setdefault(t, {"blocks": 0, **prices[t]})["blocks"] += n
+        return out
+
     def describe(self) -> dict:
         acc = self.stats.summary().to_json()
         return {
@@ -244,6 +286,7 @@ class EngineLink:
                 if self.queue.departures_per_s is None
                 else round(self.queue.departures_per_s, 2),
             },
+            "kv_tiers": self.tier_describe(time.monotonic()),
             "data_parallel_ranks": self.ranks,
             "events": None
             if not self.streams
@@ -733,6 +776,7 @@ class EngineLink:
             bmap.reset()  # clears its holder's index entries too
         for h in self.holders():
             self.engines.index.clear(h)
+            self.engines.index.clear_tiers(h)  # the process's offloaded copies too
 
     # ------------------------------------------------------------- responses
 
@@ -755,7 +799,7 @@ class EngineLink:
         stays: its prefill has just stored it again. The learned cap follows each
         answer with a match (``router.engines.capacity``, ``index.learn_capacity``).
         """
-        sk, matched_blocks, own_tokens, ahead_tokens, touches, rank = pick
+        sk, matched_blocks, own_tokens, ahead_tokens, touches, rank, colder = pick
         eng = self.engines
         if usage is not None:
             # The engine's own count of what it prefilled, not the index's prediction:
@@ -764,6 +808,9 @@ class EngineLink:
             # two equal vLLMs learned 12,400 tokens/s, the other 3,000), and misses
             # herded onto it.
             own_tokens = min(usage[0] - usage[1], MAX_LOAD_COUNT)  # usage_of: 0 <= c <= p
+            if colder and ttft_s is not None and ttft_s > 0:
+                if self._learn_load(pick, usage[1], own_tokens, ttft_s, now):
+                    ttft_s = None  # a load-price sample, not a prefill-rate one
         eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now, engine=self.kind is not WorkerKind.AGENT)
         if ttft_s is not None and ttft_s > 0:
             self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
@@ -774,7 +821,9 @@ class EngineLink:
         if not sk.exact and sk.prompt_tokens:
             # byte space: its blocks in this prompt's real tokens
             bt = max(1, round(bt * prompt / sk.prompt_tokens))
-        pred = predicted_tokens(matched_blocks, bt, prompt, self.engine_blocks)
+        # tokens loaded back from a colder tier count as cached (vLLM's external hits)
+        cold = sum(colder.values()) if colder else 0
+        pred = predicted_tokens(matched_blocks + cold, bt, prompt, self.engine_blocks)
         err = self.stats.record(pred, cached)
         self.engines.prom.prediction(self.worker.id, err)
         if rank is not None and self.ranks:
@@ -787,6 +836,24 @@ class EngineLink:
             n = correct(self.engines.index, holder, self.learned, matched_blocks, pred, cached, bt, touches)
             if n:
                 self.engines.prom.corrected.labels(self.worker.id).inc(n)
+
+    def _learn_load(self, pick: Placement, cached: int, own: int, ttft_s: float, now: float) -> bool:
+        """One answer whose match extended into a colder tier: a load-price sample
+        (router.engines.tier_price). True when it loaded blocks back: its TTFT then
+        mixes load and prefill (only their sum is seen), so it is no prefill-rate
+        sample; the rate is learned from the other answers, the price from this
+        one's residual over it."""
+        ext = pick.colder
+        assert ext, "called for a colder match only"
+        bt = pick.key.block_tokens
+        gpu = pick.blocks * bt
+        if min(sum(ext.values()) * bt, cached - gpu) <= 0:
+            return False  # nothing was loaded back: the colder copy went unused
+        residual = ttft_s - (pick.ahead + own) / self.prefill_rate(now)
+        tier = self.tier_prices.observe(ext, gpu, cached, bt, residual, now)
+        if tier is not None:
+            self.engines.prom.tier_samples.labels(self.worker.id, tier).inc()
+        return True
 
     def prefill_rate(self, now: float) -> float:
         """Prefill tokens/s the policy should assume: this worker's learned rate,

@@ -149,6 +149,40 @@ class EnginePrometheus:
             ["worker"],
             registry=r,
         )
+        self.event_ignored = Counter(
+            "radixfleet_engine_event_ignored_blocks",
+            "KV event blocks ignored, per cause: unknown_medium (a medium the router "
+            "maps to no tier: logged once a minute), other_group (a hybrid model's other "
+            "KV-cache groups)",
+            ["worker", "cause"],
+            registry=r,
+        )
+        self.tier_matched = Counter(
+            "radixfleet_tier_matched_tokens",
+            "Prompt tokens the chosen worker held at pick time, per KV tier: gpu (its "
+            "prefix cache), cpu / disk (how far its offloaded blocks extended that prefix)",
+            ["worker", "tier"],
+            registry=r,
+        )
+        self.tier_blocks = Gauge(
+            "radixfleet_worker_tier_blocks",
+            "Blocks the index holds for a worker per KV tier (gpu, cpu, disk)",
+            ["worker", "tier"],
+            registry=r,
+        )
+        self.tier_load = Gauge(
+            "radixfleet_worker_tier_load_seconds_per_token",
+            "Learned seconds per token to load a colder tier's blocks back (seeded from "
+            "bandwidth: router.engines.tier_price)",
+            ["worker", "tier"],
+            registry=r,
+        )
+        self.tier_samples = Counter(
+            "radixfleet_worker_tier_load_samples",
+            "Answers a worker's colder-tier load price learned from",
+            ["worker", "tier"],
+            registry=r,
+        )
 
     def prediction(self, worker: str, err: int) -> None:
         self.pred_err.labels(worker).observe(abs(err))
@@ -413,10 +447,14 @@ class Engines:
         space_of: dict = {}
         others = []
         ranks: dict = {}
+        tiers: dict = {}
         for i, (sp, wids) in enumerate(groups):
             sk = sp.key(endpoint, body, pk)
             keys[sp.id] = sk
             m = index.match(sk.hashes, now, count=(i == 0)) if sk.hashes else EMPTY_MATCH
+            t = index.match_tiers(sk.hashes, m) if sk.hashes else None
+            if t:
+                tiers.update(t)
             if self._ranked and m.blocks:
                 m = _fold_ranks(m, ranks)
             matches[sp.id] = m
@@ -427,8 +465,32 @@ class Engines:
         psp = groups[0][0]
         psk = keys[psp.id]
         match = merge_matches(psk, matches[psp.id], others)
+        if tiers:
+            match = self._priced(match, tiers, keys, space_of, psk.block_tokens, now)
         req = RouteRequest(psk.hashes, psk.prompt_tokens, psk.block_tokens, session, pk.model, len(pk.data))
-        return KeyedRequest(keys, matches, psp.id, req, match, space_of, ranks)
+        return KeyedRequest(keys, matches, psp.id, req, match, space_of, ranks, tiers)
+
+    def _priced(
+        self, match: MatchResult, tiers: dict, keys: dict, space_of: dict, pbt: int, now: float
+    ) -> MatchResult:
+        """``match`` with ``colder``: per worker, its colder extension's worth in GPU-hit
+        blocks of the primary space (``EngineLink.colder_value``; a data-parallel
+        worker at its best rank's)."""
+        colder: dict = {}
+        links = self.links
+        pbt = max(1, pbt)
+        for holder, ext in tiers.items():
+            wid = holder.partition("#")[0]
+            link = links.get(wid)
+            sp = space_of.get(wid)
+            if link is None or sp is None:
+                continue
+            v = link.colder_value(ext, keys[sp.id].block_tokens, now) / pbt
+            if v > colder.get(wid, 0.0):
+                colder[wid] = v
+        if not colder:
+            return match
+        return MatchResult(match.blocks, match.depth, match.rate, match.private, colder)
 
     def link(self, worker: str) -> EngineLink | None:
         return self.links.get(worker)
@@ -471,6 +533,10 @@ class Engines:
             self.prom.load_source.labels(wid).set(1 if link.engine_load_fresh(now) else 0)
             self.prom.prefill_rate.labels(wid).set(link.prefill_rate(now))
             self.prom.truth.labels(wid).set(0 if link.truth.value == "approximate" else 1)
+            for tier, d in link.tier_describe(now).items():
+                self.prom.tier_blocks.labels(wid, tier).set(d["blocks"])
+                if "load_s_per_token" in d:
+                    self.prom.tier_load.labels(wid, tier).set(d["load_s_per_token"])
 
 
 def _fold_ranks(m, ranks: dict):

@@ -56,6 +56,15 @@ class _LinkConsumer:
         after = self.map.stats()
         self.prom.event_blocks.labels("stored").inc(after.stored_blocks - before.stored_blocks)
         self.prom.event_blocks.labels("removed").inc(after.removed_blocks - before.removed_blocks)
+        eb = self.prom.event_blocks
+        eb.labels("cold_stored").inc(after.cold_stored_blocks - before.cold_stored_blocks)
+        eb.labels("cold_removed").inc(after.cold_removed_blocks - before.cold_removed_blocks)
+        for cause, n in (
+            ("unknown_medium", after.unknown_medium_blocks - before.unknown_medium_blocks),
+            ("other_group", after.other_tier_blocks - before.other_tier_blocks),
+        ):
+            if n:
+                self.prom.event_ignored.labels(self.link.worker.id, cause).inc(n)
         self.link.events_synced(self.rank)  # a no-op once in sync
         if self.map.block_size and not self.link.block_size:
             self.link.learn_block_size(self.map.block_size)
