@@ -41,8 +41,10 @@ Contract:
   asked once per chunk per request, the exact count costs one dict operation, and a
   bounded LRU of counts forgets one-off prefixes first, which is what the gate is
   for (a one-off 100k-token document must not flush a shared system prompt from
-  DRAM). ``admit_hits`` 1 writes every completed chunk; bench/RESULTS.md "KV tiers,
-  simulated" measures 1 against 2.
+  DRAM). ``admit_hits`` 1 (the default) writes every completed chunk: at DRAM = 4 x HBM
+  it beat 2 on both the Mooncake trace and the agent workload (bench/RESULTS.md "KV
+  tiers, simulated": a tier that size is not short of room, so gating only loses the
+  next turn's hit); the gate is for a tier small against its traffic.
 - **Events**, vLLM's shape (``router/engines/kv_events.py``): ``BlockStored`` /
   ``BlockRemoved`` with ``medium`` "CPU" for the router blocks (``hash_stride``
   tokens each) whose last token lies in a chunk that landed or left. Today's
