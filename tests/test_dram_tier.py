@@ -225,3 +225,20 @@ def test_simulate_reports_hits_per_tier():
     bad = parser.parse_args(["--workload", "agent", "--dram-tokens=-1x"])
     with pytest.raises(ConfigError, match="--dram-tokens"):
         simcli.build(bad)
+
+
+def test_agent_flags_size_the_tier_and_refuse_bad_values():
+    import argparse
+
+    from worker_agent.cli import build_config, configure
+
+    p = argparse.ArgumentParser()
+    configure(p)
+    cfg = build_config(p.parse_args(["--port", "9001", "--kv-tokens", "10000", "--dram-tokens", "4x"]))
+    assert cfg.dram is not None and cfg.dram.capacity_tokens == 40_000 and cfg.dram.admit_hits == 1
+    cfg = build_config(p.parse_args(["--port", "9001", "--dram-tokens", "5000", "--dram-admit-hits", "3"]))
+    assert cfg.dram is not None and (cfg.dram.capacity_tokens, cfg.dram.admit_hits) == (5000, 3)
+    assert build_config(p.parse_args(["--port", "9001"])).dram is None  # off by default
+    for bad in ("0x", "12", "many"):
+        with pytest.raises(ConfigError, match="--dram-tokens"):
+            build_config(p.parse_args(["--port", "9001", f"--dram-tokens={bad}"]))

@@ -4,6 +4,7 @@
                      [--host 127.0.0.1] --port P [--router URL ...] [--worker-id ID]
                      [--block-bytes N] [--admission MODE] [--seed S]
                      [--page-size N] [--disable-radix-cache] [--advertise-url URL]
+                     [--dram-tokens TOKENS|Nx [--dram-admit-hits N]]
                      [--bus nats://HOST:4222|tls://HOST:4222 [--bus-prefix P]
                       [--bus-user U --bus-password-env VAR | --bus-token-file F |
                        --bus-nkey-seed-file F | --bus-creds-file F]

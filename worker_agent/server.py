@@ -573,6 +573,8 @@ async def _get_load(request: web.Request) -> web.Response:
 async def _flush_cache(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     if agent.cache.flush():
+        if agent.sched.dram is not None:  # every tier, as SGLang's flush does
+            agent.sched.dram.clear()
         return web.Response(text="Cache flushed.\n")
     raise RequestError(
         f"cache not flushed: {agent.cache.locked_tokens} tokens are in use by "
@@ -598,6 +600,8 @@ async def _engine_config(request: web.Request) -> web.Response:
         flushed = agent.cache.set_fingerprint(fp)
     except RuntimeError as exc:
         raise RequestError(str(exc)) from None
+    if flushed and agent.sched.dram is not None:  # the DRAM copies are as wrong
+        agent.sched.dram.clear()
     agent.fingerprint = fp
     agent.cfg.rope_scaling = rope
     return web.json_response({"flushed": flushed, "fingerprint": list(fp)})
