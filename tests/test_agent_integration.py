@@ -184,3 +184,49 @@ def test_sglang_router_fronts_two_agents():
         # the probes name no model_path, so smg never tries to fetch a tokenizer off loopback
         log = router.stop()
         assert "huggingface" not in log.lower(), log[-2000:]
+
+
+async def test_an_agent_with_a_dram_tier_reads_back_and_reports_only_gpu_blocks():
+    """A prefix HBM evicted comes back from DRAM (cached again, the read-back counted);
+    the router's view holds only what HBM holds: the CPU tier never reaches it."""
+    rport, a = free_port(), free_port()
+    fake = FakeRouter()
+    await fake.start(rport)
+    router = f"http://127.0.0.1:{rport}"
+
+    def body(word: str) -> dict:
+        text = " ".join(f"{word}{i:04d}" for i in range(420))  # ~1,000 tokens
+        return {"model": "llama-3-8b", "max_tokens": 2, "messages": [{"role": "user", "content": text}]}
+
+    argv = [*agent_argv(a, "--router", router, "--worker-id", "wa", "--dram-tokens", "4x")]
+    argv[argv.index("50000")] = "1800"  # HBM holds one of the two prompts
+    try:
+        with Proc(argv, env={"RADIXFLEET_AGENT_TOKEN": "tok"}, ready_url=f"http://127.0.0.1:{a}/health"):
+            await until(lambda: "wa" in {r["worker_id"] for r in fake.registrations})
+            ka, kb = request_key(Endpoint.CHAT, body("alpha")), request_key(Endpoint.CHAT, body("beta"))
+            url = f"http://127.0.0.1:{a}/v1/chat/completions"
+            async with httpx.AsyncClient(timeout=10) as c:
+                await c.post(url, json=body("alpha"))
+                await asyncio.sleep(0.2)  # the write-down lands (ms of PCIe time)
+                await c.post(url, json=body("beta"))  # evicts alpha from HBM
+                await until(lambda: not set(ka.hashes) & set(fake.held.get("wa", {})))
+                await asyncio.sleep(0.2)
+                r3 = (await c.post(url, json=body("alpha"))).json()
+                metrics = (await c.get(f"http://127.0.0.1:{a}/metrics")).text
+            assert "usage" in r3, r3
+            assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1024  # 4 chunks from DRAM
+            read_back = next(
+                float(line.split()[-1])
+                for line in metrics.splitlines()
+                if line.startswith("radixfleet_agent_dram_cached_tokens")
+            )
+            assert read_back > 768  # a few template tokens are shared with beta, still in HBM
+            # alpha is back on the GPU, beta (in DRAM too) was evicted from HBM: not held
+            await until(
+                lambda: (
+                    set(ka.hashes) <= set(fake.held.get("wa", {}))
+                    and not set(kb.hashes) & set(fake.held.get("wa", {}))
+                )
+            )
+    finally:
+        await fake.stop()

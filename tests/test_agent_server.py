@@ -340,3 +340,21 @@ async def test_concurrent_burst_with_cancellations_leaves_no_leak(agent):
     st = a.sched.stats
     assert st.finished + st.cancelled == st.submitted and st.finished >= 96
     assert st.cached_tokens > 0 and sum(r is not None for r in results) == 96
+
+
+async def test_engine_config_change_and_flush_clear_the_dram_tier_too(agent):
+    from worker_agent.dram_tier import DramConfig
+
+    c, a = await agent(kv_tokens=10_000, dram=DramConfig(40_000))
+    p = completion("rope sensitive context " * 200, max_tokens=1)
+    await c.post("/v1/completions", json=p)
+    a.sched.dram.advance(float("inf"))
+    assert a.sched.dram.held_tokens > 0
+    yarn = {"rope_scaling": {"type": "yarn", "factor": 4.0}}
+    r = await (await c.post("/internal/v1/engine_config", json=yarn)).json()
+    assert r["flushed"] is True and a.sched.dram.held_tokens == 0
+    await c.post("/v1/completions", json=p)
+    a.sched.dram.advance(float("inf"))
+    assert a.sched.dram.held_tokens > 0
+    assert (await c.post("/flush_cache")).status == 200
+    assert a.sched.dram.held_tokens == 0

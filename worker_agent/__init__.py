@@ -12,6 +12,8 @@
        +-- radix_cache.py  token radix tree: locks, LRU leaf eviction, admission,
        |                   router-space block hashes -> stored/removed events
        +-- kv_pool.py      one token budget shared by the tree and running requests
+       +-- dram_tier.py    host-memory KV below the tree: 256-token chunks, PCIe
+       |                   copies on their own streams, own LRU, admission gate
        '-- cost_model.py   every GPU/model constant, with its source
     reporter.py  (events + load -> every router, snapshots on (re)connect)
     router_link.py  (one router's stream: epoch, sequence, resnapshot)

@@ -4,6 +4,7 @@
                      [--host 127.0.0.1] --port P [--router URL ...] [--worker-id ID]
                      [--block-bytes N] [--admission MODE] [--seed S]
                      [--page-size N] [--disable-radix-cache] [--advertise-url URL]
+                     [--dram-tokens TOKENS|Nx [--dram-admit-hits N]]
                      [--bus nats://HOST:4222|tls://HOST:4222 [--bus-prefix P]
                       [--bus-user U --bus-password-env VAR | --bus-token-file F |
                        --bus-nkey-seed-file F | --bus-creds-file F]
@@ -44,6 +45,7 @@ from service.auth import is_loopback
 from service.bus_connection import BusCredentials, check_exposure
 from worker_agent.bus import agent_flag
 from worker_agent.cost_model import GPUS, MODELS, CostModel
+from worker_agent.dram_tier import DramConfig, parse_dram_size
 from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
 from worker_agent.scheduler import ORDERS, SchedulerConfig
 from worker_agent.server import AgentConfig, create_app
@@ -129,6 +131,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         help="KV pool size in tokens (default: from the GPU and model presets)",
+    )
+    parser.add_argument(
+        "--dram-tokens",
+        metavar="TOKENS|Nx",
+        default=None,
+        help="a DRAM KV tier below the pool: TOKENS, or Nx = N times the KV pool (e.g. 4x); "
+        "default: none (HBM only)",
+    )
+    parser.add_argument(
+        "--dram-admit-hits",
+        type=_positive,
+        default=1,
+        help="requests that must reach a 256-token chunk before it is written to DRAM (default 1)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the preset name)"
@@ -287,8 +302,17 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         check_block_bytes(args.block_bytes)
     except ValueError as exc:
         raise ConfigError("--block-bytes", str(exc)) from None
-    if args.kv_tokens is None:
-        CostModel(args.model, args.gpu, tp=args.tp, mfu=args.mfu).kv_capacity_tokens()
+    capacity = args.kv_tokens
+    if capacity is None:
+        capacity = CostModel(args.model, args.gpu, tp=args.tp, mfu=args.mfu).kv_capacity_tokens()
+    dram = None
+    if args.dram_tokens is not None:
+        try:
+            tokens, ratio = parse_dram_size(args.dram_tokens)
+            size = int(ratio * capacity) if ratio is not None else int(tokens or 0)
+            dram = DramConfig(size, admit_hits=args.dram_admit_hits)
+        except ValueError as exc:
+            raise ConfigError("--dram-tokens", str(exc)) from None
     if args.page_size > args.chunk_tokens:
         raise ConfigError(
             "--page-size", f"{args.page_size} is larger than --chunk-tokens {args.chunk_tokens}"
@@ -318,6 +342,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         rope_scaling=args.rope_scaling,
         page_size=args.page_size,
         disable_radix_cache=args.disable_radix_cache,
+        dram=dram,
         # an unsigned tenant header is safe only where nothing but the router reaches us
         trust_unsigned_tenant=is_loopback(args.host),
     )

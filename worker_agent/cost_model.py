@@ -232,6 +232,29 @@ LINKS: dict[str, LinkSpec] = {
 }
 
 
+#: Host <-> GPU link of the DRAM KV tier (``worker_agent.dram_tier``), one direction.
+#: PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s per direction theoretical
+#: (PCI-SIG PCIe 5.0 specification; NVIDIA quotes 128 GB/s bidirectional for the H100
+#: SXM5's host link). Achieved host<->device copies of pinned memory reach ~50 GB/s
+#: (~80% of theoretical: TLP headers and flow control; CUDA ``bandwidthTest`` figures on
+#: Gen5 hosts), so the tier prices copies at the achieved rate.
+PCIE_GEN5_X16_THEORETICAL = LinkSpec(
+    "pcie-gen5-x16-theoretical",
+    64e9,
+    "PCI-SIG PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b encoding, ~64 GB/s per direction",
+)
+PCIE_GEN5_X16 = LinkSpec(
+    "pcie-gen5-x16",
+    50e9,
+    "PCIe Gen5 x16 achieved pinned host<->device copy rate (~50 GB/s of ~64 GB/s per direction; "
+    "CUDA bandwidthTest on Gen5 hosts)",
+)
+#: the DRAM tier's capacity when enabled without a size: this many times the HBM pool
+#: (a DGX H100 holds 2 TB of host DRAM for 640 GB of HBM: 3.2x; 4x of the KV pool alone
+#: fits in it, since the weights take part of HBM)
+DEFAULT_DRAM_RATIO = 4
+
+
 def link_preset(name: str, path: str = "link") -> LinkSpec:
     """The ``LINKS`` preset ``name``; ``ConfigError`` at ``path`` naming the choices."""
     if name not in LINKS:
@@ -315,6 +338,12 @@ class CostModel:
                 f"raise --tp or pass --kv-tokens",
             )
         return int(free // self.kv_bytes_per_token_per_gpu())
+
+    def pcie_s(self, tokens: int, link: LinkSpec = PCIE_GEN5_X16) -> float:
+        """Seconds to copy ``tokens`` tokens of KV between host DRAM and HBM over each
+        GPU's own PCIe link: tokens x KV bytes/token per GPU (TP ranks copy their shards
+        in parallel; with ``tp`` 1 the model's whole KV bytes/token) / link bytes/s."""
+        return link.transfer_s(max(0, tokens) * self.kv_bytes_per_token_per_gpu())
 
     # ------------------------------------------------------------- time
 

@@ -21,7 +21,7 @@ cached prefills); everything the step produces happens at ``now + duration``.
 
 Request lifecycle (only the scheduler changes ``state``)::
 
-    WAITING --admit: match prefix, lock it, reserve KV--> PREFILL --last chunk-->
+    WAITING --admit: match prefix, lock it, reserve KV--> [LOADING -->] PREFILL --last chunk-->
     RUNNING --max_new tokens--> FINISHED            (any state --cancel--> CANCELLED)
 
 Bulk decode: when nothing is prefilling and nothing can be admitted (the queue is
@@ -31,6 +31,15 @@ of them end with no request finishing and what context they start from;
 ``decode_many(k, duration_s)`` applies ``k`` of them at once -- exactly the state
 ``k`` calls of ``step()`` would leave -- in O(batch), not O(k x batch). The offline
 simulator prices the run itself (``cost.forward_s`` per step, in closed form).
+
+DRAM tier (``dram_tier.DramTier``, optional): at admission a request's whole
+256-token chunks are counted by the tier's gate; when the tier holds a longer prefix
+than the HBM tree, the difference is read back over PCIe into the request's own KV
+(``LOADING``: admitted, KV reserved, waiting for its H2D copy, which is part of its
+TTFT; other requests' steps go on meanwhile; a step with nothing else to do lasts
+until the copy lands). Completed chunks the tree holds after a prompt insert or a
+finish (and the HBM-matched ones at admission) are written down on the tier's own
+D2H stream, outside every step's duration: decode is never delayed by it.
 
 Memory: admission reserves the uncached prompt plus ``max_new`` tokens in the
 ``KVPool`` (evicting cold leaves first); if that cannot fit the request waits at the
@@ -51,6 +60,7 @@ from typing import Any
 from protocol.errors import Overloaded, PromptTooLarge
 from protocol.events import Load
 from worker_agent.cost_model import CostModel
+from worker_agent.dram_tier import CHUNK_TOKENS, DramConfig, DramTier, chunk_digests
 from worker_agent.kv_pool import KVPool
 from worker_agent.radix_cache import Node, RadixCache, as_key
 
@@ -94,6 +104,9 @@ class SchedRequest:
         "reserved",
         "node",
         "prompt_held",
+        "cached_dram",
+        "ready_at",
+        "digests",
         "first_token_at",
         "finished_at",
         "waiter",
@@ -128,6 +141,11 @@ class SchedRequest:
         self.node: Node | None = None
         #: prompt tokens the tree held after the prompt insert
         self.prompt_held = 0
+        #: prompt tokens of ``cached`` read back from the DRAM tier, and when they land
+        self.cached_dram = 0
+        self.ready_at = 0.0
+        #: the DRAM tier's chunk digests of the prompt (None: no tier)
+        self.digests: list[int] | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.waiter: Any = None
@@ -197,13 +215,20 @@ class SchedStats:
     prefill_busy_s: float = 0.0
     #: admissions that had to wait for KV
     kv_waits: int = 0
+    #: prompt tokens of ``cached_tokens`` read back from the DRAM tier
+    dram_cached_tokens: int = 0
 
 
 class Scheduler:
     """Continuous batching over a ``RadixCache`` + ``KVPool`` priced by a ``CostModel``."""
 
     def __init__(
-        self, cost: CostModel, cache: RadixCache, pool: KVPool, config: SchedulerConfig | None = None
+        self,
+        cost: CostModel,
+        cache: RadixCache,
+        pool: KVPool,
+        config: SchedulerConfig | None = None,
+        dram: DramTier | None = None,
     ) -> None:
         if pool.cache is not cache:
             raise ValueError("the pool must account for the same cache")
@@ -215,6 +240,12 @@ class Scheduler:
         #: only the scheduler moves requests between these
         self.waiting: deque[SchedRequest] = deque()
         self.prefilling: deque[SchedRequest] = deque()
+        #: admitted requests waiting for their DRAM read-back to land
+        self.loading: list[SchedRequest] = []
+        #: the DRAM tier below the tree (None: HBM only)
+        self.dram = dram
+        #: write-downs of the step in progress: (chunk digests, tokens held, hashes)
+        self._writes: list[tuple[list[int], int, Any]] = []
         self.running: list[SchedRequest] = []
         self._queued_tokens = 0
         self._rate_tokens = 0.0
@@ -273,7 +304,10 @@ class Scheduler:
             except ValueError:
                 pass
         elif st is State.PREFILL:
-            self.prefilling.remove(req)
+            if req in self.loading:
+                self.loading.remove(req)
+            else:
+                self.prefilling.remove(req)
             self._release(req)
         elif st is State.RUNNING:
             self.running.remove(req)
@@ -298,7 +332,7 @@ class Scheduler:
     # ------------------------------------------------------------ the step
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.loading)
 
     def _next_waiting(self) -> SchedRequest:
         """The next request to admit: the head (fcfs) or the longest cached prefix
@@ -314,10 +348,17 @@ class Scheduler:
             return best
         return self.waiting[0]
 
-    def _admit(self, req: SchedRequest) -> bool:
+    def _admit(self, req: SchedRequest, now: float) -> bool:
         prompt = req.prompt
         # at least one prompt token is computed: its logits give the first token
         cached, node = self.cache.match_prefix(req.ns, prompt, len(prompt) - 1)
+        dram = self.dram
+        extra = 0
+        if dram is not None:
+            if req.digests is None:
+                req.digests = chunk_digests(req.ns, as_key(prompt))
+                dram.count(req.digests)
+            extra = max(0, min(dram.match(req.digests), len(prompt) - 1) - cached)
         self.cache.inc_lock_ref(node)
         need = len(prompt) - cached + req.max_new
         if not self.pool.reserve(need):
@@ -330,12 +371,34 @@ class Scheduler:
         req.state = State.PREFILL
         self._queued_tokens -= len(prompt)
         self.stats.prompt_tokens += len(prompt)
-        self.stats.cached_tokens += cached
+        if dram is not None and req.digests:
+            assert req.digests is not None
+            # the HBM-matched chunks this request made hot enough go down now
+            dram.write_down(req.digests, cached, req.hashes, now)
+        if extra:
+            # the read-back tokens become this request's own KV, as if prefilled
+            self.pool.commit(extra)
+            req.reserved -= extra
+            req.private += extra
+            req.prefilled += extra
+            req.cached += extra
+            req.cached_dram = extra
+            assert dram is not None
+            req.ready_at = dram.read_back(extra, now)
+            self.stats.dram_cached_tokens += extra
+        self.stats.cached_tokens += req.cached
         return True
 
     def step(self, now: float) -> StepResult:
         """Runs one step starting at ``now``; see the module docstring."""
         res = StepResult()
+        if self.dram is not None:
+            self.dram.advance(now)
+        if self.loading:  # read-backs that landed join the prefill queue, in admission order
+            landed = [r for r in self.loading if r.ready_at <= now]
+            if landed:
+                self.loading = [r for r in self.loading if r.ready_at > now]
+                self.prefilling.extend(landed)
         batch = self.running
         self.running = []
         cost, pool = self.cost, self.pool
@@ -350,18 +413,24 @@ class Scheduler:
             elif (
                 self.waiting
                 and admitted_any
-                and (len(batch) + len(self.prefilling) + len(res.started) < self.config.max_running)
+                and (
+                    len(batch) + len(self.prefilling) + len(self.loading) + len(res.started)
+                    < self.config.max_running
+                )
             ):
                 # one at a time: the remaining budget decides how many fit this step
                 cand = self._next_waiting()
-                admitted_any = self._admit(cand)
+                admitted_any = self._admit(cand, now)
                 if not admitted_any:
                     break  # no KV for it: it waits at the head (no overtaking)
                 if cand is self.waiting[0]:
                     self.waiting.popleft()
                 else:
                     self.waiting.remove(cand)
-                self.prefilling.append(cand)
+                if cand.ready_at > now:
+                    self.loading.append(cand)
+                else:
+                    self.prefilling.append(cand)
                 continue
             else:
                 break
@@ -391,7 +460,12 @@ class Scheduler:
             self.stats.decode_tokens += len(batch)
             flops += cost.decode_flops(len(batch), ctx)
             kv_read += ctx
-        duration = cost.forward_s(flops, kv_read) if (res.prefill_tokens or batch) else 0.0
+        if res.prefill_tokens or batch:
+            duration = cost.forward_s(flops, kv_read)
+        elif self.loading:  # nothing to compute: wait for the first read-back to land
+            duration = min(r.ready_at for r in self.loading) - now
+        else:
+            duration = 0.0
         res.duration_s = duration
         prefill_s = duration if res.prefill_tokens else 0.0
         res.prefill_s = prefill_s
@@ -408,6 +482,11 @@ class Scheduler:
                 self.running.append(req)
         for req in res.finished:
             req.finished_at = end
+        if self._writes:  # the chunks completed in this step: copied from its end on
+            assert self.dram is not None
+            for digests, held, hashes in self._writes:
+                self.dram.write_down(digests, held, hashes, end)
+            self._writes.clear()
         st = self.stats
         st.steps += 1
         st.busy_s += duration
@@ -427,6 +506,8 @@ class Scheduler:
         )
         self._move_lock(req, node, held)
         req.prompt_held = held
+        if self.dram is not None and req.digests:
+            self._writes.append((req.digests, held, req.hashes))
         res.started.append(req)
         if req.max_new >= 1:
             req.generated = 1
@@ -459,6 +540,12 @@ class Scheduler:
                 req.ns, key, req.hashes, admit_from=len(req.prompt), below=req.node, lock=True
             )
             self._move_lock(req, node, held)
+            dram = self.dram
+            if dram is not None and req.digests is not None and len(key) // CHUNK_TOKENS > len(req.digests):
+                # growth: the answer's chunks, reached by this request
+                more = chunk_digests(req.ns, key, req.digests[-1] if req.digests else None, len(req.digests))
+                dram.count(more)
+                self._writes.append((req.digests + more, held, req.hashes))
         self._release(req)
         req.state = State.FINISHED
         res.finished.append(req)
@@ -474,7 +561,12 @@ class Scheduler:
         empty, or the batch is at ``max_running`` -- and is then (steps to the first
         finish) - 1: the finishing step is always a real ``step()``. O(batch)."""
         batch = self.running
-        if not batch or self.prefilling or (self.waiting and len(batch) < self.config.max_running):
+        if (
+            not batch
+            or self.prefilling
+            or self.loading  # a read-back landing mid-run joins the next step
+            or (self.waiting and len(batch) < self.config.max_running)
+        ):
             return 0, 0
         left = batch[0].max_new
         ctx = 0
@@ -496,7 +588,7 @@ class Scheduler:
         batch = self.running
         if k <= 0:
             return
-        if not batch or self.prefilling or min(r.max_new - r.generated for r in batch) <= k:
+        if not batch or self.prefilling or self.loading or min(r.max_new - r.generated for r in batch) <= k:
             raise ValueError(
                 f"decode_many({k}): only decode_window()'s steps can be "
                 "applied in bulk; the finishing step must be a step() call"
@@ -535,10 +627,12 @@ class Scheduler:
         queued = self._queued_tokens
         for r in self.prefilling:
             queued += len(r.prompt) - r.prefilled
+        for r in self.loading:
+            queued += len(r.prompt) - r.prefilled
         return (
             len(self.waiting),
             queued,
-            len(self.running) + len(self.prefilling),
+            len(self.running) + len(self.prefilling) + len(self.loading),
             pool.used,
             pool.capacity,
             float(self.prefill_tokens_per_s()),
@@ -551,11 +645,13 @@ class Scheduler:
         private = reserved = 0
         for r in self.waiting:
             assert r.state is State.WAITING and r.node is None and not r.private, f"{r=}"
-        for r in self.prefilling:
+        for r in (*self.prefilling, *self.loading):
             assert r.state is State.PREFILL, f"{r=}"
         for r in self.running:
             assert r.state is State.RUNNING and r.generated < r.max_new, f"{r=}"
-        for r in (*self.prefilling, *self.running):
+        if self.dram is not None:
+            self.dram.check()
+        for r in (*self.prefilling, *self.loading, *self.running):
             assert r.node is None or r.node.lock_ref > 0, f"{r=}"
             private += r.private
             reserved += r.reserved
@@ -578,6 +674,7 @@ def build_scheduler(
     fingerprint=None,
     record_events: bool = True,
     disable_radix_cache: bool = False,
+    dram: DramConfig | None = None,
 ) -> Scheduler:
     """One simulated worker: cost model, radix cache, KV pool and scheduler wired together.
 
@@ -586,7 +683,8 @@ def build_scheduler(
     per router block (None: no router hashes, no events). The offline simulator calls
     this with ``record_events=False`` and its own page size. ``disable_radix_cache``:
     no prefix reuse at all (``RadixCache(disabled=True)``): every prompt is computed
-    whole and its KV freed when the request ends.
+    whole and its KV freed when the request ends. ``dram``: a DRAM tier below the tree
+    (``dram_tier``; None: HBM only).
     """
     cost = CostModel(model, gpu, tp=tp, mfu=mfu)
     capacity = kv_tokens if kv_tokens is not None else cost.kv_capacity_tokens()
@@ -599,4 +697,5 @@ def build_scheduler(
         record_events=record_events,
         disabled=disable_radix_cache,
     )
-    return Scheduler(cost, cache, KVPool(capacity, cache), config)
+    tier = DramTier(dram, cost, hash_stride=hash_stride) if dram is not None else None
+    return Scheduler(cost, cache, KVPool(capacity, cache), config, tier)

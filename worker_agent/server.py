@@ -64,6 +64,7 @@ from service.auth import BearerAuth
 from service.metrics import standard_collectors
 from service.tenancy import SIGNATURE_HEADER, verify_signature
 from worker_agent import tokenizer as tk
+from worker_agent.dram_tier import DramConfig
 from worker_agent.engine import Engine
 from worker_agent.radix_cache import AdmissionConfig
 from worker_agent.scheduler import SchedRequest, SchedulerConfig, State, build_scheduler
@@ -100,6 +101,8 @@ class AgentConfig:
     page_size: int = 1
     #: no prefix cache at all (SGLang's --disable-radix-cache): the A/B baseline
     disable_radix_cache: bool = False
+    #: a DRAM KV tier below the pool (``--dram-tokens``; None: HBM only)
+    dram: DramConfig | None = None
     #: without an agent token, honour an unsigned x-radixfleet-tenant header (only
     #: safe when nobody but the router can reach the agent: a loopback listener)
     trust_unsigned_tenant: bool = True
@@ -132,6 +135,7 @@ class Agent:
             record_events=record_events,
             page_size=cfg.page_size,
             disable_radix_cache=cfg.disable_radix_cache,
+            dram=cfg.dram,
         )
         self.cost = self.sched.cost
         self.cache = self.sched.cache
@@ -506,6 +510,7 @@ def _server_info(agent: Agent) -> dict:
         "block_bytes": cfg.block_bytes,
         "worker_id": cfg.worker_id,
         "disable_radix_cache": cfg.disable_radix_cache,
+        "dram_tokens": cfg.dram.capacity_tokens if cfg.dram else 0,
         "fingerprint": list(agent.fingerprint),
         "internal_states": [{"last_gen_throughput": 0.0}],
     }
@@ -568,6 +573,8 @@ async def _get_load(request: web.Request) -> web.Response:
 async def _flush_cache(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     if agent.cache.flush():
+        if agent.sched.dram is not None:  # every tier, as SGLang's flush does
+            agent.sched.dram.clear()
         return web.Response(text="Cache flushed.\n")
     raise RequestError(
         f"cache not flushed: {agent.cache.locked_tokens} tokens are in use by "
@@ -593,6 +600,8 @@ async def _engine_config(request: web.Request) -> web.Response:
         flushed = agent.cache.set_fingerprint(fp)
     except RuntimeError as exc:
         raise RequestError(str(exc)) from None
+    if flushed and agent.sched.dram is not None:  # the DRAM copies are as wrong
+        agent.sched.dram.clear()
     agent.fingerprint = fp
     agent.cfg.rope_scaling = rope
     return web.json_response({"flushed": flushed, "fingerprint": list(fp)})
@@ -665,6 +674,11 @@ class _Collector:
             "radixfleet_agent_cached_tokens", "Prompt tokens served from the radix cache.", s.cached_tokens
         )
         yield counter("radixfleet_agent_prefill_tokens", "Prompt tokens computed.", s.prefill_tokens)
+        yield counter(
+            "radixfleet_agent_dram_cached_tokens",
+            "Prompt tokens read back from the DRAM tier (part of cached_tokens).",
+            s.dram_cached_tokens,
+        )
         yield counter(
             "radixfleet_agent_evicted_tokens", "Tokens evicted from the radix cache.", cs.evicted_tokens
         )

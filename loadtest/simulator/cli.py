@@ -82,6 +82,7 @@ from protocol.errors import ConfigError
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES
 from router.config import Config, load_config
 from router.prefix_index import tune_gc
+from worker_agent.dram_tier import parse_dram_size
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per worker")
     f.add_argument("--chunk-tokens", type=int, help="chunked-prefill token budget per step")
     f.add_argument("--admission", help="agent cache admission mode (always, second_hit, ...)")
+    f.add_argument(
+        "--dram-tokens",
+        metavar="TOKENS|Nx",
+        help="a DRAM KV tier per worker: TOKENS, or Nx = N times the worker's KV pool "
+        "(e.g. 4x); default: none",
+    )
+    f.add_argument(
+        "--dram-admit-hits",
+        type=int,
+        default=1,
+        help="requests that must reach a 256-token chunk before it is written to DRAM (default 1)",
+    )
     f.add_argument(
         "--block-bytes",
         type=int,
@@ -265,7 +278,14 @@ def build(args: argparse.Namespace):
         kv_tokens=args.kv_tokens,
         chunk_tokens=args.chunk_tokens,
         admission=args.admission,
+        dram_admit_hits=args.dram_admit_hits,
     )
+    if args.dram_tokens is not None:
+        try:
+            tokens, ratio = parse_dram_size(args.dram_tokens)
+        except ValueError as e:
+            raise ConfigError("--dram-tokens", str(e)) from None
+        engine = dataclasses.replace(engine, dram_tokens=tokens, dram_ratio=ratio)
     base = SimConfig(
         workers=args.workers,
         engine=engine,
@@ -356,11 +376,13 @@ def _print_table(runs: list[dict]) -> None:
 
     t = Table(title="radixfleet simulate (simulated time)")
     slo = next((r["goodput"]["slo"] for r in runs if "goodput" in r), None)
+    tiers = any(r.get("tiers", {}).get("dram_tokens_per_worker") for r in runs)
     cols = (
         "run",
         "sweep",
         "ok/req",
         "hit",
+        *(["GPU hit", "DRAM hit"] if tiers else []),
         "oracle",
         "pooled",
         "TTFT p50 ms",
@@ -387,6 +409,7 @@ def _print_table(runs: list[dict]) -> None:
             f"{sw['param']}={sw['value']:g}" if sw else "",
             ok_cell(r),
             f(r["hit_rate"], ".3f"),
+            *([f(r["tiers"]["gpu_hit_rate"], ".3f"), f(r["tiers"]["dram_hit_rate"], ".3f")] if tiers else []),
             f(r["oracle_hit_rate"], ".3f"),
             f(r["pooled_hit_rate"], ".3f"),
             f(r["ttft_ms"]["p50"], ".1f"),

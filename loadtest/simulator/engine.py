@@ -45,6 +45,7 @@ from protocol.errors import ConfigError
 from protocol.prefix_keys import block_hashes
 from worker_agent import tokenizer
 from worker_agent.cost_model import GPUS, MODELS, CostModel
+from worker_agent.dram_tier import DramConfig
 from worker_agent.radix_cache import ADMISSION_MODES, KEY_TYPECODE, AdmissionConfig
 from worker_agent.scheduler import ORDERS, SchedRequest, SchedulerConfig, StepResult, build_scheduler
 
@@ -71,6 +72,12 @@ class EngineSpec:
     protected_fraction: float = 0.5
     #: the agent's generation seed (its --seed)
     agent_seed: int = 0
+    #: DRAM KV tier per worker in tokens (the agent's --dram-tokens; None: no tier),
+    #: or as a multiple of the worker's KV pool (``--dram-tokens 4x``)
+    dram_tokens: int | None = None
+    dram_ratio: float | None = None
+    #: requests that must reach a chunk before it is written down (--dram-admit-hits)
+    dram_admit_hits: int = 1
 
     def validate(self) -> None:
         cost = self.cost_model()
@@ -86,12 +93,29 @@ class EngineSpec:
             raise ConfigError("--order", f"{self.order!r} is not one of {', '.join(ORDERS)}")
         if self.admission is not None and self.admission not in ADMISSION_MODES:
             raise ConfigError("--admission", f"{self.admission!r} is not one of {', '.join(ADMISSION_MODES)}")
+        self.dram_config()
 
     def cost_model(self) -> CostModel:
         for flag, name, table in (("--agent-model", self.model, MODELS), ("--gpu", self.gpu, GPUS)):
             if name not in table:
                 raise ConfigError(flag, f"unknown preset {name!r}; choose one of {', '.join(table)}")
         return CostModel(self.model, self.gpu, tp=self.tp)
+
+    def dram_tokens_per_worker(self) -> int:
+        """The DRAM tier's tokens per worker (0: none)."""
+        if self.dram_ratio is not None:
+            return int(self.dram_ratio * self.capacity_tokens())
+        return self.dram_tokens or 0
+
+    def dram_config(self) -> DramConfig | None:
+        """The DRAM tier's settings, or None; ``ConfigError`` naming the flag when bad."""
+        if self.dram_tokens is None and self.dram_ratio is None:
+            return None
+        try:
+            return DramConfig(self.dram_tokens_per_worker(), admit_hits=self.dram_admit_hits)
+        except ValueError as e:
+            flag = "--dram-admit-hits" if "admit_hits" in str(e) else "--dram-tokens"
+            raise ConfigError(flag, str(e)) from None
 
     def capacity_tokens(self) -> int:
         return self.kv_tokens if self.kv_tokens is not None else self.cost_model().kv_capacity_tokens()
@@ -278,6 +302,7 @@ class SimWorker:
                 protected_fraction=spec.protected_fraction,
                 ghost_block_tokens=hash_stride,
             ),
+            dram=spec.dram_config(),
         )
         self.cost = self.sched.cost
         self.cache = self.sched.cache
@@ -412,6 +437,7 @@ class SimWorker:
         for r in res.finished:
             job = r.rid
             job.cached = r.cached
+            job.cached_dram = r.cached_dram
             job.output = r.generated
             finished.append(job)
         n = len(res.decoded) - len(res.started)

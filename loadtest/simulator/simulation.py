@@ -220,6 +220,7 @@ class Job:
         "first_t",
         "done_t",
         "cached",
+        "cached_dram",
         "output",
         "ok",
         "error_kind",
@@ -247,6 +248,7 @@ class Job:
         self.first_t: float | None = None
         self.done_t: float | None = None
         self.cached = 0  # prompt tokens served from cache (set by the worker)
+        self.cached_dram = 0  # of them, read back from the worker's DRAM tier
         self.output = 0  # tokens generated (set by the worker)
         self.ok: bool | None = None  # None: in flight
         self.error_kind: str | None = None
@@ -1053,6 +1055,7 @@ class Simulation:
             "stopped_by": self.driver.stopped_by,
             "sim_duration_s": self.now,
         }
+        report["tiers"] = self._tiers()
         if self.scaler is not None:
             report["autoscale"] = {
                 "rule": self.scaler.name,
@@ -1066,6 +1069,34 @@ class Simulation:
                 "timeline": [list(x) for x in self.timeline],
             }
         return SimOutcome(report, ttft, self.jobs)
+
+    def _tiers(self) -> dict:
+        """Prompt tokens served per KV tier over the reported (ok, non-warm-up) jobs:
+        ``gpu`` from the HBM tree, ``dram`` read back from the DRAM tier; each also as a
+        share of prompt tokens (they sum to ``hit_rate``). Plus the DRAM tier's copies."""
+        prompt = gpu = dram = 0
+        for job in self.jobs:
+            if job.warm or not job.ok:
+                continue
+            prompt += job.prompt.prompt_tokens
+            dram += job.cached_dram
+            gpu += job.cached - job.cached_dram
+        out: dict = {
+            "gpu_hit_tokens": gpu,
+            "dram_hit_tokens": dram,
+            "gpu_hit_rate": gpu / prompt if prompt else 0.0,
+            "dram_hit_rate": dram / prompt if prompt else 0.0,
+            "dram_tokens_per_worker": self.cfg.engine.dram_tokens_per_worker(),
+        }
+        tiers = [w.sched.dram for w in self.workers if w.sched.dram is not None]
+        if tiers:
+            out["dram_admit_hits"] = self.cfg.engine.dram_admit_hits
+            out["written_chunks"] = sum(t.stats.written_chunks for t in tiers)
+            out["evicted_chunks"] = sum(t.stats.evicted_chunks for t in tiers)
+            out["dropped_writes"] = sum(t.stats.dropped_writes for t in tiers)
+            out["read_back_s"] = sum(t.stats.read_back_s for t in tiers)
+            out["d2h_busy_s"] = sum(t.d2h.busy_s for t in tiers)
+        return out
 
     # ----------------------------------------------------------- invariants
 
