@@ -8,9 +8,7 @@ import msgpack
 import pytest
 
 from protocol.errors import ConfigError
-from router.engines.block_map import EngineBlockMap
 from router.engines.kv_events import decode_batch
-from router.prefix_index import PrefixIndex
 from worker_agent.cost_model import PCIE_GEN5_X16, CostModel
 from worker_agent.dram_tier import (
     CHUNK_TOKENS,
@@ -167,7 +165,7 @@ def test_admission_gate_writes_down_only_after_n_requests():
     assert s.dram.match(chunk_digests(NS, prompt(512, 90_000))) == 0
 
 
-def test_events_per_tier_in_vllm_shape_and_todays_router_ignores_cpu():
+def test_events_per_tier_in_vllm_shape():
     s = sched(dram_tokens=2 * CHUNK_TOKENS)
     r = req(1, 512)
     t, _ = run(s, [r])
@@ -187,13 +185,13 @@ def test_events_per_tier_in_vllm_shape_and_todays_router_ignores_cpu():
     s.dram.advance(t + 1)
     removed = [e for e in s.dram.drain_events() if e["type"] == "BlockRemoved"]
     assert removed and removed[0]["medium"] == MEDIUM_CPU and removed[0]["block_hashes"] == h[4:]
-    # today's router: the vLLM decoder accepts them; the block map counts CPU blocks, indexes none
-    index = PrefixIndex()
-    bmap = EngineBlockMap("w0", index, lambda *a: 7, block_size=STRIDE)
+    # the router's vLLM decoder reads them as vLLM's own, tier and all
     decoded = decode_batch(msgpack.packb([1.0, cpu + removed, 0]))
-    bmap.apply(decoded.events, 0.0)
-    assert bmap.stats().other_tier_blocks == 8 + 4
-    assert index.stats().nodes == 0
+    assert [(type(e).__name__, e.medium) for e in decoded.events] == [
+        ("EngineBlockStored", "CPU"),
+        ("EngineBlockStored", "CPU"),
+        ("EngineBlockRemoved", "CPU"),
+    ][: len(decoded.events)] and len(decoded.events) == 2 + len(removed)
     # the contract-2 log the agent's reporter sends holds no CPU block
     assert all(getattr(e, "hashes", None) != h[4:] or e.type == "removed" for e in s.cache.drain_events())
 
