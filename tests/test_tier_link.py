@@ -150,7 +150,9 @@ def test_dram_tier_speaks_contract_2_and_the_reporter_filters_by_router():
         def snapshot_blocks(self):
             return [(1, None)]
 
-    rep = Reporter([URL, URL + "0"], worker_id="a", url=URL, models=["m"], cache=_Cache(), load=lambda: None, dram=tier)
+    rep = Reporter(
+        [URL, URL + "0"], worker_id="a", url=URL, models=["m"], cache=_Cache(), load=lambda: None, dram=tier
+    )
     new, old = rep.links
     for link in rep.links:
         link.state = LinkState.STREAMING
@@ -165,7 +167,9 @@ def test_dram_tier_speaks_contract_2_and_the_reporter_filters_by_router():
 
 
 def _shot(i: int, prompt: str) -> SingleShot:
-    return SingleShot(RequestSpec(f"s{i}.0", API_COMPLETIONS, {"prompt": prompt}, 2, f"s{i}", 0, None, len(prompt) // 4))
+    return SingleShot(
+        RequestSpec(f"s{i}.0", API_COMPLETIONS, {"prompt": prompt}, 2, f"s{i}", 0, None, len(prompt) // 4)
+    )
 
 
 def _dram_run(tiers: str) -> Simulation:
