@@ -200,3 +200,74 @@ def test_a_dram_only_prefix_attracts_the_request_only_when_priced():
         else:  # P's HBM copy is gone everywhere; its DRAM copy on P's first worker wins
             assert last.worker == first.worker and last.cached_dram > 0, t
             assert sim.index.tier_entries(sim.refs[first.worker].id)["cpu"] > 0
+
+
+# ------------------------------------------------------------------ the live router
+
+
+def _engines(tiers: str):
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from router.config import WorkerSpec, parse_config
+    from router.engines.link import EngineLink
+    from router.engines.manager import Engines
+
+    cfg = parse_config({"index": {"tiers": tiers}})
+    idx = PrefixIndex()
+    eng = Engines(cfg, Pool(cfg, idx), idx, CollectorRegistry())
+    for wid in ("a", "b"):
+        spec = WorkerSpec(url="http://127.0.0.1:9", id=wid, kind="agent", prefill_tokens_per_s=10_000)
+        eng.links[wid] = EngineLink(SimpleNamespace(id=wid), spec, eng)
+    return eng, idx
+
+
+@pytest.mark.parametrize("tiers", ["priced", "ignore", "as_gpu"])
+def test_index_tiers_decides_what_an_agents_dram_prefix_is_worth(tiers):
+    from policies.base import WorkerView
+    from protocol.prefix_keys import Endpoint, PrefixKey
+
+    eng, idx = _engines(tiers)
+    fb = Feedback(eng.pool, idx)
+    w = eng.pool.register("a", URL, "e", ("m",), None)
+    eng.pool._set_health(w, HealthState.HEALTHY)
+    bb = eng.byte_space.block_bytes
+    hashes = list(range(1000, 1032))
+    # agent a reports 24 blocks in its DRAM tier and none on the GPU
+    assert fb.apply(_batch(0, [Snapshot([], tiers={"cpu": hashes[:24]})]), 1.0)[0] == 200
+    pk = PrefixKey("m", "", None, b"x" * (32 * bb), hashes, bb)
+    views = [WorkerView(x, prefill_tokens_per_s=10_000.0) for x in ("a", "b")]
+    m = eng.key(Endpoint.COMPLETIONS, {}, pk, None, views, 2.0).match
+    link = eng.links["a"]
+    if tiers == "ignore":
+        assert not m.colder
+    elif tiers == "as_gpu":
+        assert m.colder == {"a": 24}
+    else:
+        frac = link.tier_prices.fraction("cpu", link.prefill_rate(2.0))
+        assert 0 < frac < 1 and m.colder == pytest.approx({"a": 24 * frac})
+    # /admin/workers: the agent's DRAM blocks and their price
+    assert link.describe()["kv_tiers"]["cpu"]["blocks"] == 24
+
+
+def test_an_agent_link_learns_its_dram_price_from_answers():
+    from router.engines.keyspace import SpaceKey
+    from router.engines.link import Placement
+
+    eng, _ = _engines("priced")
+    link = eng.links["a"]
+    bt, true = 16, 5e-5  # 50 us per token read back, prefill at 10,000 tokens/s
+    sk = SpaceKey(list(range(100)), 1600, bt, True)
+    for i in range(60):
+        now = 1.0 + i
+        # the agent's cached tokens include what it read back from DRAM
+        link.observe(
+            Placement(sk, 20, 40 * bt, 0, None, None, {"cpu": 40}),
+            (1600, 60 * bt),
+            40 * bt / 10_000 + 40 * bt * true,
+            now,
+        )
+        link.observe(Placement(sk, 20, 80 * bt, 0, None), (1600, 20 * bt), 80 * bt / 10_000, now)
+    cpu = link.describe()["kv_tiers"]["cpu"]
+    assert cpu["observations"] == 60 and abs(cpu["load_s_per_token"] - true) / true < 0.1
