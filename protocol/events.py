@@ -9,9 +9,11 @@ One HTTP request carries one batch::
       "epoch": "5f2c...",               # random per agent process start
       "seq": 17,                        # batch number within the epoch, from 0
       "events": [
-        {"type": "snapshot", "blocks": [[hash, parent_or_null], ...]},  # parent first
-        {"type": "stored",   "parent": hash_or_null, "hashes": [h1, h2, ...]},
-        {"type": "removed",  "hashes": [h, ...]},
+        {"type": "snapshot", "blocks": [[hash, parent_or_null], ...],  # parent first
+         "tiers": {"cpu": [h, ...]}},                                  # optional
+        {"type": "stored",   "parent": hash_or_null, "hashes": [h1, h2, ...],
+         "tier": "cpu"},                                               # optional
+        {"type": "removed",  "hashes": [h, ...], "tier": "cpu"},         # optional
         {"type": "cleared"}
       ],
       "load": {"queued_requests": 0, "queued_tokens": 0, "running_requests": 0,
@@ -21,7 +23,22 @@ One HTTP request carries one batch::
 
 ``stored`` is a chain: ``hashes[0]``'s parent is ``parent`` (null: the root),
 ``hashes[i]``'s parent is ``hashes[i-1]``. A ``snapshot`` replaces everything the
-router believes the worker holds.
+router believes the worker holds, in every tier.
+
+KV tiers. ``tier`` names where a ``stored``/``removed`` event's blocks live:
+``"gpu"`` (the default: an event without the field, as every agent sent before
+tiers existed) or a colder tier the agent copies KV down to (``"cpu"``: its DRAM
+tier, ``worker_agent.dram_tier``; ``"disk"``). A colder tier is a set of blocks
+beside the GPU tree (the router's ``PrefixIndex.tier_add``): ``parent`` is ignored
+there. A snapshot's optional ``tiers`` lists each colder tier's blocks. A
+``cleared`` empties every tier. A tier name is a string of at most
+``MAX_TIER_NAME`` characters (else 400); a well-formed name the router does not
+know (``TIERS``) is counted and its event ignored, so a newer agent's tier never
+breaks an older router's stream. Interoperation: an older router reads a ``tier``
+field it does not know as a GPU event, so the agent sends colder-tier events only
+to routers whose registration answer lists the tier (``"tiers": [...]``); on the
+bus (no answer to read) it always sends them: routers on a bus carrying an agent
+with a DRAM tier must read tiers.
 
 Answers (JSON ``{"status": ...}``):
 
@@ -34,7 +51,8 @@ Answers (JSON ``{"status": ...}``):
 Registration: ``POST /internal/v1/register`` with ``{"worker_id", "url", "epoch",
 "models": [...], "block_bytes": 128}``, answered ``200 {"status": "ok"}``; ``409
 worker_id_taken`` when a worker at another URL holds the id, ``429`` with
-``Retry-After`` past the router's bound on new self-registered workers. A batch is
+``Retry-After`` past the router's bound on new self-registered workers. The ``200``
+answer lists the colder tiers the router reads (``"tiers": ["cpu", "disk"]``). A batch is
 applied only from the URL and epoch its worker registered with; any other gets
 ``404 unknown_worker`` (so the agent re-registers, and is refused if the id is
 someone else's).
@@ -68,6 +86,14 @@ REGISTER_PATH = "/internal/v1/register"
 
 _U64 = 2**64
 
+#: the GPU tier: the worker's prefix cache itself (an event without ``tier``)
+TIER_GPU = "gpu"
+#: every tier this protocol version names, warmest first (the colder ones are
+#: ``router.prefix_index.COLDER_TIERS``)
+TIERS = (TIER_GPU, "cpu", "disk")
+#: longest tier name a batch may carry
+MAX_TIER_NAME = 32
+
 #: Bounds of every reported load number. Counts (requests, tokens) are integers in
 #: [0, MAX_LOAD_COUNT] (2^48 tokens is ~3,000x the KV of the largest GPU node);
 #: ``prefill_tokens_per_s`` is a finite number in [0, MAX_RATE] (0: not measured).
@@ -84,12 +110,14 @@ class Stored:
     parent: int | None
     hashes: list[int]
     type: str = "stored"
+    tier: str = TIER_GPU
 
 
 @dataclass(slots=True)
 class Removed:
     hashes: list[int]
     type: str = "removed"
+    tier: str = TIER_GPU
 
 
 @dataclass(slots=True)
@@ -102,6 +130,8 @@ class Snapshot:
     #: (hash, parent) pairs, every parent listed before its children
     blocks: list[tuple[int, int | None]]
     type: str = "snapshot"
+    #: colder tier -> the blocks held there (empty: none, or not reported)
+    tiers: dict[str, list[int]] = field(default_factory=dict)
 
 
 Event = Stored | Removed | Cleared | Snapshot
@@ -145,13 +175,38 @@ class EventBatch:
 
 
 def _event_json(e: Event) -> dict[str, Any]:
+    out: dict[str, Any]
     if isinstance(e, Stored):
-        return {"type": "stored", "parent": e.parent, "hashes": e.hashes}
-    if isinstance(e, Removed):
-        return {"type": "removed", "hashes": e.hashes}
-    if isinstance(e, Snapshot):
-        return {"type": "snapshot", "blocks": [list(b) for b in e.blocks]}
-    return {"type": "cleared"}
+        out = {"type": "stored", "parent": e.parent, "hashes": e.hashes}
+    elif isinstance(e, Removed):
+        out = {"type": "removed", "hashes": e.hashes}
+    elif isinstance(e, Snapshot):
+        out = {"type": "snapshot", "blocks": [list(b) for b in e.blocks]}
+        if e.tiers:
+            out["tiers"] = {t: list(hs) for t, hs in e.tiers.items()}
+        return out
+    else:
+        return {"type": "cleared"}
+    if e.tier != TIER_GPU:
+        out["tier"] = e.tier
+    return out
+
+
+def is_tiered(e: Event) -> bool:
+    """Whether ``e`` carries colder-tier blocks (an event an older router misreads)."""
+    if isinstance(e, (Stored, Removed)):
+        return e.tier != TIER_GPU
+    return False
+
+
+def _tier(v: Any, where: str) -> str:
+    if v is None:
+        return TIER_GPU
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_TIER_NAME:
+        raise MalformedRequest(
+            f"'{where}' must be a tier name of 1 to {MAX_TIER_NAME} characters", param="events"
+        )
+    return v
 
 
 def _hash(v: Any, where: str) -> int:
@@ -255,10 +310,15 @@ def parse_batch(body: Any) -> EventBatch:
                 Stored(
                     None if parent is None else _hash(parent, f"{where}.parent"),
                     _hashes(ev.get("hashes"), f"{where}.hashes"),
+                    tier=_tier(ev.get("tier"), f"{where}.tier"),
                 )
             )
         elif kind == "removed":
-            events.append(Removed(_hashes(ev.get("hashes"), f"{where}.hashes")))
+            events.append(
+                Removed(
+                    _hashes(ev.get("hashes"), f"{where}.hashes"), tier=_tier(ev.get("tier"), f"{where}.tier")
+                )
+            )
         elif kind == "cleared":
             events.append(Cleared())
         elif kind == "snapshot":
@@ -275,7 +335,14 @@ def parse_batch(body: Any) -> EventBatch:
                         None if b[1] is None else _hash(b[1], f"{where}.blocks[{j}][1]"),
                     )
                 )
-            events.append(Snapshot(pairs))
+            raw_tiers = ev.get("tiers", {})
+            if not isinstance(raw_tiers, dict):
+                raise MalformedRequest(f"'{where}.tiers' must be an object", param="events")
+            tiers = {
+                _tier(t, f"{where}.tiers key"): _hashes(hs, f"{where}.tiers.{t}")
+                for t, hs in raw_tiers.items()
+            }
+            events.append(Snapshot(pairs, tiers=tiers))
         else:
             raise MalformedRequest(
                 f"'{where}.type' {kind!r} is not one of stored, removed, cleared, snapshot",

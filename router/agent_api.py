@@ -43,6 +43,7 @@ from router.feedback import Feedback
 from router.http_api import guarded, json_body, read_body
 from router.metrics import Metrics
 from router.pool import Pool
+from router.prefix_index import COLDER_TIERS
 from service import jsonbody
 from service.auth import BearerAuth
 
@@ -137,7 +138,7 @@ class AgentAPI:
                 {"status": exc.code, **exc.to_json()}, status=exc.status, headers=headers
             )
         h.models_changed()
-        return web.json_response({"status": ev.STATUS_OK, "worker_id": w.id})
+        return web.json_response({"status": ev.STATUS_OK, "worker_id": w.id, "tiers": list(COLDER_TIERS)})
 
     async def events(self, request: web.Request) -> web.Response:
         raw = await read_body(request, self.host.cfg.limits)

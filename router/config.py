@@ -255,6 +255,10 @@ class PolicyConfig:
         build_policy_from(self, "")  # validates the name and the params
 
 
+#: ``index.tiers``: what a colder-tier prefix is worth to the policy
+TIER_MODES = ("priced", "ignore", "as_gpu")
+
+
 @settings
 class IndexConfig:
     max_bytes: int = _opt(256 * 2**20, "global memory budget of the prefix index", lo=1)
@@ -265,6 +269,13 @@ class IndexConfig:
         "approximate mode: cap each plain engine's entries at a "
         "capacity learned from its cached_tokens (router.engines."
         "capacity), not only the configured one",
+    )
+    tiers: Literal["priced", "ignore", "as_gpu"] = _opt(
+        "priced",
+        "what a prefix held in a worker's colder KV tier (CPU memory, disk: engine "
+        "offloading or an agent's DRAM tier) is worth to the policy: priced (a GPU hit "
+        "times the share its learned load price leaves, router.engines.tier_price), "
+        "ignore (a miss), as_gpu (a full GPU hit)",
     )
 
 

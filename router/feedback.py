@@ -20,6 +20,13 @@ replaces the worker's entries wholesale, so any gap before it is harmless)::
                                                batch gets 409 and it snapshots
     otherwise                               -> 200 ok, events applied in order
 
+Tiers (``protocol.events``, "KV tiers"): a ``stored``/``removed`` event of a colder
+tier (an agent's DRAM tier: ``"cpu"``) goes to the index's tier sets
+(``PrefixIndex.tier_add`` / ``tier_discard``), not the tree; a tier the index does
+not know (``COLDER_TIERS``) is counted (``unknown_tier``) and ignored. ``cleared``
+and ``snapshot`` replace every tier (a snapshot's ``tiers`` are its colder blocks);
+a stream stopped mid-batch drops the worker's tiers with its tree.
+
 The router's own inserts at routing time are optimistic hints; these events are the
 truth and override them (a ``removed`` drops a hinted block, a ``snapshot`` drops
 every hint).
@@ -46,6 +53,7 @@ from protocol.events import (
     STATUS_OK,
     STATUS_SNAPSHOT_REQUIRED,
     STATUS_UNKNOWN_WORKER,
+    TIER_GPU,
     Cleared,
     EventBatch,
     Removed,
@@ -54,6 +62,7 @@ from protocol.events import (
 )
 from router.config import parse_worker_url
 from router.pool import HealthState, Pool
+from router.prefix_index import COLDER_TIERS
 
 log = logging.getLogger("radixfleet.feedback")
 
@@ -67,7 +76,7 @@ class Feedback:
     """Stateless but for the pool's per-worker stream positions and the per-worker
     locks of batches being applied in slices."""
 
-    __slots__ = ("pool", "index", "metrics", "block_bytes", "_busy")
+    __slots__ = ("pool", "index", "metrics", "block_bytes", "_busy", "unknown_tiers")
 
     def __init__(self, pool: Pool, index, metrics=None, block_bytes: int | None = None) -> None:
         self.pool = pool
@@ -77,6 +86,8 @@ class Feedback:
         self.block_bytes = block_bytes
         #: worker id -> [its lock, batches holding or awaiting it] (apply_async)
         self._busy: dict[str, list] = {}
+        #: events of a tier the index does not know, ignored (``protocol.events``)
+        self.unknown_tiers = 0
 
     def apply(self, batch: EventBatch, now: float) -> tuple[int, str]:
         """Applies one batch at once. Returns (HTTP status, ``status`` string)."""
@@ -150,7 +161,15 @@ class Feedback:
         budget = SLICE_BLOCKS
         for ev in events:
             cls = ev.__class__
-            if cls is Stored:
+            if (cls is Stored or cls is Removed) and ev.tier != TIER_GPU:
+                self._tier_event(wid, ev)
+                budget -= len(ev.hashes)
+                if budget <= 0:
+                    budget = SLICE_BLOCKS
+                    yield
+                    if not self._still(w, batch):
+                        return self._stopped(w)
+            elif cls is Stored:
                 hashes, parent = ev.hashes, ev.parent
                 for i in range(0, len(hashes), SLICE_BLOCKS):
                     part = hashes[i : i + SLICE_BLOCKS]
@@ -173,6 +192,7 @@ class Feedback:
                             return self._stopped(w)
             elif cls is Snapshot:
                 blocks = ev.blocks
+                idx.clear_tiers(wid)
                 for removed in idx.clear_steps(wid, SLICE_BLOCKS):
                     budget -= removed
                     if budget <= 0:
@@ -191,14 +211,32 @@ class Feedback:
                         yield
                         if not self._still(w, batch):
                             return self._stopped(w)
+                for tier, keys in ev.tiers.items():
+                    self._tier_event(wid, Stored(None, keys, tier=tier))
             elif cls is Cleared:
                 idx.clear(wid)
+                idx.clear_tiers(wid)
             if m is not None:
                 m.event_applied(ev.type)
         w.epoch = batch.epoch
         w.next_seq = batch.seq + 1
         self._count(STATUS_OK)
         return 200, STATUS_OK
+
+    def _tier_event(self, wid: str, ev: Stored | Removed) -> None:
+        """A colder tier's stored/removed: into the index's tier sets (module docstring)."""
+        tier = ev.tier
+        if tier == TIER_GPU:
+            return  # a snapshot's "gpu" tier: its blocks are the snapshot's own
+        if tier not in COLDER_TIERS:
+            self.unknown_tiers += 1
+            if self.metrics is not None:
+                self.metrics.event_applied("unknown_tier")
+            return
+        if ev.__class__ is Stored:
+            self.index.tier_add(wid, tier, ev.hashes)
+        else:
+            self.index.tier_discard(wid, tier, ev.hashes)
 
     @staticmethod
     def _speaks_for(w, batch: EventBatch) -> bool:
@@ -224,6 +262,7 @@ class Feedback:
         if w.health is not HealthState.UNHEALTHY:
             # re-registered mid-batch: its entries belong to the new process now
             self.index.clear(w.id)
+            self.index.clear_tiers(w.id)
         self._count(STATUS_OK)
         return 200, STATUS_OK
 

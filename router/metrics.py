@@ -319,7 +319,8 @@ class Metrics:
         self._answer_children: dict[tuple, tuple] = {}
         self._attempt_children: dict[tuple, Counter] = {}
         self._event_children = {
-            t: self.events.labels(t) for t in ("stored", "removed", "cleared", "snapshot", "load")
+            t: self.events.labels(t)
+            for t in ("stored", "removed", "cleared", "snapshot", "load", "unknown_tier")
         }
         self.observe_ttfb = self.ttfb.observe
         self.observe_ttft = self.ttft.observe

@@ -19,10 +19,10 @@ be empty: the caller answers "no worker" itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from policies.base import Decision, Policy, RouteRequest, WorkerView
+from policies.base import Decision, MatchResult, Policy, RouteRequest, WorkerView
 from router.pool import Pool, Worker
 
 
@@ -56,14 +56,19 @@ def pick_worker(
     *,
     count: bool = True,
     touches: bool = False,
+    price: Callable[[Sequence[int], MatchResult], MatchResult] | None = None,
 ) -> Picked:
     """Routes ``request`` among ``views`` and does the router's pick-time bookkeeping
     (module docstring). ``count``: record the request in the index's hot-root
     counters (False for a retry: the request was counted once). Raises
     ``AssertionError`` if the policy names a worker the pool does not know (a
     policy bug: never route into the void). ``touches``: return the matched blocks'
-    last-use times (the live data plane's ``_pick`` takes the same)."""
+    last-use times (the live data plane's ``_pick`` takes the same). ``price``: the
+    match with its colder tiers valued (``MatchResult.colder``; the live router's is
+    ``router.engines.manager.Engines.key``)."""
     match = index.match(request.hashes, now, count)
+    if price is not None:
+        match = price(request.hashes, match)
     d = policy.choose(request, match, views, now)
     w = pool.get(d.worker)
     if w is None:

@@ -70,6 +70,9 @@ class AgentBus(Lifecycle):
         self.subjects = Subjects(subject_prefix)
         self.subject = self.subjects.agent(worker_id)
         self.link = RouterLink(url)
+        # no answer to read capabilities from: routers on a bus read tiers (an agent
+        # with a DRAM tier needs routers of this version or newer)
+        self.link.tiers = True
         self.link.state = LinkState.SNAPSHOT  # registration rides on snapshots
         self.snapshot_interval_s = snapshot_interval_s
         self.publish_timeout_s = publish_timeout_s

@@ -50,7 +50,10 @@ Contract:
   tokens each) whose last token lies in a chunk that landed or left. Today's
   contract-2 batches carry no medium, so ``drain_events`` is kept apart from the
   HBM cache's log: a router that does not index tiers never sees a CPU block as
-  resident on the GPU.
+  resident on the GPU. ``drain_protocol_events`` gives the same as contract-2
+  events with ``tier`` "cpu" (``protocol.events``, "KV tiers"), which the agent's
+  reporter sends to routers that read tiers; ``held_hashes`` is the tier's part of
+  a snapshot.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.events import Removed, Stored
 from worker_agent.cost_model import CostModel
 
 #: tokens per DRAM chunk (SGLang HiCache's and LMCache's default page of 256 tokens)
@@ -70,6 +74,8 @@ MAX_PENDING_EVENTS = 10_000
 #: the media of vLLM's KV events
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+#: this tier's name on contract 2 (``protocol.events.TIERS``)
+TIER_CPU = "cpu"
 
 
 def chunk_digests(ns: Hashable, key: array, start_digest: int | None = None, start: int = 0) -> list[int]:
@@ -386,6 +392,20 @@ class DramTier:
         ev = list(self._events)
         self._events.clear()
         return ev
+
+    def drain_protocol_events(self) -> list[Stored | Removed]:
+        """``drain_events`` as contract-2 events of the ``"cpu"`` tier."""
+        out: list[Stored | Removed] = []
+        for e in self.drain_events():
+            if e["type"] == "BlockStored":
+                out.append(Stored(e["parent_block_hash"], e["block_hashes"], tier=TIER_CPU))
+            else:
+                out.append(Removed(e["block_hashes"], tier=TIER_CPU))
+        return out
+
+    def held_hashes(self) -> list[int]:
+        """The router blocks of every landed chunk (a snapshot's ``"cpu"`` tier)."""
+        return [h for ch in self._chunks.values() for h in ch.hashes]
 
     def clear(self) -> None:
         """Drops every chunk and write in flight (an engine fingerprint change)."""

@@ -49,9 +49,11 @@ from protocol.events import (
     EventBatch,
     Load,
     Snapshot,
+    is_tiered,
 )
 from service import background
 from service.background import Lifecycle
+from worker_agent.dram_tier import TIER_CPU
 from worker_agent.radix_cache import RadixCache
 from worker_agent.router_link import LinkState, RouterLink
 
@@ -75,6 +77,7 @@ class Reporter(Lifecycle):
         timeout_s: float = 2.0,
         block_bytes: int | None = None,
         bus=None,
+        dram=None,
     ) -> None:
         if not routers and bus is None:
             raise ValueError("a reporter needs at least one router URL or a bus")
@@ -87,6 +90,8 @@ class Reporter(Lifecycle):
         #: the block size this agent hashes with, sent at registration (None: not sent)
         self.block_bytes = block_bytes
         self.cache = cache
+        #: worker_agent.dram_tier.DramTier or None: its blocks go out as "cpu"-tier events
+        self.dram = dram
         self.load = load
         self.epoch = secrets.token_hex(8)
         self.interval_s = interval_s
@@ -130,7 +135,8 @@ class Reporter(Lifecycle):
             # next batch after interval_s, or as soon as max_batch_events are waiting
             due = loop.time() + self.interval_s
             while not self._kick.is_set() and loop.time() < due:
-                if self.cache.pending_events >= self.max_batch_events:
+                pending = self.cache.pending_events + (self.dram.pending_events if self.dram else 0)
+                if pending >= self.max_batch_events:
                     break
                 try:
                     await asyncio.wait_for(self._kick.wait(), poll)
@@ -138,15 +144,28 @@ class Reporter(Lifecycle):
                     pass
             self._kick.clear()
 
+    def _snapshot(self) -> Snapshot:
+        """Every tier's blocks: the HBM tree's chains, the DRAM tier's blocks."""
+        tiers = {TIER_CPU: self.dram.held_hashes()} if self.dram is not None else {}
+        return Snapshot(self.cache.snapshot_blocks(), tiers={t: hs for t, hs in tiers.items() if hs})
+
     def _distribute(self) -> None:
         events = self.cache.drain_events()
+        if self.dram is not None:
+            events = [*events, *self.dram.drain_protocol_events()]
         if not events:
             return
         links = self.links if self.bus is None else [*self.links, self.bus.link]
+        gpu_only = None
         for link in links:
             if link.state is not LinkState.STREAMING:
                 continue  # its snapshot will carry these
-            link.pending.extend(events)
+            if link.tiers:
+                link.pending.extend(events)
+            else:  # a router that reads no tiers would take a DRAM block for an HBM one
+                if gpu_only is None:
+                    gpu_only = [e for e in events if not is_tiered(e)]
+                link.pending.extend(gpu_only)
             if len(link.pending) > self.max_pending_events:
                 link.resnapshot()
 
@@ -158,7 +177,7 @@ class Reporter(Lifecycle):
             if link.state is LinkState.SNAPSHOT:
                 self._distribute()
                 link.pending.clear()
-                events: list = [Snapshot(self.cache.snapshot_blocks())]
+                events: list = [self._snapshot()]
                 n_taken = 0
             else:
                 events = link.pending[: self.max_batch_events]
@@ -229,6 +248,8 @@ class Reporter(Lifecycle):
                             log.warning("router %s refused registration: HTTP %d", link.base, code)
                     return
                 link.refused = None
+                # a router that reads tiers says so (protocol.events, "KV tiers")
+                link.tiers = TIER_CPU in (data.get("tiers") or ())
                 link.state = LinkState.SNAPSHOT
             # at most a few batches per tick, so a backlog drains quickly
             for _ in range(8):
@@ -237,7 +258,7 @@ class Reporter(Lifecycle):
                     # snapshot and the deltas that follow it meet exactly
                     self._distribute()
                     link.pending.clear()
-                    events: list = [Snapshot(self.cache.snapshot_blocks())]
+                    events: list = [self._snapshot()]
                     n_taken = 0
                 else:
                     events = link.pending[: self.max_batch_events]

@@ -16,7 +16,17 @@ class LinkState(enum.Enum):
 class RouterLink:
     """One router's stream. Only the reporter task mutates it."""
 
-    __slots__ = ("base", "state", "seq", "pending", "sent_batches", "failures", "snapshots", "refused")
+    __slots__ = (
+        "base",
+        "state",
+        "seq",
+        "pending",
+        "sent_batches",
+        "failures",
+        "snapshots",
+        "refused",
+        "tiers",
+    )
 
     def __init__(self, base: str) -> None:
         self.base = base.rstrip("/")
@@ -30,6 +40,9 @@ class RouterLink:
         self.snapshots = 0
         #: why the router last refused registration (its status word), None once accepted
         self.refused: str | None = None
+        #: the router reads colder-tier events (its registration answer lists "cpu";
+        #: the bus: always). False: only GPU events are sent (protocol.events, "KV tiers")
+        self.tiers = False
 
     def resnapshot(self) -> None:
         """The next batch starts with a snapshot: the pending deltas are dropped."""

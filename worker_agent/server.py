@@ -765,6 +765,7 @@ def create_app(
                 token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
                 block_bytes=cfg.block_bytes,
                 bus=agent_bus,
+                dram=agent.sched.dram,
             )
             await reporter.start()
         app[REPORTER_KEY] = reporter

@@ -9,6 +9,7 @@
     radixfleet simulate --workload zipf --policies least_load,prefix_load \\
         --sweep kv_tokens=20000,50000,100000,400000 --plots plots/
     radixfleet simulate --workload mixed --feedback none,events --policies prefix_load
+    radixfleet simulate --workload agent --dram-tokens 4x --index-tiers priced,ignore,as_gpu
     radixfleet simulate --workload zipf --policies round_robin,prefix_load \\
         --sweep kv_tokens=4000,8000,16000,32000 --jobs 0     # one process per CPU
 
@@ -80,7 +81,7 @@ from policies.registry import policy_names
 from protocol.cli_args import DeprecatedAlias, HelpFormatter
 from protocol.errors import ConfigError
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES
-from router.config import Config, load_config
+from router.config import TIER_MODES, Config, load_config
 from router.prefix_index import tune_gc
 from worker_agent.dram_tier import parse_dram_size
 
@@ -165,6 +166,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     f.add_argument(
         "--repeat", type=int, default=1, help="trace: replay N time- and id-shifted copies back to back"
+    )
+    f.add_argument(
+        "--index-tiers",
+        metavar="MODE[,MODE...]",
+        help="the router's index.tiers: what a DRAM-tier prefix is worth to the policy, "
+        f"one of {', '.join(TIER_MODES)} (default: the --router-config's, priced); "
+        "a comma list runs each",
     )
     fb = parser.add_argument_group("feedback")
     fb.add_argument(
@@ -302,7 +310,17 @@ def build(args: argparse.Namespace):
     )
     base.validate()
     sweep = parse_sweep(args.sweep) if args.sweep else None
-    plans = plan_runs(base, policies, modes, arrivals, sweep)
+    tier_modes = [m.strip() for m in (args.index_tiers or "").split(",") if m.strip()]
+    if args.index_tiers is not None and (
+        not tier_modes
+        or any(m not in TIER_MODES for m in tier_modes)
+        or len(set(tier_modes)) != len(tier_modes)
+    ):
+        raise ConfigError(
+            "--index-tiers",
+            f"{args.index_tiers!r}: use {', '.join(TIER_MODES)} (or a comma list of them, each once)",
+        )
+    plans = plan_runs(base, policies, modes, arrivals, sweep, tier_modes)
     params = _policy_params(args.policy_param, policies)
     return plans, workload, bounds, params
 

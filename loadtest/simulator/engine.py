@@ -460,8 +460,13 @@ class SimWorker:
         return _pack(toks), toks
 
     def take_events(self) -> list | tuple:
-        """The cache's events since the last call (an empty tuple when none)."""
-        return self.cache.drain_events() if self.cache.pending_events else ()
+        """The cache's events since the last call, then the DRAM tier's (``"cpu"``-tier
+        events, as the live agent's reporter sends them); an empty tuple when none."""
+        evs = self.cache.drain_events() if self.cache.pending_events else ()
+        dram = self.sched.dram
+        if dram is not None and dram.pending_events:
+            evs = [*evs, *dram.drain_protocol_events()]
+        return evs
 
     def load_state(self) -> tuple:
         """The agent's load report as a tuple (queued requests, queued tokens,

@@ -56,6 +56,16 @@ Feedback (``feedback``):
   router's rule (``router.engines.capacity.correct``; ``index.learn_capacity`` of
   ``--router-config`` turns the learned capacity off).
 
+KV tiers: with a DRAM tier (``EngineSpec.dram_tokens``) each agent's ``"cpu"``-tier
+events travel in the same batches (``SimWorker.take_events``, as the live reporter
+sends them) into the index's colder tiers, and the pick values a worker's DRAM
+extension by the router config's ``index.tiers`` (``router.config.IndexConfig``):
+``priced`` at the share of a GPU hit its load price leaves at the worker's reported
+prefill rate (``router.engines.tier_price.TierPrice``, seeded with the simulated
+engine's own PCIe read-back cost per token: what the live link's learning converges
+to, since the simulated read-back is exactly that cost), ``ignore`` as a miss,
+``as_gpu`` as a GPU hit.
+
 Load reports travel with every batch in ``none`` and ``events`` (they are not cache
 feedback): the view of worker w at ``now`` carries w's state at its last tick at or
 before ``now - feedback_delay_s`` (``agentlink.py``: delivered lazily, when read).
@@ -104,18 +114,20 @@ from loadtest.simulator.engine import EngineSpec, SimWorker
 from loadtest.simulator.prompts import SimPrompt, block_prompt, text_prompt, truncate
 from loadtest.simulator.reference import BlockReference, TextReference
 from loadtest.workloads import SingleShot, Trace, Workload
-from policies.base import RouteRequest, WorkerView
+from policies.base import MatchResult, RouteRequest, WorkerView
 from policies.registry import build_policy
 from protocol.errors import ConfigError, RequestError
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
 from router.config import Config
 from router.engines.accuracy import predicted_tokens
 from router.engines.capacity import LearnedCapacity, correct
+from router.engines.tier_price import TierPrice
 from router.feedback import Feedback
 from router.pick import pick_worker
 from router.pool import Pool
 from router.prefix_index import DEFAULT_MAX_BYTES, PrefixIndex
 from router.warmup import WarmupGate, warmup_prefix
+from worker_agent.dram_tier import CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -359,6 +371,12 @@ class Simulation:
             for w in ids
         ]
         self.kv_capacity_tokens = sum(w.capacity_tokens for w in self.workers)
+        #: the pick's valuation of DRAM-tier extensions (module docstring, "KV tiers")
+        self.tiers_mode = rcfg.index.tiers
+        self._dram_price: TierPrice | None = None
+        if cfg.engine.dram_config() is not None and self.tiers_mode != "ignore" and self.workers:
+            cost = self.workers[0].cost
+            self._dram_price = TierPrice(cost.pcie_s(CHUNK_TOKENS) / CHUNK_TOKENS)
         self.ref_cache: BlockReference | TextReference
         if self.block_level:
             self.ref_cache = BlockReference(self.kv_capacity_tokens, self.block_tokens)
@@ -521,8 +539,14 @@ class Simulation:
         )
         views = self._views(now)
         # the live router's pick: match, choose, hint, count the uncached tokens
+        price = None
+        if self._dram_price is not None:
+
+            def price(hashes, match: MatchResult) -> MatchResult:
+                return self._priced(hashes, match, views)
+
         d, _, counted, depth, job.touches = pick_worker(
-            self.policy, self.index, self.pool, req, views, now, touches=self.plain
+            self.policy, self.index, self.pool, req, views, now, touches=self.plain, price=price
         )
         job.matched = d.matched_blocks
         w = self.by_id[d.worker]
@@ -534,6 +558,25 @@ class Simulation:
         if self.cfg.timeout_s is not None:
             self._push(now + self.cfg.timeout_s, _TIMEOUT, job)
         self._submit(w, job, counted, now)
+
+    def _priced(self, hashes, match: MatchResult, views) -> MatchResult:
+        """``match`` with ``colder``: each worker's DRAM extension in GPU-hit blocks by
+        ``index.tiers`` (module docstring, "KV tiers")."""
+        ext = self.index.match_tiers(hashes, match)
+        if not ext:
+            return match
+        price = self._dram_price
+        assert price is not None, "called only with a DRAM tier priced"
+        as_gpu = self.tiers_mode == "as_gpu"
+        colder = {}
+        for v in views:
+            e = ext.get(v.id)
+            if e:
+                n = sum(e.values())
+                colder[v.id] = n if as_gpu else n * price.fraction(v.prefill_tokens_per_s)
+        if not colder:
+            return match
+        return MatchResult(match.blocks, match.depth, match.rate, match.private, colder)
 
     def _warm(self, workers, prompt: SimPrompt, depth: int, now: float) -> None:
         """Prefill-only warm-ups of a hot prefix, as the live router sends them: a

@@ -74,9 +74,16 @@ class RunPlan:
 
 
 def plan_runs(
-    base, policies: Sequence[str], feedback: Sequence[str], arrivals, sweep: Sweep | None
+    base,
+    policies: Sequence[str],
+    feedback: Sequence[str],
+    arrivals,
+    sweep: Sweep | None,
+    tiers: Sequence[str] = (),
 ) -> list[RunPlan]:
-    """Every (sweep value, feedback mode, policy) combination, in that order."""
+    """Every (sweep value, feedback mode, tiers mode, policy) combination, in that
+    order. ``tiers``: values of the router config's ``index.tiers`` to run each of
+    (``--index-tiers``; empty: the base config's), named ``<policy>+tiers=<mode>``."""
     out = []
     values = sweep.values if sweep is not None else (None,)
     for v in values:
@@ -95,16 +102,28 @@ def plan_runs(
                     else Poisson(float(v))
                 )
         for mode in feedback:
-            for policy in policies:
-                name = policy if len(feedback) == 1 else f"{policy}+{mode}"
-                out.append(
-                    RunPlan(
-                        name,
-                        dataclasses.replace(cfg, policy=policy, feedback=mode),
-                        arr,
-                        {"param": sweep.param, "value": v} if sweep else None,
+            for tier_mode in tiers or (None,):
+                tcfg = cfg
+                if tier_mode is not None:
+                    rc = cfg.router_config
+                    tcfg = dataclasses.replace(
+                        cfg,
+                        router_config=dataclasses.replace(
+                            rc, index=dataclasses.replace(rc.index, tiers=tier_mode)
+                        ),
                     )
-                )
+                for policy in policies:
+                    name = policy if len(feedback) == 1 else f"{policy}+{mode}"
+                    if len(tiers) > 1:
+                        name += f"+tiers={tier_mode}"
+                    out.append(
+                        RunPlan(
+                            name,
+                            dataclasses.replace(tcfg, policy=policy, feedback=mode),
+                            arr,
+                            {"param": sweep.param, "value": v} if sweep else None,
+                        )
+                    )
     return out
 
 

@@ -448,11 +448,12 @@ class Engines:
         others = []
         ranks: dict = {}
         tiers: dict = {}
+        tiers_on = self.cfg.index.tiers != "ignore"  # index.tiers: ignore, a miss
         for i, (sp, wids) in enumerate(groups):
             sk = sp.key(endpoint, body, pk)
             keys[sp.id] = sk
             m = index.match(sk.hashes, now, count=(i == 0)) if sk.hashes else EMPTY_MATCH
-            t = index.match_tiers(sk.hashes, m) if sk.hashes else None
+            t = index.match_tiers(sk.hashes, m) if sk.hashes and tiers_on else None
             if t:
                 tiers.update(t)
             if self._ranked and m.blocks:
@@ -479,13 +480,17 @@ class Engines:
         colder: dict = {}
         links = self.links
         pbt = max(1, pbt)
+        as_gpu = self.cfg.index.tiers == "as_gpu"
         for holder, ext in tiers.items():
             wid = holder.partition("#")[0]
             link = links.get(wid)
             sp = space_of.get(wid)
             if link is None or sp is None:
                 continue
-            v = link.colder_value(ext, keys[sp.id].block_tokens, now) / pbt
+            if as_gpu:  # index.tiers: as_gpu, a full GPU hit
+                v = sum(ext.values()) * keys[sp.id].block_tokens / pbt
+            else:
+                v = link.colder_value(ext, keys[sp.id].block_tokens, now) / pbt
             if v > colder.get(wid, 0.0):
                 colder[wid] = v
         if not colder:
