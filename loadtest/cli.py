@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -46,6 +45,7 @@ from loadtest.retry import RETRY_MODES, RetryPolicy
 from loadtest.runner import RunOutcome, run_ab
 from loadtest.workloads import API_COMPLETIONS, APIS, WORKLOADS, Trace, Workload, make_workload, parse_options
 from protocol.errors import ConfigError, WorkloadError
+from protocol.settings import reference
 
 log = logging.getLogger(__name__)
 
@@ -178,40 +178,33 @@ def add_load_arguments(
 
 
 def workload_options_help() -> str:
-    """Every workload's ``-o`` options with their defaults, one workload a line."""
+    """Every workload's ``-o`` options with their defaults, one workload a line
+    (generated from each workload's ``Params`` schema)."""
     lines = ["workload options (-o NAME=VALUE; default in brackets):"]
     for name, cls in WORKLOADS.items():
-        opts = ", ".join(
-            f"{f.name} [{_default_text(f)}]"
-            for f in dataclasses.fields(cls.Params)
-            if f.name != "base_options"
-        )
-        lines.append(f"  {name}: {opts}")
+        lines.append(f"  {name}: {_options_line(cls)}")
     return "\n".join(lines)
 
 
 def list_workloads() -> str:
-    """Each built-in workload: its name, the first line of what it sends, its -o options."""
+    """Each built-in workload: its name, the first line of what it sends, its -o
+    options, then one line per option (default, allowed values, doc), all generated
+    from the workload's ``Params`` schema."""
     lines = []
     for name, cls in WORKLOADS.items():
         doc = cls.__doc__ or cls.Params.__doc__ or ""
         para = " ".join(doc.strip().split("\n\n")[0].split())
         first = para.split(". ")[0].rstrip(".")
-        opts = ", ".join(
-            f"{f.name} [{_default_text(f)}]"
-            for f in dataclasses.fields(cls.Params)
-            if f.name != "base_options"
-        )
-        lines += [name, f"  {first}".rstrip(), f"  -o options: {opts or '(none)'}"]
+        lines += [name, f"  {first}".rstrip(), f"  -o options: {_options_line(cls) or '(none)'}"]
+        rows = reference(cls.Params)
+        width = max((len(key) for key, *_ in rows), default=0)
+        for key, default, allowed, help_text in rows:
+            lines.append(f"    {key:<{width}}  {allowed.replace('`', '')}; default {default}: {help_text}")
     return "\n".join(lines)
 
 
-def _default_text(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        return f"{f.default}"
-    if f.default_factory is not dataclasses.MISSING:
-        return f"{f.default_factory()}"
-    return "required"
+def _options_line(cls: type[Workload]) -> str:
+    return ", ".join(f"{key} [{default}]" for key, default, *_ in reference(cls.Params))
 
 
 def parse_rates(text: str) -> list[float]:

@@ -66,7 +66,7 @@ class RandomDataset(Workload):
     name = "random"
     Params = RandomParams
 
-    def validate(self) -> None:
+    def prepare(self) -> None:
         p = self.params
         if p.requests <= 0 or p.input_len <= 0 or p.output_len <= 0:
             raise WorkloadError("--dataset random: requests, --input-len and --output-len must be > 0")
@@ -112,7 +112,7 @@ class ShareGPT(Workload):
     name = "sharegpt"
     Params = ShareGPTParams
 
-    def validate(self) -> None:
+    def prepare(self) -> None:
         p = self.params
         if not p.path:
             raise WorkloadError("--dataset sharegpt needs --dataset-path FILE")

@@ -20,9 +20,15 @@ different keys give unrelated text (a shared prefix longer than a token or two i
 astronomically unlikely). Prefix sharing is therefore exactly what each workload
 says it is — shared system prompts, shared trace hash ids, growing histories.
 
-Registry: ``WORKLOADS[name]`` is the class; ``make_workload(name, options, seed)``
-validates options (strings from the CLI or typed values) against the class's
-``Params`` dataclass and raises ``WorkloadError`` naming the bad one.
+Registry: ``WORKLOADS[name]`` is the class. Each class's ``Params`` is a settings
+class (``protocol.settings``): every option's name, type, bounds, default and doc
+are declared once there, and ``--list-workloads`` is generated from them.
+``make_workload(name, options, seed)`` validates options (strings from the CLI or
+typed values) against it and raises one ``WorkloadError`` naming every bad option
+by its path::
+
+    workload option gsp.groups: expected an integer >= 1, got 'x'
+    workload options: 2 errors: mixed.alpha: expected a number >= 0, got -1; ...
 """
 
 from __future__ import annotations
@@ -32,18 +38,22 @@ import json
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import xxhash
 
-from protocol.errors import WorkloadError
+from protocol.errors import ConfigError, WorkloadError
 from protocol.prefix_keys import BYTES_PER_TOKEN
+from protocol.settings import document_check, internal, keys_of, setting, settings, validate, value_check
 
 API_CHAT = "chat"
 API_COMPLETIONS = "completions"
 APIS = (API_CHAT, API_COMPLETIONS)
+#: the ``api`` option's type: which endpoint the requests go to
+Api = Literal["chat", "completions"]
+_API_DOC = "endpoint the requests go to"
 
 # 32 symbols: every random byte maps onto one (b % 32), so a run of random bytes
 # becomes printable, JSON-safe text in one C-level translate() call. No '<' or '|',
@@ -217,46 +227,28 @@ def synthetic_answer(spec: RequestSpec, tokens: int | None = None) -> str:
 # ---------------------------------------------------------------- parameters ----
 
 
-def _convert(name: str, typ: Any, value: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    try:
-        if typ in (int, "int"):
-            return int(value)
-        if typ in (float, "float"):
-            return float(value)
-        if typ in (bool, "bool"):
-            low = value.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-    except ValueError:
-        raise WorkloadError(f"option {name}={value!r}: expected {getattr(typ, '__name__', typ)}") from None
-    return value
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise WorkloadError(message)
-
-
 class Workload:
     """Base of workloads. Subclasses set ``name``, ``Params`` and ``_build``."""
 
     name: ClassVar[str] = ""
+    #: the options' schema (a ``protocol.settings`` class; ``make_workload`` checks
+    #: options against it)
     Params: ClassVar[type] = object
-    #: how many sessions may be in progress at once (None: all of them)
-    max_active_sessions: int | None = None
 
     def __init__(self, params: Any, seed: int = 0) -> None:
         self.params = params
         self.seed = seed
-        self.validate()
+        self.prepare()
 
-    def validate(self) -> None:
-        """Raises ``WorkloadError`` naming a bad parameter."""
+    def prepare(self) -> None:
+        """Reads what valid parameters point at (a trace file, a base workload);
+        raises ``WorkloadError`` when that cannot be done."""
+
+    @property
+    def max_active_sessions(self) -> int | None:
+        """How many sessions may be in progress at once (None: all of them): the
+        ``max_parallel`` option where a workload has one."""
+        return getattr(self.params, "max_parallel", 0) or None
 
     def sessions(self) -> list[Session]:
         """A fresh list of sessions, in the order they should start."""
@@ -294,18 +286,24 @@ def _accumulate(xs: Iterable[float]) -> Iterable[float]:
 # ---------------------------------------------------------------- workloads -----
 
 
-@dataclass(slots=True)
+@settings
 class GspParams:
-    groups: int = 64
-    prompts_per_group: int = 16
-    system_tokens: int = 2048
-    question_tokens: int = 128
-    output_tokens: int = 256
-    #: lengths drawn from [ratio * L, L]; 1.0 = fixed lengths (SGLang's --gsp-range-ratio)
-    range_ratio: float = 1.0
-    #: 'shuffled' (SGLang's default) or 'ordered' (group after group)
-    order: str = "shuffled"
-    api: str = API_COMPLETIONS
+    groups: int = setting(64, "groups, each one system prompt", lo=1)
+    prompts_per_group: int = setting(16, "prompts per group, each a unique question", lo=1)
+    system_tokens: int = setting(2048, "tokens of each group's system prompt", lo=0)
+    question_tokens: int = setting(128, "tokens of each question", lo=1)
+    output_tokens: int = setting(256, "max_tokens of each request", lo=1)
+    range_ratio: float = setting(
+        1.0,
+        "lengths drawn from [ratio * L, L]; 1 = fixed lengths (SGLang's --gsp-range-ratio)",
+        lo=0,
+        lo_open=True,
+        hi=1,
+    )
+    order: Literal["shuffled", "ordered"] = setting(
+        "shuffled", "shuffled (SGLang's default) or ordered (group after group)"
+    )
+    api: Api = setting(API_COMPLETIONS, _API_DOC)
 
 
 class Gsp(Workload):
@@ -314,17 +312,6 @@ class Gsp(Workload):
 
     name = "gsp"
     Params = GspParams
-
-    def validate(self) -> None:
-        p = self.params
-        _check(p.groups > 0 and p.prompts_per_group > 0, "gsp: groups and prompts_per_group must be > 0")
-        _check(
-            p.system_tokens >= 0 and p.question_tokens > 0 and p.output_tokens > 0,
-            "gsp: token lengths must be positive",
-        )
-        _check(0.0 < p.range_ratio <= 1.0, "gsp: range_ratio must be in (0, 1]")
-        _check(p.order in ("shuffled", "ordered"), f"gsp: order must be shuffled or ordered, got {p.order!r}")
-        _check(p.api in APIS, f"gsp: api must be one of {', '.join(APIS)}")
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
@@ -354,16 +341,16 @@ class Gsp(Workload):
         return out
 
 
-@dataclass(slots=True)
+@settings
 class MultiturnParams:
-    clients: int = 64
-    rounds: int = 5
-    #: tokens of each round's new question (SGLang bench_multiturn --request-length)
-    question_tokens: int = 512
-    output_tokens: int = 64
-    #: sessions in progress at once (SGLang's --max-parallel); 0 = all clients
-    max_parallel: int = 0
-    api: str = API_CHAT
+    clients: int = setting(64, "clients, each one conversation", lo=1)
+    rounds: int = setting(5, "rounds (turns) per client", lo=1)
+    question_tokens: int = setting(
+        512, "tokens of each round's new question (SGLang bench_multiturn --request-length)", lo=1
+    )
+    output_tokens: int = setting(64, "max_tokens of each turn", lo=1)
+    max_parallel: int = setting(0, "sessions in progress at once (SGLang's --max-parallel); 0 = all", lo=0)
+    api: Api = setting(API_CHAT, _API_DOC)
 
 
 class Multiturn(Workload):
@@ -372,14 +359,6 @@ class Multiturn(Workload):
 
     name = "multiturn"
     Params = MultiturnParams
-
-    def validate(self) -> None:
-        p = self.params
-        _check(p.clients > 0 and p.rounds > 0, "multiturn: clients and rounds must be > 0")
-        _check(p.question_tokens > 0 and p.output_tokens > 0, "multiturn: token lengths must be > 0")
-        _check(p.max_parallel >= 0, "multiturn: max_parallel must be >= 0")
-        _check(p.api in APIS, f"multiturn: api must be one of {', '.join(APIS)}")
-        self.max_active_sessions = p.max_parallel or None
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
@@ -402,17 +381,17 @@ class Multiturn(Workload):
         return out
 
 
-@dataclass(slots=True)
+@settings
 class ZipfParams:
-    #: distinct system prompts
-    prompts: int = 32
-    #: Zipf exponent of their popularity (rank k drawn with weight 1 / k^alpha)
-    alpha: float = 1.1
-    system_tokens: int = 1024
-    suffix_tokens: int = 64
-    output_tokens: int = 64
-    requests: int = 2000
-    api: str = API_CHAT
+    prompts: int = setting(32, "distinct system prompts", lo=1)
+    alpha: float = setting(
+        1.1, "Zipf exponent of their popularity (rank k drawn with weight 1 / k^alpha)", lo=0
+    )
+    system_tokens: int = setting(1024, "tokens of each system prompt", lo=0)
+    suffix_tokens: int = setting(64, "tokens of each request's unique suffix", lo=1)
+    output_tokens: int = setting(64, "max_tokens of each request", lo=1)
+    requests: int = setting(2000, "requests", lo=1)
+    api: Api = setting(API_CHAT, _API_DOC)
 
 
 class Zipf(Workload):
@@ -420,16 +399,6 @@ class Zipf(Workload):
 
     name = "zipf"
     Params = ZipfParams
-
-    def validate(self) -> None:
-        p = self.params
-        _check(p.prompts > 0 and p.requests > 0, "zipf: prompts and requests must be > 0")
-        _check(p.alpha >= 0, "zipf: alpha must be >= 0")
-        _check(
-            p.system_tokens >= 0 and p.suffix_tokens > 0 and p.output_tokens > 0,
-            "zipf: token lengths must be positive",
-        )
-        _check(p.api in APIS, f"zipf: api must be one of {', '.join(APIS)}")
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
@@ -466,20 +435,22 @@ class Zipf(Workload):
         return out
 
 
-@dataclass(slots=True)
+@settings
 class RagParams:
-    header_tokens: int = 256
-    #: M: document chunks in the corpus
-    documents: int = 200
-    #: k: chunks retrieved per request
-    k: int = 4
-    chunk_tokens: int = 512
-    #: Zipf exponent of chunk popularity (0 = uniform)
-    alpha: float = 0.8
-    question_tokens: int = 64
-    output_tokens: int = 128
-    requests: int = 1000
-    api: str = API_CHAT
+    header_tokens: int = setting(256, "tokens of the instruction header every request shares", lo=0)
+    documents: int = setting(200, "M: document chunks in the corpus", lo=1)
+    k: int = setting(4, "k: chunks retrieved per request (at most documents)", lo=1)
+    chunk_tokens: int = setting(512, "tokens of each chunk", lo=1)
+    alpha: float = setting(0.8, "Zipf exponent of chunk popularity (0 = uniform)", lo=0)
+    question_tokens: int = setting(64, "tokens of each request's unique question", lo=1)
+    output_tokens: int = setting(128, "max_tokens of each request", lo=1)
+    requests: int = setting(1000, "requests", lo=1)
+    api: Api = setting(API_CHAT, _API_DOC)
+
+    @document_check
+    def _k_within_documents(self) -> None:
+        if self.k > self.documents:
+            raise ConfigError("k", f"must be <= documents ({self.documents}), got {self.k}")
 
 
 class Rag(Workload):
@@ -488,17 +459,6 @@ class Rag(Workload):
 
     name = "rag"
     Params = RagParams
-
-    def validate(self) -> None:
-        p = self.params
-        _check(p.documents > 0 and 0 < p.k <= p.documents, "rag: need 0 < k <= documents")
-        _check(p.requests > 0, "rag: requests must be > 0")
-        _check(p.alpha >= 0, "rag: alpha must be >= 0")
-        _check(
-            p.header_tokens >= 0 and p.chunk_tokens > 0 and p.question_tokens > 0 and p.output_tokens > 0,
-            "rag: token lengths must be positive",
-        )
-        _check(p.api in APIS, f"rag: api must be one of {', '.join(APIS)}")
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
@@ -541,19 +501,23 @@ class Rag(Workload):
         return out
 
 
-@dataclass(slots=True)
+@settings
 class AgentParams:
-    sessions: int = 16
-    steps: int = 8
-    #: tokens of the tool-schema prefix every session shares
-    tools_tokens: int = 2048
-    #: tool functions the schema text is split into
-    tools: int = 8
-    task_tokens: int = 256
-    #: tokens of each tool result appended to the trajectory
-    step_tokens: int = 256
-    output_tokens: int = 64
-    max_parallel: int = 0
+    sessions: int = setting(16, "agent sessions", lo=1)
+    steps: int = setting(8, "steps (turns) per session", lo=1)
+    tools_tokens: int = setting(
+        2048, "tokens of the tool-schema prefix every session shares (at least tools)", lo=1
+    )
+    tools: int = setting(8, "tool functions the schema text is split into", lo=1)
+    task_tokens: int = setting(256, "tokens of each session's task", lo=1)
+    step_tokens: int = setting(256, "tokens of each tool result appended to the trajectory", lo=1)
+    output_tokens: int = setting(64, "max_tokens of each step", lo=1)
+    max_parallel: int = setting(0, "sessions in progress at once; 0 = all", lo=0)
+
+    @document_check
+    def _tools_tokens_cover_tools(self) -> None:
+        if self.tools_tokens < self.tools:
+            raise ConfigError("tools_tokens", f"must be >= tools ({self.tools}), got {self.tools_tokens}")
 
 
 class Agent(Workload):
@@ -562,16 +526,6 @@ class Agent(Workload):
 
     name = "agent"
     Params = AgentParams
-
-    def validate(self) -> None:
-        p = self.params
-        _check(p.sessions > 0 and p.steps > 0 and p.tools > 0, "agent: sessions, steps, tools must be > 0")
-        _check(
-            p.tools_tokens >= p.tools and p.task_tokens > 0 and p.step_tokens > 0 and p.output_tokens > 0,
-            "agent: token lengths must be positive",
-        )
-        _check(p.max_parallel >= 0, "agent: max_parallel must be >= 0")
-        self.max_active_sessions = p.max_parallel or None
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
@@ -627,40 +581,32 @@ class Agent(Workload):
         return out
 
 
-@dataclass(slots=True)
+@settings
 class MixedParams:
     """The demo's traffic: chat sessions of a few turns, each behind one of a few
     shared system prompts (Zipf popularity) — an assistant product's traffic."""
 
-    system_prompts: int = 8
-    alpha: float = 1.0
-    system_tokens: int = 1024
-    sessions: int = 96
-    #: turns per session drawn uniformly from [min_turns, max_turns]
-    min_turns: int = 2
-    max_turns: int = 8
-    #: ShareGPT-like turns: a short question, an answer about twice as long
-    question_tokens: int = 128
-    output_tokens: int = 256
-    #: sessions in progress at once (users chatting concurrently); 0 = all
-    max_parallel: int = 24
+    system_prompts: int = setting(8, "distinct system prompts", lo=1)
+    alpha: float = setting(1.0, "Zipf exponent of their popularity", lo=0)
+    system_tokens: int = setting(1024, "tokens of each system prompt", lo=0)
+    sessions: int = setting(96, "chat sessions", lo=1)
+    min_turns: int = setting(2, "turns per session drawn uniformly from [min_turns, max_turns]", lo=1)
+    max_turns: int = setting(8, "see min_turns", lo=1)
+    question_tokens: int = setting(128, "tokens of each question (ShareGPT-like: short)", lo=1)
+    output_tokens: int = setting(256, "max_tokens of each answer (about twice the question)", lo=1)
+    max_parallel: int = setting(
+        24, "sessions in progress at once (users chatting concurrently); 0 = all", lo=0
+    )
+
+    @document_check
+    def _turns_ordered(self) -> None:
+        if self.min_turns > self.max_turns:
+            raise ConfigError("min_turns", f"must be <= max_turns ({self.max_turns}), got {self.min_turns}")
 
 
 class Mixed(Workload):
     name = "mixed"
     Params = MixedParams
-
-    def validate(self) -> None:
-        p = self.params
-        _check(p.system_prompts > 0 and p.sessions > 0, "mixed: system_prompts and sessions must be > 0")
-        _check(0 < p.min_turns <= p.max_turns, "mixed: need 0 < min_turns <= max_turns")
-        _check(p.alpha >= 0, "mixed: alpha must be >= 0")
-        _check(
-            p.system_tokens >= 0 and p.question_tokens > 0 and p.output_tokens > 0,
-            "mixed: token lengths must be positive",
-        )
-        _check(p.max_parallel >= 0, "mixed: max_parallel must be >= 0")
-        self.max_active_sessions = p.max_parallel or None
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
@@ -686,16 +632,28 @@ class Mixed(Workload):
         return out
 
 
-@dataclass(slots=True)
+def _bases() -> list[str]:
+    """Workloads another can be built on (``pollution``'s ``base``)."""
+    return [n for n in WORKLOADS if n not in ("pollution", "trace")]
+
+
+def _a_base(name: str) -> None:
+    if name not in _bases():
+        raise ConfigError("", f"{name!r} is not one of {', '.join(_bases())}")
+
+
+@settings
 class PollutionParams:
-    #: the workload polluted; options this class does not know go to it
-    base: str = "zipf"
-    #: share of sessions that are one-off long documents
-    fraction: float = 0.1
-    doc_tokens: int = 8192
-    output_tokens: int = 32
-    #: base workload options (filled from unknown options by make_workload)
-    base_options: dict = field(default_factory=dict)
+    base: Annotated[str, value_check(_a_base)] = setting(
+        "zipf", "the workload polluted; options this one does not know go to it"
+    )
+    fraction: float = setting(
+        0.1, "share of sessions that are one-off long documents", lo=0, hi=1, hi_open=True
+    )
+    doc_tokens: int = setting(8192, "tokens of each long document", lo=1)
+    output_tokens: int = setting(32, "max_tokens of each document request", lo=1)
+    #: base workload options (the options this class does not know, set by make_workload)
+    base_options: dict = internal(dict)
 
 
 class Pollution(Workload):
@@ -705,17 +663,12 @@ class Pollution(Workload):
     name = "pollution"
     Params = PollutionParams
 
-    def validate(self) -> None:
-        p = self.params
-        _check(
-            p.base in WORKLOADS and p.base not in ("pollution", "trace"),
-            f"pollution: base must be one of "
-            f"{', '.join(n for n in WORKLOADS if n not in ('pollution', 'trace'))}, got {p.base!r}",
-        )
-        _check(0.0 <= p.fraction < 1.0, "pollution: fraction must be in [0, 1)")
-        _check(p.doc_tokens > 0 and p.output_tokens > 0, "pollution: token lengths must be > 0")
-        self.base = make_workload(p.base, p.base_options, self.seed)
-        self.max_active_sessions = self.base.max_active_sessions
+    def prepare(self) -> None:
+        self.base = make_workload(self.params.base, self.params.base_options, self.seed)
+
+    @property
+    def max_active_sessions(self) -> int | None:
+        return self.base.max_active_sessions
 
     def describe(self) -> dict:
         d = super().describe()
@@ -746,19 +699,15 @@ class Pollution(Workload):
         return out
 
 
-@dataclass(slots=True)
+@settings
 class TraceParams:
-    path: str = MOONCAKE_TRACE
-    #: arrival offsets are timestamp * time_scale (0.5 = twice as fast)
-    time_scale: float = 1.0
-    #: first N requests only (0 = all)
-    max_requests: int = 0
-    skip_bad_lines: bool = False
-    #: tokens per hash id (Mooncake: 512; a traffic log sets its own)
-    block_tokens: int = 512
-    #: cap on output tokens per request (0 = as in the trace)
-    max_output_tokens: int = 0
-    api: str = API_COMPLETIONS
+    path: str = setting(MOONCAKE_TRACE, "JSONL trace file (default: the Mooncake trace shipped)")
+    time_scale: float = setting(1.0, "arrival offsets are timestamp * time_scale (0.5 = twice as fast)", lo=0)
+    max_requests: int = setting(0, "first N requests only (0 = all)", lo=0)
+    skip_bad_lines: bool = setting(False, "skip unparsable lines instead of refusing the trace")
+    block_tokens: int = setting(512, "tokens per hash id (Mooncake: 512; a traffic log sets its own)", lo=1)
+    max_output_tokens: int = setting(0, "cap on output tokens per request (0 = as in the trace)", lo=0)
+    api: Api = setting(API_COMPLETIONS, _API_DOC)
 
 
 class Trace(Workload):
@@ -773,16 +722,10 @@ class Trace(Workload):
     #: generated block texts kept (LRU), so popular ids are not regenerated
     _CACHE_BLOCKS = 4096
 
-    def validate(self) -> None:
-        p = self.params
-        _check(p.time_scale >= 0, "trace: time_scale must be >= 0")
-        _check(
-            p.max_requests >= 0 and p.block_tokens > 0 and p.max_output_tokens >= 0,
-            "trace: max_requests, block_tokens, max_output_tokens must be >= 0",
-        )
-        _check(p.api in APIS, f"trace: api must be one of {', '.join(APIS)}")
+    def prepare(self) -> None:
         self.records = self.load()
-        _check(bool(self.records), f"trace {p.path}: no requests")
+        if not self.records:
+            raise WorkloadError(f"trace {self.params.path}: no requests")
 
     @classmethod
     def from_records(
@@ -795,7 +738,8 @@ class Trace(Workload):
         self.seed = seed
         self.records = list(records)
         self.skipped = []
-        _check(bool(self.records), f"trace {path}: no requests")
+        if not self.records:
+            raise WorkloadError(f"trace {path}: no requests")
         return self
 
     def load(self) -> list[tuple[float, int, int, list[int]]]:
@@ -812,7 +756,7 @@ class Trace(Workload):
         data = read_trace([p.path], p.block_tokens, skip_bad=p.skip_bad_lines, max_requests=p.max_requests)
         self.skipped: list[int] = [line for _, line in data.skipped]
         self.kind = data.kind
-        p.block_tokens = data.block_tokens
+        self.params = dataclasses.replace(p, block_tokens=data.block_tokens)
         return data.records
 
     def _build(self, rng: random.Random) -> list[Session]:
@@ -870,28 +814,52 @@ WORKLOADS: dict[str, type[Workload]] = {
 def make_workload(name: str, options: Mapping[str, Any] | None = None, seed: int = 0) -> Workload:
     """Builds a workload by name from options (CLI strings or typed values).
 
-    Raises ``WorkloadError`` for an unknown workload (listing the valid ones), an
-    unknown option (listing that workload's options) or a value of the wrong type.
+    Raises ``WorkloadError`` for an unknown workload (listing the valid ones), or one
+    naming every bad option at once: unknown (listing that workload's options), of
+    the wrong type, out of bounds, or against a rule across options.
     """
     cls = WORKLOADS.get(name)
     if cls is None:
         raise WorkloadError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    options = dict(options or {})
-    fields = {f.name: f for f in dataclasses.fields(cls.Params)}
-    kwargs: dict[str, Any] = {}
+    fields = keys_of(cls.Params)
+    raw: dict[str, Any] = {}
     rest: dict[str, Any] = {}
-    for key, value in options.items():
-        f = fields.get(key)
-        if f is None or key == "base_options":
-            if cls is Pollution:
-                rest[key] = value  # the base workload validates these
-                continue
-            valid = ", ".join(k for k in fields if k != "base_options")
-            raise WorkloadError(f"workload {name}: unknown option {key!r}; valid: {valid}")
-        kwargs[key] = _convert(key, f.type, value)
+    for key, value in (options or {}).items():
+        if key in fields:
+            raw[key] = _from_cli(fields[key].annotation, value)
+        elif cls is Pollution:
+            rest[key] = value  # the base workload validates these
+        else:
+            raw[key] = value  # refused below, with the valid options listed
+    try:
+        params = validate(cls.Params, raw, name)
+    except ConfigError as exc:
+        message = str(exc).replace("unknown key;", "unknown option;")
+        head = "workload options:" if exc.errors[1:] else "workload option"
+        raise WorkloadError(f"{head} {message}") from None
     if cls is Pollution:
-        kwargs["base_options"] = rest
-    return cls(cls.Params(**kwargs), seed)
+        params = dataclasses.replace(params, base_options=rest)
+    return cls(params, seed)
+
+
+def _from_cli(annotation: Any, value: Any) -> Any:
+    """A CLI string as the number or bool its option declares; anything else as given
+    (the schema then refuses it by name)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        if annotation is int:
+            return int(value)
+        if annotation is float:
+            return float(value)
+    except ValueError:
+        return value
+    if annotation is bool:
+        return _BOOLS.get(value.lower(), value)
+    return value
+
+
+_BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 
 
 def parse_options(pairs: Iterable[str]) -> dict[str, str]:

@@ -58,14 +58,20 @@ def settings(cls: type[_C]) -> type[_C]:
 
 
 def setting(
-    default: Any, doc: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+    default: Any,
+    doc: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
 ) -> Any:
-    """A documented, bounded scalar setting. ``lo_open`` makes the lower bound strict."""
+    """A documented, bounded scalar setting. ``lo_open``/``hi_open`` make a bound strict."""
     bounds: dict[str, Any] = {}
     if lo is not None:
         bounds["gt" if lo_open else "ge"] = lo
     if hi is not None:
-        bounds["le"] = hi
+        bounds["lt" if hi_open else "le"] = hi
     # strict: no bool for a number, no 3.0 for an int, no "1" for either (strings and
     # Literal choices are never coerced from other types)
     strict: dict[str, Any] = {} if isinstance(default, str) else {"strict": True}
@@ -188,14 +194,15 @@ def expected(annotation: Any, f: FieldInfo) -> str:
         return "true or false"
     noun = "an integer" if annotation is int else "a number"
     bound = {type(m): m for m in f.metadata}
-    hi = getattr(bound.get(annotated_types.Le), "le", None)
+    hi_open = annotated_types.Lt in bound
+    hi = bound[annotated_types.Lt].lt if hi_open else getattr(bound.get(annotated_types.Le), "le", None)
     lo_open = annotated_types.Gt in bound
     lo = bound[annotated_types.Gt].gt if lo_open else getattr(bound.get(annotated_types.Ge), "ge", None)
     if lo is not None and hi is not None:
-        return f"{noun} in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]"
+        return f"{noun} in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}{')' if hi_open else ']'}"
     if lo is not None:
         return f"{noun} {'>' if lo_open else '>='} {_fmt(lo)}"
-    return f"{noun} <= {_fmt(hi)}" if hi is not None else noun
+    return f"{noun} {'<' if hi_open else '<='} {_fmt(hi)}" if hi is not None else noun
 
 
 def _inner(tp: Any) -> Any:

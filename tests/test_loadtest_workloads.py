@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import annotated_types
 import pytest
 
 from loadtest.prefix_trie import as_tokens, common_tokens
@@ -20,6 +21,7 @@ from loadtest.workloads import (
 )
 from protocol.errors import WorkloadError
 from protocol.prefix_keys import BYTES_PER_TOKEN
+from protocol.settings import keys_of
 
 
 def shared_tokens(a, b) -> int:
@@ -248,15 +250,15 @@ def test_shared_mooncake_trace_loads():
 def test_bad_names_and_options_are_clear_errors(tmp_path):
     with pytest.raises(WorkloadError, match="unknown workload 'nope'; choose one of gsp"):
         make_workload("nope")
-    with pytest.raises(WorkloadError, match="unknown option 'grups'; valid: groups"):
+    with pytest.raises(WorkloadError, match=r"gsp\.grups: unknown option; valid: api, groups, "):
         make_workload("gsp", {"grups": "3"})
-    with pytest.raises(WorkloadError, match="groups='x': expected int"):
+    with pytest.raises(WorkloadError, match="gsp.groups: expected an integer >= 1, got 'x'"):
         make_workload("gsp", {"groups": "x"})
-    with pytest.raises(WorkloadError, match="order must be"):
+    with pytest.raises(WorkloadError, match="gsp.order: 'random' is not one of shuffled, ordered"):
         make_workload("gsp", {"order": "random"})
-    with pytest.raises(WorkloadError, match="base must be one of"):
+    with pytest.raises(WorkloadError, match="pollution.base: 'trace' is not one of gsp, multiturn"):
         make_workload("pollution", {"base": "trace"})
-    with pytest.raises(WorkloadError, match="unknown option 'bogus'"):
+    with pytest.raises(WorkloadError, match=r"zipf\.bogus: unknown option"):
         make_workload("pollution", {"base": "zipf", "bogus": "1"})
     with pytest.raises(WorkloadError, match="No such file"):
         make_workload("trace", {"path": str(tmp_path / "missing.jsonl")})
@@ -269,3 +271,109 @@ def test_single_shot_sessions_have_one_turn():
     s = make_workload("zipf", {"requests": 3}).sessions()[0]
     assert isinstance(s, SingleShot)
     assert s.follow("x") is None
+
+
+# ------------------------------------------------------- options from the schema -----
+
+
+def _first(name: str, test) -> str:
+    """The first option of workload ``name`` whose field passes ``test``."""
+    return next(k for k, f in keys_of(WORKLOADS[name].Params).items() if test(f))
+
+
+def _lower_bound(f) -> float | None:
+    return next((m.ge for m in f.metadata if isinstance(m, annotated_types.Ge)), None)
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_every_workload_refuses_an_unknown_option_naming_its_path_and_the_valid_ones(name):
+    # pollution hands options it does not know to its base workload (zipf)
+    owner = "zipf" if name == "pollution" else name
+    valid = ", ".join(sorted(keys_of(WORKLOADS[owner].Params)))
+    with pytest.raises(WorkloadError) as exc:
+        make_workload(name, {"nosuch": "1"})
+    assert str(exc.value) == f"workload option {owner}.nosuch: unknown option; valid: {valid}"
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_every_workload_refuses_a_wrong_type_naming_the_option(name):
+    key = _first(name, lambda f: f.annotation is int)
+    pattern = rf"^workload option {name}\.{key}: expected an integer[^;]*, got 'x'$"
+    with pytest.raises(WorkloadError, match=pattern):
+        make_workload(name, {key: "x"})
+    with pytest.raises(WorkloadError, match=rf"^workload option {name}\.{key}: expected an integer"):
+        make_workload(name, {key: 2.0})  # typed values: a float is never an int
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_every_workload_refuses_an_out_of_bounds_value_naming_the_option_and_bound(name):
+    key = _first(name, lambda f: f.annotation is int and _lower_bound(f) is not None)
+    lo = int(_lower_bound(keys_of(WORKLOADS[name].Params)[key]))
+    with pytest.raises(WorkloadError) as exc:
+        make_workload(name, {key: str(lo - 1)})
+    assert str(exc.value) == f"workload option {name}.{key}: expected an integer >= {lo}, got {lo - 1}"
+
+
+def test_bad_options_are_reported_all_at_once_and_rules_across_options_name_one():
+    with pytest.raises(WorkloadError) as exc:
+        make_workload("gsp", {"groups": "0", "range_ratio": "1.5", "api": "grpc"})
+    assert str(exc.value) == (
+        "workload options: 3 errors: gsp.groups: expected an integer >= 1, got 0; "
+        "gsp.range_ratio: expected a number in (0, 1], got 1.5; "
+        "gsp.api: 'grpc' is not one of chat, completions"
+    )
+    with pytest.raises(WorkloadError, match=r"^workload option rag\.k: must be <= documents \(3\), got 4$"):
+        make_workload("rag", {"documents": "3", "k": "4"})
+    with pytest.raises(WorkloadError, match=r"^workload option mixed\.min_turns: must be <= max_turns"):
+        make_workload("mixed", {"min_turns": "5", "max_turns": "2"})
+    with pytest.raises(WorkloadError, match=r"^workload option agent\.tools_tokens: must be >= tools"):
+        make_workload("agent", {"tools": "8", "tools_tokens": "4"})
+    with pytest.raises(WorkloadError, match=r"pollution\.fraction: expected a number in \[0, 1\), got 1\.0"):
+        make_workload("pollution", {"fraction": "1"})
+    with pytest.raises(WorkloadError, match=r"trace\.skip_bad_lines: expected true or false, got 'maybe'"):
+        make_workload("trace", {"skip_bad_lines": "maybe", "max_requests": "5"})
+    w = make_workload("trace", {"skip_bad_lines": "yes", "max_requests": "5", "time_scale": 2})
+    assert w.params.skip_bad_lines is True and w.params.time_scale == 2.0
+
+
+def test_a_bad_option_on_the_command_line_is_one_line_and_exit_2(capsys):
+    from radixfleet.cli import main
+
+    argv = ["loadtest", "--workload", "mixed", "-o", "sessions=-1", "-o", "alpha=x"]
+    assert main([*argv, "--target", "a=http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "radixfleet loadtest: error: workload options: 2 errors: mixed.sessions: expected an integer "
+        ">= 1, got -1; mixed.alpha: expected a number >= 0, got 'x'\n"
+    )
+
+
+def test_the_workload_listing_is_generated_from_each_schema(monkeypatch):
+    from loadtest.cli import list_workloads, workload_options_help
+    from loadtest.workloads import Workload
+    from protocol.settings import setting, settings
+
+    @settings
+    class EchoParams:
+        loudness: float = setting(0.5, "how loud the echo is", lo=0, hi=1)
+
+    class Echo(Workload):
+        """Echoes."""
+
+        name = "echo"
+        Params = EchoParams
+
+    monkeypatch.setitem(WORKLOADS, "echo", Echo)
+    listing = list_workloads().splitlines()
+    i = listing.index("echo")
+    assert listing[i + 1 : i + 4] == [
+        "  Echoes",
+        "  -o options: loudness [0.5]",
+        "    loudness  a number in [0, 1]; default 0.5: how loud the echo is",
+    ]
+    assert "  echo: loudness [0.5]" in workload_options_help().splitlines()
+    # every declared option of every built-in workload is listed with its doc
+    text = "\n".join(listing)
+    for name, cls in WORKLOADS.items():
+        for key, f in keys_of(cls.Params).items():
+            assert f"    {key}" in text and f.description in text, (name, key)
