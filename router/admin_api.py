@@ -1,6 +1,7 @@
 """The admin API: the worker list, the index and policy state, reload.
 
-    GET    /admin/workers               every worker with its health, load and source
+    GET    /admin/workers               every worker with its health, load and source;
+                                        the recent shed decisions with their inputs
     POST   /admin/workers               {url, id?, weight?, prefill_tokens_per_s?, kind?, ...}
                                         -> 201; 400 bad spec; 409 the id exists
     DELETE /admin/workers/{id}          -> 200; 404 unknown
@@ -37,6 +38,7 @@ from router.config import (
 from router.http_api import guarded, json_body, json_error
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
+from router.shedding import Shedder
 from service.auth import BearerAuth
 
 
@@ -51,6 +53,9 @@ class AdminHost(Protocol):
     admin_auth: BearerAuth
 
     def scale_signal(self, now: float): ...
+
+    @property
+    def shedder(self) -> Shedder: ...  # its recent shed decisions, with their inputs
 
     async def reload(self) -> tuple[bool, str, list[str], list[str]]: ...
 
@@ -70,7 +75,12 @@ class AdminAPI:
 
     async def list_workers(self, request: web.Request) -> web.Response:
         now = time.monotonic()
-        return web.json_response({"workers": [w.describe(now) for w in self.host.pool]})
+        return web.json_response(
+            {
+                "workers": [w.describe(now) for w in self.host.pool],
+                "recent_sheds": list(self.host.shedder.recent),
+            }
+        )
 
     async def add_worker(self, request: web.Request) -> web.Response:
         body = await json_body(request, self.host.cfg.limits)

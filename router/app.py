@@ -82,6 +82,7 @@ from router.pool import Pool
 from router.prefix_index import PrefixIndex
 from router.reload import build, config_file_version, prepare
 from router.scaling_signal import fleet_signal, params_from
+from router.shedding import Shedder
 from router.traffic_log import TrafficLog
 from router.upstream import UpstreamPool
 from service import http_errors, jsonbody
@@ -253,6 +254,10 @@ class Router:
     async def aclose(self) -> None:
         """Stops background work (the app's cleanup does this too). Idempotent."""
         await self.pool.aclose()
+
+    @property
+    def shedder(self) -> Shedder:
+        return self.dataplane.shedder
 
     @property
     def admission(self):

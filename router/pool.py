@@ -261,6 +261,7 @@ class Worker:
             "weight": self.weight,
             "models": list(self.models),
             "reported_load": ({f: getattr(ld, f) for f in Load.__slots__} if fresh else None),
+            "queue_mark": self.mark.describe(),
             "epoch": self.epoch,
             "next_seq": self.next_seq,
             **({"engine": self.engine.describe()} if self.engine is not None else {}),
@@ -556,7 +557,7 @@ class Pool:
         """Counts a request on ``w`` at pick time (call before awaiting anything)."""
         w.in_flight += 1
         w.in_flight_tokens += tokens
-        w.mark.picked(tokens)
+        w.mark.picked(tokens, w.in_flight + w.remote_in_flight)
         w._view = None
         if self.tap is not None:
             self.tap.moved(w)
@@ -632,8 +633,7 @@ class Pool:
         shedding (``w.mark``) counts them as the views do, so N replicas
         admit what one router would rather than each 1/N of a burst's evidence."""
         if w.remote_in_flight != requests or w.remote_tokens != tokens:
-            if tokens > w.remote_tokens:
-                w.mark.picked(tokens - w.remote_tokens)
+            w.mark.picked(max(0, tokens - w.remote_tokens), w.in_flight + requests)
             w.remote_in_flight = requests
             w.remote_tokens = tokens
             w._view = None

@@ -8,10 +8,12 @@ read by ``router.engines.link``) and what the router has done since (``QueueMark
     room        the report is missing or stale (no evidence of a queue), or
                 an engine never held a waiting queue over two reports, or
                 an engine has a free slot and its KV is not full:
-                    running + waiting (reported) + grown < L
+                    others + in_flight < L
+                    others = max(0, running + waiting (reported) - seen)
                 L its learned batch limit, or before that is learned the most it
-                ever ran at once, if its last report showed no waiting queue
-                (a new request starts at the engine's next step)
+                ever ran at once (a slot count it has shown it has; a waiting
+                queue below it waits for a step's token budget: its requests
+                count as running ones do)
     pending_s   = queued_tokens / rate  +  picked_since / rate  -  age     (>= 0)
                 the reported queue, the uncached tokens picked for the worker since,
                 less what the worker prefilled meanwhile at its learned rate
@@ -36,9 +38,19 @@ it is (batched prefill reads faster per token), so after a saturated phase taugh
 small typical_s, one ordinary request ahead on each worker of a light load read as
 "more than one typical request" and a 0.2x-capacity load saw a 429.
 
-``grown`` is the net change of the router's in-flight count on the worker since the
-report (picks less finishes: exact for the router's own requests — it counts a
-request from its pick to its last byte, which covers its life in the engine).
+``in_flight`` is the router's own count on the worker now (other replicas' included,
+``router.bus``): exact for its requests — it counts a request from its pick to its
+last byte, which covers its life in the engine — so it is a floor of the engine's
+occupancy. ``seen`` is the most the router had in flight there since the report
+before: the reading was taken at some moment since then (a gauge of the engine's
+last step, fetched over a busy loop), and every request of the router's the engine
+counted was in that count at that moment. What the engine reports beyond ``seen``
+is other routers' work sharing it. Counting instead ``reported + (in_flight now -
+in_flight when the reading landed)`` counted each request that finished between the
+engine's reading and its arrival twice — the engine still ran it, the router had
+already let it go — so at 16 clients on two 8-slot engines both could read full at
+15 in flight (tests/test_shedding.py replays it). The cost: another router's
+requests are under-counted by this router's own churn within one scrape interval.
 
 An engine is judged saturated only on its own evidence: until it has reported a
 waiting queue in two reports in a row (one waiting request may only wait for the
@@ -46,9 +58,10 @@ next step's token budget) it is never full, whatever the router sent it. The bat
 limit L is what vLLM calls ``max_num_seqs`` and does not publish: it is learned as
 the most requests the engine ever reported running, once two reports in a row
 showed a waiting queue with running at that ceiling; until then the most it ran at
-once is a slot count it has shown it has. So a closed loop of at most the fleet's
-batch limits in clients is never shed — some worker always has a slot — and the
-first saturated reports teach the limit. Agents report their queue exactly and
+once is a slot count it has shown it has. So, with the limits learned and one
+router, a closed loop of at most the fleet's batch limits in clients is never shed —
+its in-flight total is below their sum, so some worker has fewer than its limit —
+and the first saturated reports teach the limit. Agents report their queue exactly and
 every ~100 ms; they have no batch limit here (their waiting queue is prefill, not
 slots) and are judged by ``pending_s`` alone.
 
@@ -67,13 +80,19 @@ stays the router's own backstop against more connections than it can hold.
 
 from __future__ import annotations
 
+import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from protocol.errors import Overloaded
 from protocol.events import MAX_RATE, MIN_RATE, Load
 from router.served import serves
 
+log = logging.getLogger(__name__)
+
+#: shed decisions kept with their inputs (``Shedder.recent``, ``GET /admin/workers``)
+RECENT_SHEDS = 32
 #: weight of the newest request in typical_s (about the last 50 requests count)
 _ALPHA = 0.02
 #: an engine whose KV is at least this full has no room whatever its batch count
@@ -91,6 +110,7 @@ class QueueMark:
     __slots__ = (
         "at",
         "in_flight",
+        "peak",
         "since_tokens",
         "engine",
         "queue_held",
@@ -102,7 +122,10 @@ class QueueMark:
 
     def __init__(self) -> None:
         self.at = 0.0  # monotonic time of the last report
-        self.in_flight = 0  # the router's in-flight count on the worker at that report
+        #: ``seen``: the router's in-flight count on the worker that the report
+        #: already holds, the most it had there since the report before (module docstring)
+        self.in_flight = 0
+        self.peak = 0  # the most the router had in flight on the worker since the report
         self.since_tokens = 0  # uncached tokens picked for the worker since that report
         self.engine = False  # the reports come from an engine's own metrics
         #: an engine reported a waiting queue twice in a row since it started: it has
@@ -117,7 +140,8 @@ class QueueMark:
         """A new report. ``engine``: the load came from an engine's own metrics (a
         batch limit can be learned), not from an agent."""
         self.at = now
-        self.in_flight = in_flight
+        self.in_flight = self.peak if self.peak > in_flight else in_flight
+        self.peak = in_flight
         self.since_tokens = 0
         self.engine = engine
         if not engine:
@@ -137,8 +161,21 @@ class QueueMark:
             self.limit = run
         self._queued_at_max = at_max
 
-    def picked(self, tokens: int) -> None:
+    def picked(self, tokens: int, in_flight: int) -> None:
+        """A pick for the worker: ``tokens`` uncached, ``in_flight`` the router's count
+        on it now (this pick included)."""
         self.since_tokens += tokens
+        if in_flight > self.peak:
+            self.peak = in_flight
+
+    def describe(self) -> dict:
+        """What shedding has learned of the worker (``GET /admin/workers``)."""
+        return {
+            "limit": self.limit,
+            "running_max": self.running_max,
+            "queue_held": self.queue_held,
+            "in_flight_at_report": self.in_flight,
+        }
 
     def forget(self) -> None:
         """A new engine process: its limits may differ."""
@@ -146,8 +183,9 @@ class QueueMark:
         self.queue_held = self._queued = self._queued_at_max = False
 
     def check(self) -> None:
-        assert self.in_flight >= 0 and self.since_tokens >= 0 and self.running_max >= 0, (
+        assert self.in_flight >= 0 and self.peak >= 0 and self.since_tokens >= 0 and self.running_max >= 0, (
             self.in_flight,
+            self.peak,
             self.since_tokens,
             self.running_max,
         )
@@ -158,15 +196,16 @@ class QueueMark:
 def has_room(mark: QueueMark, load: Load, in_flight: int) -> bool:
     """Whether an engine can start one more request now: it has never held a waiting
     queue (no evidence it ever saturates), or it has fewer requests on it than its
-    learned batch limit — or, before that is learned, than it has run at once, if its
-    last report showed no queue — and KV to spare."""
+    learned batch limit — or, before that is learned, than it has run at once — and
+    KV to spare. A reported waiting queue counts among the requests on it: below
+    the most it ran at once it is a step's token budget, not a lack of slots."""
     if mark.engine and not mark.queue_held:
         return True
     if load.kv_capacity_tokens > 0 and load.kv_used_tokens >= KV_FULL * load.kv_capacity_tokens:
         return False
-    ceiling = mark.limit or (mark.running_max if load.queued_requests == 0 else 0)
-    occupied = load.running_requests + load.queued_requests + in_flight - mark.in_flight
-    return occupied < ceiling
+    ceiling = mark.limit or mark.running_max
+    others = load.running_requests + load.queued_requests - mark.in_flight
+    return (others if others > 0 else 0) + in_flight < ceiling
 
 
 def pending_s(mark: QueueMark, load: Load, rate: float, now: float) -> float:
@@ -186,7 +225,7 @@ class Shedder:
     ``typical_s`` and ``largest_tokens`` are the only state (0.0 until the first
     observation, which they then take whole); ``configure`` follows a reload."""
 
-    __slots__ = ("per_requests", "min_s", "typical_s", "largest_tokens", "on_shed")
+    __slots__ = ("per_requests", "min_s", "typical_s", "largest_tokens", "on_shed", "recent")
 
     def __init__(self, per_requests: float, min_s: float, on_shed: Callable[[], None] | None = None) -> None:
         self.per_requests = per_requests  # 0: never shed
@@ -196,6 +235,8 @@ class Shedder:
         #: one request of that size ahead on a worker is room (module docstring)
         self.largest_tokens = 0.0
         self.on_shed = on_shed  # a metric
+        #: the last RECENT_SHEDS shed decisions, each with every eligible worker's inputs
+        self.recent: deque[dict] = deque(maxlen=RECENT_SHEDS)
 
     def configure(self, per_requests: float, min_s: float) -> None:
         self.per_requests, self.min_s = per_requests, min_s
@@ -260,11 +301,40 @@ class Shedder:
             return None  # nobody eligible: the caller's 404 / 503
         if self.on_shed is not None:
             self.on_shed()
+        self._record(workers, model, adapter, bound, now)
         return Overloaded(
             f"every worker serving this model has over {bound:.2f}s of prefill "
             f"queued (the least {best:.2f}s); retry later",
             retry_after_s=best - bound,
         )
+
+    def _record(self, workers: Iterable, model: str, adapter: str | None, bound: float, now: float) -> None:
+        """Keeps a shed decision's inputs per eligible worker (and logs them at debug)."""
+        rows = []
+        for w in workers:
+            if model and w.models and not serves(w.models, model, adapter):
+                continue
+            ld, mark = w.load, w.mark
+            rate = ld.prefill_tokens_per_s or w.base_prefill
+            rate = MIN_RATE if rate < MIN_RATE else MAX_RATE if rate > MAX_RATE else rate
+            rows.append(
+                {
+                    "id": w.id,
+                    "running": ld.running_requests,
+                    "waiting": ld.queued_requests,
+                    "in_flight": w.in_flight + w.remote_in_flight,
+                    "mark_in_flight": mark.in_flight,
+                    "limit": mark.limit,
+                    "running_max": mark.running_max,
+                    "queue_held": mark.queue_held,
+                    "report_age_s": round(now - mark.at, 3),
+                    "pending_s": round(pending_s(mark, ld, rate, now), 3),
+                    "ahead_s": round((w.in_flight_tokens + w.remote_tokens) / rate, 3),
+                }
+            )
+        entry = {"bound_s": round(bound, 3), "workers": rows}
+        self.recent.append(entry)
+        log.debug("shed: %s", entry)
 
     def _observe(self, tokens: int, rate: float) -> None:
         """Records an admitted request's uncached prefill in typical_s and largest_tokens."""

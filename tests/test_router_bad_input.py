@@ -462,7 +462,8 @@ def test_shedder_bound_follows_the_typical_request():
         models = ()
         base_prefill = 1000.0
         load_until = 10.0
-        in_flight = remote_in_flight = 0
+        id = "w"
+        in_flight = remote_in_flight = in_flight_tokens = remote_tokens = 0
 
         def __init__(self, queued):
             self.load = Load(queued_tokens=queued, prefill_tokens_per_s=1000.0)

@@ -140,6 +140,45 @@ def test_a_learned_batch_limit_keeps_a_closed_loop_of_the_fleets_slots_unshed():
     assert check(s, pool, t) is None
 
 
+def test_a_scrape_that_lags_the_routers_finishes_does_not_shed_the_fleets_slots():
+    # Both engines at their limit (8) with 16 clients. b's gauge is read at 8 running;
+    # before the reading reaches the router two of b's requests finish there: one
+    # client's next turn goes back to b, the other starts a new conversation on a
+    # (9 there: 8 running, 1 waiting). The reading then lands: 8 on b. Counting
+    # what the router did since the moment the reading landed (7 on b then) read b
+    # as 8 + 0 = full when it holds 7; one of a's requests finishes, its client's
+    # next turn found both "full" with prefill ahead on each: a 429 at 15 in flight.
+    pool, _, clock = make_pool()
+    a, b = pool.get("a"), pool.get("b")
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)
+    for w in (a, b):
+        decoding(pool, w, 8)
+        for _ in range(2):
+            engine_report(pool, w, t, running=8, waiting=1, queued_tokens=100)
+        assert w.mark.limit == 8
+        engine_report(pool, w, t, running=8)
+    pool.finish(b, 0, True)
+    pool.finish(b, 0, True)
+    pool.pick(b, 100)  # a turn on b, not yet at its first token
+    pool.pick(a, 100)  # a new conversation on a
+    engine_report(pool, b, t, running=8)  # read before the two finishes
+    engine_report(pool, a, t, running=8, waiting=1, queued_tokens=100)
+    pool.finish(a, 0, True)
+    assert a.in_flight + b.in_flight == 15
+    assert check(s, pool, t) is None  # b holds 7 of its 8
+    # another router's requests still count: the engine reports more than this one
+    # ever had there since its last reading
+    engine_report(pool, b, t, running=8, waiting=1, queued_tokens=100)
+    assert isinstance(check(s, pool, t), Overloaded)
+    assert s.recent[-1]["bound_s"] == pytest.approx(0.05)
+    assert {r["id"]: (r["running"], r["in_flight"], r["limit"]) for r in s.recent[-1]["workers"]} == {
+        "a": (8, 8, 8),
+        "b": (8, 7, 8),
+    }
+
+
 def test_before_the_limit_is_learned_what_an_engine_ran_at_once_is_room():
     pool, _, clock = make_pool()
     a, b = pool.get("a"), pool.get("b")
@@ -164,9 +203,40 @@ def test_before_the_limit_is_learned_what_an_engine_ran_at_once_is_room():
     decoding(pool, a)  # 8: as many as it ever ran; its queue of picks decides
     exc = check(s, pool, t)
     assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(2.0 - 0.05)
-    engine_report(pool, a, t, running=7, waiting=1, queued_tokens=100)
+    # a queue at the most it ran: no slot until one of the router's requests finishes
+    decoding(pool, a)
+    engine_report(pool, a, t, running=8, waiting=1, queued_tokens=100)
+    assert isinstance(check(s, pool, t), Overloaded)
     pool.finish(a, 0, True)
-    assert isinstance(check(s, pool, t), Overloaded)  # a queue reported: no slot assumed
+    assert isinstance(check(s, pool, t), Overloaded)  # 8: its waiting one takes the slot
+    pool.finish(a, 0, True)
+    assert check(s, pool, t) is None
+
+
+def test_a_waiting_queue_below_the_most_an_engine_ran_leaves_its_slots_room():
+    # 16 clients, conversations sticky: 9 on a (its limit 8 learned), 7 on b, whose
+    # limit is not learned: it ran 8 at once (a conversation has moved since) and held
+    # a queue twice while prefilling a burst (a step's token budget). b's reading shows
+    # 5 running, 2 waiting. One of a's requests finishes and its client's next turn
+    # arrives: 15 in flight. Reading b's waiting queue as "no slot at all" (a ceiling
+    # of 0 while any queue showed) shed it.
+    pool, _, clock = make_pool()
+    a, b = pool.get("a"), pool.get("b")
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)
+    decoding(pool, a, 9)
+    decoding(pool, b, 8)
+    engine_report(pool, b, t, running=8)
+    pool.finish(b, 0, True)
+    for _ in range(2):
+        engine_report(pool, a, t, running=8, waiting=1, queued_tokens=100)
+        engine_report(pool, b, t, running=5, waiting=2, queued_tokens=300)
+    assert (a.mark.limit, b.mark.limit, b.mark.running_max, b.mark.queue_held) == (8, 0, 8, True)
+    pool.finish(a, 0, True)
+    assert check(s, pool, t) is None  # b: 7 on it, a slot short of what it ran
+    decoding(pool, b)  # b at the most it ran, a full: shed
+    assert isinstance(check(s, pool, t), Overloaded)
 
 
 def test_a_saturated_engine_with_a_slot_but_prefill_ahead_is_full():
