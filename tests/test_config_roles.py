@@ -81,3 +81,48 @@ def test_an_agent_registers_its_role():
     with pytest.raises(MalformedRequest) as ei:
         ev.parse_registration({"worker_id": "a", "url": "http://h:1", "epoch": "e", "role": "x"})
     assert ei.value.param == "role"
+
+
+def test_a_registered_agent_keeps_its_role_and_a_reload_changes_a_configured_one():
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+
+    cfg = parse_config({"workers": [P, D]})
+    pool = Pool(cfg, PrefixIndex(), clock=lambda: 0.0)
+    w = pool.register("agent-1", "http://10.0.0.9:8000", "e1", ["m"], None, "prefill")
+    assert w.role == "prefill" and w.describe(0.0)["role"] == "prefill"
+    assert pool.get("10.0.0.2:8000").role == "decode"
+    pool.sync_config(parse_config({"workers": [{**P, "role": "both"}, {**D, "role": "both"}]}).workers)
+    assert pool.get("10.0.0.1:8000").role == "both"
+
+
+def test_the_prefill_leg_asks_for_one_token_and_the_kv_kept_for_a_remote_decode():
+    from router.pd import PREFILL_PARAMS, prefill_body
+
+    client = {"model": "m", "prompt": "x", "max_tokens": 9, "max_completion_tokens": 9, "stream": True}
+    leg = prefill_body({**client, "stream_options": {"include_usage": True}})
+    assert leg == {
+        "model": "m",
+        "prompt": "x",
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": PREFILL_PARAMS,
+    }
+    assert client["max_tokens"] == 9  # the client's body is not touched
+
+
+def test_the_colocate_threshold_is_one_decode_step_of_the_learned_prefill_rate():
+    from types import SimpleNamespace
+
+    from router.pd import PrefillDecode
+    from router.pool import Pool
+    from router.prefix_index import PrefixIndex
+
+    cfg = parse_config({"workers": [P, {**D, "prefill_tokens_per_s": 8000}]})
+    pool = Pool(cfg, PrefixIndex(), clock=lambda: 0.0)
+    d = pool.get("10.0.0.2:8000")
+    pd = PrefillDecode(SimpleNamespace(cfg=cfg, pool=pool))
+    assert pd.threshold(d, 0.0) == 200  # 8000 tokens/s x 25 ms
+    fixed = parse_config({"workers": [P, D], "disagg": {"colocate_below_tokens": 7}})
+    assert PrefillDecode(SimpleNamespace(cfg=fixed, pool=pool)).threshold(d, 0.0) == 7

@@ -75,6 +75,7 @@ class Reporter(Lifecycle):
         timeout_s: float = 2.0,
         block_bytes: int | None = None,
         bus=None,
+        role: str = "both",
     ) -> None:
         if not routers and bus is None:
             raise ValueError("a reporter needs at least one router URL or a bus")
@@ -86,6 +87,8 @@ class Reporter(Lifecycle):
         self.models = models
         #: the block size this agent hashes with, sent at registration (None: not sent)
         self.block_bytes = block_bytes
+        #: its disaggregated role, sent at registration when not "both"
+        self.role = role
         self.cache = cache
         self.load = load
         self.epoch = secrets.token_hex(8)
@@ -202,6 +205,8 @@ class Reporter(Lifecycle):
                 }
                 if self.block_bytes is not None:
                     body["block_bytes"] = self.block_bytes
+                if self.role != "both":
+                    body["role"] = self.role
                 code, status, data = await self._post(link, REGISTER_PATH, body)
                 if code != 200:
                     link.failures += 1
