@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from policies.base import Decision, Reason, WorkerView
 from policies.disagg import BOTH, DECODE, PREFILL, choose_decode
 from protocol.errors import NoWorkerAvailable
+from protocol.prefix_keys import Endpoint
 from router.upstream import Cancel, UpstreamError, build_head
 
 if TYPE_CHECKING:
@@ -169,7 +170,9 @@ class PrefillDecode:
         assert dw is not None, "a view names a worker of the pool"
         sk = kr.key_for(dw.id)
         uncached = max(0, sk.prompt_tokens - kr.blocks_for(dw.id) * sk.block_tokens)
-        if prefill and uncached >= self.threshold(dw, now):
+        # vLLM's protocol is the OpenAI API's: SGLang's native /generate runs colocated
+        openai = ctx.endpoint is not Endpoint.GENERATE
+        if prefill and openai and uncached >= self.threshold(dw, now):
             d = dp.policy.choose(req, kr.match, prefill, now)
             params = await self._prefill(ctx, kr, d, prefill)
             if params is None:
@@ -177,9 +180,14 @@ class PrefillDecode:
             if params:
                 body = {**ctx.body, "kv_transfer_params": params}
                 ctx = dataclasses.replace(ctx, body=body, raw=json.dumps(body).encode())
-            now = time.monotonic()
             dp.metrics.pd_legs.labels("prefill").inc()
-            first = None  # the decode choice again: the prefill leg took time
+            # the decode choice again, on what the pool knows now: the leg took time
+            now = time.monotonic()
+            decode = [v for v in dp.pool.views(now, ctx.key.model, ctx.key.adapter) if self._is_decode(v)]
+            if not decode:
+                dp.answer_error(ctx, dv.id, 503, b"", [])
+                return
+            first = None
         else:
             dp.metrics.pd_legs.labels("colocated").inc()
         await dp._forward(ctx, kr, decode, now, self._decode_choice(need, first), self._is_decode)
