@@ -119,6 +119,8 @@ class PrefillDecode:
         """Whether a request over ``views`` takes the two-leg path: some are not
         colocated (``both``) workers."""
         pool = self.dp.pool
+        if not pool.disaggregated():
+            return False
         for v in views:
             w = pool.get(v.id)
             if w is not None and w.spec is not None and w.spec.role != BOTH:

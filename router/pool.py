@@ -329,6 +329,8 @@ class Pool:
         self._admit_t = clock()
         #: self-registered workers removed after unhealthy_grace_s (a metric reads it)
         self.reaped = 0
+        #: a worker with a prefill or decode role has been seen (``disaggregated``)
+        self._roles = False
         for spec in cfg.workers:
             self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s, spec)
 
@@ -362,6 +364,8 @@ class Pool:
         if url in self._by_url:
             raise ValueError(f"worker url {url!r} already exists (id {self._by_url[url].id!r})")
         w = Worker(wid, url, source, weight, prefill_tokens_per_s, spec)
+        if w.role != "both":
+            self._roles = True  # sticky: a fleet once disaggregated checks per request
         self._by_id[wid] = w
         self._by_url[url] = w
         self._changed()
@@ -371,6 +375,12 @@ class Pool:
         if self._session is not None:
             self.check_soon(w)
         return w
+
+    def disaggregated(self) -> bool:
+        """Whether a worker with a prefill or decode role has been in the pool
+        (``router.pd`` then checks each request's views; a colocated fleet, the
+        common case, skips that)."""
+        return self._roles
 
     def remove(self, wid: str) -> Worker | None:
         """Removes a worker and drops its index entries at once."""
@@ -534,6 +544,7 @@ class Pool:
                 w.source = Source.CONFIG
                 if w.spec is not None and w.spec.role != s.role:
                     w.spec = dataclasses.replace(w.spec, role=s.role)
+                    self._roles = self._roles or s.role != "both"
                 if w.weight != s.weight or w.base_prefill != s.prefill_tokens_per_s:
                     w.weight, w.base_prefill = s.weight, s.prefill_tokens_per_s
                     self._changed(w)
