@@ -126,3 +126,13 @@ def test_the_colocate_threshold_is_one_decode_step_of_the_learned_prefill_rate()
     assert pd.threshold(d, 0.0) == 200  # 8000 tokens/s x 25 ms
     fixed = parse_config({"workers": [P, D], "disagg": {"colocate_below_tokens": 7}})
     assert PrefillDecode(SimpleNamespace(cfg=fixed, pool=pool)).threshold(d, 0.0) == 7
+
+
+def test_an_agent_on_the_bus_registers_its_role():
+    from protocol.bus_wire import build_agent, parse_agent, worker_token
+    from protocol.events import EventBatch, Snapshot
+
+    batch = EventBatch("w1", "http://10.0.0.9:8000", "e1", 0, [Snapshot([])])
+    m = parse_agent(build_agent(batch, ["m"], 128, "decode"), worker_token("w1"))
+    assert m.register and m.role == "decode"
+    assert parse_agent(build_agent(batch, ["m"], 128), worker_token("w1")).role == "both"

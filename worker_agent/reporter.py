@@ -170,7 +170,7 @@ class Reporter(Lifecycle):
                     return
             batch = EventBatch(self.worker_id, self.url, self.epoch, link.seq, events, None)
             link.seq += 1
-            if not await bus.publish_batch(batch, self.models, self.block_bytes):
+            if not await bus.publish_batch(batch, self.models, self.block_bytes, self.role):
                 link.failures += 1
                 link.resnapshot()
                 return
