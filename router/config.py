@@ -172,6 +172,12 @@ class WorkerSpec(EngineSettings):
         "prefill, decode or both: a disaggregated fleet's prefill or decode side, or colocated "
         "(a model served by prefill workers needs a decode worker too, and vice versa)",
     )
+    bootstrap_port: int = _opt(
+        8998,
+        "an SGLang prefill worker's --disaggregation-bootstrap-port (sent to both legs)",
+        lo=1,
+        hi=65535,
+    )
 
     @document_check
     def _check(self) -> None:

@@ -37,12 +37,18 @@ data plane's rules (``router.dataplane``): it moves to another decode worker onl
 when provably not started, never once a byte reached the client. A client gone
 cancels the leg in flight (its connection closed: the engine aborts it).
 
-SGLang's protocol (bootstrap host/port/room sent to both workers at once) is not
-implemented: a SGLang prefill worker gets vLLM's fields.
+SGLang's protocol, when the chosen prefill worker is an SGLang one (``kind: sglang``
+or probed so): both legs at once, each the client's body plus ``bootstrap_host`` (the
+prefill worker's host), ``bootstrap_port`` (its ``bootstrap_port`` setting, SGLang's
+``--disaggregation-bootstrap-port``) and a random 63-bit ``bootstrap_room`` that pairs
+them; the prefill leg is not streamed and its answer dropped, the decode leg's goes to
+the client. The room binds the pair: neither leg moves to another worker, and the
+prefill leg is cancelled once the decode leg is done or the client gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -54,6 +60,7 @@ from policies.base import Decision, Reason, WorkerView
 from policies.disagg import BOTH, DECODE, PREFILL, choose_decode
 from protocol.errors import NoWorkerAvailable
 from protocol.prefix_keys import Endpoint
+from router.engines.kinds import WorkerKind
 from router.upstream import Cancel, UpstreamError, build_head
 
 if TYPE_CHECKING:
@@ -176,6 +183,12 @@ class PrefillDecode:
         openai = ctx.endpoint is not Endpoint.GENERATE
         if prefill and openai and uncached >= self.threshold(dw, now):
             d = dp.policy.choose(req, kr.match, prefill, now)
+            pw = dp.pool.get(d.worker)
+            assert pw is not None, f"policy {dp.policy.name} chose unknown worker {d.worker!r}"
+            if pw.engine is not None and pw.engine.kind is WorkerKind.SGLANG:
+                dp.metrics.pd_legs.labels("prefill").inc()
+                await self._sglang(ctx, kr, pw, first, need)
+                return
             params = await self._prefill(ctx, kr, d, prefill)
             if params is None:
                 return  # answered (its failure)
@@ -193,6 +206,37 @@ class PrefillDecode:
         else:
             dp.metrics.pd_legs.labels("colocated").inc()
         await dp._forward(ctx, kr, decode, now, self._decode_choice(need, first), self._is_decode)
+
+    async def _sglang(
+        self, ctx: Any, kr: KeyedRequest, pw: Worker, first: Decision | None, need: int
+    ) -> None:
+        """SGLang's two legs at once, paired by a bootstrap room (module docstring)."""
+        dp = self.dp
+        host, _, _ = dp._addr(pw.url)
+        assert pw.spec is not None, "a worker with an engine link has its entry"
+        body = {
+            **ctx.body,
+            "bootstrap_host": host,
+            "bootstrap_port": pw.spec.bootstrap_port,
+            "bootstrap_room": self.rng.getrandbits(63),
+        }
+        raw = json.dumps(body).encode()
+        leg = json.dumps({**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False})
+        prefill = asyncio.ensure_future(self._prefill_leg(ctx, kr, pw, leg.encode(), room=True))
+        try:
+            ctx = dataclasses.replace(ctx, body=body, raw=raw)
+            now = time.monotonic()
+            decode = [v for v in dp.pool.views(now, ctx.key.model, ctx.key.adapter) if self._is_decode(v)]
+            # the room binds this pair: the decode leg goes nowhere else
+            await dp._forward(ctx, kr, decode, now, self._decode_choice(need, first), lambda v: False)
+        finally:
+            if not prefill.done():
+                prefill.cancel()
+            try:
+                await prefill
+            except (asyncio.CancelledError, _PrefillFailed) as exc:
+                if isinstance(exc, _PrefillFailed):
+                    log.warning("request %s: SGLang prefill worker %s failed (%s)", ctx.rid, pw.id, exc)
 
     async def _prefill(
         self, ctx: Any, kr: KeyedRequest, d: Decision, views: list[WorkerView]
@@ -238,9 +282,12 @@ class PrefillDecode:
         dp.answer_error(ctx, tried[-1], status, b"", [])
         return None
 
-    async def _prefill_leg(self, ctx: Any, kr: KeyedRequest, w: Worker, payload: bytes) -> dict[str, Any]:
+    async def _prefill_leg(
+        self, ctx: Any, kr: KeyedRequest, w: Worker, payload: bytes, *, room: bool = False
+    ) -> dict[str, Any]:
         """One prefill leg on ``w``: the pick's hint and load count, the request,
-        the load released on every path."""
+        the load released on every path. ``room``: an SGLang leg (its answer is
+        not read for params)."""
         dp = self.dp
         pick = dp._pick(w, kr, time.monotonic())
         host, port, hostport = dp._addr(w.url)
@@ -283,6 +330,8 @@ class PrefillDecode:
             except ValueError:
                 raise _PrefillFailed("answered 200 without JSON") from None
             ok = True
+            if room:
+                return {}
             params = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
             if not isinstance(params, dict):
                 log.info("request %s: prefill worker %s gave no kv_transfer_params", ctx.rid, w.id)

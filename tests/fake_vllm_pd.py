@@ -37,6 +37,9 @@ class FakeState:
     delay_s: float = 0.0
     requests: list[dict] = field(default_factory=list)
     hung_up: int = 0  # requests whose client left while this worker held them
+    #: SGLang's protocol instead of vLLM's; its prefill side's bootstrap port
+    sglang: bool = False
+    bootstrap_port: int = 0
     #: request id -> block ids held for a remote decode (prefill side)
     held: dict[str, list[int]] = field(default_factory=dict)
 
@@ -44,6 +47,8 @@ class FakeState:
 _ids = itertools.count(1)
 #: every prefill engine's held blocks, by engine id (what a decode pull reads)
 REGISTRY: dict[str, FakeState] = {}
+#: SGLang bootstrap rooms a prefill leg opened: room -> (prefill name, (host, port))
+ROOMS: dict[int, tuple[str, tuple[Any, Any]]] = {}
 
 
 def _tokens(body: dict) -> int:
@@ -83,7 +88,14 @@ def fake_app(st: FakeState) -> web.Application:
             return web.Response(status=499)
         prompt = _tokens(body)
         params: dict[str, Any] | None = body.get("kv_transfer_params")
-        if st.role == "prefill":
+        if st.sglang:
+            answer = await generate_sglang(request, body)
+            if answer is not None:
+                return answer
+            params = None
+        if st.sglang and st.role == "decode":
+            cached = prompt
+        elif st.role == "prefill":
             if not params or params.get("do_remote_decode") is not True:
                 return _err(400, "prefill worker: kv_transfer_params.do_remote_decode required")
             if body.get("max_tokens") != 1 or body.get("stream") is not False:
@@ -110,7 +122,8 @@ def fake_app(st: FakeState) -> web.Application:
                     },
                 }
             )
-        cached = 0
+        else:
+            cached = 0
         if params:
             if not params.get("do_remote_prefill"):
                 return _err(400, "decode worker: do_remote_prefill expected")
@@ -167,6 +180,25 @@ def fake_app(st: FakeState) -> web.Application:
         await sr.write(b"data: [DONE]\n\n")
         await sr.write_eof()
         return sr
+
+    async def generate_sglang(request: web.Request, body: dict) -> web.StreamResponse | None:
+        """SGLang's protocol: both legs carry the same bootstrap room; the decode leg
+        waits (bounded) for its prefill leg to have arrived at the named host:port."""
+        room = body.get("bootstrap_room")
+        where = (body.get("bootstrap_host"), body.get("bootstrap_port"))
+        if type(room) is not int or None in where:
+            return _err(400, "bootstrap_room, bootstrap_host and bootstrap_port required")
+        if st.role == "prefill":
+            ROOMS[room] = (st.name, where)
+            return web.json_response({"id": "p", "choices": [{"index": 0, "text": "p"}]})
+        for _ in range(100):
+            if room in ROOMS:
+                break
+            await asyncio.sleep(0.02)
+        src = ROOMS.pop(room, None)
+        if src is None or REGISTRY[src[0]].bootstrap_port != where[1]:
+            return _err(500, "KV bootstrap failed")
+        return None
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})

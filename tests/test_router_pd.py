@@ -27,17 +27,28 @@ LONG = "You are a careful assistant. " * 80  # ~2400 bytes: many blocks, long un
 
 
 @contextlib.asynccontextmanager
-async def pd_fleet(roles: dict[str, str], *, policy: str = "prefix_load", colocate: int = 100, **extra):
-    """Fake workers named and roled by ``roles``, behind a started router."""
+async def pd_fleet(
+    roles: dict[str, str], *, policy: str = "prefix_load", colocate: int = 100, sglang: bool = False, **extra
+):
+    """Fake workers named and roled by ``roles``, behind a started router (``sglang``:
+    SGLang's protocol, each prefill worker's bootstrap port its own)."""
     runners, states, workers = [], {}, []
     for name, role in roles.items():
-        st = states[name] = FakeState(name, role, port=free_port())
+        st = states[name] = FakeState(name, role, port=free_port(), sglang=sglang, bootstrap_port=free_port())
         r = web.AppRunner(fake_app(st), access_log=None)
         await r.setup()
         await web.TCPSite(r, "127.0.0.1", st.port).start()
         runners.append(r)
         workers.append(
-            {"url": f"http://127.0.0.1:{st.port}", "id": name, "role": role, "kind": "openai", "model": "m"}
+            {
+                "url": f"http://127.0.0.1:{st.port}",
+                "id": name,
+                "role": role,
+                "kind": "sglang" if sglang else "openai",
+                "model": "m",
+                "bootstrap_port": st.bootstrap_port,
+                "metrics": {"path": ""},
+            }
         )
     router = Router(
         parse_config(
@@ -228,3 +239,31 @@ async def test_a_pool_of_decode_workers_only_serves_colocated():
         async with httpx.AsyncClient() as c:
             r = await c.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi"})
         assert r.status_code == 200 and st["p1"].requests == []
+
+
+async def test_sglang_both_legs_at_once_paired_by_a_bootstrap_room():
+    async with pd_fleet({"p1": "prefill", "d1": "decode"}, sglang=True) as (url, st):
+        async with httpx.AsyncClient() as c:
+            payload = {"model": "m", "prompt": LONG, "max_tokens": 3, "stream": True}
+            r = await c.post(f"{url}/v1/completions", json=payload)
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+        assert r.text.count('"text": "d"') == 3
+        (pre,), (dec,) = st["p1"].requests, st["d1"].requests
+        room = pre["bootstrap_room"]
+        assert dec["bootstrap_room"] == room and 0 <= room < 2**63
+        assert (pre["bootstrap_host"], pre["bootstrap_port"]) == ("127.0.0.1", st["p1"].bootstrap_port)
+        assert (dec["bootstrap_host"], dec["bootstrap_port"]) == ("127.0.0.1", st["p1"].bootstrap_port)
+        assert pre["stream"] is False and dec["stream"] is True
+        assert "kv_transfer_params" not in pre and "kv_transfer_params" not in dec
+
+
+async def test_sglang_a_client_gone_cancels_both_legs():
+    async with pd_fleet({"p1": "prefill", "d1": "decode"}, sglang=True) as (url, st):
+        st["p1"].mode, st["p1"].delay_s = "slow", 3.0  # the decode leg waits for its room
+        async with httpx.AsyncClient() as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post(f"{url}/v1/completions", json={"model": "m", "prompt": LONG}, timeout=0.3)
+        deadline = time.monotonic() + 2
+        while st["p1"].hung_up == 0:
+            assert time.monotonic() < deadline, "the prefill leg was not cancelled"
+            await asyncio.sleep(0.02)
