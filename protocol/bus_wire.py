@@ -6,7 +6,7 @@ subjects is *foreign* or *malformed* and raises ``BadMessage`` with a short caus
 
     <prefix>.agent.<wtoken>      JetStream (the stream): one agent's event batches
         {"v":1, "kind":"agent", "batch": <protocol.events batch JSON>,
-         "register": {"models": [...], "block_bytes": 128}}     # with snapshots only
+         "register": {"models": [...], "block_bytes": 128, "role": "prefill"}}  # snapshots; role: not both
     <prefix>.load.<wtoken>       core NATS: the agent's load, every interval (not kept:
                                  only the latest matters, and the stream stays events only)
         {"v":1, "kind":"load", "batch": <batch JSON with "events": [] and "load">}
@@ -264,21 +264,29 @@ def _load(data: bytes, kind: str) -> dict[str, Any]:
 class AgentMessage:
     """One agent batch from the stream; ``register`` is set on snapshots."""
 
-    __slots__ = ("batch", "models", "block_bytes", "register")
+    __slots__ = ("batch", "models", "block_bytes", "register", "role")
 
     def __init__(
-        self, batch: EventBatch, register: bool, models: tuple[str, ...] = (), block_bytes: int | None = None
+        self,
+        batch: EventBatch,
+        register: bool,
+        models: tuple[str, ...] = (),
+        block_bytes: int | None = None,
+        role: str = "both",
     ) -> None:
         self.batch = batch
         self.register = register
         self.models = models
         self.block_bytes = block_bytes
+        self.role = role  # its disaggregated role (router.pd)
 
 
-def build_agent(batch: EventBatch, models: list[str], block_bytes: int | None) -> bytes:
+def build_agent(batch: EventBatch, models: list[str], block_bytes: int | None, role: str = "both") -> bytes:
     obj: dict[str, Any] = {"v": VERSION, "kind": "agent", "batch": batch.to_json()}
     if batch.events and isinstance(batch.events[0], Snapshot):
         obj["register"] = {"models": list(models), "block_bytes": block_bytes}
+        if role != "both":  # said only when not the default (older routers ignore it)
+            obj["register"]["role"] = role
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -298,7 +306,7 @@ def parse_agent(data: bytes, subject_token: str) -> AgentMessage:
         r = parse_registration({**reg, "worker_id": batch.worker_id, "url": batch.url, "epoch": batch.epoch})
     except RequestError as exc:
         raise BadMessage("bad_register", str(exc)) from None
-    return AgentMessage(batch, True, r.models, r.block_bytes)
+    return AgentMessage(batch, True, r.models, r.block_bytes, r.role)
 
 
 def load_batch(worker_id: str, url: str, epoch: str, load: Load) -> EventBatch:

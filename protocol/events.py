@@ -263,6 +263,8 @@ class Registration:
     models: tuple[str, ...] = ()
     #: the block size the agent hashes with; None: not said (accepted as before)
     block_bytes: int | None = None
+    #: its disaggregated role: prefill, decode or both (colocated; the default)
+    role: str = "both"
 
 
 def parse_registration(body: Any) -> Registration:
@@ -285,7 +287,10 @@ def parse_registration(body: Any) -> Registration:
         raise MalformedRequest(
             f"'block_bytes' must be an integer in [1, {MAX_LOAD_COUNT}]", param="block_bytes"
         )
-    return Registration(body["worker_id"], body["url"], body["epoch"], tuple(models), bb)
+    role = body.get("role", "both")
+    if role not in ("prefill", "decode", "both"):
+        raise MalformedRequest("'role' must be one of prefill, decode, both", param="role")
+    return Registration(body["worker_id"], body["url"], body["epoch"], tuple(models), bb, role)
 
 
 def parse_batch(body: Any) -> EventBatch:

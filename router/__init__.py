@@ -6,6 +6,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     front         the raw HTTP/1.1 data-plane listener; intake: what a client may
                   hold before admission (body budget, connection cap)
     dataplane     one request: admission, keying, match, shedding, pick, upstream
+    pd            disaggregated prefill/decode: a request's prefill and decode legs
     upstream, sse the HTTP/1.1 client to workers; SSE pass-through, first content token
     prefix_index  the approximate per-worker prefix index (one global budget)
     pool, served  workers, health, breakers, load at pick time; who serves which model

@@ -124,7 +124,7 @@ class AgentAPI:
                 status=409,
             )
         try:
-            w = h.pool.register(reg.worker_id, url, reg.epoch, list(reg.models), bb)
+            w = h.pool.register(reg.worker_id, url, reg.epoch, list(reg.models), bb, reg.role)
         except (Conflict, Overloaded) as exc:
             h.metrics.registrations_refused.labels(reason=exc.code).inc()
             if isinstance(exc, Conflict):

@@ -167,6 +167,17 @@ class WorkerSpec(EngineSettings):
         "auto", "agent, vllm, sglang or openai; auto: probe the worker"
     )
     model: str = _opt("", "the model it serves (default: from its /v1/models)")
+    role: Literal["prefill", "decode", "both"] = _opt(
+        "both",
+        "prefill, decode or both: a disaggregated fleet's prefill or decode side, or colocated "
+        "(a model served by prefill workers needs a decode worker too, and vice versa)",
+    )
+    bootstrap_port: int = _opt(
+        8998,
+        "an SGLang prefill worker's --disaggregation-bootstrap-port (sent to both legs)",
+        lo=1,
+        hi=65535,
+    )
 
     @document_check
     def _check(self) -> None:
@@ -427,6 +438,11 @@ class K8sSelectorSpec(EngineSettings):
     kind: Literal["agent", "vllm", "sglang", "openai"] = _opt("agent", "engine kind of these workers")
     namespace: str = _opt("", 'namespace ("": kubernetes.namespace)')
     model: str = _opt("", 'the model these workers serve ("": from each one\'s /v1/models)')
+    role: Literal["prefill", "decode", "both"] = _opt(
+        "both",
+        "prefill, decode or both: a disaggregated fleet's prefill or decode side, or colocated "
+        "(a model served by prefill workers needs a decode worker too, and vice versa)",
+    )
 
     @document_check
     def _check(self) -> None:
@@ -469,6 +485,11 @@ class DnsServiceSpec(EngineSettings):
     port: int = _opt(0, "the workers' port", lo=0, hi=65535)
     kind: Literal["agent", "vllm", "sglang", "openai"] = _opt("agent", "engine kind of these workers")
     model: str = _opt("", 'the model these workers serve ("": from each one\'s /v1/models)')
+    role: Literal["prefill", "decode", "both"] = _opt(
+        "both",
+        "prefill, decode or both: a disaggregated fleet's prefill or decode side, or colocated "
+        "(a model served by prefill workers needs a decode worker too, and vice versa)",
+    )
 
     @document_check
     def _check(self) -> None:
@@ -685,6 +706,25 @@ class AutoscaleConfig:
 
 
 @settings
+class DisaggConfig:
+    """Disaggregated prefill/decode (workers with ``role: prefill`` / ``decode``)."""
+
+    colocate_below_tokens: int = _opt(
+        -1,
+        "a request whose uncached prompt part on its decode worker is shorter runs colocated "
+        "there, skipping the prefill pool; -1: derived, the tokens that decode worker prefills "
+        "(its learned rate) in decode_step_s",
+        lo=-1,
+    )
+    decode_step_s: float = _opt(
+        0.025, "one decode step's time, for the derived colocate threshold", lo=0, hi=10
+    )
+    prefill_attempts: int = _opt(
+        2, "prefill workers a request's prefill leg may try (a failed leg has started no decode)", lo=1, hi=10
+    )
+
+
+@settings
 class ResponseHeadersConfig:
     worker_id: bool = _opt(
         False,
@@ -745,6 +785,7 @@ class Config:
     response_headers: ResponseHeadersConfig = _section(
         ResponseHeadersConfig, "what the router tells clients about itself"
     )
+    disagg: DisaggConfig = _section(DisaggConfig, "disaggregated prefill/decode")
     #: ``models:``: served model name -> the engine settings of every worker serving it
     models: Mapping[ModelName, EngineSettings] = Field(
         default_factory=dict,
@@ -1099,7 +1140,7 @@ def _merged_scalar(own: Any, entry: Any, default: Any) -> Any:
 def selector_template(sel: Any) -> WorkerSpec:
     """The worker entry a selector (or DNS service) gives each worker it finds (url
     and id are the endpoint's)."""
-    return WorkerSpec(model=sel.model, **{name: getattr(sel, name) for name in ENGINE_FIELDS})
+    return WorkerSpec(model=sel.model, role=sel.role, **{name: getattr(sel, name) for name in ENGINE_FIELDS})
 
 
 def load_model_keyers(
@@ -1188,9 +1229,32 @@ def parse_config(raw: Any, path: str = "", *, errors: list[ConfigError] | None =
             cfg = None
     if cfg is not None:
         _check_tokenizers(dataclasses.replace(cfg, discovery=discovery), found)
+        _check_roles(cfg, discovery, "workers.static" if isinstance(sections, Mapping) else "workers", found)
     raise_all(found)
     assert cfg is not None, "cfg is None only after an error, which raise_all raised"
     return dataclasses.replace(cfg, path=path, discovery=discovery)
+
+
+def _check_roles(cfg: Config, discovery: DiscoveryConfig, static: str, found: list[ConfigError]) -> None:
+    """Per served model (a worker's or selector's ``model``; "" for those that learn
+    it from /v1/models), the roles must make a fleet: prefill workers need a decode
+    worker and the other way round (``policies.disagg.validate_roles``). The error
+    names the first prefill or decode entry of the model."""
+    from policies.disagg import BOTH, validate_roles
+
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for i, w in enumerate(cfg.workers):
+        groups.setdefault(w.model, []).append((f"{static}[{i}].role", w.role))
+    for i, k in enumerate(discovery.kubernetes.selectors):
+        groups.setdefault(k.model, []).append((f"workers.discovery.kubernetes.selectors[{i}].role", k.role))
+    for i, d in enumerate(discovery.dns.services):
+        groups.setdefault(d.model, []).append((f"workers.discovery.dns.services[{i}].role", d.role))
+    for model, entries in groups.items():
+        try:
+            validate_roles([r for _, r in entries])
+        except ConfigError as exc:
+            where = next(p for p, r in entries if r != BOTH)
+            found.append(ConfigError(where, f"model {model or '(from /v1/models)'}: {exc.message}"))
 
 
 def config_warnings(cfg: Config) -> list[str]:

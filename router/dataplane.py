@@ -75,7 +75,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from policies.base import Policy, Reason
+from policies.base import Decision, Policy, Reason, WorkerView
 from protocol.errors import (
     MalformedRequest,
     Overloaded,
@@ -92,6 +92,7 @@ from router.config import Config
 from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink, Placement
 from router.metrics import Metrics
+from router.pd import PrefillDecode
 from router.pick import hint_and_count
 from router.pool import Pool, Worker
 from router.prefix_index import PrefixIndex
@@ -444,6 +445,8 @@ class DataPlane:
         #: per worker, the cancel handles of the requests in flight on it
         self._waiting: dict[Worker, set[Cancel]] = {}
         pool.on_unhealthy.append(self._worker_unhealthy)
+        #: disaggregated prefill/decode: the two legs of a request (router.pd)
+        self.pd = PrefillDecode(self)
 
     def configure(self, cfg: Config, policy: Policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
@@ -585,7 +588,28 @@ class DataPlane:
                 )
             return
         self.tenancy.admitted(ticket)
-        d = self.policy.choose(req, kr.match, views, now)
+        if self.pd.disaggregated(views):
+            await self.pd.serve(ctx, kr, views, now)
+            return
+        await self._forward(ctx, kr, views, now, self._policy_choice)
+
+    def _policy_choice(self, kr: KeyedRequest, views: list[WorkerView], now: float) -> Decision:
+        return self.policy.choose(kr.route_request, kr.match, views, now)
+
+    async def _forward(
+        self,
+        ctx: RequestContext,
+        kr: KeyedRequest,
+        views: list[WorkerView],
+        now: float,
+        choose: Callable[[KeyedRequest, list[WorkerView], float], Decision],
+        eligible: Callable[[WorkerView], bool] | None = None,
+    ) -> None:
+        """Runs the request on the worker ``choose`` picks among ``views``, and on
+        another (of those ``eligible``) only where the first provably is not running
+        it (module docstring); replies the failure when every attempt failed."""
+        pool, key, engines = self.pool, ctx.key, self.engines
+        d = choose(kr, views, now)
         tried: list[str] = []
         excluded: set[str] = set()  # workers a retry must not go to
         retries = self.cfg.retries
@@ -633,14 +657,18 @@ class DataPlane:
             if delay:
                 await asyncio.sleep(delay)
             now = time.monotonic()
-            views = [v for v in pool.views(now, key.model, key.adapter) if v.id not in excluded]
+            views = [
+                v
+                for v in pool.views(now, key.model, key.adapter)
+                if v.id not in excluded and (eligible is None or eligible(v))
+            ]
             if not views:
                 break
             try:
                 kr = engines.key(ctx.endpoint, ctx.body, key, ctx.session, views, now)
             except RequestError:
                 break
-            d = self.policy.choose(kr.route_request, kr.match, views, now)
+            d = choose(kr, views, now)
             if pool.get(d.worker) is None:
                 break
             ctx.reason = Reason.FALLBACK.value
@@ -778,10 +806,7 @@ class DataPlane:
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         resp = None
         cancel = Cancel()
-        waiting = self._waiting.get(w)
-        if waiting is None:
-            waiting = self._waiting[w] = set()
-        waiting.add(cancel)
+        self.watch(w, cancel)
         try:
             try:
                 # a non-streamed answer comes when its generation is done: only the
@@ -809,9 +834,7 @@ class DataPlane:
             if first is not None:  # from here on the client has bytes: never retry
                 await self._relay(ctx, w, f, resp, first, strip)
         finally:
-            waiting.discard(cancel)
-            if not waiting and self._waiting.get(w) is waiting:
-                del self._waiting[w]
+            self.unwatch(w, cancel)
             if resp is not None:
                 resp.release()
             self._settle(ctx, w, link, pick, f)
@@ -978,6 +1001,28 @@ class DataPlane:
         f.ok = None if isinstance(exc, ResponseTooLarge) else False
         f.status, f.broken = 200, True
         await ctx.ex.stream_end()
+
+    def watch(self, w: Worker, cancel: Cancel) -> None:
+        """``cancel`` fires if ``w`` turns unhealthy while its request waits
+        (``_worker_unhealthy``); ``unwatch`` it on every path."""
+        waiting = self._waiting.get(w)
+        if waiting is None:
+            waiting = self._waiting[w] = set()
+        waiting.add(cancel)
+
+    def unwatch(self, w: Worker, cancel: Cancel) -> None:
+        waiting = self._waiting.get(w)
+        if waiting is not None:
+            waiting.discard(cancel)
+            if not waiting:
+                del self._waiting[w]
+
+    def answer_error(self, ctx: RequestContext, worker: str, status: int, data: bytes, extra) -> None:
+        """Answers the client a worker's error ``status`` (its body, for a 4xx) in the
+        OpenAI shape, naming no worker; counted and logged as ``_failed`` does."""
+        self.metrics.outcome(worker, status, ctx.reason)
+        self._log_failed(ctx, worker, status)
+        ctx.ex.reply(status, _status_error(status, data), _JSON, [*self._ids(worker, ctx), *extra])
 
     def _worker_unhealthy(self, w: Worker) -> None:
         """``Pool.on_unhealthy``: every request waiting on ``w`` is cancelled there

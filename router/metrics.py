@@ -249,6 +249,12 @@ class Metrics:
         self.retries = Counter(
             "radixfleet_retries", "Requests retried on another worker", ["cause"], registry=r
         )
+        self.pd_legs = Counter(
+            "radixfleet_pd_requests",
+            "Requests of a disaggregated (prefill/decode) model, by path: prefill (two legs) or colocated",
+            ["path"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "radixfleet_in_flight", "Requests in flight per worker", ["worker"], registry=r
         )

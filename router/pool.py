@@ -203,6 +203,11 @@ class Worker:
             self.breaker = b = Breaker.HALF_OPEN
         return b is Breaker.HALF_OPEN and not self.trial
 
+    @property
+    def role(self) -> str:
+        """Its disaggregated role (``policies.disagg``): prefill, decode or both."""
+        return self.spec.role if self.spec is not None else "both"
+
     def prefill_rate(self, now: float) -> float:
         """Prefill tokens/s: learned from this worker's responses, shrunk toward the
         fleet's (router.engines.link), else the configured value."""
@@ -250,6 +255,7 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "source": self.source.value,
+            "role": self.role,
             "health": self.health.value,
             "breaker": self.breaker.value,
             "draining": self.draining,
@@ -324,6 +330,8 @@ class Pool:
         self._admit_t = clock()
         #: self-registered workers removed after unhealthy_grace_s (a metric reads it)
         self.reaped = 0
+        #: a worker with a prefill or decode role has been seen (``disaggregated``)
+        self._roles = False
         for spec in cfg.workers:
             self.add(spec.id, spec.url, Source.CONFIG, spec.weight, spec.prefill_tokens_per_s, spec)
 
@@ -357,6 +365,8 @@ class Pool:
         if url in self._by_url:
             raise ValueError(f"worker url {url!r} already exists (id {self._by_url[url].id!r})")
         w = Worker(wid, url, source, weight, prefill_tokens_per_s, spec)
+        if w.role != "both":
+            self._roles = True  # sticky: a fleet once disaggregated checks per request
         self._by_id[wid] = w
         self._by_url[url] = w
         self._changed()
@@ -366,6 +376,12 @@ class Pool:
         if self._session is not None:
             self.check_soon(w)
         return w
+
+    def disaggregated(self) -> bool:
+        """Whether a worker with a prefill or decode role has been in the pool
+        (``router.pd`` then checks each request's views; a colocated fleet, the
+        common case, skips that)."""
+        return self._roles
 
     def remove(self, wid: str) -> Worker | None:
         """Removes a worker and drops its index entries at once."""
@@ -390,12 +406,19 @@ class Pool:
         return w
 
     def register(
-        self, wid: str, url: str, epoch: str, models: Sequence[str] = (), block_bytes: int | None = None
+        self,
+        wid: str,
+        url: str,
+        epoch: str,
+        models: Sequence[str] = (),
+        block_bytes: int | None = None,
+        role: str = "both",
     ) -> Worker:
         """An agent announced itself (``POST /internal/v1/register`` or the bus:
         both call this). ``url`` is canonical (``router.config.parse_worker_url``);
         ``block_bytes`` (the agent's hashing block size) is recorded as said, the
-        caller has checked it against the router's.
+        caller has checked it against the router's. ``role``: a new agent entry's
+        disaggregated role (a configured entry keeps its own).
 
         - Its id and url already paired: the entry is kept (a configured worker
           keeps its source and settings). A new epoch is a fresh process with an
@@ -438,13 +461,14 @@ class Pool:
                     old.base_prefill,
                     dataclasses.replace(old.spec, id=wid)
                     if old.spec is not None
-                    else WorkerSpec(url=url, id=wid, kind="agent"),
+                    else WorkerSpec(url=url, id=wid, kind="agent", role=role),  # type: ignore[arg-type]
                 )
             else:
                 wait_s = self._admit() if self._session is not None else 0.0
                 if wait_s > 0:
                     raise Overloaded("too many new workers registering; retry later", retry_after_s=wait_s)
-                w = self.add(wid, url, Source.AGENT, spec=WorkerSpec(url=url, id=wid, kind="agent"))
+                spec = WorkerSpec(url=url, id=wid, kind="agent", role=role)  # type: ignore[arg-type]
+                w = self.add(wid, url, Source.AGENT, spec=spec)
         elif w.health is not HealthState.HEALTHY:
             self.check_soon(w)  # back (a restart at the same address): probe it now
         if self._session is None:
@@ -519,6 +543,9 @@ class Pool:
                 added.append(s.id)
             else:
                 w.source = Source.CONFIG
+                if w.spec is not None and w.spec.role != s.role:
+                    w.spec = dataclasses.replace(w.spec, role=s.role)
+                    self._roles = self._roles or s.role != "both"
                 if w.weight != s.weight or w.base_prefill != s.prefill_tokens_per_s:
                     w.weight, w.base_prefill = s.weight, s.prefill_tokens_per_s
                     self._changed(w)

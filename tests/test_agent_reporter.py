@@ -154,3 +154,22 @@ async def test_a_full_batch_goes_out_before_the_interval(setup):
     await client.post("/v1/completions", json=body("trigger a stored event " * 10))
     await until(lambda: len(fake.batches) > n, timeout=3.0)
     assert any(isinstance(e, Stored) for b in fake.batches[n:] for e in b.events)
+
+
+async def test_an_agent_registers_its_role(monkeypatch):
+    port = free_port()
+    fake = FakeRouter()
+    await fake.start(port)
+    app = create_app(
+        AgentConfig(kv_tokens=4_000, worker_id="w1", role="prefill"),
+        routers=[f"http://127.0.0.1:{port}"],
+        advertise_url="http://127.0.0.1:1",
+    )
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    try:
+        await until(lambda: fake.registrations)
+        assert fake.registrations[0]["role"] == "prefill"
+    finally:
+        await srv.close()
+        await fake.stop()

@@ -42,7 +42,7 @@ def test_defaults_are_a_valid_config():
     [
         (
             "polcy: {name: x}",
-            "polcy: unknown key; valid: auth, autoscale, breaker, bus, health, "
+            "polcy: unknown key; valid: auth, autoscale, breaker, bus, disagg, health, "
             "index, keys, limits, listen, load, models, policy, registration, reload, response_headers, "
             "retries, tenancy, timeouts, traffic_log, warmup, workers",
         ),
@@ -119,9 +119,9 @@ def test_defaults_are_a_valid_config():
         ),
         (
             "workers: [{url: 'http://h:1', colour: red}]",
-            "workers[0].colour: unknown key; valid: block_size, chat_template, events, id, kind, "
+            "workers[0].colour: unknown key; valid: block_size, bootstrap_port, chat_template, events, id, kind, "
             "kv_capacity_tokens, "
-            "metrics, model, prefill_tokens_per_s, tokenizer, url, weight",
+            "metrics, model, prefill_tokens_per_s, role, tokenizer, url, weight",
         ),
         (
             "workers: ['http://h:1', {url: 'http://h:2', id: 'h:1'}]",

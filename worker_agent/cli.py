@@ -2,7 +2,7 @@
 
     radixfleet agent --engine sim --model llama-3-8b --gpu h100 [--tp N] [--kv-tokens N]
                      [--host 127.0.0.1] --port P [--router URL ...] [--worker-id ID]
-                     [--block-bytes N] [--admission MODE] [--seed S]
+                     [--block-bytes N] [--role prefill|decode|both] [--admission MODE] [--seed S]
                      [--page-size N] [--disable-radix-cache] [--advertise-url URL]
                      [--dram-tokens TOKENS|Nx [--dram-admit-hits N]]
                      [--bus nats://HOST:4222|tls://HOST:4222 [--bus-prefix P]
@@ -192,6 +192,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="router block size in bytes (a multiple of 4)",
     )
     parser.add_argument(
+        "--role",
+        choices=("prefill", "decode", "both"),
+        default="both",
+        help="the role it registers with: a disaggregated fleet's prefill or decode side, or both",
+    )
+    parser.add_argument(
         "--admission", choices=ADMISSION_MODES, default="always", help="which prompts the prefix cache keeps"
     )
     parser.add_argument(
@@ -325,6 +331,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         kv_tokens=args.kv_tokens,
         served_model_name=args.served_model_name,
         block_bytes=args.block_bytes,
+        role=args.role,
         admission=AdmissionConfig(
             args.admission,
             min_prefix_tokens=args.min_prefix_tokens,

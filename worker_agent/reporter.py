@@ -78,6 +78,7 @@ class Reporter(Lifecycle):
         block_bytes: int | None = None,
         bus=None,
         dram=None,
+        role: str = "both",
     ) -> None:
         if not routers and bus is None:
             raise ValueError("a reporter needs at least one router URL or a bus")
@@ -89,6 +90,8 @@ class Reporter(Lifecycle):
         self.models = models
         #: the block size this agent hashes with, sent at registration (None: not sent)
         self.block_bytes = block_bytes
+        #: its disaggregated role, sent at registration when not "both"
+        self.role = role
         self.cache = cache
         #: worker_agent.dram_tier.DramTier or None: its blocks go out as "cpu"-tier events
         self.dram = dram
@@ -186,7 +189,7 @@ class Reporter(Lifecycle):
                     return
             batch = EventBatch(self.worker_id, self.url, self.epoch, link.seq, events, None)
             link.seq += 1
-            if not await bus.publish_batch(batch, self.models, self.block_bytes):
+            if not await bus.publish_batch(batch, self.models, self.block_bytes, self.role):
                 link.failures += 1
                 link.resnapshot()
                 return
@@ -221,6 +224,8 @@ class Reporter(Lifecycle):
                 }
                 if self.block_bytes is not None:
                     body["block_bytes"] = self.block_bytes
+                if self.role != "both":
+                    body["role"] = self.role
                 code, status, data = await self._post(link, REGISTER_PATH, body)
                 if code != 200:
                     link.failures += 1

@@ -90,6 +90,8 @@ class AgentConfig:
     #: the name clients use in "model"; default: the model preset's name
     served_model_name: str | None = None
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    #: the role it registers with (router.pd): prefill, decode or both
+    role: str = "both"
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
@@ -764,6 +766,7 @@ def create_app(
                 load=agent.sched.load,
                 token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
                 block_bytes=cfg.block_bytes,
+                role=cfg.role,
                 bus=agent_bus,
                 dram=agent.sched.dram,
             )

@@ -380,7 +380,7 @@ class BusReplica:
                 # new to us, moved, or a new agent process: what POST /register does
                 # (the same refusals: an id held at another URL, the new-worker rate)
                 try:
-                    self.pool.register(b.worker_id, url, b.epoch, m.models, m.block_bytes)
+                    self.pool.register(b.worker_id, url, b.epoch, m.models, m.block_bytes, m.role)
                 except (Conflict, Overloaded) as exc:
                     raise BadMessage(exc.code, str(exc)) from None
             else:
