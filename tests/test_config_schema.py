@@ -43,8 +43,8 @@ def test_defaults_are_a_valid_config():
         (
             "polcy: {name: x}",
             "polcy: unknown key; valid: auth, autoscale, breaker, bus, health, "
-            "index, keys, limits, listen, load, models, policy, registration, reload, response_headers, "
-            "retries, tenancy, timeouts, traffic_log, warmup, workers",
+            "index, keys, limits, listen, load, models, policy, prefetch, registration, reload, "
+            "response_headers, retries, tenancy, timeouts, traffic_log, warmup, workers",
         ),
         (
             "health: {intervall_s: 1}",
