@@ -94,6 +94,12 @@ class RequestSpec:
     arrival_s: float | None = None
     #: tokens the workload meant the prompt to have (template overhead aside)
     nominal_prompt_tokens: int = 0
+    #: seconds the prompt (its ``prefetch`` part) is known before the request is due:
+    #: the sender waits this long after the arrival, and with prefetching on sends
+    #: ``prefetch`` to ``POST /v1/prefetch`` at the arrival (None: sent at arrival)
+    lead_s: float | None = None
+    #: the prompt part known ``lead_s`` ahead (``body``'s shape, a prefix of it)
+    prefetch: dict | None = None
 
 
 class Session:
@@ -480,11 +486,19 @@ class RagParams:
     output_tokens: int = 128
     requests: int = 1000
     api: str = API_CHAT
+    #: the retriever's lead: its chunks are known this long before the generation
+    #: request is sent (0: sent at once, nothing to prefetch)
+    lead_ms: float = 300.0
 
 
 class Rag(Workload):
     """A shared instruction header, then k of M document chunks (popular chunks are
-    retrieved more often, in retrieval order), then a unique question."""
+    retrieved more often, in retrieval order), then a unique question.
+
+    The retriever runs ``lead_ms`` ahead of the generator: each request arrives at
+    retrieval time and is sent ``lead_ms`` later; its header and chunks (the prompt
+    without the question) are its ``prefetch`` part, which ``loadtest --prefetch``
+    posts to ``/v1/prefetch`` at retrieval time."""
 
     name = "rag"
     Params = RagParams
@@ -499,9 +513,11 @@ class Rag(Workload):
             "rag: token lengths must be positive",
         )
         _check(p.api in APIS, f"rag: api must be one of {', '.join(APIS)}")
+        _check(0 <= p.lead_ms <= 60_000, f"rag: lead_ms must be in [0, 60000], got {p.lead_ms:g}")
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
+        lead = p.lead_ms / 1000.0 if p.lead_ms > 0 else None
         header = self.text(p.header_tokens, "header")
         chunks = [self.text(p.chunk_tokens, f"doc/{d}") for d in range(p.documents)]
         cum = _zipf_weights(p.documents, p.alpha)
@@ -516,14 +532,12 @@ class Rag(Workload):
             question = self.text(p.question_tokens, f"question/{i}")
             sid = f"r{i}"
             if p.api == API_CHAT:
-                body: dict[str, Any] = {
-                    "messages": [
-                        {"role": "system", "content": header},
-                        {"role": "user", "content": context + question},
-                    ]
-                }
+                system = {"role": "system", "content": header}
+                body: dict[str, Any] = {"messages": [system, {"role": "user", "content": context + question}]}
+                known: dict[str, Any] = {"messages": [system, {"role": "user", "content": context}]}
             else:
                 body = {"prompt": header + "\n" + context + question}
+                known = {"prompt": header + "\n" + context}
             out.append(
                 SingleShot(
                     RequestSpec(
@@ -535,6 +549,8 @@ class Rag(Workload):
                         0,
                         None,
                         p.header_tokens + p.k * p.chunk_tokens + p.question_tokens,
+                        lead,
+                        known if lead else None,
                     )
                 )
             )

@@ -9,10 +9,14 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import time
 
 import httpx
 import pytest
 
+from loadtest.client import Result, Target
+from loadtest.workloads import make_workload
+from protocol.errors import WorkloadError
 from router.prefetch import PREFETCH_PATH, PrefetchBudget, PrefetchLedger
 from tests.test_router_bad_input import Fleet, fleet, until  # noqa: F401 - fleet: the fixture
 
@@ -199,3 +203,52 @@ async def test_prefetch_is_dropped_first_when_the_router_is_full(fleet):
     assert fleet.router.metrics.prefetch_dropped.labels("load")._value.get() == 1
     assert counter(fleet, "warmed") == 0
     await asyncio.sleep(0)
+
+
+# ================================================ the load generator's RAG
+
+
+def test_rag_knows_its_chunks_a_lead_ahead():
+    w = make_workload("rag", {"requests": "3", "k": "2", "documents": "5", "lead_ms": "250"}, seed=1)
+    for s in w.sessions():
+        spec = s.first()
+        assert spec.lead_s == pytest.approx(0.25)
+        known, full = spec.prefetch["messages"], spec.body["messages"]
+        assert known[0] == full[0]  # the shared system prompt
+        assert full[1]["content"].startswith(known[1]["content"]) and len(full[1]["content"]) > len(
+            known[1]["content"]
+        )  # the chunks, then the question
+    spec = make_workload("rag", {"requests": "1", "api": "completions"}).sessions()[0].first()
+    assert spec.lead_s == pytest.approx(0.3)  # the default lead
+    assert spec.body["prompt"].startswith(spec.prefetch["prompt"])
+    spec = make_workload("rag", {"requests": "1", "lead_ms": "0"}).sessions()[0].first()
+    assert spec.lead_s is None and spec.prefetch is None
+
+
+@pytest.mark.parametrize("bad", ["-1", "60001", "x"])
+def test_rag_lead_is_validated(bad):
+    with pytest.raises(WorkloadError, match="lead_ms"):
+        make_workload("rag", {"lead_ms": bad})
+
+
+@pytest.mark.integration
+async def test_loadtest_client_prefetches_at_retrieval_time(fleet):
+    await agents_fleet(fleet)
+    w = make_workload("rag", {"requests": "2", "k": "2", "documents": "4", "lead_ms": "200"}, seed=7)
+    specs = [s.first() for s in w.sessions()]
+    async with Target("t", fleet.base, prefetch=True) as t:
+        await t.probe()
+        r = Result(specs[0].id, specs[0].session, 0)
+        t0 = time.monotonic()
+        assert await t.send(specs[0], r) is not None, r.error
+        assert time.monotonic() - t0 >= 0.2  # the lead waited out
+    assert r.ok and r.prefetch_status == 202 and not r.prefetch_dedup
+    # the real request found its chunks cached by the prefetch
+    assert r.cached_tokens >= 0.7 * r.prompt_tokens, (r.cached_tokens, r.prompt_tokens)
+    assert counter(fleet, "used") == 1
+    async with Target("t", fleet.base, prefetch=False) as t:  # the baseline: no prefetch
+        await t.probe()
+        r = Result(specs[1].id, specs[1].session, 0)
+        assert await t.send(specs[1], r) is not None, r.error
+    assert r.ok and r.prefetch_status is None
+    assert counter(fleet, "warmed") == 1
