@@ -559,7 +559,10 @@ class DataPlane:
         except RequestError as exc:  # over a rate limit; a priority header naming no class
             self._reject(ctx.ex, exc, ctx.rid)
             return
-        shed, waited = await self._admission(ctx, kr, ticket, now)
+        if self.prefetched and self._prefetch_pending(kr, views):
+            shed, waited = None, False  # admitted as its prefetch (router.prefetch)
+        else:
+            shed, waited = await self._admission(ctx, kr, ticket, now)
         if shed is None and waited:
             # it waited: route with what the pool and the index know now
             now = time.monotonic()
@@ -1127,7 +1130,7 @@ class DataPlane:
             pick = self._pick(w, kr, now)  # the hint the real request follows; its load
             link = w.engine
             holder = w.id if pick.rank is None or link is None else link.holder(pick.rank)
-            wasted = self.prefetched.warmed(holder, sk.hashes[-1], now)
+            wasted = self.prefetched.warmed(w.id, sk.hashes[-1], now, holder)
             if wasted:
                 m.prefetch.labels("unused").inc(wasted)
             m.prefetch.labels("warmed").inc()
@@ -1195,12 +1198,20 @@ class DataPlane:
             if ok is not True:
                 self.metrics.prefetch.labels("failed").inc()
 
+    def _prefetch_pending(self, kr: KeyedRequest, views) -> bool:
+        """Whether a prefetch made for this request has not been used yet: a worker
+        it may go to holds a prefetched prefix of it."""
+        led = self.prefetched
+        for v in views:
+            blocks = kr.blocks_for(v.id)
+            if blocks and led.pending(v.id, kr.key_for(v.id).hashes[:blocks]):
+                return True
+        return False
+
     def _prefetch_used(self, w: Worker, pick: Placement, now: float) -> None:
         """A real request picked ``w``: the prefetches of a prefix it matched there
         were used."""
-        link = w.engine
-        holder = w.id if pick.rank is None or link is None else link.holder(pick.rank)
-        used = self.prefetched.observe(holder, pick.key.hashes[: pick.blocks])
+        used = self.prefetched.observe(w.id, pick.key.hashes[: pick.blocks])
         if used:
             self.metrics.prefetch.labels("used").inc(used)
         self._prefetch_sweep(now)

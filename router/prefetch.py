@@ -22,6 +22,13 @@ A prefetch is speculative work, so it is the first thing dropped:
   not sent again (202 with ``deduplicated: true``); a second prefetch of the same
   prompt finds the first one's hint.
 
+The real request that follows a prefetch is not shed: its prefill was admitted (and
+budgeted) as the prefetch's, which is still queued or running on its worker when the
+lead is shorter than the prefill. Shedding it for that work would turn a prefetch
+into a refusal (measured: a light RAG load saw 429s, because the fleet's typical
+request, the real one after its prefetch, is small, and the prefetch queued ahead of
+it is large).
+
 ``PrefetchLedger`` counts what prefetches were worth: a warmed prefix (worker, last
 block hash) is *used* when a later real request on that worker matched it,
 *wasted* when ``prefetch.window_s`` passes first (``evicted`` when the index no
@@ -68,39 +75,46 @@ class PrefetchBudget:
 
 
 class PrefetchLedger:
-    """Warmed prefixes awaiting their real request: (holder, last block hash) ->
-    when warmed, oldest first. ``observe`` is called with every real request's
-    matched blocks on its worker; ``sweep`` ends the ones past the window."""
+    """Warmed prefixes awaiting their real request: (worker, last block hash) ->
+    (when warmed, the index holder it was hinted under: the worker, or one of its
+    data-parallel ranks), oldest first. ``observe`` is called with every real
+    request's matched blocks on its worker; ``sweep`` ends the ones past the window."""
 
     __slots__ = ("_open", "max_tracked")
 
     def __init__(self, max_tracked: int = 4096) -> None:
-        self._open: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._open: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
         self.max_tracked = max_tracked
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def warmed(self, holder: str, last_hash: int, now: float) -> int:
-        """Records a prefetch of a prefix ending in ``last_hash`` on ``holder``.
+    def warmed(self, worker: str, last_hash: int, now: float, holder: str | None = None) -> int:
+        """Records a prefetch of a prefix ending in ``last_hash`` on ``worker``.
         Returns how many older entries were pushed out past ``max_tracked`` (wasted)."""
-        key = (holder, last_hash)
+        key = (worker, last_hash)
         self._open.pop(key, None)
-        self._open[key] = now
+        self._open[key] = (now, holder or worker)
         out = 0
         while len(self._open) > self.max_tracked:
             self._open.popitem(last=False)
             out += 1
         return out
 
-    def observe(self, holder: str, matched: Sequence[int]) -> int:
-        """A real request matched the block hashes ``matched`` on ``holder``: the
+    def pending(self, worker: str, matched: Sequence[int]) -> bool:
+        """Whether a prefetch not yet used covers a block of ``matched`` on ``worker``
+        (the real request it was made for has not come yet). Does not close it."""
+        o = self._open
+        return any((worker, h) in o for h in matched)
+
+    def observe(self, worker: str, matched: Sequence[int]) -> int:
+        """A real request matched the block hashes ``matched`` on ``worker``: the
         prefetches whose prefix it covers are used (and closed). Returns how many."""
         if not self._open:
             return 0
         used = 0
         for h in matched:
-            if self._open.pop((holder, h), None) is not None:
+            if self._open.pop((worker, h), None) is not None:
                 used += 1
         return used
 
@@ -111,11 +125,11 @@ class PrefetchLedger:
         cutoff = now - window_s
         o = self._open
         while o:
-            key, t = next(iter(o.items()))
+            key, (t, holder) = next(iter(o.items()))
             if t > cutoff:
                 break
             del o[key]
-            if held(*key):
+            if held(holder, key[1]):
                 unused += 1
             else:
                 evicted += 1

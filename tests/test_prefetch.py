@@ -16,8 +16,9 @@ import pytest
 
 from loadtest.client import Result, Target
 from loadtest.workloads import make_workload
-from protocol.errors import WorkloadError
+from protocol.errors import Overloaded, WorkloadError
 from router.prefetch import PREFETCH_PATH, PrefetchBudget, PrefetchLedger
+from router.shedding import Shedder
 from tests.test_router_bad_input import Fleet, fleet, until  # noqa: F401 - fleet: the fixture
 
 # ================================================================ budget
@@ -66,6 +67,16 @@ def test_ledger_sweep_splits_wasted_into_evicted_and_unused():
     assert led.sweep(40.0, 30.0, lambda h, k: (h, k) in held) == (1, 1)
     assert len(led) == 1  # the young one stays open
     assert led.observe("w0", [3]) == 1
+
+
+def test_ledger_pending_does_not_close_and_sweep_asks_the_hinted_holder():
+    led = PrefetchLedger()
+    led.warmed("w0", 7, now=0.0, holder="w0#1")  # a data-parallel rank's entry
+    assert led.pending("w0", [6, 7]) and not led.pending("w1", [7]) and not led.pending("w0", [6])
+    assert led.pending("w0", [7])  # still open
+    asked = []
+    assert led.sweep(31.0, 30.0, lambda h, k: asked.append((h, k)) or True) == (0, 1)
+    assert asked == [("w0#1", 7)]
 
 
 def test_ledger_is_bounded():
@@ -140,6 +151,25 @@ async def test_prefetch_warms_the_worker_the_real_request_then_uses(fleet):
         assert cold["prompt_tokens_details"]["cached_tokens"] < 0.5 * cold["prompt_tokens"], cold
     assert counter(fleet, "used") == 1
     assert fleet.router.metrics.prefetch_tokens._value.get() > 0
+
+
+@pytest.mark.integration
+async def test_the_request_a_prefetch_was_made_for_is_not_shed(fleet, monkeypatch):
+    """Its prefill was admitted as the prefetch's (router.prefetch): a fleet that
+    sheds now refuses other requests, not this one."""
+    await agents_fleet(fleet)
+    body = rag_body(os.urandom(6).hex())
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(fleet.base + PREFETCH_PATH, json=body)
+        assert r.status_code == 202, r.text
+        warmed = r.json()["worker"]
+        monkeypatch.setattr(Shedder, "check", lambda *a, **k: Overloaded("saturated (test)", retry_after_s=1))
+        other = await c.post(fleet.base + "/v1/chat/completions", json=rag_body(os.urandom(6).hex()))
+        assert_error(other, 429, "overloaded")
+        r = await c.post(fleet.base + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-radixfleet-worker"] == warmed
+    assert counter(fleet, "used") == 1
 
 
 @pytest.mark.integration
