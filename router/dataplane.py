@@ -1130,7 +1130,10 @@ class DataPlane:
             pick = self._pick(w, kr, now)  # the hint the real request follows; its load
             link = w.engine
             holder = w.id if pick.rank is None or link is None else link.holder(pick.rank)
-            wasted = self.prefetched.warmed(w.id, sk.hashes[-1], now, holder)
+            # its last full block may hold the chat template's closing tokens, which the
+            # real request (its message goes on) does not share: the one before marks it
+            mark = sk.hashes[-2] if len(sk.hashes) > 1 else sk.hashes[-1]
+            wasted = self.prefetched.warmed(w.id, mark, now, holder)
             if wasted:
                 m.prefetch.labels("unused").inc(wasted)
             m.prefetch.labels("warmed").inc()

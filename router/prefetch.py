@@ -29,8 +29,10 @@ into a refusal (measured: a light RAG load saw 429s, because the fleet's typical
 request, the real one after its prefetch, is small, and the prefetch queued ahead of
 it is large).
 
-``PrefetchLedger`` counts what prefetches were worth: a warmed prefix (worker, last
-block hash) is *used* when a later real request on that worker matched it,
+``PrefetchLedger`` counts what prefetches were worth: a warmed prefix (worker, the
+hash of its last block but one: the last may hold a chat template's closing tokens,
+which the real request, whose message goes on, does not share) is *used* when a
+later real request on that worker matched it,
 *wasted* when ``prefetch.window_s`` passes first (``evicted`` when the index no
 longer holds it then, ``unused`` when it does). Memory: at most ``max_tracked``
 entries; past it the oldest are counted wasted early.

@@ -17,6 +17,7 @@ import pytest
 from loadtest.client import Result, Target
 from loadtest.workloads import make_workload
 from protocol.errors import Overloaded, WorkloadError
+from protocol.prefix_keys import Endpoint, request_key
 from router.prefetch import PREFETCH_PATH, PrefetchBudget, PrefetchLedger
 from router.shedding import Shedder
 from tests.test_router_bad_input import Fleet, fleet, until  # noqa: F401 - fleet: the fixture
@@ -169,6 +170,36 @@ async def test_the_request_a_prefetch_was_made_for_is_not_shed(fleet, monkeypatc
         r = await c.post(fleet.base + "/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.headers["x-radixfleet-worker"] == warmed
+    assert counter(fleet, "used") == 1
+
+
+@pytest.mark.integration
+async def test_a_prefix_prefetch_counts_used_when_its_request_goes_on(fleet):
+    """The prefetched text ends where the question starts: the prefetch's last block
+    holds the chat template's closing tokens, which the real request does not share;
+    the prefetch is still counted used (marked by its last block but one)."""
+    await agents_fleet(fleet)
+    dp = fleet.router.dataplane
+    ns = dp.tenants.namespace_of(dp.tenants.identify({})[0])
+    system = {"role": "system", "content": f"{os.urandom(6).hex()} {SYSTEM}"}
+
+    def bodies(n: int) -> tuple[dict, dict]:
+        user = "x" * n
+        known = {"model": "m", "messages": [system, {"role": "user", "content": user}]}
+        return known, {"model": "m", "messages": [system, {"role": "user", "content": user + " why?"}]}
+
+    def hashes(body: dict) -> list[int]:
+        return request_key(Endpoint.CHAT, body, tenant=ns, block_bytes=dp.cfg.keys.block_bytes).hashes
+
+    n = next(n for n in range(1000, 1200) if hashes(bodies(n)[0])[-1] not in hashes(bodies(n)[1]))
+    known, real = bodies(n)
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.post(fleet.base + PREFETCH_PATH, json=known)).status_code == 202
+        await settled(fleet)
+        r = await c.post(fleet.base + "/v1/chat/completions", json={**real, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.8 * usage["prompt_tokens"], usage
     assert counter(fleet, "used") == 1
 
 
