@@ -1038,27 +1038,38 @@ class DataPlane:
             self._spawn(self._warmup(w, payload, key.tenant))
 
     async def _warmup(self, w: Worker, payload: bytes, tenant: str) -> None:
-        headers = {
-            "Content-Type": _JSON,
-            **self.tenants.forward_headers(tenant),
-            REQUEST_ID_HEADER: f"{self._rid_prefix}-warm-{next(self._rid)}",
-        }
-        status = "error"
+        rid = f"{self._rid_prefix}-warm-{next(self._rid)}"
+        status = await self._prefill_only(
+            w,
+            Endpoint.COMPLETIONS,
+            payload,
+            self.tenants.forward_headers(tenant),
+            rid,
+            self.cfg.warmup.timeout_s,
+        )
+        self.metrics.warmups.labels("ok" if status is not None and status < 400 else "error").inc()
+
+    async def _prefill_only(
+        self, w: Worker, endpoint: Endpoint, payload: bytes, headers: dict, rid: str, timeout_s: float
+    ) -> int | None:
+        """Sends ``w`` a prefill-only request (``max_tokens: 1``, not streamed: a
+        hot-root warm-up or a prefetch) and drops its answer. Returns the worker's
+        status, or None when it did not answer (logged)."""
+        assert self.session is not None, "warm-ups and prefetches run only once started"
         try:
-            assert self.session is not None, "warm-ups run only once started"
             async with self.session.post(
-                w.url + Endpoint.COMPLETIONS.value,
+                w.url + endpoint.value,
                 data=payload,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.cfg.warmup.timeout_s),
+                headers={"Content-Type": _JSON, **headers, REQUEST_ID_HEADER: rid},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 await resp.read()
-                status = "ok" if resp.status < 400 else "error"
-        except asyncio.CancelledError:
-            raise
+                if resp.status >= 400:
+                    log.debug("prefill-only request %s on %s: HTTP %d", rid, w.id, resp.status)
+                return resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            log.debug("warm-up of %s failed: %r", w.id, exc)
-        self.metrics.warmups.labels(status).inc()
+            log.debug("prefill-only request %s on %s failed: %r", rid, w.id, exc)
+            return None
 
     # ------------------------------------------------------------- prefetch
 
@@ -1169,30 +1180,19 @@ class DataPlane:
         every path."""
         warm = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
         warm.update(max_tokens=1, stream=False, n=1)
-        headers = {"Content-Type": _JSON, **self.tenants.forward_headers(tenant), REQUEST_ID_HEADER: rid}
+        headers = self.tenants.forward_headers(tenant)
         if pick.rank is not None:
-            headers["x-data-parallel-rank"] = str(pick.rank)
+            headers = {**headers, "x-data-parallel-rank": str(pick.rank)}
         link = w.engine
-        ok: bool | None = False
+        ok: bool | None = None  # cancelled (shutdown): neither
         try:
-            assert self.session is not None, "prefetches run only once started"
-            async with self.session.post(
-                w.url + endpoint.value,
-                data=json.dumps(warm).encode(),
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.cfg.prefetch.timeout_s),
-            ) as resp:
-                await resp.read()
-                if resp.status < 400:
-                    ok = True
-                else:
-                    ok = None if resp.status == 429 else False  # busy is not broken
-                    log.debug("prefetch %s on %s: HTTP %d", rid, w.id, resp.status)
-        except asyncio.CancelledError:
-            ok = None
-            raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            log.debug("prefetch %s on %s failed: %r", rid, w.id, exc)
+            status = await self._prefill_only(
+                w, endpoint, json.dumps(warm).encode(), headers, rid, self.cfg.prefetch.timeout_s
+            )
+            if status is not None and status < 400:
+                ok = True
+            elif status != 429:  # busy is not broken
+                ok = False
         finally:
             self.pool.finish(w, pick.own, ok)
             self.queue.kick(time.monotonic())
