@@ -279,6 +279,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="the fleet's KV capacity for pooled_hit_rate (default: from the agents)",
     )
+    parser.add_argument(
+        "--prefetch",
+        choices=("on", "off"),
+        default=None,
+        help="a workload with a retriever lead (rag lead_ms): 'on' posts each request's known "
+        "prefix to the router's /v1/prefetch at retrieval time and sends the request after "
+        "the lead; 'off' only waits the lead (the baseline); absent: the lead is ignored",
+    )
     c = parser.add_argument_group("client (as the OpenAI SDK behaves)")
     c.add_argument(
         "--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)"
@@ -509,6 +517,7 @@ def run(args: argparse.Namespace) -> int:
                 allow_warm=args.allow_warm,
                 headers=headers,
                 retry=retry,
+                prefetch=None if args.prefetch is None else args.prefetch == "on",
             )
         )
         for o in outs:

@@ -74,6 +74,10 @@ class Result:
     oracle_cached: int = 0
     #: leading tokens one LRU cache of the fleet's capacity held when it was sent
     pooled_cached: int = 0
+    #: the status ``POST /v1/prefetch`` answered for it (None: none sent), and
+    #: whether the router found the prefix there already (``deduplicated``)
+    prefetch_status: int | None = None
+    prefetch_dedup: bool = False
 
 
 class _State(enum.Enum):
@@ -105,6 +109,7 @@ class Target:
         headers: dict[str, str] | None = None,
         retry: RetryPolicy = RetryPolicy("none"),
         seed: int = 0,
+        prefetch: bool | None = None,
     ) -> None:
         self.name = name
         urls = []
@@ -121,6 +126,9 @@ class Target:
         self.max_connections = max_connections
         self.headers = dict(headers or {})  # sent with every request, the probe included
         self.retry = retry
+        #: a spec's lead (``RequestSpec.lead_s``): None ignores it (sent at arrival);
+        #: False waits it out; True also posts its known prefix to /v1/prefetch first
+        self.prefetch = prefetch
         self._jitter = random.Random(seed)  # backoff jitter: the same run waits the same
         self._session: aiohttp.ClientSession | None = None
         self._state = _State.NEW
@@ -211,6 +219,8 @@ class Target:
         """
         session = self._need_open()
         url, body = self._request(spec)
+        if spec.lead_s is not None and self.prefetch is not None:
+            await self._lead(session, url, spec, result, clock)
         t0 = clock()
         result.start = t0
         parts: list[str] = []
@@ -252,6 +262,33 @@ class Target:
             result.output_tokens = len(parts)
         result.ok = True
         return "".join(parts)
+
+    async def _lead(self, session: aiohttp.ClientSession, url: str, spec: RequestSpec, result: Result, clock):
+        """The retriever's lead before a request is due: with prefetching on, its
+        known prefix goes to ``POST /v1/prefetch`` (the router answers 202 at once;
+        a refusal or failure costs the request nothing), then the rest of the lead
+        is waited out."""
+        assert spec.lead_s is not None, "only a spec with a lead waits"
+        t = clock()
+        if self.prefetch and spec.prefetch is not None:
+            pre = {**spec.prefetch, "model": self.model or "default", "max_tokens": spec.max_tokens}
+            if self.send_session:
+                pre["user"] = spec.session
+            base = url[: url.index("/v1/")]
+            try:
+                async with session.post(
+                    base + "/v1/prefetch", json=pre, timeout=aiohttp.ClientTimeout(total=spec.lead_s + 5)
+                ) as resp:
+                    result.prefetch_status = resp.status
+                    if resp.status == 202:
+                        result.prefetch_dedup = (await resp.json(content_type=None)).get(
+                            "deduplicated"
+                        ) is True
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                result.prefetch_status = 0
+        rest = spec.lead_s - (clock() - t)
+        if rest > 0:
+            await asyncio.sleep(rest)
 
 
 async def _read_stream(

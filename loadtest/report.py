@@ -255,7 +255,7 @@ def summarize(
         else:
             duration_s = 0.0
     itl = [x for r in ok for x in r.itl_s]
-    return {
+    out = {
         "name": name,
         "target": target,
         "workload": workload,
@@ -283,6 +283,15 @@ def summarize(
         "workers": dict(sorted(table.items())),
         "load_imbalance": imbalance,
     }
+    sent = [r for r in results if r.prefetch_status is not None]
+    if sent:  # POST /v1/prefetch at retrieval time (loadtest --prefetch on)
+        out["prefetch"] = {
+            "sent": len(sent),
+            "accepted": sum(r.prefetch_status == 202 for r in sent),
+            "deduplicated": sum(r.prefetch_dedup for r in sent),
+            "refused": sum(r.prefetch_status == 429 for r in sent),
+        }
+    return out
 
 
 def mark_bounds(report: dict, bounds, stopped_by: str, dispatched: int, total: int | None) -> None:

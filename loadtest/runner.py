@@ -297,6 +297,7 @@ async def run_ab(
     allow_warm: bool = False,
     headers: dict[str, str] | None = None,
     retry: RetryPolicy = RetryPolicy("none"),
+    prefetch: bool | None = None,
 ) -> list[RunOutcome]:
     """Probes every target, then runs the workload against each in turn, cold.
 
@@ -305,7 +306,8 @@ async def run_ab(
     and ``RunError`` when an agent's cache flush fails before a run, unless
     ``allow_warm``: then the run goes on, marked ``cold_start: false``. ``headers``
     go with every request to a target (an API key); ``retry`` is the client's policy
-    on refusals (``loadtest.retry``).
+    on refusals (``loadtest.retry``); ``prefetch``: how a request's lead is spent
+    (``Target``: None ignores it, False waits it out, True prefetches then waits).
     """
     outcomes = []
     async with aiohttp.ClientSession() as admin:
@@ -324,6 +326,7 @@ async def run_ab(
                 send_session=send_session,
                 headers=headers,
                 retry=retry,
+                prefetch=prefetch,
             ) as target:
                 await target.probe()
                 url = target.base_url  # the first replica answers the admin calls

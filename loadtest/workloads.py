@@ -104,6 +104,12 @@ class RequestSpec:
     arrival_s: float | None = None
     #: tokens the workload meant the prompt to have (template overhead aside)
     nominal_prompt_tokens: int = 0
+    #: seconds the prompt (its ``prefetch`` part) is known before the request is due:
+    #: the sender waits this long after the arrival, and with prefetching on sends
+    #: ``prefetch`` to ``POST /v1/prefetch`` at the arrival (None: sent at arrival)
+    lead_s: float | None = None
+    #: the prompt part known ``lead_s`` ahead (``body``'s shape, a prefix of it)
+    prefetch: dict | None = None
 
 
 class Session:
@@ -446,6 +452,13 @@ class RagParams:
     output_tokens: int = setting(128, "max_tokens of each request", lo=1)
     requests: int = setting(1000, "requests", lo=1)
     api: Api = setting(API_CHAT, _API_DOC)
+    lead_ms: float = setting(
+        300.0,
+        "the retriever's lead: its chunks are known this long before the generation request "
+        "is sent (0: sent at once, nothing to prefetch)",
+        lo=0,
+        hi=60_000,
+    )
 
     @document_check
     def _k_within_documents(self) -> None:
@@ -455,13 +468,19 @@ class RagParams:
 
 class Rag(Workload):
     """A shared instruction header, then k of M document chunks (popular chunks are
-    retrieved more often, in retrieval order), then a unique question."""
+    retrieved more often, in retrieval order), then a unique question.
+
+    The retriever runs ``lead_ms`` ahead of the generator: each request arrives at
+    retrieval time and is sent ``lead_ms`` later; its header and chunks (the prompt
+    without the question) are its ``prefetch`` part, which ``loadtest --prefetch``
+    posts to ``/v1/prefetch`` at retrieval time."""
 
     name = "rag"
     Params = RagParams
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
+        lead = p.lead_ms / 1000.0 if p.lead_ms > 0 else None
         header = self.text(p.header_tokens, "header")
         chunks = [self.text(p.chunk_tokens, f"doc/{d}") for d in range(p.documents)]
         cum = _zipf_weights(p.documents, p.alpha)
@@ -476,14 +495,12 @@ class Rag(Workload):
             question = self.text(p.question_tokens, f"question/{i}")
             sid = f"r{i}"
             if p.api == API_CHAT:
-                body: dict[str, Any] = {
-                    "messages": [
-                        {"role": "system", "content": header},
-                        {"role": "user", "content": context + question},
-                    ]
-                }
+                system = {"role": "system", "content": header}
+                body: dict[str, Any] = {"messages": [system, {"role": "user", "content": context + question}]}
+                known: dict[str, Any] = {"messages": [system, {"role": "user", "content": context}]}
             else:
                 body = {"prompt": header + "\n" + context + question}
+                known = {"prompt": header + "\n" + context}
             out.append(
                 SingleShot(
                     RequestSpec(
@@ -495,6 +512,8 @@ class Rag(Workload):
                         0,
                         None,
                         p.header_tokens + p.k * p.chunk_tokens + p.question_tokens,
+                        lead,
+                        known if lead else None,
                     )
                 )
             )

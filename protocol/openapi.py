@@ -292,6 +292,28 @@ def _router_spec() -> dict[str, Any]:
     wid = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     paths = {
         **_data_plane_paths(True),
+        "/v1/prefetch": {
+            "post": {
+                "summary": "warm the worker a chat or completion request (or its prefix) would go to",
+                "requestBody": {"required": True, **_json({"oneOf": [CHAT_REQUEST, COMPLETION_REQUEST]})},
+                "responses": {
+                    **_ok(
+                        "accepted (the worker is sent the prompt with max_tokens 1), or deduplicated",
+                        {
+                            "type": "object",
+                            "required": ["accepted", "deduplicated"],
+                            "properties": {
+                                "accepted": {"type": "boolean"},
+                                "deduplicated": {"type": "boolean"},
+                                "worker": {"type": "string"},
+                            },
+                        },
+                        202,
+                    ),
+                    **_errors(400, 401, 404, 413, 429, 503),
+                },
+            }
+        },
         "/health": _get("the router process is up", _OBJECT),
         "/readiness": _get("at least one worker is healthy", _OBJECT, 503),
         "/metrics": _get("Prometheus text", text=True),

@@ -11,6 +11,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     prefix_index  the approximate per-worker prefix index (one global budget)
     pool, served  workers, health, breakers, load at pick time; who serves which model
     pick, warmup  the pick step shared with the simulator; the warm-up gate
+    prefetch      POST /v1/prefetch: its prefill budget and used/wasted ledger
     shedding      429 when every eligible worker reports saturation
     tenancy, rate_limit  priority classes (the shedding bound's factor) and rate
                   limits per tenant and API key (token buckets)

@@ -79,6 +79,7 @@ from router.http_api import error_response, json_error
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import Metrics
 from router.pool import Pool
+from router.prefetch import PREFETCH_PATH
 from router.prefix_index import PrefixIndex
 from router.reload import build, config_file_version, prepare
 from router.scaling_signal import fleet_signal, params_from
@@ -175,6 +176,7 @@ class Router:
         r = app.router
         for e in Endpoint:
             r.add_post(e.value, self._dataplane_route(e))
+        r.add_post(PREFETCH_PATH, self._dataplane_route(None))
         r.add_get("/v1/models", self._models)
         r.add_get("/health", self._health)
         r.add_get("/readiness", self._readiness)
@@ -273,12 +275,12 @@ class Router:
         """A worker registered: ``/v1/models`` is recomputed at its next request."""
         self._models_cache = None
 
-    def _dataplane_route(self, endpoint: Endpoint):
+    def _dataplane_route(self, endpoint: Endpoint | None):
         """The aiohttp handler of a data-plane path (a connection the raw front handed
         over, or an embedded app): credentials from the headers first, then the body
         within its deadline and the body budget, and only then ``DataPlane.serve``
         (which takes the admission slot), so a slow or unauthenticated body never
-        holds a slot."""
+        holds a slot. ``endpoint`` None: ``POST /v1/prefetch`` (``DataPlane.prefetch``)."""
 
         async def handler(request: web.Request) -> web.StreamResponse:
             lim = self.cfg.limits
@@ -294,13 +296,16 @@ class Router:
                 return resp
             try:
                 ex = _ReadExchange(request, raw)
-                await self.dataplane.serve(ex, endpoint)
+                if endpoint is None:
+                    await self.dataplane.prefetch(ex)
+                else:
+                    await self.dataplane.serve(ex, endpoint)
                 assert ex.result is not None, "serve answers every request"
                 return ex.result
             finally:
                 self.body_budget.give(len(raw))
 
-        handler.__name__ = f"proxy_{endpoint.name.lower()}"
+        handler.__name__ = "prefetch" if endpoint is None else f"proxy_{endpoint.name.lower()}"
         return handler
 
     async def _openapi(self, request: web.Request) -> web.Response:
@@ -526,6 +531,7 @@ class RouterServer:
         )
         await self._runner.setup()
         routes = {e.value.encode(): self._route(e) for e in Endpoint}
+        routes[PREFETCH_PATH.encode()] = self._route(None)
         lim = lambda: r.cfg.limits  # noqa: E731 - read at use: a reload may change them
         bad = r.metrics.bad_http
         fd_limit = intake.raise_fd_limit()
@@ -569,8 +575,11 @@ class RouterServer:
             ) from None
         return self.port
 
-    def _route(self, endpoint: Endpoint):
-        serve = self.router.dataplane.serve
+    def _route(self, endpoint: Endpoint | None):
+        dp = self.router.dataplane
+        if endpoint is None:  # POST /v1/prefetch
+            return dp.prefetch
+        serve = dp.serve
 
         async def handler(ex) -> None:
             await serve(ex, endpoint)

@@ -410,6 +410,23 @@ class WarmupConfig:
 
 
 @settings
+class PrefetchConfig:
+    enabled: bool = _opt(True, "serve POST /v1/prefetch (cache fills with a predicted prompt)")
+    share: float = _opt(
+        0.1, "share of the fleet's prefill capacity (tokens/s) prefetches may use", lo=0, hi=1
+    )
+    burst_s: float = _opt(2.0, "seconds of the prefetch budget that may be spent at once", lo=0, lo_open=True)
+    window_s: float = _opt(
+        30.0,
+        "a prefetch no real request matched on its worker within this is counted wasted",
+        lo=0,
+        lo_open=True,
+    )
+    timeout_s: float = _opt(30.0, "timeout of one prefetch's prefill request", lo=0, lo_open=True)
+    max_tracked: int = _opt(4096, "prefetches tracked for used/wasted at once (oldest counted wasted)", lo=1)
+
+
+@settings
 class AuthConfig:
     admin_token_env: str = _opt("RADIXFLEET_ADMIN_TOKEN", "env var with the admin bearer token")
     agent_token_env: str = _opt("RADIXFLEET_AGENT_TOKEN", "env var with the agent bearer token")
@@ -774,6 +791,7 @@ class Config:
     timeouts: TimeoutsConfig = _section(TimeoutsConfig, "upstream timeouts")
     limits: LimitsConfig = _section(LimitsConfig, "request limits")
     warmup: WarmupConfig = _section(WarmupConfig, "hot-root warm-up")
+    prefetch: PrefetchConfig = _section(PrefetchConfig, "POST /v1/prefetch: budget and accounting")
     auth: AuthConfig = _section(AuthConfig, "bearer tokens")
     reload: ReloadConfig = _section(ReloadConfig, "hot reload")
     bus: BusConfig = _section(BusConfig, "event bus shared by router replicas (read at start)")

@@ -78,6 +78,7 @@ from aiohttp import web
 from policies.base import Decision, Policy, Reason, WorkerView
 from protocol.errors import (
     MalformedRequest,
+    NotFound,
     Overloaded,
     PayloadTooLarge,
     RequestError,
@@ -93,8 +94,9 @@ from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink, Placement
 from router.metrics import Metrics
 from router.pd import PrefillDecode
-from router.pick import hint_and_count
+from router.pick import hint_and_count, uncached_tokens
 from router.pool import Pool, Worker
+from router.prefetch import PrefetchBudget, PrefetchLedger
 from router.prefix_index import PrefixIndex
 from router.scaling_signal import DemandMeter
 from router.shedding import Shedder
@@ -191,6 +193,10 @@ class Admission:
                 w.appendleft(f)
                 break
         self.active -= 1
+
+    def busy(self) -> bool:
+        """Whether a request arriving now would wait (or be refused) for a slot."""
+        return self.active >= self.limit or bool(self._waiters)
 
     def check(self) -> None:
         assert self.active >= 0, f"{self.active=}"
@@ -442,6 +448,9 @@ class DataPlane:
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
         self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
+        #: prefetch prefill spent (router.prefetch) and prefetches awaiting their request
+        self.prefetch_budget = PrefetchBudget()
+        self.prefetched = PrefetchLedger(cfg.prefetch.max_tracked)
         #: per worker, the cancel handles of the requests in flight on it
         self._waiting: dict[Worker, set[Cancel]] = {}
         pool.on_unhealthy.append(self._worker_unhealthy)
@@ -460,6 +469,7 @@ class DataPlane:
         self.shedder.configure(lim.worker_queue_requests, lim.worker_queue_min_s)
         self.tenancy.configure(cfg.tenancy, _named_tenants(cfg), time.monotonic())
         self.queue.configure(cfg.tenancy.queue)
+        self.prefetched.max_tracked = cfg.prefetch.max_tracked
         if self.upstream is not None:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
             self.upstream.body_limit = lim.max_response_bytes
@@ -557,7 +567,10 @@ class DataPlane:
         except RequestError as exc:  # over a rate limit; a priority header naming no class
             self._reject(ctx.ex, exc, ctx.rid)
             return
-        shed, waited = await self._admission(ctx, kr, ticket, now)
+        if self.prefetched and self._prefetch_pending(kr, views):
+            shed, waited = None, False  # admitted as its prefetch (router.prefetch)
+        else:
+            shed, waited = await self._admission(ctx, kr, ticket, now)
         if shed is None and waited:
             # it waited: route with what the pool and the index know now
             now = time.monotonic()
@@ -620,6 +633,8 @@ class DataPlane:
             if w is None:  # a policy bug: never route into the void
                 raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
             pick = self._pick(w, kr, now)
+            if not tried and self.prefetched:
+                self._prefetch_used(w, pick, now)
             if not tried:  # per client request, not per try
                 self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
                 self.demand.observe(now, pick.own, pick.key.prompt_tokens)
@@ -1077,26 +1092,196 @@ class DataPlane:
             self._spawn(self._warmup(w, payload, key.tenant))
 
     async def _warmup(self, w: Worker, payload: bytes, tenant: str) -> None:
-        headers = {
-            "Content-Type": _JSON,
-            **self.tenants.forward_headers(tenant),
-            REQUEST_ID_HEADER: f"{self._rid_prefix}-warm-{next(self._rid)}",
-        }
-        status = "error"
+        rid = f"{self._rid_prefix}-warm-{next(self._rid)}"
+        status = await self._prefill_only(
+            w,
+            Endpoint.COMPLETIONS,
+            payload,
+            self.tenants.forward_headers(tenant),
+            rid,
+            self.cfg.warmup.timeout_s,
+        )
+        self.metrics.warmups.labels("ok" if status is not None and status < 400 else "error").inc()
+
+    async def _prefill_only(
+        self, w: Worker, endpoint: Endpoint, payload: bytes, headers: dict, rid: str, timeout_s: float
+    ) -> int | None:
+        """Sends ``w`` a prefill-only request (``max_tokens: 1``, not streamed: a
+        hot-root warm-up or a prefetch) and drops its answer. Returns the worker's
+        status, or None when it did not answer (logged)."""
+        assert self.session is not None, "warm-ups and prefetches run only once started"
         try:
-            assert self.session is not None, "warm-ups run only once started"
             async with self.session.post(
-                w.url + Endpoint.COMPLETIONS.value,
+                w.url + endpoint.value,
                 data=payload,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.cfg.warmup.timeout_s),
+                headers={"Content-Type": _JSON, **headers, REQUEST_ID_HEADER: rid},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 await resp.read()
-                status = "ok" if resp.status < 400 else "error"
-        except asyncio.CancelledError:
-            raise
+                if resp.status >= 400:
+                    log.debug("prefill-only request %s on %s: HTTP %d", rid, w.id, resp.status)
+                return resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            log.debug("warm-up of %s failed: %r", w.id, exc)
-        self.metrics.warmups.labels(status).inc()
+            log.debug("prefill-only request %s on %s failed: %r", rid, w.id, exc)
+            return None
+
+    # ------------------------------------------------------------- prefetch
+
+    async def prefetch(self, ex) -> None:
+        """``POST /v1/prefetch`` (router.prefetch): the body of a chat or completion
+        request (or its prefix) is keyed and routed like the real one, its worker
+        hinted and sent the prompt with ``max_tokens: 1``; the client gets 202 at
+        once. Refused, nothing warmed: 400 malformed, 404/503 no worker serves the
+        model, 429 (+ Retry-After) when the router or fleet is loaded or the budget
+        is spent. Takes no admission slot, no tenant rate limit."""
+        t0 = time.monotonic()
+        headers = ex.headers
+        rid = request_id(headers.get(REQUEST_ID_HEADER)) or f"{self._rid_prefix}-pf-{next(self._rid)}"
+        pcfg = self.cfg.prefetch
+        try:
+            if not pcfg.enabled:
+                raise NotFound("prefetch is turned off on this router (prefetch.enabled)")
+            raw = await ex.body(self.cfg.limits.max_body_bytes)
+            body = jsonbody.loads(raw)
+            if not isinstance(body, dict):
+                raise MalformedRequest("the body must be a JSON object")
+            if "messages" in body:
+                endpoint = Endpoint.CHAT
+            elif "prompt" in body:
+                endpoint = Endpoint.COMPLETIONS
+            else:
+                raise MalformedRequest(
+                    "a prefetch is the body of a chat ('messages') or completion ('prompt') request",
+                    param="messages",
+                )
+            tenant, _ = self.tenants.identify(headers)
+            ns = self.tenants.namespace_of(tenant)
+            key = request_key(endpoint, body, tenant=ns, block_bytes=self.cfg.keys.block_bytes)
+            session = headers.get("x-session-id")
+            if session is None and isinstance(body.get("user"), str):
+                session = body["user"]
+            now = time.monotonic()
+            self._prefetch_sweep(now)
+            views = self.pool.views(now, key.model, key.adapter)
+            if not views:
+                raise self.pool.unavailable(key.model, key.adapter, now)
+            kr = self.engines.key(endpoint, body, key, session, views, now)
+            self._prefetch_room(kr, key, now)
+            d = self.policy.choose(kr.route_request, kr.match, views, now)
+            w = self.pool.get(d.worker)
+            if w is None:  # a policy bug: never route into the void
+                raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
+            sk = kr.key_for(w.id)
+            held = kr.blocks_for(w.id)
+            dedup = not sk.hashes or held >= len(sk.hashes)
+            tokens = 0
+            if not dedup:
+                tokens = uncached_tokens(sk.prompt_tokens, held, sk.block_tokens)
+                rate = pcfg.share * sum(x.prefill_rate(now) for x in self.pool.routable_workers(now))
+                wait = self.prefetch_budget.take(tokens, rate, pcfg.burst_s, now)
+                if wait is not None:
+                    self.metrics.prefetch_dropped.labels("budget").inc()
+                    raise Overloaded(
+                        f"the prefetch budget ({pcfg.share:g} of the fleet's prefill) is spent",
+                        retry_after_s=max(1.0, min(wait, 60.0)),
+                    )
+        except RequestError as exc:
+            self._reject(ex, exc, rid)
+            return
+        m = self.metrics
+        if dedup:
+            m.prefetch.labels("deduplicated").inc()
+        else:
+            pick = self._pick(w, kr, now)  # the hint the real request follows; its load
+            link = w.engine
+            holder = w.id if pick.rank is None or link is None else link.holder(pick.rank)
+            # its last full block may hold the chat template's closing tokens, which the
+            # real request (its message goes on) does not share: the one before marks it
+            mark = sk.hashes[-2] if len(sk.hashes) > 1 else sk.hashes[-1]
+            wasted = self.prefetched.warmed(w.id, mark, now, holder)
+            if wasted:
+                m.prefetch.labels("unused").inc(wasted)
+            m.prefetch.labels("warmed").inc()
+            m.prefetch_tokens.inc(tokens)
+            self._spawn(self._prefetch_send(w, pick, endpoint, body, key.tenant, rid))
+        out: dict[str, Any] = {"object": "prefetch", "accepted": True, "deduplicated": dedup}
+        extra = [(REQUEST_ID_HEADER, rid)]
+        if self.cfg.response_headers.worker_id:
+            out["worker"] = w.id
+            extra.insert(0, (WORKER_HEADER, w.id))
+        ex.reply(202, json.dumps(out).encode(), _JSON, extra)
+        m.observe_latency(time.monotonic() - t0)
+
+    def _prefetch_room(self, kr: KeyedRequest, key: PrefixKey, now: float) -> None:
+        """Raises ``Overloaded`` (a 429, counted by cause) when a real request arriving
+        now would wait for an admission slot or be shed: prefetches go first."""
+        shed = None
+        if self.admission.busy():
+            shed = Overloaded("the router is at capacity: prefetches are dropped first", retry_after_s=1)
+        else:
+            req = kr.route_request
+            uncached = req.prompt_tokens - kr.match.best * req.block_tokens
+            shed = self.shedder.check(self.pool.routable_workers(now), key.model, key.adapter, uncached, now)
+        if shed is not None:
+            self.metrics.prefetch_dropped.labels("load").inc()
+            raise shed
+
+    async def _prefetch_send(
+        self, w: Worker, pick: Placement, endpoint: Endpoint, body: dict, tenant: str, rid: str
+    ) -> None:
+        """The prefetch's prefill on ``w``: the client's body with ``max_tokens: 1``,
+        not streamed, its answer discarded; the load counted at the pick released on
+        every path."""
+        warm = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+        warm.update(max_tokens=1, stream=False, n=1)
+        headers = self.tenants.forward_headers(tenant)
+        if pick.rank is not None:
+            headers = {**headers, "x-data-parallel-rank": str(pick.rank)}
+        link = w.engine
+        ok: bool | None = None  # cancelled (shutdown): neither
+        try:
+            status = await self._prefill_only(
+                w, endpoint, json.dumps(warm).encode(), headers, rid, self.cfg.prefetch.timeout_s
+            )
+            if status is not None and status < 400:
+                ok = True
+            elif status != 429:  # busy is not broken
+                ok = False
+        finally:
+            self.pool.finish(w, pick.own, ok)
+            self.queue.kick(time.monotonic())
+            if pick.rank is not None and link is not None:
+                link.rank_finished(pick.rank)
+            if ok is not True:
+                self.metrics.prefetch.labels("failed").inc()
+
+    def _prefetch_pending(self, kr: KeyedRequest, views) -> bool:
+        """Whether a prefetch made for this request has not been used yet: a worker
+        it may go to holds a prefetched prefix of it."""
+        led = self.prefetched
+        for v in views:
+            blocks = kr.blocks_for(v.id)
+            if blocks and led.pending(v.id, kr.key_for(v.id).hashes[:blocks]):
+                return True
+        return False
+
+    def _prefetch_used(self, w: Worker, pick: Placement, now: float) -> None:
+        """A real request picked ``w``: the prefetches of a prefix it matched there
+        were used."""
+        used = self.prefetched.observe(w.id, pick.key.hashes[: pick.blocks])
+        if used:
+            self.metrics.prefetch.labels("used").inc(used)
+        self._prefetch_sweep(now)
+
+    def _prefetch_sweep(self, now: float) -> None:
+        """Counts the prefetches past ``prefetch.window_s`` as wasted."""
+        tt = self.index.touch_time
+        evicted, unused = self.prefetched.sweep(
+            now, self.cfg.prefetch.window_s, lambda holder, h: tt(holder, h) is not None
+        )
+        if evicted:
+            self.metrics.prefetch.labels("evicted").inc(evicted)
+        if unused:
+            self.metrics.prefetch.labels("unused").inc(unused)
 
     # ------------------------------------------------------------ small GETs

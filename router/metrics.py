@@ -45,6 +45,17 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_hot_prefixes                           hot prefixes tracked (<= index.hot_k)
     radixfleet_hot_prefix_rate{rank}, radixfleet_hot_prefix_replicas{rank}  by rank 1..k
     radixfleet_warmups_total{status}
+    radixfleet_prefetch_total{outcome}                POST /v1/prefetch (router.prefetch):
+                                                      warmed | deduplicated (already held,
+                                                      nothing sent) | used (a real request
+                                                      matched it on its worker) | evicted,
+                                                      unused (wasted: not used within
+                                                      prefetch.window_s) | failed (its
+                                                      prefill request failed)
+    radixfleet_prefetch_dropped_total{cause}          refused with 429, nothing warmed:
+                                                      budget | load
+    radixfleet_prefetch_tokens_total                  uncached prompt tokens prefetches
+                                                      sent to workers (the extra prefill)
     radixfleet_shed_total                             429s from the fleet's queue bound
     radixfleet_tenant_requests_total{tenant,priority,outcome}  per tenant (tenancy.top_n
                                                       named, the rest 'other') and class:
@@ -306,6 +317,15 @@ class Metrics:
             "radixfleet_hot_prefix_replicas", "Holders of the hot prefixes, by rank", ["rank"], registry=r
         )
         self.warmups = Counter("radixfleet_warmups", "Hot-root warm-up requests", ["status"], registry=r)
+        self.prefetch = Counter(
+            "radixfleet_prefetch", "Prefetches by outcome (router.prefetch)", ["outcome"], registry=r
+        )
+        self.prefetch_dropped = Counter(
+            "radixfleet_prefetch_dropped", "Prefetches refused with 429, by cause", ["cause"], registry=r
+        )
+        self.prefetch_tokens = Counter(
+            "radixfleet_prefetch_tokens", "Uncached prompt tokens prefetches sent to workers", registry=r
+        )
         self.reloads = Counter("radixfleet_config_reloads", "Configuration reloads applied", registry=r)
         self.reload_failures = Counter(
             "radixfleet_config_reload_failures", "Configuration reloads refused (invalid file)", registry=r

@@ -43,8 +43,8 @@ def test_defaults_are_a_valid_config():
         (
             "polcy: {name: x}",
             "polcy: unknown key; valid: auth, autoscale, breaker, bus, disagg, health, "
-            "index, keys, limits, listen, load, models, policy, registration, reload, response_headers, "
-            "retries, tenancy, timeouts, traffic_log, warmup, workers",
+            "index, keys, limits, listen, load, models, policy, prefetch, registration, reload, "
+            "response_headers, retries, tenancy, timeouts, traffic_log, warmup, workers",
         ),
         (
             "health: {intervall_s: 1}",
@@ -119,8 +119,8 @@ def test_defaults_are_a_valid_config():
         ),
         (
             "workers: [{url: 'http://h:1', colour: red}]",
-            "workers[0].colour: unknown key; valid: block_size, bootstrap_port, chat_template, events, id, kind, "
-            "kv_capacity_tokens, "
+            "workers[0].colour: unknown key; valid: block_size, bootstrap_port, chat_template, events, id, "
+            "kind, kv_capacity_tokens, "
             "metrics, model, prefill_tokens_per_s, role, tokenizer, url, weight",
         ),
         (

@@ -1,0 +1,138 @@
+"""Prefetch: a cache fill with a predicted key (``POST /v1/prefetch``).
+
+A client that knows its next prompt before it sends it (a retriever that runs ahead
+of its generator, a chat UI while the user reads) posts that prompt, or its prefix,
+to ``/v1/prefetch``. The data plane (``router.dataplane.DataPlane.prefetch``) keys
+it like the real request, picks the worker the normal pick path would, hints the
+index (so the real request's match finds it there and follows it) and sends that
+worker the prompt with ``max_tokens: 1``, not streamed, its answer discarded: the
+same prefill-only request as a hot-root warm-up (``router.warmup``). The client
+gets 202 at once.
+
+A prefetch is speculative work, so it is the first thing dropped:
+
+- ``PrefetchBudget``: a token bucket of prefill tokens, refilled at
+  ``prefetch.share`` of the fleet's prefill capacity (the sum of the routable
+  workers' prefill rates, ``Worker.prefill_rate``), ``prefetch.burst_s`` seconds of
+  it at most. A prefetch costs its uncached tokens on the chosen worker; one that
+  does not fit is refused (429), nothing warmed.
+- the shedder's verdict at scale 1 and the admission limit: a router or fleet that
+  would queue or shed a real request refuses the prefetch (429) instead.
+- deduplication: a prefix the index already holds whole on the chosen worker is
+  not sent again (202 with ``deduplicated: true``); a second prefetch of the same
+  prompt finds the first one's hint.
+
+The real request that follows a prefetch is not shed: its prefill was admitted (and
+budgeted) as the prefetch's, which is still queued or running on its worker when the
+lead is shorter than the prefill. Shedding it for that work would turn a prefetch
+into a refusal (measured: a light RAG load saw 429s, because the fleet's typical
+request, the real one after its prefetch, is small, and the prefetch queued ahead of
+it is large).
+
+``PrefetchLedger`` counts what prefetches were worth: a warmed prefix (worker, the
+hash of its last block but one: the last may hold a chat template's closing tokens,
+which the real request, whose message goes on, does not share) is *used* when a
+later real request on that worker matched it,
+*wasted* when ``prefetch.window_s`` passes first (``evicted`` when the index no
+longer holds it then, ``unused`` when it does). Memory: at most ``max_tracked``
+entries; past it the oldest are counted wasted early.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+#: the path the router serves prefetches on
+PREFETCH_PATH = "/v1/prefetch"
+
+
+class PrefetchBudget:
+    """Prefill tokens prefetches may spend: a token bucket whose rate is set per take
+    (the fleet's capacity changes as workers come, go and report rates). Only its
+    owner calls it; nothing here blocks."""
+
+    __slots__ = ("_tokens", "_t", "spent")
+
+    def __init__(self) -> None:
+        self._tokens: float | None = None  # None: full at the first take
+        self._t = 0.0
+        self.spent = 0  # tokens taken since start
+
+    def take(self, tokens: int, rate: float, burst_s: float, now: float) -> float | None:
+        """Takes ``tokens`` if the bucket (refilled at ``rate`` tokens/s, holding at
+        most ``rate * burst_s``) has them: None. Else nothing is taken and the
+        seconds until it would have them are returned (``inf`` when it never could:
+        a zero rate, or more than the bucket holds)."""
+        cap = rate * burst_s
+        level = cap if self._tokens is None else min(cap, self._tokens + max(0.0, now - self._t) * rate)
+        self._tokens, self._t = level, now
+        if tokens <= level:
+            self._tokens = level - tokens
+            self.spent += tokens
+            return None
+        if rate <= 0 or tokens > cap:
+            return float("inf")
+        return (tokens - level) / rate
+
+
+class PrefetchLedger:
+    """Warmed prefixes awaiting their real request: (worker, last block hash) ->
+    (when warmed, the index holder it was hinted under: the worker, or one of its
+    data-parallel ranks), oldest first. ``observe`` is called with every real
+    request's matched blocks on its worker; ``sweep`` ends the ones past the window."""
+
+    __slots__ = ("_open", "max_tracked")
+
+    def __init__(self, max_tracked: int = 4096) -> None:
+        self._open: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
+        self.max_tracked = max_tracked
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def warmed(self, worker: str, last_hash: int, now: float, holder: str | None = None) -> int:
+        """Records a prefetch of a prefix ending in ``last_hash`` on ``worker``.
+        Returns how many older entries were pushed out past ``max_tracked`` (wasted)."""
+        key = (worker, last_hash)
+        self._open.pop(key, None)
+        self._open[key] = (now, holder or worker)
+        out = 0
+        while len(self._open) > self.max_tracked:
+            self._open.popitem(last=False)
+            out += 1
+        return out
+
+    def pending(self, worker: str, matched: Sequence[int]) -> bool:
+        """Whether a prefetch not yet used covers a block of ``matched`` on ``worker``
+        (the real request it was made for has not come yet). Does not close it."""
+        o = self._open
+        return any((worker, h) in o for h in matched)
+
+    def observe(self, worker: str, matched: Sequence[int]) -> int:
+        """A real request matched the block hashes ``matched`` on ``worker``: the
+        prefetches whose prefix it covers are used (and closed). Returns how many."""
+        if not self._open:
+            return 0
+        used = 0
+        for h in matched:
+            if self._open.pop((worker, h), None) is not None:
+                used += 1
+        return used
+
+    def sweep(self, now: float, window_s: float, held: Callable[[str, int], bool]) -> tuple[int, int]:
+        """Closes the prefetches older than ``window_s``: (evicted, unused) — by
+        whether ``held(holder, hash)`` says the index still holds the prefix."""
+        evicted = unused = 0
+        cutoff = now - window_s
+        o = self._open
+        while o:
+            key, (t, holder) = next(iter(o.items()))
+            if t > cutoff:
+                break
+            del o[key]
+            if held(holder, key[1]):
+                unused += 1
+            else:
+                evicted += 1
+        return evicted, unused
