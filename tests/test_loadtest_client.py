@@ -353,7 +353,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
     bad_trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{oops\n')
     cases = [
         (["--workload", "nope"], "unknown workload 'nope'"),
-        (["--workload", "gsp", "-o", "grups=3"], "unknown option 'grups'"),
+        (["--workload", "gsp", "-o", "grups=3"], "gsp.grups: unknown option"),
         (["--workload", "trace", "--trace", str(bad_trace)], "line 2: not JSON"),
         (["--workload", "zipf", "--trace", str(bad_trace)], "apply to --workload trace only"),
         (["--workload", "zipf", "--rate", "0"], "argument --rate: 0 must be > 0"),
