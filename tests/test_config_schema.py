@@ -177,10 +177,41 @@ def test_load_config_file_errors(tmp_path):
     assert load_config(str(p)).path == str(p)
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenizer_dir(tmp_path_factory) -> str:
+    from radixfleet.bench.tiny_tokenizer import build
+
+    d = tmp_path_factory.mktemp("tokenizer")
+    build(str(d))
+    return str(d)
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob("deploy/examples/*.yaml")))
-def test_examples_validate(path):
-    cfg = load_config(path)
+def test_examples_validate(path, tmp_path, tiny_tokenizer_dir):
+    """Each example loads as written, but for a models: entry's tokenizer folder (a
+    path on the operator's machine), here a small tokenizer of the same kind."""
+    raw = yaml.safe_load(open(path))
+    for entry in (raw.get("models") or {}).values():
+        entry["tokenizer"] = tiny_tokenizer_dir
+    p = tmp_path / "example.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    cfg = load_config(str(p))
     assert cfg.workers
+
+
+def test_the_disaggregated_example_has_both_sides_of_one_model(tmp_path, tiny_tokenizer_dir):
+    raw = yaml.safe_load(open("deploy/examples/disaggregated.yaml"))
+    (entry,) = raw["models"].values()
+    entry["tokenizer"] = tiny_tokenizer_dir
+    p = tmp_path / "pd.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    roles = sorted(w.role for w in load_config(str(p)).workers)
+    assert roles == ["decode", "decode", "prefill", "prefill"]
+    # a side missing is refused, naming the entry
+    raw["workers"] = [w for w in raw["workers"] if w["role"] == "prefill"]
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"workers\[0\]\.role: .*needs at least one decode worker"):
+        load_config(str(p))
 
 
 def test_examples_cover_the_four_setups():

@@ -37,7 +37,7 @@ from tests.test_deploy_image import DOCKERFILE, exec_form, instructions, stages
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("dev", "production", "vllm")
+OVERLAYS = ("dev", "production", "vllm", "vllm-pd")
 KUBE_VERSIONS = ("1.30.0", "1.37.0")
 
 
@@ -155,7 +155,8 @@ def validate_monitors(tools: pathlib.Path, docs: list[dict]) -> list[str]:
 
 def test_servicemonitors_validate_against_the_crd_schema(tools, rendered):
     docs = [d for _, ds in rendered.values() for d in ds if d["kind"] == "ServiceMonitor"]
-    assert len(docs) == 4  # the router's in each overlay, vLLM's pool in overlays/vllm
+    # the router's in each overlay, vLLM's pool in overlays/vllm and overlays/vllm-pd
+    assert len(docs) == 6
     assert validate_monitors(tools, docs) == []
     typo = json.loads(json.dumps(docs[0]))
     typo["spec"]["endpoints"][0]["prot"] = "http"
@@ -172,7 +173,7 @@ def test_router_wiring(rendered, overlay):
     pod = dep["spec"]["template"]
     spec = pod["spec"]
     (c,) = spec["containers"]
-    assert dep["spec"]["replicas"] == {"dev": 1, "production": 3, "vllm": 1}[overlay]
+    assert dep["spec"]["replicas"] == {"dev": 1, "production": 3, "vllm": 1, "vllm-pd": 1}[overlay]
     assert "command" not in c and "args" not in c  # the image's ENTRYPOINT + CMD
     cmd = image_cmd()
     port = int(arg_after(cmd, "--port"))
@@ -262,7 +263,7 @@ def test_configmap_yaml_is_a_valid_router_config(rendered, tmp_path, monkeypatch
 def test_the_routers_tokenizer_is_fetched_where_models_names_it(rendered):
     """The base's init container fills the folder router.yaml's models: entry names,
     on a volume the router mounts; the dev overlay needs none."""
-    for overlay in ("production", "vllm"):
+    for overlay in ("production", "vllm", "vllm-pd"):
         docs = rendered[overlay][1]
         spec = one(docs, "Deployment", "radixfleet-router")["spec"]["template"]["spec"]
         (init,) = spec["initContainers"]
@@ -378,6 +379,92 @@ async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tm
                 assert time.monotonic() < deadline, "nothing discovered"
                 await asyncio.sleep(0.01)
             assert {w.id: w.url for w in router.pool} == {"vllm-6d4f9-abcde": f"http://127.0.0.2:{port}"}
+
+
+def test_disaggregated_pool_each_selector_finds_its_side_with_its_role(rendered):
+    """overlays/vllm-pd: one selector per side, each matching its side's headless
+    Service alone and giving its workers that role; both sides run vLLM's NIXL
+    connector with its side channel on the pod's own address, precise mode's flags
+    and the same served model the models: entry keys."""
+    _, docs = rendered["vllm-pd"]
+    raw = router_raw(docs)
+    sels = raw["workers"]["discovery"]["kubernetes"]["selectors"]
+    assert sorted(s["role"] for s in sels) == ["decode", "prefill"]
+    services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] != "radixfleet-router"]
+    for sel in sels:
+        side = sel["role"]
+        found = [
+            svc["metadata"]["name"]
+            for svc in [*services, one(docs, "Service", "radixfleet-router")]
+            if selector_matches(
+                sel["label_selector"],
+                {**svc["metadata"]["labels"], "kubernetes.io/service-name": svc["metadata"]["name"]},
+            )
+        ]
+        assert found == [f"vllm-{side}"], (side, found)
+        svc = one(docs, "Service", f"vllm-{side}")
+        assert svc["spec"]["clusterIP"] == "None"
+        assert sel["port_name"] in {p["name"] for p in svc["spec"]["ports"]}
+        assert sel["kind"] == "vllm"
+        dep = one(docs, "Deployment", f"vllm-{side}")
+        pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        args = c["args"]
+        for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size=32"):
+            assert flag in args, (side, flag)
+        (kvt,) = [a for a in args if a.startswith("--kv-transfer-config=")]
+        assert json.loads(kvt.split("=", 1)[1]) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        (kve,) = [a for a in args if a.startswith("--kv-events-config=")]
+        assert json.loads(kve.split("=", 1)[1])["endpoint"] == sel["events"]["endpoint"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        side_port = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"])
+        assert side_port in {p["containerPort"] for p in c["ports"]}
+        assert side_port in {p["port"] for p in svc["spec"]["ports"]}
+        served = next(a for a in args if a.startswith("--served-model-name=")).split("=", 1)[1]
+        assert list(raw["models"]) == [served]
+
+
+async def test_router_with_the_pd_configmap_discovers_both_sides_with_their_roles(
+    rendered, tmp_path, tokenizer_dir
+):
+    """overlays/vllm-pd's router.yaml, unchanged but for the API server address,
+    discovers the prefill and the decode Services' slices as prefill and decode
+    workers: the pool is disaggregated."""
+    _, docs = rendered["vllm-pd"]
+    ns = one(docs, "Deployment", "vllm-prefill")["metadata"]["namespace"]
+    raw = router_raw(docs, tokenizer_dir)
+    token = tmp_path / "token"
+    token.write_text("t0k3n")
+    async with FakeKubeAPI(token="t0k3n") as api:
+        for side, ip in (("prefill", "127.0.0.2"), ("decode", "127.0.0.3")):
+            svc = one(docs, "Service", f"vllm-{side}")
+            port = next(p for p in svc["spec"]["ports"] if p["name"] == "http")["port"]
+            api.put_slice(
+                ns,
+                make_slice(
+                    f"vllm-{side}-x7k2p",
+                    service=f"vllm-{side}",
+                    labels=svc["metadata"]["labels"],
+                    port=port,
+                    endpoints=[(ip, True, f"vllm-{side}-6d4f9-abcde")],
+                ),
+            )
+        k = raw["workers"]["discovery"]["kubernetes"]
+        k.update({"api_server": api.url, "token_file": str(token), "namespace": ns})
+        raw["listen"] = {"host": "127.0.0.1", "port": 0}
+        router = Router(parse_config(raw))
+        async with RouterServer(router, port=0):
+            deadline = time.monotonic() + 5
+            while sum(w.source is Source.DISCOVERY for w in router.pool) < 2:
+                assert time.monotonic() < deadline, "not both sides discovered"
+                await asyncio.sleep(0.01)
+            assert {w.id: w.role for w in router.pool} == {
+                "vllm-prefill-6d4f9-abcde": "prefill",
+                "vllm-decode-6d4f9-abcde": "decode",
+            }
+            assert router.pool.disaggregated()
 
 
 @pytest.mark.engine
