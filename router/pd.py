@@ -34,7 +34,9 @@ prefill worker (``disagg.prefill_attempts``); its 4xx is the client's and answer
 such. A prefill answer without ``kv_transfer_params`` (a worker without a connector)
 leaves the decode worker to prefill the prompt itself. The decode leg follows the
 data plane's rules (``router.dataplane``): it moves to another decode worker only
-when provably not started, never once a byte reached the client. A client gone
+when provably not started, never once a byte reached the client. No decode worker
+available (none routable, or none left once the prefill leg is done): 503 with
+``Retry-After`` (a health interval), and no decode leg. A client gone
 cancels the leg in flight (its connection closed: the engine aborts it).
 
 SGLang's protocol, when the chosen prefill worker is an SGLang one (``kind: sglang``
@@ -157,19 +159,22 @@ class PrefillDecode:
             return dc.colocate_below_tokens
         return int(w.prefill_rate(now) * dc.decode_step_s)
 
+    def _no_decode(self, ctx: Any, when: str) -> None:
+        """503 with ``Retry-After`` (a health interval: when a decode worker may be back)."""
+        dp = self.dp
+        msg = f"no decode worker for model {ctx.key.model!r} is available"
+        dp._reject(
+            ctx.ex,
+            NoWorkerAvailable(f"{msg} {when}" if when else msg, retry_after_s=dp.cfg.health.interval_s),
+            ctx.rid,
+        )
+
     async def serve(self, ctx: Any, kr: KeyedRequest, views: list[WorkerView], now: float) -> None:
         dp = self.dp
         prefill = [v for v in views if self._role(v) == PREFILL]
         decode = [v for v in views if self._is_decode(v)]
         if not decode:
-            dp._reject(
-                ctx.ex,
-                NoWorkerAvailable(
-                    f"no decode worker for model {ctx.key.model!r} is available",
-                    retry_after_s=dp.cfg.health.interval_s,
-                ),
-                ctx.rid,
-            )
+            self._no_decode(ctx, "")
             return
         req = kr.route_request
         need = req.prompt_tokens + max_tokens_of(ctx.body)
@@ -199,8 +204,8 @@ class PrefillDecode:
             # the decode choice again, on what the pool knows now: the leg took time
             now = time.monotonic()
             decode = [v for v in dp.pool.views(now, ctx.key.model, ctx.key.adapter) if self._is_decode(v)]
-            if not decode:
-                dp.answer_error(ctx, dv.id, 503, b"", [])
+            if not decode:  # gone during the prefill leg: no decode has started
+                self._no_decode(ctx, "after its prefill leg")
                 return
             first = None
         else:

@@ -241,6 +241,40 @@ async def test_a_pool_of_decode_workers_only_serves_colocated():
         assert r.status_code == 200 and st["p1"].requests == []
 
 
+async def _drain(c: httpx.AsyncClient, url: str, wid: str) -> None:
+    r = await c.post(f"{url}/admin/workers/{wid}/drain", json={"drain": True})
+    assert r.status_code == 200, r.text
+
+
+async def test_no_decode_worker_available_is_a_503_with_retry_after_and_no_leg_runs():
+    async with pd_fleet({"p1": "prefill", "d1": "decode"}) as (url, st):
+        async with httpx.AsyncClient() as c:
+            await _drain(c, url, "d1")
+            r = await c.post(f"{url}/v1/completions", json={"model": "m", "prompt": LONG})
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert "no decode worker" in r.json()["error"]["message"]
+        assert st["p1"].requests == [] and st["d1"].requests == []
+
+
+async def test_decode_workers_gone_during_the_prefill_leg_is_a_503_with_retry_after_and_no_decode():
+    async with pd_fleet({"p1": "prefill", "d1": "decode"}) as (url, st):
+        st["p1"].mode, st["p1"].delay_s = "slow", 0.5
+        async with httpx.AsyncClient() as c:
+            sent = asyncio.create_task(
+                c.post(f"{url}/v1/completions", json={"model": "m", "prompt": LONG}, timeout=10)
+            )
+            deadline = time.monotonic() + 2
+            while not st["p1"].requests:
+                assert time.monotonic() < deadline, "the prefill leg never arrived"
+                await asyncio.sleep(0.01)
+            await _drain(c, url, "d1")
+            r = await sent
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert len(_prefill_legs(st["p1"])) == 1 and st["d1"].requests == []
+
+
 async def test_sglang_both_legs_at_once_paired_by_a_bootstrap_room():
     async with pd_fleet({"p1": "prefill", "d1": "decode"}, sglang=True) as (url, st):
         async with httpx.AsyncClient() as c:
