@@ -80,6 +80,8 @@ STATUS_UNKNOWN_WORKER = "unknown_worker"
 STATUS_BLOCK_BYTES_MISMATCH = "block_bytes_mismatch"
 #: registration refused: the id is held by a worker at another URL
 STATUS_WORKER_ID_TAKEN = "worker_id_taken"
+#: registration refused: the agent's role contradicts its configured entry's
+STATUS_WORKER_ROLE_CONFLICT = "worker_role_conflict"
 
 EVENTS_PATH = "/internal/v1/events"
 REGISTER_PATH = "/internal/v1/register"

@@ -65,6 +65,7 @@ from protocol.events import (
     MAX_RATE,
     MIN_RATE,
     STATUS_WORKER_ID_TAKEN,
+    STATUS_WORKER_ROLE_CONFLICT,
     Load,
 )
 from protocol.prefix_keys import WorkerId
@@ -418,7 +419,10 @@ class Pool:
         both call this). ``url`` is canonical (``router.config.parse_worker_url``);
         ``block_bytes`` (the agent's hashing block size) is recorded as said, the
         caller has checked it against the router's. ``role``: a new agent entry's
-        disaggregated role (a configured entry keeps its own).
+        disaggregated role. A configured entry keeps its own: an agent that says
+        another (``prefill`` or ``decode``; ``both`` is an agent's default and says
+        nothing) is refused, ``Conflict`` (``worker_role_conflict``), since one of the
+        two is wrong and requests would run the wrong legs on it.
 
         - Its id and url already paired: the entry is kept (a configured worker
           keeps its source and settings). A new epoch is a fresh process with an
@@ -437,6 +441,21 @@ class Pool:
           healthy at once, and no rate bound.
         """
         w = self._by_id.get(wid)
+        held = w if w is not None and w.url == url else self._by_url.get(url)
+        if held is not None and held.source is Source.AGENT and held.role != role:
+            # the agent restarted with another role: a new entry (its cache is new too)
+            log.info("worker %s registered as %s (was %s): a new entry", held.id, role, held.role)
+            self.remove(held.id)
+            held = None
+            w = self._by_id.get(wid)
+        if held is not None and role != "both" and held.role != role:
+            raise Conflict(
+                f"this agent registers as role {role!r} but worker {held.id!r} at its URL is "
+                f"configured as {held.role!r}; start the agent with --role "
+                f"{held.role} or change the worker's role in the config",
+                code=STATUS_WORKER_ROLE_CONFLICT,
+                param="role",
+            )
         if w is not None and w.url != url:
             if w.source is not Source.AGENT or w.health is not HealthState.UNHEALTHY:
                 raise Conflict(

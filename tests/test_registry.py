@@ -59,6 +59,39 @@ def worker_app(model: str = "m", health_gate: asyncio.Event | None = None) -> we
 
 
 @pytest.mark.integration
+async def test_registration_with_a_role_against_the_configured_one_is_409():
+    runner, url = await start_app(worker_app())
+    runner2, url2 = await start_app(worker_app())
+    router, server, base = await start_router(
+        {
+            "workers": [
+                {"url": url, "id": "w0", "role": "prefill"},
+                {"url": url2, "id": "w1", "role": "decode"},
+            ]
+        }
+    )
+    try:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(
+                base + "/internal/v1/register",
+                json={"worker_id": "w0", "url": url, "epoch": "e1", "role": "decode"},
+            )
+            assert r.status_code == 409, r.text
+            body = r.json()
+            assert body["status"] == "worker_role_conflict" and body["error"]["param"] == "role"
+            assert "--role prefill" in body["error"]["message"]
+            assert router.pool.get("w0").role == "prefill"
+            r = await c.post(
+                base + "/internal/v1/register", json={"worker_id": "w0", "url": url, "epoch": "e1"}
+            )
+            assert r.status_code == 200, r.text
+    finally:
+        await server.aclose()
+        await runner.cleanup()
+        await runner2.cleanup()
+
+
+@pytest.mark.integration
 async def test_registration_under_a_configured_id_from_another_url_is_409():
     runner, url = await start_app(worker_app())
     router, server, base = await start_router({"workers": [{"url": url, "id": "w0"}]})

@@ -232,6 +232,33 @@ def test_register_refuses_an_id_held_at_another_url():
     pool.check()
 
 
+def test_register_refuses_a_role_that_contradicts_the_configured_entry():
+    """A configured worker's role stands: an agent at its URL saying another role is
+    refused (409 worker_role_conflict naming both); one saying nothing (``both``, the
+    agent's default) or the same role is that worker. A self-registered agent that
+    restarts with another role becomes a new entry with it."""
+    pool, idx, clock = make_pool(
+        workers=[
+            {"url": "http://127.0.0.1:1", "id": "p", "role": "prefill"},
+            {"url": "http://127.0.0.1:2", "id": "d", "role": "decode"},
+        ]
+    )
+    with pytest.raises(Conflict) as e:
+        pool.register("p", "http://127.0.0.1:1", "e", role="decode")
+    assert e.value.code == "worker_role_conflict" and e.value.param == "role"
+    assert "'decode'" in e.value.message and "'prefill'" in e.value.message
+    with pytest.raises(Conflict):  # under another id, at the configured URL
+        pool.register("other", "http://127.0.0.1:2", "e", role="prefill")
+    assert {w.id: w.role for w in pool} == {"p": "prefill", "d": "decode"}
+    assert pool.register("p", "http://127.0.0.1:1", "e").role == "prefill"
+    assert pool.register("d", "http://127.0.0.1:2", "e", role="decode").role == "decode"
+    ag = pool.register("ag", "http://127.0.0.1:7", "e1", role="prefill")
+    assert ag.role == "prefill"
+    again = pool.register("ag", "http://127.0.0.1:7", "e2", role="decode")
+    assert again.role == "decode" and pool.get("ag") is again
+    pool.check()
+
+
 async def test_register_admits_new_workers_at_the_configured_rate():
     """A pool that probes (a router's) bounds new self-registered workers."""
     pool, idx, clock = make_pool(registration={"rate_per_s": 2.0, "burst": 3})

@@ -46,6 +46,7 @@ from protocol.events import (
     STATUS_SNAPSHOT_REQUIRED,
     STATUS_UNKNOWN_WORKER,
     STATUS_WORKER_ID_TAKEN,
+    STATUS_WORKER_ROLE_CONFLICT,
     EventBatch,
     Load,
     Snapshot,
@@ -248,6 +249,12 @@ class Reporter(Lifecycle):
                                 "--worker-id (will keep retrying)",
                                 link.base,
                                 self.worker_id,
+                            )
+                        elif status == STATUS_WORKER_ROLE_CONFLICT:
+                            log.error(
+                                "router %s refused registration: %s (will keep retrying)",
+                                link.base,
+                                (data.get("error") or {}).get("message", "role conflict"),
                             )
                         else:
                             log.warning("router %s refused registration: HTTP %d", link.base, code)
