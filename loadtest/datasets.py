@@ -16,6 +16,12 @@ their parameters and seed, sent in the order listed::
                under 4 tokens, or whose prompt is over 1024 tokens or prompt + answer
                over 2048 (when the answer sets the length), are left out
 
+Each dataset's parameters are a settings class (``protocol.settings``: type, bounds
+and doc declared once); ``make_dataset`` validates the flags' values against it and
+raises one ``WorkloadError`` naming every bad value by its flag::
+
+    --range-ratio: expected a number in [0, 1), got 1.0
+
 Token counts are the byte-chunk tokenizer's (``protocol.prefix_keys``: 4 bytes a
 token), which the agents use; a real engine's tokenizer counts the same text
 differently, and its usage figures are the ones reported.
@@ -28,10 +34,12 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any
 
-from loadtest.workloads import API_COMPLETIONS, APIS, RequestSpec, Session, SingleShot, Workload, token_count
-from protocol.errors import WorkloadError
+from loadtest.workloads import API_COMPLETIONS, Api, RequestSpec, Session, SingleShot, Workload, token_count
+from protocol.errors import ConfigError, WorkloadError
+from protocol.settings import from_flags, setting, settings
 
 DATASETS = ("random", "sharegpt")
 
@@ -39,16 +47,22 @@ DATASETS = ("random", "sharegpt")
 _MIN_TOKENS, _MAX_PROMPT, _MAX_TOTAL = 4, 1024, 2048
 
 
-@dataclass(slots=True)
+@settings
 class RandomParams:
-    requests: int = 1000
-    input_len: int = 1024
-    output_len: int = 128
-    #: lengths uniform in [L*(1-r), L*(1+r)] (vLLM's --random-range-ratio)
-    range_ratio: float = 0.0
-    #: tokens every prompt opens with (vLLM's --random-prefix-len)
-    prefix_len: int = 0
-    api: str = API_COMPLETIONS
+    requests: int = setting(1000, "prompts to send (--requests)", lo=1)
+    input_len: int = setting(1024, "prompt tokens after the prefix, L of the range (--input-len)", lo=1)
+    output_len: int = setting(128, "output tokens, L of the range (--output-len)", lo=1)
+    range_ratio: float = setting(
+        0.0,
+        "lengths uniform in [L*(1-r), L*(1+r)] (--range-ratio; vLLM's --random-range-ratio)",
+        lo=0,
+        hi=1,
+        hi_open=True,
+    )
+    prefix_len: int = setting(
+        0, "tokens every prompt opens with (--prefix-len; vLLM's --random-prefix-len)", lo=0
+    )
+    api: Api = setting(API_COMPLETIONS, "endpoint the requests go to (--dataset-api)")
 
 
 def _spread(rng: random.Random, length: int, ratio: float) -> int:
@@ -65,17 +79,6 @@ class RandomDataset(Workload):
 
     name = "random"
     Params = RandomParams
-
-    def prepare(self) -> None:
-        p = self.params
-        if p.requests <= 0 or p.input_len <= 0 or p.output_len <= 0:
-            raise WorkloadError("--dataset random: requests, --input-len and --output-len must be > 0")
-        if not 0.0 <= p.range_ratio < 1.0:
-            raise WorkloadError(f"--range-ratio must be in [0, 1), got {p.range_ratio}")
-        if p.prefix_len < 0:
-            raise WorkloadError(f"--prefix-len must be >= 0, got {p.prefix_len}")
-        if p.api not in APIS:
-            raise WorkloadError(f"--dataset random: api must be one of {', '.join(APIS)}")
 
     def _build(self, rng: random.Random) -> list[Session]:
         p = self.params
@@ -96,14 +99,14 @@ class RandomDataset(Workload):
         return out
 
 
-@dataclass(slots=True)
+@settings
 class ShareGPTParams:
-    path: str = ""
-    #: fixed output length for every request (0: the answer's length in the file)
-    output_len: int = 0
-    #: first N usable entries only (0: all)
-    requests: int = 0
-    api: str = API_COMPLETIONS
+    path: str = setting("", "the ShareGPT-format file (--dataset-path)")
+    output_len: int = setting(
+        0, "fixed output length for every request (--output-len; 0: the answer's length in the file)", lo=0
+    )
+    requests: int = setting(0, "first N usable entries only (0: all)", lo=0)
+    api: Api = setting(API_COMPLETIONS, "endpoint the requests go to (--dataset-api)")
 
 
 class ShareGPT(Workload):
@@ -116,10 +119,6 @@ class ShareGPT(Workload):
         p = self.params
         if not p.path:
             raise WorkloadError("--dataset sharegpt needs --dataset-path FILE")
-        if p.output_len < 0 or p.requests < 0:
-            raise WorkloadError("--dataset sharegpt: --output-len and requests must be >= 0")
-        if p.api not in APIS:
-            raise WorkloadError(f"--dataset sharegpt: api must be one of {', '.join(APIS)}")
         self.pairs = load_sharegpt(p.path, p.output_len, p.requests)
 
     def _build(self, rng: random.Random) -> list[Session]:
@@ -205,10 +204,30 @@ def load_sharegpt(path: str, output_len: int = 0, limit: int = 0) -> list[tuple[
     return pairs
 
 
-def make_dataset(name: str, params: dict, seed: int = 0) -> Workload:
-    """``--dataset NAME`` with its flags' values; raises ``WorkloadError``."""
+#: the ``radixfleet loadtest`` flag that sets each dataset parameter
+FLAGS = {
+    "requests": "--requests",
+    "input_len": "--input-len",
+    "output_len": "--output-len",
+    "range_ratio": "--range-ratio",
+    "prefix_len": "--prefix-len",
+    "api": "--dataset-api",
+    "path": "--dataset-path",
+}
+
+
+def make_dataset(name: str, params: Mapping[str, Any], seed: int = 0) -> Workload:
+    """``--dataset NAME`` with its flags' values (parameter name -> value); raises
+    ``WorkloadError`` naming every bad value by its flag (``FLAGS``)."""
+    cls: type[Workload]
     if name == "random":
-        return RandomDataset(RandomParams(**params), seed)
-    if name == "sharegpt":
-        return ShareGPT(ShareGPTParams(**params), seed)
-    raise WorkloadError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+        cls = RandomDataset
+    elif name == "sharegpt":
+        cls = ShareGPT
+    else:
+        raise WorkloadError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    try:
+        checked = from_flags(cls.Params, params, FLAGS)
+    except ConfigError as exc:
+        raise WorkloadError(str(exc)) from None
+    return cls(checked, seed)

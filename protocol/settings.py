@@ -17,14 +17,22 @@ Rules: a bool is never a number; an int is accepted for a float field (made a
 float), a float (even 3.0) never for an int one; numbers are finite; ``null`` is
 never "the default"; unknown keys are refused. Rules across fields are
 ``document_check`` validators, run for documents only (never when code builds an
-instance); they raise ``ConfigError`` with a path relative to their object.
+instance); they raise ``ConfigError`` with a path relative to their object. A field
+typed ``X | None`` (default ``None``: "not set") takes ``None`` or an ``X`` within
+its bounds, and its messages read as ``X``'s.
+
+``from_flags(cls, values, flags)`` validates values taken from a command line the
+same way and names each error by the flag that set its field::
+
+    --kv-tokens: expected an integer >= 1, got 0
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, cast, dataclass_transform, get_args, get_origin
+from types import NoneType, UnionType
+from typing import Any, Literal, TypeVar, Union, cast, dataclass_transform, get_args, get_origin
 
 import annotated_types
 from pydantic import (
@@ -146,6 +154,29 @@ def validate(tp: Any, raw: Any, path: str = "", *, checks: bool = True) -> Any:
     raise_all(found)
 
 
+def from_flags(
+    cls: Any, values: Mapping[str, Any], flags: Mapping[str, str], shown: Mapping[str, Any] | None = None
+) -> Any:
+    """``values`` (field -> value; a nested section as a mapping or an instance) taken
+    from a command line, validated as settings class ``cls``. Raises one
+    ``ConfigError`` naming every bad value by the flag that set it: ``flags`` maps a
+    field path (``engine.kv_tokens``) to its flag (``--kv-tokens``); an unlisted path
+    is kept. ``shown`` maps the path of a field that holds its flag's value converted
+    (``--path-latency-ms`` into seconds) to the value as given, which the message
+    quotes instead (so such a field's bounds must read the same in both units)."""
+    try:
+        return validate(cls, values)
+    except ConfigError as exc:
+        found = []
+        for e in exc.errors:
+            message = e.message
+            head, got, _ = message.rpartition(", got ")
+            if shown and e.path in shown and got:
+                message = f"{head}, got {shown[e.path]!r}"
+            found.append(ConfigError(flags.get(e.path, e.path), message))
+        raise_all(found)
+
+
 def _place(raw: Any, loc: tuple[Any, ...]) -> list[int]:
     """Where ``loc`` is in the document, for reporting errors in document order."""
     place, node = [], raw
@@ -188,8 +219,18 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
+def optional_of(tp: Any) -> Any:
+    """``X`` for ``X | None``; any other type as it is."""
+    if get_origin(tp) in (Union, UnionType):
+        args = [a for a in get_args(tp) if a is not NoneType]
+        if len(args) == 1 and len(get_args(tp)) == 2:
+            return args[0]
+    return tp
+
+
 def expected(annotation: Any, f: FieldInfo) -> str:
     """``an integer >= 0``, ``a number in [0, 1]``, ``a number > 0``, ``true or false``."""
+    annotation = optional_of(annotation)
     if annotation is bool:
         return "true or false"
     noun = "an integer" if annotation is int else "a number"
@@ -258,6 +299,7 @@ def error(root: Any, e: Mapping[str, Any], prefix: str = "") -> ConfigError:
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         valid = ", ".join(sorted(keys_of(owner))) if owner is not None else ""
         return ConfigError(path, f"unknown key; valid: {valid or '(none)'}")
+    tp = optional_of(tp)
     if kind == "literal_error":
         return ConfigError(path, f"{value!r} is not one of {', '.join(_choice(c) for c in get_args(tp))}")
     if kind == "string_type":
@@ -282,7 +324,7 @@ def reference(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
     ``a.<name>.b``): the rows of the generated reference tables."""
     rows = []
     for name, f in keys_of(cls).items():
-        key, tp = join(prefix, name), f.annotation
+        key, tp = join(prefix, name), optional_of(f.annotation)
         inner = _inner(tp)
         if hasattr(tp, "__pydantic_fields__"):
             rows += reference(tp, key)

@@ -387,8 +387,8 @@ def test_random_dataset_lengths_and_shared_prefix():
     assert [s.first().body for s in w.sessions()] == [s.body for s in specs]  # deterministic
     fixed = RandomDataset(RandomParams(requests=3, input_len=8, output_len=2), seed=0)
     assert [token_count(s.first().body["prompt"]) for s in fixed.sessions()] == [8, 8, 8]
-    with pytest.raises(WorkloadError, match="--range-ratio"):
-        RandomDataset(RandomParams(range_ratio=1.0))
+    with pytest.raises(WorkloadError, match=r"^--range-ratio: expected a number in \[0, 1\), got 1\.0$"):
+        make_dataset("random", {"range_ratio": 1.0})
 
 
 def _conv(human, gpt):

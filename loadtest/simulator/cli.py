@@ -73,14 +73,15 @@ from loadtest.report import (
     write_plots,
 )
 from loadtest.simulator import blocktrace
-from loadtest.simulator.engine import EngineSpec, engine_help
-from loadtest.simulator.simulation import FEEDBACK_MODES, LEVELS, SimConfig, SimOutcome, Simulation
+from loadtest.simulator.engine import engine_help
+from loadtest.simulator.simulation import FEEDBACK_MODES, FLAGS, LEVELS, SimConfig, SimOutcome, Simulation
 from loadtest.simulator.sweep import parse_sweep, plan_runs, write_sweep_plots
 from loadtest.workloads import Trace
 from policies.registry import policy_names
 from protocol.cli_args import DeprecatedAlias, HelpFormatter
 from protocol.errors import ConfigError
 from protocol.prefix_keys import DEFAULT_BLOCK_BYTES
+from protocol.settings import from_flags
 from router.config import TIER_MODES, Config, load_config
 from router.prefix_index import tune_gc
 from worker_agent.dram_tier import parse_dram_size
@@ -279,35 +280,41 @@ def build(args: argparse.Namespace):
         raise ConfigError("--repeat", "applies to trace workloads only")
     if args.repeat > 1 and args.level == "text":
         raise ConfigError("--repeat", "repeated traces run at block level only (drop --level text)")
-    engine = EngineSpec(
-        model=args.model,
-        gpu=args.gpu,
-        tp=args.tp,
-        kv_tokens=args.kv_tokens,
-        chunk_tokens=args.chunk_tokens,
-        admission=args.admission,
-        dram_admit_hits=args.dram_admit_hits,
-    )
+    engine: dict[str, Any] = {
+        "model": args.model,
+        "gpu": args.gpu,
+        "tp": args.tp,
+        "kv_tokens": args.kv_tokens,
+        "chunk_tokens": args.chunk_tokens,
+        "admission": args.admission,
+        "dram_admit_hits": args.dram_admit_hits,
+    }
     if args.dram_tokens is not None:
         try:
-            tokens, ratio = parse_dram_size(args.dram_tokens)
+            engine["dram_tokens"], engine["dram_ratio"] = parse_dram_size(args.dram_tokens)
         except ValueError as e:
             raise ConfigError("--dram-tokens", str(e)) from None
-        engine = dataclasses.replace(engine, dram_tokens=tokens, dram_ratio=ratio)
-    base = SimConfig(
-        workers=args.workers,
-        engine=engine,
-        block_bytes=args.block_bytes,
-        feedback=modes[0],
-        feedback_delay_s=args.feedback_delay_ms / 1000.0,
-        feedback_batch_s=args.feedback_batch_ms / 1000.0,
-        level=args.level,
-        path_latency_s=args.path_latency_ms / 1000.0,
-        send_session=args.send_session,
-        timeout_s=args.timeout,
-        router_config=(load_config(args.router_config) if args.router_config else Config()),
-        slo=parse_slo(args.slo) if args.slo else None,
-    )
+    values = {
+        "workers": args.workers,
+        "engine": engine,
+        "block_bytes": args.block_bytes,
+        "feedback": modes[0],
+        "feedback_delay_s": args.feedback_delay_ms / 1000.0,
+        "feedback_batch_s": args.feedback_batch_ms / 1000.0,
+        "level": args.level,
+        "path_latency_s": args.path_latency_ms / 1000.0,
+        "send_session": args.send_session,
+        "timeout_s": args.timeout,
+        "router_config": (load_config(args.router_config) if args.router_config else Config()),
+        "slo": parse_slo(args.slo) if args.slo else None,
+    }
+    # the millisecond flags' values as given (bounds at 0 read the same in seconds)
+    shown = {
+        "feedback_delay_s": args.feedback_delay_ms,
+        "feedback_batch_s": args.feedback_batch_ms,
+        "path_latency_s": args.path_latency_ms,
+    }
+    base: SimConfig = from_flags(SimConfig, values, FLAGS, shown)
     base.validate()
     sweep = parse_sweep(args.sweep) if args.sweep else None
     tier_modes = [m.strip() for m in (args.index_tiers or "").split(",") if m.strip()]

@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import struct
 from array import array
-from dataclasses import dataclass
 from typing import Any
 
 from protocol.errors import ConfigError
 from protocol.prefix_keys import block_hashes
+from protocol.settings import setting, settings
 from worker_agent import tokenizer
 from worker_agent.cost_model import GPUS, MODELS, CostModel
 from worker_agent.dram_tier import DramConfig
@@ -53,42 +53,64 @@ from worker_agent.scheduler import ORDERS, SchedRequest, SchedulerConfig, StepRe
 PRIVATE_BASE = 2**48
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """How each simulated worker is built (the agent's flags of the same names)."""
+#: the flag that sets each EngineSpec field (``from_flags``), for every command that
+#: builds a simulated fleet (its errors name these)
+FLAGS = {
+    "model": "--agent-model",
+    "gpu": "--gpu",
+    "tp": "--tp",
+    "kv_tokens": "--kv-tokens",
+    "chunk_tokens": "--chunk-tokens",
+    "max_running": "--max-running",
+    "order": "--order",
+    "admission": "--admission",
+    "dram_tokens": "--dram-tokens",
+    "dram_ratio": "--dram-tokens",
+    "dram_admit_hits": "--dram-admit-hits",
+}
 
-    model: str = "llama-3-8b"
-    gpu: str = "h100"
-    tp: int = 1
-    #: KV capacity per worker in tokens; None: the preset's (HBM - weights - reserve)
-    kv_tokens: int | None = None
-    #: scheduler settings; None: the agent's defaults
-    chunk_tokens: int | None = None
-    max_running: int | None = None
+
+@settings
+class EngineSpec:
+    """How each simulated worker is built (the agent's flags of the same names).
+
+    Types and bounds are declared per field (``protocol.settings``: checked when an
+    instance is built); ``validate()`` checks what depends on the presets (their
+    names, that the weights fit) and on other modules' registries (``order``,
+    ``admission``), naming the flag (``FLAGS``)."""
+
+    model: str = setting("llama-3-8b", "model preset (worker_agent.cost_model.MODELS)")
+    gpu: str = setting("h100", "GPU preset (worker_agent.cost_model.GPUS)")
+    tp: int = setting(1, "tensor-parallel degree per worker", lo=1)
+    kv_tokens: int | None = setting(
+        None, "KV capacity per worker in tokens; None: the preset's (HBM - weights - reserve)", lo=1
+    )
+    chunk_tokens: int | None = setting(None, "chunked-prefill token budget per step; None: the agent's", lo=1)
+    max_running: int | None = setting(None, "sequences in a running batch at most; None: the agent's", lo=1)
+    #: a name of worker_agent.scheduler.ORDERS (checked by validate()); None: the agent's
     order: str | None = None
-    #: radix cache admission mode and its settings; defaults: the agent CLI's
+    #: a name of worker_agent.radix_cache.ADMISSION_MODES (checked by validate());
+    #: None: the agent CLI's
     admission: str | None = None
-    min_prefix_tokens: int = 64
-    protected_fraction: float = 0.5
-    #: the agent's generation seed (its --seed)
-    agent_seed: int = 0
-    #: DRAM KV tier per worker in tokens (the agent's --dram-tokens; None: no tier),
-    #: or as a multiple of the worker's KV pool (``--dram-tokens 4x``)
-    dram_tokens: int | None = None
-    dram_ratio: float | None = None
-    #: requests that must reach a chunk before it is written down (--dram-admit-hits)
-    dram_admit_hits: int = 1
+    min_prefix_tokens: int = setting(64, "admission min_prefix: shortest sequence worth keeping", lo=0)
+    protected_fraction: float = setting(
+        0.5, "admission protected: share of the cache kept for reused entries", lo=0, lo_open=True, hi=1
+    )
+    agent_seed: int = setting(0, "the agent's generation seed (its --seed)")
+    dram_tokens: int | None = setting(
+        None, "DRAM KV tier per worker in tokens (the agent's --dram-tokens); None: no tier", lo=0
+    )
+    dram_ratio: float | None = setting(
+        None, "DRAM KV tier per worker as a multiple of its KV pool (--dram-tokens 4x)", lo=0, lo_open=True
+    )
+    dram_admit_hits: int = setting(
+        1, "requests that must reach a chunk before it is written down (--dram-admit-hits)", lo=1
+    )
 
     def validate(self) -> None:
         cost = self.cost_model()
         if self.kv_tokens is None:
             cost.kv_capacity_tokens()  # raises ConfigError when the weights do not fit
-        elif type(self.kv_tokens) is not int or self.kv_tokens <= 0:
-            raise ConfigError("--kv-tokens", f"must be a positive integer, got {self.kv_tokens!r}")
-        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
-            raise ConfigError("--chunk-tokens", f"must be > 0, got {self.chunk_tokens}")
-        if self.max_running is not None and self.max_running <= 0:
-            raise ConfigError("--max-running", f"must be > 0, got {self.max_running}")
         if self.order is not None and self.order not in ORDERS:
             raise ConfigError("--order", f"{self.order!r} is not one of {', '.join(ORDERS)}")
         if self.admission is not None and self.admission not in ADMISSION_MODES:

@@ -100,8 +100,8 @@ import math
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 from loadtest.arrivals import Bounds
 from loadtest.client import Result
@@ -110,6 +110,7 @@ from loadtest.report import mark_bounds, percentiles, summarize
 from loadtest.simulator import blocktrace
 from loadtest.simulator.agentlink import AgentLink, tick_after, tick_at_or_before
 from loadtest.simulator.driver import VirtualDriver
+from loadtest.simulator.engine import FLAGS as ENGINE_FLAGS
 from loadtest.simulator.engine import EngineSpec, SimWorker
 from loadtest.simulator.prompts import SimPrompt, block_prompt, text_prompt, truncate
 from loadtest.simulator.reference import BlockReference, TextReference
@@ -118,6 +119,7 @@ from policies.base import MatchResult, RouteRequest, WorkerView
 from policies.registry import build_policy
 from protocol.errors import ConfigError, RequestError
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
+from protocol.settings import section, setting, settings
 from router.config import Config
 from router.engines.accuracy import predicted_tokens
 from router.engines.capacity import LearnedCapacity, correct
@@ -131,8 +133,12 @@ from worker_agent.dram_tier import CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 
-FEEDBACK_MODES = ("none", "events", "plain")
-LEVELS = ("auto", "text", "block")
+#: what the router learns from the workers (module docstring)
+FeedbackMode = Literal["none", "events", "plain"]
+FEEDBACK_MODES: tuple[str, ...] = get_args(FeedbackMode)
+#: 'auto' = block level for traces, text level otherwise
+Level = Literal["auto", "text", "block"]
+LEVELS: tuple[str, ...] = get_args(Level)
 #: token ids standing for single-shot answers in the references (one per job): above
 #: the tokenizer's range (< 2**34) and the engine's private ids (2**48 + n)
 UNREAD_ANSWER_BASE = 2**56
@@ -147,67 +153,89 @@ DRAINING = "draining"  # drained in the pool; finishing what it has
 GONE = "gone"  # removed from the pool (its index entries dropped)
 
 
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """One simulated fleet. Validated by ``validate()`` (raises ``ConfigError``)."""
+#: the flag of ``radixfleet simulate`` that sets each SimConfig field (``from_flags``),
+#: the engine's included (``engine.FLAGS``); other commands that build a fleet use
+#: the same names
+FLAGS = {
+    "workers": "--agents",
+    "block_bytes": "--block-bytes",
+    "feedback": "--feedback",
+    "feedback_delay_s": "--feedback-delay-ms",
+    "feedback_batch_s": "--feedback-batch-ms",
+    "level": "--level",
+    "path_latency_s": "--path-latency-ms",
+    "timeout_s": "--timeout",
+    "router_config": "--router-config",
+    "slo": "--slo",
+    **{f"engine.{k}": flag for k, flag in ENGINE_FLAGS.items()},
+}
 
-    workers: int = 8
+
+@settings
+class SimConfig:
+    """One simulated fleet.
+
+    Types and bounds are declared per field (``protocol.settings``: checked when an
+    instance is built; ``from_flags(SimConfig, values, FLAGS)`` names the flags).
+    ``validate()`` checks the rules across fields and the engine's presets (raises
+    ``ConfigError`` naming the flag). ``policy_params``, ``router_config`` and
+    ``slo`` are built and checked by their own parsers (``policies.params``,
+    ``router.config``, ``loadtest.metrics.parse_slo``) and held as given."""
+
+    workers: int = setting(8, "simulated workers", lo=1)
+    #: a policy's registered name (policies.registry builds it, or refuses the name)
     policy: str = "prefix_load"
+    #: the policy's parameters as YAML gives them (policies.params checks them)
     policy_params: Mapping[str, Any] | None = None
-    engine: EngineSpec = field(default_factory=EngineSpec)
-    #: router block size (text level); block level uses the trace's block
-    block_bytes: int = DEFAULT_BLOCK_BYTES
-    feedback: str = "events"
-    feedback_delay_s: float = 0.005
-    feedback_batch_s: float = 0.1
-    index_max_bytes: int = DEFAULT_MAX_BYTES
-    #: 'auto' = block level for traces, text level otherwise
-    level: str = "auto"
-    #: send the session id as the request's session key (loadtest --send-session)
-    send_session: bool = False
-    #: one-way latency of the request path (client -> router -> agent, and the
-    #: answer's way back): a request reaches its worker this much after the pick,
-    #: and the client sees every token this much after the worker made it. 0: none
-    #: (a GPU-only view). ``bench fidelity`` measures it on the live fleet.
-    path_latency_s: float = 0.0
-    #: the client's per-request timeout (loadtest --timeout: no complete answer this
-    #: long after dispatch -> error "timeout"); None: requests never time out
-    timeout_s: float | None = None
-    #: fast-forward runs of pure decode steps (engine.py); False: every step is a
-    #: Scheduler.step() call (same results, slower; the equivalence tests use it)
-    fast_forward: bool = True
+    engine: EngineSpec = section(EngineSpec, "how each worker is built")
+    block_bytes: int = setting(
+        DEFAULT_BLOCK_BYTES, "router block size, bytes (text level); block level uses the trace's", lo=1
+    )
+    feedback: FeedbackMode = setting("events", "what the router learns from the workers (module docstring)")
+    feedback_delay_s: float = setting(0.005, "agent -> router batch delivery delay, seconds", lo=0)
+    feedback_batch_s: float = setting(0.1, "agent reporter batch interval, seconds", lo=0)
+    index_max_bytes: int = setting(DEFAULT_MAX_BYTES, "the router index's memory budget, bytes", lo=1)
+    level: Level = setting("auto", "prompt level: text, block, or auto (block for traces, text otherwise)")
+    send_session: bool = setting(False, "send the session id as the request's session key (--send-session)")
+    path_latency_s: float = setting(
+        0.0,
+        "one-way latency of the request path (client -> router -> agent, and the answer's "
+        "way back): a request reaches its worker this much after the pick, and the client "
+        "sees every token this much after the worker made it; 0: none (a GPU-only view). "
+        "bench fidelity measures it on the live fleet",
+        lo=0,
+    )
+    timeout_s: float | None = setting(
+        None,
+        "the client's per-request timeout (loadtest --timeout): no complete answer this long "
+        "after dispatch -> error 'timeout'; None: requests never time out",
+        lo=0,
+        lo_open=True,
+    )
+    fast_forward: bool = setting(
+        True,
+        "fast-forward runs of pure decode steps (engine.py); false: every step is a "
+        "Scheduler.step() call (same results, slower; the equivalence tests use it)",
+    )
     #: the live router's settings the simulated router runs with (router.config):
     #: load.report_stale_s, index.half_life_s, warmup.enabled / min_interval_s,
     #: breaker. Its workers, policy and index.max_bytes are not used (the fields
     #: above set the fleet, the policy and the index budget).
-    router_config: Config = field(default_factory=Config)
-    #: deliver every agent batch at its own tick (an event per worker per tick)
-    #: instead of lazily when read (agentlink.py); same results, slower (tests)
-    report_every_tick: bool = False
-    #: call every check() after every event (tests; slow)
-    check: bool = False
+    router_config: Config = section(Config, "the live router's settings (router.config)")
+    report_every_tick: bool = setting(
+        False,
+        "deliver every agent batch at its own tick (an event per worker per tick) instead "
+        "of lazily when read (agentlink.py); same results, slower (tests)",
+    )
+    check: bool = setting(False, "call every check() after every event (tests; slow)")
     #: report key (ttft_ms, tpot_ms, e2e_ms) -> bound in ms: the report gains
     #: ``goodput`` as the load generator's (``loadtest.metrics.goodput``, ``--slo``);
     #: None or empty: no goodput
     slo: Mapping[str, float] | None = None
 
     def validate(self) -> None:
-        if type(self.workers) is not int or self.workers < 1:
-            raise ConfigError("--agents", f"must be an integer >= 1, got {self.workers!r}")
-        if self.feedback not in FEEDBACK_MODES:
-            raise ConfigError("--feedback", f"{self.feedback!r} is not one of {', '.join(FEEDBACK_MODES)}")
-        if not (self.feedback_delay_s >= 0 and self.feedback_batch_s >= 0):
-            raise ConfigError("--feedback-delay-ms", "delay and batch must be >= 0")
         if self.report_every_tick and not self.feedback_batch_s > 0:
             raise ConfigError("report_every_tick", "needs feedback_batch_s > 0")
-        if not isinstance(self.router_config, Config):
-            raise ConfigError("--router-config", "must be a router.config.Config")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ConfigError("--timeout", f"must be > 0 seconds, got {self.timeout_s}")
-        if not self.path_latency_s >= 0:
-            raise ConfigError("--path-latency-ms", f"must be >= 0, got {self.path_latency_s * 1000}")
-        if self.level not in LEVELS:
-            raise ConfigError("--level", f"{self.level!r} is not one of {', '.join(LEVELS)}")
         try:
             check_block_bytes(self.block_bytes)
         except ValueError as exc:

@@ -40,10 +40,12 @@ import time
 
 from loadtest.arrivals import Bounds, Poisson, TraceTimes
 from loadtest.simulator.disagg import DisaggSimulation, DisaggSpec
+from loadtest.simulator.engine import FLAGS as ENGINE_FLAGS
 from loadtest.simulator.engine import EngineSpec
 from loadtest.simulator.simulation import SimConfig, Simulation
 from loadtest.workloads import make_workload
 from protocol.errors import ConfigError
+from protocol.settings import from_flags
 from worker_agent.cost_model import LINKS
 
 SHARED_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
@@ -136,7 +138,8 @@ def _row(workload: str, fleet: str, report: dict, wall_s: float) -> dict:
 
 def run_workload(name: str, args: argparse.Namespace, spec: DisaggSpec) -> list[dict]:
     make, arrivals, bounds = _load(name, args)
-    engine = EngineSpec(model=args.model, gpu=args.gpu, kv_tokens=args.kv_tokens)
+    values = {"model": args.model, "gpu": args.gpu, "kv_tokens": args.kv_tokens}
+    engine: EngineSpec = from_flags(EngineSpec, values, ENGINE_FLAGS)
     rows = []
     t = time.perf_counter()
     sim = Simulation(
