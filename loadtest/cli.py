@@ -352,12 +352,14 @@ def _make_workload(args: argparse.Namespace) -> Workload:
                 input_len=args.input_len,
                 range_ratio=args.range_ratio,
                 prefix_len=args.prefix_len,
-                output_len=args.output_len or 128,
+                output_len=128 if args.output_len is None else args.output_len,
             )
             if args.requests is not None:
                 params["requests"] = args.requests
         else:
-            params.update(path=args.dataset_path or "", output_len=args.output_len or 0)
+            params.update(
+                path=args.dataset_path or "", output_len=0 if args.output_len is None else args.output_len
+            )
         return make_dataset(dataset, params, args.seed)
     if args.workload is None:
         if args.trace is None:

@@ -53,6 +53,10 @@ def test_a_bad_dataset_value_names_its_flag(name, params, message):
             ["loadtest", "--target", "a=http://127.0.0.1:9", "--dataset", "random", "--prefix-len", "-2"],
             "radixfleet loadtest: error: --prefix-len: expected an integer >= 0, got -2",
         ),
+        (  # 0 is a value, not "the default" (128)
+            ["loadtest", "--target", "a=http://127.0.0.1:9", "--dataset", "random", "--output-len", "0"],
+            "radixfleet loadtest: error: --output-len: expected an integer >= 1, got 0",
+        ),
     ],
 )
 def test_on_the_command_line_a_bad_value_is_one_line_and_exit_2(capsys, argv, line):
