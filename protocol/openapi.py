@@ -50,7 +50,24 @@ _PROMPT = {
     ]
 }
 _ADAPTER = {"type": "string", "description": "SGLang LoRA adapter (part of the cache key)"}
+_NULLABLE_STR = {"type": "string", "nullable": True}
+#: vLLM's disaggregated prefill/decode params (router.pd sends them, agents answer them)
+_KV_TRANSFER = {
+    "type": "object",
+    "nullable": True,
+    "description": "vLLM P/D: do_remote_decode on a prefill leg, do_remote_prefill + remote_* "
+    "(what the prefill answer named) on a decode leg",
+    "properties": {
+        "do_remote_decode": {"type": "boolean"},
+        "do_remote_prefill": {"type": "boolean"},
+        "remote_engine_id": _NULLABLE_STR,
+        "remote_block_ids": {"type": "array", "items": {"type": "integer"}, "nullable": True},
+        "remote_host": _NULLABLE_STR,
+        "remote_port": {"type": "integer", "nullable": True},
+    },
+}
 _COMMON = {
+    "kv_transfer_params": _KV_TRANSFER,
     "model": {"type": "string"},
     "max_tokens": {"type": "integer", "minimum": 0},
     "stream": {"type": "boolean"},

@@ -2,7 +2,8 @@
 
     radixfleet agent --engine sim --model llama-3-8b --gpu h100 [--tp N] [--kv-tokens N]
                      [--host 127.0.0.1] --port P [--router URL ...] [--worker-id ID]
-                     [--block-bytes N] [--role prefill|decode|both] [--admission MODE] [--seed S]
+                     [--block-bytes N] [--role prefill|decode|both] [--kv-link nvlink|rdma]
+                     [--admission MODE] [--seed S]
                      [--page-size N] [--disable-radix-cache] [--advertise-url URL]
                      [--dram-tokens TOKENS|Nx [--dram-admit-hits N]]
                      [--bus nats://HOST:4222|tls://HOST:4222 [--bus-prefix P]
@@ -44,7 +45,7 @@ from service import http_errors
 from service.auth import is_loopback
 from service.bus_connection import BusCredentials, check_exposure
 from worker_agent.bus import agent_flag
-from worker_agent.cost_model import GPUS, MODELS, CostModel
+from worker_agent.cost_model import DEFAULT_LINK, GPUS, LINKS, MODELS, CostModel
 from worker_agent.dram_tier import DramConfig, parse_dram_size
 from worker_agent.radix_cache import ADMISSION_MODES, AdmissionConfig
 from worker_agent.scheduler import ORDERS, SchedulerConfig
@@ -196,6 +197,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=("prefill", "decode", "both"),
         default="both",
         help="the role it registers with: a disaggregated fleet's prefill or decode side, or both",
+    )
+    parser.add_argument(
+        "--kv-link",
+        choices=tuple(LINKS),
+        default=DEFAULT_LINK,
+        help="the link a remote prefill's KV arrives over (vLLM's kv_transfer_params "
+        f"decode leg); the simulator's presets (default {DEFAULT_LINK})",
     )
     parser.add_argument(
         "--admission", choices=ADMISSION_MODES, default="always", help="which prompts the prefix cache keeps"
@@ -350,6 +358,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         page_size=args.page_size,
         disable_radix_cache=args.disable_radix_cache,
         dram=dram,
+        kv_link=args.kv_link,
         # an unsigned tenant header is safe only where nothing but the router reaches us
         trust_unsigned_tenant=is_loopback(args.host),
     )

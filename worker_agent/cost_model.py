@@ -230,6 +230,9 @@ LINKS: dict[str, LinkSpec] = {
         ),
     )
 }
+#: the link a prefill worker's KV reaches a decode worker over when none is named
+#: (the simulator's ``DisaggSpec`` and the agent's ``--kv-link``)
+DEFAULT_LINK = "rdma"
 
 
 #: Host <-> GPU link of the DRAM KV tier (``worker_agent.dram_tier``), one direction.

@@ -41,6 +41,15 @@ until the copy lands). Completed chunks the tree holds after a prompt insert or 
 finish (and the HBM-matched ones at admission) are written down on the tier's own
 D2H stream, outside every step's duration: decode is never delayed by it.
 
+Remote KV (disaggregated decode, vLLM's ``kv_transfer_params``): a request whose
+prompt's KV a prefill worker computed (``remote``: the prompt tokens it holds) does
+not prefill them. At admission the part of them this worker does not hold locally
+(tree + DRAM tier) is pulled over the link (``cost.kv_transfer_bytes`` /
+``link.transfer_s``, the simulator's functions) into the request's own KV, on the
+same ``LOADING`` path as a DRAM read-back: one transfer at a time over this worker's
+ingress (a later one queues behind), the last prompt token is computed here (its
+logits give the first token), then the prompt is inserted into the tree as any.
+
 Memory: admission reserves the uncached prompt plus ``max_new`` tokens in the
 ``KVPool`` (evicting cold leaves first); if that cannot fit the request waits at the
 head of the queue. When the prompt's prefill completes it is inserted into the radix
@@ -59,7 +68,7 @@ from typing import Any
 
 from protocol.errors import Overloaded, PromptTooLarge
 from protocol.events import Load
-from worker_agent.cost_model import CostModel
+from worker_agent.cost_model import DEFAULT_LINK, LINKS, CostModel, LinkSpec
 from worker_agent.dram_tier import CHUNK_TOKENS, DramConfig, DramTier, chunk_digests
 from worker_agent.kv_pool import KVPool
 from worker_agent.radix_cache import Node, RadixCache, as_key
@@ -107,6 +116,8 @@ class SchedRequest:
         "cached_dram",
         "ready_at",
         "digests",
+        "remote",
+        "transferred",
         "first_token_at",
         "finished_at",
         "waiter",
@@ -146,6 +157,10 @@ class SchedRequest:
         self.ready_at = 0.0
         #: the DRAM tier's chunk digests of the prompt (None: no tier)
         self.digests: list[int] | None = None
+        #: prompt tokens whose KV a remote prefill worker holds for this request (set
+        #: by the caller before ``submit``; 0: none), and those pulled at admission
+        self.remote = 0
+        self.transferred = 0
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.waiter: Any = None
@@ -217,6 +232,11 @@ class SchedStats:
     kv_waits: int = 0
     #: prompt tokens of ``cached_tokens`` read back from the DRAM tier
     dram_cached_tokens: int = 0
+    #: requests that pulled a remote prefill's KV, its tokens and bytes (not in
+    #: ``cached_tokens``: those count what this worker held itself)
+    kv_transfers_in: int = 0
+    kv_transferred_in_tokens: int = 0
+    kv_transferred_in_bytes: float = 0.0
 
 
 class Scheduler:
@@ -229,7 +249,9 @@ class Scheduler:
         pool: KVPool,
         config: SchedulerConfig | None = None,
         dram: DramTier | None = None,
+        link: LinkSpec | None = None,
     ) -> None:
+        """``link``: what remote KV arrives over (default ``LINKS[DEFAULT_LINK]``)."""
         if pool.cache is not cache:
             raise ValueError("the pool must account for the same cache")
         self.cost = cost
@@ -244,6 +266,9 @@ class Scheduler:
         self.loading: list[SchedRequest] = []
         #: the DRAM tier below the tree (None: HBM only)
         self.dram = dram
+        self.link = link or LINKS[DEFAULT_LINK]
+        #: when this worker's link ingress is free (remote KV transfers queue on it)
+        self._ingress_free = 0.0
         #: write-downs of the step in progress: (chunk digests, tokens held, hashes)
         self._writes: list[tuple[list[int], int, Any]] = []
         self.running: list[SchedRequest] = []
@@ -386,8 +411,32 @@ class Scheduler:
             assert dram is not None
             req.ready_at = dram.read_back(extra, now)
             self.stats.dram_cached_tokens += extra
+        if req.remote:
+            self._pull(req, now)
         self.stats.cached_tokens += req.cached
         return True
+
+    def _pull(self, req: SchedRequest, now: float) -> None:
+        """Admission's remote-KV transfer (module docstring): the remote prompt
+        tokens past what this worker holds become ``req``'s own KV, landing when the
+        link has moved them. Needs their KV reserved (``_admit`` reserved the whole
+        uncached prompt)."""
+        n = max(0, min(req.remote, len(req.prompt) - 1) - req.prefilled)
+        if not n:
+            return
+        self.pool.commit(n)
+        req.reserved -= n
+        req.private += n
+        req.prefilled += n
+        req.transferred = n
+        nbytes = self.cost.kv_transfer_bytes(n)
+        start = max(now, self._ingress_free)
+        self._ingress_free = start + self.link.transfer_s(nbytes)
+        req.ready_at = max(req.ready_at, self._ingress_free)
+        st = self.stats
+        st.kv_transfers_in += 1
+        st.kv_transferred_in_tokens += n
+        st.kv_transferred_in_bytes += nbytes
 
     def step(self, now: float) -> StepResult:
         """Runs one step starting at ``now``; see the module docstring."""
@@ -675,6 +724,7 @@ def build_scheduler(
     record_events: bool = True,
     disable_radix_cache: bool = False,
     dram: DramConfig | None = None,
+    link: LinkSpec | None = None,
 ) -> Scheduler:
     """One simulated worker: cost model, radix cache, KV pool and scheduler wired together.
 
@@ -684,7 +734,8 @@ def build_scheduler(
     this with ``record_events=False`` and its own page size. ``disable_radix_cache``:
     no prefix reuse at all (``RadixCache(disabled=True)``): every prompt is computed
     whole and its KV freed when the request ends. ``dram``: a DRAM tier below the tree
-    (``dram_tier``; None: HBM only).
+    (``dram_tier``; None: HBM only). ``link``: what remote KV arrives over (None:
+    ``LINKS[DEFAULT_LINK]``).
     """
     cost = CostModel(model, gpu, tp=tp, mfu=mfu)
     capacity = kv_tokens if kv_tokens is not None else cost.kv_capacity_tokens()
@@ -698,4 +749,4 @@ def build_scheduler(
         disabled=disable_radix_cache,
     )
     tier = DramTier(dram, cost, hash_stride=hash_stride) if dram is not None else None
-    return Scheduler(cost, cache, KVPool(capacity, cache), config, tier)
+    return Scheduler(cost, cache, KVPool(capacity, cache), config, tier, link)

@@ -25,6 +25,31 @@ status and touches nothing already accepted; a client that goes away cancels its
 request and frees its KV. Extra fields (SGLang's ``no_stop_trim``,
 ``skip_special_tokens``, ``return_hidden_states``, sampling knobs) are accepted and
 ignored: the simulated engine generates ``max_tokens`` deterministic tokens.
+
+Disaggregated prefill/decode, vLLM's protocol (``kv_transfer_params``, as
+``router.pd`` and vLLM's NIXL/P2P connectors speak it; any role accepts both legs)::
+
+    prefill leg  {"do_remote_decode": true, ...}  -> the prompt runs as any (its
+                 cache hit counts, its KV stays in the tree and its events go out);
+                 a non-streamed answer carries kv_transfer_params naming this agent:
+                 do_remote_prefill true, remote_engine_id (its worker id),
+                 remote_block_ids (the router block hashes of the prompt's whole
+                 blocks), remote_host/remote_port (its advertised address)
+    decode leg   {"do_remote_prefill": true, remote_engine_id: str, remote_block_ids:
+                 [int], remote_host: str, remote_port: int} -> the prompt's KV is
+                 pulled instead of computed: the part this agent does not hold
+                 locally costs the link's transfer time (``--kv-link``, the
+                 simulator's ``LINKS``; the scheduler's "Remote KV"), the last
+                 prompt token is computed, the prompt joins the tree, decode goes on
+
+Block ids that are not this prompt's whole-block hashes name another prompt's KV:
+400, as a failed KV pull is an error in vLLM; so are wrong types (the error names
+the field). The prefill side does not pin the KV until it is pulled (vLLM's
+connector does): it is evictable in the tree like any prompt's. A decode leg's
+``usage.prompt_tokens_details.cached_tokens`` counts only what this agent reused
+from its own tree and DRAM tier, not the transferred tokens: a router reads it as
+what the worker held before the request (``PrefixIndex.keep``'s correction, the
+learned capacity), and the transferred prompt was not held here.
 """
 
 from __future__ import annotations
@@ -36,6 +61,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -64,6 +90,7 @@ from service.auth import BearerAuth
 from service.metrics import standard_collectors
 from service.tenancy import SIGNATURE_HEADER, verify_signature
 from worker_agent import tokenizer as tk
+from worker_agent.cost_model import DEFAULT_LINK, link_preset
 from worker_agent.dram_tier import DramConfig
 from worker_agent.engine import Engine
 from worker_agent.radix_cache import AdmissionConfig
@@ -108,6 +135,8 @@ class AgentConfig:
     #: without an agent token, honour an unsigned x-radixfleet-tenant header (only
     #: safe when nobody but the router can reach the agent: a loopback listener)
     trust_unsigned_tenant: bool = True
+    #: the link preset (``cost_model.LINKS``) remote KV arrives over (``--kv-link``)
+    kv_link: str = DEFAULT_LINK
 
     @property
     def name(self) -> str:
@@ -138,6 +167,7 @@ class Agent:
             page_size=cfg.page_size,
             disable_radix_cache=cfg.disable_radix_cache,
             dram=cfg.dram,
+            link=link_preset(cfg.kv_link, "--kv-link"),
         )
         self.cost = self.sched.cost
         self.cache = self.sched.cache
@@ -146,6 +176,16 @@ class Agent:
         self.started_at = time.time()
         self._ids = itertools.count(1)
         self.bad_requests = 0
+        #: prefills answered with kv_transfer_params for a remote decode
+        self.remote_decode_prefills = 0
+        #: the address this agent advertises (its kv_transfer_params name it; None:
+        #: the listening socket's); set by ``create_app``
+        self.advertise_url: str | None = None
+
+    @property
+    def engine_id(self) -> str:
+        """The id this agent registers and names itself by in kv_transfer_params."""
+        return self.cfg.worker_id or self.advertise_url or "agent"
 
     @property
     def capacity(self) -> int:
@@ -181,6 +221,59 @@ def _bool_field(body: dict, name: str) -> bool:
     return v
 
 
+#: kv_transfer_params fields a decode leg (do_remote_prefill) must carry, and their types
+_REMOTE_FIELDS = (
+    ("remote_engine_id", str),
+    ("remote_block_ids", list),
+    ("remote_host", str),
+    ("remote_port", int),
+)
+
+
+def _kv_transfer(body: dict) -> tuple[bool, dict | None]:
+    """``(remote_decode, remote)`` of a body's ``kv_transfer_params``: whether it
+    asks for a prefill kept for a remote decode, and the checked params of a
+    remote prefill to pull (None: none). ``MalformedRequest`` names a field of the
+    wrong type (module docstring)."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return False, None
+    if not isinstance(params, dict):
+        raise MalformedRequest("'kv_transfer_params' must be an object", param="kv_transfer_params")
+    flags = []
+    for name in ("do_remote_decode", "do_remote_prefill"):
+        v = params.get(name, False)
+        if v is not None and not isinstance(v, bool):
+            where = f"kv_transfer_params.{name}"
+            raise MalformedRequest(f"'{where}' must be a boolean", param=where)
+        flags.append(bool(v))
+    remote_decode, remote_prefill = flags
+    if remote_decode and remote_prefill:
+        raise MalformedRequest(
+            "'kv_transfer_params' asks for both do_remote_decode and do_remote_prefill; "
+            "a leg is one or the other",
+            param="kv_transfer_params.do_remote_prefill",
+        )
+    if not remote_prefill:
+        return remote_decode, None
+    for name, kind in _REMOTE_FIELDS:
+        v = params.get(name)
+        where = f"kv_transfer_params.{name}"
+        if type(v) is not kind or (kind is str and not v):
+            what = {str: "a non-empty string", list: "a list of integers", int: "an integer"}[kind]
+            raise MalformedRequest(
+                f"'{where}' must be {what} with do_remote_prefill, got {type(v).__name__}", param=where
+            )
+    ids = params["remote_block_ids"]
+    if not all(type(b) is int for b in ids):
+        where = "kv_transfer_params.remote_block_ids"
+        raise MalformedRequest(f"'{where}' must be a list of integers", param=where)
+    if not 0 < params["remote_port"] < 65536:
+        where = "kv_transfer_params.remote_port"
+        raise MalformedRequest(f"'{where}' must be a TCP port (1-65535)", param=where)
+    return False, params
+
+
 @dataclass(slots=True)
 class Parsed:
     endpoint: Endpoint
@@ -190,6 +283,10 @@ class Parsed:
     stream: bool
     include_usage: bool
     req: SchedRequest
+    #: a prefill kept for a remote decode: the answer carries kv_transfer_params
+    remote_decode: bool = False
+    #: the router block hashes of the prompt's whole blocks (what the params name)
+    block_ids: list[int] = field(default_factory=list)  # not copied: the request key's
 
 
 def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
@@ -240,6 +337,7 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
     seed = body.get("seed")
     if seed is not None and type(seed) is not int:
         raise MalformedRequest("'seed' must be an integer", param="seed")
+    remote_decode, remote = _kv_transfer(body)
     key = request_key(endpoint, body, tenant=tenant, block_bytes=agent.cfg.block_bytes)
     if endpoint is not Endpoint.GENERATE or key.model:
         if key.model != name:
@@ -259,8 +357,20 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
     else:
         hashes = key.hashes  # a partial tail token: nothing after it matches a re-tokenization
     ns = (key.model, tenant, key.adapter)
+    block_ids = key.hashes  # the prompt's whole blocks (a list: compared, sent as is)
+    if remote is not None and remote["remote_block_ids"] != block_ids:
+        where = "kv_transfer_params.remote_block_ids"
+        raise MalformedRequest(
+            f"'{where}' are not this prompt's blocks ({len(remote['remote_block_ids'])} ids for "
+            f"{len(block_ids)} blocks): the remote KV is another prompt's",
+            param=where,
+        )
     req = SchedRequest(agent.next_id(), ns, prompt_tokens, max_new, output, hashes)
-    return Parsed(endpoint, body, key.model or name, max_new, stream, include_usage, req)
+    if remote is not None:
+        req.remote = len(prompt_tokens)  # the prefill side computed the whole prompt
+    return Parsed(
+        endpoint, body, key.model or name, max_new, stream, include_usage, req, remote_decode, block_ids
+    )
 
 
 # ----------------------------------------------------------------- responses
@@ -322,11 +432,44 @@ async def _serve(agent: Agent, request: web.Request, endpoint: Endpoint) -> web.
             await _wait_done(w)
             if r.state is not State.FINISHED:
                 raise web.HTTPServiceUnavailable(text="engine stopped", headers={"Retry-After": "1"})
-            return web.json_response(_final(p, r, created))
+            answer = _final(p, r, created)
+            if p.remote_decode and p.endpoint is not Endpoint.GENERATE:
+                answer["kv_transfer_params"] = _remote_params(agent, request, p, r)
+                agent.remote_decode_prefills += 1
+            return web.json_response(answer)
         return await _stream(p, r, w, request, created)
     finally:
         if r.state not in (State.FINISHED, State.CANCELLED):
             agent.engine.cancel(r)  # the client went away: free its KV now
+
+
+def _address(agent: Agent, request: web.Request) -> tuple[str, int]:
+    """(host, port) a decode worker reaches this agent at: the advertised URL's,
+    else the listening socket's."""
+    if agent.advertise_url:
+        u = urlsplit(agent.advertise_url)
+        if u.hostname and u.port:
+            return u.hostname, u.port
+    sock = request.transport.get_extra_info("sockname") if request.transport else None
+    if sock:
+        return str(sock[0]), int(sock[1])
+    return request.url.host or "", request.url.port or 0
+
+
+def _remote_params(agent: Agent, request: web.Request, p: Parsed, r: SchedRequest) -> dict:
+    """A prefill answer's ``kv_transfer_params``: where a decode worker pulls the
+    prompt's KV from (module docstring)."""
+    host, port = _address(agent, request)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": agent.engine_id,
+        "remote_block_ids": p.block_ids,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_request_id": str(r.rid),
+        "tp_size": agent.cfg.tp,
+    }
 
 
 def _final(p: Parsed, r: SchedRequest, created: int) -> dict:
@@ -513,6 +656,7 @@ def _server_info(agent: Agent) -> dict:
         "worker_id": cfg.worker_id,
         "disable_radix_cache": cfg.disable_radix_cache,
         "dram_tokens": cfg.dram.capacity_tokens if cfg.dram else 0,
+        "kv_link": cfg.kv_link,
         "fingerprint": list(agent.fingerprint),
         "internal_states": [{"last_gen_throughput": 0.0}],
     }
@@ -692,6 +836,26 @@ class _Collector:
             "Tokens admission control kept out of the cache.",
             cs.refused_tokens,
         )
+        yield counter(
+            "radixfleet_agent_remote_decode_prefills",
+            "Prefills answered with kv_transfer_params for a remote decode.",
+            a.remote_decode_prefills,
+        )
+        yield counter(
+            "radixfleet_agent_kv_transfers_in",
+            "Requests that pulled a remote prefill's KV instead of computing it.",
+            s.kv_transfers_in,
+        )
+        yield counter(
+            "radixfleet_agent_kv_transferred_in_tokens",
+            "Prompt tokens whose KV came from a remote prefill (not in cached_tokens).",
+            s.kv_transferred_in_tokens,
+        )
+        yield counter(
+            "radixfleet_agent_kv_transferred_in_bytes",
+            "KV bytes pulled from remote prefills (CostModel.kv_transfer_bytes).",
+            s.kv_transferred_in_bytes,
+        )
         yield counter("radixfleet_agent_requests_finished", "Requests finished.", s.finished)
         yield counter("radixfleet_agent_requests_cancelled", "Requests cancelled.", s.cancelled)
         yield counter("radixfleet_agent_bad_requests", "Requests answered with a 4xx.", a.bad_requests)
@@ -728,6 +892,7 @@ def create_app(
     live in its cleanup context, so they start and stop with the app.
     ``bus_credentials``: the NATS server's (``service.bus_connection.BusCredentials``)."""
     agent = Agent(cfg, record_events=bool(routers) or bool(bus))
+    agent.advertise_url = advertise_url
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[AGENT_KEY] = agent
     app[AUTH_KEY] = BearerAuth("RADIXFLEET_AGENT_TOKEN", "agent")
@@ -742,7 +907,7 @@ def create_app(
         if routers or bus:
             from worker_agent.reporter import Reporter
 
-            wid = cfg.worker_id or advertise_url or "agent"
+            wid = agent.engine_id
             agent_bus = None
             if bus:
                 from service.bus_connection import BusCredentials

@@ -37,7 +37,9 @@ workers (refused: an all-``both`` fleet is the colocated ``Simulation``); client
 timeouts (refused); the answer's KV is not sent back to a prefill worker, so a
 conversation's next turn hits only on what its prompts left there (as live P/D).
 The decode worker is this module's own model of a continuous batch, not the agent's
-scheduler (which would prefill the prompt again).
+scheduler (which a live decode agent runs: it pulls the remote KV the same way,
+``SchedRequest.remote``, but also keeps it in its prefix cache, which this model
+does not).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from policies.disagg import DECODE, PREFILL, choose_decode, validate_roles
 from protocol.errors import ConfigError
 from protocol.prefix_keys import WorkerId
 from worker_agent import tokenizer
-from worker_agent.cost_model import CostModel, LinkSpec, link_preset
+from worker_agent.cost_model import DEFAULT_LINK, CostModel, LinkSpec, link_preset
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +74,10 @@ class DisaggSpec:
     """The disaggregated fleet: its roles (``prefill``/``decode``) and its link preset."""
 
     roles: tuple[str, ...]
-    link: str = "rdma"
+    link: str = DEFAULT_LINK
 
     @classmethod
-    def split(cls, text: str, link: str = "rdma") -> DisaggSpec:
+    def split(cls, text: str, link: str = DEFAULT_LINK) -> DisaggSpec:
         """``P:D`` (the ``--disagg`` flag): P prefill then D decode workers."""
         p, sep, d = str(text).partition(":")
         try:
