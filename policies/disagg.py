@@ -8,18 +8,24 @@ prefill workers' views (the index lives on the prefill side: prefix_load's match
 against queue is the prefix-aware choice, round_robin the blind one), then on one
 decode worker, chosen here.
 
-Decode pick (``choose_decode``): a decode worker does no prefill, so prefix match
-and prefill queue mean nothing there; what decides is whether the request's KV
-(prompt + the tokens it will generate) fits now, and how many sequences already
-share the worker's decode steps. Among the workers with room, the one with the
-fewest running + queued requests (ties: the most free KV, then at random); with
-room nowhere, the one with the most free KV (it admits first). Pure, O(n).
+Decode pick (``choose_decode``): what decides first is whether the request's KV
+(prompt + the tokens it will generate) fits now, then how many sequences already
+share the worker's decode steps, then the pairing's transfer: the prompt's KV moves
+from the prefill worker except what the decode worker already holds (a decode
+worker keeps the KV of what it decoded, so a conversation's next turn is mostly
+there; ``held``: the router index's tokens of this prompt per worker). Among the
+workers with room, the one with the fewest running + queued requests; ties: the one
+holding most of the prompt (least to transfer), then the most free KV, then at
+random. Load comes before transfer because a queued sequence costs a decode step
+(tens of ms) for every token it generates, while a prompt's KV crosses an RDMA link
+in milliseconds. With room nowhere, the one with the most free KV (it admits first).
+Pure, O(n).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from policies.base import WorkerView
 from protocol.errors import ConfigError
@@ -60,8 +66,15 @@ def free_kv_tokens(view: WorkerView) -> int:
     return max(0, view.kv_capacity_tokens - view.kv_used_tokens)
 
 
-def choose_decode(views: Sequence[WorkerView], need_tokens: int, rng: random.Random) -> WorkerView:
-    """The decode worker for a request whose KV needs ``need_tokens`` (module docstring)."""
+def choose_decode(
+    views: Sequence[WorkerView],
+    need_tokens: int,
+    rng: random.Random,
+    held: Callable[[str], int] | None = None,
+) -> WorkerView:
+    """The decode worker for a request whose KV needs ``need_tokens`` (module
+    docstring); ``held(worker id)``: the prompt's tokens that worker holds (None:
+    nothing known, as in a fleet whose decode side keeps no prefix cache)."""
     if not views:
         raise ValueError("choose_decode needs at least one decode worker")
     fits = [v for v in views if free_kv_tokens(v) >= need_tokens]
@@ -70,8 +83,9 @@ def choose_decode(views: Sequence[WorkerView], need_tokens: int, rng: random.Ran
         tied = [v for v in views if free_kv_tokens(v) == best_free]
         return tied[0] if len(tied) == 1 else rng.choice(tied)
 
-    def key(v: WorkerView) -> tuple[int, int]:
-        return (v.running_requests + v.queued_requests, -free_kv_tokens(v))
+    def key(v: WorkerView) -> tuple[int, int, int]:
+        kept = held(v.id) if held is not None else 0
+        return (v.running_requests + v.queued_requests, -kept, -free_kv_tokens(v))
 
     best = min(key(v) for v in fits)
     tied = [v for v in fits if key(v) == best]

@@ -16,7 +16,8 @@ Choices. The prefill worker is the router's policy pick among the prefill worker
 (the prefix index lives on the prefill side: prefix_load's match against queue is
 the prefix-aware choice), hinted and load-counted as any pick. The decode worker is
 ``policies.disagg.choose_decode`` among the ``decode`` and ``both`` workers: room for
-the prompt plus ``max_tokens`` of KV, then the fewest running + queued requests.
+the prompt plus ``max_tokens`` of KV, then the fewest running + queued requests, then
+the most of the prompt already held there (the least KV to transfer).
 
 Skipping the prefill pool. The decode worker is chosen first; a request whose
 uncached part *there* (the prompt minus what the index says that worker holds: a
@@ -147,7 +148,7 @@ class PrefillDecode:
         def choose(kr: KeyedRequest, views: list[WorkerView], now: float) -> Decision:
             if pending:
                 return pending.pop()
-            return Decision(choose_decode(views, need, self.rng).id, Reason.LEAST_LOAD)
+            return Decision(choose_decode(views, need, self.rng, kr.held_tokens).id, Reason.LEAST_LOAD)
 
         return choose
 
@@ -178,12 +179,11 @@ class PrefillDecode:
             return
         req = kr.route_request
         need = req.prompt_tokens + max_tokens_of(ctx.body)
-        dv = choose_decode(decode, need, self.rng)
+        dv = choose_decode(decode, need, self.rng, kr.held_tokens)
         first: Decision | None = Decision(dv.id, Reason.LEAST_LOAD)
         dw = dp.pool.get(dv.id)
         assert dw is not None, "a view names a worker of the pool"
-        sk = kr.key_for(dw.id)
-        uncached = max(0, sk.prompt_tokens - kr.blocks_for(dw.id) * sk.block_tokens)
+        uncached = max(0, kr.key_for(dw.id).prompt_tokens - kr.held_tokens(dw.id))
         # vLLM's protocol is the OpenAI API's: SGLang's native /generate runs colocated
         openai = ctx.endpoint is not Endpoint.GENERATE
         if prefill and openai and uncached >= self.threshold(dw, now):

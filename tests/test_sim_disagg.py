@@ -137,6 +137,19 @@ def test_decode_pick_takes_the_least_loaded_worker_with_room():
     assert choose_decode(views, 950, rng).id == "busy"
 
 
+def test_decode_pick_among_equally_loaded_prefers_the_worker_holding_the_prompt():
+    """The pairing's transfer: at equal load, the decode worker that already holds
+    most of the prompt (least to pull) wins over more free KV; load still comes
+    first, and a worker without room is not chosen for what it holds."""
+    rng = random.Random(0)
+    views = [_view("roomy", 100, 2), _view("holder", 600, 2), _view("idle", 300, 1), _view("full", 950, 0)]
+    held = {"roomy": 0, "holder": 320, "idle": 0, "full": 900}.get
+    assert choose_decode(views, 200, rng, held).id == "idle"  # least load first
+    views[2] = _view("idle", 300, 2)
+    assert choose_decode(views, 200, rng, held).id == "holder"  # then least to transfer
+    assert choose_decode(views, 200, rng).id == "roomy"  # nothing known: most free KV
+
+
 def test_decode_worker_holds_kv_and_batch_within_bounds():
     dw = DecodeWorker("d0", CostModel("llama-3-8b", "h100"), capacity=1000, max_running=2)
 

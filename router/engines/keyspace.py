@@ -129,6 +129,11 @@ class KeyedRequest:
             return self._ranks.get(worker, {}).get(rank, 0)
         return self.matches[self._space_of[worker].id].blocks.get(worker, 0)
 
+    def held_tokens(self, worker: str) -> int:
+        """The prompt's leading tokens ``worker`` holds, as the index says (whole
+        blocks of its own space)."""
+        return self.blocks_for(worker) * self.key_for(worker).block_tokens
+
     def colder_for(self, holder: str) -> dict[str, int] | None:
         """{colder tier: blocks} extending ``holder``'s GPU prefix (None: none)."""
         return self._tiers.get(holder)
