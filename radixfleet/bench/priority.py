@@ -21,6 +21,14 @@ At the default factors standard and sheddable requests are shed alike here: one
 either about empty (both admitted) or past both bounds; ``--queue-scale 8,2.5,0.25``
 lets standard requests wait behind one request, and sheddable ones take the shed.
 
+``--schedule`` is the agents' waiting order: ``priority`` (the default) orders each
+engine's queue by the class the router sends as vLLM's body ``priority`` (agents
+announce it at registration: worker_agent.scheduler), so an admitted critical
+request is not queued behind earlier standard and sheddable ones; ``fcfs`` is the
+first-come engine queue, for comparison. ``--chunk-tokens`` is the agents' prefill
+budget per step: every request whose prefill ends in a step gets its first token at
+the step's end, so a step is the grain of any engine-side ordering.
+
 Figures per class: requests, served, shed (429), TTFT p50/p99 of the served; the
 critical TTFT p99 against the unloaded p99 (target: <= 1.2x) and the
 sheddable share of everything shed (target: >= 90%). ``--json`` prints one object.
@@ -100,6 +108,20 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--a-share", type=float, default=5.0, help="tenants: A's rate, x its fair share")
     p.add_argument("--b-share", type=float, default=0.5, help="tenants: B's rate, x its fair share")
+    p.add_argument(
+        "--schedule",
+        choices=("priority", "fcfs"),
+        default="priority",
+        help="the agents' waiting order (radixfleet agent --schedule): priority serves each "
+        "engine's queue by class (the router sends it as vLLM's 'priority'); fcfs by arrival",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=8192,
+        help="the agents' prefill token budget per step (radixfleet agent --chunk-tokens): a "
+        "request's first token comes at the end of the step it finishes prefill in",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument(
         "--admission-only",
@@ -195,6 +217,8 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
         "load": args.load,
         "shares": args.shares,
         "queue_scale": args.queue_scale or "defaults",
+        "schedule": args.schedule,
+        "chunk_tokens": args.chunk_tokens,
         "unloaded": unloaded,
         "overload": classes,
         "critical_p99_ratio": round(p99_crit / p99_light, 2) if p99_light and p99_crit else None,
@@ -300,9 +324,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{name.replace('_', ' ')}: {us:.2f} µs per request (median of 7 x 20,000)")
         return 0
     _shares(args.shares)  # refused before any process starts
-    if args.queue_wait < 0 or args.a_share <= 0 or args.b_share <= 0:
+    if args.queue_wait < 0 or args.a_share <= 0 or args.b_share <= 0 or args.chunk_tokens <= 0:
         print(
-            "radixfleet bench priority: error: --queue-wait must be >= 0, --a-share and --b-share > 0",
+            "radixfleet bench priority: error: --queue-wait must be >= 0, --a-share, --b-share "
+            "and --chunk-tokens > 0",
             file=sys.stderr,
         )
         return 2
@@ -326,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             gpu=args.gpu,
             kv_tokens=200_000,
+            agent_args=["--schedule", args.schedule, "--chunk-tokens", str(args.chunk_tokens)],
             router_port=0,
             router_config=config,
         )
@@ -353,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"overload ({args.load:g}x, shares {args.shares} critical,standard,sheddable; "
-        f"queue_scale {out['queue_scale']}; admission queue "
+        f"queue_scale {out['queue_scale']}; engine queue {args.schedule}; admission queue "
         + (f"max_wait_s {args.queue_wait:g}):" if args.queue_wait else "off):")
     )
     for c, f in out["overload"].items():
