@@ -308,3 +308,24 @@ async def test_router_sends_the_class_only_to_workers_that_schedule_by_it():
         await server.aclose()
         for r in runners:
             await r.cleanup()
+
+
+# ------------------------------------------------------------------ the bench's flags
+
+
+@pytest.mark.parametrize("flag", ["--burst 0", "--repeats 0", "--chunk-tokens 0", "--queue-scale 1,2"])
+def test_bench_priority_refuses_bad_flags_before_any_process(flag, capsys):
+    import argparse
+
+    from radixfleet.bench import priority
+
+    p = argparse.ArgumentParser()
+    priority.configure(p)
+    args = p.parse_args(["--scenario", "queue", *flag.split()])
+    try:
+        code = priority.run(args)
+    except SystemExit as exc:  # _three's exit
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixfleet bench priority: error:") and err.count("\n") == 1
