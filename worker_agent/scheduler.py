@@ -30,7 +30,7 @@ Waiting orders (``SchedulerConfig.order``): ``fcfs`` admits the head of the queu
 ``--scheduling-policy priority`` (vLLM 0.32: ``config/scheduler.py`` ``policy``,
 "lower value means earlier handling and time of arrival deciding any ties";
 ``v1/core/sched/request_queue.py`` ``PriorityRequestQueue``, a heap ordered by
-``Request.__lt__``: priority, then arrival time). In priority order ``waiting`` is
+``Request.__lt__``: priority, then arrival time, then request id). In priority order ``waiting`` is
 kept sorted at ``submit`` (an insertion from the tail: O(1) when every request has
 one class, at most O(queue)), so its head is always the next admission.
 
@@ -40,9 +40,11 @@ when ``allocate_slots`` finds no free KV block for a scheduled request -- decode
 growth outrunning the pool. Here admission reserves the whole prompt plus
 ``max_new`` tokens, so a running request never lacks KV and that trigger cannot
 occur; and neither engine preempts to free a batch slot (``max_running`` /
-``max_num_seqs``): a waiting high-priority request takes the next one. Admission
-order is the whole of the policy, and every invariant of ``check()`` holds as in
-the other orders.
+``max_num_seqs``): a waiting high-priority request takes the next one. A prefill in
+progress continues first, as vLLM schedules running requests before waiting ones.
+Admission order is the whole of the policy, and every invariant of ``check()``
+holds as in the other orders (plus: in priority order ``waiting`` is sorted by
+(priority, arrival)).
 
 Bulk decode: when nothing is prefilling and nothing can be admitted (the queue is
 empty, or the batch is at ``max_running``), the next steps are decode steps of a

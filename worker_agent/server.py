@@ -192,9 +192,13 @@ def _priority_field(body: dict, order: str) -> int:
     """The request's ``priority`` (vLLM's body field: lower is served first; 0 when
     absent or null). Not an integer (a bool is not one), or outside vLLM's int64
     bounds: ``MalformedRequest``. A non-zero value when this agent does not
-    schedule by priority: ``MalformedRequest`` as well -- vLLM documents the same
-    refusal for a server without ``--scheduling-policy priority``, and a caller
-    that counted on the order must learn it is not kept."""
+    schedule by priority: ``MalformedRequest`` as well, the contract vLLM documents
+    (0.32, ``entrypoints/openai/completion/protocol.py``: "Any priority other than 0
+    will raise an error if the served model does not use priority scheduling"),
+    though 0.32's first-come queue (``v1/core/sched/request_queue.py``) ignores the
+    value and no check enforcing it was found in its source: a caller that counted
+    on the order must learn it is not kept. vLLM's ``X-Vllm-Priority`` header, which
+    overrides the body there, is not read: the router forwards no client header."""
     v = body.get("priority")
     if v is None:
         return 0
