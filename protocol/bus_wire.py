@@ -6,7 +6,8 @@ subjects is *foreign* or *malformed* and raises ``BadMessage`` with a short caus
 
     <prefix>.agent.<wtoken>      JetStream (the stream): one agent's event batches
         {"v":1, "kind":"agent", "batch": <protocol.events batch JSON>,
-         "register": {"models": [...], "block_bytes": 128, "role": "prefill"}}  # snapshots; role: not both
+         "register": {"models": [...], "block_bytes": 128, "role": "prefill",  # snapshots; role: not both
+                      "scheduling_policy": "priority"}}  # said when set
     <prefix>.load.<wtoken>       core NATS: the agent's load, every interval (not kept:
                                  only the latest matters, and the stream stays events only)
         {"v":1, "kind":"load", "batch": <batch JSON with "events": [] and "load">}
@@ -264,7 +265,7 @@ def _load(data: bytes, kind: str) -> dict[str, Any]:
 class AgentMessage:
     """One agent batch from the stream; ``register`` is set on snapshots."""
 
-    __slots__ = ("batch", "models", "block_bytes", "register", "role")
+    __slots__ = ("batch", "models", "block_bytes", "register", "role", "scheduling_policy")
 
     def __init__(
         self,
@@ -273,20 +274,30 @@ class AgentMessage:
         models: tuple[str, ...] = (),
         block_bytes: int | None = None,
         role: str = "both",
+        scheduling_policy: str = "",
     ) -> None:
         self.batch = batch
         self.register = register
         self.models = models
         self.block_bytes = block_bytes
         self.role = role  # its disaggregated role (router.pd)
+        self.scheduling_policy = scheduling_policy  # its waiting order ("": not said)
 
 
-def build_agent(batch: EventBatch, models: list[str], block_bytes: int | None, role: str = "both") -> bytes:
+def build_agent(
+    batch: EventBatch,
+    models: list[str],
+    block_bytes: int | None,
+    role: str = "both",
+    scheduling_policy: str = "",
+) -> bytes:
     obj: dict[str, Any] = {"v": VERSION, "kind": "agent", "batch": batch.to_json()}
     if batch.events and isinstance(batch.events[0], Snapshot):
         obj["register"] = {"models": list(models), "block_bytes": block_bytes}
         if role != "both":  # said only when not the default (older routers ignore it)
             obj["register"]["role"] = role
+        if scheduling_policy:
+            obj["register"]["scheduling_policy"] = scheduling_policy
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -306,7 +317,7 @@ def parse_agent(data: bytes, subject_token: str) -> AgentMessage:
         r = parse_registration({**reg, "worker_id": batch.worker_id, "url": batch.url, "epoch": batch.epoch})
     except RequestError as exc:
         raise BadMessage("bad_register", str(exc)) from None
-    return AgentMessage(batch, True, r.models, r.block_bytes, r.role)
+    return AgentMessage(batch, True, r.models, r.block_bytes, r.role, r.scheduling_policy)
 
 
 def load_batch(worker_id: str, url: str, epoch: str, load: Load) -> EventBatch:

@@ -64,6 +64,10 @@ reports is one the router never looks up, so the router refuses it with
 so fixing either side's setting heals the link). A registered agent whose
 ``block_bytes`` no longer matches (the router's was reloaded) gets
 ``404 unknown_worker`` for its batches, re-registers, and is refused.
+``scheduling_policy`` (optional) is the agent's waiting order (its ``--schedule``:
+``fcfs``, ``lpm``, ``priority``); an agent that says ``priority`` gets each request's
+class as vLLM's body ``priority`` (router.engines.manager.forward_body), one that says
+another gets none, whatever its worker entry says.
 """
 
 from __future__ import annotations
@@ -267,6 +271,8 @@ class Registration:
     block_bytes: int | None = None
     #: its disaggregated role: prefill, decode or both (colocated; the default)
     role: str = "both"
+    #: its waiting order ("fcfs", "lpm", "priority"); "": not said
+    scheduling_policy: str = ""
 
 
 def parse_registration(body: Any) -> Registration:
@@ -292,7 +298,13 @@ def parse_registration(body: Any) -> Registration:
     role = body.get("role", "both")
     if role not in ("prefill", "decode", "both"):
         raise MalformedRequest("'role' must be one of prefill, decode, both", param="role")
-    return Registration(body["worker_id"], body["url"], body["epoch"], tuple(models), bb, role)
+    sp = body.get("scheduling_policy", "")
+    name_ok = isinstance(sp, str) and sp.isascii() and (not sp or sp.replace("_", "").isalnum())
+    if not name_ok or len(sp) > 32:
+        raise MalformedRequest(
+            "'scheduling_policy' must be a short name (fcfs, lpm, priority)", param="scheduling_policy"
+        )
+    return Registration(body["worker_id"], body["url"], body["epoch"], tuple(models), bb, role, sp)
 
 
 def parse_batch(body: Any) -> EventBatch:

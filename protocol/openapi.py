@@ -74,6 +74,14 @@ _COMMON = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "temperature": {"type": "number"},
     "seed": {"type": "integer"},
+    "priority": {
+        "type": "integer",
+        "minimum": -(2**63),
+        "maximum": 2**63 - 1,
+        "description": "vLLM's scheduling priority, lower first; non-zero only for an engine that "
+        "schedules by priority (agent --schedule priority); the router replaces it by the request's "
+        "class for such workers",
+    },
     "n": {"type": "integer", "minimum": 1},
     "user": {"type": "string", "description": "session affinity key"},
     "lora_path": _ADAPTER,
@@ -163,6 +171,8 @@ REGISTRATION = {
             "items": {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS},
         },
         "block_bytes": {"type": "integer", "minimum": 1},
+        "role": {"type": "string", "enum": ["prefill", "decode", "both"]},
+        "scheduling_policy": {"type": "string", "maxLength": 32, "description": "fcfs, lpm or priority"},
     },
 }
 _HASH = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}

@@ -1,7 +1,8 @@
 """The agent API (docs/DESIGN.md contract 2): agents announce themselves and push their
 cache events and load.
 
-    POST /internal/v1/register   {worker_id, url, epoch, models?, block_bytes?}
+    POST /internal/v1/register   {worker_id, url, epoch, models?, block_bytes?, role?,
+                                 scheduling_policy?}
                                  -> 200 {status: ok}; 400 malformed (a wildcard,
                                  link-local or user:password@ URL too); 409
                                  block_bytes_mismatch (its hashes would never match
@@ -124,7 +125,9 @@ class AgentAPI:
                 status=409,
             )
         try:
-            w = h.pool.register(reg.worker_id, url, reg.epoch, list(reg.models), bb, reg.role)
+            w = h.pool.register(
+                reg.worker_id, url, reg.epoch, list(reg.models), bb, reg.role, reg.scheduling_policy
+            )
         except (Conflict, Overloaded) as exc:
             h.metrics.registrations_refused.labels(reason=exc.code).inc()
             if isinstance(exc, Conflict):

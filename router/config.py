@@ -141,6 +141,13 @@ class EngineSettings:
     kv_capacity_tokens: int = _opt(
         0, "the engine's KV capacity in tokens for the approximate index (0: from its metrics)", lo=0
     )
+    priority_field: bool = _opt(
+        False,
+        "send each request's priority class as vLLM's body 'priority' (critical 0, standard 1, "
+        "sheddable 2; lower is served first), replacing the client's: for a vLLM started with "
+        "--scheduling-policy priority (an fcfs one may refuse a non-zero value). An agent's own "
+        "--schedule, announced at registration, decides for it",
+    )
     events: EventsSpec = _section(
         EventsSpec,
         "the engine's KV-cache events (for many workers: a wildcard tcp://*:PORT, each engine binds it)",

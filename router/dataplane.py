@@ -809,7 +809,15 @@ class DataPlane:
         f = _Flight(pick.own)
         host, port, hostport = self._addr(w.url)
         t = self.cfg.timeouts
-        payload, strip = self.engines.forward_body(link, ctx.endpoint, ctx.body, ctx.raw, ctx.stream)
+        ticket = ctx.ticket
+        payload, strip = self.engines.forward_body(
+            link,
+            ctx.endpoint,
+            ctx.body,
+            ctx.raw,
+            ctx.stream,
+            PRIORITIES.index(ticket.priority) if ticket is not None else None,
+        )
         fwd = (
             self.tenants.forward_lines(ctx.key.tenant)
             + b"x-request-id: "

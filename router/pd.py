@@ -64,6 +64,7 @@ from policies.disagg import BOTH, DECODE, PREFILL, choose_decode
 from protocol.errors import NoWorkerAvailable
 from protocol.prefix_keys import Endpoint
 from router.engines.kinds import WorkerKind
+from router.tenancy import PRIORITIES
 from router.upstream import Cancel, UpstreamError, build_head
 
 if TYPE_CHECKING:
@@ -248,9 +249,12 @@ class PrefillDecode:
     ) -> dict[str, Any] | None:
         """Runs the prefill leg, on another prefill worker after a failure. Returns
         its answer's ``kv_transfer_params`` ({} when it gave none), or None once the
-        client has been answered (a 4xx, or every attempt failed)."""
+        client has been answered (a 4xx, or every attempt failed). A worker that
+        schedules by priority gets the class as the decode leg's does (``forward_body``)."""
         dp = self.dp
-        payload = json.dumps(prefill_body(ctx.body)).encode()
+        body = prefill_body(ctx.body)
+        payload = json.dumps(body).encode()
+        rank = PRIORITIES.index(ctx.ticket.priority) if ctx.ticket is not None else None
         tried: list[str] = []
         last: _PrefillFailed | None = None
         attempts = dp.cfg.disagg.prefill_attempts
@@ -259,7 +263,8 @@ class PrefillDecode:
             assert w is not None, f"policy {dp.policy.name} chose unknown worker {d.worker!r}"
             tried.append(w.id)
             try:
-                return await self._prefill_leg(ctx, kr, w, payload)
+                leg, _ = dp.engines.forward_body(w.engine, ctx.endpoint, body, payload, False, rank)
+                return await self._prefill_leg(ctx, kr, w, bytes(leg))
             except _PrefillFailed as exc:
                 if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
                     dp.answer_error(ctx, w.id, exc.status, exc.data, [])

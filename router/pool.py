@@ -134,6 +134,7 @@ class Worker:
         "_view",
         "_view_until",
         "block_bytes",
+        "scheduling_policy",
         "models_until",
         "models_bad",
         "mark",
@@ -165,6 +166,9 @@ class Worker:
         self.models_until = 0.0  # monotonic time /v1/models is asked again (non-agents)
         self.models_bad = False  # its last /v1/models answer was unusable (logged once)
         self.block_bytes: int | None = None  # the agent's hashing block size, if it said
+        #: the agent's waiting order, if it said ("": not said; the entry's
+        #: ``priority_field`` decides then: router.engines.manager.forward_body)
+        self.scheduling_policy = ""
         self.health = HealthState.UNKNOWN
         self.check_fails = 0  # failed health checks in a row
         self.check_oks = 0  # passed health checks in a row
@@ -257,6 +261,7 @@ class Worker:
             "url": self.url,
             "source": self.source.value,
             "role": self.role,
+            "scheduling_policy": self.scheduling_policy,  # as its agent said; "": not said
             "health": self.health.value,
             "breaker": self.breaker.value,
             "draining": self.draining,
@@ -414,6 +419,7 @@ class Pool:
         models: Sequence[str] = (),
         block_bytes: int | None = None,
         role: str = "both",
+        scheduling_policy: str = "",
     ) -> Worker:
         """An agent announced itself (``POST /internal/v1/register`` or the bus:
         both call this). ``url`` is canonical (``router.config.parse_worker_url``);
@@ -423,6 +429,8 @@ class Pool:
         another (``prefill`` or ``decode``; ``both`` is an agent's default and says
         nothing) is refused, ``Conflict`` (``worker_role_conflict``), since one of the
         two is wrong and requests would run the wrong legs on it.
+        ``scheduling_policy``: the agent's waiting order as said ("" : not said),
+        recorded like ``block_bytes``.
 
         - Its id and url already paired: the entry is kept (a configured worker
           keeps its source and settings). A new epoch is a fresh process with an
@@ -501,6 +509,7 @@ class Pool:
             w.models = tuple(models)
             self._changed(w)
         w.block_bytes = block_bytes
+        w.scheduling_policy = scheduling_policy
         return w
 
     def _admit(self) -> float:

@@ -79,7 +79,7 @@ def test_the_summary_names_every_error():
         (
             "models: {m: {colour: red}}",
             "models.m.colour: unknown key; valid: block_size, "
-            "chat_template, events, kv_capacity_tokens, metrics, tokenizer",
+            "chat_template, events, kv_capacity_tokens, metrics, priority_field, tokenizer",
         ),
         (
             "models: {m: {events: {endpoint: 'tcp://10.0.0.1:5557'}, tokenizer: x}}",

@@ -82,7 +82,7 @@ def test_models_and_selectors_are_validated_with_their_paths(tok):
 
     assert err("models: {tiny: {tokenizr: x}}").startswith(
         "models.tiny.tokenizr: unknown key; valid: block_size, chat_template, events, "
-        "kv_capacity_tokens, metrics, tokenizer"
+        "kv_capacity_tokens, metrics, priority_field, tokenizer"
     )
     assert err(
         f"models: {{tiny: {{tokenizer: {tok}, events: {{endpoint: 'tcp://10.0.0.1:5557'}}}}}}"

@@ -121,7 +121,7 @@ def test_defaults_are_a_valid_config():
             "workers: [{url: 'http://h:1', colour: red}]",
             "workers[0].colour: unknown key; valid: block_size, bootstrap_port, chat_template, events, id, "
             "kind, kv_capacity_tokens, "
-            "metrics, model, prefill_tokens_per_s, role, tokenizer, url, weight",
+            "metrics, model, prefill_tokens_per_s, priority_field, role, tokenizer, url, weight",
         ),
         (
             "workers: ['http://h:1', {url: 'http://h:2', id: 'h:1'}]",

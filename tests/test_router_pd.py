@@ -301,3 +301,21 @@ async def test_sglang_a_client_gone_cancels_both_legs():
         while st["p1"].hung_up == 0:
             assert time.monotonic() < deadline, "the prefill leg was not cancelled"
             await asyncio.sleep(0.02)
+
+
+async def test_both_legs_carry_the_class_to_workers_that_schedule_by_priority():
+    async with pd_fleet(
+        {"p1": "prefill", "d1": "decode"},
+        models={"m": {"priority_field": True}},
+        tenancy={"default_priority": "standard"},
+    ) as (url, st):
+        async with httpx.AsyncClient() as c:
+            r = await c.post(
+                f"{url}/v1/completions",
+                json={"model": "m", "prompt": LONG, "max_tokens": 5, "priority": -1},
+                headers={"x-radixfleet-priority": "sheddable"},
+            )
+        assert r.status_code == 200, r.text
+        (pre,) = st["p1"].requests
+        (dec,) = st["d1"].requests
+        assert pre["priority"] == dec["priority"] == 2  # the class, not the client's -1

@@ -127,7 +127,12 @@ class AgentBus(Lifecycle):
             self.link.resnapshot()
 
     async def publish_batch(
-        self, batch: EventBatch, models: list[str], block_bytes: int | None, role: str = "both"
+        self,
+        batch: EventBatch,
+        models: list[str],
+        block_bytes: int | None,
+        role: str = "both",
+        scheduling_policy: str = "",
     ) -> bool:
         """Publishes one batch to the stream; False (and the connection re-made) if
         the bus did not acknowledge it."""
@@ -135,7 +140,7 @@ class AgentBus(Lifecycle):
         if js is None:
             return False
         snap = batch.events and batch.events[0].__class__.__name__ == "Snapshot"
-        data = build_agent(batch, models, block_bytes, role)
+        data = build_agent(batch, models, block_bytes, role, scheduling_policy)
         headers = {**(ROLLUP_HEADER if snap else {}), **self.key.sign(self.subject, data)}
         try:
             await js.publish(self.subject, data, timeout=self.publish_timeout_s, headers=headers or None)

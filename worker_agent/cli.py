@@ -221,7 +221,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         choices=ORDERS,
         default="fcfs",
-        help="waiting order: fcfs or lpm (longest cached prefix first)",
+        help="waiting order: fcfs, lpm (longest cached prefix first) or priority (the body's "
+        "integer 'priority', lower first, ties by arrival: vLLM's --scheduling-policy priority; "
+        "announced at registration, so routers send each request's class)",
     )
     parser.add_argument(
         "--chunk-tokens", type=_positive, default=8192, help="prefill token budget per step (chunked prefill)"

@@ -80,6 +80,7 @@ class Reporter(Lifecycle):
         bus=None,
         dram=None,
         role: str = "both",
+        scheduling_policy: str = "",
     ) -> None:
         if not routers and bus is None:
             raise ValueError("a reporter needs at least one router URL or a bus")
@@ -93,6 +94,8 @@ class Reporter(Lifecycle):
         self.block_bytes = block_bytes
         #: its disaggregated role, sent at registration when not "both"
         self.role = role
+        #: its waiting order (worker_agent.scheduler.ORDERS), sent at registration
+        self.scheduling_policy = scheduling_policy
         self.cache = cache
         #: worker_agent.dram_tier.DramTier or None: its blocks go out as "cpu"-tier events
         self.dram = dram
@@ -190,7 +193,9 @@ class Reporter(Lifecycle):
                     return
             batch = EventBatch(self.worker_id, self.url, self.epoch, link.seq, events, None)
             link.seq += 1
-            if not await bus.publish_batch(batch, self.models, self.block_bytes, self.role):
+            if not await bus.publish_batch(
+                batch, self.models, self.block_bytes, self.role, self.scheduling_policy
+            ):
                 link.failures += 1
                 link.resnapshot()
                 return
@@ -227,6 +232,8 @@ class Reporter(Lifecycle):
                     body["block_bytes"] = self.block_bytes
                 if self.role != "both":
                     body["role"] = self.role
+                if self.scheduling_policy:
+                    body["scheduling_policy"] = self.scheduling_policy
                 code, status, data = await self._post(link, REGISTER_PATH, body)
                 if code != 200:
                     link.failures += 1

@@ -13,7 +13,7 @@ offline simulator (virtual time) run the same code::
 
 One step = a chunked-prefill slice (at most ``chunk_tokens`` new prompt tokens,
 continuing the request whose prefill is in progress first, then admitting waiting
-requests in FCFS or longest-prefix-first order) + one decode step for every request
+requests in the configured order, ``ORDERS``) + one decode step for every request
 whose prefill finished in an earlier step. Its duration is
 one forward pass on the roofline, ``cost.forward_s(FLOPs, KV tokens read)``
 (compute-bound for long prefills, weight/KV-read-bound for decode and for short
@@ -23,6 +23,28 @@ Request lifecycle (only the scheduler changes ``state``)::
 
     WAITING --admit: match prefix, lock it, reserve KV--> [LOADING -->] PREFILL --last chunk-->
     RUNNING --max_new tokens--> FINISHED            (any state --cancel--> CANCELLED)
+
+Waiting orders (``SchedulerConfig.order``): ``fcfs`` admits the head of the queue;
+``lpm`` the longest cached prefix (ties by arrival; SGLang's schedule policy);
+``priority`` the lowest ``SchedRequest.priority`` value, ties by arrival -- vLLM's
+``--scheduling-policy priority`` (vLLM 0.32: ``config/scheduler.py`` ``policy``,
+"lower value means earlier handling and time of arrival deciding any ties";
+``v1/core/sched/request_queue.py`` ``PriorityRequestQueue``, a heap ordered by
+``Request.__lt__``: priority, then arrival time, then request id). In priority order ``waiting`` is
+kept sorted at ``submit`` (an insertion from the tail: O(1) when every request has
+one class, at most O(queue)), so its head is always the next admission.
+
+No preemption. vLLM's priority policy preempts the lowest-priority running request
+(``max(running, key=(priority, arrival))``, ``v1/core/sched/scheduler.py``) only
+when ``allocate_slots`` finds no free KV block for a scheduled request -- decode
+growth outrunning the pool. Here admission reserves the whole prompt plus
+``max_new`` tokens, so a running request never lacks KV and that trigger cannot
+occur; and neither engine preempts to free a batch slot (``max_running`` /
+``max_num_seqs``): a waiting high-priority request takes the next one. A prefill in
+progress continues first, as vLLM schedules running requests before waiting ones.
+Admission order is the whole of the policy, and every invariant of ``check()``
+holds as in the other orders (plus: in priority order ``waiting`` is sorted by
+(priority, arrival)).
 
 Bulk decode: when nothing is prefilling and nothing can be admitted (the queue is
 empty, or the batch is at ``max_running``), the next steps are decode steps of a
@@ -73,7 +95,7 @@ from worker_agent.dram_tier import CHUNK_TOKENS, DramConfig, DramTier, chunk_dig
 from worker_agent.kv_pool import KVPool
 from worker_agent.radix_cache import Node, RadixCache, as_key
 
-ORDERS = ("fcfs", "lpm")
+ORDERS = ("fcfs", "lpm", "priority")
 #: prefill steps smaller than this do not update the measured prefill rate
 RATE_MIN_TOKENS = 512
 
@@ -95,6 +117,8 @@ class SchedRequest:
     generated tokens are counted but not inserted).
     ``hashes``: router block hashes of ``prompt + output`` (may stop early).
     ``waiter`` is the driver's slot (e.g. an ``asyncio.Event``); never touched here.
+    ``priority``: its scheduling priority, lower first (vLLM's request ``priority``);
+    only the ``priority`` order reads it.
     """
 
     __slots__ = (
@@ -105,6 +129,7 @@ class SchedRequest:
         "output",
         "hashes",
         "arrival",
+        "priority",
         "state",
         "cached",
         "prefilled",
@@ -131,6 +156,7 @@ class SchedRequest:
         max_new: int,
         output: Sequence[int] = (),
         hashes: Sequence[int] | None = None,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
         self.ns = ns
@@ -139,6 +165,7 @@ class SchedRequest:
         self.output = output
         self.hashes = hashes
         self.arrival = 0.0
+        self.priority = priority
         self.state = State.WAITING
         #: prompt tokens reused from the tree at admission
         self.cached = 0
@@ -182,7 +209,8 @@ class SchedulerConfig:
     chunk_tokens: int = 8192
     #: most requests admitted at once (prefilling + decoding)
     max_running: int = 256
-    #: waiting order: "fcfs" or "lpm" (longest cached prefix first)
+    #: waiting order: "fcfs", "lpm" (longest cached prefix first) or "priority"
+    #: (lowest ``SchedRequest.priority`` first, ties by arrival)
     order: str = "fcfs"
     #: above this queue length lpm falls back to fcfs (SGLang does the same: cost)
     lpm_max_queue: int = 128
@@ -315,9 +343,22 @@ class Scheduler:
         req.prompt = as_key(req.prompt)
         req.arrival = now
         req.state = State.WAITING
-        self.waiting.append(req)
+        self._enqueue(req)
         self._queued_tokens += len(req.prompt)
         self.stats.submitted += 1
+
+    def _enqueue(self, req: SchedRequest) -> None:
+        """Appends ``req``; in priority order, behind the last request of its priority
+        or a higher one (a lower value) -- the queue stays sorted by (priority, arrival)."""
+        waiting = self.waiting
+        if self.config.order != "priority" or not waiting or waiting[-1].priority <= req.priority:
+            waiting.append(req)
+            return
+        i = len(waiting) - 1
+        p = req.priority
+        while i > 0 and waiting[i - 1].priority > p:
+            i -= 1
+        waiting.insert(i, req)
 
     def cancel(self, req: SchedRequest) -> None:
         """Drops ``req`` wherever it is and returns its KV; idempotent."""
@@ -360,8 +401,9 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running or self.loading)
 
     def _next_waiting(self) -> SchedRequest:
-        """The next request to admit: the head (fcfs) or the longest cached prefix
-        (lpm; ties by arrival). O(1) for fcfs, O(queue x prompt) for lpm."""
+        """The next request to admit: the head (fcfs; priority, whose queue ``submit``
+        keeps sorted) or the longest cached prefix (lpm; ties by arrival). O(1) for
+        fcfs and priority, O(queue x prompt) for lpm."""
         cfg = self.config
         if cfg.order == "lpm" and 1 < len(self.waiting) <= cfg.lpm_max_queue:
             peek = self.cache.peek
@@ -707,6 +749,9 @@ class Scheduler:
         assert private == self.pool.private, (private, self.pool.private)
         assert reserved == self.pool.reserved, (reserved, self.pool.reserved)
         assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
+        if self.config.order == "priority":
+            order = [(r.priority, r.arrival) for r in self.waiting]
+            assert order == sorted(order), f"waiting not in (priority, arrival) order: {order}"
 
 
 def build_scheduler(

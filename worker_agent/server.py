@@ -22,7 +22,10 @@ only on a loopback listener (``trust_unsigned_tenant``). A full wait queue
 (``SchedulerConfig.max_waiting``) answers 429 with ``Retry-After``. Bad input answers an
 OpenAI-style JSON error with a 4xx
 status and touches nothing already accepted; a client that goes away cancels its
-request and frees its KV. Extra fields (SGLang's ``no_stop_trim``,
+request and frees its KV. A body's integer ``priority`` (vLLM's field: lower first)
+orders the wait queue of an agent started with ``--schedule priority``; any other
+agent refuses a non-zero one (400, as vLLM without ``--scheduling-policy
+priority``). Extra fields (SGLang's ``no_stop_trim``,
 ``skip_special_tokens``, ``return_hidden_states``, sampling knobs) are accepted and
 ignored: the simulated engine generates ``max_tokens`` deterministic tokens.
 
@@ -274,6 +277,37 @@ def _kv_transfer(body: dict) -> tuple[bool, dict | None]:
     return False, params
 
 
+#: vLLM's bound on ``priority`` (a signed 64-bit integer)
+_INT64 = 2**63
+
+
+def _priority_field(body: dict, order: str) -> int:
+    """The request's ``priority`` (vLLM's body field: lower is served first; 0 when
+    absent or null). Not an integer (a bool is not one), or outside vLLM's int64
+    bounds: ``MalformedRequest``. A non-zero value when this agent does not
+    schedule by priority: ``MalformedRequest`` as well, the contract vLLM documents
+    (0.32, ``entrypoints/openai/completion/protocol.py``: "Any priority other than 0
+    will raise an error if the served model does not use priority scheduling"),
+    though 0.32's first-come queue (``v1/core/sched/request_queue.py``) ignores the
+    value and no check enforcing it was found in its source: a caller that counted
+    on the order must learn it is not kept. vLLM's ``X-Vllm-Priority`` header, which
+    overrides the body there, is not read: the router forwards no client header."""
+    v = body.get("priority")
+    if v is None:
+        return 0
+    if type(v) is not int:
+        raise MalformedRequest(f"'priority' must be an integer, got {type(v).__name__}", param="priority")
+    if not -_INT64 <= v < _INT64:
+        raise MalformedRequest("'priority' must be a 64-bit signed integer", param="priority")
+    if v and order != "priority":
+        raise MalformedRequest(
+            f"'priority' {v} needs priority scheduling; this agent schedules {order} "
+            "(start it with --schedule priority)",
+            param="priority",
+        )
+    return v
+
+
 @dataclass(slots=True)
 class Parsed:
     endpoint: Endpoint
@@ -338,6 +372,7 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
     if seed is not None and type(seed) is not int:
         raise MalformedRequest("'seed' must be an integer", param="seed")
     remote_decode, remote = _kv_transfer(body)
+    priority = _priority_field(body, agent.cfg.scheduler.order)
     key = request_key(endpoint, body, tenant=tenant, block_bytes=agent.cfg.block_bytes)
     if endpoint is not Endpoint.GENERATE or key.model:
         if key.model != name:
@@ -365,7 +400,7 @@ def _parse(agent: Agent, endpoint: Endpoint, body: Any, tenant: str) -> Parsed:
             f"{len(block_ids)} blocks): the remote KV is another prompt's",
             param=where,
         )
-    req = SchedRequest(agent.next_id(), ns, prompt_tokens, max_new, output, hashes)
+    req = SchedRequest(agent.next_id(), ns, prompt_tokens, max_new, output, hashes, priority)
     if remote is not None:
         req.remote = len(prompt_tokens)  # the prefill side computed the whole prompt
     return Parsed(
@@ -932,6 +967,7 @@ def create_app(
                 token=os.environ.get("RADIXFLEET_AGENT_TOKEN"),
                 block_bytes=cfg.block_bytes,
                 role=cfg.role,
+                scheduling_policy=cfg.scheduler.order,
                 bus=agent_bus,
                 dram=agent.sched.dram,
             )

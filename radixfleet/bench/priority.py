@@ -21,6 +21,20 @@ At the default factors standard and sheddable requests are shed alike here: one
 either about empty (both admitted) or past both bounds; ``--queue-scale 8,2.5,0.25``
 lets standard requests wait behind one request, and sheddable ones take the shed.
 
+``--schedule`` is the agents' waiting order: ``priority`` (the default) orders each
+engine's queue by the class the router sends as vLLM's body ``priority`` (agents
+announce it at registration: worker_agent.scheduler), so an admitted critical
+request is not queued behind earlier standard and sheddable ones; ``fcfs`` is the
+first-come engine queue, for comparison. ``--chunk-tokens`` is the agents' prefill
+budget per step: every request whose prefill ends in a step gets its first token at
+the step's end, so a step is the grain of any engine-side ordering.
+
+``--scenario queue`` isolates the engine queue: ``--repeats`` times, ``--burst``
+sheddable requests per agent at once, then one critical request 0.3 s later, with
+nothing shed (``queue_scale`` 100 for every class unless ``--queue-scale`` says
+otherwise); the critical request's TTFT against the sheddable ones' (median over
+the repeats), to compare ``--schedule priority`` with ``--schedule fcfs``.
+
 Figures per class: requests, served, shed (429), TTFT p50/p99 of the served; the
 critical TTFT p99 against the unloaded p99 (target: <= 1.2x) and the
 sheddable share of everything shed (target: >= 90%). ``--json`` prints one object.
@@ -93,13 +107,29 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--scenario",
-        choices=("classes", "tenants"),
+        choices=("classes", "tenants", "queue"),
         default="classes",
         help="classes: three classes at --load; tenants: tenant A at --a-share of its fair share "
-        "next to B at --b-share",
+        "next to B at --b-share; queue: one critical request behind a burst of sheddable ones",
     )
     p.add_argument("--a-share", type=float, default=5.0, help="tenants: A's rate, x its fair share")
     p.add_argument("--b-share", type=float, default=0.5, help="tenants: B's rate, x its fair share")
+    p.add_argument(
+        "--schedule",
+        choices=("priority", "fcfs"),
+        default="priority",
+        help="the agents' waiting order (radixfleet agent --schedule): priority serves each "
+        "engine's queue by class (the router sends it as vLLM's 'priority'); fcfs by arrival",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=8192,
+        help="the agents' prefill token budget per step (radixfleet agent --chunk-tokens): a "
+        "request's first token comes at the end of the step it finishes prefill in",
+    )
+    p.add_argument("--burst", type=int, default=12, help="queue: sheddable requests per agent in a burst")
+    p.add_argument("--repeats", type=int, default=5, help="queue: bursts, each after the last drained")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument(
         "--admission-only",
@@ -195,6 +225,8 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
         "load": args.load,
         "shares": args.shares,
         "queue_scale": args.queue_scale or "defaults",
+        "schedule": args.schedule,
+        "chunk_tokens": args.chunk_tokens,
         "unloaded": unloaded,
         "overload": classes,
         "critical_p99_ratio": round(p99_crit / p99_light, 2) if p99_light and p99_crit else None,
@@ -207,6 +239,39 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
         and out["sheddable_share_of_shed"] >= SHEDDABLE_SHARE_TARGET
     )
     return out
+
+
+async def _run_queue(args: argparse.Namespace, base: str, model: str) -> dict:
+    crit = Load(base, model, args.prompt_tokens, args.max_tokens, args.seed)
+    low = Load(base, model, args.prompt_tokens, args.max_tokens, args.seed + 1)
+    crit.session, low.session = _session("critical"), _session("sheddable")
+    critical: list[float] = []
+    behind: list[float] = []
+    try:
+        await crit.closed(2, 2.0)  # warm: rates measured
+        for _ in range(args.repeats):
+            burst = [asyncio.create_task(low.one()) for _ in range(args.burst * args.agents)]
+            await asyncio.sleep(0.3)
+            c = await crit.one()
+            done = await asyncio.gather(*burst)
+            if c.ttft_s is not None:
+                critical.append(c.ttft_s)
+            behind.extend(o.ttft_s for o in done if o.ttft_s is not None)
+            await asyncio.sleep(1.0)
+    finally:
+        await crit.session.close()
+        await low.session.close()
+    return {
+        "agents": args.agents,
+        "schedule": args.schedule,
+        "chunk_tokens": args.chunk_tokens,
+        "burst_per_agent": args.burst,
+        "repeats": args.repeats,
+        "critical_ttft_s": [round(x, 3) for x in critical],
+        "critical_ttft_median_s": round(statistics.median(critical), 3) if critical else None,
+        "sheddable_ttft_median_s": round(statistics.median(behind), 3) if behind else None,
+        "sheddable_ttft_max_s": round(max(behind), 3) if behind else None,
+    }
 
 
 async def _run_tenants(args: argparse.Namespace, base: str, model: str) -> dict:
@@ -300,9 +365,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{name.replace('_', ' ')}: {us:.2f} µs per request (median of 7 x 20,000)")
         return 0
     _shares(args.shares)  # refused before any process starts
-    if args.queue_wait < 0 or args.a_share <= 0 or args.b_share <= 0:
+    if (
+        args.queue_wait < 0
+        or min(args.a_share, args.b_share) <= 0
+        or min(args.chunk_tokens, args.burst, args.repeats) <= 0
+    ):
         print(
-            "radixfleet bench priority: error: --queue-wait must be >= 0, --a-share and --b-share > 0",
+            "radixfleet bench priority: error: --queue-wait must be >= 0, --a-share, --b-share, "
+            "--chunk-tokens, --burst and --repeats > 0",
             file=sys.stderr,
         )
         return 2
@@ -310,8 +380,8 @@ def run(args: argparse.Namespace) -> int:
     yaml = "tenancy:\n  default_priority: %s\n" % ("standard" if tenants else "critical")
     if args.queue_wait:
         yaml += f"  queue: {{max_wait_s: {args.queue_wait}}}\n"
-    if args.queue_scale:
-        scale = _three("--queue-scale", args.queue_scale)
+    if args.queue_scale or args.scenario == "queue":
+        scale = _three("--queue-scale", args.queue_scale or "100,100,100")
         yaml += "  queue_scale: {%s}\n" % ", ".join(
             f"{c}: {x}" for c, x in zip(PRIORITIES, scale, strict=True)
         )
@@ -326,16 +396,29 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             gpu=args.gpu,
             kv_tokens=200_000,
+            agent_args=["--schedule", args.schedule, "--chunk-tokens", str(args.chunk_tokens)],
             router_port=0,
             router_config=config,
         )
         with Fleet(cfg, log_dir=logs) as fleet:
-            out = asyncio.run((_run_tenants if tenants else _run)(args, fleet.router_url, args.model))
+            scenario = {"tenants": _run_tenants, "queue": _run_queue}.get(args.scenario, _run)
+            out = asyncio.run(scenario(args, fleet.router_url, args.model))
     if args.json:
         print(json.dumps(out))
         return 0
     if tenants:
         _print_tenants(args, out)
+        return 0
+    if args.scenario == "queue":
+        print(
+            f"engine queue {args.schedule}, chunk {args.chunk_tokens} tokens: one critical request "
+            f"0.3 s after {args.burst} sheddable per agent ({args.agents} agents), {args.repeats} times"
+        )
+        print(
+            f"critical TTFT median {_ms(out['critical_ttft_median_s'])} "
+            f"({', '.join(_ms(x) for x in out['critical_ttft_s'])}); sheddable TTFT median "
+            f"{_ms(out['sheddable_ttft_median_s'])}, max {_ms(out['sheddable_ttft_max_s'])}"
+        )
         return 0
 
     def ms(x):
@@ -353,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"overload ({args.load:g}x, shares {args.shares} critical,standard,sheddable; "
-        f"queue_scale {out['queue_scale']}; admission queue "
+        f"queue_scale {out['queue_scale']}; engine queue {args.schedule}; admission queue "
         + (f"max_wait_s {args.queue_wait:g}):" if args.queue_wait else "off):")
     )
     for c, f in out["overload"].items():

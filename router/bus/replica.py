@@ -380,12 +380,15 @@ class BusReplica:
                 # new to us, moved, or a new agent process: what POST /register does
                 # (the same refusals: an id held at another URL, the new-worker rate)
                 try:
-                    self.pool.register(b.worker_id, url, b.epoch, m.models, m.block_bytes, m.role)
+                    self.pool.register(
+                        b.worker_id, url, b.epoch, m.models, m.block_bytes, m.role, m.scheduling_policy
+                    )
                 except (Conflict, Overloaded) as exc:
                     raise BadMessage(exc.code, str(exc)) from None
             else:
                 # a periodic snapshot is no proof of health: health checks decide that
                 w.models, w.block_bytes = m.models, m.block_bytes
+                w.scheduling_policy = m.scheduling_policy
         code, word = self.feedback.apply(b, now)
         self.metrics.received.labels("agent").inc()
         if word != STATUS_OK:

@@ -13,7 +13,8 @@ asks it two things per request::
             prefill-rate sample, reported to the fleet's ``rates``
 
 and ``forward_body`` (whether to ask the worker for usage in a stream the client
-did not ask it for). ``spaces_for(views)`` is cached and rebuilt only when a link's
+did not ask it for; the request's class as vLLM's ``priority`` for a worker that
+schedules by it). ``spaces_for(views)`` is cached and rebuilt only when a link's
 space changes or the routable set does. A link uses of ``Engines`` only what
 ``link.LinkHost`` declares.
 
@@ -501,22 +502,48 @@ class Engines:
         return self.links.get(worker)
 
     def forward_body(
-        self, link: EngineLink | None, endpoint: Endpoint, body: dict, raw: bytes | bytearray, stream: bool
+        self,
+        link: EngineLink | None,
+        endpoint: Endpoint,
+        body: dict,
+        raw: bytes | bytearray,
+        stream: bool,
+        priority: int | None = None,
     ) -> tuple[bytes | bytearray, bool]:
         """The bytes to send and whether the usage event must be hidden: a stream
         whose client did not ask for usage gets ``stream_options.include_usage`` so
         the router learns the cached tokens (OpenAI endpoints; SGLang's /generate
-        reports them in every event's meta_info)."""
-        if not stream or endpoint is Endpoint.GENERATE:
-            return raw, False
+        reports them in every event's meta_info). ``priority``: the request's class
+        rank (``router.tenancy.PRIORITIES`` index; None: none), set as vLLM's body
+        ``priority`` on OpenAI endpoints where the worker schedules by it
+        (``sends_priority``) -- over the client's own value, which tenancy has
+        already weighed in choosing the class. The raw bytes go unchanged when
+        nothing is added."""
+        usage = stream and endpoint is not Endpoint.GENERATE
         so = body.get("stream_options")
-        if isinstance(so, dict) and so.get("include_usage") is True:
+        if usage and (
+            (isinstance(so, dict) and so.get("include_usage") is True)
+            or (so is not None and not isinstance(so, dict))  # the worker answers the client's own mistake
+        ):
+            usage = False
+        rank = (
+            priority
+            if priority is not None
+            and endpoint is not Endpoint.GENERATE  # SGLang's API: its own priority semantics
+            and link is not None
+            and sends_priority(link)
+            and body.get("priority") != priority
+            else None
+        )
+        if not usage and rank is None:
             return raw, False
-        if so is not None and not isinstance(so, dict):
-            return raw, False  # the worker answers the client's own mistake
         b = dict(body)
-        b["stream_options"] = {**(so or {}), "include_usage": True}
-        return json.dumps(b, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"), True
+        if usage:
+            b["stream_options"] = {**(so or {}), "include_usage": True}
+        if rank is not None:
+            b["priority"] = rank
+        out = json.dumps(b, ensure_ascii=False, separators=(",", ":"))
+        return out.encode("utf-8", "surrogatepass"), usage
 
     def settling(self, now: float) -> list[str]:
         """The healthy workers whose engine side is still coming up (``EngineLink.
@@ -542,6 +569,14 @@ class Engines:
                 self.prom.tier_blocks.labels(wid, tier).set(d["blocks"])
                 if "load_s_per_token" in d:
                     self.prom.tier_load.labels(wid, tier).set(d["load_s_per_token"])
+
+
+def sends_priority(link: EngineLink) -> bool:
+    """Whether the worker of ``link`` gets vLLM's body ``priority``: an agent that
+    announced its waiting order decides (``priority`` or not), else the entry's
+    ``priority_field`` (its own, a ``models:`` entry's or its selector's)."""
+    said = link.worker.scheduling_policy
+    return said == "priority" if said else link.spec.priority_field
 
 
 def _fold_ranks(m, ranks: dict):
