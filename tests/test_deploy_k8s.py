@@ -347,6 +347,24 @@ def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
     assert raw["models"][served]["block_size"] == 32
 
 
+def _router_on_fake_api(raw: dict, api: FakeKubeAPI, token: pathlib.Path, ns: str) -> Router:
+    """A router built from a ConfigMap's router.yaml, changed only where a pod's world
+    differs from a test's: the API server (a pod finds it in its environment), its
+    token file and namespace, a loopback listener."""
+    k = raw["workers"]["discovery"]["kubernetes"]
+    k.update({"api_server": api.url, "token_file": str(token), "namespace": ns})
+    raw["listen"] = {"host": "127.0.0.1", "port": 0}
+    return Router(parse_config(raw))
+
+
+async def _discovered(router: Router, n: int, what: str) -> None:
+    """Waits (5 s at most) until ``n`` workers came from discovery."""
+    deadline = time.monotonic() + 5
+    while sum(w.source is Source.DISCOVERY for w in router.pool) < n:
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
 async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tmp_path, tokenizer_dir):
     """The ConfigMap's router.yaml, unchanged but for the API server address (a pod
     finds it in its environment), discovers the EndpointSlices the EndpointSlice
@@ -369,15 +387,9 @@ async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tm
                 endpoints=[("127.0.0.2", True, "vllm-6d4f9-abcde"), ("127.0.0.3", False, "vllm-6d4f9-fghij")],
             ),
         )
-        k = raw["workers"]["discovery"]["kubernetes"]
-        k.update({"api_server": api.url, "token_file": str(token), "namespace": ns})
-        raw["listen"] = {"host": "127.0.0.1", "port": 0}
-        router = Router(parse_config(raw))
+        router = _router_on_fake_api(raw, api, token, ns)
         async with RouterServer(router, port=0):
-            deadline = time.monotonic() + 5
-            while not any(w.source is Source.DISCOVERY for w in router.pool):
-                assert time.monotonic() < deadline, "nothing discovered"
-                await asyncio.sleep(0.01)
+            await _discovered(router, 1, "nothing discovered")
             assert {w.id: w.url for w in router.pool} == {"vllm-6d4f9-abcde": f"http://127.0.0.2:{port}"}
 
 
@@ -451,15 +463,9 @@ async def test_router_with_the_pd_configmap_discovers_both_sides_with_their_role
                     endpoints=[(ip, True, f"vllm-{side}-6d4f9-abcde")],
                 ),
             )
-        k = raw["workers"]["discovery"]["kubernetes"]
-        k.update({"api_server": api.url, "token_file": str(token), "namespace": ns})
-        raw["listen"] = {"host": "127.0.0.1", "port": 0}
-        router = Router(parse_config(raw))
+        router = _router_on_fake_api(raw, api, token, ns)
         async with RouterServer(router, port=0):
-            deadline = time.monotonic() + 5
-            while sum(w.source is Source.DISCOVERY for w in router.pool) < 2:
-                assert time.monotonic() < deadline, "not both sides discovered"
-                await asyncio.sleep(0.01)
+            await _discovered(router, 2, "not both sides discovered")
             assert {w.id: w.role for w in router.pool} == {
                 "vllm-prefill-6d4f9-abcde": "prefill",
                 "vllm-decode-6d4f9-abcde": "decode",
