@@ -1229,7 +1229,9 @@ class DataPlane:
         else:
             req = kr.route_request
             uncached = req.prompt_tokens - kr.match.best * req.block_tokens
-            shed = self.shedder.check(self.pool.routable_workers(now), key.model, key.adapter, uncached, now)
+            shed = self.shedder.check(
+                self.pool.routable_workers(now), key.model, key.adapter, uncached, now, prefetch=True
+            )
         if shed is not None:
             self.metrics.prefetch_dropped.labels("load").inc()
             raise shed

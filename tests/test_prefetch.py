@@ -155,6 +155,26 @@ async def test_prefetch_warms_the_worker_the_real_request_then_uses(fleet):
 
 
 @pytest.mark.integration
+async def test_prefetches_do_not_teach_the_shedder_its_typical_request(fleet):
+    """A prefetch is a max_tokens 1 warm-up whose whole prompt is uncached: the
+    shedder's typical request (its queue bound's unit) is the real requests' size."""
+    await agents_fleet(fleet)
+    shedder = fleet.router.dataplane.shedder
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(fleet.base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        typical = shedder.typical_s
+        assert typical > 0
+        for _ in range(3):
+            r = await c.post(fleet.base + PREFETCH_PATH, json=rag_body(os.urandom(6).hex()))
+            assert r.status_code == 202, r.text
+            assert r.json()["deduplicated"] is False
+    await settled(fleet)
+    assert counter(fleet, "warmed") == 3
+    assert shedder.typical_s == typical
+
+
+@pytest.mark.integration
 async def test_the_request_a_prefetch_was_made_for_is_not_shed(fleet, monkeypatch):
     """Its prefill was admitted as the prefetch's (router.prefetch): a fleet that
     sheds now refuses other requests, not this one."""
