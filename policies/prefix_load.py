@@ -217,12 +217,6 @@ class PrefixLoad(Policy):
             "warm a new replica with a prefill-only request (Decision.warm) "
             "instead of sending it the request that triggered it",
         )
-        warm_lead_s: float = param(
-            0.0,
-            "warm the next replica of a hot prefix whose rate, rising as over the last "
-            "warm_lead_s, will need it within warm_lead_s (0: off; replicas only on demand)",
-            lo=0.0,
-        )
         hot_records: int = param(64, "hot prefixes remembered (LRU)", lo=1, hi=100_000)
         private_weight: float = param(
             4.0,
@@ -717,28 +711,7 @@ class PrefixLoad(Policy):
             routable = {v.id for v in views}
             active.update(w for w in rec.replicas if w in routable)
         warm: tuple[WorkerId, ...] = ()
-        ahead = needed
-        lead = p.warm_lead_s
-        if lead > 0.0:
-            # the rate projected lead seconds on along its trend over the last lead
-            if rec.trend_rate < 0.0:
-                rec.trend_rate, rec.trend_t = rate, now
-            elif now - rec.trend_t >= lead:
-                slope = (rate - rec.trend_rate) / (now - rec.trend_t)
-                rec.trend_rate, rec.trend_t = rate, now
-                rec.needed_ahead = 1
-                if slope > 0.0:
-                    rec.needed_ahead, _ = holders_needed(
-                        rate + slope * lead, uncached, mean_tps, p.holder_max_rate, p.hot_utilization, cap
-                    )
-            ahead = max(needed, rec.needed_ahead)
-        if len(active) >= needed and ahead > len(active) and len(rec.replicas) < p.max_replicas:
-            i = self._least_loaded_non_holder(views, qs, held, rec.replicas)
-            if i >= 0:  # ahead of demand: a prefill-only warm-up, this request stays
-                new = views[i]
-                hot.add_replica(rec, new.id, now)
-                warm = (new.id,)
-        elif len(active) < needed:
+        if len(active) < needed:
             back = [w for w in rec.retired if w in held]
             if back:
                 # still holds the prefix: cheaper than a cold replica
@@ -756,11 +729,7 @@ class PrefixLoad(Policy):
                             qs[i] + request.prompt_tokens / new.prefill_tokens_per_s,
                         )
                     warm = (new.id,)
-        elif (
-            len(active) > 1
-            and ahead < len(active)
-            and rate < RETIRE_FRACTION * per_holder * (len(active) - 1)
-        ):
+        elif len(active) > 1 and rate < RETIRE_FRACTION * per_holder * (len(active) - 1):
             hot.retire_newest(rec, active, now)
         return (rec.retired or None), rec.replicas, warm
 

@@ -57,12 +57,6 @@ class HotRecord:
     replicas: dict[str, float] = field(default_factory=dict)
     #: worker -> time it was retired (still believed to hold the prefix)
     retired: dict[str, float] = field(default_factory=dict)
-    #: the rate and time a rising trend is measured from (prefix_load's warm_lead_s;
-    #: -1: not yet); only the policy moves it
-    trend_rate: float = -1.0
-    trend_t: float = 0.0
-    #: holders the projected rate needs, until the next trend window ends
-    needed_ahead: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {
