@@ -126,6 +126,8 @@ REQUEST_ID_HEADER = "x-request-id"
 
 _JSON = "application/json"
 _DONE = b"data: [DONE]\n\n"
+#: a prefetch as tenancy.admit reads its body: the warm-up it sends generates one token
+_WARM_UP: dict[str, Any] = {"max_tokens": 1}
 
 
 class Admission:
@@ -1141,7 +1143,9 @@ class DataPlane:
         hinted and sent the prompt with ``max_tokens: 1``; the client gets 202 at
         once. Refused, nothing warmed: 400 malformed, 404/503 no worker serves the
         model, 429 (+ Retry-After) when the router or fleet is loaded or the budget
-        is spent. Takes no admission slot, no tenant rate limit."""
+        is spent or the tenant (or key) is over its rate limit. Takes no admission
+        slot; charged to the tenant's and key's limits as the warm-up request it
+        sends (router.prefetch, "Tenant limits")."""
         t0 = time.monotonic()
         headers = ex.headers
         rid = request_id(headers.get(REQUEST_ID_HEADER)) or f"{self._rid_prefix}-pf-{next(self._rid)}"
@@ -1162,7 +1166,7 @@ class DataPlane:
                     "a prefetch is the body of a chat ('messages') or completion ('prompt') request",
                     param="messages",
                 )
-            tenant, _ = self.tenants.identify(headers)
+            tenant, api_key = self.tenants.identify(headers)
             ns = self.tenants.namespace_of(tenant)
             key = request_key(endpoint, body, tenant=ns, block_bytes=self.cfg.keys.block_bytes)
             session = headers.get("x-session-id")
@@ -1174,7 +1178,16 @@ class DataPlane:
             if not views:
                 raise self.pool.unavailable(key.model, key.adapter, now)
             kr = self.engines.key(endpoint, body, key, session, views, now)
-            self._prefetch_room(kr, key, now)
+            # charged as the request it sends: one, and its prompt plus the one token
+            # it generates (router.prefetch, "Tenant limits"); 429 when over
+            ticket = self.tenancy.admit(
+                tenant, api_key, key.model, headers, kr.route_request.prompt_tokens, _WARM_UP, now
+            )
+            try:
+                self._prefetch_room(kr, key, now)
+            except RequestError:
+                self.tenancy.refund(ticket, now)  # dropped for load: nothing warmed
+                raise
             d = self.policy.choose(kr.route_request, kr.match, views, now)
             w = self.pool.get(d.worker)
             if w is None:  # a policy bug: never route into the void
@@ -1188,6 +1201,7 @@ class DataPlane:
                 rate = pcfg.share * sum(x.prefill_rate(now) for x in self.pool.routable_workers(now))
                 wait = self.prefetch_budget.take(tokens, rate, pcfg.burst_s, now)
                 if wait is not None:
+                    self.tenancy.refund(ticket, now)
                     self.metrics.prefetch_dropped.labels("budget").inc()
                     raise Overloaded(
                         f"the prefetch budget ({pcfg.share:g} of the fleet's prefill) is spent",
@@ -1197,8 +1211,10 @@ class DataPlane:
             self._reject(ex, exc, rid)
             return
         m = self.metrics
+        self.tenancy.admitted(ticket)
         if dedup:
             m.prefetch.labels("deduplicated").inc()
+            self.tenancy.settle(ticket, 0, now)  # nothing sent: its tokens given back
         else:
             pick = self._pick(w, kr, now)  # the hint the real request follows; its load
             link = w.engine
@@ -1213,7 +1229,7 @@ class DataPlane:
             m.prefetch_tokens.inc(tokens)
             self._spawn(self._prefetch_send(w, pick, endpoint, body, key.tenant, rid))
         out: dict[str, Any] = {"object": "prefetch", "accepted": True, "deduplicated": dedup}
-        extra = [(REQUEST_ID_HEADER, rid)]
+        extra = [(REQUEST_ID_HEADER, rid), *ticket.headers()]
         if self.cfg.response_headers.worker_id:
             out["worker"] = w.id
             extra.insert(0, (WORKER_HEADER, w.id))
@@ -1229,7 +1245,9 @@ class DataPlane:
         else:
             req = kr.route_request
             uncached = req.prompt_tokens - kr.match.best * req.block_tokens
-            shed = self.shedder.check(self.pool.routable_workers(now), key.model, key.adapter, uncached, now)
+            shed = self.shedder.check(
+                self.pool.routable_workers(now), key.model, key.adapter, uncached, now, prefetch=True
+            )
         if shed is not None:
             self.metrics.prefetch_dropped.labels("load").inc()
             raise shed

@@ -45,6 +45,14 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_hot_prefixes                           hot prefixes tracked (<= index.hot_k)
     radixfleet_hot_prefix_rate{rank}, radixfleet_hot_prefix_replicas{rank}  by rank 1..k
     radixfleet_warmups_total{status}
+    radixfleet_pd_requests_total{path}                disaggregated models (router.pd): prefill
+                                                      (two legs) | colocated
+    radixfleet_pd_no_decode_total{when}               their 503s without a decode worker:
+                                                      before | after_prefill
+    radixfleet_pd_kv_handoffs_total{outcome}          prefill legs answered: params | none |
+                                                      bootstrap (SGLang)
+    radixfleet_pd_prefill_seconds                     a vLLM-protocol prefill leg, sent to its
+                                                      answer (the KV hand-off)
     radixfleet_prefetch_total{outcome}                POST /v1/prefetch (router.prefetch):
                                                       warmed | deduplicated (already held,
                                                       nothing sent) | used (a real request
@@ -264,6 +272,27 @@ class Metrics:
             "radixfleet_pd_requests",
             "Requests of a disaggregated (prefill/decode) model, by path: prefill (two legs) or colocated",
             ["path"],
+            registry=r,
+        )
+        self.pd_no_decode = Counter(
+            "radixfleet_pd_no_decode",
+            "Requests of a disaggregated model answered 503 for want of a decode worker: "
+            "before (none at arrival) or after_prefill (gone during the prefill leg)",
+            ["when"],
+            registry=r,
+        )
+        self.pd_handoffs = Counter(
+            "radixfleet_pd_kv_handoffs",
+            "Prefill legs answered, by what they handed the decode leg: params "
+            "(kv_transfer_params: the decode worker pulls the KV), none (no connector: "
+            "the decode worker prefills again), bootstrap (SGLang: a room, both legs at once)",
+            ["outcome"],
+            registry=r,
+        )
+        self.pd_prefill = Histogram(
+            "radixfleet_pd_prefill_seconds",
+            "A prefill leg: sent to its answer with the KV transfer parameters (vLLM's protocol)",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.in_flight = Gauge(

@@ -164,6 +164,7 @@ class PrefillDecode:
     def _no_decode(self, ctx: Any, when: str) -> None:
         """503 with ``Retry-After`` (a health interval: when a decode worker may be back)."""
         dp = self.dp
+        dp.metrics.pd_no_decode.labels("after_prefill" if when else "before").inc()
         msg = f"no decode worker for model {ctx.key.model!r} is available"
         dp._reject(
             ctx.ex,
@@ -264,7 +265,10 @@ class PrefillDecode:
             tried.append(w.id)
             try:
                 leg, _ = dp.engines.forward_body(w.engine, ctx.endpoint, body, payload, False, rank)
-                return await self._prefill_leg(ctx, kr, w, bytes(leg))
+                t = time.monotonic()
+                params = await self._prefill_leg(ctx, kr, w, bytes(leg))
+                dp.metrics.pd_prefill.observe(time.monotonic() - t)
+                return params
             except _PrefillFailed as exc:
                 if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
                     dp.answer_error(ctx, w.id, exc.status, exc.data, [])
@@ -340,12 +344,16 @@ class PrefillDecode:
             except ValueError:
                 raise _PrefillFailed("answered 200 without JSON") from None
             ok = True
+            handoffs = dp.metrics.pd_handoffs
             if room:
+                handoffs.labels("bootstrap").inc()
                 return {}
             params = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
             if not isinstance(params, dict):
+                handoffs.labels("none").inc()
                 log.info("request %s: prefill worker %s gave no kv_transfer_params", ctx.rid, w.id)
                 return {}
+            handoffs.labels("params").inc()
             return params
         finally:
             dp.unwatch(w, cancel)

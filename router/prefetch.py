@@ -22,6 +22,17 @@ A prefetch is speculative work, so it is the first thing dropped:
   not sent again (202 with ``deduplicated: true``); a second prefetch of the same
   prompt finds the first one's hint.
 
+Tenant limits: a prefetch is made with a tenant's key and charged to the tenant's
+and the key's rate limits (``router.tenancy``) as the request it sends: one request,
+and its prompt plus the one token it generates, reserved before the load and budget
+checks (over a limit: 429 with the ``x-ratelimit-*`` headers, nothing warmed; the
+202 carries them too). A prefetch dropped for load or budget gets its reservation
+back, as a shed request does; a deduplicated one (nothing sent) keeps the request
+and gets its tokens back. The real request that follows is charged in full, as any
+request is whatever its cache hit: a limit counts what a tenant asks for, and a
+prefetch asks the fleet for a prefill of its own — free prefetches would be a way
+around a tokens-per-minute limit.
+
 The real request that follows a prefetch is not shed: its prefill was admitted (and
 budgeted) as the prefetch's, which is still queued or running on its worker when the
 lead is shorter than the prefill. Shedding it for that work would turn a prefetch

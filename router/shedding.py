@@ -20,7 +20,8 @@ read by ``router.engines.link``) and what the router has done since (``QueueMark
                 (engines' scrapes only: agents' ~100 ms reports are not aged)
     bound_s     = max(limits.worker_queue_min_s,
                       limits.worker_queue_requests * typical_s)
-    typical_s   = decayed mean of a request's uncached prefill seconds
+    typical_s   = decayed mean of a request's uncached prefill seconds (prefetches,
+                  max_tokens 1 warm-ups of a later request, not counted)
 
     ahead_s     = uncached tokens the router sent the worker that have not reached
                   their first token yet (streams: released at it) / rate
@@ -253,10 +254,16 @@ class Shedder:
         uncached_tokens: int,
         now: float,
         scale: float = 1.0,
+        *,
+        prefetch: bool = False,
     ) -> Overloaded | None:
         """An ``Overloaded`` to answer with if every eligible worker (routable
         ``workers`` serving model/adapter) is saturated past the bound, else None.
-        Also records the request's uncached prefill in ``typical_s``.
+        Also records the request's uncached prefill in ``typical_s`` (not a
+        ``prefetch``'s: its warm-up prefill is no request's size, and the real request
+        that follows it, small since it hits, would be the one counted twice) and in
+        ``largest_tokens`` (a prefetch's too: its prefill sits ahead on the worker as
+        a request's does).
 
         ``scale`` (> 0): the request's priority class's factor on the bound
         (router.tenancy). The decision is monotone in the bound, so a request with a
@@ -270,7 +277,7 @@ class Shedder:
                 continue
             ld = w.load
             if ld is None or now >= w.load_until:
-                self._observe(uncached_tokens, w.base_prefill)
+                self._observe(uncached_tokens, w.base_prefill, prefetch)
                 return None
             rate = ld.prefill_tokens_per_s or w.base_prefill
             rate = MIN_RATE if rate < MIN_RATE else MAX_RATE if rate > MAX_RATE else rate
@@ -285,15 +292,15 @@ class Shedder:
                 ahead_tokens = w.in_flight_tokens + w.remote_tokens
                 ahead = ahead_tokens / rate
                 if (ahead <= bound or ahead_tokens <= self.largest_tokens) and has_room(mark, ld, in_flight):
-                    self._observe(uncached_tokens, rate)
+                    self._observe(uncached_tokens, rate, prefetch)
                     return None
                 if ahead > q:
                     q = ahead
             elif has_room(mark, ld, in_flight):
-                self._observe(uncached_tokens, rate)
+                self._observe(uncached_tokens, rate, prefetch)
                 return None
             if q <= bound:
-                self._observe(uncached_tokens, rate)
+                self._observe(uncached_tokens, rate, prefetch)
                 return None
             if q < best:
                 best = q
@@ -336,10 +343,12 @@ class Shedder:
         self.recent.append(entry)
         log.debug("shed: %s", entry)
 
-    def _observe(self, tokens: int, rate: float) -> None:
-        """Records an admitted request's uncached prefill in typical_s and largest_tokens."""
-        s = tokens / (rate if rate >= MIN_RATE else MIN_RATE)
-        t = self.typical_s
-        self.typical_s = s if t == 0.0 else t + _ALPHA * (s - t)
+    def _observe(self, tokens: int, rate: float, prefetch: bool) -> None:
+        """Records an admitted request's uncached prefill in typical_s (not a
+        prefetch's) and largest_tokens."""
+        if not prefetch:
+            s = tokens / (rate if rate >= MIN_RATE else MIN_RATE)
+            t = self.typical_s
+            self.typical_s = s if t == 0.0 else t + _ALPHA * (s - t)
         big = self.largest_tokens * (1.0 - _ALPHA)
         self.largest_tokens = tokens if tokens > big else big

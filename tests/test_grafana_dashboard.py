@@ -6,7 +6,11 @@ a live vLLM page's (tests/data/vllm_metrics.txt), or a declared exception below.
 In front of real vLLM servers (``engine``), every panel's queries are evaluated
 (tests/promql.py: a small PromQL evaluator over two scrapes of the router's and the
 engines' pages, as a Prometheus would take them) and each panel must return data,
-except those whose subject a plain vLLM pool does not have (``NO_DATA_IN_FRONT_OF_VLLM``)."""
+except those whose subject a plain vLLM pool does not have (``NO_DATA_IN_FRONT_OF_VLLM``).
+The panels of KV tiers, prefetch and prefill/decode are evaluated the same way in
+front of a fleet of agents (``integration``): two with a DRAM tier serving one model,
+a prefill and a decode agent serving another, prefetches sent until the budget
+drops one, and the decode agent stopped to draw the no-decode 503."""
 
 from __future__ import annotations
 
@@ -29,10 +33,17 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "radixfleet.json"
 #: the dashboard's fallback for an SGLang pool without streamed traffic
 PENDING: set[str] = {"sglang:time_to_first_token_seconds_bucket"}
 
+#: the row whose panels a fleet of agents fills (DRAM tiers, prefetches, a
+#: prefill/decode pair): ``test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents``
+AGENTS_ROW = "KV tiers, prefetch, prefill/decode"
+
 #: panels that show nothing in front of a plain vLLM pool, with the reason
 NO_DATA_IN_FRONT_OF_VLLM = {
     "Discovered endpoints": "no discovery source is configured",
     "Discovery problems": "no discovery source is configured",
+    "Prefetches: warmed, used, wasted, dropped": "no prefetch is sent (the agents' test sends them)",
+    "Prefill/decode: requests by path, no-decode 503s": "no disaggregated model (the agents' test has one)",
+    "Prefill leg time (to the KV hand-off)": "no disaggregated model (the agents' test has one)",
 }
 
 VLLM_PAGE = ROOT / "tests" / "data" / "vllm_metrics.txt"
@@ -107,6 +118,18 @@ def panels(dash: dict) -> list[dict]:
     return out
 
 
+def row_panels(dash: dict, title: str) -> list[dict]:
+    """The panels under the row ``title`` (those after it, up to the next row)."""
+    ps = panels(dash)
+    start = next(i for i, p in enumerate(ps) if p["type"] == "row" and p["title"] == title)
+    out = []
+    for p in ps[start + 1 :]:
+        if p["type"] == "row":
+            break
+        out.append(p)
+    return out
+
+
 @pytest.fixture(scope="module")
 def scraped() -> set[str]:
     rp, ap = free_port(), free_port()
@@ -168,6 +191,9 @@ def test_dashboard_shape():
         "hot prefixes",
         "replicas",
         "shed",
+        "kv tier",
+        "prefetch",
+        "prefill/decode",
     ):
         assert topic in titles, topic
     for p in ps:
@@ -269,3 +295,131 @@ def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tm
         next(p for p in panels(dash) if p["title"] == "Fleet prefix-cache hit rate")["targets"][0]["expr"]
     )
     assert 0.3 < hit[0][1] <= 1.0, hit  # the shared system prompt was found cached
+
+
+AGENT_HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
+
+
+def _rag(tag: str, model: str) -> dict:
+    docs = "\n".join(f"[{i}] Document {i} of {tag}: " + f"fact {i} about {tag}. " * 20 for i in range(3))
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You answer from the documents below, citing them. " * 6},
+            {"role": "user", "content": f"{docs}\n\nQuestion: what does {tag} say?"},
+        ],
+        "max_tokens": 2,
+    }
+
+
+@pytest.mark.integration
+async def test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents():
+    """Bounded: in-process agents, ~40 requests, each wait capped at 10 s."""
+    import asyncio
+    import os
+
+    from aiohttp import web
+
+    from router.app import Router, RouterServer
+    from router.config import parse_config
+    from worker_agent.dram_tier import DramConfig
+    from worker_agent.server import AgentConfig, create_app
+
+    async def until(pred, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not pred():
+            assert time.monotonic() < deadline, f"not reached in 10 s: {what}"
+            await asyncio.sleep(0.05)
+
+    router = Router(
+        parse_config(
+            {
+                "health": AGENT_HEALTH,
+                "policy": {"name": "prefix_load"},
+                "disagg": {"colocate_below_tokens": 0},  # every "pd" request takes both legs
+                "prefetch": {"share": 0.02, "window_s": 0.5},  # a small budget; wasted soon
+                "response_headers": {"worker_id": True},
+            }
+        )
+    )
+    server = RouterServer(router, port=free_port())
+    base = f"http://127.0.0.1:{await server.start()}"
+    runners: dict[str, web.AppRunner] = {}
+    pages = {"router": base + "/metrics"}
+    fleet = [
+        ("t0", "m", "both", DramConfig(200_000)),
+        ("t1", "m", "both", DramConfig(200_000)),
+        ("p0", "pd", "prefill", None),
+        ("d0", "pd", "decode", None),
+    ]
+    try:
+        for wid, model, role, dram in fleet:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cfg = AgentConfig(kv_tokens=50_000, worker_id=wid, role=role, served_model_name=model, dram=dram)
+            runner = runners[wid] = web.AppRunner(create_app(cfg, routers=[base], advertise_url=url))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            pages[wid] = url + "/metrics"
+        await until(lambda: len(router.pool.views(time.monotonic())) == 4, "agents registered")
+        async with httpx.AsyncClient(timeout=30) as c:
+            frozen: dict[str, str] = {}  # a stopped agent's last page
+
+            async def scrape_all():
+                return scrape({k: frozen.get(k) or (await c.get(u)).text for k, u in pages.items()})
+
+            before = await scrape_all()
+            t0 = time.monotonic()
+            for i in range(4):  # a shared system prompt on the DRAM-tier agents
+                r = await c.post(base + "/v1/chat/completions", json=_rag(f"shared-{i % 2}", "m"))
+                assert r.status_code == 200, r.text
+            warmed, dropped = [], 0
+            for _ in range(60):  # prefetches until the budget (or the load) drops one
+                body = _rag(os.urandom(6).hex(), "m")
+                r = await c.post(base + "/v1/prefetch", json=body)
+                if r.status_code == 429:
+                    dropped += 1
+                    break
+                assert r.status_code == 202, r.text
+                warmed.append(body)
+            assert dropped and len(warmed) >= 3, (dropped, len(warmed))
+            await until(lambda: all(w.in_flight == 0 for w in router.pool), "prefetches answered")
+            for body in warmed[:2]:  # used; the rest wasted once prefetch.window_s passes
+                r = await c.post(base + "/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+            for i in range(3):  # both legs: the decode agent pulls the prompt's KV
+                r = await c.post(base + "/v1/chat/completions", json=_rag(f"pd-{i}", "pd"))
+                assert r.status_code == 200, r.text
+                assert r.headers["x-radixfleet-worker"] == "d0"
+            frozen["d0"] = (await c.get(pages["d0"])).text  # its pulls, as last seen
+            await runners.pop("d0").cleanup()
+            await until(lambda: all(v.id != "d0" for v in router.pool.views(time.monotonic())), "d0 down")
+            r = await c.post(base + "/v1/chat/completions", json=_rag("pd-late", "pd"))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker_available", r.text
+            await asyncio.sleep(0.6)  # past prefetch.window_s; DRAM write-downs reported
+            r = await c.post(base + "/v1/chat/completions", json=_rag("sweep", "m"))  # sweeps the ledger
+            assert r.status_code == 200, r.text
+            after = await scrape_all()
+            ev = Evaluator(before, after, time.monotonic() - t0)
+    finally:
+        for r in reversed(list(runners.values())):
+            await r.cleanup()
+        await server.aclose()
+    dash = json.loads(DASHBOARD.read_text())
+    row = row_panels(dash, AGENTS_ROW)
+    assert len(row) >= 8
+    empty = [p["title"] for p in row if not any(_finite(ev.eval(t["expr"])) for t in p["targets"])]
+    assert not empty, f"panels without data in front of agents: {empty}"
+
+    def by(expr: str, label: str) -> dict[str, float]:
+        return {lb.get(label, ""): v for lb, v in ev.eval(expr)}
+
+    assert by("sum by (tier) (radixfleet_worker_tier_blocks)", "tier")["cpu"] > 0  # the DRAM tier
+    outcomes = by("sum by (outcome) (increase(radixfleet_prefetch_total[5m]))", "outcome")
+    assert outcomes["warmed"] == len(warmed) and outcomes["used"] >= 1, outcomes
+    assert outcomes.get("unused", 0) + outcomes.get("evicted", 0) >= 1, outcomes
+    assert sum(by("sum by (cause) (increase(radixfleet_prefetch_dropped_total[5m]))", "cause").values()) == 1
+    paths = by("sum by (path) (increase(radixfleet_pd_requests_total[5m]))", "path")
+    assert paths["prefill"] == 3, paths
+    assert by("sum by (outcome) (increase(radixfleet_pd_kv_handoffs_total[5m]))", "outcome") == {"params": 3}
+    assert by("sum by (when) (increase(radixfleet_pd_no_decode_total[5m]))", "when") == {"before": 1}

@@ -323,6 +323,25 @@ def test_unknown_medium_reaches_the_metric_with_its_cause():
     assert got == 1.0
 
 
+def test_a_removed_workers_tier_series_leave_the_metrics_page():
+    from prometheus_client import CollectorRegistry
+
+    from router.engines.manager import EnginePrometheus
+
+    r = CollectorRegistry()
+    prom = EnginePrometheus(r)
+    for wid in ("w0", "w1"):
+        prom.tier_blocks.labels(wid, "gpu").set(3)
+        prom.tier_blocks.labels(wid, "cpu").set(5)
+        prom.tier_load.labels(wid, "cpu").set(2e-6)
+        prom.tier_fraction.labels(wid, "cpu").set(0.9)
+    prom.forget("w0")
+    for name in ("radixfleet_worker_tier_blocks", "radixfleet_worker_tier_gpu_hit_fraction"):
+        assert r.get_sample_value(name, {"worker": "w0", "tier": "cpu"}) is None
+        assert r.get_sample_value(name, {"worker": "w1", "tier": "cpu"}) is not None
+    assert r.get_sample_value("radixfleet_worker_tier_blocks", {"worker": "w0", "tier": "gpu"}) is None
+
+
 # -------------------------------------------------------------------- the price
 
 

@@ -1,8 +1,10 @@
 """``POST /v1/prefetch`` (router.prefetch): the budget and the used/wasted ledger
 (fast), and a router in front of in-process agents: a prefetch warms the worker the
 real request then goes to, whose cached tokens come from it; a repeat is
-deduplicated; bad input, an unserved model and a spent budget are answered in the
-data plane's error shape with nothing warmed."""
+deduplicated; bad input, an unserved model, a spent budget and a tenant over its
+rate limit (a prefetch is charged as the request it sends) are answered in the data
+plane's error shape with nothing warmed; prefetches do not teach the shedder its
+typical request."""
 
 from __future__ import annotations
 
@@ -155,6 +157,26 @@ async def test_prefetch_warms_the_worker_the_real_request_then_uses(fleet):
 
 
 @pytest.mark.integration
+async def test_prefetches_do_not_teach_the_shedder_its_typical_request(fleet):
+    """A prefetch is a max_tokens 1 warm-up whose whole prompt is uncached: the
+    shedder's typical request (its queue bound's unit) is the real requests' size."""
+    await agents_fleet(fleet)
+    shedder = fleet.router.dataplane.shedder
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(fleet.base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        typical = shedder.typical_s
+        assert typical > 0
+        for _ in range(3):
+            r = await c.post(fleet.base + PREFETCH_PATH, json=rag_body(os.urandom(6).hex()))
+            assert r.status_code == 202, r.text
+            assert r.json()["deduplicated"] is False
+    await settled(fleet)
+    assert counter(fleet, "warmed") == 3
+    assert shedder.typical_s == typical
+
+
+@pytest.mark.integration
 async def test_the_request_a_prefetch_was_made_for_is_not_shed(fleet, monkeypatch):
     """Its prefill was admitted as the prefetch's (router.prefetch): a fleet that
     sheds now refuses other requests, not this one."""
@@ -247,6 +269,45 @@ async def test_prefetch_over_budget_is_429_and_warms_nothing(fleet):
     assert counter(fleet, "warmed") == 0
     assert fleet.router.metrics.prefetch_dropped.labels("budget")._value.get() == 1
     assert all(w.in_flight == 0 for w in fleet.router.pool)
+
+
+@pytest.mark.integration
+async def test_a_prefetch_is_charged_to_its_tenants_rate_limits(fleet):
+    """One request and its prompt + 1 token: over the limit it is a 429 with the
+    x-ratelimit-* headers and nothing warmed, and it spent what a real request of the
+    tenant would have had; another tenant is served."""
+    keys = [{"tenant": "acme", "key": "k-acme"}, {"tenant": "free", "key": "k-free"}]
+    limits = {"requests_per_s": 0.001, "request_burst": 2, "tokens_per_min": 0.001, "token_burst": 100_000}
+    await agents_fleet(
+        fleet,
+        {
+            "keys": {"tenant": {"source": "api_key", "api_keys": keys}},
+            "tenancy": {"tenants": {"acme": limits}},
+        },
+    )
+    acme = {"Authorization": "Bearer k-acme"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(fleet.base + PREFETCH_PATH, json=rag_body(os.urandom(6).hex()), headers=acme)
+        assert r.status_code == 202, r.text
+        assert r.headers["x-ratelimit-remaining-requests"] == "1"
+        spent = 100_000 - int(r.headers["x-ratelimit-remaining-tokens"])
+        assert spent > 200  # the prompt's tokens (a few hundred) and the one generated
+        r = await c.post(fleet.base + PREFETCH_PATH, json=rag_body(os.urandom(6).hex()), headers=acme)
+        assert r.status_code == 202, r.text
+        r = await c.post(fleet.base + PREFETCH_PATH, json=rag_body(os.urandom(6).hex()), headers=acme)
+        assert_error(r, 429, "rate_limit_exceeded")
+        assert r.headers["x-ratelimit-remaining-requests"] == "0" and "Retry-After" in r.headers
+        await settled(fleet)
+        assert counter(fleet, "warmed") == 2  # the refused one warmed nothing
+        body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+        r = await c.post(fleet.base + "/v1/completions", json=body, headers=acme)
+        assert_error(r, 429, "rate_limit_exceeded")  # the prefetches spent the burst
+        free = {"Authorization": "Bearer k-free"}
+        r = await c.post(fleet.base + "/v1/completions", json=body, headers=free)
+        assert r.status_code == 200, r.text
+    tr = fleet.router.metrics.tenant_requests
+    assert tr.labels("acme", "standard", "admitted")._value.get() == 2
+    assert tr.labels("acme", "standard", "limited")._value.get() == 2
 
 
 @pytest.mark.integration

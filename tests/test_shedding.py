@@ -380,3 +380,20 @@ def test_queue_mark_starts_empty():
     m = QueueMark()
     m.check()
     assert (m.limit, m.running_max, m.since_tokens) == (0, 0, 0)
+
+
+def test_a_prefetch_is_not_counted_in_the_typical_request():
+    # A prefetch is a max_tokens 1 warm-up of a later request: its whole prompt is
+    # uncached, the real request after it hits. Counted, 5,000-token prefetches would
+    # teach a typical request of seconds and widen the bound for every other request.
+    pool, _, clock = make_pool()
+    s = Shedder(0.5, 0.05)
+    t0 = clock()
+    learned(s, pool, t0)
+    largest = s.largest_tokens
+    for _ in range(20):
+        assert s.check(pool.routable_workers(t0), "m", None, 5000, t0, prefetch=True) is None
+    assert s.typical_s == pytest.approx(0.1)
+    assert s.largest_tokens == 5000 > largest  # its prefill sits ahead like a request's
+    assert check(s, pool, t0, uncached=300) is None
+    assert s.typical_s > 0.1  # a real request still counts

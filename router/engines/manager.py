@@ -42,7 +42,7 @@ from router.engines.kinds import WorkerKind
 from router.engines.link import EngineLink, LinkState
 from router.engines.prefill_rate import FleetRates
 from router.pool import Pool
-from router.prefix_index import PrefixIndex
+from router.prefix_index import COLDER_TIERS, PrefixIndex
 
 log = logging.getLogger("radixfleet.engines")
 
@@ -178,6 +178,13 @@ class EnginePrometheus:
             ["worker", "tier"],
             registry=r,
         )
+        self.tier_fraction = Gauge(
+            "radixfleet_worker_tier_gpu_hit_fraction",
+            "What a colder tier's hit is worth as a share of a GPU hit on a worker: 1 - "
+            "load seconds per token x prefill tokens per second (router.engines.tier_price)",
+            ["worker", "tier"],
+            registry=r,
+        )
         self.tier_samples = Counter(
             "radixfleet_worker_tier_load_samples",
             "Answers a worker's colder-tier load price learned from",
@@ -220,6 +227,12 @@ class EnginePrometheus:
                 self.events_ranks.remove(worker, s)
             except KeyError:
                 pass
+        for tier in ("gpu", *COLDER_TIERS):  # a gone worker's tiers leave the page too
+            for g in (self.tier_blocks, self.tier_load, self.tier_fraction):
+                try:
+                    g.remove(worker, tier)
+                except KeyError:
+                    pass
 
 
 class Engines:
@@ -569,6 +582,7 @@ class Engines:
                 self.prom.tier_blocks.labels(wid, tier).set(d["blocks"])
                 if "load_s_per_token" in d:
                     self.prom.tier_load.labels(wid, tier).set(d["load_s_per_token"])
+                    self.prom.tier_fraction.labels(wid, tier).set(d["gpu_hit_fraction"])
 
 
 def sends_priority(link: EngineLink) -> bool:
