@@ -28,6 +28,7 @@ only the router between policies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -452,10 +453,13 @@ class Fleet:
         self.stop()
 
     def stop(self) -> None:
-        """Stops the router, then every agent. Idempotent."""
-        self.stop_router()
-        for child in self.agents:
-            child.stop()
+        """Stops the router, then every agent. Idempotent. An interrupt while one child
+        is stopping (a second Ctrl-C) does not leave the others running: every child's
+        stop runs, and the interrupt is raised after them."""
+        with contextlib.ExitStack() as stack:
+            for child in reversed(self.agents):
+                stack.callback(child.stop)
+            self.stop_router()
 
     def dead(self) -> list[str]:
         return [c.name for c in [*self.agents, *([self.router] if self.router else [])] if not c.alive()]
@@ -506,6 +510,8 @@ def run(args: argparse.Namespace) -> int:
 
     def on_term(signum, frame):  # SIGTERM: leave like Ctrl-C, stopping the children
         nonlocal stopping
+        if stopping:  # a repeated SIGTERM (a supervisor and its wrapper both) must not
+            return  # interrupt the stopping itself
         stopping = True
         raise KeyboardInterrupt
 

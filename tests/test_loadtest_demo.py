@@ -99,7 +99,8 @@ def test_demo_bad_policy_exits_2():
     assert len(p.stderr.strip().splitlines()) == 1
 
 
-def test_up_serves_until_sigterm_and_stops_its_children(tmp_path):
+@pytest.mark.parametrize("sigterms", [1, 2], ids=["one SIGTERM", "a second SIGTERM while stopping"])
+def test_up_serves_until_sigterm_and_stops_its_children(tmp_path, sigterms):
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -138,6 +139,9 @@ def test_up_serves_until_sigterm_and_stops_its_children(tmp_path):
         assert r.status_code == 200, r.text
         assert r.headers["x-radixfleet-worker"] in ("w0", "w1")
         os.kill(proc.pid, signal.SIGTERM)
+        if sigterms == 2:  # as a supervisor and the wrapper it signals both do
+            time.sleep(0.05)
+            os.kill(proc.pid, signal.SIGTERM)
         output, _ = proc.communicate(timeout=20)
         output = seen + output.decode()
         assert proc.returncode == 0, output
