@@ -72,24 +72,41 @@ CALIBRATE_CLIENTS = 8
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--agents", type=int, default=4, help="simulated agents (default 4)")
-    p.add_argument("--agent-model", default="llama-3-8b", help="the agents' model preset")
-    p.add_argument("--gpu", default="l4", help="the agents' GPU preset (default l4)")
-    p.add_argument("--kv-tokens", type=int, default=24_000, help="KV tokens per agent (default 24,000)")
-    p.add_argument("--groups", type=int, default=32, help="tenants, each its own system prompt (default 32)")
-    p.add_argument("--system-tokens", type=int, default=4096, help="tokens of each system prompt")
-    p.add_argument("--suffix-tokens", type=int, default=64, help="tokens of each request's unique suffix")
-    p.add_argument("--output-tokens", type=int, default=16, help="max_tokens of each request")
-    p.add_argument("--alpha", type=float, default=0.6, help="Zipf exponent of the tenants' popularity")
-    p.add_argument("--load", type=float, default=1.5, help="offered rate, x the calibrated capacity")
+    p.add_argument("--agents", type=int, default=4, help="simulated agents (default: 4)")
+    p.add_argument(
+        "--agent-model", default="llama-3-8b", help="the agents' model preset (default: llama-3-8b)"
+    )
+    p.add_argument("--gpu", default="l4", help="the agents' GPU preset (default: l4)")
+    p.add_argument("--kv-tokens", type=int, default=24_000, help="KV tokens per agent (default: 24,000)")
+    p.add_argument("--groups", type=int, default=32, help="tenants, each its own system prompt (default: 32)")
+    p.add_argument(
+        "--system-tokens", type=int, default=4096, help="tokens of each system prompt (default: 4096)"
+    )
+    p.add_argument(
+        "--suffix-tokens", type=int, default=64, help="tokens of each request's unique suffix (default: 64)"
+    )
+    p.add_argument("--output-tokens", type=int, default=16, help="max_tokens of each request (default: 16)")
+    p.add_argument(
+        "--alpha", type=float, default=0.6, help="Zipf exponent of the tenants' popularity (default: 0.6)"
+    )
+    p.add_argument(
+        "--load", type=float, default=1.5, help="offered rate, x the calibrated capacity (default: 1.5)"
+    )
     p.add_argument("--capacity", type=float, help="the fleet's capacity in req/s (skips calibration)")
-    p.add_argument("--calibrate-s", type=float, default=30.0, help="seconds of closed loop measuring capacity")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per arm")
-    p.add_argument("--drain", type=float, default=10.0, help="grace for requests in flight after it")
-    p.add_argument("--repeats", type=int, default=3, help="rounds, the arm order rotated each")
-    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {DEFAULT_ARMS}")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT bound (default 2000)")
-    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    p.add_argument(
+        "--calibrate-s",
+        type=float,
+        default=30.0,
+        help="seconds of closed loop measuring capacity (default: 30)",
+    )
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per arm (default: 30)")
+    p.add_argument(
+        "--drain", type=float, default=10.0, help="grace for requests in flight after it (default: 10)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="rounds, the arm order rotated each (default: 3)")
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default: {DEFAULT_ARMS})")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT bound (default: 2000)")
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
     p.add_argument("--log-dir", help="where the fleet logs (default: a temp dir, removed)")
 
 
@@ -203,7 +220,9 @@ class Bench:
         a = self.args
         fleet = self.fleet("prefix_load")
         try:
-            o = self.drive(fleet, "calibrate", Closed(CALIBRATE_CLIENTS * a.agents), a.calibrate_s, RetryPolicy("sdk"))
+            o = self.drive(
+                fleet, "calibrate", Closed(CALIBRATE_CLIENTS * a.agents), a.calibrate_s, RetryPolicy("sdk")
+            )
         finally:
             fleet.stop()
         if not o.results:
@@ -238,7 +257,9 @@ def measure(report: dict, results, window_s: float, slo_ttft_ms: float) -> dict:
         "failed_other": len(results) - len(ok) - shed,
         "hit_rate": round(report["hit_rate"], 4),
         "pooled_hit_rate": report.get("pooled_hit_rate"),
-        "ttft_ms": {k: (None if v is None else round(v, 1)) for k, v in ttft.items() if k in ("p50", "p90", "p99")},
+        "ttft_ms": {
+            k: (None if v is None else round(v, 1)) for k, v in ttft.items() if k in ("p50", "p90", "p99")
+        },
         "goodput_rps": round(good / window_s, 3),
         "good": good,
     }
@@ -315,7 +336,10 @@ def measure_all(args: argparse.Namespace, log_dir: str, progress=None) -> dict:
         "arms": names,
         "runs": runs,
         "summary": summarize(runs, names),
-        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": {
+            "before": [round(x, 2) for x in load_before],
+            "after": [round(x, 2) for x in os.getloadavg()],
+        },
         "wall_s": round(time.time() - started, 1),
     }
 
@@ -344,11 +368,14 @@ def render(out: dict) -> str:
         f"offered {out['rate_rps']:.2f} req/s ({out['load']:g}x) for {out['duration_s']:g} s; goodput: "
         f"TTFT <= {out['slo_ttft_ms']:g} ms",
         "",
-        "arm                 goodput/s (spread)     hit (spread)           TTFT p50 / p90 / p99 ms (medians)  shed",
+        "arm                 goodput/s (spread)     hit (spread)           "
+        "TTFT p50 / p90 / p99 ms (medians)  shed",
     ]
     for n, s in out["summary"]["arms"].items():
         g, h = s["goodput_rps"], s["hit_rate"]
-        ps = " / ".join(_ms(s[f"ttft_{p}_ms"]["median"] if s[f"ttft_{p}_ms"] else None) for p in ("p50", "p90", "p99"))
+        ps = " / ".join(
+            _ms(s[f"ttft_{p}_ms"]["median"] if s[f"ttft_{p}_ms"] else None) for p in ("p50", "p90", "p99")
+        )
         lines.append(
             f"{n:<19} {g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f})".ljust(43)
             + f"{h['median']:.3f} ({h['min']:.3f}-{h['max']:.3f})".ljust(23)
@@ -358,7 +385,8 @@ def render(out: dict) -> str:
     r = out["summary"]["prefix_load_over_smg_goodput"]
     if r:
         lines.append(
-            f"prefix_load / smg goodput, per round: median {r['median']:.3f}x (spread {r['min']:.3f}-{r['max']:.3f})"
+            f"prefix_load / smg goodput, per round: median {r['median']:.3f}x "
+            f"(spread {r['min']:.3f}-{r['max']:.3f})"
         )
     lines.append(f"load average before {out['load_average']['before']}, after {out['load_average']['after']}")
     return "\n".join(lines)
