@@ -239,9 +239,35 @@ class Bench:
         fleet = self.fleet(arm)
         try:
             o = self.drive(fleet, arm, Poisson(rate), a.duration, RetryPolicy("none"))
+            reasons = None if ARMS[arm][0] == "smg" else decision_reasons(fleet.router_url)
         finally:
             fleet.stop()
-        return measure(o.report, o.results, a.duration, a.slo_ttft_ms)
+        out = measure(o.report, o.results, a.duration, a.slo_ttft_ms)
+        if reasons is not None:
+            out["reasons"] = reasons
+        return out
+
+
+def decision_reasons(router_url: str) -> dict[str, int]:
+    """Requests a worker answered with 200, by the policy's decision reason (affinity,
+    spill_load, miss, ...), from the router's ``radixfleet_requests_total``: why the
+    served requests went where they went. Empty when the metrics cannot be read."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(router_url + "/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "radixfleet_requests":
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_total") and sample.labels.get("status") == "200":
+                reason = sample.labels.get("reason", "")
+                out[reason] = out.get(reason, 0) + int(sample.value)
+    return dict(sorted(out.items()))
 
 
 def measure(report: dict, results, window_s: float, slo_ttft_ms: float) -> dict:
@@ -355,6 +381,7 @@ def _line(r: dict) -> str:
         f"shed {r['shed_429']:>4} failed {r['failed_other']:>3}  hit {r['hit_rate']:.3f}  TTFT p50/p90/p99 "
         f"{_ms(t.get('p50'))}/{_ms(t.get('p90'))}/{_ms(t.get('p99'))} ms  goodput {r['goodput_rps']:.2f}/s  "
         f"(load {r['load_average']})"
+        + (f"  reasons {r['reasons']}" if r.get("reasons") else "")
     )
 
 
