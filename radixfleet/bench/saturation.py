@@ -380,8 +380,7 @@ def _line(r: dict) -> str:
         f"round {r['round']} {r['arm']:<18} offered {r['offered']:>4} served {r['served']:>4} "
         f"shed {r['shed_429']:>4} failed {r['failed_other']:>3}  hit {r['hit_rate']:.3f}  TTFT p50/p90/p99 "
         f"{_ms(t.get('p50'))}/{_ms(t.get('p90'))}/{_ms(t.get('p99'))} ms  goodput {r['goodput_rps']:.2f}/s  "
-        f"(load {r['load_average']})"
-        + (f"  reasons {r['reasons']}" if r.get("reasons") else "")
+        f"(load {r['load_average']})" + (f"  reasons {r['reasons']}" if r.get("reasons") else "")
     )
 
 
