@@ -3,7 +3,7 @@
 Each benchmark is a module here exposing ``configure(parser)`` and ``run(args)``,
 like a CLI subcommand (``BENCHMARKS`` below names them: index, proxy, routing,
 policy, agent, sim, fidelity, events, overload, priority, reproduce, replicas,
-traffic_log, analyze, autoscale, loadgen, disagg). Two modules are helpers, not
+traffic_log, analyze, autoscale, loadgen, disagg, saturation). Two modules are helpers, not
 benchmarks: ``wire`` (the proxy benchmark's lean upstream and counting client) and
 ``tiny_tokenizer`` (the tiny test model's tokenizer). Results, with the command
 that produced them, are written down in ``bench/RESULTS.md``. Benchmarks are never
@@ -44,6 +44,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "the load generator's own overhead: loadtest vs a minimal client on a fast stub",
     ),
     "disagg": ("radixfleet.bench.disagg", "colocated vs disaggregated prefill/decode (simulated), same GPUs"),
+    "saturation": (
+        "radixfleet.bench.saturation",
+        "goodput at 1.5x capacity, live: prefix_load (events, none) vs smg vs round robin",
+    ),
 }
 
 
