@@ -321,6 +321,7 @@ class Page:
         self.status = 200
         self.delay_s = 0.0
         self.hits = 0
+        self.accept_encoding: str | None = None  # the last request's
 
 
 @pytest.fixture
@@ -329,6 +330,7 @@ async def served():
 
     async def metrics(request: web.Request) -> web.Response:
         page.hits += 1
+        page.accept_encoding = request.headers.get("Accept-Encoding")
         if page.delay_s:
             await asyncio.sleep(page.delay_s)
         return web.Response(body=page.body, status=page.status, content_type="text/plain", charset="utf-8")
@@ -347,6 +349,7 @@ async def test_fetch_reads_the_page_and_reports_transfer_failures(served, port):
     page, url, session = served
     m = await fetch_metrics(session, url, MetricsKind.VLLM)
     assert m.kv_capacity_tokens == 131072
+    assert page.accept_encoding == "identity"  # no gzip for the engine to make and us to undo
 
     async def cause(**kw) -> MetricsFailure:
         with pytest.raises(EngineMetricsError) as e:
