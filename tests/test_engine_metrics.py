@@ -321,6 +321,7 @@ class Page:
         self.status = 200
         self.delay_s = 0.0
         self.hits = 0
+        self.accept_encoding: str | None = None  # the last request's
 
 
 @pytest.fixture
@@ -329,6 +330,7 @@ async def served():
 
     async def metrics(request: web.Request) -> web.Response:
         page.hits += 1
+        page.accept_encoding = request.headers.get("Accept-Encoding")
         if page.delay_s:
             await asyncio.sleep(page.delay_s)
         return web.Response(body=page.body, status=page.status, content_type="text/plain", charset="utf-8")
@@ -347,6 +349,7 @@ async def test_fetch_reads_the_page_and_reports_transfer_failures(served, port):
     page, url, session = served
     m = await fetch_metrics(session, url, MetricsKind.VLLM)
     assert m.kv_capacity_tokens == 131072
+    assert page.accept_encoding == "identity"  # no gzip for the engine to make and us to undo
 
     async def cause(**kw) -> MetricsFailure:
         with pytest.raises(EngineMetricsError) as e:
@@ -521,7 +524,7 @@ def test_only_the_lines_read_reach_the_parser():
     # Not a timing assertion: only that the filter hands the parser a handful of lines.
     from router.engines import engine_metrics as em
 
-    lines = [m.group(0) for m in em._FILTERS[MetricsKind.VLLM].finditer(VLLM_PAGE)]
+    lines = em.select_lines(VLLM_PAGE, em._NAMES[MetricsKind.VLLM])
     assert 5 <= len(lines) <= 15 < len(VLLM_PAGE.splitlines())
     assert all(not math.isnan(float(l.rsplit(" ", 1)[1])) for l in lines)
 
@@ -573,3 +576,75 @@ def test_mangled_pages_raise_only_engine_metrics_errors(seed):
             assert m.waiting_requests >= 0 and 0.0 <= m.kv_usage <= 1.0
             outcomes.add("ok")
     assert "ok" in outcomes and len(outcomes) >= 2  # both readings and refusals seen
+
+
+def _parser_samples(lines: list[str]) -> dict:
+    """What prometheus_client's own parser reads from ``lines``: samples by name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for fam in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_every_sample_line_of_the_live_page_reads_as_the_parser_reads_it():
+    """The plain-shape reader against prometheus_client on all ~600 lines of the
+    recorded vLLM page (not only the series the router reads): names, labels, values
+    and their types (int where the text is one) agree, and the page is read without
+    the parser at all."""
+    from router.engines import engine_metrics as em
+
+    lines = [l for l in VLLM_PAGE.splitlines() if l and not l.startswith("#")]
+    assert len(lines) > 300
+    for line in lines:
+        assert em._PLAIN_SAMPLE.fullmatch(line), line  # every vLLM line is of the plain shape
+    got, want = em._parse(lines), _parser_samples(lines)
+    assert got == want
+    assert [type(v) for rows in got.values() for _, v in rows] == [
+        type(v) for rows in want.values() for _, v in rows
+    ]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'm{a="x\\"y",b="z"} 1',  # an escaped quote: the parser's
+        'm{a="x\\\\y"} 2.5',  # an escaped backslash
+        'm{a="x\\ny"} 3',  # an escaped line feed
+        'm{a="1",a="2"} 4',  # a label given twice
+        "m 1_000",  # an underscore: the parser refuses it
+        'm{a="1"} 5 1700000000000',  # a timestamp: dropped
+        "m +Inf",
+        "m -1e-3",
+        'm{a="1",} 7',  # a trailing comma
+        'm{ a="1"} 8',  # a space inside the braces
+    ],
+)
+def test_lines_of_other_shapes_read_as_the_parser_reads_them(line):
+    from router.engines import engine_metrics as em
+
+    try:
+        want = _parser_samples([line])
+    except Exception:
+        with pytest.raises(EngineMetricsError) as e:
+            em._parse([line])
+        assert e.value.cause is MetricsFailure.NOT_PROMETHEUS
+        return
+    assert em._parse([line]) == want
+
+
+def test_lines_are_found_by_their_exact_name_at_a_line_start():
+    from router.engines import engine_metrics as em
+
+    page = (
+        "# HELP a_b help\n# TYPE a_b gauge\n"
+        'a_b{x="1"} 1\r\n'  # CRLF: the CR is not part of the line
+        "a_bc 2\n"  # a longer name
+        "xa_b 3\n"  # the name inside another
+        "a_b\t4\n"
+        "a_b 5"  # no final line feed
+    )
+    assert em.select_lines(page, ("a_b",)) == ['a_b{x="1"} 1', "a_b\t4", "a_b 5"]
+    assert em.select_lines(page, ("a_bc", "zz")) == ["a_bc 2"]

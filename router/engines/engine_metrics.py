@@ -35,12 +35,15 @@ reduced by their maximum. ``parse_metrics(..., model=M)`` reads only series labe
 the same config once per engine with ``num_gpu_blocks`` already summed over the DP
 engines, so the capacity is taken once (the largest row), never summed.
 
-Cost: only the lines of the series read are handed to prometheus_client's parser
-(a regex picks them out of the page first). The live vLLM page (~600 lines, 48 KB)
-takes ~11 ms through the parser whole; ``parse_metrics`` reads it in ~0.9 ms (0.4 ms
-of it the regex), which matters with one scrape per worker per second on the
-router's event loop. The rest of the page is not validated; a page with none of the
-lines is parsed whole once to tell "not Prometheus text" from another kind's page.
+Cost: only the lines of the series read are parsed (found by plain substring
+search, not by a regex over the page), and a line of the plain shape engines write
+(``name{label="value",...} value [timestamp]``, no escapes) is read by one regex
+here; any other line goes to prometheus_client's parser, which reads or refuses it
+as it always did. The live vLLM page is ~600 lines; the parser whole is ~20x the
+cost of this, which matters with one scrape per worker per interval on the router's
+event loop (bench/RESULTS.md, "Real engines"). The rest of the page is not
+validated; a page with none of the lines is parsed whole once to tell "not
+Prometheus text" from another kind's page.
 
 Failures (``MetricsFailure``, a small fixed set) are raised as ``EngineMetricsError``
 by ``parse_metrics``/``fetch_metrics``; the scraper turns them into consumer calls,
@@ -212,13 +215,39 @@ _SCHEMAS: dict[MetricsKind, _Schema] = {
 }
 
 
-def _line_filter(names: tuple[str, ...]) -> re.Pattern:
-    # A sample line starts with its name, then labels or a space; comments are skipped.
-    alt = "|".join(re.escape(n) for n in sorted(set(names), key=len, reverse=True))
-    return re.compile(rf"^(?:{alt})(?=[{{ \t])[^\r\n]*", re.M)
+def select_lines(text: str, names: tuple[str, ...]) -> list[str]:
+    """The sample lines of ``text`` whose metric name is one of ``names``: a line
+    (after an LF, as Prometheus text splits them) that starts with the name followed by
+    ``{``, a space or a tab, up to its LF or a CR before it; comments never start
+    with a name. Found by ``str.find`` on each name (a few hits each: its samples,
+    and its HELP and TYPE comments)."""
+    out: list[str] = []
+    find = text.find
+    for name in set(names):
+        n = len(name)
+        i = find(name)
+        while i >= 0:
+            if (i == 0 or text[i - 1] == "\n") and text[i + n : i + n + 1] in _AFTER_NAME:
+                end = find("\n", i + n)
+                if end < 0:
+                    end = len(text)
+                cr = find("\r", i + n, end)
+                out.append(text[i : end if cr < 0 else cr])
+            i = find(name, i + n)
+    return out
 
 
-_FILTERS: dict[MetricsKind, re.Pattern] = {k: _line_filter(s.names()) for k, s in _SCHEMAS.items()}
+_AFTER_NAME = ("{", " ", "\t")
+_NAMES: dict[MetricsKind, tuple[str, ...]] = {k: s.names() for k, s in _SCHEMAS.items()}
+#: a label of the plain shape: no escapes in its value
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*"'
+#: a sample line of the plain shape engines write: name, labels, value, timestamp
+_PLAIN_SAMPLE = re.compile(
+    rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_LABEL}(?:,{_LABEL})*,?)?)\}})?"
+    r"[ \t]+([+-]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?|Inf|NaN))"
+    r"(?:[ \t]+-?[0-9]+)?"
+)
+_LABELS = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*)"')
 _KIND_PROBES = (
     (MetricsKind.AGENT, re.compile(r"^radixfleet_agent_\w*[{ ]", re.M)),
     (MetricsKind.VLLM, re.compile(r"^vllm:\w+[{ ]", re.M)),
@@ -242,11 +271,11 @@ def parse_metrics(text: str, kind: MetricsKind, model: str | None = None) -> Eng
 
     With ``model``, only series labelled ``model_name=model`` (or with no model label)
     count. Raises ``EngineMetricsError`` (``NOT_PROMETHEUS``, ``MISSING_SERIES``,
-    ``BAD_VALUE``, ``WRONG_MODEL``). O(page length) for the line filter, O(lines read)
+    ``BAD_VALUE``, ``WRONG_MODEL``). O(page length) for finding the lines, O(lines read)
     for the parse.
     """
     schema = _SCHEMAS[kind]
-    lines = [m.group(0) for m in _FILTERS[kind].finditer(text)]
+    lines = select_lines(text, _NAMES[kind])
     if not lines:
         _classify_unreadable(text, kind, schema)
     samples = _parse(lines)
@@ -343,14 +372,36 @@ def _hint(text: str, kind: MetricsKind) -> str:
 
 
 def _parse(lines: list[str]) -> _Samples:
-    try:
-        families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
-    except Exception as e:  # garbage inside a line we read: the page is not what it claims
-        raise EngineMetricsError(MetricsFailure.NOT_PROMETHEUS, _short(e)) from None
+    """Samples by name, as prometheus_client reads them: a plain line here (values as
+    its parser gives them: an int where the text is one, else a float), any other
+    through the parser (module docstring). Raises ``NOT_PROMETHEUS`` for a line the
+    parser refuses."""
     out: _Samples = {}
-    for fam in families:
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
+    other: list[str] = []
+    plain = _PLAIN_SAMPLE.fullmatch
+    for line in lines:
+        m = plain(line)
+        if m is None:
+            other.append(line)
+            continue
+        name, labels, value = m.group(1, 2, 3)
+        lb = dict(_LABELS.findall(labels)) if labels else {}
+        if labels and len(lb) != labels.count('="'):  # a label given twice: the parser's call
+            other.append(line)
+            continue
+        try:
+            v: float = int(value)
+        except ValueError:
+            v = float(value)
+        out.setdefault(name, []).append((lb, v))
+    if other:
+        try:
+            families = list(text_string_to_metric_families("\n".join(other) + "\n"))
+        except Exception as e:  # garbage inside a line we read: the page is not what it claims
+            raise EngineMetricsError(MetricsFailure.NOT_PROMETHEUS, _short(e)) from None
+        for fam in families:
+            for s in fam.samples:
+                out.setdefault(s.name, []).append((s.labels, s.value))
     return out
 
 
@@ -413,6 +464,12 @@ def _short(e: BaseException, limit: int = 160) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
+#: the page uncompressed: on loopback or a LAN, gzip (prometheus_client's exporter,
+#: vLLM's included, compresses whenever asked, as aiohttp does by default) costs the
+#: engine's server and the router more CPU than the bytes it saves
+_FETCH_HEADERS = {"Accept": "text/plain", "Accept-Encoding": "identity"}
+
+
 async def fetch_metrics(
     session: aiohttp.ClientSession,
     url: str,
@@ -429,7 +486,7 @@ async def fetch_metrics(
     """
     try:
         async with session.get(
-            url, timeout=aiohttp.ClientTimeout(total=timeout_s), headers={"Accept": "text/plain"}
+            url, timeout=aiohttp.ClientTimeout(total=timeout_s), headers=_FETCH_HEADERS
         ) as resp:
             if resp.status != 200:
                 raise EngineMetricsError(MetricsFailure.HTTP_STATUS, f"HTTP {resp.status}")
