@@ -26,10 +26,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.engines.test_vllm import text  # noqa: E402
+from tests.engines.test_vllm_dp import _two_free_ports  # noqa: E402
 from tests.engines.vllm_env import VllmServer, own_core, tiny_model  # noqa: E402
 from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
-from tests.test_engine_vllm import text  # noqa: E402
-from tests.test_engine_vllm_dp import _two_free_ports  # noqa: E402
 
 
 def twice(url: str, seed: int) -> tuple[int, int]:
