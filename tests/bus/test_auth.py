@@ -24,7 +24,7 @@ import pytest
 from protocol.bus_wire import Subjects
 from router.app import Router, RouterServer
 from router.config import parse_config
-from tests.bus.test_bus import bounded, chat, metric, wait_for
+from tests.bus.client import bounded, chat, metric, wait_for
 from tests.nats_server import NatsServer, make_certs, operator_mode
 from tests.procs import Proc, free_port, radixfleet_argv
 

@@ -11,7 +11,6 @@ to local); malformed and foreign messages are counted and ignored.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 
@@ -32,34 +31,11 @@ from protocol.errors import ConfigError, Overloaded
 from router.app import Router, RouterServer
 from router.bus.remote_load import RemoteInFlight
 from router.config import parse_config
+from tests.bus.client import SYSTEM, bounded, chat, metric, wait_for
 from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
 
-SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 8
-
-
 pytestmark = pytest.mark.usefixtures("bus_salt")
-
-
-def bounded(timeout_s: float = 120.0):
-    """Every async test here is bounded: a lost wake-up (a server that never comes
-    back, a close that never returns) fails the test instead of stalling the run."""
-
-    def deco(fn):
-        @functools.wraps(fn)
-        async def run(*args, **kwargs):
-            await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
-
-        return run
-
-    return deco
-
-
-async def wait_for(pred, timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def held(router: Router, wid: str) -> set[int]:
@@ -112,24 +88,6 @@ def agent(i: int, bus_url: str, routers: list[str] = ()) -> Proc:
     for r in routers:
         argv += ["--router", r]
     return Proc(radixfleet_argv(*argv), ready_url=f"http://127.0.0.1:{ap}/health", timeout_s=30)
-
-
-def metric(router: Router, name: str, **labels) -> float:
-    v = router.metrics.registry.get_sample_value(name, labels or None)
-    return v or 0.0
-
-
-async def chat(
-    c: httpx.AsyncClient, base: str, text: str, max_tokens: int = 4, system: str = SYSTEM
-) -> httpx.Response:
-    return await c.post(
-        base + "/v1/chat/completions",
-        json={
-            "model": "llama-3-8b",
-            "max_tokens": max_tokens,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
-        },
-    )
 
 
 # ------------------------------------------------------------------ unit parts

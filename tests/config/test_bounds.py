@@ -16,17 +16,8 @@ import pytest
 from protocol.errors import ConfigError
 from router.app import Router
 from router.config import MAX_YAML_NODES, load_config
+from tests.config.yaml_bombs import alias_bomb
 from tests.procs import radixfleet_argv
-
-
-def alias_bomb(levels: int) -> str:
-    """``levels`` + 1 lines of anchors, each naming the previous one nine times
-    (9 ** levels nodes), used under ``policy.params``."""
-    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
-    for i in range(1, levels + 1):
-        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
-    lines.append(f"policy: {{name: prefix_load, params: {{x: *a{levels}}}}}")
-    return "\n".join(lines) + "\n"
 
 
 @pytest.mark.integration

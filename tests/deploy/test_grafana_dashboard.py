@@ -212,7 +212,7 @@ def _finite(result) -> bool:
 
 @pytest.mark.engine
 def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tmp_path):
-    from tests.engines.test_vllm import router_yaml, text
+    from tests.engines.vllm_router import router_yaml, text
 
     port = free_port()
     cfg = tmp_path / "router.yaml"

@@ -27,7 +27,7 @@ from router.auth import check_exposure
 from router.config import load_config, parse_config
 from router.pool import Source
 from service.auth import BearerAuth
-from tests.deploy.test_image import DOCKERFILE, exec_form, instructions, stages
+from tests.deploy.dockerfile import DOCKERFILE, exec_form, instructions, stages
 from tests.deploy_tools import ROOT, tools_venv
 from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
 

@@ -50,7 +50,7 @@ import aiohttp
 import pytest
 
 from loadtest.runner import flush
-from tests.engines.test_shedding import quick_start  # noqa: F401  (the same quick-start router)
+from tests.engines.quick_start import quick_start  # noqa: F401  (the same quick-start router)
 from tests.procs import radixfleet_argv
 
 pytestmark = [

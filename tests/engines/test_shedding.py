@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.report import percentile as _pct
 from radixfleet.bench.overload import Load
-from tests.procs import Proc, free_port, radixfleet_argv
+from tests.engines.quick_start import quick_start  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.engine
 
@@ -34,28 +34,6 @@ WORDS = (
     "cache prefix token router worker engine request model block hash session turn "
     "system user assistant tool answer question document context memory batch"
 ).split()
-
-
-@pytest.fixture(scope="module")
-def quick_start(vllm_pair):
-    port = free_port()
-    argv = radixfleet_argv(
-        "router", "--port", str(port), *(a for s in vllm_pair for a in ("--worker", s.url))
-    )
-    with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health", timeout_s=60):
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # both probed (vLLM) and scraped
-            ws = httpx.get(base + "/admin/workers", timeout=5).json()["workers"]
-            if (
-                all(w["routable"] and w.get("engine", {}).get("load_source") == "engine" for w in ws)
-                and len(ws) == 2
-            ):
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"workers not ready: {ws}")
-        yield base
 
 
 async def closed_loop(base: str, clients: int, duration_s: float, seed: int) -> dict:

@@ -23,7 +23,7 @@ from radixfleet.bench.tiny_tokenizer import TOKENIZER_JSON_SHA256, build, tokeni
 from router.engines.chat_render import ChatTemplate, detect_content_format
 from router.engines.piece_encoder import PieceEncoder, piecewise_blocker
 from router.engines.token_keys import TokenizerLoadError, TokenKey, TokenKeyer
-from tests.engines.test_token_keys_vllm import FIXTURE, check_case
+from tests.engines.token_cases import FIXTURE, check_case
 
 with open(FIXTURE, encoding="utf-8") as _f:
     RECORDED = json.load(_f)

@@ -27,14 +27,12 @@ import urllib.request
 
 import pytest
 
-from protocol.errors import MalformedRequest
 from protocol.prefix_keys import Endpoint
 from router.engines.token_keys import TokenKeyer
+from tests.engines.token_cases import FIXTURE, MODEL, check_case
 
 pytestmark = pytest.mark.engine
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "data", "vllm_token_ids.json")
-MODEL = "tiny"
 _WORDS = (
     "the cache prefix token router worker engine request model block hash session "
     "turn system user assistant tool answer question"
@@ -597,23 +595,6 @@ def engine_ids(url: str, endpoint: str, body: dict) -> tuple[int, list[int] | No
     return status, r["choices"][0]["prompt_token_ids"]
 
 
-def router_ids(keyer: TokenKeyer, endpoint: str, body: dict):
-    """('exact', ids) | ('unkeyed', reason) | ('malformed', param) for one case."""
-    if endpoint == "tokenize":
-        ep = Endpoint.CHAT if "messages" in body else Endpoint.COMPLETIONS
-        if ep is Endpoint.CHAT:
-            body = {"add_special_tokens": False, **body}
-    else:
-        ep = Endpoint.CHAT if endpoint == "chat" else Endpoint.COMPLETIONS
-    try:
-        key = keyer.key(ep, {"model": MODEL, **body}, block_size=32)
-    except MalformedRequest as exc:
-        return "malformed", exc.param
-    if key.unkeyed is not None:
-        return "unkeyed", key.unkeyed
-    return "exact", list(key.token_ids)
-
-
 def record(url: str) -> dict:
     """The engine's answers to every case (the offline fixture's content)."""
     from radixfleet.bench.tiny_tokenizer import tokenizer_json_sha256
@@ -636,19 +617,6 @@ def record(url: str) -> dict:
             {"name": name, "endpoint": endpoint, "body": body, "expect": expect, "status": status, "ids": ids}
         )
     return out
-
-
-def check_case(keyer: TokenKeyer, case: dict) -> None:
-    """Asserts the router's answer to one recorded (or live) case."""
-    name, expect = case["name"], case["expect"]
-    kind, got = router_ids(keyer, case["endpoint"], case["body"])
-    assert kind == expect, f"{name}: router {kind} ({got!r}), expected {expect}"
-    if expect == "exact":
-        assert case["status"] == 200, f"{name}: engine answered {case['status']}"
-        assert got == case["ids"], f"{name}: ids differ\n router {got}\n engine {case['ids']}"
-    elif expect == "malformed":
-        assert case["status"] == 400, f"{name}: engine answered {case['status']}, not 400"
-        assert got, f"{name}: MalformedRequest without a param"
 
 
 @pytest.fixture(scope="module")

@@ -13,28 +13,14 @@ cores. Runs under ``flock /tmp/radixfleet-vllm.lock`` with the other engine test
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
 
-from tests.engines.test_vllm import post, text, wait_for, workers
-from tests.procs import Proc, free_port, radixfleet_argv
+from tests.engines.vllm_router import post, text, wait_for, workers
+from tests.procs import Proc, free_port, radixfleet_argv, two_free_ports
 
 pytestmark = pytest.mark.engine
-
-
-def _two_free_ports() -> int:
-    """A port P with P + 1 free too (rank r publishes on P + r)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +33,8 @@ def dp_server(vllm_model_dir, tmp_path_factory):
     s = VllmServer(
         free_port(),
         model=vllm_model_dir,
-        events_port=_two_free_ports(),
-        replay_port=_two_free_ports(),
+        events_port=two_free_ports(),
+        replay_port=two_free_ports(),
         log_path=logs / "vllm-dp.log",
         data_parallel_size=2,
         omp_cpus=f"{own_core(0)}|{own_core(1)}",

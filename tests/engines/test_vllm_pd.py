@@ -15,7 +15,7 @@ import json
 import httpx
 import pytest
 
-from tests.engines.test_vllm import text, wait_for, workers
+from tests.engines.vllm_router import text, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine

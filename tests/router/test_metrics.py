@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router.test_bad_input import fleet, until  # noqa: F401 - the fixture
+from tests.router.fleet import fleet, until  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from protocol.prefix_keys import Endpoint, request_key
-from tests.router.test_bad_input import PROMPT, fleet, serve_app, until  # noqa: F401  (fleet: the fixture)
+from tests.router.fleet import PROMPT, fleet, serve_app, until  # noqa: F401  (fleet: the fixture)
 
 
 @pytest.mark.integration

@@ -20,7 +20,7 @@ from protocol.errors import Overloaded, WorkloadError
 from protocol.prefix_keys import Endpoint, request_key
 from router.prefetch import PREFETCH_PATH, PrefetchBudget, PrefetchLedger
 from router.shedding import Shedder
-from tests.router.test_bad_input import Fleet, fleet, until  # noqa: F401 - fleet: the fixture
+from tests.router.fleet import Fleet, fleet, until  # noqa: F401 - fleet: the fixture
 
 # ================================================================ budget
 

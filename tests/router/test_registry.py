@@ -2,7 +2,7 @@
 batches applied in slices, readiness that waits for every configured worker, reloads
 that keep what did not change, and `radixfleet up` checking its ports first.
 
-In-process routers on loopback (tests.router.test_service's helpers) and small
+In-process routers on loopback (tests/router/serve.py) and small
 aiohttp workers; the live-router probes are in tests/chaos/test_registry.py."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from router.feedback import SLICE_BLOCKS, Feedback
 from router.pool import HealthState, Pool
 from router.prefix_index import PrefixIndex
 from tests.procs import free_port, radixfleet_argv
-from tests.router.test_service import FAST_HEALTH, start_app, start_router, wait_ready
+from tests.router.serve import FAST_HEALTH, start_app, start_router, wait_ready
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "examples", "prefix_load.yaml")
 

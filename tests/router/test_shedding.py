@@ -11,7 +11,7 @@ import pytest
 from protocol.errors import Overloaded
 from protocol.events import Load
 from router.shedding import KV_FULL, QueueMark, Shedder
-from tests.router.test_units import make_pool
+from tests.router.pools import make_pool
 
 RATE = 1000.0  # prefill tokens/s of every worker here
 

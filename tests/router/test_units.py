@@ -17,8 +17,7 @@ from router.config import parse_config
 from router.dataplane import Admission
 from router.feedback import Feedback
 from router.front import _ChunkedEnd, _head_end, _message_end
-from router.pool import Breaker, HealthState, Pool, Source
-from router.prefix_index import PrefixIndex
+from router.pool import Breaker, HealthState, Source
 from router.upstream import (
     _DONE,
     STREAM_HIGH,
@@ -32,30 +31,7 @@ from router.upstream import (
     build_head,
 )
 from service.auth import BearerAuth, is_loopback
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def make_pool(**raw):
-    clock = Clock()
-    idx = PrefixIndex()
-    cfg = parse_config(
-        {
-            "workers": [{"url": "http://127.0.0.1:1", "id": "a"}, {"url": "http://127.0.0.1:2", "id": "b"}],
-            **raw,
-        }
-    )
-    pool = Pool(cfg, idx, clock=clock)
-    for w in pool:
-        pool._set_health(w, HealthState.HEALTHY)
-    return pool, idx, clock
-
+from tests.router.pools import make_pool
 
 # -------------------------------------------------------------------- pool
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.router.test_front import BODY, fleet, post, raw  # noqa: F401  (fleet: fixture)
+from tests.router.front_fleet import BODY, fleet, post, raw  # noqa: F401  (fleet: fixture)
 
 pytestmark = pytest.mark.integration
 

@@ -290,7 +290,7 @@ def test_same_seed_same_document_across_processes(tmp_path):
 
 
 def test_trace_repeat_block_level(tmp_path):
-    from tests.sim.test_trace import _trace
+    from tests.sim.traces import _trace
 
     path = _trace(tmp_path, n=20)
     out = tmp_path / "t.json"

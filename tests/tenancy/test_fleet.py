@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from protocol.errors import Overloaded
-from tests.router.test_bad_input import fleet  # noqa: F401  (fleet: the fixture)
+from tests.router.fleet import fleet  # noqa: F401  (fleet: the fixture)
 
 pytestmark = pytest.mark.integration
 

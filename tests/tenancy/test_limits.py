@@ -24,7 +24,7 @@ from router.rate_limit import TokenBucket, duration
 from router.shedding import Shedder
 from router.tenancy import OTHER, Tenancy, TenantLabels
 from tests.procs import radixfleet_argv
-from tests.router.test_units import make_pool
+from tests.router.pools import make_pool
 
 # -- the token bucket -------------------------------------------------------------------
 

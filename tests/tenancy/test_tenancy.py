@@ -14,7 +14,7 @@ from protocol.prefix_keys import Endpoint, request_key
 from router.app import Router
 from router.config import parse_config
 from service.tenancy import SIGNATURE_HEADER, TenantSalts, signature
-from tests.router.test_bad_input import PROMPT, fleet  # noqa: F401  (fleet: the fixture)
+from tests.router.fleet import PROMPT, fleet  # noqa: F401  (fleet: the fixture)
 from worker_agent.server import AgentConfig, create_app
 
 
