@@ -16,6 +16,10 @@ one's code and dependencies: this walks every module's imports, lazy ones includ
 with ``ast``. Within the layers no module imports itself back through others (a
 circle, ``TYPE_CHECKING`` and lazy imports included): two modules that need each
 other are one module, or share a third below them.
+
+The tests follow one rule of their own (ARCHITECTURE.md, "Tests"): a test module sits
+in its component's folder, not flat in ``tests/``, and imports no other test module
+(what two test modules share is a helper module, so each runs and moves on its own).
 """
 
 from __future__ import annotations
@@ -160,3 +164,46 @@ def test_the_circle_check_sees_a_circle(tmp_path):
     graph = _module_graph(tmp_path)
     assert graph["loadtest.c"] == {"loadtest", "loadtest.a"}
     assert _circles(graph) == [["loadtest.a", "loadtest.b", "loadtest.c"]]
+
+
+def _test_module_imports(path: pathlib.Path):
+    """(line, module) of each import of a test module (``tests.<...>.test_*``)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "tests" and any(p.startswith("test_") for p in parts[1:]):
+                yield node.lineno, name
+                break
+
+
+def test_no_module_imports_a_test_module():
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}:{line} imports {name}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if ".cache" not in path.parts and ".git" not in path.parts
+        for line, name in _test_module_imports(path)
+    ]
+    assert not found, "move what is shared into a helper module (tests/router/fleet.py):\n" + "\n".join(found)
+
+
+def test_the_test_import_check_sees_one(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text(
+        "from tests.procs import Proc\nfrom tests.router.test_front import BODY\n"
+        "import tests.test_x\nfrom tests.router import test_units\n"
+    )
+    assert list(_test_module_imports(bad)) == [
+        (2, "tests.router.test_front"),
+        (3, "tests.test_x"),
+        (4, "tests.router.test_units"),
+    ]
+
+
+def test_test_modules_live_in_component_folders():
+    flat = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert not flat, f"test modules flat in tests/ (ARCHITECTURE.md, Tests, names their folder): {flat}"
