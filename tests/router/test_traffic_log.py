@@ -113,7 +113,11 @@ async def test_rotation_bounds_size_and_files(tmp_path):
         for round_ in range(5):
             for i, (_, key) in enumerate(keys):
                 tl.record(key, arrival_s=round_ * 100 + i, worker="w", matched_tokens=0)
-            time.sleep(0.05)
+            # each round its own batch (so its own file): wait until the writer wrote it,
+            # not a fixed time (a loaded machine's writer takes two rounds in one batch)
+            deadline = time.monotonic() + 10
+            while tl.stats().written < (round_ + 1) * len(keys) and time.monotonic() < deadline:
+                time.sleep(0.005)
     st = tl.stats()
     files = log_files([str(tmp_path / "log")])
     assert len(files) <= 3 and st.files_opened > 3 and st.files_deleted == st.files_opened - len(files)
