@@ -9,7 +9,7 @@
 # The build stage has a compiler (for any dependency without a wheel on the target
 # platform) and builds a virtual environment; the runtime stage copies only that
 # environment onto a slim Python, runs as an unprivileged user and has no compiler.
-# tests/test_deploy_image.py lints this file (hadolint) and runs its CMD and
+# tests/deploy/test_image.py lints this file (hadolint) and runs its CMD and
 # HEALTHCHECK command lines on loopback.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm

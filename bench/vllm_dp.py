@@ -27,9 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.engines.vllm_env import VllmServer, own_core, tiny_model  # noqa: E402
-from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
-from tests.test_engine_vllm import text  # noqa: E402
-from tests.test_engine_vllm_dp import _two_free_ports  # noqa: E402
+from tests.engines.vllm_router import text  # noqa: E402
+from tests.procs import Proc, free_port, radixfleet_argv, two_free_ports  # noqa: E402
 
 
 def twice(url: str, seed: int) -> tuple[int, int]:
@@ -54,8 +53,8 @@ def main() -> None:
     s = VllmServer(
         free_port(),
         model=model,
-        events_port=_two_free_ports(),
-        replay_port=_two_free_ports(),
+        events_port=two_free_ports(),
+        replay_port=two_free_ports(),
         log_path=d / "vllm.log",
         data_parallel_size=2,
         omp_cpus=f"{own_core(0)}|{own_core(1)}",

@@ -48,7 +48,7 @@ in the analysis's own.
 
 Figures are in router tokens (4 bytes each, the units replay runs in); the oracle
 and pooled figures are exactly those ``simulate --trace`` reports for the same
-file at the same fleet capacity (``tests/test_analyze.py`` pins it).
+file at the same fleet capacity (``tests/loadtest/test_analyze.py`` pins it).
 
 Bad input — a truncated or corrupt line, a log of another version, no requests, a
 preset that does not fit the GPU — is one line on stderr naming the file and line

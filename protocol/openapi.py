@@ -1,8 +1,8 @@
 """The OpenAPI 3 descriptions of the router's and the agent's HTTP surfaces.
 
 Served at ``GET /openapi.json`` by both (``router_spec()``, ``agent_spec()``), kept
-true by ``tests/test_openapi.py`` (every registered route is described, every
-described operation is registered) and exercised by ``tests/test_fuzz.py``
+true by ``tests/repo/test_openapi.py`` (every registered route is described, every
+described operation is registered) and exercised by ``tests/chaos/test_fuzz.py``
 (schemathesis generates requests from these schemas against a live router and
 agents: no answer may be a 5xx).
 

@@ -1,7 +1,7 @@
 """``radixfleet config-reference``: deploy/README.md's key tables, made from the declared
 schema (``router.config``'s sections and each policy's ``Params``), so the reference
 cannot drift from what the router accepts. Prints the tables; ``--write FILE``
-replaces the block between ``BEGIN`` and ``END`` in FILE (``tests/test_config_messages``
+replaces the block between ``BEGIN`` and ``END`` in FILE (``tests/config/test_messages``
 checks that deploy/README.md's block is current).
 """
 

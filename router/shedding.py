@@ -50,7 +50,7 @@ is other routers' work sharing it. Counting instead ``reported + (in_flight now 
 in_flight when the reading landed)`` counted each request that finished between the
 engine's reading and its arrival twice — the engine still ran it, the router had
 already let it go — so at 16 clients on two 8-slot engines both could read full at
-15 in flight (tests/test_shedding.py replays it). The cost: another router's
+15 in flight (tests/router/test_shedding.py replays it). The cost: another router's
 requests are under-counted by this router's own churn within one scrape interval.
 
 An engine is judged saturated only on its own evidence: until it has reported a

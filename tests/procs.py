@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,3 +90,16 @@ class Proc:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def two_free_ports() -> int:
+    """A port P with P + 1 free too (rank r of a data-parallel engine publishes on P + r)."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")

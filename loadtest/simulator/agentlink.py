@@ -23,7 +23,7 @@ because time is virtual — this module is that one difference:
   goes stale exactly when it would live. Sequence numbers count the batches
   delivered, so the live epoch/seq check sees a gap-free stream (a refused batch
   is a simulator bug and raises). ``SimConfig.report_every_tick`` delivers every
-  tick's batch as its own event instead; ``tests/test_sim_core.py`` pins that both
+  tick's batch as its own event instead; ``tests/sim/test_core.py`` pins that both
   give the same run.
 
 The first batch, at registration (time 0), is a snapshot of the (empty) cache,

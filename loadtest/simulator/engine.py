@@ -277,7 +277,7 @@ class SimWorker:
     exactly where the scheduler would have admitted it (a full batch admits nothing
     before its first finish, so then an arrival does not cut the run). The step
     that finishes a request is always a real ``step()``.
-    ``tests/test_sim_core.py::test_fast_forward_is_exact`` pins that both ways make
+    ``tests/sim/test_core.py::test_fast_forward_is_exact`` pins that both ways make
     the same decisions and timings (equal up to float rounding: a run sums its
     steps in closed form).
     """

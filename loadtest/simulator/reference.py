@@ -39,7 +39,7 @@ class TextReference(CacheReference):
     do exactly what ``observe`` / ``observe_answer`` do — the same trie, the same
     agent ``RadixCache`` (``AgentLRU``), the same operations in the same order —
     without rendering and tokenizing every prompt twice more.
-    ``tests/test_sim_core.py`` pins that both give the same numbers.
+    ``tests/sim/test_core.py`` pins that both give the same numbers.
     """
 
     def _pooled(self, tokens) -> int:

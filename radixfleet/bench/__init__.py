@@ -8,7 +8,7 @@ benchmarks: ``wire`` (the proxy benchmark's lean upstream and counting client) a
 ``tiny_tokenizer`` (the tiny test model's tokenizer). Results, with the command
 that produced them, are written down in ``bench/RESULTS.md``. Benchmarks are never
 part of the test run; the seeded figures are (``reproduce``, through
-``tests/test_results_reproduce.py``).
+``tests/bench/test_results_reproduce.py``).
 """
 
 from __future__ import annotations

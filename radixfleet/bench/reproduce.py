@@ -16,7 +16,7 @@ command exits 1 when any differs. ``--write`` regenerates the blocks in place
 (after a deliberate change, with the new commit stamped in the section's prose).
 
 Cost: each block names the rows cheap enough for the test suite
-(``tests/test_results_reproduce.py`` runs them on every test run, ~20 s of CPU);
+(``tests/bench/test_results_reproduce.py`` runs them on every test run, ~20 s of CPU);
 ``--all`` (the CI job, minutes) checks every row of every block.
 
 Live figures (``Live``) depend on timing, not only on seeds: processes on
@@ -39,7 +39,7 @@ run-to-run swing (hit 0.78-0.83, p99 0.9-1.7 s on that machine); broken shared
 truth lands far outside them (replicas keying prompts differently: 0.42x hit,
 2.2x p99, 17 x 429). What this size cannot show — the caches are barely under
 pressure, so per-replica policy state (session footprints) cost nothing here — is
-checked decision by decision in the simulator (tests/test_replica_decisions.py).
+checked decision by decision in the simulator (tests/bus/test_replica_decisions.py).
 The bench's own p99 target (1.1x) is reported, not gated: at full size the
 medians are over it on a loaded machine.
 """

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.chaos.harness import RouterProcess
-from tests.test_config_bounds import alias_bomb
+from tests.config.yaml_bombs import alias_bomb
 
 pytestmark = pytest.mark.integration
 

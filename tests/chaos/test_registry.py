@@ -21,7 +21,7 @@ import pytest
 from protocol.events import EventBatch, Snapshot
 from tests.chaos.harness import RouterProcess
 from tests.procs import radixfleet_argv
-from tests.test_router_service import upstream_proc
+from tests.router.serve import upstream_proc
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@ events (``/kv_event_sources``) and how it treats the data-parallel rank header c
 wrong in every way, and the router keeps serving every worker, logs no traceback and
 settles back to its baseline memory and descriptors.
 
-Peers (``tests.test_engine_event_sources.FakeDpVllm``, in a thread of this process):
+Peers (``tests.engines.fake_dp_vllm.FakeDpVllm``, in a thread of this process):
 an answer of 3 MiB, one nested 100,000 deep, 5,000 ranks, a NaN endpoint, a server
 that lists two ranks but refuses rank 1 (a rank map it contradicts is dropped and
 not taken again), and a concrete endpoint the router must bind while another socket
@@ -25,8 +25,8 @@ from aiohttp import web
 from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
 from router.engines.token_keys import TokenKeyer
 from tests.chaos.harness import RouterProcess
+from tests.engines.fake_dp_vllm import MODEL, FakeDpVllm, _src, prompt
 from tests.procs import free_port
-from tests.test_engine_event_sources import MODEL, FakeDpVllm, _src, prompt
 
 pytestmark = pytest.mark.integration
 

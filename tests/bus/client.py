@@ -1,0 +1,52 @@
+"""Calls to router replicas on a bus, for the bus tests: a chat request, a metric read, a bounded wait."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import httpx
+
+from router.app import Router
+
+SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 8
+
+
+def bounded(timeout_s: float = 120.0):
+    """Every async test here is bounded: a lost wake-up (a server that never comes
+    back, a close that never returns) fails the test instead of stalling the run."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        async def run(*args, **kwargs):
+            await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+
+        return run
+
+    return deco
+
+
+async def wait_for(pred, timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def metric(router: Router, name: str, **labels) -> float:
+    v = router.metrics.registry.get_sample_value(name, labels or None)
+    return v or 0.0
+
+
+async def chat(
+    c: httpx.AsyncClient, base: str, text: str, max_tokens: int = 4, system: str = SYSTEM
+) -> httpx.Response:
+    return await c.post(
+        base + "/v1/chat/completions",
+        json={
+            "model": "llama-3-8b",
+            "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
+        },
+    )

@@ -1,0 +1,1 @@
+"""Tests of deploy/: the container image, the Kubernetes manifests, the Grafana dashboard."""

@@ -1,0 +1,436 @@
+"""The raw HTTP/1.1 front (router.front.FrontServer) on the wire: keep-alive,
+pipelining, chunked request bodies, Expect: 100-continue, HTTP/1.0, malformed
+requests, and hand-over of non-data-plane requests to the aiohttp app on the same
+connection. Plus warm-ups and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import tracemalloc
+
+import httpx
+import pytest
+from aiohttp import web
+
+from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.bench.proxy import upstream_app
+from router import intake
+from router.app import Router, RouterServer
+from router.config import parse_config
+from router.front import FrontServer
+from tests.procs import free_port
+from tests.router.front_fleet import (
+    BODY,
+    HEALTH,
+    fleet,  # noqa: F401  (fixtures)
+    post,
+    raw,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def test_keepalive_pipelining_and_handover(fleet):
+    router, port, _ = fleet
+    data = (
+        post(b"/v1/completions", BODY)
+        + post(b"/generate", b'{"text": "hi"}')
+        + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    out = await raw(port, data, until=b'{"status": "ok"}')
+    assert out.count(b"HTTP/1.1 200 OK") == 3, out
+    assert out.count(b"x-radixfleet-worker: u") == 2
+    assert out.endswith(b'{"status": "ok"}')
+
+
+async def test_chunked_body_and_expect_continue(fleet):
+    router, port, _ = fleet
+    half = len(BODY) // 2
+    chunked = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Expect: 100-continue\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (half, BODY[:half], len(BODY) - half, BODY[half:])
+    )
+    out = await raw(port, chunked, until=b'"total_tokens": 2}}')
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK"), out
+    big = b'{"model": "m", "prompt": "' + b"y" * 5000 + b'"}'
+    out = await raw(port, post(b"/v1/completions", big))
+    assert out.startswith(b"HTTP/1.1 413"), out
+    assert b"Connection: close" in out and b"exceeds the limit of 4096" in out
+    chunked_big = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+        b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(big), big)
+    )
+    out = await raw(port, chunked_big)
+    assert out.startswith(b"HTTP/1.1 413"), out
+
+
+async def test_http10_and_malformed_requests(fleet):
+    router, port, _ = fleet
+    out = await raw(port, post(b"/v1/completions", BODY, version=b"HTTP/1.0"))
+    assert out.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" in out
+    stream = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    out = await raw(port, post(b"/v1/completions", stream, version=b"HTTP/1.0"))
+    assert b"Transfer-Encoding" not in out and out.endswith(b"data: [DONE]\n\n"), out
+    for bad, status in (
+        (b"POST /v1/completions\r\n\r\n", b"400"),
+        (b"POST /v1/completions HTTP/1.1\r\nBad Header Line\r\n\r\n", b"400"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n", b"400"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
+            b"400",
+        ),
+        (b"POST /v1/completions HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", b"431"),
+    ):
+        out = await raw(port, bad)
+        assert out.startswith(b"HTTP/1.1 " + status), (bad[:60], out[:200])
+        assert b'"error"' in out
+    # unknown paths and methods go to the aiohttp app: JSON 404 / 405
+    out = await raw(port, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", until=b"}}")
+    assert out.startswith(b"HTTP/1.1 404") and b"unknown path /nope" in out
+    out = await raw(port, b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", until=b"}}")
+    assert out.startswith(b"HTTP/1.1 405")
+    # and the router still serves
+    async with httpx.AsyncClient() as c:
+        r = await c.post(f"http://127.0.0.1:{port}/v1/completions", content=BODY)
+        assert r.status_code == 200
+
+
+async def test_metrics_exposes_the_documented_series(fleet):
+    router, port, _ = fleet
+    async with httpx.AsyncClient() as c:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(3):
+            await c.post(base + "/v1/completions", content=BODY)
+        await c.post(base + "/v1/completions", content=b"{")
+        text = (await c.get(base + "/metrics")).text
+    for name in (
+        'radixfleet_requests_total{reason="round_robin",status="200",worker="u"} 3.0',
+        'radixfleet_rejected_total{code="malformed_request",status="400"} 1.0',
+        "radixfleet_request_seconds_count 3.0",
+        'radixfleet_in_flight{worker="u"} 0.0',
+        'radixfleet_worker_breaker_state{worker="u"} 0.0',
+        'radixfleet_worker_healthy{worker="u"} 1.0',
+        "radixfleet_index_nodes",
+        "radixfleet_index_bytes",
+        "radixfleet_events_applied_total",
+        "radixfleet_retries_total",
+        "radixfleet_config_reload_failures_total",
+        "radixfleet_ttfb_seconds_bucket",
+    ):
+        assert name in text, name
+
+
+async def test_warmup_sends_prefill_only_request(fleet):
+    router, port, url = fleet
+    body = {"model": "m", "prompt": "The shared system prompt. " * 20}
+    key = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("t"))
+    router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    async with httpx.AsyncClient() as c:
+        deadline = time.monotonic() + 3
+        while True:
+            stats = (await c.get(url + "/stats")).json()
+            if stats["requests"] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+    assert stats["requests"] == 1  # the second one was within min_interval_s
+    assert stats["tenants"] == [router.salts.salt("t")] and stats["paths"] == ["/v1/completions"]
+    assert router.metrics.warmups.labels("ok")._value.get() == 1
+
+
+async def test_graceful_close_finishes_in_flight(fleet):
+    _, _, url = fleet
+    router = Router(parse_config({"workers": [{"url": url}], "health": HEALTH}))
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 5
+    while not router.pool.views(time.monotonic()):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    async with httpx.AsyncClient(timeout=10) as c:
+        slow = asyncio.create_task(
+            c.post(base + "/v1/completions", json={"model": "m", "prompt": "x", "delay_s": 0.5})
+        )
+        deadline = time.monotonic() + 5
+        while server._front.in_flight() != 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        closing = asyncio.create_task(server.aclose())
+        await asyncio.sleep(0.05)
+        with pytest.raises(httpx.ConnectError):
+            await c.post(base + "/v1/completions", content=BODY)  # no longer accepting
+        r = await slow
+        await closing
+    assert r.status_code == 200
+    await server.aclose()  # idempotent
+
+
+async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
+    # an upstream that closes idle keep-alive connections after 0.1 s
+    seen: list = []  # the router's (client) port of every completion the upstream served
+
+    @web.middleware
+    async def peer(request, handler):
+        if request.path == "/v1/completions":  # not the health checks
+            seen.append(request.transport.get_extra_info("peername")[1])
+        return await handler(request)
+
+    app = upstream_app("k", model="m")
+    app.middlewares.append(peer)
+    up = web.AppRunner(app, access_log=None, keepalive_timeout=0.1)
+    await up.setup()
+    up_port = free_port()
+    await web.TCPSite(up, "127.0.0.1", up_port).start()
+    # one slow health check on a loaded CI machine is not what this test is about:
+    # HEALTH's failure_threshold 1 turned it into a 503 once
+    router = Router(
+        parse_config(
+            {
+                "workers": [{"url": f"http://127.0.0.1:{up_port}"}],
+                "health": {**HEALTH, "failure_threshold": 3},
+                "retries": {"max_attempts": 1},
+            }
+        )
+    )
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not router.pool.views(time.monotonic()):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        pool = router.upstream
+        async with httpx.AsyncClient() as c:
+            for i in range(3):
+                r = await c.post(f"http://127.0.0.1:{port}/v1/completions", content=BODY)
+                assert r.status_code == 200, r.text
+                # wait (bounded) until the upstream has dropped the idle connection
+                deadline = time.monotonic() + 10
+                while not all(conn.closed for q in pool._idle.values() for conn in q):
+                    assert time.monotonic() < deadline, "upstream never closed the idle connection"
+                    await asyncio.sleep(0.02)
+                assert pool.connects == i + 1
+        pool.check()
+        # every request went out on a fresh connection, none on a dead one
+        assert len(seen) == 3 and len(set(seen)) == 3, seen
+        assert pool.connects == 3 and pool.stale_retries == 0
+        assert router.metrics.retries.labels("connect")._value.get() == 0
+    finally:
+        await server.aclose()
+        await up.cleanup()
+
+
+async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_one():
+    """The race the idle check cannot see: the upstream closes a keep-alive
+    connection just as the next request goes out on it (no answer, no close seen
+    before). The pool sends the request once more on a new connection."""
+    from router.upstream import UpstreamPool, build_head
+
+    served: list[tuple[int, int]] = []  # (connection number, request number on it)
+    conns = 0
+
+    async def handle(reader, writer):
+        nonlocal conns
+        conns += 1
+        me, n = conns, 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                n += 1
+                if me == 1 and n == 2:  # keep-alive timeout "just now": close, no answer
+                    return
+                served.append((me, n))
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    up_port = srv.sockets[0].getsockname()[1]
+    pool = UpstreamPool()
+    head = build_head("/v1/completions", f"127.0.0.1:{up_port}", len(BODY), b"")
+    try:
+        for _ in range(2):
+            resp = await pool.request("127.0.0.1", up_port, head, BODY, read_timeout_s=5, total_timeout_s=10)
+            try:
+                assert resp.status == 200 and await resp.read() == b"{}"
+            finally:
+                resp.release()
+        assert served == [(1, 1), (2, 1)]  # the second went out twice: dropped, then fresh
+        assert pool.connects == 2 and pool.stale_retries == 1
+        pool.check()
+    finally:
+        await pool.aclose()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_handover_after_a_pipeline_split_at_every_size(fleet):
+    """Data-plane requests (Content-Length and chunked) pipelined before a request for
+    aiohttp, read in pieces that end anywhere inside them: the kept bytes are cut at
+    each completed request, aiohttp gets exactly the handed request, and every body
+    byte taken from the body budget is given back."""
+    router, port, _ = fleet
+    chunked = (
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'5\r\n{"tex\r\n9\r\nt": "hi"}\r\n0\r\n\r\n'
+    )
+    data = (
+        post(b"/v1/completions", BODY)
+        + chunked
+        + post(b"/v1/completions", BODY)
+        + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    for size in (1, 7, 64, len(data) - 3):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        for i in range(0, len(data), size):
+            w.write(data[i : i + size])
+            await w.drain()
+            await asyncio.sleep(0.001)
+        out = b""
+        deadline = time.monotonic() + 5
+        while not out.endswith(b'{"status": "ok"}') and time.monotonic() < deadline:
+            out += await asyncio.wait_for(r.read(65536), deadline - time.monotonic())
+        w.close()
+        assert out.count(b"HTTP/1.1 200 OK") == 4, (size, out)
+        assert out.count(b"x-radixfleet-worker: u") == 3, (size, out)
+    assert router.body_budget.held == 0
+    router.body_budget.check()
+
+
+async def test_a_chunked_body_with_extensions_and_trailers_then_a_hand_over_at_every_split(fleet):
+    """A chunked data-plane body whose bytes the connection does not keep (it follows
+    the chunk framing to find where the next request starts): chunk extensions, a
+    last-chunk extension, trailer fields, and a request for aiohttp pipelined right
+    behind, read in pieces that end anywhere — each answered, in order."""
+    router, port, _ = fleet
+    chunked = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'7;name=value\r\n{"model\r\n1d\r\n": "m", "prompt": "hi there"}\r\n0;last\r\n'
+        b"X-Trailer: one\r\nX-Other: two\r\n\r\n"
+    )
+    data = chunked + post(b"/v1/completions", BODY) + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    for size in (1, 2, 5, 13, len(chunked) - 1, len(chunked), len(chunked) + 1):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        for i in range(0, len(data), size):
+            w.write(data[i : i + size])
+            await w.drain()
+            await asyncio.sleep(0.001)
+        out = b""
+        deadline = time.monotonic() + 5
+        while not out.endswith(b'{"status": "ok"}') and time.monotonic() < deadline:
+            out += await asyncio.wait_for(r.read(65536), deadline - time.monotonic())
+        w.close()
+        assert out.count(b"HTTP/1.1 200 OK") == 3, (size, out)
+        assert out.endswith(b'{"status": "ok"}'), (size, out)
+    assert router.body_budget.held == 0
+
+
+async def test_a_chunked_body_is_held_once():
+    """An 8 MiB chunked body, sent in 64 KiB chunks, reaches the handler as one buffer
+    and is held once while it arrives: the traced peak stays within 1.5x its size
+    (the raw bytes kept for finding the next request's start, the chunks in a list
+    and their join made it 3x)."""
+    size, piece = 8 << 20, b"x" * (64 << 10)
+    seen: dict = {}
+
+    async def handler(ex) -> None:
+        body = await ex.body(32 << 20)
+        seen["peak"] = tracemalloc.get_traced_memory()[1]
+        seen["len"] = len(body)
+        seen["ok"] = body.count(b"x") == size
+        del body
+        ex.reply(200, b"{}", "application/json", [])
+
+    front = FrontServer({b"/v1/completions": handler}, None, lambda: 32 << 20)
+    port = await front.start("127.0.0.1", 0)
+    frame = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    tracemalloc.start()
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(size // len(piece)):
+            w.write(frame)
+            await w.drain()
+        w.write(b"0\r\n\r\n")
+        out = await asyncio.wait_for(r.readuntil(b"{}"), 30)
+        w.close()
+    finally:
+        tracemalloc.stop()
+        await front.aclose(1.0)
+    assert out.startswith(b"HTTP/1.1 200"), out
+    assert seen["len"] == size and seen["ok"]
+    assert seen["peak"] - base < 1.5 * size, f"peak {(seen['peak'] - base) / size:.2f}x the body"
+
+
+async def test_a_chunked_body_read_by_aiohttp_is_held_once():
+    """The aiohttp side (connections handed over, an embedded app) reads a body the
+    same way: an 8 MiB chunked body comes back from ``intake.read_body`` as one
+    buffer, its traced peak within 1.5x its size (a list of chunks and their join
+    made it 2x), and its bytes are taken from the body budget."""
+    size, piece = 8 << 20, b"x" * (64 << 10)
+    budget = intake.BodyBudget(64 << 20)
+    seen: dict = {}
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await intake.read_body(request, 32 << 20, 30.0, budget)
+        seen["peak"] = tracemalloc.get_traced_memory()[1]
+        seen["len"], seen["held"] = len(body), budget.held
+        budget.give(len(body))
+        del body
+        return web.Response(text="{}")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    frame = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    tracemalloc.start()
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(size // len(piece)):
+            w.write(frame)
+            await w.drain()
+        w.write(b"0\r\n\r\n")
+        out = await asyncio.wait_for(r.readuntil(b"{}"), 30)
+        w.close()
+    finally:
+        tracemalloc.stop()
+        await runner.cleanup()
+    assert out.startswith(b"HTTP/1.1 200"), out
+    assert seen["len"] == size and seen["held"] == size and budget.held == 0
+    assert seen["peak"] - base < 1.5 * size, f"peak {(seen['peak'] - base) / size:.2f}x the body"
+
+
+async def test_a_body_past_the_budget_is_refused_and_the_budget_given_back(fleet):
+    """A body that would take the bytes held past ``limits.max_buffered_body_bytes``
+    gets 429 + Retry-After (and the connection closes after the answer); a smaller
+    one is served, and nothing stays held."""
+    router, port, _ = fleet
+    router.body_budget.limit = 64
+    try:
+        out = await raw(port, post(b"/v1/completions", BODY + b" " * 80), until=b"}}")
+        assert out.startswith(b"HTTP/1.1 429"), out
+        assert b"Retry-After: 1" in out and b"body_budget_exhausted" in out
+        out = await raw(port, post(b"/v1/completions", BODY), until=b'"total_tokens": 2}}')
+        assert out.startswith(b"HTTP/1.1 200"), out
+    finally:
+        router.body_budget.limit = 1 << 30
+    assert router.body_budget.held == 0

@@ -1,0 +1,1 @@
+"""Tests of service/: the shared lifecycle and backoff helpers."""

@@ -1,0 +1,1 @@
+"""Tests of the virtual-time simulator (loadtest/simulator/) and the autoscaling loop it closes."""

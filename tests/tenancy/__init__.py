@@ -1,0 +1,1 @@
+"""Tests of tenancy: salted keys, signed tenant headers, per-tenant limits and queues."""
