@@ -1183,30 +1183,29 @@ class DataPlane:
             ticket = self.tenancy.admit(
                 tenant, api_key, key.model, headers, kr.route_request.prompt_tokens, _WARM_UP, now
             )
-            try:
+            try:  # dropped for load or budget: nothing warmed, the reservation given back
                 self._prefetch_room(kr, key, now)
+                d = self.policy.choose(kr.route_request, kr.match, views, now)
+                w = self.pool.get(d.worker)
+                if w is None:  # a policy bug: never route into the void
+                    raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
+                sk = kr.key_for(w.id)
+                held = kr.blocks_for(w.id)
+                dedup = not sk.hashes or held >= len(sk.hashes)
+                tokens = 0
+                if not dedup:
+                    tokens = uncached_tokens(sk.prompt_tokens, held, sk.block_tokens)
+                    rate = pcfg.share * sum(x.prefill_rate(now) for x in self.pool.routable_workers(now))
+                    wait = self.prefetch_budget.take(tokens, rate, pcfg.burst_s, now)
+                    if wait is not None:
+                        self.metrics.prefetch_dropped.labels("budget").inc()
+                        raise Overloaded(
+                            f"the prefetch budget ({pcfg.share:g} of the fleet's prefill) is spent",
+                            retry_after_s=max(1.0, min(wait, 60.0)),
+                        )
             except RequestError:
-                self.tenancy.refund(ticket, now)  # dropped for load: nothing warmed
+                self.tenancy.refund(ticket, now)
                 raise
-            d = self.policy.choose(kr.route_request, kr.match, views, now)
-            w = self.pool.get(d.worker)
-            if w is None:  # a policy bug: never route into the void
-                raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
-            sk = kr.key_for(w.id)
-            held = kr.blocks_for(w.id)
-            dedup = not sk.hashes or held >= len(sk.hashes)
-            tokens = 0
-            if not dedup:
-                tokens = uncached_tokens(sk.prompt_tokens, held, sk.block_tokens)
-                rate = pcfg.share * sum(x.prefill_rate(now) for x in self.pool.routable_workers(now))
-                wait = self.prefetch_budget.take(tokens, rate, pcfg.burst_s, now)
-                if wait is not None:
-                    self.tenancy.refund(ticket, now)
-                    self.metrics.prefetch_dropped.labels("budget").inc()
-                    raise Overloaded(
-                        f"the prefetch budget ({pcfg.share:g} of the fleet's prefill) is spent",
-                        retry_after_s=max(1.0, min(wait, 60.0)),
-                    )
         except RequestError as exc:
             self._reject(ex, exc, rid)
             return
