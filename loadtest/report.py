@@ -56,6 +56,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 from collections import Counter
@@ -206,6 +207,12 @@ def percentiles(
         assert v is not None, "xs is not empty"
         out[k] = v * scale
     return {**out, "mean": sum(s) / len(s) * scale}
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """A benchmark's repeated figure: its median and the min..max over the runs.
+    ``xs`` must not be empty."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def summarize(

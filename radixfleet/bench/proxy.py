@@ -56,7 +56,7 @@ from typing import Any
 from aiohttp import web
 
 from loadtest.local_fleet import free_port
-from loadtest.report import percentile
+from loadtest.report import percentile, spread
 from loadtest.smg import require_smg
 from protocol.errors import RunError
 from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
@@ -412,7 +412,7 @@ async def _stream_round(port: int, streams: int, seconds: float, chunks: int, bo
 
 
 def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
+    return {**spread(xs), "rounds": xs}
 
 
 class _Fleet:

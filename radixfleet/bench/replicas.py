@@ -39,7 +39,6 @@ import os
 import secrets
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ import httpx
 
 from loadtest.arrivals import Bounds, Poisson
 from loadtest.local_fleet import free_port
-from loadtest.report import render_table
+from loadtest.report import render_table, spread
 from loadtest.runner import run_ab
 from loadtest.workloads import make_workload, parse_options
 from router.cli import policy_params
@@ -290,8 +289,7 @@ def measure(args: argparse.Namespace) -> dict:
         )
 
     def stat(key: str) -> dict:
-        xs = [r[key] for r in runs]
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        return spread([r[key] for r in runs])
 
     for r in runs:
         r["shed_extra"] = max(0, r["shed_many"] - r["shed_one"])

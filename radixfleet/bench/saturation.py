@@ -45,14 +45,13 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import tempfile
 import time
 
 from loadtest.arrivals import Bounds, Closed, Poisson
 from loadtest.local_fleet import Fleet, FleetConfig
 from loadtest.metrics import meets_slo
-from loadtest.report import percentiles
+from loadtest.report import percentiles, spread
 from loadtest.retry import RetryPolicy
 from loadtest.runner import run_ab
 from loadtest.workloads import make_workload
@@ -295,7 +294,7 @@ def _spread(xs: list[float]) -> dict | None:
     xs = [x for x in xs if x is not None]
     if not xs:
         return None
-    return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
+    return {k: round(v, 4) for k, v in spread(xs).items()}
 
 
 def summarize(runs: list[dict], names: list[str]) -> dict:
