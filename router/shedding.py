@@ -5,7 +5,8 @@ rather than queued behind seconds of work. Below saturation nothing is shed.
 Per worker, from its last load report (an agent's push, or an engine's ``/metrics``
 read by ``router.engines.link``) and what the router has done since (``QueueMark``)::
 
-    room        the report is missing or stale (no evidence of a queue), or
+    room        the report is missing or stale and the worker never showed a
+                saturated queue (no evidence of one), or
                 an engine never held a waiting queue over two reports, or
                 an engine has a free slot and its KV is not full:
                     others + in_flight < L
@@ -65,6 +66,15 @@ its in-flight total is below their sum, so some worker has fewer than its limit 
 and the first saturated reports teach the limit. Agents report their queue exactly and
 every ~100 ms; they have no batch limit here (their waiting queue is prefill, not
 slots) and are judged by ``pending_s`` alone.
+
+A saturated engine (one that has held a queue) whose report goes stale is judged on
+the router's own counts instead — an empty report: its slots against the router's
+in-flight requests there, and the prefill the router sent it that has not reached a
+first token. Its scrapes stop arriving exactly when it is busiest (a CPU vLLM at full
+batch answered ``/metrics`` past the scrape timeout for seconds), and reading that
+silence as room admitted the whole overload into its queue for as long as it lasted.
+An engine that never saturated, and an agent (whose silence is a health matter), keep
+"no report means room".
 
 Why aging: the scrape of an engine's ``/metrics`` is up to a second old. Adding every
 token picked since then without subtracting what the worker prefilled meanwhile
@@ -275,13 +285,15 @@ class Shedder:
         for w in workers:
             if model and w.models and not serves(w.models, model, adapter):
                 continue
-            ld = w.load
+            ld, mark = w.load, w.mark
             if ld is None or now >= w.load_until:
-                self._observe(uncached_tokens, w.base_prefill, prefetch)
-                return None
+                if ld is None or not (mark.engine and mark.queue_held):
+                    self._observe(uncached_tokens, w.base_prefill, prefetch)
+                    return None
+                # a saturated engine's scrapes stopped arriving: its own counts
+                ld = Load(prefill_tokens_per_s=ld.prefill_tokens_per_s)
             rate = ld.prefill_tokens_per_s or w.base_prefill
             rate = MIN_RATE if rate < MIN_RATE else MAX_RATE if rate > MAX_RATE else rate
-            mark = w.mark
             in_flight = w.in_flight + w.remote_in_flight
             q = pending_s(mark, ld, rate, now)
             if mark.engine and mark.queue_held:

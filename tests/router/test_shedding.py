@@ -341,6 +341,44 @@ def test_no_report_or_a_stale_one_is_never_full_and_zero_turns_it_off():
     assert check(Shedder(0.0, 0.05), pool, t) is None
 
 
+def test_a_saturated_engine_whose_scrapes_stop_is_judged_on_the_routers_counts():
+    # Both engines learned their limit (8); the router holds 8 decoding requests on
+    # each and 2 more sent since, waiting for a slot (no first token yet). Then their
+    # /metrics stop answering in time (an engine at full batch on shared cores): the
+    # reports go stale. Reading that silence as room admitted the whole overload into
+    # the engines' queues; the router's own counts say they are full with prefill ahead.
+    pool, _, clock = make_pool()
+    a, b = pool.get("a"), pool.get("b")
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)
+    for w in (a, b):
+        decoding(pool, w, 8)
+        for _ in range(2):
+            engine_report(pool, w, t, running=8, waiting=3, queued_tokens=300)
+        assert w.mark.limit == 8
+        pool.pick(w, 300)
+        pool.pick(w, 300)
+    later = t + 6.0  # the reports (trusted 5 s) are stale
+    assert a.load_until <= later
+    exc = check(s, pool, later)
+    assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(0.6 - 0.05)
+    for _ in range(2):  # a's waiting requests started and two others finished
+        pool.prefilled(a, 300)
+        pool.finish(a, 0, True)
+    assert check(s, pool, later) is None
+    # an engine that never held a queue keeps "no evidence, room" when it goes quiet
+    pool2, _, clock2 = make_pool()
+    t2 = clock2()
+    learned(s, pool2, t2)
+    for w in pool2:
+        decoding(pool2, w, 8)
+        engine_report(pool2, w, t2, running=8)
+        pool2.pick(w, 300)
+        pool2.pick(w, 300)
+    assert check(s, pool2, t2 + 6.0) is None
+
+
 def test_random_reports_and_picks_keep_the_mark_consistent():
     rng = random.Random(7)
     pool, _, clock = make_pool()
