@@ -48,7 +48,13 @@ overloaded relative to the least-loaded worker L::
                     and queue_s(w) > queue_s(L) * affinity_rel
 
 A miss goes to the least-loaded worker (the same tie order) — never to "the
-smallest tree" (a death spiral in SGLang's router).
+smallest tree" (a death spiral in SGLang's router). A miss that avoids a churning or
+crowded worker (below) goes to the least-loaded other one only while the queue that
+adds, against L's, is less than the request's own prefill there: it pays at most its
+prefill twice to spare another cache. Unbounded, an all-miss load on two vLLM servers
+whose write rates differed by the factor went entirely to one of them (93 requests in
+flight there against 3 on the other) while the shedder, seeing the other's room,
+admitted it all; bounded by the affinity rule (1 s) it still queued a second there.
 
 KV turnover: per worker, the decayed uncached tokens routed there (time constant
 ``kv_window_s``) are the KV it writes. A worker whose cache turns over in less than
@@ -563,9 +569,10 @@ class PrefixLoad(Policy):
         if best_b == 0 or best_b < min_b:
             i = lo_i
             if avoid and views[i].id in avoid:
-                # the least-loaded worker that is not churning or crowded (all are: lo_i)
+                # the least-loaded worker that is not churning or crowded (all are: lo_i),
+                # while the queue it adds is less than the request's own prefill there
                 j = self._least_loaded_non_holder(views, qs, avoid, ())
-                if j >= 0:
+                if j >= 0 and qs[j] - lo_q < prompt / views[j].prefill_tokens_per_s:
                     i = j
             v = views[i]
             return Decision(

@@ -296,6 +296,26 @@ def test_a_holder_whose_cache_churns_keeps_its_private_matches_but_not_new_sessi
     assert {pol.choose(req, shared, vs, i * 0.1).worker for i in range(20)} == {"w0"}
 
 
+def test_a_miss_avoids_a_churning_worker_only_while_the_other_is_not_overloaded():
+    # two workers; w0 takes six misses and churns (its write rate over kv_rel x the
+    # mean, its 12k-token cache rewritten in under kv_turnover_s): misses avoid it
+    pol = policy()
+    vs = [WorkerView(f"w{i}", kv_capacity_tokens=12_000, prefill_tokens_per_s=10_000) for i in (0, 1)]
+    fresh = iter(RouteRequest(list(range(1000 * k, 1000 * k + 94)), 3000, 32) for k in range(1, 100))
+    for i in range(6):
+        pol.choose(next(fresh), MatchResult({}), vs[:1], i * 0.1)
+    assert pol._kv_churning(vs, 0.6) == {"w0"}
+    # w1 0.29 s busier than idle w0, less than the request's own prefill (0.3 s): w1
+    vs[1] = WorkerView("w1", in_flight_tokens=2_900, kv_capacity_tokens=12_000, prefill_tokens_per_s=10_000)
+    assert pol.choose(next(fresh), MatchResult({}), vs, 0.6).worker == "w1"
+    # 0.31 s busier: the miss would pay its prefill twice to spare w0's cache; unbounded,
+    # every miss went to w1 while the shedder, seeing w0's room, admitted them all
+    vs[1] = WorkerView("w1", in_flight_tokens=3_100, kv_capacity_tokens=12_000, prefill_tokens_per_s=10_000)
+    d = pol.choose(next(fresh), MatchResult({}), vs, 0.6)
+    assert (d.worker, d.reason) == ("w0", Reason.MISS)
+    pol.check()
+
+
 def test_ties_go_to_the_worker_written_the_least_kv_lately():
     """After the longer match and fewer in-flight requests, a tie goes to the worker
     that took the fewest uncached tokens lately (tie_written), before chance: a
