@@ -125,6 +125,9 @@ class WorkerView:
     prefill_tokens_per_s: float = 10_000.0
     #: relative capacity weight (consistent hashing, weighted policies)
     weight: float = 1.0
+    #: the prompt tokens of the router's requests in flight, until they finish: the
+    #: KV they hold while decoding, a shared prefix counted in each (``router.pool``)
+    in_flight_kv_tokens: int = 0
 
     @property
     def load_tokens(self) -> int:

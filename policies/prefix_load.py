@@ -22,6 +22,28 @@ prefill it saves minus the time to load it back: router.engines.tier_price). So 
 CPU hit beats a miss and loses to a GPU hit of the same length; ``Decision.
 matched_blocks`` stays the GPU prefix (what the hint and the load count assume).
 
+A colder block needs room (``colder_room``): loaded back, it becomes the request's
+own KV, as a prefilled one would; only a GPU hit shares KV already there. An engine
+admits a request only once its KV fits beside what running requests hold (their
+whole prompts, locked, and their output), so where that is full the load back waits
+for a running request to finish and saves nothing. Per worker w with a colder
+extension, g = its GPU prefix in tokens::
+
+    held(w) = in_flight_kv_tokens(w) - in_flight(w) * g     (at least 0)
+    no room = held(w) + prompt_tokens > kv_capacity_tokens(w)   (capacity known)
+
+``in_flight_kv_tokens``: the prompts of the router's requests in flight until they
+finish (``router.pool``); g is taken out of each, as in-flight requests that share
+the prefix this request found there hold one copy of it (an agent's tool schema, a
+system prompt). Where there is no room the colder extension counts for nothing (the
+GPU prefix still counts). The price is time only (prefill saved less load); this is
+the memory a colder hit takes that a GPU hit does not. Without it the holder of a
+session's DRAM history, the worker that served the session's turns and still
+decodes them, wins by the read-back's credit over an idle worker, and the request
+waits there for KV (bench/RESULTS.md "KV tiers, simulated"). The estimate leaves out
+output tokens and other router replicas' requests and takes g out of every
+in-flight request, shared or not: it errs toward crediting the tier, as before.
+
 The pick is the minimum score; ``Decision.expected_ttft_s`` is ttft(w). Why each term:
 
 - ``max`` of the router's count (fresh, uncached parts) and the worker's report (up
@@ -102,7 +124,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -263,6 +285,11 @@ class PrefixLoad(Policy):
             True,
             "break ties (after the longer match and fewer in-flight requests) toward "
             "the worker written the least KV lately, before chance",
+        )
+        colder_room: bool = param(
+            True,
+            "a worker's colder-tier (CPU, disk) extension counts only while its in-flight "
+            "requests' KV leaves room for the prompt (a load back needs fresh KV; a GPU hit does not)",
         )
         footprint_room: float = param(
             0.7,
@@ -482,6 +509,33 @@ class PrefixLoad(Policy):
                 room = True
         return out if room else None
 
+    def _priced(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView]
+    ) -> Mapping[WorkerId, float]:
+        """``match.priced()`` without the colder extensions of workers whose in-flight
+        KV leaves no room for this prompt (module docstring, ``colder_room``). O(workers)."""
+        colder = match.colder
+        if not colder or not self.params.colder_room:
+            return match.priced()
+        full = None
+        gpu = match.blocks
+        bt = request.block_tokens
+        need = request.prompt_tokens
+        for v in views:
+            cap = v.kv_capacity_tokens
+            if cap <= 0 or v.id not in colder:
+                continue
+            held = v.in_flight_kv_tokens - v.in_flight * gpu.get(v.id, 0) * bt
+            if (held if held > 0 else 0) + need > cap:
+                full = {v.id} if full is None else full | {v.id}
+        if full is None:
+            return match.priced()
+        out: dict[WorkerId, float] = dict(match.blocks)
+        for w, x in colder.items():
+            if w not in full:
+                out[w] = out.get(w, 0) + x
+        return out
+
     def _choose(
         self,
         request: RouteRequest,
@@ -495,7 +549,7 @@ class PrefixLoad(Policy):
         gpu = match.blocks
         # the match each worker is valued at: its GPU prefix plus, priced in GPU-hit
         # blocks, how far its colder tiers extend it (module docstring)
-        blocks = match.priced() if match.colder else gpu
+        blocks = self._priced(request, match, views) if match.colder else gpu
         bt = request.block_tokens
         prompt = request.prompt_tokens
 

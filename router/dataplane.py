@@ -926,7 +926,7 @@ class DataPlane:
     ) -> None:
         """An attempt's bookkeeping, on every path: the load released, the outcome
         counted and, for an answer, the traffic log and what the engine link learns."""
-        self.pool.finish(w, f.left, f.ok)
+        self.pool.finish(w, f.left, f.ok, pick.key.prompt_tokens)
         self.queue.kick(time.monotonic())  # w may have room
         if pick.rank is not None:
             assert link is not None  # a rank is picked only through an engine link
@@ -1273,7 +1273,7 @@ class DataPlane:
             elif status != 429:  # busy is not broken
                 ok = False
         finally:
-            self.pool.finish(w, pick.own, ok)
+            self.pool.finish(w, pick.own, ok, pick.key.prompt_tokens)
             self.queue.kick(time.monotonic())
             if pick.rank is not None and link is not None:
                 link.rank_finished(pick.rank)

@@ -359,7 +359,7 @@ class PrefillDecode:
             dp.unwatch(w, cancel)
             if resp is not None:
                 resp.release()
-            dp.pool.finish(w, pick.own, ok)
+            dp.pool.finish(w, pick.own, ok, pick.key.prompt_tokens)
             if pick.rank is not None and w.engine is not None:
                 w.engine.rank_finished(pick.rank)
             dp.queue.kick(time.monotonic())

@@ -103,5 +103,5 @@ def hint_and_count(
     if hashes:
         index.insert(holder or w.id, hashes, now)
     tokens = uncached_tokens(prompt_tokens, matched_blocks, block_tokens)
-    pool.pick(w, tokens)
+    pool.pick(w, tokens, prompt_tokens)
     return tokens

@@ -9,6 +9,11 @@ agents that register themselves and discovery (``router.discovery``). Per worker
     draining    no new requests; in-flight ones finish
     load        in_flight / in_flight_tokens counted by the router AT PICK TIME
                 (before anything is awaited) + the agent's last Load report,
+                + in_flight_kv: the prompt tokens of this router's requests
+                until they finish (the KV each holds while it decodes, a shared
+                prefix counted in each; a read-back from a colder tier needs
+                room beside it: policies.prefix_load); other replicas' are not
+                counted
                 ignored once older than report_stale_s
                 + remote_in_flight / remote_tokens: the other router replicas'
                 pick-time counts, from the bus (router.bus; 0 without one); what
@@ -25,7 +30,8 @@ the read-only ``WorkerView`` objects policies see.
 Invariants (``check()`` asserts each):
 
 - ``_by_id`` and ``_by_url`` index the same workers, by id and by url.
-- Every worker's ``in_flight >= 0`` and ``in_flight_tokens >= 0`` (remote counts too).
+- Every worker's ``in_flight >= 0`` and ``in_flight_tokens >= 0`` (remote counts too);
+  ``in_flight_kv >= 0``, and 0 whenever ``in_flight`` is.
 - A cached view (``Worker._view``) equals the view its worker would build now.
 - A worker that is not HEALTHY, or was removed, holds nothing in the index: the
   pool calls ``index.drop_worker`` on the transition, at once.
@@ -126,6 +132,7 @@ class Worker:
         "draining",
         "in_flight",
         "in_flight_tokens",
+        "in_flight_kv",
         "load",
         "load_until",
         "epoch",
@@ -179,6 +186,7 @@ class Worker:
         self.draining = False
         self.in_flight = 0  # requests picked for this worker and not finished
         self.in_flight_tokens = 0  # their prompt tokens not yet known prefilled
+        self.in_flight_kv = 0  # their prompt tokens, until they finish
         self.load: Load | None = None  # the agent's last report
         self.load_until = 0.0  # monotonic time that report goes stale
         #: its last report's room and what was picked for it since (router.shedding)
@@ -239,6 +247,7 @@ class Worker:
                 ld.kv_capacity_tokens,
                 rate,
                 self.weight,
+                self.in_flight_kv,
             )
         # no fresh report: the engine's KV capacity is still known where configured or
         # scraped (a plain engine's YAML kv_capacity_tokens); policies weigh KV by it
@@ -251,6 +260,7 @@ class Worker:
             kv_capacity_tokens=cap,
             prefill_tokens_per_s=self.prefill_rate(now),
             weight=self.weight,
+            in_flight_kv_tokens=self.in_flight_kv,
         )
 
     def describe(self, now: float) -> dict:
@@ -268,6 +278,7 @@ class Worker:
             "routable": self.routable(now),
             "in_flight": self.in_flight,
             "in_flight_tokens": self.in_flight_tokens,
+            "in_flight_kv_tokens": self.in_flight_kv,
             "remote_in_flight": self.remote_in_flight,
             "remote_tokens": self.remote_tokens,
             "weight": self.weight,
@@ -608,10 +619,13 @@ class Pool:
             ws = self._rebuild_routable(now)
         return ws
 
-    def pick(self, w: Worker, tokens: int) -> None:
-        """Counts a request on ``w`` at pick time (call before awaiting anything)."""
+    def pick(self, w: Worker, tokens: int, held: int | None = None) -> None:
+        """Counts a request on ``w`` at pick time (call before awaiting anything):
+        ``tokens`` of queued prefill, and ``held`` tokens of KV it holds until it
+        finishes (its prompt; None: ``tokens``)."""
         w.in_flight += 1
         w.in_flight_tokens += tokens
+        w.in_flight_kv += tokens if held is None else held
         w.mark.picked(tokens, w.in_flight + w.remote_in_flight)
         w._view = None
         if self.tap is not None:
@@ -631,12 +645,15 @@ class Pool:
         """``w``'s engine link learned from an answer: its view (prefill rate) is rebuilt."""
         w._view = None
 
-    def finish(self, w: Worker, tokens_left: int, ok: bool | None) -> None:
-        """The request ended; ``tokens_left`` are its tokens still counted. ``ok``:
-        True success, False a worker failure (breaker), None neither (client left,
-        bad request)."""
+    def finish(self, w: Worker, tokens_left: int, ok: bool | None, held: int = 0) -> None:
+        """The request ended; ``tokens_left`` are its tokens still counted, ``held``
+        the KV tokens its ``pick`` counted (0: not told; the worker's ``in_flight_kv``
+        returns to 0 with its last request). ``ok``: True success, False a worker
+        failure (breaker), None neither (client left, bad request)."""
         w.in_flight -= 1
         w.in_flight_tokens -= tokens_left
+        kv = w.in_flight_kv - held
+        w.in_flight_kv = kv if kv > 0 and w.in_flight > 0 else 0
         w._view = None
         if self.tap is not None:
             self.tap.moved(w)
@@ -900,6 +917,7 @@ class Pool:
         for wid, w in self._by_id.items():
             assert w.id == wid and self._by_url.get(w.url) is w, f"{w.id=} {w.url=}"
             assert w.in_flight >= 0 and w.in_flight_tokens >= 0, f"{w.id=} {w.in_flight=}"
+            assert w.in_flight_kv >= 0 and (w.in_flight or not w.in_flight_kv), f"{w.id=} {w.in_flight_kv=}"
             assert w.remote_in_flight >= 0 and w.remote_tokens >= 0, f"{w.id=} remote"
             assert not w.removed, f"{w.id=} removed but in the pool"
             if w._view is not None and w.load is None:

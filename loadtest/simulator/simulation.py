@@ -663,7 +663,7 @@ class Simulation:
             if not job.warm:
                 # the agent's 4xx reaches the router as an answer (not a worker failure)
                 job.prefilled = True
-                self.pool.finish(ref.pool_worker, job.counted, True)
+                self.pool.finish(ref.pool_worker, job.counted, True, job.prompt.prompt_tokens)
                 self._finish_client(job, None, now)
             self._collect_events(w, now)  # the agent withdrew the router's hint
             _retire(job)
@@ -707,7 +707,7 @@ class Simulation:
         w = job.worker
         ref = self.refs[w]
         # the client went away: the router releases the load (no breaker verdict)
-        self.pool.finish(ref.pool_worker, 0 if job.prefilled else job.counted, None)
+        self.pool.finish(ref.pool_worker, 0 if job.prefilled else job.counted, None, job.prompt.prompt_tokens)
         job.prefilled = True
         if job.handle is not None:
             worker = self.workers[w]
@@ -778,7 +778,9 @@ class Simulation:
             job.done_t = now
             job.ok = True
             if not job.warm:
-                pool.finish(ref.pool_worker, 0 if job.prefilled else job.counted, True)
+                pool.finish(
+                    ref.pool_worker, 0 if job.prefilled else job.counted, True, job.prompt.prompt_tokens
+                )
                 job.prefilled = True
                 if job.touches:
                     self._correct(ref, job)

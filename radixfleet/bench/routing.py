@@ -160,7 +160,7 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
         in_flight.append((w, tokens))
         if len(in_flight) > 32:  # keep a realistic amount of load in flight
             fw, ft = in_flight.pop(0)
-            pool.finish(fw, ft, True)
+            pool.finish(fw, ft, True, ft)
     lat.sort()
     book.sort()
     n = len(lat)
@@ -301,7 +301,7 @@ def bench_tokens(
         in_flight.append((w, uncached))
         if len(in_flight) > 32:
             fw, ft = in_flight.pop(0)
-            pool.finish(fw, ft, True)
+            pool.finish(fw, ft, True, ft)
         full.append(t2 - t0)
         keys.append(t1 - t0)
         tokens += key.prompt_tokens

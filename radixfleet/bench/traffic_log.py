@@ -109,7 +109,7 @@ def _round(bodies, policy_name: str, workers: int, tl: TrafficLog | None, rate: 
         in_flight.append((w, tokens))
         if len(in_flight) > 32:
             fw, ft = in_flight.pop(0)
-            pool.finish(fw, ft, True)
+            pool.finish(fw, ft, True, ft)
     return lat
 
 

@@ -43,6 +43,13 @@ without a colder load, the price from the residual over it. The residual carries
 queue model's error too; it averages out over samples where the prediction is
 unbiased, which is what the prefill rate is fitted for.
 
+What the price leaves out: memory. A block loaded back becomes the request's own KV,
+as a prefilled one would, so where the worker's running requests leave no room the
+request waits for one to finish before its load starts. That wait is no property of
+the link: prefix_load judges it from the worker's in-flight KV (its ``colder_room``)
+rather than the price. A wait the policy did not foresee still lands in an answer's
+residual and makes the learned price dearer for a while (the half-life forgets it).
+
 Pure: no I/O, no clock (``now`` is passed in). Not thread-safe (one event loop).
 
 Invariants (``check()``): both sums positive and finite, the summed tokens at least

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from types import SimpleNamespace
@@ -451,6 +452,46 @@ def test_prefix_load_cpu_hit_beats_a_miss_and_loses_to_a_gpu_hit():
     plain = MatchResult({}, 48, 0.0, False)
     seen = {pol.choose(req, plain, _views("miss", "cpu"), 0.0).worker for _ in range(40)}
     assert seen == {"miss", "cpu"}
+
+
+def test_prefix_load_credits_a_colder_extension_only_where_in_flight_kv_leaves_room():
+    """A load back becomes the request's own KV: on a worker whose in-flight requests
+    (prompts held while they decode, the shared GPU prefix once) leave no room for
+    the prompt, the request would wait for a running one to finish, so the colder
+    extension earns nothing there; the GPU prefix still counts."""
+    bt, cap = 32, 12_000
+    prompt = 5_090  # a 2,304-token shared schema (72 blocks) and a session's history
+    req = RouteRequest(list(range(prompt // bt)), prompt, bt)
+    # both hold the schema on the GPU; "holder" holds the history in its CPU tier
+    m = MatchResult({"holder": 72, "idle": 72}, 72, 0.0, False, {"holder": 87 * 0.9})
+
+    def views(in_flight):
+        return [
+            WorkerView(
+                "holder",
+                in_flight=in_flight,
+                in_flight_kv_tokens=in_flight * prompt,
+                kv_capacity_tokens=cap,
+                prefill_tokens_per_s=37_000.0,
+            ),
+            WorkerView("idle", kv_capacity_tokens=cap, prefill_tokens_per_s=37_000.0),
+        ]
+
+    def pick(vs, **params):  # a fresh policy each time: one decision, no history
+        return [
+            PrefixLoad(PrefixLoad.Params(**params), rng=random.Random(s)).choose(req, m, vs, 0.0)
+            for s in range(10)
+        ]
+
+    # three decoding turns: 3 x (5,090 - 2,304) + 5,090 > 12,000
+    assert all(d.worker == "idle" and d.matched_blocks == 72 for d in pick(views(3)))
+    # one: 2,786 + 5,090 fits, and the read-back saves ~2,500 tokens of prefill
+    assert all(d.worker == "holder" for d in pick(views(1)))
+    # an unknown capacity is never judged
+    blind = [dataclasses.replace(v, kv_capacity_tokens=0) for v in views(3)]
+    assert all(d.worker == "holder" for d in pick(blind))
+    # colder_room=false: the credit counts whatever the holder holds
+    assert all(d.worker == "holder" for d in pick(views(3), colder_room=False))
 
 
 def test_cache_aware_reads_the_priced_match():

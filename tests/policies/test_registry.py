@@ -71,7 +71,7 @@ def test_params_are_applied_and_ints_accepted_for_floats():
 
 ALL = ", ".join(NAMES)
 PL_PARAMS = (
-    "affinity_abs_s, affinity_rel, footprint_full, footprint_rel, footprint_room, "
+    "affinity_abs_s, affinity_rel, colder_room, footprint_full, footprint_rel, footprint_room, "
     "holder_max_rate, home_records, hot_min_rate, hot_records, "
     "hot_utilization, kv_rel, kv_turnover_s, kv_window_s, long_match_s, "
     "max_replicas, min_match_tokens, prefill_weight, private_weight, replicate, "

@@ -53,6 +53,27 @@ def test_pool_views_count_load_at_pick_time_and_cache():
     pool.check()
 
 
+def test_pool_holds_a_requests_kv_from_pick_to_finish():
+    """``in_flight_kv``: the prompt tokens of requests in flight until they finish (the
+    KV they hold while decoding), unlike ``in_flight_tokens``, which the first token
+    releases; it returns to 0 with a worker's last request."""
+    pool, idx, clock = make_pool()
+    a = pool.get("a")
+    pool.pick(a, 300, 1_000)  # 300 uncached of a 1,000-token prompt
+    pool.pick(a, 50)  # held not told: the counted tokens
+    v = pool.views(clock())[0]
+    assert (v.in_flight_tokens, v.in_flight_kv_tokens) == (350, 1_050)
+    pool.prefilled(a, 300)
+    v = pool.views(clock())[0]
+    assert (v.in_flight_tokens, v.in_flight_kv_tokens) == (50, 1_050)
+    pool.finish(a, 0, True, 1_000)
+    assert pool.views(clock())[0].in_flight_kv_tokens == 50
+    pool.check()
+    pool.finish(a, 50, None)  # its held tokens not told: the last request clears it
+    assert pool.views(clock())[0].in_flight_kv_tokens == 0
+    pool.check()
+
+
 def test_reported_load_combines_and_goes_stale():
     pool, idx, clock = make_pool(load={"report_stale_s": 2.0})
     a = pool.get("a")
