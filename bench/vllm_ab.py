@@ -31,18 +31,31 @@ the load generator once per target and reads vLLM's own histograms around each:
 the mean time requests waited in the engines' queues, prefilled, and took to their
 first token there — with each router's own phase means (always printed), where a
 target's TTFT went.
+
+``--tail [SHARE]`` (default 0.05) prints, per target, its slowest SHARE of requests by
+TTFT, one line each: session, turn, prompt and cached tokens (the engine's usage), the
+worker (``-`` where the target names none: smg), how many requests were in flight on
+that worker and on the others when it was sent (from the load generator's own
+records), the engines' queued and running requests then (vLLM's
+``num_requests_waiting`` / ``num_requests_running``, sampled every 0.25 s) and the
+most queued while it waited, and, behind radixfleet, the engine's share of its TTFT
+(the router's traffic log: upstream send to first token) and the rest (the client to
+the router and back, the router's own time). ``--json`` gets the rows (``tail``) and
+each target's requests per worker and slowest-share breakdown (``tail_summary``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -157,6 +170,17 @@ def main(argv=None) -> int:
         "and TTFT histograms around each (where each router's TTFT went in the engines)",
     )
     ap.add_argument(
+        "--tail",
+        nargs="?",
+        type=float,
+        const=0.05,
+        default=None,
+        metavar="SHARE",
+        help="print each target's slowest SHARE of requests by TTFT (default 0.05) with what "
+        "each met: its worker, the requests in flight and queued in the engines, the "
+        "router's and the engine's share of its TTFT",
+    )
+    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -182,6 +206,9 @@ def main(argv=None) -> int:
         return 2
     if args.repeat < 1:
         print("vllm_ab: error: --repeat must be >= 1", file=sys.stderr)
+        return 2
+    if args.tail is not None and not 0 < args.tail <= 1:
+        print("vllm_ab: error: --tail must be in (0, 1]", file=sys.stderr)
         return 2
     try:
         variants = dict(parse_variant(v) for v in args.variant)
@@ -251,6 +278,17 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                             params=params if mode["policy"] == "prefix_load" else None,
                         ),
                         sets,
+                    )
+                    | (
+                        {
+                            "traffic_log": {
+                                "enabled": True,
+                                "dir": str(tmp / f"traffic-{m}"),
+                                "flush_interval_s": 0.2,
+                            }
+                        }
+                        if args.tail is not None
+                        else {}
                     )
                 )
             )
@@ -349,12 +387,43 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                 "--json",
                 str(out),
                 *[a for s in servers for a in ("--flush", s.url)],
+                *(
+                    ("--requests-out", str(out.with_suffix(".requests.jsonl")))
+                    if args.tail is not None
+                    else ()
+                ),
             )
-            res = subprocess.run(cmd, timeout=3600)
+            sampler = EngineSampler([s.url for s in servers]) if args.tail is not None else None
+            try:
+                res = subprocess.run(cmd, timeout=3600)
+            finally:
+                if sampler is not None:
+                    sampler.stop()
             if res.returncode != 0:
                 print(f"vllm_ab: the load generator failed (exit {res.returncode})", file=sys.stderr)
                 return None
-            return json.loads(out.read_text())
+            doc = json.loads(out.read_text())
+            if sampler is not None:
+                records = [
+                    json.loads(line)
+                    for line in out.with_suffix(".requests.jsonl").read_text().splitlines()
+                    if line
+                ]
+                for run in doc["runs"]:
+                    mine = [r for r in records if r["run"] == run["name"]]
+                    traffic = read_traffic(tmp / f"traffic-{run['name']}")
+                    rows = tail_rows(
+                        mine,
+                        run.get("started_unix_s"),
+                        sampler.samples,
+                        [f"vllm-{'ab'[i]}" for i in range(len(servers))],
+                        traffic,
+                        args.tail,
+                    )
+                    run["tail"] = rows
+                    run["tail_summary"] = tail_summary(mine, rows)
+                    print(render_tail(run["name"], rows, run["tail_summary"]), flush=True)
+            return doc
 
         if not args.engine_phases:
             doc = loadtest(targets, tmp / "ab.json")
@@ -439,6 +508,168 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
             p.__exit__(None, None, None)
         for s in servers:
             s.stop()
+
+
+class EngineSampler:
+    """Every ``interval_s``, on a thread of its own: each engine's queued and running
+    requests (vLLM's ``num_requests_waiting`` / ``num_requests_running`` gauges), as
+    ``samples``: [(UNIX time, [(waiting, running) per engine])]. ``stop()`` ends it."""
+
+    def __init__(self, urls: list[str], interval_s: float = 0.25) -> None:
+        self.urls = urls
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, list[tuple[float, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.is_set():
+                t = time.time()
+                try:
+                    row = [engine_load(client.get(u + "/metrics").text) for u in self.urls]
+                except httpx.HTTPError:
+                    row = None
+                if row is not None:
+                    self.samples.append((t, row))
+                self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def engine_load(metrics_text: str) -> tuple[float, float]:
+    """(waiting, running) requests from one vLLM /metrics page (summed over its engines)."""
+    waiting = running = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:num_requests_waiting{"):
+            waiting += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:num_requests_running{"):
+            running += float(line.rsplit(" ", 1)[1])
+    return waiting, running
+
+
+def read_traffic(directory: Path) -> list[dict]:
+    """The traffic log lines a router wrote under ``directory`` ([] if none)."""
+    lines = []
+    for f in sorted(directory.glob("*.jsonl")) if directory.is_dir() else ():
+        lines += [json.loads(x) for x in f.read_text().splitlines() if x]
+    return lines
+
+
+def tail_rows(
+    records: list[dict],
+    started_unix_s: float | None,
+    samples: list[tuple[float, list[tuple[float, float]]]],
+    engines: list[str],
+    traffic: list[dict],
+    share: float,
+) -> list[dict]:
+    """The slowest ``share`` of ``records`` (the load generator's ``--requests-out``
+    lines of one run) by TTFT, slowest first, each with what it met: requests in flight
+    on its worker (``ahead``) and on the others when sent, from the records' own send
+    and end times; the engines' queued / running requests at the last sample before
+    it was sent and the most queued on any engine until its first token (``samples``,
+    on the clock ``started_unix_s`` sets ``send_s`` on; absent without it); and from the
+    router's traffic log line for it (same worker and prompt tokens, the nearest
+    arrival), ``engine_ms`` (upstream send to first token) and ``outside_ms`` (the rest
+    of the client's TTFT: client to router, routing, the relay back)."""
+    ok = [r for r in records if r["ok"] and r["ttft_ms"] is not None]
+    n = max(1, math.ceil(share * len(ok))) if ok else 0
+    slow = sorted(ok, key=lambda r: -r["ttft_ms"])[:n]
+    used: set[int] = set()
+    rows = []
+    for r in slow:
+        t, end = r["send_s"], r["send_s"] + r["ttft_ms"] / 1000
+        busy = [o for o in ok if o is not r and o["send_s"] <= t < o["send_s"] + (o["e2e_ms"] or 0) / 1000]
+        row = {
+            k: r[k]
+            for k in ("session", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "worker", "send_s")
+        }
+        row["ahead"] = sum(1 for o in busy if o["worker"] == r["worker"]) if r["worker"] else None
+        row["in_flight"] = len(busy)
+        if started_unix_s is not None and samples:
+            at = started_unix_s + t
+            before = [row_ for ts, row_ in samples if ts <= at]
+            during = [row_ for ts, row_ in samples if at <= ts <= started_unix_s + end]
+            if before:
+                row["engines_at_send"] = {
+                    e: {"waiting": w, "running": u} for e, (w, u) in zip(engines, before[-1])
+                }
+            row["most_waiting_until_first_token"] = max((w for s_ in during for w, _ in s_), default=None)
+        best = None
+        if started_unix_s is not None:
+            at = started_unix_s + t
+            for i, line in enumerate(traffic):
+                if (
+                    i in used
+                    or line.get("worker") != r["worker"]
+                    or line.get("input_length") != r["prompt_tokens"]
+                ):
+                    continue
+                gap = abs(line["timestamp"] / 1000 - at)
+                if gap < 1.0 and (best is None or gap < best[0]):
+                    best = (gap, i)
+        if best is not None and traffic[best[1]].get("ttft_ms") is not None:
+            used.add(best[1])
+            row["matched_tokens"] = traffic[best[1]]["matched_tokens"]  # what the pick believed
+            row["engine_ms"] = round(traffic[best[1]]["ttft_ms"], 1)
+            row["outside_ms"] = round(r["ttft_ms"] - row["engine_ms"], 1)
+        rows.append(row)
+    return rows
+
+
+def tail_summary(records: list[dict], rows: list[dict]) -> dict:
+    """Requests per worker over the run, and of the slowest rows: how many were first
+    turns, how many were sent to a worker busier than the others (more ``ahead`` than
+    the rest in flight elsewhere), their mean TTFT and, where known, the mean of the
+    engine's part."""
+    per: dict[str, int] = {}
+    for r in records:
+        if r["ok"]:
+            per[r["worker"] or "-"] = per.get(r["worker"] or "-", 0) + 1
+    eng = [r["engine_ms"] for r in rows if "engine_ms" in r]
+    out = [r["outside_ms"] for r in rows if "outside_ms" in r]
+    return {
+        "requests_per_worker": per,
+        "slow": len(rows),
+        "slow_first_turns": sum(1 for r in rows if r["turn"] == 0),
+        "slow_on_busier_worker": sum(
+            1 for r in rows if r["ahead"] is not None and r["ahead"] > r["in_flight"] - r["ahead"]
+        ),
+        "slow_mean_ttft_ms": round(statistics.fmean(r["ttft_ms"] for r in rows), 1) if rows else None,
+        "slow_mean_engine_ms": round(statistics.fmean(eng), 1) if eng else None,
+        "slow_mean_outside_ms": round(statistics.fmean(out), 1) if out else None,
+    }
+
+
+def render_tail(name: str, rows: list[dict], summary: dict) -> str:
+    """The slowest requests of one target as a plain table, summary first."""
+    per = ", ".join(f"{w} {n}" for w, n in sorted(summary["requests_per_worker"].items()))
+    lines = [
+        f"{name}: slowest {summary['slow']} by TTFT (requests per worker: {per}); "
+        f"first turns {summary['slow_first_turns']}, sent to the busier worker "
+        f"{summary['slow_on_busier_worker']}; mean TTFT {summary['slow_mean_ttft_ms']} ms, "
+        f"of which the engine {summary['slow_mean_engine_ms']} ms, outside it "
+        f"{summary['slow_mean_outside_ms']} ms",
+        "  ttft_ms  send_s  session  turn  prompt  cached  worker  ahead/in_flight  "
+        "engines at send (waiting/running)  most waiting  matched  engine_ms  outside_ms",
+    ]
+    for r in rows:
+        at = r.get("engines_at_send")
+        eng = " ".join(f"{e}={v['waiting']:.0f}/{v['running']:.0f}" for e, v in at.items()) if at else "-"
+        most = r.get("most_waiting_until_first_token")
+        lines.append(
+            f"  {r['ttft_ms']:7.0f} {r['send_s']:7.2f}  {r['session']:>7}  {r['turn']:4d}  "
+            f"{r['prompt_tokens']:6d}  {r['cached_tokens']:6d}  {r['worker'] or '-':>6}  "
+            f"{'-' if r['ahead'] is None else r['ahead']}/{r['in_flight']:<13}  {eng:33}  "
+            f"{'-' if most is None else f'{most:.0f}':>12}  {r.get('matched_tokens', '-'):>7}  {r.get('engine_ms', '-'):>9}  {r.get('outside_ms', '-'):>10}"
+        )
+    return "\n".join(lines)
 
 
 #: (series, phase): the router's own histograms of where a request's time went
