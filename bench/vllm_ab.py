@@ -170,6 +170,13 @@ def main(argv=None) -> int:
         "and TTFT histograms around each (where each router's TTFT went in the engines)",
     )
     ap.add_argument(
+        "--no-warm-engines",
+        dest="warm_engines",
+        action="store_false",
+        help="measure on engines fresh from their start (by default the workload runs once "
+        "straight at the engines, unmeasured, before the first target)",
+    )
+    ap.add_argument(
         "--tail",
         nargs="?",
         type=float,
@@ -359,7 +366,7 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                     pass
                 time.sleep(0.5)
 
-        def loadtest(chosen: list[tuple[str, str]], out: Path) -> dict | None:
+        def loadtest(chosen: list[tuple[str, str]], out: Path, tail: bool = True) -> dict | None:
             cmd = radixfleet_argv(
                 "loadtest",
                 *[a for n, u in chosen for a in ("--target", f"{n}={u}")],
@@ -389,11 +396,15 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                 *[a for s in servers for a in ("--flush", s.url)],
                 *(
                     ("--requests-out", str(out.with_suffix(".requests.jsonl")))
-                    if args.tail is not None
+                    if tail and args.tail is not None
                     else ()
                 ),
             )
-            sampler = EngineSampler([s.url for s in servers]) if args.tail is not None else None
+            sampler = None
+            if tail and args.tail is not None:
+                groups = {f"vllm-{'ab'[i]}": s.proc.pid for i, s in enumerate(servers)}
+                groups.update((f"router:{n}", p.proc.pid) for (n, _), p in zip(targets, procs))
+                sampler = EngineSampler([s.url for s in servers], groups)
             try:
                 res = subprocess.run(cmd, timeout=3600)
             finally:
@@ -419,12 +430,23 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                         [f"vllm-{'ab'[i]}" for i in range(len(servers))],
                         traffic,
                         args.tail,
+                        sampler.cpu,
                     )
                     run["tail"] = rows
                     run["tail_summary"] = tail_summary(mine, rows)
                     print(render_tail(run["name"], rows, run["tail_summary"]), flush=True)
             return doc
 
+        if args.warm_engines:
+            # the workload once straight at the engines (client-side round robin), then
+            # thrown away: a fresh engine's first batches of each size run slower, and
+            # without this the first target measured pays for it and the last (smg) not
+            print("vllm_ab: warming the engines (not measured)", file=sys.stderr, flush=True)
+            if (
+                loadtest([("warm-up", ",".join(s.url for s in servers))], tmp / "warm-up.json", tail=False)
+                is None
+            ):
+                return None
         if not args.engine_phases:
             doc = loadtest(targets, tmp / "ab.json")
             if doc is None:
@@ -472,7 +494,7 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
             print(
                 f"{name} inside the router (means): arrival to the worker's response head "
                 f"{phases['to_worker_head_ms']} ms, to the first token sent on "
-                f"{phases['to_first_token_ms']} ms; shed {phases['shed']:.0f}",
+                f"{phases['to_first_token_ms']} ms; shed {phases['shed']:.0f}, warm-ups sent {phases['warmups']:.0f}",
                 flush=True,
             )
             for run in doc["runs"]:
@@ -513,12 +535,19 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
 class EngineSampler:
     """Every ``interval_s``, on a thread of its own: each engine's queued and running
     requests (vLLM's ``num_requests_waiting`` / ``num_requests_running`` gauges), as
-    ``samples``: [(UNIX time, [(waiting, running) per engine])]. ``stop()`` ends it."""
+    ``samples``: [(UNIX time, [(waiting, running) per engine])]; and the CPU seconds
+    each process of ``groups`` (name -> pid) and its descendants have used, as
+    ``cpu``: [(UNIX time, {name: seconds})] — whether a stalled engine had its core.
+    ``stop()`` ends it."""
 
-    def __init__(self, urls: list[str], interval_s: float = 0.25) -> None:
+    def __init__(
+        self, urls: list[str], groups: dict[str, int] | None = None, interval_s: float = 0.25
+    ) -> None:
         self.urls = urls
+        self.groups = groups or {}
         self.interval_s = interval_s
         self.samples: list[tuple[float, list[tuple[float, float]]]] = []
+        self.cpu: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
         self._thread.start()
@@ -535,11 +564,44 @@ class EngineSampler:
                     row = None
                 if row is not None:
                     self.samples.append((t, row))
+                if self.groups:
+                    self.cpu.append((time.time(), tree_cpu_s(self.groups)))
                 self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def tree_cpu_s(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each pid of ``groups`` and its descendants have used (all threads);
+    "other" is every other process on the machine."""
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d.name)] = (int(f[1]), (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK"))
+    owner = {pid: name for name, pid in groups.items()}
+    out = dict.fromkeys([*groups, "other"], 0.0)
+    for pid, (_ppid, cpu) in stats.items():
+        p, seen = pid, 0
+        while p not in owner and p in stats and seen < 64:
+            p, seen = stats[p][0], seen + 1
+        out[owner.get(p, "other")] += cpu
+    return out
+
+
+def cpu_rates(cpu: list[tuple[float, dict[str, float]]], t0: float, t1: float) -> dict[str, float]:
+    """Cores each group used between ``t0`` and ``t1`` (the samples around them)."""
+    before = [c for c in cpu if c[0] <= t0]
+    after = [c for c in cpu if c[0] >= t1]
+    if not before or not after:
+        return {}
+    (ta, a), (tb, b) = before[-1], after[0]
+    return {k: round((b[k] - a.get(k, 0.0)) / (tb - ta), 2) for k in b} if tb > ta else {}
 
 
 def engine_load(metrics_text: str) -> tuple[float, float]:
@@ -568,6 +630,7 @@ def tail_rows(
     engines: list[str],
     traffic: list[dict],
     share: float,
+    cpu: list[tuple[float, dict[str, float]]] = (),  # type: ignore[assignment]
 ) -> list[dict]:
     """The slowest ``share`` of ``records`` (the load generator's ``--requests-out``
     lines of one run) by TTFT, slowest first, each with what it met: requests in flight
@@ -577,7 +640,8 @@ def tail_rows(
     on the clock ``started_unix_s`` sets ``send_s`` on; absent without it); and from the
     router's traffic log line for it (same worker and prompt tokens, the nearest
     arrival), ``engine_ms`` (upstream send to first token) and ``outside_ms`` (the rest
-    of the client's TTFT: client to router, routing, the relay back)."""
+    of the client's TTFT: client to router, routing, the relay back); and ``cores``:
+    the cores each process group of ``cpu`` (``EngineSampler.cpu``) used meanwhile."""
     ok = [r for r in records if r["ok"] and r["ttft_ms"] is not None]
     n = max(1, math.ceil(share * len(ok))) if ok else 0
     slow = sorted(ok, key=lambda r: -r["ttft_ms"])[:n]
@@ -601,6 +665,8 @@ def tail_rows(
                     e: {"waiting": w, "running": u} for e, (w, u) in zip(engines, before[-1])
                 }
             row["most_waiting_until_first_token"] = max((w for s_ in during for w, _ in s_), default=None)
+            if cpu:
+                row["cores"] = cpu_rates(cpu, at, started_unix_s + end)
         best = None
         if started_unix_s is not None:
             at = started_unix_s + t
@@ -657,17 +723,29 @@ def render_tail(name: str, rows: list[dict], summary: dict) -> str:
         f"of which the engine {summary['slow_mean_engine_ms']} ms, outside it "
         f"{summary['slow_mean_outside_ms']} ms",
         "  ttft_ms  send_s  session  turn  prompt  cached  worker  ahead/in_flight  "
-        "engines at send (waiting/running)  most waiting  matched  engine_ms  outside_ms",
+        "engines at send (waiting/running)  most waiting  matched  engine_ms  outside_ms  "
+        "cores meanwhile (engines, its router, the other routers, the rest)",
     ]
     for r in rows:
         at = r.get("engines_at_send")
         eng = " ".join(f"{e}={v['waiting']:.0f}/{v['running']:.0f}" for e, v in at.items()) if at else "-"
         most = r.get("most_waiting_until_first_token")
+        c = r.get("cores") or {}
+        mine = f"router:{name}"
+        cores = (
+            " ".join(f"{k}={v:.2f}" for k, v in c.items() if k.startswith("vllm"))
+            + f" router={c.get(mine, 0):.2f}"
+            + f" routers={sum(v for k, v in c.items() if k.startswith('router:') and k != mine):.2f}"
+            + f" rest={c.get('other', 0):.2f}"
+            if c
+            else "-"
+        )
         lines.append(
             f"  {r['ttft_ms']:7.0f} {r['send_s']:7.2f}  {r['session']:>7}  {r['turn']:4d}  "
             f"{r['prompt_tokens']:6d}  {r['cached_tokens']:6d}  {r['worker'] or '-':>6}  "
             f"{'-' if r['ahead'] is None else r['ahead']}/{r['in_flight']:<13}  {eng:33}  "
-            f"{'-' if most is None else f'{most:.0f}':>12}  {r.get('matched_tokens', '-'):>7}  {r.get('engine_ms', '-'):>9}  {r.get('outside_ms', '-'):>10}"
+            f"{'-' if most is None else f'{most:.0f}':>12}  {r.get('matched_tokens', '-'):>7}  "
+            f"{r.get('engine_ms', '-'):>9}  {r.get('outside_ms', '-'):>10}  {cores}"
         )
     return "\n".join(lines)
 
@@ -730,6 +808,11 @@ def router_phases(metrics_text: str) -> dict:
         n = values.get(series + "_count", 0.0)
         out[phase] = round(1000 * values.get(series + "_sum", 0.0) / n, 1) if n else None
     out["shed"] = values.get("radixfleet_shed_total", 0.0)
+    out["warmups"] = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith("radixfleet_warmups_total{")
+    )
     return out
 
 
@@ -753,7 +836,7 @@ def summarize(docs: list[dict]) -> dict:
                 **{
                     f"router_{k}": v
                     for k, v in (r.get("router") or {}).get("phases", {}).items()
-                    if k != "shed"
+                    if k not in ("shed", "warmups")
                 },
                 **{
                     f"engine_{k}" if k.endswith("_ms") else k: v
