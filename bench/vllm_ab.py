@@ -12,8 +12,12 @@ binary is installed, and runs ``radixfleet loadtest`` over all of them in one ru
 (each target cold: vLLM's /reset_prefix_cache between runs). Hit rate is vLLM's own
 ``cached_tokens``; prediction error is the routers' predicted matched tokens against
 it. Figures go to stdout (the load generator's table) and --json; with --repeat N
-the whole A/B runs N times (fresh servers and routers each) and a table of each mode's
-median (min–max) follows — the form bench/RESULTS.md quotes.
+the whole A/B runs N times (fresh servers and routers each; run i starts i targets
+into the list, so no target always runs first or last, smg included) and a table of
+each mode's median (min–max) follows — the form bench/RESULTS.md quotes. Before the
+first target the workload runs once straight at the engines, unmeasured
+(``--no-warm-engines`` skips it): a fresh engine's first batches run slower, and the
+first target measured paid for it.
 
     round_robin           cache-blind baseline
     prefix_load           precise: KV events + the engine's tokenizer
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
     for i in range(args.repeat):
         if args.repeat > 1:
             print(f"vllm_ab: run {i + 1} of {args.repeat}", file=sys.stderr, flush=True)
-        doc = run_once(args, modes, params, model_dir, variants)
+        doc = run_once(args, modes, params, model_dir, variants, rotate=i)
         if doc is None:
             return 1
         docs.append(doc)
@@ -244,9 +248,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: dict) -> dict | None:
+def run_once(
+    args, modes: list[str], params: dict, model_dir: Path, variants: dict, rotate: int = 0
+) -> dict | None:
     """One A/B: two fresh vLLM servers, a router per mode and per variant (and smg),
-    the load generator over all of them. The load generator's report with each router's
+    the load generator over all of them, in turn, starting ``rotate`` places into the
+    list (so that over repeats each target runs early and late in a run alike). The load generator's report with each router's
     decision counts, or None if the load generator failed."""
     tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
     servers = [
@@ -401,17 +408,22 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                 ),
             )
             sampler = None
-            if tail and args.tail is not None:
-                groups = {f"vllm-{'ab'[i]}": s.proc.pid for i, s in enumerate(servers)}
-                groups.update((f"router:{n}", p.proc.pid) for (n, _), p in zip(targets, procs))
-                sampler = EngineSampler([s.url for s in servers], groups)
+            gen = subprocess.Popen(cmd)
             try:
-                res = subprocess.run(cmd, timeout=3600)
+                if tail and args.tail is not None:
+                    groups = {f"vllm-{'ab'[i]}": s.proc.pid for i, s in enumerate(servers)}
+                    groups.update((f"router:{n}", p.proc.pid) for (n, _), p in zip(targets, procs))
+                    groups["loadtest"] = gen.pid
+                    sampler = EngineSampler([s.url for s in servers], groups)
+                returncode = gen.wait(timeout=3600)
             finally:
+                if gen.poll() is None:
+                    gen.kill()
+                    gen.wait()
                 if sampler is not None:
                     sampler.stop()
-            if res.returncode != 0:
-                print(f"vllm_ab: the load generator failed (exit {res.returncode})", file=sys.stderr)
+            if returncode != 0:
+                print(f"vllm_ab: the load generator failed (exit {returncode})", file=sys.stderr)
                 return None
             doc = json.loads(out.read_text())
             if sampler is not None:
@@ -448,7 +460,8 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
             ):
                 return None
         if not args.engine_phases:
-            doc = loadtest(targets, tmp / "ab.json")
+            k = rotate % len(targets)
+            doc = loadtest(targets[k:] + targets[:k], tmp / "ab.json")
             if doc is None:
                 return None
         else:  # one target at a time, the engines' own histograms read around each
@@ -724,7 +737,7 @@ def render_tail(name: str, rows: list[dict], summary: dict) -> str:
         f"{summary['slow_mean_outside_ms']} ms",
         "  ttft_ms  send_s  session  turn  prompt  cached  worker  ahead/in_flight  "
         "engines at send (waiting/running)  most waiting  matched  engine_ms  outside_ms  "
-        "cores meanwhile (engines, its router, the other routers, the rest)",
+        "cores meanwhile (engines, its router, the other routers, the load generator, the rest)",
     ]
     for r in rows:
         at = r.get("engines_at_send")
@@ -736,7 +749,7 @@ def render_tail(name: str, rows: list[dict], summary: dict) -> str:
             " ".join(f"{k}={v:.2f}" for k, v in c.items() if k.startswith("vllm"))
             + f" router={c.get(mine, 0):.2f}"
             + f" routers={sum(v for k, v in c.items() if k.startswith('router:') and k != mine):.2f}"
-            + f" rest={c.get('other', 0):.2f}"
+            + f" loadtest={c.get('loadtest', 0):.2f} rest={c.get('other', 0):.2f}"
             if c
             else "-"
         )
