@@ -253,8 +253,8 @@ def run_once(
 ) -> dict | None:
     """One A/B: two fresh vLLM servers, a router per mode and per variant (and smg),
     the load generator over all of them, in turn, starting ``rotate`` places into the
-    list (so that over repeats each target runs early and late in a run alike). The load generator's report with each router's
-    decision counts, or None if the load generator failed."""
+    list (so that over repeats each target runs early and late in a run alike). The load
+    generator's report with each router's decision counts, or None if it failed."""
     tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
     servers = [
         VllmServer(
@@ -507,7 +507,8 @@ def run_once(
             print(
                 f"{name} inside the router (means): arrival to the worker's response head "
                 f"{phases['to_worker_head_ms']} ms, to the first token sent on "
-                f"{phases['to_first_token_ms']} ms; shed {phases['shed']:.0f}, warm-ups sent {phases['warmups']:.0f}",
+                f"{phases['to_first_token_ms']} ms; shed {phases['shed']:.0f}, "
+                f"warm-ups sent {phases['warmups']:.0f}",
                 flush=True,
             )
             for run in doc["runs"]:
