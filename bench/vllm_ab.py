@@ -12,8 +12,12 @@ binary is installed, and runs ``radixfleet loadtest`` over all of them in one ru
 (each target cold: vLLM's /reset_prefix_cache between runs). Hit rate is vLLM's own
 ``cached_tokens``; prediction error is the routers' predicted matched tokens against
 it. Figures go to stdout (the load generator's table) and --json; with --repeat N
-the whole A/B runs N times (fresh servers and routers each) and a table of each mode's
-median (min–max) follows — the form bench/RESULTS.md quotes.
+the whole A/B runs N times (fresh servers and routers each; run i starts i targets
+into the list, so no target always runs first or last, smg included) and a table of
+each mode's median (min–max) follows — the form bench/RESULTS.md quotes. Before the
+first target the workload runs once straight at the engines, unmeasured
+(``--no-warm-engines`` skips it): a fresh engine's first batches run slower, and the
+first target measured paid for it.
 
     round_robin           cache-blind baseline
     prefix_load           precise: KV events + the engine's tokenizer
@@ -31,18 +35,31 @@ the load generator once per target and reads vLLM's own histograms around each:
 the mean time requests waited in the engines' queues, prefilled, and took to their
 first token there — with each router's own phase means (always printed), where a
 target's TTFT went.
+
+``--tail [SHARE]`` (default 0.05) prints, per target, its slowest SHARE of requests by
+TTFT, one line each: session, turn, prompt and cached tokens (the engine's usage), the
+worker (``-`` where the target names none: smg), how many requests were in flight on
+that worker and on the others when it was sent (from the load generator's own
+records), the engines' queued and running requests then (vLLM's
+``num_requests_waiting`` / ``num_requests_running``, sampled every 0.25 s) and the
+most queued while it waited, and, behind radixfleet, the engine's share of its TTFT
+(the router's traffic log: upstream send to first token) and the rest (the client to
+the router and back, the router's own time). ``--json`` gets the rows (``tail``) and
+each target's requests per worker and slowest-share breakdown (``tail_summary``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -157,6 +174,24 @@ def main(argv=None) -> int:
         "and TTFT histograms around each (where each router's TTFT went in the engines)",
     )
     ap.add_argument(
+        "--no-warm-engines",
+        dest="warm_engines",
+        action="store_false",
+        help="measure on engines fresh from their start (by default the workload runs once "
+        "straight at the engines, unmeasured, before the first target)",
+    )
+    ap.add_argument(
+        "--tail",
+        nargs="?",
+        type=float,
+        const=0.05,
+        default=None,
+        metavar="SHARE",
+        help="print each target's slowest SHARE of requests by TTFT (default 0.05) with what "
+        "each met: its worker, the requests in flight and queued in the engines, the "
+        "router's and the engine's share of its TTFT",
+    )
+    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -183,6 +218,9 @@ def main(argv=None) -> int:
     if args.repeat < 1:
         print("vllm_ab: error: --repeat must be >= 1", file=sys.stderr)
         return 2
+    if args.tail is not None and not 0 < args.tail <= 1:
+        print("vllm_ab: error: --tail must be in (0, 1]", file=sys.stderr)
+        return 2
     try:
         variants = dict(parse_variant(v) for v in args.variant)
     except (ValueError, yaml.YAMLError) as exc:
@@ -194,7 +232,7 @@ def main(argv=None) -> int:
     for i in range(args.repeat):
         if args.repeat > 1:
             print(f"vllm_ab: run {i + 1} of {args.repeat}", file=sys.stderr, flush=True)
-        doc = run_once(args, modes, params, model_dir, variants)
+        doc = run_once(args, modes, params, model_dir, variants, rotate=i)
         if doc is None:
             return 1
         docs.append(doc)
@@ -210,10 +248,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: dict) -> dict | None:
+def run_once(
+    args, modes: list[str], params: dict, model_dir: Path, variants: dict, rotate: int = 0
+) -> dict | None:
     """One A/B: two fresh vLLM servers, a router per mode and per variant (and smg),
-    the load generator over all of them. The load generator's report with each router's
-    decision counts, or None if the load generator failed."""
+    the load generator over all of them, in turn, starting ``rotate`` places into the
+    list (so that over repeats each target runs early and late in a run alike). The load
+    generator's report with each router's decision counts, or None if it failed."""
     tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
     servers = [
         VllmServer(
@@ -251,6 +292,17 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                             params=params if mode["policy"] == "prefix_load" else None,
                         ),
                         sets,
+                    )
+                    | (
+                        {
+                            "traffic_log": {
+                                "enabled": True,
+                                "dir": str(tmp / f"traffic-{m}"),
+                                "flush_interval_s": 0.2,
+                            }
+                        }
+                        if args.tail is not None
+                        else {}
                     )
                 )
             )
@@ -321,7 +373,7 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                     pass
                 time.sleep(0.5)
 
-        def loadtest(chosen: list[tuple[str, str]], out: Path) -> dict | None:
+        def loadtest(chosen: list[tuple[str, str]], out: Path, tail: bool = True) -> dict | None:
             cmd = radixfleet_argv(
                 "loadtest",
                 *[a for n, u in chosen for a in ("--target", f"{n}={u}")],
@@ -349,15 +401,67 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
                 "--json",
                 str(out),
                 *[a for s in servers for a in ("--flush", s.url)],
+                *(
+                    ("--requests-out", str(out.with_suffix(".requests.jsonl")))
+                    if tail and args.tail is not None
+                    else ()
+                ),
             )
-            res = subprocess.run(cmd, timeout=3600)
-            if res.returncode != 0:
-                print(f"vllm_ab: the load generator failed (exit {res.returncode})", file=sys.stderr)
+            sampler = None
+            gen = subprocess.Popen(cmd)
+            try:
+                if tail and args.tail is not None:
+                    groups = {f"vllm-{'ab'[i]}": s.proc.pid for i, s in enumerate(servers)}
+                    groups.update((f"router:{n}", p.proc.pid) for (n, _), p in zip(targets, procs))
+                    groups["loadtest"] = gen.pid
+                    sampler = EngineSampler([s.url for s in servers], groups)
+                returncode = gen.wait(timeout=3600)
+            finally:
+                if gen.poll() is None:
+                    gen.kill()
+                    gen.wait()
+                if sampler is not None:
+                    sampler.stop()
+            if returncode != 0:
+                print(f"vllm_ab: the load generator failed (exit {returncode})", file=sys.stderr)
                 return None
-            return json.loads(out.read_text())
+            doc = json.loads(out.read_text())
+            if sampler is not None:
+                records = [
+                    json.loads(line)
+                    for line in out.with_suffix(".requests.jsonl").read_text().splitlines()
+                    if line
+                ]
+                for run in doc["runs"]:
+                    mine = [r for r in records if r["run"] == run["name"]]
+                    traffic = read_traffic(tmp / f"traffic-{run['name']}")
+                    rows = tail_rows(
+                        mine,
+                        run.get("started_unix_s"),
+                        sampler.samples,
+                        [f"vllm-{'ab'[i]}" for i in range(len(servers))],
+                        traffic,
+                        args.tail,
+                        sampler.cpu,
+                    )
+                    run["tail"] = rows
+                    run["tail_summary"] = tail_summary(mine, rows)
+                    print(render_tail(run["name"], rows, run["tail_summary"]), flush=True)
+            return doc
 
+        if args.warm_engines:
+            # the workload once straight at the engines (client-side round robin), then
+            # thrown away: a fresh engine's first batches of each size run slower, and
+            # without this the first target measured pays for it and the last (smg) not
+            print("vllm_ab: warming the engines (not measured)", file=sys.stderr, flush=True)
+            if (
+                loadtest([("warm-up", ",".join(s.url for s in servers))], tmp / "warm-up.json", tail=False)
+                is None
+            ):
+                return None
         if not args.engine_phases:
-            doc = loadtest(targets, tmp / "ab.json")
+            k = rotate % len(targets)
+            doc = loadtest(targets[k:] + targets[:k], tmp / "ab.json")
             if doc is None:
                 return None
         else:  # one target at a time, the engines' own histograms read around each
@@ -403,7 +507,8 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
             print(
                 f"{name} inside the router (means): arrival to the worker's response head "
                 f"{phases['to_worker_head_ms']} ms, to the first token sent on "
-                f"{phases['to_first_token_ms']} ms; shed {phases['shed']:.0f}",
+                f"{phases['to_first_token_ms']} ms; shed {phases['shed']:.0f}, "
+                f"warm-ups sent {phases['warmups']:.0f}",
                 flush=True,
             )
             for run in doc["runs"]:
@@ -439,6 +544,224 @@ def run_once(args, modes: list[str], params: dict, model_dir: Path, variants: di
             p.__exit__(None, None, None)
         for s in servers:
             s.stop()
+
+
+class EngineSampler:
+    """Every ``interval_s``, on a thread of its own: each engine's queued and running
+    requests (vLLM's ``num_requests_waiting`` / ``num_requests_running`` gauges), as
+    ``samples``: [(UNIX time, [(waiting, running) per engine])]; and the CPU seconds
+    each process of ``groups`` (name -> pid) and its descendants have used, as
+    ``cpu``: [(UNIX time, {name: seconds})] — whether a stalled engine had its core.
+    ``stop()`` ends it."""
+
+    def __init__(
+        self, urls: list[str], groups: dict[str, int] | None = None, interval_s: float = 0.25
+    ) -> None:
+        self.urls = urls
+        self.groups = groups or {}
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, list[tuple[float, float]]]] = []
+        self.cpu: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.is_set():
+                t = time.time()
+                try:
+                    row = [engine_load(client.get(u + "/metrics").text) for u in self.urls]
+                except httpx.HTTPError:
+                    row = None
+                if row is not None:
+                    self.samples.append((t, row))
+                if self.groups:
+                    self.cpu.append((time.time(), tree_cpu_s(self.groups)))
+                self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def tree_cpu_s(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each pid of ``groups`` and its descendants have used (all threads);
+    "other" is every other process on the machine."""
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d.name)] = (int(f[1]), (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK"))
+    owner = {pid: name for name, pid in groups.items()}
+    out = dict.fromkeys([*groups, "other"], 0.0)
+    for pid, (_ppid, cpu) in stats.items():
+        p, seen = pid, 0
+        while p not in owner and p in stats and seen < 64:
+            p, seen = stats[p][0], seen + 1
+        out[owner.get(p, "other")] += cpu
+    return out
+
+
+def cpu_rates(cpu: list[tuple[float, dict[str, float]]], t0: float, t1: float) -> dict[str, float]:
+    """Cores each group used between ``t0`` and ``t1`` (the samples around them)."""
+    before = [c for c in cpu if c[0] <= t0]
+    after = [c for c in cpu if c[0] >= t1]
+    if not before or not after:
+        return {}
+    (ta, a), (tb, b) = before[-1], after[0]
+    return {k: round((b[k] - a.get(k, 0.0)) / (tb - ta), 2) for k in b} if tb > ta else {}
+
+
+def engine_load(metrics_text: str) -> tuple[float, float]:
+    """(waiting, running) requests from one vLLM /metrics page (summed over its engines)."""
+    waiting = running = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:num_requests_waiting{"):
+            waiting += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:num_requests_running{"):
+            running += float(line.rsplit(" ", 1)[1])
+    return waiting, running
+
+
+def read_traffic(directory: Path) -> list[dict]:
+    """The traffic log lines a router wrote under ``directory`` ([] if none)."""
+    lines = []
+    for f in sorted(directory.glob("*.jsonl")) if directory.is_dir() else ():
+        lines += [json.loads(x) for x in f.read_text().splitlines() if x]
+    return lines
+
+
+def tail_rows(
+    records: list[dict],
+    started_unix_s: float | None,
+    samples: list[tuple[float, list[tuple[float, float]]]],
+    engines: list[str],
+    traffic: list[dict],
+    share: float,
+    cpu: list[tuple[float, dict[str, float]]] = (),  # type: ignore[assignment]
+) -> list[dict]:
+    """The slowest ``share`` of ``records`` (the load generator's ``--requests-out``
+    lines of one run) by TTFT, slowest first, each with what it met: requests in flight
+    on its worker (``ahead``) and on the others when sent, from the records' own send
+    and end times; the engines' queued / running requests at the last sample before
+    it was sent and the most queued on any engine until its first token (``samples``,
+    on the clock ``started_unix_s`` sets ``send_s`` on; absent without it); and from the
+    router's traffic log line for it (same worker and prompt tokens, the nearest
+    arrival), ``engine_ms`` (upstream send to first token) and ``outside_ms`` (the rest
+    of the client's TTFT: client to router, routing, the relay back); and ``cores``:
+    the cores each process group of ``cpu`` (``EngineSampler.cpu``) used meanwhile."""
+    ok = [r for r in records if r["ok"] and r["ttft_ms"] is not None]
+    n = max(1, math.ceil(share * len(ok))) if ok else 0
+    slow = sorted(ok, key=lambda r: -r["ttft_ms"])[:n]
+    used: set[int] = set()
+    rows = []
+    for r in slow:
+        t, end = r["send_s"], r["send_s"] + r["ttft_ms"] / 1000
+        busy = [o for o in ok if o is not r and o["send_s"] <= t < o["send_s"] + (o["e2e_ms"] or 0) / 1000]
+        row = {
+            k: r[k]
+            for k in ("session", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "worker", "send_s")
+        }
+        row["ahead"] = sum(1 for o in busy if o["worker"] == r["worker"]) if r["worker"] else None
+        row["in_flight"] = len(busy)
+        if started_unix_s is not None and samples:
+            at = started_unix_s + t
+            before = [row_ for ts, row_ in samples if ts <= at]
+            during = [row_ for ts, row_ in samples if at <= ts <= started_unix_s + end]
+            if before:
+                row["engines_at_send"] = {
+                    e: {"waiting": w, "running": u} for e, (w, u) in zip(engines, before[-1])
+                }
+            row["most_waiting_until_first_token"] = max((w for s_ in during for w, _ in s_), default=None)
+            if cpu:
+                row["cores"] = cpu_rates(cpu, at, started_unix_s + end)
+        best = None
+        if started_unix_s is not None:
+            at = started_unix_s + t
+            for i, line in enumerate(traffic):
+                if (
+                    i in used
+                    or line.get("worker") != r["worker"]
+                    or line.get("input_length") != r["prompt_tokens"]
+                ):
+                    continue
+                gap = abs(line["timestamp"] / 1000 - at)
+                if gap < 1.0 and (best is None or gap < best[0]):
+                    best = (gap, i)
+        if best is not None and traffic[best[1]].get("ttft_ms") is not None:
+            used.add(best[1])
+            row["matched_tokens"] = traffic[best[1]]["matched_tokens"]  # what the pick believed
+            row["engine_ms"] = round(traffic[best[1]]["ttft_ms"], 1)
+            row["outside_ms"] = round(r["ttft_ms"] - row["engine_ms"], 1)
+        rows.append(row)
+    return rows
+
+
+def tail_summary(records: list[dict], rows: list[dict]) -> dict:
+    """Requests per worker over the run, and of the slowest rows: how many were first
+    turns, how many were sent to a worker busier than the others (more ``ahead`` than
+    the rest in flight elsewhere), their mean TTFT and, where known, the mean of the
+    engine's part."""
+    per: dict[str, int] = {}
+    for r in records:
+        if r["ok"]:
+            per[r["worker"] or "-"] = per.get(r["worker"] or "-", 0) + 1
+    eng = [r["engine_ms"] for r in rows if "engine_ms" in r]
+    out = [r["outside_ms"] for r in rows if "outside_ms" in r]
+    return {
+        "requests_per_worker": per,
+        "slow": len(rows),
+        "slow_first_turns": sum(1 for r in rows if r["turn"] == 0),
+        "slow_on_busier_worker": sum(
+            1 for r in rows if r["ahead"] is not None and r["ahead"] > r["in_flight"] - r["ahead"]
+        ),
+        "slow_mean_ttft_ms": round(statistics.fmean(r["ttft_ms"] for r in rows), 1) if rows else None,
+        "slow_mean_engine_ms": round(statistics.fmean(eng), 1) if eng else None,
+        "slow_mean_outside_ms": round(statistics.fmean(out), 1) if out else None,
+    }
+
+
+def render_tail(name: str, rows: list[dict], summary: dict) -> str:
+    """The slowest requests of one target as a plain table, summary first."""
+    per = ", ".join(f"{w} {n}" for w, n in sorted(summary["requests_per_worker"].items()))
+    lines = [
+        f"{name}: slowest {summary['slow']} by TTFT (requests per worker: {per}); "
+        f"first turns {summary['slow_first_turns']}, sent to the busier worker "
+        f"{summary['slow_on_busier_worker']}; mean TTFT {summary['slow_mean_ttft_ms']} ms, "
+        f"of which the engine {summary['slow_mean_engine_ms']} ms, outside it "
+        f"{summary['slow_mean_outside_ms']} ms",
+        "  ttft_ms  send_s  session  turn  prompt  cached  worker  ahead/in_flight  "
+        "engines at send (waiting/running)  most waiting  matched  engine_ms  outside_ms  "
+        "cores meanwhile (engines, its router, the other routers, the load generator, the rest)",
+    ]
+    for r in rows:
+        at = r.get("engines_at_send")
+        eng = " ".join(f"{e}={v['waiting']:.0f}/{v['running']:.0f}" for e, v in at.items()) if at else "-"
+        most = r.get("most_waiting_until_first_token")
+        c = r.get("cores") or {}
+        mine = f"router:{name}"
+        cores = (
+            " ".join(f"{k}={v:.2f}" for k, v in c.items() if k.startswith("vllm"))
+            + f" router={c.get(mine, 0):.2f}"
+            + f" routers={sum(v for k, v in c.items() if k.startswith('router:') and k != mine):.2f}"
+            + f" loadtest={c.get('loadtest', 0):.2f} rest={c.get('other', 0):.2f}"
+            if c
+            else "-"
+        )
+        lines.append(
+            f"  {r['ttft_ms']:7.0f} {r['send_s']:7.2f}  {r['session']:>7}  {r['turn']:4d}  "
+            f"{r['prompt_tokens']:6d}  {r['cached_tokens']:6d}  {r['worker'] or '-':>6}  "
+            f"{'-' if r['ahead'] is None else r['ahead']}/{r['in_flight']:<13}  {eng:33}  "
+            f"{'-' if most is None else f'{most:.0f}':>12}  {r.get('matched_tokens', '-'):>7}  "
+            f"{r.get('engine_ms', '-'):>9}  {r.get('outside_ms', '-'):>10}  {cores}"
+        )
+    return "\n".join(lines)
 
 
 #: (series, phase): the router's own histograms of where a request's time went
@@ -499,6 +822,11 @@ def router_phases(metrics_text: str) -> dict:
         n = values.get(series + "_count", 0.0)
         out[phase] = round(1000 * values.get(series + "_sum", 0.0) / n, 1) if n else None
     out["shed"] = values.get("radixfleet_shed_total", 0.0)
+    out["warmups"] = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith("radixfleet_warmups_total{")
+    )
     return out
 
 
@@ -522,7 +850,7 @@ def summarize(docs: list[dict]) -> dict:
                 **{
                     f"router_{k}": v
                     for k, v in (r.get("router") or {}).get("phases", {}).items()
-                    if k != "shed"
+                    if k not in ("shed", "warmups")
                 },
                 **{
                     f"engine_{k}" if k.endswith("_ms") else k: v

@@ -39,6 +39,9 @@ checks a document)::
                             workload ran out), "requests" or "duration" (a bound)
     workload_requests int|null  optional: requests the workload holds if every turn
                             succeeds
+    started_unix_s   float  optional (live runs): the wall-clock time (UNIX seconds)
+                            that ``--requests-out``'s ``send_s`` counts from, to align
+                            a run with what else was sampled meanwhile
     cut              str|null  optional: a sentence when a bound (or failed turns)
                             cut the run short of the whole workload; null otherwise
 

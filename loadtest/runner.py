@@ -235,7 +235,7 @@ async def run_target(
     errors = 0
     sessions = workload.sessions()
     total = sum(s.planned_requests for s in sessions)
-    t0 = time.monotonic()
+    t0, t0_unix = time.monotonic(), time.time()
 
     def on_dispatch(spec) -> None:
         r = Result(spec.id, spec.session, spec.turn)
@@ -277,6 +277,7 @@ async def run_target(
         target.name, target.base_url, workload.describe(), rs, kv_capacity_tokens=kv_capacity_tokens
     )
     mark_bounds(report, bounds, stats.stopped_by, stats.dispatched, total)
+    report["started_unix_s"] = round(t0_unix, 3)  # sets send_s on the wall clock
     return RunOutcome(report, rs, stats, [r.ttft_s * 1000 for r in rs if r.ok and r.ttft_s])
 
 

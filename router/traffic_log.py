@@ -48,7 +48,9 @@ Line format (``FORMAT``), one JSON object per line; Mooncake's trace fields firs
     matched_tokens  int    tokens the router believed that worker held (pick time;
                            0 when shed)
     cached_tokens   int|null  cached prompt tokens the worker reported
-    ttft_ms         float|null  router arrival to the first response byte
+    ttft_ms         float|null  the worker's part of the TTFT: the router's send of the
+                           last attempt to the first content token back (streams;
+                           null for non-streamed answers)
     status          int    the HTTP status the client got: the worker's own answer
                            (a 4xx passed through), the router's error when every
                            attempt failed (502, 503, 504, a worker's 429; matched_tokens
@@ -303,8 +305,8 @@ class TrafficLog:
         not copied: callers must not mutate it). ``arrival_s``: UNIX seconds when
         the router received the request. ``prompt_tokens`` / ``output_tokens`` /
         ``cached_tokens``: the worker's usage, None when it reported none (the
-        prompt then falls back to the router's estimate). ``ttft_s``: to the first
-        response byte. ``status``: the HTTP status the client got; ``broken``: the
+        prompt then falls back to the router's estimate). ``ttft_s``: the last attempt's
+        send to its first content token (streams). ``status``: the HTTP status the client got; ``broken``: the
         stream broke off after it. ``session``: the request's session id (sampling only; never
         written). O(1)."""
         if self.state is not LogState.RUNNING:
