@@ -145,7 +145,13 @@ Event = Stored | Removed | Cleared | Snapshot
 
 @dataclass(slots=True)
 class Load:
-    """An agent's load report; the router ignores it once stale."""
+    """An agent's load report; the router ignores it once stale.
+
+    ``queued_tokens``: the prefill the worker has ahead -- each waiting request's
+    prompt tokens its cache does not hold (as the cache stands when the report is
+    made), plus the rest of every prompt in prefill. The unit the router's estimate
+    for an engine that reports only a count uses too (``router.engines.queue_estimate``).
+    """
 
     queued_requests: int = 0
     queued_tokens: int = 0

@@ -62,9 +62,11 @@ showed a waiting queue with running at that ceiling; until then the most it ran 
 once is a slot count it has shown it has. So, with the limits learned and one
 router, a closed loop of at most the fleet's batch limits in clients is never shed —
 its in-flight total is below their sum, so some worker has fewer than its limit —
-and the first saturated reports teach the limit. Agents report their queue exactly and
-every ~100 ms; they have no batch limit here (their waiting queue is prefill, not
-slots) and are judged by ``pending_s`` alone.
+and the first saturated reports teach the limit. Agents report their queue every
+~100 ms in the prefill it needs (each waiting prompt less what their tree holds of
+it, ``worker_agent.scheduler``: a cached prompt waiting is not a second of work);
+they have no batch limit here (their waiting queue is prefill, not slots) and are
+judged by ``pending_s`` alone.
 
 Why aging: the scrape of an engine's ``/metrics`` is up to a second old. Adding every
 token picked since then without subtracting what the worker prefilled meanwhile

@@ -221,6 +221,10 @@ class RadixCache:
         self._tick = 0
         self._ghost: OrderedDict[int, None] = OrderedDict()
         self._mode = self.admission.mode
+        #: changes whenever the tokens held do (an insert that adds some, an
+        #: eviction, a flush); a split holds the same tokens and keeps it. Whoever
+        #: keeps a count derived from matches recounts when it moved.
+        self.version = 0
         self._clear_state()
 
     def _clear_state(self) -> None:
@@ -396,9 +400,10 @@ class RadixCache:
                     self._protect(p, first_tick)
         return n, node
 
-    def peek(self, ns: Hashable, key: Sequence[int]) -> int:
-        """Length of the longest cached prefix; no side effects. O(depth) + C."""
-        return self._walk(ns, as_key(key), False)[0]
+    def peek(self, ns: Hashable, key: Sequence[int], limit: int | None = None) -> int:
+        """Length of the longest cached prefix of ``key[:limit]``; no side effects.
+        O(depth) + C."""
+        return self._walk(ns, as_key(key), False, limit)[0]
 
     def unheld_hashes(self, ns: Hashable, key: Sequence[int], hashes: Sequence[int]) -> list[int]:
         """The router block hashes of ``key`` that the tree does not hold."""
@@ -469,6 +474,7 @@ class RadixCache:
             self._lru_discard(node)  # no longer a leaf
             node.children[self._page_key(new.tokens, 0)] = new
             size = limit - m
+            self.version += 1
             self.total_tokens += size
             self.evictable_tokens += size
             self.stats.inserted_tokens += size
@@ -540,6 +546,7 @@ class RadixCache:
         parent = node.parent
         assert parent is not None, f"only a root has no parent, and a root is no leaf: {node=}"
         del parent.children[self._page_key(node.tokens, 0)]
+        self.version += 1
         self.total_tokens -= size
         self.evictable_tokens -= size
         if node.protected:
@@ -568,6 +575,7 @@ class RadixCache:
         if self.locked_tokens:
             return False
         self._clear_state()
+        self.version += 1
         self.stats.flushes += 1
         if self.record_events:
             self._events.append(Cleared())

@@ -78,6 +78,22 @@ head of the queue. When the prompt's prefill completes it is inserted into the r
 tree (admission control may refuse part of it) and the request's lock moves to the
 new node; when the request finishes, prompt + generated tokens are inserted (growth
 during decode: the next turn of a conversation finds its whole history).
+
+Load report (``load()``, the router's shedding and queue signal): ``queued_tokens`` is
+the prefill ahead -- for each waiting request the prompt tokens its admission would
+prefill from the tree *as it stands at the report* (``uncached``: the prompt less its
+cached prefix, at most ``len - 1`` of it, or less the remote KV it will pull), plus
+the rest of every admitted prompt still prefilling. A waiting request's prefix is not
+locked (an engine pins KV only at admission, and pinning it would take memory from
+the requests that run), so it may be evicted while the request waits, or a request
+ahead may insert it: the count is kept per request and recounted whenever the tree's
+held tokens changed since (``RadixCache.version``), so every report is exact for its
+instant. Why not the whole prompt: a worker waiting on cached prompts then reads as
+seconds of prefill it will not do, and a router sheds below saturation. What it
+cannot know is the future: a prefix missing now is counted once per waiting request
+though the first to run re-fills it for the rest, and one held now may be gone when
+its request is admitted. ``check()``: the count is the sum of the waiting requests'
+``uncached``, each equal to a fresh match whenever the tree has not changed since.
 """
 
 from __future__ import annotations
@@ -132,6 +148,7 @@ class SchedRequest:
         "priority",
         "state",
         "cached",
+        "uncached",
         "prefilled",
         "generated",
         "private",
@@ -169,6 +186,9 @@ class SchedRequest:
         self.state = State.WAITING
         #: prompt tokens reused from the tree at admission
         self.cached = 0
+        #: while waiting: the prompt tokens its admission would prefill as the tree
+        #: stood at the scheduler's last count (``Scheduler.load_values``)
+        self.uncached = 0
         #: prompt tokens with KV so far (cached + computed)
         self.prefilled = 0
         self.generated = 0
@@ -300,7 +320,10 @@ class Scheduler:
         #: write-downs of the step in progress: (chunk digests, tokens held, hashes)
         self._writes: list[tuple[list[int], int, Any]] = []
         self.running: list[SchedRequest] = []
+        #: sum of ``uncached`` over ``waiting``, counted against the tree as it was at
+        #: ``cache.version == _counted_at`` (recounted when the tree changed since)
         self._queued_tokens = 0
+        self._counted_at = -1
         self._rate_tokens = 0.0
         self._rate_time = 0.0
 
@@ -337,14 +360,15 @@ class Scheduler:
             rate = self.prefill_tokens_per_s() or 1.0
             raise Overloaded(
                 f"{len(self.waiting)} requests already wait on this worker (max_waiting {cap}); retry later",
-                retry_after_s=self._queued_tokens / rate,
+                retry_after_s=self.queued_tokens() / rate,
             )
         # one conversion per request: every cache call then compares in C
         req.prompt = as_key(req.prompt)
         req.arrival = now
         req.state = State.WAITING
         self._enqueue(req)
-        self._queued_tokens += len(req.prompt)
+        req.uncached = self._uncached(req)
+        self._queued_tokens += req.uncached
         self.stats.submitted += 1
 
     def _enqueue(self, req: SchedRequest) -> None:
@@ -366,7 +390,7 @@ class Scheduler:
         if st is State.WAITING:
             try:
                 self.waiting.remove(req)
-                self._queued_tokens -= len(req.prompt)
+                self._queued_tokens -= req.uncached
             except ValueError:
                 pass
         elif st is State.PREFILL:
@@ -436,7 +460,7 @@ class Scheduler:
         req.cached = req.prefilled = cached
         req.reserved = need
         req.state = State.PREFILL
-        self._queued_tokens -= len(prompt)
+        self._queued_tokens -= req.uncached
         self.stats.prompt_tokens += len(prompt)
         if dram is not None and req.digests:
             assert req.digests is not None
@@ -697,6 +721,34 @@ class Scheduler:
 
     # ------------------------------------------------------------ reporting
 
+    def _uncached(self, req: SchedRequest) -> int:
+        """The prompt tokens ``req``'s admission would prefill from the tree as it
+        stands: all but its cached prefix (at most ``len - 1``: the last token is
+        always computed) or the remote KV it would pull, whichever covers more.
+        The DRAM tier's part counts as uncached (its read-back is not free, and
+        matching it would count its chunks as sightings). No side effects."""
+        n = len(req.prompt)
+        covered = self.cache.peek(req.ns, req.prompt, n - 1)
+        if req.remote:
+            r = min(req.remote, n - 1)
+            if r > covered:
+                covered = r
+        return n - covered
+
+    def queued_tokens(self) -> int:
+        """Prefill tokens the waiting queue needs from the tree as it stands now:
+        the sum of each waiting request's ``uncached``, recounted when the tree
+        changed since the last count. O(1) when it did not, else O(queue x depth)."""
+        version = self.cache.version
+        if self._counted_at != version:
+            total = 0
+            for r in self.waiting:
+                r.uncached = u = self._uncached(r)
+                total += u
+            self._queued_tokens = total
+            self._counted_at = version
+        return self._queued_tokens
+
     def prefill_tokens_per_s(self) -> float:
         """Measured prefill throughput: decayed, token-weighted tokens/s over steps that
         prefilled at least ``RATE_MIN_TOKENS`` (short prefills are bound by the weight
@@ -715,7 +767,7 @@ class Scheduler:
         queued tokens, running, KV used, KV capacity, prefill tokens/s): the
         simulator records one after every step and compares it with the last."""
         pool = self.pool
-        queued = self._queued_tokens
+        queued = self.queued_tokens()
         for r in self.prefilling:
             queued += len(r.prompt) - r.prefilled
         for r in self.loading:
@@ -748,7 +800,13 @@ class Scheduler:
             reserved += r.reserved
         assert private == self.pool.private, (private, self.pool.private)
         assert reserved == self.pool.reserved, (reserved, self.pool.reserved)
-        assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
+        assert self._queued_tokens == sum(r.uncached for r in self.waiting), (
+            self._queued_tokens,
+            [r.uncached for r in self.waiting],
+        )
+        if self._counted_at == self.cache.version:  # the count is the tree's present
+            for r in self.waiting:
+                assert r.uncached == self._uncached(r), f"{r=} {r.uncached=} {self._uncached(r)=}"
         if self.config.order == "priority":
             order = [(r.priority, r.arrival) for r in self.waiting]
             assert order == sorted(order), f"waiting not in (priority, arrival) order: {order}"
