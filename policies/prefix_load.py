@@ -25,7 +25,7 @@ matched_blocks`` stays the GPU prefix (what the hint and the load count assume).
 The pick is the minimum score; ``Decision.expected_ttft_s`` is ttft(w). Why each term:
 
 - ``max`` of the router's count (fresh, uncached parts) and the worker's report (up
-  to a batch old, uncached parts against its tree): both estimate mostly the same work, so their sum
+  to a batch old, whole prompts): both estimate mostly the same work, so their sum
   would make every warm worker look busy; the larger still covers other routers' work.
 - ``prefill_weight`` > 1: a worker's uncached prefill delays every request queued
   behind it too. The quadratic term grows the credit faster than the match: a long
@@ -136,14 +136,11 @@ class PrefixLoad(Policy):
     The fleet is *saturated* when even the least-loaded worker's queue (as the module
     docstring estimates it) is ``saturated_s`` or more. Then:
 
-    - A worker's reported queue counts at its *uncached share* (uncached over whole
-      prompt tokens routed there lately, decayed as ``_written``; 1 before any). The
-      report counts each waiting request's prefill against the tree as it stands, so
-      a prefix evicted while several of its requests wait counts once per request,
-      though the first to run re-fills it for the rest; past saturation that is a
-      holder's usual state. Counted as reported, the best holders look the busiest
-      and the affinity bound sends their prefixes away (bench/RESULTS.md "Past
-      saturation": the report alone lost hit on every seed).
+    - A worker's reported queue counts at its *uncached share*: the report counts
+      whole prompts, and past saturation a holder's queue is mostly prompts it holds
+      (the share: uncached over whole prompt tokens routed there lately, decayed as
+      ``_written``; 1 before any). Counted whole, the best holders look the busiest
+      and the affinity bound sends their prefixes away.
 
     - A worker whose match counts (not masked, not over the affinity bound) keeps the
       request whatever the score says. Below saturation the score's trade of queue
@@ -316,7 +313,7 @@ class PrefixLoad(Policy):
         # worker -> uncached tokens routed to it in all (never decays): KV it writes
         self._routed: dict[str, float] = {}
         # worker -> [decayed whole prompt tokens routed to it, time]: with _written,
-        # the share of its prompts it prefills (the class docstring's uncached share)
+        # the share of its prompts it prefills (queued_tokens counts whole prompts)
         self._prompted: dict[str, list[float]] = {}
 
     def choose(
@@ -519,7 +516,7 @@ class PrefixLoad(Policy):
         lo_r = None  # the least-loaded worker's write rate, computed on a tie only
         for i, v in enumerate(views):
             a, c = v.in_flight_tokens, v.queued_tokens
-            # past saturation, a report counts a re-filled prefix per waiting request
+            # past saturation, the report's whole prompts -> the part w prefills
             cq = c * self._uncached_share(v.id, now) if sat and c > a else c
             q = (a if a > cq else cq) / v.prefill_tokens_per_s
             qs.append(q)

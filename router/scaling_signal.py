@@ -129,7 +129,8 @@ class WorkerLoad:
     """One routable worker's load (from a ``policies.base.WorkerView``)."""
 
     prefill_tps: float | None  # None: not measured yet
-    #: prefill work ahead: the router's in-flight uncached tokens
+    #: prefill work ahead: the router's in-flight uncached tokens (the agents' queued
+    #: tokens count whole prompts, most of which their caches serve)
     backlog_tokens: int
     running_requests: int
     kv_capacity_tokens: int

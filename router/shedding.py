@@ -14,8 +14,8 @@ read by ``router.engines.link``) and what the router has done since (``QueueMark
                 ever ran at once (a slot count it has shown it has; a waiting
                 queue below it waits for a step's token budget: its requests
                 count as running ones do)
-    pending_s   = queued_tokens / rate  +  picked_since / rate  -  age     (>= 0)
-                the reported queue, the uncached tokens picked for the worker since,
+    pending_s   = queued_prefill_tokens / rate  +  picked_since / rate  -  age     (>= 0)
+                the reported queue's uncached prefill, the uncached tokens picked for the worker since,
                 less what the worker prefilled meanwhile at its learned rate
                 (engines' scrapes only: agents' ~100 ms reports are not aged)
     bound_s     = max(limits.worker_queue_min_s,
@@ -63,10 +63,11 @@ once is a slot count it has shown it has. So, with the limits learned and one
 router, a closed loop of at most the fleet's batch limits in clients is never shed —
 its in-flight total is below their sum, so some worker has fewer than its limit —
 and the first saturated reports teach the limit. Agents report their queue every
-~100 ms in the prefill it needs (each waiting prompt less what their tree holds of
-it, ``worker_agent.scheduler``: a cached prompt waiting is not a second of work);
-they have no batch limit here (their waiting queue is prefill, not slots) and are
-judged by ``pending_s`` alone.
+~100 ms, and ``pending_s`` reads its prefill: each waiting prompt less what their
+tree holds of it (``Load.queued_prefill_tokens``; counted whole, a worker waiting on
+cached prompts read as seconds of prefill it would not do, and requests were shed
+at 0.7x capacity); they have no batch limit here (their waiting queue is prefill,
+not slots) and are judged by ``pending_s`` alone.
 
 Why aging: the scrape of an engine's ``/metrics`` is up to a second old. Adding every
 token picked since then without subtracting what the worker prefilled meanwhile
@@ -216,7 +217,7 @@ def pending_s(mark: QueueMark, load: Load, rate: float, now: float) -> float:
     agent's report is at most ~100 ms old and is not aged (measured: aging it let
     ``radixfleet bench overload``'s admitted TTFT p99 go from 2.2x to 3.2x the
     unloaded one); an engine's scrape is up to a second old and is."""
-    q = (load.queued_tokens + mark.since_tokens) / rate
+    q = (load.queued_prefill_tokens + mark.since_tokens) / rate
     if mark.engine:
         q -= now - mark.at
     return q if q > 0.0 else 0.0

@@ -79,20 +79,24 @@ tree (admission control may refuse part of it) and the request's lock moves to t
 new node; when the request finishes, prompt + generated tokens are inserted (growth
 during decode: the next turn of a conversation finds its whole history).
 
-Load report (``load()``, the router's shedding and queue signal): ``queued_tokens`` is
-the prefill ahead -- for each waiting request the prompt tokens its admission would
-prefill from the tree *as it stands at the report* (``uncached``: the prompt less its
-cached prefix, at most ``len - 1`` of it, or less the remote KV it will pull), plus
-the rest of every admitted prompt still prefilling. A waiting request's prefix is not
-locked (an engine pins KV only at admission, and pinning it would take memory from
-the requests that run), so it may be evicted while the request waits, or a request
-ahead may insert it: the count is kept per request and recounted whenever the tree's
-held tokens changed since (``RadixCache.version``), so every report is exact for its
-instant. Why not the whole prompt: a worker waiting on cached prompts then reads as
-seconds of prefill it will not do, and a router sheds below saturation. What it
-cannot know is the future: a prefix missing now is counted once per waiting request
-though the first to run re-fills it for the rest, and one held now may be gone when
-its request is admitted. ``check()``: the count is the sum of the waiting requests'
+Load report (``load()``): two counts of the queue, each plus the rest of every
+admitted prompt still prefilling. ``queued_tokens`` counts every waiting prompt
+whole: routing policies weigh it (past saturation a waiting prompt's cached prefix
+is often evicted before its turn, and the policies' rules were measured on it).
+``queued_prefill_tokens`` counts what the waiting queue must prefill, the router's
+shedding signal: per waiting request the prompt tokens its admission would prefill
+from the tree *as it stands at the report* (``uncached``: the prompt less its cached
+prefix, at most ``len - 1`` of it, or less the remote KV it will pull; the DRAM
+tier's part counts as uncached). Why: counted whole, a worker waiting on cached
+prompts read as seconds of prefill it would not do, and the router shed requests
+below saturation. A waiting request's prefix is not locked (an engine pins KV only
+at admission; pinning it would take memory from the requests that run), so it may be
+evicted while the request waits, or a request ahead may insert it: ``uncached`` is
+kept per request and recounted whenever the tree's held tokens changed since the
+last count (``RadixCache.version``), so every report is exact for its instant. What
+it cannot know is the future: a prefix missing now is counted once per waiting
+request though the first to run re-fills it for the rest, and one held now may be
+gone at admission. ``check()``: the count is the sum of the waiting requests'
 ``uncached``, each equal to a fresh match whenever the tree has not changed since.
 """
 
@@ -320,9 +324,11 @@ class Scheduler:
         #: write-downs of the step in progress: (chunk digests, tokens held, hashes)
         self._writes: list[tuple[list[int], int, Any]] = []
         self.running: list[SchedRequest] = []
+        #: prompt tokens of ``waiting``, whole
+        self._queued_tokens = 0
         #: sum of ``uncached`` over ``waiting``, counted against the tree as it was at
         #: ``cache.version == _counted_at`` (recounted when the tree changed since)
-        self._queued_tokens = 0
+        self._queued_prefill = 0
         self._counted_at = -1
         self._rate_tokens = 0.0
         self._rate_time = 0.0
@@ -360,15 +366,16 @@ class Scheduler:
             rate = self.prefill_tokens_per_s() or 1.0
             raise Overloaded(
                 f"{len(self.waiting)} requests already wait on this worker (max_waiting {cap}); retry later",
-                retry_after_s=self.queued_tokens() / rate,
+                retry_after_s=self.queued_prefill_tokens() / rate,
             )
         # one conversion per request: every cache call then compares in C
         req.prompt = as_key(req.prompt)
         req.arrival = now
         req.state = State.WAITING
         self._enqueue(req)
+        self._queued_tokens += len(req.prompt)
         req.uncached = self._uncached(req)
-        self._queued_tokens += req.uncached
+        self._queued_prefill += req.uncached
         self.stats.submitted += 1
 
     def _enqueue(self, req: SchedRequest) -> None:
@@ -390,7 +397,8 @@ class Scheduler:
         if st is State.WAITING:
             try:
                 self.waiting.remove(req)
-                self._queued_tokens -= req.uncached
+                self._queued_tokens -= len(req.prompt)
+                self._queued_prefill -= req.uncached
             except ValueError:
                 pass
         elif st is State.PREFILL:
@@ -460,7 +468,8 @@ class Scheduler:
         req.cached = req.prefilled = cached
         req.reserved = need
         req.state = State.PREFILL
-        self._queued_tokens -= req.uncached
+        self._queued_tokens -= len(prompt)
+        self._queued_prefill -= req.uncached
         self.stats.prompt_tokens += len(prompt)
         if dram is not None and req.digests:
             assert req.digests is not None
@@ -735,7 +744,7 @@ class Scheduler:
                 covered = r
         return n - covered
 
-    def queued_tokens(self) -> int:
+    def queued_prefill_tokens(self) -> int:
         """Prefill tokens the waiting queue needs from the tree as it stands now:
         the sum of each waiting request's ``uncached``, recounted when the tree
         changed since the last count. O(1) when it did not, else O(queue x depth)."""
@@ -745,9 +754,9 @@ class Scheduler:
             for r in self.waiting:
                 r.uncached = u = self._uncached(r)
                 total += u
-            self._queued_tokens = total
+            self._queued_prefill = total
             self._counted_at = version
-        return self._queued_tokens
+        return self._queued_prefill
 
     def prefill_tokens_per_s(self) -> float:
         """Measured prefill throughput: decayed, token-weighted tokens/s over steps that
@@ -762,23 +771,25 @@ class Scheduler:
     def load(self) -> Load:
         return Load(*self.load_values())
 
-    def load_values(self) -> tuple[int, int, int, int, int, float]:
+    def load_values(self) -> tuple[int, int, int, int, int, float, int]:
         """``load()`` as a plain tuple in ``Load``'s field order (queued requests,
-        queued tokens, running, KV used, KV capacity, prefill tokens/s): the
-        simulator records one after every step and compares it with the last."""
+        queued tokens, running, KV used, KV capacity, prefill tokens/s, queued
+        prefill tokens): the simulator records one after every step and compares it
+        with the last."""
         pool = self.pool
-        queued = self.queued_tokens()
+        admitted = 0  # the rest of every prompt in prefill
         for r in self.prefilling:
-            queued += len(r.prompt) - r.prefilled
+            admitted += len(r.prompt) - r.prefilled
         for r in self.loading:
-            queued += len(r.prompt) - r.prefilled
+            admitted += len(r.prompt) - r.prefilled
         return (
             len(self.waiting),
-            queued,
+            self._queued_tokens + admitted,
             len(self.running) + len(self.prefilling) + len(self.loading),
             pool.used,
             pool.capacity,
             float(self.prefill_tokens_per_s()),
+            self.queued_prefill_tokens() + admitted,
         )
 
     def check(self) -> None:
@@ -800,8 +811,9 @@ class Scheduler:
             reserved += r.reserved
         assert private == self.pool.private, (private, self.pool.private)
         assert reserved == self.pool.reserved, (reserved, self.pool.reserved)
-        assert self._queued_tokens == sum(r.uncached for r in self.waiting), (
-            self._queued_tokens,
+        assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
+        assert self._queued_prefill == sum(r.uncached for r in self.waiting), (
+            self._queued_prefill,
             [r.uncached for r in self.waiting],
         )
         if self._counted_at == self.cache.version:  # the count is the tree's present

@@ -334,10 +334,10 @@ def test_decode_window_is_zero_while_anything_can_be_admitted_or_prefills():
 
 
 def test_a_waiting_request_reports_only_its_uncached_prompt_and_evictions_raise_it():
-    """The load report's ``queued_tokens`` is the prefill the waiting queue needs: a
-    request whose prefix the tree holds counts only the rest; when that prefix is
-    evicted while it waits, the next report counts it whole, and a re-insert lowers
-    it again."""
+    """The load report's ``queued_prefill_tokens`` is the prefill the waiting queue
+    needs: a request whose prefix the tree holds counts only the rest; when that
+    prefix is evicted while it waits, the next report counts it whole, and a
+    re-insert lowers it again. ``queued_tokens`` counts the prompt whole throughout."""
     s = make(max_running=1)
     system = list(range(2048))
     s.submit(req(1, system), 0.0)
@@ -350,16 +350,17 @@ def test_a_waiting_request_reports_only_its_uncached_prompt_and_evictions_raise_
     s.submit(waiting, t)
     s.check()
     assert waiting.state is State.WAITING
-    assert s.load().queued_tokens == 64 and s.load().queued_requests == 1
+    ld = s.load()
+    assert (ld.queued_prefill_tokens, ld.queued_tokens, ld.queued_requests) == (64, 2048 + 64, 1)
     assert s.cache.evict(10**6) >= 2048  # the system prompt goes; the running one is locked
     s.check()
-    assert s.load().queued_tokens == 2048 + 64
+    assert s.load().queued_prefill_tokens == 2048 + 64
     s.check()
     s.cache.insert("n", system)
-    assert s.load().queued_tokens == 64
+    assert s.load().queued_prefill_tokens == 64
     s.check()
     s.cancel(waiting)
-    assert s.load().queued_tokens == 0
+    assert (s.load().queued_prefill_tokens, s.load().queued_tokens) == (0, 0)
     s.check()
 
 
@@ -372,5 +373,5 @@ def test_a_waiting_request_of_a_fully_cached_prompt_counts_its_last_token():
     s.submit(req(2, list(range(10_000, 10_100)), max_new=1000), t)
     t += s.step(t).duration_s
     s.submit(req(3, prompt), t)
-    assert s.load().queued_tokens == 1
+    assert s.load().queued_prefill_tokens == 1
     s.check()

@@ -130,10 +130,9 @@ def test_a_saturated_fleet_trusts_a_fresh_home_over_the_index_and_a_stale_one_no
 
 
 def test_a_saturated_holders_reported_queue_counts_only_the_prompts_it_must_prefill():
-    """Past saturation a worker's report counts an evicted prefix once per waiting
-    request, though the first to run re-fills it for the rest. Counted as reported,
-    a good holder looks overloaded and its prefix moves; counted at the share of its
-    prompts it prefills, it keeps it."""
+    """A worker's report counts whole prompts waiting; past saturation a good holder's
+    queue is mostly prompts it holds. Counted whole, it looks overloaded and its
+    prefix moves; counted at the share of its prompts it prefills, it keeps it."""
     pol = policy()
     req = hand_req()
     idle = [WorkerView("w0"), WorkerView("w1")]

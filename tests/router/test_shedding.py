@@ -22,6 +22,7 @@ def engine_report(pool, w, now, *, running=0, waiting=0, queued_tokens=0, kv=(0,
         Load(
             queued_requests=waiting,
             queued_tokens=queued_tokens,
+            queued_prefill_tokens=queued_tokens,  # an engine's one estimate
             running_requests=running,
             kv_used_tokens=kv[0],
             kv_capacity_tokens=kv[1],
@@ -316,7 +317,15 @@ def test_full_kv_means_no_room_and_agents_learn_no_limit():
     # a has a free slot by count, but its KV is full: the queue decides
     engine_report(pool, a, t, running=3, waiting=5, queued_tokens=900, kv=(int(KV_FULL * cap), cap))
     pool.report_load(
-        b, Load(queued_requests=5, queued_tokens=900, running_requests=3, prefill_tokens_per_s=RATE), t
+        b,
+        Load(
+            queued_requests=5,
+            queued_tokens=900,
+            queued_prefill_tokens=900,
+            running_requests=3,
+            prefill_tokens_per_s=RATE,
+        ),
+        t,
     )  # an agent
     assert b.mark.limit == 0 and b.mark.running_max == 0
     exc = check(s, pool, t)
@@ -397,3 +406,33 @@ def test_a_prefetch_is_not_counted_in_the_typical_request():
     assert s.largest_tokens == 5000 > largest  # its prefill sits ahead like a request's
     assert check(s, pool, t0, uncached=300) is None
     assert s.typical_s > 0.1  # a real request still counts
+
+
+def test_an_agent_waiting_on_cached_prompts_is_judged_by_their_prefill():
+    # Each agent has two 4,116-token prompts waiting whose 4,096-token prefixes its
+    # cache holds: 8.2 s counted whole, 0.04 s of prefill (the bound: 0.05 s). The
+    # verdict reads the prefill (Load.queued_prefill_tokens); the whole count is the
+    # policies'.
+    pool, _, clock = make_pool()
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)
+
+    def agent_report(prefill):
+        for w in pool:
+            pool.report_load(
+                w,
+                Load(
+                    queued_requests=2,
+                    queued_tokens=2 * 4116,
+                    queued_prefill_tokens=prefill,
+                    running_requests=1,
+                    prefill_tokens_per_s=RATE,
+                ),
+                t,
+            )
+
+    agent_report(2 * 20)
+    assert check(s, pool, t) is None
+    agent_report(2 * 4116)  # the prefixes evicted while waiting: saturated
+    assert isinstance(check(s, pool, t), Overloaded)
