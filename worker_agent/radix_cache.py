@@ -221,10 +221,6 @@ class RadixCache:
         self._tick = 0
         self._ghost: OrderedDict[int, None] = OrderedDict()
         self._mode = self.admission.mode
-        #: changes whenever the tokens held do (an insert that adds some, an
-        #: eviction, a flush); a split holds the same tokens and keeps it. Whoever
-        #: keeps a count derived from matches recounts when it moved.
-        self.version = 0
         self._clear_state()
 
     def _clear_state(self) -> None:
@@ -474,7 +470,6 @@ class RadixCache:
             self._lru_discard(node)  # no longer a leaf
             node.children[self._page_key(new.tokens, 0)] = new
             size = limit - m
-            self.version += 1
             self.total_tokens += size
             self.evictable_tokens += size
             self.stats.inserted_tokens += size
@@ -546,7 +541,6 @@ class RadixCache:
         parent = node.parent
         assert parent is not None, f"only a root has no parent, and a root is no leaf: {node=}"
         del parent.children[self._page_key(node.tokens, 0)]
-        self.version += 1
         self.total_tokens -= size
         self.evictable_tokens -= size
         if node.protected:
@@ -575,7 +569,6 @@ class RadixCache:
         if self.locked_tokens:
             return False
         self._clear_state()
-        self.version += 1
         self.stats.flushes += 1
         if self.record_events:
             self._events.append(Cleared())

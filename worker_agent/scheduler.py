@@ -81,23 +81,24 @@ during decode: the next turn of a conversation finds its whole history).
 
 Load report (``load()``): two counts of the queue, each plus the rest of every
 admitted prompt still prefilling. ``queued_tokens`` counts every waiting prompt
-whole: routing policies weigh it (past saturation a waiting prompt's cached prefix
-is often evicted before its turn, and the policies' rules were measured on it).
-``queued_prefill_tokens`` counts what the waiting queue must prefill, the router's
-shedding signal: per waiting request the prompt tokens its admission would prefill
-from the tree *as it stands at the report* (``uncached``: the prompt less its cached
-prefix, at most ``len - 1`` of it, or less the remote KV it will pull; the DRAM
-tier's part counts as uncached). Why: counted whole, a worker waiting on cached
-prompts read as seconds of prefill it would not do, and the router shed requests
-below saturation. A waiting request's prefix is not locked (an engine pins KV only
-at admission; pinning it would take memory from the requests that run), so it may be
-evicted while the request waits, or a request ahead may insert it: ``uncached`` is
-kept per request and recounted whenever the tree's held tokens changed since the
-last count (``RadixCache.version``), so every report is exact for its instant. What
-it cannot know is the future: a prefix missing now is counted once per waiting
-request though the first to run re-fills it for the rest, and one held now may be
-gone at admission. ``check()``: the count is the sum of the waiting requests'
-``uncached``, each equal to a fresh match whenever the tree has not changed since.
+whole: routing policies weigh it (their rules were measured on it).
+``queued_prefill_tokens`` is the router's shedding signal, what the queue will
+prefill: in queue order, a waiting request with less than ``chunk_tokens`` of
+prefill ahead of it (the admitted prompts' rest and the waiting requests before
+it) counts the tokens its admission would prefill from the tree as it stands at the
+report (the prompt less its cached prefix, at most ``len - 1`` of it, or less the
+remote KV it will pull; the DRAM tier's part counts as uncached); every later one
+counts its whole prompt. Why: counted whole, a worker with a cached prompt or two
+waiting read as seconds of prefill it would not do, and the router shed requests
+below saturation. Why whole past one step's budget: a waiting prefix is not locked
+(an engine pins KV only at admission; pinning it would take memory from the
+requests that run), and a request that waits several steps while others admit and
+evict often finds its prefix gone -- counted as cached, a saturated worker's long
+queue read short, the router admitted more onto it and goodput past saturation fell
+(bench/RESULTS.md "Past saturation, live"). The count is taken at each report
+(O(depth) per request within the budget), so eviction or insertion while a request
+waits is reflected at once. ``check()``: 0 <= prefill <= whole, and the prefill is
+that sum recomputed.
 """
 
 from __future__ import annotations
@@ -152,7 +153,6 @@ class SchedRequest:
         "priority",
         "state",
         "cached",
-        "uncached",
         "prefilled",
         "generated",
         "private",
@@ -190,9 +190,6 @@ class SchedRequest:
         self.state = State.WAITING
         #: prompt tokens reused from the tree at admission
         self.cached = 0
-        #: while waiting: the prompt tokens its admission would prefill as the tree
-        #: stood at the scheduler's last count (``Scheduler.load_values``)
-        self.uncached = 0
         #: prompt tokens with KV so far (cached + computed)
         self.prefilled = 0
         self.generated = 0
@@ -326,10 +323,6 @@ class Scheduler:
         self.running: list[SchedRequest] = []
         #: prompt tokens of ``waiting``, whole
         self._queued_tokens = 0
-        #: sum of ``uncached`` over ``waiting``, counted against the tree as it was at
-        #: ``cache.version == _counted_at`` (recounted when the tree changed since)
-        self._queued_prefill = 0
-        self._counted_at = -1
         self._rate_tokens = 0.0
         self._rate_time = 0.0
 
@@ -374,8 +367,6 @@ class Scheduler:
         req.state = State.WAITING
         self._enqueue(req)
         self._queued_tokens += len(req.prompt)
-        req.uncached = self._uncached(req)
-        self._queued_prefill += req.uncached
         self.stats.submitted += 1
 
     def _enqueue(self, req: SchedRequest) -> None:
@@ -398,7 +389,6 @@ class Scheduler:
             try:
                 self.waiting.remove(req)
                 self._queued_tokens -= len(req.prompt)
-                self._queued_prefill -= req.uncached
             except ValueError:
                 pass
         elif st is State.PREFILL:
@@ -469,7 +459,6 @@ class Scheduler:
         req.reserved = need
         req.state = State.PREFILL
         self._queued_tokens -= len(prompt)
-        self._queued_prefill -= req.uncached
         self.stats.prompt_tokens += len(prompt)
         if dram is not None and req.digests:
             assert req.digests is not None
@@ -744,19 +733,32 @@ class Scheduler:
                 covered = r
         return n - covered
 
-    def queued_prefill_tokens(self) -> int:
-        """Prefill tokens the waiting queue needs from the tree as it stands now:
-        the sum of each waiting request's ``uncached``, recounted when the tree
-        changed since the last count. O(1) when it did not, else O(queue x depth)."""
-        version = self.cache.version
-        if self._counted_at != version:
-            total = 0
-            for r in self.waiting:
-                r.uncached = u = self._uncached(r)
-                total += u
-            self._queued_prefill = total
-            self._counted_at = version
-        return self._queued_prefill
+    def _admitted_prefill(self) -> int:
+        """Prompt tokens admitted requests have still to prefill."""
+        n = 0
+        for r in self.prefilling:
+            n += len(r.prompt) - r.prefilled
+        for r in self.loading:
+            n += len(r.prompt) - r.prefilled
+        return n
+
+    def queued_prefill_tokens(self, admitted: int | None = None) -> int:
+        """The waiting queue's prefill (module docstring, "Load report"): in queue
+        order, a request with less than ``chunk_tokens`` of prefill ahead of it
+        (``admitted``, the admitted prompts' rest, default computed, plus the
+        waiting requests before it) counts its uncached tokens, any later one its
+        whole prompt. O(depth) per request within the budget, O(1) past it."""
+        ahead = self._admitted_prefill() if admitted is None else admitted
+        budget = self.config.chunk_tokens
+        total = whole = 0  # counted so far, and those requests' whole prompts
+        for r in self.waiting:
+            if ahead >= budget:  # the rest wait steps, their prefixes evictable: whole
+                return total + self._queued_tokens - whole
+            u = self._uncached(r)
+            total += u
+            ahead += u
+            whole += len(r.prompt)
+        return total
 
     def prefill_tokens_per_s(self) -> float:
         """Measured prefill throughput: decayed, token-weighted tokens/s over steps that
@@ -777,11 +779,7 @@ class Scheduler:
         prefill tokens): the simulator records one after every step and compares it
         with the last."""
         pool = self.pool
-        admitted = 0  # the rest of every prompt in prefill
-        for r in self.prefilling:
-            admitted += len(r.prompt) - r.prefilled
-        for r in self.loading:
-            admitted += len(r.prompt) - r.prefilled
+        admitted = self._admitted_prefill()
         return (
             len(self.waiting),
             self._queued_tokens + admitted,
@@ -789,7 +787,7 @@ class Scheduler:
             pool.used,
             pool.capacity,
             float(self.prefill_tokens_per_s()),
-            self.queued_prefill_tokens() + admitted,
+            self.queued_prefill_tokens(admitted) + admitted,
         )
 
     def check(self) -> None:
@@ -812,13 +810,14 @@ class Scheduler:
         assert private == self.pool.private, (private, self.pool.private)
         assert reserved == self.pool.reserved, (reserved, self.pool.reserved)
         assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
-        assert self._queued_prefill == sum(r.uncached for r in self.waiting), (
-            self._queued_prefill,
-            [r.uncached for r in self.waiting],
-        )
-        if self._counted_at == self.cache.version:  # the count is the tree's present
-            for r in self.waiting:
-                assert r.uncached == self._uncached(r), f"{r=} {r.uncached=} {self._uncached(r)=}"
+        prefill = self.queued_prefill_tokens()
+        assert 0 <= prefill <= self._queued_tokens, (prefill, self._queued_tokens)
+        ahead, budget, left = self._admitted_prefill(), self.config.chunk_tokens, prefill
+        for r in self.waiting:  # within the budget uncached, past it whole
+            u = self._uncached(r) if ahead < budget else len(r.prompt)
+            ahead += u
+            left -= u
+        assert left == 0, (prefill, left)
         if self.config.order == "priority":
             order = [(r.priority, r.arrival) for r in self.waiting]
             assert order == sorted(order), f"waiting not in (priority, arrival) order: {order}"

@@ -375,3 +375,24 @@ def test_a_waiting_request_of_a_fully_cached_prompt_counts_its_last_token():
     s.submit(req(3, prompt), t)
     assert s.load().queued_prefill_tokens == 1
     s.check()
+
+
+def test_a_request_a_steps_budget_deep_in_the_queue_counts_its_whole_prompt():
+    """Past ``chunk_tokens`` of prefill ahead a request waits steps, in which its
+    cached prefix may be evicted: it counts whole, as it will likely cost."""
+    s = make(max_running=1)  # chunk_tokens 8,192
+    system = list(range(2048))
+    s.submit(req(1, system), 0.0)
+    t = run(s)
+    s.submit(req(2, list(range(10_000, 10_500)), max_new=1000), t)  # holds the batch slot
+    t += s.step(t).duration_s
+    cold = [req(10 + i, list(range(20_000 + 5000 * i, 25_000 + 5000 * i))) for i in range(2)]
+    late = req(3, system + list(range(50_000, 50_064)))
+    for r in (*cold, late):
+        s.submit(r, t)
+    ld = s.load()
+    # 0 ahead: 5,000; 5,000 ahead: 5,000; 10,000 ahead (>= 8,192): 2,112 whole, not 64
+    assert (ld.queued_prefill_tokens, ld.queued_tokens) == (5000 + 5000 + 2112, 5000 + 5000 + 2112)
+    s.cancel(cold[1])
+    assert s.load().queued_prefill_tokens == 5000 + 64  # now 5,000 ahead of it
+    s.check()
