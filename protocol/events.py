@@ -152,9 +152,10 @@ class Load:
     past saturation a waiting prompt's cached prefix may be evicted before its turn);
     ``queued_prefill_tokens`` only the part the worker's cache does not hold when the
     report is made (what load shedding judges: a cached prompt waiting is not a
-    second of prefill). A report without the second field (an older agent) or a
-    ``Load`` built without it reads it as ``queued_tokens``; for an engine that reports only a count,
-    the router estimates one figure for both (``router.engines.queue_estimate``).
+    second of prefill; ``worker_agent.scheduler`` says which part). A report without
+    the second field (an older agent), or a ``Load`` built without it, reads it as
+    ``queued_tokens``; for an engine that reports only a count the router estimates
+    one figure for both (``router.engines.queue_estimate``).
     """
 
     queued_requests: int = 0
@@ -256,7 +257,7 @@ def parse_load(raw: dict[str, Any]) -> Load:
     """Validates a load report (see ``MAX_LOAD_COUNT``, ``MAX_RATE``); a missing
     field is 0, a missing ``queued_prefill_tokens`` is ``queued_tokens`` (``Load``).
     Raises ``MalformedRequest`` naming the field."""
-    vals = {}
+    vals: dict[str, Any] = {}
     for f, typ in _LOAD_FIELDS.items():
         v = raw.get(f, 0) if f != "queued_prefill_tokens" else raw.get(f, vals["queued_tokens"])
         if typ is int:
