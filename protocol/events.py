@@ -148,11 +148,12 @@ class Load:
     """An agent's load report; the router ignores it once stale.
 
     Two counts of one queue, each plus the rest of every prompt in prefill:
-    ``queued_tokens`` counts every waiting prompt whole (what routing policies weigh:
-    past saturation a waiting prompt's cached prefix may be evicted before its turn);
+    ``queued_tokens`` counts every waiting prompt whole (what routing policies and
+    load shedding weigh: past saturation a waiting prompt's prefix is often evicted
+    before its turn);
     ``queued_prefill_tokens`` only the part the worker's cache does not hold when the
-    report is made (what load shedding judges: a cached prompt waiting is not a
-    second of prefill; ``worker_agent.scheduler`` says which part). A report without
+    report is made (``worker_agent.scheduler`` says which part; load shedding keeps
+    it beside each decision, ``router.shedding`` says why it judges the whole count). A report without
     the second field (an older agent), or a ``Load`` built without it, reads it as
     ``queued_tokens``; for an engine that reports only a count the router estimates
     one figure for both (``router.engines.queue_estimate``).

@@ -14,8 +14,8 @@ read by ``router.engines.link``) and what the router has done since (``QueueMark
                 ever ran at once (a slot count it has shown it has; a waiting
                 queue below it waits for a step's token budget: its requests
                 count as running ones do)
-    pending_s   = queued_prefill_tokens / rate  +  picked_since / rate  -  age     (>= 0)
-                the reported queue's uncached prefill, the uncached tokens picked for the worker since,
+    pending_s   = queued_tokens / rate  +  picked_since / rate  -  age     (>= 0)
+                the reported queue, the uncached tokens picked for the worker since,
                 less what the worker prefilled meanwhile at its learned rate
                 (engines' scrapes only: agents' ~100 ms reports are not aged)
     bound_s     = max(limits.worker_queue_min_s,
@@ -63,11 +63,14 @@ once is a slot count it has shown it has. So, with the limits learned and one
 router, a closed loop of at most the fleet's batch limits in clients is never shed —
 its in-flight total is below their sum, so some worker has fewer than its limit —
 and the first saturated reports teach the limit. Agents report their queue every
-~100 ms, and ``pending_s`` reads its prefill: each waiting prompt less what their
-tree holds of it (``Load.queued_prefill_tokens``; counted whole, a worker waiting on
-cached prompts read as seconds of prefill it would not do, and requests were shed
-at 0.7x capacity); they have no batch limit here (their waiting queue is prefill,
-not slots) and are judged by ``pending_s`` alone.
+~100 ms; they have no batch limit here (their waiting queue is prefill, not slots)
+and are judged by ``pending_s`` alone. ``pending_s`` reads their whole waiting
+prompts (``Load.queued_tokens``), not the prefill they need now
+(``queued_prefill_tokens``, kept in each shed record as ``prefill_s``): judged on the
+prefill, no request was shed at 0.7x capacity, but at 1.5x the router admitted more
+onto saturated workers and goodput fell by 12-23% (bench/RESULTS.md "Past saturation,
+live"); counted whole, a worker waiting on a cached prompt or two reads as seconds of
+prefill it will not do, and below saturation a few requests are shed.
 
 Why aging: the scrape of an engine's ``/metrics`` is up to a second old. Adding every
 token picked since then without subtracting what the worker prefilled meanwhile
@@ -217,7 +220,7 @@ def pending_s(mark: QueueMark, load: Load, rate: float, now: float) -> float:
     agent's report is at most ~100 ms old and is not aged (measured: aging it let
     ``radixfleet bench overload``'s admitted TTFT p99 go from 2.2x to 3.2x the
     unloaded one); an engine's scrape is up to a second old and is."""
-    q = (load.queued_prefill_tokens + mark.since_tokens) / rate
+    q = (load.queued_tokens + mark.since_tokens) / rate
     if mark.engine:
         q -= now - mark.at
     return q if q > 0.0 else 0.0
@@ -339,6 +342,8 @@ class Shedder:
                     "queue_held": mark.queue_held,
                     "report_age_s": round(now - mark.at, 3),
                     "pending_s": round(pending_s(mark, ld, rate, now), 3),
+                    # the agent's waiting queue as prefill needed now (Load)
+                    "prefill_s": round(ld.queued_prefill_tokens / rate, 3),
                     "ahead_s": round((w.in_flight_tokens + w.remote_tokens) / rate, 3),
                 }
             )

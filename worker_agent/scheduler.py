@@ -81,24 +81,21 @@ during decode: the next turn of a conversation finds its whole history).
 
 Load report (``load()``): two counts of the queue, each plus the rest of every
 admitted prompt still prefilling. ``queued_tokens`` counts every waiting prompt
-whole: routing policies weigh it (their rules were measured on it).
-``queued_prefill_tokens`` is the router's shedding signal, what the queue will
-prefill: in queue order, a waiting request with less than ``chunk_tokens`` of
-prefill ahead of it (the admitted prompts' rest and the waiting requests before
-it) counts the tokens its admission would prefill from the tree as it stands at the
-report (the prompt less its cached prefix, at most ``len - 1`` of it, or less the
-remote KV it will pull; the DRAM tier's part counts as uncached); every later one
-counts its whole prompt. Why: counted whole, a worker with a cached prompt or two
-waiting read as seconds of prefill it would not do, and the router shed requests
-below saturation. Why whole past one step's budget: a waiting prefix is not locked
-(an engine pins KV only at admission; pinning it would take memory from the
-requests that run), and a request that waits several steps while others admit and
-evict often finds its prefix gone -- counted as cached, a saturated worker's long
-queue read short, the router admitted more onto it and goodput past saturation fell
-(bench/RESULTS.md "Past saturation, live"). The count is taken at each report
-(O(depth) per request within the budget), so eviction or insertion while a request
-waits is reflected at once. ``check()``: 0 <= prefill <= whole, and the prefill is
-that sum recomputed.
+whole: routing policies and load shedding weigh it (their rules were measured on it;
+``router.shedding`` says why it stays whole). ``queued_prefill_tokens`` is what the
+queue will prefill as far as the tree tells now: in queue order, a waiting request
+with less than ``chunk_tokens`` of prefill ahead of it (the admitted prompts' rest
+and the waiting requests before it) counts the tokens its admission would prefill
+from the tree as it stands at the report (the prompt less its cached prefix, at
+most ``len - 1`` of it, or less the remote KV it will pull; the DRAM tier's part
+counts as uncached); every later one counts its whole prompt. Why: counted whole, a
+worker with a cached prompt or two waiting reads as seconds of prefill it will not
+do. Why whole past one step's budget: a waiting prefix is not locked (an engine pins
+KV only at admission; pinning it would take memory from the requests that run), and
+a request that waits several steps while others admit and evict often finds its
+prefix gone. The count is taken at each report (O(depth) per request within the
+budget), so eviction or insertion while a request waits is reflected at once.
+``check()``: 0 <= prefill <= whole, and the prefill is that sum recomputed.
 """
 
 from __future__ import annotations

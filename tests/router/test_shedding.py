@@ -408,31 +408,27 @@ def test_a_prefetch_is_not_counted_in_the_typical_request():
     assert s.typical_s > 0.1  # a real request still counts
 
 
-def test_an_agent_waiting_on_cached_prompts_is_judged_by_their_prefill():
+def test_an_agents_whole_queue_is_judged_and_its_prefill_kept_in_the_record():
     # Each agent has two 4,116-token prompts waiting whose 4,096-token prefixes its
-    # cache holds: 8.2 s counted whole, 0.04 s of prefill (the bound: 0.05 s). The
-    # verdict reads the prefill (Load.queued_prefill_tokens); the whole count is the
-    # policies'.
+    # cache holds: 8.2 s counted whole, 0.04 s of prefill. Shedding judges the whole
+    # count (past saturation such prefixes are often evicted before their turn) and
+    # keeps the prefill beside it for whoever traces the decision.
     pool, _, clock = make_pool()
     s = Shedder(0.5, 0.05)
     t = clock()
     learned(s, pool, t)
-
-    def agent_report(prefill):
-        for w in pool:
-            pool.report_load(
-                w,
-                Load(
-                    queued_requests=2,
-                    queued_tokens=2 * 4116,
-                    queued_prefill_tokens=prefill,
-                    running_requests=1,
-                    prefill_tokens_per_s=RATE,
-                ),
-                t,
-            )
-
-    agent_report(2 * 20)
-    assert check(s, pool, t) is None
-    agent_report(2 * 4116)  # the prefixes evicted while waiting: saturated
+    for w in pool:
+        pool.report_load(
+            w,
+            Load(
+                queued_requests=2,
+                queued_tokens=2 * 4116,
+                queued_prefill_tokens=2 * 20,
+                running_requests=1,
+                prefill_tokens_per_s=RATE,
+            ),
+            t,
+        )
     assert isinstance(check(s, pool, t), Overloaded)
+    rows = s.recent[-1]["workers"]
+    assert [(r["pending_s"], r["prefill_s"]) for r in rows] == [(8.232, 0.04)] * 2
