@@ -145,7 +145,19 @@ Event = Stored | Removed | Cleared | Snapshot
 
 @dataclass(slots=True)
 class Load:
-    """An agent's load report; the router ignores it once stale."""
+    """An agent's load report; the router ignores it once stale.
+
+    Two counts of one queue, each plus the rest of every prompt in prefill:
+    ``queued_tokens`` counts every waiting prompt whole (what routing policies and
+    load shedding weigh: past saturation a waiting prompt's prefix is often evicted
+    before its turn);
+    ``queued_prefill_tokens`` only the part the worker's cache does not hold when the
+    report is made (``worker_agent.scheduler`` says which part; load shedding keeps
+    it beside each decision, ``router.shedding`` says why it judges the whole count). A report without
+    the second field (an older agent), or a ``Load`` built without it, reads it as
+    ``queued_tokens``; for an engine that reports only a count the router estimates
+    one figure for both (``router.engines.queue_estimate``).
+    """
 
     queued_requests: int = 0
     queued_tokens: int = 0
@@ -153,6 +165,12 @@ class Load:
     kv_used_tokens: int = 0
     kv_capacity_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
+    #: -1 (the default): as ``queued_tokens``
+    queued_prefill_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.queued_prefill_tokens < 0:
+            self.queued_prefill_tokens = self.queued_tokens
 
 
 _LOAD_FIELDS = {f: (float if f == "prefill_tokens_per_s" else int) for f in Load.__slots__}
@@ -237,11 +255,12 @@ def _str(body: dict[str, Any], key: str) -> str:
 
 
 def parse_load(raw: dict[str, Any]) -> Load:
-    """Validates a load report (see ``MAX_LOAD_COUNT``, ``MAX_RATE``). Raises
-    ``MalformedRequest`` naming the field."""
-    vals = {}
+    """Validates a load report (see ``MAX_LOAD_COUNT``, ``MAX_RATE``); a missing
+    field is 0, a missing ``queued_prefill_tokens`` is ``queued_tokens`` (``Load``).
+    Raises ``MalformedRequest`` naming the field."""
+    vals: dict[str, Any] = {}
     for f, typ in _LOAD_FIELDS.items():
-        v = raw.get(f, 0)
+        v = raw.get(f, 0) if f != "queued_prefill_tokens" else raw.get(f, vals["queued_tokens"])
         if typ is int:
             if type(v) is not int or not 0 <= v <= MAX_LOAD_COUNT:
                 raise MalformedRequest(

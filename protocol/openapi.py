@@ -235,6 +235,7 @@ EVENT_BATCH = {
             "properties": {
                 "queued_requests": _COUNT,
                 "queued_tokens": _COUNT,
+                "queued_prefill_tokens": _COUNT,
                 "running_requests": _COUNT,
                 "kv_used_tokens": _COUNT,
                 "kv_capacity_tokens": _COUNT,

@@ -63,9 +63,15 @@ showed a waiting queue with running at that ceiling; until then the most it ran 
 once is a slot count it has shown it has. So, with the limits learned and one
 router, a closed loop of at most the fleet's batch limits in clients is never shed —
 its in-flight total is below their sum, so some worker has fewer than its limit —
-and the first saturated reports teach the limit. Agents report their queue exactly and
-every ~100 ms; they have no batch limit here (their waiting queue is prefill, not
-slots) and are judged by ``pending_s`` alone.
+and the first saturated reports teach the limit. Agents report their queue every
+~100 ms; they have no batch limit here (their waiting queue is prefill, not slots)
+and are judged by ``pending_s`` alone. ``pending_s`` reads their whole waiting
+prompts (``Load.queued_tokens``), not the prefill they need now
+(``queued_prefill_tokens``, kept in each shed record as ``prefill_s``): judged on the
+prefill, no request was shed at 0.7x capacity, but at 1.5x the router admitted more
+onto saturated workers and goodput fell by 12-23% (bench/RESULTS.md "Past saturation,
+live"); counted whole, a worker waiting on a cached prompt or two reads as seconds of
+prefill it will not do, and below saturation a few requests are shed.
 
 A saturated engine (one that has held a queue) whose report goes stale is judged on
 the router's own counts instead — an empty report: its slots against the router's
@@ -348,6 +354,8 @@ class Shedder:
                     "queue_held": mark.queue_held,
                     "report_age_s": round(now - mark.at, 3),
                     "pending_s": round(pending_s(mark, ld, rate, now), 3),
+                    # the agent's waiting queue as prefill needed now (Load)
+                    "prefill_s": round(ld.queued_prefill_tokens / rate, 3),
                     "ahead_s": round((w.in_flight_tokens + w.remote_tokens) / rate, 3),
                 }
             )

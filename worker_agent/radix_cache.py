@@ -396,9 +396,10 @@ class RadixCache:
                     self._protect(p, first_tick)
         return n, node
 
-    def peek(self, ns: Hashable, key: Sequence[int]) -> int:
-        """Length of the longest cached prefix; no side effects. O(depth) + C."""
-        return self._walk(ns, as_key(key), False)[0]
+    def peek(self, ns: Hashable, key: Sequence[int], limit: int | None = None) -> int:
+        """Length of the longest cached prefix of ``key[:limit]``; no side effects.
+        O(depth) + C."""
+        return self._walk(ns, as_key(key), False, limit)[0]
 
     def unheld_hashes(self, ns: Hashable, key: Sequence[int], hashes: Sequence[int]) -> list[int]:
         """The router block hashes of ``key`` that the tree does not hold."""

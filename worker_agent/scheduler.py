@@ -78,6 +78,24 @@ head of the queue. When the prompt's prefill completes it is inserted into the r
 tree (admission control may refuse part of it) and the request's lock moves to the
 new node; when the request finishes, prompt + generated tokens are inserted (growth
 during decode: the next turn of a conversation finds its whole history).
+
+Load report (``load()``): two counts of the queue, each plus the rest of every
+admitted prompt still prefilling. ``queued_tokens`` counts every waiting prompt
+whole: routing policies and load shedding weigh it (their rules were measured on it;
+``router.shedding`` says why it stays whole). ``queued_prefill_tokens`` is what the
+queue will prefill as far as the tree tells now: in queue order, a waiting request
+with less than ``chunk_tokens`` of prefill ahead of it (the admitted prompts' rest
+and the waiting requests before it) counts the tokens its admission would prefill
+from the tree as it stands at the report (the prompt less its cached prefix, at
+most ``len - 1`` of it, or less the remote KV it will pull; the DRAM tier's part
+counts as uncached); every later one counts its whole prompt. Why: counted whole, a
+worker with a cached prompt or two waiting reads as seconds of prefill it will not
+do. Why whole past one step's budget: a waiting prefix is not locked (an engine pins
+KV only at admission; pinning it would take memory from the requests that run), and
+a request that waits several steps while others admit and evict often finds its
+prefix gone. The count is taken at each report (O(depth) per request within the
+budget), so eviction or insertion while a request waits is reflected at once.
+``check()``: 0 <= prefill <= whole, and the prefill is that sum recomputed.
 """
 
 from __future__ import annotations
@@ -300,6 +318,7 @@ class Scheduler:
         #: write-downs of the step in progress: (chunk digests, tokens held, hashes)
         self._writes: list[tuple[list[int], int, Any]] = []
         self.running: list[SchedRequest] = []
+        #: prompt tokens of ``waiting``, whole
         self._queued_tokens = 0
         self._rate_tokens = 0.0
         self._rate_time = 0.0
@@ -337,7 +356,7 @@ class Scheduler:
             rate = self.prefill_tokens_per_s() or 1.0
             raise Overloaded(
                 f"{len(self.waiting)} requests already wait on this worker (max_waiting {cap}); retry later",
-                retry_after_s=self._queued_tokens / rate,
+                retry_after_s=self.queued_prefill_tokens() / rate,
             )
         # one conversion per request: every cache call then compares in C
         req.prompt = as_key(req.prompt)
@@ -697,6 +716,47 @@ class Scheduler:
 
     # ------------------------------------------------------------ reporting
 
+    def _uncached(self, req: SchedRequest) -> int:
+        """The prompt tokens ``req``'s admission would prefill from the tree as it
+        stands: all but its cached prefix (at most ``len - 1``: the last token is
+        always computed) or the remote KV it would pull, whichever covers more.
+        The DRAM tier's part counts as uncached (its read-back is not free, and
+        matching it would count its chunks as sightings). No side effects."""
+        n = len(req.prompt)
+        covered = self.cache.peek(req.ns, req.prompt, n - 1)
+        if req.remote:
+            r = min(req.remote, n - 1)
+            if r > covered:
+                covered = r
+        return n - covered
+
+    def _admitted_prefill(self) -> int:
+        """Prompt tokens admitted requests have still to prefill."""
+        n = 0
+        for r in self.prefilling:
+            n += len(r.prompt) - r.prefilled
+        for r in self.loading:
+            n += len(r.prompt) - r.prefilled
+        return n
+
+    def queued_prefill_tokens(self, admitted: int | None = None) -> int:
+        """The waiting queue's prefill (module docstring, "Load report"): in queue
+        order, a request with less than ``chunk_tokens`` of prefill ahead of it
+        (``admitted``, the admitted prompts' rest, default computed, plus the
+        waiting requests before it) counts its uncached tokens, any later one its
+        whole prompt. O(depth) per request within the budget, O(1) past it."""
+        ahead = self._admitted_prefill() if admitted is None else admitted
+        budget = self.config.chunk_tokens
+        total = whole = 0  # counted so far, and those requests' whole prompts
+        for r in self.waiting:
+            if ahead >= budget:  # the rest wait steps, their prefixes evictable: whole
+                return total + self._queued_tokens - whole
+            u = self._uncached(r)
+            total += u
+            ahead += u
+            whole += len(r.prompt)
+        return total
+
     def prefill_tokens_per_s(self) -> float:
         """Measured prefill throughput: decayed, token-weighted tokens/s over steps that
         prefilled at least ``RATE_MIN_TOKENS`` (short prefills are bound by the weight
@@ -710,23 +770,21 @@ class Scheduler:
     def load(self) -> Load:
         return Load(*self.load_values())
 
-    def load_values(self) -> tuple[int, int, int, int, int, float]:
+    def load_values(self) -> tuple[int, int, int, int, int, float, int]:
         """``load()`` as a plain tuple in ``Load``'s field order (queued requests,
-        queued tokens, running, KV used, KV capacity, prefill tokens/s): the
-        simulator records one after every step and compares it with the last."""
+        queued tokens, running, KV used, KV capacity, prefill tokens/s, queued
+        prefill tokens): the simulator records one after every step and compares it
+        with the last."""
         pool = self.pool
-        queued = self._queued_tokens
-        for r in self.prefilling:
-            queued += len(r.prompt) - r.prefilled
-        for r in self.loading:
-            queued += len(r.prompt) - r.prefilled
+        admitted = self._admitted_prefill()
         return (
             len(self.waiting),
-            queued,
+            self._queued_tokens + admitted,
             len(self.running) + len(self.prefilling) + len(self.loading),
             pool.used,
             pool.capacity,
             float(self.prefill_tokens_per_s()),
+            self.queued_prefill_tokens(admitted) + admitted,
         )
 
     def check(self) -> None:
@@ -749,6 +807,14 @@ class Scheduler:
         assert private == self.pool.private, (private, self.pool.private)
         assert reserved == self.pool.reserved, (reserved, self.pool.reserved)
         assert self._queued_tokens == sum(len(r.prompt) for r in self.waiting)
+        prefill = self.queued_prefill_tokens()
+        assert 0 <= prefill <= self._queued_tokens, (prefill, self._queued_tokens)
+        ahead, budget, left = self._admitted_prefill(), self.config.chunk_tokens, prefill
+        for r in self.waiting:  # within the budget uncached, past it whole
+            u = self._uncached(r) if ahead < budget else len(r.prompt)
+            ahead += u
+            left -= u
+        assert left == 0, (prefill, left)
         if self.config.order == "priority":
             order = [(r.priority, r.arrival) for r in self.waiting]
             assert order == sorted(order), f"waiting not in (priority, arrival) order: {order}"

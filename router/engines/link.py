@@ -499,9 +499,11 @@ class EngineLink:
             now, m.waiting_requests, m.prefilled_requests, m.prefix_queries_tokens, m.prefix_hits_tokens
         )
         rate = self.prefill_rate(now)
+        queued = self.queue.queued_tokens(m.waiting_requests, eng.rates.mean_request_tokens, rate)
         load = Load(
             queued_requests=m.waiting_requests,
-            queued_tokens=self.queue.queued_tokens(m.waiting_requests, eng.rates.mean_request_tokens, rate),
+            queued_tokens=queued,
+            queued_prefill_tokens=queued,
             running_requests=m.running_requests,
             kv_used_tokens=int(m.kv_usage * cap),
             kv_capacity_tokens=cap,

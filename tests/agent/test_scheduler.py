@@ -331,3 +331,68 @@ def test_decode_window_is_zero_while_anything_can_be_admitted_or_prefills():
     assert s.decode_window() == (0, 0)  # the queued request is admitted by the next step
     s.step(0.0)
     s.check()
+
+
+def test_a_waiting_request_reports_only_its_uncached_prompt_and_evictions_raise_it():
+    """The load report's ``queued_prefill_tokens`` is the prefill the waiting queue
+    needs: a request whose prefix the tree holds counts only the rest; when that
+    prefix is evicted while it waits, the next report counts it whole, and a
+    re-insert lowers it again. ``queued_tokens`` counts the prompt whole throughout."""
+    s = make(max_running=1)
+    system = list(range(2048))
+    s.submit(req(1, system), 0.0)
+    t = run(s)
+    busy = req(2, list(range(10_000, 10_500)), max_new=1000)  # holds the one batch slot
+    s.submit(busy, t)
+    t += s.step(t).duration_s
+    assert busy.state is State.RUNNING
+    waiting = req(3, system + list(range(50_000, 50_064)))
+    s.submit(waiting, t)
+    s.check()
+    assert waiting.state is State.WAITING
+    ld = s.load()
+    assert (ld.queued_prefill_tokens, ld.queued_tokens, ld.queued_requests) == (64, 2048 + 64, 1)
+    assert s.cache.evict(10**6) >= 2048  # the system prompt goes; the running one is locked
+    s.check()
+    assert s.load().queued_prefill_tokens == 2048 + 64
+    s.check()
+    s.cache.insert("n", system)
+    assert s.load().queued_prefill_tokens == 64
+    s.check()
+    s.cancel(waiting)
+    assert (s.load().queued_prefill_tokens, s.load().queued_tokens) == (0, 0)
+    s.check()
+
+
+def test_a_waiting_request_of_a_fully_cached_prompt_counts_its_last_token():
+    # admission computes the last prompt token (its logits give the first token)
+    s = make(max_running=1)
+    prompt = list(range(1024))
+    s.submit(req(1, prompt), 0.0)
+    t = run(s)
+    s.submit(req(2, list(range(10_000, 10_100)), max_new=1000), t)
+    t += s.step(t).duration_s
+    s.submit(req(3, prompt), t)
+    assert s.load().queued_prefill_tokens == 1
+    s.check()
+
+
+def test_a_request_a_steps_budget_deep_in_the_queue_counts_its_whole_prompt():
+    """Past ``chunk_tokens`` of prefill ahead a request waits steps, in which its
+    cached prefix may be evicted: it counts whole, as it will likely cost."""
+    s = make(max_running=1)  # chunk_tokens 8,192
+    system = list(range(2048))
+    s.submit(req(1, system), 0.0)
+    t = run(s)
+    s.submit(req(2, list(range(10_000, 10_500)), max_new=1000), t)  # holds the batch slot
+    t += s.step(t).duration_s
+    cold = [req(10 + i, list(range(20_000 + 5000 * i, 25_000 + 5000 * i))) for i in range(2)]
+    late = req(3, system + list(range(50_000, 50_064)))
+    for r in (*cold, late):
+        s.submit(r, t)
+    ld = s.load()
+    # 0 ahead: 5,000; 5,000 ahead: 5,000; 10,000 ahead (>= 8,192): 2,112 whole, not 64
+    assert (ld.queued_prefill_tokens, ld.queued_tokens) == (5000 + 5000 + 2112, 5000 + 5000 + 2112)
+    s.cancel(cold[1])
+    assert s.load().queued_prefill_tokens == 5000 + 64  # now 5,000 ahead of it
+    s.check()

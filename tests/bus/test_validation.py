@@ -151,6 +151,7 @@ def test_bus_load_numbers_have_the_agent_apis_bounds():
         {"queued_tokens": 10**400},
         {"prefill_tokens_per_s": 1e13},
         {"running_requests": -1},
+        {"queued_prefill_tokens": -1},
     ):
         data = json.dumps({"v": 1, "kind": "load", "batch": {**batch, "load": load}}).encode()
         assert cause(parse_load, data, tok) == "bad_batch"
@@ -158,6 +159,18 @@ def test_bus_load_numbers_have_the_agent_apis_bounds():
             events.parse_batch({**batch, "load": load})
     ok = {"v": 1, "kind": "load", "batch": {**batch, "load": {"queued_tokens": MAX_LOAD_COUNT}}}
     assert parse_load(json.dumps(ok).encode(), tok).load.queued_tokens == MAX_LOAD_COUNT
+
+
+def test_a_load_without_queued_prefill_tokens_reads_it_as_queued_tokens():
+    """An older agent's report (whole prompts only): shedding reads what it sent."""
+    batch = {"worker_id": "w1", "url": "http://h:1", "epoch": "e", "seq": 0, "events": []}
+    old = events.parse_batch({**batch, "load": {"queued_tokens": 900}}).load
+    assert (old.queued_tokens, old.queued_prefill_tokens) == (900, 900)
+    new = events.parse_batch({**batch, "load": {"queued_tokens": 900, "queued_prefill_tokens": 40}}).load
+    assert (new.queued_tokens, new.queued_prefill_tokens) == (900, 40)
+    sent = events.Load(queued_tokens=900, queued_prefill_tokens=0)  # all of it cached
+    back = events.parse_batch({**batch, "load": {f: getattr(sent, f) for f in events.Load.__slots__}}).load
+    assert back == sent
 
 
 @pytest.mark.parametrize(

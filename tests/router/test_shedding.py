@@ -22,6 +22,7 @@ def engine_report(pool, w, now, *, running=0, waiting=0, queued_tokens=0, kv=(0,
         Load(
             queued_requests=waiting,
             queued_tokens=queued_tokens,
+            queued_prefill_tokens=queued_tokens,  # an engine's one estimate
             running_requests=running,
             kv_used_tokens=kv[0],
             kv_capacity_tokens=kv[1],
@@ -316,7 +317,15 @@ def test_full_kv_means_no_room_and_agents_learn_no_limit():
     # a has a free slot by count, but its KV is full: the queue decides
     engine_report(pool, a, t, running=3, waiting=5, queued_tokens=900, kv=(int(KV_FULL * cap), cap))
     pool.report_load(
-        b, Load(queued_requests=5, queued_tokens=900, running_requests=3, prefill_tokens_per_s=RATE), t
+        b,
+        Load(
+            queued_requests=5,
+            queued_tokens=900,
+            queued_prefill_tokens=900,
+            running_requests=3,
+            prefill_tokens_per_s=RATE,
+        ),
+        t,
     )  # an agent
     assert b.mark.limit == 0 and b.mark.running_max == 0
     exc = check(s, pool, t)
@@ -435,3 +444,29 @@ def test_a_prefetch_is_not_counted_in_the_typical_request():
     assert s.largest_tokens == 5000 > largest  # its prefill sits ahead like a request's
     assert check(s, pool, t0, uncached=300) is None
     assert s.typical_s > 0.1  # a real request still counts
+
+
+def test_an_agents_whole_queue_is_judged_and_its_prefill_kept_in_the_record():
+    # Each agent has two 4,116-token prompts waiting whose 4,096-token prefixes its
+    # cache holds: 8.2 s counted whole, 0.04 s of prefill. Shedding judges the whole
+    # count (past saturation such prefixes are often evicted before their turn) and
+    # keeps the prefill beside it for whoever traces the decision.
+    pool, _, clock = make_pool()
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)
+    for w in pool:
+        pool.report_load(
+            w,
+            Load(
+                queued_requests=2,
+                queued_tokens=2 * 4116,
+                queued_prefill_tokens=2 * 20,
+                running_requests=1,
+                prefill_tokens_per_s=RATE,
+            ),
+            t,
+        )
+    assert isinstance(check(s, pool, t), Overloaded)
+    rows = s.recent[-1]["workers"]
+    assert [(r["pending_s"], r["prefill_s"]) for r in rows] == [(8.232, 0.04)] * 2
