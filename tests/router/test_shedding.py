@@ -42,6 +42,12 @@ def decoding(pool, w, n=1, tokens=100):
         pool.prefilled(w, tokens)
 
 
+def saturated_at_8(pool, w, now):
+    """Two reports in a row of a waiting queue at 8 running: w's batch limit is 8."""
+    for _ in range(2):
+        engine_report(pool, w, now, running=8, waiting=3, queued_tokens=300)
+
+
 def check(shedder, pool, now, uncached=100):
     return shedder.check(pool.routable_workers(now), "m", None, uncached, now)
 
@@ -248,8 +254,7 @@ def test_a_saturated_engine_with_a_slot_but_prefill_ahead_is_full():
     learned(s, pool, t)
     for w in (a, b):
         decoding(pool, w, 4)
-        for _ in range(2):
-            engine_report(pool, w, t, running=8, waiting=3, queued_tokens=300)
+        saturated_at_8(pool, w, t)
         engine_report(pool, w, t, running=4)  # limit 8, four slots free
     pool.pick(a, 150)  # prefill ahead on a: 0.15 s, over one typical request (0.1 s)
     pool.pick(b, 80)
@@ -272,8 +277,7 @@ def test_one_ordinary_request_ahead_per_worker_is_room_after_the_rate_drops():
     t = clock()
     learned(s, pool, t)  # typical 0.1 s: 100 tokens at 1,000/s
     for w in (a, b):
-        for _ in range(2):
-            engine_report(pool, w, t, running=8, waiting=3, queued_tokens=300)
+        saturated_at_8(pool, w, t)
         engine_report(pool, w, t, running=0)  # limit 8, idle now
         pool.report_load(
             w, Load(running_requests=1, prefill_tokens_per_s=RATE * 0.6), t, stale_s=5.0, engine=True
@@ -363,8 +367,7 @@ def test_a_saturated_engine_whose_scrapes_stop_is_judged_on_the_routers_counts()
     learned(s, pool, t)
     for w in (a, b):
         decoding(pool, w, 8)
-        for _ in range(2):
-            engine_report(pool, w, t, running=8, waiting=3, queued_tokens=300)
+        saturated_at_8(pool, w, t)
         assert w.mark.limit == 8
         pool.pick(w, 300)
         pool.pick(w, 300)
