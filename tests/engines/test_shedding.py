@@ -126,6 +126,25 @@ def scrape_failures(router: str) -> dict[str, float]:
     return out
 
 
+async def poll_workers(session: aiohttp.ClientSession, router: str, polls: list) -> None:
+    """Appends, every 0.5 s until cancelled, each worker's in-flight counts, report
+    and queue mark as ``GET /admin/workers`` gives them."""
+    keep = ("id", "in_flight", "in_flight_tokens", "reported_load", "queue_mark")
+    while True:
+        async with session.get(router + "/admin/workers") as r:
+            ws = (await r.json())["workers"]
+        rows = []
+        for w in ws:
+            row = {k: w.get(k) for k in keep}
+            ld = row["reported_load"] or {}
+            row["reported_load"] = {
+                k: ld.get(k) for k in ("running_requests", "queued_requests", "prefill_tokens_per_s")
+            }
+            rows.append(row)
+        polls.append(rows)
+        await asyncio.sleep(0.5)
+
+
 def overload(router: str, servers) -> dict:
     """Calibrates the fleet's capacity (a closed loop of 48 clients), then offers
     Poisson arrivals at 0.2x and at 4x it; returns the summary. Each phase's means per
@@ -151,13 +170,17 @@ def overload(router: str, servers) -> dict:
             light_sheds = (await (await s.get(router + "/admin/workers")).json())["recent_sheds"]
             await asyncio.sleep(1.0)
             p2 = await asyncio.to_thread(engine_phases, servers, router)
+            polls: list[list[dict]] = []
+            poller = asyncio.create_task(poll_workers(s, router, polls))
             heavy = await load.poisson(4.0 * capacity, 10.0)
+            poller.cancel()
             p3 = await asyncio.to_thread(engine_phases, servers, router)
         return {
             "capacity": capacity,
             "light": light,
             "heavy": heavy,
             "light_sheds": light_sheds,
+            "polls": polls,
             "phases": ((p0, p1), (p2, p3)),
         }
 
@@ -202,6 +225,10 @@ def overload(router: str, servers) -> dict:
         # scrapes of the engines' /metrics that failed (timeouts at full batch): while
         # a saturated engine's report is stale the shedder uses the router's own counts
         "scrape_failures": scrape_failures(router),
+        # the router's view of each engine at the poll (every 0.5 s of the 4x phase)
+        # where it held the most in flight: herding, a stale report or a rate that
+        # priced the queue too cheap shows here
+        "busiest_poll": max(out["polls"], key=lambda ws: max(w["in_flight"] for w in ws), default=[]),
     }
     return summary
 
