@@ -32,13 +32,14 @@ read by ``router.engines.link``) and what the router has done since (``QueueMark
 An engine that has saturated (below) has room only with a slot and at most one
 request's prefill ahead — ahead_s within the bound, or the tokens ahead within the
 largest recent request's (``largest_tokens``: a decayed maximum of requests'
-uncached tokens) — and its pending_s is at least ahead_s: at 4x its capacity in
-fresh 600-token prompts, slots alone let 8 prefills share one engine and admitted
-TTFT p99 reached 3.8x the unloaded one. "One request" is counted in tokens, not in
-seconds of a typical request: the prefill rate an engine shows depends on how busy
-it is (batched prefill reads faster per token), so after a saturated phase taught a
-small typical_s, one ordinary request ahead on each worker of a light load read as
-"more than one typical request" and a 0.2x-capacity load saw a 429.
+uncached tokens; two of them while its report shows it quiet) — and its pending_s is
+at least ahead_s: at 4x its capacity in fresh 600-token prompts, slots alone let 8
+prefills share one engine and admitted TTFT p99 reached 3.8x the unloaded one. "One
+request" is counted in tokens, not in seconds of a typical request: the prefill rate
+an engine shows depends on how busy it is (batched prefill reads faster per token),
+so after a saturated phase taught a small typical_s, one ordinary request ahead on
+each worker of a light load read as "more than one typical request" and a
+0.2x-capacity load saw a 429.
 
 ``in_flight`` is the router's own count on the worker now (other replicas' included,
 ``router.bus``): exact for its requests — it counts a request from its pick to its
@@ -87,6 +88,17 @@ token picked since then without subtracting what the worker prefilled meanwhile
 made a busy but unsaturated pair of vLLM servers (closed loop, 8 clients) look
 seconds deep and shed half the requests.
 
+A burst into idle slots is not a queue: on an engine whose own report shows it quiet
+(nothing waiting, under half its limit running) two requests' prefill may be ahead
+of a free slot (``QUIET_AHEAD``), one otherwise. At 0.2x capacity five requests
+arriving within milliseconds (a client's or the router's loop running late bunches
+them) put two ahead on each of two idle engines — 0.064-0.078 s against the 0.05 s
+floor — and the fifth was refused with a Retry-After of a second, while both engines
+reported nothing waiting. Allowing two ahead everywhere, or aging what is ahead by
+the time it has had, let a saturated engine take more prefills at once, each step
+slowed, and at 4x it served fewer and queued more (bench/RESULTS.md "Shedding in
+front of vLLM").
+
 Admitted requests then wait behind at most ``worker_queue_requests`` typical
 requests' prefill; the excess is told when to come back: ``Retry-After`` is the
 time the least-loaded eligible worker needs to drain below the bound (>= 1 s).
@@ -114,6 +126,9 @@ RECENT_SHEDS = 32
 _ALPHA = 0.02
 #: an engine whose KV is at least this full has no room whatever its batch count
 KV_FULL = 0.95
+#: requests' prefill (in largest requests) that may be ahead of a free slot on an
+#: engine whose report shows it quiet (module docstring)
+QUIET_AHEAD = 2.0
 
 
 class QueueMark:
@@ -236,6 +251,13 @@ def pending_s(mark: QueueMark, load: Load, rate: float, now: float) -> float:
     return q if q > 0.0 else 0.0
 
 
+def quiet(mark: QueueMark, load: Load) -> bool:
+    """Whether an engine's report shows it far from saturation: nothing waiting and
+    fewer than half its batch limit (or the most it ran) running."""
+    ceiling = mark.limit or mark.running_max
+    return load.queued_requests == 0 and 2 * load.running_requests < ceiling
+
+
 class Shedder:
     """The fleet's queue bound. One event loop owns it; ``check`` is O(workers).
 
@@ -306,10 +328,12 @@ class Shedder:
                 # an engine that has saturated: a free slot takes the request unless
                 # the prefill the router already sent it and not yet seen start
                 # (released at each first token) is more than one request's — a
-                # slot is no promise of a first token soon
+                # slot is no promise of a first token soon — or, on an engine its
+                # own report shows quiet, two requests' (a burst into idle slots)
                 ahead_tokens = w.in_flight_tokens + w.remote_tokens
                 ahead = ahead_tokens / rate
-                if (ahead <= bound or ahead_tokens <= self.largest_tokens) and has_room(mark, ld, in_flight):
+                allowed = self.largest_tokens * (QUIET_AHEAD if quiet(mark, ld) else 1.0)
+                if (ahead <= bound or ahead_tokens <= allowed) and has_room(mark, ld, in_flight):
                     self._observe(uncached_tokens, rate, prefetch)
                     return None
                 if ahead > q:
@@ -357,6 +381,7 @@ class Shedder:
                     # the agent's waiting queue as prefill needed now (Load)
                     "prefill_s": round(ld.queued_prefill_tokens / rate, 3),
                     "ahead_s": round((w.in_flight_tokens + w.remote_tokens) / rate, 3),
+                    "quiet": quiet(mark, ld),
                 }
             )
         entry = {"bound_s": round(bound, 3), "workers": rows}

@@ -270,7 +270,8 @@ def test_one_ordinary_request_ahead_per_worker_is_room_after_the_rate_drops():
     """A light load after a saturated phase: the engines now read a slower prefill
     rate (unbatched prefill) than the one the typical request was learned at, and
     each has one ordinary request not yet at its first token. That is one request
-    ahead, not a queue: nothing is shed. Two ahead on both still is."""
+    ahead, not a queue: nothing is shed. Two ahead on these quiet engines neither
+    (a burst into idle slots); three ahead on both is."""
     pool, _, clock = make_pool()
     a, b = pool.get("a"), pool.get("b")
     s = Shedder(0.5, 0.05)
@@ -286,7 +287,39 @@ def test_one_ordinary_request_ahead_per_worker_is_room_after_the_rate_drops():
     assert check(s, pool, t) is None
     for w in (a, b):
         pool.pick(w, 100)
+    assert check(s, pool, t) is None
+    for w in (a, b):
+        pool.pick(w, 100)
     assert isinstance(check(s, pool, t), Overloaded)
+
+
+def test_a_burst_into_quiet_engines_is_admitted_up_to_two_requests_ahead():
+    """At light load after a saturated phase, five requests arrive within
+    milliseconds: each engine reports nothing waiting and one running, and has two
+    requests picked and not yet at their first token (0.2 s of prefill ahead, the
+    bound 0.05 s). A burst into idle slots, not a queue: admitted. A third ahead on
+    both is shed; so is the second ahead where the reports show over half the limit
+    running (the one-request rule that keeps a saturated engine's steps short)."""
+    pool, _, clock = make_pool()
+    a, b = pool.get("a"), pool.get("b")
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)  # typical 0.1 s, largest 100 tokens: bound 0.05 s
+    for w in (a, b):
+        saturated_at_8(pool, w, t)
+        engine_report(pool, w, t, running=1)  # limit 8, quiet now
+        pool.pick(w, 100)
+        pool.pick(w, 100)
+    assert check(s, pool, t) is None
+    for w in (a, b):
+        pool.pick(w, 100)
+    assert isinstance(check(s, pool, t), Overloaded)
+    assert s.recent[-1]["workers"][0]["quiet"]
+    for w in (a, b):
+        pool.prefilled(w, 100)  # two ahead each again, but now the engines are busy
+        engine_report(pool, w, t, running=5)
+    assert isinstance(check(s, pool, t), Overloaded)
+    assert not s.recent[-1]["workers"][0]["quiet"]
 
 
 def test_limit_is_relearned_above_a_new_ceiling_and_forgotten_on_restart():
