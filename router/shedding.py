@@ -314,7 +314,8 @@ class Shedder:
             if model and w.models and not serves(w.models, model, adapter):
                 continue
             ld, mark = w.load, w.mark
-            if ld is None or now >= w.load_until:
+            stale = ld is None or now >= w.load_until
+            if stale:
                 if ld is None or not (mark.engine and mark.queue_held):
                     self._observe(uncached_tokens, w.base_prefill, prefetch)
                     return None
@@ -332,7 +333,8 @@ class Shedder:
                 # own report shows quiet, two requests' (a burst into idle slots)
                 ahead_tokens = w.in_flight_tokens + w.remote_tokens
                 ahead = ahead_tokens / rate
-                allowed = self.largest_tokens * (QUIET_AHEAD if quiet(mark, ld) else 1.0)
+                # (an empty stand-in for a stale report is no evidence of quiet)
+                allowed = self.largest_tokens * (QUIET_AHEAD if not stale and quiet(mark, ld) else 1.0)
                 if (ahead <= bound or ahead_tokens <= allowed) and has_room(mark, ld, in_flight):
                     self._observe(uncached_tokens, rate, prefetch)
                     return None

@@ -320,6 +320,12 @@ def test_a_burst_into_quiet_engines_is_admitted_up_to_two_requests_ahead():
         engine_report(pool, w, t, running=5)
     assert isinstance(check(s, pool, t), Overloaded)
     assert not s.recent[-1]["workers"][0]["quiet"]
+    # reports gone stale (a saturated engine answering /metrics late) read as no
+    # evidence of quiet: one request ahead, as before
+    for w in (a, b):
+        engine_report(pool, w, t, running=1)
+    assert check(s, pool, t) is None
+    assert isinstance(check(s, pool, t + 6.0), Overloaded)
 
 
 def test_limit_is_relearned_above_a_new_ceiling_and_forgotten_on_restart():
