@@ -91,7 +91,7 @@ class AdmissionQueueConfig:
     )
     weights: Mapping[str, Weight] = Field(
         default_factory=dict,
-        description="tenant -> its weight in the fair share of the queue (others: 1)",
+        description="tenant -> its weight in the fair share: the queue's order and fair_share's (others: 1)",
     )
 
     @document_check

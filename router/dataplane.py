@@ -101,7 +101,7 @@ from router.prefix_index import PrefixIndex
 from router.scaling_signal import DemandMeter
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
-from router.tenancy import PRIORITIES, Tenancy, Ticket
+from router.tenancy import Tenancy, Ticket
 from router.upstream import (
     Cancel,
     Cancelled,
@@ -602,7 +602,7 @@ class DataPlane:
                     session=ctx.session,
                 )
             return
-        self.tenancy.admitted(ticket)
+        self.tenancy.admitted(ticket, now)
         if self.pd.disaggregated(views):
             await self.pd.serve(ctx, kr, views, now)
             return
@@ -708,9 +708,7 @@ class DataPlane:
             return shedder.check(pool.routable_workers(t), key.model, key.adapter, uncached, t, scale)
 
         try:
-            return await self.queue.admit(
-                ctx.tenant, PRIORITIES.index(ticket.priority), ticket.reserved, probe, now
-            )
+            return await self.queue.admit(ctx.tenant, ticket.rank, ticket.reserved, probe, now)
         except asyncio.CancelledError:
             self.tenancy.refund(ticket, time.monotonic())
             raise
@@ -818,7 +816,7 @@ class DataPlane:
             ctx.body,
             ctx.raw,
             ctx.stream,
-            PRIORITIES.index(ticket.priority) if ticket is not None else None,
+            ticket.rank if ticket is not None else None,
         )
         fwd = (
             self.tenants.forward_lines(ctx.key.tenant)
@@ -1210,7 +1208,7 @@ class DataPlane:
             self._reject(ex, exc, rid)
             return
         m = self.metrics
-        self.tenancy.admitted(ticket)
+        self.tenancy.admitted(ticket, now)
         if dedup:
             m.prefetch.labels("deduplicated").inc()
             self.tenancy.settle(ticket, 0, now)  # nothing sent: its tokens given back

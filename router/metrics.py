@@ -233,6 +233,13 @@ class Metrics:
             ["tenant", "priority", "outcome"],
             registry=r,
         )
+        self.tenant_promoted = Counter(
+            "radixfleet_tenant_promoted",
+            "Requests admitted, queued and scheduled one class higher because their tenant "
+            "was under its fair share of what the fleet admitted lately (router.fair_share)",
+            ["tenant"],
+            registry=r,
+        )
         self.admission_queued = Gauge(
             "radixfleet_admission_queued",
             "Requests waiting in the fair-share admission queue at saturation, by priority class",

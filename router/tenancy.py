@@ -11,12 +11,14 @@ shedding decision (``DataPlane._route_and_forward``)::
                limits: the tenant's and the key's buckets (router.rate_limit): one
                        request and prompt + max_tokens tokens, taken from all or
                        none -> else 429 RateLimited (Retry-After, x-ratelimit-*)
-    shedder.check(..., scale=ticket.scale)   the class scales the queue bound
+    shedder.check(..., scale=ticket.scale)   the class scales the queue bound (a tenant
+                                             under its fair share: one class higher,
+                                             router.fair_share)
     (at saturation, with tenancy.queue.max_wait_s > 0, the request waits in the
     fair-share admission queue first: router.admission_queue)
     shed     -> tenancy.shed(ticket): the reservation given back, counted
     client gone while queued -> tenancy.refund(ticket)
-    admitted -> tenancy.admitted(ticket), and once the answer's usage is read,
+    admitted -> tenancy.admitted(ticket, now), and once the answer's usage is read,
                 tenancy.settle(ticket, prompt + completion tokens): the token
                 buckets corrected to what the request really used
 
@@ -27,7 +29,11 @@ is monotone in its bound (a worker with room or with its queue within a bound is
 within every larger one), so at any instant a request of a higher class is admitted
 whenever one of a lower class would be: a critical request is never shed while
 sheddable work is admitted, and under saturation the queue settles near the
-sheddable bound, where sheddable requests absorb the shedding first.
+sheddable bound, where sheddable requests absorb the shedding first. A request of a
+tenant under its fair share of what was admitted lately (``router.fair_share``) is
+treated as one class higher — that class's factor, admission-queue band and engine
+``priority`` (``Ticket.rank``) — and still counted under its own class; critical has
+no class above it, so the ordering between classes holds for promoted requests too.
 
 Limits are kept per router process and, on a bus, shared: every ``bus.limits_interval_s``
 each replica publishes what it took from each bucket since its last message, net
@@ -61,6 +67,7 @@ from pydantic import Field
 from protocol.errors import ConfigError, MalformedRequest, RateLimited
 from protocol.settings import document_check, section, setting, settings
 from router.admission_queue import AdmissionQueueConfig
+from router.fair_share import FairShare
 from router.rate_limit import TokenBucket, duration
 
 #: the priority classes, highest first (their rank: the index)
@@ -93,6 +100,21 @@ class QueueScale:
                 "expected critical >= standard >= sheddable (a higher class is shed no "
                 f"sooner than a lower one), got {self.critical:g}, {self.standard:g}, {self.sheddable:g}",
             )
+
+
+@settings
+class FairShareConfig:
+    under: float = setting(
+        0.8,
+        "a tenant whose recent admitted tokens are under this share of its weighted fair share "
+        "(tenancy.queue.weights) is admitted, queued and scheduled as one class higher (never "
+        "above critical); 0: off",
+        lo=0,
+        hi=1,
+    )
+    half_life_s: float = setting(
+        10.0, "seconds over which a tenant's admitted tokens count half as much", lo=0, lo_open=True, hi=3600
+    )
 
 
 @settings
@@ -137,6 +159,10 @@ class TenancyConfig:
         AdmissionQueueConfig,
         "at saturation, the fair-share admission queue (router.admission_queue): by class, "
         "then weighted fair queuing across tenants on tokens",
+    )
+    fair_share: FairShareConfig = section(
+        FairShareConfig,
+        "a tenant under its fair share of what the fleet admits lately goes one class up (router.fair_share)",
     )
     models: Mapping[str, Priority] = Field(
         default_factory=dict, description="served model name -> class of its requests"
@@ -310,14 +336,26 @@ _Rules = tuple[TenantRules, _Limit | None]
 class Ticket:
     """One admitted request's class and reservation (``Tenancy.admit``)."""
 
-    __slots__ = ("label", "priority", "scale", "reserved", "limits", "open")
+    __slots__ = ("tenant", "label", "priority", "rank", "scale", "reserved", "limits", "open")
 
     def __init__(
-        self, label: str, priority: str, scale: float, reserved: int, limits: tuple[_Limit, ...]
+        self,
+        tenant: str,
+        label: str,
+        priority: str,
+        rank: int,
+        scale: float,
+        reserved: int,
+        limits: tuple[_Limit, ...],
     ) -> None:
+        self.tenant = tenant
         self.label = label  # the tenant's metric label
-        self.priority = priority  # its class
-        self.scale = scale  # the factor on the shedder's bound
+        self.priority = priority  # its class (what it is counted under)
+        #: the class it is treated as (a PRIORITIES index): its own, or one higher for a
+        #: tenant under its fair share (router.fair_share); the admission queue's band
+        #: and the engine's ``priority``
+        self.rank = rank
+        self.scale = scale  # the factor on the shedder's bound (the rank's class's)
         self.reserved = reserved  # tokens taken from the token buckets
         self.limits = limits  # the _Limit objects it was taken from
         self.open = True  # until shed or settled (a reservation is corrected once)
@@ -338,7 +376,8 @@ class Ticket:
 
 class Tenancy:
     """Classes and limits per tenant and key. One event loop owns it; ``admit`` is
-    O(1) (two dict lookups, at most two limits of two buckets). ``configure``
+    O(1) (two dict lookups, at most two limits of two buckets, the fair share's
+    lookup; its refresh, O(tenants seen lately), at most every 0.5 s). ``configure``
     follows a reload: buckets of names still configured keep their levels.
 
     ``metrics``: a ``router.metrics.Metrics`` (its ``tenant_requests`` and
@@ -350,6 +389,8 @@ class Tenancy:
         self._tenants: dict[str, _Rules] = {}
         self._keys: dict[str, _Rules] = {}
         self._counters: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        fs = cfg.fair_share
+        self.fair = FairShare(fs.half_life_s, fs.under, cfg.queue.weights)
         self.configure(cfg, named_tenants, now)
 
     def configure(self, cfg: TenancyConfig, named_tenants: Iterable[str], now: float) -> None:
@@ -359,6 +400,7 @@ class Tenancy:
         self.header = cfg.priority_header
         qs = cfg.queue_scale
         self._scale = {"critical": qs.critical, "standard": qs.standard, "sheddable": qs.sheddable}
+        self.fair.configure(cfg.fair_share.half_life_s, cfg.fair_share.under, cfg.queue.weights)
         self.labels.top_n = max(self.labels.top_n, cfg.top_n)
         self.labels.name(cfg.tenants)
         self.labels.name(named_tenants)
@@ -393,7 +435,11 @@ class Tenancy:
                 raise lim.refusal(cost, wait)
         for lim in limits:
             lim.take(cost)
-        return Ticket(label, priority, self._scale[priority], cost, limits)
+        rank = _RANK[priority]
+        if rank and self.fair.is_under(tenant, now):
+            rank -= 1
+            self.metrics.tenant_promoted.labels(label).inc()
+        return Ticket(tenant, label, priority, rank, self._scale[PRIORITIES[rank]], cost, limits)
 
     def drain(self) -> list[tuple[str, str, int, float]]:
         """What this process took from each limit since the last call, net of
@@ -417,8 +463,10 @@ class Tenancy:
         r[1].debit(requests, tokens, now)
         return True
 
-    def admitted(self, ticket: Ticket) -> None:
+    def admitted(self, ticket: Ticket, now: float) -> None:
+        """The request goes to a worker: counted, and its tokens to its tenant's share."""
         self._count(ticket.label, ticket.priority)[0].inc()
+        self.fair.served(ticket.tenant, ticket.reserved, now)
 
     def shed(self, ticket: Ticket, now: float) -> None:
         """The request was shed: what it reserved is given back."""
@@ -440,6 +488,7 @@ class Tenancy:
             ticket.open = False
             for lim in ticket.limits:
                 lim.give(0, ticket.reserved - used_tokens, now)
+            self.fair.served(ticket.tenant, used_tokens - ticket.reserved, now)
 
     def _priority(
         self, t: _Rules | None, k: _Rules | None, model: str, headers: Mapping[str, str], label: str

@@ -9,6 +9,8 @@ its class).
 
 1. capacity: ``--calibrate-s`` of a closed loop far above what the fleet serves;
 2. unloaded: critical requests alone, Poisson at ``--light`` x capacity;
+   then critical alone at the rate it has in the overload (its share of ``--load``):
+   the queueing among critical requests themselves, which no admission removes;
 3. overload: critical, standard and sheddable requests at once, Poisson at
    ``--load`` x capacity in all, split by ``--shares`` (equal thirds by default),
    for ``--duration`` s.
@@ -48,7 +50,9 @@ weight (``x-tenant-id``, ``keys.tenant.source: header``), all standard: B alone 
 ``--b-share`` (0.5) of its fair share (half the capacity), then A at ``--a-share`` (5)
 of its share with B as before; B's TTFT p99 against B's alone (target: <= 1.2x), the
 fraction of B's requests shed (target: <= 5%: A absorbs the shedding) and A's share of
-the shed.
+the shed. B, far under its half of what is admitted, goes one class up by default
+(``tenancy.fair_share``; ``--fair-share 0`` turns that off); ``--b-class`` gives B its
+own class instead (``critical``: the most any admission order can do for it).
 """
 
 from __future__ import annotations
@@ -106,6 +110,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="tenancy.queue.max_wait_s: seconds a refused request waits at the router (0: off)",
     )
     p.add_argument(
+        "--fair-share",
+        type=float,
+        default=None,
+        help="tenancy.fair_share.under: a tenant under this share of its fair share goes one "
+        "class up (0: off; default: the router's)",
+    )
+    p.add_argument(
         "--scenario",
         choices=("classes", "tenants", "queue"),
         default="classes",
@@ -114,6 +125,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--a-share", type=float, default=5.0, help="tenants: A's rate, x its fair share")
     p.add_argument("--b-share", type=float, default=0.5, help="tenants: B's rate, x its fair share")
+    p.add_argument(
+        "--b-class",
+        choices=PRIORITIES,
+        default="standard",
+        help="tenants: B's class (tenancy.tenants.B.priority; A is standard)",
+    )
     p.add_argument(
         "--schedule",
         choices=("priority", "fcfs"),
@@ -202,6 +219,9 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
         await asyncio.sleep(1.0)
         shares = _shares(args.shares)
         rate = args.load * capacity / sum(shares)
+        # critical alone at the rate it has in the overload: its own queueing
+        alone = await crit.poisson(rate * shares[0], args.duration) if shares[0] else []
+        await asyncio.sleep(1.0)
         heavy = await asyncio.gather(
             *(
                 loads[c].poisson(rate * w, args.duration) if w else _nothing()
@@ -211,7 +231,7 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
     finally:
         for s in sessions.values():
             await s.close()
-    unloaded = _figures(light)
+    unloaded, crit_alone = _figures(light), _figures(alone)
     classes = {c: _figures(h) for c, h in zip(PRIORITIES, heavy, strict=True)}
     shed = sum(f["shed_429"] for f in classes.values())
     p99_light, p99_crit = unloaded["ttft_p99_s"], classes["critical"]["ttft_p99_s"]
@@ -228,8 +248,12 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
         "schedule": args.schedule,
         "chunk_tokens": args.chunk_tokens,
         "unloaded": unloaded,
+        "critical_alone": crit_alone,
         "overload": classes,
         "critical_p99_ratio": round(p99_crit / p99_light, 2) if p99_light and p99_crit else None,
+        "critical_p99_vs_alone": (
+            round(p99_crit / crit_alone["ttft_p99_s"], 2) if crit_alone["ttft_p99_s"] and p99_crit else None
+        ),
         "sheddable_share_of_shed": round(classes["sheddable"]["shed_429"] / shed, 3) if shed else None,
     }
     out["pass"] = bool(
@@ -279,7 +303,7 @@ async def _run_tenants(args: argparse.Namespace, base: str, model: str) -> dict:
     loads = {
         t: Load(base, model, args.prompt_tokens, args.max_tokens, args.seed + i) for i, t in enumerate("AB")
     }
-    sessions = {t: _session("standard", t) for t in "AB"}
+    sessions = {t: _session(args.b_class if t == "B" else "standard", t) for t in "AB"}
     try:
         for t, s in sessions.items():
             loads[t].session = s
@@ -306,6 +330,8 @@ async def _run_tenants(args: argparse.Namespace, base: str, model: str) -> dict:
         "capacity_rps": round(capacity, 2),
         "a_share": args.a_share,
         "b_share": args.b_share,
+        "b_class": args.b_class,
+        "fair_share": "default" if args.fair_share is None else args.fair_share,
         "queue_wait_s": args.queue_wait,
         "b_alone": b_alone,
         "overload": {"A": fa, "B": fb},
@@ -349,7 +375,8 @@ def admission_cost(repeats: int = 7, n: int = 20_000) -> dict[str, float]:
         for _ in range(repeats):
             t0 = time.perf_counter()
             for _ in range(n):
-                t.admitted(t.admit("acme", "", "m", headers, 1000, body, time.monotonic()))
+                now = time.monotonic()
+                t.admitted(t.admit("acme", "", "m", headers, 1000, body, now), now)
             runs.append((time.perf_counter() - t0) / n * 1e6)
         out[name] = round(statistics.median(runs), 2)
     return out
@@ -367,11 +394,13 @@ def run(args: argparse.Namespace) -> int:
     _shares(args.shares)  # refused before any process starts
     if (
         args.queue_wait < 0
+        or (args.fair_share is not None and not 0 <= args.fair_share <= 1)
         or min(args.a_share, args.b_share) <= 0
         or min(args.chunk_tokens, args.burst, args.repeats) <= 0
     ):
         print(
-            "radixfleet bench priority: error: --queue-wait must be >= 0, --a-share, --b-share, "
+            "radixfleet bench priority: error: --queue-wait must be >= 0, --fair-share in [0, 1], "
+            "--a-share, --b-share, "
             "--chunk-tokens, --burst and --repeats > 0",
             file=sys.stderr,
         )
@@ -380,6 +409,8 @@ def run(args: argparse.Namespace) -> int:
     yaml = "tenancy:\n  default_priority: %s\n" % ("standard" if tenants else "critical")
     if args.queue_wait:
         yaml += f"  queue: {{max_wait_s: {args.queue_wait}}}\n"
+    if args.fair_share is not None:
+        yaml += f"  fair_share: {{under: {args.fair_share}}}\n"
     if args.queue_scale or args.scenario == "queue":
         scale = _three("--queue-scale", args.queue_scale or "100,100,100")
         yaml += "  queue_scale: {%s}\n" % ", ".join(
@@ -389,6 +420,9 @@ def run(args: argparse.Namespace) -> int:
         config = os.path.join(logs, "router.yaml")
         if tenants:
             yaml += "keys:\n  tenant: {source: header}\n"
+            if args.b_class != "standard":
+                b_rules = f"  tenants: {{B: {{priority: {args.b_class}}}}}\n"
+                yaml = yaml.replace("tenancy:\n", "tenancy:\n" + b_rules, 1)
         with open(config, "w") as f:
             f.write(yaml)
         cfg = FleetConfig(
@@ -434,6 +468,11 @@ def run(args: argparse.Namespace) -> int:
         f"unloaded (critical at {args.light:g}x, {u['requests']} requests): "
         f"TTFT p50 {ms(u['ttft_p50_s'])}, p99 {ms(u['ttft_p99_s'])}"
     )
+    a = out["critical_alone"]
+    print(
+        f"critical alone at its overload rate ({a['requests']} requests): "
+        f"TTFT p50 {ms(a['ttft_p50_s'])}, p99 {ms(a['ttft_p99_s'])}"
+    )
     print(
         f"overload ({args.load:g}x, shares {args.shares} critical,standard,sheddable; "
         f"queue_scale {out['queue_scale']}; engine queue {args.schedule}; admission queue "
@@ -447,7 +486,8 @@ def run(args: argparse.Namespace) -> int:
         )
     print(
         f"critical TTFT p99 = {out['critical_p99_ratio']}x the unloaded p99 "
-        f"(target <= {CRITICAL_P99_TARGET:g}x); sheddable took {out['sheddable_share_of_shed']} "
+        f"(target <= {CRITICAL_P99_TARGET:g}x), {out['critical_p99_vs_alone']}x its p99 alone at its "
+        f"rate; sheddable took {out['sheddable_share_of_shed']} "
         f"of the shed (target >= {SHEDDABLE_SHARE_TARGET:.0%})"
     )
     print("PASS" if out["pass"] else "FAIL")

@@ -313,7 +313,9 @@ async def test_router_sends_the_class_only_to_workers_that_schedule_by_it():
 # ------------------------------------------------------------------ the bench's flags
 
 
-@pytest.mark.parametrize("flag", ["--burst 0", "--repeats 0", "--chunk-tokens 0", "--queue-scale 1,2"])
+@pytest.mark.parametrize(
+    "flag", ["--burst 0", "--repeats 0", "--chunk-tokens 0", "--queue-scale 1,2", "--fair-share 1.5"]
+)
 def test_bench_priority_refuses_bad_flags_before_any_process(flag, capsys):
     import argparse
 

@@ -1,7 +1,8 @@
 """Tenancy live: a router in-process in front of simulated agents
 (tests/router/test_bad_input.py's ``fleet``). A tenant over its rate limit gets 429
 with Retry-After and the x-ratelimit-* headers while another tenant is served; at
-overload, sheddable requests absorb the shedding while critical ones are admitted;
+overload, sheddable requests absorb the shedding while critical ones are admitted, and
+a tenant under its fair share is admitted while the heavy tenant is shed;
 with the admission queue on, a request the shedder refuses waits, is served once there
 is room, gets its 429 past max_wait, and leaves the queue (its tokens given back) when
 its client goes away."""
@@ -136,6 +137,50 @@ async def test_at_overload_sheddable_requests_absorb_the_shedding_and_critical_o
     assert sample(router, name, tenant="acme", priority="critical", outcome="shed") == 0
     assert sample(router, name, tenant="acme", priority="critical", outcome="admitted") == len(crit)
     assert sample(router, name, tenant="acme", priority="sheddable", outcome="shed") == shed.count(429)
+
+
+async def test_at_overload_a_tenant_under_its_share_is_admitted_while_the_heavy_one_is_shed(
+    fleet,  # noqa: F811
+):
+    """One slow agent; sixteen clients of tenant acme in a closed loop (back 20 ms
+    after each 429) next to one client of tenant free sending a request every 0.2 s,
+    all of one class (standard): free, far under its half of what is admitted, is
+    treated as critical (router.fair_share) and never shed; acme takes the shedding."""
+    await fleet.start(
+        {
+            "keys": KEYS,
+            "tenancy": {"queue_scale": {"critical": 20.0, "standard": 1.0, "sheddable": 0.5}},
+        }
+    )
+    await fleet.agent("m", gpu="l4")
+    await fleet.routable(1)
+    codes: dict[str, list[int]] = {"acme": [], "free": []}
+    url = fleet.base + "/v1/completions"
+    deadline = time.monotonic() + 4.0
+
+    async def client(c: httpx.AsyncClient, tenant: str, n: int) -> None:
+        key = "k-batch" if tenant == "acme" else "k-free"
+        for i in range(400):
+            if time.monotonic() > deadline:
+                return
+            prompt = f"{tenant} client {n} request {i}: " + "fresh words that no cache holds " * 60
+            r = await c.post(url, json={"model": "m", "prompt": prompt, "max_tokens": 2}, headers=auth(key))
+            codes[tenant].append(r.status_code)
+            await asyncio.sleep(
+                0.02 if tenant == "acme" and r.status_code == 429 else 0.2 if tenant == "free" else 0
+            )
+
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+        await asyncio.gather(*(client(c, "acme", n) for n in range(16)), client(c, "free", 0))
+    heavy, light = codes["acme"], codes["free"]
+    assert len(light) >= 5 and set(light) == {200}, light
+    assert heavy.count(429) >= 5 and 200 in heavy, (heavy.count(200), heavy.count(429))
+    router = fleet.router
+    promoted = "radixfleet_tenant_promoted_total"
+    assert sample(router, promoted, tenant="free") >= len(light) - 1  # all but the very first
+    assert sample(router, promoted, tenant="acme") <= 2  # at most its first few, before free's
+    name = "radixfleet_tenant_requests_total"
+    assert sample(router, name, tenant="free", priority="standard", outcome="admitted") == len(light)
 
 
 class Gate:

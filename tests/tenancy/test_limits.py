@@ -110,7 +110,7 @@ def count(m: Metrics, name: str, **labels) -> float:
 def test_a_tenant_over_its_request_rate_gets_429_with_headers_while_another_is_served():
     t, m = tenancy({"tenants": {"acme": {"requests_per_s": 2, "request_burst": 2}}})
     for _ in range(2):
-        t.admitted(t.admit("acme", "", "m", {}, 10, {}, 0.0))
+        t.admitted(t.admit("acme", "", "m", {}, 10, {}, 0.0), 0.0)
     with pytest.raises(RateLimited) as ei:
         t.admit("acme", "", "m", {}, 10, {}, 0.1)
     exc = ei.value
@@ -124,7 +124,7 @@ def test_a_tenant_over_its_request_rate_gets_429_with_headers_while_another_is_s
     assert exc.to_json()["error"]["type"] == "rate_limit_error"
     assert "tenant acme is over its rate limit of 2 requests/s (burst 2)" in exc.message
     for _ in range(50):  # zeta has no limit
-        t.admitted(t.admit("zeta", "", "m", {}, 10, {}, 0.1))
+        t.admitted(t.admit("zeta", "", "m", {}, 10, {}, 0.1), 0.1)
     t.admit("acme", "", "m", {}, 10, {}, 0.5)  # refilled
     lab = {"priority": "standard"}
     assert count(m, "radixfleet_tenant_requests_total", tenant="acme", outcome="limited", **lab) == 1
@@ -256,7 +256,7 @@ def test_tenants_past_top_n_are_counted_as_other_and_labels_never_move():
     labels.check()
     t, m = tenancy({"top_n": 2})
     for i in range(10):
-        t.admitted(t.admit(f"t{i}", "", "m", {}, 1, {}, 0.0))
+        t.admitted(t.admit(f"t{i}", "", "m", {}, 1, {}, 0.0), 0.0)
     lab = {"priority": "standard", "outcome": "admitted"}
     assert count(m, "radixfleet_tenant_requests_total", tenant=OTHER, **lab) == 10
     assert count(m, "radixfleet_tenant_requests_total", tenant="acme", **lab) == 0
