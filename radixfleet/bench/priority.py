@@ -351,7 +351,8 @@ async def _run_tenants(args: argparse.Namespace, base: str, model: str) -> dict:
 def admission_cost(repeats: int = 7, n: int = 20_000) -> dict[str, float]:
     """Median µs per request of ``Tenancy.admit`` + ``admitted`` (what the data plane
     adds before the shedding decision): without tenancy settings, with a tenant's
-    two limits, and with a priority header claim as well."""
+    two limits, with a priority header claim as well, and with 100 tenants in turn
+    (the fair share compares each with the others: ``router.fair_share``)."""
     cases = {
         "no_tenancy_settings": ({}, {}),
         "tenant_with_two_limits": (
@@ -366,17 +367,21 @@ def admission_cost(repeats: int = 7, n: int = 20_000) -> dict[str, float]:
             },
             {"x-radixfleet-priority": "critical"},
         ),
+        "100_tenants_in_turn": ({}, {}),
     }
     out = {}
     body = {"max_tokens": 16}
+    many = [f"tenant-{i}" for i in range(100)]
     for name, (raw, headers) in cases.items():
         t = Tenancy(parse_config({"tenancy": raw}).tenancy, ["acme"], Metrics(), 0.0)
+        tenants = many if name == "100_tenants_in_turn" else ["acme"]
         runs = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for _ in range(n):
+            for i in range(n):
                 now = time.monotonic()
-                t.admitted(t.admit("acme", "", "m", headers, 1000, body, now), now)
+                tenant = tenants[i % len(tenants)]
+                t.admitted(t.admit(tenant, "", "m", headers, 1000, body, now), now)
             runs.append((time.perf_counter() - t0) / n * 1e6)
         out[name] = round(statistics.median(runs), 2)
     return out
