@@ -7,6 +7,8 @@ byte key space is the same match and choice, and then calls the same
 ``hint_and_count`` — so the simulator runs exactly the bookkeeping the router does::
 
     match = index.match(request.hashes, now, count)     hot-root counters (count)
+    admit(match)                                         the shedding verdict (the
+                                                         simulator's; live: router.shedding)
     d     = policy.choose(request, match, views, now)
     index.insert(d.worker, request.hashes, now)          optimistic hint
     pool.pick(worker, uncached_tokens(...))              load counted at pick time
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from policies.base import Decision, MatchResult, Policy, RouteRequest, WorkerView
+from protocol.errors import Overloaded
 from router.pool import Pool, Worker
 
 
@@ -57,6 +60,7 @@ def pick_worker(
     count: bool = True,
     touches: bool = False,
     price: Callable[[Sequence[int], MatchResult], MatchResult] | None = None,
+    admit: Callable[[MatchResult], Overloaded | None] | None = None,
 ) -> Picked:
     """Routes ``request`` among ``views`` and does the router's pick-time bookkeeping
     (module docstring). ``count``: record the request in the index's hot-root
@@ -65,10 +69,16 @@ def pick_worker(
     policy bug: never route into the void). ``touches``: return the matched blocks'
     last-use times (the live data plane's ``_pick`` takes the same). ``price``: the
     match with its colder tiers valued (``MatchResult.colder``; the live router's is
-    ``router.engines.manager.Engines.key``)."""
+    ``router.engines.manager.Engines.key``). ``admit``: the shedding verdict on the
+    match, before anything is chosen or counted: its ``Overloaded`` is raised (the
+    live data plane sheds between its own match and choice, router.dataplane)."""
     match = index.match(request.hashes, now, count)
     if price is not None:
         match = price(request.hashes, match)
+    if admit is not None:
+        refusal = admit(match)
+        if refusal is not None:
+            raise refusal
     d = policy.choose(request, match, views, now)
     w = pool.get(d.worker)
     if w is None:

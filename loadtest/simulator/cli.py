@@ -40,6 +40,11 @@ run a bound cuts short is starred in the table, with a note saying which bound, 
 its report says so (``stopped_by``, ``workload_requests``, ``cut``).
 ``--timeout`` (default 120 s, as live) fails a request with no complete answer
 that long after dispatch (error kind ``timeout``) and cancels it at its worker.
+``--shed`` runs the live router's shedding (``router.shedding``) on the simulated
+agents' load reports: a refused request is answered 429 at once (error kind
+``http_429``), nothing routed; the oracle and pooled caches see only the requests
+that run. Off by default: the routing tables measure policies on the whole offered
+load, and below saturation nothing is shed.
 ``--no-progress`` does nothing (there is no progress bar). Bad flags exit 2 with
 one line on stderr.
 """
@@ -198,6 +203,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "not used; default: the router's defaults)",
     )
     f.add_argument(
+        "--shed",
+        action="store_true",
+        help="the live router's load shedding (its limits from --router-config or the "
+        "defaults): a request every worker reports saturated for gets a 429 at once, as "
+        "live (default off: every request is routed)",
+    )
+    f.add_argument(
         "--path-latency-ms",
         type=float,
         default=0.0,
@@ -305,6 +317,7 @@ def build(args: argparse.Namespace):
         "path_latency_s": args.path_latency_ms / 1000.0,
         "send_session": args.send_session,
         "timeout_s": args.timeout,
+        "shed": args.shed,
         "router_config": (load_config(args.router_config) if args.router_config else Config()),
         "slo": parse_slo(args.slo) if args.slo else None,
     }

@@ -117,7 +117,7 @@ from loadtest.simulator.reference import BlockReference, TextReference
 from loadtest.workloads import SingleShot, Trace, Workload
 from policies.base import MatchResult, RouteRequest, WorkerView
 from policies.registry import build_policy
-from protocol.errors import ConfigError, RequestError
+from protocol.errors import ConfigError, Overloaded, RequestError
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
 from protocol.settings import section, setting, settings
 from router.config import Config
@@ -125,9 +125,10 @@ from router.engines.accuracy import predicted_tokens
 from router.engines.capacity import LearnedCapacity, correct
 from router.engines.tier_price import TierPrice
 from router.feedback import Feedback
-from router.pick import pick_worker
+from router.pick import pick_worker, uncached_tokens
 from router.pool import Pool
 from router.prefix_index import DEFAULT_MAX_BYTES, PrefixIndex
+from router.shedding import Shedder
 from router.warmup import WarmupGate, warmup_prefix
 from worker_agent.dram_tier import CHUNK_TOKENS
 
@@ -165,6 +166,7 @@ FLAGS = {
     "level": "--level",
     "path_latency_s": "--path-latency-ms",
     "timeout_s": "--timeout",
+    "shed": "--shed",
     "router_config": "--router-config",
     "slo": "--slo",
     **{f"engine.{k}": flag for k, flag in ENGINE_FLAGS.items()},
@@ -211,6 +213,13 @@ class SimConfig:
         "after dispatch -> error 'timeout'; None: requests never time out",
         lo=0,
         lo_open=True,
+    )
+    shed: bool = setting(
+        False,
+        "the live router's load shedding (router.shedding, with router_config's limits): a "
+        "request every worker's report shows saturated past the bound gets a 429 at once "
+        "(error kind http_429), as live; off: every request is routed (the tables of routing "
+        "policies measure routing on the whole offered load)",
     )
     fast_forward: bool = setting(
         True,
@@ -429,6 +438,9 @@ class Simulation:
             self._hello(w, 0.0)
         self.reasons: collections.Counter = collections.Counter()  # Decision.reason counts
         self.rejected = 0
+        self.shed = 0  # requests the live shedder refused (SimConfig.shed)
+        lim = rcfg.limits
+        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s) if cfg.shed else None
         self.cancelled = 0
         self.timed_out = 0
         self.steps = 0
@@ -549,14 +561,6 @@ class Simulation:
         prompt = self._prompt(spec)
         job = Job(len(self.jobs), session, spec, prompt, now, spec.max_tokens)
         self.jobs.append(job)
-        ref = self.ref_cache  # a BlockReference exactly when block_level
-        if isinstance(ref, BlockReference):
-            assert prompt.block_ids is not None, "block-level prompts carry their block ids"
-            ids = prompt.block_ids
-            _, job.oracle, job.pooled = ref.observe(ids, prompt.prompt_tokens, prompt.last_tokens)
-        else:
-            assert prompt.data is not None, "text-level prompts carry their text"
-            _, job.oracle, job.pooled = ref.observe_prompt(prompt.data, prompt.units)
         req = RouteRequest(
             prompt.hashes,
             prompt.prompt_tokens,
@@ -573,9 +577,38 @@ class Simulation:
             def price(hashes, match: MatchResult) -> MatchResult:
                 return self._priced(hashes, match, views)
 
-        d, _, counted, depth, job.touches = pick_worker(
-            self.policy, self.index, self.pool, req, views, now, touches=self.plain, price=price
-        )
+        admit = None
+        if self.shedder is not None:
+            shedder, pool, model = self.shedder, self.pool, self.model
+
+            def admit(match: MatchResult) -> Overloaded | None:  # the data plane's verdict
+                uncached = uncached_tokens(req.prompt_tokens, match.best, req.block_tokens)
+                return shedder.check(pool.routable_workers(now), model, None, uncached, now)
+
+        try:
+            d, _, counted, depth, job.touches = pick_worker(
+                self.policy,
+                self.index,
+                self.pool,
+                req,
+                views,
+                now,
+                touches=self.plain,
+                price=price,
+                admit=admit,
+            )
+        except Overloaded:
+            self._shed(job, now)
+            return
+        # what the oracle and the pooled cache see: the requests that run
+        ref = self.ref_cache  # a BlockReference exactly when block_level
+        if isinstance(ref, BlockReference):
+            assert prompt.block_ids is not None, "block-level prompts carry their block ids"
+            ids = prompt.block_ids
+            _, job.oracle, job.pooled = ref.observe(ids, prompt.prompt_tokens, prompt.last_tokens)
+        else:
+            assert prompt.data is not None, "text-level prompts carry their text"
+            _, job.oracle, job.pooled = ref.observe_prompt(prompt.data, prompt.units)
         job.matched = d.matched_blocks
         w = self.by_id[d.worker]
         if self.scaler is not None:
@@ -586,6 +619,17 @@ class Simulation:
         if self.cfg.timeout_s is not None:
             self._push(now + self.cfg.timeout_s, _TIMEOUT, job)
         self._submit(w, job, counted, now)
+
+    def _shed(self, job: Job, now: float) -> None:
+        """The live router's 429 for ``job``: nothing routed, counted or hinted; the
+        client has its answer at once (the session ends, as a failed turn ends it)."""
+        job.ok = False
+        job.error_kind = "http_429"
+        job.done_t = now
+        job.prefilled = True
+        self.shed += 1
+        self._finish_client(job, None, now)
+        _retire(job)
 
     def _priced(self, hashes, match: MatchResult, views) -> MatchResult:
         """``match`` with ``colder``: each worker's DRAM extension in GPU-hit blocks by
@@ -1113,6 +1157,7 @@ class Simulation:
             "path_latency_ms": self.cfg.path_latency_s * 1000.0,
             "seed": self.seed,
             "rejected": self.rejected,
+            "shed": self.shed,
             "cancelled": self.cancelled,
             "timed_out": self.timed_out,
             "warmups": sum(1 for j in self.jobs if j.warm),

@@ -48,3 +48,31 @@ def test_exact_eviction_events_do_not_make_prefix_load_worse_past_saturation():
     # saturation, 6.4% of it)
     assert events["hit_rate"] >= 0.95 * plain["hit_rate"], (events["hit_rate"], plain["hit_rate"])
     assert events["ttft_ms"]["p90"] <= 1.1 * plain["ttft_ms"]["p90"], (events["ttft_ms"], plain["ttft_ms"])
+
+
+def run_shed(feedback: str, r1: float) -> dict:
+    cfg = SimConfig(
+        workers=4, engine=EngineSpec(kv_tokens=32_000), feedback=feedback, policy="prefix_load", shed=True
+    )
+    sim = Simulation(
+        cfg, ramp_trace(r1=r1), TraceTimes(), Bounds(max_requests=None, duration_s=None, drain_s=30.0)
+    )
+    return sim.run().report
+
+
+def test_the_simulator_sheds_as_the_live_router_does_past_saturation_and_not_below():
+    """``SimConfig.shed``: the live router.shedding on the simulated agents' reports.
+    Past saturation the excess gets a 429 at once and the admitted requests' TTFT
+    stays near the bound instead of growing with the backlog; agents that report
+    nothing (plain) give no evidence of saturation, so nothing is shed (as live);
+    far below saturation nothing is shed."""
+    shed, unshed = run_shed("events", 70.0), run("events")
+    n = shed["requests"]
+    refused = shed["errors_by_kind"].get("http_429", 0)
+    assert shed["sim"]["shed"] == refused > 0.1 * n, (refused, n)
+    assert shed["ok"] + refused == n, shed["errors_by_kind"]
+    assert shed["ttft_ms"]["p90"] < 0.25 * unshed["ttft_ms"]["p90"], (shed["ttft_ms"], unshed["ttft_ms"])
+    plain = run_shed("plain", 70.0)
+    assert plain["errors_by_kind"].get("http_429", 0) == 0 and plain["ok"] == plain["requests"]
+    light = run_shed("events", 10.0)
+    assert light["errors_by_kind"].get("http_429", 0) == 0, light["errors_by_kind"]
