@@ -90,8 +90,11 @@ class FairShare:
         return value * 0.5 ** (dt / self.half_life_s) if dt > 0.0 else value
 
     def _total_now(self, now: float) -> float:
-        self._total = self._decay(self._total, self._total_at, now)
-        self._total_at = now
+        """The total decayed to ``now`` (a ``now`` older than the last one, from a
+        request admitted while another was, reads the total as it stands)."""
+        if now > self._total_at:
+            self._total = self._decay(self._total, self._total_at, now)
+            self._total_at = now
         return self._total
 
     def served(self, tenant: str, tokens: float, now: float) -> None:
@@ -104,7 +107,7 @@ class FairShare:
         if e is None:
             self._served[tenant] = [v + add, now]
         else:
-            e[0], e[1] = v + add, now
+            e[0], e[1] = v + add, now if now > e[1] else e[1]
         total += add
         self._total = total if total > 0.0 else 0.0
 

@@ -134,3 +134,14 @@ def test_critical_has_no_class_above_it():
     ticket, _ = heavy_and_light(t, 10.0)
     assert ticket.priority == "critical" and ticket.rank == 0 and ticket.scale == 4.0
     assert not m.registry.get_sample_value("radixfleet_tenant_promoted_total", {"tenant": "b"})
+
+
+def test_a_clock_reading_older_than_the_last_decays_nothing_twice():
+    """Requests admitted concurrently pass the times they read, not in order."""
+    fs = FairShare(10.0, 0.8, {})
+    fs.served("a", 1000, 5.0)
+    fs.served("b", 10, 4.0)  # read before a's, admitted after it
+    fs.served("a", 1000, 6.0)
+    fs.check()
+    assert fs._total_at == 6.0 and fs._served["b"][1] == 4.0
+    assert math.isclose(fs._total, 1000 * 0.5**0.1 + 10 * 0.5**0.1 + 1000, rel_tol=1e-9)
