@@ -515,7 +515,8 @@ def _print_tenants(args: argparse.Namespace, out: dict) -> None:
         f"TTFT p50 {_ms(u['ttft_p50_s'])}, p99 {_ms(u['ttft_p99_s'])}"
     )
     print(
-        f"A at {args.a_share:g}x its share next to B; admission queue "
+        f"A at {args.a_share:g}x its share next to B (B {args.b_class}, A standard; fair share "
+        f"{out['fair_share']}); admission queue "
         + (f"max_wait_s {args.queue_wait:g}:" if args.queue_wait else "off:")
     )
     for t, f in out["overload"].items():
