@@ -54,6 +54,9 @@ ACTIVE_SHARE = 0.01
 FORGET_SHARE = 0.001
 #: seconds between recomputations of the active tenants' weight sum
 REFRESH_S = 0.5
+#: the most tokens one request counts for (a body's ``max_tokens`` is any integer a
+#: client sends; the engine refuses what exceeds its context, after admission)
+MAX_TOKENS = 1e12
 
 
 class FairShare:
@@ -99,7 +102,8 @@ class FairShare:
 
     def served(self, tenant: str, tokens: float, now: float) -> None:
         """``tokens`` admitted for ``tenant`` (negative: a correction, once the answer
-        showed it used fewer than were reserved)."""
+        showed it used fewer than were reserved); at most ``MAX_TOKENS`` either way."""
+        tokens = MAX_TOKENS if tokens > MAX_TOKENS else -MAX_TOKENS if tokens < -MAX_TOKENS else float(tokens)
         total = self._total_now(now)
         e = self._served.get(tenant)
         v = self._decay(e[0], e[1], now) if e is not None else 0.0

@@ -145,3 +145,19 @@ def test_a_clock_reading_older_than_the_last_decays_nothing_twice():
     fs.check()
     assert fs._total_at == 6.0 and fs._served["b"][1] == 4.0
     assert math.isclose(fs._total, 1000 * 0.5**0.1 + 10 * 0.5**0.1 + 1000, rel_tol=1e-9)
+
+
+def test_a_body_asking_for_more_tokens_than_a_float_holds_counts_at_the_cap():
+    """A client's max_tokens is any JSON integer (a fuzzed body sent 10**150): the
+    router must not fail on it (it answered 500 once)."""
+    fs = FairShare(10.0, 0.8, {})
+    fs.served("a", 10**400, 0.0)
+    fs.served("a", -(10**400), 0.5)
+    fs.served("b", 10**400, 1.0)
+    fs.check()
+    assert fs.is_under("a", 1.0) and not fs.is_under("b", 1.0)
+    t, _ = tenancy()
+    ticket = t.admit("a", "", "m", {}, 10, {"max_tokens": 10**150}, 0.0)
+    t.admitted(ticket, 0.0)
+    t.settle(ticket, 20, 0.5)
+    t.fair.check()
