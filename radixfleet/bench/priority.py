@@ -8,9 +8,9 @@ requests name their class in ``x-radixfleet-priority`` (a request may always low
 its class).
 
 1. capacity: ``--calibrate-s`` of a closed loop far above what the fleet serves;
-2. unloaded: critical requests alone, Poisson at ``--light`` x capacity;
-   then critical alone at the rate it has in the overload (its share of ``--load``):
-   the queueing among critical requests themselves, which no admission removes;
+2. critical alone at the rate it has in the overload (its share of ``--load``): the
+   queueing among critical requests themselves, which no admission removes; then
+   unloaded: critical requests alone, Poisson at ``--light`` x capacity;
 3. overload: critical, standard and sheddable requests at once, Poisson at
    ``--load`` x capacity in all, split by ``--shares`` (equal thirds by default),
    for ``--duration`` s.
@@ -215,12 +215,13 @@ async def _run(args: argparse.Namespace, base: str, model: str) -> dict:
         served, secs = await crit.closed(16 * args.agents, args.calibrate_s)
         capacity = served / secs
         await asyncio.sleep(2.0)  # drain
-        light = await crit.poisson(args.light * capacity, args.duration)
-        await asyncio.sleep(1.0)
         shares = _shares(args.shares)
         rate = args.load * capacity / sum(shares)
-        # critical alone at the rate it has in the overload: its own queueing
+        # critical alone at the rate it has in the overload: its own queueing (first, so
+        # that the overload follows the light phase, as it always has)
         alone = await crit.poisson(rate * shares[0], args.duration) if shares[0] else []
+        await asyncio.sleep(2.0)  # drain
+        light = await crit.poisson(args.light * capacity, args.duration)
         await asyncio.sleep(1.0)
         heavy = await asyncio.gather(
             *(
