@@ -16,7 +16,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     tenancy, rate_limit  priority classes (the shedding bound's factor) and rate
                   limits per tenant and API key (token buckets)
     admission_queue  at saturation, refused requests wait: by class, then fair share
-    fair_share    tenants under their share of what was admitted lately: one class up
+    fair_share    tenants under their share of what was admitted lately: shed later
     feedback      agents' event batches applied to the index and the pool
     config, reload  the YAML schema and ``check-config``; hot reload
     config_reference  deploy/README's key tables generated from the schema

@@ -12,18 +12,17 @@ A tenant is *under its share* while the tokens recently admitted for it are less
     share_t      weight_t / sum of the active tenants' weights
     under(t)  <=>  served_t < under * share_t * total      (never with one active tenant)
 
-``router.tenancy`` admits a request of a tenant under its share as if it were one
-class higher (never above critical): its shedding bound is that class's
-``queue_scale``, it waits in that class's band of the admission queue, and an engine
-that schedules by vLLM's ``priority`` serves it with that class. Why: the admission
-queue's fair queuing (``router.admission_queue``) orders the requests that wait, but
-a tenant far under its share still waits for the room a heavy tenant's admitted work
-holds, and then behind that work in the engine's queue — at 5x a tenant's share next
-to one at half of its share on two simulated agents, the light tenant's TTFT p50 went
-from 0.23 s alone to 0.62 s, while treated one class higher it was 0.41 s
-(bench/RESULTS.md "Tenants and priority classes"). What remains is the prefill the
-engine is already running when the request arrives, which no admission order
-shortens.
+``router.tenancy`` sheds a request of a tenant under its share as it sheds the next
+class up: its shedding bound's factor is that class's ``queue_scale`` (critical has
+none above it), so it is shed no sooner than a request of that class and never later —
+a higher class is still admitted whenever it is — while its admission-queue band and
+engine ``priority`` stay its own class's. Why: the shed verdict judges the workers, not who
+fills them, so at 5x a tenant's share next to one at half of its share (both standard,
+two simulated agents) the light tenant's requests were refused as often as the heavy
+one's, 47-67% of them (bench/RESULTS.md "Tenants and priority classes"); the admission
+queue's fair queuing (``router.admission_queue``, off by default) orders only the
+requests that wait. What remains for the light tenant is the prefill the engine is
+already running when its request arrives, which no admission order shortens.
 
 Why decayed admitted tokens rather than the queue's virtual token counters: those
 exist only while requests wait and are forgotten when the queue empties (fairness

@@ -235,7 +235,7 @@ class Metrics:
         )
         self.tenant_promoted = Counter(
             "radixfleet_tenant_promoted",
-            "Requests admitted, queued and scheduled one class higher because their tenant "
+            "Requests shed as the next class up is (that class's bound) because their tenant "
             "was under its fair share of what the fleet admitted lately (router.fair_share)",
             ["tenant"],
             registry=r,

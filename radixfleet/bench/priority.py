@@ -50,7 +50,7 @@ weight (``x-tenant-id``, ``keys.tenant.source: header``), all standard: B alone 
 ``--b-share`` (0.5) of its fair share (half the capacity), then A at ``--a-share`` (5)
 of its share with B as before; B's TTFT p99 against B's alone (target: <= 1.2x), the
 fraction of B's requests shed (target: <= 5%: A absorbs the shedding) and A's share of
-the shed. B, far under its half of what is admitted, goes one class up by default
+the shed. B, far under its half of what is admitted, is shed as critical is by default
 (``tenancy.fair_share``; ``--fair-share 0`` turns that off); ``--b-class`` gives B its
 own class instead (``critical``: the most any admission order can do for it).
 """
@@ -113,8 +113,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--fair-share",
         type=float,
         default=None,
-        help="tenancy.fair_share.under: a tenant under this share of its fair share goes one "
-        "class up (0: off; default: the router's)",
+        help="tenancy.fair_share.under: a tenant under this share of its fair share is shed "
+        "as the next class up (0: off; default: the router's)",
     )
     p.add_argument(
         "--scenario",

@@ -1,5 +1,5 @@
 """router.fair_share: which tenants got less than their weighted share of what was
-admitted lately, and router.tenancy treating their requests one class higher."""
+admitted lately, and router.tenancy shedding their requests as the next class up."""
 
 from __future__ import annotations
 
@@ -106,14 +106,16 @@ def heavy_and_light(t: Tenancy, seconds: float) -> tuple[object, float]:
     return ticket, now
 
 
-def test_a_tenant_under_its_share_is_admitted_one_class_higher_and_counted_under_its_own():
+def test_a_tenant_under_its_share_is_shed_as_the_next_class_and_counted_under_its_own():
     t, m = tenancy()
     ticket, now = heavy_and_light(t, 30.0)
-    assert ticket.priority == "standard" and ticket.rank == 0 and ticket.scale == 4.0  # critical's
+    # critical's factor; its band and engine priority stay standard's
+    assert ticket.priority == "standard" and ticket.rank == 1 and ticket.scale == 4.0
     heavy = t.admit("a", "", "m", {}, 1000, {}, now)
     assert heavy.rank == 1 and heavy.scale == 1.0
     claim = t.admit("b", "", "m", {"x-radixfleet-priority": "sheddable"}, 1000, {}, now)
-    assert claim.priority == "sheddable" and claim.rank == 1  # one class up: standard
+    # standard's factor: shed no sooner than a standard request, never later
+    assert claim.priority == "sheddable" and claim.rank == 2 and claim.scale == 1.0
     promoted = m.registry.get_sample_value("radixfleet_tenant_promoted_total", {"tenant": "b"})
     assert promoted and promoted >= 290
     assert not m.registry.get_sample_value("radixfleet_tenant_promoted_total", {"tenant": "a"})
