@@ -18,8 +18,8 @@ none above it), so it is shed no sooner than a request of that class and never l
 a higher class is still admitted whenever it is — while its admission-queue band and
 engine ``priority`` stay its own class's. Why: the shed verdict judges the workers, not who
 fills them, so at 5x a tenant's share next to one at half of its share (both standard,
-two simulated agents) the light tenant's requests were refused as often as the heavy
-one's, 47-67% of them (bench/RESULTS.md "Tenants and priority classes"); the admission
+two simulated agents) the light tenant's requests were refused about as often as the
+heavy one's (bench/RESULTS.md "Tenants and priority classes"); the admission
 queue's fair queuing (``router.admission_queue``, off by default) orders only the
 requests that wait. What remains for the light tenant is the prefill the engine is
 already running when its request arrives, which no admission order shortens.

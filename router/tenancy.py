@@ -34,8 +34,9 @@ tenant under its fair share of what was admitted lately (``router.fair_share``) 
 the next higher class's factor (critical has none above it): it is shed no sooner than
 a request of that class, never later, so a higher class is still admitted whenever it
 is. Its admission-queue band and engine ``priority`` stay its class's (the queue
-already orders a band by fair share). Measured: half-way (the factors' geometric mean)
-still shed the light tenant 44% of the time.
+already orders a band by fair share). The whole next factor, not a share of the way to
+it: half-way still shed the light tenant often (bench/RESULTS.md "Tenants and priority
+classes").
 
 Limits are kept per router process and, on a bus, shared: every ``bus.limits_interval_s``
 each replica publishes what it took from each bucket since its last message, net
@@ -339,14 +340,13 @@ _Rules = tuple[TenantRules, _Limit | None]
 class Ticket:
     """One admitted request's class and reservation (``Tenancy.admit``)."""
 
-    __slots__ = ("tenant", "label", "priority", "rank", "scale", "reserved", "limits", "open")
+    __slots__ = ("tenant", "label", "priority", "scale", "reserved", "limits", "open")
 
     def __init__(
         self,
         tenant: str,
         label: str,
         priority: str,
-        rank: int,
         scale: float,
         reserved: int,
         limits: tuple[_Limit, ...],
@@ -354,14 +354,17 @@ class Ticket:
         self.tenant = tenant
         self.label = label  # the tenant's metric label
         self.priority = priority  # its class (what it is counted under)
-        #: its class's PRIORITIES index: the admission queue's band, the engine's ``priority``
-        self.rank = rank
         #: the factor on the shedder's bound: its class's, or the next higher class's for a
         #: tenant under its fair share (module docstring)
         self.scale = scale
         self.reserved = reserved  # tokens taken from the token buckets
         self.limits = limits  # the _Limit objects it was taken from
         self.open = True  # until shed or settled (a reservation is corrected once)
+
+    @property
+    def rank(self) -> int:
+        """Its class's PRIORITIES index: the admission queue's band, the engine's ``priority``."""
+        return _RANK[self.priority]
 
     def headers(self) -> tuple[tuple[str, str], ...]:
         """The ``x-ratelimit-*`` headers an admitted answer carries, as OpenAI sends
@@ -443,7 +446,7 @@ class Tenancy:
         if rank and self.fair.is_under(tenant, now):
             scale = self._scale[PRIORITIES[rank - 1]]
             self.metrics.tenant_promoted.labels(label).inc()
-        return Ticket(tenant, label, priority, rank, scale, cost, limits)
+        return Ticket(tenant, label, priority, scale, cost, limits)
 
     def drain(self) -> list[tuple[str, str, int, float]]:
         """What this process took from each limit since the last call, net of
