@@ -44,7 +44,7 @@ import httpx
 import yaml
 
 from protocol.cli_args import DeprecatedAlias
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -141,16 +141,19 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "radixfleet.cli", *args]
 
 
-def wait_registered(router_url: str, n: int, timeout_s: float = 15.0, registered: bool = True) -> None:
+def wait_registered(router_url: str, n: int, timeout_s: float = 60.0, registered: bool = True) -> None:
     """Waits until the router lists ``n`` routable workers whose agents registered
     (so feedback flows before load does; ``registered=False``: routable is enough).
-    Returns early without /admin/workers."""
+    Returns early without /admin/workers. Raises ``RunError`` after ``timeout_s``:
+    load sent before then would meet a router that serves no model yet, and fail
+    later with a message that hides why."""
     deadline = time.monotonic() + timeout_s
+    listed = "nothing"
     while time.monotonic() < deadline:
         try:
             r = httpx.get(router_url + "/admin/workers", timeout=1.0)
-        except httpx.HTTPError:
-            r = None
+        except httpx.HTTPError as exc:
+            r, listed = None, f"no answer ({exc.__class__.__name__})"
         if r is not None and r.status_code in (401, 403, 404):
             return
         if r is not None and r.status_code == 200:
@@ -165,8 +168,10 @@ def wait_registered(router_url: str, n: int, timeout_s: float = 15.0, registered
             ]
             if len(ready) >= n:
                 return
+            listed = f"{len(ready)} of {len(items)} listed"
         time.sleep(0.2)
-    log.warning("router lists fewer than %d registered, routable workers after %.0f s", n, timeout_s)
+    what = "registered, routable" if registered else "routable"
+    raise RunError(f"{router_url} lists fewer than {n} {what} workers after {timeout_s:.0f} s ({listed})")
 
 
 class Child:
@@ -361,7 +366,9 @@ class Fleet:
         )
         self.router.start()
         self.router.wait_ready(self.ready_timeout_s)
-        wait_registered(self.router_url, len(self.agents), registered=not c.plain_workers)
+        wait_registered(
+            self.router_url, len(self.agents), self.ready_timeout_s, registered=not c.plain_workers
+        )
 
     def start_smg(self, launch: list[str] | None = None, name: str = "smg") -> None:
         """(Re)starts SGLang's gateway, ``smg``, on the router's port in front of the
@@ -506,16 +513,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per readiness poll
     cfg = config_from_args(args)
-    stopping = False
-
-    def on_term(signum, frame):  # SIGTERM: leave like Ctrl-C, stopping the children
-        nonlocal stopping
-        if stopping:  # a repeated SIGTERM (a supervisor and its wrapper both) must not
-            return  # interrupt the stopping itself
-        stopping = True
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
     fleet = Fleet(cfg, log_dir=args.log_dir)
     try:
         with fleet:
@@ -535,6 +532,6 @@ def run(args: argparse.Namespace) -> int:
                     )
                     return 1
                 time.sleep(0.5)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (radixfleet.cli turns it into one)
         print("stopping the fleet", flush=True)
         return 0

@@ -9,12 +9,19 @@ table below. A subcommand module exposes::
 Modules are imported only when their subcommand is chosen, so ``radixfleet --help``
 stays fast. Bad input exits 2 with one line on stderr; ``RadixfleetError`` raised by
 a subcommand is reported the same way.
+
+SIGTERM leaves every subcommand but the servers as Ctrl-C does (exit 130, ``up``: 0):
+the interrupt unwinds the ``with`` blocks that stop what the command started (a
+bench's fleet, the demo's agents), which a process killed by the default action
+would leave running in their own process groups. The servers (``router``,
+``agent``) drain on SIGTERM themselves.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from protocol.cli_args import HelpFormatter
@@ -37,6 +44,26 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "print the router YAML key tables (deploy/README.md), made from the schema",
     ),
 }
+
+
+#: subcommands that handle SIGTERM themselves (a graceful drain)
+SERVERS = frozenset({"router", "agent"})
+
+
+def interrupt_on_sigterm() -> None:
+    """From now on the first SIGTERM raises ``KeyboardInterrupt`` in the main thread;
+    later ones (a supervisor and the wrapper it signals both) are ignored, so they
+    cannot interrupt the stopping itself."""
+    received = False
+
+    def on_term(signum, frame):
+        nonlocal received
+        if received:
+            return
+        received = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if not argv else 2
+    if args.command not in SERVERS:
+        interrupt_on_sigterm()
     try:
         return int(args._run(args) or 0)
     except RadixfleetError as exc:

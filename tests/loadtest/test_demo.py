@@ -153,3 +153,50 @@ def test_up_serves_until_sigterm_and_stops_its_children(tmp_path, sigterms):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+def test_demo_stopped_by_sigterm_stops_its_fleet(tmp_path):
+    """A benchmark or the demo killed by a supervisor (SIGTERM, as ``timeout`` sends)
+    must not leave its agents and router running in their own process groups."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "radixfleet.cli",
+            "demo",
+            "--out",
+            str(tmp_path / "demo"),
+            "--agents",
+            "2",
+            "--kv-tokens",
+            "6000",
+            "--policies",
+            "round_robin",
+            "-o",
+            "sessions=400",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        seen = ""
+        deadline = time.monotonic() + 60
+        while "demo: running" not in seen:  # the agents and the router answer
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                seen += os.read(proc.stdout.fileno(), 65536).decode()
+        m = re.search(r"demo: agents (.*), router (\S+),", seen)
+        assert m, seen
+        urls = [*m.group(1).split(), m.group(2)]
+        assert len(urls) == 3 and not any(_closed(u) for u in urls), seen
+        os.kill(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130, seen + output.decode()
+        for u in urls:
+            assert _closed(u), f"{u} still listening after the demo exited"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
