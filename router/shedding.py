@@ -99,6 +99,19 @@ the time it has had, let a saturated engine take more prefills at once, each ste
 slowed, and at 4x it served fewer and queued more (bench/RESULTS.md "Shedding in
 front of vLLM").
 
+A burst while the fleet is calm is not saturation either: while the router has shed
+nothing for ``CALM_S`` seconds, an engine with a free slot and a fresh report takes a
+request while the prefill ahead on it is within ``BURST_AHEAD`` of the largest recent
+request's. At 0.2x capacity bursts of about seven within milliseconds (a loop running
+late bunches Poisson arrivals) still put 2.6-3.6 requests ahead on each of two engines
+and were refused. Saturation is a state that lasts: once a request is shed the plain
+rules hold for ``CALM_S``, so at sustained overload (a shed every few requests) the
+allowance never applies, and at its onset it admits at most ``BURST_AHEAD`` requests'
+prefill per engine once. Agents, judged by ``pending_s`` alone, have no such
+allowance: their prefill is the simulated GPU's (a quarter second per 1,000-token
+prompt on an L4), and four ahead at the onset of an overload doubled the admitted
+TTFT p99 of ``radixfleet bench overload`` (bench/RESULTS.md "Shedding in front of vLLM").
+
 Admitted requests then wait behind at most ``worker_queue_requests`` typical
 requests' prefill; the excess is told when to come back: ``Retry-After`` is the
 time the least-loaded eligible worker needs to drain below the bound (>= 1 s).
@@ -129,6 +142,10 @@ KV_FULL = 0.95
 #: requests' prefill (in largest requests) that may be ahead of a free slot on an
 #: engine whose report shows it quiet (module docstring)
 QUIET_AHEAD = 2.0
+#: while nothing was shed for CALM_S seconds, requests' prefill (in largest requests)
+#: that may be queued or ahead on a worker: a burst, not saturation (module docstring)
+BURST_AHEAD = 4.0
+CALM_S = 5.0
 
 
 class QueueMark:
@@ -261,10 +278,11 @@ def quiet(mark: QueueMark, load: Load) -> bool:
 class Shedder:
     """The fleet's queue bound. One event loop owns it; ``check`` is O(workers).
 
-    ``typical_s`` and ``largest_tokens`` are the only state (0.0 until the first
-    observation, which they then take whole); ``configure`` follows a reload."""
+    ``typical_s`` and ``largest_tokens`` (0.0 until the first observation, which they
+    then take whole) and ``shed_at`` (when the last request was shed) are the only
+    state; ``configure`` follows a reload."""
 
-    __slots__ = ("per_requests", "min_s", "typical_s", "largest_tokens", "on_shed", "recent")
+    __slots__ = ("per_requests", "min_s", "typical_s", "largest_tokens", "shed_at", "on_shed", "recent")
 
     def __init__(self, per_requests: float, min_s: float, on_shed: Callable[[], None] | None = None) -> None:
         self.per_requests = per_requests  # 0: never shed
@@ -273,6 +291,8 @@ class Shedder:
         #: the largest recent request's uncached tokens (decayed by _ALPHA per request):
         #: one request of that size ahead on a worker is room (module docstring)
         self.largest_tokens = 0.0
+        #: the ``now`` of the last shed decision (-inf: none yet, the fleet is calm)
+        self.shed_at = -math.inf
         self.on_shed = on_shed  # a metric
         #: the last RECENT_SHEDS shed decisions, each with every eligible worker's inputs
         self.recent: deque[dict] = deque(maxlen=RECENT_SHEDS)
@@ -309,6 +329,8 @@ class Shedder:
         if self.per_requests <= 0:
             return None
         bound = self.bound_s() * scale
+        # calm (nothing shed lately): a burst's prefill may queue (module docstring)
+        burst_tokens = self.largest_tokens * BURST_AHEAD if now - self.shed_at >= CALM_S else 0.0
         best = math.inf
         for w in workers:
             if model and w.models and not serves(w.models, model, adapter):
@@ -335,6 +357,8 @@ class Shedder:
                 ahead = ahead_tokens / rate
                 # (an empty stand-in for a stale report is no evidence of quiet)
                 allowed = self.largest_tokens * (QUIET_AHEAD if not stale and quiet(mark, ld) else 1.0)
+                if burst_tokens > allowed and not stale:
+                    allowed = burst_tokens
                 if (ahead <= bound or ahead_tokens <= allowed) and has_room(mark, ld, in_flight):
                     self._observe(uncached_tokens, rate, prefetch)
                     return None
@@ -350,6 +374,7 @@ class Shedder:
                 best = q
         if best == math.inf:
             return None  # nobody eligible: the caller's 404 / 503
+        self.shed_at = now
         if self.on_shed is not None:
             self.on_shed()
         self._record(workers, model, adapter, bound, now)

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.report import percentile as _pct
 from radixfleet.bench.overload import Load
+from router.shedding import CALM_S
 from tests.engines.quick_start import quick_start  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.engine
@@ -162,7 +163,9 @@ def overload(router: str, servers) -> dict:
             await load.closed(4, 3.0)  # warm: rates learned, typical request known
             served, secs = await load.closed(48, 10.0)
             capacity = served / secs
-            await asyncio.sleep(2.0)
+            # the calibration's closed loop is shed: the router treats the next CALM_S
+            # seconds as saturated (router.shedding); the light phase starts after them
+            await asyncio.sleep(CALM_S + 1.0)
             p0 = await asyncio.to_thread(engine_phases, servers, router)
             light = await load.poisson(0.2 * capacity, 12.0)
             p1 = await asyncio.to_thread(engine_phases, servers, router)

@@ -398,6 +398,7 @@ def test_shedder_bound_follows_the_typical_request():
     s = Shedder(2.0, 0.05)
     assert s.check([W(0)], "m", None, 500, 0.0) is None  # learns: typical 0.5 s
     assert s.bound_s() == pytest.approx(1.0)
+    s.shed_at = 0.0  # the fleet shed a moment ago: the plain bound, not a calm fleet's
     assert s.check([W(900)], "m", None, 500, 0.0) is None
     exc = s.check([W(3000), W(1500)], "m", None, 500, 0.0)
     assert isinstance(exc, Overloaded) and exc.retry_after_s == pytest.approx(0.5)

@@ -252,6 +252,7 @@ def test_a_saturated_engine_with_a_slot_but_prefill_ahead_is_full():
     s = Shedder(0.5, 0.05)
     t = clock()
     learned(s, pool, t)
+    s.shed_at = t  # the fleet shed a moment ago: the plain bounds, not a calm fleet's
     for w in (a, b):
         decoding(pool, w, 4)
         saturated_at_8(pool, w, t)
@@ -277,6 +278,7 @@ def test_one_ordinary_request_ahead_per_worker_is_room_after_the_rate_drops():
     s = Shedder(0.5, 0.05)
     t = clock()
     learned(s, pool, t)  # typical 0.1 s: 100 tokens at 1,000/s
+    s.shed_at = t  # the fleet shed a moment ago: the plain bounds, not a calm fleet's
     for w in (a, b):
         saturated_at_8(pool, w, t)
         engine_report(pool, w, t, running=0)  # limit 8, idle now
@@ -305,6 +307,7 @@ def test_a_burst_into_quiet_engines_is_admitted_up_to_two_requests_ahead():
     s = Shedder(0.5, 0.05)
     t = clock()
     learned(s, pool, t)  # typical 0.1 s, largest 100 tokens: bound 0.05 s
+    s.shed_at = t  # the fleet shed a moment ago: the plain bounds, not a calm fleet's
     for w in (a, b):
         saturated_at_8(pool, w, t)
         engine_report(pool, w, t, running=1)  # limit 8, quiet now
@@ -512,3 +515,40 @@ def test_an_agents_whole_queue_is_judged_and_its_prefill_kept_in_the_record():
     assert isinstance(check(s, pool, t), Overloaded)
     rows = s.recent[-1]["workers"]
     assert [(r["pending_s"], r["prefill_s"]) for r in rows] == [(8.232, 0.04)] * 2
+
+
+def burst(shedder, pool, now, n):
+    """n requests of 100 uncached tokens at ``now``, each admitted one picked on the
+    worker with the least prefill ahead; how many were admitted."""
+    admitted = 0
+    for _ in range(n):
+        if check(shedder, pool, now) is not None:
+            continue
+        pool.pick(min(pool, key=lambda w: w.in_flight_tokens), 100)
+        admitted += 1
+    return admitted
+
+
+def test_a_burst_while_nothing_was_shed_takes_a_saturated_engines_free_slots_only():
+    """An engine that has held a queue takes a calm burst's requests only into free
+    slots and only on a fresh report: a burst of seven on two quiet engines (over
+    QUIET_AHEAD's two ahead) is admitted; on engines with every slot taken, or whose
+    reports went stale, the plain rules hold."""
+    pool, _, clock = make_pool()
+    a, b = pool.get("a"), pool.get("b")
+    s = Shedder(0.5, 0.05)
+    t = clock()
+    learned(s, pool, t)  # typical 0.1 s, largest 100 tokens: bound 0.05 s
+    for w in (a, b):
+        saturated_at_8(pool, w, t)
+        engine_report(pool, w, t, running=1)  # limit 8, quiet now
+    assert burst(s, pool, t, 7) == 7
+    for w in (a, b):  # every slot taken, the burst still ahead: no room, whatever the calm
+        engine_report(pool, w, t, running=8)
+    assert isinstance(check(s, pool, t + 0.1), Overloaded)
+    for w in (a, b):
+        pool.prefilled(w, 100 * w.in_flight)
+        engine_report(pool, w, t + 10.0, running=1)
+    assert burst(s, pool, t + 10.0, 6) == 6  # calm again (10 s since the shed): 3 ahead each
+    # the same burst against stale reports: one request ahead each, as before
+    assert isinstance(check(s, pool, t + 16.0), Overloaded)
