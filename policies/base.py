@@ -128,6 +128,10 @@ class WorkerView:
     #: the prompt tokens of the router's requests in flight, until they finish: the
     #: KV they hold while decoding, a shared prefix counted in each (``router.pool``)
     in_flight_kv_tokens: int = 0
+    #: the router refused a request this worker could have served within the last
+    #: few seconds (``router.shedding.CALM_S``): every worker serving its model was
+    #: past the shedding bound then, so its queue is held at that bound, not below it
+    saturated: bool = False
 
     @property
     def load_tokens(self) -> int:

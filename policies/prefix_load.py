@@ -161,8 +161,13 @@ def _by_written(
 class PrefixLoad(Policy):
     """The module docstring's policy, with these rules for a saturated fleet.
 
-    The fleet is *saturated* when even the least-loaded worker's queue (as the module
-    docstring estimates it) is ``saturated_s`` or more. Then:
+    The fleet is *saturated* when every worker is: its queue (as the module docstring
+    estimates it) is ``saturated_s`` or more, or the router refused a request it could
+    serve within the last few seconds (``WorkerView.saturated``; router.shedding). The
+    second is how saturation shows where the router sheds (its default): shedding holds
+    each queue near its bound, a fraction of a typical prefill, so no queue reaches
+    ``saturated_s``, yet the fleet refuses work; measured in bench/RESULTS.md "The same
+    ramp with the live router's shedding". Then:
 
     - A worker's reported queue counts at its *uncached share*: the report counts
       whole prompts, and past saturation a holder's queue is mostly prompts it holds
@@ -309,10 +314,10 @@ class PrefixLoad(Policy):
         footprint_rel: float = param(1.25, "... and are more than this many times the fleet's mean", lo=1.0)
         saturated_s: float = param(
             1.0,
-            "when even the least-loaded worker's queue is this many seconds, a holder "
-            "within the affinity bound keeps its match whatever the score, a prefix's "
-            "fresh home takes its requests and reported queues count only the prompts "
-            "a worker must prefill (0 = off)",
+            "when even the least-loaded worker's queue is this many seconds (or the router "
+            "is refusing what every worker could serve), a holder within the affinity bound "
+            "keeps its match whatever the score, a prefix's fresh home takes its requests "
+            "and reported queues count only the prompts a worker must prefill (0 = off)",
             lo=0.0,
         )
         home_records: int = param(
@@ -565,7 +570,8 @@ class PrefixLoad(Policy):
             unmatched = crowded if not unmatched else unmatched | crowded
             avoid = crowded if not avoid else avoid | crowded
 
-        # A saturated fleet: even the least-loaded worker has a queue (class docstring).
+        # A saturated fleet: even the least-loaded worker has a queue, or the router is
+        # refusing what any of them could serve (class docstring).
         sat = p.saturated_s > 0 and self._saturated(views, p.saturated_s)
 
         # Pass 1: queue delays, the least-loaded worker, the best routable match.
@@ -852,9 +858,12 @@ class PrefixLoad(Policy):
 
     @staticmethod
     def _saturated(views: Sequence[WorkerView], saturated_s: float) -> bool:
-        """Even the least-loaded worker's queue (the module docstring's ``queue_s``)
+        """Every worker is saturated: the router refuses what it could serve
+        (``WorkerView.saturated``), or its queue (the module docstring's ``queue_s``)
         is ``saturated_s`` or more. O(workers)."""
         for v in views:
+            if v.saturated:
+                continue
             a, c = v.in_flight_tokens, v.queued_tokens
             if (a if a > c else c) < saturated_s * v.prefill_tokens_per_s:
                 return False

@@ -433,8 +433,8 @@ class DataPlane:
         self._spawn = spawn  # the owner's task set: warm-ups are cancelled at shutdown
         lim = cfg.limits
         self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s, lim.retry_after_s)
-        # no on_shed: a refusal may wait in the admission queue; shed_total counts 429s
-        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s)
+        # (a refusal may wait in the admission queue; shed_total counts the 429s)
+        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s, self.pool.refused)
         self.cfg = cfg
         self.policy = policy
         self.tenants = tenants

@@ -77,7 +77,7 @@ from protocol.events import (
 from protocol.prefix_keys import WorkerId
 from router import served
 from router.config import Config, WorkerSpec
-from router.shedding import QueueMark
+from router.shedding import CALM_S, QueueMark
 from service import jsonbody
 
 log = logging.getLogger("radixfleet.pool")
@@ -151,6 +151,7 @@ class Worker:
         "remote_tokens",
         "registered_epoch",
         "unhealthy_since",
+        "refused_until",
     )
 
     def __init__(
@@ -205,6 +206,9 @@ class Worker:
         self.engine = None  # router.engines.link.EngineLink, set by router.engines
         self.remote_in_flight = 0  # other router replicas' requests on it (router.bus)
         self.remote_tokens = 0  # and their prompt tokens not yet prefilled
+        #: monotonic time until which its view reads saturated: the router refused a
+        #: request it could have served (``Pool.refused``; router.shedding)
+        self.refused_until = 0.0
 
     def routable(self, now: float) -> bool:
         if self.health is not HealthState.HEALTHY or self.draining:
@@ -248,6 +252,7 @@ class Worker:
                 rate,
                 self.weight,
                 self.in_flight_kv,
+                now < self.refused_until,
             )
         # no fresh report: the engine's KV capacity is still known where configured or
         # scraped (a plain engine's YAML kv_capacity_tokens); policies weigh KV by it
@@ -261,6 +266,7 @@ class Worker:
             prefill_tokens_per_s=self.prefill_rate(now),
             weight=self.weight,
             in_flight_kv_tokens=self.in_flight_kv,
+            saturated=now < self.refused_until,
         )
 
     def describe(self, now: float) -> dict:
@@ -272,6 +278,8 @@ class Worker:
             "source": self.source.value,
             "role": self.role,
             "scheduling_policy": self.scheduling_policy,  # as its agent said; "": not said
+            # the router refused a request it could serve lately: policies see it saturated
+            "saturated": now < self.refused_until,
             "health": self.health.value,
             "breaker": self.breaker.value,
             "draining": self.draining,
@@ -609,9 +617,22 @@ class Pool:
             v = w._view
             if v is None or now >= w._view_until:
                 v = w._view = w.build_view(now)
-                w._view_until = w.load_until if now < w.load_until else float("inf")
+                until = w.load_until if now < w.load_until else float("inf")
+                if now < w.refused_until < until:
+                    until = w.refused_until
+                w._view_until = until
             append(v)
         return out
+
+    def refused(self, model: str, adapter: str | None, now: float) -> None:
+        """The shedder refused a request for ``model`` (every routable worker serving
+        it was past the bound): their views read ``saturated`` for ``CALM_S`` s."""
+        until = now + CALM_S
+        for w in self.routable_workers(now):
+            if model and w.models and not served.serves(w.models, model, adapter):
+                continue
+            w.refused_until = until
+            w._view = None
 
     def routable_workers(self, now: float) -> list[Worker]:
         ws = self._routable

@@ -282,9 +282,14 @@ class Shedder:
     then take whole) and ``shed_at`` (when the last request was shed) are the only
     state; ``configure`` follows a reload."""
 
-    __slots__ = ("per_requests", "min_s", "typical_s", "largest_tokens", "shed_at", "on_shed", "recent")
+    __slots__ = ("per_requests", "min_s", "typical_s", "largest_tokens", "shed_at", "on_refuse", "recent")
 
-    def __init__(self, per_requests: float, min_s: float, on_shed: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        per_requests: float,
+        min_s: float,
+        on_refuse: Callable[[str, str | None, float], None] | None = None,
+    ) -> None:
         self.per_requests = per_requests  # 0: never shed
         self.min_s = min_s
         self.typical_s = 0.0
@@ -293,7 +298,9 @@ class Shedder:
         self.largest_tokens = 0.0
         #: the ``now`` of the last shed decision (-inf: none yet, the fleet is calm)
         self.shed_at = -math.inf
-        self.on_shed = on_shed  # a metric
+        #: told (model, adapter, now) of each refusal: ``router.pool.Pool.refused``, so
+        #: policies see the workers saturated (``WorkerView.saturated``)
+        self.on_refuse = on_refuse
         #: the last RECENT_SHEDS shed decisions, each with every eligible worker's inputs
         self.recent: deque[dict] = deque(maxlen=RECENT_SHEDS)
 
@@ -375,8 +382,8 @@ class Shedder:
         if best == math.inf:
             return None  # nobody eligible: the caller's 404 / 503
         self.shed_at = now
-        if self.on_shed is not None:
-            self.on_shed()
+        if self.on_refuse is not None:
+            self.on_refuse(model, adapter, now)
         self._record(workers, model, adapter, bound, now)
         return Overloaded(
             f"every worker serving this model has over {bound:.2f}s of prefill "

@@ -440,7 +440,11 @@ class Simulation:
         self.rejected = 0
         self.shed = 0  # requests the live shedder refused (SimConfig.shed)
         lim = rcfg.limits
-        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s) if cfg.shed else None
+        self.shedder = (
+            Shedder(lim.worker_queue_requests, lim.worker_queue_min_s, self.pool.refused)
+            if cfg.shed
+            else None
+        )
         self.cancelled = 0
         self.timed_out = 0
         self.steps = 0

@@ -99,6 +99,41 @@ def test_a_miss_on_an_evicted_prefix_goes_back_to_its_last_worker_when_saturated
     pol.check()
 
 
+def test_a_fleet_the_router_is_shedding_for_is_saturated_though_its_queues_are_short():
+    """Shedding holds each queue near its bound (a fraction of a prefill), so no queue
+    reaches saturated_s; the views' ``saturated`` (the router refused what these
+    workers could serve) turns the saturated rules on: a miss goes home."""
+    pol = policy()
+    base = 1_000  # 0.1 s of queue on every worker, far below saturated_s (1 s)
+
+    def views(sat: bool, w2: int):
+        return [
+            WorkerView("w0", in_flight_tokens=base, saturated=sat),
+            WorkerView("w1", in_flight_tokens=base, saturated=sat),
+            WorkerView("w2", in_flight_tokens=w2, saturated=sat),
+        ]
+
+    req = hand_req()
+    first = [
+        WorkerView(v.id, in_flight_tokens=v.in_flight_tokens + 300, saturated=True) for v in views(True, 0)
+    ]
+    assert pol.choose(req, MatchResult({}), first, 0.0).worker == "w2"
+    sibling = RouteRequest(req.hashes[:50] + [10_000 + i for i in range(51)], 3232, 32)
+    d = pol.choose(sibling, MatchResult({}), views(True, base + 800), 1.0)
+    assert (d.worker, d.reason) == ("w2", Reason.MISS)
+    # one worker not refused for: not the whole fleet, the least-loaded worker
+    mixed = views(True, base + 800)
+    mixed[0] = WorkerView("w0", in_flight_tokens=base)
+    assert pol.choose(sibling, MatchResult({}), mixed, 2.0).worker in ("w0", "w1")
+    # nothing refused: below saturation, the least-loaded worker
+    assert pol.choose(sibling, MatchResult({}), views(False, base + 800), 3.0).worker in ("w0", "w1")
+    # saturated_s 0 turns the saturated rules off whatever the views say
+    off = policy(saturated_s=0)
+    off.choose(req, MatchResult({}), first, 0.0)
+    assert off.choose(sibling, MatchResult({}), views(True, base + 800), 1.0).worker in ("w0", "w1")
+    pol.check()
+
+
 def test_a_saturated_fleet_trusts_a_fresh_home_over_the_index_and_a_stale_one_not_at_all():
     """Past saturation the queue ahead of a request writes more than a cache holds:
     the prefix's last worker holds it when the request's turn comes while less than

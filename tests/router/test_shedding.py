@@ -10,7 +10,7 @@ import pytest
 
 from protocol.errors import Overloaded
 from protocol.events import Load
-from router.shedding import KV_FULL, QueueMark, Shedder
+from router.shedding import CALM_S, KV_FULL, QueueMark, Shedder
 from tests.router.pools import make_pool
 
 RATE = 1000.0  # prefill tokens/s of every worker here
@@ -552,3 +552,26 @@ def test_a_burst_while_nothing_was_shed_takes_a_saturated_engines_free_slots_onl
     assert burst(s, pool, t + 10.0, 6) == 6  # calm again (10 s since the shed): 3 ahead each
     # the same burst against stale reports: one request ahead each, as before
     assert isinstance(check(s, pool, t + 16.0), Overloaded)
+
+
+def test_a_refusal_shows_the_workers_saturated_to_the_policy_for_calm_s():
+    """The shedder tells the pool of each refusal (``on_refuse``); the views of the
+    workers serving the model read ``saturated`` for CALM_S seconds (the cached view
+    is rebuilt at the refusal and when it ends), then not."""
+    pool, _, clock = make_pool()
+    s = Shedder(0.5, 0.05, pool.refused)
+    t = clock()
+    learned(s, pool, t)
+    assert not any(v.saturated for v in pool.views(t))
+    for w in pool:  # every worker's queue past the bound: shed
+        engine_report(pool, w, t, running=5, waiting=7, queued_tokens=3500)
+        engine_report(pool, w, t, running=5, waiting=7, queued_tokens=3500)
+    assert isinstance(check(s, pool, t), Overloaded)
+    assert all(v.saturated for v in pool.views(t + 0.1))
+    assert all(v.saturated for v in pool.views(t + CALM_S - 0.01))
+    assert not any(v.saturated for v in pool.views(t + CALM_S))
+    # a refusal for a model only some workers serve marks those only
+    a, b = pool.get("a"), pool.get("b")
+    a.models, b.models = ("m",), ("other",)
+    pool.refused("m", None, t + 10.0)
+    assert {v.id: v.saturated for v in pool.views(t + 10.0)} == {"a": True, "b": False}
