@@ -570,8 +570,8 @@ class PrefixLoad(Policy):
             unmatched = crowded if not unmatched else unmatched | crowded
             avoid = crowded if not avoid else avoid | crowded
 
-        # A saturated fleet: even the least-loaded worker has a queue, or the router is
-        # refusing what any of them could serve (class docstring).
+        # A saturated fleet: every worker has a queue of saturated_s or the router refused
+        # a request it could serve lately (class docstring).
         sat = p.saturated_s > 0 and self._saturated(views, p.saturated_s)
 
         # Pass 1: queue delays, the least-loaded worker, the best routable match.

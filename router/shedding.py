@@ -143,8 +143,11 @@ KV_FULL = 0.95
 #: engine whose report shows it quiet (module docstring)
 QUIET_AHEAD = 2.0
 #: while nothing was shed for CALM_S seconds, requests' prefill (in largest requests)
-#: that may be queued or ahead on a worker: a burst, not saturation (module docstring)
+#: that may be ahead of a free slot on an engine with a fresh report: a burst, not
+#: saturation (module docstring)
 BURST_AHEAD = 4.0
+#: seconds after a refusal during which the fleet is not calm, and the refused
+#: request's workers read saturated to the policy (router.pool.Pool.refused)
 CALM_S = 5.0
 
 
