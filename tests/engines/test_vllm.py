@@ -502,22 +502,10 @@ def test_ab_multiturn_prefix_load_beats_round_robin(vllm_pair, model_dir, tmp_pa
             ).__enter__()
             procs.append(p)
             urls.append(f"http://127.0.0.1:{port}")
-        # One step on each engine publishes a live batch, which puts a joining router in
-        # sync at once. Without it the routers sync by the join's replay alone, and two
-        # clean-clone CI runs timed out here waiting for sync after the flood test above
-        # (vLLM's replay buffer then full: the likely cause, not traced; the join retries
-        # with a doubling deadline, and in service the first live batch ends the wait).
-        for s in vllm_pair:
-            r = httpx.post(
-                s.url + "/v1/completions",
-                json={"model": "tiny", "prompt": "sync", "max_tokens": 1},
-                timeout=60,
-            )
-            assert r.status_code == 200, r.text
         for u in urls:
             # ready: routable, keyed in vLLM's token space (the tokenizer loads in
             # seconds, longer on a loaded machine) and following each engine's events
-            # (the join's replay, or the live batch above), as the module's router fixture waits
+            # from its history (the join's replay), as the module's router fixture waits
             wait_for(
                 lambda u=u: (
                     httpx.get(u + "/readiness", timeout=5).status_code == 200
