@@ -502,23 +502,36 @@ def test_ab_multiturn_prefix_load_beats_round_robin(vllm_pair, model_dir, tmp_pa
             ).__enter__()
             procs.append(p)
             urls.append(f"http://127.0.0.1:{port}")
-        for u in urls:
-            # ready: routable, keyed in vLLM's token space (the tokenizer loads in
-            # seconds, longer on a loaded machine) and following each engine's events
-            # from its history (the join's replay), as the module's router fixture waits
-            wait_for(
-                lambda u=u: (
-                    httpx.get(u + "/readiness", timeout=5).status_code == 200
-                    and all(
-                        w["routable"]
-                        and w["engine"]["key_space"].startswith("TokenSpace")
-                        and w["engine"]["events"]["in_sync"]
-                        for w in workers(u)
-                    )
-                ),
-                120,
-                "ready, keyed and in sync",
-            )
+        try:
+            for u in urls:
+                # ready: routable, keyed in vLLM's token space (the tokenizer loads in
+                # seconds, longer on a loaded machine) and following each engine's events
+                # from its history (the join's replay), as the module's router fixture waits
+                wait_for(
+                    lambda u=u: (
+                        httpx.get(u + "/readiness", timeout=5).status_code == 200
+                        and all(
+                            w["routable"]
+                            and w["engine"]["key_space"].startswith("TokenSpace")
+                            and w["engine"]["events"]["in_sync"]
+                            for w in workers(u)
+                        )
+                    ),
+                    120,
+                    "ready, keyed and in sync",
+                )
+        except AssertionError as exc:
+            # which condition is missing, per router (the timeout alone says nothing more)
+            state = {
+                u: {
+                    "readiness": httpx.get(u + "/readiness", timeout=5).text[:300],
+                    "workers": [
+                        {k: w.get(k) for k in ("id", "routable", "health", "engine")} for w in workers(u)
+                    ],
+                }
+                for u in urls
+            }
+            raise AssertionError(f"{exc}: {json.dumps(state, default=str)[:4000]}") from None
         first = _ab_multiturn(urls, tmp_path / "ab1.json")
         if first is None:
             return
