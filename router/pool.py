@@ -231,6 +231,10 @@ class Worker:
         e = self.engine
         return e.prefill_rate(now) if e is not None else self.base_prefill
 
+    def serves(self, model: str, adapter: str | None) -> bool:
+        """Whether it may take a request for (model, adapter): ``router.served``."""
+        return served.serves(self.models, model, adapter)
+
     def build_view(self, now: float) -> WorkerView:
         # the fleet's pick-time load: this replica's counts and the others' (router.bus)
         reqs = self.in_flight + self.remote_in_flight
@@ -610,9 +614,8 @@ class Pool:
             ws = self._rebuild_routable(now)
         out: list[WorkerView] = []
         append = out.append
-        serves = served.serves
         for w in ws:
-            if model and w.models and not serves(w.models, model, adapter):
+            if not w.serves(model, adapter):
                 continue
             v = w._view
             if v is None or now >= w._view_until:
@@ -629,7 +632,7 @@ class Pool:
         it was past the bound): their views read ``saturated`` for ``CALM_S`` s."""
         until = now + CALM_S
         for w in self.routable_workers(now):
-            if model and w.models and not served.serves(w.models, model, adapter):
+            if not w.serves(model, adapter):
                 continue
             w.refused_until = until
             w._view = None

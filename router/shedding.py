@@ -129,7 +129,6 @@ from collections.abc import Callable, Iterable
 
 from protocol.errors import Overloaded
 from protocol.events import MAX_RATE, MIN_RATE, Load
-from router.served import serves
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +342,7 @@ class Shedder:
         burst_tokens = self.largest_tokens * BURST_AHEAD if now - self.shed_at >= CALM_S else 0.0
         best = math.inf
         for w in workers:
-            if model and w.models and not serves(w.models, model, adapter):
+            if not w.serves(model, adapter):
                 continue
             ld, mark = w.load, w.mark
             stale = ld is None or now >= w.load_until
@@ -398,7 +397,7 @@ class Shedder:
         """Keeps a shed decision's inputs per eligible worker (and logs them at debug)."""
         rows = []
         for w in workers:
-            if model and w.models and not serves(w.models, model, adapter):
+            if not w.serves(model, adapter):
                 continue
             ld, mark = w.load, w.mark
             rate = ld.prefill_tokens_per_s or w.base_prefill

@@ -391,6 +391,9 @@ def test_shedder_bound_follows_the_typical_request():
         id = "w"
         in_flight = remote_in_flight = in_flight_tokens = remote_tokens = 0
 
+        def serves(self, model, adapter):
+            return True
+
         def __init__(self, queued):
             self.load = Load(queued_tokens=queued, prefill_tokens_per_s=1000.0)
             self.mark = QueueMark()  # reported at t=0, nothing picked since
