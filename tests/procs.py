@@ -2,7 +2,9 @@
 
 ``Proc`` runs ``python -m radixfleet.cli ...`` (or any argv) in its own process group,
 waits until an HTTP endpoint answers, and kills the group on exit, whatever
-happened. Every wait is bounded.
+happened. Every wait is bounded. Its output goes to a temporary file, read back by
+``output()`` and ``stop()``: a pipe nobody reads fills at 64 KiB and blocks the
+child's next log line, stalling a router in the middle of a test.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -39,12 +42,14 @@ class Proc:
         self.env = {**os.environ, **(env or {})}
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
+        # append mode: the child's writes land at the end whatever output() seeks
+        self._out = tempfile.TemporaryFile(mode="a+b")
 
     def __enter__(self) -> Proc:
         self.proc = subprocess.Popen(
             self.argv,
             env=self.env,
-            stdout=subprocess.PIPE,
+            stdout=self._out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
@@ -56,7 +61,7 @@ class Proc:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                out = self.proc.stdout.read().decode(errors="replace")
+                out = self.output()
                 raise RuntimeError(f"{self.argv} exited with {self.proc.returncode}:\n{out}")
             try:
                 if httpx.get(self.ready_url, timeout=0.5).status_code < 500:
@@ -66,6 +71,14 @@ class Proc:
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"{self.ready_url} not ready after {self.timeout_s}s")
+
+    def output(self) -> str:
+        """What the process wrote (stdout and stderr) so far."""
+        try:
+            self._out.seek(0)
+            return self._out.read().decode(errors="replace")
+        except ValueError:  # closed
+            return ""
 
     def kill(self) -> None:
         """SIGKILL the whole process group (a crash, for failure tests)."""
@@ -83,10 +96,7 @@ class Proc:
                 self.proc.wait(timeout_s)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 self.kill()
-        try:
-            return self.proc.stdout.read().decode(errors="replace")
-        except ValueError:
-            return ""
+        return self.output()
 
     def __exit__(self, *exc) -> None:
         self.stop()

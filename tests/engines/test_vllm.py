@@ -67,7 +67,13 @@ def router(vllm_pair, model_dir, tmp_path_factory):
             and w["engine"]["events"]["in_sync"]
             for w in ws
         ), ws
+        _ROUTER_PROCS[url] = p
         yield url
+        _ROUTER_PROCS.pop(url, None)
+
+
+#: the module router's process by URL: a test that fails names its log lines
+_ROUTER_PROCS: dict[str, Proc] = {}
 
 
 def worker(url: str, wid: str) -> dict:
@@ -442,6 +448,7 @@ def test_events_off_worker_is_aged_and_corrected(vllm_pair, model_dir, tmp_path)
 def test_engine_restart_drops_and_rebuilds_without_failed_requests(router, vllm_pair):
     b = vllm_pair[1]
     sent: list[int] = []
+    failed: list[tuple[int, str, str]] = []
     stop = []
 
     def load():
@@ -453,6 +460,8 @@ def test_engine_restart_drops_and_rebuilds_without_failed_requests(router, vllm_
                     json={"model": "tiny", "prompt": text(50_000 + i % 40, 300), "max_tokens": 2},
                 )
                 sent.append(r.status_code)
+                if r.status_code != 200:
+                    failed.append((r.status_code, r.headers.get("x-request-id", ""), r.text[:300]))
                 i += 1
 
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
@@ -474,7 +483,11 @@ def test_engine_restart_drops_and_rebuilds_without_failed_requests(router, vllm_
         finally:
             stop.append(True)
             fut.result(timeout=180)
-    assert sent and all(s == 200 for s in sent), [s for s in sent if s != 200]
+    if failed:  # what the router logged of each (the request id is in its lines)
+        log = _ROUTER_PROCS[router].output().splitlines()
+        said = [ln for ln in log if any(rid and rid in ln for _, rid, _ in failed)]
+        raise AssertionError(f"{len(failed)} of {len(sent)} failed: {failed}\n" + "\n".join(said[-40:]))
+    assert sent
     # rebuilt: B's index follows its new engine exactly again
     errs = []
     for i in range(4):
@@ -531,7 +544,8 @@ def test_ab_multiturn_prefix_load_beats_round_robin(vllm_pair, model_dir, tmp_pa
                 }
                 for u in urls
             }
-            raise AssertionError(f"{exc}: {json.dumps(state, default=str)[:4000]}") from None
+            logs = "\n".join(f"--- {u}:\n{p.output()[-2000:]}" for u, p in zip(urls, procs))
+            raise AssertionError(f"{exc}: {json.dumps(state, default=str)[:4000]}\n{logs}") from None
         first = _ab_multiturn(urls, tmp_path / "ab1.json")
         if first is None:
             return

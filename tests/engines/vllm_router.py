@@ -70,7 +70,7 @@ def wait_for(pred, timeout_s: float, what: str, proc=None) -> None:
         time.sleep(0.1)
     extra = ""
     if proc is not None and proc.proc.poll() is not None:
-        extra = proc.proc.stdout.read().decode(errors="replace")[-3000:]
+        extra = proc.output()[-3000:]
     raise AssertionError(f"timed out waiting for {what}{extra}")
 
 
