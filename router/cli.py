@@ -35,6 +35,7 @@ import yaml
 from protocol.cli_args import LOG_LEVELS, log_level
 from protocol.errors import ConfigError
 from router.config import MISSING, Config, config_warnings, load_config, parse_config, with_overrides
+from router.prefix_index import tune_gc
 
 log = logging.getLogger("radixfleet.router")
 
@@ -218,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for warning in config_warnings(cfg):
         log.warning("%s", warning)
+    tune_gc()  # the index's millions of nodes: the collector would rescan them (its docstring)
 
     def ready(port: int) -> None:
         print(

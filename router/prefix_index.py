@@ -138,8 +138,9 @@ def tune_gc() -> None:
     Index nodes never outlive their removal in a cycle (``_drop_entry`` unlinks
     both directions), so reference counting frees them; but every node is a GC
     container, and with default thresholds the collector rescans millions of live
-    nodes as the index grows (it more than doubles insert cost at 8 KiB prompts).
-    The router and the benchmarks call this once at start.
+    nodes as the index grows (it more than doubles insert cost at 8 KiB prompts:
+    bench/RESULTS.md "Routing work"). ``radixfleet router``, the simulator and the
+    benchmarks call this once at start.
     """
     import gc
 

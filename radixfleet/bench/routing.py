@@ -48,7 +48,7 @@ from policies.base import RouteRequest
 from protocol.prefix_keys import Endpoint, request_key
 from router.config import parse_config
 from router.pool import HealthState, Pool
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, tune_gc
 
 
 def _count(lo: int):
@@ -372,6 +372,7 @@ def _token_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    tune_gc()  # the collector's thresholds the router runs with (router.cli)
     rng = random.Random(0)
     bodies = _bodies(args.requests, args.prompt_bytes, rng)
     results = [bench_policy(p.strip(), bodies, args.workers) for p in args.policies.split(",") if p.strip()]

@@ -691,3 +691,30 @@ def test_the_chunked_framing_follower_ends_where_the_parser_does():
                 break
             pos = cut
         assert found == end, (data, cuts, found)
+
+
+def test_the_router_process_runs_with_the_index_collector_thresholds(monkeypatch):
+    """``radixfleet router`` raises the cyclic collector's thresholds before serving
+    (``router.prefix_index.tune_gc``): with the defaults the collector rescans every
+    index node as the index grows (bench/RESULTS.md "Routing work")."""
+    import argparse
+    import gc
+
+    import router.cli as rcli
+
+    seen = {}
+
+    async def serve(cfg, overrides, ready=None):
+        seen["threshold"] = gc.get_threshold()
+        return 0
+
+    monkeypatch.setattr(rcli, "serve", serve)
+    parser = argparse.ArgumentParser()
+    rcli.configure(parser)
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)  # the interpreter's defaults
+        assert rcli.run(parser.parse_args(["--worker", "http://127.0.0.1:9"])) == 0
+    finally:
+        gc.set_threshold(*before)
+    assert seen["threshold"][0] >= 100_000, seen
