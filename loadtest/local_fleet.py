@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -174,15 +175,40 @@ def wait_registered(router_url: str, n: int, timeout_s: float = 60.0, registered
     raise RunError(f"{router_url} lists fewer than {n} {what} workers after {timeout_s:.0f} s ({listed})")
 
 
-class Child:
-    """One child process in its own process group, logging to a file."""
+def _answers(r: httpx.Response) -> bool:
+    return r.status_code < 500
 
-    def __init__(self, name: str, argv: list[str], log_path: str, ready_url: str) -> None:
+
+class Child:
+    """One child process in its own process group, logging to a file: the one
+    lifecycle of the fleets, the demo and the benchmarks that start servers.
+
+    ``ready``: what an answer of ``ready_url`` must satisfy (default: any status
+    below 500; a router's ``/readiness`` answers 503 until it is ready). ``env``: the
+    child's environment (default: this process's)."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: str,
+        ready_url: str,
+        *,
+        ready: Callable[[httpx.Response], bool] = _answers,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self.ready_url = ready_url
+        self.ready = ready
+        self.env = env
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"{self.name}: pid before start()"
+        return self.proc.pid
 
     def start(self) -> None:
         with open(self.log_path, "ab") as out:
@@ -192,6 +218,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=self.env,
             )
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -205,13 +232,15 @@ class Child:
                     f"exited with status {proc.returncode} at start; last log lines:\n{self.tail()}",
                 )
             try:
-                if httpx.get(self.ready_url, timeout=1.0).status_code < 500:
+                if self.ready(httpx.get(self.ready_url, timeout=1.0)):
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # ValueError: a body ``ready`` could not read
                 pass
             time.sleep(0.1)
         raise ConfigError(
-            self.name, f"{self.ready_url} not ready after {timeout_s:.0f} s; log: {self.log_path}"
+            self.name,
+            f"{self.ready_url} not ready after {timeout_s:.0f} s; log {self.log_path}, its last lines:\n"
+            f"{self.tail()}",
         )
 
     def tail(self, n: int = 8) -> str:
@@ -237,6 +266,15 @@ class Child:
             p.wait(5)
         except ProcessLookupError:
             pass
+
+
+def stop_children(children: list[Child]) -> None:
+    """Stops ``children`` in order. An interrupt while one is stopping (a second
+    Ctrl-C) does not leave the others running: every child's stop runs, and the
+    interrupt is raised after them."""
+    with contextlib.ExitStack() as stack:
+        for child in reversed(children):  # the stack runs them last-in first
+            stack.callback(child.stop)
 
 
 class Fleet:
@@ -460,13 +498,9 @@ class Fleet:
         self.stop()
 
     def stop(self) -> None:
-        """Stops the router, then every agent. Idempotent. An interrupt while one child
-        is stopping (a second Ctrl-C) does not leave the others running: every child's
-        stop runs, and the interrupt is raised after them."""
-        with contextlib.ExitStack() as stack:
-            for child in reversed(self.agents):
-                stack.callback(child.stop)
-            self.stop_router()
+        """Stops the router, then every agent. Idempotent (``stop_children``)."""
+        stop_children([*([self.router] if self.router else []), *self.agents])
+        self.router = None
 
     def dead(self) -> list[str]:
         return [c.name for c in [*self.agents, *([self.router] if self.router else [])] if not c.alive()]

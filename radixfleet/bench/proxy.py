@@ -55,7 +55,7 @@ from typing import Any
 
 from aiohttp import web
 
-from loadtest.local_fleet import free_port
+from loadtest.local_fleet import Child, free_port, stop_children
 from loadtest.report import percentile, spread
 from loadtest.smg import require_smg
 from protocol.errors import RunError
@@ -269,20 +269,6 @@ def _positive_float(text: str) -> float:
     return x
 
 
-def _wait_http(url: str, timeout_s: float = 20.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=0.5).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready")
-
-
 def _ensure_wrk() -> str:
     wrk = shutil.which("wrk")
     if wrk:
@@ -416,30 +402,23 @@ def _spread(xs: list[float]) -> dict:
 
 
 class _Fleet:
-    """The upstream, radixfleet and smg as subprocesses; killed on ``stop()``."""
+    """The upstream, radixfleet and smg (``loadtest.local_fleet.Child``), logging to a
+    temporary folder its failures name; all stopped on ``stop()``."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
+        self.log_dir = tempfile.mkdtemp(prefix="radixfleet-bench-proxy-")
+        self.children: list[Child] = []
         self.pids: dict[str, int] = {}
 
     def start(self, name: str, argv: list[str], ready_url: str) -> None:
-        p = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        self.procs.append(p)
-        self.pids[name] = p.pid
-        _wait_http(ready_url)
+        c = Child(name, argv, os.path.join(self.log_dir, f"{name}.log"), ready_url)
+        self.children.append(c)
+        c.start()
+        self.pids[name] = c.pid
+        c.wait_ready(30.0)
 
     def stop(self) -> None:
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_children(self.children)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -492,7 +471,6 @@ def run(args: argparse.Namespace) -> int:
             ],
             rf + "/readiness",
         )
-        _wait_ready(rf)
         ports = {"direct": up_port, "radixfleet": rf_port}
         if smg_bin is not None:
             smg_port = free_port()
@@ -681,20 +659,6 @@ def _print(doc: dict) -> None:
         f"(the upstream is {'not ' if s['direct_over_best_proxy'] > 1.2 else ''}"
         f"the limit)"
     )
-
-
-def _wait_ready(base: str, timeout_s: float = 20.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/readiness", timeout=0.5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{base} never became ready")
 
 
 def _wait_smg(base: str, timeout_s: float = 30.0) -> None:

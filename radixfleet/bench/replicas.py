@@ -38,17 +38,14 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import httpx
 
 from loadtest.arrivals import Bounds, Poisson
-from loadtest.local_fleet import free_port
+from loadtest.local_fleet import Child, free_port, stop_children
 from loadtest.report import render_table, spread
 from loadtest.runner import run_ab
 from loadtest.workloads import make_workload, parse_options
@@ -119,31 +116,6 @@ def _binary(given: str | None) -> str | None:
     return None
 
 
-def _wait(url: str, timeout_s: float = 30.0, ok=lambda r: r.status_code < 500) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if ok(httpx.get(url, timeout=0.5)):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready within {timeout_s} s")
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each process group still running, then wait (SIGKILL after 15 s)."""
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
 class NoNatsServer(Exception):
     """No nats-server binary was found."""
 
@@ -155,23 +127,27 @@ def _shed(report: dict) -> int:
 def measure_once(args: argparse.Namespace, binary: str, replicas_first: bool = False) -> tuple[dict, dict]:
     """One fresh fleet: the reports of one router and of ``args.replicas`` replicas
     (``replicas_first``: the replicas' arm runs first)."""
-    procs: list[subprocess.Popen] = []
+    children: list[Child] = []  # all started, stopped at the end in reverse
     tmp = tempfile.mkdtemp(prefix="radixfleet-bench-replicas-")
     py = [sys.executable, "-m", "radixfleet.cli"]
     # the deployment's secret, one for every replica (router.reload refuses a bus without)
     router_env = {**os.environ, "RADIXFLEET_TENANT_SALT": secrets.token_hex(16)}
 
-    def spawn(argv: list[str], env=None) -> subprocess.Popen:
-        p = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
-        )
-        procs.append(p)
-        return p
+    def spawn(name: str, argv: list[str], ready_url: str, **kw) -> Child:
+        c = Child(name, argv, os.path.join(tmp, f"{name}.log"), ready_url, **kw)
+        children.append(c)
+        c.start()
+        return c
 
     try:
-        nport = free_port()
+        nport, mport = free_port(), free_port()
         bus = f"nats://127.0.0.1:{nport}"
-        spawn([binary, "-a", "127.0.0.1", "-p", str(nport), "-js", "-sd", tmp])
+        nats = spawn(
+            "nats-server",
+            [binary, "-a", "127.0.0.1", "-p", str(nport), "-m", str(mport), "-js", "-sd", tmp],
+            f"http://127.0.0.1:{mport}/healthz",
+        )
+        nats.wait_ready(30.0)
         agents, agent_argvs = [], []
         for i in range(args.agents):
             port = free_port()
@@ -207,28 +183,29 @@ def measure_once(args: argparse.Namespace, binary: str, replicas_first: bool = F
                 )  # JSON is YAML
             configs.append(path)
             routers.append(f"http://127.0.0.1:{port}")
-        running: list[subprocess.Popen] = []
+        running: list[Child] = []
+
+        def all_routable(r: httpx.Response) -> bool:
+            return r.status_code == 200 and len(r.json().get("routable", [])) == args.agents
 
         def restart_routers() -> None:
             # every arm starts from a fresh fleet: state one arm left behind must not
             # tilt the next — the routers' policy state (session footprints, write
             # rates, hot-root records), the agents' measured prefill rate (a flush
             # empties their caches only)
-            _stop(running)
+            stop_children(list(reversed(running)))  # the routers first
             running.clear()
-            for argv in agent_argvs:
-                running.append(spawn(argv))
-            for u in agents:
-                _wait(u + "/health")
-            for path in configs:
+            for i, (argv, u) in enumerate(zip(agent_argvs, agents)):
+                running.append(spawn(f"agent{i}", argv, u + "/health"))
+            for c in running:
+                c.wait_ready(30.0)
+            for i, (path, u) in enumerate(zip(configs, routers)):
+                argv = py + ["router", "--config", path, "--log-level", "WARNING"]
                 running.append(
-                    spawn(py + ["router", "--config", path, "--log-level", "WARNING"], env=router_env)
+                    spawn(f"router{i}", argv, u + "/readiness", ready=all_routable, env=router_env)
                 )
-            for u in routers:
-                _wait(
-                    u + "/readiness",
-                    ok=lambda r: r.status_code == 200 and len(r.json().get("routable", [])) == args.agents,
-                )
+            for c in running[len(agents) :]:
+                c.wait_ready(30.0)
 
         async def between(name: str) -> None:
             await asyncio.to_thread(restart_routers)
@@ -254,7 +231,7 @@ def measure_once(args: argparse.Namespace, binary: str, replicas_first: bool = F
             )
         )
     finally:
-        _stop(list(reversed(procs)))
+        stop_children(list(reversed(children)))
         shutil.rmtree(tmp, ignore_errors=True)
     one, many = (o.report for o in (reversed(outcomes) if replicas_first else outcomes))
     return one, many
