@@ -3,24 +3,16 @@ tenant on one worker, against one pooled cache (small hand-made traces)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "partition_bound.py"
+from tests.bench.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def pb():
-    spec = importlib.util.spec_from_file_location("partition_bound_under_test", _PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("partition_bound.py")
 
 
 def trace(path, tenants: int, turns: int) -> str:

@@ -3,17 +3,15 @@ the simulator in process (virtual time, ~1 s)."""
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from loadtest.report import percentile
 from loadtest.simulator import cli as sim_cli
+from tests.bench.scripts import load_script
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "sim_seeds.py"
 _FLAGS = [
     "--agents",
     "2",
@@ -30,12 +28,7 @@ _FLAGS = [
 
 @pytest.fixture(scope="module")
 def seeds():
-    spec = importlib.util.spec_from_file_location("sim_seeds_under_test", _PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("sim_seeds.py")
 
 
 def test_every_seeds_requests_are_pooled_per_arm(seeds, tmp_path, capsys):
@@ -44,8 +37,6 @@ def test_every_seeds_requests_are_pooled_per_arm(seeds, tmp_path, capsys):
     got = {a["arm"]: a for a in json.loads(out.read_text())["arms"]}
     assert got.keys() == {"prefix_load", "round_robin"}
     # the same runs one by one: the pooled figures are theirs together
-    import argparse
-
     sp = argparse.ArgumentParser()
     sim_cli.configure(sp)
     for arm in got.values():

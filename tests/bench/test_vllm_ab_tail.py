@@ -5,23 +5,14 @@ bad input. No engines are started."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "vllm_ab.py"
+from tests.bench.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def ab():
-    spec = importlib.util.spec_from_file_location("vllm_ab_under_test", _PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("vllm_ab.py")
 
 
 def rec(session, turn, send_s, ttft_ms, worker, e2e_ms=None, prompt=600, cached=300, ok=True):
