@@ -5,12 +5,13 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     cli           ``radixfleet router``; app: the ``Router`` composition root
     front         the raw HTTP/1.1 data-plane listener; intake: what a client may
                   hold before admission (body budget, connection cap)
-    dataplane     one request: admission, keying, match, shedding, pick, upstream
+    route         the route core, sans I/O: views, keys, admission, choice, placement
+    dataplane     one request's I/O around the route core: body, upstream, answers
     pd            disaggregated prefill/decode: a request's prefill and decode legs
     upstream, sse the HTTP/1.1 client to workers; SSE pass-through, first content token
     prefix_index  the approximate per-worker prefix index (one global budget)
     pool, served  workers, health, breakers, load at pick time; who serves which model
-    pick, warmup  the pick step shared with the simulator; the warm-up gate
+    warmup        the hot-root warm-up gate
     prefetch      POST /v1/prefetch: its prefill budget and used/wasted ledger
     shedding      429 when every eligible worker reports saturation
     tenancy, rate_limit  priority classes (the shedding bound's factor) and rate

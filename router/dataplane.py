@@ -8,19 +8,15 @@ before, by the listener: ``router.intake``, ``router.front``)::
     read body (<= limits.max_body_bytes, else 413) -> json (else 400)
     tenant = TenantResolver(headers)                 (auth.py; 401 if a key is required)
     key    = request_key(endpoint, body, tenant, block_bytes)   (400 naming the field)
-    views  = pool.views(now, model, adapter)          (routable, serving it; else 404/503)
-    kr     = engines.key(...)                         keyed per key space in use, matched
-                                                      in the index: kr.match
-    ticket = tenancy.admit(...)                       priority class; tenant and key rate
-                                                      limits -> 429 (router.tenancy)
-    shed   = shedder.check(..., ticket.scale)         every eligible worker saturated
-                                                      (uses the match) -> 429; with
-                                                      tenancy.queue on, it waits for room
-                                                      first (router.admission_queue), then
-                                                      is keyed and matched again
-    d      = policy.choose(RouteRequest, kr.match, views, now)
-    index.insert(d.worker, its keys, now)             optimistic hint (and bus.hint)
-    pool.pick(worker, uncached tokens)                load counted at pick time (pool.tap)
+    verdict = route.decide(ask, now)                  the route core (router.route): views,
+                                                      keys and match, tenancy and rate
+                                                      limits, shedding, the policy's choice,
+                                                      the hint and the load counted at pick
+                                                      time; nothing awaited
+        Reject -> its 4xx/503 (a shed one counted and logged as offered load)
+        Hold   -> the admission queue (tenancy.queue), then route.resume
+        Admitted (a disaggregated fleet) -> router.pd picks its two legs
+        Route  -> forwarded below; a retry asks the core again, the tried excluded
     forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
@@ -75,7 +71,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from policies.base import Decision, Policy, Reason, WorkerView
+from policies.base import Policy, Reason
 from protocol.errors import (
     MalformedRequest,
     NotFound,
@@ -91,13 +87,13 @@ from router.admission_queue import AdmissionQueue
 from router.auth import TenantResolver
 from router.config import Config
 from router.engines.keyspace import KeyedRequest
-from router.engines.link import EngineLink, Placement
+from router.engines.link import EngineLink
 from router.metrics import Metrics
 from router.pd import PrefillDecode
-from router.pick import hint_and_count, uncached_tokens
 from router.pool import Pool, Worker
 from router.prefetch import PrefetchBudget, PrefetchLedger
 from router.prefix_index import PrefixIndex
+from router.route import Admitted, Ask, Hold, Placement, Reject, Route, RouteCore, RouteParts, uncached_tokens
 from router.scaling_signal import DemandMeter
 from router.shedding import Shedder
 from router.sse import StreamWatch, completion_tokens_of, usage_of
@@ -434,9 +430,8 @@ class DataPlane:
         lim = cfg.limits
         self.admission = Admission(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s, lim.retry_after_s)
         # (a refusal may wait in the admission queue; shed_total counts the 429s)
-        self.shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s, self.pool.refused)
+        shedder = Shedder(lim.worker_queue_requests, lim.worker_queue_min_s, self.pool.refused)
         self.cfg = cfg
-        self.policy = policy
         self.tenants = tenants
         #: priority classes and rate limits (router.tenancy)
         self.tenancy = Tenancy(cfg.tenancy, _named_tenants(cfg), metrics, time.monotonic())
@@ -444,8 +439,7 @@ class DataPlane:
         self.queue = AdmissionQueue(cfg.tenancy.queue, metrics)
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
-        #: set by the owner, or None: told of each hint
-        self.bus: BusReplica | None = None
+        self._bus: BusReplica | None = None  # the ``bus`` property
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
@@ -458,11 +452,45 @@ class DataPlane:
         pool.on_unhealthy.append(self._worker_unhealthy)
         #: disaggregated prefill/decode: the two legs of a request (router.pd)
         self.pd = PrefillDecode(self)
+        #: every decision: views, keys, admission, choice, placement (router.route)
+        self.route = RouteCore(
+            RouteParts(
+                pool,
+                index,
+                policy,
+                shedder,
+                self.tenancy,
+                self.queue,
+                self.prefetched,
+                busy=self.admission.busy,
+                disaggregated=self.pd.disaggregated,
+            )
+        )
+
+    @property
+    def policy(self) -> Policy:
+        return self.route.policy
+
+    @property
+    def shedder(self) -> Shedder:
+        s = self.route.parts.shedder
+        assert s is not None  # the data plane always sheds
+        return s
+
+    @property
+    def bus(self) -> BusReplica | None:
+        """The bus replica told of each hint (set by the owner while it runs one)."""
+        return self._bus
+
+    @bus.setter
+    def bus(self, bus: BusReplica | None) -> None:
+        self._bus = bus
+        self.route.attach_hints(bus)
 
     def configure(self, cfg: Config, policy: Policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
         self.cfg = cfg
-        self.policy = policy
+        self.route.configure(policy)
         self.tenants = tenants
         lim = cfg.limits
         a = self.admission
@@ -547,101 +575,91 @@ class DataPlane:
         finally:
             adm.leave()
 
+    def ask_for(self, ctx: RequestContext) -> Ask:
+        """The route core's question for ``ctx`` (its keyer keys the body in every
+        space the views use: ``Engines.key``)."""
+        key, engines = ctx.key, self.engines
+        endpoint, body, session = ctx.endpoint, ctx.body, ctx.session
+
+        def keyer(views, now: float) -> KeyedRequest:
+            return engines.key(endpoint, body, key, session, views, now)
+
+        return Ask(
+            keyer,
+            key.model,
+            key.adapter,
+            ctx.tenant,
+            ctx.api_key,
+            ctx.ex.headers,
+            body,
+        )
+
     async def _route_and_forward(self, ctx: RequestContext) -> None:
-        pool = self.pool
-        key = ctx.key
+        core = self.route
+        ask = self.ask_for(ctx)
+        verdict = core.decide(ask, time.monotonic())
+        if isinstance(verdict, Hold):
+            ctx.ticket = verdict.ticket
+            shed, waited = await self._admission(ctx, verdict)
+            if shed is not None:
+                verdict = Reject(shed, verdict.ticket, shed=True)
+            else:
+                verdict = core.resume(verdict, waited, time.monotonic())
+        if isinstance(verdict, Reject):
+            self._refused(ctx, verdict)
+            return
+        ctx.ticket = verdict.ticket
         now = time.monotonic()
-        views = pool.views(now, key.model, key.adapter)  # only workers serving the model
-        if not views:
-            self._reject(ctx.ex, pool.unavailable(key.model, key.adapter, now), ctx.rid)
-            return  # 404 | 503
-        engines = self.engines
-        try:
-            kr = engines.key(ctx.endpoint, ctx.body, key, ctx.session, views, now)
-        except RequestError as exc:  # a token space refused the body
-            self._reject(ctx.ex, exc, ctx.rid)
+        if verdict.ticket is not None:
+            self.tenancy.admitted(verdict.ticket, now)
+        if isinstance(verdict, Admitted):  # a disaggregated fleet: its legs (router.pd)
+            await self.pd.serve(ctx, verdict.keyed, verdict.views, now)
             return
-        req = kr.route_request
-        try:
-            ticket = ctx.ticket = self.tenancy.admit(
-                ctx.tenant, ctx.api_key, key.model, ctx.ex.headers, req.prompt_tokens, ctx.body, now
-            )
-        except RequestError as exc:  # over a rate limit; a priority header naming no class
-            self._reject(ctx.ex, exc, ctx.rid)
-            return
-        if self.prefetched and self._prefetch_pending(kr, views):
-            shed, waited = None, False  # admitted as its prefetch (router.prefetch)
-        else:
-            shed, waited = await self._admission(ctx, kr, ticket, now)
-        if shed is None and waited:
-            # it waited: route with what the pool and the index know now
-            now = time.monotonic()
-            views = pool.views(now, key.model, key.adapter)
-            if not views:
-                self.tenancy.refund(ticket, now)
-                self._reject(ctx.ex, pool.unavailable(key.model, key.adapter, now), ctx.rid)
-                return
-            try:
-                kr = engines.key(ctx.endpoint, ctx.body, key, ctx.session, views, now)
-            except RequestError as exc:
-                self.tenancy.refund(ticket, now)
-                self._reject(ctx.ex, exc, ctx.rid)
-                return
-            req = kr.route_request
-        if shed is not None:
+        await self.forward(ctx, verdict, ask, now)
+
+    def _refused(self, ctx: RequestContext, verdict: Reject) -> None:
+        """Answers a refusal of the route core: a shed request counted as shed (and in
+        the traffic log, as offered load), any reservation given back."""
+        now = time.monotonic()
+        ticket = verdict.ticket
+        if verdict.shed:
             self.metrics.shed.inc()
-            self.tenancy.shed(ticket, now)
-            self._reject(ctx.ex, shed, ctx.rid)
-            if self.traffic is not None:  # offered load: analyze sees what was shed
-                self.traffic.record(
-                    key,
-                    arrival_s=time.time() - (time.monotonic() - ctx.t0),
-                    worker="",
-                    matched_tokens=0,
-                    status=shed.status,
-                    session=ctx.session,
-                )
-            return
-        self.tenancy.admitted(ticket, now)
-        if self.pd.disaggregated(views):
-            await self.pd.serve(ctx, kr, views, now)
-            return
-        await self._forward(ctx, kr, views, now, self._policy_choice)
+            if ticket is not None:
+                self.tenancy.shed(ticket, now)
+        elif ticket is not None:
+            self.tenancy.refund(ticket, now)
+        self._reject(ctx.ex, verdict.error, ctx.rid)
+        if verdict.shed and self.traffic is not None:  # offered load: analyze sees what was shed
+            self.traffic.record(
+                ctx.key,
+                arrival_s=time.time() - (time.monotonic() - ctx.t0),
+                worker="",
+                matched_tokens=0,
+                status=verdict.error.status,
+                session=ctx.session,
+            )
 
-    def _policy_choice(self, kr: KeyedRequest, views: list[WorkerView], now: float) -> Decision:
-        return self.policy.choose(kr.route_request, kr.match, views, now)
-
-    async def _forward(
-        self,
-        ctx: RequestContext,
-        kr: KeyedRequest,
-        views: list[WorkerView],
-        now: float,
-        choose: Callable[[KeyedRequest, list[WorkerView], float], Decision],
-        eligible: Callable[[WorkerView], bool] | None = None,
-    ) -> None:
-        """Runs the request on the worker ``choose`` picks among ``views``, and on
-        another (of those ``eligible``) only where the first provably is not running
-        it (module docstring); replies the failure when every attempt failed."""
-        pool, key, engines = self.pool, ctx.key, self.engines
-        d = choose(kr, views, now)
+    async def forward(self, ctx: RequestContext, route: Route, ask: Ask, now: float) -> None:
+        """Runs the request on ``route``'s worker, and on another (the route core asked
+        again, the workers tried excluded) only where the first provably is not
+        running it (module docstring); replies the failure when every attempt failed.
+        A retry's ask keeps the first's candidates and chooser (a P/D decode leg's)."""
+        d, w, kr = route.decision, route.worker, route.keyed
+        pick = route.placement
+        assert pick is not None, "a forwarded route is placed"
         tried: list[str] = []
         excluded: set[str] = set()  # workers a retry must not go to
         retries = self.cfg.retries
         last: _UpstreamFailed | None = None
         ctx.reason = d.reason.value
+        if self.prefetched:
+            self._prefetch_used(w, pick, now)
+        # per client request, not per try
+        self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
+        self.demand.observe(now, pick.own, pick.key.prompt_tokens)
+        if d.warm and self.cfg.warmup.enabled:
+            self._schedule_warmups(d.warm, ctx.endpoint, ctx.body, ctx.key, kr.match.depth, now)
         while True:
-            w = pool.get(d.worker)
-            if w is None:  # a policy bug: never route into the void
-                raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
-            pick = self._pick(w, kr, now)
-            if not tried and self.prefetched:
-                self._prefetch_used(w, pick, now)
-            if not tried:  # per client request, not per try
-                self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
-                self.demand.observe(now, pick.own, pick.key.prompt_tokens)
-                if d.warm and self.cfg.warmup.enabled:
-                    self._schedule_warmups(d.warm, ctx.endpoint, ctx.body, key, kr.match.depth, now)
             tried.append(w.id)
             try:
                 await self._attempt(ctx, w, pick)
@@ -673,42 +691,28 @@ class DataPlane:
             delay = min(retries.backoff_s * (2 ** (len(tried) - 1)), retries.backoff_max_s)
             if delay:
                 await asyncio.sleep(delay)
-            now = time.monotonic()
-            views = [
-                v
-                for v in pool.views(now, key.model, key.adapter)
-                if v.id not in excluded and (eligible is None or eligible(v))
-            ]
-            if not views:
+            again = self.route.decide(
+                ask.admit(ctx.ticket, exclude=frozenset(excluded), split=False),
+                time.monotonic(),
+            )
+            if not isinstance(again, Route):
                 break
-            try:
-                kr = engines.key(ctx.endpoint, ctx.body, key, ctx.session, views, now)
-            except RequestError:
-                break
-            d = choose(kr, views, now)
-            if pool.get(d.worker) is None:
-                break
+            w, pick = again.worker, again.placement
+            assert pick is not None, "a retry's route is placed"
             ctx.reason = Reason.FALLBACK.value
             self.metrics.retries.labels(last.cause).inc()
         self._failed(ctx, last, tried[-1])
 
-    async def _admission(
-        self, ctx: RequestContext, kr, ticket: Ticket, now: float
-    ) -> tuple[Overloaded | None, bool]:
-        """The shedder's verdict, through the admission queue (router.admission_queue):
+    async def _admission(self, ctx: RequestContext, hold: Hold) -> tuple[Overloaded | None, bool]:
+        """The admission queue's verdict on a held request (router.admission_queue):
         (None once the request may go to a worker, else its 429; whether it waited).
         A client gone while it waits: its reservation is given back and the
         cancellation propagates."""
-        pool, shedder, key = self.pool, self.shedder, ctx.key
-        req = kr.route_request
-        uncached = req.prompt_tokens - kr.match.best * req.block_tokens
-        scale = ticket.scale
-
-        def probe(t: float) -> Overloaded | None:
-            return shedder.check(pool.routable_workers(t), key.model, key.adapter, uncached, t, scale)
-
+        ticket = hold.ticket
         try:
-            return await self.queue.admit(ctx.tenant, ticket.rank, ticket.reserved, probe, now)
+            return await self.queue.admit(
+                ctx.tenant, ticket.rank, ticket.reserved, hold.probe, time.monotonic()
+            )
         except asyncio.CancelledError:
             self.tenancy.refund(ticket, time.monotonic())
             raise
@@ -766,36 +770,6 @@ class DataPlane:
                 status=status,
                 session=ctx.session,
             )
-
-    def _pick(self, w: Worker, kr: KeyedRequest, now: float) -> Placement:
-        """The optimistic hint and the load count for ``w``, in its own key space,
-        before anything is awaited (``policies.base``)."""
-        sk = kr.key_for(w.id)
-        link = w.engine
-        # a data-parallel engine: the rank holding most of the prompt (EngineLink)
-        rank = link.pick_rank(kr.rank_blocks(w.id)) if link is not None and link.ranks else None
-        holder = w.id if rank is None else link.holder(rank)
-        blocks = kr.blocks_for(w.id, rank)
-        touches = None
-        if blocks and link is not None and link.corrects:
-            # when each matched block was last used, before this hint re-touches them:
-            # what a correction needs if the worker reports fewer cached tokens
-            tt = self.index.touch_time
-            touches = tuple(tt(holder, h) for h in sk.hashes[:blocks])
-        ahead = w.in_flight_tokens
-        # the hint and the load count in uncached tokens (router.pick: the simulator's too)
-        own = hint_and_count(
-            self.index, self.pool, w, sk.hashes, sk.prompt_tokens, blocks, sk.block_tokens, now, holder
-        )
-        if self.bus is not None and sk.hashes and rank is None:
-            # (a rank's hint stays local: the bus names workers, and every replica
-            # follows the ranks' own events)
-            # queued; published by its own task
-            self.bus.hint(w.id, sk.hashes, now, kr.route_request.session, sk.prompt_tokens)
-        colder = kr.colder_for(holder)
-        if link is not None and (blocks or colder):
-            link.count_match(blocks, colder, sk.block_tokens)
-        return Placement(sk, blocks, own, ahead, touches, rank, colder)
 
     async def _attempt(self, ctx: RequestContext, w: Worker, pick: Placement) -> None:
         """One try on worker ``w`` (its load already counted). Releases the load on
@@ -1172,38 +1146,52 @@ class DataPlane:
                 session = body["user"]
             now = time.monotonic()
             self._prefetch_sweep(now)
-            views = self.pool.views(now, key.model, key.adapter)
-            if not views:
-                raise self.pool.unavailable(key.model, key.adapter, now)
-            kr = self.engines.key(endpoint, body, key, session, views, now)
+            engines = self.engines
+
+            def keyer(views, now: float) -> KeyedRequest:
+                return engines.key(endpoint, body, key, session, views, now)
+
             # charged as the request it sends: one, and its prompt plus the one token
-            # it generates (router.prefetch, "Tenant limits"); 429 when over
-            ticket = self.tenancy.admit(
-                tenant, api_key, key.model, headers, kr.route_request.prompt_tokens, _WARM_UP, now
+            # it generates (router.prefetch, "Tenant limits"); 429 when over; dropped
+            # first when a real request would wait or be shed (router.route)
+            ask = Ask(
+                keyer,
+                key.model,
+                key.adapter,
+                tenant,
+                api_key,
+                headers,
+                _WARM_UP,
+                split=False,
+                prefetch=True,
+                place=False,
             )
-            try:  # dropped for load or budget: nothing warmed, the reservation given back
-                self._prefetch_room(kr, key, now)
-                d = self.policy.choose(kr.route_request, kr.match, views, now)
-                w = self.pool.get(d.worker)
-                if w is None:  # a policy bug: never route into the void
-                    raise AssertionError(f"policy {self.policy.name} chose unknown worker {d.worker!r}")
-                sk = kr.key_for(w.id)
-                held = kr.blocks_for(w.id)
-                dedup = not sk.hashes or held >= len(sk.hashes)
-                tokens = 0
-                if not dedup:
-                    tokens = uncached_tokens(sk.prompt_tokens, held, sk.block_tokens)
-                    rate = pcfg.share * sum(x.prefill_rate(now) for x in self.pool.routable_workers(now))
-                    wait = self.prefetch_budget.take(tokens, rate, pcfg.burst_s, now)
-                    if wait is not None:
-                        self.metrics.prefetch_dropped.labels("budget").inc()
-                        raise Overloaded(
-                            f"the prefetch budget ({pcfg.share:g} of the fleet's prefill) is spent",
-                            retry_after_s=max(1.0, min(wait, 60.0)),
-                        )
-            except RequestError:
-                self.tenancy.refund(ticket, now)
-                raise
+            routed = self.route.decide(ask, now)
+            if isinstance(routed, Reject):
+                if routed.ticket is not None:
+                    self.tenancy.refund(routed.ticket, now)
+                if routed.shed:
+                    self.metrics.prefetch_dropped.labels("load").inc()
+                raise routed.error
+            assert isinstance(routed, Route)  # a prefetch is never held nor split
+            ticket = routed.ticket
+            assert ticket is not None  # the data plane always has its tenancy stage
+            w, kr = routed.worker, routed.keyed
+            sk = kr.key_for(w.id)
+            held = kr.blocks_for(w.id)
+            dedup = not sk.hashes or held >= len(sk.hashes)
+            tokens = 0
+            if not dedup:
+                tokens = uncached_tokens(sk.prompt_tokens, held, sk.block_tokens)
+                rate = pcfg.share * sum(x.prefill_rate(now) for x in self.pool.routable_workers(now))
+                wait = self.prefetch_budget.take(tokens, rate, pcfg.burst_s, now)
+                if wait is not None:  # nothing warmed, the reservation given back
+                    self.tenancy.refund(ticket, now)
+                    self.metrics.prefetch_dropped.labels("budget").inc()
+                    raise Overloaded(
+                        f"the prefetch budget ({pcfg.share:g} of the fleet's prefill) is spent",
+                        retry_after_s=max(1.0, min(wait, 60.0)),
+                    )
         except RequestError as exc:
             self._reject(ex, exc, rid)
             return
@@ -1213,7 +1201,7 @@ class DataPlane:
             m.prefetch.labels("deduplicated").inc()
             self.tenancy.settle(ticket, 0, now)  # nothing sent: its tokens given back
         else:
-            pick = self._pick(w, kr, now)  # the hint the real request follows; its load
+            pick = self.route.place(w, kr, now)  # the hint the real request follows; its load
             link = w.engine
             holder = w.id if pick.rank is None or link is None else link.holder(pick.rank)
             # its last full block may hold the chat template's closing tokens, which the
@@ -1232,22 +1220,6 @@ class DataPlane:
             extra.insert(0, (WORKER_HEADER, w.id))
         ex.reply(202, json.dumps(out).encode(), _JSON, extra)
         m.observe_latency(time.monotonic() - t0)
-
-    def _prefetch_room(self, kr: KeyedRequest, key: PrefixKey, now: float) -> None:
-        """Raises ``Overloaded`` (a 429, counted by cause) when a real request arriving
-        now would wait for an admission slot or be shed: prefetches go first."""
-        shed = None
-        if self.admission.busy():
-            shed = Overloaded("the router is at capacity: prefetches are dropped first", retry_after_s=1)
-        else:
-            req = kr.route_request
-            uncached = req.prompt_tokens - kr.match.best * req.block_tokens
-            shed = self.shedder.check(
-                self.pool.routable_workers(now), key.model, key.adapter, uncached, now, prefetch=True
-            )
-        if shed is not None:
-            self.metrics.prefetch_dropped.labels("load").inc()
-            raise shed
 
     async def _prefetch_send(
         self, w: Worker, pick: Placement, endpoint: Endpoint, body: dict, tenant: str, rid: str
@@ -1277,16 +1249,6 @@ class DataPlane:
                 link.rank_finished(pick.rank)
             if ok is not True:
                 self.metrics.prefetch.labels("failed").inc()
-
-    def _prefetch_pending(self, kr: KeyedRequest, views) -> bool:
-        """Whether a prefetch made for this request has not been used yet: a worker
-        it may go to holds a prefetched prefix of it."""
-        led = self.prefetched
-        for v in views:
-            blocks = kr.blocks_for(v.id)
-            if blocks and led.pending(v.id, kr.key_for(v.id).hashes[:blocks]):
-                return True
-        return False
 
     def _prefetch_used(self, w: Worker, pick: Placement, now: float) -> None:
         """A real request picked ``w``: the prefetches of a prefix it matched there

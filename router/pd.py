@@ -57,6 +57,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from policies.base import Decision, Reason, WorkerView
@@ -64,6 +65,7 @@ from policies.disagg import BOTH, DECODE, PREFILL, choose_decode
 from protocol.errors import NoWorkerAvailable
 from protocol.prefix_keys import Endpoint
 from router.engines.kinds import WorkerKind
+from router.route import Ask, Route
 from router.tenancy import PRIORITIES
 from router.upstream import Cancel, UpstreamError, build_head
 
@@ -126,7 +128,7 @@ class PrefillDecode:
         w = self.dp.pool.get(v.id)
         return w.role if w is not None else BOTH
 
-    def disaggregated(self, views: list[WorkerView]) -> bool:
+    def disaggregated(self, views: Sequence[WorkerView]) -> bool:
         """Whether a request over ``views`` takes the two-leg path: some are not
         colocated (``both``) workers."""
         pool = self.dp.pool
@@ -137,6 +139,9 @@ class PrefillDecode:
             if w is not None and w.spec is not None and w.spec.role != BOTH:
                 return True
         return False
+
+    def _is_prefill(self, v: WorkerView) -> bool:
+        return self._role(v) == PREFILL
 
     def _is_decode(self, v: WorkerView) -> bool:
         return self._role(v) in (DECODE, BOTH)
@@ -189,14 +194,16 @@ class PrefillDecode:
         # vLLM's protocol is the OpenAI API's: SGLang's native /generate runs colocated
         openai = ctx.endpoint is not Endpoint.GENERATE
         if prefill and openai and uncached >= self.threshold(dw, now):
-            d = dp.policy.choose(req, kr.match, prefill, now)
-            pw = dp.pool.get(d.worker)
-            assert pw is not None, f"policy {dp.policy.name} chose unknown worker {d.worker!r}"
+            # the policy's pick among the prefill workers, placed when its leg is sent
+            leg = dp.ask_for(ctx).admit(ctx.ticket, eligible=self._is_prefill, split=False, place=False)
+            routed = dp.route.route(leg, prefill, kr, ctx.ticket, now)
+            assert isinstance(routed, Route)  # split=False: never Admitted
+            pw = routed.worker
             if pw.engine is not None and pw.engine.kind is WorkerKind.SGLANG:
                 dp.metrics.pd_legs.labels("prefill").inc()
                 await self._sglang(ctx, kr, pw, first, need)
                 return
-            params = await self._prefill(ctx, kr, d, prefill)
+            params = await self._prefill(ctx, routed, leg)
             if params is None:
                 return  # answered (its failure)
             if params:
@@ -212,7 +219,25 @@ class PrefillDecode:
             first = None
         else:
             dp.metrics.pd_legs.labels("colocated").inc()
-        await dp._forward(ctx, kr, decode, now, self._decode_choice(need, first), self._is_decode)
+        await self._decode(ctx, kr, decode, now, self._decode_choice(need, first), self._is_decode)
+
+    async def _decode(
+        self,
+        ctx: Any,
+        kr: KeyedRequest,
+        decode: list[WorkerView],
+        now: float,
+        choose: Callable[[KeyedRequest, Sequence[WorkerView], float], Decision],
+        eligible: Callable[[WorkerView], bool],
+    ) -> None:
+        """The decode leg: ``choose`` among ``decode`` through the route core (placed
+        there), forwarded by the data plane; a retry asks the core again among the
+        ``eligible`` workers left."""
+        dp = self.dp
+        ask = dp.ask_for(ctx).admit(ctx.ticket, choose=choose, eligible=eligible, split=False)
+        routed = dp.route.route(ask, decode, kr, ctx.ticket, now)
+        assert isinstance(routed, Route)  # split=False: never Admitted
+        await dp.forward(ctx, routed, ask, now)
 
     async def _sglang(
         self, ctx: Any, kr: KeyedRequest, pw: Worker, first: Decision | None, need: int
@@ -235,7 +260,7 @@ class PrefillDecode:
             now = time.monotonic()
             decode = [v for v in dp.pool.views(now, ctx.key.model, ctx.key.adapter) if self._is_decode(v)]
             # the room binds this pair: the decode leg goes nowhere else
-            await dp._forward(ctx, kr, decode, now, self._decode_choice(need, first), lambda v: False)
+            await self._decode(ctx, kr, decode, now, self._decode_choice(need, first), lambda v: False)
         finally:
             if not prefill.done():
                 prefill.cancel()
@@ -245,10 +270,9 @@ class PrefillDecode:
                 if isinstance(exc, _PrefillFailed):
                     log.warning("request %s: SGLang prefill worker %s failed (%s)", ctx.rid, pw.id, exc)
 
-    async def _prefill(
-        self, ctx: Any, kr: KeyedRequest, d: Decision, views: list[WorkerView]
-    ) -> dict[str, Any] | None:
-        """Runs the prefill leg, on another prefill worker after a failure. Returns
+    async def _prefill(self, ctx: Any, routed: Route, leg: Ask) -> dict[str, Any] | None:
+        """Runs the prefill leg on ``routed``'s worker, and after a failure on another
+        prefill worker (the route core asked again, those tried excluded). Returns
         its answer's ``kv_transfer_params`` ({} when it gave none), or None once the
         client has been answered (a 4xx, or every attempt failed). A worker that
         schedules by priority gets the class as the decode leg's does (``forward_body``)."""
@@ -260,13 +284,12 @@ class PrefillDecode:
         last: _PrefillFailed | None = None
         attempts = dp.cfg.disagg.prefill_attempts
         while True:
-            w = dp.pool.get(d.worker)
-            assert w is not None, f"policy {dp.policy.name} chose unknown worker {d.worker!r}"
+            w = routed.worker
             tried.append(w.id)
             try:
-                leg, _ = dp.engines.forward_body(w.engine, ctx.endpoint, body, payload, False, rank)
+                out, _ = dp.engines.forward_body(w.engine, ctx.endpoint, body, payload, False, rank)
                 t = time.monotonic()
-                params = await self._prefill_leg(ctx, kr, w, bytes(leg))
+                params = await self._prefill_leg(ctx, routed.keyed, w, bytes(out))
                 dp.metrics.pd_prefill.observe(time.monotonic() - t)
                 return params
             except _PrefillFailed as exc:
@@ -284,14 +307,12 @@ class PrefillDecode:
                     attempts,
                 )
             now = time.monotonic()
-            left = [
-                v
-                for v in dp.pool.views(now, ctx.key.model, ctx.key.adapter)
-                if v.id not in tried and self._role(v) == PREFILL
-            ]
-            if not left or len(tried) >= attempts or now - ctx.t0 >= dp.cfg.timeouts.total_s:
+            if len(tried) >= attempts or now - ctx.t0 >= dp.cfg.timeouts.total_s:
                 break
-            d = dp.policy.choose(kr.route_request, kr.match, left, now)
+            again = dp.route.decide(leg.again(exclude=frozenset(tried)), now)
+            if not isinstance(again, Route):  # no prefill worker left
+                break
+            routed = again
         status = last.status if last is not None and last.status in (429, 503) else 502
         dp.answer_error(ctx, tried[-1], status, b"", [])
         return None
@@ -303,7 +324,7 @@ class PrefillDecode:
         the load released on every path. ``room``: an SGLang leg (its answer is
         not read for params)."""
         dp = self.dp
-        pick = dp._pick(w, kr, time.monotonic())
+        pick = dp.route.place(w, kr, time.monotonic())
         host, port, hostport = dp._addr(w.url)
         fwd = (
             dp.tenants.forward_lines(ctx.key.tenant)

@@ -33,7 +33,7 @@ knee: hit rate against KV tokens per policy, with the pooled and oracle lines).
 Runs are independent and seeded: ``--jobs N`` runs them in N processes with the
 same reports (but for the wall-clock figures).
 ``--router-config FILE`` runs the simulated router (the live ``router.pool``,
-``router.feedback``, ``router.pick`` and ``router.warmup`` objects) with that
+``router.feedback``, ``router.route`` and ``router.warmup`` objects) with that
 file's settings.
 A workload or trace runs whole unless ``--requests`` or ``--duration`` bounds it; a
 run a bound cuts short is starred in the table, with a note saying which bound, and

@@ -3,7 +3,7 @@
 Each request runs in two legs, as vLLM's P/D proxy runs it (the prefill request with
 ``max_tokens: 1``, then the decode request on the KV it left)::
 
-    dispatch: the live router's pick (router.pick.pick_worker, the named policy) over
+    dispatch: the live router's pick (router.route.RouteCore, the named policy) over
               the PREFILL workers only: the pool, the index and the agents' events
               are the prefill side's (the index lives where the prompts run)
     prefill:  the agent's own scheduler and radix cache (engine.SimWorker), the

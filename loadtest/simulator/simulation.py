@@ -9,8 +9,9 @@ reproduces a run exactly::
         views    = pool.views(now)                 router.pool.Pool (virtual clock):
                    in-flight counted at pick time + the last agent load report
                    the router has received (stale ones ignored, weights)
-        router.pick.pick_worker: index.match, policy.choose (the real policy),
-                   index.insert (optimistic hint), pool.pick (uncached tokens)
+        router.route.RouteCore.decide: index.match, the shedder (--shed),
+                   policy.choose (the real policy), index.insert (optimistic
+                   hint), pool.pick (uncached tokens): the live router's decision
         hot-root warm-ups (Decision.warm): router.warmup.WarmupGate with the
                    router config's warmup.min_interval_s; max_tokens=1, not counted
     --path latency--> worker.submit(job)  ->  STEP events (engine.py)
@@ -34,7 +35,7 @@ whose prompt shares only such a partial block may, rarely, run below its floor.
 The router side is the live router's own objects: ``router.pool.Pool`` (workers
 registered as agents, ``clock`` = the virtual clock; ``SimConfig.router_config``
 supplies ``load.report_stale_s``, ``index.half_life_s``, ``warmup.*`` and the
-breaker), ``router.feedback.Feedback`` and ``router.pick.pick_worker``. Where the
+breaker), ``router.feedback.Feedback`` and ``router.route.RouteCore``. Where the
 simulator must differ because time is virtual, the difference is one named seam:
 ``agentlink.py`` (when an agent's batch is built and delivered).
 
@@ -117,17 +118,18 @@ from loadtest.simulator.reference import BlockReference, TextReference
 from loadtest.workloads import SingleShot, Trace, Workload
 from policies.base import MatchResult, RouteRequest, WorkerView
 from policies.registry import build_policy
-from protocol.errors import ConfigError, Overloaded, RequestError
+from protocol.errors import ConfigError, RequestError
 from protocol.prefix_keys import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES, check_block_bytes, namespace_seed
 from protocol.settings import section, setting, settings
 from router.config import Config
 from router.engines.accuracy import predicted_tokens
 from router.engines.capacity import LearnedCapacity, correct
+from router.engines.keyspace import KeyedRequest, SpaceKey
 from router.engines.tier_price import TierPrice
 from router.feedback import Feedback
-from router.pick import pick_worker, uncached_tokens
 from router.pool import Pool
 from router.prefix_index import DEFAULT_MAX_BYTES, PrefixIndex
+from router.route import Ask, Reject, Route, RouteCore, RouteParts
 from router.shedding import Shedder
 from router.warmup import WarmupGate, warmup_prefix
 from worker_agent.dram_tier import CHUNK_TOKENS
@@ -445,6 +447,21 @@ class Simulation:
             if cfg.shed
             else None
         )
+        #: the live router's route core over the virtual fleet: its own views (load-only
+        #: batches caught up lazily), one byte key space, no tenancy, plain mode's
+        #: corrections keeping the matched blocks' last-use times
+        self._space = ("bytes", self.block_tokens)
+        plain = self.plain
+        self.route = RouteCore(
+            RouteParts(
+                self.pool,
+                self.index,
+                self.policy,
+                self.shedder,
+                views=lambda now, model, adapter: self._views(now),
+                corrects=lambda w: plain,
+            )
+        )
         self.cancelled = 0
         self.timed_out = 0
         self.steps = 0
@@ -573,37 +590,27 @@ class Simulation:
             self.model,
             prompt.text_len,
         )
-        views = self._views(now)
-        # the live router's pick: match, choose, hint, count the uncached tokens
-        price = None
-        if self._dram_price is not None:
+        index = self.index
+        space = self._space
 
-            def price(hashes, match: MatchResult) -> MatchResult:
-                return self._priced(hashes, match, views)
+        def keyer(views, now: float) -> KeyedRequest:
+            # the request in the one byte space, matched (hot roots counted) and priced
+            match = index.match(req.hashes, now, True)
+            if self._dram_price is not None:
+                match = self._priced(req.hashes, match, views)
+            key = SpaceKey(req.hashes, req.prompt_tokens, req.block_tokens, False)
+            return KeyedRequest.single(space, key, req, match)
 
-        admit = None
-        if self.shedder is not None:
-            shedder, pool, model = self.shedder, self.pool, self.model
-
-            def admit(match: MatchResult) -> Overloaded | None:  # the data plane's verdict
-                uncached = uncached_tokens(req.prompt_tokens, match.best, req.block_tokens)
-                return shedder.check(pool.routable_workers(now), model, None, uncached, now)
-
-        try:
-            d, _, counted, depth, job.touches = pick_worker(
-                self.policy,
-                self.index,
-                self.pool,
-                req,
-                views,
-                now,
-                touches=self.plain,
-                price=price,
-                admit=admit,
-            )
-        except Overloaded:
+        # the live router's decision (router.route): views, key, match, shed, choose,
+        # hint and count the uncached tokens
+        verdict = self.route.decide(Ask(keyer, self.model), now)
+        if isinstance(verdict, Reject):
             self._shed(job, now)
             return
+        assert isinstance(verdict, Route)  # no tenancy, no admission queue, no P/D split
+        d, placed = verdict.decision, verdict.placement
+        assert placed is not None
+        counted, depth, job.touches = placed.own, verdict.keyed.match.depth, placed.touches
         # what the oracle and the pooled cache see: the requests that run
         ref = self.ref_cache  # a BlockReference exactly when block_level
         if isinstance(ref, BlockReference):
@@ -678,7 +685,7 @@ class Simulation:
 
     def _submit(self, w: int, job: Job, counted: int, now: float, count: bool = True) -> None:
         """Sends ``job`` to worker ``w`` (it arrives ``path_latency_s`` later);
-        ``counted``: the tokens ``pick_worker`` counted on it (``count=False``: a
+        ``counted``: the tokens the route core counted on it (``count=False``: a
         warm-up, not counted)."""
         job.worker = w
         if count:

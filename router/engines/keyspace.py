@@ -116,6 +116,14 @@ class KeyedRequest:
         #: space (``PrefixIndex.match_tiers``; holders with an extension only)
         self._tiers = tiers or {}
 
+    @classmethod
+    def single(
+        cls, space_id: Hashable, key: SpaceKey, route_request: RouteRequest, match: MatchResult
+    ) -> KeyedRequest:
+        """A request in one key space that every worker uses (the simulator's byte
+        space): ``match`` is both that space's match and the policy's."""
+        return cls({space_id: key}, {space_id: match}, space_id, route_request, match, _Everyone(space_id))
+
     def space(self, worker: str):
         return self._space_of[worker]
 
@@ -142,6 +150,29 @@ class KeyedRequest:
         """{rank: leading blocks} of a worker indexed per data-parallel rank (None:
         no rank holds any)."""
         return self._ranks.get(worker)
+
+
+class _Everyone(Mapping):
+    """worker -> the one space every worker uses (``KeyedRequest.single``)."""
+
+    __slots__ = ("_space",)
+
+    def __init__(self, space_id: Hashable) -> None:
+        self._space = _Space(space_id)
+
+    def __getitem__(self, worker: str) -> _Space:
+        return self._space
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Space:
+    id: Hashable
 
 
 def merge_matches(

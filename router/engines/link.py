@@ -49,7 +49,7 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.errors import MissingExtra
 from protocol.events import MAX_LOAD_COUNT, Load
@@ -63,11 +63,12 @@ from router.engines.event_sources import (
     SourcesProblem,
     fetch_event_sources,
 )
-from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
+from router.engines.keyspace import ByteSpace, TokenSpace
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
 from router.engines.tier_price import TierPrices
+from router.route import Placement
 from service.background import Backoff
 
 if TYPE_CHECKING:
@@ -113,20 +114,6 @@ class LinkHost(Protocol):
     ) -> tuple: ...
     def spaces_changed(self) -> None: ...  # its key space changed
     def ranks_changed(self, link: EngineLink, n: int) -> None: ...  # its rank map did
-
-
-class Placement(NamedTuple):
-    """What the data plane counted when it placed a request on a link's worker, in
-    that worker's key space; the link learns from it with the answer (``observe``)."""
-
-    key: SpaceKey  # the request in the worker's space
-    blocks: int  # leading blocks the worker (its rank) held at pick time
-    own: int  # the request's uncached prompt tokens, counted as queued prefill
-    ahead: int  # uncached prompt tokens already queued on the worker at pick time
-    touches: tuple | None  # approximate mode: the matched blocks' last-use times
-    rank: int | None = None  # the data-parallel rank it went to (``pick_rank``)
-    #: {colder tier: blocks} extending ``blocks`` there at pick time (``match_tiers``)
-    colder: dict | None = None
 
 
 class EngineLink:

@@ -2,7 +2,7 @@
 
 The simulator runs the demo's mixed workload (the size ``radixfleet bench
 replicas`` runs: 4 workers x 12k KV tokens, 12 requests/s, 498 requests — enough to
-put the caches under pressure) twice through the live ``router.pick`` path: once
+put the caches under pressure) twice through the live ``router.route`` path: once
 with one prefix_load, once with four prefix_load instances taking the requests in
 turn over one index and pool — an instant bus, so that whatever differs is state
 each replica keeps for itself. After each decision the other instances get what

@@ -207,3 +207,89 @@ def test_the_test_import_check_sees_one(tmp_path):
 def test_test_modules_live_in_component_folders():
     flat = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
     assert not flat, f"test modules flat in tests/ (ARCHITECTURE.md, Tests, names their folder): {flat}"
+
+
+# ------------------------------------------------------------- the route core
+
+#: what the route core (router/route.py) may import at run time: pure decisions and
+#: data, never I/O (sockets, the event loop, HTTP, the bus, the engines' links)
+ROUTE_CORE = "router/route.py"
+IO_MODULES = ("asyncio", "socket", "aiohttp", "httpx", "zmq", "nats", "selectors", "ssl", "subprocess")
+#: modules of ours that do I/O: the route core sees their objects through duck types
+IO_OURS = (
+    "router.dataplane",
+    "router.front",
+    "router.upstream",
+    "router.app",
+    "router.pool",
+    "router.engines.link",
+    "router.engines.manager",
+    "router.bus",
+    "router.admission_queue",
+)
+#: the route core's callers: none keeps a copy of the path, and none but the router's
+#: own shell imports the data plane
+CALLERS = (
+    "router/pd.py",
+    "router/prefetch.py",
+    "loadtest/simulator/simulation.py",
+    "loadtest/simulator/disagg.py",
+)
+
+
+def _runtime_imports(path: pathlib.Path):
+    """(line, module) of every import outside ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                typing_only.update(id(n) for n in ast.walk(inner))
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+
+
+def test_the_route_core_does_no_io():
+    wrong = [
+        f"{ROUTE_CORE}:{line} imports {mod}"
+        for line, mod in _runtime_imports(ROOT / ROUTE_CORE)
+        if mod.split(".")[0] in IO_MODULES or any(mod == m or mod.startswith(m + ".") for m in IO_OURS)
+    ]
+    assert not wrong, "the route core is sans-I/O:\n" + "\n".join(wrong)
+
+
+def test_no_caller_of_the_route_core_imports_the_data_plane():
+    wrong = [
+        f"{rel}:{line} imports {mod}"
+        for rel in CALLERS
+        for line, mod in _runtime_imports(ROOT / rel)
+        if mod == "router.dataplane" or mod.startswith("router.dataplane.")
+    ]
+    assert not wrong, "the data plane is one caller of the route core, not a library:\n" + "\n".join(wrong)
+
+
+def test_the_request_path_is_decided_in_one_place():
+    """Outside the route core, no module of the request path chooses with the policy
+    or places a hint and a load count itself (index.insert + pool.pick)."""
+    wrong = []
+    for rel in ("router/dataplane.py", *CALLERS):
+        src = (ROOT / rel).read_text()
+        for needle in (".policy.choose(", "pool.pick(", "index.insert(", "shedder.check("):
+            if needle in src:
+                wrong.append(f"{rel} calls {needle}")
+    assert not wrong, "route through router.route.RouteCore:\n" + "\n".join(wrong)
+
+
+def test_the_route_core_check_sees_io(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text(
+        "from typing import TYPE_CHECKING\nimport asyncio\n"
+        "if TYPE_CHECKING:\n    from router.pool import Pool\n"
+    )
+    assert list(_runtime_imports(bad)) == [(1, "typing"), (2, "asyncio")]

@@ -453,7 +453,7 @@ async def test_shed_requests_are_logged_as_offered_load(tmp_path):
             statuses = []
             for i in range(4):
                 # the last two arrive with every worker saturated
-                dp.shedder = real if i < 2 else Saturated()
+                dp.route.use_shedder(real if i < 2 else Saturated())
                 async with s.post(
                     base + "/v1/chat/completions",
                     json={"model": "m", "messages": [{"role": "user", "content": f"{i} " + "y" * 600}]},
@@ -461,7 +461,7 @@ async def test_shed_requests_are_logged_as_offered_load(tmp_path):
                     statuses.append(r.status)
         assert statuses == [200, 200, 429, 429]
     finally:
-        dp.shedder = real
+        dp.route.use_shedder(real)
         await server.aclose()  # flushes and closes the log
         await runner.cleanup()
     files = sorted(str(f) for f in (tmp_path / "log").iterdir())

@@ -1,5 +1,5 @@
 """The simulator runs the live router's code: the live pool counts its
-load (router.pool, router.pick), agents' batches go through the live feedback with
+load (router.pool, router.route), agents' batches go through the live feedback with
 its epoch/sequence checks (router.feedback), views come from the live
 ``Worker.build_view`` with its stale-report expiry, warm-ups are gated by the live
 ``WarmupGate`` with the router config's interval, and the agent's scheduler

@@ -222,7 +222,8 @@ async def test_at_saturation_requests_wait_in_the_queue_and_a_client_gone_leaves
     router = fleet.router
     dp = router.dataplane
     q = dp.queue
-    gate = dp.shedder = Gate()
+    gate = Gate()
+    dp.route.use_shedder(gate)
     body = {"model": "m", "prompt": "a question while the fleet is saturated", "max_tokens": 4}
     url = fleet.base + "/v1/completions"
     limit = dp.tenancy._tenants["free"][1].tokens

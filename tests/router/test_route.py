@@ -1,0 +1,195 @@
+"""The route core (router/route.py): each verdict, what it counted, and what a retry,
+a prefetch and a disaggregated fleet's first decision get — with the live pool, index,
+policies and shedder, no I/O."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.base import Decision, Reason
+from policies.registry import build_policy
+from protocol.errors import MalformedRequest, Overloaded, RateLimited
+from router.engines.keyspace import KeyedRequest, SpaceKey
+from router.route import Admitted, Ask, Hold, Reject, Route, RouteCore, RouteParts
+from tests.router.pools import make_pool
+
+HASHES = (11, 12, 13, 14)
+BLOCK_TOKENS = 32
+PROMPT = 4 * BLOCK_TOKENS + 10
+
+
+def keyer(hashes=HASHES, prompt=PROMPT):
+    """The request keyed in one byte space and matched in ``index``."""
+    from policies.base import RouteRequest
+
+    def key(views, now, index):
+        req = RouteRequest(hashes, prompt, BLOCK_TOKENS, None, "m", prompt * 4)
+        m = index.match(hashes, now, True)
+        return KeyedRequest.single(("bytes", 128), SpaceKey(hashes, prompt, BLOCK_TOKENS, False), req, m)
+
+    return key
+
+
+class Refuse:
+    """A shedder whose every fleet is saturated (records each check)."""
+
+    def __init__(self) -> None:
+        self.checks: list[int] = []
+
+    def check(self, workers, model, adapter, uncached, now, scale=1.0, *, prefetch=False):
+        self.checks.append(uncached)
+        return Overloaded("saturated", retry_after_s=1)
+
+
+class Queue:
+    """An admission queue that is on."""
+
+    class cfg:
+        max_wait_s = 1.0
+
+
+def core(policy="round_robin", **parts):
+    pool, index, clock = make_pool(policy={"name": policy})
+    pol = build_policy(policy, {}, random.Random(0), path="policy")
+    return RouteCore(RouteParts(pool, index, pol, **parts)), pool, index, clock
+
+
+def ask(index, **kw):
+    k = keyer()
+    return Ask(lambda views, now: k(views, now, index), "m", **kw)
+
+
+def test_a_route_is_chosen_hinted_and_counted_before_it_returns():
+    c, pool, index, clock = core("cache_aware")
+    index.insert("b", HASHES[:2], clock.t)  # b holds the first two blocks
+    v = c.decide(ask(index), clock.t)
+    assert isinstance(v, Route)
+    assert v.worker.id == "b" and v.decision.matched_blocks == 2
+    p = v.placement
+    assert p is not None and p.blocks == 2 and p.own == PROMPT - 2 * BLOCK_TOKENS
+    # the load is on b at once, and b is hinted as holding the whole prompt
+    assert pool.get("b").in_flight_tokens == p.own and pool.get("a").in_flight_tokens == 0
+    assert index.match(HASHES, clock.t, False).blocks == {"b": 4}
+    index.check()
+
+
+def test_no_worker_left_is_a_refusal_that_keys_and_counts_nothing():
+    c, pool, index, clock = core()
+    gone = Ask(lambda views, now: pytest.fail("keyed without views"), "m", exclude=frozenset({"a", "b"}))
+    v = c.decide(gone, clock.t)
+    assert isinstance(v, Reject) and v.error.status == 503 and not v.shed
+    assert all(w.in_flight == 0 for w in pool)
+
+
+def test_a_body_the_key_space_refuses_is_a_400_refusal():
+    c, pool, index, clock = core()
+
+    def bad(views, now):
+        raise MalformedRequest("no", param="prompt")
+
+    v = c.decide(Ask(bad, "m"), clock.t)
+    assert isinstance(v, Reject) and v.error.status == 400
+    assert index.match(HASHES, clock.t, False).blocks == {}
+
+
+def test_the_shedder_refuses_with_the_requests_uncached_tokens_and_counts_nothing():
+    shed = Refuse()
+    c, pool, index, clock = core(shedder=shed)
+    index.insert("a", HASHES[:1], clock.t)
+    v = c.decide(ask(index), clock.t)
+    assert isinstance(v, Reject) and v.shed and v.error.status == 429
+    assert shed.checks == [PROMPT - BLOCK_TOKENS]  # the best match's uncached part
+    assert all(w.in_flight == 0 for w in pool)
+    assert index.match(HASHES, clock.t, False).blocks == {"a": 1}  # no hint
+
+
+def test_an_admitted_request_is_not_shed_again_on_its_retry_and_avoids_the_tried():
+    shed = Refuse()
+    c, pool, index, clock = core(shedder=shed)
+    first = c.decide(ask(index, ticket=None), clock.t)
+    assert isinstance(first, Reject)
+    # a retry (or a request the queue let in) carries its ticket: no admission chain
+    retry = ask(index).admit(None, exclude=frozenset({"a"}))
+    v = c.decide(retry, clock.t)
+    assert isinstance(v, Route) and v.worker.id == "b"
+    assert len(shed.checks) == 1
+    # every worker excluded: nothing left to route to
+    none = c.decide(retry.again(exclude=frozenset({"a", "b"})), clock.t)
+    assert isinstance(none, Reject) and none.error.status == 503
+
+
+class Ticket:
+    scale = 1.0
+
+
+class Tenancy:
+    """The tenancy stage's interface: ``admit`` a ticket, or raise its refusal."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.tickets: list[Ticket] = []
+
+    def admit(self, tenant, key, model, headers, prompt_tokens, body, now):
+        if self.refuse:
+            raise RateLimited("over the limit", retry_after_s=2)
+        self.tickets.append(Ticket())
+        return self.tickets[-1]
+
+
+def test_over_a_rate_limit_is_a_refusal_before_the_shedder_is_asked():
+    shed = Refuse()
+    c, pool, index, clock = core(shedder=shed, tenancy=Tenancy(refuse=True))
+    v = c.decide(ask(index), clock.t)
+    assert isinstance(v, Reject) and v.error.status == 429 and not v.shed and v.ticket is None
+    assert shed.checks == []
+
+
+def test_with_the_queue_on_a_request_is_held_and_resumed():
+    shed, tenancy = Refuse(), Tenancy()
+    c, pool, index, clock = core(shedder=shed, tenancy=tenancy, queue=Queue())
+    v = c.decide(ask(index), clock.t)
+    assert isinstance(v, Hold) and v.ticket is tenancy.tickets[0]
+    assert shed.checks == []  # the queue probes, not the core
+    assert isinstance(v.probe(clock.t), Overloaded) and len(shed.checks) == 1
+    # let in at once: routed as it was keyed; after a wait: keyed again, not re-admitted
+    r = c.resume(v, False, clock.t)
+    assert isinstance(r, Route) and r.ticket is tenancy.tickets[0]
+    r2 = c.resume(v, True, clock.t)
+    assert isinstance(r2, Route) and len(tenancy.tickets) == 1
+
+
+def test_a_disaggregated_fleet_stops_at_admitted_and_a_leg_routes_among_its_own():
+    c, pool, index, clock = core(disaggregated=lambda views: True)
+    v = c.decide(ask(index), clock.t)
+    assert isinstance(v, Admitted) and {x.id for x in v.views} == {"a", "b"}
+    assert all(w.in_flight == 0 for w in pool)
+
+    def to_b(kr, views, now):
+        return Decision("b", Reason.LEAST_LOAD)
+
+    leg = ask(index, choose=to_b, split=False)
+    r = c.route(leg, v.views, v.keyed, None, clock.t)
+    assert isinstance(r, Route) and r.worker.id == "b" and pool.get("b").in_flight == 1
+
+
+def test_a_prefetch_is_chosen_unplaced_and_dropped_first_under_load():
+    c, pool, index, clock = core(busy=lambda: False)
+    v = c.decide(ask(index, prefetch=True, place=False), clock.t)
+    assert isinstance(v, Route) and v.placement is None and all(w.in_flight == 0 for w in pool)
+    placed = c.place(v.worker, v.keyed, clock.t)
+    assert v.worker.in_flight == 1 and placed.own == PROMPT
+    busy = core(busy=lambda: True)[0]
+    r = busy.decide(ask(busy.parts.index, prefetch=True, place=False), clock.t)
+    assert isinstance(r, Reject) and r.shed and "capacity" in r.error.message
+
+
+def test_a_policy_naming_an_unknown_worker_is_a_bug():
+    c, pool, index, clock = core()
+
+    def void(kr, views, now):
+        return Decision("nobody", Reason.MISS)
+
+    with pytest.raises(AssertionError, match="unknown worker"):
+        c.decide(ask(index, choose=void), clock.t)
