@@ -29,88 +29,37 @@ read by ``router.engines.link``) and what the router has done since (``QueueMark
 
     shed  <=>  no eligible worker has room and every one has pending_s > bound_s
 
-An engine that has saturated (below) has room only with a slot and at most one
-request's prefill ahead — ahead_s within the bound, or the tokens ahead within the
-largest recent request's (``largest_tokens``: a decayed maximum of requests'
-uncached tokens; two of them while its report shows it quiet) — and its pending_s is
-at least ahead_s: at 4x its capacity in fresh 600-token prompts, slots alone let 8
-prefills share one engine and admitted TTFT p99 reached 3.8x the unloaded one. "One
-request" is counted in tokens, not in seconds of a typical request: the prefill rate
-an engine shows depends on how busy it is (batched prefill reads faster per token),
-so after a saturated phase taught a small typical_s, one ordinary request ahead on
-each worker of a light load read as "more than one typical request" and a
-0.2x-capacity load saw a 429.
+The rules beside the table (each one's measurements and the incidents that set it:
+``docs/decisions/shedding.md``):
 
-``in_flight`` is the router's own count on the worker now (other replicas' included,
-``router.bus``): exact for its requests — it counts a request from its pick to its
-last byte, which covers its life in the engine — so it is a floor of the engine's
-occupancy. ``seen`` is the most the router had in flight there since the report
-before: the reading was taken at some moment since then (a gauge of the engine's
-last step, fetched over a busy loop), and every request of the router's the engine
-counted was in that count at that moment. What the engine reports beyond ``seen``
-is other routers' work sharing it. Counting instead ``reported + (in_flight now -
-in_flight when the reading landed)`` counted each request that finished between the
-engine's reading and its arrival twice — the engine still ran it, the router had
-already let it go — so at 16 clients on two 8-slot engines both could read full at
-15 in flight (tests/router/test_shedding.py replays it). The cost: another router's
-requests are under-counted by this router's own churn within one scrape interval.
-
-An engine is judged saturated only on its own evidence: until it has reported a
-waiting queue in two reports in a row (one waiting request may only wait for the
-next step's token budget) it is never full, whatever the router sent it. The batch
-limit L is what vLLM calls ``max_num_seqs`` and does not publish: it is learned as
-the most requests the engine ever reported running, once two reports in a row
-showed a waiting queue with running at that ceiling; until then the most it ran at
-once is a slot count it has shown it has. So, with the limits learned and one
-router, a closed loop of at most the fleet's batch limits in clients is never shed —
-its in-flight total is below their sum, so some worker has fewer than its limit —
-and the first saturated reports teach the limit. Agents report their queue every
-~100 ms; they have no batch limit here (their waiting queue is prefill, not slots)
-and are judged by ``pending_s`` alone. ``pending_s`` reads their whole waiting
-prompts (``Load.queued_tokens``), not the prefill they need now
-(``queued_prefill_tokens``, kept in each shed record as ``prefill_s``): judged on the
-prefill, no request was shed at 0.7x capacity, but at 1.5x the router admitted more
-onto saturated workers and goodput fell by 12-23% (bench/RESULTS.md "Past saturation,
-live"); counted whole, a worker waiting on a cached prompt or two reads as seconds of
-prefill it will not do, and below saturation a few requests are shed.
-
-A saturated engine (one that has held a queue) whose report goes stale is judged on
-the router's own counts instead — an empty report: its slots against the router's
-in-flight requests there, and the prefill the router sent it that has not reached a
-first token. Its scrapes stop arriving exactly when it is busiest (a CPU vLLM at full
-batch answered ``/metrics`` past the scrape timeout for seconds), and reading that
-silence as room admitted the whole overload into its queue for as long as it lasted.
-An engine that never saturated, and an agent (whose silence is a health matter), keep
-"no report means room".
-
-Why aging: the scrape of an engine's ``/metrics`` is up to a second old. Adding every
-token picked since then without subtracting what the worker prefilled meanwhile
-made a busy but unsaturated pair of vLLM servers (closed loop, 8 clients) look
-seconds deep and shed half the requests.
-
-A burst into idle slots is not a queue: on an engine whose own report shows it quiet
-(nothing waiting, under half its limit running) two requests' prefill may be ahead
-of a free slot (``QUIET_AHEAD``), one otherwise. At 0.2x capacity five requests
-arriving within milliseconds (a client's or the router's loop running late bunches
-them) put two ahead on each of two idle engines — 0.064-0.078 s against the 0.05 s
-floor — and the fifth was refused with a Retry-After of a second, while both engines
-reported nothing waiting. Allowing two ahead everywhere, or aging what is ahead by
-the time it has had, let a saturated engine take more prefills at once, each step
-slowed, and at 4x it served fewer and queued more (bench/RESULTS.md "Shedding in
-front of vLLM").
-
-A burst while the fleet is calm is not saturation either: while the router has shed
-nothing for ``CALM_S`` seconds, an engine with a free slot and a fresh report takes a
-request while the prefill ahead on it is within ``BURST_AHEAD`` of the largest recent
-request's. At 0.2x capacity bursts of about seven within milliseconds (a loop running
-late bunches Poisson arrivals) still put 2.6-3.6 requests ahead on each of two engines
-and were refused. Saturation is a state that lasts: once a request is shed the plain
-rules hold for ``CALM_S``, so at sustained overload (a shed every few requests) the
-allowance never applies, and at its onset it admits at most ``BURST_AHEAD`` requests'
-prefill per engine once. Agents, judged by ``pending_s`` alone, have no such
-allowance: their prefill is the simulated GPU's (a quarter second per 1,000-token
-prompt on an L4), and four ahead at the onset of an overload doubled the admitted
-TTFT p99 of ``radixfleet bench overload`` (bench/RESULTS.md "Shedding in front of vLLM").
+- A saturated engine (one that has held a waiting queue in two reports in a row) has
+  room only with a free slot and at most one request's prefill ahead: ``ahead_s``
+  within the bound, or the tokens ahead within ``largest_tokens`` (a decayed maximum
+  of requests' uncached tokens; two of them while its report shows it quiet); its
+  ``pending_s`` is at least ``ahead_s``. "One request" is counted in tokens, not in
+  seconds of a typical request.
+- ``in_flight`` is the router's own count on the worker now (other replicas'
+  included); ``seen`` is the most it had in flight there since the report before.
+  What the engine reports beyond ``seen`` is other routers' work sharing it.
+- An engine is judged saturated only on its own evidence. Its batch limit L (vLLM's
+  ``max_num_seqs``, unpublished) is learned as the most requests it ever reported
+  running, once two reports in a row showed a waiting queue at that ceiling; until
+  then the most it ran at once. So with the limits learned and one router, a closed
+  loop of at most the fleet's batch limits in clients is never shed. Agents have no
+  batch limit and are judged by ``pending_s`` alone, on their whole waiting prompts
+  (``Load.queued_tokens``), not only the prefill they need now.
+- A saturated engine whose report goes stale is judged on the router's own counts (an
+  empty report: its slots against the router's in-flight requests, the prefill sent
+  that has not reached a first token). An engine that never saturated, and an agent,
+  keep "no report means room".
+- An engine's reported queue is aged by what it prefilled since the scrape, at its
+  learned rate (agents' ~100 ms reports are not aged).
+- On an engine whose report shows it quiet (nothing waiting, under half its limit
+  running) ``QUIET_AHEAD`` requests' prefill may be ahead of a free slot, one otherwise.
+- While the router has shed nothing for ``CALM_S`` seconds, an engine with a free slot
+  and a fresh report takes a request while the prefill ahead on it is within
+  ``BURST_AHEAD`` of the largest recent request's; once anything is shed the plain
+  rules hold for ``CALM_S``. Agents have no such allowance.
 
 Admitted requests then wait behind at most ``worker_queue_requests`` typical
 requests' prefill; the excess is told when to come back: ``Retry-After`` is the

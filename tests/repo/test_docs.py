@@ -213,3 +213,20 @@ def test_results_hold_no_stop_by_stop_sections():
     text = RESULTS.read_text()
     assert not re.search(r"^#+ .*\b(?:stop|issue|item) \d+", text, flags=re.I | re.M)
     assert not re.search(r"\b(?:stop|issue) \d+", text, flags=re.I)
+
+
+def test_every_contract_names_modules_that_exist():
+    """Each numbered contract of docs/DESIGN.md says where the code that keeps it
+    lives, and every module it names exists: a contract that describes moved code
+    fails here."""
+    text = DESIGN.read_text()
+    sections = re.split(r"^### (\d+)\. ", text, flags=re.M)
+    missing, bare = [], []
+    for number, body in zip(sections[1::2], sections[2::2]):
+        body = body.split("\n## ", 1)[0]
+        named = {t for t in re.findall(r"`([\w./-]+\.py)", body) if "/" in t}
+        if not named:
+            bare.append(number)
+        missing += [f"contract {number}: {n}" for n in sorted(named) if not (ROOT / n).exists()]
+    assert not bare, f"contracts that name no module: {bare}"
+    assert not missing, "contracts naming modules that do not exist:\n" + "\n".join(missing)
