@@ -95,7 +95,19 @@ def _marked(item: pytest.Item) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _warm_caches()
     _install()
+
+
+def _warm_caches() -> None:
+    """Builds, before the watch starts, the caches a library fills on first use by
+    running a program: matplotlib's font cache runs ``fc-list`` once on a machine
+    that has none (a fresh CI machine), which would read as the first plotting test
+    starting a process."""
+    try:
+        import matplotlib.font_manager  # noqa: F401  (builds the cache on import)
+    except ImportError:  # the plots extra is not installed: nothing to warm
+        pass
 
 
 @pytest.hookimpl(tryfirst=True)
