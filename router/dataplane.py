@@ -64,7 +64,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -576,23 +576,29 @@ class DataPlane:
             adm.leave()
 
     def ask_for(self, ctx: RequestContext) -> Ask:
-        """The route core's question for ``ctx`` (its keyer keys the body in every
-        space the views use: ``Engines.key``)."""
-        key, engines = ctx.key, self.engines
-        endpoint, body, session = ctx.endpoint, ctx.body, ctx.session
+        """The route core's question for ``ctx``."""
+        return self.ask_of(
+            ctx.endpoint, ctx.body, ctx.key, ctx.session, ctx.tenant, ctx.api_key, ctx.ex.headers
+        )
+
+    def ask_of(
+        self,
+        endpoint: Endpoint,
+        body: dict,
+        key: PrefixKey,
+        session: str | None,
+        tenant: str,
+        api_key: str,
+        headers: Mapping[str, str],
+    ) -> Ask:
+        """The route core's question for a parsed request: its keyer keys the body in
+        every space the views use (``Engines.key``)."""
+        engines = self.engines
 
         def keyer(views, now: float) -> KeyedRequest:
             return engines.key(endpoint, body, key, session, views, now)
 
-        return Ask(
-            keyer,
-            key.model,
-            key.adapter,
-            ctx.tenant,
-            ctx.api_key,
-            ctx.ex.headers,
-            body,
-        )
+        return Ask(keyer, key.model, key.adapter, tenant, api_key, headers, body)
 
     async def _route_and_forward(self, ctx: RequestContext) -> None:
         core = self.route
@@ -1146,25 +1152,12 @@ class DataPlane:
                 session = body["user"]
             now = time.monotonic()
             self._prefetch_sweep(now)
-            engines = self.engines
-
-            def keyer(views, now: float) -> KeyedRequest:
-                return engines.key(endpoint, body, key, session, views, now)
-
             # charged as the request it sends: one, and its prompt plus the one token
             # it generates (router.prefetch, "Tenant limits"); 429 when over; dropped
             # first when a real request would wait or be shed (router.route)
-            ask = Ask(
-                keyer,
-                key.model,
-                key.adapter,
-                tenant,
-                api_key,
-                headers,
-                _WARM_UP,
-                split=False,
-                prefetch=True,
-                place=False,
+            # (tenancy reads the warm-up's body, the keyer the client's)
+            ask = self.ask_of(endpoint, body, key, session, tenant, api_key, headers).again(
+                body=_WARM_UP, split=False, prefetch=True, place=False
             )
             routed = self.route.decide(ask, now)
             if isinstance(routed, Reject):

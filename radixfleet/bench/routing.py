@@ -49,6 +49,7 @@ from protocol.prefix_keys import Endpoint, request_key
 from router.config import parse_config
 from router.pool import HealthState, Pool
 from router.prefix_index import PrefixIndex, tune_gc
+from router.route import Route
 
 
 def _count(lo: int):
@@ -116,53 +117,54 @@ def _bodies(n: int, prompt_bytes: int, rng: random.Random) -> list[dict]:
     return out
 
 
-def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
+def _router(workers: int, policy: str):
+    """A router as ``radixfleet router`` builds it (not started: nothing listens or
+    connects), its workers healthy."""
+    from router.app import Router
+
     cfg = parse_config(
         {
-            "workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"} for i in range(workers)],
-            "policy": {"name": name},
+            "workers": [{"url": f"http://127.0.0.1:{20000 + i}", "id": f"w{i}"} for i in range(workers)],
+            "policy": {"name": policy},
         }
     )
-    from router.config import build_policy_from
+    router = Router(cfg)
+    for w in router.pool:
+        router.pool._set_health(w, HealthState.HEALTHY)
+    return router
 
-    policy = build_policy_from(cfg.policy)
-    index = PrefixIndex()
-    pool = Pool(cfg, index)
-    for w in pool:
-        pool._set_health(w, HealthState.HEALTHY)
-    block_bytes = cfg.keys.block_bytes
-    lat = []  # keys + match + views + policy (the target's scope)
-    book = []  # index.insert + pool.pick (bookkeeping after the decision)
+
+def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
+    """One row: the data plane's routing work per request, through the route core it
+    routes with (``router.route``): the byte key (``request_key``) and
+    ``RouteCore.decide`` (views, keys in every space in use and the match, tenancy,
+    shedding, the policy's choice, the hint and the load count), as
+    ``DataPlane.serve`` calls them; each request's load released 32 requests later."""
+    router = _router(workers, name)
+    dp, pool = router.dataplane, router.pool
+    block_bytes = router.cfg.keys.block_bytes
+    lat = []
     perf = time.perf_counter
     now0 = time.monotonic()
     in_flight: list = []
+    headers: dict[str, str] = {}
+    blocks = 0
     for i, body in enumerate(bodies):
         t0 = perf()
         now = now0 + i * 1e-3
         key = request_key(Endpoint.CHAT, body, tenant="", block_bytes=block_bytes)
-        match = index.match(key.hashes, now)
-        views = pool.views(now)
-        d = policy.choose(
-            RouteRequest(key.hashes, key.prompt_tokens, key.block_tokens, None, key.model, len(key.data)),
-            match,
-            views,
-            now,
-        )
+        verdict = dp.route.decide(dp.ask_of(Endpoint.CHAT, body, key, None, "", "", headers), now)
         t1 = perf()
-        w = pool.get(d.worker)
-        assert w is not None, "the policy picks from the pool's views"
-        index.insert(w.id, key.hashes, now)
-        tokens = max(0, key.prompt_tokens - d.matched_blocks * key.block_tokens)
-        pool.pick(w, tokens)
-        t2 = perf()
+        assert isinstance(verdict, Route), f"routed at light load, not {verdict!r}"
+        placed = verdict.placement
+        assert placed is not None
         lat.append(t1 - t0)
-        book.append(t2 - t1)
-        in_flight.append((w, tokens))
+        blocks = len(key.hashes)
+        in_flight.append((verdict.worker, placed))
         if len(in_flight) > 32:  # keep a realistic amount of load in flight
-            fw, ft = in_flight.pop(0)
-            pool.finish(fw, ft, True, ft)
+            fw, fp = in_flight.pop(0)
+            pool.finish(fw, fp.own, True, fp.key.prompt_tokens)
     lat.sort()
-    book.sort()
     n = len(lat)
     return {
         "policy": name,
@@ -170,10 +172,8 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
         "mean_us": sum(lat) / n * 1e6,
         "p50_us": lat[n // 2] * 1e6,
         "p99_us": lat[int(n * 0.99)] * 1e6,
-        "insert_pick_mean_us": sum(book) / n * 1e6,
-        "insert_pick_p50_us": book[n // 2] * 1e6,
-        "blocks_per_request": len(key.hashes),
-        "index_nodes": index.stats().nodes,
+        "blocks_per_request": blocks,
+        "index_nodes": router.index.stats().nodes,
     }
 
 
@@ -396,9 +396,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in results:
         print(
-            f"  {r['policy']:14s} keys+match+policy mean {r['mean_us']:6.1f} us  "
-            f"p50 {r['p50_us']:6.1f} us  p99 {r['p99_us']:6.1f} us | insert+pick mean "
-            f"{r['insert_pick_mean_us']:5.1f} us  ({r['blocks_per_request']} blocks)"
+            f"  {r['policy']:14s} key + route core mean {r['mean_us']:6.1f} us  "
+            f"p50 {r['p50_us']:6.1f} us  p99 {r['p99_us']:6.1f} us  ({r['blocks_per_request']} blocks)"
         )
     if token_rows:
         tok = args.tokenizer or "the tiny test tokenizer"
