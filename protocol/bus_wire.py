@@ -24,12 +24,21 @@ subjects is *foreign* or *malformed* and raises ``BadMessage`` with a short caus
     <prefix>.limits.<replica>    core NATS: what one replica took from its rate-limit
                                  buckets since its last such message (router.tenancy)
         {"v":1, "kind":"limits", "replica": "r1",
+         "epoch": 1767225600000, "seq": 7,          # the sender's start (unix ms), 1, 2, ...
          "used": [["tenant"|"key", name, requests, tokens], ...]}   # net, may be < 0
 
 ``wtoken`` is the worker id in hex (ids hold dots and colons, which subjects cannot).
 In-flight counts travel as absolute values per worker, not as deltas, so a lost
 message is healed by the next one for that worker (at the latest the heartbeat).
 A hint's age is seconds since the pick on the sender, so clocks need not agree.
+A limits message is a debit, not an absolute value, so each one must count once:
+``epoch`` is when the sending process started (unix ms; a restart is a later epoch)
+and ``seq`` numbers its limits messages 1, 2, ... within it. A receiver applies a
+message only when its ``(epoch, seq)`` is above the last it applied from that replica
+(``Sequences``) and drops the rest (``replayed``): a signed message captured and
+published again, however many times within ``max_skew_s``, is charged once. A message
+without both numbers (a sender that predates them) is dropped (``unsequenced``):
+until every replica is upgraded, limits are shared only among the upgraded ones.
 A hint's *turn* (``turns``, parallel to ``hints``; a sender that predates it omits
 it and older receivers ignore it) is what the policy's record of a pick needs
 beyond the keys: the request's session key and its prompt tokens (the keys cover
@@ -80,6 +89,7 @@ import hmac
 import json
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -138,6 +148,8 @@ MAX_LIMIT_ENTRIES = 1024
 MAX_LIMIT_COUNT = float(1 << 53)
 #: the rate limits a limits entry names: a tenant's, or a named API key's
 LIMIT_KINDS = ("tenant", "key")
+#: most senders whose last limits sequence a receiver keeps (``Sequences``)
+MAX_SENDERS = 4096
 
 
 class BadMessage(Exception):
@@ -244,6 +256,24 @@ class Subjects:
 
     def limits(self, replica: str) -> str:
         return f"{self.prefix}.limits.{replica}"
+
+    def kind(self, subject: str) -> str:
+        """The kind of message ``subject`` carries, a bounded metric label:
+        ``agent``, ``load``, ``snapshot_request``, ``router``, ``limits``,
+        ``jetstream`` (``$JS.``), ``inbox`` (``_INBOX.``) or ``other``. Case-blind
+        (nats-py lowercases the server's error text, subjects with it)."""
+        s = subject.lower()
+        if s.startswith("$js."):
+            return "jetstream"
+        if s.startswith("_inbox."):
+            return "inbox"
+        head = self.prefix.lower() + "."
+        if not s.startswith(head):
+            return "other"
+        token = s[len(head) :].split(".", 1)[0]
+        if token == "ctl":
+            return "snapshot_request"
+        return token if token in ("agent", "load", "router", "limits") else "other"
 
 
 def _load(data: bytes, kind: str) -> dict[str, Any]:
@@ -530,17 +560,34 @@ def session_key(secret: bytes, session: str) -> str:
 # ------------------------------------------------------------- rate limits
 
 
-def build_limits(replica: str, used: list[tuple[str, str, int, float]]) -> list[bytes]:
+class LimitsMessage:
+    """One replica's limits message (module docstring)."""
+
+    __slots__ = ("replica", "epoch", "seq", "used")
+
+    def __init__(self, replica: str, epoch: int, seq: int, used: list[tuple[str, str, float, float]]) -> None:
+        self.replica = replica
+        self.epoch = epoch  # the sender's start, unix ms
+        self.seq = seq  # its limits messages numbered from 1 within the epoch
+        self.used = used  # (kind, name, requests, tokens)
+
+
+def build_limits(replica: str, epoch: int, seq: int, used: list[tuple[str, str, int, float]]) -> list[bytes]:
     """The limits messages of ``used`` ((kind, name, requests, tokens) entries),
-    ``MAX_LIMIT_ENTRIES`` per message."""
+    ``MAX_LIMIT_ENTRIES`` per message, numbered ``seq``, ``seq + 1``, ... (the
+    caller's next sequence is ``seq + len(result)``)."""
     out = []
-    for i in range(0, len(used), MAX_LIMIT_ENTRIES):
-        chunk = [[k, n, r, round(t, 3)] for k, n, r, t in used[i : i + MAX_LIMIT_ENTRIES]]
-        out.append(
-            json.dumps(
-                {"v": VERSION, "kind": "limits", "replica": replica, "used": chunk}, separators=(",", ":")
-            ).encode()
-        )
+    for n, i in enumerate(range(0, len(used), MAX_LIMIT_ENTRIES)):
+        chunk = [[k, name, r, round(t, 3)] for k, name, r, t in used[i : i + MAX_LIMIT_ENTRIES]]
+        obj = {
+            "v": VERSION,
+            "kind": "limits",
+            "replica": replica,
+            "epoch": epoch,
+            "seq": seq + n,
+            "used": chunk,
+        }
+        out.append(json.dumps(obj, separators=(",", ":")).encode())
     return out
 
 
@@ -550,15 +597,26 @@ def _limit_count(v: Any) -> bool:
     )
 
 
-def parse_limits(data: bytes, subject_token: str) -> tuple[str, list[tuple[str, str, float, float]]]:
-    """A replica's limits message: its id and its (kind, name, requests, tokens)
-    entries. Raises ``BadMessage`` (``bad_limits``, ``wrong_subject``)."""
+def parse_limits(data: bytes, subject_token: str) -> LimitsMessage:
+    """A replica's limits message. Raises ``BadMessage`` (``bad_limits``,
+    ``wrong_subject``, ``unsequenced``)."""
     obj = _load(data, "limits")
     replica = obj.get("replica")
     if not isinstance(replica, str) or len(replica) > MAX_ID_CHARS or not NAME.match(replica):
         raise BadMessage("bad_limits", f"'replica' must be 1..{MAX_ID_CHARS} letters, digits, '_' or '-'")
     if replica != subject_token:
         raise BadMessage("wrong_subject", f"replica {replica!r} on another replica's subject")
+    epoch, seq = obj.get("epoch"), obj.get("seq")
+    if epoch is None or seq is None:
+        raise BadMessage(
+            "unsequenced",
+            f"replica {replica!r} sends limits messages without 'epoch' and 'seq' (it predates "
+            "sequenced limits: upgrade it); ignored, so they cannot be replayed",
+        )
+    if not (type(epoch) is int and 0 <= epoch <= MAX_SEQ and type(seq) is int and 0 < seq <= MAX_SEQ):
+        raise BadMessage(
+            "bad_limits", f"'epoch' must be an integer in [0, {MAX_SEQ}], 'seq' in [1, {MAX_SEQ}]"
+        )
     raw = obj.get("used")
     if not isinstance(raw, list) or len(raw) > MAX_LIMIT_ENTRIES:
         raise BadMessage("bad_limits", f"'used' must be a list of at most {MAX_LIMIT_ENTRIES}")
@@ -579,4 +637,52 @@ def parse_limits(data: bytes, subject_token: str) -> tuple[str, list[tuple[str, 
                 f"requests, tokens] with counts within {MAX_LIMIT_COUNT:g}",
             )
         used.append((e[0], e[1], float(e[2]), float(e[3])))
-    return replica, used
+    return LimitsMessage(replica, epoch, seq, used)
+
+
+class Sequences:
+    """The last ``(epoch, seq)`` applied per sender, so that each message counts once
+    (module docstring). ``accept`` is O(1) amortized.
+
+    A sender not heard for ``forget_s`` is forgotten: that is safe once
+    ``forget_s`` exceeds twice the signature's ``max_skew_s`` (with the delivery's
+    latency), since anything it sent before is then ``stale`` to ``BusKey``; it also
+    lets a replica restarted with its clock set back (an earlier epoch) count again
+    once its old epoch is forgotten. At most ``max_senders`` are kept; past it the
+    one heard longest ago is forgotten.
+
+    Invariants (``check()``): at most ``max_senders`` entries, in the order they
+    were last heard (oldest first), each at most ``forget_s`` old as of the last
+    ``accept``.
+    """
+
+    __slots__ = ("forget_s", "max_senders", "_last")
+
+    def __init__(self, forget_s: float, max_senders: int = MAX_SENDERS) -> None:
+        self.forget_s = forget_s
+        self.max_senders = max_senders
+        #: sender -> (epoch, seq, when it last counted), oldest first
+        self._last: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
+
+    def accept(self, sender: str, epoch: int, seq: int, now: float) -> bool:
+        """True, and recorded, when ``(epoch, seq)`` is above the last applied from
+        ``sender`` (or it is unknown); False for a replay or a late message."""
+        last = self._last
+        while last and now - next(iter(last.values()))[2] > self.forget_s:
+            last.popitem(last=False)
+        prev = last.get(sender)
+        if prev is not None and (epoch, seq) <= prev[:2]:
+            return False
+        if prev is None and len(last) >= self.max_senders:
+            last.popitem(last=False)
+        last[sender] = (epoch, seq, now)
+        last.move_to_end(sender)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def check(self) -> None:
+        assert len(self._last) <= self.max_senders, len(self._last)
+        heard = [h for _, _, h in self._last.values()]
+        assert heard == sorted(heard), heard

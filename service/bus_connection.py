@@ -15,6 +15,15 @@ is UP again (``Problems``); a server that refuses our credentials (``auth``) or
 whose TLS handshake fails (``tls``) is said so in one line, and retried like an
 outage (a rotated secret or a fixed server heals it).
 
+A publication or subscription the server's subject permissions refuse does not
+drop the connection: the server answers ``-ERR 'Permissions Violation for Publish
+to "<subject>"'`` (nats-py hands it to the error callback) and discards the
+message, which ``publish()`` had already returned for. Each is counted in
+``radixfleet_bus_permission_violations_total{op,kind}`` (``op``: publish,
+subscribe, reply; ``kind``: the subject's, ``Subjects.kind``) and logged at ERROR,
+once per op and kind a minute: a server config that lacks a subject this side
+publishes (a router's ``limits``...) is one line naming it, not silence.
+
 ``BusCredentials``: how the link authenticates to the NATS server (one of user and
 password, token, NKey seed file, ``.creds`` file) and its TLS (``tls://`` URL, CA,
 client certificate). Secrets are read from environment variables or files when
@@ -35,6 +44,7 @@ import asyncio
 import enum
 import logging
 import os
+import re
 import ssl
 import sys
 import time
@@ -45,6 +55,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from protocol.bus_wire import Subjects
 from protocol.errors import ConfigError
 from protocol.extras import require
 from service.auth import is_loopback
@@ -215,6 +226,25 @@ def failure_cause(exc: BaseException) -> str | None:
     return None
 
 
+#: the server's refusal, as nats-py reports it (lowercased): the operation, the subject
+_VIOLATION = re.compile(r'permissions violation for (publish|subscription)( with reply of| to) "([^"]*)"')
+
+
+def permission_violation(exc: BaseException) -> tuple[str, str] | None:
+    """(op, subject) when ``exc`` is the server refusing a publication
+    (``publish``), a reply subject (``reply``) or a subscription (``subscribe``)
+    by its permissions; ("other", "") for a violation it does not spell out; else
+    None."""
+    text = str(exc).lower()
+    if "permissions violation" not in text:
+        return None
+    m = _VIOLATION.search(text)
+    if m is None:
+        return "other", ""
+    op = "subscribe" if m.group(1) == "subscription" else "reply" if "reply" in m.group(2) else "publish"
+    return op, m.group(3)
+
+
 class BusMetrics:
     """The bus's metrics, registered in its owner's registry."""
 
@@ -236,6 +266,13 @@ class BusMetrics:
             "radixfleet_bus_bad_messages",
             "Malformed or foreign bus messages ignored, by cause",
             ["cause"],
+            registry=registry,
+        )
+        self.violations = Counter(
+            "radixfleet_bus_permission_violations",
+            "Publications and subscriptions the NATS server refused by its subject permissions "
+            "(the message is lost), by op and message kind",
+            ["op", "kind"],
             registry=registry,
         )
         self.replicas = Gauge(
@@ -267,8 +304,17 @@ class Problems:
         #: cause -> [when it was last logged, reports not logged since]
         self._logged: dict[str, list[Any]] = {}
 
-    def report(self, cause: str, message: str, *args: object, level: int = logging.WARNING) -> None:
-        self.counter.labels(cause).inc()
+    def report(
+        self,
+        cause: str,
+        message: str,
+        *args: object,
+        level: int = logging.WARNING,
+        labels: tuple[str, ...] | None = None,
+    ) -> None:
+        """Counts one (``labels``: the counter's labels, default ``(cause,)``) and
+        logs it unless ``cause`` was logged within ``every_s``."""
+        self.counter.labels(*(labels or (cause,))).inc()
         now = self.clock()
         seen = self._logged.get(cause)
         if seen is not None and now - seen[0] < self.every_s:
@@ -301,6 +347,7 @@ class BusConnection(Lifecycle):
         backoff_s: float = 0.5,
         backoff_max_s: float = 5.0,
         options: dict[str, Any] | None = None,
+        subjects: Subjects | None = None,
     ) -> None:
         #: nats-py's client class (the 'bus' extra: MissingExtra here, before any task)
         self._client: type[NATS] = require("nats.aio.client", "bus", "the bus").Client
@@ -310,6 +357,11 @@ class BusConnection(Lifecycle):
         self.name = name
         self.metrics = metrics
         self.problems = Problems(metrics.outages, f"bus {url}")
+        #: the owner's subjects (message kinds of refused subjects; None: all "other")
+        self.subjects = subjects
+        #: refusals by the server's permissions, logged per op and kind (never cleared:
+        #: a server config is not fixed by reconnecting)
+        self.refused = Problems(metrics.violations, f"bus {url}")
         self.on_up = on_up
         self.on_down = on_down
         self.connect_timeout_s = connect_timeout_s
@@ -441,8 +493,26 @@ class BusConnection(Lifecycle):
         self._lost.set()
 
     async def _on_error(self, exc: Exception) -> None:
+        violation = permission_violation(exc)
+        if violation is not None:
+            self._refused(*violation)
+            return
         self._last_error = exc
         log.debug("bus %s: client error %s: %s", self.url, type(exc).__name__, exc)
+
+    def _refused(self, op: str, subject: str) -> None:
+        kind = self.subjects.kind(subject) if self.subjects is not None and subject else "other"
+        self.refused.report(
+            f"{op} {kind}",
+            "the server's permissions refused to let this side (%s) %s %s (%s messages, lost): "
+            "allow it in the server's authorization block (deploy/bus/nats-server.conf)",
+            self.name,
+            op,
+            repr(subject) if subject else "a subject",
+            kind,
+            level=logging.ERROR,
+            labels=(op, kind),
+        )
 
     async def aclose(self) -> None:
         if self.state is BusState.CLOSED:

@@ -85,6 +85,7 @@ class AgentBus(Lifecycle):
             on_up=self._on_up,
             on_down=self._on_down,
             options=credentials.connect_options(url, agent_flag),
+            subjects=self.subjects,
         )
         self.kick = None  # set by the reporter: send the next batch now
         self._last_snapshot = 0.0

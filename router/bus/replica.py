@@ -18,8 +18,10 @@
       turns go to different replicas is one session in every replica's footprints
     this replica --core <prefix>.limits.<me>--> the others: what it took from its
       tenancy rate-limit buckets (router.tenancy ``drain``), every
-      limits_interval_s; received ones are charged to this replica's buckets
-      (``debit``), so the fleet admits about one limit (bus.share_limits)
+      limits_interval_s, numbered (this process's epoch, then 1, 2, ...);
+      received ones are charged to this replica's buckets (``debit``) once each
+      (``Sequences``: a replayed or late one is dropped as ``replayed``), so the
+      fleet admits about one limit (bus.share_limits)
 
 Warm start: on each (re)subscription the stream's last sequence is read; the
 replica is *caught up* once it has applied that message (at once for an empty
@@ -58,6 +60,7 @@ from protocol.bus_wire import (
     BadMessage,
     BusKey,
     RouterMessage,
+    Sequences,
     Subjects,
     build_limits,
     build_snapshot_request,
@@ -78,6 +81,10 @@ from router.pool import HealthState, Pool
 from service.bus_connection import BusConnection, BusMetrics, BusState, Problems, check_exposure
 
 log = logging.getLogger("radixfleet.bus")
+
+#: beyond twice bus.max_skew_s, how long a peer's last limits sequence is kept after
+#: it was heard (the delivery's latency; ``Sequences``)
+_DELIVERY_SLACK_S = 10.0
 
 
 def remote_request(
@@ -140,6 +147,7 @@ class BusReplica:
             backoff_s=cfg.backoff_s,
             backoff_max_s=cfg.backoff_max_s,
             options=cfg.credentials().connect_options(cfg.url, bus_setting),
+            subjects=self.subjects,
         )
         #: stream sequence applied last, and the stream's identity (its creation time)
         self.applied_seq = 0
@@ -158,6 +166,13 @@ class BusReplica:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._limits_task: asyncio.Task | None = None
+        #: our limits messages: this process's epoch (its start, unix ms) and the last
+        #: sequence sent in it
+        self._limits_epoch = int(time.time() * 1000)
+        self._limits_seq = 0
+        #: the peers' last limits (epoch, seq) applied; forgotten once any replay of
+        #: what they sent would be stale anyway (``Sequences``)
+        self._limits_seen = Sequences(2 * cfg.max_skew_s + _DELIVERY_SLACK_S)
         self._asked: dict[str, float] = {}  # worker -> when we last asked a snapshot
         self._subs: list = []
         self._pending: set[asyncio.Future] = set()  # snapshot requests being sent
@@ -576,22 +591,35 @@ class BusReplica:
             used = [u for u in tenancy.drain() if len(u[1]) <= MAX_NAME_CHARS]
             if not used or not self.conn.up:
                 continue
-            for data in build_limits(self.replica, used):
+            msgs = build_limits(self.replica, self._limits_epoch, self._limits_seq + 1, used)
+            self._limits_seq += len(msgs)
+            for data in msgs:
                 await self._publish(subject, data, "limits")
 
     async def _on_limits(self, msg) -> None:
         try:
             self.key.verify(msg.subject, msg.data, msg.headers)
-            replica, used = parse_limits(msg.data, msg.subject.rsplit(".", 1)[-1])
+            m = parse_limits(msg.data, msg.subject.rsplit(".", 1)[-1])
         except BadMessage as exc:
             self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
             return
         tenancy = self.tenancy()
-        if replica == self.replica or tenancy is None or not self.cfg.share_limits:
+        if m.replica == self.replica or tenancy is None or not self.cfg.share_limits:
+            return
+        now = self.clock()
+        if not self._limits_seen.accept(m.replica, m.epoch, m.seq, now):
+            self.bad.report(
+                "replayed",
+                "ignored a limits message on %s: epoch %d seq %d is not after the last applied "
+                "from %s (a replay, or late)",
+                msg.subject,
+                m.epoch,
+                m.seq,
+                m.replica,
+            )
             return
         self.metrics.received.labels("limits").inc()
-        now = self.clock()
-        for kind, name, requests, tokens in used:
+        for kind, name, requests, tokens in m.used:
             tenancy.debit(kind, name, requests, tokens, now)
 
     def _block_tokens(self, w) -> int:

@@ -1,4 +1,5 @@
-"""Calls to router replicas on a bus, for the bus tests: a chat request, a metric read, a bounded wait."""
+"""Calls to router replicas on a bus, for the bus tests: a chat request, a tenant's paced load, a
+metric read, a bounded wait."""
 
 from __future__ import annotations
 
@@ -50,3 +51,23 @@ async def chat(
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
         },
     )
+
+
+async def tenant_load(bases: list[str], tenant: str, per_s: float, seconds: float) -> list[int]:
+    """Completions from ``tenant`` (``x-tenant-id``) at ``per_s`` a second for
+    ``seconds``, in turn to each of ``bases``; their status codes."""
+    statuses: list[int] = []
+    async with httpx.AsyncClient(timeout=30) as c:
+
+        async def one(i: int, at: float) -> None:
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            r = await c.post(
+                bases[i % len(bases)] + "/v1/completions",
+                json={"model": "llama-3-8b", "prompt": f"request {i}", "max_tokens": 1},
+                headers={"x-tenant-id": tenant},
+            )
+            statuses.append(r.status_code)
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(i, t0 + i / per_s) for i in range(int(per_s * seconds))))
+    return statuses

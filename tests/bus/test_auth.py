@@ -20,11 +20,12 @@ import httpx
 import nats
 import nkeys
 import pytest
+import yaml
 
 from protocol.bus_wire import Subjects
 from router.app import Router, RouterServer
 from router.config import parse_config
-from tests.bus.client import bounded, chat, metric, wait_for
+from tests.bus.client import bounded, chat, metric, tenant_load, wait_for
 from tests.nats_server import NatsServer, make_certs, operator_mode
 from tests.procs import Proc, free_port, radixfleet_argv
 
@@ -34,10 +35,18 @@ AGENT_TOKEN = "agent-token-for-the-bus-tests"
 ROUTER_PASSWORD = "router-password-9f2"
 
 
-def bus_router(url: str, **bus) -> Router:
+#: a tenant limited to 10 requests/s (burst 10), named by the x-tenant-id header
+ACME = {
+    "keys": {"tenant": {"source": "header"}},
+    "tenancy": {"tenants": {"acme": {"requests_per_s": 10, "request_burst": 10}}},
+}
+
+
+def bus_router(url: str, extra: dict | None = None, **bus) -> Router:
     return Router(
         parse_config(
             {
+                **(extra or {}),
                 "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
                 "bus": {
                     "url": url,
@@ -310,56 +319,84 @@ def test_missing_secrets_and_files_are_one_line_and_exit_2(tmp_path):
     ), r.stderr
 
 
+class Shipped:
+    """deploy/bus/nats-server.conf and deploy/bus/router.yaml as deploy/README.md
+    shows them, paths, host and port substituted (``local``), with TLS certificates,
+    the router's password and an agent NKey made in ``folder``; the environment the
+    server and the routers read (``monkeypatch``)."""
+
+    def __init__(self, folder, monkeypatch) -> None:
+        self.folder = folder
+        self.certs = make_certs(folder)
+        self.public, self.seed_file = nkey_user(folder)
+        (folder / "router-password").write_text(ROUTER_PASSWORD + "\n")
+        self.port = free_port()
+        self.conf = self.local(open("deploy/bus/nats-server.conf").read())
+        monkeypatch.setenv("ROUTER_BUS_PASSWORD", ROUTER_PASSWORD)  # read by nats-server
+        monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", AGENT_TOKEN)
+
+    def local(self, text: str) -> str:
+        return (
+            text.replace("/etc/radixfleet/bus/", f"{self.folder}/")
+            .replace("/data/nats", str(self.folder / "js"))
+            .replace("nats:4222", f"127.0.0.1:{self.port}")
+            .replace("port: 4222", f"port: {self.port}")
+            .replace("UAGENTPUBLICKEYGOESHERE", self.public)
+        )
+
+    def router(self, replica: str, extra: dict | None = None) -> Router:
+        """A router from deploy/bus/router.yaml (``extra``'s sections added), with
+        test-fast timers."""
+        from dataclasses import replace
+
+        from router.config import load_config
+
+        doc = yaml.safe_load(self.local(open("deploy/bus/router.yaml").read()))
+        path = self.folder / f"router-{replica}.yaml"
+        path.write_text(yaml.safe_dump({**doc, **(extra or {})}))
+        cfg = load_config(str(path))
+        cfg = replace(
+            cfg,
+            bus=replace(
+                cfg.bus,
+                replica_id=replica,
+                heartbeat_s=0.2,
+                replica_ttl_s=1.0,
+                backoff_s=0.1,
+                backoff_max_s=0.5,
+            ),
+            health=replace(cfg.health, interval_s=0.2),
+        )
+        return Router(cfg)
+
+    def agent(self) -> Proc:
+        """``radixfleet agent`` with the flags deploy/README.md lists (NKey, TLS)."""
+        c = self.certs
+        return agent_proc(
+            f"tls://127.0.0.1:{self.port}",
+            "--bus-nkey-seed-file",
+            self.seed_file,
+            "--bus-tls-ca-file",
+            c["ca"],
+            "--bus-tls-cert-file",
+            c["client_cert"],
+            "--bus-tls-key-file",
+            c["client_key"],
+        )
+
+
 @bounded()
 async def test_the_documented_secure_bus_configuration_works(tmp_path, monkeypatch):
     """deploy/bus/nats-server.conf and deploy/bus/router.yaml as deploy/README.md
     shows them (paths, host and port substituted), with the agent flags it lists:
     the router and the agent join over mutual TLS, and the subject permissions keep
     an agent from publishing as a router."""
-    from router.config import load_config
-
-    certs = make_certs(tmp_path)
-    public, seed_file = nkey_user(tmp_path)
-    (tmp_path / "router-password").write_text(ROUTER_PASSWORD + "\n")
-    port = free_port()
-
-    def local(text: str) -> str:
-        return (
-            text.replace("/etc/radixfleet/bus/", f"{tmp_path}/")
-            .replace("/data/nats", str(tmp_path / "js"))
-            .replace("nats:4222", f"127.0.0.1:{port}")
-            .replace("port: 4222", f"port: {port}")
-            .replace("UAGENTPUBLICKEYGOESHERE", public)
-        )
-
-    conf = local(open("deploy/bus/nats-server.conf").read())
-    (tmp_path / "router.yaml").write_text(local(open("deploy/bus/router.yaml").read()))
-    monkeypatch.setenv("ROUTER_BUS_PASSWORD", ROUTER_PASSWORD)  # read by nats-server
-    monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", AGENT_TOKEN)
-    with NatsServer(port, config=conf) as ns:
-        cfg = load_config(str(tmp_path / "router.yaml"))
-        from dataclasses import replace
-
-        cfg = replace(
-            cfg,
-            bus=replace(
-                cfg.bus, replica_id="ra", heartbeat_s=0.2, replica_ttl_s=1.0, backoff_s=0.1, backoff_max_s=0.5
-            ),
-            health=replace(cfg.health, interval_s=0.2),
-        )
-        a = Router(cfg)
+    shipped = Shipped(tmp_path, monkeypatch)
+    seed_file = shipped.seed_file
+    with NatsServer(shipped.port, config=shipped.conf) as ns:
+        a = shipped.router("ra")
         sa, ua = await start(a)
-        p = agent_proc(
-            ns.url,
-            "--bus-nkey-seed-file",
-            seed_file,
-            "--bus-tls-ca-file",
-            certs["ca"],
-            "--bus-tls-cert-file",
-            certs["client_cert"],
-            "--bus-tls-key-file",
-            certs["client_key"],
-        ).__enter__()
+        p = shipped.agent().__enter__()
         try:
             await wait_for(lambda: a.bus.conn.up and a.bus.caught_up, 15, "router over TLS")
             await wait_for(
@@ -404,3 +441,84 @@ async def test_the_documented_secure_bus_configuration_works(tmp_path, monkeypat
         finally:
             p.__exit__(None, None, None)
             await sa.aclose()
+
+
+@bounded()
+async def test_two_routers_on_the_shipped_secure_bus_hold_one_fleet_wide_limit(tmp_path, monkeypatch):
+    """The shipped server config lets routers publish their rate-limit consumption
+    (``radixfleet.limits.*``): a tenant limited to R = 10 requests/s (burst 10) sends
+    2R for 5 s, alternating between two replicas made from deploy/bus/router.yaml,
+    and the fleet admits one limit, within [45, 70] (as on an open bus:
+    tests/bus/test_bus.py); the server refused nothing. Before, the server dropped
+    every limits message and each replica admitted its own R (about 100)."""
+    shipped = Shipped(tmp_path, monkeypatch)
+    rate, seconds = 10, 5.0
+    with NatsServer(shipped.port, config=shipped.conf):
+        a, b = shipped.router("ra", ACME), shipped.router("rb", ACME)
+        (sa, ua), (sb, ub) = await start(a), await start(b)
+        p = shipped.agent().__enter__()
+        try:
+            for r, peer in ((a, "rb"), (b, "ra")):
+                await wait_for(
+                    lambda r=r, peer=peer: (
+                        len(r.pool.views(time.monotonic())) == 1 and peer in r.bus.remote.replicas
+                    ),
+                    20,
+                    "the agent registered and the peer heard",
+                )
+            statuses = await tenant_load([ua, ub], "acme", 2 * rate, seconds)
+            ok = statuses.count(200)
+            print(f"admitted {ok} of {len(statuses)} at {2 * rate} req/s for a {rate} req/s limit")
+            assert statuses.count(429) == len(statuses) - ok, sorted(set(statuses))
+            assert 0.9 * rate * seconds <= ok <= rate * seconds + 2 * rate, ok
+            for r in (a, b):
+                assert metric(r, "radixfleet_bus_messages_received_total", kind="limits") > 0
+                refused = r.metrics.registry.get_sample_value(
+                    "radixfleet_bus_permission_violations_total", {"op": "publish", "kind": "limits"}
+                )
+                assert refused is None, refused
+        finally:
+            p.__exit__(None, None, None)
+            await sa.aclose()
+            await sb.aclose()
+
+
+@bounded()
+async def test_a_publish_the_server_refuses_is_counted_and_logged(tmp_path, monkeypatch, caplog):
+    """A server whose router permissions lack ``radixfleet.limits.*`` (the shipped
+    config before it had them) drops the router's limits messages: nats-py only
+    hears a ``Permissions Violation`` through its error callback. The router counts
+    each in ``radixfleet_bus_permission_violations_total{op="publish",kind="limits"}``
+    and logs one ERROR line naming the subject (not one per message), and stays up."""
+    conf = f"""authorization {{
+  users = [
+    {{user: router, password: "{ROUTER_PASSWORD}", permissions: {{
+      publish: ["radixfleet.router.*", "radixfleet.ctl.snapshot.*", "$JS.API.>", "$JS.FC.>"]
+      subscribe: ["radixfleet.>", "_INBOX.>"]
+    }}}}
+  ]
+}}
+"""
+    monkeypatch.setenv("TEST_BUS_PASSWORD", ROUTER_PASSWORD)
+    caplog.set_level(logging.INFO)
+    with NatsServer(free_port(), config=conf) as ns:
+        a = bus_router(ns.url, ACME, auth={"user": "router", "password_env": "TEST_BUS_PASSWORD"})
+        sa, _ = await start(a)
+        try:
+            await wait_for(lambda: a.bus.conn.up and a.bus.caught_up, 10, "router on the bus")
+
+            def refused() -> float:
+                return metric(a, "radixfleet_bus_permission_violations_total", op="publish", kind="limits")
+
+            for n in (1, 2, 3):  # consumption to publish, one limits message each interval
+                a.dataplane.tenancy.admit("acme", "", "llama-3-8b", {}, 0, {}, time.monotonic())
+                await wait_for(lambda n=n: refused() >= n, 5, f"refusal {n} counted")
+            assert metric(a, "radixfleet_bus_messages_published_total", kind="limits") >= 3
+            assert a.bus.conn.up  # a refusal is not an outage
+            assert metric(a, "radixfleet_bus_permission_violations_total", op="publish", kind="router") == 0
+        finally:
+            await sa.aclose()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, lines
+    assert "publish 'radixfleet.limits.ra'" in lines[0] and "[publish limits]" in lines[0], lines
+    assert "Traceback" not in caplog.text

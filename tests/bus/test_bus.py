@@ -31,7 +31,7 @@ from protocol.errors import ConfigError, Overloaded
 from router.app import Router, RouterServer
 from router.bus.remote_load import RemoteInFlight
 from router.config import parse_config
-from tests.bus.client import SYSTEM, bounded, chat, metric, wait_for
+from tests.bus.client import SYSTEM, bounded, chat, metric, tenant_load, wait_for
 from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
 
@@ -762,21 +762,8 @@ async def test_a_tenants_limit_holds_for_the_fleet_on_a_bus():
                     15,
                     "the agent registered and the peer heard",
                 )
-            statuses: list[int] = []
-            async with httpx.AsyncClient(timeout=30) as c:
-
-                async def one(i: int, at: float) -> None:
-                    await asyncio.sleep(max(0.0, at - time.monotonic()))
-                    r = await c.post(
-                        (ua, ub)[i % 2] + "/v1/completions",
-                        json={"model": "llama-3-8b", "prompt": f"request {i}", "max_tokens": 1},
-                        headers={"x-tenant-id": "acme"},
-                    )
-                    statuses.append(r.status_code)
-
-                t0 = time.monotonic()
-                n = int(2 * rate * seconds)
-                await asyncio.gather(*(one(i, t0 + i / (2 * rate)) for i in range(n)))
+            n = int(2 * rate * seconds)
+            statuses = await tenant_load([ua, ub], "acme", 2 * rate, seconds)
             ok = statuses.count(200)
             print(f"admitted {ok} of {n} at {2 * rate} req/s for a {rate} req/s limit")
             assert statuses.count(429) == n - ok, sorted(set(statuses))

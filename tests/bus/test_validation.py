@@ -37,7 +37,14 @@ from router.app import Router
 from router.bus.replica import BusReplica
 from router.config import parse_config
 from router.pool import Source
-from service.bus_connection import BusCredentials, Problems, check_exposure
+from service.bus_connection import (
+    BusConnection,
+    BusCredentials,
+    BusMetrics,
+    Problems,
+    check_exposure,
+    permission_violation,
+)
 
 pytestmark = pytest.mark.usefixtures("bus_salt")
 
@@ -384,6 +391,76 @@ def test_problems_log_a_cause_once_then_once_a_minute_with_the_count(caplog):
         "bus messages: ignored a message on s [stale]",
     ]
     assert c.labels("unsigned")._value.get() == 65
+
+
+def test_the_servers_permission_refusals_are_counted_by_op_and_kind_and_logged(caplog):
+    """nats-py hands the server's ``-ERR 'Permissions Violation ...'`` (lowercased) to
+    the error callback; the connection counts it by op and the subject's kind and
+    logs one ERROR line per op and kind (tests/bus/test_auth.py: against a server)."""
+    import nats.errors
+    from prometheus_client import CollectorRegistry
+
+    def err(text: str) -> Exception:
+        return nats.errors.Error(f"nats: {text.lower()}")
+
+    assert permission_violation(err('Permissions Violation for Publish to "Fleet.limits.R1"')) == (
+        "publish",
+        "fleet.limits.r1",
+    )
+    assert permission_violation(err('Permissions Violation for Subscription to "fleet.>"')) == (
+        "subscribe",
+        "fleet.>",
+    )
+    assert permission_violation(err('Permissions Violation for Publish with Reply of "_INBOX.x"')) == (
+        "reply",
+        "_inbox.x",
+    )
+    assert permission_violation(err("Permissions Violation")) == ("other", "")
+    assert permission_violation(err("Authorization Violation")) is None
+    subjects = Subjects("Fleet")
+    kinds = [
+        subjects.kind(x.lower())
+        for x in (
+            subjects.limits("R1"),
+            subjects.router("r"),
+            subjects.agent("w"),
+            subjects.load("w"),
+            subjects.snapshot_request("w"),
+            "$JS.API.STREAM.INFO.X",
+            "_INBOX.abc",
+            "Fleet.other.x",
+            "elsewhere.limits.r",
+        )
+    ]
+    assert kinds == [
+        "limits",
+        "router",
+        "agent",
+        "load",
+        "snapshot_request",
+        "jetstream",
+        "inbox",
+        "other",
+        "other",
+    ]
+    metrics = BusMetrics(CollectorRegistry())
+
+    async def never_up(nc, js) -> None:  # the connection is never started
+        raise AssertionError("not started")
+
+    conn = BusConnection(
+        "nats://127.0.0.1:1", name="router-r1", metrics=metrics, on_up=never_up, subjects=subjects
+    )
+    with caplog.at_level("INFO", logger="radixfleet.bus"):
+        for _ in range(5):
+            asyncio.run(conn._on_error(err('Permissions Violation for Publish to "Fleet.limits.R1"')))
+        asyncio.run(conn._on_error(err('Permissions Violation for Subscription to "Fleet.router.*"')))
+    assert metrics.violations.labels("publish", "limits")._value.get() == 5
+    assert metrics.violations.labels("subscribe", "router")._value.get() == 1
+    assert conn._last_error is None  # not a reason a connect failed
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lines) == 2 and "publish 'fleet.limits.r1' (limits messages, lost)" in lines[0], lines
+    assert lines[0].endswith("[publish limits]") and lines[1].endswith("[subscribe router]"), lines
 
 
 @pytest.mark.parametrize(

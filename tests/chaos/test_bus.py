@@ -9,7 +9,10 @@ loopback. A peer on the same host publishes raw messages with nats-py:
   answer below 500, the counts never reach a policy, each drop is counted by cause;
 - a JetStream snapshot with a ``register`` section for a worker ``busevil`` whose URL
   is the attacker's own server, unsigned and with a forged signature: neither replica
-  adds it, no prompt reaches it.
+  adds it, no prompt reaches it;
+- one replica's signed limits message, captured off the bus and published again 300
+  times within ``bus.max_skew_s`` (each copy verifies): the other replica charges it
+  once, and the tenant it names is not locked out there.
 
 After each probe the routers' logs hold no traceback and their RSS and open
 descriptors settle back near where they were.
@@ -29,6 +32,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.bus_wire import BusKey, Subjects
+from tests.bus.client import tenant_load
 from tests.chaos.harness import RouterProcess
 from tests.nats_server import NatsServer
 from tests.procs import Proc, free_port, radixfleet_argv
@@ -40,6 +44,8 @@ ENV = {"RADIXFLEET_AGENT_TOKEN": TOKEN, "RADIXFLEET_TENANT_SALT": "chaos-salt"}
 SYSTEM = "You are a terse assistant. " * 12
 ROUTER_YAML = """
 health: {{interval_s: 0.2, timeout_s: 1.0, failure_threshold: 2}}
+keys: {{tenant: {{source: header}}}}
+tenancy: {{tenants: {{acme: {{requests_per_s: 2, request_burst: 4}}}}}}
 bus: {{url: "{url}", replica_id: {replica}, heartbeat_s: 0.2, replica_ttl_s: 1.0,
        backoff_s: 0.1, backoff_max_s: 0.5}}
 """
@@ -272,3 +278,42 @@ async def test_a_forged_registration_never_adds_a_worker_nor_gets_a_prompt(fleet
     for r, b in zip(routers, base):
         r.assert_settles(b, rss_slack=64 << 20, fd_slack=16)
         r.assert_no_tracebacks()
+
+
+async def test_a_replayed_limits_message_is_charged_once(fleet):
+    """r1's signed limits message for tenant acme (2 requests/s, burst 4), replayed
+    300 times: every copy verifies (it is the fleet's own signature, within
+    max_skew_s), and before sequences r2 charged each, 600 requests of debt that
+    locked acme out of r2 for 5 minutes. Now r2 charges it once and answers acme."""
+    ns, (r1, r2) = fleet
+    base = r2.resources()
+    nc = await nats.connect(ns.url)
+    captured: list[tuple[bytes, dict | None]] = []
+
+    async def capture(msg) -> None:
+        captured.append((msg.data, msg.headers))
+
+    try:
+        sub = await nc.subscribe(Subjects("radixfleet").limits("r1"), cb=capture)
+        assert await tenant_load([r1.base], "acme", 10, 0.2) == [200, 200]
+        wait_s = time.monotonic() + 5
+        while not captured:
+            assert time.monotonic() < wait_s, "r1 published no limits message"
+            await asyncio.sleep(0.05)
+        await sub.unsubscribe()
+        await asyncio.sleep(2.5)  # r2's copy of acme's bucket refills to its burst
+        data, headers = captured[0]
+        assert headers and "Radixfleet-Signature" in headers, headers
+        for _ in range(300):
+            await nc.publish(Subjects("radixfleet").limits("r1"), data, headers=headers)
+        await nc.flush()
+        await asyncio.sleep(1.0)  # delivered (loopback) and applied, or dropped
+    finally:
+        await nc.close()
+    assert await tenant_load([r2.base], "acme", 10, 0.3) == [200, 200, 200]
+    assert bad_messages(r2).get("replayed", 0) == 300
+    assert bad_messages(r1).get("replayed", 0) == 0  # its own messages: ignored before
+    r2.assert_settles(base, rss_slack=64 << 20, fd_slack=16)
+    r2.assert_no_tracebacks()
+    out = r2.output()
+    assert out.count("[replayed]") == 1, out[-3000:]
