@@ -389,7 +389,24 @@ def _router_spec() -> dict[str, Any]:
         "/admin/reload": {
             "post": {
                 "summary": "re-read the config file",
+                "description": (
+                    "An invalid file, one that holds no settings, or one that lowers security "
+                    "(client authentication, admin or agent tokens, tenants' or keys' rules, rate "
+                    "limits, the limits section) is refused with 400 and the running config kept; "
+                    "allow_security_downgrade: true applies a downgrade for this one reload "
+                    "(logged at ERROR)."
+                ),
                 "security": admin,
+                "requestBody": {
+                    "required": False,
+                    **_json(
+                        {
+                            "type": "object",
+                            "properties": {"allow_security_downgrade": {"type": "boolean"}},
+                            "additionalProperties": False,
+                        }
+                    ),
+                },
                 "responses": {**_ok("reloaded", _OBJECT), **_errors(400, 401, 409)},
             }
         },

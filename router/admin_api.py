@@ -8,8 +8,11 @@
     POST   /admin/workers/{id}/drain    {drain: true|false} (default true)
     GET    /admin/index                 index stats, hot prefixes (hashes) with holders,
                                         the autoscaling signal, policy.describe()
-    POST   /admin/reload                re-read the config file: 200 {added, removed},
-                                        400 the file's error, 409 started without --config
+    POST   /admin/reload                {allow_security_downgrade?} (optional body):
+                                        re-read the config file: 200 {added, removed},
+                                        400 the file's error (invalid, empty, or a
+                                        security downgrade not asked for: router.reload),
+                                        409 started without --config
 
 Every route sits behind the admin token (``auth.admin_token_env``; open only on
 loopback). Per-prefix detail (hashes) is served here and nowhere public: a prefix
@@ -57,7 +60,9 @@ class AdminHost(Protocol):
     @property
     def shedder(self) -> Shedder: ...  # its recent shed decisions, with their inputs
 
-    async def reload(self) -> tuple[bool, str, list[str], list[str]]: ...
+    async def reload(
+        self, *, allow_security_downgrade: bool = False
+    ) -> tuple[bool, str, list[str], list[str]]: ...
 
 
 class AdminAPI:
@@ -151,7 +156,20 @@ class AdminAPI:
                 "invalid_request_error",
                 "no_config_file",
             )
-        ok, message, added, removed = await self.host.reload()
+        body = await json_body(request, self.host.cfg.limits, optional=True)
+        if not isinstance(body, dict):
+            raise MalformedRequest("reload body must be a JSON object")
+        unknown = sorted(set(body) - {"allow_security_downgrade"})
+        if unknown:
+            raise MalformedRequest(
+                f"unknown field {unknown[0]!r}; valid: allow_security_downgrade", param=unknown[0]
+            )
+        allow = body.get("allow_security_downgrade", False)
+        if type(allow) is not bool:
+            raise MalformedRequest(
+                "'allow_security_downgrade' must be a boolean", param="allow_security_downgrade"
+            )
+        ok, message, added, removed = await self.host.reload(allow_security_downgrade=allow)
         if not ok:
             return json_error(400, message, "invalid_request_error", "invalid_config")
         return web.json_response({"status": "ok", "added": added, "removed": removed, "summary": message})

@@ -24,7 +24,8 @@ Endpoints::
     GET  /openapi.json         the OpenAPI 3 description of all of this (protocol.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
     GET  /admin/index          index stats, hot prefixes, policy.describe()
-    POST /admin/reload         re-read the config file (400 with the message if invalid)
+    POST /admin/reload         re-read the config file (400 with the message if invalid,
+                               empty, or a security downgrade not asked for: router.reload)
     POST /internal/v1/register, /internal/v1/events            agents (protocol.events)
 
 Listening (``RouterServer``): the raw HTTP/1.1 front of ``router.front`` serves the
@@ -81,7 +82,7 @@ from router.metrics import Metrics
 from router.pool import Pool
 from router.prefetch import PREFETCH_PATH
 from router.prefix_index import PrefixIndex
-from router.reload import build, config_file_version, prepare
+from router.reload import ConfigWatch, build, check_downgrade, failure_reason, prepare
 from router.scaling_signal import fleet_signal, params_from
 from router.shedding import Shedder
 from router.traffic_log import TrafficLog
@@ -163,7 +164,8 @@ class Router:
         self._models_cache: tuple[float, dict] | None = None
         #: request body bytes held, the raw front's and the app's together (router.intake)
         self.body_budget = intake.BodyBudget(cfg.limits.max_buffered_body_bytes)
-        self._mtime = self._file_mtime()
+        #: when the watcher reloads (router.reload); None without a file
+        self._watch = ConfigWatch(cfg.path) if cfg.path else None
         self._reload_lock = asyncio.Lock()
         self.app = self._build_app()
 
@@ -406,28 +408,29 @@ class Router:
 
     # ---------------------------------------------------------------- reload
 
-    def _file_mtime(self) -> tuple[int, int, int, int] | None:
-        if not self.cfg.path:
-            return None
-        return config_file_version(self.cfg.path)
-
     async def _watch_config(self) -> None:
+        watch = self._watch
+        assert watch is not None, "the watcher runs only for a router started with a file"
         while True:
             await asyncio.sleep(self.cfg.reload.poll_interval_s)
-            m = self._file_mtime()
-            if m is not None and m != self._mtime:
-                self._mtime = m
+            if watch.due():  # a file unchanged across two polls: whole, not being written
                 await self.reload()
 
-    async def reload(self) -> tuple[bool, str, list[str], list[str]]:
-        """Re-reads the config file. Validates everything first; an invalid file
-        leaves the running config untouched (logged, counted, returned). In-flight
-        requests are unaffected; worker list changes apply at once.
+    async def reload(
+        self, *, allow_security_downgrade: bool = False
+    ) -> tuple[bool, str, list[str], list[str]]:
+        """Re-reads the config file. Validates everything first; an invalid file, one
+        that holds no settings, or one that lowers security without
+        ``allow_security_downgrade`` (router.reload) leaves the running config
+        untouched (logged at ERROR, counted by reason, returned). A downgrade applied
+        as asked is logged at ERROR too. In-flight requests are unaffected; worker
+        list changes apply at once.
 
         Returns (ok, message or summary, added ids, removed ids)."""
         async with self._reload_lock:
             path = self.cfg.path
-            self._mtime = self._file_mtime()
+            if self._watch is not None:
+                self._watch.loading()
             try:
                 # off the event loop: parsing a large file and loading tokenizers
                 # (models:) take seconds that requests must not wait for
@@ -443,10 +446,19 @@ class Router:
                         keyers=self.engines.model_keyers,
                     ),
                 )
+                lowered = check_downgrade(
+                    self.cfg, (self.admin_auth, self.agent_auth), p, allow=allow_security_downgrade
+                )
             except ConfigError as exc:
-                self.metrics.reload_failures.inc()
+                self.metrics.reload_failures.labels(reason=failure_reason(exc)).inc()
                 log.error("config reload of %s refused, keeping the running config: %s", path, exc)
                 return False, str(exc), [], []
+            if lowered:
+                log.error(
+                    "config reload of %s lowers security, applied as asked (allow_security_downgrade): %s",
+                    path,
+                    "; ".join(lowered),
+                )
             new, policy, tenants = p.cfg, p.policy, p.tenants
             old = self.cfg
             if new.listen != old.listen:

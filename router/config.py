@@ -441,8 +441,12 @@ class AuthConfig:
 
 @settings
 class ReloadConfig:
-    watch: bool = _opt(True, "reload when the file's mtime changes")
-    poll_interval_s: float = _opt(1.0, "mtime poll interval", lo=0, lo_open=True)
+    watch: bool = _opt(
+        True,
+        "reload when the file changes (inode, mtime or size), once it is unchanged at two "
+        "consecutive polls (a file being written waits until it is whole)",
+    )
+    poll_interval_s: float = _opt(1.0, "interval of the watcher's polls", lo=0, lo_open=True)
 
 
 #: engine kinds a discovered worker may have (docs/DESIGN.md contract 7)
@@ -1405,8 +1409,11 @@ def load_yaml(text: bytes | str, path: str) -> tuple[Any, list[ConfigError]]:
         loader.dispose()
 
 
-def load_config(path: str) -> Config:
-    """Reads and validates a YAML file. Raises ``ConfigError``."""
+def read_document(path: str) -> tuple[Mapping | None, list[ConfigError]]:
+    """The YAML document of file ``path`` (None when it holds none: empty, blank,
+    comments only, ``null``) and its duplicate keys (``load_yaml``). Raises
+    ``ConfigError`` for a file that cannot be read, invalid YAML, or a document that
+    is not a mapping."""
     try:
         with open(path, "rb") as f:
             text = f.read()
@@ -1415,6 +1422,13 @@ def load_config(path: str) -> Config:
     raw, dups = load_yaml(text, path)
     if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError("", f"{path}: expected a mapping at the top level, got {typename(raw)}")
+    return raw, dups
+
+
+def load_config(path: str) -> Config:
+    """Reads and validates a YAML file (an empty one: every default). Raises
+    ``ConfigError``."""
+    raw, dups = read_document(path)
     return parse_config(raw, path, errors=dups)
 
 

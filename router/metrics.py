@@ -80,7 +80,12 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
                                                       room) | at_capacity (the new one refused, 429)
     radixfleet_body_bytes_held                        request body bytes held (router.intake's
                                                       budget, limits.max_buffered_body_bytes)
-    radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
+    radixfleet_config_reloads_total                   configuration reloads applied
+    radixfleet_config_reload_failures_total{reason}   reloads refused, the running config kept:
+                                                      invalid | empty (the file holds no
+                                                      settings) | downgrade (it lowers security
+                                                      and the reload did not ask for it:
+                                                      router.reload)
     radixfleet_autoscale_desired_workers              router.scaling_signal's signal (set at scrape)
     radixfleet_autoscale_workers{part}                its parts: compute, holders, kv, queue,
                                                       current
@@ -109,6 +114,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.pool import BREAKER_GAUGE, HealthState
+from router.reload import FAILURE_REASONS
 from service.metrics import standard_collectors
 
 _LATENCY_BUCKETS = (
@@ -364,8 +370,13 @@ class Metrics:
         )
         self.reloads = Counter("radixfleet_config_reloads", "Configuration reloads applied", registry=r)
         self.reload_failures = Counter(
-            "radixfleet_config_reload_failures", "Configuration reloads refused (invalid file)", registry=r
+            "radixfleet_config_reload_failures",
+            "Configuration reloads refused, the running config kept, by reason (router.reload)",
+            ["reason"],
+            registry=r,
         )
+        for reason in FAILURE_REASONS:
+            self.reload_failures.labels(reason=reason)  # every series exported from the start
         self.autoscale_desired = Gauge(
             "radixfleet_autoscale_desired_workers",
             "Workers the fleet needs now (router.scaling_signal: hot-prefix rates and holders, KV, backlog)",

@@ -112,7 +112,7 @@ async def test_an_invalid_update_keeps_the_running_config(volume_and_router):
     vol, router = volume_and_router
     vol.write("policy: {name: cache-aware}\n")
     deadline = time.monotonic() + 3
-    while router.metrics.reload_failures._value.get() < 1:
+    while router.metrics.reload_failures.labels(reason="invalid")._value.get() < 1:
         assert time.monotonic() < deadline, "the invalid update was not noticed"
         await asyncio.sleep(0.02)
     assert router.policy.name == "round_robin"

@@ -19,7 +19,7 @@ from protocol.errors import ConfigError
 from protocol.prefix_keys import Endpoint, request_key
 from radixfleet.bench.proxy import upstream_app
 from router.app import Router, RouterServer
-from router.config import parse_config
+from router.config import load_config, parse_config
 from tests.procs import Proc, free_port, radixfleet_argv
 from tests.router.serve import FAST_HEALTH, start_app, start_router, upstream_proc, wait_ready
 
@@ -642,7 +642,7 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
             assert "policy.name: 'cache-aware' is not one of" in r.json()["error"]["message"]
             assert [w.id for w in router.pool] == ["wa"]
             assert router.policy.name == "round_robin"
-            assert router.metrics.reload_failures._value.get() == 1
+            assert router.metrics.reload_failures.labels(reason="invalid")._value.get() == 1
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "wa"
             write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}{nowatch}")
@@ -657,6 +657,42 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.headers["x-radixfleet-worker"] == "wb"
         router.pool.check()
+    finally:
+        await runner.aclose()
+
+
+async def test_admin_reload_applies_a_security_downgrade_only_when_its_body_asks(two_upstreams, tmp_path):
+    path = tmp_path / "router.yaml"
+    a, _ = two_upstreams
+    write = _writer(path)
+    common = f"workers: [{{url: '{a}', id: wa}}]\n{_RELOAD_HEALTH}reload: {{watch: false}}\n"
+    write(common + "keys: {tenant: {source: api_key, api_keys: [{tenant: acme, key: sk-acme}]}}\n")
+    router = Router(load_config(str(path)))
+    runner = RouterServer(router, port=free_port())
+    base = f"http://127.0.0.1:{await runner.start()}"
+    try:
+        await wait_ready(base)
+        write(common)  # the API keys gone
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/admin/reload")
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"].startswith(
+                "the new file lowers security: keys.tenant.source: api_key -> none"
+            )
+            for body, problem in (
+                (b"[true]", "reload body must be a JSON object"),
+                (b'{"allow_security_downgrade": "yes"}', "'allow_security_downgrade' must be a boolean"),
+                (b'{"allow": true}', "unknown field 'allow'; valid: allow_security_downgrade"),
+            ):
+                r = await c.post(base + "/admin/reload", content=body)
+                assert r.status_code == 400 and r.json()["error"]["message"] == problem, r.text
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 401  # still the running config
+            r = await c.post(base + "/admin/reload", json={"allow_security_downgrade": True})
+            assert r.status_code == 200, r.text
+            r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 200, r.text
+        assert router.metrics.reload_failures.labels(reason="downgrade")._value.get() == 1
     finally:
         await runner.aclose()
 
@@ -688,10 +724,13 @@ async def test_file_watcher_reloads_a_changed_file_on_its_own(two_upstreams, tmp
         # an invalid edit is refused by the watcher too, and counted once
         write(f"workers: []\npolicy: {{name: nope}}\n{_RELOAD_HEALTH}")
         deadline = time.monotonic() + 10
-        while router.metrics.reload_failures._value.get() < 1 and time.monotonic() < deadline:
+        while (
+            router.metrics.reload_failures.labels(reason="invalid")._value.get() < 1
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)  # several more polls: an unchanged file is not re-read
-        assert router.metrics.reload_failures._value.get() == 1
+        assert router.metrics.reload_failures.labels(reason="invalid")._value.get() == 1
         assert sorted(w.id for w in router.pool) == ["wa", "wb"]
         router.pool.check()
     finally:
@@ -729,7 +768,10 @@ def test_cli_router_process_graceful_shutdown_and_sighup(tmp_path):
         cfg.write_text("policy: {name: nope}\n")
         os.kill(pr.proc.pid, signal.SIGHUP)
         deadline = time.monotonic() + 5
-        while "radixfleet_config_reload_failures_total 1.0" not in httpx.get(base + "/metrics").text:
+        while (
+            'radixfleet_config_reload_failures_total{reason="invalid"} 1.0'
+            not in httpx.get(base + "/metrics").text
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         # a slow request in flight survives SIGTERM
