@@ -64,9 +64,9 @@ engines obey for that endpoint, as they read it::
 
 A count is what the engines' request models take for one: an integer, an integral
 float, a string of digits (a fraction rounds up; more than 30 digits counts 10**30).
-No bound at all counts 0: the prompt alone is reserved, and the engine's own default
-(16 for completions, the model's room for vLLM's chat) is charged when it is known
-(below). A bound beyond the model's room is no bound the router needs to cap: vLLM
+No bound at all counts 0: the prompt alone is reserved, and what the engine generates
+by its own default (vLLM: 16 for completions, the model's room for chat) is charged
+from its usage or the events relayed (below). A bound beyond the model's room is no bound the router needs to cap: vLLM
 and SGLang answer it 400 (``'max_tokens' or 'max_completion_tokens' is too large``),
 the agent 400 above its KV pool, and a worker's 4xx gives the tokens back.
 

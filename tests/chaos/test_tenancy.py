@@ -236,3 +236,44 @@ def test_a_request_far_above_the_burst_is_refused_and_leaves_no_debt(agent):
         assert err["code"] == "request_too_large" and "token burst of 6000" in err["message"], err
         assert "Retry-After" not in huge.headers and huge.headers["x-ratelimit-limit-tokens"] == "6000"
     r.assert_no_tracebacks()
+
+
+@pytest.fixture(scope="module")
+def slow_upstream():
+    """An OpenAI-shaped worker that streams 400 one-token events 5 ms apart and
+    reports no usage (it obeys no output bound either)."""
+    port = free_port()
+    argv = [
+        "python3", "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port),
+        "--chunks", "400", "--chunk-delay", "0.005",
+    ]  # fmt: skip
+    with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health"):
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_an_unbounded_stream_hung_up_is_charged_the_tokens_it_relayed(slow_upstream):
+    """Finding 2, the hang-up: a chat stream naming no bound (its reservation: the
+    prompt alone), hung up after 60 tokens from an engine that sends no usage, is
+    charged those 60 (before: nothing beyond its prompt, so a tenant could stream
+    without limit by hanging up before the usage event)."""
+    tenants = "    capped: {tokens_per_min: 60, token_burst: 100000}\n"
+    with RouterProcess(config=_limits_config(slow_upstream, tenants)) as r:
+        h = {"x-tenant-id": "capped"}
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        got = 0
+        with httpx.stream("POST", f"{r.base}/v1/chat/completions", json=body, headers=h, timeout=30) as resp:
+            assert resp.status_code == 200
+            left = int(resp.headers["x-ratelimit-remaining-tokens"])  # after its reservation
+            for line in resp.iter_lines():
+                got += line.startswith("data: {")
+                if got >= 60:
+                    break  # the client hangs up
+        time.sleep(0.3)  # the router sees it gone at its next write
+        nxt = httpx.post(
+            f"{r.base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, headers=h
+        )
+        assert nxt.status_code == 200, nxt.text
+        # the stream's 60+ tokens and this request's 2, less a few seconds' refill at 1/s
+        drop = left - int(nxt.headers["x-ratelimit-remaining-tokens"])
+        assert 60 <= drop <= 120, drop
+    r.assert_no_tracebacks()
