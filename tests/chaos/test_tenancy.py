@@ -7,7 +7,7 @@ served, RSS and descriptors settle, nothing >= 500 is answered and nothing is
 logged as a traceback.
 
 In front of a live agent, a token-limited tenant sends what its limit must see
-through (issue 44): chat streams bounded by ``max_completion_tokens`` with a
+through: chat streams bounded by ``max_completion_tokens`` with a
 ``max_tokens`` of 1, hung up before their end (the engine generates what it is
 charged for: at most the burst plus the refill, plus one request's output); a
 request the worker refuses with 400 and one far above the burst (the tenant's next
@@ -116,7 +116,7 @@ def test_many_tenants_bad_priority_claims_and_a_flooding_tenant_stay_bounded(ups
     r.assert_no_tracebacks()
 
 
-# -- token limits in front of an agent (issue 44, findings 2 and 11) ----------------------
+# -- token limits in front of an agent ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +151,11 @@ def _generated(agent: str) -> float:
 
 
 def test_streams_bounded_by_max_completion_tokens_and_hung_up_stay_within_the_limit(agent):
-    """Finding 2: 600 tokens/min with a burst of 3,000; 30 chat streams (10 at a time)
-    of max_tokens 1 and max_completion_tokens 300, each hung up at 250 tokens. Before:
-    each was charged its prompt + 1, all 30 were admitted and the engine generated
-    ~8,000 tokens. Now each is charged its 300 and the engine generates at most the
-    burst + the refill + one request's output."""
+    """600 tokens/min with a burst of 3,000; 30 chat streams (10 at a time) of
+    max_tokens 1 and max_completion_tokens 300, each hung up at 250 tokens: each is
+    charged its 300 (the field the engine obeys), not its max_tokens, so the engine
+    generates at most the burst + the refill + one request's output (charged the
+    prompt + 1, all 30 pass and it generates ~8,000)."""
     rate_per_s, burst, bound, hang_up = 10, 3000, 300, 250
     tenants = f"    capped: {{tokens_per_min: {rate_per_s * 60}, token_burst: {burst}}}\n"
     with RouterProcess(config=_limits_config(agent, tenants)) as r:
@@ -207,10 +207,9 @@ def _post(r: RouterProcess, tenant: str, prompt: str, **more) -> httpx.Response:
 
 
 def test_a_request_the_worker_refuses_gives_its_tokens_back(agent):
-    """Finding 11, within the burst: 6,000 tokens/min. A 5,000-token prompt the worker
-    refuses (400 context_length_exceeded: above its KV pool) gives its reservation
-    back, so the tenant's next 2,004-token request is served at once (before: 429
-    for 10 s)."""
+    """6,000 tokens/min. A 5,000-token prompt the worker refuses (400
+    context_length_exceeded: above its KV pool) gives its reservation back, so the
+    tenant's next 2,004-token request is served at once (kept, it would wait 10 s)."""
     with RouterProcess(config=_limits_config(agent, "    free: {tokens_per_min: 6000}\n")) as r:
         refused = _post(r, "free", "p" * 20_000)
         assert refused.status_code == 400, refused.text
@@ -222,11 +221,10 @@ def test_a_request_the_worker_refuses_gives_its_tokens_back(agent):
 
 
 def test_a_request_far_above_the_burst_is_refused_and_leaves_no_debt(agent):
-    """Finding 11, far above the burst: a 1 MiB prompt (262,144 tokens) against 6,000
-    tokens/min is refused at the door (400 request_too_large, naming the burst) and
-    the tenant's next request is served (before: admitted with a full bucket, refused
-    by the worker, and every request of the tenant got 429 for the 43 minutes its
-    debt lasted)."""
+    """A 1 MiB prompt (262,144 tokens) against 6,000 tokens/min is refused at the door
+    (400 request_too_large, naming the burst) and the tenant's next request is served
+    (admitted with a full bucket, the 400 from the worker would leave the tenant 43
+    minutes of debt, every request of it refused meanwhile)."""
     with RouterProcess(config=_limits_config(agent, "    pro: {tokens_per_min: 6000}\n")) as r:
         huge = _post(r, "pro", "p" * 2**20)
         assert huge.status_code == 400, huge.text
@@ -252,10 +250,9 @@ def slow_upstream():
 
 
 def test_an_unbounded_stream_hung_up_is_charged_the_tokens_it_relayed(slow_upstream):
-    """Finding 2, the hang-up: a chat stream naming no bound (its reservation: the
-    prompt alone), hung up after 60 tokens from an engine that sends no usage, is
-    charged those 60 (before: nothing beyond its prompt, so a tenant could stream
-    without limit by hanging up before the usage event)."""
+    """A chat stream naming no bound (its reservation: the prompt alone), hung up
+    after 60 tokens from an engine that sends no usage, is charged those 60: hanging
+    up before the usage event is no way to stream past the limit."""
     tenants = "    capped: {tokens_per_min: 60, token_burst: 100000}\n"
     with RouterProcess(config=_limits_config(slow_upstream, tenants)) as r:
         h = {"x-tenant-id": "capped"}

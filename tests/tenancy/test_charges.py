@@ -54,7 +54,7 @@ def usage(prompt: int, completion: int) -> bytes:
 @pytest.mark.parametrize(
     "endpoint, body, bound",
     [
-        # chat: max_completion_tokens supersedes max_tokens whenever it is a count (finding 2)
+        # chat: max_completion_tokens supersedes max_tokens whenever it is a count
         (CHAT, {"max_tokens": 1, "max_completion_tokens": 2000}, (2000, "max_completion_tokens")),
         (CHAT, {"max_tokens": 15000}, (15000, "max_tokens")),
         (CHAT, {"max_completion_tokens": 300}, (300, "max_completion_tokens")),
@@ -108,7 +108,7 @@ def test_admission_reserves_the_prompt_and_the_bound_the_endpoint_obeys(endpoint
     assert level(t) == 60000 - reserved
 
 
-def test_finding_2_max_completion_tokens_is_charged_and_the_limit_holds():
+def test_max_completion_tokens_is_charged_over_max_tokens_and_the_limit_holds():
     """60,000 tokens/min; chat with max_tokens 1 and max_completion_tokens 2000 (12
     prompt tokens), cut off at 1,995 tokens: 29 are admitted at once, not 60, and
     each stays charged its bound (its stream showed no count of its own)."""
@@ -208,8 +208,8 @@ def test_an_answer_with_usage_is_charged_it_and_one_without_keeps_its_reservatio
 
 
 def test_a_worker_4xx_gives_the_tokens_back_and_keeps_the_request():
-    """Finding 11, a request the worker refused (400 context_length_exceeded):
-    nothing was generated, so nothing stays charged but the request itself."""
+    """A request the worker refused (400 context_length_exceeded): nothing was
+    generated, so nothing stays charged but the request itself."""
     t, _ = tenancy(tokens_per_min=60000, requests_per_s=10, request_burst=10)
     ticket = t.admit("acme", "", "m", {}, 50000, {"max_tokens": 100}, 0.0, COMPLETIONS)
     t.admitted(ticket, 0.0)
@@ -244,8 +244,8 @@ def drained(t: Tenancy) -> tuple[int, float]:
 
 
 def test_a_request_above_the_burst_is_refused_with_400_and_nothing_taken():
-    """Finding 11, an 8 MB body (2,097,152 prompt tokens) against 60,000 tokens/min:
-    refused at the door, so the tenant's other requests are not in its debt."""
+    """An 8 MB body (2,097,152 prompt tokens) against a burst of 6,000: refused at the
+    door, so the tenant's other requests are not in its debt."""
     t, m = tenancy(tokens_per_min=60000, token_burst=6000)
     with pytest.raises(OverBurst) as ei:
         t.admit("acme", "", "m", {}, 2 * 2**20, {}, 0.0, COMPLETIONS)
@@ -268,7 +268,7 @@ def test_a_key_burst_refuses_too_and_takes_nothing_from_the_tenant():
     keys = {
         "tenant": {
             "source": "api_key",
-            "api_keys": [{"tenant": "acme", "key_env": "K_BATCH", "name": "batch"}],
+            "api_keys": [{"tenant": "acme", "key": "k-batch", "name": "batch"}],
         }
     }
     cfg = parse_config(
@@ -288,7 +288,7 @@ def test_a_key_burst_refuses_too_and_takes_nothing_from_the_tenant():
 
 def test_a_charge_after_admission_leaves_one_burst_of_debt_at_most():
     """An unbounded request that generated 10**6 tokens, then a peer's report of as
-    many: the tenant waits two bursts' refill at most (before: half an hour)."""
+    many: the tenant waits two bursts' refill at most, not half an hour."""
     t, _ = tenancy(tokens_per_min=60000)
     ticket = t.admit("acme", "", "m", {}, 100, {}, 0.0, CHAT)
     t.admitted(ticket, 0.0)
