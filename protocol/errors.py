@@ -16,6 +16,8 @@ exceptions. What remains is caller misuse and bad input::
      |    |                         bound -> 429 (Retry-After)
      |    +-- RateLimited           a tenant or API key over its rate limit -> 429
      |    |                         (Retry-After, x-ratelimit-* headers)
+     |    +-- OverBurst             a request costing more tokens than its limit's
+     |    |                         burst: it can never pass -> 400 (x-ratelimit-*)
      |    +-- NoWorkerAvailable     no healthy, undrained worker -> 503 (Retry-After)
      |    +-- RequestTimeout        head or body not received in time -> 408
      +-- ConfigError                a YAML/CLI setting is invalid; names the field path
@@ -127,6 +129,21 @@ class RateLimited(RequestError):
     ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.headers = headers
+
+
+class OverBurst(RequestError):
+    """A request whose token cost (its prompt and output bound) is above its tenant's
+    or API key's ``token_burst`` (router.tenancy): no wait lets it pass, so it is
+    refused as sent (no ``Retry-After``); ``headers`` are the limit's ``x-ratelimit-*``."""
+
+    status = 400
+    code = "request_too_large"
+
+    def __init__(
+        self, message: str, *, param: str | None = None, headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(message, param=param)
         self.headers = headers
 
 

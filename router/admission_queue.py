@@ -31,17 +31,19 @@ overtakes them.
 
 Why virtual token counters (VTC, Sheng et al., "Fairness in Serving Large Language
 Models", OSDI 2024) rather than deficit round robin: a request's cost is known at
-admission (its prompt plus ``max_tokens``, the reservation the rate limits take:
-``Ticket.reserved``) and the queue releases one request at a time when the shedder
-says a worker has room, not in rounds of a quantum; VTC serves the backlogged tenant
-that has been served least, weighted, which is exactly "a tenant over its share waits
-before one under it", with O(tenants waiting) per release and no quantum to tune. A
-tenant's counter advances by ``cost / weight`` when one of its requests is let in;
-a tenant that starts waiting has its counter lifted to the smallest counter of the
-tenants already waiting (idle time banks no credit: it cannot then starve the
-others), and when the queue empties every counter is forgotten (fairness is between
-tenants competing for the same saturation). Decode counts through ``max_tokens``:
-a request that gives none counts its prompt only.
+admission (its prompt plus its output bound, the reservation the rate limits take:
+``Ticket.reserved``, router.tenancy.output_bound) and the queue releases one request
+at a time when the shedder says a worker has room, not in rounds of a quantum; VTC
+serves the backlogged tenant that has been served least, weighted, which is exactly
+"a tenant over its share waits before one under it", with O(tenants waiting) per
+release and no quantum to tune. A tenant's counter advances by ``cost / weight``
+when one of its requests is let in; a tenant that starts waiting has its counter
+lifted to the smallest counter of the tenants already waiting (idle time banks no
+credit: it cannot then starve the others), and when the queue empties every counter
+is forgotten (fairness is between tenants competing for the same saturation). Decode
+counts through the output bound (``max_completion_tokens``, ``max_tokens``,
+``sampling_params.max_new_tokens``, as the endpoint's engines read them): a request
+that gives none counts its prompt only.
 
 Why off by default (``max_wait_s: 0``): queueing changes the answer a saturated
 router gives, from an immediate 429 a client can retry elsewhere to a wait of up to
@@ -113,7 +115,7 @@ class Waiter:
     def __init__(self, tenant: str, rank: int, cost: int, probe: Probe) -> None:
         self.tenant = tenant
         self.rank = rank  # its class's index in CLASSES
-        self.cost = cost  # tokens: prompt + max_tokens
+        self.cost = cost  # tokens: prompt + output bound (Ticket.reserved)
         self.probe = probe
         self.since = 0.0
         self.deadline = 0.0

@@ -320,7 +320,7 @@ class RequestContext:
 class _Flight:
     """One attempt's outcome as it unfolds, for its bookkeeping on every path."""
 
-    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent", "status", "broken")
+    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent", "status", "broken", "watch")
 
     def __init__(self, left: int) -> None:
         self.left = left  # prompt tokens still counted on the worker as queued prefill
@@ -333,6 +333,7 @@ class _Flight:
         #: log's); None: none (failed before a byte, or the client went away)
         self.status: int | None = None
         self.broken = False  # the worker broke off after the client had its 200
+        self.watch: StreamWatch | None = None  # a relayed stream's (what it cost: router.tenancy)
 
 
 def _named_tenants(cfg: Config) -> list[str]:
@@ -598,7 +599,7 @@ class DataPlane:
         def keyer(views, now: float) -> KeyedRequest:
             return engines.key(endpoint, body, key, session, views, now)
 
-        return Ask(keyer, key.model, key.adapter, tenant, api_key, headers, body)
+        return Ask(keyer, key.model, key.adapter, tenant, api_key, headers, body, endpoint)
 
     async def _route_and_forward(self, ctx: RequestContext) -> None:
         core = self.route
@@ -744,6 +745,8 @@ class DataPlane:
     def _failed(self, ctx: RequestContext, last: _UpstreamFailed, worker: str) -> None:
         """Every attempt failed before the client saw anything (``worker`` the last
         tried): one error in the OpenAI shape, naming no worker (the log has them)."""
+        if last.retry and ctx.ticket is not None:  # no worker ran it: its tokens back
+            self.tenancy.refused(ctx.ticket, time.monotonic())
         if last.cause == "status":
             # a 429 or 503 keeps its status (and Retry-After); another 5xx is a 502
             assert last.status is not None  # cause "status": the worker answered one
@@ -925,10 +928,10 @@ class DataPlane:
                 broken=f.broken,
                 session=ctx.session,
             )
+        if ctx.ticket is not None:  # the limits charged what the engine did
+            self.tenancy.charge(ctx.ticket, f.status, usage, f.output, f.watch, time.monotonic())
         if not f.ok:
             return
-        if usage is not None and f.output is not None and ctx.ticket is not None:
-            self.tenancy.settle(ctx.ticket, usage[0] + f.output, time.monotonic())
         if link is not None:
             try:
                 link.observe(pick, usage, f.ttft, time.monotonic())
@@ -946,7 +949,7 @@ class DataPlane:
         the stream with a well-formed SSE error event and ``data: [DONE]``."""
         m = self.metrics
         ex = ctx.ex
-        watch = StreamWatch(strip)
+        watch = f.watch = StreamWatch(strip)
         limit = self.cfg.limits.max_response_bytes
         await ex.stream_start(
             resp.headers.get("content-type", "text/event-stream"),
@@ -1023,6 +1026,8 @@ class DataPlane:
     def answer_error(self, ctx: RequestContext, worker: str, status: int, data: bytes, extra) -> None:
         """Answers the client a worker's error ``status`` (its body, for a 4xx) in the
         OpenAI shape, naming no worker; counted and logged as ``_failed`` does."""
+        if 400 <= status < 500 and ctx.ticket is not None:  # refused before any work
+            self.tenancy.refused(ctx.ticket, time.monotonic())
         self.metrics.outcome(worker, status, ctx.reason)
         self._log_failed(ctx, worker, status)
         ctx.ex.reply(status, _status_error(status, data), _JSON, [*self._ids(worker, ctx), *extra])
@@ -1157,7 +1162,7 @@ class DataPlane:
             # first when a real request would wait or be shed (router.route)
             # (tenancy reads the warm-up's body, the keyer the client's)
             ask = self.ask_of(endpoint, body, key, session, tenant, api_key, headers).again(
-                body=_WARM_UP, split=False, prefetch=True, place=False
+                body=_WARM_UP, endpoint=Endpoint.CHAT, split=False, prefetch=True, place=False
             )
             routed = self.route.decide(ask, now)
             if isinstance(routed, Reject):

@@ -3,9 +3,10 @@
 A tenant is *under its share* while the tokens recently admitted for it are less than
 ``under`` times its weighted share of everything admitted recently::
 
-    served_t     tokens admitted for tenant t (prompt + max_tokens reserved at
-                 admission, corrected to what the answer used), decayed with
-                 half-life ``half_life_s``
+    served_t     tokens admitted for tenant t (the rate limits' cost: prompt + the
+                 output bound, router.tenancy.output_bound, reserved at admission,
+                 corrected as they are: Tenancy.charge), decayed with half-life
+                 ``half_life_s``
     total        the sum of served_t over all tenants, decayed alike
     active       the tenants whose served_t is at least ACTIVE_SHARE of total
                  (recomputed at most every REFRESH_S), plus t itself
@@ -53,7 +54,7 @@ ACTIVE_SHARE = 0.01
 FORGET_SHARE = 0.001
 #: seconds between recomputations of the active tenants' weight sum
 REFRESH_S = 0.5
-#: the most tokens one request counts for (a body's ``max_tokens`` is any integer a
+#: the most tokens one request counts for (a body's output bound is any integer a
 #: client sends; the engine refuses what exceeds its context, after admission)
 MAX_TOKENS = 1e12
 

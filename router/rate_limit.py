@@ -9,10 +9,12 @@ in requests (``requests_per_s``), one in tokens (``tokens_per_min``)::
     wait_s(n) = 0 if level >= min(n, burst) else (min(n, burst) - level) / rate
 
 A cost above the whole burst passes only with a full bucket and leaves it in debt
-(level < 0) for the excess: such a request is slow, never refused forever.
-``give`` corrects a reservation once the real cost is known (a refund, or with a
-negative amount a further charge: debt again), so a tenant's token rate holds on
-what its requests really used.
+(level < 0) for the excess (``router.tenancy`` refuses such a request before it
+asks). ``give`` corrects a reservation once the real cost is known (a refund, or
+with a negative amount a further charge: debt again), so a tenant's token rate holds
+on what its requests really used. Debt is capped at one burst (level >= -burst):
+one charge far above the burst (a request's usage, a peer replica's report) costs
+the tenant at most two bursts' refill, never hours of refusals for every key it has.
 
 Why not a library: ``aiolimiter`` makes a caller wait (we answer 429 at once),
 ``limits`` and ``pyrate-limiter`` count fixed or sliding windows behind storage
@@ -27,8 +29,8 @@ from __future__ import annotations
 class TokenBucket:
     """One token bucket. One event loop owns it; every method is O(1).
 
-    Invariants (``check()``): ``rate > 0``; ``burst > 0``; ``level <= burst`` (it may
-    be negative: debt); ``at`` is the latest time it was refilled at (time never runs
+    Invariants (``check()``): ``rate > 0``; ``burst > 0``; ``-burst <= level <= burst``
+    (negative: debt, at most one burst); ``at`` is the latest time it was refilled at (time never runs
     backwards for it: an earlier ``now`` refills nothing)."""
 
     __slots__ = ("rate", "burst", "level", "at")
@@ -56,14 +58,16 @@ class TokenBucket:
 
     def take(self, cost: float) -> None:
         """Takes ``cost`` units; call after ``wait_s(cost, now)`` answered 0.0 (it may
-        leave debt: a cost above the burst)."""
-        self.level -= cost
+        leave debt: a cost above the burst, at most one burst of it)."""
+        level = self.level - cost
+        self.level = level if level > -self.burst else -self.burst
 
     def give(self, amount: float, now: float) -> None:
-        """Returns ``amount`` units (negative: charges them), never above the burst."""
+        """Returns ``amount`` units (negative: charges them), the level kept within
+        [-burst, burst]."""
         self._refill(now)
         level = self.level + amount
-        self.level = level if level < self.burst else self.burst
+        self.level = self.burst if level > self.burst else -self.burst if level < -self.burst else level
 
     def remaining(self) -> int:
         """Whole units available at the last refill (never negative)."""
@@ -82,11 +86,11 @@ class TokenBucket:
         self._refill(now)
         level = self.level + (burst - self.burst if burst > self.burst else 0)
         self.rate, self.burst = rate, burst
-        self.level = level if level < burst else burst
+        self.level = burst if level > burst else -burst if level < -burst else level
 
     def check(self) -> None:
         assert self.rate > 0 and self.burst > 0, (self.rate, self.burst)
-        assert self.level <= self.burst, (self.level, self.burst)
+        assert -self.burst <= self.level <= self.burst, (self.level, self.burst)
 
 
 def duration(seconds: float) -> str:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from policies.base import Decision, Policy, WorkerView
 from protocol.errors import Overloaded, RequestError
+from protocol.prefix_keys import Endpoint
 from router.engines.keyspace import KeyedRequest, SpaceKey
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ class Ask:
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: the parsed body (tenancy reads its output bound); None: no tenancy stage input
     body: Mapping[str, Any] | None = None
+    #: the endpoint the body is read for (its output bound's field: router.tenancy)
+    endpoint: Endpoint = Endpoint.CHAT
     #: its admission chain ran (``admit``): a retry, a request the queue let in, a
     #: P/D leg; the chain is not run again
     admitted: bool = False
@@ -248,6 +251,7 @@ class RouteCore:
                         kr.route_request.prompt_tokens,
                         ask.body or {},
                         now,
+                        ask.endpoint,
                     )
                 except RequestError as exc:  # over a rate limit; a priority header naming no class
                     return Reject(exc)

@@ -17,6 +17,10 @@ needs three facts from it and may hide one event::
   token arrives, so the router keeps its load counted until then (contract 10, docs/DESIGN.md).
 - ``usage``: ``(prompt_tokens, cached_tokens)`` from the usage event (OpenAI) or
   from ``meta_info`` (SGLang ``/generate``), when present.
+- ``output_events``: the events passed from the first one carrying output on (that
+  one included): what a stream cut off before its usage cost at least, one token
+  each (router.tenancy). An engine may put several tokens in one event, and the
+  closing events (finish reason, usage, ``[DONE]``) are counted too.
 - With ``strip_usage`` the usage-only event (``"choices": []``) is removed: the
   router asked for it (``stream_options.include_usage``) where the client did not.
 
@@ -111,13 +115,14 @@ def completion_tokens_of(obj) -> int | None:
 class StreamWatch:
     """Scans one SSE response (see the module docstring). Not reusable."""
 
-    __slots__ = ("strip_usage", "first_token", "usage", "output_tokens", "_tail", "_cr")
+    __slots__ = ("strip_usage", "first_token", "usage", "output_tokens", "output_events", "_tail", "_cr")
 
     def __init__(self, strip_usage: bool = False) -> None:
         self.strip_usage = strip_usage  # hide the usage-only event the router asked for
         self.first_token = False  # an event with generated output has passed
         self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
         self.output_tokens: int | None = None  # completion_tokens, where reported
+        self.output_events = 0  # events from the first with output on (module docstring)
         self._tail = b""  # an incomplete event held until its end arrives
         #: the last event ended in a CR taken as a line end: 1 passed on, 2 dropped
         #: (an LF opening the next read is the rest of it and goes the same way), 0 no
@@ -138,8 +143,10 @@ class StreamWatch:
             self._cr = 0
         data = self._tail + chunk if self._tail else chunk
         end = -1
+        events = 0
         for m in _BLANK.finditer(data):
             end = m.end()
+            events += 1
         if end < 0:
             self._tail = data
             return lead
@@ -147,6 +154,7 @@ class StreamWatch:
         cr = end == len(data) and data[end - 1] == 13  # ends in b"\r"
         whole = data[:end]
         if self.first_token and not (b'"usage"' in whole or b'"meta_info"' in whole):
+            self.output_events += events
             self._cr = cr
             return lead + whole if lead else whole
         out = [lead]
@@ -156,6 +164,8 @@ class StreamWatch:
             ev = whole[start : m.end()]
             start = m.end()
             kept = self._scan(ev)
+            if self.first_token:
+                self.output_events += 1
             if kept:
                 out.append(ev)
             else:

@@ -4,13 +4,15 @@ key (YAML ``tenancy``), with per-tenant counts of what each got.
 Per data-plane request, once it is keyed (its prompt tokens known) and before the
 shedding decision (``DataPlane._route_and_forward``)::
 
-    ticket = tenancy.admit(tenant, key name, model, headers, prompt tokens, body, now)
+    ticket = tenancy.admit(tenant, key name, model, headers, prompt tokens, body, now,
+                           endpoint)
                class:  the priority header's claim, if within the key's (or else the
                        tenant's) max_priority; else the key's class, else the
                        tenant's, else the model's, else default_priority
                limits: the tenant's and the key's buckets (router.rate_limit): one
-                       request and prompt + max_tokens tokens, taken from all or
-                       none -> else 429 RateLimited (Retry-After, x-ratelimit-*)
+                       request and prompt + output bound tokens (output_bound), taken
+                       from all or none -> else 429 RateLimited (Retry-After,
+                       x-ratelimit-*); a cost above a token burst -> 400 OverBurst
     shedder.check(..., scale=ticket.scale)   the class scales the queue bound (a tenant
                                              under its fair share: the next class's,
                                              router.fair_share)
@@ -18,9 +20,10 @@ shedding decision (``DataPlane._route_and_forward``)::
     fair-share admission queue first: router.admission_queue)
     shed     -> tenancy.shed(ticket): the reservation given back, counted
     client gone while queued -> tenancy.refund(ticket)
-    admitted -> tenancy.admitted(ticket, now), and once the answer's usage is read,
-                tenancy.settle(ticket, prompt + completion tokens): the token
-                buckets corrected to what the request really used
+    admitted -> tenancy.admitted(ticket, now); at the end of every attempt
+                tenancy.charge(ticket, status, usage, output, watch, now): the token
+                buckets (and the fair share) corrected to what the engine did, the
+                first attempt that tells (below); no worker ran it -> tenancy.refused
 
 The classes are the Gateway API Inference Extension's criticality: ``critical``,
 ``standard``, ``sheddable``. Each scales the shedder's queue bound
@@ -48,11 +51,60 @@ replicas admit before they hear of each other (at most an interval's worth of th
 limit's rate per replica). Without a bus (or with ``bus.share_limits`` off) each
 process has its own limits: N replicas admit up to N times a limit.
 
-A request's token cost is reserved at admission (its prompt,
-counted in the router's key space, plus ``max_tokens`` or ``max_completion_tokens``
-if the body gives one) and corrected from the answer's ``usage`` when the router
-reads one (non-streamed answers with an engine link or a traffic log, streams
-always); a failed request keeps its reservation.
+Charged on what the engine does. A request's token cost is its prompt, counted in
+the router's key space, plus its *output bound* (``output_bound``): the field the
+engines obey for that endpoint, as they read it::
+
+    /v1/chat/completions   max_completion_tokens if it is a positive count, else
+                           max_tokens: vLLM and SGLang read ``max_completion_tokens or
+                           max_tokens``, the agent the newer field whenever it is set
+    /v1/completions        max_tokens (that API has no other; vLLM, SGLang and the
+                           agent ignore a max_completion_tokens there)
+    /generate              sampling_params.max_new_tokens (SGLang's native API)
+
+A count is what the engines' request models take for one: an integer, an integral
+float, a string of digits (a fraction rounds up; more than 30 digits counts 10**30).
+No bound at all counts 0: the prompt alone is reserved, and what the engine generates
+by its own default (vLLM: 16 for completions, the model's room for chat) is charged
+from its usage or the events relayed (below). A bound beyond the model's room is no
+bound the router needs to cap: vLLM and SGLang answer it 400 (``'max_tokens' or 'max_completion_tokens' is too large``),
+the agent 400 above its KV pool, and a worker's 4xx gives the tokens back.
+
+That cost is reserved at admission (the tenant's fair share counts it too:
+``router.fair_share``) and corrected once, by the first attempt whose end tells
+(``charge``)::
+
+    the engine's count seen (usage or meta_info:   charged its prompt (the usage's, else
+      completion_tokens; on a stream, also one       the router's count) + completion
+      cut off before its end)                        tokens: the unused bound comes back
+    a worker's 4xx answer (it refused the request  refused: the tokens come back, the
+      before any work); or no worker ran it          request still counts
+      (every attempt a 429/503 or no connection)
+    a stream without the engine's count (the       at least the reservation: the
+      client hung up, the worker broke off, or       router's prompt count + one token
+      an engine that sends no usage)                 per event relayed from the first
+                                                     output on, when that is more
+    otherwise (no answer; a non-streamed answer    the reservation stands
+      without usage)
+
+Why a cut stream keeps at least its reservation: an engine sends several tokens in
+one event when its client reads slower than it decodes (vLLM merges the outputs a
+reader has not taken, the agent writes what became visible since its last write), so
+the events relayed count fewer tokens than were generated; the reservation bounds
+them from above. An unbounded request's reservation is its prompt only, so there the
+events are the charge.
+
+Debts are bounded. A request costing more than a limit's token burst is refused
+with 400 ``request_too_large`` (``OverBurst``, nothing taken): no wait would let it
+pass, and admitting it with a full bucket would leave the tenant in debt for as long
+as it is larger (every other key of the tenant refused meanwhile). Charges after
+admission (usage above the reservation, a peer replica's consumption) may take a
+bucket below zero, never below minus one burst (``router.rate_limit``). So over any
+T seconds the requests a tenant is admitted cost at most ``token_burst`` + T x
+``tokens_per_min`` / 60, whatever fields they send or however they hang up; what
+they generate beyond it is the output of requests that name no bound, charged when
+each ends (as debt, one burst at most) and so delaying the tenant's next ones
+(tests/chaos/test_tenancy.py).
 
 Metric labels stay bounded: the tenants named in the YAML and the first others seen,
 ``top_n`` in all, keep their own ``tenant`` label; every other is counted as
@@ -61,17 +113,22 @@ Metric labels stay bounded: the tenants named in the YAML and the first others s
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from protocol.errors import ConfigError, MalformedRequest, RateLimited
+from protocol.errors import ConfigError, MalformedRequest, OverBurst, RateLimited
+from protocol.prefix_keys import Endpoint
 from protocol.settings import document_check, section, setting, settings
 from router.admission_queue import AdmissionQueueConfig
 from router.fair_share import FairShare
 from router.rate_limit import TokenBucket, duration
+
+if TYPE_CHECKING:
+    from router.sse import StreamWatch
 
 #: the priority classes, highest first (their rank: the index)
 PRIORITIES = ("critical", "standard", "sheddable")
@@ -132,9 +189,14 @@ class TenantRules:
     requests_per_s: float = setting(0.0, "request rate limit (0: none)", lo=0)
     request_burst: int = setting(0, "requests allowed at once (0: the rate's, at least 1)", lo=0)
     tokens_per_min: float = setting(
-        0.0, "token rate limit: prompt + max_tokens reserved, corrected from usage (0: none)", lo=0
+        0.0,
+        "token rate limit: prompt + the output bound the engine obeys (max_completion_tokens, "
+        "max_tokens, sampling_params.max_new_tokens) reserved, corrected to what the engine did (0: none)",
+        lo=0,
     )
-    token_burst: int = setting(0, "tokens allowed at once (0: a minute's worth)", lo=0)
+    token_burst: int = setting(
+        0, "tokens allowed at once (0: a minute's worth); a request costing more is refused (400)", lo=0
+    )
 
     @document_check
     def _check(self) -> None:
@@ -271,6 +333,21 @@ class _Limit:
                 out += _bucket_headers(kind, b)
         return tuple(out)
 
+    def over_burst(self, cost: int, bound: int, field: str) -> OverBurst | None:
+        """The refusal of a request costing ``cost`` tokens (``bound`` of them its
+        ``field``'s output bound) when that is more than the token burst; else None."""
+        b = self.tokens
+        if b is None or cost <= b.burst:
+            return None
+        said = f"its prompt {cost - bound} + {field} {bound}" if field else f"its prompt {cost}"
+        fix = f"a lower {field}" if field else "a shorter prompt"
+        return OverBurst(
+            f"this request counts {cost} tokens ({said}), more than {self.what}'s token burst "
+            f"of {b.burst:g}: it can never pass its limit; send {fix}",
+            param=field or None,
+            headers=self.headers(),
+        )
+
     def refusal(self, cost: int, wait_s: float) -> RateLimited:
         parts = []
         if self.requests is not None:
@@ -340,7 +417,7 @@ _Rules = tuple[TenantRules, _Limit | None]
 class Ticket:
     """One admitted request's class and reservation (``Tenancy.admit``)."""
 
-    __slots__ = ("tenant", "label", "priority", "scale", "reserved", "limits", "open")
+    __slots__ = ("tenant", "label", "priority", "scale", "prompt", "reserved", "limits", "open")
 
     def __init__(
         self,
@@ -348,6 +425,7 @@ class Ticket:
         label: str,
         priority: str,
         scale: float,
+        prompt: int,
         reserved: int,
         limits: tuple[_Limit, ...],
     ) -> None:
@@ -357,7 +435,9 @@ class Ticket:
         #: the factor on the shedder's bound: its class's, or the next higher class's for a
         #: tenant under its fair share (module docstring)
         self.scale = scale
-        self.reserved = reserved  # tokens taken from the token buckets
+        self.prompt = prompt  # its prompt tokens as the router counts them
+        #: tokens taken from the token buckets: prompt + the output bound (output_bound)
+        self.reserved = reserved
         self.limits = limits  # the _Limit objects it was taken from
         self.open = True  # until shed or settled (a reservation is corrected once)
 
@@ -424,16 +504,25 @@ class Tenancy:
         prompt_tokens: int,
         body: Mapping[str, Any],
         now: float,
+        endpoint: Endpoint = Endpoint.CHAT,
     ) -> Ticket:
-        """The request's class and its reservation under its tenant's and key's limits.
-        Raises ``RateLimited`` (nothing taken) or ``MalformedRequest`` (a priority
-        header naming no class)."""
+        """The request's class and its reservation under its tenant's and key's limits:
+        ``prompt_tokens`` + the output bound ``body`` gives on ``endpoint``
+        (``output_bound``; a prefetch's body is read as chat's). Raises
+        ``RateLimited`` or ``OverBurst`` (nothing taken) or ``MalformedRequest`` (a
+        priority header naming no class)."""
         t = self._tenants.get(tenant)
         k = self._keys.get(key) if key else None
         label = self.labels.label(tenant)
         priority = self._priority(t, k, model, headers, label)
-        cost = prompt_tokens + _max_tokens(body)
+        bound, field = output_bound(endpoint, body)
+        cost = prompt_tokens + bound
         limits = tuple(x[1] for x in (t, k) if x is not None and x[1] is not None)
+        for lim in limits:
+            too_large = lim.over_burst(cost, bound, field)
+            if too_large is not None:
+                self._count(label, priority)[2].inc()
+                raise too_large
         for lim in limits:
             wait = lim.wait_s(cost, now)
             if wait > 0.0:
@@ -446,7 +535,7 @@ class Tenancy:
         if rank and self.fair.is_under(tenant, now):
             scale = self._scale[PRIORITIES[rank - 1]]
             self.metrics.tenant_promoted.labels(label).inc()
-        return Ticket(tenant, label, priority, scale, cost, limits)
+        return Ticket(tenant, label, priority, scale, prompt_tokens, cost, limits)
 
     def drain(self) -> list[tuple[str, str, int, float]]:
         """What this process took from each limit since the last call, net of
@@ -497,6 +586,49 @@ class Tenancy:
                 lim.give(0, ticket.reserved - used_tokens, now)
             self.fair.served(ticket.tenant, used_tokens - ticket.reserved, now)
 
+    def refused(self, ticket: Ticket, now: float) -> None:
+        """No worker ran the admitted request (a worker answered it 4xx, refusing it
+        before any work, or every attempt provably did not run it): its tokens given
+        back to its limits and taken out of its tenant's fair share, once. Its request
+        still counts: it reached a worker."""
+        if ticket.open:
+            ticket.open = False
+            for lim in ticket.limits:
+                lim.give(0, ticket.reserved, now)
+            self.fair.served(ticket.tenant, -ticket.reserved, now)
+
+    def charge(
+        self,
+        ticket: Ticket,
+        status: int | None,
+        usage: tuple[int, int] | None,
+        output: int | None,
+        watch: StreamWatch | None,
+        now: float,
+    ) -> None:
+        """What the end of one attempt tells the token limits (module docstring,
+        "Charged on what the engine does"); the first attempt that tells closes the
+        ticket, one that tells nothing (a retried failure) leaves it open. ``status``:
+        the answer the client got from this attempt (None: none, or it left before the
+        end); ``usage``, ``output``: (prompt, cached) and completion tokens its answer
+        reported; ``watch``: the stream's, when one was relayed (its own count seen,
+        its output events). O(limits)."""
+        if not ticket.open:
+            return
+        if watch is not None:
+            if output is None:
+                output = watch.output_tokens
+            if usage is None:
+                usage = watch.usage
+        if output is not None:
+            self.settle(ticket, (usage[0] if usage is not None else ticket.prompt) + output, now)
+        elif status is not None and 400 <= status < 500:
+            self.refused(ticket, now)
+        elif watch is not None:
+            used = ticket.prompt + watch.output_events
+            if used > ticket.reserved:
+                self.settle(ticket, used, now)
+
     def _priority(
         self, t: _Rules | None, k: _Rules | None, model: str, headers: Mapping[str, str], label: str
     ) -> str:
@@ -540,9 +672,42 @@ def _limit(old: _Rules | None, what: str, rules: TenantRules, now: float) -> _Li
     return lim
 
 
-def _max_tokens(body: Mapping[str, Any]) -> int:
-    """The completion tokens a body asks for at most (0 when it names none)."""
-    v = body.get("max_tokens")
-    if v is None:
-        v = body.get("max_completion_tokens")
-    return v if type(v) is int and v > 0 else 0
+#: the field bounding the output, per endpoint, as the engines read it (module docstring)
+_BOUND_FIELDS = {
+    Endpoint.CHAT: ("max_completion_tokens", "max_tokens"),
+    Endpoint.COMPLETIONS: ("max_tokens",),
+}
+_DIGITS = re.compile(r"\s*\+?(\d+)\s*", re.ASCII)
+#: what a count of more than 30 digits is taken for (no engine's context holds it)
+_HUGE = 10**30
+
+
+def output_bound(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, str]:
+    """The most tokens the engine generates for ``body`` on ``endpoint``, and the field
+    that says so; (0, "") when none does (module docstring). O(1)."""
+    if endpoint is Endpoint.GENERATE:
+        sp = body.get("sampling_params")
+        n = _count(sp.get("max_new_tokens")) if isinstance(sp, dict) else 0
+        return (n, "sampling_params.max_new_tokens") if n else (0, "")
+    for field in _BOUND_FIELDS[endpoint]:
+        n = _count(body.get(field))
+        if n:
+            return n, field
+    return 0, ""
+
+
+def _count(v: Any) -> int:
+    """A token count as the engines' request models read one (pydantic's lax int: an
+    integer or bool, an integral float, a string of digits), 0 when it is none or not
+    positive; a fraction rounds up (the engine refuses it: a 4xx, given back)."""
+    if isinstance(v, int):  # bool included, as pydantic reads it
+        return int(v) if v > 0 else 0
+    if isinstance(v, float):
+        return math.ceil(v) if math.isfinite(v) and v > 0 else 0
+    if isinstance(v, str):
+        m = _DIGITS.fullmatch(v)
+        if m is None:
+            return 0
+        digits = m.group(1)
+        return _HUGE if len(digits) > 30 else int(digits)
+    return 0

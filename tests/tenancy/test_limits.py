@@ -45,20 +45,26 @@ def test_a_bucket_passes_its_burst_then_its_rate_and_says_when():
     b.check()
 
 
-def test_a_cost_above_the_burst_passes_only_full_and_leaves_debt():
+def test_a_cost_above_the_burst_passes_only_full_and_leaves_debt_of_one_burst_at_most():
     b = TokenBucket(rate=10.0, burst=100, now=0.0)
     b.take(10)
     assert b.wait_s(500, 0.0) == pytest.approx(1.0)  # waits for a full bucket, not for 500
     assert b.wait_s(500, 1.0) == 0.0
     b.take(500)
-    assert b.level == pytest.approx(-400) and b.remaining() == 0
-    assert b.wait_s(1, 1.0) == pytest.approx(40.1)  # the debt is paid first
-    b.give(450, 1.0)  # the answer used 50 of the 500 reserved
+    assert b.level == -100 and b.remaining() == 0  # 400 short: the debt stops at one burst
+    b.check()
+    assert b.wait_s(1, 1.0) == pytest.approx(10.1)  # the debt is paid first
+    b.give(150, 1.0)  # the answer used less than reserved
     assert b.level == pytest.approx(50)
     b.give(-30, 1.0)  # or more than reserved: charged
     assert b.level == pytest.approx(20)
+    b.give(-(10**9), 1.0)  # a charge far above the burst (usage, a peer's report)
+    assert b.level == -100 and b.reset_s() == pytest.approx(20.0)
     b.give(10**6, 1.0)
     assert b.level == 100  # never above the burst
+    b.reconfigure(10.0, 40, 1.0)
+    b.give(-(10**6), 1.0)
+    assert b.level == -40  # a smaller burst caps the debt at it
     b.check()
 
 
@@ -74,7 +80,7 @@ def test_random_takes_gives_and_reloads_keep_the_bucket_consistent():
             if b.wait_s(cost, now) == 0.0:
                 b.take(cost)
         elif op < 0.9:
-            b.give(rng.randint(-30, 30), now)
+            b.give(rng.randint(-300, 30), now)
         else:
             b.reconfigure(rng.choice((1.0, 5.0, 50.0)), rng.choice((1, 20, 200)), now)
         b.check()
