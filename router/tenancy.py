@@ -67,8 +67,9 @@ float, a string of digits (a fraction rounds up; more than 30 digits counts 10**
 No bound at all counts 0: the prompt alone is reserved, and what the engine generates
 by its own default (vLLM: 16 for completions, the model's room for chat) is charged
 from its usage or the events relayed (below). A bound beyond the model's room is no
-bound the router needs to cap: vLLM and SGLang answer it 400 (``'max_tokens' or 'max_completion_tokens' is too large``),
-the agent 400 above its KV pool, and a worker's 4xx gives the tokens back.
+bound the router needs to cap: vLLM and SGLang answer it 400 (``'max_tokens' or
+'max_completion_tokens' is too large``), the agent 400 above its KV pool, and a
+worker's 4xx gives the tokens back.
 
 That cost is reserved at admission (the tenant's fair share counts it too:
 ``router.fair_share``) and corrected once, by the first attempt whose end tells
