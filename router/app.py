@@ -544,7 +544,7 @@ class RouterServer:
                 fd_limit,
                 cap,
             )
-        refused = r.metrics.connections_refused
+        refused, gone = r.metrics.connections_refused, r.metrics.client_disconnects
         fallback = http_errors.factory(
             self._runner,
             access_log=None,
@@ -562,6 +562,7 @@ class RouterServer:
             authorize=lambda headers: r.tenants.tenant(headers),
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
+            on_gone=lambda phase: gone.labels(phase).inc(),
         )
         # Routable as soon as it listens: the first health round (bounded by one
         # check's timeout) runs before the socket opens.

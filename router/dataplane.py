@@ -157,7 +157,9 @@ class Admission:
 
     async def enter(self) -> None:
         """Waits for a slot. Raises ``Overloaded`` if the queue is full or the wait
-        times out; on cancellation nothing is held."""
+        times out; on cancellation nothing is held and the cancellation propagates
+        (a slot handed over as it came is passed on: no ``asyncio.wait_for``, which
+        before Python 3.12 may swallow a cancellation that races its result)."""
         if self.try_enter():
             return
         if len(self._waiters) >= self.max_queue:
@@ -165,24 +167,29 @@ class Admission:
                 f"router at capacity ({self.limit} in flight, {len(self._waiters)} queued)",
                 retry_after_s=self.retry_after_s,
             )
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._waiters.append(fut)
+        timer = loop.call_later(self.timeout_s, _expire, fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-            if fut.done() and not fut.cancelled():
+            got = await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.result():
                 self.leave()  # the slot arrived as we gave up: pass it on
             else:
-                fut.cancel()
-                try:
-                    self._waiters.remove(fut)
-                except ValueError:
-                    pass
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise Overloaded(
-                f"no slot within {self.timeout_s:g}s", retry_after_s=self.retry_after_s
-            ) from None
+                self._forget(fut)
+            raise
+        finally:
+            timer.cancel()
+        if not got:
+            self._forget(fut)
+            raise Overloaded(f"no slot within {self.timeout_s:g}s", retry_after_s=self.retry_after_s)
+
+    def _forget(self, fut: asyncio.Future) -> None:
+        try:
+            self._waiters.remove(fut)
+        except ValueError:
+            pass
 
     def leave(self) -> None:
         w = self._waiters
@@ -190,7 +197,7 @@ class Admission:
             f = w.popleft()
             if not f.done():
                 if self.active <= self.limit:
-                    f.set_result(None)
+                    f.set_result(True)
                     return
                 w.appendleft(f)
                 break
@@ -202,6 +209,12 @@ class Admission:
 
     def check(self) -> None:
         assert self.active >= 0, f"{self.active=}"
+
+
+def _expire(fut: asyncio.Future) -> None:
+    """An admission wait's timeout: the waiter gets False (no slot) unless served."""
+    if not fut.done():
+        fut.set_result(False)
 
 
 def _retry_after(status: int, headers) -> list[tuple[str, str]]:
@@ -968,11 +981,11 @@ class DataPlane:
         ex = ctx.ex
         watch = StreamWatch(strip)
         limit = self.cfg.limits.max_response_bytes
-        await ex.stream_start(
-            resp.headers.get("content-type", "text/event-stream"),
-            [("Cache-Control", "no-cache"), *self._ids(w.id, ctx)],
-        )
         try:
+            await ex.stream_start(
+                resp.headers.get("content-type", "text/event-stream"),
+                [("Cache-Control", "no-cache"), *self._ids(w.id, ctx)],
+            )
             chunk = first
             while chunk:  # b"": the end of the stream
                 out = watch.feed(chunk)
@@ -997,8 +1010,10 @@ class DataPlane:
                 await ex.stream_write(tail)
             await ex.stream_end()
         except (ConnectionResetError, aiohttp.ClientConnectionError):
-            # the client went away (not the worker's fault); releasing the response
-            # closes the worker's connection, so the engine aborts the generation
+            # the client went away (not the worker's fault; counted by the listener:
+            # router.front); releasing the response closes the worker's connection,
+            # so the engine aborts the generation
+            log.debug("request %s: the client left during its stream from %s", ctx.rid, w.id)
             f.ok = None
             return
         f.ok, f.status = True, 200

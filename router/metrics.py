@@ -78,6 +78,9 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_connections_refused_total{reason}      client connections at limits.max_connections:
                                                       idle_closed (longest-idle one closed to make
                                                       room) | at_capacity (the new one refused, 429)
+    radixfleet_client_disconnects_total{phase}        clients that closed their connection while
+                                                      their request was served (router.front):
+                                                      waiting (no answer byte yet) | streaming
     radixfleet_body_bytes_held                        request body bytes held (router.intake's
                                                       budget, limits.max_buffered_body_bytes)
     radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
@@ -269,6 +272,14 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.client_disconnects = Counter(
+            "radixfleet_client_disconnects",
+            "Clients that closed their connection while their request was served",
+            ["phase"],
+            registry=r,
+        )
+        for phase in ("waiting", "streaming"):
+            self.client_disconnects.labels(phase)
         self.body_bytes_held = Gauge(
             "radixfleet_body_bytes_held", "Request body bytes held (read and not yet answered)", registry=r
         )

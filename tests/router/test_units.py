@@ -333,6 +333,26 @@ async def test_admission_timeout_and_cancel_hold_nothing():
     assert adm.active == 0 and adm.try_enter()
 
 
+async def test_admission_a_cancel_racing_the_hand_over_propagates_and_passes_the_slot_on():
+    """A client gone as its slot arrives (both in one loop turn: a cancel storm) is
+    cancelled, not admitted: the slot goes to the next waiter. (``asyncio.wait_for``
+    before Python 3.12 returns the result and drops the cancellation.)"""
+    adm = Admission(limit=1, max_queue=4, timeout_s=5.0, retry_after_s=1)
+    assert adm.try_enter()
+    first = asyncio.create_task(adm.enter())
+    second = asyncio.create_task(adm.enter())
+    await asyncio.sleep(0.01)
+    adm.leave()  # the slot goes to the first waiter ...
+    first.cancel()  # ... whose client left in the same turn
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.wait_for(second, 1)  # the slot passed on
+    assert adm.active == 1 and not adm._waiters
+    adm.leave()
+    assert adm.active == 0
+    adm.check()
+
+
 # ------------------------------------------------------------------ auth
 
 
