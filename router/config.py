@@ -143,9 +143,11 @@ class EngineSettings:
     )
     priority_field: bool = _opt(
         False,
-        "send each request's priority class as vLLM's body 'priority' (critical 0, standard 1, "
-        "sheddable 2; lower is served first), replacing the client's: for a vLLM started with "
-        "--scheduling-policy priority (an fcfs one may refuse a non-zero value). An agent's own "
+        "send each request's priority class as the body 'priority', on every endpoint, in the "
+        "engine's order (vLLM: critical 0, standard 1, sheddable 2, lower served first; SGLang: "
+        "2, 1, 0, higher first), replacing the client's: for a vLLM started with --scheduling-policy "
+        "priority (an fcfs one may refuse a non-zero value) or an SGLang with "
+        "--enable-priority-scheduling; off, a client's 'priority' is dropped. An agent's own "
         "--schedule, announced at registration, decides for it",
     )
     events: EventsSpec = _section(

@@ -87,6 +87,7 @@ from protocol.errors import (
 )
 from protocol.identifiers import request_id
 from protocol.prefix_keys import Endpoint, PrefixKey, request_key
+from router import edge
 from router.admission_queue import AdmissionQueue
 from router.auth import TenantResolver
 from router.config import Config
@@ -530,6 +531,7 @@ class DataPlane:
             try:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
                 body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
+                edge.check_request(body)  # the P/D legs and ranks are the router's
                 tenant, api_key = self.tenants.identify(headers)
                 key = request_key(
                     endpoint,
@@ -919,9 +921,11 @@ class DataPlane:
             link is not None or self.traffic is not None or (ctx.ticket is not None and ctx.ticket.limits)
         ):
             f.usage, f.output = _usage_of_body(data)
-        elif status >= 400:
+        if status >= 400:
             log.info("request %s: worker %s answered %d: %r", ctx.rid, w.id, status, data[:500])
             data, ctype = _status_error(status, data), _JSON
+        else:
+            data = edge.scrub_answer(data)  # no P/D hand-off fields back to the client
         ctx.ex.reply(
             status,
             data,
@@ -1170,6 +1174,7 @@ class DataPlane:
             body = jsonbody.loads(raw)
             if not isinstance(body, dict):
                 raise MalformedRequest("the body must be a JSON object")
+            edge.check_request(body)
             if "messages" in body:
                 endpoint = Endpoint.CHAT
             elif "prompt" in body:
@@ -1239,7 +1244,7 @@ class DataPlane:
                 m.prefetch.labels("unused").inc(wasted)
             m.prefetch.labels("warmed").inc()
             m.prefetch_tokens.inc(tokens)
-            self._spawn(self._prefetch_send(w, pick, endpoint, body, key.tenant, rid))
+            self._spawn(self._prefetch_send(w, pick, endpoint, body, key.tenant, rid, ticket.rank))
         out: dict[str, Any] = {"object": "prefetch", "accepted": True, "deduplicated": dedup}
         extra = [(REQUEST_ID_HEADER, rid), *ticket.headers()]
         if self.cfg.response_headers.worker_id:
@@ -1265,11 +1270,11 @@ class DataPlane:
             raise shed
 
     async def _prefetch_send(
-        self, w: Worker, pick: Placement, endpoint: Endpoint, body: dict, tenant: str, rid: str
+        self, w: Worker, pick: Placement, endpoint: Endpoint, body: dict, tenant: str, rid: str, rank: int
     ) -> None:
         """The prefetch's prefill on ``w``: the client's body with ``max_tokens: 1``,
-        not streamed, its answer discarded; the load counted at the pick released on
-        every path."""
+        not streamed, its ``priority`` the class's (``rank``) as any request's, its
+        answer discarded; the load counted at the pick released on every path."""
         warm = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
         warm.update(max_tokens=1, stream=False, n=1)
         headers = self.tenants.forward_headers(tenant)
@@ -1278,8 +1283,11 @@ class DataPlane:
         link = w.engine
         ok: bool | None = None  # cancelled (shutdown): neither
         try:
+            payload, _ = self.engines.forward_body(
+                link, endpoint, warm, json.dumps(warm).encode(), False, rank
+            )
             status = await self._prefill_only(
-                w, endpoint, json.dumps(warm).encode(), headers, rid, self.cfg.prefetch.timeout_s
+                w, endpoint, bytes(payload), headers, rid, self.cfg.prefetch.timeout_s
             )
             if status is not None and status < 400:
                 ok = True
