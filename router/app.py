@@ -215,7 +215,9 @@ class Router:
         dp = self.dataplane
         dp.session = self.session
         dp.upstream = UpstreamPool(
-            connect_timeout_s=self.cfg.timeouts.connect_s, body_limit=self.cfg.limits.max_response_bytes
+            connect_timeout_s=self.cfg.timeouts.connect_s,
+            keepalive_s=self.cfg.timeouts.keepalive_s,
+            body_limit=self.cfg.limits.max_response_bytes,
         )
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
         try:

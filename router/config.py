@@ -367,6 +367,13 @@ class TimeoutsConfig:
     total_s: float = _opt(
         3600.0, "the whole request, all attempts; the only bound on a non-streamed answer", lo=0, lo_open=True
     )
+    keepalive_s: float = _opt(
+        4.0,
+        "an idle connection to a worker is reused only this long after its last answer; keep it "
+        "below the workers' own keep-alive timeout (uvicorn's 5 s: vLLM, SGLang): a request sent "
+        "as a worker closes its connection is lost, and never sent again; 0: a connection per request",
+        lo=0,
+    )
 
 
 @settings

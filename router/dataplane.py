@@ -28,7 +28,9 @@ before, by the listener: ``router.intake``, ``router.front``)::
 
 A generation runs once. A request goes to another worker (retries.max_attempts,
 exponential backoff) only when the first provably is not running it: the connection
-failed or closed before any response byte, the worker answered 429 or 503, the
+failed before the request was written to it (``router.upstream``: a worker that
+closes the connection after the request, without a byte of answer, may have run it,
+and is no exception), the worker answered 429 or 503, the
 worker turned unhealthy before the client saw a byte (``Pool.on_unhealthy``: the
 request is cancelled there first, by closing its connection, which makes an engine
 abort it), or it answered 5xx or broke off its answer before the client saw a byte
@@ -255,6 +257,7 @@ _CLIENT_ERRORS = {
     "unhealthy": (502, "bad_gateway", "the worker became unavailable"),
     "timeout": (504, "upstream_timeout", "the worker did not answer in time"),
     "payload": (502, "bad_gateway", "the worker's answer was cut off or malformed"),
+    "no_answer": (502, "bad_gateway", "the worker closed the connection without answering"),
     "rank": (502, "bad_gateway", "the worker refused the data-parallel rank it was sent"),
     "too_large": (
         502,
@@ -488,6 +491,7 @@ class DataPlane:
         self.prefetched.max_tracked = cfg.prefetch.max_tracked
         if self.upstream is not None:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
+            self.upstream.keepalive_s = cfg.timeouts.keepalive_s
             self.upstream.body_limit = lim.max_response_bytes
 
     def _ids(self, worker: str, ctx: RequestContext) -> list[tuple[str, str]]:
@@ -729,14 +733,17 @@ class DataPlane:
             raise
 
     async def _went_down(self, ctx: RequestContext, w: Worker, exc: _UpstreamFailed) -> bool:
-        """Whether a worker that answered 5xx, or dropped the connection mid-answer,
-        before the client saw a byte, is going down: its health probe fails now. Then
-        its generation died with it (and the router closed the connection, which makes
-        a surviving engine abort it), so another worker may run the request without
-        running it twice; an engine stopped mid-request (a restart, a rollout) costs
-        the client nothing. A worker that still answers its probe keeps the rule: a
-        5xx becomes a 502, not retried."""
-        if exc.cause not in ("status", "payload") or (exc.status is not None and exc.status < 500):
+        """Whether a worker that answered 5xx, or dropped the connection after the
+        request was sent (before any answer, or mid-answer), before the client saw a
+        byte, is going down: its health probe fails now. Then its generation died with
+        it (and the router closed the connection, which makes a surviving engine abort
+        it), so another worker may run the request without running it twice; an engine
+        stopped mid-request (a restart, a rollout) costs the client nothing. A worker
+        that still answers its probe keeps the rule: it may have run the request, so a
+        5xx or a hang-up becomes a 502, not retried."""
+        if exc.cause not in ("status", "payload", "no_answer") or (
+            exc.status is not None and exc.status < 500
+        ):
             return False
         if await self.pool.probe(w):
             return False

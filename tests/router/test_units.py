@@ -24,6 +24,7 @@ from router.upstream import (
     Cancel,
     Cancelled,
     ConnectFailed,
+    NoAnswer,
     Response,
     ResponseTooLarge,
     UpstreamBroken,
@@ -31,6 +32,7 @@ from router.upstream import (
     build_head,
 )
 from service.auth import BearerAuth, is_loopback
+from tests.procs import free_port
 from tests.router.pools import make_pool
 
 # -------------------------------------------------------------------- pool
@@ -470,7 +472,7 @@ async def test_parser_close_framed_and_errors():
         await r.wait_head()
     r, conn = feed_all(b"", [])
     r._lost(None)
-    with pytest.raises(ConnectFailed):
+    with pytest.raises(NoAnswer):  # the request went out: the worker may have run it
         await r.wait_head()
     r, conn = feed_all(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", [100])
     await r.wait_head()
@@ -481,6 +483,18 @@ async def test_parser_close_framed_and_errors():
     await r.wait_head()
     with pytest.raises(UpstreamBroken, match="bad chunk size"):
         await r.read()
+
+
+async def test_a_request_that_could_not_be_sent_is_connect_failed():
+    """Only a failure before the request went out says the worker never got it."""
+    pool = UpstreamPool(connect_timeout_s=1.0)
+    port = free_port()  # nobody listens: refused
+    with pytest.raises(ConnectFailed, match="cannot connect"):
+        await pool.request(
+            "127.0.0.1", port, build_head("/x", "h", 0, b""), b"", read_timeout_s=1, total_timeout_s=1
+        )
+    assert pool.connects == 0 and pool.idle_count() == 0
+    await pool.aclose()
 
 
 async def test_parser_first_byte_timeout():
