@@ -9,6 +9,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     dataplane     one request's I/O around the route core: body, upstream, answers
     pd            disaggregated prefill/decode: a request's prefill and decode legs
     upstream, sse the HTTP/1.1 client to workers; SSE pass-through, first content token
+    edge          what a client may not set (the P/D legs, ranks) and no answer carries back
     prefix_index  the approximate per-worker prefix index (one global budget)
     pool, served  workers, health, breakers, load at pick time; who serves which model
     warmup        the hot-root warm-up gate

@@ -217,7 +217,9 @@ class Router:
         dp = self.dataplane
         dp.session = self.session
         dp.upstream = UpstreamPool(
-            connect_timeout_s=self.cfg.timeouts.connect_s, body_limit=self.cfg.limits.max_response_bytes
+            connect_timeout_s=self.cfg.timeouts.connect_s,
+            keepalive_s=self.cfg.timeouts.keepalive_s,
+            body_limit=self.cfg.limits.max_response_bytes,
         )
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
         try:
@@ -556,7 +558,7 @@ class RouterServer:
                 fd_limit,
                 cap,
             )
-        refused = r.metrics.connections_refused
+        refused, gone = r.metrics.connections_refused, r.metrics.client_disconnects
         fallback = http_errors.factory(
             self._runner,
             access_log=None,
@@ -574,6 +576,7 @@ class RouterServer:
             authorize=lambda headers: r.tenants.tenant(headers),
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
+            on_gone=lambda phase: gone.labels(phase).inc(),
         )
         # Routable as soon as it listens: the first health round (bounded by one
         # check's timeout) runs before the socket opens.

@@ -143,9 +143,11 @@ class EngineSettings:
     )
     priority_field: bool = _opt(
         False,
-        "send each request's priority class as vLLM's body 'priority' (critical 0, standard 1, "
-        "sheddable 2; lower is served first), replacing the client's: for a vLLM started with "
-        "--scheduling-policy priority (an fcfs one may refuse a non-zero value). An agent's own "
+        "send each request's priority class as the body 'priority', on every endpoint, in the "
+        "engine's order (vLLM: critical 0, standard 1, sheddable 2, lower served first; SGLang: "
+        "2, 1, 0, higher first), replacing the client's: for a vLLM started with --scheduling-policy "
+        "priority (an fcfs one may refuse a non-zero value) or an SGLang with "
+        "--enable-priority-scheduling; off, a client's 'priority' is dropped. An agent's own "
         "--schedule, announced at registration, decides for it",
     )
     events: EventsSpec = _section(
@@ -364,6 +366,13 @@ class TimeoutsConfig:
     )
     total_s: float = _opt(
         3600.0, "the whole request, all attempts; the only bound on a non-streamed answer", lo=0, lo_open=True
+    )
+    keepalive_s: float = _opt(
+        4.0,
+        "an idle connection to a worker is reused only this long after its last answer; keep it "
+        "below the workers' own keep-alive timeout (uvicorn's 5 s: vLLM, SGLang): a request sent "
+        "as a worker closes its connection is lost, and never sent again; 0: a connection per request",
+        lo=0,
     )
 
 

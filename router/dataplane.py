@@ -24,7 +24,9 @@ before, by the listener: ``router.intake``, ``router.front``)::
 
 A generation runs once. A request goes to another worker (retries.max_attempts,
 exponential backoff) only when the first provably is not running it: the connection
-failed or closed before any response byte, the worker answered 429 or 503, the
+failed before the request was written to it (``router.upstream``: a worker that
+closes the connection after the request, without a byte of answer, may have run it,
+and is no exception), the worker answered 429 or 503, the
 worker turned unhealthy before the client saw a byte (``Pool.on_unhealthy``: the
 request is cancelled there first, by closing its connection, which makes an engine
 abort it), or it answered 5xx or broke off its answer before the client saw a byte
@@ -83,6 +85,7 @@ from protocol.errors import (
 )
 from protocol.identifiers import request_id
 from protocol.prefix_keys import Endpoint, PrefixKey, request_key
+from router import edge
 from router.admission_queue import AdmissionQueue
 from router.auth import TenantResolver
 from router.config import Config
@@ -153,7 +156,9 @@ class Admission:
 
     async def enter(self) -> None:
         """Waits for a slot. Raises ``Overloaded`` if the queue is full or the wait
-        times out; on cancellation nothing is held."""
+        times out; on cancellation nothing is held and the cancellation propagates
+        (a slot handed over as it came is passed on: no ``asyncio.wait_for``, which
+        before Python 3.12 may swallow a cancellation that races its result)."""
         if self.try_enter():
             return
         if len(self._waiters) >= self.max_queue:
@@ -161,24 +166,29 @@ class Admission:
                 f"router at capacity ({self.limit} in flight, {len(self._waiters)} queued)",
                 retry_after_s=self.retry_after_s,
             )
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._waiters.append(fut)
+        timer = loop.call_later(self.timeout_s, _expire, fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-            if fut.done() and not fut.cancelled():
+            got = await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.result():
                 self.leave()  # the slot arrived as we gave up: pass it on
             else:
-                fut.cancel()
-                try:
-                    self._waiters.remove(fut)
-                except ValueError:
-                    pass
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise Overloaded(
-                f"no slot within {self.timeout_s:g}s", retry_after_s=self.retry_after_s
-            ) from None
+                self._forget(fut)
+            raise
+        finally:
+            timer.cancel()
+        if not got:
+            self._forget(fut)
+            raise Overloaded(f"no slot within {self.timeout_s:g}s", retry_after_s=self.retry_after_s)
+
+    def _forget(self, fut: asyncio.Future) -> None:
+        try:
+            self._waiters.remove(fut)
+        except ValueError:
+            pass
 
     def leave(self) -> None:
         w = self._waiters
@@ -186,7 +196,7 @@ class Admission:
             f = w.popleft()
             if not f.done():
                 if self.active <= self.limit:
-                    f.set_result(None)
+                    f.set_result(True)
                     return
                 w.appendleft(f)
                 break
@@ -198,6 +208,12 @@ class Admission:
 
     def check(self) -> None:
         assert self.active >= 0, f"{self.active=}"
+
+
+def _expire(fut: asyncio.Future) -> None:
+    """An admission wait's timeout: the waiter gets False (no slot) unless served."""
+    if not fut.done():
+        fut.set_result(False)
 
 
 def _retry_after(status: int, headers) -> list[tuple[str, str]]:
@@ -237,6 +253,7 @@ _CLIENT_ERRORS = {
     "unhealthy": (502, "bad_gateway", "the worker became unavailable"),
     "timeout": (504, "upstream_timeout", "the worker did not answer in time"),
     "payload": (502, "bad_gateway", "the worker's answer was cut off or malformed"),
+    "no_answer": (502, "bad_gateway", "the worker closed the connection without answering"),
     "rank": (502, "bad_gateway", "the worker refused the data-parallel rank it was sent"),
     "too_large": (
         502,
@@ -503,6 +520,7 @@ class DataPlane:
         self.prefetched.max_tracked = cfg.prefetch.max_tracked
         if self.upstream is not None:
             self.upstream.connect_timeout_s = cfg.timeouts.connect_s
+            self.upstream.keepalive_s = cfg.timeouts.keepalive_s
             self.upstream.body_limit = lim.max_response_bytes
 
     def _ids(self, worker: str, ctx: RequestContext) -> list[tuple[str, str]]:
@@ -546,6 +564,7 @@ class DataPlane:
             try:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
                 body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
+                edge.check_request(body)  # the P/D legs and ranks are the router's
                 tenant, api_key = self.tenants.identify(headers)
                 key = request_key(
                     endpoint,
@@ -725,14 +744,17 @@ class DataPlane:
             raise
 
     async def _went_down(self, ctx: RequestContext, w: Worker, exc: _UpstreamFailed) -> bool:
-        """Whether a worker that answered 5xx, or dropped the connection mid-answer,
-        before the client saw a byte, is going down: its health probe fails now. Then
-        its generation died with it (and the router closed the connection, which makes
-        a surviving engine abort it), so another worker may run the request without
-        running it twice; an engine stopped mid-request (a restart, a rollout) costs
-        the client nothing. A worker that still answers its probe keeps the rule: a
-        5xx becomes a 502, not retried."""
-        if exc.cause not in ("status", "payload") or (exc.status is not None and exc.status < 500):
+        """Whether a worker that answered 5xx, or dropped the connection after the
+        request was sent (before any answer, or mid-answer), before the client saw a
+        byte, is going down: its health probe fails now. Then its generation died with
+        it (and the router closed the connection, which makes a surviving engine abort
+        it), so another worker may run the request without running it twice; an engine
+        stopped mid-request (a restart, a rollout) costs the client nothing. A worker
+        that still answers its probe keeps the rule: it may have run the request, so a
+        5xx or a hang-up becomes a 502, not retried."""
+        if exc.cause not in ("status", "payload", "no_answer") or (
+            exc.status is not None and exc.status < 500
+        ):
             return False
         if await self.pool.probe(w):
             return False
@@ -889,9 +911,11 @@ class DataPlane:
             link is not None or self.traffic is not None or (ctx.ticket is not None and ctx.ticket.limits)
         ):
             f.usage, f.output = _usage_of_body(data)
-        elif status >= 400:
+        if status >= 400:
             log.info("request %s: worker %s answered %d: %r", ctx.rid, w.id, status, data[:500])
             data, ctype = _status_error(status, data), _JSON
+        else:
+            data = edge.scrub_answer(data)  # no P/D hand-off fields back to the client
         ctx.ex.reply(
             status,
             data,
@@ -951,11 +975,11 @@ class DataPlane:
         ex = ctx.ex
         watch = f.watch = StreamWatch(strip)
         limit = self.cfg.limits.max_response_bytes
-        await ex.stream_start(
-            resp.headers.get("content-type", "text/event-stream"),
-            [("Cache-Control", "no-cache"), *self._ids(w.id, ctx)],
-        )
         try:
+            await ex.stream_start(
+                resp.headers.get("content-type", "text/event-stream"),
+                [("Cache-Control", "no-cache"), *self._ids(w.id, ctx)],
+            )
             chunk = first
             while chunk:  # b"": the end of the stream
                 out = watch.feed(chunk)
@@ -980,8 +1004,10 @@ class DataPlane:
                 await ex.stream_write(tail)
             await ex.stream_end()
         except (ConnectionResetError, aiohttp.ClientConnectionError):
-            # the client went away (not the worker's fault); releasing the response
-            # closes the worker's connection, so the engine aborts the generation
+            # the client went away (not the worker's fault; counted by the listener:
+            # router.front); releasing the response closes the worker's connection,
+            # so the engine aborts the generation
+            log.debug("request %s: the client left during its stream from %s", ctx.rid, w.id)
             f.ok = None
             return
         f.ok, f.status = True, 200
@@ -1140,6 +1166,7 @@ class DataPlane:
             body = jsonbody.loads(raw)
             if not isinstance(body, dict):
                 raise MalformedRequest("the body must be a JSON object")
+            edge.check_request(body)
             if "messages" in body:
                 endpoint = Endpoint.CHAT
             elif "prompt" in body:
@@ -1210,7 +1237,7 @@ class DataPlane:
                 m.prefetch.labels("unused").inc(wasted)
             m.prefetch.labels("warmed").inc()
             m.prefetch_tokens.inc(tokens)
-            self._spawn(self._prefetch_send(w, pick, endpoint, body, key.tenant, rid))
+            self._spawn(self._prefetch_send(w, pick, endpoint, body, key.tenant, rid, ticket.rank))
         out: dict[str, Any] = {"object": "prefetch", "accepted": True, "deduplicated": dedup}
         extra = [(REQUEST_ID_HEADER, rid), *ticket.headers()]
         if self.cfg.response_headers.worker_id:
@@ -1220,11 +1247,11 @@ class DataPlane:
         m.observe_latency(time.monotonic() - t0)
 
     async def _prefetch_send(
-        self, w: Worker, pick: Placement, endpoint: Endpoint, body: dict, tenant: str, rid: str
+        self, w: Worker, pick: Placement, endpoint: Endpoint, body: dict, tenant: str, rid: str, rank: int
     ) -> None:
         """The prefetch's prefill on ``w``: the client's body with ``max_tokens: 1``,
-        not streamed, its answer discarded; the load counted at the pick released on
-        every path."""
+        not streamed, its ``priority`` the class's (``rank``) as any request's, its
+        answer discarded; the load counted at the pick released on every path."""
         warm = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
         warm.update(max_tokens=1, stream=False, n=1)
         headers = self.tenants.forward_headers(tenant)
@@ -1233,8 +1260,11 @@ class DataPlane:
         link = w.engine
         ok: bool | None = None  # cancelled (shutdown): neither
         try:
+            payload, _ = self.engines.forward_body(
+                link, endpoint, warm, json.dumps(warm).encode(), False, rank
+            )
             status = await self._prefill_only(
-                w, endpoint, json.dumps(warm).encode(), headers, rid, self.cfg.prefetch.timeout_s
+                w, endpoint, bytes(payload), headers, rid, self.cfg.prefetch.timeout_s
             )
             if status is not None and status < 400:
                 ok = True

@@ -34,6 +34,12 @@ by the shared ``router.intake.BodyBudget`` (429 past it), a head by ``MAX_HEAD``
 request without valid credentials is refused from its headers (``authorize``),
 before its body is read.
 
+A client that closes its connection while its request is served (waiting for a
+slot, for its worker, or mid-stream) is an expected event: the request's task is
+cancelled (its upstream connection closed, so the engine aborts the generation), the
+departure logged at debug and counted (``on_gone(phase)``: ``waiting`` before any
+answer byte, ``streaming`` during a stream), never logged as an error.
+
 Why httptools and not aiohttp's server: ``router.upstream``'s docstring.
 """
 
@@ -362,6 +368,7 @@ class _FrontConn(asyncio.Protocol):
         "_drain",
         "last_active",
         "reading_paused",
+        "ex",
     )
 
     def __init__(self, server: FrontServer) -> None:
@@ -385,6 +392,7 @@ class _FrontConn(asyncio.Protocol):
         self._drain: asyncio.Future | None = None
         self.last_active = _time.monotonic()
         self.reading_paused = False
+        self.ex: FrontExchange | None = None  # the exchange ``task`` serves
 
     # ---------------------------------------------------------- asyncio hooks
 
@@ -488,6 +496,12 @@ class _FrontConn(asyncio.Protocol):
             d.set_exception(ConnectionResetError("client disconnected"))
         if self.task is not None:
             self.task.cancel()  # the client left: cancel the upstream request too
+            ex = self.ex
+            if ex is not None and ex.state in (0, 2):  # (1, 3: it had its whole answer)
+                phase = "waiting" if ex.state == 0 else "streaming"
+                log.debug("a client left %s (%s)", phase, exc or "eof")
+                if server.on_gone is not None:
+                    server.on_gone(phase)
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -651,7 +665,7 @@ class _FrontConn(asyncio.Protocol):
             self.queue.append(req)
 
     def _start(self, req: _PendingRequest) -> None:
-        ex = FrontExchange(self, req)
+        ex = self.ex = FrontExchange(self, req)
         self.task = asyncio.get_running_loop().create_task(self._run(req.handler, ex))
 
     def _too_large(self, req: _PendingRequest) -> None:
@@ -754,20 +768,24 @@ class _FrontConn(asyncio.Protocol):
         except asyncio.CancelledError:
             self.close()
             raise
-        except Exception:  # noqa: BLE001 - a bug must not kill the connection silently
-            log.exception("data-plane handler failed")
-            if ex.state == 0 and not self.closed:
-                ex.keepalive = False
-                ex.reply(
-                    500,
-                    b'{"error": {"message": "internal router error", "type": '
-                    b'"server_error", "code": "internal_error", "param": null}}',
-                    "application/json",
-                    (),
-                )
+        except Exception as exc:  # noqa: BLE001 - a bug must not kill the connection silently
+            if self.closed and isinstance(exc, ConnectionError):
+                # written to a client already gone (counted by connection_lost)
+                log.debug("data-plane handler: the client had left (%s)", exc)
+            else:
+                log.exception("data-plane handler failed")
+                if ex.state == 0 and not self.closed:
+                    ex.keepalive = False
+                    ex.reply(
+                        500,
+                        b'{"error": {"message": "internal router error", "type": '
+                        b'"server_error", "code": "internal_error", "param": null}}',
+                        "application/json",
+                        (),
+                    )
             self.close()
         finally:
-            self.task = None
+            self.task = self.ex = None
             self.last_active = _time.monotonic()
             if ex.held:
                 self.server.budget.give(ex.held)
@@ -834,7 +852,8 @@ class FrontServer:
     router will refuse whatever its body (no credentials), checked before the body
     is read; ``max_connections()`` caps the client connections, handed-over ones
     included; ``on_refused(reason)`` counts a connection closed or refused at the cap
-    (``idle_closed`` | ``at_capacity``).
+    (``idle_closed`` | ``at_capacity``); ``on_gone(phase)`` a client that left while
+    its request was served (``waiting`` | ``streaming``: the module docstring).
 
     Lifecycle: ``await start(host, port)`` -> listening; ``await aclose(timeout)``
     stops accepting, closes idle connections, lets in-flight requests finish for
@@ -853,6 +872,7 @@ class FrontServer:
         authorize=None,
         max_connections=lambda: 8192,
         on_refused=None,
+        on_gone=None,
     ) -> None:
         self.routes = routes
         self.fallback = fallback
@@ -861,6 +881,7 @@ class FrontServer:
         self.authorize = authorize
         self.max_connections = max_connections
         self.on_refused = on_refused
+        self.on_gone = on_gone
         self._handed = 0  # connections handed to aiohttp and still open
         self._refusals = Throttled()
         self.idle_timeout_s = idle_timeout_s

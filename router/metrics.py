@@ -10,8 +10,9 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
                                                       once each, by the status the
                                                       client got (retries not counted)
     radixfleet_upstream_attempts_total{worker,outcome}  every try on a worker: its
-                                                      status, or connect | unhealthy |
-                                                      timeout | payload | too_large
+                                                      status, or connect | no_answer |
+                                                      unhealthy | timeout | payload |
+                                                      too_large
     radixfleet_rejected_total{status,code}            answered by the router itself (4xx/5xx)
     radixfleet_ttfb_seconds                           arrival -> the worker's response head
     radixfleet_ttft_seconds                           arrival -> the first content token's
@@ -30,7 +31,8 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_request_seconds                        arrival -> last byte
     radixfleet_matched_prefix_tokens                  tokens of the chosen worker's match
     radixfleet_retries_total{cause}                   connect | status (429, 503) |
-                                                      unhealthy
+                                                      unhealthy | rank | a 5xx, payload or
+                                                      no_answer from a worker gone down
     radixfleet_in_flight{worker}, radixfleet_worker_breaker_state{worker} (0 closed,
       1 half-open, 2 open), radixfleet_worker_healthy{worker}
     radixfleet_index_nodes, _index_holder_entries, _index_bytes (gauges),
@@ -78,6 +80,9 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_connections_refused_total{reason}      client connections at limits.max_connections:
                                                       idle_closed (longest-idle one closed to make
                                                       room) | at_capacity (the new one refused, 429)
+    radixfleet_client_disconnects_total{phase}        clients that closed their connection while
+                                                      their request was served (router.front):
+                                                      waiting (no answer byte yet) | streaming
     radixfleet_body_bytes_held                        request body bytes held (router.intake's
                                                       budget, limits.max_buffered_body_bytes)
     radixfleet_config_reloads_total                   configuration reloads applied
@@ -275,6 +280,14 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.client_disconnects = Counter(
+            "radixfleet_client_disconnects",
+            "Clients that closed their connection while their request was served",
+            ["phase"],
+            registry=r,
+        )
+        for phase in ("waiting", "streaming"):
+            self.client_disconnects.labels(phase)
         self.body_bytes_held = Gauge(
             "radixfleet_body_bytes_held", "Request body bytes held (read and not yet answered)", registry=r
         )

@@ -253,8 +253,13 @@ class PrefillDecode:
             "bootstrap_room": self.rng.getrandbits(63),
         }
         raw = json.dumps(body).encode()
-        leg = json.dumps({**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False})
-        prefill = asyncio.ensure_future(self._prefill_leg(ctx, kr, pw, leg.encode(), room=True))
+        leg_body = {**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False}
+        rank = ctx.ticket.rank if ctx.ticket is not None else None
+        # its priority the class's, in the prefill engine's order, as the decode leg's
+        leg, _ = dp.engines.forward_body(
+            pw.engine, ctx.endpoint, leg_body, json.dumps(leg_body).encode(), False, rank
+        )
+        prefill = asyncio.ensure_future(self._prefill_leg(ctx, kr, pw, bytes(leg), room=True))
         try:
             ctx = dataclasses.replace(ctx, body=body, raw=raw)
             now = time.monotonic()

@@ -23,6 +23,8 @@ needs three facts from it and may hide one event::
   closing events (finish reason, usage, ``[DONE]``) are counted too.
 - With ``strip_usage`` the usage-only event (``"choices": []``) is removed: the
   router asked for it (``stream_options.include_usage``) where the client did not.
+- An event carrying ``kv_transfer_params`` (the P/D hand-off's engine, host and
+  port: ``router.edge``) is passed on without it, re-encoded as one ``data:`` line.
 
 Events end at a blank line, and SSE lets a line end in CRLF, LF or a lone CR, so a
 blank line is any two line ends in a row: ``\n\n``, ``\r\n\r\n``, ``\r\r`` or a
@@ -32,7 +34,7 @@ would hold the event one token longer); an LF that then opens the next read is t
 rest of that CRLF and is passed on as it is.
 
 Cost: events are parsed as JSON only until the first token is seen; after that only
-events containing ``"usage"`` or ``"meta_info"`` are. ``feed`` forwards whole
+events containing ``"usage"``, ``"meta_info"`` or ``"kv_transfer_params"`` are. ``feed`` forwards whole
 events: an event cut across two reads is held until its end arrives (engines write
 whole events, so this adds no delay in practice); ``pending`` says how many bytes
 are held, which the caller bounds. Lines that are not ``data:`` (comments,
@@ -48,9 +50,13 @@ from __future__ import annotations
 import json
 import re
 
+from router.edge import scrub
+
 #: a blank line: a line end (LF, or CR not followed by LF in this read, or the LF of
 #: a CRLF) followed by another line end (see the module docstring)
 _BLANK = re.compile(rb"\n\n|\n\r\n?|\r\r\n?")
+#: an event that may carry P/D hand-off fields (router.edge), parsed to drop them
+_KV = b'"kv_transfer_params"'
 
 
 def _has_output(obj) -> bool:
@@ -153,7 +159,7 @@ class StreamWatch:
         self._tail = data[end:]
         cr = end == len(data) and data[end - 1] == 13  # ends in b"\r"
         whole = data[:end]
-        if self.first_token and not (b'"usage"' in whole or b'"meta_info"' in whole):
+        if self.first_token and not (b'"usage"' in whole or b'"meta_info"' in whole or _KV in whole):
             self.output_events += events
             self._cr = cr
             return lead + whole if lead else whole
@@ -163,13 +169,17 @@ class StreamWatch:
         for m in _BLANK.finditer(whole):
             ev = whole[start : m.end()]
             start = m.end()
-            kept = self._scan(ev)
+            sent = self._scan(ev)
+            kept = sent is ev
             if self.first_token:
                 self.output_events += 1
             if kept:
                 out.append(ev)
             else:
                 changed = True
+                if sent:
+                    out.append(sent)
+        # a rewritten event ends in its own LF LF: the rest of a CRLF goes with it
         self._cr = (1 if kept else 2) if cr else 0
         if not changed:
             return lead + whole if lead else whole
@@ -180,25 +190,28 @@ class StreamWatch:
         incomplete event is held, as it came. Otherwise (it broke) the unfinished
         event is dropped: b"" so that what follows starts on a fresh line."""
         tail, self._tail = self._tail, b""
-        if not complete:
+        if not complete or not tail:
             return b""
-        return tail if tail and self._scan(tail) else b""
+        return self._scan(tail) or b""
 
-    def _scan(self, ev: bytes) -> bool:
-        """Reads one event's facts. Returns False to drop it (the stripped usage)."""
-        if self.first_token and b'"usage"' not in ev and b'"meta_info"' not in ev:
-            return True
-        parts = [line[5:] for line in ev.splitlines() if line.startswith(b"data:")]
+    def _scan(self, ev: bytes) -> bytes | None:
+        """Reads one event's facts. Returns what to send: ``ev`` itself, ``ev``
+        without P/D hand-off fields (re-encoded), or None to drop it (the stripped
+        usage)."""
+        if self.first_token and b'"usage"' not in ev and b'"meta_info"' not in ev and _KV not in ev:
+            return ev
+        lines = ev.splitlines()
+        parts = [line[5:] for line in lines if line.startswith(b"data:")]
         if not parts:
-            return True
+            return ev
         # one space after the colon is not part of the value; data lines join with LF
         payload = b"\n".join(p[1:] if p[:1] == b" " else p for p in parts).strip()
         if not payload or payload == b"[DONE]":
-            return True
+            return ev
         try:
             obj = json.loads(payload)
         except ValueError:
-            return True
+            return ev
         if not self.first_token and _has_output(obj):
             self.first_token = True
         n = completion_tokens_of(obj)
@@ -208,5 +221,9 @@ class StreamWatch:
         if u is not None:
             self.usage = u
             if self.strip_usage and obj.get("choices") == []:
-                return False
-        return True
+                return None
+        if _KV in payload and scrub(obj):
+            other = [line for line in lines if line and not line.startswith(b"data:")]
+            data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+            return b"\n".join([*other, b"data: " + data]) + b"\n\n"
+        return ev

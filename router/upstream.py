@@ -43,12 +43,26 @@ Closing a connection is how a request is cancelled: an engine aborts a generatio
 whose client left (vLLM and SGLang both do), so a response given up on (a timeout,
 ``Cancel``, the consumer cancelled) never leaves work running on its worker.
 
-Failures raise ``UpstreamError`` subclasses with a ``cause`` label:
-``ConnectFailed`` (cannot connect within the connect timeout, or a connection closed
-before any response byte — a reused idle one is retried once on a fresh connection
-inside ``request``), ``UpstreamTimeout`` (the first byte, a silence between chunks,
-or the total deadline), ``UpstreamBroken`` (the connection dropped or the bytes were
-not HTTP), its subclass ``ResponseTooLarge`` and ``Cancelled`` (``Cancel.cancel``).
+A request is sent once. Failures raise ``UpstreamError`` subclasses with a
+``cause`` label, and only ``ConnectFailed`` says the worker never got the request:
+
+    ConnectFailed     nothing sent: cannot connect within the connect timeout (refused,
+                      unreachable), or the connection closed before the request was
+                      written
+    NoAnswer          the request was written and the connection closed before any
+                      response byte: the worker may have run it (read the body, then
+                      hung up) -- never sent again, here or by the caller, unless the
+                      worker is known to be down
+    UpstreamTimeout   the first byte, a silence between chunks, or the total deadline
+    UpstreamBroken    the connection dropped mid-response or the bytes were not HTTP;
+                      its subclass ``ResponseTooLarge``
+    Cancelled         ``Cancel.cancel``
+
+Keep-alive. A request written on an idle connection the worker is closing at that
+moment (its keep-alive timeout) is lost with it, and is ``NoAnswer`` like any other:
+it cannot be told from a worker that read it and hung up. So an idle connection is
+reused only within ``keepalive_s`` of its last answer, below the workers' own
+keep-alive timeout (uvicorn's 5 s: vLLM, SGLang), and closed past it.
 
 Invariants: a connection is in at most one place — an idle list, or serving one
 ``Response``; an idle connection has no response and an open, reading (not paused)
@@ -86,6 +100,13 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamBroken(UpstreamError):
     cause = "payload"
+
+
+class NoAnswer(UpstreamBroken):
+    """The request was written and the connection closed before any response byte:
+    the worker may have started it."""
+
+    cause = "no_answer"
 
 
 class ResponseTooLarge(UpstreamBroken):
@@ -301,8 +322,10 @@ class Response:
             self._wake()
             return
         if self._state != _DONE:
-            if not self._got:
-                self._fail(ConnectFailed(f"connection closed before a response ({exc or 'eof'})"))
+            if not self._got:  # (the request was written: ``request`` checks before)
+                self._fail(
+                    NoAnswer(f"connection closed after the request, before any answer ({exc or 'eof'})")
+                )
             else:
                 self._fail(UpstreamBroken(f"connection closed mid-response ({exc or 'eof'})"))
 
@@ -409,7 +432,7 @@ class Response:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection to an upstream."""
 
-    __slots__ = ("pool", "key", "transport", "resp", "closed")
+    __slots__ = ("pool", "key", "transport", "resp", "closed", "idle_since")
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
         self.pool = pool
@@ -417,6 +440,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.resp: Response | None = None  # the response being received, if any
         self.closed = False
+        self.idle_since = 0.0  # loop time it last went idle (set by the pool's _put)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -450,57 +474,82 @@ class _Conn(asyncio.Protocol):
                 self.transport.close()
 
 
-class UpstreamPool:
-    """Keep-alive connections per (host, port); idle ones reused most-recent first.
+def _cancelling() -> bool:
+    """Whether the running task has been asked to cancel (Python 3.11+; False before)."""
+    me = asyncio.current_task()
+    n = getattr(me, "cancelling", None)
+    return bool(n()) if n is not None else False
 
-    An idle connection the upstream has closed is skipped when its close was seen;
-    one whose close had not arrived yet fails before its response head and the
-    request is sent once more on a fresh connection (``stale_retries``).
+
+class UpstreamPool:
+    """Keep-alive connections per (host, port); idle ones reused most-recent first,
+    and only within ``keepalive_s`` of going idle (module docstring): an idle
+    connection whose close was seen, or idle longer, is closed instead.
     """
 
     def __init__(
         self,
         *,
         connect_timeout_s: float = 2.0,
+        keepalive_s: float = 4.0,
         max_idle_per_host: int = 512,
         body_limit: float = float("inf"),
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        #: an idle connection is reused only this long after its last answer (0: never)
+        self.keepalive_s = keepalive_s
         #: most body bytes a response holds for its consumer (``ResponseTooLarge``)
         self.body_limit = body_limit
         self.max_idle = max_idle_per_host
         self._idle: dict[tuple[str, int], collections.deque[_Conn]] = {}
         self._closed = False
-        #: connections opened, and requests re-sent because a reused one was stale
-        self.connects = 0
-        self.stale_retries = 0
+        self.connects = 0  # connections opened
 
     def _put(self, conn: _Conn) -> None:
-        if self._closed or conn.closed:
+        if self._closed or conn.closed or self.keepalive_s <= 0:
             conn.close()
             return
         q = self._idle.get(conn.key)
         if q is None:
             q = self._idle[conn.key] = collections.deque()
-        while q and q[0].closed:  # the oldest idle ones die first (upstream keep-alive)
-            q.popleft()
+        now = conn.idle_since = asyncio.get_running_loop().time()
+        cutoff = now - self.keepalive_s
+        while q and (q[0].closed or q[0].idle_since < cutoff):  # the oldest idle ones go first
+            q.popleft().close()
         if len(q) >= self.max_idle:
             conn.close()
         else:
             q.append(conn)
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
+        """A new connection to ``key``, or ``ConnectFailed`` (nothing sent). A
+        cancellation always propagates, a connection made as it came closed
+        (``asyncio.wait_for`` before 3.12 may swallow one that races the result)."""
         loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.create_connection(lambda: _Conn(self, key), key[0], key[1]))
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        timer = loop.call_later(self.connect_timeout_s, expire)
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self, key), key[0], key[1]), self.connect_timeout_s
-            )
-        except asyncio.TimeoutError:  # nothing was sent: as retryable as a refusal
+            _, conn = await task
+        except asyncio.CancelledError:
+            if not expired or _cancelling():
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result()[0].close()  # made as the caller gave up
+                raise
+            # nothing was sent: as retryable as a refusal
             raise ConnectFailed(
                 f"connect to {key[0]}:{key[1]} timed out after {self.connect_timeout_s:g}s"
             ) from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}") from None
+        finally:
+            timer.cancel()
         self.connects += 1
         return conn
 
@@ -525,49 +574,43 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         key = (host, port)
         deadline = loop.time() + total_timeout_s
+        conn = None
         q = self._idle.get(key)
-        for _ in range(2):
-            conn = None
-            reused = False
+        if q:
+            cutoff = loop.time() - self.keepalive_s
             while q:
                 c = q.pop()
-                if not c.closed:
-                    conn, reused = c, True
+                if not c.closed and c.idle_since >= cutoff:
+                    conn = c
                     break
-            if conn is None:
-                conn = await self._connect(key)
-            resp = Response(conn, loop, read_timeout_s, deadline, self.body_limit)
-            conn.resp = resp
-            if cancel is not None:
-                cancel.resp = resp
-                if cancel.err is not None:  # cancelled while connecting: nothing sent
-                    resp.release()
-                    raise cancel.err
-            if conn.closed:  # died between accept and now
+                c.close()  # closed by the worker, or idle past keepalive_s
+        if conn is None:
+            conn = await self._connect(key)
+        resp = Response(conn, loop, read_timeout_s, deadline, self.body_limit)
+        conn.resp = resp
+        if cancel is not None:
+            cancel.resp = resp
+            if cancel.err is not None:  # cancelled while connecting: nothing sent
                 resp.release()
-                if reused:
-                    self.stale_retries += 1
-                    continue
-                raise ConnectFailed(f"connection to {host}:{port} closed at once")
-            t = conn.transport
-            assert t is not None, "an open connection has its transport"
-            if len(body) < 16384:
-                t.write(head + body)
-            else:
-                t.writelines((head, body))
-            try:
-                await resp.wait_head()
-            except ConnectFailed:
-                resp.release()
-                if reused:
-                    self.stale_retries += 1
-                    continue  # a stale keep-alive connection: once more, fresh
-                raise
-            except BaseException:
-                resp.release()
-                raise
-            return resp
-        raise ConnectFailed(f"connection to {host}:{port} failed twice")  # pragma: no cover
+                raise cancel.err
+        if conn.closed:  # died between accept and now: nothing sent
+            resp.release()
+            raise ConnectFailed(f"connection to {host}:{port} closed at once")
+        t = conn.transport
+        assert t is not None, "an open connection has its transport"
+        if len(body) < 16384:
+            t.write(head + body)
+        else:
+            t.writelines((head, body))
+        if t.is_closing():  # the send failed at once (a reset connection): nothing went out
+            resp.release()
+            raise ConnectFailed(f"connection to {host}:{port} was reset before the request went out")
+        try:
+            await resp.wait_head()
+        except BaseException:  # NoAnswer among them: never sent again (module docstring)
+            resp.release()
+            raise
+        return resp
 
     def idle_count(self) -> int:
         return sum(len(q) for q in self._idle.values())

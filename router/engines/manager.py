@@ -13,8 +13,9 @@ asks it two things per request::
             prefill-rate sample, reported to the fleet's ``rates``
 
 and ``forward_body`` (whether to ask the worker for usage in a stream the client
-did not ask it for; the request's class as vLLM's ``priority`` for a worker that
-schedules by it). ``spaces_for(views)`` is cached and rebuilt only when a link's
+did not ask it for; the body's ``priority``, the router's on every endpoint: the
+request's class in the engine's own order for a worker that schedules by it, else
+none). ``spaces_for(views)`` is cached and rebuilt only when a link's
 space changes or the routable set does. A link uses of ``Engines`` only what
 ``link.LinkHost`` declares.
 
@@ -43,8 +44,11 @@ from router.engines.link import EngineLink, LinkState
 from router.engines.prefill_rate import FleetRates
 from router.pool import Pool
 from router.prefix_index import COLDER_TIERS, PrefixIndex
+from router.tenancy import PRIORITIES
 
 log = logging.getLogger("radixfleet.engines")
+
+_ABSENT = object()  # a body without the field (null is a value the client sent)
 
 #: absolute prediction errors, tokens
 _ERR_BUCKETS = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536)
@@ -526,12 +530,16 @@ class Engines:
         """The bytes to send and whether the usage event must be hidden: a stream
         whose client did not ask for usage gets ``stream_options.include_usage`` so
         the router learns the cached tokens (OpenAI endpoints; SGLang's /generate
-        reports them in every event's meta_info). ``priority``: the request's class
-        rank (``router.tenancy.PRIORITIES`` index; None: none), set as vLLM's body
-        ``priority`` on OpenAI endpoints where the worker schedules by it
-        (``sends_priority``) -- over the client's own value, which tenancy has
-        already weighed in choosing the class. The raw bytes go unchanged when
-        nothing is added."""
+        reports them in every event's meta_info).
+
+        The body's ``priority`` is the router's, on every endpoint (``/generate``
+        too: agents and SGLang read it there): ``priority`` is the request's class
+        rank (``router.tenancy.PRIORITIES`` index; None: none), sent as
+        ``engine_priority`` says where the worker schedules by it, and a client's
+        own value is dropped where it does not -- it would reorder an engine queue
+        the router's classes do not (tenancy has already weighed a claim, made with
+        its priority header, in choosing the class). The raw bytes go unchanged when
+        nothing changes."""
         usage = stream and endpoint is not Endpoint.GENERATE
         so = body.get("stream_options")
         if usage and (
@@ -539,22 +547,22 @@ class Engines:
             or (so is not None and not isinstance(so, dict))  # the worker answers the client's own mistake
         ):
             usage = False
-        rank = (
-            priority
-            if priority is not None
-            and endpoint is not Endpoint.GENERATE  # SGLang's API: its own priority semantics
-            and link is not None
-            and sends_priority(link)
-            and body.get("priority") != priority
-            else None
-        )
-        if not usage and rank is None:
+        value = engine_priority(link, priority)
+        own = body.get("priority", _ABSENT)
+        if value is None:
+            change = own is not _ABSENT  # dropped
+        else:
+            change = type(own) is not int or own != value
+        if not usage and not change:
             return raw, False
         b = dict(body)
         if usage:
             b["stream_options"] = {**(so or {}), "include_usage": True}
-        if rank is not None:
-            b["priority"] = rank
+        if change:
+            if value is None:
+                del b["priority"]
+            else:
+                b["priority"] = value
         out = json.dumps(b, ensure_ascii=False, separators=(",", ":"))
         return out.encode("utf-8", "surrogatepass"), usage
 
@@ -583,6 +591,20 @@ class Engines:
                 if "load_s_per_token" in d:
                     self.prom.tier_load.labels(wid, tier).set(d["load_s_per_token"])
                     self.prom.tier_fraction.labels(wid, tier).set(d["gpu_hit_fraction"])
+
+
+def engine_priority(link: EngineLink | None, rank: int | None) -> int | None:
+    """The body ``priority`` a request of class ``rank`` (``PRIORITIES`` index) gets
+    on the worker of ``link``, in its engine's own order; None where the worker does
+    not schedule by priority (``sends_priority``) or the request has no class. vLLM
+    and agents serve lower values first: critical 0, standard 1, sheddable 2. SGLang
+    serves higher ones first (its default; ``--schedule-low-priority-values-first``
+    reverses it, and is not followed here): critical 2, standard 1, sheddable 0."""
+    if rank is None or link is None or not sends_priority(link):
+        return None
+    if link.kind is WorkerKind.SGLANG:
+        return len(PRIORITIES) - 1 - rank
+    return rank
 
 
 def sends_priority(link: EngineLink) -> bool:

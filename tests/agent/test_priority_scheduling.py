@@ -19,7 +19,8 @@ from protocol.errors import MalformedRequest
 from protocol.events import EventBatch, Snapshot, parse_registration
 from protocol.prefix_keys import Endpoint
 from router.config import parse_config
-from router.engines.manager import Engines, sends_priority
+from router.engines.kinds import WorkerKind
+from router.engines.manager import Engines, engine_priority, sends_priority
 from worker_agent import tokenizer as tk
 from worker_agent.cost_model import CostModel
 from worker_agent.kv_pool import KVPool
@@ -143,9 +144,9 @@ def test_registration_and_bus_carry_the_scheduling_policy():
 # ------------------------------------------------------------------ forward_body
 
 
-def _link(said: str, field: bool):
+def _link(said: str, field: bool, kind: WorkerKind = WorkerKind.AGENT):
     return SimpleNamespace(
-        worker=SimpleNamespace(scheduling_policy=said), spec=SimpleNamespace(priority_field=field)
+        worker=SimpleNamespace(scheduling_policy=said), spec=SimpleNamespace(priority_field=field), kind=kind
     )
 
 
@@ -155,19 +156,40 @@ def test_the_agents_announcement_decides_else_the_entry():
     assert not sends_priority(_link("fcfs", True))  # it would refuse a non-zero value
 
 
-def test_forward_body_sets_the_class_rank_only_where_the_worker_schedules_by_it():
+def test_the_class_in_each_engines_own_order():
+    vllm, sglang = _link("", True, WorkerKind.VLLM), _link("", True, WorkerKind.SGLANG)
+    assert [engine_priority(vllm, r) for r in range(3)] == [0, 1, 2]  # lower first
+    assert [engine_priority(_link("priority", False), r) for r in range(3)] == [0, 1, 2]
+    assert [engine_priority(sglang, r) for r in range(3)] == [2, 1, 0]  # higher first
+    assert engine_priority(_link("", False, WorkerKind.SGLANG), 0) is None  # not by priority
+    assert engine_priority(vllm, None) is None and engine_priority(None, 0) is None
+
+
+def test_forward_body_sets_the_class_where_the_worker_schedules_by_it_and_drops_it_elsewhere():
     fb = Engines.forward_body.__get__(object())  # uses nothing of the instance
     body = {"model": "m", "prompt": "x", "priority": 0}
     raw = json.dumps(body).encode()
     yes, no = _link("priority", False), _link("", False)
     out, strip = fb(yes, Endpoint.COMPLETIONS, body, raw, False, 2)
     assert json.loads(out) == {**body, "priority": 2} and strip is False
-    assert fb(no, Endpoint.COMPLETIONS, body, raw, False, 2) == (raw, False)
     assert fb(yes, Endpoint.COMPLETIONS, body, raw, False, 0) == (raw, False)  # already so
-    assert fb(yes, Endpoint.COMPLETIONS, body, raw, False, None) == (raw, False)  # no class
-    assert fb(None, Endpoint.COMPLETIONS, body, raw, False, 2) == (raw, False)
-    gen = {"text": "x"}
-    assert fb(yes, Endpoint.GENERATE, gen, b"{}", False, 2) == (b"{}", False)  # SGLang's own field
+    # where the worker does not order by it, a client's value would jump its queue
+    without = {"model": "m", "prompt": "x"}
+    for link, rank in ((no, 2), (yes, None), (None, 2)):
+        out, _ = fb(link, Endpoint.COMPLETIONS, body, raw, False, rank)
+        assert json.loads(out) == without
+        assert fb(link, Endpoint.COMPLETIONS, without, b"{}", False, rank) == (b"{}", False)
+    for bad in (True, 0.0, None, "0"):  # only an int equal to the class is left as it is
+        out, _ = fb(yes, Endpoint.COMPLETIONS, {**without, "priority": bad}, b"{}", False, 0)
+        assert json.loads(out)["priority"] == 0 and type(json.loads(out)["priority"]) is int
+    # /generate too: agents and SGLang read 'priority' there, each in its own order
+    gen = {"text": "x", "priority": -1000}
+    out, _ = fb(yes, Endpoint.GENERATE, gen, b"{}", False, 2)
+    assert json.loads(out) == {"text": "x", "priority": 2}
+    out, _ = fb(_link("", True, WorkerKind.SGLANG), Endpoint.GENERATE, gen, b"{}", False, 2)
+    assert json.loads(out) == {"text": "x", "priority": 0}
+    out, _ = fb(no, Endpoint.GENERATE, gen, b"{}", False, 2)
+    assert json.loads(out) == {"text": "x"}
     out, strip = fb(yes, Endpoint.CHAT, {"model": "m", "stream": True}, b"", True, 1)
     assert json.loads(out) == {
         "model": "m",
@@ -294,7 +316,7 @@ async def test_router_sends_the_class_only_to_workers_that_schedule_by_it():
                 ("ma", "sheddable", None),
                 ("ma", "standard", 0),  # the client's own value gives way to its class
                 ("ma", None, None),  # the default class
-                ("mb", "sheddable", 0),  # an fcfs worker: the body as the client sent it
+                ("mb", "sheddable", 0),  # an fcfs worker: no priority, the client's dropped
             ):
                 body = {"model": model, "prompt": "hi", "max_tokens": 1}
                 if own is not None:
@@ -303,7 +325,7 @@ async def test_router_sends_the_class_only_to_workers_that_schedule_by_it():
                 async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers) as r:
                     assert r.status == 200, await r.text()
         assert [x.get("priority") for x in a.bodies] == [2, 1, 0]
-        assert [x.get("priority", "absent") for x in b.bodies] == [0]
+        assert [x.get("priority", "absent") for x in b.bodies] == ["absent"]
     finally:
         await server.aclose()
         for r in runners:

@@ -492,3 +492,50 @@ def test_models_authenticates_like_the_data_plane(upstream):
         )
         assert chat.status_code == 401
         _finish(r, base_res)
+
+
+def test_a_cancel_storm_is_counted_not_logged_as_errors():
+    """400 streams, 128 running and the rest waiting for a slot, their clients gone
+    at once: a client's departure, at any point, is an expected event (counted in
+    radixfleet_client_disconnects_total, logged at debug), never a traceback, and
+    nothing stays counted in flight."""
+    n, slots = 400, 128
+    port = free_port()
+    argv = [
+        "python3",
+        "-m",
+        "radixfleet.bench.proxy",
+        "upstream",
+        "--port",
+        str(port),
+        "--chunks",
+        "400",
+        "--chunk-delay",
+        "0.01",
+    ]
+    with (
+        Proc(argv, ready_url=f"http://127.0.0.1:{port}/health"),
+        RouterProcess(config=_config(f"http://127.0.0.1:{port}", {"max_concurrency": slots})) as r,
+    ):
+        base = r.resources()
+
+        async def storm() -> None:
+            conns = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", r.port) for _ in range(n)))
+            for _, w in conns:
+                w.write(_completion(stream=True))
+            deadline = time.monotonic() + 20
+            while _metric(r, "radixfleet_in_flight") < slots:  # every slot streaming
+                assert time.monotonic() < deadline, r.output()[-2000:]
+                await asyncio.sleep(0.05)
+            for _, w in conns:
+                w.transport.abort()
+
+        asyncio.run(storm())
+        deadline = time.monotonic() + 10
+        while _metric(r, "radixfleet_in_flight"):
+            assert time.monotonic() < deadline, _metric(r, "radixfleet_in_flight")
+            time.sleep(0.05)
+        _finish(r, base)
+        out = r.output()
+        assert "handler failed" not in out and "ERROR" not in out, out[-3000:]
+        assert _metric(r, "radixfleet_client_disconnects_total") == n

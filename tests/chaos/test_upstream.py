@@ -37,11 +37,20 @@ class MisbehavingWorker:
     cut           one event, then ``data: {..."content":"hel`` and the connection closes
     crlf          CRLF-separated events, the first content token 1.5 s before the rest
     trace         a 500 with a Python stack trace as text/plain
+    hangup        reads the request (it may have run it: counted in ``hangups``), then
+                  closes the connection without a byte of answer, and stays healthy
+    leak          answers (streamed if asked) with vLLM's ``kv_transfer_params`` naming
+                  its engine, host and port
+
+    Every request head it gets is kept in ``heads`` (lower-case names).
     """
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.port = 0
+        self.hangups = 0
+        self.heads: list[dict[str, str]] = []
+        self.body: dict = {}
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -83,9 +92,16 @@ class MisbehavingWorker:
                     )
                     await writer.drain()
                     continue
-                probe = json.loads(body).get("probe")
+                self.body = json.loads(body)
+                self.heads.append(
+                    {
+                        k.strip().lower().decode(): v.strip().decode()
+                        for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:] if line)
+                    }
+                )
+                probe = self.body.get("probe")
                 await getattr(self, f"_{probe}")(writer)
-                if probe != "trace":
+                if probe not in ("trace", "leak"):
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -144,6 +160,40 @@ class MisbehavingWorker:
             if i == 1:
                 await asyncio.sleep(1.5)
         writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def _hangup(self, writer) -> None:
+        self.hangups += 1  # the request was read: for all the router knows, it ran
+
+    async def _leak(self, writer) -> None:
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "engine-secret-7",
+            "remote_block_ids": [1, 2],
+            "remote_host": "10.9.8.7",
+            "remote_port": 5557,
+        }
+        if not self.body.get("stream"):
+            data = json.dumps(
+                {"id": "c", "choices": [{"index": 0, "text": "ok"}], "kv_transfer_params": params}
+            ).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+            )
+        else:
+            events = b"".join(
+                b"data: " + json.dumps(e).encode() + b"\n\n"
+                for e in (
+                    {"choices": [{"index": 0, "text": "o"}]},
+                    {"choices": [{"index": 0, "text": "k"}], "kv_transfer_params": params},
+                )
+            )
+            events += b"data: [DONE]\n\n"
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(events), events)
+            )
         await writer.drain()
 
     async def _trace(self, writer) -> None:
@@ -377,4 +427,66 @@ def test_a_request_on_a_stopped_worker_moves_once_its_health_fails():
         finally:
             os.killpg(stopped.proc.pid, signal.SIGCONT)
         r.assert_settles(base)
+    r.assert_no_tracebacks()
+
+
+def test_a_worker_that_hangs_up_after_reading_a_request_is_never_sent_it_again():
+    # Both workers read each request (for all the router knows, they ran it) and close
+    # without a byte of answer, staying healthy: the request runs once, the client gets
+    # a 502 naming nothing internal, the log names the worker.
+    with MisbehavingWorker() as wa, MisbehavingWorker() as wb:
+        with RouterProcess(
+            "listen: {port: {port}}\n"
+            f"workers: [{{url: '{wa.url}', id: worker-alpha, kind: openai}}, "
+            f"{{url: '{wb.url}', id: worker-beta, kind: openai}}]\n"
+            "policy: {name: round_robin}\nreload: {watch: false}\n"
+            "breaker: {failure_threshold: 1000}\n"
+        ) as r:
+            _wait_routable(r)
+            base = r.resources()
+            for i, stream in enumerate((False, True, False, True)):
+                resp = _post(r, "hangup", stream=stream)
+                assert resp.status_code == 502, resp.text[:300]
+                err = resp.json()["error"]
+                assert set(err) == {"message", "type", "code", "param"} and err["code"] == "bad_gateway"
+                for secret in ("worker-", "127.0.0.1", str(wa.port), str(wb.port)):
+                    assert secret not in resp.text, resp.text
+                assert wa.hangups + wb.hangups == i + 1  # once, on one worker
+            assert wa.hangups == wb.hangups == 2  # round robin: each took its own
+            r.assert_settles(base)
+            out = r.output()
+        assert "worker worker-alpha" in out and "no_answer" in out and "not retried" in out
+    r.assert_no_tracebacks()
+
+
+def test_hand_off_fields_never_reach_the_client_nor_a_clients_router_headers_the_worker():
+    # A worker (vLLM with a KV connector) that reports kv_transfer_params, its
+    # engine, host and port, in every answer: the client sees none of it, streamed or
+    # not. A client's x-data-parallel-rank and tenant headers never reach the worker.
+    with MisbehavingWorker() as wk, _router(wk) as r:
+        _wait_routable(r)
+        for stream in (False, True):
+            resp = httpx.post(
+                f"{r.base}/v1/completions",
+                timeout=30,
+                json={"model": "m", "prompt": "x", "probe": "leak", "stream": stream},
+                headers={
+                    "X-data-parallel-rank": "3",
+                    "x-radixfleet-tenant": "someone-else",
+                    "x-radixfleet-tenant-sig": "forged",
+                },
+            )
+            assert resp.status_code == 200, resp.text[:300]
+            for secret in ("kv_transfer_params", "engine-secret-7", "10.9.8.7", "5557"):
+                assert secret not in resp.text, resp.text
+            if stream:
+                events = [e for e in resp.text.split("\n\n") if e]
+                assert events[-1] == "data: [DONE]"
+                assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == "ok"
+            else:
+                assert resp.json()["choices"][0]["text"] == "ok"
+        assert len(wk.heads) == 2  # the two completions (health checks are not kept)
+        for h in wk.heads:
+            assert "x-data-parallel-rank" not in h and "x-radixfleet-tenant-sig" not in h, h
+            assert h.get("x-radixfleet-tenant") != "someone-else", h
     r.assert_no_tracebacks()

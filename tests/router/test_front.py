@@ -217,18 +217,19 @@ async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
         pool.check()
         # every request went out on a fresh connection, none on a dead one
         assert len(seen) == 3 and len(set(seen)) == 3, seen
-        assert pool.connects == 3 and pool.stale_retries == 0
+        assert pool.connects == 3
         assert router.metrics.retries.labels("connect")._value.get() == 0
     finally:
         await server.aclose()
         await up.cleanup()
 
 
-async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_one():
-    """The race the idle check cannot see: the upstream closes a keep-alive
-    connection just as the next request goes out on it (no answer, no close seen
-    before). The pool sends the request once more on a new connection."""
-    from router.upstream import UpstreamPool, build_head
+async def test_a_request_a_worker_drops_unanswered_is_never_sent_again():
+    """The race the idle check cannot see (a worker closes a keep-alive connection as
+    the next request goes out on it) looks exactly like a worker that read the request
+    and hung up: either may have run it, so it is sent once (``NoAnswer``), never
+    again on a fresh connection."""
+    from router.upstream import NoAnswer, UpstreamPool, build_head
 
     served: list[tuple[int, int]] = []  # (connection number, request number on it)
     conns = 0
@@ -243,9 +244,9 @@ async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_o
                 length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
                 await reader.readexactly(length)
                 n += 1
-                if me == 1 and n == 2:  # keep-alive timeout "just now": close, no answer
-                    return
                 served.append((me, n))
+                if me == 1 and n == 2:  # read it (maybe ran it), then closed, no answer
+                    return
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
                 )
@@ -259,16 +260,68 @@ async def test_reused_connection_closed_mid_request_is_retried_once_on_a_fresh_o
     up_port = srv.sockets[0].getsockname()[1]
     pool = UpstreamPool()
     head = build_head("/v1/completions", f"127.0.0.1:{up_port}", len(BODY), b"")
+
+    async def send():
+        return await pool.request("127.0.0.1", up_port, head, BODY, read_timeout_s=5, total_timeout_s=10)
+
     try:
-        for _ in range(2):
-            resp = await pool.request("127.0.0.1", up_port, head, BODY, read_timeout_s=5, total_timeout_s=10)
-            try:
-                assert resp.status == 200 and await resp.read() == b"{}"
-            finally:
-                resp.release()
-        assert served == [(1, 1), (2, 1)]  # the second went out twice: dropped, then fresh
-        assert pool.connects == 2 and pool.stale_retries == 1
+        resp = await send()
+        assert resp.status == 200 and await resp.read() == b"{}"
+        resp.release()
+        with pytest.raises(NoAnswer):  # on the reused connection: dropped unanswered
+            await send()
+        assert served == [(1, 1), (1, 2)]  # run once, not re-sent on a fresh connection
+        assert pool.connects == 1 and pool.idle_count() == 0
         pool.check()
+    finally:
+        await pool.aclose()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_an_idle_connection_is_reused_only_within_keepalive_s():
+    """A connection idle longer than ``keepalive_s`` (below the workers' own keep-alive
+    timeout) is closed, not reused: a request is never written onto a connection the
+    worker may be closing."""
+    from router.upstream import UpstreamPool, build_head
+
+    peers: list[int] = []
+
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                peers.append(writer.get_extra_info("peername")[1])
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    up_port = srv.sockets[0].getsockname()[1]
+    pool = UpstreamPool(keepalive_s=0.2)
+    head = build_head("/v1/completions", f"127.0.0.1:{up_port}", len(BODY), b"")
+    try:
+        for pause in (0.0, 0.05, 0.4, 0.0):
+            await asyncio.sleep(pause)
+            resp = await pool.request("127.0.0.1", up_port, head, BODY, read_timeout_s=5, total_timeout_s=10)
+            assert await resp.read() == b"{}"
+            resp.release()
+            pool.check()
+        # reused after 0.05 s, a fresh one after 0.4 s (the idle one closed), reused again
+        assert peers[0] == peers[1] != peers[2] == peers[3] and pool.connects == 2
+        assert pool.idle_count() == 1
+        off = UpstreamPool(keepalive_s=0)
+        for _ in range(2):
+            resp = await off.request("127.0.0.1", up_port, head, BODY, read_timeout_s=5, total_timeout_s=10)
+            await resp.read()
+            resp.release()
+        assert off.connects == 2 and off.idle_count() == 0
+        await off.aclose()
     finally:
         await pool.aclose()
         srv.close()

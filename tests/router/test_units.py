@@ -24,6 +24,7 @@ from router.upstream import (
     Cancel,
     Cancelled,
     ConnectFailed,
+    NoAnswer,
     Response,
     ResponseTooLarge,
     UpstreamBroken,
@@ -31,6 +32,7 @@ from router.upstream import (
     build_head,
 )
 from service.auth import BearerAuth, is_loopback
+from tests.procs import free_port
 from tests.router.pools import make_pool
 
 # -------------------------------------------------------------------- pool
@@ -333,6 +335,26 @@ async def test_admission_timeout_and_cancel_hold_nothing():
     assert adm.active == 0 and adm.try_enter()
 
 
+async def test_admission_a_cancel_racing_the_hand_over_propagates_and_passes_the_slot_on():
+    """A client gone as its slot arrives (both in one loop turn: a cancel storm) is
+    cancelled, not admitted: the slot goes to the next waiter. (``asyncio.wait_for``
+    before Python 3.12 returns the result and drops the cancellation.)"""
+    adm = Admission(limit=1, max_queue=4, timeout_s=5.0, retry_after_s=1)
+    assert adm.try_enter()
+    first = asyncio.create_task(adm.enter())
+    second = asyncio.create_task(adm.enter())
+    await asyncio.sleep(0.01)
+    adm.leave()  # the slot goes to the first waiter ...
+    first.cancel()  # ... whose client left in the same turn
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.wait_for(second, 1)  # the slot passed on
+    assert adm.active == 1 and not adm._waiters
+    adm.leave()
+    assert adm.active == 0
+    adm.check()
+
+
 # ------------------------------------------------------------------ auth
 
 
@@ -450,7 +472,7 @@ async def test_parser_close_framed_and_errors():
         await r.wait_head()
     r, conn = feed_all(b"", [])
     r._lost(None)
-    with pytest.raises(ConnectFailed):
+    with pytest.raises(NoAnswer):  # the request went out: the worker may have run it
         await r.wait_head()
     r, conn = feed_all(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", [100])
     await r.wait_head()
@@ -461,6 +483,18 @@ async def test_parser_close_framed_and_errors():
     await r.wait_head()
     with pytest.raises(UpstreamBroken, match="bad chunk size"):
         await r.read()
+
+
+async def test_a_request_that_could_not_be_sent_is_connect_failed():
+    """Only a failure before the request went out says the worker never got it."""
+    pool = UpstreamPool(connect_timeout_s=1.0)
+    port = free_port()  # nobody listens: refused
+    with pytest.raises(ConnectFailed, match="cannot connect"):
+        await pool.request(
+            "127.0.0.1", port, build_head("/x", "h", 0, b""), b"", read_timeout_s=1, total_timeout_s=1
+        )
+    assert pool.connects == 0 and pool.idle_count() == 0
+    await pool.aclose()
 
 
 async def test_parser_first_byte_timeout():
