@@ -473,11 +473,11 @@ class Router:
                 for wid in list(self.index.workers()):
                     self.index.clear(wid)
                 # agents that registered with the old size are refused from now on
-                self.feedback.block_bytes = new.keys.block_bytes
+                self.feedback.configure(new.keys.block_bytes)
                 if self.bus is not None:
-                    self.bus.block_bytes = new.keys.block_bytes
+                    self.bus.configure(new.keys.block_bytes)
             self.cfg = new
-            self.pool.cfg = new
+            self.pool.configure(new)
             self.policy = policy
             self.tenants = tenants
             if tenants.salts is not self.salts:
@@ -488,8 +488,8 @@ class Router:
                     self.index.clear(wid)
                 self.salts = tenants.salts
             self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
-            self.index.max_bytes = new.index.max_bytes
-            self.body_budget.limit = new.limits.max_buffered_body_bytes
+            self.index.configure(new.index.max_bytes)
+            self.body_budget.configure(new.limits.max_buffered_body_bytes)
             self.dataplane.configure(new, policy, tenants)
             self.engines.configure(new, keyers=p.keyers)
             added, removed = self.pool.sync_config(new.workers)

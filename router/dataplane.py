@@ -190,6 +190,11 @@ class Admission:
         except ValueError:
             pass
 
+    def configure(self, limit: int, max_queue: int, timeout_s: float, retry_after_s: int) -> None:
+        """Takes reloaded limits: waiters already queued keep their place."""
+        self.limit, self.max_queue = limit, max_queue
+        self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
+
     def leave(self) -> None:
         w = self._waiters
         while w:
@@ -511,17 +516,13 @@ class DataPlane:
         self.route.configure(policy)
         self.tenants = tenants
         lim = cfg.limits
-        a = self.admission
-        a.limit, a.max_queue = lim.max_concurrency, lim.max_queue
-        a.timeout_s, a.retry_after_s = lim.queue_timeout_s, lim.retry_after_s
+        self.admission.configure(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s, lim.retry_after_s)
         self.shedder.configure(lim.worker_queue_requests, lim.worker_queue_min_s)
         self.tenancy.configure(cfg.tenancy, _named_tenants(cfg), time.monotonic())
         self.queue.configure(cfg.tenancy.queue)
-        self.prefetched.max_tracked = cfg.prefetch.max_tracked
+        self.prefetched.configure(cfg.prefetch.max_tracked)
         if self.upstream is not None:
-            self.upstream.connect_timeout_s = cfg.timeouts.connect_s
-            self.upstream.keepalive_s = cfg.timeouts.keepalive_s
-            self.upstream.body_limit = lim.max_response_bytes
+            self.upstream.configure(cfg.timeouts.connect_s, cfg.timeouts.keepalive_s, lim.max_response_bytes)
 
     def _ids(self, worker: str, ctx: RequestContext) -> list[tuple[str, str]]:
         """The headers naming an answer: its request id, the worker's id only where

@@ -50,9 +50,14 @@ class BodyBudget:
     __slots__ = ("limit", "held", "refused")
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit  # bytes; set again on reload
+        self.limit = limit  # bytes (``configure`` on reload)
         self.held = 0  # bytes taken and not given back
         self.refused = 0  # takes refused since start (a metric)
+
+    def configure(self, limit: int) -> None:
+        """Takes a reloaded ``limits.max_buffered_body_bytes`` (below ``held``: takes
+        fail until enough is given back)."""
+        self.limit = limit
 
     def take(self, n: int) -> bool:
         """Takes ``n`` bytes if they fit; False (nothing taken) if not. O(1)."""

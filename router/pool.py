@@ -112,8 +112,11 @@ class PoolTap(Protocol):
 
 
 class Worker:
-    """One worker's state. Only the ``Pool`` mutates it (request paths through the
-    pool's methods), all on the router's event loop."""
+    """One worker's state, all on the router's event loop. The ``Pool`` mutates it
+    (request paths through the pool's methods); what other components learn of it
+    they tell it through its own methods (``follow``, ``lose_stream``: the feedback's
+    event stream; ``announce``: a bus snapshot; ``attach``: its engine link). No one
+    else assigns its fields."""
 
     __slots__ = (
         "id",
@@ -203,12 +206,31 @@ class Worker:
         self._view: WorkerView | None = None  # cache; None = rebuild
         self._view_until = 0.0  # the cached view includes a report stale at this time
         self.spec = spec  # the YAML/admin entry it came from (kind, events, tokenizer...)
-        self.engine = None  # router.engines.link.EngineLink, set by router.engines
+        self.engine = None  # router.engines.link.EngineLink (``attach``)
         self.remote_in_flight = 0  # other router replicas' requests on it (router.bus)
         self.remote_tokens = 0  # and their prompt tokens not yet prefilled
         #: monotonic time until which its view reads saturated: the router refused a
         #: request it could have served (``Pool.refused``; router.shedding)
         self.refused_until = 0.0
+
+    # what other components tell a worker (they call these; none assigns its fields)
+
+    def follow(self, epoch: str, next_seq: int) -> None:
+        """router.feedback applied a batch: its stream is in ``epoch``, ``next_seq``
+        expected next."""
+        self.epoch, self.next_seq = epoch, next_seq
+
+    def lose_stream(self) -> None:
+        """Its event stream must restart with a snapshot (router.feedback)."""
+        self.epoch = None
+
+    def announce(self, models: tuple[str, ...], block_bytes: int | None, scheduling_policy: str) -> None:
+        """Its agent's latest self-description (a bus snapshot: router.bus.replica)."""
+        self.models, self.block_bytes, self.scheduling_policy = models, block_bytes, scheduling_policy
+
+    def attach(self, engine) -> None:
+        """Its engine link (router.engines; None: detached)."""
+        self.engine = engine
 
     def routable(self, now: float) -> bool:
         if self.health is not HealthState.HEALTHY or self.draining:
@@ -569,6 +591,11 @@ class Pool:
             self.remove(w.id)
             self.reaped += 1
         return [w.id for w in gone]
+
+    def configure(self, cfg: Config) -> None:
+        """Takes a reloaded config (health, breaker, registration and load settings
+        from now on); the worker list is ``sync_config``'s."""
+        self.cfg = cfg
 
     def sync_config(self, specs: Iterable[WorkerSpec]) -> tuple[list[str], list[str]]:
         """Applies a reloaded worker list: config workers not listed any more are

@@ -505,6 +505,12 @@ class UpstreamPool:
         self._closed = False
         self.connects = 0  # connections opened
 
+    def configure(self, connect_timeout_s: float, keepalive_s: float, body_limit: float) -> None:
+        """Takes reloaded timeouts and the response bound (new requests use them)."""
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
+        self.body_limit = body_limit
+
     def _put(self, conn: _Conn) -> None:
         if self._closed or conn.closed or self.keepalive_s <= 0:
             conn.close()

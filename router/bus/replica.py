@@ -217,6 +217,11 @@ class BusReplica:
 
     # ---------------------------------------------------------------- readiness
 
+    def configure(self, block_bytes: int) -> None:
+        """Takes a reloaded ``keys.block_bytes``: agents' hints in another size are
+        ignored from now on."""
+        self.block_bytes = block_bytes
+
     def _check_caught_up(self) -> bool:
         """Whether the stream is applied and the peers' counts are heard now."""
         if (
@@ -402,8 +407,7 @@ class BusReplica:
                     raise BadMessage(exc.code, str(exc)) from None
             else:
                 # a periodic snapshot is no proof of health: health checks decide that
-                w.models, w.block_bytes = m.models, m.block_bytes
-                w.scheduling_policy = m.scheduling_policy
+                w.announce(m.models, m.block_bytes, m.scheduling_policy)
         code, word = self.feedback.apply(b, now)
         self.metrics.received.labels("agent").inc()
         if word != STATUS_OK:

@@ -327,7 +327,7 @@ class Engines:
         if not self._started or self._closed or w.id in self.links:
             return
         link = self.links[w.id] = EngineLink(w, self._spec_of(w), self)
-        w.engine = link
+        w.attach(link)
         self.spaces_changed()
         asyncio.get_running_loop().create_task(link.start())
 
