@@ -81,6 +81,7 @@ from router.metrics import Metrics
 from router.pool import Pool
 from router.prefetch import PREFETCH_PATH
 from router.prefix_index import PrefixIndex
+from router.registration import RegistrationGuard
 from router.reload import build, config_file_version, prepare
 from router.scaling_signal import fleet_signal, params_from
 from router.shedding import Shedder
@@ -143,6 +144,8 @@ class Router:
         self.pool = Pool(cfg, self.index)
         self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry, keyers=p.keyers)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
+        #: who may register a worker, and at which addresses (router.registration)
+        self.registration = RegistrationGuard(self.pool, self.metrics)
         self.session: aiohttp.ClientSession | None = None  # health checks, models, warm-ups
         self._tasks: set[asyncio.Task] = set()
         #: per-request traffic log (router.traffic_log), when traffic_log.enabled
@@ -275,17 +278,25 @@ class Router:
         """A worker registered: ``/v1/models`` is recomputed at its next request."""
         self._models_cache = None
 
+    def admit_head(self, headers) -> None:
+        """What a data-plane request's head alone decides, before its body is read or
+        an admission slot taken: ``LoopDetected`` for one that came back to this
+        router (``router.hops``), ``Unauthorized`` without credentials it needs."""
+        self.dataplane.hops.check(headers)
+        self.tenants.tenant(headers)
+
     def _dataplane_route(self, endpoint: Endpoint | None):
         """The aiohttp handler of a data-plane path (a connection the raw front handed
         over, or an embedded app): credentials from the headers first, then the body
         within its deadline and the body budget, and only then ``DataPlane.serve``
         (which takes the admission slot), so a slow or unauthenticated body never
-        holds a slot. ``endpoint`` None: ``POST /v1/prefetch`` (``DataPlane.prefetch``)."""
+        holds a slot (``admit_head``). ``endpoint`` None: ``POST /v1/prefetch``
+        (``DataPlane.prefetch``)."""
 
         async def handler(request: web.Request) -> web.StreamResponse:
             lim = self.cfg.limits
             try:
-                self.tenants.tenant(request.headers)
+                self.admit_head(request.headers)
                 raw = await intake.read_body(
                     request, lim.max_body_bytes, lim.body_timeout_s, self.body_budget
                 )
@@ -559,7 +570,7 @@ class RouterServer:
             head_timeout_s=lambda: lim().header_timeout_s,
             body_timeout_s=lambda: lim().body_timeout_s,
             budget=r.body_budget,
-            authorize=lambda headers: r.tenants.tenant(headers),
+            authorize=r.admit_head,
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
         )
@@ -573,6 +584,7 @@ class RouterServer:
             raise ConfigError(
                 "listen", f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
             ) from None
+        r.registration.listening(self._front.socknames())  # no worker URL may lead here
         return self.port
 
     def _route(self, endpoint: Endpoint | None):

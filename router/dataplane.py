@@ -92,6 +92,7 @@ from router.auth import TenantResolver
 from router.config import Config
 from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink, Placement
+from router.hops import Hops
 from router.metrics import Metrics
 from router.pd import PrefillDecode
 from router.pick import hint_and_count, uncached_tokens
@@ -458,6 +459,9 @@ class DataPlane:
         pool.on_unhealthy.append(self._worker_unhealthy)
         #: disaggregated prefill/decode: the two legs of a request (router.pd)
         self.pd = PrefillDecode(self)
+        #: this router's mark on what it sends (router.hops; checked on arrival by the
+        #: listeners, router.app)
+        self.hops = Hops()
 
     def configure(self, cfg: Config, policy: Policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
@@ -826,6 +830,7 @@ class DataPlane:
         )
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank  # vLLM's rank header
+        fwd += self.hops.lines(ctx.ex.headers)  # a request that comes back is refused
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         resp = None
         cancel = Cancel()
@@ -1122,7 +1127,7 @@ class DataPlane:
             async with self.session.post(
                 w.url + endpoint.value,
                 data=payload,
-                headers={"Content-Type": _JSON, **headers, REQUEST_ID_HEADER: rid},
+                headers={"Content-Type": _JSON, **headers, **self.hops.headers(), REQUEST_ID_HEADER: rid},
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 await resp.read()

@@ -882,6 +882,11 @@ class FrontServer:
         self._sweeper = loop.create_task(self._sweep())
         return self._server.sockets[0].getsockname()[1]
 
+    def socknames(self) -> list[tuple]:
+        """The addresses it listens on (``getsockname()`` of each socket; [] before
+        ``start``)."""
+        return [s.getsockname() for s in self._server.sockets] if self._server is not None else []
+
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.idle_timeout_s))

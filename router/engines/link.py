@@ -8,7 +8,8 @@ worker's engine. Per worker::
                 block size is known (config, /metrics' cache_config_info, or events)
     events      where its KV events come from: the worker's configured ``events:``, or
                 else, for vLLM, the server's own ``GET /kv_event_sources``
-                (router.engines.event_sources); one subscriber per data-parallel rank
+                (router.engines.event_sources; only tcp:// on the worker's own
+                host); one subscriber per data-parallel rank
     ranks       a vLLM server with data parallelism (N >= 2 event sources) has N
                 prefix caches: each rank's entries are held in the index under the
                 *part* holder ``"<worker>#<rank>"`` (``holder``), the policy sees the
@@ -54,7 +55,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from protocol.errors import MissingExtra
 from protocol.events import MAX_LOAD_COUNT, Load
 from protocol.extras import require
-from router.config import WorkerSpec
+from router.config import WorkerSpec, allow_networks
 from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.capacity import LearnedCapacity, correct
 from router.engines.event_sources import (
@@ -62,6 +63,7 @@ from router.engines.event_sources import (
     SourcesCause,
     SourcesProblem,
     fetch_event_sources,
+    sources_problem,
 )
 from router.engines.keyspace import ByteSpace, SpaceKey, TokenSpace
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
@@ -535,6 +537,10 @@ class EngineLink:
             found = await self._ask_sources()
             if found is None:
                 return  # closed meanwhile
+            if not isinstance(found, SourcesProblem):
+                # the worker names these: only its own host (or registration.allow)
+                allowed = allow_networks(self.engines.cfg.registration.allow)[0]
+                found = sources_problem(found, _host(self.worker.url), allowed) or found
             if isinstance(found, SourcesProblem):
                 self._set_ranks(0)
                 self._no_events(found.cause.value, found.detail)

@@ -128,6 +128,7 @@ class EnginePrometheus:
             "Times a worker's KV events could not "
             "be followed and it was left in the approximate mode, per cause: missing (no "
             "/kv_event_sources: vLLM before 0.32), empty, disabled, malformed (its answer), "
+            "not_allowed (an endpoint it names off its own host, or not tcp://), "
             "no_tokenizer, address_in_use, endpoint_refused (the subscriber's socket), "
             "rank_rejected (the engine refused a data-parallel rank; asked again), "
             "missing_extra (pip install 'radixfleet[engines]')",
