@@ -210,10 +210,14 @@ class Router:
                 policy=lambda: self.policy,
                 agent_token=self.agent_auth.token,
                 tenancy=lambda: self.dataplane.tenancy,
+                url_check=self._check_worker_url,
             )
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
-            connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=conn,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            headers=self.dataplane.hops.headers(),  # router.hops: whatever comes back is refused
         )
         dp = self.dataplane
         dp.session = self.session
@@ -249,6 +253,11 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
             await dp.upstream.aclose()
             await self.session.close()
+
+    async def _check_worker_url(self, wid: str, url: str) -> None:
+        """The registration rule for a bus registration's URL (``router.registration``)."""
+        tokenless = not self.agent_auth.token
+        await self.registration.check_url(wid, url, self.cfg.registration, tokenless=tokenless)
 
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
@@ -370,10 +379,12 @@ class Router:
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
-            self.tenants.tenant(request.headers)  # the data plane's authentication
+            # a loop back here (router.hops), then the data plane's authentication
+            self.admit_head(request.headers)
         except RequestError as exc:
             self.metrics.rejected.labels(str(exc.status), exc.code).inc()
             return error_response(exc)
+        hop = self.dataplane.hops.headers(request.headers)
         now = time.monotonic()
         cached = self._models_cache
         if cached is not None and now - cached[0] < 2.0:
@@ -383,7 +394,7 @@ class Router:
         async def fetch(w):
             try:
                 async with self.session.get(
-                    w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+                    w.url + "/v1/models", headers=hop, timeout=aiohttp.ClientTimeout(total=2.0)
                 ) as r:
                     if r.status != 200:
                         return []

@@ -460,7 +460,7 @@ class DataPlane:
         #: disaggregated prefill/decode: the two legs of a request (router.pd)
         self.pd = PrefillDecode(self)
         #: this router's mark on what it sends (router.hops; checked on arrival by the
-        #: listeners, router.app)
+        #: listeners, router.app; the client session carries it on every other request)
         self.hops = Hops()
 
     def configure(self, cfg: Config, policy: Policy, tenants: TenantResolver) -> None:
@@ -1127,7 +1127,7 @@ class DataPlane:
             async with self.session.post(
                 w.url + endpoint.value,
                 data=payload,
-                headers={"Content-Type": _JSON, **headers, **self.hops.headers(), REQUEST_ID_HEADER: rid},
+                headers={"Content-Type": _JSON, **headers, REQUEST_ID_HEADER: rid},
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 await resp.read()

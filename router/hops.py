@@ -11,11 +11,14 @@ and queue place was taken (1,024 nested hops for one client request). With it::
                                               through, oldest first
 
     sent          every request to a worker: the data plane's tries and both legs
-                  of a disaggregated request carry the marks they arrived with plus
-                  this router's; warm-ups and prefetch fills (the router's own
-                  requests) carry this router's alone
-    on arrival    at a data-plane path, from the head, before its body is read or
-                  an admission slot taken (``check``): a mark equal to this
+                  of a disaggregated request, and GET /v1/models asked for a
+                  client's, carry the marks they arrived with plus this router's;
+                  everything else the router asks of workers on its own (warm-ups,
+                  prefetch fills, health checks, /v1/models, engine probes: the
+                  client session's default header) carries this router's alone
+    on arrival    at a data-plane path (from the head, before its body is read or
+                  an admission slot taken) and at GET /v1/models, which asks every
+                  worker's own (``check``): a mark equal to this
                   router's, or more than MAX_HOPS marks (a loop through routers
                   that each see it once), is 508 loop_detected; a value that is
                   not marks is 400
@@ -82,6 +85,9 @@ class Hops:
             return self._line
         return f"{HOP_HEADER}: {came.strip()}, {self.mark}\r\n".encode()
 
-    def headers(self) -> dict[str, str]:
-        """The hop header of a request this router makes itself (a warm-up, a prefetch)."""
-        return self._own
+    def headers(self, came=None) -> dict[str, str]:
+        """The hop header as a mapping: of a request this router makes itself (``came``
+        None: a warm-up, a health check, the client session's default), or of one
+        made for a request that arrived with headers ``came`` (``check`` passed)."""
+        prior = came.get(HOP_HEADER) if came is not None else None
+        return {HOP_HEADER: f"{prior.strip()}, {self.mark}"} if prior else self._own

@@ -46,7 +46,6 @@ from protocol.identifiers import ip_of
 from router.config import RegistrationConfig, allow_networks, in_networks
 from router.intake import Throttled
 from router.pool import Pool, Source
-from service.auth import is_loopback
 
 log = logging.getLogger("radixfleet.registration")
 
@@ -59,6 +58,11 @@ RESOLVE_TIMEOUT_S = 2.0
 AGENT_TOKEN_REQUIRED = "agent_token_required"
 WORKER_URL_IS_ROUTER = "worker_url_is_router"
 WORKER_HOST_NOT_ALLOWED = "worker_host_not_allowed"
+
+
+def _loopback(host: str) -> bool:
+    a = ip_of(host)
+    return a.is_loopback if a is not None else host == "localhost"
 
 
 def is_local(a: Address) -> bool:
@@ -88,11 +92,13 @@ class RegistrationGuard:
     the connections registrations arrive on) and one log throttle per refusal
     reason. The config is read per call (a reload may change ``registration``)."""
 
-    __slots__ = ("pool", "metrics", "_listeners", "_logs")
+    __slots__ = ("pool", "metrics", "resolver", "_listeners", "_logs")
 
-    def __init__(self, pool: Pool, metrics) -> None:
+    def __init__(self, pool: Pool, metrics, resolver=None) -> None:
         self.pool = pool  # the hosts discovery found
         self.metrics = metrics  # router.metrics.Metrics
+        #: ``await resolver(host, port)`` -> address strings (OSError: none)
+        self.resolver = resolver or getaddrinfo
         #: (address listened on, port): the router's own listeners
         self._listeners: set[tuple[Address, int]] = set()
         self._logs: dict[str, Throttled] = {}
@@ -110,17 +116,23 @@ class RegistrationGuard:
         t = self._logs.get(reason)
         if t is None:
             t = self._logs[reason] = Throttled(1.0, log)
-        t.warning("refused registration: " + msg, *args)
+        t.warning(msg, *args)
 
     def check_peer(self, tokenless: bool, peer: str | None, local: tuple | None, what: str) -> None:
         """Raises ``Forbidden`` when the agent API has no token and the request is
         not from a loopback peer to a loopback listener. ``what``: the path, logged."""
         if not tokenless:
             return
-        on = local[0] if local else ""
-        if peer and is_loopback(peer) and on and is_loopback(str(on)):
+        on = str(local[0]) if local else ""
+        if _loopback(peer or "") and _loopback(on):
             return
-        self.refused(AGENT_TOKEN_REQUIRED, "%s from %s to %s: this router has no agent token", what, peer, on)
+        self.refused(
+            AGENT_TOKEN_REQUIRED,
+            "refused %s from %s to %s: this router has no agent token (its agent API answers loopback only)",
+            what,
+            peer,
+            on,
+        )
         raise Forbidden(
             "this router has no agent token: its agent API answers only loopback peers "
             "on a loopback address; set the agent token (auth.agent_token_env) on the "
@@ -144,7 +156,12 @@ class RegistrationGuard:
         for a in addrs:
             if self._reaches_router(a, port):
                 self.refused(
-                    WORKER_URL_IS_ROUTER, "%s at %s: %s:%d is this router's own listener", wid, url, a, port
+                    WORKER_URL_IS_ROUTER,
+                    "refused registration: %s at %s: %s:%d is this router's own listener",
+                    wid,
+                    url,
+                    a,
+                    port,
                 )
                 raise UrlIsRouter(
                     f"worker URL {url} leads to this router itself ({a} port {port}); "
@@ -153,7 +170,7 @@ class RegistrationGuard:
                 )
         problem = self._host_problem(host, addrs, resolved, cfg, tokenless)
         if problem:
-            self.refused(WORKER_HOST_NOT_ALLOWED, "%s at %s: %s", wid, url, problem)
+            self.refused(WORKER_HOST_NOT_ALLOWED, "refused registration: %s at %s: %s", wid, url, problem)
             raise Forbidden(f"worker URL {url}: {problem}", code=WORKER_HOST_NOT_ALLOWED, param="url")
 
     def _host_problem(
@@ -205,16 +222,19 @@ class RegistrationGuard:
         a = ip_of(host)
         if a is not None:
             return [a], True
-        loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT_S
-            )
+            names = await asyncio.wait_for(self.resolver(host, port), RESOLVE_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, UnicodeError):
             return [], False
         out: list[Address] = []
-        for info in infos:
-            b = ip_of(str(info[4][0]))
+        for n in names:
+            b = ip_of(n)
             if b is not None and b not in out:
                 out.append(b)
         return out, bool(out)
+
+
+async def getaddrinfo(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to (the system resolver, off the loop)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(i[4][0]) for i in infos]
