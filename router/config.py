@@ -359,8 +359,9 @@ class RegistrationConfig:
     burst: int = _opt(200, "new self-registered workers admitted at once", lo=1)
     epochs_per_min: int = _opt(
         10,
-        "new epochs (agent processes) one worker may register per minute, as a burst "
-        "refilled over the minute; past it 429 with Retry-After, logged and counted",
+        "new epochs (agent processes; or ids, roles) registered at one worker URL per "
+        "minute, as a burst refilled over the minute; past it 429 epoch_churn with "
+        "Retry-After, logged and counted",
         lo=1,
     )
     allow: Annotated[tuple[str, ...], value_check(_allow_entries)] = Field(

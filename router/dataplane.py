@@ -21,7 +21,7 @@ before, by the listener: ``router.intake``, ``router.front``)::
     d      = policy.choose(RouteRequest, kr.match, views, now)
     index.insert(d.worker, its keys, now)             optimistic hint (and bus.hint)
     pool.pick(worker, uncached tokens)                load counted at pick time (pool.tap)
-    forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
+    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
     pool.finish(worker)                               on every path (client gone too)
