@@ -885,7 +885,8 @@ class FrontServer:
     def socknames(self) -> list[tuple]:
         """The addresses it listens on (``getsockname()`` of each socket; [] before
         ``start``)."""
-        return [s.getsockname() for s in self._server.sockets] if self._server is not None else []
+        server = self._server
+        return [s.getsockname() for s in server.sockets] if isinstance(server, asyncio.Server) else []
 
     async def _sweep(self) -> None:
         while True:

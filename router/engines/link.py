@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from protocol.errors import MissingExtra
 from protocol.events import MAX_LOAD_COUNT, Load
 from protocol.extras import require
-from router.config import WorkerSpec, allow_networks
+from router.config import WorkerSpec
 from router.engines.accuracy import PredictionStats, predicted_tokens
 from router.engines.capacity import LearnedCapacity, correct
 from router.engines.event_sources import (
@@ -107,6 +107,8 @@ class LinkHost(Protocol):
 
     @property
     def learn_capacity(self) -> bool: ...  # index.learn_capacity
+    @property
+    def events_allowed(self) -> tuple: ...  # registration.allow's networks (event_sources)
     def resolve(self, spec: WorkerSpec, served: tuple[str, ...]) -> WorkerSpec: ...
     async def load_keyer(self, source: str, worker: str, chat_template: str = "") -> Any: ...
     def new_scraper(self, link: EngineLink) -> Any: ...
@@ -539,8 +541,7 @@ class EngineLink:
                 return  # closed meanwhile
             if not isinstance(found, SourcesProblem):
                 # the worker names these: only its own host (or registration.allow)
-                allowed = allow_networks(self.engines.cfg.registration.allow)[0]
-                found = sources_problem(found, _host(self.worker.url), allowed) or found
+                found = sources_problem(found, _host(self.worker.url), self.engines.events_allowed) or found
             if isinstance(found, SourcesProblem):
                 self._set_ranks(0)
                 self._no_events(found.cause.value, found.detail)

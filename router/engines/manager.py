@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies.base import EMPTY_MATCH, MatchResult, RouteRequest, WorkerView
 from protocol.prefix_keys import Endpoint, PrefixKey
-from router.config import Config, WorkerSpec, resolve_engine
+from router.config import Config, WorkerSpec, allow_networks, resolve_engine
 from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.kinds import WorkerKind
 from router.engines.link import EngineLink, LinkState
@@ -368,6 +368,12 @@ class Engines:
     @property
     def learn_capacity(self) -> bool:
         return self.cfg.index.learn_capacity
+
+    @property
+    def events_allowed(self) -> tuple:
+        """Where a vLLM's ``/kv_event_sources`` may point besides the worker's own host:
+        ``registration.allow``'s networks (router.engines.event_sources)."""
+        return allow_networks(self.cfg.registration.allow)[0]
 
     async def load_keyer(self, source: str, worker: str, chat_template: str = ""):
         """The shared tokenizer of ``source`` (with ``chat_template``, vLLM's
