@@ -524,12 +524,17 @@ class Pool:
         w = self._by_id.get(wid)
         at = self._by_url.get(url)
         per_min = self.cfg.registration.epochs_per_min
-        # a known URL under a new epoch, id or role: a new process there (a brand-new
-        # URL is bounded by the new-worker rate instead)
+        # a known URL under a new epoch, id or role (a role that changes the entry:
+        # an agent's "both" says nothing to a configured one): a new process there (a
+        # brand-new URL is bounded by the new-worker rate instead)
         churn = (
             self._session is not None
             and at is not None
-            and (at.id != wid or at.registered_epoch != epoch or at.role != role)
+            and (
+                at.id != wid
+                or at.registered_epoch != epoch
+                or (at.role != role and (role != "both" or at.source is Source.AGENT))
+            )
         )
         if churn:
             wait_s = self._epochs.wait(url, per_min, self.clock())

@@ -223,6 +223,33 @@ async def test_flapping_a_url_through_ids_roles_or_epochs_spends_one_budget():
             await pool.aclose()
 
 
+async def test_re_registering_the_same_process_spends_nothing():
+    """An agent re-registers (after a 404) with its epoch; one saying role "both" at
+    a configured prefill entry says nothing about the role: neither is a new epoch."""
+    import aiohttp
+
+    url = "http://127.0.0.1:9"
+    cfg = parse_config(
+        {
+            "registration": {"epochs_per_min": 2},
+            "health": {"interval_s": 3600},
+            "workers": [
+                {"url": url, "id": "p", "role": "prefill"},
+                {"url": "http://127.0.0.1:8", "role": "decode"},
+            ],
+        }
+    )
+    pool = Pool(cfg, PrefixIndex())
+    async with aiohttp.ClientSession() as session:
+        await pool.start(session)
+        try:
+            for _ in range(10):
+                pool.register("p", url, "e0")
+            assert pool.get("p").role == "prefill" and pool.get("p").registered_epoch == "e0"
+        finally:
+            await pool.aclose()
+
+
 # ---------------------------------------------------------------- load within itself
 
 
