@@ -20,6 +20,8 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     admission_queue  at saturation, refused requests wait: by class, then fair share
     fair_share    tenants under their share of what was admitted lately: shed later
     feedback      agents' event batches applied to the index and the pool
+    registration  who may register a worker, at which addresses (never the router)
+    hops          the router's mark on what it sends: a request that comes back is 508
     config, reload  the YAML schema and ``check-config``; hot reload
     config_reference  deploy/README's key tables generated from the schema
     auth, http_api, admin_api, agent_api  tokens and tenants; the aiohttp endpoints

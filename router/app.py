@@ -82,6 +82,7 @@ from router.metrics import Metrics
 from router.pool import Pool
 from router.prefetch import PREFETCH_PATH
 from router.prefix_index import PrefixIndex
+from router.registration import RegistrationGuard
 from router.reload import ConfigWatch, build, check_downgrade, failure_reason, prepare
 from router.scaling_signal import fleet_signal, params_from
 from router.shedding import Shedder
@@ -144,6 +145,8 @@ class Router:
         self.pool = Pool(cfg, self.index)
         self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry, keyers=p.keyers)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
+        #: who may register a worker, and at which addresses (router.registration)
+        self.registration = RegistrationGuard(self.pool, self.metrics)
         self.session: aiohttp.ClientSession | None = None  # health checks, models, warm-ups
         self._tasks: set[asyncio.Task] = set()
         #: per-request traffic log (router.traffic_log), when traffic_log.enabled
@@ -209,10 +212,14 @@ class Router:
                 policy=lambda: self.policy,
                 agent_token=self.agent_auth.token,
                 tenancy=lambda: self.dataplane.tenancy,
+                url_check=self._check_worker_url,
             )
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
-            connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=conn,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            headers=self.dataplane.hops.headers(),  # router.hops: whatever comes back is refused
         )
         dp = self.dataplane
         dp.session = self.session
@@ -251,6 +258,11 @@ class Router:
             await dp.upstream.aclose()
             await self.session.close()
 
+    async def _check_worker_url(self, wid: str, url: str) -> None:
+        """The registration rule for a bus registration's URL (``router.registration``)."""
+        tokenless = not self.agent_auth.token
+        await self.registration.check_url(wid, url, self.cfg.registration, tokenless=tokenless)
+
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
@@ -279,17 +291,25 @@ class Router:
         """A worker registered: ``/v1/models`` is recomputed at its next request."""
         self._models_cache = None
 
+    def admit_head(self, headers) -> None:
+        """What a data-plane request's head alone decides, before its body is read or
+        an admission slot taken: ``LoopDetected`` for one that came back to this
+        router (``router.hops``), ``Unauthorized`` without credentials it needs."""
+        self.dataplane.hops.check(headers)
+        self.tenants.tenant(headers)
+
     def _dataplane_route(self, endpoint: Endpoint | None):
         """The aiohttp handler of a data-plane path (a connection the raw front handed
         over, or an embedded app): credentials from the headers first, then the body
         within its deadline and the body budget, and only then ``DataPlane.serve``
         (which takes the admission slot), so a slow or unauthenticated body never
-        holds a slot. ``endpoint`` None: ``POST /v1/prefetch`` (``DataPlane.prefetch``)."""
+        holds a slot (``admit_head``). ``endpoint`` None: ``POST /v1/prefetch``
+        (``DataPlane.prefetch``)."""
 
         async def handler(request: web.Request) -> web.StreamResponse:
             lim = self.cfg.limits
             try:
-                self.tenants.tenant(request.headers)
+                self.admit_head(request.headers)
                 raw = await intake.read_body(
                     request, lim.max_body_bytes, lim.body_timeout_s, self.body_budget
                 )
@@ -363,10 +383,12 @@ class Router:
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
-            self.tenants.tenant(request.headers)  # the data plane's authentication
+            # a loop back here (router.hops), then the data plane's authentication
+            self.admit_head(request.headers)
         except RequestError as exc:
             self.metrics.rejected.labels(str(exc.status), exc.code).inc()
             return error_response(exc)
+        hop = self.dataplane.hops.headers(request.headers)
         now = time.monotonic()
         cached = self._models_cache
         if cached is not None and now - cached[0] < 2.0:
@@ -376,7 +398,7 @@ class Router:
         async def fetch(w):
             try:
                 async with self.session.get(
-                    w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+                    w.url + "/v1/models", headers=hop, timeout=aiohttp.ClientTimeout(total=2.0)
                 ) as r:
                     if r.status != 200:
                         return []
@@ -573,7 +595,7 @@ class RouterServer:
             head_timeout_s=lambda: lim().header_timeout_s,
             body_timeout_s=lambda: lim().body_timeout_s,
             budget=r.body_budget,
-            authorize=lambda headers: r.tenants.tenant(headers),
+            authorize=r.admit_head,
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
             on_gone=lambda phase: gone.labels(phase).inc(),
@@ -588,6 +610,7 @@ class RouterServer:
             raise ConfigError(
                 "listen", f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
             ) from None
+        r.registration.listening(self._front.socknames())  # no worker URL may lead here
         return self.port
 
     def _route(self, endpoint: Endpoint | None):

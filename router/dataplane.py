@@ -17,7 +17,7 @@ before, by the listener: ``router.intake``, ``router.front``)::
         Hold   -> the admission queue (tenancy.queue), then route.resume
         Admitted (a disaggregated fleet) -> router.pd picks its two legs
         Route  -> forwarded below; a retry asks the core again, the tried excluded
-    forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
+    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
     pool.finish(worker)                               on every path (client gone too)
@@ -91,6 +91,7 @@ from router.auth import TenantResolver
 from router.config import Config
 from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink
+from router.hops import Hops
 from router.metrics import Metrics
 from router.pd import PrefillDecode
 from router.pool import Pool, Worker
@@ -475,6 +476,9 @@ class DataPlane:
         pool.on_unhealthy.append(self._worker_unhealthy)
         #: disaggregated prefill/decode: the two legs of a request (router.pd)
         self.pd = PrefillDecode(self)
+        #: this router's mark on what it sends (router.hops; checked on arrival by the
+        #: listeners, router.app; the client session carries it on every other request)
+        self.hops = Hops()
         #: every decision: views, keys, admission, choice, placement (router.route)
         self.route = RouteCore(
             RouteParts(
@@ -832,6 +836,7 @@ class DataPlane:
         )
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank  # vLLM's rank header
+        fwd += self.hops.lines(ctx.ex.headers)  # a request that comes back is refused
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         resp = None
         cancel = Cancel()

@@ -903,6 +903,12 @@ class FrontServer:
         self._sweeper = loop.create_task(self._sweep())
         return self._server.sockets[0].getsockname()[1]
 
+    def socknames(self) -> list[tuple]:
+        """The addresses it listens on (``getsockname()`` of each socket; [] before
+        ``start``)."""
+        server = self._server
+        return [s.getsockname() for s in server.sockets] if isinstance(server, asyncio.Server) else []
+
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.idle_timeout_s))

@@ -39,7 +39,11 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
       radixfleet_index_evicted_entries_total (counter)
     radixfleet_events_applied_total{type}, radixfleet_event_batches_total{status}
     radixfleet_registrations_refused_total{reason}    block_bytes_mismatch,
-                                                      worker_id_taken, overloaded
+                                                      worker_id_taken, overloaded,
+                                                      epoch_churn, worker_url_is_router,
+                                                      worker_host_not_allowed,
+                                                      agent_token_required
+                                                      (router.registration)
     radixfleet_workers_reaped_total                   self-registered workers removed
                                                       after unhealthy_grace_s
     radixfleet_peer_hangups_total{path}               agent API peers that hung up

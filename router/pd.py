@@ -339,6 +339,7 @@ class PrefillDecode:
         )
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank
+        fwd += dp.hops.lines(ctx.ex.headers)  # router.hops
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         ok: bool | None = False
         resp = None

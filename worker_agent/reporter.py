@@ -264,7 +264,14 @@ class Reporter(Lifecycle):
                                 (data.get("error") or {}).get("message", "role conflict"),
                             )
                         else:
-                            log.warning("router %s refused registration: HTTP %d", link.base, code)
+                            err = data.get("error")
+                            why = err.get("message") if isinstance(err, dict) else None
+                            log.warning(
+                                "router %s refused registration: HTTP %d%s (will keep retrying)",
+                                link.base,
+                                code,
+                                f": {str(why)[:300]}" if why else "",
+                            )
                     return
                 link.refused = None
                 # a router that reads tiers says so (protocol.events, "KV tiers")

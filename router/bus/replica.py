@@ -69,7 +69,7 @@ from protocol.bus_wire import (
     parse_load,
     parse_router,
 )
-from protocol.errors import Conflict, Overloaded
+from protocol.errors import Conflict, Overloaded, RequestError
 from protocol.events import STATUS_OK
 from protocol.extras import require
 from protocol.identifiers import MAX_NAME_CHARS
@@ -115,6 +115,7 @@ class BusReplica:
         policy=lambda: None,
         agent_token: bytes = b"",
         tenancy=lambda: None,
+        url_check=None,
     ) -> None:
         # the agent credential signs and checks every message (protocol.bus_wire.BusKey)
         check_exposure(cfg.url, agent_token, "bus.url")
@@ -130,6 +131,9 @@ class BusReplica:
         self.policy = policy
         #: the router's router.tenancy.Tenancy (None: no limits shared)
         self.tenancy = tenancy
+        #: ``await url_check(worker_id, url)`` raises a ``RequestError`` for a worker URL
+        #: that may not be registered (router.registration); None: not checked
+        self.url_check = url_check
         self._hot = None  # the HotRoots we listen to
         self._repl: list[tuple[str, int, int, str]] = []
         self.replica = cfg.replica_id or default_replica_id()
@@ -355,7 +359,10 @@ class BusReplica:
         try:
             self.key.verify(msg.subject, msg.data, msg.headers, stored)
             token = msg.subject.rsplit(".", 1)[-1]
-            self._apply_agent(parse_agent(msg.data, token), now)
+            m = parse_agent(msg.data, token)
+            if m.register and self.url_check is not None:
+                await self._check_url(m)
+            self._apply_agent(m, now)
         except BadMessage as exc:
             self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
         except Exception:  # noqa: BLE001 - a peer's message must never stop the consumer
@@ -381,6 +388,23 @@ class BusReplica:
         if w is not None:
             self.pool.report_load(w, b.load, self.clock())
             self.metrics.received.labels("load").inc()
+
+    async def _check_url(self, m) -> None:
+        """``BadMessage`` for a registration whose URL may not be registered (what
+        ``POST /register`` refuses: the router itself, a host outside
+        ``registration.allow``); the guard counts and logs it."""
+        b = m.batch
+        try:
+            url = parse_worker_url(b.url, "url")
+        except ConfigError as exc:
+            raise BadMessage("bad_register", str(exc)) from None
+        w = self.pool.get(b.worker_id)
+        if w is not None and w.url == url:
+            return  # registered at this URL already
+        try:
+            await self.url_check(b.worker_id, url)
+        except RequestError as exc:
+            raise BadMessage(exc.code, exc.message) from None
 
     def _apply_agent(self, m, now: float) -> None:
         b = m.batch
