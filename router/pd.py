@@ -65,7 +65,7 @@ from protocol.errors import NoWorkerAvailable
 from protocol.prefix_keys import Endpoint
 from router.engines.kinds import WorkerKind
 from router.tenancy import PRIORITIES
-from router.upstream import Cancel, UpstreamError, build_head
+from router.upstream import Cancel, UpstreamError, build_head, finish_outcome
 
 if TYPE_CHECKING:
     from router.engines.keyspace import KeyedRequest
@@ -332,6 +332,7 @@ class PrefillDecode:
                 )
                 data = await resp.read()
             except UpstreamError as exc:
+                ok = finish_outcome(exc)  # the router's own deadline or limit: not w's fault
                 if exc.cause == "connect":
                     dp.pool.check_soon(w)
                 raise _PrefillFailed(f"{exc.cause}: {exc}") from None
