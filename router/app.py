@@ -545,6 +545,7 @@ class RouterServer:
                 cap,
             )
         refused = r.metrics.connections_refused
+        dropped = r.metrics.slow_clients_dropped
         fallback = http_errors.factory(
             self._runner,
             access_log=None,
@@ -562,6 +563,9 @@ class RouterServer:
             authorize=lambda headers: r.tenants.tenant(headers),
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
+            client_idle_s=lambda: r.cfg.timeouts.client_idle_s,
+            total_s=lambda: r.cfg.timeouts.total_s,
+            on_dropped=lambda reason: dropped.labels(reason).inc(),
         )
         # Routable as soon as it listens: the first health round (bounded by one
         # check's timeout) runs before the socket opens.

@@ -78,6 +78,10 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_connections_refused_total{reason}      client connections at limits.max_connections:
                                                       idle_closed (longest-idle one closed to make
                                                       room) | at_capacity (the new one refused, 429)
+    radixfleet_slow_clients_dropped_total{reason}     clients dropped for not taking their
+                                                      answer (router.front): idle (none of
+                                                      it for timeouts.client_idle_s) |
+                                                      deadline (timeouts.total_s passed)
     radixfleet_body_bytes_held                        request body bytes held (router.intake's
                                                       budget, limits.max_buffered_body_bytes)
     radixfleet_config_reloads_total, radixfleet_config_reload_failures_total
@@ -266,6 +270,12 @@ class Metrics:
         self.connections_refused = Counter(
             "radixfleet_connections_refused",
             "Client connections closed or refused at the connection cap",
+            ["reason"],
+            registry=r,
+        )
+        self.slow_clients_dropped = Counter(
+            "radixfleet_slow_clients_dropped",
+            "Client connections dropped for not taking their answer, by the deadline that passed",
             ["reason"],
             registry=r,
         )

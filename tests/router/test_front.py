@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import tracemalloc
 
@@ -19,7 +20,7 @@ from radixfleet.bench.proxy import upstream_app
 from router import intake
 from router.app import Router, RouterServer
 from router.config import parse_config
-from router.front import FrontServer
+from router.front import ClientDropped, FrontServer
 from tests.procs import free_port
 from tests.router.front_fleet import (
     BODY,
@@ -373,6 +374,101 @@ async def test_a_chunked_body_is_held_once():
     assert out.startswith(b"HTTP/1.1 200"), out
     assert seen["len"] == size and seen["ok"]
     assert seen["peak"] - base < 1.5 * size, f"peak {(seen['peak'] - base) / size:.2f}x the body"
+
+
+def _never_reads(port: int, requests: bytes) -> socket.socket:
+    """A client with a 4 KiB receive buffer that sends ``requests`` and reads nothing."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(requests)
+    return s
+
+
+async def _until(cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "not within the deadline"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_reply_the_client_never_takes_holds_its_pipeline_then_is_dropped():
+    """A 16 MiB reply to a client that pipelined a second request and reads nothing:
+    the second is not served while the first is unsent (a buffer per reply, not per
+    request pipelined), and the connection is reset once the client took nothing for
+    client_idle_s, counted as ``idle``."""
+    served: list[float] = []
+    drops: list[str] = []
+
+    async def handler(ex) -> None:
+        await ex.body(1 << 20)
+        served.append(time.monotonic())
+        ex.reply(200, b"x" * (16 << 20), "application/octet-stream", [])
+
+    front = FrontServer(
+        {b"/v1/completions": handler},
+        None,
+        lambda: 1 << 20,
+        client_idle_s=lambda: 0.3,
+        on_dropped=drops.append,
+    )
+    port = await front.start("127.0.0.1", 0)
+    s = _never_reads(port, post(b"/v1/completions", b"{}") * 2)
+    try:
+        t0 = time.monotonic()
+        await _until(lambda: drops, 5.0)
+        assert drops == ["idle"] and len(served) == 1
+        assert time.monotonic() - t0 >= 0.3
+        await _until(lambda: not front._conns, 2.0)
+        s.setblocking(False)
+        with pytest.raises(ConnectionResetError):  # what it had buffered, then the reset
+            while s.recv(1 << 20):
+                pass
+    finally:
+        s.close()
+        await front.aclose(1.0)
+
+
+async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
+    """A stream to a client that reads nothing, with client_idle_s longer than the
+    request's total deadline: the handler's write fails with ``ClientDropped`` at the
+    deadline, counted as ``deadline``; a client that reads gets the same stream whole."""
+    ended: list = []
+    drops: list[str] = []
+
+    async def handler(ex) -> None:
+        await ex.body(1 << 20)
+        await ex.stream_start("text/event-stream", [])
+        t0 = time.monotonic()
+        try:
+            for _ in range(256):  # 16 MiB: more than any socket buffer holds
+                await ex.stream_write(b"x" * (64 << 10))
+            await ex.stream_end()
+            ended.append(("done", time.monotonic() - t0))
+        except ClientDropped:
+            ended.append(("dropped", time.monotonic() - t0))
+            raise
+
+    front = FrontServer(
+        {b"/v1/completions": handler},
+        None,
+        lambda: 1 << 20,
+        client_idle_s=lambda: 60.0,
+        total_s=lambda: 0.5,
+        on_dropped=drops.append,
+    )
+    port = await front.start("127.0.0.1", 0)
+    s = _never_reads(port, post(b"/v1/completions", b"{}"))
+    try:
+        await _until(lambda: ended, 5.0)
+        assert ended[0][0] == "dropped" and 0.3 < ended[0][1] < 2.0, ended
+        assert drops == ["deadline"]
+        front.total_s = lambda: 30.0
+        out = await raw(port, post(b"/v1/completions", b"{}"), until=b"0\r\n\r\n", read_s=20.0)
+        assert out.endswith(b"0\r\n\r\n") and ended[1][0] == "done", ended
+    finally:
+        s.close()
+        await front.aclose(1.0)
 
 
 async def test_a_chunked_body_read_by_aiohttp_is_held_once():
