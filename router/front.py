@@ -35,16 +35,13 @@ request without valid credentials is refused from its headers (``authorize``),
 before its body is read.
 
 What a client that does not read holds after: its transport's buffer, where a
-writer waits while more than ``_WRITE_HIGH`` bytes are unsent (at most one write
-more: a relayed stream writes at most ``router.upstream.STREAM_HIGH`` at a time, and
-reads nothing from the worker while it waits), for at most ``client_idle_s()`` per
-wait and the request's ``total_s()`` in all. Past either the connection is dropped
-(reset: its unsent bytes discarded), which ends the handler's writes with
-``ClientDropped``, frees its slot and cancels its upstream request, logged
-(throttled) and counted (``on_dropped(reason)``: ``idle`` | ``deadline``). A reply's
-unsent bytes are waited for the same way before the next pipelined request is
-served, and a connection closed with bytes unsent is aborted after
-``client_idle_s()``.
+writer waits while more than ``router.slow_clients.WRITE_HIGH`` bytes are unsent (at
+most one write more: a relayed stream writes at most ``router.upstream.STREAM_HIGH``
+at a time, and reads nothing from the worker while it waits), within the deadlines
+of ``router.slow_clients`` (``slow``): past them the connection is reset and the
+handler's write raises ``ClientDropped``. A reply's unsent bytes are waited for the
+same way before the next pipelined request is served, and a connection closed with
+bytes unsent is aborted after ``client_idle_s()``.
 
 Why httptools and not aiohttp's server: ``router.upstream``'s docstring.
 """
@@ -58,28 +55,20 @@ import json
 import logging
 import re
 import socket
-import struct
 import time as _time
 
 import httptools
 
 from protocol.errors import PayloadTooLarge, RequestError
 from router.intake import BodyBudget, Throttled
+from router.slow_clients import WRITE_HIGH, SlowClients, reset
 from router.upstream import MAX_HEAD
 
 log = logging.getLogger("radixfleet.front")
 
 _PHRASES = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_PIPELINE = 1 << 20  # bytes received while busy before reading pauses
-_WRITE_HIGH = 64 * 1024  # bytes unsent to a client past which its writer waits (drain)
-_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
 _LINGER_S = 2.0  # how long a connection closing after an answer drains its client
-
-
-class ClientDropped(ConnectionResetError):
-    """The client took nothing of its answer for ``client_idle_s()``, or the request's
-    total deadline passed while it did not: its connection was dropped
-    (``_FrontConn.drain``). A ``ConnectionResetError``: to the handler, a client gone."""
 
 
 class _Stop(Exception):
@@ -294,7 +283,7 @@ class FrontExchange:
         req.held = 0
         self.result = None
         #: monotonic time the exchange must be over by, waits for its client included
-        self.deadline = _time.monotonic() + conn.server.total_s()
+        self.deadline = _time.monotonic() + conn.server.slow.total_s()
 
     async def body(self, limit: int) -> bytes | bytearray:
         if self.refusal is not None:
@@ -417,7 +406,7 @@ class _FrontConn(asyncio.Protocol):
         if not self.server._admit(self):
             return
         self.server._conns.add(self)
-        transport.set_write_buffer_limits(high=_WRITE_HIGH)
+        transport.set_write_buffer_limits(high=WRITE_HIGH)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -526,51 +515,33 @@ class _FrontConn(asyncio.Protocol):
 
     async def drain(self, deadline: float) -> None:
         """Waits until the client has taken enough of what is buffered for it that
-        writing goes on. When it takes nothing for ``client_idle_s()``, or the
-        monotonic ``deadline`` passes first, the connection is dropped and
-        ``ClientDropped`` raised."""
+        writing goes on; drops it (``router.slow_clients``: ``ClientDropped``) when it
+        takes nothing for ``client_idle_s()``, or the monotonic ``deadline`` passes
+        first."""
         if self.closed:
             raise ConnectionResetError("client disconnected")
         if not self.paused:
             return
-        idle_s = self.server.client_idle_s()
-        left = deadline - _time.monotonic()
+        wait_s, reason = self.server.slow.wait(deadline, _time.monotonic())
         loop = asyncio.get_running_loop()
         d = self._drain
         if d is None:
             d = self._drain = loop.create_future()
-        if idle_s <= left:
-            timer = loop.call_later(idle_s, self._stalled, d, "idle", idle_s)
-        else:
-            timer = loop.call_later(max(left, 0.0), self._stalled, d, "deadline", idle_s)
+        timer = loop.call_later(wait_s, self._stalled, d, reason)
         try:
             await d
         finally:
             timer.cancel()
 
-    def _stalled(self, d: asyncio.Future, reason: str, idle_s: float) -> None:
+    def _stalled(self, d: asyncio.Future, reason: str) -> None:
         """``drain``'s timer: the client took nothing in time; drops the connection."""
         if d.done():
             return
-        self.server._dropped(self, reason, idle_s)
         self.closed = True
         # the waiting handler is woken with this before connection_lost (which the
-        # abort schedules after it) could cancel it instead
-        d.set_exception(
-            ClientDropped(
-                f"the client took none of its answer for {idle_s:g}s"
-                if reason == "idle"
-                else "the request's total deadline passed while its client was not reading"
-            )
-        )
-        t = self.transport
-        sock = t.get_extra_info("socket")
-        if sock is not None:
-            try:  # a reset: the kernel discards the unsent bytes too, and the client knows
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
-            except OSError:
-                pass
-        t.abort()  # close() would keep the unsent bytes until they are read
+        # reset schedules after it) could cancel it instead
+        d.set_exception(self.server.slow.dropped(self.transport, reason))
+        reset(self.transport)
 
     def close(self) -> None:
         if not self.closed:
@@ -580,7 +551,7 @@ class _FrontConn(asyncio.Protocol):
             if t.get_write_buffer_size():
                 # a closing transport stays open until its buffer is sent: a client
                 # that reads nothing would hold it, and the descriptor, for ever
-                asyncio.get_running_loop().call_later(self.server.client_idle_s(), t.abort)
+                asyncio.get_running_loop().call_later(self.server.slow.client_idle_s(), t.abort)
 
     def linger(self) -> None:
         """Closes once the client has had the answer: ends our side (FIN), discards
@@ -911,9 +882,8 @@ class FrontServer:
     router will refuse whatever its body (no credentials), checked before the body
     is read; ``max_connections()`` caps the client connections, handed-over ones
     included; ``on_refused(reason)`` counts a connection closed or refused at the cap
-    (``idle_closed`` | ``at_capacity``). ``client_idle_s()`` and ``total_s()`` bound
-    the waits for a client to take its answer (module docstring); ``on_dropped(reason)``
-    counts a client dropped for not reading (``idle`` | ``deadline``).
+    (``idle_closed`` | ``at_capacity``). ``slow`` bounds the waits for a client to
+    take its answer (``router.slow_clients``; shared with the aiohttp side).
 
     Lifecycle: ``await start(host, port)`` -> listening; ``await aclose(timeout)``
     stops accepting, closes idle connections, lets in-flight requests finish for
@@ -932,9 +902,7 @@ class FrontServer:
         authorize=None,
         max_connections=lambda: 8192,
         on_refused=None,
-        client_idle_s=lambda: 15.0,
-        total_s=lambda: 3600.0,
-        on_dropped=None,
+        slow: SlowClients | None = None,
     ) -> None:
         self.routes = routes
         self.fallback = fallback
@@ -951,12 +919,8 @@ class FrontServer:
         #: (one byte every few seconds must not hold a connection forever)
         self.head_timeout_s = head_timeout_s
         self.body_timeout_s = body_timeout_s
-        #: callables -> seconds: the longest a client may take none of its answer, and
-        #: a request's whole time, waits for its client included (then it is dropped)
-        self.client_idle_s = client_idle_s
-        self.total_s = total_s
-        self.on_dropped = on_dropped
-        self._drops = Throttled(logger=log)
+        #: the deadlines of the waits for a client to take its answer
+        self.slow = slow if slow is not None else SlowClients()
         self.closing = False
         self._conns: set[_FrontConn] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -1033,22 +997,6 @@ class FrontServer:
         if self.on_refused is not None:
             self.on_refused(reason)
         return reason == "idle_closed"
-
-    def _dropped(self, conn: _FrontConn, reason: str, idle_s: float) -> None:
-        """Logs (at most every 10 s, with a count) and counts a client dropped for not
-        reading."""
-        peer = conn.transport.get_extra_info("peername")
-        who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
-        if reason == "idle":
-            self._drops.warning(
-                "client %s took none of its answer for %gs (timeouts.client_idle_s): dropped", who, idle_s
-            )
-        else:
-            self._drops.warning(
-                "client %s was not reading at its request's total deadline (timeouts.total_s): dropped", who
-            )
-        if self.on_dropped is not None:
-            self.on_dropped(reason)
 
     def _give(self, req: _PendingRequest) -> None:
         """Gives back the body bytes ``req`` holds of the budget."""

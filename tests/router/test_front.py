@@ -20,7 +20,8 @@ from radixfleet.bench.proxy import upstream_app
 from router import intake
 from router.app import Router, RouterServer
 from router.config import parse_config
-from router.front import ClientDropped, FrontServer
+from router.front import FrontServer
+from router.slow_clients import ClientDropped, SlowClients
 from tests.procs import free_port
 from tests.router.front_fleet import (
     BODY,
@@ -409,8 +410,7 @@ async def test_a_reply_the_client_never_takes_holds_its_pipeline_then_is_dropped
         {b"/v1/completions": handler},
         None,
         lambda: 1 << 20,
-        client_idle_s=lambda: 0.3,
-        on_dropped=drops.append,
+        slow=SlowClients(lambda: 0.3, on_dropped=drops.append),
     )
     port = await front.start("127.0.0.1", 0)
     s = _never_reads(port, post(b"/v1/completions", b"{}") * 2)
@@ -453,9 +453,7 @@ async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
         {b"/v1/completions": handler},
         None,
         lambda: 1 << 20,
-        client_idle_s=lambda: 60.0,
-        total_s=lambda: 0.5,
-        on_dropped=drops.append,
+        slow=SlowClients(lambda: 60.0, lambda: 0.5, drops.append),
     )
     port = await front.start("127.0.0.1", 0)
     s = _never_reads(port, post(b"/v1/completions", b"{}"))
@@ -463,12 +461,50 @@ async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
         await _until(lambda: ended, 5.0)
         assert ended[0][0] == "dropped" and 0.3 < ended[0][1] < 2.0, ended
         assert drops == ["deadline"]
-        front.total_s = lambda: 30.0
+        front.slow.total_s = lambda: 30.0
         out = await raw(port, post(b"/v1/completions", b"{}"), until=b"0\r\n\r\n", read_s=20.0)
         assert out.endswith(b"0\r\n\r\n") and ended[1][0] == "done", ended
     finally:
         s.close()
         await front.aclose(1.0)
+
+
+async def test_a_stream_on_a_handed_over_connection_is_dropped_too():
+    """GET /health, then a streamed completion the client never reads, on one
+    connection: the aiohttp side serves it (the connection was handed over) under the
+    same client_idle_s, so the client is dropped, counted, and its slot and upstream
+    request freed."""
+    up = web.AppRunner(upstream_app("u", model="m"), access_log=None)
+    await up.setup()
+    up_port = free_port()
+    await web.TCPSite(up, "127.0.0.1", up_port).start()
+    router = Router(
+        parse_config(
+            {
+                "workers": [{"url": f"http://127.0.0.1:{up_port}", "id": "u"}],
+                "health": HEALTH,
+                "timeouts": {"client_idle_s": 0.3},
+            }
+        )
+    )
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    body = json.dumps(
+        {"model": "m", "prompt": "hi", "stream": True, "chunks": 10**9, "events_per_write": 64}
+    ).encode()
+    s = None
+    try:
+        await _until(lambda: router.pool.views(time.monotonic()), 5.0)
+        s = _never_reads(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"/v1/completions", body))
+        dropped = router.metrics.slow_clients_dropped.labels("idle")
+        await _until(lambda: dropped._value.get() == 1, 10.0)
+        await _until(lambda: router.dataplane.admission.active == 0, 2.0)
+        assert router.pool.get("u").in_flight == 0
+    finally:
+        if s is not None:
+            s.close()
+        await server.aclose()
+        await up.cleanup()
 
 
 async def test_a_chunked_body_read_by_aiohttp_is_held_once():
