@@ -524,12 +524,17 @@ class _FrontConn(asyncio.Protocol):
             return
         wait_s, reason = self.server.slow.wait(deadline, _time.monotonic())
         loop = asyncio.get_running_loop()
-        d = self._drain
-        if d is None:
-            d = self._drain = loop.create_future()
-        timer = loop.call_later(wait_s, self._stalled, d, reason)
+        if self._drain is None:
+            self._drain = loop.create_future()
+        timer = loop.call_later(wait_s, self._stalled, self._drain, reason)
         try:
-            await d
+            await self._drain
+        except BaseException:
+            # the future holds the exception, whose traceback holds this frame and so
+            # this connection: let go of it, or the cycle keeps the stream's buffers
+            # until a full collection (rare: router.prefix_index raises the thresholds)
+            self._drain = None
+            raise
         finally:
             timer.cancel()
 

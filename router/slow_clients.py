@@ -100,7 +100,7 @@ class SlowClients:
             return await write
         except ConnectionError:
             if dropped:
-                raise dropped[0] from None
+                raise dropped.pop() from None  # no name left holding it: no cycle
             raise
         finally:
             timer.cancel()

@@ -293,6 +293,10 @@ class Response:
         """Returns the connection to its pool if reusable, else closes it. Idempotent."""
         self._chunks.clear()  # whatever was not taken goes now, not with the next gc
         self._whole = None
+        if self._err is not None:
+            # raised from here, it carries its consumer's frames, which hold this
+            # response: a cycle the collector takes only at a full collection
+            self._err.__traceback__ = None
         conn = self._conn
         if conn is None:
             return

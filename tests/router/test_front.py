@@ -6,10 +6,12 @@ connection. Plus warm-ups and /metrics."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import time
 import tracemalloc
+import weakref
 
 import httpx
 import pytest
@@ -429,12 +431,19 @@ async def test_a_reply_the_client_never_takes_holds_its_pipeline_then_is_dropped
         await front.aclose(1.0)
 
 
+class _Chunk(bytearray):
+    """A piece of a stream that a weak reference can follow."""
+
+
 async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
     """A stream to a client that reads nothing, with client_idle_s longer than the
     request's total deadline: the handler's write fails with ``ClientDropped`` at the
-    deadline, counted as ``deadline``; a client that reads gets the same stream whole."""
+    deadline, counted as ``deadline``, and no reference cycle keeps what it wrote (the
+    router's collector runs seldom: router.prefix_index); a client that reads gets the
+    same stream whole."""
     ended: list = []
     drops: list[str] = []
+    written: list[weakref.ref] = []
 
     async def handler(ex) -> None:
         await ex.body(1 << 20)
@@ -442,7 +451,10 @@ async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
         t0 = time.monotonic()
         try:
             for _ in range(256):  # 16 MiB: more than any socket buffer holds
-                await ex.stream_write(b"x" * (64 << 10))
+                chunk = _Chunk(64 << 10)
+                written.append(weakref.ref(chunk))
+                await ex.stream_write(chunk)
+                del chunk
             await ex.stream_end()
             ended.append(("done", time.monotonic() - t0))
         except ClientDropped:
@@ -457,14 +469,20 @@ async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
     )
     port = await front.start("127.0.0.1", 0)
     s = _never_reads(port, post(b"/v1/completions", b"{}"))
+    gc.disable()
     try:
         await _until(lambda: ended, 5.0)
         assert ended[0][0] == "dropped" and 0.3 < ended[0][1] < 2.0, ended
         assert drops == ["deadline"]
+        await _until(lambda: not front._conns, 2.0)
+        await asyncio.sleep(0.05)
+        assert [r for r in written if r() is not None] == [], "a cycle holds the dropped stream's writes"
+        gc.enable()
         front.slow.total_s = lambda: 30.0
         out = await raw(port, post(b"/v1/completions", b"{}"), until=b"0\r\n\r\n", read_s=20.0)
         assert out.endswith(b"0\r\n\r\n") and ended[1][0] == "done", ended
     finally:
+        gc.enable()
         s.close()
         await front.aclose(1.0)
 
