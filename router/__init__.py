@@ -4,7 +4,8 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
 
     cli           ``radixfleet router``; app: the ``Router`` composition root
     front         the raw HTTP/1.1 data-plane listener; intake: what a client may
-                  hold before admission (body budget, connection cap)
+                  hold before admission (body budget, connection cap); slow_clients:
+                  how long it may take to read its answer (both listeners)
     dataplane     one request: admission, keying, match, shedding, pick, upstream
     pd            disaggregated prefill/decode: a request's prefill and decode legs
     upstream, sse the HTTP/1.1 client to workers; SSE pass-through, first content token
