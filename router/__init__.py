@@ -4,7 +4,8 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
 
     cli           ``radixfleet router``; app: the ``Router`` composition root
     front         the raw HTTP/1.1 data-plane listener; intake: what a client may
-                  hold before admission (body budget, connection cap)
+                  hold before admission (body budget, connection cap); slow_clients:
+                  how long it may take to read its answer (both listeners)
     route         the route core, sans I/O: views, keys, admission, choice, placement
     dataplane     one request's I/O around the route core: body, upstream, answers
     pd            disaggregated prefill/decode: a request's prefill and decode legs

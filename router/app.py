@@ -86,6 +86,7 @@ from router.registration import RegistrationGuard
 from router.reload import ConfigWatch, build, check_downgrade, failure_reason, prepare
 from router.scaling_signal import fleet_signal, params_from
 from router.shedding import Shedder
+from router.slow_clients import WRITE_HIGH, SlowClients
 from router.traffic_log import TrafficLog
 from router.upstream import UpstreamPool
 from service import http_errors, jsonbody
@@ -167,6 +168,13 @@ class Router:
         self._models_cache: tuple[float, dict] | None = None
         #: request body bytes held, the raw front's and the app's together (router.intake)
         self.body_budget = intake.BodyBudget(cfg.limits.max_buffered_body_bytes)
+        dropped = self.metrics.slow_clients_dropped
+        #: the deadlines of the waits for a client to take its answer, both listeners'
+        self.slow_clients = SlowClients(
+            lambda: self.cfg.timeouts.client_idle_s,
+            lambda: self.cfg.timeouts.total_s,
+            lambda reason: dropped.labels(reason).inc(),
+        )
         #: when the watcher reloads (router.reload); None without a file
         self._watch = ConfigWatch(cfg.path) if cfg.path else None
         self._reload_lock = asyncio.Lock()
@@ -319,15 +327,14 @@ class Router:
                 resp.force_close()  # the rest of the body is never read
                 return resp
             try:
-                ex = _ReadExchange(request, raw)
+                ex = _ReadExchange(request, raw, self.slow_clients)
                 if endpoint is None:
                     await self.dataplane.prefetch(ex)
                 else:
                     await self.dataplane.serve(ex, endpoint)
-                assert ex.result is not None, "serve answers every request"
-                return ex.result
             finally:
                 self.body_budget.give(len(raw))
+            return await ex.sent()
 
         handler.__name__ = "prefetch" if endpoint is None else f"proxy_{endpoint.name.lower()}"
         return handler
@@ -523,13 +530,51 @@ class Router:
 
 
 class _ReadExchange(AiohttpExchange):
-    """An ``AiohttpExchange`` whose body was read already (``Router._dataplane_route``)."""
+    """An ``AiohttpExchange`` whose body was read already (``Router._dataplane_route``),
+    written within the client-side deadlines (``router.slow_clients``): each wait of
+    a write for its client is bounded; a reply is written by ``sent`` in pieces, not
+    left to aiohttp (whose waits for a client have no bound)."""
 
-    __slots__ = ("_raw",)
+    __slots__ = ("_raw", "_slow", "_deadline")
 
-    def __init__(self, request: web.Request, raw: bytes | bytearray) -> None:
+    def __init__(self, request: web.Request, raw: bytes | bytearray, slow: SlowClients) -> None:
         super().__init__(request)
         self._raw = raw
+        self._slow = slow
+        self._deadline = time.monotonic() + slow.total_s()  # waits for the client included
+
+    def _bounded(self, write):
+        return self._slow.bounded(write, self.request.transport, self._deadline)
+
+    async def stream_start(self, content_type: str, extra) -> None:
+        await self._bounded(super().stream_start(content_type, extra))
+
+    async def stream_write(self, data: bytes) -> None:
+        await self._bounded(super().stream_write(data))
+
+    async def stream_end(self) -> None:
+        await self._bounded(super().stream_end())
+
+    async def sent(self) -> web.StreamResponse:
+        """The answer, sent: a stream already is; a reply is written here, in pieces of
+        ``WRITE_HIGH`` bytes, each wait for the client bounded (past it the client is
+        dropped, and what is returned is not written again)."""
+        r = self.result
+        assert r is not None, "serve answers every request"
+        if r.prepared:
+            return r
+        assert isinstance(r, web.Response), "an unsent answer is a reply"
+        body = memoryview(r.body if isinstance(r.body, (bytes, bytearray)) else b"")
+        sr = self.result = web.StreamResponse(status=r.status, headers=r.headers)
+        sr.content_length = len(body)
+        try:
+            await self._bounded(sr.prepare(self.request))
+            for i in range(0, len(body), WRITE_HIGH):
+                await self._bounded(sr.write(body[i : i + WRITE_HIGH]))
+            await self._bounded(sr.write_eof())
+        except ConnectionResetError:
+            pass  # the client left or was dropped: aiohttp's own last write fails quietly
+        return sr
 
     async def body(self, limit: int) -> bytes | bytearray:
         if len(self._raw) > limit:
@@ -599,6 +644,7 @@ class RouterServer:
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
             on_gone=lambda phase: gone.labels(phase).inc(),
+            slow=r.slow_clients,
         )
         # Routable as soon as it listens: the first health round (bounded by one
         # check's timeout) runs before the socket opens.

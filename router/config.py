@@ -406,7 +406,8 @@ class TimeoutsConfig:
     """Per phase: a non-streamed answer arrives only when its generation is done, so
     only ``total_s`` bounds it (a hung worker is found by its health checks instead);
     a stream is also bounded by ``first_byte_s``. A timed-out request is cancelled on
-    its worker, never sent to another one."""
+    its worker, never sent to another one. The client side: ``client_idle_s`` bounds
+    each wait for the client to take what was written, ``total_s`` all of them."""
 
     connect_s: float = _opt(2.0, "connecting to a worker (then the next worker is tried)", lo=0, lo_open=True)
     first_byte_s: float = _opt(
@@ -416,7 +417,22 @@ class TimeoutsConfig:
         lo_open=True,
     )
     total_s: float = _opt(
-        3600.0, "the whole request, all attempts; the only bound on a non-streamed answer", lo=0, lo_open=True
+        3600.0,
+        "the whole request, all attempts, and the wait for its client to take the answer; "
+        "the only bound on a non-streamed answer. A cut at this deadline is not the "
+        "worker's failure (its breaker does not count it)",
+        lo=0,
+        lo_open=True,
+    )
+    client_idle_s: float = _opt(
+        15.0,
+        "a client that takes none of its answer for this long (the router's 64 KiB "
+        "write buffer toward it stays full) is dropped: its connection closed, its "
+        "slot freed, its request cancelled on the worker; logged and counted in "
+        "radixfleet_slow_clients_dropped_total. Keep it below limits.queue_timeout_s, so "
+        "that a request queued behind stalled streams gets their slots before it gives up",
+        lo=0,
+        lo_open=True,
     )
     keepalive_s: float = _opt(
         4.0,

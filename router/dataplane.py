@@ -109,6 +109,7 @@ from router.upstream import (
     UpstreamError,
     UpstreamPool,
     build_head,
+    finish_outcome,
 )
 from router.warmup import WarmupGate, warmup_prefix
 from service import jsonbody
@@ -857,7 +858,7 @@ class DataPlane:
                 )
                 first = await self._answer(ctx, w, link, pick, f, resp)
             except UpstreamError as exc:
-                f.ok = None if isinstance(exc, ResponseTooLarge) else False
+                f.ok = finish_outcome(exc)  # the router's own deadline or limit: not w's fault
                 if exc.cause == "connect":
                     self.pool.check_soon(w)
                 # nothing reached the client; the connection is closed (the worker
@@ -974,9 +975,12 @@ class DataPlane:
     ) -> None:
         """Passes a stream to the client as it arrives, from its first body bytes
         ``first``, keeping ``f`` up to date (``f.ok`` stays None when the client goes
-        away, whether by an error or a cancellation). A worker failing mid-stream (broken,
-        silent past ``first_byte_s``, unhealthy, an event past the size limit) ends
-        the stream with a well-formed SSE error event and ``data: [DONE]``."""
+        away, whether by an error or a cancellation, or is dropped by the front for
+        reading nothing: ``timeouts.client_idle_s``). A worker failing mid-stream
+        (broken, silent past ``first_byte_s``, unhealthy, an event past the size limit)
+        or the total deadline passing ends the stream with a well-formed SSE error
+        event and ``data: [DONE]``; only the worker's own failures count against its
+        breaker (``finish_outcome``)."""
         m = self.metrics
         ex = ctx.ex
         watch = f.watch = StreamWatch(strip)
@@ -1036,7 +1040,7 @@ class DataPlane:
         await ctx.ex.stream_write(
             watch.flush(complete=False) + b"data: " + json.dumps(err).encode() + b"\n\n" + _DONE
         )
-        f.ok = None if isinstance(exc, ResponseTooLarge) else False
+        f.ok = finish_outcome(exc)
         f.status, f.broken = 200, True
         await ctx.ex.stream_end()
 

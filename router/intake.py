@@ -91,7 +91,7 @@ class Throttled:
         self.interval_s = interval_s
         self._next = 0.0
         self._skipped = 0
-        self._log = log if logger is None else logger
+        self._log = log if logger is None else logger  # this module's, unless given
 
     def warning(self, msg: str, *args) -> None:
         now = time.monotonic()
