@@ -275,6 +275,67 @@ def _ok(description: str, schema: dict[str, Any] | None = None, status: int = 20
 
 
 _OBJECT = {"type": "object"}
+#: ``router.decisions``' bounds (MAX_SIZE, MAX_CANDIDATES; a test keeps them equal)
+DECISIONS_MAX = 4096
+CANDIDATES_MAX = 1024
+_NULLABLE_INT = {"type": "integer", "nullable": True}
+_NULLABLE_NUM = {"type": "number", "nullable": True}
+DECISIONS = {
+    "type": "object",
+    "required": ["size", "kept", "decisions"],
+    "properties": {
+        "size": {"type": "integer", "description": "decisions kept at most (decisions.size; 0: off)"},
+        "kept": {"type": "integer"},
+        "decisions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "time": {"type": "number", "description": "arrival, UNIX seconds"},
+                    "request_id": {"type": "string"},
+                    "model": {"type": "string"},
+                    "tenant": {"type": "string"},
+                    "session": {**_NULLABLE_STR, "description": "keyed digest of the session id"},
+                    "prefix": {**_NULLABLE_STR, "description": "keyed digest of the first routing block"},
+                    "prompt_tokens": {"type": "integer"},
+                    "policy": {"type": "string"},
+                    "rule": {"type": "string"},
+                    "reason": {"type": "string"},
+                    "worker": _NULLABLE_STR,
+                    "rank": _NULLABLE_INT,
+                    "eligible": _NULLABLE_INT,
+                    "candidates": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "worker": {"type": "string"},
+                                "matched_tokens": {"type": "integer"},
+                                "counted_tokens": _NULLABLE_INT,
+                                "queue_s": {"type": "number"},
+                                "in_flight": {"type": "integer"},
+                                "saturated": {"type": "boolean"},
+                                "score": _NULLABLE_NUM,
+                                "expected_ttft_s": _NULLABLE_NUM,
+                            },
+                        },
+                    },
+                    "available_tokens": _NULLABLE_INT,
+                    "predicted_tokens": _NULLABLE_INT,
+                    "cached_tokens": _NULLABLE_INT,
+                    "outcome": {
+                        "type": "object",
+                        "properties": {
+                            "status": {"type": "integer"},
+                            "ttft_ms": _NULLABLE_NUM,
+                            "broken": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
 
 
 def _data_plane(summary: str, schema: dict[str, Any], *, router: bool) -> dict[str, Any]:
@@ -386,6 +447,37 @@ def _router_spec() -> dict[str, Any]:
                 "summary": "index stats, hot prefixes (hashes: admin only), the policy",
                 "security": admin,
                 "responses": {**_ok("index", _OBJECT), **_errors(401)},
+            }
+        },
+        "/admin/decisions": {
+            "get": {
+                "summary": "the recent routing decisions, newest first (router.decisions)",
+                "description": (
+                    "Per client request (the last decisions.size kept): the eligible workers' "
+                    "figures (matched and credited tokens, queue, the policy's score and expected "
+                    "TTFT; the chosen worker first), the rule that decided (affinity, load, "
+                    "replication, saturation, placement, fallback, failed, shed, refused), the "
+                    "three routing-quality numbers (available, predicted, cached tokens) and the "
+                    "outcome. Sessions and prefixes appear only as keyed digests."
+                ),
+                "security": admin,
+                "parameters": [
+                    {
+                        "name": "n",
+                        "in": "query",
+                        "required": False,
+                        "description": "decisions to return (default 20)",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": DECISIONS_MAX},
+                    },
+                    {
+                        "name": "candidates",
+                        "in": "query",
+                        "required": False,
+                        "description": "candidates per decision (default 8)",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": CANDIDATES_MAX},
+                    },
+                ],
+                "responses": {**_ok("decisions", DECISIONS), **_errors(400, 401)},
             }
         },
         "/admin/reload": {

@@ -27,6 +27,8 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     config_reference  deploy/README's key tables generated from the schema
     auth, http_api, admin_api, agent_api  tokens and tenants; the aiohttp endpoints
     metrics, traffic_log, scaling_signal, healthcheck  observability and the scaling signal
+    decisions     routing quality (available, predicted, delivered) and the recent
+                  decisions with their candidates (GET /admin/decisions)
     engines/      one adapter per worker kind (agent, vLLM, SGLang, OpenAI)
     bus/          router replicas on NATS JetStream
     discovery/    workers from Kubernetes EndpointSlices or DNS

@@ -73,6 +73,7 @@ from router.dataplane import (
     AiohttpExchange,
     DataPlane,
 )
+from router.decisions import DecisionRing
 from router.discovery import Discovery
 from router.engines.manager import Engines
 from router.feedback import Feedback
@@ -284,6 +285,11 @@ class Router:
     @property
     def shedder(self) -> Shedder:
         return self.dataplane.shedder
+
+    @property
+    def decisions(self) -> DecisionRing:
+        """The data plane's recent decisions (``GET /admin/decisions``)."""
+        return self.dataplane.decisions
 
     @property
     def admission(self):

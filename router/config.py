@@ -836,6 +836,25 @@ class ResponseHeadersConfig:
         "that served it (off: the fleet's worker ids and topology stay internal; for tests "
         "and load generators that count per worker)",
     )
+    match_tokens: bool = _opt(
+        False,
+        "answer each proxied request with `x-radixfleet-available-tokens` (the best match among "
+        "the eligible workers) and `x-radixfleet-predicted-tokens` (the chosen worker's) "
+        "(router.decisions; off: what the fleet caches stays internal; for load generators "
+        "that report routing quality per request)",
+    )
+
+
+@settings
+class DecisionsConfig:
+    size: int = _opt(
+        256,
+        "the last client requests' routing decisions GET /admin/decisions keeps, each with "
+        "its candidates' figures (router.decisions: about 0.5 KB + 0.25 KB per eligible "
+        "worker each; 0: none kept, none explained)",
+        lo=0,
+        hi=4096,
+    )
 
 
 def _unique(workers: tuple[WorkerSpec, ...]) -> None:
@@ -890,6 +909,7 @@ class Config:
     response_headers: ResponseHeadersConfig = _section(
         ResponseHeadersConfig, "what the router tells clients about itself"
     )
+    decisions: DecisionsConfig = _section(DecisionsConfig, "recent routing decisions for operators")
     disagg: DisaggConfig = _section(DisaggConfig, "disaggregated prefill/decode")
     #: ``models:``: served model name -> the engine settings of every worker serving it
     models: Mapping[ModelName, EngineSettings] = Field(

@@ -89,6 +89,7 @@ from router import edge
 from router.admission_queue import AdmissionQueue
 from router.auth import TenantResolver
 from router.config import Config
+from router.decisions import DecisionRing, Quality, now_unix, quality
 from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink
 from router.hops import Hops
@@ -123,6 +124,8 @@ log = logging.getLogger("radixfleet.router")
 
 TENANT_HEADER = "x-radixfleet-tenant"
 WORKER_HEADER = "x-radixfleet-worker"
+AVAILABLE_HEADER = "x-radixfleet-available-tokens"
+PREDICTED_HEADER = "x-radixfleet-predicted-tokens"
 REQUEST_ID_HEADER = "x-request-id"
 
 _JSON = "application/json"
@@ -323,8 +326,8 @@ def _status_error(status: int, data: bytes) -> bytes:
 @dataclasses.dataclass(slots=True)
 class RequestContext:
     """One client request on the data plane: what each of its attempts needs. Made
-    by ``serve`` once the body is read and keyed; only ``reason`` changes (a retry's
-    is ``fallback``)."""
+    by ``serve`` once the body is read and keyed; only ``reason`` and ``route``
+    change (a retry's reason is ``fallback``)."""
 
     ex: Any  # the exchange it came on (module docstring)
     endpoint: Endpoint
@@ -339,6 +342,7 @@ class RequestContext:
     tenant: str = ""  # its tenant's name (router.auth), for router.tenancy
     api_key: str = ""  # the name of the API key it came with ("" none or unnamed)
     ticket: Ticket | None = None  # its class and rate-limit reservation, once admitted
+    route: Route | None = None  # the current attempt's route (its match, its explanation)
 
 
 class _Flight:
@@ -480,6 +484,8 @@ class DataPlane:
         #: this router's mark on what it sends (router.hops; checked on arrival by the
         #: listeners, router.app; the client session carries it on every other request)
         self.hops = Hops()
+        #: the last decisions with their candidates (GET /admin/decisions)
+        self.decisions = DecisionRing(cfg.decisions.size)
         #: every decision: views, keys, admission, choice, placement (router.route)
         self.route = RouteCore(
             RouteParts(
@@ -492,6 +498,7 @@ class DataPlane:
                 self.prefetched,
                 busy=self.admission.busy,
                 disaggregated=self.pd.disaggregated,
+                explain=self.decisions.on,
             )
         )
 
@@ -526,6 +533,8 @@ class DataPlane:
         self.tenancy.configure(cfg.tenancy, _named_tenants(cfg), time.monotonic())
         self.queue.configure(cfg.tenancy.queue)
         self.prefetched.configure(cfg.prefetch.max_tracked)
+        self.decisions.resize(cfg.decisions.size)
+        self.route.explain_routes(self.decisions.on)
         if self.upstream is not None:
             self.upstream.configure(cfg.timeouts.connect_s, cfg.timeouts.keepalive_s, lim.max_response_bytes)
 
@@ -535,8 +544,12 @@ class DataPlane:
         fleet's size are not a client's business), and the ``x-ratelimit-*`` of a
         request under rate limits (``Ticket.headers``)."""
         out = [(REQUEST_ID_HEADER, ctx.rid)]
-        if self.cfg.response_headers.worker_id:
+        rh = self.cfg.response_headers
+        if rh.worker_id:
             out.insert(0, (WORKER_HEADER, worker))
+        if rh.match_tokens and ctx.route is not None and ctx.route.placement is not None:
+            q = quality(ctx.route, ctx.route.placement, None)
+            out += [(AVAILABLE_HEADER, str(q.available)), (PREDICTED_HEADER, str(q.predicted))]
         if ctx.ticket is not None and ctx.ticket.limits:
             out += ctx.ticket.headers()
         return out
@@ -661,6 +674,8 @@ class DataPlane:
         elif ticket is not None:
             self.tenancy.refund(ticket, now)
         self._reject(ctx.ex, verdict.error, ctx.rid)
+        if self.decisions.on:
+            self._decided(ctx, "", None, verdict.error.status, reason=verdict.error.code, shed=verdict.shed)
         if verdict.shed and self.traffic is not None:  # offered load: analyze sees what was shed
             self.traffic.record(
                 ctx.key,
@@ -683,7 +698,7 @@ class DataPlane:
         excluded: set[str] = set()  # workers a retry must not go to
         retries = self.cfg.retries
         last: _UpstreamFailed | None = None
-        ctx.reason = d.reason.value
+        ctx.reason, ctx.route = d.reason.value, route
         if self.prefetched:
             self._prefetch_used(w, pick, now)
         # per client request, not per try
@@ -731,7 +746,7 @@ class DataPlane:
                 break
             w, pick = again.worker, again.placement
             assert pick is not None, "a retry's route is placed"
-            ctx.reason = Reason.FALLBACK.value
+            ctx.reason, ctx.route = Reason.FALLBACK.value, again
             self.metrics.retries.labels(last.cause).inc()
         self._failed(ctx, last, tried[-1])
 
@@ -797,7 +812,10 @@ class DataPlane:
 
     def _log_failed(self, ctx: RequestContext, worker: str, status: int) -> None:
         """The traffic log's line for a request every attempt failed (offered load,
-        served by no worker: nothing matched, cached or timed; ``worker`` the last tried)."""
+        served by no worker: nothing matched, cached or timed; ``worker`` the last tried),
+        and the decision ring's."""
+        if self.decisions.on:
+            self._decided(ctx, worker, None, status)
         if self.traffic is not None:
             self.traffic.record(
                 ctx.key,
@@ -944,13 +962,17 @@ class DataPlane:
             assert link is not None  # a rank is picked only through an engine link
             link.rank_finished(pick.rank)
         usage = f.usage
-        self.metrics.answered(w.id, ctx.key.model, f.ok, usage)
+        q = quality(ctx.route, pick, usage)
+        self.metrics.answered(w.id, ctx.key.model, f.ok, usage, q)
+        if f.status is not None and self.decisions.on:
+            self._decided(ctx, w.id, q, f.status, f.ttft, f.broken)
         if self.traffic is not None and f.status is not None:  # the client got this answer
             self.traffic.record(
                 ctx.key,
                 arrival_s=time.time() - (time.monotonic() - ctx.t0),
                 worker=w.id,
                 matched_tokens=pick.blocks * pick.key.block_tokens,
+                available_tokens=q.available,
                 prompt_tokens=usage[0] if usage else None,
                 output_tokens=f.output,
                 cached_tokens=usage[1] if usage else None,
@@ -969,6 +991,39 @@ class DataPlane:
             except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
                 log.exception("request %s: bookkeeping for worker %s failed", ctx.rid, w.id)
             self.pool.rate_moved(w)
+
+    def _decided(
+        self,
+        ctx: RequestContext,
+        worker: str,
+        q: Quality | None,
+        status: int,
+        ttft_s: float | None = None,
+        broken: bool = False,
+        *,
+        reason: str | None = None,
+        shed: bool = False,
+    ) -> None:
+        """The decision ring's entry for ``ctx``'s outcome (router.decisions): its
+        current route (none when refused or failed before one), the ``worker`` that
+        answered (or was tried last; "" refused), the status the client got."""
+        route = ctx.route if worker else None
+        self.decisions.record(
+            ctx.key,
+            arrival_s=now_unix(ctx.t0),
+            request_id=ctx.rid,
+            tenant=ctx.tenant,
+            session=ctx.session,
+            policy=self.policy.name,
+            route=route if route is not None and route.worker.id == worker else None,
+            reason=ctx.reason if reason is None else reason,
+            worker=worker,
+            quality=q,
+            status=status,
+            ttft_s=ttft_s,
+            broken=broken,
+            shed=shed,
+        )
 
     async def _relay(
         self, ctx: RequestContext, w: Worker, f: _Flight, resp, first: bytes, strip: bool

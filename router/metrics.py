@@ -20,7 +20,12 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_prompt_tokens_total{worker,model}      prompt tokens of answered requests, as
                                                       the worker's usage reported them
     radixfleet_cached_tokens_total{worker,model}      of those, found in its prefix cache
-                                                      (usage.prompt_tokens_details)
+                                                      (usage.prompt_tokens_details): delivered
+    radixfleet_available_cached_tokens_total{worker,model}  of those, the best match among the
+                                                      eligible workers at pick time: available
+    radixfleet_predicted_cached_tokens_total{worker,model}  of those, the chosen worker's match
+                                                      at pick time: predicted (router.decisions;
+                                                      all three over the same answers)
     radixfleet_worker_requests_total{worker,model,outcome}  tries on a worker: answered, failed
                                                       (the worker), gone (the client left)
     radixfleet_worker_queued_requests{worker}, _running_requests{worker},
@@ -201,6 +206,19 @@ class Metrics:
             "Of those, tokens the worker "
             "found in its prefix cache (usage.prompt_tokens_details."
             "cached_tokens)",
+            ["worker", "model"],
+            registry=r,
+        )
+        self.available_tokens = Counter(
+            "radixfleet_available_cached_tokens",
+            "Of those, tokens the best-matching eligible worker held at pick time "
+            "(the reuse available anywhere in the fleet: router.decisions)",
+            ["worker", "model"],
+            registry=r,
+        )
+        self.predicted_tokens = Counter(
+            "radixfleet_predicted_cached_tokens",
+            "Of those, tokens the chosen worker was predicted to hold at pick time (router.decisions)",
             ["worker", "model"],
             registry=r,
         )
@@ -449,10 +467,18 @@ class Metrics:
             c = self._attempt_children[key] = self.attempts.labels(worker, str(outcome))
         c.inc()
 
-    def answered(self, worker: str, model: str, ok: bool | None, usage: tuple[int, int] | None) -> None:
+    def answered(
+        self,
+        worker: str,
+        model: str,
+        ok: bool | None,
+        usage: tuple[int, int] | None,
+        quality: tuple[int, int, int | None] | None = None,
+    ) -> None:
         """One try on ``worker`` ended: ``ok`` True (answered, any status), False (the
         worker failed), None (the client left); ``usage`` (prompt, cached tokens)
-        where the worker reported it."""
+        where the worker reported it, and with it the try's ``quality`` (available,
+        predicted, delivered tokens: ``router.decisions.Quality``)."""
         outcome = "answered" if ok else "failed" if ok is False else "gone"
         key = (worker, model, outcome)
         c = self._answer_children.get(key)
@@ -461,11 +487,16 @@ class Metrics:
                 self.worker_requests.labels(worker, model, outcome),
                 self.prompt_tokens.labels(worker, model),
                 self.cached_tokens.labels(worker, model),
+                self.available_tokens.labels(worker, model),
+                self.predicted_tokens.labels(worker, model),
             )
         c[0].inc()
         if usage is not None:
             c[1].inc(usage[0])
             c[2].inc(usage[1])
+            if quality is not None:
+                c[3].inc(quality[0])
+                c[4].inc(quality[1])
 
     def event_applied(self, kind: str, n: int = 1) -> None:
         self._event_children[kind].inc(n)

@@ -26,6 +26,8 @@ and the caller does the I/O::
     placed = place(worker, kr, now)            the hint (index, bus), the uncached
                                                tokens counted on the worker, the engine
                                                link's match count: Route
+    explained = policy.explain(...)            only while someone reads decisions
+                                               (``RouteParts.explain``: /admin/decisions)
 
 Invariants: a ``Route``'s load is counted on its worker before ``decide`` returns (so a
 burst cannot herd: docs/DESIGN.md's lessons), and the caller releases it with
@@ -41,7 +43,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from policies.base import Decision, Policy, WorkerView
+from policies.base import Decision, Explanation, Policy, WorkerView
 from protocol.errors import Overloaded, RequestError
 from protocol.prefix_keys import Endpoint
 from router.engines.keyspace import KeyedRequest, SpaceKey
@@ -163,6 +165,15 @@ class Route(NamedTuple):
     #: None only when the ask said ``place=False`` (then ``RouteCore.place``)
     placement: Placement | None
     ticket: Ticket | None
+    #: why it went there (``Policy.explain``); None unless ``RouteParts.explain``
+    explained: Explanation | None = None
+
+    @property
+    def available_tokens(self) -> int:
+        """The reuse available anywhere among this decision's eligible workers: the
+        best match's leading tokens, in the policy's (primary) key space."""
+        kr = self.keyed
+        return kr.match.best * kr.route_request.block_tokens
 
 
 Verdict = Reject | Hold | Admitted | Route
@@ -201,6 +212,9 @@ class RouteParts:
     #: whether a worker's answers correct the index (approximate mode): its matched
     #: blocks' last-use times are kept at the pick; None: a worker's engine link says
     corrects: Callable[[Worker], bool] | None = None
+    #: whether each ``Route`` carries the policy's explanation (``Policy.explain``:
+    #: references to what its choice computed; the decisions ring reads them)
+    explain: bool = False
 
 
 class RouteCore:
@@ -222,6 +236,10 @@ class RouteCore:
     def attach_hints(self, hints: Hinter | None) -> None:
         """Tells ``hints`` of every placed hint from now on (None: no one)."""
         self.parts.hints = hints
+
+    def explain_routes(self, on: bool) -> None:
+        """Whether each ``Route`` from now on carries its explanation."""
+        self.parts.explain = on
 
     @property
     def policy(self) -> Policy:
@@ -299,7 +317,12 @@ class RouteCore:
         if w is None:  # a policy bug: never route into the void
             raise AssertionError(f"policy {p.policy.name} chose unknown worker {d.worker!r}")
         placement = self.place(w, kr, now) if ask.place else None
-        return Route(d, w, kr, placement, ticket)
+        if not p.explain:
+            return Route(d, w, kr, placement, ticket)
+        # (a chooser other than the policy's: the policy explains views it did not
+        # choose over with their match and load alone)
+        ex = p.policy.explain(kr.route_request, kr.match, views, d)
+        return Route(d, w, kr, placement, ticket, ex)
 
     def views(self, ask: Ask, now: float) -> list[WorkerView]:
         """The routable views serving the ask's model, less its exclusions."""

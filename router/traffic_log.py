@@ -45,9 +45,13 @@ Line format (``FORMAT``), one JSON object per line; Mooncake's trace fields firs
     model, adapter  str, str|null
     worker          str    the worker that served it (the last attempt's); "" for a
                            request the router shed (429, every worker saturated)
+    available_tokens int   tokens the best-matching eligible worker held (pick time:
+                           the reuse available anywhere; router.decisions; >=
+                           matched_tokens; 0 when shed or failed; absent in logs of
+                           earlier versions, which readers take as unknown)
     matched_tokens  int    tokens the router believed that worker held (pick time;
-                           0 when shed)
-    cached_tokens   int|null  cached prompt tokens the worker reported
+                           0 when shed): predicted
+    cached_tokens   int|null  cached prompt tokens the worker reported: delivered
     ttft_ms         float|null  the worker's part of the TTFT: the router's send of the
                            last attempt to the first content token back (streams;
                            null for non-streamed answers)
@@ -144,7 +148,7 @@ _YIELD_S = 5e-5
 _LINE = (
     '{"timestamp":%s,"input_length":%d,"output_length":%d,"hash_ids":[%s],'
     '"format":"' + FORMAT + '","block_tokens":%d,"routed_tokens":%d,"tenant":"%s",'
-    '"model":%s,"adapter":%s,"worker":%s,"matched_tokens":%d,"cached_tokens":%s,'
+    '"model":%s,"adapter":%s,"worker":%s,"available_tokens":%d,"matched_tokens":%d,"cached_tokens":%s,'
     '"ttft_ms":%s,"status":%d,"broken":%s,"sample_rate":%s}'
 )
 _FILE_RE_TEMPLATE = r"^{prefix}-\d{{8}}T\d{{6}}Z-\d+-\d{{4}}\.jsonl$"
@@ -290,6 +294,7 @@ class TrafficLog:
         arrival_s: float,
         worker: str,
         matched_tokens: int,
+        available_tokens: int = 0,
         prompt_tokens: int | None = None,
         output_tokens: int | None = None,
         cached_tokens: int | None = None,
@@ -303,7 +308,9 @@ class TrafficLog:
 
         ``key``: the request's ``PrefixKey`` (its hashes list is kept by reference,
         not copied: callers must not mutate it). ``arrival_s``: UNIX seconds when
-        the router received the request. ``prompt_tokens`` / ``output_tokens`` /
+        the router received the request. ``matched_tokens`` / ``available_tokens``:
+        the chosen worker's match and the best eligible one's (``router.decisions``;
+        the second never below the first). ``prompt_tokens`` / ``output_tokens`` /
         ``cached_tokens``: the worker's usage, None when it reported none (the
         prompt then falls back to the router's estimate). ``ttft_s``: the last attempt's
         send to its first content token (streams). ``status``: the HTTP status the client got; ``broken``: the
@@ -332,6 +339,7 @@ class TrafficLog:
                 key,
                 worker,
                 matched_tokens,
+                available_tokens if available_tokens > matched_tokens else matched_tokens,
                 prompt_tokens,
                 output_tokens,
                 cached_tokens,
@@ -382,7 +390,7 @@ class TrafficLog:
                 rec = pop()
             except IndexError:  # pragma: no cover - only this thread pops
                 break
-            arrival_s, key, worker, matched, prompt, output, cached, ttft_s, status, broken = rec
+            arrival_s, key, worker, matched, available, prompt, output, cached, ttft_s, status, broken = rec
             bt = key.block_bytes // BYTES_PER_TOKEN
             if bt != self._file_block_tokens and self._file is not None:
                 self._flush(lines, n)  # a new block size starts a new file
@@ -404,6 +412,7 @@ class TrafficLog:
                 js(key.model),
                 js(key.adapter),
                 js(worker),
+                available,
                 matched,
                 "null" if cached is None else int(cached),
                 "null" if ttft_s is None else repr(round(ttft_s * 1000.0, 3)),
