@@ -193,3 +193,33 @@ def test_a_policy_naming_an_unknown_worker_is_a_bug():
 
     with pytest.raises(AssertionError, match="unknown worker"):
         c.decide(ask(index, choose=void), clock.t)
+
+
+class Stages:
+    """A caller's ``Marks`` (router.tracing): the stages told, in order."""
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+
+    def mark(self, stage: str) -> None:
+        self.told.append(stage)
+
+
+def test_a_tracing_caller_is_told_each_stage_as_it_ends():
+    shed = Refuse()
+    c, pool, index, clock = core()
+    marks = Stages()
+    v = c.decide(ask(index), clock.t, marks)  # no shedder: the whole chain, then choose, place
+    assert isinstance(v, Route) and marks.told == ["match", "admit", "choose", "place"]
+    marks = Stages()  # a retry runs no admission chain
+    assert isinstance(c.decide(ask(index).admit(None), clock.t, marks), Route)
+    assert marks.told == ["match", "choose", "place"]
+    c.use_shedder(shed)
+    marks = Stages()  # refused by the shedder: its admission stage never ended
+    assert isinstance(c.decide(ask(index), clock.t, marks), Reject)
+    assert marks.told == ["match"]
+    marks = Stages()  # unplaced (a prefetch, a P/D prefill leg): no place stage
+    assert isinstance(c.decide(ask(index, place=False).admit(None), clock.t, marks), Route)
+    assert marks.told == ["match", "choose"]
+    # and without marks the verdicts are the same (nothing else reads them)
+    assert isinstance(c.decide(ask(index).admit(None), clock.t), Route)
