@@ -67,7 +67,7 @@ class RequestTrace:
     """One sampled data-plane request's spans (module docstring). It is the route
     core's ``Marks`` while a decision runs. Only the request's own task uses it."""
 
-    __slots__ = ("trace", "attempts", "_lap", "_route", "_attempt")
+    __slots__ = ("trace", "attempts", "_lap", "_route", "_attempt", "_routes")
 
     def __init__(self, trace: Trace, endpoint: Endpoint) -> None:
         self.trace = trace
@@ -77,6 +77,9 @@ class RequestTrace:
         self._lap = trace.start  # the end of the last stage recorded
         self._route: dict[str, Any] = {}  # the decision being made's attributes
         self._attempt: list | None = None  # the last attempt's record
+        #: each route span's record with its verdict: described at ``end``, off the
+        #: routing work (a verdict's fields never change)
+        self._routes: list[tuple[list, Verdict]] = []
 
     def exchange(self, ex: Any) -> TracedExchange:
         return TracedExchange(ex, self.trace)
@@ -122,8 +125,13 @@ class RequestTrace:
         return v
 
     def _routed(self, start: int, v: Verdict) -> None:
-        a = self._route
-        error = None
+        now = time.time_ns()
+        self._routes.append((self.trace.add("radixfleet.route", start, now, self._route), v))
+        self._lap = now
+
+    def _describe(self, rec: list, v: Verdict) -> None:
+        """A route span's attributes and error, from its verdict."""
+        a = rec[6]
         ticket = v.ticket
         if isinstance(v, Route):
             a["radixfleet.verdict"] = "route"
@@ -143,7 +151,7 @@ class RequestTrace:
             a["radixfleet.verdict"] = "reject"
             a["radixfleet.shed"] = v.shed
             a["http.response.status_code"] = v.error.status
-            error = v.error.code
+            rec[7] = v.error.code
         elif isinstance(v, Hold):
             a["radixfleet.verdict"] = "hold"
             a["radixfleet.shed"] = True
@@ -153,8 +161,6 @@ class RequestTrace:
         if ticket is not None:
             a["radixfleet.priority"] = ticket.priority
             self.trace.attrs["radixfleet.priority"] = ticket.priority
-        self.trace.add("radixfleet.route", start, time.time_ns(), a, error=error)
-        self._lap = time.time_ns()
 
     def held(self, since: float, shed: bool) -> None:
         """The admission queue's wait from ``since`` (monotonic) ended: let in, or
@@ -223,6 +229,10 @@ class RequestTrace:
             self._attempt[7] = cause
 
     def end(self) -> None:
+        """Ends the request's root span and emits every span (service.tracing)."""
+        for rec, v in self._routes:
+            self._describe(rec, v)
+        self._routes.clear()
         self.trace.end()
 
 
