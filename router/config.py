@@ -782,7 +782,7 @@ class TracingConfig:
         "OTLP over HTTP (the extra's exporter) or gRPC (needs opentelemetry-exporter-otlp-proto-grpc)",
     )
     sample_ratio: float = _opt(
-        0.05,
+        0.01,
         "share of requests traced (by trace id, as OpenTelemetry's TraceIdRatioBased) when the "
         "client's traceparent does not decide",
         lo=0,

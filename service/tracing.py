@@ -214,13 +214,15 @@ class Tracing:
             if self.parent_based and not parent.trace_flags.sampled:
                 return None
             trace_id, state = parent.trace_id, parent.trace_state
-        else:
-            trace_id, state = self._rng.getrandbits(128) or 1, None
-        if (parent is None or not self.parent_based) and (trace_id & _MASK64) >= self._bound:
-            return None
-        return Trace(
-            self, trace_id, parent, state, name, kind, time.time_ns() if start_ns is None else start_ns
-        )
+            if not self.parent_based and (trace_id & _MASK64) >= self._bound:
+                return None
+        else:  # the lower half first: most requests are not sampled
+            low = self._rng.getrandbits(64)
+            if low >= self._bound:
+                return None
+            trace_id, state = (self._rng.getrandbits(64) << 64) | low or 1, None
+        start = time.time_ns() if start_ns is None else start_ns
+        return Trace(self, trace_id, parent, state, name, kind, start)
 
     def emit(self, span: ReadableSpan) -> None:
         """Queues a finished span for export, or drops and counts it when the queue
