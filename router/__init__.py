@@ -26,6 +26,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     config_reference  deploy/README's key tables generated from the schema
     auth, http_api, admin_api, agent_api  tokens and tenants; the aiohttp endpoints
     metrics, traffic_log, scaling_signal, healthcheck  observability and the scaling signal
+    tracing       a data-plane request's OpenTelemetry spans (the tracing extra)
     engines/      one adapter per worker kind (agent, vLLM, SGLang, OpenAI)
     bus/          router replicas on NATS JetStream
     discovery/    workers from Kubernetes EndpointSlices or DNS

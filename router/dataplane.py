@@ -17,7 +17,8 @@ before, by the listener: ``router.intake``, ``router.front``)::
         Hold   -> the admission queue (tenancy.queue), then route.resume
         Admitted (a disaggregated fleet) -> router.pd picks its two legs
         Route  -> forwarded below; a retry asks the core again, the tried excluded
-    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop) -> worker
+    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop; a
+        traced request's traceparent: router.tracing) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
     pool.finish(worker)                               on every path (client gone too)
@@ -572,6 +573,9 @@ class DataPlane:
             if trace is not None:
                 try:
                     await self._serve(trace.exchange(ex), endpoint, trace)
+                except asyncio.CancelledError:
+                    trace.gone()  # the client left
+                    raise
                 finally:
                     trace.end()
                 return

@@ -228,6 +228,10 @@ class RequestTrace:
         if self._attempt is not None:
             self._attempt[7] = cause
 
+    def gone(self) -> None:
+        """The client went away before its answer ended."""
+        self.trace.error = "client_gone"
+
     def end(self) -> None:
         """Ends the request's root span and emits every span (service.tracing)."""
         for rec, v in self._routes:

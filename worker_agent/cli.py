@@ -214,7 +214,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--otlp-traces-endpoint",
         type=_otlp_url,
-        default="",
+        default=None,
         metavar="URL",
         help="export an OpenTelemetry span per request (vLLM's llm_request, joined to the "
         "router's through traceparent) to this OTLP/HTTP collector URL; needs pip install "
@@ -383,7 +383,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         disable_radix_cache=args.disable_radix_cache,
         dram=dram,
         kv_link=args.kv_link,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or "",
         # an unsigned tenant header is safe only where nothing but the router reaches us
         trust_unsigned_tenant=is_loopback(args.host),
     )
