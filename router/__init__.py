@@ -29,6 +29,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     metrics, traffic_log, scaling_signal, healthcheck  observability and the scaling signal
     decisions     routing quality (available, predicted, delivered) and the recent
                   decisions with their candidates (GET /admin/decisions)
+    tracing       a data-plane request's OpenTelemetry spans (the tracing extra)
     engines/      one adapter per worker kind (agent, vLLM, SGLang, OpenAI)
     bus/          router replicas on NATS JetStream
     discovery/    workers from Kubernetes EndpointSlices or DNS

@@ -164,6 +164,7 @@ class Router:
             self._spawn,
             self.traffic,
         )
+        self.metrics.watch_tracing(lambda: self.dataplane.tracing)  # series while it traces
         #: router.bus.replica.BusReplica while the app runs with ``bus.url`` set
         self.bus: BusReplica | None = None
         self._models_cache: tuple[float, dict] | None = None
@@ -238,6 +239,13 @@ class Router:
             body_limit=self.cfg.limits.max_response_bytes,
         )
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
+        tracing = None
+        if self.cfg.tracing.enabled and dp.tracing is None:
+            from router import tracing as _tracing  # the tracing extra (MissingExtra without it)
+
+            tracing = _tracing.from_config(self.cfg.tracing)  # a missing exporter: ConfigError
+        if tracing is not None:
+            dp.use_tracing(tracing)
         try:
             await self.pool.start(self.session)
             await self.engines.start(self.session)
@@ -266,6 +274,9 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
             await dp.upstream.aclose()
             await self.session.close()
+            if tracing is not None:  # the one this lifecycle made (a test's is its own)
+                dp.use_tracing(None)
+                await tracing.aclose()
 
     async def _check_worker_url(self, wid: str, url: str) -> None:
         """The registration rule for a bus registration's URL (``router.registration``)."""
@@ -503,6 +514,9 @@ class Router:
                     "listen address changes need a restart (still on %s:%d)", old.listen.host, old.listen.port
                 )
                 new = with_overrides(new, listen=old.listen)
+            if new.tracing != old.tracing:
+                log.warning("tracing changes need a restart (tracing kept as it started)")
+                new = with_overrides(new, tracing=old.tracing)
             if new.keys.block_bytes != old.keys.block_bytes:
                 log.warning("keys.block_bytes changed: the index restarts cold")
                 for wid in list(self.index.workers()):

@@ -17,7 +17,8 @@ before, by the listener: ``router.intake``, ``router.front``)::
         Hold   -> the admission queue (tenancy.queue), then route.resume
         Admitted (a disaggregated fleet) -> router.pd picks its two legs
         Route  -> forwarded below; a retry asks the core again, the tried excluded
-    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop) -> worker
+    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop; a
+        traced request's traceparent: router.tracing) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
     pool.finish(worker)                               on every path (client gone too)
@@ -118,7 +119,9 @@ from service import jsonbody
 if TYPE_CHECKING:
     from router.bus.replica import BusReplica
     from router.engines.manager import Engines
+    from router.tracing import RequestTrace
     from router.traffic_log import TrafficLog
+    from service.tracing import Tracing
 
 log = logging.getLogger("radixfleet.router")
 
@@ -343,12 +346,13 @@ class RequestContext:
     api_key: str = ""  # the name of the API key it came with ("" none or unnamed)
     ticket: Ticket | None = None  # its class and rate-limit reservation, once admitted
     route: Route | None = None  # the current attempt's route (its match, its explanation)
+    trace: RequestTrace | None = None  # its spans (router.tracing); None: not traced
 
 
 class _Flight:
     """One attempt's outcome as it unfolds, for its bookkeeping on every path."""
 
-    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent", "status", "broken", "watch")
+    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent", "head", "status", "broken", "watch")
 
     def __init__(self, left: int) -> None:
         self.left = left  # prompt tokens still counted on the worker as queued prefill
@@ -357,6 +361,7 @@ class _Flight:
         self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
         self.output: int | None = None  # completion tokens the worker reported
         self.sent = time.monotonic()
+        self.head: float | None = None  # when the worker's response head came
         #: the status of the answer the client got from this attempt (the traffic
         #: log's); None: none (failed before a byte, or the client went away)
         self.status: int | None = None
@@ -469,6 +474,8 @@ class DataPlane:
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
         self._bus: BusReplica | None = None  # the ``bus`` property
+        #: OpenTelemetry traces (router.tracing); None: off, and no request touches them
+        self.tracing: Tracing | None = None
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
@@ -522,6 +529,11 @@ class DataPlane:
         self._bus = bus
         self.route.attach_hints(bus)
 
+    def use_tracing(self, tracing: Tracing | None) -> None:
+        """Traces sampled requests with ``tracing`` from now on (None: none; its
+        owner closes it)."""
+        self.tracing = tracing
+
     def configure(self, cfg: Config, policy: Policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
         self.cfg = cfg
@@ -565,7 +577,25 @@ class DataPlane:
     async def serve(self, ex, endpoint: Endpoint) -> None:
         """Serves one data-plane request on exchange ``ex``. Never raises for bad
         input (it becomes a JSON error reply); cancellation (client gone) propagates
-        after every resource is released."""
+        after every resource is released. A sampled request is traced
+        (router.tracing), its spans ended on every path."""
+        tr = self.tracing
+        if tr is not None:
+            from router import tracing
+
+            trace = tracing.start(tr, ex.headers, endpoint)
+            if trace is not None:
+                try:
+                    await self._serve(trace.exchange(ex), endpoint, trace)
+                except asyncio.CancelledError:
+                    trace.gone()  # the client left
+                    raise
+                finally:
+                    trace.end()
+                return
+        await self._serve(ex, endpoint, None)
+
+    async def _serve(self, ex, endpoint: Endpoint, trace: RequestTrace | None) -> None:
         t0 = time.monotonic()
         headers = ex.headers
         rid = (
@@ -573,13 +603,16 @@ class DataPlane:
             or f"{self._rid_prefix}-{next(self._rid)}"
         )
         adm = self.admission
-        if not adm.try_enter():
+        waited = not adm.try_enter()
+        if waited:
             try:
                 await adm.enter()
             except Overloaded as exc:
                 self._reject(ex, exc, rid)
                 return
         try:
+            if trace is not None:
+                trace.admitted(waited)
             try:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
                 body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
@@ -606,9 +639,22 @@ class DataPlane:
             except RequestError as exc:
                 self._reject(ex, exc, rid)
                 return
+            if trace is not None:
+                trace.keyed(key.model, stream, len(raw), len(key.hashes))
             await self._route_and_forward(
                 RequestContext(
-                    ex, endpoint, raw, body, key, stream, session, rid, t0, tenant=tenant, api_key=api_key
+                    ex,
+                    endpoint,
+                    raw,
+                    body,
+                    key,
+                    stream,
+                    session,
+                    rid,
+                    t0,
+                    tenant=tenant,
+                    api_key=api_key,
+                    trace=trace,
                 )
             )
         finally:
@@ -642,14 +688,24 @@ class DataPlane:
     async def _route_and_forward(self, ctx: RequestContext) -> None:
         core = self.route
         ask = self.ask_for(ctx)
-        verdict = core.decide(ask, time.monotonic())
+        trace = ctx.trace
+        now = time.monotonic()
+        verdict = core.decide(ask, now) if trace is None else trace.decide(core, ask, now)
         if isinstance(verdict, Hold):
             ctx.ticket = verdict.ticket
+            held = time.monotonic()
             shed, waited = await self._admission(ctx, verdict)
+            if trace is not None:
+                trace.held(held, shed is not None)
             if shed is not None:
                 verdict = Reject(shed, verdict.ticket, shed=True)
             else:
-                verdict = core.resume(verdict, waited, time.monotonic())
+                now = time.monotonic()
+                verdict = (
+                    core.resume(verdict, waited, now)
+                    if trace is None
+                    else trace.resume(core, verdict, waited, now)
+                )
         if isinstance(verdict, Reject):
             self._refused(ctx, verdict)
             return
@@ -717,6 +773,8 @@ class DataPlane:
                     exc.retry = True
                 if exc.cause != "rank":  # a rejected rank is not the worker's failure:
                     excluded.add(w.id)  # it may take the retry (its rank map re-read)
+                if ctx.trace is not None:
+                    ctx.trace.failed(exc.cause)
                 self.metrics.attempt(w.id, exc.status or exc.cause)  # not a client outcome
                 log.warning(
                     "request %s: worker %s (%s) failed (%s: %s), attempt %d/%d%s",
@@ -738,10 +796,10 @@ class DataPlane:
             delay = min(retries.backoff_s * (2 ** (len(tried) - 1)), retries.backoff_max_s)
             if delay:
                 await asyncio.sleep(delay)
-            again = self.route.decide(
-                ask.admit(ctx.ticket, exclude=frozenset(excluded), split=False),
-                time.monotonic(),
-            )
+            retry = ask.admit(ctx.ticket, exclude=frozenset(excluded), split=False)
+            now = time.monotonic()
+            trace = ctx.trace
+            again = self.route.decide(retry, now) if trace is None else trace.decide(self.route, retry, now)
             if not isinstance(again, Route):
                 break
             w, pick = again.worker, again.placement
@@ -856,6 +914,10 @@ class DataPlane:
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank  # vLLM's rank header
         fwd += self.hops.lines(ctx.ex.headers)  # a request that comes back is refused
+        trace, span = ctx.trace, 0
+        if trace is not None:  # the worker's spans join this attempt's (W3C traceparent)
+            span, lines = trace.attempt()
+            fwd += lines
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         resp = None
         cancel = Cancel()
@@ -891,6 +953,19 @@ class DataPlane:
             if resp is not None:
                 resp.release()
             self._settle(ctx, w, link, pick, f)
+            if trace is not None:
+                trace.attempt_end(
+                    span,
+                    w.id,
+                    f.sent,
+                    f.head,
+                    f.ttft,
+                    resp.status if resp is not None else None,
+                    f.ok,
+                    f.usage,
+                    f.output,
+                    broken=f.broken,
+                )
 
     async def _answer(
         self, ctx: RequestContext, w: Worker, link: EngineLink | None, pick: Placement, f: _Flight, resp
@@ -899,6 +974,7 @@ class DataPlane:
         body bytes (returned, for ``_relay``), or the whole answer, replied here
         (None). Raises ``_UpstreamFailed`` for a 5xx or 429 and for a refused rank."""
         m = self.metrics
+        head = f.head = time.monotonic()
         status = resp.status
         if status >= 500 or status == 429:
             data = await resp.read()
@@ -914,7 +990,7 @@ class DataPlane:
                 status=status,
                 headers=resp.headers,
             )
-        m.observe_ttfb(time.monotonic() - ctx.t0)
+        m.observe_ttfb(head - ctx.t0)
         if ctx.stream and status == 200:
             return await resp.readany()
         data = await resp.read()

@@ -110,6 +110,11 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_traffic_log_records_total{outcome}     written, dropped_full, dropped_error,
                                                       sampled_out (read from the log at scrape)
     radixfleet_traffic_log_write_errors_total, radixfleet_traffic_log_queued
+    radixfleet_tracing_spans_total{outcome}           with tracing on (router.tracing): exported |
+                                                      dropped_queue_full (tracing.max_queue_spans
+                                                      waiting) | dropped_export_failed (the
+                                                      collector down, slow or refusing)
+    radixfleet_tracing_queued_spans                   spans waiting for the export thread
     process_*, python_gc_*, python_info               the standard process collectors
 
 No series carries a prefix hash: a hash is a tenant's prompt fingerprint, and the
@@ -553,6 +558,11 @@ class Metrics:
         """Exports a ``router.traffic_log.TrafficLog``'s counters, read at each scrape."""
         self.registry.register(_TrafficLogCollector(traffic_log))
 
+    def watch_tracing(self, tracing) -> None:
+        """Exports the counters of the ``service.tracing.Tracing`` that ``tracing()``
+        returns at each scrape (none while it returns None)."""
+        self.registry.register(_TracingCollector(tracing))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -576,4 +586,27 @@ class _TrafficLogCollector:
         )
         yield GaugeMetricFamily(
             "radixfleet_traffic_log_queued", "Traffic log records waiting for the writer", value=st.queued
+        )
+
+
+class _TracingCollector:
+    """Reads ``Tracing.stats()`` when scraped (the tracer keeps its own counters)."""
+
+    def __init__(self, tracing) -> None:
+        self._tracing = tracing
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        t = self._tracing()
+        if t is None:
+            return
+        st = t.stats()
+        c = CounterMetricFamily("radixfleet_tracing_spans", "Trace spans by outcome", labels=["outcome"])
+        for outcome in ("exported", "dropped_queue_full", "dropped_export_failed"):
+            c.add_metric([outcome], st[outcome])
+        yield c
+        yield GaugeMetricFamily(
+            "radixfleet_tracing_queued_spans", "Trace spans waiting for the export thread", value=st["queued"]
         )

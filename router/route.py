@@ -29,6 +29,9 @@ and the caller does the I/O::
     explained = policy.explain(...)            only while someone reads decisions
                                                (``RouteParts.explain``: /admin/decisions)
 
+A caller that traces passes ``marks`` (``Marks``): told the end of each stage
+(match, admit, choose, place) as it happens; the core reads no clock of its own.
+
 Invariants: a ``Route``'s load is counted on its worker before ``decide`` returns (so a
 burst cannot herd: docs/DESIGN.md's lessons), and the caller releases it with
 ``pool.prefilled`` / ``pool.finish`` on every path; a ``Reject`` or ``Hold`` counted
@@ -179,6 +182,13 @@ class Route(NamedTuple):
 Verdict = Reject | Hold | Admitted | Route
 
 
+class Marks(Protocol):
+    """Told the end of each stage of a decision as it happens (router.tracing)."""
+
+    def mark(self, stage: str) -> None:
+        """``stage`` (match | admit | choose | place) ended now."""
+
+
 class Hinter(Protocol):
     """Told of each placed hint (router.bus.replica.BusReplica.hint)."""
 
@@ -247,8 +257,9 @@ class RouteCore:
 
     # ------------------------------------------------------------------ decide
 
-    def decide(self, ask: Ask, now: float) -> Verdict:
-        """The verdict on ``ask`` at ``now`` (module docstring)."""
+    def decide(self, ask: Ask, now: float, marks: Marks | None = None) -> Verdict:
+        """The verdict on ``ask`` at ``now`` (module docstring); ``marks`` told of
+        each stage's end."""
         p = self.parts
         views = self.views(ask, now)
         if not views:
@@ -257,6 +268,8 @@ class RouteCore:
             kr = ask.keyer(views, now)
         except RequestError as exc:  # a token space refused the body
             return Reject(exc, ask.ticket)
+        if marks is not None:
+            marks.mark("match")
         ticket = ask.ticket
         if not ask.admitted:
             if p.tenancy is not None:
@@ -285,15 +298,19 @@ class RouteCore:
                 shed = probe(now)
                 if shed is not None:
                     return Reject(shed, ticket, shed=True)
-        return self.route(ask, views, kr, ticket, now)
+            if marks is not None:
+                marks.mark("admit")
+        return self.route(ask, views, kr, ticket, now, marks)
 
-    def resume(self, hold: Hold, waited: bool, now: float) -> Reject | Admitted | Route:
+    def resume(
+        self, hold: Hold, waited: bool, now: float, marks: Marks | None = None
+    ) -> Reject | Admitted | Route:
         """After the admission queue let ``hold`` in: routed as it was keyed when it
         did not wait, else keyed and matched again with what the pool and index
         know now (its admission chain not run again)."""
         if not waited:
-            return self.route(hold.ask, hold.views, hold.keyed, hold.ticket, now)
-        v = self.decide(hold.ask.admit(hold.ticket), now)
+            return self.route(hold.ask, hold.views, hold.keyed, hold.ticket, now, marks)
+        v = self.decide(hold.ask.admit(hold.ticket), now, marks)
         assert not isinstance(v, Hold), "an admitted request is never held again"
         return v
 
@@ -304,6 +321,7 @@ class RouteCore:
         kr: KeyedRequest,
         ticket: Ticket | None,
         now: float,
+        marks: Marks | None = None,
     ) -> Admitted | Route:
         """The admitted request's choice and placement."""
         p = self.parts
@@ -316,7 +334,11 @@ class RouteCore:
         w = p.pool.get(d.worker)
         if w is None:  # a policy bug: never route into the void
             raise AssertionError(f"policy {p.policy.name} chose unknown worker {d.worker!r}")
+        if marks is not None:
+            marks.mark("choose")
         placement = self.place(w, kr, now) if ask.place else None
+        if marks is not None and placement is not None:
+            marks.mark("place")
         if not p.explain:
             return Route(d, w, kr, placement, ticket)
         # (a chooser other than the policy's: the policy explains views it did not
