@@ -25,6 +25,7 @@ Lifecycle: ``start(session)`` starts the links of the workers present;
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -113,6 +114,16 @@ class EnginePrometheus:
         )
         self.tokenizer_errors = Counter(
             "radixfleet_tokenizer_errors", "Tokenizers that could not be loaded", ["worker"], registry=r
+        )
+        self.keys_off = Counter(
+            "radixfleet_engine_tokenizer_unavailable",
+            "Times a vLLM/SGLang worker was left keyed on routing bytes (approximate "
+            "matches) for want of its engine's tokenizer, per cause: no_root (its engine "
+            "names none), unreadable (a path the router cannot read, or a repo not in the "
+            "local Hugging Face cache with tokenizers.download off), load_failed, mismatch "
+            "(its ids differ from the engine's /tokenize on the probe prompt)",
+            ["worker", "cause"],
+            registry=r,
         )
         self.prefill_rate = Gauge(
             "radixfleet_worker_prefill_tokens_per_second", "Learned prefill speed", ["worker"], registry=r
@@ -368,23 +379,19 @@ class Engines:
     def learn_capacity(self) -> bool:
         return self.cfg.index.learn_capacity
 
+    @property
+    def tokenizers(self):
+        """``tokenizers:``: whether and how a worker's tokenizer is found from its engine."""
+        return self.cfg.tokenizers
+
     async def load_keyer(self, source: str, worker: str, chat_template: str = ""):
         """The shared tokenizer of ``source`` (with ``chat_template``, vLLM's
         --chat-template, replacing its own), loaded once, off the event loop (a
         second or two for a real one; links of the same engine wait for the same
         load); None (logged, counted) if it cannot load."""
-        key = (source, chat_template)
-        k = self._keyers.get(key)
-        if k is not None:
-            return k
-        fut = self._keyer_loads.get(key)
-        if fut is None:
-            options = {"chat_template": chat_template} if chat_template else {}
-            fut = self._keyer_loads[key] = asyncio.ensure_future(
-                asyncio.to_thread(_load_token_keyer, source, options)
-            )
+        options = {"chat_template": chat_template} if chat_template else {}
         try:
-            k = await asyncio.shield(fut)
+            return await self._shared_keyer((source, chat_template), options)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, or a broken folder
@@ -397,8 +404,56 @@ class Engines:
                 exc,
             )
             return None
+
+    async def discover_keyer(self, source: str, chat_template: str = "", *, download: bool = False):
+        """The shared tokenizer of ``source`` as an engine named it
+        (router.engines.tokenizer_source; with ``chat_template`` replacing its own):
+        looked for here first (``locate``), loaded without requiring a chat template
+        (the probe compares chats with the engine's), off the event loop. A
+        ``KeysProblem`` (not logged: the link says it with the worker) when it cannot
+        be read or loaded."""
+        from router.engines.tokenizer_source import KeysCause, KeysProblem, locate
+
+        key = (source, chat_template)
+        if key not in self._keyers:
+            found = await asyncio.to_thread(locate, source, download)
+            if found is not None:
+                return found
+        options: dict = {"require_chat_template": False}
+        if chat_template:
+            options["chat_template"] = chat_template
+        if download:
+            options["download"] = True
+        try:
+            return await self._shared_keyer(key, options)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, MissingExtra, a broken folder
+            cause = getattr(exc, "cause", None) or " ".join(str(exc).split()) or type(exc).__name__
+            return KeysProblem(KeysCause.LOAD_FAILED, f"tokenizer {source!r}: {cause}"[:500])
+
+    async def _shared_keyer(self, key: tuple[str, str], options: dict):
+        """The keyer of ``key`` (source, chat template): one load at a time per key,
+        shared by every link that asks meanwhile; a failed load is forgotten (a
+        later ask, after an engine restart, tries again). Raises what the load raised."""
+        k = self._keyers.get(key)
+        if k is not None:
+            return k
+        fut = self._keyer_loads.get(key)
+        if fut is None:
+            fut = self._keyer_loads[key] = asyncio.ensure_future(
+                asyncio.to_thread(_load_token_keyer, key[0], options)
+            )
+            fut.add_done_callback(functools.partial(self._load_done, key))
+        k = await asyncio.shield(fut)
         self._keyers.setdefault(key, k)
         return self._keyers[key]
+
+    def _load_done(self, key: tuple[str, str], fut: asyncio.Future) -> None:
+        if self._keyer_loads.get(key) is fut:
+            del self._keyer_loads[key]
+        if not fut.cancelled() and fut.exception() is None:
+            self._keyers.setdefault(key, fut.result())
 
     def new_scraper(self, link: EngineLink):
         from router.engines.engine_metrics import MetricsKind, MetricsScraper
