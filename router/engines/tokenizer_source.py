@@ -61,7 +61,7 @@ _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 #: accents, CJK and an emoji (byte fallback), so that two tokenizers that differ
 #: anywhere common differ here
 PROBE_TEXT = (
-    "Routing probe 7: The quick brown fox jumps over 13 lazy dogs -- twice, at 04:05.\n"
+    "A routing probe: The quick brown fox jumps over 13 lazy dogs -- twice, at 04:05.\n"
     "  Indented\tline with   three spaces; naïve café, Straße, 東京の天気, 😀 (x**2 + y) / 3.5%\n"
     'def f(a, b=None):\n    return {"k": [a, b]}  # done\n'
 )
