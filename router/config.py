@@ -102,7 +102,21 @@ class TokenizersConfig:
         False,
         "download such a tokenizer from the Hugging Face hub when the engine names a "
         "repo that is not in the local cache (needs the hub reachable; off: nothing is "
-        "downloaded, the worker is keyed on routing bytes)",
+        "downloaded)",
+    )
+    engine_tokenize: bool = _opt(
+        True,
+        "key a vLLM/SGLang worker whose tokenizer cannot be loaded here through its "
+        "engine's POST /tokenize: one round trip before each request's pick (a few ms, "
+        "router.engines.engine_keys), identical requests cached; off: routing bytes",
+    )
+    engine_timeout_s: float = _opt(
+        0.5,
+        "the longest a request waits for its engine's /tokenize; past it, that "
+        "request routes by load (its keys unknown)",
+        lo=0,
+        lo_open=True,
+        hi=10.0,
     )
 
 

@@ -9,6 +9,10 @@ before, by the listener: ``router.intake``, ``router.front``)::
     tenant = TenantResolver(headers)                 (auth.py; 401 if a key is required)
     key    = request_key(endpoint, body, tenant, block_bytes)   (400 naming the field)
     views  = pool.views(now, model, adapter)          (routable, serving it; else 404/503)
+    await engines.prepare(...)                        workers keyed through their engine's
+                                                      /tokenize: the ids asked for (cached;
+                                                      router.engines.engine_keys), views
+                                                      read again after it awaited
     kr     = engines.key(...)                         keyed per key space in use, matched
                                                       in the index: kr.match
     ticket = tenancy.admit(...)                       priority class; tenant and key rate
@@ -547,11 +551,22 @@ class DataPlane:
         finally:
             adm.leave()
 
+    async def _prepare_keys(self, endpoint, body, key, views, now: float):
+        """(now, views) once the request can be keyed for every worker in ``views``:
+        workers keyed through their engine's /tokenize are asked first
+        (``Engines.prepare``); after that await, the views are read again."""
+        if await self.engines.prepare(endpoint, body, views):
+            now = time.monotonic()
+            views = self.pool.views(now, key.model, key.adapter)
+        return now, views
+
     async def _route_and_forward(self, ctx: RequestContext) -> None:
         pool = self.pool
         key = ctx.key
         now = time.monotonic()
         views = pool.views(now, key.model, key.adapter)  # only workers serving the model
+        if views:
+            now, views = await self._prepare_keys(ctx.endpoint, ctx.body, key, views, now)
         if not views:
             self._reject(ctx.ex, pool.unavailable(key.model, key.adapter, now), ctx.rid)
             return  # 404 | 503
@@ -1173,6 +1188,8 @@ class DataPlane:
             now = time.monotonic()
             self._prefetch_sweep(now)
             views = self.pool.views(now, key.model, key.adapter)
+            if views:
+                now, views = await self._prepare_keys(endpoint, body, key, views, now)
             if not views:
                 raise self.pool.unavailable(key.model, key.adapter, now)
             kr = self.engines.key(endpoint, body, key, session, views, now)

@@ -10,10 +10,12 @@ worker's engine. Per worker::
                 or else (``tokenizers.discover``) the one its engine names (vLLM's
                 /v1/models root, SGLang's /get_model_info: router.engines.
                 tokenizer_source); each checked once against the engine's /tokenize,
-                again after a restart. One that cannot be found, read or loaded, or
-                disagrees with the engine, leaves the worker on routing bytes with one
-                log line naming the cause (``radixfleet_engine_tokenizer_unavailable_
-                total{cause}``); ``describe()["keys"]`` says which way and why
+                again after a restart. Where none can be found, read or loaded, or it
+                disagrees with the engine: keyed through the engine's /tokenize
+                (``tokenizers.engine_tokenize``, router.engines.engine_keys) where the
+                engine serves it, else on routing bytes with one log line naming the
+                cause (``radixfleet_engine_tokenizer_unavailable_total{cause}``);
+                ``describe()["keys"]`` says which way and why
     events      where its KV events come from: the worker's configured ``events:``, or
                 else, for vLLM, the server's own ``GET /kv_event_sources``
                 (router.engines.event_sources); one subscriber per data-parallel rank
@@ -85,6 +87,7 @@ from router.engines.tokenizer_source import (
     KeysProblem,
     Verdict,
     fetch_root,
+    serves_tokenize,
 )
 from router.engines.tokenizer_source import probe as probe_tokenize
 from service.background import Backoff
@@ -131,6 +134,7 @@ class LinkHost(Protocol):
     async def discover_keyer(
         self, source: str, chat_template: str = "", *, download: bool = False
     ) -> Any: ...
+    def engine_keyer(self, source: str, model: str) -> Any: ...
     def new_scraper(self, link: EngineLink) -> Any: ...
     def new_subscriber(
         self, link: EngineLink, source: EventSource | None = None, rank: int | None = None
@@ -168,7 +172,8 @@ class EngineLink:
         self.keyer = None  # router.engines.token_keys.TokenKeyer, once loaded
         #: which way the worker is keyed and why (``describe()["keys"]``); only
         #: _find_keys changes them. keys_from: "worker" (its own entry), "models"
-        #: (its model's models: entry), "engine" (what its engine named); None: bytes
+        #: (its model's models: entry), "engine" (what its engine named),
+        #: "engine_tokenize" (through its engine's /tokenize); None: bytes
         self.keys_from: str | None = None
         self.keys_root: EngineRoot | None = None  # what the engine named, if asked
         self.keys_probe: tuple[str, str] | None = None  # (verdict, detail) of the probe
@@ -347,7 +352,8 @@ class EngineLink:
     def keys_describe(self) -> dict:
         """Which way the worker is keyed and why: ``by`` tokens (its engine's tokens,
         exact) or bytes (routing bytes, approximate), the tokenizer and where it came
-        from, what the engine named, the probe's verdict, or the cause."""
+        from, what the engine named, the probe's verdict, and why no tokenizer is
+        loaded here (``cause``: on bytes, or keyed through the engine's /tokenize)."""
         root, pr, problem = self.keys_root, self.keys_probe, self.keys_problem
         return {
             "by": "tokens" if isinstance(self.space, TokenSpace) else "bytes",
@@ -533,12 +539,34 @@ class EngineLink:
                     KeysCause.MISMATCH, f"tokenizer {keyer.source!r} is not the engine's: {pr.detail}"
                 )
                 keyer = None
+        through = None  # why the engine's /tokenize cannot key it (None: it can, or not asked)
+        if (
+            keyer is None
+            and self.kind in ENGINE_KINDS
+            and eng.tokenizers.engine_tokenize
+            and self.state is LinkState.RUNNING
+        ):
+            assert eng.session is not None, "the engines start their session before any link"
+            through = await serves_tokenize(eng.session, self.worker.url, self.served_model)
+            if through is None:
+                root = self.keys_root
+                keyer = eng.engine_keyer(root.source if root else self.worker.url, self.served_model)
+                origin = "engine_tokenize"
         if self.state is not LinkState.RUNNING:
             return False
         self.keys_from = origin if keyer is not None else None
         self.keys_problem = problem
         changed = self._use_keys(keyer)
-        if keyer is not None:
+        if origin == "engine_tokenize":
+            log.info(
+                "worker %s: keyed in its engine's tokens through its POST /tokenize (one "
+                "round trip before each request's pick)%s",
+                self.worker.id,
+                f": its tokenizer is not loaded here ({problem.cause.value}: {problem.detail})"
+                if problem is not None
+                else "",
+            )
+        elif keyer is not None:
             where = {
                 "worker": "its own entry",
                 "models": "its model's models: entry",
@@ -555,11 +583,12 @@ class EngineLink:
         elif problem is not None:
             eng.prom.keys_off.labels(self.worker.id, problem.cause.value).inc()
             log.warning(
-                "worker %s: keyed on routing bytes, approximate matches (%s: %s); for exact "
+                "worker %s: keyed on routing bytes, approximate matches (%s: %s%s); for exact "
                 "keys set its tokenizer (or models: {%s: {tokenizer: ...}})",
                 self.worker.id,
                 problem.cause.value,
                 problem.detail,
+                f"; and {through}" if through else "",
                 self.served_model or "NAME",
             )
         return changed

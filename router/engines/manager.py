@@ -125,6 +125,21 @@ class EnginePrometheus:
             ["worker", "cause"],
             registry=r,
         )
+        self.engine_tokenize = Counter(
+            "radixfleet_engine_tokenize_requests",
+            "Requests keyed through an engine's POST /tokenize (router.engines.engine_keys), "
+            "per outcome: fetched, cached (the same body's ids held), failed (an error or "
+            "past tokenizers.engine_timeout_s), unkeyed (routed by load: failed, or a request "
+            "/tokenize does not render as served)",
+            ["outcome"],
+            registry=r,
+        )
+        self.engine_tokenize_s = Histogram(
+            "radixfleet_engine_tokenize_seconds",
+            "One POST /tokenize round trip, keying a request through its engine",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 10.0),
+            registry=r,
+        )
         self.prefill_rate = Gauge(
             "radixfleet_worker_prefill_tokens_per_second", "Learned prefill speed", ["worker"], registry=r
         )
@@ -277,6 +292,12 @@ class Engines:
         #: those of them ``models:`` names (loaded by the config's build, reused on reload)
         self.model_keyers: dict[tuple[str, str], Any] = dict(keyers or {})
         self._keyer_loads: dict[tuple[str, str], asyncio.Future] = {}  # loads under way
+        #: (source, served model) -> EngineKeyer: workers keyed through their engine's
+        #: /tokenize, shared by those naming the same root (router.engines.engine_keys)
+        self._engine_keyers: dict[tuple[str, str], Any] = {}
+        #: of the cached ``_spaces``, those keyed through an engine (``prepare``)
+        self._remote: list = []
+        self._turn = 0  # rotates which worker of an engine space is asked
         self._spaces_key: tuple | None = None
         self._spaces: list = []
         #: workers indexed per data-parallel rank (link.ranks >= 2): their matches are
@@ -321,6 +342,8 @@ class Engines:
                     self.worker_removed(link.worker)
                     self.index.clear(link.worker.id)
                     self.worker_added(link.worker)
+        for ek in self._engine_keyers.values():
+            ek.configure(cfg.tokenizers.engine_timeout_s)
         if cfg.keys.block_bytes != self.byte_space.block_bytes:
             self.byte_space = ByteSpace(cfg.keys.block_bytes)
             for link in self.links.values():
@@ -455,6 +478,39 @@ class Engines:
         if not fut.cancelled() and fut.exception() is None:
             self._keyers.setdefault(key, fut.result())
 
+    def engine_keyer(self, source: str, model: str):
+        """The shared ``EngineKeyer`` of workers whose engine named ``source`` (or, with
+        no root, the worker's URL) serving ``model``."""
+        from router.engines.engine_keys import EngineKeyer
+
+        key = (source, model)
+        k = self._engine_keyers.get(key)
+        if k is None:
+            k = self._engine_keyers[key] = EngineKeyer(
+                f"engine:{source}", model, timeout_s=self.cfg.tokenizers.engine_timeout_s, prom=self.prom
+            )
+        return k
+
+    async def prepare(self, endpoint: Endpoint, body: dict, views: Sequence[WorkerView]) -> bool:
+        """Readies the request for ``key`` in every space keyed through an engine
+        among ``views`` (router.engines.engine_keys: one /tokenize round trip each,
+        unless cached). True when it awaited: the views may be stale. O(1) when no
+        routable worker is keyed through its engine."""
+        self.spaces_for(views)
+        remote = self._remote
+        if not remote or self.session is None:
+            return False
+        waits = []
+        for sp, wids in remote:
+            links = [link for w in wids if (link := self.links.get(w)) is not None]
+            if not links:
+                continue
+            self._turn += 1
+            url = links[self._turn % len(links)].worker.url
+            waits.append(sp.keyer.prepare(self.session, url, endpoint, body))
+        done = await asyncio.gather(*waits)
+        return any(done)
+
     def new_scraper(self, link: EngineLink):
         from router.engines.engine_metrics import MetricsKind, MetricsScraper
 
@@ -495,6 +551,7 @@ class Engines:
             else:
                 g[1].append(wid)
         self._spaces = sorted(groups.values(), key=lambda g: -len(g[1]))
+        self._remote = [g for g in self._spaces if hasattr(getattr(g[0], "keyer", None), "prepare")]
         self._spaces_key = ids
         return self._spaces
 

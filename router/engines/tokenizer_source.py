@@ -265,6 +265,18 @@ async def _tokenize(
     return toks
 
 
+async def serves_tokenize(
+    session: aiohttp.ClientSession, url: str, model: str, timeout_s: float = 5.0
+) -> str | None:
+    """None when the engine at ``url`` tokenizes the probe prompt (its ``/tokenize``
+    can key requests: router.engines.engine_keys); else why not."""
+    body = {**({"model": model} if model else {}), "prompt": PROBE_TEXT}
+    got = await _tokenize(session, url, body, timeout_s)
+    if isinstance(got, list):
+        return None
+    return f"its POST /tokenize {'answered' if isinstance(got, int) else 'failed:'} {got}"
+
+
 def _first_difference(engine: list[int], ours: list[int]) -> str:
     i = next((i for i, (a, b) in enumerate(zip(engine, ours)) if a != b), min(len(engine), len(ours)))
     e = engine[i] if i < len(engine) else "end"

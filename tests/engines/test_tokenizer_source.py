@@ -334,8 +334,9 @@ async def test_every_unusable_root_leaves_its_worker_on_bytes_serving_with_one_l
     tokenizer_dir, other_tokenizer_dir, tmp_path, caplog
 ):
     """No root, a folder not on this host, one without a tokenizer, a tokenizer that
-    is not the engine's (the probe): keyed on routing bytes, its events not followed,
-    one log line naming the cause, counted; every worker answers 200."""
+    is not the engine's (the probe), and keying through the engine's /tokenize off:
+    keyed on routing bytes, its events not followed, one log line naming the cause,
+    counted; every worker answers 200."""
     caplog.set_level(logging.INFO, logger="radixfleet")
     keyer = TokenKeyer.load(tokenizer_dir)
     (tmp_path / "empty").mkdir()
@@ -349,7 +350,7 @@ async def test_every_unusable_root_leaves_its_worker_on_bytes_serving_with_one_l
     for w, (root, _) in roots.items():
         fakes[w] = FakeDpVllm(keyer, ranks=1)
         fakes[w].root = root
-    async with QuickStart(fakes) as q:
+    async with QuickStart(fakes, {"tokenizers": {"engine_tokenize": False}}) as q:
         ws = await q.workers()
         for w, (_, cause) in roots.items():
             keys = ws[w]["engine"]["keys"]
@@ -380,7 +381,8 @@ async def test_an_engine_restarted_with_another_model_is_re_probed_and_its_entri
     shutil.copytree(tokenizer_dir, second)
     fake = FakeDpVllm(TokenKeyer.load(tokenizer_dir), ranks=1)
     fake.root = tokenizer_dir
-    async with QuickStart({"v": fake}, worker={"metrics": {"interval_s": 0.1}}) as q:
+    off = {"tokenizers": {"engine_tokenize": False}}
+    async with QuickStart({"v": fake}, off, worker={"metrics": {"interval_s": 0.1}}) as q:
         link = q.router.pool.get("v").engine
         index = q.router.index
         await until_exact(q, "v", 0)
@@ -401,12 +403,13 @@ async def test_an_engine_restarted_with_another_model_is_re_probed_and_its_entri
 
 @pytest.mark.integration
 async def test_discovery_off_or_no_tokenize_endpoint(tokenizer_dir):
-    """tokenizers.discover off: nothing asked, routing bytes, no cause. An engine
-    without /tokenize: keyed from its root, the probe unchecked."""
+    """tokenizers.discover and engine_tokenize off: nothing asked, routing bytes, no
+    cause. An engine without /tokenize: keyed from its root, the probe unchecked."""
     keyer = TokenKeyer.load(tokenizer_dir)
     fake = FakeDpVllm(keyer, ranks=1)
     fake.root = tokenizer_dir
-    async with QuickStart({"v": fake}, {"tokenizers": {"discover": False}}) as q:
+    off = {"tokenizers": {"discover": False, "engine_tokenize": False}}
+    async with QuickStart({"v": fake}, off) as q:
         keys = (await q.workers())["v"]["engine"]["keys"]
         assert keys == {
             "by": "bytes",
@@ -423,6 +426,87 @@ async def test_discovery_off_or_no_tokenize_endpoint(tokenizer_dir):
         keys = (await q.workers())["v"]["engine"]["keys"]
         assert keys["by"] == "tokens" and keys["probe"]["verdict"] == "unchecked", keys
         assert "answered 404" in keys["probe"]["detail"]
+
+
+def _tokenize_count(q: QuickStart, outcome: str) -> float:
+    return q.router.engines.prom.engine_tokenize.labels(outcome)._value.get()
+
+
+@pytest.mark.integration
+async def test_a_worker_whose_tokenizer_is_not_here_is_keyed_through_its_engine(tokenizer_dir, caplog):
+    """The engine's root is a folder on its own host: each request's ids come from its
+    POST /tokenize (the same body twice: fetched once), its events are followed, and
+    predictions are exact. A /tokenize that stops answering: requests still served,
+    routed by load (unkeyed), counted."""
+    caplog.set_level(logging.INFO, logger="radixfleet")
+    fake = FakeDpVllm(TokenKeyer.load(tokenizer_dir), ranks=1)
+    fake.root = "/models/on-the-engines-host"
+    async with QuickStart({"v": fake}) as q:
+        link = q.router.pool.get("v").engine
+        keys = (await q.workers())["v"]["engine"]["keys"]
+        assert keys["by"] == "tokens" and keys["from"] == "engine_tokenize", keys
+        assert keys["tokenizer"] == "engine:/models/on-the-engines-host" and keys["cause"] == "unreadable"
+        assert not q.metric("radixfleet_engine_tokenizer_unavailable_total{")  # not on bytes
+        await until_exact(q, "v", 700)
+        before = link.stats.summary()
+        fetched = _tokenize_count(q, "fetched")
+        for i in range(3):
+            text = prompt(i)
+            held = q.router.index.entries("v")
+            status, first = await q.send(text)
+            assert status == 200
+            want = held + first["usage"]["prompt_tokens"] // BS
+            await wait_for(lambda: q.router.index.entries("v") >= want, 5, "the events applied")
+            status, second = await q.send(text)
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        after = link.stats.summary()
+        assert after.samples - before.samples == 6 and after.sum_abs_tokens == before.sum_abs_tokens
+        assert _tokenize_count(q, "fetched") - fetched == 3  # each second request's ids were held
+        assert _tokenize_count(q, "cached") >= 3
+        fake.tokenize_keyer = None  # /tokenize now answers 404
+        unkeyed = _tokenize_count(q, "unkeyed")
+        for i in range(3):
+            assert (await q.send(prompt(800 + i)))[0] == 200
+        assert _tokenize_count(q, "failed") >= 3 and _tokenize_count(q, "unkeyed") - unkeyed >= 3
+    said = [m for m in _keys_lines(caplog, "v")]
+    assert len(said) == 1 and "through its POST /tokenize" in said[0] and "unreadable" in said[0], said
+
+
+def test_a_request_is_asked_of_tokenize_as_the_engine_renders_it():
+    from array import array
+
+    from router.engines.engine_keys import tokenize_request
+
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {"model": "x", "messages": msgs, "tools": [{"type": "function"}], "max_tokens": 3, "stream": True}
+    assert tokenize_request(Endpoint.CHAT, chat, "m") == {
+        "model": "m",
+        "messages": msgs,
+        "tools": chat["tools"],
+    }
+    assert tokenize_request(Endpoint.COMPLETIONS, {"prompt": "a", "add_special_tokens": False}, "m") == {
+        "model": "m",
+        "prompt": "a",
+        "add_special_tokens": False,
+    }
+    assert tokenize_request(Endpoint.COMPLETIONS, {"prompt": ["a", "b"]}, "") == {"prompt": "a"}
+    assert tokenize_request(Endpoint.COMPLETIONS, {"prompt": [1, 2, 3]}, "m") == array("I", [1, 2, 3])
+    assert tokenize_request(Endpoint.COMPLETIONS, {"prompt": [[4, 5], [6]]}, "m") == array("I", [4, 5])
+    assert tokenize_request(Endpoint.GENERATE, {"input_ids": [7]}, "m") == array("I", [7])
+    assert tokenize_request(Endpoint.GENERATE, {"text": "t"}, "m") == {"model": "m", "prompt": "t"}
+    kv = {"messages": msgs, "kv_transfer_params": {"prompt_token_ids": [9, 8]}}
+    assert tokenize_request(Endpoint.CHAT, kv, "m") == array("I", [9, 8])
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    for endpoint, body, why in (
+        (Endpoint.CHAT, {"messages": image}, "media"),
+        (Endpoint.CHAT, {"messages": msgs, "reasoning_effort": "low"}, "reasoning_effort"),
+        (Endpoint.CHAT, {"messages": "no"}, "no messages"),
+        (Endpoint.COMPLETIONS, {"prompt": "a", "suffix": "b"}, "suffix"),
+        (Endpoint.COMPLETIONS, {"prompt": 5}, "no prompt string"),
+        (Endpoint.COMPLETIONS, {"prompt": "a", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ):
+        got = tokenize_request(endpoint, body, "m")
+        assert isinstance(got, str) and why in got, (body, got)
 
 
 class FakeSglang:

@@ -193,6 +193,65 @@ def test_quick_start_is_precise_with_nothing_configured(quick_start, model_dir):
     assert (abs1 - abs0) / sent <= 1, (abs1 - abs0, sent)  # ~0 tokens off per request
 
 
+def test_quick_start_keys_through_the_engine_where_its_tokenizer_is_not_here(vllm_pair, tmp_path):
+    """The quick start with the engine's folder taken as unreadable (tokenizers.discover
+    off: as when vLLM runs on another host): each request's ids come from the engine's
+    POST /tokenize, its events are followed, predictions exact; what a round trip costs
+    is on /metrics (radixfleet_engine_tokenize_seconds)."""
+    port = free_port()
+    cfg = tmp_path / "through.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "listen": {"host": "127.0.0.1", "port": port},
+                "workers": [s.url for s in vllm_pair],
+                "tokenizers": {"discover": False},
+            }
+        )
+    )
+    with Proc(radixfleet_argv("router", "--config", str(cfg)), ready_url=f"http://127.0.0.1:{port}/health"):
+        url = f"http://127.0.0.1:{port}"
+        wait_for(
+            lambda: all(
+                w["engine"]["keys"]["from"] == "engine_tokenize"
+                and w["engine"]["key_space"].startswith("TokenSpace")
+                and (w["engine"]["events"] or {}).get("in_sync")
+                for w in workers(url)
+            ),
+            120,
+            "every worker keyed through its /tokenize, its events in sync",
+        )
+
+        def totals() -> tuple[int, int]:
+            ps = [w["engine"]["prediction"] for w in workers(url)]
+            return sum(p["samples"] for p in ps), sum(p["sum_abs_tokens"] for p in ps)
+
+        n0, abs0 = totals()
+        base = text(9700, 300)
+        for i in range(6):
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"model": "tiny", "prompt": base + " " + text(9800 + i, 30), "max_tokens": 4},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            wait_for(lambda: totals()[0] >= n0 + i + 1, 10, "the router's accuracy sample")
+        n1, abs1 = totals()
+        assert n1 - n0 == 6 and (abs1 - abs0) / 6 <= 1, abs1 - abs0
+        page = httpx.get(url + "/metrics", timeout=5).text
+        got = {
+            ln.split()[0]: float(ln.split()[-1])
+            for ln in page.splitlines()
+            if ln.startswith("radixfleet_engine_tokenize_seconds_")
+        }
+        count, total = (
+            got["radixfleet_engine_tokenize_seconds_count"],
+            got["radixfleet_engine_tokenize_seconds_sum"],
+        )
+        assert count >= 6
+        print(f"\n/tokenize round trip from the router: mean {total / count * 1e3:.1f} ms over {count:.0f}")
+
+
 def test_precise_completions_prediction_is_exact(router):
     errs = []
     base = text(7, 400)
