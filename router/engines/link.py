@@ -177,7 +177,7 @@ class EngineLink:
         self.keys_from: str | None = None
         self.keys_root: EngineRoot | None = None  # what the engine named, if asked
         self.keys_probe: tuple[str, str] | None = None  # (verdict, detail) of the probe
-        self.keys_problem: KeysProblem | None = None  # why it is on bytes, if it is
+        self.keys_problem: KeysProblem | None = None  # why no tokenizer is loaded here
         self._own_tokenizer = bool(spec.tokenizer)  # set in its own entry (not models:)
         self._rekey: asyncio.Task | None = None  # a restart's re-probe under way
         #: rank (None: the worker as one engine) -> (KvEventSubscriber, EngineBlockMap);
@@ -979,13 +979,15 @@ class EngineLink:
             self._refollow_events()
 
     def _rekeys(self) -> bool:
-        """Whether a restart asks for the keys again: an engine keyed in its tokens, or
-        one its engine may now name a tokenizer for (not while a re-ask is under way)."""
+        """Whether a restart asks for the keys again: a vLLM/SGLang worker with a
+        tokenizer set, or one its engine may name or tokenize for (not while a re-ask is
+        under way)."""
         if self.state is not LinkState.RUNNING or self.kind not in ENGINE_KINDS or self.model_mismatch:
             return False
         if self._rekey is not None and not self._rekey.done():
             return False
-        return bool(self.spec.tokenizer) or self.engines.tokenizers.discover
+        t = self.engines.tokenizers
+        return bool(self.spec.tokenizer) or t.discover or t.engine_tokenize
 
     async def _rekey_then_follow(self) -> None:
         """A restarted engine's keys, found and probed again; keys that changed (another
