@@ -89,6 +89,40 @@ MISSING: Any = _Missing()
 
 
 @settings
+class TokenizersConfig:
+    """Where a vLLM or SGLang worker's tokenizer comes from when neither its entry
+    nor ``models:`` names one (``router.engines.tokenizer_source``)."""
+
+    discover: bool = _opt(
+        True,
+        "key a vLLM/SGLang worker with no tokenizer set with the one its engine names "
+        "(vLLM's GET /v1/models root, SGLang's GET /get_model_info tokenizer_path), when "
+        "the router can read it: a folder here (the same host, a shared volume) or a repo "
+        "in the local Hugging Face cache; checked once against the engine's /tokenize",
+    )
+    download: bool = _opt(
+        False,
+        "download such a tokenizer from the Hugging Face hub when the engine names a "
+        "repo that is not in the local cache (needs the hub reachable; off: nothing is "
+        "downloaded)",
+    )
+    engine_tokenize: bool = _opt(
+        True,
+        "key a vLLM/SGLang worker whose tokenizer cannot be loaded here through its "
+        "engine's POST /tokenize: one round trip before each request's pick (a few ms, "
+        "router.engines.engine_keys), identical requests cached; off: routing bytes",
+    )
+    engine_timeout_s: float = _opt(
+        0.5,
+        "the longest a request waits for its engine's /tokenize; past it, that "
+        "request routes by load (its keys unknown)",
+        lo=0,
+        lo_open=True,
+        hi=10.0,
+    )
+
+
+@settings
 class ListenConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "TCP port", lo=0, hi=65535)
@@ -974,6 +1008,9 @@ class Config:
         default_factory=dict,
         description=("served model name -> the engine settings of every worker serving it"),
     )
+    tokenizers: TokenizersConfig = _section(
+        TokenizersConfig, "a worker's tokenizer found from its engine, when none is configured"
+    )
     path: str = internal(str)
     #: ``workers.discovery`` in the YAML (not a top-level key); read at start
     discovery: DiscoveryConfig = internal(DiscoveryConfig)
@@ -1243,12 +1280,15 @@ def check_event_binds(cfg: Config) -> None:
 
 
 def _check_tokenizers(cfg: Config, found: list[ConfigError]) -> None:
-    """An events endpoint (or a block size) needs a tokenizer: the worker's or
-    selector's own, or its model's ``models:`` entry (any entry, while its model
-    is learned from the worker)."""
+    """An events endpoint (or a block size, a chat template) needs a tokenizer: the
+    worker's or selector's own, its model's ``models:`` entry (any entry, while its
+    model is learned from the worker), or, with ``tokenizers.discover``, the one a
+    vLLM/SGLang engine names (any kind but openai: auto may probe as either)."""
 
     def covered(spec: Any) -> bool:
         if spec.tokenizer:
+            return True
+        if cfg.tokenizers.discover and getattr(spec, "kind", "auto") != "openai":
             return True
         model = getattr(spec, "model", "")
         if model:
@@ -1273,7 +1313,7 @@ def _check_tokenizers(cfg: Config, found: list[ConfigError]) -> None:
                     "required with events.endpoint: the "
                     "events name token blocks, so requests must be keyed with "
                     "the engine's own tokenizer (here, or in a models: entry "
-                    "for the model)",
+                    "for the model; or found from the engine: tokenizers.discover)",
                 )
             )
         elif spec.block_size:

@@ -8,6 +8,9 @@ before, by the listener: ``router.intake``, ``router.front``)::
     read body (<= limits.max_body_bytes, else 413) -> json (else 400)
     tenant = TenantResolver(headers)                 (auth.py; 401 if a key is required)
     key    = request_key(endpoint, body, tenant, block_bytes)   (400 naming the field)
+    await engines.prepare(...)                        workers keyed through their engine's
+                                                      /tokenize: the ids asked for first
+                                                      (cached; router.engines.engine_keys)
     verdict = route.decide(ask, now)                  the route core (router.route): views,
                                                       keys and match, tenancy and rate
                                                       limits, shedding, the policy's choice,
@@ -666,6 +669,14 @@ class DataPlane:
             ctx.endpoint, ctx.body, ctx.key, ctx.session, ctx.tenant, ctx.api_key, ctx.ex.headers
         )
 
+    async def _prepare_keys(self, endpoint: Endpoint, body: dict, key: PrefixKey) -> None:
+        """Before the route core keys the request: workers keyed through their engine's
+        /tokenize are asked for its ids first (``Engines.prepare``; cached), the one
+        await before the pick (the core then reads the views again)."""
+        views = self.pool.views(time.monotonic(), key.model, key.adapter)
+        if views:
+            await self.engines.prepare(endpoint, body, views)
+
     def ask_of(
         self,
         endpoint: Endpoint,
@@ -689,6 +700,7 @@ class DataPlane:
         core = self.route
         ask = self.ask_for(ctx)
         trace = ctx.trace
+        await self._prepare_keys(ctx.endpoint, ctx.body, ctx.key)
         now = time.monotonic()
         verdict = core.decide(ask, now) if trace is None else trace.decide(core, ask, now)
         if isinstance(verdict, Hold):
@@ -1325,6 +1337,8 @@ class DataPlane:
                 session = body["user"]
             now = time.monotonic()
             self._prefetch_sweep(now)
+            await self._prepare_keys(endpoint, body, key)
+            now = time.monotonic()
             # charged as the request it sends: one, and its prompt plus the one token
             # it generates (router.prefetch, "Tenant limits"); 429 when over; dropped
             # first when a real request would wait or be shed (router.route)
