@@ -92,6 +92,9 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_traffic_log_records_total{outcome}     written, dropped_full, dropped_error,
                                                       sampled_out (read from the log at scrape)
     radixfleet_traffic_log_write_errors_total, radixfleet_traffic_log_queued
+    radixfleet_traffic_log_writing                    1 writing, 0 stopped by a write error
+                                                      (router.traffic_log: retried, kept
+                                                      files never rotated out meanwhile)
     process_*, python_gc_*, python_info               the standard process collectors
 
 No series carries a prefix hash: a hash is a tenant's prompt fingerprint, and the
@@ -518,4 +521,9 @@ class _TrafficLogCollector:
         )
         yield GaugeMetricFamily(
             "radixfleet_traffic_log_queued", "Traffic log records waiting for the writer", value=st.queued
+        )
+        yield GaugeMetricFamily(
+            "radixfleet_traffic_log_writing",
+            "1 while the traffic log writes, 0 while a write error stopped it (until a retry succeeds)",
+            value=st.writing,
         )
