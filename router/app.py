@@ -20,7 +20,9 @@ Endpoints::
                                seconds, every healthy engine's tokenizer is loaded
                                and its KV events joined (Engines.settling), else
                                503 (``waiting``: the workers it waits for)
-    GET  /metrics              Prometheus text (no prefix hashes: router.metrics)
+    GET  /metrics              Prometheus text (no prefix hashes: router.metrics), to the
+                               metrics or admin token, or without a metrics token to
+                               loopback peers (router.auth.check_metrics)
     GET  /openapi.json         the OpenAPI 3 description of all of this (protocol.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
     GET  /admin/index          index stats, hot prefixes, policy.describe()
@@ -64,6 +66,7 @@ from protocol.prefix_keys import Endpoint
 from router import intake, served
 from router.admin_api import AdminAPI
 from router.agent_api import AgentAPI
+from router.auth import check_metrics, metrics_exposure
 from router.bus.replica import BusReplica
 from router.config import MISSING, Config, check_event_binds, with_overrides
 from router.dataplane import (
@@ -141,6 +144,10 @@ class Router:
         check_event_binds(cfg)  # before anything binds: which side binds, said plainly
         self.policy, self.tenants, self.salts = p.policy, p.tenants, p.tenants.salts
         self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
+        self.metrics_auth = p.metrics_auth  # GET /metrics (router.auth.check_metrics)
+        exposed = metrics_exposure(cfg, self.metrics_auth)
+        if exposed:
+            log.warning("%s", exposed)
         self.pool = Pool(cfg, self.index)
         self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry, keyers=p.keyers)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
@@ -287,7 +294,7 @@ class Router:
         async def handler(request: web.Request) -> web.StreamResponse:
             lim = self.cfg.limits
             try:
-                self.tenants.tenant(request.headers)
+                self.dataplane.screen_head(request.headers)  # 401, 429 before the body
                 raw = await intake.read_body(
                     request, lim.max_body_bytes, lim.body_timeout_s, self.body_budget
                 )
@@ -352,6 +359,13 @@ class Router:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            check_metrics(
+                self.metrics_auth, self.admin_auth, request.headers.get("Authorization"), request.remote
+            )
+        except RequestError as exc:
+            self.metrics.rejected.labels(str(exc.status), exc.code).inc()
+            return error_response(exc)
         now = time.monotonic()
         self.metrics.refresh(self.pool, self.index, now, self.cfg.index.hot_k)
         self.engines.refresh(now)
@@ -447,7 +461,10 @@ class Router:
                     ),
                 )
                 lowered = check_downgrade(
-                    self.cfg, (self.admin_auth, self.agent_auth), p, allow=allow_security_downgrade
+                    self.cfg,
+                    (self.admin_auth, self.agent_auth, self.metrics_auth),
+                    p,
+                    allow=allow_security_downgrade,
                 )
             except ConfigError as exc:
                 self.metrics.reload_failures.labels(reason=failure_reason(exc)).inc()
@@ -486,6 +503,7 @@ class Router:
                     self.index.clear(wid)
                 self.salts = tenants.salts
             self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
+            self.metrics_auth = p.metrics_auth
             self.index.max_bytes = new.index.max_bytes
             self.body_budget.limit = new.limits.max_buffered_body_bytes
             self.dataplane.configure(new, policy, tenants)
@@ -571,7 +589,7 @@ class RouterServer:
             head_timeout_s=lambda: lim().header_timeout_s,
             body_timeout_s=lambda: lim().body_timeout_s,
             budget=r.body_budget,
-            authorize=lambda headers: r.tenants.tenant(headers),
+            authorize=r.dataplane.screen_head,
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
         )

@@ -98,7 +98,8 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     process_*, python_gc_*, python_info               the standard process collectors
 
 No series carries a prefix hash: a hash is a tenant's prompt fingerprint, and the
-metrics page is public on the data-plane port. Per-prefix detail (hash, depth,
+metrics page is served on the data-plane port (to the metrics or admin token, or to
+loopback peers while no metrics token is set: router.auth.check_metrics). Per-prefix detail (hash, depth,
 holders) is at ``/admin/index``, behind the admin token. ``_created`` series are
 not exported (``prometheus_client.disable_created_metrics``, process-wide).
 """
