@@ -84,9 +84,10 @@ class Result:
     #: leading tokens one LRU cache of the fleet's capacity held when it was sent
     pooled_cached: int = 0
     #: the status ``POST /v1/prefetch`` answered for it (None: none sent), and
-    #: whether the router found the prefix there already (``deduplicated``)
+    #: whether the router found the prefix there already (``deduplicated``; None:
+    #: it did not say, as it does not to a client without a tenant: router.prefetch)
     prefetch_status: int | None = None
-    prefetch_dedup: bool = False
+    prefetch_dedup: bool | None = None
 
 
 class _State(enum.Enum):
@@ -292,9 +293,8 @@ class Target:
                 ) as resp:
                     result.prefetch_status = resp.status
                     if resp.status == 202:
-                        result.prefetch_dedup = (await resp.json(content_type=None)).get(
-                            "deduplicated"
-                        ) is True
+                        dedup = (await resp.json(content_type=None)).get("deduplicated")
+                        result.prefetch_dedup = dedup if isinstance(dedup, bool) else None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
                 result.prefetch_status = 0
         rest = spec.lead_s - (clock() - t)

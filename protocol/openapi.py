@@ -367,6 +367,14 @@ def _get(
     return {"get": {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
+def _metrics_get() -> dict[str, Any]:
+    """The router's ``GET /metrics``: the metrics or admin token, or none from a
+    loopback peer while no metrics token is set (router.auth.check_metrics)."""
+    op = _get("Prometheus text", None, 401, text=True)
+    op["get"]["security"] = [{"metricsToken": []}, {"adminToken": []}, {}]
+    return op
+
+
 def _data_plane_paths(router: bool) -> dict[str, Any]:
     return {
         "/v1/completions": _data_plane("OpenAI completions", COMPLETION_REQUEST, router=router),
@@ -389,10 +397,11 @@ def _router_spec() -> dict[str, Any]:
                 "requestBody": {"required": True, **_json({"oneOf": [CHAT_REQUEST, COMPLETION_REQUEST]})},
                 "responses": {
                     **_ok(
-                        "accepted (the worker is sent the prompt with max_tokens 1), or deduplicated",
+                        "accepted (the worker is sent the prompt with max_tokens 1), or deduplicated; "
+                        "'deduplicated' only for a client a credential names a tenant for",
                         {
                             "type": "object",
-                            "required": ["accepted", "deduplicated"],
+                            "required": ["accepted"],
                             "properties": {
                                 "accepted": {"type": "boolean"},
                                 "deduplicated": {"type": "boolean"},
@@ -407,7 +416,7 @@ def _router_spec() -> dict[str, Any]:
         },
         "/health": _get("the router process is up", _OBJECT),
         "/readiness": _get("at least one worker is healthy", _OBJECT, 503),
-        "/metrics": _get("Prometheus text", text=True),
+        "/metrics": _metrics_get(),
         "/openapi.json": _get("this document", _OBJECT),
         "/admin/workers": {
             "get": {
@@ -540,6 +549,11 @@ def _router_spec() -> dict[str, Any]:
                     "type": "http",
                     "scheme": "bearer",
                     "description": "$RADIXFLEET_AGENT_TOKEN (open on loopback if unset)",
+                },
+                "metricsToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "$RADIXFLEET_METRICS_TOKEN (unset: loopback peers need none)",
                 },
             }
         },

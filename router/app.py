@@ -20,7 +20,9 @@ Endpoints::
                                seconds, every healthy engine's tokenizer is loaded
                                and its KV events joined (Engines.settling), else
                                503 (``waiting``: the workers it waits for)
-    GET  /metrics              Prometheus text (no prefix hashes: router.metrics)
+    GET  /metrics              Prometheus text (no prefix hashes: router.metrics), to the
+                               metrics or admin token, or without a metrics token to
+                               loopback peers (router.auth.check_metrics)
     GET  /openapi.json         the OpenAPI 3 description of all of this (protocol.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
     GET  /admin/index          index stats, hot prefixes, policy.describe()
@@ -64,6 +66,7 @@ from protocol.prefix_keys import Endpoint
 from router import intake, served
 from router.admin_api import AdminAPI
 from router.agent_api import AgentAPI
+from router.auth import check_metrics, metrics_exposure
 from router.bus.replica import BusReplica
 from router.config import MISSING, Config, check_event_binds, with_overrides
 from router.dataplane import (
@@ -144,6 +147,10 @@ class Router:
         check_event_binds(cfg)  # before anything binds: which side binds, said plainly
         self.policy, self.tenants, self.salts = p.policy, p.tenants, p.tenants.salts
         self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
+        self.metrics_auth = p.metrics_auth  # GET /metrics (router.auth.check_metrics)
+        exposed = metrics_exposure(cfg, self.metrics_auth)
+        if exposed:
+            log.warning("%s", exposed)
         self.pool = Pool(cfg, self.index)
         self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry, keyers=p.keyers)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
@@ -319,9 +326,10 @@ class Router:
     def admit_head(self, headers) -> None:
         """What a data-plane request's head alone decides, before its body is read or
         an admission slot taken: ``LoopDetected`` for one that came back to this
-        router (``router.hops``), ``Unauthorized`` without credentials it needs."""
+        router (``router.hops``), ``Unauthorized`` without credentials it needs,
+        ``RateLimited`` for a tenant or key over its rate limit (``router.screen``)."""
         self.dataplane.hops.check(headers)
-        self.tenants.tenant(headers)
+        self.dataplane.screen_head(headers)  # 401, or 429 over a rate limit (router.screen)
 
     def _dataplane_route(self, endpoint: Endpoint | None):
         """The aiohttp handler of a data-plane path (a connection the raw front handed
@@ -398,6 +406,13 @@ class Router:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            check_metrics(
+                self.metrics_auth, self.admin_auth, request.headers.get("Authorization"), request.remote
+            )
+        except RequestError as exc:
+            self.metrics.rejected.labels(str(exc.status), exc.code).inc()
+            return error_response(exc)
         now = time.monotonic()
         self.metrics.refresh(self.pool, self.index, now, self.cfg.index.hot_k)
         self.engines.refresh(now)
@@ -495,7 +510,10 @@ class Router:
                     ),
                 )
                 lowered = check_downgrade(
-                    self.cfg, (self.admin_auth, self.agent_auth), p, allow=allow_security_downgrade
+                    self.cfg,
+                    (self.admin_auth, self.agent_auth, self.metrics_auth),
+                    p,
+                    allow=allow_security_downgrade,
                 )
             except ConfigError as exc:
                 self.metrics.reload_failures.labels(reason=failure_reason(exc)).inc()
@@ -537,6 +555,7 @@ class Router:
                     self.index.clear(wid)
                 self.salts = tenants.salts
             self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
+            self.metrics_auth = p.metrics_auth
             self.index.configure(new.index.max_bytes)
             self.body_budget.configure(new.limits.max_buffered_body_bytes)
             self.dataplane.configure(new, policy, tenants)

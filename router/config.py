@@ -547,6 +547,11 @@ class PrefetchConfig:
 class AuthConfig:
     admin_token_env: str = _opt("RADIXFLEET_ADMIN_TOKEN", "env var with the admin bearer token")
     agent_token_env: str = _opt("RADIXFLEET_AGENT_TOKEN", "env var with the agent bearer token")
+    metrics_token_env: str = _opt(
+        "RADIXFLEET_METRICS_TOKEN",
+        "env var with the bearer token of GET /metrics (the admin token works too); unset: "
+        "loopback peers only",
+    )
 
 
 @settings

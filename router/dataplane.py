@@ -89,7 +89,7 @@ from protocol.errors import (
 )
 from protocol.identifiers import request_id
 from protocol.prefix_keys import Endpoint, PrefixKey, request_key
-from router import edge
+from router import edge, screen
 from router.admission_queue import AdmissionQueue
 from router.auth import TenantResolver
 from router.config import Config
@@ -484,7 +484,7 @@ class DataPlane:
         self._rid = itertools.count(1)
         self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
         #: prefetch prefill spent (router.prefetch) and prefetches awaiting their request
-        self.prefetch_budget = PrefetchBudget()
+        self.prefetch_budget = PrefetchBudget(cfg.tenancy.queue.weights)
         self.prefetched = PrefetchLedger(cfg.prefetch.max_tracked)
         #: per worker, the cancel handles of the requests in flight on it
         self._waiting: dict[Worker, set[Cancel]] = {}
@@ -550,6 +550,7 @@ class DataPlane:
         self.prefetched.configure(cfg.prefetch.max_tracked)
         self.decisions.resize(cfg.decisions.size)
         self.route.explain_routes(self.decisions.on)
+        self.prefetch_budget.configure(cfg.tenancy.queue.weights)
         if self.upstream is not None:
             self.upstream.configure(cfg.timeouts.connect_s, cfg.timeouts.keepalive_s, lim.max_response_bytes)
 
@@ -576,6 +577,16 @@ class DataPlane:
             extra.append(("Retry-After", retry_after_header(exc.retry_after_s)))
         extra += exc.headers
         ex.reply(exc.status, json.dumps(exc.to_json()).encode(), _JSON, extra)
+
+    def screen_head(self, headers: Mapping[str, str]) -> None:
+        """Raises the refusal a data-plane request gets from its head whatever its
+        body (router.screen): no valid credentials (401), or its tenant or API key
+        over its rate limit (429 + x-ratelimit-*: ``Tenancy.over_limit``). Called
+        before the body is read; takes nothing."""
+        tenant, api_key = self.tenants.identify(headers)
+        exc = self.tenancy.over_limit(tenant, api_key, time.monotonic())
+        if exc is not None:
+            raise exc
 
     async def serve(self, ex, endpoint: Endpoint) -> None:
         """Serves one data-plane request on exchange ``ex``. Never raises for bad
@@ -618,9 +629,11 @@ class DataPlane:
                 trace.admitted(waited)
             try:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
+                screen.check_raw(self.pool, raw, time.monotonic())  # an unserved leading model: unparsed
                 body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
                 edge.check_request(body)  # the P/D legs and ranks are the router's
                 tenant, api_key = self.tenants.identify(headers)
+                screen.check_parsed(self.pool, endpoint, body, time.monotonic())  # unserved: not keyed
                 key = request_key(
                     endpoint,
                     body,
@@ -1316,6 +1329,7 @@ class DataPlane:
             if not pcfg.enabled:
                 raise NotFound("prefetch is turned off on this router (prefetch.enabled)")
             raw = await ex.body(self.cfg.limits.max_body_bytes)
+            screen.check_raw(self.pool, raw, time.monotonic())  # router.screen
             body = jsonbody.loads(raw)
             if not isinstance(body, dict):
                 raise MalformedRequest("the body must be a JSON object")
@@ -1330,6 +1344,7 @@ class DataPlane:
                     param="messages",
                 )
             tenant, api_key = self.tenants.identify(headers)
+            screen.check_parsed(self.pool, endpoint, body, time.monotonic())
             ns = self.tenants.namespace_of(tenant)
             key = request_key(endpoint, body, tenant=ns, block_bytes=self.cfg.keys.block_bytes)
             session = headers.get("x-session-id")
@@ -1364,7 +1379,7 @@ class DataPlane:
             if not dedup:
                 tokens = uncached_tokens(sk.prompt_tokens, held, sk.block_tokens)
                 rate = pcfg.share * sum(x.prefill_rate(now) for x in self.pool.routable_workers(now))
-                wait = self.prefetch_budget.take(tokens, rate, pcfg.burst_s, now)
+                wait = self.prefetch_budget.take(tenant, tokens, rate, pcfg.burst_s, now)
                 if wait is not None:  # nothing warmed, the reservation given back
                     self.tenancy.refund(ticket, now)
                     self.metrics.prefetch_dropped.labels("budget").inc()
@@ -1377,9 +1392,13 @@ class DataPlane:
             return
         m = self.metrics
         self.tenancy.admitted(ticket, now)
+        # the answer tells a client without an identity nothing of what others sent
+        # (router.prefetch, "What the answer says"): charged alike, no flag
+        told = not self.tenants.anonymous(tenant)
         if dedup:
             m.prefetch.labels("deduplicated").inc()
-            self.tenancy.settle(ticket, 0, now)  # nothing sent: its tokens given back
+            if told:
+                self.tenancy.settle(ticket, 0, now)  # nothing sent: its tokens given back
         else:
             pick = self.route.place(w, kr, now)  # the hint the real request follows; its load
             link = w.engine
@@ -1393,7 +1412,9 @@ class DataPlane:
             m.prefetch.labels("warmed").inc()
             m.prefetch_tokens.inc(tokens)
             self._spawn(self._prefetch_send(w, pick, endpoint, body, key.tenant, rid, ticket.rank))
-        out: dict[str, Any] = {"object": "prefetch", "accepted": True, "deduplicated": dedup}
+        out: dict[str, Any] = {"object": "prefetch", "accepted": True}
+        if told:
+            out["deduplicated"] = dedup
         extra = [(REQUEST_ID_HEADER, rid), *ticket.headers()]
         if self.cfg.response_headers.worker_id:
             out["worker"] = w.id

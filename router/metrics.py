@@ -115,10 +115,14 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
                                                       waiting) | dropped_export_failed (the
                                                       collector down, slow or refusing)
     radixfleet_tracing_queued_spans                   spans waiting for the export thread
+    radixfleet_traffic_log_writing                    1 writing, 0 stopped by a write error
+                                                      (router.traffic_log: retried, kept
+                                                      files never rotated out meanwhile)
     process_*, python_gc_*, python_info               the standard process collectors
 
 No series carries a prefix hash: a hash is a tenant's prompt fingerprint, and the
-metrics page is public on the data-plane port. Per-prefix detail (hash, depth,
+metrics page is served on the data-plane port (to the metrics or admin token, or to
+loopback peers while no metrics token is set: router.auth.check_metrics). Per-prefix detail (hash, depth,
 holders) is at ``/admin/index``, behind the admin token. ``_created`` series are
 not exported (``prometheus_client.disable_created_metrics``, process-wide).
 """
@@ -586,6 +590,11 @@ class _TrafficLogCollector:
         )
         yield GaugeMetricFamily(
             "radixfleet_traffic_log_queued", "Traffic log records waiting for the writer", value=st.queued
+        )
+        yield GaugeMetricFamily(
+            "radixfleet_traffic_log_writing",
+            "1 while the traffic log writes, 0 while a write error stopped it (until a retry succeeds)",
+            value=st.writing,
         )
 
 
