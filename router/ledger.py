@@ -79,6 +79,7 @@ class RequestLedger:
         "pick",
         "ticket",
         "key",
+        "model",
         "reason",
         "session",
         "t0",
@@ -103,6 +104,7 @@ class RequestLedger:
         *,
         ticket: Ticket | None = None,
         key: PrefixKey | None = None,
+        model: str = "",
         reason: str = "",
         session: str | None = None,
         t0: float | None = None,
@@ -112,7 +114,8 @@ class RequestLedger:
         self.link = worker.engine  # the link the pick counted on (a reload may replace w's)
         self.pick = pick
         self.ticket = ticket
-        self.key = key  # the request's byte-space key (the traffic log's)
+        self.key = key  # the request's byte-space key (the traffic log's); None: not logged
+        self.model = key.model if key is not None else model  # the metrics' label
         self.reason = reason  # why the worker was chosen (metrics)
         self.session = session
         now = time.monotonic()
@@ -186,7 +189,7 @@ class RequestLedger:
         if status is not None:
             m.request_done(w.id, status, self.reason)
             m.observe_latency(now - self.t0)
-        m.answered(w.id, pick.key.model if self.key is None else self.key.model, ok, usage)
+        m.answered(w.id, self.model, ok, usage)
         if p.traffic is not None and status is not None and self.key is not None:
             p.traffic.record(
                 self.key,

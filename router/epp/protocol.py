@@ -142,7 +142,7 @@ def _set(headers: Iterable[tuple[str, str]], remove: Iterable[str] = ()) -> Any:
         remove_headers=list(remove),
         set_headers=[
             m.core.HeaderValueOption(
-                header=m.core.HeaderValue(key=k, raw_value=v.encode("utf-8", "surrogateescape")),
+                header=m.core.HeaderValue(key=k.lower(), raw_value=v.encode("utf-8", "surrogateescape")),
                 append_action=overwrite,
             )
             for k, v in headers

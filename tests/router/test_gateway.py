@@ -14,11 +14,7 @@ import httpx
 import pytest
 
 from tests.procs import Proc, free_port, radixfleet_argv
-
-pytest.importorskip("grpc")
-pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
-
-from tests.router.gateway_fleet import GatewayFleet  # noqa: E402
+from tests.router.gateway_fleet import GatewayFleet
 
 pytestmark = pytest.mark.integration
 
