@@ -240,7 +240,7 @@ class Gateway:
         """Starts the router's app, the picker and Envoy; returns the picker's port."""
         from aiohttp import web
 
-        cfg, g = self.cfg, self.cfg.gateway
+        cfg = self.cfg
         self._runner = web.AppRunner(self.router.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         await self.router.pool.first_round(cfg.health.timeout_s + 0.5)

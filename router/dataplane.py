@@ -681,8 +681,7 @@ class DataPlane:
         again, the workers tried excluded) only where the first provably is not
         running it (module docstring); replies the failure when every attempt failed.
         A retry's ask keeps the first's candidates and chooser (a P/D decode leg's)."""
-        d, w, kr = route.decision, route.worker, route.keyed
-        pick = route.placement
+        w, pick = route.worker, route.placement
         assert pick is not None, "a forwarded route is placed"
         tried: list[str] = []
         excluded: set[str] = set()  # workers a retry must not go to

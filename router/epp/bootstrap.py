@@ -47,6 +47,7 @@ WORKERS_CLUSTER = "radixfleet_workers"
 ENDPOINTS_FILE = "workers.json"
 
 _T = "type.googleapis.com/"
+_ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 
 
 def _seconds(s: float) -> str:
@@ -179,10 +180,7 @@ def _workers_cluster(cfg: Config, endpoints_path: str) -> dict:
                                     {
                                         "typed_extension_config": {
                                             "name": "envoy.load_balancing_policies.round_robin",
-                                            "typed_config": {
-                                                "@type": _T
-                                                + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-                                            },
+                                            "typed_config": {"@type": _ROUND_ROBIN},
                                         }
                                     }
                                 ]

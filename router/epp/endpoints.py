@@ -95,7 +95,7 @@ class Endpoints:
                     self._warned.add(wid)
                     log.warning("worker %s: %s does not resolve (%s): not pickable yet", wid, host, exc)
                 continue
-            addr = infos[0][4][0]
+            addr = str(infos[0][4][0])
             self._names[(host, port)] = endpoint_of(addr, port)
             self.endpoint(wid, url)
         return set(self.by_endpoint) != before

@@ -169,8 +169,9 @@ def picked(
 ) -> list[Any]:
     """The messages that send a request to ``endpoints`` (ordered: the pick first):
     the header and the metadata, and ``body`` (the bytes the worker is to get; None:
-    none came), with ``headers`` set and ``remove`` removed. ``header_list`` False: the header names the pick alone (an Envoy
-    ``ORIGINAL_DST`` cluster reads one address from it; the metadata keeps the list).
+    none came), with ``headers`` set and ``remove`` removed. ``header_list`` False:
+    the header names the pick alone (an Envoy ``ORIGINAL_DST`` cluster reads one
+    address from it; the metadata keeps the list).
 
     ``buffered``: the answer to the one ``request_body`` message (BUFFERED mode; the
     body replaced when ``body`` is given) carries the header mutation. Otherwise the

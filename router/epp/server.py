@@ -55,13 +55,22 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from protocol.errors import NotFound, NoWorkerAvailable, Overloaded, PayloadTooLarge, RequestError, error_body
+from protocol.errors import (
+    NotFound,
+    NoWorkerAvailable,
+    Overloaded,
+    PayloadTooLarge,
+    RequestError,
+    error_body,
+    retry_after_header,
+)
 from protocol.prefix_keys import Endpoint
 from router.dataplane import REQUEST_ID_HEADER, RequestContext
 from router.epp import protocol as P
 from router.ledger import LedgerParts, RequestLedger
 from router.route import Admitted, Hold, Reject, Route
 from router.sse import StreamWatch, completion_tokens_of, usage_of
+from router.tenancy import PRIORITIES
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -95,8 +104,6 @@ class _Answer:
 def _error(exc: RequestError, rid: str) -> Any:
     extra = [("content-type", _JSON), (REQUEST_ID_HEADER, rid)]
     if exc.retry_after_s is not None:
-        from protocol.errors import retry_after_header
-
         extra.append(("retry-after", retry_after_header(exc.retry_after_s)))
     extra += list(exc.headers)
     return P.immediate(exc.status, json.dumps(exc.to_json()).encode(), extra, f"radixfleet_{exc.code}")
@@ -302,8 +309,8 @@ class _Stream:
         cfg = self.dp.cfg
         header = cfg.tenancy.priority_header
         if objective and header:
-            cls = cfg.gateway.objectives.get(objective)
-            if cls is None and objective.strip().lower() in ("critical", "standard", "sheddable"):
+            cls: str | None = cfg.gateway.objectives.get(objective)
+            if cls is None and objective.strip().lower() in PRIORITIES:
                 cls = objective.strip().lower()
             if cls is not None:
                 h = {**h, header: cls}

@@ -86,7 +86,12 @@ class GatewayFleet:
                 json.dump(doc, f)
             bs.write_endpoints(ep, ())
             self.gw = Gateway(
-                cfg, envoy=envoy_binary(cfg), boot_path=boot, endpoints_path=ep, admin_port=aport, state=self.state
+                cfg,
+                envoy=envoy_binary(cfg),
+                boot_path=boot,
+                endpoints_path=ep,
+                admin_port=aport,
+                state=self.state,
             )
             self.router = self.gw.router
             await self.gw.start()
@@ -149,7 +154,9 @@ class GatewayFleet:
         """Waits until nothing is counted in flight on any worker (and no ledger is open)."""
         picker = self.gw.picker if self.gw is not None else None
         await self.until(
-            lambda: all(v == (0, 0, 0) for v in self.counted().values()) and (picker is None or not picker.open),
+            lambda: (
+                all(v == (0, 0, 0) for v in self.counted().values()) and (picker is None or not picker.open)
+            ),
             timeout_s,
             f"the load to return to 0: {self.counted()}",
         )

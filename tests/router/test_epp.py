@@ -28,9 +28,14 @@ PROMPT = "The shared system prompt of the acme tenant, long enough to fill block
 
 
 def req_headers(path="/v1/chat/completions", method="POST", eos=False, subset=None, **extra):
-    hv = [core.HeaderValue(key=":path", raw_value=path.encode()), core.HeaderValue(key=":method", raw_value=method.encode())]
+    hv = [
+        core.HeaderValue(key=":path", raw_value=path.encode()),
+        core.HeaderValue(key=":method", raw_value=method.encode()),
+    ]
     hv += [core.HeaderValue(key=k.replace("_", "-"), raw_value=v.encode()) for k, v in extra.items()]
-    r = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=hv), end_of_stream=eos))
+    r = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=hv), end_of_stream=eos)
+    )
     if subset is not None:
         s = struct.Struct()
         s.update({P.SUBSET: list(subset)})
@@ -44,7 +49,9 @@ def req_body(data: bytes, eos: bool):
 
 def resp_headers(status=200, upstream: str | None = None, eos=False):
     hv = [core.HeaderValue(key=":status", raw_value=str(status).encode())]
-    r = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=hv), end_of_stream=eos))
+    r = ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=hv), end_of_stream=eos)
+    )
     if upstream is not None:
         s = struct.Struct()
         s.update({P.UPSTREAM_ADDRESS: upstream})
@@ -58,7 +65,13 @@ def resp_body(data: bytes, eos: bool):
 
 def chat(stream: bool = False, **kw) -> bytes:
     return json.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "stream": stream, **kw}
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 4,
+            "stream": stream,
+            **kw,
+        }
     ).encode()
 
 
@@ -68,7 +81,10 @@ def sse(*events: dict) -> bytes:
 
 ROLE = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
 TOKEN = {"choices": [{"delta": {"content": "Hello"}}]}
-USAGE = {"choices": [], "usage": {"prompt_tokens": 120, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 64}}}
+USAGE = {
+    "choices": [],
+    "usage": {"prompt_tokens": 120, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 64}},
+}
 
 
 # ---------------------------------------------------------------- a picker
@@ -150,7 +166,9 @@ def test_headers_subset_and_served_are_read_from_the_messages():
 
 def test_the_pick_is_the_header_and_the_metadata_in_order():
     eps = ["10.0.0.1:8000", "[fd00::1]:8000"]
-    (buffered,) = P.picked(eps, body=b"{}", buffered=True, headers=[("x-request-id", "r1")], remove=["authorization"])
+    (buffered,) = P.picked(
+        eps, body=b"{}", buffered=True, headers=[("x-request-id", "r1")], remove=["authorization"]
+    )
     assert buffered.HasField("request_body")
     assert header(buffered, P.DESTINATION) == "10.0.0.1:8000,[fd00::1]:8000"
     assert header(buffered, "content-length") == "2"
@@ -193,7 +211,11 @@ async def test_a_streamed_request_from_pick_to_end(buffered):
         out = await s.send(req_body(body[50:], True), 2)
     first = header(out[0], P.DESTINATION).split(",")
     assert len(first) == 2 and set(first) == {"127.0.0.1:9001", "127.0.0.1:9002"}  # the pick and its fallback
-    sent = out[0].request_body.response.body_mutation.body if buffered else out[1].request_body.response.body_mutation.streamed_response.body
+    sent = (
+        out[0].request_body.response.body_mutation.body
+        if buffered
+        else out[1].request_body.response.body_mutation.streamed_response.body
+    )
     fwd = json.loads(sent)
     assert fwd["stream_options"] == {"include_usage": True}  # asked for, hidden from the client below
     assert header(out[0], "content-length") == str(len(sent))
@@ -209,7 +231,9 @@ async def test_a_streamed_request_from_pick_to_end(buffered):
     assert got.end_of_stream and b"usage" not in got.body and got.body.endswith(b"data: [DONE]\n\n")
     assert zero(p)
     m = p.router.metrics
-    assert m.registry.get_sample_value("radixfleet_cached_tokens_total", {"worker": picked, "model": "m"}) == 64
+    assert (
+        m.registry.get_sample_value("radixfleet_cached_tokens_total", {"worker": picked, "model": "m"}) == 64
+    )
     await s.close()
 
 
@@ -308,8 +332,18 @@ async def test_a_fallback_that_served_takes_the_count_from_the_pick():
     assert r.response_body.response.body_mutation.streamed_response.body == answer
     assert zero(p)
     reg = p.router.metrics.registry
-    assert reg.get_sample_value("radixfleet_worker_requests_total", {"worker": fw, "model": "m", "outcome": "answered"}) == 1
-    assert reg.get_sample_value("radixfleet_worker_requests_total", {"worker": pw, "model": "m", "outcome": "failed"}) == 1
+    assert (
+        reg.get_sample_value(
+            "radixfleet_worker_requests_total", {"worker": fw, "model": "m", "outcome": "answered"}
+        )
+        == 1
+    )
+    assert (
+        reg.get_sample_value(
+            "radixfleet_worker_requests_total", {"worker": pw, "model": "m", "outcome": "failed"}
+        )
+        == 1
+    )
     await s.close()
 
 

@@ -53,7 +53,7 @@ async def test_streamed_and_not_through_envoy_and_the_load_returns_to_zero(body_
         await f.settled()
         m = f.router.metrics.render().decode()
         # every answer counted as the standalone router counts it
-        assert 'radixfleet_requests_total{reason=' in m or "radixfleet_requests_total" in m
+        assert "radixfleet_requests_total{reason=" in m or "radixfleet_requests_total" in m
         answered = sum(
             float(line.rsplit(" ", 1)[1])
             for line in m.splitlines()
@@ -153,7 +153,10 @@ async def test_the_subset_hint_restricts_the_pick_and_an_empty_one_is_503():
 async def test_a_picked_endpoint_that_died_is_retried_on_the_next_and_runs_once():
     # slow health checks: the router still thinks the dead agent is there
     slow = {"interval_s": 30.0, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
-    async with GatewayFleet(agents=2, raw={"policy": {"name": "round_robin"}}, health=slow) as f, f.client() as c:
+    async with (
+        GatewayFleet(agents=2, raw={"policy": {"name": "round_robin"}}, health=slow) as f,
+        f.client() as c,
+    ):
         f.agents[0].kill()
         for i in range(4):
             r = await c.post("/v1/chat/completions", json=chat(f"after the crash {i}", stream=i % 2 == 0))
@@ -186,7 +189,9 @@ async def test_the_picker_gone(failure_mode):
 async def test_a_stream_broken_by_the_client_releases_its_load():
     async with GatewayFleet(agents=1) as f:
         async with f.client() as c:
-            async with c.stream("POST", "/v1/chat/completions", json=chat("long", stream=True, max_tokens=4000)) as r:
+            async with c.stream(
+                "POST", "/v1/chat/completions", json=chat("long", stream=True, max_tokens=4000)
+            ) as r:
                 assert r.status_code == 200
                 async for _chunk in r.aiter_bytes():
                     break  # the first bytes, then the client hangs up
@@ -238,13 +243,19 @@ async def test_hit_rate_on_a_multi_turn_run_matches_the_standalone_router():
 def test_print_bootstrap_is_a_bootstrap_envoy_accepts(tmp_path):
     from radixfleet.gateway import envoy_binary, validate
     from router.config import parse_config
-
     from router.epp import bootstrap as bs
 
     state = tmp_path / "state"
     out = subprocess.run(
         radixfleet_argv(
-            "gateway", "--worker", "http://127.0.0.1:9", "--port", "18081", "--print-bootstrap", "--state-dir", str(state)
+            "gateway",
+            "--worker",
+            "http://127.0.0.1:9",
+            "--port",
+            "18081",
+            "--print-bootstrap",
+            "--state-dir",
+            str(state),
         ),
         capture_output=True,
         text=True,
@@ -266,7 +277,13 @@ def test_a_bootstrap_envoy_refuses_is_one_line_and_exit_2(tmp_path):
     bad.write_text("static_resources:\n  listeners:\n  - name: x\n    adress: {}\n")
     out = subprocess.run(
         radixfleet_argv(
-            "gateway", "--worker", "http://127.0.0.1:9", "--bootstrap", str(bad), "--state-dir", str(tmp_path / "s")
+            "gateway",
+            "--worker",
+            "http://127.0.0.1:9",
+            "--bootstrap",
+            str(bad),
+            "--state-dir",
+            str(tmp_path / "s"),
         ),
         capture_output=True,
         text=True,

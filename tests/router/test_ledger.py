@@ -10,11 +10,11 @@ import pytest
 
 from protocol.prefix_keys import Endpoint
 from router.config import parse_config
+from router.engines.keyspace import SpaceKey
 from router.ledger import LedgerParts, RequestLedger
 from router.metrics import Metrics
 from router.route import Placement
 from router.tenancy import Tenancy
-from router.engines.keyspace import SpaceKey
 from tests.router.pools import make_pool
 
 PROMPT, BLOCK = 300, 32
