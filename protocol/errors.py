@@ -4,11 +4,14 @@ Expected outcomes are values (no capacity -> ``None``, no match -> empty), not
 exceptions. What remains is caller misuse and bad input::
 
     RadixfleetError                 base of everything raised on purpose
-     +-- RequestError               a client's request is unusable -> HTTP 4xx
+     +-- RequestError               a request is unusable -> HTTP 4xx (a loop: 508)
      |    +-- MalformedRequest      body not an object, missing/ill-typed field -> 400
      |    +-- PayloadTooLarge       body over the configured limit -> 413
      |    +-- PromptTooLarge        prompt can never fit the worker's KV pool -> 400
      |    +-- Unauthorized          missing/wrong bearer token or API key -> 401
+     |    +-- Forbidden             an identity or an address this router does not
+     |    |                         take (a tokenless agent API off loopback, a
+     |    |                         worker host outside registration.allow) -> 403
      |    +-- NotFound              unknown path, model or worker -> 404
      |    +-- Conflict              a name held by someone else (a worker id
      |    |                         registered at another URL) -> 409
@@ -20,6 +23,8 @@ exceptions. What remains is caller misuse and bad input::
      |    |                         burst: it can never pass -> 400 (x-ratelimit-*)
      |    +-- NoWorkerAvailable     no healthy, undrained worker -> 503 (Retry-After)
      |    +-- RequestTimeout        head or body not received in time -> 408
+     |    +-- LoopDetected          a request came back to the router that sent it
+     |                              (a worker URL leading to a router) -> 508
      +-- ConfigError                a YAML/CLI setting is invalid; names the field path
      +-- WorkloadError              a load-test workload or trace is invalid (line number)
      +-- RunError                   a load-test run cannot be made as asked (e.g. an
@@ -87,6 +92,20 @@ class Unauthorized(RequestError):
     code = "unauthorized"
 
 
+class Forbidden(RequestError):
+    """Who is asking, or what it names, is not taken by this router whatever the
+    body; ``code`` says why (an instance may narrow the class's code)."""
+
+    status = 403
+    error_type = "permission_error"
+    code = "forbidden"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        if code is not None:
+            self.code = code
+
+
 class NotFound(RequestError):
     status = 404
     error_type = "not_found_error"
@@ -111,9 +130,11 @@ class Overloaded(RequestError):
     error_type = "rate_limit_error"
     code = "overloaded"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        if code is not None:
+            self.code = code
 
 
 class RateLimited(RequestError):
@@ -160,6 +181,16 @@ class NoWorkerAvailable(RequestError):
 class RequestTimeout(RequestError):
     status = 408
     code = "request_timeout"
+
+
+class LoopDetected(RequestError):
+    """A request carried this router's own hop mark back to it (``router.hops``):
+    some worker URL leads to a router that leads here. Answered at once, before its
+    body is read or an admission slot taken, so a loop costs one hop, not a pile."""
+
+    status = 508
+    error_type = "invalid_request_error"
+    code = "loop_detected"
 
 
 def error_body(

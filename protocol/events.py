@@ -86,6 +86,8 @@ STATUS_BLOCK_BYTES_MISMATCH = "block_bytes_mismatch"
 STATUS_WORKER_ID_TAKEN = "worker_id_taken"
 #: registration refused: the agent's role contradicts its configured entry's
 STATUS_WORKER_ROLE_CONFLICT = "worker_role_conflict"
+#: registration refused (429): too many new epochs at one URL in a minute
+STATUS_EPOCH_CHURN = "epoch_churn"
 
 EVENTS_PATH = "/internal/v1/events"
 REGISTER_PATH = "/internal/v1/register"
@@ -103,7 +105,10 @@ MAX_TIER_NAME = 32
 #: Bounds of every reported load number. Counts (requests, tokens) are integers in
 #: [0, MAX_LOAD_COUNT] (2^48 tokens is ~3,000x the KV of the largest GPU node);
 #: ``prefill_tokens_per_s`` is a finite number in [0, MAX_RATE] (0: not measured).
-#: A report outside them is refused (400), so no policy ever sees one: a 401-digit
+#: Within one report, the worker's own limits hold: ``kv_used_tokens`` is at most
+#: ``kv_capacity_tokens`` (when that is reported: > 0), ``queued_prefill_tokens``
+#: (a part of the queue) at most ``queued_tokens``. A report outside them is refused
+#: (400 naming the field), so no policy ever sees one: a 401-digit
 #: ``queued_tokens`` once made every routing decision raise OverflowError.
 MAX_LOAD_COUNT = 2**48
 MAX_RATE = 1e12
@@ -255,9 +260,10 @@ def _str(body: dict[str, Any], key: str) -> str:
 
 
 def parse_load(raw: dict[str, Any]) -> Load:
-    """Validates a load report (see ``MAX_LOAD_COUNT``, ``MAX_RATE``); a missing
-    field is 0, a missing ``queued_prefill_tokens`` is ``queued_tokens`` (``Load``).
-    Raises ``MalformedRequest`` naming the field."""
+    """Validates a load report (see ``MAX_LOAD_COUNT``, ``MAX_RATE`` and the limits
+    across fields beside them); a missing field is 0, a missing
+    ``queued_prefill_tokens`` is ``queued_tokens`` (``Load``). Raises
+    ``MalformedRequest`` naming the field."""
     vals: dict[str, Any] = {}
     for f, typ in _LOAD_FIELDS.items():
         v = raw.get(f, 0) if f != "queued_prefill_tokens" else raw.get(f, vals["queued_tokens"])
@@ -273,6 +279,19 @@ def parse_load(raw: dict[str, Any]) -> Load:
                 raise MalformedRequest(f"'load.{f}' must be a number in [0, {MAX_RATE:g}]", param="load")
             v = float(v)
         vals[f] = v
+    cap = vals["kv_capacity_tokens"]
+    if cap and vals["kv_used_tokens"] > cap:
+        raise MalformedRequest(
+            f"'load.kv_used_tokens' {vals['kv_used_tokens']} is more than the worker's own "
+            f"'load.kv_capacity_tokens' {cap}",
+            param="load",
+        )
+    if vals["queued_prefill_tokens"] > vals["queued_tokens"]:
+        raise MalformedRequest(
+            f"'load.queued_prefill_tokens' {vals['queued_prefill_tokens']} is more than "
+            f"'load.queued_tokens' {vals['queued_tokens']} (it counts a part of that queue)",
+            param="load",
+        )
     return Load(**vals)
 
 

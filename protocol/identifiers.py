@@ -104,6 +104,19 @@ def request_id(value: str | None) -> str | None:
     return None
 
 
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` (a URL's or endpoint's host: brackets and a zone allowed) as an IP
+    address, an IPv4-mapped IPv6 address as its IPv4 one; None for a name."""
+    h = host.strip("[]").split("%", 1)[0]
+    try:
+        a = ipaddress.ip_address(h)
+    except ValueError:
+        return None
+    if a.version == 6 and a.ipv4_mapped is not None:
+        return a.ipv4_mapped
+    return a
+
+
 def worker_host(host: str) -> tuple[str, str | None]:
     """A worker URL's host, canonical, and why it is refused (or None).
 

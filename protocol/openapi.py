@@ -257,10 +257,12 @@ def _errors(*statuses: int) -> dict[str, Any]:
         404: "not found",
         405: "method not allowed",
         408: "head or body too slow",
+        403: "refused: a tokenless agent API off loopback, a worker host outside registration.allow",
         409: "conflict",
         413: "body too large",
         429: "overloaded, or over a tenancy rate limit (Retry-After; a rate limit adds x-ratelimit-*)",
         503: "no worker available (Retry-After)",
+        508: "the request came back to the router that sent it (x-radixfleet-hop)",
     }
     return {str(s): {"description": words[s], **_json(_ERROR)} for s in statuses}
 
@@ -276,7 +278,7 @@ _OBJECT = {"type": "object"}
 
 
 def _data_plane(summary: str, schema: dict[str, Any], *, router: bool) -> dict[str, Any]:
-    statuses = (400, 401, 404, 413, 429, 503) if router else (400, 404, 429, 503)
+    statuses = (400, 401, 404, 413, 429, 503, 508) if router else (400, 404, 429, 503)
     ok = {
         "description": "the completion (JSON), or with stream: true an SSE stream",
         "content": {
@@ -338,7 +340,7 @@ def _router_spec() -> dict[str, Any]:
                         },
                         202,
                     ),
-                    **_errors(400, 401, 404, 413, 429, 503),
+                    **_errors(400, 401, 404, 413, 429, 503, 508),
                 },
             }
         },
@@ -415,7 +417,7 @@ def _router_spec() -> dict[str, Any]:
                 "summary": "an agent announces itself",
                 "security": agent,
                 "requestBody": {"required": True, **_json(REGISTRATION)},
-                "responses": {**_ok("registered", _OBJECT), **_errors(400, 401, 409, 429)},
+                "responses": {**_ok("registered", _OBJECT), **_errors(400, 401, 403, 409, 429)},
             }
         },
         "/internal/v1/events": {
@@ -423,7 +425,7 @@ def _router_spec() -> dict[str, Any]:
                 "summary": "an agent's cache events and load",
                 "security": agent,
                 "requestBody": {"required": True, **_json(EVENT_BATCH)},
-                "responses": {**_ok("applied", _OBJECT), **_errors(400, 401, 404, 409)},
+                "responses": {**_ok("applied", _OBJECT), **_errors(400, 401, 403, 404, 409)},
             }
         },
     }

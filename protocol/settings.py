@@ -345,6 +345,8 @@ def reference(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
                 allowed = ", ".join(f"`{_choice(c)}`" for c in get_args(tp))
             elif tp in (int, float, bool):
                 allowed = expected(tp, f)
+            elif get_origin(tp) is tuple:
+                allowed = "list of strings" if inner is str else "list"
             else:
                 allowed = "string" if tp is str else "mapping"
             shown = (
@@ -352,6 +354,8 @@ def reference(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
                 if isinstance(default, bool)
                 else repr(default)
                 if default in ("", {})
+                else str(list(default))
+                if isinstance(default, tuple)
                 else str(default)
             )
             rows.append((key, shown.replace("''", '""'), allowed, f.description or ""))

@@ -4,7 +4,8 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
 
     cli           ``radixfleet router``; app: the ``Router`` composition root
     front         the raw HTTP/1.1 data-plane listener; intake: what a client may
-                  hold before admission (body budget, connection cap)
+                  hold before admission (body budget, connection cap); slow_clients:
+                  how long it may take to read its answer (both listeners)
     route         the route core, sans I/O: views, keys, admission, choice, placement
     dataplane     one request's I/O around the route core: body, upstream, answers
     pd            disaggregated prefill/decode: a request's prefill and decode legs
@@ -21,6 +22,8 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     admission_queue  at saturation, refused requests wait: by class, then fair share
     fair_share    tenants under their share of what was admitted lately: shed later
     feedback      agents' event batches applied to the index and the pool
+    registration  who may register a worker, at which addresses (never the router)
+    hops          the router's mark on what it sends: a request that comes back is 508
     config, reload  the YAML schema and ``check-config``; hot reload
     config_reference  deploy/README's key tables generated from the schema
     auth, http_api, admin_api, agent_api  tokens and tenants; the aiohttp endpoints

@@ -4,11 +4,15 @@ cache events and load.
     POST /internal/v1/register   {worker_id, url, epoch, models?, block_bytes?, role?,
                                  scheduling_policy?}
                                  -> 200 {status: ok}; 400 malformed (a wildcard,
-                                 link-local or user:password@ URL too); 409
-                                 block_bytes_mismatch (its hashes would never match
-                                 ours); 409 worker_id_taken (a worker at another URL
-                                 holds the id: ``Pool.register``); 429 + Retry-After
-                                 past registration.rate_per_s new workers
+                                 link-local or user:password@ URL too); 400
+                                 worker_url_is_router, 403 agent_token_required,
+                                 403 worker_host_not_allowed (``router.registration``);
+                                 409 block_bytes_mismatch (its hashes would never
+                                 match ours); 409 worker_id_taken (a worker at
+                                 another URL holds the id: ``Pool.register``); 429 +
+                                 Retry-After past registration.rate_per_s new
+                                 workers, or registration.epochs_per_min new epochs
+                                 at one URL (epoch_churn)
     POST /internal/v1/events     a ``protocol.events`` batch -> ``router.feedback``
                                  (URL and epoch checked, sequence gaps, snapshots;
                                  applied in slices); its status word
@@ -17,7 +21,8 @@ A peer that hangs up before its body has arrived (an agent timing out on an
 overloaded host) is one counted log line (``radixfleet_peer_hangups_total``), not a
 traceback.
 
-Both sit behind the agent token (``auth.agent_token_env``; open only on loopback).
+Both sit behind the agent token (``auth.agent_token_env``); without one, they answer
+only a loopback peer on a loopback listener (``RegistrationGuard.check_peer``).
 With a bus, the same batches arrive from the stream instead (``router.bus.replica``)
 and take the same ``Feedback.apply`` path.
 """
@@ -35,8 +40,10 @@ from protocol import events as ev
 from protocol.errors import (
     ConfigError,
     Conflict,
+    Forbidden,
     MalformedRequest,
     Overloaded,
+    RequestError,
     retry_after_header,
 )
 from router.config import Config, parse_worker_url
@@ -45,6 +52,7 @@ from router.http_api import guarded, json_body, read_body
 from router.metrics import Metrics
 from router.pool import Pool
 from router.prefix_index import COLDER_TIERS
+from router.registration import RegistrationGuard, UrlIsRouter
 from service import jsonbody
 from service.auth import BearerAuth
 
@@ -59,6 +67,14 @@ def _parse_batch(raw: bytes | bytearray) -> ev.EventBatch:
     return ev.parse_batch(jsonbody.loads(raw))
 
 
+def _refusal(exc: RequestError) -> web.Response:
+    """A refused registration: its error body with ``status`` (the word agents read)."""
+    headers = (
+        {"Retry-After": retry_after_header(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    )
+    return web.json_response({"status": exc.code, **exc.to_json()}, status=exc.status, headers=headers)
+
+
 class AgentHost(Protocol):
     """What the agent API reads and calls on the router (``router.app.Router``), read
     per request (a reload may replace ``cfg`` and ``agent_auth``)."""
@@ -68,6 +84,7 @@ class AgentHost(Protocol):
     feedback: Feedback
     metrics: Metrics
     agent_auth: BearerAuth
+    registration: RegistrationGuard
 
     def models_changed(self) -> None: ...
 
@@ -90,8 +107,18 @@ class AgentAPI:
             request.remote,
         )
 
+    def _peer(self, request: web.Request) -> tuple | None:
+        """The listener ``request`` arrived on (its sockname), after the loopback rule
+        of a tokenless agent API (``Forbidden`` off loopback)."""
+        t = request.transport
+        local = t.get_extra_info("sockname") if t is not None else None
+        h = self.host
+        h.registration.check_peer(not h.agent_auth.token, request.remote, local, request.path)
+        return local
+
     async def register(self, request: web.Request) -> web.Response:
         h = self.host
+        local = self._peer(request)
         reg = ev.parse_registration(await json_body(request, h.cfg.limits))
         try:
             url = parse_worker_url(reg.url, "url")
@@ -125,6 +152,13 @@ class AgentAPI:
                 status=409,
             )
         try:
+            # the guard counts and logs its own refusals
+            await h.registration.check_url(
+                reg.worker_id, url, h.cfg.registration, tokenless=not h.agent_auth.token, local=local
+            )
+        except (Forbidden, UrlIsRouter) as exc:
+            return _refusal(exc)
+        try:
             w = h.pool.register(
                 reg.worker_id, url, reg.epoch, list(reg.models), bb, reg.role, reg.scheduling_policy
             )
@@ -132,18 +166,12 @@ class AgentAPI:
             h.metrics.registrations_refused.labels(reason=exc.code).inc()
             if isinstance(exc, Conflict):
                 log.warning("refused registration of %s (%s): %s", reg.worker_id, url, exc.message)
-            headers = (
-                {"Retry-After": retry_after_header(exc.retry_after_s)}
-                if exc.retry_after_s is not None
-                else None
-            )
-            return web.json_response(
-                {"status": exc.code, **exc.to_json()}, status=exc.status, headers=headers
-            )
+            return _refusal(exc)
         h.models_changed()
         return web.json_response({"status": ev.STATUS_OK, "worker_id": w.id, "tiers": list(COLDER_TIERS)})
 
     async def events(self, request: web.Request) -> web.Response:
+        self._peer(request)
         raw = await read_body(request, self.host.cfg.limits)
         if len(raw) > PARSE_IN_THREAD_BYTES:
             # a large batch's parse (a 300,000-block snapshot: ~0.5 s) runs in a thread

@@ -82,9 +82,11 @@ from router.metrics import Metrics
 from router.pool import Pool
 from router.prefetch import PREFETCH_PATH
 from router.prefix_index import PrefixIndex
+from router.registration import RegistrationGuard
 from router.reload import ConfigWatch, build, check_downgrade, failure_reason, prepare
 from router.scaling_signal import fleet_signal, params_from
 from router.shedding import Shedder
+from router.slow_clients import WRITE_HIGH, SlowClients
 from router.traffic_log import TrafficLog
 from router.upstream import UpstreamPool
 from service import http_errors, jsonbody
@@ -144,6 +146,8 @@ class Router:
         self.pool = Pool(cfg, self.index)
         self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry, keyers=p.keyers)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
+        #: who may register a worker, and at which addresses (router.registration)
+        self.registration = RegistrationGuard(self.pool, self.metrics)
         self.session: aiohttp.ClientSession | None = None  # health checks, models, warm-ups
         self._tasks: set[asyncio.Task] = set()
         #: per-request traffic log (router.traffic_log), when traffic_log.enabled
@@ -164,6 +168,13 @@ class Router:
         self._models_cache: tuple[float, dict] | None = None
         #: request body bytes held, the raw front's and the app's together (router.intake)
         self.body_budget = intake.BodyBudget(cfg.limits.max_buffered_body_bytes)
+        dropped = self.metrics.slow_clients_dropped
+        #: the deadlines of the waits for a client to take its answer, both listeners'
+        self.slow_clients = SlowClients(
+            lambda: self.cfg.timeouts.client_idle_s,
+            lambda: self.cfg.timeouts.total_s,
+            lambda reason: dropped.labels(reason).inc(),
+        )
         #: when the watcher reloads (router.reload); None without a file
         self._watch = ConfigWatch(cfg.path) if cfg.path else None
         self._reload_lock = asyncio.Lock()
@@ -209,10 +220,14 @@ class Router:
                 policy=lambda: self.policy,
                 agent_token=self.agent_auth.token,
                 tenancy=lambda: self.dataplane.tenancy,
+                url_check=self._check_worker_url,
             )
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
-            connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=conn,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            headers=self.dataplane.hops.headers(),  # router.hops: whatever comes back is refused
         )
         dp = self.dataplane
         dp.session = self.session
@@ -251,6 +266,11 @@ class Router:
             await dp.upstream.aclose()
             await self.session.close()
 
+    async def _check_worker_url(self, wid: str, url: str) -> None:
+        """The registration rule for a bus registration's URL (``router.registration``)."""
+        tokenless = not self.agent_auth.token
+        await self.registration.check_url(wid, url, self.cfg.registration, tokenless=tokenless)
+
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
@@ -279,17 +299,25 @@ class Router:
         """A worker registered: ``/v1/models`` is recomputed at its next request."""
         self._models_cache = None
 
+    def admit_head(self, headers) -> None:
+        """What a data-plane request's head alone decides, before its body is read or
+        an admission slot taken: ``LoopDetected`` for one that came back to this
+        router (``router.hops``), ``Unauthorized`` without credentials it needs."""
+        self.dataplane.hops.check(headers)
+        self.tenants.tenant(headers)
+
     def _dataplane_route(self, endpoint: Endpoint | None):
         """The aiohttp handler of a data-plane path (a connection the raw front handed
         over, or an embedded app): credentials from the headers first, then the body
         within its deadline and the body budget, and only then ``DataPlane.serve``
         (which takes the admission slot), so a slow or unauthenticated body never
-        holds a slot. ``endpoint`` None: ``POST /v1/prefetch`` (``DataPlane.prefetch``)."""
+        holds a slot (``admit_head``). ``endpoint`` None: ``POST /v1/prefetch``
+        (``DataPlane.prefetch``)."""
 
         async def handler(request: web.Request) -> web.StreamResponse:
             lim = self.cfg.limits
             try:
-                self.tenants.tenant(request.headers)
+                self.admit_head(request.headers)
                 raw = await intake.read_body(
                     request, lim.max_body_bytes, lim.body_timeout_s, self.body_budget
                 )
@@ -299,15 +327,14 @@ class Router:
                 resp.force_close()  # the rest of the body is never read
                 return resp
             try:
-                ex = _ReadExchange(request, raw)
+                ex = _ReadExchange(request, raw, self.slow_clients)
                 if endpoint is None:
                     await self.dataplane.prefetch(ex)
                 else:
                     await self.dataplane.serve(ex, endpoint)
-                assert ex.result is not None, "serve answers every request"
-                return ex.result
             finally:
                 self.body_budget.give(len(raw))
+            return await ex.sent()
 
         handler.__name__ = "prefetch" if endpoint is None else f"proxy_{endpoint.name.lower()}"
         return handler
@@ -363,10 +390,12 @@ class Router:
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
-            self.tenants.tenant(request.headers)  # the data plane's authentication
+            # a loop back here (router.hops), then the data plane's authentication
+            self.admit_head(request.headers)
         except RequestError as exc:
             self.metrics.rejected.labels(str(exc.status), exc.code).inc()
             return error_response(exc)
+        hop = self.dataplane.hops.headers(request.headers)
         now = time.monotonic()
         cached = self._models_cache
         if cached is not None and now - cached[0] < 2.0:
@@ -376,7 +405,7 @@ class Router:
         async def fetch(w):
             try:
                 async with self.session.get(
-                    w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)
+                    w.url + "/v1/models", headers=hop, timeout=aiohttp.ClientTimeout(total=2.0)
                 ) as r:
                     if r.status != 200:
                         return []
@@ -473,11 +502,11 @@ class Router:
                 for wid in list(self.index.workers()):
                     self.index.clear(wid)
                 # agents that registered with the old size are refused from now on
-                self.feedback.block_bytes = new.keys.block_bytes
+                self.feedback.configure(new.keys.block_bytes)
                 if self.bus is not None:
-                    self.bus.block_bytes = new.keys.block_bytes
+                    self.bus.configure(new.keys.block_bytes)
             self.cfg = new
-            self.pool.cfg = new
+            self.pool.configure(new)
             self.policy = policy
             self.tenants = tenants
             if tenants.salts is not self.salts:
@@ -488,8 +517,8 @@ class Router:
                     self.index.clear(wid)
                 self.salts = tenants.salts
             self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
-            self.index.max_bytes = new.index.max_bytes
-            self.body_budget.limit = new.limits.max_buffered_body_bytes
+            self.index.configure(new.index.max_bytes)
+            self.body_budget.configure(new.limits.max_buffered_body_bytes)
             self.dataplane.configure(new, policy, tenants)
             self.engines.configure(new, keyers=p.keyers)
             added, removed = self.pool.sync_config(new.workers)
@@ -501,13 +530,51 @@ class Router:
 
 
 class _ReadExchange(AiohttpExchange):
-    """An ``AiohttpExchange`` whose body was read already (``Router._dataplane_route``)."""
+    """An ``AiohttpExchange`` whose body was read already (``Router._dataplane_route``),
+    written within the client-side deadlines (``router.slow_clients``): each wait of
+    a write for its client is bounded; a reply is written by ``sent`` in pieces, not
+    left to aiohttp (whose waits for a client have no bound)."""
 
-    __slots__ = ("_raw",)
+    __slots__ = ("_raw", "_slow", "_deadline")
 
-    def __init__(self, request: web.Request, raw: bytes | bytearray) -> None:
+    def __init__(self, request: web.Request, raw: bytes | bytearray, slow: SlowClients) -> None:
         super().__init__(request)
         self._raw = raw
+        self._slow = slow
+        self._deadline = time.monotonic() + slow.total_s()  # waits for the client included
+
+    def _bounded(self, write):
+        return self._slow.bounded(write, self.request.transport, self._deadline)
+
+    async def stream_start(self, content_type: str, extra) -> None:
+        await self._bounded(super().stream_start(content_type, extra))
+
+    async def stream_write(self, data: bytes) -> None:
+        await self._bounded(super().stream_write(data))
+
+    async def stream_end(self) -> None:
+        await self._bounded(super().stream_end())
+
+    async def sent(self) -> web.StreamResponse:
+        """The answer, sent: a stream already is; a reply is written here, in pieces of
+        ``WRITE_HIGH`` bytes, each wait for the client bounded (past it the client is
+        dropped, and what is returned is not written again)."""
+        r = self.result
+        assert r is not None, "serve answers every request"
+        if r.prepared:
+            return r
+        assert isinstance(r, web.Response), "an unsent answer is a reply"
+        body = memoryview(r.body if isinstance(r.body, (bytes, bytearray)) else b"")
+        sr = self.result = web.StreamResponse(status=r.status, headers=r.headers)
+        sr.content_length = len(body)
+        try:
+            await self._bounded(sr.prepare(self.request))
+            for i in range(0, len(body), WRITE_HIGH):
+                await self._bounded(sr.write(body[i : i + WRITE_HIGH]))
+            await self._bounded(sr.write_eof())
+        except ConnectionResetError:
+            pass  # the client left or was dropped: aiohttp's own last write fails quietly
+        return sr
 
     async def body(self, limit: int) -> bytes | bytearray:
         if len(self._raw) > limit:
@@ -573,10 +640,11 @@ class RouterServer:
             head_timeout_s=lambda: lim().header_timeout_s,
             body_timeout_s=lambda: lim().body_timeout_s,
             budget=r.body_budget,
-            authorize=lambda headers: r.tenants.tenant(headers),
+            authorize=r.admit_head,
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
             on_gone=lambda phase: gone.labels(phase).inc(),
+            slow=r.slow_clients,
         )
         # Routable as soon as it listens: the first health round (bounded by one
         # check's timeout) runs before the socket opens.
@@ -588,6 +656,7 @@ class RouterServer:
             raise ConfigError(
                 "listen", f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
             ) from None
+        r.registration.listening(self._front.socknames())  # no worker URL may lead here
         return self.port
 
     def _route(self, endpoint: Endpoint | None):

@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import functools
+import ipaddress
 import os
 import random
 import sys
@@ -308,6 +310,38 @@ class HealthConfig:
     success_threshold: int = _opt(1, "passed checks in a row before healthy again", lo=1)
 
 
+#: the ``registration.allow`` entry that admits what ``workers.discovery`` found
+ALLOW_DISCOVERY = "discovery"
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@functools.lru_cache(maxsize=64)
+def allow_networks(entries: tuple[str, ...]) -> tuple[tuple[Network, ...], bool]:
+    """``registration.allow`` parsed (validated by the schema): (its networks,
+    whether it admits what ``workers.discovery`` found)."""
+    nets = tuple(ipaddress.ip_network(e, strict=False) for e in entries if e != ALLOW_DISCOVERY)
+    return nets, ALLOW_DISCOVERY in entries
+
+
+def in_networks(a: ipaddress.IPv4Address | ipaddress.IPv6Address, nets: tuple[Network, ...]) -> bool:
+    """Whether address ``a`` lies inside one of ``nets``."""
+    return any(a.version == n.version and a in n for n in nets)
+
+
+def _allow_entries(entries: tuple[str, ...]) -> None:
+    for i, e in enumerate(entries):
+        if e == ALLOW_DISCOVERY:
+            continue
+        try:
+            ipaddress.ip_network(e, strict=False)
+        except ValueError:
+            raise ConfigError(
+                f"[{i}]", f"expected an IP address, a CIDR (10.0.0.0/8) or {ALLOW_DISCOVERY}, got {e!r}"
+            ) from None
+
+
 @settings
 class RegistrationConfig:
     """Agents registering themselves (``POST /internal/v1/register``, or the bus)."""
@@ -325,6 +359,23 @@ class RegistrationConfig:
         lo_open=True,
     )
     burst: int = _opt(200, "new self-registered workers admitted at once", lo=1)
+    epochs_per_min: int = _opt(
+        10,
+        "new epochs (agent processes; or ids, roles) registered at one worker URL per "
+        "minute, as a burst refilled over the minute; past it 429 epoch_churn with "
+        "Retry-After, logged and counted",
+        lo=1,
+    )
+    allow: Annotated[tuple[str, ...], value_check(_allow_entries)] = Field(
+        (),
+        description=(
+            "the hosts a registered worker URL may name: IP addresses, CIDRs "
+            "(10.0.0.0/8, fd00::/8) or discovery (an address workers.discovery "
+            "found); also where a vLLM's /kv_event_sources may point besides the "
+            "worker's own host. Empty: any host with the agent token, loopback "
+            "hosts only without it"
+        ),
+    )
 
 
 @settings
@@ -355,7 +406,8 @@ class TimeoutsConfig:
     """Per phase: a non-streamed answer arrives only when its generation is done, so
     only ``total_s`` bounds it (a hung worker is found by its health checks instead);
     a stream is also bounded by ``first_byte_s``. A timed-out request is cancelled on
-    its worker, never sent to another one."""
+    its worker, never sent to another one. The client side: ``client_idle_s`` bounds
+    each wait for the client to take what was written, ``total_s`` all of them."""
 
     connect_s: float = _opt(2.0, "connecting to a worker (then the next worker is tried)", lo=0, lo_open=True)
     first_byte_s: float = _opt(
@@ -365,7 +417,22 @@ class TimeoutsConfig:
         lo_open=True,
     )
     total_s: float = _opt(
-        3600.0, "the whole request, all attempts; the only bound on a non-streamed answer", lo=0, lo_open=True
+        3600.0,
+        "the whole request, all attempts, and the wait for its client to take the answer; "
+        "the only bound on a non-streamed answer. A cut at this deadline is not the "
+        "worker's failure (its breaker does not count it)",
+        lo=0,
+        lo_open=True,
+    )
+    client_idle_s: float = _opt(
+        15.0,
+        "a client that takes none of its answer for this long (the router's 64 KiB "
+        "write buffer toward it stays full) is dropped: its connection closed, its "
+        "slot freed, its request cancelled on the worker; logged and counted in "
+        "radixfleet_slow_clients_dropped_total. Keep it below limits.queue_timeout_s, so "
+        "that a request queued behind stalled streams gets their slots before it gives up",
+        lo=0,
+        lo_open=True,
     )
     keepalive_s: float = _opt(
         4.0,

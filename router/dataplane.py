@@ -17,7 +17,7 @@ before, by the listener: ``router.intake``, ``router.front``)::
         Hold   -> the admission queue (tenancy.queue), then route.resume
         Admitted (a disaggregated fleet) -> router.pd picks its two legs
         Route  -> forwarded below; a retry asks the core again, the tried excluded
-    forward raw body bytes (x-radixfleet-tenant, x-request-id) -> worker
+    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
     pool.finish(worker)                               on every path (client gone too)
@@ -91,6 +91,7 @@ from router.auth import TenantResolver
 from router.config import Config
 from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink
+from router.hops import Hops
 from router.metrics import Metrics
 from router.pd import PrefillDecode
 from router.pool import Pool, Worker
@@ -108,6 +109,7 @@ from router.upstream import (
     UpstreamError,
     UpstreamPool,
     build_head,
+    finish_outcome,
 )
 from router.warmup import WarmupGate, warmup_prefix
 from service import jsonbody
@@ -189,6 +191,11 @@ class Admission:
             self._waiters.remove(fut)
         except ValueError:
             pass
+
+    def configure(self, limit: int, max_queue: int, timeout_s: float, retry_after_s: int) -> None:
+        """Takes reloaded limits: waiters already queued keep their place."""
+        self.limit, self.max_queue = limit, max_queue
+        self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
 
     def leave(self) -> None:
         w = self._waiters
@@ -470,6 +477,9 @@ class DataPlane:
         pool.on_unhealthy.append(self._worker_unhealthy)
         #: disaggregated prefill/decode: the two legs of a request (router.pd)
         self.pd = PrefillDecode(self)
+        #: this router's mark on what it sends (router.hops; checked on arrival by the
+        #: listeners, router.app; the client session carries it on every other request)
+        self.hops = Hops()
         #: every decision: views, keys, admission, choice, placement (router.route)
         self.route = RouteCore(
             RouteParts(
@@ -511,17 +521,13 @@ class DataPlane:
         self.route.configure(policy)
         self.tenants = tenants
         lim = cfg.limits
-        a = self.admission
-        a.limit, a.max_queue = lim.max_concurrency, lim.max_queue
-        a.timeout_s, a.retry_after_s = lim.queue_timeout_s, lim.retry_after_s
+        self.admission.configure(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s, lim.retry_after_s)
         self.shedder.configure(lim.worker_queue_requests, lim.worker_queue_min_s)
         self.tenancy.configure(cfg.tenancy, _named_tenants(cfg), time.monotonic())
         self.queue.configure(cfg.tenancy.queue)
-        self.prefetched.max_tracked = cfg.prefetch.max_tracked
+        self.prefetched.configure(cfg.prefetch.max_tracked)
         if self.upstream is not None:
-            self.upstream.connect_timeout_s = cfg.timeouts.connect_s
-            self.upstream.keepalive_s = cfg.timeouts.keepalive_s
-            self.upstream.body_limit = lim.max_response_bytes
+            self.upstream.configure(cfg.timeouts.connect_s, cfg.timeouts.keepalive_s, lim.max_response_bytes)
 
     def _ids(self, worker: str, ctx: RequestContext) -> list[tuple[str, str]]:
         """The headers naming an answer: its request id, the worker's id only where
@@ -847,6 +853,7 @@ class DataPlane:
         )
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank  # vLLM's rank header
+        fwd += self.hops.lines(ctx.ex.headers)  # a request that comes back is refused
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         resp = None
         cancel = Cancel()
@@ -867,7 +874,7 @@ class DataPlane:
                 )
                 first = await self._answer(ctx, w, link, pick, f, resp)
             except UpstreamError as exc:
-                f.ok = None if isinstance(exc, ResponseTooLarge) else False
+                f.ok = finish_outcome(exc)  # the router's own deadline or limit: not w's fault
                 if exc.cause == "connect":
                     self.pool.check_soon(w)
                 # nothing reached the client; the connection is closed (the worker
@@ -984,9 +991,12 @@ class DataPlane:
     ) -> None:
         """Passes a stream to the client as it arrives, from its first body bytes
         ``first``, keeping ``f`` up to date (``f.ok`` stays None when the client goes
-        away, whether by an error or a cancellation). A worker failing mid-stream (broken,
-        silent past ``first_byte_s``, unhealthy, an event past the size limit) ends
-        the stream with a well-formed SSE error event and ``data: [DONE]``."""
+        away, whether by an error or a cancellation, or is dropped by the front for
+        reading nothing: ``timeouts.client_idle_s``). A worker failing mid-stream
+        (broken, silent past ``first_byte_s``, unhealthy, an event past the size limit)
+        or the total deadline passing ends the stream with a well-formed SSE error
+        event and ``data: [DONE]``; only the worker's own failures count against its
+        breaker (``finish_outcome``)."""
         m = self.metrics
         ex = ctx.ex
         watch = f.watch = StreamWatch(strip)
@@ -1046,7 +1056,7 @@ class DataPlane:
         await ctx.ex.stream_write(
             watch.flush(complete=False) + b"data: " + json.dumps(err).encode() + b"\n\n" + _DONE
         )
-        f.ok = None if isinstance(exc, ResponseTooLarge) else False
+        f.ok = finish_outcome(exc)
         f.status, f.broken = 200, True
         await ctx.ex.stream_end()
 

@@ -82,12 +82,17 @@ class Feedback:
         self.pool = pool
         self.index = index
         self.metrics = metrics
-        #: the router's keys.block_bytes (the router updates it on reload); None: unchecked
+        #: the router's keys.block_bytes (``configure`` on reload); None: unchecked
         self.block_bytes = block_bytes
         #: worker id -> [its lock, batches holding or awaiting it] (apply_async)
         self._busy: dict[str, list] = {}
         #: events of a tier the index does not know, ignored (``protocol.events``)
         self.unknown_tiers = 0
+
+    def configure(self, block_bytes: int | None) -> None:
+        """Takes a reloaded ``keys.block_bytes``: agents registered with another size
+        are refused from now on."""
+        self.block_bytes = block_bytes
 
     def apply(self, batch: EventBatch, now: float) -> tuple[int, str]:
         """Applies one batch at once. Returns (HTTP status, ``status`` string)."""
@@ -140,7 +145,7 @@ class Feedback:
             if m is not None:
                 m.event_applied("load")
         if w.health is HealthState.UNHEALTHY:
-            w.epoch = None
+            w.lose_stream()
             self._count(STATUS_OK)
             return 200, STATUS_OK
         events = batch.events
@@ -218,8 +223,7 @@ class Feedback:
                 idx.clear_tiers(wid)
             if m is not None:
                 m.event_applied(ev.type)
-        w.epoch = batch.epoch
-        w.next_seq = batch.seq + 1
+        w.follow(batch.epoch, batch.seq + 1)
         self._count(STATUS_OK)
         return 200, STATUS_OK
 
@@ -255,7 +259,7 @@ class Feedback:
         return not w.removed and w.health is not HealthState.UNHEALTHY and w.registered_epoch == batch.epoch
 
     def _stopped(self, w) -> tuple[int, str]:
-        w.epoch = None  # whatever it held is gone or stale: the stream restarts
+        w.lose_stream()  # whatever it held is gone or stale: the stream restarts
         if w.removed:
             self._count(STATUS_UNKNOWN_WORKER)
             return 404, STATUS_UNKNOWN_WORKER

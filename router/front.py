@@ -40,6 +40,15 @@ cancelled (its upstream connection closed, so the engine aborts the generation),
 departure logged at debug and counted (``on_gone(phase)``: ``waiting`` before any
 answer byte, ``streaming`` during a stream), never logged as an error.
 
+What a client that does not read holds after: its transport's buffer, where a
+writer waits while more than ``router.slow_clients.WRITE_HIGH`` bytes are unsent (at
+most one write more: a relayed stream writes at most ``router.upstream.STREAM_HIGH``
+at a time, and reads nothing from the worker while it waits), within the deadlines
+of ``router.slow_clients`` (``slow``): past them the connection is reset and the
+handler's write raises ``ClientDropped``. A reply's unsent bytes are waited for the
+same way before the next pipelined request is served, and a connection closed with
+bytes unsent is aborted after ``client_idle_s()``.
+
 Why httptools and not aiohttp's server: ``router.upstream``'s docstring.
 """
 
@@ -58,6 +67,7 @@ import httptools
 
 from protocol.errors import PayloadTooLarge, RequestError
 from router.intake import BodyBudget, Throttled
+from router.slow_clients import WRITE_HIGH, SlowClients, reset
 from router.upstream import MAX_HEAD
 
 log = logging.getLogger("radixfleet.front")
@@ -262,6 +272,7 @@ class FrontExchange:
         "result",
         "refusal",
         "held",
+        "deadline",
     )
 
     def __init__(self, conn: _FrontConn, req: _PendingRequest) -> None:
@@ -277,6 +288,8 @@ class FrontExchange:
         self.held = req.held  # given back to the budget when the exchange ends
         req.held = 0
         self.result = None
+        #: monotonic time the exchange must be over by, waits for its client included
+        self.deadline = _time.monotonic() + conn.server.slow.total_s()
 
     async def body(self, limit: int) -> bytes | bytearray:
         if self.refusal is not None:
@@ -331,7 +344,7 @@ class FrontExchange:
         else:
             conn.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
         if conn.paused:
-            await conn.drain()
+            await conn.drain(self.deadline)
 
     async def stream_end(self) -> None:
         conn = self.conn
@@ -401,6 +414,7 @@ class _FrontConn(asyncio.Protocol):
         if not self.server._admit(self):
             return
         self.server._conns.add(self)
+        transport.set_write_buffer_limits(high=WRITE_HIGH)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -513,17 +527,50 @@ class _FrontConn(asyncio.Protocol):
             d.set_result(None)
         self._drain = None
 
-    async def drain(self) -> None:
+    async def drain(self, deadline: float) -> None:
+        """Waits until the client has taken enough of what is buffered for it that
+        writing goes on; drops it (``router.slow_clients``: ``ClientDropped``) when it
+        takes nothing for ``client_idle_s()``, or the monotonic ``deadline`` passes
+        first."""
         if self.closed:
             raise ConnectionResetError("client disconnected")
+        if not self.paused:
+            return
+        wait_s, reason = self.server.slow.wait(deadline, _time.monotonic())
+        loop = asyncio.get_running_loop()
         if self._drain is None:
-            self._drain = asyncio.get_running_loop().create_future()
-        await self._drain
+            self._drain = loop.create_future()
+        timer = loop.call_later(wait_s, self._stalled, self._drain, reason)
+        try:
+            await self._drain
+        except BaseException:
+            # the future holds the exception, whose traceback holds this frame and so
+            # this connection: let go of it, or the cycle keeps the stream's buffers
+            # until a full collection (rare: router.prefix_index raises the thresholds)
+            self._drain = None
+            raise
+        finally:
+            timer.cancel()
+
+    def _stalled(self, d: asyncio.Future, reason: str) -> None:
+        """``drain``'s timer: the client took nothing in time; drops the connection."""
+        if d.done():
+            return
+        self.closed = True
+        # the waiting handler is woken with this before connection_lost (which the
+        # reset schedules after it) could cancel it instead
+        d.set_exception(self.server.slow.dropped(self.transport, reason))
+        reset(self.transport)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.transport.close()
+            t = self.transport
+            t.close()
+            if t.get_write_buffer_size():
+                # a closing transport stays open until its buffer is sent: a client
+                # that reads nothing would hold it, and the descriptor, for ever
+                asyncio.get_running_loop().call_later(self.server.slow.client_idle_s(), t.abort)
 
     def linger(self) -> None:
         """Closes once the client has had the answer: ends our side (FIN), discards
@@ -765,9 +812,15 @@ class _FrontConn(asyncio.Protocol):
     async def _run(self, handler, ex: FrontExchange) -> None:
         try:
             await handler(ex)
+            if self.paused and not self.closed:
+                # the reply is not taken yet: the next pipelined request waits for
+                # it (the handler's slot is free already), within the same deadlines
+                await self.drain(ex.deadline)
         except asyncio.CancelledError:
             self.close()
             raise
+        except ConnectionResetError:  # the client left, or was dropped (drain)
+            self.close()
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the connection silently
             if self.closed and isinstance(exc, ConnectionError):
                 # written to a client already gone (counted by connection_lost)
@@ -853,7 +906,9 @@ class FrontServer:
     is read; ``max_connections()`` caps the client connections, handed-over ones
     included; ``on_refused(reason)`` counts a connection closed or refused at the cap
     (``idle_closed`` | ``at_capacity``); ``on_gone(phase)`` a client that left while
-    its request was served (``waiting`` | ``streaming``: the module docstring).
+    its request was served (``waiting`` | ``streaming``: the module docstring);
+    ``slow`` bounds the waits for a client to take its answer
+    (``router.slow_clients``; shared with the aiohttp side).
 
     Lifecycle: ``await start(host, port)`` -> listening; ``await aclose(timeout)``
     stops accepting, closes idle connections, lets in-flight requests finish for
@@ -873,6 +928,7 @@ class FrontServer:
         max_connections=lambda: 8192,
         on_refused=None,
         on_gone=None,
+        slow: SlowClients | None = None,
     ) -> None:
         self.routes = routes
         self.fallback = fallback
@@ -890,6 +946,8 @@ class FrontServer:
         #: (one byte every few seconds must not hold a connection forever)
         self.head_timeout_s = head_timeout_s
         self.body_timeout_s = body_timeout_s
+        #: the deadlines of the waits for a client to take its answer
+        self.slow = slow if slow is not None else SlowClients()
         self.closing = False
         self._conns: set[_FrontConn] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -902,6 +960,12 @@ class FrontServer:
         )
         self._sweeper = loop.create_task(self._sweep())
         return self._server.sockets[0].getsockname()[1]
+
+    def socknames(self) -> list[tuple]:
+        """The addresses it listens on (``getsockname()`` of each socket; [] before
+        ``start``)."""
+        server = self._server
+        return [s.getsockname() for s in server.sockets] if isinstance(server, asyncio.Server) else []
 
     async def _sweep(self) -> None:
         while True:

@@ -50,9 +50,14 @@ class BodyBudget:
     __slots__ = ("limit", "held", "refused")
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit  # bytes; set again on reload
+        self.limit = limit  # bytes (``configure`` on reload)
         self.held = 0  # bytes taken and not given back
         self.refused = 0  # takes refused since start (a metric)
+
+    def configure(self, limit: int) -> None:
+        """Takes a reloaded ``limits.max_buffered_body_bytes`` (below ``held``: takes
+        fail until enough is given back)."""
+        self.limit = limit
 
     def take(self, n: int) -> bool:
         """Takes ``n`` bytes if they fit; False (nothing taken) if not. O(1)."""
@@ -77,15 +82,16 @@ class BodyBudget:
 
 
 class Throttled:
-    """``log.warning`` at most once per ``interval_s``; the lines skipped in between
-    are counted into the next one."""
+    """``logger.warning`` at most once per ``interval_s`` (``logger``: this module's
+    by default); the lines skipped in between are counted into the next one."""
 
-    __slots__ = ("interval_s", "_next", "_skipped")
+    __slots__ = ("interval_s", "_next", "_skipped", "_log")
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, logger: logging.Logger | None = None) -> None:
         self.interval_s = interval_s
         self._next = 0.0
         self._skipped = 0
+        self._log = log if logger is None else logger  # this module's, unless given
 
     def warning(self, msg: str, *args) -> None:
         now = time.monotonic()
@@ -95,9 +101,9 @@ class Throttled:
         self._next = now + self.interval_s
         skipped, self._skipped = self._skipped, 0
         if skipped:
-            log.warning(msg + " (and %d more like it since the last report)", *args, skipped)
+            self._log.warning(msg + " (and %d more like it since the last report)", *args, skipped)
         else:
-            log.warning(msg, *args)
+            self._log.warning(msg, *args)
 
 
 def raise_fd_limit() -> int:

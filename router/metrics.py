@@ -39,7 +39,11 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
       radixfleet_index_evicted_entries_total (counter)
     radixfleet_events_applied_total{type}, radixfleet_event_batches_total{status}
     radixfleet_registrations_refused_total{reason}    block_bytes_mismatch,
-                                                      worker_id_taken, overloaded
+                                                      worker_id_taken, overloaded,
+                                                      epoch_churn, worker_url_is_router,
+                                                      worker_host_not_allowed,
+                                                      agent_token_required
+                                                      (router.registration)
     radixfleet_workers_reaped_total                   self-registered workers removed
                                                       after unhealthy_grace_s
     radixfleet_peer_hangups_total{path}               agent API peers that hung up
@@ -83,6 +87,10 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_client_disconnects_total{phase}        clients that closed their connection while
                                                       their request was served (router.front):
                                                       waiting (no answer byte yet) | streaming
+    radixfleet_slow_clients_dropped_total{reason}     clients dropped for not taking their
+                                                      answer (router.front): idle (none of
+                                                      it for timeouts.client_idle_s) |
+                                                      deadline (timeouts.total_s passed)
     radixfleet_body_bytes_held                        request body bytes held (router.intake's
                                                       budget, limits.max_buffered_body_bytes)
     radixfleet_config_reloads_total                   configuration reloads applied
@@ -288,6 +296,12 @@ class Metrics:
         )
         for phase in ("waiting", "streaming"):
             self.client_disconnects.labels(phase)
+        self.slow_clients_dropped = Counter(
+            "radixfleet_slow_clients_dropped",
+            "Client connections dropped for not taking their answer, by the deadline that passed",
+            ["reason"],
+            registry=r,
+        )
         self.body_bytes_held = Gauge(
             "radixfleet_body_bytes_held", "Request body bytes held (read and not yet answered)", registry=r
         )

@@ -67,7 +67,7 @@ from protocol.prefix_keys import Endpoint
 from router.engines.kinds import WorkerKind
 from router.route import Ask, Route
 from router.tenancy import PRIORITIES
-from router.upstream import Cancel, UpstreamError, build_head
+from router.upstream import Cancel, UpstreamError, build_head, finish_outcome
 
 if TYPE_CHECKING:
     from router.engines.keyspace import KeyedRequest
@@ -339,6 +339,7 @@ class PrefillDecode:
         )
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank
+        fwd += dp.hops.lines(ctx.ex.headers)  # router.hops
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         ok: bool | None = False
         resp = None
@@ -358,6 +359,7 @@ class PrefillDecode:
                 )
                 data = await resp.read()
             except UpstreamError as exc:
+                ok = finish_outcome(exc)  # the router's own deadline or limit: not w's fault
                 if exc.cause == "connect":
                     dp.pool.check_soon(w)
                 raise _PrefillFailed(f"{exc.cause}: {exc}") from None

@@ -41,7 +41,10 @@ is routable only after its first passed health check (whoever can reach the rout
 can register a URL; only a probe shows that the URL answers). An id held at another
 URL is refused (``Conflict``);
 new entries are admitted at ``registration.rate_per_s`` (burst
-``registration.burst``; ``Overloaded`` past it), and one that stays UNHEALTHY for
+``registration.burst``; ``Overloaded`` past it), new epochs at one URL at
+``registration.epochs_per_min`` (``EpochBudget``; ``Overloaded`` with code
+``epoch_churn`` past it: an agent restarting in a loop, or someone flapping a live
+worker's registration, which drops its index entries every time), and one that stays UNHEALTHY for
 ``registration.unhealthy_grace_s`` is removed (``reaped``): an agent that died
 without leaving must not hold its id and its place in the pool for ever.
 
@@ -70,6 +73,7 @@ from protocol.errors import Conflict, MalformedRequest, Overloaded
 from protocol.events import (
     MAX_RATE,
     MIN_RATE,
+    STATUS_EPOCH_CHURN,
     STATUS_WORKER_ID_TAKEN,
     STATUS_WORKER_ROLE_CONFLICT,
     Load,
@@ -77,6 +81,7 @@ from protocol.events import (
 from protocol.prefix_keys import WorkerId
 from router import served
 from router.config import Config, WorkerSpec
+from router.intake import Throttled
 from router.shedding import CALM_S, QueueMark
 from service import jsonbody
 
@@ -112,8 +117,11 @@ class PoolTap(Protocol):
 
 
 class Worker:
-    """One worker's state. Only the ``Pool`` mutates it (request paths through the
-    pool's methods), all on the router's event loop."""
+    """One worker's state, all on the router's event loop. The ``Pool`` mutates it
+    (request paths through the pool's methods); what other components learn of it
+    they tell it through its own methods (``follow``, ``lose_stream``: the feedback's
+    event stream; ``announce``: a bus snapshot; ``attach``: its engine link). No one
+    else assigns its fields."""
 
     __slots__ = (
         "id",
@@ -203,12 +211,31 @@ class Worker:
         self._view: WorkerView | None = None  # cache; None = rebuild
         self._view_until = 0.0  # the cached view includes a report stale at this time
         self.spec = spec  # the YAML/admin entry it came from (kind, events, tokenizer...)
-        self.engine = None  # router.engines.link.EngineLink, set by router.engines
+        self.engine = None  # router.engines.link.EngineLink (``attach``)
         self.remote_in_flight = 0  # other router replicas' requests on it (router.bus)
         self.remote_tokens = 0  # and their prompt tokens not yet prefilled
         #: monotonic time until which its view reads saturated: the router refused a
         #: request it could have served (``Pool.refused``; router.shedding)
         self.refused_until = 0.0
+
+    # what other components tell a worker (they call these; none assigns its fields)
+
+    def follow(self, epoch: str, next_seq: int) -> None:
+        """router.feedback applied a batch: its stream is in ``epoch``, ``next_seq``
+        expected next."""
+        self.epoch, self.next_seq = epoch, next_seq
+
+    def lose_stream(self) -> None:
+        """Its event stream must restart with a snapshot (router.feedback)."""
+        self.epoch = None
+
+    def announce(self, models: tuple[str, ...], block_bytes: int | None, scheduling_policy: str) -> None:
+        """Its agent's latest self-description (a bus snapshot: router.bus.replica)."""
+        self.models, self.block_bytes, self.scheduling_policy = models, block_bytes, scheduling_policy
+
+    def attach(self, engine) -> None:
+        """Its engine link (router.engines; None: detached)."""
+        self.engine = engine
 
     def routable(self, now: float) -> bool:
         if self.health is not HealthState.HEALTHY or self.draining:
@@ -303,6 +330,43 @@ class Worker:
         }
 
 
+class EpochBudget:
+    """New registration epochs per worker URL: a token bucket per URL of ``per_min``
+    tokens, refilled at ``per_min`` a minute. Keyed by URL, not by the ``Worker``, so
+    that re-registering an address under another id or role (a new entry each time)
+    spends the same budget. Holds at most ``max(64, 2 x pool size)`` URLs: past that,
+    the URLs whose budget is full again (nothing to remember) are dropped first."""
+
+    __slots__ = ("_buckets",)
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}  # url -> (tokens, at)
+
+    def _tokens(self, url: str, per_min: int, now: float) -> float:
+        tokens, at = self._buckets.get(url, (float(per_min), now))
+        return min(float(per_min), tokens + (now - at) * per_min / 60.0)
+
+    def wait(self, url: str, per_min: int, now: float) -> float:
+        """0.0 when ``url`` may register a new epoch now, else the seconds until it
+        may. Changes nothing (``spend`` takes the epoch once the registration holds)."""
+        tokens = self._tokens(url, per_min, now)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) * 60.0 / per_min
+
+    def spend(self, url: str, per_min: int, now: float, keep: int) -> None:
+        """One new epoch registered at ``url``; ``keep``: the pool's size now."""
+        self._buckets[url] = (max(0.0, self._tokens(url, per_min, now) - 1.0), now)
+        if len(self._buckets) > max(64, 2 * keep):
+            self._prune(per_min, per_min / 60.0, now)
+
+    def _prune(self, per_min: int, rate: float, now: float) -> None:
+        full = [u for u, (t, at) in self._buckets.items() if t + (now - at) * rate >= per_min]
+        for u in full:
+            del self._buckets[u]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
 def _engine_fields(s: WorkerSpec) -> tuple:
     return (
         s.kind,
@@ -357,6 +421,9 @@ class Pool:
         #: new self-registered workers admitted (registration.rate_per_s, .burst)
         self._admit_tokens = float(cfg.registration.burst)
         self._admit_t = clock()
+        #: new epochs per worker URL (registration.epochs_per_min) and its refusals' log
+        self._epochs = EpochBudget()
+        self._churn_log = Throttled(1.0, log)
         #: self-registered workers removed after unhealthy_grace_s (a metric reads it)
         self.reaped = 0
         #: a worker with a prefill or decode role has been seen (``disaggregated``)
@@ -464,6 +531,11 @@ class Pool:
         - The url held under another id: the entry takes the agent's id, keeping
           its source and settings (a configured worker's reload matches it by url;
           one process per address).
+        - A new epoch, id or role at a known ``url`` (a restarted agent, or
+          someone flapping it): within ``registration.epochs_per_min`` for that
+          URL, counted once the registration holds (else ``Overloaded``, code
+          ``epoch_churn``, with the seconds until the next; the refusal logged,
+          throttled); an accepted new epoch of a known worker is one log line.
         - New: admitted within ``registration.rate_per_s`` (else ``Overloaded``,
           with the seconds until the next), added UNKNOWN and probed at once:
           routable after its first passed check (a known one that is not healthy
@@ -472,7 +544,38 @@ class Pool:
           healthy at once, and no rate bound.
         """
         w = self._by_id.get(wid)
-        held = w if w is not None and w.url == url else self._by_url.get(url)
+        at = self._by_url.get(url)
+        per_min = self.cfg.registration.epochs_per_min
+        # a known URL under a new epoch, id or role (a role that changes the entry:
+        # an agent's "both" says nothing to a configured one): a new process there (a
+        # brand-new URL is bounded by the new-worker rate instead)
+        churn = (
+            self._session is not None
+            and at is not None
+            and (
+                at.id != wid
+                or at.registered_epoch != epoch
+                or (at.role != role and (role != "both" or at.source is Source.AGENT))
+            )
+        )
+        if churn:
+            wait_s = self._epochs.wait(url, per_min, self.clock())
+            if wait_s > 0:
+                self._churn_log.warning(
+                    "refused registration of %s (%s) epoch %s: more than "
+                    "registration.epochs_per_min=%d new epochs at that URL in a minute",
+                    wid,
+                    url,
+                    epoch,
+                    per_min,
+                )
+                raise Overloaded(
+                    f"worker {wid!r} registered more than {per_min} "
+                    "new epochs in a minute (registration.epochs_per_min); retry later",
+                    retry_after_s=wait_s,
+                    code=STATUS_EPOCH_CHURN,
+                )
+        held = w if w is not None and w.url == url else at
         if held is not None and held.source is Source.AGENT and held.role != role:
             # the agent restarted with another role: a new entry (its cache is new too)
             log.info("worker %s registered as %s (was %s): a new entry", held.id, role, held.role)
@@ -524,6 +627,14 @@ class Pool:
         if self._session is None:
             self._set_health(w, HealthState.HEALTHY)
         if w.registered_epoch != epoch:
+            if w.registered_epoch is not None:
+                log.info(
+                    "worker %s (%s) registered a new epoch %s (was %s): a new agent process",
+                    wid,
+                    url,
+                    epoch,
+                    w.registered_epoch,
+                )
             if w.epoch is not None:
                 self.index.drop_worker(wid)
             w.registered_epoch = w.epoch = epoch
@@ -533,6 +644,8 @@ class Pool:
             self._changed(w)
         w.block_bytes = block_bytes
         w.scheduling_policy = scheduling_policy
+        if churn:
+            self._epochs.spend(url, per_min, self.clock(), len(self))
         return w
 
     def _admit(self) -> float:
@@ -569,6 +682,11 @@ class Pool:
             self.remove(w.id)
             self.reaped += 1
         return [w.id for w in gone]
+
+    def configure(self, cfg: Config) -> None:
+        """Takes a reloaded config (health, breaker, registration and load settings
+        from now on); the worker list is ``sync_config``'s."""
+        self.cfg = cfg
 
     def sync_config(self, specs: Iterable[WorkerSpec]) -> tuple[list[str], list[str]]:
         """Applies a reloaded worker list: config workers not listed any more are

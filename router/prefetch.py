@@ -99,6 +99,11 @@ class PrefetchLedger:
         self._open: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
         self.max_tracked = max_tracked
 
+    def configure(self, max_tracked: int) -> None:
+        """Takes a reloaded ``prefetch.max_tracked`` (the oldest past it go at the next
+        prefetch)."""
+        self.max_tracked = max_tracked
+
     def __len__(self) -> int:
         return len(self._open)
 

@@ -621,6 +621,13 @@ class PrefixIndex:
             self._evict_to_budget()
         return removed
 
+    def configure(self, max_bytes: int) -> None:
+        """Takes a reloaded memory budget; a lower one is reached by the LRU eviction
+        of the next inserts."""
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+
     def set_capacity(self, worker: str, max_entries: int | None) -> int:
         """Caps ``worker`` at ``max_entries`` entries (None: uncapped). Evicts its
         least recently touched leaf entries at once if it holds more. Returns the

@@ -53,7 +53,8 @@ A request is sent once. Failures raise ``UpstreamError`` subclasses with a
                       response byte: the worker may have run it (read the body, then
                       hung up) -- never sent again, here or by the caller, unless the
                       worker is known to be down
-    UpstreamTimeout   the first byte, a silence between chunks, or the total deadline
+    UpstreamTimeout   the first byte or a silence between chunks; its subclass
+                      ``DeadlinePassed``: the total deadline
     UpstreamBroken    the connection dropped mid-response or the bytes were not HTTP;
                       its subclass ``ResponseTooLarge``
     Cancelled         ``Cancel.cancel``
@@ -63,6 +64,9 @@ moment (its keep-alive timeout) is lost with it, and is ``NoAnswer`` like any ot
 it cannot be told from a worker that read it and hung up. So an idle connection is
 reused only within ``keepalive_s`` of its last answer, below the workers' own
 keep-alive timeout (uvicorn's 5 s: vLLM, SGLang), and closed past it.
+
+``worker_fault`` says which failures are the worker's, counted by its breaker
+(``finish_outcome``): not a cut by the router's own deadline or size limit.
 
 Invariants: a connection is in at most one place — an idle list, or serving one
 ``Response``; an idle connection has no response and an open, reading (not paused)
@@ -82,12 +86,17 @@ import httptools
 # Response states: waiting for the (final) head / receiving the body / complete.
 _HEAD, _BODY, _DONE = range(3)
 MAX_HEAD = 64 * 1024  # bytes of request or response head we accept
-#: bytes a streaming consumer may leave untaken before reading from the worker pauses
-STREAM_HIGH = 1 << 20
+#: bytes a streaming consumer may leave untaken before reading from the worker pauses:
+#: a slow client costs at most this plus one socket read here (router.front bounds
+#: its side of the relay)
+STREAM_HIGH = 64 * 1024
 
 
 class UpstreamError(Exception):
     cause = "payload"
+    #: the worker failed (its breaker counts it: ``finish_outcome``); False where the
+    #: router's own deadline or limit cut the request
+    worker_fault = True
 
 
 class ConnectFailed(UpstreamError):
@@ -95,7 +104,16 @@ class ConnectFailed(UpstreamError):
 
 
 class UpstreamTimeout(UpstreamError):
+    """No first byte, or a silence between chunks, past the read timeout."""
+
     cause = "timeout"
+
+
+class DeadlinePassed(UpstreamTimeout):
+    """The request's total deadline (``timeouts.total_s``) passed: the router's budget
+    for the request ran out, whether or not the worker was still sending."""
+
+    worker_fault = False
 
 
 class UpstreamBroken(UpstreamError):
@@ -111,12 +129,22 @@ class NoAnswer(UpstreamBroken):
 
 class ResponseTooLarge(UpstreamBroken):
     cause = "too_large"
+    worker_fault = False  # the router's limit, not a broken worker
 
 
 class Cancelled(UpstreamError):
     """The request was cancelled from outside (``Cancel``); the message says why."""
 
     cause = "cancelled"
+
+
+def finish_outcome(exc: UpstreamError) -> bool | None:
+    """What ``Pool.finish`` is told of an attempt that failed with ``exc``: False, a
+    worker failure its breaker counts, or None where the router's own deadline or
+    size limit cut the request (``worker_fault``), which a healthy worker streaming a
+    long answer must not be blamed for. (A client that leaves or is dropped for not
+    reading is None too, by the data plane: no ``UpstreamError`` is involved.)"""
+    return False if exc.worker_fault else None
 
 
 class Cancel:
@@ -206,39 +234,46 @@ class Response:
 
     async def _wait(self, fut: asyncio.Future) -> None:
         loop = self._loop
-        timeout = min(self._read_timeout, self._deadline - loop.time())
-        if timeout <= 0:
-            self._fail(UpstreamTimeout("total request deadline passed"))
-        self._timer = timer = loop.call_later(max(timeout, 0), self._on_timeout, fut)
+        left = self._deadline - loop.time()
+        if left <= 0:
+            self._fail(DeadlinePassed("total request deadline passed"))
+        # which bound the timer is, decided here: a timer may fire a clock tick early
+        total = left <= self._read_timeout
+        timeout = left if total else self._read_timeout
+        self._timer = timer = loop.call_later(max(timeout, 0), self._on_timeout, fut, total)
         try:
             await fut
         finally:
             timer.cancel()
             self._timer = None
 
-    def _on_timeout(self, fut: asyncio.Future) -> None:
+    def _on_timeout(self, fut: asyncio.Future, total: bool) -> None:
         if not fut.done():
+            if total:
+                self._fail(DeadlinePassed("total request deadline passed"))
+                return
             what = "first byte" if fut is self._head else "next bytes"
-            self._fail(
-                UpstreamTimeout(
-                    f"no {what} within {self._read_timeout:g}s"
-                    if self._loop.time() < self._deadline
-                    else "total request deadline passed"
-                )
-            )
+            self._fail(UpstreamTimeout(f"no {what} within {self._read_timeout:g}s"))
 
     async def readany(self) -> bytes:
-        """The body bytes received since the last call; ``b""`` at the end. From the
-        first call on, the connection pauses while more than ``STREAM_HIGH`` bytes
-        wait here."""
+        """The body bytes received since the last call, at most ``STREAM_HIGH`` of them
+        (the rest wait for the next call); ``b""`` at the end. From the first call on,
+        the connection pauses while more than ``STREAM_HIGH`` bytes wait here: a
+        consumer that writes each piece to a slow client before the next call holds
+        at most ``STREAM_HIGH`` plus one socket read here and ``STREAM_HIGH`` there."""
         self._streaming = True
         while True:
             if self._chunks:
                 c = self._chunks
                 out = c[0] if len(c) == 1 else b"".join(c)
                 c.clear()
-                self._held = 0
-                if self._paused:
+                if len(out) > STREAM_HIGH:  # a burst (one socket read may be 256 KiB)
+                    c.append(out[STREAM_HIGH:])
+                    out = out[:STREAM_HIGH]
+                    self._held = len(c[0])
+                else:
+                    self._held = 0
+                if self._paused and self._held <= STREAM_HIGH:
                     self._resume()
                 return out
             if self._err is not None:
@@ -280,6 +315,10 @@ class Response:
         """Returns the connection to its pool if reusable, else closes it. Idempotent."""
         self._chunks.clear()  # whatever was not taken goes now, not with the next gc
         self._whole = None
+        if self._err is not None:
+            # raised from here, it carries its consumer's frames, which hold this
+            # response: a cycle the collector takes only at a full collection
+            self._err.__traceback__ = None
         conn = self._conn
         if conn is None:
             return
@@ -504,6 +543,12 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], collections.deque[_Conn]] = {}
         self._closed = False
         self.connects = 0  # connections opened
+
+    def configure(self, connect_timeout_s: float, keepalive_s: float, body_limit: float) -> None:
+        """Takes reloaded timeouts and the response bound (new requests use them)."""
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
+        self.body_limit = body_limit
 
     def _put(self, conn: _Conn) -> None:
         if self._closed or conn.closed or self.keepalive_s <= 0:

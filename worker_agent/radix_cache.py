@@ -38,6 +38,8 @@ Invariants (``check()`` asserts every one):
 Every mutation that changes which router blocks are held appends an exact event
 (``protocol.events.Stored`` / ``Removed`` / ``Cleared``) to the event log that the
 reporter drains; splits change nothing the router can see and emit nothing.
+``removals_pending`` is True exactly while the log holds a ``Removed`` or ``Cleared``
+(the reporter sends those at once: ``worker_agent.reporter``).
 
 Admission control (``AdmissionConfig.mode``) decides how much of an ``insert``
 joins the tree when the caller asks for admission (``admit_from`` not None):
@@ -234,6 +236,8 @@ class RadixCache:
         self._lru: SortedDict = SortedDict()
         self._lru_protected: SortedDict = SortedDict()
         self._events: list = []
+        #: whether ``_events`` holds a ``Removed`` or ``Cleared``
+        self._removals = False
         self._ghost.clear()
 
     @property
@@ -486,6 +490,7 @@ class RadixCache:
                 gone = list(hashes[limit // self.hash_stride :])
                 if gone:
                     self._events.append(Removed(gone))
+                    self._removals = True
         if not root.children:
             del self.roots[ns]
             return 0, None
@@ -558,6 +563,7 @@ class RadixCache:
         return size
 
     def _append_removed(self, hashes: list[int]) -> None:
+        self._removals = True
         ev = self._events
         if ev and type(ev[-1]) is Removed:
             ev[-1].hashes.extend(hashes)
@@ -572,6 +578,7 @@ class RadixCache:
         self.stats.flushes += 1
         if self.record_events:
             self._events.append(Cleared())
+            self._removals = True
         return True
 
     def set_fingerprint(self, fingerprint: Hashable) -> bool:
@@ -593,9 +600,16 @@ class RadixCache:
         """Events logged since the last drain."""
         return len(self._events)
 
+    @property
+    def removals_pending(self) -> bool:
+        """Whether the events since the last drain remove blocks (``Removed``,
+        ``Cleared``): what a router's index holds and this tree no longer does."""
+        return self._removals
+
     def drain_events(self) -> list:
         """The events since the last drain, oldest first."""
         ev, self._events = self._events, []
+        self._removals = False
         return ev
 
     def snapshot_blocks(self) -> list[tuple[int, int | None]]:
@@ -739,3 +753,4 @@ class RadixCache:
         if self._mode == "protected":
             assert self.protected_tokens <= self.protected_capacity
         assert len(self._ghost) <= self.admission.ghost_capacity
+        assert self._removals == any(type(e) in (Removed, Cleared) for e in self._events), self._removals

@@ -11,7 +11,22 @@ truth), each with its own sequence numbers within this process's epoch::
       pending, seq           pending, seq      POST /internal/v1/events (Bearer token)
 
 A batch goes out every ``interval_s`` (~100 ms, with the load report even when
-there are no events) or as soon as ``max_batch_events`` events are waiting.
+there are no events), as soon as ``max_batch_events`` events are waiting, within a
+poll (10 ms) of the cache removing blocks (an eviction, a refused hint, a flush:
+the router's index holds what the tree no longer does, and its next pick there
+would count on it), and at once on ``flush()``.
+
+Answers after their events (``flush``): the server awaits ``flush()`` before a
+finished request's answer ends (worker_agent.server), so the blocks of its prompt
+and answer — a conversation's next turn is that prompt, that answer and a new
+message — are in every streaming router's index (HTTP: the router applied the
+batch before it answered the POST; the bus: the stream holds it) before the
+client can send the next turn. Without it the next turn, sent the moment the answer
+is in, is picked up to an interval before the batch: the index under-predicts it by
+the answer (bench/RESULTS.md, "The demo"). ``flush`` waits for one push round that
+began after the call, at most ``interval_s`` (no answer waits longer than its
+events would have), and not at all while no link streams (a router down or not yet
+registered gets a snapshot anyway).
 
 Per-link states: ``UNREGISTERED`` (register next), ``SNAPSHOT`` (next batch starts
 with a full snapshot), ``STREAMING`` (deltas). A link snapshots after (re)registering,
@@ -110,6 +125,11 @@ class Reporter(Lifecycle):
         self._task: asyncio.Task | None = None
         self._closed = False
         self._kick = asyncio.Event()
+        # push rounds begun and finished (``flush``); the event is set, then replaced,
+        # at the end of each round
+        self._begun = 0
+        self._finished = 0
+        self._round_end = asyncio.Event()
 
     async def start(self) -> None:
         if self._task is not None:
@@ -124,10 +144,39 @@ class Reporter(Lifecycle):
         """Sends the next batch now instead of at the next interval."""
         self._kick.set()
 
+    def _streaming(self) -> bool:
+        """Whether a batch sent now reaches a router as a delta (some link streams)."""
+        bus = self.bus
+        if bus is not None and bus.up:
+            return bus.link.state is LinkState.STREAMING
+        return any(link.state is LinkState.STREAMING for link in self.links)
+
+    async def flush(self) -> bool:
+        """Sends every event logged so far now and waits until it is delivered (module
+        docstring, "Answers after their events"): True once a push round that began
+        after the call has finished, False when no link streams or ``interval_s``
+        passed first."""
+        if self._task is None or self._closed or not self._streaming():
+            return False
+        need = self._begun + 1  # a round in progress may have drained before the call
+        self.kick()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.interval_s
+        while self._finished < need:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._round_end.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         poll = min(self.interval_s, 0.01)
         while True:
+            self._begun += 1
             self._distribute()
             bus = self.bus
             if bus is not None and bus.up:
@@ -139,7 +188,11 @@ class Reporter(Lifecycle):
                 await self._push_bus(bus)
             else:
                 await asyncio.gather(*(self._push(link) for link in self.links))
-            # next batch after interval_s, or as soon as max_batch_events are waiting
+            self._finished = self._begun
+            done, self._round_end = self._round_end, asyncio.Event()
+            done.set()
+            # next batch after interval_s, as soon as max_batch_events are waiting, a
+            # poll after the cache removed blocks, or at once when kicked (flush)
             due = loop.time() + self.interval_s
             while not self._kick.is_set() and loop.time() < due:
                 pending = self.cache.pending_events + (self.dram.pending_events if self.dram else 0)
@@ -149,6 +202,8 @@ class Reporter(Lifecycle):
                     await asyncio.wait_for(self._kick.wait(), poll)
                 except asyncio.TimeoutError:
                     pass
+                if self.cache.removals_pending:
+                    break
             self._kick.clear()
 
     def _snapshot(self) -> Snapshot:
@@ -264,7 +319,14 @@ class Reporter(Lifecycle):
                                 (data.get("error") or {}).get("message", "role conflict"),
                             )
                         else:
-                            log.warning("router %s refused registration: HTTP %d", link.base, code)
+                            err = data.get("error")
+                            why = err.get("message") if isinstance(err, dict) else None
+                            log.warning(
+                                "router %s refused registration: HTTP %d%s (will keep retrying)",
+                                link.base,
+                                code,
+                                f": {str(why)[:300]}" if why else "",
+                            )
                     return
                 link.refused = None
                 # a router that reads tiers says so (protocol.events, "KV tiers")

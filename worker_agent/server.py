@@ -28,6 +28,10 @@ agent refuses a non-zero one (400, as vLLM without ``--scheduling-policy
 priority``). Extra fields (SGLang's ``no_stop_trim``,
 ``skip_special_tokens``, ``return_hidden_states``, sampling knobs) are accepted and
 ignored: the simulated engine generates ``max_tokens`` deterministic tokens.
+A finished request's answer ends (the non-streamed body; a stream's finish chunk,
+usage and ``[DONE]``) only after the reporter delivered the cache events it made
+(``Reporter.flush``, at most its interval): a conversation's next turn, sent the
+moment the answer is in, finds the answer's blocks in the router's index.
 
 Disaggregated prefill/decode, vLLM's protocol (``kv_transfer_params``, as
 ``router.pd`` and vLLM's NIXL/P2P connectors speak it; any role accepts both legs)::
@@ -435,6 +439,14 @@ async def _wait_done(w) -> None:
         w.event.clear()
 
 
+async def _events_first(request: web.Request) -> None:
+    """Delivers the cache events so far to the routers before an answer ends
+    (module docstring; ``Reporter.flush``)."""
+    reporter = request.app.get(REPORTER_KEY)
+    if reporter is not None:
+        await reporter.flush()
+
+
 def _tenant(request: web.Request) -> str:
     """The namespace salt of a request: the router's, checked (module docstring)."""
     tenant = request.headers.get(TENANT_HEADER)
@@ -467,6 +479,7 @@ async def _serve(agent: Agent, request: web.Request, endpoint: Endpoint) -> web.
             await _wait_done(w)
             if r.state is not State.FINISHED:
                 raise web.HTTPServiceUnavailable(text="engine stopped", headers={"Retry-After": "1"})
+            await _events_first(request)
             answer = _final(p, r, created)
             if p.remote_decode and p.endpoint is not Endpoint.GENERATE:
                 answer["kv_transfer_params"] = _remote_params(agent, request, p, r)
@@ -600,6 +613,7 @@ async def _stream(p: Parsed, r: SchedRequest, w, request: web.Request, created: 
             break
     if r.state is not State.FINISHED:
         raise ConnectionResetError("engine stopped")
+    await _events_first(request)
     if gen:
         if sent == 0:
             await resp.write(_sse(_final(p, r, created)))

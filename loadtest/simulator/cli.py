@@ -98,7 +98,10 @@ _AUTO = "auto"  # --workload's default: 'trace' with --trace, else the demo's
 
 DEFAULTS_HELP = (
     "Defaults are the demo's (loadtest.defaults), so that both tell the same story: "
-    f"--workload {defaults.WORKLOAD}, --agents {defaults.AGENTS}, --kv-tokens {defaults.KV_TOKENS:,} "
+    f"--workload {defaults.WORKLOAD} "
+    + "".join(f"-o {k}={v} " for k, v in defaults.WORKLOAD_OPTIONS.items())
+    + "(the options without --workload, where -o does not set them), "
+    f"--agents {defaults.AGENTS}, --kv-tokens {defaults.KV_TOKENS:,} "
     f"per agent, --rate {defaults.RATE:g} (open loop), --policies {','.join(defaults.POLICIES)}. "
     "With --trace: the trace's own timestamps and the preset's whole KV pool."
 )
@@ -267,6 +270,8 @@ def build(args: argparse.Namespace):
     """(plans, workload, bounds, policy params) from flags; raises Config/WorkloadError."""
     if args.workload == _AUTO:
         args.workload = "trace" if args.trace is not None else defaults.WORKLOAD
+        if args.workload == defaults.WORKLOAD:
+            args.option = defaults.workload_options(args.option)
     if args.workload != "trace":  # the demo's fleet and load where no flag says otherwise
         if args.kv_tokens is None:
             args.kv_tokens = defaults.KV_TOKENS

@@ -44,7 +44,9 @@ Feedback (``feedback``):
 - ``events``: the radix caches' stored/removed events reach the index in batches
   cut every ``feedback_batch_s`` per worker (each worker's ticks at its own phase)
   and applied ``feedback_delay_s`` after the cut — the agent reporter's cadence —
-  through ``Feedback.apply`` with the live epoch/sequence checks.
+  through ``Feedback.apply`` with the live epoch/sequence checks. The live
+  reporter's pushes between ticks (after removals, before an answer ends:
+  ``worker_agent.reporter``) are not modelled (ARCHITECTURE.md says what they move).
 - ``none``: cache events are dropped; the index holds the router's optimistic
   inserts only (and forgets by its own memory budget). The ablation's difference
   is the value of eviction feedback.

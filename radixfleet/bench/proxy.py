@@ -68,7 +68,11 @@ def upstream_app(
     name: str = "up", *, chunks: int = 8, chunk_delay_s: float = 0.0, model: str = "tiny"
 ) -> web.Application:
     """A minimal OpenAI-shaped worker. Per request it counts hits and remembers the
-    last tenant header; ``GET /stats`` returns them."""
+    last tenant header; ``GET /stats`` returns them. A request body's ``delay_s``
+    delays the answer, ``fail`` makes it a 500, and ``chunks``, ``events_per_write``
+    (default 1) and ``chunk_delay_s`` replace a stream's number of events, how many
+    go in one write and the pause after each write (the chaos tests' endless or slow
+    streams); a stream ends early when its client goes away."""
     stats: dict[str, Any] = {"requests": 0, "tenants": [], "paths": []}
     chunk_body = {
         "id": "c",
@@ -138,17 +142,34 @@ def upstream_app(
         is_chat = request.path == "/v1/chat/completions"
         if not body.get("stream"):
             return web.Response(body=chat if is_chat else comp, content_type="application/json", headers=hdrs)
+        n, pause = body.get("chunks", chunks), body.get("chunk_delay_s", chunk_delay_s)
+        per = body.get("events_per_write", 1)
+        if (
+            type(n) is not int
+            or n < 0
+            or type(per) is not int
+            or per < 1
+            or not isinstance(pause, (int, float))
+            or not pause >= 0
+        ):
+            return web.Response(
+                status=400,
+                body=b'{"error":{"message":"chunks: an integer >= 0; events_per_write: an '
+                b'integer >= 1; chunk_delay_s: a number >= 0"}}',
+                content_type="application/json",
+            )
         sr = web.StreamResponse(headers={"Content-Type": "text/event-stream", **hdrs})
         await sr.prepare(request)
-        if chunk_delay_s == 0 and not is_chat:
+        if n == chunks and pause == 0 and per == 1 and not is_chat:
             await sr.write(sse_comp)
         else:
             one = b"data: " + json.dumps(chat_chunk if is_chat else chunk_body).encode() + b"\n\n"
-            for _ in range(chunks):
-                await sr.write(one)
-                if chunk_delay_s:
-                    await asyncio.sleep(chunk_delay_s)
-            await sr.write(b"data: [DONE]\n\n")
+            batch = one * per
+            for _ in range(n // per):
+                await sr.write(batch)
+                if pause:
+                    await asyncio.sleep(pause)
+            await sr.write(one * (n % per) + b"data: [DONE]\n\n")
         await sr.write_eof()
         return sr
 

@@ -69,7 +69,7 @@ from protocol.bus_wire import (
     parse_load,
     parse_router,
 )
-from protocol.errors import Conflict, Overloaded
+from protocol.errors import Conflict, Overloaded, RequestError
 from protocol.events import STATUS_OK
 from protocol.extras import require
 from protocol.identifiers import MAX_NAME_CHARS
@@ -115,6 +115,7 @@ class BusReplica:
         policy=lambda: None,
         agent_token: bytes = b"",
         tenancy=lambda: None,
+        url_check=None,
     ) -> None:
         # the agent credential signs and checks every message (protocol.bus_wire.BusKey)
         check_exposure(cfg.url, agent_token, "bus.url")
@@ -130,6 +131,9 @@ class BusReplica:
         self.policy = policy
         #: the router's router.tenancy.Tenancy (None: no limits shared)
         self.tenancy = tenancy
+        #: ``await url_check(worker_id, url)`` raises a ``RequestError`` for a worker URL
+        #: that may not be registered (router.registration); None: not checked
+        self.url_check = url_check
         self._hot = None  # the HotRoots we listen to
         self._repl: list[tuple[str, int, int, str]] = []
         self.replica = cfg.replica_id or default_replica_id()
@@ -216,6 +220,11 @@ class BusReplica:
         await self.conn.aclose()
 
     # ---------------------------------------------------------------- readiness
+
+    def configure(self, block_bytes: int) -> None:
+        """Takes a reloaded ``keys.block_bytes``: agents' hints in another size are
+        ignored from now on."""
+        self.block_bytes = block_bytes
 
     def _check_caught_up(self) -> bool:
         """Whether the stream is applied and the peers' counts are heard now."""
@@ -350,7 +359,10 @@ class BusReplica:
         try:
             self.key.verify(msg.subject, msg.data, msg.headers, stored)
             token = msg.subject.rsplit(".", 1)[-1]
-            self._apply_agent(parse_agent(msg.data, token), now)
+            m = parse_agent(msg.data, token)
+            if m.register and self.url_check is not None:
+                await self._check_url(m)
+            self._apply_agent(m, now)
         except BadMessage as exc:
             self.bad.report(exc.cause, "ignored a message on %s: %s", msg.subject, exc)
         except Exception:  # noqa: BLE001 - a peer's message must never stop the consumer
@@ -377,6 +389,23 @@ class BusReplica:
             self.pool.report_load(w, b.load, self.clock())
             self.metrics.received.labels("load").inc()
 
+    async def _check_url(self, m) -> None:
+        """``BadMessage`` for a registration whose URL may not be registered (what
+        ``POST /register`` refuses: the router itself, a host outside
+        ``registration.allow``); the guard counts and logs it."""
+        b = m.batch
+        try:
+            url = parse_worker_url(b.url, "url")
+        except ConfigError as exc:
+            raise BadMessage("bad_register", str(exc)) from None
+        w = self.pool.get(b.worker_id)
+        if w is not None and w.url == url:
+            return  # registered at this URL already
+        try:
+            await self.url_check(b.worker_id, url)
+        except RequestError as exc:
+            raise BadMessage(exc.code, exc.message) from None
+
     def _apply_agent(self, m, now: float) -> None:
         b = m.batch
         if m.register:
@@ -402,8 +431,7 @@ class BusReplica:
                     raise BadMessage(exc.code, str(exc)) from None
             else:
                 # a periodic snapshot is no proof of health: health checks decide that
-                w.models, w.block_bytes = m.models, m.block_bytes
-                w.scheduling_policy = m.scheduling_policy
+                w.announce(m.models, m.block_bytes, m.scheduling_policy)
         code, word = self.feedback.apply(b, now)
         self.metrics.received.labels("agent").inc()
         if word != STATUS_OK:

@@ -29,7 +29,19 @@ disabled       ranks listed, none with ``publisher: zmq`` and   approximate mode
                ``enable_kv_cache_events``
 malformed      not a JSON object of rank -> config with an      approximate mode
                endpoint the router can use
+not_allowed    an endpoint off the worker's host or not tcp://  approximate mode
+               (``sources_problem``, asked by the link)
 =============  ==============================================  =====================
+
+The endpoints come from the worker, so they must not aim the router anywhere
+else (``endpoint_problem``): every endpoint and replay endpoint is ``tcp://``, on
+the worker's own host — a wildcard (the engine binds it; the router connects to the
+worker's host) or the worker URL's host itself — or at an address inside
+``registration.allow``. An ``ipc://`` or ``inproc://`` one names a socket on the
+router's own host, and a concrete address elsewhere is one the router would
+connect to (a replay endpoint) or bind (a publisher that connects): one worker once
+had the router dialling an arbitrary TCP address and a unix socket 8.5 times a
+second. Such an answer is ``not_allowed``: one log line, the approximate mode.
 
 Only this module knows the answer's shape; no I/O beyond the one GET.
 """
@@ -38,11 +50,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 from dataclasses import dataclass
 
 import aiohttp
 
 from protocol.errors import MalformedRequest
+from protocol.identifiers import ip_of
 from service import jsonbody
 
 PATH = "/kv_event_sources"
@@ -61,6 +75,7 @@ class SourcesCause(str, enum.Enum):
     EMPTY = "empty"
     DISABLED = "disabled"
     MALFORMED = "malformed"
+    NOT_ALLOWED = "not_allowed"  # an endpoint off the worker's host, or not tcp://
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +156,53 @@ def parse_event_sources(status: int, body: bytes) -> tuple[EventSource, ...] | S
             "ranks are not 0..N-1, each publishing: " + ", ".join(str(s.rank) for s in out[:8]),
         )
     return tuple(out)
+
+
+#: the hosts of a tcp:// endpoint the engine binds on every interface
+_WILDCARDS = ("*", "[*]", "[::]", "::")
+
+
+def endpoint_problem(
+    endpoint: str, worker_host: str | None, allowed: tuple[ipaddress._BaseNetwork, ...] = ()
+) -> str | None:
+    """Why the router must not attach to ``endpoint``, named by the server at
+    ``worker_host`` (its URL's host), or None (module docstring): ``tcp://`` with a
+    wildcard host, the worker's own host, or an address inside ``allowed``."""
+    ep = endpoint.strip()
+    if not ep.startswith("tcp://"):
+        return (
+            f"endpoint {ep[:60]!r} is not tcp:// (an ipc:// or inproc:// socket would be "
+            "one on the router's own host)"
+        )
+    host, sep, port = ep[len("tcp://") :].rpartition(":")
+    if not sep or not port.isdigit():
+        return f"endpoint {ep[:60]!r} is not tcp://HOST:PORT"
+    if host in _WILDCARDS:
+        return None
+    a = ip_of(host)
+    w = ip_of(worker_host or "")
+    if a is not None and w is not None and a == w:
+        return None
+    if a is None and worker_host and host.lower() == worker_host.lower():
+        return None
+    if a is not None and any(a.version == n.version and a in n for n in allowed):
+        return None
+    return f"endpoint {ep[:60]!r} is not on the worker's host {worker_host} (nor inside registration.allow)"
+
+
+def sources_problem(
+    sources: tuple[EventSource, ...], worker_host: str | None, allowed: tuple = ()
+) -> SourcesProblem | None:
+    """The first endpoint of ``sources`` the router must not attach to, as a
+    ``not_allowed`` problem, or None (``endpoint_problem``)."""
+    for s in sources:
+        for ep in (s.endpoint, s.replay_endpoint):
+            if ep is None:
+                continue
+            problem = endpoint_problem(ep, worker_host, allowed)
+            if problem:
+                return SourcesProblem(SourcesCause.NOT_ALLOWED, f"rank {s.rank}: {problem}")
+    return None
 
 
 async def fetch_event_sources(

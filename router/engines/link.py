@@ -8,7 +8,8 @@ worker's engine. Per worker::
                 block size is known (config, /metrics' cache_config_info, or events)
     events      where its KV events come from: the worker's configured ``events:``, or
                 else, for vLLM, the server's own ``GET /kv_event_sources``
-                (router.engines.event_sources); one subscriber per data-parallel rank
+                (router.engines.event_sources; only tcp:// on the worker's own
+                host); one subscriber per data-parallel rank
     ranks       a vLLM server with data parallelism (N >= 2 event sources) has N
                 prefix caches: each rank's entries are held in the index under the
                 *part* holder ``"<worker>#<rank>"`` (``holder``), the policy sees the
@@ -62,6 +63,7 @@ from router.engines.event_sources import (
     SourcesCause,
     SourcesProblem,
     fetch_event_sources,
+    sources_problem,
 )
 from router.engines.keyspace import ByteSpace, TokenSpace
 from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
@@ -106,6 +108,8 @@ class LinkHost(Protocol):
 
     @property
     def learn_capacity(self) -> bool: ...  # index.learn_capacity
+    @property
+    def events_allowed(self) -> tuple: ...  # registration.allow's networks (event_sources)
     def resolve(self, spec: WorkerSpec, served: tuple[str, ...]) -> WorkerSpec: ...
     async def load_keyer(self, source: str, worker: str, chat_template: str = "") -> Any: ...
     def new_scraper(self, link: EngineLink) -> Any: ...
@@ -522,6 +526,9 @@ class EngineLink:
             found = await self._ask_sources()
             if found is None:
                 return  # closed meanwhile
+            if not isinstance(found, SourcesProblem):
+                # the worker names these: only its own host (or registration.allow)
+                found = sources_problem(found, _host(self.worker.url), self.engines.events_allowed) or found
             if isinstance(found, SourcesProblem):
                 self._set_ranks(0)
                 self._no_events(found.cause.value, found.detail)

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies.base import EMPTY_MATCH, MatchResult, RouteRequest, WorkerView
 from protocol.prefix_keys import Endpoint, PrefixKey
-from router.config import Config, WorkerSpec, resolve_engine
+from router.config import Config, WorkerSpec, allow_networks, resolve_engine
 from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.kinds import WorkerKind
 from router.engines.link import EngineLink, LinkState
@@ -132,6 +132,7 @@ class EnginePrometheus:
             "Times a worker's KV events could not "
             "be followed and it was left in the approximate mode, per cause: missing (no "
             "/kv_event_sources: vLLM before 0.32), empty, disabled, malformed (its answer), "
+            "not_allowed (an endpoint it names off its own host, or not tcp://), "
             "no_tokenizer, address_in_use, endpoint_refused (the subscriber's socket), "
             "rank_rejected (the engine refused a data-parallel rank; asked again), "
             "missing_extra (pip install 'radixfleet[engines]')",
@@ -327,7 +328,7 @@ class Engines:
         if not self._started or self._closed or w.id in self.links:
             return
         link = self.links[w.id] = EngineLink(w, self._spec_of(w), self)
-        w.engine = link
+        w.attach(link)
         self.spaces_changed()
         asyncio.get_running_loop().create_task(link.start())
 
@@ -371,6 +372,12 @@ class Engines:
     @property
     def learn_capacity(self) -> bool:
         return self.cfg.index.learn_capacity
+
+    @property
+    def events_allowed(self) -> tuple:
+        """Where a vLLM's ``/kv_event_sources`` may point besides the worker's own host:
+        ``registration.allow``'s networks (router.engines.event_sources)."""
+        return allow_networks(self.cfg.registration.allow)[0]
 
     async def load_keyer(self, source: str, worker: str, chat_template: str = ""):
         """The shared tokenizer of ``source`` (with ``chat_template``, vLLM's

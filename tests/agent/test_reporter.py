@@ -8,7 +8,7 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
-from protocol.events import Snapshot, Stored
+from protocol.events import Cleared, Snapshot, Stored
 from protocol.prefix_keys import Endpoint, request_key
 from tests.agent.fakes import FakeRouter
 from tests.procs import free_port
@@ -142,18 +142,60 @@ async def test_every_router_replica_gets_the_same_truth():
         await f2.stop()
 
 
+async def _settle(fake, reporter) -> int:
+    """Batches so far, once the link streams and waits out a 30 s interval."""
+    await until(lambda: fake.batches)
+    await asyncio.sleep(0.15)  # let the link settle into its interval wait
+    reporter.interval_s = 30.0  # from the next wait on, the interval never triggers a send
+    await asyncio.sleep(0.15)
+    return len(fake.batches)
+
+
 async def test_a_full_batch_goes_out_before_the_interval(setup):
     fake, app, client, _ = setup
     reporter = app[REPORTER_KEY]
-    await until(lambda: fake.batches)
-    await asyncio.sleep(0.15)  # let the link settle into its interval wait
-    reporter.interval_s = 30.0  # from the next wait on, only a full batch triggers a send
+    n = await _settle(fake, reporter)
     reporter.max_batch_events = 1
-    await asyncio.sleep(0.15)
+    # a long answer: the prompt's Stored (at prefill) fills the batch before the answer ends
+    long = body("trigger a stored event " * 10, n=400)
+    answer = asyncio.create_task(client.post("/v1/completions", json=long))
+    try:
+        await until(lambda: len(fake.batches) > n, timeout=1.0)
+        assert not answer.done()
+        assert any(isinstance(e, Stored) for b in fake.batches[n:] for e in b.events)
+    finally:
+        await answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_ends_after_the_router_has_its_events(setup, stream):
+    """A conversation's next turn, sent the moment the answer is in, is picked against
+    an index that holds the prompt and the answer (Reporter.flush)."""
+    fake, app, client, _ = setup
+    agent = app[AGENT_KEY]
+    n = await _settle(fake, app[REPORTER_KEY])
+    text = "a prompt of whole blocks " * 16  # 400 bytes: a multiple of 4
+    async with client.post("/v1/completions", json={**body(text, n=64), "stream": stream}) as r:
+        assert r.status == 200
+        await r.read()
+        held = dict(fake.held["w0"])  # what the router holds as the answer ends
+    assert len(fake.batches) > n
+    truth = dict(agent.cache.snapshot_blocks())
+    assert held == truth
+    key = request_key(Endpoint.COMPLETIONS, body(text))
+    assert len(truth) > len(key.hashes)  # the answer's blocks too, not only the prompt's
+
+
+async def test_removed_blocks_go_out_within_a_poll(setup):
+    fake, app, client, _ = setup
+    await _settle(fake, app[REPORTER_KEY])
+    await client.post("/v1/completions", json=body("a prompt to flush " * 20))
     n = len(fake.batches)
-    await client.post("/v1/completions", json=body("trigger a stored event " * 10))
-    await until(lambda: len(fake.batches) > n, timeout=3.0)
-    assert any(isinstance(e, Stored) for b in fake.batches[n:] for e in b.events)
+    r = await client.post("/flush_cache")
+    assert r.status == 200
+    await until(lambda: len(fake.batches) > n, timeout=1.0)
+    assert any(isinstance(e, Cleared) for b in fake.batches[n:] for e in b.events)
+    assert fake.held["w0"] == {}
 
 
 async def test_an_agent_registers_its_role(monkeypatch):

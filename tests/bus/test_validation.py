@@ -335,6 +335,37 @@ def test_a_replica_drops_unsigned_and_forged_registrations():
     assert w is not None and w.source is Source.AGENT  # the agent credential: accepted
 
 
+def test_a_bus_registration_takes_the_agent_apis_url_rule():
+    """A signed registration naming the router's own listener, or (``registration.allow``
+    set) a host outside it, is dropped as POST /register refuses it."""
+    r = Router(
+        parse_config({"bus": {"url": "nats://127.0.0.1:4222"}, "registration": {"allow": ["127.0.0.0/8"]}})
+    )
+    b = BusReplica(
+        r.cfg.bus,
+        pool=r.pool,
+        index=r.index,
+        feedback=r.feedback,
+        block_bytes=r.cfg.keys.block_bytes,
+        registry=r.metrics.registry,
+        agent_token=TOKEN,
+        url_check=r._check_worker_url,
+    )
+    r.registration.listening([("127.0.0.1", 8000)])
+    for wid, url, why in (
+        ("busself", "http://127.0.0.1:8000", "worker_url_is_router"),
+        ("busfar", "http://10.0.0.9:1", "worker_host_not_allowed"),
+    ):
+        subject = b.subjects.agent(wid)
+        data = agent_msg({**SNAPSHOT, "worker_id": wid, "url": url}, {"models": ["m"], "block_bytes": 128})
+        asyncio.run(b._on_agent(msg(subject, data, b.key.sign(subject, data))))
+        assert r.pool.get(wid) is None and bad(r, why) == 1
+    subject = b.subjects.agent("busok")
+    data = agent_msg({**SNAPSHOT, "worker_id": "busok", "url": "http://127.0.0.1:9"}, {"models": ["m"]})
+    asyncio.run(b._on_agent(msg(subject, data, b.key.sign(subject, data))))
+    assert r.pool.get("busok") is not None
+
+
 def test_bus_credentials_check_statically_and_read_secrets_at_start(tmp_path, monkeypatch):
     where = lambda f: f"bus.auth.{f}"  # noqa: E731
     pw = tmp_path / "pw"

@@ -4,7 +4,9 @@ A client on loopback tries to exhaust what the router holds for it before its re
 is admitted: admission slots (a body trickled after a hand-over to aiohttp), memory
 (bodies one byte short, a pipeline whose every read ends mid-request), CPU (large
 bodies without credentials), descriptors (idle connections past the open-file
-limit), and the head bound (large pipelined requests). Each probe asserts the answer
+limit), and the head bound (large pipelined requests); and after: slots, memory and
+a healthy worker's breaker (clients that never read their stream, streams cut at the
+total deadline). Each probe asserts the answer
 the attacker gets, that legitimate requests keep working (TTFT p50 within twice the
 unloaded one where the attack competes for the router), that RSS and open
 descriptors stay bounded and settle, and that the router answers nothing >= 500 and
@@ -19,6 +21,7 @@ import contextlib
 import json
 import re
 import resource
+import socket
 import statistics
 import time
 
@@ -44,20 +47,29 @@ def upstream():
         yield f"http://127.0.0.1:{port}"
 
 
-def _config(upstream: str, limits: dict) -> str:
-    """A router on one upstream, tenants by API key (``KEY``), with ``limits``."""
+def _config(upstream: str, limits: dict, timeouts: dict | None = None) -> str:
+    """A router on one upstream, tenants by API key (``KEY``), with ``limits`` (and
+    ``timeouts``)."""
     lim = ", ".join(f"{k}: {v}" for k, v in limits.items())
+    tmo = ", ".join(f"{k}: {v}" for k, v in (timeouts or {}).items())
     return (
         "listen: {host: 127.0.0.1, port: {port}}\n"
         f"workers: [{{url: {upstream}, id: up}}]\n"
         f"keys: {{tenant: {{source: api_key, api_keys: [{{tenant: a, key: {KEY}}}]}}}}\n"
         f"limits: {{{lim}}}\n"
-        "warmup: {enabled: false}\nreload: {watch: false}\n"
+        + (f"timeouts: {{{tmo}}}\n" if tmo else "")
+        + "warmup: {enabled: false}\nreload: {watch: false}\n"
     )
 
 
-def _completion(n_prompt: int = 16, *, stream: bool = False, key: bool = True, close: bool = False) -> bytes:
-    body = json.dumps({"model": "tiny", "prompt": "p" * n_prompt, "max_tokens": 2, "stream": stream}).encode()
+def _completion(
+    n_prompt: int = 16, *, stream: bool = False, key: bool = True, close: bool = False, **fields
+) -> bytes:
+    """A completion request; ``fields`` go into its body (the upstream's ``chunks``,
+    ``chunk_delay_s``: radixfleet.bench.proxy)."""
+    body = json.dumps(
+        {"model": "tiny", "prompt": "p" * n_prompt, "max_tokens": 2, "stream": stream, **fields}
+    ).encode()
     return (
         b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
         + (AUTH.encode() if key else b"")
@@ -539,3 +551,117 @@ def test_a_cancel_storm_is_counted_not_logged_as_errors():
         out = r.output()
         assert "handler failed" not in out and "ERROR" not in out, out[-3000:]
         assert _metric(r, "radixfleet_client_disconnects_total") == n
+
+
+def _never_reads(port: int) -> socket.socket:
+    """A client with a 4 KiB receive buffer that asks for an endless stream and never
+    reads a byte of it."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(_completion(stream=True, chunks=10**9, events_per_write=64))
+    return s
+
+
+def test_clients_that_never_read_are_dropped_and_free_their_slots(upstream):
+    """32 clients ask for an endless stream and never read it, holding every slot: each
+    is dropped once it took nothing for timeouts.client_idle_s (logged, counted), its
+    slot and upstream request freed, so legitimate requests queued behind them are
+    served; the router holds a bounded buffer per stalled stream, and the worker's
+    breaker stays closed."""
+    n = 32
+    limits = {"max_concurrency": n, "max_queue": 64, "queue_timeout_s": 10.0}
+    timeouts = {"total_s": 120, "first_byte_s": 5, "client_idle_s": 1.0}
+    with RouterProcess(_config(upstream, limits, timeouts)) as r:
+
+        async def probe():
+            base_ttft = await _ttft_p50(r.port, 12)
+            base = r.resources()
+            async with _Peak(r) as peak:
+                readers = [_never_reads(r.port) for _ in range(n)]
+                try:
+                    await asyncio.sleep(0.5)  # every slot held, every buffer full
+                    t0 = time.monotonic()
+                    queued = await asyncio.gather(*(_ttft(r.port) for _ in range(8)))
+                    waited = time.monotonic() - t0
+                    during = await _ttft_p50(r.port, 12)
+                    t_end = time.monotonic() + 10.0  # every one dropped, none closed by us
+                    while _metric(r, "radixfleet_slow_clients_dropped_total") < n:
+                        assert time.monotonic() < t_end, "not every client that never reads was dropped"
+                        await asyncio.sleep(0.1)
+                finally:
+                    for s in readers:
+                        s.close()
+            return base_ttft, base, peak, queued, waited, during
+
+        base_ttft, base, peak, queued, waited, during = asyncio.run(probe())
+        assert len(queued) == 8 and waited < 6.0, f"queued requests served after {waited:.1f}s"
+        _assert_ttft(during, base_ttft)
+        assert _metric(r, "radixfleet_slow_clients_dropped_total") == n
+        assert _metric(r, "radixfleet_in_flight") == 0  # every upstream request released
+        assert _metric(r, "radixfleet_worker_breaker_state") == 0
+        # the stalled streams' buffers: 64 KiB toward the client, the relay's pause
+        # mark toward the worker, and one read of each (before: ~3.8 MB each)
+        assert peak.rss <= base.rss_bytes + n * 640 * 1024, (
+            f"peak RSS {peak.rss >> 20} MiB, baseline {base.rss_bytes >> 20} MiB"
+        )
+        assert "took none of its answer for 1s (timeouts.client_idle_s): dropped" in r.output()
+        _finish(r, base)
+
+
+def test_the_total_deadline_binds_while_the_router_waits_for_a_client(upstream):
+    """A client that never reads holds the only slot: it is dropped at its request's
+    total deadline although client_idle_s is longer, and the request queued behind it
+    is served."""
+    limits = {"max_concurrency": 1, "max_queue": 4, "queue_timeout_s": 10.0}
+    with RouterProcess(_config(upstream, limits, {"total_s": 2.0, "client_idle_s": 60})) as r:
+        base = r.resources()
+
+        async def probe() -> float:
+            s = _never_reads(r.port)
+            try:
+                await asyncio.sleep(0.3)
+                t0 = time.monotonic()
+                await _ttft(r.port)
+                return time.monotonic() - t0
+            finally:
+                s.close()
+
+        waited = asyncio.run(probe())
+        assert waited < 5.0, waited
+        assert _metric(r, "radixfleet_slow_clients_dropped_total") == 1
+        assert "at its request's total deadline (timeouts.total_s): dropped" in r.output()
+        _finish(r, base)
+
+
+def test_streams_cut_at_the_total_deadline_leave_a_healthy_workers_breaker_closed(upstream):
+    """A worker streaming slowly (~10 KB/s) without end: four streams read to their end
+    are cut at timeouts.total_s, each ending with a well-formed error event, and the
+    worker's breaker stays closed (three cuts would open it were they counted): the
+    next request is served."""
+    limits = {"max_concurrency": 8}
+    with RouterProcess(_config(upstream, limits, {"total_s": 1.0, "first_byte_s": 5})) as r:
+        base = r.resources()
+
+        async def reader() -> _Responses:
+            rd, wr = await asyncio.open_connection("127.0.0.1", r.port)
+            try:
+                wr.write(_completion(stream=True, close=True, chunks=10**9, chunk_delay_s=0.013))
+                return await _read_responses(rd, 1, 10.0)
+            finally:
+                wr.close()
+
+        async def probe():
+            cut = await asyncio.gather(*(reader() for _ in range(4)))
+            return cut, await _ttft(r.port)
+
+        cut, _ = asyncio.run(probe())
+        for out in cut:
+            assert out.statuses == [200]
+            body = out.bodies[0]
+            assert body.count(b"data: ") > 10 and body.endswith(b"data: [DONE]\n\n"), body[-300:]
+            assert b'"upstream_failed"' in body
+        assert _metric(r, "radixfleet_worker_breaker_state") == 0
+        assert "breaker open" not in r.output()
+        r.assert_settles(base)
+        r.assert_no_tracebacks()

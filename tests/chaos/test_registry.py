@@ -1,9 +1,10 @@
 """Chaos probes of how workers join and are trusted, against a live router process:
 registrations that try to take a configured worker's id, floods of fake workers,
-huge event batches, worker URLs that point where they must not, and agents that
-hang up mid-request. Each asserts the router's answer, that legitimate traffic is
-served throughout, that its memory and descriptors settle and that it logged no
-traceback."""
+huge event batches, worker URLs that point where they must not (the router itself
+included), a live worker's registration flapped through new epochs, absurd load
+reports, and agents that hang up mid-request. Each asserts the router's answer,
+that legitimate traffic is served throughout, that its memory and descriptors
+settle and that it logged no traceback."""
 
 from __future__ import annotations
 
@@ -56,10 +57,13 @@ def wait_routable(base: str, n: int, timeout_s: float = 15.0) -> None:
     raise TimeoutError(f"{n} routable workers not reached")
 
 
-def metric(base: str, name: str) -> float:
+def metric(base: str, name: str, labels: str = "") -> float:
+    """The sum of ``name``'s series (those whose labels contain ``labels``, if given)."""
     text = httpx.get(base + "/metrics", timeout=5).text
     return sum(
-        float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        float(m.group(2))
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+        if labels in (m.group(1) or "")
     )
 
 
@@ -252,4 +256,103 @@ def test_agents_hanging_up_mid_request_are_one_counted_line_each(upstream):
         r.assert_settles(base)
         out = r.output()
     assert out.count("hung up before its request was read") == 40, out[-3000:]
+    r.assert_no_tracebacks()
+
+
+def test_a_registration_that_leads_to_the_router_itself_is_refused(upstream):
+    """Finding: without an agent token, ``register {url: <the router's own URL>,
+    models: [m2]}`` was accepted and the entry turned healthy; one request for m2
+    then recursed router -> router 1,024 hops deep, open descriptors went 19 ->
+    2,068 and other models' requests waited 27-29 s. Every spelling of the router's
+    own address is now 400 worker_url_is_router (counted, logged); without the token
+    a non-loopback worker is 403; a request for m2 is a prompt 404/503."""
+    with RouterProcess(argv=["--worker", f"url={upstream},id=real"]) as r:
+        wait_routable(r.base, 1)
+        base = r.resources()
+        selves = (
+            r.base,
+            f"http://localhost:{r.port}",
+            f"http://0x7f.1:{r.port}/",
+            f"http://[::ffff:127.0.0.1]:{r.port}",
+        )
+        with httpx.Client(timeout=5) as c:
+            for url in selves:
+                g = c.post(
+                    r.base + REGISTER, json={"worker_id": "loop", "url": url, "epoch": "e", "models": ["m2"]}
+                )
+                assert g.status_code == 400, (url, g.text)
+                body = g.json()
+                assert body["status"] == "worker_url_is_router" and body["error"]["param"] == "url", body
+                assert "leads to this router itself" in body["error"]["message"], body
+            far = c.post(
+                r.base + REGISTER,
+                json={"worker_id": "far", "url": "http://192.0.2.77:9000", "epoch": "e", "models": ["m2"]},
+            )
+            assert far.status_code == 403 and far.json()["status"] == "worker_host_not_allowed", far.text
+            t0 = time.monotonic()
+            for _ in range(8):
+                resp = c.post(
+                    r.base + "/v1/completions", json={"model": "m2", "prompt": "x", "max_tokens": 1}
+                )
+                assert resp.status_code in (404, 503), resp.text
+            assert time.monotonic() - t0 < 5
+            listed = c.get(r.base + "/admin/workers").json()["workers"]
+        assert [w["id"] for w in listed] == ["real"], listed
+        assert served(r.base, 5) == [200] * 5
+        refused = "radixfleet_registrations_refused_total"
+        assert metric(r.base, refused, 'reason="worker_url_is_router"') == len(selves)
+        assert metric(r.base, refused, 'reason="worker_host_not_allowed"') == 1
+        r.assert_settles(base)
+        out = r.stop()
+    assert "refused registration: loop at http://127.0.0.1:" in out, out[-3000:]
+    assert "refused registration: far at http://192.0.2.77:9000" in out, out[-3000:]
+    r.assert_no_tracebacks()
+
+
+def test_flapping_a_live_workers_registration_is_bounded_logged_and_counted(upstream):
+    """Finding: a holder of the agent token re-registered a live worker's id and URL
+    with a new epoch 143 times in 15 s, every one 200 (each one drops the worker's
+    index entries), with no log line, and absurd load reports were accepted. Now
+    the URL's new epochs stop at registration.epochs_per_min (429 epoch_churn with
+    Retry-After, counted; accepted ones one log line each, refusals throttled), and
+    a report using more KV than its own capacity is 400 naming the field."""
+    auth = {"Authorization": "Bearer agent-secret"}
+    with RouterProcess(
+        argv=["--worker", f"url={upstream},id=w"], env={"RADIXFLEET_AGENT_TOKEN": "agent-secret"}
+    ) as r:
+        wait_routable(r.base, 1)
+        codes, statuses, retry_after = [], set(), set()
+        t0 = time.monotonic()
+        with httpx.Client(timeout=5, headers=auth) as c:
+            for i in range(143):
+                g = c.post(
+                    r.base + REGISTER,
+                    json={"worker_id": "w", "url": upstream, "epoch": f"e{i}", "models": ["m"]},
+                )
+                codes.append(g.status_code)
+                if g.status_code == 429:
+                    statuses.add(g.json()["status"])
+                    retry_after.add(g.headers.get("Retry-After", ""))
+            took = time.monotonic() - t0
+            # the default 10 a minute, plus what refilled meanwhile (one every 6 s)
+            ok = codes.count(200)
+            assert codes[:10] == [200] * 10 and ok <= 10 + took / 6 + 1, (codes, took)
+            assert set(codes) == {200, 429} and statuses == {"epoch_churn"}, (codes, statuses)
+            assert "" not in retry_after, retry_after
+            bad = EventBatch("w", upstream, f"e{ok - 1}", 0, []).to_json()
+            bad["load"] = {"kv_used_tokens": 10**9, "kv_capacity_tokens": 1000}
+            ev = c.post(r.base + EVENTS, json=bad)
+            assert ev.status_code == 400 and "'load.kv_used_tokens'" in ev.json()["error"]["message"], ev.text
+            bad["load"] = {"queued_tokens": 10, "queued_prefill_tokens": 10**6}
+            ev = c.post(r.base + EVENTS, json=bad)
+            assert ev.status_code == 400 and "'load.queued_prefill_tokens'" in ev.text, ev.text
+        assert metric(
+            r.base, "radixfleet_registrations_refused_total", 'reason="epoch_churn"'
+        ) == codes.count(429)
+        assert served(r.base, 5) == [200] * 5
+        out = r.stop()
+    # the configured entry's first registration is its first epoch: no "new epoch" yet
+    assert out.count("worker w (" + upstream + ") registered a new epoch") == ok - 1, out[-3000:]
+    refusals = out.count("refused registration of w (")
+    assert 1 <= refusals <= took + 2, (refusals, took)
     r.assert_no_tracebacks()

@@ -6,14 +6,16 @@ settles back to its baseline memory and descriptors.
 Peers (``tests.engines.fake_dp_vllm.FakeDpVllm``, in a thread of this process):
 an answer of 3 MiB, one nested 100,000 deep, 5,000 ranks, a NaN endpoint, a server
 that lists two ranks but refuses rank 1 (a rank map it contradicts is dropped and
-not taken again), and a concrete endpoint the router must bind while another socket
-holds it ("Address already in use").
+not taken again), a concrete endpoint the router must bind while another socket
+holds it ("Address already in use"), and endpoints that point off the worker's
+host (a TCP address elsewhere, a unix socket on the router's host).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -165,3 +167,131 @@ def test_broken_event_sources_and_rank_answers_leave_every_worker_serving(tmp_pa
                     assert out.count(f"worker {w}: no KV events to follow") == 1, w
     finally:
         squatter.close(0)
+
+
+class Accepts:
+    """A listening socket (TCP or unix) in a thread that counts the connections it
+    accepts and closes each at once."""
+
+    def __init__(self, family: int, addr) -> None:
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind(addr)
+        self.sock.listen(64)
+        self.sock.settimeout(0.1)
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self.count += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def test_event_sources_cannot_aim_the_router_off_the_workers_host(tmp_path):
+    """Finding: a worker's ``/kv_event_sources`` aimed the router anywhere: it kept
+    connecting to an arbitrary TCP address and to a unix socket on its own host
+    named there, 8.5 connections a second. Now only tcp:// on the worker's own host
+    is followed: a replay endpoint elsewhere, an ipc:// endpoint and a concrete
+    endpoint elsewhere (which the router would bind) are each one log line and
+    not_allowed, nothing is dialled or bound, and every worker keeps serving."""
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    keyer = TokenKeyer.load(tok)
+    # 127.0.0.2 is this host but not the workers' address (127.0.0.1)
+    tcp = Accepts(socket.AF_INET, ("127.0.0.2", 0))
+    unix_path = str(tmp_path / "engine.sock")
+    unix = Accepts(socket.AF_UNIX, unix_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        bind_port = s.getsockname()[1]
+
+    def make():
+        f = {w: FakeDpVllm(keyer, ranks=1) for w in ("replay", "unix", "bind")}
+        rep = f["replay"]
+        rep.sources = (
+            200,
+            json.dumps({"0": _src(rep.ports[0], f"tcp://127.0.0.2:{tcp.sock.getsockname()[1]}")}),
+        )
+        f["unix"].sources = (200, json.dumps({"0": {**_src(0), "endpoint": f"ipc://{unix_path}"}}))
+        f["bind"].sources = (200, json.dumps({"0": {**_src(0), "endpoint": f"tcp://127.0.0.2:{bind_port}"}}))
+        return f
+
+    try:
+        with Peers(make) as peers:
+            workers = [
+                {
+                    "url": u,
+                    "id": w,
+                    "kind": "vllm",
+                    "tokenizer": tok,
+                    "block_size": 16,
+                    "metrics": {"path": ""},
+                }
+                for w, u in peers.urls.items()
+            ]
+            cfg = json.dumps(
+                {
+                    "listen": {"host": "127.0.0.1", "port": "{port}"},
+                    "health": {"interval_s": 0.2},
+                    "workers": workers,
+                    "limits": {"worker_queue_requests": 0},
+                    "response_headers": {"worker_id": True},
+                }
+            ).replace('"{port}"', "{port}")
+            with RouterProcess(cfg) as r:
+
+                def refused(text: str) -> bool:
+                    return all(
+                        f'radixfleet_engine_events_unavailable_total{{cause="not_allowed",worker="{w}"}}'
+                        in text
+                        for w in peers.urls
+                    )
+
+                end = time.monotonic() + 20
+                text = ""
+                while time.monotonic() < end and not refused(text) and not (tcp.count or unix.count):
+                    time.sleep(0.2)
+                    text = httpx.get(r.base + "/metrics", timeout=5).text
+                time.sleep(1.5)  # a router that dials them does so within this, several times
+                assert (tcp.count, unix.count) == (0, 0), (tcp.count, unix.count)
+                assert not _listening("127.0.0.2", bind_port), "the router bound an address a worker named"
+                assert refused(text), text[-3000:]
+                with httpx.Client(timeout=30) as c:
+                    seen = set()
+                    for i in range(12):
+                        resp = c.post(
+                            r.base + "/v1/completions",
+                            json={"model": MODEL, "prompt": prompt(500 + i, 40), "max_tokens": 1},
+                        )
+                        assert resp.status_code == 200, resp.text
+                        seen.add(resp.headers["x-radixfleet-worker"])
+                assert seen == set(peers.urls), seen
+                out = r.stop()
+                assert "Traceback" not in out, out[-4000:]
+                for w in peers.urls:
+                    lines = [
+                        ln
+                        for ln in out.splitlines()
+                        if f"worker {w}: no KV events to follow (not_allowed" in ln
+                    ]
+                    assert len(lines) == 1, (w, out[-3000:])
+                assert "not on the worker's host 127.0.0.1" in out and "is not tcp://" in out
+    finally:
+        tcp.close()
+        unix.close()

@@ -6,9 +6,12 @@ connection. Plus warm-ups and /metrics."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import socket
 import time
 import tracemalloc
+import weakref
 
 import httpx
 import pytest
@@ -20,6 +23,7 @@ from router import intake
 from router.app import Router, RouterServer
 from router.config import parse_config
 from router.front import FrontServer
+from router.slow_clients import ClientDropped, SlowClients
 from tests.procs import free_port
 from tests.router.front_fleet import (
     BODY,
@@ -426,6 +430,152 @@ async def test_a_chunked_body_is_held_once():
     assert out.startswith(b"HTTP/1.1 200"), out
     assert seen["len"] == size and seen["ok"]
     assert seen["peak"] - base < 1.5 * size, f"peak {(seen['peak'] - base) / size:.2f}x the body"
+
+
+def _never_reads(port: int, requests: bytes) -> socket.socket:
+    """A client with a 4 KiB receive buffer that sends ``requests`` and reads nothing."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(requests)
+    return s
+
+
+async def _until(cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "not within the deadline"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_reply_the_client_never_takes_holds_its_pipeline_then_is_dropped():
+    """A 16 MiB reply to a client that pipelined a second request and reads nothing:
+    the second is not served while the first is unsent (a buffer per reply, not per
+    request pipelined), and the connection is reset once the client took nothing for
+    client_idle_s, counted as ``idle``."""
+    served: list[float] = []
+    drops: list[str] = []
+
+    async def handler(ex) -> None:
+        await ex.body(1 << 20)
+        served.append(time.monotonic())
+        ex.reply(200, b"x" * (16 << 20), "application/octet-stream", [])
+
+    front = FrontServer(
+        {b"/v1/completions": handler},
+        None,
+        lambda: 1 << 20,
+        slow=SlowClients(lambda: 0.3, on_dropped=drops.append),
+    )
+    port = await front.start("127.0.0.1", 0)
+    s = _never_reads(port, post(b"/v1/completions", b"{}") * 2)
+    try:
+        t0 = time.monotonic()
+        await _until(lambda: drops, 5.0)
+        assert drops == ["idle"] and len(served) == 1
+        assert time.monotonic() - t0 >= 0.3
+        await _until(lambda: not front._conns, 2.0)
+        s.setblocking(False)
+        with pytest.raises(ConnectionResetError):  # what it had buffered, then the reset
+            while s.recv(1 << 20):
+                pass
+    finally:
+        s.close()
+        await front.aclose(1.0)
+
+
+class _Chunk(bytearray):
+    """A piece of a stream that a weak reference can follow."""
+
+
+async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
+    """A stream to a client that reads nothing, with client_idle_s longer than the
+    request's total deadline: the handler's write fails with ``ClientDropped`` at the
+    deadline, counted as ``deadline``, and no reference cycle keeps what it wrote (the
+    router's collector runs seldom: router.prefix_index); a client that reads gets the
+    same stream whole."""
+    ended: list = []
+    drops: list[str] = []
+    written: list[weakref.ref] = []
+
+    async def handler(ex) -> None:
+        await ex.body(1 << 20)
+        await ex.stream_start("text/event-stream", [])
+        t0 = time.monotonic()
+        try:
+            for _ in range(256):  # 16 MiB: more than any socket buffer holds
+                chunk = _Chunk(64 << 10)
+                written.append(weakref.ref(chunk))
+                await ex.stream_write(chunk)
+                del chunk
+            await ex.stream_end()
+            ended.append(("done", time.monotonic() - t0))
+        except ClientDropped:
+            ended.append(("dropped", time.monotonic() - t0))
+            raise
+
+    front = FrontServer(
+        {b"/v1/completions": handler},
+        None,
+        lambda: 1 << 20,
+        slow=SlowClients(lambda: 60.0, lambda: 0.5, drops.append),
+    )
+    port = await front.start("127.0.0.1", 0)
+    s = _never_reads(port, post(b"/v1/completions", b"{}"))
+    gc.disable()
+    try:
+        await _until(lambda: ended, 5.0)
+        assert ended[0][0] == "dropped" and 0.3 < ended[0][1] < 2.0, ended
+        assert drops == ["deadline"]
+        await _until(lambda: not front._conns, 2.0)
+        await asyncio.sleep(0.05)
+        assert [r for r in written if r() is not None] == [], "a cycle holds the dropped stream's writes"
+        gc.enable()
+        front.slow.total_s = lambda: 30.0
+        out = await raw(port, post(b"/v1/completions", b"{}"), until=b"0\r\n\r\n", read_s=20.0)
+        assert out.endswith(b"0\r\n\r\n") and ended[1][0] == "done", ended
+    finally:
+        gc.enable()
+        s.close()
+        await front.aclose(1.0)
+
+
+async def test_a_stream_on_a_handed_over_connection_is_dropped_too():
+    """GET /health, then a streamed completion the client never reads, on one
+    connection: the aiohttp side serves it (the connection was handed over) under the
+    same client_idle_s, so the client is dropped, counted, and its slot and upstream
+    request freed."""
+    up = web.AppRunner(upstream_app("u", model="m"), access_log=None)
+    await up.setup()
+    up_port = free_port()
+    await web.TCPSite(up, "127.0.0.1", up_port).start()
+    router = Router(
+        parse_config(
+            {
+                "workers": [{"url": f"http://127.0.0.1:{up_port}", "id": "u"}],
+                "health": HEALTH,
+                "timeouts": {"client_idle_s": 0.3},
+            }
+        )
+    )
+    server = RouterServer(router, port=free_port())
+    port = await server.start()
+    body = json.dumps(
+        {"model": "m", "prompt": "hi", "stream": True, "chunks": 10**9, "events_per_write": 64}
+    ).encode()
+    s = None
+    try:
+        await _until(lambda: router.pool.views(time.monotonic()), 5.0)
+        s = _never_reads(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"/v1/completions", body))
+        dropped = router.metrics.slow_clients_dropped.labels("idle")
+        await _until(lambda: dropped._value.get() == 1, 10.0)
+        await _until(lambda: router.dataplane.admission.active == 0, 2.0)
+        assert router.pool.get("u").in_flight == 0
+    finally:
+        if s is not None:
+            s.close()
+        await server.aclose()
+        await up.cleanup()
 
 
 async def test_a_chunked_body_read_by_aiohttp_is_held_once():

@@ -131,7 +131,7 @@ class Tenancy:
         self.refuse = refuse
         self.tickets: list[Ticket] = []
 
-    def admit(self, tenant, key, model, headers, prompt_tokens, body, now):
+    def admit(self, tenant, key, model, headers, prompt_tokens, body, now, endpoint):
         if self.refuse:
             raise RateLimited("over the limit", retry_after_s=2)
         self.tickets.append(Ticket())

@@ -24,12 +24,16 @@ from router.upstream import (
     Cancel,
     Cancelled,
     ConnectFailed,
+    DeadlinePassed,
     NoAnswer,
     Response,
     ResponseTooLarge,
     UpstreamBroken,
+    UpstreamError,
     UpstreamPool,
+    UpstreamTimeout,
     build_head,
+    finish_outcome,
 )
 from service.auth import BearerAuth, is_loopback
 from tests.procs import free_port
@@ -508,6 +512,51 @@ async def test_parser_first_byte_timeout():
     assert conn.closed
 
 
+async def _stream_failure(read_timeout: float, total_timeout: float, limit: float = float("inf")):
+    """How a streamed answer that sends one 21-byte event and then nothing fails,
+    read with ``readany`` as the relay reads it."""
+    loop = asyncio.get_running_loop()
+    conn = FakeConn()
+    r = Response(conn, loop, read_timeout, loop.time() + total_timeout, limit=limit)
+    conn.resp = r
+    event = b'data: {"text": "x"}\n\n'
+    r._feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(event), event))
+    await r.wait_head()
+    with pytest.raises(UpstreamError) as info:
+        while True:
+            await r.readany()
+    assert conn.closed
+    return info.value
+
+
+async def test_only_a_workers_own_failures_count_against_its_breaker():
+    """A stream silent past its read timeout (first_byte_s) is the worker's failure:
+    three in a row open its breaker. A stream cut by the router's own total deadline
+    (timeouts.total_s: a healthy worker streaming a long answer) or size limit is
+    not: three in a row leave it closed. (A client that leaves or is dropped is not
+    an upstream error at all: ok None, dataplane._relay.)"""
+    silent = await _stream_failure(0.02, 5.0)
+    deadline = await _stream_failure(5.0, 0.05)
+    too_large = await _stream_failure(5.0, 5.0, limit=20)
+    assert type(silent) is UpstreamTimeout and "no next bytes within 0.02s" in str(silent)
+    assert type(deadline) is DeadlinePassed and deadline.cause == "timeout"  # a 504 before a byte
+    assert type(too_large) is ResponseTooLarge
+    assert [finish_outcome(e) for e in (silent, deadline, too_large)] == [False, None, None]
+    assert finish_outcome(Cancelled("worker turned unhealthy")) is False
+    assert finish_outcome(UpstreamBroken("closed mid-response")) is False
+    pool, idx, clock = make_pool(breaker={"failure_threshold": 3, "open_s": 5.0})
+    a = pool.get("a")
+    for exc in (deadline, too_large, deadline, deadline):
+        pool.pick(a, 10)
+        pool.finish(a, 10, finish_outcome(exc))
+    assert a.breaker is Breaker.CLOSED and a.breaker_fails == 0
+    for _ in range(3):
+        pool.pick(a, 10)
+        pool.finish(a, 10, finish_outcome(silent))
+    assert a.breaker is Breaker.OPEN
+    pool.check()
+
+
 async def test_parser_refuses_a_body_over_its_limit():
     loop = asyncio.get_running_loop()
     conn = FakeConn()
@@ -547,13 +596,13 @@ async def test_a_slow_stream_consumer_pauses_the_worker_not_the_memory():
         writer.close()
 
     srv, port = await _serve(handle)
-    pool = UpstreamPool(body_limit=4 * STREAM_HIGH)
+    pool = UpstreamPool(body_limit=2 * STREAM_HIGH + (1 << 18))  # above what it may hold
     try:
         resp = await pool.request(
             "127.0.0.1", port, build_head("/x", "h", 0, b""), b"", read_timeout_s=5, total_timeout_s=20
         )
         got = len(await resp.readany())
-        peak = 0
+        peak = biggest = 0
         while True:
             await asyncio.sleep(0.02)  # a slow client
             peak = max(peak, resp._held)
@@ -561,10 +610,13 @@ async def test_a_slow_stream_consumer_pauses_the_worker_not_the_memory():
             if not chunk:
                 break
             got += len(chunk)
+            biggest = max(biggest, len(chunk))
         resp.release()
         assert got == size and sent.is_set()
-        # never more than the high-water mark plus one read was held: TCP pushed back
+        # never more than the high-water mark plus one read was held: TCP pushed back;
+        # and never more than the mark handed out at once (what a slow client's buffer gets)
         assert peak <= STREAM_HIGH + (1 << 18), peak
+        assert biggest == STREAM_HIGH, biggest
     finally:
         await pool.aclose()
         srv.close()

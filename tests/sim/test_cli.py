@@ -241,6 +241,13 @@ def test_simulate_runs_the_demos_fleet_and_load_by_default():
     d = parsed(demo.configure)
     plans, workload, _, _ = sim_main.build(parsed(sim_main.configure))
     assert workload.name == d.workload
+    # the demo's own options for it (loadtest.defaults), a user's -o first
+    assert workload.params.max_parallel == demo.defaults.WORKLOAD_OPTIONS["max_parallel"]
+    _, own, _, _ = sim_main.build(parsed(sim_main.configure, ["-o", "max_parallel=5"]))
+    assert own.params.max_parallel == 5
+    # a named --workload is that workload as its defaults are (the seeded results' runs)
+    _, named, _, _ = sim_main.build(parsed(sim_main.configure, ["--workload", "mixed"]))
+    assert named.params.max_parallel == type(named.params)().max_parallel
     assert [p.name for p in plans] == d.policies.split(",")
     for p in plans:
         assert p.cfg.workers == d.agents and p.cfg.engine.kv_tokens == d.kv_tokens
