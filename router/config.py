@@ -865,7 +865,7 @@ class GatewayConfig:
     failure_mode: Literal["fail_closed", "fail_open"] = _opt(
         "fail_closed",
         "when the picker cannot be reached: refuse the request (503), or let Envoy route it "
-        "itself (round robin over the workers; needs cluster endpoints)",
+        "itself (round robin over the workers; needs cluster endpoints and body_mode buffered)",
     )
     cluster: Literal["endpoints", "original_dst"] = _opt(
         "endpoints",
@@ -894,6 +894,12 @@ class GatewayConfig:
             raise ConfigError(
                 "failure_mode",
                 "fail_open needs cluster endpoints (an original_dst cluster has no host of its own)",
+            )
+        if self.failure_mode == "fail_open" and self.body_mode != "buffered":
+            raise ConfigError(
+                "failure_mode",
+                "fail_open needs body_mode buffered: in full duplex Envoy hands the body to the "
+                "picker as it comes and cannot send it on without it",
             )
 
 

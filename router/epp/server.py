@@ -5,7 +5,8 @@ The picker is the route core's second caller beside the data plane
 (``router.dataplane``); it carries no byte itself, Envoy does. Per stream::
 
     request_headers   :path names a data-plane endpoint (else 404; GET /v1/models
-                      goes to a routable worker, uncounted); BUFFERED: answered at
+                      goes to a routable worker, uncounted); the head's own checks
+                      (Router.admit_head: 401, a hop loop's 508); BUFFERED: answered at
                       once; FULL_DUPLEX_STREAMED: held until the body has ended
     request_body      gathered up to limits.max_body_bytes (413 past it, nothing
                       more held); at its end:
@@ -203,6 +204,12 @@ class _Stream:
                 return self._models()
             allowed = ", ".join(f"POST {p}" for p in _PATHS) + ", GET /v1/models"
             return [_error(NotFound(f"unknown path {path[:200]} (this gateway serves {allowed})"), self.rid)]
+        try:  # what the head alone decides, before a body byte is held (the router's rule)
+            self.picker.router.admit_head(h)
+        except RequestError as exc:
+            self.done = True
+            self.dp.metrics.rejected.labels(str(exc.status), exc.code).inc()
+            return [_error(exc, self.rid)]
         if req.request_headers.end_of_stream:  # no body at all: the 400 of an empty body
             return await self._decide(headers_phase=True)
         return [P.continue_headers(request=True)] if self.buffered else []
@@ -345,7 +352,11 @@ class _Stream:
         payload, self.strip = dp.engines.forward_body(
             w.engine, ctx.endpoint, ctx.body, ctx.raw, ctx.stream, ticket.rank if ticket is not None else None
         )
-        hdrs = [*dp.tenants.forward_headers(ctx.key.tenant).items(), (REQUEST_ID_HEADER, ctx.rid)]
+        hdrs = [
+            *dp.tenants.forward_headers(ctx.key.tenant).items(),
+            (REQUEST_ID_HEADER, ctx.rid),
+            *dp.hops.headers(self.headers).items(),  # a request that comes back is refused
+        ]
         if pick.rank is not None:
             hdrs.append(("x-data-parallel-rank", str(pick.rank)))
         body: bytes | None = None

@@ -390,3 +390,16 @@ async def test_a_disaggregated_fleet_is_501():
     assert r.immediate_response.status.code == 501
     await s.close()
     assert zero(p)
+
+
+def test_fail_open_needs_what_envoy_needs_to_send_the_request_on_alone():
+    from protocol.errors import ConfigError
+
+    for gw, why in (
+        ({"failure_mode": "fail_open"}, "body_mode buffered"),
+        ({"failure_mode": "fail_open", "body_mode": "buffered", "cluster": "original_dst"}, "cluster endpoints"),
+    ):
+        with pytest.raises(ConfigError) as got:
+            parse_config({"gateway": gw})
+        assert str(got.value).startswith("gateway.failure_mode: fail_open needs " + why), got.value
+    assert parse_config({"gateway": {"failure_mode": "fail_open", "body_mode": "buffered"}}).gateway.failure_mode
