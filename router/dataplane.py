@@ -612,10 +612,7 @@ class DataPlane:
     async def _serve(self, ex, endpoint: Endpoint, trace: RequestTrace | None) -> None:
         t0 = time.monotonic()
         headers = ex.headers
-        rid = (
-            request_id(headers.get(REQUEST_ID_HEADER))  # the client's, if short and plain
-            or f"{self._rid_prefix}-{next(self._rid)}"
-        )
+        rid = self.request_id(headers)
         adm = self.admission
         waited = not adm.try_enter()
         if waited:
@@ -629,52 +626,66 @@ class DataPlane:
                 trace.admitted(waited)
             try:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
-                screen.check_raw(self.pool, raw, time.monotonic())  # an unserved leading model: unparsed
-                body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
-                edge.check_request(body)  # the P/D legs and ranks are the router's
-                tenant, api_key = self.tenants.identify(headers)
-                screen.check_parsed(self.pool, endpoint, body, time.monotonic())  # unserved: not keyed
-                key = request_key(
-                    endpoint,
-                    body,
-                    tenant=self.tenants.namespace_of(tenant),
-                    block_bytes=self.cfg.keys.block_bytes,
-                )
-                stream = body.get("stream", False)
-                if stream is not True and stream is not False:
-                    raise MalformedRequest("'stream' must be a boolean", param="stream")
-                session = headers.get("x-session-id")
-                if session is None:
-                    user = body.get("user")
-                    session = user if isinstance(user, str) else None
-                salts = self.tenants.salts
-                if session is not None and self.bus is not None and salts is not None:
-                    # on a bus, every replica keys the session by one digest, which
-                    # its hints carry (protocol.bus_wire: never the client's id)
-                    session = salts.session_key(session)
+                ctx = self.context_of(ex, endpoint, raw, rid, t0, trace)
             except RequestError as exc:
                 self._reject(ex, exc, rid)
                 return
             if trace is not None:
-                trace.keyed(key.model, stream, len(raw), len(key.hashes))
-            await self._route_and_forward(
-                RequestContext(
-                    ex,
-                    endpoint,
-                    raw,
-                    body,
-                    key,
-                    stream,
-                    session,
-                    rid,
-                    t0,
-                    tenant=tenant,
-                    api_key=api_key,
-                    trace=trace,
-                )
-            )
+                trace.keyed(ctx.key.model, ctx.stream, len(raw), len(ctx.key.hashes))
+            await self._route_and_forward(ctx)
         finally:
             adm.leave()
+
+    def context_of(
+        self, ex, endpoint: Endpoint, raw: bytes | bytearray, rid: str, t0: float, trace=None
+    ) -> RequestContext:
+        """The request read from its body ``raw`` and headers (``ex.headers``): parsed,
+        checked, its tenant identified and its routing key made. Raises
+        ``RequestError`` (400 naming the field, 401) for what the client got wrong.
+        Every carrier of a data-plane request reads it here (the raw front, the aiohttp
+        app, the gateway's endpoint picker: router.epp)."""
+        headers = ex.headers
+        screen.check_raw(self.pool, raw, time.monotonic())  # an unserved leading model: unparsed
+        body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
+        edge.check_request(body)  # the P/D legs and ranks are the router's
+        tenant, api_key = self.tenants.identify(headers)
+        screen.check_parsed(self.pool, endpoint, body, time.monotonic())  # unserved: not keyed
+        key = request_key(
+            endpoint,
+            body,
+            tenant=self.tenants.namespace_of(tenant),
+            block_bytes=self.cfg.keys.block_bytes,
+        )
+        stream = body.get("stream", False)
+        if stream is not True and stream is not False:
+            raise MalformedRequest("'stream' must be a boolean", param="stream")
+        session = headers.get("x-session-id")
+        if session is None:
+            user = body.get("user")
+            session = user if isinstance(user, str) else None
+        salts = self.tenants.salts
+        if session is not None and self.bus is not None and salts is not None:
+            # on a bus, every replica keys the session by one digest, which
+            # its hints carry (protocol.bus_wire: never the client's id)
+            session = salts.session_key(session)
+        return RequestContext(
+            ex,
+            endpoint,
+            raw,
+            body,
+            key,
+            stream,
+            session,
+            rid,
+            t0,
+            tenant=tenant,
+            api_key=api_key,
+            trace=trace,
+        )
+
+    def request_id(self, headers: Mapping[str, str]) -> str:
+        """The request's id: the client's ``x-request-id`` if short and plain, else ours."""
+        return request_id(headers.get(REQUEST_ID_HEADER)) or f"{self._rid_prefix}-{next(self._rid)}"
 
     def ask_for(self, ctx: RequestContext) -> Ask:
         """The route core's question for ``ctx``."""
@@ -772,21 +783,14 @@ class DataPlane:
         again, the workers tried excluded) only where the first provably is not
         running it (module docstring); replies the failure when every attempt failed.
         A retry's ask keeps the first's candidates and chooser (a P/D decode leg's)."""
-        d, w, kr = route.decision, route.worker, route.keyed
-        pick = route.placement
+        w, pick = route.worker, route.placement
         assert pick is not None, "a forwarded route is placed"
         tried: list[str] = []
         excluded: set[str] = set()  # workers a retry must not go to
         retries = self.cfg.retries
         last: _UpstreamFailed | None = None
-        ctx.reason, ctx.route = d.reason.value, route
-        if self.prefetched:
-            self._prefetch_used(w, pick, now)
-        # per client request, not per try
-        self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
-        self.demand.observe(now, pick.own, pick.key.prompt_tokens)
-        if d.warm and self.cfg.warmup.enabled:
-            self._schedule_warmups(d.warm, ctx.endpoint, ctx.body, ctx.key, kr.match.depth, now)
+        ctx.route = route
+        self.routed(ctx, route, now)
         while True:
             tried.append(w.id)
             try:
@@ -832,6 +836,19 @@ class DataPlane:
             ctx.reason, ctx.route = Reason.FALLBACK.value, again
             self.metrics.retries.labels(last.cause).inc()
         self._failed(ctx, last, tried[-1])
+
+    def routed(self, ctx: RequestContext, route: Route, now: float) -> None:
+        """What a client request's first pick tells, once per request (not per try):
+        a prefetch used, the matched tokens, the demand meter, hot-root warm-ups."""
+        d, w, pick = route.decision, route.worker, route.placement
+        assert pick is not None, "a routed request is placed"
+        ctx.reason = d.reason.value
+        if self.prefetched:
+            self._prefetch_used(w, pick, now)
+        self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
+        self.demand.observe(now, pick.own, pick.key.prompt_tokens)
+        if d.warm and self.cfg.warmup.enabled:
+            self._schedule_warmups(d.warm, ctx.endpoint, ctx.body, ctx.key, route.keyed.match.depth, now)
 
     async def _admission(self, ctx: RequestContext, hold: Hold) -> tuple[Overloaded | None, bool]:
         """The admission queue's verdict on a held request (router.admission_queue):

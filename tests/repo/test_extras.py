@@ -2,7 +2,7 @@
 installed fails with one line naming the extra, not an ImportError traceback.
 
 ``base_install()`` makes this process look like a base install: every module of the
-optional extras (pyproject.toml: engines, k8s, bus, plots, tracing) is blocked (``None`` in
+optional extras (pyproject.toml: engines, k8s, bus, plots, tracing, gateway) is blocked (``None`` in
 ``sys.modules`` makes its import fail, as a missing package does) and the project's
 packages are imported afresh under that; they are put back afterwards. No
 process is started, so this stays in the fast tier.
@@ -24,6 +24,7 @@ EXTRA_MODULES = {
     "bus": ("nats", "nkeys"),
     "plots": ("matplotlib",),
     "tracing": ("opentelemetry",),
+    "gateway": ("grpc", "grpc_health", "envoy"),
 }
 BLOCKED = tuple(m for mods in EXTRA_MODULES.values() for m in mods)
 
@@ -99,6 +100,16 @@ def test_the_cli_says_which_extra_to_install(tmp_path, capsys):
     assert not (tmp_path / "out" / "report.json").exists()  # refused before the run
 
 
+def test_the_gateway_says_which_extra_to_install(capsys):
+    with base_install():
+        from radixfleet.cli import main
+
+        assert main(["gateway", "--worker", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("radixfleet gateway: error: the 'gateway' extra is not installed"), err
+    one_line_naming(err, "gateway")
+
+
 def test_each_feature_names_its_extra():
     with base_install():
         from prometheus_client import CollectorRegistry
@@ -122,6 +133,7 @@ def test_each_feature_names_its_extra():
             "engines": lambda: importlib.import_module("router.engines.chat_render"),
             "plots": lambda: importlib.import_module("loadtest.report").write_plots([], "x", {}),
             "tracing": lambda: importlib.import_module("router.tracing"),
+            "gateway": lambda: importlib.import_module("router.epp.protocol").pb(),
         }
         for extra, make in cases.items():
             with pytest.raises(MissingExtra) as got:

@@ -71,7 +71,7 @@ def _project() -> dict:
 
 
 #: the extras a feature needs (protocol/extras.py); ``test`` and ``dev`` pull them all
-FEATURE_EXTRAS = ("engines", "k8s", "bus", "plots", "tracing")
+FEATURE_EXTRAS = ("engines", "k8s", "bus", "plots", "tracing", "gateway")
 
 
 def _runtime(proj: dict) -> set[str]:
