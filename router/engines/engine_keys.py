@@ -41,15 +41,10 @@ from typing import Any
 import aiohttp
 import xxhash
 
-from protocol.errors import MalformedRequest
 from protocol.prefix_keys import (
     Endpoint,
-    request_adapter,
-    request_model,
-    token_block_hashes,
-    token_namespace_seed,
 )
-from router.engines.token_keys import FROM_BODY, TokenKey, request_cache_salt
+from router.engines.token_keys import FROM_BODY, TokenKey, key_from_ids
 from router.engines.tokenizer_source import MAX_BODY_BYTES
 
 log = logging.getLogger("radixfleet.engines")
@@ -260,21 +255,10 @@ class EngineKeyer:
     ) -> TokenKey:
         """``TokenKeyer.key``'s contract, from the prepared ids. Raises
         ``MalformedRequest`` for a body that is not an object or a bad ``cache_salt``."""
-        if not isinstance(body, dict):
-            raise MalformedRequest(f"request body must be a JSON object, got {type(body).__name__}")
-        if model is FROM_BODY:
-            model = request_model(body, endpoint)
-        body_salt = request_cache_salt(body)
-        if salt is FROM_BODY:
-            salt = body_salt
-        if adapter is FROM_BODY:
-            adapter = request_adapter(body)
-        ids, unkeyed = self.token_ids(endpoint, body)
-        if unkeyed is not None:
+        key = key_from_ids(self.token_ids, endpoint, body, block_size, model, salt, adapter)
+        if key.unkeyed is not None:
             self.prom.engine_tokenize.labels("unkeyed").inc()
-            return TokenKey(model, salt, adapter, block_size, ids, [], unkeyed)
-        seed = token_namespace_seed(model, salt, adapter, block_size)
-        return TokenKey(model, salt, adapter, block_size, ids, token_block_hashes(ids, block_size, seed))
+        return key
 
     def check(self) -> None:
         assert self._held == sum(len(v) for v in self._cache.values()), f"{self._held=}"

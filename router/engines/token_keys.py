@@ -232,6 +232,30 @@ def _looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.count("/") > 1
 
 
+def key_from_ids(
+    token_ids, endpoint: Endpoint, body: Any, block_size: int, model: Any, salt: Any, adapter: Any
+) -> TokenKey:
+    """A request's ``TokenKey`` from ``token_ids(endpoint, body) -> (ids, unkeyed)``
+    (a tokenizer here, or the engine's own /tokenize: router.engines.engine_keys):
+    its namespace (``model``, ``salt``, ``adapter``, each read from the body where
+    ``FROM_BODY``) and block hashes. Raises ``MalformedRequest`` for a body that is
+    not an object or a bad ``cache_salt``."""
+    if not isinstance(body, dict):
+        raise MalformedRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    if model is FROM_BODY:
+        model = request_model(body, endpoint)
+    body_salt = request_cache_salt(body)
+    if salt is FROM_BODY:
+        salt = body_salt
+    if adapter is FROM_BODY:
+        adapter = request_adapter(body)
+    ids, unkeyed = token_ids(endpoint, body)
+    if unkeyed is not None:
+        return TokenKey(model, salt, adapter, block_size, ids, [], unkeyed)
+    seed = token_namespace_seed(model, salt, adapter, block_size)
+    return TokenKey(model, salt, adapter, block_size, ids, token_block_hashes(ids, block_size, seed))
+
+
 class TokenKeyer:
     """Keys requests for one tokenizer (and chat template) exactly as vLLM 0.32 does.
 
@@ -416,20 +440,7 @@ class TokenKeyer:
         Raises ``MalformedRequest`` naming the field."""
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(body, dict):
-            raise MalformedRequest(f"request body must be a JSON object, got {type(body).__name__}")
-        if model is FROM_BODY:
-            model = request_model(body, endpoint)
-        body_salt = request_cache_salt(body)
-        if salt is FROM_BODY:
-            salt = body_salt
-        if adapter is FROM_BODY:
-            adapter = request_adapter(body)
-        ids, unkeyed = self.token_ids(endpoint, body)
-        if unkeyed is not None:
-            return TokenKey(model, salt, adapter, block_size, ids, [], unkeyed)
-        seed = token_namespace_seed(model, salt, adapter, block_size)
-        return TokenKey(model, salt, adapter, block_size, ids, token_block_hashes(ids, block_size, seed))
+        return key_from_ids(self.token_ids, endpoint, body, block_size, model, salt, adapter)
 
     def token_ids(self, endpoint: Endpoint, body: dict) -> tuple[array, str | None]:
         """The prompt token ids the engine will see, and why they are not exact (None
