@@ -208,7 +208,7 @@ ADMIN = {"Authorization": "Bearer adm"}
 @pytest.mark.integration
 async def test_admin_decisions_explain_a_live_fleet(fleet, monkeypatch, tmp_path):  # noqa: F811
     """Two agents behind prefix_load: a first request misses (load), the next with
-    the same prefix goes to its holder (affinity); an unknown model is refused. The
+    the same prefix goes to its holder (affinity); an unknown model is refused before it. The
     endpoint shows each, newest first, with the candidates' scores and the three
     numbers, behind the admin token, with salted keys only; the answers' match
     headers and the traffic log carry the same numbers."""
@@ -245,9 +245,10 @@ async def test_admin_decisions_explain_a_live_fleet(fleet, monkeypatch, tmp_path
         out = r.json()
         page = (await c.get(base + "/metrics")).text
     assert "question" not in r.text and "alice" not in r.text and "shared system prompt" not in r.text
-    assert out["size"] == 8 and out["kept"] == 3
-    refused, second, first = out["decisions"]
-    assert refused["rule"] == "refused" and refused["worker"] is None and refused["outcome"]["status"] == 404
+    # an unserved model is refused from its bytes, before the route core (router.screen):
+    # no decision is kept for it
+    assert out["size"] == 8 and out["kept"] == 2
+    second, first = out["decisions"]
     assert first["rule"] == "load" and first["reason"] == "miss" and first["available_tokens"] == 0
     holder = first["worker"]
     assert second["rule"] == "affinity" and second["worker"] == holder
