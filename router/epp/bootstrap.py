@@ -85,6 +85,8 @@ def _ext_proc(cfg: Config) -> dict:
             "status_on_error": {"code": "ServiceUnavailable"},
             "message_timeout": _seconds(g.message_timeout_s),
             "processing_mode": _mode(cfg),
+            # the picker skips a non-streamed answer's body when it needs nothing from it
+            "allow_mode_override": True,
             "response_attributes": [UPSTREAM_ADDRESS],
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, LB_NAMESPACE]},

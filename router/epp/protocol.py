@@ -230,6 +230,29 @@ def continue_headers(*, request: bool, headers: Iterable[tuple[str, str]] = ()) 
     )
 
 
+def skip_response_body(answer: Any) -> None:
+    """Makes ``answer`` (to the request headers) tell Envoy not to send the response's
+    body and trailers to the picker (``mode_override``; the filter's
+    ``allow_mode_override`` must be on). The other modes stay as configured."""
+    pm = _pm().ProcessingMode
+    mode = answer.mode_override
+    mode.request_header_mode = pm.SEND
+    mode.response_header_mode = pm.SEND
+    mode.request_body_mode = pm.FULL_DUPLEX_STREAMED
+    mode.request_trailer_mode = pm.SEND
+    mode.response_body_mode = pm.NONE
+    mode.response_trailer_mode = pm.SKIP
+
+
+@functools.cache
+def _pm() -> Any:
+    return require(
+        "envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2",
+        "gateway",
+        "the gateway's endpoint picker (ext_proc)",
+    )
+
+
 def continue_body(*, request: bool) -> Any:
     """The plain answer to a body chunk in BUFFERED or STREAMED mode."""
     m = pb()

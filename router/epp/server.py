@@ -31,7 +31,11 @@ The picker is the route core's second caller beside the data plane
                       placed through RouteCore.place)
     response_body     echoed through router.sse.StreamWatch (first content token,
                       usage, the usage event the router asked for hidden); at its
-                      end the ledger ends
+                      end the ledger ends. A non-streamed answer whose usage nothing
+                      needs (an engine in sync by its events, no token limits, no
+                      traffic log) ends at its headers, its body not sent to the
+                      picker (full duplex: a mode override with the answer to the
+                      request headers; two messages fewer each way)
     the stream ends before that (Envoy broke it: the client left, a reset)
                       -> the ledger is cancelled, the slot and ticket given back
 
@@ -167,6 +171,7 @@ class _Stream:
         self.strip = False
         self.answer: bytearray | None = None  # a non-streamed answer's copy, for its usage
         self.passthrough = False  # a response the picker only echoes
+        self.skip_body = False  # Envoy does not send this answer's body to the picker
 
     # ------------------------------------------------------------------ dispatch
 
@@ -362,6 +367,9 @@ class _Stream:
         body: bytes | None = None
         if not headers_phase:
             body = bytes(payload) if (payload is not ctx.raw or not self.buffered) else None
+        # a non-streamed answer whose usage nothing needs: its body is not sent to the
+        # picker (Envoy takes a mode override with the answer to the request headers)
+        self.skip_body = not ctx.stream and not self.buffered and not self._needs_usage(w, ctx)
         out = P.picked(
             self.endpoints,
             body=body,
@@ -370,7 +378,19 @@ class _Stream:
             header_list=self.picker.header_list,
             remove=_DROPPED,
         )
+        if self.skip_body:
+            P.skip_response_body(out[0])
         return out
+
+    def _needs_usage(self, w: Worker, ctx: RequestContext) -> bool:
+        """Whether a non-streamed answer's usage is needed: its cached tokens correct
+        the index (approximate mode), its tokens are charged, or it is logged."""
+        link = w.engine
+        return (
+            (link is not None and link.corrects)
+            or self.dp.traffic is not None
+            or (ctx.ticket is not None and bool(ctx.ticket.limits))
+        )
 
     def _fallbacks(self, route: Route, ctx: RequestContext, now: float) -> list[str]:
         """Where Envoy may retry when it cannot connect to the pick (module docstring)."""
@@ -430,13 +450,10 @@ class _Stream:
             assert ctx is not None
             if ctx.stream and self.status == 200:
                 self.watch = led.watch = StreamWatch(self.strip)
-            elif self.status == 200 and (
-                led.link is not None
-                or self.dp.traffic is not None
-                or (ctx.ticket is not None and ctx.ticket.limits)
-            ):
-                self.answer = bytearray()
-        if req.response_headers.end_of_stream:
+            elif self.status == 200 and not self.skip_body:
+                self.answer = bytearray()  # its usage corrects the index or is charged
+        if req.response_headers.end_of_stream or self.skip_body:
+            # (a non-streamed answer's head comes when its generation is done)
             self._finish(now)
         return [P.continue_headers(request=False)]
 

@@ -324,25 +324,39 @@ async def test_a_fallback_that_served_takes_the_count_from_the_pick():
     first, second = header(out[0], P.DESTINATION).split(",")
     pw, fw = p.endpoints.worker(first), p.endpoints.worker(second)
     assert counted(p)[pw][0] == 1 and counted(p)[fw][0] == 0
-    await s.send(resp_headers(200, upstream=second), 1)  # Envoy could not reach the pick
-    assert counted(p)[pw] == (0, 0, 0) and counted(p)[fw][0] == 1
+    (r,) = await s.send(resp_headers(200, upstream=second), 1)  # Envoy could not reach the pick
     assert p.router.pool.get(pw).breaker_fails == 1
+    # a non-streamed answer whose usage nothing needs ends at its head, its body not sent here
+    assert r.mode_override.response_body_mode == P._pm().ProcessingMode.NONE
+    assert zero(p)
+    reg = p.router.metrics.registry
+    answered = {"worker": fw, "model": "m", "outcome": "answered"}
+    assert reg.get_sample_value("radixfleet_worker_requests_total", answered) == 1
+    failed = {"worker": pw, "model": "m", "outcome": "failed"}
+    assert reg.get_sample_value("radixfleet_worker_requests_total", failed) == 1
+    await s.close()
+
+
+async def test_a_non_streamed_answer_is_read_for_its_usage_where_limits_charge_it():
+    p = make_picker(
+        keys={"tenant": {"default": "acme"}}, tenancy={"tenants": {"acme": {"tokens_per_min": 600000}}}
+    )
+    s = Stream(p)
+    await s.send(req_headers(), 0)
+    out = await s.send(req_body(chat(), True), 2)
+    (r,) = await s.send(resp_headers(200, upstream=header(out[0], P.DESTINATION).split(",")[0]), 1)
+    assert not r.HasField("mode_override")
+    assert not zero(p)  # still running until its body, with its usage, has passed
     answer = json.dumps({"choices": [{"text": "hi"}], "usage": USAGE["usage"]}).encode()
     (r,) = await s.send(resp_body(answer, True), 1)
     assert r.response_body.response.body_mutation.streamed_response.body == answer
     assert zero(p)
-    reg = p.router.metrics.registry
     assert (
-        reg.get_sample_value(
-            "radixfleet_worker_requests_total", {"worker": fw, "model": "m", "outcome": "answered"}
+        p.router.metrics.registry.get_sample_value(
+            "radixfleet_cached_tokens_total",
+            {"worker": p.endpoints.worker(header(out[0], P.DESTINATION).split(",")[0]), "model": "m"},
         )
-        == 1
-    )
-    assert (
-        reg.get_sample_value(
-            "radixfleet_worker_requests_total", {"worker": pw, "model": "m", "outcome": "failed"}
-        )
-        == 1
+        == 64
     )
     await s.close()
 
@@ -397,9 +411,14 @@ def test_fail_open_needs_what_envoy_needs_to_send_the_request_on_alone():
 
     for gw, why in (
         ({"failure_mode": "fail_open"}, "body_mode buffered"),
-        ({"failure_mode": "fail_open", "body_mode": "buffered", "cluster": "original_dst"}, "cluster endpoints"),
+        (
+            {"failure_mode": "fail_open", "body_mode": "buffered", "cluster": "original_dst"},
+            "cluster endpoints",
+        ),
     ):
         with pytest.raises(ConfigError) as got:
             parse_config({"gateway": gw})
         assert str(got.value).startswith("gateway.failure_mode: fail_open needs " + why), got.value
-    assert parse_config({"gateway": {"failure_mode": "fail_open", "body_mode": "buffered"}}).gateway.failure_mode
+    assert parse_config(
+        {"gateway": {"failure_mode": "fail_open", "body_mode": "buffered"}}
+    ).gateway.failure_mode
