@@ -47,6 +47,8 @@ OBJECTIVE = "x-gateway-inference-objective"
 FAIRNESS_ID = "x-gateway-inference-fairness-id"
 #: the Envoy attribute naming the upstream host an answer came from
 UPSTREAM_ADDRESS = "upstream.address"
+#: ``ProcessingMode.BodySendMode`` values (``protocol_config``)
+BUFFERED, FULL_DUPLEX = 2, 4
 #: the largest body chunk sent back in one message (Envoy's own ext_proc chunks are
 #: smaller; gRPC's default message bound is 4 MiB)
 CHUNK_BYTES = 64 * 1024
@@ -230,18 +232,29 @@ def continue_headers(*, request: bool, headers: Iterable[tuple[str, str]] = ()) 
     )
 
 
-def skip_response_body(answer: Any) -> None:
-    """Makes ``answer`` (to the request headers) tell Envoy not to send the response's
-    body and trailers to the picker (``mode_override``; the filter's
-    ``allow_mode_override`` must be on). The other modes stay as configured."""
+def skip_response_body(answer: Any, *, buffered: bool) -> None:
+    """Makes ``answer`` (the pick) tell Envoy not to send the response's body and
+    trailers to the picker (``mode_override``; the filter's ``allow_mode_override``
+    must be on, and Envoy takes no override of a FULL_DUPLEX_STREAMED response mode).
+    The request's modes stay as configured (``buffered``)."""
     pm = _pm().ProcessingMode
     mode = answer.mode_override
     mode.request_header_mode = pm.SEND
     mode.response_header_mode = pm.SEND
-    mode.request_body_mode = pm.FULL_DUPLEX_STREAMED
-    mode.request_trailer_mode = pm.SEND
+    mode.request_body_mode = pm.NONE
+    mode.request_trailer_mode = pm.SKIP
     mode.response_body_mode = pm.NONE
     mode.response_trailer_mode = pm.SKIP
+
+
+def body_answer(replace: bytes | None) -> Any:
+    """The answer to a response body chunk in STREAMED mode: passed on as it came
+    (``replace`` None), or replaced by ``replace`` (b"": held back, for a later chunk)."""
+    m = pb()
+    common = m.ep.CommonResponse()
+    if replace is not None:
+        common.body_mutation.body = replace
+    return m.ep.ProcessingResponse(response_body=m.ep.BodyResponse(response=common))
 
 
 @functools.cache

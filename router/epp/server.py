@@ -172,13 +172,17 @@ class _Stream:
         self.answer: bytearray | None = None  # a non-streamed answer's copy, for its usage
         self.passthrough = False  # a response the picker only echoes
         self.skip_body = False  # Envoy does not send this answer's body to the picker
+        #: the answer's body comes in full duplex (every byte echoed back), else STREAMED
+        #: (each chunk answered, replaced only where the picker changes it)
+        self.echo = False
 
     # ------------------------------------------------------------------ dispatch
 
     async def on(self, req: Any) -> list[Any]:
         kind = req.WhichOneof("request")
-        if req.HasField("protocol_config"):
-            self.buffered = req.protocol_config.request_body_mode == 2  # BodySendMode.BUFFERED
+        if req.HasField("protocol_config"):  # the modes Envoy runs with (BodySendMode)
+            self.buffered = req.protocol_config.request_body_mode == P.BUFFERED
+            self.echo = req.protocol_config.response_body_mode == P.FULL_DUPLEX
         if kind == "request_headers":
             return await self._request_headers(req)
         if kind == "request_body":
@@ -368,8 +372,8 @@ class _Stream:
         if not headers_phase:
             body = bytes(payload) if (payload is not ctx.raw or not self.buffered) else None
         # a non-streamed answer whose usage nothing needs: its body is not sent to the
-        # picker (Envoy takes a mode override with the answer to the request headers)
-        self.skip_body = not ctx.stream and not self.buffered and not self._needs_usage(w, ctx)
+        # picker (a mode override with the answer to the response headers)
+        self.skip_body = not ctx.stream and not self._needs_usage(w, ctx)
         out = P.picked(
             self.endpoints,
             body=body,
@@ -378,8 +382,6 @@ class _Stream:
             header_list=self.picker.header_list,
             remove=_DROPPED,
         )
-        if self.skip_body:
-            P.skip_response_body(out[0])
         return out
 
     def _needs_usage(self, w: Worker, ctx: RequestContext) -> bool:
@@ -455,7 +457,10 @@ class _Stream:
         if req.response_headers.end_of_stream or self.skip_body:
             # (a non-streamed answer's head comes when its generation is done)
             self._finish(now)
-        return [P.continue_headers(request=False)]
+        answer = P.continue_headers(request=False)
+        if self.skip_body and not req.response_headers.end_of_stream:
+            P.skip_response_body(answer, buffered=self.buffered)
+        return [answer]
 
     def _served(self, served: str | None, now: float) -> None:
         """Moves the count to the fallback that served, when it is not the pick."""
@@ -495,6 +500,7 @@ class _Stream:
         b = req.response_body
         now = time.monotonic()
         data, end = b.body, b.end_of_stream
+        came = data
         watch, led = self.watch, self.ledger
         if watch is not None and led is not None and not led.ended:
             out = watch.feed(data)
@@ -510,6 +516,8 @@ class _Stream:
                 self.answer = None
         if end:
             self._finish(now)
+        if not self.echo:
+            return [P.body_answer(None if data is came else data)]
         return list(P.streamed(data, end, request=False))
 
     def _finish(self, now: float) -> None:
