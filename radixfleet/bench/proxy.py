@@ -660,11 +660,11 @@ def _summarize(names: list[str], rounds: list[dict]) -> dict:
             "added_p99_rounds_ms": per99,
         }
     pairs = [("radixfleet", "smg"), ("envoy+radixfleet", "smg"), ("envoy+radixfleet", "radixfleet")]
-    for a, b in pairs:
-        if a in names and b in names:
+    for num, den in pairs:
+        if num in names and den in names:
             for key in ("throughput", "stream"):
-                ra, rb = out[key][a]["rounds"], out[key][b]["rounds"]
-                out[key][f"ratio_{a}_over_{b}"] = _spread([x / y for x, y in zip(ra, rb)])
+                ra, rb = out[key][num]["rounds"], out[key][den]["rounds"]
+                out[key][f"ratio_{num}_over_{den}"] = _spread([x / y for x, y in zip(ra, rb)])
     # the upstream is not the bottleneck when direct is well above every proxy
     proxied = max(out["throughput"][n]["median"] for n in names[1:])
     out["direct_over_best_proxy"] = out["throughput"]["direct"]["median"] / proxied
