@@ -11,7 +11,9 @@ proposal 004; the data plane is any conformant gateway, here a real Envoy)::
          ProcessingRequest.response_headers    :status; the endpoint that served:
                                                envoy.lb / x-gateway-destination-endpoint-served
                                                (metadata), or the attribute upstream.address
-         ProcessingRequest.response_body       the answer (echoed back in full duplex)
+         ProcessingRequest.response_body       the answer: each chunk answered (STREAMED,
+                                               replaced where the picker changes it) or
+                                               echoed back (FULL_DUPLEX_STREAMED)
     out  header x-gateway-destination-endpoint     "ip:port,ip:port,..." (ordered: the
          dynamic metadata envoy.lb /               pick, then where a retry may go;
            x-gateway-destination-endpoint          both hold the same list)
