@@ -40,6 +40,17 @@ prompt is one prefix of many blocks). Requests that share nothing with any other
 can never be covered; that share is printed. Conversation traffic has no small
 head — each session reuses its own history — and the figures say so.
 
+**Routing against capacity** (traffic logs that carry ``available_tokens``): over
+the served requests that reported cached tokens, the prompt tokens not reused,
+split by cause (``router.decisions``): the *capacity loss* (no eligible worker held
+them: ``prompt - available``; more cache, or a new prefix), the *routing loss*
+(another eligible worker held them and the request went elsewhere: ``available -
+predicted``; the policy's trade against load) and the *prediction gap* (the chosen
+worker was believed to hold them and did not: ``predicted - delivered``; negative
+where the engine held more than the index knew). Each per request, available and
+predicted capped at its prompt; the three and the delivered tokens add up to the
+prompt tokens.
+
 **The policy comparison** (``--policies a,b,c``): the log replayed through the
 simulator (``loadtest.simulator``), one run per policy, on ``--agents`` workers of
 the preset with the budget's KV tokens each (``--kv-tokens`` to override), at the
@@ -74,7 +85,7 @@ import numpy as np
 
 from loadtest.report import check_outputs, require_plots
 from loadtest.simulator.reference import BlockReference
-from loadtest.trace_format import TRAFFIC_LOG, TraceData, read_trace
+from loadtest.trace_format import TRAFFIC_LOG, LineInfo, TraceData, read_trace
 from protocol.cli_args import DeprecatedAlias
 from protocol.errors import ConfigError, WorkloadError
 from router.traffic_log import log_files
@@ -369,6 +380,46 @@ def budget(cost: CostModel, workers: int, concurrency: int, mean_context_tokens:
     }
 
 
+def routing_losses(served: Sequence[LineInfo]) -> dict | None:
+    """The prompt tokens of ``served`` lines not reused, split into capacity loss,
+    routing loss and prediction gap (module docstring), over the lines that carry
+    ``available_tokens`` and ``cached_tokens``; None when none does (a log of an
+    earlier version, or engines that report no cached tokens)."""
+    prompt = available = predicted = delivered = n = 0
+    for i in served:
+        if i.available_tokens is None or i.cached_tokens is None:
+            continue
+        p = i.input_length
+        a = min(i.available_tokens, p)
+        m = min(i.matched_tokens, a)
+        prompt += p
+        available += a
+        predicted += m
+        delivered += i.cached_tokens
+        n += 1
+    if not n:
+        return None
+
+    def share(x: int) -> float:
+        return x / prompt if prompt else 0.0
+
+    return {
+        "requests": n,
+        "prompt_tokens": prompt,
+        "available_tokens": available,
+        "predicted_tokens": predicted,
+        "delivered_tokens": delivered,
+        "capacity_loss_tokens": prompt - available,
+        "routing_loss_tokens": available - predicted,
+        "prediction_gap_tokens": predicted - delivered,
+        "capacity_loss_share": share(prompt - available),
+        "routing_loss_share": share(available - predicted),
+        "prediction_gap_share": share(predicted - delivered),
+        "delivered_share": share(delivered),
+        "captured_share": predicted / available if available else None,
+    }
+
+
 def analyze(paths: Sequence[str], opts: Options) -> dict:
     """The whole analysis of ``paths`` (files, in order) as a JSON-able dict.
     Raises ``WorkloadError`` / ``ConfigError`` for bad input (module docstring)."""
@@ -415,6 +466,7 @@ def analyze(paths: Sequence[str], opts: Options) -> dict:
             "shed_requests": sum(1 for i in info if not i.worker and i.status == 429),
             "failed_requests": sum(1 for i in info if i.worker and i.status >= 400),
             "broken_requests": sum(1 for i in info if i.broken),
+            "routing": routing_losses(served),
         }
         rates = sorted({i.sample_rate for i in info})
         tenants = len({i.tenant for i in info})
@@ -594,6 +646,26 @@ def print_report(res: dict, file=None) -> None:
             "observed hit",
             f"{obs['hit_rate']:.3f}",
             "cached tokens the workers reported, over prompt tokens (live)",
+        )
+    rl = obs.get("routing") if obs else None
+    if rl:
+        t.add_row(
+            "capacity loss",
+            f"{rl['capacity_loss_share']:.3f}",
+            "share of prompt tokens no eligible worker held (the prefix was nowhere: cache size, "
+            "new prefixes)",
+        )
+        t.add_row(
+            "routing loss",
+            f"{rl['routing_loss_share']:.3f}",
+            "share of prompt tokens another eligible worker held while the request went elsewhere "
+            "(the policy's trade against load)",
+        )
+        t.add_row(
+            "prediction gap",
+            f"{rl['prediction_gap_share']:.3f}",
+            "share of prompt tokens the chosen worker was believed to hold and did not report cached "
+            "(negative: it held more than the index knew)",
         )
     if obs and obs["shed_requests"]:
         t.add_row(

@@ -330,7 +330,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--requests-out",
         metavar="FILE",
         help="per-request export: JSONL, or CSV for a .csv name (send time, "
-        "TTFT, TPOT, every inter-token gap, E2E, tokens, worker, status, retries)",
+        "TTFT, TPOT, every inter-token gap, E2E, tokens, worker, status, retries; the "
+        "router's available and predicted cached tokens where it sends them: --match-header)",
     )
     add_load_arguments(parser, default_workload=None, load_shapes=True)
     ab.add_arguments(parser)

@@ -4,8 +4,11 @@ One ``Target`` per router (ours, SGLang's ``smg``, or an agent directly). Per re
 it records a ``Result``: time to first token, the gaps between later tokens, end to
 end, prompt / cached / output tokens from the final usage chunk (it always sends
 ``stream_options.include_usage``), the worker that served it (response header
-``x-radixfleet-worker``), the HTTP status, the retries its refusals cost
-(``loadtest.retry``: 429/503 with ``Retry-After`` are retried as the OpenAI SDK
+``x-radixfleet-worker``), the router's routing quality for it (the best match among
+the eligible workers and the chosen worker's, response headers
+``x-radixfleet-available-tokens`` and ``x-radixfleet-predicted-tokens`` where the
+router has ``response_headers.match_tokens`` on: router.decisions), the HTTP status,
+the retries its refusals cost (``loadtest.retry``: 429/503 with ``Retry-After`` are retried as the OpenAI SDK
 does, by default) and, on failure, an error kind::
 
     connect     the target refused or dropped the connection before answering
@@ -42,6 +45,8 @@ from protocol.errors import ConfigError
 log = logging.getLogger(__name__)
 
 WORKER_HEADER = "x-radixfleet-worker"
+AVAILABLE_HEADER = "x-radixfleet-available-tokens"
+PREDICTED_HEADER = "x-radixfleet-predicted-tokens"
 
 
 @dataclass(slots=True)
@@ -63,6 +68,10 @@ class Result:
     cached_tokens: int = 0
     output_tokens: int = 0
     worker: str | None = None
+    #: the router's best match among the eligible workers and the chosen worker's, in
+    #: tokens (None: the target did not say: ``response_headers.match_tokens`` off)
+    available_tokens: int | None = None
+    predicted_tokens: int | None = None
     #: HTTP status of the last attempt (None: no answer)
     status: int | None = None
     #: attempts beyond the first, and the seconds spent waiting before them
@@ -75,9 +84,10 @@ class Result:
     #: leading tokens one LRU cache of the fleet's capacity held when it was sent
     pooled_cached: int = 0
     #: the status ``POST /v1/prefetch`` answered for it (None: none sent), and
-    #: whether the router found the prefix there already (``deduplicated``)
+    #: whether the router found the prefix there already (``deduplicated``; None:
+    #: it did not say, as it does not to a client without a tenant: router.prefetch)
     prefetch_status: int | None = None
-    prefetch_dedup: bool = False
+    prefetch_dedup: bool | None = None
 
 
 class _State(enum.Enum):
@@ -228,6 +238,8 @@ class Target:
             while True:
                 async with session.post(url, json=body) as resp:
                     result.worker = resp.headers.get(WORKER_HEADER)
+                    result.available_tokens = _tokens(resp.headers.get(AVAILABLE_HEADER))
+                    result.predicted_tokens = _tokens(resp.headers.get(PREDICTED_HEADER))
                     result.status = resp.status
                     if resp.status == 200:
                         if not await _read_stream(resp, spec.api, result, parts, t0, clock):
@@ -281,9 +293,8 @@ class Target:
                 ) as resp:
                     result.prefetch_status = resp.status
                     if resp.status == 202:
-                        result.prefetch_dedup = (await resp.json(content_type=None)).get(
-                            "deduplicated"
-                        ) is True
+                        dedup = (await resp.json(content_type=None)).get("deduplicated")
+                        result.prefetch_dedup = dedup if isinstance(dedup, bool) else None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
                 result.prefetch_status = 0
         rest = spec.lead_s - (clock() - t)
@@ -365,3 +376,8 @@ def _fail(result: Result, kind: str, message: str) -> None:
     result.error_kind = kind
     result.error = message
     return None
+
+
+def _tokens(v: str | None) -> int | None:
+    """A token count a response header gives (None: absent or not a count)."""
+    return int(v) if v is not None and v.isascii() and v.isdigit() and len(v) <= 12 else None

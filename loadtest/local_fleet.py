@@ -368,6 +368,7 @@ class Fleet:
                 "--port",
                 str(self.router_port),
                 "--worker-header",
+                "--match-header",
                 *c.router_args,
             )
         else:
@@ -380,6 +381,7 @@ class Fleet:
                 "--policy",
                 policy or c.policy,
                 "--worker-header",  # the load generator's per-worker figures read it
+                "--match-header",  # and its per-request routing quality
                 *c.router_args,
             )
             for k, v in (params or {}).items():

@@ -298,7 +298,12 @@ def summarize(
         out["prefetch"] = {
             "sent": len(sent),
             "accepted": sum(r.prefetch_status == 202 for r in sent),
-            "deduplicated": sum(r.prefetch_dedup for r in sent),
+            # None: the router said for none of them (a client without a tenant)
+            "deduplicated": (
+                sum(r.prefetch_dedup is True for r in sent)
+                if any(r.prefetch_dedup is not None for r in sent)
+                else None
+            ),
             "refused": sum(r.prefetch_status == 429 for r in sent),
         }
     return out

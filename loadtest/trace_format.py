@@ -56,6 +56,9 @@ class LineInfo:
     worker: str = ""
     #: the stream broke off after the client had its 200
     broken: bool = False
+    #: tokens the best-matching eligible worker held at pick time (None: a log of an
+    #: earlier version, which did not write it)
+    available_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -247,6 +250,7 @@ def _line_info(rec: dict, n_in: int) -> LineInfo:
 
     cached = opt_num("cached_tokens", int)
     matched = opt_num("matched_tokens", int) or 0
+    available = opt_num("available_tokens", int)
     ttft = opt_num("ttft_ms")
     status = rec.get("status", 200)
     if type(status) is not int:
@@ -259,7 +263,7 @@ def _line_info(rec: dict, n_in: int) -> LineInfo:
     if type(broken) is not bool:
         raise ValueError("'broken' must be true or false")
     rate = 1.0 if rate is None else float(rate)
-    return LineInfo(n_in, cached, matched, ttft, tenant, model, status, rate, worker, broken)
+    return LineInfo(n_in, cached, matched, ttft, tenant, model, status, rate, worker, broken, available)
 
 
 def read_trace(

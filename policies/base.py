@@ -154,6 +154,102 @@ class Decision:
 
 
 @dataclass(frozen=True, slots=True)
+class Candidate:
+    """One eligible worker as a decision weighed it (``Explanation.candidates``). Tokens are
+    the policy's view: the primary key space's blocks times its ``block_tokens``."""
+
+    worker: WorkerId
+    #: the leading prompt tokens its GPU cache held, as the index said at pick time
+    matched_tokens: int
+    #: seconds of prefill queued ahead of the request there (load at pick time)
+    queue_s: float
+    in_flight: int
+    #: refused a request it could serve lately (``WorkerView.saturated``)
+    saturated: bool = False
+    #: the match the policy credited (0: none counted: short, over the affinity
+    #: bound, churning, crowded, masked); None: the policy does not say
+    counted_tokens: int | None = None
+    #: the policy's score, lower wins (prefix_load: seconds); None: it scores none
+    score: float | None = None
+    #: the policy's time-to-first-token estimate there; None: it makes none
+    expected_ttft_s: float | None = None
+
+
+class Explanation:
+    """Why a decision went where it went, kept cheaply and computed when read.
+
+    ``Policy.explain`` builds one right after its ``choose`` from references to what
+    that computed (nothing is copied or derived on the request path: O(1));
+    ``candidates`` derives each eligible worker's figures when someone reads them
+    (``GET /admin/decisions``). ``queues`` (per view, the queue delay the policy
+    priced) and ``scores`` (per view, (score, credited blocks)) are the policy's own
+    lists, None where it has none; nobody mutates them afterwards. ``saturated``:
+    the policy's saturated-fleet rules decided (prefix_load: a holder kept its
+    request whatever the score, or a prefix's home took it)."""
+
+    __slots__ = ("request", "match", "views", "decision", "queues", "scores", "saturated")
+
+    def __init__(
+        self,
+        request: RouteRequest,
+        match: MatchResult,
+        views: Sequence[WorkerView],
+        decision: Decision,
+        queues: Sequence[float] | None = None,
+        scores: Sequence[tuple[float, float]] | None = None,
+        saturated: bool = False,
+    ) -> None:
+        self.request = request
+        self.match = match
+        self.views = views
+        self.decision = decision
+        self.queues = queues
+        self.scores = scores
+        self.saturated = saturated
+
+    @property
+    def eligible(self) -> int:
+        return len(self.views)
+
+    def candidates(self, limit: int) -> list[Candidate]:
+        """At most ``limit`` candidates: the chosen worker first, then by score (lowest
+        first), then the longest match, then the least queue. ``expected_ttft_s`` is
+        the queue plus the prefill of what the credited match (else the held match)
+        leaves, where the policy priced queues. O(n log n)."""
+        blocks, bt, prompt = self.match.blocks, self.request.block_tokens, self.request.prompt_tokens
+        qs, ss = self.queues, self.scores
+        out = []
+        for i, v in enumerate(self.views):
+            held = blocks.get(v.id, 0) * bt
+            q = qs[i] if qs is not None else _queue_s(v)
+            score = counted = ttft = None
+            if ss is not None:
+                score, b = ss[i]
+                counted = int(b * bt)
+            if qs is not None:
+                unc = prompt - (held if counted is None else counted)
+                ttft = q + (unc if unc > 0 else 0) / v.prefill_tokens_per_s
+            out.append(Candidate(v.id, held, q, v.in_flight, v.saturated, counted, score, ttft))
+        chosen = self.decision.worker
+        inf = float("inf")
+        out.sort(
+            key=lambda c: (
+                c.worker != chosen,
+                inf if c.score is None else c.score,
+                -c.matched_tokens,
+                c.queue_s,
+            )
+        )
+        return out[:limit]
+
+
+def _queue_s(v: WorkerView) -> float:
+    """Seconds of prefill ahead on ``v``: the larger of the router's count and the
+    worker's report (prefix_load's queue_s before saturation's rules)."""
+    return max(v.in_flight_tokens, v.queued_tokens) / v.prefill_tokens_per_s
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyParams:
     """Base of each policy's parameter dataclass (validated from YAML)."""
 
@@ -180,6 +276,16 @@ class Policy:
         now: float,
     ) -> Decision:
         raise NotImplementedError
+
+    def explain(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], decision: Decision
+    ) -> Explanation:
+        """Why ``decision`` (this policy's last ``choose`` over ``views``) went where it
+        went. Called right after that ``choose``, and only where someone reads
+        decisions (the router's ``/admin/decisions`` ring); O(1): a policy hands over
+        references to what ``choose`` computed, never computes more here. Changes no
+        state. The default: each view's match and load, no score."""
+        return Explanation(request, match, views, decision)
 
     def describe(self) -> dict[str, Any]:
         """Policy-specific state for ``/admin/index`` (hot prefixes, replica sets)."""

@@ -128,7 +128,16 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from policies.base import Decision, MatchResult, Policy, PolicyParams, Reason, RouteRequest, WorkerView
+from policies.base import (
+    Decision,
+    Explanation,
+    MatchResult,
+    Policy,
+    PolicyParams,
+    Reason,
+    RouteRequest,
+    WorkerView,
+)
 from policies.footprint import Branch, Footprints
 from policies.params import param, parameters
 from policies.replication import RETIRE_FRACTION, HotRecord, HotRoots, holders_needed
@@ -353,6 +362,10 @@ class PrefixLoad(Policy):
         # worker -> [decayed whole prompt tokens routed to it, time]: with _written,
         # the share of its prompts it prefills (queued_tokens counts whole prompts)
         self._prompted: dict[str, list[float]] = {}
+        # what the last ``_choose`` computed, kept for ``explain`` (references to its
+        # own lists, nothing copied): (views, queue delays, [(score, credited
+        # blocks)] or None when it decided before scoring, saturated-fleet rule)
+        self._explained: tuple[Any, ...] | None = None
 
     def choose(
         self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], now: float
@@ -620,6 +633,7 @@ class PrefixLoad(Policy):
                 v = views[h]
                 b = blocks.get(v.id, 0) if blocks else 0
                 unc = prompt - b * bt
+                self._explained = (views, qs, None, True)
                 return Decision(
                     v.id,
                     Reason.AFFINITY if b and b >= min_b else Reason.MISS,
@@ -635,6 +649,7 @@ class PrefixLoad(Policy):
                 if j >= 0 and qs[j] - lo_q < prompt / views[j].prefill_tokens_per_s:
                     i = j
             v = views[i]
+            self._explained = (views, qs, None, False)
             return Decision(
                 v.id,
                 Reason.MISS,
@@ -654,6 +669,7 @@ class PrefixLoad(Policy):
         ):
             out = self._replicate(request, match, views, qs, now)
             if isinstance(out, Decision):
+                self._explained = (views, qs, None, False)
                 return out
             masked, replicas, warm = out
 
@@ -728,7 +744,20 @@ class PrefixLoad(Policy):
             reason = Reason.SPILL_LOAD
         unc = prompt - pick_b * bt
         ttft = qs[pick_i] + (unc if unc > 0 else 0) / v.prefill_tokens_per_s
+        self._explained = (views, qs, ss, hold)
         return Decision(v.id, reason, gpu.get(v.id, 0), ttft, warm)
+
+    def explain(
+        self, request: RouteRequest, match: MatchResult, views: Sequence[WorkerView], decision: Decision
+    ) -> Explanation:
+        """The last ``choose``'s queue delays (as it priced them, saturation's uncached
+        share included) and, where it scored the views, each one's score and the
+        match it credited (an infinite score: past saturation a holder kept the
+        request and the others were not considered). O(1): references to its lists."""
+        ex = self._explained
+        if ex is None or ex[0] is not views:  # another chooser (a P/D decode leg)
+            return Explanation(request, match, views, decision)
+        return Explanation(request, match, views, decision, ex[1], ex[2], ex[3])
 
     def _replicate(
         self,

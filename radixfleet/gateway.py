@@ -295,6 +295,9 @@ async def serve(gw: Gateway) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     code = 0
+    # installed before anything starts: a SIGTERM while Envoy comes up stops both too
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, stop.set)
     try:
         port = await gw.start()
         cfg, g = gw.cfg, gw.cfg.gateway
@@ -303,8 +306,6 @@ async def serve(gw: Gateway) -> int:
             f"router on http://{cfg.listen.host}:{cfg.listen.port} ({cfg.summary()}; state {gw.state})",
             flush=True,
         )
-        for s in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(s, stop.set)
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), SYNC_INTERVAL_S)

@@ -6,6 +6,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     front         the raw HTTP/1.1 data-plane listener; intake: what a client may
                   hold before admission (body budget, connection cap); slow_clients:
                   how long it may take to read its answer (both listeners)
+    screen        what is refused before a body is parsed and keyed (head, raw bytes)
     route         the route core, sans I/O: views, keys, admission, choice, placement
     dataplane     one request's I/O around the route core: body, upstream, answers
     pd            disaggregated prefill/decode: a request's prefill and decode legs
@@ -15,7 +16,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     prefix_index  the approximate per-worker prefix index (one global budget)
     pool, served  workers, health, breakers, load at pick time; who serves which model
     warmup        the hot-root warm-up gate
-    prefetch      POST /v1/prefetch: its prefill budget and used/wasted ledger
+    prefetch      POST /v1/prefetch: its prefill budget per tenant, used/wasted ledger
     shedding      429 when every eligible worker reports saturation
     tenancy, rate_limit  priority classes (the shedding bound's factor) and rate
                   limits per tenant and API key (token buckets)
@@ -26,8 +27,12 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     hops          the router's mark on what it sends: a request that comes back is 508
     config, reload  the YAML schema and ``check-config``; hot reload
     config_reference  deploy/README's key tables generated from the schema
-    auth, http_api, admin_api, agent_api  tokens and tenants; the aiohttp endpoints
+    auth, http_api, admin_api, agent_api  tokens, tenants, who reads /metrics; the
+                  aiohttp endpoints
     metrics, traffic_log, scaling_signal, healthcheck  observability and the scaling signal
+    decisions     routing quality (available, predicted, delivered) and the recent
+                  decisions with their candidates (GET /admin/decisions)
+    tracing       a data-plane request's OpenTelemetry spans (the tracing extra)
     engines/      one adapter per worker kind (agent, vLLM, SGLang, OpenAI)
     bus/          router replicas on NATS JetStream
     discovery/    workers from Kubernetes EndpointSlices or DNS

@@ -8,6 +8,10 @@
     POST   /admin/workers/{id}/drain    {drain: true|false} (default true)
     GET    /admin/index                 index stats, hot prefixes (hashes) with holders,
                                         the autoscaling signal, policy.describe()
+    GET    /admin/decisions?n=&candidates=  the last n (default 20) requests' routing
+                                        decisions, newest first: candidates' scores,
+                                        the rule that decided, the outcome
+                                        (router.decisions; decisions.size of them kept)
     POST   /admin/reload                {allow_security_downgrade?} (optional body):
                                         re-read the config file: 200 {added, removed},
                                         400 the file's error (invalid, empty, or a
@@ -38,6 +42,7 @@ from router.config import (
     parse_section,
     parse_worker_url,
 )
+from router.decisions import DEFAULT_CANDIDATES, MAX_CANDIDATES, MAX_SIZE, DecisionRing
 from router.http_api import guarded, json_body, json_error
 from router.pool import Pool, Source
 from router.prefix_index import PrefixIndex
@@ -60,6 +65,9 @@ class AdminHost(Protocol):
     @property
     def shedder(self) -> Shedder: ...  # its recent shed decisions, with their inputs
 
+    @property
+    def decisions(self) -> DecisionRing: ...  # the recent routing decisions
+
     async def reload(
         self, *, allow_security_downgrade: bool = False
     ) -> tuple[bool, str, list[str], list[str]]: ...
@@ -76,6 +84,7 @@ class AdminAPI:
         r.add_delete("/admin/workers/{id}", g(self.remove_worker))
         r.add_post("/admin/workers/{id}/drain", g(self.drain_worker))
         r.add_get("/admin/index", g(self.index_info))
+        r.add_get("/admin/decisions", g(self.recent_decisions))
         r.add_post("/admin/reload", g(self.reload))
 
     async def list_workers(self, request: web.Request) -> web.Response:
@@ -148,6 +157,20 @@ class AdminAPI:
             dumps=lambda o: json.dumps(o, default=str),
         )
 
+    async def recent_decisions(self, request: web.Request) -> web.Response:
+        q = request.query
+        unknown = sorted(set(q) - {"n", "candidates"})
+        if unknown:
+            raise MalformedRequest(
+                f"unknown parameter {unknown[0]!r}; valid: candidates, n", param=unknown[0]
+            )
+        n = _count(q, "n", 20, MAX_SIZE)
+        candidates = _count(q, "candidates", DEFAULT_CANDIDATES, MAX_CANDIDATES)
+        ring = self.host.decisions
+        return web.json_response(
+            {"size": ring.size, "kept": len(ring), "decisions": ring.recent(n, candidates)}
+        )
+
     async def reload(self, request: web.Request) -> web.Response:
         if not self.host.cfg.path:
             return json_error(
@@ -173,3 +196,15 @@ class AdminAPI:
         if not ok:
             return json_error(400, message, "invalid_request_error", "invalid_config")
         return web.json_response({"status": "ok", "added": added, "removed": removed, "summary": message})
+
+
+def _count(query, name: str, default: int, hi: int) -> int:
+    """A query parameter holding an integer in ``[1, hi]`` (absent: ``default``);
+    anything else a 400 naming it."""
+    raw = query.getall(name, None)
+    if raw is None:
+        return default
+    v = raw[0] if len(raw) == 1 else ""
+    if not (v.isascii() and v.isdigit()) or len(v) > 7 or not 1 <= int(v) <= hi:
+        raise MalformedRequest(f"'{name}' must be one integer in [1, {hi}]", param=name)
+    return int(v)

@@ -93,7 +93,10 @@ class AdmissionQueueConfig:
     )
     weights: Mapping[str, Weight] = Field(
         default_factory=dict,
-        description="tenant -> its weight in the fair share: the queue's order and fair_share's (others: 1)",
+        description=(
+            "tenant -> its weight in the fair share: the queue's order, fair_share's and its part "
+            "of the prefetch budget (others: 1)"
+        ),
     )
 
     @document_check

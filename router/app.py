@@ -20,7 +20,9 @@ Endpoints::
                                seconds, every healthy engine's tokenizer is loaded
                                and its KV events joined (Engines.settling), else
                                503 (``waiting``: the workers it waits for)
-    GET  /metrics              Prometheus text (no prefix hashes: router.metrics)
+    GET  /metrics              Prometheus text (no prefix hashes: router.metrics), to the
+                               metrics or admin token, or without a metrics token to
+                               loopback peers (router.auth.check_metrics)
     GET  /openapi.json         the OpenAPI 3 description of all of this (protocol.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
     GET  /admin/index          index stats, hot prefixes, policy.describe()
@@ -64,6 +66,7 @@ from protocol.prefix_keys import Endpoint
 from router import intake, served
 from router.admin_api import AdminAPI
 from router.agent_api import AgentAPI
+from router.auth import check_metrics, metrics_exposure
 from router.bus.replica import BusReplica
 from router.config import MISSING, Config, check_event_binds, with_overrides
 from router.dataplane import (
@@ -73,6 +76,7 @@ from router.dataplane import (
     AiohttpExchange,
     DataPlane,
 )
+from router.decisions import DecisionRing
 from router.discovery import Discovery
 from router.engines.manager import Engines
 from router.feedback import Feedback
@@ -143,6 +147,10 @@ class Router:
         check_event_binds(cfg)  # before anything binds: which side binds, said plainly
         self.policy, self.tenants, self.salts = p.policy, p.tenants, p.tenants.salts
         self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
+        self.metrics_auth = p.metrics_auth  # GET /metrics (router.auth.check_metrics)
+        exposed = metrics_exposure(cfg, self.metrics_auth)
+        if exposed:
+            log.warning("%s", exposed)
         self.pool = Pool(cfg, self.index)
         self.engines = Engines(cfg, self.pool, self.index, self.metrics.registry, keyers=p.keyers)
         self.feedback = Feedback(self.pool, self.index, self.metrics, cfg.keys.block_bytes)
@@ -163,6 +171,7 @@ class Router:
             self._spawn,
             self.traffic,
         )
+        self.metrics.watch_tracing(lambda: self.dataplane.tracing)  # series while it traces
         #: router.bus.replica.BusReplica while the app runs with ``bus.url`` set
         self.bus: BusReplica | None = None
         self._models_cache: tuple[float, dict] | None = None
@@ -237,6 +246,13 @@ class Router:
             body_limit=self.cfg.limits.max_response_bytes,
         )
         self.discovery = Discovery(self.cfg.discovery, self.pool, self.metrics.registry)
+        tracing = None
+        if self.cfg.tracing.enabled and dp.tracing is None:
+            from router import tracing as _tracing  # the tracing extra (MissingExtra without it)
+
+            tracing = _tracing.from_config(self.cfg.tracing)  # a missing exporter: ConfigError
+        if tracing is not None:
+            dp.use_tracing(tracing)
         try:
             await self.pool.start(self.session)
             await self.engines.start(self.session)
@@ -265,6 +281,9 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
             await dp.upstream.aclose()
             await self.session.close()
+            if tracing is not None:  # the one this lifecycle made (a test's is its own)
+                dp.use_tracing(None)
+                await tracing.aclose()
 
     async def _check_worker_url(self, wid: str, url: str) -> None:
         """The registration rule for a bus registration's URL (``router.registration``)."""
@@ -286,6 +305,11 @@ class Router:
         return self.dataplane.shedder
 
     @property
+    def decisions(self) -> DecisionRing:
+        """The data plane's recent decisions (``GET /admin/decisions``)."""
+        return self.dataplane.decisions
+
+    @property
     def admission(self):
         """The data plane's admission control (``router.dataplane.Admission``)."""
         return self.dataplane.admission
@@ -302,9 +326,10 @@ class Router:
     def admit_head(self, headers) -> None:
         """What a data-plane request's head alone decides, before its body is read or
         an admission slot taken: ``LoopDetected`` for one that came back to this
-        router (``router.hops``), ``Unauthorized`` without credentials it needs."""
+        router (``router.hops``), ``Unauthorized`` without credentials it needs,
+        ``RateLimited`` for a tenant or key over its rate limit (``router.screen``)."""
         self.dataplane.hops.check(headers)
-        self.tenants.tenant(headers)
+        self.dataplane.screen_head(headers)  # 401, or 429 over a rate limit (router.screen)
 
     def _dataplane_route(self, endpoint: Endpoint | None):
         """The aiohttp handler of a data-plane path (a connection the raw front handed
@@ -381,6 +406,13 @@ class Router:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            check_metrics(
+                self.metrics_auth, self.admin_auth, request.headers.get("Authorization"), request.remote
+            )
+        except RequestError as exc:
+            self.metrics.rejected.labels(str(exc.status), exc.code).inc()
+            return error_response(exc)
         now = time.monotonic()
         self.metrics.refresh(self.pool, self.index, now, self.cfg.index.hot_k)
         self.engines.refresh(now)
@@ -478,7 +510,10 @@ class Router:
                     ),
                 )
                 lowered = check_downgrade(
-                    self.cfg, (self.admin_auth, self.agent_auth), p, allow=allow_security_downgrade
+                    self.cfg,
+                    (self.admin_auth, self.agent_auth, self.metrics_auth),
+                    p,
+                    allow=allow_security_downgrade,
                 )
             except ConfigError as exc:
                 self.metrics.reload_failures.labels(reason=failure_reason(exc)).inc()
@@ -497,6 +532,9 @@ class Router:
                     "listen address changes need a restart (still on %s:%d)", old.listen.host, old.listen.port
                 )
                 new = with_overrides(new, listen=old.listen)
+            if new.tracing != old.tracing:
+                log.warning("tracing changes need a restart (tracing kept as it started)")
+                new = with_overrides(new, tracing=old.tracing)
             if new.keys.block_bytes != old.keys.block_bytes:
                 log.warning("keys.block_bytes changed: the index restarts cold")
                 for wid in list(self.index.workers()):
@@ -517,6 +555,7 @@ class Router:
                     self.index.clear(wid)
                 self.salts = tenants.salts
             self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
+            self.metrics_auth = p.metrics_auth
             self.index.configure(new.index.max_bytes)
             self.body_budget.configure(new.limits.max_buffered_body_bytes)
             self.dataplane.configure(new, policy, tenants)

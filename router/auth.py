@@ -1,5 +1,5 @@
-"""Identities: the admin and agent APIs' exposure rule, tenants for the data plane
-(bearer tokens themselves: ``service.auth``).
+"""Identities: the admin and agent APIs' exposure rule, who may read ``/metrics``,
+tenants for the data plane (bearer tokens themselves: ``service.auth``).
 
 The tenant selects the prefix-key namespace (protocol.prefix_keys; its salt is a
 secret per deployment, service.tenancy), so it must come from an authenticated
@@ -13,6 +13,13 @@ timing depends on the digest, which reveals nothing about stored keys).
 
 Admin and agent APIs without a token are open on a loopback address (local
 development) and refused on any other address (``check_exposure``).
+
+``GET /metrics`` names workers (``host:port`` ids), tenants and the fleet's load: not
+a client's business. ``check_metrics`` lets in the metrics token
+(``auth.metrics_token_env``) or the admin token; without a metrics token set, also
+any peer on a loopback address (the quick start, a sidecar, ``kubectl
+port-forward``); everyone else gets 401. A router listening off loopback without a
+metrics token says so at start (``metrics_exposure``).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from protocol.errors import ConfigError, MalformedRequest, Unauthorized
+from protocol.errors import ConfigError, MalformedRequest, RequestError, Unauthorized
 from protocol.identifiers import tenant_problem
 from router.config import Config, TenantConfig
 from service.auth import BearerAuth, is_loopback
@@ -38,6 +45,40 @@ def check_exposure(cfg: Config, admin: BearerAuth, agent: BearerAuth) -> None:
                 f"listening on {cfg.listen.host} (not loopback) needs the {a.what} "
                 f"token: set ${a.env} (or listen on 127.0.0.1)",
             )
+
+
+def check_metrics(metrics: BearerAuth, admin: BearerAuth, header: str | None, peer: str | None) -> None:
+    """Raises ``Unauthorized`` unless ``GET /metrics`` may be answered to a request
+    with Authorization ``header`` from ``peer`` (its IP address; None: unknown):
+    the metrics or the admin token presented, or — no metrics token set — a loopback
+    peer (module docstring)."""
+    if metrics.accepts(header) or admin.accepts(header):
+        return
+    if not metrics.token and peer is not None and is_loopback(peer):
+        return
+    raise _metrics_refusal(metrics, header)
+
+
+def _metrics_refusal(metrics: BearerAuth, header: str | None) -> RequestError:
+    if metrics.token:
+        if header and header.startswith("Bearer "):
+            return Unauthorized(f"invalid {metrics.what} token")
+        return Unauthorized("GET /metrics requires 'Authorization: Bearer <token>' (the metrics token)")
+    return Unauthorized(
+        f"GET /metrics answers loopback peers only until ${metrics.env} is set on the router; "
+        "then present it as 'Authorization: Bearer <token>'"
+    )
+
+
+def metrics_exposure(cfg: Config, metrics: BearerAuth) -> str | None:
+    """A warning for a router whose ``/metrics`` no remote scraper can read (off
+    loopback, no metrics token), or None."""
+    if metrics.token or is_loopback(cfg.listen.host):
+        return None
+    return (
+        f"listening on {cfg.listen.host} without ${metrics.env}: GET /metrics answers only "
+        "loopback peers and the admin token; set it and give it to the scraper (a bearer token)"
+    )
 
 
 class TenantResolver:
@@ -102,6 +143,15 @@ class TenantResolver:
         elif self.require:
             raise Unauthorized("an API key is required ('Authorization: Bearer <key>')")
         return self.default, ""
+
+    def anonymous(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds clients no credential tells apart: the default
+        tenant where requests without an identity fall (every request with source
+        ``none``; one without the header with ``header``; one without a valid key
+        where keys are optional). Its clients share one cache without having been
+        put together by the configuration, so answers to one must not reveal what
+        another sent (router.prefetch)."""
+        return tenant == self.default and not (self.source == "api_key" and self.require)
 
     def namespace(self, headers) -> str:
         """The request's key namespace salt (see the class docstring)."""

@@ -1,8 +1,9 @@
 """``radixfleet router``: run the cache-aware router.
 
-    radixfleet router --config FILE [--host H] [--port P] [--worker-header]
+    radixfleet router --config FILE [--host H] [--port P] [--worker-header] [--match-header]
     radixfleet router --worker URL [--worker URL ...] [--policy NAME]
                       [--policy-param NAME=VALUE ...] [--port P] [--host H] [--worker-header]
+                      [--match-header]
 
 A ``--worker`` is a base URL, ``KIND=URL`` (``vllm=http://10.0.0.5:8000``), or
 comma-separated ``key=value`` settings of a YAML worker entry::
@@ -17,7 +18,8 @@ policy's parameters (``policy.params`` of the YAML; the value is read as YAML:
 The quick start without a file builds the same validated ``Config`` (errors name
 the field: ``workers[0].url: ...``). ``--host``/``--port`` override the file and
 keep overriding it across reloads, as ``--worker-header`` does
-``response_headers.worker_id: true``. Signals: SIGTERM/SIGINT stop accepting, let
+``response_headers.worker_id: true`` and ``--match-header``
+``response_headers.match_tokens: true``. Signals: SIGTERM/SIGINT stop accepting, let
 in-flight requests finish (``limits.shutdown_timeout_s``) and exit 0; SIGHUP
 reloads the file. Uses uvloop when installed.
 """
@@ -74,6 +76,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="answers name the worker that served them in an x-radixfleet-worker header "
         "(response_headers.worker_id: true; off by default, for tests and load generators)",
+    )
+    parser.add_argument(
+        "--match-header",
+        action="store_true",
+        help="answers carry x-radixfleet-available-tokens and x-radixfleet-predicted-tokens "
+        "(response_headers.match_tokens: true; off by default, for load generators)",
     )
     parser.add_argument("--host", default=MISSING, help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=MISSING, help="listen port (default 8000)")
@@ -160,6 +168,8 @@ def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
         overrides["listen__port"] = args.port
     if args.worker_header:
         overrides["response_headers__worker_id"] = True
+    if args.match_header:
+        overrides["response_headers__match_tokens"] = True
     if args.config:
         if args.worker or args.policy is not MISSING or args.policy_param:
             raise ConfigError(

@@ -89,6 +89,40 @@ MISSING: Any = _Missing()
 
 
 @settings
+class TokenizersConfig:
+    """Where a vLLM or SGLang worker's tokenizer comes from when neither its entry
+    nor ``models:`` names one (``router.engines.tokenizer_source``)."""
+
+    discover: bool = _opt(
+        True,
+        "key a vLLM/SGLang worker with no tokenizer set with the one its engine names "
+        "(vLLM's GET /v1/models root, SGLang's GET /get_model_info tokenizer_path), when "
+        "the router can read it: a folder here (the same host, a shared volume) or a repo "
+        "in the local Hugging Face cache; checked once against the engine's /tokenize",
+    )
+    download: bool = _opt(
+        False,
+        "download such a tokenizer from the Hugging Face hub when the engine names a "
+        "repo that is not in the local cache (needs the hub reachable; off: nothing is "
+        "downloaded)",
+    )
+    engine_tokenize: bool = _opt(
+        True,
+        "key a vLLM/SGLang worker whose tokenizer cannot be loaded here through its "
+        "engine's POST /tokenize: one round trip before each request's pick (a few ms, "
+        "router.engines.engine_keys), identical requests cached; off: routing bytes",
+    )
+    engine_timeout_s: float = _opt(
+        0.5,
+        "the longest a request waits for its engine's /tokenize; past it, that "
+        "request routes by load (its keys unknown)",
+        lo=0,
+        lo_open=True,
+        hi=10.0,
+    )
+
+
+@settings
 class ListenConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "TCP port", lo=0, hi=65535)
@@ -513,6 +547,11 @@ class PrefetchConfig:
 class AuthConfig:
     admin_token_env: str = _opt("RADIXFLEET_ADMIN_TOKEN", "env var with the admin bearer token")
     agent_token_env: str = _opt("RADIXFLEET_AGENT_TOKEN", "env var with the agent bearer token")
+    metrics_token_env: str = _opt(
+        "RADIXFLEET_METRICS_TOKEN",
+        "env var with the bearer token of GET /metrics (the admin token works too); unset: "
+        "loopback peers only",
+    )
 
 
 @settings
@@ -781,6 +820,63 @@ class TrafficLogConfig:
 
 
 @settings
+class TracingConfig:
+    """OpenTelemetry traces (router.tracing; the ``tracing`` extra). Read at start."""
+
+    enabled: bool = _opt(
+        False, "export a span tree per sampled request over OTLP (needs pip install 'radixfleet[tracing]')"
+    )
+    endpoint: str = _opt(
+        "http://127.0.0.1:4318/v1/traces",
+        "the collector's OTLP traces URL (http/protobuf: a URL without a path gets /v1/traces; "
+        "grpc: http://HOST:4317); its credentials and TLS files come from the OTEL_EXPORTER_OTLP_* "
+        "environment variables",
+    )
+    protocol: Literal["http/protobuf", "grpc"] = _opt(
+        "http/protobuf",
+        "OTLP over HTTP (the extra's exporter) or gRPC (needs opentelemetry-exporter-otlp-proto-grpc)",
+    )
+    sample_ratio: float = _opt(
+        0.01,
+        "share of requests traced (by trace id, as OpenTelemetry's TraceIdRatioBased) when the "
+        "client's traceparent does not decide",
+        lo=0,
+        hi=1,
+    )
+    parent_based: bool = _opt(
+        True,
+        "a client's valid traceparent decides by its sampled flag (OpenTelemetry's parent-based "
+        "sampling); false: sample_ratio decides every request, a client's trace is still joined",
+    )
+    service_name: str = _opt("radixfleet-router", "the service.name resource attribute of every span")
+    max_queue_spans: int = _opt(
+        2048,
+        "spans waiting for the export thread; beyond it spans are dropped and counted, never waited for",
+        lo=1,
+        hi=1 << 20,
+    )
+    export_timeout_s: float = _opt(
+        5.0,
+        "one export's deadline (retries included); a failed batch is dropped and counted",
+        lo=0,
+        lo_open=True,
+        hi=120,
+    )
+
+    @document_check
+    def _check(self) -> None:
+        try:
+            u = urlsplit(self.endpoint)
+            ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port or 1) > 0
+        except ValueError:  # a bad port or IPv6 literal
+            ok = False
+        if not ok or not self.endpoint.isascii() or any(c <= " " for c in self.endpoint):
+            raise ConfigError("endpoint", f"expected an http:// or https:// URL, got {self.endpoint[:200]!r}")
+        if not self.service_name or len(self.service_name) > 255:
+            raise ConfigError("service_name", "expected a name of 1 to 255 characters")
+
+
+@settings
 class AutoscaleConfig:
     target_utilization: float = _opt(
         0.6, "share of a worker's prefill rate the plan may use", lo=0, hi=1, lo_open=True
@@ -835,6 +931,25 @@ class ResponseHeadersConfig:
         "answer each proxied request with an `x-radixfleet-worker` header naming the worker "
         "that served it (off: the fleet's worker ids and topology stay internal; for tests "
         "and load generators that count per worker)",
+    )
+    match_tokens: bool = _opt(
+        False,
+        "answer each proxied request with `x-radixfleet-available-tokens` (the best match among "
+        "the eligible workers) and `x-radixfleet-predicted-tokens` (the chosen worker's) "
+        "(router.decisions; off: what the fleet caches stays internal; for load generators "
+        "that report routing quality per request)",
+    )
+
+
+@settings
+class DecisionsConfig:
+    size: int = _opt(
+        256,
+        "the last client requests' routing decisions GET /admin/decisions keeps, each with "
+        "its candidates' figures (router.decisions: about 0.5 KB + 0.25 KB per eligible "
+        "worker each; 0: none kept, none explained)",
+        lo=0,
+        hi=4096,
     )
 
 
@@ -950,18 +1065,23 @@ class Config:
     bus: BusConfig = _section(BusConfig, "event bus shared by router replicas (read at start)")
     traffic_log: TrafficLogConfig = _section(TrafficLogConfig, "per-request traffic log")
     autoscale: AutoscaleConfig = _section(AutoscaleConfig, "prefix-aware autoscaling signal")
+    tracing: TracingConfig = _section(TracingConfig, "OpenTelemetry traces (read at start)")
     tenancy: TenancyConfig = _section(
         TenancyConfig, "priority classes and rate limits per tenant and API key"
     )
     response_headers: ResponseHeadersConfig = _section(
         ResponseHeadersConfig, "what the router tells clients about itself"
     )
+    decisions: DecisionsConfig = _section(DecisionsConfig, "recent routing decisions for operators")
     disagg: DisaggConfig = _section(DisaggConfig, "disaggregated prefill/decode")
     gateway: GatewayConfig = _section(GatewayConfig, "radixfleet gateway: Envoy and the endpoint picker")
     #: ``models:``: served model name -> the engine settings of every worker serving it
     models: Mapping[ModelName, EngineSettings] = Field(
         default_factory=dict,
         description=("served model name -> the engine settings of every worker serving it"),
+    )
+    tokenizers: TokenizersConfig = _section(
+        TokenizersConfig, "a worker's tokenizer found from its engine, when none is configured"
     )
     path: str = internal(str)
     #: ``workers.discovery`` in the YAML (not a top-level key); read at start
@@ -1232,12 +1352,15 @@ def check_event_binds(cfg: Config) -> None:
 
 
 def _check_tokenizers(cfg: Config, found: list[ConfigError]) -> None:
-    """An events endpoint (or a block size) needs a tokenizer: the worker's or
-    selector's own, or its model's ``models:`` entry (any entry, while its model
-    is learned from the worker)."""
+    """An events endpoint (or a block size, a chat template) needs a tokenizer: the
+    worker's or selector's own, its model's ``models:`` entry (any entry, while its
+    model is learned from the worker), or, with ``tokenizers.discover``, the one a
+    vLLM/SGLang engine names (any kind but openai: auto may probe as either)."""
 
     def covered(spec: Any) -> bool:
         if spec.tokenizer:
+            return True
+        if cfg.tokenizers.discover and getattr(spec, "kind", "auto") != "openai":
             return True
         model = getattr(spec, "model", "")
         if model:
@@ -1262,7 +1385,7 @@ def _check_tokenizers(cfg: Config, found: list[ConfigError]) -> None:
                     "required with events.endpoint: the "
                     "events name token blocks, so requests must be keyed with "
                     "the engine's own tokenizer (here, or in a models: entry "
-                    "for the model)",
+                    "for the model; or found from the engine: tokenizers.discover)",
                 )
             )
         elif spec.block_size:
@@ -1609,6 +1732,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)  # ConfigError -> the CLI prints one line, exit 2
     load_model_keyers(cfg)  # as the router does at start: every models: tokenizer loads
     check_event_binds(cfg)
+    if cfg.tracing.enabled:  # as the router does at start: the extra and its exporter
+        from service.tracing import exporter_class
+
+        exporter_class(cfg.tracing.protocol)
     for w in config_warnings(cfg):
         print(f"warning: {args.file}: {w}", file=sys.stderr)
     print(f"OK: {args.file}: {cfg.summary()}")

@@ -8,6 +8,9 @@ before, by the listener: ``router.intake``, ``router.front``)::
     read body (<= limits.max_body_bytes, else 413) -> json (else 400)
     tenant = TenantResolver(headers)                 (auth.py; 401 if a key is required)
     key    = request_key(endpoint, body, tenant, block_bytes)   (400 naming the field)
+    await engines.prepare(...)                        workers keyed through their engine's
+                                                      /tokenize: the ids asked for first
+                                                      (cached; router.engines.engine_keys)
     verdict = route.decide(ask, now)                  the route core (router.route): views,
                                                       keys and match, tenancy and rate
                                                       limits, shedding, the policy's choice,
@@ -17,7 +20,8 @@ before, by the listener: ``router.intake``, ``router.front``)::
         Hold   -> the admission queue (tenancy.queue), then route.resume
         Admitted (a disaggregated fleet) -> router.pd picks its two legs
         Route  -> forwarded below; a retry asks the core again, the tried excluded
-    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop) -> worker
+    forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop; a
+        traced request's traceparent: router.tracing) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
     pool.finish(worker)                               on every path (client gone too)
@@ -85,10 +89,11 @@ from protocol.errors import (
 )
 from protocol.identifiers import request_id
 from protocol.prefix_keys import Endpoint, PrefixKey, request_key
-from router import edge
+from router import edge, screen
 from router.admission_queue import AdmissionQueue
 from router.auth import TenantResolver
 from router.config import Config
+from router.decisions import DecisionRing, Quality, now_unix, quality
 from router.engines.keyspace import KeyedRequest
 from router.engines.link import EngineLink
 from router.hops import Hops
@@ -117,12 +122,16 @@ from service import jsonbody
 if TYPE_CHECKING:
     from router.bus.replica import BusReplica
     from router.engines.manager import Engines
+    from router.tracing import RequestTrace
     from router.traffic_log import TrafficLog
+    from service.tracing import Tracing
 
 log = logging.getLogger("radixfleet.router")
 
 TENANT_HEADER = "x-radixfleet-tenant"
 WORKER_HEADER = "x-radixfleet-worker"
+AVAILABLE_HEADER = "x-radixfleet-available-tokens"
+PREDICTED_HEADER = "x-radixfleet-predicted-tokens"
 REQUEST_ID_HEADER = "x-request-id"
 
 _JSON = "application/json"
@@ -323,8 +332,8 @@ def _status_error(status: int, data: bytes) -> bytes:
 @dataclasses.dataclass(slots=True)
 class RequestContext:
     """One client request on the data plane: what each of its attempts needs. Made
-    by ``serve`` once the body is read and keyed; only ``reason`` changes (a retry's
-    is ``fallback``)."""
+    by ``serve`` once the body is read and keyed; only ``reason`` and ``route``
+    change (a retry's reason is ``fallback``)."""
 
     ex: Any  # the exchange it came on (module docstring)
     endpoint: Endpoint
@@ -339,12 +348,14 @@ class RequestContext:
     tenant: str = ""  # its tenant's name (router.auth), for router.tenancy
     api_key: str = ""  # the name of the API key it came with ("" none or unnamed)
     ticket: Ticket | None = None  # its class and rate-limit reservation, once admitted
+    route: Route | None = None  # the current attempt's route (its match, its explanation)
+    trace: RequestTrace | None = None  # its spans (router.tracing); None: not traced
 
 
 class _Flight:
     """One attempt's outcome as it unfolds, for its bookkeeping on every path."""
 
-    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent", "status", "broken", "watch")
+    __slots__ = ("left", "ok", "ttft", "usage", "output", "sent", "head", "status", "broken", "watch")
 
     def __init__(self, left: int) -> None:
         self.left = left  # prompt tokens still counted on the worker as queued prefill
@@ -353,6 +364,7 @@ class _Flight:
         self.usage: tuple[int, int] | None = None  # (prompt_tokens, cached_tokens)
         self.output: int | None = None  # completion tokens the worker reported
         self.sent = time.monotonic()
+        self.head: float | None = None  # when the worker's response head came
         #: the status of the answer the client got from this attempt (the traffic
         #: log's); None: none (failed before a byte, or the client went away)
         self.status: int | None = None
@@ -465,12 +477,14 @@ class DataPlane:
         self.session: aiohttp.ClientSession | None = None  # warm-ups
         self.upstream: UpstreamPool | None = None  # the data plane's connections
         self._bus: BusReplica | None = None  # the ``bus`` property
+        #: OpenTelemetry traces (router.tracing); None: off, and no request touches them
+        self.tracing: Tracing | None = None
         self._addrs: dict[str, tuple[str, int, str]] = {}
         self._rid_prefix = os.urandom(4).hex()
         self._rid = itertools.count(1)
         self._warmed = WarmupGate()  # hot-root warm-ups sent (router.warmup)
         #: prefetch prefill spent (router.prefetch) and prefetches awaiting their request
-        self.prefetch_budget = PrefetchBudget()
+        self.prefetch_budget = PrefetchBudget(cfg.tenancy.queue.weights)
         self.prefetched = PrefetchLedger(cfg.prefetch.max_tracked)
         #: per worker, the cancel handles of the requests in flight on it
         self._waiting: dict[Worker, set[Cancel]] = {}
@@ -480,6 +494,8 @@ class DataPlane:
         #: this router's mark on what it sends (router.hops; checked on arrival by the
         #: listeners, router.app; the client session carries it on every other request)
         self.hops = Hops()
+        #: the last decisions with their candidates (GET /admin/decisions)
+        self.decisions = DecisionRing(cfg.decisions.size)
         #: every decision: views, keys, admission, choice, placement (router.route)
         self.route = RouteCore(
             RouteParts(
@@ -492,6 +508,7 @@ class DataPlane:
                 self.prefetched,
                 busy=self.admission.busy,
                 disaggregated=self.pd.disaggregated,
+                explain=self.decisions.on,
             )
         )
 
@@ -515,6 +532,11 @@ class DataPlane:
         self._bus = bus
         self.route.attach_hints(bus)
 
+    def use_tracing(self, tracing: Tracing | None) -> None:
+        """Traces sampled requests with ``tracing`` from now on (None: none; its
+        owner closes it)."""
+        self.tracing = tracing
+
     def configure(self, cfg: Config, policy: Policy, tenants: TenantResolver) -> None:
         """Takes a reloaded config: in-flight requests finish under the old one."""
         self.cfg = cfg
@@ -526,6 +548,9 @@ class DataPlane:
         self.tenancy.configure(cfg.tenancy, _named_tenants(cfg), time.monotonic())
         self.queue.configure(cfg.tenancy.queue)
         self.prefetched.configure(cfg.prefetch.max_tracked)
+        self.decisions.resize(cfg.decisions.size)
+        self.route.explain_routes(self.decisions.on)
+        self.prefetch_budget.configure(cfg.tenancy.queue.weights)
         if self.upstream is not None:
             self.upstream.configure(cfg.timeouts.connect_s, cfg.timeouts.keepalive_s, lim.max_response_bytes)
 
@@ -535,8 +560,12 @@ class DataPlane:
         fleet's size are not a client's business), and the ``x-ratelimit-*`` of a
         request under rate limits (``Ticket.headers``)."""
         out = [(REQUEST_ID_HEADER, ctx.rid)]
-        if self.cfg.response_headers.worker_id:
+        rh = self.cfg.response_headers
+        if rh.worker_id:
             out.insert(0, (WORKER_HEADER, worker))
+        if rh.match_tokens and ctx.route is not None and ctx.route.placement is not None:
+            q = quality(ctx.route, ctx.route.placement, None)
+            out += [(AVAILABLE_HEADER, str(q.available)), (PREDICTED_HEADER, str(q.predicted))]
         if ctx.ticket is not None and ctx.ticket.limits:
             out += ctx.ticket.headers()
         return out
@@ -549,33 +578,66 @@ class DataPlane:
         extra += exc.headers
         ex.reply(exc.status, json.dumps(exc.to_json()).encode(), _JSON, extra)
 
+    def screen_head(self, headers: Mapping[str, str]) -> None:
+        """Raises the refusal a data-plane request gets from its head whatever its
+        body (router.screen): no valid credentials (401), or its tenant or API key
+        over its rate limit (429 + x-ratelimit-*: ``Tenancy.over_limit``). Called
+        before the body is read; takes nothing."""
+        tenant, api_key = self.tenants.identify(headers)
+        exc = self.tenancy.over_limit(tenant, api_key, time.monotonic())
+        if exc is not None:
+            raise exc
+
     async def serve(self, ex, endpoint: Endpoint) -> None:
         """Serves one data-plane request on exchange ``ex``. Never raises for bad
         input (it becomes a JSON error reply); cancellation (client gone) propagates
-        after every resource is released."""
+        after every resource is released. A sampled request is traced
+        (router.tracing), its spans ended on every path."""
+        tr = self.tracing
+        if tr is not None:
+            from router import tracing
+
+            trace = tracing.start(tr, ex.headers, endpoint)
+            if trace is not None:
+                try:
+                    await self._serve(trace.exchange(ex), endpoint, trace)
+                except asyncio.CancelledError:
+                    trace.gone()  # the client left
+                    raise
+                finally:
+                    trace.end()
+                return
+        await self._serve(ex, endpoint, None)
+
+    async def _serve(self, ex, endpoint: Endpoint, trace: RequestTrace | None) -> None:
         t0 = time.monotonic()
         headers = ex.headers
         rid = self.request_id(headers)
         adm = self.admission
-        if not adm.try_enter():
+        waited = not adm.try_enter()
+        if waited:
             try:
                 await adm.enter()
             except Overloaded as exc:
                 self._reject(ex, exc, rid)
                 return
         try:
+            if trace is not None:
+                trace.admitted(waited)
             try:
                 raw = await ex.body(self.cfg.limits.max_body_bytes)
-                ctx = self.context_of(ex, endpoint, raw, rid, t0)
+                ctx = self.context_of(ex, endpoint, raw, rid, t0, trace)
             except RequestError as exc:
                 self._reject(ex, exc, rid)
                 return
+            if trace is not None:
+                trace.keyed(ctx.key.model, ctx.stream, len(raw), len(ctx.key.hashes))
             await self._route_and_forward(ctx)
         finally:
             adm.leave()
 
     def context_of(
-        self, ex, endpoint: Endpoint, raw: bytes | bytearray, rid: str, t0: float
+        self, ex, endpoint: Endpoint, raw: bytes | bytearray, rid: str, t0: float, trace=None
     ) -> RequestContext:
         """The request read from its body ``raw`` and headers (``ex.headers``): parsed,
         checked, its tenant identified and its routing key made. Raises
@@ -583,9 +645,11 @@ class DataPlane:
         Every carrier of a data-plane request reads it here (the raw front, the aiohttp
         app, the gateway's endpoint picker: router.epp)."""
         headers = ex.headers
+        screen.check_raw(self.pool, raw, time.monotonic())  # an unserved leading model: unparsed
         body = jsonbody.loads(raw)  # bounded depth, finite numbers, UTF-8
         edge.check_request(body)  # the P/D legs and ranks are the router's
         tenant, api_key = self.tenants.identify(headers)
+        screen.check_parsed(self.pool, endpoint, body, time.monotonic())  # unserved: not keyed
         key = request_key(
             endpoint,
             body,
@@ -605,7 +669,18 @@ class DataPlane:
             # its hints carry (protocol.bus_wire: never the client's id)
             session = salts.session_key(session)
         return RequestContext(
-            ex, endpoint, raw, body, key, stream, session, rid, t0, tenant=tenant, api_key=api_key
+            ex,
+            endpoint,
+            raw,
+            body,
+            key,
+            stream,
+            session,
+            rid,
+            t0,
+            tenant=tenant,
+            api_key=api_key,
+            trace=trace,
         )
 
     def request_id(self, headers: Mapping[str, str]) -> str:
@@ -617,6 +692,14 @@ class DataPlane:
         return self.ask_of(
             ctx.endpoint, ctx.body, ctx.key, ctx.session, ctx.tenant, ctx.api_key, ctx.ex.headers
         )
+
+    async def _prepare_keys(self, endpoint: Endpoint, body: dict, key: PrefixKey) -> None:
+        """Before the route core keys the request: workers keyed through their engine's
+        /tokenize are asked for its ids first (``Engines.prepare``; cached), the one
+        await before the pick (the core then reads the views again)."""
+        views = self.pool.views(time.monotonic(), key.model, key.adapter)
+        if views:
+            await self.engines.prepare(endpoint, body, views)
 
     def ask_of(
         self,
@@ -640,14 +723,25 @@ class DataPlane:
     async def _route_and_forward(self, ctx: RequestContext) -> None:
         core = self.route
         ask = self.ask_for(ctx)
-        verdict = core.decide(ask, time.monotonic())
+        trace = ctx.trace
+        await self._prepare_keys(ctx.endpoint, ctx.body, ctx.key)
+        now = time.monotonic()
+        verdict = core.decide(ask, now) if trace is None else trace.decide(core, ask, now)
         if isinstance(verdict, Hold):
             ctx.ticket = verdict.ticket
+            held = time.monotonic()
             shed, waited = await self._admission(ctx, verdict)
+            if trace is not None:
+                trace.held(held, shed is not None)
             if shed is not None:
                 verdict = Reject(shed, verdict.ticket, shed=True)
             else:
-                verdict = core.resume(verdict, waited, time.monotonic())
+                now = time.monotonic()
+                verdict = (
+                    core.resume(verdict, waited, now)
+                    if trace is None
+                    else trace.resume(core, verdict, waited, now)
+                )
         if isinstance(verdict, Reject):
             self._refused(ctx, verdict)
             return
@@ -672,6 +766,8 @@ class DataPlane:
         elif ticket is not None:
             self.tenancy.refund(ticket, now)
         self._reject(ctx.ex, verdict.error, ctx.rid)
+        if self.decisions.on:
+            self._decided(ctx, "", None, verdict.error.status, reason=verdict.error.code, shed=verdict.shed)
         if verdict.shed and self.traffic is not None:  # offered load: analyze sees what was shed
             self.traffic.record(
                 ctx.key,
@@ -693,6 +789,7 @@ class DataPlane:
         excluded: set[str] = set()  # workers a retry must not go to
         retries = self.cfg.retries
         last: _UpstreamFailed | None = None
+        ctx.route = route
         self.routed(ctx, route, now)
         while True:
             tried.append(w.id)
@@ -705,6 +802,8 @@ class DataPlane:
                     exc.retry = True
                 if exc.cause != "rank":  # a rejected rank is not the worker's failure:
                     excluded.add(w.id)  # it may take the retry (its rank map re-read)
+                if ctx.trace is not None:
+                    ctx.trace.failed(exc.cause)
                 self.metrics.attempt(w.id, exc.status or exc.cause)  # not a client outcome
                 log.warning(
                     "request %s: worker %s (%s) failed (%s: %s), attempt %d/%d%s",
@@ -726,15 +825,15 @@ class DataPlane:
             delay = min(retries.backoff_s * (2 ** (len(tried) - 1)), retries.backoff_max_s)
             if delay:
                 await asyncio.sleep(delay)
-            again = self.route.decide(
-                ask.admit(ctx.ticket, exclude=frozenset(excluded), split=False),
-                time.monotonic(),
-            )
+            retry = ask.admit(ctx.ticket, exclude=frozenset(excluded), split=False)
+            now = time.monotonic()
+            trace = ctx.trace
+            again = self.route.decide(retry, now) if trace is None else trace.decide(self.route, retry, now)
             if not isinstance(again, Route):
                 break
             w, pick = again.worker, again.placement
             assert pick is not None, "a retry's route is placed"
-            ctx.reason = Reason.FALLBACK.value
+            ctx.reason, ctx.route = Reason.FALLBACK.value, again
             self.metrics.retries.labels(last.cause).inc()
         self._failed(ctx, last, tried[-1])
 
@@ -813,7 +912,10 @@ class DataPlane:
 
     def _log_failed(self, ctx: RequestContext, worker: str, status: int) -> None:
         """The traffic log's line for a request every attempt failed (offered load,
-        served by no worker: nothing matched, cached or timed; ``worker`` the last tried)."""
+        served by no worker: nothing matched, cached or timed; ``worker`` the last tried),
+        and the decision ring's."""
+        if self.decisions.on:
+            self._decided(ctx, worker, None, status)
         if self.traffic is not None:
             self.traffic.record(
                 ctx.key,
@@ -854,6 +956,10 @@ class DataPlane:
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank  # vLLM's rank header
         fwd += self.hops.lines(ctx.ex.headers)  # a request that comes back is refused
+        trace, span = ctx.trace, 0
+        if trace is not None:  # the worker's spans join this attempt's (W3C traceparent)
+            span, lines = trace.attempt()
+            fwd += lines
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         resp = None
         cancel = Cancel()
@@ -889,6 +995,19 @@ class DataPlane:
             if resp is not None:
                 resp.release()
             self._settle(ctx, w, link, pick, f)
+            if trace is not None:
+                trace.attempt_end(
+                    span,
+                    w.id,
+                    f.sent,
+                    f.head,
+                    f.ttft,
+                    resp.status if resp is not None else None,
+                    f.ok,
+                    f.usage,
+                    f.output,
+                    broken=f.broken,
+                )
 
     async def _answer(
         self, ctx: RequestContext, w: Worker, link: EngineLink | None, pick: Placement, f: _Flight, resp
@@ -897,6 +1016,7 @@ class DataPlane:
         body bytes (returned, for ``_relay``), or the whole answer, replied here
         (None). Raises ``_UpstreamFailed`` for a 5xx or 429 and for a refused rank."""
         m = self.metrics
+        head = f.head = time.monotonic()
         status = resp.status
         if status >= 500 or status == 429:
             data = await resp.read()
@@ -912,7 +1032,7 @@ class DataPlane:
                 status=status,
                 headers=resp.headers,
             )
-        m.observe_ttfb(time.monotonic() - ctx.t0)
+        m.observe_ttfb(head - ctx.t0)
         if ctx.stream and status == 200:
             return await resp.readany()
         data = await resp.read()
@@ -960,13 +1080,17 @@ class DataPlane:
             assert link is not None  # a rank is picked only through an engine link
             link.rank_finished(pick.rank)
         usage = f.usage
-        self.metrics.answered(w.id, ctx.key.model, f.ok, usage)
+        q = quality(ctx.route, pick, usage)
+        self.metrics.answered(w.id, ctx.key.model, f.ok, usage, q)
+        if f.status is not None and self.decisions.on:
+            self._decided(ctx, w.id, q, f.status, f.ttft, f.broken)
         if self.traffic is not None and f.status is not None:  # the client got this answer
             self.traffic.record(
                 ctx.key,
                 arrival_s=time.time() - (time.monotonic() - ctx.t0),
                 worker=w.id,
                 matched_tokens=pick.blocks * pick.key.block_tokens,
+                available_tokens=q.available,
                 prompt_tokens=usage[0] if usage else None,
                 output_tokens=f.output,
                 cached_tokens=usage[1] if usage else None,
@@ -985,6 +1109,39 @@ class DataPlane:
             except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
                 log.exception("request %s: bookkeeping for worker %s failed", ctx.rid, w.id)
             self.pool.rate_moved(w)
+
+    def _decided(
+        self,
+        ctx: RequestContext,
+        worker: str,
+        q: Quality | None,
+        status: int,
+        ttft_s: float | None = None,
+        broken: bool = False,
+        *,
+        reason: str | None = None,
+        shed: bool = False,
+    ) -> None:
+        """The decision ring's entry for ``ctx``'s outcome (router.decisions): its
+        current route (none when refused or failed before one), the ``worker`` that
+        answered (or was tried last; "" refused), the status the client got."""
+        route = ctx.route if worker else None
+        self.decisions.record(
+            ctx.key,
+            arrival_s=now_unix(ctx.t0),
+            request_id=ctx.rid,
+            tenant=ctx.tenant,
+            session=ctx.session,
+            policy=self.policy.name,
+            route=route if route is not None and route.worker.id == worker else None,
+            reason=ctx.reason if reason is None else reason,
+            worker=worker,
+            quality=q,
+            status=status,
+            ttft_s=ttft_s,
+            broken=broken,
+            shed=shed,
+        )
 
     async def _relay(
         self, ctx: RequestContext, w: Worker, f: _Flight, resp, first: bytes, strip: bool
@@ -1189,6 +1346,7 @@ class DataPlane:
             if not pcfg.enabled:
                 raise NotFound("prefetch is turned off on this router (prefetch.enabled)")
             raw = await ex.body(self.cfg.limits.max_body_bytes)
+            screen.check_raw(self.pool, raw, time.monotonic())  # router.screen
             body = jsonbody.loads(raw)
             if not isinstance(body, dict):
                 raise MalformedRequest("the body must be a JSON object")
@@ -1203,6 +1361,7 @@ class DataPlane:
                     param="messages",
                 )
             tenant, api_key = self.tenants.identify(headers)
+            screen.check_parsed(self.pool, endpoint, body, time.monotonic())
             ns = self.tenants.namespace_of(tenant)
             key = request_key(endpoint, body, tenant=ns, block_bytes=self.cfg.keys.block_bytes)
             session = headers.get("x-session-id")
@@ -1210,6 +1369,8 @@ class DataPlane:
                 session = body["user"]
             now = time.monotonic()
             self._prefetch_sweep(now)
+            await self._prepare_keys(endpoint, body, key)
+            now = time.monotonic()
             # charged as the request it sends: one, and its prompt plus the one token
             # it generates (router.prefetch, "Tenant limits"); 429 when over; dropped
             # first when a real request would wait or be shed (router.route)
@@ -1235,7 +1396,7 @@ class DataPlane:
             if not dedup:
                 tokens = uncached_tokens(sk.prompt_tokens, held, sk.block_tokens)
                 rate = pcfg.share * sum(x.prefill_rate(now) for x in self.pool.routable_workers(now))
-                wait = self.prefetch_budget.take(tokens, rate, pcfg.burst_s, now)
+                wait = self.prefetch_budget.take(tenant, tokens, rate, pcfg.burst_s, now)
                 if wait is not None:  # nothing warmed, the reservation given back
                     self.tenancy.refund(ticket, now)
                     self.metrics.prefetch_dropped.labels("budget").inc()
@@ -1248,9 +1409,13 @@ class DataPlane:
             return
         m = self.metrics
         self.tenancy.admitted(ticket, now)
+        # the answer tells a client without an identity nothing of what others sent
+        # (router.prefetch, "What the answer says"): charged alike, no flag
+        told = not self.tenants.anonymous(tenant)
         if dedup:
             m.prefetch.labels("deduplicated").inc()
-            self.tenancy.settle(ticket, 0, now)  # nothing sent: its tokens given back
+            if told:
+                self.tenancy.settle(ticket, 0, now)  # nothing sent: its tokens given back
         else:
             pick = self.route.place(w, kr, now)  # the hint the real request follows; its load
             link = w.engine
@@ -1264,7 +1429,9 @@ class DataPlane:
             m.prefetch.labels("warmed").inc()
             m.prefetch_tokens.inc(tokens)
             self._spawn(self._prefetch_send(w, pick, endpoint, body, key.tenant, rid, ticket.rank))
-        out: dict[str, Any] = {"object": "prefetch", "accepted": True, "deduplicated": dedup}
+        out: dict[str, Any] = {"object": "prefetch", "accepted": True}
+        if told:
+            out["deduplicated"] = dedup
         extra = [(REQUEST_ID_HEADER, rid), *ticket.headers()]
         if self.cfg.response_headers.worker_id:
             out["worker"] = w.id

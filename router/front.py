@@ -31,8 +31,8 @@ What a client may hold before its request is admitted is bounded here: body byte
 by the shared ``router.intake.BodyBudget`` (429 past it), a head by ``MAX_HEAD``
 (counting only that head's bytes, not its pipelined predecessors'), connections by
 ``max_connections()`` (the longest-idle one closed to make room, else 429), and a
-request without valid credentials is refused from its headers (``authorize``),
-before its body is read.
+request without valid credentials or whose tenant is over its rate limit is refused
+from its headers (``authorize``: router.screen), before its body is read.
 
 A client that closes its connection while its request is served (waiting for a
 slot, for its worker, or mid-stream) is an expected event: the request's task is
@@ -902,9 +902,10 @@ class FrontServer:
 
     ``budget`` bounds the request body bytes held (shared with the aiohttp side);
     ``authorize(headers)`` raises a ``RequestError`` for a data-plane request the
-    router will refuse whatever its body (no credentials), checked before the body
-    is read; ``max_connections()`` caps the client connections, handed-over ones
-    included; ``on_refused(reason)`` counts a connection closed or refused at the cap
+    router will refuse whatever its body (no credentials, a tenant or key over its
+    rate limit: router.screen), checked before the body is read;
+    ``max_connections()`` caps the client connections, handed-over ones included;
+    ``on_refused(reason)`` counts a connection closed or refused at the cap
     (``idle_closed`` | ``at_capacity``); ``on_gone(phase)`` a client that left while
     its request was served (``waiting`` | ``streaming``: the module docstring);
     ``slow`` bounds the waits for a client to take its answer

@@ -20,7 +20,12 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_prompt_tokens_total{worker,model}      prompt tokens of answered requests, as
                                                       the worker's usage reported them
     radixfleet_cached_tokens_total{worker,model}      of those, found in its prefix cache
-                                                      (usage.prompt_tokens_details)
+                                                      (usage.prompt_tokens_details): delivered
+    radixfleet_available_cached_tokens_total{worker,model}  of those, the best match among the
+                                                      eligible workers at pick time: available
+    radixfleet_predicted_cached_tokens_total{worker,model}  of those, the chosen worker's match
+                                                      at pick time: predicted (router.decisions;
+                                                      all three over the same answers)
     radixfleet_worker_requests_total{worker,model,outcome}  tries on a worker: answered, failed
                                                       (the worker), gone (the client left)
     radixfleet_worker_queued_requests{worker}, _running_requests{worker},
@@ -105,10 +110,19 @@ index when ``/metrics`` is scraped (``refresh``), costing the request path nothi
     radixfleet_traffic_log_records_total{outcome}     written, dropped_full, dropped_error,
                                                       sampled_out (read from the log at scrape)
     radixfleet_traffic_log_write_errors_total, radixfleet_traffic_log_queued
+    radixfleet_tracing_spans_total{outcome}           with tracing on (router.tracing): exported |
+                                                      dropped_queue_full (tracing.max_queue_spans
+                                                      waiting) | dropped_export_failed (the
+                                                      collector down, slow or refusing)
+    radixfleet_tracing_queued_spans                   spans waiting for the export thread
+    radixfleet_traffic_log_writing                    1 writing, 0 stopped by a write error
+                                                      (router.traffic_log: retried, kept
+                                                      files never rotated out meanwhile)
     process_*, python_gc_*, python_info               the standard process collectors
 
 No series carries a prefix hash: a hash is a tenant's prompt fingerprint, and the
-metrics page is public on the data-plane port. Per-prefix detail (hash, depth,
+metrics page is served on the data-plane port (to the metrics or admin token, or to
+loopback peers while no metrics token is set: router.auth.check_metrics). Per-prefix detail (hash, depth,
 holders) is at ``/admin/index``, behind the admin token. ``_created`` series are
 not exported (``prometheus_client.disable_created_metrics``, process-wide).
 """
@@ -201,6 +215,19 @@ class Metrics:
             "Of those, tokens the worker "
             "found in its prefix cache (usage.prompt_tokens_details."
             "cached_tokens)",
+            ["worker", "model"],
+            registry=r,
+        )
+        self.available_tokens = Counter(
+            "radixfleet_available_cached_tokens",
+            "Of those, tokens the best-matching eligible worker held at pick time "
+            "(the reuse available anywhere in the fleet: router.decisions)",
+            ["worker", "model"],
+            registry=r,
+        )
+        self.predicted_tokens = Counter(
+            "radixfleet_predicted_cached_tokens",
+            "Of those, tokens the chosen worker was predicted to hold at pick time (router.decisions)",
             ["worker", "model"],
             registry=r,
         )
@@ -449,10 +476,18 @@ class Metrics:
             c = self._attempt_children[key] = self.attempts.labels(worker, str(outcome))
         c.inc()
 
-    def answered(self, worker: str, model: str, ok: bool | None, usage: tuple[int, int] | None) -> None:
+    def answered(
+        self,
+        worker: str,
+        model: str,
+        ok: bool | None,
+        usage: tuple[int, int] | None,
+        quality: tuple[int, int, int | None] | None = None,
+    ) -> None:
         """One try on ``worker`` ended: ``ok`` True (answered, any status), False (the
         worker failed), None (the client left); ``usage`` (prompt, cached tokens)
-        where the worker reported it."""
+        where the worker reported it, and with it the try's ``quality`` (available,
+        predicted, delivered tokens: ``router.decisions.Quality``)."""
         outcome = "answered" if ok else "failed" if ok is False else "gone"
         key = (worker, model, outcome)
         c = self._answer_children.get(key)
@@ -461,11 +496,16 @@ class Metrics:
                 self.worker_requests.labels(worker, model, outcome),
                 self.prompt_tokens.labels(worker, model),
                 self.cached_tokens.labels(worker, model),
+                self.available_tokens.labels(worker, model),
+                self.predicted_tokens.labels(worker, model),
             )
         c[0].inc()
         if usage is not None:
             c[1].inc(usage[0])
             c[2].inc(usage[1])
+            if quality is not None:
+                c[3].inc(quality[0])
+                c[4].inc(quality[1])
 
     def event_applied(self, kind: str, n: int = 1) -> None:
         self._event_children[kind].inc(n)
@@ -522,6 +562,11 @@ class Metrics:
         """Exports a ``router.traffic_log.TrafficLog``'s counters, read at each scrape."""
         self.registry.register(_TrafficLogCollector(traffic_log))
 
+    def watch_tracing(self, tracing) -> None:
+        """Exports the counters of the ``service.tracing.Tracing`` that ``tracing()``
+        returns at each scrape (none while it returns None)."""
+        self.registry.register(_TracingCollector(tracing))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -545,4 +590,32 @@ class _TrafficLogCollector:
         )
         yield GaugeMetricFamily(
             "radixfleet_traffic_log_queued", "Traffic log records waiting for the writer", value=st.queued
+        )
+        yield GaugeMetricFamily(
+            "radixfleet_traffic_log_writing",
+            "1 while the traffic log writes, 0 while a write error stopped it (until a retry succeeds)",
+            value=st.writing,
+        )
+
+
+class _TracingCollector:
+    """Reads ``Tracing.stats()`` when scraped (the tracer keeps its own counters)."""
+
+    def __init__(self, tracing) -> None:
+        self._tracing = tracing
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        t = self._tracing()
+        if t is None:
+            return
+        st = t.stats()
+        c = CounterMetricFamily("radixfleet_tracing_spans", "Trace spans by outcome", labels=["outcome"])
+        for outcome in ("exported", "dropped_queue_full", "dropped_export_failed"):
+            c.add_metric([outcome], st[outcome])
+        yield c
+        yield GaugeMetricFamily(
+            "radixfleet_tracing_queued_spans", "Trace spans waiting for the export thread", value=st["queued"]
         )

@@ -340,9 +340,14 @@ class PrefillDecode:
         if pick.rank is not None:
             fwd += b"x-data-parallel-rank: %d\r\n" % pick.rank
         fwd += dp.hops.lines(ctx.ex.headers)  # router.hops
+        trace, span = ctx.trace, 0
+        if trace is not None:  # the prefill engine's spans join this leg's
+            span, lines = trace.attempt()
+            fwd += lines
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         ok: bool | None = False
         resp = None
+        sent = time.monotonic()
         cancel = Cancel()
         dp.watch(w, cancel)
         try:
@@ -391,3 +396,6 @@ class PrefillDecode:
             if pick.rank is not None and w.engine is not None:
                 w.engine.rank_finished(pick.rank)
             dp.queue.kick(time.monotonic())
+            if trace is not None:
+                status = resp.status if resp is not None else None
+                trace.attempt_end(span, w.id, sent, None, None, status, ok, None, None, leg="prefill")

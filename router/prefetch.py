@@ -11,16 +11,27 @@ gets 202 at once.
 
 A prefetch is speculative work, so it is the first thing dropped:
 
-- ``PrefetchBudget``: a token bucket of prefill tokens, refilled at
-  ``prefetch.share`` of the fleet's prefill capacity (the sum of the routable
-  workers' prefill rates, ``Worker.prefill_rate``), ``prefetch.burst_s`` seconds of
-  it at most. A prefetch costs its uncached tokens on the chosen worker; one that
-  does not fit is refused (429), nothing warmed.
+- ``PrefetchBudget``: ``prefetch.share`` of the fleet's prefill capacity (the sum
+  of the routable workers' prefill rates, ``Worker.prefill_rate``), split among the
+  tenants prefetching lately by their fair-share weights (``tenancy.queue.weights``):
+  a token bucket per tenant, ``prefetch.burst_s`` seconds of its part at most. A
+  prefetch costs its uncached tokens on the chosen worker from its tenant's bucket;
+  one that does not fit is refused (429), nothing warmed. One tenant's flood empties
+  its own bucket, never another's.
 - the shedder's verdict at scale 1 and the admission limit: a router or fleet that
   would queue or shed a real request refuses the prefetch (429) instead.
 - deduplication: a prefix the index already holds whole on the chosen worker is
-  not sent again (202 with ``deduplicated: true``); a second prefetch of the same
-  prompt finds the first one's hint.
+  not sent again; a second prefetch of the same prompt finds the first one's hint.
+
+What the answer says: the 202 tells a client with an identity — a tenant an API key
+or a trusted gateway's header names, whose clients share its cache by configuration
+— whether it was deduplicated (``deduplicated``), and gives a deduplicated one its
+tokens back. A client without one (no tenants configured, or no key where keys are
+optional: the default tenant, whose cache every such client shares) gets the same
+202 either way, charged alike, so a prefetch cannot ask whether someone else sent a
+text (``TenantResolver.anonymous``). What is left to such a client is what any shared
+prefix cache leaves: the real request's latency, and the coarse Retry-After of a
+budget its own prefetches spent (charged what is sent). Tenants keep clients apart.
 
 Tenant limits: a prefetch is made with a tenant's key and charged to the tenant's
 and the key's rate limits (``router.tenancy``) as the request it sends: one request,
@@ -28,10 +39,10 @@ and its prompt plus the one token it generates, reserved before the load and bud
 checks (over a limit: 429 with the ``x-ratelimit-*`` headers, nothing warmed; the
 202 carries them too). A prefetch dropped for load or budget gets its reservation
 back, as a shed request does; a deduplicated one (nothing sent) keeps the request
-and gets its tokens back. The real request that follows is charged in full, as any
-request is whatever its cache hit: a limit counts what a tenant asks for, and a
-prefetch asks the fleet for a prefill of its own — free prefetches would be a way
-around a tokens-per-minute limit.
+and, for a client with an identity, gets its tokens back. The real request that
+follows is charged in full, as any request is whatever its cache hit: a limit
+counts what a tenant asks for, and a prefetch asks the fleet for a prefill of its
+own — free prefetches would be a way around a tokens-per-minute limit.
 
 The real request that follows a prefetch is not shed: its prefill was admitted (and
 budgeted) as the prefetch's, which is still queued or running on its worker when the
@@ -51,40 +62,97 @@ entries; past it the oldest are counted wasted early.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 #: the path the router serves prefetches on
 PREFETCH_PATH = "/v1/prefetch"
+#: the most tenants with a bucket at once (the least recently seen is forgotten past it)
+MAX_TENANTS = 1024
 
 
 class PrefetchBudget:
-    """Prefill tokens prefetches may spend: a token bucket whose rate is set per take
-    (the fleet's capacity changes as workers come, go and report rates). Only its
-    owner calls it; nothing here blocks."""
+    """Prefill tokens prefetches may spend: a token bucket per tenant, the rate of
+    each set per take (the fleet's capacity changes as workers come, go and report
+    rates, the tenants sharing it as they prefetch or stop)::
 
-    __slots__ = ("_tokens", "_t", "spent")
+        part_t = rate x weight_t / (the weights of the tenants that tried within
+                                    burst_s, t among them)
+        cap_t  = part_t x burst_s          (a new bucket starts full)
 
-    def __init__(self) -> None:
-        self._tokens: float | None = None  # None: full at the first take
-        self._t = 0.0
+    One tenant alone has the whole rate; tenants together have at most the whole
+    rate (plus a newcomer's first burst), each its weighted part, and a take draws
+    only on its own tenant's bucket. A tenant idle for ``burst_s`` is forgotten: its
+    bucket would be full again by then. Memory: at most ``max_tenants`` buckets, the
+    least recently tried forgotten past it. Only its owner calls it; nothing blocks.
+
+    Invariants (``check()``): ``weight`` is the sum of the weights of the tenants
+    with a bucket; every level is >= 0; at most ``max_tenants`` buckets, least
+    recently tried first."""
+
+    __slots__ = ("weights", "max_tenants", "_buckets", "_weight", "spent")
+
+    def __init__(self, weights: Mapping[str, float] | None = None, max_tenants: int = MAX_TENANTS) -> None:
+        self.weights: Mapping[str, float] = weights or {}  # tenant -> weight (others 1); set on reload
+        self.max_tenants = max_tenants
+        #: tenant -> [level (None: full), when it was last refilled]
+        self._buckets: OrderedDict[str, list] = OrderedDict()
+        self._weight = 0.0  # the weights of the tenants in _buckets
         self.spent = 0  # tokens taken since start
 
-    def take(self, tokens: int, rate: float, burst_s: float, now: float) -> float | None:
-        """Takes ``tokens`` if the bucket (refilled at ``rate`` tokens/s, holding at
-        most ``rate * burst_s``) has them: None. Else nothing is taken and the
-        seconds until it would have them are returned (``inf`` when it never could:
-        a zero rate, or more than the bucket holds)."""
-        cap = rate * burst_s
-        level = cap if self._tokens is None else min(cap, self._tokens + max(0.0, now - self._t) * rate)
-        self._tokens, self._t = level, now
+    def configure(self, weights: Mapping[str, float]) -> None:
+        """Takes reloaded weights (``tenancy.queue.weights``): parts from now on."""
+        self.weights = weights
+        self._weight = sum(weights.get(t, 1.0) for t in self._buckets)
+
+    def _forget(self) -> None:
+        tenant, _ = self._buckets.popitem(last=False)
+        self._weight = self._weight - self.weights.get(tenant, 1.0) if self._buckets else 0.0
+
+    def take(self, tenant: str, tokens: int, rate: float, burst_s: float, now: float) -> float | None:
+        """Takes ``tokens`` from ``tenant``'s bucket if it has them (its part of
+        ``rate`` tokens/s, holding at most ``burst_s`` seconds of it): None. Else
+        nothing is taken and the seconds until it would have them are returned
+        (``inf`` when it never could: a zero rate, or more than its bucket holds).
+        O(1) amortized."""
+        b = self._buckets
+        cutoff = now - burst_s
+        while b and next(iter(b.values()))[1] < cutoff:
+            self._forget()  # idle a whole burst: full again by now
+        e = b.get(tenant)
+        if e is None:
+            if len(b) >= self.max_tenants:
+                self._forget()
+            e = b[tenant] = [None, now]
+            self._weight += self.weights.get(tenant, 1.0)
+        else:
+            b.move_to_end(tenant)
+        part = rate * self.weights.get(tenant, 1.0) / self._weight
+        cap = part * burst_s
+        level = cap if e[0] is None else min(cap, e[0] + max(0.0, now - e[1]) * part)
+        e[1] = now
         if tokens <= level:
-            self._tokens = level - tokens
+            e[0] = level - tokens
             self.spent += tokens
             return None
-        if rate <= 0 or tokens > cap:
-            return float("inf")
-        return (tokens - level) / rate
+        e[0] = level
+        if part <= 0 or tokens > cap:
+            return math.inf
+        return (tokens - level) / part
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def check(self) -> None:
+        total = sum(self.weights.get(t, 1.0) for t in self._buckets)
+        assert abs(total - self._weight) <= 1e-6 * max(1.0, total), (total, self._weight)
+        assert len(self._buckets) <= self.max_tenants, len(self._buckets)
+        at = -math.inf
+        for t, (level, when) in self._buckets.items():
+            assert level is None or level >= 0, (t, level)
+            assert when >= at, (t, when, at)
+            at = when
 
 
 class PrefetchLedger:

@@ -154,10 +154,11 @@ def security_downgrades(
 ) -> list[str]:
     """What going from the running ``old`` to ``new`` lowers, one line each naming
     its field; empty when nothing is (an upgrade or a neutral change). ``old_auth``
-    and ``new_auth``: the (admin, agent) tokens each config resolves to.
+    and ``new_auth``: the (admin, agent, metrics) tokens each config resolves to.
 
     Counted: ``keys.tenant.source`` to a weaker one (api_key > header > none);
-    ``require_key`` turned off; the admin or agent API opened (its token unset); a
+    ``require_key`` turned off; the admin or agent API opened (its token unset), or
+    ``/metrics`` opened to loopback peers (the metrics token unset); a
     ``tenancy.tenants`` or ``tenancy.keys`` entry removed unless its tenant or key is
     revoked too (no required API key identifies it any more); a rule's
     ``requests_per_s`` or ``tokens_per_min`` dropped to none; the ``limits`` section
@@ -176,7 +177,11 @@ def security_downgrades(
         out.append("keys.tenant.require_key: true -> false (requests without a valid API key are served)")
     for o, n in zip(old_auth, new_auth):
         if o.token and not n.token:
-            out.append(f"auth.{n.what}_token_env: the {n.what} API opens (${n.env} is unset or empty)")
+            who = "to loopback peers" if n.what == "metrics" else ""
+            out.append(
+                f"auth.{n.what}_token_env: the {n.what} API opens{' ' + who if who else ''} "
+                f"(${n.env} is unset or empty)"
+            )
     for section in ("tenants", "keys"):
         before, after = getattr(old.tenancy, section), getattr(new.tenancy, section)
         gone = sorted(name for name in before if name not in after and not _revoked(new, section, name))
@@ -215,7 +220,7 @@ def check_downgrade(old: Config, old_auth: Sequence[BearerAuth], new: Prepared, 
     """The downgrades of applying ``new`` over the running ``old``
     (``security_downgrades``). Raises ``SecurityDowngrade`` when there are some and
     ``allow`` is False; returns them (for the router to log) when it is True."""
-    found = security_downgrades(old, new.cfg, old_auth, (new.admin_auth, new.agent_auth))
+    found = security_downgrades(old, new.cfg, old_auth, (new.admin_auth, new.agent_auth, new.metrics_auth))
     if found and not allow:
         raise SecurityDowngrade(found)
     return found
@@ -237,6 +242,8 @@ class Prepared:
     #: the tokenizers of ``models:``, loaded: {(tokenizer, chat_template): TokenKeyer}
     #: (the running ones reused)
     keyers: dict
+    #: the bearer token of ``GET /metrics`` (router.auth ``check_metrics``)
+    metrics_auth: BearerAuth
 
 
 def build(
@@ -262,7 +269,8 @@ def build(
     tenants = TenantResolver(cfg.keys.tenant, salts=fresh)
     if policy is None or cfg.policy != policy_cfg:
         policy = build_policy_from(cfg.policy)
-    return Prepared(cfg, admin, agent, tenants, policy, load_model_keyers(cfg, keyers))
+    metrics = BearerAuth(cfg.auth.metrics_token_env, "metrics")
+    return Prepared(cfg, admin, agent, tenants, policy, load_model_keyers(cfg, keyers), metrics)
 
 
 def check_shared_keys(cfg: Config, salts: TenantSalts) -> None:

@@ -26,6 +26,11 @@ and the caller does the I/O::
     placed = place(worker, kr, now)            the hint (index, bus), the uncached
                                                tokens counted on the worker, the engine
                                                link's match count: Route
+    explained = policy.explain(...)            only while someone reads decisions
+                                               (``RouteParts.explain``: /admin/decisions)
+
+A caller that traces passes ``marks`` (``Marks``): told the end of each stage
+(match, admit, choose, place) as it happens; the core reads no clock of its own.
 
 Invariants: a ``Route``'s load is counted on its worker before ``decide`` returns (so a
 burst cannot herd: docs/DESIGN.md's lessons), and the caller releases it with
@@ -41,7 +46,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from policies.base import Decision, Policy, WorkerView
+from policies.base import Decision, Explanation, Policy, WorkerView
 from protocol.errors import Overloaded, RequestError
 from protocol.prefix_keys import Endpoint
 from router.engines.keyspace import KeyedRequest, SpaceKey
@@ -163,9 +168,25 @@ class Route(NamedTuple):
     #: None only when the ask said ``place=False`` (then ``RouteCore.place``)
     placement: Placement | None
     ticket: Ticket | None
+    #: why it went there (``Policy.explain``); None unless ``RouteParts.explain``
+    explained: Explanation | None = None
+
+    @property
+    def available_tokens(self) -> int:
+        """The reuse available anywhere among this decision's eligible workers: the
+        best match's leading tokens, in the policy's (primary) key space."""
+        kr = self.keyed
+        return kr.match.best * kr.route_request.block_tokens
 
 
 Verdict = Reject | Hold | Admitted | Route
+
+
+class Marks(Protocol):
+    """Told the end of each stage of a decision as it happens (router.tracing)."""
+
+    def mark(self, stage: str) -> None:
+        """``stage`` (match | admit | choose | place) ended now."""
 
 
 class Hinter(Protocol):
@@ -201,6 +222,9 @@ class RouteParts:
     #: whether a worker's answers correct the index (approximate mode): its matched
     #: blocks' last-use times are kept at the pick; None: a worker's engine link says
     corrects: Callable[[Worker], bool] | None = None
+    #: whether each ``Route`` carries the policy's explanation (``Policy.explain``:
+    #: references to what its choice computed; the decisions ring reads them)
+    explain: bool = False
 
 
 class RouteCore:
@@ -223,14 +247,19 @@ class RouteCore:
         """Tells ``hints`` of every placed hint from now on (None: no one)."""
         self.parts.hints = hints
 
+    def explain_routes(self, on: bool) -> None:
+        """Whether each ``Route`` from now on carries its explanation."""
+        self.parts.explain = on
+
     @property
     def policy(self) -> Policy:
         return self.parts.policy
 
     # ------------------------------------------------------------------ decide
 
-    def decide(self, ask: Ask, now: float) -> Verdict:
-        """The verdict on ``ask`` at ``now`` (module docstring)."""
+    def decide(self, ask: Ask, now: float, marks: Marks | None = None) -> Verdict:
+        """The verdict on ``ask`` at ``now`` (module docstring); ``marks`` told of
+        each stage's end."""
         p = self.parts
         views = self.views(ask, now)
         if not views:
@@ -239,6 +268,8 @@ class RouteCore:
             kr = ask.keyer(views, now)
         except RequestError as exc:  # a token space refused the body
             return Reject(exc, ask.ticket)
+        if marks is not None:
+            marks.mark("match")
         ticket = ask.ticket
         if not ask.admitted:
             if p.tenancy is not None:
@@ -267,15 +298,19 @@ class RouteCore:
                 shed = probe(now)
                 if shed is not None:
                     return Reject(shed, ticket, shed=True)
-        return self.route(ask, views, kr, ticket, now)
+            if marks is not None:
+                marks.mark("admit")
+        return self.route(ask, views, kr, ticket, now, marks)
 
-    def resume(self, hold: Hold, waited: bool, now: float) -> Reject | Admitted | Route:
+    def resume(
+        self, hold: Hold, waited: bool, now: float, marks: Marks | None = None
+    ) -> Reject | Admitted | Route:
         """After the admission queue let ``hold`` in: routed as it was keyed when it
         did not wait, else keyed and matched again with what the pool and index
         know now (its admission chain not run again)."""
         if not waited:
-            return self.route(hold.ask, hold.views, hold.keyed, hold.ticket, now)
-        v = self.decide(hold.ask.admit(hold.ticket), now)
+            return self.route(hold.ask, hold.views, hold.keyed, hold.ticket, now, marks)
+        v = self.decide(hold.ask.admit(hold.ticket), now, marks)
         assert not isinstance(v, Hold), "an admitted request is never held again"
         return v
 
@@ -286,6 +321,7 @@ class RouteCore:
         kr: KeyedRequest,
         ticket: Ticket | None,
         now: float,
+        marks: Marks | None = None,
     ) -> Admitted | Route:
         """The admitted request's choice and placement."""
         p = self.parts
@@ -298,8 +334,17 @@ class RouteCore:
         w = p.pool.get(d.worker)
         if w is None:  # a policy bug: never route into the void
             raise AssertionError(f"policy {p.policy.name} chose unknown worker {d.worker!r}")
+        if marks is not None:
+            marks.mark("choose")
         placement = self.place(w, kr, now) if ask.place else None
-        return Route(d, w, kr, placement, ticket)
+        if marks is not None and placement is not None:
+            marks.mark("place")
+        if not p.explain:
+            return Route(d, w, kr, placement, ticket)
+        # (a chooser other than the policy's: the policy explains views it did not
+        # choose over with their match and load alone)
+        ex = p.policy.explain(kr.route_request, kr.match, views, d)
+        return Route(d, w, kr, placement, ticket, ex)
 
     def views(self, ask: Ask, now: float) -> list[WorkerView]:
         """The routable views serving the ask's model, less its exclusions."""

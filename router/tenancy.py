@@ -1,8 +1,11 @@
 """Many tenants on one fleet: priority classes and rate limits per tenant and per API
 key (YAML ``tenancy``), with per-tenant counts of what each got.
 
-Per data-plane request, once it is keyed (its prompt tokens known) and before the
-shedding decision (``DataPlane._route_and_forward``)::
+From a data-plane request's head, before its body is read (``DataPlane.screen_head``),
+``tenancy.over_limit(tenant, key name, now)``: a tenant or key whose bucket cannot
+give one request and one token now is refused at once (429, as below), its body
+never read or parsed. Then, once it is keyed (its prompt tokens known) and before
+the shedding decision (``DataPlane._route_and_forward``)::
 
     ticket = tenancy.admit(tenant, key name, model, headers, prompt tokens, body, now,
                            endpoint)
@@ -349,7 +352,9 @@ class _Limit:
             headers=self.headers(),
         )
 
-    def refusal(self, cost: int, wait_s: float) -> RateLimited:
+    def refusal(self, cost: int, wait_s: float, *, at_least: bool = False) -> RateLimited:
+        """The 429 of a request costing ``cost`` tokens (``at_least``: at least that
+        many, its body not read yet) that could pass in ``wait_s``."""
         parts = []
         if self.requests is not None:
             parts.append(f"{self.requests.rate:g} requests/s (burst {self.requests.burst:g})")
@@ -357,7 +362,8 @@ class _Limit:
             parts.append(f"{self.tokens.rate * 60:g} tokens/min (burst {self.tokens.burst:g})")
         return RateLimited(
             f"{self.what} is over its rate limit of {' and '.join(parts)}; this request "
-            f"counts 1 request and {cost} tokens; retry in {wait_s:.2f}s",
+            f"counts 1 request and {'at least ' if at_least else ''}{cost} "
+            f"token{'' if cost == 1 else 's'}; retry in {wait_s:.2f}s",
             retry_after_s=wait_s,
             headers=self.headers(),
         )
@@ -537,6 +543,26 @@ class Tenancy:
             scale = self._scale[PRIORITIES[rank - 1]]
             self.metrics.tenant_promoted.labels(label).inc()
         return Ticket(tenant, label, priority, scale, prompt_tokens, cost, limits)
+
+    def over_limit(self, tenant: str, key: str, now: float) -> RateLimited | None:
+        """The refusal a request of ``tenant`` with API key ``key`` gets whatever its
+        body, or None: its tenant's or key's request bucket cannot give one request
+        now, or its token bucket not the least a request costs (one token). Checked
+        from the head, before the body is read (``DataPlane.screen_head``); takes nothing
+        (``admit`` takes). O(1)."""
+        t = self._tenants.get(tenant)
+        k = self._keys.get(key) if key else None
+        for rules in (t, k):
+            lim = rules[1] if rules is not None else None
+            if lim is None:
+                continue
+            wait = lim.wait_s(1, now)
+            if wait > 0.0:
+                label = self.labels.label(tenant)
+                base = (k[0].priority if k is not None else "") or (t[0].priority if t is not None else "")
+                self._count(label, base or self.cfg.default_priority)[2].inc()
+                return lim.refusal(1, wait, at_least=True)
+        return None
 
     def drain(self) -> list[tuple[str, str, int, float]]:
         """What this process took from each limit since the last call, net of

@@ -24,8 +24,23 @@ waits for it at most one record's encoding (~15 us at 8 KiB prompts), never the
 interpreter's 5 ms switch interval; that caps the writer near 10,000 lines/s. The
 queue holds at most ``queue_size`` records; past it new records are dropped and
 counted (``stats().dropped_full``), so a slow disk costs records, never latency.
-A write error (disk full, directory gone) is logged once per cause, counted, and the
-affected records dropped; the writer reopens a file at its next round.
+
+A write error (disk full, I/O error, directory gone) stops the writing, never the
+data already kept::
+
+    writing  --a write or open fails-->  stopped: one ERROR line, write_errors and
+                                         ``writing`` 0 (radixfleet_traffic_log_writing);
+                                         the failed batch's bytes cut off its file (the
+                                         file's whole lines stay) or a file that got
+                                         none of them deleted; records dropped
+                                         (dropped_error) without being encoded
+    stopped  --RETRY_S later: the next batch written whole into a new file-->  writing
+                                         (one INFO line); a retry that fails again
+                                         stays stopped, its file deleted
+
+Files are rotated out only by a successful write: the oldest beyond ``max_files``
+are deleted once a new file holds a batch, never when it is opened, so a full disk
+never replaces kept files with empty ones.
 
 Line format (``FORMAT``), one JSON object per line; Mooncake's trace fields first::
 
@@ -45,9 +60,13 @@ Line format (``FORMAT``), one JSON object per line; Mooncake's trace fields firs
     model, adapter  str, str|null
     worker          str    the worker that served it (the last attempt's); "" for a
                            request the router shed (429, every worker saturated)
+    available_tokens int   tokens the best-matching eligible worker held (pick time:
+                           the reuse available anywhere; router.decisions; >=
+                           matched_tokens; 0 when shed or failed; absent in logs of
+                           earlier versions, which readers take as unknown)
     matched_tokens  int    tokens the router believed that worker held (pick time;
-                           0 when shed)
-    cached_tokens   int|null  cached prompt tokens the worker reported
+                           0 when shed): predicted
+    cached_tokens   int|null  cached prompt tokens the worker reported: delivered
     ttft_ms         float|null  the worker's part of the TTFT: the router's send of the
                            last attempt to the first content token back (streams;
                            null for non-streamed answers)
@@ -144,10 +163,12 @@ _YIELD_S = 5e-5
 _LINE = (
     '{"timestamp":%s,"input_length":%d,"output_length":%d,"hash_ids":[%s],'
     '"format":"' + FORMAT + '","block_tokens":%d,"routed_tokens":%d,"tenant":"%s",'
-    '"model":%s,"adapter":%s,"worker":%s,"matched_tokens":%d,"cached_tokens":%s,'
+    '"model":%s,"adapter":%s,"worker":%s,"available_tokens":%d,"matched_tokens":%d,"cached_tokens":%s,'
     '"ttft_ms":%s,"status":%d,"broken":%s,"sample_rate":%s}'
 )
 _FILE_RE_TEMPLATE = r"^{prefix}-\d{{8}}T\d{{6}}Z-\d+-\d{{4}}\.jsonl$"
+#: seconds a stopped log waits before it tries to write again (module docstring)
+RETRY_S = 10.0
 
 
 class LogState(enum.Enum):
@@ -169,6 +190,8 @@ class TrafficLogStats:
     #: left out by sampling
     sampled_out: int = 0
     write_errors: int = 0
+    #: 1 while writing, 0 while stopped by a write error (until a retry succeeds)
+    writing: int = 1
     files_opened: int = 0
     files_deleted: int = 0
     bytes_written: int = 0
@@ -181,10 +204,20 @@ class TrafficLog:
     ``cfg`` is a ``router.config.TrafficLogConfig``. ``key`` (bytes) is the tenant
     hash's secret; None reads ``cfg.tenant_key_env``, and when that is unset a random
     key is drawn (tenant ids are then stable only within this process — logged).
-    ``clock`` gives UNIX seconds (file names); tests inject one.
+    ``clock`` gives UNIX seconds (file names); ``opener`` opens a file for appending
+    (``open(path, "ab")``); tests inject both. ``retry_s``: how long a stopped log
+    waits (monotonic seconds) before it tries again.
     """
 
-    def __init__(self, cfg, *, key: bytes | None = None, clock=time.time) -> None:
+    def __init__(
+        self,
+        cfg,
+        *,
+        key: bytes | None = None,
+        clock=time.time,
+        opener=None,
+        retry_s: float = RETRY_S,
+    ) -> None:
         self.cfg = cfg
         #: no key configured: a random one, so tenant ids hold within this process only
         self._random_key = False
@@ -225,6 +258,14 @@ class TrafficLog:
         self._strings: dict = {}  # name -> its JSON text
         self._errors_logged: set = set()
         self._file_re = re.compile(_FILE_RE_TEMPLATE.format(prefix=re.escape(cfg.prefix)))
+        self._opener = opener if opener is not None else _append
+        self._retry_s = retry_s
+        self._path: str | None = None  # the open file's path
+        #: the open file holds no batch yet: rotation waits for its first write
+        self._fresh = False
+        #: monotonic time until which a stopped log drops records; None: writing
+        self._stopped_until: float | None = None
+        self._dropped_at_stop = 0  # dropped_error when it stopped (the resume line's count)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -290,6 +331,7 @@ class TrafficLog:
         arrival_s: float,
         worker: str,
         matched_tokens: int,
+        available_tokens: int = 0,
         prompt_tokens: int | None = None,
         output_tokens: int | None = None,
         cached_tokens: int | None = None,
@@ -303,7 +345,9 @@ class TrafficLog:
 
         ``key``: the request's ``PrefixKey`` (its hashes list is kept by reference,
         not copied: callers must not mutate it). ``arrival_s``: UNIX seconds when
-        the router received the request. ``prompt_tokens`` / ``output_tokens`` /
+        the router received the request. ``matched_tokens`` / ``available_tokens``:
+        the chosen worker's match and the best eligible one's (``router.decisions``;
+        the second never below the first). ``prompt_tokens`` / ``output_tokens`` /
         ``cached_tokens``: the worker's usage, None when it reported none (the
         prompt then falls back to the router's estimate). ``ttft_s``: the last attempt's
         send to its first content token (streams). ``status``: the HTTP status the client got; ``broken``: the
@@ -332,6 +376,7 @@ class TrafficLog:
                 key,
                 worker,
                 matched_tokens,
+                available_tokens if available_tokens > matched_tokens else matched_tokens,
                 prompt_tokens,
                 output_tokens,
                 cached_tokens,
@@ -349,6 +394,7 @@ class TrafficLog:
             self._dropped_error,
             self._sampled_out,
             self._write_errors,
+            0 if self._stopped_until is not None else 1,
             self._files_opened,
             self._files_deleted,
             self._bytes,
@@ -372,6 +418,13 @@ class TrafficLog:
         q = self._q
         if not q:
             return
+        until = self._stopped_until
+        if until is not None and time.monotonic() < until:
+            n = len(q)  # stopped: dropped unencoded (only this thread pops)
+            for _ in range(n):
+                q.popleft()
+            self._dropped_error += n
+            return
         lines: list[str] = []
         n = 0
         pop = q.popleft
@@ -382,7 +435,7 @@ class TrafficLog:
                 rec = pop()
             except IndexError:  # pragma: no cover - only this thread pops
                 break
-            arrival_s, key, worker, matched, prompt, output, cached, ttft_s, status, broken = rec
+            arrival_s, key, worker, matched, available, prompt, output, cached, ttft_s, status, broken = rec
             bt = key.block_bytes // BYTES_PER_TOKEN
             if bt != self._file_block_tokens and self._file is not None:
                 self._flush(lines, n)  # a new block size starts a new file
@@ -404,6 +457,7 @@ class TrafficLog:
                 js(key.model),
                 js(key.adapter),
                 js(worker),
+                available,
                 matched,
                 "null" if cached is None else int(cached),
                 "null" if ttft_s is None else repr(round(ttft_s * 1000.0, 3)),
@@ -446,6 +500,10 @@ class TrafficLog:
         if not lines:
             return
         data = ("\n".join(lines) + "\n").encode("utf-8", "surrogatepass")
+        until = self._stopped_until
+        if until is not None and time.monotonic() < until:
+            self._dropped_error += n
+            return
         try:
             f = self._file
             if f is None:
@@ -455,14 +513,53 @@ class TrafficLog:
         except OSError as exc:
             self._write_errors += 1
             self._dropped_error += n
-            self._log_error(exc)
-            self._close_file()
+            self._stop_writing(exc)
             return
         self._written += n
         self._bytes += len(data)
         self._file_bytes += len(data)
+        if self._fresh:  # a file holding a batch: now it counts among the kept ones
+            self._fresh = False
+            self._prune()
+        if until is not None:
+            self._stopped_until = None
+            log.info(
+                "traffic log in %s writes again (%d records dropped while it was stopped)",
+                self.cfg.dir,
+                self._dropped_error - self._dropped_at_stop,
+            )
         if self._file_bytes >= self.cfg.max_file_bytes:
             self._close_file()
+
+    def _stop_writing(self, exc: OSError) -> None:
+        """A write failed: the file keeps only its whole lines (a file that got none
+        of them is deleted) and the log stops until ``retry_s`` from now."""
+        f, path, good, fresh = self._file, self._path, self._file_bytes, self._fresh
+        self._file, self._path, self._fresh = None, None, False
+        if f is not None:
+            try:
+                f.close()  # its flush fails as the write did; the descriptor is closed
+            except OSError:
+                pass
+        if path is not None:
+            try:
+                if fresh or not good:
+                    os.unlink(path)
+                else:
+                    os.truncate(path, good)
+            except OSError as exc2:
+                self._log_error(exc2)
+        retrying = self._stopped_until is not None
+        self._stopped_until = time.monotonic() + self._retry_s
+        if not retrying:
+            self._dropped_at_stop = self._dropped_error
+            log.error(
+                "traffic log in %s stopped writing: %s; records are dropped (counted) and no "
+                "kept file is rotated out; retrying every %gs",
+                self.cfg.dir,
+                exc,
+                self._retry_s,
+            )
 
     def _open_file(self) -> io.BufferedWriter:
         now = self._clock()
@@ -470,15 +567,17 @@ class TrafficLog:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         name = f"{self.cfg.prefix}-{stamp}-{os.getpid()}-{self._seq % 10000:04d}.jsonl"
         os.makedirs(self.cfg.dir, exist_ok=True)
-        self._file = f = open(os.path.join(self.cfg.dir, name), "ab")  # noqa: SIM115 (kept open across writes; closed on rotation)
+        path = os.path.join(self.cfg.dir, name)
+        self._file = f = self._opener(path)
+        self._path = path
         self._file_bytes = 0
+        self._fresh = True
         self._files_opened += 1
-        self._prune()
         return f
 
     def _prune(self) -> None:
         """Deletes the oldest files of this prefix beyond ``max_files`` (names sort
-        by time; the open file is the newest)."""
+        by time; the open file, which holds a batch, is the newest)."""
         try:
             names = sorted(n for n in os.listdir(self.cfg.dir) if self._file_re.match(n))
         except OSError as exc:
@@ -493,6 +592,8 @@ class TrafficLog:
 
     def _close_file(self) -> None:
         f, self._file = self._file, None
+        self._path = None
+        self._fresh = False
         if f is not None:
             try:
                 f.close()
@@ -520,6 +621,12 @@ class TrafficLog:
         if self.state is LogState.CLOSED:
             assert self._thread is None or not self._thread.is_alive(), "writer still running"
             assert self._file is None, "file left open"
+
+
+def _append(path: str) -> io.BufferedWriter:
+    """The default opener: ``path`` for appending, kept open across writes (closed on
+    rotation)."""
+    return open(path, "ab")  # noqa: SIM115 - the log keeps it open; _close_file closes it
 
 
 def log_files(paths: Sequence[str]) -> list[str]:

@@ -2,6 +2,7 @@
 neither imports the other: JSON error answers (``http_errors``), bounded JSON bodies
 (``jsonbody``), bearer tokens and the loopback rule (``auth``), per-deployment tenant
 salts and the signed tenant header (``tenancy``), the standard metrics collectors
-(``metrics``), the NATS connection the bus runs on (``bus_connection``) and the
-background loops' stop and backoff (``background``).
+(``metrics``), the NATS connection the bus runs on (``bus_connection``), the
+background loops' stop and backoff (``background``) and OpenTelemetry traces, the
+``tracing`` extra's (``tracing``).
 What travels between them is ``protocol``."""

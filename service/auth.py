@@ -17,13 +17,16 @@ from protocol.errors import Unauthorized
 
 
 def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost``; "" and 0.0.0.0 mean every interface."""
+    """True for 127.0.0.0/8 (also IPv4-mapped, ``::ffff:127.0.0.1``), ::1 and
+    ``localhost``; "" and 0.0.0.0 mean every interface."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
 
 
 class BearerAuth:
@@ -35,6 +38,13 @@ class BearerAuth:
         self.env = env
         self.what = what
         self.token = (os.environ.get(env, "") if env else "").encode()
+
+    def accepts(self, header: str | None) -> bool:
+        """Whether ``header`` is ``Bearer <token>`` with this token set (False when
+        none is: an open API accepts no token, it needs none)."""
+        if not self.token or not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode("utf-8", "surrogateescape"), self.token)
 
     def check(self, header: str | None) -> None:
         """Raises ``Unauthorized`` unless ``header`` is ``Bearer <token>``."""

@@ -5,6 +5,7 @@
                      [--block-bytes N] [--role prefill|decode|both] [--kv-link nvlink|rdma]
                      [--admission MODE] [--seed S]
                      [--page-size N] [--disable-radix-cache] [--advertise-url URL]
+                     [--otlp-traces-endpoint URL]
                      [--dram-tokens TOKENS|Nx [--dram-admit-hits N]]
                      [--bus nats://HOST:4222|tls://HOST:4222 [--bus-prefix P]
                       [--bus-user U --bus-password-env VAR | --bus-token-file F |
@@ -88,6 +89,18 @@ def _fraction(v: str) -> float:
     if not 0.0 < f <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {f}")
     return f
+
+
+def _otlp_url(v: str) -> str:
+    """An OTLP/HTTP traces URL (``http(s)://HOST[:PORT][/v1/traces]``)."""
+    try:
+        u = urlsplit(v)
+        ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port or 1) > 0
+    except ValueError:  # a bad port or IPv6 literal
+        ok = False
+    if not ok or not v.isascii() or any(c <= " " for c in v):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {v[:200]!r}")
+    return v
 
 
 #: the NATS server's credentials and TLS (service.bus_connection.BusCredentials; the
@@ -197,6 +210,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=("prefill", "decode", "both"),
         default="both",
         help="the role it registers with: a disaggregated fleet's prefill or decode side, or both",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        type=_otlp_url,
+        default=None,
+        metavar="URL",
+        help="export an OpenTelemetry span per request (vLLM's llm_request, joined to the "
+        "router's through traceparent) to this OTLP/HTTP collector URL; needs pip install "
+        "'radixfleet[tracing]' (default: off)",
     )
     parser.add_argument(
         "--kv-link",
@@ -361,6 +383,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         disable_radix_cache=args.disable_radix_cache,
         dram=dram,
         kv_link=args.kv_link,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or "",
         # an unsigned tenant header is safe only where nothing but the router reaches us
         trust_unsigned_tenant=is_loopback(args.host),
     )

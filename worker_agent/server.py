@@ -103,7 +103,8 @@ from worker_agent.engine import Engine
 from worker_agent.radix_cache import AdmissionConfig
 from worker_agent.scheduler import SchedRequest, SchedulerConfig, State, build_scheduler
 
-if TYPE_CHECKING:  # the key's type; the app imports the reporter where --router starts one
+if TYPE_CHECKING:  # the keys' types; the app imports them where they are used
+    from service.tracing import Tracing
     from worker_agent.reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,9 @@ class AgentConfig:
     trust_unsigned_tenant: bool = True
     #: the link preset (``cost_model.LINKS``) remote KV arrives over (``--kv-link``)
     kv_link: str = DEFAULT_LINK
+    #: the OTLP/HTTP traces URL its spans go to (``--otlp-traces-endpoint``, vLLM's
+    #: flag); "": no traces, and OpenTelemetry is never imported
+    otlp_traces_endpoint: str = ""
 
     @property
     def name(self) -> str:
@@ -468,10 +472,38 @@ def _tenant(request: web.Request) -> str:
 
 
 async def _serve(agent: Agent, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """One request; traced (vLLM's ``llm_request`` span, a child of the router's
+    attempt through its ``traceparent``) when the agent exports traces and the
+    request is sampled."""
+    tracing = request.app[TRACING_KEY].tracing
+    trace = tracing.start(request.headers, "llm_request") if tracing is not None else None
+    if trace is None:
+        return await _answer(agent, request, endpoint, None)
+    try:
+        return await _answer(agent, request, endpoint, trace.attrs)
+    except RequestError as exc:
+        trace.error = exc.code
+        raise
+    except BaseException as exc:  # noqa: BLE001 - labelled, then re-raised
+        trace.error = type(exc).__name__
+        raise
+    finally:
+        trace.end()
+
+
+async def _answer(
+    agent: Agent, request: web.Request, endpoint: Endpoint, span: dict[str, Any] | None
+) -> web.StreamResponse:
+    """``_serve``'s answer; ``span``: the traced request's attributes, filled in
+    (vLLM's names: token counts and latencies, never text)."""
     tenant = _tenant(request)
     body = jsonbody.loads(await request.read())  # bounded depth, finite numbers, UTF-8
     p = _parse(agent, endpoint, body, tenant)
     r = p.req
+    if span is not None:
+        span["gen_ai.response.model"] = p.model
+        span["gen_ai.request.max_tokens"] = r.max_new
+        span["gen_ai.usage.prompt_tokens"] = len(r.prompt)
     w = agent.engine.submit(r)  # PromptTooLarge, Overloaded: the scheduler withdrew the hint
     created = int(time.time())
     try:
@@ -489,6 +521,14 @@ async def _serve(agent: Agent, request: web.Request, endpoint: Endpoint) -> web.
     finally:
         if r.state not in (State.FINISHED, State.CANCELLED):
             agent.engine.cancel(r)  # the client went away: free its KV now
+        if span is not None:
+            span["gen_ai.request.id"] = str(r.rid)
+            span["gen_ai.usage.completion_tokens"] = r.generated
+            span["gen_ai.usage.cached_tokens"] = r.cached
+            if r.ttft is not None:
+                span["gen_ai.latency.time_to_first_token"] = r.ttft
+            if r.finished_at is not None:
+                span["gen_ai.latency.e2e"] = r.finished_at - r.arrival
 
 
 def _address(agent: Agent, request: web.Request) -> tuple[str, int]:
@@ -645,6 +685,19 @@ AUTH_KEY = web.AppKey("auth", BearerAuth)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 #: the running Reporter, or None without --router
 REPORTER_KEY: web.AppKey[Reporter | None] = web.AppKey("reporter")
+
+
+class _Traces:
+    """Where the agent's spans go (service.tracing), or None: off. Set before the
+    app serves (given, or made by its lifecycle) and cleared when it stops."""
+
+    __slots__ = ("tracing",)
+
+    def __init__(self, tracing: Tracing | None) -> None:
+        self.tracing = tracing
+
+
+TRACING_KEY = web.AppKey("tracing", _Traces)
 
 
 @web.middleware
@@ -918,6 +971,28 @@ class _Collector:
         )
 
 
+class _TracingCollector:
+    """The agent's span counters (service.tracing), while it traces."""
+
+    def __init__(self, traces: _Traces) -> None:
+        self.traces = traces
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        t = self.traces.tracing
+        if t is None:
+            return
+        st = t.stats()
+        c = CounterMetricFamily(
+            "radixfleet_agent_tracing_spans", "Trace spans by outcome", labels=["outcome"]
+        )
+        for outcome in ("exported", "dropped_queue_full", "dropped_export_failed"):
+            c.add_metric([outcome], st[outcome])
+        yield c
+
+
 async def _openapi(request: web.Request) -> web.Response:
     return web.json_response(agent_spec())
 
@@ -936,10 +1011,13 @@ def create_app(
     bus_prefix: str = "radixfleet",
     bus_snapshot_interval_s: float = 30.0,
     bus_credentials=None,
+    tracing: Tracing | None = None,
 ) -> web.Application:
     """The agent's aiohttp app; the engine (and reporter, given routers or a bus URL)
     live in its cleanup context, so they start and stop with the app.
-    ``bus_credentials``: the NATS server's (``service.bus_connection.BusCredentials``)."""
+    ``bus_credentials``: the NATS server's (``service.bus_connection.BusCredentials``).
+    ``tracing``: where its spans go (its owner closes it); by default the OTLP
+    exporter of ``cfg.otlp_traces_endpoint``, when set, opened and closed with the app."""
     agent = Agent(cfg, record_events=bool(routers) or bool(bus))
     agent.advertise_url = advertise_url
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
@@ -949,8 +1027,19 @@ def create_app(
     registry.register(_Collector(agent))
     standard_collectors(registry)
     app[REGISTRY_KEY] = registry
+    traces = app[TRACING_KEY] = _Traces(tracing)
+    registry.register(_TracingCollector(traces))
 
     async def lifecycle(app: web.Application):
+        own = None
+        if traces.tracing is None and cfg.otlp_traces_endpoint:
+            from service.tracing import Tracing  # the tracing extra (MissingExtra without it)
+
+            own = traces.tracing = Tracing(
+                service_name="radixfleet-agent",
+                endpoint=cfg.otlp_traces_endpoint,
+                attributes={"service.instance.id": agent.engine_id},
+            )
         await agent.engine.start()
         reporter = None
         if routers or bus:
@@ -993,6 +1082,9 @@ def create_app(
             if reporter is not None:
                 await reporter.aclose()
             await agent.engine.aclose()
+            if own is not None:
+                traces.tracing = None
+                await own.aclose()
 
     app.cleanup_ctx.append(lifecycle)
     r = app.router

@@ -26,6 +26,12 @@ so that machine noise (the host is shared) falls on all of them alike:
    and the client **counts the events it receives** (a stream counts only if all
    of them and ``[DONE]`` arrived).
 
+``--tracing`` adds a fourth target, ``rf+tracing``: the same router with tracing on
+(``tracing.sample_ratio`` ``--trace-sample-ratio``, default 1: every request),
+exporting over OTLP/HTTP to a sink in its own process (``otlp-sink``); both
+radixfleet targets then start from a config file, identical but for ``tracing``,
+and the ratio rf+tracing / radixfleet is reported per round.
+
 Figures: per target the median over rounds, and the ratio radixfleet / smg per
 round, reported as its median with the min..max spread over rounds. Added latency
 p50/p99 over all interleaved probes (and its per-round spread); a figure at or
@@ -209,6 +215,45 @@ def serve_upstream(args: argparse.Namespace) -> int:
     return 0
 
 
+def otlp_sink_app() -> web.Application:
+    """A collector that takes OTLP/HTTP trace exports and drops them: 200 to ``POST
+    /v1/traces`` (an empty ``ExportTraceServiceResponse``), ``GET /stats`` the
+    exports and bytes taken, ``GET /health``."""
+    stats = {"exports": 0, "bytes": 0}
+
+    async def traces(request: web.Request) -> web.Response:
+        stats["exports"] += 1
+        stats["bytes"] += len(await request.read())
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def get_stats(request: web.Request) -> web.Response:
+        return web.json_response(stats)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/stats", get_stats)
+    app.router.add_get("/health", health)
+    return app
+
+
+def start_otlp_sink(log_dir: str) -> tuple[Child, str]:
+    """The sink (``otlp_sink_app``) in its own process: (its child, its traces URL)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    c = Child(
+        "otlp-sink",
+        [sys.executable, "-m", "radixfleet.bench.proxy", "otlp-sink", "--port", str(port)],
+        os.path.join(log_dir, "otlp-sink.log"),
+        base + "/health",
+    )
+    c.start()
+    c.wait_ready(30.0)
+    return c, base + "/v1/traces"
+
+
 def serve_lean_upstream(port: int, chunks: int) -> int:
     """Serves ``wire.LeanUpstream`` on 127.0.0.1:``port`` until SIGTERM/SIGINT."""
     try:
@@ -276,6 +321,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure envoy+radixfleet: radixfleet gateway, Envoy with the router as its "
         "endpoint picker (the gateway extra)",
+    )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="add the router with tracing on (rf+tracing), exporting to a local OTLP sink",
+    )
+    parser.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=1.0,
+        help="tracing.sample_ratio of rf+tracing (default 1: every request traced)",
     )
 
 
@@ -483,25 +539,29 @@ def run(args: argparse.Namespace) -> int:
         )
         rf_port = free_port()
         rf = f"http://127.0.0.1:{rf_port}"
-        fleet.start(
-            "radixfleet",
-            [
-                sys.executable,
-                "-m",
-                "radixfleet.cli",
-                "router",
-                "--worker",
-                up,
-                "--policy",
-                "round_robin",
-                "--port",
-                str(rf_port),
-                "--log-level",
-                "WARNING",
-            ],
-            rf + "/readiness",
-        )
+        router_argv = [sys.executable, "-m", "radixfleet.cli", "router", "--log-level", "WARNING"]
+        quick = ["--worker", up, "--policy", "round_robin"]
+        if args.tracing:  # both from files, identical but for tracing
+            quick = ["--config", _router_file(fleet.log_dir, "plain", up, None)]
+        fleet.start("radixfleet", [*router_argv, *quick, "--port", str(rf_port)], rf + "/readiness")
+        traced_port = 0
+        if args.tracing:
+            sink_port = free_port()
+            sink = f"http://127.0.0.1:{sink_port}"
+            sink_argv = [sys.executable, "-m", "radixfleet.bench.proxy", "otlp-sink"]
+            fleet.start("otlp-sink", [*sink_argv, "--port", str(sink_port)], sink + "/health")
+            ratio = args.trace_sample_ratio
+            tracing = {"enabled": True, "endpoint": sink + "/v1/traces", "sample_ratio": ratio}
+            traced_port = free_port()
+            fleet.start(
+                "rf+tracing",
+                [*router_argv, "--config", _router_file(fleet.log_dir, "traced", up, tracing)]
+                + ["--port", str(traced_port)],
+                f"http://127.0.0.1:{traced_port}/readiness",
+            )
         ports = {"direct": up_port, "radixfleet": rf_port}
+        if traced_port:
+            ports["rf+tracing"] = traced_port
         if smg_bin is not None:
             smg_port = free_port()
             smg = f"http://127.0.0.1:{smg_port}"
@@ -659,6 +719,11 @@ def _summarize(names: list[str], rounds: list[dict]) -> dict:
             "added_p50_rounds_ms": per50,
             "added_p99_rounds_ms": per99,
         }
+    if "rf+tracing" in names:
+        for key in ("throughput", "stream"):
+            rf = out[key]["radixfleet"]["rounds"]
+            tr = out[key]["rf+tracing"]["rounds"]
+            out[key]["ratio_tracing_over_off"] = _spread([a / b for a, b in zip(tr, rf)])
     pairs = [("radixfleet", "smg"), ("envoy+radixfleet", "smg"), ("envoy+radixfleet", "radixfleet")]
     for num, den in pairs:
         if num in names and den in names:
@@ -730,8 +795,15 @@ def _print(doc: dict) -> None:
             f"p99 {_ms(lt['added_p99_ms'])} (rounds {min(r99):.3f}..{max(r99):.3f})"
         )
     for key, label in (("throughput", "throughput"), ("stream", "streaming chunks/s")):
+        r = s[key].get("ratio_tracing_over_off")
+        if r:
+            print(
+                f"  radixfleet tracing on/off {label}: median {r['median']:.2f}x per round "
+                f"(spread {r['min']:.2f}..{r['max']:.2f}x)"
+            )
+    for key, label in (("throughput", "throughput"), ("stream", "streaming chunks/s")):
         for ratio, r in s[key].items():
-            if not ratio.startswith("ratio_"):
+            if not ratio.startswith("ratio_") or ratio == "ratio_tracing_over_off":
                 continue
             a, _, b = ratio[len("ratio_") :].partition("_over_")
             print(
@@ -749,6 +821,17 @@ def _print(doc: dict) -> None:
         f"(the upstream is {'not ' if s['direct_over_best_proxy'] > 1.2 else ''}"
         f"the limit)"
     )
+
+
+def _router_file(log_dir: str, name: str, upstream: str, tracing: dict | None) -> str:
+    """A router YAML: the one upstream, round_robin (the quick start's), and ``tracing``."""
+    doc: dict[str, Any] = {"workers": [upstream], "policy": {"name": "round_robin"}}
+    if tracing is not None:
+        doc["tracing"] = tracing
+    path = os.path.join(log_dir, f"{name}.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)  # JSON is YAML
+    return path
 
 
 def _wait_smg(base: str, timeout_s: float = 30.0) -> None:
@@ -780,7 +863,13 @@ def main(argv: list[str] | None = None) -> int:
     lean = sub.add_parser("lean-upstream")
     lean.add_argument("--port", type=int, required=True)
     lean.add_argument("--chunks", type=int, default=64)
+    sink = sub.add_parser("otlp-sink")
+    sink.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
+    if args.cmd == "otlp-sink":
+        with asyncio.Runner() as r:
+            r.run(_serve_app(otlp_sink_app(), args.port))
+        return 0
     if args.cmd == "lean-upstream":
         return serve_lean_upstream(args.port, args.chunks)
     return serve_upstream(args)

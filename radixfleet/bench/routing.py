@@ -9,6 +9,13 @@ Per request, exactly what ``Router._route_and_forward`` does before forwarding:
     d     = policy.choose(RouteRequest(...), match, views, now)
     index.insert(d.worker, key.hashes, now); pool.pick(...); pool.finish(...)
 
+``--tracing``: every request traced (router.tracing, sample ratio 1), its spans
+exported over OTLP/HTTP to a sink in another process (``bench proxy``'s
+``otlp-sink``): the routing work then includes the trace's start, the keying span
+and the route span with its stage marks; the rest of a traced request's spans (an
+attempt) and their making into SDK spans at its end are timed apart
+(``trace_end``), off the routing work, as the data plane does them after the answer.
+
 for an 8 KiB prompt (64 blocks of 128 bytes) over 16 workers, with sessions that
 share a system prompt and grow turn by turn (so matches are deep and hot). Target:
 <= 50 us per request for keys + match + policy; the optimistic insert and the
@@ -42,6 +49,7 @@ import argparse
 import json
 import random
 import time
+from typing import Any
 
 from loadtest.report import percentile
 from policies.base import RouteRequest
@@ -96,6 +104,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size", type=_count(1), default=32, help="engine KV block size in tokens for the token rows"
     )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="trace every request (OTLP/HTTP to a local sink; needs the tracing extra)",
+    )
 
 
 def _bodies(n: int, prompt_bytes: int, rng: random.Random) -> list[dict]:
@@ -134,7 +147,7 @@ def _router(workers: int, policy: str):
     return router
 
 
-def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
+def bench_policy(name: str, bodies: list[dict], workers: int, tracing=None) -> dict:
     """One row: the data plane's routing work per request, through the route core it
     routes with (``router.route``): the byte key (``request_key``) and
     ``RouteCore.decide`` (views, keys in every space in use and the match, tenancy,
@@ -142,6 +155,10 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
     ``DataPlane.serve`` calls them; each request's load released 32 requests later."""
     router = _router(workers, name)
     dp, pool = router.dataplane, router.pool
+    traced: Any = None
+    if tracing is not None:
+        from router import tracing as traced
+    ends: list[float] = []
     block_bytes = router.cfg.keys.block_bytes
     lat = []
     perf = time.perf_counter
@@ -152,9 +169,23 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
     for i, body in enumerate(bodies):
         t0 = perf()
         now = now0 + i * 1e-3
+        trace = None if traced is None else traced.start(tracing, headers, Endpoint.CHAT)
+        if trace is not None:
+            trace.admitted(False)
         key = request_key(Endpoint.CHAT, body, tenant="", block_bytes=block_bytes)
-        verdict = dp.route.decide(dp.ask_of(Endpoint.CHAT, body, key, None, "", "", headers), now)
+        ask = dp.ask_of(Endpoint.CHAT, body, key, None, "", "", headers)
+        if trace is None:
+            verdict = dp.route.decide(ask, now)
+        else:
+            trace.keyed(key.model, False, 0, len(key.hashes))
+            verdict = trace.decide(dp.route, ask, now)
         t1 = perf()
+        if trace is not None:  # what the rest of a traced request adds: one attempt
+            span, _ = trace.attempt()
+            sent = time.monotonic()
+            trace.attempt_end(span, "w0", sent, sent, None, 200, True, (100, 50), 1)
+            trace.end()
+            ends.append(perf() - t1)
         assert isinstance(verdict, Route), f"routed at light load, not {verdict!r}"
         placed = verdict.placement
         assert placed is not None
@@ -166,7 +197,12 @@ def bench_policy(name: str, bodies: list[dict], workers: int) -> dict:
             pool.finish(fw, fp.own, True, fp.key.prompt_tokens)
     lat.sort()
     n = len(lat)
+    extra = {}
+    if ends:
+        tracing.flush()
+        extra = {"trace_end": _pct(ends), "spans": tracing.stats()}
     return {
+        **extra,
         "policy": name,
         "requests": n,
         "mean_us": sum(lat) / n * 1e6,
@@ -371,11 +407,41 @@ def _token_rows(args: argparse.Namespace) -> list[dict]:
         return rows
 
 
+def _traced_rows(policies: list[str], bodies: list[dict], workers: int) -> list[dict]:
+    """The rows with every request traced, exported to an OTLP sink process."""
+    import asyncio
+    import shutil
+    import tempfile
+
+    from loadtest.local_fleet import stop_children
+    from radixfleet.bench.proxy import start_otlp_sink
+    from service.tracing import Tracing
+
+    log_dir = tempfile.mkdtemp(prefix="radixfleet-bench-routing-")
+    sink, url = start_otlp_sink(log_dir)
+    try:
+        rows = []
+        for p in policies:
+            tracing = Tracing(service_name="bench", endpoint=url, sample_ratio=1.0, max_queue_spans=1 << 16)
+            try:
+                rows.append(bench_policy(p, bodies, workers, tracing))
+            finally:
+                asyncio.run(tracing.aclose(10.0))
+        return rows
+    finally:
+        stop_children([sink])
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
 def run(args: argparse.Namespace) -> int:
     tune_gc()  # the collector's thresholds the router runs with (router.cli)
     rng = random.Random(0)
     bodies = _bodies(args.requests, args.prompt_bytes, rng)
-    results = [bench_policy(p.strip(), bodies, args.workers) for p in args.policies.split(",") if p.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.tracing:
+        results = _traced_rows(policies, bodies, args.workers)
+    else:
+        results = [bench_policy(p, bodies, args.workers) for p in policies]
     token_rows = _token_rows(args)
     if args.json:
         print(
@@ -399,6 +465,13 @@ def run(args: argparse.Namespace) -> int:
             f"  {r['policy']:14s} key + route core mean {r['mean_us']:6.1f} us  "
             f"p50 {r['p50_us']:6.1f} us  p99 {r['p99_us']:6.1f} us  ({r['blocks_per_request']} blocks)"
         )
+        if "trace_end" in r:
+            te, sp = r["trace_end"], r["spans"]
+            print(
+                f"  {'':14s} traced; the trace's end (spans made, queued) p50 {te['p50_us']:6.1f} us "
+                f"p99 {te['p99_us']:6.1f} us; spans {sp['exported']} exported, "
+                f"{sp['dropped_queue_full']} dropped (queue full), {sp['dropped_export_failed']} failed"
+            )
     if token_rows:
         tok = args.tokenizer or "the tiny test tokenizer"
         print(

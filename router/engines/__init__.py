@@ -9,6 +9,8 @@ Modules::
     link, manager   EngineLink per worker; Engines: the links, key spaces in use
     keyspace        byte and token key spaces, matches merged (contract 8)
     token_keys      exact keys: the engine's tokenizer -> token-block keys
+    tokenizer_source  the tokenizer an engine names, read here or not, probed
+    engine_keys     exact keys through the engine's /tokenize (no tokenizer here)
     chat_render     chat templates rendered as vLLM renders them
     piece_encoder   an exact, cached text -> token ids encoder (fast tokenizers)
     kv_events       vLLM/SGLang KV-event msgpack decoding

@@ -7,8 +7,9 @@ care how they were made::
                                             (protocol.prefix_keys, contract 1): agents,
                                             and engines keyed without a tokenizer
     TokenSpace(model, tokenizer, block)     the engine's own tokens (its tokenizer and
-                                            chat template) in its own KV blocks: the
-                                            keys its KV events produce too
+                                            chat template, or its /tokenize: router.
+                                            engines.engine_keys) in its own KV blocks:
+                                            the keys its KV events produce too
 
 A worker's space is fixed by its kind and config (``router.engines.link``). A
 request is keyed once per space in use among the routable workers, not once per
@@ -75,9 +76,11 @@ class TokenSpace:
         self.id: Hashable = ("tokens", model, keyer.source, block_size)
 
     def key(self, endpoint: Endpoint, body: dict, pk: PrefixKey) -> SpaceKey:
-        """Raises ``MalformedRequest`` naming the field."""
+        """Raises ``MalformedRequest`` naming the field. A request the keyer has no
+        ids for (unkeyed: media, embeddings, an engine that did not answer) counts
+        its routing bytes' estimate of prompt tokens."""
         tk = self.keyer.key(endpoint, body, model=self.model, block_size=self.block_size, adapter=pk.adapter)
-        return SpaceKey(tk.hashes, tk.prompt_tokens, self.block_size, tk.exact)
+        return SpaceKey(tk.hashes, tk.prompt_tokens or pk.prompt_tokens, self.block_size, tk.exact)
 
     def __repr__(self) -> str:
         return f"TokenSpace({self.model!r}, {self.keyer.source!r}, {self.block_size})"

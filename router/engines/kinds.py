@@ -5,11 +5,11 @@ kind       cache truth                          load                       keys
 =========  ==================================  =========================  ===============
 agent      its event pushes (HTTP, exact)       its load reports           routing bytes
 vllm       KV events over ZMQ (configured, or   /metrics (vllm:*)          token blocks with
-           its /kv_event_sources, every data-                              a tokenizer, else
-           parallel rank), else hints aged +                               routing bytes
-           cached_tokens
-sglang     KV events if configured (vLLM's      /metrics (sglang:*)        as vllm
-           shapes), else as vllm
+           its /kv_event_sources, every data-                              a tokenizer (set, or
+           parallel rank), else hints aged +                               its /v1/models root),
+           cached_tokens                                                   else routing bytes
+sglang     KV events if configured (vLLM's      /metrics (sglang:*)        as vllm (its
+           shapes), else as vllm                                           /get_model_info)
 openai     hints aged + cached_tokens           router counts only         routing bytes
 =========  ==================================  =========================  ===============
 

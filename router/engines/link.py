@@ -6,6 +6,16 @@ worker's engine. Per worker::
     kind        agent | vllm | sglang | openai (configured, or probed at start)
     space       ByteSpace, or TokenSpace once the tokenizer is loaded and the engine's
                 block size is known (config, /metrics' cache_config_info, or events)
+    keys        the tokenizer: the worker's own entry's, its model's ``models:`` one,
+                or else (``tokenizers.discover``) the one its engine names (vLLM's
+                /v1/models root, SGLang's /get_model_info: router.engines.
+                tokenizer_source); each checked once against the engine's /tokenize,
+                again after a restart. Where none can be found, read or loaded, or it
+                disagrees with the engine: keyed through the engine's /tokenize
+                (``tokenizers.engine_tokenize``, router.engines.engine_keys) where the
+                engine serves it, else on routing bytes with one log line naming the
+                cause (``radixfleet_engine_tokenizer_unavailable_total{cause}``);
+                ``describe()["keys"]`` says which way and why
     events      where its KV events come from: the worker's configured ``events:``, or
                 else, for vLLM, the server's own ``GET /kv_event_sources``
                 (router.engines.event_sources; only tcp:// on the worker's own
@@ -30,12 +40,15 @@ worker's engine. Per worker::
     accuracy    predicted matched tokens vs reported cached tokens (accuracy.py)
 
 Lifecycle (``LinkState``): NEW -> RUNNING (``start``: probe if the kind is ``auto``,
-load the tokenizer, start the scraper and the event subscriber) -> CLOSED
+find and check the tokenizer, start the scraper and the event subscriber) -> CLOSED
 (``aclose``, idempotent: the worker left the pool or the router stops). A failing
 probe, tokenizer, scrape or event stream never fails the link: it degrades to the
 approximate mode with the router's own counts, visibly (metric + one log line per
 cause: ``radixfleet_engine_events_unavailable_total{cause}``). An engine that rejects a
-rank (it restarted with fewer) drops the rank map; the sources are asked again.
+rank (it restarted with fewer) drops the rank map; the sources are asked again. An
+engine that restarted is asked for its tokenizer again and re-probed: keys that
+changed (another model) move the worker's key space, its entries dropped, and its
+events are followed afresh.
 
 Only the event loop touches a link. The pool owns the ``Worker``; the link holds it
 to read its id/url and to report load through the pool (``pool.report_load``). Of its
@@ -70,6 +83,15 @@ from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
 from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
 from router.engines.tier_price import TierPrices
+from router.engines.tokenizer_source import (
+    EngineRoot,
+    KeysCause,
+    KeysProblem,
+    Verdict,
+    fetch_root,
+    serves_tokenize,
+)
+from router.engines.tokenizer_source import probe as probe_tokenize
 from router.route import Placement
 from service.background import Backoff
 
@@ -110,8 +132,14 @@ class LinkHost(Protocol):
     def learn_capacity(self) -> bool: ...  # index.learn_capacity
     @property
     def events_allowed(self) -> tuple: ...  # registration.allow's networks (event_sources)
+    @property
+    def tokenizers(self) -> Any: ...  # router.config.TokenizersConfig
     def resolve(self, spec: WorkerSpec, served: tuple[str, ...]) -> WorkerSpec: ...
     async def load_keyer(self, source: str, worker: str, chat_template: str = "") -> Any: ...
+    async def discover_keyer(
+        self, source: str, chat_template: str = "", *, download: bool = False
+    ) -> Any: ...
+    def engine_keyer(self, source: str, model: str) -> Any: ...
     def new_scraper(self, link: EngineLink) -> Any: ...
     def new_subscriber(
         self, link: EngineLink, source: EventSource | None = None, rank: int | None = None
@@ -133,6 +161,16 @@ class EngineLink:
         self.space: ByteSpace | TokenSpace = engines.byte_space
         self.block_size: int | None = spec.block_size or None  # engine tokens per KV block
         self.keyer = None  # router.engines.token_keys.TokenKeyer, once loaded
+        #: which way the worker is keyed and why (``describe()["keys"]``); only
+        #: _find_keys changes them. keys_from: "worker" (its own entry), "models"
+        #: (its model's models: entry), "engine" (what its engine named),
+        #: "engine_tokenize" (through its engine's /tokenize); None: bytes
+        self.keys_from: str | None = None
+        self.keys_root: EngineRoot | None = None  # what the engine named, if asked
+        self.keys_probe: tuple[str, str] | None = None  # (verdict, detail) of the probe
+        self.keys_problem: KeysProblem | None = None  # why no tokenizer is loaded here
+        self._own_tokenizer = bool(spec.tokenizer)  # set in its own entry (not models:)
+        self._rekey: asyncio.Task | None = None  # a restart's re-probe under way
         #: rank (None: the worker as one engine) -> (KvEventSubscriber, EngineBlockMap);
         #: only _follow_events / _stop_events change it
         self.streams: dict[int | None, tuple] = {}
@@ -264,6 +302,7 @@ class EngineLink:
             "kind": self.kind.value if self.kind else None,
             "truth": self.truth.value,
             "key_space": repr(self.space),
+            "keys": self.keys_describe(),
             "models": list(self.models),
             "block_size": self.block_size,
             "kv_capacity_tokens": self.capacity_tokens,
@@ -299,6 +338,22 @@ class EngineLink:
                 },
             },
             "prediction": acc,
+        }
+
+    def keys_describe(self) -> dict:
+        """Which way the worker is keyed and why: ``by`` tokens (its engine's tokens,
+        exact) or bytes (routing bytes, approximate), the tokenizer and where it came
+        from, what the engine named, the probe's verdict, and why no tokenizer is
+        loaded here (``cause``: on bytes, or keyed through the engine's /tokenize)."""
+        root, pr, problem = self.keys_root, self.keys_probe, self.keys_problem
+        return {
+            "by": "tokens" if isinstance(self.space, TokenSpace) else "bytes",
+            "tokenizer": None if self.keyer is None else self.keyer.source,
+            "from": self.keys_from,
+            "engine_root": None if root is None else {"source": root.source, "field": root.field},
+            "probe": None if pr is None else {"verdict": pr[0], "detail": pr[1]},
+            "cause": None if problem is None else problem.cause.value,
+            "detail": None if problem is None else problem.detail,
         }
 
     @property
@@ -398,8 +453,10 @@ class EngineLink:
                 ", ".join(self.models),
                 self.spec.model,
             )
-        elif self.spec.tokenizer:
-            self.keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id, self.spec.chat_template)
+        else:
+            await self._find_keys()
+            if self.state is not LinkState.RUNNING:
+                return
         if self.kind in ENGINE_KINDS and self.spec.metrics.path:
             self.scraper = scraper = eng.new_scraper(self)
             await scraper.start()
@@ -425,12 +482,155 @@ class EngineLink:
 
     # ------------------------------------------------------------- key space
 
+    @property
+    def served_model(self) -> str:
+        """The model name the worker's keys and events are namespaced by."""
+        return self.spec.model or (self.models[0] if self.models else "")
+
+    async def _find_keys(self) -> bool:
+        """Chooses the worker's tokenizer (module docstring, ``keys``) and checks it
+        once against the engine's /tokenize; moves the key space. True when the space
+        changed. Never raises for what the engine says or serves."""
+        eng = self.engines
+        keyer = None
+        problem: KeysProblem | None = None
+        self.keys_root = self.keys_probe = None
+        origin: str | None = None
+        if self.spec.tokenizer:
+            origin = "worker" if self._own_tokenizer else "models"
+            keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id, self.spec.chat_template)
+            if keyer is None:  # logged and counted by load_keyer
+                problem = KeysProblem(
+                    KeysCause.LOAD_FAILED, f"tokenizer {self.spec.tokenizer!r} does not load (above)"
+                )
+        elif self.kind in ENGINE_KINDS and eng.tokenizers.discover:
+            origin = "engine"
+            root = await self._ask_root()
+            if root is None:
+                return False  # closed meanwhile
+            if isinstance(root, KeysProblem):
+                problem = root
+            else:
+                self.keys_root = root
+                if root.models and not self.spec.model:
+                    self.models = root.models
+                found = await eng.discover_keyer(
+                    root.source, self.spec.chat_template, download=eng.tokenizers.download
+                )
+                if isinstance(found, KeysProblem):
+                    problem = found
+                else:
+                    keyer = found
+        if keyer is not None and self.state is LinkState.RUNNING:
+            assert eng.session is not None, "the engines start their session before any link"
+            pr = await probe_tokenize(eng.session, self.worker.url, self.served_model, keyer)
+            self.keys_probe = (pr.verdict.value, pr.detail)
+            if pr.verdict is Verdict.DISAGREES:
+                problem = KeysProblem(
+                    KeysCause.MISMATCH, f"tokenizer {keyer.source!r} is not the engine's: {pr.detail}"
+                )
+                keyer = None
+        through = None  # why the engine's /tokenize cannot key it (None: it can, or not asked)
+        if (
+            keyer is None
+            and self.kind in ENGINE_KINDS
+            and eng.tokenizers.engine_tokenize
+            and self.state is LinkState.RUNNING
+        ):
+            assert eng.session is not None, "the engines start their session before any link"
+            through = await serves_tokenize(eng.session, self.worker.url, self.served_model)
+            if through is None:
+                root = self.keys_root
+                keyer = eng.engine_keyer(root.source if root else self.worker.url, self.served_model)
+                origin = "engine_tokenize"
+        if self.state is not LinkState.RUNNING:
+            return False
+        self.keys_from = origin if keyer is not None else None
+        self.keys_problem = problem
+        changed = self._use_keys(keyer)
+        if origin == "engine_tokenize":
+            log.info(
+                "worker %s: keyed in its engine's tokens through its POST /tokenize (one "
+                "round trip before each request's pick)%s",
+                self.worker.id,
+                f": its tokenizer is not loaded here ({problem.cause.value}: {problem.detail})"
+                if problem is not None
+                else "",
+            )
+        elif keyer is not None:
+            where = {
+                "worker": "its own entry",
+                "models": "its model's models: entry",
+                "engine": f"its engine's {self.keys_root.field if self.keys_root else '?'}",
+            }[origin or "worker"]
+            pr_txt = f"its /tokenize {self.keys_probe[0]} {self.keys_probe[1]}" if self.keys_probe else "-"
+            log.info(
+                "worker %s: keyed in its engine's tokens with tokenizer %s (from %s); probe: %s",
+                self.worker.id,
+                keyer.source,
+                where,
+                pr_txt,
+            )
+        elif problem is not None:
+            eng.prom.keys_off.labels(self.worker.id, problem.cause.value).inc()
+            log.warning(
+                "worker %s: keyed on routing bytes, approximate matches (%s: %s%s); for exact "
+                "keys set its tokenizer (or models: {%s: {tokenizer: ...}})",
+                self.worker.id,
+                problem.cause.value,
+                problem.detail,
+                f"; and {through}" if through else "",
+                self.served_model or "NAME",
+            )
+        return changed
+
+    async def _ask_root(self) -> EngineRoot | KeysProblem | None:
+        """What the engine names as its tokenizer; asked again (backoff) while it does
+        not answer. None: the link closed meanwhile."""
+        assert self.kind is not None, "the kind is known before the keys"
+        backoff = Backoff(0.5, 10.0)
+        said = False
+        while self.state is LinkState.RUNNING:
+            assert self.engines.session is not None, "the engines start their session before any link"
+            found = await fetch_root(self.engines.session, self.worker.url, self.kind.value, self.spec.model)
+            if not (isinstance(found, KeysProblem) and found.cause is KeysCause.UNREACHABLE):
+                return found
+            if not said:
+                said = True
+                log.info("worker %s: %s; asking again until it answers", self.worker.id, found.detail)
+            await backoff.sleep()
+        return None
+
+    def _use_keys(self, keyer) -> bool:
+        """Keys the worker with ``keyer`` from now on (None: routing bytes); its
+        entries of another space go. True when the key space changed."""
+        old = self.space.id
+        self.keyer = keyer
+        if keyer is None and isinstance(self.space, TokenSpace):
+            self.space = self.engines.byte_space
+            for h in self.holders():
+                self.engines.index.drop_worker(h)
+            self._apply_capacity()
+            self.engines.spaces_changed()
+        elif keyer is not None:
+            self._maybe_token_space()
+        return self.space.id != old
+
     def _maybe_token_space(self) -> None:
-        """Moves to the engine's token space once tokenizer and block size are known.
-        The worker's byte-space entries can never match again: they are dropped."""
-        if self.keyer is None or not self.block_size or isinstance(self.space, TokenSpace):
+        """Moves to the engine's token space once tokenizer and block size are known
+        (or to another token space: a new tokenizer, another served model). The
+        worker's entries of the old space can never match again: they are dropped."""
+        if self.keyer is None or not self.block_size:
             return
-        model = self.spec.model or (self.models[0] if self.models else "")
+        model = self.served_model
+        sp = self.space
+        if (
+            isinstance(sp, TokenSpace)
+            and sp.keyer is self.keyer
+            and sp.model == model
+            and sp.block_size == self.block_size
+        ):
+            return
         self.space = TokenSpace(model, self.keyer, self.block_size)
         self.stats.block_tokens = self.block_size
         for h in self.holders():
@@ -545,10 +745,12 @@ class EngineLink:
         else:
             return
         if self.keyer is None:
+            why = self.keys_problem
             self._no_events(
                 "no_tokenizer",
-                "events name token blocks and the worker has "
-                "no tokenizer; set one to key requests in its tokens",
+                "events name token blocks and the worker has no tokenizer"
+                + (f" ({why.cause.value}, above)" if why is not None else "")
+                + "; set one to key requests in its tokens",
             )
             return
         try:  # the engines extra: ZMQ and msgpack (router.engines.zmq_events)
@@ -765,6 +967,32 @@ class EngineLink:
         self._refused_rank = None  # a new process: what it lists is news
         self.engines.prom.resync(self.worker.id, "restart")
         log.warning("worker %s restarted (%s): its index entries were dropped", self.worker.id, why)
+        if self._rekeys():
+            self._rekey = self._spawn(self._guarded(self._rekey_then_follow()))
+        else:
+            self._refollow_events()
+
+    def _rekeys(self) -> bool:
+        """Whether a restart asks for the keys again: a vLLM/SGLang worker with a
+        tokenizer set, or one its engine may name or tokenize for (not while a re-ask is
+        under way)."""
+        if self.state is not LinkState.RUNNING or self.kind not in ENGINE_KINDS or self.model_mismatch:
+            return False
+        if self._rekey is not None and not self._rekey.done():
+            return False
+        t = self.engines.tokenizers
+        return bool(self.spec.tokenizer) or t.discover or t.engine_tokenize
+
+    async def _rekey_then_follow(self) -> None:
+        """A restarted engine's keys, found and probed again; keys that changed (another
+        model, another tokenizer, none) restart its event streams in the new space."""
+        async with self._events_lock:
+            changed = await self._find_keys()
+            if changed and self.state is LinkState.RUNNING:
+                if self.spec.events.mode != "off":
+                    await self._stop_events()
+                    await self._follow_events()
+                return
         self._refollow_events()
 
     def _drop_entries(self) -> None:

@@ -26,6 +26,7 @@ Lifecycle: ``start(session)`` starts the links of the workers present;
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -117,6 +118,31 @@ class EnginePrometheus:
         )
         self.tokenizer_errors = Counter(
             "radixfleet_tokenizer_errors", "Tokenizers that could not be loaded", ["worker"], registry=r
+        )
+        self.keys_off = Counter(
+            "radixfleet_engine_tokenizer_unavailable",
+            "Times a vLLM/SGLang worker was left keyed on routing bytes (approximate "
+            "matches) for want of its engine's tokenizer, per cause: no_root (its engine "
+            "names none), unreadable (a path the router cannot read, or a repo not in the "
+            "local Hugging Face cache with tokenizers.download off), load_failed, mismatch "
+            "(its ids differ from the engine's /tokenize on the probe prompt)",
+            ["worker", "cause"],
+            registry=r,
+        )
+        self.engine_tokenize = Counter(
+            "radixfleet_engine_tokenize_requests",
+            "Requests keyed through an engine's POST /tokenize (router.engines.engine_keys), "
+            "per outcome: fetched, cached (the same body's ids held), failed (an error or "
+            "past tokenizers.engine_timeout_s), unkeyed (routed by load: failed, or a request "
+            "/tokenize does not render as served)",
+            ["outcome"],
+            registry=r,
+        )
+        self.engine_tokenize_s = Histogram(
+            "radixfleet_engine_tokenize_seconds",
+            "One POST /tokenize round trip, keying a request through its engine",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 10.0),
+            registry=r,
         )
         self.prefill_rate = Gauge(
             "radixfleet_worker_prefill_tokens_per_second", "Learned prefill speed", ["worker"], registry=r
@@ -271,6 +297,12 @@ class Engines:
         #: those of them ``models:`` names (loaded by the config's build, reused on reload)
         self.model_keyers: dict[tuple[str, str], Any] = dict(keyers or {})
         self._keyer_loads: dict[tuple[str, str], asyncio.Future] = {}  # loads under way
+        #: (source, served model) -> EngineKeyer: workers keyed through their engine's
+        #: /tokenize, shared by those naming the same root (router.engines.engine_keys)
+        self._engine_keyers: dict[tuple[str, str], Any] = {}
+        #: of the cached ``_spaces``, those keyed through an engine (``prepare``)
+        self._remote: list = []
+        self._turn = 0  # rotates which worker of an engine space is asked
         self._spaces_key: tuple | None = None
         self._spaces: list = []
         #: workers indexed per data-parallel rank (link.ranks >= 2): their matches are
@@ -315,6 +347,8 @@ class Engines:
                     self.worker_removed(link.worker)
                     self.index.clear(link.worker.id)
                     self.worker_added(link.worker)
+        for ek in self._engine_keyers.values():
+            ek.configure(cfg.tokenizers.engine_timeout_s)
         if cfg.keys.block_bytes != self.byte_space.block_bytes:
             self.byte_space = ByteSpace(cfg.keys.block_bytes)
             for link in self.links.values():
@@ -379,23 +413,19 @@ class Engines:
         ``registration.allow``'s networks (router.engines.event_sources)."""
         return allow_networks(self.cfg.registration.allow)[0]
 
+    @property
+    def tokenizers(self):
+        """``tokenizers:``: whether and how a worker's tokenizer is found from its engine."""
+        return self.cfg.tokenizers
+
     async def load_keyer(self, source: str, worker: str, chat_template: str = ""):
         """The shared tokenizer of ``source`` (with ``chat_template``, vLLM's
         --chat-template, replacing its own), loaded once, off the event loop (a
         second or two for a real one; links of the same engine wait for the same
         load); None (logged, counted) if it cannot load."""
-        key = (source, chat_template)
-        k = self._keyers.get(key)
-        if k is not None:
-            return k
-        fut = self._keyer_loads.get(key)
-        if fut is None:
-            options = {"chat_template": chat_template} if chat_template else {}
-            fut = self._keyer_loads[key] = asyncio.ensure_future(
-                asyncio.to_thread(_load_token_keyer, source, options)
-            )
+        options = {"chat_template": chat_template} if chat_template else {}
         try:
-            k = await asyncio.shield(fut)
+            return await self._shared_keyer((source, chat_template), options)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, or a broken folder
@@ -408,8 +438,89 @@ class Engines:
                 exc,
             )
             return None
+
+    async def discover_keyer(self, source: str, chat_template: str = "", *, download: bool = False):
+        """The shared tokenizer of ``source`` as an engine named it
+        (router.engines.tokenizer_source; with ``chat_template`` replacing its own):
+        looked for here first (``locate``), loaded without requiring a chat template
+        (the probe compares chats with the engine's), off the event loop. A
+        ``KeysProblem`` (not logged: the link says it with the worker) when it cannot
+        be read or loaded."""
+        from router.engines.tokenizer_source import KeysCause, KeysProblem, locate
+
+        key = (source, chat_template)
+        if key not in self._keyers:
+            found = await asyncio.to_thread(locate, source, download)
+            if found is not None:
+                return found
+        options: dict = {"require_chat_template": False}
+        if chat_template:
+            options["chat_template"] = chat_template
+        if download:
+            options["download"] = True
+        try:
+            return await self._shared_keyer(key, options)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, MissingExtra, a broken folder
+            cause = getattr(exc, "cause", None) or " ".join(str(exc).split()) or type(exc).__name__
+            return KeysProblem(KeysCause.LOAD_FAILED, f"tokenizer {source!r}: {cause}"[:500])
+
+    async def _shared_keyer(self, key: tuple[str, str], options: dict):
+        """The keyer of ``key`` (source, chat template): one load at a time per key,
+        shared by every link that asks meanwhile; a failed load is forgotten (a
+        later ask, after an engine restart, tries again). Raises what the load raised."""
+        k = self._keyers.get(key)
+        if k is not None:
+            return k
+        fut = self._keyer_loads.get(key)
+        if fut is None:
+            fut = self._keyer_loads[key] = asyncio.ensure_future(
+                asyncio.to_thread(_load_token_keyer, key[0], options)
+            )
+            fut.add_done_callback(functools.partial(self._load_done, key))
+        k = await asyncio.shield(fut)
         self._keyers.setdefault(key, k)
         return self._keyers[key]
+
+    def _load_done(self, key: tuple[str, str], fut: asyncio.Future) -> None:
+        if self._keyer_loads.get(key) is fut:
+            del self._keyer_loads[key]
+        if not fut.cancelled() and fut.exception() is None:
+            self._keyers.setdefault(key, fut.result())
+
+    def engine_keyer(self, source: str, model: str):
+        """The shared ``EngineKeyer`` of workers whose engine named ``source`` (or, with
+        no root, the worker's URL) serving ``model``."""
+        from router.engines.engine_keys import EngineKeyer
+
+        key = (source, model)
+        k = self._engine_keyers.get(key)
+        if k is None:
+            k = self._engine_keyers[key] = EngineKeyer(
+                f"engine:{source}", model, timeout_s=self.cfg.tokenizers.engine_timeout_s, prom=self.prom
+            )
+        return k
+
+    async def prepare(self, endpoint: Endpoint, body: dict, views: Sequence[WorkerView]) -> bool:
+        """Readies the request for ``key`` in every space keyed through an engine
+        among ``views`` (router.engines.engine_keys: one /tokenize round trip each,
+        unless cached). True when it awaited: the views may be stale. O(1) when no
+        routable worker is keyed through its engine."""
+        self.spaces_for(views)
+        remote = self._remote
+        if not remote or self.session is None:
+            return False
+        waits = []
+        for sp, wids in remote:
+            links = [link for w in wids if (link := self.links.get(w)) is not None]
+            if not links:
+                continue
+            self._turn += 1
+            url = links[self._turn % len(links)].worker.url
+            waits.append(sp.keyer.prepare(self.session, url, endpoint, body))
+        done = await asyncio.gather(*waits)
+        return any(done)
 
     def new_scraper(self, link: EngineLink):
         from router.engines.engine_metrics import MetricsKind, MetricsScraper
@@ -451,6 +562,7 @@ class Engines:
             else:
                 g[1].append(wid)
         self._spaces = sorted(groups.values(), key=lambda g: -len(g[1]))
+        self._remote = [g for g in self._spaces if hasattr(getattr(g[0], "keyer", None), "prepare")]
         self._spaces_key = ids
         return self._spaces
 

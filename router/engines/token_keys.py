@@ -22,12 +22,13 @@ own code) is a ``TokenKey`` with no hashes and ``unkeyed`` saying why: the route
 routes it by load. Bad input raises ``MalformedRequest`` naming the field, never
 anything else; a tokenizer that cannot be loaded raises ``TokenizerLoadError``.
 
-Nothing is downloaded: a tokenizer comes from a local folder or from the local
+Nothing is downloaded unless asked (``download``, the router's
+``tokenizers.download``): a tokenizer comes from a local folder or from the local
 Hugging Face cache (``local_files_only``).
 
 Public API::
 
-    TokenKeyer.load(source, *, revision, cache_dir, require_chat_template=True,
+    TokenKeyer.load(source, *, revision, cache_dir, require_chat_template=True, download=False,
                     chat_template, content_format, trust_request_chat_template,
                     default_chat_template_kwargs, exclude_tools_when_tool_choice_none,
                     max_model_len, cache_bytes, tokenizer_backend) -> TokenKeyer
@@ -325,10 +326,12 @@ class TokenKeyer:
         revision: str | None = None,
         cache_dir: str | None = None,
         require_chat_template: bool = True,
+        download: bool = False,
         **options: Any,
     ) -> TokenKeyer:
         """The keyer of a tokenizer folder, or of a repo id already in the local Hugging
-        Face cache (``local_files_only``: nothing is downloaded). ``options`` are the
+        Face cache (``local_files_only``: nothing is downloaded unless ``download``,
+        which lets transformers fetch a repo from the hub). ``options`` are the
         constructor's. Raises ``TokenizerLoadError`` naming ``source`` and the cause:
         a missing or unreadable folder, a folder without a tokenizer, a repo not in the
         cache, a tokenizer that needs remote code, no chat template (when
@@ -366,7 +369,7 @@ class TokenKeyer:
             # vLLM loads generation tokenizers with truncation_side="left"
             tok = AutoTokenizer.from_pretrained(
                 where,
-                local_files_only=True,
+                local_files_only=not download,
                 trust_remote_code=False,
                 revision=revision,
                 cache_dir=cache_dir,
@@ -379,7 +382,9 @@ class TokenKeyer:
                 msg = f"{msg} ({' '.join(str(inner).split())})"
             if where is source and not files:
                 msg = (
-                    f"not a folder, and not loadable from the local Hugging Face cache "
+                    f"not a folder, and not loadable from the Hugging Face hub: {msg}"
+                    if download
+                    else f"not a folder, and not loadable from the local Hugging Face cache "
                     f"(nothing is downloaded at run time): {msg}"
                 )
             raise TokenizerLoadError(source, msg[:500]) from None

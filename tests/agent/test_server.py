@@ -358,3 +358,61 @@ async def test_engine_config_change_and_flush_clear_the_dram_tier_too(agent):
     assert a.sched.dram.held_tokens > 0
     assert (await c.post("/flush_cache")).status == 200
     assert a.sched.dram.held_tokens == 0
+
+
+async def test_the_agents_span_joins_the_callers_trace_over_otlp(agent):
+    """``--otlp-traces-endpoint``: one ``llm_request`` span per request, exported over
+    OTLP/HTTP, a child of the caller's traceparent (a malformed one: a trace of its own)."""
+    pytest.importorskip("opentelemetry.sdk")
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    got: list = []
+
+    async def traces(request: web.Request) -> web.Response:
+        req = ExportTraceServiceRequest()
+        req.ParseFromString(await request.read())
+        got.extend(s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    sink = TestServer(app, host="127.0.0.1")
+    await sink.start_server()
+    try:
+        c, _ = await agent(kv_tokens=100_000, otlp_traces_endpoint=str(sink.make_url("")).rstrip("/"))
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        for tp in (parent, "00-nonsense"):
+            r = await c.post(
+                "/v1/completions", json=completion("hello " * 30, max_tokens=3), headers={"traceparent": tp}
+            )
+            assert r.status == 200
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(got) < 2:
+            assert asyncio.get_running_loop().time() < deadline, "no spans exported"
+            await asyncio.sleep(0.05)
+        metrics = await (await c.get("/metrics")).text()
+    finally:
+        await sink.close()
+    joined = next(s for s in got if s.trace_id.hex() == "0af7651916cd43dd8448eb211c80319c")
+    assert joined.name == "llm_request" and joined.parent_span_id.hex() == "b7ad6b7169203331"
+    attrs = {a.key: a.value for a in joined.attributes}
+    assert attrs["gen_ai.usage.completion_tokens"].int_value == 3
+    assert attrs["gen_ai.usage.prompt_tokens"].int_value > 0
+    other = next(s for s in got if s is not joined)
+    assert other.parent_span_id == b"" and other.trace_id != joined.trace_id
+    assert 'radixfleet_agent_tracing_spans_total{outcome="exported"}' in metrics
+
+
+def test_a_bad_otlp_endpoint_flag_is_one_line_and_exit_2(capsys):
+    import argparse
+
+    from worker_agent.cli import configure
+
+    p = argparse.ArgumentParser(prog="radixfleet agent")
+    configure(p)
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--port", "1", "--otlp-traces-endpoint", "ftp://collector"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--otlp-traces-endpoint: expected an http:// or https:// URL" in err

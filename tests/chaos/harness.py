@@ -49,7 +49,9 @@ class RouterProcess:
 
     Give either ``config`` (YAML text; write ``{port}`` where the listen port goes) or
     ``argv`` (router flags; ``--port`` is added). Its output goes to a file (a pipe
-    nobody reads would fill and stall a router that logs a probe): ``output()``."""
+    nobody reads would fill and stall a router that logs a probe): ``output()``.
+    ``launcher``: a command the router's command line is appended to, which must
+    exec it (``unshare ... sh -c '...; exec "$@"'``), so ``pid`` is the router's."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class RouterProcess:
         *,
         env: dict | None = None,
         timeout_s: float = 30.0,
+        launcher: list[str] | None = None,
     ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -69,7 +72,7 @@ class RouterProcess:
             path.write_text(config.replace("{port}", str(self.port)))
             args += ["--config", str(path)]
         args += list(argv or []) + ["--port", str(self.port)]
-        self.argv = radixfleet_argv(*args)
+        self.argv = [*(launcher or []), *radixfleet_argv(*args)]
         self.env = {**os.environ, **(env or {})}
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None

@@ -87,13 +87,13 @@ def test_models_and_selectors_are_validated_with_their_paths(tok):
     assert err(
         f"models: {{tiny: {{tokenizer: {tok}, events: {{endpoint: 'tcp://10.0.0.1:5557'}}}}}}"
     ).startswith("models.tiny.events.endpoint: 'tcp://10.0.0.1:5557' names one host")
-    assert err("models: {tiny: {block_size: 32}}") == (
+    assert err("models: {tiny: {block_size: 32}}\ntokenizers: {discover: false}") == (
         "models.tiny.block_size: only used with a tokenizer (token keys)"
     )
-    # events without a tokenizer anywhere
+    # events without a tokenizer anywhere (and none found from the engines)
     assert err(
         "workers: {discovery: {kubernetes: {selectors: [{label_selector: a=b, "
-        "kind: vllm, events: {endpoint: 'tcp://*:5557'}}]}}}"
+        "kind: vllm, events: {endpoint: 'tcp://*:5557'}}]}}}\ntokenizers: {discover: false}"
     ).startswith("workers.discovery.kubernetes.selectors[0].tokenizer: required with events.endpoint")
     # an entry in error is reported once, not again as "no tokenizer" where it is used
     assert err(

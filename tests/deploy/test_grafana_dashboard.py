@@ -10,7 +10,9 @@ except those whose subject a plain vLLM pool does not have (``NO_DATA_IN_FRONT_O
 The panels of KV tiers, prefetch and prefill/decode are evaluated the same way in
 front of a fleet of agents (``integration``): two with a DRAM tier serving one model,
 a prefill and a decode agent serving another, prefetches sent until the budget
-drops one, and the decode agent stopped to draw the no-decode 503."""
+drops one, and the decode agent stopped to draw the no-decode 503. The routing-quality
+row's the same way in front of two agents (``integration``): conversations sharing
+a system prompt, and the row's figures checked against what the router counted."""
 
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ PENDING: set[str] = {"sglang:time_to_first_token_seconds_bucket"}
 #: the row whose panels a fleet of agents fills (DRAM tiers, prefetches, a
 #: prefill/decode pair): ``test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents``
 AGENTS_ROW = "KV tiers, prefetch, prefill/decode"
+#: the routing-quality row (router.decisions): ``test_routing_quality_panels_return_data``
+QUALITY_ROW = "Routing quality"
 
 #: panels that show nothing in front of a plain vLLM pool, with the reason
 NO_DATA_IN_FRONT_OF_VLLM = {
@@ -194,6 +198,9 @@ def test_dashboard_shape():
         "kv tier",
         "prefetch",
         "prefill/decode",
+        "captured / available",
+        "delivered / predicted",
+        "reuse was lost",
     ):
         assert topic in titles, topic
     for p in ps:
@@ -423,3 +430,58 @@ async def test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents():
     assert paths["prefill"] == 3, paths
     assert by("sum by (outcome) (increase(radixfleet_pd_kv_handoffs_total[5m]))", "outcome") == {"params": 3}
     assert by("sum by (when) (increase(radixfleet_pd_no_decode_total[5m]))", "when") == {"before": 1}
+
+
+@pytest.mark.integration
+async def test_routing_quality_panels_return_data_in_front_of_agents():
+    """Bounded: two in-process agents, 12 requests. Sessions share a system prompt
+    (most of each prompt available somewhere, most of it on the chosen worker); every
+    panel of the row returns data, and its ratios are those of the router's counters."""
+    from tests.router.fleet import PROMPT, Fleet
+
+    fleet = Fleet()
+    try:
+        await fleet.start({"policy": {"name": "prefix_load"}})
+        for wid in ("q0", "q1"):
+            await fleet.agent("m", worker_id=wid)
+        await fleet.routable(2)
+        pages = {"router": fleet.base + "/metrics"}
+        async with httpx.AsyncClient(timeout=30) as c:
+            before = scrape({k: (await c.get(u)).text for k, u in pages.items()})
+            t0 = time.monotonic()
+            for i in range(12):
+                body = {
+                    "model": "m",
+                    "messages": [
+                        {"role": "system", "content": PROMPT * 4},
+                        {"role": "user", "content": f"question {i} " * 10},
+                    ],
+                    "max_tokens": 2,
+                    "stream": i % 2 == 0,
+                }
+                r = await c.post(fleet.base + "/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+            after = scrape({k: (await c.get(u)).text for k, u in pages.items()})
+            ev = Evaluator(before, after, time.monotonic() - t0)
+    finally:
+        await fleet.aclose()
+    dash = json.loads(DASHBOARD.read_text())
+    row = row_panels(dash, QUALITY_ROW)
+    assert len(row) >= 3
+    empty = [p["title"] for p in row if not all(_finite(ev.eval(t["expr"])) for t in p["targets"])]
+    assert not empty, f"routing-quality panels without data in front of agents: {empty}"
+
+    def total(name: str) -> float:
+        return sum(v for _, v in ev.eval(f"sum(increase({name}[5m]))"))
+
+    avail = total("radixfleet_available_cached_tokens_total")
+    pred = total("radixfleet_predicted_cached_tokens_total")
+    cached, prompt = total("radixfleet_cached_tokens_total"), total("radixfleet_prompt_tokens_total")
+    assert 0 < pred <= avail <= prompt and cached > 0
+    ratios = next(p for p in row if p["title"].startswith("Routing quality"))["targets"]
+    assert ev.eval(ratios[0]["expr"])[0][1] == pytest.approx(pred / avail)
+    assert ev.eval(ratios[1]["expr"])[0][1] == pytest.approx(cached / pred)
+    lost = next(p for p in row if p["title"].startswith("Where prompt reuse"))["targets"]
+    parts = [ev.eval(t["expr"])[0][1] for t in lost]
+    # capacity loss + routing loss + prediction gap + delivered = the prompt tokens
+    assert sum(parts) == pytest.approx(ev.eval("sum(rate(radixfleet_prompt_tokens_total[5m]))")[0][1])

@@ -192,7 +192,7 @@ def test_router_wiring(rendered, overlay):
     assert os.path.basename(config) in cm["data"]
     # tokens from a Secret (the dev overlay generates one; production expects yours)
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
-    assert set(refs) == {"RADIXFLEET_ADMIN_TOKEN", "RADIXFLEET_AGENT_TOKEN"}
+    assert set(refs) == {"RADIXFLEET_ADMIN_TOKEN", "RADIXFLEET_AGENT_TOKEN", "RADIXFLEET_METRICS_TOKEN"}
     if overlay != "production":
         secret = one(docs, "Secret", refs["RADIXFLEET_ADMIN_TOKEN"]["name"])
         assert {r["key"] for r in refs.values()} <= set(secret["data"])
@@ -221,6 +221,9 @@ def test_router_wiring(rendered, overlay):
     )
     assert sm["spec"]["endpoints"][0]["port"] == "http"
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    # scraped with the token the router reads for /metrics, from the same Secret
+    cred = sm["spec"]["endpoints"][0]["authorization"]["credentials"]
+    assert cred == refs["RADIXFLEET_METRICS_TOKEN"], (cred, refs)
 
 
 def router_raw(docs: list[dict], tokenizer: str | None = None) -> dict:

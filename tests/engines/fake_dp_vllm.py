@@ -1,11 +1,12 @@
 """A fake data-parallel vLLM (HTTP plus one ZMQ KV-event publisher per rank) and its
-prompts, for event-source tests."""
+prompts, for event-source and tokenizer-discovery tests."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import msgpack
 import zmq
@@ -21,6 +22,13 @@ BS = 16
 
 
 MODEL = "tiny-dp"
+
+#: vLLM 0.32's /metrics page (recorded), its block size made this fake's
+METRICS_PAGE = (
+    (Path(__file__).parents[1] / "data" / "vllm_metrics.txt")
+    .read_text()
+    .replace('block_size="32"', f'block_size="{BS}"')
+)
 
 
 def _src(port, replay=None, **kw):
@@ -74,6 +82,20 @@ class FakeDpVllm:
         )
         self.headers: list[str | None] = []  # X-data-parallel-rank of each request
         self._turn = 0
+        #: /v1/models' root (vLLM's --model; None: left out of the answer)
+        self.root: str | None = None
+        #: who answers POST /tokenize (None: 404, a server without it)
+        self.tokenize_keyer: TokenKeyer | None = keyer
+        self.start_time = 1.7e9  # /metrics' process_start_time_seconds
+
+    def restart(self, root: str | None, keyer: TokenKeyer) -> None:
+        """A new engine process serving another model: its caches empty, ``keyer`` its
+        tokenizer, ``root`` its folder, a new start time on /metrics."""
+        self.root = root
+        self.keyer = self.tokenize_keyer = keyer
+        for eng in self.engines:
+            eng.clear()
+        self.start_time += 100.0
 
     def start_replay(self) -> None:
         """Serves each rank's replay (vLLM's framing), answering ``replay_delay_s``
@@ -148,7 +170,26 @@ class FakeDpVllm:
         return web.Response(status=status, text=body, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+        card = {"id": MODEL, "object": "model", "owned_by": "vllm", "parent": None}
+        if self.root is not None:
+            card["root"] = self.root
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt (special tokens added) or messages (the chat
+        template), by the engine's own tokenizer."""
+        if self.tokenize_keyer is None:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        body = await request.json()
+        chat = "messages" in body
+        ids = self.tokenize_keyer.token_ids(Endpoint.CHAT if chat else Endpoint.COMPLETIONS, body)[0]
+        return web.json_response({"count": len(ids), "max_model_len": 4096, "tokens": list(ids)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        page = METRICS_PAGE.replace(
+            "process_start_time_seconds 1.79629055725e+09", f"process_start_time_seconds {self.start_time}"
+        )
+        return web.Response(text=page, content_type="text/plain")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -159,6 +200,8 @@ class FakeDpVllm:
         app.router.add_get("/kv_event_sources", self.kv_event_sources)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     def close(self) -> None:

@@ -16,7 +16,10 @@ What is checked:
 - a worker without events (approximate mode) is aged and corrected;
 - the engine's /metrics queue reaches the policy (a busy worker is avoided);
 - an engine restarted mid-run: entries dropped and rebuilt, no failed request;
-- the load generator's A/B on the multiturn workload (round_robin vs prefix_load).
+- the load generator's A/B on the multiturn workload (round_robin vs prefix_load);
+- the quick start (``radixfleet router --worker URL --worker URL``, nothing else):
+  each worker keyed with the tokenizer its /v1/models root names, checked against
+  its /tokenize, its events followed from /kv_event_sources, predictions exact.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 import httpx
 import pytest
 
+from tests.engines.quick_start import quick_start  # noqa: F401  (the quick-start router)
 from tests.engines.vllm_router import post, router_yaml, text, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv
 
@@ -130,6 +134,122 @@ def test_precise_next_turn_lands_on_holder_and_prediction_is_exact(router):
     # at most one block (32 tokens) off per request; exact on the whole in practice
     assert all(abs(e) <= 32 for e in errs), errs
     assert sum(abs(e) for e in errs) / len(errs) <= 32, errs
+
+
+def test_quick_start_is_precise_with_nothing_configured(quick_start, model_dir):  # noqa: F811
+    """``radixfleet router --worker URL --worker URL``: no tokenizer, no events, no
+    kind given. Each worker is keyed in vLLM's tokens with the tokenizer its
+    /v1/models root names (the folder vLLM loaded, readable here), the probe agrees
+    with its /tokenize, its KV events come from /kv_event_sources and are in sync, and
+    a short multi-turn run is predicted to the token. Before: keyed on routing bytes,
+    events not followed (no_tokenizer), a block or more off per request."""
+    url = quick_start
+
+    def precise() -> bool:
+        return all(
+            w["engine"]["keys"]["by"] == "tokens"
+            and w["engine"]["events"] is not None
+            and w["engine"]["events"]["in_sync"]
+            for w in workers(url)
+        )
+
+    wait_for(precise, 120, "every worker token-keyed, its events in sync")
+    for w in workers(url):
+        e = w["engine"]
+        assert e["kind"] == "vllm" and e["truth"] == "exact" and e["events"]["source"] == "engine", e
+        keys = e["keys"]
+        assert keys["from"] == "engine" and keys["tokenizer"] == str(model_dir), keys
+        assert keys["engine_root"] == {"source": str(model_dir), "field": "/v1/models root"}, keys
+        assert keys["probe"]["verdict"] == "agrees", keys
+        assert "prompt and chat" in keys["probe"]["detail"], keys
+
+    def totals() -> tuple[int, int]:
+        ps = [w["engine"]["prediction"] for w in workers(url)]
+        return sum(p["samples"] for p in ps), sum(p["sum_abs_tokens"] for p in ps)
+
+    n0, abs0 = totals()
+    sent = hits = 0
+    for conv in range(3):
+        msgs = [
+            {"role": "system", "content": text(9100 + conv, 120)},
+            {"role": "user", "content": text(9200 + conv, 40)},
+        ]
+        for turn in range(3):
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "tiny", "messages": msgs, "max_tokens": 8},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            sent += 1
+            hits += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            msgs = msgs + [
+                {"role": "assistant", "content": text(9300 + conv * 10 + turn, 15)},
+                {"role": "user", "content": text(9400 + conv * 10 + turn, 25)},
+            ]
+            wait_for(lambda: totals()[0] >= n0 + sent, 10, "the router's accuracy sample")
+    n1, abs1 = totals()
+    assert n1 - n0 == sent == 9 and hits >= 6  # every later turn found its prefix cached
+    assert (abs1 - abs0) / sent <= 1, (abs1 - abs0, sent)  # ~0 tokens off per request
+
+
+def test_quick_start_keys_through_the_engine_where_its_tokenizer_is_not_here(vllm_pair, tmp_path):
+    """The quick start with the engine's folder taken as unreadable (tokenizers.discover
+    off: as when vLLM runs on another host): each request's ids come from the engine's
+    POST /tokenize, its events are followed, predictions exact; what a round trip costs
+    is on /metrics (radixfleet_engine_tokenize_seconds)."""
+    port = free_port()
+    cfg = tmp_path / "through.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "listen": {"host": "127.0.0.1", "port": port},
+                "workers": [s.url for s in vllm_pair],
+                "tokenizers": {"discover": False},
+            }
+        )
+    )
+    with Proc(radixfleet_argv("router", "--config", str(cfg)), ready_url=f"http://127.0.0.1:{port}/health"):
+        url = f"http://127.0.0.1:{port}"
+        wait_for(
+            lambda: all(
+                w["engine"]["keys"]["from"] == "engine_tokenize"
+                and w["engine"]["key_space"].startswith("TokenSpace")
+                and (w["engine"]["events"] or {}).get("in_sync")
+                for w in workers(url)
+            ),
+            120,
+            "every worker keyed through its /tokenize, its events in sync",
+        )
+
+        def totals() -> tuple[int, int]:
+            ps = [w["engine"]["prediction"] for w in workers(url)]
+            return sum(p["samples"] for p in ps), sum(p["sum_abs_tokens"] for p in ps)
+
+        n0, abs0 = totals()
+        base = text(9700, 300)
+        for i in range(6):
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"model": "tiny", "prompt": base + " " + text(9800 + i, 30), "max_tokens": 4},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            wait_for(lambda: totals()[0] >= n0 + i + 1, 10, "the router's accuracy sample")
+        n1, abs1 = totals()
+        assert n1 - n0 == 6 and (abs1 - abs0) / 6 <= 1, abs1 - abs0
+        page = httpx.get(url + "/metrics", timeout=5).text
+        got = {
+            ln.split()[0]: float(ln.split()[-1])
+            for ln in page.splitlines()
+            if ln.startswith("radixfleet_engine_tokenize_seconds_")
+        }
+        count, total = (
+            got["radixfleet_engine_tokenize_seconds_count"],
+            got["radixfleet_engine_tokenize_seconds_sum"],
+        )
+        assert count >= 6
+        print(f"\n/tokenize round trip from the router: mean {total / count * 1e3:.1f} ms over {count:.0f}")
 
 
 def test_precise_completions_prediction_is_exact(router):

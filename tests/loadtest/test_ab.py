@@ -290,6 +290,7 @@ def test_router_quick_start_takes_policy_parameters():
             host=MISSING,
             port=MISSING,
             worker_header=False,
+            match_header=False,
         )
         return Namespace(**{**base, **kw})
 

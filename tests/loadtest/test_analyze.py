@@ -209,3 +209,74 @@ def test_options_validate():
         Options(concurrency=0).validate()
     with pytest.raises(ConfigError, match="--concurrency: 100000 running requests"):
         analyze([MOONCAKE], Options(concurrency=100_000, points=3, jobs=1))
+
+
+def _log_line(i: int, ids, **kw) -> str:
+    from router.traffic_log import FORMAT
+
+    rec = {
+        "timestamp": 1000.0 + i,
+        "input_length": 96,
+        "output_length": 4,
+        "hash_ids": ids,
+        "format": FORMAT,
+        "block_tokens": 32,
+        "routed_tokens": 96,
+        "tenant": "",
+        "model": "m",
+        "adapter": None,
+        "worker": "w0",
+        "available_tokens": 0,
+        "matched_tokens": 0,
+        "cached_tokens": 0,
+        "ttft_ms": None,
+        "status": 200,
+        "broken": False,
+        "sample_rate": 1.0,
+    }
+    rec.update(kw)
+    return json.dumps(rec)
+
+
+def test_routing_loss_and_capacity_loss_by_hand(tmp_path, capsys):
+    """Four served requests of 96 tokens (384 in all), worked out by hand:
+
+    r0  nothing anywhere                 capacity 96
+    r1  64 held elsewhere, went to a     capacity 32, routing 64 (available 64, predicted 0)
+        worker holding none
+    r2  96 held by its worker, 64        prediction gap 32 (delivered 64)
+        delivered
+    r3  64 held and delivered 80         capacity 32, prediction gap -16 (the agent
+                                         matched past the router's blocks)
+
+    capacity 160, routing 64, prediction gap 16, delivered 144: 384 in all. A shed
+    line and a line of an earlier version (no ``available_tokens``) are left out."""
+    lines = [
+        _log_line(0, [1, 2, 3]),
+        _log_line(1, [1, 2, 4], available_tokens=64, matched_tokens=0, cached_tokens=0),
+        _log_line(2, [1, 2, 3], available_tokens=96, matched_tokens=96, cached_tokens=64),
+        _log_line(3, [1, 2, 5], available_tokens=64, matched_tokens=64, cached_tokens=80),
+        _log_line(4, [1, 2, 6], worker="", status=429, cached_tokens=None),
+    ]
+    old = json.loads(_log_line(5, [1, 2, 7], cached_tokens=32))
+    del old["available_tokens"]
+    lines.append(json.dumps(old))
+    p = tmp_path / "traffic.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    res = analyze([str(p)], Options(jobs=1))
+    r = res["observed"]["routing"]
+    assert r["requests"] == 4 and r["prompt_tokens"] == 384
+    assert (r["capacity_loss_tokens"], r["routing_loss_tokens"], r["prediction_gap_tokens"]) == (160, 64, 16)
+    assert r["delivered_tokens"] == 144
+    assert r["capacity_loss_share"] == pytest.approx(160 / 384)
+    assert r["routing_loss_share"] == pytest.approx(64 / 384)
+    assert r["captured_share"] == pytest.approx(160 / 224)  # predicted over available
+    assert res["observed"]["shed_requests"] == 1
+    out = tmp_path / "a.json"
+    assert main(["analyze", str(p), "--jobs", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "capacity loss" in text and "routing loss" in text and "prediction gap" in text
+    assert json.loads(out.read_text())["observed"]["routing"] == r
+    # a log of an earlier version: no split, no rows
+    p.write_text(json.dumps(old) + "\n")
+    assert analyze([str(p)], Options(jobs=1))["observed"]["routing"] is None

@@ -152,6 +152,7 @@ def test_requests_export_jsonl_and_csv_hold_every_request(tmp_path):
         _ok(0, 0.012, 0.052, 3, itl=[0.015, 0.025], start=0.5, worker="w1", retries=1, wait=0.25),
         _failed(1, start=0.1),
     ]
+    rs[0].available_tokens, rs[0].predicted_tokens = 80, 64  # the router's match headers
     path = tmp_path / "req.jsonl"
     assert metrics.write_requests(str(path), [("a", rs)]) == 2
     lines = [json.loads(x) for x in path.read_text().splitlines()]
@@ -172,6 +173,8 @@ def test_requests_export_jsonl_and_csv_hold_every_request(tmp_path):
         "itl_ms": [15.0, 25.0],
         "prompt_tokens": 100,
         "cached_tokens": 50,
+        "available_tokens": 80,
+        "predicted_tokens": 64,
         "output_tokens": 3,
         "worker": "w1",
         "retries": 1,
@@ -179,6 +182,7 @@ def test_requests_export_jsonl_and_csv_hold_every_request(tmp_path):
     }
     assert lines[0]["status"] == 503 and lines[0]["error_kind"] == "http_503"
     assert lines[0]["ttft_ms"] is None
+    assert lines[0]["available_tokens"] is None  # a target that sends no match headers
     cpath = tmp_path / "req.csv"
     metrics.write_requests(str(cpath), [("a", rs)])
     rows = list(csv.DictReader(cpath.open()))

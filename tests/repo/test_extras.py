@@ -2,7 +2,7 @@
 installed fails with one line naming the extra, not an ImportError traceback.
 
 ``base_install()`` makes this process look like a base install: every module of the
-optional extras (pyproject.toml: engines, k8s, bus, plots, gateway) is blocked (``None`` in
+optional extras (pyproject.toml: engines, k8s, bus, plots, tracing, gateway) is blocked (``None`` in
 ``sys.modules`` makes its import fail, as a missing package does) and the project's
 packages are imported afresh under that; they are put back afterwards. No
 process is started, so this stays in the fast tier.
@@ -23,6 +23,7 @@ EXTRA_MODULES = {
     "k8s": ("kubernetes_asyncio",),
     "bus": ("nats", "nkeys"),
     "plots": ("matplotlib",),
+    "tracing": ("opentelemetry",),
     "gateway": ("grpc", "grpc_health", "envoy"),
 }
 BLOCKED = tuple(m for mods in EXTRA_MODULES.values() for m in mods)
@@ -131,6 +132,7 @@ def test_each_feature_names_its_extra():
             )._client(),
             "engines": lambda: importlib.import_module("router.engines.chat_render"),
             "plots": lambda: importlib.import_module("loadtest.report").write_plots([], "x", {}),
+            "tracing": lambda: importlib.import_module("router.tracing"),
             "gateway": lambda: importlib.import_module("router.epp.protocol").pb(),
         }
         for extra, make in cases.items():
@@ -139,3 +141,46 @@ def test_each_feature_names_its_extra():
             assert got.value.extra == extra
             assert isinstance(got.value, ImportError)
             one_line_naming(str(got.value), extra)
+
+
+def test_check_config_with_tracing_names_the_extra_on_a_base_install(tmp_path, capsys):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://127.0.0.1:9001]\ntracing: {enabled: true}\n")
+    with base_install():
+        from radixfleet.cli import main
+
+        assert main(["check-config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    one_line_naming(err, "tracing")
+
+
+class _Exchange:
+    """The least exchange the data plane serves (router.dataplane's docstring)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        self._body = body
+        self.replies: list[int] = []
+
+    async def body(self, limit: int) -> bytes:
+        return self._body
+
+    def reply(self, status, body, content_type, extra) -> None:
+        self.replies.append(status)
+
+
+def test_a_request_with_tracing_off_needs_no_opentelemetry():
+    """Tracing off (the default): a request goes through serve, keying and the route
+    core (here to a 503: no worker is healthy yet) with OpenTelemetry unimportable."""
+    import asyncio
+
+    with base_install():
+        from protocol.prefix_keys import Endpoint
+        from router.app import Router
+        from router.config import parse_config
+
+        router = Router(parse_config({"workers": ["http://127.0.0.1:9001"]}))
+        ex = _Exchange(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')
+        asyncio.run(router.dataplane.serve(ex, Endpoint.CHAT))
+        assert ex.replies == [503]
+        assert sys.modules.get("opentelemetry") is None

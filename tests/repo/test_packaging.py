@@ -6,7 +6,7 @@ the report tables and never declared: ``radixfleet demo`` and ``simulate`` then
 crashed at their last step). This walks every module's imports with ``ast`` and
 checks each non-stdlib, non-project top-level name against ``pyproject.toml``:
 runtime packages against ``[project].dependencies`` and the feature extras
-(engines, k8s, bus, plots: imported lazily, tests/repo/test_extras.py), test modules
+(engines, k8s, bus, plots, tracing: imported lazily, tests/repo/test_extras.py), test modules
 against those plus the ``test`` extra.
 """
 
@@ -71,7 +71,7 @@ def _project() -> dict:
 
 
 #: the extras a feature needs (protocol/extras.py); ``test`` and ``dev`` pull them all
-FEATURE_EXTRAS = ("engines", "k8s", "bus", "plots", "gateway")
+FEATURE_EXTRAS = ("engines", "k8s", "bus", "plots", "tracing", "gateway")
 
 
 def _runtime(proj: dict) -> set[str]:

@@ -50,9 +50,10 @@ class Fleet:
         self.closers.append(runner.cleanup)
         return url
 
-    async def agent(self, served: str, *, register: bool = True, **kw) -> tuple[str, object]:
+    async def agent(self, served: str, *, register: bool = True, tracing=None, **kw) -> tuple[str, object]:
         """An in-process agent (simulated engine) serving ``served``; registered
-        with the router (its reporter) unless ``register`` is False."""
+        with the router (its reporter) unless ``register`` is False; its spans to
+        ``tracing`` (service.tracing), if given."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cfg = AgentConfig(
@@ -61,16 +62,18 @@ class Fleet:
             worker_id=kw.pop("worker_id", served),
             **kw,
         )
-        app = create_app(cfg, routers=[self.base] if register else None, advertise_url=url)
+        app = create_app(cfg, routers=[self.base] if register else None, advertise_url=url, tracing=tracing)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         self.closers.append(runner.cleanup)
         return url, app
 
-    async def start(self, raw: dict) -> Fleet:
+    async def start(self, raw: dict, *, tracing=None) -> Fleet:
+        """The router for ``raw`` (its spans to ``tracing``, if given) listening."""
         # answers name their worker: the tests check where requests went
         self.router = Router(parse_config({"health": HEALTH, "response_headers": {"worker_id": True}, **raw}))
+        self.router.dataplane.use_tracing(tracing)
         server = RouterServer(self.router, port=free_port())
         self.port = await server.start()
         self.base = f"http://127.0.0.1:{self.port}"

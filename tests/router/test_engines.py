@@ -224,8 +224,21 @@ def test_kind_from_metrics_and_models():
 )
 def test_engine_fields_are_validated_with_their_path(worker, error):
     with pytest.raises(ConfigError) as e:
-        parse_config({"workers": [worker]})
+        # without discovery: a tokenizer is then the config's to give
+        parse_config({"workers": [worker], "tokenizers": {"discover": False}})
     assert str(e.value).startswith(error), str(e.value)
+
+
+def test_events_without_a_tokenizer_are_accepted_where_the_engine_can_name_one():
+    """With tokenizers.discover (the default) the engine names its tokenizer; an
+    openai worker's engine does not."""
+    ev = {"endpoint": "tcp://*:5"}
+    cfg = parse_config({"workers": [{"url": "http://h:1", "events": ev, "block_size": 32}]})
+    assert cfg.tokenizers.discover and not cfg.tokenizers.download
+    with pytest.raises(ConfigError, match=r"workers\[0\]\.tokenizer: required with events\.endpoint"):
+        parse_config({"workers": [{"url": "http://h:1", "kind": "openai", "events": ev}]})
+    with pytest.raises(ConfigError, match=r"tokenizers\.download: expected true or false"):
+        parse_config({"tokenizers": {"download": "yes please"}})
 
 
 def test_tokenizer_folder_without_tokenizer_is_refused(tmp_path):

@@ -29,23 +29,61 @@ from tests.router.fleet import Fleet, fleet, until  # noqa: F401 - fleet: the fi
 
 def test_budget_starts_full_and_refills_at_its_rate():
     b = PrefetchBudget()
-    assert b.take(2000, rate=1000, burst_s=2, now=0.0) is None  # the burst: 2 s of rate
-    wait = b.take(500, rate=1000, burst_s=2, now=0.0)
+    assert b.take("t", 2000, rate=1000, burst_s=2, now=0.0) is None  # the burst: 2 s of rate
+    wait = b.take("t", 500, rate=1000, burst_s=2, now=0.0)
     assert wait == pytest.approx(0.5)  # nothing taken by a refusal
-    assert b.take(500, rate=1000, burst_s=2, now=0.5) is None
+    assert b.take("t", 500, rate=1000, burst_s=2, now=0.5) is None
     assert b.spent == 2500
+    b.check()
 
 
 def test_budget_never_holds_more_than_its_burst():
     b = PrefetchBudget()
-    b.take(0, rate=100, burst_s=1, now=0.0)
-    assert b.take(101, rate=100, burst_s=1, now=1000.0) == math.inf  # never fits
-    assert b.take(100, rate=100, burst_s=1, now=1000.0) is None
-    assert b.take(1, rate=100, burst_s=1, now=1000.0) == pytest.approx(0.01)
+    b.take("t", 0, rate=100, burst_s=1, now=0.0)
+    assert b.take("t", 101, rate=100, burst_s=1, now=1000.0) == math.inf  # never fits
+    assert b.take("t", 100, rate=100, burst_s=1, now=1000.0) is None
+    assert b.take("t", 1, rate=100, burst_s=1, now=1000.0) == pytest.approx(0.01)
 
 
 def test_zero_share_refuses_every_prefetch():
-    assert PrefetchBudget().take(1, rate=0.0, burst_s=2, now=0.0) == math.inf
+    assert PrefetchBudget().take("t", 1, rate=0.0, burst_s=2, now=0.0) == math.inf
+
+
+def test_one_tenants_flood_spends_its_own_part_never_anothers():
+    b = PrefetchBudget()
+    now = 0.0
+    while b.take("flood", 100, rate=1000, burst_s=2, now=now) is None:  # alone: all 2000
+        now += 0.001
+    assert b.spent == pytest.approx(2000, abs=200)
+    # a second tenant arrives: its own bucket, full at its half of the rate
+    assert b.take("light", 1000, rate=1000, burst_s=2, now=now) is None
+    assert b.take("light", 1, rate=1000, burst_s=2, now=now) == pytest.approx(0.002)
+    # the flood refills at its half only: 0.1 s gives it 50 tokens, not 100
+    assert b.take("flood", 100, rate=1000, burst_s=2, now=now + 0.1) is not None
+    assert b.take("flood", 50, rate=1000, burst_s=2, now=now + 0.1) is None
+    b.check()
+
+
+def test_parts_follow_the_fair_share_weights_and_idle_tenants_are_forgotten():
+    b = PrefetchBudget({"gold": 3.0})
+    assert b.take("gold", 1, rate=400, burst_s=1, now=0.0) is None
+    # with gold active, a weight-1 tenant holds a quarter: 100 tokens
+    assert b.take("tin", 101, rate=400, burst_s=1, now=0.0) == math.inf
+    assert b.take("tin", 100, rate=400, burst_s=1, now=0.0) is None
+    assert len(b) == 2
+    # a burst later nobody else tried: gold alone again, full at the whole 400
+    assert b.take("gold", 400, rate=400, burst_s=1, now=5.0) is None
+    assert len(b) == 1
+    b.configure({})  # a reload: gold's weight back to 1
+    b.check()
+
+
+def test_budget_holds_at_most_max_tenants_buckets():
+    b = PrefetchBudget(max_tenants=3)
+    for i in range(10):
+        assert b.take(f"t{i}", 1, rate=1e6, burst_s=60, now=i * 1e-3) is None
+        b.check()
+    assert len(b) == 3
 
 
 # ================================================================ ledger
@@ -133,14 +171,14 @@ async def test_prefetch_warms_the_worker_the_real_request_then_uses(fleet):
         r = await c.post(fleet.base + PREFETCH_PATH, json=body)
         assert r.status_code == 202, r.text
         ans = r.json()
-        assert ans["accepted"] is True and ans["deduplicated"] is False
+        assert ans["accepted"] is True and "deduplicated" not in ans  # no tenant: never said
         warmed = ans["worker"]
         await settled(fleet)
         assert counter(fleet, "warmed") == 1 and counter(fleet, "failed") == 0
-        # a repeat is deduplicated against the index: nothing sent
+        # a repeat is deduplicated against the index: nothing sent, the same answer
         again = await c.post(fleet.base + PREFETCH_PATH, json=body)
-        assert again.status_code == 202 and again.json()["deduplicated"] is True
-        assert again.json()["worker"] == warmed
+        assert again.status_code == 202 and again.json() == ans
+        assert counter(fleet, "deduplicated") == 1 and counter(fleet, "warmed") == 1
         r = await c.post(fleet.base + "/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.headers["x-radixfleet-worker"] == warmed
@@ -170,7 +208,6 @@ async def test_prefetches_do_not_teach_the_shedder_its_typical_request(fleet):
         for _ in range(3):
             r = await c.post(fleet.base + PREFETCH_PATH, json=rag_body(os.urandom(6).hex()))
             assert r.status_code == 202, r.text
-            assert r.json()["deduplicated"] is False
     await settled(fleet)
     assert counter(fleet, "warmed") == 3
     assert shedder.typical_s == typical
@@ -231,9 +268,39 @@ async def test_prefetch_without_worker_ids_names_no_worker(fleet):
     async with httpx.AsyncClient(timeout=30) as c:
         r = await c.post(fleet.base + PREFETCH_PATH, json=rag_body(os.urandom(6).hex()))
     assert r.status_code == 202
-    assert r.json() == {"object": "prefetch", "accepted": True, "deduplicated": False}
+    assert r.json() == {"object": "prefetch", "accepted": True}
     assert "x-radixfleet-worker" not in r.headers
     await settled(fleet)
+
+
+@pytest.mark.integration
+async def test_a_tenant_is_told_of_its_own_deduplication_and_learns_nothing_of_anothers(fleet):
+    """A tenant's clients share its cache by configuration: its repeat is deduplicated
+    (said, and its tokens given back); the same text from another tenant is keyed in
+    that tenant's own namespace and warmed for it."""
+    keys = [{"tenant": "acme", "key": "k-acme"}, {"tenant": "beta", "key": "k-beta"}]
+    limits = {"tokens_per_min": 0.001, "token_burst": 100_000}
+    await agents_fleet(
+        fleet,
+        {
+            "keys": {"tenant": {"source": "api_key", "api_keys": keys}},
+            "tenancy": {"tenants": {"acme": limits}},
+        },
+    )
+    acme, beta = {"Authorization": "Bearer k-acme"}, {"Authorization": "Bearer k-beta"}
+    body = rag_body(os.urandom(6).hex())
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(fleet.base + PREFETCH_PATH, json=body, headers=acme)
+        assert r.status_code == 202 and r.json()["deduplicated"] is False, r.text
+        left = int(r.headers["x-ratelimit-remaining-tokens"])
+        await settled(fleet)
+        r = await c.post(fleet.base + PREFETCH_PATH, json=body, headers=acme)
+        assert r.status_code == 202 and r.json()["deduplicated"] is True, r.text
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) >= left  # its tokens given back
+        r = await c.post(fleet.base + PREFETCH_PATH, json=body, headers=beta)
+        assert r.status_code == 202 and r.json()["deduplicated"] is False, r.text
+    await settled(fleet)
+    assert counter(fleet, "warmed") == 2 and counter(fleet, "deduplicated") == 1
 
 
 def assert_error(r: httpx.Response, status: int, code: str) -> None:

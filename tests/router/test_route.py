@@ -122,6 +122,7 @@ def test_an_admitted_request_is_not_shed_again_on_its_retry_and_avoids_the_tried
 
 class Ticket:
     scale = 1.0
+    priority = "standard"
 
 
 class Tenancy:
@@ -193,3 +194,74 @@ def test_a_policy_naming_an_unknown_worker_is_a_bug():
 
     with pytest.raises(AssertionError, match="unknown worker"):
         c.decide(ask(index, choose=void), clock.t)
+
+
+class Stages:
+    """A caller's ``Marks`` (router.tracing): the stages told, in order."""
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+
+    def mark(self, stage: str) -> None:
+        self.told.append(stage)
+
+
+def test_a_tracing_caller_is_told_each_stage_as_it_ends():
+    shed = Refuse()
+    c, pool, index, clock = core()
+    marks = Stages()
+    v = c.decide(ask(index), clock.t, marks)  # no shedder: the whole chain, then choose, place
+    assert isinstance(v, Route) and marks.told == ["match", "admit", "choose", "place"]
+    marks = Stages()  # a retry runs no admission chain
+    assert isinstance(c.decide(ask(index).admit(None), clock.t, marks), Route)
+    assert marks.told == ["match", "choose", "place"]
+    c.use_shedder(shed)
+    marks = Stages()  # refused by the shedder: its admission stage never ended
+    assert isinstance(c.decide(ask(index), clock.t, marks), Reject)
+    assert marks.told == ["match"]
+    marks = Stages()  # unplaced (a prefetch, a P/D prefill leg): no place stage
+    assert isinstance(c.decide(ask(index, place=False).admit(None), clock.t, marks), Route)
+    assert marks.told == ["match", "choose"]
+    # and without marks the verdicts are the same (nothing else reads them)
+    assert isinstance(c.decide(ask(index).admit(None), clock.t), Route)
+
+
+def test_a_traced_decision_held_then_resumed_is_two_route_spans_around_the_queue():
+    """router.tracing on the core: each decision a radixfleet.route span (its verdict,
+    the stages' times), the admission queue's wait between them."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from protocol.prefix_keys import Endpoint
+    from router.tracing import RequestTrace
+    from service.tracing import Tracing
+
+    mem = InMemorySpanExporter()
+    tracing = Tracing(service_name="t", exporter=mem)
+    trace = tracing.start({}, "radixfleet.request")
+    assert trace is not None
+    rt = RequestTrace(trace, Endpoint.CHAT)
+    c, pool, index, clock = core(shedder=Refuse(), tenancy=Tenancy(), queue=Queue())
+    held = rt.decide(c, ask(index), clock.t)
+    assert isinstance(held, Hold)
+    rt.held(clock.t, shed=False)
+    assert isinstance(rt.resume(c, held, True, clock.t), Route)
+    rt.end()
+    tracing.flush()
+    spans = [(s.name, dict(s.attributes)) for s in mem.get_finished_spans()]
+    names = [n for n, _ in spans]
+    assert names == [
+        "radixfleet.request",
+        "radixfleet.route",
+        "radixfleet.admission_queue",
+        "radixfleet.route",
+    ]
+    first, queue, second = spans[1][1], spans[2][1], spans[3][1]
+    assert first["radixfleet.verdict"] == "hold" and first["radixfleet.shed"] is True
+    assert set(first) >= {"radixfleet.route.match_us"} and "radixfleet.route.choose_us" not in first
+    assert queue == {"radixfleet.shed": False}
+    assert second["radixfleet.verdict"] == "route" and second["radixfleet.worker"] in ("a", "b")
+    assert second["radixfleet.tokens.prompt"] == PROMPT and second["radixfleet.tokens.uncached"] == PROMPT
+    assert {"radixfleet.route.match_us", "radixfleet.route.choose_us", "radixfleet.route.place_us"} <= set(
+        second
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -14,6 +15,7 @@ from protocol.errors import WorkloadError
 from protocol.prefix_keys import Endpoint, request_key
 from radixfleet.cli import main
 from router.config import TrafficLogConfig
+from router.metrics import Metrics
 from router.traffic_log import FORMAT, LogState, TrafficLog, log_files
 
 
@@ -185,6 +187,116 @@ async def test_write_errors_are_counted_not_raised(tmp_path, caplog):
     assert sum("traffic log in" in r.message for r in caplog.records) == 1  # once per cause
 
 
+class _Disk:
+    """An opener whose files fail every write with ENOSPC while ``full`` (after
+    writing the first bytes of it, as a filling disk does)."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.opened: list[str] = []
+
+    def __call__(self, path: str):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        self.opened.append(path)
+        return _DiskFile(self, open(path, "ab"))  # noqa: SIM115 - closed by the log
+
+
+class _DiskFile:
+    def __init__(self, disk: _Disk, f) -> None:
+        self.disk, self.f = disk, f
+
+    def write(self, data: bytes) -> int:
+        if self.disk.full:
+            self.f.write(data[:10])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _round(tl: TrafficLog, keys, t: float) -> None:
+    """Records ``keys`` and waits (bounded) until the writer has taken them."""
+    before = tl.stats()
+    for i, (_, key) in enumerate(keys):
+        tl.record(key, arrival_s=t + i, worker="w", matched_tokens=0)
+    want = before.written + before.dropped_error + len(keys)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = tl.stats()
+        if st.written + st.dropped_error >= want:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the writer did not take {len(keys)} records: {tl.stats()}")
+
+
+def _snapshot(d) -> dict[str, bytes]:
+    return {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}
+
+
+async def test_a_full_disk_stops_the_log_and_never_rotates_out_kept_files(tmp_path, caplog):
+    keys = _keys(8, 4)
+    disk = _Disk()
+    tl = TrafficLog(_cfg(tmp_path, max_file_bytes=4096, max_files=2), opener=disk, retry_s=3600.0)
+    tl.start()
+    d = tmp_path / "log"
+    try:
+        for r in range(3):  # each round past max_file_bytes: a file each, two kept
+            _round(tl, keys, 100.0 * r)
+        kept = _snapshot(d)
+        assert len(kept) == 2 and tl.stats().writing == 1
+        disk.full = True
+        _round(tl, keys, 1000.0)  # the open file fails its write, or the next open does
+        for r in range(5):
+            _round(tl, keys, 2000.0 + 100 * r)
+        st = tl.stats()
+        assert st.writing == 0 and st.dropped_error == 6 * len(keys)
+        m = Metrics()
+        m.watch_traffic_log(tl)
+        assert "radixfleet_traffic_log_writing 0.0" in m.render().decode()
+        assert _snapshot(d) == kept  # no file deleted, none added, none cut
+        assert len(disk.opened) == 3  # stopped: nothing opened while it waits
+        tl.check()
+    finally:
+        await tl.aclose()
+    stops = [r for r in caplog.records if "stopped writing" in r.message]
+    assert len(stops) == 1 and stops[0].levelname == "ERROR"
+
+
+async def test_a_write_error_cuts_the_failed_batch_off_its_file_and_a_retry_resumes(tmp_path, caplog):
+    keys = _keys(4, 2)
+    disk = _Disk()
+    tl = TrafficLog(_cfg(tmp_path, max_files=4), opener=disk, retry_s=0.2)
+    tl.start()
+    d = tmp_path / "log"
+    caplog.set_level("INFO", "radixfleet.traffic_log")
+    try:
+        _round(tl, keys, 0.0)
+        (name,) = os.listdir(d)
+        good = (d / name).read_bytes()
+        disk.full = True
+        _round(tl, keys, 100.0)  # 10 bytes of it reach the file, then ENOSPC
+        assert (d / name).read_bytes() == good  # whole lines only
+        assert tl.stats().writing == 0
+        disk.full = False
+        deadline = time.monotonic() + 10
+        while tl.stats().writing == 0 and time.monotonic() < deadline:
+            _round(tl, keys, 200.0)
+        st = tl.stats()
+        assert st.writing == 1 and st.written >= 2 * len(keys)
+        assert st.dropped_error >= len(keys)
+    finally:
+        await tl.aclose()
+    rows = _lines(tmp_path)  # every line whole
+    assert len(rows) == tl.stats().written
+    assert any("writes again" in r.message for r in caplog.records)
+
+
 def test_start_refuses_an_unwritable_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     from protocol.errors import ConfigError
@@ -295,8 +407,6 @@ def test_simulate_reads_a_traffic_log_directly(tmp_path):
 
 
 async def test_counters_are_exported_at_scrape(tmp_path):
-    from router.metrics import Metrics
-
     ((_, key),) = _keys(1, 1)
     m = Metrics()
     async with TrafficLog(_cfg(tmp_path, queue_size=2, flush_interval_s=60.0)) as tl:
@@ -306,5 +416,6 @@ async def test_counters_are_exported_at_scrape(tmp_path):
         text = m.render().decode()
         assert 'radixfleet_traffic_log_records_total{outcome="dropped_full"} 3.0' in text
         assert "radixfleet_traffic_log_queued 2.0" in text
+        assert "radixfleet_traffic_log_writing 1.0" in text
     text = m.render().decode()
     assert 'radixfleet_traffic_log_records_total{outcome="written"} 2.0' in text

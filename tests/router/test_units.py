@@ -10,14 +10,16 @@ import random
 import aiohttp
 import pytest
 
-from protocol.errors import Conflict, Overloaded, Unauthorized
+from protocol.errors import Conflict, MalformedRequest, Overloaded, Unauthorized
 from protocol.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
-from router.auth import TenantResolver
+from protocol.prefix_keys import Endpoint
+from router.auth import TenantResolver, check_metrics, metrics_exposure
 from router.config import parse_config
 from router.dataplane import Admission
 from router.feedback import Feedback
 from router.front import _ChunkedEnd, _head_end, _message_end
 from router.pool import Breaker, HealthState, Source
+from router.screen import check_parsed, check_raw, peek_model, unserved
 from router.upstream import (
     _DONE,
     STREAM_HIGH,
@@ -388,6 +390,88 @@ def test_tenant_resolver_sources(monkeypatch):
     monkeypatch.delenv("KA")
     with pytest.raises(Exception, match=r"api_keys\[0\].key_env: environment variable KA"):
         TenantResolver(cfg.keys.tenant)
+
+
+def test_only_the_default_tenant_of_clients_without_an_identity_is_anonymous():
+    def resolver(tenant: dict) -> TenantResolver:
+        return TenantResolver(parse_config({"keys": {"tenant": tenant}}).keys.tenant)
+
+    assert resolver({"default": "d"}).anonymous("d")  # no tenants: everyone is one
+    hdr = resolver({"source": "header"})
+    assert hdr.anonymous("") and not hdr.anonymous("t1")  # no header: the default
+    keys = [{"tenant": "A", "key": "ka"}, {"tenant": "pub", "key": "kp"}]
+    required = resolver({"source": "api_key", "api_keys": keys, "default": "pub"})
+    assert not required.anonymous("A") and not required.anonymous("pub")  # every client keyed
+    optional = resolver({"source": "api_key", "api_keys": keys, "default": "pub", "require_key": False})
+    assert optional.anonymous("pub") and not optional.anonymous("A")  # keyless clients land in pub
+
+
+def test_metrics_answer_their_token_the_admin_token_or_a_loopback_peer_while_no_token_is_set(monkeypatch):
+    monkeypatch.setenv("ADM", "adm")
+    monkeypatch.setenv("MET", "met")
+    admin, metrics, unset = (
+        BearerAuth("ADM", "admin"),
+        BearerAuth("MET", "metrics"),
+        BearerAuth("NONE", "metrics"),
+    )
+    for peer in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+        check_metrics(unset, admin, None, peer)  # the quick start, a sidecar, port-forward
+    for peer in ("10.1.2.3", "::ffff:10.1.2.3", "fe80::1", None):
+        with pytest.raises(Unauthorized, match=r"loopback peers only until \$NONE is set"):
+            check_metrics(unset, admin, None, peer)
+        check_metrics(unset, admin, "Bearer adm", peer)
+    for peer in ("127.0.0.1", "10.1.2.3"):
+        with pytest.raises(Unauthorized, match="requires 'Authorization: Bearer <token>'"):
+            check_metrics(metrics, admin, None, peer)  # a token set: loopback too
+        with pytest.raises(Unauthorized, match="invalid metrics token"):
+            check_metrics(metrics, admin, "Bearer nope", peer)
+        check_metrics(metrics, admin, "Bearer met", peer)
+        check_metrics(metrics, admin, "Bearer adm", peer)
+    assert metrics_exposure(parse_config({"listen": {"host": "0.0.0.0"}}), unset)
+    assert metrics_exposure(parse_config({"listen": {"host": "0.0.0.0"}}), metrics) is None
+    assert metrics_exposure(parse_config({}), unset) is None  # loopback by default
+
+
+def test_the_model_a_body_opens_with_is_read_without_parsing_it():
+    assert peek_model(b'{"model": "m1", "messages": []}') == "m1"
+    assert peek_model(b' \n{ "model" :"m-2","prompt":"x"}') == "m-2"
+    assert peek_model(bytearray(b'{"model":"m","prompt":"' + b"x" * 10_000 + b'"}')) == "m"
+    for body in (
+        b'{"messages": [], "model": "m"}',  # not the first member: the parse decides
+        b'{"model": "m", "prompt": "x", "model": "other"}',  # a later key wins in JSON
+        b'{"model": "m", "lora_path": "ad", "prompt": "x"}',  # an adapter may serve it
+        b'{"model": "m", "prompt": "", "lora_adapter": "ad"}',
+        b'{"model": "a\\"b", "prompt": "x"}',  # escapes: the parse decides
+        b'{"model": 3, "prompt": "x"}',
+        b'{"model": "' + b"m" * 300 + b'"}',  # longer than any model name
+        b'{"model": "\xff\xfe", "prompt": "x"}',  # not UTF-8: the parse's 400
+        b"[1, 2]",
+        b"",
+    ):
+        assert peek_model(body) is None, body
+
+
+def test_a_request_nobody_serves_is_refused_before_it_is_keyed():
+    pool, _, clock = make_pool()
+    for w in pool:
+        w.models = ("served",)
+        pool._changed(w)
+    clock.t += 10.0  # past the start-up grace (503 in it)
+    now = clock.t
+    assert unserved(pool, "served", None, now) is None
+    assert unserved(pool, "other", "served", now) is None  # an adapter it lists
+    exc = unserved(pool, "other", None, now)
+    assert exc is not None and exc.status == 404 and "'served'" in exc.message
+    with pytest.raises(type(exc)):
+        check_raw(pool, b'{"model": "other", "prompt": "x"}', now)
+    check_raw(pool, b'{"prompt": "x", "model": "other"}', now)  # the parse decides
+    with pytest.raises(type(exc)):
+        check_parsed(pool, Endpoint.COMPLETIONS, {"model": "other", "prompt": "x"}, now)
+    with pytest.raises(MalformedRequest, match="must be a JSON object"):
+        check_parsed(pool, Endpoint.COMPLETIONS, [1], now)
+    with pytest.raises(MalformedRequest, match="'model' must be a string"):
+        check_parsed(pool, Endpoint.COMPLETIONS, {"model": 1}, now)
+    check_parsed(pool, Endpoint.GENERATE, {"text": "x"}, now)  # /generate may name none
 
 
 def test_bearer_auth(monkeypatch):

@@ -138,6 +138,34 @@ def test_a_tenant_over_its_request_rate_gets_429_with_headers_while_another_is_s
     assert count(m, "radixfleet_tenant_requests_total", tenant="zeta", outcome="admitted", **lab) == 50
 
 
+def test_a_spent_bucket_refuses_from_the_head_whatever_the_body_and_takes_nothing():
+    t, m = tenancy(
+        {
+            "tenants": {
+                "acme": {"requests_per_s": 1, "request_burst": 2},
+                "tok": {"tokens_per_min": 60, "token_burst": 100, "priority": "critical"},
+            }
+        }
+    )
+    assert t.over_limit("acme", "", 0.0) is None and t.over_limit("zeta", "", 0.0) is None
+    for _ in range(2):
+        t.admitted(t.admit("acme", "", "m", {}, 10, {}, 0.0), 0.0)
+    exc = t.over_limit("acme", "", 0.25)
+    assert exc is not None and exc.status == 429 and exc.retry_after_s == pytest.approx(0.75)
+    assert dict(exc.headers)["x-ratelimit-remaining-requests"] == "0"
+    assert "1 request and at least 1 token;" in exc.message
+    assert t.over_limit("acme", "", 1.0) is None  # refilled: nothing was taken
+    t.admit("acme", "", "m", {}, 10, {}, 1.0)
+    # a spent token bucket refuses any next body until a token is back
+    t.admitted(t.admit("tok", "", "m", {}, 100, {}, 0.0), 0.0)
+    refused = t.over_limit("tok", "", 0.25)  # 0.25 tokens back at 1/s: short of 1
+    assert refused is not None and refused.retry_after_s == pytest.approx(0.75)
+    assert t.over_limit("tok", "", 1.0) is None
+    lab = {"outcome": "limited"}
+    assert count(m, "radixfleet_tenant_requests_total", tenant="acme", priority="standard", **lab) == 1
+    assert count(m, "radixfleet_tenant_requests_total", tenant="tok", priority="critical", **lab) == 1
+
+
 def test_tokens_reserve_prompt_and_max_tokens_are_refunded_when_shed_and_corrected_by_usage():
     t, _ = tenancy({"tenants": {"acme": {"tokens_per_min": 6000, "token_burst": 1000}}})
     a = t.admit("acme", "", "m", {}, 300, {"max_tokens": 500}, 0.0)
