@@ -971,11 +971,12 @@ class GatewayConfig:
         lo=0,
         hi=65535,
     )
-    body_mode: Literal["full_duplex_streamed", "buffered"] = _opt(
-        "full_duplex_streamed",
-        "how Envoy hands the request body to the picker: in chunks it echoes back "
-        "(FULL_DUPLEX_STREAMED, as llm-d's router runs) or whole (BUFFERED); answers are "
-        "always streamed through it",
+    body_mode: Literal["buffered", "full_duplex_streamed"] = _opt(
+        "buffered",
+        "how Envoy hands the request body to the picker: whole (BUFFERED: nothing echoed back, "
+        "fail-open possible, a non-streamed answer's body skipped when nothing needs it; "
+        "measured ~10% less picker CPU per request) or in chunks it echoes back "
+        "(FULL_DUPLEX_STREAMED, as llm-d's router runs)",
     )
     failure_mode: Literal["fail_closed", "fail_open"] = _opt(
         "fail_closed",

@@ -7,6 +7,9 @@ show it) is reached three ways, **in one run, in short interleaved rounds**::
     direct                     ->  upstream
     radixfleet (round_robin)   ->  upstream
     smg (SGLang's router, round_robin)  ->  upstream   (required; --no-smg to skip)
+    envoy+radixfleet (--envoy: ``radixfleet gateway``, round_robin)  ->  upstream
+                               Envoy carries the bytes, the router picks (ext_proc);
+                               its CPU is the gateway's process plus Envoy's
 
 Each of ``--rounds`` rounds measures every target, in an order rotated per round,
 so that machine noise (the host is shared) falls on all of them alike:
@@ -314,6 +317,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="leave SGLang's router out (otherwise a missing smg is an error)",
     )
     parser.add_argument(
+        "--envoy",
+        action="store_true",
+        help="also measure envoy+radixfleet: radixfleet gateway, Envoy with the router as its "
+        "endpoint picker (the gateway extra)",
+    )
+    parser.add_argument(
         "--tracing",
         action="store_true",
         help="add the router with tracing on (rf+tracing), exporting to a local OTLP sink",
@@ -487,8 +496,8 @@ class _Fleet:
         self.children: list[Child] = []
         self.pids: dict[str, int] = {}
 
-    def start(self, name: str, argv: list[str], ready_url: str) -> None:
-        c = Child(name, argv, os.path.join(self.log_dir, f"{name}.log"), ready_url)
+    def start(self, name: str, argv: list[str], ready_url: str, **kw: Any) -> None:
+        c = Child(name, argv, os.path.join(self.log_dir, f"{name}.log"), ready_url, **kw)
         self.children.append(c)
         c.start()
         self.pids[name] = c.pid
@@ -576,6 +585,40 @@ def run(args: argparse.Namespace) -> int:
             )
             _wait_smg(smg)
             ports["smg"] = smg_port
+        if args.envoy:
+            gw_port = free_port()
+            state = os.path.join(fleet.log_dir, "gateway")
+            fleet.start(
+                "envoy+radixfleet",
+                [
+                    sys.executable,
+                    "-m",
+                    "radixfleet.cli",
+                    "gateway",
+                    "--worker",
+                    up,
+                    "--policy",
+                    "round_robin",
+                    "--port",
+                    str(gw_port),
+                    "--router-port",
+                    str(free_port()),
+                    "--picker-port",
+                    str(free_port()),
+                    "--state-dir",
+                    state,
+                    "--log-level",
+                    "WARNING",
+                ],
+                # an unknown path: the picker's own 404 through Envoy, so both are up
+                f"http://127.0.0.1:{gw_port}/ready",
+                ready=lambda r: r.status_code == 404,
+            )
+            envoy_pid = _child_named(fleet.pids["envoy+radixfleet"], "envoy")
+            if envoy_pid is None:
+                raise RunError(f"radixfleet gateway started no Envoy (its log: {fleet.log_dir})")
+            fleet.pids["envoy"] = envoy_pid
+            ports["envoy+radixfleet"] = gw_port
         names = list(ports)
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             for n in names:  # warm-up: connections, caches, JITs of every target
@@ -681,15 +724,39 @@ def _summarize(names: list[str], rounds: list[dict]) -> dict:
             rf = out[key]["radixfleet"]["rounds"]
             tr = out[key]["rf+tracing"]["rounds"]
             out[key]["ratio_tracing_over_off"] = _spread([a / b for a, b in zip(tr, rf)])
-    if "smg" in names:
-        for key in ("throughput", "stream"):
-            rf = out[key]["radixfleet"]["rounds"]
-            sg = out[key]["smg"]["rounds"]
-            out[key]["ratio_radixfleet_over_smg"] = _spread([a / b for a, b in zip(rf, sg)])
+    pairs = [("radixfleet", "smg"), ("envoy+radixfleet", "smg"), ("envoy+radixfleet", "radixfleet")]
+    for num, den in pairs:
+        if num in names and den in names:
+            for key in ("throughput", "stream"):
+                ra, rb = out[key][num]["rounds"], out[key][den]["rounds"]
+                out[key][f"ratio_{num}_over_{den}"] = _spread([x / y for x, y in zip(ra, rb)])
     # the upstream is not the bottleneck when direct is well above every proxy
     proxied = max(out["throughput"][n]["median"] for n in names[1:])
     out["direct_over_best_proxy"] = out["throughput"]["direct"]["median"] / proxied
     return out
+
+
+def _child_named(pid: int, name: str) -> int | None:
+    """The pid of ``pid``'s child process whose program is ``name``, or None."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        for k in kids:
+            try:
+                with open(f"/proc/{k}/cmdline", "rb") as f:
+                    prog = f.read().split(b"\0", 1)[0]
+            except OSError:
+                continue
+            if os.path.basename(prog).decode(errors="replace") == name:
+                return k
+    return None
 
 
 def _ms(x: float) -> str:
@@ -709,7 +776,7 @@ def _print(doc: dict) -> None:
     for n in names:
         t, st = s["throughput"][n], s["stream"][n]
         line = (
-            f"  {n:11s} {t['median']:9.0f} req/s ({t['min']:.0f}..{t['max']:.0f})  "
+            f"  {n:16s} {t['median']:9.0f} req/s ({t['min']:.0f}..{t['max']:.0f})  "
             f"stream {st['median']:9.0f} chunks/s ({st['min']:.0f}..{st['max']:.0f})"
         )
         if t["errors"] or st["incomplete"]:
@@ -724,7 +791,7 @@ def _print(doc: dict) -> None:
         lt = s["latency"][n]
         r50, r99 = lt["added_p50_rounds_ms"], lt["added_p99_rounds_ms"]
         print(
-            f"  {n:11s} added p50 {_ms(lt['added_p50_ms'])} (rounds {min(r50):.3f}..{max(r50):.3f}), "
+            f"  {n:16s} added p50 {_ms(lt['added_p50_ms'])} (rounds {min(r50):.3f}..{max(r50):.3f}), "
             f"p99 {_ms(lt['added_p99_ms'])} (rounds {min(r99):.3f}..{max(r99):.3f})"
         )
     for key, label in (("throughput", "throughput"), ("stream", "streaming chunks/s")):
@@ -735,10 +802,12 @@ def _print(doc: dict) -> None:
                 f"(spread {r['min']:.2f}..{r['max']:.2f}x)"
             )
     for key, label in (("throughput", "throughput"), ("stream", "streaming chunks/s")):
-        r = s[key].get("ratio_radixfleet_over_smg")
-        if r:
+        for ratio, r in s[key].items():
+            if not ratio.startswith("ratio_") or ratio == "ratio_tracing_over_off":
+                continue
+            a, _, b = ratio[len("ratio_") :].partition("_over_")
             print(
-                f"  radixfleet/smg {label}: median {r['median']:.2f}x per round "
+                f"  {a}/{b} {label}: median {r['median']:.2f}x per round "
                 f"(spread {r['min']:.2f}..{r['max']:.2f}x)"
             )
     cpu = s["cpu_us_per_request"]

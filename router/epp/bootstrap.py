@@ -10,7 +10,7 @@ the workers' endpoints as Envoy reads them. Pure: no process, no file but the on
                           picker names the upstream, never a client)
         ext_proc          the picker (gRPC, cluster radixfleet_picker): request headers
                           and body (gateway.body_mode), response headers and body
-                          (FULL_DUPLEX_STREAMED); upstream.address with the response;
+                          (STREAMED); upstream.address with the response;
                           the subset hint forwarded; fail-closed (503) or fail-open
         router            route timeout timeouts.total_s, idle timeouts.first_byte_s;
                           retries only where the worker provably did not run it
@@ -64,10 +64,13 @@ def _mode(cfg: Config) -> dict:
         "request_header_mode": "SEND",
         "response_header_mode": "SEND",
         "request_body_mode": body,
-        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        # STREAMED: each chunk answered (replaced only where the picker changes it), and
+        # a non-streamed answer's body skipped when nothing needs it (a mode override,
+        # which Envoy refuses for a FULL_DUPLEX_STREAMED response)
+        "response_body_mode": "STREAMED",
         # full duplex needs the trailers sent (Envoy refuses the mode otherwise)
         "request_trailer_mode": "SEND" if body == "FULL_DUPLEX_STREAMED" else "SKIP",
-        "response_trailer_mode": "SEND",
+        "response_trailer_mode": "SKIP",
     }
 
 
@@ -85,6 +88,8 @@ def _ext_proc(cfg: Config) -> dict:
             "status_on_error": {"code": "ServiceUnavailable"},
             "message_timeout": _seconds(g.message_timeout_s),
             "processing_mode": _mode(cfg),
+            # the picker skips a non-streamed answer's body when it needs nothing from it
+            "allow_mode_override": True,
             "response_attributes": [UPSTREAM_ADDRESS],
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, LB_NAMESPACE]},

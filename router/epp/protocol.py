@@ -11,7 +11,9 @@ proposal 004; the data plane is any conformant gateway, here a real Envoy)::
          ProcessingRequest.response_headers    :status; the endpoint that served:
                                                envoy.lb / x-gateway-destination-endpoint-served
                                                (metadata), or the attribute upstream.address
-         ProcessingRequest.response_body       the answer (echoed back in full duplex)
+         ProcessingRequest.response_body       the answer: each chunk answered (STREAMED,
+                                               replaced where the picker changes it) or
+                                               echoed back (FULL_DUPLEX_STREAMED)
     out  header x-gateway-destination-endpoint     "ip:port,ip:port,..." (ordered: the
          dynamic metadata envoy.lb /               pick, then where a retry may go;
            x-gateway-destination-endpoint          both hold the same list)
@@ -47,6 +49,8 @@ OBJECTIVE = "x-gateway-inference-objective"
 FAIRNESS_ID = "x-gateway-inference-fairness-id"
 #: the Envoy attribute naming the upstream host an answer came from
 UPSTREAM_ADDRESS = "upstream.address"
+#: ``ProcessingMode.BodySendMode`` values (``protocol_config``)
+BUFFERED, FULL_DUPLEX = 2, 4
 #: the largest body chunk sent back in one message (Envoy's own ext_proc chunks are
 #: smaller; gRPC's default message bound is 4 MiB)
 CHUNK_BYTES = 64 * 1024
@@ -227,6 +231,40 @@ def continue_headers(*, request: bool, headers: Iterable[tuple[str, str]] = ()) 
         m.ep.ProcessingResponse(request_headers=hr)
         if request
         else m.ep.ProcessingResponse(response_headers=hr)
+    )
+
+
+def skip_response_body(answer: Any, *, buffered: bool) -> None:
+    """Makes ``answer`` (the pick) tell Envoy not to send the response's body and
+    trailers to the picker (``mode_override``; the filter's ``allow_mode_override``
+    must be on, and Envoy takes no override of a FULL_DUPLEX_STREAMED response mode).
+    The request's modes stay as configured (``buffered``)."""
+    pm = _pm().ProcessingMode
+    mode = answer.mode_override
+    mode.request_header_mode = pm.SEND
+    mode.response_header_mode = pm.SEND
+    mode.request_body_mode = pm.NONE
+    mode.request_trailer_mode = pm.SKIP
+    mode.response_body_mode = pm.NONE
+    mode.response_trailer_mode = pm.SKIP
+
+
+def body_answer(replace: bytes | None) -> Any:
+    """The answer to a response body chunk in STREAMED mode: passed on as it came
+    (``replace`` None), or replaced by ``replace`` (b"": held back, for a later chunk)."""
+    m = pb()
+    common = m.ep.CommonResponse()
+    if replace is not None:
+        common.body_mutation.body = replace
+    return m.ep.ProcessingResponse(response_body=m.ep.BodyResponse(response=common))
+
+
+@functools.cache
+def _pm() -> Any:
+    return require(
+        "envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2",
+        "gateway",
+        "the gateway's endpoint picker (ext_proc)",
     )
 
 

@@ -31,7 +31,11 @@ The picker is the route core's second caller beside the data plane
                       placed through RouteCore.place)
     response_body     echoed through router.sse.StreamWatch (first content token,
                       usage, the usage event the router asked for hidden); at its
-                      end the ledger ends
+                      end the ledger ends. A non-streamed answer whose usage nothing
+                      needs (an engine in sync by its events, no token limits, no
+                      traffic log) ends at its headers, its body not sent to the
+                      picker (full duplex: a mode override with the answer to the
+                      request headers; two messages fewer each way)
     the stream ends before that (Envoy broke it: the client left, a reset)
                       -> the ledger is cancelled, the slot and ticket given back
 
@@ -167,13 +171,18 @@ class _Stream:
         self.strip = False
         self.answer: bytearray | None = None  # a non-streamed answer's copy, for its usage
         self.passthrough = False  # a response the picker only echoes
+        self.skip_body = False  # Envoy does not send this answer's body to the picker
+        #: the answer's body comes in full duplex (every byte echoed back), else STREAMED
+        #: (each chunk answered, replaced only where the picker changes it)
+        self.echo = False
 
     # ------------------------------------------------------------------ dispatch
 
     async def on(self, req: Any) -> list[Any]:
         kind = req.WhichOneof("request")
-        if req.HasField("protocol_config"):
-            self.buffered = req.protocol_config.request_body_mode == 2  # BodySendMode.BUFFERED
+        if req.HasField("protocol_config"):  # the modes Envoy runs with (BodySendMode)
+            self.buffered = req.protocol_config.request_body_mode == P.BUFFERED
+            self.echo = req.protocol_config.response_body_mode == P.FULL_DUPLEX
         if kind == "request_headers":
             return await self._request_headers(req)
         if kind == "request_body":
@@ -362,6 +371,9 @@ class _Stream:
         body: bytes | None = None
         if not headers_phase:
             body = bytes(payload) if (payload is not ctx.raw or not self.buffered) else None
+        # a non-streamed answer whose usage nothing needs: its body is not sent to the
+        # picker (a mode override with the answer to the response headers)
+        self.skip_body = not ctx.stream and not self._needs_usage(w, ctx)
         out = P.picked(
             self.endpoints,
             body=body,
@@ -371,6 +383,16 @@ class _Stream:
             remove=_DROPPED,
         )
         return out
+
+    def _needs_usage(self, w: Worker, ctx: RequestContext) -> bool:
+        """Whether a non-streamed answer's usage is needed: its cached tokens correct
+        the index (approximate mode), its tokens are charged, or it is logged."""
+        link = w.engine
+        return (
+            (link is not None and link.corrects)
+            or self.dp.traffic is not None
+            or (ctx.ticket is not None and bool(ctx.ticket.limits))
+        )
 
     def _fallbacks(self, route: Route, ctx: RequestContext, now: float) -> list[str]:
         """Where Envoy may retry when it cannot connect to the pick (module docstring)."""
@@ -430,15 +452,15 @@ class _Stream:
             assert ctx is not None
             if ctx.stream and self.status == 200:
                 self.watch = led.watch = StreamWatch(self.strip)
-            elif self.status == 200 and (
-                led.link is not None
-                or self.dp.traffic is not None
-                or (ctx.ticket is not None and ctx.ticket.limits)
-            ):
-                self.answer = bytearray()
-        if req.response_headers.end_of_stream:
+            elif self.status == 200 and not self.skip_body:
+                self.answer = bytearray()  # its usage corrects the index or is charged
+        if req.response_headers.end_of_stream or self.skip_body:
+            # (a non-streamed answer's head comes when its generation is done)
             self._finish(now)
-        return [P.continue_headers(request=False)]
+        answer = P.continue_headers(request=False)
+        if self.skip_body and not req.response_headers.end_of_stream:
+            P.skip_response_body(answer, buffered=self.buffered)
+        return [answer]
 
     def _served(self, served: str | None, now: float) -> None:
         """Moves the count to the fallback that served, when it is not the pick."""
@@ -478,6 +500,7 @@ class _Stream:
         b = req.response_body
         now = time.monotonic()
         data, end = b.body, b.end_of_stream
+        came = data
         watch, led = self.watch, self.ledger
         if watch is not None and led is not None and not led.ended:
             out = watch.feed(data)
@@ -493,6 +516,8 @@ class _Stream:
                 self.answer = None
         if end:
             self._finish(now)
+        if not self.echo:
+            return [P.body_answer(None if data is came else data)]
         return list(P.streamed(data, end, request=False))
 
     def _finish(self, now: float) -> None:

@@ -206,7 +206,10 @@ async def test_a_streamed_request_from_pick_to_end(buffered):
         assert ack.HasField("request_headers")
         out = await s.send(req_body(body, True), 1)
     else:
-        assert await s.send(req_headers(), 0) == []
+        first_msg = req_headers()
+        first_msg.protocol_config.request_body_mode = P.FULL_DUPLEX
+        first_msg.protocol_config.response_body_mode = P.FULL_DUPLEX
+        assert await s.send(first_msg, 0) == []
         assert await s.send(req_body(body[:50], False), 0) == []  # held until the body ends
         out = await s.send(req_body(body[50:], True), 2)
     first = header(out[0], P.DESTINATION).split(",")
@@ -227,8 +230,15 @@ async def test_a_streamed_request_from_pick_to_end(buffered):
     (tok,) = await s.send(resp_body(b"data: " + json.dumps(TOKEN).encode() + b"\n\n", False), 1)
     assert counted(p)[picked][1] == 0 and counted(p)[picked][0] == 1  # prefilled, still running
     (end,) = await s.send(resp_body(sse(USAGE), True), 1)
-    got = end.response_body.response.body_mutation.streamed_response
-    assert got.end_of_stream and b"usage" not in got.body and got.body.endswith(b"data: [DONE]\n\n")
+    mutation = end.response_body.response.body_mutation
+    if buffered:  # the answer STREAMED (the default): a chunk the picker changed is replaced
+        assert tok.response_body.response.body_mutation.WhichOneof("mutation") is None
+        got = mutation.body
+    else:  # Envoy said full duplex (protocol_config): every byte echoed back
+        assert tok.response_body.response.body_mutation.streamed_response.body.startswith(b"data: ")
+        assert mutation.streamed_response.end_of_stream
+        got = mutation.streamed_response.body
+    assert b"usage" not in got and got.endswith(b"data: [DONE]\n\n")
     assert zero(p)
     m = p.router.metrics
     assert (
@@ -324,25 +334,39 @@ async def test_a_fallback_that_served_takes_the_count_from_the_pick():
     first, second = header(out[0], P.DESTINATION).split(",")
     pw, fw = p.endpoints.worker(first), p.endpoints.worker(second)
     assert counted(p)[pw][0] == 1 and counted(p)[fw][0] == 0
-    await s.send(resp_headers(200, upstream=second), 1)  # Envoy could not reach the pick
-    assert counted(p)[pw] == (0, 0, 0) and counted(p)[fw][0] == 1
+    (r,) = await s.send(resp_headers(200, upstream=second), 1)  # Envoy could not reach the pick
     assert p.router.pool.get(pw).breaker_fails == 1
-    answer = json.dumps({"choices": [{"text": "hi"}], "usage": USAGE["usage"]}).encode()
-    (r,) = await s.send(resp_body(answer, True), 1)
-    assert r.response_body.response.body_mutation.streamed_response.body == answer
+    # a non-streamed answer whose usage nothing needs ends at its head, its body not sent here
+    assert r.mode_override.response_body_mode == P._pm().ProcessingMode.NONE
     assert zero(p)
     reg = p.router.metrics.registry
-    assert (
-        reg.get_sample_value(
-            "radixfleet_worker_requests_total", {"worker": fw, "model": "m", "outcome": "answered"}
-        )
-        == 1
+    answered = {"worker": fw, "model": "m", "outcome": "answered"}
+    assert reg.get_sample_value("radixfleet_worker_requests_total", answered) == 1
+    failed = {"worker": pw, "model": "m", "outcome": "failed"}
+    assert reg.get_sample_value("radixfleet_worker_requests_total", failed) == 1
+    await s.close()
+
+
+async def test_a_non_streamed_answer_is_read_for_its_usage_where_limits_charge_it():
+    p = make_picker(
+        keys={"tenant": {"default": "acme"}}, tenancy={"tenants": {"acme": {"tokens_per_min": 600000}}}
     )
+    s = Stream(p)
+    await s.send(req_headers(), 0)
+    out = await s.send(req_body(chat(), True), 2)
+    (r,) = await s.send(resp_headers(200, upstream=header(out[0], P.DESTINATION).split(",")[0]), 1)
+    assert not r.HasField("mode_override")
+    assert not zero(p)  # still running until its body, with its usage, has passed
+    answer = json.dumps({"choices": [{"text": "hi"}], "usage": USAGE["usage"]}).encode()
+    (r,) = await s.send(resp_body(answer, True), 1)
+    assert r.response_body.response.body_mutation.WhichOneof("mutation") is None  # passed on as it came
+    assert zero(p)
     assert (
-        reg.get_sample_value(
-            "radixfleet_worker_requests_total", {"worker": pw, "model": "m", "outcome": "failed"}
+        p.router.metrics.registry.get_sample_value(
+            "radixfleet_cached_tokens_total",
+            {"worker": p.endpoints.worker(header(out[0], P.DESTINATION).split(",")[0]), "model": "m"},
         )
-        == 1
+        == 64
     )
     await s.close()
 
@@ -396,7 +420,7 @@ def test_fail_open_needs_what_envoy_needs_to_send_the_request_on_alone():
     from protocol.errors import ConfigError
 
     for gw, why in (
-        ({"failure_mode": "fail_open"}, "body_mode buffered"),
+        ({"failure_mode": "fail_open", "body_mode": "full_duplex_streamed"}, "body_mode buffered"),
         (
             {"failure_mode": "fail_open", "body_mode": "buffered", "cluster": "original_dst"},
             "cluster endpoints",

@@ -365,3 +365,23 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+async def test_grpc_health_answers_liveness_readiness_and_the_service():
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with GatewayFleet(agents=1) as f:
+        await f.gw.sync()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{f.gw.grpc.port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", ""):
+                got = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert got.status == health_pb2.HealthCheckResponse.SERVING, service
+            f.agents[0].kill()  # no routable worker: not ready, still alive
+            await f.until(lambda: not f.routable(), 10.0, "the agent unroutable")
+            await f.gw.sync()
+            got = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+            assert got.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            got = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+            assert got.status == health_pb2.HealthCheckResponse.SERVING
