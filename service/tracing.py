@@ -3,19 +3,20 @@
 Imported only where tracing is configured: a base install, or a router with tracing
 off, never imports OpenTelemetry (``tests/repo/test_extras.py``).
 
-A traced request's spans are kept as plain records while it runs and made into the
-SDK's ``ReadableSpan`` objects when it ends (``Trace.end``), then handed to the SDK's
-``BatchSpanProcessor``, whose own thread encodes and exports them over OTLP::
+A traced request's spans are kept as plain records while it runs; its end queues
+them, and the export thread encodes and exports them (``Tracing``'s docstring)::
 
-    event loop (the request)                   export thread (BatchSpanProcessor)
-    Tracing.start(headers) -> Trace | None     batch -> _Counted.export -> OTLP
-    Trace.add(...)          records            (exported | dropped_export_failed)
-    Trace.end()  -> Tracing.emit(span)  ->  bounded queue (dropped_queue_full past it)
+    event loop (the request)                   export thread (Tracing._run)
+    Tracing.start(headers) -> Trace | None     batch -> service.otlp -> OTLP/HTTP
+    Trace.add(...)          records                  (or ReadableSpan -> an exporter)
+    Trace.end()  -> Tracing.emit(trace)  ->  bounded queue (dropped_queue_full past it)
+                                               exported | dropped_export_failed
 
 Rules:
 
-- Nothing here waits for the collector. ``emit`` is O(1): past ``max_queue_spans``
-  spans waiting for the export thread, a span is dropped and counted; an export that
+- Nothing here waits for the collector. ``emit`` is O(1): a trace whose spans would
+  put more than ``max_queue_spans`` in wait for the export thread is dropped, its
+  spans counted; an export that
   fails (the endpoint down, slower than ``export_timeout_s``, refusing) drops its
   batch, counted. Requests never wait for either.
 - Sampling is decided once, at a trace's root (``start``): a client's valid W3C
@@ -26,27 +27,31 @@ Rules:
 - A malformed ``traceparent`` (or ``tracestate``) is ignored: a new trace starts.
 - What a span says is what its caller passes (router.tracing, the agent): counts,
   names of workers and policies' reasons, never prompt text nor a prompt's hash.
-- One thread (the event loop) starts, records and emits; the export thread only
-  exports. Each counter is written by one of the two.
+- One thread (the event loop) starts, records and emits; the export thread (or
+  ``flush``, under the same lock) only reads an ended trace and exports. Each counter
+  is written by one of the two.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import gzip
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from protocol.errors import ConfigError, MissingExtra
+from service import otlp
 
 try:  # the tracing extra's (protocol.extras)
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import Event, ReadableSpan
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
     from opentelemetry.trace import (
         INVALID_SPAN_CONTEXT,
@@ -107,54 +112,67 @@ def otlp_exporter(endpoint: str, protocol: str, timeout_s: float) -> SpanExporte
     return cls(endpoint=endpoint, timeout=timeout_s)  # type: ignore[call-arg]
 
 
-class _Counted(SpanExporter):
-    """The exporter, counted: what it was handed (``taken``) and how it went. Written
-    by the export thread only."""
+class OtlpHttp:
+    """Sends encoded ``ExportTraceServiceRequest`` bodies (``service.otlp``) to an
+    OTLP/HTTP collector, one POST a batch, on a kept-alive connection.
 
-    def __init__(self, inner: SpanExporter, endpoint: str) -> None:
-        self.inner = inner
-        self.endpoint = endpoint
-        self.taken = 0  # spans handed to export (no longer queued)
-        self.exported = 0
-        self.failed = 0  # spans of batches whose export failed (dropped)
-        self._failing = False
+    The collector's headers, TLS files and compression come from the standard
+    environment variables (``OTEL_EXPORTER_OTLP_TRACES_*`` before
+    ``OTEL_EXPORTER_OTLP_*``: ``HEADERS``, ``CERTIFICATE``, ``CLIENT_CERTIFICATE``,
+    ``CLIENT_KEY``, ``COMPRESSION`` ``gzip``), never from a config file. A batch is
+    sent once: any answer but a 2xx, or no answer within ``timeout_s``, fails it."""
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.taken += len(spans)
+    def __init__(self, endpoint: str, timeout_s: float, env: Mapping[str, str] | None = None) -> None:
+        import requests  # the OTLP/HTTP exporter's dependency (the tracing extra)
+        from opentelemetry.util.re import parse_env_headers
+
+        env = os.environ if env is None else env
+
+        def setting(name: str) -> str:
+            return env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(f"OTEL_EXPORTER_OTLP_{name}", "")
+
+        _, sep, rest = endpoint.partition("://")
+        self.endpoint = endpoint + "/v1/traces" if sep and "/" not in rest else endpoint
+        self.timeout_s = timeout_s
+        self.gzip = setting("COMPRESSION").strip().lower() == "gzip"
+        extra = parse_env_headers(setting("HEADERS"), liberal=True)
+        self.headers = {"Content-Type": "application/x-protobuf", **extra}
+        if self.gzip:
+            self.headers["Content-Encoding"] = "gzip"
+        self._session = requests.Session()
+        ca, cert, key = setting("CERTIFICATE"), setting("CLIENT_CERTIFICATE"), setting("CLIENT_KEY")
+        if ca:
+            self._session.verify = ca
+        if cert:
+            self._session.cert = (cert, key) if key else cert
+        self._errors = (requests.RequestException, OSError)
+
+    def send(self, body: bytes) -> bool:
+        """Posts one batch; True when the collector took it."""
+        if self.gzip:
+            body = gzip.compress(body)
         try:
-            result = self.inner.export(spans)
-        except Exception:  # noqa: BLE001 - an exporter's failure drops its batch, never more
-            log.exception("tracing: exporting %d spans raised", len(spans))
-            result = SpanExportResult.FAILURE
-        if result is SpanExportResult.SUCCESS:
-            self.exported += len(spans)
-            if self._failing:
-                self._failing = False
-                log.info("tracing: spans reach %s again", self.endpoint)
-        else:
-            self.failed += len(spans)
-            if not self._failing:  # once per outage, not once per batch
-                self._failing = True
-                log.warning(
-                    "tracing: export to %s failed: its spans are dropped and counted "
-                    '(radixfleet_tracing_spans_total{outcome="dropped_export_failed"})',
-                    self.endpoint,
-                )
-        return result
+            r = self._session.post(self.endpoint, data=body, headers=self.headers, timeout=self.timeout_s)
+        except self._errors as exc:
+            log.debug("tracing: POST %s: %s", self.endpoint, exc)
+            return False
+        return 200 <= r.status_code < 300
 
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
+    def close(self) -> None:
+        self._session.close()
 
 
 class Tracing:
-    """One process's traces: sampling, the bounded queue, the exporter, the counters.
+    """One process's traces: sampling, the bounded queue, the export thread, the
+    counters.
 
-    ``exporter``: where spans go (tests: the SDK's ``InMemorySpanExporter``); by
-    default the OTLP exporter of ``endpoint`` and ``protocol``. Lifecycle: made
-    ready to use (the export thread starts here); ``await aclose()`` once, bounded by
+    Spans travel as the plain records a ``Trace`` keeps: the event loop only queues
+    an ended trace (``emit``); the export thread takes batches of at most
+    ``max_export_batch`` spans every ``schedule_delay_s`` (sooner when that many
+    wait) and encodes them itself (``service.otlp``) for OTLP/HTTP, or makes the
+    SDK's ``ReadableSpan`` objects for an ``exporter`` (tests: the SDK's
+    ``InMemorySpanExporter``) or OTLP over gRPC. Lifecycle: made ready to use (the
+    export thread starts here); ``await aclose()`` once, bounded by
     ``close_timeout_s`` however the collector behaves."""
 
     def __init__(
@@ -173,26 +191,39 @@ class Tracing:
     ) -> None:
         assert 0.0 <= sample_ratio <= 1.0, f"{sample_ratio=}"
         assert max_queue_spans >= 1, f"{max_queue_spans=}"
-        inner = exporter if exporter is not None else otlp_exporter(endpoint, protocol, export_timeout_s)
-        self.endpoint = endpoint or type(inner).__name__
-        self._exporter = _Counted(inner, self.endpoint)
+        self._http: OtlpHttp | None = None
+        self._sdk: SpanExporter | None = None
+        if exporter is not None:
+            self._sdk = exporter
+        elif protocol == "http/protobuf":
+            self._http = OtlpHttp(endpoint, export_timeout_s)
+        else:
+            self._sdk = otlp_exporter(endpoint, protocol, export_timeout_s)
+        self.endpoint = endpoint or type(exporter).__name__
         self.max_queue = max_queue_spans
-        self._processor = BatchSpanProcessor(
-            self._exporter,
-            max_queue_size=max_queue_spans,
-            schedule_delay_millis=schedule_delay_s * 1000,
-            max_export_batch_size=min(512, max_queue_spans),
-            export_timeout_millis=export_timeout_s * 1000,
-        )
-        self.resource = Resource.create({"service.name": service_name, **(attributes or {})})
+        self.max_batch = min(512, max_queue_spans)
+        self.schedule_delay_s = schedule_delay_s
+        attrs = {"service.name": service_name, **(attributes or {})}
+        self.resource = Resource.create(attrs)
         self.scope = InstrumentationScope("radixfleet")
+        self._resource_msg = otlp.resource(self.resource.attributes)
+        self._scope_msg = otlp.scope("radixfleet")
         self.parent_based = parent_based
         #: a trace id's lower 64 bits below this: sampled (TraceIdRatioBased's bound)
         self._bound = round(sample_ratio * (1 << 64))
         self._rng = random.Random(os.urandom(16))
+        self._queue: collections.deque[Trace] = collections.deque()
         self.emitted = 0  # spans queued for the export thread (event loop only)
         self.dropped = 0  # spans that found the queue full (event loop only)
+        self.taken = 0  # spans the export thread took from the queue (export only)
+        self.exported = 0  # (export only)
+        self.failed = 0  # spans of batches whose export failed, dropped (export only)
+        self._failing = False
         self._closed = False
+        self._wake = threading.Event()
+        self._export_lock = threading.Lock()  # one batch exported at a time
+        self._thread = threading.Thread(target=self._run, name="radixfleet-tracing", daemon=True)
+        self._thread.start()
 
     # ------------------------------------------------------------------ traces
 
@@ -224,30 +255,84 @@ class Tracing:
         start = time.time_ns() if start_ns is None else start_ns
         return Trace(self, trace_id, parent, state, name, kind, start)
 
-    def emit(self, span: ReadableSpan) -> None:
-        """Queues a finished span for export, or drops and counts it when the queue
-        is full (never waits)."""
-        if self.emitted - self._exporter.taken >= self.max_queue or self._closed:
-            self.dropped += 1
+    def emit(self, trace: Trace) -> None:
+        """Queues an ended trace's spans for export, or drops and counts them when
+        the queue has no room for them all (never waits)."""
+        n = trace.size
+        if self.emitted - self.taken + n > self.max_queue or self._closed:
+            self.dropped += n
             return
-        self.emitted += 1
-        self._processor.on_end(span)
+        self.emitted += n
+        self._queue.append(trace)
+        if self.emitted - self.taken >= self.max_batch:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ export
+
+    def _run(self) -> None:
+        """The export thread: a batch every ``schedule_delay_s`` or when one is full."""
+        while not self._closed:
+            self._wake.wait(self.schedule_delay_s)
+            self._wake.clear()
+            while self._export_batch():
+                pass
+
+    def _export_batch(self) -> bool:
+        """Takes and exports one batch; False when there was none."""
+        with self._export_lock:
+            batch: list[Trace] = []
+            n = 0
+            while self._queue and n < self.max_batch:
+                t = self._queue.popleft()
+                batch.append(t)
+                n += t.size
+            if not batch:
+                return False
+            self.taken += n
+            try:
+                ok = self._send(batch)
+            except Exception:  # noqa: BLE001 - an exporter's failure drops its batch, never more
+                log.exception("tracing: exporting %d spans raised", n)
+                ok = False
+            if ok:
+                self.exported += n
+                if self._failing:
+                    self._failing = False
+                    log.info("tracing: spans reach %s again", self.endpoint)
+            else:
+                self.failed += n
+                if not self._failing:  # once per outage, not once per batch
+                    self._failing = True
+                    log.warning(
+                        "tracing: export to %s failed: its spans are dropped and counted "
+                        '(radixfleet_tracing_spans_total{outcome="dropped_export_failed"})',
+                        self.endpoint,
+                    )
+            return True
+
+    def _send(self, batch: list[Trace]) -> bool:
+        if self._http is not None:
+            body = otlp.request(self._resource_msg, self._scope_msg, (s for t in batch for s in t.encoded()))
+            return self._http.send(body)
+        assert self._sdk is not None
+        spans = [s for t in batch for s in t.readable()]
+        return self._sdk.export(spans) is SpanExportResult.SUCCESS
 
     # ---------------------------------------------------------------- counters
 
     def stats(self) -> dict[str, int]:
         """Spans by outcome so far, and those waiting for the export thread."""
-        e = self._exporter
         return {
-            "exported": e.exported,
+            "exported": self.exported,
             "dropped_queue_full": self.dropped,
-            "dropped_export_failed": e.failed,
-            "queued": max(0, self.emitted - e.taken),
+            "dropped_export_failed": self.failed,
+            "queued": max(0, self.emitted - self.taken),
         }
 
     def flush(self) -> None:
         """Exports what is queued now, in this thread (tests; blocks on the exporter)."""
-        self._processor.force_flush()
+        while self._export_batch():
+            pass
 
     async def aclose(self, close_timeout_s: float = 2.0) -> None:
         """Stops taking spans and exports what is queued, waiting at most
@@ -256,11 +341,17 @@ class Tracing:
         if self._closed:
             return
         self._closed = True
+        self._wake.set()
         done = threading.Event()
 
         def shut() -> None:
             try:
-                self._processor.shutdown()  # type: ignore[no-untyped-call]
+                self._thread.join()
+                self.flush()
+                if self._sdk is not None:
+                    self._sdk.shutdown()
+                if self._http is not None:
+                    self._http.close()
             finally:
                 done.set()
 
@@ -284,7 +375,7 @@ class Trace:
     ``Tracing.start``; ended once."""
 
     __slots__ = ("tracing", "trace_id", "parent", "state", "root", "name", "kind", "start", "attrs",
-                 "spans", "error", "_offset", "_ended")  # fmt: skip
+                 "spans", "error", "finish", "_offset", "_ended")  # fmt: skip
 
     def __init__(
         self,
@@ -308,6 +399,7 @@ class Trace:
         #: [span_id, parent_id, name, kind, start_ns, end_ns, attrs, error, events]
         self.spans: list[list[Any]] = []
         self.error: str | None = None  # the root's error type, if it failed
+        self.finish = 0  # the root's end (ns), once ended
         self._offset = time.time_ns() - time.monotonic_ns()
         self._ended = False
 
@@ -346,23 +438,45 @@ class Trace:
             out += b"tracestate: " + self.state.to_header().encode("ascii") + b"\r\n"
         return out
 
+    @property
+    def size(self) -> int:
+        """Its spans: the root and each recorded one."""
+        return 1 + len(self.spans)
+
     def end(self, end_ns: int | None = None) -> None:
-        """Ends the root and emits every span. Idempotent."""
+        """Ends the root and queues every span for export. Idempotent; nothing
+        records on it afterwards (the export thread reads it)."""
         if self._ended:
             return
         self._ended = True
+        self.finish = time.time_ns() if end_ns is None else end_ns
+        self.tracing.emit(self)
+
+    def encoded(self) -> list[bytes]:
+        """Its spans as OTLP ``Span`` messages (the export thread's)."""
+        tid = self.trace_id.to_bytes(16, "big")
+        state = self.state.to_header() if self.state else ""
+        parent = self.parent.span_id if self.parent is not None else None
+        out = [otlp.span(tid, self.root, parent, state, self.name, self.kind.value, self.start, self.finish,
+                         self.attrs, self.error, None)]  # fmt: skip
+        for sid, pid, name, kind, s, e, attrs, error, events in self.spans:
+            out.append(otlp.span(tid, sid, pid, state, name, kind.value, s, e, attrs, error, events))
+        return out
+
+    def readable(self) -> list[ReadableSpan]:
+        """Its spans as the SDK's ``ReadableSpan`` objects (the export thread's)."""
         t = self.tracing
-        end = time.time_ns() if end_ns is None else end_ns
         tid, state, res, scope = self.trace_id, self.state, t.resource, t.scope
         root = SpanContext(tid, self.root, False, _SAMPLED, state)
-        t.emit(_span(self.name, root, self.parent, self.kind, self.start, end, self.attrs, self.error,
-                     None, res, scope))  # fmt: skip
+        out = [_span(self.name, root, self.parent, self.kind, self.start, self.finish, self.attrs, self.error,
+                     None, res, scope)]  # fmt: skip
         parents = {self.root: root}
         for rec in self.spans:
             parents[rec[0]] = SpanContext(tid, rec[0], False, _SAMPLED, state)
         for sid, pid, name, kind, s, e, attrs, error, events in self.spans:
-            t.emit(_span(name, parents[sid], parents.get(pid, root), kind, s, e, attrs, error, events,
-                         res, scope))  # fmt: skip
+            out.append(_span(name, parents[sid], parents.get(pid, root), kind, s, e, attrs, error, events,
+                             res, scope))  # fmt: skip
+        return out
 
 
 def _span(
@@ -379,7 +493,7 @@ def _span(
     scope: InstrumentationScope,
 ) -> ReadableSpan:
     if error is not None:
-        attrs["error.type"] = error
+        attrs = {**attrs, "error.type": error}
     return ReadableSpan(
         name=name,
         context=context,
