@@ -69,29 +69,23 @@ from protocol.errors import MissingExtra
 from protocol.events import MAX_LOAD_COUNT, Load
 from protocol.extras import require
 from router.config import WorkerSpec
+from router.engines import link_keys
 from router.engines.accuracy import PredictionStats, predicted_tokens
+from router.engines.adapters import EngineAdapter, Truth, adapter_for, ask_until_answered
 from router.engines.capacity import LearnedCapacity, correct
 from router.engines.event_sources import (
     EventSource,
-    SourcesCause,
     SourcesProblem,
-    fetch_event_sources,
     sources_problem,
 )
 from router.engines.keyspace import ByteSpace, TokenSpace
-from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
+from router.engines.kinds import WorkerKind, probe
 from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
 from router.engines.tier_price import TierPrices
 from router.engines.tokenizer_source import (
-    EngineRoot,
-    KeysCause,
     KeysProblem,
-    Verdict,
-    fetch_root,
-    serves_tokenize,
 )
-from router.engines.tokenizer_source import probe as probe_tokenize
 from router.route import Placement
 from service.background import Backoff
 
@@ -109,12 +103,6 @@ class LinkState(str, enum.Enum):
     NEW = "new"  # constructed, start() not called
     RUNNING = "running"  # probing / subscribed / scraping as configured
     CLOSED = "closed"  # stopped; the worker left the pool or the router stopped
-
-
-class Truth(str, enum.Enum):
-    AGENT = "agent"  # agent event pushes (router.feedback)
-    EXACT = "exact"  # engine KV events, in sync
-    APPROXIMATE = "approximate"  # hints aged at capacity + cached_tokens corrections
 
 
 class LinkHost(Protocol):
@@ -162,14 +150,9 @@ class EngineLink:
         self.block_size: int | None = spec.block_size or None  # engine tokens per KV block
         self.keyer = None  # router.engines.token_keys.TokenKeyer, once loaded
         #: which way the worker is keyed and why (``describe()["keys"]``); only
-        #: _find_keys changes them. keys_from: "worker" (its own entry), "models"
-        #: (its model's models: entry), "engine" (what its engine named),
-        #: "engine_tokenize" (through its engine's /tokenize); None: bytes
-        self.keys_from: str | None = None
-        self.keys_root: EngineRoot | None = None  # what the engine named, if asked
-        self.keys_probe: tuple[str, str] | None = None  # (verdict, detail) of the probe
-        self.keys_problem: KeysProblem | None = None  # why no tokenizer is loaded here
-        self._own_tokenizer = bool(spec.tokenizer)  # set in its own entry (not models:)
+        #: _find_keys changes it (None: not chosen yet)
+        self.key_choice: link_keys.KeyChoice | None = None
+        self.own_tokenizer = bool(spec.tokenizer)  # set in its own entry (not models:)
         self._rekey: asyncio.Task | None = None  # a restart's re-probe under way
         #: rank (None: the worker as one engine) -> (KvEventSubscriber, EngineBlockMap);
         #: only _follow_events / _stop_events change it
@@ -253,15 +236,14 @@ class EngineLink:
             self._rank_inflight[rank] -= 1
 
     @property
-    def truth(self) -> Truth:
-        if self.kind is WorkerKind.AGENT:
-            return Truth.AGENT
-        return Truth.EXACT if self.in_sync else Truth.APPROXIMATE
+    def adapter(self) -> EngineAdapter:
+        """What the worker's engine kind answers (router.engines.adapters); a kind not
+        yet probed: the plain OpenAI server's."""
+        return adapter_for(self.kind)
 
     @property
-    def engine_blocks(self) -> bool:
-        """Whether prefix hits are whole blocks below the last prompt token."""
-        return self.kind in ENGINE_KINDS
+    def truth(self) -> Truth:
+        return self.adapter.truth(self.in_sync)
 
     def colder_value(self, ext: dict, block_tokens: int, now: float) -> float:
         """GPU-hit-equivalent tokens of a colder extension ({tier: blocks}) on this
@@ -341,20 +323,8 @@ class EngineLink:
         }
 
     def keys_describe(self) -> dict:
-        """Which way the worker is keyed and why: ``by`` tokens (its engine's tokens,
-        exact) or bytes (routing bytes, approximate), the tokenizer and where it came
-        from, what the engine named, the probe's verdict, and why no tokenizer is
-        loaded here (``cause``: on bytes, or keyed through the engine's /tokenize)."""
-        root, pr, problem = self.keys_root, self.keys_probe, self.keys_problem
-        return {
-            "by": "tokens" if isinstance(self.space, TokenSpace) else "bytes",
-            "tokenizer": None if self.keyer is None else self.keyer.source,
-            "from": self.keys_from,
-            "engine_root": None if root is None else {"source": root.source, "field": root.field},
-            "probe": None if pr is None else {"verdict": pr[0], "detail": pr[1]},
-            "cause": None if problem is None else problem.cause.value,
-            "detail": None if problem is None else problem.detail,
-        }
+        """Which way the worker is keyed and why (router.engines.link_keys.describe)."""
+        return link_keys.describe(self)
 
     @property
     def settling(self) -> bool:
@@ -434,13 +404,13 @@ class EngineLink:
             await backoff.sleep()
         if self.state is not LinkState.RUNNING:
             return
-        if not self.models and self.kind is not WorkerKind.AGENT:
+        if self.adapter.pushes:
+            return  # agents push events and load to the router (router.feedback)
+        if not self.models:
             assert eng.session is not None, "the engines start their session before any link"
             res = await probe(eng.session, self.worker.url)
             if res is not None and res.models:
                 self.models = res.models
-        if self.kind is WorkerKind.AGENT:
-            return  # agents push events and load to the router (router.feedback)
         self._resolve_settings()
         if self.spec.model and self.models and self.spec.model not in self.models:
             # its tokenizer, block keys and events would describe another model
@@ -457,7 +427,7 @@ class EngineLink:
             await self._find_keys()
             if self.state is not LinkState.RUNNING:
                 return
-        if self.kind in ENGINE_KINDS and self.spec.metrics.path:
+        if self.adapter.metrics is not None and self.spec.metrics.path:
             self.scraper = scraper = eng.new_scraper(self)
             await scraper.start()
         self._maybe_token_space()
@@ -483,123 +453,31 @@ class EngineLink:
     # ------------------------------------------------------------- key space
 
     @property
+    def keys_problem(self) -> KeysProblem | None:
+        """Why no tokenizer is loaded here (None: one is, or not chosen yet)."""
+        return None if self.key_choice is None else self.key_choice.problem
+
+    @property
     def served_model(self) -> str:
         """The model name the worker's keys and events are namespaced by."""
         return self.spec.model or (self.models[0] if self.models else "")
 
     async def _find_keys(self) -> bool:
-        """Chooses the worker's tokenizer (module docstring, ``keys``) and checks it
-        once against the engine's /tokenize; moves the key space. True when the space
-        changed. Never raises for what the engine says or serves."""
-        eng = self.engines
-        keyer = None
-        problem: KeysProblem | None = None
-        self.keys_root = self.keys_probe = None
-        origin: str | None = None
-        if self.spec.tokenizer:
-            origin = "worker" if self._own_tokenizer else "models"
-            keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id, self.spec.chat_template)
-            if keyer is None:  # logged and counted by load_keyer
-                problem = KeysProblem(
-                    KeysCause.LOAD_FAILED, f"tokenizer {self.spec.tokenizer!r} does not load (above)"
-                )
-        elif self.kind in ENGINE_KINDS and eng.tokenizers.discover:
-            origin = "engine"
-            root = await self._ask_root()
-            if root is None:
-                return False  # closed meanwhile
-            if isinstance(root, KeysProblem):
-                problem = root
-            else:
-                self.keys_root = root
-                if root.models and not self.spec.model:
-                    self.models = root.models
-                found = await eng.discover_keyer(
-                    root.source, self.spec.chat_template, download=eng.tokenizers.download
-                )
-                if isinstance(found, KeysProblem):
-                    problem = found
-                else:
-                    keyer = found
-        if keyer is not None and self.state is LinkState.RUNNING:
-            assert eng.session is not None, "the engines start their session before any link"
-            pr = await probe_tokenize(eng.session, self.worker.url, self.served_model, keyer)
-            self.keys_probe = (pr.verdict.value, pr.detail)
-            if pr.verdict is Verdict.DISAGREES:
-                problem = KeysProblem(
-                    KeysCause.MISMATCH, f"tokenizer {keyer.source!r} is not the engine's: {pr.detail}"
-                )
-                keyer = None
-        through = None  # why the engine's /tokenize cannot key it (None: it can, or not asked)
-        if (
-            keyer is None
-            and self.kind in ENGINE_KINDS
-            and eng.tokenizers.engine_tokenize
-            and self.state is LinkState.RUNNING
-        ):
-            assert eng.session is not None, "the engines start their session before any link"
-            through = await serves_tokenize(eng.session, self.worker.url, self.served_model)
-            if through is None:
-                root = self.keys_root
-                keyer = eng.engine_keyer(root.source if root else self.worker.url, self.served_model)
-                origin = "engine_tokenize"
-        if self.state is not LinkState.RUNNING:
+        """Chooses the worker's keys (router.engines.link_keys) and moves its key
+        space. True when the space changed."""
+        choice = await link_keys.choose_keys(self, self._running)
+        if choice is None:
+            self.key_choice = None  # closed meanwhile
             return False
-        self.keys_from = origin if keyer is not None else None
-        self.keys_problem = problem
-        changed = self._use_keys(keyer)
-        if origin == "engine_tokenize":
-            log.info(
-                "worker %s: keyed in its engine's tokens through its POST /tokenize (one "
-                "round trip before each request's pick)%s",
-                self.worker.id,
-                f": its tokenizer is not loaded here ({problem.cause.value}: {problem.detail})"
-                if problem is not None
-                else "",
-            )
-        elif keyer is not None:
-            where = {
-                "worker": "its own entry",
-                "models": "its model's models: entry",
-                "engine": f"its engine's {self.keys_root.field if self.keys_root else '?'}",
-            }[origin or "worker"]
-            pr_txt = f"its /tokenize {self.keys_probe[0]} {self.keys_probe[1]}" if self.keys_probe else "-"
-            log.info(
-                "worker %s: keyed in its engine's tokens with tokenizer %s (from %s); probe: %s",
-                self.worker.id,
-                keyer.source,
-                where,
-                pr_txt,
-            )
-        elif problem is not None:
-            eng.prom.keys_off.labels(self.worker.id, problem.cause.value).inc()
-            log.warning(
-                "worker %s: keyed on routing bytes, approximate matches (%s: %s%s); for exact "
-                "keys set its tokenizer (or models: {%s: {tokenizer: ...}})",
-                self.worker.id,
-                problem.cause.value,
-                problem.detail,
-                f"; and {through}" if through else "",
-                self.served_model or "NAME",
-            )
+        self.key_choice = choice
+        if choice.root is not None and choice.root.models and not self.spec.model:
+            self.models = choice.root.models
+        changed = self._use_keys(choice.keyer)
+        link_keys.log_choice(self, choice)
         return changed
 
-    async def _ask_root(self) -> EngineRoot | KeysProblem | None:
-        """What the engine names as its tokenizer; asked again (backoff) while it does
-        not answer. None: the link closed meanwhile."""
-        assert self.kind is not None, "the kind is known before the keys"
-        backoff = Backoff(0.5, 10.0)
-        said = False
-        while self.state is LinkState.RUNNING:
-            assert self.engines.session is not None, "the engines start their session before any link"
-            found = await fetch_root(self.engines.session, self.worker.url, self.kind.value, self.spec.model)
-            if not (isinstance(found, KeysProblem) and found.cause is KeysCause.UNREACHABLE):
-                return found
-            if not said:
-                said = True
-                log.info("worker %s: %s; asking again until it answers", self.worker.id, found.detail)
-            await backoff.sleep()
-        return None
+    def _running(self) -> bool:
+        return self.state is LinkState.RUNNING
 
     def _use_keys(self, keyer) -> bool:
         """Keys the worker with ``keyer`` from now on (None: routing bytes); its
@@ -648,7 +526,7 @@ class EngineLink:
     def _apply_capacity(self) -> None:
         """The approximate index ages this worker at its engine's KV capacity."""
         cap = self.capacity_tokens
-        if cap is None or self.kind is WorkerKind.AGENT:
+        if cap is None or self.adapter.pushes:
             return
         if isinstance(self.space, TokenSpace):
             assert self.block_size is not None, "a token space is entered with a block size"
@@ -722,7 +600,7 @@ class EngineLink:
         if spec.endpoint:
             sources: tuple = (None,)  # the configured endpoint: one stream, no ranks
             origin = "config"
-        elif self.kind is WorkerKind.VLLM:
+        elif self.adapter.lists_event_sources:
             found = await self._ask_sources()
             if found is None:
                 return  # closed meanwhile
@@ -784,17 +662,11 @@ class EngineLink:
     async def _ask_sources(self):
         """The server's event sources; retried (backoff) while it does not answer.
         None: the link closed meanwhile."""
-        backoff = Backoff(0.5, 10.0)
-        said = False
-        while self.state is LinkState.RUNNING:
-            found = await fetch_event_sources(self.engines.session, self.worker.url)
-            if not (isinstance(found, SourcesProblem) and found.cause is SourcesCause.UNREACHABLE):
-                return found
-            if not said:
-                said = True
-                log.info("worker %s: %s; asking again until it answers", self.worker.id, found.detail)
-            await backoff.sleep()
-        return None
+        session = self.engines.session
+        assert session is not None, "the engines start their session before any link"
+        return await ask_until_answered(
+            lambda: self.adapter.event_sources(session, self.worker.url), self._running, self.worker.id
+        )
 
     def _no_events(self, cause: str, detail: str) -> None:
         self.engines.prom.events_unavailable(self.worker.id, cause)
@@ -901,7 +773,7 @@ class EngineLink:
         rank), unless the worker's events are configured or off."""
         if (
             self.state is not LinkState.RUNNING
-            or self.kind is not WorkerKind.VLLM
+            or not self.adapter.lists_event_sources
             or self.spec.events.endpoint
             or self.spec.events.mode == "off"
             or self.model_mismatch
@@ -976,7 +848,7 @@ class EngineLink:
         """Whether a restart asks for the keys again: a vLLM/SGLang worker with a
         tokenizer set, or one its engine may name or tokenize for (not while a re-ask is
         under way)."""
-        if self.state is not LinkState.RUNNING or self.kind not in ENGINE_KINDS or self.model_mismatch:
+        if self.state is not LinkState.RUNNING or not self.adapter.engine_tokens or self.model_mismatch:
             return False
         if self._rekey is not None and not self._rekey.done():
             return False
@@ -1035,7 +907,7 @@ class EngineLink:
             if colder and ttft_s is not None and ttft_s > 0:
                 if self._learn_load(pick, usage[1], own_tokens, ttft_s, now):
                     ttft_s = None  # a load-price sample, not a prefill-rate one
-        eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now, engine=self.kind is not WorkerKind.AGENT)
+        eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now, engine=not self.adapter.pushes)
         if ttft_s is not None and ttft_s > 0:
             self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
         if usage is None:
@@ -1047,12 +919,12 @@ class EngineLink:
             bt = max(1, round(bt * prompt / sk.prompt_tokens))
         # tokens loaded back from a colder tier count as cached (vLLM's external hits)
         cold = sum(colder.values()) if colder else 0
-        pred = predicted_tokens(matched_blocks + cold, bt, prompt, self.engine_blocks)
+        pred = predicted_tokens(matched_blocks + cold, bt, prompt, self.adapter.whole_block_hits)
         err = self.stats.record(pred, cached)
         self.engines.prom.prediction(self.worker.id, err)
         if rank is not None and self.ranks:
             # one rank's own truth: its events in sync, or its hints to correct
-            corrects = self.kind is not WorkerKind.AGENT and rank not in self._synced
+            corrects = self.adapter.truth(rank in self._synced) is Truth.APPROXIMATE
         else:
             corrects, rank = self.corrects, None
         if corrects:
@@ -1087,7 +959,7 @@ class EngineLink:
     @property
     def corrects(self) -> bool:
         """Whether responses correct this worker's entries (the approximate mode)."""
-        return self.kind is not WorkerKind.AGENT and not self.in_sync
+        return self.truth is Truth.APPROXIMATE
 
 
 def _host(url: str) -> str | None:
