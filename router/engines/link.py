@@ -1,43 +1,28 @@
-"""One worker's engine side: its kind, key space, cache truth and load (contract 7, docs/DESIGN.md).
+"""One worker's engine side: its lifecycle, key space, cache truth and load (contract 7, docs/DESIGN.md).
 
 An ``EngineLink`` is the narrow object the data plane and the pool ask about a
-worker's engine. Per worker::
+worker's engine. What differs by engine kind it asks the kind's adapter
+(``adapter``, router.engines.adapters); it branches on no kind itself. Per worker::
 
     kind        agent | vllm | sglang | openai (configured, or probed at start)
     space       ByteSpace, or TokenSpace once the tokenizer is loaded and the engine's
                 block size is known (config, /metrics' cache_config_info, or events)
-    keys        the tokenizer: the worker's own entry's, its model's ``models:`` one,
-                or else (``tokenizers.discover``) the one its engine names (vLLM's
-                /v1/models root, SGLang's /get_model_info: router.engines.
-                tokenizer_source); each checked once against the engine's /tokenize,
-                again after a restart. Where none can be found, read or loaded, or it
-                disagrees with the engine: keyed through the engine's /tokenize
-                (``tokenizers.engine_tokenize``, router.engines.engine_keys) where the
-                engine serves it, else on routing bytes with one log line naming the
-                cause (``radixfleet_engine_tokenizer_unavailable_total{cause}``);
-                ``describe()["keys"]`` says which way and why
-    events      where its KV events come from: the worker's configured ``events:``, or
-                else, for vLLM, the server's own ``GET /kv_event_sources``
-                (router.engines.event_sources; only tcp:// on the worker's own
-                host); one subscriber per data-parallel rank
-    ranks       a vLLM server with data parallelism (N >= 2 event sources) has N
-                prefix caches: each rank's entries are held in the index under the
-                *part* holder ``"<worker>#<rank>"`` (``holder``), the policy sees the
-                worker with its best rank's match, and the data plane sends the request
-                to the rank ``pick_rank`` chooses with vLLM's ``X-data-parallel-rank``
-    truth       EXACT: KV events subscribed and every rank in sync; the worker's index
-                entries are the engine's blocks (router.engines.block_map)
-                APPROXIMATE: no events (or out of sync): the router's own pick-time
-                hints, aged as an LRU at the engine's KV capacity and corrected by
-                each response's reported cached tokens
-                AGENT: our agent pushes exact events over HTTP (router.feedback)
-    load        the engine's /metrics (waiting/running requests, KV usage) beside the
-                router's own pick-time counts; prefill speed learned per worker from
-                its responses (router.engines.prefill_rate)
-    tiers       blocks its engine offloaded (CPU memory, disk), from its events, and
-                what loading them back costs, learned per tier from the same
-                responses (router.engines.tier_price): ``colder_value``
-    accuracy    predicted matched tokens vs reported cached tokens (accuracy.py)
+    keys        its tokenizer, chosen and checked by router.engines.link_keys; again
+                after a restart (``describe()["keys"]`` says which way and why)
+    events      the worker's configured ``events:``, or else the sources its engine
+                lists (``EngineAdapter.event_sources``; only tcp:// on the worker's
+                own host); one subscriber per data-parallel rank
+    ranks       a server with N >= 2 event sources has N prefix caches: each rank's
+                entries are held under the *part* holder ``"<worker>#<rank>"``
+                (``holder``), the policy sees the worker with its best rank's match,
+                and the request goes to the rank ``pick_rank`` chooses
+                (vLLM's ``X-data-parallel-rank``)
+    truth       ``EngineAdapter.truth``: EXACT while every followed rank is in sync
+                (router.engines.block_map), else APPROXIMATE (pick-time hints aged at
+                the KV capacity, corrected by answers); AGENT: its own pushes
+    load        the engine's /metrics (``EngineAdapter.metrics``) beside the router's
+                own counts; prefill speed and tier prices learned from answers
+                (``observe``: router.engines.answers)
 
 Lifecycle (``LinkState``): NEW -> RUNNING (``start``: probe if the kind is ``auto``,
 find and check the tokenizer, start the scraper and the event subscriber) -> CLOSED
@@ -59,33 +44,24 @@ learns for the whole fleet it reports to the owner's ``FleetRates``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.errors import MissingExtra
-from protocol.events import MAX_LOAD_COUNT, Load
 from protocol.extras import require
 from router.config import WorkerSpec
-from router.engines import link_keys
-from router.engines.accuracy import PredictionStats, predicted_tokens
+from router.engines import answers, link_keys, link_view
+from router.engines.accuracy import PredictionStats
 from router.engines.adapters import EngineAdapter, Truth, adapter_for, ask_until_answered
-from router.engines.capacity import LearnedCapacity, correct
-from router.engines.event_sources import (
-    EventSource,
-    SourcesProblem,
-    sources_problem,
-)
+from router.engines.capacity import LearnedCapacity
+from router.engines.event_sources import EventSource, SourcesProblem, sources_problem
 from router.engines.keyspace import ByteSpace, TokenSpace
-from router.engines.kinds import WorkerKind, probe
+from router.engines.kinds import WorkerKind, configured_kind, probe
 from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
 from router.engines.tier_price import TierPrices
-from router.engines.tokenizer_source import (
-    KeysProblem,
-)
+from router.engines.tokenizer_source import KeysProblem
 from router.route import Placement
 from service.background import Backoff
 
@@ -144,7 +120,7 @@ class EngineLink:
         self.spec = spec
         self.engines = engines
         self.state = LinkState.NEW
-        self.kind: WorkerKind | None = None if spec.kind == "auto" else WorkerKind(spec.kind)
+        self.kind: WorkerKind | None = configured_kind(spec.kind)  # None: auto, probed
         self.models: tuple[str, ...] = (spec.model,) if spec.model else ()
         self.space: ByteSpace | TokenSpace = engines.byte_space
         self.block_size: int | None = spec.block_size or None  # engine tokens per KV block
@@ -279,48 +255,8 @@ class EngineLink:
         return out
 
     def describe(self) -> dict:
-        acc = self.stats.summary().to_json()
-        return {
-            "kind": self.kind.value if self.kind else None,
-            "truth": self.truth.value,
-            "key_space": repr(self.space),
-            "keys": self.keys_describe(),
-            "models": list(self.models),
-            "block_size": self.block_size,
-            "kv_capacity_tokens": self.capacity_tokens,
-            "index_cap_blocks": None if self.learned is None else self.learned.blocks,
-            "prefill_tokens_per_s": round(self.prefill_rate(time.monotonic()), 1),
-            "prefill_tokens_per_s_own": round(self.rate.tokens_per_s, 1),
-            "load_source": "engine" if self.engine_load_fresh(time.monotonic()) else "router",
-            "engine_queue": {
-                "tokens_per_request": round(self.queue.tokens_per_request, 1),
-                "departures_per_s": None
-                if self.queue.departures_per_s is None
-                else round(self.queue.departures_per_s, 2),
-            },
-            "kv_tiers": self.tier_describe(time.monotonic()),
-            "data_parallel_ranks": self.ranks,
-            "events": None
-            if not self.streams
-            else {
-                "source": self.events_source,
-                "in_sync": self.in_sync,
-                "endpoint": self.subscriber.address,
-                "connected": all(sub.connected for sub, _ in self.streams.values()),
-                **_summed(bm.stats() for _, bm in self.streams.values()),
-                "ranks": {
-                    str(r): {
-                        "endpoint": sub.address,
-                        "connected": sub.connected,
-                        "in_sync": r in self._synced,
-                        "entries": self.engines.index.entries(self.holder(r)),
-                    }
-                    for r, (sub, _) in self.streams.items()
-                    if r is not None
-                },
-            },
-            "prediction": acc,
-        }
+        """The ``/admin/workers`` view of this engine side (router.engines.link_view)."""
+        return link_view.describe(self)
 
     def keys_describe(self) -> dict:
         """Which way the worker is keyed and why (router.engines.link_keys.describe)."""
@@ -569,15 +505,7 @@ class EngineLink:
         )
         rate = self.prefill_rate(now)
         queued = self.queue.queued_tokens(m.waiting_requests, eng.rates.mean_request_tokens, rate)
-        load = Load(
-            queued_requests=m.waiting_requests,
-            queued_tokens=queued,
-            queued_prefill_tokens=queued,
-            running_requests=m.running_requests,
-            kv_used_tokens=int(m.kv_usage * cap),
-            kv_capacity_tokens=cap,
-            prefill_tokens_per_s=rate,
-        )
+        load = m.load(queued, rate, cap)
         eng.pool.report_load(
             self.worker, load, now, stale_s=self.scraper.stale_after_s if self.scraper else None, engine=True
         )
@@ -601,12 +529,16 @@ class EngineLink:
             sources: tuple = (None,)  # the configured endpoint: one stream, no ranks
             origin = "config"
         elif self.adapter.lists_event_sources:
-            found = await self._ask_sources()
+            session, url = self.engines.session, self.worker.url
+            assert session is not None, "the engines start their session before any link"
+            found = await ask_until_answered(
+                lambda: self.adapter.event_sources(session, url), self._running, self.worker.id
+            )
             if found is None:
                 return  # closed meanwhile
             if not isinstance(found, SourcesProblem):
                 # the worker names these: only its own host (or registration.allow)
-                found = sources_problem(found, _host(self.worker.url), self.engines.events_allowed) or found
+                found = sources_problem(found, _host(url), self.engines.events_allowed) or found
             if isinstance(found, SourcesProblem):
                 self._set_ranks(0)
                 self._no_events(found.cause.value, found.detail)
@@ -659,15 +591,6 @@ class EngineLink:
             ", ".join(sub.address or "?" for sub, _ in streams.values()),
         )
 
-    async def _ask_sources(self):
-        """The server's event sources; retried (backoff) while it does not answer.
-        None: the link closed meanwhile."""
-        session = self.engines.session
-        assert session is not None, "the engines start their session before any link"
-        return await ask_until_answered(
-            lambda: self.adapter.event_sources(session, self.worker.url), self._running, self.worker.id
-        )
-
     def _no_events(self, cause: str, detail: str) -> None:
         self.engines.prom.events_unavailable(self.worker.id, cause)
         log.warning(
@@ -681,41 +604,11 @@ class EngineLink:
     def _endpoint_refused(self, src: EventSource | None, exc: Exception) -> None:
         """An events endpoint the router cannot use: one clear line saying which side
         binds and what to write; the worker keeps serving in the approximate mode."""
+        from router.engines.zmq_events import refusal  # a subscriber was made: the extra is here
+
         ev = self.spec.events
-        endpoint = ev.endpoint if src is None else src.endpoint
-        addr = str(endpoint)
-        mode = ev.mode if src is None else "auto"
-        import zmq  # a subscriber was made: the engines extra is installed
-
-        from router.engines.zmq_events import subscriber_endpoint
-
-        how: str = "?"
-        if mode != "off":  # (a subscriber was made: never off)
-            try:
-                how, addr = subscriber_endpoint(endpoint, _host(self.worker.url), mode)
-            except ValueError:
-                pass
-        inuse = isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE
-        if inuse:
-            cause = "address_in_use"
-            why = (
-                "events.mode is bind"
-                if mode == "bind"
-                else f"the engine's endpoint {endpoint} is a concrete address, so the engine connects to it"
-            )
-            fix = (
-                f"the router must bind {addr} ({why}), and another socket holds it (if "
-                "the engine binds it too, both sides bind): give the engine a wildcard "
-                "endpoint such as tcp://*:PORT (it binds, the router connects; events.mode "
-                f"auto), or free {addr}"
-            )
-        else:
-            cause = "endpoint_refused"
-            fix = (
-                f"the router would {how} {addr} for the engine's endpoint {endpoint}; "
-                "give the engine a tcp://*:PORT (it binds, the router connects) or a "
-                "tcp://ROUTER_HOST:PORT the router can bind"
-            )
+        endpoint, mode = (ev.endpoint, ev.mode) if src is None else (src.endpoint, "auto")
+        cause, fix = refusal(endpoint, _host(self.worker.url), mode, exc)
         self.engines.prom.events_unavailable(self.worker.id, cause)
         log.error("worker %s: KV events not followed (%s): %s; approximate mode", self.worker.id, exc, fix)
 
@@ -879,77 +772,12 @@ class EngineLink:
     def observe(
         self, pick: Placement, usage: tuple[int, int] | None, ttft_s: float | None, now: float
     ) -> None:
-        """One finished request on this worker (on data-parallel ``pick.rank``, if any).
+        """One finished request on this worker: what it teaches (router.engines.answers)."""
+        answers.learn(self, pick, usage, ttft_s, now)
 
-        ``usage``: (prompt_tokens, cached_tokens) it reported, if any: records the
-        prediction error. ``ttft_s`` with the uncached tokens ahead of it at pick
-        time and its own is one prefill-rate sample (router.engines.prefill_rate);
-        its own are the uncached tokens the worker reported where it did
-        (``pick.own``, the prediction, otherwise).
-
-        Correction (approximate mode): ``pick.touches`` are the matched blocks'
-        last-use times before this request. If the worker reports fewer cached tokens than
-        predicted, its first missing block j was evicted; an engine evicts least
-        recently used blocks first, so every entry of this worker last used before
-        ``touches[j]`` is gone too, and leaves the index. The request's own chain
-        stays: its prefill has just stored it again. The learned cap follows each
-        answer with a match (``router.engines.capacity``, ``index.learn_capacity``).
-        """
-        sk, matched_blocks, own_tokens, ahead_tokens, touches, rank, colder = pick
-        eng = self.engines
-        if usage is not None:
-            # The engine's own count of what it prefilled, not the index's prediction:
-            # in approximate mode a prediction that missed cached blocks priced the
-            # request's prefill too high, its short TTFT read as a fast worker (one of
-            # two equal vLLMs learned 12,400 tokens/s, the other 3,000), and misses
-            # herded onto it.
-            own_tokens = min(usage[0] - usage[1], MAX_LOAD_COUNT)  # usage_of: 0 <= c <= p
-            if colder and ttft_s is not None and ttft_s > 0:
-                if self._learn_load(pick, usage[1], own_tokens, ttft_s, now):
-                    ttft_s = None  # a load-price sample, not a prefill-rate one
-        eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now, engine=not self.adapter.pushes)
-        if ttft_s is not None and ttft_s > 0:
-            self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
-        if usage is None:
-            return
-        prompt, cached = usage
-        bt = sk.block_tokens
-        if not sk.exact and sk.prompt_tokens:
-            # byte space: its blocks in this prompt's real tokens
-            bt = max(1, round(bt * prompt / sk.prompt_tokens))
-        # tokens loaded back from a colder tier count as cached (vLLM's external hits)
-        cold = sum(colder.values()) if colder else 0
-        pred = predicted_tokens(matched_blocks + cold, bt, prompt, self.adapter.whole_block_hits)
-        err = self.stats.record(pred, cached)
-        self.engines.prom.prediction(self.worker.id, err)
-        if rank is not None and self.ranks:
-            # one rank's own truth: its events in sync, or its hints to correct
-            corrects = self.adapter.truth(rank in self._synced) is Truth.APPROXIMATE
-        else:
-            corrects, rank = self.corrects, None
-        if corrects:
-            holder = self.holder(rank)
-            n = correct(self.engines.index, holder, self.learned, matched_blocks, pred, cached, bt, touches)
-            if n:
-                self.engines.prom.corrected.labels(self.worker.id).inc(n)
-
-    def _learn_load(self, pick: Placement, cached: int, own: int, ttft_s: float, now: float) -> bool:
-        """One answer whose match extended into a colder tier: a load-price sample
-        (router.engines.tier_price). True when it loaded blocks back: its TTFT then
-        mixes load and prefill (only their sum is seen), so it is no prefill-rate
-        sample; the rate is learned from the other answers, the price from this
-        one's residual over it."""
-        ext = pick.colder
-        assert ext, "called for a colder match only"
-        bt = pick.key.block_tokens
-        gpu = pick.blocks * bt
-        if min(sum(ext.values()) * bt, cached - gpu) <= 0:
-            return False  # nothing was loaded back: the colder copy went unused
-        residual = ttft_s - (pick.ahead + own) / self.prefill_rate(now)
-        tier = self.tier_prices.observe(ext, gpu, cached, bt, residual, now)
-        if tier is not None:
-            self.engines.prom.tier_samples.labels(self.worker.id, tier).inc()
-        return True
+    def rank_truth(self, rank: int) -> Truth:
+        """What data-parallel ``rank``'s own entries are: its events in sync, or not."""
+        return self.adapter.truth(rank in self._synced)
 
     def prefill_rate(self, now: float) -> float:
         """Prefill tokens/s the policy should assume: this worker's learned rate,
@@ -966,12 +794,3 @@ def _host(url: str) -> str | None:
     from urllib.parse import urlsplit
 
     return urlsplit(url).hostname
-
-
-def _summed(stats) -> dict:
-    """Several ranks' block-map counters, added up."""
-    out: dict = {}
-    for st in stats:
-        for k, v in dataclasses.asdict(st).items():
-            out[k] = out.get(k, 0) + v
-    return out
