@@ -16,8 +16,8 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
-from router.engines.adapters import KINDS
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems
+from router.engines.adapters import KINDS
 from router.pool import Pool, Source
 
 log = logging.getLogger("radixfleet.discovery")

@@ -19,10 +19,16 @@ import json
 import logging
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 
 log = logging.getLogger("radixfleet.engines")
+
+
+#: the kinds' names as a type (``Literal["auto", KindName]``: a worker entry's kind);
+#: ``WorkerKind``'s values, in its order (tests/engines/test_adapters.py)
+KindName = Literal["agent", "vllm", "sglang", "openai"]
 
 
 class WorkerKind(str, enum.Enum):

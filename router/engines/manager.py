@@ -39,8 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from policies.base import EMPTY_MATCH, MatchResult, RouteRequest, WorkerView
 from protocol.prefix_keys import Endpoint, PrefixKey
 from router.config import Config, WorkerSpec, allow_networks, resolve_engine
-from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.adapters import adapter_for
+from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
 from router.engines.link import EngineLink, LinkState
 from router.engines.prefill_rate import FleetRates
 from router.pool import Pool

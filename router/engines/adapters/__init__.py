@@ -34,14 +34,14 @@ from router.engines.adapters.base import EngineAdapter, PdLeg, Truth, ask_until_
 from router.engines.adapters.openai import OpenAIAdapter
 from router.engines.adapters.sglang import SglangAdapter
 from router.engines.adapters.vllm import VllmAdapter
-from router.engines.kinds import WorkerKind
+from router.engines.kinds import KindName, WorkerKind
 
 ADAPTERS: dict[WorkerKind, EngineAdapter] = {
     a.kind: a for a in (AgentAdapter(), VllmAdapter(), SglangAdapter(), OpenAIAdapter())
 }
 #: the engine kinds' names, in ``ADAPTERS``' order (router/config.py's ``kind`` fields
 #: list the same names: tests/engines/test_adapters.py keeps them equal)
-KINDS: tuple[str, ...] = tuple(k.value for k in ADAPTERS)
+KINDS: tuple[KindName, ...] = tuple(k.value for k in ADAPTERS)
 
 
 def adapter_for(kind: WorkerKind | str | None) -> EngineAdapter:
@@ -56,4 +56,13 @@ def adapter_for(kind: WorkerKind | str | None) -> EngineAdapter:
         raise ValueError(f"unknown engine kind {kind!r}; one of {', '.join(KINDS)}") from None
 
 
-__all__ = ["ADAPTERS", "KINDS", "EngineAdapter", "PdLeg", "Truth", "adapter_for", "ask_until_answered"]
+__all__ = [
+    "ADAPTERS",
+    "KINDS",
+    "KindName",
+    "EngineAdapter",
+    "PdLeg",
+    "Truth",
+    "adapter_for",
+    "ask_until_answered",
+]
