@@ -43,7 +43,7 @@ class Learner(Protocol):
     @property
     def adapter(self) -> EngineAdapter: ...
     @property
-    def truth(self) -> Truth: ...
+    def in_sync(self) -> bool: ...
     def rank_truth(self, rank: int) -> Truth: ...
     def holder(self, rank: int | None) -> str: ...
     def prefill_rate(self, now: float) -> float: ...
@@ -68,7 +68,7 @@ def learn(
     answer with a match (``router.engines.capacity``, ``index.learn_capacity``).
     """
     sk, matched_blocks, own_tokens, ahead_tokens, touches, rank, colder = pick
-    eng = link.engines
+    eng, adapter = link.engines, link.adapter
     if usage is not None:
         # The engine's own count of what it prefilled, not the index's prediction:
         # in approximate mode a prediction that missed cached blocks priced the
@@ -79,7 +79,7 @@ def learn(
         if colder and ttft_s is not None and ttft_s > 0:
             if _learn_load(link, pick, usage[1], own_tokens, ttft_s, now):
                 ttft_s = None  # a load-price sample, not a prefill-rate one
-    eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now, engine=not link.adapter.pushes)
+    eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now, engine=not adapter.pushes)
     if ttft_s is not None and ttft_s > 0:
         link.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
     if usage is None:
@@ -91,13 +91,13 @@ def learn(
         bt = max(1, round(bt * prompt / sk.prompt_tokens))
     # tokens loaded back from a colder tier count as cached (vLLM's external hits)
     cold = sum(colder.values()) if colder else 0
-    pred = predicted_tokens(matched_blocks + cold, bt, prompt, link.adapter.whole_block_hits)
+    pred = predicted_tokens(matched_blocks + cold, bt, prompt, adapter.whole_block_hits)
     err = link.stats.record(pred, cached)
     eng.prom.prediction(link.worker.id, err)
     if rank is not None and link.ranks:
         truth = link.rank_truth(rank)  # one rank's own: its events in sync, or its hints
     else:
-        truth, rank = link.truth, None
+        truth, rank = adapter.truth(link.in_sync), None
     if truth is Truth.APPROXIMATE:
         n = correct(eng.index, link.holder(rank), link.learned, matched_blocks, pred, cached, bt, touches)
         if n:

@@ -45,15 +45,20 @@ KINDS: tuple[KindName, ...] = tuple(k.value for k in ADAPTERS)
 
 
 def adapter_for(kind: WorkerKind | str | None) -> EngineAdapter:
-    """The adapter of ``kind`` (a ``WorkerKind`` or its name). None, a kind not yet
-    probed: the plain OpenAI server's, which claims nothing of the worker. Raises
+    """The adapter of ``kind`` (a ``WorkerKind`` or its name: a ``WorkerKind`` is its
+    name as a str, so one lookup serves both). None, a kind not yet probed: the
+    plain OpenAI server's, which claims nothing of the worker. Raises
     ``ValueError`` naming the kinds for a name that is none of them."""
     if kind is None:
-        return ADAPTERS[WorkerKind.OPENAI]
-    try:
-        return ADAPTERS[WorkerKind(kind)]
-    except ValueError:
-        raise ValueError(f"unknown engine kind {kind!r}; one of {', '.join(KINDS)}") from None
+        return _UNPROBED
+    adapter = _BY_NAME.get(kind)
+    if adapter is None:
+        raise ValueError(f"unknown engine kind {kind!r}; one of {', '.join(KINDS)}")
+    return adapter
+
+
+_BY_NAME: dict[str, EngineAdapter] = {k.value: a for k, a in ADAPTERS.items()}
+_UNPROBED = ADAPTERS[WorkerKind.OPENAI]
 
 
 __all__ = [
