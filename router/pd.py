@@ -64,7 +64,7 @@ from policies.base import Decision, Reason, WorkerView
 from policies.disagg import BOTH, DECODE, PREFILL, choose_decode
 from protocol.errors import NoWorkerAvailable
 from protocol.prefix_keys import Endpoint
-from router.engines.kinds import WorkerKind
+from router.engines.adapters import PdLeg
 from router.route import Ask, Route
 from router.tenancy import PRIORITIES
 from router.upstream import Cancel, UpstreamError, build_head, finish_outcome
@@ -199,7 +199,7 @@ class PrefillDecode:
             routed = dp.route.route(leg, prefill, kr, ctx.ticket, now)
             assert isinstance(routed, Route)  # split=False: never Admitted
             pw = routed.worker
-            if pw.engine is not None and pw.engine.kind is WorkerKind.SGLANG:
+            if pw.engine is not None and pw.engine.adapter.pd_leg is PdLeg.BOOTSTRAP:
                 dp.metrics.pd_legs.labels("prefill").inc()
                 await self._sglang(ctx, kr, pw, first, need)
                 return

@@ -16,8 +16,8 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
-from router.config import WORKER_KINDS
 from router.discovery.base import DiscoveryMetrics, Endpoint, Problems
+from router.engines.adapters import KINDS
 from router.pool import Pool, Source
 
 log = logging.getLogger("radixfleet.discovery")
@@ -70,7 +70,7 @@ class Reconciler:
                     "conflict", "worker id %r is taken by %s: %s skipped", ep.id, taken.url, url
                 )
                 continue
-            kind = next((k for k in WORKER_KINDS if k == ep.kind), None) or "auto"
+            kind = next((k for k in KINDS if k == ep.kind), None) or "auto"
             spec = dataclasses.replace(ep.template, url=url, id=ep.id, kind=kind)
             pool.add(ep.id, url, Source.DISCOVERY, spec=spec)
             self.owned[url] = ep

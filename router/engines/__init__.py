@@ -1,12 +1,17 @@
-"""Adapters for the inference engines a worker can be: our agent, vLLM, SGLang, or
-any OpenAI-compatible server (contract 7, docs/DESIGN.md). Each kind says where its
-cache events come from, where its load comes from and how a request is keyed for it;
-``router/app.py`` knows only that narrow interface.
+"""The inference engines a worker can be: our agent, vLLM, SGLang, or any
+OpenAI-compatible server (contract 7, docs/DESIGN.md). Each kind's adapter
+(``adapters/``) says where its cache events come from, where its load comes from,
+how a request is keyed for it and what its P/D leg looks like; ``router/app.py``
+knows only that narrow interface.
 
 Modules::
 
     kinds           worker kinds, and probing a worker for its kind and models
-    link, manager   EngineLink per worker; Engines: the links, key spaces in use
+    adapters/       one adapter per kind: cache truth, load, keys, P/D leg
+    link, manager   EngineLink per worker (its lifecycle); Engines: the links, key spaces
+    link_keys       which tokenizer keys a worker, and why
+    answers         what a finished request teaches a worker's link
+    link_view       a link's /admin/workers view
     keyspace        byte and token key spaces, matches merged (contract 8)
     token_keys      exact keys: the engine's tokenizer -> token-block keys
     tokenizer_source  the tokenizer an engine names, read here or not, probed

@@ -66,6 +66,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.errors import RadixfleetError
+from protocol.events import Load
 from service import background
 from service.background import Lifecycle
 
@@ -146,6 +147,20 @@ class EngineMetrics:
             if now_v is not None and then_v is not None and now_v < then_v:
                 return True
         return False
+
+    def load(self, queued_tokens: int, prefill_tokens_per_s: float, capacity_tokens: int) -> Load:
+        """This reading as the pool's load of the worker: its queue priced at
+        ``queued_tokens`` (router.engines.queue_estimate), its KV pool at
+        ``capacity_tokens`` (0: unknown)."""
+        return Load(
+            queued_requests=self.waiting_requests,
+            queued_tokens=queued_tokens,
+            queued_prefill_tokens=queued_tokens,
+            running_requests=self.running_requests,
+            kv_used_tokens=int(self.kv_usage * capacity_tokens),
+            kv_capacity_tokens=capacity_tokens,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,17 +1,7 @@
 """What a worker is (contract 7, docs/DESIGN.md), and finding out by asking it.
 
-=========  ==================================  =========================  ===============
-kind       cache truth                          load                       keys
-=========  ==================================  =========================  ===============
-agent      its event pushes (HTTP, exact)       its load reports           routing bytes
-vllm       KV events over ZMQ (configured, or   /metrics (vllm:*)          token blocks with
-           its /kv_event_sources, every data-                              a tokenizer (set, or
-           parallel rank), else hints aged +                               its /v1/models root),
-           cached_tokens                                                   else routing bytes
-sglang     KV events if configured (vLLM's      /metrics (sglang:*)        as vllm (its
-           shapes), else as vllm                                           /get_model_info)
-openai     hints aged + cached_tokens           router counts only         routing bytes
-=========  ==================================  =========================  ===============
+The kinds are ``WorkerKind``'s; what each one means for cache truth, load, keys and
+P/D is its adapter's to say (router.engines.adapters).
 
 ``probe`` tells the kind of a worker configured as ``auto`` from what it serves, in
 this order: our agent's ``/server_info`` (``"version": "radixfleet-..."``), the
@@ -29,10 +19,16 @@ import json
 import logging
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 
 log = logging.getLogger("radixfleet.engines")
+
+
+#: the kinds' names as a type (``Literal["auto", KindName]``: a worker entry's kind);
+#: ``WorkerKind``'s values, in its order (tests/engines/test_adapters.py)
+KindName = Literal["agent", "vllm", "sglang", "openai"]
 
 
 class WorkerKind(str, enum.Enum):
@@ -42,9 +38,9 @@ class WorkerKind(str, enum.Enum):
     OPENAI = "openai"  # any other OpenAI-compatible server (llama.cpp, TGI, ...)
 
 
-#: kinds whose prefix caching reports ``usage.prompt_tokens_details.cached_tokens``
-#: and whose prefix-cache hits are whole blocks below the last prompt token
-ENGINE_KINDS = (WorkerKind.VLLM, WorkerKind.SGLANG)
+def configured_kind(name: str) -> WorkerKind | None:
+    """The kind a worker entry names; None for ``auto`` (``probe`` tells it)."""
+    return None if name == "auto" else WorkerKind(name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,43 +1,28 @@
-"""One worker's engine side: its kind, key space, cache truth and load (contract 7, docs/DESIGN.md).
+"""One worker's engine side: its lifecycle, key space, cache truth and load (contract 7, docs/DESIGN.md).
 
 An ``EngineLink`` is the narrow object the data plane and the pool ask about a
-worker's engine. Per worker::
+worker's engine. What differs by engine kind it asks the kind's adapter
+(``adapter``, router.engines.adapters); it branches on no kind itself. Per worker::
 
     kind        agent | vllm | sglang | openai (configured, or probed at start)
     space       ByteSpace, or TokenSpace once the tokenizer is loaded and the engine's
                 block size is known (config, /metrics' cache_config_info, or events)
-    keys        the tokenizer: the worker's own entry's, its model's ``models:`` one,
-                or else (``tokenizers.discover``) the one its engine names (vLLM's
-                /v1/models root, SGLang's /get_model_info: router.engines.
-                tokenizer_source); each checked once against the engine's /tokenize,
-                again after a restart. Where none can be found, read or loaded, or it
-                disagrees with the engine: keyed through the engine's /tokenize
-                (``tokenizers.engine_tokenize``, router.engines.engine_keys) where the
-                engine serves it, else on routing bytes with one log line naming the
-                cause (``radixfleet_engine_tokenizer_unavailable_total{cause}``);
-                ``describe()["keys"]`` says which way and why
-    events      where its KV events come from: the worker's configured ``events:``, or
-                else, for vLLM, the server's own ``GET /kv_event_sources``
-                (router.engines.event_sources; only tcp:// on the worker's own
-                host); one subscriber per data-parallel rank
-    ranks       a vLLM server with data parallelism (N >= 2 event sources) has N
-                prefix caches: each rank's entries are held in the index under the
-                *part* holder ``"<worker>#<rank>"`` (``holder``), the policy sees the
-                worker with its best rank's match, and the data plane sends the request
-                to the rank ``pick_rank`` chooses with vLLM's ``X-data-parallel-rank``
-    truth       EXACT: KV events subscribed and every rank in sync; the worker's index
-                entries are the engine's blocks (router.engines.block_map)
-                APPROXIMATE: no events (or out of sync): the router's own pick-time
-                hints, aged as an LRU at the engine's KV capacity and corrected by
-                each response's reported cached tokens
-                AGENT: our agent pushes exact events over HTTP (router.feedback)
-    load        the engine's /metrics (waiting/running requests, KV usage) beside the
-                router's own pick-time counts; prefill speed learned per worker from
-                its responses (router.engines.prefill_rate)
-    tiers       blocks its engine offloaded (CPU memory, disk), from its events, and
-                what loading them back costs, learned per tier from the same
-                responses (router.engines.tier_price): ``colder_value``
-    accuracy    predicted matched tokens vs reported cached tokens (accuracy.py)
+    keys        its tokenizer, chosen and checked by router.engines.link_keys; again
+                after a restart (``describe()["keys"]`` says which way and why)
+    events      the worker's configured ``events:``, or else the sources its engine
+                lists (``EngineAdapter.event_sources``; only tcp:// on the worker's
+                own host); one subscriber per data-parallel rank
+    ranks       a server with N >= 2 event sources has N prefix caches: each rank's
+                entries are held under the *part* holder ``"<worker>#<rank>"``
+                (``holder``), the policy sees the worker with its best rank's match,
+                and the request goes to the rank ``pick_rank`` chooses
+                (vLLM's ``X-data-parallel-rank``)
+    truth       ``EngineAdapter.truth``: EXACT while every followed rank is in sync
+                (router.engines.block_map), else APPROXIMATE (pick-time hints aged at
+                the KV capacity, corrected by answers); AGENT: its own pushes
+    load        the engine's /metrics (``EngineAdapter.metrics``) beside the router's
+                own counts; prefill speed and tier prices learned from answers
+                (``observe``: router.engines.answers)
 
 Lifecycle (``LinkState``): NEW -> RUNNING (``start``: probe if the kind is ``auto``,
 find and check the tokenizer, start the scraper and the event subscriber) -> CLOSED
@@ -59,39 +44,24 @@ learns for the whole fleet it reports to the owner's ``FleetRates``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.errors import MissingExtra
-from protocol.events import MAX_LOAD_COUNT, Load
 from protocol.extras import require
 from router.config import WorkerSpec
-from router.engines.accuracy import PredictionStats, predicted_tokens
-from router.engines.capacity import LearnedCapacity, correct
-from router.engines.event_sources import (
-    EventSource,
-    SourcesCause,
-    SourcesProblem,
-    fetch_event_sources,
-    sources_problem,
-)
+from router.engines import answers, link_keys, link_view
+from router.engines.accuracy import PredictionStats
+from router.engines.adapters import EngineAdapter, Truth, adapter_for, ask_until_answered
+from router.engines.capacity import LearnedCapacity
+from router.engines.event_sources import EventSource, SourcesProblem, sources_problem
 from router.engines.keyspace import ByteSpace, TokenSpace
-from router.engines.kinds import ENGINE_KINDS, WorkerKind, probe
+from router.engines.kinds import WorkerKind, configured_kind, probe
 from router.engines.prefill_rate import FleetRates, with_prior
 from router.engines.queue_estimate import QueueEstimate
 from router.engines.tier_price import TierPrices
-from router.engines.tokenizer_source import (
-    EngineRoot,
-    KeysCause,
-    KeysProblem,
-    Verdict,
-    fetch_root,
-    serves_tokenize,
-)
-from router.engines.tokenizer_source import probe as probe_tokenize
+from router.engines.tokenizer_source import KeysProblem
 from router.route import Placement
 from service.background import Backoff
 
@@ -109,12 +79,6 @@ class LinkState(str, enum.Enum):
     NEW = "new"  # constructed, start() not called
     RUNNING = "running"  # probing / subscribed / scraping as configured
     CLOSED = "closed"  # stopped; the worker left the pool or the router stopped
-
-
-class Truth(str, enum.Enum):
-    AGENT = "agent"  # agent event pushes (router.feedback)
-    EXACT = "exact"  # engine KV events, in sync
-    APPROXIMATE = "approximate"  # hints aged at capacity + cached_tokens corrections
 
 
 class LinkHost(Protocol):
@@ -156,20 +120,15 @@ class EngineLink:
         self.spec = spec
         self.engines = engines
         self.state = LinkState.NEW
-        self.kind: WorkerKind | None = None if spec.kind == "auto" else WorkerKind(spec.kind)
+        self.kind: WorkerKind | None = configured_kind(spec.kind)  # None: auto, probed
         self.models: tuple[str, ...] = (spec.model,) if spec.model else ()
         self.space: ByteSpace | TokenSpace = engines.byte_space
         self.block_size: int | None = spec.block_size or None  # engine tokens per KV block
         self.keyer = None  # router.engines.token_keys.TokenKeyer, once loaded
         #: which way the worker is keyed and why (``describe()["keys"]``); only
-        #: _find_keys changes them. keys_from: "worker" (its own entry), "models"
-        #: (its model's models: entry), "engine" (what its engine named),
-        #: "engine_tokenize" (through its engine's /tokenize); None: bytes
-        self.keys_from: str | None = None
-        self.keys_root: EngineRoot | None = None  # what the engine named, if asked
-        self.keys_probe: tuple[str, str] | None = None  # (verdict, detail) of the probe
-        self.keys_problem: KeysProblem | None = None  # why no tokenizer is loaded here
-        self._own_tokenizer = bool(spec.tokenizer)  # set in its own entry (not models:)
+        #: _find_keys changes it (None: not chosen yet)
+        self.key_choice: link_keys.KeyChoice | None = None
+        self.own_tokenizer = bool(spec.tokenizer)  # set in its own entry (not models:)
         self._rekey: asyncio.Task | None = None  # a restart's re-probe under way
         #: rank (None: the worker as one engine) -> (KvEventSubscriber, EngineBlockMap);
         #: only _follow_events / _stop_events change it
@@ -253,15 +212,14 @@ class EngineLink:
             self._rank_inflight[rank] -= 1
 
     @property
-    def truth(self) -> Truth:
-        if self.kind is WorkerKind.AGENT:
-            return Truth.AGENT
-        return Truth.EXACT if self.in_sync else Truth.APPROXIMATE
+    def adapter(self) -> EngineAdapter:
+        """What the worker's engine kind answers (router.engines.adapters); a kind not
+        yet probed: the plain OpenAI server's."""
+        return adapter_for(self.kind)
 
     @property
-    def engine_blocks(self) -> bool:
-        """Whether prefix hits are whole blocks below the last prompt token."""
-        return self.kind in ENGINE_KINDS
+    def truth(self) -> Truth:
+        return self.adapter.truth(self.in_sync)
 
     def colder_value(self, ext: dict, block_tokens: int, now: float) -> float:
         """GPU-hit-equivalent tokens of a colder extension ({tier: blocks}) on this
@@ -297,64 +255,12 @@ class EngineLink:
         return out
 
     def describe(self) -> dict:
-        acc = self.stats.summary().to_json()
-        return {
-            "kind": self.kind.value if self.kind else None,
-            "truth": self.truth.value,
-            "key_space": repr(self.space),
-            "keys": self.keys_describe(),
-            "models": list(self.models),
-            "block_size": self.block_size,
-            "kv_capacity_tokens": self.capacity_tokens,
-            "index_cap_blocks": None if self.learned is None else self.learned.blocks,
-            "prefill_tokens_per_s": round(self.prefill_rate(time.monotonic()), 1),
-            "prefill_tokens_per_s_own": round(self.rate.tokens_per_s, 1),
-            "load_source": "engine" if self.engine_load_fresh(time.monotonic()) else "router",
-            "engine_queue": {
-                "tokens_per_request": round(self.queue.tokens_per_request, 1),
-                "departures_per_s": None
-                if self.queue.departures_per_s is None
-                else round(self.queue.departures_per_s, 2),
-            },
-            "kv_tiers": self.tier_describe(time.monotonic()),
-            "data_parallel_ranks": self.ranks,
-            "events": None
-            if not self.streams
-            else {
-                "source": self.events_source,
-                "in_sync": self.in_sync,
-                "endpoint": self.subscriber.address,
-                "connected": all(sub.connected for sub, _ in self.streams.values()),
-                **_summed(bm.stats() for _, bm in self.streams.values()),
-                "ranks": {
-                    str(r): {
-                        "endpoint": sub.address,
-                        "connected": sub.connected,
-                        "in_sync": r in self._synced,
-                        "entries": self.engines.index.entries(self.holder(r)),
-                    }
-                    for r, (sub, _) in self.streams.items()
-                    if r is not None
-                },
-            },
-            "prediction": acc,
-        }
+        """The ``/admin/workers`` view of this engine side (router.engines.link_view)."""
+        return link_view.describe(self)
 
     def keys_describe(self) -> dict:
-        """Which way the worker is keyed and why: ``by`` tokens (its engine's tokens,
-        exact) or bytes (routing bytes, approximate), the tokenizer and where it came
-        from, what the engine named, the probe's verdict, and why no tokenizer is
-        loaded here (``cause``: on bytes, or keyed through the engine's /tokenize)."""
-        root, pr, problem = self.keys_root, self.keys_probe, self.keys_problem
-        return {
-            "by": "tokens" if isinstance(self.space, TokenSpace) else "bytes",
-            "tokenizer": None if self.keyer is None else self.keyer.source,
-            "from": self.keys_from,
-            "engine_root": None if root is None else {"source": root.source, "field": root.field},
-            "probe": None if pr is None else {"verdict": pr[0], "detail": pr[1]},
-            "cause": None if problem is None else problem.cause.value,
-            "detail": None if problem is None else problem.detail,
-        }
+        """Which way the worker is keyed and why (router.engines.link_keys.describe)."""
+        return link_keys.describe(self)
 
     @property
     def settling(self) -> bool:
@@ -434,13 +340,13 @@ class EngineLink:
             await backoff.sleep()
         if self.state is not LinkState.RUNNING:
             return
-        if not self.models and self.kind is not WorkerKind.AGENT:
+        if self.adapter.pushes:
+            return  # agents push events and load to the router (router.feedback)
+        if not self.models:
             assert eng.session is not None, "the engines start their session before any link"
             res = await probe(eng.session, self.worker.url)
             if res is not None and res.models:
                 self.models = res.models
-        if self.kind is WorkerKind.AGENT:
-            return  # agents push events and load to the router (router.feedback)
         self._resolve_settings()
         if self.spec.model and self.models and self.spec.model not in self.models:
             # its tokenizer, block keys and events would describe another model
@@ -457,7 +363,7 @@ class EngineLink:
             await self._find_keys()
             if self.state is not LinkState.RUNNING:
                 return
-        if self.kind in ENGINE_KINDS and self.spec.metrics.path:
+        if self.adapter.metrics is not None and self.spec.metrics.path:
             self.scraper = scraper = eng.new_scraper(self)
             await scraper.start()
         self._maybe_token_space()
@@ -483,123 +389,31 @@ class EngineLink:
     # ------------------------------------------------------------- key space
 
     @property
+    def keys_problem(self) -> KeysProblem | None:
+        """Why no tokenizer is loaded here (None: one is, or not chosen yet)."""
+        return None if self.key_choice is None else self.key_choice.problem
+
+    @property
     def served_model(self) -> str:
         """The model name the worker's keys and events are namespaced by."""
         return self.spec.model or (self.models[0] if self.models else "")
 
     async def _find_keys(self) -> bool:
-        """Chooses the worker's tokenizer (module docstring, ``keys``) and checks it
-        once against the engine's /tokenize; moves the key space. True when the space
-        changed. Never raises for what the engine says or serves."""
-        eng = self.engines
-        keyer = None
-        problem: KeysProblem | None = None
-        self.keys_root = self.keys_probe = None
-        origin: str | None = None
-        if self.spec.tokenizer:
-            origin = "worker" if self._own_tokenizer else "models"
-            keyer = await eng.load_keyer(self.spec.tokenizer, self.worker.id, self.spec.chat_template)
-            if keyer is None:  # logged and counted by load_keyer
-                problem = KeysProblem(
-                    KeysCause.LOAD_FAILED, f"tokenizer {self.spec.tokenizer!r} does not load (above)"
-                )
-        elif self.kind in ENGINE_KINDS and eng.tokenizers.discover:
-            origin = "engine"
-            root = await self._ask_root()
-            if root is None:
-                return False  # closed meanwhile
-            if isinstance(root, KeysProblem):
-                problem = root
-            else:
-                self.keys_root = root
-                if root.models and not self.spec.model:
-                    self.models = root.models
-                found = await eng.discover_keyer(
-                    root.source, self.spec.chat_template, download=eng.tokenizers.download
-                )
-                if isinstance(found, KeysProblem):
-                    problem = found
-                else:
-                    keyer = found
-        if keyer is not None and self.state is LinkState.RUNNING:
-            assert eng.session is not None, "the engines start their session before any link"
-            pr = await probe_tokenize(eng.session, self.worker.url, self.served_model, keyer)
-            self.keys_probe = (pr.verdict.value, pr.detail)
-            if pr.verdict is Verdict.DISAGREES:
-                problem = KeysProblem(
-                    KeysCause.MISMATCH, f"tokenizer {keyer.source!r} is not the engine's: {pr.detail}"
-                )
-                keyer = None
-        through = None  # why the engine's /tokenize cannot key it (None: it can, or not asked)
-        if (
-            keyer is None
-            and self.kind in ENGINE_KINDS
-            and eng.tokenizers.engine_tokenize
-            and self.state is LinkState.RUNNING
-        ):
-            assert eng.session is not None, "the engines start their session before any link"
-            through = await serves_tokenize(eng.session, self.worker.url, self.served_model)
-            if through is None:
-                root = self.keys_root
-                keyer = eng.engine_keyer(root.source if root else self.worker.url, self.served_model)
-                origin = "engine_tokenize"
-        if self.state is not LinkState.RUNNING:
+        """Chooses the worker's keys (router.engines.link_keys) and moves its key
+        space. True when the space changed."""
+        choice = await link_keys.choose_keys(self, self._running)
+        if choice is None:
+            self.key_choice = None  # closed meanwhile
             return False
-        self.keys_from = origin if keyer is not None else None
-        self.keys_problem = problem
-        changed = self._use_keys(keyer)
-        if origin == "engine_tokenize":
-            log.info(
-                "worker %s: keyed in its engine's tokens through its POST /tokenize (one "
-                "round trip before each request's pick)%s",
-                self.worker.id,
-                f": its tokenizer is not loaded here ({problem.cause.value}: {problem.detail})"
-                if problem is not None
-                else "",
-            )
-        elif keyer is not None:
-            where = {
-                "worker": "its own entry",
-                "models": "its model's models: entry",
-                "engine": f"its engine's {self.keys_root.field if self.keys_root else '?'}",
-            }[origin or "worker"]
-            pr_txt = f"its /tokenize {self.keys_probe[0]} {self.keys_probe[1]}" if self.keys_probe else "-"
-            log.info(
-                "worker %s: keyed in its engine's tokens with tokenizer %s (from %s); probe: %s",
-                self.worker.id,
-                keyer.source,
-                where,
-                pr_txt,
-            )
-        elif problem is not None:
-            eng.prom.keys_off.labels(self.worker.id, problem.cause.value).inc()
-            log.warning(
-                "worker %s: keyed on routing bytes, approximate matches (%s: %s%s); for exact "
-                "keys set its tokenizer (or models: {%s: {tokenizer: ...}})",
-                self.worker.id,
-                problem.cause.value,
-                problem.detail,
-                f"; and {through}" if through else "",
-                self.served_model or "NAME",
-            )
+        self.key_choice = choice
+        if choice.root is not None and choice.root.models and not self.spec.model:
+            self.models = choice.root.models
+        changed = self._use_keys(choice.keyer)
+        link_keys.log_choice(self, choice)
         return changed
 
-    async def _ask_root(self) -> EngineRoot | KeysProblem | None:
-        """What the engine names as its tokenizer; asked again (backoff) while it does
-        not answer. None: the link closed meanwhile."""
-        assert self.kind is not None, "the kind is known before the keys"
-        backoff = Backoff(0.5, 10.0)
-        said = False
-        while self.state is LinkState.RUNNING:
-            assert self.engines.session is not None, "the engines start their session before any link"
-            found = await fetch_root(self.engines.session, self.worker.url, self.kind.value, self.spec.model)
-            if not (isinstance(found, KeysProblem) and found.cause is KeysCause.UNREACHABLE):
-                return found
-            if not said:
-                said = True
-                log.info("worker %s: %s; asking again until it answers", self.worker.id, found.detail)
-            await backoff.sleep()
-        return None
+    def _running(self) -> bool:
+        return self.state is LinkState.RUNNING
 
     def _use_keys(self, keyer) -> bool:
         """Keys the worker with ``keyer`` from now on (None: routing bytes); its
@@ -648,7 +462,7 @@ class EngineLink:
     def _apply_capacity(self) -> None:
         """The approximate index ages this worker at its engine's KV capacity."""
         cap = self.capacity_tokens
-        if cap is None or self.kind is WorkerKind.AGENT:
+        if cap is None or self.adapter.pushes:
             return
         if isinstance(self.space, TokenSpace):
             assert self.block_size is not None, "a token space is entered with a block size"
@@ -691,15 +505,7 @@ class EngineLink:
         )
         rate = self.prefill_rate(now)
         queued = self.queue.queued_tokens(m.waiting_requests, eng.rates.mean_request_tokens, rate)
-        load = Load(
-            queued_requests=m.waiting_requests,
-            queued_tokens=queued,
-            queued_prefill_tokens=queued,
-            running_requests=m.running_requests,
-            kv_used_tokens=int(m.kv_usage * cap),
-            kv_capacity_tokens=cap,
-            prefill_tokens_per_s=rate,
-        )
+        load = m.load(queued, rate, cap)
         eng.pool.report_load(
             self.worker, load, now, stale_s=self.scraper.stale_after_s if self.scraper else None, engine=True
         )
@@ -722,13 +528,17 @@ class EngineLink:
         if spec.endpoint:
             sources: tuple = (None,)  # the configured endpoint: one stream, no ranks
             origin = "config"
-        elif self.kind is WorkerKind.VLLM:
-            found = await self._ask_sources()
+        elif self.adapter.lists_event_sources:
+            session, url = self.engines.session, self.worker.url
+            assert session is not None, "the engines start their session before any link"
+            found = await ask_until_answered(
+                lambda: self.adapter.event_sources(session, url), self._running, self.worker.id
+            )
             if found is None:
                 return  # closed meanwhile
             if not isinstance(found, SourcesProblem):
                 # the worker names these: only its own host (or registration.allow)
-                found = sources_problem(found, _host(self.worker.url), self.engines.events_allowed) or found
+                found = sources_problem(found, _host(url), self.engines.events_allowed) or found
             if isinstance(found, SourcesProblem):
                 self._set_ranks(0)
                 self._no_events(found.cause.value, found.detail)
@@ -781,21 +591,6 @@ class EngineLink:
             ", ".join(sub.address or "?" for sub, _ in streams.values()),
         )
 
-    async def _ask_sources(self):
-        """The server's event sources; retried (backoff) while it does not answer.
-        None: the link closed meanwhile."""
-        backoff = Backoff(0.5, 10.0)
-        said = False
-        while self.state is LinkState.RUNNING:
-            found = await fetch_event_sources(self.engines.session, self.worker.url)
-            if not (isinstance(found, SourcesProblem) and found.cause is SourcesCause.UNREACHABLE):
-                return found
-            if not said:
-                said = True
-                log.info("worker %s: %s; asking again until it answers", self.worker.id, found.detail)
-            await backoff.sleep()
-        return None
-
     def _no_events(self, cause: str, detail: str) -> None:
         self.engines.prom.events_unavailable(self.worker.id, cause)
         log.warning(
@@ -809,41 +604,11 @@ class EngineLink:
     def _endpoint_refused(self, src: EventSource | None, exc: Exception) -> None:
         """An events endpoint the router cannot use: one clear line saying which side
         binds and what to write; the worker keeps serving in the approximate mode."""
+        from router.engines.zmq_events import refusal  # a subscriber was made: the extra is here
+
         ev = self.spec.events
-        endpoint = ev.endpoint if src is None else src.endpoint
-        addr = str(endpoint)
-        mode = ev.mode if src is None else "auto"
-        import zmq  # a subscriber was made: the engines extra is installed
-
-        from router.engines.zmq_events import subscriber_endpoint
-
-        how: str = "?"
-        if mode != "off":  # (a subscriber was made: never off)
-            try:
-                how, addr = subscriber_endpoint(endpoint, _host(self.worker.url), mode)
-            except ValueError:
-                pass
-        inuse = isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE
-        if inuse:
-            cause = "address_in_use"
-            why = (
-                "events.mode is bind"
-                if mode == "bind"
-                else f"the engine's endpoint {endpoint} is a concrete address, so the engine connects to it"
-            )
-            fix = (
-                f"the router must bind {addr} ({why}), and another socket holds it (if "
-                "the engine binds it too, both sides bind): give the engine a wildcard "
-                "endpoint such as tcp://*:PORT (it binds, the router connects; events.mode "
-                f"auto), or free {addr}"
-            )
-        else:
-            cause = "endpoint_refused"
-            fix = (
-                f"the router would {how} {addr} for the engine's endpoint {endpoint}; "
-                "give the engine a tcp://*:PORT (it binds, the router connects) or a "
-                "tcp://ROUTER_HOST:PORT the router can bind"
-            )
+        endpoint, mode = (ev.endpoint, ev.mode) if src is None else (src.endpoint, "auto")
+        cause, fix = refusal(endpoint, _host(self.worker.url), mode, exc)
         self.engines.prom.events_unavailable(self.worker.id, cause)
         log.error("worker %s: KV events not followed (%s): %s; approximate mode", self.worker.id, exc, fix)
 
@@ -901,7 +666,7 @@ class EngineLink:
         rank), unless the worker's events are configured or off."""
         if (
             self.state is not LinkState.RUNNING
-            or self.kind is not WorkerKind.VLLM
+            or not self.adapter.lists_event_sources
             or self.spec.events.endpoint
             or self.spec.events.mode == "off"
             or self.model_mismatch
@@ -976,7 +741,7 @@ class EngineLink:
         """Whether a restart asks for the keys again: a vLLM/SGLang worker with a
         tokenizer set, or one its engine may name or tokenize for (not while a re-ask is
         under way)."""
-        if self.state is not LinkState.RUNNING or self.kind not in ENGINE_KINDS or self.model_mismatch:
+        if self.state is not LinkState.RUNNING or not self.adapter.engine_tokens or self.model_mismatch:
             return False
         if self._rekey is not None and not self._rekey.done():
             return False
@@ -1007,77 +772,12 @@ class EngineLink:
     def observe(
         self, pick: Placement, usage: tuple[int, int] | None, ttft_s: float | None, now: float
     ) -> None:
-        """One finished request on this worker (on data-parallel ``pick.rank``, if any).
+        """One finished request on this worker: what it teaches (router.engines.answers)."""
+        answers.learn(self, pick, usage, ttft_s, now)
 
-        ``usage``: (prompt_tokens, cached_tokens) it reported, if any: records the
-        prediction error. ``ttft_s`` with the uncached tokens ahead of it at pick
-        time and its own is one prefill-rate sample (router.engines.prefill_rate);
-        its own are the uncached tokens the worker reported where it did
-        (``pick.own``, the prediction, otherwise).
-
-        Correction (approximate mode): ``pick.touches`` are the matched blocks'
-        last-use times before this request. If the worker reports fewer cached tokens than
-        predicted, its first missing block j was evicted; an engine evicts least
-        recently used blocks first, so every entry of this worker last used before
-        ``touches[j]`` is gone too, and leaves the index. The request's own chain
-        stays: its prefill has just stored it again. The learned cap follows each
-        answer with a match (``router.engines.capacity``, ``index.learn_capacity``).
-        """
-        sk, matched_blocks, own_tokens, ahead_tokens, touches, rank, colder = pick
-        eng = self.engines
-        if usage is not None:
-            # The engine's own count of what it prefilled, not the index's prediction:
-            # in approximate mode a prediction that missed cached blocks priced the
-            # request's prefill too high, its short TTFT read as a fast worker (one of
-            # two equal vLLMs learned 12,400 tokens/s, the other 3,000), and misses
-            # herded onto it.
-            own_tokens = min(usage[0] - usage[1], MAX_LOAD_COUNT)  # usage_of: 0 <= c <= p
-            if colder and ttft_s is not None and ttft_s > 0:
-                if self._learn_load(pick, usage[1], own_tokens, ttft_s, now):
-                    ttft_s = None  # a load-price sample, not a prefill-rate one
-        eng.rates.answered(own_tokens, ahead_tokens, ttft_s, now, engine=self.kind is not WorkerKind.AGENT)
-        if ttft_s is not None and ttft_s > 0:
-            self.rate.observe(ahead_tokens, own_tokens, ttft_s, now)
-        if usage is None:
-            return
-        prompt, cached = usage
-        bt = sk.block_tokens
-        if not sk.exact and sk.prompt_tokens:
-            # byte space: its blocks in this prompt's real tokens
-            bt = max(1, round(bt * prompt / sk.prompt_tokens))
-        # tokens loaded back from a colder tier count as cached (vLLM's external hits)
-        cold = sum(colder.values()) if colder else 0
-        pred = predicted_tokens(matched_blocks + cold, bt, prompt, self.engine_blocks)
-        err = self.stats.record(pred, cached)
-        self.engines.prom.prediction(self.worker.id, err)
-        if rank is not None and self.ranks:
-            # one rank's own truth: its events in sync, or its hints to correct
-            corrects = self.kind is not WorkerKind.AGENT and rank not in self._synced
-        else:
-            corrects, rank = self.corrects, None
-        if corrects:
-            holder = self.holder(rank)
-            n = correct(self.engines.index, holder, self.learned, matched_blocks, pred, cached, bt, touches)
-            if n:
-                self.engines.prom.corrected.labels(self.worker.id).inc(n)
-
-    def _learn_load(self, pick: Placement, cached: int, own: int, ttft_s: float, now: float) -> bool:
-        """One answer whose match extended into a colder tier: a load-price sample
-        (router.engines.tier_price). True when it loaded blocks back: its TTFT then
-        mixes load and prefill (only their sum is seen), so it is no prefill-rate
-        sample; the rate is learned from the other answers, the price from this
-        one's residual over it."""
-        ext = pick.colder
-        assert ext, "called for a colder match only"
-        bt = pick.key.block_tokens
-        gpu = pick.blocks * bt
-        if min(sum(ext.values()) * bt, cached - gpu) <= 0:
-            return False  # nothing was loaded back: the colder copy went unused
-        residual = ttft_s - (pick.ahead + own) / self.prefill_rate(now)
-        tier = self.tier_prices.observe(ext, gpu, cached, bt, residual, now)
-        if tier is not None:
-            self.engines.prom.tier_samples.labels(self.worker.id, tier).inc()
-        return True
+    def rank_truth(self, rank: int) -> Truth:
+        """What data-parallel ``rank``'s own entries are: its events in sync, or not."""
+        return self.adapter.truth(rank in self._synced)
 
     def prefill_rate(self, now: float) -> float:
         """Prefill tokens/s the policy should assume: this worker's learned rate,
@@ -1087,19 +787,10 @@ class EngineLink:
     @property
     def corrects(self) -> bool:
         """Whether responses correct this worker's entries (the approximate mode)."""
-        return self.kind is not WorkerKind.AGENT and not self.in_sync
+        return self.truth is Truth.APPROXIMATE
 
 
 def _host(url: str) -> str | None:
     from urllib.parse import urlsplit
 
     return urlsplit(url).hostname
-
-
-def _summed(stats) -> dict:
-    """Several ranks' block-map counters, added up."""
-    out: dict = {}
-    for st in stats:
-        for k, v in dataclasses.asdict(st).items():
-            out[k] = out.get(k, 0) + v
-    return out

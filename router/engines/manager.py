@@ -39,8 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from policies.base import EMPTY_MATCH, MatchResult, RouteRequest, WorkerView
 from protocol.prefix_keys import Endpoint, PrefixKey
 from router.config import Config, WorkerSpec, allow_networks, resolve_engine
+from router.engines.adapters import adapter_for
 from router.engines.keyspace import ByteSpace, KeyedRequest, merge_matches
-from router.engines.kinds import WorkerKind
 from router.engines.link import EngineLink, LinkState
 from router.engines.prefill_rate import FleetRates
 from router.pool import Pool
@@ -340,8 +340,8 @@ class Engines:
             self._keyers.update(keyers)
         if cfg.models != old_models:
             for link in list(self.links.values()):
-                if link.kind is WorkerKind.AGENT:
-                    continue
+                if link.adapter.pushes:
+                    continue  # an agent's link resolves no models: settings
                 if self.resolve(self._spec_of(link.worker), link.models) != link.spec:
                     log.info("worker %s: its models: settings changed, new engine link", link.worker.id)
                     self.worker_removed(link.worker)
@@ -523,11 +523,10 @@ class Engines:
         return any(done)
 
     def new_scraper(self, link: EngineLink):
-        from router.engines.engine_metrics import MetricsKind, MetricsScraper
+        from router.engines.engine_metrics import MetricsScraper
 
-        ms = link.spec.metrics
-        kind = MetricsKind.VLLM if link.kind is WorkerKind.VLLM else MetricsKind.SGLANG
-        assert self.session is not None, "links start after the engines' session"
+        ms, kind = link.spec.metrics, link.adapter.metrics
+        assert kind is not None and self.session is not None, "a scraped kind, after the session"
         return MetricsScraper(
             link.worker.url + ms.path,
             kind,
@@ -721,9 +720,7 @@ def engine_priority(link: EngineLink | None, rank: int | None) -> int | None:
     reverses it, and is not followed here): critical 2, standard 1, sheddable 0."""
     if rank is None or link is None or not sends_priority(link):
         return None
-    if link.kind is WorkerKind.SGLANG:
-        return len(PRIORITIES) - 1 - rank
-    return rank
+    return adapter_for(link.kind).priority(rank, len(PRIORITIES))
 
 
 def sends_priority(link: EngineLink) -> bool:

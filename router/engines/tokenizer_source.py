@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,17 +183,22 @@ async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tu
 
 
 async def fetch_root(
-    session: aiohttp.ClientSession, url: str, kind: str, model: str, timeout_s: float = 5.0
+    session: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    parse: Callable[[int, bytes], EngineRoot | KeysProblem],
+    timeout_s: float = 5.0,
 ) -> EngineRoot | KeysProblem:
-    """What the engine at ``url`` (``kind`` vllm or sglang) names as its tokenizer."""
-    path = "/v1/models" if kind == "vllm" else "/get_model_info"
+    """What the engine at ``url`` names as its tokenizer: ``GET path``'s answer read
+    by ``parse`` (``parse_vllm_models``, ``parse_sglang_model_info``: the engine's
+    adapter, router.engines.adapters, says which)."""
     got = await _get(session, url + path, timeout_s)
     if isinstance(got, str):
         return KeysProblem(KeysCause.UNREACHABLE, f"GET {path} failed: {got}")
     status, body = got
     if len(body) > MAX_BODY_BYTES:
         return KeysProblem(KeysCause.NO_ROOT, f"its {path} answer is over {MAX_BODY_BYTES} bytes")
-    return parse_vllm_models(status, body, model) if kind == "vllm" else parse_sglang_model_info(status, body)
+    return parse(status, body)
 
 
 def _path_like(source: str) -> bool:

@@ -171,6 +171,35 @@ def subscriber_endpoint(
     return "bind", ep
 
 
+def refusal(endpoint: str, engine_host: str | None, mode: str, exc: Exception) -> tuple[str, str]:
+    """Why a subscriber could not attach to the engine's ``endpoint`` (``exc``, from
+    binding or connecting it), as (cause, what to write): ``address_in_use`` (the
+    router must bind it and another socket holds it) or ``endpoint_refused``."""
+    addr, how = str(endpoint), "?"
+    if mode != "off":  # (a subscriber was made: never off)
+        try:
+            how, addr = subscriber_endpoint(endpoint, engine_host, cast(Mode, mode))
+        except ValueError:
+            pass
+    if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE:
+        why = (
+            "events.mode is bind"
+            if mode == "bind"
+            else f"the engine's endpoint {endpoint} is a concrete address, so the engine connects to it"
+        )
+        return "address_in_use", (
+            f"the router must bind {addr} ({why}), and another socket holds it (if "
+            "the engine binds it too, both sides bind): give the engine a wildcard "
+            "endpoint such as tcp://*:PORT (it binds, the router connects; events.mode "
+            f"auto), or free {addr}"
+        )
+    return "endpoint_refused", (
+        f"the router would {how} {addr} for the engine's endpoint {endpoint}; "
+        "give the engine a tcp://*:PORT (it binds, the router connects) or a "
+        "tcp://ROUTER_HOST:PORT the router can bind"
+    )
+
+
 def replace_wildcard(endpoint: str, host: str) -> str:
     """``tcp://*:P`` / ``tcp://[::]:P`` / ``tcp://:::P`` -> ``tcp://host:P`` (IPv6 hosts
     bracketed). Other endpoints are returned unchanged."""
