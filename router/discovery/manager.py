@@ -74,6 +74,13 @@ class Discovery(Lifecycle):
         self._tasks: list[asyncio.Task] = []
         self._rand = random.Random()
 
+    def add_source(self, source: Source) -> None:
+        """Runs ``source`` too (one the config does not name: the gateway's
+        InferencePool). Only before ``start()``."""
+        if self.state is not State.NEW:
+            raise RuntimeError("Discovery.add_source() after start()")
+        self.sources.append(source)
+
     async def start(self) -> None:
         if self.state is State.CLOSED:
             raise RuntimeError("Discovery.start() after aclose()")
