@@ -249,24 +249,6 @@ class Gateway:
         self.cfg = cfg
         g = cfg.gateway
         self.router = Router(cfg, overrides=overrides)
-        pool, namespace, kind = inference_pool
-        if pool:
-            from router.config import K8sSelectorSpec
-            from router.discovery.inference_pool import InferencePoolSource
-
-            # kind: one of WORKER_KINDS (the flag's choices)
-            template = K8sSelectorSpec(label_selector="(the InferencePool's)", kind=cast(Any, kind))
-            d = self.router.discovery
-            d.add_source(
-                InferencePoolSource(
-                    cfg.discovery.kubernetes,
-                    d.metrics,
-                    pool,
-                    namespace=namespace,
-                    template=template,
-                    backoff_s=cfg.discovery.backoff_s,
-                )
-            )
         self.endpoints = Endpoints()
         self.picker = Picker(
             self.router,
@@ -280,6 +262,26 @@ class Gateway:
         self.child: Any = None  # Envoy (loadtest.local_fleet.Child)
         self._runner: Any = None
         self._closed = False
+        self.inference_pool = inference_pool
+
+    def pool_source(self):
+        """The discovery of ``inference_pool``'s pods (None without a name)."""
+        pool, namespace, kind = self.inference_pool
+        if not pool:
+            return None
+        from router.config import K8sSelectorSpec
+        from router.discovery.inference_pool import InferencePoolSource
+
+        # kind: one of WORKER_KINDS (the flag's choices)
+        template = K8sSelectorSpec(label_selector="(the InferencePool's)", kind=cast(Any, kind))
+        return InferencePoolSource(
+            self.cfg.discovery.kubernetes,
+            self.router.discovery.metrics,
+            pool,
+            namespace=namespace,
+            template=template,
+            backoff_s=self.cfg.discovery.backoff_s,
+        )
 
     async def start(self) -> int:
         """Starts the router's app, the picker and Envoy; returns the picker's port."""
@@ -287,7 +289,10 @@ class Gateway:
 
         cfg = self.cfg
         self._runner = web.AppRunner(self.router.app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
+        await self._runner.setup()  # the router's startup: its discovery runs
+        source = self.pool_source()
+        if source is not None:
+            self.router.discovery.add_source(source)
         await self.router.pool.first_round(cfg.health.timeout_s + 0.5)
         site = web.TCPSite(self._runner, cfg.listen.host, cfg.listen.port)
         try:

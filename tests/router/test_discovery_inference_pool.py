@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from router.config import K8sDiscoveryConfig, K8sSelectorSpec
 from router.discovery.base import DiscoveryMetrics, SourceError
 from router.discovery.inference_pool import InferencePoolSource, parse_pod, parse_pool
+from tests.kube_fake import FakeInferenceAPIs, FakeKubeClient, make_pod
 
 
 def pool_obj(labels=None, ports=(8000,)) -> dict:
@@ -28,16 +29,6 @@ def pool_obj(labels=None, ports=(8000,)) -> dict:
             "endpointPickerRef": {"name": "radixfleet-epp", "port": {"number": 9002}},
         },
     }
-
-
-def pod(name, ip="10.0.0.5", ready=True, deleting=False, rv="7") -> dict:
-    meta = {"name": name, "resourceVersion": rv, "labels": {"radixfleet.io/pool": "vllm"}}
-    if deleting:
-        meta["deletionTimestamp"] = "2026-12-07T12:00:00Z"
-    status = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
-    if ip:
-        status["podIP"] = ip
-    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "status": status}
 
 
 def test_parse_pool_reads_the_selector_and_target_ports():
@@ -55,70 +46,22 @@ def test_parse_pool_reads_the_selector_and_target_ports():
 
 
 def test_parse_pod_takes_ready_addressed_running_pods_one_endpoint_per_port():
-    name, rv, eps = parse_pod(pod("vllm-a"), (8000,), "vllm")
+    name, rv, eps = parse_pod(make_pod("vllm-a"), (8000,), "vllm")
     assert (name, rv) == ("vllm-a", "7")
     assert [(e.id, e.url, e.kind) for e in eps] == [("vllm-a", "http://10.0.0.5:8000", "vllm")]
-    _, _, eps = parse_pod(pod("vllm-a", ip="fd00::5"), (8000, 8001), "vllm")
+    _, _, eps = parse_pod(make_pod("vllm-a", ip="fd00::5"), (8000, 8001), "vllm")
     assert [(e.id, e.url) for e in eps] == [
         ("vllm-a:8000", "http://[fd00::5]:8000"),
         ("vllm-a:8001", "http://[fd00::5]:8001"),
     ]
-    for p in (pod("x", ready=False), pod("x", deleting=True), pod("x", ip="")):
+    for p in (make_pod("x", ready=False), make_pod("x", deleting=True), make_pod("x", ip="")):
         assert parse_pod(p, (8000,), "vllm")[2] == []
-    for bad in ({"metadata": {}}, pod("x", ip="not-an-ip"), "pod"):
+    for bad in ({"metadata": {}}, make_pod("x", ip="not-an-ip"), "pod"):
         with pytest.raises(ValueError):
             parse_pod(bad, (8000,), "vllm")
 
 
-class FakeResp:
-    """A kubernetes_asyncio ``_preload_content=False`` answer: status, body or lines."""
-
-    def __init__(self, status: int, body=None, lines: asyncio.Queue | None = None) -> None:
-        self.status = status
-        self._body = json.dumps(body).encode()
-        self.content = self
-        self._lines = lines
-
-    async def read(self) -> bytes:
-        return self._body
-
-    async def readline(self) -> bytes:
-        assert self._lines is not None
-        return await self._lines.get()
-
-    def release(self) -> None:
-        pass
-
-
-class FakeAPIs:
-    """CustomObjectsApi + CoreV1Api answering from fixed objects; records the calls."""
-
-    def __init__(self, pool: dict | None, pods: list[dict]) -> None:
-        self.pool, self.pods = pool, pods
-        self.calls: list[tuple] = []
-        self.watch_lines: asyncio.Queue = asyncio.Queue()
-
-    async def get_namespaced_custom_object(self, group, version, ns, plural, name, **kw):
-        self.calls.append(("get", group, version, ns, plural, name))
-        if self.pool is None:
-            return FakeResp(404, {"kind": "Status", "message": f'inferencepools "{name}" not found'})
-        return FakeResp(200, self.pool)
-
-    async def list_namespaced_pod(self, ns, **kw):
-        self.calls.append(("watch" if kw.get("watch") else "list", ns, kw["label_selector"]))
-        if kw.get("watch"):
-            return FakeResp(200, lines=self.watch_lines)
-        return FakeResp(200, {"kind": "PodList", "metadata": {"resourceVersion": "9"}, "items": self.pods})
-
-
-class FakeClient:
-    closed = False
-
-    async def close(self) -> None:
-        self.closed = True
-
-
-def source_on(apis: FakeAPIs, client: FakeClient) -> InferencePoolSource:
+def source_on(apis: FakeInferenceAPIs, client: FakeKubeClient) -> InferencePoolSource:
     src = InferencePoolSource(
         K8sDiscoveryConfig(api_server="http://127.0.0.1:1"),
         DiscoveryMetrics(CollectorRegistry()),
@@ -133,15 +76,19 @@ def source_on(apis: FakeAPIs, client: FakeClient) -> InferencePoolSource:
 
 
 async def test_the_source_follows_the_pools_pods():
-    pods = [pod("vllm-a", "10.0.0.5"), pod("vllm-b", "10.0.0.6", ready=False), pod("vllm-c", deleting=True)]
-    apis, client = FakeAPIs(pool_obj(), [*pods, {"metadata": "garbage"}]), FakeClient()
+    pods = [
+        make_pod("vllm-a", "10.0.0.5"),
+        make_pod("vllm-b", "10.0.0.6", ready=False),
+        make_pod("vllm-c", deleting=True),
+    ]
+    apis, client = FakeInferenceAPIs(pool_obj(), [*pods, {"metadata": "garbage"}]), FakeKubeClient()
     src = source_on(apis, client)
     async with contextlib.aclosing(src.snapshots()) as answers:
         first = await asyncio.wait_for(anext(answers), 5)
         assert {(e.id, e.url, e.kind, e.template.model) for e in first} == {
             ("vllm-a", "http://10.0.0.5:8000", "vllm", "qwen")
         }
-        line = json.dumps({"type": "MODIFIED", "object": pod("vllm-b", "10.0.0.6", rv="10")}) + "\n"
+        line = json.dumps({"type": "MODIFIED", "object": make_pod("vllm-b", "10.0.0.6", rv="10")}) + "\n"
         apis.watch_lines.put_nowait(line.encode())
         second = await asyncio.wait_for(anext(answers), 5)
         assert {e.id for e in second} == {"vllm-a", "vllm-b"}
@@ -156,7 +103,7 @@ async def test_the_source_follows_the_pools_pods():
 
 async def test_a_missing_or_malformed_pool_is_a_source_error():
     for pool, cause, what in ((None, "http_status", "not found"), (pool_obj({}), "garbage", "matchLabels")):
-        src = source_on(FakeAPIs(pool, []), FakeClient())
+        src = source_on(FakeInferenceAPIs(pool, []), FakeKubeClient())
         with pytest.raises(SourceError, match=what) as err:
             async with contextlib.aclosing(src.snapshots()) as answers:
                 await anext(answers)
