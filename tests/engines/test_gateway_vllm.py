@@ -16,7 +16,6 @@ import time
 import httpx
 import pytest
 
-from tests.engines.test_vllm import reset_caches
 from tests.engines.vllm_router import router_yaml, text, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv
 
@@ -100,6 +99,12 @@ def test_completion_and_streamed_chat_through_envoy(fronts):
     assert content and usage and usage["completion_tokens"] == 8, (events[:3], usage)
     # settled: nothing counted in flight once the answers ended
     wait_for(lambda: all(w["in_flight"] == 0 for w in workers(gw_router)), 10, "the picker's counts released")
+
+
+def reset_caches(servers) -> None:
+    for s in servers:
+        r = httpx.post(s.url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200, r.text
 
 
 def running(servers) -> float:
