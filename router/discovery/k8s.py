@@ -28,6 +28,7 @@ skipped (``invalid_object``) and the rest applies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -169,7 +170,11 @@ class _Relist(Exception):
 
 class SliceWatch:
     """The list + watch of one selector. ``slices`` is its current view (slice name
-    -> ready endpoints); ``listed`` turns true after the first complete list."""
+    -> ready endpoints); ``listed`` turns true after the first complete list.
+    ``what`` names the objects in messages (a subclass lists other objects:
+    ``inference_pool.PodWatch``)."""
+
+    what = "EndpointSlices"
 
     def __init__(
         self,
@@ -239,12 +244,12 @@ class SliceWatch:
                 if status != 200:
                     raise SourceError(
                         "http_status",
-                        f"list of EndpointSlices "
+                        f"list of {self.what} "
                         f"({self.sel.label_selector}) answered {status}: "
                         f"{_status_message(body)}",
                     )
                 if not isinstance(body, dict) or not isinstance(body.get("items"), (list, type(None))):
-                    raise SourceError("garbage", "list answer is not an EndpointSliceList")
+                    raise SourceError("garbage", f"list answer is not a list of {self.what}")
                 meta = body.get("metadata")
                 if not isinstance(meta, dict) or not isinstance(meta.get("resourceVersion"), str):
                     raise SourceError("garbage", "list answer has no metadata.resourceVersion")
@@ -438,11 +443,9 @@ class KubernetesSource:
 
     async def snapshots(self) -> AsyncGenerator[frozenset[Endpoint], None]:
         client, api_cls = self._client()
-        tasks: list[asyncio.Task] = []
         try:
             api = api_cls(client)
             default_ns = self.cfg.namespace or own_namespace()
-            changed: asyncio.Queue = asyncio.Queue()
             watches = [
                 SliceWatch(
                     api,
@@ -455,31 +458,42 @@ class KubernetesSource:
                 )
                 for sel in self.cfg.selectors
             ]
-
-            async def guard(w: SliceWatch) -> None:
-                try:
-                    await w.run(changed)
-                except Exception as exc:  # noqa: BLE001 - handed to the consumer below
-                    changed.put_nowait(exc)
-
-            tasks = [asyncio.create_task(guard(w)) for w in watches]
-            last: frozenset[Endpoint] | None = None
-            while True:
-                item = await changed.get()
-                while True:  # coalesce what is already queued: no added latency
-                    if isinstance(item, BaseException):
-                        raise item
-                    if changed.empty():
-                        break
-                    item = changed.get_nowait()
-                if not all(w.listed for w in watches):
-                    continue
-                snap = frozenset(ep for w in watches for eps in w.slices.values() for ep in eps)
-                if snap != last:
-                    last = snap
+            async with contextlib.aclosing(follow(watches)) as answers:
+                async for snap in answers:
                     yield snap
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             await client.close()
+
+
+async def follow(watches: list[SliceWatch]) -> AsyncGenerator[frozenset[Endpoint], None]:
+    """Runs ``watches`` and yields the union of their endpoints whenever it changes,
+    once every one has listed; raises what any of them raised."""
+    changed: asyncio.Queue = asyncio.Queue()
+
+    async def guard(w: SliceWatch) -> None:
+        try:
+            await w.run(changed)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer below
+            changed.put_nowait(exc)
+
+    tasks = [asyncio.create_task(guard(w)) for w in watches]
+    try:
+        last: frozenset[Endpoint] | None = None
+        while True:
+            item = await changed.get()
+            while True:  # coalesce what is already queued: no added latency
+                if isinstance(item, BaseException):
+                    raise item
+                if changed.empty():
+                    break
+                item = changed.get_nowait()
+            if not all(w.listed for w in watches):
+                continue
+            snap = frozenset(ep for w in watches for eps in w.slices.values() for ep in eps)
+            if snap != last:
+                last = snap
+                yield snap
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -74,6 +74,16 @@ class Discovery(Lifecycle):
         self._tasks: list[asyncio.Task] = []
         self._rand = random.Random()
 
+    def add_source(self, source: Source) -> None:
+        """Runs ``source`` too (one the config does not name: the gateway's
+        InferencePool): at ``start()``, or at once when already running."""
+        if self.state is State.CLOSED:
+            raise RuntimeError("Discovery.add_source() after aclose()")
+        self.sources.append(source)
+        if self.state is State.RUNNING:
+            self._spawn(source)
+            log.info("discovery started: %s", source.name)
+
     async def start(self) -> None:
         if self.state is State.CLOSED:
             raise RuntimeError("Discovery.start() after aclose()")
@@ -81,7 +91,7 @@ class Discovery(Lifecycle):
             return
         self.state = State.RUNNING
         for s in self.sources:
-            self._tasks.append(asyncio.create_task(self._run(s), name=f"radixfleet-discovery-{s.name}"))
+            self._spawn(s)
         if self.sources:
             log.info("discovery started: %s", ", ".join(s.name for s in self.sources))
 
@@ -99,6 +109,9 @@ class Discovery(Lifecycle):
                     raise
         self._tasks.clear()
         self.reconciler.release()
+
+    def _spawn(self, source: Source) -> None:
+        self._tasks.append(asyncio.create_task(self._run(source), name=f"radixfleet-discovery-{source.name}"))
 
     def apply(self) -> None:
         """Applies the union of every source's last answer to the pool."""
