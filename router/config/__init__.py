@@ -3,8 +3,9 @@
 Every section and key is optional. Each section is declared once, in its own module
 (on ``protocol.settings``): its keys' types, defaults, bounds, choices and a doc per
 key, and its rules across fields (``document_check``); ``deploy/README.md``'s key
-tables are generated from these declarations (``router.config_reference``). A
-component handed its section on a reload takes it whole (``configure(section)``).
+tables are generated from these declarations (``router.config_reference``). On a
+reload, a component that reads one section is handed that section whole
+(``configure(section)``), never its values one by one.
 
 Validation errors name the dotted path, what was expected and, for names, the
 valid ones::
@@ -26,10 +27,12 @@ The modules, by section (this package re-exports what callers import):
 - ``overrides``: command-line overrides (``MISSING``, ``with_overrides``);
 - ``check``: ``radixfleet check-config FILE`` (exit 0, or 2 with every error);
 - ``kinds``: the engine kinds and worker roles (the one list of kinds);
-- ``workers``: ``workers:`` entries and the worker URL rules;
+- ``workers``: ``workers:`` entries, the worker URL rules, ``resolve_engine``;
 - ``discovery``: ``workers.discovery`` (Kubernetes EndpointSlices, DNS);
 - ``engines``: engine settings (``models:``, events, scraping, ``tokenizers:``)
-  and their rules, ``resolve_engine``;
+  and their rules;
+- ``runtime``: the checks of a parsed config against this host (tokenizers that
+  load, events endpoints the router can bind);
 - ``server``: ``listen:`` and ``reload:``;
 - ``keys``: ``keys:`` (block size, tenant identity);
 - ``auth``: ``auth:`` (bearer tokens);
@@ -68,12 +71,9 @@ from router.config.engines import (
     EventsSpec,
     TokenizersConfig,
     check_engine_fields,
-    check_event_binds,
     check_event_sides,
     check_events_endpoint,
     check_tokenizer_source,
-    load_model_keyers,
-    resolve_engine,
 )
 from router.config.gateway import GatewayConfig
 from router.config.health import BreakerConfig, HealthConfig, LoadConfig
@@ -91,11 +91,18 @@ from router.config.registration import (
     allow_networks,
     in_networks,
 )
+from router.config.runtime import check_event_binds, load_model_keyers
 from router.config.server import ListenConfig, ReloadConfig
 from router.config.timeouts import RetriesConfig, TimeoutsConfig
 from router.config.tracing import TracingConfig
 from router.config.traffic_log import TrafficLogConfig
-from router.config.workers import WorkerSpec, default_worker_id, parse_worker_url, selector_template
+from router.config.workers import (
+    WorkerSpec,
+    default_worker_id,
+    parse_worker_url,
+    resolve_engine,
+    selector_template,
+)
 from router.config.yaml_loader import MAX_YAML_NODES, load_config, load_yaml, read_document
 
 __all__ = [

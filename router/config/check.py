@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from router.config.document import config_warnings
-from router.config.engines import check_event_binds, load_model_keyers
+from router.config.runtime import check_event_binds, load_model_keyers
 from router.config.yaml_loader import load_config
 
 

@@ -31,7 +31,7 @@ from router.config.bus import BusConfig
 from router.config.decisions import DecisionsConfig, ResponseHeadersConfig
 from router.config.disagg import DisaggConfig
 from router.config.discovery import DiscoveryConfig
-from router.config.engines import EngineSettings, TokenizersConfig, check_tokenizers
+from router.config.engines import EngineSettings, TokenizersConfig
 from router.config.gateway import GatewayConfig
 from router.config.health import BreakerConfig, HealthConfig, LoadConfig
 from router.config.index import IndexConfig
@@ -219,3 +219,50 @@ def config_warnings(cfg: Config) -> list[str]:
             "added (POST /admin/workers)"
         )
     return out
+
+
+def check_tokenizers(cfg: Config, found: list[ConfigError]) -> None:
+    """An events endpoint (or a block size, a chat template) needs a tokenizer: the
+    worker's or selector's own, its model's ``models:`` entry (any entry, while its
+    model is learned from the worker), or, with ``tokenizers.discover``, the one a
+    vLLM/SGLang engine names (any kind but openai: auto may probe as either)."""
+
+    def covered(spec: Any) -> bool:
+        if spec.tokenizer:
+            return True
+        if cfg.tokenizers.discover and getattr(spec, "kind", "auto") != "openai":
+            return True
+        model = getattr(spec, "model", "")
+        if model:
+            m = cfg.models.get(model)
+            return m is not None and bool(m.tokenizer)
+        return any(m.tokenizer for m in cfg.models.values())
+
+    d = cfg.discovery
+    specs: list[tuple[str, EngineSettings]] = [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]
+    specs += [
+        (f"workers.discovery.kubernetes.selectors[{i}]", s) for i, s in enumerate(d.kubernetes.selectors)
+    ]
+    specs += [(f"workers.discovery.dns.services[{i}]", s) for i, s in enumerate(d.dns.services)]
+    specs += [(f"models.{name}", m) for name, m in cfg.models.items()]
+    for path, spec in specs:
+        if covered(spec):
+            continue
+        if spec.events.endpoint:
+            found.append(
+                ConfigError(
+                    f"{path}.tokenizer",
+                    "required with events.endpoint: the "
+                    "events name token blocks, so requests must be keyed with "
+                    "the engine's own tokenizer (here, or in a models: entry "
+                    "for the model; or found from the engine: tokenizers.discover)",
+                )
+            )
+        elif spec.block_size:
+            found.append(ConfigError(f"{path}.block_size", "only used with a tokenizer (token keys)"))
+        elif spec.chat_template:
+            found.append(
+                ConfigError(
+                    f"{path}.chat_template", "needs a tokenizer (it replaces the tokenizer's own template)"
+                )
+            )

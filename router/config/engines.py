@@ -5,30 +5,25 @@ engine's tokenizer comes from when none is named (``tokenizers:``,
 ``TokenizersConfig``).
 
 Rules: an events endpoint is for vllm/sglang only, and one shared by many workers
-names no host (``check_engine_fields``); an events endpoint, block size or chat
-template needs a tokenizer from somewhere (``check_tokenizers``); a tokenizer loads
-without a download (``check_tokenizer_source``); the router binds only endpoints of
-this host that are free (``check_event_binds``, at start and in check-config).
-``resolve_engine`` fills a worker's unset engine settings from its model's entry.
+names no host (``check_engine_fields``); which side of an endpoint binds
+(``check_event_sides``); a tokenizer loads without a download
+(``check_tokenizer_source``). Across sections (``router.config.document``): an
+events endpoint, block size or chat template needs a tokenizer from somewhere.
+``router.config.workers.resolve_engine`` fills a worker's unset engine settings
+from its model's entry; ``router.config.runtime`` checks binds and loads tokenizers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from protocol.errors import ConfigError
 from protocol.extras import require
-from protocol.settings import document_check, raise_all, settings
+from protocol.settings import document_check, settings
 from protocol.settings import section as _section
 from protocol.settings import setting as _opt
-
-if TYPE_CHECKING:
-    from router.config.document import Config
-    from router.config.workers import WorkerSpec
 
 
 @settings
@@ -197,7 +192,7 @@ def check_engine_fields(spec: Any, path: str, *, per_worker: bool = True) -> Non
     """Cross-field rules of engine settings: a worker entry's (``per_worker``), or a
     ``models:`` entry's or a selector's (``EngineSettings``: an events endpoint there
     must name no one host). Whether a tokenizer comes with an events endpoint is
-    checked against ``models:`` once both are parsed (``check_tokenizers``).
+    checked against ``models:`` once both are parsed (``router.config.document``).
     Raises ``ConfigError``."""
     ev = spec.events
     kind = getattr(spec, "kind", "")
@@ -215,7 +210,7 @@ def check_engine_fields(spec: Any, path: str, *, per_worker: bool = True) -> Non
             )
         check_events_endpoint(ev.endpoint, f"{path}.events.endpoint")
         check_event_sides(ev.endpoint, ev.mode, f"{path}.events")
-        if not per_worker and _concrete_host(ev.endpoint):
+        if not per_worker and concrete_host(ev.endpoint):
             raise ConfigError(
                 f"{path}.events.endpoint",
                 f"{ev.endpoint!r} names one host, "
@@ -238,7 +233,7 @@ def check_engine_fields(spec: Any, path: str, *, per_worker: bool = True) -> Non
         check_tokenizer_source(spec.tokenizer, f"{path}.tokenizer")
 
 
-def _concrete_host(endpoint: str) -> bool:
+def concrete_host(endpoint: str) -> bool:
     return endpoint.startswith("tcp://") and not endpoint.startswith("tcp://*:")
 
 
@@ -249,7 +244,7 @@ def check_event_sides(endpoint: str, mode: str, path: str) -> None:
     wildcard ``tcp://*:PORT`` or an ``ipc://`` path and connects to a concrete
     ``tcp://HOST:PORT`` (then the router must bind it). ``mode`` forces the router's
     side. Raises ``ConfigError`` saying which side binds and what to write."""
-    wildcard = not _concrete_host(endpoint)
+    wildcard = not concrete_host(endpoint)
     if mode == "bind" and wildcard:
         raise ConfigError(
             f"{path}.mode",
@@ -264,177 +259,3 @@ def check_event_sides(endpoint: str, mode: str, path: str) -> None:
             "connects to it, so the router must bind it: remove mode: connect "
             "(auto binds), or give the engine tcp://*:PORT and write that here",
         )
-
-
-def check_event_binds(cfg: Config) -> None:
-    """The run-time half of ``check_event_sides`` for the endpoints the router will
-    bind (a concrete ``tcp://HOST:PORT``, mode auto or bind): HOST must be an
-    address of this host and PORT free; an engine that already holds it binds it
-    itself (it was given a wildcard), and the router must connect instead. Called
-    at start and by check-config, before the router binds anything. Raises
-    ``ConfigError`` listing every such endpoint."""
-    import socket
-
-    found = []
-    for i, w in enumerate(cfg.workers):
-        ev = w.events
-        if not ev.endpoint or not _concrete_host(ev.endpoint) or ev.mode == "connect":
-            continue
-        host, _, port = ev.endpoint[len("tcp://") :].rpartition(":")
-        host = host.strip("[]")
-        path = f"workers[{i}].events.endpoint"
-        try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except OSError as exc:
-            found.append(
-                ConfigError(path, f"{ev.endpoint}: host {host!r} does not resolve ({exc.strerror or exc})")
-            )
-            continue
-        family, _, _, _, addr = infos[0]
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(addr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    found.append(
-                        ConfigError(
-                            path,
-                            f"{ev.endpoint} is a concrete host, so the "
-                            "router would bind it (vLLM connects to a "
-                            "concrete endpoint), but another process already "
-                            "holds the port: the engine binds it (it was "
-                            f"given tcp://*:{port}). Write tcp://*:{port} "
-                            "here: the router then connects to the "
-                            "worker's host",
-                        )
-                    )
-                elif exc.errno == errno.EADDRNOTAVAIL:
-                    found.append(
-                        ConfigError(
-                            path,
-                            f"{ev.endpoint} is a concrete host, so the "
-                            f"router would bind it, but {host} is not an "
-                            "address of this host. If the engine was given "
-                            f"tcp://*:{port} (it binds), write that here; if "
-                            "it connects, give it this router's address",
-                        )
-                    )
-                else:
-                    found.append(
-                        ConfigError(path, f"{ev.endpoint}: the router cannot bind it ({exc.strerror or exc})")
-                    )
-    raise_all(found)
-
-
-def check_tokenizers(cfg: Config, found: list[ConfigError]) -> None:
-    """An events endpoint (or a block size, a chat template) needs a tokenizer: the
-    worker's or selector's own, its model's ``models:`` entry (any entry, while its
-    model is learned from the worker), or, with ``tokenizers.discover``, the one a
-    vLLM/SGLang engine names (any kind but openai: auto may probe as either)."""
-
-    def covered(spec: Any) -> bool:
-        if spec.tokenizer:
-            return True
-        if cfg.tokenizers.discover and getattr(spec, "kind", "auto") != "openai":
-            return True
-        model = getattr(spec, "model", "")
-        if model:
-            m = cfg.models.get(model)
-            return m is not None and bool(m.tokenizer)
-        return any(m.tokenizer for m in cfg.models.values())
-
-    d = cfg.discovery
-    specs: list[tuple[str, EngineSettings]] = [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]
-    specs += [
-        (f"workers.discovery.kubernetes.selectors[{i}]", s) for i, s in enumerate(d.kubernetes.selectors)
-    ]
-    specs += [(f"workers.discovery.dns.services[{i}]", s) for i, s in enumerate(d.dns.services)]
-    specs += [(f"models.{name}", m) for name, m in cfg.models.items()]
-    for path, spec in specs:
-        if covered(spec):
-            continue
-        if spec.events.endpoint:
-            found.append(
-                ConfigError(
-                    f"{path}.tokenizer",
-                    "required with events.endpoint: the "
-                    "events name token blocks, so requests must be keyed with "
-                    "the engine's own tokenizer (here, or in a models: entry "
-                    "for the model; or found from the engine: tokenizers.discover)",
-                )
-            )
-        elif spec.block_size:
-            found.append(ConfigError(f"{path}.block_size", "only used with a tokenizer (token keys)"))
-        elif spec.chat_template:
-            found.append(
-                ConfigError(
-                    f"{path}.chat_template", "needs a tokenizer (it replaces the tokenizer's own template)"
-                )
-            )
-
-
-def resolve_engine(
-    spec: WorkerSpec, models: Mapping[str, EngineSettings], served: tuple[str, ...] = ()
-) -> WorkerSpec:
-    """``spec`` with every engine setting it leaves at its default taken from the
-    ``models:`` entry of its model: ``spec.model``, else the first of ``served``
-    (what the worker said it serves) that has an entry. Sections (events, metrics)
-    are merged key by key. The worker's own setting wins where it differs from the
-    default; a worker with no entry is returned as it is. O(fields)."""
-    names = (spec.model,) if spec.model else served
-    entry = next((models[n] for n in names if n in models), None)
-    if entry is None:
-        return spec
-    return dataclasses.replace(
-        spec, **{name: _merged(getattr(spec, name), getattr(entry, name)) for name in ENGINE_FIELDS}
-    )
-
-
-def _merged(own: Any, entry: Any) -> Any:
-    if dataclasses.is_dataclass(own) and not isinstance(own, type):
-        default = type(own)()
-        return dataclasses.replace(
-            own,
-            **{
-                f.name: _merged_scalar(getattr(own, f.name), getattr(entry, f.name), getattr(default, f.name))
-                for f in dataclasses.fields(own)
-            },
-        )
-    return _merged_scalar(own, entry, type(own)())
-
-
-def _merged_scalar(own: Any, entry: Any, default: Any) -> Any:
-    return entry if own == default else own
-
-
-def load_model_keyers(
-    cfg: Config, loaded: Mapping[tuple[str, str], Any] | None = None
-) -> dict[tuple[str, str], Any]:
-    """Loads the tokenizer of every ``models:`` entry (a second or two each; ``loaded``
-    ones are reused): {(tokenizer, chat_template): TokenKeyer}. Raises
-    ``ConfigError`` naming ``models.<name>.tokenizer`` for each that cannot load —
-    at start, at reload (the running config stays) and in check-config."""
-    out: dict[tuple[str, str], Any] = {}
-    found: list[ConfigError] = []
-    for name, m in cfg.models.items():
-        if not m.tokenizer:
-            continue
-        key = (m.tokenizer, m.chat_template)
-        if key in out:
-            continue
-        if loaded and key in loaded:
-            out[key] = loaded[key]
-            continue
-        # imported only for a tokenizer to load: it needs the engines extra
-        from router.engines.token_keys import TokenKeyer
-
-        options: dict[str, Any] = {"chat_template": m.chat_template} if m.chat_template else {}
-        try:
-            out[key] = TokenKeyer.load(m.tokenizer, **options)
-        except Exception as exc:  # noqa: BLE001 - TokenizerLoadError, or a broken folder
-            cause = getattr(exc, "cause", None) or " ".join(str(exc).split())[:300]
-            found.append(
-                ConfigError(f"models.{name}.tokenizer", f"{m.tokenizer!r} cannot be loaded: {cause}")
-            )
-    raise_all(found)
-    return out

@@ -6,6 +6,8 @@ is, its own engine settings), and the worker URL rules every other way in
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -114,3 +116,37 @@ def selector_template(sel: Any) -> WorkerSpec:
 
 def default_worker_id(url: str) -> str:
     return urlsplit(url).netloc
+
+
+def resolve_engine(
+    spec: WorkerSpec, models: Mapping[str, EngineSettings], served: tuple[str, ...] = ()
+) -> WorkerSpec:
+    """``spec`` with every engine setting it leaves at its default taken from the
+    ``models:`` entry of its model: ``spec.model``, else the first of ``served``
+    (what the worker said it serves) that has an entry. Sections (events, metrics)
+    are merged key by key. The worker's own setting wins where it differs from the
+    default; a worker with no entry is returned as it is. O(fields)."""
+    names = (spec.model,) if spec.model else served
+    entry = next((models[n] for n in names if n in models), None)
+    if entry is None:
+        return spec
+    return dataclasses.replace(
+        spec, **{name: _merged(getattr(spec, name), getattr(entry, name)) for name in ENGINE_FIELDS}
+    )
+
+
+def _merged(own: Any, entry: Any) -> Any:
+    if dataclasses.is_dataclass(own) and not isinstance(own, type):
+        default = type(own)()
+        return dataclasses.replace(
+            own,
+            **{
+                f.name: _merged_scalar(getattr(own, f.name), getattr(entry, f.name), getattr(default, f.name))
+                for f in dataclasses.fields(own)
+            },
+        )
+    return _merged_scalar(own, entry, type(own)())
+
+
+def _merged_scalar(own: Any, entry: Any, default: Any) -> Any:
+    return entry if own == default else own

@@ -21,7 +21,7 @@ from router.config.kinds import EngineKind, Role
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "router" / "config"
-#: the issue's bound on a product file
+#: the most lines a product module may have
 MAX_LINES = 800
 
 
