@@ -540,9 +540,9 @@ class Router:
                 for wid in list(self.index.workers()):
                     self.index.clear(wid)
                 # agents that registered with the old size are refused from now on
-                self.feedback.configure(new.keys.block_bytes)
+                self.feedback.configure(new.keys)
                 if self.bus is not None:
-                    self.bus.configure(new.keys.block_bytes)
+                    self.bus.configure(new.keys)
             self.cfg = new
             self.pool.configure(new)
             self.policy = policy
@@ -556,8 +556,8 @@ class Router:
                 self.salts = tenants.salts
             self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
             self.metrics_auth = p.metrics_auth
-            self.index.configure(new.index.max_bytes)
-            self.body_budget.configure(new.limits.max_buffered_body_bytes)
+            self.index.configure(new.index)
+            self.body_budget.configure(new.limits)
             self.dataplane.configure(new, policy, tenants)
             self.engines.configure(new, keyers=p.keyers)
             added, removed = self.pool.sync_config(new.workers)

@@ -17,7 +17,7 @@ from router.config import Config, DiscoveryConfig
 
 BEGIN = (
     "<!-- BEGIN config-reference: made by `radixfleet config-reference --write "
-    "deploy/README.md` from router/config.py; do not edit by hand -->"
+    "deploy/README.md` from router/config/; do not edit by hand -->"
 )
 END = "<!-- END config-reference -->"
 

@@ -544,13 +544,13 @@ class DataPlane:
         self.tenants = tenants
         lim = cfg.limits
         self.admission.configure(lim.max_concurrency, lim.max_queue, lim.queue_timeout_s, lim.retry_after_s)
-        self.shedder.configure(lim.worker_queue_requests, lim.worker_queue_min_s)
+        self.shedder.configure(lim)
         self.tenancy.configure(cfg.tenancy, _named_tenants(cfg), time.monotonic())
         self.queue.configure(cfg.tenancy.queue)
-        self.prefetched.configure(cfg.prefetch.max_tracked)
+        self.prefetched.configure(cfg.prefetch)
         self.decisions.resize(cfg.decisions.size)
         self.route.explain_routes(self.decisions.on)
-        self.prefetch_budget.configure(cfg.tenancy.queue.weights)
+        self.prefetch_budget.configure(cfg.tenancy.queue)
         if self.upstream is not None:
             self.upstream.configure(cfg.timeouts.connect_s, cfg.timeouts.keepalive_s, lim.max_response_bytes)
 

@@ -60,7 +60,7 @@ from protocol.events import (
     Snapshot,
     Stored,
 )
-from router.config import parse_worker_url
+from router.config import KeysConfig, parse_worker_url
 from router.pool import HealthState, Pool
 from router.prefix_index import COLDER_TIERS
 
@@ -89,10 +89,10 @@ class Feedback:
         #: events of a tier the index does not know, ignored (``protocol.events``)
         self.unknown_tiers = 0
 
-    def configure(self, block_bytes: int | None) -> None:
-        """Takes a reloaded ``keys.block_bytes``: agents registered with another size
-        are refused from now on."""
-        self.block_bytes = block_bytes
+    def configure(self, keys: KeysConfig) -> None:
+        """Takes a reloaded ``keys`` section: agents registered with a block size other
+        than its ``block_bytes`` are refused from now on."""
+        self.block_bytes = keys.block_bytes
 
     def apply(self, batch: EventBatch, now: float) -> tuple[int, str]:
         """Applies one batch at once. Returns (HTTP status, ``status`` string)."""

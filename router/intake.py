@@ -21,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from protocol.errors import Overloaded, PayloadTooLarge, RequestTimeout
+
+if TYPE_CHECKING:
+    from router.config import LimitsConfig
 
 log = logging.getLogger("radixfleet.intake")
 
@@ -54,10 +58,10 @@ class BodyBudget:
         self.held = 0  # bytes taken and not given back
         self.refused = 0  # takes refused since start (a metric)
 
-    def configure(self, limit: int) -> None:
-        """Takes a reloaded ``limits.max_buffered_body_bytes`` (below ``held``: takes
-        fail until enough is given back)."""
-        self.limit = limit
+    def configure(self, limits: LimitsConfig) -> None:
+        """Takes a reloaded ``limits`` section: its ``max_buffered_body_bytes`` (below
+        ``held``: takes fail until enough is given back)."""
+        self.limit = limits.max_buffered_body_bytes
 
     def take(self, n: int) -> bool:
         """Takes ``n`` bytes if they fit; False (nothing taken) if not. O(1)."""

@@ -65,6 +65,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.admission_queue import AdmissionQueueConfig
+    from router.config import PrefetchConfig
 
 #: the path the router serves prefetches on
 PREFETCH_PATH = "/v1/prefetch"
@@ -101,9 +106,9 @@ class PrefetchBudget:
         self._weight = 0.0  # the weights of the tenants in _buckets
         self.spent = 0  # tokens taken since start
 
-    def configure(self, weights: Mapping[str, float]) -> None:
-        """Takes reloaded weights (``tenancy.queue.weights``): parts from now on."""
-        self.weights = weights
+    def configure(self, queue: AdmissionQueueConfig) -> None:
+        """Takes a reloaded ``tenancy.queue`` section: its weights, parts from now on."""
+        self.weights = weights = queue.weights
         self._weight = sum(weights.get(t, 1.0) for t in self._buckets)
 
     def _forget(self) -> None:
@@ -167,10 +172,10 @@ class PrefetchLedger:
         self._open: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
         self.max_tracked = max_tracked
 
-    def configure(self, max_tracked: int) -> None:
-        """Takes a reloaded ``prefetch.max_tracked`` (the oldest past it go at the next
-        prefetch)."""
-        self.max_tracked = max_tracked
+    def configure(self, prefetch: PrefetchConfig) -> None:
+        """Takes a reloaded ``prefetch`` section: its ``max_tracked`` (the oldest past it
+        go at the next prefetch)."""
+        self.max_tracked = prefetch.max_tracked
 
     def __len__(self) -> int:
         return len(self._open)

@@ -111,9 +111,12 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count as _counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from policies.base import EMPTY_MATCH, MatchResult
+
+if TYPE_CHECKING:
+    from router.config import IndexConfig
 
 #: Bytes per node and per extra holder entry, measured with tracemalloc by
 #: ``radixfleet bench index`` (CPython 3.11, 64-bit); the budget uses them.
@@ -621,9 +624,10 @@ class PrefixIndex:
             self._evict_to_budget()
         return removed
 
-    def configure(self, max_bytes: int) -> None:
-        """Takes a reloaded memory budget; a lower one is reached by the LRU eviction
-        of the next inserts."""
+    def configure(self, index: IndexConfig) -> None:
+        """Takes a reloaded ``index`` section: its memory budget (a lower one is
+        reached by the LRU eviction of the next inserts)."""
+        max_bytes = index.max_bytes
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes

@@ -75,9 +75,13 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from protocol.errors import Overloaded
 from protocol.events import MAX_RATE, MIN_RATE, Load
+
+if TYPE_CHECKING:
+    from router.config import LimitsConfig
 
 log = logging.getLogger(__name__)
 
@@ -255,8 +259,9 @@ class Shedder:
         #: the last RECENT_SHEDS shed decisions, each with every eligible worker's inputs
         self.recent: deque[dict] = deque(maxlen=RECENT_SHEDS)
 
-    def configure(self, per_requests: float, min_s: float) -> None:
-        self.per_requests, self.min_s = per_requests, min_s
+    def configure(self, limits: LimitsConfig) -> None:
+        """Takes a reloaded ``limits`` section: its shedding bound from now on."""
+        self.per_requests, self.min_s = limits.worker_queue_requests, limits.worker_queue_min_s
 
     def bound_s(self) -> float:
         b = self.per_requests * self.typical_s

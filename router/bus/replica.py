@@ -75,7 +75,7 @@ from protocol.extras import require
 from protocol.identifiers import MAX_NAME_CHARS
 from protocol.prefix_keys import BYTES_PER_TOKEN
 from router.bus.remote_load import RemoteInFlight
-from router.config import BusConfig, ConfigError, bus_setting, parse_worker_url
+from router.config import BusConfig, ConfigError, KeysConfig, bus_setting, parse_worker_url
 from router.feedback import Feedback
 from router.pool import HealthState, Pool
 from service.bus_connection import BusConnection, BusMetrics, BusState, Problems, check_exposure
@@ -221,10 +221,10 @@ class BusReplica:
 
     # ---------------------------------------------------------------- readiness
 
-    def configure(self, block_bytes: int) -> None:
-        """Takes a reloaded ``keys.block_bytes``: agents' hints in another size are
-        ignored from now on."""
-        self.block_bytes = block_bytes
+    def configure(self, keys: KeysConfig) -> None:
+        """Takes a reloaded ``keys`` section: agents' hints in a block size other than
+        its ``block_bytes`` are ignored from now on."""
+        self.block_bytes = keys.block_bytes
 
     def _check_caught_up(self) -> bool:
         """Whether the stream is applied and the peers' counts are heard now."""

@@ -20,6 +20,7 @@ from loadtest.client import Result, Target
 from loadtest.workloads import make_workload
 from protocol.errors import Overloaded, WorkloadError
 from protocol.prefix_keys import Endpoint, request_key
+from router.admission_queue import AdmissionQueueConfig
 from router.prefetch import PREFETCH_PATH, PrefetchBudget, PrefetchLedger
 from router.shedding import Shedder
 from tests.router.fleet import Fleet, fleet, until  # noqa: F401 - fleet: the fixture
@@ -74,7 +75,7 @@ def test_parts_follow_the_fair_share_weights_and_idle_tenants_are_forgotten():
     # a burst later nobody else tried: gold alone again, full at the whole 400
     assert b.take("gold", 400, rate=400, burst_s=1, now=5.0) is None
     assert len(b) == 1
-    b.configure({})  # a reload: gold's weight back to 1
+    b.configure(AdmissionQueueConfig())  # a reload: gold's weight back to 1
     b.check()
 
 

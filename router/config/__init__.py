@@ -1,0 +1,181 @@
+"""The router's YAML configuration: one declared schema, validated into frozen dataclasses.
+
+Every section and key is optional. Each section is declared once, in its own module
+(on ``protocol.settings``): its keys' types, defaults, bounds, choices and a doc per
+key, and its rules across fields (``document_check``); ``deploy/README.md``'s key
+tables are generated from these declarations (``router.config_reference``). On a
+reload, a component that reads one section is handed that section whole
+(``configure(section)``), never its values one by one.
+
+Validation errors name the dotted path, what was expected and, for names, the
+valid ones::
+
+    policy.name: 'cache-aware' is not one of cache_aware, consistent_hash, ...
+    limits.max_queue: expected an integer >= 0, got -1
+    health.intervall_s: unknown key; valid: failure_threshold, interval_s, ...
+
+A key written twice in one mapping is an error. Every error is reported in one
+run (``ConfigError.errors``). Absent keys keep their defaults; a key present with
+``null`` is an error (``null`` never means "the default"). Command-line overrides
+are merged with ``MISSING`` (``with_overrides``), never with ``None``.
+
+The modules, by section (this package re-exports what callers import):
+
+- ``document``: ``Config`` (the whole document, ``models:``) and ``parse_config``
+  (the rules across sections);
+- ``yaml_loader``: reading a file (the bounded YAML loader, duplicate keys);
+- ``overrides``: command-line overrides (``MISSING``, ``with_overrides``);
+- ``check``: ``radixfleet check-config FILE`` (exit 0, or 2 with every error);
+- ``kinds``: the engine kinds and worker roles (the one list of kinds);
+- ``workers``: ``workers:`` entries, the worker URL rules, ``resolve_engine``;
+- ``discovery``: ``workers.discovery`` (Kubernetes EndpointSlices, DNS);
+- ``engines``: engine settings (``models:``, events, scraping, ``tokenizers:``)
+  and their rules;
+- ``runtime``: the checks of a parsed config against this host (tokenizers that
+  load, events endpoints the router can bind);
+- ``server``: ``listen:`` and ``reload:``;
+- ``keys``: ``keys:`` (block size, tenant identity);
+- ``auth``: ``auth:`` (bearer tokens);
+- ``policy``: ``policy:``; ``index``: ``index:``;
+- ``health``: ``health:``, ``breaker:``, ``load:``;
+- ``registration``: ``registration:`` (agents registering themselves);
+- ``timeouts``: ``retries:``, ``timeouts:``; ``limits``: ``limits:`` (shedding too);
+- ``prefetch``: ``warmup:``, ``prefetch:``;
+- ``bus``: ``bus:``; ``traffic_log``: ``traffic_log:``; ``tracing``: ``tracing:``;
+- ``decisions``: ``response_headers:``, ``decisions:``;
+- ``autoscale``: ``autoscale:``; ``disagg``: ``disagg:``; ``gateway``: ``gateway:``.
+
+``tenancy:`` is declared with its rules in ``router.tenancy``.
+"""
+
+from protocol.errors import ConfigError
+from router.config.auth import AuthConfig, resolve_token
+from router.config.autoscale import AutoscaleConfig
+from router.config.bus import BusAuthConfig, BusConfig, BusTlsConfig, bus_setting
+from router.config.check import configure, run
+from router.config.decisions import DecisionsConfig, ResponseHeadersConfig
+from router.config.disagg import DisaggConfig
+from router.config.discovery import (
+    SERVICE_ACCOUNT_DIR,
+    DiscoveryConfig,
+    DnsDiscoveryConfig,
+    DnsServiceSpec,
+    K8sDiscoveryConfig,
+    K8sSelectorSpec,
+)
+from router.config.document import Config, ModelName, config_warnings, parse_config, parse_section
+from router.config.engines import (
+    ENGINE_FIELDS,
+    EngineScrapeSpec,
+    EngineSettings,
+    EventsSpec,
+    TokenizersConfig,
+    check_engine_fields,
+    check_event_sides,
+    check_events_endpoint,
+    check_tokenizer_source,
+)
+from router.config.gateway import GatewayConfig
+from router.config.health import BreakerConfig, HealthConfig, LoadConfig
+from router.config.index import TIER_MODES, IndexConfig
+from router.config.keys import ApiKeySpec, KeysConfig, TenantConfig
+from router.config.kinds import WORKER_KINDS
+from router.config.limits import LimitsConfig
+from router.config.overrides import MISSING, with_overrides
+from router.config.policy import PolicyConfig, build_policy_from
+from router.config.prefetch import PrefetchConfig, WarmupConfig
+from router.config.registration import (
+    ALLOW_DISCOVERY,
+    Network,
+    RegistrationConfig,
+    allow_networks,
+    in_networks,
+)
+from router.config.runtime import check_event_binds, load_model_keyers
+from router.config.server import ListenConfig, ReloadConfig
+from router.config.timeouts import RetriesConfig, TimeoutsConfig
+from router.config.tracing import TracingConfig
+from router.config.traffic_log import TrafficLogConfig
+from router.config.workers import (
+    WorkerSpec,
+    default_worker_id,
+    parse_worker_url,
+    resolve_engine,
+    selector_template,
+)
+from router.config.yaml_loader import MAX_YAML_NODES, load_config, load_yaml, read_document
+
+__all__ = [
+    "ALLOW_DISCOVERY",
+    "ENGINE_FIELDS",
+    "MAX_YAML_NODES",
+    "MISSING",
+    "SERVICE_ACCOUNT_DIR",
+    "TIER_MODES",
+    "WORKER_KINDS",
+    "ApiKeySpec",
+    "AuthConfig",
+    "AutoscaleConfig",
+    "BreakerConfig",
+    "BusAuthConfig",
+    "BusConfig",
+    "BusTlsConfig",
+    "Config",
+    "ConfigError",
+    "DecisionsConfig",
+    "DisaggConfig",
+    "DiscoveryConfig",
+    "DnsDiscoveryConfig",
+    "DnsServiceSpec",
+    "EngineScrapeSpec",
+    "EngineSettings",
+    "EventsSpec",
+    "GatewayConfig",
+    "HealthConfig",
+    "IndexConfig",
+    "K8sDiscoveryConfig",
+    "K8sSelectorSpec",
+    "KeysConfig",
+    "LimitsConfig",
+    "ListenConfig",
+    "LoadConfig",
+    "ModelName",
+    "Network",
+    "PolicyConfig",
+    "PrefetchConfig",
+    "RegistrationConfig",
+    "ReloadConfig",
+    "ResponseHeadersConfig",
+    "RetriesConfig",
+    "TenantConfig",
+    "TimeoutsConfig",
+    "TokenizersConfig",
+    "TracingConfig",
+    "TrafficLogConfig",
+    "WarmupConfig",
+    "WorkerSpec",
+    "allow_networks",
+    "build_policy_from",
+    "bus_setting",
+    "check_engine_fields",
+    "check_event_binds",
+    "check_event_sides",
+    "check_events_endpoint",
+    "check_tokenizer_source",
+    "config_warnings",
+    "configure",
+    "default_worker_id",
+    "in_networks",
+    "load_config",
+    "load_model_keyers",
+    "load_yaml",
+    "parse_config",
+    "parse_section",
+    "parse_worker_url",
+    "read_document",
+    "resolve_engine",
+    "resolve_token",
+    "run",
+    "selector_template",
+    "with_overrides",
+]
