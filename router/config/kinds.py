@@ -1,16 +1,18 @@
 """The engine kinds a worker may have and the roles it may play, declared once: every
 section that names a kind or a role takes its type, and its choices in messages and
-tables, from here (docs/DESIGN.md contract 7; ``router.engines.kinds`` probes an
-``auto`` worker). ``WORKER_KINDS`` is the one list of kinds: the engine adapters'
-registry may later supply it.
+tables, from here (docs/DESIGN.md contract 7). The kinds themselves are
+``router.engines.kinds``'s (``KindName``, each with its adapter in
+``router.engines.adapters``; that module probes an ``auto`` worker).
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
+from router.engines.kinds import KindName
+
 #: an engine kind: ``agent`` (ours), ``vllm``, ``sglang`` or ``openai`` (anything else)
-EngineKind = Literal["agent", "vllm", "sglang", "openai"]
+EngineKind = KindName
 #: the engine kinds, in declaration order (a discovered worker has one of them)
 WORKER_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 #: a worker entry's kind: an engine kind, or ``auto`` (probe the worker)
