@@ -37,10 +37,12 @@ the defaults' 51.6k). ``--burn N`` runs N processes spinning on the CPU beside t
 engines from the warm-up to the end (a router sharing its host with other work).
 Every run prints the host's load average at its start and end (``--json``: ``bench``).
 
-``--variant NAME:KEY=VALUE,...`` adds a prefix_load (precise) router named NAME whose
-config sets each dotted KEY (values read as YAML), e.g.
+``--variant NAME[@MODE]:KEY=VALUE,...`` adds a router named NAME, configured as MODE
+(prefix_load, precise, unless named) with each dotted KEY set (values read as YAML), e.g.
 ``--variant noshed:limits.worker_queue_requests=0`` or
-``--variant nowarm:warmup.enabled=false``: one default toggled, measured in the same
+``--variant nowarm:warmup.enabled=false`` or ``--variant
+qs_bytes@quick_start:tokenizers.discover=false,tokenizers.engine_tokenize=false`` (the
+quick start where no tokenizer is found): one default toggled, measured in the same
 run, against the same servers, as the defaults (repeatable). ``--engine-phases`` runs
 the load generator once per target and reads vLLM's own histograms around each:
 the mean time requests waited in the engines' queues, prefilled, and took to their
@@ -142,18 +144,23 @@ def router_config(
     }
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
-    """``NAME:KEY=VALUE,...`` -> (NAME, {dotted KEY: value}); raises ValueError."""
+def parse_variant(text: str) -> tuple[str, tuple[str, dict]]:
+    """``NAME[@MODE]:KEY=VALUE,...`` -> (NAME, (MODE, {dotted KEY: value})), MODE
+    prefix_load unless named; raises ValueError."""
     name, sep, rest = text.partition(":")
+    name, _, base = name.partition("@")
+    base = base or "prefix_load"
     if not sep or not name or name in MODES or not rest:
-        raise ValueError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] with a new NAME")
+        raise ValueError(f"{text!r}: expected NAME[@MODE]:KEY=VALUE[,KEY=VALUE...] with a new NAME")
+    if base not in MODES:
+        raise ValueError(f"{text!r}: unknown mode {base!r}")
     sets = {}
     for pair in rest.split(","):
         key, eq, value = pair.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"{text!r}: {pair!r} is not KEY=VALUE")
         sets[key.strip()] = yaml.safe_load(value) if value.strip() else value
-    return name, sets
+    return name, (base, sets)
 
 
 def with_sets(cfg: dict, sets: dict) -> dict:
@@ -345,7 +352,7 @@ def run_once(
             s.wait_ready()
         targets = []
         specs = {m: (MODES[m], {}) for m in modes}
-        specs.update((name, (MODES["prefix_load"], sets)) for name, sets in variants.items())
+        specs.update((name, (MODES[base], sets)) for name, (base, sets) in variants.items())
         for m, (mode, sets) in specs.items():
             port = free_port()
             cfg = tmp / f"{m}.yaml"
