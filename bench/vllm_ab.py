@@ -82,7 +82,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.engines.pressure import CpuBurner, pressure_kv_bytes  # noqa: E402
-from tests.engines.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
+from tests.engines.vllm_env import (  # noqa: E402
+    EngineUnavailable,
+    VllmServer,
+    own_core,
+    tiny_model,
+    vllm_python,
+)
 from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
 
 MODES = {
@@ -301,24 +307,42 @@ def main(argv=None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    docs = []
+    docs: list[dict] = []
     for i in range(args.repeat):
         if args.repeat > 1:
             print(f"vllm_ab: run {i + 1} of {args.repeat}", file=sys.stderr, flush=True)
-        doc = run_once(args, modes, params, model_dir, variants, rotate=i)
+        doc = None
+        for _attempt in range(START_TRIES):
+            try:
+                doc = run_once(args, modes, params, model_dir, variants, rotate=i)
+                break
+            except EngineUnavailable as exc:
+                # a server that did not start (on a busy host another process can
+                # take a free port before vLLM binds it): fresh servers, fresh ports
+                print(f"vllm_ab: run {i + 1}: {str(exc)[-600:]}", file=sys.stderr, flush=True)
         if doc is None:
-            return 1
+            break
         docs.append(doc)
-    if args.repeat > 1:
+        write_json(args, docs)  # each run kept as it ends: a later failure loses none
+    if args.repeat > 1 and docs:
         print(summary_table(docs))
-    if args.json:
-        out = (
-            docs[0]
-            if args.repeat == 1
-            else {"bench": docs[0]["bench"], "repeats": docs, "summary": summarize(docs)}
-        )
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    return 0
+    return 0 if len(docs) == args.repeat else 1
+
+
+#: tries per run when its vLLM servers do not start
+START_TRIES = 2
+
+
+def write_json(args, docs: list[dict]) -> None:
+    """``--json``: the one run's report, or the runs so far with their summary."""
+    if not args.json or not docs:
+        return
+    out = (
+        docs[0]
+        if args.repeat == 1
+        else {"bench": docs[0]["bench"], "repeats": docs, "summary": summarize(docs)}
+    )
+    Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 def run_once(
