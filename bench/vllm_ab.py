@@ -32,8 +32,8 @@ first target measured paid for it.
 
 Cache pressure: ``--pressure RATIO`` sizes each server's KV cache so that the two
 together hold RATIO times the workload's final working set, counted in the model's
-tokens (tests/engines/pressure.py; the issue-41 run's 2 x 32,768 tokens are 1.26 times
-the defaults' 51.6k). ``--burn N`` runs N processes spinning on the CPU beside the
+tokens (tests/engines/pressure.py; ``--kv 16M``, 2 x 32,768 tokens, is 1.26
+times the defaults' 51.6k). ``--burn N`` runs N processes spinning on the CPU beside the
 engines from the warm-up to the end (a router sharing its host with other work).
 Every run prints the host's load average at its start and end (``--json``: ``bench``).
 

@@ -4,8 +4,8 @@ a CPU burner beside the engines.
 ``pressure_kv_bytes`` sizes each of N vLLM servers' ``--kv-cache-memory-bytes`` so that
 their caches together hold ``ratio`` times the multiturn workload's final working set
 (every session's last prompt, in the tiny model's tokens through its chat template,
-plus every answer's ``output_tokens``). The issue-41 run's caches (2 x 32,768 tokens for
-32 sessions x 5 turns of 128-token questions) are 1.26 times it.
+plus every answer's ``output_tokens``). bench/vllm_ab.py's ``--kv 16M`` (2 x 32,768 tokens for
+32 sessions x 5 turns of 128-token questions) is 1.26 times it.
 
 ``CpuBurner`` runs ``procs`` processes that spin on the CPU beside the engines (a router
 shares its host with other work): each ends by itself after ``max_s`` (a bound should

@@ -1,4 +1,4 @@
-"""The router in front of two real vLLM servers under cache pressure (issue 41).
+"""The router in front of two real vLLM servers under cache pressure.
 
 The two servers' KV caches together hold 1.3 times the multiturn workload's final
 working set (tests/engines/pressure.py): round robin, which sends every session to
@@ -26,7 +26,7 @@ from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
 
-#: both caches together over the working set (the issue's run: 1.26)
+#: both caches together over the working set (bench/vllm_ab.py's --kv 16M: 1.26)
 PRESSURE = 1.3
 CLIENTS, ROUNDS = 32, 5
 
