@@ -1,6 +1,7 @@
 """The multiturn A/B in front of two real vLLM servers, every router mode side by side.
 
     python3 bench/vllm_ab.py [--json FILE] [--api chat|completions] [--kv 16M]
+                             [--pressure RATIO] [--burn N]
                              [--clients 32] [--rounds 5] [--concurrency 8] [--repeat N]
                              [--variant NAME:KEY=VALUE[,KEY=VALUE...]]
 
@@ -21,19 +22,31 @@ first target measured paid for it.
 
     round_robin           cache-blind baseline
     prefix_load           precise: KV events + the engine's tokenizer
-    prefix_load_approx    the engine's tokenizer, no events (hints aged + corrected)
-    prefix_load_bytes     no tokenizer, no events (routing-byte blocks)
+    prefix_load_approx    the engine's tokenizer, events off (hints aged + corrected)
+    prefix_load_bytes     no tokenizer found or asked of the engine, events off
+                          (routing-byte blocks)
     least_load            load only, from /metrics + pick-time counts
+    quick_start           the workers' URLs only (`radixfleet router --worker URL
+                          --worker URL`): kind, tokenizer and events found
     smg_cache_aware       SGLang's gateway 0.3.2, if `smg` is on PATH
     envoy+radixfleet      with --envoy: prefix_load (precise) as the endpoint picker of
                           a real Envoy (`radixfleet gateway`), Envoy carrying the bytes;
                           its router CPU (--engine-phases) is the gateway's process and
                           its Envoy child together
 
-``--variant NAME:KEY=VALUE,...`` adds a prefix_load (precise) router named NAME whose
-config sets each dotted KEY (values read as YAML), e.g.
+Cache pressure: ``--pressure RATIO`` sizes each server's KV cache so that the two
+together hold RATIO times the workload's final working set, counted in the model's
+tokens (tests/engines/pressure.py; ``--kv 16M``, 2 x 32,768 tokens, is 1.26
+times the defaults' 51.6k). ``--burn N`` runs N processes spinning on the CPU beside the
+engines from the warm-up to the end (a router sharing its host with other work).
+Every run prints the host's load average at its start and end (``--json``: ``bench``).
+
+``--variant NAME[@MODE]:KEY=VALUE,...`` adds a router named NAME, configured as MODE
+(prefix_load, precise, unless named) with each dotted KEY set (values read as YAML), e.g.
 ``--variant noshed:limits.worker_queue_requests=0`` or
-``--variant nowarm:warmup.enabled=false``: one default toggled, measured in the same
+``--variant nowarm:warmup.enabled=false`` or ``--variant
+qs_bytes@quick_start:tokenizers.discover=false,tokenizers.engine_tokenize=false`` (the
+quick start where no tokenizer is found): one default toggled, measured in the same
 run, against the same servers, as the defaults (repeatable). ``--engine-phases`` runs
 the load generator once per target and reads vLLM's own histograms around each:
 the mean time requests waited in the engines' queues, prefilled, and took to their
@@ -72,7 +85,14 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.engines.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
+from tests.engines.pressure import CpuBurner, pressure_kv_bytes  # noqa: E402
+from tests.engines.vllm_env import (  # noqa: E402
+    EngineUnavailable,
+    VllmServer,
+    own_core,
+    tiny_model,
+    vllm_python,
+)
 from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
 
 #: the target of --envoy: ``radixfleet gateway`` with the prefix_load (precise) config
@@ -84,6 +104,8 @@ MODES = {
     "prefix_load_approx": dict(policy="prefix_load", tokenizer=True, events=False),
     "prefix_load_bytes": dict(policy="prefix_load", tokenizer=False, events=False),
     "least_load": dict(policy="least_load", tokenizer=True, events=True),
+    # `radixfleet router --worker URL --worker URL`: every worker setting found
+    "quick_start": dict(policy=None, tokenizer=None, events=None),
 }
 
 
@@ -92,14 +114,22 @@ def router_config(
     servers,
     model_dir: Path,
     *,
-    policy: str,
-    tokenizer: bool,
-    events: bool,
+    policy: str | None,
+    tokenizer: bool | None,
+    events: bool | None,
     params: dict | None = None,
 ) -> dict:
+    """A router's config for one mode. ``None`` for all three (quick_start): the
+    workers' URLs and ids only, every other setting the router's default (what
+    ``--worker URL`` gives; the ids and the worker header let the load generator count
+    per worker). ``events=False`` turns event following off (approximate mode), where a
+    vLLM worker's would otherwise be found through its ``/kv_event_sources``;
+    ``tokenizer=False`` keys routing bytes (no tokenizer found, none asked of the engine)."""
     workers = []
     for i, s in enumerate(servers):
-        w = {"url": s.url, "id": f"vllm-{'ab'[i]}", "kind": "vllm", "metrics": {"interval_s": 0.25}}
+        w: dict = {"url": s.url, "id": f"vllm-{'ab'[i]}"}
+        if policy is not None:
+            w |= {"kind": "vllm", "metrics": {"interval_s": 0.25}}
         if tokenizer:
             w["tokenizer"] = str(model_dir)
         if events:
@@ -107,31 +137,43 @@ def router_config(
                 "endpoint": f"tcp://*:{s.events_port}",
                 "replay_endpoint": f"tcp://*:{s.replay_port}",
             }
+        elif events is False:
+            w["events"] = {"mode": "off"}
         workers.append(w)
-    pol = {"name": policy, **({"params": params} if params else {})}
-    # default limits: shedding answers only the saturation the engines report, and a
-    # closed loop within the servers' batch limits is never shed (router.shedding)
-    return {
+    cfg: dict = {
         "listen": {"host": "127.0.0.1", "port": port},
-        "policy": pol,
-        "health": {"interval_s": 0.5},
         "workers": workers,
         "response_headers": {"worker_id": True},  # the load generator counts per worker
     }
+    if policy is None:
+        return cfg
+    if tokenizer is False:
+        cfg["tokenizers"] = {"discover": False, "engine_tokenize": False}
+    # default limits: shedding answers only the saturation the engines report, and a
+    # closed loop within the servers' batch limits is never shed (router.shedding)
+    return cfg | {
+        "policy": {"name": policy, **({"params": params} if params else {})},
+        "health": {"interval_s": 0.5},
+    }
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
-    """``NAME:KEY=VALUE,...`` -> (NAME, {dotted KEY: value}); raises ValueError."""
+def parse_variant(text: str) -> tuple[str, tuple[str, dict]]:
+    """``NAME[@MODE]:KEY=VALUE,...`` -> (NAME, (MODE, {dotted KEY: value})), MODE
+    prefix_load unless named; raises ValueError."""
     name, sep, rest = text.partition(":")
+    name, _, base = name.partition("@")
+    base = base or "prefix_load"
     if not sep or not name or name in MODES or not rest:
-        raise ValueError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] with a new NAME")
+        raise ValueError(f"{text!r}: expected NAME[@MODE]:KEY=VALUE[,KEY=VALUE...] with a new NAME")
+    if base not in MODES:
+        raise ValueError(f"{text!r}: unknown mode {base!r}")
     sets = {}
     for pair in rest.split(","):
         key, eq, value = pair.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"{text!r}: {pair!r} is not KEY=VALUE")
         sets[key.strip()] = yaml.safe_load(value) if value.strip() else value
-    return name, sets
+    return name, (base, sets)
 
 
 def with_sets(cfg: dict, sets: dict) -> dict:
@@ -150,6 +192,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--api", default="chat", choices=("chat", "completions"))
     ap.add_argument("--kv", default="16M", help="vLLM --kv-cache-memory-bytes per server")
+    ap.add_argument(
+        "--pressure",
+        type=float,
+        metavar="RATIO",
+        help="size each server's KV cache so that both together hold RATIO times the "
+        "workload's final working set (in the model's tokens; replaces --kv), e.g. 1.3",
+    )
+    ap.add_argument(
+        "--burn",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes spinning on the CPU beside the engines while targets run "
+        "(other work on the router's host), stopped at the end",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM --max-num-seqs per server")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
@@ -239,26 +296,66 @@ def main(argv=None) -> int:
     except (ValueError, yaml.YAMLError) as exc:
         print(f"vllm_ab: error: --variant {exc}", file=sys.stderr)
         return 2
+    if args.burn < 0:
+        print("vllm_ab: error: --burn must be >= 0", file=sys.stderr)
+        return 2
     vllm_python()
     model_dir = tiny_model()
-    docs = []
+    if args.pressure is not None:
+        if args.pressure <= 0:
+            print("vllm_ab: error: --pressure must be > 0", file=sys.stderr)
+            return 2
+        kv, ws = pressure_kv_bytes(
+            model_dir,
+            args.pressure,
+            clients=args.clients,
+            rounds=args.rounds,
+            question_tokens=args.question_tokens,
+            output_tokens=args.output_tokens,
+        )
+        args.kv = str(kv)
+        print(
+            f"vllm_ab: cache pressure {args.pressure}: working set {ws} tokens, "
+            f"--kv-cache-memory-bytes {kv} per server",
+            file=sys.stderr,
+            flush=True,
+        )
+    docs: list[dict] = []
     for i in range(args.repeat):
         if args.repeat > 1:
             print(f"vllm_ab: run {i + 1} of {args.repeat}", file=sys.stderr, flush=True)
-        doc = run_once(args, modes, params, model_dir, variants, rotate=i)
+        doc = None
+        for _attempt in range(START_TRIES):
+            try:
+                doc = run_once(args, modes, params, model_dir, variants, rotate=i)
+                break
+            except EngineUnavailable as exc:
+                # a server that did not start (on a busy host another process can
+                # take a free port before vLLM binds it): fresh servers, fresh ports
+                print(f"vllm_ab: run {i + 1}: {str(exc)[-600:]}", file=sys.stderr, flush=True)
         if doc is None:
-            return 1
+            break
         docs.append(doc)
-    if args.repeat > 1:
+        write_json(args, docs)  # each run kept as it ends: a later failure loses none
+    if args.repeat > 1 and docs:
         print(summary_table(docs))
-    if args.json:
-        out = (
-            docs[0]
-            if args.repeat == 1
-            else {"bench": docs[0]["bench"], "repeats": docs, "summary": summarize(docs)}
-        )
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    return 0
+    return 0 if len(docs) == args.repeat else 1
+
+
+#: tries per run when its vLLM servers do not start
+START_TRIES = 2
+
+
+def write_json(args, docs: list[dict]) -> None:
+    """``--json``: the one run's report, or the runs so far with their summary."""
+    if not args.json or not docs:
+        return
+    out = (
+        docs[0]
+        if args.repeat == 1
+        else {"bench": docs[0]["bench"], "repeats": docs, "summary": summarize(docs)}
+    )
+    Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 def run_once(
@@ -269,6 +366,7 @@ def run_once(
     list (so that over repeats each target runs early and late in a run alike). The load
     generator's report with each router's decision counts, or None if it failed."""
     tmp = Path(tempfile.mkdtemp(prefix="radixfleet-vllm-ab-"))
+    load_start = os.getloadavg()
     servers = [
         VllmServer(
             free_port(),
@@ -283,6 +381,7 @@ def run_once(
         for i in range(2)
     ]
     procs = []
+    burner = CpuBurner(args.burn)
     try:
         for s in servers:
             s.start()
@@ -290,7 +389,7 @@ def run_once(
             s.wait_ready()
         targets = []
         specs = {m: (MODES[m], {}) for m in modes}
-        specs.update((name, (MODES["prefix_load"], sets)) for name, sets in variants.items())
+        specs.update((name, (MODES[base], sets)) for name, (base, sets) in variants.items())
         for m, (mode, sets) in specs.items():
             port = free_port()
             cfg = tmp / f"{m}.yaml"
@@ -373,7 +472,8 @@ def run_once(
         for name, url in targets:
             if name.startswith("smg"):
                 continue
-            want_tokens = specs[name][0]["tokenizer"] if name in specs else True
+            # quick_start: a tokenizer found from the engine; the Envoy target runs precise
+            want_tokens = specs[name][0]["tokenizer"] is not False if name in specs else True
             envoy = url if name in admin_urls else None
             url = admin_urls.get(name, url)
             while time.monotonic() < deadline:
@@ -472,6 +572,8 @@ def run_once(
                     print(render_tail(run["name"], rows, run["tail_summary"]), flush=True)
             return doc
 
+        if args.burn:
+            burner.start()  # other work on the host, from the first request on
         if args.warm_engines:
             # the workload once straight at the engines (client-side round robin), then
             # thrown away: a fresh engine's first batches of each size run slower, and
@@ -553,6 +655,10 @@ def run_once(
                         ],
                     }
         doc["bench"] = {
+            "load_average_start": load_start,
+            "load_average_end": os.getloadavg(),
+            "pressure": args.pressure,
+            "burn": args.burn,
             "prefix_load_params": params,
             "variants": variants,
             "kv": args.kv,
@@ -564,10 +670,12 @@ def run_once(
         }
         return doc
     finally:
+        burner.stop()
         for p in procs:
             p.__exit__(None, None, None)
         for s in servers:
             s.stop()
+        print(f"vllm_ab: load average {os.getloadavg()} (at the start {load_start})", file=sys.stderr)
 
 
 class EngineSampler:
