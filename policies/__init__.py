@@ -13,5 +13,4 @@ Modules::
     replication      hot-root replication (HotRoots), used by prefix_load
     footprint        per-worker live-session footprints, read by prefix_load
     disagg           worker roles (prefill, decode, both) and the decode-side pick
-    harness          the router's pick-time bookkeeping in miniature (tests, benchmarks)
 """
