@@ -10,8 +10,8 @@ Modules::
     load             load measures and least-loaded selection shared by the strategies
     cache_aware      SGLang's cache-aware rule
     prefix_load      the default: least expected TTFT with bounded affinity
+    kv_records       what prefix_load remembers: the KV each worker writes, prefixes' homes
     replication      hot-root replication (HotRoots), used by prefix_load
     footprint        per-worker live-session footprints, read by prefix_load
     disagg           worker roles (prefill, decode, both) and the decode-side pick
-    harness          the router's pick-time bookkeeping in miniature (tests, benchmarks)
 """

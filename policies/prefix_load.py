@@ -123,8 +123,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -139,6 +138,7 @@ from policies.base import (
     WorkerView,
 )
 from policies.footprint import Branch, Footprints
+from policies.kv_records import KvRecords, by_written
 from policies.params import param, parameters
 from policies.replication import RETIRE_FRACTION, HotRecord, HotRoots, holders_needed
 from protocol.prefix_keys import WorkerId
@@ -148,26 +148,7 @@ _INF = math.inf
 REPLICA_GRACE_S = 5.0
 
 
-def _by_written(
-    written: Callable[[WorkerId, float], float] | None,
-    now: float,
-    cur: WorkerId,
-    cur_r: float | None,
-    new: WorkerId,
-) -> tuple[int, float | None, float]:
-    """The tie-break by KV written lately between the current pick ``cur`` (its rate
-    ``cur_r``, None until needed) and a tied candidate ``new``: (-1 new wrote less,
-    0 equal, 1 more; cur's rate; new's rate). ``written`` None (``tie_written`` off, or
-    nothing routed yet): always 0 — chance decides."""
-    if written is None:
-        return 0, 0.0, 0.0
-    if cur_r is None:
-        cur_r = written(cur, now)
-    r = written(new, now)
-    return (r > cur_r) - (r < cur_r), cur_r, r
-
-
-class PrefixLoad(Policy):
+class PrefixLoad(KvRecords, Policy):
     """The module docstring's policy, with these rules for a saturated fleet.
 
     The fleet is *saturated* when every worker is: its queue (as the module docstring
@@ -350,18 +331,8 @@ class PrefixLoad(Policy):
         super().__init__(params, rng)
         p = self.params
         self.hot = HotRoots(p.hot_records, p.max_replicas)
-        # worker -> [decayed uncached tokens routed to it, time of that value]
-        self._written: dict[str, list[float]] = {}
         self.footprints = Footprints(p.session_live_gaps) if p.footprint_room > 0 else None
-        # prefix hash (at sampled depths, ``_home_depths``) -> (the worker its last
-        # request went to, that worker's ``_routed`` then, this request's tokens
-        # included); LRU, at most ``home_records`` entries; only ``choose`` writes
-        self._homes: OrderedDict[int, tuple[WorkerId, float]] = OrderedDict()
-        # worker -> uncached tokens routed to it in all (never decays): KV it writes
-        self._routed: dict[str, float] = {}
-        # worker -> [decayed whole prompt tokens routed to it, time]: with _written,
-        # the share of its prompts it prefills (queued_tokens counts whole prompts)
-        self._prompted: dict[str, list[float]] = {}
+        self._init_records()  # what each worker writes, each prefix's home (policies.kv_records)
         # what the last ``_choose`` computed, kept for ``explain`` (references to its
         # own lists, nothing copied): (views, queue delays, [(score, credited
         # blocks)] or None when it decided before scoring, saturated-fleet rule)
@@ -386,58 +357,6 @@ class PrefixLoad(Policy):
             self._remember_home(request, d.worker)
         return d
 
-    def _prune(self, views: Sequence[WorkerView]) -> None:
-        """Forgets workers that left the fleet (discovery churn) once a per-worker
-        record passes twice the fleet: they stay bounded. O(1) unless pruning."""
-        n = 2 * len(views) + 16
-        if len(self._written) <= n and len(self._prompted) <= n and len(self._routed) <= n:
-            return
-        here = {v.id for v in views}
-        for rec in (self._written, self._prompted, self._routed):
-            for k in [k for k in rec if k not in here]:
-                del rec[k]
-
-    def observe_pick(self, worker: str, uncached_tokens: int, now: float) -> None:
-        """``uncached_tokens`` were routed to ``worker`` at ``now``: the KV it writes
-        (``_written``). ``choose`` calls it for its own decisions; another router
-        replica's picks come in through it too (router.bus, from their hints), so N
-        replicas judge KV turnover and break ties on the fleet's write rates, not on
-        the 1/N each routes. O(1)."""
-        if uncached_tokens <= 0:
-            return
-        self._routed[worker] = self._routed.get(worker, 0.0) + uncached_tokens
-        self._add_decayed(self._written, worker, uncached_tokens, now)
-
-    def _observe(self, worker: str, uncached_tokens: int, prompt_tokens: int, now: float) -> None:
-        """A pick of a ``prompt_tokens`` prompt, ``uncached_tokens`` of it unheld (this
-        router's or a peer's): the KV written (``observe_pick``) and the whole prompt
-        (``_prompted``, for the uncached share). O(1)."""
-        self.observe_pick(worker, uncached_tokens, now)
-        if prompt_tokens > 0:
-            self._add_decayed(self._prompted, worker, prompt_tokens, now)
-
-    def _add_decayed(self, recs: dict[str, list[float]], worker: str, tokens: int, now: float) -> None:
-        w = recs.get(worker)
-        if w is None:
-            recs[worker] = [float(tokens), now]
-            return
-        if now > w[1]:
-            w[0], w[1] = self._decayed(w, now), now
-        w[0] += tokens
-
-    def _uncached_share(self, wid: str, now: float) -> float:
-        """The share of the prompt tokens routed to ``wid`` lately that it prefills
-        (uncached over whole, both decayed alike; 1 when nothing was routed). O(1)."""
-        w = self._prompted.get(wid)
-        if w is None:
-            return 1.0
-        whole = self._decayed(w, now)
-        u = self._written.get(wid)
-        if u is None or whole <= 0:
-            return 0.0 if u is None and whole > 0 else 1.0
-        x = self._decayed(u, now) / whole
-        return x if x < 1.0 else 1.0
-
     def observe_route(self, request: RouteRequest, match: MatchResult, worker: WorkerId, now: float) -> None:
         """Another router replica routed ``request`` to ``worker`` at ``now``;
         ``match`` is this replica's index match for it before the hint of that pick
@@ -459,33 +378,6 @@ class PrefixLoad(Policy):
             request.prompt_tokens,
             now,
         )
-
-    def _decayed(self, w: list[float], now: float) -> float:
-        """A ``_written`` record's tokens as of ``now`` (never grown by going back)."""
-        return w[0] * math.exp(min(0.0, (w[1] - now) / self.params.kv_window_s))
-
-    def _write_rate(self, wid: str, now: float) -> float:
-        """Uncached prompt tokens routed to ``wid`` per second, decayed: the KV the
-        worker writes, which evicts as much once its cache is full."""
-        w = self._written.get(wid)
-        return 0.0 if w is None else self._decayed(w, now) / self.params.kv_window_s
-
-    def _kv_churning(self, views: Sequence[WorkerView], now: float) -> set[WorkerId] | None:
-        """Workers whose caches turn over too fast to keep new sessions (params
-        kv_turnover_s, kv_rel), or None."""
-        p = self.params
-        if p.kv_turnover_s <= 0 or not self._written or not any(v.kv_capacity_tokens > 0 for v in views):
-            return None
-        rates = [self._write_rate(v.id, now) for v in views]
-        mean = sum(rates) / len(rates)
-        out = None
-        for v, r in zip(views, rates):
-            cap = v.kv_capacity_tokens
-            if cap > 0 and r > p.kv_rel * mean and cap < p.kv_turnover_s * r:
-                if out is None:
-                    out = set()
-                out.add(v.id)
-        return out
 
     def _crowded(
         self, request: RouteRequest, branch: Branch | None, views: Sequence[WorkerView]
@@ -603,7 +495,7 @@ class PrefixLoad(Policy):
             if q < lo_q or (q == lo_q and f < lo_f):
                 lo_i, lo_q, lo_f, lo_r, lo_ties = i, q, f, None, 1
             elif q == lo_q and f == lo_f:
-                c, lo_r, r = _by_written(written, now, views[lo_i].id, lo_r, v.id)
+                c, lo_r, r = by_written(written, now, views[lo_i].id, lo_r, v.id)
                 if c < 0:
                     lo_i, lo_r, lo_ties = i, r, 1
                 elif c == 0:
@@ -728,7 +620,7 @@ class PrefixLoad(Policy):
             if b > pick_b or (b == pick_b and f < pick_f):
                 pick_i, pick_b, pick_f, pick_r, ties = i, b, f, None, 1
             elif b == pick_b and f == pick_f:
-                c, pick_r, r = _by_written(written, now, views[pick_i].id, pick_r, views[i].id)
+                c, pick_r, r = by_written(written, now, views[pick_i].id, pick_r, views[i].id)
                 if c < 0:
                     pick_i, pick_r, ties = i, r, 1
                 elif c == 0:
@@ -830,62 +722,6 @@ class PrefixLoad(Policy):
         return (rec.retired or None), rec.replicas, warm
 
     @staticmethod
-    def _home_depths(n: int, min_b: int) -> Iterator[int]:
-        """The depths (in blocks) at which a prompt of ``n`` blocks records its home:
-        ``min_b`` (at least 1) doubled up to ``n``, and ``n`` itself. O(log n)."""
-        d = min_b if min_b > 0 else 1
-        while d < n:
-            yield d
-            d *= 2
-        if n > 0:
-            yield n
-
-    def _remember_home(self, request: RouteRequest, worker: WorkerId) -> None:
-        """Records ``worker`` as the home of the request's prefixes (O(log blocks))."""
-        p = self.params
-        bt = request.block_tokens
-        min_b = -(-p.min_match_tokens // bt) if bt > 0 else 0
-        homes = self._homes
-        hs = request.hashes
-        rec = (worker, self._routed.get(worker, 0.0))
-        for d in self._home_depths(len(hs), min_b):
-            k = hs[d - 1]
-            homes[k] = rec
-            homes.move_to_end(k)
-        while len(homes) > p.home_records:
-            homes.popitem(last=False)
-
-    def _home(
-        self, request: RouteRequest, views: Sequence[WorkerView], qs: list[float], lo_q: float, min_b: int
-    ) -> tuple[int, int]:
-        """The request's home (class docstring): (the index of the routable worker
-        the deepest recorded prefix of this request last went to, that prefix's depth
-        in blocks), the depth 0 when the home is stale (as much as its KV capacity was
-        routed there since; unknown capacity is never judged: fresh); (-1, 0) when there is none or
-        it is overloaded relative to the least-loaded worker (the affinity bound
-        with nothing saved). O(log blocks + workers)."""
-        homes = self._homes
-        if not homes:
-            return -1, 0
-        hs = request.hashes
-        depths = list(self._home_depths(len(hs), min_b))
-        for d in reversed(depths):
-            rec = homes.get(hs[d - 1])
-            if rec is None:
-                continue
-            w, stamp = rec
-            for i, v in enumerate(views):
-                if v.id == w:
-                    q = qs[i]
-                    p = self.params
-                    if q > lo_q * p.affinity_rel and q > lo_q + p.affinity_abs_s:
-                        return -1, 0
-                    cap = v.kv_capacity_tokens
-                    return i, (d if cap <= 0 or self._routed.get(w, 0.0) - stamp < cap else 0)
-            return -1, 0
-        return -1, 0
-
-    @staticmethod
     def _saturated(views: Sequence[WorkerView], saturated_s: float) -> bool:
         """Every worker is saturated: the router refuses what it could serve
         (``WorkerView.saturated``), or its queue (the module docstring's ``queue_s``)
@@ -940,11 +776,4 @@ class PrefixLoad(Policy):
         self.hot.check()
         if self.footprints is not None:
             self.footprints.check()
-        assert len(self._homes) <= self.params.home_records, len(self._homes)
-        for recs in (self._written, self._prompted):
-            for wid, (tokens, t) in recs.items():
-                assert math.isfinite(tokens) and tokens >= 0 and math.isfinite(t), (wid, tokens, t)
-        for wid, tokens in self._routed.items():
-            assert math.isfinite(tokens) and tokens >= 0, (wid, tokens)
-        for k, (wid, stamp) in self._homes.items():
-            assert 0 <= stamp <= self._routed.get(wid, stamp), (k, wid, stamp)
+        self._check_records()

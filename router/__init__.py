@@ -14,6 +14,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     upstream, sse the HTTP/1.1 client to workers; SSE pass-through, first content token
     edge          what a client may not set (the P/D legs, ranks) and no answer carries back
     prefix_index  the approximate per-worker prefix index (one global budget)
+    index_eviction, index_tiers  its eviction (budget, fair share, caps); its colder tiers
     pool, served  workers, health, breakers, load at pick time; who serves which model
     warmup        the hot-root warm-up gate
     prefetch      POST /v1/prefetch: its prefill budget per tenant, used/wasted ledger

@@ -33,70 +33,16 @@ Invariants (``check()`` asserts each):
   workers with a heap are exactly the capped and the tracked ones.
 - Within budget after every mutation (or with nothing left to evict).
 
-Memory: one global budget (``max_bytes``) for the whole index, never one per
-worker (smg #2137). The estimate counts nodes and extra holder entries at sizes
-measured with tracemalloc (``bench index``). Over budget, the least recently
-touched *leaf* holder entries go first: a min-heap of (touch time, node, worker)
-records, one pushed per inserted chain end; stale records (re-touched or removed
-entries) are skipped when popped and compacted away when the heap outgrows the
-entries. Evicting an entry walks up and evicts ancestors that became leaves with
-the same touch time, so one insert's chain leaves together, deepest first.
-
-Fair share. The budget is shared, but no worker may crowd the others out of it: a
-worker flooding the index (one serving a model nobody asks for, or a broken agent)
-once evicted every other worker's entries. When the least recently touched leaf
-belongs to a worker holding under half the mean of the workers holding any (its
-fair share of what fits), that entry stays and the worker holding the most entries
-loses its own least recently touched leaf instead. So every worker keeps at least
-half the mean while another holds more, and a flood evicts its own entries; the
-budget the others leave free stays usable (work-conserving), and workers near the
-mean share one LRU as before (the half keeps ordinary imbalance off the slower
-path). Such a largest worker gets its own LRU heap (as a capped one has), built
-once from its leaves (O(its entries)) and kept until it is dropped; choosing it
-costs O(workers).
-
-Per-worker capacity. A worker whose entries are only the router's own guesses (an
-engine that sends no cache events) must not look warmer than its engine can be:
-``set_capacity(w, n)`` caps w at n entries (the engine's KV capacity in blocks), and
-over the cap w's least recently touched *leaf* entries go first, by the same rules
-as the global budget (deepest first, whole chains of one touch time together, closure
-and touch monotonicity kept), independent of other workers. A capped worker's chain
-ends are pushed on its own heap as well as the global one (which still enforces
-``max_bytes`` over everything); an uncapped worker's insert pays only its count
-update and one truthiness test.
-A cap is a setting, not state: ``clear`` and ``drop_worker`` keep it (a worker that
-comes back healthy is still capped); ``set_capacity(w, None)`` removes it.
-
 Corrections. ``keep(w, hashes, k)`` truncates w's holding of one chain to its first
 k blocks (a response reported only k cached blocks: w's entries for ``hashes[k:]``
 and everything below them go, other workers' stay). The opposite, "w holds
 ``hashes[:k]``", is ``insert(w, hashes[:k], now)``: insert already adds what is
 missing and touches what is there.
 
-Colder tiers. An engine that offloads KV (vLLM's CPU offloading, a disk or remote
-store) still holds a block it evicted from GPU memory, one load away: such a hit saves
-the prefill but costs the load back. ``tier_add(w, tier, keys)`` / ``tier_discard``
-record the blocks w holds in a colder tier (``COLDER_TIERS``: "cpu", then "disk"), a
-set of keys per (tier, worker) beside the tree, independent of it: offloading is
-inclusive (a block may be held in GPU memory and in CPU memory at once), a block
-leaves one tier without leaving the other, and the engine reports no parent for an
-offloaded block (a key's holders per tier are kept too, for the match: ~2x the
-memory of one set entry per block). ``match_tiers(hashes, match)`` extends each worker's GPU prefix
-(``match.blocks[w]``) block by block through the colder tiers, each block counted in
-the warmest colder tier holding it, as the engine looks them up: from its own
-prefix hit onward. The tree's budget and caps do not count them (a colder tier is the
-engine's own bounded memory, and every block it evicts is reported removed: the
-tier sets hold at most what the engines' colder tiers hold); ``clear`` leaves them
-and ``clear_tiers`` (an engine restart, an event gap) drops them; ``drop_worker``
-drops both. The hot paths (``match``, ``insert``) never look at them.
-
-Tier invariants (``check()``):
-
-- Every tier is one of ``COLDER_TIERS``; no (tier, worker) set is empty; every key is
-  an int in [0, 2**64).
-- ``_tier_entries`` equals the number of (tier, worker, key) entries.
-- ``_tier_holders`` (key -> holders, per tier: what the match walks) names exactly
-  the (worker, key) pairs of the sets; a holder set has at least two members.
+Eviction (the global budget, the fair share, per-worker caps) is
+``router.index_eviction``'s; the colder tiers beside the tree are
+``router.index_tiers``'s: both are parts of ``PrefixIndex`` (its bases), over its
+state, their rules and invariants in their own docstrings.
 
 Hot roots: each node's ``hits`` is an exponentially decayed request count kept in
 "inflated" units (each request adds ``exp(lambda * (now - t0))``), so an increment
@@ -114,22 +60,32 @@ from itertools import count as _counter
 from typing import TYPE_CHECKING, Any
 
 from policies.base import EMPTY_MATCH, MatchResult
+from router.index_eviction import HEAP_RECORD_BYTES, Eviction
+from router.index_tiers import COLDER_TIERS, ColderTiers
+
+__all__ = [
+    "COLDER_TIERS",
+    "DEFAULT_HALF_LIFE_S",
+    "DEFAULT_MAX_BYTES",
+    "EXTRA_HOLDER_BYTES",
+    "HEAP_RECORD_BYTES",
+    "NODE_BYTES",
+    "HotPrefix",
+    "IndexStats",
+    "PrefixIndex",
+    "tune_gc",
+]
 
 if TYPE_CHECKING:
     from router.config import IndexConfig
 
 #: Bytes per node and per extra holder entry, measured with tracemalloc by
-#: ``radixfleet bench index`` (CPython 3.11, 64-bit); the budget uses them.
+#: ``radixfleet bench index`` (CPython 3.11, 64-bit); the budget uses them (and
+#: ``HEAP_RECORD_BYTES`` per LRU record: router.index_eviction).
 NODE_BYTES = 200
 EXTRA_HOLDER_BYTES = 104
-HEAP_RECORD_BYTES = 96
 
 DEFAULT_MAX_BYTES = 256 * 2**20
-
-#: colder KV tiers, warmest first (the GPU tier is the tree itself); an engine's
-#: ``medium`` is mapped onto them by ``router.engines.block_map``
-COLDER_TIERS = ("cpu", "disk")
-_U64 = 1 << 64
 DEFAULT_HALF_LIFE_S = 30.0
 #: renormalise the inflated hit counters before exp() grows past e^40
 _MAX_EXPONENT = 40.0
@@ -223,7 +179,7 @@ class HotPrefix:
     holders: tuple[str, ...]
 
 
-class PrefixIndex:
+class PrefixIndex(Eviction, ColderTiers):
     """Approximate per-worker prefix index over chained block hashes.
 
     Not thread-safe; one event loop owns it. All methods are synchronous and
@@ -256,11 +212,7 @@ class PrefixIndex:
         #: uncapped workers the fair share evicted from: they keep a heap in _wheaps
         self._tracked: set[str] = set()
         self._wheap_records = 0  # records in all of _wheaps (counted in the budget)
-        #: colder tier -> worker -> keys it holds there (module docstring, "Colder tiers")
-        self._tiers: dict[str, dict[str, set[int]]] = {t: {} for t in COLDER_TIERS}
-        #: colder tier -> key -> its holders there (str: one, set: several), for the match
-        self._tier_holders: dict[str, dict[int, Any]] = {t: {} for t in COLDER_TIERS}
-        self._tier_entries = 0
+        self._init_tiers()  # the colder tiers (router.index_tiers)
 
     # ------------------------------------------------------------------ queries
 
@@ -381,73 +333,6 @@ class PrefixIndex:
     def entries(self, worker: str) -> int:
         """Entries (blocks) ``worker`` holds. O(1)."""
         return self._counts.get(worker, 0)
-
-    def tier_entries(self, worker: str) -> dict[str, int]:
-        """Blocks ``worker`` holds per colder tier (every tier named, 0 included)."""
-        return {t: len(ws.get(worker, ())) for t, ws in self._tiers.items()}
-
-    def tier_holds(self, worker: str, tier: str, key: int) -> bool:
-        ws = self._tiers.get(tier)
-        keys = ws.get(worker) if ws is not None else None
-        return keys is not None and key in keys
-
-    def match_tiers(self, hashes: Sequence[int], match: MatchResult) -> dict[str, dict[str, int]]:
-        """Per holder with colder-tier blocks, how far each colder tier extends its GPU
-        prefix ``match.blocks[w]`` ({worker: {tier: blocks}}, only extensions > 0).
-        Each block after the GPU prefix counts in the warmest colder tier holding it;
-        the walk stops at the first block no colder tier holds. O(1) with no colder
-        entries at all, else O(tiers * (holders in ``match`` + colder holders of the
-        first block) + blocks extended)."""
-        if not self._tier_entries or not hashes:
-            return {}
-        maps = [(t, m) for t, m in self._tier_holders.items() if m]
-        blocks: Any = match.blocks  # keyed by holder (a worker, or a worker's part)
-        n = len(hashes)
-        starts: dict[str, int] = {}
-        # holders without a GPU prefix start at block 0 ...
-        k0 = hashes[0]
-        for _, m in maps:
-            h = m.get(k0)
-            if h is not None:
-                for w in (h,) if h.__class__ is str else h:
-                    if not blocks.get(w):
-                        starts[w] = 0
-        # ... the others where their GPU prefix stops, if a colder tier holds that block
-        for w, g in blocks.items():
-            if g < n:
-                key = hashes[g]
-                for _, m in maps:
-                    h = m.get(key)
-                    if h is not None and (h == w if h.__class__ is str else w in h):
-                        starts[w] = g
-                        break
-        out: dict[str, dict[str, int]] = {}
-        if len(maps) == 1:
-            # one colder tier in use (the usual case): a tight walk per holder
-            t, get = maps[0][0], maps[0][1].get
-            for w, i in starts.items():
-                j = i + 1  # the start block is held (checked above)
-                while j < n:
-                    h = get(hashes[j])
-                    if h is None or (h != w if h.__class__ is str else w not in h):
-                        break
-                    j += 1
-                out[w] = {t: j - i}
-            return out
-        for w, i in starts.items():
-            ext: dict[str, int] = {}
-            while i < n:
-                key = hashes[i]
-                for t, m in maps:
-                    h = m.get(key)
-                    if h is not None and (h == w if h.__class__ is str else w in h):
-                        ext[t] = ext.get(t, 0) + 1
-                        break
-                else:
-                    break
-                i += 1
-            out[w] = ext
-        return out
 
     def capacity(self, worker: str) -> int | None:
         """``worker``'s cap in entries, None if uncapped."""
@@ -665,71 +550,6 @@ class PrefixIndex:
             heap.clear()
         return removed
 
-    def tier_add(self, worker: str, tier: str, keys: Iterable[int]) -> int:
-        """Records that ``worker`` holds ``keys`` in the colder ``tier`` (one of
-        ``COLDER_TIERS``). Returns the number newly held. O(keys)."""
-        ws = self._tiers[tier]
-        hm = self._tier_holders[tier]
-        held = ws.get(worker)
-        if held is None:
-            held = set()
-        added = 0
-        for k in keys:
-            if k in held:
-                continue
-            held.add(k)
-            added += 1
-            h = hm.get(k)
-            if h is None:
-                hm[k] = worker
-            elif h.__class__ is str:
-                hm[k] = {h, worker}
-            else:
-                h.add(worker)
-        if held:
-            ws[worker] = held
-        self._tier_entries += added
-        return added
-
-    def tier_discard(self, worker: str, tier: str, keys: Iterable[int]) -> int:
-        """Records that ``worker`` no longer holds ``keys`` in ``tier``. Returns the
-        number it held. O(keys)."""
-        held = self._tiers[tier].get(worker)
-        if held is None:
-            return 0
-        gone = 0
-        for k in keys:
-            if k in held:
-                held.discard(k)
-                self._tier_unhold(tier, k, worker)
-                gone += 1
-        self._tier_entries -= gone
-        if not held:
-            del self._tiers[tier][worker]
-        return gone
-
-    def clear_tiers(self, worker: str) -> int:
-        """Drops every colder-tier entry of ``worker``. Returns how many. O(them)."""
-        removed = 0
-        for tier, ws in self._tiers.items():
-            held = ws.pop(worker, None)
-            if held is not None:
-                removed += len(held)
-                for k in held:
-                    self._tier_unhold(tier, k, worker)
-        self._tier_entries -= removed
-        return removed
-
-    def _tier_unhold(self, tier: str, key: int, worker: str) -> None:
-        hm = self._tier_holders[tier]
-        h = hm[key]
-        if h.__class__ is str:
-            del hm[key]
-        else:
-            h.discard(worker)
-            if len(h) == 1:
-                hm[key] = next(iter(h))
-
     def clear_steps(self, worker: str, limit: int) -> Iterator[int]:
         """``clear`` in slices: removes ``worker``'s entries deepest first, at most
         ``limit`` per step, and yields the number removed after each step; the
@@ -872,177 +692,6 @@ class PrefixIndex:
             self._drop_entry(n, w)
         return len(order)
 
-    def _evict_to_budget(self) -> None:
-        root = self._root
-        counts = self._counts
-        holding = sum(1 for c in counts.values() if c)  # workers holding entries
-        # records of under-share workers passed over (pushed back at the end)
-        kept: list[tuple[float, int, _Node, str]] = []
-        while self._est_bytes() + len(kept) * HEAP_RECORD_BYTES > self.max_bytes:
-            heap = self._heap
-            if not heap:
-                # Every record went stale without a leaf behind it: rebuild once.
-                self._compact_heap()
-                if not self._heap:
-                    for w in self._wheaps:  # what is left may be stale capped records
-                        self._rebuild_worker_heap(w)
-                    break
-                heap = self._heap
-            t, _, n, w = heapq.heappop(heap)
-            if n.parent is None or n.touch_of(w) != t:
-                continue  # stale: node gone or entry re-touched since
-            if any(c.held_by(w) for c in n.kid_list()):
-                continue  # not a leaf for w; its children's records come first
-            if 2 * counts[w] * holding < self._entries:
-                # w holds under half its fair share: the largest holder pays instead
-                kept.append((t, _, n, w))
-                self._evict_largest()
-                holding = sum(1 for c in counts.values() if c)
-                continue
-            # Evict n, then ancestors that became leaves with the same touch time.
-            while True:
-                parent = n.parent
-                self._drop_entry(n, w)
-                self._evicted += 1
-                if parent is root:
-                    break
-                pt = parent.touch_of(w)
-                if pt != t:
-                    heap_w = self._wheaps.get(w)
-                    if heap_w is not None and not any(c.held_by(w) for c in parent.kid_list()):
-                        # a capped worker's new leaf may have no record in its own heap
-                        # (it was no leaf when the heap was built): keep its LRU exact
-                        heapq.heappush(heap_w, (pt, next(self._seq), parent, w))
-                        self._wheap_records += 1
-                    break
-                if any(c.held_by(w) for c in parent.kid_list()):
-                    break
-                n = parent
-            if not counts[w]:
-                holding -= 1
-        for rec in kept:
-            heapq.heappush(self._heap, rec)
-        if len(self._heap) > 2 * self._entries + 1024:
-            self._compact_heap()
-
-    def _evict_largest(self) -> None:
-        """Evicts the least recently touched leaf entry of the worker holding the most
-        entries (the fair share's victim), through its own heap (built the first time).
-        O(workers + log its records)."""
-        counts = self._counts
-        big = max(counts, key=counts.__getitem__)
-        if big not in self._wheaps:
-            self._tracked.add(big)
-            self._rebuild_worker_heap(big)
-        before = self._capped_evicted
-        self._evict_worker(big, counts[big] - 1)
-        moved = self._capped_evicted - before
-        self._capped_evicted -= moved
-        self._evicted += moved
-
-    def _tracked_push(self, w: str, rec: tuple) -> None:
-        """A tracked worker's own record of an insert's chain end (compacted as its
-        heap outgrows its entries)."""
-        heap = self._wheaps[w]
-        heapq.heappush(heap, rec)
-        self._wheap_records += 1
-        if len(heap) > 2 * self._counts[w] + 1024:
-            self._rebuild_worker_heap(w)
-
-    def _push(self, n: _Node, w: str, t: float) -> None:
-        """Records (n, w) touched at t as an LRU candidate, in w's heap too if capped."""
-        rec = (t, next(self._seq), n, w)
-        heapq.heappush(self._heap, rec)
-        heap = self._wheaps.get(w)
-        if heap is not None:
-            heapq.heappush(heap, rec)
-            self._wheap_records += 1
-
-    def _capped_push(self, w: str, cap: int, rec: tuple) -> None:
-        """The capped part of ``insert``: w's own record, then its cap or compaction."""
-        heap = self._wheaps[w]
-        heapq.heappush(heap, rec)
-        self._wheap_records += 1
-        c = self._counts[w]
-        if c > cap:
-            self._evict_worker(w, cap)
-        elif len(heap) > 2 * c + 1024:
-            self._rebuild_worker_heap(w)
-
-    def _evict_worker(self, w: str, cap: int) -> None:
-        """Evicts w's least recently touched leaf entries until it holds ``cap``."""
-        root = self._root
-        counts = self._counts
-        heap = self._wheaps[w]
-        rebuilt = False
-        while counts.get(w, 0) > cap:
-            if not heap:
-                # A leaf lost its record (cannot happen while check() holds): rebuild once.
-                assert not rebuilt, f"{w=} over its cap with no leaf entries"
-                self._rebuild_worker_heap(w)
-                heap = self._wheaps[w]
-                rebuilt = True
-                continue
-            t, _, n, _w = heapq.heappop(heap)
-            self._wheap_records -= 1
-            if n.parent is None or n.touch_of(w) != t:
-                continue  # stale: node gone or entry re-touched since
-            if any(c.held_by(w) for c in n.kid_list()):
-                continue  # not a leaf for w; its children's records come first
-            while True:
-                parent = n.parent
-                self._drop_entry(n, w)
-                self._capped_evicted += 1
-                if parent is root:
-                    break
-                pt = parent.touch_of(w)
-                if any(c.held_by(w) for c in parent.kid_list()):
-                    break
-                if pt != t or counts[w] <= cap:
-                    # parent is a leaf now; give it a record (it may have none: it
-                    # was never a chain end) so the LRU order stays exact
-                    self._push(parent, w, pt)
-                    break
-                n = parent
-        if len(heap) > 2 * counts.get(w, 0) + 1024:
-            self._rebuild_worker_heap(w)
-
-    def _rebuild_worker_heap(self, w: str) -> None:
-        """Rebuilds w's heap from its leaf entries. O(w's entries + their children)."""
-        recs = []
-        seq = self._seq
-        stack = [c for c in self._root.kid_list() if c.held_by(w)]
-        while stack:
-            n = stack.pop()
-            leaf = True
-            for c in n.kid_list():
-                if c.held_by(w):
-                    stack.append(c)
-                    leaf = False
-            if leaf:
-                recs.append((n.touch_of(w), next(seq), n, w))
-        heapq.heapify(recs)
-        old = self._wheaps.get(w)
-        self._wheap_records += len(recs) - (len(old) if old is not None else 0)
-        self._wheaps[w] = recs
-
-    def _compact_heap(self) -> None:
-        """Rebuilds the heap from the current leaf entries. O(entries)."""
-        recs = []
-        seq = self._seq
-        for n in self._nodes.values():
-            h = n.holders
-            kids = n.kid_list()
-            if h.__class__ is str:
-                if not any(c.held_by(h) for c in kids):
-                    recs.append((n.t, next(seq), n, h))
-            else:
-                for w, t in h.items():
-                    if not any(c.held_by(w) for c in kids):
-                        recs.append((t, next(seq), n, w))
-        heapq.heapify(recs)
-        self._heap = recs
-
     # ---------------------------------------------------------------- invariants
 
     def check(self) -> None:
@@ -1105,25 +754,7 @@ class PrefixIndex:
                 assert rw == w, f"record of {rw=} in {w=}'s heap"
                 if n.parent is not None and n.touch_of(w) == t:
                     live.add((id(n), w))
-        tier_entries = 0
-        assert set(self._tiers) == set(COLDER_TIERS), f"tiers {set(self._tiers)}"
-        for tier, ws in self._tiers.items():
-            for w, keys in ws.items():
-                assert keys, f"empty {tier} set of {w=}"
-                tier_entries += len(keys)
-                for k in keys:
-                    assert k.__class__ is int and 0 <= k < _U64, f"{tier} key {k!r} of {w=}"
-        assert tier_entries == self._tier_entries, f"{tier_entries=} vs {self._tier_entries=}"
-        for tier, hm in self._tier_holders.items():
-            ws = self._tiers[tier]
-            pairs = 0
-            for k, h in hm.items():
-                hs = {h} if h.__class__ is str else h
-                assert h.__class__ is str or len(h) >= 2, f"{tier} holders of {k:#x}: {h!r}"
-                for w in hs:
-                    assert k in ws.get(w, ()), f"{tier} holders of {k:#x} name {w=}, who lacks it"
-                pairs += len(hs)
-            assert pairs == sum(map(len, ws.values())), f"{tier}: holder map disagrees with the sets"
+        self._check_tiers()
         missing = capped_leaves - live
         assert not missing, f"{len(missing)} capped leaf entries without a live heap record"
         assert self._est_bytes() <= self.max_bytes or not self._heap, "over budget"

@@ -13,6 +13,8 @@ Modules::
     simulation.py   the discrete-event simulation: router side, workers, feedback
     disagg.py       a disaggregated fleet: prefill workers, KV transfer, decode workers
     scaling_loop.py the autoscaling loop closed in the simulator (flash crowd)
+    harness.py      the route core over FIFO prefill servers (PickLoop: policy tests,
+                    bench policy --quality)
     sweep.py        sweeps over kv_tokens / workers / rate, and their plots
     cli.py          the command line
 """

@@ -8,8 +8,11 @@ Each request runs in two legs, as vLLM's P/D proxy runs it (the prefill request 
               are the prefill side's (the index lives where the prompts run)
     prefill:  the agent's own scheduler and radix cache (engine.SimWorker), the
               prompt with max_tokens=1: a cached prefix is reused there (the hit)
-    pick:     a decode worker, policies.disagg.choose_decode over the decode
-              workers' state at that instant (free KV, running + queued)
+    pick:     a decode worker: the route core asked again for the request's
+              second leg, as router/pd.py asks it (``Ask.admit``: no admission
+              chain again, not placed), among the decode workers' views at that
+              instant (free KV, running + queued), its chooser
+              policies.disagg.choose_decode
     admit:    the decode worker reserves prompt + max_tokens KV tokens (FIFO; at
               most max_running sequences); none free: the request waits there
     transfer: the prompt's whole KV, ``CostModel.kv_transfer_bytes(prompt tokens)``,
@@ -48,9 +51,11 @@ import collections
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from loadtest.report import percentiles
 from loadtest.simulator.engine import _pack
+from loadtest.simulator.prompts import SimPrompt
 from loadtest.simulator.reference import TextReference
 from loadtest.simulator.simulation import (
     _CALL,
@@ -61,10 +66,13 @@ from loadtest.simulator.simulation import (
     Simulation,
     _reads_answer,
 )
-from policies.base import WorkerView
+from policies.base import EMPTY_MATCH, Decision, Reason, RouteRequest, WorkerView
 from policies.disagg import DECODE, PREFILL, choose_decode, validate_roles
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, NoWorkerAvailable
 from protocol.prefix_keys import WorkerId
+from router.engines.keyspace import KeyedRequest, SpaceKey
+from router.prefix_index import PrefixIndex
+from router.route import Ask, Route, RouteCore, RouteParts
 from worker_agent import tokenizer
 from worker_agent.cost_model import DEFAULT_LINK, CostModel, LinkSpec, link_preset
 
@@ -261,6 +269,23 @@ class DecodeWorker:
         assert self.ctx == sum(leg.ctx for leg in self.running), f"{self.id}: ctx out of step"
 
 
+class _DecodeFleet:
+    """The decode workers where the route core expects the router's pool (``get``,
+    ``unavailable``); its legs are never placed (``Ask(place=False)``): each decode
+    worker keeps its own KV reservations."""
+
+    __slots__ = ("by_id",)
+
+    def __init__(self, decoders: Sequence[DecodeWorker]) -> None:
+        self.by_id = {dw.id: dw for dw in decoders}
+
+    def get(self, worker: str) -> DecodeWorker | None:
+        return self.by_id.get(worker)
+
+    def unavailable(self, model: str, adapter: str | None, now: float) -> NoWorkerAvailable:
+        return NoWorkerAvailable(f"no decode worker for model {model!r} is available", retry_after_s=1)
+
+
 class DisaggSimulation(Simulation):
     """``Simulation`` with its workers as the prefill pool and ``spec.decode`` decode
     workers behind them (module docstring). ``cfg.workers`` must equal
@@ -284,6 +309,12 @@ class DisaggSimulation(Simulation):
             for i in range(spec.decode)
         ]
         self._decoder_at = {dw.id: i for i, dw in enumerate(self.decoders)}
+        #: the route core over the decode side: its views are the decode workers'
+        #: (without report delay); the decode side keeps no prefix cache, so nothing
+        #: is matched or placed in its index
+        fleet: Any = _DecodeFleet(self.decoders)
+        parts = RouteParts(fleet, PrefixIndex(), self.policy, views=self._decode_views)
+        self._decode_route = RouteCore(parts)
         self._egress_free = [0.0] * len(self.workers)
         self._legs: dict[Job, _Leg] = {}
         self._decode_rng = random.Random(self.seed ^ 0x5EED_D1CE)
@@ -319,8 +350,7 @@ class DisaggSimulation(Simulation):
         leg.need = p.prompt_tokens + leg.max_tokens
         leg.ctx = p.prompt_tokens
         job.first_t = None
-        views = [d.view() for d in self.decoders]
-        d = self._decoder_at[choose_decode(views, leg.need, self._decode_rng).id]
+        d = self._decode_pick(p, leg.need, now)
         dw = self.decoders[d]
         leg.dst = d
         if leg.need > dw.capacity:  # would never fit: the decode agent's 400
@@ -335,6 +365,30 @@ class DisaggSimulation(Simulation):
         leg.queued_at = now
         dw.waiting.append(leg)
         self._admit(d, now)
+
+    def _decode_views(self, now: float, model: str, adapter: str | None) -> list[WorkerView]:
+        """The decode workers' state at ``now`` (no report delay: module docstring)."""
+        return [dw.view() for dw in self.decoders]
+
+    def _decode_pick(self, p: SimPrompt, need: int, now: float) -> int:
+        """The decode leg's worker (its index): the route core asked for the
+        request's second leg (router/pd.py's ``Ask.admit``), ``choose_decode`` its
+        chooser; nothing held on the decode side (an empty match), nothing placed."""
+        bt = self.block_tokens
+        req = RouteRequest(p.hashes, p.prompt_tokens, bt, None, self.model, p.text_len)
+        key = SpaceKey(p.hashes, p.prompt_tokens, bt, False)
+        space, rng = self._space, self._decode_rng
+
+        def keyer(views: Sequence[WorkerView], now: float) -> KeyedRequest:
+            return KeyedRequest.single(space, key, req, EMPTY_MATCH)
+
+        def choose(kr: KeyedRequest, views: Sequence[WorkerView], now: float) -> Decision:
+            return Decision(choose_decode(views, need, rng).id, Reason.LEAST_LOAD)
+
+        ask = Ask(keyer, self.model).admit(None, choose=choose, split=False, place=False)
+        routed = self._decode_route.decide(ask, now)
+        assert isinstance(routed, Route), "a disaggregated fleet has a decode worker"
+        return self._decoder_at[routed.worker.id]
 
     # ------------------------------------------------------------- transfer
 

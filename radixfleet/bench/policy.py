@@ -18,12 +18,12 @@ is held against). Target: prefix_load <= 20 us per decision, in every row.
 
 ``--quality`` adds a second table: a seeded mixed workload (shared system prompts
 with a heavy-tailed popularity, multi-turn chat sessions, unique prompts) routed
-through ``policies.harness.PickLoop`` — a real PrefixIndex and 8 FIFO prefill
-servers at 10k tokens/s, load counted at pick time — reporting the prefix hit rate
-(cached / prompt tokens) and the model's TTFT (queue + uncached prefill). It is a
-sanity check of the policies' defaults, not a fleet simulation (see ``simulate``);
-the ``full-prompt load`` row counts every request's whole prompt as in-flight work,
-as a router that ignores ``Decision.matched_blocks`` would.
+through ``loadtest.simulator.harness.PickLoop`` — the route core, a real PrefixIndex
+and 8 FIFO prefill servers at 10k tokens/s, load counted at pick time — reporting the
+prefix hit rate (cached / prompt tokens) and the model's TTFT (queue + uncached
+prefill). It is a sanity check of the policies' defaults, not a fleet simulation
+(see ``simulate``); the ``full-prompt load`` row counts every request's whole prompt
+as in-flight work, as a router that ignores ``Decision.matched_blocks`` would.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import json
 import random
 import time
 
+from loadtest.simulator.harness import PickLoop
 from policies.base import MatchResult, RouteRequest, WorkerView
-from policies.harness import PickLoop
 from policies.registry import build_policy, policy_names
 from protocol.prefix_keys import Endpoint, WorkerId, request_key
 from router.prefix_index import PrefixIndex

@@ -1,13 +1,15 @@
 """``radixfleet bench routing``: the router's routing work per request, without HTTP.
 
-Per request, exactly what ``Router._route_and_forward`` does before forwarding:
-``json.loads`` of the body is excluded (it is not routing), then
+Per request, exactly what ``DataPlane.serve`` does before forwarding, on a router
+built from its config as ``radixfleet router`` builds it (not started): ``json.loads``
+of the body is excluded (it is not routing), then
 
-    key   = request_key(endpoint, body, tenant, block_bytes)   (canonical bytes, hashes)
-    match = index.match(key.hashes, now)
-    views = pool.views(now)                                    (cached per worker)
-    d     = policy.choose(RouteRequest(...), match, views, now)
-    index.insert(d.worker, key.hashes, now); pool.pick(...); pool.finish(...)
+    key     = request_key(endpoint, body, tenant, block_bytes)  (canonical bytes, hashes)
+    verdict = RouteCore.decide(DataPlane.ask_of(...), now)      (router.route: views,
+              the key in every space in use and its match, tenancy, shedding, the
+              policy's choice, the hint and the load count)
+
+and the load released 32 requests later (``pool.finish``).
 
 ``--tracing``: every request traced (router.tracing, sample ratio 1), its spans
 exported over OTLP/HTTP to a sink in another process (``bench proxy``'s
@@ -18,12 +20,13 @@ attempt) and their making into SDK spans at its end are timed apart
 
 for an 8 KiB prompt (64 blocks of 128 bytes) over 16 workers, with sessions that
 share a system prompt and grow turn by turn (so matches are deep and hot). Target:
-<= 50 us per request for keys + match + policy; the optimistic insert and the
-load count after the decision are timed separately. Figures: mean, p50, p99.
+<= 50 us per request for the key and the decision (the hint and the load count
+included). Figures: mean, p50, p99.
 
-Token rows (precise mode): the same routing work with the request keyed in
-an engine's own token blocks (router.engines.token_keys: vLLM's chat rendering, the
-engine's tokenizer, 32-token blocks), for an ~8 KiB chat prompt over 16 workers.
+Token rows (precise mode): the same route core's decision with the request keyed in
+an engine's own token blocks (the ask's keyer: router.engines.token_keys, vLLM's chat
+rendering, the engine's tokenizer, 32-token blocks; no byte key), for an ~8 KiB chat
+prompt over 16 workers.
 Target: p50 <= 1 ms, p99 <= 3 ms. Two workloads:
 
     cold        every request a conversation never seen (nothing cached: the
@@ -55,9 +58,10 @@ from loadtest.report import percentile
 from policies.base import RouteRequest
 from protocol.prefix_keys import Endpoint, request_key
 from router.config import parse_config
-from router.pool import HealthState, Pool
-from router.prefix_index import PrefixIndex, tune_gc
-from router.route import Route
+from router.engines.keyspace import KeyedRequest, SpaceKey
+from router.pool import HealthState
+from router.prefix_index import tune_gc
+from router.route import Ask, Route
 
 
 def _count(lo: int):
@@ -292,56 +296,51 @@ def bench_tokens(
     block_size: int,
     backend: str,
 ) -> dict:
-    """One token row: full routing work with exact token keys, the keyer alone, and
-    the plain transformers path, over the same bodies."""
-    from router.config import build_policy_from
+    """One token row: the route core's decision (``RouteCore.decide`` of a router
+    built as the byte rows build it) with the request keyed in one token space by the
+    engine's tokenizer (the ask's keyer: ``TokenKeyer.key``, matched in the router's
+    index), the keyer alone, and the plain transformers path, over the same bodies;
+    each request's load released 32 requests later."""
     from router.engines.token_keys import TokenKeyer
 
     keyer = TokenKeyer.load(source, tokenizer_backend=backend)
     plain = keyer.tokenizer
-    cfg = parse_config(
-        {
-            "workers": [{"url": f"http://10.0.0.{i}:1", "id": f"w{i}"} for i in range(workers)],
-            "policy": {"name": policy_name},
-        }
-    )
-    policy = build_policy_from(cfg.policy)
-    index = PrefixIndex()
-    pool = Pool(cfg, index)
-    for w in pool:
-        pool._set_health(w, HealthState.HEALTHY)
+    router = _router(workers, policy_name)
+    core, index, pool = router.dataplane.route, router.index, router.pool
+    space = ("tokens", source, block_size)
     perf = time.perf_counter
     full, keys, ref = [], [], []
     tokens = blocks = 0
     now0 = time.monotonic()
     in_flight: list = []
+    keyed_s = 0.0  # the keyer's own time in the decision just made
     for i, body in enumerate(bodies):
         now = now0 + i * 1e-3
+        text_len = _size(body["messages"])
+
+        def key_tokens(views, now: float, body=body, text_len=text_len) -> KeyedRequest:
+            nonlocal keyed_s
+            k0 = perf()
+            tk = keyer.key(Endpoint.CHAT, body, block_size=block_size)
+            keyed_s = perf() - k0
+            sk = SpaceKey(tk.hashes, tk.prompt_tokens, block_size, tk.exact)
+            req = RouteRequest(tk.hashes, tk.prompt_tokens, block_size, None, tk.model, text_len)
+            return KeyedRequest.single(space, sk, req, index.match(tk.hashes, now))
+
         t0 = perf()
-        key = keyer.key(Endpoint.CHAT, body, block_size=block_size)
+        verdict = core.decide(Ask(key_tokens, "m"), now)
         t1 = perf()
-        match = index.match(key.hashes, now)
-        views = pool.views(now)
-        d = policy.choose(
-            RouteRequest(key.hashes, key.prompt_tokens, block_size, None, key.model, _size(body["messages"])),
-            match,
-            views,
-            now,
-        )
-        t2 = perf()
-        w = pool.get(d.worker)
-        assert w is not None, "the policy picks from the pool's views"
-        index.insert(w.id, key.hashes, now)
-        uncached = max(0, key.prompt_tokens - d.matched_blocks * block_size)
-        pool.pick(w, uncached)
-        in_flight.append((w, uncached))
-        if len(in_flight) > 32:
-            fw, ft = in_flight.pop(0)
-            pool.finish(fw, ft, True, ft)
-        full.append(t2 - t0)
-        keys.append(t1 - t0)
-        tokens += key.prompt_tokens
-        blocks += len(key.hashes)
+        assert isinstance(verdict, Route), f"routed at light load, not {verdict!r}"
+        placed = verdict.placement
+        assert placed is not None
+        in_flight.append((verdict.worker, placed))
+        if len(in_flight) > 32:  # keep a realistic amount of load in flight
+            fw, fp = in_flight.pop(0)
+            pool.finish(fw, fp.own, True, fp.key.prompt_tokens)
+        full.append(t1 - t0)
+        keys.append(keyed_s)
+        tokens += placed.key.prompt_tokens
+        blocks += len(placed.key.hashes)
     for body in bodies[: min(len(bodies), 500)]:
         t0 = perf()
         text = plain.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
@@ -358,6 +357,7 @@ def bench_tokens(
         "prompt_bytes_mean": sum(_size(b["messages"]) for b in bodies) / n,
         "prompt_tokens_mean": tokens / n,
         "blocks_mean": blocks / n,
+        "index_nodes": index.stats().nodes,
         "routing": _pct(full),
         "keyer": _pct(keys),
         "transformers": _pct(ref),

@@ -28,7 +28,7 @@ import pytest
 
 import loadtest.simulator.simulation as fleet
 from loadtest.simulator import cli as simulate_main
-from policies.harness import PickLoop
+from loadtest.simulator.harness import PickLoop
 from policies.prefix_load import PrefixLoad
 from protocol.bus_wire import RouterMessage, parse_router, session_key
 from router.bus.replica import remote_request

@@ -872,6 +872,8 @@ def test_bench_routing_token_rows_json(capsys):
     for r in rows:
         assert r["requests"] == 30 and r["workers"] == 16 and r["prompt_tokens_mean"] > 100
         assert 0 < r["keyer"]["p50_us"] <= r["routing"]["p50_us"]
+        # the route core placed every pick's hint: the index holds the token blocks
+        assert r["index_nodes"] >= r["blocks_mean"] > 0
         assert r["piece_cache"]["piecewise"]
     assert rows[0]["prompt_bytes_mean"] > 8000 and rows[1]["prompt_bytes_mean"] > 8000
     assert rows[2]["piece_cache"]["hits"] > rows[2]["piece_cache"]["misses"]

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from loadtest.simulator.harness import PickLoop
 from policies.base import MatchResult, Reason, RouteRequest, WorkerView
-from policies.harness import PickLoop
 from policies.registry import build_policy
 from protocol.prefix_keys import Endpoint, request_key
 

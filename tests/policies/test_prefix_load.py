@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from loadtest.simulator.harness import PickLoop, counts
 from policies.base import MatchResult, Reason, RouteRequest, WorkerView
-from policies.harness import PickLoop, counts
 from policies.prefix_load import PrefixLoad
 from policies.registry import build_policy
 from policies.replication import HotRoots
