@@ -129,6 +129,19 @@ class ListenConfig:
 
 
 @settings
+class AdminListenConfig:
+    """The admin listener (``/admin/*``, ``/metrics``, ``/openapi.json``, probes), apart
+    from the data port (``listen``) as Envoy's admin is. Read at start."""
+
+    host: str = _opt(
+        "127.0.0.1",
+        "address of the admin listener; off loopback it needs the admin token "
+        "(and a scraper the metrics token)",
+    )
+    port: int = _opt(8001, "TCP port of the admin listener; 0: a free port (logged)", lo=0, hi=65535)
+
+
+@settings
 class EventsSpec:
     endpoint: str = _opt(
         "",
@@ -1045,6 +1058,7 @@ class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
 
     listen: ListenConfig = _section(ListenConfig, "listen address")
+    admin: AdminListenConfig = _section(AdminListenConfig, "admin listener: admin API and /metrics")
     workers: Annotated[tuple[WorkerSpec, ...], value_check(_unique)] = Field(
         (), description=("the workers (an entry may be its url alone), or {static: [...], discovery: {...}}")
     )
