@@ -349,7 +349,7 @@ async def test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await server.start()}"
     runners: dict[str, web.AppRunner] = {}
     pages = {"router": base + "/metrics"}

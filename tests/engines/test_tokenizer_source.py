@@ -237,7 +237,7 @@ class QuickStart:
             workers.append({"url": f"http://127.0.0.1:{port}", "id": wid, **self.worker})
         cfg = {"listen": {"port": 0}, "health": {"interval_s": 0.2}, "workers": workers}
         self.router = Router(parse_config({**cfg, **self.extra}))
-        self.server = RouterServer(self.router, port=0)
+        self.server = RouterServer(self.router, port=0, admin_port=0)
         self.base = f"http://127.0.0.1:{await self.server.start()}"
         self.session = aiohttp.ClientSession()
         await wait_for(

@@ -36,7 +36,7 @@ async def fleet():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     deadline = time.monotonic() + 5
     while not router.pool.views(time.monotonic()):

@@ -148,7 +148,7 @@ async def test_warmup_sends_prefill_only_request(fleet):
 async def test_graceful_close_finishes_in_flight(fleet):
     _, _, url = fleet
     router = Router(parse_config({"workers": [{"url": url}], "health": HEALTH}))
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 5
@@ -200,7 +200,7 @@ async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     try:
         deadline = time.monotonic() + 5
@@ -558,7 +558,7 @@ async def test_a_stream_on_a_handed_over_connection_is_dropped_too():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     body = json.dumps(
         {"model": "m", "prompt": "hi", "stream": True, "chunks": 10**9, "events_per_write": 64}

@@ -62,7 +62,7 @@ async def pd_fleet(
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     deadline = time.monotonic() + 5
     while len(router.pool.views(time.monotonic())) < len(roles):

@@ -221,7 +221,7 @@ async def test_reloading_the_unchanged_example_keeps_workers_and_index(tmp_path)
     path = tmp_path / "router.yaml"
     path.write_text(text)
     router = Router(load_config(str(path)))
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await server.start()}"
     try:
         await wait_ready(base)

@@ -198,7 +198,7 @@ async def test_bad_inputs_get_their_statuses_and_never_500(two_upstreams):
 async def test_no_healthy_worker_is_503():
     dead = f"http://127.0.0.1:{free_port()}"
     router = Router(parse_config({"workers": [{"url": dead}], "health": FAST_HEALTH}))
-    runner = RouterServer(router, port=free_port())
+    runner = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         async with httpx.AsyncClient() as c:
@@ -628,7 +628,7 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
     nowatch = "reload: {watch: false}\n"
     write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{health}{nowatch}")
     router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
-    runner = RouterServer(router, port=free_port())
+    runner = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)
@@ -668,7 +668,7 @@ async def test_admin_reload_applies_a_security_downgrade_only_when_its_body_asks
     common = f"workers: [{{url: '{a}', id: wa}}]\n{_RELOAD_HEALTH}reload: {{watch: false}}\n"
     write(common + "keys: {tenant: {source: api_key, api_keys: [{tenant: acme, key: sk-acme}]}}\n")
     router = Router(load_config(str(path)))
-    runner = RouterServer(router, port=free_port())
+    runner = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)
@@ -707,7 +707,7 @@ async def test_file_watcher_reloads_a_changed_file_on_its_own(two_upstreams, tmp
         "reload: {poll_interval_s: 0.05}\n"
     )
     router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
-    runner = RouterServer(router, port=free_port())
+    runner = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)

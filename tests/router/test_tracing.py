@@ -182,7 +182,9 @@ async def test_a_collector_down_or_silent_costs_requests_nothing_and_drops_spans
         }
         await fleet.start({"workers": [{"url": url, "id": "u"}], "tracing": tracing})
         plain = RouterServer(  # the same fleet, tracing off: the baseline
-            Router(parse_config({"health": HEALTH, "workers": [{"url": url, "id": "u"}]})), port=free_port()
+            Router(parse_config({"health": HEALTH, "workers": [{"url": url, "id": "u"}]})),
+            port=free_port(),
+            admin_port=0,
         )
         base = f"http://127.0.0.1:{await plain.start()}"
         try:
