@@ -762,6 +762,7 @@ class RouterServer:
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
             on_gone=lambda phase: gone.labels(phase).inc(),
+            on_bad_http=lambda st: bad.labels(str(st)).inc(),
             slow=r.slow_clients,
             not_found=_data_port_not_found,
         )

@@ -17,10 +17,10 @@ body is not kept.
 
 What a client may hold before its request is admitted is bounded here: body bytes
 by the shared ``router.intake.BodyBudget`` (429 past it), a head by ``MAX_HEAD``
-(its target and header bytes, and every read that ends inside it), connections by
+(its target and header bytes, and every read begun and ended inside it), connections by
 ``max_connections()`` (the longest-idle one closed to make room, else 429), and a
 request of a screened route without valid credentials or whose tenant is over its
-rate limit is refused from its headers (``authorize``: router.screen), before its
+rate limit is refused from its headers (``Route.screen``: router.screen), before its
 body is read.
 
 A client that closes its connection while its request is served (waiting for a
@@ -84,11 +84,13 @@ class MethodNotAllowed(RequestError):
 
 
 class Route(NamedTuple):
-    """One method of one path: ``handler(exchange)`` answers it; ``screen``: its head
-    goes through the server's ``authorize`` before its body is read."""
+    """One method of one path: ``handler(exchange)`` answers it; ``screen(headers)``,
+    if any, raises a ``RequestError`` for a request refused whatever its body (no
+    credentials, a tenant or key over its rate limit: router.screen), checked before
+    its body is read; the handler gets it from ``exchange.body()``."""
 
     handler: Callable[[FrontExchange], Awaitable[None]]
-    screen: bool = True
+    screen: Callable[[dict], None] | None = None
 
 
 async def _answer_refusal(ex: FrontExchange) -> None:
@@ -402,9 +404,9 @@ class _FrontConn(asyncio.Protocol):
             req.refusal = exc
             return
         req.handler = route.handler
-        if route.screen and server.authorize is not None:
+        if route.screen is not None:
             try:
-                server.authorize(h)  # credentials from the head: no body read without
+                route.screen(h)  # credentials from the head: no body read without
             except RequestError as exc:
                 self._refuse(req, exc)
                 raise _Stop from None
@@ -510,6 +512,8 @@ class _FrontConn(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _bad(self, status: int, message: str) -> None:
+        if self.server.on_bad_http is not None:
+            self.server.on_bad_http(status)
         self.transport.write(_answer(status, message, "invalid_request_error", "bad_http"))
         self.linger()
 
@@ -571,13 +575,11 @@ class FrontServer:
     answered for any other path; ``max_body()`` the current body limit.
 
     ``budget`` bounds the request body bytes held (shared with the admin listener);
-    ``authorize(headers)`` raises a ``RequestError`` for a data-plane request the
-    router will refuse whatever its body (no credentials, a tenant or key over its
-    rate limit: router.screen), checked before the body of a ``screen`` route is read;
     ``max_connections()`` caps the client connections;
     ``on_refused(reason)`` counts a connection closed or refused at the cap
     (``idle_closed`` | ``at_capacity``); ``on_gone(phase)`` a client that left while
     its request was served (``waiting`` | ``streaming``: the module docstring);
+    ``on_bad_http(status)`` counts a malformed request answered (400, 408, 431);
     ``slow`` bounds the waits for a client to take its answer
     (``router.slow_clients``; shared with the admin listener).
 
@@ -594,10 +596,10 @@ class FrontServer:
         head_timeout_s=lambda: 10.0,
         body_timeout_s=lambda: 30.0,
         budget: BodyBudget | None = None,
-        authorize=None,
         max_connections=lambda: 8192,
         on_refused=None,
         on_gone=None,
+        on_bad_http=None,
         slow: SlowClients | None = None,
         not_found: Callable[[str], RequestError] = lambda path: NotFound(f"unknown path {path}"),
     ) -> None:
@@ -605,10 +607,10 @@ class FrontServer:
         self.not_found = not_found
         self.max_body = max_body
         self.budget = budget if budget is not None else BodyBudget(1 << 30)
-        self.authorize = authorize
         self.max_connections = max_connections
         self.on_refused = on_refused
         self.on_gone = on_gone
+        self.on_bad_http = on_bad_http
         self._refusals = Throttled()
         self.idle_timeout_s = idle_timeout_s
         #: callables -> seconds: a request's head must arrive within head_timeout_s()

@@ -445,7 +445,7 @@ async def test_routing_quality_panels_return_data_in_front_of_agents():
         for wid in ("q0", "q1"):
             await fleet.agent("m", worker_id=wid)
         await fleet.routable(2)
-        pages = {"router": fleet.base + "/metrics"}
+        pages = {"router": fleet.admin + "/metrics"}
         async with httpx.AsyncClient(timeout=30) as c:
             before = scrape({k: (await c.get(u)).text for k, u in pages.items()})
             t0 = time.monotonic()

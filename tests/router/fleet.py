@@ -45,6 +45,7 @@ class Fleet:
         self.base = ""
         self.port = 0
         self.admin = ""  # the admin listener's base URL: /admin/*, /metrics
+        self.admin_port = 0
 
     async def upstream(self, name: str, model: str = "m", **kw) -> str:
         runner, url = await serve_app(upstream_app(name, model=model, **kw))
@@ -78,7 +79,8 @@ class Fleet:
         server = RouterServer(self.router, port=free_port(), admin_port=0)
         self.port = await server.start()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.admin = f"http://127.0.0.1:{server.admin_port}"
+        self.admin_port = server.admin_port
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
         self.closers.insert(0, server.aclose)
         return self
 

@@ -42,7 +42,7 @@ async def fleet():
     while not router.pool.views(time.monotonic()):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
-    yield router, port, url
+    yield router, port, url, server.admin_port
     await server.aclose()
     await up.cleanup()
 

@@ -84,10 +84,10 @@ async def test_tenant_probe_through_every_public_endpoint_confirms_nothing(fleet
             seen.append(str(r.headers) + r.text)
         r = await c.post(fleet.base + "/v1/completions", json=body, headers={"Authorization": "Bearer k-eve"})
         seen.append(str(r.headers) + r.text)
-        hot = (await c.get(fleet.base + "/admin/index", headers={"Authorization": "Bearer adm"})).json()[
+        hot = (await c.get(fleet.admin + "/admin/index", headers={"Authorization": "Bearer adm"})).json()[
             "hot_prefixes"
         ]
-        metrics = (await c.get(fleet.base + "/metrics")).text
+        metrics = (await c.get(fleet.admin + "/metrics")).text
     public = "\n".join(seen)
     assert not [g for g in guesses | truth if g in public]  # 0 confirmations
     # the detail is there, behind the admin token
