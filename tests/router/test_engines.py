@@ -409,9 +409,10 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
                     json={"model": "m", "messages": [{"role": "user", "content": "y" * 600}]},
                 ) as r:
                     assert r.status == 200
-            async with s.get(base + "/metrics") as r:
+            admin = f"http://127.0.0.1:{server.admin_port}"
+            async with s.get(admin + "/metrics") as r:
                 text = await r.text()
-            async with s.get(base + "/admin/index") as r:
+            async with s.get(admin + "/admin/index") as r:
                 index = await r.json()
         assert "radixfleet_autoscale_desired_workers 1.0" in text
         assert index["autoscale"]["desired"] == 1
