@@ -202,8 +202,9 @@ class Router:
 
     def data_routes(self) -> dict[str, dict[str, tuple]]:
         """What the data port serves: path -> method -> (handler of an exchange, the
-        screen its head passes before its body is read, or None). The raw front
-        serves these (``RouterServer``), ``Router.app`` the same (``_exchange_route``)."""
+        screen its head passes before its body is read or None, what a peer gone
+        before its body arrived is told or None). The raw front serves these
+        (``RouterServer``), ``Router.app`` the same (``_exchange_route``)."""
         dp = self.dataplane
 
         def serve(endpoint: Endpoint):
@@ -217,13 +218,14 @@ class Router:
             self.agent_auth.check(headers.get("authorization"))  # read per request: reloads
 
         lim = lambda: self.cfg.limits  # noqa: E731 - read at use: a reload may change them
-        routes = {e.value: {"POST": (serve(e), self.admit_head)} for e in Endpoint}
-        routes[PREFETCH_PATH] = {"POST": (dp.prefetch, self.admit_head)}
-        routes["/v1/models"] = {"GET": (answered(self.models, lim, self._rejected), self.admit_head)}
-        routes["/health"] = {"GET": (answered(self.health, lim), None)}
-        routes["/readiness"] = {"GET": (answered(self.readiness, lim), None)}
+        routes = {e.value: {"POST": (serve(e), self.admit_head, None)} for e in Endpoint}
+        routes[PREFETCH_PATH] = {"POST": (dp.prefetch, self.admit_head, None)}
+        routes["/v1/models"] = {"GET": (answered(self.models, lim, self._rejected), self.admit_head, None)}
+        routes["/health"] = {"GET": (answered(self.health, lim), None, None)}
+        routes["/readiness"] = {"GET": (answered(self.readiness, lim), None, None)}
         for path, handler in self.agent_api.routes(lim).items():
-            routes[path] = {"POST": (handler, agent_screen)}
+            hangup = functools.partial(self.agent_api.hangup, "POST", path)
+            routes[path] = {"POST": (handler, agent_screen, hangup)}
         return routes
 
     def _rejected(self, exc: RequestError) -> None:
@@ -237,8 +239,7 @@ class Router:
         r = app.router
         for path, methods in self.data_routes().items():
             if data or path in ("/health", "/readiness"):
-                hangup = self.agent_api.hangup if path.startswith("/internal/") else None
-                for method, (handler, screen) in methods.items():
+                for method, (handler, screen, hangup) in methods.items():
                     r.add_route(method, path, self._exchange_route(handler, screen, hangup))
         r.add_get("/metrics", self._metrics)
         AdminAPI(self).add_routes(r)
@@ -373,8 +374,8 @@ class Router:
         ``screen`` on the headers first, then the body within its deadline and the
         body budget, and only then ``handler`` (the data plane takes its admission
         slot there), so a slow or unauthenticated body never holds a slot
-        (``admit_head``). ``hangup(method, path, remote)``: a peer gone before its body
-        arrived (counted, a 400 nobody reads), else that is the aiohttp server's."""
+        (``admit_head``). ``hangup(remote)``: a peer gone before its body arrived
+        (counted, a 400 nobody reads), else that is the aiohttp server's."""
 
         async def route(request: web.Request) -> web.StreamResponse:
             lim = self.cfg.limits
@@ -393,7 +394,7 @@ class Router:
             except ConnectionResetError:
                 if hangup is None:
                     raise
-                hangup(request.method, request.path, request.remote)
+                hangup(request.remote)
                 return json_error(
                     400,
                     "the peer closed the connection before its request was read",
@@ -737,7 +738,7 @@ class RouterServer:
         )
         await self._runner.setup()
         routes = {
-            path.encode(): {m.encode(): Route(handler, screen) for m, (handler, screen) in methods.items()}
+            path.encode(): {m.encode(): Route(*route) for m, route in methods.items()}
             for path, methods in r.data_routes().items()
         }
         lim = lambda: r.cfg.limits  # noqa: E731 - read at use: a reload may change them

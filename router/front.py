@@ -87,10 +87,13 @@ class Route(NamedTuple):
     """One method of one path: ``handler(exchange)`` answers it; ``screen(headers)``,
     if any, raises a ``RequestError`` for a request refused whatever its body (no
     credentials, a tenant or key over its rate limit: router.screen), checked before
-    its body is read; the handler gets it from ``exchange.body()``."""
+    its body is read; the handler gets it from ``exchange.body()``. ``hangup(peer)``,
+    if any, is told of a client gone before its body arrived (the agent API counts
+    those)."""
 
     handler: Callable[[FrontExchange], Awaitable[None]]
     screen: Callable[[dict], None] | None = None
+    hangup: Callable[[str | None], None] | None = None
 
 
 async def _answer_refusal(ex: FrontExchange) -> None:
@@ -120,7 +123,7 @@ class _PendingRequest:
         "since",
         "refusal",
         "held",
-        "discard",
+        "hangup",
     )
 
     def __init__(self) -> None:
@@ -144,7 +147,7 @@ class _PendingRequest:
         self.expect_continue = False  # a 100 Continue is owed once it is this one's turn
         self.refusal: RequestError | None = None  # answered instead of served
         self.held = 0  # bytes of the server's BodyBudget this request holds
-        self.discard = False  # no route takes it: its body is read and dropped
+        self.hangup: Callable[[str | None], None] | None = None  # its Route's
 
 
 class _FrontConn(asyncio.Protocol):
@@ -239,9 +242,13 @@ class _FrontConn(asyncio.Protocol):
         self.closed = True
         server = self.server
         server._conns.discard(self)
-        if self.req is not None:
-            server._give(self.req)
+        req = self.req
+        if req is not None:
+            server._give(req)
             self.req = None
+            if req.hangup is not None and not req.in_head:
+                remote = self.transport.get_extra_info("peername")
+                req.hangup(remote[0] if remote else None)
         for q in self.queue:
             server._give(q)
         self.queue.clear()
@@ -403,7 +410,7 @@ class _FrontConn(asyncio.Protocol):
                 raise _Stop
             req.refusal = exc
             return
-        req.handler = route.handler
+        req.handler, req.hangup = route.handler, route.hangup
         if route.screen is not None:
             try:
                 route.screen(h)  # credentials from the head: no body read without

@@ -249,9 +249,9 @@ def test_agents_hanging_up_mid_request_are_one_counted_line_each(upstream):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(hang_up, range(40)))
         deadline = time.monotonic() + 10
-        while metric(r.base, "radixfleet_peer_hangups_total") < 40 and time.monotonic() < deadline:
+        while metric(r.admin, "radixfleet_peer_hangups_total") < 40 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert metric(r.base, "radixfleet_peer_hangups_total") == 40
+        assert metric(r.admin, "radixfleet_peer_hangups_total") == 40
         assert served(r.base, 3) == [200] * 3
         r.assert_settles(base)
         out = r.output()
@@ -274,6 +274,7 @@ def test_a_registration_that_leads_to_the_router_itself_is_refused(upstream):
             f"http://localhost:{r.port}",
             f"http://0x7f.1:{r.port}/",
             f"http://[::ffff:127.0.0.1]:{r.port}",
+            r.admin,  # the admin listener is the router's too
         )
         with httpx.Client(timeout=5) as c:
             for url in selves:
@@ -300,8 +301,8 @@ def test_a_registration_that_leads_to_the_router_itself_is_refused(upstream):
         assert [w["id"] for w in listed] == ["real"], listed
         assert served(r.base, 5) == [200] * 5
         refused = "radixfleet_registrations_refused_total"
-        assert metric(r.base, refused, 'reason="worker_url_is_router"') == len(selves)
-        assert metric(r.base, refused, 'reason="worker_host_not_allowed"') == 1
+        assert metric(r.admin, refused, 'reason="worker_url_is_router"') == len(selves)
+        assert metric(r.admin, refused, 'reason="worker_host_not_allowed"') == 1
         r.assert_settles(base)
         out = r.stop()
     assert "refused registration: loop at http://127.0.0.1:" in out, out[-3000:]
@@ -347,7 +348,7 @@ def test_flapping_a_live_workers_registration_is_bounded_logged_and_counted(upst
             ev = c.post(r.base + EVENTS, json=bad)
             assert ev.status_code == 400 and "'load.queued_prefill_tokens'" in ev.text, ev.text
         assert metric(
-            r.base, "radixfleet_registrations_refused_total", 'reason="epoch_churn"'
+            r.admin, "radixfleet_registrations_refused_total", 'reason="epoch_churn"'
         ) == codes.count(429)
         assert served(r.base, 5) == [200] * 5
         out = r.stop()
