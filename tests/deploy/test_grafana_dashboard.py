@@ -137,7 +137,11 @@ def row_panels(dash: dict, title: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def scraped() -> set[str]:
     rp, ap = free_port(), free_port()
-    with Proc(radixfleet_argv("router", "--port", str(rp)), ready_url=f"http://127.0.0.1:{rp}/health"):
+    admin = free_port()  # the router's admin listener: its /metrics
+    with Proc(
+        radixfleet_argv("router", "--port", str(rp), "--admin-port", str(admin)),
+        ready_url=f"http://127.0.0.1:{rp}/health",
+    ):
         with Proc(
             radixfleet_argv(
                 "agent", "--port", str(ap), "--router", f"http://127.0.0.1:{rp}", "--kv-tokens", "50000"
@@ -157,7 +161,7 @@ def scraped() -> set[str]:
                         break
                     time.sleep(0.05)
                 assert ok, r.text
-                router = c.get(f"http://127.0.0.1:{rp}/metrics").text
+                router = c.get(f"http://127.0.0.1:{admin}/metrics").text
                 agent = c.get(f"http://127.0.0.1:{ap}/metrics").text
     return exported(router) | exported(agent) | exported(VLLM_PAGE.read_text())
 
