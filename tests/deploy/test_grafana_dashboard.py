@@ -249,14 +249,14 @@ def _finite(result) -> bool:
 
 @pytest.mark.engine
 def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tmp_path):
-    from tests.engines.vllm_router import router_yaml, text
+    from tests.engines.vllm_router import admin_url, router_yaml, text
 
     port = free_port()
     cfg = tmp_path / "router.yaml"
     router_yaml(cfg, port, vllm_pair, vllm_model_dir)
     base = f"http://127.0.0.1:{port}"
     pages = {
-        "router": base + "/metrics",
+        "router": admin_url(base) + "/metrics",
         **{f"vllm-{i}": s.url + "/metrics" for i, s in enumerate(vllm_pair)},
     }
     with (
@@ -268,7 +268,7 @@ def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tm
         # events from their history (the join's replay); the hot-prefix panels count
         # matches on index entries, which a request routed before the join finds none of
         while time.monotonic() < deadline:
-            ws = c.get(base + "/admin/workers").json()["workers"]
+            ws = c.get(admin_url(base) + "/admin/workers").json()["workers"]
             if c.get(base + "/readiness").status_code == 200 and all(
                 w["routable"]
                 and w.get("engine", {}).get("key_space", "").startswith("TokenSpace")
@@ -355,8 +355,9 @@ async def test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents():
     )
     server = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await server.start()}"
+    admin = f"http://127.0.0.1:{server.admin_port}"
     runners: dict[str, web.AppRunner] = {}
-    pages = {"router": base + "/metrics"}
+    pages = {"router": admin + "/metrics"}
     fleet = [
         ("t0", "m", "both", DramConfig(200_000)),
         ("t1", "m", "both", DramConfig(200_000)),

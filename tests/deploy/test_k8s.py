@@ -363,10 +363,11 @@ def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
 def _router_on_fake_api(raw: dict, api: FakeKubeAPI, token: pathlib.Path, ns: str) -> Router:
     """A router built from a ConfigMap's router.yaml, changed only where a pod's world
     differs from a test's: the API server (a pod finds it in its environment), its
-    token file and namespace, a loopback listener."""
+    token file and namespace, loopback listeners."""
     k = raw["workers"]["discovery"]["kubernetes"]
     k.update({"api_server": api.url, "token_file": str(token), "namespace": ns})
     raw["listen"] = {"host": "127.0.0.1", "port": 0}
+    raw["admin"] = {"host": "127.0.0.1", "port": 0}
     return Router(parse_config(raw))
 
 
