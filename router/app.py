@@ -218,7 +218,9 @@ class Router:
             self.agent_auth.check(headers.get("authorization"))  # read per request: reloads
 
         lim = lambda: self.cfg.limits  # noqa: E731 - read at use: a reload may change them
-        routes = {e.value: {"POST": (serve(e), self.admit_head, None)} for e in Endpoint}
+        routes: dict[str, dict[str, tuple]] = {
+            e.value: {"POST": (serve(e), self.admit_head, None)} for e in Endpoint
+        }
         routes[PREFETCH_PATH] = {"POST": (dp.prefetch, self.admit_head, None)}
         routes["/v1/models"] = {"GET": (answered(self.models, lim, self._rejected), self.admit_head, None)}
         routes["/health"] = {"GET": (answered(self.health, lim), None, None)}
@@ -244,11 +246,10 @@ class Router:
         r.add_get("/metrics", self._metrics)
         AdminAPI(self).add_routes(r)
         r.add_get("/openapi.json", self._openapi)
-        known: dict[str, set[str]] = {}
+        known: dict[str | None, set[str]] = {}
         for res in r.resources():
             info = res.get_info()
-            path = info.get("path") or info.get("formatter")
-            known.setdefault(path, set()).update(rt.method for rt in res)
+            known.setdefault(info.get("path") or info.get("formatter"), set()).update(rt.method for rt in res)
         r.add_route("*", "/{tail:.*}", functools.partial(self._not_found, known, data))
         app.cleanup_ctx.append(self._lifecycle)
         return app

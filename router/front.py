@@ -135,7 +135,7 @@ class _PendingRequest:
         self.in_head = True  # headers still arriving (later on_header calls are trailers)
         self.head_size = 0  # bytes of target and complete headers seen
         self.head_raw = 0  # bytes of the reads that ended inside the head
-        self.handler = None
+        self.handler: Callable[[FrontExchange], Awaitable[None]] | None = None
         self.keepalive = False
         self.http10 = False
         #: the body so far, one buffer: its first piece as received, then a bytearray
