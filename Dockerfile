@@ -3,6 +3,7 @@
 #
 #   docker build -t radixfleet .
 #   docker run -p 8000:8000 -e RADIXFLEET_ADMIN_TOKEN=... -e RADIXFLEET_AGENT_TOKEN=... radixfleet
+#   (8000: clients and agents; 8001: the admin API and /metrics, published to operators only)
 #   docker run -e RADIXFLEET_HEALTH_URL=http://127.0.0.1:9001/health radixfleet \
 #       agent --host 0.0.0.0 --port 9001 --router http://router:8000
 #
@@ -51,7 +52,7 @@ ENV PATH=/opt/radixfleet/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     RADIXFLEET_HEALTH_URL=http://127.0.0.1:8000/health
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
     CMD ["python", "-m", "router.healthcheck"]
 ENTRYPOINT ["radixfleet"]

@@ -276,6 +276,7 @@ def run_local(args: argparse.Namespace, workload, arrivals, bounds) -> list:
                 progress=False if args.no_progress else None,
                 settle_s=0.5,
                 between=between,
+                admin_urls={fleet.router_url: fleet.admin_url},
             )
         )
     finally:

@@ -14,10 +14,11 @@ is starred in the table and said in the report (``cut``).
 
 Before each target's run every agent's cache is flushed (``POST /flush_cache`` on the
 ``--flush`` URLs, or on the workers a radixfleet router lists at ``GET
-/admin/workers``) so every run starts cold. A failed flush stops the run with an
-error (a warm run must not be reported as a cold one) unless ``--allow-warm`` is
-given; then the run goes on and its report says ``"cold_start": false`` and which
-flush failed. With no agents to flush the report says ``"cold_start": null``.
+/admin/workers`` on its admin listener, ``--admin NAME=URL``) so every run starts
+cold. A failed flush stops the run with an error (a warm run must not be reported
+as a cold one) unless ``--allow-warm`` is given; then the run goes on and its
+report says ``"cold_start": false`` and which flush failed. With no agents to
+flush the report says ``"cold_start": null``.
 The pooled reference needs the fleet's KV capacity: ``--kv-capacity-tokens``, or
 the sum the agents report.
 
@@ -266,7 +267,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="URL",
         help="an agent to POST /flush_cache before each run (repeatable; "
-        "default: the workers the router lists at /admin/workers)",
+        "default: the workers the router lists at /admin/workers, on its --admin listener)",
+    )
+    parser.add_argument(
+        "--admin",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="the admin listener of target NAME's radixfleet router (admin.port): its "
+        "/admin/workers names the agents to flush and the index's predictions (repeatable)",
     )
     parser.add_argument(
         "--allow-warm",
@@ -488,6 +497,13 @@ def run(args: argparse.Namespace) -> int:
             "--target", "give at least one --target NAME=URL, or --ab radix|policy for a local fleet"
         )
     targets = [parse_target(t) for t in args.target]
+    admin_urls = {}
+    for item in args.admin:
+        name, sep, url = item.partition("=")
+        urls = [u for n, u in targets if n == name]
+        if not sep or not url or not urls:
+            raise ConfigError("--admin", f"expected NAME=URL for a --target NAME, got {item!r}")
+        admin_urls[urls[0]] = url.rstrip("/")
     names = [n for n, _ in targets]
     if len(set(names)) != len(names):
         raise ConfigError("--target", "target names must be unique")
@@ -521,6 +537,7 @@ def run(args: argparse.Namespace) -> int:
                 headers=headers,
                 retry=retry,
                 prefetch=None if args.prefetch is None else args.prefetch == "on",
+                admin_urls=admin_urls,
             )
         )
         for o in outs:
@@ -537,8 +554,8 @@ def _run_local_ab(args: argparse.Namespace, mopts) -> int:
     from loadtest import ab
     from loadtest.metrics import enrich
 
-    if args.target or args.flush:
-        raise ConfigError("--ab", "starts its own fleet: drop --target and --flush")
+    if args.target or args.flush or args.admin:
+        raise ConfigError("--ab", "starts its own fleet: drop --target, --flush and --admin")
     if args.rate and len(args.rate) > 1:
         raise ConfigError("--rate", "--ab runs one rate; sweep with --target")
     args.rate = args.rate[0] if args.rate else None

@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 progress=False if args.no_progress else None,
                 settle_s=0.5,
                 between=between,
+                admin_urls={fleet.router_url: fleet.admin_url},
             )
         )
     runs = [o.report for o in outcomes]

@@ -142,8 +142,9 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "radixfleet.cli", *args]
 
 
-def wait_registered(router_url: str, n: int, timeout_s: float = 60.0, registered: bool = True) -> None:
-    """Waits until the router lists ``n`` routable workers whose agents registered
+def wait_registered(admin_url: str, n: int, timeout_s: float = 60.0, registered: bool = True) -> None:
+    """Waits until the router whose admin listener is ``admin_url`` lists ``n``
+    routable workers whose agents registered
     (so feedback flows before load does; ``registered=False``: routable is enough).
     Returns early without /admin/workers. Raises ``RunError`` after ``timeout_s``:
     load sent before then would meet a router that serves no model yet, and fail
@@ -152,7 +153,7 @@ def wait_registered(router_url: str, n: int, timeout_s: float = 60.0, registered
     listed = "nothing"
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(router_url + "/admin/workers", timeout=1.0)
+            r = httpx.get(admin_url + "/admin/workers", timeout=1.0)
         except httpx.HTTPError as exc:
             r, listed = None, f"no answer ({exc.__class__.__name__})"
         if r is not None and r.status_code in (401, 403, 404):
@@ -172,7 +173,7 @@ def wait_registered(router_url: str, n: int, timeout_s: float = 60.0, registered
             listed = f"{len(ready)} of {len(items)} listed"
         time.sleep(0.2)
     what = "registered, routable" if registered else "routable"
-    raise RunError(f"{router_url} lists fewer than {n} {what} workers after {timeout_s:.0f} s ({listed})")
+    raise RunError(f"{admin_url} lists fewer than {n} {what} workers after {timeout_s:.0f} s ({listed})")
 
 
 def _answers(r: httpx.Response) -> bool:
@@ -300,6 +301,8 @@ class Fleet:
         self.agents: list[Child] = []
         self.router: Child | None = None
         self.router_port = cfg.router_port or free_port()
+        #: the router's admin listener (--admin-port): /admin/workers, /metrics
+        self.admin_port = free_port()
         self.agent_ports = [
             cfg.agent_base_port + i if cfg.agent_base_port else free_port() for i in range(cfg.agents)
         ]
@@ -307,6 +310,11 @@ class Fleet:
     @property
     def router_url(self) -> str:
         return f"http://{self.cfg.host}:{self.router_port}"
+
+    @property
+    def admin_url(self) -> str:
+        """The router's admin listener (a radixfleet router; smg has none)."""
+        return f"http://127.0.0.1:{self.admin_port}"
 
     @property
     def agent_urls(self) -> list[str]:
@@ -367,6 +375,8 @@ class Fleet:
                 c.router_config,
                 "--port",
                 str(self.router_port),
+                "--admin-port",
+                str(self.admin_port),
                 "--worker-header",
                 "--match-header",
                 *c.router_args,
@@ -378,6 +388,8 @@ class Fleet:
                 c.host,
                 "--port",
                 str(self.router_port),
+                "--admin-port",
+                str(self.admin_port),
                 "--policy",
                 policy or c.policy,
                 "--worker-header",  # the load generator's per-worker figures read it
@@ -407,7 +419,7 @@ class Fleet:
         self.router.start()
         self.router.wait_ready(self.ready_timeout_s)
         wait_registered(
-            self.router_url, len(self.agents), self.ready_timeout_s, registered=not c.plain_workers
+            self.admin_url, len(self.agents), self.ready_timeout_s, registered=not c.plain_workers
         )
 
     def start_smg(self, launch: list[str] | None = None, name: str = "smg") -> None:
@@ -552,7 +564,7 @@ def run(args: argparse.Namespace) -> int:
     fleet = Fleet(cfg, log_dir=args.log_dir)
     try:
         with fleet:
-            print(f"router  {fleet.router_url}  (policy {cfg.policy})", flush=True)
+            print(f"router  {fleet.router_url}  (policy {cfg.policy}; admin {fleet.admin_url})", flush=True)
             for i, url in enumerate(fleet.agent_urls):
                 print(
                     f"agent   {fleet.worker_id(i)}  {url}  ({cfg.model} on {cfg.gpu}"

@@ -299,8 +299,13 @@ async def run_ab(
     headers: dict[str, str] | None = None,
     retry: RetryPolicy = RetryPolicy("none"),
     prefetch: bool | None = None,
+    admin_urls: dict[str, str] | None = None,
 ) -> list[RunOutcome]:
     """Probes every target, then runs the workload against each in turn, cold.
+
+    ``admin_urls``: a target URL -> its radixfleet router's admin listener (its
+    ``/admin/workers``: the agents to flush and the index's predictions); a target
+    without one is asked at its own URL (another router: nothing found there).
 
     ``between(name)`` (async, optional) runs before each target's run (the demo
     restarts its router there). Raises ``ConfigError`` for an unreachable target
@@ -330,7 +335,8 @@ async def run_ab(
                 prefetch=prefetch,
             ) as target:
                 await target.probe()
-                url = target.base_url  # the first replica answers the admin calls
+                # the first replica answers the admin calls (at its admin listener)
+                url = (admin_urls or {}).get(url) or target.base_url
                 agents = list(flush_urls or []) or await discover_workers(admin, url)
                 failed: list[str] = []
                 if agents:

@@ -48,7 +48,7 @@ SYNC_INTERVAL_S = 0.25
 def configure(parser: argparse.ArgumentParser) -> None:
     from router import cli as router_cli
 
-    router_cli.configure(parser)
+    router_cli.configure(parser, admin=False)  # its router's whole API is on listen
     for a in parser._actions:  # the router's --port is the gateway's listener here
         if a.dest == "port":
             a.help = "Envoy's listener port (gateway.port; default 8080)"

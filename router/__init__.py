@@ -3,9 +3,10 @@
 Modules (ARCHITECTURE.md has the request flow and a row for each)::
 
     cli           ``radixfleet router``; app: the ``Router`` composition root
-    front         the raw HTTP/1.1 data-plane listener; intake: what a client may
-                  hold before admission (body budget, connection cap); slow_clients:
-                  how long it may take to read its answer (both listeners)
+    front, front_exchange  the raw HTTP/1.1 listener of the data port, one request's
+                  answer on it; intake: what a client may hold before admission
+                  (body budget, connection cap); slow_clients: how long it may take
+                  to read its answer (both listeners)
     screen        what is refused before a body is parsed and keyed (head, raw bytes)
     route         the route core, sans I/O: views, keys, admission, choice, placement
     dataplane     one request's I/O around the route core: body, upstream, answers
@@ -29,7 +30,7 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
     config, reload  the YAML schema and ``check-config``; hot reload
     config_reference  deploy/README's key tables generated from the schema
     auth, http_api, admin_api, agent_api  tokens, tenants, who reads /metrics; the
-                  aiohttp endpoints
+                  admin listener's endpoints and the data port's JSON handlers
     metrics, traffic_log, scaling_signal, healthcheck  observability and the scaling signal
     decisions     routing quality (available, predicted, delivered) and the recent
                   decisions with their candidates (GET /admin/decisions)

@@ -17,9 +17,11 @@ cache events and load.
                                  (URL and epoch checked, sequence gaps, snapshots;
                                  applied in slices); its status word
 
-A peer that hangs up before its body has arrived (an agent timing out on an
-overloaded host) is one counted log line (``radixfleet_peer_hangups_total``), not a
-traceback.
+Both are served on the data port (``router.front``: agents reach the router where
+clients do), as handlers of an exchange whose body was read within the limits
+(``exchange.peer()``: the peer's address and the listener's). A peer that hangs up
+before its body has arrived (an agent timing out on an overloaded host) is one
+counted log line (``hangup``: ``radixfleet_peer_hangups_total``), not a traceback.
 
 Both sit behind the agent token (``auth.agent_token_env``); without one, they answer
 only a loopback peer on a loopback listener (``RegistrationGuard.check_peer``).
@@ -34,8 +36,6 @@ import logging
 import time
 from typing import Protocol
 
-from aiohttp import web
-
 from protocol import events as ev
 from protocol.errors import (
     ConfigError,
@@ -48,7 +48,7 @@ from protocol.errors import (
 )
 from router.config import Config, parse_worker_url
 from router.feedback import Feedback
-from router.http_api import guarded, json_body, read_body
+from router.http_api import Answer, answered
 from router.metrics import Metrics
 from router.pool import Pool
 from router.prefix_index import COLDER_TIERS
@@ -67,12 +67,12 @@ def _parse_batch(raw: bytes | bytearray) -> ev.EventBatch:
     return ev.parse_batch(jsonbody.loads(raw))
 
 
-def _refusal(exc: RequestError) -> web.Response:
+def _refusal(exc: RequestError) -> Answer:
     """A refused registration: its error body with ``status`` (the word agents read)."""
     headers = (
-        {"Retry-After": retry_after_header(exc.retry_after_s)} if exc.retry_after_s is not None else None
+        (("Retry-After", retry_after_header(exc.retry_after_s)),) if exc.retry_after_s is not None else ()
     )
-    return web.json_response({"status": exc.code, **exc.to_json()}, status=exc.status, headers=headers)
+    return exc.status, {"status": exc.code, **exc.to_json()}, headers
 
 
 class AgentHost(Protocol):
@@ -93,33 +93,33 @@ class AgentAPI:
     def __init__(self, host: AgentHost) -> None:
         self.host = host
 
-    def add_routes(self, r: web.UrlDispatcher) -> None:
-        g = lambda fn: guarded(lambda: self.host.agent_auth, fn, self._hangup)  # noqa: E731
-        r.add_post(ev.REGISTER_PATH, g(self.register))
-        r.add_post(ev.EVENTS_PATH, g(self.events))
+    def routes(self, limits) -> dict:
+        """POST path -> ``handler(exchange)``; the agent token is the caller's screen
+        of the head (``Router.data_routes``), before the body is read."""
+        return {
+            ev.REGISTER_PATH: answered(self.register, limits),
+            ev.EVENTS_PATH: answered(self.events, limits),
+        }
 
-    def _hangup(self, request: web.Request) -> None:
-        self.host.metrics.peer_hangups.labels(request.path).inc()
+    def hangup(self, method: str, path: str, remote: str | None) -> None:
+        """A peer that hung up before its request was read: counted, one line."""
+        self.host.metrics.peer_hangups.labels(path).inc()
         log.info(
-            "agent API: %s %s from %s: the peer hung up before its request was read",
-            request.method,
-            request.path,
-            request.remote,
+            "agent API: %s %s from %s: the peer hung up before its request was read", method, path, remote
         )
 
-    def _peer(self, request: web.Request) -> tuple | None:
-        """The listener ``request`` arrived on (its sockname), after the loopback rule
-        of a tokenless agent API (``Forbidden`` off loopback)."""
-        t = request.transport
-        local = t.get_extra_info("sockname") if t is not None else None
+    def _peer(self, ex, path: str) -> tuple | None:
+        """The listener ``ex`` arrived on (its sockname), after the loopback rule of a
+        tokenless agent API (``Forbidden`` off loopback)."""
+        remote, local = ex.peer()
         h = self.host
-        h.registration.check_peer(not h.agent_auth.token, request.remote, local, request.path)
+        h.registration.check_peer(not h.agent_auth.token, remote, local, path)
         return local
 
-    async def register(self, request: web.Request) -> web.Response:
+    async def register(self, ex, raw: bytes | bytearray) -> Answer:
         h = self.host
-        local = self._peer(request)
-        reg = ev.parse_registration(await json_body(request, h.cfg.limits))
+        local = self._peer(ex, ev.REGISTER_PATH)
+        reg = ev.parse_registration(jsonbody.loads(raw))
         try:
             url = parse_worker_url(reg.url, "url")
         except ConfigError as exc:
@@ -136,7 +136,8 @@ class AgentAPI:
                 bb,
                 ours,
             )
-            return web.json_response(
+            return (
+                409,
                 {
                     "status": ev.STATUS_BLOCK_BYTES_MISMATCH,
                     "block_bytes": ours,
@@ -149,7 +150,7 @@ class AgentAPI:
                         "code": ev.STATUS_BLOCK_BYTES_MISMATCH,
                     },
                 },
-                status=409,
+                (),
             )
         try:
             # the guard counts and logs its own refusals
@@ -168,11 +169,10 @@ class AgentAPI:
                 log.warning("refused registration of %s (%s): %s", reg.worker_id, url, exc.message)
             return _refusal(exc)
         h.models_changed()
-        return web.json_response({"status": ev.STATUS_OK, "worker_id": w.id, "tiers": list(COLDER_TIERS)})
+        return 200, {"status": ev.STATUS_OK, "worker_id": w.id, "tiers": list(COLDER_TIERS)}, ()
 
-    async def events(self, request: web.Request) -> web.Response:
-        self._peer(request)
-        raw = await read_body(request, self.host.cfg.limits)
+    async def events(self, ex, raw: bytes | bytearray) -> Answer:
+        self._peer(ex, ev.EVENTS_PATH)
         if len(raw) > PARSE_IN_THREAD_BYTES:
             # a large batch's parse (a 300,000-block snapshot: ~0.5 s) runs in a thread
             # that gives the GIL back every few ms, so the loop keeps serving meanwhile
@@ -180,4 +180,4 @@ class AgentAPI:
         else:
             batch = _parse_batch(raw)
         status, word = await self.host.feedback.apply_async(batch, time.monotonic)
-        return web.json_response({"status": word}, status=status)
+        return status, {"status": word}, ()

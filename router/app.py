@@ -7,11 +7,18 @@ The data plane (one client request from admission to its last byte) lives in
 ``router.agent_api``, the validation half of a reload in ``router.reload``; the
 ``Router`` owns one of each and reconfigures them on reload.
 
-Endpoints::
+Endpoints, by listener (``RouterServer``)::
 
+    data port (listen.host:port), the raw front of router.front alone:
     POST /v1/completions, /v1/chat/completions, /generate      data plane
+    POST /v1/prefetch          a request known before it is sent (router.prefetch)
     GET  /v1/models            union of the routable workers' models (authenticated as
                                the data plane is: keys.tenant)
+    GET  /health, /readiness   the probes (below; on both listeners)
+    POST /internal/v1/register, /internal/v1/events            agents (router.agent_api)
+    anything else              404 JSON (an admin path's names the admin listener)
+
+    admin listener (admin.host:port, loopback by default), ``Router.admin_app``:
     GET  /health               the router process is up
     GET  /readiness            200 once every configured worker has answered its first
                                probe or failed it, served models are known and one
@@ -26,16 +33,14 @@ Endpoints::
     GET  /openapi.json         the OpenAPI 3 description of all of this (protocol.openapi)
     GET/POST /admin/workers, DELETE /admin/workers/{id}, POST /admin/workers/{id}/drain
     GET  /admin/index          index stats, hot prefixes, policy.describe()
+    GET  /admin/decisions      the recent routing decisions
     POST /admin/reload         re-read the config file (400 with the message if invalid,
                                empty, or a security downgrade not asked for: router.reload)
-    POST /internal/v1/register, /internal/v1/events            agents (protocol.events)
 
-Listening (``RouterServer``): the raw HTTP/1.1 front of ``router.front`` serves the
-three data-plane POST paths itself (parsed by httptools) and hands any other
-request, with its connection, to this aiohttp app on the same port — aiohttp's
-request machinery cost about as much as the whole rest of a proxied request. The
-same ``Router.serve`` also runs behind the aiohttp app's own data-plane routes
-(``AiohttpExchange``), for embedding and tests.
+The data port's handlers are written once, on an exchange (the data plane's;
+``router.http_api.answered`` for the rest), and served by the raw front and by
+``Router.app``: the whole API on one aiohttp app, for embedding (``radixfleet
+gateway``) and tests, through ``_ReadExchange``.
 
 Every error is an OpenAI-style JSON body (``protocol.errors``); bad input is never a
 500. Lifecycle: the client session, health checks, the reload watcher and warm-up
@@ -80,7 +85,7 @@ from router.decisions import DecisionRing
 from router.discovery import Discovery
 from router.engines.manager import Engines
 from router.feedback import Feedback
-from router.http_api import error_response, json_error
+from router.http_api import Answer, answered, error_response, json_error
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import Metrics
 from router.pool import Pool
@@ -131,9 +136,10 @@ def merge_models(answers: list[list[dict]]) -> list[dict]:
 class Router:
     """The router service: index, pool, policy, metrics, and the request logic.
 
-    ``Router(cfg).app`` is the aiohttp application (admin, agents, probes, and the
-    data plane through ``AiohttpExchange``); ``RouterServer(router)`` listens with
-    the raw front for the data plane. ``overrides`` (``section__key`` names,
+    ``Router(cfg).app`` is the aiohttp application of the whole API (admin, agents,
+    probes, and the data plane through ``AiohttpExchange``: embedding, tests);
+    ``RouterServer(router)`` listens with the raw front on the data port and
+    ``Router.admin_app`` on the admin listener. ``overrides`` (``section__key`` names,
     ``MISSING`` = absent) are reapplied on every reload so command-line options keep
     winning over the file.
     """
@@ -187,31 +193,64 @@ class Router:
         #: when the watcher reloads (router.reload); None without a file
         self._watch = ConfigWatch(cfg.path) if cfg.path else None
         self._reload_lock = asyncio.Lock()
-        self.app = self._build_app()
+        self.agent_api = AgentAPI(self)
+        self.app = self._build_app(data=True)
+        #: what the admin listener serves (RouterServer): no data-plane or agent path
+        self.admin_app = self._build_app(data=False)
 
     # ------------------------------------------------------------------ setup
 
-    def _build_app(self) -> web.Application:
+    def data_routes(self) -> dict[str, dict[str, tuple]]:
+        """What the data port serves: path -> method -> (handler of an exchange, the
+        screen its head passes before its body is read or None, what a peer gone
+        before its body arrived is told or None). The raw front serves these
+        (``RouterServer``), ``Router.app`` the same (``_exchange_route``)."""
+        dp = self.dataplane
+
+        def serve(endpoint: Endpoint):
+            async def handler(ex) -> None:
+                await dp.serve(ex, endpoint)
+
+            handler.__name__ = f"proxy_{endpoint.name.lower()}"
+            return handler
+
+        def agent_screen(headers) -> None:
+            self.agent_auth.check(headers.get("authorization"))  # read per request: reloads
+
+        lim = lambda: self.cfg.limits  # noqa: E731 - read at use: a reload may change them
+        routes: dict[str, dict[str, tuple]] = {
+            e.value: {"POST": (serve(e), self.admit_head, None)} for e in Endpoint
+        }
+        routes[PREFETCH_PATH] = {"POST": (dp.prefetch, self.admit_head, None)}
+        routes["/v1/models"] = {"GET": (answered(self.models, lim, self._rejected), self.admit_head, None)}
+        routes["/health"] = {"GET": (answered(self.health, lim), None, None)}
+        routes["/readiness"] = {"GET": (answered(self.readiness, lim), None, None)}
+        for path, handler in self.agent_api.routes(lim).items():
+            hangup = functools.partial(self.agent_api.hangup, "POST", path)
+            routes[path] = {"POST": (handler, agent_screen, hangup)}
+        return routes
+
+    def _rejected(self, exc: RequestError) -> None:
+        self.metrics.rejected.labels(str(exc.status), exc.code).inc()
+
+    def _build_app(self, *, data: bool) -> web.Application:
+        """The admin listener's app; with ``data``, the data port's routes too."""
         # Body size is enforced by the exchanges (a reload may change it).
         app = web.Application(client_max_size=2**62)
         app[intake.BODY_BUDGET] = self.body_budget
         r = app.router
-        for e in Endpoint:
-            r.add_post(e.value, self._dataplane_route(e))
-        r.add_post(PREFETCH_PATH, self._dataplane_route(None))
-        r.add_get("/v1/models", self._models)
-        r.add_get("/health", self._health)
-        r.add_get("/readiness", self._readiness)
+        for path, methods in self.data_routes().items():
+            if data or path in ("/health", "/readiness"):
+                for method, (handler, screen, hangup) in methods.items():
+                    r.add_route(method, path, self._exchange_route(handler, screen, hangup))
         r.add_get("/metrics", self._metrics)
         AdminAPI(self).add_routes(r)
-        AgentAPI(self).add_routes(r)
         r.add_get("/openapi.json", self._openapi)
-        self._known: dict[str | None, set[str]] = {}
+        known: dict[str | None, set[str]] = {}
         for res in r.resources():
             info = res.get_info()
-            path = info.get("path") or info.get("formatter")
-            self._known.setdefault(path, set()).update(rt.method for rt in res)
-        r.add_route("*", "/{tail:.*}", self._not_found)
+            known.setdefault(info.get("path") or info.get("formatter"), set()).update(rt.method for rt in res)
+        r.add_route("*", "/{tail:.*}", functools.partial(self._not_found, known, data))
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
@@ -331,46 +370,57 @@ class Router:
         self.dataplane.hops.check(headers)
         self.dataplane.screen_head(headers)  # 401, or 429 over a rate limit (router.screen)
 
-    def _dataplane_route(self, endpoint: Endpoint | None):
-        """The aiohttp handler of a data-plane path (a connection the raw front handed
-        over, or an embedded app): credentials from the headers first, then the body
-        within its deadline and the body budget, and only then ``DataPlane.serve``
-        (which takes the admission slot), so a slow or unauthenticated body never
-        holds a slot (``admit_head``). ``endpoint`` None: ``POST /v1/prefetch``
-        (``DataPlane.prefetch``)."""
+    def _exchange_route(self, handler, screen, hangup=None):
+        """The aiohttp handler of a data-port route (an embedded app, tests): its
+        ``screen`` on the headers first, then the body within its deadline and the
+        body budget, and only then ``handler`` (the data plane takes its admission
+        slot there), so a slow or unauthenticated body never holds a slot
+        (``admit_head``). ``hangup(remote)``: a peer gone before its body arrived
+        (counted, a 400 nobody reads), else that is the aiohttp server's."""
 
-        async def handler(request: web.Request) -> web.StreamResponse:
+        async def route(request: web.Request) -> web.StreamResponse:
             lim = self.cfg.limits
             try:
-                self.admit_head(request.headers)
+                if screen is not None:
+                    screen(request.headers)
                 raw = await intake.read_body(
                     request, lim.max_body_bytes, lim.body_timeout_s, self.body_budget
                 )
             except RequestError as exc:
-                self.metrics.rejected.labels(str(exc.status), exc.code).inc()
+                if screen == self.admit_head:
+                    self._rejected(exc)
                 resp = error_response(exc)
                 resp.force_close()  # the rest of the body is never read
                 return resp
+            except ConnectionResetError:
+                if hangup is None:
+                    raise
+                hangup(request.remote)
+                return json_error(
+                    400,
+                    "the peer closed the connection before its request was read",
+                    "invalid_request_error",
+                    "peer_hangup",
+                )
             try:
                 ex = _ReadExchange(request, raw, self.slow_clients)
-                if endpoint is None:
-                    await self.dataplane.prefetch(ex)
-                else:
-                    await self.dataplane.serve(ex, endpoint)
+                await handler(ex)
             finally:
                 self.body_budget.give(len(raw))
             return await ex.sent()
 
-        handler.__name__ = "prefetch" if endpoint is None else f"proxy_{endpoint.name.lower()}"
-        return handler
+        route.__name__ = handler.__name__
+        return route
 
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.router_spec())
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def health(self, ex, body) -> Answer:
+        """``GET /health``: the process is up."""
+        return 200, {"status": "ok"}, ()
 
-    async def _readiness(self, request: web.Request) -> web.Response:
+    async def readiness(self, ex, body) -> Answer:
+        """``GET /readiness`` (the module docstring)."""
         now = time.monotonic()
         healthy = [w.id for w in self.pool if w.health.value == "healthy"]
         routable = [w.id for w in self.pool.routable_workers(now)]
@@ -385,10 +435,8 @@ class Router:
             body["bus"] = self.bus.describe()
             body["ready"] = ready = ready and caught_up
         if ready:
-            return web.json_response(body)
-        return web.json_response(
-            body, status=503, headers={"Retry-After": retry_after_header(self.cfg.health.interval_s)}
-        )
+            return 200, body, ()
+        return 503, body, (("Retry-After", retry_after_header(self.cfg.health.interval_s)),)
 
     def scale_signal(self, now: float):
         """The prefix-aware autoscaling signal (router.scaling_signal), from the demand
@@ -420,18 +468,13 @@ class Router:
         self.metrics.body_bytes_held.set(self.body_budget.held)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
-    async def _models(self, request: web.Request) -> web.Response:
-        try:
-            # a loop back here (router.hops), then the data plane's authentication
-            self.admit_head(request.headers)
-        except RequestError as exc:
-            self.metrics.rejected.labels(str(exc.status), exc.code).inc()
-            return error_response(exc)
-        hop = self.dataplane.hops.headers(request.headers)
+    async def models(self, ex, body) -> Answer:
+        """``GET /v1/models`` (its head screened as the data plane's: ``admit_head``)."""
+        hop = self.dataplane.hops.headers(ex.headers)
         now = time.monotonic()
         cached = self._models_cache
         if cached is not None and now - cached[0] < 2.0:
-            return web.json_response(cached[1])
+            return 200, cached[1], ()
         workers = self.pool.routable_workers(now)
 
         async def fetch(w):
@@ -453,10 +496,10 @@ class Router:
 
         out = {"object": "list", "data": merge_models(await asyncio.gather(*(fetch(w) for w in workers)))}
         self._models_cache = (now, out)
-        return web.json_response(out)
+        return 200, out, ()
 
-    async def _not_found(self, request: web.Request) -> web.Response:
-        allowed = self._known.get(request.path)
+    async def _not_found(self, known: dict, data: bool, request: web.Request) -> web.Response:
+        allowed = known.get(request.path)
         if allowed:
             return json_error(
                 405,
@@ -466,8 +509,10 @@ class Router:
                 "method_not_allowed",
                 headers={"Allow": ", ".join(sorted(allowed))},
             )
-        exc = NotFound(f"unknown path {request.path}")
-        return error_response(exc)
+        if not data and request.path in self.data_routes():
+            msg = f"{request.path} is served on the data port (listen), not the admin listener"
+            return error_response(NotFound(msg))
+        return error_response(NotFound(f"unknown path {request.path}"))
 
     # ---------------------------------------------------------------- reload
 
@@ -532,6 +577,11 @@ class Router:
                     "listen address changes need a restart (still on %s:%d)", old.listen.host, old.listen.port
                 )
                 new = with_overrides(new, listen=old.listen)
+            if new.admin != old.admin:
+                log.warning(
+                    "admin listener changes need a restart (still on %s:%d)", old.admin.host, old.admin.port
+                )
+                new = with_overrides(new, admin=old.admin)
             if new.tracing != old.tracing:
                 log.warning("tracing changes need a restart (tracing kept as it started)")
                 new = with_overrides(new, tracing=old.tracing)
@@ -585,6 +635,11 @@ class _ReadExchange(AiohttpExchange):
     def _bounded(self, write):
         return self._slow.bounded(write, self.request.transport, self._deadline)
 
+    def peer(self) -> tuple[str | None, tuple | None]:
+        """(the client's IP address, the listener's sockname); None where unknown."""
+        t = self.request.transport
+        return self.request.remote, (t.get_extra_info("sockname") if t is not None else None)
+
     async def stream_start(self, content_type: str, extra) -> None:
         await self._bounded(super().stream_start(content_type, extra))
 
@@ -621,37 +676,72 @@ class _ReadExchange(AiohttpExchange):
         return self._raw
 
 
+#: paths of the admin listener that a request on the data port may be looking for
+_ADMIN_PATHS = ("/metrics", "/openapi.json")
+
+
+def _data_port_not_found(path: str) -> RequestError:
+    """The data port's 404: an admin path's says where such paths are served (that an
+    admin listener exists, not its address)."""
+    if path in _ADMIN_PATHS or path == "/admin" or path.startswith("/admin/"):
+        return NotFound(
+            f"{path} is not served on the data port: the admin API, /metrics and "
+            "/openapi.json are served on the router's admin listener, a port of its own (admin.port)"
+        )
+    return NotFound(f"unknown path {path}")
+
+
 class RouterServer:
-    """A ``Router`` listening: the raw front (router.front.FrontServer) for the data
-    plane, the aiohttp app (same port, handed over per connection) for the rest.
+    """A ``Router`` listening: the raw front (router.front.FrontServer) alone on the
+    data port (``Router.data_routes``), ``Router.admin_app`` on the admin listener
+    (``admin``; port 0: a free one, in ``admin_port`` once started).
 
     Lifecycle: ``await start()`` (runs the app's startup: client sessions, health
-    checks, reload watcher) -> ``port``; ``await aclose()`` stops accepting,
+    checks, reload watcher) -> ``port``; either address taken is a ``ConfigError``
+    naming its key, with nothing left running; ``await aclose()`` stops accepting,
     finishes in-flight requests for up to ``limits.shutdown_timeout_s``, then runs
     the app's cleanup. Idempotent.
     """
 
-    def __init__(self, router: Router, host: str | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        admin_host: str | None = None,
+        admin_port: int | None = None,
+    ) -> None:
         self.router = router
-        self.host = router.cfg.listen.host if host is None else host
-        self.port = router.cfg.listen.port if port is None else port
+        cfg = router.cfg
+        self.host = cfg.listen.host if host is None else host
+        self.port = cfg.listen.port if port is None else port
+        self.admin_host = cfg.admin.host if admin_host is None else admin_host
+        self.admin_port = cfg.admin.port if admin_port is None else admin_port
         self._runner: web.AppRunner | None = None
+        self._admin: asyncio.Server | None = None
         self._front: FrontServer | None = None
         self._closed = False
 
     async def start(self) -> int:
-        from router.front import FrontServer
+        from router.front import FrontServer, Route
 
         r = self.router
+        if self.admin_port and self.admin_port == self.port:
+            raise ConfigError(
+                "admin.port", f"the admin listener needs a port of its own (listen.port is {self.port})"
+            )
         self._runner = web.AppRunner(
-            r.app,
+            r.admin_app,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=r.cfg.limits.shutdown_timeout_s,
         )
         await self._runner.setup()
-        routes = {e.value.encode(): self._route(e) for e in Endpoint}
-        routes[PREFETCH_PATH.encode()] = self._route(None)
+        routes = {
+            path.encode(): {m.encode(): Route(*route) for m, route in methods.items()}
+            for path, methods in r.data_routes().items()
+        }
         lim = lambda: r.cfg.limits  # noqa: E731 - read at use: a reload may change them
         bad = r.metrics.bad_http
         fd_limit = intake.raise_fd_limit()
@@ -665,49 +755,47 @@ class RouterServer:
                 cap,
             )
         refused, gone = r.metrics.connections_refused, r.metrics.client_disconnects
-        fallback = http_errors.factory(
-            self._runner,
-            access_log=None,
-            on_bad_http=lambda st: bad.labels(str(st)).inc(),
-            # an idle handed-over connection (or one trickling its next head) is closed
-            keepalive_timeout=r.cfg.limits.header_timeout_s,
-        )
         self._front = FrontServer(
             routes,
-            fallback,
             lambda: lim().max_body_bytes,
             head_timeout_s=lambda: lim().header_timeout_s,
             body_timeout_s=lambda: lim().body_timeout_s,
             budget=r.body_budget,
-            authorize=r.admit_head,
             max_connections=lambda: intake.connection_cap(lim().max_connections, fd_limit),
             on_refused=lambda reason: refused.labels(reason).inc(),
             on_gone=lambda phase: gone.labels(phase).inc(),
+            on_bad_http=lambda st: bad.labels(str(st)).inc(),
             slow=r.slow_clients,
+            not_found=_data_port_not_found,
         )
         # Routable as soon as it listens: the first health round (bounded by one
         # check's timeout) runs before the socket opens.
         await r.pool.first_round(r.cfg.health.timeout_s + 0.5)
+        key, host, port = "admin", self.admin_host, self.admin_port
         try:
+            self._admin = await http_errors.listen(
+                self._runner,
+                host,
+                port,
+                access_log=None,
+                on_bad_http=lambda st: bad.labels(str(st)).inc(),
+                keepalive_timeout=r.cfg.limits.header_timeout_s,
+            )
+            self.admin_port = self._admin.sockets[0].getsockname()[1]
+            key, host, port = "listen", self.host, self.port
             self.port = await self._front.start(self.host, self.port)
         except OSError as exc:
+            await self._stop_admin()
             await self._runner.cleanup()
-            raise ConfigError(
-                "listen", f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
-            ) from None
-        r.registration.listening(self._front.socknames())  # no worker URL may lead here
+            raise ConfigError(key, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        # no worker URL may lead to either listener
+        r.registration.listening(self._front.socknames() + [s.getsockname() for s in self._admin.sockets])
         return self.port
 
-    def _route(self, endpoint: Endpoint | None):
-        dp = self.router.dataplane
-        if endpoint is None:  # POST /v1/prefetch
-            return dp.prefetch
-        serve = dp.serve
-
-        async def handler(ex) -> None:
-            await serve(ex, endpoint)
-
-        return handler
+    async def _stop_admin(self) -> None:
+        if self._admin is not None:
+            self._admin.close()
+            await self._admin.wait_closed()
 
     async def aclose(self) -> None:
         if self._closed:
@@ -715,6 +803,8 @@ class RouterServer:
         self._closed = True
         if self._front is not None:
             await self._front.aclose(self.router.cfg.limits.shutdown_timeout_s)
+        if self._admin is not None:
+            self._admin.close()  # stops accepting; the runner's cleanup ends its requests
         if self._runner is not None:
             await self._runner.cleanup()
 

@@ -12,14 +12,15 @@ API keys by looking up the SHA-256 digest of the presented key (the lookup's
 timing depends on the digest, which reveals nothing about stored keys).
 
 Admin and agent APIs without a token are open on a loopback address (local
-development) and refused on any other address (``check_exposure``).
+development) and refused on any other address (``check_exposure``): the admin API
+on the admin listener's (``admin.host``), the agent API on the data port's.
 
 ``GET /metrics`` names workers (``host:port`` ids), tenants and the fleet's load: not
 a client's business. ``check_metrics`` lets in the metrics token
 (``auth.metrics_token_env``) or the admin token; without a metrics token set, also
 any peer on a loopback address (the quick start, a sidecar, ``kubectl
-port-forward``); everyone else gets 401. A router listening off loopback without a
-metrics token says so at start (``metrics_exposure``).
+port-forward``); everyone else gets 401. A router whose admin listener is off loopback
+without a metrics token says so at start (``metrics_exposure``).
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ from service.tenancy import TenantSalts
 
 
 def check_exposure(cfg: Config, admin: BearerAuth, agent: BearerAuth) -> None:
-    """Refuses to expose tokenless admin/agent APIs on a non-loopback address."""
-    if is_loopback(cfg.listen.host):
-        return
-    for a, key in ((admin, "auth.admin_token_env"), (agent, "auth.agent_token_env")):
-        if not a.token:
+    """Refuses a tokenless API on a non-loopback address: the admin API on the admin
+    listener's (``admin.host``), the agent API on the data port's (``listen.host``)."""
+    for a, key, host in (
+        (admin, "auth.admin_token_env", cfg.admin.host),
+        (agent, "auth.agent_token_env", cfg.listen.host),
+    ):
+        if not a.token and not is_loopback(host):
             raise ConfigError(
                 key,
-                f"listening on {cfg.listen.host} (not loopback) needs the {a.what} "
+                f"listening on {host} (not loopback) needs the {a.what} "
                 f"token: set ${a.env} (or listen on 127.0.0.1)",
             )
 
@@ -71,12 +74,12 @@ def _metrics_refusal(metrics: BearerAuth, header: str | None) -> RequestError:
 
 
 def metrics_exposure(cfg: Config, metrics: BearerAuth) -> str | None:
-    """A warning for a router whose ``/metrics`` no remote scraper can read (off
-    loopback, no metrics token), or None."""
-    if metrics.token or is_loopback(cfg.listen.host):
+    """A warning for a router whose ``/metrics`` no remote scraper can read (the admin
+    listener off loopback, no metrics token), or None."""
+    if metrics.token or is_loopback(cfg.admin.host):
         return None
     return (
-        f"listening on {cfg.listen.host} without ${metrics.env}: GET /metrics answers only "
+        f"admin listener on {cfg.admin.host} without ${metrics.env}: GET /metrics answers only "
         "loopback peers and the admin token; set it and give it to the scraper (a bearer token)"
     )
 

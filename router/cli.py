@@ -1,9 +1,10 @@
 """``radixfleet router``: run the cache-aware router.
 
-    radixfleet router --config FILE [--host H] [--port P] [--worker-header] [--match-header]
+    radixfleet router --config FILE [--host H] [--port P] [--admin-host H] [--admin-port P]
+                      [--worker-header] [--match-header]
     radixfleet router --worker URL [--worker URL ...] [--policy NAME]
-                      [--policy-param NAME=VALUE ...] [--port P] [--host H] [--worker-header]
-                      [--match-header]
+                      [--policy-param NAME=VALUE ...] [--port P] [--host H] [--admin-port P]
+                      [--worker-header] [--match-header]
 
 A ``--worker`` is a base URL, ``KIND=URL`` (``vllm=http://10.0.0.5:8000``), or
 comma-separated ``key=value`` settings of a YAML worker entry::
@@ -16,8 +17,9 @@ policy's parameters (``policy.params`` of the YAML; the value is read as YAML:
 ``footprint_room=0``, ``replicate=false``).
 
 The quick start without a file builds the same validated ``Config`` (errors name
-the field: ``workers[0].url: ...``). ``--host``/``--port`` override the file and
-keep overriding it across reloads, as ``--worker-header`` does
+the field: ``workers[0].url: ...``). ``--host``/``--port`` (the data port) and
+``--admin-host``/``--admin-port`` (the admin listener: admin API, ``/metrics``)
+override the file and keep overriding it across reloads, as ``--worker-header`` does
 ``response_headers.worker_id: true`` and ``--match-header``
 ``response_headers.match_tokens: true``. Signals: SIGTERM/SIGINT stop accepting, let
 in-flight requests finish (``limits.shutdown_timeout_s``) and exit 0; SIGHUP
@@ -42,7 +44,9 @@ from router.prefix_index import tune_gc
 log = logging.getLogger("radixfleet.router")
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser, *, admin: bool = True) -> None:
+    """The router's flags; ``admin``: with the admin listener's (``radixfleet gateway``
+    serves its router's whole API on ``listen``: none)."""
     parser.add_argument("--config", metavar="FILE", help="router YAML file (deploy/README.md)")
     parser.add_argument(
         "--worker",
@@ -87,6 +91,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=MISSING, help="listen port (default 8000)")
     parser.add_argument(
         "--log-level", type=log_level, default="INFO", help=f"{', '.join(LOG_LEVELS)} (any case)"
+    )
+    if not admin:
+        return
+    parser.add_argument(
+        "--admin-host",
+        default=MISSING,
+        help="the admin listener's address: admin API, /metrics (admin.host; default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        default=MISSING,
+        help="the admin listener's port (admin.port; default 8001; 0: a free port)",
     )
 
 
@@ -166,6 +183,13 @@ def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
         if not 0 <= args.port <= 65535:
             raise ConfigError("--port", f"expected an integer in [0, 65535], got {args.port}")
         overrides["listen__port"] = args.port
+    admin_host, admin_port = getattr(args, "admin_host", MISSING), getattr(args, "admin_port", MISSING)
+    if admin_host is not MISSING:
+        overrides["admin__host"] = admin_host
+    if admin_port is not MISSING:
+        if not 0 <= admin_port <= 65535:
+            raise ConfigError("--admin-port", f"expected an integer in [0, 65535], got {admin_port}")
+        overrides["admin__port"] = admin_port
     if args.worker_header:
         overrides["response_headers__worker_id"] = True
     if args.match_header:
@@ -191,14 +215,14 @@ def build_config(args: argparse.Namespace) -> tuple[Config, dict]:
 
 
 async def serve(cfg: Config, overrides: dict, *, ready=None) -> int:
-    """Runs the router until SIGTERM/SIGINT. ``ready(port)`` is called once listening."""
+    """Runs the router until SIGTERM/SIGINT. ``ready(server)`` is called once listening."""
     from router.app import Router, RouterServer
 
     router = Router(cfg, overrides=overrides)
     server = RouterServer(router)
-    port = await server.start()
+    await server.start()
     if ready is not None:
-        ready(port)
+        ready(server)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reloads: set[asyncio.Task] = set()
@@ -231,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
         log.warning("%s", warning)
     tune_gc()  # the index's millions of nodes: the collector would rescan them (its docstring)
 
-    def ready(port: int) -> None:
+    def ready(server) -> None:
         print(
-            f"radixfleet router: listening on http://{cfg.listen.host}:{port} ({cfg.summary()})", flush=True
+            f"radixfleet router: listening on http://{server.host}:{server.port} ({cfg.summary()}); "
+            f"admin on http://{server.admin_host}:{server.admin_port}",
+            flush=True,
         )
 
     try:

@@ -1,38 +1,27 @@
-"""The data plane's client-facing wire (``FrontServer``).
-
-The client-facing side of the data plane: a raw HTTP/1.1 server for the proxied
-POST paths, its bytes parsed by one httptools.HttpRequestParser per connection.
-Everything else (admin, agents, metrics, probes, 404/405) is handed, at a request
-boundary, to the aiohttp application by swapping the transport's protocol — so
-one port serves both and the hot path skips aiohttp's request machinery.
+"""The data port's wire (``FrontServer``): a raw HTTP/1.1 server, its bytes parsed by
+one httptools.HttpRequestParser per connection, that serves every request of the
+data port itself — the data-plane POST paths and the few others clients and agents
+use (``router.app.RouterServer`` names them). Nothing is handed to another server:
+the admin API and ``/metrics`` are another listener's (``admin``), and a path not
+served here is a JSON 404 (405 with ``Allow`` for a known path's other methods).
 
   _FrontConn states:  idle (no task) --request complete--> busy (task running)
                       --reply / stream end--> next queued request | idle | closed
-                      a non-data-plane request --> (once idle) handed to aiohttp
                       a malformed request --> (once idle) 400/431 JSON, closed
 
 The parser runs ahead of the handler: requests a client pipelines behind the one
 being served are parsed into ``queue`` and served in order; reading pauses while
-the backlog is large. A hand-over must give aiohttp the raw bytes of the handed
-request onwards, and httptools reports no byte offsets, so the connection keeps
-the chunks received since the last point at which the parser stood between
-requests (``fed``, ``fed_done``); finding a boundary inside them (pipelining
-only) re-parses them with a throw-away parser (``_message_end``). ``fed`` is
-trimmed at every request that completes: once a data-plane request's head is in, its
-bytes are dropped and the next request starts exactly where its body ends — known
-from its Content-Length, or for a chunked body from its framing (``_ChunkedEnd``
-follows the chunk-size lines without keeping the data); otherwise the completed
-requests' bytes are cut off at the end of each read. So ``fed`` never holds more
-than the current request's head and one read, and a data-plane body is held once:
-in its request's one buffer (``_PendingRequest.body``), which the exchange hands on
-as it is.
+the backlog is large. A body is held once: in its request's one buffer
+(``_PendingRequest.body``), which the exchange hands on as it is; an unknown path's
+body is not kept.
 
 What a client may hold before its request is admitted is bounded here: body bytes
 by the shared ``router.intake.BodyBudget`` (429 past it), a head by ``MAX_HEAD``
-(counting only that head's bytes, not its pipelined predecessors'), connections by
+(its target and header bytes, and every read begun and ended inside it), connections by
 ``max_connections()`` (the longest-idle one closed to make room, else 429), and a
-request without valid credentials or whose tenant is over its rate limit is refused
-from its headers (``authorize``: router.screen), before its body is read.
+request of a screened route without valid credentials or whose tenant is over its
+rate limit is refused from its headers (``Route.screen``: router.screen), before its
+body is read.
 
 A client that closes its connection while its request is served (waiting for a
 slot, for its worker, or mid-stream) is an expected event: the request's task is
@@ -56,23 +45,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import http
 import json
 import logging
-import re
 import socket
 import time as _time
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import httptools
 
-from protocol.errors import PayloadTooLarge, RequestError
+from protocol.errors import NotFound, RequestError, error_body
+from router.front_exchange import PHRASES, FrontExchange
 from router.intake import BodyBudget, Throttled
 from router.slow_clients import WRITE_HIGH, SlowClients, reset
 from router.upstream import MAX_HEAD
 
 log = logging.getLogger("radixfleet.front")
 
-_PHRASES = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_PIPELINE = 1 << 20  # bytes received while busy before reading pauses
 _LINGER_S = 2.0  # how long a connection closing after an answer drains its client
 
@@ -83,125 +72,35 @@ class _Stop(Exception):
     shared one would keep its last traceback, and the connection, alive)."""
 
 
-class _Counter:
-    """Parser callbacks that only count complete heads and messages (``_shortest``)."""
+class MethodNotAllowed(RequestError):
+    """A path served here, asked with a method it does not take (``Allow`` names them)."""
 
-    __slots__ = ("n", "heads")
+    status = 405
+    code = "method_not_allowed"
 
-    def __init__(self) -> None:
-        self.n = 0
-        self.heads = 0
-
-    def on_headers_complete(self) -> None:
-        self.heads += 1
-
-    def on_message_complete(self) -> None:
-        self.n += 1
+    def __init__(self, method: str, path: str, allowed: list[str]) -> None:
+        super().__init__(f"method {method} not allowed on {path}; allowed: {', '.join(allowed)}")
+        self.headers = (("Allow", ", ".join(allowed)),)
 
 
-def _message_end(data: bytes, n: int) -> int:
-    """The offset in ``data`` (which starts between requests) at which its ``n``-th
-    request ends: the shortest prefix in which a fresh parser completes ``n``
-    messages. O(len(data) log len(data)); only a pipelined hand-over needs it."""
-    return _shortest(data, lambda c: c.n >= n)
+class Route(NamedTuple):
+    """One method of one path: ``handler(exchange)`` answers it; ``screen(headers)``,
+    if any, raises a ``RequestError`` for a request refused whatever its body (no
+    credentials, a tenant or key over its rate limit: router.screen), checked before
+    its body is read; the handler gets it from ``exchange.body()``. ``hangup(peer)``,
+    if any, is told of a client gone before its body arrived (the agent API counts
+    those)."""
+
+    handler: Callable[[FrontExchange], Awaitable[None]]
+    screen: Callable[[dict], None] | None = None
+    hangup: Callable[[str | None], None] | None = None
 
 
-def _head_end(data: bytes, done: int) -> int:
-    """The offset in ``data`` (which starts between requests) at which the head of
-    the request after the first ``done`` ends: where its body begins. O(len(data)
-    log len(data)); once per chunked data-plane body that spans reads."""
-    return _shortest(data, lambda c: c.heads > done)
-
-
-def _shortest(data: bytes, enough) -> int:
-    """The length of the shortest prefix of ``data`` after which a fresh parser's
-    ``_Counter`` is ``enough``."""
-    view = memoryview(data)
-    lo, hi = 0, len(data)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        c = _Counter()
-        try:
-            httptools.HttpRequestParser(c).feed_data(view[:mid])
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            pass  # past the request looked for: what follows is not ours to judge
-        if enough(c):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-_HEX = re.compile(rb"[0-9a-fA-F]*")
-
-
-class _ChunkedEnd:
-    """Where a chunked body ends, found by following its framing — chunk-size lines,
-    chunk data skipped by its length, the trailer section up to its empty line —
-    without keeping any of it. The parser validates the framing and takes the data;
-    this only tells the connection where the next request starts, which httptools
-    does not report. O(chunks + framing bytes) per read.
-
-    States: SIZE (in a chunk-size line: ``size`` so far, ``digits`` still coming),
-    DATA (``left`` bytes of chunk data to skip), DATA_END (the line break after the
-    data), TRAILER (in the trailer section: ``line`` bytes of the current line,
-    ``cr`` its first byte was CR); DONE once the empty line that ends it was seen."""
-
-    __slots__ = ("state", "size", "digits", "left", "line", "cr")
-
-    SIZE, DATA, DATA_END, TRAILER, DONE = range(5)
-
-    def __init__(self) -> None:
-        self.state = self.SIZE
-        self.size = 0
-        self.digits = True  # the size line's hex digits are still coming
-        self.left = 0
-        self.line = 0
-        self.cr = False
-
-    def feed(self, data, pos: int = 0) -> int:
-        """Follows ``data[pos:]``; the offset in ``data`` just past the body's end, or
-        -1 if it does not end there."""
-        n = len(data)
-        while pos < n:
-            st = self.state
-            if st == self.DATA:
-                take = min(self.left, n - pos)
-                pos += take
-                self.left -= take
-                if not self.left:
-                    self.state = self.DATA_END
-                continue
-            nl = data.find(b"\n", pos)
-            end = n if nl < 0 else nl
-            if st == self.SIZE:
-                if self.digits:
-                    m = _HEX.match(data, pos, end)
-                    assert m is not None  # the pattern matches the empty string too
-                    if m.end() > pos:
-                        self.size = (self.size << (4 * (m.end() - pos))) | int(data[pos : m.end()], 16)
-                    self.digits = m.end() == end and nl < 0
-                if nl >= 0:
-                    self.state = self.DATA if self.size else self.TRAILER
-                    self.left, self.size, self.digits = self.size, 0, True
-            elif st == self.DATA_END:
-                if nl >= 0:
-                    self.state = self.SIZE
-            elif st == self.TRAILER:
-                if end > pos and not self.line:
-                    self.cr = data[pos] == 13
-                self.line += end - pos
-                if nl >= 0:
-                    if self.line == 0 or (self.line == 1 and self.cr):
-                        self.state = self.DONE
-                        return nl + 1
-                    self.line = 0
-            else:
-                return -1  # DONE: nothing more is this body's
-            if nl < 0:
-                return -1
-            pos = nl + 1
-        return -1
+async def _answer_refusal(ex: FrontExchange) -> None:
+    """The handler of a request no route takes: its refusal (404, 405) as JSON."""
+    exc = ex.refusal
+    assert exc is not None, "set with the handler"
+    ex.reply(exc.status, json.dumps(exc.to_json()).encode(), "application/json", exc.headers)
 
 
 class _PendingRequest:
@@ -222,11 +121,9 @@ class _PendingRequest:
         "too_large",
         "expect_continue",
         "since",
-        "clen",
-        "in_fed",
         "refusal",
         "held",
-        "chunked",
+        "hangup",
     )
 
     def __init__(self) -> None:
@@ -237,8 +134,8 @@ class _PendingRequest:
         self.headers: dict[str, str] = {}  # lower-case names, repeats joined by ", "
         self.in_head = True  # headers still arriving (later on_header calls are trailers)
         self.head_size = 0  # bytes of target and complete headers seen
-        self.head_raw = 0  # bytes received while the head was unfinished (an upper bound)
-        self.handler = None
+        self.head_raw = 0  # bytes of the reads that ended inside the head
+        self.handler: Callable[[FrontExchange], Awaitable[None]] | None = None
         self.keepalive = False
         self.http10 = False
         #: the body so far, one buffer: its first piece as received, then a bytearray
@@ -248,111 +145,9 @@ class _PendingRequest:
         self.limit = 0  # the body limit when the head arrived
         self.too_large = False  # the body exceeds the limit: parsing stopped
         self.expect_continue = False  # a 100 Continue is owed once it is this one's turn
-        self.clen = -1  # its Content-Length, -1 if none (chunked, or no body)
-        #: its bytes are in the connection's ``fed`` (False once a Content-Length framed
-        #: data-plane body is being read: its end is known, its bytes are not kept)
-        self.in_fed = True
         self.refusal: RequestError | None = None  # answered instead of served
         self.held = 0  # bytes of the server's BodyBudget this request holds
-        #: a chunked data-plane body not kept in ``fed``: where it ends (None otherwise)
-        self.chunked: _ChunkedEnd | None = None
-
-
-class FrontExchange:
-    """One data-plane request on a raw front connection (see ``Router.serve``)."""
-
-    __slots__ = (
-        "conn",
-        "headers",
-        "_body",
-        "keepalive",
-        "http10",
-        "state",
-        "too_large",
-        "result",
-        "refusal",
-        "held",
-        "deadline",
-    )
-
-    def __init__(self, conn: _FrontConn, req: _PendingRequest) -> None:
-        self.conn = conn
-        self.headers = req.headers  # lower-case names
-        self._body = req.body  # handed on as it is: no copy
-        req.body = b""
-        self.keepalive = req.keepalive
-        self.http10 = req.http10
-        self.state = 0  # 0 nothing sent, 1 replied, 2 streaming, 3 stream ended
-        self.too_large = req.too_large
-        self.refusal = req.refusal
-        self.held = req.held  # given back to the budget when the exchange ends
-        req.held = 0
-        self.result = None
-        #: monotonic time the exchange must be over by, waits for its client included
-        self.deadline = _time.monotonic() + conn.server.slow.total_s()
-
-    async def body(self, limit: int) -> bytes | bytearray:
-        if self.refusal is not None:
-            self.keepalive = False  # the rest of the body is never read
-            raise self.refusal
-        if self.too_large or len(self._body) > limit:
-            self.keepalive = False  # the rest of the body is never read
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return self._body
-
-    def _head(self, status: int, content_type: str, extra, framing: bytes) -> bytes:
-        parts = [
-            b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\n%s"
-            % (status, _PHRASES.get(status, b"Unknown"), content_type.encode("latin-1"), framing)
-        ]
-        for k, v in extra:
-            parts.append(k.encode("latin-1") + b": " + v.encode("utf-8", "surrogateescape") + b"\r\n")
-        if not self.keepalive:
-            parts.append(b"Connection: close\r\n")
-        parts.append(b"\r\n")
-        return b"".join(parts)
-
-    def reply(self, status: int, body: bytes, content_type: str, extra) -> None:
-        conn = self.conn
-        self.state = 1
-        if conn.closed:
-            return
-        conn.transport.write(
-            self._head(status, content_type, extra, b"Content-Length: %d\r\n" % len(body)) + body
-        )
-
-    async def stream_start(self, content_type: str, extra) -> None:
-        conn = self.conn
-        if conn.closed:
-            raise ConnectionResetError("client disconnected")
-        self.state = 2
-        if self.http10:
-            self.keepalive = False  # no chunked coding: the end of stream is the close
-            framing = b""
-        else:
-            framing = b"Transfer-Encoding: chunked\r\n"
-        conn.transport.write(self._head(200, content_type, extra, framing))
-
-    async def stream_write(self, data: bytes) -> None:
-        conn = self.conn
-        if conn.closed:
-            raise ConnectionResetError("client disconnected")
-        if not data:
-            return
-        if self.http10:
-            conn.transport.write(data)
-        else:
-            conn.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
-        if conn.paused:
-            await conn.drain(self.deadline)
-
-    async def stream_end(self) -> None:
-        conn = self.conn
-        self.state = 3
-        if conn.closed:
-            raise ConnectionResetError("client disconnected")
-        if not self.http10:
-            conn.transport.write(b"0\r\n\r\n")
+        self.hangup: Callable[[str | None], None] | None = None  # its Route's
 
 
 class _FrontConn(asyncio.Protocol):
@@ -360,9 +155,7 @@ class _FrontConn(asyncio.Protocol):
 
     Invariants: ``queue`` is non-empty only while ``task`` runs (an idle connection
     starts a complete request at once); once ``parser`` is None no byte is parsed
-    again and ``stop`` says what happens when idle; ``fed`` starts between requests,
-    ``fed_len`` is its length and ``fed_done`` requests end within it; a request
-    whose ``in_fed`` is False has none of its bytes in ``fed``."""
+    again and ``stop`` says what happens when idle."""
 
     __slots__ = (
         "server",
@@ -372,9 +165,6 @@ class _FrontConn(asyncio.Protocol):
         "queue",
         "task",
         "stop",
-        "fed",
-        "fed_len",
-        "fed_done",
         "backlog",
         "closed",
         "paused",
@@ -393,12 +183,9 @@ class _FrontConn(asyncio.Protocol):
         self.req: _PendingRequest | None = None  # the request being parsed
         self.queue: collections.deque[_PendingRequest] = collections.deque()  # parsed, waiting
         self.task: asyncio.Task | None = None  # the request being served
-        # Why parsing stopped, acted on once idle: None, ("bad", status, message),
-        # ("handover", [bytes...]) or ("served",) (a request that ends the connection).
+        # Why parsing stopped, acted on once idle: None, ("bad", status, message)
+        # or ("served",) (a request that ends the connection).
         self.stop: tuple | None = None
-        self.fed: list[bytes | memoryview] = []  # chunks since the parser last stood between requests
-        self.fed_len = 0  # their total length
-        self.fed_done = 0  # requests completed within ``fed``
         self.backlog = 0  # bytes received while busy (reading pauses past _MAX_PIPELINE)
         self.closed = False
         self.paused = False  # the transport asked us to stop writing
@@ -431,22 +218,8 @@ class _FrontConn(asyncio.Protocol):
                 self.transport.pause_reading()
         parser = self.parser
         if parser is None:
-            stop = self.stop
-            if stop is not None and stop[0] == "handover":
-                stop[1].append(data)  # aiohttp's, once the requests before are served
-            return  # else: the connection ends after what is queued; ignore the rest
-        fed = self.fed
+            return  # the connection ends after what is queued; ignore the rest
         req = self.req
-        if req is not None and not req.in_fed:
-            # a data-plane body whose bytes are not kept: the next request starts
-            # where it ends (by its Content-Length, or by its chunked framing)
-            left = req.clen - req.size if req.chunked is None else req.chunked.feed(data)
-            if 0 <= left < len(data):
-                fed.append(memoryview(data)[left:])
-                self.fed_len += len(data) - left
-        else:
-            fed.append(data)
-            self.fed_len += len(data)
         try:
             parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -457,51 +230,25 @@ class _FrontConn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._stop_bad(400, f"malformed request: {exc}")
         else:
-            req = self.req
-            if req is None:  # between requests: nothing to keep for a hand-over
-                self._trim(0)
-            elif req.handler is not None and not req.in_head:
-                # a data-plane body (never handed over): its bytes and those of the
-                # requests before it are not needed, its end is known (Content-Length)
-                # or followed from here on (chunked: from where its head ended)
-                if req.clen < 0 and req.in_fed:
-                    data = b"".join(fed)
-                    req.chunked = _ChunkedEnd()
-                    req.chunked.feed(data, _head_end(data, self.fed_done))
-                self._trim(0)
-                req.in_fed = False
-            else:
-                if self.fed_done:  # cut the completed requests off: ``fed`` is this one's
-                    data = b"".join(fed)
-                    self._trim(_message_end(data, self.fed_done), data)
-                if req.in_head:
-                    req.head_raw = self.fed_len  # this head's bytes only
-                    if req.head_raw > MAX_HEAD:
-                        self._stop_bad(431, "request head too large")
-        if self.parser is None:
-            self.fed = []  # parsing stopped: no boundary will be looked for again
-            self.fed_len = 0
+            if req is not None and req is self.req and req.in_head:
+                # a read that began and ended inside one head: all of it is that head's
+                req.head_raw += len(data)
+                if req.head_raw > MAX_HEAD:
+                    self._stop_bad(431, "request head too large")
         if self.task is None and self.stop is not None:
             self._next()
-
-    def _trim(self, cut: int, data: bytes | None = None) -> None:
-        """Keeps only ``data`` (``fed`` joined) from offset ``cut``, a point between
-        requests; ``cut == 0`` without ``data``: keeps nothing."""
-        if data is None or cut >= len(data):
-            self.fed.clear()  # (a hand-over copies what it takes: nothing else holds it)
-            self.fed_len = 0
-        else:
-            self.fed = [memoryview(data)[cut:]]
-            self.fed_len = len(data) - cut
-        self.fed_done = 0
 
     def connection_lost(self, exc) -> None:
         self.closed = True
         server = self.server
         server._conns.discard(self)
-        if self.req is not None:
-            server._give(self.req)
+        req = self.req
+        if req is not None:
+            server._give(req)
             self.req = None
+            if req.hangup is not None and not req.in_head:
+                remote = self.transport.get_extra_info("peername")
+                req.hangup(remote[0] if remote else None)
         for q in self.queue:
             server._give(q)
         self.queue.clear()
@@ -631,41 +378,49 @@ class _FrontConn(asyncio.Protocol):
         if version != "1.1" and version != "1.0":
             self._stop_bad(400, f"unsupported HTTP version {version}")
             raise _Stop
-        routes = self.server.routes
-        url = req.url
-        handler = routes.get(url)
-        if handler is None and (b"?" in url or url[:1] != b"/"):
+        if p.should_upgrade():
+            self._stop_bad(400, "protocol upgrade is not supported")
+            raise _Stop
+        server = self.server
+        url = path = req.url
+        methods = server.routes.get(url)
+        if methods is None and (b"?" in url or url[:1] != b"/"):
             try:
-                handler = routes.get(httptools.parse_url(url).path)
+                path = httptools.parse_url(url).path or url
             except httptools.HttpParserInvalidURLError:
                 pass
-        if handler is None or p.get_method() != b"POST":
-            self._stop_handover()
-            raise _Stop
-        if p.should_upgrade():
-            self._stop_bad(400, "protocol upgrade is not supported on the data plane")
-            raise _Stop
-        req.handler = handler
-        req.keepalive = p.should_keep_alive() and not self.server.closing
+            methods = server.routes.get(path)
+        method = p.get_method()
+        route = methods.get(method) if methods is not None else None
+        req.keepalive = p.should_keep_alive() and not server.closing
         req.http10 = version == "1.0"
-        server = self.server
         req.limit = limit = server.max_body()
         h = req.headers
-        if server.authorize is not None:
+        cl = h.get("content-length")  # llhttp checked it: digits, no conflict with TE
+        has_body = cl != "0" if cl is not None else "transfer-encoding" in h
+        if route is None:
+            name = path[:200].decode("latin-1")
+            if methods is None:
+                exc: RequestError = server.not_found(name)
+            else:
+                exc = MethodNotAllowed(method.decode("latin-1"), name, sorted(m.decode() for m in methods))
+            req.handler = _answer_refusal
+            if has_body:  # its body is never read: answered now, closed after
+                self._refuse(req, exc)
+                raise _Stop
+            req.refusal = exc
+            return
+        req.handler, req.hangup = route.handler, route.hangup
+        if route.screen is not None:
             try:
-                server.authorize(h)  # credentials from the head: no body read without
+                route.screen(h)  # credentials from the head: no body read without
             except RequestError as exc:
                 self._refuse(req, exc)
                 raise _Stop from None
-        cl = h.get("content-length")  # llhttp checked it: digits, no conflict with TE
-        if cl is not None:
-            req.clen = int(cl)
-            if req.clen > limit:
-                self._too_large(req)
-                raise _Stop
-        if (cl != "0" if cl is not None else "transfer-encoding" in h) and h.get(
-            "expect", ""
-        ).lower() == "100-continue":
+        if cl is not None and int(cl) > limit:
+            self._too_large(req)
+            raise _Stop
+        if has_body and h.get("expect", "").lower() == "100-continue":
             if self.task is None and not self.queue:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             else:
@@ -695,8 +450,6 @@ class _FrontConn(asyncio.Protocol):
         req = self.req
         assert req is not None, "the parser calls on_message_begin first"
         self.req = None
-        if req.in_fed:
-            self.fed_done += 1
         self._enqueue(req)
         if not req.keepalive:
             self.parser = None  # anything after a closing request is ignored
@@ -742,17 +495,6 @@ class _FrontConn(asyncio.Protocol):
         if self.stop is None:
             self.stop = ("bad", status, message)
 
-    def _stop_handover(self) -> None:
-        """Stops parsing at the current request; its raw bytes onwards are aiohttp's."""
-        data = b"".join(self.fed)
-        if self.fed_done:  # requests before it in ``fed``: skip their bytes
-            data = data[_message_end(data, self.fed_done) :]
-        self.fed = []
-        self.fed_len = 0
-        self.parser = None
-        self.req = None
-        self.stop = ("handover", [data])
-
     def _next(self) -> None:
         """Called when idle: serves the next queued request, or acts on ``stop``."""
         if self.closed:
@@ -765,8 +507,6 @@ class _FrontConn(asyncio.Protocol):
         if stop is not None:
             if stop[0] == "bad":
                 self._bad(stop[1], stop[2])
-            elif stop[0] == "handover":
-                self._handover(b"".join(stop[1]))
             else:
                 self.close()
             return
@@ -779,35 +519,10 @@ class _FrontConn(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _bad(self, status: int, message: str) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "code": "bad_http",
-                    "param": None,
-                }
-            }
-        ).encode()
-        self.transport.write(
-            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, _PHRASES[status], len(body), body)
-        )
+        if self.server.on_bad_http is not None:
+            self.server.on_bad_http(status)
+        self.transport.write(_answer(status, message, "invalid_request_error", "bad_http"))
         self.linger()
-
-    def _handover(self, data: bytes) -> None:
-        """Gives this connection, from the current request on, to aiohttp."""
-        server = self.server
-        server._conns.discard(self)
-        t = self.transport
-        proto = _Handed(server, server.fallback())
-        t.set_protocol(proto)
-        proto.connection_made(t)
-        if self.reading_paused:
-            self.reading_paused = False
-            t.resume_reading()
-        if data:
-            proto.data_received(data)
 
     async def _run(self, handler, ex: FrontExchange) -> None:
         try:
@@ -829,12 +544,8 @@ class _FrontConn(asyncio.Protocol):
                 log.exception("data-plane handler failed")
                 if ex.state == 0 and not self.closed:
                     ex.keepalive = False
-                    ex.reply(
-                        500,
-                        b'{"error": {"message": "internal router error", "type": '
-                        b'"server_error", "code": "internal_error", "param": null}}',
-                        "application/json",
-                        (),
+                    self.transport.write(
+                        _answer(500, "internal router error", "server_error", "internal_error")
                     )
             self.close()
         finally:
@@ -858,58 +569,26 @@ class _FrontConn(asyncio.Protocol):
         self._next()
 
 
-class _Handed(asyncio.Protocol):
-    """A connection handed to aiohttp: its protocol, counted among the server's
-    connections until it closes (``FrontServer.max_connections``)."""
-
-    __slots__ = ("server", "proto")
-
-    def __init__(self, server: FrontServer, proto: asyncio.Protocol) -> None:
-        self.server = server
-        self.proto = proto
-        server._handed += 1
-
-    def connection_made(self, transport) -> None:
-        self.proto.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.proto.data_received(data)
-
-    def eof_received(self):
-        return self.proto.eof_received()
-
-    def pause_writing(self) -> None:
-        self.proto.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.proto.resume_writing()
-
-    def connection_lost(self, exc) -> None:
-        self.server._handed -= 1
-        self.proto.connection_lost(exc)
-
-
-_FULL = (
-    b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
-    b"Retry-After: 1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-)
+def _answer(status: int, message: str, etype: str, code: str, extra: bytes = b"") -> bytes:
+    """A whole JSON error answer that closes its connection (``extra``: header lines)."""
+    body = json.dumps(error_body(message, etype, code)).encode()
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n" % (status, PHRASES[status])
+    return head + extra + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
 
 
 class FrontServer:
-    """The raw HTTP/1.1 listener. ``routes`` maps POST paths (bytes) to coroutine
-    functions ``handler(exchange)``; ``fallback`` is a protocol factory (aiohttp's
-    ``web.Server``) for everything else; ``max_body()`` the current body limit.
+    """The raw HTTP/1.1 listener. ``routes`` maps a path (bytes) to its methods
+    (bytes) and their ``Route``; ``not_found(path)`` is the ``RequestError`` (a 404)
+    answered for any other path; ``max_body()`` the current body limit.
 
-    ``budget`` bounds the request body bytes held (shared with the aiohttp side);
-    ``authorize(headers)`` raises a ``RequestError`` for a data-plane request the
-    router will refuse whatever its body (no credentials, a tenant or key over its
-    rate limit: router.screen), checked before the body is read;
-    ``max_connections()`` caps the client connections, handed-over ones included;
+    ``budget`` bounds the request body bytes held (shared with the admin listener);
+    ``max_connections()`` caps the client connections;
     ``on_refused(reason)`` counts a connection closed or refused at the cap
     (``idle_closed`` | ``at_capacity``); ``on_gone(phase)`` a client that left while
     its request was served (``waiting`` | ``streaming``: the module docstring);
+    ``on_bad_http(status)`` counts a malformed request answered (400, 408, 431);
     ``slow`` bounds the waits for a client to take its answer
-    (``router.slow_clients``; shared with the aiohttp side).
+    (``router.slow_clients``; shared with the admin listener).
 
     Lifecycle: ``await start(host, port)`` -> listening; ``await aclose(timeout)``
     stops accepting, closes idle connections, lets in-flight requests finish for
@@ -917,29 +596,28 @@ class FrontServer:
 
     def __init__(
         self,
-        routes: dict,
-        fallback,
+        routes: dict[bytes, dict[bytes, Route]],
         max_body,
         *,
         idle_timeout_s: float = 75.0,
         head_timeout_s=lambda: 10.0,
         body_timeout_s=lambda: 30.0,
         budget: BodyBudget | None = None,
-        authorize=None,
         max_connections=lambda: 8192,
         on_refused=None,
         on_gone=None,
+        on_bad_http=None,
         slow: SlowClients | None = None,
+        not_found: Callable[[str], RequestError] = lambda path: NotFound(f"unknown path {path}"),
     ) -> None:
         self.routes = routes
-        self.fallback = fallback
+        self.not_found = not_found
         self.max_body = max_body
         self.budget = budget if budget is not None else BodyBudget(1 << 30)
-        self.authorize = authorize
         self.max_connections = max_connections
         self.on_refused = on_refused
         self.on_gone = on_gone
-        self._handed = 0  # connections handed to aiohttp and still open
+        self.on_bad_http = on_bad_http
         self._refusals = Throttled()
         self.idle_timeout_s = idle_timeout_s
         #: callables -> seconds: a request's head must arrive within head_timeout_s()
@@ -996,7 +674,7 @@ class FrontServer:
         (no request in progress or queued), or refuses ``conn`` with a 429 if none
         is. O(connections), only at the cap."""
         cap = self.max_connections()
-        if len(self._conns) + self._handed < cap:
+        if len(self._conns) < cap:
             return True
         idle = [
             c
@@ -1014,19 +692,12 @@ class FrontServer:
             self._refusals.warning(
                 "client connections at the cap of %d, none idle: refused a new one (429)", cap
             )
-            body = json.dumps(
-                {
-                    "error": {
-                        "message": f"the router holds {cap} client connections; retry shortly",
-                        "type": "rate_limit_error",
-                        "code": "too_many_connections",
-                        "param": None,
-                    }
-                }
-            ).encode()
+            msg = f"the router holds {cap} client connections; retry shortly"
             conn.closed = True
             conn.parser = None
-            conn.transport.write(_FULL % (len(body), body))
+            conn.transport.write(
+                _answer(429, msg, "rate_limit_error", "too_many_connections", b"Retry-After: 1\r\n")
+            )
             conn.transport.close()
         if self.on_refused is not None:
             self.on_refused(reason)

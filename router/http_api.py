@@ -1,5 +1,7 @@
-"""JSON answers and guarded handlers for the router's aiohttp endpoints (admin API,
-agent API, probes). The data plane answers through ``router.dataplane``'s exchanges.
+"""JSON answers and guarded handlers: the admin listener's aiohttp endpoints
+(``guarded``), and the data port's others (agent API, probes, ``/v1/models``) as
+handlers of an exchange (``answered``: the raw front's, or the aiohttp app's for an
+embedded router). The data plane answers through ``router.dataplane``'s exchanges.
 
 Every error leaves as an OpenAI-style JSON body (``protocol.errors``): ``guarded``
 turns a ``RequestError`` raised anywhere in a handler (a bad token, a malformed
@@ -23,6 +25,8 @@ from service.auth import BearerAuth
 
 JSON = "application/json"
 Handler = Callable[[web.Request], Awaitable[web.Response]]
+#: what an exchange handler answers: (status, JSON body, extra headers as pairs)
+Answer = tuple[int, Any, tuple]
 
 
 def json_error(
@@ -91,3 +95,39 @@ async def json_body(request: web.Request, limits: LimitsConfig, *, optional: boo
     if not raw.strip() and optional:
         return {}
     return jsonbody.loads(raw)
+
+
+def reply_json(ex, status: int, body: Any, headers=()) -> None:
+    """Answers ``ex`` (an exchange: ``router.front_exchange``) with ``body`` as JSON."""
+    ex.reply(status, json.dumps(body).encode(), JSON, headers)
+
+
+def reply_error(ex, exc: RequestError) -> None:
+    """Answers ``ex`` with ``exc``'s status and body, its headers and ``Retry-After``."""
+    headers = exc.headers
+    if exc.retry_after_s is not None:
+        headers = (*headers, ("Retry-After", retry_after_header(exc.retry_after_s)))
+    reply_json(ex, exc.status, exc.to_json(), headers)
+
+
+def answered(
+    fn: Callable[[Any, bytes | bytearray], Awaitable[Answer]],
+    limits: Callable[[], LimitsConfig],
+    on_error: Callable[[RequestError], None] | None = None,
+) -> Callable[[Any], Awaitable[None]]:
+    """An exchange handler: ``fn(exchange, body)``'s answer as JSON, the body within
+    ``limits().max_body_bytes`` (413); every ``RequestError`` (a refusal of its head,
+    a bad body) answered as its JSON error, and given to ``on_error`` (a count)."""
+
+    async def handler(ex) -> None:
+        try:
+            status, body, headers = await fn(ex, await ex.body(limits().max_body_bytes))
+        except RequestError as exc:
+            if on_error is not None:
+                on_error(exc)
+            reply_error(ex, exc)
+            return
+        reply_json(ex, status, body, headers)
+
+    handler.__name__ = fn.__name__
+    return handler

@@ -1,8 +1,8 @@
 """What a client may hold of the router before its request is admitted.
 
 A client's bytes cost memory and its connections cost descriptors before any
-admission slot is taken, so both are bounded here, for every listener path (the
-raw front, ``router.front``, and the aiohttp app it hands other requests to):
+admission slot is taken, so both are bounded here, for every listener (the
+raw front of the data port, ``router.front``, and the admin listener's aiohttp app):
 
 - ``BodyBudget``: request body bytes held, all connections together, from the first
   byte received until the request is answered. A body that would take it past its

@@ -11,7 +11,7 @@ gets ``ClientDropped``: to the data plane, a client gone (its slot freed, its
 upstream request closed, which cancels it on the worker; never a worker failure).
 
 Both listeners use one ``SlowClients``: the raw front (``router.front``, which waits
-on its own drain future) and the aiohttp side (connections handed over, an embedded
+on its own drain future) and the aiohttp side (the admin listener, an embedded
 app: ``router.app``'s exchange, which bounds each of aiohttp's writes with
 ``bounded``).
 """

@@ -8,8 +8,8 @@ with the OpenAI-style JSON error body every other error of ours has, and logs on
 DEBUG line without a traceback (``on_bad_http`` counts them); a genuine 500 (a bug
 in a handler) keeps aiohttp's ERROR record and traceback.
 
-The router's raw front hands non-data-plane connections to ``factory(runner)``;
-the agent listens with ``await listen(runner, host, port)``. Both build the same
+The router's admin listener and the agent listen with ``await listen(runner,
+host, port)``. Both build the same
 ``RequestHandler`` aiohttp would, with its public constructor.
 """
 

@@ -233,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
                             kv_capacity_tokens=cfg.kv_tokens * cfg.agents,
                             progress=False,
                             settle_s=0.5,
+                            admin_urls={fleet.router_url: fleet.admin_url},
                         )
                     )
                     lives[policy][seed].append(outcomes[0].report)

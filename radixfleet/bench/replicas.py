@@ -178,7 +178,12 @@ def measure_once(args: argparse.Namespace, binary: str, replicas_first: bool = F
                 if args.no_replicate:
                     policy["params"]["replicate"] = False
                 json.dump(
-                    {"listen": {"port": port}, "policy": policy, "bus": {"url": bus, "replica_id": f"r{i}"}},
+                    {
+                        "listen": {"port": port},
+                        "admin": {"port": free_port()},
+                        "policy": policy,
+                        "bus": {"url": bus, "replica_id": f"r{i}"},
+                    },
                     f,
                 )  # JSON is YAML
             configs.append(path)

@@ -210,6 +210,7 @@ class Bench:
                 timeout_s=seconds + a.drain + 30.0,
                 progress=False,
                 retry=retry,
+                admin_urls={fleet.router_url: fleet.admin_url},
             )
         )
         return outcome
@@ -238,7 +239,7 @@ class Bench:
         fleet = self.fleet(arm)
         try:
             o = self.drive(fleet, arm, Poisson(rate), a.duration, RetryPolicy("none"))
-            reasons = None if ARMS[arm][0] == "smg" else decision_reasons(fleet.router_url)
+            reasons = None if ARMS[arm][0] == "smg" else decision_reasons(fleet.admin_url)
         finally:
             fleet.stop()
         out = measure(o.report, o.results, a.duration, a.slo_ttft_ms)
@@ -247,7 +248,7 @@ class Bench:
         return out
 
 
-def decision_reasons(router_url: str) -> dict[str, int]:
+def decision_reasons(admin_url: str) -> dict[str, int]:
     """Requests a worker answered with 200, by the policy's decision reason (affinity,
     spill_load, miss, ...), from the router's ``radixfleet_requests_total``: why the
     served requests went where they went. Empty when the metrics cannot be read."""
@@ -255,7 +256,7 @@ def decision_reasons(router_url: str) -> dict[str, int]:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(router_url + "/metrics", timeout=5.0).text
+        text = httpx.get(admin_url + "/metrics", timeout=5.0).text  # the admin listener
     except httpx.HTTPError:
         return {}
     out: dict[str, int] = {}

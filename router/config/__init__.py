@@ -33,7 +33,7 @@ The modules, by section (this package re-exports what callers import):
   and their rules;
 - ``runtime``: the checks of a parsed config against this host (tokenizers that
   load, events endpoints the router can bind);
-- ``server``: ``listen:`` and ``reload:``;
+- ``server``: ``listen:``, ``admin:`` and ``reload:``;
 - ``keys``: ``keys:`` (block size, tenant identity);
 - ``auth``: ``auth:`` (bearer tokens);
 - ``policy``: ``policy:``; ``index``: ``index:``;
@@ -92,7 +92,7 @@ from router.config.registration import (
     in_networks,
 )
 from router.config.runtime import check_event_binds, load_model_keyers
-from router.config.server import ListenConfig, ReloadConfig
+from router.config.server import AdminListenConfig, ListenConfig, ReloadConfig
 from router.config.timeouts import RetriesConfig, TimeoutsConfig
 from router.config.tracing import TracingConfig
 from router.config.traffic_log import TrafficLogConfig
@@ -137,6 +137,7 @@ __all__ = [
     "K8sSelectorSpec",
     "KeysConfig",
     "LimitsConfig",
+    "AdminListenConfig",
     "ListenConfig",
     "LoadConfig",
     "ModelName",

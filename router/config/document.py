@@ -40,7 +40,7 @@ from router.config.limits import LimitsConfig
 from router.config.policy import PolicyConfig
 from router.config.prefetch import PrefetchConfig, WarmupConfig
 from router.config.registration import RegistrationConfig
-from router.config.server import ListenConfig, ReloadConfig
+from router.config.server import AdminListenConfig, ListenConfig, ReloadConfig
 from router.config.timeouts import RetriesConfig, TimeoutsConfig
 from router.config.tracing import TracingConfig
 from router.config.traffic_log import TrafficLogConfig
@@ -63,6 +63,7 @@ class Config:
     """The whole validated configuration. ``path`` is the file it came from, if any."""
 
     listen: ListenConfig = _section(ListenConfig, "listen address")
+    admin: AdminListenConfig = _section(AdminListenConfig, "admin listener: admin API and /metrics")
     workers: Annotated[tuple[WorkerSpec, ...], value_check(unique_workers)] = Field(
         (), description=("the workers (an entry may be its url alone), or {static: [...], discovery: {...}}")
     )

@@ -56,7 +56,7 @@ async def fleet():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await server.start()}"
     runners: list[web.AppRunner] = []
     agents: dict[str, tuple[Agent, str]] = {}

@@ -303,7 +303,7 @@ async def test_router_sends_the_class_only_to_workers_that_schedule_by_it():
         }
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     port = await server.start()
     try:
         ws = [router.pool.get(w.id) for w in cfg.workers]

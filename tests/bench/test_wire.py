@@ -89,7 +89,7 @@ async def test_events_counted_through_the_radixfleet_proxy():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     try:
         deadline = time.monotonic() + 5

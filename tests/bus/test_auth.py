@@ -63,7 +63,7 @@ def bus_router(url: str, extra: dict | None = None, **bus) -> Router:
 
 
 async def start(router: Router) -> tuple[RouterServer, str]:
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     return server, f"http://127.0.0.1:{port}"
 

@@ -48,7 +48,8 @@ class RouterProcess:
     """``radixfleet router`` in a child process on 127.0.0.1:``port``.
 
     Give either ``config`` (YAML text; write ``{port}`` where the listen port goes) or
-    ``argv`` (router flags; ``--port`` is added). Its output goes to a file (a pipe
+    ``argv`` (router flags; ``--port`` is added). Its admin listener (``--admin-port``
+    added: a free port) is at ``admin``. Its output goes to a file (a pipe
     nobody reads would fill and stall a router that logs a probe): ``output()``.
     ``launcher``: a command the router's command line is appended to, which must
     exec it (``unshare ... sh -c '...; exec "$@"'``), so ``pid`` is the router's."""
@@ -64,6 +65,8 @@ class RouterProcess:
     ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.admin_port = free_port()
+        self.admin = f"http://127.0.0.1:{self.admin_port}"  # /admin/*, /metrics
         self._dir = tempfile.TemporaryDirectory(prefix="radixfleet-chaos-")
         self.log_path = Path(self._dir.name) / "router.log"
         args = ["router", "--log-level", "INFO"]
@@ -71,7 +74,7 @@ class RouterProcess:
             path = Path(self._dir.name) / "router.yaml"
             path.write_text(config.replace("{port}", str(self.port)))
             args += ["--config", str(path)]
-        args += list(argv or []) + ["--port", str(self.port)]
+        args += list(argv or []) + ["--port", str(self.port), "--admin-port", str(self.admin_port)]
         self.argv = [*(launcher or []), *radixfleet_argv(*args)]
         self.env = {**os.environ, **(env or {})}
         self.timeout_s = timeout_s

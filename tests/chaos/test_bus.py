@@ -102,7 +102,7 @@ def agent(i: int, bus_url: str) -> Proc:
 
 
 def bad_messages(r: RouterProcess) -> dict[str, float]:
-    text = httpx.get(f"{r.base}/metrics", timeout=5).text
+    text = httpx.get(f"{r.admin}/metrics", timeout=5).text
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         if fam.name == "radixfleet_bus_bad_messages":
@@ -113,12 +113,12 @@ def bad_messages(r: RouterProcess) -> dict[str, float]:
 
 
 def worker_ids(r: RouterProcess) -> set[str]:
-    body = httpx.get(f"{r.base}/admin/workers", timeout=5).json()
+    body = httpx.get(f"{r.admin}/admin/workers", timeout=5).json()
     return {w["id"] for w in body["workers"]}
 
 
 def healthy(r: RouterProcess) -> set[str]:
-    body = httpx.get(f"{r.base}/admin/workers", timeout=5).json()
+    body = httpx.get(f"{r.admin}/admin/workers", timeout=5).json()
     return {w["id"] for w in body["workers"] if w.get("health") == "healthy"}
 
 

@@ -133,7 +133,7 @@ def test_a_watched_file_truncated_and_rewritten_never_turns_authentication_off()
                 headers={"Authorization": "Bearer sk-acme"},
             )
             assert ok.status_code == 200, ok.text
-            metrics = c.get(f"{r.base}/metrics").text
+            metrics = c.get(f"{r.admin}/metrics").text
         assert 'radixfleet_config_reload_failures_total{reason="empty"} 1.0' in metrics, metrics
         assert 'radixfleet_config_reload_failures_total{reason="downgrade"} 1.0' in metrics, metrics
         assert "radixfleet_config_reloads_total 1.0" in metrics

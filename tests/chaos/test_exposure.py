@@ -183,7 +183,7 @@ def test_bodies_for_a_model_nobody_serves_are_refused_unparsed(upstream):
 def test_metrics_need_the_metrics_token_once_one_is_set(upstream):
     env = {"RADIXFLEET_METRICS_TOKEN": "m-token", "RADIXFLEET_ADMIN_TOKEN": "a-token"}
     with RouterProcess(argv=["--worker", upstream], env=env) as r:
-        url = f"{r.base}/metrics"
+        url = f"{r.admin}/metrics"
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "m-token"}):
             ans = httpx.get(url, headers=headers, timeout=10)
             assert ans.status_code == 401, (headers, ans.status_code)
@@ -219,7 +219,7 @@ def test_a_prefetch_answer_tells_a_client_nothing_of_what_another_sent(upstream)
         assert probe.status_code == control.status_code == 202, (probe.text, control.text)
         assert probe.json() == control.json() == first.json(), (probe.json(), control.json())
         assert "deduplicated" not in probe.json()
-        page = httpx.get(f"{r.base}/metrics", timeout=10).text  # loopback: no token needed
+        page = httpx.get(f"{r.admin}/metrics", timeout=10).text  # loopback: no token needed
         assert 'radixfleet_prefetch_total{outcome="deduplicated"} 1.0' in page  # it was
     r.assert_no_tracebacks()
 
@@ -289,7 +289,7 @@ def test_a_full_disk_stops_the_traffic_log_and_keeps_its_files(upstream, tmp_pat
         while time.monotonic() < deadline:  # until the disk is full (the log stops)
             asyncio.run(send(40))
             first = first or next(iter(files()), None)
-            if "radixfleet_traffic_log_writing 0.0" in httpx.get(f"{r.base}/metrics", timeout=10).text:
+            if "radixfleet_traffic_log_writing 0.0" in httpx.get(f"{r.admin}/metrics", timeout=10).text:
                 break
         else:
             raise AssertionError(f"the log never stopped: {files()}")

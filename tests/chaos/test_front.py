@@ -159,7 +159,7 @@ def _json_error(body: bytes) -> dict:
 
 
 def _metric(r: RouterProcess, name: str) -> float:
-    text = httpx.get(f"{r.base}/metrics", timeout=5).text
+    text = httpx.get(f"{r.admin}/metrics", timeout=5).text
     return sum(
         float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     )
@@ -168,7 +168,7 @@ def _metric(r: RouterProcess, name: str) -> float:
 def _finish(r: RouterProcess, base, *, rss_slack: int = 64 * MiB, fd_slack: int = 16) -> None:
     """Nothing answered >= 500 (the router's own refusals and the workers' answers it
     passed on), resources back near ``base``, no traceback in the log."""
-    text = httpx.get(f"{r.base}/metrics", timeout=5).text
+    text = httpx.get(f"{r.admin}/metrics", timeout=5).text
     assert not re.search(r'status="5\d\d"', text), "the router answered >= 500:\n" + "\n".join(
         line for line in text.splitlines() if 'status="5' in line
     )

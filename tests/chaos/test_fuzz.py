@@ -94,6 +94,8 @@ class LiveFleet:
     def __init__(self, tmp) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.admin_port = free_port()
+        self.admin = f"http://127.0.0.1:{self.admin_port}"  # /admin/*, /metrics, /openapi.json
         self.agent_ports = [free_port() for _ in MODELS]
         self.agents_base = [f"http://127.0.0.1:{p}" for p in self.agent_ports]
         env = {
@@ -106,6 +108,7 @@ class LiveFleet:
             json.dumps(
                 {
                     "listen": {"port": self.port},
+                    "admin": {"port": self.admin_port},
                     "workers": [{"url": self.agents_base[0], "id": MODELS[0]}],
                     "keys": {
                         "tenant": {
@@ -262,7 +265,8 @@ def _steer(case) -> None:
 @FUZZ
 def test_schemathesis_router(case, live):
     _steer(case)
-    resp = case.call(base_url=live.base, headers=_headers(case.path), timeout=30)
+    admin = case.path.startswith("/admin") or case.path in ("/metrics", "/openapi.json")
+    resp = case.call(base_url=live.admin if admin else live.base, headers=_headers(case.path), timeout=30)
     live.statuses.append((f"{case.method} {case.path}", resp.status_code))
     assert resp.status_code < 500, (case.method, case.path, case.body, resp.text[:300])
 
@@ -582,6 +586,8 @@ def test_raw_malformed_corpus(live):
     items = corpus()
     assert len(items) >= 500
     results = asyncio.run(send_all(live.port, items))
+    # and at the admin listener (the corpus's admin paths are its)
+    results += [(f"admin {n}", s) for n, s in asyncio.run(send_all(live.admin_port, items))]
     # and the same corpus straight at an agent (a peer the router trusts, still no 500)
     results += [(f"agent {n}", s) for n, s in asyncio.run(send_all(live.agent_ports[1], items[:200]))]
     live.statuses.extend((n, s) for n, s in results if s is not None)
@@ -598,7 +604,7 @@ def test_zz_the_fleet_survived(live):
     assert not server_errors, server_errors[:20]
     # the corpus drained fz-a on purpose (POST /admin/workers/fz-a/drain with {}): undo
     r = httpx.post(
-        live.base + "/admin/workers/fz-a/drain",
+        live.admin + "/admin/workers/fz-a/drain",
         json={"drain": False},
         headers={"Authorization": f"Bearer {ADMIN}"},
     )

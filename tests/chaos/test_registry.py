@@ -79,7 +79,7 @@ def test_a_configured_workers_id_cannot_be_taken(upstream):
             batch = EventBatch("w0", "http://127.0.0.1:19998", "x", 0, [Snapshot([(7, None)])])
             ev = c.post(r.base + EVENTS, json=batch.to_json())
             assert ev.status_code == 404, ev.text
-            workers = c.get(r.base + "/admin/workers").json()
+            workers = c.get(r.admin + "/admin/workers").json()
         listed = workers["workers"] if isinstance(workers, dict) else workers
         assert [(w["id"], w["url"]) for w in listed] == [("w0", upstream)]
         assert served(r.base, 5) == [200] * 5
@@ -203,7 +203,7 @@ def test_huge_event_batches_do_not_hold_the_loop(upstream):
 def test_worker_urls_that_point_where_they_must_not_are_refused(upstream, url, answer):
     with RouterProcess(argv=["--worker", f"url={upstream},id=real"]) as r:
         with httpx.Client(timeout=5) as c:
-            a = c.post(r.base + "/admin/workers", json={"url": url})
+            a = c.post(r.admin + "/admin/workers", json={"url": url})
             assert a.status_code == answer and "worker.url: " in a.json()["error"]["message"], a.text
             g = c.post(r.base + REGISTER, json={"worker_id": "x", "url": url, "epoch": "e"})
             assert g.status_code == answer and g.json()["error"]["param"] == "url", g.text
@@ -216,10 +216,10 @@ def test_numeric_ipv4_forms_are_one_worker(upstream):
     with RouterProcess(argv=["--worker", f"url={upstream},id=real"]) as r:
         with httpx.Client(timeout=5) as c:
             for host in ("0x7f.1", "2130706433", "0177.0.0.1"):
-                a = c.post(r.base + "/admin/workers", json={"url": f"http://{host}:{port}"})
+                a = c.post(r.admin + "/admin/workers", json={"url": f"http://{host}:{port}"})
                 assert a.status_code == 409, a.text
                 assert f"'http://127.0.0.1:{port}' already exists (id 'real')" in a.text
-            assert len(c.get(r.base + "/admin/workers").json()["workers"]) == 1
+            assert len(c.get(r.admin + "/admin/workers").json()["workers"]) == 1
     r.assert_no_tracebacks()
 
 
@@ -249,9 +249,9 @@ def test_agents_hanging_up_mid_request_are_one_counted_line_each(upstream):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(hang_up, range(40)))
         deadline = time.monotonic() + 10
-        while metric(r.base, "radixfleet_peer_hangups_total") < 40 and time.monotonic() < deadline:
+        while metric(r.admin, "radixfleet_peer_hangups_total") < 40 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert metric(r.base, "radixfleet_peer_hangups_total") == 40
+        assert metric(r.admin, "radixfleet_peer_hangups_total") == 40
         assert served(r.base, 3) == [200] * 3
         r.assert_settles(base)
         out = r.output()
@@ -274,6 +274,7 @@ def test_a_registration_that_leads_to_the_router_itself_is_refused(upstream):
             f"http://localhost:{r.port}",
             f"http://0x7f.1:{r.port}/",
             f"http://[::ffff:127.0.0.1]:{r.port}",
+            r.admin,  # the admin listener is the router's too
         )
         with httpx.Client(timeout=5) as c:
             for url in selves:
@@ -296,12 +297,12 @@ def test_a_registration_that_leads_to_the_router_itself_is_refused(upstream):
                 )
                 assert resp.status_code in (404, 503), resp.text
             assert time.monotonic() - t0 < 5
-            listed = c.get(r.base + "/admin/workers").json()["workers"]
+            listed = c.get(r.admin + "/admin/workers").json()["workers"]
         assert [w["id"] for w in listed] == ["real"], listed
         assert served(r.base, 5) == [200] * 5
         refused = "radixfleet_registrations_refused_total"
-        assert metric(r.base, refused, 'reason="worker_url_is_router"') == len(selves)
-        assert metric(r.base, refused, 'reason="worker_host_not_allowed"') == 1
+        assert metric(r.admin, refused, 'reason="worker_url_is_router"') == len(selves)
+        assert metric(r.admin, refused, 'reason="worker_host_not_allowed"') == 1
         r.assert_settles(base)
         out = r.stop()
     assert "refused registration: loop at http://127.0.0.1:" in out, out[-3000:]
@@ -347,7 +348,7 @@ def test_flapping_a_live_workers_registration_is_bounded_logged_and_counted(upst
             ev = c.post(r.base + EVENTS, json=bad)
             assert ev.status_code == 400 and "'load.queued_prefill_tokens'" in ev.text, ev.text
         assert metric(
-            r.base, "radixfleet_registrations_refused_total", 'reason="epoch_churn"'
+            r.admin, "radixfleet_registrations_refused_total", 'reason="epoch_churn"'
         ) == codes.count(429)
         assert served(r.base, 5) == [200] * 5
         out = r.stop()

@@ -107,7 +107,7 @@ def test_many_tenants_bad_priority_claims_and_a_flooding_tenant_stay_bounded(ups
         h = limited[0].headers
         assert h["x-ratelimit-limit-requests"] == "2" and int(h["Retry-After"]) >= 1, h
         assert limited[0].json()["error"]["code"] == "rate_limit_exceeded"
-        page = httpx.get(f"{r.base}/metrics", timeout=10).text
+        page = httpx.get(f"{r.admin}/metrics", timeout=10).text
         labels = set(re.findall(r'radixfleet_tenant_requests_total\{[^}]*tenant="([^"]*)"', page))
         assert len(labels) <= TOP_N + 1 and "other" in labels, labels
         refused = re.findall(r"radixfleet_priority_claims_refused_total\{[^}]*\} (\S+)", page)

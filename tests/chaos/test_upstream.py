@@ -325,7 +325,7 @@ def test_crlf_events_reach_the_client_as_they_come():
         total = time.monotonic() - t0
         assert body.endswith(b"data: [DONE]\r\n\r\n") and b'"lo"' in body
         assert total >= 1.5 and first_token_at is not None and first_token_at < 1.0, (first_token_at, total)
-        metrics = httpx.get(f"{r.base}/metrics", timeout=5).text
+        metrics = httpx.get(f"{r.admin}/metrics", timeout=5).text
         ttft = [l for l in metrics.splitlines() if l.startswith("radixfleet_ttft_seconds_sum")]
         assert ttft and float(ttft[0].split()[1]) < 1.0, ttft
         r.assert_settles(base)

@@ -136,7 +136,7 @@ def test_broken_event_sources_and_rank_answers_leave_every_worker_serving(tmp_pa
                 text = ""
                 while time.monotonic() < end and not counted(text):
                     time.sleep(0.2)
-                    text = httpx.get(r.base + "/metrics", timeout=5).text
+                    text = httpx.get(r.admin + "/metrics", timeout=5).text
                 assert counted(text), text[-3000:]
                 base = r.resources()  # tokenizer loaded, every source asked and refused
                 served = {}
@@ -150,7 +150,7 @@ def test_broken_event_sources_and_rank_answers_leave_every_worker_serving(tmp_pa
                         wid = resp.headers["x-radixfleet-worker"]
                         served[wid] = served.get(wid, 0) + 1
                 assert "1" in peers.fakes["liar"].headers, peers.fakes["liar"].headers
-                text = httpx.get(r.base + "/metrics", timeout=5).text
+                text = httpx.get(r.admin + "/metrics", timeout=5).text
                 assert (
                     'radixfleet_engine_events_unavailable_total{cause="rank_rejected",worker="liar"} 1.0'
                 ) in text
@@ -267,7 +267,7 @@ def test_event_sources_cannot_aim_the_router_off_the_workers_host(tmp_path):
                 text = ""
                 while time.monotonic() < end and not refused(text) and not (tcp.count or unix.count):
                     time.sleep(0.2)
-                    text = httpx.get(r.base + "/metrics", timeout=5).text
+                    text = httpx.get(r.admin + "/metrics", timeout=5).text
                 time.sleep(1.5)  # a router that dials them does so within this, several times
                 assert (tcp.count, unix.count) == (0, 0), (tcp.count, unix.count)
                 assert not _listening("127.0.0.2", bind_port), "the router bound an address a worker named"

@@ -105,7 +105,7 @@ def test_the_summary_names_every_error():
         ("index: {learn_capacity: null}", "index.learn_capacity: expected true or false, got None"),
         ("keys: null", "keys: expected a mapping, got null"),
         ("policy: {name: consistent_hash, params: {vnodes: 0}}", "policy.params.vnodes: expected an integer"),
-        ("path: /etc/x", "path: unknown key; valid: auth, autoscale, breaker,"),
+        ("path: /etc/x", "path: unknown key; valid: admin, auth, autoscale, breaker,"),
     ],
 )
 def test_nested_messages(text, message):

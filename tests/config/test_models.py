@@ -167,7 +167,7 @@ async def test_a_vllm_worker_listed_by_url_only_is_keyed_with_its_models_tokeniz
     )
     router = Router(cfg)
     assert list(router.engines.model_keyers) == [(tok, "")]
-    async with RouterServer(router, port=0):
+    async with RouterServer(router, port=0, admin_port=0):
         (w,) = list(router.pool)
         deadline = time.monotonic() + 10
         while not isinstance(getattr(w.engine, "space", None), TokenSpace):
@@ -309,7 +309,7 @@ async def test_a_reload_that_adds_a_models_entry_rekeys_the_running_workers(tmp_
     )
     p.write_text(base)
     router = Router(load_config(str(p)))
-    async with RouterServer(router, port=0):
+    async with RouterServer(router, port=0, admin_port=0):
         (w,) = list(router.pool)
         first = w.engine
         await asyncio.sleep(0.2)

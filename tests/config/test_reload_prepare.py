@@ -61,7 +61,8 @@ def test_overrides_keep_winning_over_the_file(tmp_path):
     "text, field",
     [
         ("policy: {name: cache-aware}\n", "policy.name"),
-        ("listen: {host: 10.0.0.1}\n", "auth.admin_token_env"),  # tokenless off loopback
+        ("listen: {host: 10.0.0.1}\n", "auth.agent_token_env"),  # the agent API off loopback
+        ("admin: {host: 10.0.0.1}\n", "auth.admin_token_env"),  # the admin API off loopback
         ("index: {max_bytes: -1}\n", "index.max_bytes"),
     ],
 )

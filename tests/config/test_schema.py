@@ -42,8 +42,8 @@ def test_defaults_are_a_valid_config():
     [
         (
             "polcy: {name: x}",
-            "polcy: unknown key; valid: auth, autoscale, breaker, bus, decisions, disagg, gateway, health, "
-            "index, keys, limits, listen, load, models, policy, prefetch, registration, reload, "
+            "polcy: unknown key; valid: admin, auth, autoscale, breaker, bus, decisions, disagg, gateway, "
+            "health, index, keys, limits, listen, load, models, policy, prefetch, registration, reload, "
             "response_headers, retries, tenancy, timeouts, tokenizers, tracing, traffic_log, warmup, workers",
         ),
         (

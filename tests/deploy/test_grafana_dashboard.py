@@ -137,7 +137,11 @@ def row_panels(dash: dict, title: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def scraped() -> set[str]:
     rp, ap = free_port(), free_port()
-    with Proc(radixfleet_argv("router", "--port", str(rp)), ready_url=f"http://127.0.0.1:{rp}/health"):
+    admin = free_port()  # the router's admin listener: its /metrics
+    with Proc(
+        radixfleet_argv("router", "--port", str(rp), "--admin-port", str(admin)),
+        ready_url=f"http://127.0.0.1:{rp}/health",
+    ):
         with Proc(
             radixfleet_argv(
                 "agent", "--port", str(ap), "--router", f"http://127.0.0.1:{rp}", "--kv-tokens", "50000"
@@ -157,7 +161,7 @@ def scraped() -> set[str]:
                         break
                     time.sleep(0.05)
                 assert ok, r.text
-                router = c.get(f"http://127.0.0.1:{rp}/metrics").text
+                router = c.get(f"http://127.0.0.1:{admin}/metrics").text
                 agent = c.get(f"http://127.0.0.1:{ap}/metrics").text
     return exported(router) | exported(agent) | exported(VLLM_PAGE.read_text())
 
@@ -245,14 +249,14 @@ def _finite(result) -> bool:
 
 @pytest.mark.engine
 def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tmp_path):
-    from tests.engines.vllm_router import router_yaml, text
+    from tests.engines.vllm_router import admin_url, router_yaml, text
 
     port = free_port()
     cfg = tmp_path / "router.yaml"
     router_yaml(cfg, port, vllm_pair, vllm_model_dir)
     base = f"http://127.0.0.1:{port}"
     pages = {
-        "router": base + "/metrics",
+        "router": admin_url(base) + "/metrics",
         **{f"vllm-{i}": s.url + "/metrics" for i, s in enumerate(vllm_pair)},
     }
     with (
@@ -264,7 +268,7 @@ def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tm
         # events from their history (the join's replay); the hot-prefix panels count
         # matches on index entries, which a request routed before the join finds none of
         while time.monotonic() < deadline:
-            ws = c.get(base + "/admin/workers").json()["workers"]
+            ws = c.get(admin_url(base) + "/admin/workers").json()["workers"]
             if c.get(base + "/readiness").status_code == 200 and all(
                 w["routable"]
                 and w.get("engine", {}).get("key_space", "").startswith("TokenSpace")
@@ -349,10 +353,11 @@ async def test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await server.start()}"
+    admin = f"http://127.0.0.1:{server.admin_port}"
     runners: dict[str, web.AppRunner] = {}
-    pages = {"router": base + "/metrics"}
+    pages = {"router": admin + "/metrics"}
     fleet = [
         ("t0", "m", "both", DramConfig(200_000)),
         ("t1", "m", "both", DramConfig(200_000)),
@@ -445,7 +450,7 @@ async def test_routing_quality_panels_return_data_in_front_of_agents():
         for wid in ("q0", "q1"):
             await fleet.agent("m", worker_id=wid)
         await fleet.routable(2)
-        pages = {"router": fleet.base + "/metrics"}
+        pages = {"router": fleet.admin + "/metrics"}
         async with httpx.AsyncClient(timeout=30) as c:
             before = scrape({k: (await c.get(u)).text for k, u in pages.items()})
             t0 = time.monotonic()

@@ -114,6 +114,8 @@ def test_cmd_and_healthcheck_run_on_loopback(final):
         elif prev == "--config":
             a = str(files[a])
         local.append(a)
+    # the image's router.yaml puts the admin listener on 0.0.0.0:8001: loopback, free port
+    local += ["--admin-host", "127.0.0.1", "--admin-port", str(free_port())]
     env = {**TOKENS}
     hc = dict(final)["HEALTHCHECK"]
     hc_argv = exec_form(hc.split(" CMD ", 1)[1])

@@ -179,7 +179,9 @@ def test_router_wiring(rendered, overlay):
     port = int(arg_after(cmd, "--port"))
     config = arg_after(cmd, "--config")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": port}
+    raw = router_raw(docs)
+    # the data port the CMD names, and the admin listener the ConfigMap's router.yaml names
+    assert ports == {"http": port, "admin": raw["admin"]["port"]} and raw["admin"]["port"] != port
     assert c["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
@@ -208,18 +210,26 @@ def test_router_wiring(rendered, overlay):
         and {"list", "watch"} <= set(r["verbs"])
         for r in role["rules"]
     )
-    # Service, PDB and ServiceMonitor select these pods / this Service
+    # Service, PDB and ServiceMonitor select these pods / the admin Service; the
+    # clients' Service carries the data port alone
     labels = pod["metadata"]["labels"]
     svc = one(docs, "Service", "radixfleet-router")
     assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
     assert [(p["name"], p["targetPort"]) for p in svc["spec"]["ports"]] == [("http", "http")]
+    admin = one(docs, "Service", "radixfleet-router-admin")
+    assert all(labels.get(k) == v for k, v in admin["spec"]["selector"].items())
+    assert [(p["name"], p["targetPort"]) for p in admin["spec"]["ports"]] == [("admin", "admin")]
     pdb = one(docs, "PodDisruptionBudget", "radixfleet-router")
     assert all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
     sm = one(docs, "ServiceMonitor", "radixfleet-router")
-    assert all(
-        svc["metadata"]["labels"].get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items()
-    )
-    assert sm["spec"]["endpoints"][0]["port"] == "http"
+    monitored = [
+        d["metadata"]["name"]
+        for d in docs
+        if d["kind"] == "Service"
+        and all(d["metadata"]["labels"].get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    ]
+    assert monitored == ["radixfleet-router-admin"], monitored
+    assert sm["spec"]["endpoints"][0]["port"] == "admin"
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
     # scraped with the token the router reads for /metrics, from the same Secret
     cred = sm["spec"]["endpoints"][0]["authorization"]["credentials"]
@@ -353,10 +363,11 @@ def test_vllm_worker_has_the_engine_flags_and_is_discoverable(rendered):
 def _router_on_fake_api(raw: dict, api: FakeKubeAPI, token: pathlib.Path, ns: str) -> Router:
     """A router built from a ConfigMap's router.yaml, changed only where a pod's world
     differs from a test's: the API server (a pod finds it in its environment), its
-    token file and namespace, a loopback listener."""
+    token file and namespace, loopback listeners."""
     k = raw["workers"]["discovery"]["kubernetes"]
     k.update({"api_server": api.url, "token_file": str(token), "namespace": ns})
     raw["listen"] = {"host": "127.0.0.1", "port": 0}
+    raw["admin"] = {"host": "127.0.0.1", "port": 0}
     return Router(parse_config(raw))
 
 
@@ -391,7 +402,7 @@ async def test_router_with_the_configmap_discovers_the_example_pool(rendered, tm
             ),
         )
         router = _router_on_fake_api(raw, api, token, ns)
-        async with RouterServer(router, port=0):
+        async with RouterServer(router, port=0, admin_port=0):
             await _discovered(router, 1, "nothing discovered")
             assert {w.id: w.url for w in router.pool} == {"vllm-6d4f9-abcde": f"http://127.0.0.2:{port}"}
 
@@ -467,7 +478,7 @@ async def test_router_with_the_pd_configmap_discovers_both_sides_with_their_role
                 ),
             )
         router = _router_on_fake_api(raw, api, token, ns)
-        async with RouterServer(router, port=0):
+        async with RouterServer(router, port=0, admin_port=0):
             await _discovered(router, 2, "not both sides discovered")
             assert {w.id: w.role for w in router.pool} == {
                 "vllm-prefill-6d4f9-abcde": "prefill",
@@ -519,7 +530,7 @@ async def test_the_configmap_runs_precise_mode_in_front_of_a_real_vllm(
             {"api_server": api.url, "token_file": str(token), "namespace": ns}
         )
         router = Router(parse_config(raw))
-        async with RouterServer(router, port=0) as server:
+        async with RouterServer(router, port=0, admin_port=0) as server:
             deadline = time.monotonic() + 30
             while True:
                 w = router.pool.get("vllm-6d4f9-abcde")

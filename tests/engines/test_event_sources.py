@@ -111,8 +111,9 @@ class Fleet:
             )
         cfg = parse_config({"listen": {"port": 0}, "health": {"interval_s": 0.2}, "workers": workers})
         self.router = Router(cfg)
-        self.server = RouterServer(self.router, port=0)
+        self.server = RouterServer(self.router, port=0, admin_port=0)
         self.base = f"http://127.0.0.1:{await self.server.start()}"
+        self.admin = f"http://127.0.0.1:{self.server.admin_port}"  # /admin/*, /metrics
         await wait_for(lambda: all(w.routable(time.monotonic()) for w in self.router.pool), 10, "routable")
         import aiohttp
 

@@ -168,7 +168,7 @@ async def test_sglang_events_metrics_and_cached_tokens(tokenizer_dir):
         }
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     rport = await server.start()
     base = f"http://127.0.0.1:{rport}"
     try:

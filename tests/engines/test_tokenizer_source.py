@@ -237,8 +237,9 @@ class QuickStart:
             workers.append({"url": f"http://127.0.0.1:{port}", "id": wid, **self.worker})
         cfg = {"listen": {"port": 0}, "health": {"interval_s": 0.2}, "workers": workers}
         self.router = Router(parse_config({**cfg, **self.extra}))
-        self.server = RouterServer(self.router, port=0)
+        self.server = RouterServer(self.router, port=0, admin_port=0)
         self.base = f"http://127.0.0.1:{await self.server.start()}"
+        self.admin = f"http://127.0.0.1:{self.server.admin_port}"  # /admin/*, /metrics
         self.session = aiohttp.ClientSession()
         await wait_for(
             lambda: all(w.routable(time.monotonic()) and w.engine.brought_up for w in self.router.pool),
@@ -257,7 +258,7 @@ class QuickStart:
                 f.close()
 
     async def workers(self) -> dict:
-        async with self.session.get(self.base + "/admin/workers") as r:
+        async with self.session.get(self.admin + "/admin/workers") as r:
             assert r.status == 200
             return {w["id"]: w for w in (await r.json())["workers"]}
 

@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from tests.engines.quick_start import quick_start  # noqa: F401  (the quick-start router)
-from tests.engines.vllm_router import post, router_yaml, text, wait_for, workers
+from tests.engines.vllm_router import admin_url, post, router_yaml, text, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
@@ -198,12 +198,13 @@ def test_quick_start_keys_through_the_engine_where_its_tokenizer_is_not_here(vll
     off: as when vLLM runs on another host): each request's ids come from the engine's
     POST /tokenize, its events are followed, predictions exact; what a round trip costs
     is on /metrics (radixfleet_engine_tokenize_seconds)."""
-    port = free_port()
+    port, admin = free_port(), free_port()
     cfg = tmp_path / "through.yaml"
     cfg.write_text(
         json.dumps(
             {
                 "listen": {"host": "127.0.0.1", "port": port},
+                "admin": {"host": "127.0.0.1", "port": admin},
                 "workers": [s.url for s in vllm_pair],
                 "tokenizers": {"discover": False},
             }
@@ -238,7 +239,7 @@ def test_quick_start_keys_through_the_engine_where_its_tokenizer_is_not_here(vll
             wait_for(lambda: totals()[0] >= n0 + i + 1, 10, "the router's accuracy sample")
         n1, abs1 = totals()
         assert n1 - n0 == 6 and (abs1 - abs0) / 6 <= 1, abs1 - abs0
-        page = httpx.get(url + "/metrics", timeout=5).text
+        page = httpx.get(f"http://127.0.0.1:{admin}/metrics", timeout=5).text
         got = {
             ln.split()[0]: float(ln.split()[-1])
             for ln in page.splitlines()
@@ -364,7 +365,7 @@ def test_streamed_chat_load_held_through_prefill_released_at_first_token(router)
 
 
 def drain(url: str, wid: str, on: bool = True) -> None:
-    r = httpx.post(f"{url}/admin/workers/{wid}/drain", json={"drain": on}, timeout=5)
+    r = httpx.post(f"{admin_url(url)}/admin/workers/{wid}/drain", json={"drain": on}, timeout=5)
     assert r.status_code == 200, r.text
 
 
@@ -405,7 +406,7 @@ def test_eviction_reaches_the_index(router, vllm_pair):
 def decisions(url: str) -> dict[tuple[str, str], float]:
     """radixfleet_requests_total by (worker, reason), summed over status."""
     out: dict[tuple[str, str], float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(admin_url(url) + "/metrics", timeout=30).text.splitlines():
         if line.startswith("radixfleet_requests_total{"):
             lb = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
             key = (lb["worker"].strip('"'), lb["reason"].strip('"'))

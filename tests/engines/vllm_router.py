@@ -20,6 +20,16 @@ def text(seed: int, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+#: a router_yaml router's data port -> its admin listener's (/admin/*, /metrics)
+_ADMIN: dict[int, int] = {}
+
+
+def admin_url(url: str) -> str:
+    """The admin listener of the router_yaml router at ``url`` (its data port's URL)."""
+    host, _, port = url.rpartition(":")
+    return f"{host}:{_ADMIN[int(port.rstrip('/'))]}"
+
+
 def router_yaml(
     path, port: int, servers, model_dir, *, policy: str = "prefix_load", events=(True, True), capacity=(0, 0)
 ) -> None:
@@ -44,8 +54,12 @@ def router_yaml(
         if capacity[i]:
             w["kv_capacity_tokens"] = capacity[i]
         workers.append(w)
+    from tests.procs import free_port
+
+    _ADMIN[port] = free_port()
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": _ADMIN[port]},
         "policy": {"name": policy},
         "health": {"interval_s": 0.5},
         "workers": workers,
@@ -56,7 +70,7 @@ def router_yaml(
 
 def workers(url: str, client: httpx.Client | None = None) -> list[dict]:
     get = client.get if client is not None else httpx.get
-    return get(url + "/admin/workers", timeout=5).json()["workers"]
+    return get(admin_url(url) + "/admin/workers", timeout=5).json()["workers"]
 
 
 def wait_for(pred, timeout_s: float, what: str, proc=None) -> None:

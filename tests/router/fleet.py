@@ -44,6 +44,8 @@ class Fleet:
         self.router: Router | None = None
         self.base = ""
         self.port = 0
+        self.admin = ""  # the admin listener's base URL: /admin/*, /metrics
+        self.admin_port = 0
 
     async def upstream(self, name: str, model: str = "m", **kw) -> str:
         runner, url = await serve_app(upstream_app(name, model=model, **kw))
@@ -74,9 +76,11 @@ class Fleet:
         # answers name their worker: the tests check where requests went
         self.router = Router(parse_config({"health": HEALTH, "response_headers": {"worker_id": True}, **raw}))
         self.router.dataplane.use_tracing(tracing)
-        server = RouterServer(self.router, port=free_port())
+        server = RouterServer(self.router, port=free_port(), admin_port=0)
         self.port = await server.start()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.admin_port = server.admin_port
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
         self.closers.insert(0, server.aclose)
         return self
 

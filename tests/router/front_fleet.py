@@ -36,13 +36,13 @@ async def fleet():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     deadline = time.monotonic() + 5
     while not router.pool.views(time.monotonic()):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
-    yield router, port, url
+    yield router, port, url, server.admin_port
     await server.aclose()
     await up.cleanup()
 

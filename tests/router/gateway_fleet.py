@@ -99,7 +99,7 @@ class GatewayFleet:
             self._sync = asyncio.create_task(self._syncing())
         else:
             self.router = Router(parse_config(raw))
-            self.server = RouterServer(self.router)
+            self.server = RouterServer(self.router, admin_port=0)
             await self.server.start()
             self.url = f"http://127.0.0.1:{rport}"
         self.router_url = f"http://127.0.0.1:{rport}"

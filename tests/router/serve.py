@@ -36,13 +36,20 @@ async def start_router(raw: dict, *, front: bool = True, worker_header: bool = T
     }
     router = Router(parse_config(raw))
     if front:
-        server = RouterServer(router, port=free_port())
+        server = RouterServer(router, port=free_port(), admin_port=0)
         port = await server.start()
         base = f"http://127.0.0.1:{port}"
     else:
         server, base = await start_app(router.app)
     await wait_ready(base)
     return router, server, base
+
+
+def admin_base(server, base: str) -> str:
+    """Where ``start_router``'s router serves /admin/* and /metrics: its admin
+    listener behind the raw front, ``base`` itself for the aiohttp app alone."""
+    port = getattr(server, "admin_port", None)
+    return base if port is None else f"http://127.0.0.1:{port}"
 
 
 async def wait_ready(base: str, timeout_s: float = 10.0) -> None:

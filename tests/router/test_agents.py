@@ -37,7 +37,7 @@ async def test_agents_register_push_events_and_keep_affinity():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     agents = []
@@ -116,7 +116,7 @@ async def test_agent_with_other_block_bytes_is_refused_and_says_why():
             {"keys": {"block_bytes": 128}, "workers": [{"url": "http://127.0.0.1:1", "id": "static"}]}
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     ap = free_port()
@@ -168,7 +168,7 @@ async def test_agent_stream_counts_prompt_until_first_content_token():
     """Our agent writes the chat role chunk before prefill: the router must keep the
     prompt counted as queued prefill until the first content token (contract 10, docs/DESIGN.md)."""
     router = Router(parse_config({"health": {"interval_s": 0.2}}))
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     ap = free_port()

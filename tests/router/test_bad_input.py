@@ -199,10 +199,10 @@ async def test_deep_json_is_400_on_every_json_endpoint(fleet):
             fleet.base + "/v1/completions",
             fleet.base + "/v1/chat/completions",
             fleet.base + "/generate",
-            fleet.base + "/admin/workers",
+            fleet.admin + "/admin/workers",
             fleet.base + "/internal/v1/register",
             fleet.base + "/internal/v1/events",
-            fleet.base + "/admin/workers/u/drain",
+            fleet.admin + "/admin/workers/u/drain",
             agent_url + "/v1/completions",
             agent_url + "/internal/v1/engine_config",
         ):
@@ -224,13 +224,16 @@ async def test_non_utf8_credentials_are_401(fleet, monkeypatch):
     )
     await fleet.routable(1)
     bad = b"Bearer \xff\xfe"
-    for req in (
-        b"GET /admin/workers HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n" % bad,
-        b"GET /admin/index HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n" % bad,
-        b"POST /internal/v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n"
-        b"Content-Length: 2\r\n\r\n{}" % bad,
+    for port, req in (
+        (fleet.admin_port, b"GET /admin/workers HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n" % bad),
+        (fleet.admin_port, b"GET /admin/index HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n\r\n" % bad),
+        (
+            fleet.port,
+            b"POST /internal/v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n"
+            b"Content-Length: 2\r\n\r\n{}" % bad,
+        ),
     ):
-        out = await raw_http(fleet.port, req)
+        out = await raw_http(port, req)
         assert status_of(out) == 401, out[:300]
     body = b'{"model":"m","prompt":"hi"}'
     for header in (b"x-api-key: \xff\xfe", b"Authorization: Bearer \xc3\x28"):
@@ -247,7 +250,7 @@ async def test_non_utf8_credentials_are_401(fleet, monkeypatch):
 async def test_bad_ipv6_worker_url_is_400(fleet):
     await one_router(fleet)
     async with httpx.AsyncClient() as c:
-        r = await c.post(fleet.base + "/admin/workers", json={"url": "http://[::1"})
+        r = await c.post(fleet.admin + "/admin/workers", json={"url": "http://[::1"})
         assert r.status_code == 400 and "Invalid IPv6 URL" in r.json()["error"]["message"]
         r = await c.post(
             fleet.base + "/internal/v1/register", json={"worker_id": "a", "url": "http://[::1", "epoch": "e"}
@@ -258,25 +261,39 @@ async def test_bad_ipv6_worker_url_is_400(fleet):
 
 
 @pytest.mark.integration
-async def test_bad_chunk_size_on_a_handed_over_path_is_json_400(fleet, caplog):
+async def test_bad_chunk_size_is_json_400_on_both_listeners(fleet, caplog):
     await one_router(fleet)
     caplog.set_level(logging.DEBUG)
-    for path in (b"/health", b"/admin/workers", b"/nope"):
+    for port, path in (
+        (fleet.port, b"/health"),
+        (fleet.port, b"/admin/workers"),
+        (fleet.port, b"/nope"),
+        (fleet.admin_port, b"/admin/workers"),
+        (fleet.admin_port, b"/nope"),
+    ):
         out = await raw_http(
-            fleet.port,
+            port,
             b"POST %s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n" % path,
         )
-        # 400 when aiohttp parses the bad chunk first; the route's own 4xx when the
-        # head alone arrived first and was answered: JSON either way, never 5xx
+        # 400 when the bad chunk is parsed first; the route's own 4xx (404, 405) when
+        # the head alone arrived first and was answered: JSON either way, never 5xx
         assert 400 <= status_of(out) < 500, out
         assert json_body_of(out)["error"]["code"], out
-    # and when the broken chunk surely arrives after the handler answered
+    # and when the broken chunk surely arrives after the head was answered
+    for port in (fleet.port, fleet.admin_port):
+        out = await raw_http(
+            port,
+            [b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n", b"zz\r\n"],
+            gap_s=0.2,
+        )
+        assert 400 <= status_of(out) < 500, out
+    # a data-plane body's broken chunk: the front's own 400, counted
     out = await raw_http(
         fleet.port,
-        [b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n", b"zz\r\n"],
-        gap_s=0.2,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\nab\r\n0\r\n\r\n",
     )
-    assert 400 <= status_of(out) < 500, out
+    assert status_of(out) == 400 and json_body_of(out)["error"]["code"] == "bad_http", out
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], [
         r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info
     ]
@@ -348,7 +365,7 @@ async def test_overload_is_shed_by_default_with_retry_after(fleet):
     await one_router(fleet)  # default limits
     other = await fleet.upstream("v")
     async with httpx.AsyncClient() as c:
-        r = await c.post(fleet.base + "/admin/workers/u/drain", json={"drain": True})
+        r = await c.post(fleet.admin + "/admin/workers/u/drain", json={"drain": True})
         assert r.status_code == 200
         reg = {"worker_id": "ag", "url": other, "epoch": "e1", "models": ["m"]}
         assert (await c.post(fleet.base + "/internal/v1/register", json=reg)).status_code == 200
@@ -465,13 +482,14 @@ async def test_head_and_body_deadlines(fleet):
         read_s=3.0,
     )
     assert status_of(out) == 408 and b"body not received" in out, out
-    # the same on a path the aiohttp app serves
-    out = await raw_http(
-        fleet.port,
-        b'POST /admin/workers HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"url"',
-        read_s=3.0,
-    )
-    assert status_of(out) == 408, out
+    # the same on the agent API, and on the admin listener
+    for port, path in ((fleet.port, b"/internal/v1/events"), (fleet.admin_port, b"/admin/workers")):
+        out = await raw_http(
+            port,
+            b'POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"url"' % path,
+            read_s=3.0,
+        )
+        assert status_of(out) == 408, out
 
 
 @pytest.mark.integration
@@ -528,13 +546,13 @@ async def test_identifiers_are_bounded(fleet, tmp_path):
         ):
             r = await c.post(fleet.base + "/internal/v1/register", json=bad)
             assert r.status_code == 400, (str(bad)[:80], r.text)
-        r = await c.post(fleet.base + "/admin/workers", json={"url": other, "id": huge})
+        r = await c.post(fleet.admin + "/admin/workers", json={"url": other, "id": huge})
         assert r.status_code == 400
         longest = "w" * MAX_ID_CHARS
-        r = await c.post(fleet.base + "/admin/workers", json={"url": other, "id": longest})
+        r = await c.post(fleet.admin + "/admin/workers", json={"url": other, "id": longest})
         assert r.status_code == 201
-        assert len((await c.get(fleet.base + "/metrics")).text) < 100_000
-        r = await c.delete(fleet.base + "/admin/workers/" + longest)
+        assert len((await c.get(fleet.admin + "/metrics")).text) < 100_000
+        r = await c.delete(fleet.admin + "/admin/workers/" + longest)
         assert r.status_code == 200
     with pytest.raises(ConfigError, match=r"workers\[0\]\.id"):
         parse_config({"workers": [{"url": url, "id": huge}]})
@@ -575,7 +593,7 @@ async def test_metrics_hygiene(fleet):
                 json={"model": "m", "prompt": f"{i} " + PROMPT, "stream": i % 2 == 0},
             )
             assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "good"
-        text = (await c.get(fleet.base + "/metrics")).text
+        text = (await c.get(fleet.admin + "/metrics")).text
     assert "# TYPE radixfleet_index_evicted_entries_total counter" in text
     evicted = [l for l in text.splitlines() if l.startswith("radixfleet_index_evicted_entries_total")]
     assert evicted and float(evicted[0].split()[1]) > 0  # the tiny index budget evicted

@@ -236,14 +236,14 @@ async def test_admin_decisions_explain_a_live_fleet(fleet, monkeypatch, tmp_path
         r = await c.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"})
         assert r.status_code == 404
 
-        assert (await c.get(base + "/admin/decisions")).status_code == 401
+        assert (await c.get(fleet.admin + "/admin/decisions")).status_code == 401
         for bad in ("n=0", "n=x", "n=1&n=2", f"n={MAX_SIZE + 1}", "candidates=0", "m=1"):
-            r = await c.get(base + "/admin/decisions?" + bad, headers=ADMIN)
+            r = await c.get(fleet.admin + "/admin/decisions?" + bad, headers=ADMIN)
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
-        r = await c.get(base + "/admin/decisions?n=3", headers=ADMIN)
+        r = await c.get(fleet.admin + "/admin/decisions?n=3", headers=ADMIN)
         assert r.status_code == 200, r.text
         out = r.json()
-        page = (await c.get(base + "/metrics")).text
+        page = (await c.get(fleet.admin + "/metrics")).text
     assert "question" not in r.text and "alice" not in r.text and "shared system prompt" not in r.text
     # an unserved model is refused from its bytes, before the route core (router.screen):
     # no decision is kept for it

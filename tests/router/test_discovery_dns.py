@@ -222,7 +222,7 @@ async def test_router_routes_to_agents_found_in_dns(dnsmasq, tmp_path):
         for a in agents:
             a.__enter__()
         router = Router(cfg)
-        async with RouterServer(router, port=0) as srv:
+        async with RouterServer(router, port=0, admin_port=0) as srv:
             await until(
                 lambda: len(router.pool.routable_workers(time.monotonic())) == 2, 10, "both agents routable"
             )

@@ -236,7 +236,7 @@ async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
             router = Router(parse_config(raw))
             pool = router.pool
             now = time.monotonic
-            async with RouterServer(router, port=0) as srv:
+            async with RouterServer(router, port=0, admin_port=0) as srv:
                 await until(lambda: set(discovered(pool)) == {"vllm-0"}, 10, "first list")
                 await until(
                     lambda: [w.id for w in pool.routable_workers(now())] == ["vllm-0"], 5, "vllm-0 routable"

@@ -342,7 +342,7 @@ async def test_stream_load_held_until_first_content_token_and_usage_hidden():
         {"workers": [{"url": url, "kind": "openai"}], "health": {"interval_s": 0.2}, "listen": {"port": 0}}
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     port = await server.start()
     try:
         w = router.pool.get(cfg.workers[0].id)
@@ -393,7 +393,7 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
         }
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     try:
@@ -409,9 +409,10 @@ async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_pa
                     json={"model": "m", "messages": [{"role": "user", "content": "y" * 600}]},
                 ) as r:
                     assert r.status == 200
-            async with s.get(base + "/metrics") as r:
+            admin = f"http://127.0.0.1:{server.admin_port}"
+            async with s.get(admin + "/metrics") as r:
                 text = await r.text()
-            async with s.get(base + "/admin/index") as r:
+            async with s.get(admin + "/admin/index") as r:
                 index = await r.json()
         assert "radixfleet_autoscale_desired_workers 1.0" in text
         assert index["autoscale"]["desired"] == 1
@@ -446,7 +447,7 @@ async def test_shed_requests_are_logged_as_offered_load(tmp_path):
         }
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     dp = router.dataplane
@@ -545,7 +546,7 @@ async def test_traffic_log_records_the_status_the_client_got(tmp_path):
         }
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     seen = {}
@@ -688,7 +689,7 @@ async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
         }
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     prompt = "the shared context of a long conversation " * 200  # ~8.6 KB
@@ -759,7 +760,7 @@ async def test_a_plain_engines_configured_kv_capacity_reaches_the_policy_view():
         }
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     await server.start()
     try:
         w = router.pool.get("p")
@@ -796,7 +797,7 @@ async def test_a_byte_keyed_engines_configured_kv_capacity_caps_its_index_entrie
         }
     )
     router = Router(cfg)
-    server = RouterServer(router, port=0)
+    server = RouterServer(router, port=0, admin_port=0)
     port = await server.start()
     index = router.engines.index
     try:

@@ -1,7 +1,7 @@
 """The raw HTTP/1.1 front (router.front.FrontServer) on the wire: keep-alive,
 pipelining, chunked request bodies, Expect: 100-continue, HTTP/1.0, malformed
-requests, and hand-over of non-data-plane requests to the aiohttp app on the same
-connection. Plus warm-ups and /metrics."""
+requests, the data port's other routes (probes, 404 / 405) pipelined with the data
+plane's, and the admin listener apart. Plus warm-ups and /metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import gc
 import json
 import socket
+import subprocess
 import time
 import tracemalloc
 import weakref
@@ -22,9 +23,9 @@ from radixfleet.bench.proxy import upstream_app
 from router import intake
 from router.app import Router, RouterServer
 from router.config import parse_config
-from router.front import FrontServer
+from router.front import FrontServer, Route
 from router.slow_clients import ClientDropped, SlowClients
-from tests.procs import free_port
+from tests.procs import free_port, radixfleet_argv
 from tests.router.front_fleet import (
     BODY,
     HEALTH,
@@ -36,8 +37,8 @@ from tests.router.front_fleet import (
 pytestmark = pytest.mark.integration
 
 
-async def test_keepalive_pipelining_and_handover(fleet):
-    router, port, _ = fleet
+async def test_keepalive_pipelining_with_a_probe(fleet):
+    router, port, _, _ = fleet
     data = (
         post(b"/v1/completions", BODY)
         + post(b"/generate", b'{"text": "hi"}')
@@ -50,7 +51,7 @@ async def test_keepalive_pipelining_and_handover(fleet):
 
 
 async def test_chunked_body_and_expect_continue(fleet):
-    router, port, _ = fleet
+    router, port, _, _ = fleet
     half = len(BODY) // 2
     chunked = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
@@ -72,7 +73,7 @@ async def test_chunked_body_and_expect_continue(fleet):
 
 
 async def test_http10_and_malformed_requests(fleet):
-    router, port, _ = fleet
+    router, port, _, _ = fleet
     out = await raw(port, post(b"/v1/completions", BODY, version=b"HTTP/1.0"))
     assert out.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" in out
     stream = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
@@ -91,7 +92,7 @@ async def test_http10_and_malformed_requests(fleet):
         out = await raw(port, bad)
         assert out.startswith(b"HTTP/1.1 " + status), (bad[:60], out[:200])
         assert b'"error"' in out
-    # unknown paths and methods go to the aiohttp app: JSON 404 / 405
+    # unknown paths and methods: JSON 404 / 405, answered by the front itself
     out = await raw(port, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", until=b"}}")
     assert out.startswith(b"HTTP/1.1 404") and b"unknown path /nope" in out
     out = await raw(port, b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", until=b"}}")
@@ -103,13 +104,13 @@ async def test_http10_and_malformed_requests(fleet):
 
 
 async def test_metrics_exposes_the_documented_series(fleet):
-    router, port, _ = fleet
+    router, port, _, admin_port = fleet
     async with httpx.AsyncClient() as c:
         base = f"http://127.0.0.1:{port}"
         for _ in range(3):
             await c.post(base + "/v1/completions", content=BODY)
         await c.post(base + "/v1/completions", content=b"{")
-        text = (await c.get(base + "/metrics")).text
+        text = (await c.get(f"http://127.0.0.1:{admin_port}/metrics")).text
     for name in (
         'radixfleet_requests_total{reason="round_robin",status="200",worker="u"} 3.0',
         'radixfleet_rejected_total{code="malformed_request",status="400"} 1.0',
@@ -128,7 +129,7 @@ async def test_metrics_exposes_the_documented_series(fleet):
 
 
 async def test_warmup_sends_prefill_only_request(fleet):
-    router, port, url = fleet
+    router, port, url, _ = fleet
     body = {"model": "m", "prompt": "The shared system prompt. " * 20}
     key = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("t"))
     router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
@@ -146,9 +147,9 @@ async def test_warmup_sends_prefill_only_request(fleet):
 
 
 async def test_graceful_close_finishes_in_flight(fleet):
-    _, _, url = fleet
+    _, _, url, _ = fleet
     router = Router(parse_config({"workers": [{"url": url}], "health": HEALTH}))
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 5
@@ -200,7 +201,7 @@ async def test_stale_keepalive_upstream_connection_is_replaced_transparently():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     try:
         deadline = time.monotonic() + 5
@@ -332,12 +333,11 @@ async def test_an_idle_connection_is_reused_only_within_keepalive_s():
         await srv.wait_closed()
 
 
-async def test_handover_after_a_pipeline_split_at_every_size(fleet):
-    """Data-plane requests (Content-Length and chunked) pipelined before a request for
-    aiohttp, read in pieces that end anywhere inside them: the kept bytes are cut at
-    each completed request, aiohttp gets exactly the handed request, and every body
+async def test_a_pipeline_ending_in_a_probe_split_at_every_size(fleet):
+    """Data-plane requests (Content-Length and chunked) pipelined before a probe, read
+    in pieces that end anywhere inside them: each answered in order, and every body
     byte taken from the body budget is given back."""
-    router, port, _ = fleet
+    router, port, _, _ = fleet
     chunked = (
         b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
         b'5\r\n{"tex\r\n9\r\nt": "hi"}\r\n0\r\n\r\n'
@@ -365,12 +365,11 @@ async def test_handover_after_a_pipeline_split_at_every_size(fleet):
     router.body_budget.check()
 
 
-async def test_a_chunked_body_with_extensions_and_trailers_then_a_hand_over_at_every_split(fleet):
-    """A chunked data-plane body whose bytes the connection does not keep (it follows
-    the chunk framing to find where the next request starts): chunk extensions, a
-    last-chunk extension, trailer fields, and a request for aiohttp pipelined right
-    behind, read in pieces that end anywhere — each answered, in order."""
-    router, port, _ = fleet
+async def test_a_chunked_body_with_extensions_and_trailers_then_a_probe_at_every_split(fleet):
+    """A chunked data-plane body with chunk extensions, a last-chunk extension,
+    trailer fields, and a probe pipelined right behind, read in pieces that end
+    anywhere — each answered, in order."""
+    router, port, _, _ = fleet
     chunked = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
         b'7;name=value\r\n{"model\r\n1d\r\n": "m", "prompt": "hi there"}\r\n0;last\r\n'
@@ -409,7 +408,7 @@ async def test_a_chunked_body_is_held_once():
         del body
         ex.reply(200, b"{}", "application/json", [])
 
-    front = FrontServer({b"/v1/completions": handler}, None, lambda: 32 << 20)
+    front = FrontServer({b"/v1/completions": {b"POST": Route(handler)}}, lambda: 32 << 20)
     port = await front.start("127.0.0.1", 0)
     frame = b"%x\r\n" % len(piece) + piece + b"\r\n"
     tracemalloc.start()
@@ -462,8 +461,7 @@ async def test_a_reply_the_client_never_takes_holds_its_pipeline_then_is_dropped
         ex.reply(200, b"x" * (16 << 20), "application/octet-stream", [])
 
     front = FrontServer(
-        {b"/v1/completions": handler},
-        None,
+        {b"/v1/completions": {b"POST": Route(handler)}},
         lambda: 1 << 20,
         slow=SlowClients(lambda: 0.3, on_dropped=drops.append),
     )
@@ -515,8 +513,7 @@ async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
             raise
 
     front = FrontServer(
-        {b"/v1/completions": handler},
-        None,
+        {b"/v1/completions": {b"POST": Route(handler)}},
         lambda: 1 << 20,
         slow=SlowClients(lambda: 60.0, lambda: 0.5, drops.append),
     )
@@ -540,11 +537,10 @@ async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
         await front.aclose(1.0)
 
 
-async def test_a_stream_on_a_handed_over_connection_is_dropped_too():
+async def test_a_stream_behind_a_probe_is_dropped_too():
     """GET /health, then a streamed completion the client never reads, on one
-    connection: the aiohttp side serves it (the connection was handed over) under the
-    same client_idle_s, so the client is dropped, counted, and its slot and upstream
-    request freed."""
+    connection: served under client_idle_s, so the client is dropped, counted, and
+    its slot and upstream request freed."""
     up = web.AppRunner(upstream_app("u", model="m"), access_log=None)
     await up.setup()
     up_port = free_port()
@@ -558,7 +554,7 @@ async def test_a_stream_on_a_handed_over_connection_is_dropped_too():
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     body = json.dumps(
         {"model": "m", "prompt": "hi", "stream": True, "chunks": 10**9, "events_per_write": 64}
@@ -579,7 +575,7 @@ async def test_a_stream_on_a_handed_over_connection_is_dropped_too():
 
 
 async def test_a_chunked_body_read_by_aiohttp_is_held_once():
-    """The aiohttp side (connections handed over, an embedded app) reads a body the
+    """The aiohttp side (the admin listener, an embedded app) reads a body the
     same way: an 8 MiB chunked body comes back from ``intake.read_body`` as one
     buffer, its traced peak within 1.5x its size (a list of chunks and their join
     made it 2x), and its bytes are taken from the body budget."""
@@ -626,7 +622,7 @@ async def test_a_body_past_the_budget_is_refused_and_the_budget_given_back(fleet
     """A body that would take the bytes held past ``limits.max_buffered_body_bytes``
     gets 429 + Retry-After (and the connection closes after the answer); a smaller
     one is served, and nothing stays held."""
-    router, port, _ = fleet
+    router, port, _, _ = fleet
     router.body_budget.limit = 64
     try:
         out = await raw(port, post(b"/v1/completions", BODY + b" " * 80), until=b"}}")
@@ -637,3 +633,62 @@ async def test_a_body_past_the_budget_is_refused_and_the_budget_given_back(fleet
     finally:
         router.body_budget.limit = 1 << 30
     assert router.body_budget.held == 0
+
+
+async def test_the_admin_api_and_metrics_are_the_admin_listeners_alone(fleet):
+    """The data port serves the data plane, /v1/models, the probes and the agent API;
+    an admin path there is a JSON 404 saying an admin listener serves it (without its
+    address); the admin listener serves /admin/*, /metrics, /openapi.json and the
+    probes, and a data-port path there is a JSON 404 naming the data port."""
+    router, port, _, admin_port = fleet
+    data, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    assert admin_port not in (0, port)
+    async with httpx.AsyncClient() as c:
+        for path in ("/admin/workers", "/admin/index", "/metrics", "/openapi.json", "/admin"):
+            r = await c.get(data + path)
+            assert r.status_code == 404, (path, r.text)
+            msg = r.json()["error"]["message"]
+            assert "admin listener" in msg and str(admin_port) not in msg, msg
+            assert (await c.get(admin + path)).status_code == (404 if path == "/admin" else 200), path
+        r = await c.post(data + "/admin/workers", json={"url": "http://127.0.0.1:9"})
+        assert r.status_code == 404 and "admin listener" in r.json()["error"]["message"]
+        for path in ("/health", "/readiness"):
+            assert (await c.get(data + path)).status_code == 200, path
+            assert (await c.get(admin + path)).status_code == 200, path
+        assert (await c.get(data + "/v1/models")).json()["data"][0]["id"] == "m"
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("POST", "/internal/v1/register"),
+        ):
+            r = await c.request(method, admin + path, content=BODY)
+            assert r.status_code == 404 and "data port" in r.json()["error"]["message"], (path, r.text)
+        r = await c.request("DELETE", data + "/health")
+        assert r.status_code == 405 and r.headers["Allow"] == "GET", r.text
+    assert router.body_budget.held == 0
+
+
+def test_an_admin_port_taken_is_one_line_and_exit_2():
+    """Starting with the admin port (or the data port) taken: one line naming the
+    key, exit 2, nothing left listening."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        for flags, key in (
+            (["--port", str(free_port()), "--admin-port", str(busy)], "admin"),
+            (["--port", str(busy), "--admin-port", str(free_port())], "listen"),
+        ):
+            p = subprocess.run(
+                radixfleet_argv("router", "--worker", "http://127.0.0.1:9", *flags),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            lines = [ln for ln in p.stderr.splitlines() if " WARNING " not in ln and " INFO " not in ln]
+            assert p.returncode == 2, (p.returncode, p.stderr)
+            assert lines == [
+                f"radixfleet router: error: {key}: cannot listen on 127.0.0.1:{busy}: "
+                + lines[0].split(f"{busy}: ", 1)[1]
+            ], lines
+            assert "Traceback" not in p.stderr

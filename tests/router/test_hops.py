@@ -75,7 +75,7 @@ async def _router(raw: dict, port: int | None = None) -> tuple[Router, RouterSer
         await serve(ex, endpoint)
 
     router.dataplane.serve = counted  # before the server takes it
-    server = RouterServer(router, port=port or free_port())
+    server = RouterServer(router, port=port or free_port(), admin_port=0)
     p = await server.start()
     return router, server, f"http://127.0.0.1:{p}", arrived
 

@@ -48,7 +48,7 @@ async def test_usage_tokens_and_outcomes_per_worker_and_model(fleet):  # noqa: F
             events = [json.loads(ln[6:]) async for ln in r.aiter_lines() if ln.startswith("data: {")]
         assert not any(e.get("usage") for e in events)  # hidden from the client
         await until(lambda: fleet.router.pool.get("ag").load is not None, what="a load report")
-        page = samples((await c.get(fleet.base + "/metrics")).text)
+        page = samples((await c.get(fleet.admin + "/metrics")).text)
     assert value(page, "radixfleet_worker_requests_total", worker="ag", model="m", outcome="answered") == 4
     p = value(page, "radixfleet_prompt_tokens_total", worker="ag", model="m")
     k = value(page, "radixfleet_cached_tokens_total", worker="ag", model="m")

@@ -62,15 +62,18 @@ async def pd_fleet(
             }
         )
     )
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     port = await server.start()
     deadline = time.monotonic() + 5
     while len(router.pool.views(time.monotonic())) < len(roles):
         assert time.monotonic() < deadline, "workers never turned healthy"
         await asyncio.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    _ADMIN[url] = f"http://127.0.0.1:{server.admin_port}"
     try:
-        yield f"http://127.0.0.1:{port}", states
+        yield url, states
     finally:
+        del _ADMIN[url]
         await server.aclose()
         for r in runners:
             await r.cleanup()
@@ -241,8 +244,12 @@ async def test_a_pool_of_decode_workers_only_serves_colocated():
         assert r.status_code == 200 and st["p1"].requests == []
 
 
+#: a running pd_fleet's data-port URL -> its admin listener's
+_ADMIN: dict[str, str] = {}
+
+
 async def _drain(c: httpx.AsyncClient, url: str, wid: str) -> None:
-    r = await c.post(f"{url}/admin/workers/{wid}/drain", json={"drain": True})
+    r = await c.post(f"{_ADMIN[url]}/admin/workers/{wid}/drain", json={"drain": True})
     assert r.status_code == 200, r.text
 
 

@@ -25,7 +25,7 @@ from router.feedback import SLICE_BLOCKS, Feedback
 from router.pool import HealthState, Pool
 from router.prefix_index import PrefixIndex
 from tests.procs import free_port, radixfleet_argv
-from tests.router.serve import FAST_HEALTH, start_app, start_router, wait_ready
+from tests.router.serve import FAST_HEALTH, admin_base, start_app, start_router, wait_ready
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "examples", "prefix_load.yaml")
 
@@ -179,7 +179,7 @@ async def test_readiness_waits_until_every_configured_worker_was_probed():
     )
     try:
         async with httpx.AsyncClient(timeout=5) as c:
-            r = await c.post(base + "/admin/workers", json={"url": slow, "id": "slow"})
+            r = await c.post(admin_base(server, base) + "/admin/workers", json={"url": slow, "id": "slow"})
             assert r.status_code in (200, 201), r.text
             r = await c.get(base + "/readiness")
             assert r.status_code == 503 and r.json()["waiting"] == ["slow"], r.text
@@ -221,7 +221,7 @@ async def test_reloading_the_unchanged_example_keeps_workers_and_index(tmp_path)
     path = tmp_path / "router.yaml"
     path.write_text(text)
     router = Router(load_config(str(path)))
-    server = RouterServer(router, port=free_port())
+    server = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await server.start()}"
     try:
         await wait_ready(base)

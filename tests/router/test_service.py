@@ -21,7 +21,7 @@ from radixfleet.bench.proxy import upstream_app
 from router.app import Router, RouterServer
 from router.config import load_config, parse_config
 from tests.procs import Proc, free_port, radixfleet_argv
-from tests.router.serve import FAST_HEALTH, start_app, start_router, upstream_proc, wait_ready
+from tests.router.serve import FAST_HEALTH, admin_base, start_app, start_router, upstream_proc, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -198,7 +198,7 @@ async def test_bad_inputs_get_their_statuses_and_never_500(two_upstreams):
 async def test_no_healthy_worker_is_503():
     dead = f"http://127.0.0.1:{free_port()}"
     router = Router(parse_config({"workers": [{"url": dead}], "health": FAST_HEALTH}))
-    runner = RouterServer(router, port=free_port())
+    runner = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         async with httpx.AsyncClient() as c:
@@ -462,16 +462,16 @@ async def test_admin_and_agent_apis_require_their_tokens(two_upstreams, monkeypa
                 ("POST", "/admin/workers"),
             ):
                 for hdr in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer agt"}):
-                    r = await c.request(method, base + path, headers=hdr)
+                    r = await c.request(method, admin_base(runner, base) + path, headers=hdr)
                     assert r.status_code == 401, (path, hdr, r.text)
             for path in ("/internal/v1/events", "/internal/v1/register"):
                 for hdr in ({}, {"Authorization": "Bearer adm"}):
                     r = await c.post(base + path, json={}, headers=hdr)
                     assert r.status_code == 401
             ok = {"Authorization": "Bearer adm"}
-            r = await c.get(base + "/admin/workers", headers=ok)
+            r = await c.get(admin_base(runner, base) + "/admin/workers", headers=ok)
             assert r.status_code == 200 and len(r.json()["workers"]) == 1
-            r = await c.get(base + "/admin/index", headers=ok)
+            r = await c.get(admin_base(runner, base) + "/admin/index", headers=ok)
             assert r.status_code == 200 and r.json()["policy"]["name"] == "prefix_load"
             assert "hot_prefixes" in r.json() and "nodes" in r.json()["stats"]
     finally:
@@ -479,16 +479,22 @@ async def test_admin_and_agent_apis_require_their_tokens(two_upstreams, monkeypa
 
 
 def test_refuses_non_loopback_without_tokens(monkeypatch):
+    """The agent API is the data port's (listen.host), the admin API the admin
+    listener's (admin.host): each off loopback needs its own token."""
     monkeypatch.delenv("RADIXFLEET_ADMIN_TOKEN", raising=False)
     monkeypatch.delenv("RADIXFLEET_AGENT_TOKEN", raising=False)
-    cfg = parse_config({"listen": {"host": "0.0.0.0"}})
+    both = parse_config({"listen": {"host": "0.0.0.0"}, "admin": {"host": "0.0.0.0"}})
     with pytest.raises(ConfigError, match="auth.admin_token_env.*RADIXFLEET_ADMIN_TOKEN"):
-        Router(cfg)
-    monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "a")
+        Router(both)
+    data = parse_config({"listen": {"host": "0.0.0.0"}})
     with pytest.raises(ConfigError, match="auth.agent_token_env"):
-        Router(cfg)
+        Router(data)
     monkeypatch.setenv("RADIXFLEET_AGENT_TOKEN", "b")
-    Router(cfg)  # both set: allowed
+    Router(data)  # the admin listener on loopback: no admin token needed
+    with pytest.raises(ConfigError, match="auth.admin_token_env"):
+        Router(both)
+    monkeypatch.setenv("RADIXFLEET_ADMIN_TOKEN", "a")
+    Router(both)  # both set: allowed
 
 
 async def test_admin_add_drain_remove_worker(two_upstreams):
@@ -497,13 +503,19 @@ async def test_admin_add_drain_remove_worker(two_upstreams):
     )
     try:
         async with httpx.AsyncClient() as c:
-            r = await c.post(base + "/admin/workers", json={"url": "ftp://x"})
+            r = await c.post(admin_base(runner, base) + "/admin/workers", json={"url": "ftp://x"})
             assert r.status_code == 400 and "worker.url" in r.text
-            r = await c.post(base + "/admin/workers", json={"url": two_upstreams[1], "idd": 1})
+            r = await c.post(
+                admin_base(runner, base) + "/admin/workers", json={"url": two_upstreams[1], "idd": 1}
+            )
             assert r.status_code == 400 and "unknown key" in r.text
-            r = await c.post(base + "/admin/workers", json={"url": two_upstreams[1], "id": "w1"})
+            r = await c.post(
+                admin_base(runner, base) + "/admin/workers", json={"url": two_upstreams[1], "id": "w1"}
+            )
             assert r.status_code == 201
-            r = await c.post(base + "/admin/workers", json={"url": two_upstreams[1], "id": "w1"})
+            r = await c.post(
+                admin_base(runner, base) + "/admin/workers", json={"url": two_upstreams[1], "id": "w1"}
+            )
             assert r.status_code == 409
             deadline = time.monotonic() + 3
             while len(router.pool.views(time.monotonic())) < 2 and time.monotonic() < deadline:
@@ -514,15 +526,15 @@ async def test_admin_add_drain_remove_worker(two_upstreams):
                 seen.add(r.headers["x-radixfleet-worker"])
             assert seen == {"w0", "w1"}
             assert "w1" in router.index.workers()
-            r = await c.post(base + "/admin/workers/w1/drain")
+            r = await c.post(admin_base(runner, base) + "/admin/workers/w1/drain")
             assert r.status_code == 200 and r.json()["worker"]["draining"] is True
             for _ in range(3):
                 r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
                 assert r.headers["x-radixfleet-worker"] == "w0"
-            r = await c.delete(base + "/admin/workers/w1")
+            r = await c.delete(admin_base(runner, base) + "/admin/workers/w1")
             assert r.status_code == 200
             assert "w1" not in router.index.workers()  # entries gone at once
-            r = await c.delete(base + "/admin/workers/w1")
+            r = await c.delete(admin_base(runner, base) + "/admin/workers/w1")
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
             router.pool.check()
     finally:
@@ -551,6 +563,10 @@ async def test_agent_registration_and_events(two_upstreams):
             assert r.status_code == 400
             r = await c.post(base + "/internal/v1/register", json=reg)
             assert r.status_code == 200 and r.json()["status"] == "ok"
+            deadline = time.monotonic() + 5  # routable after its first probe (Pool.register)
+            while not any(v.id == "ag" for v in router.pool.views(now())):
+                assert time.monotonic() < deadline, "the registered agent never turned routable"
+                await asyncio.sleep(0.01)
             r = await c.post(
                 ev_url,
                 json=batch(
@@ -628,7 +644,7 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
     nowatch = "reload: {watch: false}\n"
     write(f"workers: [{{url: '{a}', id: wa}}]\npolicy: {{name: round_robin}}\n{health}{nowatch}")
     router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
-    runner = RouterServer(router, port=free_port())
+    runner = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)
@@ -637,7 +653,7 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": LONG_PROMPT})
             assert r.headers["x-radixfleet-worker"] == "wa"
             write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: cache-aware}}\n{health}{nowatch}")
-            r = await c.post(base + "/admin/reload")
+            r = await c.post(admin_base(runner, base) + "/admin/reload")
             assert r.status_code == 400
             assert "policy.name: 'cache-aware' is not one of" in r.json()["error"]["message"]
             assert [w.id for w in router.pool] == ["wa"]
@@ -646,7 +662,7 @@ async def test_reload_invalid_keeps_old_valid_adds_and_removes(two_upstreams, tm
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 200 and r.headers["x-radixfleet-worker"] == "wa"
             write(f"workers: [{{url: '{b}', id: wb}}]\npolicy: {{name: least_load}}\n{health}{nowatch}")
-            r = await c.post(base + "/admin/reload")
+            r = await c.post(admin_base(runner, base) + "/admin/reload")
             assert r.status_code == 200, r.text
             assert r.json()["added"] == ["wb"] and r.json()["removed"] == ["wa"]
             assert router.policy.name == "least_load"
@@ -668,13 +684,13 @@ async def test_admin_reload_applies_a_security_downgrade_only_when_its_body_asks
     common = f"workers: [{{url: '{a}', id: wa}}]\n{_RELOAD_HEALTH}reload: {{watch: false}}\n"
     write(common + "keys: {tenant: {source: api_key, api_keys: [{tenant: acme, key: sk-acme}]}}\n")
     router = Router(load_config(str(path)))
-    runner = RouterServer(router, port=free_port())
+    runner = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)
         write(common)  # the API keys gone
         async with httpx.AsyncClient() as c:
-            r = await c.post(base + "/admin/reload")
+            r = await c.post(admin_base(runner, base) + "/admin/reload")
             assert r.status_code == 400, r.text
             assert r.json()["error"]["message"].startswith(
                 "the new file lowers security: keys.tenant.source: api_key -> none"
@@ -684,11 +700,13 @@ async def test_admin_reload_applies_a_security_downgrade_only_when_its_body_asks
                 (b'{"allow_security_downgrade": "yes"}', "'allow_security_downgrade' must be a boolean"),
                 (b'{"allow": true}', "unknown field 'allow'; valid: allow_security_downgrade"),
             ):
-                r = await c.post(base + "/admin/reload", content=body)
+                r = await c.post(admin_base(runner, base) + "/admin/reload", content=body)
                 assert r.status_code == 400 and r.json()["error"]["message"] == problem, r.text
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 401  # still the running config
-            r = await c.post(base + "/admin/reload", json={"allow_security_downgrade": True})
+            r = await c.post(
+                admin_base(runner, base) + "/admin/reload", json={"allow_security_downgrade": True}
+            )
             assert r.status_code == 200, r.text
             r = await c.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
             assert r.status_code == 200, r.text
@@ -707,7 +725,7 @@ async def test_file_watcher_reloads_a_changed_file_on_its_own(two_upstreams, tmp
         "reload: {poll_interval_s: 0.05}\n"
     )
     router = Router(parse_config(__import__("yaml").safe_load(path.read_text()), str(path)))
-    runner = RouterServer(router, port=free_port())
+    runner = RouterServer(router, port=free_port(), admin_port=0)
     base = f"http://127.0.0.1:{await runner.start()}"
     try:
         await wait_ready(base)
@@ -741,7 +759,7 @@ async def test_reload_without_config_file_is_409(two_upstreams):
     router, runner, base = await start_router({"workers": [{"url": two_upstreams[0]}]})
     try:
         async with httpx.AsyncClient() as c:
-            r = await c.post(base + "/admin/reload")
+            r = await c.post(admin_base(runner, base) + "/admin/reload")
             assert r.status_code == 409 and r.json()["error"]["code"] == "no_config_file"
     finally:
         await runner.aclose() if isinstance(runner, RouterServer) else await runner.cleanup()
@@ -752,10 +770,10 @@ async def test_reload_without_config_file_is_409(two_upstreams):
 
 def test_cli_router_process_graceful_shutdown_and_sighup(tmp_path):
     pu, uu = upstream_proc("u")
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     cfg = tmp_path / "r.yaml"
     cfg.write_text(
-        f"listen: {{port: {port}}}\nworkers: [{{url: '{uu}', id: u}}]\n"
+        f"listen: {{port: {port}}}\nadmin: {{port: {admin_port}}}\nworkers: [{{url: '{uu}', id: u}}]\n"
         "policy: {name: round_robin}\nreload: {watch: false}\n"
     )
     base = f"http://127.0.0.1:{port}"
@@ -770,7 +788,7 @@ def test_cli_router_process_graceful_shutdown_and_sighup(tmp_path):
         deadline = time.monotonic() + 5
         while (
             'radixfleet_config_reload_failures_total{reason="invalid"} 1.0'
-            not in httpx.get(base + "/metrics").text
+            not in httpx.get(f"http://127.0.0.1:{admin_port}/metrics").text
         ):
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -1109,7 +1127,7 @@ async def test_hot_prefix_gets_warmed_replica(two_upstreams):
                 assert time.monotonic() < deadline, "no warm-up was sent"
                 await asyncio.sleep(0.02)
             stats = [(await c.get(u + "/stats")).json() for u in two_upstreams]
-            info = (await c.get(base + "/admin/index")).json()
+            info = (await c.get(admin_base(runner, base) + "/admin/index")).json()
         # one warm-up per (worker, prefix) within min_interval_s, at most one per worker
         assert 1 <= router.metrics.warmups.labels("ok")._value.get() <= 2
         assert info["hot_prefixes"] and info["hot_prefixes"][0]["rate"] > 0.5

@@ -182,7 +182,9 @@ async def test_a_collector_down_or_silent_costs_requests_nothing_and_drops_spans
         }
         await fleet.start({"workers": [{"url": url, "id": "u"}], "tracing": tracing})
         plain = RouterServer(  # the same fleet, tracing off: the baseline
-            Router(parse_config({"health": HEALTH, "workers": [{"url": url, "id": "u"}]})), port=free_port()
+            Router(parse_config({"health": HEALTH, "workers": [{"url": url, "id": "u"}]})),
+            port=free_port(),
+            admin_port=0,
         )
         base = f"http://127.0.0.1:{await plain.start()}"
         try:
@@ -202,7 +204,7 @@ async def test_a_collector_down_or_silent_costs_requests_nothing_and_drops_spans
         # an export blocks its thread for up to export_timeout_s: no request waited for one
         assert traced[-1] < 0.9, f"a request waited for the collector: {traced[-1]:.3f}s"
         assert p50_t < 3 * p50_o + 0.02, (p50_t, p50_o)
-        async with httpx.AsyncClient(base_url=fleet.base) as c:
+        async with httpx.AsyncClient(base_url=fleet.admin) as c:
             metrics = (await c.get("/metrics")).text
         dropped = {
             line.split('"')[1]: float(line.rsplit(" ", 1)[1])

@@ -17,7 +17,6 @@ from router.auth import TenantResolver, check_metrics, metrics_exposure
 from router.config import parse_config
 from router.dataplane import Admission
 from router.feedback import Feedback
-from router.front import _ChunkedEnd, _head_end, _message_end
 from router.pool import Breaker, HealthState, Source
 from router.screen import check_parsed, check_raw, peek_model, unserved
 from router.upstream import (
@@ -427,9 +426,11 @@ def test_metrics_answer_their_token_the_admin_token_or_a_loopback_peer_while_no_
             check_metrics(metrics, admin, "Bearer nope", peer)
         check_metrics(metrics, admin, "Bearer met", peer)
         check_metrics(metrics, admin, "Bearer adm", peer)
-    assert metrics_exposure(parse_config({"listen": {"host": "0.0.0.0"}}), unset)
-    assert metrics_exposure(parse_config({"listen": {"host": "0.0.0.0"}}), metrics) is None
+    assert metrics_exposure(parse_config({"admin": {"host": "0.0.0.0"}}), unset)
+    assert metrics_exposure(parse_config({"admin": {"host": "0.0.0.0"}}), metrics) is None
     assert metrics_exposure(parse_config({}), unset) is None  # loopback by default
+    # /metrics is the admin listener's: a data port off loopback exposes none of it
+    assert metrics_exposure(parse_config({"listen": {"host": "0.0.0.0"}}), unset) is None
 
 
 def test_the_model_a_body_opens_with_is_read_without_parsing_it():
@@ -827,40 +828,6 @@ def test_models_list_claims_the_smallest_context_every_worker_reported():
         {"id": "m", "object": "model"},
     ]
     assert merge_models([vllm]) == vllm and vllm[0]["max_model_len"] == 4096  # input untouched
-
-
-def test_the_chunked_framing_follower_ends_where_the_parser_does():
-    """Seeded random chunked bodies (upper- and lower-case sizes, leading zeros,
-    extensions, trailer fields), a request pipelined behind, the body fed in random
-    pieces: ``_ChunkedEnd`` finds the end exactly where httptools completes the
-    message, and ``_head_end`` where the body begins."""
-    rng = random.Random(7)
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-    tail = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-    for _ in range(500):
-        body = b""
-        for _ in range(rng.randint(0, 4)):
-            n = rng.randint(1, 300)
-            size = ("%x" if rng.random() < 0.5 else "%X") % n
-            size = "0" * rng.randint(0, 2) + size
-            ext = b";a=b" if rng.random() < 0.3 else b""
-            body += size.encode() + ext + b"\r\n" + rng.randbytes(n) + b"\r\n"
-        body += b"0" + (b";x" if rng.random() < 0.3 else b"") + b"\r\n"
-        for _ in range(rng.randint(0, 2)):
-            body += b"X-T%d: v\r\n" % rng.randint(0, 9)
-        data = head + body + b"\r\n" + tail
-        assert _head_end(data, 0) == len(head)
-        end = _message_end(data, 1)
-        assert end == len(data) - len(tail)
-        follower, pos, found = _ChunkedEnd(), len(head), -1
-        cuts = sorted({rng.randrange(pos, len(data)) for _ in range(rng.randint(0, 8))}) + [len(data)]
-        for cut in cuts:
-            at = follower.feed(data[pos:cut])
-            if at >= 0:
-                found = pos + at
-                break
-            pos = cut
-        assert found == end, (data, cuts, found)
 
 
 def test_the_router_process_runs_with_the_index_collector_thresholds(monkeypatch):

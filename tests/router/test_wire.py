@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 async def test_requests_split_byte_by_byte_are_parsed_and_handed_over(fleet):
-    _, port, _ = fleet
+    _, port, _, _ = fleet
     data = (
         post(b"/v1/completions", BODY)
         + post(b"/generate", b'{"text": "hi"}')
@@ -36,7 +36,7 @@ async def test_requests_split_byte_by_byte_are_parsed_and_handed_over(fleet):
 
 
 async def test_chunked_body_with_trailer_and_query_string(fleet):
-    _, port, _ = fleet
+    _, port, _, _ = fleet
     half = len(BODY) // 2
     chunked = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -53,7 +53,7 @@ async def test_chunked_body_with_trailer_and_query_string(fleet):
 
 
 async def test_a_bad_request_behind_a_good_one_gets_400_after_the_200(fleet):
-    _, port, _ = fleet
+    _, port, _, _ = fleet
     out = await raw(
         port,
         post(b"/v1/completions", BODY) + b"POST /v1/completions HTTP/1.1\r\nBad Header\r\n\r\n",
@@ -66,7 +66,7 @@ async def test_a_bad_request_behind_a_good_one_gets_400_after_the_200(fleet):
 
 
 async def test_upgrade_and_http2_on_the_data_plane_are_400(fleet):
-    _, port, _ = fleet
+    _, port, _, _ = fleet
     out = await raw(
         port,
         b"POST /v1/completions HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nContent-Length: 0\r\n\r\n",
@@ -77,7 +77,7 @@ async def test_upgrade_and_http2_on_the_data_plane_are_400(fleet):
 
 
 async def test_oversize_head_is_431_and_a_60k_head_passes(fleet):
-    _, port, _ = fleet
+    _, port, _, _ = fleet
     out = await raw(port, b"POST /v1/completions HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 431")
     head = (
@@ -92,7 +92,7 @@ async def test_oversize_head_is_431_and_a_60k_head_passes(fleet):
 
 
 async def test_chunked_body_over_the_limit_is_413(fleet):
-    _, port, _ = fleet  # the fixture's limit is 4096 bytes
+    _, port, _, _ = fleet  # the fixture's limit is 4096 bytes
     out = await raw(
         port,
         b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -103,7 +103,7 @@ async def test_chunked_body_over_the_limit_is_413(fleet):
 
 
 async def test_connection_close_ends_the_connection_after_the_reply(fleet):
-    _, port, _ = fleet
+    _, port, _, _ = fleet
     out = await raw(
         port,
         post(b"/v1/completions", BODY, extra=b"Connection: close\r\n") + post(b"/v1/completions", BODY),

@@ -80,14 +80,15 @@ async def test_tenant_probe_through_every_public_endpoint_confirms_nothing(fleet
             "/admin/workers",
             "/nope",
         ):
-            r = await c.get(fleet.base + path, headers={"Authorization": "Bearer k-eve"})
-            seen.append(str(r.headers) + r.text)
+            for base in (fleet.base, fleet.admin):  # the data port and the admin listener
+                r = await c.get(base + path, headers={"Authorization": "Bearer k-eve"})
+                seen.append(str(r.headers) + r.text)
         r = await c.post(fleet.base + "/v1/completions", json=body, headers={"Authorization": "Bearer k-eve"})
         seen.append(str(r.headers) + r.text)
-        hot = (await c.get(fleet.base + "/admin/index", headers={"Authorization": "Bearer adm"})).json()[
+        hot = (await c.get(fleet.admin + "/admin/index", headers={"Authorization": "Bearer adm"})).json()[
             "hot_prefixes"
         ]
-        metrics = (await c.get(fleet.base + "/metrics")).text
+        metrics = (await c.get(fleet.admin + "/metrics")).text
     public = "\n".join(seen)
     assert not [g for g in guesses | truth if g in public]  # 0 confirmations
     # the detail is there, behind the admin token
