@@ -11,7 +11,7 @@ their values name engines, hosts and ports (the fleet's layout, which
     request head   never forwarded: a worker gets only the router's own header
                    lines (Host, Content-Type, Content-Length, x-radixfleet-tenant
                    and its signature, x-request-id, x-data-parallel-rank; see
-                   ``DataPlane._attempt``), so a client's X-data-parallel-rank or
+                   ``Attempts._attempt``), so a client's X-data-parallel-rank or
                    x-radixfleet-* header never reaches one
     answer body    ROUTER_FIELDS dropped from a non-streamed JSON answer
                    (``scrub_answer``) and from every stream event
