@@ -3,6 +3,7 @@
     python3 bench/request_walk.py cpu     [--requests 2000] [--stream]
     python3 bench/request_walk.py profile [--requests 2000] [--stream] [--top 40]
     python3 bench/request_walk.py walk    [--stream]
+    python3 bench/request_walk.py opcodes [--stream] [--top 40]
 
 A router (the raw front, ``round_robin``, one static worker: what ``radixfleet bench
 proxy`` runs) in front of the proxy benchmark's aiohttp upstream
@@ -13,7 +14,10 @@ benchmark's body) one at a time.
 ``cpu`` prints this process's CPU per request (client, upstream and router together:
 compare two checkouts by running this file's copy from each, alternately, since the
 host is shared; only the router's code differs between them). ``profile`` prints
-cProfile's functions of ``router/`` by own time per request. ``walk`` traces one
+cProfile's functions of ``router/`` by own time per request. ``opcodes`` counts the
+Python bytecodes executed per request (``sys.settrace``'s opcode events), in all and
+per file of ``router/``: deterministic, so two checkouts compare on a busy host,
+though it does not weigh C code (parsers, the event loop). ``walk`` traces one
 request (after warm-up ones) with ``sys.setprofile`` from ``DataPlane.serve`` down
 (the calls made inside it):
 the *rooms* it visits are the router's objects and modules (a method's room is its
@@ -157,6 +161,33 @@ async def _main(args) -> None:
             if args.verbose:
                 print(" -> ".join(f"{r}.{n}" for r, n in zip(walk, names, strict=True)))
             return
+        if args.mode == "opcodes":
+            ops: collections.Counter = collections.Counter()
+
+            def local(frame, event, arg):
+                if event == "opcode":
+                    c = frame.f_code
+                    ops[(c.co_filename, c.co_name) if args.functions else (c.co_filename, "")] += 1
+                return local
+
+            def glob(frame, event, arg):
+                frame.f_trace_opcodes = True
+                return local
+
+            n = min(args.requests, 200)
+            sys.settrace(glob)
+            for _ in range(n):
+                await _send(reader, writer, payload)
+            sys.settrace(None)
+            ours = {
+                f"{f[len(ROUTER) :]}:{name}".rstrip(":"): c
+                for (f, name), c in ops.items()
+                if f.startswith(ROUTER)
+            }
+            print(f"opcodes/request: all {sum(ops.values()) / n:.0f}, router {sum(ours.values()) / n:.0f}")
+            for f, c in sorted(ours.items(), key=lambda x: -x[1])[: args.top]:
+                print(f"  {c / n:7.0f}  {f}")
+            return
         prof = cProfile.Profile() if args.mode == "profile" else None
         c0 = time.process_time()
         if prof is not None:
@@ -202,11 +233,12 @@ async def _main(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("cpu", "profile", "walk"))
+    p.add_argument("mode", choices=("cpu", "profile", "walk", "opcodes"))
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--stream", action="store_true")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--functions", action="store_true", help="opcodes: per function, not per file")
     p.add_argument("--dump", help="profile: write {function: [share of router time, calls/request]}")
     p.add_argument("--rooms", choices=("module", "class"), default="class")
     args = p.parse_args()

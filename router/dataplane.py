@@ -20,11 +20,13 @@ before, by the listener: ``router.intake``, ``router.front``)::
         Hold   -> the admission queue (tenancy.queue), then route.resume
         Admitted (a disaggregated fleet) -> router.pd picks its two legs
         Route  -> forwarded below; a retry asks the core again, the tried excluded
+    router.attempts, each try told to its RequestLedger (router.ledger):
     forward raw body bytes (x-radixfleet-tenant, x-request-id, x-radixfleet-hop; a
         traced request's traceparent: router.tracing) -> worker
         streaming: SSE bytes pass through as they arrive; a failure after the first
         byte ends the stream with an SSE error event and ``data: [DONE]``
-    pool.finish(worker)                               on every path (client gone too)
+    ledger end or cancel                              on every path (client gone too):
+                                                      the pick's load released once
 
 A generation runs once. A request goes to another worker (retries.max_attempts,
 exponential backoff) only when the first provably is not running it: the connection
