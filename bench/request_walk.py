@@ -131,7 +131,7 @@ async def _main(args) -> None:
         if args.mode == "walk":
             walk: list[str] = []
             names: list[str] = []
-            picked: list[int] = []  # the stop where the request is forwarded (after its pick)
+            picked: list[int] = []  # the stop where its pick is told or forwarded
 
             def prof(frame, event, arg):
                 if event == "call" and _under_serve(frame):
@@ -139,7 +139,7 @@ async def _main(args) -> None:
                     if r is not None and (not walk or walk[-1] != r):
                         walk.append(r)
                         names.append(frame.f_code.co_name)
-                    if r is not None and not picked and frame.f_code.co_name == "forward":
+                    if r is not None and not picked and frame.f_code.co_name in ("routed", "forward"):
                         picked.append(len(walk) - 1)
 
             sys.setprofile(prof)
@@ -155,7 +155,7 @@ async def _main(args) -> None:
                 1 for i, r in enumerate(walk) if i > picked[0] and r in walk[: i - 1] and walk[i - 1] != r
             )
             print(f"stops {len(walk)} returns {sum(back.values())} rooms {len(seen)}")
-            print(f"after the pick (from forward): stops {len(walk) - picked[0]} returns {after}")
+            print(f"after the pick (from routed or forward): stops {len(walk) - picked[0]} returns {after}")
             for r, n in back.most_common():
                 print(f"  {n:3d}  {r}")
             if args.verbose:

@@ -112,20 +112,6 @@ class Attempts:
             out += ctx.ticket.headers()
         return out
 
-    def routed(self, ctx: RequestContext, route: Route, now: float) -> None:
-        """What a client request's first pick tells, once per request (not per try):
-        a prefetch used, the matched tokens, the demand meter, hot-root warm-ups."""
-        dp = self.dp
-        d, w, pick = route.decision, route.worker, route.placement
-        assert pick is not None, "a routed request is placed"
-        ctx.reason = d.reason.value
-        if dp.prefetched:
-            dp.warm.used(w, pick, now)
-        dp.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
-        dp.demand.observe(now, pick.own, pick.key.prompt_tokens)
-        if d.warm and dp.cfg.warmup.enabled:
-            dp.warm.schedule(d.warm, ctx.endpoint, ctx.body, ctx.key, route.keyed.match.depth, now)
-
     def decided(
         self,
         ctx: RequestContext,
@@ -148,7 +134,7 @@ class Attempts:
             request_id=ctx.rid,
             tenant=ctx.tenant,
             session=ctx.session,
-            policy=dp.route.policy.name,
+            policy=dp.route.parts.policy.name,
             route=route if route is not None and route.worker.id == worker else None,
             reason=ctx.reason if reason is None else reason,
             worker=worker,
@@ -195,7 +181,8 @@ class Attempts:
         """Runs the request on ``route``'s worker, and on another (the route core asked
         again, the workers tried excluded) only where the first provably is not
         running it (module docstring); replies the failure when every attempt failed.
-        A retry's ask keeps the first's candidates and chooser (a P/D decode leg's)."""
+        A retry's ask keeps the first's candidates and chooser (a P/D decode leg's).
+        The caller has told ``DataPlane.routed`` of the first pick."""
         dp = self.dp
         w, pick = route.worker, route.placement
         assert pick is not None, "a forwarded route is placed"
@@ -204,7 +191,6 @@ class Attempts:
         retries = dp.cfg.retries
         last: UpstreamFailed | None = None
         ctx.route = route
-        self.routed(ctx, route, now)
         while True:
             tried.append(w.id)
             try:
@@ -335,8 +321,8 @@ class Attempts:
         end the stream with an SSE error event. While it waits, ``w`` turning
         unhealthy cancels it (``DataPlane._worker_unhealthy``)."""
         dp = self.dp
-        led = RequestLedger(dp.parts, w, pick, ctx, route=ctx.route)
         host, port, hostport = self.addr(w.url)
+        led = RequestLedger(dp.parts, w, pick, ctx, route=ctx.route)
         t = dp.cfg.timeouts
         ticket = ctx.ticket
         payload, strip = dp.engines.forward_body(
@@ -484,14 +470,12 @@ class Attempts:
         breaker (``finish_outcome``)."""
         dp = self.dp
         ex = ctx.ex
+        extra = [("Cache-Control", "no-cache"), *self.ids(w.id, ctx)]
         watch = StreamWatch(strip)
         led.stream(watch)
         limit = dp.cfg.limits.max_response_bytes
         try:
-            await ex.stream_start(
-                resp.headers.get("content-type", "text/event-stream"),
-                [("Cache-Control", "no-cache"), *self.ids(w.id, ctx)],
-            )
+            await ex.stream_start(resp.headers.get("content-type", "text/event-stream"), extra)
             chunk = first
             while chunk:  # b"": the end of the stream
                 out = watch.feed(chunk)

@@ -490,6 +490,7 @@ class DataPlane:
         if isinstance(verdict, Admitted):  # a disaggregated fleet: its legs (router.pd)
             await self.pd.serve(ctx, verdict.keyed, verdict.views, now)
             return
+        self.routed(ctx, verdict, now)
         await self.attempts.forward(ctx, verdict, ask, now)
 
     def _refused(self, ctx: RequestContext, verdict: Reject) -> None:
@@ -517,8 +518,17 @@ class DataPlane:
             )
 
     def routed(self, ctx: RequestContext, route: Route, now: float) -> None:
-        """What a client request's first pick tells, once per request (``Attempts.routed``)."""
-        self.attempts.routed(ctx, route, now)
+        """What a client request's first pick tells, once per request (not per try):
+        a prefetch used, the matched tokens, the demand meter, hot-root warm-ups."""
+        d, w, pick = route.decision, route.worker, route.placement
+        assert pick is not None, "a routed request is placed"
+        ctx.reason = d.reason.value
+        if self.prefetched:
+            self.warm.used(w, pick, now)
+        self.metrics.observe_matched(pick.blocks * pick.key.block_tokens)
+        self.demand.observe(now, pick.own, pick.key.prompt_tokens)
+        if d.warm and self.cfg.warmup.enabled:
+            self.warm.schedule(d.warm, ctx.endpoint, ctx.body, ctx.key, route.keyed.match.depth, now)
 
     async def _admission(self, ctx: RequestContext, hold: Hold) -> tuple[Overloaded | None, bool]:
         """The admission queue's verdict on a held request (router.admission_queue):

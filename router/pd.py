@@ -238,6 +238,7 @@ class PrefillDecode:
         ask = dp.ask_for(ctx).admit(ctx.ticket, choose=choose, eligible=eligible, split=False)
         routed = dp.route.route(ask, decode, kr, ctx.ticket, now)
         assert isinstance(routed, Route)  # split=False: never Admitted
+        dp.routed(ctx, routed, now)
         await dp.attempts.forward(ctx, routed, ask, now)
 
     async def _sglang(
