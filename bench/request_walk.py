@@ -110,6 +110,18 @@ def _room(frame) -> str | None:
     return mod
 
 
+def returns(walk: list[str], start: int = 0) -> collections.Counter:
+    """Per room, how often the walk (its rooms in the order entered, no room twice in
+    a row) comes back to it at a stop from ``start`` on, having been there before."""
+    back: collections.Counter = collections.Counter()
+    seen: set[str] = set()
+    for i, r in enumerate(walk):
+        if r in seen and i >= start:
+            back[r] += 1
+        seen.add(r)
+    return back
+
+
 def _under_serve(frame) -> bool:
     """Whether ``frame`` runs inside ``DataPlane.serve`` (the walk's span)."""
     f = frame
@@ -145,16 +157,9 @@ async def _main(args) -> None:
             sys.setprofile(prof)
             await _send(reader, writer, payload)
             sys.setprofile(None)
-            seen: set[str] = set()
-            back = collections.Counter()
-            for i, r in enumerate(walk):
-                if r in seen and i and walk[i - 1] != r:
-                    back[r] += 1
-                seen.add(r)
-            after = sum(
-                1 for i, r in enumerate(walk) if i > picked[0] and r in walk[: i - 1] and walk[i - 1] != r
-            )
-            print(f"stops {len(walk)} returns {sum(back.values())} rooms {len(seen)}")
+            back = returns(walk)
+            after = sum(returns(walk, picked[0]).values())
+            print(f"stops {len(walk)} returns {sum(back.values())} rooms {len(set(walk))}")
             print(f"after the pick (from routed or forward): stops {len(walk) - picked[0]} returns {after}")
             for r, n in back.most_common():
                 print(f"  {n:3d}  {r}")
