@@ -9,7 +9,11 @@ Modules (ARCHITECTURE.md has the request flow and a row for each)::
                   to read its answer (both listeners)
     screen        what is refused before a body is parsed and keyed (head, raw bytes)
     route         the route core, sans I/O: views, keys, admission, choice, placement
-    dataplane     one request's I/O around the route core: body, upstream, answers
+    dataplane     one request's I/O around the route core: body, verdict, refusals;
+                  admission: its concurrency slot; context: the request once read
+    attempts      its tries on workers, each told to a ledger; answers: what a client
+                  gets back for a worker's answer or failure
+    warm          what no client waits on: hot-root warm-ups and prefetches
     pd            disaggregated prefill/decode: a request's prefill and decode legs
     ledger        one routed attempt's bookkeeping after its pick (load released once)
     upstream, sse the HTTP/1.1 client to workers; SSE pass-through, first content token

@@ -3,12 +3,16 @@
 ``RouteCore.decide`` counts a ``Route``'s load on its worker before it returns
 (``Placement``: ``own`` uncached prompt tokens as queued prefill, the prompt's KV
 held); whoever carries the bytes must give it back, learn from the answer and count
-the outcome. The ledger is that bookkeeping for one attempt on one worker, the same
-the data plane's ``_attempt``/``_relay``/``_settle`` do, told by hooks in the order
+the outcome. The ledger is that bookkeeping for one attempt on one worker, for every
+carrier (the data plane's attempts, router.attempts; its prefetches and P/D
+prefill legs; the gateway's endpoint picker, router.epp), told by hooks in the order
 the answer unfolds::
 
-    RequestLedger(parts, worker, placement, ticket, key, reason, t0)  at the pick
-       first_byte(now)       the answer's head: time to first byte
+    RequestLedger(parts, worker, placement, request)  at the pick
+       first_byte(now)       the answer's head: time to first byte (``counted``
+                             False: a head that is no answer, a 5xx or 429 about to
+                             be retried, only timed for the trace)
+       stream(watch)         a relayed stream's ``StreamWatch`` (what it cost)
        first_token(now)      the first CONTENT token (router.sse): the prompt is no
                              longer queued prefill on the worker (pool.prefilled),
                              the TTFT and the prefill-rate sample's time
@@ -16,9 +20,18 @@ the answer unfolds::
        end(ok, status, now)  the answer ended: ok True (answered, any status the
                              worker chose: 4xx and 429 too), False (the worker
                              failed: 5xx, broke off, refused the connection), None
-                             (neither); status: what the client got, None for none
+                             (neither); status: what the client got, None for none;
+                             ``broken``: the worker broke off a stream the client
+                             had begun (status 200, its end an SSE error: counted
+                             as a 502 answer)
        cancel(now)           the carrier gave up (client gone, stream broken):
                              end(None, None)
+
+A ledger made with ``route`` counts each end's quality (``router.decisions.quality``:
+available, predicted, delivered tokens) with the outcome and in the traffic log; one
+made with ``counted=False`` is a leg whose answer is not the client's (a prefetch's
+warm-up, a P/D prefill leg): its end releases the load and tells the pool the outcome
+(its breaker), and counts, charges, logs and teaches nothing.
 
 Invariants (``check``):
 
@@ -32,10 +45,12 @@ Invariants (``check``):
 - the outcome is counted once (``metrics.answered``; ``request_done`` only with a
   status), the tenant's limits charged once with what the engine did
   (``Tenancy.charge``: an end that tells nothing leaves the ticket open for a
-  retry's), and the engine link learns only from an ``ok`` answer.
+  retry's), and the engine link learns only from an ``ok`` answer; an uncounted
+  ledger counts, charges and teaches nothing.
 
 Not here: the admission slot and the tenancy ticket's admission (per client
-request, not per attempt), the reply itself.
+request, not per attempt), the reply itself, the decision ring (its entry names the
+client request: the carrier records it from ``quality`` and ``status``).
 """
 
 from __future__ import annotations
@@ -45,12 +60,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from router.decisions import quality
+
 if TYPE_CHECKING:
     from protocol.prefix_keys import PrefixKey
     from router.admission_queue import AdmissionQueue
+    from router.context import RequestContext
+    from router.decisions import Quality
     from router.metrics import Metrics
     from router.pool import Pool, Worker
-    from router.route import Placement
+    from router.route import Placement, Route
     from router.sse import StreamWatch
     from router.tenancy import Tenancy, Ticket
     from router.traffic_log import TrafficLog
@@ -82,13 +101,17 @@ class RequestLedger:
         "model",
         "reason",
         "session",
+        "route",
+        "counted",
         "t0",
         "sent",
+        "head",
         "left",
         "ttfb",
         "ttft",
         "prompt_cached",
         "output",
+        "quality",
         "watch",
         "status",
         "ok",
@@ -101,26 +124,36 @@ class RequestLedger:
         parts: LedgerParts,
         worker: Worker,
         pick: Placement,
+        request: RequestContext | None = None,
         *,
-        ticket: Ticket | None = None,
-        key: PrefixKey | None = None,
-        model: str = "",
-        reason: str = "",
-        session: str | None = None,
-        t0: float | None = None,
+        reason: str | None = None,
+        route: Route | None = None,
+        counted: bool = True,
     ) -> None:
+        """``request``: the client request the attempt serves (its ticket, key, reason,
+        session, arrival); None: a leg no client request is charged for, timed from
+        now. ``reason``: why the worker was chosen, when not the request's."""
         self.parts = parts
         self.worker = worker
         self.link = worker.engine  # the link the pick counted on (a reload may replace w's)
         self.pick = pick
-        self.ticket = ticket
-        self.key = key  # the request's byte-space key (the traffic log's); None: not logged
-        self.model = key.model if key is not None else model  # the metrics' label
-        self.reason = reason  # why the worker was chosen (metrics)
-        self.session = session
         now = time.monotonic()
-        self.t0 = now if t0 is None else t0  # the client request's arrival
+        if request is not None:
+            self.ticket: Ticket | None = request.ticket
+            #: the request's byte-space key (the traffic log's); None: not logged
+            self.key: PrefixKey | None = request.key
+            self.session: str | None = request.session
+            self.t0 = request.t0  # the client request's arrival
+            self.reason = request.reason if reason is None else reason  # (metrics)
+        else:
+            self.ticket = self.key = self.session = None
+            self.t0 = now
+            self.reason = reason or ""
+        self.model = self.key.model if self.key is not None else ""  # the metrics' label
+        self.route = route  # the pick's route: its quality counted (module docstring)
+        self.counted = counted  # False: a leg whose answer is not the client's
         self.sent = now  # this attempt's start (the TTFT sample's origin)
+        self.head: float | None = None  # when the answer's head came
         #: prompt tokens still counted on the worker as queued prefill
         self.left = pick.own
         self.ttfb: float | None = None  # arrival -> the answer's head
@@ -128,6 +161,8 @@ class RequestLedger:
         #: (prompt_tokens, cached_tokens) the worker reported
         self.prompt_cached: tuple[int, int] | None = None
         self.output: int | None = None  # completion tokens the worker reported
+        #: the try's quality, counted at the end (with ``route``; else None)
+        self.quality: Quality | None = None
         self.watch: StreamWatch | None = None  # a relayed stream's (router.tenancy reads it)
         self.status: int | None = None  # what the client got; None: nothing
         self.ok: bool | None = None
@@ -136,12 +171,21 @@ class RequestLedger:
 
     # ------------------------------------------------------------------ hooks
 
-    def first_byte(self, now: float) -> None:
-        """The answer's head arrived (once; nothing after the end)."""
-        if self.ended or self.ttfb is not None:
+    def first_byte(self, now: float, *, counted: bool = True) -> None:
+        """The answer's head arrived (once; nothing after the end); ``counted``
+        False: a head that is no answer (a 5xx or 429), timed but not observed."""
+        if self.ended or self.head is not None:
             return
-        self.ttfb = now - self.t0
-        self.parts.metrics.observe_ttfb(self.ttfb)
+        self.head = now
+        if counted:
+            self.ttfb = now - self.t0
+            self.parts.metrics.observe_ttfb(self.ttfb)
+
+    def stream(self, watch: StreamWatch) -> None:
+        """The answer is a stream relayed through ``watch`` (the tenant's charge
+        reads its own count of what passed)."""
+        if not self.ended:
+            self.watch = watch
 
     def first_token(self, now: float) -> None:
         """The first content token passed: the prompt is prefilled, no longer queued
@@ -182,20 +226,24 @@ class RequestLedger:
         link = self.link
         if pick.rank is not None and link is not None:
             link.rank_finished(pick.rank)
+        if not self.counted:
+            return True
         usage = self.prompt_cached
-        if usage is None and self.watch is not None:
-            usage = self.prompt_cached = self.watch.usage
+        q = None
+        if self.route is not None:
+            q = self.quality = quality(self.route, pick, usage)
         m = p.metrics
         if status is not None:
-            m.request_done(w.id, status, self.reason)
+            m.request_done(w.id, 502 if broken else status, self.reason)
             m.observe_latency(now - self.t0)
-        m.answered(w.id, self.model, ok, usage)
+        m.answered(w.id, self.model, ok, usage, q)
         if p.traffic is not None and status is not None and self.key is not None:
             p.traffic.record(
                 self.key,
                 arrival_s=time.time() - (now - self.t0),
                 worker=w.id,
                 matched_tokens=pick.blocks * pick.key.block_tokens,
+                available_tokens=q.available if q is not None else 0,
                 prompt_tokens=usage[0] if usage else None,
                 output_tokens=self.output,
                 cached_tokens=usage[1] if usage else None,
@@ -229,6 +277,9 @@ class RequestLedger:
         else:
             assert self.left == self.pick.own, f"{self.left=} {self.pick.own=}"
         assert self.ended or (self.status is None and self.ok is None), "an outcome before the end"
+        assert self.ended or self.quality is None, "a quality before the end"
+        assert self.head is not None or self.ttfb is None, "a time to first byte without a head"
+        assert self.counted or self.quality is None, "an uncounted leg's quality"
 
     def describe(self) -> dict[str, Any]:
         """The attempt's state, for logs and tests."""

@@ -65,6 +65,7 @@ from policies.disagg import BOTH, DECODE, PREFILL, choose_decode
 from protocol.errors import NoWorkerAvailable
 from protocol.prefix_keys import Endpoint
 from router.engines.adapters import PdLeg
+from router.ledger import RequestLedger
 from router.route import Ask, Route
 from router.tenancy import PRIORITIES
 from router.upstream import Cancel, UpstreamError, build_head, finish_outcome
@@ -237,14 +238,15 @@ class PrefillDecode:
         ask = dp.ask_for(ctx).admit(ctx.ticket, choose=choose, eligible=eligible, split=False)
         routed = dp.route.route(ask, decode, kr, ctx.ticket, now)
         assert isinstance(routed, Route)  # split=False: never Admitted
-        await dp.forward(ctx, routed, ask, now)
+        dp.routed(ctx, routed, now)
+        await dp.attempts.forward(ctx, routed, ask, now)
 
     async def _sglang(
         self, ctx: Any, kr: KeyedRequest, pw: Worker, first: Decision | None, need: int
     ) -> None:
         """SGLang's two legs at once, paired by a bootstrap room (module docstring)."""
         dp = self.dp
-        host, _, _ = dp._addr(pw.url)
+        host, _, _ = dp.attempts.addr(pw.url)
         assert pw.spec is not None, "a worker with an engine link has its entry"
         body = {
             **ctx.body,
@@ -299,7 +301,7 @@ class PrefillDecode:
                 return params
             except _PrefillFailed as exc:
                 if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
-                    dp.answer_error(ctx, w.id, exc.status, exc.data, [])
+                    dp.attempts.answer_error(ctx, w.id, exc.status, exc.data, [])
                     return None
                 last = exc
                 dp.metrics.attempt(w.id, str(exc.status or "prefill"))
@@ -319,18 +321,19 @@ class PrefillDecode:
                 break
             routed = again
         status = last.status if last is not None and last.status in (429, 503) else 502
-        dp.answer_error(ctx, tried[-1], status, b"", [])
+        dp.attempts.answer_error(ctx, tried[-1], status, b"", [])
         return None
 
     async def _prefill_leg(
         self, ctx: Any, kr: KeyedRequest, w: Worker, payload: bytes, *, room: bool = False
     ) -> dict[str, Any]:
         """One prefill leg on ``w``: the pick's hint and load count, the request,
-        the load released on every path. ``room``: an SGLang leg (its answer is
-        not read for params)."""
+        the load released on every path (an uncounted ledger: router.ledger).
+        ``room``: an SGLang leg (its answer is not read for params)."""
         dp = self.dp
         pick = dp.route.place(w, kr, time.monotonic())
-        host, port, hostport = dp._addr(w.url)
+        led = RequestLedger(dp.parts, w, pick, counted=False)  # not the client's answer
+        host, port, hostport = dp.attempts.addr(w.url)
         fwd = (
             dp.tenants.forward_lines(ctx.key.tenant)
             + b"x-request-id: "
@@ -347,9 +350,8 @@ class PrefillDecode:
         head = build_head(ctx.endpoint.value, hostport, len(payload), fwd)
         ok: bool | None = False
         resp = None
-        sent = time.monotonic()
         cancel = Cancel()
-        dp.watch(w, cancel)
+        dp.attempts.watch(w, cancel)
         try:
             assert dp.upstream is not None, "the data plane serves only once started"
             try:
@@ -389,13 +391,10 @@ class PrefillDecode:
             handoffs.labels("params").inc()
             return params
         finally:
-            dp.unwatch(w, cancel)
+            dp.attempts.unwatch(w, cancel)
             if resp is not None:
                 resp.release()
-            dp.pool.finish(w, pick.own, ok, pick.key.prompt_tokens)
-            if pick.rank is not None and w.engine is not None:
-                w.engine.rank_finished(pick.rank)
-            dp.queue.kick(time.monotonic())
+            led.end(ok, None, time.monotonic())  # its load released, the breaker told
             if trace is not None:
                 status = resp.status if resp is not None else None
-                trace.attempt_end(span, w.id, sent, None, None, status, ok, None, None, leg="prefill")
+                trace.attempt_end(span, w.id, led.sent, None, None, status, ok, None, None, leg="prefill")

@@ -2,7 +2,7 @@
 
 A client that knows its next prompt before it sends it (a retriever that runs ahead
 of its generator, a chat UI while the user reads) posts that prompt, or its prefix,
-to ``/v1/prefetch``. The data plane (``router.dataplane.DataPlane.prefetch``) keys
+to ``/v1/prefetch``. The data plane (``router.warm.Warmer.prefetch``) keys
 it like the real request, picks the worker the normal pick path would, hints the
 index (so the real request's match finds it there and follows it) and sends that
 worker the prompt with ``max_tokens: 1``, not streamed, its answer discarded: the

@@ -340,16 +340,7 @@ class _Stream:
         dp.routed(ctx, route, now)
         eps = self.picker.endpoints
         first = eps.endpoint(w.id, w.url)
-        self.ledger = RequestLedger(
-            self.picker.ledger_parts(),
-            w,
-            pick,
-            ticket=ctx.ticket,
-            key=ctx.key,
-            reason=ctx.reason,
-            session=ctx.session,
-            t0=ctx.t0,
-        )
+        self.ledger = RequestLedger(self.picker.ledger_parts(), w, pick, ctx)
         self.picker.open.add(self.ledger)
         if first is None:  # its name does not resolve yet: nothing to send it to
             self._end_ledger(None, None, now)
@@ -451,7 +442,8 @@ class _Stream:
             ctx = self.ctx
             assert ctx is not None
             if ctx.stream and self.status == 200:
-                self.watch = led.watch = StreamWatch(self.strip)
+                self.watch = StreamWatch(self.strip)
+                led.stream(self.watch)
             elif self.status == 200 and not self.skip_body:
                 self.answer = bytearray()  # its usage corrects the index or is charged
         if req.response_headers.end_of_stream or self.skip_body:
@@ -484,16 +476,7 @@ class _Stream:
         ctx = self.ctx
         assert ctx is not None
         dp.metrics.retries.labels("connect").inc()
-        self.ledger = RequestLedger(
-            self.picker.ledger_parts(),
-            w,
-            pick,
-            ticket=ctx.ticket,
-            key=ctx.key,
-            reason="fallback",
-            session=ctx.session,
-            t0=ctx.t0,
-        )
+        self.ledger = RequestLedger(self.picker.ledger_parts(), w, pick, ctx, reason="fallback")
         self.picker.open.add(self.ledger)
 
     def _response_body(self, req: Any) -> list[Any]:
@@ -557,6 +540,8 @@ class _Stream:
         """The stream ended (answered, or broken by Envoy): nothing counted stays."""
         now = time.monotonic()
         led = self.ledger
+        if led is not None and self.watch is not None:
+            led.usage(self.watch.usage)  # what the stream reported before it ended
         if led is not None and led.cancel(now):
             self.picker.open.discard(led)
             log.debug("request %s: the gateway's stream ended before its answer did", self.rid)

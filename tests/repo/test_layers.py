@@ -227,6 +227,8 @@ IO_OURS = (
 #: the route core's callers: none keeps a copy of the path, and none but the router's
 #: own shell imports the data plane
 CALLERS = (
+    "router/attempts.py",
+    "router/warm.py",
     "router/pd.py",
     "router/prefetch.py",
     "loadtest/simulator/simulation.py",
@@ -304,6 +306,32 @@ def test_policies_import_nothing_of_the_router():
         if top != "policies" and top != "protocol" and top in LAYERS
     ]
     assert not wrong, "\n".join(wrong)
+
+
+#: the router's modules that carry a routed request's bytes after its pick (router.epp
+#: is the gateway's carrier)
+CARRIERS = (
+    "router/dataplane.py",
+    "router/attempts.py",
+    "router/warm.py",
+    "router/pd.py",
+    "router/epp/server.py",
+)
+#: what settling a pick takes (router.ledger's end and first_token)
+SETTLING = ("pool.finish(", "pool.prefilled(", "rank_finished(", "link.observe(", "tenancy.charge(")
+
+
+def test_what_a_pick_counted_is_settled_only_by_the_ledger():
+    """After the pick, no carrier releases the load, teaches the engine link or
+    charges the tenant itself: each attempt and leg tells its ``RequestLedger``
+    (router/ledger.py), which keeps the release exactly-once."""
+    wrong = []
+    for rel in CARRIERS:
+        src = (ROOT / rel).read_text()
+        for needle in SETTLING:
+            if needle in src:
+                wrong.append(f"{rel} calls {needle}")
+    assert not wrong, "settle through router.ledger.RequestLedger:\n" + "\n".join(wrong)
 
 
 def test_the_route_core_check_sees_io(tmp_path):

@@ -132,8 +132,8 @@ async def test_warmup_sends_prefill_only_request(fleet):
     router, port, url, _ = fleet
     body = {"model": "m", "prompt": "The shared system prompt. " * 20}
     key = request_key(Endpoint.COMPLETIONS, body, tenant=router.salts.salt("t"))
-    router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
-    router.dataplane._schedule_warmups(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    router.dataplane.warm.schedule(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    router.dataplane.warm.schedule(("u",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
     async with httpx.AsyncClient() as c:
         deadline = time.monotonic() + 3
         while True:

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
+import types
 
 import pytest
 
 from protocol.prefix_keys import Endpoint
 from router.config import parse_config
+from router.context import RequestContext
 from router.engines.keyspace import SpaceKey
 from router.ledger import LedgerParts, RequestLedger
 from router.metrics import Metrics
 from router.route import Placement
+from router.sse import StreamWatch
 from router.tenancy import Tenancy
 from tests.router.pools import make_pool
 
@@ -22,6 +26,13 @@ PROMPT, BLOCK = 300, 32
 
 def placement(own: int = 200) -> Placement:
     return Placement(SpaceKey((1, 2, 3), PROMPT, BLOCK, False), 3, own, 0, None)
+
+
+def ctx(ticket) -> RequestContext:
+    """A client request as the ledger reads it: its ticket; no key (not logged)."""
+    return RequestContext(
+        None, Endpoint.CHAT, b"", {}, None, False, None, "r", time.monotonic(), ticket=ticket
+    )
 
 
 def setup(own: int = 200, tenancy: bool = False):
@@ -36,7 +47,7 @@ def setup(own: int = 200, tenancy: bool = False):
         ten = Tenancy(cfg, ["t"], metrics, clock())
         ticket = ten.admit("t", "", "m", {}, PROMPT, {"max_tokens": 10}, clock(), Endpoint.CHAT)
         ten.admitted(ticket, clock())
-    led = RequestLedger(LedgerParts(pool, metrics, ten), w, pick, ticket=ticket, reason="test")
+    led = RequestLedger(LedgerParts(pool, metrics, ten), w, pick, ctx(ticket), reason="test")
     return pool, w, led, metrics, ten, ticket
 
 
@@ -143,3 +154,59 @@ def test_an_end_that_tells_nothing_leaves_the_ticket_for_the_retry():
     pool, w, led, m, ten, ticket = setup(tenancy=True)
     led.end(False, None, 1.0)  # the pick could not be reached; another worker runs it
     assert ticket.open
+
+
+def test_an_uncounted_leg_releases_its_load_and_tells_the_breaker_only():
+    """A prefetch's warm-up or a P/D prefill leg: the pick's load and the worker's
+    breaker, nothing counted, charged or learned."""
+    pool, _, clock = make_pool()
+    w = pool.get("a")
+    pick = placement()
+    pool.pick(w, pick.own, pick.key.prompt_tokens)
+    m = Metrics()
+    led = RequestLedger(LedgerParts(pool, m), w, pick, counted=False)
+    led.first_byte(1.0)
+    led.usage((PROMPT, 0), 1)
+    assert led.end(False, 200, 2.0)
+    led.check()
+    assert counts(w) == (0, 0, 0)
+    assert w.breaker_fails == 1
+    for outcome in ("answered", "failed", "gone"):
+        assert sample(m, "radixfleet_worker_requests_total", worker="a", model="", outcome=outcome) == 0
+    assert sample(m, "radixfleet_requests_total", worker="a", status="200", reason="") == 0
+    assert led.quality is None
+    pool.check()
+
+
+def test_a_route_counts_the_attempts_quality_at_its_end():
+    pool, w, _, m, _, _ = setup()
+    route = types.SimpleNamespace(available_tokens=3 * BLOCK)  # what quality() reads
+    led = RequestLedger(LedgerParts(pool, m), w, placement(), route=route)
+    led.usage((PROMPT, 2 * BLOCK))
+    led.check()
+    assert led.quality is None  # none before the end
+    led.end(True, 200, 2.0)
+    led.check()
+    assert led.quality == (3 * BLOCK, 3 * BLOCK, 2 * BLOCK)
+    assert sample(m, "radixfleet_available_cached_tokens_total", worker="a", model="") == 3 * BLOCK
+
+
+def test_a_head_that_is_no_answer_is_timed_not_observed():
+    pool, w, led, m, _, _ = setup()
+    led.first_byte(1.0, counted=False)
+    led.first_byte(2.0)  # once
+    led.check()
+    assert led.head == 1.0 and led.ttfb is None
+    assert m.registry.get_sample_value("radixfleet_ttfb_seconds_count") in (None, 0.0)
+
+
+def test_a_broken_stream_counts_a_502_and_logs_what_the_client_got():
+    pool, w, _, m, _, _ = setup()
+    led = RequestLedger(LedgerParts(pool, m), w, placement(), ctx(None), reason="test")
+    led.stream(StreamWatch(False))
+    led.first_token(1.0)
+    led.end(False, 200, 2.0, broken=True)
+    led.check()
+    assert led.status == 200 and led.broken
+    assert sample(m, "radixfleet_requests_total", worker="a", status="502", reason="test") == 1
+    assert sample(m, "radixfleet_requests_total", worker="a", status="200", reason="test") == 0

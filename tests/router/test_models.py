@@ -79,6 +79,6 @@ async def test_hot_root_warm_ups_keep_the_adapter(fleet):
     await fleet.routable(1)
     body = {"model": "m", "prompt": PROMPT, "lora_path": "adapter-7"}
     key = request_key(Endpoint.COMPLETIONS, body, tenant="")
-    fleet.router.dataplane._schedule_warmups(("w",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
+    fleet.router.dataplane.warm.schedule(("w",), Endpoint.COMPLETIONS, body, key, 3, time.monotonic())
     await until(lambda: bodies, what="the warm-up")
     assert bodies[0]["lora_path"] == "adapter-7" and bodies[0]["max_tokens"] == 1

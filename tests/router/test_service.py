@@ -997,7 +997,7 @@ async def test_a_request_on_a_hung_worker_moves_within_a_health_interval(fake_wo
         assert hung.finished == 0 and other.started == other.finished == 1
         assert router.metrics.retries.labels("unhealthy")._value.get() == 1
         assert all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router.pool)
-        assert not router.dataplane._waiting
+        assert not router.dataplane.attempts._waiting
     finally:
         await runner.aclose()
 

@@ -619,7 +619,7 @@ async def test_only_a_workers_own_failures_count_against_its_breaker():
     three in a row open its breaker. A stream cut by the router's own total deadline
     (timeouts.total_s: a healthy worker streaming a long answer) or size limit is
     not: three in a row leave it closed. (A client that leaves or is dropped is not
-    an upstream error at all: ok None, dataplane._relay.)"""
+    an upstream error at all: ok None, router.attempts.Attempts._relay.)"""
     silent = await _stream_failure(0.02, 5.0)
     deadline = await _stream_failure(5.0, 0.05)
     too_large = await _stream_failure(5.0, 5.0, limit=20)
