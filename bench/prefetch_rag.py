@@ -66,6 +66,8 @@ def loadtest(fleet: Fleet, run: tuple, out: str) -> subprocess.Popen:
         "loadtest",
         "--target",
         f"{name}={fleet.router_url}",
+        "--admin",
+        f"{name}={fleet.admin_url}",
         "--workload",
         workload,
         *sum((["-o", o] for o in opts), []),
@@ -110,7 +112,7 @@ def prefetch_counters(fleet: Fleet) -> dict[str, float]:
         "radixfleet_prefetch_dropped_total",
         "radixfleet_prefetch_tokens_total",
     )
-    return {k: v for k, v in scrape(fleet.router_url, names).items()}
+    return {k: v for k, v in scrape(fleet.admin_url, names).items()}
 
 
 def arm(fleet, cfg_path, share, runs):

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from vllm_ab import router_config  # noqa: E402
+from vllm_ab import admin_url, router_config  # noqa: E402
 
 from tests.engines.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
 from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
@@ -134,7 +134,7 @@ def main() -> int:
                 "prompt_tokens": run["prompt_tokens"],
                 "prefetch": run.get("prefetch"),
                 "engines_prefill_tokens": engines_prefill(servers) - before,
-                "router": sums(url, (*names, "radixfleet_prefetch_tokens_total")),
+                "router": sums(admin_url(cfg), (*names, "radixfleet_prefetch_tokens_total")),
             }
             print(mode, json.dumps(result[mode]), flush=True)
     finally:

@@ -118,8 +118,10 @@ def router_config(
     tokenizer: bool | None,
     events: bool | None,
     params: dict | None = None,
+    admin_port: int | None = None,
 ) -> dict:
-    """A router's config for one mode. ``None`` for all three (quick_start): the
+    """A router's config for one mode, its admin listener on loopback at ``admin_port``
+    (a free port when none: ``admin_url(cfg)`` names it). ``None`` for all three (quick_start): the
     workers' URLs and ids only, every other setting the router's default (what
     ``--worker URL`` gives; the ids and the worker header let the load generator count
     per worker). ``events=False`` turns event following off (approximate mode), where a
@@ -142,6 +144,7 @@ def router_config(
         workers.append(w)
     cfg: dict = {
         "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": free_port() if admin_port is None else admin_port},
         "workers": workers,
         "response_headers": {"worker_id": True},  # the load generator counts per worker
     }
@@ -388,23 +391,23 @@ def run_once(
         for s in servers:
             s.wait_ready()
         targets = []
+        admin_urls = {}  # each router's admin listener (/admin, /metrics); the gateway's: its router's
         specs = {m: (MODES[m], {}) for m in modes}
         specs.update((name, (MODES[base], sets)) for name, (base, sets) in variants.items())
         for m, (mode, sets) in specs.items():
             port = free_port()
             cfg = tmp / f"{m}.yaml"
+            rcfg = router_config(
+                port,
+                servers,
+                model_dir,
+                **mode,
+                params=params if mode["policy"] == "prefix_load" else None,
+            )
+            admin_urls[m] = admin_url(rcfg)
             cfg.write_text(
                 json.dumps(
-                    with_sets(
-                        router_config(
-                            port,
-                            servers,
-                            model_dir,
-                            **mode,
-                            params=params if mode["policy"] == "prefix_load" else None,
-                        ),
-                        sets,
-                    )
+                    with_sets(rcfg, sets)
                     | (
                         {
                             "traffic_log": {
@@ -426,7 +429,6 @@ def run_once(
                 ).__enter__()
             )
             targets.append((m, f"http://127.0.0.1:{port}"))
-        admin_urls = {}  # a target whose router answers elsewhere than its data path
         if args.envoy:
             gw, url, router_url = start_gateway(tmp, servers, model_dir, params)
             procs.append(gw)
@@ -474,7 +476,7 @@ def run_once(
                 continue
             # quick_start: a tokenizer found from the engine; the Envoy target runs precise
             want_tokens = specs[name][0]["tokenizer"] is not False if name in specs else True
-            envoy = url if name in admin_urls else None
+            envoy = url if name == ENVOY_TARGET else None
             url = admin_urls.get(name, url)
             while time.monotonic() < deadline:
                 try:  # ready: tokenizers loaded and KV events joined too
@@ -500,6 +502,7 @@ def run_once(
             cmd = radixfleet_argv(
                 "loadtest",
                 *[a for n, u in chosen for a in ("--target", f"{n}={u}")],
+                *[a for n, _ in chosen if n in admin_urls for a in ("--admin", f"{n}={admin_urls[n]}")],
                 "--workload",
                 "multiturn",
                 "-o",
@@ -923,6 +926,11 @@ def engine_sums(servers) -> dict[str, float]:
             if sep and name in names:
                 sums[name] = sums.get(name, 0.0) + float(rest.rsplit(" ", 1)[1])
     return sums
+
+
+def admin_url(cfg: dict) -> str:
+    """The URL of the admin listener (``/admin/*``, ``/metrics``) of a ``router_config``."""
+    return f"http://{cfg['admin']['host']}:{cfg['admin']['port']}"
 
 
 def start_gateway(tmp: Path, servers, model_dir: Path, params: dict) -> tuple[Proc, str, str]:

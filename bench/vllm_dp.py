@@ -62,19 +62,20 @@ def main() -> None:
     )
     with s:
         direct = [twice(s.url, 90_000 + i) for i in range(n)]
-        port = free_port()
+        port, admin_port = free_port(), free_port()
         cfg = {
             "listen": {"host": "127.0.0.1", "port": port},
+            "admin": {"host": "127.0.0.1", "port": admin_port},
             "health": {"interval_s": 0.5},
             "limits": {"worker_queue_requests": 0},
             "workers": [{"url": s.url, "id": "dp", "kind": "vllm", "tokenizer": str(model)}],
         }
         (d / "router.yaml").write_text(json.dumps(cfg))
-        url = f"http://127.0.0.1:{port}"
+        url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
         with Proc(radixfleet_argv("router", "--config", str(d / "router.yaml")), ready_url=url + "/health"):
             end = time.monotonic() + 120
             while True:
-                w = httpx.get(url + "/admin/workers", timeout=5).json()["workers"][0]
+                w = httpx.get(admin + "/admin/workers", timeout=5).json()["workers"][0]
                 ev = w["engine"]["events"]
                 if w["routable"] and ev and ev["connected"] and w["engine"]["data_parallel_ranks"] == 2:
                     break
@@ -82,7 +83,7 @@ def main() -> None:
                     raise SystemExit(f"the router did not follow both ranks: {w}")
                 time.sleep(0.2)
             routed = [twice(url, 95_000 + i) for i in range(n)]
-            eng = httpx.get(url + "/admin/workers", timeout=5).json()["workers"][0]["engine"]
+            eng = httpx.get(admin + "/admin/workers", timeout=5).json()["workers"][0]["engine"]
     out = {}
     for name, rows in (("vllm_balancer", direct), ("router_rank_header", routed)):
         out[name] = {

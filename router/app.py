@@ -40,7 +40,7 @@ Endpoints, by listener (``RouterServer``)::
 The data port's handlers are written once, on an exchange (the data plane's;
 ``router.http_api.answered`` for the rest), and served by the raw front and by
 ``Router.app``: the whole API on one aiohttp app, for embedding (``radixfleet
-gateway``) and tests, through ``_ReadExchange``.
+gateway``) and tests, through ``ReadExchange``.
 
 Every error is an OpenAI-style JSON body (``protocol.errors``); bad input is never a
 500. Lifecycle: the client session, health checks, the reload watcher and warm-up
@@ -63,7 +63,6 @@ from protocol.errors import (
     ConfigError,
     MalformedRequest,
     NotFound,
-    PayloadTooLarge,
     RequestError,
     retry_after_header,
 )
@@ -71,6 +70,7 @@ from protocol.prefix_keys import Endpoint
 from router import intake, served
 from router.admin_api import AdminAPI
 from router.agent_api import AgentAPI
+from router.aiohttp_exchange import ReadExchange
 from router.auth import check_metrics, metrics_exposure
 from router.bus.replica import BusReplica
 from router.config import MISSING, Config, check_event_binds, with_overrides
@@ -78,7 +78,6 @@ from router.dataplane import (
     REQUEST_ID_HEADER,
     TENANT_HEADER,
     WORKER_HEADER,
-    AiohttpExchange,
     DataPlane,
 )
 from router.decisions import DecisionRing
@@ -95,7 +94,7 @@ from router.registration import RegistrationGuard
 from router.reload import ConfigWatch, build, check_downgrade, failure_reason, prepare
 from router.scaling_signal import fleet_signal, params_from
 from router.shedding import Shedder
-from router.slow_clients import WRITE_HIGH, SlowClients
+from router.slow_clients import SlowClients
 from router.traffic_log import TrafficLog
 from router.upstream import UpstreamPool
 from service import http_errors, jsonbody
@@ -403,7 +402,7 @@ class Router:
                     "peer_hangup",
                 )
             try:
-                ex = _ReadExchange(request, raw, self.slow_clients)
+                ex = ReadExchange(request, raw, self.slow_clients)
                 await handler(ex)
             finally:
                 self.body_budget.give(len(raw))
@@ -616,64 +615,6 @@ class Router:
                 "config reloaded from %s: %s (added %s, removed %s)", path, new.summary(), added, removed
             )
             return True, new.summary(), added, removed
-
-
-class _ReadExchange(AiohttpExchange):
-    """An ``AiohttpExchange`` whose body was read already (``Router._dataplane_route``),
-    written within the client-side deadlines (``router.slow_clients``): each wait of
-    a write for its client is bounded; a reply is written by ``sent`` in pieces, not
-    left to aiohttp (whose waits for a client have no bound)."""
-
-    __slots__ = ("_raw", "_slow", "_deadline")
-
-    def __init__(self, request: web.Request, raw: bytes | bytearray, slow: SlowClients) -> None:
-        super().__init__(request)
-        self._raw = raw
-        self._slow = slow
-        self._deadline = time.monotonic() + slow.total_s()  # waits for the client included
-
-    def _bounded(self, write):
-        return self._slow.bounded(write, self.request.transport, self._deadline)
-
-    def peer(self) -> tuple[str | None, tuple | None]:
-        """(the client's IP address, the listener's sockname); None where unknown."""
-        t = self.request.transport
-        return self.request.remote, (t.get_extra_info("sockname") if t is not None else None)
-
-    async def stream_start(self, content_type: str, extra) -> None:
-        await self._bounded(super().stream_start(content_type, extra))
-
-    async def stream_write(self, data: bytes) -> None:
-        await self._bounded(super().stream_write(data))
-
-    async def stream_end(self) -> None:
-        await self._bounded(super().stream_end())
-
-    async def sent(self) -> web.StreamResponse:
-        """The answer, sent: a stream already is; a reply is written here, in pieces of
-        ``WRITE_HIGH`` bytes, each wait for the client bounded (past it the client is
-        dropped, and what is returned is not written again)."""
-        r = self.result
-        assert r is not None, "serve answers every request"
-        if r.prepared:
-            return r
-        assert isinstance(r, web.Response), "an unsent answer is a reply"
-        body = memoryview(r.body if isinstance(r.body, (bytes, bytearray)) else b"")
-        sr = self.result = web.StreamResponse(status=r.status, headers=r.headers)
-        sr.content_length = len(body)
-        try:
-            await self._bounded(sr.prepare(self.request))
-            for i in range(0, len(body), WRITE_HIGH):
-                await self._bounded(sr.write(body[i : i + WRITE_HIGH]))
-            await self._bounded(sr.write_eof())
-        except ConnectionResetError:
-            pass  # the client left or was dropped: aiohttp's own last write fails quietly
-        return sr
-
-    async def body(self, limit: int) -> bytes | bytearray:
-        if len(self._raw) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return self._raw
 
 
 #: paths of the admin listener that a request on the data port may be looking for

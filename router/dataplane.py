@@ -52,7 +52,7 @@ the details (worker, address, its body) go to the log.
 
 The data plane is written against an *exchange* (one request/response): the raw
 HTTP/1.1 front (``router.front.FrontServer``, what ``radixfleet router`` listens
-with) and the aiohttp app (``AiohttpExchange``; tests and embedding) both provide
+with) and the aiohttp app (``router.aiohttp_exchange``; tests and embedding) both provide
 one. An exchange has ``headers`` (lower-case names), ``await body(limit)``,
 ``reply(status, body, content_type, extra)``, ``await stream_start(content_type,
 extra)``, ``await stream_write(data)``, ``await stream_end()`` and ``result`` (what an
@@ -74,10 +74,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from aiohttp import web
 
 from policies.base import Policy
-from protocol.errors import MalformedRequest, Overloaded, PayloadTooLarge, RequestError, retry_after_header
+from protocol.errors import MalformedRequest, Overloaded, RequestError, retry_after_header
 from protocol.identifiers import request_id
 from protocol.prefix_keys import Endpoint, PrefixKey, request_key
 from router import edge, screen
@@ -127,7 +126,6 @@ __all__ = [
     "TENANT_HEADER",
     "WORKER_HEADER",
     "Admission",
-    "AiohttpExchange",
     "DataPlane",
     "RequestContext",
     "WorkerUnhealthy",
@@ -140,52 +138,6 @@ def _named_tenants(cfg: Config) -> list[str]:
     """The tenants the YAML names outside ``tenancy``: metric labels first."""
     t = cfg.keys.tenant
     return [t.default, *(k.tenant for k in t.api_keys)]
-
-
-class AiohttpExchange:
-    """The data plane's exchange over an aiohttp request (see ``Router.serve``)."""
-
-    __slots__ = ("request", "headers", "result")
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.headers = request.headers  # case-insensitive
-        self.result: web.StreamResponse | None = None
-
-    async def body(self, limit: int) -> bytes | bytearray:
-        request = self.request
-        cl = request.content_length
-        if cl is not None:
-            if cl > limit:
-                raise PayloadTooLarge(f"request body of {cl} bytes exceeds the limit of {limit} bytes")
-            return await request.read()
-        buf = bytearray()
-        async for chunk in request.content.iter_any():
-            buf += chunk
-            if len(buf) > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return buf  # the one buffer, not a copy
-
-    def reply(self, status: int, body: bytes, content_type: str, extra) -> None:
-        h = {"Content-Type": content_type}
-        h.update(extra)
-        self.result = web.Response(body=body, status=status, headers=h)
-
-    async def stream_start(self, content_type: str, extra) -> None:
-        h = {"Content-Type": content_type}
-        h.update(extra)
-        sr = self.result = web.StreamResponse(status=200, headers=h)
-        await sr.prepare(self.request)
-
-    async def stream_write(self, data: bytes) -> None:
-        sr = self.result
-        assert isinstance(sr, web.StreamResponse), "stream_write before stream_start"
-        await sr.write(data)
-
-    async def stream_end(self) -> None:
-        sr = self.result
-        assert isinstance(sr, web.StreamResponse), "stream_end before stream_start"
-        await sr.write_eof()
 
 
 class DataPlane:

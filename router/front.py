@@ -124,6 +124,7 @@ class _PendingRequest:
         "refusal",
         "held",
         "hangup",
+        "head_only",
     )
 
     def __init__(self) -> None:
@@ -148,6 +149,7 @@ class _PendingRequest:
         self.refusal: RequestError | None = None  # answered instead of served
         self.held = 0  # bytes of the server's BodyBudget this request holds
         self.hangup: Callable[[str | None], None] | None = None  # its Route's
+        self.head_only = False  # a HEAD served by its path's GET: the answer without its body
 
 
 class _FrontConn(asyncio.Protocol):
@@ -392,6 +394,10 @@ class _FrontConn(asyncio.Protocol):
             methods = server.routes.get(path)
         method = p.get_method()
         route = methods.get(method) if methods is not None else None
+        if method == b"HEAD":  # any answer to it without its body (RFC 9110 9.3.2)
+            req.head_only = True
+            if route is None and methods is not None:
+                route = methods.get(b"GET")  # a GET route serves it
         req.keepalive = p.should_keep_alive() and not server.closing
         req.http10 = version == "1.0"
         req.limit = limit = server.max_body()
@@ -403,7 +409,8 @@ class _FrontConn(asyncio.Protocol):
             if methods is None:
                 exc: RequestError = server.not_found(name)
             else:
-                exc = MethodNotAllowed(method.decode("latin-1"), name, sorted(m.decode() for m in methods))
+                allowed = {m.decode() for m in methods} | ({"HEAD"} if b"GET" in methods else set())
+                exc = MethodNotAllowed(method.decode("latin-1"), name, sorted(allowed))
             req.handler = _answer_refusal
             if has_body:  # its body is never read: answered now, closed after
                 self._refuse(req, exc)

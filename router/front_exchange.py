@@ -35,6 +35,7 @@ class FrontExchange:
         "refusal",
         "held",
         "deadline",
+        "head_only",
     )
 
     def __init__(self, conn, req) -> None:
@@ -52,6 +53,8 @@ class FrontExchange:
         self.result = None
         #: monotonic time the exchange must be over by, waits for its client included
         self.deadline = _time.monotonic() + conn.server.slow.total_s()
+        #: a HEAD: its GET's answer is written without the body (its length kept)
+        self.head_only = req.head_only
 
     def peer(self) -> tuple[str | None, tuple | None]:
         """(the client's IP address, the listener's sockname); None where unknown."""
@@ -86,7 +89,8 @@ class FrontExchange:
         if conn.closed:
             return
         conn.transport.write(
-            self._head(status, content_type, extra, b"Content-Length: %d\r\n" % len(body)) + body
+            self._head(status, content_type, extra, b"Content-Length: %d\r\n" % len(body))
+            + (b"" if self.head_only else body)
         )
 
     async def stream_start(self, content_type: str, extra) -> None:
@@ -105,7 +109,7 @@ class FrontExchange:
         conn = self.conn
         if conn.closed:
             raise ConnectionResetError("client disconnected")
-        if not data:
+        if not data or self.head_only:
             return
         if self.http10:
             conn.transport.write(data)
@@ -119,5 +123,5 @@ class FrontExchange:
         self.state = 3
         if conn.closed:
             raise ConnectionResetError("client disconnected")
-        if not self.http10:
+        if not self.http10 and not self.head_only:
             conn.transport.write(b"0\r\n\r\n")

@@ -7,20 +7,24 @@ import time
 import httpx
 import pytest
 
+from tests.engines.vllm_router import admin_url, remember_admin
 from tests.procs import Proc, free_port, radixfleet_argv
 
 
 @pytest.fixture(scope="module")
 def quick_start(vllm_pair):
-    port = free_port()
+    port, admin = free_port(), free_port()  # the admin listener on a free port, not 8001
+    remember_admin(port, admin)
     argv = radixfleet_argv(
-        "router", "--port", str(port), *(a for s in vllm_pair for a in ("--worker", s.url))
+        "router",
+        *("--port", str(port), "--admin-port", str(admin)),
+        *(a for s in vllm_pair for a in ("--worker", s.url)),
     )
     with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health", timeout_s=60):
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # both probed (vLLM) and scraped
-            ws = httpx.get(base + "/admin/workers", timeout=5).json()["workers"]
+            ws = httpx.get(admin_url(base) + "/admin/workers", timeout=5).json()["workers"]
             if (
                 all(w["routable"] and w.get("engine", {}).get("load_source") == "engine" for w in ws)
                 and len(ws) == 2

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.engines.vllm_router import router_yaml, text, wait_for, workers
+from tests.engines.vllm_router import remember_admin, router_yaml, text, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
@@ -42,6 +42,7 @@ def fronts(vllm_pair, vllm_model_dir, tmp_path_factory):
     router_yaml(d / "router.yaml", sport, vllm_pair, vllm_model_dir)
     raw = json.loads((d / "router.yaml").read_text())
     raw["listen"]["port"] = rport
+    remember_admin(rport, rport)  # the gateway's router serves its whole API on listen
     raw["gateway"] = {"port": gport, "picker_port": pport}
     (d / "gateway.yaml").write_text(json.dumps(raw))
     gw_argv = radixfleet_argv("gateway", "--config", str(d / "gateway.yaml"), "--state-dir", str(d / "state"))

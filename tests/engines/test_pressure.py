@@ -21,7 +21,7 @@ import subprocess
 import pytest
 
 from tests.engines.pressure import CpuBurner, pressure_kv_bytes
-from tests.engines.vllm_router import router_yaml, wait_for, workers
+from tests.engines.vllm_router import admin_url, router_yaml, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
@@ -100,6 +100,7 @@ def _ab(urls: dict[str, str], servers, out) -> dict[str, dict]:
     cmd = radixfleet_argv(
         "loadtest",
         *[a for name, u in urls.items() for a in ("--target", f"{name}={u}")],
+        *[a for name, u in urls.items() for a in ("--admin", f"{name}={admin_url(u)}")],
         "--workload",
         "multiturn",
         "-o",

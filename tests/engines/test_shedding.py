@@ -30,6 +30,7 @@ from loadtest.report import percentile as _pct
 from radixfleet.bench.overload import Load
 from router.shedding import CALM_S
 from tests.engines.quick_start import quick_start  # noqa: F401  (fixtures)
+from tests.engines.vllm_router import admin_url
 
 pytestmark = pytest.mark.engine
 
@@ -74,7 +75,7 @@ def test_closed_loop_up_to_the_fleets_batch_limits_is_never_shed(quick_start):
         statuses = asyncio.run(closed_loop(quick_start, clients, 15.0, clients))
         # a 429 names its decision's inputs per worker (the shedder's recent ones)
         # and what shedding learned of each engine (its batch limit, most run at once)
-        state = httpx.get(quick_start + "/admin/workers", timeout=5).json()
+        state = httpx.get(admin_url(quick_start) + "/admin/workers", timeout=5).json()
         marks = {w["id"]: w["queue_mark"] for w in state["workers"]}
         print(f"closed loop, {clients} clients: {statuses}; marks {marks}")
         why = (clients, statuses, marks, state["recent_sheds"][-3:])
@@ -119,7 +120,7 @@ def _mean(before: dict, after: dict, name: str) -> float:
 def scrape_failures(router: str) -> dict[str, float]:
     """The router's failed engine scrapes so far, per cause."""
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(router + "/metrics", timeout=10).text):
+    for fam in text_string_to_metric_families(httpx.get(admin_url(router) + "/metrics", timeout=10).text):
         if fam.name == "radixfleet_engine_scrape_failures":
             for smp in fam.samples:
                 if smp.name.endswith("_total"):
@@ -132,7 +133,7 @@ async def poll_workers(session: aiohttp.ClientSession, router: str, polls: list)
     and queue mark as ``GET /admin/workers`` gives them."""
     keep = ("id", "in_flight", "in_flight_tokens", "reported_load", "queue_mark")
     while True:
-        async with session.get(router + "/admin/workers") as r:
+        async with session.get(admin_url(router) + "/admin/workers") as r:
             ws = (await r.json())["workers"]
         rows = []
         for w in ws:
@@ -170,7 +171,7 @@ def overload(router: str, servers) -> dict:
             light = await load.poisson(0.2 * capacity, 12.0)
             p1 = await asyncio.to_thread(engine_phases, servers, router)
             # the shed decisions' inputs, should the light phase have had any
-            light_sheds = (await (await s.get(router + "/admin/workers")).json())["recent_sheds"]
+            light_sheds = (await (await s.get(admin_url(router) + "/admin/workers")).json())["recent_sheds"]
             await asyncio.sleep(1.0)
             p2 = await asyncio.to_thread(engine_phases, servers, router)
             polls: list[list[dict]] = []

@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from tests.engines.quick_start import quick_start  # noqa: F401  (the quick-start router)
-from tests.engines.vllm_router import admin_url, post, router_yaml, text, wait_for, workers
+from tests.engines.vllm_router import admin_url, post, remember_admin, router_yaml, text, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
@@ -212,6 +212,7 @@ def test_quick_start_keys_through_the_engine_where_its_tokenizer_is_not_here(vll
     )
     with Proc(radixfleet_argv("router", "--config", str(cfg)), ready_url=f"http://127.0.0.1:{port}/health"):
         url = f"http://127.0.0.1:{port}"
+        remember_admin(port, admin)
         wait_for(
             lambda: all(
                 w["engine"]["keys"]["from"] == "engine_tokenize"
@@ -694,6 +695,7 @@ def _ab_multiturn(urls: list[str], out) -> str | None:
         f"round_robin={urls[0]}",
         "--target",
         f"prefix_load={urls[1]}",
+        *("--admin", f"round_robin={admin_url(urls[0])}", "--admin", f"prefix_load={admin_url(urls[1])}"),
         "--workload",
         "multiturn",
         "-o",

@@ -17,7 +17,7 @@ import json
 import httpx
 import pytest
 
-from tests.engines.vllm_router import post, text, wait_for, workers
+from tests.engines.vllm_router import post, remember_admin, text, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv, two_free_ports
 
 pytestmark = pytest.mark.engine
@@ -47,9 +47,11 @@ def dp_server(vllm_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp_router(dp_server, vllm_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("router-dp")
-    port = free_port()
+    port, admin = free_port(), free_port()
+    remember_admin(port, admin)
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": admin},
         "policy": {"name": "prefix_load"},
         "health": {"interval_s": 0.5},
         "workers": [

@@ -15,7 +15,7 @@ import json
 import httpx
 import pytest
 
-from tests.engines.vllm_router import text, wait_for, workers
+from tests.engines.vllm_router import remember_admin, text, wait_for, workers
 from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
@@ -53,9 +53,11 @@ def pd_servers(vllm_model_dir, tmp_path_factory):
 def pd_router(pd_servers, tmp_path_factory):
     (p, d), _ = pd_servers
     cfg_dir = tmp_path_factory.mktemp("router-pd")
-    port = free_port()
+    port, admin = free_port(), free_port()
+    remember_admin(port, admin)
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": admin},
         "policy": {"name": "prefix_load"},
         "health": {"interval_s": 0.5},
         "disagg": {"colocate_below_tokens": 64},

@@ -24,8 +24,15 @@ def text(seed: int, words: int) -> str:
 _ADMIN: dict[int, int] = {}
 
 
+def remember_admin(port: int, admin_port: int) -> None:
+    """Notes that the router on data port ``port`` has its admin listener on ``admin_port``
+    (``router_yaml`` does it for its routers; the quick-start fixture for its own)."""
+    _ADMIN[port] = admin_port
+
+
 def admin_url(url: str) -> str:
-    """The admin listener of the router_yaml router at ``url`` (its data port's URL)."""
+    """The admin listener of the router at ``url`` (its data port's URL), as
+    ``remember_admin`` noted it."""
     host, _, port = url.rpartition(":")
     return f"{host}:{_ADMIN[int(port.rstrip('/'))]}"
 
@@ -56,7 +63,7 @@ def router_yaml(
         workers.append(w)
     from tests.procs import free_port
 
-    _ADMIN[port] = free_port()
+    remember_admin(port, free_port())
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
         "admin": {"host": "127.0.0.1", "port": _ADMIN[port]},

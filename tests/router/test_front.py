@@ -664,7 +664,15 @@ async def test_the_admin_api_and_metrics_are_the_admin_listeners_alone(fleet):
             r = await c.request(method, admin + path, content=BODY)
             assert r.status_code == 404 and "data port" in r.json()["error"]["message"], (path, r.text)
         r = await c.request("DELETE", data + "/health")
-        assert r.status_code == 405 and r.headers["Allow"] == "GET", r.text
+        assert r.status_code == 405 and r.headers["Allow"] == "GET, HEAD", r.text
+        # HEAD: a GET route's status and headers, no body, the connection kept
+        for path in ("/health", "/readiness", "/v1/models"):
+            head, get = await c.head(data + path), await c.get(data + path)
+            assert head.status_code == get.status_code == 200 and head.content == b"", path
+            assert head.headers["content-length"] == get.headers["content-length"], path
+        head = await c.head(data + "/nope")
+        assert head.status_code == 404 and head.content == b""
+        assert (await c.get(data + "/health")).status_code == 200  # the connection still in step
     assert router.body_budget.held == 0
 
 
