@@ -31,13 +31,8 @@ RUN python -m venv /opt/radixfleet
 ENV PATH=/opt/radixfleet/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY protocol/ protocol/
-COPY service/ service/
-COPY router/ router/
-COPY policies/ policies/
-COPY worker_agent/ worker_agent/
-COPY loadtest/ loadtest/
 COPY radixfleet/ radixfleet/
+COPY radixfleet_tools/ radixfleet_tools/
 RUN pip install --no-cache-dir "./[${EXTRAS}]" \
     && python -m compileall -q /opt/radixfleet
 
@@ -54,6 +49,6 @@ ENV PATH=/opt/radixfleet/bin:$PATH \
 USER 10001:10001
 EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
-    CMD ["python", "-m", "router.healthcheck"]
+    CMD ["python", "-m", "radixfleet.server.healthcheck"]
 ENTRYPOINT ["radixfleet"]
 CMD ["router", "--config", "/etc/radixfleet/router.yaml", "--host", "0.0.0.0", "--port", "8000"]

@@ -28,7 +28,7 @@ import collections
 import json
 import sys
 
-from loadtest.simulator.reference import BlockReference
+from radixfleet_tools.loadtest.simulator.reference import BlockReference
 
 
 def _replay(recs: list[tuple[list[int], int]], caps: list[int], worker_of: list[int], bt: int) -> float:

@@ -31,7 +31,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.local_fleet import Child, cli_argv, free_port, wait_registered
+from radixfleet_tools.loadtest.local_fleet import Child, cli_argv, free_port, wait_registered
 
 DEFAULT_LOAD = [
     "--workload",

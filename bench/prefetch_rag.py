@@ -31,7 +31,7 @@ import time
 
 import httpx
 
-from loadtest.local_fleet import Fleet, FleetConfig
+from radixfleet_tools.loadtest.local_fleet import Fleet, FleetConfig
 
 
 def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from vllm_ab import admin_url, router_config  # noqa: E402
 
-from tests.engines.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
-from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+from radixfleet_tools.harness.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
 
 
 def sums(url: str, prefixes: tuple[str, ...]) -> dict[str, float]:

@@ -7,16 +7,16 @@
 
 A router (the raw front, ``round_robin``, one static worker: what ``radixfleet bench
 proxy`` runs) in front of the proxy benchmark's aiohttp upstream
-(``radixfleet.bench.proxy.upstream_app``), both in this process on loopback, and a
+(``radixfleet_tools.bench.proxy.upstream_app``), both in this process on loopback, and a
 client on one keep-alive connection sending ``--requests`` completions (the proxy
 benchmark's body) one at a time.
 
 ``cpu`` prints this process's CPU per request (client, upstream and router together:
 compare two checkouts by running this file's copy from each, alternately, since the
 host is shared; only the router's code differs between them). ``profile`` prints
-cProfile's functions of ``router/`` by own time per request. ``opcodes`` counts the
+cProfile's functions of ``radixfleet/server/`` by own time per request. ``opcodes`` counts the
 Python bytecodes executed per request (``sys.settrace``'s opcode events), in all and
-per file of ``router/``: deterministic, so two checkouts compare on a busy host,
+per file of ``radixfleet/server/``: deterministic, so two checkouts compare on a busy host,
 though it does not weigh C code (parsers, the event loop). ``walk`` traces one
 request (after warm-up ones) with ``sys.setprofile`` from ``DataPlane.serve`` down
 (the calls made inside it):
@@ -45,10 +45,10 @@ sys.path.insert(0, str(REPO))
 
 from aiohttp import web  # noqa: E402
 
-from radixfleet.bench.proxy import upstream_app  # noqa: E402
-from router.app import Router, RouterServer  # noqa: E402
-from router.config import parse_config  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from radixfleet.config import parse_config  # noqa: E402
+from radixfleet.server.app import Router, RouterServer  # noqa: E402
+from radixfleet_tools.bench.proxy import upstream_app  # noqa: E402
+from radixfleet_tools.harness.procs import free_port  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "hello world, a short benchmark prompt", "max_tokens": 1}
 ROUTER = str(REPO / "router") + os.sep

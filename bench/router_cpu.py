@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.vllm_ab import cpu_s, router_config  # noqa: E402
-from tests.engines.vllm_env import tiny_model  # noqa: E402
-from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+from radixfleet_tools.harness.vllm_env import tiny_model  # noqa: E402
 
 PAGE = REPO / "tests" / "data" / "vllm_metrics.txt"
 #: where a sample's stack falls (the first of these frames in it, outermost first)

@@ -23,9 +23,9 @@ import argparse
 import json
 import sys
 
-from loadtest.report import percentile
-from loadtest.simulator import cli as sim_cli
-from protocol.errors import RadixfleetError
+from radixfleet.wire.errors import RadixfleetError
+from radixfleet_tools.loadtest.report import percentile
+from radixfleet_tools.loadtest.simulator import cli as sim_cli
 
 
 def _seeds(text: str) -> list[int]:

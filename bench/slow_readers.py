@@ -4,7 +4,7 @@
                                   [--ramp-s 15] [--settle-s 20] [--rounds 3]
                                   [--client-idle-s S] [--json FILE]
 
-Starts the bench upstream (``radixfleet.bench.proxy upstream``: fast, and a stream
+Starts the bench upstream (``radixfleet_tools.bench.proxy upstream``: fast, and a stream
 without end for a body that asks for one) and one router in front of it with nothing
 but ``listen`` and ``workers`` configured, then alternates two phases per round,
 each ``--seconds`` long: legitimate clients alone (``--clients`` closed loops of
@@ -54,8 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.vllm_ab import cpu_s  # noqa: E402
-from tests.chaos.harness import RouterProcess  # noqa: E402
-from tests.procs import Proc, free_port  # noqa: E402
+from radixfleet_tools.harness.procs import Proc, free_port  # noqa: E402
+from radixfleet_tools.harness.router_process import RouterProcess  # noqa: E402
 
 _LEGIT = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": 8, "stream": True}).encode()
 #: a stream without end, ~130 KB/s (512 events every 0.5 s: faster than an engine's
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return _readers_process(args.readers_at, args.readers, args.ramp_s)
     up_port = free_port()
     up = f"http://127.0.0.1:{up_port}"
-    upstream = ["python3", "-m", "radixfleet.bench.proxy", "upstream", "--port", str(up_port)]
+    upstream = ["python3", "-m", "radixfleet_tools.bench.proxy", "upstream", "--port", str(up_port)]
     config = f"listen: {{host: 127.0.0.1, port: {{port}}}}\nworkers: [{{url: {up}, id: up}}]\n"
     if args.client_idle_s is not None:
         config += f"timeouts: {{client_idle_s: {args.client_idle_s}}}\n"

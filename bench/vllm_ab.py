@@ -5,7 +5,7 @@
                              [--clients 32] [--rounds 5] [--concurrency 8] [--repeat N]
                              [--variant NAME:KEY=VALUE[,KEY=VALUE...]]
 
-Provisions vLLM and the tiny model as the engine tests do (tests/engines/vllm_env.py,
+Provisions vLLM and the tiny model as the engine tests do (radixfleet_tools/harness/vllm_env.py,
 cached under .cache/engines), starts two vLLM servers on loopback (prefix caching,
 prompt-token details, KV events with replay; --kv of KV cache each: 16M = 32k
 tokens), one radixfleet router per mode below, SGLang's smg (cache_aware) when its
@@ -85,15 +85,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.engines.pressure import CpuBurner, pressure_kv_bytes  # noqa: E402
-from tests.engines.vllm_env import (  # noqa: E402
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+from radixfleet_tools.harness.vllm_env import (  # noqa: E402
     EngineUnavailable,
     VllmServer,
     own_core,
     tiny_model,
     vllm_python,
 )
-from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+from tests.engines.pressure import CpuBurner, pressure_kv_bytes  # noqa: E402
 
 #: the target of --envoy: ``radixfleet gateway`` with the prefix_load (precise) config
 ENVOY_TARGET = "envoy+radixfleet"
@@ -153,7 +153,7 @@ def router_config(
     if tokenizer is False:
         cfg["tokenizers"] = {"discover": False, "engine_tokenize": False}
     # default limits: shedding answers only the saturation the engines report, and a
-    # closed loop within the servers' batch limits is never shed (router.shedding)
+    # closed loop within the servers' batch limits is never shed (radixfleet.route.shedding)
     return cfg | {
         "policy": {"name": policy, **({"params": params} if params else {})},
         "health": {"interval_s": 0.5},

@@ -4,7 +4,7 @@ that holds the prompt named with X-data-parallel-rank).
 
     flock /tmp/radixfleet-vllm.lock python3 bench/vllm_dp.py [--prompts 12] [--json FILE]
 
-Provisions vLLM and the tiny model as the engine tests do (tests/engines/vllm_env.py),
+Provisions vLLM and the tiny model as the engine tests do (radixfleet_tools/harness/vllm_env.py),
 starts one server with ``--data-parallel-size 2`` (one core per rank, eager), sends
 each of N distinct ~500-token prompts twice straight to vLLM, then N others twice
 through a router whose worker is configured with nothing but its kind and tokenizer.
@@ -26,9 +26,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.engines.vllm_env import VllmServer, own_core, tiny_model  # noqa: E402
-from tests.engines.vllm_router import text  # noqa: E402
-from tests.procs import Proc, free_port, radixfleet_argv, two_free_ports  # noqa: E402
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv, two_free_ports  # noqa: E402
+from radixfleet_tools.harness.vllm_env import VllmServer, own_core, tiny_model  # noqa: E402
+from radixfleet_tools.harness.vllm_router import text  # noqa: E402
 
 
 def twice(url: str, seed: int) -> tuple[int, int]:

@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.vllm_ab import router_config  # noqa: E402
-from tests.engines.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
-from tests.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv  # noqa: E402
+from radixfleet_tools.harness.vllm_env import VllmServer, own_core, tiny_model, vllm_python  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
 

@@ -24,27 +24,33 @@ import importlib
 import signal
 import sys
 
-from protocol.cli_args import HelpFormatter
-from protocol.errors import RadixfleetError
-from radixfleet.bench import BENCHMARKS
+from radixfleet.wire.cli_args import HelpFormatter
+from radixfleet.wire.errors import RadixfleetError
+from radixfleet_tools.bench import BENCHMARKS
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "router": ("router.cli", "run the cache-aware router (reverse proxy)"),
-    "agent": ("worker_agent.cli", "run a worker agent (simulated GPU engine or sidecar)"),
+    "router": ("radixfleet.server.cli", "run the cache-aware router (reverse proxy)"),
+    "agent": ("radixfleet_tools.agent.cli", "run a worker agent (simulated GPU engine or sidecar)"),
     "gateway": (
-        "radixfleet.gateway",
+        "radixfleet.gateway.envoy",
         "run Envoy with radixfleet as its endpoint picker (Gateway API inference)",
     ),
-    "up": ("loadtest.local_fleet", "run a local fleet: N simulated agents and a router"),
-    "demo": ("loadtest.demo", "start a local fleet, load-test three policies, compare"),
-    "loadtest": ("loadtest.cli", "drive a workload against one or more routers (A/B)"),
-    "simulate": ("loadtest.simulator.cli", "simulate a fleet and its policies in virtual time"),
-    "analyze": ("loadtest.analyze", "the cache-size knee, Zipf head and policy replay of a traffic log"),
-    "bench": ("radixfleet.bench", "run a benchmark: " + ", ".join(BENCHMARKS)),
-    "check-config": ("router.config", "validate a router YAML file (exit 0 or 2)"),
+    "up": ("radixfleet_tools.loadtest.local_fleet", "run a local fleet: N simulated agents and a router"),
+    "demo": ("radixfleet_tools.loadtest.demo", "start a local fleet, load-test three policies, compare"),
+    "loadtest": ("radixfleet_tools.loadtest.cli", "drive a workload against one or more routers (A/B)"),
+    "simulate": (
+        "radixfleet_tools.loadtest.simulator.cli",
+        "simulate a fleet and its policies in virtual time",
+    ),
+    "analyze": (
+        "radixfleet_tools.loadtest.analyze",
+        "the cache-size knee, Zipf head and policy replay of a traffic log",
+    ),
+    "bench": ("radixfleet_tools.bench", "run a benchmark: " + ", ".join(BENCHMARKS)),
+    "check-config": ("radixfleet.config", "validate a router YAML file (exit 0 or 2)"),
     "config-reference": (
-        "router.config_reference",
+        "radixfleet.config.reference",
         "print the router YAML key tables (deploy/README.md), made from the schema",
     ),
 }

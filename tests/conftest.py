@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.procs import Proc, free_port  # noqa: F401  (re-exported for tests)
+from radixfleet_tools.harness.procs import Proc, free_port  # noqa: F401  (re-exported for tests)
 
 # The tier markers, enforced (tests/tiers.py): hooks take effect by being named here.
 from tests.tiers import (  # noqa: F401
@@ -23,14 +23,14 @@ def port() -> int:
 
 
 # --------------------------------------------------------------- real vLLM servers
-# Session-scoped: provisioned once (tests/engines/vllm_env.py: the venv, the tiny model)
+# Session-scoped: provisioned once (radixfleet_tools/harness/vllm_env.py: the venv, the tiny model)
 # and shared by every engine test module. If vLLM cannot be provisioned the tests that
 # use these fixtures fail with the reason (EngineUnavailable): they never skip.
 
 
 @pytest.fixture(scope="session")
 def vllm_model_dir():
-    from tests.engines.vllm_env import tiny_model, vllm_python
+    from radixfleet_tools.harness.vllm_env import tiny_model, vllm_python
 
     vllm_python()
     return tiny_model()
@@ -40,7 +40,7 @@ def vllm_model_dir():
 def vllm_pair(vllm_model_dir, tmp_path_factory):
     """Two vLLM servers with prefix caching, prompt-token details and KV events (ZMQ,
     replay), 16k-token KV caches, at most 8 running sequences each."""
-    from tests.engines.vllm_env import VllmServer, own_core
+    from radixfleet_tools.harness.vllm_env import VllmServer, own_core
 
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [
@@ -68,6 +68,6 @@ def vllm_pair(vllm_model_dir, tmp_path_factory):
 # --------------------------------------------------------------- the bus
 @pytest.fixture
 def bus_salt(monkeypatch):
-    """Replicas on a bus share the deployment's salt secret (router.reload refuses a
+    """Replicas on a bus share the deployment's salt secret (radixfleet.config.reload refuses a
     bus without one); routers started as processes inherit it."""
     monkeypatch.setenv("RADIXFLEET_TENANT_SALT", "test-bus-deployment-secret")

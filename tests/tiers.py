@@ -35,7 +35,7 @@ import pytest
 ENGINE_FIXTURES = frozenset({"vllm_pair", "vllm_model_dir"})
 TIER_MARKS = ("integration", "engine")
 #: pytest-timeout's limit for an engine test (the rest: ``timeout`` in pyproject.toml):
-#: the first one provisions vLLM (tests/engines/vllm_env.py: an install bounded at
+#: the first one provisions vLLM (radixfleet_tools/harness/vllm_env.py: an install bounded at
 #: 1,500 s, then two servers started, 240 s each at most)
 ENGINE_TIMEOUT_S = 2400
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from protocol.events import EVENTS_PATH, REGISTER_PATH, Cleared, Removed, Snapshot, Stored, parse_batch
+from radixfleet.wire.events import EVENTS_PATH, REGISTER_PATH, Cleared, Removed, Snapshot, Stored, parse_batch
 
 
 class FakeRouter:

@@ -1,4 +1,4 @@
-"""Scenario and stress tests of the token radix cache (worker_agent.radix_cache)."""
+"""Scenario and stress tests of the token radix cache (radixfleet_tools.agent.radix_cache)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from protocol.events import Cleared, Removed, Stored
-from worker_agent.radix_cache import AdmissionConfig, RadixCache
+from radixfleet.wire.events import Cleared, Removed, Stored
+from radixfleet_tools.agent.radix_cache import AdmissionConfig, RadixCache
 
 
 def chain(key, stride, ns="ns"):
@@ -328,7 +328,7 @@ def test_insert_below_and_locked_equals_a_walk_from_the_root_then_a_lock(mode):
 
 
 def test_insert_below_rejects_a_node_outside_the_tree():
-    from worker_agent.radix_cache import as_key
+    from radixfleet_tools.agent.radix_cache import as_key
 
     c = RadixCache()
     _, node = c.insert("n", [1, 2, 3])

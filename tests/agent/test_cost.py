@@ -1,4 +1,4 @@
-"""Cost-model arithmetic (worker_agent.cost_model) and the byte-chunk tokenizer."""
+"""Cost-model arithmetic (radixfleet_tools.agent.cost_model) and the byte-chunk tokenizer."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from protocol.errors import ConfigError
-from protocol.prefix_keys import BYTES_PER_TOKEN, Endpoint, routing_bytes
-from worker_agent import tokenizer as tk
-from worker_agent.cost_model import GPUS, MODELS, CostModel
+from radixfleet.keys import BYTES_PER_TOKEN, Endpoint, routing_bytes
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.agent import tokenizer as tk
+from radixfleet_tools.agent.cost_model import GPUS, MODELS, CostModel
 
 
 def test_design_figures():

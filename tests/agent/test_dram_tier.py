@@ -1,4 +1,4 @@
-"""The DRAM KV tier (worker_agent.dram_tier) under the agent's scheduler and in the simulator."""
+"""The DRAM KV tier (radixfleet_tools.agent.dram_tier) under the agent's scheduler and in the simulator."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from array import array
 import msgpack
 import pytest
 
-from protocol.errors import ConfigError
-from router.engines.kv_events import decode_batch
-from worker_agent.cost_model import PCIE_GEN5_X16, CostModel
-from worker_agent.dram_tier import (
+from radixfleet.engines.kv_events import decode_batch
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.agent.cost_model import PCIE_GEN5_X16, CostModel
+from radixfleet_tools.agent.dram_tier import (
     CHUNK_TOKENS,
     MEDIUM_CPU,
     DramConfig,
@@ -18,7 +18,7 @@ from worker_agent.dram_tier import (
     gpu_events_vllm,
     parse_dram_size,
 )
-from worker_agent.scheduler import SchedRequest, build_scheduler
+from radixfleet_tools.agent.scheduler import SchedRequest, build_scheduler
 
 STRIDE = 64  # tokens per router block in these tests
 NS = ("m", "", None)
@@ -207,7 +207,7 @@ def test_bad_sizes_are_refused():
 
 
 def test_simulate_reports_hits_per_tier():
-    from loadtest.simulator import cli as simcli
+    from radixfleet_tools.loadtest.simulator import cli as simcli
 
     parser = simcli.argparse.ArgumentParser()
     simcli.configure(parser)
@@ -228,7 +228,7 @@ def test_simulate_reports_hits_per_tier():
 def test_agent_flags_size_the_tier_and_refuse_bad_values():
     import argparse
 
-    from worker_agent.cli import build_config, configure
+    from radixfleet_tools.agent.cli import build_config, configure
 
     p = argparse.ArgumentParser()
     configure(p)

@@ -9,11 +9,11 @@ import time
 import httpx
 import pytest
 
-from loadtest.smg import find_smg, missing_message
-from protocol.events import Snapshot
-from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.wire.events import Snapshot
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.loadtest.smg import find_smg, missing_message
 from tests.agent.fakes import FakeRouter
-from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
-"""A live disaggregated fleet of agents: the router (router.pd) in front of one
+"""A live disaggregated fleet of agents: the router (radixfleet.route.pd) in front of one
 ``--role prefill`` and one ``--role decode`` agent on loopback, speaking vLLM's
-``kv_transfer_params`` protocol end to end (worker_agent.server's module docstring):
+``kv_transfer_params`` protocol end to end (radixfleet_tools.agent.server's module docstring):
 both legs run, the prefill side keeps the prompt's KV (a second request with the same
 prefix hits there), the decode side pulls the KV and counts it, bad params are 400s."""
 
@@ -16,10 +16,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import Router, RouterServer
-from router.config import parse_config
-from tests.procs import free_port
-from worker_agent.server import AGENT_KEY, Agent, AgentConfig, create_app
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet_tools.agent.server import AGENT_KEY, Agent, AgentConfig, create_app
+from radixfleet_tools.harness.procs import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
 """An agent's events reach the router before its answer ends, so the router's index
-predicts a conversation's next turn exactly (router.engines.accuracy), however soon
+predicts a conversation's next turn exactly (radixfleet.engines.accuracy), however soon
 the turn follows the answer."""
 
 from __future__ import annotations

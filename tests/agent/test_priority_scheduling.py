@@ -1,6 +1,6 @@
-"""Engine-side priority: the scheduler's ``priority`` order (worker_agent.scheduler),
+"""Engine-side priority: the scheduler's ``priority`` order (radixfleet_tools.agent.scheduler),
 the agent's ``priority`` body field, the agent's announcement at registration, and the
-router sending each request's class as vLLM's ``priority`` (router.engines.manager)."""
+router sending each request's class as vLLM's ``priority`` (radixfleet.engines.manager)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout, web
 from aiohttp.test_utils import TestServer
 
-from protocol.bus_wire import build_agent, parse_agent
-from protocol.errors import MalformedRequest
-from protocol.events import EventBatch, Snapshot, parse_registration
-from protocol.prefix_keys import Endpoint
-from router.config import parse_config
-from router.engines.kinds import WorkerKind
-from router.engines.manager import Engines, engine_priority, sends_priority
-from worker_agent import tokenizer as tk
-from worker_agent.cost_model import CostModel
-from worker_agent.kv_pool import KVPool
-from worker_agent.radix_cache import RadixCache
-from worker_agent.scheduler import SchedRequest, Scheduler, SchedulerConfig
+from radixfleet.config import parse_config
+from radixfleet.engines.kinds import WorkerKind
+from radixfleet.engines.manager import Engines, engine_priority, sends_priority
+from radixfleet.keys import Endpoint
+from radixfleet.wire.bus_wire import build_agent, parse_agent
+from radixfleet.wire.errors import MalformedRequest
+from radixfleet.wire.events import EventBatch, Snapshot, parse_registration
+from radixfleet_tools.agent import tokenizer as tk
+from radixfleet_tools.agent.cost_model import CostModel
+from radixfleet_tools.agent.kv_pool import KVPool
+from radixfleet_tools.agent.radix_cache import RadixCache
+from radixfleet_tools.agent.scheduler import SchedRequest, Scheduler, SchedulerConfig
 
 # ------------------------------------------------------------------ the scheduler
 
@@ -205,7 +205,7 @@ def test_forward_body_sets_the_class_where_the_worker_schedules_by_it_and_drops_
 
 @pytest.mark.integration
 async def test_agent_priority_field_bad_input_is_a_400_naming_it():
-    from worker_agent.server import AgentConfig, create_app
+    from radixfleet_tools.agent.server import AgentConfig, create_app
 
     async def post(order: str, bodies: list[dict]) -> list[tuple[int, dict]]:
         app = create_app(AgentConfig(kv_tokens=100_000, scheduler=SchedulerConfig(order=order)))
@@ -278,7 +278,7 @@ class RecordingWorker:
 
 @pytest.mark.integration
 async def test_router_sends_the_class_only_to_workers_that_schedule_by_it():
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
 
     a, b = RecordingWorker("ma"), RecordingWorker("mb")
     runners = []
@@ -341,7 +341,7 @@ async def test_router_sends_the_class_only_to_workers_that_schedule_by_it():
 def test_bench_priority_refuses_bad_flags_before_any_process(flag, capsys):
     import argparse
 
-    from radixfleet.bench import priority
+    from radixfleet_tools.bench import priority
 
     p = argparse.ArgumentParser()
     priority.configure(p)

@@ -1,4 +1,4 @@
-"""Remote KV in the scheduler (worker_agent.scheduler, "Remote KV"): a decode leg of
+"""Remote KV in the scheduler (radixfleet_tools.agent.scheduler, "Remote KV"): a decode leg of
 vLLM's P/D protocol pulls the prompt's KV over the link instead of computing it,
 priced by the cost model's own transfer functions, in virtual time."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from worker_agent import tokenizer as tk
-from worker_agent.cost_model import DEFAULT_LINK, LINKS, CostModel
-from worker_agent.kv_pool import KVPool
-from worker_agent.radix_cache import RadixCache
-from worker_agent.scheduler import SchedRequest, Scheduler, State, build_scheduler
+from radixfleet_tools.agent import tokenizer as tk
+from radixfleet_tools.agent.cost_model import DEFAULT_LINK, LINKS, CostModel
+from radixfleet_tools.agent.kv_pool import KVPool
+from radixfleet_tools.agent.radix_cache import RadixCache
+from radixfleet_tools.agent.scheduler import SchedRequest, Scheduler, State, build_scheduler
 
 
 def make(link: str = DEFAULT_LINK, capacity: int = 100_000) -> Scheduler:

@@ -8,12 +8,12 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
-from protocol.events import Cleared, Snapshot, Stored
-from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.wire.events import Cleared, Snapshot, Stored
+from radixfleet_tools.agent.reporter import LinkState
+from radixfleet_tools.agent.server import AGENT_KEY, REPORTER_KEY, AgentConfig, create_app
+from radixfleet_tools.harness.procs import free_port
 from tests.agent.fakes import FakeRouter
-from tests.procs import free_port
-from worker_agent.reporter import LinkState
-from worker_agent.server import AGENT_KEY, REPORTER_KEY, AgentConfig, create_app
 
 pytestmark = pytest.mark.integration
 

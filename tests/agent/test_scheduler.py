@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler in virtual time (worker_agent.scheduler)."""
+"""The continuous-batching scheduler in virtual time (radixfleet_tools.agent.scheduler)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from protocol.errors import PromptTooLarge
-from protocol.events import Removed
-from protocol.prefix_keys import Endpoint, request_key
-from worker_agent import tokenizer as tk
-from worker_agent.cost_model import CostModel
-from worker_agent.kv_pool import KVPool
-from worker_agent.radix_cache import AdmissionConfig, RadixCache
-from worker_agent.scheduler import SchedRequest, Scheduler, SchedulerConfig, State
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.wire.errors import PromptTooLarge
+from radixfleet.wire.events import Removed
+from radixfleet_tools.agent import tokenizer as tk
+from radixfleet_tools.agent.cost_model import CostModel
+from radixfleet_tools.agent.kv_pool import KVPool
+from radixfleet_tools.agent.radix_cache import AdmissionConfig, RadixCache
+from radixfleet_tools.agent.scheduler import SchedRequest, Scheduler, SchedulerConfig, State
 
 
 def make(capacity=100_000, mode="always", stride=16, **cfg):
@@ -84,7 +84,7 @@ def test_growth_during_decode_next_turn_finds_history():
     p1 = tk.encode(k1.data)
     out = tk.generate(7, 40)
     hashes = request_key(Endpoint.CHAT, turn1, block_bytes=64).hashes
-    from protocol.prefix_keys import block_hashes, namespace_seed
+    from radixfleet.keys import block_hashes, namespace_seed
 
     seed = namespace_seed("m")
     full_hashes = block_hashes(k1.data + tk.decode(out), seed, 64)

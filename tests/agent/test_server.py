@@ -9,7 +9,7 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
-from worker_agent.server import AGENT_KEY, AgentConfig, create_app
+from radixfleet_tools.agent.server import AGENT_KEY, AgentConfig, create_app
 
 pytestmark = pytest.mark.integration
 
@@ -283,9 +283,9 @@ async def test_engine_bug_fails_requests_instead_of_hanging(agent, monkeypatch):
 
 
 async def test_tenant_header_must_be_utf8(agent):
-    from protocol.errors import MalformedRequest
-    from protocol.prefix_keys import Endpoint
-    from worker_agent.server import _parse
+    from radixfleet.keys import Endpoint
+    from radixfleet.wire.errors import MalformedRequest
+    from radixfleet_tools.agent.server import _parse
 
     c, a = await agent(kv_tokens=10_000)
     with pytest.raises(MalformedRequest, match="x-radixfleet-tenant"):
@@ -343,7 +343,7 @@ async def test_concurrent_burst_with_cancellations_leaves_no_leak(agent):
 
 
 async def test_engine_config_change_and_flush_clear_the_dram_tier_too(agent):
-    from worker_agent.dram_tier import DramConfig
+    from radixfleet_tools.agent.dram_tier import DramConfig
 
     c, a = await agent(kv_tokens=10_000, dram=DramConfig(40_000))
     p = completion("rope sensitive context " * 200, max_tokens=1)
@@ -407,7 +407,7 @@ async def test_the_agents_span_joins_the_callers_trace_over_otlp(agent):
 def test_a_bad_otlp_endpoint_flag_is_one_line_and_exit_2(capsys):
     import argparse
 
-    from worker_agent.cli import configure
+    from radixfleet_tools.agent.cli import configure
 
     p = argparse.ArgumentParser(prog="radixfleet agent")
     configure(p)

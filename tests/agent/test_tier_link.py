@@ -8,13 +8,13 @@ from array import array
 
 import pytest
 
-from loadtest.arrivals import Bounds, Closed
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.simulation import SimConfig, Simulation
-from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
-from protocol.bus_wire import build_agent, parse_agent, worker_token
-from protocol.errors import MalformedRequest
-from protocol.events import (
+from radixfleet.config import Config, IndexConfig
+from radixfleet.fleet.pool import HealthState, Pool
+from radixfleet.index.feedback import Feedback
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.wire.bus_wire import build_agent, parse_agent, worker_token
+from radixfleet.wire.errors import MalformedRequest
+from radixfleet.wire.events import (
     MAX_TIER_NAME,
     Cleared,
     EventBatch,
@@ -24,14 +24,14 @@ from protocol.events import (
     is_tiered,
     parse_batch,
 )
-from router.config import Config, IndexConfig
-from router.feedback import Feedback
-from router.pool import HealthState, Pool
-from router.prefix_index import PrefixIndex
-from worker_agent.cost_model import CostModel
-from worker_agent.dram_tier import DramConfig, DramTier, chunk_digests
-from worker_agent.reporter import Reporter
-from worker_agent.router_link import LinkState
+from radixfleet_tools.agent.cost_model import CostModel
+from radixfleet_tools.agent.dram_tier import DramConfig, DramTier, chunk_digests
+from radixfleet_tools.agent.reporter import Reporter
+from radixfleet_tools.agent.router_link import LinkState
+from radixfleet_tools.loadtest.arrivals import Bounds, Closed
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.simulation import SimConfig, Simulation
+from radixfleet_tools.loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
 
 URL = "http://127.0.0.1:9"
 
@@ -210,9 +210,9 @@ def _engines(tiers: str):
 
     from prometheus_client import CollectorRegistry
 
-    from router.config import WorkerSpec, parse_config
-    from router.engines.link import EngineLink
-    from router.engines.manager import Engines
+    from radixfleet.config import WorkerSpec, parse_config
+    from radixfleet.engines.link import EngineLink
+    from radixfleet.engines.manager import Engines
 
     cfg = parse_config({"index": {"tiers": tiers}})
     idx = PrefixIndex()
@@ -225,8 +225,8 @@ def _engines(tiers: str):
 
 @pytest.mark.parametrize("tiers", ["priced", "ignore", "as_gpu"])
 def test_index_tiers_decides_what_an_agents_dram_prefix_is_worth(tiers):
-    from policies.base import WorkerView
-    from protocol.prefix_keys import Endpoint, PrefixKey
+    from radixfleet.keys import Endpoint, PrefixKey
+    from radixfleet.policies.base import WorkerView
 
     eng, idx = _engines(tiers)
     fb = Feedback(eng.pool, idx)
@@ -252,8 +252,8 @@ def test_index_tiers_decides_what_an_agents_dram_prefix_is_worth(tiers):
 
 
 def test_an_agent_link_learns_its_dram_price_from_answers():
-    from router.engines.keyspace import SpaceKey
-    from router.engines.link import Placement
+    from radixfleet.engines.keyspace import SpaceKey
+    from radixfleet.engines.link import Placement
 
     eng, _ = _engines("priced")
     link = eng.links["a"]

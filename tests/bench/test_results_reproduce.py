@@ -1,4 +1,4 @@
-"""The seeded figures of bench/RESULTS.md reproduce (radixfleet.bench.reproduce).
+"""The seeded figures of bench/RESULTS.md reproduce (radixfleet_tools.bench.reproduce).
 
 Every table between ``<!-- reproduce NAME -->`` markers is recomputed here, row by
 row, from the command the file names, and must match character for character.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixfleet.bench.reproduce import RESULTS, _key, blocks, check, read_blocks
+from radixfleet_tools.bench.reproduce import RESULTS, _key, blocks, check, read_blocks
 
 BLOCKS = blocks()
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from loadtest.smg import find_smg, missing_message
-from protocol.errors import ConfigError
-from radixfleet.bench.saturation import ARMS, check, configure
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.bench.saturation import ARMS, check, configure
+from radixfleet_tools.loadtest.smg import find_smg, missing_message
 
 TINY = [
     "--agents",

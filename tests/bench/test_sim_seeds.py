@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from loadtest.report import percentile
-from loadtest.simulator import cli as sim_cli
+from radixfleet_tools.loadtest.report import percentile
+from radixfleet_tools.loadtest.simulator import cli as sim_cli
 from tests.bench.scripts import load_script
 
 _FLAGS = [

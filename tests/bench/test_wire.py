@@ -1,4 +1,4 @@
-"""The proxy benchmark's lean ends (radixfleet.bench.wire): the upstream writes each
+"""The proxy benchmark's lean ends (radixfleet_tools.bench.wire): the upstream writes each
 SSE event separately and the client counts every event that arrives — through the
 radixfleet proxy too — so the benchmark's chunks/s are counted, not computed."""
 
@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from radixfleet.bench.wire import LeanClient, LeanUpstream, post_request
-from router.app import Router, RouterServer
-from router.config import parse_config
-from tests.procs import free_port
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet_tools.bench.wire import LeanClient, LeanUpstream, post_request
+from radixfleet_tools.harness.procs import free_port
 
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
 
@@ -58,7 +58,7 @@ async def test_lean_upstream_streams_every_event_as_its_own_write_and_the_client
 
 
 def test_client_counts_events_split_across_reads():
-    from radixfleet.bench.wire import _Answer
+    from radixfleet_tools.bench.wire import _Answer
 
     c = LeanClient()
     stream = b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"

@@ -1,2 +1,2 @@
-"""Tests of the router replica bus (router/bus/, protocol/bus_wire.py): a real nats-server,
+"""Tests of the router replica bus (radixfleet/bus/, radixfleet/wire/bus_wire.py): a real nats-server,
 auth, shared state, wire validation, replica decisions."""

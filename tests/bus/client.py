@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from router.app import Router
+from radixfleet.server.app import Router
 
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 8
 

@@ -22,12 +22,12 @@ import nkeys
 import pytest
 import yaml
 
-from protocol.bus_wire import Subjects
-from router.app import Router, RouterServer
-from router.config import parse_config
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet.wire.bus_wire import Subjects
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 from tests.bus.client import bounded, chat, metric, tenant_load, wait_for
 from tests.nats_server import NatsServer, make_certs, operator_mode
-from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("bus_salt")]
 
@@ -349,7 +349,7 @@ class Shipped:
         test-fast timers."""
         from dataclasses import replace
 
-        from router.config import load_config
+        from radixfleet.config import load_config
 
         doc = yaml.safe_load(self.local(open("deploy/bus/router.yaml").read()))
         path = self.folder / f"router-{replica}.yaml"

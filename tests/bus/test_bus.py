@@ -18,7 +18,10 @@ import httpx
 import nats
 import pytest
 
-from protocol.bus_wire import (
+from radixfleet.bus.remote_load import RemoteInFlight
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet.wire.bus_wire import (
     BadMessage,
     RouterMessage,
     Subjects,
@@ -27,13 +30,10 @@ from protocol.bus_wire import (
     parse_router,
     worker_token,
 )
-from protocol.errors import ConfigError, Overloaded
-from router.app import Router, RouterServer
-from router.bus.remote_load import RemoteInFlight
-from router.config import parse_config
+from radixfleet.wire.errors import ConfigError, Overloaded
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 from tests.bus.client import SYSTEM, bounded, chat, metric, tenant_load, wait_for
 from tests.nats_server import NatsServer
-from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.usefixtures("bus_salt")
 
@@ -116,7 +116,7 @@ def test_a_bus_without_a_shared_salt_secret_is_refused(monkeypatch):
     $RADIXFLEET_TENANT_SALT or an agent token each process's random salt would hash
     the same prompt differently on every replica (and the agents cache it once per
     replica), so a router on a bus refuses to start, naming both ways out."""
-    from router.reload import build
+    from radixfleet.config.reload import build
 
     cfg = parse_config({"bus": {"url": "nats://127.0.0.1:4222"}})
     monkeypatch.delenv("RADIXFLEET_TENANT_SALT")
@@ -145,7 +145,7 @@ def test_a_bus_without_a_shared_salt_secret_is_refused(monkeypatch):
 )
 def test_agent_refuses_a_bad_bus_flag_with_one_line_and_exit_2(args, flag):
     """The agent checks its bus flags by the same rules as the router's YAML
-    (protocol.bus_wire) before it listens."""
+    (radixfleet.wire.bus_wire) before it listens."""
     import subprocess
 
     r = subprocess.run(
@@ -186,10 +186,10 @@ def test_peers_picks_count_in_shedding_as_in_scoring():
     """A burst split over replicas is the same burst: the tokens peers picked for a
     worker since its last report count in the shedding bound as this replica's own
     picks do (and in its view), so one replica sheds what one router would."""
-    from protocol.events import Load
-    from router.pool import Pool, Source
-    from router.prefix_index import PrefixIndex
-    from router.shedding import Shedder
+    from radixfleet.fleet.pool import Pool, Source
+    from radixfleet.index.prefix_index import PrefixIndex
+    from radixfleet.route.shedding import Shedder
+    from radixfleet.wire.events import Load
 
     pool = Pool(parse_config({}), PrefixIndex(), clock=lambda: 0.0)
     w = pool.add("w1", "http://127.0.0.1:1", Source.ADMIN)
@@ -577,10 +577,10 @@ async def test_a_peers_hint_reaches_the_index_the_counts_and_the_write_rates():
 
     from prometheus_client import CollectorRegistry
 
-    from policies.prefix_load import PrefixLoad
-    from router.bus.replica import BusReplica
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.bus.replica import BusReplica
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
+    from radixfleet.policies.prefix_load import PrefixLoad
 
     now = 100.0
     index, pol = PrefixIndex(), PrefixLoad()
@@ -621,11 +621,11 @@ async def test_a_peers_picks_reach_the_session_footprints_as_one_routers_would()
 
     from prometheus_client import CollectorRegistry
 
-    from policies.base import RouteRequest
-    from policies.prefix_load import PrefixLoad
-    from router.bus.replica import BusReplica
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.bus.replica import BusReplica
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
+    from radixfleet.policies.base import RouteRequest
+    from radixfleet.policies.prefix_load import PrefixLoad
 
     now = 100.0
     cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "replica_id": "me"}})
@@ -676,9 +676,9 @@ def test_caught_up_waits_for_the_stream_and_one_heartbeat_of_the_peers():
     /readiness' bus body says so, with the lag."""
     from prometheus_client import CollectorRegistry
 
-    from router.bus.replica import BusReplica
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.bus.replica import BusReplica
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
 
     clock = [10.0]
     cfg = parse_config({"bus": {"url": "nats://127.0.0.1:1", "heartbeat_s": 0.5}})
@@ -704,7 +704,7 @@ def test_caught_up_waits_for_the_stream_and_one_heartbeat_of_the_peers():
 
 
 def test_replication_decisions_travel_and_apply_as_one_router_would():
-    from policies.replication import HotRoots
+    from radixfleet.policies.replication import HotRoots
 
     seen = []
     mine, theirs = HotRoots(8, max_replicas=2), HotRoots(8, max_replicas=2)

@@ -2,11 +2,11 @@
 
 The simulator runs the demo's mixed workload (the size ``radixfleet bench
 replicas`` runs: 4 workers x 12k KV tokens, 12 requests/s, 498 requests — enough to
-put the caches under pressure) twice through the live ``router.route`` path: once
+put the caches under pressure) twice through the live ``radixfleet.route.core`` path: once
 with one prefix_load, once with four prefix_load instances taking the requests in
 turn over one index and pool — an instant bus, so that whatever differs is state
 each replica keeps for itself. After each decision the other instances get what
-``router.bus`` gives a replica of its peers' picks: ``observe_route`` (the hint's
+``radixfleet.bus`` gives a replica of its peers' picks: ``observe_route`` (the hint's
 request and this replica's match for it) and the hot-root records
 (``HotRoots.apply_remote``). The instances share one random generator, drawn in
 the same order as one router's, so chance cannot hide a difference: every decision
@@ -26,12 +26,12 @@ import random
 
 import pytest
 
-import loadtest.simulator.simulation as fleet
-from loadtest.simulator import cli as simulate_main
-from loadtest.simulator.harness import PickLoop
-from policies.prefix_load import PrefixLoad
-from protocol.bus_wire import RouterMessage, parse_router, session_key
-from router.bus.replica import remote_request
+import radixfleet_tools.loadtest.simulator.simulation as fleet
+from radixfleet.bus.replica import remote_request
+from radixfleet.policies.prefix_load import PrefixLoad
+from radixfleet.wire.bus_wire import RouterMessage, parse_router, session_key
+from radixfleet_tools.loadtest.simulator import cli as simulate_main
+from radixfleet_tools.loadtest.simulator.harness import PickLoop
 
 SECRET = b"the deployment's salt secret"
 

@@ -35,9 +35,9 @@ import subprocess
 
 import pytest
 
-from radixfleet.bench.replicas import measure_once
+from radixfleet_tools.bench.replicas import measure_once
+from radixfleet_tools.harness.procs import free_port, radixfleet_argv
 from tests.nats_server import nats_server_binary
-from tests.procs import free_port, radixfleet_argv
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """What router replicas share beyond the index: a pick's session key and prompt size
-with its hint (protocol.bus_wire ``turns``), and the rate-limit consumption of each
-replica (``limits`` messages, router.tenancy ``drain`` / ``debit``).
+with its hint (radixfleet.wire.bus_wire ``turns``), and the rate-limit consumption of each
+replica (``limits`` messages, radixfleet.route.tenancy ``drain`` / ``debit``).
 
 Unit tests, no server: the replicas against a real nats-server are in
 tests/bus/test_bus.py (``test_a_tenants_limit_holds_for_the_fleet_on_a_bus``).
@@ -16,9 +16,16 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from policies.base import RouteRequest
-from policies.prefix_load import PrefixLoad
-from protocol.bus_wire import (
+from radixfleet.bus.replica import BusReplica
+from radixfleet.common.tenancy import TenantSalts
+from radixfleet.config import parse_config
+from radixfleet.fleet.pool import Pool
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.policies.base import RouteRequest
+from radixfleet.policies.prefix_load import PrefixLoad
+from radixfleet.route.tenancy import Tenancy, TenancyConfig
+from radixfleet.server.app import Router
+from radixfleet.wire.bus_wire import (
     MAX_LIMIT_ENTRIES,
     BadMessage,
     BusKey,
@@ -29,14 +36,7 @@ from protocol.bus_wire import (
     parse_router,
     session_key,
 )
-from protocol.errors import RateLimited
-from router.app import Router
-from router.bus.replica import BusReplica
-from router.config import parse_config
-from router.pool import Pool
-from router.prefix_index import PrefixIndex
-from router.tenancy import Tenancy, TenancyConfig
-from service.tenancy import TenantSalts
+from radixfleet.wire.errors import RateLimited
 from tests.bus.client import metric
 
 pytestmark = pytest.mark.usefixtures("bus_salt")
@@ -52,7 +52,7 @@ def router_msg(**fields) -> bytes:
 
 
 def limits_msg(replica: str, epoch: int, seq: int, used: list) -> bytes:
-    """A limits message as the wire spells it (protocol.bus_wire docstring)."""
+    """A limits message as the wire spells it (radixfleet.wire.bus_wire docstring)."""
     return json.dumps(
         {"v": 1, "kind": "limits", "replica": replica, "epoch": epoch, "seq": seq, "used": used}
     ).encode()

@@ -1,6 +1,6 @@
 """What a router replica or an agent accepts from the bus: every number bounded as
-the HTTP agent API bounds it (protocol.events, protocol.identifiers), registration
-signed with the agent credential (protocol.bus_wire.BusKey), and whatever fails
+the HTTP agent API bounds it (radixfleet.wire.events, radixfleet.wire.identifiers), registration
+signed with the agent credential (radixfleet.wire.bus_wire.BusKey), and whatever fails
 dropped and counted per cause before it reaches the pool or a policy.
 
 Unit tests, no server: the live replicas against a real nats-server are in
@@ -16,8 +16,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from protocol import events
-from protocol.bus_wire import (
+from radixfleet.bus.replica import BusReplica
+from radixfleet.common.bus_connection import (
+    BusConnection,
+    BusCredentials,
+    BusMetrics,
+    Problems,
+    check_exposure,
+    permission_violation,
+)
+from radixfleet.config import parse_config
+from radixfleet.fleet.pool import Source
+from radixfleet.server.app import Router
+from radixfleet.wire import events
+from radixfleet.wire.bus_wire import (
     MAX_ENTRIES,
     MAX_HINT_AGE_S,
     SIGNATURE_HEADER,
@@ -31,20 +43,8 @@ from protocol.bus_wire import (
     parse_snapshot_request,
     worker_token,
 )
-from protocol.errors import ConfigError, MalformedRequest
-from protocol.events import MAX_LOAD_COUNT
-from router.app import Router
-from router.bus.replica import BusReplica
-from router.config import parse_config
-from router.pool import Source
-from service.bus_connection import (
-    BusConnection,
-    BusCredentials,
-    BusMetrics,
-    Problems,
-    check_exposure,
-    permission_violation,
-)
+from radixfleet.wire.errors import ConfigError, MalformedRequest
+from radixfleet.wire.events import MAX_LOAD_COUNT
 
 pytestmark = pytest.mark.usefixtures("bus_salt")
 
@@ -387,8 +387,8 @@ def test_bus_credentials_check_statically_and_read_secrets_at_start(tmp_path, mo
 
 
 def test_an_agent_checks_the_snapshot_requests_it_obeys():
-    from worker_agent.bus import AgentBus
-    from worker_agent.reporter import LinkState
+    from radixfleet_tools.agent.bus import AgentBus
+    from radixfleet_tools.agent.reporter import LinkState
 
     bus = AgentBus("nats://127.0.0.1:4222", worker_id="w1", token=TOKEN.decode())
     bus.link.state = LinkState.STREAMING

@@ -31,11 +31,11 @@ import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol.bus_wire import BusKey, Subjects
+from radixfleet.wire.bus_wire import BusKey, Subjects
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.router_process import RouterProcess
 from tests.bus.client import tenant_load
-from tests.chaos.harness import RouterProcess
 from tests.nats_server import NatsServer
-from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("bus_salt")]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.chaos.harness import RouterProcess
+from radixfleet_tools.harness.router_process import RouterProcess
 from tests.config.yaml_bombs import alias_bomb
 from tests.router.serve import upstream_proc
 
@@ -146,7 +146,7 @@ def test_an_events_endpoint_the_engine_binds_stops_the_router_with_what_to_write
     engine.listen()
     port = engine.getsockname()[1]
     tok = tmp_path / "tok"
-    from radixfleet.bench.tiny_tokenizer import build
+    from radixfleet_tools.bench.tiny_tokenizer import build
 
     build(str(tok))
     try:

@@ -21,8 +21,8 @@ import time
 import httpx
 import pytest
 
-from tests.chaos.harness import RouterProcess
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.router_process import RouterProcess
 
 pytestmark = pytest.mark.integration
 

@@ -22,8 +22,8 @@ import time
 import httpx
 import pytest
 
-from tests.chaos.harness import RouterProcess
-from tests.procs import Proc, free_port
+from radixfleet_tools.harness.procs import Proc, free_port
+from radixfleet_tools.harness.router_process import RouterProcess
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ BIG_MESSAGES = (8 * 2**20 - 4096) // 57
 @pytest.fixture(scope="module")
 def upstream():
     port = free_port()
-    argv = ["python3", "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port), "--chunks", "2"]
+    argv = ["python3", "-m", "radixfleet_tools.bench.proxy", "upstream", "--port", str(port), "--chunks", "2"]
     with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
 

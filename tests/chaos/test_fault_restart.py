@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import free_port
+from radixfleet_tools.harness.procs import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -29,8 +29,8 @@ import httptools
 import httpx
 import pytest
 
-from tests.chaos.harness import RouterProcess
-from tests.procs import Proc, free_port
+from radixfleet_tools.harness.procs import Proc, free_port
+from radixfleet_tools.harness.router_process import RouterProcess
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def upstream():
     port = free_port()
-    argv = ["python3", "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port), "--chunks", "2"]
+    argv = ["python3", "-m", "radixfleet_tools.bench.proxy", "upstream", "--port", str(port), "--chunks", "2"]
     with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
 
@@ -66,7 +66,7 @@ def _completion(
     n_prompt: int = 16, *, stream: bool = False, key: bool = True, close: bool = False, **fields
 ) -> bytes:
     """A completion request; ``fields`` go into its body (the upstream's ``chunks``,
-    ``chunk_delay_s``: radixfleet.bench.proxy)."""
+    ``chunk_delay_s``: radixfleet_tools.bench.proxy)."""
     body = json.dumps(
         {"model": "tiny", "prompt": "p" * n_prompt, "max_tokens": 2, "stream": stream, **fields}
     ).encode()
@@ -516,7 +516,7 @@ def test_a_cancel_storm_is_counted_not_logged_as_errors():
     argv = [
         "python3",
         "-m",
-        "radixfleet.bench.proxy",
+        "radixfleet_tools.bench.proxy",
         "upstream",
         "--port",
         str(port),

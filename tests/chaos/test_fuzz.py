@@ -29,8 +29,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from protocol.openapi import agent_spec, router_spec
-from tests.procs import free_port
+from radixfleet.wire.openapi import agent_spec, router_spec
+from radixfleet_tools.harness.procs import free_port
 
 pytestmark = pytest.mark.integration
 

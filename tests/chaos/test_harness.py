@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.chaos.harness import RouterProcess
+from radixfleet_tools.harness.router_process import RouterProcess
 
 pytestmark = pytest.mark.integration
 

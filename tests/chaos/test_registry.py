@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from protocol.events import EventBatch, Snapshot
-from tests.chaos.harness import RouterProcess
-from tests.procs import radixfleet_argv
+from radixfleet.wire.events import EventBatch, Snapshot
+from radixfleet_tools.harness.procs import radixfleet_argv
+from radixfleet_tools.harness.router_process import RouterProcess
 from tests.router.serve import upstream_proc
 
 pytestmark = pytest.mark.integration

@@ -23,8 +23,8 @@ import time
 import httpx
 import pytest
 
-from tests.chaos.harness import RouterProcess
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.router_process import RouterProcess
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ AGENT_KV_TOKENS = 4000
 @pytest.fixture(scope="module")
 def upstream():
     port = free_port()
-    argv = ["python3", "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port), "--chunks", "2"]
+    argv = ["python3", "-m", "radixfleet_tools.bench.proxy", "upstream", "--port", str(port), "--chunks", "2"]
     with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
 
@@ -242,7 +242,7 @@ def slow_upstream():
     reports no usage (it obeys no output bound either)."""
     port = free_port()
     argv = [
-        "python3", "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port),
+        "python3", "-m", "radixfleet_tools.bench.proxy", "upstream", "--port", str(port),
         "--chunks", "400", "--chunk-delay", "0.005",
     ]  # fmt: skip
     with Proc(argv, ready_url=f"http://127.0.0.1:{port}/health"):

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.chaos.harness import RouterProcess
+from radixfleet_tools.harness.router_process import RouterProcess
 
 pytestmark = pytest.mark.integration
 
@@ -358,7 +358,7 @@ def test_a_request_on_a_stopped_worker_moves_once_its_health_fails():
     import os
     import signal
 
-    from tests.procs import Proc, free_port
+    from radixfleet_tools.harness.procs import Proc, free_port
 
     procs, urls = [], []
     for name in ("a", "b"):
@@ -369,7 +369,7 @@ def test_a_request_on_a_stopped_worker_moves_once_its_health_fails():
                 [
                     sys.executable,
                     "-m",
-                    "radixfleet.bench.proxy",
+                    "radixfleet_tools.bench.proxy",
                     "upstream",
                     "--port",
                     str(port),

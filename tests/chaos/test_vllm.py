@@ -24,11 +24,11 @@ import pytest
 import zmq
 from aiohttp import web
 
-from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
-from router.engines.token_keys import TokenKeyer
-from tests.chaos.harness import RouterProcess
+from radixfleet.engines.token_keys import TokenKeyer
+from radixfleet_tools.bench.tiny_tokenizer import build as build_tokenizer
+from radixfleet_tools.harness.procs import free_port
+from radixfleet_tools.harness.router_process import RouterProcess
 from tests.engines.fake_dp_vllm import MODEL, FakeDpVllm, _src, prompt
-from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
 

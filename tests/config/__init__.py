@@ -1,2 +1,2 @@
-"""Tests of the router YAML (router/config/, router/reload): schema, bounds, error
+"""Tests of the router YAML (radixfleet/config/, radixfleet/config/reload): schema, bounds, error
 messages, roles, models, reload."""

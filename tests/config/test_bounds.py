@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from protocol.errors import ConfigError
-from router.app import Router
-from router.config import MAX_YAML_NODES, load_config
+from radixfleet.config import MAX_YAML_NODES, load_config
+from radixfleet.server.app import Router
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.harness.procs import radixfleet_argv
 from tests.config.yaml_bombs import alias_bomb
-from tests.procs import radixfleet_argv
 
 
 @pytest.mark.integration

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from router.config import ConfigError, load_config
-from tests.procs import radixfleet_argv
+from radixfleet.config import ConfigError, load_config
+from radixfleet_tools.harness.procs import radixfleet_argv
 
 
 def test_config_refuses_duplicate_keys_and_reports_every_error(tmp_path):

@@ -1,4 +1,4 @@
-"""The messages of the declared router schema (``protocol.settings``): every error of a
+"""The messages of the declared router schema (``radixfleet.wire.settings``): every error of a
 document at once, in document order, each with its dotted path, nested sections and
 lists included; rules across fields run for documents only, never for objects code
 builds."""
@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import yaml
 
-from protocol.errors import ConfigError
-from router.config import EventsSpec, WorkerSpec, load_config, parse_config, parse_section
+from radixfleet.config import EventsSpec, WorkerSpec, load_config, parse_config, parse_section
+from radixfleet.wire.errors import ConfigError
 
 
 def errors(text: str) -> list[str]:
@@ -143,7 +143,7 @@ def test_duplicate_keys_keep_their_yaml_lines_beside_schema_errors(tmp_path):
 
 
 def test_readme_key_tables_are_made_from_the_schema():
-    from router.config_reference import BEGIN, END, tables
+    from radixfleet.config.reference import BEGIN, END, tables
 
     with open("deploy/README.md", encoding="utf-8") as f:
         text = f.read()
@@ -161,7 +161,7 @@ def test_readme_key_tables_are_made_from_the_schema():
 def test_config_reference_cli(tmp_path):
     import subprocess
 
-    from tests.procs import radixfleet_argv
+    from radixfleet_tools.harness.procs import radixfleet_argv
 
     p = tmp_path / "README.md"
     p.write_text("intro\n<!-- BEGIN config-reference -->\nold\n<!-- END config-reference -->\nend\n")
@@ -169,7 +169,7 @@ def test_config_reference_cli(tmp_path):
         radixfleet_argv("config-reference", "--write", str(p)), capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "no generated block" in r.stderr
-    from router.config_reference import BEGIN, END
+    from radixfleet.config.reference import BEGIN, END
 
     p.write_text(f"intro\n{BEGIN}\nold\n{END}\nend\n")
     r = subprocess.run(

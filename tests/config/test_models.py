@@ -17,16 +17,16 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from protocol.errors import ConfigError
-from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
-from router.app import Router, RouterServer
-from router.config import load_config, parse_config, resolve_engine
-from router.discovery.base import DiscoveryMetrics, Endpoint
-from router.discovery.reconcile import Reconciler
-from router.engines.keyspace import TokenSpace
-from router.pool import Pool, Source
-from router.prefix_index import PrefixIndex
-from tests.procs import free_port, radixfleet_argv
+from radixfleet.config import load_config, parse_config, resolve_engine
+from radixfleet.engines.keyspace import TokenSpace
+from radixfleet.fleet.discovery.base import DiscoveryMetrics, Endpoint
+from radixfleet.fleet.discovery.reconcile import Reconciler
+from radixfleet.fleet.pool import Pool, Source
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.server.app import Router, RouterServer
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.bench.tiny_tokenizer import build as build_tokenizer
+from radixfleet_tools.harness.procs import free_port, radixfleet_argv
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_a_discovered_worker_carries_its_selectors_settings(tok):
             }
         }
     )
-    from router.config import selector_template
+    from radixfleet.config import selector_template
 
     template = selector_template(cfg.discovery.kubernetes.selectors[0])
     pool = Pool(cfg, PrefixIndex(1 << 20, 30.0))

@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from router.app import Router
-from router.config import load_config
+from radixfleet.config import load_config
+from radixfleet.server.app import Router
 
 
 class ConfigMapVolume:

@@ -1,4 +1,4 @@
-"""router.reload.prepare: a reload's validation half builds everything from the new
+"""radixfleet.config.reload.prepare: a reload's validation half builds everything from the new
 file before the running router changes, keeps what did not change (the policy
 object and its state, the tenant salts and their caches), and raises ConfigError —
 naming the field — for anything invalid."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.errors import ConfigError
-from router.config import build_policy_from, load_config
-from router.reload import config_file_version, prepare
-from service.tenancy import TenantSalts
+from radixfleet.common.tenancy import TenantSalts
+from radixfleet.config import build_policy_from, load_config
+from radixfleet.config.reload import config_file_version, prepare
+from radixfleet.wire.errors import ConfigError
 
 
 def _write(path, text: str) -> str:

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from router.app import Router
-from router.config import load_config, parse_config
-from router.reload import (
+from radixfleet.common.auth import BearerAuth
+from radixfleet.config import load_config, parse_config
+from radixfleet.config.reload import (
     ConfigWatch,
     EmptyConfigFile,
     SecurityDowngrade,
@@ -21,7 +21,7 @@ from router.reload import (
     prepare,
     security_downgrades,
 )
-from service.auth import BearerAuth
+from radixfleet.server.app import Router
 
 KEYS = (
     "keys:\n"
@@ -166,7 +166,7 @@ def test_prepare_refuses_a_file_that_holds_no_settings(tmp_path, text):
 
 def test_failure_reasons():
     assert failure_reason(SecurityDowngrade(["x"])) == "downgrade"
-    from protocol.errors import ConfigError
+    from radixfleet.wire.errors import ConfigError
 
     assert failure_reason(ConfigError("policy.name", "nope")) == "invalid"
 

@@ -1,12 +1,12 @@
-"""``tracing`` is read at start (router/app.py): a reload that changes it keeps the
+"""``tracing`` is read at start (radixfleet/server/app.py): a reload that changes it keeps the
 running tracing, says so in the log, and applies the rest of the file."""
 
 from __future__ import annotations
 
 import logging
 
-from router.app import Router
-from router.config import load_config
+from radixfleet.config import load_config
+from radixfleet.server.app import Router
 
 
 async def test_a_reload_that_changes_tracing_keeps_it_and_applies_the_rest(tmp_path, caplog):

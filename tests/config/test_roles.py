@@ -9,11 +9,11 @@ import subprocess
 
 import pytest
 
-from protocol import events as ev
-from protocol.errors import MalformedRequest
-from router.config import ConfigError, PolicyConfig, load_config, parse_config, selector_template
-from router.reload import prepare
-from tests.procs import radixfleet_argv
+from radixfleet.config import ConfigError, PolicyConfig, load_config, parse_config, selector_template
+from radixfleet.config.reload import prepare
+from radixfleet.wire import events as ev
+from radixfleet.wire.errors import MalformedRequest
+from radixfleet_tools.harness.procs import radixfleet_argv
 
 P = {"url": "http://10.0.0.1:8000", "role": "prefill", "model": "m"}
 D = {"url": "http://10.0.0.2:8000", "role": "decode", "model": "m"}
@@ -84,8 +84,8 @@ def test_an_agent_registers_its_role():
 
 
 def test_a_registered_agent_keeps_its_role_and_a_reload_changes_a_configured_one():
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
 
     cfg = parse_config({"workers": [P, D]})
     pool = Pool(cfg, PrefixIndex(), clock=lambda: 0.0)
@@ -97,7 +97,7 @@ def test_a_registered_agent_keeps_its_role_and_a_reload_changes_a_configured_one
 
 
 def test_the_prefill_leg_asks_for_one_token_and_the_kv_kept_for_a_remote_decode():
-    from router.pd import PREFILL_PARAMS, prefill_body
+    from radixfleet.route.pd import PREFILL_PARAMS, prefill_body
 
     client = {"model": "m", "prompt": "x", "max_tokens": 9, "max_completion_tokens": 9, "stream": True}
     leg = prefill_body({**client, "stream_options": {"include_usage": True}})
@@ -115,9 +115,9 @@ def test_the_prefill_leg_asks_for_one_token_and_the_kv_kept_for_a_remote_decode(
 def test_the_colocate_threshold_is_one_decode_step_of_the_learned_prefill_rate():
     from types import SimpleNamespace
 
-    from router.pd import PrefillDecode
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
+    from radixfleet.route.pd import PrefillDecode
 
     cfg = parse_config({"workers": [P, {**D, "prefill_tokens_per_s": 8000}]})
     pool = Pool(cfg, PrefixIndex(), clock=lambda: 0.0)
@@ -129,8 +129,8 @@ def test_the_colocate_threshold_is_one_decode_step_of_the_learned_prefill_rate()
 
 
 def test_an_agent_on_the_bus_registers_its_role():
-    from protocol.bus_wire import build_agent, parse_agent, worker_token
-    from protocol.events import EventBatch, Snapshot
+    from radixfleet.wire.bus_wire import build_agent, parse_agent, worker_token
+    from radixfleet.wire.events import EventBatch, Snapshot
 
     batch = EventBatch("w1", "http://10.0.0.9:8000", "e1", 0, [Snapshot([])])
     m = parse_agent(build_agent(batch, ["m"], 128, "decode"), worker_token("w1"))

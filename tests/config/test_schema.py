@@ -8,15 +8,15 @@ import subprocess
 import pytest
 import yaml
 
-from protocol.errors import ConfigError
-from router.config import (
+from radixfleet.config import (
     MISSING,
     Config,
     load_config,
     parse_config,
     with_overrides,
 )
-from tests.procs import radixfleet_argv
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.harness.procs import radixfleet_argv
 
 POLICY_NAMES = "cache_aware, consistent_hash, least_load, power_of_two, prefix_load, random, round_robin"
 
@@ -179,7 +179,7 @@ def test_load_config_file_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer_dir(tmp_path_factory) -> str:
-    from radixfleet.bench.tiny_tokenizer import build
+    from radixfleet_tools.bench.tiny_tokenizer import build
 
     d = tmp_path_factory.mktemp("tokenizer")
     build(str(d))

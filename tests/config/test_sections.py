@@ -1,6 +1,6 @@
-"""The schema's layout (router/config/): a section per module, each section and key
+"""The schema's layout (radixfleet/config/): a section per module, each section and key
 documented where it is declared, the engine kinds and roles declared once, every
-name callers import still importable from ``router.config``."""
+name callers import still importable from ``radixfleet.config``."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import ast
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
-import router.config as config
-from protocol.settings import keys_of, optional_of
-from router.config import (
+import radixfleet.config as config
+from radixfleet.config import (
     WORKER_KINDS,
     Config,
     DnsServiceSpec,
     K8sSelectorSpec,
     WorkerSpec,
 )
-from router.config.kinds import EngineKind, Role
+from radixfleet.config.kinds import EngineKind, Role
+from radixfleet.wire.settings import keys_of, optional_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "router" / "config"
@@ -44,7 +44,7 @@ def test_every_section_and_key_is_documented_where_it_is_declared():
     undocumented = [
         f"{path} ({cls.__name__})"
         for cls, path in ALL.items()
-        if cls.__module__.startswith("router.config.") and not (cls.__doc__ or "").strip()
+        if cls.__module__.startswith("radixfleet.config.") and not (cls.__doc__ or "").strip()
     ]
     assert not undocumented, f"sections without a docstring: {undocumented}"
     bare = [
@@ -54,13 +54,13 @@ def test_every_section_and_key_is_documented_where_it_is_declared():
 
 
 def test_each_section_lives_in_the_package_and_no_module_is_too_long():
-    # tenancy: declared with its rules in router.tenancy (and its queue's module)
+    # tenancy: declared with its rules in radixfleet.route.tenancy (and its queue's module)
     outside = [
         f"{path} ({c.__module__})"
         for c, path in ALL.items()
-        if not c.__module__.startswith("router.config.") and not path.startswith("tenancy")
+        if not c.__module__.startswith("radixfleet.config.") and not path.startswith("tenancy")
     ]
-    assert not outside, f"sections declared outside router/config/: {outside}"
+    assert not outside, f"sections declared outside radixfleet/config/: {outside}"
     long = {p.name: n for p in PACKAGE.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
@@ -83,18 +83,18 @@ def test_the_engine_kinds_and_roles_are_declared_once():
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Constant) and node.value == "sglang" and p.name != "kinds.py":
                 literals.append(f"{p.name}:{node.lineno}")
-    assert not literals, f"an engine kind written outside router/config/kinds.py: {literals}"
+    assert not literals, f"an engine kind written outside radixfleet/config/kinds.py: {literals}"
 
 
 def test_what_callers_import_is_still_importable_from_router_config():
-    """Every ``from router.config import X`` of the tree resolves (callers need not
+    """Every ``from radixfleet.config import X`` of the tree resolves (callers need not
     know which module declares a section)."""
     missing = []
     for path in ROOT.rglob("*.py"):
         if {".git", ".cache", "__pycache__"} & set(path.parts):
             continue
         for node in ast.walk(ast.parse(path.read_text(errors="replace"))):
-            if isinstance(node, ast.ImportFrom) and node.module == "router.config":
+            if isinstance(node, ast.ImportFrom) and node.module == "radixfleet.config":
                 missing += [
                     f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if not hasattr(config, a.name)
                 ]

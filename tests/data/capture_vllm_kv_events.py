@@ -5,7 +5,7 @@ Not a test: run by hand when the fixture must be remade (a new vLLM version)::
     python3 tests/data/capture_vllm_kv_events.py            # starts its own vLLM
     python3 tests/data/capture_vllm_kv_events.py --out PATH
 
-It starts one vLLM (``tests/engines/vllm_env.py``; a KV cache of 2 MiB = 128 blocks
+It starts one vLLM (``radixfleet_tools/harness/vllm_env.py``; a KV cache of 2 MiB = 128 blocks
 of 32 tokens, so that evictions come quickly, and ``VLLM_SERVER_DEV_MODE=1`` for
 ``/reset_prefix_cache``), subscribes to its events, sends a fixed script of
 completions (a prompt, its continuation, a cache-salted prompt, enough distinct
@@ -42,7 +42,7 @@ import zmq
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from loadtest.local_fleet import free_port  # noqa: E402
+from radixfleet_tools.loadtest.local_fleet import free_port  # noqa: E402
 
 MAGIC = b"RFKVCAP1\n"
 SUB, REPLAY = 0, 1
@@ -93,7 +93,7 @@ def main() -> int:
     args = ap.parse_args()
     import os
 
-    from tests.engines.vllm_env import VllmServer, tiny_model
+    from radixfleet_tools.harness.vllm_env import VllmServer, tiny_model
 
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     http, ev_port, rp_port = free_port(), free_port(), free_port()

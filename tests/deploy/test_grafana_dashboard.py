@@ -24,8 +24,8 @@ import time
 import httpx
 import pytest
 
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 from tests.deploy_tools import ROOT
-from tests.procs import Proc, free_port, radixfleet_argv
 from tests.promql import Evaluator, PromQLError, scrape
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "radixfleet.json"
@@ -38,7 +38,7 @@ PENDING: set[str] = {"sglang:time_to_first_token_seconds_bucket"}
 #: the row whose panels a fleet of agents fills (DRAM tiers, prefetches, a
 #: prefill/decode pair): ``test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents``
 AGENTS_ROW = "KV tiers, prefetch, prefill/decode"
-#: the routing-quality row (router.decisions): ``test_routing_quality_panels_return_data``
+#: the routing-quality row (radixfleet.route.decisions): ``test_routing_quality_panels_return_data``
 QUALITY_ROW = "Routing quality"
 
 #: panels that show nothing in front of a plain vLLM pool, with the reason
@@ -249,7 +249,7 @@ def _finite(result) -> bool:
 
 @pytest.mark.engine
 def test_every_panel_returns_data_in_front_of_vllm(vllm_pair, vllm_model_dir, tmp_path):
-    from tests.engines.vllm_router import admin_url, router_yaml, text
+    from radixfleet_tools.harness.vllm_router import admin_url, router_yaml, text
 
     port = free_port()
     cfg = tmp_path / "router.yaml"
@@ -331,10 +331,10 @@ async def test_tier_prefetch_and_pd_panels_return_data_in_front_of_agents():
 
     from aiohttp import web
 
-    from router.app import Router, RouterServer
-    from router.config import parse_config
-    from worker_agent.dram_tier import DramConfig
-    from worker_agent.server import AgentConfig, create_app
+    from radixfleet.config import parse_config
+    from radixfleet.server.app import Router, RouterServer
+    from radixfleet_tools.agent.dram_tier import DramConfig
+    from radixfleet_tools.agent.server import AgentConfig, create_app
 
     async def until(pred, what: str) -> None:
         deadline = time.monotonic() + 10

@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 from tests.deploy.dockerfile import DOCKERFILE, exec_form, instructions, stages
 from tests.deploy_tools import ROOT, tools_venv
-from tests.procs import Proc, free_port, radixfleet_argv
 
 TOKENS = {"RADIXFLEET_ADMIN_TOKEN": "admin-secret", "RADIXFLEET_AGENT_TOKEN": "agent-secret"}
 
@@ -154,7 +154,7 @@ def test_healthcheck_serves_an_agent_container_too(tmp_path):
         timeout_s=30,
     ):
         r = subprocess.run(
-            [sys.executable, "-m", "router.healthcheck", f"http://127.0.0.1:{port}/health"],
+            [sys.executable, "-m", "radixfleet.server.healthcheck", f"http://127.0.0.1:{port}/health"],
             cwd=ROOT,
             capture_output=True,
             text=True,

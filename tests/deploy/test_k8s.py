@@ -22,11 +22,11 @@ import httpx
 import pytest
 import yaml
 
-from router.app import Router, RouterServer
-from router.auth import check_exposure
-from router.config import load_config, parse_config
-from router.pool import Source
-from service.auth import BearerAuth
+from radixfleet.common.auth import BearerAuth
+from radixfleet.config import load_config, parse_config
+from radixfleet.fleet.pool import Source
+from radixfleet.server.app import Router, RouterServer
+from radixfleet.server.auth import check_exposure
 from tests.deploy.dockerfile import DOCKERFILE, exec_form, instructions, stages
 from tests.deploy_tools import ROOT, tools_venv
 from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
@@ -248,7 +248,7 @@ def router_raw(docs: list[dict], tokenizer: str | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> str:
-    from radixfleet.bench.tiny_tokenizer import build
+    from radixfleet_tools.bench.tiny_tokenizer import build
 
     d = tmp_path_factory.mktemp("tokenizer")
     build(str(d))
@@ -497,8 +497,8 @@ async def test_the_configmap_runs_precise_mode_in_front_of_a_real_vllm(
     it in precise mode: the worker entry says nothing but what the selector and the
     models: entry give it, its KV events are followed (exact index) and the index
     predicts the engine's own cached tokens."""
-    from router.engines.keyspace import TokenSpace
-    from router.engines.link import Truth
+    from radixfleet.engines.keyspace import TokenSpace
+    from radixfleet.engines.link import Truth
 
     _, docs = rendered["vllm"]
     ns = one(docs, "Deployment", "vllm")["metadata"]["namespace"]

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router.config import load_config, parse_config
+from radixfleet.config import load_config, parse_config
 from tests.deploy_tools import ROOT, tools_venv
 from tests.kube_fake import FakeInferenceAPIs, FakeKubeClient, make_pod, selector_matches
 
@@ -261,7 +261,7 @@ def test_the_pool_the_epp_and_the_workers_fit(rendered, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> str:
-    from radixfleet.bench.tiny_tokenizer import build
+    from radixfleet_tools.bench.tiny_tokenizer import build
 
     d = tmp_path_factory.mktemp("tokenizer")
     build(str(d))
@@ -274,9 +274,9 @@ async def test_the_epp_config_discovers_the_pools_ready_pods(rendered, tmp_path,
     ConfigMap's router.yaml), with the rendered InferencePool and its pods served by
     fake API answers: the router's pool holds the ready pods on the pool's target
     port, as vLLM workers."""
-    from radixfleet.gateway import Gateway
-    from router.discovery.inference_pool import InferencePoolSource
-    from router.pool import Source
+    from radixfleet.fleet.discovery.inference_pool import InferencePoolSource
+    from radixfleet.fleet.pool import Source
+    from radixfleet.gateway.envoy import Gateway
 
     _, docs, _ = rendered
     pool = one(docs, "InferencePool", "vllm")

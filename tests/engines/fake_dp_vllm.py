@@ -13,9 +13,9 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from protocol.prefix_keys import Endpoint
-from router.engines.token_keys import TokenKeyer
-from router.engines.zmq_events import END_SEQ
+from radixfleet.engines.token_keys import TokenKeyer
+from radixfleet.engines.zmq_events import END_SEQ
+from radixfleet.keys import Endpoint
 from tests.engines.fake_engine import FakeEngine
 
 BS = 16

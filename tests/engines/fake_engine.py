@@ -8,7 +8,7 @@ from array import array
 
 import msgpack
 
-from protocol.prefix_keys import token_block_hashes, token_namespace_seed
+from radixfleet.keys import token_block_hashes, token_namespace_seed
 
 MODEL = "tiny"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 # The tokenizer recipe is shared with the offline tests and `bench routing`, which
 # rebuild it without torch (byte-identical tokenizer.json, pinned there).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from radixfleet.bench.tiny_tokenizer import build as build_tokenizer  # noqa: E402
+from radixfleet_tools.bench.tiny_tokenizer import build as build_tokenizer  # noqa: E402
 
 
 def main(out: str) -> None:

@@ -47,7 +47,7 @@ def working_set_tokens(
     answer's ``output_tokens``."""
     from transformers import AutoTokenizer  # the project's tokenizer extra
 
-    from loadtest.workloads import text_of
+    from radixfleet_tools.loadtest.workloads import text_of
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     total = 0

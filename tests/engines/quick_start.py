@@ -7,8 +7,8 @@ import time
 import httpx
 import pytest
 
-from tests.engines.vllm_router import admin_url, remember_admin
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.vllm_router import admin_url, remember_admin
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Engine adapters (router.engines.adapters): each kind answers the interface, the
+"""Engine adapters (radixfleet.engines.adapters): each kind answers the interface, the
 registry covers every kind, and the rules each one states hold (contract 7)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
-from router.config import WORKER_KINDS, DnsServiceSpec, K8sSelectorSpec, WorkerSpec
-from router.engines.adapters import (
+from radixfleet.config import WORKER_KINDS, DnsServiceSpec, K8sSelectorSpec, WorkerSpec
+from radixfleet.engines.adapters import (
     ADAPTERS,
     KINDS,
     EngineAdapter,
@@ -19,12 +19,12 @@ from router.engines.adapters import (
     adapter_for,
     ask_until_answered,
 )
-from router.engines.engine_metrics import MetricsKind
-from router.engines.event_sources import EventSource, SourcesCause, SourcesProblem
-from router.engines.kinds import KindName, WorkerKind
-from router.engines.tokenizer_source import EngineRoot, KeysCause, KeysProblem
+from radixfleet.engines.engine_metrics import MetricsKind
+from radixfleet.engines.event_sources import EventSource, SourcesCause, SourcesProblem
+from radixfleet.engines.kinds import KindName, WorkerKind
+from radixfleet.engines.tokenizer_source import EngineRoot, KeysCause, KeysProblem
 
-#: the interface's answers, per kind: the table of router/engines/adapters/__init__.py
+#: the interface's answers, per kind: the table of radixfleet/engines/adapters/__init__.py
 ANSWERS = {
     #        pushes lists  metrics              tokens  blocks  pd_leg
     "agent": (True, False, None, False, False, PdLeg.KV_TRANSFER),
@@ -143,7 +143,7 @@ def test_an_unreachable_answer_is_asked_again_until_it_answers_or_the_asker_stop
     async def no_wait(self) -> None:
         return None
 
-    monkeypatch.setattr("service.background.Backoff.sleep", no_wait)
+    monkeypatch.setattr("radixfleet.common.background.Backoff.sleep", no_wait)
     down = SourcesProblem(SourcesCause.UNREACHABLE, "down")
     answers = [down, KeysProblem(KeysCause.UNREACHABLE, "down"), ()]
 

@@ -18,13 +18,13 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from protocol.prefix_keys import Endpoint
-from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
-from router.config import parse_config
-from router.engines.event_sources import EventSource, SourcesCause, SourcesProblem, parse_event_sources
-from router.engines.token_keys import TokenKeyer
+from radixfleet.config import parse_config
+from radixfleet.engines.event_sources import EventSource, SourcesCause, SourcesProblem, parse_event_sources
+from radixfleet.engines.token_keys import TokenKeyer
+from radixfleet.keys import Endpoint
+from radixfleet_tools.bench.tiny_tokenizer import build as build_tokenizer
+from radixfleet_tools.harness.procs import free_port
 from tests.engines.fake_dp_vllm import BS, MODEL, FakeDpVllm, _src, prompt
-from tests.procs import free_port
 
 # ------------------------------------------------------------------ the answer
 
@@ -90,7 +90,7 @@ class Fleet:
         self.tokenizer_dir = tokenizer_dir
 
     async def __aenter__(self):
-        from router.app import Router, RouterServer
+        from radixfleet.server.app import Router, RouterServer
 
         self.runners, workers = [], []
         for wid, fake in self.fakes.items():
@@ -318,12 +318,12 @@ async def test_an_unusable_event_source_leaves_the_worker_approximate_and_servin
 def test_a_rank_is_chosen_by_its_blocks_then_its_requests_then_in_turn():
     from prometheus_client import CollectorRegistry
 
-    from policies.base import MatchResult
-    from router.config import WorkerSpec
-    from router.engines.link import EngineLink
-    from router.engines.manager import Engines, _fold_ranks
-    from router.pool import Pool, Source
-    from router.prefix_index import PrefixIndex
+    from radixfleet.config import WorkerSpec
+    from radixfleet.engines.link import EngineLink
+    from radixfleet.engines.manager import Engines, _fold_ranks
+    from radixfleet.fleet.pool import Pool, Source
+    from radixfleet.index.prefix_index import PrefixIndex
+    from radixfleet.policies.base import MatchResult
 
     cfg = parse_config({})
     index = PrefixIndex()

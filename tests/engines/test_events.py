@@ -31,9 +31,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from protocol.prefix_keys import token_block_hashes
-from router.engines.block_map import EngineBlockMap
-from router.engines.kv_events import (
+from radixfleet.engines.block_map import EngineBlockMap
+from radixfleet.engines.kv_events import (
     EngineAllCleared,
     EngineBlockRemoved,
     EngineBlockStored,
@@ -41,13 +40,14 @@ from router.engines.kv_events import (
     KvEventError,
     decode_batch,
 )
-from router.engines.zmq_events import (
+from radixfleet.engines.zmq_events import (
     END_SEQ,
     KvEventSubscriber,
     replace_wildcard,
     subscriber_endpoint,
 )
-from router.prefix_index import PrefixIndex
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.keys import token_block_hashes
 from tests.data.capture_vllm_kv_events import REPLAY, SUB, read_capture
 from tests.engines.fake_engine import (
     BS,

@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.engines.vllm_router import remember_admin, router_yaml, text, wait_for, workers
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.vllm_router import remember_admin, router_yaml, text, wait_for, workers
 
 pytestmark = pytest.mark.engine
 
@@ -36,7 +36,7 @@ def _ready(url: str) -> bool:
 @pytest.fixture(scope="module")
 def fronts(vllm_pair, vllm_model_dir, tmp_path_factory):
     """(Envoy's URL, the gateway's router URL, the standalone router's URL): the same
-    YAML (tests/engines/vllm_router.py, precise mode), ready, keyed and in sync."""
+    YAML (radixfleet_tools/harness/vllm_router.py, precise mode), ready, keyed and in sync."""
     d = tmp_path_factory.mktemp("gateway")
     gport, pport, rport, sport = (free_port() for _ in range(4))
     router_yaml(d / "router.yaml", sport, vllm_pair, vllm_model_dir)

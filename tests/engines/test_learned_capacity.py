@@ -1,11 +1,11 @@
-"""router.engines.capacity: a plain engine's index cap learned from its answers."""
+"""radixfleet.engines.capacity: a plain engine's index cap learned from its answers."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.engines.capacity import LearnedCapacity, correct
-from router.prefix_index import PrefixIndex
+from radixfleet.engines.capacity import LearnedCapacity, correct
+from radixfleet.index.prefix_index import PrefixIndex
 
 
 def chain(tag: int, n: int) -> list[int]:
@@ -85,10 +85,10 @@ def _plain_link(learn: bool = True):
 
     from prometheus_client import CollectorRegistry
 
-    from router.config import WorkerSpec, parse_config
-    from router.engines.link import EngineLink
-    from router.engines.manager import Engines
-    from router.pool import Pool
+    from radixfleet.config import WorkerSpec, parse_config
+    from radixfleet.engines.link import EngineLink
+    from radixfleet.engines.manager import Engines
+    from radixfleet.fleet.pool import Pool
 
     cfg = parse_config({"index": {"learn_capacity": learn}})
     idx = PrefixIndex()
@@ -100,8 +100,8 @@ def _plain_link(learn: bool = True):
 
 
 def test_the_live_link_learns_its_cap_from_answers_and_forgets_it_in_sync():
-    from router.engines.keyspace import SpaceKey
-    from router.engines.link import Placement
+    from radixfleet.engines.keyspace import SpaceKey
+    from radixfleet.engines.link import Placement
 
     link, idx = _plain_link()
     bt = link.space.block_bytes // 4  # tokens per byte-space block
@@ -120,8 +120,8 @@ def test_the_live_link_learns_its_cap_from_answers_and_forgets_it_in_sync():
 
 
 def test_learn_capacity_false_keeps_the_configured_cap():
-    from router.engines.keyspace import SpaceKey
-    from router.engines.link import Placement
+    from radixfleet.engines.keyspace import SpaceKey
+    from radixfleet.engines.link import Placement
 
     link, idx = _plain_link(learn=False)
     bt = link.space.block_bytes // 4

@@ -52,10 +52,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadtest.local_fleet import Fleet, FleetConfig
-from loadtest.runner import flush
+from radixfleet_tools.harness.procs import radixfleet_argv
+from radixfleet_tools.loadtest.local_fleet import Fleet, FleetConfig
+from radixfleet_tools.loadtest.runner import flush
 from tests.engines.quick_start import quick_start  # noqa: F401  (the same quick-start router)
-from tests.procs import radixfleet_argv
 
 pytestmark = [pytest.mark.engine]
 
@@ -143,7 +143,7 @@ def write_dataset(path: Path, n: int, seed: int) -> None:
 
 def vllm_bench(st: Setting, base: str, model_dir: Path, dataset: Path, out_dir: Path, name: str) -> dict:
     """One ``vllm bench serve`` run; its saved result JSON."""
-    from tests.engines.vllm_env import vllm_python
+    from radixfleet_tools.harness.vllm_env import vllm_python
 
     argv = [
         str(vllm_python()), "-c", BENCH_SERVE,
@@ -266,7 +266,7 @@ def agent_fleet(tmp_path):
 
 @pytest.mark.integration
 def test_loadtest_agrees_with_vllm_bench_serve_on_agents(agent_fleet, tmp_path):
-    from tests.engines.vllm_env import tiny_model
+    from radixfleet_tools.harness.vllm_env import tiny_model
 
     compare(AGENTS, agent_fleet.router_url, agent_fleet.agent_urls, tiny_model(), tmp_path)
 

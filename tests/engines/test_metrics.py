@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.engines.engine_metrics import (
+from radixfleet.engines.engine_metrics import (
     EngineMetrics,
     EngineMetricsError,
     MetricsFailure,
@@ -25,7 +25,7 @@ from router.engines.engine_metrics import (
     fetch_metrics,
     parse_metrics,
 )
-from worker_agent.server import AgentConfig, create_app
+from radixfleet_tools.agent.server import AgentConfig, create_app
 
 VLLM_PAGE = (Path(__file__).parents[1] / "data" / "vllm_metrics.txt").read_text()
 
@@ -522,7 +522,7 @@ async def test_lifecycle_is_explicit(served):
 
 def test_only_the_lines_read_reach_the_parser():
     # Not a timing assertion: only that the filter hands the parser a handful of lines.
-    from router.engines import engine_metrics as em
+    from radixfleet.engines import engine_metrics as em
 
     lines = em.select_lines(VLLM_PAGE, em._NAMES[MetricsKind.VLLM])
     assert 5 <= len(lines) <= 15 < len(VLLM_PAGE.splitlines())
@@ -594,7 +594,7 @@ def test_every_sample_line_of_the_live_page_reads_as_the_parser_reads_it():
     recorded vLLM page (not only the series the router reads): names, labels, values
     and their types (int where the text is one) agree, and the page is read without
     the parser at all."""
-    from router.engines import engine_metrics as em
+    from radixfleet.engines import engine_metrics as em
 
     lines = [l for l in VLLM_PAGE.splitlines() if l and not l.startswith("#")]
     assert len(lines) > 300
@@ -623,7 +623,7 @@ def test_every_sample_line_of_the_live_page_reads_as_the_parser_reads_it():
     ],
 )
 def test_lines_of_other_shapes_read_as_the_parser_reads_them(line):
-    from router.engines import engine_metrics as em
+    from radixfleet.engines import engine_metrics as em
 
     try:
         want = _parser_samples([line])
@@ -636,7 +636,7 @@ def test_lines_of_other_shapes_read_as_the_parser_reads_them(line):
 
 
 def test_lines_are_found_by_their_exact_name_at_a_line_start():
-    from router.engines import engine_metrics as em
+    from radixfleet.engines import engine_metrics as em
 
     page = (
         "# HELP a_b help\n# TYPE a_b gauge\n"

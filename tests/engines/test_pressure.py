@@ -20,9 +20,9 @@ import subprocess
 
 import pytest
 
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.vllm_router import admin_url, router_yaml, wait_for, workers
 from tests.engines.pressure import CpuBurner, pressure_kv_bytes
-from tests.engines.vllm_router import admin_url, router_yaml, wait_for, workers
-from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
 
@@ -35,7 +35,7 @@ CLIENTS, ROUNDS = 32, 5
 def pressure_pair(vllm_model_dir, tmp_path_factory):
     """Two vLLM servers (events on, the routers choose to follow them or not) whose KV
     caches together hold ``PRESSURE`` times the workload's final working set."""
-    from tests.engines.vllm_env import VllmServer, own_core
+    from radixfleet_tools.harness.vllm_env import VllmServer, own_core
 
     kv, _ = pressure_kv_bytes(vllm_model_dir, PRESSURE, clients=CLIENTS, rounds=ROUNDS)
     logs = tmp_path_factory.mktemp("vllm-pressure-logs")

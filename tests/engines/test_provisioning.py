@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import pytest
 
-from tests.engines import vllm_env
+from radixfleet_tools.harness import vllm_env
 
 Usage = namedtuple("Usage", "total used free")
 

@@ -1,4 +1,4 @@
-"""router.engines.queue_estimate: an engine's waiting queue in prefill tokens."""
+"""radixfleet.engines.queue_estimate: an engine's waiting queue in prefill tokens."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from protocol.events import MAX_LOAD_COUNT
-from router.engines.queue_estimate import QueueEstimate
+from radixfleet.engines.queue_estimate import QueueEstimate
+from radixfleet.wire.events import MAX_LOAD_COUNT
 
 RATE = 4000.0  # prefill tokens/s
 

@@ -5,7 +5,7 @@
 No SGLang runs here (ENGINES.md): the worker is an aiohttp server whose prefix cache
 is ``tests.engines.fake_engine.FakeEngine`` (LRU over leaf pages) in SGLang style,
 publishing each step's events on a ZMQ PUB socket it binds, tokenizing with the tiny
-model's tokenizer (radixfleet.bench.tiny_tokenizer, built without torch).
+model's tokenizer (radixfleet_tools.bench.tiny_tokenizer, built without torch).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from protocol.prefix_keys import Endpoint
-from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
-from router.config import parse_config
-from router.engines.token_keys import TokenKeyer
+from radixfleet.config import parse_config
+from radixfleet.engines.token_keys import TokenKeyer
+from radixfleet.keys import Endpoint
+from radixfleet_tools.bench.tiny_tokenizer import build as build_tokenizer
+from radixfleet_tools.harness.procs import free_port
 from tests.engines.fake_engine import FakeEngine
-from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -140,7 +140,7 @@ def prompt(seed: int, words: int, head: str = "") -> str:
 async def test_sglang_events_metrics_and_cached_tokens(tokenizer_dir):
     import aiohttp
 
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
 
     keyer = TokenKeyer.load(tokenizer_dir)
     fake = FakeSglang(keyer, free_port())

@@ -26,11 +26,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.report import percentile as _pct
-from radixfleet.bench.overload import Load
-from router.shedding import CALM_S
+from radixfleet.route.shedding import CALM_S
+from radixfleet_tools.bench.overload import Load
+from radixfleet_tools.harness.vllm_router import admin_url
+from radixfleet_tools.loadtest.report import percentile as _pct
 from tests.engines.quick_start import quick_start  # noqa: F401  (fixtures)
-from tests.engines.vllm_router import admin_url
 
 pytestmark = pytest.mark.engine
 
@@ -165,7 +165,7 @@ def overload(router: str, servers) -> dict:
             served, secs = await load.closed(48, 10.0)
             capacity = served / secs
             # the calibration's closed loop is shed: the router treats the next CALM_S
-            # seconds as saturated (router.shedding); the light phase starts after them
+            # seconds as saturated (radixfleet.route.shedding); the light phase starts after them
             await asyncio.sleep(CALM_S + 1.0)
             p0 = await asyncio.to_thread(engine_phases, servers, router)
             light = await load.poisson(0.2 * capacity, 12.0)
@@ -243,7 +243,7 @@ def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start, vll
     print("overload:", summary)
     # at 0.2x capacity nothing should be shed. A rare 429 there (1 of ~50, once) came
     # from one ordinary request ahead on each worker reading as "more than one typical
-    # request" at the slower unbatched prefill rate (router.shedding, now counted in
+    # request" at the slower unbatched prefill rate (radixfleet.route.shedding, now counted in
     # tokens: tests/router/test_shedding.py); the bound stays until runs here confirm zero
     assert set(summary["light_statuses"]) <= {200, 429}, summary
     assert summary["light_shed"] <= 0.05 * summary["light_offered"], summary
@@ -252,7 +252,7 @@ def test_overload_is_shed_and_admitted_ttft_stays_near_unloaded(quick_start, vll
     # overload: it serves at least a third of the calibrated capacity. The calibration
     # is a closed loop of 48 clients, which queues in the engines and lets vLLM batch
     # several prefills a step; admitting at most one request's prefill ahead of a free
-    # slot (router.shedding) keeps that queue empty and serves less: 0.41-0.93 of it in
+    # slot (radixfleet.route.shedding) keeps that queue empty and serves less: 0.41-0.93 of it in
     # fresh runs (bench/RESULTS.md "Shedding in front of vLLM" — the over-shedding the
     # target's share, printed, does not show). A router that chokes serves near none.
     assert summary["with_retry"] == summary["shed"], summary

@@ -1,9 +1,9 @@
-"""Exact token keys, offline (router.engines.token_keys and its parts).
+"""Exact token keys, offline (radixfleet.engines.token_keys and its parts).
 
 The token ids are checked against vLLM 0.32's own answers, recorded in
 ``tests/data/vllm_token_ids.json`` by tests/engines/test_token_keys_vllm.py (which
 re-checks them against a live vLLM in the engine tests). The tokenizer is the tiny
-test model's, rebuilt here without torch (radixfleet.bench.tiny_tokenizer); its
+test model's, rebuilt here without torch (radixfleet_tools.bench.tiny_tokenizer); its
 tokenizer.json must hash to what the recording engine served.
 """
 
@@ -17,12 +17,12 @@ from array import array
 
 import pytest
 
-from protocol.errors import ConfigError, MalformedRequest
-from protocol.prefix_keys import Endpoint, token_block_hashes, token_namespace_seed
-from radixfleet.bench.tiny_tokenizer import TOKENIZER_JSON_SHA256, build, tokenizer_json_sha256
-from router.engines.chat_render import ChatTemplate, detect_content_format
-from router.engines.piece_encoder import PieceEncoder, piecewise_blocker
-from router.engines.token_keys import TokenizerLoadError, TokenKey, TokenKeyer
+from radixfleet.engines.chat_render import ChatTemplate, detect_content_format
+from radixfleet.engines.piece_encoder import PieceEncoder, piecewise_blocker
+from radixfleet.engines.token_keys import TokenizerLoadError, TokenKey, TokenKeyer
+from radixfleet.keys import Endpoint, token_block_hashes, token_namespace_seed
+from radixfleet.wire.errors import ConfigError, MalformedRequest
+from radixfleet_tools.bench.tiny_tokenizer import TOKENIZER_JSON_SHA256, build, tokenizer_json_sha256
 from tests.engines.token_cases import FIXTURE, check_case
 
 with open(FIXTURE, encoding="utf-8") as _f:

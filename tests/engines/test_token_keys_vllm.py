@@ -1,5 +1,5 @@
 """Token keys against a real vLLM 0.32: the ids the router computes are the ids the
-engine serves, request for request (router.engines.token_keys).
+engine serves, request for request (radixfleet.engines.token_keys).
 
 The oracle is the engine's own answer: ``prompt_token_ids`` of a one-token
 ``/v1/chat/completions`` or ``/v1/completions`` (``return_token_ids``) — the exact
@@ -27,8 +27,8 @@ import urllib.request
 
 import pytest
 
-from protocol.prefix_keys import Endpoint
-from router.engines.token_keys import TokenKeyer
+from radixfleet.engines.token_keys import TokenKeyer
+from radixfleet.keys import Endpoint
 from tests.engines.token_cases import FIXTURE, MODEL, check_case
 
 pytestmark = pytest.mark.engine
@@ -597,7 +597,7 @@ def engine_ids(url: str, endpoint: str, body: dict) -> tuple[int, list[int] | No
 
 def record(url: str) -> dict:
     """The engine's answers to every case (the offline fixture's content)."""
-    from radixfleet.bench.tiny_tokenizer import tokenizer_json_sha256
+    from radixfleet_tools.bench.tiny_tokenizer import tokenizer_json_sha256
 
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         models = json.loads(r.read())
@@ -628,7 +628,7 @@ def live_cases(vllm_url: str) -> dict:
 def keyer(vllm_url: str, tmp_path_factory) -> TokenKeyer:
     """The keyer of the tokenizer the engine serves (read from its /v1/models root when
     that folder is here, else the deterministic rebuild of the tiny tokenizer)."""
-    from radixfleet.bench.tiny_tokenizer import build
+    from radixfleet_tools.bench.tiny_tokenizer import build
 
     with urllib.request.urlopen(vllm_url + "/v1/models", timeout=10) as r:
         root = json.loads(r.read())["data"][0].get("root", "")

@@ -1,4 +1,4 @@
-"""A worker's tokenizer found from its engine (``router.engines.tokenizer_source``): the
+"""A worker's tokenizer found from its engine (``radixfleet.engines.tokenizer_source``): the
 answers parsed, the root looked for here, ``tokenizers.download`` honoured (never
 contacting a hub), and — against fake vLLM servers on loopback
 (``tests.engines.fake_dp_vllm.FakeDpVllm``: /v1/models with a root, /tokenize,
@@ -20,11 +20,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from protocol.prefix_keys import Endpoint
-from radixfleet.bench.tiny_tokenizer import build as build_tokenizer
-from router.config import parse_config
-from router.engines.token_keys import TokenizerLoadError, TokenKeyer
-from router.engines.tokenizer_source import (
+from radixfleet.config import parse_config
+from radixfleet.engines.token_keys import TokenizerLoadError, TokenKeyer
+from radixfleet.engines.tokenizer_source import (
     PROBE_TEXT,
     EngineRoot,
     KeysCause,
@@ -33,8 +31,10 @@ from router.engines.tokenizer_source import (
     parse_sglang_model_info,
     parse_vllm_models,
 )
+from radixfleet.keys import Endpoint
+from radixfleet_tools.bench.tiny_tokenizer import build as build_tokenizer
+from radixfleet_tools.harness.procs import free_port
 from tests.engines.fake_dp_vllm import BS, MODEL, FakeDpVllm, prompt
-from tests.procs import free_port
 
 # ------------------------------------------------------------------ the answers
 
@@ -165,9 +165,9 @@ def test_download_setting_is_honoured_and_off_by_default(no_hub):
 async def test_an_engine_named_repo_is_downloaded_only_when_the_setting_allows(no_hub):
     from prometheus_client import CollectorRegistry
 
-    from router.engines.manager import Engines
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.engines.manager import Engines
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
 
     _, calls = no_hub
     cfg = parse_config({})
@@ -225,7 +225,7 @@ class QuickStart:
         self.worker = worker or {}
 
     async def __aenter__(self):
-        from router.app import Router, RouterServer
+        from radixfleet.server.app import Router, RouterServer
 
         self.runners, workers = [], []
         for wid, fake in self.fakes.items():
@@ -476,7 +476,7 @@ async def test_a_worker_whose_tokenizer_is_not_here_is_keyed_through_its_engine(
 def test_a_request_is_asked_of_tokenize_as_the_engine_renders_it():
     from array import array
 
-    from router.engines.engine_keys import tokenize_request
+    from radixfleet.engines.engine_keys import tokenize_request
 
     msgs = [{"role": "user", "content": "hi"}]
     chat = {"model": "x", "messages": msgs, "tools": [{"type": "function"}], "max_tokens": 3, "stream": True}

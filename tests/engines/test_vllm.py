@@ -1,6 +1,6 @@
 """The router in front of two real vLLM servers (CPU build, tiny random Llama).
 
-Provisioned by the test run itself (tests/engines/vllm_env.py: the vLLM venv and
+Provisioned by the test run itself (radixfleet_tools/harness/vllm_env.py: the vLLM venv and
 the tiny model, cached under .cache/engines). Both servers run with prefix caching,
 prompt-token details and KV events (ZMQ, with a replay endpoint), 16k-token KV
 caches (8 MiB) and at most 8 running sequences. If vLLM cannot be provisioned the
@@ -33,9 +33,17 @@ import time
 import httpx
 import pytest
 
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.vllm_router import (
+    admin_url,
+    post,
+    remember_admin,
+    router_yaml,
+    text,
+    wait_for,
+    workers,
+)
 from tests.engines.quick_start import quick_start  # noqa: F401  (the quick-start router)
-from tests.engines.vllm_router import admin_url, post, remember_admin, router_yaml, text, wait_for, workers
-from tests.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.engine
 
@@ -429,7 +437,7 @@ def decisions(url: str) -> dict[tuple[str, str], float]:
 def test_engine_load_from_metrics_steers_away_from_a_busy_worker(router, vllm_pair):
     """Requests sent to vLLM A directly (not through the router) queue there behind
     long decodes (max 8 running); the router sees vllm:num_requests_waiting, prices
-    it (router.engines.queue_estimate: the engine's departure rate, its own prompt
+    it (radixfleet.engines.queue_estimate: the engine's departure rate, its own prompt
     size) and spills the next turn of a conversation A still holds to B."""
     a = vllm_pair[0]
     msgs = [{"role": "system", "content": text(31_000, 400)}, {"role": "user", "content": text(31_001, 50)}]
@@ -561,7 +569,7 @@ def test_events_off_worker_is_aged_and_corrected(vllm_pair, model_dir, tmp_path)
         assert all(abs(e) <= 32 for e in errs), (err_first, errs)
         # and the capacity B's entries are aged at was learned down from the 8x one
         # configured, by at least the blocks that answer showed lost
-        # (router.engines.capacity)
+        # (radixfleet.engines.capacity)
         cap = worker(url, "vllm-b")["engine"]["index_cap_blocks"]
         configured = 8 * 16384 // 32
         assert cap <= configured - err_first // 32 + len(errs), (cap, err_first)

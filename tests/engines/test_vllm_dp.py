@@ -17,15 +17,15 @@ import json
 import httpx
 import pytest
 
-from tests.engines.vllm_router import post, remember_admin, text, wait_for, workers
-from tests.procs import Proc, free_port, radixfleet_argv, two_free_ports
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv, two_free_ports
+from radixfleet_tools.harness.vllm_router import post, remember_admin, text, wait_for, workers
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def dp_server(vllm_model_dir, tmp_path_factory):
-    from tests.engines.vllm_env import VllmServer, own_core
+    from radixfleet_tools.harness.vllm_env import VllmServer, own_core
 
     logs = tmp_path_factory.mktemp("vllm-dp")
     # one core per rank ("0|1": vLLM's CPU backend splits the list by DP rank); eager

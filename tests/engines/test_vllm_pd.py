@@ -1,4 +1,4 @@
-"""The router's disaggregated prefill/decode (router.pd) in front of two real CPU vLLM
+"""The router's disaggregated prefill/decode (radixfleet.route.pd) in front of two real CPU vLLM
 servers, one ``role: prefill`` and one ``role: decode``, each with vLLM's
 ``ExampleConnector`` (``kv_role: kv_both``) on one shared folder: the prefill leg
 (``max_tokens`` 1, ``kv_transfer_params``) stores the prompt's KV there, the decode leg
@@ -15,15 +15,15 @@ import json
 import httpx
 import pytest
 
-from tests.engines.vllm_router import remember_admin, text, wait_for, workers
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.vllm_router import remember_admin, text, wait_for, workers
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def pd_servers(vllm_model_dir, tmp_path_factory):
-    from tests.engines.vllm_env import VllmServer, own_core
+    from radixfleet_tools.harness.vllm_env import VllmServer, own_core
 
     logs = tmp_path_factory.mktemp("vllm-pd")
     store = logs / "kv"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from protocol.errors import MalformedRequest
-from protocol.prefix_keys import Endpoint
-from router.engines.token_keys import TokenKeyer
+from radixfleet.engines.token_keys import TokenKeyer
+from radixfleet.keys import Endpoint
+from radixfleet.wire.errors import MalformedRequest
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "data", "vllm_token_ids.json")
 

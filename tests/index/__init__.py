@@ -1,2 +1,2 @@
-"""Tests of the prefix keys (protocol/prefix_keys.py) and the prefix index
-(router/prefix_index.py), KV tiers included."""
+"""Tests of the prefix keys (radixfleet/keys.py) and the prefix index
+(radixfleet/index/prefix_index.py), KV tiers included."""

@@ -11,14 +11,10 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
-from policies.base import MatchResult, Reason, RouteRequest, WorkerView
-from policies.cache_aware import CacheAware
-from policies.prefix_load import PrefixLoad
-from protocol.prefix_keys import token_block_hashes, token_namespace_seed
-from router.engines import block_map as block_map_mod
-from router.engines.block_map import EngineBlockMap, tier_of
-from router.engines.kv_events import decode_batch
-from router.engines.tier_price import (
+from radixfleet.engines import block_map as block_map_mod
+from radixfleet.engines.block_map import EngineBlockMap, tier_of
+from radixfleet.engines.kv_events import decode_batch
+from radixfleet.engines.tier_price import (
     MIN_LOADED_TOKENS,
     PCIE_GEN5_X16_BYTES_PER_S,
     SEED_KV_BYTES_PER_TOKEN,
@@ -26,7 +22,11 @@ from router.engines.tier_price import (
     TierPrices,
     seed_load_s_per_token,
 )
-from router.prefix_index import PrefixIndex
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.keys import token_block_hashes, token_namespace_seed
+from radixfleet.policies.base import MatchResult, Reason, RouteRequest, WorkerView
+from radixfleet.policies.cache_aware import CacheAware
+from radixfleet.policies.prefix_load import PrefixLoad
 
 MODEL = "tiny"
 BS = 4
@@ -304,8 +304,8 @@ def test_unknown_medium_is_counted_logged_once_and_ignored(caplog, monkeypatch):
 def test_unknown_medium_reaches_the_metric_with_its_cause():
     from prometheus_client import CollectorRegistry
 
-    from router.engines.manager import EnginePrometheus
-    from router.engines.wiring import _LinkConsumer
+    from radixfleet.engines.manager import EnginePrometheus
+    from radixfleet.engines.wiring import _LinkConsumer
 
     r = CollectorRegistry()
     prom = EnginePrometheus(r)
@@ -327,7 +327,7 @@ def test_unknown_medium_reaches_the_metric_with_its_cause():
 def test_a_removed_workers_tier_series_leave_the_metrics_page():
     from prometheus_client import CollectorRegistry
 
-    from router.engines.manager import EnginePrometheus
+    from radixfleet.engines.manager import EnginePrometheus
 
     r = CollectorRegistry()
     prom = EnginePrometheus(r)
@@ -392,11 +392,11 @@ def test_prices_attribute_only_single_tier_answers():
 def test_the_live_link_learns_its_load_price_from_answers():
     from prometheus_client import CollectorRegistry
 
-    from router.config import WorkerSpec, parse_config
-    from router.engines.keyspace import SpaceKey
-    from router.engines.link import EngineLink, Placement
-    from router.engines.manager import Engines
-    from router.pool import Pool
+    from radixfleet.config import WorkerSpec, parse_config
+    from radixfleet.engines.keyspace import SpaceKey
+    from radixfleet.engines.link import EngineLink, Placement
+    from radixfleet.engines.manager import Engines
+    from radixfleet.fleet.pool import Pool
 
     cfg = parse_config({})
     idx = PrefixIndex()
@@ -509,11 +509,11 @@ def test_the_router_prices_the_index_tiers_into_the_match():
     policy as MatchResult.colder; the pick's placement carries the raw extension."""
     from prometheus_client import CollectorRegistry
 
-    from protocol.prefix_keys import Endpoint, PrefixKey
-    from router.config import WorkerSpec, parse_config
-    from router.engines.link import EngineLink
-    from router.engines.manager import Engines
-    from router.pool import Pool
+    from radixfleet.config import WorkerSpec, parse_config
+    from radixfleet.engines.link import EngineLink
+    from radixfleet.engines.manager import Engines
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.keys import Endpoint, PrefixKey
 
     cfg = parse_config({})
     idx = PrefixIndex()

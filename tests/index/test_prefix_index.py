@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from policies.base import EMPTY_MATCH
-from router.prefix_index import EXTRA_HOLDER_BYTES, HEAP_RECORD_BYTES, NODE_BYTES, PrefixIndex
+from radixfleet.index.prefix_index import EXTRA_HOLDER_BYTES, HEAP_RECORD_BYTES, NODE_BYTES, PrefixIndex
+from radixfleet.policies.base import EMPTY_MATCH
 
 
 def chain(tag: int, n: int) -> list[int]:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from router.prefix_index import NODE_BYTES, PrefixIndex
+from radixfleet.index.prefix_index import NODE_BYTES, PrefixIndex
 
 
 def chain(tag: int, n: int) -> list[int]:

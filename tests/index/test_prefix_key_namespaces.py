@@ -1,9 +1,9 @@
 """Namespace fields (model, adapter, tenant) never run together into one key: distinct
-namespaces give distinct seeds (protocol.prefix_keys)."""
+namespaces give distinct seeds (radixfleet.keys)."""
 
 from __future__ import annotations
 
-from protocol.prefix_keys import namespace_seed
+from radixfleet.keys import namespace_seed
 
 
 def test_namespace_fields_never_run_together():

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.errors import MalformedRequest
-from protocol.prefix_keys import (
+from radixfleet.keys import (
     BYTES_PER_TOKEN,
     GENERATION_PROMPT,
     Endpoint,
@@ -14,6 +13,7 @@ from protocol.prefix_keys import (
     request_key,
     routing_bytes,
 )
+from radixfleet.wire.errors import MalformedRequest
 
 CHAT, COMP, GEN = Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.GENERATE
 

@@ -1,2 +1,2 @@
-"""Tests of the load generator (loadtest/): arrivals, client, datasets, workloads, metrics,
+"""Tests of the load generator (radixfleet_tools/loadtest/): arrivals, client, datasets, workloads, metrics,
 report, A/B runner, analyze."""

@@ -10,9 +10,9 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
-from loadtest.report import validate
-from protocol.events import Removed, Stored
-from worker_agent.server import AGENT_KEY, AgentConfig, create_app
+from radixfleet.wire.events import Removed, Stored
+from radixfleet_tools.agent.server import AGENT_KEY, AgentConfig, create_app
+from radixfleet_tools.loadtest.report import validate
 
 
 async def _twice(**kw) -> tuple[list[int], object]:
@@ -56,7 +56,7 @@ async def test_disable_radix_cache_keeps_nothing_and_says_so():
 
 
 def test_disabled_cache_reports_refused_blocks_as_removed():
-    from worker_agent.radix_cache import RadixCache
+    from radixfleet_tools.agent.radix_cache import RadixCache
 
     c = RadixCache(hash_stride=4, capacity_tokens=100, disabled=True)
     held, node = c.insert("ns", list(range(12)), [11, 22, 33], admit_from=0)
@@ -196,8 +196,8 @@ def test_ab_policy_runs_smg_beside_ours_in_front_of_plain_agents(tmp_path):
 def test_ab_policies_accept_smg_and_refuse_unknown_names():
     from argparse import Namespace
 
-    from loadtest.ab import arms
-    from protocol.errors import ConfigError
+    from radixfleet.wire.errors import ConfigError
+    from radixfleet_tools.loadtest.ab import arms
 
     ns = Namespace(ab="policy", policies="prefix_load,smg", page_size=1)
     assert [a[1] for a in arms(ns)] == ["prefix_load", "smg"]
@@ -213,8 +213,8 @@ def test_ab_arms_carry_policy_parameters():
     YAML, checked against the policy before anything starts."""
     from argparse import Namespace
 
-    from loadtest.ab import arms
-    from protocol.errors import ConfigError
+    from radixfleet.wire.errors import ConfigError
+    from radixfleet_tools.loadtest.ab import arms
 
     def plan(text):
         return arms(Namespace(ab="policy", policies=text, page_size=1))
@@ -256,7 +256,7 @@ def test_ab_arms_carry_policy_parameters():
 def test_smg_arms_choose_its_launch_settings():
     """``smg[policy=round_robin]`` beside ``round_robin``: the same policy through both
     routers, the paths compared; other settings map to smg's own flags."""
-    from loadtest.smg import launch_args
+    from radixfleet_tools.loadtest.smg import launch_args
 
     assert launch_args({}) == ["--policy", "cache_aware"]
     assert launch_args({"policy": "round_robin"}) == ["--policy", "round_robin"]
@@ -277,9 +277,9 @@ def test_smg_arms_choose_its_launch_settings():
 def test_router_quick_start_takes_policy_parameters():
     from argparse import Namespace
 
-    from protocol.errors import ConfigError
-    from router.cli import build_config
-    from router.config import MISSING
+    from radixfleet.config import MISSING
+    from radixfleet.server.cli import build_config
+    from radixfleet.wire.errors import ConfigError
 
     def args(**kw):
         base = dict(

@@ -6,15 +6,23 @@ import json
 
 import pytest
 
-from loadtest.analyze import Options, analyze, budget, find_knee, oracle_and_reuse, pooled_curve, zipf_head
-from loadtest.arrivals import Bounds, TraceTimes
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.simulation import SimConfig, Simulation
-from loadtest.trace_format import read_trace
-from loadtest.workloads import MOONCAKE_TRACE, Trace
-from radixfleet.bench.analyze import synthetic_log
 from radixfleet.cli import main
-from worker_agent.cost_model import CostModel
+from radixfleet_tools.agent.cost_model import CostModel
+from radixfleet_tools.bench.analyze import synthetic_log
+from radixfleet_tools.loadtest.analyze import (
+    Options,
+    analyze,
+    budget,
+    find_knee,
+    oracle_and_reuse,
+    pooled_curve,
+    zipf_head,
+)
+from radixfleet_tools.loadtest.arrivals import Bounds, TraceTimes
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.simulation import SimConfig, Simulation
+from radixfleet_tools.loadtest.trace_format import read_trace
+from radixfleet_tools.loadtest.workloads import MOONCAKE_TRACE, Trace
 
 MOONCAKE = MOONCAKE_TRACE
 
@@ -203,7 +211,7 @@ def test_skip_bad_counts_and_goes_on(tmp_path, capsys):
 
 
 def test_options_validate():
-    from protocol.errors import ConfigError
+    from radixfleet.wire.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--concurrency"):
         Options(concurrency=0).validate()
@@ -212,7 +220,7 @@ def test_options_validate():
 
 
 def _log_line(i: int, ids, **kw) -> str:
-    from router.traffic_log import FORMAT
+    from radixfleet.server.traffic_log import FORMAT
 
     rec = {
         "timestamp": 1000.0 + i,

@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes, drive
-from loadtest.workloads import RequestSpec, SingleShot, make_workload
-from protocol.errors import WorkloadError
+from radixfleet.wire.errors import WorkloadError
+from radixfleet_tools.loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes, drive
+from radixfleet_tools.loadtest.workloads import RequestSpec, SingleShot, make_workload
 from tests.vclock import run_virtual
 
 
@@ -152,7 +152,7 @@ def _simulated_dispatches(sessions, arrivals, bounds, delay, seed, max_active_se
     import heapq
     import itertools
 
-    from loadtest.simulator.driver import VirtualDriver
+    from radixfleet_tools.loadtest.simulator.driver import VirtualDriver
 
     log: list[tuple[str, float]] = []
     done: list = []
@@ -216,8 +216,8 @@ def test_simulator_dispatches_at_the_live_drivers_times(arrivals):
 
 
 def test_a_rate_sweep_keeps_burstiness_and_the_concurrency_cap():
-    from loadtest.simulator.simulation import SimConfig
-    from loadtest.simulator.sweep import parse_sweep, plan_runs
+    from radixfleet_tools.loadtest.simulator.simulation import SimConfig
+    from radixfleet_tools.loadtest.simulator.sweep import parse_sweep, plan_runs
 
     plans = plan_runs(
         SimConfig(workers=2), ["round_robin"], ["events"], Poisson(5.0, 0.5, 4), parse_sweep("rate=2,8")
@@ -228,7 +228,7 @@ def test_a_rate_sweep_keeps_burstiness_and_the_concurrency_cap():
 def test_the_overhead_benchmarks_schedule_is_the_drivers():
     """``bench loadgen`` offers its minimal client the arrivals ``radixfleet loadtest
     --rate R --seed S`` draws, and measures both clients' lag against them."""
-    from radixfleet.bench.loadgen import schedule
+    from radixfleet_tools.bench.loadgen import schedule
 
     send, log, _ = _recorder(delay=0.001)
     w = make_workload("zipf", {"requests": 100})

@@ -1,6 +1,6 @@
 """The streaming client and `radixfleet loadtest` against an in-process fake OpenAI server.
 
-The fake is deliberately small: one LRU prefix cache (loadtest.prefix_trie) decides
+The fake is deliberately small: one LRU prefix cache (radixfleet_tools.loadtest.prefix_trie) decides
 ``cached_tokens``, tokens stream as SSE chunks, and chosen requests fail (HTTP 500,
 or the connection dropped mid-stream) so the error accounting can be checked
 exactly. The real agent + router path is tested in test_e2e.py.
@@ -17,13 +17,13 @@ import threading
 import pytest
 from aiohttp import web
 
-from loadtest.arrivals import Bounds, Closed
-from loadtest.client import Result, Target
-from loadtest.prefix_trie import PrefixTrie, as_tokens
-from loadtest.report import validate
-from loadtest.runner import run_ab
-from loadtest.workloads import make_workload
-from protocol.prefix_keys import Endpoint, routing_bytes
+from radixfleet.keys import Endpoint, routing_bytes
+from radixfleet_tools.loadtest.arrivals import Bounds, Closed
+from radixfleet_tools.loadtest.client import Result, Target
+from radixfleet_tools.loadtest.prefix_trie import PrefixTrie, as_tokens
+from radixfleet_tools.loadtest.report import validate
+from radixfleet_tools.loadtest.runner import run_ab
+from radixfleet_tools.loadtest.workloads import make_workload
 
 pytestmark = pytest.mark.integration
 
@@ -178,7 +178,7 @@ async def test_errors_mid_run_are_counted_and_the_run_goes_on(port):
 
 
 async def test_failed_flush_fails_the_run_unless_warm_runs_are_allowed(port):
-    from protocol.errors import RunError
+    from radixfleet.wire.errors import RunError
 
     fake = FakeServer(flush_status=503)
     runner = await _serve(fake, port)
@@ -220,7 +220,7 @@ async def test_failed_flush_fails_the_run_unless_warm_runs_are_allowed(port):
 
 async def test_unnamed_workers_are_counted_from_agent_metrics(port):
     fakes = [FakeServer(worker=None), FakeServer(worker=None)]
-    from tests.procs import free_port
+    from radixfleet_tools.harness.procs import free_port
 
     ports = [port, free_port()]  # port+1 was sometimes taken: both chosen free
     while ports[1] == port:
@@ -246,7 +246,7 @@ async def test_unnamed_workers_are_counted_from_agent_metrics(port):
 
 
 async def test_unreachable_target_is_an_error_up_front(port):
-    from protocol.errors import ConfigError
+    from radixfleet.wire.errors import ConfigError
 
     w = make_workload("zipf", {"requests": 5})
     with pytest.raises(ConfigError, match=r"--target down: http://127.0.0.1:\d+ is unreachable"):
@@ -257,7 +257,7 @@ def test_cli_ab_run_writes_report_and_plots(tmp_path, port):
     """Two targets through the real CLI (a subprocess), one fake server in a thread."""
     fakes = [FakeServer(worker="a"), FakeServer(worker="b", fail_every=10)]
     loop = asyncio.new_event_loop()
-    from tests.procs import free_port
+    from radixfleet_tools.harness.procs import free_port
 
     ports = [port, free_port()]  # port+1 was sometimes taken: both chosen free
     while ports[1] == port:
@@ -407,8 +407,8 @@ def test_loadtest_and_demo_refuse_unwritable_outputs_before_sending(tmp_path, ca
 
 
 def test_a_target_with_several_urls_round_robins_over_them():
-    from loadtest.cli import parse_target
-    from protocol.errors import ConfigError
+    from radixfleet.wire.errors import ConfigError
+    from radixfleet_tools.loadtest.cli import parse_target
 
     name, url = parse_target("four=http://a:1,http://b:2/v1,http://c:3")
     t = Target(name, url)
@@ -435,7 +435,7 @@ async def test_a_vllm_reset_is_followed_by_a_step_that_publishes_its_cleared_eve
     following its events drop their entries before the run, not after its first turns."""
     import aiohttp
 
-    from loadtest.runner import flush
+    from radixfleet_tools.loadtest.runner import flush
 
     seen = []
 
@@ -472,8 +472,8 @@ async def test_a_vllm_reset_is_followed_by_a_step_that_publishes_its_cleared_eve
 async def test_each_token_is_timed_when_its_line_arrives_not_when_a_read_ends_on_a_line():
     """The stream is read a network read at a time: the whole lines of a read are
     timed at its arrival even when the read ends inside the next event."""
-    from loadtest.client import Result, _read_stream
-    from loadtest.workloads import API_COMPLETIONS
+    from radixfleet_tools.loadtest.client import Result, _read_stream
+    from radixfleet_tools.loadtest.workloads import API_COMPLETIONS
 
     def ev(text: str) -> bytes:
         return b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"

@@ -19,14 +19,14 @@ import sys
 
 import pytest
 
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
-        importlib.util.find_spec("worker_agent.cli") is None
-        or importlib.util.find_spec("router.cli") is None,
-        reason="needs the agent (worker_agent.cli) and the router (router.cli)",
+        importlib.util.find_spec("radixfleet_tools.agent.cli") is None
+        or importlib.util.find_spec("radixfleet.server.cli") is None,
+        reason="needs the agent (radixfleet_tools.agent.cli) and the router (radixfleet.server.cli)",
     ),
 ]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.datasets import FLAGS, RandomParams, ShareGPTParams, make_dataset
-from protocol.errors import WorkloadError
 from radixfleet.cli import main
+from radixfleet.wire.errors import WorkloadError
+from radixfleet_tools.loadtest.datasets import FLAGS, RandomParams, ShareGPTParams, make_dataset
 
 
 def test_every_flag_names_a_parameter():

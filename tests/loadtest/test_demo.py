@@ -16,15 +16,15 @@ import time
 import httpx
 import pytest
 
-from loadtest.report import validate
-from tests.procs import free_port
+from radixfleet_tools.harness.procs import free_port
+from radixfleet_tools.loadtest.report import validate
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
-        importlib.util.find_spec("worker_agent.cli") is None
-        or importlib.util.find_spec("router.cli") is None,
-        reason="needs the agent (worker_agent.cli) and the router (router.cli)",
+        importlib.util.find_spec("radixfleet_tools.agent.cli") is None
+        or importlib.util.find_spec("radixfleet.server.cli") is None,
+        reason="needs the agent (radixfleet_tools.agent.cli) and the router (radixfleet.server.cli)",
     ),
 ]
 

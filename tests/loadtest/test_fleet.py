@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from loadtest.local_fleet import Fleet, FleetConfig, config_from_args, configure, load_config
-from protocol.errors import ConfigError
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.loadtest.local_fleet import Fleet, FleetConfig, config_from_args, configure, load_config
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -18,15 +18,15 @@ import time
 
 import pytest
 
-from loadtest import metrics
-from loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes, drive
-from loadtest.cli import build_load, client_headers, parse_header, parse_rates
-from loadtest.client import Result
-from loadtest.datasets import RandomDataset, RandomParams, load_sharegpt, make_dataset
-from loadtest.report import summarize, validate
-from loadtest.retry import RetryPolicy, retry_after_s
-from loadtest.workloads import Trace, make_workload, token_count
-from protocol.errors import ConfigError, WorkloadError
+from radixfleet.wire.errors import ConfigError, WorkloadError
+from radixfleet_tools.loadtest import metrics
+from radixfleet_tools.loadtest.arrivals import Bounds, Closed, Poisson, TraceTimes, drive
+from radixfleet_tools.loadtest.cli import build_load, client_headers, parse_header, parse_rates
+from radixfleet_tools.loadtest.client import Result
+from radixfleet_tools.loadtest.datasets import RandomDataset, RandomParams, load_sharegpt, make_dataset
+from radixfleet_tools.loadtest.report import summarize, validate
+from radixfleet_tools.loadtest.retry import RetryPolicy, retry_after_s
+from radixfleet_tools.loadtest.workloads import Trace, make_workload, token_count
 from tests.vclock import run_virtual
 
 
@@ -448,8 +448,8 @@ def test_sharegpt_bad_files_name_file_line_and_field(tmp_path):
 
 
 def test_list_workloads_names_each_workload_what_it_sends_and_its_options(capsys):
-    from loadtest.cli import configure, run
-    from loadtest.workloads import WORKLOADS
+    from radixfleet_tools.loadtest.cli import configure, run
+    from radixfleet_tools.loadtest.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser()
     configure(parser)

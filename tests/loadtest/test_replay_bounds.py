@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 import json
 
-from loadtest.arrivals import Bounds
-from loadtest.report import render_table, summarize, validate
-from loadtest.workloads import make_workload
 from radixfleet.cli import main
+from radixfleet_tools.loadtest.arrivals import Bounds
+from radixfleet_tools.loadtest.report import render_table, summarize, validate
+from radixfleet_tools.loadtest.workloads import make_workload
 
 
 def _trace(path, n: int) -> str:
@@ -137,7 +137,7 @@ async def test_unbounded_drive_ends_when_the_workload_does():
     last request leave (it once waited forever for a change that had happened)."""
     import asyncio
 
-    from loadtest.arrivals import Closed, drive
+    from radixfleet_tools.loadtest.arrivals import Closed, drive
 
     w = make_workload("multiturn", {"clients": 5, "rounds": 3, "question_tokens": 4, "output_tokens": 2}, 0)
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from loadtest.client import Result
-from loadtest.prefix_trie import PrefixTrie, common_tokens
-from loadtest.report import (
+from radixfleet_tools.loadtest.client import Result
+from radixfleet_tools.loadtest.prefix_trie import PrefixTrie, common_tokens
+from radixfleet_tools.loadtest.report import (
     CacheReference,
     percentiles,
     render_table,
@@ -18,7 +18,7 @@ from loadtest.report import (
     write_json,
     write_plots,
 )
-from loadtest.workloads import RequestSpec
+from radixfleet_tools.loadtest.workloads import RequestSpec
 
 
 def tok(*words: str) -> bytes:
@@ -196,7 +196,7 @@ def test_percentiles_nearest_rank():
 
 
 def test_percentile_is_the_nearest_rank_of_any_order():
-    from loadtest.report import percentile
+    from radixfleet_tools.loadtest.report import percentile
 
     xs = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert [percentile(xs, q) for q in (0.01, 0.2, 0.5, 0.99, 1.0)] == [1, 1, 3, 5, 5]
@@ -229,7 +229,7 @@ def test_table_and_plots(tmp_path):
 
 def test_pooled_agent_cache_agrees_with_the_trie_lru():
     """The pooled reference (the agent's RadixCache) evicts exactly as PrefixTrie's LRU."""
-    from loadtest.report import AgentLRU
+    from radixfleet_tools.loadtest.report import AgentLRU
 
     rng = random.Random(3)
     seen: list[bytes] = []
@@ -268,7 +268,7 @@ def test_references_cache_answers_like_an_engine():
     )
     est, oracle, pooled = ref.observe(nxt)
     # history through the answer's tokens is cached: everything but '<|end|>\n' onwards
-    from loadtest.report import prompt_bytes
+    from radixfleet_tools.loadtest.report import prompt_bytes
 
     head = prompt_bytes(first) + b" abc def"
     assert oracle == pooled == len(head) // 4
@@ -276,7 +276,7 @@ def test_references_cache_answers_like_an_engine():
 
 
 def test_progress_bar_quiet_off_a_tty_and_live_on_one(capsys):
-    from loadtest.report import Progress
+    from radixfleet_tools.loadtest.report import Progress
 
     with Progress("x", 3) as bar:  # pytest's stderr is not a TTY
         assert not bar.enabled

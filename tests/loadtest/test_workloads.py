@@ -7,9 +7,12 @@ import json
 import annotated_types
 import pytest
 
-from loadtest.prefix_trie import as_tokens, common_tokens
-from loadtest.report import prompt_bytes
-from loadtest.workloads import (
+from radixfleet.keys import BYTES_PER_TOKEN
+from radixfleet.wire.errors import WorkloadError
+from radixfleet.wire.settings import keys_of
+from radixfleet_tools.loadtest.prefix_trie import as_tokens, common_tokens
+from radixfleet_tools.loadtest.report import prompt_bytes
+from radixfleet_tools.loadtest.workloads import (
     WORKLOADS,
     ChatSession,
     SingleShot,
@@ -19,9 +22,6 @@ from loadtest.workloads import (
     text_of,
     token_count,
 )
-from protocol.errors import WorkloadError
-from protocol.prefix_keys import BYTES_PER_TOKEN
-from protocol.settings import keys_of
 
 
 def shared_tokens(a, b) -> int:
@@ -349,9 +349,9 @@ def test_a_bad_option_on_the_command_line_is_one_line_and_exit_2(capsys):
 
 
 def test_the_workload_listing_is_generated_from_each_schema(monkeypatch):
-    from loadtest.cli import list_workloads, workload_options_help
-    from loadtest.workloads import Workload
-    from protocol.settings import setting, settings
+    from radixfleet.wire.settings import setting, settings
+    from radixfleet_tools.loadtest.cli import list_workloads, workload_options_help
+    from radixfleet_tools.loadtest.workloads import Workload
 
     @settings
     class EchoParams:

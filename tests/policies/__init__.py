@@ -1,1 +1,1 @@
-"""Tests of the routing policies (policies/)."""
+"""Tests of the routing policies (radixfleet/policies/)."""

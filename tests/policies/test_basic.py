@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import random
 
-from policies.base import MatchResult, Reason, RouteRequest, WorkerView
-from policies.consistent_hash import ConsistentHash
-from policies.registry import build_policy
+from radixfleet.policies.base import MatchResult, Reason, RouteRequest, WorkerView
+from radixfleet.policies.consistent_hash import ConsistentHash
+from radixfleet.policies.registry import build_policy
 
 EMPTY = MatchResult({})
 

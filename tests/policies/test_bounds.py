@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import MatchResult, RouteRequest, WorkerView
-from policies.registry import POLICIES, build_policy
-from protocol.errors import MalformedRequest
-from protocol.events import MAX_LOAD_COUNT, MAX_RATE, MIN_RATE, Load, parse_batch
-from router.config import parse_config
+from radixfleet.config import parse_config
+from radixfleet.policies.base import MatchResult, RouteRequest, WorkerView
+from radixfleet.policies.registry import POLICIES, build_policy
+from radixfleet.wire.errors import MalformedRequest
+from radixfleet.wire.events import MAX_LOAD_COUNT, MAX_RATE, MIN_RATE, Load, parse_batch
 
 _count = st.integers(0, MAX_LOAD_COUNT)
 _views = st.lists(
@@ -61,8 +61,8 @@ def test_every_policy_decides_on_any_valid_view(views, blocks, rate, prompt, see
 
 
 def test_views_stay_within_bounds_whatever_was_reported():
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
 
     cfg = parse_config({"workers": [{"url": "http://127.0.0.1:9", "id": "a"}]})
     pool = Pool(cfg, PrefixIndex(1 << 20, 30.0))

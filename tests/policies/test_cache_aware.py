@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from loadtest.simulator.harness import PickLoop
-from policies.base import MatchResult, Reason, RouteRequest, WorkerView
-from policies.registry import build_policy
-from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.policies.base import MatchResult, Reason, RouteRequest, WorkerView
+from radixfleet.policies.registry import build_policy
+from radixfleet_tools.loadtest.simulator.harness import PickLoop
 
 
 def vs(*in_flight):

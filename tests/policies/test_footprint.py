@@ -1,4 +1,4 @@
-"""policies.footprint: sessions found by their tips, counted from their second turn,
+"""radixfleet.policies.footprint: sessions found by their tips, counted from their second turn,
 ended after their own gaps; and prefix_load moving sessions off a crowded worker."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from policies.base import MatchResult, Reason, RouteRequest, WorkerView
-from policies.footprint import Footprints
-from policies.registry import build_policy
+from radixfleet.policies.base import MatchResult, Reason, RouteRequest, WorkerView
+from radixfleet.policies.footprint import Footprints
+from radixfleet.policies.registry import build_policy
 
 BT = 16
 SHARED = list(range(1000, 1100))  # a 100-block shared prefix (1,600 tokens)

@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from loadtest.simulator.harness import PickLoop, counts
-from policies.base import MatchResult, Reason, RouteRequest, WorkerView
-from policies.prefix_load import PrefixLoad
-from policies.registry import build_policy
-from policies.replication import HotRoots
-from protocol.prefix_keys import Endpoint, request_key
-from router.prefix_index import PrefixIndex
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.policies.base import MatchResult, Reason, RouteRequest, WorkerView
+from radixfleet.policies.prefix_load import PrefixLoad
+from radixfleet.policies.registry import build_policy
+from radixfleet.policies.replication import HotRoots
+from radixfleet_tools.loadtest.simulator.harness import PickLoop, counts
 
 W4 = [f"w{i}" for i in range(4)]
 W8 = [f"w{i}" for i in range(8)]

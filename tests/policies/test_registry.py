@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from policies.base import Policy, PolicyParams
-from policies.params import check_defaults
-from policies.registry import (
+from radixfleet.policies.base import Policy, PolicyParams
+from radixfleet.policies.params import check_defaults
+from radixfleet.policies.registry import (
     DEFAULT_POLICY,
     POLICIES,
     build_policy,
@@ -17,7 +17,7 @@ from policies.registry import (
     parse_policy_params,
     policy_names,
 )
-from protocol.errors import ConfigError
+from radixfleet.wire.errors import ConfigError
 
 NAMES = [
     "cache_aware",

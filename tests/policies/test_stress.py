@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from policies.base import Decision, MatchResult, Reason, RouteRequest, WorkerView
-from policies.registry import build_policy, policy_names
 from radixfleet.cli import main as cli_main
+from radixfleet.policies.base import Decision, MatchResult, Reason, RouteRequest, WorkerView
+from radixfleet.policies.registry import build_policy, policy_names
 
 
 def _run(name: str, seed: int, steps: int = 800, workload: int = 11) -> list[Decision]:

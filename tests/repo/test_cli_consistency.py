@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from protocol.errors import ConfigError
-from radixfleet.bench import BENCHMARKS
 from radixfleet.cli import SUBCOMMANDS, build_parser
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.bench import BENCHMARKS
 
 
 def _sub(*names: str) -> argparse.ArgumentParser:
@@ -122,8 +122,8 @@ def test_log_levels_are_case_insensitive_everywhere(capsys):
 
 
 def test_policy_params_one_syntax_with_the_policy_prefix_optional():
-    from loadtest.simulator.cli import _policy_params
-    from router.cli import policy_params
+    from radixfleet.server.cli import policy_params
+    from radixfleet_tools.loadtest.simulator.cli import _policy_params
 
     assert policy_params(["footprint_room=0", "prefix_load.tie_s=0.5"], policy="prefix_load") == {
         "footprint_room": 0,

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "DESIGN.md"
 ARCHITECTURE = ROOT / "ARCHITECTURE.md"
 #: the project's Python packages (each has an __init__.py and a row per module)
-PACKAGES = ("protocol", "service", "policies", "router", "worker_agent", "loadtest", "radixfleet")
+PACKAGES = ("radixfleet", "radixfleet_tools")
 SKIP_DIRS = {".git", ".cache", "__pycache__", ".pytest_cache", "node_modules"}
 
 
@@ -94,7 +94,7 @@ def _table_rows() -> list[tuple[str, str]]:
 
 def _named_in_first_cells() -> set[str]:
     """Every path a row's first cell names. A bare ``name.py`` is in the folder of the
-    path before it in the same cell (``router/engines/link.py``, ``manager.py``)."""
+    path before it in the same cell (``radixfleet/engines/link.py``, ``manager.py``)."""
     named = set()
     for first, _ in _table_rows():
         folder = ""

@@ -1,4 +1,4 @@
-"""An engine kind's facts live in its adapter (router/engines/adapters/, ARCHITECTURE.md
+"""An engine kind's facts live in its adapter (radixfleet/engines/adapters/, ARCHITECTURE.md
 "engines"): no other module of the router branches on a kind.
 
 A branch on a kind is a comparison (``==``, ``!=``, ``is``, ``is not``, ``in``, ``not
@@ -16,9 +16,9 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = {"agent", "vllm", "sglang", "openai"}
 #: where kinds are spelled out: the kinds themselves, their adapters, and the config
-#: schema's cross-field checks (a kind's keys: router/config/)
-ALLOWED = {"router/engines/kinds.py"}
-ALLOWED_DIRS = ("router/engines/adapters/", "router/config/")
+#: schema's cross-field checks (a kind's keys: radixfleet/config/)
+ALLOWED = {"radixfleet/engines/kinds.py"}
+ALLOWED_DIRS = ("radixfleet/engines/adapters/", "radixfleet/config/")
 
 
 def _mentions_kind(node: ast.AST) -> bool:

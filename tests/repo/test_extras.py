@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-OURS = ("protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet")
+OURS = ("radixfleet", "radixfleet_tools")
 #: the top-level modules each extra installs (pyproject.toml [project.optional-dependencies])
 EXTRA_MODULES = {
     "engines": ("zmq", "msgpack", "transformers", "huggingface_hub", "jinja2", "tokenizers", "fastokens"),
@@ -60,19 +60,19 @@ def test_the_blocker_blocks():
     "module",
     [
         "radixfleet.cli",
-        "router.cli",
-        "router.app",
-        "router.reload",
-        "router.engines.manager",
-        "router.discovery.k8s",
-        "router.bus.replica",
-        "worker_agent.cli",
-        "worker_agent.server",
-        "loadtest.local_fleet",
-        "loadtest.cli",
-        "loadtest.demo",
-        "loadtest.simulator.cli",
-        "loadtest.analyze",
+        "radixfleet.server.cli",
+        "radixfleet.server.app",
+        "radixfleet.config.reload",
+        "radixfleet.engines.manager",
+        "radixfleet.fleet.discovery.k8s",
+        "radixfleet.bus.replica",
+        "radixfleet_tools.agent.cli",
+        "radixfleet_tools.agent.server",
+        "radixfleet_tools.loadtest.local_fleet",
+        "radixfleet_tools.loadtest.cli",
+        "radixfleet_tools.loadtest.demo",
+        "radixfleet_tools.loadtest.simulator.cli",
+        "radixfleet_tools.loadtest.analyze",
     ],
 )
 def test_entry_points_import_on_a_base_install(module):
@@ -114,11 +114,11 @@ def test_each_feature_names_its_extra():
     with base_install():
         from prometheus_client import CollectorRegistry
 
-        from protocol.errors import MissingExtra
-        from router.config import K8sDiscoveryConfig
-        from router.discovery.base import DiscoveryMetrics
-        from router.discovery.k8s import KubernetesSource
-        from service.bus_connection import BusConnection, BusMetrics
+        from radixfleet.common.bus_connection import BusConnection, BusMetrics
+        from radixfleet.config import K8sDiscoveryConfig
+        from radixfleet.fleet.discovery.base import DiscoveryMetrics
+        from radixfleet.fleet.discovery.k8s import KubernetesSource
+        from radixfleet.wire.errors import MissingExtra
 
         async def on_up(nc, js) -> None:  # never called
             raise AssertionError
@@ -130,10 +130,12 @@ def test_each_feature_names_its_extra():
             "k8s": lambda: KubernetesSource(
                 K8sDiscoveryConfig(), DiscoveryMetrics(CollectorRegistry())
             )._client(),
-            "engines": lambda: importlib.import_module("router.engines.chat_render"),
-            "plots": lambda: importlib.import_module("loadtest.report").write_plots([], "x", {}),
-            "tracing": lambda: importlib.import_module("router.tracing"),
-            "gateway": lambda: importlib.import_module("router.epp.protocol").pb(),
+            "engines": lambda: importlib.import_module("radixfleet.engines.chat_render"),
+            "plots": lambda: importlib.import_module("radixfleet_tools.loadtest.report").write_plots(
+                [], "x", {}
+            ),
+            "tracing": lambda: importlib.import_module("radixfleet.server.tracing"),
+            "gateway": lambda: importlib.import_module("radixfleet.gateway.protocol").pb(),
         }
         for extra, make in cases.items():
             with pytest.raises(MissingExtra) as got:
@@ -155,7 +157,7 @@ def test_check_config_with_tracing_names_the_extra_on_a_base_install(tmp_path, c
 
 
 class _Exchange:
-    """The least exchange the data plane serves (router.dataplane's docstring)."""
+    """The least exchange the data plane serves (radixfleet.server.dataplane's docstring)."""
 
     def __init__(self, body: bytes) -> None:
         self.headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
@@ -175,9 +177,9 @@ def test_a_request_with_tracing_off_needs_no_opentelemetry():
     import asyncio
 
     with base_install():
-        from protocol.prefix_keys import Endpoint
-        from router.app import Router
-        from router.config import parse_config
+        from radixfleet.config import parse_config
+        from radixfleet.keys import Endpoint
+        from radixfleet.server.app import Router
 
         router = Router(parse_config({"workers": ["http://127.0.0.1:9001"]}))
         ex = _Exchange(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')

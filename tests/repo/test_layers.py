@@ -1,21 +1,24 @@
 """Imports run one way (ARCHITECTURE.md, "Layers").
 
-    protocol                      prefix keys, event and bus wire formats, identifier
-                                  bounds, OpenAPI documents, errors: imports none of ours
-    service       -> protocol     what both servers are built from (HTTP errors, JSON
-                                  bodies, tokens, tenant salts, metrics, the NATS link)
-    policies      -> protocol     pure decisions over views
-    router        -> protocol, service, policies
-    worker_agent  -> protocol, service, policies   (never the router: they are peers)
-    loadtest      -> protocol, service, router, policies, worker_agent
-    radixfleet    -> everything   the ``radixfleet`` command and ``radixfleet bench``
+    wire      radixfleet.wire, radixfleet.keys   prefix keys, event and bus wire formats,
+                                                 identifier bounds, OpenAPI, errors: imports none of ours
+    common    radixfleet.common -> wire          what both servers are built from (HTTP errors,
+                                                 JSON bodies, tokens, tenant salts, metrics, the NATS link)
+    policies  radixfleet.policies -> wire        pure decisions over views
+    router    radixfleet.{index,route,fleet,engines,bus,config,server,gateway}
+                                -> wire, common, policies
+    agent     radixfleet_tools.agent -> wire, common, policies   (never the router: they are peers)
+    loadtest  radixfleet_tools.loadtest -> wire, common, policies, router, agent
+    top       radixfleet.cli, radixfleet.gateway.envoy, radixfleet_tools.bench,
+              radixfleet_tools.harness (the tests' and benchmarks' process helpers) -> everything
 
 An arrow the other way (the router importing the load generator to run a benchmark,
 the agent's bus publisher living in the router) makes a lower layer carry an upper
 one's code and dependencies: this walks every module's imports, lazy ones included,
-with ``ast``. Within the layers no module imports itself back through others (a
-circle, ``TYPE_CHECKING`` and lazy imports included): two modules that need each
-other are one module, or share a third below them.
+with ``ast``; every module of ours belongs to a layer. Within the layers no module
+imports itself back through others (a circle, ``TYPE_CHECKING`` and lazy imports
+included): two modules that need each other are one module, or share a third below
+them.
 
 The tests follow one rule of their own (ARCHITECTURE.md, "Tests"): a test module sits
 in its component's folder, not flat in ``tests/``, and imports no other test module
@@ -28,51 +31,129 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-LAYERS = ("protocol", "service", "policies", "router", "worker_agent", "loadtest", "radixfleet")
-#: what each package may import of ours (besides itself)
+#: the two import roots of the distribution
+ROOTS = ("radixfleet", "radixfleet_tools")
+#: layer -> the module prefixes it holds (the longest prefix names a module's layer)
+LAYERS: dict[str, tuple[str, ...]] = {
+    "wire": ("radixfleet.wire", "radixfleet.keys"),
+    "common": ("radixfleet.common",),
+    "policies": ("radixfleet.policies",),
+    "router": (
+        "radixfleet.index",
+        "radixfleet.route",
+        "radixfleet.fleet",
+        "radixfleet.engines",
+        "radixfleet.bus",
+        "radixfleet.config",
+        "radixfleet.server",
+        "radixfleet.gateway",
+    ),
+    "agent": ("radixfleet_tools.agent",),
+    "loadtest": ("radixfleet_tools.loadtest",),
+    # the commands that put everything together: the CLI's table, Envoy's launcher
+    # (it runs Envoy as a child process of the load generator's fleet), the benchmarks
+    "top": (
+        "radixfleet",
+        "radixfleet_tools",
+        "radixfleet.cli",
+        "radixfleet.gateway.envoy",
+        "radixfleet_tools.bench",
+        "radixfleet_tools.harness",
+    ),
+}
+#: what each layer may import of ours (besides itself)
 ALLOWED = {
-    "protocol": set(),
-    "service": {"protocol"},
-    "policies": {"protocol"},
-    "router": {"protocol", "service", "policies"},
-    "worker_agent": {"protocol", "service", "policies"},
-    "loadtest": {"protocol", "service", "policies", "router", "worker_agent"},
-    "radixfleet": set(LAYERS),
+    "wire": set(),
+    "common": {"wire"},
+    "policies": {"wire"},
+    "router": {"wire", "common", "policies"},
+    "agent": {"wire", "common", "policies"},
+    "loadtest": {"wire", "common", "policies", "router", "agent"},
+    "top": set(LAYERS),
 }
 
 
+def layer_of(module: str) -> str | None:
+    """The layer of a dotted name of ours (a module, or a name inside one); None for
+    a module not of ours. A package root alone (``radixfleet``) is the top."""
+    if module.split(".")[0] not in ROOTS:
+        return None
+    best, found = -1, "unplaced"
+    for layer, prefixes in LAYERS.items():
+        for p in prefixes:
+            if (module == p or (module.startswith(p + ".") and p not in ROOTS)) and len(p) > best:
+                best, found = len(p), layer
+    return found
+
+
 def _imports(path: pathlib.Path):
+    """(line, dotted name) of each import of ours; ``from radixfleet import keys``
+    imports ``radixfleet.keys``."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for a in node.names:
-                yield node.lineno, a.name.split(".")[0]
+                if a.name.split(".")[0] in ROOTS:
+                    yield node.lineno, a.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.lineno, node.module.split(".")[0]
+            if node.module.split(".")[0] not in ROOTS:
+                continue
+            if node.module in ROOTS:
+                for a in node.names:
+                    yield node.lineno, f"{node.module}.{a.name}"
+            else:
+                yield node.lineno, node.module
+
+
+def _our_files():
+    for root in ROOTS:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            yield path, ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_every_module_has_a_layer():
+    unplaced = [mod for _, mod in _our_files() if layer_of(mod) == "unplaced"]
+    assert not unplaced, f"modules in no layer (add their package to LAYERS): {unplaced}"
 
 
 def test_every_import_points_down_the_layers():
     wrong = []
-    for pkg in LAYERS:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            for line, top in _imports(path):
-                if top in LAYERS and top != pkg and top not in ALLOWED[pkg]:
-                    wrong.append(f"{rel}:{line} imports {top}")
+    for path, mod in _our_files():
+        rel = path.relative_to(ROOT).as_posix()
+        here = layer_of(mod)
+        for line, name in _imports(path):
+            there = layer_of(name)
+            if there in (None, here) or there in ALLOWED.get(here, set()):
+                continue
+            wrong.append(f"{rel}:{line} imports {name} ({here} -> {there})")
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
 
 def test_the_layer_check_sees_a_wrong_arrow(tmp_path):
     bad = tmp_path / "m.py"
-    bad.write_text("def f():\n    from loadtest.local_fleet import Fleet\n")
-    assert list(_imports(bad)) == [(2, "loadtest")]
+    bad.write_text(
+        "def f():\n    from radixfleet_tools.loadtest.local_fleet import Fleet\n"
+        "import radixfleet.server.app\nfrom radixfleet import keys\nimport json\n"
+    )
+    found = list(_imports(bad))
+    assert found == [
+        (2, "radixfleet_tools.loadtest.local_fleet"),
+        (3, "radixfleet.server.app"),
+        (4, "radixfleet.keys"),
+    ] or sorted(found) == sorted(
+        [(2, "radixfleet_tools.loadtest.local_fleet"), (3, "radixfleet.server.app"), (4, "radixfleet.keys")]
+    )
+    assert [layer_of(n) for _, n in sorted(found)] == ["loadtest", "router", "wire"]
+    assert layer_of("radixfleet.gateway.envoy") == "top" and layer_of("radixfleet.gateway.server") == "router"
+    assert layer_of("radixfleet.newpkg.x") == "unplaced" and layer_of("json") is None
 
 
 def _module_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
     """module -> the modules of ours it imports (``from p import m`` of a module ``m``
     is an import of ``p.m``; of a name, of ``p``)."""
     mods = {}
-    for pkg in LAYERS:
-        for path in (root / pkg).rglob("*.py"):
+    for top in ROOTS:
+        for path in (root / top).rglob("*.py"):
             parts = path.relative_to(root).with_suffix("").parts
             mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
 
@@ -96,7 +177,8 @@ def _module_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
                 names = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
-            out.update(t for t in map(ours, names) if t is not None and t != mod)
+            # a package's own __init__ is not an edge (importing radixfleet.x runs it)
+            out.update(t for t in map(ours, names) if t is not None and t != mod and t not in ROOTS)
         graph[mod] = out
     return graph
 
@@ -149,18 +231,23 @@ def test_no_module_imports_itself_back():
 
 
 def test_the_circle_check_sees_a_circle(tmp_path):
-    for pkg in LAYERS:
-        (tmp_path / pkg).mkdir()
-    (tmp_path / "loadtest" / "__init__.py").write_text("")
-    (tmp_path / "loadtest" / "a.py").write_text("from loadtest.b import run\n")
-    (tmp_path / "loadtest" / "b.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n"
-    )
-    (tmp_path / "loadtest" / "c.py").write_text("def f():\n    from loadtest import a\n")
-    (tmp_path / "loadtest" / "d.py").write_text("import loadtest.a\n")
+    for top in ROOTS:
+        (tmp_path / top).mkdir()
+    lt = tmp_path / "radixfleet_tools" / "loadtest"
+    lt.mkdir()
+    (lt / "__init__.py").write_text("")
+    (lt / "a.py").write_text("from radixfleet_tools.loadtest.b import run\n")
+    (lt / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n")
+    (lt / "c.py").write_text("def f():\n    from radixfleet_tools.loadtest import a\n")
+    (lt / "d.py").write_text("import radixfleet_tools.loadtest.a\n")
     graph = _module_graph(tmp_path)
-    assert graph["loadtest.c"] == {"loadtest", "loadtest.a"}
-    assert _circles(graph) == [["loadtest.a", "loadtest.b", "loadtest.c"]]
+    assert graph["radixfleet_tools.loadtest.c"] == {
+        "radixfleet_tools.loadtest",
+        "radixfleet_tools.loadtest.a",
+    }
+    assert _circles(graph) == [
+        ["radixfleet_tools.loadtest.a", "radixfleet_tools.loadtest.b", "radixfleet_tools.loadtest.c"]
+    ]
 
 
 def _test_module_imports(path: pathlib.Path):
@@ -191,7 +278,7 @@ def test_no_module_imports_a_test_module():
 def test_the_test_import_check_sees_one(tmp_path):
     bad = tmp_path / "m.py"
     bad.write_text(
-        "from tests.procs import Proc\nfrom tests.router.test_front import BODY\n"
+        "from radixfleet_tools.harness.procs import Proc\nfrom tests.router.test_front import BODY\n"
         "import tests.test_x\nfrom tests.router import test_units\n"
     )
     assert list(_test_module_imports(bad)) == [
@@ -208,33 +295,33 @@ def test_test_modules_live_in_component_folders():
 
 # ------------------------------------------------------------- the route core
 
-#: what the route core (router/route.py) may import at run time: pure decisions and
+#: what the route core (radixfleet/route/core.py) may import at run time: pure decisions and
 #: data, never I/O (sockets, the event loop, HTTP, the bus, the engines' links)
-ROUTE_CORE = "router/route.py"
+ROUTE_CORE = "radixfleet/route/core.py"
 IO_MODULES = ("asyncio", "socket", "aiohttp", "httpx", "zmq", "nats", "selectors", "ssl", "subprocess")
 #: modules of ours that do I/O: the route core sees their objects through duck types
 IO_OURS = (
-    "router.dataplane",
-    "router.front",
-    "router.upstream",
-    "router.app",
-    "router.pool",
-    "router.engines.link",
-    "router.engines.manager",
-    "router.bus",
-    "router.admission_queue",
+    "radixfleet.server.dataplane",
+    "radixfleet.server.front",
+    "radixfleet.server.upstream",
+    "radixfleet.server.app",
+    "radixfleet.fleet.pool",
+    "radixfleet.engines.link",
+    "radixfleet.engines.manager",
+    "radixfleet.bus",
+    "radixfleet.route.admission_queue",
 )
 #: the route core's callers: none keeps a copy of the path, and none but the router's
 #: own shell imports the data plane
 CALLERS = (
-    "router/attempts.py",
-    "router/warm.py",
-    "router/pd.py",
-    "router/prefetch.py",
-    "loadtest/simulator/simulation.py",
-    "loadtest/simulator/disagg.py",
-    "loadtest/simulator/harness.py",
-    "radixfleet/bench/routing.py",
+    "radixfleet/server/attempts.py",
+    "radixfleet/server/warm.py",
+    "radixfleet/route/pd.py",
+    "radixfleet/server/prefetch.py",
+    "radixfleet_tools/loadtest/simulator/simulation.py",
+    "radixfleet_tools/loadtest/simulator/disagg.py",
+    "radixfleet_tools/loadtest/simulator/harness.py",
+    "radixfleet_tools/bench/routing.py",
 )
 #: the request path's own calls, which only the route core makes
 PATH_CALLS = (".policy.choose(", "pool.pick(", "index.insert(", "shedder.check(")
@@ -242,7 +329,7 @@ PATH_CALLS = (".policy.choose(", "pool.pick(", "index.insert(", "shedder.check("
 NOT_THE_PATH = {
     # a warm-up's blocks entering the index when its prefill ends: the agent's stored
     # event (feedback truth), not the pick's hint
-    ("loadtest/simulator/harness.py", "index.insert("): 1,
+    ("radixfleet_tools/loadtest/simulator/harness.py", "index.insert("): 1,
 }
 
 
@@ -278,7 +365,7 @@ def test_no_caller_of_the_route_core_imports_the_data_plane():
         f"{rel}:{line} imports {mod}"
         for rel in CALLERS
         for line, mod in _runtime_imports(ROOT / rel)
-        if mod == "router.dataplane" or mod.startswith("router.dataplane.")
+        if mod == "radixfleet.server.dataplane" or mod.startswith("radixfleet.server.dataplane.")
     ]
     assert not wrong, "the data plane is one caller of the route core, not a library:\n" + "\n".join(wrong)
 
@@ -287,13 +374,13 @@ def test_the_request_path_is_decided_in_one_place():
     """Outside the route core, no module of the request path chooses with the policy
     or places a hint and a load count itself (index.insert + pool.pick)."""
     wrong = []
-    for rel in ("router/dataplane.py", *CALLERS):
+    for rel in ("radixfleet/server/dataplane.py", *CALLERS):
         src = (ROOT / rel).read_text()
         for needle in PATH_CALLS:
             n = src.count(needle)
             if n > NOT_THE_PATH.get((rel, needle), 0):
                 wrong.append(f"{rel} calls {needle} ({n}x)")
-    assert not wrong, "route through router.route.RouteCore:\n" + "\n".join(wrong)
+    assert not wrong, "route through radixfleet.route.core.RouteCore:\n" + "\n".join(wrong)
 
 
 def test_policies_import_nothing_of_the_router():
@@ -308,36 +395,36 @@ def test_policies_import_nothing_of_the_router():
     assert not wrong, "\n".join(wrong)
 
 
-#: the router's modules that carry a routed request's bytes after its pick (router.epp
+#: the router's modules that carry a routed request's bytes after its pick (radixfleet.gateway
 #: is the gateway's carrier)
 CARRIERS = (
-    "router/dataplane.py",
-    "router/attempts.py",
-    "router/warm.py",
-    "router/pd.py",
-    "router/epp/server.py",
+    "radixfleet/server/dataplane.py",
+    "radixfleet/server/attempts.py",
+    "radixfleet/server/warm.py",
+    "radixfleet/route/pd.py",
+    "radixfleet/gateway/server.py",
 )
-#: what settling a pick takes (router.ledger's end and first_token)
+#: what settling a pick takes (radixfleet.server.ledger's end and first_token)
 SETTLING = ("pool.finish(", "pool.prefilled(", "rank_finished(", "link.observe(", "tenancy.charge(")
 
 
 def test_what_a_pick_counted_is_settled_only_by_the_ledger():
     """After the pick, no carrier releases the load, teaches the engine link or
     charges the tenant itself: each attempt and leg tells its ``RequestLedger``
-    (router/ledger.py), which keeps the release exactly-once."""
+    (radixfleet/server/ledger.py), which keeps the release exactly-once."""
     wrong = []
     for rel in CARRIERS:
         src = (ROOT / rel).read_text()
         for needle in SETTLING:
             if needle in src:
                 wrong.append(f"{rel} calls {needle}")
-    assert not wrong, "settle through router.ledger.RequestLedger:\n" + "\n".join(wrong)
+    assert not wrong, "settle through radixfleet.server.ledger.RequestLedger:\n" + "\n".join(wrong)
 
 
 def test_the_route_core_check_sees_io(tmp_path):
     bad = tmp_path / "m.py"
     bad.write_text(
         "from typing import TYPE_CHECKING\nimport asyncio\n"
-        "if TYPE_CHECKING:\n    from router.pool import Pool\n"
+        "if TYPE_CHECKING:\n    from radixfleet.fleet.pool import Pool\n"
     )
     assert list(_runtime_imports(bad)) == [(1, "typing"), (2, "asyncio")]

@@ -10,11 +10,11 @@ import schemathesis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from protocol.openapi import agent_spec, operations, router_spec
-from protocol.prefix_keys import Endpoint
-from router.app import Router
-from router.config import parse_config
-from worker_agent.server import AgentConfig, create_app
+from radixfleet.config import parse_config
+from radixfleet.keys import Endpoint
+from radixfleet.server.app import Router
+from radixfleet.wire.openapi import agent_spec, operations, router_spec
+from radixfleet_tools.agent.server import AgentConfig, create_app
 
 _METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 

@@ -23,10 +23,11 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-OWN = {"protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet", "tests"}
+OWN = {"radixfleet", "radixfleet_tools", "tests"}
 #: scripts that run under another interpreter than the project's, with why
 OTHER_ENV = {
-    "tests/engines/make_tiny_llama.py": "runs in the vLLM venv (tests/engines/vllm_env.py), which has torch",
+    "tests/engines/make_tiny_llama.py": "runs in the vLLM venv (radixfleet_tools/harness/vllm_env.py), which "
+    "has torch",
 }
 
 
@@ -70,7 +71,7 @@ def _project() -> dict:
         return tomllib.load(f)["project"]
 
 
-#: the extras a feature needs (protocol/extras.py); ``test`` and ``dev`` pull them all
+#: the extras a feature needs (radixfleet/wire/extras.py); ``test`` and ``dev`` pull them all
 FEATURE_EXTRAS = ("engines", "k8s", "bus", "plots", "tracing", "gateway")
 
 
@@ -81,9 +82,7 @@ def _runtime(proj: dict) -> set[str]:
 
 def test_runtime_imports_are_declared_dependencies():
     runtime = _runtime(_project())
-    missing = _undeclared(
-        ["protocol", "service", "router", "policies", "worker_agent", "loadtest", "radixfleet"], runtime
-    )
+    missing = _undeclared(["radixfleet", "radixfleet_tools"], runtime)
     assert not missing, f"imported but not in [project].dependencies or an extra: {missing}"
 
 

@@ -9,11 +9,11 @@ import time
 import pytest
 from aiohttp import web
 
-from radixfleet.bench.proxy import upstream_app
-from router.app import Router, RouterServer
-from router.config import parse_config
-from tests.procs import free_port
-from worker_agent.server import AgentConfig, create_app
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet_tools.agent.server import AgentConfig, create_app
+from radixfleet_tools.bench.proxy import upstream_app
+from radixfleet_tools.harness.procs import free_port
 
 HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
 
@@ -55,7 +55,7 @@ class Fleet:
     async def agent(self, served: str, *, register: bool = True, tracing=None, **kw) -> tuple[str, object]:
         """An in-process agent (simulated engine) serving ``served``; registered
         with the router (its reporter) unless ``register`` is False; its spans to
-        ``tracing`` (service.tracing), if given."""
+        ``tracing`` (radixfleet.common.tracing), if given."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cfg = AgentConfig(

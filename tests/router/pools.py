@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from router.config import parse_config
-from router.pool import HealthState, Pool
-from router.prefix_index import PrefixIndex
+from radixfleet.config import parse_config
+from radixfleet.fleet.pool import HealthState, Pool
+from radixfleet.index.prefix_index import PrefixIndex
 
 
 class Clock:

@@ -9,9 +9,9 @@ import time
 import httpx
 from aiohttp import web
 
-from router.app import Router, RouterServer
-from router.config import parse_config
-from tests.procs import Proc, free_port
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet_tools.harness.procs import Proc, free_port
 
 FAST_HEALTH = {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1}
 
@@ -68,7 +68,16 @@ async def wait_ready(base: str, timeout_s: float = 10.0) -> None:
 def upstream_proc(name: str, **flags) -> tuple[Proc, str]:
     flags.setdefault("model", "m")
     port = free_port()
-    argv = [sys.executable, "-m", "radixfleet.bench.proxy", "upstream", "--port", str(port), "--name", name]
+    argv = [
+        sys.executable,
+        "-m",
+        "radixfleet_tools.bench.proxy",
+        "upstream",
+        "--port",
+        str(port),
+        "--name",
+        name,
+    ]
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     url = f"http://127.0.0.1:{port}"

@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from router.app import Router, RouterServer
-from router.config import parse_config
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 
 pytestmark = pytest.mark.integration
 

@@ -4,8 +4,8 @@ overload (shed by default, with Retry-After), unbounded identifiers; and the met
 hygienic while it happens.
 
 A real router (the raw front, in-process, on a free port) in front of real
-upstreams (``radixfleet.bench.proxy.upstream_app``) or real agents
-(``worker_agent.server.create_app``, in-process). ``fleet`` and the raw-HTTP helpers
+upstreams (``radixfleet_tools.bench.proxy.upstream_app``) or real agents
+(``radixfleet_tools.agent.server.create_app``, in-process). ``fleet`` and the raw-HTTP helpers
 here are shared by the router's other in-process test files."""
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from protocol.errors import MalformedRequest, Overloaded
-from protocol.events import Load
-from protocol.identifiers import MAX_ID_CHARS
-from protocol.prefix_keys import Endpoint, request_key
-from router.config import ConfigError, parse_config
-from router.shedding import QueueMark, Shedder
-from service.jsonbody import MAX_DEPTH, loads, nesting_depth
-from tests.procs import free_port
+from radixfleet.common.jsonbody import MAX_DEPTH, loads, nesting_depth
+from radixfleet.config import ConfigError, parse_config
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.route.shedding import QueueMark, Shedder
+from radixfleet.wire.errors import MalformedRequest, Overloaded
+from radixfleet.wire.events import Load
+from radixfleet.wire.identifiers import MAX_ID_CHARS
+from radixfleet_tools.agent.scheduler import SchedulerConfig
+from radixfleet_tools.agent.server import AGENT_KEY, AgentConfig, create_app
+from radixfleet_tools.harness.procs import free_port
 from tests.router.fleet import (
     PROMPT,
     Fleet,
     fleet,  # noqa: F401  (fixtures)
     serve_app,
 )
-from worker_agent.scheduler import SchedulerConfig
-from worker_agent.server import AGENT_KEY, AgentConfig, create_app
 
 
 async def one_router(fleet: Fleet, **raw) -> str:
@@ -401,7 +401,7 @@ async def test_overload_is_shed_by_default_with_retry_after(fleet):
 
 
 def test_shedder_bound_follows_the_typical_request():
-    class W:  # the worker shape the shedder reads (router.pool.Worker)
+    class W:  # the worker shape the shedder reads (radixfleet.fleet.pool.Worker)
         models = ()
         base_prefill = 1000.0
         load_until = 10.0
@@ -459,7 +459,7 @@ async def test_agent_wait_queue_is_bounded():
         await srv.close()
     import argparse
 
-    from worker_agent.cli import build_config, configure
+    from radixfleet_tools.agent.cli import build_config, configure
 
     p = argparse.ArgumentParser()
     configure(p)

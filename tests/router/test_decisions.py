@@ -1,4 +1,4 @@
-"""Routing quality and the recent decisions (router.decisions): the three numbers per
+"""Routing quality and the recent decisions (radixfleet.route.decisions): the three numbers per
 answer, their counters, the bounded ring with salted keys, the policy's explanation,
 and ``GET /admin/decisions`` against a live router in front of agents."""
 
@@ -11,15 +11,15 @@ import time
 import httpx
 import pytest
 
-from policies.base import MatchResult, RouteRequest, WorkerView
-from policies.registry import build_policy
-from protocol.openapi import CANDIDATES_MAX, DECISIONS_MAX
-from protocol.prefix_keys import Endpoint, request_key
-from router.config import parse_config
-from router.decisions import MAX_CANDIDATES, MAX_SIZE, DecisionRing, Quality, quality, rule_of
-from router.engines.keyspace import KeyedRequest, SpaceKey
-from router.metrics import Metrics
-from router.route import Placement, Route
+from radixfleet.config import parse_config
+from radixfleet.engines.keyspace import KeyedRequest, SpaceKey
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.policies.base import MatchResult, RouteRequest, WorkerView
+from radixfleet.policies.registry import build_policy
+from radixfleet.route.core import Placement, Route
+from radixfleet.route.decisions import MAX_CANDIDATES, MAX_SIZE, DecisionRing, Quality, quality, rule_of
+from radixfleet.server.metrics import Metrics
+from radixfleet.wire.openapi import CANDIDATES_MAX, DECISIONS_MAX
 from tests.router.fleet import PROMPT, fleet, until  # noqa: F401 (the fixture)
 
 BT = 32  # router tokens per block at the default 128-byte blocks
@@ -181,7 +181,7 @@ def test_prefix_load_explains_its_scores_from_what_it_computed():
 
 
 def test_the_route_core_explains_only_when_asked():
-    from router.app import Router
+    from radixfleet.server.app import Router
 
     for size in (0, 16):
         router = Router(parse_config({"decisions": {"size": size}, "workers": ["http://127.0.0.1:9"]}))
@@ -245,7 +245,7 @@ async def test_admin_decisions_explain_a_live_fleet(fleet, monkeypatch, tmp_path
         out = r.json()
         page = (await c.get(fleet.admin + "/metrics")).text
     assert "question" not in r.text and "alice" not in r.text and "shared system prompt" not in r.text
-    # an unserved model is refused from its bytes, before the route core (router.screen):
+    # an unserved model is refused from its bytes, before the route core (radixfleet.server.screen):
     # no decision is kept for it
     assert out["size"] == 8 and out["kept"] == 2
     second, first = out["decisions"]

@@ -15,14 +15,14 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.config import parse_config
-from router.discovery import Discovery
-from router.discovery.base import DiscoveryMetrics, Endpoint
-from router.discovery.dns import DnsSource
-from router.pool import Pool, Source
-from router.prefix_index import PrefixIndex
+from radixfleet.config import parse_config
+from radixfleet.fleet.discovery import Discovery
+from radixfleet.fleet.discovery.base import DiscoveryMetrics, Endpoint
+from radixfleet.fleet.discovery.dns import DnsSource
+from radixfleet.fleet.pool import Pool, Source
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet_tools.harness.procs import free_port
 from tests.deploy_tools import apt_binary
-from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -189,8 +189,8 @@ async def test_router_routes_to_agents_found_in_dns(dnsmasq, tmp_path):
     real router, serve a completion; removing a record removes the worker."""
     import httpx
 
-    from router.app import Router, RouterServer
-    from tests.procs import Proc, radixfleet_argv
+    from radixfleet.server.app import Router, RouterServer
+    from radixfleet_tools.harness.procs import Proc, radixfleet_argv
 
     ap = free_port()
     agents = [

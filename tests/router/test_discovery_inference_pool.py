@@ -1,4 +1,4 @@
-"""InferencePool discovery (router/discovery/inference_pool.py): the pool's v1
+"""InferencePool discovery (radixfleet/fleet/discovery/inference_pool.py): the pool's v1
 spec read into a Pod selector and target ports, its pods' readiness into
 endpoints, and the source end to end on fake API answers (no server, no cluster):
 what it asks for and what it yields, as the list and a watch event change it."""
@@ -12,9 +12,9 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.config import K8sDiscoveryConfig, K8sSelectorSpec
-from router.discovery.base import DiscoveryMetrics, SourceError
-from router.discovery.inference_pool import InferencePoolSource, parse_pod, parse_pool
+from radixfleet.config import K8sDiscoveryConfig, K8sSelectorSpec
+from radixfleet.fleet.discovery.base import DiscoveryMetrics, SourceError
+from radixfleet.fleet.discovery.inference_pool import InferencePoolSource, parse_pod, parse_pool
 from tests.kube_fake import FakeInferenceAPIs, FakeKubeClient, make_pod
 
 

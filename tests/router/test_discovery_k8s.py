@@ -12,15 +12,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from protocol.errors import ConfigError
-from router.config import parse_config
-from router.discovery import Discovery
-from router.discovery.base import Endpoint
-from router.discovery.k8s import own_namespace, parse_slice
-from router.pool import Pool, Source
-from router.prefix_index import PrefixIndex
+from radixfleet.config import parse_config
+from radixfleet.fleet.discovery import Discovery
+from radixfleet.fleet.discovery.base import Endpoint
+from radixfleet.fleet.discovery.k8s import own_namespace, parse_slice
+from radixfleet.fleet.pool import Pool, Source
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.harness.procs import free_port
 from tests.kube_fake import FakeKubeAPI, make_slice, selector_matches
-from tests.procs import free_port
 
 NS = "inference"
 SEL = "radixfleet.io/pool=vllm"
@@ -125,7 +125,7 @@ def test_fake_selector_grammar():
 
 
 def test_own_namespace_comes_from_the_service_account(tmp_path):
-    from router.discovery.base import SourceError
+    from radixfleet.fleet.discovery.base import SourceError
 
     p = tmp_path / "namespace"
     p.write_text("inference\n")
@@ -198,8 +198,8 @@ async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
     1 s of the fake server writing its watch event (it takes milliseconds)."""
     import httpx
 
-    from router.app import Router, RouterServer
-    from tests.procs import Proc, radixfleet_argv
+    from radixfleet.server.app import Router, RouterServer
+    from radixfleet_tools.harness.procs import Proc, radixfleet_argv
 
     ap = free_port()
     agents = [

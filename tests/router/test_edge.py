@@ -1,4 +1,4 @@
-"""router/edge.py: the P/D fields a client may not set, and no answer carries back."""
+"""radixfleet/server/edge.py: the P/D fields a client may not set, and no answer carries back."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from protocol.errors import MalformedRequest
-from router.edge import ROUTER_FIELDS, check_request, scrub_answer
-from router.sse import StreamWatch
+from radixfleet.server.edge import ROUTER_FIELDS, check_request, scrub_answer
+from radixfleet.server.sse import StreamWatch
+from radixfleet.wire.errors import MalformedRequest
 
 LEAK = {"do_remote_prefill": True, "remote_engine_id": "w-7", "remote_host": "10.0.0.7", "remote_port": 5600}
 

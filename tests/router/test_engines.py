@@ -10,12 +10,12 @@ import json
 import pytest
 from aiohttp import web
 
-from protocol.errors import ConfigError
-from router.cli import worker_entry
-from router.config import parse_config
-from router.engines.accuracy import PredictionStats, predicted_tokens
-from router.engines.kinds import WorkerKind, kind_from_metrics, models_from
-from router.sse import StreamWatch, usage_of
+from radixfleet.config import parse_config
+from radixfleet.engines.accuracy import PredictionStats, predicted_tokens
+from radixfleet.engines.kinds import WorkerKind, kind_from_metrics, models_from
+from radixfleet.server.cli import worker_entry
+from radixfleet.server.sse import StreamWatch, usage_of
+from radixfleet.wire.errors import ConfigError
 
 
 def ev(obj) -> bytes:
@@ -47,7 +47,7 @@ def test_role_chunk_is_not_the_first_token():
 
 
 def test_completion_tokens_are_read_from_usage_or_meta_info():
-    from router.sse import completion_tokens_of
+    from radixfleet.server.sse import completion_tokens_of
 
     assert completion_tokens_of({"usage": {"completion_tokens": 7}}) == 7
     assert completion_tokens_of({"meta_info": {"completion_tokens": 3}}) == 3
@@ -334,7 +334,7 @@ async def _serve(app: web.Application):
 async def test_stream_load_held_until_first_content_token_and_usage_hidden():
     import aiohttp
 
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
 
     fake = FakeEngine(prefill_s=0.4)
     runner, url = await _serve(fake.app())
@@ -380,7 +380,7 @@ async def test_stream_load_held_until_first_content_token_and_usage_hidden():
 async def test_traffic_log_and_autoscale_signal_are_wired_into_the_router(tmp_path):
     import aiohttp
 
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
 
     fake = FakeEngine(prefill_s=0.0)
     runner, url = await _serve(fake.app())
@@ -432,9 +432,9 @@ async def test_shed_requests_are_logged_as_offered_load(tmp_path):
     (served) figures."""
     import aiohttp
 
-    from loadtest.analyze import Options, analyze
-    from protocol.errors import Overloaded
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
+    from radixfleet.wire.errors import Overloaded
+    from radixfleet_tools.loadtest.analyze import Options, analyze
 
     fake = FakeEngine(prefill_s=0.0)
     runner, url = await _serve(fake.app())
@@ -532,8 +532,8 @@ async def test_traffic_log_records_the_status_the_client_got(tmp_path):
     analyze counts them apart from the served requests."""
     import aiohttp
 
-    from loadtest.analyze import Options, analyze
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
+    from radixfleet_tools.loadtest.analyze import Options, analyze
 
     fake = FaultyEngine(prefill_s=0.0)
     runner, url = await _serve(fake.app())
@@ -592,10 +592,10 @@ async def test_links_of_one_tokenizer_share_a_single_load(tmp_path):
     both links keyed (concurrent loads of one folder left one worker on bytes)."""
     from prometheus_client import CollectorRegistry
 
-    from radixfleet.bench.tiny_tokenizer import build
-    from router.engines.manager import Engines
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.engines.manager import Engines
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
+    from radixfleet_tools.bench.tiny_tokenizer import build
 
     src = build(str(tmp_path / "tok"))
     cfg = parse_config({})
@@ -672,7 +672,7 @@ async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
 
     import aiohttp
 
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
 
     fakes = [FakeVllm(), FakeVllm()]
     served = [await _serve(f.app()) for f in fakes]
@@ -748,7 +748,7 @@ async def test_an_engine_queue_the_router_did_not_send_is_priced_and_avoided():
 async def test_a_plain_engines_configured_kv_capacity_reaches_the_policy_view():
     """No load report ever comes from a plain engine, yet its KV capacity is known
     (YAML): prefix_load's KV-turnover rule reads it from the view."""
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
 
     fake = FakeEngine(prefill_s=0.0)
     runner, url = await _serve(fake.app())
@@ -784,7 +784,7 @@ async def test_a_byte_keyed_engines_configured_kv_capacity_caps_its_index_entrie
 
     import aiohttp
 
-    from router.app import Router, RouterServer
+    from radixfleet.server.app import Router, RouterServer
 
     fake = FakeEngine(prefill_s=0.0)
     runner, url = await _serve(fake.app())
@@ -832,9 +832,9 @@ def test_a_link_uses_of_its_owner_only_what_link_host_declares():
     import ast
     import inspect
 
-    from router.engines import link as link_mod
-    from router.engines.link import LinkHost
-    from router.engines.manager import Engines
+    from radixfleet.engines import link as link_mod
+    from radixfleet.engines.link import LinkHost
+    from radixfleet.engines.manager import Engines
 
     declared = {n for n in vars(LinkHost) if not n.startswith("_")} | set(LinkHost.__annotations__)
     tree = ast.parse(inspect.getsource(link_mod))
@@ -858,8 +858,8 @@ def test_a_link_uses_of_its_owner_only_what_link_host_declares():
     assert used and used <= declared, used - declared
     from prometheus_client import CollectorRegistry
 
-    from router.pool import Pool
-    from router.prefix_index import PrefixIndex
+    from radixfleet.fleet.pool import Pool
+    from radixfleet.index.prefix_index import PrefixIndex
 
     cfg = parse_config({})
     index = PrefixIndex()

@@ -1,5 +1,5 @@
-"""The endpoint picker's protocol translation (router/epp/protocol.py) and its streams
-(router/epp/server.py ``Picker``) on hand-made ext_proc messages: the router's own
+"""The endpoint picker's protocol translation (radixfleet/gateway/protocol.py) and its streams
+(radixfleet/gateway/server.py ``Picker``) on hand-made ext_proc messages: the router's own
 pool, route core and ledger, no Envoy, no server, no socket."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import json
 
 import pytest
 
-from protocol.errors import Overloaded
-from router.app import Router
-from router.config import parse_config
-from router.epp import protocol as P
-from router.epp.endpoints import Endpoints
-from router.epp.server import Picker
-from router.pool import HealthState
+from radixfleet.config import parse_config
+from radixfleet.fleet.pool import HealthState
+from radixfleet.gateway import protocol as P
+from radixfleet.gateway.endpoints import Endpoints
+from radixfleet.gateway.server import Picker
+from radixfleet.server.app import Router
+from radixfleet.wire.errors import Overloaded
 
 ep = P.pb().ep
 core = P.pb().core
@@ -417,7 +417,7 @@ async def test_a_disaggregated_fleet_is_501():
 
 
 def test_fail_open_needs_what_envoy_needs_to_send_the_request_on_alone():
-    from protocol.errors import ConfigError
+    from radixfleet.wire.errors import ConfigError
 
     for gw, why in (
         ({"failure_mode": "fail_open", "body_mode": "full_duplex_streamed"}, "body_mode buffered"),

@@ -1,4 +1,4 @@
-"""The raw HTTP/1.1 front (router.front.FrontServer) on the wire: keep-alive,
+"""The raw HTTP/1.1 front (radixfleet.server.front.FrontServer) on the wire: keep-alive,
 pipelining, chunked request bodies, Expect: 100-continue, HTTP/1.0, malformed
 requests, the data port's other routes (probes, 404 / 405) pipelined with the data
 plane's, and the admin listener apart. Plus warm-ups and /metrics."""
@@ -18,14 +18,14 @@ import httpx
 import pytest
 from aiohttp import web
 
-from protocol.prefix_keys import Endpoint, request_key
-from radixfleet.bench.proxy import upstream_app
-from router import intake
-from router.app import Router, RouterServer
-from router.config import parse_config
-from router.front import FrontServer, Route
-from router.slow_clients import ClientDropped, SlowClients
-from tests.procs import free_port, radixfleet_argv
+from radixfleet.config import parse_config
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.server import intake
+from radixfleet.server.app import Router, RouterServer
+from radixfleet.server.front import FrontServer, Route
+from radixfleet.server.slow_clients import ClientDropped, SlowClients
+from radixfleet_tools.bench.proxy import upstream_app
+from radixfleet_tools.harness.procs import free_port, radixfleet_argv
 from tests.router.front_fleet import (
     BODY,
     HEALTH,
@@ -234,7 +234,7 @@ async def test_a_request_a_worker_drops_unanswered_is_never_sent_again():
     the next request goes out on it) looks exactly like a worker that read the request
     and hung up: either may have run it, so it is sent once (``NoAnswer``), never
     again on a fresh connection."""
-    from router.upstream import NoAnswer, UpstreamPool, build_head
+    from radixfleet.server.upstream import NoAnswer, UpstreamPool, build_head
 
     served: list[tuple[int, int]] = []  # (connection number, request number on it)
     conns = 0
@@ -288,7 +288,7 @@ async def test_an_idle_connection_is_reused_only_within_keepalive_s():
     """A connection idle longer than ``keepalive_s`` (below the workers' own keep-alive
     timeout) is closed, not reused: a request is never written onto a connection the
     worker may be closing."""
-    from router.upstream import UpstreamPool, build_head
+    from radixfleet.server.upstream import UpstreamPool, build_head
 
     peers: list[int] = []
 
@@ -490,7 +490,7 @@ async def test_a_stream_the_client_never_reads_ends_at_the_total_deadline():
     """A stream to a client that reads nothing, with client_idle_s longer than the
     request's total deadline: the handler's write fails with ``ClientDropped`` at the
     deadline, counted as ``deadline``, and no reference cycle keeps what it wrote (the
-    router's collector runs seldom: router.prefix_index); a client that reads gets the
+    router's collector runs seldom: radixfleet.index.prefix_index); a client that reads gets the
     same stream whole."""
     ended: list = []
     drops: list[str] = []

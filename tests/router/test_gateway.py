@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 from tests.router.gateway_fleet import GatewayFleet
 
 pytestmark = pytest.mark.integration
@@ -90,7 +90,7 @@ async def test_bad_bodies_get_the_standalone_routers_answers():
 
 
 async def test_shed_requests_get_429_with_retry_after():
-    from protocol.errors import Overloaded
+    from radixfleet.wire.errors import Overloaded
 
     class Refuse:
         def check(self, workers, model, adapter, uncached, now, scale=1.0, *, prefetch=False):
@@ -244,9 +244,9 @@ async def test_hit_rate_on_a_multi_turn_run_matches_the_standalone_router():
 
 
 def test_print_bootstrap_is_a_bootstrap_envoy_accepts(tmp_path):
-    from radixfleet.gateway import envoy_binary, validate
-    from router.config import parse_config
-    from router.epp import bootstrap as bs
+    from radixfleet.config import parse_config
+    from radixfleet.gateway import bootstrap as bs
+    from radixfleet.gateway.envoy import envoy_binary, validate
 
     state = tmp_path / "state"
     out = subprocess.run(

@@ -1,6 +1,6 @@
-"""A request can never recurse through the router: the hop mark (router/hops.py) on
+"""A request can never recurse through the router: the hop mark (radixfleet/server/hops.py) on
 whatever it sends, refused (508) when it comes back, and the registration rule
-(router/registration.py) under churn.
+(radixfleet/fleet/registration.py) under churn.
 
 Unit tests of the mark; in-process routers on loopback for the loops registration
 cannot see (a configured worker at the router's own address, two routers listing
@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import LoopDetected, MalformedRequest
-from radixfleet.bench.proxy import upstream_app
-from router.app import Router, RouterServer
-from router.config import parse_config
-from router.hops import HOP_HEADER, MAX_HOPS, Hops
-from tests.procs import free_port
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet.server.hops import HOP_HEADER, MAX_HOPS, Hops
+from radixfleet.wire.errors import LoopDetected, MalformedRequest
+from radixfleet_tools.bench.proxy import upstream_app
+from radixfleet_tools.harness.procs import free_port
 from tests.router.serve import FAST_HEALTH, start_app
 
 A, B = "a" * 16, "b" * 16

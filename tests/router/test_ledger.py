@@ -1,4 +1,4 @@
-"""``router.ledger.RequestLedger``: every path from a pick to its end releases what the
+"""``radixfleet.server.ledger.RequestLedger``: every path from a pick to its end releases what the
 pick counted exactly once, whatever order and repetition the hooks come in."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import types
 
 import pytest
 
-from protocol.prefix_keys import Endpoint
-from router.config import parse_config
-from router.context import RequestContext
-from router.engines.keyspace import SpaceKey
-from router.ledger import LedgerParts, RequestLedger
-from router.metrics import Metrics
-from router.route import Placement
-from router.sse import StreamWatch
-from router.tenancy import Tenancy
+from radixfleet.config import parse_config
+from radixfleet.engines.keyspace import SpaceKey
+from radixfleet.keys import Endpoint
+from radixfleet.route.core import Placement
+from radixfleet.route.tenancy import Tenancy
+from radixfleet.server.context import RequestContext
+from radixfleet.server.ledger import LedgerParts, RequestLedger
+from radixfleet.server.metrics import Metrics
+from radixfleet.server.sse import StreamWatch
 from tests.router.pools import make_pool
 
 PROMPT, BLOCK = 300, 32

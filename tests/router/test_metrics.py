@@ -1,4 +1,4 @@
-"""The router's own per-worker, per-model series (router.metrics): prompt and cached
+"""The router's own per-worker, per-model series (radixfleet.server.metrics): prompt and cached
 tokens from every answer's usage, tries by outcome, the workers' reported load —
 what the dashboard reads for any pool, agents or engines alike."""
 

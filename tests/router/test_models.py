@@ -12,7 +12,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from protocol.prefix_keys import Endpoint, request_key
+from radixfleet.keys import Endpoint, request_key
 from tests.router.fleet import PROMPT, fleet, serve_app, until  # noqa: F401  (fleet: the fixture)
 
 

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode through the live router (router.pd), against a fake
+"""Disaggregated prefill/decode through the live router (radixfleet.route.pd), against a fake
 vLLM prefill/decode pair that keeps vLLM's ``kv_transfer_params`` protocol
 (tests/fake_vllm_pd.py): the two legs in order with the params forwarded, streaming,
 short requests colocated, prefix-aware prefill choice, retries and their limits,
@@ -15,10 +15,10 @@ import httpx
 import pytest
 from aiohttp import web
 
-from router.app import Router, RouterServer
-from router.config import parse_config
+from radixfleet.config import parse_config
+from radixfleet.server.app import Router, RouterServer
+from radixfleet_tools.harness.procs import free_port
 from tests.fake_vllm_pd import FakeState, fake_app
-from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""``POST /v1/prefetch`` (router.prefetch): the budget and the used/wasted ledger
+"""``POST /v1/prefetch`` (radixfleet.server.prefetch): the budget and the used/wasted ledger
 (fast), and a router in front of in-process agents: a prefetch warms the worker the
 real request then goes to, whose cached tokens come from it; a repeat is
 deduplicated; bad input, an unserved model, a spent budget and a tenant over its
@@ -16,13 +16,13 @@ import time
 import httpx
 import pytest
 
-from loadtest.client import Result, Target
-from loadtest.workloads import make_workload
-from protocol.errors import Overloaded, WorkloadError
-from protocol.prefix_keys import Endpoint, request_key
-from router.admission_queue import AdmissionQueueConfig
-from router.prefetch import PREFETCH_PATH, PrefetchBudget, PrefetchLedger
-from router.shedding import Shedder
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.route.admission_queue import AdmissionQueueConfig
+from radixfleet.route.shedding import Shedder
+from radixfleet.server.prefetch import PREFETCH_PATH, PrefetchBudget, PrefetchLedger
+from radixfleet.wire.errors import Overloaded, WorkloadError
+from radixfleet_tools.loadtest.client import Result, Target
+from radixfleet_tools.loadtest.workloads import make_workload
 from tests.router.fleet import Fleet, fleet, until  # noqa: F401 - fleet: the fixture
 
 # ================================================================ budget
@@ -216,7 +216,7 @@ async def test_prefetches_do_not_teach_the_shedder_its_typical_request(fleet):
 
 @pytest.mark.integration
 async def test_the_request_a_prefetch_was_made_for_is_not_shed(fleet, monkeypatch):
-    """Its prefill was admitted as the prefetch's (router.prefetch): a fleet that
+    """Its prefill was admitted as the prefetch's (radixfleet.server.prefetch): a fleet that
     sheds now refuses other requests, not this one."""
     await agents_fleet(fleet)
     body = rag_body(os.urandom(6).hex())

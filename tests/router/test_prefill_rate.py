@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from router.engines.prefill_rate import PrefillRateEstimator, SampleVerdict
+from radixfleet.engines.prefill_rate import PrefillRateEstimator, SampleVerdict
 
 ACCEPTED, LITTLE, INVALID = SampleVerdict.ACCEPTED, SampleVerdict.TOO_LITTLE_WORK, SampleVerdict.INVALID
 
@@ -174,7 +174,7 @@ def test_check_after_seeded_random_samples(seed):
 
 
 def test_fleet_rates_pool_engine_samples_and_average_every_answer():
-    from router.engines.prefill_rate import FleetRates, with_prior
+    from radixfleet.engines.prefill_rate import FleetRates, with_prior
 
     r = FleetRates()
     assert r.mean_request_tokens == 0.0 and r.pooled.tokens_per_s == 10_000.0

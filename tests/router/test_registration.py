@@ -1,7 +1,7 @@
-"""Who may register a worker and at which addresses (router/registration.py), how fast
-one URL may take new epochs (router/pool.py EpochBudget), the bounds of a load report
-within itself (protocol/events.py) and where a vLLM's /kv_event_sources may point
-(router/engines/event_sources.py). No servers: the guard's listeners are told, its
+"""Who may register a worker and at which addresses (radixfleet/fleet/registration.py), how fast
+one URL may take new epochs (radixfleet/fleet/pool.py EpochBudget), the bounds of a load report
+within itself (radixfleet/wire/events.py) and where a vLLM's /kv_event_sources may point
+(radixfleet/engines/event_sources.py). No servers: the guard's listeners are told, its
 resolver is a table."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ import logging
 
 import pytest
 
-from protocol import events as ev
-from protocol.errors import Forbidden, MalformedRequest, Overloaded
-from router.config import parse_config
-from router.engines.event_sources import EventSource, endpoint_problem, sources_problem
-from router.metrics import Metrics
-from router.pool import EpochBudget, Pool, Source
-from router.prefix_index import PrefixIndex
-from router.registration import (
+from radixfleet.config import parse_config
+from radixfleet.engines.event_sources import EventSource, endpoint_problem, sources_problem
+from radixfleet.fleet.pool import EpochBudget, Pool, Source
+from radixfleet.fleet.registration import (
     AGENT_TOKEN_REQUIRED,
     WORKER_HOST_NOT_ALLOWED,
     RegistrationGuard,
     UrlIsRouter,
 )
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.server.metrics import Metrics
+from radixfleet.wire import events as ev
+from radixfleet.wire.errors import Forbidden, MalformedRequest, Overloaded
 
 NAMES = {
     "localhost": ["127.0.0.1", "::1"],

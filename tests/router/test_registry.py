@@ -18,13 +18,13 @@ import httpx
 import pytest
 from aiohttp import web
 
-from protocol.events import EventBatch, Snapshot, Stored
-from router.app import Router, RouterServer
-from router.config import load_config, parse_config
-from router.feedback import SLICE_BLOCKS, Feedback
-from router.pool import HealthState, Pool
-from router.prefix_index import PrefixIndex
-from tests.procs import free_port, radixfleet_argv
+from radixfleet.config import load_config, parse_config
+from radixfleet.fleet.pool import HealthState, Pool
+from radixfleet.index.feedback import SLICE_BLOCKS, Feedback
+from radixfleet.index.prefix_index import PrefixIndex
+from radixfleet.server.app import Router, RouterServer
+from radixfleet.wire.events import EventBatch, Snapshot, Stored
+from radixfleet_tools.harness.procs import free_port, radixfleet_argv
 from tests.router.serve import FAST_HEALTH, admin_base, start_app, start_router, wait_ready
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "examples", "prefix_load.yaml")
@@ -317,7 +317,7 @@ async def test_a_worker_turning_unhealthy_mid_batch_stops_it_cleanly():
 
 @pytest.mark.integration
 def test_agent_never_advertises_a_wildcard():
-    from worker_agent.cli import advertise_url, configure
+    from radixfleet_tools.agent.cli import advertise_url, configure
 
     p = argparse.ArgumentParser()
     configure(p)

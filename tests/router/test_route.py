@@ -1,4 +1,4 @@
-"""The route core (router/route.py): each verdict, what it counted, and what a retry,
+"""The route core (radixfleet/route/core.py): each verdict, what it counted, and what a retry,
 a prefetch and a disaggregated fleet's first decision get — with the live pool, index,
 policies and shedder, no I/O."""
 
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from policies.base import Decision, Reason
-from policies.registry import build_policy
-from protocol.errors import MalformedRequest, Overloaded, RateLimited
-from router.engines.keyspace import KeyedRequest, SpaceKey
-from router.route import Admitted, Ask, Hold, Reject, Route, RouteCore, RouteParts
+from radixfleet.engines.keyspace import KeyedRequest, SpaceKey
+from radixfleet.policies.base import Decision, Reason
+from radixfleet.policies.registry import build_policy
+from radixfleet.route.core import Admitted, Ask, Hold, Reject, Route, RouteCore, RouteParts
+from radixfleet.wire.errors import MalformedRequest, Overloaded, RateLimited
 from tests.router.pools import make_pool
 
 HASHES = (11, 12, 13, 14)
@@ -22,7 +22,7 @@ PROMPT = 4 * BLOCK_TOKENS + 10
 
 def keyer(hashes=HASHES, prompt=PROMPT):
     """The request keyed in one byte space and matched in ``index``."""
-    from policies.base import RouteRequest
+    from radixfleet.policies.base import RouteRequest
 
     def key(views, now, index):
         req = RouteRequest(hashes, prompt, BLOCK_TOKENS, None, "m", prompt * 4)
@@ -197,7 +197,7 @@ def test_a_policy_naming_an_unknown_worker_is_a_bug():
 
 
 class Stages:
-    """A caller's ``Marks`` (router.tracing): the stages told, in order."""
+    """A caller's ``Marks`` (radixfleet.server.tracing): the stages told, in order."""
 
     def __init__(self) -> None:
         self.told: list[str] = []
@@ -227,14 +227,14 @@ def test_a_tracing_caller_is_told_each_stage_as_it_ends():
 
 
 def test_a_traced_decision_held_then_resumed_is_two_route_spans_around_the_queue():
-    """router.tracing on the core: each decision a radixfleet.route span (its verdict,
+    """radixfleet.server.tracing on the core: each decision a radixfleet.route span (its verdict,
     the stages' times), the admission queue's wait between them."""
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from protocol.prefix_keys import Endpoint
-    from router.tracing import RequestTrace
-    from service.tracing import Tracing
+    from radixfleet.common.tracing import Tracing
+    from radixfleet.keys import Endpoint
+    from radixfleet.server.tracing import RequestTrace
 
     mem = InMemorySpanExporter()
     tracing = Tracing(service_name="t", exporter=mem)

@@ -1,5 +1,5 @@
 """Router service integration tests on loopback: a real router (in-process, on a free
-port) in front of real aiohttp upstreams (radixfleet.bench.proxy.upstream_app,
+port) in front of real aiohttp upstreams (radixfleet_tools.bench.proxy.upstream_app,
 in-process or as killable processes)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import openai
 import pytest
 from aiohttp import web
 
-from protocol.errors import ConfigError
-from protocol.prefix_keys import Endpoint, request_key
-from radixfleet.bench.proxy import upstream_app
-from router.app import Router, RouterServer
-from router.config import load_config, parse_config
-from tests.procs import Proc, free_port, radixfleet_argv
+from radixfleet.config import load_config, parse_config
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.server.app import Router, RouterServer
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.bench.proxy import upstream_app
+from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 from tests.router.serve import FAST_HEALTH, admin_base, start_app, start_router, upstream_proc, wait_ready
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The default shedding rule (router.shedding) over the live Pool: nothing is shed
+"""The default shedding rule (radixfleet.route.shedding) over the live Pool: nothing is shed
 below saturation, a learned batch limit keeps a closed loop of at most the fleet's
 slots unshed, and a saturated fleet is shed with the drain time as Retry-After."""
 
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from protocol.errors import Overloaded
-from protocol.events import Load
-from router.shedding import CALM_S, KV_FULL, QueueMark, Shedder
+from radixfleet.route.shedding import CALM_S, KV_FULL, QueueMark, Shedder
+from radixfleet.wire.errors import Overloaded
+from radixfleet.wire.events import Load
 from tests.router.pools import make_pool
 
 RATE = 1000.0  # prefill tokens/s of every worker here

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces on a live router (router/tracing.py): one trace from the client's
+"""OpenTelemetry traces on a live router (radixfleet/server/tracing.py): one trace from the client's
 traceparent through admission, keying, the route core and each upstream attempt to the
 agent's own span, no prompt text or prefix hash on any span; a malformed traceparent
 starts a new trace; a collector that is down or never answers drops spans, counted,
@@ -18,12 +18,12 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import SpanKind  # noqa: E402
 
-from policies.base import Reason  # noqa: E402
-from protocol.prefix_keys import Endpoint, request_key  # noqa: E402
-from router.app import Router, RouterServer  # noqa: E402
-from router.config import parse_config  # noqa: E402
-from service.tracing import Tracing  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from radixfleet.common.tracing import Tracing  # noqa: E402
+from radixfleet.config import parse_config  # noqa: E402
+from radixfleet.keys import Endpoint, request_key  # noqa: E402
+from radixfleet.policies.base import Reason  # noqa: E402
+from radixfleet.server.app import Router, RouterServer  # noqa: E402
+from radixfleet_tools.harness.procs import free_port  # noqa: E402
 from tests.router.fleet import HEALTH, PROMPT, fleet, until  # noqa: E402, F401 - the fixture
 
 pytestmark = pytest.mark.integration
@@ -115,7 +115,7 @@ async def test_a_request_is_one_trace_from_the_client_through_the_router_to_the_
     (up2,) = _children(spans, ok)["radixfleet.upstream"]
     assert sorted(_children(spans, up2)) == ["llm_request"]  # no first token: not a stream
     refused = next(s for s in other if s is not ok)
-    # an unserved model is refused from its bytes before it is keyed (router.screen)
+    # an unserved model is refused from its bytes before it is keyed (radixfleet.server.screen)
     assert sorted(_children(spans, refused)) == ["radixfleet.admission"]
     assert refused.attributes["http.response.status_code"] in (404, 503)
     # nothing on any span is prompt text or a prompt's hash (salted or not)

@@ -1,4 +1,4 @@
-"""The traffic log (router.traffic_log) and its reader (loadtest.trace_format)."""
+"""The traffic log (radixfleet.server.traffic_log) and its reader (radixfleet_tools.loadtest.trace_format)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from loadtest.trace_format import MAX_BLOCK_ID, TRAFFIC_LOG, read_trace
-from loadtest.workloads import make_workload
-from protocol.errors import WorkloadError
-from protocol.prefix_keys import Endpoint, request_key
 from radixfleet.cli import main
-from router.config import TrafficLogConfig
-from router.metrics import Metrics
-from router.traffic_log import FORMAT, LogState, TrafficLog, log_files
+from radixfleet.config import TrafficLogConfig
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.server.metrics import Metrics
+from radixfleet.server.traffic_log import FORMAT, LogState, TrafficLog, log_files
+from radixfleet.wire.errors import WorkloadError
+from radixfleet_tools.loadtest.trace_format import MAX_BLOCK_ID, TRAFFIC_LOG, read_trace
+from radixfleet_tools.loadtest.workloads import make_workload
 
 
 def _cfg(tmp_path, **kw) -> TrafficLogConfig:
@@ -299,7 +299,7 @@ async def test_a_write_error_cuts_the_failed_batch_off_its_file_and_a_retry_resu
 
 def test_start_refuses_an_unwritable_dir(tmp_path):
     (tmp_path / "file").write_text("x")
-    from protocol.errors import ConfigError
+    from radixfleet.wire.errors import ConfigError
 
     with pytest.raises(ConfigError, match="traffic_log.dir: cannot write into"):
         TrafficLog(TrafficLogConfig(enabled=True, dir=str(tmp_path / "file" / "sub"))).start()

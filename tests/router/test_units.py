@@ -10,16 +10,15 @@ import random
 import aiohttp
 import pytest
 
-from protocol.errors import Conflict, MalformedRequest, Overloaded, Unauthorized
-from protocol.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
-from protocol.prefix_keys import Endpoint
-from router.auth import TenantResolver, check_metrics, metrics_exposure
-from router.config import parse_config
-from router.dataplane import Admission
-from router.feedback import Feedback
-from router.pool import Breaker, HealthState, Source
-from router.screen import check_parsed, check_raw, peek_model, unserved
-from router.upstream import (
+from radixfleet.common.auth import BearerAuth, is_loopback
+from radixfleet.config import parse_config
+from radixfleet.fleet.pool import Breaker, HealthState, Source
+from radixfleet.index.feedback import Feedback
+from radixfleet.keys import Endpoint
+from radixfleet.server.auth import TenantResolver, check_metrics, metrics_exposure
+from radixfleet.server.dataplane import Admission
+from radixfleet.server.screen import check_parsed, check_raw, peek_model, unserved
+from radixfleet.server.upstream import (
     _DONE,
     STREAM_HIGH,
     Cancel,
@@ -36,8 +35,9 @@ from router.upstream import (
     build_head,
     finish_outcome,
 )
-from service.auth import BearerAuth, is_loopback
-from tests.procs import free_port
+from radixfleet.wire.errors import Conflict, MalformedRequest, Overloaded, Unauthorized
+from radixfleet.wire.events import Cleared, EventBatch, Load, Removed, Snapshot, Stored
+from radixfleet_tools.harness.procs import free_port
 from tests.router.pools import make_pool
 
 # -------------------------------------------------------------------- pool
@@ -590,7 +590,7 @@ async def test_parser_first_byte_timeout():
     loop = asyncio.get_running_loop()
     conn = FakeConn()
     r = Response(conn, loop, 0.05, loop.time() + 5)
-    from router.upstream import UpstreamTimeout
+    from radixfleet.server.upstream import UpstreamTimeout
 
     with pytest.raises(UpstreamTimeout, match="no first byte within 0.05s"):
         await r.wait_head()
@@ -619,7 +619,7 @@ async def test_only_a_workers_own_failures_count_against_its_breaker():
     three in a row open its breaker. A stream cut by the router's own total deadline
     (timeouts.total_s: a healthy worker streaming a long answer) or size limit is
     not: three in a row leave it closed. (A client that leaves or is dropped is not
-    an upstream error at all: ok None, router.attempts.Attempts._relay.)"""
+    an upstream error at all: ok None, radixfleet.server.attempts.Attempts._relay.)"""
     silent = await _stream_failure(0.02, 5.0)
     deadline = await _stream_failure(5.0, 0.05)
     too_large = await _stream_failure(5.0, 5.0, limit=20)
@@ -817,7 +817,7 @@ def test_pool_random_operations_keep_invariants(seed):
 def test_models_list_claims_the_smallest_context_every_worker_reported():
     """``/v1/models``' ``max_model_len`` is one every worker of the model accepts, and
     absent when a worker reported none (an agent, a worker that did not answer)."""
-    from router.app import merge_models
+    from radixfleet.server.app import merge_models
 
     vllm = [{"id": "m", "object": "model", "max_model_len": 4096}]
     short = [{"id": "m", "object": "model", "max_model_len": 2048}]
@@ -832,12 +832,12 @@ def test_models_list_claims_the_smallest_context_every_worker_reported():
 
 def test_the_router_process_runs_with_the_index_collector_thresholds(monkeypatch):
     """``radixfleet router`` raises the cyclic collector's thresholds before serving
-    (``router.prefix_index.tune_gc``): with the defaults the collector rescans every
+    (``radixfleet.index.prefix_index.tune_gc``): with the defaults the collector rescans every
     index node as the index grows (bench/RESULTS.md "Routing work")."""
     import argparse
     import gc
 
-    import router.cli as rcli
+    import radixfleet.server.cli as rcli
 
     seen = {}
 

@@ -1,1 +1,1 @@
-"""Tests of service/: the shared lifecycle and backoff helpers."""
+"""Tests of radixfleet/common/: the shared lifecycle and backoff helpers."""

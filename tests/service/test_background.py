@@ -1,4 +1,4 @@
-"""service.background: a loop's async with, stopping its task, the backoff between tries."""
+"""radixfleet.common.background: a loop's async with, stopping its task, the backoff between tries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from service.background import Backoff, stop
+from radixfleet.common.background import Backoff, stop
 
 
 def test_backoff_doubles_to_its_cap_with_jitter_and_resets():
@@ -71,7 +71,7 @@ async def test_stop_keeps_the_callers_cancellation_and_the_tasks_error():
 
 
 async def test_lifecycle_starts_on_entry_and_closes_on_exit_even_after_an_error():
-    from service.background import Lifecycle
+    from radixfleet.common.background import Lifecycle
 
     class Loop(Lifecycle):
         def __init__(self) -> None:

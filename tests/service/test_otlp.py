@@ -1,6 +1,6 @@
-"""service/otlp.py: the hand encoder writes what the SDK's own OTLP encoder writes,
+"""radixfleet/common/otlp.py: the hand encoder writes what the SDK's own OTLP encoder writes,
 parsed back with opentelemetry-proto (a message equal field by field); and
-service.tracing's OTLP/HTTP sender reads its settings from the standard variables."""
+radixfleet.common.tracing's OTLP/HTTP sender reads its settings from the standard variables."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: E402
 
-from service import otlp  # noqa: E402
-from service.tracing import CLIENT, OtlpHttp, Tracing  # noqa: E402
+from radixfleet.common import otlp  # noqa: E402
+from radixfleet.common.tracing import CLIENT, OtlpHttp, Tracing  # noqa: E402
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -1,4 +1,4 @@
-"""service.tracing's OTLP/HTTP export against a collector on loopback: one POST a
+"""radixfleet.common.tracing's OTLP/HTTP export against a collector on loopback: one POST a
 batch, the standard variables' headers and gzip, a body opentelemetry-proto parses;
 a collector answering 503 drops the batch, counted."""
 
@@ -15,7 +15,7 @@ pytest.importorskip("opentelemetry.sdk")
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
-from service.tracing import Tracing  # noqa: E402
+from radixfleet.common.tracing import Tracing  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

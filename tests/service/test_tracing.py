@@ -1,4 +1,4 @@
-"""service/tracing.py: sampling at the root, W3C traceparent in and out, the span tree a
+"""radixfleet/common/tracing.py: sampling at the root, W3C traceparent in and out, the span tree a
 Trace emits, and the bounded queue and export failures, counted — with the SDK's
 in-memory exporter or a stand-in, no collector and no server."""
 
@@ -16,8 +16,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noq
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import SpanKind, StatusCode  # noqa: E402
 
-from protocol.errors import ConfigError  # noqa: E402
-from service.tracing import CLIENT, Tracing, exporter_class, otlp_exporter  # noqa: E402
+from radixfleet.common.tracing import CLIENT, Tracing, exporter_class, otlp_exporter  # noqa: E402
+from radixfleet.wire.errors import ConfigError  # noqa: E402
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"

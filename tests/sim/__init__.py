@@ -1,1 +1,2 @@
-"""Tests of the virtual-time simulator (loadtest/simulator/) and the autoscaling loop it closes."""
+"""Tests of the virtual-time simulator (radixfleet_tools/loadtest/simulator/) and the autoscaling loop it
+closes."""

@@ -7,12 +7,7 @@ import math
 
 import pytest
 
-from loadtest.arrivals import Bounds, TraceTimes
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.scaling_loop import FlashCrowd, PrefixAwareScaler, QueueDepthScaler, run_flash_crowd
-from loadtest.simulator.simulation import ACTIVE, GONE, SimConfig, Simulation
-from loadtest.workloads import Trace
-from router.scaling_signal import (
+from radixfleet.fleet.scaling_signal import (
     AutoscaleParams,
     Demand,
     DemandMeter,
@@ -21,6 +16,16 @@ from router.scaling_signal import (
     queue_rule,
     workers_needed,
 )
+from radixfleet_tools.loadtest.arrivals import Bounds, TraceTimes
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.scaling_loop import (
+    FlashCrowd,
+    PrefixAwareScaler,
+    QueueDepthScaler,
+    run_flash_crowd,
+)
+from radixfleet_tools.loadtest.simulator.simulation import ACTIVE, GONE, SimConfig, Simulation
+from radixfleet_tools.loadtest.workloads import Trace
 
 
 def _load(n, tps=20_000.0, backlog=0, running=0, cap=100_000):
@@ -183,10 +188,10 @@ def test_flash_crowd_prefix_aware_meets_the_slo_with_fewer_worker_seconds():
 
 def test_fleet_signal_from_the_routers_own_objects_and_the_gauges():
     """What the integrator wires: meter + PrefixIndex + WorkerViews -> signal -> gauges."""
-    from policies.base import WorkerView
-    from router.metrics import Metrics
-    from router.prefix_index import PrefixIndex
-    from router.scaling_signal import fleet_signal
+    from radixfleet.fleet.scaling_signal import fleet_signal
+    from radixfleet.index.prefix_index import PrefixIndex
+    from radixfleet.policies.base import WorkerView
+    from radixfleet.server.metrics import Metrics
 
     index = PrefixIndex(half_life_s=10.0)
     hot = [11, 22, 33, 44]  # a 4-block prefix
@@ -225,7 +230,7 @@ def test_deploy_examples_name_the_exported_gauge():
 
     import yaml
 
-    from router.metrics import Metrics
+    from radixfleet.server.metrics import Metrics
 
     names = Metrics().render().decode()
     files = sorted(glob.glob("deploy/autoscaling/*.yaml"))

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from loadtest.report import validate
 from radixfleet.cli import main
+from radixfleet_tools.loadtest.report import validate
 
 GSP = [
     "--workload",
@@ -229,9 +229,9 @@ def test_simulate_runs_the_demos_fleet_and_load_by_default():
     agents, per-agent KV, open-loop rate and policies (one set of defaults)."""
     import argparse
 
-    from loadtest import demo
-    from loadtest.arrivals import Poisson
-    from loadtest.simulator import cli as sim_main
+    from radixfleet_tools.loadtest import demo
+    from radixfleet_tools.loadtest.arrivals import Poisson
+    from radixfleet_tools.loadtest.simulator import cli as sim_main
 
     def parsed(configure, argv=()):
         p = argparse.ArgumentParser()
@@ -241,7 +241,7 @@ def test_simulate_runs_the_demos_fleet_and_load_by_default():
     d = parsed(demo.configure)
     plans, workload, _, _ = sim_main.build(parsed(sim_main.configure))
     assert workload.name == d.workload
-    # the demo's own options for it (loadtest.defaults), a user's -o first
+    # the demo's own options for it (radixfleet_tools.loadtest.defaults), a user's -o first
     assert workload.params.max_parallel == demo.defaults.WORKLOAD_OPTIONS["max_parallel"]
     _, own, _, _ = sim_main.build(parsed(sim_main.configure, ["-o", "max_parallel=5"]))
     assert own.params.max_parallel == 5
@@ -406,7 +406,7 @@ def test_unwritable_outputs_fail_before_the_run(tmp_path, capsys):
     assert blocker.read_text() == "keep"
     existing = tmp_path / "old.json"
     existing.write_text("{}")
-    from loadtest.report import check_outputs
+    from radixfleet_tools.loadtest.report import check_outputs
 
     check_outputs(files=[("--json", str(existing))], dirs=[("--plots", str(tmp_path / "p"))])
     assert existing.read_text() == "{}" and (tmp_path / "p").is_dir()
@@ -418,10 +418,10 @@ def test_simulate_takes_loadtests_arrival_shapes():
     what they mean in ``loadtest``: the same arrivals, kept across a rate sweep."""
     import argparse
 
-    from loadtest.arrivals import Poisson
-    from loadtest.cli import build_load
-    from loadtest.cli import configure as loadtest_configure
-    from loadtest.simulator import cli as sim_main
+    from radixfleet_tools.loadtest.arrivals import Poisson
+    from radixfleet_tools.loadtest.cli import build_load
+    from radixfleet_tools.loadtest.cli import configure as loadtest_configure
+    from radixfleet_tools.loadtest.simulator import cli as sim_main
 
     def parsed(configure, argv):
         p = argparse.ArgumentParser()

@@ -1,17 +1,17 @@
 """The simulator's settings (``SimConfig``, ``EngineSpec``): each bad value is refused
-naming the flag that set it, in one line (``protocol.settings.from_flags``), and the
+naming the flag that set it, in one line (``radixfleet.wire.settings.from_flags``), and the
 rules across fields and presets that ``validate()`` keeps."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtest.simulator.engine import FLAGS as ENGINE_FLAGS
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.simulation import FLAGS, SimConfig
-from protocol.errors import ConfigError
-from protocol.settings import from_flags
 from radixfleet.cli import main
+from radixfleet.wire.errors import ConfigError
+from radixfleet.wire.settings import from_flags
+from radixfleet_tools.loadtest.simulator.engine import FLAGS as ENGINE_FLAGS
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.simulation import FLAGS, SimConfig
 
 
 def _sim_error(values: dict, shown: dict | None = None) -> str:

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from loadtest.arrivals import Bounds, Closed, Poisson
-from loadtest.report import validate
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.simulation import SimConfig, Simulation
-from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
+from radixfleet_tools.loadtest.arrivals import Bounds, Closed, Poisson
+from radixfleet_tools.loadtest.report import validate
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.simulation import SimConfig, Simulation
+from radixfleet_tools.loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
 
 SMALL_GSP = {
     "groups": 4,
@@ -208,7 +208,7 @@ def test_feedback_modes_run(mode):
 
 
 def _agent_plain(learn: bool) -> Simulation:
-    from router.config import Config, IndexConfig
+    from radixfleet.config import Config, IndexConfig
 
     wl = make_workload("agent", {"sessions": 8, "steps": 6}, seed=0)
     rc = dataclasses.replace(Config(), index=IndexConfig(learn_capacity=learn))
@@ -314,9 +314,9 @@ def test_path_latency_adds_both_ways():
 
 
 def test_text_reference_matches_the_load_generators():
-    from loadtest.report import CacheReference, prompt_bytes
-    from loadtest.simulator.reference import TextReference
-    from worker_agent.tokenizer import encode
+    from radixfleet_tools.agent.tokenizer import encode
+    from radixfleet_tools.loadtest.report import CacheReference, prompt_bytes
+    from radixfleet_tools.loadtest.simulator.reference import TextReference
 
     wl = make_workload(
         "multiturn", {"clients": 4, "rounds": 3, "question_tokens": 40, "output_tokens": 6}, seed=1
@@ -341,10 +341,10 @@ def test_unread_answers_weigh_on_the_pooled_cache_as_real_text_does():
     (``observe_unread_answer``); the load generator caches the real text. Every
     prompt's (oracle, pooled) counts and the pooled cache's occupancy agree, with a
     capacity small enough that answers push prompts out."""
-    from loadtest.report import CacheReference, prompt_bytes
-    from loadtest.simulator.reference import TextReference
-    from loadtest.workloads import text_of
-    from worker_agent.tokenizer import encode
+    from radixfleet_tools.agent.tokenizer import encode
+    from radixfleet_tools.loadtest.report import CacheReference, prompt_bytes
+    from radixfleet_tools.loadtest.simulator.reference import TextReference
+    from radixfleet_tools.loadtest.workloads import text_of
 
     wl = make_workload(
         "gsp",

@@ -8,16 +8,16 @@ import random
 
 import pytest
 
-from loadtest.arrivals import Bounds, Poisson
-from loadtest.simulator.disagg import DecodeWorker, DisaggSimulation, DisaggSpec
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.simulation import SimConfig
-from loadtest.workloads import make_workload
-from policies.base import WorkerView
-from policies.disagg import choose_decode, validate_roles
-from protocol.errors import ConfigError
-from protocol.prefix_keys import WorkerId
-from worker_agent.cost_model import LINKS, CostModel, link_preset
+from radixfleet.keys import WorkerId
+from radixfleet.policies.base import WorkerView
+from radixfleet.policies.disagg import choose_decode, validate_roles
+from radixfleet.wire.errors import ConfigError
+from radixfleet_tools.agent.cost_model import LINKS, CostModel, link_preset
+from radixfleet_tools.loadtest.arrivals import Bounds, Poisson
+from radixfleet_tools.loadtest.simulator.disagg import DecodeWorker, DisaggSimulation, DisaggSpec
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.simulation import SimConfig
+from radixfleet_tools.loadtest.workloads import make_workload
 
 GSP = {"groups": 8, "prompts_per_group": 12, "system_tokens": 512, "question_tokens": 32, "output_tokens": 32}
 
@@ -156,7 +156,7 @@ def test_decode_worker_holds_kv_and_batch_within_bounds():
     class _Job:
         pass
 
-    from loadtest.simulator.disagg import _Leg
+    from radixfleet_tools.loadtest.simulator.disagg import _Leg
 
     legs = []
     for _ in range(3):
@@ -218,7 +218,7 @@ def test_a_disaggregated_run_is_reproducible():
 def test_bench_disagg_refuses_bad_flags_with_one_line(argv, words, capsys):
     import argparse
 
-    from radixfleet.bench import disagg as bench
+    from radixfleet_tools.bench import disagg as bench
 
     parser = argparse.ArgumentParser()
     bench.configure(parser)

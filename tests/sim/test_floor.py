@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.arrivals import Bounds, Closed, Poisson
-from loadtest.report import validate
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.simulation import SimConfig, Simulation
-from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
-from worker_agent.cost_model import CostModel
+from radixfleet_tools.agent.cost_model import CostModel
+from radixfleet_tools.loadtest.arrivals import Bounds, Closed, Poisson
+from radixfleet_tools.loadtest.report import validate
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.simulation import SimConfig, Simulation
+from radixfleet_tools.loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
 
 SMALL_GSP = {
     "groups": 3,
@@ -114,8 +114,8 @@ def test_live_floor_and_table_columns():
     # load generator's own oracle count, and two table columns with their legend
     import io
 
-    from loadtest.client import Result
-    from loadtest.report import FLOOR_LEGEND, floor_ttft_ms, render_table, summarize
+    from radixfleet_tools.loadtest.client import Result
+    from radixfleet_tools.loadtest.report import FLOOR_LEGEND, floor_ttft_ms, render_table, summarize
 
     def res(i: int, est: int, oracle: int, ok: bool = True) -> Result:
         return Result(

@@ -1,6 +1,6 @@
 """The simulator runs the live router's code: the live pool counts its
-load (router.pool, router.route), agents' batches go through the live feedback with
-its epoch/sequence checks (router.feedback), views come from the live
+load (radixfleet.fleet.pool, radixfleet.route.core), agents' batches go through the live feedback with
+its epoch/sequence checks (radixfleet.index.feedback), views come from the live
 ``Worker.build_view`` with its stale-report expiry, warm-ups are gated by the live
 ``WarmupGate`` with the router config's interval, and the agent's scheduler
 withdraws the router's hint when a prompt can never fit.
@@ -8,7 +8,7 @@ withdraws the router's hint when a prompt can never fit.
 Each test pins observable behaviour to exact values derived from the request
 path, so that a change to the simulator's load accounting, its use of agent load
 reports or its warm-up interval fails here. The one place the simulator differs
-(load-only batches built lazily, loadtest/simulator/agentlink.py) is pinned
+(load-only batches built lazily, radixfleet_tools/loadtest/simulator/agentlink.py) is pinned
 against delivering every tick's batch.
 """
 
@@ -19,13 +19,13 @@ import dataclasses
 
 import pytest
 
-from loadtest.arrivals import Bounds, Poisson, TraceTimes
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.simulation import SimConfig, Simulation
-from loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
-from protocol.errors import PromptTooLarge
-from protocol.events import Removed
-from router.config import Config, parse_config
+from radixfleet.config import Config, parse_config
+from radixfleet.wire.errors import PromptTooLarge
+from radixfleet.wire.events import Removed
+from radixfleet_tools.loadtest.arrivals import Bounds, Poisson, TraceTimes
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.simulation import SimConfig, Simulation
+from radixfleet_tools.loadtest.workloads import API_COMPLETIONS, RequestSpec, SingleShot, make_workload
 
 SMALL_GSP = {
     "groups": 4,
@@ -345,7 +345,7 @@ def test_a_prompt_that_never_fits_withdraws_the_routers_hint():
 
 
 def test_scheduler_withdraws_the_hint_before_raising_prompt_too_large():
-    from worker_agent.scheduler import SchedRequest, build_scheduler
+    from radixfleet_tools.agent.scheduler import SchedRequest, build_scheduler
 
     sched = build_scheduler("llama-3-8b", "h100", kv_tokens=64, page_size=1, hash_stride=32)
     hashes = [11, 12, 13]

@@ -5,10 +5,10 @@ over the fleet. Simulator only, seeded, no processes."""
 
 import random
 
-from loadtest.arrivals import Bounds, TraceTimes
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.simulation import SimConfig, Simulation
-from loadtest.workloads import Trace
+from radixfleet_tools.loadtest.arrivals import Bounds, TraceTimes
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.simulation import SimConfig, Simulation
+from radixfleet_tools.loadtest.workloads import Trace
 
 
 def ramp_trace(groups=48, prefix_blocks=8, r0=10.0, r1=70.0, duration_s=25.0, seed=1):
@@ -61,7 +61,7 @@ def run_shed(feedback: str, r1: float) -> dict:
 
 
 def test_the_simulator_sheds_as_the_live_router_does_past_saturation_and_not_below():
-    """``SimConfig.shed``: the live router.shedding on the simulated agents' reports.
+    """``SimConfig.shed``: the live radixfleet.route.shedding on the simulated agents' reports.
     Past saturation the excess gets a 429 at once and the admitted requests' TTFT
     stays near the bound instead of growing with the backlog; agents that report
     nothing (plain) give no evidence of saturation, so nothing is shed (as live);

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.arrivals import Bounds, TraceTimes
-from loadtest.simulator import blocktrace
-from loadtest.simulator.engine import EngineSpec
-from loadtest.simulator.prompts import block_prompt, chain_block_ids
-from loadtest.simulator.simulation import SimConfig, Simulation
-from loadtest.workloads import make_workload
-from protocol.errors import WorkloadError
+from radixfleet.wire.errors import WorkloadError
+from radixfleet_tools.loadtest.arrivals import Bounds, TraceTimes
+from radixfleet_tools.loadtest.simulator import blocktrace
+from radixfleet_tools.loadtest.simulator.engine import EngineSpec
+from radixfleet_tools.loadtest.simulator.prompts import block_prompt, chain_block_ids
+from radixfleet_tools.loadtest.simulator.simulation import SimConfig, Simulation
+from radixfleet_tools.loadtest.workloads import make_workload
 from tests.sim.traces import BLOCK, _trace
 
 

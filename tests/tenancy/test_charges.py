@@ -1,4 +1,4 @@
-"""Token limits charged on what the engine does (router.tenancy, "Charged on what the
+"""Token limits charged on what the engine does (radixfleet.route.tenancy, "Charged on what the
 engine does"): the output bound is the field each endpoint's engines obey, in every
 spelling a client may send; the fair share counts the same cost; a stream cut off
 is charged what it relayed (the engine's own count when one was seen), never less
@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from protocol.errors import OverBurst, RateLimited
-from protocol.prefix_keys import Endpoint
-from router.config import parse_config
-from router.metrics import Metrics
-from router.sse import StreamWatch
-from router.tenancy import Tenancy, output_bound
+from radixfleet.config import parse_config
+from radixfleet.keys import Endpoint
+from radixfleet.route.tenancy import Tenancy, output_bound
+from radixfleet.server.metrics import Metrics
+from radixfleet.server.sse import StreamWatch
+from radixfleet.wire.errors import OverBurst, RateLimited
 
 CHAT, COMPLETIONS, GENERATE = Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.GENERATE
 

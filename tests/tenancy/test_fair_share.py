@@ -1,15 +1,15 @@
-"""router.fair_share: which tenants got less than their weighted share of what was
-admitted lately, and router.tenancy shedding their requests as the next class up."""
+"""radixfleet.route.fair_share: which tenants got less than their weighted share of what was
+admitted lately, and radixfleet.route.tenancy shedding their requests as the next class up."""
 
 from __future__ import annotations
 
 import math
 import random
 
-from router.config import parse_config
-from router.fair_share import FairShare
-from router.metrics import Metrics
-from router.tenancy import Tenancy
+from radixfleet.config import parse_config
+from radixfleet.route.fair_share import FairShare
+from radixfleet.route.tenancy import Tenancy
+from radixfleet.server.metrics import Metrics
 
 
 def feed(fs: FairShare, rates: dict[str, float], t0: float, seconds: float, step: float = 0.1) -> float:

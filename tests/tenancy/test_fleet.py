@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from protocol.errors import Overloaded
+from radixfleet.wire.errors import Overloaded
 from tests.router.fleet import fleet  # noqa: F401  (fleet: the fixture)
 
 pytestmark = pytest.mark.integration
@@ -145,7 +145,7 @@ async def test_at_overload_a_tenant_under_its_share_is_admitted_while_the_heavy_
     """One slow agent; sixteen clients of tenant acme in a closed loop (back 20 ms
     after each 429) next to one client of tenant free sending a request every 0.2 s,
     all of one class (standard): free, far under its half of what is admitted, is
-    shed as critical is (router.fair_share) and never shed here; acme takes the
+    shed as critical is (radixfleet.route.fair_share) and never shed here; acme takes the
     shedding."""
     await fleet.start(
         {

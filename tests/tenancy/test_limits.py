@@ -1,5 +1,5 @@
-"""Priority classes and rate limits per tenant and API key (router.tenancy,
-router.rate_limit): token buckets keep their invariants and answer exactly when a
+"""Priority classes and rate limits per tenant and API key (radixfleet.route.tenancy,
+radixfleet.route.rate_limit): token buckets keep their invariants and answer exactly when a
 request could pass; a tenant over its limit is refused with the x-ratelimit-*
 headers while another is served; a shed request gets its reservation back and an
 answer's usage corrects it; classes come from the key, the tenant, the model or an
@@ -15,15 +15,15 @@ import subprocess
 
 import pytest
 
-from protocol.errors import ConfigError, MalformedRequest, RateLimited
-from protocol.events import Load
-from router.app import Router
-from router.config import load_config, parse_config
-from router.metrics import Metrics
-from router.rate_limit import TokenBucket, duration
-from router.shedding import Shedder
-from router.tenancy import OTHER, Tenancy, TenantLabels
-from tests.procs import radixfleet_argv
+from radixfleet.config import load_config, parse_config
+from radixfleet.route.rate_limit import TokenBucket, duration
+from radixfleet.route.shedding import Shedder
+from radixfleet.route.tenancy import OTHER, Tenancy, TenantLabels
+from radixfleet.server.app import Router
+from radixfleet.server.metrics import Metrics
+from radixfleet.wire.errors import ConfigError, MalformedRequest, RateLimited
+from radixfleet.wire.events import Load
+from radixfleet_tools.harness.procs import radixfleet_argv
 from tests.router.pools import make_pool
 
 # -- the token bucket -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The fair-share admission queue (router.admission_queue): off by default (the
+"""The fair-share admission queue (radixfleet.route.admission_queue): off by default (the
 shedder's 429 at once); turned on, a refused request waits and is let in by class
 first, then by weighted virtual token counters across tenants (a tenant over its
 share waits before one under it; idle time banks no credit); past max_wait it gets
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from protocol.errors import ConfigError, Overloaded
-from router.admission_queue import AdmissionQueue, AdmissionQueueConfig
-from router.config import parse_config
-from router.metrics import Metrics
+from radixfleet.config import parse_config
+from radixfleet.route.admission_queue import AdmissionQueue, AdmissionQueueConfig
+from radixfleet.server.metrics import Metrics
+from radixfleet.wire.errors import ConfigError, Overloaded
 
 CRITICAL, STANDARD, SHEDDABLE = 0, 1, 2
 

@@ -10,12 +10,12 @@ import httpx
 import pytest
 from aiohttp.test_utils import TestServer
 
-from protocol.prefix_keys import Endpoint, request_key
-from router.app import Router
-from router.config import parse_config
-from service.tenancy import SIGNATURE_HEADER, TenantSalts, signature
+from radixfleet.common.tenancy import SIGNATURE_HEADER, TenantSalts, signature
+from radixfleet.config import parse_config
+from radixfleet.keys import Endpoint, request_key
+from radixfleet.server.app import Router
+from radixfleet_tools.agent.server import AgentConfig, create_app
 from tests.router.fleet import PROMPT, fleet  # noqa: F401  (fleet: the fixture)
-from worker_agent.server import AgentConfig, create_app
 
 
 def _hex_and_dec(hashes):
