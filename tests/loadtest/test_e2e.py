@@ -26,7 +26,10 @@ KV_TOKENS = 6000
 
 
 def _fleet(router_port: int, agent_ports: list[int], policy: str):
+    """(data URL, admin URL, agents, router) of a router on ``router_port`` (its admin
+    listener on a free port) and agents on ``agent_ports`` registering with it."""
     router_url = f"http://127.0.0.1:{router_port}"
+    admin_port = free_port()
     agents = [
         Proc(
             radixfleet_argv(
@@ -51,18 +54,22 @@ def _fleet(router_port: int, agent_ports: list[int], policy: str):
         for i, p in enumerate(agent_ports)
     ]
     # --worker-header: the load generator's per-worker figures read the worker's id
-    argv = radixfleet_argv("router", "--port", str(router_port), "--policy", policy, "--worker-header")
+    argv = radixfleet_argv(
+        "router",
+        *("--port", str(router_port), "--admin-port", str(admin_port)),
+        *("--policy", policy, "--worker-header"),
+    )
     for p in agent_ports:
         argv += ["--worker", f"http://127.0.0.1:{p}"]
     router = Proc(argv, ready_url=f"{router_url}/v1/models")
-    return router_url, agents, router
+    return router_url, f"http://127.0.0.1:{admin_port}", agents, router
 
 
 def test_loadtest_against_two_agents_and_the_router(tmp_path):
     router_port, ports = free_port(), [free_port(), free_port()]
-    router_url, agents, router = _fleet(router_port, ports, "prefix_load")
+    router_url, admin_url, agents, router = _fleet(router_port, ports, "prefix_load")
     with agents[0], agents[1], router:
-        wait_registered(router_url, 2)  # so the router names workers by their agent ids
+        wait_registered(admin_url, 2)  # so the router names workers by their agent ids
         out = tmp_path / "report.json"
         p = subprocess.run(
             [
@@ -72,6 +79,8 @@ def test_loadtest_against_two_agents_and_the_router(tmp_path):
                 "loadtest",
                 "--target",
                 f"ours={router_url}",
+                "--admin",
+                f"ours={admin_url}",
                 "--workload",
                 "mixed",
                 "-o",

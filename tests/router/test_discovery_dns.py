@@ -238,7 +238,7 @@ async def test_router_routes_to_agents_found_in_dns(dnsmasq, tmp_path):
                     5,
                     "the removed record to leave the pool",
                 )
-                metrics = (await c.get("/metrics")).text
+                metrics = (await c.get(f"http://127.0.0.1:{srv.admin_port}/metrics")).text
                 assert 'radixfleet_discovery_changes_total{op="removed"} 1.0' in metrics
     finally:
         for a in agents:

@@ -289,7 +289,7 @@ async def test_ready_and_unready_pods_reach_routing_within_a_second(token_file):
                     rv = api.delete_slice(NS, "vllm-def")
                     t = await until(lambda: "vllm-1" not in discovered(pool), 1.0, "deleted")
                     membership.append(t - api.sent_at[rv])
-                    text = (await c.get("/metrics")).text
+                    text = (await c.get(f"http://127.0.0.1:{srv.admin_port}/metrics")).text
                     assert 'radixfleet_discovery_endpoints{source="kubernetes"} 1.0' in text
                 router.discovery.reconciler.check()
                 pool.check()
