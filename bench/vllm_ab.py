@@ -36,7 +36,7 @@ first target measured paid for it.
 
 Cache pressure: ``--pressure RATIO`` sizes each server's KV cache so that the two
 together hold RATIO times the workload's final working set, counted in the model's
-tokens (tests/engines/pressure.py; ``--kv 16M``, 2 x 32,768 tokens, is 1.26
+tokens (radixfleet_tools/harness/pressure.py; ``--kv 16M``, 2 x 32,768 tokens, is 1.26
 times the defaults' 51.6k). ``--burn N`` runs N processes spinning on the CPU beside the
 engines from the warm-up to the end (a router sharing its host with other work).
 Every run prints the host's load average at its start and end (``--json``: ``bench``).
@@ -85,6 +85,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from radixfleet_tools.harness.pressure import CpuBurner, pressure_kv_bytes  # noqa: E402
 from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv  # noqa: E402
 from radixfleet_tools.harness.vllm_env import (  # noqa: E402
     EngineUnavailable,
@@ -93,7 +94,6 @@ from radixfleet_tools.harness.vllm_env import (  # noqa: E402
     tiny_model,
     vllm_python,
 )
-from tests.engines.pressure import CpuBurner, pressure_kv_bytes  # noqa: E402
 
 #: the target of --envoy: ``radixfleet gateway`` with the prefix_load (precise) config
 ENVOY_TARGET = "envoy+radixfleet"

@@ -3,6 +3,8 @@ children on loopback ports, a router process, real vLLM servers (run from a chec
 
 Modules:
 
+- ``pressure``: A real-engine test bed under cache pressure: KV caches sized to the working set,
+  and a CPU burner beside the engines.
 - ``procs``: Starting and stopping real processes on loopback for integration tests.
 - ``router_process``: A router in its own process for the chaos probes, and its resources read from
   /proc.

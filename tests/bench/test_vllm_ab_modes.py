@@ -1,5 +1,5 @@
 """bench/vllm_ab.py's router configs per mode, its ``--variant`` grammar and the cache-
-pressure sizing (tests/engines/pressure.py) on hand-made inputs. No engines are started."""
+pressure sizing (radixfleet_tools/harness/pressure.py) on hand-made inputs. No engines are started."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import types
 
 import pytest
 
+from radixfleet_tools.harness.pressure import CpuBurner, kv_bytes_per_token, pressure_kv_bytes
 from tests.bench.scripts import load_script
-from tests.engines.pressure import CpuBurner, kv_bytes_per_token, pressure_kv_bytes
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_kv_bytes_per_token_and_the_pressure_size(tmp_path, monkeypatch):
         )
     )
     assert kv_bytes_per_token(tmp_path) == 2 * 2 * 2 * 32 * 2  # K and V, layers, heads, dim, bf16
-    import tests.engines.pressure as pressure
+    import radixfleet_tools.harness.pressure as pressure
 
     monkeypatch.setattr(pressure, "working_set_tokens", lambda model_dir, **w: 1000 * w["clients"])
     kv, ws = pressure_kv_bytes(tmp_path, 1.3, clients=32)

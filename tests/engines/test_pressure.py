@@ -1,7 +1,7 @@
 """The router in front of two real vLLM servers under cache pressure.
 
 The two servers' KV caches together hold 1.3 times the multiturn workload's final
-working set (tests/engines/pressure.py): round robin, which sends every session to
+working set (radixfleet_tools/harness/pressure.py): round robin, which sends every session to
 both engines, needs twice that and thrashes; a router that keeps each session on one
 engine fits. Checked, with the load generator (hit rate from vLLM's own
 ``cached_tokens``), round robin and the router alternated on the same servers:
@@ -20,9 +20,9 @@ import subprocess
 
 import pytest
 
+from radixfleet_tools.harness.pressure import CpuBurner, pressure_kv_bytes
 from radixfleet_tools.harness.procs import Proc, free_port, radixfleet_argv
 from radixfleet_tools.harness.vllm_router import admin_url, router_yaml, wait_for, workers
-from tests.engines.pressure import CpuBurner, pressure_kv_bytes
 
 pytestmark = pytest.mark.engine
 
