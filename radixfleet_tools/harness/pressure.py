@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 #: the bench's and the tests' multiturn defaults (bench/vllm_ab.py)
 MULTITURN = {"clients": 32, "rounds": 5, "question_tokens": 128, "output_tokens": 16}
@@ -57,7 +58,7 @@ def working_set_tokens(
             msgs.append({"role": "user", "content": text_of(question_tokens, f"multiturn/q/{c}/{r}", seed)})
             if r < rounds - 1:
                 msgs.append({"role": "assistant", "content": ""})
-        ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        ids: Any = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
         n = len(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else len(ids)
         total += n + rounds * output_tokens
     return total

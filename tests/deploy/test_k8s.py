@@ -512,6 +512,7 @@ async def test_the_configmap_runs_precise_mode_in_front_of_a_real_vllm(
     sel["events"]["endpoint"] = sel["events"]["endpoint"].replace(port, str(v.events_port))
     assert sel["events"]["endpoint"] == f"tcp://*:{v.events_port}"
     raw["listen"] = {"host": "127.0.0.1", "port": 0}
+    raw["admin"] = {"host": "127.0.0.1", "port": 0}  # a pod's is 0.0.0.0, behind its token
     raw["reload"] = {"watch": False}
     token = tmp_path / "token"
     token.write_text("t0k3n")

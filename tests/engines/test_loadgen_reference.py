@@ -53,6 +53,7 @@ import aiohttp
 import pytest
 
 from radixfleet_tools.harness.procs import radixfleet_argv
+from radixfleet_tools.harness.vllm_router import admin_url
 from radixfleet_tools.loadtest.local_fleet import Fleet, FleetConfig
 from radixfleet_tools.loadtest.runner import flush
 from tests.engines.quick_start import quick_start  # noqa: F401  (the same quick-start router)
@@ -177,10 +178,10 @@ def vllm_bench(st: Setting, base: str, model_dir: Path, dataset: Path, out_dir: 
     return result
 
 
-def ours(st: Setting, base: str, dataset: Path, out: Path) -> dict:
+def ours(st: Setting, base: str, admin: str, dataset: Path, out: Path) -> dict:
     """One ``radixfleet loadtest`` run (it resets the workers' caches first); its run's report."""
     argv = radixfleet_argv(
-        "loadtest", "--target", f"ours={base}", "--model", st.model,
+        "loadtest", "--target", f"ours={base}", "--admin", f"ours={admin}", "--model", st.model,
         "--dataset", "sharegpt", "--dataset-path", str(dataset), "--dataset-api", "completions",
         "--output-len", str(OUTPUT_LEN), "--requests", str(PROMPTS),
         "--rate", str(st.rate), "--seed", str(SEED),
@@ -213,7 +214,9 @@ def figures_of(vllm_result: dict, our_run: dict) -> tuple[dict, dict]:
     return ref, mine
 
 
-def compare(st: Setting, router: str, workers: list[str], model_dir: Path, tmp_path: Path) -> None:
+def compare(
+    st: Setting, router: str, admin: str, workers: list[str], model_dir: Path, tmp_path: Path
+) -> None:
     """Both clients, ``st.rounds`` alternated rounds from cold caches; the medians printed
     in a table and held to ``st``'s bounds."""
     dataset = tmp_path / "sharegpt.json"
@@ -223,7 +226,7 @@ def compare(st: Setting, router: str, workers: list[str], model_dir: Path, tmp_p
     for rnd in range(st.rounds):
         reset_caches(workers, st.model)
         result = vllm_bench(st, router, model_dir, dataset, tmp_path, f"vllm-{rnd}.json")
-        run = ours(st, router, dataset, tmp_path / f"ours-{rnd}.json")
+        run = ours(st, router, admin, dataset, tmp_path / f"ours-{rnd}.json")
         ref, mine = figures_of(result, run)
         refs.append(ref)
         mines.append(mine)
@@ -268,9 +271,11 @@ def agent_fleet(tmp_path):
 def test_loadtest_agrees_with_vllm_bench_serve_on_agents(agent_fleet, tmp_path):
     from radixfleet_tools.harness.vllm_env import tiny_model
 
-    compare(AGENTS, agent_fleet.router_url, agent_fleet.agent_urls, tiny_model(), tmp_path)
+    compare(
+        AGENTS, agent_fleet.router_url, agent_fleet.admin_url, agent_fleet.agent_urls, tiny_model(), tmp_path
+    )
 
 
 @quiet_host_only
 def test_loadtest_agrees_with_vllm_bench_serve(quick_start, vllm_pair, vllm_model_dir, tmp_path):
-    compare(VLLM, quick_start, [s.url for s in vllm_pair], vllm_model_dir, tmp_path)
+    compare(VLLM, quick_start, admin_url(quick_start), [s.url for s in vllm_pair], vllm_model_dir, tmp_path)

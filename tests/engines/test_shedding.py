@@ -102,7 +102,7 @@ PHASES = (
 def engine_phases(servers, router: str) -> dict[str, float]:
     """The phase histograms' sums and counts (both engines added, and the router's)."""
     out: dict[str, float] = {}
-    for url in [sv.url for sv in servers] + [router]:
+    for url in [sv.url for sv in servers] + [admin_url(router)]:
         for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
             if fam.name in PHASES:
                 for smp in fam.samples:
