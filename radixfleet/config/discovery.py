@@ -1,10 +1,12 @@
-"""``workers.discovery``: workers found in Kubernetes EndpointSlices or DNS A/AAAA
-records (``radixfleet.fleet.discovery``); each selector or service gives what it finds a
+"""``workers.discovery``: workers found in Kubernetes EndpointSlices, a Gateway API
+Inference Extension InferencePool's pods, or DNS A/AAAA records
+(``radixfleet.fleet.discovery``); each selector, pool or service gives what it finds a
 kind, a model, a role and engine settings (``EngineSettings``). Read at start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from urllib.parse import urlsplit
 
 from pydantic import Field
@@ -42,6 +44,38 @@ class K8sSelectorSpec(EngineSettings):
 
 
 @settings
+class InferencePoolSpec(EngineSettings):
+    """``workers.discovery.kubernetes.inference_pool``: the ready pods of one
+    InferencePool (``inference.networking.k8s.io/v1``: its selector and target ports,
+    ``radixfleet.fleet.discovery.inference_pool``), each a worker of ``kind`` with these
+    engine settings. ``name`` "" is none; ``radixfleet gateway --inference-pool``
+    sets it from the command line."""
+
+    name: str = _opt("", 'the InferencePool whose pods are the workers ("": none)')
+    namespace: str = _opt("", 'its namespace ("": kubernetes.namespace, else the pod\'s own)')
+    kind: EngineKind = _opt("openai", "engine kind of its pods (vllm or sglang for their events and metrics)")
+    model: str = _opt("", 'the model its pods serve ("": from each one\'s /v1/models)')
+    role: Role = _opt("both", ROLE_DOC)
+
+    @document_check
+    def _check(self) -> None:
+        check_engine_fields(self, "", per_worker=False)
+
+    def selector(self) -> K8sSelectorSpec:
+        """The selector entry its pods are found with (the label selector is the
+        pool's own, read when the source starts)."""
+        engine = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSettings)}
+        return K8sSelectorSpec(
+            label_selector="(the InferencePool's)",
+            kind=self.kind,
+            namespace=self.namespace,
+            model=self.model,
+            role=self.role,
+            **engine,
+        )
+
+
+@settings
 class K8sDiscoveryConfig:
     """``workers.discovery.kubernetes``: EndpointSlice watches (``radixfleet.fleet.discovery.k8s``);
     ``api_server``, when given, is an http(s) URL with a host."""
@@ -58,6 +92,7 @@ class K8sDiscoveryConfig:
     selectors: tuple[K8sSelectorSpec, ...] = Field(
         (), description=("EndpointSlice selectors, each with a models: entry's settings for what it finds")
     )
+    inference_pool: InferencePoolSpec = _section(InferencePoolSpec, "an InferencePool's pods")
 
     @document_check
     def _check(self) -> None:
@@ -122,4 +157,5 @@ class DiscoveryConfig:
             )
 
     def enabled(self) -> bool:
-        return bool(self.kubernetes.selectors or self.dns.services)
+        k = self.kubernetes
+        return bool(k.selectors or k.inference_pool.name or self.dns.services)

@@ -33,7 +33,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Any, cast
+from typing import Any
 
 from radixfleet.config import MISSING, WORKER_KINDS, config_warnings, with_overrides
 from radixfleet.wire.errors import ConfigError
@@ -78,23 +78,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--inference-pool",
         metavar="NAME",
-        default="",
+        default=MISSING,
         help="discover the workers from this InferencePool's pods (inference.networking.k8s.io/v1: its "
-        "selector and target ports; API server and token from workers.discovery.kubernetes)",
+        "selector and target ports; workers.discovery.kubernetes.inference_pool.name)",
     )
     parser.add_argument(
         "--inference-pool-namespace",
         metavar="NS",
-        default="",
-        help="the InferencePool's namespace (default: workers.discovery.kubernetes.namespace, "
-        "else the pod's own)",
+        default=MISSING,
+        help="the InferencePool's namespace (workers.discovery.kubernetes.inference_pool.namespace; "
+        "default: workers.discovery.kubernetes.namespace, else the pod's own)",
     )
     parser.add_argument(
         "--inference-pool-kind",
         choices=WORKER_KINDS,
-        default="openai",
-        help="the engine kind of the InferencePool's pods (default openai; vllm or sglang for their events "
-        "and metrics)",
+        default=MISSING,
+        help="the engine kind of the InferencePool's pods (workers.discovery.kubernetes.inference_pool.kind; "
+        "default openai; vllm or sglang for their events and metrics)",
     )
     parser.add_argument(
         "--state-dir",
@@ -121,6 +121,13 @@ def build(args: argparse.Namespace):
                     "--" + key.split("__")[1].replace("_", "-"), f"expected a port in [0, 65535], got {name}"
                 )
             overrides[key] = name
+    for value, field in (
+        (args.inference_pool, "name"),
+        (args.inference_pool_namespace, "namespace"),
+        (args.inference_pool_kind, "kind"),
+    ):
+        if value is not MISSING:
+            overrides["discovery__kubernetes__inference_pool__" + field] = value
     return with_overrides(cfg, **overrides), overrides
 
 
@@ -212,7 +219,6 @@ def run(args: argparse.Namespace) -> int:
     gw = Gateway(
         cfg,
         overrides,
-        inference_pool=(args.inference_pool, args.inference_pool_namespace, args.inference_pool_kind),
         envoy=envoy,
         boot_path=boot_path,
         endpoints_path=endpoints_path,
@@ -224,8 +230,8 @@ def run(args: argparse.Namespace) -> int:
 
 class Gateway:
     """The router, its endpoint picker and (unless ``envoy`` is None) Envoy, started
-    and stopped together; ``inference_pool`` (name, namespace, engine kind), with a
-    name, adds the discovery of that InferencePool's pods to the router's.
+    and stopped together (the workers an InferencePool names are the router's own
+    discovery: ``workers.discovery.kubernetes.inference_pool``).
     ``await start()``; ``await sync()`` maps new workers and rewrites Envoy's
     endpoints (the command calls it every ``SYNC_INTERVAL_S``); ``await aclose()``
     stops Envoy, the picker and the router (idempotent)."""
@@ -235,7 +241,6 @@ class Gateway:
         cfg,
         overrides: dict | None = None,
         *,
-        inference_pool: tuple[str, str, str] = ("", "", "openai"),
         envoy: str | None,
         boot_path: str,
         endpoints_path: str,
@@ -262,26 +267,6 @@ class Gateway:
         self.child: Any = None  # Envoy (radixfleet_tools.loadtest.local_fleet.Child)
         self._runner: Any = None
         self._closed = False
-        self.inference_pool = inference_pool
-
-    def pool_source(self):
-        """The discovery of ``inference_pool``'s pods (None without a name)."""
-        pool, namespace, kind = self.inference_pool
-        if not pool:
-            return None
-        from radixfleet.config import K8sSelectorSpec
-        from radixfleet.fleet.discovery.inference_pool import InferencePoolSource
-
-        # kind: one of WORKER_KINDS (the flag's choices)
-        template = K8sSelectorSpec(label_selector="(the InferencePool's)", kind=cast(Any, kind))
-        return InferencePoolSource(
-            self.cfg.discovery.kubernetes,
-            self.router.discovery.metrics,
-            pool,
-            namespace=namespace,
-            template=template,
-            backoff_s=self.cfg.discovery.backoff_s,
-        )
 
     async def start(self) -> int:
         """Starts the router's app, the picker and Envoy; returns the picker's port."""
@@ -290,9 +275,6 @@ class Gateway:
         cfg = self.cfg
         self._runner = web.AppRunner(self.router.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()  # the router's startup: its discovery runs
-        source = self.pool_source()
-        if source is not None:
-            self.router.discovery.add_source(source)
         await self.router.pool.first_round(cfg.health.timeout_s + 0.5)
         site = web.TCPSite(self._runner, cfg.listen.host, cfg.listen.port)
         try:

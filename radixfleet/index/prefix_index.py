@@ -509,13 +509,21 @@ class PrefixIndex(Eviction, ColderTiers):
             self._evict_to_budget()
         return removed
 
-    def configure(self, index: IndexConfig) -> None:
+    def configure(self, index: IndexConfig, now: float) -> None:
         """Takes a reloaded ``index`` section: its memory budget (a lower one is
-        reached by the LRU eviction of the next inserts)."""
-        max_bytes = index.max_bytes
+        reached by the LRU eviction of the next inserts) and the hit counters'
+        half-life. A new half-life keeps every counter's decayed value at ``now``
+        and decays it at the new rate from then on (O(nodes), once)."""
+        max_bytes, half_life_s = index.max_bytes, index.half_life_s
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
         self.max_bytes = max_bytes
+        lam = math.log(2) / half_life_s
+        if lam != self._lambda:
+            self._renormalise(now)  # the counters are their decayed values at now
+            self._lambda = lam
 
     def set_capacity(self, worker: str, max_entries: int | None) -> int:
         """Caps ``worker`` at ``max_entries`` entries (None: uncapped). Evicts its

@@ -606,7 +606,7 @@ class Router:
                 self.salts = tenants.salts
             self.admin_auth, self.agent_auth = p.admin_auth, p.agent_auth
             self.metrics_auth = p.metrics_auth
-            self.index.configure(new.index)
+            self.index.configure(new.index, time.monotonic())
             self.body_budget.configure(new.limits)
             self.dataplane.configure(new, policy, tenants)
             self.engines.configure(new, keyers=p.keyers)

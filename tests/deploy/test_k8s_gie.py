@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from radixfleet.config import load_config, parse_config
+from radixfleet.config import MISSING, load_config, parse_config
 from tests.deploy_tools import ROOT, tools_venv
 from tests.kube_fake import FakeInferenceAPIs, FakeKubeClient, make_pod, selector_matches
 
@@ -211,10 +211,13 @@ def test_the_pool_the_epp_and_the_workers_fit(rendered, tmp_path, monkeypatch):
     assert ports["http"] == raw["listen"]["port"]
     for probe, service in (("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
         assert c[probe]["grpc"] == {"port": raw["gateway"]["picker_port"], "service": service}
-    # the command: the picker alone, on this pool, its config where the ConfigMap is
+    # the command: the picker alone, its config where the ConfigMap is; the config
+    # names this pool (no flag overrides it)
     assert args.command == "gateway" and args.no_envoy
-    assert args.inference_pool == pool["metadata"]["name"] and args.inference_pool_kind == "vllm"
-    assert args.inference_pool_namespace in ("", ns)  # "": the pod's own
+    assert args.inference_pool is MISSING and args.inference_pool_kind is MISSING
+    named = raw["workers"]["discovery"]["kubernetes"]["inference_pool"]
+    assert named["name"] == pool["metadata"]["name"] and named["kind"] == "vllm"
+    assert named.get("namespace", "") in ("", ns)  # "": the pod's own
     mount = next(m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
     vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
     assert vol["configMap"]["name"] == "radixfleet-epp-config"
@@ -256,7 +259,9 @@ def test_the_pool_the_epp_and_the_workers_fit(rendered, tmp_path, monkeypatch):
         yaml.safe_dump({**raw, "models": {k: {**v, "tokenizer": ""} for k, v in raw["models"].items()}})
     )
     cfg = load_config(str(p))
-    assert cfg.gateway.cluster == "original_dst" and not cfg.discovery.enabled()
+    assert cfg.gateway.cluster == "original_dst"
+    d = cfg.discovery  # the pool's pods are the only workers
+    assert d.kubernetes.inference_pool.name == "vllm" and not d.kubernetes.selectors and not d.dns.services
 
 
 @pytest.fixture(scope="module")
@@ -281,13 +286,12 @@ async def test_the_epp_config_discovers_the_pools_ready_pods(rendered, tmp_path,
     _, docs, _ = rendered
     pool = one(docs, "InferencePool", "vllm")
     ns = pool["metadata"]["namespace"]
-    _, args = epp_args(docs)
     raw = epp_raw(docs, tokenizer_dir)
     # where a pod's world differs from a test's: loopback ports, the API server
     raw["listen"] = {"host": "127.0.0.1", "port": 0}
     raw["gateway"].update({"picker_host": "127.0.0.1", "picker_port": 0})
     raw["reload"] = {"watch": False}
-    raw["workers"] = {"discovery": {"kubernetes": {"api_server": "http://127.0.0.1:1", "namespace": ns}}}
+    raw["workers"]["discovery"]["kubernetes"].update({"api_server": "http://127.0.0.1:1", "namespace": ns})
     labels = pool["spec"]["selector"]["matchLabels"]
     apis = FakeInferenceAPIs(
         pool,
@@ -300,7 +304,6 @@ async def test_the_epp_config_discovers_the_pools_ready_pods(rendered, tmp_path,
     monkeypatch.setattr(InferencePoolSource, "_apis", lambda self, client: (apis, apis))
     gw = Gateway(
         parse_config(raw),
-        inference_pool=(args.inference_pool, args.inference_pool_namespace, args.inference_pool_kind),
         envoy=None,
         boot_path=str(tmp_path / "envoy.json"),
         endpoints_path=str(tmp_path / "endpoints.json"),

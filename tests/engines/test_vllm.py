@@ -351,18 +351,25 @@ def test_streamed_chat_load_held_through_prefill_released_at_first_token(router)
     holds the router to that case with a fake engine.)
 
     A prefill on a core of its own takes ~0.15 s here and a poll on a kept
-    connection under 1 ms; a run in which no poll fit inside the prefill (a loaded
-    machine) observed nothing and is repeated with a fresh prompt, up to four
-    times; a poll that did fit and read the prompt uncounted fails at once."""
+    connection under 1 ms. A try shows one of three things: no poll fit inside the
+    prefill (a loaded machine: nothing observed), the prompt counted in every poll
+    that fit (held: the test then checks the release), or a poll that fit read it
+    uncounted. The last is also what a starved host shows when the client reads the
+    token far later than the router did (CI, once: polls of ~20 ms each, the zeros
+    from 0.16 s on, the client's first token at 0.51 s), so a try that shows it is
+    repeated with a fresh prompt too; a release before the prefill (at the pick)
+    shows in every try, and four tries without one held fail."""
     tried = []
     for attempt in range(4):
         during, after, ttft, wid = _streamed_chat_samples(router, 9001 + attempt)
         if not during:
-            tried.append(f"{ttft:.2f} s")
+            tried.append(f"no poll fit ({ttft:.2f} s to the first token)")
             continue
-        assert min(during) > 1000, (
-            f"prompt tokens not counted during prefill: {during[:20]} ({ttft:.2f} s to the first token)"
-        )
+        if min(during) <= 1000:
+            tried.append(
+                f"prompt tokens not counted during prefill: {during[:20]} ({ttft:.2f} s to the first token)"
+            )
+            continue
         assert all(tok == 0 for tok in after), after[:10]  # released (polls may miss the stream)
         wait_for(
             lambda: worker(router, wid)["in_flight_tokens"] == 0 and worker(router, wid)["in_flight"] == 0,
@@ -370,7 +377,7 @@ def test_streamed_chat_load_held_through_prefill_released_at_first_token(router)
             "release",
         )
         return
-    raise AssertionError(f"no poll fit inside a prefill in 4 tries (first tokens after {', '.join(tried)})")
+    raise AssertionError("the prompt was not seen held through a prefill in 4 tries: " + "; ".join(tried))
 
 
 def drain(url: str, wid: str, on: bool = True) -> None:

@@ -3,10 +3,12 @@ hot counters, and check() after seeded random operation sequences."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
+from radixfleet.config import IndexConfig
 from radixfleet.index.prefix_index import EXTRA_HOLDER_BYTES, HEAP_RECORD_BYTES, NODE_BYTES, PrefixIndex
 from radixfleet.policies.base import EMPTY_MATCH
 
@@ -143,6 +145,23 @@ def test_hot_counters_decay_with_the_half_life():
     assert later < m.rate / 20
     hot = idx.hot_prefixes(10.0, k=3)
     assert hot[0].hash == sys_prompt[-1] and hot[0].depth == 4 and hot[0].holders == ("w0",)
+
+
+def test_a_reloaded_half_life_keeps_the_counters_and_decays_them_at_the_new_rate():
+    idx = PrefixIndex(half_life_s=10.0)
+    sys_prompt = chain(1, 4)
+    idx.insert("w0", sys_prompt, 0.0)
+    for i in range(100):  # 10 requests/s for 10 s
+        idx.match(sys_prompt + chain(100 + i, 2), i / 10)
+    key = sys_prompt[-1]
+    seen = idx.rate(key, 10.0) / (math.log(2) / 10.0)  # decayed requests at t = 10
+    idx.configure(IndexConfig(max_bytes=idx.max_bytes, half_life_s=2.0), 10.0)
+    lam = math.log(2) / 2.0
+    assert idx.rate(key, 10.0) == pytest.approx(lam * seen)  # same count, the new rate's scale
+    assert idx.rate(key, 12.0) == pytest.approx(lam * seen / 2)  # one new half-life later
+    idx.configure(IndexConfig(max_bytes=idx.max_bytes, half_life_s=2.0), 50.0)  # unchanged: nothing moves
+    assert idx.rate(key, 14.0) == pytest.approx(lam * seen / 4)
+    idx.check()
 
 
 def test_a_match_is_private_until_a_second_request_goes_through_its_deepest_node():

@@ -108,3 +108,52 @@ async def test_a_missing_or_malformed_pool_is_a_source_error():
             async with contextlib.aclosing(src.snapshots()) as answers:
                 await anext(answers)
         assert err.value.cause == cause
+
+
+def test_the_config_names_the_pool_and_the_gateway_flags_override_it(tmp_path):
+    """``workers.discovery.kubernetes.inference_pool`` builds the source (its engine
+    settings on every pod found); ``radixfleet gateway --inference-pool*`` replace the
+    file's values, and absent flags keep them."""
+    from radixfleet.cli import build_parser
+    from radixfleet.config import parse_config
+    from radixfleet.fleet.discovery.manager import build_sources
+    from radixfleet.gateway.envoy import build
+
+    raw = {
+        "workers": {
+            "discovery": {
+                "kubernetes": {
+                    "api_server": "http://127.0.0.1:1",
+                    "inference_pool": {"name": "vllm", "kind": "vllm", "block_size": 32, "model": "tiny"},
+                }
+            }
+        }
+    }
+    cfg = parse_config(raw)
+    assert cfg.discovery.enabled()
+    (src,) = build_sources(cfg.discovery, DiscoveryMetrics(CollectorRegistry()))
+    assert isinstance(src, InferencePoolSource) and src.pool == "vllm" and src.namespace == ""
+    t = src.template
+    assert (t.kind, t.block_size, t.model) == ("vllm", 32, "tiny")
+    assert not build_sources(parse_config({}).discovery, DiscoveryMetrics(CollectorRegistry()))
+
+    path = tmp_path / "router.yaml"
+    path.write_text(json.dumps(raw))  # YAML is a superset of JSON
+    argv = ["gateway", "--config", str(path), "--no-envoy"]
+    cfg, _ = build(build_parser(argv).parse_args(argv))
+    assert (cfg.discovery.kubernetes.inference_pool.name, cfg.discovery.kubernetes.inference_pool.kind) == (
+        "vllm",
+        "vllm",
+    )
+    argv += [
+        "--inference-pool",
+        "other",
+        "--inference-pool-namespace",
+        "llm",
+        "--inference-pool-kind",
+        "sglang",
+    ]
+    cfg, overrides = build(build_parser(argv).parse_args(argv))
+    p = cfg.discovery.kubernetes.inference_pool
+    assert (p.name, p.namespace, p.kind, p.block_size) == ("other", "llm", "sglang", 32)
+    assert overrides["discovery__kubernetes__inference_pool__name"] == "other"  # kept over reloads

@@ -42,6 +42,20 @@ def build_sources(cfg: DiscoveryConfig, metrics: DiscoveryMetrics) -> list[Sourc
         from radixfleet.fleet.discovery.k8s import KubernetesSource
 
         out.append(KubernetesSource(cfg.kubernetes, metrics, backoff_s=cfg.backoff_s))
+    pool = cfg.kubernetes.inference_pool
+    if pool.name:
+        from radixfleet.fleet.discovery.inference_pool import InferencePoolSource
+
+        out.append(
+            InferencePoolSource(
+                cfg.kubernetes,
+                metrics,
+                pool.name,
+                namespace=pool.namespace,
+                template=pool.selector(),
+                backoff_s=cfg.backoff_s,
+            )
+        )
     if cfg.dns.services:
         from radixfleet.fleet.discovery.dns import DnsSource
 
@@ -73,16 +87,6 @@ class Discovery(Lifecycle):
         self.state = State.NEW
         self._tasks: list[asyncio.Task] = []
         self._rand = random.Random()
-
-    def add_source(self, source: Source) -> None:
-        """Runs ``source`` too (one the config does not name: the gateway's
-        InferencePool): at ``start()``, or at once when already running."""
-        if self.state is State.CLOSED:
-            raise RuntimeError("Discovery.add_source() after aclose()")
-        self.sources.append(source)
-        if self.state is State.RUNNING:
-            self._spawn(source)
-            log.info("discovery started: %s", source.name)
 
     async def start(self) -> None:
         if self.state is State.CLOSED:
