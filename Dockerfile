@@ -15,9 +15,11 @@
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # The pip extras installed (pyproject.toml): engine tokenizers and KV events, Kubernetes
-# discovery and the bus, as deploy/ uses them; no plots. A router that needs fewer
-# builds with, say, --build-arg EXTRAS=k8s (a missing extra is a one-line error naming it).
-ARG EXTRAS=engines,k8s,bus
+# discovery, the bus and the endpoint picker with its Envoy (deploy/k8s/overlays/gie runs
+# `radixfleet gateway` from this image), as deploy/ uses them; no plots. A router that
+# needs fewer builds with, say, --build-arg EXTRAS=k8s (a missing extra is a one-line
+# error naming it).
+ARG EXTRAS=engines,k8s,bus,gateway
 
 FROM ${PYTHON_IMAGE} AS build
 ARG EXTRAS
